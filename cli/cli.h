@@ -1,0 +1,50 @@
+// Shared pieces of the `optstate` command: argument parsing and the error-to-exit-code rule.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "optstate/status.h"
+
+namespace optstate::cli {
+
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitFindings = 1;  // validation failed, diff outside tolerance
+inline constexpr int kExitError = 2;     // usage or I/O error, unreadable input
+
+struct OptionSpec {
+  std::string name;  // "--json"
+  bool takes_value = false;
+  std::string help;
+};
+
+struct CommandSpec {
+  std::string name, usage, summary;
+  std::vector<OptionSpec> options;
+  int min_positional = 0, max_positional = 0;
+};
+
+struct Args {
+  std::vector<std::string> positional;
+  std::map<std::string, std::string> options;  // flags map to ""
+  bool has(const std::string& name) const { return options.count(name) != 0; }
+  std::optional<std::string> value(const std::string& name) const {
+    auto it = options.find(name);
+    if (it == options.end()) return std::nullopt;
+    return it->second;
+  }
+};
+
+// Parses argv after the command name. Returns a usage error for unknown options or wrong counts.
+// `--help` sets options["--help"].
+Result<Args> parse_args(const CommandSpec& spec, int argc, char** argv);
+std::string help_text(const CommandSpec& spec);
+// Prints "optstate <cmd>: <message>" on stderr and returns kExitError.
+int fail(const std::string& command, const Status& status);
+
+int run_inspect(int argc, char** argv);
+int run_hash(int argc, char** argv);
+
+}  // namespace optstate::cli

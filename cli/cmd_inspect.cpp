@@ -1,0 +1,143 @@
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "cli.h"
+#include "optstate/values.h"
+#include "registry.h"
+
+namespace optstate::cli {
+namespace {
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) {
+    b /= 1024;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{:.0f} B", b) : fmt::format("{:.1f} {}", b, units[u]);
+}
+
+std::string encoding_text(const Entry& e) {
+  if (e.encoding == Encoding::kDense) return fmt::format("dense {}", dtype_name(e.dtype));
+  return fmt::format("8bit/{} {}", e.block_size, e.qmap);
+}
+
+}  // namespace
+
+int run_inspect(int argc, char** argv) {
+  const CommandSpec spec{"inspect",
+                         "optstate inspect CKPT [--json] [--no-stats]",
+                         "Shows the optimizer, its param groups and every param's entries: shape, encoding,\n"
+                         "bytes, step and value statistics (min/max/mean/non-finite; reading them verifies\n"
+                         "every chunk checksum).",
+                         {{"--json", false, "print one JSON document"},
+                          {"--no-stats", false, "metadata only: do not read the values"}},
+                         1,
+                         1};
+  auto args = parse_args(spec, argc, argv);
+  if (!args.ok()) return fail("inspect", args.status());
+  if (args->has("--help")) {
+    std::fputs(help_text(spec).c_str(), stdout);
+    return kExitOk;
+  }
+  auto opened = open_checkpoint(args->positional[0]);
+  if (!opened.ok()) return fail("inspect", opened.status());
+  CheckpointReader& reader = **opened;
+  const OptimizerState& meta = reader.meta();
+  const bool stats = !args->has("--no-stats");
+
+  nlohmann::json j;
+  j["path"] = reader.path().string();
+  j["format"] = std::string(reader.format());
+  j["optimizer"] = meta.kind;
+  nlohmann::json groups = nlohmann::json::array();
+  for (const auto& g : meta.groups)
+    groups.push_back({{"lr", g.hyper.lr},
+                      {"betas", {g.hyper.beta1, g.hyper.beta2}},
+                      {"eps", g.hyper.eps},
+                      {"weight_decay", g.hyper.weight_decay},
+                      {"amsgrad", g.hyper.amsgrad},
+                      {"maximize", g.hyper.maximize},
+                      {"params", g.params.size()}});
+  j["param_groups"] = groups;
+
+  int64_t total_numel = 0, total_state_bytes = 0, total_param_bytes = 0;
+  nlohmann::json params = nlohmann::json::object();
+  std::string table;
+  table += fmt::format("{:<36} {:<16} {:<5} {:>7}  {:<15} {:<26} {:>10}", "PARAM", "SHAPE", "DTYPE", "STEP", "ENTRY",
+                       "ENCODING", "BYTES");
+  if (stats) table += fmt::format(" {:>12} {:>12} {:>12} {:>6}", "MIN", "MAX", "MEAN", "NONFIN");
+  table += "\n";
+  for (const auto& [fqn, ps] : meta.params) {
+    auto numel = checked_numel(ps.shape);
+    if (!numel.ok()) return fail("inspect", numel.status());
+    total_numel += *numel;
+    nlohmann::json pj = {{"shape", ps.shape}, {"dtype", dtype_name(ps.param_dtype)}, {"step", ps.step},
+                         {"group", ps.group}, {"numel", *numel}};
+    nlohmann::json entries = nlohmann::json::object();
+    bool first = true;
+    for (const auto& [name, e] : ps.entries) {
+      int64_t bytes = 0;
+      for (Component c : e.components()) bytes += component_bytes(e, c, *numel);
+      if (name == kParam)
+        total_param_bytes += bytes;
+      else
+        total_state_bytes += bytes;
+      nlohmann::json ej = {{"encoding", encoding_name(e.encoding)}, {"bytes", bytes}};
+      if (e.encoding == Encoding::kDense) ej["dtype"] = dtype_name(e.dtype);
+      else {
+        ej["block_size"] = e.block_size;
+        ej["qmap"] = e.qmap;
+      }
+      table += fmt::format("{:<36} {:<16} {:<5} {:>7}  {:<15} {:<26} {:>10}", first ? fqn : "",
+                           first ? format_shape(ps.shape) : "", first ? std::string(dtype_name(ps.param_dtype)) : "",
+                           first ? std::to_string(ps.step) : "", name, encoding_text(e), human_bytes(bytes));
+      if (stats) {
+        auto s = entry_stats(reader, fqn, name);
+        if (!s.ok()) return fail("inspect", s.status());
+        ej["stats"] = {{"min", s->min}, {"max", s->max}, {"mean", s->mean()}, {"nonfinite", s->nonfinite}};
+        table += fmt::format(" {:>12.4g} {:>12.4g} {:>12.4g} {:>6}", s->min, s->max, s->mean(), s->nonfinite);
+      }
+      table += "\n";
+      entries[name] = ej;
+      first = false;
+    }
+    if (ps.entries.empty())
+      table += fmt::format("{:<36} {:<16} {:<5} {:>7}  (no state yet)\n", fqn, format_shape(ps.shape),
+                           dtype_name(ps.param_dtype), ps.step);
+    pj["entries"] = entries;
+    params[fqn] = pj;
+  }
+  j["params"] = params;
+  const double per_param = total_numel ? static_cast<double>(total_state_bytes) / static_cast<double>(total_numel) : 0;
+  j["totals"] = {{"params", meta.params.size()},
+                 {"numel", total_numel},
+                 {"state_bytes", total_state_bytes},
+                 {"param_bytes", total_param_bytes},
+                 {"state_bytes_per_param", per_param}};
+
+  if (args->has("--json")) {
+    std::fputs((j.dump(2) + "\n").c_str(), stdout);
+    return kExitOk;
+  }
+  std::string out = fmt::format("checkpoint  {} ({})\noptimizer   {}, {} param group(s), {} params, {} elements\n",
+                                reader.path().string(), reader.format(), meta.kind, meta.groups.size(),
+                                meta.params.size(), total_numel);
+  for (size_t g = 0; g < meta.groups.size(); ++g) {
+    const auto& h = meta.groups[g].hyper;
+    out += fmt::format("group {:<5} lr={:g} betas=({:g}, {:g}) eps={:g} weight_decay={:g} amsgrad={} maximize={} "
+                       "({} params)\n",
+                       g, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.amsgrad, h.maximize,
+                       meta.groups[g].params.size());
+  }
+  out += fmt::format("state       {} ({:.2f} bytes/param){}\n\n", human_bytes(static_cast<double>(total_state_bytes)),
+                     per_param,
+                     total_param_bytes ? fmt::format(", model weights {}", human_bytes(total_param_bytes)) : "");
+  std::fputs((out + table).c_str(), stdout);
+  return kExitOk;
+}
+
+}  // namespace optstate::cli

@@ -1,0 +1,48 @@
+// optstate: inspect, hash, validate, diff, convert and reshard AdamW optimizer checkpoints.
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "cli.h"
+
+namespace {
+
+struct Command {
+  const char* name;
+  int (*run)(int, char**);
+  const char* summary;
+};
+
+constexpr Command kCommands[] = {
+    {"inspect", optstate::cli::run_inspect, "params, entries, shapes, encodings, bytes, steps, statistics"},
+    {"hash", optstate::cli::run_hash, "per-entry and root hashes, independent of sharding and format"},
+};
+
+void print_usage(FILE* out) {
+  std::fprintf(out, "usage: optstate <command> [options]\n\ncommands:\n");
+  for (const auto& c : kCommands) std::fprintf(out, "  %-10s %s\n", c.name, c.summary);
+  std::fprintf(out, "\n`optstate <command> --help` describes a command.\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    print_usage(stderr);
+    return optstate::cli::kExitError;
+  }
+  const std::string cmd = argv[1];
+  if (cmd == "--help" || cmd == "-h" || cmd == "help") {
+    print_usage(stdout);
+    return optstate::cli::kExitOk;
+  }
+  if (cmd == "--version") {
+    std::printf("optstate %s\n", OPTSTATE_VERSION);
+    return optstate::cli::kExitOk;
+  }
+  for (const auto& c : kCommands)
+    if (cmd == c.name) return c.run(argc - 2, argv + 2);
+  std::fprintf(stderr, "optstate: unknown command '%s'\n\n", cmd.c_str());
+  print_usage(stderr);
+  return optstate::cli::kExitError;
+}

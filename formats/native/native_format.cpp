@@ -1,0 +1,161 @@
+// The native optstate checkpoint: a directory with data files and a JSON manifest.
+// Byte layout: formats/native/FORMAT.md.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sys/stat.h>
+#include <xxhash.h>
+
+#include "optstate/checkpoint.h"
+#include "optstate/hash.h"
+#include "optstate/io.h"
+#include "native_manifest.h"
+
+namespace optstate::native {
+namespace {
+
+constexpr uint64_t kAlign = 64;
+
+class NativeReader final : public CheckpointReader {
+ public:
+  NativeReader(fs::path dir, Manifest manifest) : dir_(std::move(dir)), m_(std::move(manifest)) {}
+  std::string_view format() const override { return "native"; }
+  const fs::path& path() const override { return dir_; }
+  const OptimizerState& meta() const override { return m_.state; }
+
+  Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) override {
+    auto it = m_.chunks.find(ChunkKey{fqn, entry, c});
+    if (it == m_.chunks.end())
+      return not_found(fmt::format("{}: no {} of entry '{}'", dir_.string(), component_name(c), entry_key(fqn, entry)));
+    std::vector<std::byte> piece;
+    for (const Chunk& ch : it->second) {
+      OPTSTATE_ASSIGN_OR_RETURN(const InputFile* file, open_file(ch.file));
+      XXH3_state_t* st = XXH3_createState();
+      XXH3_64bits_reset(st);
+      Status status;
+      for (uint64_t done = 0; done < ch.length && status.ok();) {
+        const uint64_t n = std::min<uint64_t>(kStreamPieceBytes, ch.length - done);
+        piece.resize(n);
+        status = file->read_at(ch.offset + done, piece);
+        if (!status.ok()) break;
+        XXH3_64bits_update(st, piece.data(), piece.size());
+        done += n;
+        // The last piece of a chunk is only handed on once the chunk's checksum matched.
+        if (done == ch.length && XXH3_64bits_digest(st) != ch.xxh3) break;
+        status = sink(piece);
+      }
+      const uint64_t got = XXH3_64bits_digest(st);
+      XXH3_freeState(st);
+      OPTSTATE_RETURN_IF_ERROR(status.with_context(fmt::format("entry '{}'", entry_key(fqn, entry))));
+      if (got != ch.xxh3)
+        return corrupt(fmt::format("{}: checksum mismatch in bytes [{}, {}) holding entry '{}' {} [{}, {}): "
+                                   "manifest says {}, data gives {}",
+                                   file->path().string(), ch.offset, ch.offset + ch.length, entry_key(fqn, entry),
+                                   component_name(c), ch.begin, ch.end, u64_hex(ch.xxh3), u64_hex(got)));
+    }
+    return Status::Ok();
+  }
+
+ private:
+  Result<const InputFile*> open_file(size_t index) {
+    auto it = open_.find(index);
+    if (it != open_.end()) return &it->second;
+    const DataFile& df = m_.files[index];
+    OPTSTATE_ASSIGN_OR_RETURN(InputFile f, InputFile::open(df.full_path));
+    if (f.size() != df.size)
+      return corrupt(fmt::format("{}: file has {} bytes, manifest says {} (truncated or replaced)",
+                                 df.full_path.string(), f.size(), df.size));
+    return &open_.emplace(index, std::move(f)).first->second;
+  }
+
+  fs::path dir_;
+  Manifest m_;
+  std::map<size_t, InputFile> open_;
+};
+
+class NativeDriver final : public FormatDriver {
+ public:
+  std::string_view name() const override { return "native"; }
+
+  bool sniff(const fs::path& path) const override {
+    std::error_code ec;
+    return fs::is_directory(path, ec) && fs::is_regular_file(path / kManifestName, ec);
+  }
+
+  Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {
+    std::error_code ec;
+    if (!fs::exists(path, ec)) return not_found(fmt::format("{}: no such file or directory", path.string()));
+    if (!fs::is_directory(path, ec)) return invalid_argument(fmt::format("{}: not a directory", path.string()));
+    const fs::path manifest_path = path / kManifestName;
+    if (!fs::exists(manifest_path, ec))
+      return not_found(fmt::format("{}: not an optstate checkpoint (no {})", path.string(), kManifestName));
+    OPTSTATE_ASSIGN_OR_RETURN(auto bytes, read_small_file(manifest_path, kMaxManifestBytes));
+    OPTSTATE_ASSIGN_OR_RETURN(Manifest m, parse_manifest(bytes, path));
+    // Declared sizes are checked against the files before anything is read or allocated.
+    for (const DataFile& df : m.files) {
+      auto size = fs::file_size(df.full_path, ec);
+      if (ec) return not_found(fmt::format("{}: data file missing ({})", df.full_path.string(), ec.message()));
+      if (size != df.size)
+        return corrupt(fmt::format("{}: file has {} bytes, manifest says {} (truncated or replaced)",
+                                   df.full_path.string(), size, df.size));
+    }
+    return std::unique_ptr<CheckpointReader>(new NativeReader(path, std::move(m)));
+  }
+
+  Status write(const OptimizerState& state, const fs::path& path, const WriteOptions& options) const override {
+    OPTSTATE_RETURN_IF_ERROR(check_structure(state, true));
+    std::error_code ec;
+    if (!options.overwrite && fs::exists(fs::symlink_status(path, ec)))
+      return invalid_argument(fmt::format("{}: already exists (overwrite not requested)", path.string()));
+    OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_dir(path));
+    Status st = write_into(state, staging);
+    if (st.ok()) st = publish_directory(staging, path, options.overwrite);
+    if (!st.ok()) fs::remove_all(staging, ec);  // never leave a partial checkpoint behind
+    return st;
+  }
+
+ private:
+  static Status write_into(const OptimizerState& state, const fs::path& staging) {
+    const std::string rel = "data/rank-00000.bin";
+    if (::mkdir((staging / "data").c_str(), 0755) != 0)
+      return io_error(fmt::format("{}: cannot create data directory", staging.string()));
+    OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging / rel));
+    Manifest m;
+    m.state = state;
+    for (const auto& [fqn, ps] : state.params) {
+      OPTSTATE_ASSIGN_OR_RETURN(int64_t numel, checked_numel(ps.shape));
+      for (const auto& [name, e] : ps.entries)
+        for (Component c : e.components()) {
+          const Buffer& b = e.buffer(c);
+          OPTSTATE_RETURN_IF_ERROR(out.write_zeros((kAlign - out.offset() % kAlign) % kAlign));
+          Chunk ch;
+          ch.file = 0;
+          ch.offset = out.offset();
+          ch.length = b.size;
+          ch.begin = 0;
+          ch.end = component_count(e, c, numel);
+          ch.xxh3 = xxh3_64(b.span());
+          OPTSTATE_RETURN_IF_ERROR(out.write(b.span()));
+          m.chunks[ChunkKey{fqn, name, c}].push_back(ch);
+        }
+    }
+    m.files.push_back(DataFile{rel, out.offset(), staging / rel});
+    OPTSTATE_RETURN_IF_ERROR(out.sync_and_close());
+    OPTSTATE_RETURN_IF_ERROR(fsync_directory(staging / "data"));
+    const std::string text = serialize_manifest(m);
+    return write_small_file(staging / kManifestName, std::as_bytes(std::span(text)));
+  }
+};
+
+}  // namespace
+
+const FormatDriver& driver() {
+  static const NativeDriver d;
+  return d;
+}
+
+}  // namespace optstate::native

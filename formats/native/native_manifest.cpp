@@ -1,0 +1,299 @@
+#include "native_manifest.h"
+
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+#include "optstate/hash.h"
+#include "optstate/io.h"
+
+namespace optstate::native {
+namespace {
+
+using json = nlohmann::json;
+
+// Field access that turns a missing or mistyped field into a corrupt error naming it.
+struct Fields {
+  const json& j;
+  std::string where;
+
+  Result<const json*> get(const char* key, json::value_t type) const {
+    if (!j.is_object()) return corrupt(fmt::format("{}: expected an object", where));
+    auto it = j.find(key);
+    if (it == j.end()) return corrupt(fmt::format("{}: missing field '{}'", where, key));
+    const bool ok = type == json::value_t::number_integer ? it->is_number_integer()
+                    : type == json::value_t::number_float ? it->is_number()
+                                                          : it->type() == type;
+    if (!ok) return corrupt(fmt::format("{}: field '{}' has the wrong type", where, key));
+    return &*it;
+  }
+  Result<int64_t> i64(const char* key) const {
+    OPTSTATE_ASSIGN_OR_RETURN(const json* v, get(key, json::value_t::number_integer));
+    if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+      return corrupt(fmt::format("{}: field '{}' is out of range", where, key));
+    return v->get<int64_t>();
+  }
+  Result<uint64_t> u64(const char* key) const {
+    OPTSTATE_ASSIGN_OR_RETURN(int64_t v, i64(key));
+    if (v < 0) return corrupt(fmt::format("{}: field '{}' is negative", where, key));
+    return static_cast<uint64_t>(v);
+  }
+  Result<double> f64(const char* key) const {
+    OPTSTATE_ASSIGN_OR_RETURN(const json* v, get(key, json::value_t::number_float));
+    return v->get<double>();
+  }
+  Result<bool> boolean(const char* key) const {
+    OPTSTATE_ASSIGN_OR_RETURN(const json* v, get(key, json::value_t::boolean));
+    return v->get<bool>();
+  }
+  Result<std::string> str(const char* key) const {
+    OPTSTATE_ASSIGN_OR_RETURN(const json* v, get(key, json::value_t::string));
+    return v->get<std::string>();
+  }
+};
+
+Result<uint64_t> parse_hex64(const std::string& s, const std::string& where) {
+  if (s.size() != 16) return corrupt(fmt::format("{}: checksum '{}' is not 16 hex digits", where, s));
+  uint64_t v = 0;
+  for (char ch : s) {
+    int d = ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : -1;
+    if (d < 0) return corrupt(fmt::format("{}: checksum '{}' is not lowercase hex", where, s));
+    v = v << 4 | static_cast<uint64_t>(d);
+  }
+  return v;
+}
+
+std::string body_checksum(json body) {
+  body.erase("manifest_xxh3");
+  const std::string text = body.dump();
+  return xxh3_64_hex(std::as_bytes(std::span(text)));
+}
+
+Result<Hyperparameters> parse_hyper(const Fields& f) {
+  Hyperparameters h;
+  OPTSTATE_ASSIGN_OR_RETURN(h.lr, f.f64("lr"));
+  OPTSTATE_ASSIGN_OR_RETURN(const json* betas, f.get("betas", json::value_t::array));
+  if (betas->size() != 2 || !(*betas)[0].is_number() || !(*betas)[1].is_number())
+    return corrupt(fmt::format("{}: 'betas' must be two numbers", f.where));
+  h.beta1 = (*betas)[0].get<double>();
+  h.beta2 = (*betas)[1].get<double>();
+  OPTSTATE_ASSIGN_OR_RETURN(h.eps, f.f64("eps"));
+  OPTSTATE_ASSIGN_OR_RETURN(h.weight_decay, f.f64("weight_decay"));
+  OPTSTATE_ASSIGN_OR_RETURN(h.amsgrad, f.boolean("amsgrad"));
+  OPTSTATE_ASSIGN_OR_RETURN(h.maximize, f.boolean("maximize"));
+  return h;
+}
+
+Result<Manifest> parse_body(const json& root, const std::filesystem::path& dir, const std::string& mpath) {
+  Manifest m;
+  Fields top{root, mpath};
+  OPTSTATE_ASSIGN_OR_RETURN(const json* opt, top.get("optimizer", json::value_t::object));
+  Fields fopt{*opt, mpath + ": optimizer"};
+  OPTSTATE_ASSIGN_OR_RETURN(m.state.kind, fopt.str("kind"));
+  OPTSTATE_ASSIGN_OR_RETURN(const json* groups, fopt.get("param_groups", json::value_t::array));
+  if (groups->size() > 100000) return corrupt(mpath + ": too many param groups");
+  for (size_t g = 0; g < groups->size(); ++g) {
+    Fields fg{(*groups)[g], fmt::format("{}: param_groups[{}]", mpath, g)};
+    ParamGroup group;
+    OPTSTATE_ASSIGN_OR_RETURN(group.hyper, parse_hyper(fg));
+    OPTSTATE_ASSIGN_OR_RETURN(const json* members, fg.get("params", json::value_t::array));
+    for (const json& name : *members) {
+      if (!name.is_string()) return corrupt(fg.where + ": 'params' must hold strings");
+      group.params.push_back(name.get<std::string>());
+    }
+    m.state.groups.push_back(std::move(group));
+  }
+
+  OPTSTATE_ASSIGN_OR_RETURN(const json* files, top.get("files", json::value_t::array));
+  if (files->size() > 1000000) return corrupt(mpath + ": too many data files");
+  for (size_t i = 0; i < files->size(); ++i) {
+    Fields ff{(*files)[i], fmt::format("{}: files[{}]", mpath, i)};
+    DataFile df;
+    OPTSTATE_ASSIGN_OR_RETURN(df.rel_path, ff.str("path"));
+    OPTSTATE_ASSIGN_OR_RETURN(df.size, ff.u64("size"));
+    OPTSTATE_ASSIGN_OR_RETURN(df.full_path, contained_path(dir, df.rel_path));
+    for (const DataFile& other : m.files)
+      if (other.rel_path == df.rel_path) return corrupt(fmt::format("{}: '{}' listed twice", ff.where, df.rel_path));
+    m.files.push_back(std::move(df));
+  }
+
+  OPTSTATE_ASSIGN_OR_RETURN(const json* params, top.get("params", json::value_t::object));
+  for (const auto& [fqn, pj] : params->items()) {
+    const std::string pwhere = fmt::format("{}: param '{}'", mpath, fqn);
+    Fields fp{pj, pwhere};
+    ParamState ps;
+    OPTSTATE_ASSIGN_OR_RETURN(const json* shape, fp.get("shape", json::value_t::array));
+    for (const json& d : *shape) {
+      if (!d.is_number_integer()) return corrupt(pwhere + ": shape must hold integers");
+      ps.shape.push_back(d.get<int64_t>());
+    }
+    auto numel = checked_numel(ps.shape);
+    if (!numel.ok()) return numel.status().with_context(pwhere);
+    OPTSTATE_ASSIGN_OR_RETURN(std::string dtype, fp.str("dtype"));
+    auto pd = dtype_from_name(dtype);
+    if (!pd) return corrupt(fmt::format("{}: unknown dtype '{}'", pwhere, dtype));
+    ps.param_dtype = *pd;
+    OPTSTATE_ASSIGN_OR_RETURN(ps.step, fp.i64("step"));
+    OPTSTATE_ASSIGN_OR_RETURN(int64_t group, fp.i64("group"));
+    if (group < 0 || group >= static_cast<int64_t>(m.state.groups.size()))
+      return corrupt(fmt::format("{}: group {} does not exist", pwhere, group));
+    ps.group = static_cast<int>(group);
+
+    OPTSTATE_ASSIGN_OR_RETURN(const json* entries, fp.get("entries", json::value_t::object));
+    for (const auto& [ename, ej] : entries->items()) {
+      const std::string ewhere = fmt::format("{}: entry '{}'", mpath, entry_key(fqn, ename));
+      Fields fe{ej, ewhere};
+      Entry e;
+      OPTSTATE_ASSIGN_OR_RETURN(std::string enc, fe.str("encoding"));
+      auto encoding = encoding_from_name(enc);
+      if (!encoding.ok()) return encoding.status().with_context(ewhere);
+      e.encoding = *encoding;
+      if (e.encoding == Encoding::kDense) {
+        OPTSTATE_ASSIGN_OR_RETURN(std::string edt, fe.str("dtype"));
+        auto d = dtype_from_name(edt);
+        if (!d) return corrupt(fmt::format("{}: unknown dtype '{}'", ewhere, edt));
+        e.dtype = *d;
+      } else {
+        e.dtype = DType::kU8;
+        OPTSTATE_ASSIGN_OR_RETURN(e.block_size, fe.i64("block_size"));
+        OPTSTATE_ASSIGN_OR_RETURN(e.qmap, fe.str("qmap"));
+        if (e.block_size <= 0 || e.block_size > (int64_t{1} << 20))
+          return corrupt(fmt::format("{}: block size {} out of range", ewhere, e.block_size));
+      }
+      OPTSTATE_ASSIGN_OR_RETURN(const json* comps, fe.get("components", json::value_t::object));
+      for (Component c : e.components()) {
+        const std::string cname(component_name(c));
+        const std::string cwhere = fmt::format("{} {}", ewhere, cname);
+        auto cj = comps->find(cname);
+        if (cj == comps->end() || !cj->is_array()) return corrupt(cwhere + ": missing chunk list");
+        const int64_t count = component_count(e, c, *numel);
+        const int64_t elem = component_elem_size(e, c);
+        std::vector<Chunk> chunks;
+        for (const json& chj : *cj) {
+          Fields fc{chj, cwhere};
+          Chunk ch;
+          OPTSTATE_ASSIGN_OR_RETURN(int64_t file, fc.i64("file"));
+          if (file < 0 || file >= static_cast<int64_t>(m.files.size()))
+            return corrupt(fmt::format("{}: chunk names file {} of {}", cwhere, file, m.files.size()));
+          ch.file = static_cast<size_t>(file);
+          OPTSTATE_ASSIGN_OR_RETURN(ch.offset, fc.u64("offset"));
+          OPTSTATE_ASSIGN_OR_RETURN(ch.begin, fc.i64("begin"));
+          OPTSTATE_ASSIGN_OR_RETURN(ch.end, fc.i64("end"));
+          OPTSTATE_ASSIGN_OR_RETURN(std::string sum, fc.str("xxh3"));
+          OPTSTATE_ASSIGN_OR_RETURN(ch.xxh3, parse_hex64(sum, cwhere));
+          if (ch.begin < 0 || ch.end < ch.begin || ch.end > count)
+            return corrupt(fmt::format("{}: chunk range [{}, {}) outside [0, {})", cwhere, ch.begin, ch.end, count));
+          ch.length = static_cast<uint64_t>(ch.end - ch.begin) * static_cast<uint64_t>(elem);
+          const uint64_t fsize = m.files[ch.file].size;
+          if (ch.offset > fsize || ch.length > fsize - ch.offset)
+            return corrupt(fmt::format("{}: chunk bytes [{}, {}) lie outside '{}' ({} bytes)", cwhere, ch.offset,
+                                       ch.offset + ch.length, m.files[ch.file].rel_path, fsize));
+          chunks.push_back(ch);
+        }
+        std::sort(chunks.begin(), chunks.end(), [](const Chunk& a, const Chunk& b) { return a.begin < b.begin; });
+        int64_t covered = 0;
+        for (const Chunk& ch : chunks) {
+          if (ch.begin != covered)
+            return corrupt(fmt::format("{}: elements [{}, {}) {}", cwhere, std::min(covered, ch.begin),
+                                       std::max(covered, ch.begin),
+                                       ch.begin > covered ? "are not covered by any chunk" : "are covered twice"));
+          covered = ch.end;
+        }
+        if (covered != count)
+          return corrupt(fmt::format("{}: elements [{}, {}) are not covered by any chunk", cwhere, covered, count));
+        m.chunks[ChunkKey{fqn, ename, c}] = std::move(chunks);
+      }
+      ps.entries.emplace(ename, std::move(e));
+    }
+    m.state.params.emplace(fqn, std::move(ps));
+  }
+  OPTSTATE_RETURN_IF_ERROR(check_structure(m.state, false).with_context(mpath));
+  return m;
+}
+
+}  // namespace
+
+Result<Manifest> parse_manifest(std::span<const std::byte> bytes, const std::filesystem::path& dir) {
+  const std::string mpath = (dir / kManifestName).string();
+  json root = json::parse(reinterpret_cast<const char*>(bytes.data()),
+                          reinterpret_cast<const char*>(bytes.data()) + bytes.size(), nullptr,
+                          /*allow_exceptions=*/false);
+  if (root.is_discarded() || !root.is_object()) return corrupt(mpath + ": not a valid JSON manifest");
+  // Format and version first: a newer manifest may compute its checksum differently.
+  Fields top{root, mpath};
+  OPTSTATE_ASSIGN_OR_RETURN(std::string tag, top.str("format"));
+  if (tag != kFormatTag) return corrupt(fmt::format("{}: format is '{}', expected '{}'", mpath, tag, kFormatTag));
+  OPTSTATE_ASSIGN_OR_RETURN(int64_t version, top.i64("version"));
+  if (version > kManifestVersion)
+    return unsupported(fmt::format("{}: manifest version {} is newer than this optstate reads (up to {})", mpath,
+                                   version, kManifestVersion));
+  if (version < 1) return corrupt(fmt::format("{}: manifest version {} is invalid", mpath, version));
+  OPTSTATE_ASSIGN_OR_RETURN(std::string sum, top.str("manifest_xxh3"));
+  const std::string want = body_checksum(root);
+  if (sum != want)
+    return corrupt(fmt::format("{}: manifest checksum mismatch (says {}, content gives {})", mpath, sum, want));
+  try {
+    return parse_body(root, dir, mpath);
+  } catch (const json::exception& e) {  // defensive: Fields checks types before every get<>()
+    return corrupt(fmt::format("{}: {}", mpath, e.what()));
+  }
+}
+
+std::string serialize_manifest(const Manifest& m) {
+  json root = json::object();
+  root["format"] = kFormatTag;
+  root["version"] = kManifestVersion;
+  json groups = json::array();
+  for (const ParamGroup& g : m.state.groups) {
+    const Hyperparameters& h = g.hyper;
+    groups.push_back({{"lr", h.lr},
+                      {"betas", {h.beta1, h.beta2}},
+                      {"eps", h.eps},
+                      {"weight_decay", h.weight_decay},
+                      {"amsgrad", h.amsgrad},
+                      {"maximize", h.maximize},
+                      {"params", g.params}});
+  }
+  root["optimizer"] = {{"kind", m.state.kind}, {"state_version", m.state.format_version}, {"param_groups", groups}};
+  json files = json::array();
+  for (const DataFile& f : m.files) files.push_back({{"path", f.rel_path}, {"size", f.size}});
+  root["files"] = files;
+  json params = json::object();
+  for (const auto& [fqn, ps] : m.state.params) {
+    json entries = json::object();
+    for (const auto& [name, e] : ps.entries) {
+      json ej = {{"encoding", encoding_name(e.encoding)}};
+      if (e.encoding == Encoding::kDense) {
+        ej["dtype"] = dtype_name(e.dtype);
+      } else {
+        ej["block_size"] = e.block_size;
+        ej["qmap"] = e.qmap;
+      }
+      json comps = json::object();
+      for (Component c : e.components()) {
+        json list = json::array();
+        auto it = m.chunks.find(ChunkKey{fqn, name, c});
+        if (it != m.chunks.end())
+          for (const Chunk& ch : it->second)
+            list.push_back({{"file", ch.file},
+                            {"offset", ch.offset},
+                            {"begin", ch.begin},
+                            {"end", ch.end},
+                            {"xxh3", u64_hex(ch.xxh3)}});
+        comps[std::string(component_name(c))] = list;
+      }
+      ej["components"] = comps;
+      entries[name] = ej;
+    }
+    params[fqn] = {{"shape", ps.shape},
+                   {"dtype", dtype_name(ps.param_dtype)},
+                   {"step", ps.step},
+                   {"group", ps.group},
+                   {"entries", entries}};
+  }
+  root["params"] = params;
+  root["manifest_xxh3"] = body_checksum(root);
+  return root.dump(1) + "\n";
+}
+
+}  // namespace optstate::native

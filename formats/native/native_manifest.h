@@ -1,0 +1,56 @@
+// The native checkpoint's manifest: parsed from and encoded to bytes, no file I/O here.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <span>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "optstate/checkpoint.h"
+
+namespace optstate::native {
+
+inline constexpr const char* kManifestName = "manifest.json";
+inline constexpr const char* kFormatTag = "optstate-native";
+inline constexpr int kManifestVersion = 1;
+inline constexpr uint64_t kMaxManifestBytes = uint64_t{256} << 20;
+
+struct DataFile {
+  std::string rel_path;             // as written in the manifest, relative to the checkpoint
+  uint64_t size = 0;                // declared size in bytes
+  std::filesystem::path full_path;  // contained in the checkpoint directory (checked)
+};
+
+// A contiguous run [begin, end) of a component's flattened elements (or blocks, for absmax),
+// stored at [offset, offset + length) of one data file.
+struct Chunk {
+  size_t file = 0;
+  uint64_t offset = 0, length = 0;
+  int64_t begin = 0, end = 0;
+  uint64_t xxh3 = 0;
+};
+
+struct ChunkKey {
+  std::string fqn, entry;
+  Component component;
+  bool operator<(const ChunkKey& o) const {
+    return std::tie(fqn, entry, component) < std::tie(o.fqn, o.entry, o.component);
+  }
+};
+
+struct Manifest {
+  OptimizerState state;  // metadata only
+  std::vector<DataFile> files;
+  std::map<ChunkKey, std::vector<Chunk>> chunks;  // sorted by begin, covering each component once
+};
+
+// Validates everything that can be checked without the data: format tag and version, the manifest's
+// own checksum, structure, paths contained in `dir`, chunk ranges inside their files and covering
+// every element exactly once. Errors name the manifest and the offending entry.
+Result<Manifest> parse_manifest(std::span<const std::byte> bytes, const std::filesystem::path& dir);
+std::string serialize_manifest(const Manifest& m);
+
+}  // namespace optstate::native

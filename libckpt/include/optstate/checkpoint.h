@@ -1,0 +1,57 @@
+// The one small interface every format driver implements (a reader, a writer and a sniffer), and
+// the operations built on it that do not care where bytes come from.
+#pragma once
+
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "optstate/state.h"
+#include "optstate/status.h"
+
+namespace optstate {
+
+// Receives a component's bytes in flattened order, in pieces of bounded size.
+using ByteSink = std::function<Status(std::span<const std::byte>)>;
+
+// Upper bound on the piece size handed to a ByteSink, so streaming stays in bounded memory.
+inline constexpr size_t kStreamPieceBytes = size_t{8} << 20;
+
+class CheckpointReader {
+ public:
+  virtual ~CheckpointReader() = default;
+  virtual std::string_view format() const = 0;
+  virtual const std::filesystem::path& path() const = 0;
+  // The state's metadata: every ParamState and Entry, with empty buffers.
+  virtual const OptimizerState& meta() const = 0;
+  // Streams one component of one entry in flattened order. Formats with checksums verify every
+  // chunk and fail (naming the file, the entry and the range) when one does not match.
+  virtual Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) = 0;
+};
+
+struct WriteOptions {
+  bool overwrite = false;  // replace an existing checkpoint (atomically, after the new one is durable)
+};
+
+class FormatDriver {
+ public:
+  virtual ~FormatDriver() = default;
+  virtual std::string_view name() const = 0;
+  // Cheap check from the first bytes / directory layout: is this path in my format?
+  virtual bool sniff(const std::filesystem::path& path) const = 0;
+  virtual Result<std::unique_ptr<CheckpointReader>> open(const std::filesystem::path& path) const = 0;
+  virtual Status write(const OptimizerState& state, const std::filesystem::path& path,
+                       const WriteOptions& options) const = 0;
+};
+
+// A reader over a state that is already in memory (buffers filled).
+std::unique_ptr<CheckpointReader> memory_reader(OptimizerState state, std::filesystem::path label = "<memory>");
+
+// Reads every component of every entry into memory.
+Result<OptimizerState> load_all(CheckpointReader& reader);
+
+}  // namespace optstate

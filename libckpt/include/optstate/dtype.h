@@ -1,0 +1,34 @@
+// The one dtype table of optstate. Every format driver and the LibTorch bridge map through it.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+namespace optstate {
+
+enum class DType : uint8_t { kF32, kBF16, kF16, kF64, kU8, kI8, kI32, kI64 };
+
+struct DTypeInfo {
+  DType dtype;
+  std::string_view name;              // canonical name in manifests and hashes ("f32")
+  std::string_view safetensors_name;  // "F32"
+  std::string_view torch_name;        // "float32", as torch prints it without the "torch." prefix
+  uint8_t size;                       // bytes per element
+  bool is_float;
+};
+
+const DTypeInfo& dtype_info(DType dtype);
+inline std::string_view dtype_name(DType d) { return dtype_info(d).name; }
+inline uint8_t dtype_size(DType d) { return dtype_info(d).size; }
+std::optional<DType> dtype_from_name(std::string_view name);
+std::optional<DType> dtype_from_safetensors(std::string_view name);
+std::optional<DType> dtype_from_torch_name(std::string_view name);
+
+// Exact widening of 16-bit floats to f32 (bf16 is the top half of an f32; f16 via IEEE rules).
+float bf16_to_f32(uint16_t bits);
+float f16_to_f32(uint16_t bits);
+// Round-to-nearest-even narrowing, NaN kept quiet; the same rounding as torch's c10::BFloat16.
+uint16_t f32_to_bf16(float value);
+
+}  // namespace optstate

@@ -1,0 +1,75 @@
+// File I/O at the edges: positional reads, durable writes, directory commits, path containment.
+// Parsers and encoders never touch files; they work on byte spans handed to them from here.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "optstate/status.h"
+
+namespace optstate {
+
+namespace fs = std::filesystem;
+
+class InputFile {
+ public:
+  static Result<InputFile> open(const fs::path& path);
+  InputFile(InputFile&& other) noexcept;
+  InputFile& operator=(InputFile&& other) noexcept;
+  InputFile(const InputFile&) = delete;
+  ~InputFile();
+
+  uint64_t size() const { return size_; }
+  const fs::path& path() const { return path_; }
+  // Reads exactly out.size() bytes at offset; a short file is a corrupt error naming the file.
+  Status read_at(uint64_t offset, std::span<std::byte> out) const;
+
+ private:
+  InputFile() = default;
+  int fd_ = -1;
+  uint64_t size_ = 0;
+  fs::path path_;
+};
+
+class OutputFile {
+ public:
+  // Creates a new file; fails if it exists.
+  static Result<OutputFile> create(const fs::path& path);
+  OutputFile(OutputFile&& other) noexcept;
+  OutputFile& operator=(OutputFile&& other) noexcept;
+  OutputFile(const OutputFile&) = delete;
+  ~OutputFile();
+
+  Status write(std::span<const std::byte> bytes);
+  Status write_zeros(uint64_t count);
+  uint64_t offset() const { return offset_; }
+  // fsync + close; the file is durable when this returns ok.
+  Status sync_and_close();
+
+ private:
+  OutputFile() = default;
+  int fd_ = -1;
+  uint64_t offset_ = 0;
+  fs::path path_;
+};
+
+// Reads a whole file that must not exceed max_bytes (checked before allocating).
+Result<std::vector<std::byte>> read_small_file(const fs::path& path, uint64_t max_bytes);
+// Writes a small file durably (create, write, fsync, close).
+Status write_small_file(const fs::path& path, std::span<const std::byte> bytes);
+Status fsync_directory(const fs::path& dir);
+
+// Joins a relative path read from a checkpoint onto its root, refusing anything that could leave the
+// root: absolute paths, "..", empty components, backslashes and control characters.
+Result<fs::path> contained_path(const fs::path& root, const std::string& relative);
+
+// Makes a fresh staging directory beside `final_dir` (same filesystem, so the rename is atomic).
+Result<fs::path> make_staging_dir(const fs::path& final_dir);
+// Atomically publishes a fully written, fsync'd staging directory as final_dir. With overwrite, an
+// existing final_dir is first renamed aside, then removed after the new one is in place.
+Status publish_directory(const fs::path& staging, const fs::path& final_dir, bool overwrite);
+
+}  // namespace optstate

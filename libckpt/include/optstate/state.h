@@ -1,0 +1,111 @@
+// The canonical optimizer state (../shared/DESIGN.md §1): produced by both optimizers and by every
+// format reader, consumed by every writer and by hash/validate/diff/convert. Free of LibTorch so the
+// CLI and the format drivers build without it; optim/ bridges to tensors.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "optstate/dtype.h"
+#include "optstate/status.h"
+
+namespace optstate {
+
+inline constexpr int kStateFormatVersion = 1;
+
+// Read-only bytes with shared ownership: a std::vector, an mmap, or a LibTorch tensor's storage
+// (the bridge keeps the tensor alive through `owner`), so exporting state copies nothing.
+struct Buffer {
+  const std::byte* data = nullptr;
+  size_t size = 0;
+  std::shared_ptr<const void> owner;
+
+  static Buffer copy_of(std::span<const std::byte> bytes);
+  static Buffer take(std::vector<std::byte> bytes);
+  std::span<const std::byte> span() const { return {data, size}; }
+  bool empty() const { return size == 0; }
+};
+
+enum class Encoding : uint8_t { kDense, kBlockwise8 };
+std::string_view encoding_name(Encoding e);
+Result<Encoding> encoding_from_name(std::string_view name);
+
+// The byte arrays an entry is made of. Dense: values. Blockwise8: codes (one u8 per element) and
+// absmax (one f32 per block).
+enum class Component : uint8_t { kValues, kCodes, kAbsmax };
+std::string_view component_name(Component c);
+Result<Component> component_from_name(std::string_view name);
+
+struct Entry {
+  Encoding encoding = Encoding::kDense;
+  DType dtype = DType::kF32;  // dense: the values' dtype; blockwise8: always u8 codes + f32 absmax
+  int64_t block_size = 0;     // blockwise8 only
+  std::string qmap;           // blockwise8 only: "dynamic-signed" or "dynamic-unsigned"
+  // Filled when the state is in memory; empty when only metadata was read (streaming readers).
+  Buffer values, codes, absmax;
+
+  std::vector<Component> components() const;
+  const Buffer& buffer(Component c) const;
+  Buffer& buffer(Component c);
+};
+
+// Well-known entry names. "param" carries the model weights where a checkpoint has them.
+inline constexpr const char* kExpAvg = "exp_avg";
+inline constexpr const char* kExpAvgSq = "exp_avg_sq";
+inline constexpr const char* kMaxExpAvgSq = "max_exp_avg_sq";
+inline constexpr const char* kParam = "param";
+
+struct ParamState {
+  std::vector<int64_t> shape;  // global shape
+  DType param_dtype = DType::kF32;
+  int64_t step = 0;
+  int group = 0;  // index into OptimizerState::groups
+  std::map<std::string, Entry> entries;
+};
+
+struct Hyperparameters {
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 1e-2;
+  bool amsgrad = false, maximize = false;
+  bool operator==(const Hyperparameters&) const = default;
+};
+
+struct ParamGroup {
+  Hyperparameters hyper;
+  std::vector<std::string> params;  // member fqns, in the optimizer's order
+};
+
+struct OptimizerState {
+  int format_version = kStateFormatVersion;
+  std::string kind = "adamw";  // "adamw" | "adamw8bit"
+  std::vector<ParamGroup> groups;
+  std::map<std::string, ParamState> params;  // by fully qualified name
+};
+
+// Caps that every reader applies before allocating anything a file asks for.
+inline constexpr int kMaxRank = 16;
+inline constexpr int64_t kMaxNumel = int64_t{1} << 44;  // 16 Ti elements: far beyond any real tensor
+
+// Checked product of a shape; fails on negative dims, too many dims or overflow past kMaxNumel.
+Result<int64_t> checked_numel(const std::vector<int64_t>& shape);
+// Number of elements (values/codes) or blocks (absmax) of a component.
+int64_t component_count(const Entry& e, Component c, int64_t numel);
+// Bytes per element of a component.
+int64_t component_elem_size(const Entry& e, Component c);
+// Total bytes of a component for an entry of `numel` elements.
+int64_t component_bytes(const Entry& e, Component c, int64_t numel);
+
+// Checks the structure (not the values) of a state: group indices, entry encodings, block sizes,
+// and, for in-memory state, that every buffer has exactly the bytes its shape implies.
+Status check_structure(const OptimizerState& state, bool require_buffers);
+
+// "<fqn>.<entry>", the name used by hash, diff and every flat format.
+inline std::string entry_key(const std::string& fqn, const std::string& entry) { return fqn + "." + entry; }
+
+std::string format_shape(const std::vector<int64_t>& shape);
+
+}  // namespace optstate

@@ -1,0 +1,69 @@
+#include "optstate/checkpoint.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+namespace optstate {
+namespace {
+
+class MemoryReader final : public CheckpointReader {
+ public:
+  MemoryReader(OptimizerState state, std::filesystem::path label)
+      : state_(std::move(state)), label_(std::move(label)) {
+    meta_ = state_;
+    for (auto& [fqn, ps] : meta_.params)
+      for (auto& [name, e] : ps.entries) e.values = e.codes = e.absmax = Buffer{};
+  }
+  std::string_view format() const override { return "memory"; }
+  const std::filesystem::path& path() const override { return label_; }
+  const OptimizerState& meta() const override { return meta_; }
+  Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) override {
+    auto p = state_.params.find(fqn);
+    if (p == state_.params.end()) return not_found(fmt::format("no param '{}'", fqn));
+    auto e = p->second.entries.find(entry);
+    if (e == p->second.entries.end()) return not_found(fmt::format("no entry '{}'", entry_key(fqn, entry)));
+    std::span<const std::byte> bytes = e->second.buffer(c).span();
+    for (size_t at = 0; at < bytes.size(); at += kStreamPieceBytes)
+      OPTSTATE_RETURN_IF_ERROR(sink(bytes.subspan(at, std::min(kStreamPieceBytes, bytes.size() - at))));
+    return Status::Ok();
+  }
+
+ private:
+  OptimizerState state_, meta_;
+  std::filesystem::path label_;
+};
+
+}  // namespace
+
+std::unique_ptr<CheckpointReader> memory_reader(OptimizerState state, std::filesystem::path label) {
+  return std::make_unique<MemoryReader>(std::move(state), std::move(label));
+}
+
+Result<OptimizerState> load_all(CheckpointReader& reader) {
+  OptimizerState out = reader.meta();
+  for (auto& [fqn, ps] : out.params) {
+    OPTSTATE_ASSIGN_OR_RETURN(int64_t numel, checked_numel(ps.shape));
+    for (auto& [name, e] : ps.entries) {
+      for (Component c : e.components()) {
+        const int64_t want = component_bytes(e, c, numel);
+        std::vector<std::byte> bytes;
+        bytes.reserve(static_cast<size_t>(want));
+        OPTSTATE_RETURN_IF_ERROR(reader.stream(fqn, name, c, [&](std::span<const std::byte> piece) {
+          if (bytes.size() + piece.size() > static_cast<size_t>(want))
+            return corrupt(fmt::format("{}: entry '{}' {} has more bytes than its shape allows",
+                                       reader.path().string(), entry_key(fqn, name), component_name(c)));
+          bytes.insert(bytes.end(), piece.begin(), piece.end());
+          return Status::Ok();
+        }));
+        if (static_cast<int64_t>(bytes.size()) != want)
+          return corrupt(fmt::format("{}: entry '{}' {} has {} bytes, expected {}", reader.path().string(),
+                                     entry_key(fqn, name), component_name(c), bytes.size(), want));
+        e.buffer(c) = Buffer::take(std::move(bytes));
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace optstate

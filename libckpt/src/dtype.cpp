@@ -1,0 +1,68 @@
+#include "optstate/dtype.h"
+
+#include <array>
+#include <cmath>
+#include <cstring>
+
+namespace optstate {
+namespace {
+constexpr std::array<DTypeInfo, 8> kTable{{
+    {DType::kF32, "f32", "F32", "float32", 4, true},
+    {DType::kBF16, "bf16", "BF16", "bfloat16", 2, true},
+    {DType::kF16, "f16", "F16", "float16", 2, true},
+    {DType::kF64, "f64", "F64", "float64", 8, true},
+    {DType::kU8, "u8", "U8", "uint8", 1, false},
+    {DType::kI8, "i8", "I8", "int8", 1, false},
+    {DType::kI32, "i32", "I32", "int32", 4, false},
+    {DType::kI64, "i64", "I64", "int64", 8, false},
+}};
+}  // namespace
+
+const DTypeInfo& dtype_info(DType dtype) { return kTable[static_cast<size_t>(dtype)]; }
+
+std::optional<DType> dtype_from_name(std::string_view name) {
+  for (const auto& info : kTable)
+    if (info.name == name) return info.dtype;
+  return std::nullopt;
+}
+std::optional<DType> dtype_from_safetensors(std::string_view name) {
+  for (const auto& info : kTable)
+    if (info.safetensors_name == name) return info.dtype;
+  return std::nullopt;
+}
+std::optional<DType> dtype_from_torch_name(std::string_view name) {
+  if (name.substr(0, 6) == "torch.") name.remove_prefix(6);
+  for (const auto& info : kTable)
+    if (info.torch_name == name) return info.dtype;
+  return std::nullopt;
+}
+
+float bf16_to_f32(uint16_t bits) {
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, 4);
+  return out;
+}
+
+float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (h >> 15) & 1u, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  float magnitude;
+  if (exp == 0) {
+    magnitude = std::ldexp(static_cast<float>(mant), -24);  // zero or subnormal, exact
+  } else if (exp == 31) {
+    magnitude = mant ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+  } else {
+    magnitude = std::ldexp(static_cast<float>(mant | 0x400u), static_cast<int>(exp) - 25);
+  }
+  return sign ? -magnitude : magnitude;
+}
+
+uint16_t f32_to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  if (std::isnan(value)) return 0x7fc0;
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+}  // namespace optstate

@@ -1,0 +1,203 @@
+#include "optstate/io.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <random>
+
+namespace optstate {
+namespace {
+std::string errno_text() { return std::strerror(errno); }
+}  // namespace
+
+Result<InputFile> InputFile::open(const fs::path& path) {
+  InputFile f;
+  f.path_ = path;
+  f.fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (f.fd_ < 0) {
+    if (errno == ENOENT) return not_found(fmt::format("{}: no such file", path.string()));
+    return io_error(fmt::format("{}: {}", path.string(), errno_text()));
+  }
+  struct stat st {};
+  if (::fstat(f.fd_, &st) != 0) return io_error(fmt::format("{}: {}", path.string(), errno_text()));
+  if (!S_ISREG(st.st_mode)) return corrupt(fmt::format("{}: not a regular file", path.string()));
+  f.size_ = static_cast<uint64_t>(st.st_size);
+  return f;
+}
+
+InputFile::InputFile(InputFile&& o) noexcept : fd_(o.fd_), size_(o.size_), path_(std::move(o.path_)) { o.fd_ = -1; }
+InputFile& InputFile::operator=(InputFile&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = o.fd_;
+    size_ = o.size_;
+    path_ = std::move(o.path_);
+    o.fd_ = -1;
+  }
+  return *this;
+}
+InputFile::~InputFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+Status InputFile::read_at(uint64_t offset, std::span<std::byte> out) const {
+  if (offset > size_ || out.size() > size_ - offset)
+    return corrupt(fmt::format("{}: truncated: need bytes [{}, {}) but the file has {}", path_.string(), offset,
+                               offset + out.size(), size_));
+  size_t done = 0;
+  while (done < out.size()) {
+    ssize_t n = ::pread(fd_, out.data() + done, out.size() - done, static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return io_error(fmt::format("{}: read failed: {}", path_.string(), errno_text()));
+    }
+    if (n == 0)
+      return corrupt(fmt::format("{}: truncated while reading at offset {}", path_.string(), offset + done));
+    done += static_cast<size_t>(n);
+  }
+  return Status::Ok();
+}
+
+Result<OutputFile> OutputFile::create(const fs::path& path) {
+  OutputFile f;
+  f.path_ = path;
+  f.fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (f.fd_ < 0) return io_error(fmt::format("{}: cannot create: {}", path.string(), errno_text()));
+  return f;
+}
+
+OutputFile::OutputFile(OutputFile&& o) noexcept : fd_(o.fd_), offset_(o.offset_), path_(std::move(o.path_)) {
+  o.fd_ = -1;
+}
+OutputFile& OutputFile::operator=(OutputFile&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = o.fd_;
+    offset_ = o.offset_;
+    path_ = std::move(o.path_);
+    o.fd_ = -1;
+  }
+  return *this;
+}
+OutputFile::~OutputFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+Status OutputFile::write(std::span<const std::byte> bytes) {
+  size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t n = ::write(fd_, bytes.data() + done, bytes.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return io_error(fmt::format("{}: write failed: {}", path_.string(), errno_text()));
+    }
+    done += static_cast<size_t>(n);
+  }
+  offset_ += bytes.size();
+  return Status::Ok();
+}
+
+Status OutputFile::write_zeros(uint64_t count) {
+  static const std::byte kZeros[4096] = {};
+  while (count > 0) {
+    const uint64_t n = std::min<uint64_t>(count, sizeof(kZeros));
+    OPTSTATE_RETURN_IF_ERROR(write({kZeros, static_cast<size_t>(n)}));
+    count -= n;
+  }
+  return Status::Ok();
+}
+
+Status OutputFile::sync_and_close() {
+  if (fd_ < 0) return internal_error(fmt::format("{}: already closed", path_.string()));
+  if (::fsync(fd_) != 0) return io_error(fmt::format("{}: fsync failed: {}", path_.string(), errno_text()));
+  int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0) return io_error(fmt::format("{}: close failed: {}", path_.string(), errno_text()));
+  return Status::Ok();
+}
+
+Result<std::vector<std::byte>> read_small_file(const fs::path& path, uint64_t max_bytes) {
+  OPTSTATE_ASSIGN_OR_RETURN(InputFile f, InputFile::open(path));
+  if (f.size() > max_bytes)
+    return corrupt(fmt::format("{}: {} bytes is more than the {} allowed", path.string(), f.size(), max_bytes));
+  std::vector<std::byte> bytes(f.size());
+  OPTSTATE_RETURN_IF_ERROR(f.read_at(0, bytes));
+  return bytes;
+}
+
+Status write_small_file(const fs::path& path, std::span<const std::byte> bytes) {
+  OPTSTATE_ASSIGN_OR_RETURN(OutputFile f, OutputFile::create(path));
+  OPTSTATE_RETURN_IF_ERROR(f.write(bytes));
+  return f.sync_and_close();
+}
+
+Status fsync_directory(const fs::path& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return io_error(fmt::format("{}: cannot open directory: {}", dir.string(), errno_text()));
+  int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) return io_error(fmt::format("{}: directory fsync failed: {}", dir.string(), errno_text()));
+  return Status::Ok();
+}
+
+Result<fs::path> contained_path(const fs::path& root, const std::string& relative) {
+  auto bad = [&](const char* why) {
+    return corrupt(fmt::format("{}: path '{}' {}", root.string(), relative, why));
+  };
+  if (relative.empty() || relative.size() > 4096) return bad("is empty or too long");
+  if (relative.front() == '/') return bad("is absolute");
+  for (char ch : relative)
+    if (static_cast<unsigned char>(ch) < 0x20 || ch == '\\' || ch == ':') return bad("has a forbidden character");
+  size_t start = 0;
+  while (start <= relative.size()) {
+    size_t slash = relative.find('/', start);
+    if (slash == std::string::npos) slash = relative.size();
+    std::string_view part(relative.data() + start, slash - start);
+    if (part.empty() || part == "." || part == "..") return bad("leaves the checkpoint directory or is malformed");
+    start = slash + 1;
+  }
+  return root / relative;
+}
+
+Result<fs::path> make_staging_dir(const fs::path& final_dir) {
+  fs::path parent = final_dir.parent_path();
+  if (parent.empty()) parent = ".";
+  std::error_code ec;
+  if (!fs::is_directory(parent, ec))
+    return not_found(fmt::format("{}: parent directory does not exist", final_dir.string()));
+  std::random_device rd;
+  for (int attempt = 0; attempt < 16; ++attempt) {
+    fs::path staging = parent / fmt::format(".{}.partial-{}-{:08x}", final_dir.filename().string(), ::getpid(), rd());
+    if (::mkdir(staging.c_str(), 0755) == 0) return staging;
+    if (errno != EEXIST) return io_error(fmt::format("{}: cannot create: {}", staging.string(), errno_text()));
+  }
+  return io_error(fmt::format("{}: cannot create a staging directory", final_dir.string()));
+}
+
+Status publish_directory(const fs::path& staging, const fs::path& final_dir, bool overwrite) {
+  fs::path parent = final_dir.parent_path();
+  if (parent.empty()) parent = ".";
+  OPTSTATE_RETURN_IF_ERROR(fsync_directory(staging));
+  std::error_code ec;
+  fs::path aside;
+  if (fs::exists(fs::symlink_status(final_dir, ec))) {
+    if (!overwrite) return invalid_argument(fmt::format("{}: already exists", final_dir.string()));
+    aside = parent / fmt::format(".{}.old-{}", final_dir.filename().string(), ::getpid());
+    if (::rename(final_dir.c_str(), aside.c_str()) != 0)
+      return io_error(fmt::format("{}: cannot move the old checkpoint aside: {}", final_dir.string(), errno_text()));
+  }
+  if (::rename(staging.c_str(), final_dir.c_str()) != 0) {
+    Status st = io_error(fmt::format("{}: cannot publish: {}", final_dir.string(), errno_text()));
+    if (!aside.empty()) ::rename(aside.c_str(), final_dir.c_str());  // put the old one back
+    return st;
+  }
+  OPTSTATE_RETURN_IF_ERROR(fsync_directory(parent));
+  if (!aside.empty()) fs::remove_all(aside, ec);  // the new checkpoint is durable; the old one may go
+  return Status::Ok();
+}
+
+}  // namespace optstate

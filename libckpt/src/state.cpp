@@ -1,0 +1,130 @@
+#include "optstate/state.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cstring>
+
+namespace optstate {
+
+Buffer Buffer::copy_of(std::span<const std::byte> bytes) {
+  return take(std::vector<std::byte>(bytes.begin(), bytes.end()));
+}
+
+Buffer Buffer::take(std::vector<std::byte> bytes) {
+  auto holder = std::make_shared<std::vector<std::byte>>(std::move(bytes));
+  Buffer b;
+  b.data = holder->data();
+  b.size = holder->size();
+  b.owner = std::move(holder);
+  return b;
+}
+
+std::string_view encoding_name(Encoding e) { return e == Encoding::kDense ? "dense" : "blockwise8"; }
+
+Result<Encoding> encoding_from_name(std::string_view name) {
+  if (name == "dense") return Encoding::kDense;
+  if (name == "blockwise8") return Encoding::kBlockwise8;
+  return unsupported(fmt::format("unknown encoding '{}'", name));
+}
+
+std::string_view component_name(Component c) {
+  switch (c) {
+    case Component::kValues: return "values";
+    case Component::kCodes: return "codes";
+    case Component::kAbsmax: return "absmax";
+  }
+  return "?";
+}
+
+Result<Component> component_from_name(std::string_view name) {
+  if (name == "values") return Component::kValues;
+  if (name == "codes") return Component::kCodes;
+  if (name == "absmax") return Component::kAbsmax;
+  return corrupt(fmt::format("unknown component '{}'", name));
+}
+
+std::vector<Component> Entry::components() const {
+  if (encoding == Encoding::kDense) return {Component::kValues};
+  return {Component::kCodes, Component::kAbsmax};
+}
+
+const Buffer& Entry::buffer(Component c) const {
+  return c == Component::kValues ? values : c == Component::kCodes ? codes : absmax;
+}
+Buffer& Entry::buffer(Component c) {
+  return c == Component::kValues ? values : c == Component::kCodes ? codes : absmax;
+}
+
+Result<int64_t> checked_numel(const std::vector<int64_t>& shape) {
+  if (shape.size() > static_cast<size_t>(kMaxRank))
+    return corrupt(fmt::format("shape has {} dimensions (at most {})", shape.size(), kMaxRank));
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0) return corrupt(fmt::format("negative dimension in shape {}", format_shape(shape)));
+    if (d != 0 && n > kMaxNumel / d)
+      return corrupt(fmt::format("shape {} has more than 2^44 elements", format_shape(shape)));
+    n *= d;
+  }
+  return n;
+}
+
+int64_t component_count(const Entry& e, Component c, int64_t numel) {
+  if (c == Component::kAbsmax) return e.block_size > 0 ? (numel + e.block_size - 1) / e.block_size : 0;
+  return numel;
+}
+
+int64_t component_elem_size(const Entry& e, Component c) {
+  switch (c) {
+    case Component::kValues: return dtype_size(e.dtype);
+    case Component::kCodes: return 1;
+    case Component::kAbsmax: return 4;
+  }
+  return 0;
+}
+
+int64_t component_bytes(const Entry& e, Component c, int64_t numel) {
+  return component_count(e, c, numel) * component_elem_size(e, c);
+}
+
+Status check_structure(const OptimizerState& state, bool require_buffers) {
+  if (state.kind != "adamw" && state.kind != "adamw8bit")
+    return unsupported(fmt::format("unknown optimizer kind '{}'", state.kind));
+  for (const auto& [fqn, ps] : state.params) {
+    if (ps.group < 0 || static_cast<size_t>(ps.group) >= state.groups.size())
+      return corrupt(fmt::format("param '{}' refers to group {} of {}", fqn, ps.group, state.groups.size()));
+    if (ps.step < 0) return corrupt(fmt::format("param '{}' has negative step {}", fqn, ps.step));
+    OPTSTATE_ASSIGN_OR_RETURN(int64_t numel, checked_numel(ps.shape));
+    for (const auto& [name, e] : ps.entries) {
+      const std::string key = entry_key(fqn, name);
+      if (e.encoding == Encoding::kBlockwise8) {
+        if (e.block_size <= 0 || e.block_size > (int64_t{1} << 20))
+          return corrupt(fmt::format("entry '{}' has block size {}", key, e.block_size));
+        if (e.qmap != "dynamic-signed" && e.qmap != "dynamic-unsigned")
+          return unsupported(fmt::format("entry '{}' names unknown quantization map '{}'", key, e.qmap));
+      } else if (!dtype_info(e.dtype).is_float) {
+        return corrupt(fmt::format("dense entry '{}' has non-float dtype {}", key, dtype_name(e.dtype)));
+      }
+      if (!require_buffers) continue;
+      for (Component c : e.components()) {
+        const int64_t want = component_bytes(e, c, numel);
+        if (static_cast<int64_t>(e.buffer(c).size) != want)
+          return invalid_argument(fmt::format("entry '{}' {} holds {} bytes, shape {} needs {}", key,
+                                              component_name(c), e.buffer(c).size, format_shape(ps.shape), want));
+      }
+    }
+  }
+  for (size_t g = 0; g < state.groups.size(); ++g)
+    for (const auto& fqn : state.groups[g].params) {
+      auto it = state.params.find(fqn);
+      if (it == state.params.end())
+        return corrupt(fmt::format("group {} lists unknown param '{}'", g, fqn));
+      if (it->second.group != static_cast<int>(g))
+        return corrupt(fmt::format("param '{}' is listed in group {} but says group {}", fqn, g, it->second.group));
+    }
+  return Status::Ok();
+}
+
+std::string format_shape(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
+
+}  // namespace optstate

@@ -1,0 +1,2 @@
+#define OPTSTATE_ISA generic
+#include "adamw_kernel_impl.inc"

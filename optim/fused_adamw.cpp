@@ -1,0 +1,83 @@
+#include "fused_adamw.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include "adamw_kernel.h"
+
+namespace optstate::optim {
+
+FusedAdamWOptions::FusedAdamWOptions(double lr) : lr_(lr) {}
+
+namespace {
+void check_options(const FusedAdamWOptions& o) {
+  const auto [b1, b2] = o.betas();
+  TORCH_CHECK(o.lr() >= 0, "FusedAdamW: invalid learning rate ", o.lr());
+  TORCH_CHECK(o.eps() >= 0, "FusedAdamW: invalid epsilon ", o.eps());
+  TORCH_CHECK(b1 >= 0 && b1 < 1, "FusedAdamW: invalid beta1 ", b1);
+  TORCH_CHECK(b2 >= 0 && b2 < 1, "FusedAdamW: invalid beta2 ", b2);
+  TORCH_CHECK(o.weight_decay() >= 0, "FusedAdamW: invalid weight_decay ", o.weight_decay());
+}
+}  // namespace
+
+FusedAdamW::FusedAdamW(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, FusedAdamWOptions defaults)
+    : Optimizer(param_groups, std::make_unique<FusedAdamWOptions>(defaults)) {
+  check_options(defaults);
+}
+
+FusedAdamW::FusedAdamW(std::vector<at::Tensor> params, FusedAdamWOptions defaults)
+    : FusedAdamW({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+at::Tensor FusedAdamW::step(LossClosure closure) {
+  at::Tensor loss;
+  if (closure) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  at::NoGradGuard no_grad;
+  std::vector<AdamWTensor> items;
+  for (auto& group : param_groups()) {
+    auto& o = static_cast<FusedAdamWOptions&>(group.options());
+    check_options(o);
+    const AdamWHyper hyper{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
+                           o.amsgrad(), o.maximize()};
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      const at::Tensor& g = p.grad();
+      TORCH_CHECK(!g.is_sparse(), "FusedAdamW does not support sparse gradients");
+      TORCH_CHECK(p.device().is_cpu(), "FusedAdamW: this build runs on CPU tensors only");
+      TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16,
+                  "FusedAdamW: params must be float32 or bfloat16, got ", p.scalar_type());
+      TORCH_CHECK(g.scalar_type() == p.scalar_type(), "FusedAdamW: grad dtype ", g.scalar_type(),
+                  " differs from param dtype ", p.scalar_type());
+      TORCH_CHECK(p.is_contiguous() && g.is_contiguous(), "FusedAdamW: params and grads must be contiguous");
+      TORCH_CHECK(g.sizes() == p.sizes(), "FusedAdamW: grad shape differs from param shape");
+      auto& slot = state_[p.unsafeGetTensorImpl()];
+      if (!slot) {
+        auto st = std::make_unique<FusedAdamWParamState>();
+        const auto f32 = p.options().dtype(at::kFloat);
+        st->exp_avg(at::zeros(p.sizes(), f32));
+        st->exp_avg_sq(at::zeros(p.sizes(), f32));
+        if (o.amsgrad()) st->max_exp_avg_sq(at::zeros(p.sizes(), f32));
+        slot = std::move(st);
+      }
+      auto& st = static_cast<FusedAdamWParamState&>(*slot);
+      if (o.amsgrad() && !st.max_exp_avg_sq().defined()) st.max_exp_avg_sq(at::zeros_like(st.exp_avg_sq()));
+      st.step(st.step() + 1);
+      AdamWTensor t{};
+      t.param = p.data_ptr();
+      t.grad = g.data_ptr();
+      t.exp_avg = st.exp_avg().data_ptr<float>();
+      t.exp_avg_sq = st.exp_avg_sq().data_ptr<float>();
+      t.max_exp_avg_sq = o.amsgrad() ? st.max_exp_avg_sq().data_ptr<float>() : nullptr;
+      t.numel = p.numel();
+      t.kind = p.scalar_type() == at::kFloat ? ParamKind::kF32 : ParamKind::kBF16;
+      t.s = adamw_step_scalars(hyper, st.step());
+      items.push_back(t);
+    }
+  }
+  adamw_cpu(items);
+  return loss;
+}
+
+}  // namespace optstate::optim

@@ -1,0 +1,45 @@
+// FusedAdamW: torch.optim.AdamW semantics (decoupled weight decay first, bias correction, amsgrad,
+// maximize) as a LibTorch optimizer whose step is one fused pass per element over all parameters.
+// fp32 and bf16 params; state is always fp32.
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <tuple>
+#include <vector>
+
+namespace optstate::optim {
+
+struct FusedAdamWOptions : public torch::optim::OptimizerCloneableOptions<FusedAdamWOptions> {
+  FusedAdamWOptions(double lr = 1e-3);  // NOLINT: implicit like torch::optim::AdamWOptions
+  TORCH_ARG(double, lr) = 1e-3;
+  typedef std::tuple<double, double> betas_t;
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
+  TORCH_ARG(double, eps) = 1e-8;
+  TORCH_ARG(double, weight_decay) = 1e-2;
+  TORCH_ARG(bool, amsgrad) = false;
+  TORCH_ARG(bool, maximize) = false;
+
+ public:
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+
+struct FusedAdamWParamState : public torch::optim::OptimizerCloneableParamState<FusedAdamWParamState> {
+  TORCH_ARG(int64_t, step) = 0;
+  TORCH_ARG(at::Tensor, exp_avg);
+  TORCH_ARG(at::Tensor, exp_avg_sq);
+  TORCH_ARG(at::Tensor, max_exp_avg_sq) = {};
+};
+
+class FusedAdamW : public torch::optim::Optimizer {
+ public:
+  explicit FusedAdamW(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                      FusedAdamWOptions defaults = {});
+  explicit FusedAdamW(std::vector<at::Tensor> params, FusedAdamWOptions defaults = {});
+
+  // Runs the closure (if any) under grad mode, then updates every parameter that has a gradient.
+  at::Tensor step(LossClosure closure = nullptr) override;
+};
+
+}  // namespace optstate::optim

@@ -1,0 +1,200 @@
+#include "torch_bridge.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cstring>
+
+#include "fused_adamw.h"
+
+namespace optstate::optim {
+
+Result<DType> dtype_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::kF32;
+    case at::kBFloat16: return DType::kBF16;
+    case at::kHalf: return DType::kF16;
+    case at::kDouble: return DType::kF64;
+    case at::kByte: return DType::kU8;
+    case at::kChar: return DType::kI8;
+    case at::kInt: return DType::kI32;
+    case at::kLong: return DType::kI64;
+    default: return unsupported(fmt::format("dtype {} has no optstate equivalent", c10::toString(t)));
+  }
+}
+
+at::ScalarType scalar_type_of(DType d) {
+  switch (d) {
+    case DType::kF32: return at::kFloat;
+    case DType::kBF16: return at::kBFloat16;
+    case DType::kF16: return at::kHalf;
+    case DType::kF64: return at::kDouble;
+    case DType::kU8: return at::kByte;
+    case DType::kI8: return at::kChar;
+    case DType::kI32: return at::kInt;
+    case DType::kI64: return at::kLong;
+  }
+  return at::kFloat;
+}
+
+std::vector<int64_t> shape_of(const at::Tensor& t) { return {t.sizes().begin(), t.sizes().end()}; }
+
+Buffer buffer_of(const at::Tensor& t) {
+  at::Tensor c = t.detach().to(at::kCPU).contiguous();
+  Buffer b;
+  b.data = static_cast<const std::byte*>(c.const_data_ptr());
+  b.size = static_cast<size_t>(c.nbytes());
+  b.owner = std::make_shared<at::Tensor>(std::move(c));
+  return b;
+}
+
+Result<at::Tensor> tensor_of(const Buffer& b, DType dtype, const std::vector<int64_t>& shape) {
+  OPTSTATE_ASSIGN_OR_RETURN(int64_t numel, checked_numel(shape));
+  if (static_cast<int64_t>(b.size) != numel * dtype_size(dtype))
+    return invalid_argument(fmt::format("{} bytes cannot hold a {} tensor of shape {}", b.size, dtype_name(dtype),
+                                        format_shape(shape)));
+  at::Tensor t = at::empty(shape, at::TensorOptions().dtype(scalar_type_of(dtype)));
+  if (b.size) std::memcpy(t.data_ptr(), b.data, b.size);
+  return t;
+}
+
+namespace {
+
+Hyperparameters hyper_of(const FusedAdamWOptions& o) {
+  return {o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(), o.amsgrad(),
+          o.maximize()};
+}
+
+Entry dense_entry(const at::Tensor& t, DType d) {
+  Entry e;
+  e.encoding = Encoding::kDense;
+  e.dtype = d;
+  e.values = buffer_of(t);
+  return e;
+}
+
+size_t param_count(const FusedAdamW& opt) {
+  size_t n = 0;
+  for (const auto& g : opt.param_groups()) n += g.params().size();
+  return n;
+}
+
+}  // namespace
+
+Result<OptimizerState> export_state(const FusedAdamW& opt, const std::vector<std::string>& names,
+                                    bool include_params) {
+  if (names.size() != param_count(opt))
+    return invalid_argument(
+        fmt::format("{} names given for an optimizer with {} params", names.size(), param_count(opt)));
+  OptimizerState out;
+  out.kind = "adamw";
+  size_t i = 0;
+  for (size_t gi = 0; gi < opt.param_groups().size(); ++gi) {
+    const auto& group = opt.param_groups()[gi];
+    ParamGroup pg;
+    pg.hyper = hyper_of(static_cast<const FusedAdamWOptions&>(group.options()));
+    for (const auto& p : group.params()) {
+      const std::string& fqn = names[i++];
+      if (out.params.count(fqn)) return invalid_argument(fmt::format("param name '{}' given twice", fqn));
+      ParamState ps;
+      ps.shape = shape_of(p);
+      OPTSTATE_ASSIGN_OR_RETURN(ps.param_dtype, dtype_of(p.scalar_type()));
+      ps.group = static_cast<int>(gi);
+      auto it = opt.state().find(p.unsafeGetTensorImpl());
+      if (it != opt.state().end()) {
+        const auto& st = static_cast<const FusedAdamWParamState&>(*it->second);
+        ps.step = st.step();
+        ps.entries.emplace(kExpAvg, dense_entry(st.exp_avg(), DType::kF32));
+        ps.entries.emplace(kExpAvgSq, dense_entry(st.exp_avg_sq(), DType::kF32));
+        if (st.max_exp_avg_sq().defined())
+          ps.entries.emplace(kMaxExpAvgSq, dense_entry(st.max_exp_avg_sq(), DType::kF32));
+      }
+      if (include_params) ps.entries.emplace(kParam, dense_entry(p, ps.param_dtype));
+      pg.params.push_back(fqn);
+      out.params.emplace(fqn, std::move(ps));
+    }
+    out.groups.push_back(std::move(pg));
+  }
+  return out;
+}
+
+Status import_state(FusedAdamW& opt, const std::vector<std::string>& names, const OptimizerState& state,
+                    bool load_params) {
+  OPTSTATE_RETURN_IF_ERROR(check_structure(state, true));
+  if (state.kind != "adamw")
+    return invalid_argument(fmt::format("a '{}' state cannot be loaded into FusedAdamW", state.kind));
+  if (names.size() != param_count(opt))
+    return invalid_argument(
+        fmt::format("{} names given for an optimizer with {} params", names.size(), param_count(opt)));
+  if (state.groups.size() != opt.param_groups().size())
+    return invalid_argument(fmt::format("checkpoint has {} param groups, optimizer has {}", state.groups.size(),
+                                        opt.param_groups().size()));
+  // Check everything before changing anything, so a failed import leaves the optimizer as it was.
+  size_t i = 0;
+  for (size_t gi = 0; gi < opt.param_groups().size(); ++gi)
+    for (const auto& p : opt.param_groups()[gi].params()) {
+      const std::string& fqn = names[i++];
+      auto it = state.params.find(fqn);
+      if (it == state.params.end()) return not_found(fmt::format("checkpoint has no state for param '{}'", fqn));
+      const ParamState& ps = it->second;
+      if (ps.shape != shape_of(p))
+        return invalid_argument(fmt::format("param '{}': checkpoint shape {} differs from the model's {}", fqn,
+                                            format_shape(ps.shape), format_shape(shape_of(p))));
+      if (static_cast<size_t>(ps.group) != gi)
+        return invalid_argument(fmt::format("param '{}' is in group {} in the checkpoint, {} here", fqn, ps.group, gi));
+      for (const auto& [name, e] : ps.entries) {
+        if (e.encoding != Encoding::kDense)
+          return invalid_argument(fmt::format("entry '{}' is {}; FusedAdamW needs dense state", entry_key(fqn, name),
+                                              encoding_name(e.encoding)));
+        if (name != kParam && e.dtype != DType::kF32)
+          return invalid_argument(fmt::format("entry '{}' is {}; FusedAdamW keeps fp32 state", entry_key(fqn, name),
+                                              dtype_name(e.dtype)));
+      }
+      if (ps.entries.count(kExpAvg) != ps.entries.count(kExpAvgSq))
+        return invalid_argument(fmt::format("param '{}' has only one of exp_avg and exp_avg_sq", fqn));
+      if (load_params && !ps.entries.count(kParam))
+        return not_found(fmt::format("checkpoint has no weights for param '{}'", fqn));
+    }
+
+  at::NoGradGuard no_grad;
+  i = 0;
+  for (size_t gi = 0; gi < opt.param_groups().size(); ++gi) {
+    auto& group = opt.param_groups()[gi];
+    auto& o = static_cast<FusedAdamWOptions&>(group.options());
+    const Hyperparameters& h = state.groups[gi].hyper;
+    o.lr(h.lr).betas({h.beta1, h.beta2}).eps(h.eps).weight_decay(h.weight_decay).amsgrad(h.amsgrad).maximize(
+        h.maximize);
+    for (auto& p : group.params()) {
+      const ParamState& ps = state.params.at(names[i++]);
+      auto load = [&](const char* name) -> Result<at::Tensor> {
+        const Entry& e = ps.entries.at(name);
+        return tensor_of(e.values, e.dtype, ps.shape);
+      };
+      if (load_params) {
+        OPTSTATE_ASSIGN_OR_RETURN(at::Tensor w, load(kParam));
+        p.copy_(w);
+      }
+      void* key = p.unsafeGetTensorImpl();
+      if (!ps.entries.count(kExpAvg)) {
+        opt.state().erase(key);
+        continue;
+      }
+      auto st = std::make_unique<FusedAdamWParamState>();
+      st->step(ps.step);
+      OPTSTATE_ASSIGN_OR_RETURN(at::Tensor m, load(kExpAvg));
+      OPTSTATE_ASSIGN_OR_RETURN(at::Tensor v, load(kExpAvgSq));
+      st->exp_avg(m);
+      st->exp_avg_sq(v);
+      if (ps.entries.count(kMaxExpAvgSq)) {
+        OPTSTATE_ASSIGN_OR_RETURN(at::Tensor mx, load(kMaxExpAvgSq));
+        st->max_exp_avg_sq(mx);
+      }
+      opt.state()[key] = std::move(st);
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace optstate::optim

@@ -1,0 +1,33 @@
+// Between LibTorch tensors and the canonical state: dtype mapping, zero-copy export of tensors as
+// Buffers, and FusedAdamW state export/import by fully qualified parameter name.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <vector>
+
+#include "optstate/state.h"
+
+namespace optstate::optim {
+
+class FusedAdamW;
+
+Result<DType> dtype_of(at::ScalarType t);
+at::ScalarType scalar_type_of(DType d);
+
+// A contiguous CPU tensor's bytes, shared (the Buffer keeps the tensor alive).
+Buffer buffer_of(const at::Tensor& t);
+// A new CPU tensor holding a copy of `b`, checked against dtype and shape.
+Result<at::Tensor> tensor_of(const Buffer& b, DType dtype, const std::vector<int64_t>& shape);
+std::vector<int64_t> shape_of(const at::Tensor& t);
+
+// `names[i]` is the fqn of the i-th parameter across the optimizer's groups, in order.
+// With include_params the model weights go along as "param" entries.
+Result<OptimizerState> export_state(const FusedAdamW& opt, const std::vector<std::string>& names,
+                                    bool include_params);
+// Restores hyperparameters, steps and moments (and with load_params the weights) exactly.
+Status import_state(FusedAdamW& opt, const std::vector<std::string>& names, const OptimizerState& state,
+                    bool load_params);
+
+}  // namespace optstate::optim

@@ -1,0 +1,185 @@
+// The torch ops behind the Python package (python/optstate): the fused AdamW step over lists of
+// tensors, and native checkpoint save/load. Python only gathers tensors; all math and I/O is here.
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <torch/library.h>
+
+#include <nlohmann/json.hpp>
+
+#include "adamw_kernel.h"
+#include "optstate/checkpoint.h"
+#include "registry.h"
+#include "torch_bridge.h"
+
+namespace optstate::optim {
+namespace {
+
+using json = nlohmann::json;
+
+void fused_adamw_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                  at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr, double beta1, double beta2,
+                  double eps, double weight_decay, bool amsgrad, bool maximize) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n,
+              "optstate.fused_adamw_: tensor lists differ in length");
+  TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == n, "optstate.fused_adamw_: amsgrad needs max_exp_avg_sqs");
+  const AdamWHyper hyper{lr, beta1, beta2, eps, weight_decay, amsgrad, maximize};
+  std::vector<AdamWTensor> items(n);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor &p = params[i], &g = grads[i];
+    TORCH_CHECK(p.device().is_cpu(), "optstate.fused_adamw_: CPU tensors only in this build");
+    TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16,
+                "optstate.fused_adamw_: params must be float32 or bfloat16, got ", p.scalar_type());
+    TORCH_CHECK(g.scalar_type() == p.scalar_type() && g.sizes() == p.sizes(),
+                "optstate.fused_adamw_: grad ", i, " does not match its param");
+    TORCH_CHECK(p.is_contiguous() && g.is_contiguous(), "optstate.fused_adamw_: params and grads must be contiguous");
+    for (const at::Tensor* s : {&exp_avgs[i], &exp_avg_sqs[i]})
+      TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->numel() == p.numel(),
+                  "optstate.fused_adamw_: state ", i, " must be contiguous float32 of the param's size");
+    if (amsgrad)
+      TORCH_CHECK(max_exp_avg_sqs[i].scalar_type() == at::kFloat && max_exp_avg_sqs[i].is_contiguous() &&
+                      max_exp_avg_sqs[i].numel() == p.numel(),
+                  "optstate.fused_adamw_: max_exp_avg_sq ", i, " must be contiguous float32");
+    TORCH_CHECK(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat,
+                "optstate.fused_adamw_: step ", i, " must be a float32 scalar tensor");
+  }
+  for (size_t i = 0; i < n; ++i) {
+    at::Tensor step = steps[i];
+    float* sp = step.data_ptr<float>();
+    *sp += 1.0f;  // as torch's AdamW: the step tensor counts completed steps
+    AdamWTensor& t = items[i];
+    t.param = params[i].data_ptr();
+    t.grad = grads[i].const_data_ptr();
+    t.exp_avg = exp_avgs[i].data_ptr<float>();
+    t.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
+    t.max_exp_avg_sq = amsgrad ? max_exp_avg_sqs[i].data_ptr<float>() : nullptr;
+    t.numel = params[i].numel();
+    t.kind = params[i].scalar_type() == at::kFloat ? ParamKind::kF32 : ParamKind::kBF16;
+    t.s = adamw_step_scalars(hyper, static_cast<int64_t>(*sp));
+  }
+  adamw_cpu(items);
+}
+
+[[noreturn]] void raise(const Status& st) { TORCH_CHECK(false, "optstate: ", st.message()); }
+
+// meta_json: {"kind", "param_groups": [{lr, betas, eps, weight_decay, amsgrad, maximize, params: [fqn]}],
+//             "params": {fqn: {"shape", "dtype", "step", "group"}}}
+// Tensors come as parallel lists (param fqn, entry name, tensor); 8-bit state is not in this build.
+OptimizerState state_from_lists(const std::string& meta_json, const std::vector<std::string>& param_names,
+                                const std::vector<std::string>& entry_names, at::TensorList tensors) {
+  TORCH_CHECK(param_names.size() == tensors.size() && entry_names.size() == tensors.size(),
+              "optstate.save: name and tensor lists differ in length");
+  json meta = json::parse(meta_json);
+  OptimizerState st;
+  st.kind = meta.at("kind").get<std::string>();
+  for (const json& g : meta.at("param_groups")) {
+    ParamGroup pg;
+    pg.hyper.lr = g.at("lr").get<double>();
+    pg.hyper.beta1 = g.at("betas").at(0).get<double>();
+    pg.hyper.beta2 = g.at("betas").at(1).get<double>();
+    pg.hyper.eps = g.at("eps").get<double>();
+    pg.hyper.weight_decay = g.at("weight_decay").get<double>();
+    pg.hyper.amsgrad = g.at("amsgrad").get<bool>();
+    pg.hyper.maximize = g.at("maximize").get<bool>();
+    pg.params = g.at("params").get<std::vector<std::string>>();
+    st.groups.push_back(std::move(pg));
+  }
+  for (const auto& [fqn, pj] : meta.at("params").items()) {
+    ParamState ps;
+    ps.shape = pj.at("shape").get<std::vector<int64_t>>();
+    auto d = dtype_from_torch_name(pj.at("dtype").get<std::string>());
+    TORCH_CHECK(d.has_value(), "optstate.save: unsupported param dtype ", pj.at("dtype").dump());
+    ps.param_dtype = *d;
+    ps.step = pj.at("step").get<int64_t>();
+    ps.group = pj.at("group").get<int>();
+    st.params.emplace(fqn, std::move(ps));
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    auto it = st.params.find(param_names[i]);
+    TORCH_CHECK(it != st.params.end(), "optstate.save: tensor for unknown param '", param_names[i], "'");
+    auto dtype = dtype_of(tensors[i].scalar_type());
+    if (!dtype.ok()) raise(dtype.status());
+    TORCH_CHECK(shape_of(tensors[i]) == it->second.shape, "optstate.save: entry '", param_names[i], ".",
+                entry_names[i], "' has shape ", tensors[i].sizes(), ", param has ", format_shape(it->second.shape));
+    Entry e;
+    e.encoding = Encoding::kDense;
+    e.dtype = *dtype;
+    e.values = buffer_of(tensors[i]);
+    it->second.entries.emplace(entry_names[i], std::move(e));
+  }
+  return st;
+}
+
+void save_native(const std::string& path, const std::string& meta_json, std::vector<std::string> param_names,
+                 std::vector<std::string> entry_names, at::TensorList tensors, bool overwrite) {
+  OptimizerState st = state_from_lists(meta_json, param_names, entry_names, tensors);
+  WriteOptions wo;
+  wo.overwrite = overwrite;
+  Status status = find_format("native")->write(st, path, wo);
+  if (!status.ok()) raise(status);
+}
+
+std::tuple<std::string, std::vector<std::string>, std::vector<std::string>, std::vector<at::Tensor>> load_native(
+    const std::string& path) {
+  auto reader = open_checkpoint(path);
+  if (!reader.ok()) raise(reader.status());
+  auto state = load_all(**reader);
+  if (!state.ok()) raise(state.status());
+  json meta;
+  meta["kind"] = state->kind;
+  meta["format"] = std::string((*reader)->format());
+  json groups = json::array();
+  for (const auto& g : state->groups)
+    groups.push_back({{"lr", g.hyper.lr},
+                      {"betas", {g.hyper.beta1, g.hyper.beta2}},
+                      {"eps", g.hyper.eps},
+                      {"weight_decay", g.hyper.weight_decay},
+                      {"amsgrad", g.hyper.amsgrad},
+                      {"maximize", g.hyper.maximize},
+                      {"params", g.params}});
+  meta["param_groups"] = groups;
+  std::vector<std::string> pnames, enames;
+  std::vector<at::Tensor> tensors;
+  json params = json::object();
+  for (const auto& [fqn, ps] : state->params) {
+    params[fqn] = {{"shape", ps.shape},
+                   {"dtype", std::string(dtype_info(ps.param_dtype).torch_name)},
+                   {"step", ps.step},
+                   {"group", ps.group}};
+    for (const auto& [name, e] : ps.entries) {
+      TORCH_CHECK(e.encoding == Encoding::kDense, "optstate.load: entry '", entry_key(fqn, name), "' is ",
+                  std::string(encoding_name(e.encoding)), ", not supported by this build");
+      auto t = tensor_of(e.values, e.dtype, ps.shape);
+      if (!t.ok()) raise(t.status());
+      pnames.push_back(fqn);
+      enames.push_back(name);
+      tensors.push_back(*t);
+    }
+  }
+  meta["params"] = params;
+  return {meta.dump(), pnames, enames, tensors};
+}
+
+std::string cpu_isa() { return adamw_cpu_isa(); }
+
+}  // namespace
+
+TORCH_LIBRARY(optstate, m) {
+  m.def(
+      "fused_adamw_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] steps, float lr, float beta1, float beta2, float eps, "
+      "float weight_decay, bool amsgrad, bool maximize) -> ()");
+  m.def("save_native(str path, str meta_json, str[] param_names, str[] entry_names, Tensor[] tensors, "
+        "bool overwrite) -> ()");
+  m.def("load_native(str path) -> (str, str[], str[], Tensor[])");
+  m.def("cpu_isa() -> str");
+}
+
+TORCH_LIBRARY_IMPL(optstate, CPU, m) { m.impl("fused_adamw_", fused_adamw_); }
+TORCH_LIBRARY_IMPL(optstate, CompositeExplicitAutograd, m) {
+  m.impl("save_native", save_native);
+  m.impl("load_native", load_native);
+  m.impl("cpu_isa", cpu_isa);
+}
+
+}  // namespace optstate::optim

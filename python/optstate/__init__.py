@@ -1,0 +1,11 @@
+"""optstate: fused and 8-bit AdamW with plain-tensor state, and tools for their checkpoints.
+
+A thin Python face over the C++ library: the optimizer math and the checkpoint I/O run in the
+torch ops library built from optim/ (see README.md).
+"""
+from ._ops import ops
+from .optim import FusedAdamW
+from .checkpoint import save, load
+
+__all__ = ["FusedAdamW", "save", "load", "ops"]
+__version__ = "0.1.0"

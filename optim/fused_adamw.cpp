@@ -23,6 +23,15 @@ void check_options(const FusedAdamWOptions& o) {
 FusedAdamW::FusedAdamW(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, FusedAdamWOptions defaults)
     : Optimizer(param_groups, std::make_unique<FusedAdamWOptions>(defaults)) {
   check_options(defaults);
+  // LibTorch's add_param_group only merges group options for its own optimizer types and falls back
+  // to the defaults for any other; a group given with its own FusedAdamWOptions keeps them as given.
+  for (size_t i = 0; i < param_groups.size(); ++i)
+    if (param_groups[i].has_options()) {
+      auto* given = dynamic_cast<const FusedAdamWOptions*>(&param_groups[i].options());
+      TORCH_CHECK(given, "FusedAdamW: param group ", i, " has options of another optimizer");
+      check_options(*given);
+      param_groups_[i].set_options(std::make_unique<FusedAdamWOptions>(*given));
+    }
 }
 
 FusedAdamW::FusedAdamW(std::vector<at::Tensor> params, FusedAdamWOptions defaults)

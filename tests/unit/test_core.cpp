@@ -1,0 +1,103 @@
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "optstate/dtype.h"
+#include "optstate/io.h"
+#include "optstate/state.h"
+#include "optstate/status.h"
+#include "test_helpers.h"
+
+using namespace optstate;
+
+TEST_CASE("Result carries a value or a failed status") {
+  Result<int> ok = 3;
+  CHECK(ok.ok());
+  CHECK(*ok == 3);
+  Result<int> bad = corrupt("x.bin: bad");
+  CHECK(!bad.ok());
+  CHECK(bad.status().code() == ErrorCode::kCorrupt);
+  CHECK(bad.status().to_string() == "corrupt: x.bin: bad");
+  Result<int> from_ok = Status::Ok();  // misuse is turned into an internal error, never an ok Result
+  CHECK(!from_ok.ok());
+  CHECK(from_ok.status().code() == ErrorCode::kInternal);
+  CHECK(io_error("a").with_context("ctx").message() == "ctx: a");
+}
+
+TEST_CASE("dtype table round-trips every name") {
+  for (DType d : {DType::kF32, DType::kBF16, DType::kF16, DType::kF64, DType::kU8, DType::kI8, DType::kI32,
+                  DType::kI64}) {
+    const auto& info = dtype_info(d);
+    CHECK(dtype_from_name(info.name) == d);
+    CHECK(dtype_from_safetensors(info.safetensors_name) == d);
+    CHECK(dtype_from_torch_name(std::string("torch.") + std::string(info.torch_name)) == d);
+  }
+  CHECK(!dtype_from_name("f8").has_value());
+}
+
+TEST_CASE("bf16 and f16 conversions are exact and round to nearest even") {
+  CHECK(bf16_to_f32(0x3f80) == 1.0f);
+  CHECK(f32_to_bf16(1.0f) == 0x3f80);
+  // 1 + 2^-8 is exactly halfway between two bf16 values: ties go to the even one (1.0).
+  CHECK(f32_to_bf16(1.0f + std::ldexp(1.0f, -8)) == 0x3f80);
+  CHECK(f32_to_bf16(1.0f + 3 * std::ldexp(1.0f, -8)) == 0x3f82);
+  CHECK(f32_to_bf16(std::numeric_limits<float>::quiet_NaN()) == 0x7fc0);
+  CHECK(f16_to_f32(0x3c00) == 1.0f);
+  CHECK(f16_to_f32(0x0001) == std::ldexp(1.0f, -24));
+  CHECK(f16_to_f32(0xfc00) == -std::numeric_limits<float>::infinity());
+  CHECK(std::isnan(f16_to_f32(0x7e00)));
+}
+
+TEST_CASE("checked_numel refuses hostile shapes") {
+  CHECK(*checked_numel({}) == 1);
+  CHECK(*checked_numel({2, 0, 5}) == 0);
+  CHECK(!checked_numel({-1}).ok());
+  CHECK(!checked_numel({int64_t{1} << 40, int64_t{1} << 40}).ok());
+  CHECK(!checked_numel(std::vector<int64_t>(17, 1)).ok());
+}
+
+TEST_CASE("check_structure finds inconsistent states") {
+  OptimizerState s = testing::sample_state();
+  CHECK(check_structure(s, true).ok());
+  SUBCASE("buffer of the wrong size") {
+    s.params["layers.0.bias"].entries[kExpAvg].values = testing::f32_buffer({1.0f});
+    Status st = check_structure(s, true);
+    CHECK(!st.ok());
+    CHECK(st.message().find("layers.0.bias.exp_avg") != std::string::npos);
+  }
+  SUBCASE("group out of range") {
+    s.params["layers.0.bias"].group = 7;
+    CHECK(!check_structure(s, false).ok());
+  }
+  SUBCASE("unknown optimizer kind") {
+    s.kind = "sgd";
+    CHECK(check_structure(s, false).code() == ErrorCode::kUnsupported);
+  }
+  SUBCASE("group lists a param that does not exist") {
+    s.groups[0].params.push_back("ghost");
+    CHECK(!check_structure(s, false).ok());
+  }
+}
+
+TEST_CASE("contained_path keeps checkpoint paths inside the checkpoint") {
+  const std::filesystem::path root = "/ckpt";
+  CHECK(contained_path(root, "data/rank-00000.bin").ok());
+  for (const char* bad : {"../x", "/etc/passwd", "data/../../x", "a//b", "./a", "", "a\\b", "c:/x", "data/"})
+    CHECK_MESSAGE(!contained_path(root, bad).ok(), bad);
+}
+
+TEST_CASE("InputFile reports truncation with the file name") {
+  testing::TempDir dir;
+  const std::string text = "hello";
+  REQUIRE(write_small_file(dir.path / "f", std::as_bytes(std::span(text))).ok());
+  auto f = InputFile::open(dir.path / "f");
+  REQUIRE(f.ok());
+  std::vector<std::byte> out(10);
+  Status st = f->read_at(0, out);
+  CHECK(st.code() == ErrorCode::kCorrupt);
+  CHECK(st.message().find((dir.path / "f").string()) != std::string::npos);
+  CHECK(InputFile::open(dir.path / "missing").status().code() == ErrorCode::kNotFound);
+  CHECK(!read_small_file(dir.path / "f", 3).ok());  // over the cap: refused before allocating
+}

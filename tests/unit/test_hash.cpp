@@ -1,0 +1,151 @@
+#include <doctest/doctest.h>
+#include <xxhash.h>
+
+#include <cstring>
+#include <fmt/format.h>
+
+#include "optstate/hash.h"
+#include "registry.h"
+#include "test_helpers.h"
+
+using namespace optstate;
+
+namespace {
+std::string xxh128_hex(const std::string& bytes) {
+  XXH128_canonical_t c;
+  XXH128_canonicalFromHash(&c, XXH3_128bits(bytes.data(), bytes.size()));
+  std::string out;
+  for (unsigned char b : c.digest) out += fmt::format("{:02x}", b);
+  return out;
+}
+std::string bytes_of(const std::vector<float>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+}
+OptimizerState one_param_state() {
+  OptimizerState s;
+  ParamGroup g;
+  g.params = {"w"};
+  s.groups = {g};
+  ParamState ps;
+  ps.shape = {2};
+  ps.step = 3;
+  Entry m, v;
+  m.values = testing::f32_buffer({1.0f, -2.0f});
+  v.values = testing::f32_buffer({0.25f, 4.0f});
+  ps.entries = {{kExpAvg, m}, {kExpAvgSq, v}};
+  s.params = {{"w", ps}};
+  return s;
+}
+}  // namespace
+
+TEST_CASE("hash follows the byte-level definition in docs/hash.md") {
+  const OptimizerState s = one_param_state();
+  auto h = hash_state(s);
+  REQUIRE(h.ok());
+  const std::string hyper =
+      "lr:3f50624dd2f1a9fc,beta1:3feccccccccccccd,beta2:3feff7ced916872b,eps:3e45798ee2308c3a,"
+      "weight_decay:3f847ae147ae147b,amsgrad:0,maximize:0";
+  CHECK(hyper_string(s.groups[0].hyper) == hyper);
+  const std::string m_pre = "optstate-entry-v1\nname=w.exp_avg\nshape=2\nstep=3\nhyper=" + hyper +
+                            "\nencoding=dense,dtype=f32\n\n" + bytes_of({1.0f, -2.0f});
+  const std::string v_pre = "optstate-entry-v1\nname=w.exp_avg_sq\nshape=2\nstep=3\nhyper=" + hyper +
+                            "\nencoding=dense,dtype=f32\n\n" + bytes_of({0.25f, 4.0f});
+  CHECK(h->entries.at("w.exp_avg") == xxh128_hex(m_pre));
+  CHECK(h->entries.at("w.exp_avg_sq") == xxh128_hex(v_pre));
+  const std::string root_pre = "optstate-root-v1\nmode=raw\nkind=adamw\nparam w shape=2 dtype=f32 step=3 hyper=" +
+                               hyper + "\n" + h->entries.at("w.exp_avg") + "  w.exp_avg\n" +
+                               h->entries.at("w.exp_avg_sq") + "  w.exp_avg_sq\n";
+  CHECK(h->root == xxh128_hex(root_pre));
+  // The published test vectors (docs/hash.md); a change here is a format change.
+  CHECK(h->entries.at("w.exp_avg") == "2420549cc6a0a91dc90f7c6528c0856b");
+  CHECK(h->entries.at("w.exp_avg_sq") == "abb64f37030c1e374c9800902d496055");
+  CHECK(h->root == "d973e5b32f0965e7d9578d5d3a5e2d2b");
+}
+
+TEST_CASE("every change of value, shape, name, step or hyperparameter changes the hash it touches") {
+  const OptimizerState base = testing::sample_state();
+  auto h0 = hash_state(base);
+  REQUIRE(h0.ok());
+  auto changed = [&](const OptimizerState& s) {
+    auto h = hash_state(s);
+    REQUIRE(h.ok());
+    return *h;
+  };
+  SUBCASE("one value bit") {
+    OptimizerState s = base;
+    std::vector<std::byte> bytes(s.params["layers.0.bias"].entries[kExpAvgSq].values.span().begin(),
+                                 s.params["layers.0.bias"].entries[kExpAvgSq].values.span().end());
+    bytes[5] ^= std::byte{0x01};
+    s.params["layers.0.bias"].entries[kExpAvgSq].values = Buffer::take(bytes);
+    auto h = changed(s);
+    CHECK(h.root != h0->root);
+    CHECK(h.entries["layers.0.bias.exp_avg_sq"] != h0->entries["layers.0.bias.exp_avg_sq"]);
+    CHECK(h.entries["layers.0.bias.exp_avg"] == h0->entries["layers.0.bias.exp_avg"]);
+  }
+  SUBCASE("step") {
+    OptimizerState s = base;
+    s.params["layers.0.bias"].step = 6;
+    auto h = changed(s);
+    CHECK(h.root != h0->root);
+    CHECK(h.entries["layers.0.bias.exp_avg"] != h0->entries["layers.0.bias.exp_avg"]);
+    CHECK(h.entries["layers.0.weight.exp_avg"] == h0->entries["layers.0.weight.exp_avg"]);
+  }
+  SUBCASE("hyperparameter") {
+    OptimizerState s = base;
+    s.groups[1].hyper.lr = 2e-3;
+    auto h = changed(s);
+    CHECK(h.root != h0->root);
+    CHECK(h.entries["layers.0.bias.exp_avg"] != h0->entries["layers.0.bias.exp_avg"]);
+    CHECK(h.entries["layers.0.weight.exp_avg"] == h0->entries["layers.0.weight.exp_avg"]);
+  }
+  SUBCASE("shape with the same bytes") {
+    OptimizerState s = base;
+    s.params["layers.0.weight"].shape = {3, 2};
+    auto h = changed(s);
+    CHECK(h.root != h0->root);
+    CHECK(h.entries["layers.0.weight.exp_avg"] != h0->entries["layers.0.weight.exp_avg"]);
+  }
+  SUBCASE("name") {
+    OptimizerState s = base;
+    auto node = s.params.extract("layers.0.bias");
+    node.key() = "layers.1.bias";
+    s.params.insert(std::move(node));
+    s.groups[1].params = {"layers.1.bias"};
+    auto h = changed(s);
+    CHECK(h.root != h0->root);
+    CHECK(h.entries.count("layers.1.bias.exp_avg") == 1);
+  }
+  SUBCASE("encoding dtype with equal values hashes equal only with --values") {
+    OptimizerState s = base;
+    Entry& p = s.params["layers.0.weight"].entries[kParam];
+    std::vector<float> widened;
+    for (size_t i = 0; i < p.values.size / 2; ++i) {
+      uint16_t h;
+      std::memcpy(&h, p.values.data + 2 * i, 2);
+      widened.push_back(bf16_to_f32(h));
+    }
+    p.dtype = DType::kF32;
+    p.values = testing::f32_buffer(widened);
+    auto raw = changed(s);
+    CHECK(raw.entries["layers.0.weight.param"] != h0->entries["layers.0.weight.param"]);
+    auto v0 = hash_state(base, {.values = true});
+    auto v1 = hash_state(s, {.values = true});
+    REQUIRE(v0.ok());
+    REQUIRE(v1.ok());
+    CHECK(v0->root == v1->root);
+  }
+}
+
+TEST_CASE("hash is the same after a native round trip and independent of stream piece size") {
+  testing::TempDir dir;
+  const OptimizerState s = testing::sample_state();
+  REQUIRE(find_format("native")->write(s, dir.path / "ckpt", {}).ok());
+  auto reader = open_checkpoint(dir.path / "ckpt");
+  REQUIRE(reader.ok());
+  auto from_disk = hash_checkpoint(**reader);
+  auto in_memory = hash_state(s);
+  REQUIRE(from_disk.ok());
+  REQUIRE(in_memory.ok());
+  CHECK(from_disk->root == in_memory->root);
+  CHECK(from_disk->entries == in_memory->entries);
+}

@@ -1,0 +1,23 @@
+#pragma once
+
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "optstate/state.h"
+
+namespace optstate::testing {
+
+// A fresh directory under the system temp dir, removed when the object goes out of scope.
+struct TempDir {
+  std::filesystem::path path;
+  TempDir();
+  ~TempDir();
+};
+
+Buffer f32_buffer(const std::vector<float>& values);
+// A small two-param, two-group state with dense fp32 entries (and a bf16 weight entry).
+OptimizerState sample_state();
+
+}  // namespace optstate::testing

@@ -1,0 +1,209 @@
+#include <doctest/doctest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "native/native_manifest.h"
+#include "optstate/hash.h"
+#include "optstate/io.h"
+#include "registry.h"
+#include "test_helpers.h"
+
+using namespace optstate;
+namespace fs = std::filesystem;
+
+namespace {
+
+const FormatDriver& native_driver() { return *find_format("native"); }
+
+fs::path write_sample(const testing::TempDir& dir) {
+  const fs::path p = dir.path / "ckpt";
+  REQUIRE(native_driver().write(testing::sample_state(), p, {}).ok());
+  return p;
+}
+
+std::string slurp(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), {}};
+}
+void spit(const fs::path& p, const std::string& s) {
+  std::ofstream f(p, std::ios::binary | std::ios::trunc);
+  f << s;
+}
+
+// Re-signs an edited manifest, so the test reaches the check behind the manifest checksum.
+void rewrite_manifest(const fs::path& ckpt, const std::function<void(nlohmann::json&)>& edit) {
+  auto j = nlohmann::json::parse(slurp(ckpt / "manifest.json"));
+  edit(j);
+  j.erase("manifest_xxh3");
+  const std::string body = j.dump();
+  j["manifest_xxh3"] = xxh3_64_hex(std::as_bytes(std::span(body)));
+  spit(ckpt / "manifest.json", j.dump(1));
+}
+
+Status open_and_read_all(const fs::path& p) {
+  auto r = open_checkpoint(p);
+  if (!r.ok()) return r.status();
+  auto s = load_all(**r);
+  return s.status();
+}
+
+}  // namespace
+
+TEST_CASE("native checkpoint round-trips the canonical state exactly") {
+  testing::TempDir dir;
+  const fs::path p = write_sample(dir);
+  CHECK(native_driver().sniff(p));
+  auto r = open_checkpoint(p);
+  REQUIRE(r.ok());
+  CHECK((*r)->format() == "native");
+  auto loaded = load_all(**r);
+  REQUIRE(loaded.ok());
+  const OptimizerState want = testing::sample_state();
+  CHECK(loaded->kind == want.kind);
+  REQUIRE(loaded->groups.size() == 2);
+  CHECK(loaded->groups[0].hyper == want.groups[0].hyper);
+  CHECK(loaded->groups[1].params == want.groups[1].params);
+  for (const auto& [fqn, ps] : want.params) {
+    const ParamState& got = loaded->params.at(fqn);
+    CHECK(got.shape == ps.shape);
+    CHECK(got.step == ps.step);
+    CHECK(got.param_dtype == ps.param_dtype);
+    for (const auto& [name, e] : ps.entries) {
+      const Entry& ge = got.entries.at(name);
+      CHECK(ge.dtype == e.dtype);
+      REQUIRE(ge.values.size == e.values.size);
+      CHECK(std::memcmp(ge.values.data, e.values.data, e.values.size) == 0);
+    }
+  }
+  // Nothing is left beside the checkpoint: the staging directory was renamed into place.
+  int entries = 0;
+  for (auto& _ : fs::directory_iterator(dir.path)) ++entries, (void)_;
+  CHECK(entries == 1);
+}
+
+TEST_CASE("native writer refuses to replace a checkpoint unless asked, and replaces it atomically") {
+  testing::TempDir dir;
+  const fs::path p = write_sample(dir);
+  Status st = native_driver().write(testing::sample_state(), p, {});
+  CHECK(st.code() == ErrorCode::kInvalidArgument);
+  OptimizerState changed = testing::sample_state();
+  changed.params["layers.0.bias"].step = 9;
+  changed.params["layers.0.weight"].step = 9;
+  REQUIRE(native_driver().write(changed, p, {.overwrite = true}).ok());
+  auto r = open_checkpoint(p);
+  REQUIRE(r.ok());
+  CHECK((*r)->meta().params.at("layers.0.bias").step == 9);
+}
+
+TEST_CASE("a failed write leaves no output") {
+  testing::TempDir dir;
+  OptimizerState bad = testing::sample_state();
+  bad.params["layers.0.bias"].entries[kExpAvg].values = testing::f32_buffer({1.0f});  // wrong size
+  CHECK(!native_driver().write(bad, dir.path / "ckpt", {}).ok());
+  CHECK(fs::is_empty(dir.path));
+  CHECK(!native_driver().write(testing::sample_state(), dir.path / "no" / "such" / "parent", {}).ok());
+  CHECK(fs::is_empty(dir.path));
+}
+
+TEST_CASE("hostile native checkpoints give errors that name the file, never a crash") {
+  testing::TempDir dir;
+  const fs::path p = write_sample(dir);
+  const fs::path data = p / "data" / "rank-00000.bin";
+  const fs::path manifest = p / "manifest.json";
+
+  SUBCASE("truncated data file") {
+    fs::resize_file(data, fs::file_size(data) - 7);
+    Status st = open_and_read_all(p);
+    CHECK(st.code() == ErrorCode::kCorrupt);
+    CHECK(st.message().find(data.string()) != std::string::npos);
+  }
+  SUBCASE("missing data file") {
+    fs::remove(data);
+    Status st = open_and_read_all(p);
+    CHECK(!st.ok());
+    CHECK(st.message().find("rank-00000.bin") != std::string::npos);
+  }
+  SUBCASE("one flipped data bit is caught by the chunk checksum") {
+    std::string bytes = slurp(data);
+    bytes[bytes.size() - 3] ^= 0x10;
+    spit(data, bytes);
+    Status st = open_and_read_all(p);
+    CHECK(st.code() == ErrorCode::kCorrupt);
+    CHECK(st.message().find("checksum mismatch") != std::string::npos);
+    CHECK(st.message().find(data.string()) != std::string::npos);
+  }
+  SUBCASE("one flipped manifest byte") {
+    std::string text = slurp(manifest);
+    const auto at = text.find("\"step\": 5");
+    REQUIRE(at != std::string::npos);
+    text[at + 8] = '7';
+    spit(manifest, text);
+    Status st = open_and_read_all(p);
+    CHECK(st.code() == ErrorCode::kCorrupt);
+    CHECK(st.message().find("manifest.json") != std::string::npos);
+  }
+  SUBCASE("newer manifest version") {
+    rewrite_manifest(p, [](nlohmann::json& j) { j["version"] = 99; });
+    Status st = open_and_read_all(p);
+    CHECK(st.code() == ErrorCode::kUnsupported);
+    CHECK(st.message().find("version 99") != std::string::npos);
+  }
+  SUBCASE("wrong chunk checksum in the manifest") {
+    rewrite_manifest(p, [](nlohmann::json& j) {
+      j["params"]["layers.0.bias"]["entries"]["exp_avg"]["components"]["values"][0]["xxh3"] = "0123456789abcdef";
+    });
+    Status st = open_and_read_all(p);
+    CHECK(st.code() == ErrorCode::kCorrupt);
+    CHECK(st.message().find("layers.0.bias.exp_avg") != std::string::npos);
+  }
+  SUBCASE("path escaping the checkpoint") {
+    rewrite_manifest(p, [](nlohmann::json& j) { j["files"][0]["path"] = "../../etc/passwd"; });
+    Status st = open_and_read_all(p);
+    CHECK(st.code() == ErrorCode::kCorrupt);
+    CHECK(st.message().find("leaves the checkpoint") != std::string::npos);
+  }
+  SUBCASE("declared file size lies") {
+    rewrite_manifest(p, [](nlohmann::json& j) { j["files"][0]["size"] = uint64_t{1} << 50; });
+    CHECK(open_and_read_all(p).code() == ErrorCode::kCorrupt);
+  }
+  SUBCASE("uncovered range") {
+    rewrite_manifest(p, [](nlohmann::json& j) {
+      j["params"]["layers.0.bias"]["entries"]["exp_avg"]["components"]["values"][0]["end"] = 2;
+    });
+    Status st = open_and_read_all(p);
+    CHECK(st.message().find("not covered") != std::string::npos);
+  }
+  SUBCASE("doubly covered range") {
+    rewrite_manifest(p, [](nlohmann::json& j) {
+      auto& list = j["params"]["layers.0.bias"]["entries"]["exp_avg"]["components"]["values"];
+      list.push_back(list[0]);
+    });
+    Status st = open_and_read_all(p);
+    CHECK(st.message().find("covered twice") != std::string::npos);
+  }
+  SUBCASE("chunk beyond the end of its file") {
+    rewrite_manifest(p, [](nlohmann::json& j) {
+      j["params"]["layers.0.bias"]["entries"]["exp_avg"]["components"]["values"][0]["offset"] = 1 << 30;
+    });
+    CHECK(open_and_read_all(p).message().find("outside") != std::string::npos);
+  }
+  SUBCASE("huge shape") {
+    rewrite_manifest(p, [](nlohmann::json& j) { j["params"]["layers.0.bias"]["shape"] = {1LL << 40, 1LL << 40}; });
+    CHECK(open_and_read_all(p).code() == ErrorCode::kCorrupt);
+  }
+  SUBCASE("not JSON") {
+    spit(manifest, "{\"format\": ");
+    CHECK(open_and_read_all(p).code() == ErrorCode::kCorrupt);
+  }
+  SUBCASE("wrong types") {
+    rewrite_manifest(p, [](nlohmann::json& j) { j["params"]["layers.0.bias"]["step"] = "five"; });
+    CHECK(open_and_read_all(p).message().find("'step'") != std::string::npos);
+  }
+}
+
+TEST_CASE("manifest parsing is a pure function of bytes") {
+  const std::string junk = "\x00\x01garbage";
+  auto m = native::parse_manifest(std::as_bytes(std::span(junk)), "/x");
+  CHECK(!m.ok());
+}

@@ -42,7 +42,6 @@ int main(int argc, char** argv) {
   }
   for (const auto& c : kCommands)
     if (cmd == c.name) return c.run(argc - 2, argv + 2);
-  std::fprintf(stderr, "optstate: unknown command '%s'\n\n", cmd.c_str());
-  print_usage(stderr);
+  std::fprintf(stderr, "optstate: unknown command '%s' (see optstate --help)\n", cmd.c_str());
   return optstate::cli::kExitError;
 }

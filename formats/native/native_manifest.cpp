@@ -111,7 +111,9 @@ Result<Manifest> parse_body(const json& root, const std::filesystem::path& dir, 
     DataFile df;
     OPTSTATE_ASSIGN_OR_RETURN(df.rel_path, ff.str("path"));
     OPTSTATE_ASSIGN_OR_RETURN(df.size, ff.u64("size"));
-    OPTSTATE_ASSIGN_OR_RETURN(df.full_path, contained_path(dir, df.rel_path));
+    auto full = contained_path(dir, df.rel_path);
+    if (!full.ok()) return corrupt(fmt::format("{}: {}", ff.where, full.status().message()));
+    df.full_path = *full;
     for (const DataFile& other : m.files)
       if (other.rel_path == df.rel_path) return corrupt(fmt::format("{}: '{}' listed twice", ff.where, df.rel_path));
     m.files.push_back(std::move(df));

@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# CLI cases run by CTest: `cli_cases.sh CASE` with OPTSTATE and OPTSTATE_DEMO set to the built binaries.
+# Each case checks the exit status and that the message names the offending file.
+set -uo pipefail
+case_name=$1
+: "${OPTSTATE:?}" "${OPTSTATE_DEMO:?}"
+PY=${OPTSTATE_PYTHON:-python3}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+fail() { echo "FAIL [$case_name]: $*" >&2; exit 1; }
+
+# expect_error WANT_RC PATTERN -- cmd...: runs cmd, checks rc and that stderr matches PATTERN in one line.
+expect_error() {
+  local want=$1 pattern=$2; shift 3
+  local out rc
+  out=$("$@" 2>&1 >/dev/null); rc=$?
+  [ "$rc" -eq "$want" ] || fail "exit $rc (want $want) from: $* -- $out"
+  [ "$(printf '%s\n' "$out" | wc -l)" -eq 1 ] || fail "error is not one line: $out"
+  printf '%s\n' "$out" | grep -Eq -- "$pattern" || fail "error '$out' does not match '$pattern'"
+  echo "ok: $* -> $rc: $out"
+}
+
+make_ckpt() { "$OPTSTATE_DEMO" --steps 3 --save "$1" >/dev/null || fail "demo could not write $1"; }
+
+# Re-signs manifest.json after an edit made by a python expression on `j` (keeps the test honest:
+# the check behind the manifest checksum is the one exercised).
+resign() {
+  "$PY" - "$1" "$2" <<'PY'
+import json, subprocess, sys
+path, expr = sys.argv[1], sys.argv[2]
+j = json.load(open(path))
+exec(expr)
+j.pop("manifest_xxh3", None)
+body = json.dumps(j, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
+import xxhash
+j["manifest_xxh3"] = xxhash.xxh3_64_hexdigest(body.encode())
+json.dump(j, open(path, "w"), indent=1)
+PY
+}
+
+case "$case_name" in
+  help)
+    "$OPTSTATE" --help | grep -q "inspect" || fail "no command list"
+    for c in inspect hash; do "$OPTSTATE" "$c" --help | grep -q "usage: optstate $c" || fail "$c --help"; done
+    expect_error 2 "unknown command" -- "$OPTSTATE" frobnicate
+    expect_error 2 "unknown option '--bogus'" -- "$OPTSTATE" hash --bogus x
+    expect_error 2 "usage: optstate hash" -- "$OPTSTATE" hash
+    ;;
+  hash-output)
+    make_ckpt "$work/c"
+    out=$("$OPTSTATE" hash "$work/c") || fail "hash failed"
+    last=$(printf '%s\n' "$out" | tail -1)
+    [[ "$last" =~ ^[0-9a-f]{32}\ \ \(root\)$ ]] || fail "bad root line '$last'"
+    names=$(printf '%s\n' "$out" | head -n -1 | awk '{print $2}')
+    [ "$names" = "$(printf '%s\n' "$names" | LC_ALL=C sort)" ] || fail "entries not sorted"
+    printf '%s\n' "$names" | grep -qx "layers.0.weight.exp_avg_sq" || fail "missing entry"
+    json=$("$OPTSTATE" hash --json "$work/c") || fail "hash --json failed"
+    root=$(printf '%s' "$json" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["root"])')
+    [ "$root $last" = "$root ${root}  (root)" ] || fail "json root $root differs from '$last'"
+    # Deterministic across runs and equal with --values for fp32 dense state.
+    [ "$("$OPTSTATE" hash "$work/c")" = "$out" ] || fail "hash not deterministic"
+    "$OPTSTATE" hash --values "$work/c" >/dev/null || fail "--values failed"
+    ;;
+  inspect-output)
+    make_ckpt "$work/c"
+    out=$("$OPTSTATE" inspect "$work/c") || fail "inspect failed"
+    printf '%s\n' "$out" | grep -q "optimizer   adamw, 2 param group(s), 6 params" || fail "header: $out"
+    printf '%s\n' "$out" | grep -q "8.00 bytes/param" || fail "bytes/param"
+    "$OPTSTATE" inspect --json "$work/c" | "$PY" -c '
+import json, sys
+j = json.load(sys.stdin)
+assert j["optimizer"] == "adamw", j
+assert j["params"]["layers.0.weight"]["shape"] == [128, 32]
+assert j["params"]["layers.0.weight"]["step"] == 3
+assert j["params"]["layers.0.weight"]["entries"]["exp_avg_sq"]["stats"]["min"] >= 0
+assert j["param_groups"][0]["weight_decay"] == 0.1
+' || fail "inspect --json content"
+    ;;
+  missing-path)
+    expect_error 2 "$work/nope: no such file" -- "$OPTSTATE" inspect "$work/nope"
+    expect_error 2 "$work/nope: no such file" -- "$OPTSTATE" hash "$work/nope"
+    ;;
+  not-a-checkpoint)
+    mkdir "$work/empty"; echo hi > "$work/file.txt"
+    expect_error 2 "$work/empty: not a checkpoint" -- "$OPTSTATE" inspect "$work/empty"
+    expect_error 2 "$work/empty: not a checkpoint" -- "$OPTSTATE" hash "$work/empty"
+    expect_error 2 "$work/file.txt: not a checkpoint" -- "$OPTSTATE" hash "$work/file.txt"
+    ;;
+  truncated-data)
+    make_ckpt "$work/c"
+    f="$work/c/data/rank-00000.bin"
+    truncate -s -100 "$f"
+    expect_error 2 "$f: file has .* bytes, manifest says" -- "$OPTSTATE" inspect "$work/c"
+    expect_error 2 "$f: file has .* bytes, manifest says" -- "$OPTSTATE" hash "$work/c"
+    ;;
+  newer-manifest)
+    make_ckpt "$work/c"
+    resign "$work/c/manifest.json" 'j["version"] = 2'
+    expect_error 2 "manifest.json: manifest version 2 is newer" -- "$OPTSTATE" inspect "$work/c"
+    expect_error 2 "manifest.json: manifest version 2 is newer" -- "$OPTSTATE" hash "$work/c"
+    ;;
+  wrong-chunk-checksum)
+    make_ckpt "$work/c"
+    resign "$work/c/manifest.json" \
+      'j["params"]["head.bias"]["entries"]["exp_avg"]["components"]["values"][0]["xxh3"] = "00000000deadbeef"'
+    expect_error 2 "rank-00000.bin: checksum mismatch .*head.bias.exp_avg" -- "$OPTSTATE" hash "$work/c"
+    expect_error 2 "rank-00000.bin: checksum mismatch .*head.bias.exp_avg" -- "$OPTSTATE" inspect "$work/c"
+    ;;
+  tampered-manifest)
+    make_ckpt "$work/c"
+    sed -i 's/"step": 3/"step": 4/' "$work/c/manifest.json"
+    expect_error 2 "manifest.json: manifest checksum mismatch" -- "$OPTSTATE" hash "$work/c"
+    ;;
+  flipped-data-bit)
+    make_ckpt "$work/c"
+    "$PY" - "$work/c/data/rank-00000.bin" <<'PY'
+import sys
+p = sys.argv[1]; b = bytearray(open(p, "rb").read()); b[len(b) // 2] ^= 0x04; open(p, "wb").write(b)
+PY
+    expect_error 2 "checksum mismatch" -- "$OPTSTATE" hash "$work/c"
+    ;;
+  escaping-path)
+    make_ckpt "$work/c"
+    resign "$work/c/manifest.json" 'j["files"][0]["path"] = "../../../etc/passwd"'
+    expect_error 2 "manifest.json: .*leaves the checkpoint directory" -- "$OPTSTATE" hash "$work/c"
+    ;;
+  garbage-manifest)
+    make_ckpt "$work/c"
+    head -c 100 /dev/urandom > "$work/c/manifest.json"
+    expect_error 2 "manifest.json: not a valid JSON manifest" -- "$OPTSTATE" inspect "$work/c"
+    ;;
+  resume-bitwise)
+    "$OPTSTATE_DEMO" --steps 40 --final "$work/a" >/dev/null || fail "uninterrupted run"
+    "$OPTSTATE_DEMO" --steps 20 --save "$work/c20" >/dev/null || fail "first half"
+    "$OPTSTATE_DEMO" --steps 40 --resume "$work/c20" --final "$work/b" | grep -q "verified" || fail "resume"
+    a=$("$OPTSTATE" hash "$work/a") b=$("$OPTSTATE" hash "$work/b")
+    [ "$a" = "$b" ] || fail "resumed run differs: $(diff <(echo "$a") <(echo "$b"))"
+    cmp -s "$work/a/data/rank-00000.bin" "$work/b/data/rank-00000.bin" || fail "data files differ"
+    "$OPTSTATE_DEMO" --bf16 --steps 40 --final "$work/a16" >/dev/null
+    "$OPTSTATE_DEMO" --bf16 --steps 20 --save "$work/c16" >/dev/null
+    "$OPTSTATE_DEMO" --bf16 --steps 40 --resume "$work/c16" --final "$work/b16" >/dev/null || fail "bf16 resume"
+    [ "$("$OPTSTATE" hash "$work/a16")" = "$("$OPTSTATE" hash "$work/b16")" ] || fail "bf16 resumed run differs"
+    [ "$a" != "$("$OPTSTATE" hash "$work/a16")" ] || fail "bf16 and fp32 runs hash equal"
+    echo "ok: resumed runs are bitwise identical (fp32 and bf16 params)"
+    ;;
+  *) fail "unknown case" ;;
+esac
+exit 0

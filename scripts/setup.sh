@@ -5,7 +5,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
-apt_pkgs=(build-essential cmake ninja-build ccache pkg-config libhdf5-dev libxxhash-dev libfmt-dev
+apt_pkgs=(build-essential cmake ninja-build ccache pkg-config python3-venv libhdf5-dev libxxhash-dev libfmt-dev
           doctest-dev nlohmann-json3-dev)
 missing=()
 for p in "${apt_pkgs[@]}"; do
@@ -29,6 +29,10 @@ if [ ! -f "$stamp" ] || ! cmp -s "$py_reqs" "$stamp"; then
   .venv/bin/python -m pip install -q -r "$py_reqs"
   cp "$py_reqs" "$stamp"
 fi
+
+# The Python package lives in python/; a .pth file makes `import optstate` work in the venv.
+site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "$root/python" > "$site/optstate.pth"
 
 torch_prefix=$(.venv/bin/python -c 'import torch; print(torch.utils.cmake_prefix_path)')
 build_type=${OPTSTATE_BUILD_TYPE:-Release}

@@ -1,0 +1,138 @@
+"""optstate.save/load and the CLI on checkpoints written from Python; docs/hash.md re-implemented
+independently here (Python xxhash) to check the C++ hash engine against its own specification."""
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+
+import optstate
+
+
+def _model():
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def _train(model, opt, steps, start=0):
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(8, 16, generator=g)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _groups(model):
+    return [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
+            {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
+
+
+def test_save_load_resume_is_bitwise(tmp_path):
+    ref = _model()
+    ropt = optstate.FusedAdamW(_groups(ref), lr=1e-2, amsgrad=True)
+    _train(ref, ropt, 20)
+
+    model = _model()
+    opt = optstate.FusedAdamW(_groups(model), lr=1e-2, amsgrad=True)
+    _train(model, opt, 10)
+    optstate.save(tmp_path / "ckpt", model, opt)
+
+    model2 = _model()  # fresh weights: everything must come from the checkpoint
+    opt2 = optstate.FusedAdamW(_groups(model2), lr=0.5)
+    optstate.load(tmp_path / "ckpt", model2, opt2)
+    assert opt2.param_groups[0]["lr"] == 1e-2 and opt2.param_groups[1]["weight_decay"] == 0.0
+    _train(model2, opt2, 10, start=10)
+    for a, b in zip(ref.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(ref.parameters(), model2.parameters()):
+        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"):
+            assert torch.equal(ropt.state[a][k], opt2.state[b][k])
+
+
+def _py_hash(ckpt: Path):
+    """docs/hash.md, implemented from the document alone."""
+    m = json.loads((ckpt / "manifest.json").read_text())
+    groups = m["optimizer"]["param_groups"]
+
+    def hx(v):
+        return struct.pack(">d", float(v)).hex()
+
+    def hyper(g):
+        return (f"lr:{hx(g['lr'])},beta1:{hx(g['betas'][0])},beta2:{hx(g['betas'][1])},eps:{hx(g['eps'])},"
+                f"weight_decay:{hx(g['weight_decay'])},amsgrad:{int(g['amsgrad'])},maximize:{int(g['maximize'])}")
+
+    data = {f["path"]: (ckpt / f["path"]).read_bytes() for f in m["files"]}
+    paths = [f["path"] for f in m["files"]]
+    entries = {}
+    for fqn, p in m["params"].items():
+        for name, e in p["entries"].items():
+            key = f"{fqn}.{name}"
+            assert e["encoding"] == "dense"
+            head = (f"optstate-entry-v1\nname={key}\nshape={','.join(map(str, p['shape']))}\nstep={p['step']}\n"
+                    f"hyper={hyper(groups[p['group']])}\nencoding=dense,dtype={e['dtype']}\n\n").encode()
+            size = {"f32": 4, "bf16": 2}[e["dtype"]]
+            body = b"".join(data[paths[c["file"]]][c["offset"]:c["offset"] + (c["end"] - c["begin"]) * size]
+                            for c in sorted(e["components"]["values"], key=lambda c: c["begin"]))
+            entries[key] = xxhash.xxh3_128_hexdigest(head + body)
+    root = "optstate-root-v1\nmode=raw\n" + f"kind={m['optimizer']['kind']}\n"
+    for fqn in sorted(m["params"]):
+        p = m["params"][fqn]
+        root += (f"param {fqn} shape={','.join(map(str, p['shape']))} dtype={p['dtype']} step={p['step']} "
+                 f"hyper={hyper(groups[p['group']])}\n")
+    for key in sorted(entries):
+        root += f"{entries[key]}  {key}\n"
+    return xxhash.xxh3_128_hexdigest(root.encode()), entries
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cli_hash_matches_the_documented_definition(tmp_path, optstate_cli, dtype):
+    model = _model().to(dtype)
+    opt = optstate.FusedAdamW(_groups(model), lr=1e-2)
+    _train(model, opt, 1) if dtype == torch.float32 else None
+    if dtype == torch.bfloat16:
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+    optstate.save(tmp_path / "c", model, opt)
+    out = json.loads(optstate_cli("hash", "--json", tmp_path / "c").stdout)
+    root, entries = _py_hash(tmp_path / "c")
+    assert out["entries"] == entries
+    assert out["root"] == root
+    text = optstate_cli("hash", tmp_path / "c").stdout.splitlines()
+    assert text[-1] == f"{root}  (root)"
+    assert [line.split("  ")[1] for line in text[:-1]] == sorted(entries)
+
+
+def test_inspect_reports_the_saved_state(tmp_path, optstate_cli):
+    model = _model()
+    opt = optstate.FusedAdamW(_groups(model), lr=2e-3)
+    _train(model, opt, 4)
+    optstate.save(tmp_path / "c", model, opt)
+    j = json.loads(optstate_cli("inspect", "--json", tmp_path / "c").stdout)
+    assert j["optimizer"] == "adamw"
+    assert j["params"]["0.weight"]["shape"] == [32, 16]
+    assert j["params"]["0.weight"]["step"] == 4
+    assert j["param_groups"][0]["lr"] == 2e-3
+    exp_avg = opt.state[model[0].weight]["exp_avg"]
+    stats = j["params"]["0.weight"]["entries"]["exp_avg"]["stats"]
+    assert stats["min"] == pytest.approx(exp_avg.min().item())
+    assert stats["max"] == pytest.approx(exp_avg.max().item())
+    assert j["totals"]["state_bytes_per_param"] == 8.0
+
+
+def test_save_refuses_to_clobber_and_load_rejects_mismatch(tmp_path):
+    model = _model()
+    opt = optstate.FusedAdamW(model.parameters())
+    _train(model, opt, 1)
+    optstate.save(tmp_path / "c", model, opt)
+    with pytest.raises(RuntimeError, match="already exists"):
+        optstate.save(tmp_path / "c", model, opt, overwrite=False)
+    other = torch.nn.Sequential(torch.nn.Linear(16, 33))
+    with pytest.raises((KeyError, ValueError)):
+        optstate.load(tmp_path / "c", other, optstate.FusedAdamW(other.parameters()))
+    with pytest.raises(RuntimeError, match="no such file"):
+        optstate.load(tmp_path / "missing", model, opt)

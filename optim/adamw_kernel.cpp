@@ -46,7 +46,8 @@ AdamWStepScalars adamw_step_scalars(const AdamWHyper& h, int64_t step) {
   return s;
 }
 
-void adamw_cpu(std::span<const AdamWTensor> items) {
+void adamw_cpu(std::span<const AdamWTensor> items, CpuIsa isa) {
+  const UpdateFn update = isa == CpuIsa::kAuto ? kUpdate : isa == CpuIsa::kAvx2 ? avx2::update : generic::update;
   // Work list over all tensors: (tensor, first chunk). One parallel region for the whole step.
   std::vector<int64_t> first_chunk(items.size() + 1, 0);
   for (size_t i = 0; i < items.size(); ++i)
@@ -60,7 +61,7 @@ void adamw_cpu(std::span<const AdamWTensor> items) {
       while (c >= first_chunk[t + 1]) ++t;
       const int64_t lo = (c - first_chunk[t]) * kChunk;
       const int64_t hi = std::min(items[t].numel, lo + kChunk);
-      kUpdate(items[t], lo, hi);
+      update(items[t], lo, hi);
     }
   });
 }

@@ -41,8 +41,11 @@ struct AdamWTensor {
   AdamWStepScalars s;
 };
 
+enum class CpuIsa : uint8_t { kAuto, kGeneric, kAvx2 };
+
 // Updates every tensor in `items` (one parallel region over fixed-size chunks of all of them).
-void adamw_cpu(std::span<const AdamWTensor> items);
+// `isa` forces a code path (tests check that both give the same bits); kAvx2 needs a CPU with it.
+void adamw_cpu(std::span<const AdamWTensor> items, CpuIsa isa = CpuIsa::kAuto);
 
 // Which ISA the CPU kernel dispatched to ("avx2+fma" or "generic").
 const char* adamw_cpu_isa();

@@ -35,6 +35,8 @@ site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purel
 echo "$root/python" > "$site/optstate.pth"
 
 torch_prefix=$(.venv/bin/python -c 'import torch; print(torch.utils.cmake_prefix_path)')
+# ccache hits across clones (CI builds a fresh clone each time): rewrite paths relative to the root.
+export CCACHE_BASEDIR="$root" CCACHE_NOHASHDIR=1
 build_type=${OPTSTATE_BUILD_TYPE:-Release}
 if [ ! -f build/build.ninja ]; then
   cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE="$build_type" \

@@ -298,4 +298,11 @@ std::string serialize_manifest(const Manifest& m) {
   return root.dump(1) + "\n";
 }
 
+std::optional<std::string> resign_manifest_for_tests(const std::string& text) {
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return std::nullopt;
+  j["manifest_xxh3"] = body_checksum(j);
+  return j.dump(1);
+}
+
 }  // namespace optstate::native

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <tuple>
@@ -52,5 +53,8 @@ struct Manifest {
 // every element exactly once. Errors name the manifest and the offending entry.
 Result<Manifest> parse_manifest(std::span<const std::byte> bytes, const std::filesystem::path& dir);
 std::string serialize_manifest(const Manifest& m);
+// For tests and the fuzz driver: the text with its manifest_xxh3 replaced by the value that matches
+// its content, or nullopt when it is not a JSON object.
+std::optional<std::string> resign_manifest_for_tests(const std::string& text);
 
 }  // namespace optstate::native

@@ -1,0 +1,161 @@
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
+#include <doctest/doctest.h>
+
+#include "adamw_kernel.h"
+#include "fused_adamw.h"
+#include "optstate/hash.h"
+#include "torch_bridge.h"
+
+using namespace optstate;
+using namespace optstate::optim;
+
+namespace {
+
+at::Tensor randn(std::vector<int64_t> shape, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, gen);
+}
+
+struct Ref {  // torch.optim.AdamW's for-loop, restated with the same ATen ops
+  at::Tensor p, m, v, vmax;
+  int64_t step = 0;
+  void update(const at::Tensor& grad, const AdamWHyper& h) {
+    at::Tensor g = h.maximize ? -grad : grad;
+    ++step;
+    p.mul_(1 - h.lr * h.weight_decay);
+    m.lerp_(g, 1 - h.beta1);
+    v.mul_(h.beta2).addcmul_(g, g, 1 - h.beta2);
+    const double bc1 = 1 - std::pow(h.beta1, step), bc2 = 1 - std::pow(h.beta2, step);
+    at::Tensor src = v;
+    if (h.amsgrad) {
+      at::maximum_out(vmax, vmax, v);
+      src = vmax;
+    }
+    at::Tensor denom = (src.sqrt() / std::sqrt(bc2)).add_(h.eps);
+    p.addcdiv_(m, denom, -(h.lr / bc1));
+  }
+};
+
+double rel_diff(const at::Tensor& a, const at::Tensor& b) {
+  return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item<double>();
+}
+
+}  // namespace
+
+TEST_CASE("FusedAdamW follows torch's AdamW for-loop within 1e-6 for every flag combination") {
+  at::NoGradGuard no_grad;
+  for (bool amsgrad : {false, true})
+    for (bool maximize : {false, true})
+      for (double wd : {0.0, 0.1}) {
+        CAPTURE(amsgrad);
+        CAPTURE(maximize);
+        CAPTURE(wd);
+        const AdamWHyper h{3e-3, 0.9, 0.99, 1e-8, wd, amsgrad, maximize};
+        at::Tensor init = randn({257, 31}, 1);
+        at::Tensor p = init.clone();
+        FusedAdamW opt({p}, FusedAdamWOptions(h.lr).betas({h.beta1, h.beta2}).eps(h.eps).weight_decay(wd)
+                                .amsgrad(amsgrad).maximize(maximize));
+        Ref ref{init.clone(), at::zeros_like(init), at::zeros_like(init), at::zeros_like(init)};
+        for (int s = 0; s < 200; ++s) {
+          at::Tensor g = randn({257, 31}, 100 + s);
+          p.mutable_grad() = g.clone();
+          opt.step();
+          ref.update(g, h);
+        }
+        CHECK(rel_diff(p, ref.p) <= 1e-6);
+        auto& st = static_cast<FusedAdamWParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+        CHECK(st.step() == 200);
+        CHECK(rel_diff(st.exp_avg(), ref.m) <= 1e-6);
+        CHECK(rel_diff(st.exp_avg_sq(), ref.v) <= 1e-6);
+      }
+}
+
+TEST_CASE("the multi-tensor launch equals per-tensor updates, and both ISAs give the same bits") {
+  const std::vector<int64_t> sizes{0, 1, 7, 8, 16383, 16384, 16385, 40001};
+  const AdamWHyper h{1e-2, 0.9, 0.999, 1e-8, 0.1, true, false};
+  auto make = [&](std::vector<at::Tensor>& store) {
+    std::vector<AdamWTensor> items;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      at::Tensor p = randn({sizes[i]}, i), g = randn({sizes[i]}, 50 + i);
+      at::Tensor m = randn({sizes[i]}, 70 + i) * 0.1, v = randn({sizes[i]}, 90 + i).abs() * 0.01;
+      at::Tensor mx = v.clone();
+      store.insert(store.end(), {p, g, m, v, mx});
+      items.push_back({p.data_ptr(), g.data_ptr(), m.data_ptr<float>(), v.data_ptr<float>(), mx.data_ptr<float>(),
+                       sizes[i], ParamKind::kF32, adamw_step_scalars(h, 3)});
+    }
+    return items;
+  };
+  std::vector<at::Tensor> all, one, gen;
+  auto items_all = make(all), items_one = make(one), items_gen = make(gen);
+  adamw_cpu(items_all);
+  for (const auto& it : items_one) adamw_cpu(std::span(&it, 1));
+  adamw_cpu(items_gen, CpuIsa::kGeneric);
+  for (size_t i = 0; i < all.size(); ++i) {
+    CHECK(at::equal(all[i], one[i]));
+    CHECK(at::equal(all[i], gen[i]));
+  }
+}
+
+TEST_CASE("bf16 params are updated in one pass with fp32 state") {
+  at::NoGradGuard no_grad;
+  at::Tensor p32 = randn({1000}, 3);
+  at::Tensor p = p32.to(at::kBFloat16);
+  FusedAdamW opt({p}, FusedAdamWOptions(1e-2));
+  p.mutable_grad() = randn({1000}, 4).to(at::kBFloat16);
+  opt.step();
+  auto& st = static_cast<FusedAdamWParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+  CHECK((st.exp_avg().scalar_type() == at::kFloat));
+  // Reference: the same step on the widened values, then one rounding.
+  Ref ref{p32.to(at::kBFloat16).to(at::kFloat), at::zeros({1000}), at::zeros({1000}), at::zeros({1000})};
+  ref.update(p.grad().to(at::kFloat), {1e-2, 0.9, 0.999, 1e-8, 1e-2, false, false});
+  CHECK(at::equal(p, ref.p.to(at::kBFloat16)));
+}
+
+TEST_CASE("export and import restore the optimizer exactly; a bad import changes nothing") {
+  at::NoGradGuard no_grad;
+  auto build = [](std::vector<at::Tensor>& ps) {
+    ps = {randn({16, 8}, 1), randn({8}, 2)};
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(std::vector<at::Tensor>{ps[0]},
+                        std::make_unique<FusedAdamWOptions>(FusedAdamWOptions(1e-2).weight_decay(0.5).amsgrad(true)));
+    groups.emplace_back(std::vector<at::Tensor>{ps[1]}, std::make_unique<FusedAdamWOptions>(FusedAdamWOptions(2e-2)));
+    return std::make_unique<FusedAdamW>(groups);
+  };
+  const std::vector<std::string> names{"w", "b"};
+  std::vector<at::Tensor> a, b;
+  auto oa = build(a);
+  auto ob = build(b);
+  CHECK(static_cast<FusedAdamWOptions&>(oa->param_groups()[0].options()).weight_decay() == 0.5);
+  for (int s = 0; s < 5; ++s) {
+    for (size_t i = 0; i < a.size(); ++i) a[i].mutable_grad() = randn(a[i].sizes().vec(), 10 * s + i);
+    oa->step();
+  }
+  auto st = export_state(*oa, names, true);
+  REQUIRE(st.ok());
+  CHECK(st->params.at("w").entries.count(kMaxExpAvgSq) == 1);
+  CHECK(st->groups[0].hyper.weight_decay == 0.5);
+
+  OptimizerState wrong = *st;
+  wrong.params.at("b").shape = {9};
+  wrong.params.at("b").entries.clear();
+  CHECK(!import_state(*ob, names, wrong, true).ok());
+  CHECK(ob->state().empty());
+
+  REQUIRE(import_state(*ob, names, *st, true).ok());
+  auto h1 = hash_state(*st);
+  auto h2 = hash_state(*export_state(*ob, names, true));
+  REQUIRE(h1.ok());
+  REQUIRE(h2.ok());
+  CHECK(h1->root == h2->root);
+  for (int s = 5; s < 10; ++s) {
+    for (size_t i = 0; i < a.size(); ++i) {
+      a[i].mutable_grad() = randn(a[i].sizes().vec(), 10 * s + i);
+      b[i].mutable_grad() = a[i].grad().clone();
+    }
+    oa->step();
+    ob->step();
+  }
+  for (size_t i = 0; i < a.size(); ++i) CHECK(at::equal(a[i], b[i]));
+}

@@ -8,6 +8,7 @@
 
 #include "adamw_kernel.h"
 #include "optstate/checkpoint.h"
+#include "optstate/quant8.h"
 #include "registry.h"
 #include "torch_bridge.h"
 
@@ -162,6 +163,44 @@ std::tuple<std::string, std::vector<std::string>, std::vector<std::string>, std:
 
 std::string cpu_isa() { return adamw_cpu_isa(); }
 
+QMap qmap_arg(const std::string& name) {
+  auto m = qmap_from_name(name);
+  if (!m.ok()) raise(m.status());
+  return *m;
+}
+
+at::Tensor qmap_tensor(const std::string& name) {
+  const auto& t = qmap_table(qmap_arg(name));
+  return at::from_blob(const_cast<float*>(t.data()), {256}, at::kFloat).clone();
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_blockwise_op(const at::Tensor& x, int64_t block, const std::string& qmap) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "optstate.quantize_blockwise: float32 input expected");
+  TORCH_CHECK(block > 0, "optstate.quantize_blockwise: block size must be positive");
+  at::Tensor xc = x.contiguous();
+  const int64_t n = xc.numel();
+  at::Tensor codes = at::empty(xc.sizes(), at::kByte);
+  at::Tensor absmax = at::empty({(n + block - 1) / block}, at::kFloat);
+  quantize_blockwise({xc.const_data_ptr<float>(), static_cast<size_t>(n)}, block, qmap_arg(qmap),
+                     {codes.data_ptr<uint8_t>(), static_cast<size_t>(n)},
+                     {absmax.data_ptr<float>(), static_cast<size_t>(absmax.numel())});
+  return {codes, absmax};
+}
+
+at::Tensor dequantize_blockwise_op(const at::Tensor& codes, const at::Tensor& absmax, int64_t block,
+                                   const std::string& qmap) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && absmax.scalar_type() == at::kFloat,
+              "optstate.dequantize_blockwise: uint8 codes and float32 absmax expected");
+  at::Tensor c = codes.contiguous(), a = absmax.contiguous();
+  TORCH_CHECK(block > 0 && a.numel() == (c.numel() + block - 1) / block,
+              "optstate.dequantize_blockwise: absmax must hold one value per block");
+  at::Tensor out = at::empty(c.sizes(), at::kFloat);
+  dequantize_blockwise({c.const_data_ptr<uint8_t>(), static_cast<size_t>(c.numel())},
+                       {a.const_data_ptr<float>(), static_cast<size_t>(a.numel())}, block, qmap_arg(qmap),
+                       {out.data_ptr<float>(), static_cast<size_t>(out.numel())});
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(optstate, m) {
@@ -173,6 +212,9 @@ TORCH_LIBRARY(optstate, m) {
         "bool overwrite) -> ()");
   m.def("load_native(str path) -> (str, str[], str[], Tensor[])");
   m.def("cpu_isa() -> str");
+  m.def("qmap(str name) -> Tensor");
+  m.def("quantize_blockwise(Tensor x, int block_size, str qmap) -> (Tensor, Tensor)");
+  m.def("dequantize_blockwise(Tensor codes, Tensor absmax, int block_size, str qmap) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(optstate, CPU, m) { m.impl("fused_adamw_", fused_adamw_); }
@@ -180,6 +222,9 @@ TORCH_LIBRARY_IMPL(optstate, CompositeExplicitAutograd, m) {
   m.impl("save_native", save_native);
   m.impl("load_native", load_native);
   m.impl("cpu_isa", cpu_isa);
+  m.impl("qmap", qmap_tensor);
+  m.impl("quantize_blockwise", quantize_blockwise_op);
+  m.impl("dequantize_blockwise", dequantize_blockwise_op);
 }
 
 }  // namespace optstate::optim

@@ -1,0 +1,65 @@
+// Blockwise 8-bit quantization (DESIGN §1 "blockwise8"): the two dynamic maps and the exact
+// quantize/dequantize rules of torchao's AdamW8bit and bitsandbytes' blockwise 8-bit optimizers.
+// Pure functions over spans; no LibTorch.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <span>
+#include <string_view>
+
+#include "optstate/status.h"
+
+namespace optstate {
+
+enum class QMap : uint8_t { kDynamicSigned, kDynamicUnsigned };
+
+inline constexpr int64_t kDefaultBlockSize = 256;
+inline constexpr int64_t kDefaultMin8bitSize = 4096;
+inline constexpr float kMinAbsmax = 1e-12f;  // absmax (the block scale) is clamped to at least this
+
+std::string_view qmap_name(QMap m);  // "dynamic-signed" / "dynamic-unsigned"
+Result<QMap> qmap_from_name(std::string_view name);
+// The 256 sorted fp32 values of a map. Signed: 0 at index 127, 1 at 255, min -0.99297.
+// Unsigned: 0 at index 0, 1 at 255.
+const std::array<float, 256>& qmap_table(QMap m);
+
+// The code of one value already divided by its block scale: the largest c with map[c] <= x (0 when
+// none; a branchless 8-step binary search), then rounded up to c+1 when
+// x - map[c] >= (map[c+1] - map[c]) * 0.5 (ties go up). NaN gives 0. The reference definition.
+uint8_t quantize_scaled_reference(float x, const float* map);
+
+// The same result as quantize_scaled_reference, from a 2^16-entry table indexed by the top 16 bits
+// of x (one load for almost every value; the reference for the few buckets that straddle a
+// rounding point). Built once per map.
+class Quantizer {
+ public:
+  explicit Quantizer(QMap m);
+  static const Quantizer& get(QMap m);
+  uint8_t operator()(float x) const {
+    uint32_t bits;
+    __builtin_memcpy(&bits, &x, 4);
+    const uint16_t e = bucket_[bits >> 16];
+    return (e & kSlow) ? quantize_scaled_reference(x, map_) : static_cast<uint8_t>(e);
+  }
+  const float* map() const { return map_; }
+
+ private:
+  static constexpr uint16_t kSlow = 0x8000;
+  const float* map_;
+  std::array<uint16_t, 65536> bucket_;
+};
+
+// max |x| over the block, clamped to >= 1e-12; NaN when the block holds a NaN (torch's amax and
+// clip propagate it, and every code of such a block is then 0).
+float block_scale(std::span<const float> x);
+
+// Quantizes consecutive blocks of `block` elements (the last may be partial): absmax[b] is the
+// block's scale, codes[i] the code of x[i] / absmax[i / block].
+void quantize_blockwise(std::span<const float> x, int64_t block, QMap m, std::span<uint8_t> codes,
+                        std::span<float> absmax);
+// out[i] = map[codes[i]] * absmax[i / block]
+void dequantize_blockwise(std::span<const uint8_t> codes, std::span<const float> absmax, int64_t block, QMap m,
+                          std::span<float> out);
+
+}  // namespace optstate

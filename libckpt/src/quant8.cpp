@@ -1,0 +1,125 @@
+#include "optstate/quant8.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace optstate {
+namespace {
+
+// torch.linspace(0.1, 1, n) in fp32 as ATen's CPU kernel computes it (scalar loop; built with FMA
+// contraction on x86-64, so start + step*i and end - step*(n-1-i) each round once).
+std::vector<float> linspace_f32(int n) {
+  const float start = 0.1f, end = 1.0f;
+  const float step = (end - start) / static_cast<float>(n - 1);
+  std::vector<float> out(n);
+  const int half = n / 2;
+  for (int i = 0; i < n; ++i)
+    out[i] = i < half ? std::fma(step, static_cast<float>(i), start)
+                      : std::fma(-step, static_cast<float>(n - i - 1), end);
+  return out;
+}
+
+// bitsandbytes' create_dynamic_map(signed, max_exponent_bits=7, total_bits=8), as torchao restates it:
+// for exponent i = 0..6, the midpoints of a linspace over [0.1, 1] scaled by 10^(i-6), mirrored when
+// signed; then 0 and 1; sorted. All arithmetic in fp32 as torch does it.
+std::array<float, 256> make_dynamic_map(bool is_signed) {
+  std::vector<float> data;
+  for (int i = 0; i < 7; ++i) {
+    const int items = is_signed ? (1 << i) + 1 : (1 << (i + 1)) + 1;
+    const std::vector<float> b = linspace_f32(items);
+    const float scale = static_cast<float>(std::pow(10.0, i - 6));  // Python 10**(i-6), rounded to fp32
+    for (int k = 0; k + 1 < items; ++k) {
+      const float mean = (b[k] + b[k + 1]) / 2.0f;
+      data.push_back(scale * mean);
+      if (is_signed) data.push_back(-scale * mean);
+    }
+  }
+  data.push_back(0.0f);
+  data.push_back(1.0f);
+  std::sort(data.begin(), data.end());
+  std::array<float, 256> out{};
+  std::copy(data.begin(), data.end(), out.begin());
+  return out;
+}
+
+}  // namespace
+
+std::string_view qmap_name(QMap m) { return m == QMap::kDynamicSigned ? "dynamic-signed" : "dynamic-unsigned"; }
+
+Result<QMap> qmap_from_name(std::string_view name) {
+  if (name == "dynamic-signed") return QMap::kDynamicSigned;
+  if (name == "dynamic-unsigned") return QMap::kDynamicUnsigned;
+  return unsupported(fmt::format("unknown quantization map '{}'", name));
+}
+
+const std::array<float, 256>& qmap_table(QMap m) {
+  static const std::array<float, 256> kSigned = make_dynamic_map(true);
+  static const std::array<float, 256> kUnsigned = make_dynamic_map(false);
+  return m == QMap::kDynamicSigned ? kSigned : kUnsigned;
+}
+
+uint8_t quantize_scaled_reference(float x, const float* map) {
+  int c = x >= map[128] ? 128 : 0;
+  for (int half = 64; half >= 1; half /= 2) c += x >= map[c + half] ? half : 0;
+  const int up = std::min(c + 1, 255);
+  const float down_v = map[c], up_v = map[up];
+  if (x - down_v >= (up_v - down_v) * 0.5f) c = up;
+  return static_cast<uint8_t>(c);
+}
+
+Quantizer::Quantizer(QMap m) : map_(qmap_table(m).data()) {
+  for (uint32_t key = 0; key < 65536; ++key) {
+    // The bucket holds the floats whose bits are key<<16 .. key<<16 | 0xffff; the rounded code is
+    // monotone in the value, so equal codes at both ends mean one code for the whole bucket.
+    float a, b;
+    const uint32_t lo = key << 16, hi = lo | 0xffffu;
+    std::memcpy(&a, &lo, 4);
+    std::memcpy(&b, &hi, 4);
+    const bool special = std::isnan(a) || std::isnan(b) || std::isinf(a) || std::isinf(b);
+    const uint8_t ca = quantize_scaled_reference(a, map_), cb = quantize_scaled_reference(b, map_);
+    bucket_[key] = (special || ca != cb) ? kSlow : ca;
+  }
+}
+
+const Quantizer& Quantizer::get(QMap m) {
+  static const Quantizer kSigned(QMap::kDynamicSigned);
+  static const Quantizer kUnsigned(QMap::kDynamicUnsigned);
+  return m == QMap::kDynamicSigned ? kSigned : kUnsigned;
+}
+
+float block_scale(std::span<const float> x) {
+  float m = 0.0f;
+  bool nan = false;
+  for (float v : x) {
+    const float a = std::fabs(v);
+    m = a > m ? a : m;
+    nan |= std::isnan(v);
+  }
+  if (nan) return std::numeric_limits<float>::quiet_NaN();  // torch's amax and clip propagate NaN
+  return m > kMinAbsmax ? m : kMinAbsmax;
+}
+
+void quantize_blockwise(std::span<const float> x, int64_t block, QMap m, std::span<uint8_t> codes,
+                        std::span<float> absmax) {
+  const Quantizer& q = Quantizer::get(m);
+  const size_t n = x.size();
+  for (size_t b = 0, start = 0; start < n; ++b, start += static_cast<size_t>(block)) {
+    const size_t len = std::min(static_cast<size_t>(block), n - start);
+    const float scale = block_scale(x.subspan(start, len));
+    absmax[b] = scale;
+    for (size_t i = start; i < start + len; ++i) codes[i] = q(x[i] / scale);
+  }
+}
+
+void dequantize_blockwise(std::span<const uint8_t> codes, std::span<const float> absmax, int64_t block, QMap m,
+                          std::span<float> out) {
+  const float* map = qmap_table(m).data();
+  for (size_t i = 0; i < codes.size(); ++i) out[i] = map[codes[i]] * absmax[i / static_cast<size_t>(block)];
+}
+
+}  // namespace optstate

@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "adamw8bit_kernel.h"
 #include "adamw_kernel.h"
 #include "optstate/checkpoint.h"
 #include "optstate/quant8.h"
@@ -59,6 +60,77 @@ void fused_adamw_(at::TensorList params, at::TensorList grads, at::TensorList ex
     t.s = adamw_step_scalars(hyper, static_cast<int64_t>(*sp));
   }
   adamw_cpu(items);
+}
+
+// 8-bit AdamW over lists. Per param i: block_sizes[i] > 0 means exp_avgs[i] etc. are uint8 codes
+// with fp32 absmax in the *_absmax lists; block_sizes[i] == 0 means dense fp32 moments (the absmax
+// entries are then ignored).
+void adamw8bit_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                at::TensorList max_exp_avg_sqs, at::TensorList exp_avg_absmax, at::TensorList exp_avg_sq_absmax,
+                at::TensorList max_exp_avg_sq_absmax, at::TensorList steps, at::IntArrayRef block_sizes, double lr,
+                double beta1, double beta2, double eps, double weight_decay, bool amsgrad) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n &&
+                  block_sizes.size() == n && exp_avg_absmax.size() == n && exp_avg_sq_absmax.size() == n,
+              "optstate.adamw8bit_: lists differ in length");
+  TORCH_CHECK(!amsgrad || (max_exp_avg_sqs.size() == n && max_exp_avg_sq_absmax.size() == n),
+              "optstate.adamw8bit_: amsgrad needs max_exp_avg_sq lists");
+  const AdamWHyper hyper{lr, beta1, beta2, eps, weight_decay, amsgrad, false};
+  std::vector<AdamW8bitTensor> items(n);
+  auto check_state = [&](const at::Tensor& t, bool codes, int64_t numel, const char* what, size_t i) {
+    TORCH_CHECK(t.is_contiguous() && t.numel() == numel && t.scalar_type() == (codes ? at::kByte : at::kFloat),
+                "optstate.adamw8bit_: ", what, " ", i, " must be contiguous ", codes ? "uint8" : "float32", " with ",
+                numel, " elements");
+  };
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor &p = params[i], &g = grads[i];
+    TORCH_CHECK(p.device().is_cpu(), "optstate.adamw8bit_: CPU tensors only in this build");
+    TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16,
+                "optstate.adamw8bit_: params must be float32 or bfloat16, got ", p.scalar_type());
+    TORCH_CHECK(g.scalar_type() == p.scalar_type() && g.sizes() == p.sizes() && p.is_contiguous() &&
+                    g.is_contiguous(),
+                "optstate.adamw8bit_: grad ", i, " does not match its contiguous param");
+    TORCH_CHECK(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat,
+                "optstate.adamw8bit_: step ", i, " must be a float32 scalar tensor");
+    const int64_t block = block_sizes[i], numel = p.numel();
+    TORCH_CHECK(block >= 0 && block <= (1 << 20), "optstate.adamw8bit_: bad block size ", block);
+    const int64_t nblocks = block > 0 ? (numel + block - 1) / block : 0;
+    check_state(exp_avgs[i], block > 0, numel, "exp_avg", i);
+    check_state(exp_avg_sqs[i], block > 0, numel, "exp_avg_sq", i);
+    if (amsgrad) check_state(max_exp_avg_sqs[i], block > 0, numel, "max_exp_avg_sq", i);
+    if (block > 0) {
+      check_state(exp_avg_absmax[i], false, nblocks, "exp_avg_absmax", i);
+      check_state(exp_avg_sq_absmax[i], false, nblocks, "exp_avg_sq_absmax", i);
+      if (amsgrad) check_state(max_exp_avg_sq_absmax[i], false, nblocks, "max_exp_avg_sq_absmax", i);
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    at::Tensor step = steps[i];
+    float* sp = step.data_ptr<float>();
+    *sp += 1.0f;
+    AdamW8bitTensor& t = items[i];
+    t.param = params[i].data_ptr();
+    t.grad = grads[i].const_data_ptr();
+    t.kind = params[i].scalar_type() == at::kFloat ? ParamKind::kF32 : ParamKind::kBF16;
+    t.numel = params[i].numel();
+    t.block = block_sizes[i];
+    if (t.block > 0) {
+      t.m_codes = exp_avgs[i].data_ptr<uint8_t>();
+      t.v_codes = exp_avg_sqs[i].data_ptr<uint8_t>();
+      t.m_absmax = exp_avg_absmax[i].data_ptr<float>();
+      t.v_absmax = exp_avg_sq_absmax[i].data_ptr<float>();
+      if (amsgrad) {
+        t.vmax_codes = max_exp_avg_sqs[i].data_ptr<uint8_t>();
+        t.vmax_absmax = max_exp_avg_sq_absmax[i].data_ptr<float>();
+      }
+    } else {
+      t.m = exp_avgs[i].data_ptr<float>();
+      t.v = exp_avg_sqs[i].data_ptr<float>();
+      if (amsgrad) t.vmax = max_exp_avg_sqs[i].data_ptr<float>();
+    }
+    t.s = adamw8bit_step_scalars(hyper, *sp);
+  }
+  adamw8bit_cpu(items);
 }
 
 [[noreturn]] void raise(const Status& st) { TORCH_CHECK(false, "optstate: ", st.message()); }
@@ -208,6 +280,11 @@ TORCH_LIBRARY(optstate, m) {
       "fused_adamw_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] steps, float lr, float beta1, float beta2, float eps, "
       "float weight_decay, bool amsgrad, bool maximize) -> ()");
+  m.def(
+      "adamw8bit_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] exp_avg_absmax, Tensor(f!)[] exp_avg_sq_absmax, "
+      "Tensor(g!)[] max_exp_avg_sq_absmax, Tensor(h!)[] steps, int[] block_sizes, float lr, float beta1, "
+      "float beta2, float eps, float weight_decay, bool amsgrad) -> ()");
   m.def("save_native(str path, str meta_json, str[] param_names, str[] entry_names, Tensor[] tensors, "
         "bool overwrite) -> ()");
   m.def("load_native(str path) -> (str, str[], str[], Tensor[])");
@@ -217,7 +294,10 @@ TORCH_LIBRARY(optstate, m) {
   m.def("dequantize_blockwise(Tensor codes, Tensor absmax, int block_size, str qmap) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(optstate, CPU, m) { m.impl("fused_adamw_", fused_adamw_); }
+TORCH_LIBRARY_IMPL(optstate, CPU, m) {
+  m.impl("fused_adamw_", fused_adamw_);
+  m.impl("adamw8bit_", adamw8bit_);
+}
 TORCH_LIBRARY_IMPL(optstate, CompositeExplicitAutograd, m) {
   m.impl("save_native", save_native);
   m.impl("load_native", load_native);

@@ -4,8 +4,8 @@ A thin Python face over the C++ library: the optimizer math and the checkpoint I
 torch ops library built from optim/ (see README.md).
 """
 from ._ops import ops
-from .optim import FusedAdamW
+from .optim import AdamW8bit, FusedAdamW
 from .checkpoint import save, load
 
-__all__ = ["FusedAdamW", "save", "load", "ops"]
+__all__ = ["AdamW8bit", "FusedAdamW", "save", "load", "ops"]
 __version__ = "0.1.0"

@@ -66,3 +66,99 @@ class FusedAdamW(torch.optim.Optimizer):
                              float(group["eps"]), float(group["weight_decay"]), bool(group["amsgrad"]),
                              bool(group["maximize"]))
         return loss
+
+
+class AdamW8bit(torch.optim.Optimizer):
+    """AdamW with blockwise 8-bit moments, bit-compatible with torchao's AdamW8bit.
+
+    Per-parameter state holds plain tensors only: ``step`` (float32 scalar), and for parameters with
+    at least ``min_8bit_size`` elements ``exp_avg_codes``/``exp_avg_sq_codes`` (uint8, the param's
+    shape) with ``exp_avg_absmax``/``exp_avg_sq_absmax`` (float32, one per block of ``block_size``
+    flattened elements; the last block may be partial); smaller parameters keep dense float32
+    ``exp_avg``/``exp_avg_sq``. The block size and map names are in the param group.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
+                 block_size=256, min_8bit_size=4096):
+        if isinstance(lr, torch.Tensor):
+            raise ValueError("AdamW8bit: lr must be a float")
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid betas: {betas}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if not 0 < block_size <= (1 << 20):
+            raise ValueError(f"Invalid block_size: {block_size}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        block_size=block_size, min_8bit_size=min_8bit_size,
+                        exp_avg_qmap="dynamic-signed", exp_avg_sq_qmap="dynamic-unsigned")
+        super().__init__(params, defaults)
+
+    @staticmethod
+    def _zero_moment(state, name, p, block):
+        if block > 0:
+            state[name + "_codes"] = torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.contiguous_format)
+            state[name + "_absmax"] = torch.zeros((p.numel() + block - 1) // block, dtype=torch.float32,
+                                                  device=p.device)
+        else:
+            state[name] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+
+    def _init_state(self, p, group):
+        state = self.state[p]
+        if len(state) == 0:
+            # 8-bit or dense is decided on the parameter's global size (DESIGN §1).
+            block = group["block_size"] if p.numel() >= group["min_8bit_size"] else 0
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            for name in ("exp_avg", "exp_avg_sq"):
+                self._zero_moment(state, name, p, block)
+        block = group["block_size"] if "exp_avg_codes" in state else 0
+        if group["amsgrad"] and "max_exp_avg_sq" not in state and "max_exp_avg_sq_codes" not in state:
+            self._zero_moment(state, "max_exp_avg_sq", p, block)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        empty = torch.empty(0)
+        for group in self.param_groups:
+            lists = {k: [] for k in ("p", "g", "m", "v", "x", "ma", "va", "xa", "step", "block")}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("AdamW8bit does not support sparse gradients")
+                state = self._init_state(p, group)
+                block = group["block_size"] if "exp_avg_codes" in state else 0
+                lists["p"].append(p)
+                lists["g"].append(p.grad.contiguous())
+                lists["step"].append(state["step"])
+                lists["block"].append(block)
+                if block:
+                    lists["m"].append(state["exp_avg_codes"])
+                    lists["v"].append(state["exp_avg_sq_codes"])
+                    lists["ma"].append(state["exp_avg_absmax"])
+                    lists["va"].append(state["exp_avg_sq_absmax"])
+                    if group["amsgrad"]:
+                        lists["x"].append(state["max_exp_avg_sq_codes"])
+                        lists["xa"].append(state["max_exp_avg_sq_absmax"])
+                else:
+                    lists["m"].append(state["exp_avg"])
+                    lists["v"].append(state["exp_avg_sq"])
+                    lists["ma"].append(empty)
+                    lists["va"].append(empty)
+                    if group["amsgrad"]:
+                        lists["x"].append(state["max_exp_avg_sq"])
+                        lists["xa"].append(empty)
+            if not lists["p"]:
+                continue
+            beta1, beta2 = group["betas"]
+            ops.adamw8bit_(lists["p"], lists["g"], lists["m"], lists["v"], lists["x"], lists["ma"], lists["va"],
+                           lists["xa"], lists["step"], lists["block"], float(group["lr"]), float(beta1),
+                           float(beta2), float(group["eps"]), float(group["weight_decay"]), bool(group["amsgrad"]))
+        return loss

@@ -1,0 +1,118 @@
+#include "adamw8bit.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include "adamw8bit_kernel.h"
+
+namespace optstate::optim {
+
+AdamW8bitOptions::AdamW8bitOptions(double lr) : lr_(lr) {}
+
+namespace {
+void check_options(const AdamW8bitOptions& o) {
+  const auto [b1, b2] = o.betas();
+  TORCH_CHECK(o.lr() >= 0, "AdamW8bit: invalid learning rate ", o.lr());
+  TORCH_CHECK(o.eps() >= 0, "AdamW8bit: invalid epsilon ", o.eps());
+  TORCH_CHECK(b1 >= 0 && b1 < 1, "AdamW8bit: invalid beta1 ", b1);
+  TORCH_CHECK(b2 >= 0 && b2 < 1, "AdamW8bit: invalid beta2 ", b2);
+  TORCH_CHECK(o.weight_decay() >= 0, "AdamW8bit: invalid weight_decay ", o.weight_decay());
+  TORCH_CHECK(o.block_size() > 0 && o.block_size() <= (1 << 20), "AdamW8bit: invalid block_size ", o.block_size());
+  TORCH_CHECK(o.min_8bit_size() >= 0, "AdamW8bit: invalid min_8bit_size ", o.min_8bit_size());
+}
+
+Moment8bit zero_moment(const at::Tensor& p, int64_t block) {
+  Moment8bit m;
+  if (block > 0) {
+    // As torchao's OptimState8bit.zeros: codes 0 and absmax 0 (dequantizes to zero); the first step
+    // writes a real absmax (>= 1e-12).
+    m.codes = at::zeros(p.sizes(), p.options().dtype(at::kByte));
+    m.absmax = at::zeros({(p.numel() + block - 1) / block}, p.options().dtype(at::kFloat));
+  } else {
+    m.values = at::zeros(p.sizes(), p.options().dtype(at::kFloat));
+  }
+  return m;
+}
+}  // namespace
+
+AdamW8bitParamState AdamW8bit::zero_state(const at::Tensor& p, const AdamW8bitOptions& o) {
+  AdamW8bitParamState st;
+  st.block_size(p.numel() >= o.min_8bit_size() ? o.block_size() : 0);
+  st.exp_avg(zero_moment(p, st.block_size()));
+  st.exp_avg_sq(zero_moment(p, st.block_size()));
+  if (o.amsgrad()) st.max_exp_avg_sq(zero_moment(p, st.block_size()));
+  return st;
+}
+
+AdamW8bit::AdamW8bit(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, AdamW8bitOptions defaults)
+    : Optimizer(param_groups, std::make_unique<AdamW8bitOptions>(defaults)) {
+  check_options(defaults);
+  // As in FusedAdamW: LibTorch only merges group options of its own optimizer types.
+  for (size_t i = 0; i < param_groups.size(); ++i)
+    if (param_groups[i].has_options()) {
+      auto* given = dynamic_cast<const AdamW8bitOptions*>(&param_groups[i].options());
+      TORCH_CHECK(given, "AdamW8bit: param group ", i, " has options of another optimizer");
+      check_options(*given);
+      param_groups_[i].set_options(std::make_unique<AdamW8bitOptions>(*given));
+    }
+}
+
+AdamW8bit::AdamW8bit(std::vector<at::Tensor> params, AdamW8bitOptions defaults)
+    : AdamW8bit({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+at::Tensor AdamW8bit::step(LossClosure closure) {
+  at::Tensor loss;
+  if (closure) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  at::NoGradGuard no_grad;
+  std::vector<AdamW8bitTensor> items;
+  for (auto& group : param_groups()) {
+    auto& o = static_cast<AdamW8bitOptions&>(group.options());
+    check_options(o);
+    const AdamWHyper hyper{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
+                           o.amsgrad(), false};
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      const at::Tensor& g = p.grad();
+      TORCH_CHECK(!g.is_sparse(), "AdamW8bit does not support sparse gradients");
+      TORCH_CHECK(p.device().is_cpu(), "AdamW8bit: this build runs on CPU tensors only");
+      TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16,
+                  "AdamW8bit: params must be float32 or bfloat16, got ", p.scalar_type());
+      TORCH_CHECK(g.scalar_type() == p.scalar_type() && g.sizes() == p.sizes(), "AdamW8bit: grad does not match param");
+      TORCH_CHECK(p.is_contiguous() && g.is_contiguous(), "AdamW8bit: params and grads must be contiguous");
+      auto& slot = state_[p.unsafeGetTensorImpl()];
+      if (!slot) slot = std::make_unique<AdamW8bitParamState>(zero_state(p, o));
+      auto& st = static_cast<AdamW8bitParamState&>(*slot);
+      if (o.amsgrad() && !st.max_exp_avg_sq().defined()) st.max_exp_avg_sq(zero_moment(p, st.block_size()));
+      st.step(st.step() + 1);
+      AdamW8bitTensor t{};
+      t.param = p.data_ptr();
+      t.grad = g.data_ptr();
+      t.kind = p.scalar_type() == at::kFloat ? ParamKind::kF32 : ParamKind::kBF16;
+      t.numel = p.numel();
+      t.block = st.block_size();
+      if (t.block > 0) {
+        t.m_codes = st.exp_avg().codes.data_ptr<uint8_t>();
+        t.m_absmax = st.exp_avg().absmax.data_ptr<float>();
+        t.v_codes = st.exp_avg_sq().codes.data_ptr<uint8_t>();
+        t.v_absmax = st.exp_avg_sq().absmax.data_ptr<float>();
+        if (o.amsgrad()) {
+          t.vmax_codes = st.max_exp_avg_sq().codes.data_ptr<uint8_t>();
+          t.vmax_absmax = st.max_exp_avg_sq().absmax.data_ptr<float>();
+        }
+      } else {
+        t.m = st.exp_avg().values.data_ptr<float>();
+        t.v = st.exp_avg_sq().values.data_ptr<float>();
+        if (o.amsgrad()) t.vmax = st.max_exp_avg_sq().values.data_ptr<float>();
+      }
+      t.s = adamw8bit_step_scalars(hyper, static_cast<float>(st.step()));
+      items.push_back(t);
+    }
+  }
+  adamw8bit_cpu(items);
+  return loss;
+}
+
+}  // namespace optstate::optim

@@ -1,0 +1,55 @@
+// AdamW8bit: AdamW whose moments are kept as blockwise 8-bit state (uint8 codes + one fp32 absmax
+// per block, the dynamic maps of torchao/bitsandbytes), bit-compatible with torchao's AdamW8bit.
+// Parameters with fewer than min_8bit_size elements (decided on the global size) keep dense fp32
+// state. fp32 and bf16 params.
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <tuple>
+#include <vector>
+
+namespace optstate::optim {
+
+struct AdamW8bitOptions : public torch::optim::OptimizerCloneableOptions<AdamW8bitOptions> {
+  AdamW8bitOptions(double lr = 1e-3);  // NOLINT
+  TORCH_ARG(double, lr) = 1e-3;
+  typedef std::tuple<double, double> betas_t;
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
+  TORCH_ARG(double, eps) = 1e-8;
+  TORCH_ARG(double, weight_decay) = 1e-2;
+  TORCH_ARG(bool, amsgrad) = false;
+  TORCH_ARG(int64_t, block_size) = 256;
+  TORCH_ARG(int64_t, min_8bit_size) = 4096;
+
+ public:
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+
+// One moment: 8-bit (codes + absmax, block_size > 0) or dense fp32 (values).
+struct Moment8bit {
+  at::Tensor codes, absmax, values;
+  bool defined() const { return codes.defined() || values.defined(); }
+};
+
+struct AdamW8bitParamState : public torch::optim::OptimizerCloneableParamState<AdamW8bitParamState> {
+  TORCH_ARG(int64_t, step) = 0;
+  TORCH_ARG(int64_t, block_size) = 0;  // 0: dense fp32 state
+  TORCH_ARG(Moment8bit, exp_avg);
+  TORCH_ARG(Moment8bit, exp_avg_sq);
+  TORCH_ARG(Moment8bit, max_exp_avg_sq);
+};
+
+class AdamW8bit : public torch::optim::Optimizer {
+ public:
+  explicit AdamW8bit(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                     AdamW8bitOptions defaults = {});
+  explicit AdamW8bit(std::vector<at::Tensor> params, AdamW8bitOptions defaults = {});
+  at::Tensor step(LossClosure closure = nullptr) override;
+
+  // New zero state for a parameter of `numel` global elements (8-bit when numel >= min_8bit_size).
+  static AdamW8bitParamState zero_state(const at::Tensor& p, const AdamW8bitOptions& o);
+};
+
+}  // namespace optstate::optim

@@ -1,0 +1,56 @@
+#include "adamw8bit_kernel.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace optstate::optim {
+namespace avx2 {
+void update8(const AdamW8bitTensor& t, int64_t begin, int64_t end);
+}
+namespace generic {
+void update8(const AdamW8bitTensor& t, int64_t begin, int64_t end);
+}
+
+AdamW8bitScalars adamw8bit_step_scalars(const AdamWHyper& h, float step) {
+  // torchao keeps lr and step as float32 tensors: every product below rounds in fp32.
+  AdamW8bitScalars s;
+  s.lr = static_cast<float>(h.lr);
+  s.lr_wd = s.lr * static_cast<float>(h.weight_decay);
+  s.w1 = static_cast<float>(1.0 - h.beta1);
+  s.w2 = static_cast<float>(1.0 - h.beta2);
+  s.bc1 = 1.0f - std::pow(static_cast<float>(h.beta1), step);
+  s.bc2_sqrt = std::sqrt(1.0f - std::pow(static_cast<float>(h.beta2), step));
+  s.eps = static_cast<float>(h.eps);
+  s.amsgrad = h.amsgrad;
+  return s;
+}
+
+void adamw8bit_cpu(std::span<const AdamW8bitTensor> items, CpuIsa isa) {
+  using Fn = void (*)(const AdamW8bitTensor&, int64_t, int64_t);
+  static const Fn kAuto = [] {
+    __builtin_cpu_init();
+    return (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? Fn{avx2::update8}
+                                                                             : Fn{generic::update8};
+  }();
+  const Fn fn = isa == CpuIsa::kAuto ? kAuto : isa == CpuIsa::kAvx2 ? avx2::update8 : generic::update8;
+  // Work list of block-aligned chunks of about 16 Ki elements over all tensors; one parallel region.
+  struct Work {
+    size_t t;
+    int64_t begin, end;
+  };
+  std::vector<Work> work;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const int64_t unit = items[i].block > 0 ? items[i].block : 1;
+    const int64_t chunk = std::max<int64_t>(1, 16384 / unit) * unit;
+    for (int64_t b = 0; b < items[i].numel; b += chunk) work.push_back({i, b, std::min(items[i].numel, b + chunk)});
+  }
+  if (work.empty()) return;
+  at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; ++w) fn(items[work[w].t], work[w].begin, work[w].end);
+  });
+}
+
+}  // namespace optstate::optim

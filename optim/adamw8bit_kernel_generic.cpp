@@ -1,0 +1,2 @@
+#define OPTSTATE_ISA generic
+#include "adamw8bit_kernel_impl.inc"

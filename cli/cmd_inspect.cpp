@@ -67,8 +67,8 @@ int run_inspect(int argc, char** argv) {
   int64_t total_numel = 0, total_state_bytes = 0, total_param_bytes = 0;
   nlohmann::json params = nlohmann::json::object();
   std::string table;
-  table += fmt::format("{:<36} {:<16} {:<5} {:>7}  {:<15} {:<26} {:>10}", "PARAM", "SHAPE", "DTYPE", "STEP", "ENTRY",
-                       "ENCODING", "BYTES");
+  table += fmt::format("{:<36} {:<16} {:<5} {:>7} {:>7}  {:<15} {:<26} {:>10}", "PARAM", "SHAPE", "DTYPE", "STEP",
+                       "B/PARAM", "ENTRY", "ENCODING", "BYTES");
   if (stats) table += fmt::format(" {:>12} {:>12} {:>12} {:>6}", "MIN", "MAX", "MEAN", "NONFIN");
   table += "\n";
   for (const auto& [fqn, ps] : meta.params) {
@@ -79,6 +79,12 @@ int run_inspect(int argc, char** argv) {
                          {"group", ps.group}, {"numel", *numel}};
     nlohmann::json entries = nlohmann::json::object();
     bool first = true;
+    int64_t param_state_bytes = 0;  // optimizer state of this param (weights excluded)
+    for (const auto& [name, e] : ps.entries)
+      if (name != kParam)
+        for (Component c : e.components()) param_state_bytes += component_bytes(e, c, *numel);
+    const double bpp = *numel ? static_cast<double>(param_state_bytes) / static_cast<double>(*numel) : 0.0;
+    pj["state_bytes_per_param"] = bpp;
     for (const auto& [name, e] : ps.entries) {
       int64_t bytes = 0;
       for (Component c : e.components()) bytes += component_bytes(e, c, *numel);
@@ -92,9 +98,10 @@ int run_inspect(int argc, char** argv) {
         ej["block_size"] = e.block_size;
         ej["qmap"] = e.qmap;
       }
-      table += fmt::format("{:<36} {:<16} {:<5} {:>7}  {:<15} {:<26} {:>10}", first ? fqn : "",
+      table += fmt::format("{:<36} {:<16} {:<5} {:>7} {:>7}  {:<15} {:<26} {:>10}", first ? fqn : "",
                            first ? format_shape(ps.shape) : "", first ? std::string(dtype_name(ps.param_dtype)) : "",
-                           first ? std::to_string(ps.step) : "", name, encoding_text(e), human_bytes(bytes));
+                           first ? std::to_string(ps.step) : "", first ? fmt::format("{:.3f}", bpp) : "", name,
+                           encoding_text(e), human_bytes(bytes));
       if (stats) {
         auto s = entry_stats(reader, fqn, name);
         if (!s.ok()) return fail("inspect", s.status());
@@ -106,8 +113,8 @@ int run_inspect(int argc, char** argv) {
       first = false;
     }
     if (ps.entries.empty())
-      table += fmt::format("{:<36} {:<16} {:<5} {:>7}  (no state yet)\n", fqn, format_shape(ps.shape),
-                           dtype_name(ps.param_dtype), ps.step);
+      table += fmt::format("{:<36} {:<16} {:<5} {:>7} {:>7}  (no state yet)\n", fqn, format_shape(ps.shape),
+                           dtype_name(ps.param_dtype), ps.step, "-");
     pj["entries"] = entries;
     params[fqn] = pj;
   }

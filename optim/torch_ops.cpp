@@ -10,6 +10,7 @@
 #include "adamw_kernel.h"
 #include "optstate/checkpoint.h"
 #include "optstate/quant8.h"
+#include "optstate/transform.h"
 #include "registry.h"
 #include "torch_bridge.h"
 
@@ -136,11 +137,15 @@ void adamw8bit_(at::TensorList params, at::TensorList grads, at::TensorList exp_
 [[noreturn]] void raise(const Status& st) { TORCH_CHECK(false, "optstate: ", st.message()); }
 
 // meta_json: {"kind", "param_groups": [{lr, betas, eps, weight_decay, amsgrad, maximize, params: [fqn]}],
-//             "params": {fqn: {"shape", "dtype", "step", "group"}}}
-// Tensors come as parallel lists (param fqn, entry name, tensor); 8-bit state is not in this build.
+//             "params": {fqn: {"shape", "dtype", "step", "group",
+//                              "entries": {name: {"encoding": "blockwise8", "block_size", "qmap"}}}}}
+// Tensors come as parallel lists (param fqn, entry name, component, tensor); dense entries need no
+// "entries" record (their dtype is the tensor's).
 OptimizerState state_from_lists(const std::string& meta_json, const std::vector<std::string>& param_names,
-                                const std::vector<std::string>& entry_names, at::TensorList tensors) {
-  TORCH_CHECK(param_names.size() == tensors.size() && entry_names.size() == tensors.size(),
+                                const std::vector<std::string>& entry_names,
+                                const std::vector<std::string>& components, at::TensorList tensors) {
+  TORCH_CHECK(param_names.size() == tensors.size() && entry_names.size() == tensors.size() &&
+                  components.size() == tensors.size(),
               "optstate.save: name and tensor lists differ in length");
   json meta = json::parse(meta_json);
   OptimizerState st;
@@ -165,38 +170,64 @@ OptimizerState state_from_lists(const std::string& meta_json, const std::vector<
     ps.param_dtype = *d;
     ps.step = pj.at("step").get<int64_t>();
     ps.group = pj.at("group").get<int>();
+    if (pj.contains("entries"))
+      for (const auto& [name, ej] : pj.at("entries").items()) {
+        Entry e;
+        e.encoding = Encoding::kBlockwise8;
+        e.dtype = DType::kU8;
+        e.block_size = ej.at("block_size").get<int64_t>();
+        e.qmap = ej.at("qmap").get<std::string>();
+        ps.entries.emplace(name, std::move(e));
+      }
     st.params.emplace(fqn, std::move(ps));
   }
   for (size_t i = 0; i < tensors.size(); ++i) {
     auto it = st.params.find(param_names[i]);
     TORCH_CHECK(it != st.params.end(), "optstate.save: tensor for unknown param '", param_names[i], "'");
-    auto dtype = dtype_of(tensors[i].scalar_type());
-    if (!dtype.ok()) raise(dtype.status());
-    TORCH_CHECK(shape_of(tensors[i]) == it->second.shape, "optstate.save: entry '", param_names[i], ".",
-                entry_names[i], "' has shape ", tensors[i].sizes(), ", param has ", format_shape(it->second.shape));
-    Entry e;
-    e.encoding = Encoding::kDense;
-    e.dtype = *dtype;
-    e.values = buffer_of(tensors[i]);
-    it->second.entries.emplace(entry_names[i], std::move(e));
+    auto comp = component_from_name(components[i]);
+    if (!comp.ok()) raise(comp.status());
+    const std::string key = entry_key(param_names[i], entry_names[i]);
+    Entry& e = it->second.entries[entry_names[i]];
+    if (*comp == Component::kValues) {
+      auto dtype = dtype_of(tensors[i].scalar_type());
+      if (!dtype.ok()) raise(dtype.status());
+      TORCH_CHECK(shape_of(tensors[i]) == it->second.shape, "optstate.save: entry '", key, "' has shape ",
+                  tensors[i].sizes(), ", param has ", format_shape(it->second.shape));
+      e.encoding = Encoding::kDense;
+      e.dtype = *dtype;
+    } else {
+      TORCH_CHECK(e.encoding == Encoding::kBlockwise8, "optstate.save: entry '", key,
+                  "' has 8-bit components but no blockwise8 record");
+      TORCH_CHECK(tensors[i].scalar_type() == (*comp == Component::kCodes ? at::kByte : at::kFloat),
+                  "optstate.save: entry '", key, "' ", components[i], " has dtype ", tensors[i].scalar_type());
+    }
+    e.buffer(*comp) = buffer_of(tensors[i]);
   }
   return st;
 }
 
 void save_native(const std::string& path, const std::string& meta_json, std::vector<std::string> param_names,
-                 std::vector<std::string> entry_names, at::TensorList tensors, bool overwrite) {
-  OptimizerState st = state_from_lists(meta_json, param_names, entry_names, tensors);
+                 std::vector<std::string> entry_names, std::vector<std::string> components, at::TensorList tensors,
+                 bool overwrite, bool dequantize) {
+  OptimizerState st = state_from_lists(meta_json, param_names, entry_names, components, tensors);
   WriteOptions wo;
   wo.overwrite = overwrite;
-  Status status = find_format("native")->write(st, path, wo);
+  wo.dequantize = dequantize;
+  Status status = write_checkpoint(*find_format("native"), st, path, wo);
   if (!status.ok()) raise(status);
 }
 
-std::tuple<std::string, std::vector<std::string>, std::vector<std::string>, std::vector<at::Tensor>> load_native(
-    const std::string& path) {
+std::tuple<std::string, std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
+           std::vector<at::Tensor>>
+load_native(const std::string& path, const std::string& to, int64_t block_size, int64_t min_8bit_size) {
   auto reader = open_checkpoint(path);
   if (!reader.ok()) raise(reader.status());
   auto state = load_all(**reader);
+  if (!state.ok()) raise(state.status());
+  // The optimizer asks for the encoding it keeps: dense fp32, or 8-bit for its eligible params.
+  if (to == "fp32") state = dequantize_state(*state);
+  else if (to == "8bit") state = quantize_state(*state, {block_size, min_8bit_size});
+  else TORCH_CHECK(to.empty(), "optstate.load_native: 'to' must be '', 'fp32' or '8bit'");
   if (!state.ok()) raise(state.status());
   json meta;
   meta["kind"] = state->kind;
@@ -211,26 +242,38 @@ std::tuple<std::string, std::vector<std::string>, std::vector<std::string>, std:
                       {"maximize", g.hyper.maximize},
                       {"params", g.params}});
   meta["param_groups"] = groups;
-  std::vector<std::string> pnames, enames;
+  std::vector<std::string> pnames, enames, cnames;
   std::vector<at::Tensor> tensors;
   json params = json::object();
   for (const auto& [fqn, ps] : state->params) {
+    json entries = json::object();
+    const int64_t numel = *checked_numel(ps.shape);
+    for (const auto& [name, e] : ps.entries) {
+      entries[name] = {{"encoding", encoding_name(e.encoding)}};
+      if (e.encoding == Encoding::kBlockwise8) {
+        entries[name]["block_size"] = e.block_size;
+        entries[name]["qmap"] = e.qmap;
+      }
+      for (Component c : e.components()) {
+        Result<at::Tensor> t = c == Component::kValues ? tensor_of(e.values, e.dtype, ps.shape)
+                               : c == Component::kCodes
+                                   ? tensor_of(e.codes, DType::kU8, ps.shape)
+                                   : tensor_of(e.absmax, DType::kF32, {component_count(e, c, numel)});
+        if (!t.ok()) raise(t.status());
+        pnames.push_back(fqn);
+        enames.push_back(name);
+        cnames.emplace_back(component_name(c));
+        tensors.push_back(*t);
+      }
+    }
     params[fqn] = {{"shape", ps.shape},
                    {"dtype", std::string(dtype_info(ps.param_dtype).torch_name)},
                    {"step", ps.step},
-                   {"group", ps.group}};
-    for (const auto& [name, e] : ps.entries) {
-      TORCH_CHECK(e.encoding == Encoding::kDense, "optstate.load: entry '", entry_key(fqn, name), "' is ",
-                  std::string(encoding_name(e.encoding)), ", not supported by this build");
-      auto t = tensor_of(e.values, e.dtype, ps.shape);
-      if (!t.ok()) raise(t.status());
-      pnames.push_back(fqn);
-      enames.push_back(name);
-      tensors.push_back(*t);
-    }
+                   {"group", ps.group},
+                   {"entries", entries}};
   }
   meta["params"] = params;
-  return {meta.dump(), pnames, enames, tensors};
+  return {meta.dump(), pnames, enames, cnames, tensors};
 }
 
 std::string cpu_isa() { return adamw_cpu_isa(); }
@@ -285,9 +328,9 @@ TORCH_LIBRARY(optstate, m) {
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] exp_avg_absmax, Tensor(f!)[] exp_avg_sq_absmax, "
       "Tensor(g!)[] max_exp_avg_sq_absmax, Tensor(h!)[] steps, int[] block_sizes, float lr, float beta1, "
       "float beta2, float eps, float weight_decay, bool amsgrad) -> ()");
-  m.def("save_native(str path, str meta_json, str[] param_names, str[] entry_names, Tensor[] tensors, "
-        "bool overwrite) -> ()");
-  m.def("load_native(str path) -> (str, str[], str[], Tensor[])");
+  m.def("save_native(str path, str meta_json, str[] param_names, str[] entry_names, str[] components, "
+        "Tensor[] tensors, bool overwrite, bool dequantize) -> ()");
+  m.def("load_native(str path, str to, int block_size, int min_8bit_size) -> (str, str[], str[], str[], Tensor[])");
   m.def("cpu_isa() -> str");
   m.def("qmap(str name) -> Tensor");
   m.def("quantize_blockwise(Tensor x, int block_size, str qmap) -> (Tensor, Tensor)");

@@ -1,5 +1,7 @@
 #include "optstate/checkpoint.h"
 
+#include "optstate/transform.h"
+
 #include <fmt/format.h>
 
 #include <cstring>
@@ -38,6 +40,13 @@ class MemoryReader final : public CheckpointReader {
 
 std::unique_ptr<CheckpointReader> memory_reader(OptimizerState state, std::filesystem::path label) {
   return std::make_unique<MemoryReader>(std::move(state), std::move(label));
+}
+
+Status write_checkpoint(const FormatDriver& driver, const OptimizerState& state, const std::filesystem::path& path,
+                        const WriteOptions& options) {
+  if (!options.dequantize) return driver.write(state, path, options);
+  OPTSTATE_ASSIGN_OR_RETURN(OptimizerState dense, dequantize_state(state));
+  return driver.write(dense, path, options);
 }
 
 Result<OptimizerState> load_all(CheckpointReader& reader) {

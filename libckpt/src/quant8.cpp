@@ -116,6 +116,63 @@ void quantize_blockwise(std::span<const float> x, int64_t block, QMap m, std::sp
   }
 }
 
+namespace {
+
+// Quantizes x with `scale` and reports whether dequantizing gives x back bit for bit.
+bool quantize_exactly(std::span<const float> x, float scale, const Quantizer& q, uint8_t* codes) {
+  for (size_t i = 0; i < x.size(); ++i) {
+    codes[i] = q(x[i] / scale);
+    const float back = q.map()[codes[i]] * scale;
+    if (std::memcmp(&back, &x[i], 4) != 0) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+int64_t requantize_blockwise(std::span<const float> x, int64_t block, QMap m, std::span<uint8_t> codes,
+                             std::span<float> absmax) {
+  const Quantizer& q = Quantizer::get(m);
+  const float* map = q.map();
+  int64_t recovered = 0;
+  std::vector<uint8_t> trial(static_cast<size_t>(block));
+  const size_t n = x.size();
+  for (size_t b = 0, start = 0; start < n; ++b, start += static_cast<size_t>(block)) {
+    const size_t len = std::min(static_cast<size_t>(block), n - start);
+    const auto xs = x.subspan(start, len);
+    const float rule = block_scale(xs);
+    // Candidate scales: the rule's (the block's largest value had code 255), and scales near
+    // max|x| / |map[0]| (it had code 0, the most negative value of the signed map).
+    std::vector<float> candidates{rule};
+    if (std::isfinite(rule) && rule > kMinAbsmax && map[0] < 0) {
+      const float guess = rule / -map[0];
+      float up = guess, down = guess;
+      candidates.push_back(guess);
+      for (int k = 0; k < 2; ++k) {
+        up = std::nextafter(up, std::numeric_limits<float>::infinity());
+        down = std::nextafter(down, 0.0f);
+        candidates.push_back(up);
+        candidates.push_back(down);
+      }
+    }
+    bool done = false;
+    for (float s : candidates) {
+      if (quantize_exactly(xs, s, q, trial.data())) {
+        std::copy(trial.begin(), trial.begin() + static_cast<std::ptrdiff_t>(len), codes.begin() + start);
+        absmax[b] = s;
+        recovered += (s != rule);
+        done = true;
+        break;
+      }
+    }
+    if (!done) {
+      absmax[b] = rule;
+      for (size_t i = 0; i < len; ++i) codes[start + i] = q(xs[i] / rule);
+    }
+  }
+  return recovered;
+}
+
 void dequantize_blockwise(std::span<const uint8_t> codes, std::span<const float> absmax, int64_t block, QMap m,
                           std::span<float> out) {
   const float* map = qmap_table(m).data();

@@ -1,5 +1,7 @@
 #include "optstate/values.h"
 
+#include "optstate/quant8.h"
+
 #include <fmt/format.h>
 
 #include <cmath>
@@ -8,6 +10,45 @@
 #include <vector>
 
 namespace optstate {
+
+namespace {
+
+// Dequantizes a blockwise8 entry in flattened order: the absmax (one fp32 per block, 1/64 of the
+// codes' size at block 256) is read first, then the codes stream through.
+Status stream_dequantized(CheckpointReader& reader, const std::string& fqn, const std::string& entry, const Entry& e,
+                          const ParamState& ps, const F32Sink& sink) {
+  const std::string where = fmt::format("{}: entry '{}'", reader.path().string(), entry_key(fqn, entry));
+  auto qm = qmap_from_name(e.qmap);
+  if (!qm.ok()) return qm.status().with_context(where);
+  OPTSTATE_ASSIGN_OR_RETURN(int64_t numel, checked_numel(ps.shape));
+  const int64_t nblocks = component_count(e, Component::kAbsmax, numel);
+  std::vector<float> absmax;
+  absmax.reserve(static_cast<size_t>(nblocks));
+  OPTSTATE_RETURN_IF_ERROR(reader.stream(fqn, entry, Component::kAbsmax, [&](std::span<const std::byte> piece) {
+    if (piece.size() % 4 != 0 || absmax.size() + piece.size() / 4 > static_cast<size_t>(nblocks))
+      return corrupt(where + ": absmax has the wrong size");
+    const size_t at = absmax.size();
+    absmax.resize(at + piece.size() / 4);
+    std::memcpy(absmax.data() + at, piece.data(), piece.size());
+    return Status::Ok();
+  }));
+  if (static_cast<int64_t>(absmax.size()) != nblocks) return corrupt(where + ": absmax has the wrong size");
+  const float* map = qmap_table(*qm).data();
+  const size_t block = static_cast<size_t>(e.block_size);
+  size_t index = 0;
+  std::vector<float> out;
+  OPTSTATE_RETURN_IF_ERROR(reader.stream(fqn, entry, Component::kCodes, [&](std::span<const std::byte> piece) {
+    if (index + piece.size() > static_cast<size_t>(numel)) return corrupt(where + ": too many codes");
+    out.resize(piece.size());
+    for (size_t i = 0; i < piece.size(); ++i, ++index)
+      out[i] = map[static_cast<uint8_t>(piece[i])] * absmax[index / block];
+    return sink(out);
+  }));
+  if (static_cast<int64_t>(index) != numel) return corrupt(where + ": too few codes");
+  return Status::Ok();
+}
+
+}  // namespace
 
 Status stream_f32_values(CheckpointReader& reader, const std::string& fqn, const std::string& entry,
                          const F32Sink& sink) {
@@ -18,9 +59,7 @@ Status stream_f32_values(CheckpointReader& reader, const std::string& fqn, const
   if (it == p->second.entries.end())
     return not_found(fmt::format("{}: no entry '{}'", reader.path().string(), entry_key(fqn, entry)));
   const Entry& e = it->second;
-  if (e.encoding != Encoding::kDense)
-    return unsupported(fmt::format("{}: entry '{}' is blockwise8; this build has no 8-bit codec",
-                                   reader.path().string(), entry_key(fqn, entry)));
+  if (e.encoding == Encoding::kBlockwise8) return stream_dequantized(reader, fqn, entry, e, p->second, sink);
   const DType dtype = e.dtype;
   const size_t elem = dtype_size(dtype);
   std::vector<std::byte> carry;

@@ -34,7 +34,8 @@ class CheckpointReader {
 };
 
 struct WriteOptions {
-  bool overwrite = false;  // replace an existing checkpoint (atomically, after the new one is durable)
+  bool overwrite = false;   // replace an existing checkpoint (atomically, after the new one is durable)
+  bool dequantize = false;  // store blockwise8 entries as dense fp32 (dequantize-on-save)
 };
 
 class FormatDriver {
@@ -47,6 +48,10 @@ class FormatDriver {
   virtual Status write(const OptimizerState& state, const std::filesystem::path& path,
                        const WriteOptions& options) const = 0;
 };
+
+// Writes through a driver after the option-driven transforms every driver shares (dequantize-on-save).
+Status write_checkpoint(const FormatDriver& driver, const OptimizerState& state, const std::filesystem::path& path,
+                        const WriteOptions& options);
 
 // A reader over a state that is already in memory (buffers filled).
 std::unique_ptr<CheckpointReader> memory_reader(OptimizerState state, std::filesystem::path label = "<memory>");

@@ -58,6 +58,14 @@ float block_scale(std::span<const float> x);
 // block's scale, codes[i] the code of x[i] / absmax[i / block].
 void quantize_blockwise(std::span<const float> x, int64_t block, QMap m, std::span<uint8_t> codes,
                         std::span<float> absmax);
+// For converting dense values back to 8-bit: each block is quantized by the rule above, except
+// that a block whose values are exactly the dequantization of some (codes, absmax) pair of this map
+// gets that pair back, so 8-bit -> fp32 -> 8-bit reproduces the codes. (By the rule alone a block
+// whose largest magnitude came from a negative value, dequantized as -0.99297 * absmax, would be
+// rescaled.) Returns the number of blocks recovered that way.
+int64_t requantize_blockwise(std::span<const float> x, int64_t block, QMap m, std::span<uint8_t> codes,
+                             std::span<float> absmax);
+
 // out[i] = map[codes[i]] * absmax[i / block]
 void dequantize_blockwise(std::span<const uint8_t> codes, std::span<const float> absmax, int64_t block, QMap m,
                           std::span<float> out);

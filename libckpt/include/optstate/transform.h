@@ -1,0 +1,24 @@
+// Whole-state conversions between encodings (convert --to fp32|8bit, dequantize-on-save). They change
+// encodings only: the optimizer kind, steps and hyperparameters stay, so 8-bit -> fp32 -> 8-bit gives
+// back the same state, raw hash included.
+#pragma once
+
+#include <cstdint>
+
+#include "optstate/state.h"
+
+namespace optstate {
+
+// Every blockwise8 entry becomes a dense fp32 entry with its dequantized values.
+Result<OptimizerState> dequantize_state(const OptimizerState& in);
+
+struct QuantizeOptions {
+  int64_t block_size = 256;
+  int64_t min_8bit_size = 4096;  // params with fewer global elements keep dense state
+};
+// Dense moment entries (exp_avg: dynamic-signed; exp_avg_sq, max_exp_avg_sq: dynamic-unsigned) of
+// params with at least min_8bit_size elements become blockwise8 (requantize_blockwise, so an entry
+// that came from 8-bit gets its codes back). Entries already 8-bit are kept.
+Result<OptimizerState> quantize_state(const OptimizerState& in, const QuantizeOptions& options = {});
+
+}  // namespace optstate

@@ -46,5 +46,6 @@ int fail(const std::string& command, const Status& status);
 
 int run_inspect(int argc, char** argv);
 int run_hash(int argc, char** argv);
+int run_convert(int argc, char** argv);
 
 }  // namespace optstate::cli

@@ -16,6 +16,7 @@ struct Command {
 constexpr Command kCommands[] = {
     {"inspect", optstate::cli::run_inspect, "params, entries, shapes, encodings, bytes, steps, statistics"},
     {"hash", optstate::cli::run_hash, "per-entry and root hashes, independent of sharding and format"},
+    {"convert", optstate::cli::run_convert, "copy a checkpoint, optionally to fp32 or 8-bit moments"},
 };
 
 void print_usage(FILE* out) {

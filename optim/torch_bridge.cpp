@@ -7,7 +7,9 @@
 
 #include <cstring>
 
+#include "adamw8bit.h"
 #include "fused_adamw.h"
+#include "optstate/transform.h"
 
 namespace optstate::optim {
 
@@ -75,7 +77,7 @@ Entry dense_entry(const at::Tensor& t, DType d) {
   return e;
 }
 
-size_t param_count(const FusedAdamW& opt) {
+size_t param_count(const torch::optim::Optimizer& opt) {
   size_t n = 0;
   for (const auto& g : opt.param_groups()) n += g.params().size();
   return n;
@@ -120,11 +122,10 @@ Result<OptimizerState> export_state(const FusedAdamW& opt, const std::vector<std
   return out;
 }
 
-Status import_state(FusedAdamW& opt, const std::vector<std::string>& names, const OptimizerState& state,
+Status import_state(FusedAdamW& opt, const std::vector<std::string>& names, const OptimizerState& state_in,
                     bool load_params) {
-  OPTSTATE_RETURN_IF_ERROR(check_structure(state, true));
-  if (state.kind != "adamw")
-    return invalid_argument(fmt::format("a '{}' state cannot be loaded into FusedAdamW", state.kind));
+  // FusedAdamW keeps dense fp32 moments: 8-bit ones are dequantized.
+  OPTSTATE_ASSIGN_OR_RETURN(const OptimizerState state, dequantize_state(state_in));
   if (names.size() != param_count(opt))
     return invalid_argument(
         fmt::format("{} names given for an optimizer with {} params", names.size(), param_count(opt)));
@@ -145,9 +146,6 @@ Status import_state(FusedAdamW& opt, const std::vector<std::string>& names, cons
       if (static_cast<size_t>(ps.group) != gi)
         return invalid_argument(fmt::format("param '{}' is in group {} in the checkpoint, {} here", fqn, ps.group, gi));
       for (const auto& [name, e] : ps.entries) {
-        if (e.encoding != Encoding::kDense)
-          return invalid_argument(fmt::format("entry '{}' is {}; FusedAdamW needs dense state", entry_key(fqn, name),
-                                              encoding_name(e.encoding)));
         if (name != kParam && e.dtype != DType::kF32)
           return invalid_argument(fmt::format("entry '{}' is {}; FusedAdamW keeps fp32 state", entry_key(fqn, name),
                                               dtype_name(e.dtype)));
@@ -190,6 +188,152 @@ Status import_state(FusedAdamW& opt, const std::vector<std::string>& names, cons
       if (ps.entries.count(kMaxExpAvgSq)) {
         OPTSTATE_ASSIGN_OR_RETURN(at::Tensor mx, load(kMaxExpAvgSq));
         st->max_exp_avg_sq(mx);
+      }
+      opt.state()[key] = std::move(st);
+    }
+  }
+  return Status::Ok();
+}
+
+namespace {
+
+Entry blockwise_entry(const Moment8bit& m, int64_t block, const char* qmap) {
+  Entry e;
+  e.encoding = Encoding::kBlockwise8;
+  e.dtype = DType::kU8;
+  e.block_size = block;
+  e.qmap = qmap;
+  e.codes = buffer_of(m.codes);
+  e.absmax = buffer_of(m.absmax);
+  return e;
+}
+
+Result<Moment8bit> moment_of(const Entry& e, const std::vector<int64_t>& shape) {
+  Moment8bit m;
+  if (e.encoding == Encoding::kDense) {
+    OPTSTATE_ASSIGN_OR_RETURN(m.values, tensor_of(e.values, DType::kF32, shape));
+    return m;
+  }
+  OPTSTATE_ASSIGN_OR_RETURN(int64_t numel, checked_numel(shape));
+  OPTSTATE_ASSIGN_OR_RETURN(m.codes, tensor_of(e.codes, DType::kU8, shape));
+  OPTSTATE_ASSIGN_OR_RETURN(m.absmax,
+                            tensor_of(e.absmax, DType::kF32, {component_count(e, Component::kAbsmax, numel)}));
+  return m;
+}
+
+}  // namespace
+
+Result<OptimizerState> export_state(const AdamW8bit& opt, const std::vector<std::string>& names,
+                                    bool include_params) {
+  if (names.size() != param_count(opt))
+    return invalid_argument(
+        fmt::format("{} names given for an optimizer with {} params", names.size(), param_count(opt)));
+  OptimizerState out;
+  out.kind = "adamw8bit";
+  size_t i = 0;
+  for (size_t gi = 0; gi < opt.param_groups().size(); ++gi) {
+    const auto& group = opt.param_groups()[gi];
+    const auto& o = static_cast<const AdamW8bitOptions&>(group.options());
+    ParamGroup pg;
+    pg.hyper = {o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(), o.amsgrad(),
+                false};
+    for (const auto& p : group.params()) {
+      const std::string& fqn = names[i++];
+      if (out.params.count(fqn)) return invalid_argument(fmt::format("param name '{}' given twice", fqn));
+      ParamState ps;
+      ps.shape = shape_of(p);
+      OPTSTATE_ASSIGN_OR_RETURN(ps.param_dtype, dtype_of(p.scalar_type()));
+      ps.group = static_cast<int>(gi);
+      auto it = opt.state().find(p.unsafeGetTensorImpl());
+      if (it != opt.state().end()) {
+        const auto& st = static_cast<const AdamW8bitParamState&>(*it->second);
+        ps.step = st.step();
+        const std::pair<const char*, const Moment8bit*> moments[] = {
+            {kExpAvg, &st.exp_avg()}, {kExpAvgSq, &st.exp_avg_sq()}, {kMaxExpAvgSq, &st.max_exp_avg_sq()}};
+        for (const auto& [name, m] : moments) {
+          if (!m->defined()) continue;
+          if (st.block_size() > 0)
+            ps.entries.emplace(name, blockwise_entry(*m, st.block_size(),
+                                                     name == std::string(kExpAvg) ? "dynamic-signed"
+                                                                                  : "dynamic-unsigned"));
+          else
+            ps.entries.emplace(name, dense_entry(m->values, DType::kF32));
+        }
+      }
+      if (include_params) ps.entries.emplace(kParam, dense_entry(p, ps.param_dtype));
+      pg.params.push_back(fqn);
+      out.params.emplace(fqn, std::move(ps));
+    }
+    out.groups.push_back(std::move(pg));
+  }
+  return out;
+}
+
+Status import_state(AdamW8bit& opt, const std::vector<std::string>& names, const OptimizerState& state_in,
+                    bool load_params) {
+  if (names.size() != param_count(opt))
+    return invalid_argument(
+        fmt::format("{} names given for an optimizer with {} params", names.size(), param_count(opt)));
+  if (state_in.groups.size() != opt.param_groups().size())
+    return invalid_argument(fmt::format("checkpoint has {} param groups, optimizer has {}", state_in.groups.size(),
+                                        opt.param_groups().size()));
+  const auto& o0 = static_cast<const AdamW8bitOptions&>(opt.param_groups()[0].options());
+  for (const auto& g : opt.param_groups()) {
+    const auto& o = static_cast<const AdamW8bitOptions&>(g.options());
+    if (o.block_size() != o0.block_size() || o.min_8bit_size() != o0.min_8bit_size())
+      return invalid_argument("AdamW8bit param groups must share block_size and min_8bit_size to import state");
+  }
+  // Bring every moment to what this optimizer keeps: 8-bit at its block size for eligible params,
+  // dense fp32 for the rest.
+  OPTSTATE_ASSIGN_OR_RETURN(OptimizerState dense, dequantize_state(state_in));
+  OPTSTATE_ASSIGN_OR_RETURN(const OptimizerState state,
+                            quantize_state(dense, {o0.block_size(), o0.min_8bit_size()}));
+  size_t i = 0;
+  for (size_t gi = 0; gi < opt.param_groups().size(); ++gi)
+    for (const auto& p : opt.param_groups()[gi].params()) {
+      const std::string& fqn = names[i++];
+      auto it = state.params.find(fqn);
+      if (it == state.params.end()) return not_found(fmt::format("checkpoint has no state for param '{}'", fqn));
+      if (it->second.shape != shape_of(p))
+        return invalid_argument(fmt::format("param '{}': checkpoint shape {} differs from the model's {}", fqn,
+                                            format_shape(it->second.shape), format_shape(shape_of(p))));
+      if (static_cast<size_t>(it->second.group) != gi)
+        return invalid_argument(fmt::format("param '{}' is in group {} in the checkpoint, {} here", fqn,
+                                            it->second.group, gi));
+      if (it->second.entries.count(kExpAvg) != it->second.entries.count(kExpAvgSq))
+        return invalid_argument(fmt::format("param '{}' has only one of exp_avg and exp_avg_sq", fqn));
+      if (load_params && !it->second.entries.count(kParam))
+        return not_found(fmt::format("checkpoint has no weights for param '{}'", fqn));
+    }
+  at::NoGradGuard no_grad;
+  i = 0;
+  for (size_t gi = 0; gi < opt.param_groups().size(); ++gi) {
+    auto& group = opt.param_groups()[gi];
+    auto& o = static_cast<AdamW8bitOptions&>(group.options());
+    const Hyperparameters& h = state.groups[gi].hyper;
+    o.lr(h.lr).betas({h.beta1, h.beta2}).eps(h.eps).weight_decay(h.weight_decay).amsgrad(h.amsgrad);
+    for (auto& p : group.params()) {
+      const ParamState& ps = state.params.at(names[i++]);
+      if (load_params) {
+        const Entry& w = ps.entries.at(kParam);
+        OPTSTATE_ASSIGN_OR_RETURN(at::Tensor t, tensor_of(w.values, w.dtype, ps.shape));
+        p.copy_(t);
+      }
+      void* key = p.unsafeGetTensorImpl();
+      if (!ps.entries.count(kExpAvg)) {
+        opt.state().erase(key);
+        continue;
+      }
+      auto st = std::make_unique<AdamW8bitParamState>();
+      st->step(ps.step);
+      st->block_size(ps.entries.at(kExpAvg).encoding == Encoding::kBlockwise8 ? o.block_size() : 0);
+      OPTSTATE_ASSIGN_OR_RETURN(Moment8bit m, moment_of(ps.entries.at(kExpAvg), ps.shape));
+      OPTSTATE_ASSIGN_OR_RETURN(Moment8bit v, moment_of(ps.entries.at(kExpAvgSq), ps.shape));
+      st->exp_avg(m);
+      st->exp_avg_sq(v);
+      if (ps.entries.count(kMaxExpAvgSq)) {
+        OPTSTATE_ASSIGN_OR_RETURN(Moment8bit x, moment_of(ps.entries.at(kMaxExpAvgSq), ps.shape));
+        st->max_exp_avg_sq(x);
       }
       opt.state()[key] = std::move(st);
     }

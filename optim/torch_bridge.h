@@ -12,6 +12,7 @@
 namespace optstate::optim {
 
 class FusedAdamW;
+class AdamW8bit;
 
 Result<DType> dtype_of(at::ScalarType t);
 at::ScalarType scalar_type_of(DType d);
@@ -28,6 +29,14 @@ Result<OptimizerState> export_state(const FusedAdamW& opt, const std::vector<std
                                     bool include_params);
 // Restores hyperparameters, steps and moments (and with load_params the weights) exactly.
 Status import_state(FusedAdamW& opt, const std::vector<std::string>& names, const OptimizerState& state,
+                    bool load_params);
+
+// AdamW8bit: moments export as blockwise8 entries (dense fp32 below min_8bit_size). Import takes
+// either encoding: dense moments of 8-bit-eligible params are quantized (exactly recovering codes
+// that came from 8-bit), blockwise8 moments of small params are dequantized.
+Result<OptimizerState> export_state(const AdamW8bit& opt, const std::vector<std::string>& names,
+                                    bool include_params);
+Status import_state(AdamW8bit& opt, const std::vector<std::string>& names, const OptimizerState& state,
                     bool load_params);
 
 }  // namespace optstate::optim

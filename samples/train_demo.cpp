@@ -1,6 +1,7 @@
 // optstate-demo: trains a small MLP with FusedAdamW on generated data, checkpoints it in the native
 // format, resumes from a checkpoint in a new process, and prints the state hash.
 //
+//   optstate-demo [--optimizer adamw|adamw8bit] ...
 //   optstate-demo --steps 60 --final out/a                        # uninterrupted
 //   optstate-demo --steps 30 --save out/ckpt-30                   # first half, then checkpoint
 //   optstate-demo --steps 60 --resume out/ckpt-30 --final out/b   # second half in a new process
@@ -17,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "adamw8bit.h"
 #include "fused_adamw.h"
 #include "optstate/hash.h"
 #include "registry.h"
@@ -24,12 +26,14 @@
 
 namespace {
 
+using optstate::optim::AdamW8bit;
+using optstate::optim::AdamW8bitOptions;
 using optstate::optim::FusedAdamW;
 using optstate::optim::FusedAdamWOptions;
 
 struct Options {
   int64_t steps = 60, seed = 7;
-  std::string save, resume, final_path;
+  std::string save, resume, final_path, optimizer = "adamw";
   bool bf16 = false;
 };
 
@@ -52,8 +56,10 @@ Options parse(int argc, char** argv) {
     else if (a == "--resume") o.resume = next();
     else if (a == "--final") o.final_path = next();
     else if (a == "--bf16") o.bf16 = true;
+    else if (a == "--optimizer") o.optimizer = next();
     else if (a == "--help") {
-      std::puts("usage: optstate-demo --steps N [--seed S] [--resume CKPT] [--save CKPT] [--final CKPT] [--bf16]");
+      std::puts("usage: optstate-demo --steps N [--optimizer adamw|adamw8bit] [--seed S] [--resume CKPT] "
+                "[--save CKPT] [--final CKPT] [--bf16]");
       std::exit(0);
     } else die("unknown option " + a);
   }
@@ -92,24 +98,23 @@ std::pair<at::Tensor, at::Tensor> batch(uint64_t seed, int64_t step, at::ScalarT
   return {x.to(dtype), at::tanh(at::matmul(x, teacher)).to(dtype)};
 }
 
-optstate::OptimizerState export_all(const FusedAdamW& opt, const Mlp& model) {
+template <typename Opt>
+optstate::OptimizerState export_all(const Opt& opt, const Mlp& model) {
   auto st = optstate::optim::export_state(opt, model.names, /*include_params=*/true);
   if (!st.ok()) die(st.status().to_string());
   return std::move(st).value();
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  const Options o = parse(argc, argv);
+template <typename Opt, typename OptOptions>
+int run(const Options& o) {
   Mlp model(static_cast<uint64_t>(o.seed), o.bf16);
   // Two groups, as real training loops have: decay on matrices, none on biases.
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(std::vector<at::Tensor>(model.params.begin(), model.params.begin() + 3),
-                      std::make_unique<FusedAdamWOptions>(FusedAdamWOptions(3e-3).weight_decay(0.1)));
+                      std::make_unique<OptOptions>(OptOptions(3e-3).weight_decay(0.1)));
   groups.emplace_back(std::vector<at::Tensor>(model.params.begin() + 3, model.params.end()),
-                      std::make_unique<FusedAdamWOptions>(FusedAdamWOptions(3e-3).weight_decay(0.0)));
-  FusedAdamW opt(groups, FusedAdamWOptions(3e-3));
+                      std::make_unique<OptOptions>(OptOptions(3e-3).weight_decay(0.0)));
+  Opt opt(groups, OptOptions(3e-3));
 
   int64_t start = 0;
   if (!o.resume.empty()) {
@@ -151,4 +156,13 @@ int main(int argc, char** argv) {
     std::printf("saved %s\n", path->c_str());
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options o = parse(argc, argv);
+  if (o.optimizer == "adamw") return run<FusedAdamW, FusedAdamWOptions>(o);
+  if (o.optimizer == "adamw8bit") return run<AdamW8bit, AdamW8bitOptions>(o);
+  die("unknown optimizer '" + o.optimizer + "' (adamw or adamw8bit)");
 }

@@ -1,0 +1,98 @@
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "cli.h"
+#include "optstate/transform.h"
+#include "registry.h"
+
+namespace optstate::cli {
+namespace {
+
+Result<int64_t> parse_positive(const std::string& name, const std::string& text) {
+  try {
+    size_t used = 0;
+    const long long v = std::stoll(text, &used);
+    if (used == text.size() && v >= 0) return static_cast<int64_t>(v);
+  } catch (...) {
+  }
+  return invalid_argument(fmt::format("{} needs a non-negative integer, got '{}'", name, text));
+}
+
+}  // namespace
+
+int run_convert(int argc, char** argv) {
+  const CommandSpec spec{
+      "convert",
+      "optstate convert SRC DST [--to fp32|8bit] [--format native] [--block-size N] [--min-8bit-size N] "
+      "[--overwrite] [--json]",
+      "Writes the state of SRC to DST, optionally changing its encoding: --to fp32 dequantizes 8-bit\n"
+      "moments, --to 8bit quantizes the moments of params with at least --min-8bit-size elements\n"
+      "(default 4096) in blocks of --block-size (default 256); moments that came from 8-bit get their\n"
+      "original codes back. SRC is only read. DST is written atomically: it appears complete or not at all.",
+      {{"--to", true, "fp32 or 8bit (default: keep encodings)"},
+       {"--format", true, "output format (default native)"},
+       {"--block-size", true, "8-bit block size (default 256)"},
+       {"--min-8bit-size", true, "params with fewer elements stay dense (default 4096)"},
+       {"--overwrite", false, "replace DST if it exists"},
+       {"--json", false, "print a JSON summary"}},
+      2,
+      2};
+  auto args = parse_args(spec, argc, argv);
+  if (!args.ok()) return fail("convert", args.status());
+  if (args->has("--help")) {
+    std::fputs(help_text(spec).c_str(), stdout);
+    return kExitOk;
+  }
+  const std::filesystem::path src = args->positional[0], dst = args->positional[1];
+  const std::string to = args->value("--to").value_or("");
+  if (!to.empty() && to != "fp32" && to != "8bit")
+    return fail("convert", invalid_argument(fmt::format("--to must be fp32 or 8bit, got '{}'", to)));
+  const std::string format = args->value("--format").value_or("native");
+  const FormatDriver* driver = find_format(format);
+  if (!driver) return fail("convert", invalid_argument(fmt::format("unknown output format '{}'", format)));
+  QuantizeOptions q;
+  if (auto v = args->value("--block-size")) {
+    auto n = parse_positive("--block-size", *v);
+    if (!n.ok()) return fail("convert", n.status());
+    q.block_size = *n;
+  }
+  if (auto v = args->value("--min-8bit-size")) {
+    auto n = parse_positive("--min-8bit-size", *v);
+    if (!n.ok()) return fail("convert", n.status());
+    q.min_8bit_size = *n;
+  }
+  std::error_code ec;
+  if (std::filesystem::exists(dst, ec) && std::filesystem::equivalent(src, dst, ec))
+    return fail("convert", invalid_argument(fmt::format("{}: destination is the source", dst.string())));
+
+  auto reader = open_checkpoint(src);
+  if (!reader.ok()) return fail("convert", reader.status());
+  auto state = load_all(**reader);
+  if (!state.ok()) return fail("convert", state.status());
+  if (to == "fp32") state = dequantize_state(*state);
+  if (to == "8bit") state = quantize_state(*state, q);
+  if (!state.ok()) return fail("convert", state.status().with_context(src.string()));
+  WriteOptions wo;
+  wo.overwrite = args->has("--overwrite");
+  Status st = write_checkpoint(*driver, *state, dst, wo);
+  if (!st.ok()) return fail("convert", st);
+
+  int64_t dense = 0, eight = 0;
+  for (const auto& [fqn, ps] : state->params)
+    for (const auto& [name, e] : ps.entries) (e.encoding == Encoding::kDense ? dense : eight) += 1;
+  if (args->has("--json")) {
+    nlohmann::json j = {{"source", src.string()}, {"source_format", std::string((*reader)->format())},
+                        {"destination", dst.string()}, {"format", format}, {"params", state->params.size()},
+                        {"dense_entries", dense}, {"blockwise8_entries", eight}};
+    std::fputs((j.dump(2) + "\n").c_str(), stdout);
+  } else {
+    std::printf("wrote %s (%s): %zu params, %lld dense and %lld 8-bit entries\n", dst.c_str(), format.c_str(),
+                state->params.size(), static_cast<long long>(dense), static_cast<long long>(eight));
+  }
+  return kExitOk;
+}
+
+}  // namespace optstate::cli

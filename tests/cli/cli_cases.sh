@@ -42,7 +42,7 @@ PY
 case "$case_name" in
   help)
     "$OPTSTATE" --help | grep -q "inspect" || fail "no command list"
-    for c in inspect hash; do "$OPTSTATE" "$c" --help | grep -q "usage: optstate $c" || fail "$c --help"; done
+    for c in inspect hash convert; do "$OPTSTATE" "$c" --help | grep -q "usage: optstate $c" || fail "$c --help"; done
     expect_error 2 "unknown command" -- "$OPTSTATE" frobnicate
     expect_error 2 "unknown option '--bogus'" -- "$OPTSTATE" hash --bogus x
     expect_error 2 "usage: optstate hash" -- "$OPTSTATE" hash
@@ -137,12 +137,48 @@ PY
     a=$("$OPTSTATE" hash "$work/a") b=$("$OPTSTATE" hash "$work/b")
     [ "$a" = "$b" ] || fail "resumed run differs: $(diff <(echo "$a") <(echo "$b"))"
     cmp -s "$work/a/data/rank-00000.bin" "$work/b/data/rank-00000.bin" || fail "data files differ"
+    "$OPTSTATE_DEMO" --optimizer adamw8bit --steps 40 --final "$work/a8" >/dev/null
+    "$OPTSTATE_DEMO" --optimizer adamw8bit --steps 20 --save "$work/c8" >/dev/null
+    "$OPTSTATE_DEMO" --optimizer adamw8bit --steps 40 --resume "$work/c8" --final "$work/b8" >/dev/null || fail "8-bit resume"
+    [ "$("$OPTSTATE" hash "$work/a8")" = "$("$OPTSTATE" hash "$work/b8")" ] || fail "8-bit resumed run differs"
     "$OPTSTATE_DEMO" --bf16 --steps 40 --final "$work/a16" >/dev/null
     "$OPTSTATE_DEMO" --bf16 --steps 20 --save "$work/c16" >/dev/null
     "$OPTSTATE_DEMO" --bf16 --steps 40 --resume "$work/c16" --final "$work/b16" >/dev/null || fail "bf16 resume"
     [ "$("$OPTSTATE" hash "$work/a16")" = "$("$OPTSTATE" hash "$work/b16")" ] || fail "bf16 resumed run differs"
     [ "$a" != "$("$OPTSTATE" hash "$work/a16")" ] || fail "bf16 and fp32 runs hash equal"
-    echo "ok: resumed runs are bitwise identical (fp32 and bf16 params)"
+    echo "ok: resumed runs are bitwise identical (FusedAdamW fp32 and bf16 params, AdamW8bit)"
+    ;;
+  convert-roundtrip)
+    "$OPTSTATE_DEMO" --optimizer adamw8bit --steps 5 --save "$work/c8" >/dev/null || fail "8-bit demo"
+    before=$(cd "$work/c8" && find . -type f -exec sha256sum {} + | sort)
+    "$OPTSTATE" convert "$work/c8" "$work/f32" --to fp32 | grep -q "0 8-bit entries" || fail "to fp32"
+    "$OPTSTATE" convert "$work/f32" "$work/back" --to 8bit >/dev/null || fail "to 8bit"
+    [ "$(cd "$work/c8" && find . -type f -exec sha256sum {} + | sort)" = "$before" ] || fail "input changed"
+    [ "$("$OPTSTATE" hash "$work/c8")" = "$("$OPTSTATE" hash "$work/back")" ] || fail "8bit->fp32->8bit differs"
+    [ "$("$OPTSTATE" hash --values "$work/c8")" = "$("$OPTSTATE" hash --values "$work/f32")" ] \
+      || fail "--values hash differs between 8-bit and its fp32 conversion"
+    [ "$("$OPTSTATE" hash "$work/c8")" != "$("$OPTSTATE" hash "$work/f32")" ] || fail "raw hashes should differ"
+    "$OPTSTATE" inspect --json "$work/c8" | "$PY" -c '
+import json, sys
+j = json.load(sys.stdin)
+w = j["params"]["layers.1.weight"]
+assert w["entries"]["exp_avg"]["encoding"] == "blockwise8" and w["entries"]["exp_avg"]["block_size"] == 256
+assert w["state_bytes_per_param"] <= 2.04, w["state_bytes_per_param"]
+assert j["params"]["head.bias"]["entries"]["exp_avg"]["encoding"] == "dense"
+' || fail "inspect of 8-bit state"
+    echo "ok: 8bit -> fp32 -> 8bit reproduces the checkpoint; --values hashes agree"
+    ;;
+  convert-errors)
+    make_ckpt "$work/c"
+    expect_error 2 "--to must be fp32 or 8bit" -- "$OPTSTATE" convert "$work/c" "$work/x" --to int4
+    expect_error 2 "destination is the source" -- "$OPTSTATE" convert "$work/c" "$work/c"
+    mkdir "$work/exists"
+    expect_error 2 "$work/exists: already exists" -- "$OPTSTATE" convert "$work/c" "$work/exists"
+    expect_error 2 "unknown output format 'zip'" -- "$OPTSTATE" convert "$work/c" "$work/y" --format zip
+    truncate -s -5 "$work/c/data/rank-00000.bin"
+    expect_error 2 "rank-00000.bin" -- "$OPTSTATE" convert "$work/c" "$work/z" --to 8bit
+    [ ! -e "$work/z" ] || fail "a failed convert left output"
+    [ -z "$(ls -A "$work" | grep partial)" ] || fail "a staging directory was left behind"
     ;;
   *) fail "unknown case" ;;
 esac

@@ -4,18 +4,23 @@
 #include <doctest/doctest.h>
 
 #include "optstate/hash.h"
+#include "optstate/transform.h"
 #include "registry.h"
 #include "test_helpers.h"
 
 using namespace optstate;
 
 TEST_CASE("every format driver round-trips the canonical state with an equal hash") {
-  const OptimizerState state = testing::sample_state();
-  auto want = hash_state(state);
-  REQUIRE(want.ok());
+  const OptimizerState dense = testing::sample_state();
+  const OptimizerState eight = *quantize_state(dense, {4, 1});  // blockwise8 with a partial last block
   REQUIRE(!format_drivers().empty());
-  for (const FormatDriver* d : format_drivers()) {
+  for (const FormatDriver* d : format_drivers())
+    for (const OptimizerState* sp : {&dense, &eight}) {
+    const OptimizerState& state = *sp;
+    auto want = hash_state(state);
+    REQUIRE(want.ok());
     CAPTURE(d->name());
+    CAPTURE(sp == &eight);
     testing::TempDir dir;
     const auto path = dir.path / ("ckpt." + std::string(d->name()));
     REQUIRE(d->write(state, path, {}).ok());
@@ -32,5 +37,12 @@ TEST_CASE("every format driver round-trips the canonical state with an equal has
     CHECK(!d->write(state, path, {}).ok());
     CHECK(d->write(state, path, {.overwrite = true}).ok());
     CHECK(!d->sniff(dir.path / "missing"));
+    // dequantize-on-save: the reader gets dense entries with the same values
+    REQUIRE(write_checkpoint(*d, state, dir.path / "dq", {.dequantize = true}).ok());
+    auto dq = open_checkpoint(dir.path / "dq");
+    REQUIRE(dq.ok());
+    for (const auto& [fqn, ps] : (*dq)->meta().params)
+      for (const auto& [name, e] : ps.entries) CHECK(e.encoding == Encoding::kDense);
+    CHECK(hash_checkpoint(**dq, {.values = true})->root == hash_state(state, {.values = true})->root);
   }
 }

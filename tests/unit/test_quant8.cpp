@@ -1,0 +1,112 @@
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "optstate/hash.h"
+#include "optstate/quant8.h"
+#include "optstate/transform.h"
+#include "test_helpers.h"
+
+using namespace optstate;
+
+TEST_CASE("dynamic maps have the documented landmarks and are strictly increasing") {
+  const auto& s = qmap_table(QMap::kDynamicSigned);
+  const auto& u = qmap_table(QMap::kDynamicUnsigned);
+  CHECK(s[127] == 0.0f);
+  CHECK(s[255] == 1.0f);
+  CHECK(s[0] == doctest::Approx(-0.99297).epsilon(1e-5));
+  CHECK(u[0] == 0.0f);
+  CHECK(u[255] == 1.0f);
+  for (int i = 1; i < 256; ++i) {
+    CHECK(s[i - 1] < s[i]);
+    CHECK(u[i - 1] < u[i]);
+  }
+  CHECK(qmap_from_name("dynamic-signed").ok());
+  CHECK(!qmap_from_name("linear").ok());
+}
+
+TEST_CASE("the bucket quantizer equals the reference binary search on hard values") {
+  for (QMap m : {QMap::kDynamicSigned, QMap::kDynamicUnsigned}) {
+    const Quantizer& q = Quantizer::get(m);
+    const float* map = q.map();
+    std::vector<float> xs{0.0f, -0.0f, 1.0f, -1.0f, 1e-45f, -1e-45f, 1e-40f, std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
+    for (int i = 0; i + 1 < 256; ++i) {
+      const float mid = (map[i] + map[i + 1]) * 0.5f;
+      for (float v : {map[i], mid, std::nextafter(mid, -2.0f), std::nextafter(mid, 2.0f)}) xs.push_back(v);
+    }
+    std::mt19937 rng(7);
+    std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+    for (int i = 0; i < 200000; ++i) xs.push_back(uni(rng) * std::ldexp(1.0f, -static_cast<int>(rng() % 40)));
+    for (uint32_t bits = 0; bits < 0xffffffffu - 4099; bits += 4099) {  // a sweep over every exponent
+      float f;
+      std::memcpy(&f, &bits, 4);
+      xs.push_back(f);
+    }
+    size_t mismatches = 0;
+    for (float x : xs) mismatches += q(x) != quantize_scaled_reference(x, map);
+    CHECK(mismatches == 0);
+    CHECK(q(std::numeric_limits<float>::quiet_NaN()) == 0);
+  }
+  // Ties go up: the exact midpoint between two entries takes the upper code.
+  const float* s = qmap_table(QMap::kDynamicSigned).data();
+  CHECK(quantize_scaled_reference((s[200] + s[201]) * 0.5f, s) == 201);
+}
+
+TEST_CASE("blockwise quantization: scale, partial last block, round trip of dequantized blocks") {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(1000);  // 3 full blocks of 256 and a partial one of 232
+  for (auto& v : x) v = nd(rng) * 1e-3f;
+  x[10] = -0.5f;  // block 0's largest magnitude is negative: dequantizes to -0.99297 * absmax
+  std::vector<uint8_t> codes(x.size());
+  std::vector<float> absmax(4), back(x.size());
+  quantize_blockwise(x, 256, QMap::kDynamicSigned, codes, absmax);
+  CHECK(absmax[0] == 0.5f);
+  CHECK(codes[10] == 0);
+  dequantize_blockwise(codes, absmax, 256, QMap::kDynamicSigned, back);
+  std::vector<uint8_t> codes2(x.size());
+  std::vector<float> absmax2(4);
+  // The plain rule would rescale block 0 (its max is now 0.99297 * 0.5); requantize recovers it.
+  const int64_t recovered = requantize_blockwise(back, 256, QMap::kDynamicSigned, codes2, absmax2);
+  CHECK(recovered >= 1);
+  CHECK(codes2 == codes);
+  CHECK(std::memcmp(absmax2.data(), absmax.data(), 16) == 0);
+  // Zeros: absmax clamps to 1e-12 and every code is the map's zero.
+  std::vector<float> zeros(256, 0.0f);
+  std::vector<uint8_t> zc(256);
+  std::vector<float> za(1);
+  quantize_blockwise(zeros, 256, QMap::kDynamicSigned, zc, za);
+  CHECK(za[0] == kMinAbsmax);
+  CHECK(zc[0] == 127);
+}
+
+TEST_CASE("dequantize_state and quantize_state invert each other on 8-bit state") {
+  OptimizerState s = testing::sample_state();
+  // Make the weight's moments 8-bit (6 elements, block 4: a partial last block).
+  auto q = quantize_state(s, {4, 1});
+  REQUIRE(q.ok());
+  const Entry& e = q->params.at("layers.0.weight").entries.at(kExpAvg);
+  CHECK(e.encoding == Encoding::kBlockwise8);
+  CHECK(e.qmap == "dynamic-signed");
+  CHECK(e.absmax.size == 2 * 4);
+  CHECK(q->params.at("layers.0.weight").entries.at(kParam).encoding == Encoding::kDense);  // weights stay
+  auto d = dequantize_state(*q);
+  REQUIRE(d.ok());
+  auto q2 = quantize_state(*d, {4, 1});
+  REQUIRE(q2.ok());
+  auto h1 = hash_state(*q), h2 = hash_state(*q2), v1 = hash_state(*q, {.values = true}),
+       v2 = hash_state(*d, {.values = true});
+  REQUIRE(h1.ok());
+  REQUIRE(h2.ok());
+  CHECK(h1->root == h2->root);
+  CHECK(v1->root == v2->root);
+  CHECK(h1->root != hash_state(*d)->root);
+  // Params below the threshold stay dense.
+  auto big_threshold = quantize_state(s, {4, 1000});
+  CHECK(big_threshold->params.at("layers.0.weight").entries.at(kExpAvg).encoding == Encoding::kDense);
+}

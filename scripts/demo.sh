@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The optstate demo: train a small LibTorch MLP with FusedAdamW, checkpoint it, inspect and hash the
-# checkpoint, resume in a new process, and show the resumed run ends bit-identical to an
-# uninterrupted one.
+# The optstate demo: train a small LibTorch MLP with FusedAdamW and with AdamW8bit, checkpoint,
+# inspect and hash the checkpoints, resume in a new process and show the resumed runs end
+# bit-identical to uninterrupted ones, then convert the 8-bit checkpoint to fp32 and back.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -10,27 +10,35 @@ out=${1:-demo-out}
 rm -rf "$out" && mkdir -p "$out"
 bin=build
 
-echo "== 1. uninterrupted run: 60 steps"
-$bin/optstate-demo --steps 60 --final "$out/uninterrupted"
-echo
-echo "== 2. first 30 steps, then a checkpoint"
-$bin/optstate-demo --steps 30 --save "$out/ckpt-step30"
-echo
-echo "== 3. the checkpoint"
-$bin/optstate inspect "$out/ckpt-step30"
-echo
-$bin/optstate hash "$out/ckpt-step30"
-echo
-echo "== 4. resume from it in a new process, 30 more steps"
-$bin/optstate-demo --steps 60 --resume "$out/ckpt-step30" --final "$out/resumed"
-echo
-a=$($bin/optstate hash "$out/uninterrupted" | tail -1)
-b=$($bin/optstate hash "$out/resumed" | tail -1)
-echo "uninterrupted: $a"
-echo "resumed:       $b"
-if [ "$a" = "$b" ]; then
-  echo "the resumed run is bitwise identical to the uninterrupted one"
-else
-  echo "MISMATCH: the resumed run differs" >&2
-  exit 1
-fi
+for opt in adamw adamw8bit; do
+  echo "==== $opt"
+  echo "== uninterrupted run: 60 steps"
+  $bin/optstate-demo --optimizer $opt --steps 60 --final "$out/$opt-uninterrupted" | tail -2
+  echo "== first 30 steps, then a checkpoint"
+  $bin/optstate-demo --optimizer $opt --steps 30 --save "$out/$opt-step30" | tail -1
+  $bin/optstate inspect "$out/$opt-step30"
+  echo
+  $bin/optstate hash "$out/$opt-step30"
+  echo "== resume from it in a new process, 30 more steps"
+  $bin/optstate-demo --optimizer $opt --steps 60 --resume "$out/$opt-step30" --final "$out/$opt-resumed" | tail -3
+  a=$($bin/optstate hash "$out/$opt-uninterrupted" | tail -1)
+  b=$($bin/optstate hash "$out/$opt-resumed" | tail -1)
+  echo "uninterrupted: $a"
+  echo "resumed:       $b"
+  if [ "$a" != "$b" ]; then
+    echo "MISMATCH: the resumed $opt run differs" >&2
+    exit 1
+  fi
+  echo "the resumed $opt run is bitwise identical to the uninterrupted one"
+  echo
+done
+
+echo "==== convert the 8-bit checkpoint to fp32 and back"
+$bin/optstate convert "$out/adamw8bit-step30" "$out/adamw8bit-step30-fp32" --to fp32
+$bin/optstate convert "$out/adamw8bit-step30-fp32" "$out/adamw8bit-step30-back" --to 8bit
+echo "8-bit   --values: $($bin/optstate hash --values "$out/adamw8bit-step30" | tail -1)"
+echo "fp32    --values: $($bin/optstate hash --values "$out/adamw8bit-step30-fp32" | tail -1)"
+echo "8-bit   raw:      $($bin/optstate hash "$out/adamw8bit-step30" | tail -1)"
+echo "round trip raw:   $($bin/optstate hash "$out/adamw8bit-step30-back" | tail -1)"
+[ "$($bin/optstate hash "$out/adamw8bit-step30")" = "$($bin/optstate hash "$out/adamw8bit-step30-back")" ]
+echo "8-bit -> fp32 -> 8-bit reproduces the checkpoint exactly"

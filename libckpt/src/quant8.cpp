@@ -72,17 +72,51 @@ uint8_t quantize_scaled_reference(float x, const float* map) {
   return static_cast<uint8_t>(c);
 }
 
+namespace {
+// Total order of floats as unsigned integers (negative values reversed), NaN excluded.
+uint32_t ordered(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+float from_ordered(uint32_t o) {
+  const uint32_t b = (o & 0x80000000u) ? (o & 0x7fffffffu) : ~o;
+  float x;
+  std::memcpy(&x, &b, 4);
+  return x;
+}
+}  // namespace
+
 Quantizer::Quantizer(QMap m) : map_(qmap_table(m).data()) {
+  const float inf = std::numeric_limits<float>::infinity();
+  // t[c]: the least float (by value) whose reference code exceeds c; binary search on the order.
+  const uint32_t lo_all = ordered(-inf), hi_all = ordered(inf);
+  for (int c = 0; c < 255; ++c) {
+    uint32_t lo = lo_all, hi = hi_all;  // code(from_ordered(hi)) > c is known (inf gives 255)
+    while (lo < hi) {
+      const uint32_t mid = lo + (hi - lo) / 2;
+      if (quantize_scaled_reference(from_ordered(mid), map_) > c)
+        hi = mid;
+      else
+        lo = mid + 1;
+    }
+    threshold_[c] = from_ordered(lo);
+  }
+  threshold_[255] = threshold_[256] = inf;
   for (uint32_t key = 0; key < 65536; ++key) {
-    // The bucket holds the floats whose bits are key<<16 .. key<<16 | 0xffff; the rounded code is
-    // monotone in the value, so equal codes at both ends mean one code for the whole bucket.
     float a, b;
-    const uint32_t lo = key << 16, hi = lo | 0xffffu;
-    std::memcpy(&a, &lo, 4);
-    std::memcpy(&b, &hi, 4);
-    const bool special = std::isnan(a) || std::isnan(b) || std::isinf(a) || std::isinf(b);
-    const uint8_t ca = quantize_scaled_reference(a, map_), cb = quantize_scaled_reference(b, map_);
-    bucket_[key] = (special || ca != cb) ? kSlow : ca;
+    const uint32_t first = key << 16, last = first | 0xffffu;
+    std::memcpy(&a, &first, 4);
+    std::memcpy(&b, &last, 4);
+    if (std::isnan(a) || std::isnan(b)) {
+      low_[key] = 0;  // NaN quantizes to 0
+      continue;
+    }
+    const float smallest = (key & 0x8000u) ? b : a, largest = (key & 0x8000u) ? a : b;
+    const uint8_t low = quantize_scaled_reference(smallest, map_);
+    const uint8_t high = quantize_scaled_reference(largest, map_);
+    if (high - low > 2) std::abort();  // the two-comparison formula would not be exact (never for these maps)
+    low_[key] = low;
   }
 }
 

@@ -29,9 +29,12 @@ const std::array<float, 256>& qmap_table(QMap m);
 // x - map[c] >= (map[c+1] - map[c]) * 0.5 (ties go up). NaN gives 0. The reference definition.
 uint8_t quantize_scaled_reference(float x, const float* map);
 
-// The same result as quantize_scaled_reference, from a 2^16-entry table indexed by the top 16 bits
-// of x (one load for almost every value; the reference for the few buckets that straddle a
-// rounding point). Built once per map.
+// The same result as quantize_scaled_reference without a search. The reference is monotone in x, so
+// the code of x is the number of "thresholds" t[c] <= x, where t[c] is the least float whose code
+// exceeds c. A 2^16-entry table indexed by the top 16 bits of x gives the code at the bottom of
+// x's bucket; no bucket holds more than two thresholds (checked when the table is built), so
+//   code = low + (x >= t[low]) + (x >= t[low + 1])
+// is exact; infinities and NaN take the reference path. Built once per map.
 class Quantizer {
  public:
   explicit Quantizer(QMap m);
@@ -39,15 +42,18 @@ class Quantizer {
   uint8_t operator()(float x) const {
     uint32_t bits;
     __builtin_memcpy(&bits, &x, 4);
-    const uint16_t e = bucket_[bits >> 16];
-    return (e & kSlow) ? quantize_scaled_reference(x, map_) : static_cast<uint8_t>(e);
+    if ((bits & 0x7f800000u) == 0x7f800000u) return quantize_scaled_reference(x, map_);  // inf, NaN
+    const uint32_t low = low_[bits >> 16];
+    return static_cast<uint8_t>(low + (x >= threshold_[low]) + (x >= threshold_[low + 1]));
   }
   const float* map() const { return map_; }
+  const uint8_t* low_table() const { return low_.data(); }
+  const float* thresholds() const { return threshold_.data(); }
 
  private:
-  static constexpr uint16_t kSlow = 0x8000;
   const float* map_;
-  std::array<uint16_t, 65536> bucket_;
+  std::array<uint8_t, 65536 + 4> low_{};  // padded: SIMD code reads 4 bytes at any key
+  std::array<float, 257> threshold_;  // t[255] = t[256] = +inf: no code above 255
 };
 
 // max |x| over the block, clamped to >= 1e-12; NaN when the block holds a NaN (torch's amax and

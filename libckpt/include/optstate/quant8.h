@@ -46,6 +46,14 @@ class Quantizer {
     const uint32_t low = low_[bits >> 16];
     return static_cast<uint8_t>(low + (x >= threshold_[low]) + (x >= threshold_[low + 1]));
   }
+  // The same without the branch, for x that is never +infinity (NaN buckets hold 0 and NaN compares
+  // false, so NaN still gives 0): the optimizer's x / absmax, where |x| <= 1 or x is NaN.
+  uint8_t no_inf(float x) const {
+    uint32_t bits;
+    __builtin_memcpy(&bits, &x, 4);
+    const uint32_t low = low_[bits >> 16];
+    return static_cast<uint8_t>(low + (x >= threshold_[low]) + (x >= threshold_[low + 1]));
+  }
   const float* map() const { return map_; }
   const uint8_t* low_table() const { return low_.data(); }
   const float* thresholds() const { return threshold_.data(); }

@@ -83,20 +83,22 @@ size_t param_count(const torch::optim::Optimizer& opt) {
   return n;
 }
 
-}  // namespace
-
-Result<OptimizerState> export_state(const FusedAdamW& opt, const std::vector<std::string>& names,
-                                    bool include_params) {
+// The export both optimizers share: groups with their hyperparameters, one ParamState per named
+// param with shape, dtype, group and (with include_params) the weights. `fill` adds the step and
+// moments from the optimizer's own per-param state, when it has one.
+template <typename HyperOf, typename Fill>
+Result<OptimizerState> export_common(const torch::optim::Optimizer& opt, const std::vector<std::string>& names,
+                                     const char* kind, bool include_params, HyperOf hyper_of, Fill fill) {
   if (names.size() != param_count(opt))
     return invalid_argument(
         fmt::format("{} names given for an optimizer with {} params", names.size(), param_count(opt)));
   OptimizerState out;
-  out.kind = "adamw";
+  out.kind = kind;
   size_t i = 0;
   for (size_t gi = 0; gi < opt.param_groups().size(); ++gi) {
     const auto& group = opt.param_groups()[gi];
     ParamGroup pg;
-    pg.hyper = hyper_of(static_cast<const FusedAdamWOptions&>(group.options()));
+    pg.hyper = hyper_of(group.options());
     for (const auto& p : group.params()) {
       const std::string& fqn = names[i++];
       if (out.params.count(fqn)) return invalid_argument(fmt::format("param name '{}' given twice", fqn));
@@ -105,14 +107,7 @@ Result<OptimizerState> export_state(const FusedAdamW& opt, const std::vector<std
       OPTSTATE_ASSIGN_OR_RETURN(ps.param_dtype, dtype_of(p.scalar_type()));
       ps.group = static_cast<int>(gi);
       auto it = opt.state().find(p.unsafeGetTensorImpl());
-      if (it != opt.state().end()) {
-        const auto& st = static_cast<const FusedAdamWParamState&>(*it->second);
-        ps.step = st.step();
-        ps.entries.emplace(kExpAvg, dense_entry(st.exp_avg(), DType::kF32));
-        ps.entries.emplace(kExpAvgSq, dense_entry(st.exp_avg_sq(), DType::kF32));
-        if (st.max_exp_avg_sq().defined())
-          ps.entries.emplace(kMaxExpAvgSq, dense_entry(st.max_exp_avg_sq(), DType::kF32));
-      }
+      if (it != opt.state().end()) fill(*it->second, ps);
       if (include_params) ps.entries.emplace(kParam, dense_entry(p, ps.param_dtype));
       pg.params.push_back(fqn);
       out.params.emplace(fqn, std::move(ps));
@@ -122,17 +117,15 @@ Result<OptimizerState> export_state(const FusedAdamW& opt, const std::vector<std
   return out;
 }
 
-Status import_state(FusedAdamW& opt, const std::vector<std::string>& names, const OptimizerState& state_in,
-                    bool load_params) {
-  // FusedAdamW keeps dense fp32 moments: 8-bit ones are dequantized.
-  OPTSTATE_ASSIGN_OR_RETURN(const OptimizerState state, dequantize_state(state_in));
+// Checks, before anything is changed, that `state` can be imported into `opt` under `names`.
+Status check_import(const torch::optim::Optimizer& opt, const std::vector<std::string>& names,
+                    const OptimizerState& state, bool load_params) {
   if (names.size() != param_count(opt))
     return invalid_argument(
         fmt::format("{} names given for an optimizer with {} params", names.size(), param_count(opt)));
   if (state.groups.size() != opt.param_groups().size())
     return invalid_argument(fmt::format("checkpoint has {} param groups, optimizer has {}", state.groups.size(),
                                         opt.param_groups().size()));
-  // Check everything before changing anything, so a failed import leaves the optimizer as it was.
   size_t i = 0;
   for (size_t gi = 0; gi < opt.param_groups().size(); ++gi)
     for (const auto& p : opt.param_groups()[gi].params()) {
@@ -145,19 +138,42 @@ Status import_state(FusedAdamW& opt, const std::vector<std::string>& names, cons
                                             format_shape(ps.shape), format_shape(shape_of(p))));
       if (static_cast<size_t>(ps.group) != gi)
         return invalid_argument(fmt::format("param '{}' is in group {} in the checkpoint, {} here", fqn, ps.group, gi));
-      for (const auto& [name, e] : ps.entries) {
-        if (name != kParam && e.dtype != DType::kF32)
-          return invalid_argument(fmt::format("entry '{}' is {}; FusedAdamW keeps fp32 state", entry_key(fqn, name),
-                                              dtype_name(e.dtype)));
-      }
       if (ps.entries.count(kExpAvg) != ps.entries.count(kExpAvgSq))
         return invalid_argument(fmt::format("param '{}' has only one of exp_avg and exp_avg_sq", fqn));
+      for (const auto& [name, e] : ps.entries)
+        if (name != kParam && e.encoding == Encoding::kDense && e.dtype != DType::kF32)
+          return invalid_argument(fmt::format("entry '{}' is {}; optstate optimizers keep fp32 state",
+                                              entry_key(fqn, name), dtype_name(e.dtype)));
       if (load_params && !ps.entries.count(kParam))
         return not_found(fmt::format("checkpoint has no weights for param '{}'", fqn));
     }
+  return Status::Ok();
+}
 
+}  // namespace
+
+Result<OptimizerState> export_state(const FusedAdamW& opt, const std::vector<std::string>& names,
+                                    bool include_params) {
+  return export_common(
+      opt, names, "adamw", include_params,
+      [](const torch::optim::OptimizerOptions& o) { return hyper_of(static_cast<const FusedAdamWOptions&>(o)); },
+      [](const torch::optim::OptimizerParamState& base, ParamState& ps) {
+        const auto& st = static_cast<const FusedAdamWParamState&>(base);
+        ps.step = st.step();
+        ps.entries.emplace(kExpAvg, dense_entry(st.exp_avg(), DType::kF32));
+        ps.entries.emplace(kExpAvgSq, dense_entry(st.exp_avg_sq(), DType::kF32));
+        if (st.max_exp_avg_sq().defined())
+          ps.entries.emplace(kMaxExpAvgSq, dense_entry(st.max_exp_avg_sq(), DType::kF32));
+      });
+}
+
+Status import_state(FusedAdamW& opt, const std::vector<std::string>& names, const OptimizerState& state_in,
+                    bool load_params) {
+  // FusedAdamW keeps dense fp32 moments: 8-bit ones are dequantized.
+  OPTSTATE_ASSIGN_OR_RETURN(const OptimizerState state, dequantize_state(state_in));
+  OPTSTATE_RETURN_IF_ERROR(check_import(opt, names, state, load_params));
+  size_t i = 0;
   at::NoGradGuard no_grad;
-  i = 0;
   for (size_t gi = 0; gi < opt.param_groups().size(); ++gi) {
     auto& group = opt.param_groups()[gi];
     auto& o = static_cast<FusedAdamWOptions&>(group.options());
@@ -225,28 +241,15 @@ Result<Moment8bit> moment_of(const Entry& e, const std::vector<int64_t>& shape) 
 
 Result<OptimizerState> export_state(const AdamW8bit& opt, const std::vector<std::string>& names,
                                     bool include_params) {
-  if (names.size() != param_count(opt))
-    return invalid_argument(
-        fmt::format("{} names given for an optimizer with {} params", names.size(), param_count(opt)));
-  OptimizerState out;
-  out.kind = "adamw8bit";
-  size_t i = 0;
-  for (size_t gi = 0; gi < opt.param_groups().size(); ++gi) {
-    const auto& group = opt.param_groups()[gi];
-    const auto& o = static_cast<const AdamW8bitOptions&>(group.options());
-    ParamGroup pg;
-    pg.hyper = {o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(), o.amsgrad(),
-                false};
-    for (const auto& p : group.params()) {
-      const std::string& fqn = names[i++];
-      if (out.params.count(fqn)) return invalid_argument(fmt::format("param name '{}' given twice", fqn));
-      ParamState ps;
-      ps.shape = shape_of(p);
-      OPTSTATE_ASSIGN_OR_RETURN(ps.param_dtype, dtype_of(p.scalar_type()));
-      ps.group = static_cast<int>(gi);
-      auto it = opt.state().find(p.unsafeGetTensorImpl());
-      if (it != opt.state().end()) {
-        const auto& st = static_cast<const AdamW8bitParamState&>(*it->second);
+  return export_common(
+      opt, names, "adamw8bit", include_params,
+      [](const torch::optim::OptimizerOptions& base) {
+        const auto& o = static_cast<const AdamW8bitOptions&>(base);
+        return Hyperparameters{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
+                               o.amsgrad(), false};
+      },
+      [](const torch::optim::OptimizerParamState& base, ParamState& ps) {
+        const auto& st = static_cast<const AdamW8bitParamState&>(base);
         ps.step = st.step();
         const std::pair<const char*, const Moment8bit*> moments[] = {
             {kExpAvg, &st.exp_avg()}, {kExpAvgSq, &st.exp_avg_sq()}, {kMaxExpAvgSq, &st.max_exp_avg_sq()}};
@@ -259,25 +262,12 @@ Result<OptimizerState> export_state(const AdamW8bit& opt, const std::vector<std:
           else
             ps.entries.emplace(name, dense_entry(m->values, DType::kF32));
         }
-      }
-      if (include_params) ps.entries.emplace(kParam, dense_entry(p, ps.param_dtype));
-      pg.params.push_back(fqn);
-      out.params.emplace(fqn, std::move(ps));
-    }
-    out.groups.push_back(std::move(pg));
-  }
-  return out;
+      });
 }
 
 Status import_state(AdamW8bit& opt, const std::vector<std::string>& names, const OptimizerState& state_in,
                     bool load_params) {
-  if (names.size() != param_count(opt))
-    return invalid_argument(
-        fmt::format("{} names given for an optimizer with {} params", names.size(), param_count(opt)));
-  if (state_in.groups.size() != opt.param_groups().size())
-    return invalid_argument(fmt::format("checkpoint has {} param groups, optimizer has {}", state_in.groups.size(),
-                                        opt.param_groups().size()));
-  const auto& o0 = static_cast<const AdamW8bitOptions&>(opt.param_groups()[0].options());
+  const auto& o0 = static_cast<const AdamW8bitOptions&>(opt.param_groups().at(0).options());
   for (const auto& g : opt.param_groups()) {
     const auto& o = static_cast<const AdamW8bitOptions&>(g.options());
     if (o.block_size() != o0.block_size() || o.min_8bit_size() != o0.min_8bit_size())
@@ -288,25 +278,9 @@ Status import_state(AdamW8bit& opt, const std::vector<std::string>& names, const
   OPTSTATE_ASSIGN_OR_RETURN(OptimizerState dense, dequantize_state(state_in));
   OPTSTATE_ASSIGN_OR_RETURN(const OptimizerState state,
                             quantize_state(dense, {o0.block_size(), o0.min_8bit_size()}));
-  size_t i = 0;
-  for (size_t gi = 0; gi < opt.param_groups().size(); ++gi)
-    for (const auto& p : opt.param_groups()[gi].params()) {
-      const std::string& fqn = names[i++];
-      auto it = state.params.find(fqn);
-      if (it == state.params.end()) return not_found(fmt::format("checkpoint has no state for param '{}'", fqn));
-      if (it->second.shape != shape_of(p))
-        return invalid_argument(fmt::format("param '{}': checkpoint shape {} differs from the model's {}", fqn,
-                                            format_shape(it->second.shape), format_shape(shape_of(p))));
-      if (static_cast<size_t>(it->second.group) != gi)
-        return invalid_argument(fmt::format("param '{}' is in group {} in the checkpoint, {} here", fqn,
-                                            it->second.group, gi));
-      if (it->second.entries.count(kExpAvg) != it->second.entries.count(kExpAvgSq))
-        return invalid_argument(fmt::format("param '{}' has only one of exp_avg and exp_avg_sq", fqn));
-      if (load_params && !it->second.entries.count(kParam))
-        return not_found(fmt::format("checkpoint has no weights for param '{}'", fqn));
-    }
+  OPTSTATE_RETURN_IF_ERROR(check_import(opt, names, state, load_params));
   at::NoGradGuard no_grad;
-  i = 0;
+  size_t i = 0;
   for (size_t gi = 0; gi < opt.param_groups().size(); ++gi) {
     auto& group = opt.param_groups()[gi];
     auto& o = static_cast<AdamW8bitOptions&>(group.options());

@@ -47,5 +47,7 @@ int fail(const std::string& command, const Status& status);
 int run_inspect(int argc, char** argv);
 int run_hash(int argc, char** argv);
 int run_convert(int argc, char** argv);
+int run_validate(int argc, char** argv);
+int run_diff(int argc, char** argv);
 
 }  // namespace optstate::cli

@@ -16,6 +16,8 @@ struct Command {
 constexpr Command kCommands[] = {
     {"inspect", optstate::cli::run_inspect, "params, entries, shapes, encodings, bytes, steps, statistics"},
     {"hash", optstate::cli::run_hash, "per-entry and root hashes, independent of sharding and format"},
+    {"validate", optstate::cli::run_validate, "checksums, coverage and state sanity; exit 1 on findings"},
+    {"diff", optstate::cli::run_diff, "per-entry differences between two checkpoints"},
     {"convert", optstate::cli::run_convert, "copy a checkpoint, optionally to fp32 or 8-bit moments"},
 };
 

@@ -27,6 +27,18 @@ class NativeReader final : public CheckpointReader {
   const fs::path& path() const override { return dir_; }
   const OptimizerState& meta() const override { return m_.state; }
 
+  std::string locate(const std::string& fqn, const std::string& entry, Component c, int64_t index) const override {
+    auto it = m_.chunks.find(ChunkKey{fqn, entry, c});
+    if (it != m_.chunks.end())
+      for (const Chunk& ch : it->second)
+        if (index >= ch.begin && index < ch.end) {
+          const auto* e = &m_.state.params.at(fqn).entries.at(entry);
+          return fmt::format("{} at byte {}", m_.files[ch.file].full_path.string(),
+                             ch.offset + static_cast<uint64_t>(index - ch.begin) * component_elem_size(*e, c));
+        }
+    return dir_.string();
+  }
+
   Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) override {
     auto it = m_.chunks.find(ChunkKey{fqn, entry, c});
     if (it == m_.chunks.end())

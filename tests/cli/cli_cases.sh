@@ -42,7 +42,7 @@ PY
 case "$case_name" in
   help)
     "$OPTSTATE" --help | grep -q "inspect" || fail "no command list"
-    for c in inspect hash convert; do "$OPTSTATE" "$c" --help | grep -q "usage: optstate $c" || fail "$c --help"; done
+    for c in inspect hash convert validate diff; do "$OPTSTATE" "$c" --help | grep -q "usage: optstate $c" || fail "$c --help"; done
     expect_error 2 "unknown command" -- "$OPTSTATE" frobnicate
     expect_error 2 "unknown option '--bogus'" -- "$OPTSTATE" hash --bogus x
     expect_error 2 "usage: optstate hash" -- "$OPTSTATE" hash
@@ -179,6 +179,108 @@ assert j["params"]["head.bias"]["entries"]["exp_avg"]["encoding"] == "dense"
     expect_error 2 "rank-00000.bin" -- "$OPTSTATE" convert "$work/c" "$work/z" --to 8bit
     [ ! -e "$work/z" ] || fail "a failed convert left output"
     [ -z "$(ls -A "$work" | grep partial)" ] || fail "a staging directory was left behind"
+    ;;
+  validate)
+    make_ckpt "$work/good"
+    "$OPTSTATE_DEMO" --optimizer adamw8bit --steps 3 --save "$work/good8" >/dev/null
+    for c in good good8; do
+      out=$("$OPTSTATE" validate "$work/$c") || fail "false alarm on a good checkpoint: $out"
+      printf '%s' "$out" | grep -q "^ok: " || fail "no ok line"
+    done
+    # expect_finding DIR PATTERN: validate exits 1 and one finding matches
+    expect_finding() {
+      local out rc
+      out=$("$OPTSTATE" validate "$1" 2>&1); rc=$?
+      [ "$rc" -eq 1 ] || fail "validate $1 exited $rc (want 1): $out"
+      printf '%s\n' "$out" | grep -Eq -- "$2" || fail "no finding matching '$2' in: $out"
+      echo "ok: finding: $(printf '%s\n' "$out" | grep -E -- "$2" | head -1)"
+    }
+    fresh() { rm -rf "$work/c"; cp -r "$work/$1" "$work/c"; }
+    fresh good; rm "$work/c/data/rank-00000.bin"
+    expect_finding "$work/c" "rank-00000.bin: data file missing"
+    fresh good; truncate -s -64 "$work/c/data/rank-00000.bin"
+    expect_finding "$work/c" "rank-00000.bin: file has .* bytes, manifest says"
+    fresh good
+    "$PY" - "$work/c/data/rank-00000.bin" <<'PY'
+import sys
+p = sys.argv[1]; b = bytearray(open(p, "rb").read()); b[1000] ^= 0x01; open(p, "wb").write(b)
+PY
+    expect_finding "$work/c" "checksum mismatch in bytes \[[0-9]+, [0-9]+\) holding entry '.*' values \[0, [0-9]+\)"
+    fresh good; sed -i 's/"step": 3/"step": 4/' "$work/c/manifest.json"
+    expect_finding "$work/c" "manifest.json: manifest checksum mismatch"
+    fresh good
+    resign "$work/c/manifest.json" 'j["params"]["head.bias"]["entries"]["exp_avg"]["components"]["values"][0]["end"] = 4'
+    expect_finding "$work/c" "head.bias.exp_avg' values: elements \[4, 8\) are not covered"
+    fresh good
+    resign "$work/c/manifest.json" '
+v = j["params"]["head.bias"]["entries"]["exp_avg"]["components"]["values"]
+v.append(dict(v[0]))'
+    expect_finding "$work/c" "are covered twice"
+    # NaN in a state and a negative exp_avg_sq, written where the manifest says they are (re-signed
+    # chunk checksums), so only the sanity checks can catch them
+    for what in nan negative; do
+      fresh good
+      "$PY" - "$work/c" "$what" <<'PY'
+import json, struct, sys, xxhash
+ckpt, what = sys.argv[1], sys.argv[2]
+m = json.load(open(f"{ckpt}/manifest.json"))
+entry = "exp_avg" if what == "nan" else "exp_avg_sq"
+ch = m["params"]["layers.1.weight"]["entries"][entry]["components"]["values"][0]
+path = f"{ckpt}/{m['files'][ch['file']]['path']}"
+data = bytearray(open(path, "rb").read())
+data[ch["offset"] + 40:ch["offset"] + 44] = struct.pack("<f", float("nan") if what == "nan" else -1.0)
+open(path, "wb").write(data)
+n = (ch["end"] - ch["begin"]) * 4
+ch["xxh3"] = xxhash.xxh3_64_hexdigest(bytes(data[ch["offset"]:ch["offset"] + n]))
+json.dump(m, open(f"{ckpt}/manifest.json", "w"))
+PY
+      resign "$work/c/manifest.json" 'pass'
+      if [ $what = nan ]; then
+        expect_finding "$work/c" "layers.1.weight.exp_avg' has 1 non-finite values \(first at element 10\)"
+      else
+        expect_finding "$work/c" "rank-00000.bin at byte [0-9]+: entry 'layers.1.weight.exp_avg_sq' has 1 negative values"
+      fi
+    done
+    fresh good8
+    "$PY" - "$work/c" <<'PY'
+import json, struct, sys, xxhash
+ckpt = sys.argv[1]
+m = json.load(open(f"{ckpt}/manifest.json"))
+ch = m["params"]["layers.1.weight"]["entries"]["exp_avg"]["components"]["absmax"][0]
+path = f"{ckpt}/{m['files'][ch['file']]['path']}"
+data = bytearray(open(path, "rb").read())
+data[ch["offset"]:ch["offset"] + 4] = struct.pack("<f", 0.0)
+open(path, "wb").write(data)
+ch["xxh3"] = xxhash.xxh3_64_hexdigest(bytes(data[ch["offset"]:ch["offset"] + (ch["end"] - ch["begin"]) * 4]))
+json.dump(m, open(f"{ckpt}/manifest.json", "w"))
+PY
+    resign "$work/c/manifest.json" 'pass'
+    expect_finding "$work/c" "rank-00000.bin at byte [0-9]+: entry 'layers.1.weight.exp_avg' has 1 blocks whose absmax is not a positive finite number"
+    "$OPTSTATE" validate --json "$work/c" | "$PY" -c 'import json,sys; j=json.load(sys.stdin); assert not j["ok"] and j["findings"]'
+    expect_error 2 "no such file" -- "$OPTSTATE" validate "$work/none"
+    ;;
+  diff)
+    make_ckpt "$work/a"
+    cp -r "$work/a" "$work/b"
+    "$OPTSTATE" diff "$work/a" "$work/b" | grep -q "equal within tolerance" || fail "identical checkpoints differ"
+    "$OPTSTATE_DEMO" --steps 4 --save "$work/c" >/dev/null
+    out=$("$OPTSTATE" diff "$work/a" "$work/c"); rc=$?
+    [ $rc -eq 1 ] || fail "diff of different steps exited $rc"
+    printf '%s\n' "$out" | grep -q "step: 3 vs 4" || fail "step difference not reported: $out"
+    # 8-bit vs its fp32 conversion: exactly equal values
+    "$OPTSTATE_DEMO" --optimizer adamw8bit --steps 3 --save "$work/q" >/dev/null
+    "$OPTSTATE" convert "$work/q" "$work/qf" --to fp32 >/dev/null
+    "$OPTSTATE" diff "$work/q" "$work/qf" >/dev/null || fail "8-bit and its fp32 conversion differ"
+    # fp32 vs its 8-bit quantization: within a tolerance, not exactly
+    "$OPTSTATE" convert "$work/a" "$work/a8" --to 8bit >/dev/null
+    "$OPTSTATE" diff "$work/a" "$work/a8" >/dev/null && fail "quantized state reported exactly equal"
+    "$OPTSTATE" diff --json --rtol 0.1 --atol 1e-6 "$work/a8" "$work/a" | "$PY" -c '
+import json, sys
+j = json.load(sys.stdin)
+assert j["ok"], [k for k, e in j["entries"].items() if not e["ok"]]
+assert j["entries"]["layers.1.weight.exp_avg"]["max_abs"] > 0
+'  || fail "quantization error outside 10%"
+    expect_error 2 "--rtol needs a non-negative number" -- "$OPTSTATE" diff "$work/a" "$work/b" --rtol x
     ;;
   *) fail "unknown case" ;;
 esac

@@ -1,0 +1,81 @@
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "cli.h"
+#include "optstate/diff.h"
+#include "registry.h"
+
+namespace optstate::cli {
+namespace {
+Result<double> parse_tolerance(const std::string& name, const std::string& text) {
+  try {
+    size_t used = 0;
+    const double v = std::stod(text, &used);
+    if (used == text.size() && v >= 0 && std::isfinite(v)) return v;
+  } catch (...) {
+  }
+  return invalid_argument(fmt::format("{} needs a non-negative number, got '{}'", name, text));
+}
+}  // namespace
+
+int run_diff(int argc, char** argv) {
+  const CommandSpec spec{"diff",
+                         "optstate diff A B [--rtol R] [--atol A] [--json]",
+                         "Compares two checkpoints entry by entry on their (dequantized) fp32 values: max abs and\n"
+                         "relative difference, and how many elements lie outside |a - b| <= atol + rtol * |b|\n"
+                         "(default 0 and 0: exact). Metadata (kind, groups, hyperparameters, steps) must match.\n"
+                         "Exit 1 when anything differs beyond tolerance.",
+                         {{"--rtol", true, "relative tolerance (default 0)"},
+                          {"--atol", true, "absolute tolerance (default 0)"},
+                          {"--json", false, "print one JSON document"}},
+                         2,
+                         2};
+  auto args = parse_args(spec, argc, argv);
+  if (!args.ok()) return fail("diff", args.status());
+  if (args->has("--help")) {
+    std::fputs(help_text(spec).c_str(), stdout);
+    return kExitOk;
+  }
+  DiffOptions options;
+  for (auto [flag, target] : {std::pair{"--rtol", &options.rtol}, std::pair{"--atol", &options.atol}})
+    if (auto v = args->value(flag)) {
+      auto t = parse_tolerance(flag, *v);
+      if (!t.ok()) return fail("diff", t.status());
+      *target = *t;
+    }
+  auto a = open_checkpoint(args->positional[0]);
+  if (!a.ok()) return fail("diff", a.status());
+  auto b = open_checkpoint(args->positional[1]);
+  if (!b.ok()) return fail("diff", b.status());
+  auto report = diff_checkpoints(**a, **b, options);
+  if (!report.ok()) return fail("diff", report.status());
+  if (args->has("--json")) {
+    nlohmann::json entries = nlohmann::json::object();
+    for (const auto& e : report->entries) {
+      nlohmann::json j = {{"count", e.count}, {"outside", e.outside}, {"max_abs", e.max_abs},
+                          {"max_rel", e.max_rel}, {"ok", e.ok()}};
+      if (!e.problem.empty()) j["problem"] = e.problem;
+      entries[e.key] = j;
+    }
+    nlohmann::json j = {{"ok", report->ok()}, {"rtol", options.rtol}, {"atol", options.atol},
+                        {"metadata", report->metadata}, {"entries", entries}};
+    std::fputs((j.dump(2) + "\n").c_str(), stdout);
+  } else {
+    for (const auto& m : report->metadata) std::printf("DIFF  %s\n", m.c_str());
+    std::printf("%-48s %12s %12s %10s\n", "ENTRY", "MAX ABS", "MAX REL", "OUTSIDE");
+    for (const auto& e : report->entries) {
+      if (!e.problem.empty())
+        std::printf("%-48s %s\n", e.key.c_str(), e.problem.c_str());
+      else
+        std::printf("%-48s %12.4g %12.4g %10lld%s\n", e.key.c_str(), e.max_abs, e.max_rel,
+                    static_cast<long long>(e.outside), e.ok() ? "" : "  <-");
+    }
+    std::printf("%s\n", report->ok() ? "equal within tolerance" : "different");
+  }
+  return report->ok() ? kExitOk : kExitFindings;
+}
+
+}  // namespace optstate::cli

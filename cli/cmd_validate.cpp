@@ -1,0 +1,49 @@
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "cli.h"
+#include "optstate/validate.h"
+#include "registry.h"
+
+namespace optstate::cli {
+
+int run_validate(int argc, char** argv) {
+  const CommandSpec spec{"validate",
+                         "optstate validate CKPT [--json]",
+                         "Checks a checkpoint: manifest and sizes, every chunk's checksum, coverage of every\n"
+                         "element exactly once, and state sanity (finite values, exp_avg_sq >= 0, absmax > 0,\n"
+                         "steps consistent with the state). Exit 1 when anything is found, each finding named.",
+                         {{"--json", false, "print {\"ok\": bool, \"findings\": [...]}"}},
+                         1,
+                         1};
+  auto args = parse_args(spec, argc, argv);
+  if (!args.ok()) return fail("validate", args.status());
+  if (args->has("--help")) {
+    std::fputs(help_text(spec).c_str(), stdout);
+    return kExitOk;
+  }
+  const std::filesystem::path path = args->positional[0];
+  auto report = validate_checkpoint(path, [](const std::filesystem::path& p) { return open_checkpoint(p); });
+  if (!report.ok()) return fail("validate", report.status());
+  if (args->has("--json")) {
+    nlohmann::json findings = nlohmann::json::array();
+    for (const auto& f : report->findings) findings.push_back({{"entry", f.entry}, {"message", f.message}});
+    nlohmann::json j = {{"path", path.string()},
+                        {"ok", report->ok()},
+                        {"entries_checked", report->entries_checked},
+                        {"values_checked", report->values_checked},
+                        {"findings", findings}};
+    std::fputs((j.dump(2) + "\n").c_str(), stdout);
+  } else if (report->ok()) {
+    std::printf("ok: %s: %lld entries, %lld values, every chunk checksum verified\n", path.c_str(),
+                static_cast<long long>(report->entries_checked), static_cast<long long>(report->values_checked));
+  } else {
+    for (const auto& f : report->findings) std::printf("FINDING  %s\n", f.message.c_str());
+    std::printf("%s: %zu finding(s)\n", path.c_str(), report->findings.size());
+  }
+  return report->ok() ? kExitOk : kExitFindings;
+}
+
+}  // namespace optstate::cli

@@ -1,0 +1,31 @@
+// `optstate diff`: per-entry comparison of two states by their (dequantized) fp32 values.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "optstate/checkpoint.h"
+
+namespace optstate {
+
+struct DiffOptions {
+  double rtol = 0.0, atol = 0.0;  // an element differs when |a - b| > atol + rtol * |b| (numpy's allclose rule)
+};
+
+struct EntryDiff {
+  std::string key;                 // "<fqn>.<entry>"
+  std::string problem;             // non-empty when the entry cannot be compared (missing, shape)
+  int64_t count = 0, outside = 0;  // elements compared, elements outside tolerance
+  double max_abs = 0, max_rel = 0;
+  bool ok() const { return problem.empty() && outside == 0; }
+};
+
+struct DiffReport {
+  std::vector<std::string> metadata;  // differences in kind, groups, hyperparameters, steps, dtypes
+  std::vector<EntryDiff> entries;
+  bool ok() const;
+};
+
+Result<DiffReport> diff_checkpoints(CheckpointReader& a, CheckpointReader& b, const DiffOptions& options);
+
+}  // namespace optstate

@@ -49,5 +49,6 @@ int run_hash(int argc, char** argv);
 int run_convert(int argc, char** argv);
 int run_validate(int argc, char** argv);
 int run_diff(int argc, char** argv);
+int run_reshard(int argc, char** argv);
 
 }  // namespace optstate::cli

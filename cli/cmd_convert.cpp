@@ -21,13 +21,15 @@ Result<int64_t> parse_positive(const std::string& name, const std::string& text)
   return invalid_argument(fmt::format("{} needs a non-negative integer, got '{}'", name, text));
 }
 
+int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, char** argv);
+
 }  // namespace
 
 int run_convert(int argc, char** argv) {
   const CommandSpec spec{
       "convert",
-      "optstate convert SRC DST [--to fp32|8bit] [--format native] [--block-size N] [--min-8bit-size N] "
-      "[--overwrite] [--json]",
+      "optstate convert SRC DST [--to fp32|8bit] [--format native] [--world-size N] [--block-size N] "
+      "[--min-8bit-size N] [--overwrite] [--json]",
       "Writes the state of SRC to DST, optionally changing its encoding: --to fp32 dequantizes 8-bit\n"
       "moments, --to 8bit quantizes the moments of params with at least --min-8bit-size elements\n"
       "(default 4096) in blocks of --block-size (default 256); moments that came from 8-bit get their\n"
@@ -36,12 +38,33 @@ int run_convert(int argc, char** argv) {
        {"--format", true, "output format (default native)"},
        {"--block-size", true, "8-bit block size (default 256)"},
        {"--min-8bit-size", true, "params with fewer elements stay dense (default 4096)"},
+       {"--world-size", true, "lay DST out as N ranks' shards (default 1)"},
        {"--overwrite", false, "replace DST if it exists"},
        {"--json", false, "print a JSON summary"}},
       2,
       2};
+  return convert_or_reshard("convert", spec, argc, argv);
+}
+
+int run_reshard(int argc, char** argv) {
+  const CommandSpec spec{"reshard",
+                         "optstate reshard SRC DST --world-size N [--overwrite] [--json]",
+                         "Writes SRC again as N ranks' shards (each rank a contiguous flat range of every entry,\n"
+                         "whole rows for dense entries, whole blocks for 8-bit ones; nothing is requantized).\n"
+                         "SRC is only read; DST appears complete or not at all.",
+                         {{"--world-size", true, "number of ranks (required)"},
+                          {"--overwrite", false, "replace DST if it exists"},
+                          {"--json", false, "print a JSON summary"}},
+                         2,
+                         2};
+  return convert_or_reshard("reshard", spec, argc, argv);
+}
+
+namespace {
+
+int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, char** argv) {
   auto args = parse_args(spec, argc, argv);
-  if (!args.ok()) return fail("convert", args.status());
+  if (!args.ok()) return fail(command, args.status());
   if (args->has("--help")) {
     std::fputs(help_text(spec).c_str(), stdout);
     return kExitOk;
@@ -49,50 +72,63 @@ int run_convert(int argc, char** argv) {
   const std::filesystem::path src = args->positional[0], dst = args->positional[1];
   const std::string to = args->value("--to").value_or("");
   if (!to.empty() && to != "fp32" && to != "8bit")
-    return fail("convert", invalid_argument(fmt::format("--to must be fp32 or 8bit, got '{}'", to)));
+    return fail(command, invalid_argument(fmt::format("--to must be fp32 or 8bit, got '{}'", to)));
   const std::string format = args->value("--format").value_or("native");
   const FormatDriver* driver = find_format(format);
-  if (!driver) return fail("convert", invalid_argument(fmt::format("unknown output format '{}'", format)));
+  if (!driver) return fail(command, invalid_argument(fmt::format("unknown output format '{}'", format)));
   QuantizeOptions q;
   if (auto v = args->value("--block-size")) {
     auto n = parse_positive("--block-size", *v);
-    if (!n.ok()) return fail("convert", n.status());
+    if (!n.ok()) return fail(command, n.status());
     q.block_size = *n;
   }
   if (auto v = args->value("--min-8bit-size")) {
     auto n = parse_positive("--min-8bit-size", *v);
-    if (!n.ok()) return fail("convert", n.status());
+    if (!n.ok()) return fail(command, n.status());
     q.min_8bit_size = *n;
+  }
+  int world = 1;
+  if (auto v = args->value("--world-size")) {
+    auto n = parse_positive("--world-size", *v);
+    if (!n.ok()) return fail(command, n.status());
+    if (*n < 1 || *n > 65536) return fail(command, invalid_argument("--world-size must be between 1 and 65536"));
+    world = static_cast<int>(*n);
+  } else if (std::string(command) == "reshard") {
+    return fail(command, invalid_argument("--world-size is required"));
   }
   std::error_code ec;
   if (std::filesystem::exists(dst, ec) && std::filesystem::equivalent(src, dst, ec))
-    return fail("convert", invalid_argument(fmt::format("{}: destination is the source", dst.string())));
+    return fail(command, invalid_argument(fmt::format("{}: destination is the source", dst.string())));
 
   auto reader = open_checkpoint(src);
-  if (!reader.ok()) return fail("convert", reader.status());
+  if (!reader.ok()) return fail(command, reader.status());
   auto state = load_all(**reader);
-  if (!state.ok()) return fail("convert", state.status());
+  if (!state.ok()) return fail(command, state.status());
   if (to == "fp32") state = dequantize_state(*state);
   if (to == "8bit") state = quantize_state(*state, q);
-  if (!state.ok()) return fail("convert", state.status().with_context(src.string()));
+  if (!state.ok()) return fail(command, state.status().with_context(src.string()));
   WriteOptions wo;
   wo.overwrite = args->has("--overwrite");
+  wo.world_size = world;
   Status st = write_checkpoint(*driver, *state, dst, wo);
-  if (!st.ok()) return fail("convert", st);
+  if (!st.ok()) return fail(command, st);
 
   int64_t dense = 0, eight = 0;
   for (const auto& [fqn, ps] : state->params)
     for (const auto& [name, e] : ps.entries) (e.encoding == Encoding::kDense ? dense : eight) += 1;
   if (args->has("--json")) {
     nlohmann::json j = {{"source", src.string()}, {"source_format", std::string((*reader)->format())},
-                        {"destination", dst.string()}, {"format", format}, {"params", state->params.size()},
+                        {"destination", dst.string()}, {"format", format}, {"world_size", world},
+                        {"params", state->params.size()},
                         {"dense_entries", dense}, {"blockwise8_entries", eight}};
     std::fputs((j.dump(2) + "\n").c_str(), stdout);
   } else {
-    std::printf("wrote %s (%s): %zu params, %lld dense and %lld 8-bit entries\n", dst.c_str(), format.c_str(),
-                state->params.size(), static_cast<long long>(dense), static_cast<long long>(eight));
+    std::printf("wrote %s (%s, %d rank%s): %zu params, %lld dense and %lld 8-bit entries\n", dst.c_str(),
+                format.c_str(), world, world == 1 ? "" : "s", state->params.size(), static_cast<long long>(dense),
+                static_cast<long long>(eight));
   }
   return kExitOk;
 }
 
+}  // namespace
 }  // namespace optstate::cli

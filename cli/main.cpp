@@ -19,6 +19,7 @@ constexpr Command kCommands[] = {
     {"validate", optstate::cli::run_validate, "checksums, coverage and state sanity; exit 1 on findings"},
     {"diff", optstate::cli::run_diff, "per-entry differences between two checkpoints"},
     {"convert", optstate::cli::run_convert, "copy a checkpoint, optionally to fp32 or 8-bit moments"},
+    {"reshard", optstate::cli::run_reshard, "lay a checkpoint out as N ranks' shards"},
 };
 
 void print_usage(FILE* out) {

@@ -124,39 +124,46 @@ class NativeDriver final : public FormatDriver {
     if (!options.overwrite && fs::exists(fs::symlink_status(path, ec)))
       return invalid_argument(fmt::format("{}: already exists (overwrite not requested)", path.string()));
     OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_dir(path));
-    Status st = write_into(state, staging);
+    Status st = write_into(state, staging, options.world_size);
     if (st.ok()) st = publish_directory(staging, path, options.overwrite);
     if (!st.ok()) fs::remove_all(staging, ec);  // never leave a partial checkpoint behind
     return st;
   }
 
  private:
-  static Status write_into(const OptimizerState& state, const fs::path& staging) {
-    const std::string rel = "data/rank-00000.bin";
+  // Each rank's shard of every component goes to that rank's data file (DESIGN §2); a single
+  // process writes all of them here, a sharded save writes its own.
+  static Status write_into(const OptimizerState& state, const fs::path& staging, int world) {
+    if (world < 1 || world > 65536) return invalid_argument(fmt::format("world size {} out of range", world));
     if (::mkdir((staging / "data").c_str(), 0755) != 0)
       return io_error(fmt::format("{}: cannot create data directory", staging.string()));
-    OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging / rel));
     Manifest m;
     m.state = state;
-    for (const auto& [fqn, ps] : state.params) {
-      OPTSTATE_ASSIGN_OR_RETURN(int64_t numel, checked_numel(ps.shape));
-      for (const auto& [name, e] : ps.entries)
-        for (Component c : e.components()) {
-          const Buffer& b = e.buffer(c);
-          OPTSTATE_RETURN_IF_ERROR(out.write_zeros((kAlign - out.offset() % kAlign) % kAlign));
-          Chunk ch;
-          ch.file = 0;
-          ch.offset = out.offset();
-          ch.length = b.size;
-          ch.begin = 0;
-          ch.end = component_count(e, c, numel);
-          ch.xxh3 = xxh3_64(b.span());
-          OPTSTATE_RETURN_IF_ERROR(out.write(b.span()));
-          m.chunks[ChunkKey{fqn, name, c}].push_back(ch);
-        }
+    for (int rank = 0; rank < world; ++rank) {
+      const std::string rel = fmt::format("data/rank-{:05d}.bin", rank);
+      OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging / rel));
+      for (const auto& [fqn, ps] : state.params)
+        for (const auto& [name, e] : ps.entries)
+          for (Component c : e.components()) {
+            const FlatRange r = shard_range(e, c, ps.shape, world, rank);
+            if (r.size() == 0) continue;
+            const int64_t elem = component_elem_size(e, c);
+            const auto bytes = e.buffer(c).span().subspan(static_cast<size_t>(r.begin * elem),
+                                                         static_cast<size_t>(r.size() * elem));
+            OPTSTATE_RETURN_IF_ERROR(out.write_zeros((kAlign - out.offset() % kAlign) % kAlign));
+            Chunk ch;
+            ch.file = static_cast<size_t>(rank);
+            ch.offset = out.offset();
+            ch.length = bytes.size();
+            ch.begin = r.begin;
+            ch.end = r.end;
+            ch.xxh3 = xxh3_64(bytes);
+            OPTSTATE_RETURN_IF_ERROR(out.write(bytes));
+            m.chunks[ChunkKey{fqn, name, c}].push_back(ch);
+          }
+      m.files.push_back(DataFile{rel, out.offset(), staging / rel});
+      OPTSTATE_RETURN_IF_ERROR(out.sync_and_close());
     }
-    m.files.push_back(DataFile{rel, out.offset(), staging / rel});
-    OPTSTATE_RETURN_IF_ERROR(out.sync_and_close());
     OPTSTATE_RETURN_IF_ERROR(fsync_directory(staging / "data"));
     const std::string text = serialize_manifest(m);
     return write_small_file(staging / kManifestName, std::as_bytes(std::span(text)));

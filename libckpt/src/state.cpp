@@ -125,6 +125,22 @@ Status check_structure(const OptimizerState& state, bool require_buffers) {
   return Status::Ok();
 }
 
+FlatRange shard_range(const Entry& e, Component c, const std::vector<int64_t>& shape, int world, int rank) {
+  const int64_t numel = *checked_numel(shape);
+  int64_t units, unit_elems;  // what is split (rows or blocks) and how many component elements each holds
+  if (e.encoding == Encoding::kDense) {
+    units = shape.empty() ? 1 : shape[0];
+    unit_elems = units > 0 ? numel / units : 0;
+  } else {
+    units = (numel + e.block_size - 1) / e.block_size;
+    unit_elems = c == Component::kAbsmax ? 1 : e.block_size;
+  }
+  const int64_t per_rank = (units + world - 1) / world;  // torch.chunk: ceil-sized
+  const int64_t total = component_count(e, c, numel);
+  const int64_t first = std::min<int64_t>(units, per_rank * rank), last = std::min<int64_t>(units, first + per_rank);
+  return {std::min(total, first * unit_elems), std::min(total, last * unit_elems)};
+}
+
 std::string format_shape(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
 }  // namespace optstate

@@ -42,7 +42,7 @@ PY
 case "$case_name" in
   help)
     "$OPTSTATE" --help | grep -q "inspect" || fail "no command list"
-    for c in inspect hash convert validate diff; do "$OPTSTATE" "$c" --help | grep -q "usage: optstate $c" || fail "$c --help"; done
+    for c in inspect hash convert validate diff reshard; do "$OPTSTATE" "$c" --help | grep -q "usage: optstate $c" || fail "$c --help"; done
     expect_error 2 "unknown command" -- "$OPTSTATE" frobnicate
     expect_error 2 "unknown option '--bogus'" -- "$OPTSTATE" hash --bogus x
     expect_error 2 "usage: optstate hash" -- "$OPTSTATE" hash
@@ -281,6 +281,33 @@ assert j["ok"], [k for k, e in j["entries"].items() if not e["ok"]]
 assert j["entries"]["layers.1.weight.exp_avg"]["max_abs"] > 0
 '  || fail "quantization error outside 10%"
     expect_error 2 "--rtol needs a non-negative number" -- "$OPTSTATE" diff "$work/a" "$work/b" --rtol x
+    ;;
+  reshard)
+    "$OPTSTATE_DEMO" --steps 3 --save "$work/w1" >/dev/null
+    "$OPTSTATE_DEMO" --optimizer adamw8bit --steps 3 --save "$work/q1" >/dev/null
+    for src in w1 q1; do
+      want=$("$OPTSTATE" hash "$work/$src")
+      for n in 2 3 4; do
+        "$OPTSTATE" reshard "$work/$src" "$work/$src-$n" --world-size $n >/dev/null || fail "reshard $src to $n"
+        [ "$(ls "$work/$src-$n/data" | wc -l)" -eq $n ] || fail "$n ranks should give $n data files"
+        "$OPTSTATE" validate "$work/$src-$n" >/dev/null || fail "resharded $src-$n does not validate"
+        [ "$("$OPTSTATE" hash "$work/$src-$n")" = "$want" ] || fail "hash of $src changed with world size $n"
+        for m in 1 3; do  # N -> M
+          "$OPTSTATE" reshard "$work/$src-$n" "$work/$src-$n-$m" --world-size $m >/dev/null || fail "reshard $n->$m"
+          [ "$("$OPTSTATE" hash "$work/$src-$n-$m")" = "$want" ] || fail "hash changed $n->$m"
+        done
+      done
+    done
+    # dense shards are torch.chunk row ranges: layers.0.weight is 128 x 32, 3 ranks -> 43, 43, 42 rows
+    "$PY" - "$work/w1-3/manifest.json" <<'PY' || fail "row ranges differ from torch.chunk"
+import json, sys, torch
+m = json.load(open(sys.argv[1]))
+chunks = m["params"]["layers.0.weight"]["entries"]["exp_avg"]["components"]["values"]
+rows = [c.size(0) for c in torch.chunk(torch.empty(128, 32), 3, dim=0)]
+assert [(c["end"] - c["begin"]) // 32 for c in sorted(chunks, key=lambda c: c["begin"])] == rows, chunks
+PY
+    expect_error 2 "--world-size is required" -- "$OPTSTATE" reshard "$work/w1" "$work/x"
+    expect_error 2 "--world-size must be between 1 and 65536" -- "$OPTSTATE" reshard "$work/w1" "$work/x" --world-size 0
     ;;
   *) fail "unknown case" ;;
 esac

@@ -1,11 +1,14 @@
 #include <doctest/doctest.h>
 
+#include <fmt/format.h>
+
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "native/native_manifest.h"
 #include "optstate/hash.h"
 #include "optstate/io.h"
+#include "optstate/transform.h"
 #include "registry.h"
 #include "test_helpers.h"
 
@@ -206,4 +209,58 @@ TEST_CASE("manifest parsing is a pure function of bytes") {
   const std::string junk = "\x00\x01garbage";
   auto m = native::parse_manifest(std::as_bytes(std::span(junk)), "/x");
   CHECK(!m.ok());
+}
+
+TEST_CASE("shard ranges split rows like torch.chunk and 8-bit entries by whole blocks") {
+  Entry dense;
+  std::vector<FlatRange> got;
+  for (int r = 0; r < 4; ++r) got.push_back(shard_range(dense, Component::kValues, {10, 7}, 4, r));
+  // torch.chunk(10 rows, 4) -> 3, 3, 3, 1 rows
+  CHECK(got[0].begin == 0);
+  CHECK(got[0].end == 21);
+  CHECK(got[2].end == 63);
+  CHECK(got[3].begin == 63);
+  CHECK(got[3].end == 70);
+  // more ranks than rows: trailing ranks empty
+  CHECK(shard_range(dense, Component::kValues, {2, 5}, 3, 2).size() == 0);
+  CHECK(shard_range(dense, Component::kValues, {}, 2, 0).size() == 1);  // a 0-d tensor lives on rank 0
+  Entry q;
+  q.encoding = Encoding::kBlockwise8;
+  q.block_size = 256;
+  q.qmap = "dynamic-signed";
+  // 1000 elements = 4 blocks (last partial); 3 ranks -> 2, 2, 0 blocks
+  const auto c0 = shard_range(q, Component::kCodes, {1000}, 3, 0), c1 = shard_range(q, Component::kCodes, {1000}, 3, 1);
+  const auto a1 = shard_range(q, Component::kAbsmax, {1000}, 3, 1);
+  CHECK(c0.end == 512);
+  CHECK(c1.begin == 512);
+  CHECK(c1.end == 1000);
+  CHECK(a1.begin == 2);
+  CHECK(a1.end == 4);
+  CHECK(shard_range(q, Component::kCodes, {1000}, 3, 2).size() == 0);
+}
+
+TEST_CASE("the hash does not depend on the world size the checkpoint was written with") {
+  testing::TempDir dir;
+  OptimizerState dense = testing::sample_state();
+  OptimizerState eight = *quantize_state(dense, {4, 1});
+  for (const OptimizerState* s : {&dense, &eight}) {
+    const auto want = hash_state(*s);
+    REQUIRE(want.ok());
+    for (int world = 1; world <= 5; ++world) {
+      CAPTURE(world);
+      const auto path = dir.path / fmt::format("w{}-{}", world, s == &dense ? "dense" : "8bit");
+      REQUIRE(native_driver().write(*s, path, {.world_size = world}).ok());
+      int files = 0;
+      for (auto& _ : fs::directory_iterator(path / "data")) ++files, (void)_;
+      CHECK(files == world);
+      auto r = open_checkpoint(path);
+      REQUIRE(r.ok());
+      auto got = hash_checkpoint(**r);
+      REQUIRE(got.ok());
+      CHECK(got->root == want->root);
+      auto loaded = load_all(**r);
+      REQUIRE(loaded.ok());
+      CHECK(hash_state(*loaded)->root == want->root);
+    }
+  }
 }

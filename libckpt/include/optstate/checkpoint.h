@@ -41,6 +41,7 @@ class CheckpointReader {
 struct WriteOptions {
   bool overwrite = false;   // replace an existing checkpoint (atomically, after the new one is durable)
   bool dequantize = false;  // store blockwise8 entries as dense fp32 (dequantize-on-save)
+  int world_size = 1;       // lay the state out as this many ranks' shards (formats that shard)
 };
 
 class FormatDriver {

@@ -19,6 +19,8 @@ namespace optstate::native {
 namespace {
 
 constexpr uint64_t kAlign = 64;
+// Chunks are capped so that a reader verifying a partial range never reads much beyond it.
+constexpr uint64_t kMaxChunkBytes = uint64_t{16} << 20;
 
 class NativeReader final : public CheckpointReader {
  public:
@@ -40,39 +42,75 @@ class NativeReader final : public CheckpointReader {
   }
 
   Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) override {
-    auto it = m_.chunks.find(ChunkKey{fqn, entry, c});
-    if (it == m_.chunks.end())
-      return not_found(fmt::format("{}: no {} of entry '{}'", dir_.string(), component_name(c), entry_key(fqn, entry)));
-    std::vector<std::byte> piece;
-    for (const Chunk& ch : it->second) {
-      OPTSTATE_ASSIGN_OR_RETURN(const InputFile* file, open_file(ch.file));
-      XXH3_state_t* st = XXH3_createState();
-      XXH3_64bits_reset(st);
-      Status status;
-      for (uint64_t done = 0; done < ch.length && status.ok();) {
-        const uint64_t n = std::min<uint64_t>(kStreamPieceBytes, ch.length - done);
-        piece.resize(n);
-        status = file->read_at(ch.offset + done, piece);
-        if (!status.ok()) break;
-        XXH3_64bits_update(st, piece.data(), piece.size());
-        done += n;
-        // The last piece of a chunk is only handed on once the chunk's checksum matched.
-        if (done == ch.length && XXH3_64bits_digest(st) != ch.xxh3) break;
-        status = sink(piece);
-      }
-      const uint64_t got = XXH3_64bits_digest(st);
-      XXH3_freeState(st);
-      OPTSTATE_RETURN_IF_ERROR(status.with_context(fmt::format("entry '{}'", entry_key(fqn, entry))));
-      if (got != ch.xxh3)
-        return corrupt(fmt::format("{}: checksum mismatch in bytes [{}, {}) holding entry '{}' {} [{}, {}): "
-                                   "manifest says {}, data gives {}",
-                                   file->path().string(), ch.offset, ch.offset + ch.length, entry_key(fqn, entry),
-                                   component_name(c), ch.begin, ch.end, u64_hex(ch.xxh3), u64_hex(got)));
+    OPTSTATE_ASSIGN_OR_RETURN(const std::vector<Chunk>* chunks, chunks_of(fqn, entry, c));
+    for (const Chunk& ch : *chunks) OPTSTATE_RETURN_IF_ERROR(read_chunk(ch, fqn, entry, c, sink));
+    return Status::Ok();
+  }
+
+  // Reads only the chunks that overlap [begin, end); each is verified whole (chunks are at most
+  // kMaxChunkBytes, so a rank reads at most that much beyond its range at either end).
+  Status read_range(const std::string& fqn, const std::string& entry, Component c, int64_t begin, int64_t end,
+                    std::span<std::byte> out) override {
+    OPTSTATE_ASSIGN_OR_RETURN(const std::vector<Chunk>* chunks, chunks_of(fqn, entry, c));
+    const Entry& e = m_.state.params.at(fqn).entries.at(entry);
+    const int64_t elem = component_elem_size(e, c);
+    const int64_t count = chunks->empty() ? 0 : chunks->back().end;
+    if (begin < 0 || end < begin || end > count || static_cast<int64_t>(out.size()) != (end - begin) * elem)
+      return invalid_argument(fmt::format("range [{}, {}) of entry '{}' {} is outside [0, {}) or does not fit",
+                                          begin, end, entry_key(fqn, entry), component_name(c), count));
+    for (const Chunk& ch : *chunks) {
+      if (ch.end <= begin || ch.begin >= end) continue;
+      int64_t at = ch.begin;  // element index of the next byte the sink sees
+      OPTSTATE_RETURN_IF_ERROR(read_chunk(ch, fqn, entry, c, [&](std::span<const std::byte> piece) {
+        const int64_t n = static_cast<int64_t>(piece.size()) / elem;
+        const int64_t a = std::max(at, begin), b = std::min(at + n, end);
+        if (a < b)
+          std::memcpy(out.data() + (a - begin) * elem, piece.data() + (a - at) * elem,
+                      static_cast<size_t>((b - a) * elem));
+        at += n;
+        return Status::Ok();
+      }));
     }
     return Status::Ok();
   }
 
  private:
+  Result<const std::vector<Chunk>*> chunks_of(const std::string& fqn, const std::string& entry, Component c) const {
+    auto it = m_.chunks.find(ChunkKey{fqn, entry, c});
+    if (it == m_.chunks.end())
+      return not_found(fmt::format("{}: no {} of entry '{}'", dir_.string(), component_name(c), entry_key(fqn, entry)));
+    return &it->second;
+  }
+
+  // Streams one chunk in pieces; the last piece is handed on only after the chunk's checksum matched.
+  Status read_chunk(const Chunk& ch, const std::string& fqn, const std::string& entry, Component c,
+                    const ByteSink& sink) {
+    OPTSTATE_ASSIGN_OR_RETURN(const InputFile* file, open_file(ch.file));
+    XXH3_state_t* st = XXH3_createState();
+    XXH3_64bits_reset(st);
+    Status status;
+    std::vector<std::byte> piece;
+    for (uint64_t done = 0; done < ch.length && status.ok();) {
+      const uint64_t n = std::min<uint64_t>(kStreamPieceBytes, ch.length - done);
+      piece.resize(n);
+      status = file->read_at(ch.offset + done, piece);
+      if (!status.ok()) break;
+      XXH3_64bits_update(st, piece.data(), piece.size());
+      done += n;
+      if (done == ch.length && XXH3_64bits_digest(st) != ch.xxh3) break;
+      status = sink(piece);
+    }
+    const uint64_t got = XXH3_64bits_digest(st);
+    XXH3_freeState(st);
+    OPTSTATE_RETURN_IF_ERROR(status.with_context(fmt::format("entry '{}'", entry_key(fqn, entry))));
+    if (got != ch.xxh3)
+      return corrupt(fmt::format("{}: checksum mismatch in bytes [{}, {}) holding entry '{}' {} [{}, {}): "
+                                 "manifest says {}, data gives {}",
+                                 file->path().string(), ch.offset, ch.offset + ch.length, entry_key(fqn, entry),
+                                 component_name(c), ch.begin, ch.end, u64_hex(ch.xxh3), u64_hex(got)));
+    return Status::Ok();
+  }
+
   Result<const InputFile*> open_file(size_t index) {
     auto it = open_.find(index);
     if (it != open_.end()) return &it->second;
@@ -146,20 +184,23 @@ class NativeDriver final : public FormatDriver {
         for (const auto& [name, e] : ps.entries)
           for (Component c : e.components()) {
             const FlatRange r = shard_range(e, c, ps.shape, world, rank);
-            if (r.size() == 0) continue;
             const int64_t elem = component_elem_size(e, c);
-            const auto bytes = e.buffer(c).span().subspan(static_cast<size_t>(r.begin * elem),
-                                                         static_cast<size_t>(r.size() * elem));
-            OPTSTATE_RETURN_IF_ERROR(out.write_zeros((kAlign - out.offset() % kAlign) % kAlign));
-            Chunk ch;
-            ch.file = static_cast<size_t>(rank);
-            ch.offset = out.offset();
-            ch.length = bytes.size();
-            ch.begin = r.begin;
-            ch.end = r.end;
-            ch.xxh3 = xxh3_64(bytes);
-            OPTSTATE_RETURN_IF_ERROR(out.write(bytes));
-            m.chunks[ChunkKey{fqn, name, c}].push_back(ch);
+            const int64_t per_chunk = std::max<int64_t>(1, static_cast<int64_t>(kMaxChunkBytes) / elem);
+            for (int64_t b = r.begin; b < r.end; b += per_chunk) {  // chunks of at most kMaxChunkBytes
+              const int64_t end = std::min(r.end, b + per_chunk);
+              const auto bytes = e.buffer(c).span().subspan(static_cast<size_t>(b * elem),
+                                                           static_cast<size_t>((end - b) * elem));
+              OPTSTATE_RETURN_IF_ERROR(out.write_zeros((kAlign - out.offset() % kAlign) % kAlign));
+              Chunk ch;
+              ch.file = static_cast<size_t>(rank);
+              ch.offset = out.offset();
+              ch.length = bytes.size();
+              ch.begin = b;
+              ch.end = end;
+              ch.xxh3 = xxh3_64(bytes);
+              OPTSTATE_RETURN_IF_ERROR(out.write(bytes));
+              m.chunks[ChunkKey{fqn, name, c}].push_back(ch);
+            }
           }
       m.files.push_back(DataFile{rel, out.offset(), staging / rel});
       OPTSTATE_RETURN_IF_ERROR(out.sync_and_close());

@@ -42,6 +42,28 @@ std::unique_ptr<CheckpointReader> memory_reader(OptimizerState state, std::files
   return std::make_unique<MemoryReader>(std::move(state), std::move(label));
 }
 
+Status CheckpointReader::read_range(const std::string& fqn, const std::string& entry, Component c, int64_t begin,
+                                    int64_t end, std::span<std::byte> out) {
+  auto p = meta().params.find(fqn);
+  if (p == meta().params.end()) return not_found(fmt::format("{}: no param '{}'", path().string(), fqn));
+  auto e = p->second.entries.find(entry);
+  if (e == p->second.entries.end())
+    return not_found(fmt::format("{}: no entry '{}'", path().string(), entry_key(fqn, entry)));
+  OPTSTATE_ASSIGN_OR_RETURN(int64_t numel, checked_numel(p->second.shape));
+  const int64_t elem = component_elem_size(e->second, c), count = component_count(e->second, c, numel);
+  if (begin < 0 || end < begin || end > count || static_cast<int64_t>(out.size()) != (end - begin) * elem)
+    return invalid_argument(fmt::format("range [{}, {}) of entry '{}' {} is outside [0, {}) or does not fit", begin,
+                                        end, entry_key(fqn, entry), component_name(c), count));
+  const uint64_t lo = static_cast<uint64_t>(begin * elem), hi = static_cast<uint64_t>(end * elem);
+  uint64_t at = 0;
+  return stream(fqn, entry, c, [&](std::span<const std::byte> piece) {
+    const uint64_t a = std::max(at, lo), b = std::min(at + piece.size(), hi);
+    if (a < b) std::memcpy(out.data() + (a - lo), piece.data() + (a - at), b - a);
+    at += piece.size();
+    return Status::Ok();
+  });
+}
+
 Status write_checkpoint(const FormatDriver& driver, const OptimizerState& state, const std::filesystem::path& path,
                         const WriteOptions& options) {
   if (!options.dequantize) return driver.write(state, path, options);

@@ -31,6 +31,11 @@ class CheckpointReader {
   // Streams one component of one entry in flattened order. Formats with checksums verify every
   // chunk and fail (naming the file, the entry and the range) when one does not match.
   virtual Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) = 0;
+  // Elements [begin, end) of a component (units of the component: elements, or blocks for absmax)
+  // into `out`, verified. The default streams the whole component; sharded formats read only the
+  // chunks that overlap the range, which is how a rank loads its shard.
+  virtual Status read_range(const std::string& fqn, const std::string& entry, Component c, int64_t begin,
+                            int64_t end, std::span<std::byte> out);
   // Where element `index` of a component is stored, for messages ("<file> at byte <offset>");
   // formats without a finer answer give their path.
   virtual std::string locate(const std::string& fqn, const std::string& entry, Component c, int64_t index) const {

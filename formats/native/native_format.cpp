@@ -127,6 +127,63 @@ class NativeReader final : public CheckpointReader {
   std::map<size_t, InputFile> open_;
 };
 
+}  // namespace
+
+std::string rank_file_name(int rank) { return fmt::format("data/rank-{:05d}.bin", rank); }
+
+// Writes one rank's data file: its shard of every component (DESIGN §2), in chunks of at most
+// kMaxChunkBytes. With `local`, each buffer of `state` holds exactly that shard; otherwise buffers
+// are whole and the shard is sliced out.
+Result<RankFile> write_rank_file(const OptimizerState& state, const fs::path& staging, int world, int rank,
+                                 bool local) {
+  RankFile rf;
+  const std::string rel = rank_file_name(rank);
+  OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging / rel));
+  for (const auto& [fqn, ps] : state.params)
+    for (const auto& [name, e] : ps.entries)
+      for (Component c : e.components()) {
+        const FlatRange r = shard_range(e, c, ps.shape, world, rank);
+        const int64_t elem = component_elem_size(e, c);
+        const int64_t base = local ? r.begin : 0;
+        if (static_cast<int64_t>(e.buffer(c).size) < (r.end - base) * elem)
+          return invalid_argument(fmt::format("entry '{}' {} holds {} bytes, rank {} of {} needs elements [{}, {})",
+                                              entry_key(fqn, name), component_name(c), e.buffer(c).size, rank, world,
+                                              r.begin, r.end));
+        const int64_t per_chunk = std::max<int64_t>(1, static_cast<int64_t>(kMaxChunkBytes) / elem);
+        for (int64_t b = r.begin; b < r.end; b += per_chunk) {
+          const int64_t end = std::min(r.end, b + per_chunk);
+          const auto bytes = e.buffer(c).span().subspan(static_cast<size_t>((b - base) * elem),
+                                                       static_cast<size_t>((end - b) * elem));
+          OPTSTATE_RETURN_IF_ERROR(out.write_zeros((kAlign - out.offset() % kAlign) % kAlign));
+          Chunk ch;
+          ch.file = static_cast<size_t>(rank);
+          ch.offset = out.offset();
+          ch.length = bytes.size();
+          ch.begin = b;
+          ch.end = end;
+          ch.xxh3 = xxh3_64(bytes);
+          OPTSTATE_RETURN_IF_ERROR(out.write(bytes));
+          rf.chunks.emplace_back(ChunkKey{fqn, name, c}, ch);
+        }
+      }
+  rf.size = out.offset();
+  OPTSTATE_RETURN_IF_ERROR(out.sync_and_close());
+  return rf;
+}
+
+void add_rank_file(Manifest& m, const fs::path& staging, int rank, const RankFile& rf) {
+  const std::string rel = rank_file_name(rank);
+  if (m.files.size() <= static_cast<size_t>(rank)) m.files.resize(static_cast<size_t>(rank) + 1);
+  m.files[static_cast<size_t>(rank)] = DataFile{rel, rf.size, staging / rel};
+  for (const auto& [key, ch] : rf.chunks) {
+    Chunk c = ch;
+    c.file = static_cast<size_t>(rank);
+    m.chunks[key].push_back(c);
+  }
+}
+
+namespace {
+
 class NativeDriver final : public FormatDriver {
  public:
   std::string_view name() const override { return "native"; }
@@ -169,8 +226,6 @@ class NativeDriver final : public FormatDriver {
   }
 
  private:
-  // Each rank's shard of every component goes to that rank's data file (DESIGN §2); a single
-  // process writes all of them here, a sharded save writes its own.
   static Status write_into(const OptimizerState& state, const fs::path& staging, int world) {
     if (world < 1 || world > 65536) return invalid_argument(fmt::format("world size {} out of range", world));
     if (::mkdir((staging / "data").c_str(), 0755) != 0)
@@ -178,32 +233,8 @@ class NativeDriver final : public FormatDriver {
     Manifest m;
     m.state = state;
     for (int rank = 0; rank < world; ++rank) {
-      const std::string rel = fmt::format("data/rank-{:05d}.bin", rank);
-      OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging / rel));
-      for (const auto& [fqn, ps] : state.params)
-        for (const auto& [name, e] : ps.entries)
-          for (Component c : e.components()) {
-            const FlatRange r = shard_range(e, c, ps.shape, world, rank);
-            const int64_t elem = component_elem_size(e, c);
-            const int64_t per_chunk = std::max<int64_t>(1, static_cast<int64_t>(kMaxChunkBytes) / elem);
-            for (int64_t b = r.begin; b < r.end; b += per_chunk) {  // chunks of at most kMaxChunkBytes
-              const int64_t end = std::min(r.end, b + per_chunk);
-              const auto bytes = e.buffer(c).span().subspan(static_cast<size_t>(b * elem),
-                                                           static_cast<size_t>((end - b) * elem));
-              OPTSTATE_RETURN_IF_ERROR(out.write_zeros((kAlign - out.offset() % kAlign) % kAlign));
-              Chunk ch;
-              ch.file = static_cast<size_t>(rank);
-              ch.offset = out.offset();
-              ch.length = bytes.size();
-              ch.begin = b;
-              ch.end = end;
-              ch.xxh3 = xxh3_64(bytes);
-              OPTSTATE_RETURN_IF_ERROR(out.write(bytes));
-              m.chunks[ChunkKey{fqn, name, c}].push_back(ch);
-            }
-          }
-      m.files.push_back(DataFile{rel, out.offset(), staging / rel});
-      OPTSTATE_RETURN_IF_ERROR(out.sync_and_close());
+      OPTSTATE_ASSIGN_OR_RETURN(RankFile rf, write_rank_file(state, staging, world, rank, /*local=*/false));
+      add_rank_file(m, staging, rank, rf);
     }
     OPTSTATE_RETURN_IF_ERROR(fsync_directory(staging / "data"));
     const std::string text = serialize_manifest(m);

@@ -298,6 +298,39 @@ std::string serialize_manifest(const Manifest& m) {
   return root.dump(1) + "\n";
 }
 
+std::string encode_rank_file(const RankFile& rf) {
+  json chunks = json::array();
+  for (const auto& [key, ch] : rf.chunks)
+    chunks.push_back({{"fqn", key.fqn}, {"entry", key.entry}, {"component", component_name(key.component)},
+                      {"offset", ch.offset}, {"begin", ch.begin}, {"end", ch.end}, {"xxh3", u64_hex(ch.xxh3)}});
+  return json{{"size", rf.size}, {"chunks", chunks}}.dump();
+}
+
+Result<RankFile> decode_rank_file(const std::string& text) {
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return corrupt("rank report is not JSON");
+  Fields top{j, "rank report"};
+  RankFile rf;
+  OPTSTATE_ASSIGN_OR_RETURN(rf.size, top.u64("size"));
+  OPTSTATE_ASSIGN_OR_RETURN(const json* chunks, top.get("chunks", json::value_t::array));
+  for (const json& cj : *chunks) {
+    Fields f{cj, "rank report chunk"};
+    ChunkKey key;
+    Chunk ch;
+    OPTSTATE_ASSIGN_OR_RETURN(key.fqn, f.str("fqn"));
+    OPTSTATE_ASSIGN_OR_RETURN(key.entry, f.str("entry"));
+    OPTSTATE_ASSIGN_OR_RETURN(std::string comp, f.str("component"));
+    OPTSTATE_ASSIGN_OR_RETURN(key.component, component_from_name(comp));
+    OPTSTATE_ASSIGN_OR_RETURN(ch.offset, f.u64("offset"));
+    OPTSTATE_ASSIGN_OR_RETURN(ch.begin, f.i64("begin"));
+    OPTSTATE_ASSIGN_OR_RETURN(ch.end, f.i64("end"));
+    OPTSTATE_ASSIGN_OR_RETURN(std::string sum, f.str("xxh3"));
+    OPTSTATE_ASSIGN_OR_RETURN(ch.xxh3, parse_hex64(sum, "rank report chunk"));
+    rf.chunks.emplace_back(key, ch);
+  }
+  return rf;
+}
+
 std::optional<std::string> resign_manifest_for_tests(const std::string& text) {
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return std::nullopt;

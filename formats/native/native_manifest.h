@@ -48,6 +48,20 @@ struct Manifest {
   std::map<ChunkKey, std::vector<Chunk>> chunks;  // sorted by begin, covering each component once
 };
 
+// One rank's data file as written: its size and the chunks it holds (file index set by the caller).
+struct RankFile {
+  uint64_t size = 0;
+  std::vector<std::pair<ChunkKey, Chunk>> chunks;
+};
+
+std::string rank_file_name(int rank);
+Result<RankFile> write_rank_file(const OptimizerState& state, const std::filesystem::path& staging, int world,
+                                 int rank, bool local);
+void add_rank_file(Manifest& m, const std::filesystem::path& staging, int rank, const RankFile& rf);
+// A RankFile through the coordinator's store and back (JSON).
+std::string encode_rank_file(const RankFile& rf);
+Result<RankFile> decode_rank_file(const std::string& text);
+
 // Validates everything that can be checked without the data: format tag and version, the manifest's
 // own checksum, structure, paths contained in `dir`, chunk ranges inside their files and covering
 // every element exactly once. Errors name the manifest and the offending entry.

@@ -103,10 +103,14 @@ Status save_sharded(const OptimizerState& local, const std::filesystem::path& pa
       std::filesystem::remove_all(staging, ec);
     }
     OPTSTATE_RETURN_IF_ERROR(coord.set(id + "/result", st.ok() ? "ok" : kError + st.message()));
+    // Rank 0 may host the store (c10d): stay until every rank has read the verdict. A rank that
+    // died meanwhile only makes this wait time out; the outcome is already decided.
+    for (int r = 1; r < world; ++r) (void)coord.get(fmt::format("{}/done/{}", id, r), options.timeout);
     return st;
   }
   // 4. The others wait for the verdict.
   OPTSTATE_ASSIGN_OR_RETURN(std::string result, coord.get(id + "/result", options.timeout));
+  OPTSTATE_RETURN_IF_ERROR(coord.set(fmt::format("{}/done/{}", id, rank), "1"));
   if (result != "ok") return io_error(fmt::format("{}: sharded save not committed: {}", path.string(),
                                                   is_error(result) ? result.substr(6) : result));
   return Status::Ok();

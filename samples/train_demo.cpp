@@ -125,12 +125,12 @@ int run(const Options& o) {
     optstate::Status st = optstate::optim::import_state(opt, model.names, *state, /*load_params=*/true);
     if (!st.ok()) die(o.resume + ": " + st.message());
     start = state->params.at(model.names[0]).step;
-    // Resume check: the live optimizer must hash exactly like the checkpoint it came from.
-    auto live = optstate::hash_state(export_all(opt, model));
-    auto saved = optstate::hash_checkpoint(**reader);
-    if (!live.ok() || !saved.ok() || live->root != saved->root) die("resumed state differs from " + o.resume);
-    std::printf("resumed from %s at step %lld (hash %s verified)\n", o.resume.c_str(), static_cast<long long>(start),
-                saved->root.c_str());
+    // Resume validation: the live optimizer must hash exactly like the checkpoint it came from.
+    auto check = optstate::verify_resume(export_all(opt, model), **reader);
+    if (!check.ok()) die(check.status().message());
+    if (!check->ok()) die("resumed state differs from " + o.resume + ": " + check->differences.front());
+    std::printf("resumed from %s at step %lld (every entry's hash verified)\n", o.resume.c_str(),
+                static_cast<long long>(start));
   }
 
   for (int64_t step = start; step < o.steps; ++step) {

@@ -109,6 +109,27 @@ Result<StateHash> hash_checkpoint(CheckpointReader& reader, const HashOptions& o
   return out;
 }
 
+Result<ResumeCheck> verify_resume(const OptimizerState& live, CheckpointReader& saved) {
+  OPTSTATE_ASSIGN_OR_RETURN(StateHash a, hash_state(live));
+  OPTSTATE_ASSIGN_OR_RETURN(StateHash b, hash_checkpoint(saved));
+  ResumeCheck r;
+  for (const auto& [key, hex] : b.entries) {
+    auto it = a.entries.find(key);
+    if (it == a.entries.end())
+      r.differences.push_back(fmt::format("entry '{}' is in {} but not in the live state", key, saved.path().string()));
+    else if (it->second != hex)
+      r.differences.push_back(fmt::format("entry '{}' differs: live {}, {} {}", key, it->second,
+                                          saved.path().string(), hex));
+  }
+  for (const auto& [key, hex] : a.entries)
+    if (!b.entries.count(key))
+      r.differences.push_back(fmt::format("entry '{}' is live but not in {}", key, saved.path().string()));
+  if (r.differences.empty() && a.root != b.root)  // steps, hyperparameters or kind of params without entries
+    r.differences.push_back(fmt::format("root differs (params, steps, hyperparameters or kind): live {}, {} {}",
+                                        a.root, saved.path().string(), b.root));
+  return r;
+}
+
 Result<StateHash> hash_state(const OptimizerState& state, const HashOptions& options) {
   OPTSTATE_RETURN_IF_ERROR(check_structure(state, true));
   auto reader = memory_reader(state);

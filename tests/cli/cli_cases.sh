@@ -133,7 +133,7 @@ PY
   resume-bitwise)
     "$OPTSTATE_DEMO" --steps 40 --final "$work/a" >/dev/null || fail "uninterrupted run"
     "$OPTSTATE_DEMO" --steps 20 --save "$work/c20" >/dev/null || fail "first half"
-    "$OPTSTATE_DEMO" --steps 40 --resume "$work/c20" --final "$work/b" | grep -q "verified" || fail "resume"
+    "$OPTSTATE_DEMO" --steps 40 --resume "$work/c20" --final "$work/b" | grep -q "every entry.s hash verified" || fail "resume"
     a=$("$OPTSTATE" hash "$work/a") b=$("$OPTSTATE" hash "$work/b")
     [ "$a" = "$b" ] || fail "resumed run differs: $(diff <(echo "$a") <(echo "$b"))"
     cmp -s "$work/a/data/rank-00000.bin" "$work/b/data/rank-00000.bin" || fail "data files differ"

@@ -149,3 +149,25 @@ TEST_CASE("hash is the same after a native round trip and independent of stream 
   CHECK(from_disk->root == in_memory->root);
   CHECK(from_disk->entries == in_memory->entries);
 }
+
+TEST_CASE("verify_resume names the entries that differ from the checkpoint") {
+  testing::TempDir dir;
+  const OptimizerState s = testing::sample_state();
+  REQUIRE(find_format("native")->write(s, dir.path / "c", {}).ok());
+  auto reader = open_checkpoint(dir.path / "c");
+  REQUIRE(reader.ok());
+  auto same = verify_resume(s, **reader);
+  REQUIRE(same.ok());
+  CHECK(same->ok());
+  OptimizerState changed = s;
+  changed.params["layers.0.bias"].entries[kExpAvg].values = testing::f32_buffer({1.0f, 2.0f, 3.5f});
+  changed.params["layers.0.bias"].entries.erase(kExpAvgSq);
+  auto diff = verify_resume(changed, **reader);
+  REQUIRE(diff.ok());
+  REQUIRE(diff->differences.size() == 2);
+  CHECK(diff->differences[0].find("layers.0.bias.exp_avg' differs") != std::string::npos);
+  CHECK(diff->differences[1].find("layers.0.bias.exp_avg_sq' is in") != std::string::npos);
+  OptimizerState hyper = s;
+  hyper.groups[0].hyper.lr = 0.5;
+  CHECK(!verify_resume(hyper, **reader)->ok());
+}

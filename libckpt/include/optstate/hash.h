@@ -5,6 +5,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include "optstate/checkpoint.h"
 
@@ -23,6 +24,14 @@ struct StateHash {
 
 Result<StateHash> hash_checkpoint(CheckpointReader& reader, const HashOptions& options = {});
 Result<StateHash> hash_state(const OptimizerState& state, const HashOptions& options = {});
+
+// Resume validation: right after a load, is the live optimizer state exactly the checkpoint's?
+// Compares the per-entry hashes and names every entry that is missing, extra or different.
+struct ResumeCheck {
+  std::vector<std::string> differences;  // empty when the live state is the checkpoint's
+  bool ok() const { return differences.empty(); }
+};
+Result<ResumeCheck> verify_resume(const OptimizerState& live, CheckpointReader& saved);
 
 // Building blocks, exposed for the test vectors in docs/hash.md.
 std::string hyper_string(const Hyperparameters& h);

@@ -1,6 +1,7 @@
 #include "optstate/io.h"
 
 #include <fcntl.h>
+#include <stdio.h>  // renameat2, RENAME_EXCHANGE (glibc >= 2.28)
 #include <fmt/format.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -183,21 +184,34 @@ Status publish_directory(const fs::path& staging, const fs::path& final_dir, boo
   if (parent.empty()) parent = ".";
   OPTSTATE_RETURN_IF_ERROR(fsync_directory(staging));
   std::error_code ec;
-  fs::path aside;
   if (fs::exists(fs::symlink_status(final_dir, ec))) {
     if (!overwrite) return invalid_argument(fmt::format("{}: already exists", final_dir.string()));
-    aside = parent / fmt::format(".{}.old-{}", final_dir.filename().string(), ::getpid());
+    // Swap the two directories in one step, so there is never a moment without a complete
+    // checkpoint at final_dir; the old one ends up under the staging name and is removed.
+    if (::renameat2(AT_FDCWD, staging.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
+      OPTSTATE_RETURN_IF_ERROR(fsync_directory(parent));
+      fs::remove_all(staging, ec);
+      return Status::Ok();
+    }
+    if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP)
+      return io_error(fmt::format("{}: cannot publish: {}", final_dir.string(), errno_text()));
+    // Filesystems without RENAME_EXCHANGE: move the old one aside first (a short window in which
+    // final_dir is absent; the old checkpoint stays complete under .<name>.old-<pid>).
+    const fs::path aside = parent / fmt::format(".{}.old-{}", final_dir.filename().string(), ::getpid());
     if (::rename(final_dir.c_str(), aside.c_str()) != 0)
       return io_error(fmt::format("{}: cannot move the old checkpoint aside: {}", final_dir.string(), errno_text()));
+    if (::rename(staging.c_str(), final_dir.c_str()) != 0) {
+      Status st = io_error(fmt::format("{}: cannot publish: {}", final_dir.string(), errno_text()));
+      ::rename(aside.c_str(), final_dir.c_str());  // put the old one back
+      return st;
+    }
+    OPTSTATE_RETURN_IF_ERROR(fsync_directory(parent));
+    fs::remove_all(aside, ec);
+    return Status::Ok();
   }
-  if (::rename(staging.c_str(), final_dir.c_str()) != 0) {
-    Status st = io_error(fmt::format("{}: cannot publish: {}", final_dir.string(), errno_text()));
-    if (!aside.empty()) ::rename(aside.c_str(), final_dir.c_str());  // put the old one back
-    return st;
-  }
-  OPTSTATE_RETURN_IF_ERROR(fsync_directory(parent));
-  if (!aside.empty()) fs::remove_all(aside, ec);  // the new checkpoint is durable; the old one may go
-  return Status::Ok();
+  if (::rename(staging.c_str(), final_dir.c_str()) != 0)
+    return io_error(fmt::format("{}: cannot publish: {}", final_dir.string(), errno_text()));
+  return fsync_directory(parent);
 }
 
 }  // namespace optstate

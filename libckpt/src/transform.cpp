@@ -8,19 +8,19 @@
 #include "optstate/quant8.h"
 
 namespace optstate {
-namespace {
-
-Result<std::vector<float>> dense_f32(const Entry& e, int64_t numel, const std::string& key) {
+Result<std::vector<float>> dense_to_f32(std::span<const std::byte> bytes, DType dtype, const std::string& key) {
+  const int64_t elem = dtype_size(dtype);
+  const int64_t numel = elem > 0 ? static_cast<int64_t>(bytes.size()) / elem : 0;
   std::vector<float> out(static_cast<size_t>(numel));
-  const std::byte* src = e.values.data;
+  const std::byte* src = bytes.data();
   for (int64_t i = 0; i < numel; ++i) {
-    switch (e.dtype) {
+    switch (dtype) {
       case DType::kF32: std::memcpy(&out[i], src + 4 * i, 4); break;
       case DType::kBF16:
       case DType::kF16: {
         uint16_t h;
         std::memcpy(&h, src + 2 * i, 2);
-        out[i] = e.dtype == DType::kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
+        out[i] = dtype == DType::kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
         break;
       }
       case DType::kF64: {
@@ -34,8 +34,6 @@ Result<std::vector<float>> dense_f32(const Entry& e, int64_t numel, const std::s
   }
   return out;
 }
-
-}  // namespace
 
 Result<OptimizerState> dequantize_state(const OptimizerState& in) {
   OPTSTATE_RETURN_IF_ERROR(check_structure(in, true));
@@ -76,7 +74,7 @@ Result<OptimizerState> quantize_state(const OptimizerState& in, const QuantizeOp
         m = QMap::kDynamicUnsigned;
       else
         continue;  // model weights and unknown entries stay as they are
-      OPTSTATE_ASSIGN_OR_RETURN(std::vector<float> values, dense_f32(e, numel, entry_key(fqn, name)));
+      OPTSTATE_ASSIGN_OR_RETURN(std::vector<float> values, dense_to_f32(e.values.span(), e.dtype, entry_key(fqn, name)));
       std::vector<uint8_t> codes(static_cast<size_t>(numel));
       std::vector<float> absmax(static_cast<size_t>((numel + options.block_size - 1) / options.block_size));
       requantize_blockwise(values, options.block_size, m, codes, absmax);

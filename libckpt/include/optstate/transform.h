@@ -4,6 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
 
 #include "optstate/state.h"
 
@@ -20,5 +23,8 @@ struct QuantizeOptions {
 // params with at least min_8bit_size elements become blockwise8 (requantize_blockwise, so an entry
 // that came from 8-bit gets its codes back). Entries already 8-bit are kept.
 Result<OptimizerState> quantize_state(const OptimizerState& in, const QuantizeOptions& options = {});
+
+// Dense values of a float dtype widened (or narrowed, f64) to fp32; `key` names the entry in errors.
+Result<std::vector<float>> dense_to_f32(std::span<const std::byte> bytes, DType dtype, const std::string& key);
 
 }  // namespace optstate

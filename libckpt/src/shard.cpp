@@ -1,0 +1,225 @@
+#include "optstate/shard.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "optstate/quant8.h"
+
+namespace optstate {
+namespace {
+
+bool is_moment(const std::string& name) { return name == kExpAvg || name == kExpAvgSq || name == kMaxExpAvgSq; }
+
+// The element range of an entry this rank holds (codes' range for blockwise8: whole blocks).
+FlatRange element_range(const std::string& name, const Entry& e, const std::vector<int64_t>& shape, int64_t numel,
+                        const ShardLoadOptions& o) {
+  if (o.whole_params && name == kParam) return {0, numel};
+  return shard_range(e, e.encoding == Encoding::kBlockwise8 ? Component::kCodes : Component::kValues, shape, o.world,
+                     o.rank);
+}
+
+Result<std::vector<std::byte>> read_bytes(CheckpointReader& reader, const std::string& fqn, const std::string& name,
+                                          const Entry& stored, Component c, int64_t begin, int64_t end) {
+  const int64_t elem = component_elem_size(stored, c);
+  std::vector<std::byte> out(static_cast<size_t>((end - begin) * elem));
+  OPTSTATE_RETURN_IF_ERROR(reader.read_range(fqn, name, c, begin, end, out));
+  return out;
+}
+
+template <class T>
+std::span<const T> as(const std::vector<std::byte>& v) {
+  return {reinterpret_cast<const T*>(v.data()), v.size() / sizeof(T)};
+}
+
+// Range [r.begin, r.end) of a stored entry as fp32 values.
+Result<std::vector<float>> read_f32(CheckpointReader& reader, const std::string& fqn, const std::string& name,
+                                    const Entry& stored, int64_t numel, FlatRange r) {
+  const std::string key = entry_key(fqn, name);
+  if (stored.encoding == Encoding::kDense) {
+    OPTSTATE_ASSIGN_OR_RETURN(auto bytes, read_bytes(reader, fqn, name, stored, Component::kValues, r.begin, r.end));
+    return dense_to_f32(bytes, stored.dtype, key);
+  }
+  // The blocks covering the range, dequantized, then cut to it.
+  const int64_t bs = stored.block_size;
+  const int64_t b0 = r.begin / bs, b1 = (r.end + bs - 1) / bs;
+  const int64_t e0 = b0 * bs, e1 = std::min(numel, b1 * bs);
+  OPTSTATE_ASSIGN_OR_RETURN(QMap m, qmap_from_name(stored.qmap));
+  OPTSTATE_ASSIGN_OR_RETURN(auto codes, read_bytes(reader, fqn, name, stored, Component::kCodes, e0, e1));
+  OPTSTATE_ASSIGN_OR_RETURN(auto absmax, read_bytes(reader, fqn, name, stored, Component::kAbsmax, b0, b1));
+  std::vector<float> values(static_cast<size_t>(e1 - e0));
+  dequantize_blockwise(as<uint8_t>(codes), as<float>(absmax), bs, m, values);
+  return std::vector<float>(values.begin() + (r.begin - e0), values.begin() + (r.end - e0));
+}
+
+// Fills the buffers of `target` with range r (elements) of the stored entry.
+Status read_into(CheckpointReader& reader, const std::string& fqn, const std::string& name, const Entry& stored,
+                 int64_t numel, FlatRange r, Entry& target) {
+  const bool same = stored.encoding == target.encoding && stored.dtype == target.dtype &&
+                    stored.block_size == target.block_size && stored.qmap == target.qmap;
+  if (same && target.encoding == Encoding::kDense) {
+    OPTSTATE_ASSIGN_OR_RETURN(auto v, read_bytes(reader, fqn, name, stored, Component::kValues, r.begin, r.end));
+    target.values = Buffer::take(std::move(v));
+    return Status::Ok();
+  }
+  if (same) {  // blockwise8, block-aligned range: the stored codes and absmax as they are
+    const int64_t bs = stored.block_size;
+    OPTSTATE_ASSIGN_OR_RETURN(auto c, read_bytes(reader, fqn, name, stored, Component::kCodes, r.begin, r.end));
+    OPTSTATE_ASSIGN_OR_RETURN(auto a, read_bytes(reader, fqn, name, stored, Component::kAbsmax, r.begin / bs,
+                                                 (r.end + bs - 1) / bs));
+    target.codes = Buffer::take(std::move(c));
+    target.absmax = Buffer::take(std::move(a));
+    return Status::Ok();
+  }
+  OPTSTATE_ASSIGN_OR_RETURN(std::vector<float> values, read_f32(reader, fqn, name, stored, numel, r));
+  if (target.encoding == Encoding::kDense) {
+    if (target.dtype != DType::kF32)
+      return invalid_argument(fmt::format("entry '{}': cannot convert {} to dense {}", entry_key(fqn, name),
+                                          encoding_name(stored.encoding), dtype_name(target.dtype)));
+    target.values = Buffer::copy_of(std::as_bytes(std::span(values)));
+    return Status::Ok();
+  }
+  OPTSTATE_ASSIGN_OR_RETURN(QMap m, qmap_from_name(target.qmap));
+  std::vector<uint8_t> codes(values.size());
+  std::vector<float> absmax(static_cast<size_t>((r.size() + target.block_size - 1) / target.block_size));
+  requantize_blockwise(values, target.block_size, m, codes, absmax);
+  target.codes = Buffer::copy_of(std::as_bytes(std::span(codes)));
+  target.absmax = Buffer::copy_of(std::as_bytes(std::span(absmax)));
+  return Status::Ok();
+}
+
+Status check_options(const ShardLoadOptions& o) {
+  if (o.world < 1 || o.rank < 0 || o.rank >= o.world)
+    return invalid_argument(fmt::format("rank {} of world size {} is not a rank", o.rank, o.world));
+  if (o.to == TargetEncoding::k8bit && (o.quant.block_size <= 0 || o.quant.block_size > (int64_t{1} << 20)))
+    return invalid_argument(fmt::format("block size {} out of range", o.quant.block_size));
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<TargetEncoding> target_encoding_from_name(std::string_view name) {
+  if (name.empty()) return TargetEncoding::kAsStored;
+  if (name == "fp32") return TargetEncoding::kFp32;
+  if (name == "8bit") return TargetEncoding::k8bit;
+  return invalid_argument(fmt::format("target encoding '{}' is not one of '', 'fp32', '8bit'", name));
+}
+
+Entry target_entry(const std::string& entry_name, const Entry& stored, int64_t numel, TargetEncoding to,
+                   const QuantizeOptions& quant) {
+  Entry t;
+  if (to == TargetEncoding::kFp32 && stored.encoding == Encoding::kBlockwise8) {
+    t.encoding = Encoding::kDense;
+    t.dtype = DType::kF32;
+    return t;
+  }
+  // An 8-bit optimizer keeps its own block size: dense moments are quantized, 8-bit ones of another
+  // block size re-blocked (through their values; same block size: taken as stored).
+  if (to == TargetEncoding::k8bit && is_moment(entry_name) && numel >= quant.min_8bit_size &&
+      !(stored.encoding == Encoding::kBlockwise8 && stored.block_size == quant.block_size)) {
+    t.encoding = Encoding::kBlockwise8;
+    t.dtype = DType::kU8;
+    t.block_size = quant.block_size;
+    t.qmap = std::string(qmap_name(entry_name == kExpAvg ? QMap::kDynamicSigned : QMap::kDynamicUnsigned));
+    return t;
+  }
+  t.encoding = stored.encoding;
+  t.dtype = stored.dtype;
+  t.block_size = stored.block_size;
+  t.qmap = stored.qmap;
+  return t;
+}
+
+Result<OptimizerState> load_shard(CheckpointReader& reader, const ShardLoadOptions& options) {
+  OPTSTATE_RETURN_IF_ERROR(check_options(options));
+  OptimizerState out = reader.meta();
+  for (auto& [fqn, ps] : out.params) {
+    OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps.shape));
+    const ParamState& stored_ps = reader.meta().params.at(fqn);
+    for (auto& [name, e] : ps.entries) {
+      const Entry& stored = stored_ps.entries.at(name);
+      e = target_entry(name, stored, numel, options.to, options.quant);
+      const FlatRange r = element_range(name, e, ps.shape, numel, options);
+      OPTSTATE_RETURN_IF_ERROR(read_into(reader, fqn, name, stored, numel, r, e));
+    }
+  }
+  return out;
+}
+
+Result<std::vector<std::string>> verify_resume_shard(const OptimizerState& live, CheckpointReader& saved,
+                                                     const ShardLoadOptions& options) {
+  OPTSTATE_RETURN_IF_ERROR(check_options(options));
+  std::vector<std::string> diffs;
+  const std::string where = fmt::format("rank {} of {}", options.rank, options.world);
+  const OptimizerState& meta = saved.meta();
+  const std::string path = saved.path().string();
+  if (live.kind != meta.kind) diffs.push_back(fmt::format("kind: live '{}', {} '{}'", live.kind, path, meta.kind));
+  if (live.groups.size() != meta.groups.size()) {
+    diffs.push_back(fmt::format("param groups: live {}, {} {}", live.groups.size(), path, meta.groups.size()));
+  } else {
+    for (size_t g = 0; g < live.groups.size(); ++g) {
+      if (!(live.groups[g].hyper == meta.groups[g].hyper))
+        diffs.push_back(fmt::format("param group {}: hyperparameters differ from {}", g, path));
+      if (live.groups[g].params != meta.groups[g].params)
+        diffs.push_back(fmt::format("param group {}: member params differ from {}", g, path));
+    }
+  }
+  for (const auto& [fqn, sps] : meta.params)
+    if (!live.params.count(fqn)) diffs.push_back(fmt::format("param '{}' is in {} but not live", fqn, path));
+  for (const auto& [fqn, ps] : live.params) {
+    auto it = meta.params.find(fqn);
+    if (it == meta.params.end()) {
+      diffs.push_back(fmt::format("param '{}' is live but not in {}", fqn, path));
+      continue;
+    }
+    const ParamState& sps = it->second;
+    if (ps.shape != sps.shape) {
+      diffs.push_back(fmt::format("param '{}': shape live {}, {} {}", fqn, format_shape(ps.shape), path,
+                                  format_shape(sps.shape)));
+      continue;
+    }
+    if (ps.step != sps.step)
+      diffs.push_back(fmt::format("param '{}': step live {}, {} {}", fqn, ps.step, path, sps.step));
+    OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps.shape));
+    for (const auto& [name, stored] : sps.entries)
+      if (!ps.entries.count(name))
+        diffs.push_back(fmt::format("entry '{}' is in {} but not live", entry_key(fqn, name), path));
+    for (const auto& [name, e] : ps.entries) {
+      const std::string key = entry_key(fqn, name);
+      auto se = sps.entries.find(name);
+      if (se == sps.entries.end()) {
+        diffs.push_back(fmt::format("entry '{}' is live but not in {}", key, path));
+        continue;
+      }
+      Entry expect = e;
+      expect.values = expect.codes = expect.absmax = Buffer{};
+      const FlatRange r = element_range(name, e, ps.shape, numel, options);
+      Status st = read_into(saved, fqn, name, se->second, numel, r, expect);
+      if (!st.ok()) {
+        diffs.push_back(fmt::format("entry '{}' ({}): {}", key, where, st.message()));
+        continue;
+      }
+      for (Component c : e.components()) {
+        const Buffer &a = e.buffer(c), &b = expect.buffer(c);
+        if (a.size != b.size) {
+          diffs.push_back(fmt::format("entry '{}' {} ({}): live holds {} bytes, the checkpoint's range {} bytes", key,
+                                      component_name(c), where, a.size, b.size));
+          continue;
+        }
+        const auto mismatch = std::mismatch(a.data, a.data + a.size, b.data);
+        if (mismatch.first != a.data + a.size) {
+          const int64_t elem = component_elem_size(e, c);
+          const int64_t local = (mismatch.first - a.data) / elem;
+          const int64_t first = c == Component::kAbsmax ? r.begin / e.block_size : r.begin;
+          diffs.push_back(fmt::format("entry '{}' {} ({}): differs from {} first at element {}", key,
+                                      component_name(c), where, path, first + local));
+        }
+      }
+    }
+  }
+  return diffs;
+}
+
+}  // namespace optstate

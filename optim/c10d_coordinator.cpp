@@ -8,7 +8,8 @@
 namespace optstate::optim {
 
 Result<std::unique_ptr<C10dCoordinator>> C10dCoordinator::connect(const std::string& host, int port, int rank,
-                                                                  int world, std::chrono::milliseconds timeout) {
+                                                                  int world, std::chrono::milliseconds timeout,
+                                                                  bool serve) {
   if (world < 1 || rank < 0 || rank >= world)
     return invalid_argument(fmt::format("rank {} of world size {} is not a rank", rank, world));
   if (port <= 0 || port > 65535) return invalid_argument(fmt::format("port {} out of range", port));
@@ -18,9 +19,9 @@ Result<std::unique_ptr<C10dCoordinator>> C10dCoordinator::connect(const std::str
   try {
     c10d::TCPStoreOptions o;
     o.port = static_cast<uint16_t>(port);
-    o.isServer = rank == 0;
-    o.numWorkers = static_cast<size_t>(world);
-    o.waitWorkers = true;
+    o.isServer = serve && rank == 0;
+    if (serve) o.numWorkers = static_cast<size_t>(world);
+    o.waitWorkers = serve;
     o.timeout = timeout;
     c->store_ = std::make_shared<c10d::TCPStore>(host, o);
   } catch (const std::exception& e) {
@@ -38,7 +39,7 @@ Result<std::unique_ptr<C10dCoordinator>> C10dCoordinator::from_env(std::chrono::
   if (rank.empty() || world.empty()) return invalid_argument("RANK and WORLD_SIZE must be set (torchrun-style)");
   try {
     return connect(env("MASTER_ADDR", "127.0.0.1"), std::stoi(env("MASTER_PORT", "29500")), std::stoi(rank),
-                   std::stoi(world), timeout);
+                   std::stoi(world), timeout, /*serve=*/true);
   } catch (const std::exception&) {
     return invalid_argument("RANK, WORLD_SIZE and MASTER_PORT must be integers");
   }

@@ -15,9 +15,11 @@ namespace optstate::optim {
 
 class C10dCoordinator final : public Coordinator {
  public:
-  // Connects (rank 0: serves) on host:port; waits up to timeout for the store.
+  // Connects to the store on host:port, waiting up to timeout. With `serve`, this rank (0) hosts it
+  // (the launcher case); without, every rank is a client of a store someone else serves, such as
+  // the one torch.distributed's process group already runs.
   static Result<std::unique_ptr<C10dCoordinator>> connect(const std::string& host, int port, int rank, int world,
-                                                          std::chrono::milliseconds timeout);
+                                                          std::chrono::milliseconds timeout, bool serve);
   // From RANK, WORLD_SIZE, MASTER_ADDR (default 127.0.0.1), MASTER_PORT (default 29500).
   static Result<std::unique_ptr<C10dCoordinator>> from_env(std::chrono::milliseconds timeout);
   ~C10dCoordinator() override;

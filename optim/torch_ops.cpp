@@ -8,8 +8,11 @@
 
 #include "adamw8bit_kernel.h"
 #include "adamw_kernel.h"
+#include "c10d_coordinator.h"
+#include "native/native_sharded.h"
 #include "optstate/checkpoint.h"
 #include "optstate/quant8.h"
+#include "optstate/shard.h"
 #include "optstate/transform.h"
 #include "registry.h"
 #include "torch_bridge.h"
@@ -141,9 +144,12 @@ void adamw8bit_(at::TensorList params, at::TensorList grads, at::TensorList exp_
 //                              "entries": {name: {"encoding": "blockwise8", "block_size", "qmap"}}}}}
 // Tensors come as parallel lists (param fqn, entry name, component, tensor); dense entries need no
 // "entries" record (their dtype is the tensor's).
+// With `layout`, buffers hold one rank's ranges (shard_range; whole "param" entries with whole_params),
+// any tensor shape of the right element count; without, each tensor has the param's global shape.
 OptimizerState state_from_lists(const std::string& meta_json, const std::vector<std::string>& param_names,
                                 const std::vector<std::string>& entry_names,
-                                const std::vector<std::string>& components, at::TensorList tensors) {
+                                const std::vector<std::string>& components, at::TensorList tensors,
+                                const ShardLoadOptions* layout = nullptr) {
   TORCH_CHECK(param_names.size() == tensors.size() && entry_names.size() == tensors.size() &&
                   components.size() == tensors.size(),
               "optstate.save: name and tensor lists differ in length");
@@ -191,8 +197,8 @@ OptimizerState state_from_lists(const std::string& meta_json, const std::vector<
     if (*comp == Component::kValues) {
       auto dtype = dtype_of(tensors[i].scalar_type());
       if (!dtype.ok()) raise(dtype.status());
-      TORCH_CHECK(shape_of(tensors[i]) == it->second.shape, "optstate.save: entry '", key, "' has shape ",
-                  tensors[i].sizes(), ", param has ", format_shape(it->second.shape));
+      TORCH_CHECK(layout || shape_of(tensors[i]) == it->second.shape, "optstate.save: entry '", key,
+                  "' has shape ", tensors[i].sizes(), ", param has ", format_shape(it->second.shape));
       e.encoding = Encoding::kDense;
       e.dtype = *dtype;
     } else {
@@ -202,6 +208,22 @@ OptimizerState state_from_lists(const std::string& meta_json, const std::vector<
                   "optstate.save: entry '", key, "' ", components[i], " has dtype ", tensors[i].scalar_type());
     }
     e.buffer(*comp) = buffer_of(tensors[i]);
+  }
+  if (layout) {
+    for (const auto& [fqn, ps] : st.params) {
+      auto numel = checked_numel(ps.shape);
+      if (!numel.ok()) raise(numel.status());
+      for (const auto& [name, e] : ps.entries)
+        for (Component c : e.components()) {
+          const FlatRange r = layout->whole_params && name == kParam
+                                  ? FlatRange{0, component_count(e, c, *numel)}
+                                  : shard_range(e, c, ps.shape, layout->world, layout->rank);
+          TORCH_CHECK(static_cast<int64_t>(e.buffer(c).size) == r.size() * component_elem_size(e, c),
+                      "optstate: entry '", entry_key(fqn, name), "' ", component_name(c), " of rank ", layout->rank,
+                      " of ", layout->world, " holds ", e.buffer(c).size, " bytes; its range [", r.begin, ", ",
+                      r.end, ") needs ", r.size() * component_elem_size(e, c));
+        }
+    }
   }
   return st;
 }
@@ -217,17 +239,30 @@ void save_native(const std::string& path, const std::string& meta_json, std::vec
   if (!status.ok()) raise(status);
 }
 
+ShardLoadOptions shard_options(const std::string& to, int64_t block_size, int64_t min_8bit_size, int64_t world,
+                               int64_t rank, bool whole_params) {
+  auto target = target_encoding_from_name(to);
+  if (!target.ok()) raise(target.status());
+  ShardLoadOptions o;
+  o.world = static_cast<int>(world);
+  o.rank = static_cast<int>(rank);
+  o.to = *target;
+  o.quant = {block_size, min_8bit_size};
+  o.whole_params = whole_params;
+  return o;
+}
+
+// One rank's ranges of a checkpoint (world 1: the whole state) in the encoding the optimizer keeps:
+// dense fp32, or 8-bit for its eligible params. A tensor holding a whole entry has the param's shape;
+// a partial range is 1-d.
 std::tuple<std::string, std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
            std::vector<at::Tensor>>
-load_native(const std::string& path, const std::string& to, int64_t block_size, int64_t min_8bit_size) {
+load_native_shard(const std::string& path, const std::string& to, int64_t block_size, int64_t min_8bit_size,
+                  int64_t world, int64_t rank, bool whole_params) {
+  const ShardLoadOptions o = shard_options(to, block_size, min_8bit_size, world, rank, whole_params);
   auto reader = open_checkpoint(path);
   if (!reader.ok()) raise(reader.status());
-  auto state = load_all(**reader);
-  if (!state.ok()) raise(state.status());
-  // The optimizer asks for the encoding it keeps: dense fp32, or 8-bit for its eligible params.
-  if (to == "fp32") state = dequantize_state(*state);
-  else if (to == "8bit") state = quantize_state(*state, {block_size, min_8bit_size});
-  else TORCH_CHECK(to.empty(), "optstate.load_native: 'to' must be '', 'fp32' or '8bit'");
+  auto state = load_shard(**reader, o);
   if (!state.ok()) raise(state.status());
   json meta;
   meta["kind"] = state->kind;
@@ -255,10 +290,13 @@ load_native(const std::string& path, const std::string& to, int64_t block_size, 
         entries[name]["qmap"] = e.qmap;
       }
       for (Component c : e.components()) {
-        Result<at::Tensor> t = c == Component::kValues ? tensor_of(e.values, e.dtype, ps.shape)
-                               : c == Component::kCodes
-                                   ? tensor_of(e.codes, DType::kU8, ps.shape)
-                                   : tensor_of(e.absmax, DType::kF32, {component_count(e, c, numel)});
+        const int64_t count = static_cast<int64_t>(e.buffer(c).size) / component_elem_size(e, c);
+        const std::vector<int64_t> shape =
+            c != Component::kAbsmax && count == numel ? ps.shape : std::vector<int64_t>{count};
+        Result<at::Tensor> t = tensor_of(e.buffer(c), c == Component::kValues ? e.dtype
+                                                      : c == Component::kCodes ? DType::kU8
+                                                                               : DType::kF32,
+                                         shape);
         if (!t.ok()) raise(t.status());
         pnames.push_back(fqn);
         enames.push_back(name);
@@ -274,6 +312,63 @@ load_native(const std::string& path, const std::string& to, int64_t block_size, 
   }
   meta["params"] = params;
   return {meta.dump(), pnames, enames, cnames, tensors};
+}
+
+std::tuple<std::string, std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
+           std::vector<at::Tensor>>
+load_native(const std::string& path, const std::string& to, int64_t block_size, int64_t min_8bit_size) {
+  return load_native_shard(path, to, block_size, min_8bit_size, 1, 0, false);
+}
+
+// Each rank passes its ranges (shard_range) of every entry; ranks meet through the c10d TCPStore at
+// host:port that torch.distributed's process group already serves (every rank a client).
+void save_native_sharded(const std::string& path, const std::string& meta_json, std::vector<std::string> param_names,
+                         std::vector<std::string> entry_names, std::vector<std::string> components,
+                         at::TensorList tensors, bool overwrite, const std::string& host, int64_t port, int64_t world,
+                         int64_t rank, const std::string& save_id, double timeout_s) {
+  const ShardLoadOptions layout = shard_options("", 0, 0, world, rank, false);
+  OptimizerState st = state_from_lists(meta_json, param_names, entry_names, components, tensors, &layout);
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  auto coord = C10dCoordinator::connect(host, static_cast<int>(port), static_cast<int>(rank), static_cast<int>(world),
+                                        timeout, /*serve=*/false);
+  if (!coord.ok()) raise(coord.status());
+  native::ShardedSaveOptions so;
+  so.overwrite = overwrite;
+  so.save_id = save_id;
+  so.timeout = timeout;
+  Status status = native::save_sharded(st, path, **coord, so);
+  if (!status.ok()) raise(status);
+}
+
+// Resume validation of one rank's live state (the lists as save_native_sharded takes them, "param"
+// entries whole): the differences from the checkpoint, empty when the live shard is the checkpoint's.
+std::vector<std::string> verify_native_shard(const std::string& path, const std::string& meta_json,
+                                             std::vector<std::string> param_names, std::vector<std::string> entry_names,
+                                             std::vector<std::string> components, at::TensorList tensors,
+                                             int64_t world, int64_t rank, bool whole_params) {
+  const ShardLoadOptions layout = shard_options("", 0, 0, world, rank, whole_params);
+  OptimizerState live = state_from_lists(meta_json, param_names, entry_names, components, tensors, &layout);
+  auto reader = open_checkpoint(path);
+  if (!reader.ok()) raise(reader.status());
+  auto diffs = verify_resume_shard(live, **reader, layout);
+  if (!diffs.ok()) raise(diffs.status());
+  return *diffs;
+}
+
+// The element range [begin, end) of a param's entries that `rank` of `world` owns: whole rows of dim 0
+// (block_size 0: dense state) or whole quantization blocks.
+std::vector<int64_t> shard_range_op(std::vector<int64_t> shape, int64_t block_size, int64_t world, int64_t rank) {
+  TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "optstate.shard_range: rank ", rank, " of ", world);
+  TORCH_CHECK(block_size >= 0, "optstate.shard_range: negative block size");
+  Entry e;
+  if (block_size > 0) {
+    e.encoding = Encoding::kBlockwise8;
+    e.dtype = DType::kU8;
+    e.block_size = block_size;
+  }
+  const FlatRange r = shard_range(e, block_size > 0 ? Component::kCodes : Component::kValues, shape,
+                                  static_cast<int>(world), static_cast<int>(rank));
+  return {r.begin, r.end};
 }
 
 std::string cpu_isa() { return adamw_cpu_isa(); }
@@ -331,6 +426,13 @@ TORCH_LIBRARY(optstate, m) {
   m.def("save_native(str path, str meta_json, str[] param_names, str[] entry_names, str[] components, "
         "Tensor[] tensors, bool overwrite, bool dequantize) -> ()");
   m.def("load_native(str path, str to, int block_size, int min_8bit_size) -> (str, str[], str[], str[], Tensor[])");
+  m.def("load_native_shard(str path, str to, int block_size, int min_8bit_size, int world, int rank, "
+        "bool whole_params) -> (str, str[], str[], str[], Tensor[])");
+  m.def("save_native_sharded(str path, str meta_json, str[] param_names, str[] entry_names, str[] components, "
+        "Tensor[] tensors, bool overwrite, str host, int port, int world, int rank, str save_id, float timeout_s) -> ()");
+  m.def("verify_native_shard(str path, str meta_json, str[] param_names, str[] entry_names, str[] components, "
+        "Tensor[] tensors, int world, int rank, bool whole_params) -> str[]");
+  m.def("shard_range(int[] shape, int block_size, int world, int rank) -> int[]");
   m.def("cpu_isa() -> str");
   m.def("qmap(str name) -> Tensor");
   m.def("quantize_blockwise(Tensor x, int block_size, str qmap) -> (Tensor, Tensor)");
@@ -344,6 +446,10 @@ TORCH_LIBRARY_IMPL(optstate, CPU, m) {
 TORCH_LIBRARY_IMPL(optstate, CompositeExplicitAutograd, m) {
   m.impl("save_native", save_native);
   m.impl("load_native", load_native);
+  m.impl("load_native_shard", load_native_shard);
+  m.impl("save_native_sharded", save_native_sharded);
+  m.impl("verify_native_shard", verify_native_shard);
+  m.impl("shard_range", shard_range_op);
   m.impl("cpu_isa", cpu_isa);
   m.impl("qmap", qmap_tensor);
   m.impl("quantize_blockwise", quantize_blockwise_op);

@@ -5,7 +5,8 @@ torch ops library built from optim/ (see README.md).
 """
 from ._ops import ops
 from .optim import AdamW8bit, FusedAdamW
-from .checkpoint import save, load
+from .checkpoint import save, load, verify
+from .sharded import ShardedParams
 
-__all__ = ["AdamW8bit", "FusedAdamW", "save", "load", "ops"]
+__all__ = ["AdamW8bit", "FusedAdamW", "ShardedParams", "save", "load", "verify", "ops"]
 __version__ = "0.1.0"

@@ -1,10 +1,20 @@
-"""optstate.save / optstate.load: the native checkpoint, written and read by the C++ driver."""
+"""optstate.save / optstate.load / optstate.verify: the native checkpoint, written and read by the C++
+driver, from one process or from every rank of a torch.distributed process group (DESIGN §6).
+
+Layouts:
+- a plain model on one process: the whole state;
+- a plain model under a process group (DDP: every rank holds the whole, identical state): every rank
+  writes its shard of each entry in parallel, rank 0 commits; every rank loads the whole state;
+- ``ShardedParams`` (ZeRO-1): every rank writes and loads only its own ranges, on any number of ranks.
+"""
 import json
 
 import torch
+import torch.distributed as dist
 
 from ._ops import ops
 from .optim import AdamW8bit, FusedAdamW
+from .sharded import ShardedParams, world_and_rank
 
 _HYPER = ("lr", "eps", "weight_decay", "amsgrad")
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -18,62 +28,130 @@ def _kind(optimizer):
     raise TypeError(f"optstate: unsupported optimizer {type(optimizer).__name__}")
 
 
-def _check_single_process(what):
-    if torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
-        raise NotImplementedError(f"optstate.{what}: sharded (multi-rank) checkpoints are not in this build yet")
-
-
-def _names(model, optimizer):
-    by_id = {id(p): name for name, p in model.named_parameters()}
+def _params(model, optimizer):
+    """(group index, optimizer tensor, fqn, whole param) for every param of the optimizer, in order."""
+    if isinstance(model, ShardedParams):
+        lookup = {id(s.local): (s.fqn, s.param) for s in model.shards}
+    else:
+        lookup = {id(p): (name, p) for name, p in model.named_parameters()}
     out = []
-    for group in optimizer.param_groups:
+    for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
-            if id(p) not in by_id:
-                raise ValueError("optstate: the optimizer holds a parameter that is not in the model")
-            out.append(by_id[id(p)])
+            if id(p) not in lookup:
+                raise ValueError("optstate: the optimizer holds a parameter that is not in the model"
+                                 + (" (pass ShardedParams.parameters() to the optimizer)"
+                                    if isinstance(model, ShardedParams) else ""))
+            out.append((gi, p) + lookup[id(p)])
     return out
 
 
-def save(path, model, optimizer, overwrite=True, dequantize=False):
-    """Writes model weights and optimizer state as a native optstate checkpoint (atomically).
+def _store_address(group):
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    if not hasattr(store, "port"):
+        raise RuntimeError(f"optstate: sharded save needs the process group's store to be a TCPStore "
+                           f"(init_method env:// or tcp://, as torchrun sets up); it is {type(store).__name__}")
+    return store.host, store.port
 
-    8-bit state is stored as codes + absmax + map name; ``dequantize=True`` stores it as dense fp32.
-    """
-    _check_single_process("save")
-    names = iter(_names(model, optimizer))
-    meta = {"kind": _kind(optimizer), "param_groups": [], "params": {}}
-    lists = ([], [], [], [])  # fqn, entry, component, tensor
 
-    def add(fqn, entry, component, tensor):
-        for lst, v in zip(lists, (fqn, entry, component, tensor.detach())):
-            lst.append(v)
+class _Lists:
+    def __init__(self):
+        self.fqn, self.entry, self.comp, self.tensor = [], [], [], []
+
+    def add(self, fqn, entry, comp, t):
+        self.fqn.append(fqn)
+        self.entry.append(entry)
+        self.comp.append(comp)
+        self.tensor.append(t.detach().contiguous())
+
+    def args(self):
+        return self.fqn, self.entry, self.comp, self.tensor
+
+
+def _state_lists(model, optimizer, slice_world, slice_rank, whole_param):
+    """The optimizer's state as (meta json, lists). Moments of a ShardedParams are its ranges as
+    they are; whole tensors are cut to rank `slice_rank` of `slice_world` (1: kept whole). The
+    weights are cut the same way unless `whole_param`."""
+    sharded = isinstance(model, ShardedParams)
+    meta = {"kind": _kind(optimizer), "param_groups": [dict(params=[]) for _ in optimizer.param_groups],
+            "params": {}}
+    lists = _Lists()
+
+    def cut(t, block, comp, shape):
+        if slice_world == 1:
+            return t
+        b, e = ops.shard_range(list(shape), block, slice_world, slice_rank)
+        if comp == "absmax":
+            b, e = b // block, -(-e // block)
+        return t.reshape(-1)[b:e]
 
     for gi, group in enumerate(optimizer.param_groups):
-        g = {k: group[k] for k in _HYPER}
+        g = meta["param_groups"][gi]
+        g.update({k: group[k] for k in _HYPER})
         g["lr"] = float(g["lr"])
         g["maximize"] = bool(group.get("maximize", False))
         g["betas"] = [float(b) for b in group["betas"]]
-        g["params"] = []
-        for p in group["params"]:
-            fqn = next(names)
-            g["params"].append(fqn)
-            state = optimizer.state.get(p, {})
-            step = int(state["step"].item()) if "step" in state else 0
-            pm = {"shape": list(p.shape), "dtype": str(p.dtype), "step": step, "group": gi, "entries": {}}
-            for entry in _MOMENTS:
-                if entry + "_codes" in state:
-                    qmap = group["exp_avg_qmap"] if entry == "exp_avg" else group["exp_avg_sq_qmap"]
-                    pm["entries"][entry] = {"encoding": "blockwise8", "block_size": group["block_size"],
-                                            "qmap": qmap}
-                    add(fqn, entry, "codes", state[entry + "_codes"])
-                    add(fqn, entry, "absmax", state[entry + "_absmax"])
-                elif entry in state:
-                    add(fqn, entry, "values", state[entry])
-            add(fqn, "param", "values", p)
-            meta["params"][fqn] = pm
-        meta["param_groups"].append(g)
-    ops.save_native(str(path), json.dumps(meta), *lists, overwrite, dequantize)
+    for gi, p, fqn, whole in _params(model, optimizer):
+        meta["param_groups"][gi]["params"].append(fqn)
+        state = optimizer.state.get(p, {})
+        step = int(state["step"].item()) if "step" in state else 0
+        pm = {"shape": list(whole.shape), "dtype": str(whole.dtype), "step": step, "group": gi, "entries": {}}
+        shape = whole.shape
+        for entry in _MOMENTS:
+            group = optimizer.param_groups[gi]
+            if entry + "_codes" in state:
+                block = group["block_size"]
+                qmap = group["exp_avg_qmap"] if entry == "exp_avg" else group["exp_avg_sq_qmap"]
+                pm["entries"][entry] = {"encoding": "blockwise8", "block_size": block, "qmap": qmap}
+                codes, absmax = state[entry + "_codes"], state[entry + "_absmax"]
+                if sharded and codes.numel() == whole.numel():
+                    codes = codes.reshape(shape)
+                lists.add(fqn, entry, "codes", codes if sharded else cut(codes, block, "codes", shape))
+                lists.add(fqn, entry, "absmax", absmax if sharded else cut(absmax, block, "absmax", shape))
+            elif entry in state:
+                values = state[entry]
+                if sharded and values.numel() == whole.numel():
+                    values = values.reshape(shape)
+                lists.add(fqn, entry, "values", values if sharded else cut(values, 0, "values", shape))
+        lists.add(fqn, "param", "values", whole if whole_param else cut(whole, 0, "values", shape))
+        meta["params"][fqn] = pm
+    return json.dumps(meta), lists
+
+
+def save(path, model, optimizer, overwrite=True, dequantize=False, timeout=600.0):
+    """Writes model weights and optimizer state as a native optstate checkpoint, atomically.
+
+    ``model`` is the ``nn.Module`` or, for a ZeRO-1 sharded optimizer, its ``ShardedParams``. Under
+    an initialized process group every rank must call this: each writes its own file in parallel and
+    rank 0 commits after all have reported (a failed or silent rank: no commit, the previous
+    checkpoint stays). 8-bit state is stored as codes + absmax + map name; ``dequantize=True``
+    (single process) stores it as dense fp32.
+    """
+    world, rank = world_and_rank(model.group if isinstance(model, ShardedParams) else None)
+    if isinstance(model, ShardedParams) and (model.world, model.rank) != (world, rank):
+        raise RuntimeError("optstate.save: the process group changed since ShardedParams was made")
+    if world == 1:
+        meta, lists = _state_lists(model, optimizer, 1, 0, whole_param=True)
+        ops.save_native(str(path), meta, *lists.args(), overwrite, dequantize)
+        return
+    if dequantize:
+        raise ValueError("optstate.save: dequantize=True is for single-process saves; convert a sharded "
+                         "checkpoint afterwards with `optstate convert SRC DST --to fp32`")
+    meta, lists = _state_lists(model, optimizer, world, rank, whole_param=False)
+    host, port = _store_address(model.group if isinstance(model, ShardedParams) else None)
+    ops.save_native_sharded(str(path), meta, *lists.args(), overwrite, host, port, world, rank, "", float(timeout))
+
+
+def _target(optimizer):
+    if isinstance(optimizer, AdamW8bit):
+        group = optimizer.param_groups[0]
+        if any(g["block_size"] != group["block_size"] or g["min_8bit_size"] != group["min_8bit_size"]
+               for g in optimizer.param_groups):
+            raise ValueError("optstate: AdamW8bit param groups must share block_size and min_8bit_size")
+        return "8bit", group["block_size"], group["min_8bit_size"]
+    _kind(optimizer)
+    return "fp32", 0, 0
 
 
 @torch.no_grad()
@@ -82,19 +160,20 @@ def load(path, model, optimizer):
 
     Entries are converted to what the optimizer keeps: FusedAdamW gets dense fp32 moments;
     AdamW8bit gets 8-bit moments for params of at least min_8bit_size elements (an 8-bit checkpoint
-    saved with dequantize=True comes back with its original codes).
+    saved with dequantize=True comes back with its original codes). With ``ShardedParams`` each rank
+    reads only its ranges, whatever number of ranks wrote the checkpoint.
     """
-    _check_single_process("load")
-    if isinstance(optimizer, AdamW8bit):
-        group = optimizer.param_groups[0]
-        if any(g["block_size"] != group["block_size"] or g["min_8bit_size"] != group["min_8bit_size"]
-               for g in optimizer.param_groups):
-            raise ValueError("optstate.load: AdamW8bit param groups must share block_size and min_8bit_size")
-        target = ("8bit", group["block_size"], group["min_8bit_size"])
+    sharded = isinstance(model, ShardedParams)
+    to, block, min_size = _target(optimizer)
+    if sharded:
+        if to == "8bit" and (block, min_size) != (model.block_size, model.min_8bit_size):
+            raise ValueError(f"optstate.load: ShardedParams has block_size {model.block_size} and min_8bit_size "
+                             f"{model.min_8bit_size}, the optimizer {block} and {min_size}")
+        world, rank = model.world, model.rank
     else:
-        _kind(optimizer)
-        target = ("fp32", 0, 0)
-    meta_json, pnames, enames, cnames, tensors = ops.load_native(str(path), *target)
+        world, rank = 1, 0
+    meta_json, pnames, enames, cnames, tensors = ops.load_native_shard(str(path), to, block, min_size, world, rank,
+                                                                       True)
     meta = json.loads(meta_json)
     if len(meta["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(f"optstate.load: {path} has {len(meta['param_groups'])} param groups, "
@@ -102,31 +181,35 @@ def load(path, model, optimizer):
     found = {}
     for fqn, entry, comp, t in zip(pnames, enames, cnames, tensors):
         found.setdefault(fqn, {})[(entry, comp)] = t
-    names = iter(_names(model, optimizer))
     plan = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            fqn = next(names)
-            if fqn not in meta["params"]:
-                raise KeyError(f"optstate.load: {path} has no param '{fqn}'")
-            pm = meta["params"][fqn]
-            if list(p.shape) != pm["shape"]:
-                raise ValueError(f"optstate.load: param '{fqn}' has shape {list(p.shape)}, checkpoint {pm['shape']}")
-            plan.append((p, fqn, pm))
-    for p, fqn, pm in plan:
+    for _, p, fqn, whole in _params(model, optimizer):
+        if fqn not in meta["params"]:
+            raise KeyError(f"optstate.load: {path} has no param '{fqn}'")
+        pm = meta["params"][fqn]
+        if list(whole.shape) != pm["shape"]:
+            raise ValueError(f"optstate.load: param '{fqn}' has shape {list(whole.shape)}, checkpoint {pm['shape']}")
+        plan.append((p, fqn, whole, pm))
+    for p, fqn, whole, pm in plan:
         e = found.get(fqn, {})
         if ("param", "values") in e:
-            p.copy_(e[("param", "values")])
+            whole.copy_(e[("param", "values")].reshape(whole.shape))
+            if sharded:
+                s = model.shard_of(p)
+                p.copy_(whole.reshape(-1)[s.begin:s.end])
         optimizer.state.pop(p, None)
         if not any(k[0] == "exp_avg" for k in e):
             continue
         st = {"step": torch.tensor(float(pm["step"]), dtype=torch.float32)}
         for entry in _MOMENTS:
             if (entry, "codes") in e:
-                st[entry + "_codes"] = e[(entry, "codes")]
+                codes = e[(entry, "codes")]
+                if codes.numel() != p.numel():
+                    raise ValueError(f"optstate.load: '{fqn}.{entry}' holds {codes.numel()} codes for a "
+                                     f"parameter range of {p.numel()}")
+                st[entry + "_codes"] = codes.reshape(p.shape)
                 st[entry + "_absmax"] = e[(entry, "absmax")]
             elif (entry, "values") in e:
-                st[entry] = e[(entry, "values")]
+                st[entry] = e[(entry, "values")].reshape(p.shape)
         optimizer.state[p] = st
     for group, gm in zip(optimizer.param_groups, meta["param_groups"]):
         for k in _HYPER:
@@ -134,3 +217,12 @@ def load(path, model, optimizer):
         if "maximize" in group:
             group["maximize"] = gm["maximize"]
         group["betas"] = tuple(gm["betas"])
+
+
+def verify(path, model, optimizer):
+    """Resume validation: right after ``load``, is the live state exactly the checkpoint's? Returns
+    the list of differences (empty when it is), each naming the entry, the rank and the first
+    differing element. Every rank checks its own ranges and the whole weights."""
+    world, rank = (model.world, model.rank) if isinstance(model, ShardedParams) else (1, 0)
+    meta, lists = _state_lists(model, optimizer, 1, 0, whole_param=True)
+    return list(ops.verify_native_shard(str(path), meta, *lists.args(), world, rank, True))

@@ -104,8 +104,10 @@ class AdamW8bit(torch.optim.Optimizer):
     def _init_state(self, p, group):
         state = self.state[p]
         if len(state) == 0:
-            # 8-bit or dense is decided on the parameter's global size (DESIGN §1).
-            block = group["block_size"] if p.numel() >= group["min_8bit_size"] else 0
+            # 8-bit or dense is decided on the parameter's global size (DESIGN §1); a shard from
+            # ShardedParams carries the size of the whole parameter.
+            numel = getattr(p, "_optstate_global_numel", p.numel())
+            block = group["block_size"] if numel >= group["min_8bit_size"] else 0
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             for name in ("exp_avg", "exp_avg_sq"):
                 self._zero_moment(state, name, p, block)

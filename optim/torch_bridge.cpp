@@ -62,6 +62,19 @@ Result<at::Tensor> tensor_of(const Buffer& b, DType dtype, const std::vector<int
   return t;
 }
 
+Result<at::Tensor> tensor_taking(Buffer b, DType dtype, const std::vector<int64_t>& shape) {
+  OPTSTATE_ASSIGN_OR_RETURN(int64_t numel, checked_numel(shape));
+  if (static_cast<int64_t>(b.size) != numel * dtype_size(dtype))
+    return invalid_argument(fmt::format("{} bytes cannot hold a {} tensor of shape {}", b.size, dtype_name(dtype),
+                                        format_shape(shape)));
+  const size_t align = alignof(std::max_align_t) < 16 ? alignof(std::max_align_t) : 16;
+  if (!b.owner || b.size == 0 || reinterpret_cast<uintptr_t>(b.data) % align != 0) return tensor_of(b, dtype, shape);
+  auto* data = const_cast<std::byte*>(b.data);
+  auto owner = std::make_shared<std::shared_ptr<const void>>(std::move(b.owner));
+  return at::from_blob(
+      data, shape, [owner](void*) mutable { owner.reset(); }, at::TensorOptions().dtype(scalar_type_of(dtype)));
+}
+
 namespace {
 
 Hyperparameters hyper_of(const FusedAdamWOptions& o) {

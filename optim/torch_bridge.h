@@ -22,6 +22,9 @@ Buffer buffer_of(const at::Tensor& t);
 // A new CPU tensor holding a copy of `b`, checked against dtype and shape.
 Result<at::Tensor> tensor_of(const Buffer& b, DType dtype, const std::vector<int64_t>& shape);
 std::vector<int64_t> shape_of(const at::Tensor& t);
+// A tensor over `b`'s bytes without a copy, keeping its owner alive (a copy when b has no owner).
+// For buffers nothing else holds, such as those a reader just filled: the tensor is writable.
+Result<at::Tensor> tensor_taking(Buffer b, DType dtype, const std::vector<int64_t>& shape);
 
 // `names[i]` is the fqn of the i-th parameter across the optimizer's groups, in order.
 // With include_params the model weights go along as "param" entries.

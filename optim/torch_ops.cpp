@@ -280,10 +280,10 @@ load_native_shard(const std::string& path, const std::string& to, int64_t block_
   std::vector<std::string> pnames, enames, cnames;
   std::vector<at::Tensor> tensors;
   json params = json::object();
-  for (const auto& [fqn, ps] : state->params) {
+  for (auto& [fqn, ps] : state->params) {
     json entries = json::object();
     const int64_t numel = *checked_numel(ps.shape);
-    for (const auto& [name, e] : ps.entries) {
+    for (auto& [name, e] : ps.entries) {
       entries[name] = {{"encoding", encoding_name(e.encoding)}};
       if (e.encoding == Encoding::kBlockwise8) {
         entries[name]["block_size"] = e.block_size;
@@ -293,7 +293,7 @@ load_native_shard(const std::string& path, const std::string& to, int64_t block_
         const int64_t count = static_cast<int64_t>(e.buffer(c).size) / component_elem_size(e, c);
         const std::vector<int64_t> shape =
             c != Component::kAbsmax && count == numel ? ps.shape : std::vector<int64_t>{count};
-        Result<at::Tensor> t = tensor_of(e.buffer(c), c == Component::kValues ? e.dtype
+        Result<at::Tensor> t = tensor_taking(std::move(e.buffer(c)), c == Component::kValues ? e.dtype
                                                       : c == Component::kCodes ? DType::kU8
                                                                                : DType::kF32,
                                          shape);

@@ -60,6 +60,12 @@ class NativeReader final : public CheckpointReader {
                                           begin, end, entry_key(fqn, entry), component_name(c), count));
     for (const Chunk& ch : *chunks) {
       if (ch.end <= begin || ch.begin >= end) continue;
+      if (ch.begin >= begin && ch.end <= end && ch.length == static_cast<uint64_t>((ch.end - ch.begin) * elem)) {
+        // The whole chunk is wanted: read it straight into place and verify it there.
+        const std::span<std::byte> dst = out.subspan(static_cast<size_t>((ch.begin - begin) * elem), ch.length);
+        OPTSTATE_RETURN_IF_ERROR(read_chunk_into(ch, fqn, entry, c, dst));
+        continue;
+      }
       int64_t at = ch.begin;  // element index of the next byte the sink sees
       OPTSTATE_RETURN_IF_ERROR(read_chunk(ch, fqn, entry, c, [&](std::span<const std::byte> piece) {
         const int64_t n = static_cast<int64_t>(piece.size()) / elem;
@@ -89,7 +95,7 @@ class NativeReader final : public CheckpointReader {
     XXH3_state_t* st = XXH3_createState();
     XXH3_64bits_reset(st);
     Status status;
-    std::vector<std::byte> piece;
+    std::vector<std::byte>& piece = piece_;
     for (uint64_t done = 0; done < ch.length && status.ok();) {
       const uint64_t n = std::min<uint64_t>(kStreamPieceBytes, ch.length - done);
       piece.resize(n);
@@ -103,6 +109,20 @@ class NativeReader final : public CheckpointReader {
     const uint64_t got = XXH3_64bits_digest(st);
     XXH3_freeState(st);
     OPTSTATE_RETURN_IF_ERROR(status.with_context(fmt::format("entry '{}'", entry_key(fqn, entry))));
+    if (got != ch.xxh3)
+      return corrupt(fmt::format("{}: checksum mismatch in bytes [{}, {}) holding entry '{}' {} [{}, {}): "
+                                 "manifest says {}, data gives {}",
+                                 file->path().string(), ch.offset, ch.offset + ch.length, entry_key(fqn, entry),
+                                 component_name(c), ch.begin, ch.end, u64_hex(ch.xxh3), u64_hex(got)));
+    return Status::Ok();
+  }
+
+  Status read_chunk_into(const Chunk& ch, const std::string& fqn, const std::string& entry, Component c,
+                         std::span<std::byte> dst) {
+    OPTSTATE_ASSIGN_OR_RETURN(const InputFile* file, open_file(ch.file));
+    OPTSTATE_RETURN_IF_ERROR(
+        file->read_at(ch.offset, dst).with_context(fmt::format("entry '{}'", entry_key(fqn, entry))));
+    const uint64_t got = xxh3_64(dst);
     if (got != ch.xxh3)
       return corrupt(fmt::format("{}: checksum mismatch in bytes [{}, {}) holding entry '{}' {} [{}, {}): "
                                  "manifest says {}, data gives {}",
@@ -125,6 +145,7 @@ class NativeReader final : public CheckpointReader {
   fs::path dir_;
   Manifest m_;
   std::map<size_t, InputFile> open_;
+  std::vector<std::byte> piece_;  // reused between chunks
 };
 
 }  // namespace

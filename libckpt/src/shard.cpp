@@ -21,17 +21,18 @@ FlatRange element_range(const std::string& name, const Entry& e, const std::vect
                      o.rank);
 }
 
-Result<std::vector<std::byte>> read_bytes(CheckpointReader& reader, const std::string& fqn, const std::string& name,
-                                          const Entry& stored, Component c, int64_t begin, int64_t end) {
+Result<Buffer> read_bytes(CheckpointReader& reader, const std::string& fqn, const std::string& name,
+                          const Entry& stored, Component c, int64_t begin, int64_t end) {
   const int64_t elem = component_elem_size(stored, c);
-  std::vector<std::byte> out(static_cast<size_t>((end - begin) * elem));
+  std::span<std::byte> out;
+  Buffer b = Buffer::allocate(static_cast<size_t>((end - begin) * elem), &out);
   OPTSTATE_RETURN_IF_ERROR(reader.read_range(fqn, name, c, begin, end, out));
-  return out;
+  return b;
 }
 
 template <class T>
-std::span<const T> as(const std::vector<std::byte>& v) {
-  return {reinterpret_cast<const T*>(v.data()), v.size() / sizeof(T)};
+std::span<const T> as(const Buffer& v) {
+  return {reinterpret_cast<const T*>(v.data), v.size / sizeof(T)};
 }
 
 // Range [r.begin, r.end) of a stored entry as fp32 values.
@@ -40,7 +41,7 @@ Result<std::vector<float>> read_f32(CheckpointReader& reader, const std::string&
   const std::string key = entry_key(fqn, name);
   if (stored.encoding == Encoding::kDense) {
     OPTSTATE_ASSIGN_OR_RETURN(auto bytes, read_bytes(reader, fqn, name, stored, Component::kValues, r.begin, r.end));
-    return dense_to_f32(bytes, stored.dtype, key);
+    return dense_to_f32(bytes.span(), stored.dtype, key);
   }
   // The blocks covering the range, dequantized, then cut to it.
   const int64_t bs = stored.block_size;
@@ -61,7 +62,7 @@ Status read_into(CheckpointReader& reader, const std::string& fqn, const std::st
                     stored.block_size == target.block_size && stored.qmap == target.qmap;
   if (same && target.encoding == Encoding::kDense) {
     OPTSTATE_ASSIGN_OR_RETURN(auto v, read_bytes(reader, fqn, name, stored, Component::kValues, r.begin, r.end));
-    target.values = Buffer::take(std::move(v));
+    target.values = std::move(v);
     return Status::Ok();
   }
   if (same) {  // blockwise8, block-aligned range: the stored codes and absmax as they are
@@ -69,8 +70,8 @@ Status read_into(CheckpointReader& reader, const std::string& fqn, const std::st
     OPTSTATE_ASSIGN_OR_RETURN(auto c, read_bytes(reader, fqn, name, stored, Component::kCodes, r.begin, r.end));
     OPTSTATE_ASSIGN_OR_RETURN(auto a, read_bytes(reader, fqn, name, stored, Component::kAbsmax, r.begin / bs,
                                                  (r.end + bs - 1) / bs));
-    target.codes = Buffer::take(std::move(c));
-    target.absmax = Buffer::take(std::move(a));
+    target.codes = std::move(c);
+    target.absmax = std::move(a);
     return Status::Ok();
   }
   OPTSTATE_ASSIGN_OR_RETURN(std::vector<float> values, read_f32(reader, fqn, name, stored, numel, r));

@@ -11,6 +11,16 @@ Buffer Buffer::copy_of(std::span<const std::byte> bytes) {
   return take(std::vector<std::byte>(bytes.begin(), bytes.end()));
 }
 
+Buffer Buffer::allocate(size_t size, std::span<std::byte>* out) {
+  std::shared_ptr<std::byte[]> holder = std::make_shared_for_overwrite<std::byte[]>(size);
+  Buffer b;
+  b.data = holder.get();
+  b.size = size;
+  *out = {holder.get(), size};
+  b.owner = std::move(holder);
+  return b;
+}
+
 Buffer Buffer::take(std::vector<std::byte> bytes) {
   auto holder = std::make_shared<std::vector<std::byte>>(std::move(bytes));
   Buffer b;

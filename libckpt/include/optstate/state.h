@@ -27,6 +27,9 @@ struct Buffer {
 
   static Buffer copy_of(std::span<const std::byte> bytes);
   static Buffer take(std::vector<std::byte> bytes);
+  // `size` uninitialized bytes owned by the Buffer, for a reader to fill through `out`
+  // (no zeroing pass over memory that is about to be overwritten).
+  static Buffer allocate(size_t size, std::span<std::byte>* out);
   std::span<const std::byte> span() const { return {data, size}; }
   bool empty() const { return size == 0; }
 };

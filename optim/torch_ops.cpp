@@ -258,8 +258,31 @@ ShardLoadOptions shard_options(const std::string& to, int64_t block_size, int64_
 std::tuple<std::string, std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
            std::vector<at::Tensor>>
 load_native_shard(const std::string& path, const std::string& to, int64_t block_size, int64_t min_8bit_size,
-                  int64_t world, int64_t rank, bool whole_params) {
-  const ShardLoadOptions o = shard_options(to, block_size, min_8bit_size, world, rank, whole_params);
+                  int64_t world, int64_t rank, bool whole_params, const std::vector<std::string>& dest_params,
+                  const std::vector<std::string>& dest_entries, const std::vector<std::string>& dest_components,
+                  at::TensorList dests) {
+  ShardLoadOptions o = shard_options(to, block_size, min_8bit_size, world, rank, whole_params);
+  TORCH_CHECK(dest_params.size() == dests.size() && dest_entries.size() == dests.size() &&
+                  dest_components.size() == dests.size(),
+              "optstate.load: destination name and tensor lists differ in length");
+  // Tensors the caller already has (live weights, existing state): read into them in place.
+  std::map<std::tuple<std::string, std::string, std::string>, at::Tensor> dest;
+  for (size_t i = 0; i < dests.size(); ++i) dest[{dest_params[i], dest_entries[i], dest_components[i]}] = dests[i];
+  std::map<const std::byte*, at::Tensor> placed;
+  if (!dest.empty())
+    o.destination = [&](const std::string& fqn, const std::string& entry, Component c, const Entry& target,
+                        size_t bytes) -> std::span<std::byte> {
+      auto it = dest.find({fqn, entry, std::string(component_name(c))});
+      if (it == dest.end()) return {};
+      const at::Tensor& t = it->second;
+      const DType want = c == Component::kValues ? target.dtype : c == Component::kCodes ? DType::kU8 : DType::kF32;
+      auto have = dtype_of(t.scalar_type());
+      if (!have.ok() || *have != want || !t.is_cpu() || !t.is_contiguous() || t.nbytes() != bytes || bytes == 0)
+        return {};
+      auto* p = static_cast<std::byte*>(t.data_ptr());
+      placed[p] = t;
+      return {p, bytes};
+    };
   auto reader = open_checkpoint(path);
   if (!reader.ok()) raise(reader.status());
   auto state = load_shard(**reader, o);
@@ -293,6 +316,13 @@ load_native_shard(const std::string& path, const std::string& to, int64_t block_
         const int64_t count = static_cast<int64_t>(e.buffer(c).size) / component_elem_size(e, c);
         const std::vector<int64_t> shape =
             c != Component::kAbsmax && count == numel ? ps.shape : std::vector<int64_t>{count};
+        if (auto it = placed.find(e.buffer(c).data); it != placed.end() && !e.buffer(c).owner) {
+          pnames.push_back(fqn);
+          enames.push_back(name);
+          cnames.emplace_back(component_name(c));
+          tensors.push_back(it->second);
+          continue;
+        }
         Result<at::Tensor> t = tensor_taking(std::move(e.buffer(c)), c == Component::kValues ? e.dtype
                                                       : c == Component::kCodes ? DType::kU8
                                                                                : DType::kF32,
@@ -317,7 +347,7 @@ load_native_shard(const std::string& path, const std::string& to, int64_t block_
 std::tuple<std::string, std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
            std::vector<at::Tensor>>
 load_native(const std::string& path, const std::string& to, int64_t block_size, int64_t min_8bit_size) {
-  return load_native_shard(path, to, block_size, min_8bit_size, 1, 0, false);
+  return load_native_shard(path, to, block_size, min_8bit_size, 1, 0, false, {}, {}, {}, {});
 }
 
 // Each rank passes its ranges (shard_range) of every entry; ranks meet through the c10d TCPStore at
@@ -427,7 +457,8 @@ TORCH_LIBRARY(optstate, m) {
         "Tensor[] tensors, bool overwrite, bool dequantize) -> ()");
   m.def("load_native(str path, str to, int block_size, int min_8bit_size) -> (str, str[], str[], str[], Tensor[])");
   m.def("load_native_shard(str path, str to, int block_size, int min_8bit_size, int world, int rank, "
-        "bool whole_params) -> (str, str[], str[], str[], Tensor[])");
+        "bool whole_params, str[] dest_params, str[] dest_entries, str[] dest_components, Tensor[] dests) "
+        "-> (str, str[], str[], str[], Tensor[])");
   m.def("save_native_sharded(str path, str meta_json, str[] param_names, str[] entry_names, str[] components, "
         "Tensor[] tensors, bool overwrite, str host, int port, int world, int rank, str save_id, float timeout_s) -> ()");
   m.def("verify_native_shard(str path, str meta_json, str[] param_names, str[] entry_names, str[] components, "

@@ -71,7 +71,8 @@ Result<OutputFile> OutputFile::create(const fs::path& path) {
   return f;
 }
 
-OutputFile::OutputFile(OutputFile&& o) noexcept : fd_(o.fd_), offset_(o.offset_), path_(std::move(o.path_)) {
+OutputFile::OutputFile(OutputFile&& o) noexcept
+    : fd_(o.fd_), offset_(o.offset_), kicked_(o.kicked_), path_(std::move(o.path_)) {
   o.fd_ = -1;
 }
 OutputFile& OutputFile::operator=(OutputFile&& o) noexcept {
@@ -79,6 +80,7 @@ OutputFile& OutputFile::operator=(OutputFile&& o) noexcept {
     if (fd_ >= 0) ::close(fd_);
     fd_ = o.fd_;
     offset_ = o.offset_;
+    kicked_ = o.kicked_;
     path_ = std::move(o.path_);
     o.fd_ = -1;
   }
@@ -99,6 +101,13 @@ Status OutputFile::write(std::span<const std::byte> bytes) {
     done += static_cast<size_t>(n);
   }
   offset_ += bytes.size();
+  // Start writeback of what is complete now rather than leaving it all to the final fsync, so the
+  // disk works while later chunks are produced (a hint: errors surface at fsync).
+  if (offset_ - kicked_ >= kWritebackKickBytes) {
+    (void)::sync_file_range(fd_, static_cast<off_t>(kicked_), static_cast<off_t>(offset_ - kicked_),
+                            SYNC_FILE_RANGE_WRITE);
+    kicked_ = offset_;
+  }
   return Status::Ok();
 }
 

@@ -22,10 +22,20 @@ FlatRange element_range(const std::string& name, const Entry& e, const std::vect
 }
 
 Result<Buffer> read_bytes(CheckpointReader& reader, const std::string& fqn, const std::string& name,
-                          const Entry& stored, Component c, int64_t begin, int64_t end) {
+                          const Entry& stored, Component c, int64_t begin, int64_t end,
+                          const DestinationFn* destination = nullptr) {
   const int64_t elem = component_elem_size(stored, c);
+  const size_t bytes = static_cast<size_t>((end - begin) * elem);
   std::span<std::byte> out;
-  Buffer b = Buffer::allocate(static_cast<size_t>((end - begin) * elem), &out);
+  if (destination && *destination) out = (*destination)(fqn, name, c, stored, bytes);
+  if (out.size() == bytes && out.data()) {
+    OPTSTATE_RETURN_IF_ERROR(reader.read_range(fqn, name, c, begin, end, out));
+    Buffer placed;
+    placed.data = out.data();
+    placed.size = bytes;
+    return placed;
+  }
+  Buffer b = Buffer::allocate(bytes, &out);
   OPTSTATE_RETURN_IF_ERROR(reader.read_range(fqn, name, c, begin, end, out));
   return b;
 }
@@ -57,19 +67,21 @@ Result<std::vector<float>> read_f32(CheckpointReader& reader, const std::string&
 
 // Fills the buffers of `target` with range r (elements) of the stored entry.
 Status read_into(CheckpointReader& reader, const std::string& fqn, const std::string& name, const Entry& stored,
-                 int64_t numel, FlatRange r, Entry& target) {
+                 int64_t numel, FlatRange r, Entry& target, const DestinationFn* destination = nullptr) {
   const bool same = stored.encoding == target.encoding && stored.dtype == target.dtype &&
                     stored.block_size == target.block_size && stored.qmap == target.qmap;
   if (same && target.encoding == Encoding::kDense) {
-    OPTSTATE_ASSIGN_OR_RETURN(auto v, read_bytes(reader, fqn, name, stored, Component::kValues, r.begin, r.end));
+    OPTSTATE_ASSIGN_OR_RETURN(auto v, read_bytes(reader, fqn, name, stored, Component::kValues, r.begin, r.end,
+                                                 destination));
     target.values = std::move(v);
     return Status::Ok();
   }
   if (same) {  // blockwise8, block-aligned range: the stored codes and absmax as they are
     const int64_t bs = stored.block_size;
-    OPTSTATE_ASSIGN_OR_RETURN(auto c, read_bytes(reader, fqn, name, stored, Component::kCodes, r.begin, r.end));
+    OPTSTATE_ASSIGN_OR_RETURN(auto c, read_bytes(reader, fqn, name, stored, Component::kCodes, r.begin, r.end,
+                                                 destination));
     OPTSTATE_ASSIGN_OR_RETURN(auto a, read_bytes(reader, fqn, name, stored, Component::kAbsmax, r.begin / bs,
-                                                 (r.end + bs - 1) / bs));
+                                                 (r.end + bs - 1) / bs, destination));
     target.codes = std::move(c);
     target.absmax = std::move(a);
     return Status::Ok();
@@ -143,7 +155,7 @@ Result<OptimizerState> load_shard(CheckpointReader& reader, const ShardLoadOptio
       const Entry& stored = stored_ps.entries.at(name);
       e = target_entry(name, stored, numel, options.to, options.quant);
       const FlatRange r = element_range(name, e, ps.shape, numel, options);
-      OPTSTATE_RETURN_IF_ERROR(read_into(reader, fqn, name, stored, numel, r, e));
+      OPTSTATE_RETURN_IF_ERROR(read_into(reader, fqn, name, stored, numel, r, e, &options.destination));
     }
   }
   return out;

@@ -172,8 +172,24 @@ def load(path, model, optimizer):
         world, rank = model.world, model.rank
     else:
         world, rank = 1, 0
+    # Tensors that already exist (the live weights, state of a matching layout) are read into in
+    # place: a resume neither allocates nor copies them again.
+    dest = _Lists()
+    for _, p, fqn, whole in _params(model, optimizer):
+        if whole.is_contiguous() and whole.device.type == "cpu":
+            dest.add(fqn, "param", "values", whole)
+        st = optimizer.state.get(p, {})
+        for key, t in st.items():
+            if key == "step" or not isinstance(t, torch.Tensor) or not t.is_contiguous():
+                continue
+            for suffix, comp in (("_codes", "codes"), ("_absmax", "absmax")):
+                if key.endswith(suffix):
+                    dest.add(fqn, key[:-len(suffix)], comp, t)
+                    break
+            else:
+                dest.add(fqn, key, "values", t)
     meta_json, pnames, enames, cnames, tensors = ops.load_native_shard(str(path), to, block, min_size, world, rank,
-                                                                       True)
+                                                                       True, *dest.args())
     meta = json.loads(meta_json)
     if len(meta["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(f"optstate.load: {path} has {len(meta['param_groups'])} param groups, "
@@ -192,7 +208,9 @@ def load(path, model, optimizer):
     for p, fqn, whole, pm in plan:
         e = found.get(fqn, {})
         if ("param", "values") in e:
-            whole.copy_(e[("param", "values")].reshape(whole.shape))
+            loaded = e[("param", "values")]
+            if loaded.data_ptr() != whole.data_ptr():
+                whole.copy_(loaded.reshape(whole.shape))
             if sharded:
                 s = model.shard_of(p)
                 p.copy_(whole.reshape(-1)[s.begin:s.end])

@@ -51,8 +51,10 @@ class OutputFile {
 
  private:
   OutputFile() = default;
+  static constexpr uint64_t kWritebackKickBytes = uint64_t{32} << 20;
   int fd_ = -1;
   uint64_t offset_ = 0;
+  uint64_t kicked_ = 0;  // bytes handed to writeback so far
   fs::path path_;
 };
 

@@ -6,6 +6,8 @@
 // That is what native::save_sharded takes and what load_shard returns.
 #pragma once
 
+#include <functional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -24,6 +26,12 @@ Result<TargetEncoding> target_encoding_from_name(std::string_view name);  // "",
 Entry target_entry(const std::string& entry_name, const Entry& stored, int64_t numel, TargetEncoding to,
                    const QuantizeOptions& quant);
 
+// Where a component's bytes should land: memory of exactly `bytes` bytes that the caller owns and
+// keeps alive (the reader fills it in place, no copy; the returned state's Buffer then views it),
+// or an empty span to let load_shard allocate. Asked only for components read as stored.
+using DestinationFn = std::function<std::span<std::byte>(const std::string& fqn, const std::string& entry,
+                                                         Component c, const Entry& target, size_t bytes)>;
+
 struct ShardLoadOptions {
   int world = 1, rank = 0;
   TargetEncoding to = TargetEncoding::kAsStored;
@@ -31,6 +39,7 @@ struct ShardLoadOptions {
   // "param" entries (model weights) come back whole: with replicated weights (DDP, ZeRO-1) every rank
   // needs all of them.
   bool whole_params = false;
+  DestinationFn destination;  // optional
 };
 
 // This rank's range of every entry, in the target encoding. A block-aligned 8-bit range reads the

@@ -223,4 +223,44 @@ Status publish_directory(const fs::path& staging, const fs::path& final_dir, boo
   return fsync_directory(parent);
 }
 
+Result<fs::path> make_staging_path(const fs::path& final_file) {
+  fs::path parent = final_file.parent_path();
+  if (parent.empty()) parent = ".";
+  std::error_code ec;
+  if (!fs::is_directory(parent, ec))
+    return not_found(fmt::format("{}: parent directory does not exist", final_file.string()));
+  std::random_device rd;
+  for (int attempt = 0; attempt < 16; ++attempt) {
+    fs::path p = parent / fmt::format(".{}.partial-{}-{:08x}", final_file.filename().string(), ::getpid(), rd());
+    if (!fs::exists(fs::symlink_status(p, ec))) return p;
+  }
+  return io_error(fmt::format("{}: cannot find a free staging name", final_file.string()));
+}
+
+Status publish_file(const fs::path& staging, const fs::path& final_file, bool overwrite) {
+  fs::path parent = final_file.parent_path();
+  if (parent.empty()) parent = ".";
+  int fd = ::open(staging.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return io_error(fmt::format("{}: cannot open: {}", staging.string(), errno_text()));
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) return io_error(fmt::format("{}: fsync failed: {}", staging.string(), errno_text()));
+  std::error_code ec;
+  if (overwrite) {
+    if (fs::is_directory(final_file, ec))
+      return invalid_argument(fmt::format("{}: is a directory; not replacing it with a file", final_file.string()));
+    if (::rename(staging.c_str(), final_file.c_str()) != 0)
+      return io_error(fmt::format("{}: cannot publish: {}", final_file.string(), errno_text()));
+  } else if (::renameat2(AT_FDCWD, staging.c_str(), AT_FDCWD, final_file.c_str(), RENAME_NOREPLACE) != 0) {
+    if (errno == EEXIST) return invalid_argument(fmt::format("{}: already exists (overwrite not requested)", final_file.string()));
+    if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP)
+      return io_error(fmt::format("{}: cannot publish: {}", final_file.string(), errno_text()));
+    // No RENAME_NOREPLACE here: link() fails on an existing name just as well.
+    if (::link(staging.c_str(), final_file.c_str()) != 0)
+      return io_error(fmt::format("{}: cannot publish: {}", final_file.string(), errno_text()));
+    ::unlink(staging.c_str());
+  }
+  return fsync_directory(parent);
+}
+
 }  // namespace optstate

@@ -74,4 +74,10 @@ Result<fs::path> make_staging_dir(const fs::path& final_dir);
 // existing final_dir is first renamed aside, then removed after the new one is in place.
 Status publish_directory(const fs::path& staging, const fs::path& final_dir, bool overwrite);
 
+// Single-file formats: a fresh, unused name beside `final_file` to write into, and the commit that
+// fsyncs the written file, moves it into place in one rename (without overwrite: never replacing
+// anything, RENAME_NOREPLACE) and fsyncs the directory. A reader sees the old file or the new one.
+Result<fs::path> make_staging_path(const fs::path& final_file);
+Status publish_file(const fs::path& staging, const fs::path& final_file, bool overwrite);
+
 }  // namespace optstate

@@ -1,0 +1,111 @@
+#include "safetensors_layout.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "optstate/state.h"
+
+namespace optstate::safetensors {
+
+using json = nlohmann::json;
+
+Result<uint64_t> parse_header_length(std::span<const std::byte> first8, uint64_t file_size, const std::string& where) {
+  if (first8.size() < 8 || file_size < 8) return corrupt(fmt::format("{}: too short for a safetensors file", where));
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = n << 8 | static_cast<uint8_t>(first8[static_cast<size_t>(i)]);
+  if (n < 2 || n > kMaxHeaderBytes)
+    return corrupt(fmt::format("{}: header length {} out of range (2..{})", where, n, kMaxHeaderBytes));
+  if (n > file_size - 8)
+    return corrupt(fmt::format("{}: header of {} bytes does not fit in a file of {} bytes", where, n, file_size));
+  return n;
+}
+
+Result<Header> parse_header(std::span<const std::byte> json_bytes, uint64_t data_size, const std::string& where) {
+  const char* text = reinterpret_cast<const char*>(json_bytes.data());
+  if (json_bytes.empty() || text[0] != '{') return corrupt(fmt::format("{}: header does not start with '{{'", where));
+  json root = json::parse(text, text + json_bytes.size(), nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded() || !root.is_object()) return corrupt(fmt::format("{}: header is not a JSON object", where));
+  Header h;
+  h.data_start = 8 + json_bytes.size();
+  std::vector<std::pair<uint64_t, std::string>> order;
+  for (const auto& [name, tj] : root.items()) {
+    const std::string tw = fmt::format("{}: tensor '{}'", where, name);
+    if (name == "__metadata__") {
+      if (!tj.is_object()) return corrupt(where + ": __metadata__ is not an object");
+      for (const auto& [k, v] : tj.items()) {
+        if (!v.is_string()) return corrupt(fmt::format("{}: __metadata__ '{}' is not a string", where, k));
+        h.metadata[k] = v.get<std::string>();
+      }
+      continue;
+    }
+    if (!tj.is_object()) return corrupt(tw + ": not an object");
+    auto dt = tj.find("dtype");
+    auto sh = tj.find("shape");
+    auto off = tj.find("data_offsets");
+    if (dt == tj.end() || !dt->is_string() || sh == tj.end() || !sh->is_array() || off == tj.end() ||
+        !off->is_array() || off->size() != 2)
+      return corrupt(tw + ": needs string 'dtype', array 'shape' and two 'data_offsets'");
+    TensorInfo t;
+    auto d = dtype_from_safetensors(dt->get<std::string>());
+    if (!d) return corrupt(fmt::format("{}: dtype '{}' is not supported", tw, dt->get<std::string>()));
+    t.dtype = *d;
+    if (sh->size() > static_cast<size_t>(kMaxRank)) return corrupt(tw + ": too many dimensions");
+    for (const json& dim : *sh) {
+      if (!dim.is_number_unsigned()) return corrupt(tw + ": shape must hold non-negative integers");
+      if (dim.get<uint64_t>() > static_cast<uint64_t>(kMaxNumel)) return corrupt(tw + ": dimension too large");
+      t.shape.push_back(static_cast<int64_t>(dim.get<uint64_t>()));
+    }
+    auto numel = checked_numel(t.shape);
+    if (!numel.ok()) return numel.status().with_context(tw);
+    if (!(*off)[0].is_number_unsigned() || !(*off)[1].is_number_unsigned())
+      return corrupt(tw + ": data_offsets must be non-negative integers");
+    t.begin = (*off)[0].get<uint64_t>();
+    t.end = (*off)[1].get<uint64_t>();
+    if (t.begin > t.end || t.end > data_size)
+      return corrupt(fmt::format("{}: bytes [{}, {}) lie outside the data buffer of {} bytes", tw, t.begin, t.end,
+                                 data_size));
+    const uint64_t want = static_cast<uint64_t>(*numel) * dtype_size(t.dtype);
+    if (t.end - t.begin != want)
+      return corrupt(fmt::format("{}: holds {} bytes, its dtype and shape {} need {}", tw, t.end - t.begin,
+                                 format_shape(t.shape), want));
+    order.emplace_back(t.begin, name);
+    h.tensors.emplace(name, std::move(t));
+  }
+  // Coverage: sorted by offset, each tensor starts where the previous ended, and the last ends the
+  // file (zero-size tensors may share an offset).
+  std::sort(order.begin(), order.end(), [&](const auto& a, const auto& b) {
+    const TensorInfo &x = h.tensors.at(a.second), &y = h.tensors.at(b.second);
+    return std::tie(x.begin, x.end) < std::tie(y.begin, y.end);
+  });
+  uint64_t at = 0;
+  for (const auto& [begin, name] : order) {
+    const TensorInfo& t = h.tensors.at(name);
+    if (t.begin != at)
+      return corrupt(fmt::format("{}: tensor '{}' starts at byte {} of the data buffer, expected {} ({})", where, name,
+                                 t.begin, at, t.begin > at ? "a hole" : "an overlap"));
+    at = t.end;
+  }
+  if (at != data_size)
+    return corrupt(fmt::format("{}: the tensors cover {} bytes of a {}-byte data buffer", where, at, data_size));
+  return h;
+}
+
+std::string encode_header(const std::vector<std::pair<std::string, TensorInfo>>& tensors,
+                          const std::map<std::string, std::string>& metadata) {
+  // nlohmann's ordered_json keeps insertion order, so the header lists tensors in file order.
+  nlohmann::ordered_json root = nlohmann::ordered_json::object();
+  if (!metadata.empty()) root["__metadata__"] = metadata;
+  for (const auto& [name, t] : tensors)
+    root[name] = {{"dtype", dtype_info(t.dtype).safetensors_name}, {"shape", t.shape}, {"data_offsets", {t.begin, t.end}}};
+  std::string text = root.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  std::string out(8, '\0');
+  uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i) out[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
+  return out + text;
+}
+
+}  // namespace optstate::safetensors

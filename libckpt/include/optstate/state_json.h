@@ -1,0 +1,19 @@
+// The canonical state's metadata (kind, groups, hyperparameters, params with shapes, dtypes, steps
+// and entry encodings; no values) as one JSON text, for formats whose own container has no place
+// for it: safetensors' __metadata__, HDF5 attributes. Parsing treats the text as hostile.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include "optstate/state.h"
+
+namespace optstate {
+
+inline constexpr int kStateJsonVersion = 1;
+
+std::string encode_state_meta(const OptimizerState& state);
+// `where` names the file in errors. The result has empty buffers and passes check_structure.
+Result<OptimizerState> decode_state_meta(std::string_view text, const std::string& where);
+
+}  // namespace optstate

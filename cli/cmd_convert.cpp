@@ -28,17 +28,18 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
 int run_convert(int argc, char** argv) {
   const CommandSpec spec{
       "convert",
-      "optstate convert SRC DST [--to fp32|8bit] [--format native] [--world-size N] [--block-size N] "
+      "optstate convert SRC DST [--to fp32|8bit] [--format native|safetensors|hdf5|dcp] [--world-size N] [--block-size N] "
       "[--min-8bit-size N] [--overwrite] [--json]",
       "Writes the state of SRC to DST, optionally changing its encoding: --to fp32 dequantizes 8-bit\n"
       "moments, --to 8bit quantizes the moments of params with at least --min-8bit-size elements\n"
       "(default 4096) in blocks of --block-size (default 256); moments that came from 8-bit get their\n"
       "original codes back. SRC is only read. DST is written atomically: it appears complete or not at all.",
       {{"--to", true, "fp32 or 8bit (default: keep encodings)"},
-       {"--format", true, "output format (default native)"},
+       {"--format", true, "output format (default: from DST's extension, .safetensors / .h5 / .hdf5, else native)"},
        {"--block-size", true, "8-bit block size (default 256)"},
        {"--min-8bit-size", true, "params with fewer elements stay dense (default 4096)"},
        {"--world-size", true, "lay DST out as N ranks' shards (default 1)"},
+       {"--compress", true, "gzip level 1-9 where the format compresses (hdf5, with shuffle)"},
        {"--overwrite", false, "replace DST if it exists"},
        {"--json", false, "print a JSON summary"}},
       2,
@@ -73,7 +74,11 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   const std::string to = args->value("--to").value_or("");
   if (!to.empty() && to != "fp32" && to != "8bit")
     return fail(command, invalid_argument(fmt::format("--to must be fp32 or 8bit, got '{}'", to)));
-  const std::string format = args->value("--format").value_or("native");
+  std::string format = args->value("--format").value_or("");
+  if (format.empty()) {
+    const std::string ext = dst.extension().string();
+    format = ext == ".safetensors" ? "safetensors" : ext == ".h5" || ext == ".hdf5" ? "hdf5" : "native";
+  }
   const FormatDriver* driver = find_format(format);
   if (!driver) return fail(command, invalid_argument(fmt::format("unknown output format '{}'", format)));
   QuantizeOptions q;
@@ -96,6 +101,12 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   } else if (std::string(command) == "reshard") {
     return fail(command, invalid_argument("--world-size is required"));
   }
+  int compression = 0;
+  if (auto v = args->value("--compress")) {
+    auto n = parse_positive("--compress", *v);
+    if (!n.ok() || *n > 9) return fail(command, invalid_argument("--compress must be a gzip level 1-9"));
+    compression = static_cast<int>(*n);
+  }
   std::error_code ec;
   if (std::filesystem::exists(dst, ec) && std::filesystem::equivalent(src, dst, ec))
     return fail(command, invalid_argument(fmt::format("{}: destination is the source", dst.string())));
@@ -110,6 +121,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   WriteOptions wo;
   wo.overwrite = args->has("--overwrite");
   wo.world_size = world;
+  wo.compression = compression;
   Status st = write_checkpoint(*driver, *state, dst, wo);
   if (!st.ok()) return fail(command, st);
 

@@ -1,0 +1,436 @@
+// The HDF5 driver: one file, a group per parameter, a dataset per dense entry, a subgroup with
+// `codes` and `absmax` datasets per 8-bit entry; chunked, fletcher32 per chunk, optional
+// gzip+shuffle. Attributes say what everything is, for h5py users; the root attribute "optstate"
+// holds the canonical metadata (JSON) the reader trusts after checking it against the datasets.
+// Layout: FORMAT.md.
+#include <fmt/format.h>
+#include <hdf5.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+
+#include "optstate/checkpoint.h"
+#include "optstate/io.h"
+#include "optstate/state_json.h"
+
+namespace optstate::hdf5 {
+namespace {
+
+constexpr const char* kFormatTag = "optstate-hdf5";
+constexpr int kLayoutVersion = 1;
+constexpr uint64_t kChunkTargetBytes = uint64_t{1} << 20;
+constexpr uint64_t kMaxMetaBytes = uint64_t{256} << 20;
+
+// libhdf5 (Debian's serial build) is not thread-safe: every call goes through this lock.
+std::recursive_mutex& hdf5_mutex() {
+  static std::recursive_mutex mu;
+  return mu;
+}
+
+void silence_hdf5() {
+  static std::once_flag once;
+  std::call_once(once, [] { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); });  // errors come back as Status
+}
+
+// An HDF5 identifier closed on scope exit.
+class Id {
+ public:
+  Id() = default;
+  explicit Id(hid_t id, herr_t (*close)(hid_t)) : id_(id), close_(close) {}
+  Id(Id&& o) noexcept : id_(o.id_), close_(o.close_) { o.id_ = -1; }
+  Id& operator=(Id&& o) noexcept {
+    std::swap(id_, o.id_);
+    std::swap(close_, o.close_);
+    return *this;
+  }
+  ~Id() {
+    if (id_ >= 0 && close_) close_(id_);
+  }
+  hid_t get() const { return id_; }
+  bool ok() const { return id_ >= 0; }
+
+ private:
+  hid_t id_ = -1;
+  herr_t (*close_)(hid_t) = nullptr;
+};
+
+std::string component_path(const std::string& fqn, const std::string& entry, const Entry& e, Component c) {
+  const std::string base = "/" + fqn + "/" + entry;
+  return e.encoding == Encoding::kDense ? base : base + "/" + std::string(component_name(c));
+}
+
+// The file type of a component; 16-bit floats are raw u16 in HDF5 1.10 (no bf16/f16 type there),
+// with a "dtype" attribute saying what they are.
+hid_t file_type(DType d) {
+  switch (d) {
+    case DType::kF32: return H5T_IEEE_F32LE;
+    case DType::kF64: return H5T_IEEE_F64LE;
+    case DType::kBF16:
+    case DType::kF16: return H5T_STD_U16LE;
+    case DType::kU8: return H5T_STD_U8LE;
+    case DType::kI8: return H5T_STD_I8LE;
+    case DType::kI32: return H5T_STD_I32LE;
+    case DType::kI64: return H5T_STD_I64LE;
+  }
+  return H5T_STD_U8LE;
+}
+
+DType component_dtype(const Entry& e, Component c) {
+  return c == Component::kValues ? e.dtype : c == Component::kCodes ? DType::kU8 : DType::kF32;
+}
+
+std::vector<hsize_t> component_dims(const ParamState& ps, const Entry& e, Component c) {
+  if (c == Component::kAbsmax) return {static_cast<hsize_t>(component_count(e, c, *checked_numel(ps.shape)))};
+  return std::vector<hsize_t>(ps.shape.begin(), ps.shape.end());
+}
+
+Status set_string_attr(hid_t obj, const char* name, const std::string& value) {
+  Id type(H5Tcopy(H5T_C_S1), H5Tclose);
+  H5Tset_size(type.get(), std::max<size_t>(1, value.size()));
+  H5Tset_strpad(type.get(), H5T_STR_NULLPAD);
+  Id space(H5Screate(H5S_SCALAR), H5Sclose);
+  Id attr(H5Acreate2(obj, name, type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+  if (!attr.ok() || H5Awrite(attr.get(), type.get(), value.empty() ? "" : value.data()) < 0)
+    return io_error(fmt::format("cannot write attribute '{}'", name));
+  return Status::Ok();
+}
+
+Status set_i64_attr(hid_t obj, const char* name, int64_t value) {
+  Id space(H5Screate(H5S_SCALAR), H5Sclose);
+  Id attr(H5Acreate2(obj, name, H5T_STD_I64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+  if (!attr.ok() || H5Awrite(attr.get(), H5T_NATIVE_INT64, &value) < 0)
+    return io_error(fmt::format("cannot write attribute '{}'", name));
+  return Status::Ok();
+}
+
+Status set_shape_attr(hid_t obj, const char* name, const std::vector<int64_t>& shape) {
+  const hsize_t n = shape.size();
+  Id space(n ? H5Screate_simple(1, &n, nullptr) : H5Screate(H5S_NULL), H5Sclose);
+  Id attr(H5Acreate2(obj, name, H5T_STD_I64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+  if (!attr.ok() || (n && H5Awrite(attr.get(), H5T_NATIVE_INT64, shape.data()) < 0))
+    return io_error(fmt::format("cannot write attribute '{}'", name));
+  return Status::Ok();
+}
+
+// A fixed- or variable-length string attribute, read with a size cap.
+Result<std::string> get_string_attr(hid_t obj, const char* name, const std::string& where) {
+  if (H5Aexists(obj, name) <= 0) return corrupt(fmt::format("{}: attribute '{}' is missing", where, name));
+  Id attr(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
+  Id type(H5Aget_type(attr.get()), H5Tclose);
+  if (!attr.ok() || !type.ok() || H5Tget_class(type.get()) != H5T_STRING)
+    return corrupt(fmt::format("{}: attribute '{}' is not a string", where, name));
+  Id space(H5Aget_space(attr.get()), H5Sclose);
+  if (H5Sget_simple_extent_type(space.get()) != H5S_SCALAR)
+    return corrupt(fmt::format("{}: attribute '{}' is not a scalar", where, name));
+  if (H5Tis_variable_str(type.get()) > 0) {
+    Id mem(H5Tcopy(H5T_C_S1), H5Tclose);
+    H5Tset_size(mem.get(), H5T_VARIABLE);
+    char* s = nullptr;
+    if (H5Aread(attr.get(), mem.get(), &s) < 0 || !s)
+      return corrupt(fmt::format("{}: cannot read attribute '{}'", where, name));
+    std::string out(s, strnlen(s, kMaxMetaBytes));
+    H5free_memory(s);
+    return out;
+  }
+  const size_t size = H5Tget_size(type.get());
+  if (size == 0 || size > kMaxMetaBytes)
+    return corrupt(fmt::format("{}: attribute '{}' of {} bytes is out of range", where, name, size));
+  std::string out(size, '\0');
+  Id mem(H5Tcopy(H5T_C_S1), H5Tclose);
+  H5Tset_size(mem.get(), size);
+  H5Tset_strpad(mem.get(), H5T_STR_NULLPAD);
+  if (H5Aread(attr.get(), mem.get(), out.data()) < 0)
+    return corrupt(fmt::format("{}: cannot read attribute '{}'", where, name));
+  out.resize(strnlen(out.data(), out.size()));
+  return out;
+}
+
+class Hdf5Reader final : public CheckpointReader {
+ public:
+  Hdf5Reader(fs::path path, Id file, OptimizerState meta)
+      : path_(std::move(path)), file_(std::move(file)), meta_(std::move(meta)) {}
+
+  std::string_view format() const override { return "hdf5"; }
+  const fs::path& path() const override { return path_; }
+  const OptimizerState& meta() const override { return meta_; }
+
+  Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) override {
+    OPTSTATE_ASSIGN_OR_RETURN(auto info, component_info(fqn, entry, c));
+    const auto [count, elem, row] = info;
+    const int64_t rows_per_piece = std::max<int64_t>(1, static_cast<int64_t>(kStreamPieceBytes) / (row * elem));
+    std::vector<std::byte> piece;
+    for (int64_t r = 0; r * row < count; r += rows_per_piece) {
+      const int64_t b = r * row, e = std::min(count, (r + rows_per_piece) * row);
+      piece.resize(static_cast<size_t>((e - b) * elem));
+      OPTSTATE_RETURN_IF_ERROR(read_range(fqn, entry, c, b, e, piece));
+      OPTSTATE_RETURN_IF_ERROR(sink(piece));
+    }
+    return Status::Ok();
+  }
+
+  // Reads the whole rows (dim 0) that hold [begin, end) through a hyperslab, then cuts the range.
+  Status read_range(const std::string& fqn, const std::string& entry, Component c, int64_t begin, int64_t end,
+                    std::span<std::byte> out) override {
+    std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
+    OPTSTATE_ASSIGN_OR_RETURN(auto info, component_info(fqn, entry, c));
+    const auto [count, elem, row] = info;
+    const std::string dpath = path_of(fqn, entry, c);
+    if (begin < 0 || end < begin || end > count || static_cast<int64_t>(out.size()) != (end - begin) * elem)
+      return invalid_argument(fmt::format("{}: range [{}, {}) of dataset '{}' is outside [0, {}) or does not fit",
+                                          path_.string(), begin, end, dpath, count));
+    if (begin == end) return Status::Ok();
+    Id ds(H5Dopen2(file_.get(), dpath.c_str(), H5P_DEFAULT), H5Dclose);
+    if (!ds.ok()) return corrupt(fmt::format("{}: cannot open dataset '{}'", path_.string(), dpath));
+    Id fspace(H5Dget_space(ds.get()), H5Sclose);
+    const int rank = H5Sget_simple_extent_ndims(fspace.get());
+    std::vector<hsize_t> dims(static_cast<size_t>(std::max(rank, 0)));
+    H5Sget_simple_extent_dims(fspace.get(), dims.data(), nullptr);
+    const int64_t r0 = begin / row, r1 = (end + row - 1) / row;
+    std::vector<std::byte> rows;
+    std::span<std::byte> dst = out;
+    const bool exact = r0 * row == begin && r1 * row == end;
+    if (!exact) {
+      rows.resize(static_cast<size_t>((r1 - r0) * row * elem));
+      dst = rows;
+    }
+    Id mspace;
+    if (rank > 0) {
+      std::vector<hsize_t> start(dims.size(), 0), cnt = dims;
+      start[0] = static_cast<hsize_t>(r0);
+      cnt[0] = static_cast<hsize_t>(r1 - r0);
+      if (H5Sselect_hyperslab(fspace.get(), H5S_SELECT_SET, start.data(), nullptr, cnt.data(), nullptr) < 0)
+        return corrupt(fmt::format("{}: cannot select rows [{}, {}) of '{}'", path_.string(), r0, r1, dpath));
+      mspace = Id(H5Screate_simple(rank, cnt.data(), nullptr), H5Sclose);
+    } else {
+      mspace = Id(H5Screate(H5S_SCALAR), H5Sclose);
+    }
+    const DType d = dtype_of_component(fqn, entry, c);
+    if (H5Dread(ds.get(), native_type(d), mspace.get(), fspace.get(), H5P_DEFAULT, dst.data()) < 0)
+      return corrupt(fmt::format("{}: cannot read dataset '{}' rows [{}, {}) (a chunk failed its fletcher32 "
+                                 "checksum or the file is damaged)",
+                                 path_.string(), dpath, r0, r1));
+    if (!exact)
+      std::memcpy(out.data(), rows.data() + (begin - r0 * row) * elem, out.size());
+    return Status::Ok();
+  }
+
+  std::string locate(const std::string& fqn, const std::string& entry, Component c, int64_t index) const override {
+    return fmt::format("{} dataset '{}'", path_.string(), path_of(fqn, entry, c));
+  }
+
+ private:
+  static hid_t native_type(DType d) {
+    switch (d) {
+      case DType::kF32: return H5T_NATIVE_FLOAT;
+      case DType::kF64: return H5T_NATIVE_DOUBLE;
+      case DType::kBF16:
+      case DType::kF16: return H5T_NATIVE_UINT16;
+      case DType::kU8: return H5T_NATIVE_UINT8;
+      case DType::kI8: return H5T_NATIVE_INT8;
+      case DType::kI32: return H5T_NATIVE_INT32;
+      case DType::kI64: return H5T_NATIVE_INT64;
+    }
+    return H5T_NATIVE_UINT8;
+  }
+  std::string path_of(const std::string& fqn, const std::string& entry, Component c) const {
+    const Entry& e = meta_.params.at(fqn).entries.at(entry);
+    return component_path(fqn, entry, e, c);
+  }
+  DType dtype_of_component(const std::string& fqn, const std::string& entry, Component c) const {
+    return component_dtype(meta_.params.at(fqn).entries.at(entry), c);
+  }
+  // (element count, element size, elements per row of dim 0)
+  Result<std::tuple<int64_t, int64_t, int64_t>> component_info(const std::string& fqn, const std::string& entry,
+                                                                Component c) const {
+    auto p = meta_.params.find(fqn);
+    if (p == meta_.params.end()) return not_found(fmt::format("{}: no param '{}'", path_.string(), fqn));
+    auto e = p->second.entries.find(entry);
+    if (e == p->second.entries.end())
+      return not_found(fmt::format("{}: no entry '{}'", path_.string(), entry_key(fqn, entry)));
+    const auto dims = component_dims(p->second, e->second, c);
+    int64_t count = 1, row = 1;
+    for (size_t i = 0; i < dims.size(); ++i) {
+      count *= static_cast<int64_t>(dims[i]);
+      if (i > 0) row *= static_cast<int64_t>(dims[i]);
+    }
+    return std::tuple{count, int64_t{dtype_size(component_dtype(e->second, c))}, std::max<int64_t>(row, 1)};
+  }
+
+  fs::path path_;
+  Id file_;
+  OptimizerState meta_;
+};
+
+Status write_component(hid_t parent, const char* name, const ParamState& ps, const Entry& e, Component c,
+                       int compression, const std::string& where) {
+  const DType d = component_dtype(e, c);
+  const auto dims = component_dims(ps, e, c);
+  const int rank = static_cast<int>(dims.size());
+  Id space(rank ? H5Screate_simple(rank, dims.data(), nullptr) : H5Screate(H5S_SCALAR), H5Sclose);
+  Id dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+  bool empty = false;
+  for (hsize_t x : dims) empty = empty || x == 0;
+  if (rank > 0 && !empty) {
+    // Chunks of whole rows near 1 MiB: fletcher32 checks each, gzip compresses each.
+    std::vector<hsize_t> chunk = dims;
+    uint64_t row_bytes = dtype_size(d);
+    for (size_t i = 1; i < dims.size(); ++i) row_bytes *= dims[i];
+    chunk[0] = std::clamp<hsize_t>(kChunkTargetBytes / std::max<uint64_t>(row_bytes, 1), 1, dims[0]);
+    if (row_bytes * chunk[0] > (uint64_t{1} << 31))
+      return invalid_argument(fmt::format("{}: rows of {} bytes are too large for HDF5 chunks", where, row_bytes));
+    H5Pset_chunk(dcpl.get(), rank, chunk.data());
+    if (compression > 0) {
+      H5Pset_shuffle(dcpl.get());
+      H5Pset_deflate(dcpl.get(), static_cast<unsigned>(compression));
+    }
+    H5Pset_fletcher32(dcpl.get());
+  }
+  Id ds(H5Dcreate2(parent, name, file_type(d), space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT), H5Dclose);
+  if (!ds.ok()) return io_error(fmt::format("{}: cannot create dataset", where));
+  const Buffer& b = e.buffer(c);
+  hid_t mem = d == DType::kF32   ? H5T_NATIVE_FLOAT
+              : d == DType::kF64 ? H5T_NATIVE_DOUBLE
+              : d == DType::kU8  ? H5T_NATIVE_UINT8
+              : d == DType::kI8  ? H5T_NATIVE_INT8
+              : d == DType::kI32 ? H5T_NATIVE_INT32
+              : d == DType::kI64 ? H5T_NATIVE_INT64
+                                 : H5T_NATIVE_UINT16;
+  if (!empty && H5Dwrite(ds.get(), mem, H5S_ALL, H5S_ALL, H5P_DEFAULT, b.data) < 0)
+    return io_error(fmt::format("{}: cannot write dataset", where));
+  OPTSTATE_RETURN_IF_ERROR(set_string_attr(ds.get(), "dtype", std::string(dtype_name(d))).with_context(where));
+  return Status::Ok();
+}
+
+Status write_file(const OptimizerState& state, const fs::path& file_path, int compression) {
+  Id fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
+  H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V18, H5F_LIBVER_LATEST);  // readable by h5py's HDF5 1.10+
+  Id file(H5Fcreate(file_path.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, fapl.get()), H5Fclose);
+  if (!file.ok()) return io_error(fmt::format("{}: cannot create HDF5 file", file_path.string()));
+  OPTSTATE_RETURN_IF_ERROR(set_string_attr(file.get(), "format", kFormatTag));
+  OPTSTATE_RETURN_IF_ERROR(set_i64_attr(file.get(), "layout_version", kLayoutVersion));
+  OPTSTATE_RETURN_IF_ERROR(set_string_attr(file.get(), "optimizer", state.kind));
+  OPTSTATE_RETURN_IF_ERROR(set_string_attr(file.get(), "optstate", encode_state_meta(state)));
+  Id gcpl(H5Pcreate(H5P_GROUP_CREATE), H5Pclose);
+  for (const auto& [fqn, ps] : state.params) {
+    const std::string where = fmt::format("{}: param '{}'", file_path.string(), fqn);
+    if (fqn.empty() || fqn.find('/') != std::string::npos || fqn == "." )
+      return invalid_argument(fmt::format("{}: an HDF5 group name cannot be empty or hold '/'", where));
+    Id g(H5Gcreate2(file.get(), fqn.c_str(), H5P_DEFAULT, gcpl.get(), H5P_DEFAULT), H5Gclose);
+    if (!g.ok()) return io_error(fmt::format("{}: cannot create group", where));
+    OPTSTATE_RETURN_IF_ERROR(set_shape_attr(g.get(), "shape", ps.shape));
+    OPTSTATE_RETURN_IF_ERROR(set_string_attr(g.get(), "dtype", std::string(dtype_name(ps.param_dtype))));
+    OPTSTATE_RETURN_IF_ERROR(set_i64_attr(g.get(), "step", ps.step));
+    OPTSTATE_RETURN_IF_ERROR(set_i64_attr(g.get(), "param_group", ps.group));
+    for (const auto& [name, e] : ps.entries) {
+      const std::string ew = fmt::format("{}: entry '{}'", file_path.string(), entry_key(fqn, name));
+      if (name.find('/') != std::string::npos) return invalid_argument(ew + ": name holds '/'");
+      if (e.encoding == Encoding::kDense) {
+        OPTSTATE_RETURN_IF_ERROR(write_component(g.get(), name.c_str(), ps, e, Component::kValues, compression, ew));
+        continue;
+      }
+      Id sub(H5Gcreate2(g.get(), name.c_str(), H5P_DEFAULT, gcpl.get(), H5P_DEFAULT), H5Gclose);
+      if (!sub.ok()) return io_error(ew + ": cannot create group");
+      OPTSTATE_RETURN_IF_ERROR(set_string_attr(sub.get(), "encoding", "blockwise8"));
+      OPTSTATE_RETURN_IF_ERROR(set_i64_attr(sub.get(), "block_size", e.block_size));
+      OPTSTATE_RETURN_IF_ERROR(set_string_attr(sub.get(), "qmap", e.qmap));
+      for (Component c : e.components())
+        OPTSTATE_RETURN_IF_ERROR(write_component(sub.get(), std::string(component_name(c)).c_str(), ps, e, c,
+                                                 compression, ew));
+    }
+  }
+  if (H5Fflush(file.get(), H5F_SCOPE_GLOBAL) < 0) return io_error(fmt::format("{}: flush failed", file_path.string()));
+  return Status::Ok();
+}
+
+bool has_signature(const fs::path& path) {
+  auto f = InputFile::open(path);
+  if (!f.ok()) return false;
+  static constexpr unsigned char kSig[8] = {0x89, 'H', 'D', 'F', '\r', '\n', 0x1a, '\n'};
+  // The superblock sits at 0 or after a user block of 512, 1024, 2048, ... bytes.
+  for (uint64_t at = 0; at + 8 <= f->size() && at <= (uint64_t{1} << 20); at = at ? at * 2 : 512) {
+    std::byte head[8];
+    if (!f->read_at(at, head).ok()) return false;
+    if (std::memcmp(head, kSig, 8) == 0) return true;
+  }
+  return false;
+}
+
+class Hdf5Driver final : public FormatDriver {
+ public:
+  std::string_view name() const override { return "hdf5"; }
+
+  bool sniff(const fs::path& path) const override {
+    std::error_code ec;
+    return fs::is_regular_file(path, ec) && has_signature(path);
+  }
+
+  Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {
+    std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
+    silence_hdf5();
+    const std::string where = path.string();
+    std::error_code ec;
+    if (!fs::is_regular_file(path, ec)) return not_found(fmt::format("{}: no such file", where));
+    if (!has_signature(path)) return corrupt(fmt::format("{}: not an HDF5 file (no signature)", where));
+    Id file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+    if (!file.ok()) return corrupt(fmt::format("{}: HDF5 cannot open the file (damaged or truncated)", where));
+    OPTSTATE_ASSIGN_OR_RETURN(std::string tag, get_string_attr(file.get(), "format", where));
+    if (tag != kFormatTag)
+      return corrupt(fmt::format("{}: an HDF5 file, but not an optstate checkpoint (format '{}')", where, tag));
+    OPTSTATE_ASSIGN_OR_RETURN(std::string text, get_string_attr(file.get(), "optstate", where));
+    OPTSTATE_ASSIGN_OR_RETURN(OptimizerState meta, decode_state_meta(text, where));
+    // Every component the metadata names is a dataset of the right type and shape.
+    for (const auto& [fqn, ps] : meta.params)
+      for (const auto& [name, e] : ps.entries)
+        for (Component c : e.components()) {
+          const std::string dpath = component_path(fqn, name, e, c);
+          if (fqn.find('/') != std::string::npos || name.find('/') != std::string::npos ||
+              H5Lexists(file.get(), ("/" + fqn).c_str(), H5P_DEFAULT) <= 0 ||
+              (e.encoding != Encoding::kDense &&
+               H5Lexists(file.get(), ("/" + fqn + "/" + name).c_str(), H5P_DEFAULT) <= 0) ||
+              H5Lexists(file.get(), dpath.c_str(), H5P_DEFAULT) <= 0)
+            return corrupt(fmt::format("{}: dataset '{}' is missing", where, dpath));
+          Id ds(H5Dopen2(file.get(), dpath.c_str(), H5P_DEFAULT), H5Dclose);
+          if (!ds.ok()) return corrupt(fmt::format("{}: '{}' is not a dataset", where, dpath));
+          Id type(H5Dget_type(ds.get()), H5Tclose);
+          Id space(H5Dget_space(ds.get()), H5Sclose);
+          const DType d = component_dtype(e, c);
+          const auto want = component_dims(ps, e, c);
+          const int rank = H5Sget_simple_extent_ndims(space.get());
+          std::vector<hsize_t> dims(static_cast<size_t>(std::max(rank, 0)));
+          if (rank > 0) H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
+          if (rank < 0 || dims != want || H5Tequal(type.get(), file_type(d)) <= 0)
+            return corrupt(fmt::format("{}: dataset '{}' does not have the type {} and shape {} the metadata says",
+                                       where, dpath, dtype_name(d), format_shape(ps.shape)));
+        }
+    return std::unique_ptr<CheckpointReader>(new Hdf5Reader(path, std::move(file), std::move(meta)));
+  }
+
+  Status write(const OptimizerState& state, const fs::path& path, const WriteOptions& options) const override {
+    OPTSTATE_RETURN_IF_ERROR(check_structure(state, true));
+    if (options.compression < 0 || options.compression > 9)
+      return invalid_argument(fmt::format("gzip level {} out of range (0-9)", options.compression));
+    std::error_code ec;
+    if (!options.overwrite && fs::exists(fs::symlink_status(path, ec)))
+      return invalid_argument(fmt::format("{}: already exists (overwrite not requested)", path.string()));
+    OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_path(path));
+    Status st;
+    {
+      std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
+      silence_hdf5();
+      st = write_file(state, staging, options.compression);
+    }
+    if (st.ok()) st = publish_file(staging, path, options.overwrite);
+    if (!st.ok()) fs::remove(staging, ec);  // never leave a partial file behind
+    return st;
+  }
+};
+
+}  // namespace
+
+const FormatDriver& driver() {
+  static const Hdf5Driver d;
+  return d;
+}
+
+}  // namespace optstate::hdf5

@@ -57,6 +57,9 @@ class FormatDriver {
   // Cheap check from the first bytes / directory layout: is this path in my format?
   virtual bool sniff(const std::filesystem::path& path) const = 0;
   virtual Result<std::unique_ptr<CheckpointReader>> open(const std::filesystem::path& path) const = 0;
+  // False for formats whose consumers keep dense state (DCP for torch.optim.AdamW): they store
+  // blockwise8 entries dequantized, so a round trip keeps the values hash, not the raw one.
+  virtual bool keeps_blockwise8() const { return true; }
   virtual Status write(const OptimizerState& state, const std::filesystem::path& path,
                        const WriteOptions& options) const = 0;
 };

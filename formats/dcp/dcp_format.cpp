@@ -1,0 +1,487 @@
+// The PyTorch DCP driver: reads a DCP directory (`.metadata` + `*.distcp`) written by
+// torch.distributed.checkpoint.save, including torchao AdamW8bit items, with no Python; writes a DCP
+// directory that dcp.load + set_state_dict accept (dcp_writer.cpp). Layout and mapping: FORMAT.md.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+
+#include "dcp_driver.h"
+#include "dcp_layout.h"
+#include "optstate/io.h"
+#include "optstate/quant8.h"
+#include "pickle.h"
+#include "zip.h"
+
+namespace optstate::dcp {
+namespace {
+
+constexpr uint64_t kMaxMetadataBytes = uint64_t{1} << 30;
+constexpr uint64_t kMaxPickleBytes = uint64_t{64} << 20;
+constexpr uint64_t kMaxSegments = uint64_t{1} << 24;
+
+struct Segment {
+  int64_t begin, count;  // flat elements of the global tensor (or blocks, for absmax)
+  size_t chunk;          // index into the item's chunks
+  int64_t local;         // element offset inside that chunk's data
+};
+
+// A chunk box (offsets, sizes) of a tensor of shape `g` as runs of consecutive flat elements, in
+// the chunk's own C order.
+Status chunk_segments(const std::vector<int64_t>& g, const ChunkMeta& c, size_t chunk, std::vector<Segment>& out,
+                      const std::string& where) {
+  const size_t n = g.size();
+  for (int64_t s : c.sizes)
+    if (s == 0) return Status::Ok();
+  if (n == 0) {
+    out.push_back({0, 1, chunk, 0});
+    return Status::Ok();
+  }
+  std::vector<int64_t> stride(n, 1);
+  for (size_t d = n - 1; d > 0; --d) stride[d - 1] = stride[d] * g[d];
+  // Dims after j are covered whole, so a run spans dim j's extent in the box.
+  size_t j = n - 1;
+  while (j > 0 && c.offsets[j] == 0 && c.sizes[j] == g[j]) --j;
+  const int64_t run = c.sizes[j] * stride[j];
+  std::vector<int64_t> idx(c.offsets.begin(), c.offsets.begin() + static_cast<long>(j));
+  int64_t local = 0;
+  while (true) {
+    int64_t begin = c.offsets[j] * stride[j];
+    for (size_t d = 0; d < j; ++d) begin += idx[d] * stride[d];
+    if (out.size() >= kMaxSegments) return corrupt(where + ": too many pieces (column-sharded beyond the cap)");
+    out.push_back({begin, run, chunk, local});
+    local += run;
+    size_t d = j;
+    while (d > 0) {
+      --d;
+      if (++idx[d] < c.offsets[d] + c.sizes[d]) break;
+      idx[d] = c.offsets[d];
+      if (d == 0) return Status::Ok();
+    }
+    if (j == 0) return Status::Ok();
+  }
+}
+
+Status check_coverage(std::vector<Segment>& segs, int64_t count, const std::string& where) {
+  std::sort(segs.begin(), segs.end(), [](const Segment& a, const Segment& b) { return a.begin < b.begin; });
+  int64_t at = 0;
+  for (const Segment& s : segs) {
+    if (s.begin != at)
+      return corrupt(fmt::format("{}: elements [{}, {}) {}", where, std::min(at, s.begin), std::max(at, s.begin),
+                                 s.begin > at ? "are in no chunk" : "are in two chunks"));
+    at += s.count;
+  }
+  if (at != count) return corrupt(fmt::format("{}: elements [{}, {}) are in no chunk", where, at, count));
+  return Status::Ok();
+}
+
+struct ParsedItem {
+  Payload payload;
+  pickle::Pickle pickle;                      // for bytes items' values
+  std::map<std::string, uint64_t> storages;   // storage key -> absolute file offset of its bytes
+  std::map<std::string, uint64_t> storage_sizes;
+  const InputFile* file = nullptr;
+};
+
+struct Source {
+  std::string key;      // flat DCP key of the item
+  const ItemMeta* item = nullptr;
+  bool eight = false;
+  std::vector<Segment> values;  // dense values or 8-bit codes
+  std::vector<Segment> absmax;
+};
+
+class DcpReader final : public CheckpointReader {
+ public:
+  DcpReader(fs::path dir, Metadata md) : dir_(std::move(dir)), md_(std::move(md)) {}
+
+  std::string_view format() const override { return "dcp"; }
+  const fs::path& path() const override { return dir_; }
+  const OptimizerState& meta() const override { return meta_; }
+
+  Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) override {
+    auto it = sources_.find({fqn, entry});
+    if (it == sources_.end())
+      return not_found(fmt::format("{}: no entry '{}'", dir_.string(), entry_key(fqn, entry)));
+    const Source& src = it->second;
+    const auto& segs = c == Component::kAbsmax ? src.absmax : src.values;
+    std::vector<std::byte> piece;
+    for (const Segment& s : segs) {
+      const ChunkMeta& ch = src.item->chunks[s.chunk];
+      const std::string iw = fmt::format("{}: item '{}' chunk at {}", dir_.string(), src.key, format_shape(ch.offsets));
+      OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(src.key, ch.offsets));
+      const TensorRef* t = nullptr;
+      if (pi->payload.kind == Payload::Kind::kTensor && !src.eight && c == Component::kValues) t = &pi->payload.tensor;
+      if (pi->payload.kind == Payload::Kind::kOptimState8bit && src.eight)
+        t = c == Component::kAbsmax ? &pi->payload.scale : c == Component::kCodes ? &pi->payload.codes : nullptr;
+      if (!t) return corrupt(iw + ": holds a different kind of tensor than the item's first chunk");
+      const int64_t elem = dtype_size(t->dtype);
+      const int64_t numel = *checked_numel(t->shape);
+      if (s.local + s.count > numel)
+        return corrupt(fmt::format("{}: holds {} elements, the chunk needs {}", iw, numel, s.local + s.count));
+      uint64_t at = pi->storages.at(t->storage_key) + static_cast<uint64_t>((t->offset + s.local) * elem);
+      uint64_t left = static_cast<uint64_t>(s.count * elem);
+      while (left > 0) {
+        const uint64_t n = std::min<uint64_t>(left, kStreamPieceBytes);
+        piece.resize(n);
+        OPTSTATE_RETURN_IF_ERROR(pi->file->read_at(at, piece).with_context(iw));
+        OPTSTATE_RETURN_IF_ERROR(sink(piece));
+        at += n;
+        left -= n;
+      }
+    }
+    return Status::Ok();
+  }
+
+  Status init() {
+    const std::string where = dir_.string();
+    // Storage locations: inside the directory and inside their files, before anything is read.
+    for (const auto& [k, loc] : md_.storage) {
+      const std::string iw = fmt::format("{}: item '{}'", where, k.first);
+      if (loc.transformed)
+        return corrupt(iw + " is stored through a transform (e.g. stream.zstd); only plain items are read");
+      OPTSTATE_ASSIGN_OR_RETURN(const InputFile* f, file(loc.relative_path, iw));
+      if (loc.offset > f->size() || loc.length > f->size() - loc.offset)
+        return corrupt(fmt::format("{}: bytes [{}, {}) lie beyond the end of {} ({} bytes)", iw, loc.offset,
+                                   loc.offset + loc.length, f->path().string(), f->size()));
+    }
+    for (const auto& [key, im] : md_.items) {
+      if (im.is_tensor) {
+        for (const auto& ch : im.chunks)
+          if (!md_.storage.count({key, ch.offsets}))
+            return corrupt(fmt::format("{}: item '{}' chunk at {} has no storage record", where, key,
+                                       format_shape(ch.offsets)));
+      } else if (!md_.storage.count({key, {}})) {
+        return corrupt(fmt::format("{}: item '{}' has no storage record", where, key));
+      }
+    }
+    // Sort the items by their place in the state dict.
+    std::map<int, std::map<std::string, std::string>> group_fields;  // group -> field -> key
+    std::map<std::string, std::map<std::string, std::string>> state_items;  // fqn -> entry -> key
+    std::map<std::string, std::string> model_items;                         // fqn -> key
+    for (const auto& [key, im] : md_.items) {
+      std::vector<std::string> path;
+      if (auto pl = md_.planner.find(key); pl != md_.planner.end()) path = pl->second;
+      else path = split_key(key);
+      if (path.size() == 4 && path[0] == "optim" && path[1] == "state") {
+        state_items[path[2]][path[3]] = key;
+      } else if (path.size() == 4 && path[0] == "optim" && path[1] == "param_groups") {
+        int g = -1;
+        try {
+          g = std::stoi(path[2]);
+        } catch (...) {
+        }
+        if (g < 0 || g > 100000) return corrupt(fmt::format("{}: item '{}' names param group '{}'", where, key, path[2]));
+        group_fields[g][path[3]] = key;
+      } else if (path.size() == 2 && path[0] == "model") {
+        model_items[path[1]] = key;
+      }
+    }
+    if (state_items.empty() && group_fields.empty())
+      return corrupt(fmt::format("{}: a DCP checkpoint without optimizer state (no optim.state.* items)", where));
+
+    // Param groups: hyperparameters and members.
+    int expect = 0;
+    for (const auto& [g, fields] : group_fields) {
+      if (g != expect++) return corrupt(fmt::format("{}: param group {} is missing", where, expect - 1));
+      const std::string gw = fmt::format("{}: param group {}", where, g);
+      ParamGroup pg;
+      OPTSTATE_ASSIGN_OR_RETURN(pg.hyper.lr, number(fields, "lr", gw, std::nullopt));
+      OPTSTATE_ASSIGN_OR_RETURN(pg.hyper.eps, number(fields, "eps", gw, 1e-8));
+      OPTSTATE_ASSIGN_OR_RETURN(pg.hyper.weight_decay, number(fields, "weight_decay", gw, 1e-2));
+      OPTSTATE_ASSIGN_OR_RETURN(double ams, number(fields, "amsgrad", gw, 0.0));
+      OPTSTATE_ASSIGN_OR_RETURN(double maxi, number(fields, "maximize", gw, 0.0));
+      pg.hyper.amsgrad = ams != 0;
+      pg.hyper.maximize = maxi != 0;
+      auto betas = fields.find("betas");
+      if (betas == fields.end()) return corrupt(gw + ": no betas");
+      OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * bi, item(betas->second, {}));
+      const auto& bv = bi->pickle.at(bi->pickle.root());
+      if ((bv.kind != pickle::Kind::kTuple && bv.kind != pickle::Kind::kList) || bv.items.size() != 2 ||
+          !as_number(bi->pickle, bv.items[0]) || !as_number(bi->pickle, bv.items[1]))
+        return corrupt(gw + ": betas is not two numbers");
+      pg.hyper.beta1 = *as_number(bi->pickle, bv.items[0]);
+      pg.hyper.beta2 = *as_number(bi->pickle, bv.items[1]);
+      auto params = fields.find("params");
+      if (params == fields.end()) return corrupt(gw + ": no params");
+      OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(params->second, {}));
+      auto names = as_string_list(pi->pickle, pi->pickle.root());
+      if (!names) return corrupt(gw + ": params is not a list of names (get_state_dict's FQNs)");
+      pg.params = *names;
+      meta_.groups.push_back(std::move(pg));
+    }
+    if (meta_.groups.empty()) return corrupt(fmt::format("{}: no optim.param_groups items", where));
+
+    // Params: shape, dtype, step and entries.
+    bool any8 = false;
+    for (size_t g = 0; g < meta_.groups.size(); ++g) {
+      std::vector<std::string> kept;
+      for (const std::string& fqn : meta_.groups[g].params) {
+        const std::string pw = fmt::format("{}: param '{}'", where, fqn);
+        auto st = state_items.find(fqn);
+        auto mo = model_items.find(fqn);
+        const ItemMeta* shape_src = nullptr;
+        if (st != state_items.end() && st->second.count("exp_avg")) shape_src = &md_.items.at(st->second.at("exp_avg"));
+        else if (mo != model_items.end()) shape_src = &md_.items.at(mo->second);
+        if (!shape_src) continue;  // no state and no weights: nothing to carry
+        if (meta_.params.count(fqn)) return corrupt(pw + ": listed in two param groups");
+        ParamState ps;
+        ps.shape = shape_src->size;
+        ps.group = static_cast<int>(g);
+        if (mo != model_items.end()) {
+          const ItemMeta& w = md_.items.at(mo->second);
+          if (!w.is_tensor || w.size != ps.shape) return corrupt(pw + ": model weight's shape differs from its state's");
+          ps.param_dtype = w.dtype;
+          OPTSTATE_RETURN_IF_ERROR(add_entry(fqn, kParam, mo->second, ps, any8));
+        }
+        if (st != state_items.end()) {
+          for (const auto& [ename, key] : st->second) {
+            if (ename == "step") {
+              OPTSTATE_ASSIGN_OR_RETURN(double step, value_of(key, pw + " step"));
+              if (!(step >= 0 && step < 9.2e18)) return corrupt(pw + ": step out of range");
+              ps.step = static_cast<int64_t>(step);
+              continue;
+            }
+            if (ename != kExpAvg && ename != kExpAvgSq && ename != kMaxExpAvgSq) continue;
+            if (md_.items.at(key).size != ps.shape) return corrupt(fmt::format("{}: '{}' has another shape", pw, ename));
+            OPTSTATE_RETURN_IF_ERROR(add_entry(fqn, ename, key, ps, any8));
+          }
+        }
+        meta_.params.emplace(fqn, std::move(ps));
+        kept.push_back(fqn);
+      }
+      meta_.groups[g].params = std::move(kept);
+    }
+    meta_.kind = any8 ? "adamw8bit" : "adamw";
+    return check_structure(meta_, false).with_context(where);
+  }
+
+ private:
+  static std::vector<std::string> split_key(const std::string& key) {
+    // Without planner_data: "optim.state.<fqn>.<entry>", "optim.param_groups.<i>.<field>", "model.<fqn>".
+    auto starts = [&](const char* p) { return key.rfind(p, 0) == 0; };
+    if (starts("optim.state.")) {
+      const std::string rest = key.substr(12);
+      const auto dot = rest.rfind('.');
+      if (dot != std::string::npos) return {"optim", "state", rest.substr(0, dot), rest.substr(dot + 1)};
+    } else if (starts("optim.param_groups.")) {
+      const std::string rest = key.substr(19);
+      const auto dot = rest.find('.');
+      if (dot != std::string::npos) return {"optim", "param_groups", rest.substr(0, dot), rest.substr(dot + 1)};
+    } else if (starts("model.")) {
+      return {"model", key.substr(6)};
+    }
+    return {key};
+  }
+
+  Result<const InputFile*> file(const std::string& rel, const std::string& where) {
+    auto it = files_.find(rel);
+    if (it != files_.end()) return &it->second;
+    auto full = contained_path(dir_, rel);
+    if (!full.ok()) return corrupt(fmt::format("{}: {}", where, full.status().message()));
+    auto f = InputFile::open(*full);
+    if (!f.ok()) return not_found(fmt::format("{}: data file {} is missing or unreadable", where, full->string()));
+    return &files_.emplace(rel, std::move(*f)).first->second;
+  }
+
+  // Parses (once) the torch.save zip of one item: its data.pkl and where each storage's bytes lie.
+  Result<ParsedItem*> item(const std::string& key, const std::vector<int64_t>& offsets) {
+    auto cached = items_.find({key, offsets});
+    if (cached != items_.end()) return &cached->second;
+    const StorageLoc& loc = md_.storage.at({key, offsets});
+    const std::string iw = fmt::format("{}: item '{}'{}", dir_.string(), key,
+                                       offsets.empty() ? "" : " chunk at " + format_shape(offsets));
+    OPTSTATE_ASSIGN_OR_RETURN(const InputFile* f, file(loc.relative_path, iw));
+    const uint64_t tail_len = std::min<uint64_t>(loc.length, zip::kMaxTailBytes);
+    std::vector<std::byte> tail(tail_len);
+    OPTSTATE_RETURN_IF_ERROR(f->read_at(loc.offset + loc.length - tail_len, tail).with_context(iw));
+    OPTSTATE_ASSIGN_OR_RETURN(zip::CentralDirectory cd, zip::find_central_directory(tail, loc.length, iw));
+    if (cd.size > kMaxPickleBytes) return corrupt(iw + ": zip central directory too large");
+    std::vector<std::byte> cdb(cd.size);
+    OPTSTATE_RETURN_IF_ERROR(f->read_at(loc.offset + cd.offset, cdb).with_context(iw));
+    OPTSTATE_ASSIGN_OR_RETURN(auto entries, zip::parse_central_directory(cdb, cd, iw));
+    auto locate = [&](const zip::Entry& e) -> Result<uint64_t> {
+      std::byte h[30];
+      OPTSTATE_RETURN_IF_ERROR(f->read_at(loc.offset + e.local_header_offset, h).with_context(iw));
+      OPTSTATE_ASSIGN_OR_RETURN(uint64_t off, zip::data_offset(h, e, cd.offset, iw));
+      return loc.offset + off;
+    };
+    const zip::Entry* pkl = nullptr;
+    std::string prefix;
+    for (const auto& e : entries) {
+      const auto slash = e.name.find('/');
+      if (slash != std::string::npos && e.name.substr(slash) == "/data.pkl") {
+        pkl = &e;
+        prefix = e.name.substr(0, slash);
+      }
+    }
+    if (!pkl) return corrupt(iw + ": not a torch.save archive (no data.pkl)");
+    if (pkl->size > kMaxPickleBytes) return corrupt(iw + ": data.pkl too large");
+    OPTSTATE_ASSIGN_OR_RETURN(uint64_t pkl_at, locate(*pkl));
+    std::vector<std::byte> pb(pkl->size);
+    OPTSTATE_RETURN_IF_ERROR(f->read_at(pkl_at, pb).with_context(iw));
+    ParsedItem pi;
+    pi.file = f;
+    OPTSTATE_ASSIGN_OR_RETURN(pi.pickle, pickle::unpickle(pb, iw + " data.pkl"));
+    OPTSTATE_ASSIGN_OR_RETURN(pi.payload, interpret_payload(pi.pickle, iw));
+    std::vector<const TensorRef*> refs;
+    if (pi.payload.kind == Payload::Kind::kTensor) refs = {&pi.payload.tensor};
+    if (pi.payload.kind == Payload::Kind::kOptimState8bit) refs = {&pi.payload.codes, &pi.payload.scale, &pi.payload.qmap};
+    for (const TensorRef* t : refs) {
+      const std::string name = prefix + "/data/" + t->storage_key;
+      auto e = std::find_if(entries.begin(), entries.end(), [&](const zip::Entry& x) { return x.name == name; });
+      if (e == entries.end()) return corrupt(fmt::format("{}: storage '{}' is missing from the archive", iw, name));
+      if (e->size < static_cast<uint64_t>(t->storage_numel) * dtype_size(t->dtype))
+        return corrupt(fmt::format("{}: storage '{}' holds {} bytes, less than its {} elements", iw, name, e->size,
+                                   t->storage_numel));
+      OPTSTATE_ASSIGN_OR_RETURN(uint64_t at, locate(*e));
+      pi.storages[t->storage_key] = at;
+    }
+    return &items_.emplace(std::pair{key, offsets}, std::move(pi)).first->second;
+  }
+
+  // A Python number from a bytes item, or the one element of a 0-d/1-element tensor item.
+  Result<double> value_of(const std::string& key, const std::string& where) {
+    const ItemMeta& im = md_.items.at(key);
+    const std::vector<int64_t> offsets = im.is_tensor ? (im.chunks.empty() ? std::vector<int64_t>{} : im.chunks[0].offsets)
+                                                      : std::vector<int64_t>{};
+    if (im.is_tensor && im.chunks.empty()) return corrupt(where + ": tensor item without chunks");
+    OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(key, offsets));
+    if (pi->payload.kind == Payload::Kind::kValue) {
+      auto v = as_number(pi->pickle, pi->pickle.root());
+      if (!v) return corrupt(where + ": not a number");
+      return *v;
+    }
+    if (pi->payload.kind != Payload::Kind::kTensor || *checked_numel(pi->payload.tensor.shape) != 1)
+      return corrupt(where + ": not a one-element tensor");
+    const TensorRef& t = pi->payload.tensor;
+    std::byte raw[8];
+    const int64_t elem = dtype_size(t.dtype);
+    OPTSTATE_RETURN_IF_ERROR(pi->file->read_at(pi->storages.at(t.storage_key) + static_cast<uint64_t>(t.offset * elem),
+                                               std::span(raw, static_cast<size_t>(elem))));
+    switch (t.dtype) {
+      case DType::kF32: { float f; std::memcpy(&f, raw, 4); return static_cast<double>(f); }
+      case DType::kF64: { double d; std::memcpy(&d, raw, 8); return d; }
+      case DType::kI64: { int64_t i; std::memcpy(&i, raw, 8); return static_cast<double>(i); }
+      case DType::kI32: { int32_t i; std::memcpy(&i, raw, 4); return static_cast<double>(i); }
+      case DType::kBF16: { uint16_t h; std::memcpy(&h, raw, 2); return static_cast<double>(bf16_to_f32(h)); }
+      default: return corrupt(where + ": unsupported dtype for a scalar");
+    }
+  }
+
+  Result<double> number(const std::map<std::string, std::string>& fields, const char* name, const std::string& where,
+                        std::optional<double> fallback) {
+    auto it = fields.find(name);
+    if (it == fields.end()) {
+      if (fallback) return *fallback;
+      return corrupt(fmt::format("{}: no '{}'", where, name));
+    }
+    return value_of(it->second, fmt::format("{} '{}'", where, name));
+  }
+
+  Status add_entry(const std::string& fqn, const std::string& ename, const std::string& key, ParamState& ps, bool& any8) {
+    const ItemMeta& im = md_.items.at(key);
+    const std::string ew = fmt::format("{}: item '{}'", dir_.string(), key);
+    if (!im.is_tensor || im.chunks.empty()) return corrupt(ew + ": not a tensor with chunks");
+    OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(im.size));
+    Source src;
+    src.key = key;
+    src.item = &im;
+    Entry e;
+    OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * first, item(key, im.chunks[0].offsets));
+    if (first->payload.kind == Payload::Kind::kOptimState8bit) {
+      // torchao 8-bit: codes + per-block scale + the map; blocks must not straddle chunks.
+      const Payload& p = first->payload;
+      const int64_t codes = *checked_numel(p.codes.shape), blocks = *checked_numel(p.scale.shape);
+      if (blocks <= 0 || codes % blocks) return corrupt(ew + ": codes are not a whole number of blocks");
+      e.encoding = Encoding::kBlockwise8;
+      e.dtype = DType::kU8;
+      e.block_size = codes / blocks;
+      OPTSTATE_ASSIGN_OR_RETURN(e.qmap, map_name(*first, ew));
+      for (size_t k = 0; k < im.chunks.size(); ++k) {
+        std::vector<Segment> segs;
+        OPTSTATE_RETURN_IF_ERROR(chunk_segments(im.size, im.chunks[k], k, segs, ew));
+        if (segs.size() > 1) return corrupt(ew + ": an 8-bit chunk that is not one flat range");
+        for (const Segment& s : segs) {
+          if (s.begin % e.block_size || (s.count % e.block_size && s.begin + s.count != numel))
+            return corrupt(fmt::format("{}: chunk [{}, {}) does not start and end on blocks of {}", ew, s.begin,
+                                       s.begin + s.count, e.block_size));
+          src.values.push_back(s);
+          src.absmax.push_back({s.begin / e.block_size, (s.count + e.block_size - 1) / e.block_size, k, 0});
+        }
+      }
+      src.eight = any8 = true;
+      OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, numel, ew));
+      OPTSTATE_RETURN_IF_ERROR(check_coverage(src.absmax, (numel + e.block_size - 1) / e.block_size, ew + " blocks"));
+    } else if (first->payload.kind == Payload::Kind::kTensor) {
+      if (first->payload.tensor.dtype != im.dtype)
+        return corrupt(fmt::format("{}: holds {} data, the metadata says {}", ew, dtype_name(first->payload.tensor.dtype),
+                                   dtype_name(im.dtype)));
+      e.encoding = Encoding::kDense;
+      e.dtype = im.dtype;
+      for (size_t k = 0; k < im.chunks.size(); ++k)
+        OPTSTATE_RETURN_IF_ERROR(chunk_segments(im.size, im.chunks[k], k, src.values, ew));
+      OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, numel, ew));
+    } else {
+      return corrupt(ew + ": neither a tensor nor torchao's OptimState8bit");
+    }
+    ps.entries.emplace(ename, std::move(e));
+    sources_.emplace(std::pair{fqn, ename}, std::move(src));
+    return Status::Ok();
+  }
+
+  Result<std::string> map_name(const ParsedItem& pi, const std::string& where) {
+    const TensorRef& q = pi.payload.qmap;
+    if (*checked_numel(q.shape) != 256) return corrupt(where + ": quantization map does not have 256 entries");
+    std::array<float, 256> m;
+    OPTSTATE_RETURN_IF_ERROR(pi.file->read_at(pi.storages.at(q.storage_key) + static_cast<uint64_t>(q.offset * 4),
+                                              std::as_writable_bytes(std::span(m))));
+    for (QMap k : {QMap::kDynamicSigned, QMap::kDynamicUnsigned})
+      if (std::memcmp(m.data(), qmap_table(k).data(), sizeof m) == 0) return std::string(qmap_name(k));
+    return corrupt(where + ": quantization map is neither the dynamic signed nor the unsigned one");
+  }
+
+  fs::path dir_;
+  Metadata md_;
+  OptimizerState meta_;
+  std::map<std::string, InputFile> files_;
+  std::map<std::pair<std::string, std::vector<int64_t>>, ParsedItem> items_;
+  std::map<std::pair<std::string, std::string>, Source> sources_;
+};
+
+class DcpDriver final : public FormatDriver {
+ public:
+  std::string_view name() const override { return "dcp"; }
+
+  bool sniff(const fs::path& path) const override {
+    std::error_code ec;
+    return fs::is_directory(path, ec) && fs::is_regular_file(path / ".metadata", ec);
+  }
+
+  Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {
+    const std::string where = (path / ".metadata").string();
+    std::error_code ec;
+    if (!fs::is_directory(path, ec)) return not_found(fmt::format("{}: not a directory", path.string()));
+    OPTSTATE_ASSIGN_OR_RETURN(auto bytes, read_small_file(path / ".metadata", kMaxMetadataBytes));
+    OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(bytes, where));
+    OPTSTATE_ASSIGN_OR_RETURN(Metadata md, interpret_metadata(p, where));
+    auto reader = std::make_unique<DcpReader>(path, std::move(md));
+    OPTSTATE_RETURN_IF_ERROR(reader->init());
+    return std::unique_ptr<CheckpointReader>(std::move(reader));
+  }
+
+  bool keeps_blockwise8() const override { return false; }
+  Status write(const OptimizerState& state, const fs::path& path, const WriteOptions& options) const override {
+    return write_dcp(state, path, options);
+  }
+};
+
+}  // namespace
+
+const FormatDriver& driver() {
+  static const DcpDriver d;
+  return d;
+}
+
+}  // namespace optstate::dcp

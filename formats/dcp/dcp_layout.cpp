@@ -1,0 +1,305 @@
+#include "dcp_layout.h"
+
+#include <fmt/format.h>
+
+#include "optstate/state.h"
+
+namespace optstate::dcp {
+namespace {
+
+using pickle::Kind;
+using pickle::kNoRef;
+using pickle::Pickle;
+using pickle::Ref;
+
+constexpr const char* kMetaModule = "torch.distributed.checkpoint.metadata";
+
+// A dataclass's fields: BUILD state as a dict, or (None, slots dict) for slotted classes.
+Ref fields_of(const Pickle& p, Ref obj) {
+  if (obj == kNoRef || p.at(obj).kind != Kind::kObject) return kNoRef;
+  Ref st = p.at(obj).state;
+  if (st == kNoRef) return kNoRef;
+  const auto& v = p.at(st);
+  if (v.kind == Kind::kDict) return st;
+  if (v.kind == Kind::kTuple && v.items.size() == 2 && p.at(v.items[1]).kind == Kind::kDict) return v.items[1];
+  return kNoRef;
+}
+
+bool is_instance(const Pickle& p, Ref obj, std::string_view module, std::string_view name) {
+  return obj != kNoRef && p.at(obj).kind == Kind::kObject && p.is_global(p.at(obj).callable, module, name);
+}
+
+std::optional<std::vector<int64_t>> int_tuple(const Pickle& p, Ref r) {
+  if (r == kNoRef) return std::nullopt;
+  const auto& v = p.at(r);
+  if (v.kind != Kind::kTuple && v.kind != Kind::kList) return std::nullopt;
+  std::vector<int64_t> out;
+  for (Ref x : v.items) {
+    if (p.at(x).kind != Kind::kInt) return std::nullopt;
+    out.push_back(p.at(x).i);
+  }
+  return out;
+}
+
+// torch.Size((d0, d1, ...)) is REDUCE(torch.Size, ((d0, d1, ...),)); plain tuples are accepted too.
+std::optional<std::vector<int64_t>> torch_size(const Pickle& p, Ref r) {
+  if (r == kNoRef) return std::nullopt;
+  if (is_instance(p, r, "torch", "Size")) {
+    const auto& args = p.at(p.at(r).args);
+    if (args.items.size() != 1) return std::nullopt;
+    return int_tuple(p, args.items[0]);
+  }
+  return int_tuple(p, r);
+}
+
+std::optional<DType> torch_dtype(const Pickle& p, Ref r) {
+  if (r == kNoRef || p.at(r).kind != Kind::kGlobal || p.at(r).s != "torch") return std::nullopt;
+  return dtype_from_torch_name(p.at(r).name);
+}
+
+std::optional<std::string> str(const Pickle& p, Ref r) {
+  if (r == kNoRef || p.at(r).kind != Kind::kStr) return std::nullopt;
+  return p.at(r).s;
+}
+
+std::optional<DType> storage_dtype(std::string_view cls) {
+  static const std::pair<std::string_view, DType> kMap[] = {
+      {"FloatStorage", DType::kF32}, {"BFloat16Storage", DType::kBF16}, {"HalfStorage", DType::kF16},
+      {"DoubleStorage", DType::kF64}, {"ByteStorage", DType::kU8},      {"CharStorage", DType::kI8},
+      {"IntStorage", DType::kI32},    {"LongStorage", DType::kI64}};
+  for (const auto& [n, d] : kMap)
+    if (n == cls) return d;
+  return std::nullopt;
+}
+
+Result<TensorRef> tensor_ref(const Pickle& p, Ref r, const std::string& where) {
+  const bool v2 = is_instance(p, r, "torch._utils", "_rebuild_tensor_v2");
+  const bool v3 = is_instance(p, r, "torch._utils", "_rebuild_tensor_v3");
+  if (!v2 && !v3) return corrupt(fmt::format("{}: expected a tensor (torch._utils._rebuild_tensor_v2/_v3)", where));
+  const auto& args = p.at(p.at(r).args).items;
+  if (args.size() < (v3 ? 7u : 4u)) return corrupt(fmt::format("{}: tensor rebuild with too few arguments", where));
+  const Ref pid_ref = args[0];
+  if (p.at(pid_ref).kind != Kind::kPersId) return corrupt(fmt::format("{}: tensor without a storage", where));
+  const auto& pid = p.at(p.at(pid_ref).pid);
+  if (pid.kind != Kind::kTuple || pid.items.size() != 5 || str(p, pid.items[0]) != "storage" ||
+      p.at(pid.items[1]).kind != Kind::kGlobal || !str(p, pid.items[2]) || p.at(pid.items[4]).kind != Kind::kInt)
+    return corrupt(fmt::format("{}: storage reference is not ('storage', class, key, location, numel)", where));
+  TensorRef t;
+  t.storage_key = *str(p, pid.items[2]);
+  if (t.storage_key.empty() || t.storage_key.find('/') != std::string::npos || t.storage_key.find("..") != std::string::npos)
+    return corrupt(fmt::format("{}: storage key '{}' is not a plain name", where, t.storage_key));
+  const auto& cls = p.at(pid.items[1]);
+  int64_t numel = p.at(pid.items[4]).i;
+  if (v3) {
+    auto d = torch_dtype(p, args[6]);
+    if (!d) return corrupt(fmt::format("{}: unsupported tensor dtype", where));
+    t.dtype = *d;
+    if (cls.name != "UntypedStorage") return corrupt(fmt::format("{}: _rebuild_tensor_v3 without UntypedStorage", where));
+    if (numel % dtype_size(t.dtype)) return corrupt(fmt::format("{}: storage bytes not a multiple of the dtype", where));
+    numel /= dtype_size(t.dtype);
+  } else {
+    auto d = cls.s == "torch" ? storage_dtype(cls.name) : std::nullopt;
+    if (!d) return corrupt(fmt::format("{}: unsupported storage class {}.{}", where, cls.s, cls.name));
+    t.dtype = *d;
+  }
+  if (numel < 0 || numel > kMaxNumel) return corrupt(fmt::format("{}: storage of {} elements", where, numel));
+  t.storage_numel = numel;
+  if (p.at(args[1]).kind != Kind::kInt) return corrupt(fmt::format("{}: storage offset is not an integer", where));
+  t.offset = p.at(args[1]).i;
+  auto shape = int_tuple(p, args[2]);
+  auto stride = int_tuple(p, args[3]);
+  if (!shape || !stride || shape->size() != stride->size() || shape->size() > static_cast<size_t>(kMaxRank))
+    return corrupt(fmt::format("{}: tensor size/stride are not matching integer tuples", where));
+  t.shape = *shape;
+  auto n = checked_numel(t.shape);
+  if (!n.ok()) return n.status().with_context(where);
+  // C-contiguous, inside the storage.
+  int64_t expect = 1;
+  for (size_t k = t.shape.size(); k-- > 0;) {
+    if (t.shape[k] != 1 && (*stride)[k] != expect)
+      return corrupt(fmt::format("{}: tensor is not C-contiguous (stride {} of dim {}); not supported", where,
+                                 (*stride)[k], k));
+    expect *= t.shape[k];
+  }
+  if (t.offset < 0 || t.offset > numel || *n > numel - t.offset)
+    return corrupt(fmt::format("{}: tensor of {} elements at offset {} overruns its storage of {}", where, *n, t.offset,
+                               numel));
+  return t;
+}
+
+}  // namespace
+
+std::optional<double> as_number(const Pickle& p, Ref r) {
+  if (r == kNoRef) return std::nullopt;
+  const auto& v = p.at(r);
+  if (v.kind == Kind::kFloat) return v.f;
+  if (v.kind == Kind::kInt || v.kind == Kind::kBool) return static_cast<double>(v.i);
+  return std::nullopt;
+}
+
+std::optional<bool> as_bool(const Pickle& p, Ref r) {
+  if (r == kNoRef || (p.at(r).kind != Kind::kBool && p.at(r).kind != Kind::kInt)) return std::nullopt;
+  return p.at(r).i != 0;
+}
+
+std::optional<std::vector<std::string>> as_string_list(const Pickle& p, Ref r) {
+  if (r == kNoRef || (p.at(r).kind != Kind::kList && p.at(r).kind != Kind::kTuple)) return std::nullopt;
+  std::vector<std::string> out;
+  for (Ref x : p.at(r).items) {
+    auto s = str(p, x);
+    if (!s) return std::nullopt;
+    out.push_back(*s);
+  }
+  return out;
+}
+
+Result<Metadata> interpret_metadata(const Pickle& p, const std::string& where) {
+  const Ref root = p.root();
+  if (!is_instance(p, root, kMetaModule, "Metadata"))
+    return corrupt(fmt::format("{}: not a DCP Metadata object", where));
+  const Ref f = fields_of(p, root);
+  const Ref sdm = p.dict_get(f, "state_dict_metadata");
+  if (sdm == kNoRef || p.at(sdm).kind != Kind::kDict)
+    return corrupt(fmt::format("{}: Metadata without state_dict_metadata", where));
+  Metadata m;
+  const auto& items = p.at(sdm).items;
+  for (size_t k = 0; k + 1 < items.size(); k += 2) {
+    auto key = str(p, items[k]);
+    if (!key) return corrupt(fmt::format("{}: a state_dict_metadata key is not a string", where));
+    const std::string iw = fmt::format("{}: item '{}'", where, *key);
+    const Ref v = items[k + 1];
+    ItemMeta im;
+    if (is_instance(p, v, kMetaModule, "BytesStorageMetadata")) {
+      im.is_tensor = false;
+    } else if (is_instance(p, v, kMetaModule, "TensorStorageMetadata")) {
+      im.is_tensor = true;
+      const Ref tf = fields_of(p, v);
+      const Ref props = p.dict_get(tf, "properties");
+      // TensorProperties pickles its state as (dtype, layout, requires_grad, memory_format, pin_memory).
+      const Ref ps = props != kNoRef && p.at(props).kind == Kind::kObject ? p.at(props).state : kNoRef;
+      std::optional<DType> d;
+      if (ps != kNoRef && p.at(ps).kind == Kind::kTuple && !p.at(ps).items.empty())
+        d = torch_dtype(p, p.at(ps).items[0]);
+      else if (ps != kNoRef)
+        d = torch_dtype(p, p.dict_get(ps, "dtype"));
+      if (!d) return corrupt(iw + ": unsupported or missing dtype");
+      im.dtype = *d;
+      auto size = torch_size(p, p.dict_get(tf, "size"));
+      if (!size || size->size() > static_cast<size_t>(kMaxRank)) return corrupt(iw + ": size is not a torch.Size");
+      im.size = *size;
+      auto numel = checked_numel(im.size);
+      if (!numel.ok()) return numel.status().with_context(iw);
+      const Ref chunks = p.dict_get(tf, "chunks");
+      if (chunks == kNoRef || p.at(chunks).kind != Kind::kList) return corrupt(iw + ": chunks is not a list");
+      for (Ref c : p.at(chunks).items) {
+        if (!is_instance(p, c, kMetaModule, "ChunkStorageMetadata")) return corrupt(iw + ": a chunk is not a ChunkStorageMetadata");
+        const Ref cf = fields_of(p, c);
+        auto off = torch_size(p, p.dict_get(cf, "offsets"));
+        auto sz = torch_size(p, p.dict_get(cf, "sizes"));
+        if (!off || !sz || off->size() != im.size.size() || sz->size() != im.size.size())
+          return corrupt(iw + ": chunk offsets/sizes do not match the tensor's rank");
+        for (size_t dim = 0; dim < im.size.size(); ++dim)
+          if ((*off)[dim] < 0 || (*sz)[dim] < 0 || (*off)[dim] > im.size[dim] || (*sz)[dim] > im.size[dim] - (*off)[dim])
+            return corrupt(fmt::format("{}: chunk at {} of size {} lies outside {}", iw, format_shape(*off),
+                                       format_shape(*sz), format_shape(im.size)));
+        im.chunks.push_back({*off, *sz});
+      }
+      if (im.chunks.size() > (size_t{1} << 20)) return corrupt(iw + ": too many chunks");
+    } else {
+      return corrupt(iw + ": neither TensorStorageMetadata nor BytesStorageMetadata");
+    }
+    m.items.emplace(*key, std::move(im));
+  }
+
+  const Ref sd = p.dict_get(f, "storage_data");
+  if (sd == kNoRef || p.at(sd).kind != Kind::kDict) return corrupt(fmt::format("{}: Metadata without storage_data", where));
+  const auto& sitems = p.at(sd).items;
+  for (size_t k = 0; k + 1 < sitems.size(); k += 2) {
+    const Ref idx = sitems[k], info = sitems[k + 1];
+    if (!is_instance(p, idx, kMetaModule, "MetadataIndex"))
+      return corrupt(fmt::format("{}: a storage_data key is not a MetadataIndex", where));
+    const Ref xf = fields_of(p, idx);
+    auto fqn = str(p, p.dict_get(xf, "fqn"));
+    if (!fqn) return corrupt(fmt::format("{}: MetadataIndex without fqn", where));
+    std::vector<int64_t> offsets;
+    const Ref off = p.dict_get(xf, "offset");
+    if (off != kNoRef && p.at(off).kind != Kind::kNone) {
+      auto o = torch_size(p, off);
+      if (!o) return corrupt(fmt::format("{}: MetadataIndex '{}' offset is not a torch.Size", where, *fqn));
+      offsets = *o;
+    }
+    if (!is_instance(p, info, "torch.distributed.checkpoint.filesystem", "_StorageInfo"))
+      return corrupt(fmt::format("{}: storage of '{}' is not a _StorageInfo", where, *fqn));
+    const Ref sf = fields_of(p, info);
+    StorageLoc loc;
+    auto rel = str(p, p.dict_get(sf, "relative_path"));
+    const Ref o = p.dict_get(sf, "offset"), l = p.dict_get(sf, "length");
+    if (!rel || o == kNoRef || l == kNoRef || p.at(o).kind != Kind::kInt || p.at(l).kind != Kind::kInt ||
+        p.at(o).i < 0 || p.at(l).i < 0)
+      return corrupt(fmt::format("{}: storage of '{}' needs relative_path, offset and length", where, *fqn));
+    loc.relative_path = *rel;
+    loc.offset = static_cast<uint64_t>(p.at(o).i);
+    loc.length = static_cast<uint64_t>(p.at(l).i);
+    const Ref td = p.dict_get(sf, "transform_descriptors");
+    loc.transformed = td != kNoRef && (p.at(td).kind == Kind::kList || p.at(td).kind == Kind::kTuple) &&
+                      !p.at(td).items.empty();
+    if (!m.storage.emplace(std::pair{*fqn, offsets}, loc).second)
+      return corrupt(fmt::format("{}: storage of '{}' at {} is listed twice", where, *fqn, format_shape(offsets)));
+  }
+
+  const Ref pd = p.dict_get(f, "planner_data");
+  if (pd != kNoRef && p.at(pd).kind == Kind::kDict) {
+    const auto& pitems = p.at(pd).items;
+    for (size_t k = 0; k + 1 < pitems.size(); k += 2) {
+      auto key = str(p, pitems[k]);
+      const Ref path = pitems[k + 1];
+      if (!key || (p.at(path).kind != Kind::kTuple && p.at(path).kind != Kind::kList)) continue;
+      std::vector<std::string> parts;
+      for (Ref x : p.at(path).items) {
+        if (p.at(x).kind == Kind::kStr) parts.push_back(p.at(x).s);
+        else if (p.at(x).kind == Kind::kInt) parts.push_back(std::to_string(p.at(x).i));
+        else parts.clear();
+      }
+      if (!parts.empty()) m.planner[*key] = std::move(parts);
+    }
+  }
+  return m;
+}
+
+Result<Payload> interpret_payload(const Pickle& p, const std::string& where) {
+  Payload out;
+  const Ref root = p.root();
+  if (is_instance(p, root, "torch._utils", "_rebuild_tensor_v2") ||
+      is_instance(p, root, "torch._utils", "_rebuild_tensor_v3")) {
+    out.kind = Payload::Kind::kTensor;
+    OPTSTATE_ASSIGN_OR_RETURN(out.tensor, tensor_ref(p, root, where));
+    return out;
+  }
+  if (is_instance(p, root, "torch._tensor", "_rebuild_from_type_v2")) {
+    // (func=_rebuild_wrapper_subclass, type=OptimState8bit, args=(cls, dtype, size, stride, ...), state)
+    const auto& a = p.at(p.at(root).args).items;
+    if (a.size() < 4 || !p.is_global(a[0], "torch._utils", "_rebuild_wrapper_subclass") ||
+        !p.is_global(a[1], "torchao.optim.subclass_8bit", "OptimState8bit"))
+      return corrupt(fmt::format("{}: a tensor subclass other than torchao's OptimState8bit", where));
+    const auto& sub = p.at(a[2]);
+    if (sub.kind == Kind::kTuple && sub.items.size() >= 3) {
+      auto shape = int_tuple(p, sub.items[2]);
+      if (shape) out.claimed_shape = *shape;
+    }
+    const Ref st = a[3];
+    const Ref codes = p.dict_get(st, "codes"), scale = p.dict_get(st, "scale"), qmap = p.dict_get(st, "qmap");
+    if (codes == kNoRef || scale == kNoRef || qmap == kNoRef)
+      return corrupt(fmt::format("{}: OptimState8bit without codes, scale and qmap", where));
+    out.kind = Payload::Kind::kOptimState8bit;
+    OPTSTATE_ASSIGN_OR_RETURN(out.codes, tensor_ref(p, codes, where + " codes"));
+    OPTSTATE_ASSIGN_OR_RETURN(out.scale, tensor_ref(p, scale, where + " scale"));
+    OPTSTATE_ASSIGN_OR_RETURN(out.qmap, tensor_ref(p, qmap, where + " qmap"));
+    if (out.codes.dtype != DType::kU8 || out.scale.dtype != DType::kF32 || out.qmap.dtype != DType::kF32)
+      return corrupt(fmt::format("{}: OptimState8bit with codes/scale/qmap not u8/f32/f32", where));
+    return out;
+  }
+  out.kind = Payload::Kind::kValue;
+  return out;
+}
+
+}  // namespace optstate::dcp

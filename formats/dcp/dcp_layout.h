@@ -1,0 +1,68 @@
+// PyTorch DCP on disk, interpreted from pickles without running them (FORMAT.md beside this file):
+// the `.metadata` (Metadata / TensorStorageMetadata / ChunkStorageMetadata / MetadataIndex /
+// _StorageInfo dataclasses, torch.Size, dtypes) and the torch.save payload of each item (a tensor
+// rebuilt by _rebuild_tensor_v2/_v3, torchao's OptimState8bit rebuilt through
+// _rebuild_from_type_v2 + _rebuild_wrapper_subclass, or a plain Python value).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "optstate/dtype.h"
+#include "optstate/status.h"
+#include "pickle.h"
+
+namespace optstate::dcp {
+
+struct ChunkMeta {
+  std::vector<int64_t> offsets, sizes;
+};
+
+struct ItemMeta {
+  bool is_tensor = false;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> size;
+  std::vector<ChunkMeta> chunks;
+};
+
+struct StorageLoc {
+  std::string relative_path;
+  uint64_t offset = 0, length = 0;
+  bool transformed = false;  // transform_descriptors (e.g. stream.zstd) present
+};
+
+struct Metadata {
+  std::map<std::string, ItemMeta> items;                                   // flat key -> meta
+  std::map<std::pair<std::string, std::vector<int64_t>>, StorageLoc> storage;  // (key, chunk offsets) -> where
+  std::map<std::string, std::vector<std::string>> planner;                 // flat key -> path (ints as text)
+};
+
+Result<Metadata> interpret_metadata(const pickle::Pickle& p, const std::string& where);
+
+struct TensorRef {
+  std::string storage_key;  // the zip entry "<archive>/data/<key>"
+  DType dtype = DType::kF32;
+  int64_t storage_numel = 0;  // elements of dtype in the storage
+  int64_t offset = 0;         // storage offset, elements
+  std::vector<int64_t> shape;
+};
+
+struct Payload {
+  enum class Kind { kTensor, kOptimState8bit, kValue } kind = Kind::kValue;
+  TensorRef tensor;              // kTensor
+  TensorRef codes, scale, qmap;  // kOptimState8bit
+  std::vector<int64_t> claimed_shape;  // kOptimState8bit: the shape the subclass claims
+};
+
+// The meaning of a torch.save data.pkl. Tensors must be C-contiguous views inside their storage.
+Result<Payload> interpret_payload(const pickle::Pickle& p, const std::string& where);
+
+// Plain values of bytes items.
+std::optional<double> as_number(const pickle::Pickle& p, pickle::Ref r);
+std::optional<bool> as_bool(const pickle::Pickle& p, pickle::Ref r);
+std::optional<std::vector<std::string>> as_string_list(const pickle::Pickle& p, pickle::Ref r);
+
+}  // namespace optstate::dcp

@@ -1,0 +1,339 @@
+// Writes a DCP directory in the layout torch.distributed.checkpoint.save produces for
+// get_state_dict(model, AdamW): `model.<fqn>`, `optim.state.<fqn>.{step,exp_avg,exp_avg_sq[,max_exp_avg_sq]}`
+// and `optim.param_groups.<i>.<field>` items in one `__0_0.distcp`, then `.metadata` (pickle of the
+// DCP dataclasses). 8-bit moments are written dequantized (fp32): torch.optim.AdamW keeps dense
+// state. Committed like every optstate checkpoint: staging directory, fsync, one rename.
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "dcp_driver.h"
+#include "optstate/io.h"
+#include "optstate/quant8.h"
+#include "pickle.h"
+#include "zip.h"
+
+namespace optstate::dcp {
+namespace {
+
+constexpr const char* kMeta = "torch.distributed.checkpoint.metadata";
+constexpr const char* kDataFile = "__0_0.distcp";
+
+std::string_view storage_class(DType d) {
+  switch (d) {
+    case DType::kF32: return "FloatStorage";
+    case DType::kBF16: return "BFloat16Storage";
+    case DType::kF16: return "HalfStorage";
+    case DType::kF64: return "DoubleStorage";
+    case DType::kU8: return "ByteStorage";
+    case DType::kI8: return "CharStorage";
+    case DType::kI32: return "IntStorage";
+    case DType::kI64: return "LongStorage";
+  }
+  return "ByteStorage";
+}
+
+void write_size(pickle::Writer& w, const std::vector<int64_t>& dims) {
+  w.global("torch", "Size");
+  w.mark();
+  w.mark();
+  for (int64_t d : dims) w.integer(d);
+  w.tuple_from_mark();
+  w.tuple_from_mark();
+  w.reduce();
+}
+
+void write_int_tuple(pickle::Writer& w, const std::vector<int64_t>& v) {
+  w.mark();
+  for (int64_t d : v) w.integer(d);
+  w.tuple_from_mark();
+}
+
+// NEWOBJ of a dataclass, the caller then pushes the state and calls build().
+void new_object(pickle::Writer& w, const char* module, const char* cls) {
+  w.global(module, cls);
+  w.empty_tuple();
+  w.newobj();
+}
+
+// One torch.save archive: small entries plus, for tensors, the storage bytes as data/0.
+class Item {
+ public:
+  explicit Item(std::string pkl) : pkl_(std::move(pkl)) {}
+  // Writes the archive to `out`, returns its length.
+  Result<uint64_t> write(OutputFile& out, std::span<const std::byte> storage, bool tensor) {
+    const uint64_t start = out.offset();
+    zip::Builder zb;
+    auto put = [&](const std::string& name, std::span<const std::byte> data) -> Status {
+      const std::string h = zb.local_header(name, data.size(), zip::crc32(data), out.offset() - start);
+      OPTSTATE_RETURN_IF_ERROR(out.write(std::as_bytes(std::span(h))));
+      return out.write(data);
+    };
+    auto text = [](const char* s) { return std::as_bytes(std::span(s, std::strlen(s))); };
+    OPTSTATE_RETURN_IF_ERROR(put("archive/data.pkl", std::as_bytes(std::span(pkl_))));
+    OPTSTATE_RETURN_IF_ERROR(put("archive/.format_version", text("1")));
+    OPTSTATE_RETURN_IF_ERROR(put("archive/.storage_alignment", text("64")));
+    OPTSTATE_RETURN_IF_ERROR(put("archive/byteorder", text("little")));
+    if (tensor) OPTSTATE_RETURN_IF_ERROR(put("archive/data/0", storage));
+    OPTSTATE_RETURN_IF_ERROR(put("archive/version", text("3\n")));
+    const std::string tail = zb.finish(out.offset() - start);
+    OPTSTATE_RETURN_IF_ERROR(out.write(std::as_bytes(std::span(tail))));
+    return out.offset() - start;
+  }
+
+ private:
+  std::string pkl_;
+};
+
+std::string tensor_pickle(DType d, const std::vector<int64_t>& shape) {
+  pickle::Writer w;
+  int64_t numel = 1;
+  for (int64_t x : shape) numel *= x;
+  std::vector<int64_t> stride(shape.size(), 1);
+  for (size_t k = shape.size(); k-- > 1;) stride[k - 1] = stride[k] * shape[k];
+  w.global("torch._utils", "_rebuild_tensor_v2");
+  w.mark();
+  w.mark();
+  w.str("storage");
+  w.global("torch", storage_class(d));
+  w.str("0");
+  w.str("cpu");
+  w.integer(numel);
+  w.tuple_from_mark();
+  w.binpersid();
+  w.integer(0);
+  write_int_tuple(w, shape);
+  write_int_tuple(w, stride);
+  w.boolean(false);
+  w.global("collections", "OrderedDict");
+  w.empty_tuple();
+  w.reduce();
+  w.tuple_from_mark();
+  w.reduce();
+  return w.finish();
+}
+
+struct Written {
+  std::string key;
+  std::vector<std::string> path;  // planner path; group indices as "#<n>"
+  bool tensor = false;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  uint64_t offset = 0, length = 0;
+};
+
+std::string metadata_pickle(const std::vector<Written>& items) {
+  pickle::Writer w;
+  new_object(w, kMeta, "Metadata");
+  w.empty_dict();
+  w.mark();
+  w.str("state_dict_metadata");
+  w.empty_dict();
+  w.mark();
+  for (const Written& it : items) {
+    w.str(it.key);
+    if (!it.tensor) {
+      new_object(w, kMeta, "BytesStorageMetadata");
+      w.empty_dict();
+      w.build();
+      continue;
+    }
+    new_object(w, kMeta, "TensorStorageMetadata");
+    w.empty_dict();
+    w.mark();
+    w.str("properties");
+    new_object(w, kMeta, "TensorProperties");
+    w.mark();  // (dtype, layout, requires_grad, memory_format, pin_memory)
+    w.global("torch", std::string(dtype_info(it.dtype).torch_name));
+    w.global("torch.serialization", "_get_layout");
+    w.mark();
+    w.str("torch.strided");
+    w.tuple_from_mark();
+    w.reduce();
+    w.boolean(false);
+    w.global(kMeta, "_MEM_FORMAT_ENCODING");
+    w.mark();
+    w.integer(0);
+    w.tuple_from_mark();
+    w.reduce();
+    w.boolean(false);
+    w.tuple_from_mark();
+    w.build();
+    w.str("size");
+    write_size(w, it.shape);
+    w.str("chunks");
+    w.empty_list();
+    w.mark();
+    new_object(w, kMeta, "ChunkStorageMetadata");
+    w.empty_dict();
+    w.mark();
+    w.str("offsets");
+    write_size(w, std::vector<int64_t>(it.shape.size(), 0));
+    w.str("sizes");
+    write_size(w, it.shape);
+    w.setitems_from_mark();
+    w.build();
+    w.appends_from_mark();
+    w.setitems_from_mark();
+    w.build();
+  }
+  w.setitems_from_mark();
+  w.str("planner_data");
+  w.empty_dict();
+  w.mark();
+  for (const Written& it : items) {
+    w.str(it.key);
+    w.mark();
+    for (const std::string& part : it.path) {
+      if (!part.empty() && part[0] == '#') w.integer(std::stoll(part.substr(1)));
+      else w.str(part);
+    }
+    w.tuple_from_mark();
+  }
+  w.setitems_from_mark();
+  w.str("storage_data");
+  w.empty_dict();
+  w.mark();
+  for (const Written& it : items) {
+    new_object(w, kMeta, "MetadataIndex");
+    w.empty_dict();
+    w.mark();
+    w.str("fqn");
+    w.str(it.key);
+    w.str("offset");
+    if (it.tensor) write_size(w, std::vector<int64_t>(it.shape.size(), 0));
+    else w.none();
+    w.str("index");
+    if (it.tensor) w.integer(0);
+    else w.none();
+    w.setitems_from_mark();
+    w.build();
+    new_object(w, "torch.distributed.checkpoint.filesystem", "_StorageInfo");
+    w.empty_dict();
+    w.mark();
+    w.str("relative_path");
+    w.str(kDataFile);
+    w.str("offset");
+    w.integer(static_cast<int64_t>(it.offset));
+    w.str("length");
+    w.integer(static_cast<int64_t>(it.length));
+    w.str("transform_descriptors");
+    w.none();
+    w.setitems_from_mark();
+    w.build();
+  }
+  w.setitems_from_mark();
+  w.str("storage_meta");
+  w.none();
+  w.str("version");
+  w.str("1.0.0");
+  w.setitems_from_mark();
+  w.build();
+  return w.finish();
+}
+
+Status write_into(const OptimizerState& state, const fs::path& staging) {
+  OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging / kDataFile));
+  std::vector<Written> done;
+  auto value_item = [&](const std::string& key, std::vector<std::string> path, std::string pkl) -> Status {
+    Written wr{key, std::move(path), false, DType::kF32, {}, out.offset(), 0};
+    OPTSTATE_ASSIGN_OR_RETURN(wr.length, Item(std::move(pkl)).write(out, {}, false));
+    done.push_back(std::move(wr));
+    return Status::Ok();
+  };
+  auto tensor_item = [&](const std::string& key, std::vector<std::string> path, DType d, const std::vector<int64_t>& shape,
+                         std::span<const std::byte> bytes) -> Status {
+    Written wr{key, std::move(path), true, d, shape, out.offset(), 0};
+    OPTSTATE_ASSIGN_OR_RETURN(wr.length, Item(tensor_pickle(d, shape)).write(out, bytes, true));
+    done.push_back(std::move(wr));
+    return Status::Ok();
+  };
+  // Bytes items first, as DCP writes them: the param groups' fields.
+  for (size_t g = 0; g < state.groups.size(); ++g) {
+    const Hyperparameters& h = state.groups[g].hyper;
+    const std::string prefix = fmt::format("optim.param_groups.{}.", g);
+    auto path = [&](const char* field) { return std::vector<std::string>{"optim", "param_groups", fmt::format("#{}", g), field}; };
+    auto num = [&](const char* field, double v) {
+      pickle::Writer w;
+      w.real(v);
+      return value_item(prefix + field, path(field), w.finish());
+    };
+    auto flag = [&](const char* field, int v) {  // v: 0/1, or -1 for None
+      pickle::Writer w;
+      if (v < 0) w.none();
+      else w.boolean(v != 0);
+      return value_item(prefix + field, path(field), w.finish());
+    };
+    OPTSTATE_RETURN_IF_ERROR(num("lr", h.lr));
+    {
+      pickle::Writer w;
+      w.mark();
+      w.real(h.beta1);
+      w.real(h.beta2);
+      w.tuple_from_mark();
+      OPTSTATE_RETURN_IF_ERROR(value_item(prefix + "betas", path("betas"), w.finish()));
+    }
+    OPTSTATE_RETURN_IF_ERROR(num("eps", h.eps));
+    OPTSTATE_RETURN_IF_ERROR(num("weight_decay", h.weight_decay));
+    OPTSTATE_RETURN_IF_ERROR(flag("amsgrad", h.amsgrad));
+    OPTSTATE_RETURN_IF_ERROR(flag("maximize", h.maximize));
+    // The rest of torch.optim.AdamW's group (2.13), so dcp.load finds every key it asks for.
+    OPTSTATE_RETURN_IF_ERROR(flag("foreach", -1));
+    OPTSTATE_RETURN_IF_ERROR(flag("capturable", 0));
+    OPTSTATE_RETURN_IF_ERROR(flag("differentiable", 0));
+    OPTSTATE_RETURN_IF_ERROR(flag("fused", -1));
+    OPTSTATE_RETURN_IF_ERROR(flag("decoupled_weight_decay", 1));
+    pickle::Writer w;
+    w.empty_list();
+    w.mark();
+    for (const std::string& fqn : state.groups[g].params) w.str(fqn);
+    w.appends_from_mark();
+    OPTSTATE_RETURN_IF_ERROR(value_item(prefix + "params", path("params"), w.finish()));
+  }
+  for (const auto& [fqn, ps] : state.params) {
+    OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps.shape));
+    for (const auto& [name, e] : ps.entries) {
+      std::vector<float> dq;
+      std::span<const std::byte> bytes = e.values.span();
+      DType d = e.dtype;
+      if (e.encoding == Encoding::kBlockwise8) {
+        OPTSTATE_ASSIGN_OR_RETURN(QMap m, qmap_from_name(e.qmap));
+        dq.resize(static_cast<size_t>(numel));
+        dequantize_blockwise({reinterpret_cast<const uint8_t*>(e.codes.data), e.codes.size},
+                             {reinterpret_cast<const float*>(e.absmax.data), e.absmax.size / 4}, e.block_size, m, dq);
+        bytes = std::as_bytes(std::span(dq));
+        d = DType::kF32;
+      }
+      if (name == kParam) {
+        OPTSTATE_RETURN_IF_ERROR(tensor_item("model." + fqn, {"model", fqn}, d, ps.shape, bytes));
+      } else {
+        OPTSTATE_RETURN_IF_ERROR(tensor_item(fmt::format("optim.state.{}.{}", fqn, name), {"optim", "state", fqn, name},
+                                             d, ps.shape, bytes));
+      }
+    }
+    if (ps.entries.count(kExpAvg)) {
+      const float step = static_cast<float>(ps.step);
+      OPTSTATE_RETURN_IF_ERROR(tensor_item(fmt::format("optim.state.{}.step", fqn), {"optim", "state", fqn, "step"},
+                                           DType::kF32, {}, std::as_bytes(std::span(&step, 1))));
+    }
+  }
+  OPTSTATE_RETURN_IF_ERROR(out.sync_and_close());
+  const std::string md = metadata_pickle(done);
+  return write_small_file(staging / ".metadata", std::as_bytes(std::span(md)));
+}
+
+}  // namespace
+
+Status write_dcp(const OptimizerState& state, const fs::path& path, const WriteOptions& options) {
+  OPTSTATE_RETURN_IF_ERROR(check_structure(state, true));
+  std::error_code ec;
+  if (!options.overwrite && fs::exists(fs::symlink_status(path, ec)))
+    return invalid_argument(fmt::format("{}: already exists (overwrite not requested)", path.string()));
+  OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_dir(path));
+  Status st = write_into(state, staging);
+  if (st.ok()) st = publish_directory(staging, path, options.overwrite);
+  if (!st.ok()) fs::remove_all(staging, ec);  // never leave a partial checkpoint behind
+  return st;
+}
+
+}  // namespace optstate::dcp

@@ -1,0 +1,449 @@
+#include "pickle.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace optstate::pickle {
+namespace {
+
+class Machine {
+ public:
+  Machine(std::span<const std::byte> b, const std::string& where, const Limits& l, std::vector<Value>& values)
+      : b_(b), where_(where), limits_(l), values_(values) {}
+
+  Result<Ref> run() {
+    while (true) {
+      if (pos_ >= b_.size()) return fail("ends without STOP");
+      op_at_ = pos_;
+      op_ = u8();
+      switch (op_) {
+        case 0x80: {  // PROTO
+          OPTSTATE_ASSIGN_OR_RETURN(uint64_t v, uint(1));
+          if (v < 2 || v > 5) return fail(fmt::format("protocol {} (2..5 are read)", v));
+          break;
+        }
+        case 0x95: OPTSTATE_RETURN_IF_ERROR(uint(8).status()); break;  // FRAME: frames are contiguous
+        case '.': {  // STOP
+          if (stack_.size() != 1 || !marks_.empty()) return fail("STOP with a stack that is not one value");
+          return stack_.back();
+        }
+        case '(': marks_.push_back(stack_.size()); break;
+        case '0': OPTSTATE_RETURN_IF_ERROR(pop().status()); break;
+        case '1': {  // POP_MARK
+          OPTSTATE_ASSIGN_OR_RETURN(size_t m, pop_mark());
+          stack_.resize(m);
+          break;
+        }
+        case '2': {  // DUP
+          OPTSTATE_ASSIGN_OR_RETURN(Ref r, top());
+          OPTSTATE_RETURN_IF_ERROR(push(r));
+          break;
+        }
+        case 'N': OPTSTATE_RETURN_IF_ERROR(push_new(Kind::kNone)); break;
+        case 0x88:
+        case 0x89: {  // NEWTRUE, NEWFALSE
+          OPTSTATE_ASSIGN_OR_RETURN(Ref r, make(Kind::kBool));
+          values_[r].i = op_ == 0x88;
+          OPTSTATE_RETURN_IF_ERROR(push(r));
+          break;
+        }
+        case 'J': {  // BININT
+          OPTSTATE_ASSIGN_OR_RETURN(uint64_t v, uint(4));
+          OPTSTATE_RETURN_IF_ERROR(push_int(static_cast<int32_t>(static_cast<uint32_t>(v))));
+          break;
+        }
+        case 'K':
+        case 'M': {  // BININT1, BININT2
+          OPTSTATE_ASSIGN_OR_RETURN(uint64_t v, uint(op_ == 'K' ? 1 : 2));
+          OPTSTATE_RETURN_IF_ERROR(push_int(static_cast<int64_t>(v)));
+          break;
+        }
+        case 0x8a:
+        case 0x8b: {  // LONG1, LONG4: little-endian two's complement, at most 8 bytes here
+          OPTSTATE_ASSIGN_OR_RETURN(uint64_t n, uint(op_ == 0x8a ? 1 : 4));
+          if (n > 8) return fail(fmt::format("integer of {} bytes is too large", n));
+          OPTSTATE_ASSIGN_OR_RETURN(auto raw, take(n));
+          uint64_t v = 0;
+          for (size_t k = 0; k < n; ++k) v |= static_cast<uint64_t>(static_cast<uint8_t>(raw[k])) << (8 * k);
+          if (n > 0 && n < 8 && (static_cast<uint8_t>(raw[n - 1]) & 0x80)) v |= ~uint64_t{0} << (8 * n);
+          OPTSTATE_RETURN_IF_ERROR(push_int(static_cast<int64_t>(v)));
+          break;
+        }
+        case 'G': {  // BINFLOAT, big-endian double
+          OPTSTATE_ASSIGN_OR_RETURN(auto raw, take(8));
+          uint64_t bits = 0;
+          for (size_t k = 0; k < 8; ++k) bits = bits << 8 | static_cast<uint8_t>(raw[k]);
+          OPTSTATE_ASSIGN_OR_RETURN(Ref r, make(Kind::kFloat));
+          std::memcpy(&values_[r].f, &bits, 8);
+          OPTSTATE_RETURN_IF_ERROR(push(r));
+          break;
+        }
+        case 0x8c: OPTSTATE_RETURN_IF_ERROR(push_string(Kind::kStr, 1)); break;  // SHORT_BINUNICODE
+        case 'X': OPTSTATE_RETURN_IF_ERROR(push_string(Kind::kStr, 4)); break;   // BINUNICODE
+        case 0x8d: OPTSTATE_RETURN_IF_ERROR(push_string(Kind::kStr, 8)); break;  // BINUNICODE8
+        case 'U': OPTSTATE_RETURN_IF_ERROR(push_string(Kind::kStr, 1)); break;   // SHORT_BINSTRING
+        case 'T': OPTSTATE_RETURN_IF_ERROR(push_string(Kind::kStr, 4)); break;   // BINSTRING
+        case 'C': OPTSTATE_RETURN_IF_ERROR(push_string(Kind::kBytes, 1)); break;  // SHORT_BINBYTES
+        case 'B': OPTSTATE_RETURN_IF_ERROR(push_string(Kind::kBytes, 4)); break;  // BINBYTES
+        case 0x8e: OPTSTATE_RETURN_IF_ERROR(push_string(Kind::kBytes, 8)); break;  // BINBYTES8
+        case 0x96: OPTSTATE_RETURN_IF_ERROR(push_string(Kind::kBytes, 8)); break;  // BYTEARRAY8
+        case ')': OPTSTATE_RETURN_IF_ERROR(push_new(Kind::kTuple)); break;
+        case 't': OPTSTATE_RETURN_IF_ERROR(collect(Kind::kTuple)); break;
+        case 0x85:
+        case 0x86:
+        case 0x87: {  // TUPLE1..3
+          const size_t n = static_cast<size_t>(op_ - 0x84);
+          if (stack_.size() < n + floor()) return fail("stack underflow");
+          std::vector<Ref> items(stack_.end() - static_cast<long>(n), stack_.end());
+          stack_.resize(stack_.size() - n);
+          OPTSTATE_RETURN_IF_ERROR(push_container(Kind::kTuple, std::move(items)));
+          break;
+        }
+        case ']': OPTSTATE_RETURN_IF_ERROR(push_new(Kind::kList)); break;
+        case 'l': OPTSTATE_RETURN_IF_ERROR(collect(Kind::kList)); break;
+        case '}': OPTSTATE_RETURN_IF_ERROR(push_new(Kind::kDict)); break;
+        case 'd': {  // DICT
+          OPTSTATE_ASSIGN_OR_RETURN(size_t m, pop_mark());
+          if ((stack_.size() - m) % 2) return fail("DICT with an odd number of items");
+          std::vector<Ref> items(stack_.begin() + static_cast<long>(m), stack_.end());
+          stack_.resize(m);
+          OPTSTATE_RETURN_IF_ERROR(push_container(Kind::kDict, std::move(items)));
+          break;
+        }
+        case 0x8f: OPTSTATE_RETURN_IF_ERROR(push_new(Kind::kSet)); break;  // EMPTY_SET
+        case 0x91: OPTSTATE_RETURN_IF_ERROR(collect(Kind::kSet)); break;   // FROZENSET
+        case 'a': {  // APPEND
+          OPTSTATE_ASSIGN_OR_RETURN(Ref v, pop());
+          OPTSTATE_RETURN_IF_ERROR(extend({v}, false));
+          break;
+        }
+        case 'e':      // APPENDS
+        case 0x90: {   // ADDITEMS
+          OPTSTATE_ASSIGN_OR_RETURN(size_t m, pop_mark());
+          std::vector<Ref> items(stack_.begin() + static_cast<long>(m), stack_.end());
+          stack_.resize(m);
+          OPTSTATE_RETURN_IF_ERROR(extend(std::move(items), false));
+          break;
+        }
+        case 's': {  // SETITEM
+          OPTSTATE_ASSIGN_OR_RETURN(Ref v, pop());
+          OPTSTATE_ASSIGN_OR_RETURN(Ref k, pop());
+          OPTSTATE_RETURN_IF_ERROR(extend({k, v}, true));
+          break;
+        }
+        case 'u': {  // SETITEMS
+          OPTSTATE_ASSIGN_OR_RETURN(size_t m, pop_mark());
+          if ((stack_.size() - m) % 2) return fail("SETITEMS with an odd number of items");
+          std::vector<Ref> items(stack_.begin() + static_cast<long>(m), stack_.end());
+          stack_.resize(m);
+          OPTSTATE_RETURN_IF_ERROR(extend(std::move(items), true));
+          break;
+        }
+        case 'c': {  // GLOBAL "module\nname\n"
+          OPTSTATE_ASSIGN_OR_RETURN(std::string module, line());
+          OPTSTATE_ASSIGN_OR_RETURN(std::string name, line());
+          OPTSTATE_RETURN_IF_ERROR(push_global(std::move(module), std::move(name)));
+          break;
+        }
+        case 0x93: {  // STACK_GLOBAL
+          OPTSTATE_ASSIGN_OR_RETURN(Ref name, pop());
+          OPTSTATE_ASSIGN_OR_RETURN(Ref module, pop());
+          if (values_[name].kind != Kind::kStr || values_[module].kind != Kind::kStr)
+            return fail("STACK_GLOBAL needs two strings");
+          OPTSTATE_RETURN_IF_ERROR(push_global(values_[module].s, values_[name].s));
+          break;
+        }
+        case 'R':      // REDUCE
+        case 0x81: {   // NEWOBJ
+          OPTSTATE_ASSIGN_OR_RETURN(Ref args, pop());
+          OPTSTATE_ASSIGN_OR_RETURN(Ref callable, pop());
+          if (values_[args].kind != Kind::kTuple) return fail("REDUCE/NEWOBJ arguments are not a tuple");
+          OPTSTATE_RETURN_IF_ERROR(push_object(callable, args, op_ == 0x81));
+          break;
+        }
+        case 0x92: {  // NEWOBJ_EX cls args kwargs
+          OPTSTATE_ASSIGN_OR_RETURN(Ref kwargs, pop());
+          OPTSTATE_ASSIGN_OR_RETURN(Ref args, pop());
+          OPTSTATE_ASSIGN_OR_RETURN(Ref cls, pop());
+          if (values_[args].kind != Kind::kTuple || values_[kwargs].kind != Kind::kDict)
+            return fail("NEWOBJ_EX needs a tuple and a dict");
+          OPTSTATE_RETURN_IF_ERROR(push_object(cls, args, true));
+          break;
+        }
+        case 'b': {  // BUILD
+          OPTSTATE_ASSIGN_OR_RETURN(Ref st, pop());
+          OPTSTATE_ASSIGN_OR_RETURN(Ref obj, top());
+          Value& o = values_[obj];
+          if (o.kind != Kind::kObject) return fail("BUILD on a value that is not an object");
+          if (o.state != kNoRef) return fail("BUILD twice on one object");
+          o.state = st;
+          o.depth = std::max<uint16_t>(o.depth, static_cast<uint16_t>(values_[st].depth + 1));
+          OPTSTATE_RETURN_IF_ERROR(check_depth(o.depth));
+          break;
+        }
+        case 'Q': {  // BINPERSID
+          OPTSTATE_ASSIGN_OR_RETURN(Ref pid, pop());
+          OPTSTATE_ASSIGN_OR_RETURN(Ref r, make(Kind::kPersId));
+          values_[r].pid = pid;
+          values_[r].depth = static_cast<uint16_t>(values_[pid].depth + 1);
+          OPTSTATE_RETURN_IF_ERROR(check_depth(values_[r].depth));
+          OPTSTATE_RETURN_IF_ERROR(push(r));
+          break;
+        }
+        case 'q':
+        case 'r': {  // BINPUT, LONG_BINPUT
+          OPTSTATE_ASSIGN_OR_RETURN(uint64_t k, uint(op_ == 'q' ? 1 : 4));
+          OPTSTATE_RETURN_IF_ERROR(memo_put(k));
+          break;
+        }
+        case 0x94: OPTSTATE_RETURN_IF_ERROR(memo_put(memo_.size())); break;  // MEMOIZE
+        case 'h':
+        case 'j': {  // BINGET, LONG_BINGET
+          OPTSTATE_ASSIGN_OR_RETURN(uint64_t k, uint(op_ == 'h' ? 1 : 4));
+          OPTSTATE_RETURN_IF_ERROR(memo_get(k));
+          break;
+        }
+        default: return fail("unsupported opcode");
+      }
+    }
+  }
+
+ private:
+  Status fail(const std::string& what) const {
+    return corrupt(fmt::format("{}: pickle opcode 0x{:02x} at byte {}: {}", where_, op_, op_at_, what));
+  }
+  uint8_t u8() { return static_cast<uint8_t>(b_[pos_++]); }
+  Result<std::span<const std::byte>> take(uint64_t n) {
+    if (n > b_.size() - pos_) return fail(fmt::format("declares {} bytes, {} remain", n, b_.size() - pos_));
+    auto s = b_.subspan(pos_, static_cast<size_t>(n));
+    pos_ += static_cast<size_t>(n);
+    return s;
+  }
+  Result<uint64_t> uint(int n) {
+    OPTSTATE_ASSIGN_OR_RETURN(auto raw, take(static_cast<uint64_t>(n)));
+    uint64_t v = 0;
+    for (int k = n - 1; k >= 0; --k) v = v << 8 | static_cast<uint8_t>(raw[static_cast<size_t>(k)]);
+    return v;
+  }
+  Result<std::string> line() {
+    const size_t start = pos_;
+    while (pos_ < b_.size() && pos_ - start < 4096 && b_[pos_] != std::byte{'\n'}) ++pos_;
+    if (pos_ >= b_.size() || b_[pos_] != std::byte{'\n'}) return fail("unterminated GLOBAL name");
+    std::string s(reinterpret_cast<const char*>(b_.data()) + start, pos_ - start);
+    ++pos_;
+    return s;
+  }
+  size_t floor() const { return marks_.empty() ? 0 : marks_.back(); }
+  Status check_depth(uint16_t d) const {
+    if (d > limits_.max_depth) return fail(fmt::format("nesting deeper than {}", limits_.max_depth));
+    return Status::Ok();
+  }
+  Result<Ref> make(Kind k) {
+    if (values_.size() >= limits_.max_values) return fail(fmt::format("more than {} values", limits_.max_values));
+    values_.emplace_back();
+    values_.back().kind = k;
+    return static_cast<Ref>(values_.size() - 1);
+  }
+  Status push(Ref r) {
+    if (stack_.size() >= limits_.max_values) return fail("stack too deep");
+    stack_.push_back(r);
+    return Status::Ok();
+  }
+  Status push_new(Kind k) {
+    OPTSTATE_ASSIGN_OR_RETURN(Ref r, make(k));
+    return push(r);
+  }
+  Status push_int(int64_t v) {
+    OPTSTATE_ASSIGN_OR_RETURN(Ref r, make(Kind::kInt));
+    values_[r].i = v;
+    return push(r);
+  }
+  Status push_string(Kind k, int len_bytes) {
+    OPTSTATE_ASSIGN_OR_RETURN(uint64_t n, uint(len_bytes));
+    OPTSTATE_ASSIGN_OR_RETURN(auto raw, take(n));  // checked against what remains before allocating
+    OPTSTATE_ASSIGN_OR_RETURN(Ref r, make(k));
+    values_[r].s.assign(reinterpret_cast<const char*>(raw.data()), raw.size());
+    return push(r);
+  }
+  Status push_global(std::string module, std::string name) {
+    OPTSTATE_ASSIGN_OR_RETURN(Ref r, make(Kind::kGlobal));
+    values_[r].s = std::move(module);
+    values_[r].name = std::move(name);
+    return push(r);
+  }
+  uint16_t depth_of(const std::vector<Ref>& items) const {
+    uint16_t d = 0;
+    for (Ref x : items) d = std::max(d, values_[x].depth);
+    return static_cast<uint16_t>(d + 1);
+  }
+  Status push_container(Kind k, std::vector<Ref> items) {
+    const uint16_t d = depth_of(items);
+    OPTSTATE_RETURN_IF_ERROR(check_depth(d));
+    OPTSTATE_ASSIGN_OR_RETURN(Ref r, make(k));
+    values_[r].items = std::move(items);
+    values_[r].depth = d;
+    return push(r);
+  }
+  Status collect(Kind k) {
+    OPTSTATE_ASSIGN_OR_RETURN(size_t m, pop_mark());
+    std::vector<Ref> items(stack_.begin() + static_cast<long>(m), stack_.end());
+    stack_.resize(m);
+    return push_container(k, std::move(items));
+  }
+  Status push_object(Ref callable, Ref args, bool newobj) {
+    const uint16_t d = static_cast<uint16_t>(std::max(values_[callable].depth, values_[args].depth) + 1);
+    OPTSTATE_RETURN_IF_ERROR(check_depth(d));
+    OPTSTATE_ASSIGN_OR_RETURN(Ref r, make(Kind::kObject));
+    values_[r].callable = callable;
+    values_[r].args = args;
+    values_[r].newobj = newobj;
+    values_[r].depth = d;
+    return push(r);
+  }
+  // APPEND(S)/SETITEM(S)/ADDITEMS onto the value below: lists, dicts, sets, and objects that are
+  // dict- or list-like (OrderedDict, ...), recorded in their items.
+  Status extend(std::vector<Ref> items, bool pairs) {
+    OPTSTATE_ASSIGN_OR_RETURN(Ref target, top());
+    Value& t = values_[target];
+    const bool ok = pairs ? (t.kind == Kind::kDict || t.kind == Kind::kObject)
+                          : (t.kind == Kind::kList || t.kind == Kind::kSet || t.kind == Kind::kObject);
+    if (!ok) return fail("items added to a value that cannot hold them");
+    if (t.items.size() + items.size() > limits_.max_values) return fail("container too large");
+    const uint16_t d = std::max(t.depth, depth_of(items));
+    OPTSTATE_RETURN_IF_ERROR(check_depth(d));
+    t.depth = d;
+    t.items.insert(t.items.end(), items.begin(), items.end());
+    return Status::Ok();
+  }
+  Result<Ref> pop() {
+    if (stack_.size() <= floor()) return fail("stack underflow");
+    Ref r = stack_.back();
+    stack_.pop_back();
+    return r;
+  }
+  Result<Ref> top() const {
+    if (stack_.size() <= floor()) return fail("stack underflow");
+    return stack_.back();
+  }
+  Result<size_t> pop_mark() {
+    if (marks_.empty()) return fail("no MARK");
+    size_t m = marks_.back();
+    marks_.pop_back();
+    return m;
+  }
+  Status memo_put(uint64_t key) {
+    OPTSTATE_ASSIGN_OR_RETURN(Ref r, top());
+    if (key > limits_.max_values) return fail("memo key out of range");
+    if (key >= memo_.size()) memo_.resize(static_cast<size_t>(key) + 1, kNoRef);
+    memo_[static_cast<size_t>(key)] = r;
+    return Status::Ok();
+  }
+  Status memo_get(uint64_t key) {
+    if (key >= memo_.size() || memo_[static_cast<size_t>(key)] == kNoRef) return fail(fmt::format("memo {} unset", key));
+    return push(memo_[static_cast<size_t>(key)]);
+  }
+
+  std::span<const std::byte> b_;
+  const std::string& where_;
+  Limits limits_;
+  std::vector<Value>& values_;
+  std::vector<Ref> stack_;
+  std::vector<size_t> marks_;
+  std::vector<Ref> memo_;
+  size_t pos_ = 0, op_at_ = 0;
+  uint8_t op_ = 0;
+};
+
+}  // namespace
+
+bool Pickle::is_global(Ref r, std::string_view module, std::string_view name) const {
+  if (r == kNoRef || r >= values_.size()) return false;
+  const Value& v = values_[r];
+  return v.kind == Kind::kGlobal && v.s == module && v.name == name;
+}
+
+Ref Pickle::dict_get(Ref r, std::string_view key) const {
+  if (r == kNoRef || r >= values_.size()) return kNoRef;
+  const Value& d = values_[r];
+  if (d.kind != Kind::kDict && d.kind != Kind::kObject) return kNoRef;
+  for (size_t k = 0; k + 1 < d.items.size(); k += 2) {
+    const Value& kv = values_[d.items[k]];
+    if (kv.kind == Kind::kStr && kv.s == key) return d.items[k + 1];
+  }
+  return kNoRef;
+}
+
+Result<Pickle> unpickle(std::span<const std::byte> bytes, const std::string& where, const Limits& limits) {
+  Pickle p;
+  Machine m(bytes, where, limits, p.values_);
+  OPTSTATE_ASSIGN_OR_RETURN(p.root_, m.run());
+  return p;
+}
+
+// ---- Writer ----
+
+Writer::Writer() { out_ = std::string("\x80\x02", 2); }
+
+namespace {
+void put_le(std::string& out, uint64_t v, int n) {
+  for (int k = 0; k < n; ++k) out.push_back(static_cast<char>((v >> (8 * k)) & 0xff));
+}
+}  // namespace
+
+void Writer::none() { out_.push_back('N'); }
+void Writer::boolean(bool v) { out_.push_back(static_cast<char>(v ? 0x88 : 0x89)); }
+void Writer::integer(int64_t v) {
+  if (v >= 0 && v < 256) {
+    out_.push_back('K');
+    put_le(out_, static_cast<uint64_t>(v), 1);
+  } else if (v >= INT32_MIN && v <= INT32_MAX) {
+    out_.push_back('J');
+    put_le(out_, static_cast<uint64_t>(static_cast<uint32_t>(static_cast<int32_t>(v))), 4);
+  } else {
+    out_.push_back(static_cast<char>(0x8a));
+    out_.push_back(8);
+    put_le(out_, static_cast<uint64_t>(v), 8);
+  }
+}
+void Writer::real(double v) {
+  out_.push_back('G');
+  uint64_t bits;
+  std::memcpy(&bits, &v, 8);
+  for (int k = 7; k >= 0; --k) out_.push_back(static_cast<char>((bits >> (8 * k)) & 0xff));
+}
+void Writer::str(std::string_view v) {
+  out_.push_back('X');
+  put_le(out_, v.size(), 4);
+  out_.append(v);
+}
+void Writer::bytes(std::string_view v) {
+  out_.push_back('B');
+  put_le(out_, v.size(), 4);
+  out_.append(v);
+}
+void Writer::global(std::string_view module, std::string_view name) {
+  out_.push_back('c');
+  out_.append(module);
+  out_.push_back('\n');
+  out_.append(name);
+  out_.push_back('\n');
+}
+void Writer::mark() { out_.push_back('('); }
+void Writer::tuple_from_mark() { out_.push_back('t'); }
+void Writer::empty_tuple() { out_.push_back(')'); }
+void Writer::empty_list() { out_.push_back(']'); }
+void Writer::appends_from_mark() { out_.push_back('e'); }
+void Writer::empty_dict() { out_.push_back('}'); }
+void Writer::setitems_from_mark() { out_.push_back('u'); }
+void Writer::reduce() { out_.push_back('R'); }
+void Writer::newobj() { out_.push_back(static_cast<char>(0x81)); }
+void Writer::build() { out_.push_back('b'); }
+void Writer::binpersid() { out_.push_back('Q'); }
+std::string Writer::finish() {
+  out_.push_back('.');
+  return std::move(out_);
+}
+
+}  // namespace optstate::pickle

@@ -1,0 +1,92 @@
+// A small, safe pickle interpreter (protocols 2-5) for DCP's `.metadata` and torch.save's data.pkl.
+// It never runs anything: GLOBAL/STACK_GLOBAL give inert Global values, REDUCE/NEWOBJ/BUILD give
+// Object values recording the callable, its arguments and the state; the callers recognize the
+// few classes they know (DCP metadata dataclasses, torch.Size, dtypes, tensor rebuilds, torchao's
+// OptimState8bit) by name. Values live in one arena addressed by index, so cycles a hostile pickle
+// builds through the memo cannot leak or recurse; nesting depth, value count and every declared
+// length are capped and checked before anything is allocated.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "optstate/status.h"
+
+namespace optstate::pickle {
+
+enum class Kind : uint8_t { kNone, kBool, kInt, kFloat, kStr, kBytes, kTuple, kList, kDict, kSet, kGlobal, kObject, kPersId };
+
+using Ref = uint32_t;
+inline constexpr Ref kNoRef = 0xffffffffu;
+
+struct Value {
+  Kind kind = Kind::kNone;
+  bool newobj = false;       // kObject: made by NEWOBJ (cls.__new__) rather than REDUCE (callable(*args))
+  uint16_t depth = 1;        // nesting depth of the value (capped)
+  int64_t i = 0;             // kBool, kInt
+  double f = 0;              // kFloat
+  std::string s;             // kStr, kBytes; kGlobal: module
+  std::string name;          // kGlobal: qualified name
+  std::vector<Ref> items;    // kTuple/kList/kSet: elements; kDict and dict-like objects: k0, v0, k1, v1, ...
+  Ref callable = kNoRef;     // kObject: the Global (or other value) called
+  Ref args = kNoRef;         // kObject: the argument tuple
+  Ref state = kNoRef;        // kObject: BUILD's argument
+  Ref pid = kNoRef;          // kPersId: the persistent id
+};
+
+struct Limits {
+  uint32_t max_values = 1u << 24;
+  uint16_t max_depth = 256;
+};
+
+class Pickle {
+ public:
+  const Value& at(Ref r) const { return values_[r]; }
+  Ref root() const { return root_; }
+  size_t size() const { return values_.size(); }
+
+  // Conveniences for the interpretation layers: checked access that names what was expected.
+  bool is_global(Ref r, std::string_view module, std::string_view name) const;
+  // For a kDict or dict-like object: the value under string key `key`, or kNoRef.
+  Ref dict_get(Ref r, std::string_view key) const;
+
+ private:
+  friend Result<Pickle> unpickle(std::span<const std::byte> bytes, const std::string& where, const Limits& limits);
+  std::vector<Value> values_;
+  Ref root_ = kNoRef;
+};
+
+// `where` names the file or item in errors ("... .metadata: pickle opcode 0x63 at byte 120: ...").
+Result<Pickle> unpickle(std::span<const std::byte> bytes, const std::string& where, const Limits& limits = {});
+
+// ---- writing (the DCP writer): a minimal protocol-2 encoder of the same value model ----
+class Writer {
+ public:
+  Writer();
+  void none();
+  void boolean(bool v);
+  void integer(int64_t v);
+  void real(double v);
+  void str(std::string_view v);
+  void bytes(std::string_view v);
+  void global(std::string_view module, std::string_view name);
+  void mark();
+  void tuple_from_mark();  // TUPLE
+  void empty_tuple();
+  void empty_list();
+  void appends_from_mark();
+  void empty_dict();
+  void setitems_from_mark();
+  void reduce();    // callable args REDUCE
+  void newobj();    // cls args NEWOBJ
+  void build();     // obj state BUILD
+  void binpersid();
+  std::string finish();  // STOP; the pickle bytes
+
+ private:
+  std::string out_;
+};
+
+}  // namespace optstate::pickle

@@ -1,0 +1,230 @@
+#include "zip.h"
+
+#include <fmt/format.h>
+
+#include <array>
+#include <cstring>
+#include <set>
+
+namespace optstate::zip {
+namespace {
+
+uint64_t le(std::span<const std::byte> b, size_t at, int n) {
+  uint64_t v = 0;
+  for (int k = n - 1; k >= 0; --k) v = v << 8 | static_cast<uint8_t>(b[at + static_cast<size_t>(k)]);
+  return v;
+}
+void put(std::string& out, uint64_t v, int n) {
+  for (int k = 0; k < n; ++k) out.push_back(static_cast<char>((v >> (8 * k)) & 0xff));
+}
+
+constexpr uint32_t kEocd = 0x06054b50, kZip64Eocd = 0x06064b50, kZip64Locator = 0x07064b50, kCentral = 0x02014b50,
+                   kLocal = 0x04034b50;
+
+}  // namespace
+
+Result<CentralDirectory> find_central_directory(std::span<const std::byte> tail, uint64_t archive_size,
+                                                const std::string& where) {
+  if (tail.size() < 22 || tail.size() > archive_size) return corrupt(fmt::format("{}: too short for a zip archive", where));
+  const uint64_t tail_start = archive_size - tail.size();
+  // The EOCD is the last record; scan back over a possible comment.
+  for (size_t at = tail.size() - 22 + 1; at-- > 0;) {
+    if (le(tail, at, 4) != kEocd) continue;
+    const uint64_t comment = le(tail, at + 20, 2);
+    if (at + 22 + comment != tail.size()) continue;
+    CentralDirectory cd;
+    cd.count = le(tail, at + 10, 2);
+    cd.size = le(tail, at + 12, 4);
+    cd.offset = le(tail, at + 16, 4);
+    if (cd.count == 0xffff || cd.size == 0xffffffff || cd.offset == 0xffffffff) {
+      if (at < 20 || le(tail, at - 20, 4) != kZip64Locator)
+        return corrupt(fmt::format("{}: ZIP64 end record expected but no locator", where));
+      const uint64_t rec = le(tail, at - 20 + 8, 8);
+      if (rec < tail_start || rec + 56 > tail_start + at - 20)
+        return corrupt(fmt::format("{}: ZIP64 end record at {} lies outside the archive's tail", where, rec));
+      const size_t r = static_cast<size_t>(rec - tail_start);
+      if (le(tail, r, 4) != kZip64Eocd) return corrupt(fmt::format("{}: bad ZIP64 end record signature", where));
+      cd.count = le(tail, r + 32, 8);
+      cd.size = le(tail, r + 40, 8);
+      cd.offset = le(tail, r + 48, 8);
+    }
+    if (cd.count > kMaxEntries) return corrupt(fmt::format("{}: {} zip entries (cap {})", where, cd.count, kMaxEntries));
+    if (cd.offset > archive_size || cd.size > archive_size - cd.offset)
+      return corrupt(fmt::format("{}: central directory [{}, {}) lies outside the {}-byte archive", where, cd.offset,
+                                 cd.offset + cd.size, archive_size));
+    return cd;
+  }
+  return corrupt(fmt::format("{}: no zip end-of-central-directory record (truncated or not a zip)", where));
+}
+
+Result<std::vector<Entry>> parse_central_directory(std::span<const std::byte> b, const CentralDirectory& cd,
+                                                   const std::string& where) {
+  std::vector<Entry> out;
+  std::set<std::string> names;
+  size_t at = 0;
+  for (uint64_t i = 0; i < cd.count; ++i) {
+    if (b.size() - at < 46 || le(b, at, 4) != kCentral)
+      return corrupt(fmt::format("{}: central directory record {} is damaged", where, i));
+    Entry e;
+    e.method = static_cast<uint16_t>(le(b, at + 10, 2));
+    e.crc32 = static_cast<uint32_t>(le(b, at + 16, 4));
+    uint64_t csize = le(b, at + 20, 4), usize = le(b, at + 24, 4);
+    const size_t n = le(b, at + 28, 2), x = le(b, at + 30, 2), c = le(b, at + 32, 2);
+    uint64_t offset = le(b, at + 42, 4);
+    if (b.size() - at - 46 < n + x + c) return corrupt(fmt::format("{}: central directory record {} is truncated", where, i));
+    e.name.assign(reinterpret_cast<const char*>(b.data()) + at + 46, n);
+    // ZIP64 extra field: the 64-bit values of the fields that hold 0xffffffff, in order.
+    for (size_t xa = at + 46 + n, xe = xa + x; xa + 4 <= xe;) {
+      const uint64_t id = le(b, xa, 2), len = le(b, xa + 2, 2);
+      if (xa + 4 + len > xe) return corrupt(fmt::format("{}: zip entry '{}' has a damaged extra field", where, e.name));
+      if (id == 1) {
+        size_t p = xa + 4;
+        auto next = [&](uint64_t& v) -> bool {
+          if (v != 0xffffffff) return true;
+          if (p + 8 > xa + 4 + len) return false;
+          v = le(b, p, 8);
+          p += 8;
+          return true;
+        };
+        if (!next(usize) || !next(csize) || !next(offset))
+          return corrupt(fmt::format("{}: zip entry '{}' has a short ZIP64 field", where, e.name));
+      }
+      xa += 4 + len;
+    }
+    if (e.method != 0)
+      return corrupt(fmt::format("{}: zip entry '{}' is compressed (method {}); torch.save stores entries", where,
+                                 e.name, e.method));
+    if (csize != usize) return corrupt(fmt::format("{}: zip entry '{}' sizes disagree", where, e.name));
+    e.size = usize;
+    e.local_header_offset = offset;
+    if (offset >= cd.offset || e.size > cd.offset - offset)
+      return corrupt(fmt::format("{}: zip entry '{}' [{}, +{}) overlaps the central directory", where, e.name, offset,
+                                 e.size));
+    if (!names.insert(e.name).second) return corrupt(fmt::format("{}: zip entry '{}' appears twice", where, e.name));
+    out.push_back(std::move(e));
+    at += 46 + n + x + c;
+  }
+  return out;
+}
+
+Result<uint64_t> data_offset(std::span<const std::byte> h, const Entry& e, uint64_t cd_offset, const std::string& where) {
+  if (h.size() < 30 || le(h, 0, 4) != kLocal)
+    return corrupt(fmt::format("{}: zip entry '{}' has no local header at {}", where, e.name, e.local_header_offset));
+  const uint64_t start = e.local_header_offset + 30 + le(h, 26, 2) + le(h, 28, 2);
+  if (start > cd_offset || e.size > cd_offset - start)
+    return corrupt(fmt::format("{}: zip entry '{}' data [{}, {}) runs into the central directory at {}", where, e.name,
+                               start, start + e.size, cd_offset));
+  return start;
+}
+
+uint32_t crc32(std::span<const std::byte> bytes, uint32_t crc) {
+  static const auto table = [] {
+    std::array<std::array<uint32_t, 256>, 8> t{};
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = c & 1 ? 0xedb88320u ^ (c >> 1) : c >> 1;
+      t[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; ++i)
+      for (int s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xff];
+    return t;
+  }();
+  crc = ~crc;
+  const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
+  size_t n = bytes.size();
+  while (n >= 8) {  // slicing-by-8
+    uint32_t a, b;
+    std::memcpy(&a, p, 4);
+    std::memcpy(&b, p + 4, 4);
+    a ^= crc;
+    crc = table[7][a & 0xff] ^ table[6][(a >> 8) & 0xff] ^ table[5][(a >> 16) & 0xff] ^ table[4][a >> 24] ^
+          table[3][b & 0xff] ^ table[2][(b >> 8) & 0xff] ^ table[1][(b >> 16) & 0xff] ^ table[0][b >> 24];
+    p += 8;
+    n -= 8;
+  }
+  while (n--) crc = table[0][(crc ^ *p++) & 0xff] ^ (crc >> 8);
+  return ~crc;
+}
+
+std::string Builder::local_header(const std::string& name, uint64_t size, uint32_t crc, uint64_t at, uint64_t align) {
+  std::string h;
+  put(h, kLocal, 4);
+  put(h, 45, 2);  // version needed: ZIP64
+  put(h, 0, 2);   // flags
+  put(h, 0, 2);   // stored
+  put(h, 0, 2);
+  put(h, 0x21, 2);  // time, date (1980-01-01)
+  put(h, crc, 4);
+  put(h, 0xffffffff, 4);
+  put(h, 0xffffffff, 4);
+  put(h, name.size(), 2);
+  const uint64_t base = at + 30 + name.size() + 20 + 4;  // after the ZIP64 field and a padding field header
+  const uint64_t pad = (align - base % align) % align;
+  put(h, 20 + 4 + pad, 2);
+  h += name;
+  put(h, 1, 2);  // ZIP64 extra: usize, csize
+  put(h, 16, 2);
+  put(h, size, 8);
+  put(h, size, 8);
+  put(h, 0xcafe, 2);  // padding field (ignored by readers), as torch's writer does for alignment
+  put(h, pad, 2);
+  h.append(pad, '\0');
+  recs_.push_back({name, size, at, crc});
+  return h;
+}
+
+std::string Builder::finish(uint64_t at) const {
+  std::string cd;
+  for (const Rec& r : recs_) {
+    put(cd, kCentral, 4);
+    put(cd, 45, 2);
+    put(cd, 45, 2);
+    put(cd, 0, 2);
+    put(cd, 0, 2);
+    put(cd, 0, 2);
+    put(cd, 0x21, 2);
+    put(cd, r.crc, 4);
+    put(cd, 0xffffffff, 4);
+    put(cd, 0xffffffff, 4);
+    put(cd, r.name.size(), 2);
+    put(cd, 28, 2);  // ZIP64 extra: usize, csize, offset
+    put(cd, 0, 2);
+    put(cd, 0, 2);
+    put(cd, 0, 2);
+    put(cd, 0, 4);
+    put(cd, 0xffffffff, 4);
+    cd += r.name;
+    put(cd, 1, 2);
+    put(cd, 24, 2);
+    put(cd, r.size, 8);
+    put(cd, r.size, 8);
+    put(cd, r.offset, 8);
+  }
+  std::string out = cd;
+  const uint64_t z64 = at + cd.size();
+  put(out, kZip64Eocd, 4);
+  put(out, 44, 8);
+  put(out, 45, 2);
+  put(out, 45, 2);
+  put(out, 0, 4);
+  put(out, 0, 4);
+  put(out, recs_.size(), 8);
+  put(out, recs_.size(), 8);
+  put(out, cd.size(), 8);
+  put(out, at, 8);
+  put(out, kZip64Locator, 4);
+  put(out, 0, 4);
+  put(out, z64, 8);
+  put(out, 1, 4);
+  put(out, kEocd, 4);
+  put(out, 0, 2);
+  put(out, 0, 2);
+  put(out, 0xffff, 2);
+  put(out, 0xffff, 2);
+  put(out, 0xffffffff, 4);
+  put(out, 0xffffffff, 4);
+  put(out, 0, 2);
+  return out;
+}
+
+}  // namespace optstate::zip

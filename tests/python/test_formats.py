@@ -1,0 +1,282 @@
+"""Interop of the format drivers with the real tools, on checkpoints made at test time by the venv's
+PyTorch and torchao: DCP (single process, 2 FSDP2 ranks over gloo, torchao AdamW8bit), safetensors,
+h5py; conversion chains keep the hash; hostile DCP inputs give errors naming the item.
+"""
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import REPO
+
+MAKE_DCP = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    kind, out = sys.argv[1], sys.argv[2]
+    dist_run = "RANK" in __import__("os").environ
+    if dist_run:
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 97), torch.nn.GELU(), torch.nn.Linear(97, 3))
+    if dist_run:
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(model)
+    if kind == "ao":
+        from torchao.optim import AdamW8bit
+        opt = AdamW8bit(model.parameters(), lr=1e-3, block_size=64)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05, amsgrad=(kind == "ams"))
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        model(torch.randn(8, 64, generator=g)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
+    if not dist_run:
+        # What torch/torchao hold, for the comparisons: plain tensors keyed like the canonical names.
+        ref = {}
+        for name, p in model.named_parameters():
+            st = opt.state[p]
+            ref[name + ".param"] = p.detach().clone()
+            for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                if k in st:
+                    v = st[k]
+                    ref[name + "." + k] = v.dequantize() if hasattr(v, "dequantize") else v.detach().clone()
+        torch.save(ref, out + ".ref.pt")
+    if dist_run:
+        dist.destroy_process_group()
+""")
+
+
+def make_dcp(tmp_path, kind, ranks=1):
+    script = tmp_path / "make_dcp.py"
+    script.write_text(MAKE_DCP)
+    out = tmp_path / f"dcp_{kind}_{ranks}"
+    if ranks == 1:
+        cmd = [sys.executable, str(script), kind, str(out)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script),
+               kind, str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def hashes(cli, path, values=False):
+    args = ["hash", path, "--json"] + (["--values"] if values else [])
+    import json
+    return json.loads(cli(*args).stdout)
+
+
+def st_load(path):
+    from safetensors.torch import load_file
+    return load_file(str(path))
+
+
+@pytest.mark.parametrize("kind", ["fp32", "ams"])
+def test_dcp_fp32_reads_exactly_what_torch_holds(tmp_path, optstate_cli, kind):
+    ck = make_dcp(tmp_path, kind)
+    optstate_cli("validate", ck)
+    optstate_cli("convert", ck, tmp_path / "x.safetensors")
+    got = st_load(tmp_path / "x.safetensors")
+    ref = torch.load(str(ck) + ".ref.pt")
+    assert set(got) == set(ref)
+    for k, v in ref.items():
+        assert torch.equal(got[k], v), k
+    # hash of the DCP == hash of its native conversion
+    optstate_cli("convert", ck, tmp_path / "native")
+    assert hashes(optstate_cli, ck) == hashes(optstate_cli, tmp_path / "native")
+    info = optstate_cli("inspect", ck).stdout
+    assert f"amsgrad={'true' if kind == 'ams' else 'false'}" in info and "weight_decay=0.05" in info
+    if kind == "ams":
+        assert "max_exp_avg_sq" in info
+
+
+def test_dcp_of_two_fsdp2_ranks_equals_the_single_process_state(tmp_path, optstate_cli):
+    one = make_dcp(tmp_path, "fp32", 1)
+    two = make_dcp(tmp_path, "fp32", 2)
+    assert sorted(p for p in os.listdir(two) if p.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    optstate_cli("validate", two)
+    # FSDP2 over 2 ranks computes the same training in another reduction order: compare closely,
+    # and exactly: the 2-rank DCP read by optstate equals the same DCP read by PyTorch.
+    optstate_cli("diff", one, two, "--rtol", "1e-4", "--atol", "1e-6")
+    optstate_cli("convert", two, tmp_path / "two.safetensors")
+    got = st_load(tmp_path / "two.safetensors")
+    import torch.distributed.checkpoint as dcp
+    sd = {k: torch.empty_like(v) for k, v in got.items()}
+    keyed = {}
+    for k in sd:
+        fqn, entry = k.rsplit(".", 1)
+        keyed[f"model.{fqn}" if entry == "param" else f"optim.state.{fqn}.{entry}"] = sd[k]
+    dcp.load(keyed, checkpoint_id=str(two))
+    for k in got:
+        assert torch.equal(got[k], sd[k]), k
+    optstate_cli("convert", two, tmp_path / "n2")
+    assert hashes(optstate_cli, two) == hashes(optstate_cli, tmp_path / "n2")
+
+
+def test_torchao_8bit_dcp_converts_to_torchaos_own_dequantize_bit_for_bit(tmp_path, optstate_cli):
+    pytest.importorskip("torchao")
+    ck = make_dcp(tmp_path, "ao")
+    info = optstate_cli("inspect", ck).stdout
+    assert "adamw8bit" in info and "8bit/64 dynamic-signed" in info and "8bit/64 dynamic-unsigned" in info
+    optstate_cli("convert", ck, tmp_path / "fp32.safetensors", "--to", "fp32")
+    got = st_load(tmp_path / "fp32.safetensors")
+    ref = torch.load(str(ck) + ".ref.pt")
+    for k, v in ref.items():
+        assert torch.equal(got[k], v.float()), k
+    # raw hash of the torchao DCP == its native conversion's (codes and scales kept, not requantized)
+    optstate_cli("convert", ck, tmp_path / "native")
+    assert hashes(optstate_cli, ck) == hashes(optstate_cli, tmp_path / "native")
+    assert hashes(optstate_cli, ck, values=True)["root"] == hashes(optstate_cli, tmp_path / "fp32.safetensors",
+                                                                   values=True)["root"]
+
+
+def test_chain_native_hdf5_safetensors_dcp_native_keeps_the_hash(tmp_path, optstate_cli):
+    ck = make_dcp(tmp_path, "fp32")
+    optstate_cli("convert", ck, tmp_path / "a")
+    optstate_cli("convert", tmp_path / "a", tmp_path / "b.h5", "--compress", "4")
+    optstate_cli("convert", tmp_path / "b.h5", tmp_path / "c.safetensors")
+    optstate_cli("convert", tmp_path / "c.safetensors", tmp_path / "d", "--format", "dcp")
+    optstate_cli("convert", tmp_path / "d", tmp_path / "e")
+    want = hashes(optstate_cli, tmp_path / "a")
+    for p in ("b.h5", "c.safetensors", "d", "e"):
+        assert hashes(optstate_cli, tmp_path / p) == want, p
+    # 8-bit: raw hash through native/hdf5/safetensors; DCP stores dequantized moments (values hash)
+    ao = make_dcp(tmp_path, "ao")
+    optstate_cli("convert", ao, tmp_path / "q.h5")
+    optstate_cli("convert", tmp_path / "q.h5", tmp_path / "q.safetensors")
+    assert hashes(optstate_cli, tmp_path / "q.safetensors") == hashes(optstate_cli, ao)
+    optstate_cli("convert", tmp_path / "q.safetensors", tmp_path / "q_dcp", "--format", "dcp")
+    assert hashes(optstate_cli, tmp_path / "q_dcp", values=True)["root"] == hashes(optstate_cli, ao, values=True)["root"]
+    optstate_cli("convert", tmp_path / "q_dcp", tmp_path / "q_back", "--to", "8bit", "--block-size", "64")
+    assert hashes(optstate_cli, tmp_path / "q_back")["entries"] == hashes(optstate_cli, ao)["entries"]
+
+
+def test_our_dcp_loads_into_torch_adamw_and_training_continues(tmp_path, optstate_cli):
+    ck = make_dcp(tmp_path, "fp32")
+    optstate_cli("convert", ck, tmp_path / "ours", "--format", "dcp")
+    script = textwrap.dedent(f"""
+        import torch, torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        def fresh(path):
+            torch.manual_seed(123)
+            m = torch.nn.Sequential(torch.nn.Linear(64, 97), torch.nn.GELU(), torch.nn.Linear(97, 3))
+            o = torch.optim.AdamW(m.parameters(), lr=0.5)
+            msd, osd = get_state_dict(m, o)
+            sd = {{"model": msd, "optim": osd}}
+            dcp.load(sd, checkpoint_id=path)
+            set_state_dict(m, o, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            return m, o
+        a, oa = fresh({str(ck)!r})
+        b, ob = fresh({str(tmp_path / "ours")!r})
+        assert ob.param_groups[0]["lr"] == 1e-3 and ob.param_groups[0]["weight_decay"] == 0.05
+        for m, o in ((a, oa), (b, ob)):
+            g = torch.Generator().manual_seed(9)
+            m(torch.randn(8, 64, generator=g)).square().sum().backward()
+            o.step()
+        assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+        assert ob.state[b[0].weight]["step"].item() == 4
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_h5py_and_safetensors_read_ours_and_see_what_it_holds(tmp_path, optstate_cli):
+    h5py = pytest.importorskip("h5py")
+    ao = make_dcp(tmp_path, "ao")
+    optstate_cli("convert", ao, tmp_path / "s.h5", "--compress", "6")
+    with h5py.File(tmp_path / "s.h5") as f:
+        assert f.attrs["format"] == b"optstate-hdf5" and f.attrs["optimizer"] == b"adamw8bit"
+        g = f["0.weight"]
+        assert list(g.attrs["shape"]) == [97, 64] and int(g.attrs["step"]) == 3
+        assert g["exp_avg"].attrs["encoding"] == b"blockwise8" and int(g["exp_avg"].attrs["block_size"]) == 64
+        codes = g["exp_avg"]["codes"]
+        assert codes.shape == (97, 64) and codes.dtype.name == "uint8" and codes.fletcher32 and codes.compression == "gzip"
+        assert g["exp_avg"]["absmax"].shape == (97,)
+        assert f["0.bias"]["exp_avg"].dtype.name == "float32"
+    optstate_cli("convert", ao, tmp_path / "s.safetensors")
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "s.safetensors"), "pt") as f:
+        meta = f.metadata()
+        assert '"kind":"adamw8bit"' in meta["optstate"]
+        assert f.get_tensor("0.weight.exp_avg.codes").dtype == torch.uint8
+        assert f.get_tensor("0.weight.exp_avg.absmax").shape == (97,)
+
+
+# ---- hostile inputs ----
+
+def run_err(optstate_cli, *args):
+    proc = optstate_cli(*args, check=False)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    return proc.stderr
+
+
+def test_pickle_interpreter_never_executes_and_bounds_its_work(tmp_path, optstate_cli):
+    ck = make_dcp(tmp_path, "fp32")
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+    bad = tmp_path / "evil"
+    bad.mkdir()
+    (bad / ".metadata").write_bytes(pickle.dumps(Evil(), protocol=4))
+    err = run_err(optstate_cli, "inspect", bad)
+    assert "not a DCP Metadata object" in err and ".metadata" in err
+    assert not (tmp_path / "pwned").exists()
+    # 100k nested lists: refused by the depth cap, no stack overflow
+    (bad / ".metadata").write_bytes(b"\x80\x04" + b"]" * 100_000 + b"a" * 99_999 + b".")
+    assert "nesting deeper than" in run_err(optstate_cli, "inspect", bad)
+    # a 2^60-byte string: refused before allocating
+    (bad / ".metadata").write_bytes(b"\x80\x04\x8d" + (1 << 60).to_bytes(8, "little") + b"abc.")
+    assert "declares 1152921504606846976 bytes" in run_err(optstate_cli, "inspect", bad)
+    # a cycle through the memo (a list that holds itself) is data, not a hang
+    (bad / ".metadata").write_bytes(b"\x80\x04]\x94h\x00a.")
+    assert "not a DCP Metadata object" in run_err(optstate_cli, "inspect", bad)
+    del ck
+
+
+def test_truncated_or_garbled_dcp_names_the_item(tmp_path, optstate_cli):
+    import shutil
+    ck = make_dcp(tmp_path, "fp32")
+    meta = (ck / ".metadata").read_bytes()
+    bad = tmp_path / "bad"
+    shutil.copytree(ck, bad)
+    (bad / ".metadata").write_bytes(meta[: len(meta) // 2])
+    assert ".metadata" in run_err(optstate_cli, "inspect", bad)
+    (bad / ".metadata").write_bytes(meta[:100] + b"\xff" * 50 + meta[150:])
+    assert ".metadata" in run_err(optstate_cli, "inspect", bad)
+    # item bytes beyond the end of the data file
+    (bad / ".metadata").write_bytes(meta)
+    data = (ck / "__0_0.distcp").read_bytes()
+    (bad / "__0_0.distcp").write_bytes(data[: len(data) - 1000])
+    err = run_err(optstate_cli, "inspect", bad)
+    assert "item '" in err and "beyond the end" in err
+    # a lying storage length, rewritten into a valid .metadata
+    md = pickle.loads(meta)
+    idx = next(i for i in md.storage_data if i.fqn == "optim.state.0.weight.exp_avg")
+    md.storage_data[idx].length += 10 ** 12
+    (bad / "__0_0.distcp").write_bytes(data)
+    (bad / ".metadata").write_bytes(pickle.dumps(md))
+    err = run_err(optstate_cli, "hash", bad)
+    assert "optim.state.0.weight.exp_avg" in err and "beyond the end" in err
+    # garbled zip inside an item: its central directory
+    md.storage_data[idx].length -= 10 ** 12
+    loc = md.storage_data[idx]
+    broken = bytearray(data)
+    end = loc.offset + loc.length
+    broken[end - 22:end] = b"\0" * 22
+    (bad / ".metadata").write_bytes(meta)
+    (bad / "__0_0.distcp").write_bytes(bytes(broken))
+    err = run_err(optstate_cli, "hash", bad)
+    assert "optim.state.0.weight.exp_avg" in err and "zip" in err
+    # a path that leaves the checkpoint
+    md.storage_data[idx].relative_path = "../../etc/passwd"
+    (bad / ".metadata").write_bytes(pickle.dumps(md))
+    assert "optim.state.0.weight.exp_avg" in run_err(optstate_cli, "inspect", bad)

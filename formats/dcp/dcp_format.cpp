@@ -100,6 +100,31 @@ class DcpReader final : public CheckpointReader {
   const fs::path& path() const override { return dir_; }
   const OptimizerState& meta() const override { return meta_; }
 
+  // Reads straight into `out`, only the segments that overlap [begin, end).
+  Status read_range(const std::string& fqn, const std::string& entry, Component c, int64_t begin, int64_t end,
+                    std::span<std::byte> out) override {
+    auto it = sources_.find({fqn, entry});
+    if (it == sources_.end())
+      return not_found(fmt::format("{}: no entry '{}'", dir_.string(), entry_key(fqn, entry)));
+    const Source& src = it->second;
+    const auto& segs = c == Component::kAbsmax ? src.absmax : src.values;
+    const int64_t count = segs.empty() ? 0 : segs.back().begin + segs.back().count;
+    for (const Segment& s : segs) {
+      const int64_t a = std::max(begin, s.begin), b = std::min(end, s.begin + s.count);
+      if (a >= b) continue;
+      OPTSTATE_ASSIGN_OR_RETURN(auto loc, segment_source(src, s, c));
+      const auto [file, at, elem] = loc;
+      if (static_cast<int64_t>(out.size()) != (end - begin) * elem || begin < 0 || end > count)
+        return invalid_argument(fmt::format("{}: range [{}, {}) of entry '{}' does not fit", dir_.string(), begin, end,
+                                            entry_key(fqn, entry)));
+      OPTSTATE_RETURN_IF_ERROR(file->read_at(at + static_cast<uint64_t>((a - s.begin) * elem),
+                                             out.subspan(static_cast<size_t>((a - begin) * elem),
+                                                         static_cast<size_t>((b - a) * elem)))
+                                   .with_context(fmt::format("item '{}'", src.key)));
+    }
+    return Status::Ok();
+  }
+
   Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) override {
     auto it = sources_.find({fqn, entry});
     if (it == sources_.end())
@@ -108,30 +133,42 @@ class DcpReader final : public CheckpointReader {
     const auto& segs = c == Component::kAbsmax ? src.absmax : src.values;
     std::vector<std::byte> piece;
     for (const Segment& s : segs) {
-      const ChunkMeta& ch = src.item->chunks[s.chunk];
-      const std::string iw = fmt::format("{}: item '{}' chunk at {}", dir_.string(), src.key, format_shape(ch.offsets));
-      OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(src.key, ch.offsets));
-      const TensorRef* t = nullptr;
-      if (pi->payload.kind == Payload::Kind::kTensor && !src.eight && c == Component::kValues) t = &pi->payload.tensor;
-      if (pi->payload.kind == Payload::Kind::kOptimState8bit && src.eight)
-        t = c == Component::kAbsmax ? &pi->payload.scale : c == Component::kCodes ? &pi->payload.codes : nullptr;
-      if (!t) return corrupt(iw + ": holds a different kind of tensor than the item's first chunk");
-      const int64_t elem = dtype_size(t->dtype);
-      const int64_t numel = *checked_numel(t->shape);
-      if (s.local + s.count > numel)
-        return corrupt(fmt::format("{}: holds {} elements, the chunk needs {}", iw, numel, s.local + s.count));
-      uint64_t at = pi->storages.at(t->storage_key) + static_cast<uint64_t>((t->offset + s.local) * elem);
+      OPTSTATE_ASSIGN_OR_RETURN(auto loc, segment_source(src, s, c));
+      auto [file, at, elem] = loc;
+      const std::string iw = fmt::format("{}: item '{}'", dir_.string(), src.key);
       uint64_t left = static_cast<uint64_t>(s.count * elem);
       while (left > 0) {
         const uint64_t n = std::min<uint64_t>(left, kStreamPieceBytes);
         piece.resize(n);
-        OPTSTATE_RETURN_IF_ERROR(pi->file->read_at(at, piece).with_context(iw));
+        OPTSTATE_RETURN_IF_ERROR(file->read_at(at, piece).with_context(iw));
         OPTSTATE_RETURN_IF_ERROR(sink(piece));
         at += n;
         left -= n;
       }
     }
     return Status::Ok();
+  }
+
+  // Where a segment's first element lies: (file, byte offset, element size).
+  Result<std::tuple<const InputFile*, uint64_t, int64_t>> segment_source(const Source& src, const Segment& s,
+                                                                          Component c) {
+    const ChunkMeta& ch = src.item->chunks[s.chunk];
+    const std::string iw = fmt::format("{}: item '{}' chunk at {}", dir_.string(), src.key, format_shape(ch.offsets));
+    OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(src.key, ch.offsets));
+    const TensorRef* t = nullptr;
+    if (pi->payload.kind == Payload::Kind::kTensor && !src.eight && c == Component::kValues) t = &pi->payload.tensor;
+    if (pi->payload.kind == Payload::Kind::kOptimState8bit && src.eight)
+      t = c == Component::kAbsmax ? &pi->payload.scale : c == Component::kCodes ? &pi->payload.codes : nullptr;
+    if (!t) return corrupt(iw + ": holds a different kind of tensor than the item's first chunk");
+    if (!src.eight && t->dtype != src.item->dtype)
+      return corrupt(fmt::format("{}: holds {} data, the metadata says {}", iw, dtype_name(t->dtype),
+                                 dtype_name(src.item->dtype)));
+    const int64_t elem = dtype_size(t->dtype);
+    const int64_t numel = *checked_numel(t->shape);
+    if (s.local + s.count > numel)
+      return corrupt(fmt::format("{}: holds {} elements, the chunk needs {}", iw, numel, s.local + s.count));
+    return std::tuple{static_cast<const InputFile*>(pi->file),
+                      pi->storages.at(t->storage_key) + static_cast<uint64_t>((t->offset + s.local) * elem), elem};
   }
 
   Status init() {

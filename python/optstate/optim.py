@@ -34,7 +34,7 @@ class FusedAdamW(torch.optim.Optimizer):
     def _init_state(self, p, amsgrad):
         state = self.state[p]
         if len(state) == 0:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device)
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         if amsgrad and "max_exp_avg_sq" not in state:
@@ -108,7 +108,7 @@ class AdamW8bit(torch.optim.Optimizer):
             # ShardedParams carries the size of the whole parameter.
             numel = getattr(p, "_optstate_global_numel", p.numel())
             block = group["block_size"] if numel >= group["min_8bit_size"] else 0
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device)
             for name in ("exp_avg", "exp_avg_sq"):
                 self._zero_moment(state, name, p, block)
         block = group["block_size"] if "exp_avg_codes" in state else 0

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU check for a lent H200 (torch 2.11+cu130 and CUDA 13 there; no network, no HDF5, fmt,
+# xxHash or nlohmann-json): unpacks the Debian packages fetched beforehand by
+# scripts/fetch_gpu_deps.sh, builds the torch ops library with its CUDA kernels against that
+# machine's LibTorch, then runs tests/gpu/check_cuda.py: CUDA vs the CPU path on fresh random
+# inputs (max difference; goal: bitwise), and the timing table (ours, torch fused/foreach, torchao
+# if importable, copy bandwidth). Budget: well inside 8 minutes including the build.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+py=${PYTHON:-python3}
+sysroot=$root/third_party/sysroot
+rm -rf "$sysroot" && mkdir -p "$sysroot"
+for d in third_party/debs/*.deb; do dpkg -x "$d" "$sysroot"; done
+export PKG_CONFIG_SYSROOT_DIR=$sysroot
+export PKG_CONFIG_PATH=$sysroot/usr/lib/x86_64-linux-gnu/pkgconfig:$sysroot/usr/share/pkgconfig
+export LD_LIBRARY_PATH=$sysroot/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+torch_prefix=$($py -c 'import torch; print(torch.utils.cmake_prefix_path)')
+start=$(date +%s)
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DOPTSTATE_WITH_HDF5=OFF -DOPTSTATE_BUILD_TESTS=OFF \
+  -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_PREFIX_PATH="$torch_prefix;$sysroot/usr" \
+  -DPython3_EXECUTABLE="$(command -v "$py")" > build-gpu.log 2>&1 || { tail -40 build-gpu.log; exit 1; }
+grep -E "optstate:" build-gpu.log || true
+ninja -C build-gpu optstate_ops >> build-gpu.log 2>&1 || { tail -60 build-gpu.log; exit 1; }
+echo "build: $(( $(date +%s) - start )) s"
+OPTSTATE_OPS_LIBRARY=$root/build-gpu/liboptstate_ops.so PYTHONPATH=$root/python "$py" tests/gpu/check_cuda.py "$@" \
+  | tee "${OUT:-.}/gpu_check.txt"

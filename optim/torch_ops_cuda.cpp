@@ -78,7 +78,7 @@ void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorLis
     t.step = steps[i].data_ptr<float>();
     t.numel = params[i].numel();
     t.kind = params[i].scalar_type() == at::kFloat ? cuda::Param::kF32 : cuda::Param::kBF16;
-    for (const void* ptr : {t.param, t.grad, static_cast<const void*>(t.exp_avg), static_cast<const void*>(t.exp_avg_sq),
+    for (const void* ptr : {static_cast<const void*>(t.param), t.grad, static_cast<const void*>(t.exp_avg), static_cast<const void*>(t.exp_avg_sq),
                             static_cast<const void*>(t.max_exp_avg_sq), static_cast<const void*>(t.step)})
       key.push_back(ptr);
   }
@@ -142,7 +142,7 @@ void adamw8bit_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
       t.v = static_cast<float*>(state(exp_avg_sqs[i], false, numel));
       if (amsgrad) t.vmax = static_cast<float*>(state(max_exp_avg_sqs[i], false, numel));
     }
-    for (const void* ptr : {t.param, t.grad, static_cast<const void*>(t.step), static_cast<const void*>(t.m_codes),
+    for (const void* ptr : {static_cast<const void*>(t.param), t.grad, static_cast<const void*>(t.step), static_cast<const void*>(t.m_codes),
                             static_cast<const void*>(t.m), static_cast<const void*>(t.vmax_codes),
                             static_cast<const void*>(t.vmax), reinterpret_cast<const void*>(block)})
       key.push_back(ptr);

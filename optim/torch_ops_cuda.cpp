@@ -30,10 +30,9 @@ void check(int err, const char* what) {
   TORCH_CHECK(err == 0, "optstate ", what, ": CUDA error ", cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
-// Uploads the step's hyperparameters into the plan's device buffer (async on the stream; the
-// driver stages pageable memory before returning, so `h` may go out of scope).
+// The step's hyperparameters into the plan's device buffer, by a launch on the stream (no host sync).
 void put_hyper(Cached& c, const cuda::Hyper& h, cudaStream_t s) {
-  check(cudaMemcpyAsync(c.hyper.data_ptr(), &h, sizeof h, cudaMemcpyHostToDevice, s), "hyperparameters");
+  check(cuda::store_hyper(static_cast<cuda::Hyper*>(c.hyper.data_ptr()), h, s), "hyperparameters");
 }
 
 void ensure_maps() {
@@ -78,6 +77,7 @@ void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorLis
     t.step = steps[i].data_ptr<float>();
     t.numel = params[i].numel();
     t.kind = params[i].scalar_type() == at::kFloat ? cuda::Param::kF32 : cuda::Param::kBF16;
+    key.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(t.numel)));  // a freed and reused address
     for (const void* ptr : {static_cast<const void*>(t.param), t.grad, static_cast<const void*>(t.exp_avg), static_cast<const void*>(t.exp_avg_sq),
                             static_cast<const void*>(t.max_exp_avg_sq), static_cast<const void*>(t.step)})
       key.push_back(ptr);
@@ -142,6 +142,7 @@ void adamw8bit_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
       t.v = static_cast<float*>(state(exp_avg_sqs[i], false, numel));
       if (amsgrad) t.vmax = static_cast<float*>(state(max_exp_avg_sqs[i], false, numel));
     }
+    key.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(t.numel)));
     for (const void* ptr : {static_cast<const void*>(t.param), t.grad, static_cast<const void*>(t.step), static_cast<const void*>(t.m_codes),
                             static_cast<const void*>(t.m), static_cast<const void*>(t.vmax_codes),
                             static_cast<const void*>(t.vmax), reinterpret_cast<const void*>(block)})

@@ -255,6 +255,8 @@ __global__ void __launch_bounds__(kThreads) adamw8bit_kernel(const AdamW8bitTens
   }
 }
 
+__global__ void store_hyper_kernel(Hyper* dst, Hyper h) { *dst = h; }
+
 template <class T>
 int upload(const std::vector<T>& host, void** dev, cudaStream_t stream) {
   if (host.empty()) return 0;
@@ -330,6 +332,11 @@ int adamw8bit_step(const Plan& plan, const Hyper* hyper, void* stream) {
   if (plan.work_items_)
     adamw8bit_kernel<<<static_cast<unsigned>(plan.work_items_), kThreads, 0, s>>>(
         ts, static_cast<const Work*>(plan.work_), hyper);
+  return cudaGetLastError();
+}
+
+int store_hyper(Hyper* device_hyper, const Hyper& h, void* stream) {
+  store_hyper_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(device_hyper, h);
   return cudaGetLastError();
 }
 

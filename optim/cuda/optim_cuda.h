@@ -67,6 +67,10 @@ std::unique_ptr<Plan> make_adamw8bit_plan(const std::vector<AdamW8bitTensor>& te
 int adamw_step(const Plan& plan, const Hyper* hyper, void* stream);
 int adamw8bit_step(const Plan& plan, const Hyper* hyper, void* stream);
 
+// Writes `h` into device memory with a one-thread launch on `stream`: no host sync (a pageable
+// cudaMemcpyAsync would synchronize), and a CUDA graph can capture it.
+int store_hyper(Hyper* device_hyper, const Hyper& h, void* stream);
+
 // Sets the 256-entry maps the 8-bit kernel quantizes with (copied to constant memory once).
 int set_qmaps(const float* signed_map, const float* unsigned_map);
 

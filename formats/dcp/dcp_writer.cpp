@@ -17,7 +17,6 @@ namespace optstate::dcp {
 namespace {
 
 constexpr const char* kMeta = "torch.distributed.checkpoint.metadata";
-constexpr const char* kDataFile = "__0_0.distcp";
 
 std::string_view storage_class(DType d) {
   switch (d) {
@@ -113,14 +112,22 @@ std::string tensor_pickle(DType d, const std::vector<int64_t>& shape) {
   return w.finish();
 }
 
+struct Piece {
+  std::vector<int64_t> offsets, sizes;  // the chunk's box (empty for bytes items)
+  int file = 0;                         // rank: __<file>_0.distcp
+  uint64_t offset = 0, length = 0;
+};
+
 struct Written {
   std::string key;
   std::vector<std::string> path;  // planner path; group indices as "#<n>"
   bool tensor = false;
   DType dtype = DType::kF32;
   std::vector<int64_t> shape;
-  uint64_t offset = 0, length = 0;
+  std::vector<Piece> pieces;
 };
+
+std::string data_file(int rank) { return fmt::format("__{}_0.distcp", rank); }
 
 std::string metadata_pickle(const std::vector<Written>& items) {
   pickle::Writer w;
@@ -164,15 +171,17 @@ std::string metadata_pickle(const std::vector<Written>& items) {
     w.str("chunks");
     w.empty_list();
     w.mark();
-    new_object(w, kMeta, "ChunkStorageMetadata");
-    w.empty_dict();
-    w.mark();
-    w.str("offsets");
-    write_size(w, std::vector<int64_t>(it.shape.size(), 0));
-    w.str("sizes");
-    write_size(w, it.shape);
-    w.setitems_from_mark();
-    w.build();
+    for (const Piece& pc : it.pieces) {
+      new_object(w, kMeta, "ChunkStorageMetadata");
+      w.empty_dict();
+      w.mark();
+      w.str("offsets");
+      write_size(w, pc.offsets);
+      w.str("sizes");
+      write_size(w, pc.sizes);
+      w.setitems_from_mark();
+      w.build();
+    }
     w.appends_from_mark();
     w.setitems_from_mark();
     w.build();
@@ -194,34 +203,36 @@ std::string metadata_pickle(const std::vector<Written>& items) {
   w.str("storage_data");
   w.empty_dict();
   w.mark();
-  for (const Written& it : items) {
-    new_object(w, kMeta, "MetadataIndex");
-    w.empty_dict();
-    w.mark();
-    w.str("fqn");
-    w.str(it.key);
-    w.str("offset");
-    if (it.tensor) write_size(w, std::vector<int64_t>(it.shape.size(), 0));
-    else w.none();
-    w.str("index");
-    if (it.tensor) w.integer(0);
-    else w.none();
-    w.setitems_from_mark();
-    w.build();
-    new_object(w, "torch.distributed.checkpoint.filesystem", "_StorageInfo");
-    w.empty_dict();
-    w.mark();
-    w.str("relative_path");
-    w.str(kDataFile);
-    w.str("offset");
-    w.integer(static_cast<int64_t>(it.offset));
-    w.str("length");
-    w.integer(static_cast<int64_t>(it.length));
-    w.str("transform_descriptors");
-    w.none();
-    w.setitems_from_mark();
-    w.build();
-  }
+  for (const Written& it : items)
+    for (size_t k = 0; k < it.pieces.size(); ++k) {
+      const Piece& pc = it.pieces[k];
+      new_object(w, kMeta, "MetadataIndex");
+      w.empty_dict();
+      w.mark();
+      w.str("fqn");
+      w.str(it.key);
+      w.str("offset");
+      if (it.tensor) write_size(w, pc.offsets);
+      else w.none();
+      w.str("index");
+      if (it.tensor) w.integer(static_cast<int64_t>(k));
+      else w.none();
+      w.setitems_from_mark();
+      w.build();
+      new_object(w, "torch.distributed.checkpoint.filesystem", "_StorageInfo");
+      w.empty_dict();
+      w.mark();
+      w.str("relative_path");
+      w.str(data_file(pc.file));
+      w.str("offset");
+      w.integer(static_cast<int64_t>(pc.offset));
+      w.str("length");
+      w.integer(static_cast<int64_t>(pc.length));
+      w.str("transform_descriptors");
+      w.none();
+      w.setitems_from_mark();
+      w.build();
+    }
   w.setitems_from_mark();
   w.str("storage_meta");
   w.none();
@@ -232,19 +243,53 @@ std::string metadata_pickle(const std::vector<Written>& items) {
   return w.finish();
 }
 
-Status write_into(const OptimizerState& state, const fs::path& staging) {
-  OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging / kDataFile));
+// Tensors are laid out as `world` ranks' row shards (torch.chunk of dim 0, as FSDP2), each rank's
+// chunks in its own file; bytes items and 0-d tensors go to rank 0's.
+Status write_into(const OptimizerState& state, const fs::path& staging, int world) {
+  std::vector<OutputFile> outs;
+  for (int r = 0; r < world; ++r) {
+    OPTSTATE_ASSIGN_OR_RETURN(OutputFile f, OutputFile::create(staging / data_file(r)));
+    outs.push_back(std::move(f));
+  }
   std::vector<Written> done;
   auto value_item = [&](const std::string& key, std::vector<std::string> path, std::string pkl) -> Status {
-    Written wr{key, std::move(path), false, DType::kF32, {}, out.offset(), 0};
-    OPTSTATE_ASSIGN_OR_RETURN(wr.length, Item(std::move(pkl)).write(out, {}, false));
+    Written wr{key, std::move(path), false, DType::kF32, {}, {}};
+    Piece pc;
+    pc.offset = outs[0].offset();
+    OPTSTATE_ASSIGN_OR_RETURN(pc.length, Item(std::move(pkl)).write(outs[0], {}, false));
+    wr.pieces.push_back(pc);
     done.push_back(std::move(wr));
     return Status::Ok();
   };
   auto tensor_item = [&](const std::string& key, std::vector<std::string> path, DType d, const std::vector<int64_t>& shape,
                          std::span<const std::byte> bytes) -> Status {
-    Written wr{key, std::move(path), true, d, shape, out.offset(), 0};
-    OPTSTATE_ASSIGN_OR_RETURN(wr.length, Item(tensor_pickle(d, shape)).write(out, bytes, true));
+    Written wr{key, std::move(path), true, d, shape, {}};
+    Entry dense;
+    dense.dtype = d;
+    const int ranks = shape.empty() ? 1 : world;
+    int64_t row = 1;
+    for (size_t k = 1; k < shape.size(); ++k) row *= shape[k];
+    for (int r = 0; r < ranks; ++r) {
+      const FlatRange fr = shape.empty() ? FlatRange{0, 1} : shard_range(dense, Component::kValues, shape, world, r);
+      if (fr.size() == 0 && !wr.pieces.empty()) continue;  // trailing ranks without rows (an empty tensor keeps one chunk)
+      Piece pc;
+      pc.file = r;
+      pc.offsets.assign(shape.size(), 0);
+      pc.sizes = shape;
+      if (!shape.empty()) {
+        pc.offsets[0] = row ? fr.begin / row : 0;
+        pc.sizes[0] = row ? fr.size() / row : shape[0];
+      }
+      std::vector<int64_t> chunk_shape = pc.sizes;
+      const size_t elem = dtype_size(d);
+      pc.offset = outs[static_cast<size_t>(r)].offset();
+      OPTSTATE_ASSIGN_OR_RETURN(
+          pc.length, Item(tensor_pickle(d, chunk_shape))
+                         .write(outs[static_cast<size_t>(r)],
+                                bytes.subspan(static_cast<size_t>(fr.begin) * elem, static_cast<size_t>(fr.size()) * elem),
+                                true));
+      wr.pieces.push_back(std::move(pc));
+    }
     done.push_back(std::move(wr));
     return Status::Ok();
   };
@@ -317,7 +362,7 @@ Status write_into(const OptimizerState& state, const fs::path& staging) {
                                            DType::kF32, {}, std::as_bytes(std::span(&step, 1))));
     }
   }
-  OPTSTATE_RETURN_IF_ERROR(out.sync_and_close());
+  for (OutputFile& f : outs) OPTSTATE_RETURN_IF_ERROR(f.sync_and_close());
   const std::string md = metadata_pickle(done);
   return write_small_file(staging / ".metadata", std::as_bytes(std::span(md)));
 }
@@ -330,7 +375,9 @@ Status write_dcp(const OptimizerState& state, const fs::path& path, const WriteO
   if (!options.overwrite && fs::exists(fs::symlink_status(path, ec)))
     return invalid_argument(fmt::format("{}: already exists (overwrite not requested)", path.string()));
   OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_dir(path));
-  Status st = write_into(state, staging);
+  if (options.world_size < 1 || options.world_size > 65536)
+    return invalid_argument(fmt::format("world size {} out of range", options.world_size));
+  Status st = write_into(state, staging, options.world_size);
   if (st.ok()) st = publish_directory(staging, path, options.overwrite);
   if (!st.ok()) fs::remove_all(staging, ec);  // never leave a partial checkpoint behind
   return st;

@@ -161,6 +161,10 @@ def test_chain_native_hdf5_safetensors_dcp_native_keeps_the_hash(tmp_path, optst
 def test_our_dcp_loads_into_torch_adamw_and_training_continues(tmp_path, optstate_cli):
     ck = make_dcp(tmp_path, "fp32")
     optstate_cli("convert", ck, tmp_path / "ours", "--format", "dcp")
+    optstate_cli("convert", ck, tmp_path / "ours3", "--format", "dcp", "--world-size", "3")
+    assert sorted(p for p in os.listdir(tmp_path / "ours3") if p.endswith(".distcp")) == \
+        ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    assert hashes(optstate_cli, tmp_path / "ours3") == hashes(optstate_cli, ck)
     script = textwrap.dedent(f"""
         import torch, torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -175,12 +179,14 @@ def test_our_dcp_loads_into_torch_adamw_and_training_continues(tmp_path, optstat
             return m, o
         a, oa = fresh({str(ck)!r})
         b, ob = fresh({str(tmp_path / "ours")!r})
+        c, oc = fresh({str(tmp_path / "ours3")!r})  # 3 ranks' row chunks, resharded by torch onto 1
         assert ob.param_groups[0]["lr"] == 1e-3 and ob.param_groups[0]["weight_decay"] == 0.05
-        for m, o in ((a, oa), (b, ob)):
+        for m, o in ((a, oa), (b, ob), (c, oc)):
             g = torch.Generator().manual_seed(9)
             m(torch.randn(8, 64, generator=g)).square().sum().backward()
             o.step()
         assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+        assert all(torch.equal(x, y) for x, y in zip(a.parameters(), c.parameters()))
         assert ob.state[b[0].weight]["step"].item() == 4
         print("ok")
     """)

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "optim_cuda.h"
+#include "optim_cuda_math.h"
 
 namespace optstate::optim::cuda {
 namespace {
@@ -23,68 +24,7 @@ struct Work {
 
 __constant__ float c_maps[2][256];  // dynamic signed, dynamic unsigned
 
-// ---- shared element math (the CPU kernels' order) ----
-
-__device__ __forceinline__ float load_value(const void* base, int64_t i, Param k) {
-  if (k == Param::kF32) return static_cast<const float*>(base)[i];
-  return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(base)[i]) << 16);
-}
-
-__device__ __forceinline__ void store_value(void* base, int64_t i, float v, Param k) {
-  if (k == Param::kF32) {
-    static_cast<float*>(base)[i] = v;
-    return;
-  }
-  const uint32_t bits = __float_as_uint(v);
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  static_cast<uint16_t*>(base)[i] = isnan(v) ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
-}
-
-__device__ __forceinline__ float lerp(float a, float b, float w, bool small) {
-  return small ? fmaf(w, b - a, a) : fmaf(w - 1.0f, b - a, b);
-}
-
-struct AdamWScalars {
-  float decay, lerp_weight, beta2, one_minus_b2, neg_step_size, bc2_sqrt, eps;
-  bool amsgrad, maximize, small;
-};
-
-// adamw_step_scalars: Python-float (double) arithmetic rounded to fp32 once.
-__device__ AdamWScalars adamw_scalars(const Hyper& h, float step) {
-  const double t = static_cast<double>(step);
-  const double bc1 = 1.0 - pow(h.beta1, t);
-  const double bc2 = 1.0 - pow(h.beta2, t);
-  AdamWScalars s;
-  s.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
-  s.lerp_weight = static_cast<float>(1.0 - h.beta1);
-  s.beta2 = static_cast<float>(h.beta2);
-  s.one_minus_b2 = static_cast<float>(1.0 - h.beta2);
-  s.neg_step_size = static_cast<float>(-(h.lr / bc1));
-  s.bc2_sqrt = static_cast<float>(sqrt(bc2));
-  s.eps = static_cast<float>(h.eps);
-  s.amsgrad = h.amsgrad != 0;
-  s.maximize = h.maximize != 0;
-  s.small = fabsf(s.lerp_weight) < 0.5f;
-  return s;
-}
-
-__device__ __forceinline__ void adamw_element(const AdamWScalars& s, float& p, float g, float& m, float& v, float* mx) {
-  if (s.maximize) g = -g;
-  float pv = p * s.decay;
-  const float mv = lerp(m, g, s.lerp_weight, s.small);
-  float vv = v * s.beta2;
-  vv = fmaf(s.one_minus_b2 * g, g, vv);
-  float vden = vv;
-  if (s.amsgrad) {
-    const float old = *mx;
-    vden = (old > vv || isnan(old)) ? old : vv;
-    *mx = vden;
-  }
-  const float denom = sqrtf(vden) / s.bc2_sqrt + s.eps;
-  p = pv + (s.neg_step_size * mv) / denom;
-  m = mv;
-  v = vv;
-}
+using namespace math;
 
 __global__ void increment_steps_adamw(const AdamWTensor* ts, size_t n) {
   const size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
@@ -137,63 +77,10 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(const AdamWTensor* ts, 
 
 // ---- AdamW8bit ----
 
-struct Scalars8 {
-  float lr, lr_wd, w1, w2, bc1, bc2_sqrt, eps;
-  bool amsgrad, small1, small2;
-};
-
-// adamw8bit_step_scalars: torchao's float32 lr/step tensors, fp32 products and powf.
-__device__ Scalars8 scalars8(const Hyper& h, float step) {
-  Scalars8 s;
-  s.lr = static_cast<float>(h.lr);
-  s.lr_wd = s.lr * static_cast<float>(h.weight_decay);
-  s.w1 = static_cast<float>(1.0 - h.beta1);
-  s.w2 = static_cast<float>(1.0 - h.beta2);
-  // powf on the device may differ from glibc's in the last bit; computing it in double and
-  // rounding matches a correctly rounded powf, which glibc's is for these arguments in practice.
-  s.bc1 = 1.0f - static_cast<float>(pow(static_cast<double>(static_cast<float>(h.beta1)), static_cast<double>(step)));
-  s.bc2_sqrt =
-      sqrtf(1.0f - static_cast<float>(pow(static_cast<double>(static_cast<float>(h.beta2)), static_cast<double>(step))));
-  s.eps = static_cast<float>(h.eps);
-  s.amsgrad = h.amsgrad != 0;
-  s.small1 = fabsf(s.w1) < 0.5f;
-  s.small2 = fabsf(s.w2) < 0.5f;
-  return s;
-}
-
-__device__ __forceinline__ void update8(const Scalars8& s, float& p, float g, float& m, float& v, float* vmax) {
-  p = p - s.lr_wd * p;
-  const float mi = lerp(m, g, s.w1, s.small1);
-  const float vi = lerp(v, g * g, s.w2, s.small2);
-  float vd = vi;
-  if (s.amsgrad) {
-    const float old = *vmax;
-    vd = (old > vi || isnan(old)) ? old : vi;
-    *vmax = vd;
-  }
-  const float denom = sqrtf(vd) / s.bc2_sqrt + s.eps;
-  p = p - (s.lr * (mi / s.bc1)) / denom;
-  m = mi;
-  v = vi;
-}
-
-// quantize_scaled_reference: the largest c with map[c] <= x, rounded up at the midpoint (ties up).
-__device__ __forceinline__ uint8_t quantize(float x, const float* map) {
-  int c = x >= map[128] ? 128 : 0;
-#pragma unroll
-  for (int half = 64; half >= 1; half /= 2) c += x >= map[c + half] ? half : 0;
-  const int up = c + 1 < 255 ? c + 1 : 255;
-  const float down_v = map[c], up_v = map[up];
-  if (x - down_v >= (up_v - down_v) * 0.5f) c = up;
-  return static_cast<uint8_t>(c);
-}
-
 // max |x| as bit patterns over the warp (NaN above inf), clipped to 1e-12; NaN propagates.
 __device__ __forceinline__ float warp_scale(uint32_t local_max) {
   for (int o = 16; o > 0; o /= 2) local_max = max(local_max, __shfl_xor_sync(0xffffffffu, local_max, o));
-  if (local_max > 0x7f800000u) return __uint_as_float(0x7fc00000u);
-  const float f = __uint_as_float(local_max);
-  return f > 1e-12f ? f : 1e-12f;
+  return scale_from_bits(local_max);
 }
 
 // One warp per quantization block; the updated moments wait in shared memory for their new absmax.

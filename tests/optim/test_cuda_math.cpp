@@ -1,0 +1,166 @@
+// The CUDA kernels' element math (optim/cuda/optim_cuda_math.h), compiled here for the host, gives
+// the CPU kernels' bits: same inputs, same step scalars, every param, moment, code and absmax equal.
+// This proves the operation order on any machine; the GPU check then only has to show the device
+// computes what the host does (IEEE ops, no contraction: -fmad=false).
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "adamw8bit_kernel.h"
+#include "adamw_kernel.h"
+#include "cuda/optim_cuda_math.h"
+#include "optstate/dtype.h"
+#include "optstate/quant8.h"
+
+using namespace optstate;
+using namespace optstate::optim;
+namespace cm = optstate::optim::cuda::math;
+
+namespace {
+
+std::vector<float> randn(size_t n, float scale, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
+  std::vector<uint16_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = f32_to_bf16(v[i]);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("CUDA FusedAdamW math == CPU kernel, bit for bit (fp32/bf16, amsgrad, maximize, 3 steps)") {
+  const int64_t n = 1037;
+  for (int bf16 = 0; bf16 < 2; ++bf16)
+    for (int ams = 0; ams < 2; ++ams)
+      for (int maxi = 0; maxi < 2; ++maxi) {
+        CAPTURE(bf16);
+        CAPTURE(ams);
+        CAPTURE(maxi);
+        const AdamWHyper h{1e-2, 0.9, 0.999, 1e-8, 0.1, ams != 0, maxi != 0};
+        const cuda::Hyper dh{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, ams, maxi};
+        auto p32 = randn(n, 1.0f, 1), m = randn(n, 1e-2f, 2), v = randn(n, 1e-3f, 3);
+        for (auto& x : v) x = x * x;
+        std::vector<float> mx = v;
+        auto pb = to_bf16(p32);
+        auto p32b = p32;
+        auto pbb = pb;
+        auto mb = m, vb = v, mxb = mx;
+        for (int step = 1; step <= 3; ++step) {
+          auto g32 = randn(n, 0.1f, 10 + step);
+          auto gb = to_bf16(g32);
+          AdamWTensor t{};
+          t.param = bf16 ? static_cast<void*>(pb.data()) : p32.data();
+          t.grad = bf16 ? static_cast<const void*>(gb.data()) : g32.data();
+          t.exp_avg = m.data();
+          t.exp_avg_sq = v.data();
+          t.max_exp_avg_sq = mx.data();
+          t.numel = n;
+          t.kind = bf16 ? ParamKind::kBF16 : ParamKind::kF32;
+          t.s = adamw_step_scalars(h, step);
+          adamw_cpu(std::span(&t, 1), CpuIsa::kGeneric);
+          const cm::AdamWScalars s = cm::adamw_scalars(dh, static_cast<float>(step));
+          const cuda::Param kind = bf16 ? cuda::Param::kBF16 : cuda::Param::kF32;
+          void* pp = bf16 ? static_cast<void*>(pbb.data()) : p32b.data();
+          for (int64_t i = 0; i < n; ++i) {
+            float p = cm::load_value(pp, i, kind);
+            const float g = cm::load_value(t.grad, i, kind);
+            cm::adamw_element(s, p, g, mb[i], vb[i], &mxb[i]);
+            cm::store_value(pp, i, p, kind);
+          }
+        }
+        CHECK(std::memcmp(m.data(), mb.data(), n * 4) == 0);
+        CHECK(std::memcmp(v.data(), vb.data(), n * 4) == 0);
+        if (ams) CHECK(std::memcmp(mx.data(), mxb.data(), n * 4) == 0);
+        if (bf16) CHECK(std::memcmp(pb.data(), pbb.data(), n * 2) == 0);
+        else CHECK(std::memcmp(p32.data(), p32b.data(), n * 4) == 0);
+      }
+}
+
+TEST_CASE("CUDA AdamW8bit math == CPU kernel, bit for bit (blocks of 64 and 256, partial last block, amsgrad)") {
+  const int64_t n = 5000;
+  const float* smap = qmap_table(QMap::kDynamicSigned).data();
+  const float* umap = qmap_table(QMap::kDynamicUnsigned).data();
+  for (int64_t block : {int64_t{64}, int64_t{256}})
+    for (int ams = 0; ams < 2; ++ams) {
+      CAPTURE(block);
+      CAPTURE(ams);
+      const int64_t nb = (n + block - 1) / block;
+      const AdamWHyper h{1e-3, 0.9, 0.999, 1e-8, 0.01, ams != 0, false};
+      const cuda::Hyper dh{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, ams, 0};
+      // State from quantizing real moments, as after a few steps.
+      auto m0 = randn(n, 1e-2f, 4), v0 = randn(n, 1e-3f, 5);
+      for (auto& x : v0) x = x * x;
+      std::vector<uint8_t> mc(n), vc(n), xc(n);
+      std::vector<float> ma(nb), va(nb), xa(nb);
+      quantize_blockwise(m0, block, QMap::kDynamicSigned, mc, ma);
+      quantize_blockwise(v0, block, QMap::kDynamicUnsigned, vc, va);
+      quantize_blockwise(v0, block, QMap::kDynamicUnsigned, xc, xa);
+      auto p = randn(n, 1.0f, 6);
+      auto mc2 = mc, vc2 = vc, xc2 = xc;
+      auto ma2 = ma, va2 = va, xa2 = xa;
+      auto p2 = p;
+      for (int step = 1; step <= 3; ++step) {
+        auto g = randn(n, 0.1f, 20 + step);
+        AdamW8bitTensor t{};
+        t.param = p.data();
+        t.grad = g.data();
+        t.kind = ParamKind::kF32;
+        t.numel = n;
+        t.block = block;
+        t.m_codes = mc.data();
+        t.v_codes = vc.data();
+        t.vmax_codes = xc.data();
+        t.m_absmax = ma.data();
+        t.v_absmax = va.data();
+        t.vmax_absmax = xa.data();
+        t.s = adamw8bit_step_scalars(h, static_cast<float>(step));
+        adamw8bit_cpu(std::span(&t, 1), CpuIsa::kGeneric);
+        // The kernel's per-block sequence, on the host.
+        const cm::Scalars8 s = cm::scalars8(dh, static_cast<float>(step));
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t off = b * block, len = std::min(block, n - off);
+          std::vector<float> M(len), V(len), X(len);
+          uint32_t mm = 0, vm = 0, xm = 0;
+          for (int64_t i = 0; i < len; ++i) {
+            float mi = smap[mc2[off + i]] * ma2[b], vi = umap[vc2[off + i]] * va2[b];
+            float xi = ams ? umap[xc2[off + i]] * xa2[b] : 0.0f;
+            float pi = p2[off + i];
+            cm::update8(s, pi, g[off + i], mi, vi, &xi);
+            p2[off + i] = pi;
+            M[i] = mi;
+            V[i] = vi;
+            X[i] = xi;
+            mm = std::max(mm, cm::float_bits(mi) & 0x7fffffffu);
+            vm = std::max(vm, cm::float_bits(vi) & 0x7fffffffu);
+            xm = std::max(xm, cm::float_bits(xi) & 0x7fffffffu);
+          }
+          const float nm = cm::scale_from_bits(mm), nv = cm::scale_from_bits(vm), nx = cm::scale_from_bits(xm);
+          for (int64_t i = 0; i < len; ++i) {
+            mc2[off + i] = cm::quantize(M[i] / nm, smap);
+            vc2[off + i] = cm::quantize(V[i] / nv, umap);
+            if (ams) xc2[off + i] = cm::quantize(X[i] / nx, umap);
+          }
+          ma2[b] = nm;
+          va2[b] = nv;
+          if (ams) xa2[b] = nx;
+        }
+      }
+      CHECK(mc == mc2);
+      CHECK(vc == vc2);
+      CHECK(std::memcmp(ma.data(), ma2.data(), nb * 4) == 0);
+      CHECK(std::memcmp(va.data(), va2.data(), nb * 4) == 0);
+      if (ams) {
+        CHECK(xc == xc2);
+        CHECK(std::memcmp(xa.data(), xa2.data(), nb * 4) == 0);
+      }
+      CHECK(std::memcmp(p.data(), p2.data(), n * 4) == 0);
+    }
+}

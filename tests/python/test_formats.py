@@ -286,3 +286,31 @@ def test_truncated_or_garbled_dcp_names_the_item(tmp_path, optstate_cli):
     md.storage_data[idx].relative_path = "../../etc/passwd"
     (bad / ".metadata").write_bytes(pickle.dumps(md))
     assert "optim.state.0.weight.exp_avg" in run_err(optstate_cli, "inspect", bad)
+
+
+def test_optstate_load_resumes_its_optimizers_from_torch_and_torchao_dcp(tmp_path):
+    """optstate.load reads any detected format: a torch AdamW DCP into FusedAdamW, a torchao 8-bit
+    DCP into AdamW8bit (codes taken as stored)."""
+    import optstate
+    ref_dcp = make_dcp(tmp_path, "fp32")
+    ref = torch.load(str(ref_dcp) + ".ref.pt")
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 97), torch.nn.GELU(), torch.nn.Linear(97, 3))
+    opt = optstate.FusedAdamW(model.parameters())
+    optstate.load(ref_dcp, model, opt)
+    assert opt.param_groups[0]["weight_decay"] == 0.05
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), ref[name + ".param"])
+        assert torch.equal(opt.state[p]["exp_avg_sq"], ref[name + ".exp_avg_sq"])
+        assert opt.state[p]["step"].item() == 3
+    assert optstate.verify(ref_dcp, model, opt) == []
+    pytest.importorskip("torchao")
+    ao = make_dcp(tmp_path, "ao")
+    ref8 = torch.load(str(ao) + ".ref.pt")
+    model8 = torch.nn.Sequential(torch.nn.Linear(64, 97), torch.nn.GELU(), torch.nn.Linear(97, 3))
+    opt8 = optstate.AdamW8bit(model8.parameters(), block_size=64)
+    optstate.load(ao, model8, opt8)
+    st = opt8.state[model8[0].weight]
+    deq = optstate.ops.dequantize_blockwise(st["exp_avg_codes"], st["exp_avg_absmax"], 64, "dynamic-signed")
+    assert torch.equal(deq, ref8["0.weight.exp_avg"].float())
+    assert optstate.verify(ao, model8, opt8) == []

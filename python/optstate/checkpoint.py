@@ -28,6 +28,14 @@ def _kind(optimizer):
     raise TypeError(f"optstate: unsupported optimizer {type(optimizer).__name__}")
 
 
+def _is_dtensor(t):
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
 def _params(model, optimizer):
     """(group index, optimizer tensor, fqn, whole param) for every param of the optimizer, in order."""
     if isinstance(model, ShardedParams):
@@ -37,6 +45,11 @@ def _params(model, optimizer):
     out = []
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
+            if _is_dtensor(p):
+                raise NotImplementedError(
+                    "optstate: DTensor (FSDP2/TP) parameters are not saved by optstate.save yet; save them with "
+                    "torch.distributed.checkpoint and read or convert that with optstate (a DCP of any number of "
+                    "ranks is read), or shard the optimizer with optstate.ShardedParams")
             if id(p) not in lookup:
                 raise ValueError("optstate: the optimizer holds a parameter that is not in the model"
                                  + (" (pass ShardedParams.parameters() to the optimizer)"

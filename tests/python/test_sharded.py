@@ -96,3 +96,27 @@ def test_verify_names_what_differs_after_a_load(tmp_path):
     assert len(problems) == 2, problems
     assert "param '0.weight': step live 3" in problems[0]
     assert "'0.weight.exp_avg' codes (rank 0 of 1): differs" in problems[1] and "element 7" in problems[1]
+
+
+FSDP2_SCRIPT = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist, optstate
+    from torch.distributed.fsdp import fully_shard
+    dist.init_process_group("gloo")
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 2))
+    fully_shard(model)
+    opt = optstate.FusedAdamW(model.parameters())
+    try:
+        optstate.save(sys.argv[1], model, opt)
+    except NotImplementedError as e:
+        assert "DTensor" in str(e) and "torch.distributed.checkpoint" in str(e), e
+        print("refused")
+    dist.destroy_process_group()
+""")
+
+
+def test_fsdp2_dtensor_params_are_refused_with_a_way_out(tmp_path):
+    script = tmp_path / "fsdp2.py"
+    script.write_text(FSDP2_SCRIPT)
+    out = torchrun(2, tmp_path / "ck", script=script)
+    assert out.count("refused") == 2
+    assert not (tmp_path / "ck").exists()

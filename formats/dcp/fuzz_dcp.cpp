@@ -8,6 +8,7 @@
 #include <random>
 #include <string>
 
+#include "fuzz_mutate.h"
 #include "dcp_layout.h"
 #include "pickle.h"
 #include "zip.h"
@@ -61,17 +62,7 @@ int main(int argc, char** argv) {
   std::mt19937_64 rng(argc > 4 ? std::strtoull(argv[4], nullptr, 10) : 1);
   for (long i = 0; i < iterations; ++i) {
     std::string s = seeds[i % 2];
-    const int edits = 1 + static_cast<int>(rng() % 4);
-    for (int e = 0; e < edits && !s.empty(); ++e) {
-      const size_t at = rng() % s.size();
-      switch (rng() % 5) {
-        case 0: s[at] = static_cast<char>(s[at] ^ (1 << (rng() % 8))); break;
-        case 1: s[at] = static_cast<char>(rng()); break;
-        case 2: s.erase(at, rng() % 16); break;
-        case 3: s.insert(at, s.substr(rng() % s.size(), rng() % 32)); break;
-        case 4: s.resize(at); break;
-      }
-    }
+    optstate::fuzz::mutate(s, rng, {});
     LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(s.data()), s.size());
   }
   std::printf("fuzz.dcp: %ld inputs, no crash\n", iterations);

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "fuzz_mutate.h"
 #include "native_manifest.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -41,17 +42,7 @@ int main(int argc, char** argv) {
   long parsed = 0;
   for (long i = 0; i < iterations; ++i) {
     std::string s = seed;
-    const int edits = 1 + static_cast<int>(rng() % 4);
-    for (int e = 0; e < edits && !s.empty(); ++e) {
-      const size_t at = rng() % s.size();
-      switch (rng() % 5) {
-        case 0: s[at] = static_cast<char>(s[at] ^ (1 << (rng() % 8))); break;
-        case 1: s[at] = "0123456789-.e\"{}[],:"[rng() % 21]; break;
-        case 2: s.erase(at, rng() % 16); break;
-        case 3: s.insert(at, s.substr(rng() % s.size(), rng() % 32)); break;
-        case 4: s.resize(at); break;
-      }
-    }
+    optstate::fuzz::mutate(s, rng, optstate::fuzz::kJsonAlphabet);
     if (i % 10 == 0) {  // re-sign: replace the checksum by the one the parser would compute
       auto res = optstate::native::resign_manifest_for_tests(s);
       if (res) s = *res;

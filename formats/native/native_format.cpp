@@ -109,12 +109,16 @@ class NativeReader final : public CheckpointReader {
     const uint64_t got = XXH3_64bits_digest(st);
     XXH3_freeState(st);
     OPTSTATE_RETURN_IF_ERROR(status.with_context(fmt::format("entry '{}'", entry_key(fqn, entry))));
-    if (got != ch.xxh3)
-      return corrupt(fmt::format("{}: checksum mismatch in bytes [{}, {}) holding entry '{}' {} [{}, {}): "
-                                 "manifest says {}, data gives {}",
-                                 file->path().string(), ch.offset, ch.offset + ch.length, entry_key(fqn, entry),
-                                 component_name(c), ch.begin, ch.end, u64_hex(ch.xxh3), u64_hex(got)));
-    return Status::Ok();
+    return check_sum(*file, ch, fqn, entry, c, got);
+  }
+
+  static Status check_sum(const InputFile& file, const Chunk& ch, const std::string& fqn, const std::string& entry,
+                          Component c, uint64_t got) {
+    if (got == ch.xxh3) return Status::Ok();
+    return corrupt(fmt::format("{}: checksum mismatch in bytes [{}, {}) holding entry '{}' {} [{}, {}): "
+                               "manifest says {}, data gives {}",
+                               file.path().string(), ch.offset, ch.offset + ch.length, entry_key(fqn, entry),
+                               component_name(c), ch.begin, ch.end, u64_hex(ch.xxh3), u64_hex(got)));
   }
 
   Status read_chunk_into(const Chunk& ch, const std::string& fqn, const std::string& entry, Component c,
@@ -122,13 +126,7 @@ class NativeReader final : public CheckpointReader {
     OPTSTATE_ASSIGN_OR_RETURN(const InputFile* file, open_file(ch.file));
     OPTSTATE_RETURN_IF_ERROR(
         file->read_at(ch.offset, dst).with_context(fmt::format("entry '{}'", entry_key(fqn, entry))));
-    const uint64_t got = xxh3_64(dst);
-    if (got != ch.xxh3)
-      return corrupt(fmt::format("{}: checksum mismatch in bytes [{}, {}) holding entry '{}' {} [{}, {}): "
-                                 "manifest says {}, data gives {}",
-                                 file->path().string(), ch.offset, ch.offset + ch.length, entry_key(fqn, entry),
-                                 component_name(c), ch.begin, ch.end, u64_hex(ch.xxh3), u64_hex(got)));
-    return Status::Ok();
+    return check_sum(*file, ch, fqn, entry, c, xxh3_64(dst));
   }
 
   Result<const InputFile*> open_file(size_t index) {

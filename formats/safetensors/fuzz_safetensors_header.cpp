@@ -7,6 +7,7 @@
 #include <random>
 #include <string>
 
+#include "fuzz_mutate.h"
 #include "optstate/state_json.h"
 #include "safetensors_layout.h"
 
@@ -49,17 +50,7 @@ int main(int argc, char** argv) {
   long parsed = 0;
   for (long i = 0; i < iterations; ++i) {
     std::string s = seed;
-    const int edits = 1 + static_cast<int>(rng() % 4);
-    for (int k = 0; k < edits && !s.empty(); ++k) {
-      const size_t at = rng() % s.size();
-      switch (rng() % 5) {
-        case 0: s[at] = static_cast<char>(s[at] ^ (1 << (rng() % 8))); break;
-        case 1: s[at] = "0123456789-.e\"{}[],:"[rng() % 21]; break;
-        case 2: s.erase(at, rng() % 16); break;
-        case 3: s.insert(at, s.substr(rng() % s.size(), rng() % 32)); break;
-        case 4: s.resize(at); break;
-      }
-    }
+    optstate::fuzz::mutate(s, rng, optstate::fuzz::kJsonAlphabet);
     const auto* d = reinterpret_cast<const uint8_t*>(s.data());
     auto n = safetensors::parse_header_length(std::as_bytes(std::span(d, s.size())), s.size(), "/fuzz");
     parsed += n.ok() && safetensors::parse_header(std::as_bytes(std::span(d, s.size())).subspan(8, *n),

@@ -6,51 +6,14 @@
 
 #include "optstate/hash.h"
 #include "optstate/io.h"
+#include "optstate/json_fields.h"
 
 namespace optstate::native {
 namespace {
 
 using json = nlohmann::json;
 
-// Field access that turns a missing or mistyped field into a corrupt error naming it.
-struct Fields {
-  const json& j;
-  std::string where;
-
-  Result<const json*> get(const char* key, json::value_t type) const {
-    if (!j.is_object()) return corrupt(fmt::format("{}: expected an object", where));
-    auto it = j.find(key);
-    if (it == j.end()) return corrupt(fmt::format("{}: missing field '{}'", where, key));
-    const bool ok = type == json::value_t::number_integer ? it->is_number_integer()
-                    : type == json::value_t::number_float ? it->is_number()
-                                                          : it->type() == type;
-    if (!ok) return corrupt(fmt::format("{}: field '{}' has the wrong type", where, key));
-    return &*it;
-  }
-  Result<int64_t> i64(const char* key) const {
-    OPTSTATE_ASSIGN_OR_RETURN(const json* v, get(key, json::value_t::number_integer));
-    if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
-      return corrupt(fmt::format("{}: field '{}' is out of range", where, key));
-    return v->get<int64_t>();
-  }
-  Result<uint64_t> u64(const char* key) const {
-    OPTSTATE_ASSIGN_OR_RETURN(int64_t v, i64(key));
-    if (v < 0) return corrupt(fmt::format("{}: field '{}' is negative", where, key));
-    return static_cast<uint64_t>(v);
-  }
-  Result<double> f64(const char* key) const {
-    OPTSTATE_ASSIGN_OR_RETURN(const json* v, get(key, json::value_t::number_float));
-    return v->get<double>();
-  }
-  Result<bool> boolean(const char* key) const {
-    OPTSTATE_ASSIGN_OR_RETURN(const json* v, get(key, json::value_t::boolean));
-    return v->get<bool>();
-  }
-  Result<std::string> str(const char* key) const {
-    OPTSTATE_ASSIGN_OR_RETURN(const json* v, get(key, json::value_t::string));
-    return v->get<std::string>();
-  }
-};
+using Fields = JsonFields;
 
 Result<uint64_t> parse_hex64(const std::string& s, const std::string& where) {
   if (s.size() != 16) return corrupt(fmt::format("{}: checksum '{}' is not 16 hex digits", where, s));
@@ -69,21 +32,6 @@ std::string body_checksum(json body) {
   return xxh3_64_hex(std::as_bytes(std::span(text)));
 }
 
-Result<Hyperparameters> parse_hyper(const Fields& f) {
-  Hyperparameters h;
-  OPTSTATE_ASSIGN_OR_RETURN(h.lr, f.f64("lr"));
-  OPTSTATE_ASSIGN_OR_RETURN(const json* betas, f.get("betas", json::value_t::array));
-  if (betas->size() != 2 || !(*betas)[0].is_number() || !(*betas)[1].is_number())
-    return corrupt(fmt::format("{}: 'betas' must be two numbers", f.where));
-  h.beta1 = (*betas)[0].get<double>();
-  h.beta2 = (*betas)[1].get<double>();
-  OPTSTATE_ASSIGN_OR_RETURN(h.eps, f.f64("eps"));
-  OPTSTATE_ASSIGN_OR_RETURN(h.weight_decay, f.f64("weight_decay"));
-  OPTSTATE_ASSIGN_OR_RETURN(h.amsgrad, f.boolean("amsgrad"));
-  OPTSTATE_ASSIGN_OR_RETURN(h.maximize, f.boolean("maximize"));
-  return h;
-}
-
 Result<Manifest> parse_body(const json& root, const std::filesystem::path& dir, const std::string& mpath) {
   Manifest m;
   Fields top{root, mpath};
@@ -94,13 +42,7 @@ Result<Manifest> parse_body(const json& root, const std::filesystem::path& dir, 
   if (groups->size() > 100000) return corrupt(mpath + ": too many param groups");
   for (size_t g = 0; g < groups->size(); ++g) {
     Fields fg{(*groups)[g], fmt::format("{}: param_groups[{}]", mpath, g)};
-    ParamGroup group;
-    OPTSTATE_ASSIGN_OR_RETURN(group.hyper, parse_hyper(fg));
-    OPTSTATE_ASSIGN_OR_RETURN(const json* members, fg.get("params", json::value_t::array));
-    for (const json& name : *members) {
-      if (!name.is_string()) return corrupt(fg.where + ": 'params' must hold strings");
-      group.params.push_back(name.get<std::string>());
-    }
+    OPTSTATE_ASSIGN_OR_RETURN(ParamGroup group, param_group_from_json(fg));
     m.state.groups.push_back(std::move(group));
   }
 
@@ -246,16 +188,7 @@ std::string serialize_manifest(const Manifest& m) {
   root["format"] = kFormatTag;
   root["version"] = kManifestVersion;
   json groups = json::array();
-  for (const ParamGroup& g : m.state.groups) {
-    const Hyperparameters& h = g.hyper;
-    groups.push_back({{"lr", h.lr},
-                      {"betas", {h.beta1, h.beta2}},
-                      {"eps", h.eps},
-                      {"weight_decay", h.weight_decay},
-                      {"amsgrad", h.amsgrad},
-                      {"maximize", h.maximize},
-                      {"params", g.params}});
-  }
+  for (const ParamGroup& g : m.state.groups) groups.push_back(param_group_to_json(g));
   root["optimizer"] = {{"kind", m.state.kind}, {"state_version", m.state.format_version}, {"param_groups", groups}};
   json files = json::array();
   for (const DataFile& f : m.files) files.push_back({{"path", f.rel_path}, {"size", f.size}});

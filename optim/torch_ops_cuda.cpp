@@ -38,8 +38,9 @@ void put_hyper(Cached& c, const cuda::Hyper& h, cudaStream_t s) {
 void ensure_maps() {
   static std::once_flag once;
   std::call_once(once, [] {
-    check(cuda::set_qmaps(qmap_table(QMap::kDynamicSigned).data(), qmap_table(QMap::kDynamicUnsigned).data()),
-          "quantization maps");
+    const Quantizer& s = Quantizer::get(QMap::kDynamicSigned);
+    const Quantizer& u = Quantizer::get(QMap::kDynamicUnsigned);
+    check(cuda::set_qmaps(s.map(), u.map(), s.thresholds(), u.thresholds()), "quantization tables");
   });
 }
 

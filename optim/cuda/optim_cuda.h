@@ -27,6 +27,7 @@ struct AdamWTensor {
   float* step;  // device fp32 scalar, incremented by the step
   int64_t numel;
   Param kind;
+  uint8_t vec;  // set by the plan: every pointer allows 4-element vector loads/stores
 };
 
 struct AdamW8bitTensor {
@@ -39,6 +40,7 @@ struct AdamW8bitTensor {
   float *m_absmax, *v_absmax, *vmax_absmax;
   float *m, *v, *vmax;
   Param kind;
+  uint8_t fast;  // set by the plan: block <= 256, a multiple of 4, pointers aligned for vector access
 };
 
 // The device-side tables of one set of tensors (uploaded once; reused while the tensors are).
@@ -48,21 +50,33 @@ class Plan {
   size_t tensors() const { return n_; }
 
  private:
-  friend std::unique_ptr<Plan> make_adamw_plan(const std::vector<AdamWTensor>&, void*);
-  friend std::unique_ptr<Plan> make_adamw8bit_plan(const std::vector<AdamW8bitTensor>&, void*);
+  friend std::unique_ptr<Plan> make_adamw_plan(const std::vector<AdamWTensor>&, void*, int64_t);
+  friend std::unique_ptr<Plan> make_adamw8bit_plan(const std::vector<AdamW8bitTensor>&, void*, int64_t);
   friend int adamw_step(const Plan&, const Hyper*, void*);
   friend int adamw8bit_step(const Plan&, const Hyper*, void*);
+  // Device copies of the tensor and work tables, room for the per-tensor scalars.
+  int allocate(const void* tensors, size_t tensor_bytes, const void* work, size_t work_bytes, size_t scalar_bytes,
+               void* stream);
   void* tensors_ = nullptr;  // device array of AdamWTensor / AdamW8bitTensor
   void* work_ = nullptr;     // device array of work items
+  void* scalars_ = nullptr;  // device array: each tensor's step scalars, computed at the step's start
   size_t n_ = 0, work_items_ = 0;
-  bool eight_ = false;
+  bool eight_ = false, amsgrad_ = false;
 };
 
-// Build the plan (cudaMalloc + copies on `stream`); nullptr on a CUDA error.
-std::unique_ptr<Plan> make_adamw_plan(const std::vector<AdamWTensor>& tensors, void* stream);
-std::unique_ptr<Plan> make_adamw8bit_plan(const std::vector<AdamW8bitTensor>& tensors, void* stream);
+// Elements per work item (one CUDA block's share): a tuning knob for the GPU check; rounded to a
+// multiple of 1024. The default suits an H200 (~19k items for a 1.2B-parameter set).
+inline constexpr int64_t kDefaultChunk = int64_t{1} << 16;
 
-// One optimizer step: increments every step counter, then one launch updates every tensor.
+// Build the plan (cudaMalloc + copies on `stream`); nullptr on a CUDA error. 8-bit blocks of any
+// size: up to 256 (a multiple of 4, aligned) take the register path, others a two-pass path.
+std::unique_ptr<Plan> make_adamw_plan(const std::vector<AdamWTensor>& tensors, void* stream,
+                                      int64_t chunk = kDefaultChunk);
+std::unique_ptr<Plan> make_adamw8bit_plan(const std::vector<AdamW8bitTensor>& tensors, void* stream,
+                                          int64_t chunk = kDefaultChunk);
+
+// One optimizer step: a small launch increments every step counter and computes each tensor's step
+// scalars (bias corrections) into the plan; then one launch updates every tensor.
 // Returns a cudaError_t value (0: success). `hyper` is a device pointer.
 int adamw_step(const Plan& plan, const Hyper* hyper, void* stream);
 int adamw8bit_step(const Plan& plan, const Hyper* hyper, void* stream);
@@ -71,7 +85,10 @@ int adamw8bit_step(const Plan& plan, const Hyper* hyper, void* stream);
 // cudaMemcpyAsync would synchronize), and a CUDA graph can capture it.
 int store_hyper(Hyper* device_hyper, const Hyper& h, void* stream);
 
-// Sets the 256-entry maps the 8-bit kernel quantizes with (copied to constant memory once).
-int set_qmaps(const float* signed_map, const float* unsigned_map);
+// Sets the 8-bit kernel's tables (device memory, copied to each CUDA block's shared memory): the
+// two 256-entry maps and their quantization thresholds t[0..254] (Quantizer::thresholds(): the
+// least float whose code exceeds c), from which the bucket tables are built.
+int set_qmaps(const float* signed_map, const float* unsigned_map, const float* signed_thresholds,
+              const float* unsigned_thresholds);
 
 }  // namespace optstate::optim::cuda

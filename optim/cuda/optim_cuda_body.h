@@ -1,0 +1,394 @@
+// The CUDA kernels' bodies: what one thread (FusedAdamW, dense 8-bit state) or one lane of a warp
+// (blockwise 8-bit state) does with its share of a work item, and the host-side work list. Compiled
+// for the device by optim_cuda.cu and for the host by tests/optim/test_cuda_emulated.cpp, which runs
+// every thread and lane of every work item in turn (a warp's max reduction between the two lane
+// phases) and checks the result against the CPU kernels bit for bit: indexing, vector paths, partial
+// blocks and the quantizer are proven on any machine; the GPU adds only the launch and the shuffles.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "optim_cuda.h"
+#include "optim_cuda_math.h"
+
+#if defined(__CUDACC__)
+#define OPTSTATE_UNROLL _Pragma("unroll")
+#else
+#define OPTSTATE_UNROLL
+#endif
+
+namespace optstate::optim::cuda::body {
+
+using namespace math;
+
+constexpr int kThreads = 256;              // threads per CUDA block
+constexpr int kWarps = kThreads / 32;      // warps per CUDA block (8-bit: one quantization block each)
+constexpr int kMaxFastBlock8 = 256;        // 8-bit register path: 2 groups of 4 elements per lane
+constexpr int kGroups8 = kMaxFastBlock8 / 128;
+
+struct Work {
+  uint32_t tensor;
+  int64_t begin, end;  // elements (FusedAdamW, dense 8-bit state) or quantization blocks (8-bit)
+};
+
+// ---- host: the work list and the per-tensor flags ----
+
+inline bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
+
+inline int64_t round_chunk(int64_t chunk) {
+  chunk = (chunk + 1023) / 1024 * 1024;
+  return chunk < 1024 ? 1024 : chunk;
+}
+
+// Items of at most `chunk` elements; sets each tensor's vector flag.
+inline std::vector<Work> adamw_work(std::vector<AdamWTensor>& ts, int64_t chunk) {
+  chunk = round_chunk(chunk);
+  std::vector<Work> work;
+  for (size_t k = 0; k < ts.size(); ++k) {
+    AdamWTensor& t = ts[k];
+    const uintptr_t pa = t.kind == Param::kF32 ? 16 : 8;
+    t.vec = aligned(t.param, pa) && aligned(t.grad, pa) && aligned(t.exp_avg, 16) && aligned(t.exp_avg_sq, 16) &&
+            (t.max_exp_avg_sq == nullptr || aligned(t.max_exp_avg_sq, 16));
+    for (int64_t b = 0; b < t.numel; b += chunk)
+      work.push_back({static_cast<uint32_t>(k), b, b + chunk < t.numel ? b + chunk : t.numel});
+  }
+  return work;
+}
+
+// Items of about `chunk` elements: whole quantization blocks (at least one), or element ranges for
+// dense state. Sets each tensor's register-path flag.
+inline std::vector<Work> adamw8bit_work(std::vector<AdamW8bitTensor>& ts, int64_t chunk) {
+  chunk = round_chunk(chunk);
+  std::vector<Work> work;
+  for (size_t k = 0; k < ts.size(); ++k) {
+    AdamW8bitTensor& t = ts[k];
+    if (t.block == 0) {
+      t.fast = 0;
+      for (int64_t b = 0; b < t.numel; b += chunk)
+        work.push_back({static_cast<uint32_t>(k), b, b + chunk < t.numel ? b + chunk : t.numel});
+      continue;
+    }
+    const uintptr_t pa = t.kind == Param::kF32 ? 16 : 8;
+    t.fast = t.block <= kMaxFastBlock8 && t.block % 4 == 0 && aligned(t.param, pa) && aligned(t.grad, pa) &&
+             aligned(t.m_codes, 4) && aligned(t.v_codes, 4) && (t.vmax_codes == nullptr || aligned(t.vmax_codes, 4));
+    const int64_t blocks = (t.numel + t.block - 1) / t.block;
+    const int64_t per = chunk / t.block > 0 ? chunk / t.block : 1;
+    for (int64_t b = 0; b < blocks; b += per)
+      work.push_back({static_cast<uint32_t>(k), b, b + per < blocks ? b + per : blocks});
+  }
+  return work;
+}
+
+// The quantizer as bucket tables. The code of x is the number of thresholds t[c] <= x (t sorted;
+// t[c] is the least float whose reference code exceeds c; Quantizer::thresholds()). Buckets are
+// 64 per binade by the top bits of |x| and its sign; magnitudes below 2^-24 share a bucket (the
+// maps' smallest thresholds are near 2^-22), |x| <= 1 always (x = moment / block absmax). A bucket
+// holds at most two thresholds (checked when the tables are built), so
+//   code = low[bucket] + (x >= t[low]) + (x >= t[low + 1])
+// is exact, as the CPU's 2^16-entry table is; NaN gives 0. About 15 instructions where an 8-step
+// search takes 45, and the tables fit in shared memory (12.5 KB with the maps).
+constexpr uint32_t kQMagLow = 103u << 6;                          // 2^-24 in units of 1/64 binade
+constexpr int kQBuckets = static_cast<int>((127u << 6) + 64 - kQMagLow);  // per sign, up to |x| < 2
+
+OPTSTATE_HD int q_bucket(uint32_t bits) {
+  uint32_t k = (bits & 0x7fffffffu) >> 17;
+  k = k < kQMagLow ? kQMagLow : k;
+  k = k > kQMagLow + kQBuckets - 1 ? kQMagLow + kQBuckets - 1 : k;
+  return static_cast<int>(k - kQMagLow) + static_cast<int>(bits >> 31) * kQBuckets;
+}
+
+struct QTable {
+  alignas(8) float t[257][2];  // (t[c], t[c + 1]); t[255] = t[256] = +inf
+  uint8_t low[2 * kQBuckets];  // positive buckets, then negative
+};
+
+OPTSTATE_HD uint8_t quantize_bucket(float x, const QTable& q) {
+  const uint32_t bits = float_bits(x);
+  const int low = q.low[q_bucket(bits)];
+#if defined(__CUDA_ARCH__)
+  const float2 t = *reinterpret_cast<const float2*>(q.t[low]);  // one 8-byte shared load
+  const float t0 = t.x, t1 = t.y;
+#else
+  const float t0 = q.t[low][0], t1 = q.t[low][1];
+#endif
+  const int code = low + (x >= t0 ? 1 : 0) + (x >= t1 ? 1 : 0);
+  return x != x ? uint8_t{0} : static_cast<uint8_t>(code);
+}
+
+// Host: the bucket tables from the 255 sorted thresholds; false if a bucket would hold more than
+// two thresholds (not so for the dynamic maps; the build is checked anyway).
+inline bool build_qtable(const float* thresholds, QTable& q) {
+  auto count_le = [&](float x) {  // number of t[c] <= x
+    int lo = 0, hi = 255;
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (thresholds[mid] <= x) lo = mid + 1;
+      else hi = mid;
+    }
+    return lo;
+  };
+  for (int c = 0; c < 257; ++c) {
+    q.t[c][0] = c < 255 ? thresholds[c] : bits_float(0x7f800000u);
+    q.t[c][1] = c + 1 < 255 ? thresholds[c + 1] : bits_float(0x7f800000u);
+  }
+  for (int sign = 0; sign < 2; ++sign)
+    for (int k = 0; k < kQBuckets; ++k) {
+      // magnitudes of bucket k: [first, last] in bit patterns (bucket 0 reaches down to 0)
+      const uint32_t first = k == 0 ? 0u : (kQMagLow + k) << 17;
+      const uint32_t last = ((kQMagLow + k + 1) << 17) - 1;
+      const uint32_t sb = static_cast<uint32_t>(sign) << 31;
+      const float lo_v = bits_float(sb | (sign ? last : first)), hi_v = bits_float(sb | (sign ? first : last));
+      const int low = count_le(lo_v), high = count_le(hi_v);
+      if (high - low > 2 || low > 255) return false;
+      q.low[sign * kQBuckets + k] = static_cast<uint8_t>(low);
+    }
+  return true;
+}
+
+// ---- device and host: vector access ----
+
+struct Four {
+  float v[4];
+};
+
+OPTSTATE_HD Four load4(const void* base, int64_t i, Param k) {
+  Four r;
+#if defined(__CUDA_ARCH__)
+  if (k == Param::kF32) {
+    const float4 x = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
+    r.v[0] = x.x, r.v[1] = x.y, r.v[2] = x.z, r.v[3] = x.w;
+  } else {
+    const uint2 x = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(base) + i);
+    r.v[0] = bits_float(x.x << 16), r.v[1] = bits_float(x.x & 0xffff0000u);
+    r.v[2] = bits_float(x.y << 16), r.v[3] = bits_float(x.y & 0xffff0000u);
+  }
+#else
+  for (int e = 0; e < 4; ++e) r.v[e] = load_value(base, i + e, k);
+#endif
+  return r;
+}
+
+OPTSTATE_HD void store4(void* base, int64_t i, const Four& r, Param k) {
+#if defined(__CUDA_ARCH__)
+  if (k == Param::kF32) {
+    *reinterpret_cast<float4*>(static_cast<float*>(base) + i) = make_float4(r.v[0], r.v[1], r.v[2], r.v[3]);
+  } else {
+    uint16_t h[4];
+    for (int e = 0; e < 4; ++e) store_value(h, e, r.v[e], Param::kBF16);
+    *reinterpret_cast<uint2*>(static_cast<uint16_t*>(base) + i) =
+        make_uint2(h[0] | (uint32_t{h[1]} << 16), h[2] | (uint32_t{h[3]} << 16));
+  }
+#else
+  for (int e = 0; e < 4; ++e) store_value(base, i + e, r.v[e], k);
+#endif
+}
+
+OPTSTATE_HD uint32_t load_codes4(const uint8_t* p) {
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const uint32_t*>(p);
+#else
+  uint32_t x;
+  memcpy(&x, p, 4);
+  return x;
+#endif
+}
+
+OPTSTATE_HD void store_codes4(uint8_t* p, uint32_t x) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<uint32_t*>(p) = x;
+#else
+  memcpy(p, &x, 4);
+#endif
+}
+
+// ---- FusedAdamW: one thread of a work item ----
+
+OPTSTATE_HD void adamw_thread(const AdamWScalars& sc, const AdamWTensor& t, int64_t begin, int64_t end, int thread,
+                              int threads) {
+  int64_t rest = begin;
+  if (t.vec) {  // begin is a multiple of 4 (items are multiples of 1024 elements)
+    const int64_t vend = begin + ((end - begin) & ~int64_t{3});
+    for (int64_t j = begin + 4 * int64_t{thread}; j < vend; j += 4 * int64_t{threads}) {
+      Four p = load4(t.param, j, t.kind);
+      const Four g = load4(t.grad, j, t.kind);
+      Four m = load4(t.exp_avg + j, 0, Param::kF32), v = load4(t.exp_avg_sq + j, 0, Param::kF32), x{};
+      if (sc.amsgrad) x = load4(t.max_exp_avg_sq + j, 0, Param::kF32);
+      for (int e = 0; e < 4; ++e) adamw_element(sc, p.v[e], g.v[e], m.v[e], v.v[e], &x.v[e]);
+      store4(t.param, j, p, t.kind);
+      store4(t.exp_avg + j, 0, m, Param::kF32);
+      store4(t.exp_avg_sq + j, 0, v, Param::kF32);
+      if (sc.amsgrad) store4(t.max_exp_avg_sq + j, 0, x, Param::kF32);
+    }
+    rest = vend;
+  }
+  for (int64_t j = rest + thread; j < end; j += threads) {
+    float p = load_value(t.param, j, t.kind);
+    const float g = load_value(t.grad, j, t.kind);
+    adamw_element(sc, p, g, t.exp_avg[j], t.exp_avg_sq[j], sc.amsgrad ? &t.max_exp_avg_sq[j] : nullptr);
+    store_value(t.param, j, p, t.kind);
+  }
+}
+
+// ---- AdamW8bit ----
+
+// Dense fp32 state (tensors below the 8-bit size): one thread of an element range.
+OPTSTATE_HD void dense8_thread(const Scalars8& sc, const AdamW8bitTensor& t, int64_t begin, int64_t end, int thread,
+                               int threads) {
+  for (int64_t j = begin + thread; j < end; j += threads) {
+    float p = load_value(t.param, j, t.kind);
+    const float g = load_value(t.grad, j, t.kind);
+    update8(sc, p, g, t.m[j], t.v[j], sc.amsgrad ? &t.vmax[j] : nullptr);
+    store_value(t.param, j, p, t.kind);
+  }
+}
+
+// The tables a CUDA block keeps in shared memory: maps (dequantize) and bucket tables (quantize).
+struct Tables8 {
+  float smap[256], umap[256];  // dequantize
+  QTable sq, uq;               // quantize
+};
+
+// Host: the tables from the two maps and their thresholds; false if a bucket table cannot be exact.
+inline bool build_tables8(const float* signed_map, const float* unsigned_map, const float* signed_thresholds,
+                          const float* unsigned_thresholds, Tables8& t) {
+  memcpy(t.smap, signed_map, sizeof t.smap);
+  memcpy(t.umap, unsigned_map, sizeof t.umap);
+  return build_qtable(signed_thresholds, t.sq) && build_qtable(unsigned_thresholds, t.uq);
+}
+
+// The largest |x| bit patterns of a lane's elements (a warp reduces them to the block's new absmax).
+struct Max8 {
+  uint32_t m = 0, v = 0, x = 0;
+};
+
+OPTSTATE_HD void track(Max8& mx, float m, float v, float x) {
+  const uint32_t a = float_bits(m) & 0x7fffffffu, b = float_bits(v) & 0x7fffffffu, c = float_bits(x) & 0x7fffffffu;
+  mx.m = mx.m > a ? mx.m : a;
+  mx.v = mx.v > b ? mx.v : b;
+  mx.x = mx.x > c ? mx.x : c;
+}
+
+// Register path (t.fast): lane l owns elements [128k + 4l, 128k + 4l + 4) of its block, k < 2, read
+// and written 4 at a time; the updated moments wait in registers for the block's new absmax.
+struct Lane8 {
+  float m[4 * kGroups8], v[4 * kGroups8], x[4 * kGroups8];
+};
+
+template <bool kAms>
+OPTSTATE_HD void lane8_update(const Scalars8& sc, const AdamW8bitTensor& t, int64_t b, int lane, const Tables8& tab,
+                              Lane8& r, Max8& mx) {
+  const int64_t off = b * t.block;
+  const int n = static_cast<int>(t.block < t.numel - off ? t.block : t.numel - off);
+  const float ms = t.m_absmax[b], vs = t.v_absmax[b];
+  const float xs = kAms ? t.vmax_absmax[b] : 0.0f;
+OPTSTATE_UNROLL
+  for (int k = 0; k < kGroups8; ++k) {
+    const int i0 = 128 * k + 4 * lane;
+    for (int e = 0; e < 4; ++e) r.m[4 * k + e] = r.v[4 * k + e] = r.x[4 * k + e] = 0.0f;
+    if (i0 >= n) continue;
+    const bool full = i0 + 4 <= n;
+    Four p{}, g{};
+    uint32_t mc = 0, vc = 0, xc = 0;
+    if (full) {
+      p = load4(t.param, off + i0, t.kind);
+      g = load4(t.grad, off + i0, t.kind);
+      mc = load_codes4(t.m_codes + off + i0);
+      vc = load_codes4(t.v_codes + off + i0);
+      if (kAms) xc = load_codes4(t.vmax_codes + off + i0);
+    } else {
+      for (int e = 0; e < 4 && i0 + e < n; ++e) {
+        p.v[e] = load_value(t.param, off + i0 + e, t.kind);
+        g.v[e] = load_value(t.grad, off + i0 + e, t.kind);
+        mc |= uint32_t{t.m_codes[off + i0 + e]} << (8 * e);
+        vc |= uint32_t{t.v_codes[off + i0 + e]} << (8 * e);
+        if (kAms) xc |= uint32_t{t.vmax_codes[off + i0 + e]} << (8 * e);
+      }
+    }
+OPTSTATE_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      if (!full && i0 + e >= n) break;
+      float m = tab.smap[(mc >> (8 * e)) & 0xffu] * ms;
+      float v = tab.umap[(vc >> (8 * e)) & 0xffu] * vs;
+      float x = kAms ? tab.umap[(xc >> (8 * e)) & 0xffu] * xs : 0.0f;
+      update8(sc, p.v[e], g.v[e], m, v, &x);
+      r.m[4 * k + e] = m;
+      r.v[4 * k + e] = v;
+      r.x[4 * k + e] = x;
+      track(mx, m, v, x);
+    }
+    if (full) {
+      store4(t.param, off + i0, p, t.kind);
+    } else {
+      for (int e = 0; e < 4 && i0 + e < n; ++e) store_value(t.param, off + i0 + e, p.v[e], t.kind);
+    }
+  }
+}
+
+template <bool kAms>
+OPTSTATE_HD void lane8_store(const AdamW8bitTensor& t, int64_t b, int lane, const Tables8& tab, const Lane8& r,
+                             float nm, float nv, float nx) {
+  const int64_t off = b * t.block;
+  const int n = static_cast<int>(t.block < t.numel - off ? t.block : t.numel - off);
+OPTSTATE_UNROLL
+  for (int k = 0; k < kGroups8; ++k) {
+    const int i0 = 128 * k + 4 * lane;
+    if (i0 >= n) continue;
+    uint32_t mc = 0, vc = 0, xc = 0;
+OPTSTATE_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      mc |= uint32_t{quantize_bucket(r.m[4 * k + e] / nm, tab.sq)} << (8 * e);
+      vc |= uint32_t{quantize_bucket(r.v[4 * k + e] / nv, tab.uq)} << (8 * e);
+      if (kAms) xc |= uint32_t{quantize_bucket(r.x[4 * k + e] / nx, tab.uq)} << (8 * e);
+    }
+    if (i0 + 4 <= n) {
+      store_codes4(t.m_codes + off + i0, mc);
+      store_codes4(t.v_codes + off + i0, vc);
+      if (kAms) store_codes4(t.vmax_codes + off + i0, xc);
+    } else {
+      for (int e = 0; e < 4 && i0 + e < n; ++e) {
+        t.m_codes[off + i0 + e] = static_cast<uint8_t>(mc >> (8 * e));
+        t.v_codes[off + i0 + e] = static_cast<uint8_t>(vc >> (8 * e));
+        if (kAms) t.vmax_codes[off + i0 + e] = static_cast<uint8_t>(xc >> (8 * e));
+      }
+    }
+  }
+}
+
+// The block's new scales, by one lane once every lane has read the old ones (a __syncwarp before).
+template <bool kAms>
+OPTSTATE_HD void store_absmax(const AdamW8bitTensor& t, int64_t b, float nm, float nv, float nx) {
+  t.m_absmax[b] = nm;
+  t.v_absmax[b] = nv;
+  if (kAms) t.vmax_absmax[b] = nx;
+}
+
+// Two-pass path (any block size or alignment): lane l owns elements l, l + 32, ...; the first pass
+// only finds the new absmax, the second computes the same update again and writes everything. The
+// update is deterministic and reads nothing the first pass wrote, so both passes agree bit for bit.
+template <bool kAms, bool kWrite>
+OPTSTATE_HD void lane8_pass(const Scalars8& sc, const AdamW8bitTensor& t, int64_t b, int lane, const Tables8& tab,
+                            Max8& mx, float nm, float nv, float nx) {
+  const int64_t off = b * t.block;
+  const int64_t n = t.block < t.numel - off ? t.block : t.numel - off;
+  const float ms = t.m_absmax[b], vs = t.v_absmax[b];
+  const float xs = kAms ? t.vmax_absmax[b] : 0.0f;
+  for (int64_t i = off + lane; i < off + n; i += 32) {
+    float m = tab.smap[t.m_codes[i]] * ms;
+    float v = tab.umap[t.v_codes[i]] * vs;
+    float x = kAms ? tab.umap[t.vmax_codes[i]] * xs : 0.0f;
+    float p = load_value(t.param, i, t.kind);
+    update8(sc, p, load_value(t.grad, i, t.kind), m, v, &x);
+    if (!kWrite) {
+      track(mx, m, v, x);
+      continue;
+    }
+    store_value(t.param, i, p, t.kind);
+    t.m_codes[i] = quantize_bucket(m / nm, tab.sq);
+    t.v_codes[i] = quantize_bucket(v / nv, tab.uq);
+    if (kAms) t.vmax_codes[i] = quantize_bucket(x / nx, tab.uq);
+  }
+}
+
+}  // namespace optstate::optim::cuda::body

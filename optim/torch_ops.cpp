@@ -9,6 +9,7 @@
 #include "adamw8bit_kernel.h"
 #include "adamw_kernel.h"
 #include "c10d_coordinator.h"
+#include "op_checks.h"
 #include "native/native_sharded.h"
 #include "optstate/checkpoint.h"
 #include "optstate/quant8.h"
@@ -25,30 +26,10 @@ using json = nlohmann::json;
 void fused_adamw_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                   at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr, double beta1, double beta2,
                   double eps, double weight_decay, bool amsgrad, bool maximize) {
+  check_fused_adamw_args(OpBackend::kCpu, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad);
   const size_t n = params.size();
-  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n,
-              "optstate.fused_adamw_: tensor lists differ in length");
-  TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == n, "optstate.fused_adamw_: amsgrad needs max_exp_avg_sqs");
   const AdamWHyper hyper{lr, beta1, beta2, eps, weight_decay, amsgrad, maximize};
   std::vector<AdamWTensor> items(n);
-  for (size_t i = 0; i < n; ++i) {
-    const at::Tensor &p = params[i], &g = grads[i];
-    TORCH_CHECK(p.device().is_cpu(), "optstate.fused_adamw_: CPU tensors only in this build");
-    TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16,
-                "optstate.fused_adamw_: params must be float32 or bfloat16, got ", p.scalar_type());
-    TORCH_CHECK(g.scalar_type() == p.scalar_type() && g.sizes() == p.sizes(),
-                "optstate.fused_adamw_: grad ", i, " does not match its param");
-    TORCH_CHECK(p.is_contiguous() && g.is_contiguous(), "optstate.fused_adamw_: params and grads must be contiguous");
-    for (const at::Tensor* s : {&exp_avgs[i], &exp_avg_sqs[i]})
-      TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->numel() == p.numel(),
-                  "optstate.fused_adamw_: state ", i, " must be contiguous float32 of the param's size");
-    if (amsgrad)
-      TORCH_CHECK(max_exp_avg_sqs[i].scalar_type() == at::kFloat && max_exp_avg_sqs[i].is_contiguous() &&
-                      max_exp_avg_sqs[i].numel() == p.numel(),
-                  "optstate.fused_adamw_: max_exp_avg_sq ", i, " must be contiguous float32");
-    TORCH_CHECK(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat,
-                "optstate.fused_adamw_: step ", i, " must be a float32 scalar tensor");
-  }
   for (size_t i = 0; i < n; ++i) {
     at::Tensor step = steps[i];
     float* sp = step.data_ptr<float>();
@@ -73,41 +54,11 @@ void adamw8bit_(at::TensorList params, at::TensorList grads, at::TensorList exp_
                 at::TensorList max_exp_avg_sqs, at::TensorList exp_avg_absmax, at::TensorList exp_avg_sq_absmax,
                 at::TensorList max_exp_avg_sq_absmax, at::TensorList steps, at::IntArrayRef block_sizes, double lr,
                 double beta1, double beta2, double eps, double weight_decay, bool amsgrad) {
+  check_adamw8bit_args(OpBackend::kCpu, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, exp_avg_absmax,
+                       exp_avg_sq_absmax, max_exp_avg_sq_absmax, steps, block_sizes, amsgrad);
   const size_t n = params.size();
-  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n &&
-                  block_sizes.size() == n && exp_avg_absmax.size() == n && exp_avg_sq_absmax.size() == n,
-              "optstate.adamw8bit_: lists differ in length");
-  TORCH_CHECK(!amsgrad || (max_exp_avg_sqs.size() == n && max_exp_avg_sq_absmax.size() == n),
-              "optstate.adamw8bit_: amsgrad needs max_exp_avg_sq lists");
   const AdamWHyper hyper{lr, beta1, beta2, eps, weight_decay, amsgrad, false};
   std::vector<AdamW8bitTensor> items(n);
-  auto check_state = [&](const at::Tensor& t, bool codes, int64_t numel, const char* what, size_t i) {
-    TORCH_CHECK(t.is_contiguous() && t.numel() == numel && t.scalar_type() == (codes ? at::kByte : at::kFloat),
-                "optstate.adamw8bit_: ", what, " ", i, " must be contiguous ", codes ? "uint8" : "float32", " with ",
-                numel, " elements");
-  };
-  for (size_t i = 0; i < n; ++i) {
-    const at::Tensor &p = params[i], &g = grads[i];
-    TORCH_CHECK(p.device().is_cpu(), "optstate.adamw8bit_: CPU tensors only in this build");
-    TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16,
-                "optstate.adamw8bit_: params must be float32 or bfloat16, got ", p.scalar_type());
-    TORCH_CHECK(g.scalar_type() == p.scalar_type() && g.sizes() == p.sizes() && p.is_contiguous() &&
-                    g.is_contiguous(),
-                "optstate.adamw8bit_: grad ", i, " does not match its contiguous param");
-    TORCH_CHECK(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat,
-                "optstate.adamw8bit_: step ", i, " must be a float32 scalar tensor");
-    const int64_t block = block_sizes[i], numel = p.numel();
-    TORCH_CHECK(block >= 0 && block <= (1 << 20), "optstate.adamw8bit_: bad block size ", block);
-    const int64_t nblocks = block > 0 ? (numel + block - 1) / block : 0;
-    check_state(exp_avgs[i], block > 0, numel, "exp_avg", i);
-    check_state(exp_avg_sqs[i], block > 0, numel, "exp_avg_sq", i);
-    if (amsgrad) check_state(max_exp_avg_sqs[i], block > 0, numel, "max_exp_avg_sq", i);
-    if (block > 0) {
-      check_state(exp_avg_absmax[i], false, nblocks, "exp_avg_absmax", i);
-      check_state(exp_avg_sq_absmax[i], false, nblocks, "exp_avg_sq_absmax", i);
-      if (amsgrad) check_state(max_exp_avg_sq_absmax[i], false, nblocks, "max_exp_avg_sq_absmax", i);
-    }
-  }
   for (size_t i = 0; i < n; ++i) {
     at::Tensor step = steps[i];
     float* sp = step.data_ptr<float>();

@@ -9,6 +9,7 @@ measured in the same run (dst.copy_(src) counted as 8 B/element, the issue's con
 28 B/param (AdamW, fp32) and 16 B/param (8-bit moments, fp32 params).
 """
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -27,15 +28,27 @@ def llama_1b_shapes():
     return shapes
 
 
-def make(shapes, device, dtype=torch.float32, seed=0):
+def offset_by_one(t):
+    """The same values in storage one element past an aligned address: no vector access possible."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = buf[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def make(shapes, device, dtype=torch.float32, seed=0, misaligned=False):
     g = torch.Generator(device="cpu").manual_seed(seed)
-    params = [torch.randn(s, generator=g).to(device=device, dtype=dtype).requires_grad_(True) for s in shapes]
+    params = []
+    for s in shapes:
+        p = torch.randn(s, generator=g).to(device=device, dtype=dtype)
+        params.append((offset_by_one(p) if misaligned else p).requires_grad_(True))
     for p in params:
-        p.grad = (torch.randn(p.shape, generator=g) * 1e-2).to(device=device, dtype=dtype)
+        grad = (torch.randn(p.shape, generator=g) * 1e-2).to(device=device, dtype=dtype)
+        p.grad = offset_by_one(grad) if misaligned else grad
     return params
 
 
-def compare(name, a_opt, b_opt, a_params, b_params):
+def compare(name, a_opt, b_opt, a_params, b_params, device="cuda"):
     worst, differing, total = 0.0, 0, 0
     for pa, pb in zip(a_params, b_params):
         pairs = [(pa.detach(), pb.detach())]
@@ -51,31 +64,43 @@ def compare(name, a_opt, b_opt, a_params, b_params):
             differing += int((d != 0).sum())
             total += d.numel()
     status = "bitwise equal" if differing == 0 else f"{differing} of {total} elements differ"
-    print(f"  {name:<34} max |cuda - cpu| = {worst:.3g}   {status}")
+    print(f"  {name:<70} max |{device} - cpu| = {worst:.3g}   {status}")
     return differing == 0
 
 
-def correctness(steps):
-    print(f"== CUDA vs CPU path, {steps} steps on fresh random inputs")
-    shapes = [(1000, 37), (4096,), (257, 129), (3,), (64, 64), (12345,)]
+def correctness(steps, device="cuda"):
+    print(f"== {device.upper()} vs CPU path, {steps} steps on fresh random inputs")
+    shapes = [(1000, 37), (4096,), (257, 129), (3,), (64, 64), (12345,), (70001,)]
+    # (optimizer, settings, misaligned params): the vector/register paths, the scalar and two-pass
+    # paths (misaligned storage; 8-bit blocks of 102 and 512), dense state for small tensors.
+    cases = []
+    for amsgrad in (False, True):
+        cases.append((optstate.FusedAdamW, dict(weight_decay=0.1, amsgrad=amsgrad), False))
+        cases.append((optstate.AdamW8bit, dict(weight_decay=0.1, amsgrad=amsgrad, block_size=256,
+                                               min_8bit_size=4096), False))
+    cases.append((optstate.FusedAdamW, dict(weight_decay=0.1, maximize=True), True))
+    cases.append((optstate.AdamW8bit, dict(weight_decay=0.1, block_size=256, min_8bit_size=4096), True))
+    cases.append((optstate.AdamW8bit, dict(weight_decay=0.1, block_size=102, min_8bit_size=1000), False))
+    cases.append((optstate.AdamW8bit, dict(weight_decay=0.1, amsgrad=True, block_size=512, min_8bit_size=1000), False))
+    cases.append((optstate.AdamW8bit, dict(weight_decay=0.1, block_size=64, min_8bit_size=1000), False))
     ok = True
     for dtype in (torch.float32, torch.bfloat16):
-        for amsgrad in (False, True):
-            for cls, kw in ((optstate.FusedAdamW, dict(weight_decay=0.1, amsgrad=amsgrad)),
-                            (optstate.AdamW8bit, dict(weight_decay=0.1, amsgrad=amsgrad, block_size=256,
-                                                      min_8bit_size=4096))):
-                cpu_p, gpu_p = make(shapes, "cpu", dtype), make(shapes, "cuda", dtype)
-                a, b = cls(cpu_p, lr=1e-2, **kw), cls(gpu_p, lr=1e-2, **kw)
-                for s in range(steps):
-                    a.step()
-                    b.step()
-                    g = torch.Generator().manual_seed(100 + s)
-                    for pc, pg in zip(cpu_p, gpu_p):
-                        new = (torch.randn(pc.shape, generator=g) * 1e-2).to(dtype)
-                        pc.grad.copy_(new)
-                        pg.grad.copy_(new.cuda())
+        for cls, kw, misaligned in cases:
+            cpu_p, gpu_p = make(shapes, "cpu", dtype), make(shapes, device, dtype, misaligned=misaligned)
+            a, b = cls(cpu_p, lr=1e-2, **kw), cls(gpu_p, lr=1e-2, **kw)
+            for s in range(steps):
+                a.step()
+                b.step()
+                g = torch.Generator().manual_seed(100 + s)
+                for pc, pg in zip(cpu_p, gpu_p):
+                    new = (torch.randn(pc.shape, generator=g) * 1e-2).to(dtype)
+                    pc.grad.copy_(new)
+                    pg.grad.copy_(new.to(device))
+            if device == "cuda":
                 torch.cuda.synchronize()
-                ok &= compare(f"{cls.__name__} {str(dtype)[6:]} amsgrad={amsgrad}", a, b, cpu_p, gpu_p)
+            label = " ".join(f"{k}={v}" for k, v in kw.items() if k != "weight_decay")
+            ok &= compare(f"{cls.__name__} {str(dtype)[6:]} {label}{' misaligned' if misaligned else ''}",
+                          a, b, cpu_p, gpu_p, device)
     return ok
 
 
@@ -136,7 +161,7 @@ def timing(iters, skip_torchao):
     print(f"  copy bandwidth: {copy_bw:.0f} GB/s")
     rows = []
 
-    def run(name, make_opt, bytes_per_param):
+    def run(name, make_opt, bytes_per_param, chunks=()):
         params = make(shapes, "cuda")
         opt = make_opt(params)
         t0 = time.perf_counter()
@@ -146,13 +171,19 @@ def timing(iters, skip_torchao):
         ms = time_steps(opt.step, iters)
         floor = bytes_per_param * n / (copy_bw * 1e9) * 1e3
         rows.append((name, ms, 100 * floor / ms, first))
+        for chunk in chunks:  # the work-item size sweep (a new plan per size)
+            os.environ["OPTSTATE_CUDA_CHUNK"] = str(chunk)
+            ms = time_steps(opt.step, iters)
+            rows.append((f"  chunk {chunk // 1024}k", ms, 100 * floor / ms, float("nan")))
+        os.environ.pop("OPTSTATE_CUDA_CHUNK", None)
         del opt, params
         torch.cuda.empty_cache()
 
-    run("optstate FusedAdamW", lambda p: optstate.FusedAdamW(p, lr=1e-4), 28)
+    sweep = (16384, 262144)
+    run("optstate FusedAdamW", lambda p: optstate.FusedAdamW(p, lr=1e-4), 28, sweep)
     run("torch AdamW fused", lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True), 28)
     run("torch AdamW foreach", lambda p: torch.optim.AdamW(p, lr=1e-4, foreach=True), 28)
-    run("optstate AdamW8bit", lambda p: optstate.AdamW8bit(p, lr=1e-4), 16)
+    run("optstate AdamW8bit", lambda p: optstate.AdamW8bit(p, lr=1e-4), 16, sweep)
     if not skip_torchao:
         try:
             from torchao.optim import AdamW8bit as AoAdamW8bit
@@ -169,7 +200,11 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--skip-torchao", action="store_true")
+    ap.add_argument("--dry-run-cpu", action="store_true",
+                    help="run the correctness part CPU against CPU (checks this script where no GPU is)")
     args = ap.parse_args()
+    if args.dry_run_cpu:
+        sys.exit(0 if correctness(args.steps, "cpu") else 1)
     if not torch.cuda.is_available():
         sys.exit("no CUDA device")
     print(torch.cuda.get_device_name(), "torch", torch.__version__)

@@ -1,0 +1,19 @@
+"""The GPU check script (tests/gpu/check_cuda.py, run by scripts/gpu_check.sh on a lent GPU) kept
+working where no GPU is: its correctness part runs CPU against CPU over every case it would run on a
+GPU (vector, scalar and two-pass paths, misaligned storage, dtypes), and must pass."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_script_dry_run_on_cpu():
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    proc = subprocess.run([sys.executable, str(REPO / "tests/gpu/check_cuda.py"), "--dry-run-cpu", "--steps", "1"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if "max |cpu - cpu|" in ln]
+    assert len(lines) == 18, proc.stdout
+    assert all("bitwise equal" in ln for ln in lines)

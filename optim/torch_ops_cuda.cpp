@@ -10,6 +10,7 @@
 
 #include <cstdlib>
 #include <map>
+#include <set>
 #include <mutex>
 #include <vector>
 
@@ -42,13 +43,16 @@ void put_hyper(Cached& c, const cuda::Hyper& h, cudaStream_t s) {
   check(cuda::store_hyper(static_cast<cuda::Hyper*>(c.hyper.data_ptr()), h, s), "hyperparameters");
 }
 
-void ensure_maps() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    const Quantizer& s = Quantizer::get(QMap::kDynamicSigned);
-    const Quantizer& u = Quantizer::get(QMap::kDynamicUnsigned);
-    check(cuda::set_qmaps(s.map(), u.map(), s.thresholds(), u.thresholds()), "quantization tables");
-  });
+// The 8-bit kernel's tables, once per GPU (a __device__ symbol lives in each device's context).
+void ensure_maps(c10::DeviceIndex device) {
+  static std::mutex mu;
+  static std::set<c10::DeviceIndex> done;
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.count(device)) return;
+  const Quantizer& s = Quantizer::get(QMap::kDynamicSigned);
+  const Quantizer& u = Quantizer::get(QMap::kDynamicUnsigned);
+  check(cuda::set_qmaps(s.map(), u.map(), s.thresholds(), u.thresholds()), "quantization tables");
+  done.insert(device);
 }
 
 // Elements per work item: OPTSTATE_CUDA_CHUNK if set (the GPU check's tuning sweep), else the default.
@@ -109,8 +113,8 @@ void adamw8bit_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
                        exp_avg_sq_absmax, max_exp_avg_sq_absmax, steps, block_sizes, amsgrad);
   const size_t n = params.size();
   if (n == 0) return;
-  ensure_maps();
   c10::cuda::CUDAGuard guard(params[0].device());
+  ensure_maps(params[0].device().index());
   std::vector<cuda::AdamW8bitTensor> ts(n);
   std::vector<const void*> key;
   for (size_t i = 0; i < n; ++i) {

@@ -184,7 +184,9 @@ int set_qmaps(const float* signed_map, const float* unsigned_map, const float* s
               const float* unsigned_thresholds) {
   static Tables8 t;  // 12.5 KB: not on the stack
   if (!build_tables8(signed_map, unsigned_map, signed_thresholds, unsigned_thresholds, t)) return cudaErrorInvalidValue;
-  return cudaMemcpyToSymbol(g_tables, &t, sizeof t);
+  const cudaError_t e = cudaMemcpyToSymbol(g_tables, &t, sizeof t);
+  // Done before any stream (torch's may be non-blocking ones) launches a kernel that reads them.
+  return e != cudaSuccess ? e : cudaDeviceSynchronize();
 }
 
 }  // namespace optstate::optim::cuda

@@ -85,9 +85,11 @@ int adamw8bit_step(const Plan& plan, const Hyper* hyper, void* stream);
 // cudaMemcpyAsync would synchronize), and a CUDA graph can capture it.
 int store_hyper(Hyper* device_hyper, const Hyper& h, void* stream);
 
-// Sets the 8-bit kernel's tables (device memory, copied to each CUDA block's shared memory): the
-// two 256-entry maps and their quantization thresholds t[0..254] (Quantizer::thresholds(): the
-// least float whose code exceeds c), from which the bucket tables are built.
+// Sets the 8-bit kernel's tables on the current device, once per device before its first 8-bit
+// step (it synchronizes the device: not while capturing a graph). Device memory, copied to each
+// CUDA block's shared memory: the two 256-entry maps and their quantization thresholds t[0..254]
+// (Quantizer::thresholds(): the least float whose code exceeds c), from which the bucket tables
+// are built.
 int set_qmaps(const float* signed_map, const float* unsigned_map, const float* signed_thresholds,
               const float* unsigned_thresholds);
 

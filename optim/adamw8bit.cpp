@@ -1,9 +1,13 @@
 #include "adamw8bit.h"
 
+#include <map>
+
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
 #include "adamw8bit_kernel.h"
+#include "cuda_step.h"
+#include "device_steps.h"
 
 namespace optstate::optim {
 
@@ -73,11 +77,18 @@ at::Tensor AdamW8bit::step(LossClosure closure) {
     check_options(o);
     const AdamWHyper hyper{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
                            o.amsgrad(), false};
+    struct CudaLists {
+      std::vector<at::Tensor> p, g, m, v, mx, m_absmax, v_absmax, mx_absmax, steps;
+      std::vector<int64_t> blocks;
+    };
+    std::map<c10::DeviceIndex, CudaLists> cuda;  // one launch per GPU
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       const at::Tensor& g = p.grad();
       TORCH_CHECK(!g.is_sparse(), "AdamW8bit does not support sparse gradients");
-      TORCH_CHECK(p.device().is_cpu(), "AdamW8bit: this build runs on CPU tensors only");
+      TORCH_CHECK(p.device().is_cpu() || p.is_cuda(), "AdamW8bit: params must be on the CPU or a CUDA GPU, got ",
+                  p.device());
+      TORCH_CHECK(g.device() == p.device(), "AdamW8bit: grad on ", g.device(), ", param on ", p.device());
       TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16,
                   "AdamW8bit: params must be float32 or bfloat16, got ", p.scalar_type());
       TORCH_CHECK(g.scalar_type() == p.scalar_type() && g.sizes() == p.sizes(), "AdamW8bit: grad does not match param");
@@ -86,7 +97,28 @@ at::Tensor AdamW8bit::step(LossClosure closure) {
       if (!slot) slot = std::make_unique<AdamW8bitParamState>(zero_state(p, o));
       auto& st = static_cast<AdamW8bitParamState&>(*slot);
       if (o.amsgrad() && !st.max_exp_avg_sq().defined()) st.max_exp_avg_sq(zero_moment(p, st.block_size()));
-      st.step(st.step() + 1);
+      const int64_t done = st.step();
+      st.step(done + 1);
+      if (p.is_cuda()) {
+        if (!device_steps_) device_steps_ = std::make_shared<DeviceSteps>();
+        CudaLists& c = cuda[p.device().index()];
+        const bool q = st.block_size() > 0;
+        auto data = [q](const Moment8bit& m) { return q ? m.codes : m.values; };
+        auto scale = [q](const Moment8bit& m) { return q ? m.absmax : at::Tensor(); };
+        c.p.push_back(p);
+        c.g.push_back(g);
+        c.m.push_back(data(st.exp_avg()));
+        c.v.push_back(data(st.exp_avg_sq()));
+        c.m_absmax.push_back(scale(st.exp_avg()));
+        c.v_absmax.push_back(scale(st.exp_avg_sq()));
+        if (o.amsgrad()) {
+          c.mx.push_back(data(st.max_exp_avg_sq()));
+          c.mx_absmax.push_back(scale(st.max_exp_avg_sq()));
+        }
+        c.blocks.push_back(st.block_size());
+        c.steps.push_back(device_steps_->before_step(p, done));
+        continue;
+      }
       AdamW8bitTensor t{};
       t.param = p.data_ptr();
       t.grad = g.data_ptr();
@@ -110,6 +142,9 @@ at::Tensor AdamW8bit::step(LossClosure closure) {
       t.s = adamw8bit_step_scalars(hyper, static_cast<float>(st.step()));
       items.push_back(t);
     }
+    for (auto& [device, c] : cuda)
+      adamw8bit_cuda(c.p, c.g, c.m, c.v, c.mx, c.m_absmax, c.v_absmax, c.mx_absmax, c.steps, c.blocks, hyper.lr,
+                     hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, hyper.amsgrad);
   }
   adamw8bit_cpu(items);
   return loss;

@@ -6,10 +6,13 @@
 
 #include <torch/optim/optimizer.h>
 
+#include <memory>
 #include <tuple>
 #include <vector>
 
 namespace optstate::optim {
+
+class DeviceSteps;
 
 struct AdamW8bitOptions : public torch::optim::OptimizerCloneableOptions<AdamW8bitOptions> {
   AdamW8bitOptions(double lr = 1e-3);  // NOLINT
@@ -46,10 +49,14 @@ class AdamW8bit : public torch::optim::Optimizer {
   explicit AdamW8bit(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                      AdamW8bitOptions defaults = {});
   explicit AdamW8bit(std::vector<at::Tensor> params, AdamW8bitOptions defaults = {});
+  // CPU params with the CPU kernel, CUDA params with one launch per param group and GPU.
   at::Tensor step(LossClosure closure = nullptr) override;
 
   // New zero state for a parameter of `numel` global elements (8-bit when numel >= min_8bit_size).
   static AdamW8bitParamState zero_state(const at::Tensor& p, const AdamW8bitOptions& o);
+
+ private:
+  std::shared_ptr<DeviceSteps> device_steps_;  // float32 step counters of CUDA params
 };
 
 }  // namespace optstate::optim

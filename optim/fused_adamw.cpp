@@ -1,9 +1,13 @@
 #include "fused_adamw.h"
 
+#include <map>
+
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
 #include "adamw_kernel.h"
+#include "cuda_step.h"
+#include "device_steps.h"
 
 namespace optstate::optim {
 
@@ -50,11 +54,17 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
     check_options(o);
     const AdamWHyper hyper{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
                            o.amsgrad(), o.maximize()};
+    struct CudaLists {
+      std::vector<at::Tensor> p, g, m, v, mx, steps;
+    };
+    std::map<c10::DeviceIndex, CudaLists> cuda;  // one launch per GPU
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       const at::Tensor& g = p.grad();
       TORCH_CHECK(!g.is_sparse(), "FusedAdamW does not support sparse gradients");
-      TORCH_CHECK(p.device().is_cpu(), "FusedAdamW: this build runs on CPU tensors only");
+      TORCH_CHECK(p.device().is_cpu() || p.is_cuda(), "FusedAdamW: params must be on the CPU or a CUDA GPU, got ",
+                  p.device());
+      TORCH_CHECK(g.device() == p.device(), "FusedAdamW: grad on ", g.device(), ", param on ", p.device());
       TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16,
                   "FusedAdamW: params must be float32 or bfloat16, got ", p.scalar_type());
       TORCH_CHECK(g.scalar_type() == p.scalar_type(), "FusedAdamW: grad dtype ", g.scalar_type(),
@@ -72,7 +82,19 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
       }
       auto& st = static_cast<FusedAdamWParamState&>(*slot);
       if (o.amsgrad() && !st.max_exp_avg_sq().defined()) st.max_exp_avg_sq(at::zeros_like(st.exp_avg_sq()));
-      st.step(st.step() + 1);
+      const int64_t done = st.step();
+      st.step(done + 1);
+      if (p.is_cuda()) {
+        if (!device_steps_) device_steps_ = std::make_shared<DeviceSteps>();
+        CudaLists& c = cuda[p.device().index()];
+        c.p.push_back(p);
+        c.g.push_back(g);
+        c.m.push_back(st.exp_avg());
+        c.v.push_back(st.exp_avg_sq());
+        if (o.amsgrad()) c.mx.push_back(st.max_exp_avg_sq());
+        c.steps.push_back(device_steps_->before_step(p, done));
+        continue;
+      }
       AdamWTensor t{};
       t.param = p.data_ptr();
       t.grad = g.data_ptr();
@@ -84,6 +106,9 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
       t.s = adamw_step_scalars(hyper, st.step());
       items.push_back(t);
     }
+    for (auto& [device, c] : cuda)
+      fused_adamw_cuda(c.p, c.g, c.m, c.v, c.mx, c.steps, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
+                       hyper.weight_decay, hyper.amsgrad, hyper.maximize);
   }
   adamw_cpu(items);
   return loss;

@@ -5,10 +5,13 @@
 
 #include <torch/optim/optimizer.h>
 
+#include <memory>
 #include <tuple>
 #include <vector>
 
 namespace optstate::optim {
+
+class DeviceSteps;
 
 struct FusedAdamWOptions : public torch::optim::OptimizerCloneableOptions<FusedAdamWOptions> {
   FusedAdamWOptions(double lr = 1e-3);  // NOLINT: implicit like torch::optim::AdamWOptions
@@ -38,8 +41,13 @@ class FusedAdamW : public torch::optim::Optimizer {
                       FusedAdamWOptions defaults = {});
   explicit FusedAdamW(std::vector<at::Tensor> params, FusedAdamWOptions defaults = {});
 
-  // Runs the closure (if any) under grad mode, then updates every parameter that has a gradient.
+  // Runs the closure (if any) under grad mode, then updates every parameter that has a gradient:
+  // CPU params with the CPU kernel, CUDA params with one launch per param group and GPU (the
+  // result is the same bits; docs/cuda.md).
   at::Tensor step(LossClosure closure = nullptr) override;
+
+ private:
+  std::shared_ptr<DeviceSteps> device_steps_;  // float32 step counters of CUDA params
 };
 
 }  // namespace optstate::optim

@@ -18,10 +18,17 @@ export LD_LIBRARY_PATH=$sysroot/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 torch_prefix=$($py -c 'import torch; print(torch.utils.cmake_prefix_path)')
 start=$(date +%s)
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DOPTSTATE_WITH_HDF5=OFF -DOPTSTATE_BUILD_TESTS=OFF \
-  -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_PREFIX_PATH="$torch_prefix;$sysroot/usr" \
+  -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_FLAGS=-Xptxas=-v -DCMAKE_PREFIX_PATH="$torch_prefix;$sysroot/usr" \
   -DPython3_EXECUTABLE="$(command -v "$py")" > build-gpu.log 2>&1 || { tail -40 build-gpu.log; exit 1; }
 grep -E "optstate:" build-gpu.log || true
-ninja -C build-gpu optstate_ops >> build-gpu.log 2>&1 || { tail -60 build-gpu.log; exit 1; }
+ninja -C build-gpu optstate_ops optstate_gpu_cxx_check >> build-gpu.log 2>&1 || { tail -60 build-gpu.log; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
+grep -E "ptxas info.*(registers|spill)" build-gpu.log | head -12 || true
+out=${OUT:-.}/gpu_check.txt
+cxx_rc=0
+./build-gpu/tests/optstate_gpu_cxx_check 2>&1 | tee "$out" || cxx_rc=$?
+py_rc=0
 OPTSTATE_OPS_LIBRARY=$root/build-gpu/liboptstate_ops.so PYTHONPATH=$root/python "$py" tests/gpu/check_cuda.py "$@" \
-  | tee "${OUT:-.}/gpu_check.txt"
+  2>&1 | tee -a "$out" || py_rc=$?
+echo "C++ check exit $cxx_rc, Python check exit $py_rc"
+[ "$cxx_rc" = 0 ] && [ "$py_rc" = 0 ]

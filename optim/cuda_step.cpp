@@ -1,0 +1,174 @@
+// The CUDA steps over tensor lists (cuda_step.h), on the kernels in cuda/optim_cuda.cu: used by the
+// torch ops' CUDA implementations and by the LibTorch optimizers. Built only when LibTorch has CUDA
+// (the GPU check script builds it against the lent machine's torch; the CPU wheel in CI has none:
+// cuda_step_none.cpp stands in). The kernels' device tables (a Plan) are cached per list of
+// tensors: an optimizer's tensors stay put between steps.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <map>
+#include <set>
+#include <mutex>
+#include <vector>
+
+#include "cuda/optim_cuda.h"
+#include "cuda_step.h"
+#include "op_checks.h"
+#include "optstate/quant8.h"
+
+namespace optstate::optim {
+namespace {
+
+struct Cached {
+  std::unique_ptr<cuda::Plan> plan;
+  at::Tensor hyper;  // device bytes of one cuda::Hyper
+};
+
+std::mutex g_mu;
+std::map<std::vector<const void*>, Cached> g_plans;
+
+// The cached plan for `key` (its tensors' addresses, sizes and the chunk); the caller fills a new one.
+// Plans are never evicted: a captured CUDA graph may still point at one (a plan is ~24 bytes per
+// 64k elements, 0.5 MB for a 1.2B-parameter set).
+Cached& plan_for(const std::vector<const void*>& key) { return g_plans[key]; }
+
+void check(int err, const char* what) {
+  TORCH_CHECK(err == 0, "optstate ", what, ": CUDA error ", cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
+// The step's hyperparameters into the plan's device buffer, by a launch on the stream (no host sync).
+void put_hyper(Cached& c, const cuda::Hyper& h, cudaStream_t s) {
+  check(cuda::store_hyper(static_cast<cuda::Hyper*>(c.hyper.data_ptr()), h, s), "hyperparameters");
+}
+
+// The 8-bit kernel's tables, once per GPU (a __device__ symbol lives in each device's context).
+void ensure_maps(c10::DeviceIndex device) {
+  static std::mutex mu;
+  static std::set<c10::DeviceIndex> done;
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.count(device)) return;
+  const Quantizer& s = Quantizer::get(QMap::kDynamicSigned);
+  const Quantizer& u = Quantizer::get(QMap::kDynamicUnsigned);
+  check(cuda::set_qmaps(s.map(), u.map(), s.thresholds(), u.thresholds()), "quantization tables");
+  done.insert(device);
+}
+
+// Elements per work item: OPTSTATE_CUDA_CHUNK if set (the GPU check's tuning sweep), else the default.
+int64_t chunk_elems() {
+  const char* env = std::getenv("OPTSTATE_CUDA_CHUNK");
+  if (env == nullptr || *env == 0) return cuda::kDefaultChunk;
+  char* end = nullptr;
+  const long long v = std::strtoll(env, &end, 10);
+  TORCH_CHECK(end && *end == 0 && v >= 1024 && v <= (int64_t{1} << 30), "OPTSTATE_CUDA_CHUNK=", env,
+              ": expected a number of elements in [1024, 2^30]");
+  return v;
+}
+
+}  // namespace
+
+bool cuda_kernels_built() { return true; }
+
+void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                      at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr, double beta1, double beta2,
+                      double eps, double weight_decay, bool amsgrad, bool maximize) {
+  check_fused_adamw_args(OpBackend::kCuda, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad);
+  const size_t n = params.size();
+  if (n == 0) return;
+  c10::cuda::CUDAGuard guard(params[0].device());
+  std::vector<cuda::AdamWTensor> ts(n);
+  std::vector<const void*> key;
+  for (size_t i = 0; i < n; ++i) {
+    cuda::AdamWTensor& t = ts[i];
+    t.param = params[i].data_ptr();
+    t.grad = grads[i].const_data_ptr();
+    t.exp_avg = exp_avgs[i].data_ptr<float>();
+    t.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
+    t.max_exp_avg_sq = amsgrad ? max_exp_avg_sqs[i].data_ptr<float>() : nullptr;
+    t.step = steps[i].data_ptr<float>();
+    t.numel = params[i].numel();
+    t.kind = params[i].scalar_type() == at::kFloat ? cuda::Param::kF32 : cuda::Param::kBF16;
+    key.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(t.numel)));  // a freed and reused address
+    for (const void* ptr : {static_cast<const void*>(t.param), t.grad, static_cast<const void*>(t.exp_avg), static_cast<const void*>(t.exp_avg_sq),
+                            static_cast<const void*>(t.max_exp_avg_sq), static_cast<const void*>(t.step)})
+      key.push_back(ptr);
+  }
+  const int64_t chunk = chunk_elems();
+  key.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(chunk)));
+  key.push_back(reinterpret_cast<const void*>(uintptr_t{1}));  // plan kind
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  std::lock_guard<std::mutex> lock(g_mu);
+  Cached& c = plan_for(key);
+  if (!c.plan) {
+    c.plan = cuda::make_adamw_plan(ts, stream, chunk);
+    TORCH_CHECK(c.plan, "optstate.fused_adamw_: cannot build the CUDA work list");
+    c.hyper = at::empty({static_cast<int64_t>(sizeof(cuda::Hyper))}, params[0].options().dtype(at::kByte));
+  }
+  put_hyper(c, {lr, beta1, beta2, eps, weight_decay, amsgrad, maximize}, stream);
+  check(cuda::adamw_step(*c.plan, static_cast<const cuda::Hyper*>(c.hyper.data_ptr()), stream), "fused_adamw_");
+}
+
+void adamw8bit_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                    at::TensorList max_exp_avg_sqs, at::TensorList exp_avg_absmax, at::TensorList exp_avg_sq_absmax,
+                    at::TensorList max_exp_avg_sq_absmax, at::TensorList steps, at::IntArrayRef block_sizes, double lr,
+                    double beta1, double beta2, double eps, double weight_decay, bool amsgrad) {
+  check_adamw8bit_args(OpBackend::kCuda, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, exp_avg_absmax,
+                       exp_avg_sq_absmax, max_exp_avg_sq_absmax, steps, block_sizes, amsgrad);
+  const size_t n = params.size();
+  if (n == 0) return;
+  c10::cuda::CUDAGuard guard(params[0].device());
+  ensure_maps(params[0].device().index());
+  std::vector<cuda::AdamW8bitTensor> ts(n);
+  std::vector<const void*> key;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t block = block_sizes[i], numel = params[i].numel();
+    cuda::AdamW8bitTensor& t = ts[i];
+    t = {};
+    t.param = params[i].data_ptr();
+    t.grad = grads[i].const_data_ptr();
+    t.step = steps[i].data_ptr<float>();
+    t.numel = numel;
+    t.block = block;
+    t.kind = params[i].scalar_type() == at::kFloat ? cuda::Param::kF32 : cuda::Param::kBF16;
+    if (block > 0) {
+      t.m_codes = exp_avgs[i].data_ptr<uint8_t>();
+      t.v_codes = exp_avg_sqs[i].data_ptr<uint8_t>();
+      t.m_absmax = exp_avg_absmax[i].data_ptr<float>();
+      t.v_absmax = exp_avg_sq_absmax[i].data_ptr<float>();
+      if (amsgrad) {
+        t.vmax_codes = max_exp_avg_sqs[i].data_ptr<uint8_t>();
+        t.vmax_absmax = max_exp_avg_sq_absmax[i].data_ptr<float>();
+      }
+    } else {
+      t.m = exp_avgs[i].data_ptr<float>();
+      t.v = exp_avg_sqs[i].data_ptr<float>();
+      if (amsgrad) t.vmax = max_exp_avg_sqs[i].data_ptr<float>();
+    }
+    key.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(t.numel)));
+    // Every pointer: after a state reload the caching allocator may hand some addresses out again.
+    for (const void* ptr : {static_cast<const void*>(t.param), t.grad, static_cast<const void*>(t.step),
+                            static_cast<const void*>(t.m_codes), static_cast<const void*>(t.v_codes),
+                            static_cast<const void*>(t.vmax_codes), static_cast<const void*>(t.m_absmax),
+                            static_cast<const void*>(t.v_absmax), static_cast<const void*>(t.vmax_absmax),
+                            static_cast<const void*>(t.m), static_cast<const void*>(t.v),
+                            static_cast<const void*>(t.vmax), reinterpret_cast<const void*>(block)})
+      key.push_back(ptr);
+  }
+  const int64_t chunk = chunk_elems();
+  key.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(chunk)));
+  key.push_back(reinterpret_cast<const void*>(uintptr_t{2}));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  std::lock_guard<std::mutex> lock(g_mu);
+  Cached& c = plan_for(key);
+  if (!c.plan) {
+    c.plan = cuda::make_adamw8bit_plan(ts, stream, chunk);
+    TORCH_CHECK(c.plan, "optstate.adamw8bit_: cannot build the CUDA work list");
+    c.hyper = at::empty({static_cast<int64_t>(sizeof(cuda::Hyper))}, params[0].options().dtype(at::kByte));
+  }
+  put_hyper(c, {lr, beta1, beta2, eps, weight_decay, amsgrad, 0}, stream);
+  check(cuda::adamw8bit_step(*c.plan, static_cast<const cuda::Hyper*>(c.hyper.data_ptr()), stream), "adamw8bit_");
+}
+
+}  // namespace optstate::optim

@@ -326,11 +326,9 @@ OPTSTATE_UNROLL
   }
 }
 
-template <bool kAms>
-OPTSTATE_HD void lane8_store(const AdamW8bitTensor& t, int64_t b, int lane, const Tables8& tab, const Lane8& r,
-                             float nm, float nv, float nx) {
-  const int64_t off = b * t.block;
-  const int n = static_cast<int>(t.block < t.numel - off ? t.block : t.numel - off);
+template <bool kAms, bool kFastDiv>
+OPTSTATE_HD void lane8_store_codes(const AdamW8bitTensor& t, int64_t off, int n, int lane, const Tables8& tab,
+                                   const Lane8& r, const Recip& dm, const Recip& dv, const Recip& dx) {
 OPTSTATE_UNROLL
   for (int k = 0; k < kGroups8; ++k) {
     const int i0 = 128 * k + 4 * lane;
@@ -338,9 +336,15 @@ OPTSTATE_UNROLL
     uint32_t mc = 0, vc = 0, xc = 0;
 OPTSTATE_UNROLL
     for (int e = 0; e < 4; ++e) {
-      mc |= uint32_t{quantize_bucket(r.m[4 * k + e] / nm, tab.sq)} << (8 * e);
-      vc |= uint32_t{quantize_bucket(r.v[4 * k + e] / nv, tab.uq)} << (8 * e);
-      if (kAms) xc |= uint32_t{quantize_bucket(r.x[4 * k + e] / nx, tab.uq)} << (8 * e);
+      const int j = 4 * k + e;
+      const float qm = kFastDiv ? div_fast(r.m[j], dm) : r.m[j] / dm.d;
+      const float qv = kFastDiv ? div_fast(r.v[j], dv) : r.v[j] / dv.d;
+      mc |= uint32_t{quantize_bucket(qm, tab.sq)} << (8 * e);
+      vc |= uint32_t{quantize_bucket(qv, tab.uq)} << (8 * e);
+      if (kAms) {
+        const float qx = kFastDiv ? div_fast(r.x[j], dx) : r.x[j] / dx.d;
+        xc |= uint32_t{quantize_bucket(qx, tab.uq)} << (8 * e);
+      }
     }
     if (i0 + 4 <= n) {
       store_codes4(t.m_codes + off + i0, mc);
@@ -354,6 +358,19 @@ OPTSTATE_UNROLL
       }
     }
   }
+}
+
+// The codes of a lane's moments given the block's new scales (a branch per block, uniform in the warp).
+template <bool kAms>
+OPTSTATE_HD void lane8_store(const AdamW8bitTensor& t, int64_t b, int lane, const Tables8& tab, const Lane8& r,
+                             float nm, float nv, float nx) {
+  const int64_t off = b * t.block;
+  const int n = static_cast<int>(t.block < t.numel - off ? t.block : t.numel - off);
+  const Recip dm = recip(nm), dv = recip(nv), dx = recip(kAms ? nx : 1.0f);
+  if (dm.ok && dv.ok && dx.ok)
+    lane8_store_codes<kAms, true>(t, off, n, lane, tab, r, dm, dv, dx);
+  else
+    lane8_store_codes<kAms, false>(t, off, n, lane, tab, r, dm, dv, dx);
 }
 
 // The block's new scales, by one lane once every lane has read the old ones (a __syncwarp before).

@@ -91,6 +91,34 @@ OPTSTATE_HD void adamw_element(const AdamWScalars& s, float& p, float g, float& 
   v = vv;
 }
 
+// Quantization divides every moment of a block by the block's scale d. With r = RN(1/d) once per
+// block, y = RN(x * r) and one correction q = RN(y + r * (x - d * y)) (the residual exact by the fma)
+// is the correctly rounded x / d while nothing underflows: the sequence CUDA's own IEEE division runs
+// after its range check (FCHK), with r already the best reciprocal (Markstein). Here |x| <= d (d is
+// the block's max |x|, clipped to >= 1e-12 > 2^-40) and d <= 2^45 (checked once per block:
+// Recip::ok). Where the code depends on the quotient's value (|q| >= 2^-24, outside the
+// quantizer's bucket of tiny magnitudes) |x| >= 2^-64 and every step is exact; a smaller quotient,
+// however rounded, keeps x's sign and stays in that bucket, so it gets the division's code. ~3
+// instructions instead of ~10 (reciprocal, range check); the host test checks both claims.
+struct Recip {
+  float d, r;
+  bool ok;  // 2^-45 <= d <= 2^45: the fast quotient is exact where it matters
+};
+
+OPTSTATE_HD Recip recip(float d) {
+  Recip k;
+  k.d = d;
+  k.r = 1.0f / d;
+  k.ok = d >= 0x1p-45f && d <= 0x1p45f;
+  return k;
+}
+
+OPTSTATE_HD float div_fast(float x, const Recip& k) {
+  const float y = x * k.r;
+  const float e = fmaf(-y, k.d, x);
+  return fmaf(e, k.r, y);
+}
+
 struct Scalars8 {
   float lr, lr_wd, w1, w2, bc1, bc2_sqrt, eps;
   bool amsgrad, small1, small2;

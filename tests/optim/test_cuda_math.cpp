@@ -4,7 +4,9 @@
 // computes what the host does (IEEE ops, no contraction: -fmad=false).
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -163,4 +165,49 @@ TEST_CASE("CUDA AdamW8bit math == CPU kernel, bit for bit (blocks of 64 and 256,
       }
       CHECK(std::memcmp(p.data(), p2.data(), n * 4) == 0);
     }
+}
+
+TEST_CASE("Quantization's fast division: exact quotients where codes depend on them, the division's codes everywhere") {
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<uint32_t> mant(0, (1u << 23) - 1);
+  std::vector<float> divisors{1.0f, std::nextafter(1.0f, 0.0f), std::nextafter(1.0f, 2.0f), 1.9999999f, 1.5f,
+                              1e-12f, 3.0f, 0.1f, 0x1p45f};
+  for (int i = 0; i < 4; ++i) divisors.push_back(cm::bits_float((static_cast<uint32_t>(88 + 20 * i) << 23) | mant(rng)));
+  int64_t wrong = 0, checked = 0;
+  for (float d : divisors) {  // every mantissa of x in [d/2, d) and [d/2^20, d/2^19): quotients' bits depend on mantissas
+    const cm::Recip k = cm::recip(d);
+    REQUIRE(k.ok);
+    for (int shift : {1, 20})
+      for (uint32_t m = 0; m < (1u << 23); ++m) {
+        const float x = std::ldexp(cm::bits_float(0x3f800000u | m), std::ilogb(d) - shift);
+        wrong += cm::float_bits(cm::div_fast(x, k)) != cm::float_bits(x / d);
+        wrong += cm::float_bits(cm::div_fast(-x, k)) != cm::float_bits(-x / d);
+        checked += 2;
+      }
+  }
+  CHECK(wrong == 0);
+  // Random blocks: d a scale in [1e-12, 2^45], |x| <= d with quotients down to denormals and zeros;
+  // the codes through both maps equal the division's, and the quotient itself wherever |q| >= 2^-24.
+  const Quantizer& qs = Quantizer::get(QMap::kDynamicSigned);
+  const Quantizer& qu = Quantizer::get(QMap::kDynamicUnsigned);
+  std::uniform_int_distribution<int> exd(-39, 44), exq(-152, -1);
+  int64_t code_wrong = 0, value_wrong = 0;
+  for (int i = 0; i < 4000000; ++i) {
+    const float d = std::ldexp(1.0f + mant(rng) * 0x1p-23f, exd(rng));
+    float x = std::ldexp(d * (1.0f + mant(rng) * 0x1p-23f) * 0.5f, exq(rng) + 1);
+    if (i % 1000 == 0) x = 0.0f;
+    if (i % 1000 == 1) x = d;
+    if (i & 1) x = -x;
+    const cm::Recip k = cm::recip(d);
+    const float want = x / d, got = cm::div_fast(x, k);
+    if (std::fabs(want) >= 0x1p-24f) value_wrong += cm::float_bits(got) != cm::float_bits(want);
+    code_wrong += qs.no_inf(got) != qs.no_inf(want) || qu.no_inf(got) != qu.no_inf(want);
+    ++checked;
+  }
+  CHECK(checked > 100000000);
+  CHECK(value_wrong == 0);
+  CHECK(code_wrong == 0);
+  CHECK(!cm::recip(0x1p46f).ok);
+  CHECK(!cm::recip(std::numeric_limits<float>::infinity()).ok);
+  CHECK(!cm::recip(std::numeric_limits<float>::quiet_NaN()).ok);
 }

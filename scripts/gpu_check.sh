@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # The GPU check for a lent H200 (torch 2.11+cu130 and CUDA 13 there; no network, no HDF5, fmt,
 # xxHash or nlohmann-json): unpacks the Debian packages fetched beforehand by
-# scripts/fetch_gpu_deps.sh, builds the torch ops library with its CUDA kernels against that
-# machine's LibTorch, then runs tests/gpu/check_cuda.py: CUDA vs the CPU path on fresh random
-# inputs (max difference; goal: bitwise), and the timing table (ours, torch fused/foreach, torchao
-# if importable, copy bandwidth). Budget: well inside 8 minutes including the build.
+# scripts/fetch_gpu_deps.sh, builds the optimizers and the torch ops library with their CUDA
+# kernels against that machine's LibTorch (ptxas register/spill report), then runs
+#   tests/gpu/check_cxx_cuda.cpp  the LibTorch optimizers: CUDA params vs CPU params, bitwise;
+#   tests/gpu/check_cuda.py       the torch ops: CUDA vs the CPU path on fresh random inputs (max
+#                                 difference; goal: bitwise), CUDA-graph capture, and the timing
+#                                 table (ours with a work-item size sweep, torch fused/foreach,
+#                                 torchao if importable, copy bandwidth);
+#   compute-sanitizer memcheck + racecheck over the C++ check, where the toolkit has it.
+# Everything lands in $OUT/gpu_check.txt. Budget: well inside 8 minutes including the build.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -30,5 +35,19 @@ cxx_rc=0
 py_rc=0
 OPTSTATE_OPS_LIBRARY=$root/build-gpu/liboptstate_ops.so PYTHONPATH=$root/python "$py" tests/gpu/check_cuda.py "$@" \
   2>&1 | tee -a "$out" || py_rc=$?
-echo "C++ check exit $cxx_rc, Python check exit $py_rc"
-[ "$cxx_rc" = 0 ] && [ "$py_rc" = 0 ]
+echo "C++ check exit $cxx_rc, Python check exit $py_rc" | tee -a "$out"
+# Device-only faults the host emulation cannot see (out-of-bounds or misaligned accesses, shared-memory
+# races): the C++ check's small cases under compute-sanitizer, if the toolkit has it.
+san_rc=0
+sanitizer=$(command -v compute-sanitizer || ls "$(dirname "$(command -v nvcc)")/compute-sanitizer" 2>/dev/null || true)
+if [ -n "$sanitizer" ] && [ -z "${OPTSTATE_GPU_CHECK_NO_SANITIZER:-}" ]; then
+  for tool in memcheck racecheck; do
+    echo "== compute-sanitizer --tool $tool (C++ check)" | tee -a "$out"
+    timeout 150 "$sanitizer" --tool $tool --error-exitcode 9 ./build-gpu/tests/optstate_gpu_cxx_check 2>&1 \
+      | tail -5 | tee -a "$out" || san_rc=$?
+  done
+else
+  echo "compute-sanitizer not run" | tee -a "$out"
+fi
+echo "sanitizer exit $san_rc" | tee -a "$out"
+[ "$cxx_rc" = 0 ] && [ "$py_rc" = 0 ] && [ "$san_rc" = 0 ]

@@ -22,7 +22,16 @@ export PKG_CONFIG_PATH=$sysroot/usr/lib/x86_64-linux-gnu/pkgconfig:$sysroot/usr/
 export LD_LIBRARY_PATH=$sysroot/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 torch_prefix=$($py -c 'import torch; print(torch.utils.cmake_prefix_path)')
 start=$(date +%s)
+# LibTorch's CMake finds CUDA through the legacy FindCUDA: point it at nvcc's toolkit; build for
+# the H200 only (sm_90), for torch's own flags too.
+cuda_root=""
+for c in "$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")" ${CUDA_HOME:-} /usr/local/cuda /usr/local/cuda-13.0; do
+  if [ -f "$c/include/cuda_runtime.h" ] && [ -x "$c/bin/nvcc" ]; then cuda_root=$c; break; fi
+done
+echo "CUDA toolkit: ${cuda_root:-not found (FindCUDA on its own)}"
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DOPTSTATE_WITH_HDF5=OFF -DOPTSTATE_BUILD_TESTS=OFF \
+  ${cuda_root:+-DCUDA_TOOLKIT_ROOT_DIR="$cuda_root"} \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_FLAGS=-Xptxas=-v -DCMAKE_PREFIX_PATH="$torch_prefix;$sysroot/usr" \
   -DPython3_EXECUTABLE="$(command -v "$py")" > build-gpu.log 2>&1 || { tail -40 build-gpu.log; exit 1; }
 grep -E "optstate:" build-gpu.log || true

@@ -38,8 +38,11 @@ __global__ void prepare_adamw8bit(const AdamW8bitTensor* ts, size_t n, const Hyp
 __global__ void __launch_bounds__(kThreads) adamw_kernel(const AdamWTensor* ts, const Work* work,
                                                          const AdamWScalars* scalars) {
   const Work w = work[blockIdx.x];
-  const AdamWTensor t = ts[w.tensor];  // in registers: stores through t's pointers cannot alias it
-  adamw_thread(scalars[w.tensor], t, w.begin, w.end, threadIdx.x, kThreads);
+  // Copies in registers: stores through the tensor pointers could alias the tables, and the loop
+  // would reload every field after every store.
+  const AdamWTensor t = ts[w.tensor];
+  const AdamWScalars sc = scalars[w.tensor];
+  adamw_thread(sc, t, w.begin, w.end, threadIdx.x, kThreads);
 }
 
 __device__ __forceinline__ uint32_t warp_max(uint32_t x) {

@@ -124,7 +124,7 @@ void emulate_8bit(std::vector<cuda::AdamW8bitTensor> ts, const cuda::Hyper& h, i
   }
 }
 
-bool same_bytes(const void* a, const void* b, size_t n) { return std::memcmp(a, b, n) == 0; }
+bool same_bytes(const void* a, const void* b, size_t n) { return n == 0 || std::memcmp(a, b, n) == 0; }
 
 }  // namespace
 

@@ -56,6 +56,17 @@ void ensure_maps(c10::DeviceIndex device) {
   done.insert(device);
 }
 
+// The kernels' register budget: OPTSTATE_CUDA_MIN_BLOCKS if set (the GPU check's tuning sweep;
+// cuda::adamw_step says which values exist), else the compiler's choice (0).
+int min_blocks() {
+  const char* env = std::getenv("OPTSTATE_CUDA_MIN_BLOCKS");
+  if (env == nullptr || *env == 0) return 0;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  TORCH_CHECK(end && *end == 0 && v >= 0 && v <= 32, "OPTSTATE_CUDA_MIN_BLOCKS=", env, ": expected 0..32");
+  return static_cast<int>(v);
+}
+
 // Elements per work item: OPTSTATE_CUDA_CHUNK if set (the GPU check's tuning sweep), else the default.
 int64_t chunk_elems() {
   const char* env = std::getenv("OPTSTATE_CUDA_CHUNK");
@@ -107,7 +118,8 @@ void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorLis
     c.hyper = at::empty({static_cast<int64_t>(sizeof(cuda::Hyper))}, params[0].options().dtype(at::kByte));
   }
   put_hyper(c, {lr, beta1, beta2, eps, weight_decay, amsgrad, maximize}, stream);
-  check(cuda::adamw_step(*c.plan, static_cast<const cuda::Hyper*>(c.hyper.data_ptr()), stream), "fused_adamw_");
+  check(cuda::adamw_step(*c.plan, static_cast<const cuda::Hyper*>(c.hyper.data_ptr()), stream, min_blocks()),
+        "fused_adamw_ (OPTSTATE_CUDA_MIN_BLOCKS: 0 or 5)");
 }
 
 void adamw8bit_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
@@ -168,7 +180,8 @@ void adamw8bit_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
     c.hyper = at::empty({static_cast<int64_t>(sizeof(cuda::Hyper))}, params[0].options().dtype(at::kByte));
   }
   put_hyper(c, {lr, beta1, beta2, eps, weight_decay, amsgrad, 0}, stream);
-  check(cuda::adamw8bit_step(*c.plan, static_cast<const cuda::Hyper*>(c.hyper.data_ptr()), stream), "adamw8bit_");
+  check(cuda::adamw8bit_step(*c.plan, static_cast<const cuda::Hyper*>(c.hyper.data_ptr()), stream, min_blocks()),
+        "adamw8bit_ (OPTSTATE_CUDA_MIN_BLOCKS: 0 or 4)");
 }
 
 }  // namespace optstate::optim

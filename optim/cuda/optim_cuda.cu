@@ -35,14 +35,25 @@ __global__ void prepare_adamw8bit(const AdamW8bitTensor* ts, size_t n, const Hyp
 }
 
 // One CUDA block per work item.
-__global__ void __launch_bounds__(kThreads) adamw_kernel(const AdamWTensor* ts, const Work* work,
-                                                         const AdamWScalars* scalars) {
+__device__ __forceinline__ void adamw_item(const AdamWTensor* ts, const Work* work, const AdamWScalars* scalars) {
   const Work w = work[blockIdx.x];
   // Copies in registers: stores through the tensor pointers could alias the tables, and the loop
   // would reload every field after every store.
   const AdamWTensor t = ts[w.tensor];
   const AdamWScalars sc = scalars[w.tensor];
   adamw_thread(sc, t, w.begin, w.end, threadIdx.x, kThreads);
+}
+
+// Two register budgets (OPTSTATE_CUDA_MIN_BLOCKS): the compiler's choice (53 registers, 4 blocks per
+// SM), and at most 48 registers for 5 blocks. (`__launch_bounds__(256, 1)` is not the former: it
+// lets the compiler take 77.)
+__global__ void __launch_bounds__(kThreads) adamw_kernel(const AdamWTensor* ts, const Work* work,
+                                                         const AdamWScalars* scalars) {
+  adamw_item(ts, work, scalars);
+}
+__global__ void __launch_bounds__(kThreads, 5) adamw_kernel_5(const AdamWTensor* ts, const Work* work,
+                                                              const AdamWScalars* scalars) {
+  adamw_item(ts, work, scalars);
 }
 
 __device__ __forceinline__ uint32_t warp_max(uint32_t x) {
@@ -52,8 +63,7 @@ __device__ __forceinline__ uint32_t warp_max(uint32_t x) {
 
 // One warp per quantization block (several per CUDA block); maps and bucket tables in shared memory.
 template <bool kAms>
-__global__ void __launch_bounds__(kThreads) adamw8bit_kernel(const AdamW8bitTensor* ts, const Work* work,
-                                                             const Scalars8* scalars) {
+__device__ __forceinline__ void adamw8bit_item(const AdamW8bitTensor* ts, const Work* work, const Scalars8* scalars) {
   __shared__ __align__(16) Tables8 tab;
   {
     static_assert(sizeof(Tables8) % 16 == 0, "copied in 16-byte words");
@@ -88,6 +98,19 @@ __global__ void __launch_bounds__(kThreads) adamw8bit_kernel(const AdamW8bitTens
     __syncwarp();  // every lane has read the old scales
     if (lane == 0) store_absmax<kAms>(t, b, nm, nv, nx);
   }
+}
+
+// Register budgets as for FusedAdamW: the compiler's choice (~80 registers, 3 blocks per SM) and at
+// most 64 (4 blocks).
+template <bool kAms>
+__global__ void __launch_bounds__(kThreads) adamw8bit_kernel(const AdamW8bitTensor* ts, const Work* work,
+                                                             const Scalars8* scalars) {
+  adamw8bit_item<kAms>(ts, work, scalars);
+}
+template <bool kAms>
+__global__ void __launch_bounds__(kThreads, 4) adamw8bit_kernel_4(const AdamW8bitTensor* ts, const Work* work,
+                                                                  const Scalars8* scalars) {
+  adamw8bit_item<kAms>(ts, work, scalars);
 }
 
 __global__ void store_hyper_kernel(Hyper* dst, Hyper h) { *dst = h; }
@@ -147,20 +170,39 @@ std::unique_ptr<Plan> make_adamw8bit_plan(const std::vector<AdamW8bitTensor>& te
   return p;
 }
 
-int adamw_step(const Plan& plan, const Hyper* hyper, void* stream) {
+int adamw_step(const Plan& plan, const Hyper* hyper, void* stream, int min_blocks) {
   if (plan.eight_) return cudaErrorInvalidValue;
   if (plan.n_ == 0) return 0;
   auto s = static_cast<cudaStream_t>(stream);
   const auto* ts = static_cast<const AdamWTensor*>(plan.tensors_);
   auto* scalars = static_cast<AdamWScalars*>(plan.scalars_);
   prepare_adamw<<<grid(plan.n_, 128), 128, 0, s>>>(ts, plan.n_, hyper, scalars);
-  if (plan.work_items_)
-    adamw_kernel<<<static_cast<unsigned>(plan.work_items_), kThreads, 0, s>>>(ts, static_cast<const Work*>(plan.work_),
-                                                                             scalars);
+  if (plan.work_items_) {
+    const auto* work = static_cast<const Work*>(plan.work_);
+    const auto items = static_cast<unsigned>(plan.work_items_);
+    switch (min_blocks) {
+      case 0: adamw_kernel<<<items, kThreads, 0, s>>>(ts, work, scalars); break;
+      case 5: adamw_kernel_5<<<items, kThreads, 0, s>>>(ts, work, scalars); break;
+      default: return cudaErrorInvalidValue;
+    }
+  }
   return cudaGetLastError();
 }
 
-int adamw8bit_step(const Plan& plan, const Hyper* hyper, void* stream) {
+namespace {
+template <bool kAms>
+int launch8(unsigned items, cudaStream_t s, const AdamW8bitTensor* ts, const Work* work, const Scalars8* scalars,
+            int min_blocks) {
+  switch (min_blocks) {
+    case 0: adamw8bit_kernel<kAms><<<items, kThreads, 0, s>>>(ts, work, scalars); break;
+    case 4: adamw8bit_kernel_4<kAms><<<items, kThreads, 0, s>>>(ts, work, scalars); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return 0;
+}
+}  // namespace
+
+int adamw8bit_step(const Plan& plan, const Hyper* hyper, void* stream, int min_blocks) {
   if (!plan.eight_) return cudaErrorInvalidValue;
   if (plan.n_ == 0) return 0;
   auto s = static_cast<cudaStream_t>(stream);
@@ -170,10 +212,9 @@ int adamw8bit_step(const Plan& plan, const Hyper* hyper, void* stream) {
   if (plan.work_items_) {
     const auto* work = static_cast<const Work*>(plan.work_);
     const auto items = static_cast<unsigned>(plan.work_items_);
-    if (plan.amsgrad_)
-      adamw8bit_kernel<true><<<items, kThreads, 0, s>>>(ts, work, scalars);
-    else
-      adamw8bit_kernel<false><<<items, kThreads, 0, s>>>(ts, work, scalars);
+    const int e = plan.amsgrad_ ? launch8<true>(items, s, ts, work, scalars, min_blocks)
+                                : launch8<false>(items, s, ts, work, scalars, min_blocks);
+    if (e != 0) return e;
   }
   return cudaGetLastError();
 }

@@ -52,8 +52,8 @@ class Plan {
  private:
   friend std::unique_ptr<Plan> make_adamw_plan(const std::vector<AdamWTensor>&, void*, int64_t);
   friend std::unique_ptr<Plan> make_adamw8bit_plan(const std::vector<AdamW8bitTensor>&, void*, int64_t);
-  friend int adamw_step(const Plan&, const Hyper*, void*);
-  friend int adamw8bit_step(const Plan&, const Hyper*, void*);
+  friend int adamw_step(const Plan&, const Hyper*, void*, int);
+  friend int adamw8bit_step(const Plan&, const Hyper*, void*, int);
   // Device copies of the tensor and work tables, room for the per-tensor scalars.
   int allocate(const void* tensors, size_t tensor_bytes, const void* work, size_t work_bytes, size_t scalar_bytes,
                void* stream);
@@ -78,8 +78,11 @@ std::unique_ptr<Plan> make_adamw8bit_plan(const std::vector<AdamW8bitTensor>& te
 // One optimizer step: a small launch increments every step counter and computes each tensor's step
 // scalars (bias corrections) into the plan; then one launch updates every tensor.
 // Returns a cudaError_t value (0: success). `hyper` is a device pointer.
-int adamw_step(const Plan& plan, const Hyper* hyper, void* stream);
-int adamw8bit_step(const Plan& plan, const Hyper* hyper, void* stream);
+// `min_blocks` picks a compiled register budget (resident CUDA blocks per SM): 0 the compiler's
+// choice (FusedAdamW 53 registers = 4 blocks, AdamW8bit ~80 = 3 blocks), or 5 for FusedAdamW and 4
+// for AdamW8bit (fewer registers, a few bytes spilled): a tuning knob for the GPU check.
+int adamw_step(const Plan& plan, const Hyper* hyper, void* stream, int min_blocks = 0);
+int adamw8bit_step(const Plan& plan, const Hyper* hyper, void* stream, int min_blocks = 0);
 
 // Writes `h` into device memory with a one-thread launch on `stream`: no host sync (a pageable
 // cudaMemcpyAsync would synchronize), and a CUDA graph can capture it.

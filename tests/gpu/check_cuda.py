@@ -169,7 +169,7 @@ def timing(iters, skip_torchao):
     print(f"  copy bandwidth: {copy_bw:.0f} GB/s")
     rows = []
 
-    def run(name, make_opt, bytes_per_param, chunks=()):
+    def run(name, make_opt, bytes_per_param, chunks=(), min_blocks=None):
         params = make_on_gpu(shapes)
         opt = make_opt(params)
         t0 = time.perf_counter()
@@ -184,14 +184,19 @@ def timing(iters, skip_torchao):
             ms = time_steps(opt.step, iters)
             rows.append((f"  chunk {chunk // 1024}k", ms, 100 * floor / ms, float("nan")))
         os.environ.pop("OPTSTATE_CUDA_CHUNK", None)
+        if min_blocks:  # the other compiled register budget (more resident blocks per SM)
+            os.environ["OPTSTATE_CUDA_MIN_BLOCKS"] = str(min_blocks)
+            ms = time_steps(opt.step, iters)
+            rows.append((f"  {min_blocks} blocks/SM", ms, 100 * floor / ms, float("nan")))
+            os.environ.pop("OPTSTATE_CUDA_MIN_BLOCKS", None)
         del opt, params
         torch.cuda.empty_cache()
 
     sweep = (16384, 262144)
-    run("optstate FusedAdamW", lambda p: optstate.FusedAdamW(p, lr=1e-4), 28, sweep)
+    run("optstate FusedAdamW", lambda p: optstate.FusedAdamW(p, lr=1e-4), 28, sweep, min_blocks=5)
     run("torch AdamW fused", lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True), 28)
     run("torch AdamW foreach", lambda p: torch.optim.AdamW(p, lr=1e-4, foreach=True), 28)
-    run("optstate AdamW8bit", lambda p: optstate.AdamW8bit(p, lr=1e-4), 16, sweep)
+    run("optstate AdamW8bit", lambda p: optstate.AdamW8bit(p, lr=1e-4), 16, sweep, min_blocks=4)
     if not skip_torchao:
         try:
             from torchao.optim import AdamW8bit as AoAdamW8bit

@@ -144,20 +144,8 @@ void adamw8bit_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
     t.numel = numel;
     t.block = block;
     t.kind = params[i].scalar_type() == at::kFloat ? cuda::Param::kF32 : cuda::Param::kBF16;
-    if (block > 0) {
-      t.m_codes = exp_avgs[i].data_ptr<uint8_t>();
-      t.v_codes = exp_avg_sqs[i].data_ptr<uint8_t>();
-      t.m_absmax = exp_avg_absmax[i].data_ptr<float>();
-      t.v_absmax = exp_avg_sq_absmax[i].data_ptr<float>();
-      if (amsgrad) {
-        t.vmax_codes = max_exp_avg_sqs[i].data_ptr<uint8_t>();
-        t.vmax_absmax = max_exp_avg_sq_absmax[i].data_ptr<float>();
-      }
-    } else {
-      t.m = exp_avgs[i].data_ptr<float>();
-      t.v = exp_avg_sqs[i].data_ptr<float>();
-      if (amsgrad) t.vmax = max_exp_avg_sqs[i].data_ptr<float>();
-    }
+    set_adamw8bit_state(t, i, block, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax,
+                        max_exp_avg_sq_absmax, amsgrad);
     key.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(t.numel)));
     // Every pointer: after a state reload the caching allocator may hand some addresses out again.
     for (const void* ptr : {static_cast<const void*>(t.param), t.grad, static_cast<const void*>(t.step),

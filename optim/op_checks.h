@@ -20,4 +20,26 @@ void check_adamw8bit_args(OpBackend backend, at::TensorList params, at::TensorLi
                           at::TensorList exp_avg_sq_absmax, at::TensorList max_exp_avg_sq_absmax, at::TensorList steps,
                           at::IntArrayRef block_sizes, bool amsgrad);
 
+// The state pointers of param i (arguments as checked above) into a CPU or CUDA AdamW8bit tensor
+// descriptor (the same field names): codes + absmax for block > 0, dense fp32 moments for block 0.
+template <class Descriptor>
+void set_adamw8bit_state(Descriptor& t, size_t i, int64_t block, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                         at::TensorList max_exp_avg_sqs, at::TensorList exp_avg_absmax,
+                         at::TensorList exp_avg_sq_absmax, at::TensorList max_exp_avg_sq_absmax, bool amsgrad) {
+  if (block > 0) {
+    t.m_codes = exp_avgs[i].data_ptr<uint8_t>();
+    t.v_codes = exp_avg_sqs[i].data_ptr<uint8_t>();
+    t.m_absmax = exp_avg_absmax[i].data_ptr<float>();
+    t.v_absmax = exp_avg_sq_absmax[i].data_ptr<float>();
+    if (amsgrad) {
+      t.vmax_codes = max_exp_avg_sqs[i].data_ptr<uint8_t>();
+      t.vmax_absmax = max_exp_avg_sq_absmax[i].data_ptr<float>();
+    }
+  } else {
+    t.m = exp_avgs[i].data_ptr<float>();
+    t.v = exp_avg_sqs[i].data_ptr<float>();
+    if (amsgrad) t.vmax = max_exp_avg_sqs[i].data_ptr<float>();
+  }
+}
+
 }  // namespace optstate::optim

@@ -69,20 +69,8 @@ void adamw8bit_(at::TensorList params, at::TensorList grads, at::TensorList exp_
     t.kind = params[i].scalar_type() == at::kFloat ? ParamKind::kF32 : ParamKind::kBF16;
     t.numel = params[i].numel();
     t.block = block_sizes[i];
-    if (t.block > 0) {
-      t.m_codes = exp_avgs[i].data_ptr<uint8_t>();
-      t.v_codes = exp_avg_sqs[i].data_ptr<uint8_t>();
-      t.m_absmax = exp_avg_absmax[i].data_ptr<float>();
-      t.v_absmax = exp_avg_sq_absmax[i].data_ptr<float>();
-      if (amsgrad) {
-        t.vmax_codes = max_exp_avg_sqs[i].data_ptr<uint8_t>();
-        t.vmax_absmax = max_exp_avg_sq_absmax[i].data_ptr<float>();
-      }
-    } else {
-      t.m = exp_avgs[i].data_ptr<float>();
-      t.v = exp_avg_sqs[i].data_ptr<float>();
-      if (amsgrad) t.vmax = max_exp_avg_sqs[i].data_ptr<float>();
-    }
+    set_adamw8bit_state(t, i, t.block, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax,
+                        max_exp_avg_sq_absmax, amsgrad);
     t.s = adamw8bit_step_scalars(hyper, *sp);
   }
   adamw8bit_cpu(items);

@@ -20,6 +20,7 @@
 #include "cuda/optim_cuda_body.h"
 #include "optstate/dtype.h"
 #include "optstate/quant8.h"
+#include "test_random.h"
 
 using namespace optstate;
 using namespace optstate::optim;
@@ -28,13 +29,7 @@ namespace cm = optstate::optim::cuda::math;
 
 namespace {
 
-std::vector<float> randn(size_t n, float scale, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
+using test::randn;
 
 // A param (+ grad) buffer of either dtype, `shift` elements past a 64-byte boundary (shift 1: no
 // vector access), holding `values`.

@@ -15,6 +15,7 @@
 #include "cuda/optim_cuda_math.h"
 #include "optstate/dtype.h"
 #include "optstate/quant8.h"
+#include "test_random.h"
 
 using namespace optstate;
 using namespace optstate::optim;
@@ -22,13 +23,7 @@ namespace cm = optstate::optim::cuda::math;
 
 namespace {
 
-std::vector<float> randn(size_t n, float scale, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
+using test::randn;
 
 std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
   std::vector<uint16_t> out(v.size());

@@ -65,52 +65,21 @@ Result<Manifest> parse_body(const json& root, const std::filesystem::path& dir, 
   for (const auto& [fqn, pj] : params->items()) {
     const std::string pwhere = fmt::format("{}: param '{}'", mpath, fqn);
     Fields fp{pj, pwhere};
-    ParamState ps;
-    OPTSTATE_ASSIGN_OR_RETURN(const json* shape, fp.get("shape", json::value_t::array));
-    for (const json& d : *shape) {
-      if (!d.is_number_integer()) return corrupt(pwhere + ": shape must hold integers");
-      ps.shape.push_back(d.get<int64_t>());
-    }
-    auto numel = checked_numel(ps.shape);
-    if (!numel.ok()) return numel.status().with_context(pwhere);
-    OPTSTATE_ASSIGN_OR_RETURN(std::string dtype, fp.str("dtype"));
-    auto pd = dtype_from_name(dtype);
-    if (!pd) return corrupt(fmt::format("{}: unknown dtype '{}'", pwhere, dtype));
-    ps.param_dtype = *pd;
-    OPTSTATE_ASSIGN_OR_RETURN(ps.step, fp.i64("step"));
-    OPTSTATE_ASSIGN_OR_RETURN(int64_t group, fp.i64("group"));
-    if (group < 0 || group >= static_cast<int64_t>(m.state.groups.size()))
-      return corrupt(fmt::format("{}: group {} does not exist", pwhere, group));
-    ps.group = static_cast<int>(group);
+    OPTSTATE_ASSIGN_OR_RETURN(ParamState ps, param_header_from_json(fp, m.state.groups.size()));
+    const int64_t numel = checked_numel(ps.shape).value();  // checked by param_header_from_json
 
     OPTSTATE_ASSIGN_OR_RETURN(const json* entries, fp.get("entries", json::value_t::object));
     for (const auto& [ename, ej] : entries->items()) {
       const std::string ewhere = fmt::format("{}: entry '{}'", mpath, entry_key(fqn, ename));
       Fields fe{ej, ewhere};
-      Entry e;
-      OPTSTATE_ASSIGN_OR_RETURN(std::string enc, fe.str("encoding"));
-      auto encoding = encoding_from_name(enc);
-      if (!encoding.ok()) return encoding.status().with_context(ewhere);
-      e.encoding = *encoding;
-      if (e.encoding == Encoding::kDense) {
-        OPTSTATE_ASSIGN_OR_RETURN(std::string edt, fe.str("dtype"));
-        auto d = dtype_from_name(edt);
-        if (!d) return corrupt(fmt::format("{}: unknown dtype '{}'", ewhere, edt));
-        e.dtype = *d;
-      } else {
-        e.dtype = DType::kU8;
-        OPTSTATE_ASSIGN_OR_RETURN(e.block_size, fe.i64("block_size"));
-        OPTSTATE_ASSIGN_OR_RETURN(e.qmap, fe.str("qmap"));
-        if (e.block_size <= 0 || e.block_size > (int64_t{1} << 20))
-          return corrupt(fmt::format("{}: block size {} out of range", ewhere, e.block_size));
-      }
+      OPTSTATE_ASSIGN_OR_RETURN(Entry e, entry_meta_from_json(fe));
       OPTSTATE_ASSIGN_OR_RETURN(const json* comps, fe.get("components", json::value_t::object));
       for (Component c : e.components()) {
         const std::string cname(component_name(c));
         const std::string cwhere = fmt::format("{} {}", ewhere, cname);
         auto cj = comps->find(cname);
         if (cj == comps->end() || !cj->is_array()) return corrupt(cwhere + ": missing chunk list");
-        const int64_t count = component_count(e, c, *numel);
+        const int64_t count = component_count(e, c, numel);
         const int64_t elem = component_elem_size(e, c);
         std::vector<Chunk> chunks;
         for (const json& chj : *cj) {

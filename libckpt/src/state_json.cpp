@@ -66,44 +66,12 @@ Result<OptimizerState> decode_state_meta(std::string_view text, const std::strin
   OPTSTATE_ASSIGN_OR_RETURN(const json* params, top.get("params", V::object));
   for (const auto& [fqn, pj] : params->items()) {
     const std::string pw = fmt::format("{}: param '{}'", where, fqn);
-    ParamState ps;
     const JsonFields fp{pj, pw};
-    OPTSTATE_ASSIGN_OR_RETURN(const json* shape, fp.get("shape", V::array));
-    if (shape->size() > static_cast<size_t>(kMaxRank)) return corrupt(pw + ": too many dimensions");
-    for (const json& d : *shape) {
-      if (!d.is_number_integer()) return corrupt(pw + ": shape must hold integers");
-      ps.shape.push_back(d.get<int64_t>());
-    }
-    auto numel = checked_numel(ps.shape);
-    if (!numel.ok()) return numel.status().with_context(pw);
-    OPTSTATE_ASSIGN_OR_RETURN(std::string dtype, fp.str("dtype"));
-    auto pd = dtype_from_name(dtype);
-    if (!pd) return corrupt(fmt::format("{}: unknown dtype '{}'", pw, dtype));
-    ps.param_dtype = *pd;
-    OPTSTATE_ASSIGN_OR_RETURN(ps.step, fp.i64("step"));
-    OPTSTATE_ASSIGN_OR_RETURN(int64_t group, fp.i64("group"));
-    if (group < 0 || group >= static_cast<int64_t>(st.groups.size()))
-      return corrupt(fmt::format("{}: group {} does not exist", pw, group));
-    ps.group = static_cast<int>(group);
+    OPTSTATE_ASSIGN_OR_RETURN(ParamState ps, param_header_from_json(fp, st.groups.size()));
     OPTSTATE_ASSIGN_OR_RETURN(const json* entries, fp.get("entries", V::object));
     for (const auto& [name, ej] : entries->items()) {
-      const std::string ew = fmt::format("{}: entry '{}'", where, entry_key(fqn, name));
-      const JsonFields fe{ej, ew};
-      Entry e;
-      OPTSTATE_ASSIGN_OR_RETURN(std::string enc, fe.str("encoding"));
-      auto encoding = encoding_from_name(enc);
-      if (!encoding.ok()) return encoding.status().with_context(ew);
-      e.encoding = *encoding;
-      if (e.encoding == Encoding::kDense) {
-        OPTSTATE_ASSIGN_OR_RETURN(std::string edt, fe.str("dtype"));
-        auto d = dtype_from_name(edt);
-        if (!d) return corrupt(fmt::format("{}: unknown dtype '{}'", ew, edt));
-        e.dtype = *d;
-      } else {
-        e.dtype = DType::kU8;
-        OPTSTATE_ASSIGN_OR_RETURN(e.block_size, fe.i64("block_size"));
-        OPTSTATE_ASSIGN_OR_RETURN(e.qmap, fe.str("qmap"));
-      }
+      OPTSTATE_ASSIGN_OR_RETURN(Entry e, entry_meta_from_json(
+                                             JsonFields{ej, fmt::format("{}: entry '{}'", where, entry_key(fqn, name))}));
       ps.entries.emplace(name, std::move(e));
     }
     st.params.emplace(fqn, std::move(ps));

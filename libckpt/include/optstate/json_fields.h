@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "optstate/dtype.h"
 #include "optstate/state.h"
 #include "optstate/status.h"
 
@@ -83,6 +84,52 @@ inline Result<ParamGroup> param_group_from_json(const JsonFields& f) {
     g.params.push_back(name.get<std::string>());
   }
   return g;
+}
+
+// A param's own fields {shape, dtype, step, group} (its entries are read by the caller); `groups` is
+// how many param groups exist. The native manifest and the safetensors/HDF5 metadata share it.
+inline Result<ParamState> param_header_from_json(const JsonFields& f, size_t groups) {
+  ParamState ps;
+  OPTSTATE_ASSIGN_OR_RETURN(const nlohmann::json* shape, f.get("shape", nlohmann::json::value_t::array));
+  if (shape->size() > static_cast<size_t>(kMaxRank)) return corrupt(f.where + ": too many dimensions");
+  for (const nlohmann::json& d : *shape) {
+    if (!d.is_number_integer()) return corrupt(f.where + ": shape must hold integers");
+    ps.shape.push_back(d.get<int64_t>());
+  }
+  auto numel = checked_numel(ps.shape);
+  if (!numel.ok()) return numel.status().with_context(f.where);
+  OPTSTATE_ASSIGN_OR_RETURN(std::string dtype, f.str("dtype"));
+  auto pd = dtype_from_name(dtype);
+  if (!pd) return corrupt(fmt::format("{}: unknown dtype '{}'", f.where, dtype));
+  ps.param_dtype = *pd;
+  OPTSTATE_ASSIGN_OR_RETURN(ps.step, f.i64("step"));
+  OPTSTATE_ASSIGN_OR_RETURN(int64_t group, f.i64("group"));
+  if (group < 0 || group >= static_cast<int64_t>(groups))
+    return corrupt(fmt::format("{}: group {} does not exist", f.where, group));
+  ps.group = static_cast<int>(group);
+  return ps;
+}
+
+// An entry's encoding fields: {encoding: "dense", dtype} or {encoding: "blockwise8", block_size, qmap}.
+inline Result<Entry> entry_meta_from_json(const JsonFields& f) {
+  Entry e;
+  OPTSTATE_ASSIGN_OR_RETURN(std::string enc, f.str("encoding"));
+  auto encoding = encoding_from_name(enc);
+  if (!encoding.ok()) return encoding.status().with_context(f.where);
+  e.encoding = *encoding;
+  if (e.encoding == Encoding::kDense) {
+    OPTSTATE_ASSIGN_OR_RETURN(std::string edt, f.str("dtype"));
+    auto d = dtype_from_name(edt);
+    if (!d) return corrupt(fmt::format("{}: unknown dtype '{}'", f.where, edt));
+    e.dtype = *d;
+  } else {
+    e.dtype = DType::kU8;
+    OPTSTATE_ASSIGN_OR_RETURN(e.block_size, f.i64("block_size"));
+    OPTSTATE_ASSIGN_OR_RETURN(e.qmap, f.str("qmap"));
+    if (e.block_size <= 0 || e.block_size > (int64_t{1} << 20))
+      return corrupt(fmt::format("{}: block size {} out of range", f.where, e.block_size));
+  }
+  return e;
 }
 
 }  // namespace optstate

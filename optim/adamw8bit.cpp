@@ -143,7 +143,7 @@ at::Tensor AdamW8bit::step(LossClosure closure) {
       items.push_back(t);
     }
     for (auto& [device, c] : cuda)
-      adamw8bit_cuda(c.p, c.g, c.m, c.v, c.mx, c.m_absmax, c.v_absmax, c.mx_absmax, c.steps, c.blocks, hyper.lr,
+      adamw8bit_cuda(c.p, c.g, c.m, c.v, c.mx, c.m_absmax, c.v_absmax, c.mx_absmax, c.steps, c.blocks, {hyper.lr, {}},
                      hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, hyper.amsgrad);
   }
   adamw8bit_cpu(items);

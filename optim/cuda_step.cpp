@@ -39,9 +39,27 @@ void check(int err, const char* what) {
   TORCH_CHECK(err == 0, "optstate ", what, ": CUDA error ", cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
+// A tensor lr's placement, checked. Params on the CPU come here only through a GPU tensor lr
+// (the dispatcher picks CUDA for any CUDA argument).
+void check_lr_cuda(const LrArg& lr, const at::Tensor& first_param, const char* op) {
+  TORCH_CHECK(first_param.is_cuda(), op, ": params on ", first_param.device(), " with a tensor lr on ",
+              lr.tensor.device(), "; CPU params need lr on the CPU");
+  check_lr(OpBackend::kCuda, lr, first_param, op);
+}
+
 // The step's hyperparameters into the plan's device buffer, by a launch on the stream (no host sync).
-void put_hyper(Cached& c, const cuda::Hyper& h, cudaStream_t s) {
-  check(cuda::store_hyper(static_cast<cuda::Hyper*>(c.hyper.data_ptr()), h, s), "hyperparameters");
+// A tensor lr on the GPU is read by that launch, each time it runs (also as a CUDA graph replay).
+void put_hyper(Cached& c, cuda::Hyper h, const LrArg& lr, cudaStream_t s) {
+  cuda::LrSource source = cuda::LrSource::kValue;
+  const void* device_lr = nullptr;
+  if (lr.tensor.defined() && lr.tensor.is_cuda()) {
+    source = lr.tensor.scalar_type() == at::kDouble ? cuda::LrSource::kF64 : cuda::LrSource::kF32;
+    device_lr = lr.tensor.const_data_ptr();
+  } else {
+    h.lr = lr_value(lr);  // a number, or a CPU tensor (no device sync)
+  }
+  check(cuda::store_hyper(static_cast<cuda::Hyper*>(c.hyper.data_ptr()), h, s, source, device_lr),
+        "hyperparameters");
 }
 
 // The 8-bit kernel's tables, once per GPU (a __device__ symbol lives in each device's context).
@@ -83,8 +101,10 @@ int64_t chunk_elems() {
 bool cuda_kernels_built() { return true; }
 
 void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                      at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr, double beta1, double beta2,
-                      double eps, double weight_decay, bool amsgrad, bool maximize) {
+                      at::TensorList max_exp_avg_sqs, at::TensorList steps, const LrArg& lr, double beta1,
+                      double beta2, double eps, double weight_decay, bool amsgrad, bool maximize) {
+  const char* op = "optstate.fused_adamw_";
+  if (!params.empty() && lr.tensor.defined()) check_lr_cuda(lr, params[0], op);
   check_fused_adamw_args(OpBackend::kCuda, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad);
   const size_t n = params.size();
   if (n == 0) return;
@@ -114,18 +134,20 @@ void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorLis
   Cached& c = plan_for(key);
   if (!c.plan) {
     c.plan = cuda::make_adamw_plan(ts, stream, chunk);
-    TORCH_CHECK(c.plan, "optstate.fused_adamw_: cannot build the CUDA work list");
+    TORCH_CHECK(c.plan, op, ": cannot build the CUDA work list");
     c.hyper = at::empty({static_cast<int64_t>(sizeof(cuda::Hyper))}, params[0].options().dtype(at::kByte));
   }
-  put_hyper(c, {lr, beta1, beta2, eps, weight_decay, amsgrad, maximize}, stream);
+  put_hyper(c, {0.0, beta1, beta2, eps, weight_decay, amsgrad, maximize}, lr, stream);
   check(cuda::adamw_step(*c.plan, static_cast<const cuda::Hyper*>(c.hyper.data_ptr()), stream, min_blocks()),
         "fused_adamw_ (OPTSTATE_CUDA_MIN_BLOCKS: 0 or 5)");
 }
 
 void adamw8bit_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                     at::TensorList max_exp_avg_sqs, at::TensorList exp_avg_absmax, at::TensorList exp_avg_sq_absmax,
-                    at::TensorList max_exp_avg_sq_absmax, at::TensorList steps, at::IntArrayRef block_sizes, double lr,
-                    double beta1, double beta2, double eps, double weight_decay, bool amsgrad) {
+                    at::TensorList max_exp_avg_sq_absmax, at::TensorList steps, at::IntArrayRef block_sizes,
+                    const LrArg& lr, double beta1, double beta2, double eps, double weight_decay, bool amsgrad) {
+  const char* op = "optstate.adamw8bit_";
+  if (!params.empty() && lr.tensor.defined()) check_lr_cuda(lr, params[0], op);
   check_adamw8bit_args(OpBackend::kCuda, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, exp_avg_absmax,
                        exp_avg_sq_absmax, max_exp_avg_sq_absmax, steps, block_sizes, amsgrad);
   const size_t n = params.size();
@@ -164,10 +186,10 @@ void adamw8bit_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   Cached& c = plan_for(key);
   if (!c.plan) {
     c.plan = cuda::make_adamw8bit_plan(ts, stream, chunk);
-    TORCH_CHECK(c.plan, "optstate.adamw8bit_: cannot build the CUDA work list");
+    TORCH_CHECK(c.plan, op, ": cannot build the CUDA work list");
     c.hyper = at::empty({static_cast<int64_t>(sizeof(cuda::Hyper))}, params[0].options().dtype(at::kByte));
   }
-  put_hyper(c, {lr, beta1, beta2, eps, weight_decay, amsgrad, 0}, stream);
+  put_hyper(c, {0.0, beta1, beta2, eps, weight_decay, amsgrad, 0}, lr, stream);
   check(cuda::adamw8bit_step(*c.plan, static_cast<const cuda::Hyper*>(c.hyper.data_ptr()), stream, min_blocks()),
         "adamw8bit_ (OPTSTATE_CUDA_MIN_BLOCKS: 0 or 4)");
 }

@@ -6,14 +6,14 @@ namespace optstate::optim {
 bool cuda_kernels_built() { return false; }
 
 void fused_adamw_cuda(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
-                      double, double, double, double, double, bool, bool) {
+                      const LrArg&, double, double, double, double, bool, bool) {
   TORCH_CHECK(false, "optstate FusedAdamW: CUDA tensors, but this build of optstate has no CUDA kernels "
                      "(LibTorch without CUDA, or OPTSTATE_WITH_CUDA=OFF)");
 }
 
 void adamw8bit_cuda(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
-                    at::TensorList, at::TensorList, at::TensorList, at::IntArrayRef, double, double, double, double,
-                    double, bool) {
+                    at::TensorList, at::TensorList, at::TensorList, at::IntArrayRef, const LrArg&, double, double,
+                    double, double, bool) {
   TORCH_CHECK(false, "optstate AdamW8bit: CUDA tensors, but this build of optstate has no CUDA kernels "
                      "(LibTorch without CUDA, or OPTSTATE_WITH_CUDA=OFF)");
 }

@@ -107,7 +107,7 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
       items.push_back(t);
     }
     for (auto& [device, c] : cuda)
-      fused_adamw_cuda(c.p, c.g, c.m, c.v, c.mx, c.steps, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
+      fused_adamw_cuda(c.p, c.g, c.m, c.v, c.mx, c.steps, {hyper.lr, {}}, hyper.beta1, hyper.beta2, hyper.eps,
                        hyper.weight_decay, hyper.amsgrad, hyper.maximize);
   }
   adamw_cpu(items);

@@ -37,6 +37,23 @@ void check_state(OpBackend backend, const at::Tensor& t, const at::Tensor& first
 
 }  // namespace
 
+void check_lr(OpBackend backend, const LrArg& lr, const at::Tensor& first_param, const char* op) {
+  if (!lr.tensor.defined()) return;
+  const at::Tensor& t = lr.tensor;
+  TORCH_CHECK(t.numel() == 1, op, ": a tensor lr must have one element, got ", t.numel());
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, op,
+              ": a tensor lr must be float32 or float64, got ", t.scalar_type());
+  const bool on_cpu = t.device().is_cpu();
+  if (backend == OpBackend::kCpu) {
+    TORCH_CHECK(on_cpu, op, ": the tensor lr is on ", t.device(), "; CPU params need it on the CPU");
+  } else {
+    TORCH_CHECK(on_cpu || t.device() == first_param.device(), op, ": the tensor lr is on ", t.device(),
+                "; it must be on the CPU or on the params' device ", first_param.device());
+  }
+}
+
+double lr_value(const LrArg& lr) { return lr.tensor.defined() ? lr.tensor.item<double>() : lr.value; }
+
 void check_fused_adamw_args(OpBackend backend, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                             at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps,
                             bool amsgrad) {

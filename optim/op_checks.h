@@ -11,6 +11,20 @@ namespace optstate::optim {
 
 enum class OpBackend { kCpu, kCuda };
 
+// An op's learning rate: the float overload's number, or the `tensor_lr` overload's one-element
+// tensor (torch's tensor lr, which LR schedulers update in place). On the params' GPU the CUDA step
+// reads it when the step runs, so a captured CUDA graph follows the schedule.
+struct LrArg {
+  double value = 0.0;
+  at::Tensor tensor;  // defined: the tensor_lr overload
+};
+
+// A tensor lr: one float32/float64 element, on the CPU or (CUDA backend) the first param's GPU.
+void check_lr(OpBackend backend, const LrArg& lr, const at::Tensor& first_param, const char* op);
+
+// The lr as a host number (reads a GPU tensor lr, which synchronizes: the CUDA step avoids this).
+double lr_value(const LrArg& lr);
+
 void check_fused_adamw_args(OpBackend backend, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                             at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps,
                             bool amsgrad);

@@ -23,12 +23,13 @@ namespace {
 
 using json = nlohmann::json;
 
-void fused_adamw_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                  at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr, double beta1, double beta2,
-                  double eps, double weight_decay, bool amsgrad, bool maximize) {
+void fused_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                     at::TensorList max_exp_avg_sqs, at::TensorList steps, const LrArg& lr, double beta1,
+                     double beta2, double eps, double weight_decay, bool amsgrad, bool maximize) {
   check_fused_adamw_args(OpBackend::kCpu, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad);
+  check_lr(OpBackend::kCpu, lr, at::Tensor(), "optstate.fused_adamw_");
   const size_t n = params.size();
-  const AdamWHyper hyper{lr, beta1, beta2, eps, weight_decay, amsgrad, maximize};
+  const AdamWHyper hyper{lr_value(lr), beta1, beta2, eps, weight_decay, amsgrad, maximize};
   std::vector<AdamWTensor> items(n);
   for (size_t i = 0; i < n; ++i) {
     at::Tensor step = steps[i];
@@ -50,14 +51,15 @@ void fused_adamw_(at::TensorList params, at::TensorList grads, at::TensorList ex
 // 8-bit AdamW over lists. Per param i: block_sizes[i] > 0 means exp_avgs[i] etc. are uint8 codes
 // with fp32 absmax in the *_absmax lists; block_sizes[i] == 0 means dense fp32 moments (the absmax
 // entries are then ignored).
-void adamw8bit_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                at::TensorList max_exp_avg_sqs, at::TensorList exp_avg_absmax, at::TensorList exp_avg_sq_absmax,
-                at::TensorList max_exp_avg_sq_absmax, at::TensorList steps, at::IntArrayRef block_sizes, double lr,
-                double beta1, double beta2, double eps, double weight_decay, bool amsgrad) {
+void adamw8bit_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                   at::TensorList max_exp_avg_sqs, at::TensorList exp_avg_absmax, at::TensorList exp_avg_sq_absmax,
+                   at::TensorList max_exp_avg_sq_absmax, at::TensorList steps, at::IntArrayRef block_sizes,
+                   const LrArg& lr, double beta1, double beta2, double eps, double weight_decay, bool amsgrad) {
   check_adamw8bit_args(OpBackend::kCpu, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, exp_avg_absmax,
                        exp_avg_sq_absmax, max_exp_avg_sq_absmax, steps, block_sizes, amsgrad);
+  check_lr(OpBackend::kCpu, lr, at::Tensor(), "optstate.adamw8bit_");
   const size_t n = params.size();
-  const AdamWHyper hyper{lr, beta1, beta2, eps, weight_decay, amsgrad, false};
+  const AdamWHyper hyper{lr_value(lr), beta1, beta2, eps, weight_decay, amsgrad, false};
   std::vector<AdamW8bitTensor> items(n);
   for (size_t i = 0; i < n; ++i) {
     at::Tensor step = steps[i];
@@ -74,6 +76,36 @@ void adamw8bit_(at::TensorList params, at::TensorList grads, at::TensorList exp_
     t.s = adamw8bit_step_scalars(hyper, *sp);
   }
   adamw8bit_cpu(items);
+}
+
+// The ops' two overloads each: a float lr, and `tensor_lr` (torch's tensor lr).
+void fused_adamw_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                  at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr, double beta1, double beta2,
+                  double eps, double weight_decay, bool amsgrad, bool maximize) {
+  fused_adamw_cpu(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, {lr, {}}, beta1, beta2, eps,
+                  weight_decay, amsgrad, maximize);
+}
+void fused_adamw_tensor_lr(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                           at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps,
+                           const at::Tensor& lr, double beta1, double beta2, double eps, double weight_decay,
+                           bool amsgrad, bool maximize) {
+  fused_adamw_cpu(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, {0.0, lr}, beta1, beta2, eps,
+                  weight_decay, amsgrad, maximize);
+}
+void adamw8bit_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                at::TensorList max_exp_avg_sqs, at::TensorList exp_avg_absmax, at::TensorList exp_avg_sq_absmax,
+                at::TensorList max_exp_avg_sq_absmax, at::TensorList steps, at::IntArrayRef block_sizes, double lr,
+                double beta1, double beta2, double eps, double weight_decay, bool amsgrad) {
+  adamw8bit_cpu(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax,
+                max_exp_avg_sq_absmax, steps, block_sizes, {lr, {}}, beta1, beta2, eps, weight_decay, amsgrad);
+}
+void adamw8bit_tensor_lr(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                         at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList exp_avg_absmax,
+                         at::TensorList exp_avg_sq_absmax, at::TensorList max_exp_avg_sq_absmax, at::TensorList steps,
+                         at::IntArrayRef block_sizes, const at::Tensor& lr, double beta1, double beta2, double eps,
+                         double weight_decay, bool amsgrad) {
+  adamw8bit_cpu(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax,
+                max_exp_avg_sq_absmax, steps, block_sizes, {0.0, lr}, beta1, beta2, eps, weight_decay, amsgrad);
 }
 
 [[noreturn]] void raise(const Status& st) { TORCH_CHECK(false, "optstate: ", st.message()); }
@@ -191,6 +223,42 @@ ShardLoadOptions shard_options(const std::string& to, int64_t block_size, int64_
   return o;
 }
 
+// A loaded state's metadata for the Python side: kind, format, param groups, and per param its
+// shape, dtype, step, group and entries' encodings (state_from_lists reads the same layout).
+std::string meta_json(const OptimizerState& state, std::string_view format) {
+  json meta;
+  meta["kind"] = state.kind;
+  meta["format"] = std::string(format);
+  json groups = json::array();
+  for (const auto& g : state.groups)
+    groups.push_back({{"lr", g.hyper.lr},
+                      {"betas", {g.hyper.beta1, g.hyper.beta2}},
+                      {"eps", g.hyper.eps},
+                      {"weight_decay", g.hyper.weight_decay},
+                      {"amsgrad", g.hyper.amsgrad},
+                      {"maximize", g.hyper.maximize},
+                      {"params", g.params}});
+  meta["param_groups"] = groups;
+  json params = json::object();
+  for (const auto& [fqn, ps] : state.params) {
+    json entries = json::object();
+    for (const auto& [name, e] : ps.entries) {
+      entries[name] = {{"encoding", encoding_name(e.encoding)}};
+      if (e.encoding == Encoding::kBlockwise8) {
+        entries[name]["block_size"] = e.block_size;
+        entries[name]["qmap"] = e.qmap;
+      }
+    }
+    params[fqn] = {{"shape", ps.shape},
+                   {"dtype", std::string(dtype_info(ps.param_dtype).torch_name)},
+                   {"step", ps.step},
+                   {"group", ps.group},
+                   {"entries", entries}};
+  }
+  meta["params"] = params;
+  return meta.dump();
+}
+
 // One rank's ranges of a checkpoint (world 1: the whole state) in the encoding the optimizer keeps:
 // dense fp32, or 8-bit for its eligible params. A tensor holding a whole entry has the param's shape;
 // a partial range is 1-d.
@@ -226,31 +294,11 @@ load_native_shard(const std::string& path, const std::string& to, int64_t block_
   if (!reader.ok()) raise(reader.status());
   auto state = load_shard(**reader, o);
   if (!state.ok()) raise(state.status());
-  json meta;
-  meta["kind"] = state->kind;
-  meta["format"] = std::string((*reader)->format());
-  json groups = json::array();
-  for (const auto& g : state->groups)
-    groups.push_back({{"lr", g.hyper.lr},
-                      {"betas", {g.hyper.beta1, g.hyper.beta2}},
-                      {"eps", g.hyper.eps},
-                      {"weight_decay", g.hyper.weight_decay},
-                      {"amsgrad", g.hyper.amsgrad},
-                      {"maximize", g.hyper.maximize},
-                      {"params", g.params}});
-  meta["param_groups"] = groups;
   std::vector<std::string> pnames, enames, cnames;
   std::vector<at::Tensor> tensors;
-  json params = json::object();
   for (auto& [fqn, ps] : state->params) {
-    json entries = json::object();
     const int64_t numel = *checked_numel(ps.shape);
     for (auto& [name, e] : ps.entries) {
-      entries[name] = {{"encoding", encoding_name(e.encoding)}};
-      if (e.encoding == Encoding::kBlockwise8) {
-        entries[name]["block_size"] = e.block_size;
-        entries[name]["qmap"] = e.qmap;
-      }
       for (Component c : e.components()) {
         const int64_t count = static_cast<int64_t>(e.buffer(c).size) / component_elem_size(e, c);
         const std::vector<int64_t> shape =
@@ -273,14 +321,22 @@ load_native_shard(const std::string& path, const std::string& to, int64_t block_
         tensors.push_back(*t);
       }
     }
-    params[fqn] = {{"shape", ps.shape},
-                   {"dtype", std::string(dtype_info(ps.param_dtype).torch_name)},
-                   {"step", ps.step},
-                   {"group", ps.group},
-                   {"entries", entries}};
   }
-  meta["params"] = params;
-  return {meta.dump(), pnames, enames, cnames, tensors};
+  return {meta_json(*state, (*reader)->format()), pnames, enames, cnames, tensors};
+}
+
+// load_native_shard's reading, verifying and converting without keeping or placing any byte:
+// its metadata, or the error that load would raise. optstate.load runs this before a load that
+// reads into live tensors, so a bad checkpoint leaves them as they were.
+std::string check_native_shard(const std::string& path, const std::string& to, int64_t block_size,
+                               int64_t min_8bit_size, int64_t world, int64_t rank, bool whole_params) {
+  ShardLoadOptions o = shard_options(to, block_size, min_8bit_size, world, rank, whole_params);
+  o.check_only = true;
+  auto reader = open_checkpoint(path);
+  if (!reader.ok()) raise(reader.status());
+  auto state = load_shard(**reader, o);
+  if (!state.ok()) raise(state.status());
+  return meta_json(*state, (*reader)->format());
 }
 
 std::tuple<std::string, std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
@@ -388,9 +444,18 @@ TORCH_LIBRARY(optstate, m) {
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] steps, float lr, float beta1, float beta2, float eps, "
       "float weight_decay, bool amsgrad, bool maximize) -> ()");
   m.def(
+      "fused_adamw_.tensor_lr(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] steps, Tensor lr, float beta1, float beta2, float eps, "
+      "float weight_decay, bool amsgrad, bool maximize) -> ()");
+  m.def(
       "adamw8bit_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] exp_avg_absmax, Tensor(f!)[] exp_avg_sq_absmax, "
       "Tensor(g!)[] max_exp_avg_sq_absmax, Tensor(h!)[] steps, int[] block_sizes, float lr, float beta1, "
+      "float beta2, float eps, float weight_decay, bool amsgrad) -> ()");
+  m.def(
+      "adamw8bit_.tensor_lr(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] exp_avg_absmax, Tensor(f!)[] exp_avg_sq_absmax, "
+      "Tensor(g!)[] max_exp_avg_sq_absmax, Tensor(h!)[] steps, int[] block_sizes, Tensor lr, float beta1, "
       "float beta2, float eps, float weight_decay, bool amsgrad) -> ()");
   m.def("save_native(str path, str meta_json, str[] param_names, str[] entry_names, str[] components, "
         "Tensor[] tensors, bool overwrite, bool dequantize) -> ()");
@@ -398,6 +463,8 @@ TORCH_LIBRARY(optstate, m) {
   m.def("load_native_shard(str path, str to, int block_size, int min_8bit_size, int world, int rank, "
         "bool whole_params, str[] dest_params, str[] dest_entries, str[] dest_components, Tensor[] dests) "
         "-> (str, str[], str[], str[], Tensor[])");
+  m.def("check_native_shard(str path, str to, int block_size, int min_8bit_size, int world, int rank, "
+        "bool whole_params) -> str");
   m.def("save_native_sharded(str path, str meta_json, str[] param_names, str[] entry_names, str[] components, "
         "Tensor[] tensors, bool overwrite, str host, int port, int world, int rank, str save_id, float timeout_s) -> ()");
   m.def("verify_native_shard(str path, str meta_json, str[] param_names, str[] entry_names, str[] components, "
@@ -412,11 +479,14 @@ TORCH_LIBRARY(optstate, m) {
 TORCH_LIBRARY_IMPL(optstate, CPU, m) {
   m.impl("fused_adamw_", fused_adamw_);
   m.impl("adamw8bit_", adamw8bit_);
+  m.impl("fused_adamw_.tensor_lr", fused_adamw_tensor_lr);
+  m.impl("adamw8bit_.tensor_lr", adamw8bit_tensor_lr);
 }
 TORCH_LIBRARY_IMPL(optstate, CompositeExplicitAutograd, m) {
   m.impl("save_native", save_native);
   m.impl("load_native", load_native);
   m.impl("load_native_shard", load_native_shard);
+  m.impl("check_native_shard", check_native_shard);
   m.impl("save_native_sharded", save_native_sharded);
   m.impl("verify_native_shard", verify_native_shard);
   m.impl("shard_range", shard_range_op);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "optstate/quant8.h"
@@ -147,6 +148,19 @@ Entry target_entry(const std::string& entry_name, const Entry& stored, int64_t n
 
 Result<OptimizerState> load_shard(CheckpointReader& reader, const ShardLoadOptions& options) {
   OPTSTATE_RETURN_IF_ERROR(check_options(options));
+  // check_only: ranges read as stored land in one reused scratch buffer (its bytes are not kept).
+  std::unique_ptr<std::byte[]> scratch;
+  size_t scratch_size = 0;
+  const DestinationFn to_scratch = [&](const std::string&, const std::string&, Component, const Entry&,
+                                       size_t bytes) -> std::span<std::byte> {
+    if (bytes > scratch_size) {
+      scratch.reset();  // the old one goes first: peak memory is one range
+      scratch.reset(new std::byte[bytes]);
+      scratch_size = bytes;
+    }
+    return {scratch.get(), bytes};
+  };
+  const DestinationFn* destination = options.check_only ? &to_scratch : &options.destination;
   OptimizerState out = reader.meta();
   for (auto& [fqn, ps] : out.params) {
     OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps.shape));
@@ -155,7 +169,8 @@ Result<OptimizerState> load_shard(CheckpointReader& reader, const ShardLoadOptio
       const Entry& stored = stored_ps.entries.at(name);
       e = target_entry(name, stored, numel, options.to, options.quant);
       const FlatRange r = element_range(name, e, ps.shape, numel, options);
-      OPTSTATE_RETURN_IF_ERROR(read_into(reader, fqn, name, stored, numel, r, e, &options.destination));
+      OPTSTATE_RETURN_IF_ERROR(read_into(reader, fqn, name, stored, numel, r, e, destination));
+      if (options.check_only) e.values = e.codes = e.absmax = Buffer{};
     }
   }
   return out;

@@ -113,7 +113,11 @@ __global__ void __launch_bounds__(kThreads, 4) adamw8bit_kernel_4(const AdamW8bi
   adamw8bit_item<kAms>(ts, work, scalars);
 }
 
-__global__ void store_hyper_kernel(Hyper* dst, Hyper h) { *dst = h; }
+__global__ void store_hyper_kernel(Hyper* dst, Hyper h, LrSource lr_source, const void* lr) {
+  if (lr_source == LrSource::kF32) h.lr = *static_cast<const float*>(lr);
+  if (lr_source == LrSource::kF64) h.lr = *static_cast<const double*>(lr);
+  *dst = h;
+}
 
 int upload(const void* host, size_t bytes, void** dev, cudaStream_t stream) {
   if (bytes == 0) return 0;
@@ -219,8 +223,9 @@ int adamw8bit_step(const Plan& plan, const Hyper* hyper, void* stream, int min_b
   return cudaGetLastError();
 }
 
-int store_hyper(Hyper* device_hyper, const Hyper& h, void* stream) {
-  store_hyper_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(device_hyper, h);
+int store_hyper(Hyper* device_hyper, const Hyper& h, void* stream, LrSource lr_source, const void* device_lr) {
+  if (lr_source != LrSource::kValue && device_lr == nullptr) return cudaErrorInvalidValue;
+  store_hyper_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(device_hyper, h, lr_source, device_lr);
   return cudaGetLastError();
 }
 

@@ -84,9 +84,15 @@ std::unique_ptr<Plan> make_adamw8bit_plan(const std::vector<AdamW8bitTensor>& te
 int adamw_step(const Plan& plan, const Hyper* hyper, void* stream, int min_blocks = 0);
 int adamw8bit_step(const Plan& plan, const Hyper* hyper, void* stream, int min_blocks = 0);
 
+// Where the step's learning rate comes from: `Hyper::lr`, or a device scalar read when the step
+// runs (torch's tensor `lr`: an LR schedule's in-place update reaches CUDA graph replays).
+enum class LrSource : uint8_t { kValue, kF32, kF64 };
+
 // Writes `h` into device memory with a one-thread launch on `stream`: no host sync (a pageable
-// cudaMemcpyAsync would synchronize), and a CUDA graph can capture it.
-int store_hyper(Hyper* device_hyper, const Hyper& h, void* stream);
+// cudaMemcpyAsync would synchronize), and a CUDA graph can capture it. With `lr_source` kF32/kF64,
+// the launch takes lr from the device scalar `device_lr` instead, so a replay reads its value then.
+int store_hyper(Hyper* device_hyper, const Hyper& h, void* stream, LrSource lr_source = LrSource::kValue,
+                const void* device_lr = nullptr);
 
 // Sets the 8-bit kernel's tables on the current device, once per device before its first 8-bit
 // step (it synchronizes the device: not while capturing a graph). Device memory, copied to each

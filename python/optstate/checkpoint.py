@@ -167,14 +167,38 @@ def _target(optimizer):
     return "fp32", 0, 0
 
 
+def _load_plan(path, meta, model, optimizer):
+    """The checks a load makes on a checkpoint's metadata before it changes anything live: one entry
+    (param, fqn, whole, param meta) per optimized param, or an error naming the file and param."""
+    if len(meta["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"optstate.load: {path} has {len(meta['param_groups'])} param groups, "
+                         f"the optimizer has {len(optimizer.param_groups)}")
+    plan = []
+    for _, p, fqn, whole in _params(model, optimizer):
+        if fqn not in meta["params"]:
+            raise KeyError(f"optstate.load: {path} has no param '{fqn}'")
+        pm = meta["params"][fqn]
+        if list(whole.shape) != pm["shape"]:
+            raise ValueError(f"optstate.load: param '{fqn}' has shape {list(whole.shape)}, checkpoint {pm['shape']}")
+        plan.append((p, fqn, whole, pm))
+    return plan
+
+
 @torch.no_grad()
-def load(path, model, optimizer):
+def load(path, model, optimizer, transactional=True):
     """Restores model weights and optimizer state from a native optstate checkpoint.
 
     Entries are converted to what the optimizer keeps: FusedAdamW gets dense fp32 moments;
     AdamW8bit gets 8-bit moments for params of at least min_8bit_size elements (an 8-bit checkpoint
     saved with dequantize=True comes back with its original codes). With ``ShardedParams`` each rank
     reads only its ranges, whatever number of ranks wrote the checkpoint.
+
+    Live CPU tensors (weights, existing state of a matching layout) are read into in place. With
+    ``transactional`` (the default) the checkpoint is first read, verified (every chunk's checksum)
+    and converted once without keeping the bytes, and its metadata checked against the model, so
+    a bad checkpoint raises with the model and optimizer unchanged; the second read mostly comes
+    from the page cache. ``transactional=False`` reads once: faster for a checkpoint larger than
+    memory, but a corrupt chunk found midway leaves the live tensors partly loaded.
     """
     sharded = isinstance(model, ShardedParams)
     to, block, min_size = _target(optimizer)
@@ -201,23 +225,22 @@ def load(path, model, optimizer):
                     break
             else:
                 dest.add(fqn, key, "values", t)
+    if transactional and dest.tensor:
+        _load_plan(path, json.loads(ops.check_native_shard(str(path), to, block, min_size, world, rank, True)),
+                   model, optimizer)
     meta_json, pnames, enames, cnames, tensors = ops.load_native_shard(str(path), to, block, min_size, world, rank,
                                                                        True, *dest.args())
     meta = json.loads(meta_json)
-    if len(meta["param_groups"]) != len(optimizer.param_groups):
-        raise ValueError(f"optstate.load: {path} has {len(meta['param_groups'])} param groups, "
-                         f"the optimizer has {len(optimizer.param_groups)}")
+    plan = _load_plan(path, meta, model, optimizer)
     found = {}
     for fqn, entry, comp, t in zip(pnames, enames, cnames, tensors):
         found.setdefault(fqn, {})[(entry, comp)] = t
-    plan = []
-    for _, p, fqn, whole in _params(model, optimizer):
-        if fqn not in meta["params"]:
-            raise KeyError(f"optstate.load: {path} has no param '{fqn}'")
-        pm = meta["params"][fqn]
-        if list(whole.shape) != pm["shape"]:
-            raise ValueError(f"optstate.load: param '{fqn}' has shape {list(whole.shape)}, checkpoint {pm['shape']}")
-        plan.append((p, fqn, whole, pm))
+    for p, fqn, whole, pm in plan:
+        for (entry, comp), t in found.get(fqn, {}).items():
+            if comp == "codes" and t.numel() != p.numel():
+                raise ValueError(f"optstate.load: '{fqn}.{entry}' holds {t.numel()} codes for a "
+                                 f"parameter range of {p.numel()}")
+    # Nothing below raises: the checkpoint is applied whole.
     for p, fqn, whole, pm in plan:
         e = found.get(fqn, {})
         if ("param", "values") in e:
@@ -233,18 +256,17 @@ def load(path, model, optimizer):
         st = {"step": torch.tensor(float(pm["step"]), dtype=torch.float32)}
         for entry in _MOMENTS:
             if (entry, "codes") in e:
-                codes = e[(entry, "codes")]
-                if codes.numel() != p.numel():
-                    raise ValueError(f"optstate.load: '{fqn}.{entry}' holds {codes.numel()} codes for a "
-                                     f"parameter range of {p.numel()}")
-                st[entry + "_codes"] = codes.reshape(p.shape)
+                st[entry + "_codes"] = e[(entry, "codes")].reshape(p.shape)
                 st[entry + "_absmax"] = e[(entry, "absmax")]
             elif (entry, "values") in e:
                 st[entry] = e[(entry, "values")].reshape(p.shape)
         optimizer.state[p] = st
     for group, gm in zip(optimizer.param_groups, meta["param_groups"]):
         for k in _HYPER:
-            group[k] = gm[k]
+            if isinstance(group[k], torch.Tensor):
+                group[k].fill_(gm[k])  # a tensor lr stays the same tensor (a captured CUDA graph reads it)
+            else:
+                group[k] = gm[k]
         if "maximize" in group:
             group["maximize"] = gm["maximize"]
         group["betas"] = tuple(gm["betas"])

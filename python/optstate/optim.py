@@ -6,7 +6,12 @@ from ._ops import ops
 
 def _check_hyperparameters(name, lr, betas, eps, weight_decay):
     if isinstance(lr, torch.Tensor):
-        raise ValueError(f"{name}: lr must be a float")
+        # As torch's optimizers: a tensor lr is updated in place by LR schedulers; on the params' GPU
+        # the CUDA step reads it on the device, so a captured CUDA graph follows the schedule.
+        if lr.numel() != 1:
+            raise ValueError(f"{name}: a tensor lr must have one element, got {lr.numel()}")
+        if lr.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"{name}: a tensor lr must be float32 or float64, got {lr.dtype}")
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate: {lr}")
     if not 0.0 <= eps:
@@ -15,6 +20,12 @@ def _check_hyperparameters(name, lr, betas, eps, weight_decay):
         raise ValueError(f"Invalid betas: {betas}")
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def _with_lr(op, lr):
+    """The op overload for this lr: `tensor_lr` for a tensor (read where it lives, when the step
+    runs), the float one otherwise."""
+    return (op.tensor_lr, lr) if isinstance(lr, torch.Tensor) else (op.default, float(lr))
 
 
 class FusedAdamW(torch.optim.Optimizer):
@@ -66,9 +77,9 @@ class FusedAdamW(torch.optim.Optimizer):
             if not params:
                 continue
             beta1, beta2 = group["betas"]
-            ops.fused_adamw_(params, grads, m, v, vmax, steps, float(group["lr"]), float(beta1), float(beta2),
-                             float(group["eps"]), float(group["weight_decay"]), bool(group["amsgrad"]),
-                             bool(group["maximize"]))
+            op, lr = _with_lr(ops.fused_adamw_, group["lr"])
+            op(params, grads, m, v, vmax, steps, lr, float(beta1), float(beta2), float(group["eps"]),
+               float(group["weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"]))
         return loss
 
 
@@ -155,7 +166,8 @@ class AdamW8bit(torch.optim.Optimizer):
             if not lists["p"]:
                 continue
             beta1, beta2 = group["betas"]
-            ops.adamw8bit_(lists["p"], lists["g"], lists["m"], lists["v"], lists["x"], lists["ma"], lists["va"],
-                           lists["xa"], lists["step"], lists["block"], float(group["lr"]), float(beta1),
-                           float(beta2), float(group["eps"]), float(group["weight_decay"]), bool(group["amsgrad"]))
+            op, lr = _with_lr(ops.adamw8bit_, group["lr"])
+            op(lists["p"], lists["g"], lists["m"], lists["v"], lists["x"], lists["ma"], lists["va"], lists["xa"],
+               lists["step"], lists["block"], lr, float(beta1), float(beta2), float(group["eps"]),
+               float(group["weight_decay"]), bool(group["amsgrad"]))
         return loss

@@ -114,13 +114,15 @@ def correctness(steps, device="cuda"):
 
 def graph_capture():
     """A step needs no host sync: capture one in a CUDA graph (after an eager warm-up step that builds
-    the device work list), replay it, and compare with the same steps run eagerly."""
-    print("== CUDA graph capture of a step")
+    the device work list) with a tensor lr on the GPU, replay it while changing that lr in place as an
+    LR scheduler does, and compare with the same steps run eagerly with the same lr as a float."""
+    print("== CUDA graph capture of a step (tensor lr on the GPU, changed between replays)")
     ok = True
     for cls, kw in ((optstate.FusedAdamW, {}), (optstate.AdamW8bit, dict(block_size=256))):
         shapes = [(512, 256), (4096,), (3,)]
         eager_p, graph_p = make(shapes, "cuda"), make(shapes, "cuda")
-        eager, graphed = cls(eager_p, lr=1e-2, **kw), cls(graph_p, lr=1e-2, **kw)
+        lr = torch.tensor(1e-2, dtype=torch.float64, device="cuda")
+        eager, graphed = cls(eager_p, lr=1e-2, **kw), cls(graph_p, lr=lr, **kw)
         eager.step()
         graphed.step()
         torch.cuda.synchronize()
@@ -131,13 +133,19 @@ def graph_capture():
             with torch.cuda.graph(g):
                 graphed.step()
         torch.cuda.current_stream().wait_stream(stream)
-        for _ in range(3):
+        for i in range(3):
+            new_lr = 1e-2 * 0.5 ** (i + 1)
+            lr.fill_(new_lr)
+            eager.param_groups[0]["lr"] = new_lr
             g.replay()
             eager.step()
         torch.cuda.synchronize()
         same = all(torch.equal(a, b) for a, b in zip(eager_p, graph_p))
+        same &= all(torch.equal(eager.state[a][k], graphed.state[b][k])
+                    for a, b in zip(eager_p, graph_p) for k in eager.state[a])
         steps = graphed.state[graph_p[0]]["step"].item()
-        print(f"  {cls.__name__:<12} replayed 3x: {'equal to eager' if same else 'DIFFERENT from eager'}, step {steps:.0f}")
+        print(f"  {cls.__name__:<12} replayed 3x with lr 5e-3, 2.5e-3, 1.25e-3: "
+              f"{'equal to eager' if same else 'DIFFERENT from eager'}, step {steps:.0f}")
         ok &= same and steps == 4
     return ok
 

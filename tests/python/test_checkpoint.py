@@ -136,3 +136,67 @@ def test_save_refuses_to_clobber_and_load_rejects_mismatch(tmp_path):
         optstate.load(tmp_path / "c", other, optstate.FusedAdamW(other.parameters()))
     with pytest.raises(RuntimeError, match="no such file"):
         optstate.load(tmp_path / "missing", model, opt)
+
+
+def _snapshot(model, opt):
+    weights = [p.detach().clone() for p in model.parameters()]
+    state = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()}
+    return weights, state
+
+
+def _unchanged(model, opt, snap):
+    weights, state = snap
+    if not all(torch.equal(a, b) for a, b in zip(model.parameters(), weights)):
+        return False
+    return all(opt.state[p].keys() == state[id(p)].keys() and
+               all(torch.equal(opt.state[p][k], v) for k, v in state[id(p)].items()) for p in model.parameters())
+
+
+def _corrupt_last_chunk(ckpt):
+    """Flips one byte of the chunk a load reads last (the last param by name, its last entry), so a
+    load that writes in place as it goes has changed everything else by then."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    fqn = sorted(manifest["params"])[-1]
+    entries = manifest["params"][fqn]["entries"]
+    entry = entries[sorted(entries)[-1]]
+    chunk = list(entry["components"].values())[-1][-1]
+    data = ckpt / manifest["files"][chunk["file"]]["path"]
+    raw = bytearray(data.read_bytes())
+    raw[chunk["offset"]] ^= 0x40
+    data.write_bytes(bytes(raw))
+    return fqn
+
+
+@pytest.mark.parametrize("make", [lambda ps: optstate.FusedAdamW(ps, lr=1e-2),
+                                  lambda ps: optstate.AdamW8bit(ps, lr=1e-2, min_8bit_size=256, block_size=64)],
+                         ids=["FusedAdamW", "AdamW8bit"])
+def test_failed_load_leaves_model_and_optimizer_unchanged(tmp_path, make):
+    model = _model()
+    opt = make(model.parameters())
+    _train(model, opt, 3)
+    optstate.save(tmp_path / "c", model, opt)
+    fqn = _corrupt_last_chunk(tmp_path / "c")
+    _train(model, opt, 2, start=3)  # live state now differs from the checkpoint everywhere
+    snap = _snapshot(model, opt)
+    with pytest.raises(RuntimeError, match=rf"(?s)c/data/rank-00000.bin.*{fqn}|{fqn}.*c/data/rank-00000.bin"):
+        optstate.load(tmp_path / "c", model, opt)
+    assert _unchanged(model, opt, snap)
+    # The same load read once (transactional=False) has overwritten the live tensors read before the
+    # corrupt chunk: what the default guards against.
+    with pytest.raises(RuntimeError, match="rank-00000.bin"):
+        optstate.load(tmp_path / "c", model, opt, transactional=False)
+    assert not _unchanged(model, opt, snap)
+
+
+def test_load_of_another_models_checkpoint_changes_nothing(tmp_path):
+    small = _model()
+    sopt = optstate.FusedAdamW(small.parameters())
+    _train(small, sopt, 1)
+    optstate.save(tmp_path / "c", small, sopt)
+    big = torch.nn.Sequential(*_model(), torch.nn.Linear(4, 4))  # the checkpoint's params, and '3.weight'
+    bopt = optstate.FusedAdamW(big.parameters())
+    _train(big, bopt, 2)
+    snap = _snapshot(big, bopt)
+    with pytest.raises(KeyError, match="has no param '3.weight'"):
+        optstate.load(tmp_path / "c", big, bopt)
+    assert _unchanged(big, bopt, snap)

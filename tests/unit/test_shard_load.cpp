@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <fstream>
 
 #include "optstate/checkpoint.h"
 #include "optstate/shard.h"
@@ -184,4 +185,45 @@ TEST_CASE("load_shard: whole_params gives every rank the whole weights; verify n
   ShardLoadOptions bad = o;
   bad.rank = 3;
   CHECK(!load_shard(**reader, bad).ok());
+}
+
+TEST_CASE("load_shard check_only: reads and verifies every range, keeps no byte, never asks the destination") {
+  testing::TempDir dir;
+  const OptimizerState eight = *quantize_state(larger_state(), {16, 100});
+  REQUIRE(write_checkpoint(*find_format("native"), eight, dir.path / "c", {}).ok());
+  ShardLoadOptions o;
+  o.to = TargetEncoding::kFp32;  // a conversion (8-bit to fp32) and ranges read as stored (param, b)
+  o.check_only = true;
+  int asked = 0;
+  o.destination = [&](const std::string&, const std::string&, Component, const Entry&, size_t) {
+    ++asked;
+    return std::span<std::byte>();
+  };
+  {
+    auto reader = find_format("native")->open(dir.path / "c");
+    REQUIRE(reader.ok());
+    auto s = load_shard(**reader, o);
+    REQUIRE(s.ok());
+    CHECK(asked == 0);
+    CHECK(s->params.at("w").shape == std::vector<int64_t>{37, 11});
+    CHECK(s->params.at("w").entries.at(kExpAvg).encoding == Encoding::kDense);  // the target's metadata
+    for (const auto& [fqn, ps] : s->params)
+      for (const auto& [name, e] : ps.entries)
+        for (Component c : e.components()) CHECK(e.buffer(c).empty());
+  }
+  // One flipped byte in the first chunk (offset 0) of the data file: check_only fails as a load would.
+  {
+    std::fstream f(dir.path / "c" / "data" / "rank-00000.bin", std::ios::binary | std::ios::in | std::ios::out);
+    char byte = 0;
+    REQUIRE(f.read(&byte, 1));
+    byte ^= 0x10;
+    f.seekp(0);
+    REQUIRE(f.write(&byte, 1));
+  }
+  auto reader = find_format("native")->open(dir.path / "c");
+  REQUIRE(reader.ok());
+  auto s = load_shard(**reader, o);
+  REQUIRE(!s.ok());
+  CHECK(s.status().message().find("checksum mismatch") != std::string::npos);
+  CHECK(s.status().message().find("rank-00000.bin") != std::string::npos);
 }

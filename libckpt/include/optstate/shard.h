@@ -40,6 +40,10 @@ struct ShardLoadOptions {
   // needs all of them.
   bool whole_params = false;
   DestinationFn destination;  // optional
+  // Read, verify (checksums, sizes) and convert every range as a load would, keeping no bytes: the
+  // result has the metadata and empty buffers, `destination` is not asked. A load into live tensors
+  // runs this first, so a corrupt chunk fails it before any live byte changes.
+  bool check_only = false;
 };
 
 // This rank's range of every entry, in the target encoding. A block-aligned 8-bit range reads the

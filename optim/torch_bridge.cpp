@@ -130,6 +130,26 @@ Result<OptimizerState> export_common(const torch::optim::Optimizer& opt, const s
   return out;
 }
 
+// One param's part of an import, built before anything live changes: an import applies whole or
+// not at all (a failure leaves the optimizer and the weights as they were).
+struct PendingParam {
+  at::Tensor param;
+  at::Tensor weights;                                        // defined: copied into param
+  std::unique_ptr<torch::optim::OptimizerParamState> state;  // null: the param has no state
+};
+
+void apply_import(torch::optim::Optimizer& opt, std::vector<PendingParam>& pending) {
+  at::NoGradGuard no_grad;
+  for (PendingParam& pp : pending) {
+    if (pp.weights.defined()) pp.param.copy_(pp.weights);
+    void* key = pp.param.unsafeGetTensorImpl();
+    if (pp.state)
+      opt.state()[key] = std::move(pp.state);
+    else
+      opt.state().erase(key);
+  }
+}
+
 // Checks, before anything is changed, that `state` can be imported into `opt` under `names`.
 Status check_import(const torch::optim::Optimizer& opt, const std::vector<std::string>& names,
                     const OptimizerState& state, bool load_params) {
@@ -185,29 +205,21 @@ Status import_state(FusedAdamW& opt, const std::vector<std::string>& names, cons
   // FusedAdamW keeps dense fp32 moments: 8-bit ones are dequantized.
   OPTSTATE_ASSIGN_OR_RETURN(const OptimizerState state, dequantize_state(state_in));
   OPTSTATE_RETURN_IF_ERROR(check_import(opt, names, state, load_params));
+  std::vector<PendingParam> pending;
   size_t i = 0;
-  at::NoGradGuard no_grad;
-  for (size_t gi = 0; gi < opt.param_groups().size(); ++gi) {
-    auto& group = opt.param_groups()[gi];
-    auto& o = static_cast<FusedAdamWOptions&>(group.options());
-    const Hyperparameters& h = state.groups[gi].hyper;
-    o.lr(h.lr).betas({h.beta1, h.beta2}).eps(h.eps).weight_decay(h.weight_decay).amsgrad(h.amsgrad).maximize(
-        h.maximize);
+  for (auto& group : opt.param_groups())
     for (auto& p : group.params()) {
       const ParamState& ps = state.params.at(names[i++]);
       auto load = [&](const char* name) -> Result<at::Tensor> {
         const Entry& e = ps.entries.at(name);
         return tensor_of(e.values, e.dtype, ps.shape);
       };
+      PendingParam& pp = pending.emplace_back();
+      pp.param = p;
       if (load_params) {
-        OPTSTATE_ASSIGN_OR_RETURN(at::Tensor w, load(kParam));
-        p.copy_(w);
+        OPTSTATE_ASSIGN_OR_RETURN(pp.weights, load(kParam));
       }
-      void* key = p.unsafeGetTensorImpl();
-      if (!ps.entries.count(kExpAvg)) {
-        opt.state().erase(key);
-        continue;
-      }
+      if (!ps.entries.count(kExpAvg)) continue;
       auto st = std::make_unique<FusedAdamWParamState>();
       st->step(ps.step);
       OPTSTATE_ASSIGN_OR_RETURN(at::Tensor m, load(kExpAvg));
@@ -218,9 +230,15 @@ Status import_state(FusedAdamW& opt, const std::vector<std::string>& names, cons
         OPTSTATE_ASSIGN_OR_RETURN(at::Tensor mx, load(kMaxExpAvgSq));
         st->max_exp_avg_sq(mx);
       }
-      opt.state()[key] = std::move(st);
+      pp.state = std::move(st);
     }
+  for (size_t gi = 0; gi < opt.param_groups().size(); ++gi) {
+    auto& o = static_cast<FusedAdamWOptions&>(opt.param_groups()[gi].options());
+    const Hyperparameters& h = state.groups[gi].hyper;
+    o.lr(h.lr).betas({h.beta1, h.beta2}).eps(h.eps).weight_decay(h.weight_decay).amsgrad(h.amsgrad).maximize(
+        h.maximize);
   }
+  apply_import(opt, pending);
   return Status::Ok();
 }
 
@@ -292,28 +310,21 @@ Status import_state(AdamW8bit& opt, const std::vector<std::string>& names, const
   OPTSTATE_ASSIGN_OR_RETURN(const OptimizerState state,
                             quantize_state(dense, {o0.block_size(), o0.min_8bit_size()}));
   OPTSTATE_RETURN_IF_ERROR(check_import(opt, names, state, load_params));
-  at::NoGradGuard no_grad;
+  std::vector<PendingParam> pending;
   size_t i = 0;
-  for (size_t gi = 0; gi < opt.param_groups().size(); ++gi) {
-    auto& group = opt.param_groups()[gi];
-    auto& o = static_cast<AdamW8bitOptions&>(group.options());
-    const Hyperparameters& h = state.groups[gi].hyper;
-    o.lr(h.lr).betas({h.beta1, h.beta2}).eps(h.eps).weight_decay(h.weight_decay).amsgrad(h.amsgrad);
+  for (auto& group : opt.param_groups())
     for (auto& p : group.params()) {
       const ParamState& ps = state.params.at(names[i++]);
+      PendingParam& pp = pending.emplace_back();
+      pp.param = p;
       if (load_params) {
         const Entry& w = ps.entries.at(kParam);
-        OPTSTATE_ASSIGN_OR_RETURN(at::Tensor t, tensor_of(w.values, w.dtype, ps.shape));
-        p.copy_(t);
+        OPTSTATE_ASSIGN_OR_RETURN(pp.weights, tensor_of(w.values, w.dtype, ps.shape));
       }
-      void* key = p.unsafeGetTensorImpl();
-      if (!ps.entries.count(kExpAvg)) {
-        opt.state().erase(key);
-        continue;
-      }
+      if (!ps.entries.count(kExpAvg)) continue;
       auto st = std::make_unique<AdamW8bitParamState>();
       st->step(ps.step);
-      st->block_size(ps.entries.at(kExpAvg).encoding == Encoding::kBlockwise8 ? o.block_size() : 0);
+      st->block_size(ps.entries.at(kExpAvg).encoding == Encoding::kBlockwise8 ? o0.block_size() : 0);
       OPTSTATE_ASSIGN_OR_RETURN(Moment8bit m, moment_of(ps.entries.at(kExpAvg), ps.shape));
       OPTSTATE_ASSIGN_OR_RETURN(Moment8bit v, moment_of(ps.entries.at(kExpAvgSq), ps.shape));
       st->exp_avg(m);
@@ -322,9 +333,14 @@ Status import_state(AdamW8bit& opt, const std::vector<std::string>& names, const
         OPTSTATE_ASSIGN_OR_RETURN(Moment8bit x, moment_of(ps.entries.at(kMaxExpAvgSq), ps.shape));
         st->max_exp_avg_sq(x);
       }
-      opt.state()[key] = std::move(st);
+      pp.state = std::move(st);
     }
+  for (size_t gi = 0; gi < opt.param_groups().size(); ++gi) {
+    auto& o = static_cast<AdamW8bitOptions&>(opt.param_groups()[gi].options());
+    const Hyperparameters& h = state.groups[gi].hyper;
+    o.lr(h.lr).betas({h.beta1, h.beta2}).eps(h.eps).weight_decay(h.weight_decay).amsgrad(h.amsgrad);
   }
+  apply_import(opt, pending);
   return Status::Ok();
 }
 

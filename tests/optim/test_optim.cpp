@@ -142,6 +142,18 @@ TEST_CASE("export and import restore the optimizer exactly; a bad import changes
   wrong.params.at("b").entries.clear();
   CHECK(!import_state(*ob, names, wrong, true).ok());
   CHECK(ob->state().empty());
+  // A lying buffer in the last param (its shape right, its bytes short): refused, with the first
+  // param's weights, every state and group 0's lr untouched (an import builds everything before it
+  // applies anything).
+  OptimizerState short_buffer = *st;
+  short_buffer.groups[0].hyper.lr = 0.5;
+  short_buffer.params.at("b").entries.at(kExpAvg).values.size -= 4;
+  const at::Tensor w_before = b[0].clone();
+  CHECK(!import_state(*ob, names, short_buffer, true).ok());
+  CHECK(ob->state().empty());
+  CHECK(at::equal(b[0], w_before));
+  CHECK(!at::equal(b[0], a[0]));
+  CHECK(static_cast<FusedAdamWOptions&>(ob->param_groups()[0].options()).lr() == 1e-2);
 
   REQUIRE(import_state(*ob, names, *st, true).ok());
   auto h1 = hash_state(*st);

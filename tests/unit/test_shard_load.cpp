@@ -199,7 +199,10 @@ TEST_CASE("load_shard check_only: reads and verifies every range, keeps no byte,
     ++asked;
     return std::span<std::byte>();
   };
-  {
+  for (int world : {1, 2}) {  // whole components (streamed), and rank 1's parts of them (scratch)
+    CAPTURE(world);
+    o.world = world;
+    o.rank = world - 1;
     auto reader = find_format("native")->open(dir.path / "c");
     REQUIRE(reader.ok());
     auto s = load_shard(**reader, o);
@@ -212,6 +215,8 @@ TEST_CASE("load_shard check_only: reads and verifies every range, keeps no byte,
         for (Component c : e.components()) CHECK(e.buffer(c).empty());
   }
   // One flipped byte in the first chunk (offset 0) of the data file: check_only fails as a load would.
+  o.world = 1;
+  o.rank = 0;
   {
     std::fstream f(dir.path / "c" / "data" / "rank-00000.bin", std::ios::binary | std::ios::in | std::ios::out);
     char byte = 0;

@@ -10,6 +10,7 @@
 #include "adamw_kernel.h"
 #include "c10d_coordinator.h"
 #include "op_checks.h"
+#include "op_overloads.h"
 #include "native/native_sharded.h"
 #include "optstate/checkpoint.h"
 #include "optstate/quant8.h"
@@ -76,36 +77,6 @@ void adamw8bit_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
     t.s = adamw8bit_step_scalars(hyper, *sp);
   }
   adamw8bit_cpu(items);
-}
-
-// The ops' two overloads each: a float lr, and `tensor_lr` (torch's tensor lr).
-void fused_adamw_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                  at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr, double beta1, double beta2,
-                  double eps, double weight_decay, bool amsgrad, bool maximize) {
-  fused_adamw_cpu(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, {lr, {}}, beta1, beta2, eps,
-                  weight_decay, amsgrad, maximize);
-}
-void fused_adamw_tensor_lr(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                           at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps,
-                           const at::Tensor& lr, double beta1, double beta2, double eps, double weight_decay,
-                           bool amsgrad, bool maximize) {
-  fused_adamw_cpu(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, {0.0, lr}, beta1, beta2, eps,
-                  weight_decay, amsgrad, maximize);
-}
-void adamw8bit_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                at::TensorList max_exp_avg_sqs, at::TensorList exp_avg_absmax, at::TensorList exp_avg_sq_absmax,
-                at::TensorList max_exp_avg_sq_absmax, at::TensorList steps, at::IntArrayRef block_sizes, double lr,
-                double beta1, double beta2, double eps, double weight_decay, bool amsgrad) {
-  adamw8bit_cpu(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax,
-                max_exp_avg_sq_absmax, steps, block_sizes, {lr, {}}, beta1, beta2, eps, weight_decay, amsgrad);
-}
-void adamw8bit_tensor_lr(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                         at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList exp_avg_absmax,
-                         at::TensorList exp_avg_sq_absmax, at::TensorList max_exp_avg_sq_absmax, at::TensorList steps,
-                         at::IntArrayRef block_sizes, const at::Tensor& lr, double beta1, double beta2, double eps,
-                         double weight_decay, bool amsgrad) {
-  adamw8bit_cpu(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax,
-                max_exp_avg_sq_absmax, steps, block_sizes, {0.0, lr}, beta1, beta2, eps, weight_decay, amsgrad);
 }
 
 [[noreturn]] void raise(const Status& st) { TORCH_CHECK(false, "optstate: ", st.message()); }
@@ -477,10 +448,10 @@ TORCH_LIBRARY(optstate, m) {
 }
 
 TORCH_LIBRARY_IMPL(optstate, CPU, m) {
-  m.impl("fused_adamw_", fused_adamw_);
-  m.impl("adamw8bit_", adamw8bit_);
-  m.impl("fused_adamw_.tensor_lr", fused_adamw_tensor_lr);
-  m.impl("adamw8bit_.tensor_lr", adamw8bit_tensor_lr);
+  m.impl("fused_adamw_", fused_adamw_float_lr<&fused_adamw_cpu>);
+  m.impl("fused_adamw_.tensor_lr", fused_adamw_tensor_lr<&fused_adamw_cpu>);
+  m.impl("adamw8bit_", adamw8bit_float_lr<&adamw8bit_cpu>);
+  m.impl("adamw8bit_.tensor_lr", adamw8bit_tensor_lr<&adamw8bit_cpu>);
 }
 TORCH_LIBRARY_IMPL(optstate, CompositeExplicitAutograd, m) {
   m.impl("save_native", save_native);

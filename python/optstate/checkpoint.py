@@ -184,6 +184,19 @@ def _load_plan(path, meta, model, optimizer):
     return plan
 
 
+def _all_ranks_ok(group, err, path):
+    """One collective: every rank learns whether all ranks passed their check. Raises on every rank
+    if any failed (its own error on the failing ones), before any rank changes a live tensor."""
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    ok = torch.tensor([0 if err is not None else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if err is not None:
+        raise err
+    if ok.item() == 0:
+        raise RuntimeError(f"optstate.load: another rank could not load {path} (its error is in its log); "
+                           f"nothing was changed on this rank")
+
+
 @torch.no_grad()
 def load(path, model, optimizer, transactional=True):
     """Restores model weights and optimizer state from a native optstate checkpoint.
@@ -197,7 +210,8 @@ def load(path, model, optimizer, transactional=True):
     ``transactional`` (the default) the checkpoint is first read, verified (every chunk's checksum)
     and converted once without keeping the bytes, and its metadata checked against the model, so
     a bad checkpoint raises with the model and optimizer unchanged; the second read mostly comes
-    from the page cache. ``transactional=False`` reads once: faster for a checkpoint larger than
+    from the page cache. With ``ShardedParams`` on several ranks the ranks agree (one all-reduce)
+    after their checks: if any rank fails, every rank raises and none changes anything. ``transactional=False`` reads once: faster for a checkpoint larger than
     memory, but a corrupt chunk found midway leaves the live tensors partly loaded.
     """
     sharded = isinstance(model, ShardedParams)
@@ -225,9 +239,19 @@ def load(path, model, optimizer, transactional=True):
                     break
             else:
                 dest.add(fqn, key, "values", t)
-    if transactional and dest.tensor:
-        _load_plan(path, json.loads(ops.check_native_shard(str(path), to, block, min_size, world, rank, True)),
-                   model, optimizer)
+    # The check pass: before anything is read in place, and on every rank of a sharded load (ranks
+    # read different ranges: a corrupt chunk may fail one of them, and then none may load).
+    if transactional and (dest.tensor or world > 1):
+        err = None
+        try:
+            _load_plan(path, json.loads(ops.check_native_shard(str(path), to, block, min_size, world, rank, True)),
+                       model, optimizer)
+        except Exception as e:  # noqa: BLE001 - raised below, after every rank has had its say
+            err = e
+        if world > 1:
+            _all_ranks_ok(model.group, err, path)
+        elif err is not None:
+            raise err
     meta_json, pnames, enames, cnames, tensors = ops.load_native_shard(str(path), to, block, min_size, world, rank,
                                                                        True, *dest.args())
     meta = json.loads(meta_json)

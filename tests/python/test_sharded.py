@@ -98,6 +98,60 @@ def test_verify_names_what_differs_after_a_load(tmp_path):
     assert "'0.weight.exp_avg' codes (rank 0 of 1): differs" in problems[1] and "element 7" in problems[1]
 
 
+CORRUPT_RANK_SCRIPT = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist, optstate
+    from pathlib import Path
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, ck = dist.get_rank(), Path(sys.argv[1])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 80), torch.nn.Linear(80, 2))
+    shards = optstate.ShardedParams(model)
+    opt = optstate.FusedAdamW(shards.parameters(), lr=1e-2)
+    def train(steps):
+        for step in range(steps):
+            model(torch.randn(4, 64, generator=torch.Generator().manual_seed(step))).sum().backward()
+            shards.scatter_grads()
+            opt.step()
+            shards.gather_params()
+            model.zero_grad()
+    train(2)
+    optstate.save(ck, shards, opt)
+    dist.barrier()
+    if rank == 0:  # one byte of an exp_avg chunk in rank 1's file: only rank 1 reads it
+        manifest = json.loads((ck / "manifest.json").read_text())
+        f1 = [i for i, f in enumerate(manifest["files"]) if f["path"].endswith("rank-00001.bin")][0]
+        chunk = [c for c in manifest["params"]["0.weight"]["entries"]["exp_avg"]["components"]["values"]
+                 if c["file"] == f1][0]
+        data = ck / manifest["files"][f1]["path"]
+        raw = bytearray(data.read_bytes())
+        raw[chunk["offset"]] ^= 0x40
+        data.write_bytes(bytes(raw))
+    dist.barrier()
+    train(1)
+    weights = [p.detach().clone() for p in model.parameters()]
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in shards.parameters()]
+    try:
+        optstate.load(ck, shards, opt)
+        print(f"rank {rank}: loaded")
+    except Exception as e:
+        print(f"rank {rank}: {type(e).__name__}: {str(e).splitlines()[0]}")
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), weights)) and all(
+        all(torch.equal(opt.state[p][k], v) for k, v in st.items()) for p, st in zip(shards.parameters(), state))
+    print(f"rank {rank}: unchanged={same}")
+    dist.destroy_process_group()
+""")
+
+
+def test_sharded_load_with_a_corrupt_chunk_on_one_rank_changes_no_rank(tmp_path):
+    script = tmp_path / "corrupt.py"
+    script.write_text(CORRUPT_RANK_SCRIPT)
+    out = torchrun(2, tmp_path / "ck", script=script)
+    assert "rank 1: RuntimeError: optstate: " in out and "checksum mismatch" in out, out
+    assert "rank 0: RuntimeError: optstate.load: another rank could not load" in out, out
+    assert "rank 0: unchanged=True" in out and "rank 1: unchanged=True" in out, out
+
+
 FSDP2_SCRIPT = textwrap.dedent("""
     import sys, torch, torch.distributed as dist, optstate
     from torch.distributed.fsdp import fully_shard

@@ -1,6 +1,11 @@
 """optstate optimizers as torch.optim.Optimizer subclasses. The update itself is the C++ kernel."""
 import torch
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch without distributed: no DTensor params can exist
+    DTensor = ()
+
 from ._ops import ops
 
 
@@ -22,6 +27,12 @@ def _check_hyperparameters(name, lr, betas, eps, weight_decay):
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
+def _local(t):
+    """A DTensor's local shard (FSDP2 shards params by rows; the update is elementwise, so stepping
+    each rank's rows is the whole step); any other tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _with_lr(op, lr):
     """The op overload for this lr: `tensor_lr` for a tensor (read where it lives, when the step
     runs), the float one otherwise."""
@@ -33,6 +44,8 @@ class FusedAdamW(torch.optim.Optimizer):
 
     State per parameter: ``step`` (float32 scalar tensor, as torch's AdamW), ``exp_avg`` and
     ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad), always float32, also for bf16 params.
+    FSDP2 (DTensor) params are stepped shard by shard and get DTensor moments of the same layout,
+    as torch's AdamW does, so ``get_state_dict`` + ``dcp.save`` work as with torch's optimizers.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
@@ -67,12 +80,12 @@ class FusedAdamW(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("FusedAdamW does not support sparse gradients")
                 state = self._init_state(p, group["amsgrad"])
-                params.append(p)
-                grads.append(p.grad.contiguous())
-                m.append(state["exp_avg"])
-                v.append(state["exp_avg_sq"])
+                params.append(_local(p))
+                grads.append(_local(p.grad).contiguous())
+                m.append(_local(state["exp_avg"]))
+                v.append(_local(state["exp_avg_sq"]))
                 if group["amsgrad"]:
-                    vmax.append(state["max_exp_avg_sq"])
+                    vmax.append(_local(state["max_exp_avg_sq"]))
                 steps.append(state["step"])
             if not params:
                 continue
@@ -141,6 +154,12 @@ class AdamW8bit(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("AdamW8bit does not support sparse gradients")
+                if isinstance(p, DTensor):
+                    raise NotImplementedError(
+                        "optstate.AdamW8bit: FSDP2 (DTensor) params are not supported yet: its 8-bit blocks "
+                        "run over whole parameters, FSDP2 shards them by rows. Use optstate.ShardedParams "
+                        "(ZeRO-1, the same checkpoint layout on any number of ranks), or optstate.FusedAdamW "
+                        "with FSDP2")
                 state = self._init_state(p, group)
                 block = group["block_size"] if "exp_avg_codes" in state else 0
                 lists["p"].append(p)

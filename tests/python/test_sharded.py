@@ -152,6 +152,76 @@ def test_sharded_load_with_a_corrupt_chunk_on_one_rank_changes_no_rank(tmp_path)
     assert "rank 0: unchanged=True" in out and "rank 1: unchanged=True" in out, out
 
 
+FSDP2_TRAIN_SCRIPT = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp, optstate
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    out = sys.argv[1]
+    kw = dict(lr=1e-3, weight_decay=0.05, amsgrad=True)
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 97), torch.nn.GELU(), torch.nn.Linear(97, 3))
+    def train(model, opt):
+        for step in range(3):  # the same batch on every rank: FSDP2's averaged grads are the batch's
+            g = torch.Generator().manual_seed(step)
+            model(torch.randn(8, 64, generator=g)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    model = build()
+    fully_shard(model)
+    opt = optstate.FusedAdamW(model.parameters(), **kw)
+    train(model, opt)
+    assert all(isinstance(opt.state[p]["exp_avg"], DTensor) for p in model.parameters())
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
+    if dist.get_rank() == 0:  # the same run in one process (same thread count): the reference
+        ref_model = build()
+        ref_opt = optstate.FusedAdamW(ref_model.parameters(), **kw)
+        train(ref_model, ref_opt)
+        ref = {}
+        for name, p in ref_model.named_parameters():
+            ref[name + ".param"] = p.detach().clone()
+            for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                ref[name + "." + k] = ref_opt.state[p][k].clone()
+        torch.save(ref, out + ".ref.pt")
+    opt8 = optstate.AdamW8bit(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    try:
+        opt8.step()
+    except NotImplementedError as e:
+        assert "DTensor" in str(e) and "ShardedParams" in str(e), e
+        print("AdamW8bit refused")
+    dist.destroy_process_group()
+""")
+
+
+def test_fsdp2_training_with_fused_adamw_saves_through_dcp_and_resumes_in_one_process(tmp_path, optstate_cli):
+    """FSDP2 (what torchtitan, verl and prime-rl shard with): FusedAdamW steps DTensor params shard by
+    shard with DTensor moments; torch's get_state_dict + dcp.save write it; optstate reads that DCP
+    back into one process, bit for bit the run made without FSDP2."""
+    script = tmp_path / "fsdp2_train.py"
+    script.write_text(FSDP2_TRAIN_SCRIPT)
+    ck = tmp_path / "dcp"
+    out = torchrun(2, ck, script=script)
+    assert out.count("AdamW8bit refused") == 2, out
+    optstate_cli("validate", ck)
+    ref = torch.load(str(ck) + ".ref.pt")
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 97), torch.nn.GELU(), torch.nn.Linear(97, 3))
+    opt = optstate.FusedAdamW(model.parameters(), amsgrad=True)
+    optstate.load(ck, model, opt)
+    assert opt.param_groups[0]["weight_decay"] == 0.05
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), ref[name + ".param"]), name
+        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            assert torch.equal(opt.state[p][k], ref[name + "." + k]), (name, k)
+        assert opt.state[p]["step"].item() == 3
+    assert optstate.verify(ck, model, opt) == []
+
+
 FSDP2_SCRIPT = textwrap.dedent("""
     import sys, torch, torch.distributed as dist, optstate
     from torch.distributed.fsdp import fully_shard

@@ -5,7 +5,10 @@ Layouts:
 - a plain model on one process: the whole state;
 - a plain model under a process group (DDP: every rank holds the whole, identical state): every rank
   writes its shard of each entry in parallel, rank 0 commits; every rank loads the whole state;
-- ``ShardedParams`` (ZeRO-1): every rank writes and loads only its own ranges, on any number of ranks.
+- ``ShardedParams`` (ZeRO-1): every rank writes and loads only its own ranges, on any number of ranks;
+- FSDP2 (``fully_shard``: DTensor params and moments sharded by rows of dim 0 over all ranks, as
+  torch.chunk splits them): the same layout as optstate's dense shards, so each rank writes and
+  loads its local rows as they are.
 """
 import json
 
@@ -36,6 +39,34 @@ def _is_dtensor(t):
     return isinstance(t, DTensor)
 
 
+def _local_rows(t, fqn, what):
+    """The local tensor of a DTensor laid out as optstate's dense shards: Shard(0) over a 1-D mesh of
+    every rank in order (FSDP2's fully_shard), each rank holding the rows torch.chunk gives it. Any
+    other layout (TP, HSDP, a sub-mesh) is refused, naming the param."""
+    from torch.distributed.tensor import Shard
+    mesh = t.device_mesh
+    world, rank = world_and_rank()
+    coordinate = mesh.get_coordinate()
+    if (mesh.ndim != 1 or tuple(t.placements) != (Shard(0),) or mesh.size() != world
+            or coordinate is None or coordinate[0] != rank):
+        raise NotImplementedError(
+            f"optstate: {what} of '{fqn}' is a DTensor with placements {tuple(t.placements)} on a mesh of shape "
+            f"{tuple(mesh.shape)}; optstate.save/load handle FSDP2's row sharding over all ranks (Shard(0) on a "
+            f"1-D mesh) only. Save other layouts with torch.distributed.checkpoint: optstate reads a DCP of "
+            f"any number of ranks")
+    local = t.to_local()
+    begin, end = ops.shard_range(list(t.shape), 0, world, rank)
+    if local.numel() != end - begin:
+        raise NotImplementedError(f"optstate: {what} of '{fqn}': rank {rank} holds {local.numel()} elements, "
+                                  f"the torch.chunk rows of {list(t.shape)} over {world} ranks are {end - begin}")
+    return local
+
+
+def _row_sharded(model):
+    """True for a model with FSDP2 (DTensor) params: each rank saves and loads its local rows."""
+    return not isinstance(model, ShardedParams) and any(_is_dtensor(p) for p in model.parameters())
+
+
 def _params(model, optimizer):
     """(group index, optimizer tensor, fqn, whole param) for every param of the optimizer, in order."""
     if isinstance(model, ShardedParams):
@@ -45,16 +76,16 @@ def _params(model, optimizer):
     out = []
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
-            if _is_dtensor(p):
-                raise NotImplementedError(
-                    "optstate: DTensor (FSDP2/TP) parameters are not saved by optstate.save yet; save them with "
-                    "torch.distributed.checkpoint and read or convert that with optstate (a DCP of any number of "
-                    "ranks is read), or shard the optimizer with optstate.ShardedParams")
             if id(p) not in lookup:
                 raise ValueError("optstate: the optimizer holds a parameter that is not in the model"
                                  + (" (pass ShardedParams.parameters() to the optimizer)"
                                     if isinstance(model, ShardedParams) else ""))
-            out.append((gi, p) + lookup[id(p)])
+            fqn, whole = lookup[id(p)]
+            if _is_dtensor(whole):
+                _local_rows(whole, fqn, "the parameter")
+                if isinstance(optimizer, AdamW8bit):
+                    raise NotImplementedError(f"optstate: '{fqn}' is a DTensor: AdamW8bit does not step FSDP2 params")
+            out.append((gi, p, fqn, whole))
     return out
 
 
@@ -124,10 +155,16 @@ def _state_lists(model, optimizer, slice_world, slice_rank, whole_param):
                 lists.add(fqn, entry, "absmax", absmax if sharded else cut(absmax, block, "absmax", shape))
             elif entry in state:
                 values = state[entry]
+                if _is_dtensor(values):  # FSDP2: the local rows are this rank's range as it is
+                    lists.add(fqn, entry, "values", _local_rows(values, fqn, entry))
+                    continue
                 if sharded and values.numel() == whole.numel():
                     values = values.reshape(shape)
                 lists.add(fqn, entry, "values", values if sharded else cut(values, 0, "values", shape))
-        lists.add(fqn, "param", "values", whole if whole_param else cut(whole, 0, "values", shape))
+        if _is_dtensor(whole):
+            lists.add(fqn, "param", "values", _local_rows(whole, fqn, "the parameter"))
+        else:
+            lists.add(fqn, "param", "values", whole if whole_param else cut(whole, 0, "values", shape))
         meta["params"][fqn] = pm
     return json.dumps(meta), lists
 
@@ -135,7 +172,8 @@ def _state_lists(model, optimizer, slice_world, slice_rank, whole_param):
 def save(path, model, optimizer, overwrite=True, dequantize=False, timeout=600.0):
     """Writes model weights and optimizer state as a native optstate checkpoint, atomically.
 
-    ``model`` is the ``nn.Module`` or, for a ZeRO-1 sharded optimizer, its ``ShardedParams``. Under
+    ``model`` is the ``nn.Module`` (also one sharded by FSDP2's ``fully_shard``: each rank writes its
+    rows) or, for a ZeRO-1 sharded optimizer, its ``ShardedParams``. Under
     an initialized process group every rank must call this: each writes its own file in parallel and
     rank 0 commits after all have reported (a failed or silent rank: no commit, the previous
     checkpoint stays). 8-bit state is stored as codes + absmax + map name; ``dequantize=True``
@@ -221,16 +259,23 @@ def load(path, model, optimizer, transactional=True):
             raise ValueError(f"optstate.load: ShardedParams has block_size {model.block_size} and min_8bit_size "
                              f"{model.min_8bit_size}, the optimizer {block} and {min_size}")
         world, rank = model.world, model.rank
+    elif _row_sharded(model):
+        world, rank = world_and_rank()
     else:
         world, rank = 1, 0
+    rows = _row_sharded(model)
+    group = model.group if sharded else None
     # Tensors that already exist (the live weights, state of a matching layout) are read into in
     # place: a resume neither allocates nor copies them again.
     dest = _Lists()
     for _, p, fqn, whole in _params(model, optimizer):
-        if whole.is_contiguous() and whole.device.type == "cpu":
-            dest.add(fqn, "param", "values", whole)
+        live = _local_rows(whole, fqn, "the parameter") if _is_dtensor(whole) else whole
+        if live.is_contiguous() and live.device.type == "cpu":
+            dest.add(fqn, "param", "values", live)
         st = optimizer.state.get(p, {})
         for key, t in st.items():
+            if _is_dtensor(t):
+                t = _local_rows(t, fqn, key)
             if key == "step" or not isinstance(t, torch.Tensor) or not t.is_contiguous():
                 continue
             for suffix, comp in (("_codes", "codes"), ("_absmax", "absmax")):
@@ -244,16 +289,16 @@ def load(path, model, optimizer, transactional=True):
     if transactional and (dest.tensor or world > 1):
         err = None
         try:
-            _load_plan(path, json.loads(ops.check_native_shard(str(path), to, block, min_size, world, rank, True)),
-                       model, optimizer)
+            _load_plan(path, json.loads(ops.check_native_shard(str(path), to, block, min_size, world, rank,
+                                                               not rows)), model, optimizer)
         except Exception as e:  # noqa: BLE001 - raised below, after every rank has had its say
             err = e
         if world > 1:
-            _all_ranks_ok(model.group, err, path)
+            _all_ranks_ok(group, err, path)
         elif err is not None:
             raise err
     meta_json, pnames, enames, cnames, tensors = ops.load_native_shard(str(path), to, block, min_size, world, rank,
-                                                                       True, *dest.args())
+                                                                       not rows, *dest.args())
     meta = json.loads(meta_json)
     plan = _load_plan(path, meta, model, optimizer)
     found = {}
@@ -267,23 +312,35 @@ def load(path, model, optimizer, transactional=True):
     # Nothing below raises: the checkpoint is applied whole.
     for p, fqn, whole, pm in plan:
         e = found.get(fqn, {})
+        dt = _is_dtensor(whole)
+        live = whole.to_local() if dt else whole
         if ("param", "values") in e:
             loaded = e[("param", "values")]
-            if loaded.data_ptr() != whole.data_ptr():
-                whole.copy_(loaded.reshape(whole.shape))
+            if loaded.data_ptr() != live.data_ptr():
+                live.copy_(loaded.reshape(live.shape))
             if sharded:
                 s = model.shard_of(p)
                 p.copy_(whole.reshape(-1)[s.begin:s.end])
         optimizer.state.pop(p, None)
         if not any(k[0] == "exp_avg" for k in e):
             continue
-        st = {"step": torch.tensor(float(pm["step"]), dtype=torch.float32)}
+        # State goes where the optimizer steps it: the param's device (the ops take every tensor,
+        # step counters included, on it).
+        device = live.device
+        shape = live.shape if dt else p.shape  # the local rows of a DTensor; the ShardedParams shard
+        st = {"step": torch.tensor(float(pm["step"]), dtype=torch.float32, device=device)}
         for entry in _MOMENTS:
             if (entry, "codes") in e:
-                st[entry + "_codes"] = e[(entry, "codes")].reshape(p.shape)
-                st[entry + "_absmax"] = e[(entry, "absmax")]
+                st[entry + "_codes"] = e[(entry, "codes")].reshape(shape).to(device)
+                st[entry + "_absmax"] = e[(entry, "absmax")].to(device)
             elif (entry, "values") in e:
-                st[entry] = e[(entry, "values")].reshape(p.shape)
+                local = e[(entry, "values")].reshape(shape).to(device)
+                if dt:  # DTensor moments of the param's layout, as FusedAdamW keeps them under FSDP2
+                    from torch.distributed.tensor import DTensor
+                    st[entry] = DTensor.from_local(local, whole.device_mesh, whole.placements, run_check=False,
+                                                   shape=whole.shape, stride=whole.stride())
+                else:
+                    st[entry] = local
         optimizer.state[p] = st
     for group, gm in zip(optimizer.param_groups, meta["param_groups"]):
         for k in _HYPER:
@@ -300,6 +357,10 @@ def verify(path, model, optimizer):
     """Resume validation: right after ``load``, is the live state exactly the checkpoint's? Returns
     the list of differences (empty when it is), each naming the entry, the rank and the first
     differing element. Every rank checks its own ranges and the whole weights."""
+    if _row_sharded(model):  # FSDP2: every rank checks its rows, weights included
+        world, rank = world_and_rank()
+        meta, lists = _state_lists(model, optimizer, world, rank, whole_param=False)
+        return list(ops.verify_native_shard(str(path), meta, *lists.args(), world, rank, False))
     world, rank = (model.world, model.rank) if isinstance(model, ShardedParams) else (1, 0)
     meta, lists = _state_lists(model, optimizer, 1, 0, whole_param=True)
     return list(ops.verify_native_shard(str(path), meta, *lists.args(), world, rank, True))

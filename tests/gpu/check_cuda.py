@@ -112,6 +112,43 @@ def correctness(steps, device="cuda"):
     return ok
 
 
+def save_load_resume(device="cuda"):
+    """optstate.save of params and state on `device`, optstate.load into a fresh model there (the
+    state lands on the params' device, where the ops need it), then both take the same steps."""
+    import tempfile
+    print(f"== save, load and resume on {device}")
+    ok = True
+    for cls, kw in ((optstate.FusedAdamW, dict(amsgrad=True)), (optstate.AdamW8bit, dict(min_8bit_size=1000))):
+        def build(seed):
+            torch.manual_seed(seed)
+            return torch.nn.Sequential(torch.nn.Linear(64, 97), torch.nn.GELU(), torch.nn.Linear(97, 3)).to(device)
+
+        def train(model, opt, start):
+            for step in range(start, start + 2):
+                g = torch.Generator().manual_seed(step)
+                model(torch.randn(8, 64, generator=g).to(device)).square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+
+        model = build(0)
+        opt = cls(model.parameters(), lr=1e-2, **kw)
+        train(model, opt, 0)
+        with tempfile.TemporaryDirectory() as tmp:
+            optstate.save(f"{tmp}/ck", model, opt)
+            fresh = build(1)
+            fresh_opt = cls(fresh.parameters(), lr=1e-2, **kw)
+            optstate.load(f"{tmp}/ck", fresh, fresh_opt)
+            same_place = all(t.device == p.device for p in fresh.parameters() for t in fresh_opt.state[p].values())
+            clean = optstate.verify(f"{tmp}/ck", fresh, fresh_opt) == []
+        train(model, opt, 2)
+        train(fresh, fresh_opt, 2)
+        same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+        print(f"  {cls.__name__:<12} state on the params' device: {same_place}, verify clean: {clean}, "
+              f"resumed equal: {same}")
+        ok &= same_place and clean and same
+    return ok
+
+
 def graph_capture():
     """A step needs no host sync: capture one in a CUDA graph (after an eager warm-up step that builds
     the device work list) with a tensor lr on the GPU, replay it while changing that lr in place as an
@@ -225,11 +262,18 @@ def main():
                     help="run the correctness part CPU against CPU (checks this script where no GPU is)")
     args = ap.parse_args()
     if args.dry_run_cpu:
-        sys.exit(0 if correctness(args.steps, "cpu") else 1)
+        ok = correctness(args.steps, "cpu")
+        ok &= save_load_resume("cpu")
+        sys.exit(0 if ok else 1)
     if not torch.cuda.is_available():
         sys.exit("no CUDA device")
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     ok = correctness(args.steps)
+    try:
+        ok &= save_load_resume()
+    except Exception as e:  # noqa: BLE001 - report and go on
+        print(f"  save/load failed: {type(e).__name__}: {e}")
+        ok = False
     try:
         ok &= graph_capture()
     except Exception as e:  # noqa: BLE001 - report and go on to the timing table

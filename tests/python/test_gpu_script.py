@@ -17,3 +17,5 @@ def test_gpu_check_script_dry_run_on_cpu():
     lines = [ln for ln in proc.stdout.splitlines() if "max |cpu - cpu|" in ln]
     assert len(lines) == 18, proc.stdout
     assert all("bitwise equal" in ln for ln in lines)
+    resumed = [ln for ln in proc.stdout.splitlines() if "resumed equal" in ln]
+    assert len(resumed) == 2 and all(ln.count("True") == 3 for ln in resumed), proc.stdout

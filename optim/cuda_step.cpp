@@ -24,19 +24,34 @@ namespace {
 
 struct Cached {
   std::unique_ptr<cuda::Plan> plan;
-  at::Tensor hyper;  // device bytes of one cuda::Hyper
+  at::Tensor hyper;                // device bytes of one cuda::Hyper
+  std::vector<const void*> grads;  // the gradient buffers the plan's descriptors point at
 };
 
 std::mutex g_mu;
 std::map<std::vector<const void*>, Cached> g_plans;
 
-// The cached plan for `key` (its tensors' addresses, sizes and the chunk); the caller fills a new one.
-// Plans are never evicted: a captured CUDA graph may still point at one (a plan is ~24 bytes per
-// 64k elements, 0.5 MB for a 1.2B-parameter set).
+// The cached plan for `key` (its tensors' addresses and sizes, the chunk; of the gradients only
+// their address modulo 16, as they are often reallocated between steps: set_grads re-points the
+// plan at them); the caller fills a new one. Plans are never evicted: a captured CUDA graph may
+// still point at one (a plan is ~24 bytes per 64k elements, 0.5 MB for a 1.2B-parameter set).
 Cached& plan_for(const std::vector<const void*>& key) { return g_plans[key]; }
+
+// A gradient's place in a plan key: its alignment class (the plan's vector paths depend on it).
+const void* grad_key(const void* grad) {
+  return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(grad) & uintptr_t{15});
+}
+
 
 void check(int err, const char* what) {
   TORCH_CHECK(err == 0, "optstate ", what, ": CUDA error ", cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
+// Re-points a cached plan at this step's gradients when they moved (a launch, no host sync).
+void use_grads(Cached& c, std::vector<const void*> grads, cudaStream_t s) {
+  if (grads == c.grads) return;
+  check(cuda::set_grads(*c.plan, grads.data(), grads.size(), s), "gradient pointers");
+  c.grads = std::move(grads);
 }
 
 // A tensor lr's placement, checked. Params on the CPU come here only through a GPU tensor lr
@@ -100,6 +115,11 @@ int64_t chunk_elems() {
 
 bool cuda_kernels_built() { return true; }
 
+size_t cuda_plan_count() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_plans.size();
+}
+
 void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                       at::TensorList max_exp_avg_sqs, at::TensorList steps, const LrArg& lr, double beta1,
                       double beta2, double eps, double weight_decay, bool amsgrad, bool maximize) {
@@ -110,7 +130,7 @@ void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorLis
   if (n == 0) return;
   c10::cuda::CUDAGuard guard(params[0].device());
   std::vector<cuda::AdamWTensor> ts(n);
-  std::vector<const void*> key;
+  std::vector<const void*> key, grad_ptrs(n);
   for (size_t i = 0; i < n; ++i) {
     cuda::AdamWTensor& t = ts[i];
     t.param = params[i].data_ptr();
@@ -121,10 +141,14 @@ void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorLis
     t.step = steps[i].data_ptr<float>();
     t.numel = params[i].numel();
     t.kind = params[i].scalar_type() == at::kFloat ? cuda::Param::kF32 : cuda::Param::kBF16;
-    key.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(t.numel)));  // a freed and reused address
-    for (const void* ptr : {static_cast<const void*>(t.param), t.grad, static_cast<const void*>(t.exp_avg), static_cast<const void*>(t.exp_avg_sq),
-                            static_cast<const void*>(t.max_exp_avg_sq), static_cast<const void*>(t.step)})
+    // Sizes and dtypes too: a freed address may come back holding another tensor.
+    key.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(t.numel)));
+    key.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(t.kind)));
+    for (const void* ptr : {static_cast<const void*>(t.param), grad_key(t.grad), static_cast<const void*>(t.exp_avg),
+                            static_cast<const void*>(t.exp_avg_sq), static_cast<const void*>(t.max_exp_avg_sq),
+                            static_cast<const void*>(t.step)})
       key.push_back(ptr);
+    grad_ptrs[i] = t.grad;
   }
   const int64_t chunk = chunk_elems();
   key.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(chunk)));
@@ -136,7 +160,9 @@ void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorLis
     c.plan = cuda::make_adamw_plan(ts, stream, chunk);
     TORCH_CHECK(c.plan, op, ": cannot build the CUDA work list");
     c.hyper = at::empty({static_cast<int64_t>(sizeof(cuda::Hyper))}, params[0].options().dtype(at::kByte));
+    c.grads = grad_ptrs;
   }
+  use_grads(c, std::move(grad_ptrs), stream);
   put_hyper(c, {0.0, beta1, beta2, eps, weight_decay, amsgrad, maximize}, lr, stream);
   check(cuda::adamw_step(*c.plan, static_cast<const cuda::Hyper*>(c.hyper.data_ptr()), stream, min_blocks()),
         "fused_adamw_ (OPTSTATE_CUDA_MIN_BLOCKS: 0 or 5)");
@@ -155,7 +181,7 @@ void adamw8bit_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   c10::cuda::CUDAGuard guard(params[0].device());
   ensure_maps(params[0].device().index());
   std::vector<cuda::AdamW8bitTensor> ts(n);
-  std::vector<const void*> key;
+  std::vector<const void*> key, grad_ptrs(n);
   for (size_t i = 0; i < n; ++i) {
     const int64_t block = block_sizes[i], numel = params[i].numel();
     cuda::AdamW8bitTensor& t = ts[i];
@@ -169,8 +195,10 @@ void adamw8bit_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
     set_adamw8bit_state(t, i, block, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax,
                         max_exp_avg_sq_absmax, amsgrad);
     key.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(t.numel)));
+    key.push_back(reinterpret_cast<const void*>(static_cast<uintptr_t>(t.kind)));
     // Every pointer: after a state reload the caching allocator may hand some addresses out again.
-    for (const void* ptr : {static_cast<const void*>(t.param), t.grad, static_cast<const void*>(t.step),
+    grad_ptrs[i] = t.grad;
+    for (const void* ptr : {static_cast<const void*>(t.param), grad_key(t.grad), static_cast<const void*>(t.step),
                             static_cast<const void*>(t.m_codes), static_cast<const void*>(t.v_codes),
                             static_cast<const void*>(t.vmax_codes), static_cast<const void*>(t.m_absmax),
                             static_cast<const void*>(t.v_absmax), static_cast<const void*>(t.vmax_absmax),
@@ -188,7 +216,9 @@ void adamw8bit_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
     c.plan = cuda::make_adamw8bit_plan(ts, stream, chunk);
     TORCH_CHECK(c.plan, op, ": cannot build the CUDA work list");
     c.hyper = at::empty({static_cast<int64_t>(sizeof(cuda::Hyper))}, params[0].options().dtype(at::kByte));
+    c.grads = grad_ptrs;
   }
+  use_grads(c, std::move(grad_ptrs), stream);
   put_hyper(c, {0.0, beta1, beta2, eps, weight_decay, amsgrad, 0}, lr, stream);
   check(cuda::adamw8bit_step(*c.plan, static_cast<const cuda::Hyper*>(c.hyper.data_ptr()), stream, min_blocks()),
         "adamw8bit_ (OPTSTATE_CUDA_MIN_BLOCKS: 0 or 4)");

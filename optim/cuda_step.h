@@ -14,6 +14,10 @@ namespace optstate::optim {
 
 bool cuda_kernels_built();
 
+// How many device work lists (plans) the CUDA steps have built: one per set of tensors an optimizer
+// steps, whatever its gradients' addresses (for the GPU check).
+size_t cuda_plan_count();
+
 void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                       at::TensorList max_exp_avg_sqs, at::TensorList steps, const LrArg& lr, double beta1,
                       double beta2, double eps, double weight_decay, bool amsgrad, bool maximize);

@@ -5,6 +5,8 @@ namespace optstate::optim {
 
 bool cuda_kernels_built() { return false; }
 
+size_t cuda_plan_count() { return 0; }
+
 void fused_adamw_cuda(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
                       const LrArg&, double, double, double, double, bool, bool) {
   TORCH_CHECK(false, "optstate FusedAdamW: CUDA tensors, but this build of optstate has no CUDA kernels "

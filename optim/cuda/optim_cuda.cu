@@ -3,6 +3,7 @@
 // kernels call std::fma. sqrtf and '/' are IEEE (nvcc's -prec-sqrt/-prec-div defaults).
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -119,6 +120,18 @@ __global__ void store_hyper_kernel(Hyper* dst, Hyper h, LrSource lr_source, cons
   *dst = h;
 }
 
+// set_grads' launches: up to kGradBatch pointers as kernel arguments (2 KB, inside the 4 KB limit),
+// each written into the `grad` field of one device-side tensor descriptor.
+constexpr int kGradBatch = 256;
+struct GradBatch {
+  const void* grad[kGradBatch];
+};
+
+__global__ void set_grads_kernel(char* descriptors, GradField field, GradBatch batch, int count) {
+  const int i = threadIdx.x;
+  if (i < count) put_grad(descriptors, field, i, batch.grad[i]);
+}
+
 int upload(const void* host, size_t bytes, void** dev, cudaStream_t stream) {
   if (bytes == 0) return 0;
   cudaError_t e = cudaMalloc(dev, bytes);
@@ -219,6 +232,20 @@ int adamw8bit_step(const Plan& plan, const Hyper* hyper, void* stream, int min_b
     const int e = plan.amsgrad_ ? launch8<true>(items, s, ts, work, scalars, min_blocks)
                                 : launch8<false>(items, s, ts, work, scalars, min_blocks);
     if (e != 0) return e;
+  }
+  return cudaGetLastError();
+}
+
+int set_grads(Plan& plan, const void* const* grads, size_t n, void* stream) {
+  if (n != plan.n_) return cudaErrorInvalidValue;
+  const GradField field = grad_field(plan.eight_);
+  auto* base = static_cast<char*>(plan.tensors_);
+  for (size_t first = 0; first < n; first += kGradBatch) {
+    const int count = static_cast<int>(n - first < kGradBatch ? n - first : kGradBatch);
+    GradBatch batch{};
+    for (int i = 0; i < count; ++i) batch.grad[i] = grads[first + i];
+    set_grads_kernel<<<1, kGradBatch, 0, static_cast<cudaStream_t>(stream)>>>(base + first * field.stride, field,
+                                                                               batch, count);
   }
   return cudaGetLastError();
 }

@@ -54,6 +54,7 @@ class Plan {
   friend std::unique_ptr<Plan> make_adamw8bit_plan(const std::vector<AdamW8bitTensor>&, void*, int64_t);
   friend int adamw_step(const Plan&, const Hyper*, void*, int);
   friend int adamw8bit_step(const Plan&, const Hyper*, void*, int);
+  friend int set_grads(Plan&, const void* const*, size_t, void*);
   // Device copies of the tensor and work tables, room for the per-tensor scalars.
   int allocate(const void* tensors, size_t tensor_bytes, const void* work, size_t work_bytes, size_t scalar_bytes,
                void* stream);
@@ -74,6 +75,13 @@ std::unique_ptr<Plan> make_adamw_plan(const std::vector<AdamWTensor>& tensors, v
                                       int64_t chunk = kDefaultChunk);
 std::unique_ptr<Plan> make_adamw8bit_plan(const std::vector<AdamW8bitTensor>& tensors, void* stream,
                                           int64_t chunk = kDefaultChunk);
+
+// Points the plan's tensor descriptors at new gradient buffers, grads[i] for tensor i (same sizes
+// and dtypes, and the same address modulo 16 as the plan was built with: its vector paths depend on
+// that). Gradients are often reallocated every step (zero_grad(set_to_none=True), FSDP2's
+// reduce-scatter outputs); this keeps one plan for them. Launches on `stream` with the pointers
+// as arguments: no host sync, capturable.
+int set_grads(Plan& plan, const void* const* grads, size_t n, void* stream);
 
 // One optimizer step: a small launch increments every step counter and computes each tensor's step
 // scalars (bias corrections) into the plan; then one launch updates every tensor.

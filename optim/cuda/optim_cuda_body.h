@@ -6,6 +6,7 @@
 // blocks and the quantizer are proven on any machine; the GPU adds only the launch and the shuffles.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -32,6 +33,22 @@ struct Work {
   uint32_t tensor;
   int64_t begin, end;  // elements (FusedAdamW, dense 8-bit state) or quantization blocks (8-bit)
 };
+
+// ---- set_grads: where a descriptor keeps its gradient pointer ----
+
+// The byte stride and the offset of the `grad` field in an array of descriptors.
+struct GradField {
+  size_t stride, offset;
+};
+inline GradField grad_field(bool eight) {
+  return eight ? GradField{sizeof(AdamW8bitTensor), offsetof(AdamW8bitTensor, grad)}
+               : GradField{sizeof(AdamWTensor), offsetof(AdamWTensor, grad)};
+}
+
+// Descriptor i's gradient pointer := grad (one thread of set_grads' launch per descriptor).
+OPTSTATE_HD void put_grad(char* descriptors, GradField f, size_t i, const void* grad) {
+  memcpy(descriptors + i * f.stride + f.offset, &grad, sizeof grad);
+}
 
 // ---- host: the work list and the per-tensor flags ----
 

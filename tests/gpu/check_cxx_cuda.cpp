@@ -2,7 +2,8 @@
 // build so it cannot rot): FusedAdamW and AdamW8bit stepping CUDA params give the bits the same
 // optimizers give on CPU params — params, moments, codes, scales, step counts — over steps with
 // fresh gradients, including a state whose step count is changed between steps (as a load does:
-// the device step counters must follow). Prints one line per case; exit 0 when all are equal, 1 when
+// the device step counters must follow), with gradients at new addresses every step (one device
+// work list per optimizer all the same). Prints one line per case; exit 0 when all are equal, 1 when
 // any differs, 2 without a CUDA device.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "adamw8bit.h"
+#include "cuda_step.h"
 #include "fused_adamw.h"
 
 using optstate::optim::AdamW8bit;
@@ -33,11 +35,15 @@ std::vector<at::Tensor> make_params(at::ScalarType dtype, const at::Device& devi
   return ps;
 }
 
-void set_grads(std::vector<at::Tensor>& cpu, std::vector<at::Tensor>& gpu, int step) {
+// Fresh gradients at new addresses every step (the old ones are kept alive in `keep`), as
+// zero_grad(set_to_none=True) or FSDP2 hand the optimizer: the step must re-point its device work
+// list at them, not build another.
+void set_grads(std::vector<at::Tensor>& cpu, std::vector<at::Tensor>& gpu, int step, std::vector<at::Tensor>& keep) {
   at::manual_seed(100 + step);
   for (size_t i = 0; i < cpu.size(); ++i) {
     const at::Tensor g = (at::randn(cpu[i].sizes()) * 1e-2).to(cpu[i].scalar_type());
     cpu[i].mutable_grad() = g;
+    if (gpu[i].grad().defined()) keep.push_back(gpu[i].grad());
     gpu[i].mutable_grad() = g.to(gpu[i].device());
   }
 }
@@ -57,8 +63,10 @@ bool run_case(const std::string& name, at::ScalarType dtype, std::function<Opt(s
               std::function<std::vector<at::Tensor>(State&)> tensors_of) {
   auto cpu = make_params(dtype, at::kCPU), gpu = make_params(dtype, at::Device(at::kCUDA, 0));
   Opt a = make(cpu), b = make(gpu);
+  std::vector<at::Tensor> keep;
+  const size_t plans_before = optstate::optim::cuda_plan_count();
   for (int step = 0; step < 4; ++step) {
-    set_grads(cpu, gpu, step);
+    set_grads(cpu, gpu, step, keep);
     if (step == 2)  // a changed step count (as after a load): both sides continue from step 7
       for (size_t i = 0; i < cpu.size(); ++i) {
         static_cast<State&>(*a.state()[cpu[i].unsafeGetTensorImpl()]).step(7);
@@ -81,9 +89,11 @@ bool run_case(const std::string& name, at::ScalarType dtype, std::function<Opt(s
       total += ta[k].defined() ? ta[k].numel() : 0;
     }
   }
-  std::printf("  C++ %-44s %s\n", name.c_str(),
-              diff == 0 ? "bitwise equal" : (std::to_string(diff) + " of " + std::to_string(total) + " differ").c_str());
-  return diff == 0;
+  const size_t plans = optstate::optim::cuda_plan_count() - plans_before;
+  std::printf("  C++ %-44s %s; %zu device work list(s) for 4 sets of gradients\n", name.c_str(),
+              diff == 0 ? "bitwise equal" : (std::to_string(diff) + " of " + std::to_string(total) + " differ").c_str(),
+              plans);
+  return diff == 0 && plans == 1;
 }
 
 }  // namespace

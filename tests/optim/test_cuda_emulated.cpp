@@ -9,10 +9,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "adamw8bit_kernel.h"
@@ -365,4 +367,28 @@ TEST_CASE("CUDA AdamW8bit kernel body, emulated lane by lane == CPU kernel bit f
         CHECK(std::all_of(ts[0].mc.begin(), ts[0].mc.begin() + 256, [](uint8_t c) { return c == 0; }));
         CHECK(!std::isnan(ts[0].ma[1]));
       }
+}
+
+TEST_CASE("set_grads' descriptor write changes each descriptor's grad pointer and nothing else") {
+  auto check = [](auto& descriptors, bool eight) {
+    using D = typename std::remove_reference_t<decltype(descriptors)>::value_type;
+    const size_t bytes = descriptors.size() * sizeof(D);
+    std::vector<char> expect(bytes);
+    std::memcpy(expect.data(), descriptors.data(), bytes);
+    std::vector<int> grads(descriptors.size());
+    for (size_t i = 0; i < descriptors.size(); ++i) {
+      cb::put_grad(reinterpret_cast<char*>(descriptors.data()), cb::grad_field(eight), i, &grads[i]);
+      const void* g = &grads[i];
+      std::memcpy(expect.data() + i * sizeof(D) + offsetof(D, grad), &g, sizeof g);
+    }
+    for (size_t i = 0; i < descriptors.size(); ++i) CHECK(descriptors[i].grad == &grads[i]);
+    CHECK(std::memcmp(expect.data(), descriptors.data(), bytes) == 0);
+  };
+  std::vector<cuda::AdamWTensor> dense(3);
+  std::vector<cuda::AdamW8bitTensor> eight(3);
+  // Every byte set (so a write to the wrong field shows), the grad pointers distinct from the new ones.
+  std::memset(dense.data(), 0x5a, dense.size() * sizeof dense[0]);
+  std::memset(eight.data(), 0xa5, eight.size() * sizeof eight[0]);
+  check(dense, false);
+  check(eight, true);
 }

@@ -24,8 +24,7 @@ namespace {
 
 struct Cached {
   std::unique_ptr<cuda::Plan> plan;
-  at::Tensor hyper;                // device bytes of one cuda::Hyper
-  std::vector<const void*> grads;  // the gradient buffers the plan's descriptors point at
+  at::Tensor hyper;  // device bytes of one cuda::Hyper
 };
 
 std::mutex g_mu;
@@ -47,11 +46,11 @@ void check(int err, const char* what) {
   TORCH_CHECK(err == 0, "optstate ", what, ": CUDA error ", cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
-// Re-points a cached plan at this step's gradients when they moved (a launch, no host sync).
-void use_grads(Cached& c, std::vector<const void*> grads, cudaStream_t s) {
-  if (grads == c.grads) return;
+// Points the plan at this step's gradients: a launch every step, not only when they moved. A CUDA
+// graph replay runs no host code, so the host cannot know which pointers a replay left in the
+// descriptors; this way every step, eager or replayed, sets its own (a few microseconds).
+void use_grads(Cached& c, const std::vector<const void*>& grads, cudaStream_t s) {
   check(cuda::set_grads(*c.plan, grads.data(), grads.size(), s), "gradient pointers");
-  c.grads = std::move(grads);
 }
 
 // A tensor lr's placement, checked. Params on the CPU come here only through a GPU tensor lr
@@ -160,9 +159,8 @@ void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorLis
     c.plan = cuda::make_adamw_plan(ts, stream, chunk);
     TORCH_CHECK(c.plan, op, ": cannot build the CUDA work list");
     c.hyper = at::empty({static_cast<int64_t>(sizeof(cuda::Hyper))}, params[0].options().dtype(at::kByte));
-    c.grads = grad_ptrs;
   }
-  use_grads(c, std::move(grad_ptrs), stream);
+  use_grads(c, grad_ptrs, stream);
   put_hyper(c, {0.0, beta1, beta2, eps, weight_decay, amsgrad, maximize}, lr, stream);
   check(cuda::adamw_step(*c.plan, static_cast<const cuda::Hyper*>(c.hyper.data_ptr()), stream, min_blocks()),
         "fused_adamw_ (OPTSTATE_CUDA_MIN_BLOCKS: 0 or 5)");
@@ -216,9 +214,8 @@ void adamw8bit_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
     c.plan = cuda::make_adamw8bit_plan(ts, stream, chunk);
     TORCH_CHECK(c.plan, op, ": cannot build the CUDA work list");
     c.hyper = at::empty({static_cast<int64_t>(sizeof(cuda::Hyper))}, params[0].options().dtype(at::kByte));
-    c.grads = grad_ptrs;
   }
-  use_grads(c, std::move(grad_ptrs), stream);
+  use_grads(c, grad_ptrs, stream);
   put_hyper(c, {0.0, beta1, beta2, eps, weight_decay, amsgrad, 0}, lr, stream);
   check(cuda::adamw8bit_step(*c.plan, static_cast<const cuda::Hyper*>(c.hyper.data_ptr()), stream, min_blocks()),
         "adamw8bit_ (OPTSTATE_CUDA_MIN_BLOCKS: 0 or 4)");

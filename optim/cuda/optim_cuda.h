@@ -80,7 +80,7 @@ std::unique_ptr<Plan> make_adamw8bit_plan(const std::vector<AdamW8bitTensor>& te
 // and dtypes, and the same address modulo 16 as the plan was built with: its vector paths depend on
 // that). Gradients are often reallocated every step (zero_grad(set_to_none=True), FSDP2's
 // reduce-scatter outputs); this keeps one plan for them. Launches on `stream` with the pointers
-// as arguments: no host sync, capturable.
+// as arguments: no host sync, capturable (a captured step then sets its own gradients on replay).
 int set_grads(Plan& plan, const void* const* grads, size_t n, void* stream);
 
 // One optimizer step: a small launch increments every step counter and computes each tensor's step

@@ -242,15 +242,17 @@ def load(path, model, optimizer, transactional=True):
     Entries are converted to what the optimizer keeps: FusedAdamW gets dense fp32 moments;
     AdamW8bit gets 8-bit moments for params of at least min_8bit_size elements (an 8-bit checkpoint
     saved with dequantize=True comes back with its original codes). With ``ShardedParams`` each rank
-    reads only its ranges, whatever number of ranks wrote the checkpoint.
+    reads only its ranges, whatever number of ranks wrote the checkpoint; an FSDP2 model reads each
+    rank's rows (DTensor moments again). State lands on its param's device.
 
     Live CPU tensors (weights, existing state of a matching layout) are read into in place. With
     ``transactional`` (the default) the checkpoint is first read, verified (every chunk's checksum)
     and converted once without keeping the bytes, and its metadata checked against the model, so
     a bad checkpoint raises with the model and optimizer unchanged; the second read mostly comes
-    from the page cache. With ``ShardedParams`` on several ranks the ranks agree (one all-reduce)
-    after their checks: if any rank fails, every rank raises and none changes anything. ``transactional=False`` reads once: faster for a checkpoint larger than
-    memory, but a corrupt chunk found midway leaves the live tensors partly loaded.
+    from the page cache. On several ranks (``ShardedParams``, FSDP2) the ranks agree after their
+    checks (one all-reduce): if any rank fails, every rank raises and none changes anything.
+    ``transactional=False`` reads once: faster for a checkpoint larger than memory, but a corrupt
+    chunk found midway leaves the live tensors partly loaded.
     """
     sharded = isinstance(model, ShardedParams)
     to, block, min_size = _target(optimizer)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ._ops import ops
-from .optim import AdamW8bit, FusedAdamW
+from .optim import AdamW8bit, DTensor, FusedAdamW
 from .sharded import ShardedParams, world_and_rank
 
 _HYPER = ("lr", "eps", "weight_decay", "amsgrad")
@@ -32,11 +32,7 @@ def _kind(optimizer):
 
 
 def _is_dtensor(t):
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch without distributed
-        return False
-    return isinstance(t, DTensor)
+    return isinstance(t, DTensor)  # () without torch.distributed: never
 
 
 def _local_rows(t, fqn, what):
@@ -338,7 +334,6 @@ def load(path, model, optimizer, transactional=True):
             elif (entry, "values") in e:
                 local = e[(entry, "values")].reshape(shape).to(device)
                 if dt:  # DTensor moments of the param's layout, as FusedAdamW keeps them under FSDP2
-                    from torch.distributed.tensor import DTensor
                     st[entry] = DTensor.from_local(local, whole.device_mesh, whole.placements, run_check=False,
                                                    shape=whole.shape, stride=whole.stride())
                 else:

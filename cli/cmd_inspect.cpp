@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
+#include "optstate/json_fields.h"
 #include "optstate/values.h"
 #include "registry.h"
 
@@ -54,14 +55,11 @@ int run_inspect(int argc, char** argv) {
   j["format"] = std::string(reader.format());
   j["optimizer"] = meta.kind;
   nlohmann::json groups = nlohmann::json::array();
-  for (const auto& g : meta.groups)
-    groups.push_back({{"lr", g.hyper.lr},
-                      {"betas", {g.hyper.beta1, g.hyper.beta2}},
-                      {"eps", g.hyper.eps},
-                      {"weight_decay", g.hyper.weight_decay},
-                      {"amsgrad", g.hyper.amsgrad},
-                      {"maximize", g.hyper.maximize},
-                      {"params", g.params.size()}});
+  for (const auto& g : meta.groups) {
+    nlohmann::json gj = param_group_to_json(g);
+    gj["params"] = g.params.size();  // inspect reports the count; the members are in the param table
+    groups.push_back(std::move(gj));
+  }
   j["param_groups"] = groups;
 
   int64_t total_numel = 0, total_state_bytes = 0, total_param_bytes = 0;

@@ -76,6 +76,22 @@ void put_hyper(Cached& c, cuda::Hyper h, const LrArg& lr, cudaStream_t s) {
         "hyperparameters");
 }
 
+// The cached plan of `key` (built by `make_plan` the first time), pointed at this step's gradients
+// and hyperparameters. The caller holds g_mu until its step is launched.
+template <class MakePlan>
+Cached& ready_plan(const std::vector<const void*>& key, MakePlan make_plan, const char* op, const at::Tensor& first,
+                   const std::vector<const void*>& grads, const cuda::Hyper& hyper, const LrArg& lr, cudaStream_t s) {
+  Cached& c = plan_for(key);
+  if (!c.plan) {
+    c.plan = make_plan();
+    TORCH_CHECK(c.plan, op, ": cannot build the CUDA work list");
+    c.hyper = at::empty({static_cast<int64_t>(sizeof(cuda::Hyper))}, first.options().dtype(at::kByte));
+  }
+  use_grads(c, grads, s);
+  put_hyper(c, hyper, lr, s);
+  return c;
+}
+
 // The 8-bit kernel's tables, once per GPU (a __device__ symbol lives in each device's context).
 void ensure_maps(c10::DeviceIndex device) {
   static std::mutex mu;
@@ -154,14 +170,9 @@ void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorLis
   key.push_back(reinterpret_cast<const void*>(uintptr_t{1}));  // plan kind
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   std::lock_guard<std::mutex> lock(g_mu);
-  Cached& c = plan_for(key);
-  if (!c.plan) {
-    c.plan = cuda::make_adamw_plan(ts, stream, chunk);
-    TORCH_CHECK(c.plan, op, ": cannot build the CUDA work list");
-    c.hyper = at::empty({static_cast<int64_t>(sizeof(cuda::Hyper))}, params[0].options().dtype(at::kByte));
-  }
-  use_grads(c, grad_ptrs, stream);
-  put_hyper(c, {0.0, beta1, beta2, eps, weight_decay, amsgrad, maximize}, lr, stream);
+  Cached& c = ready_plan(
+      key, [&] { return cuda::make_adamw_plan(ts, stream, chunk); }, op, params[0], grad_ptrs,
+      {0.0, beta1, beta2, eps, weight_decay, amsgrad, maximize}, lr, stream);
   check(cuda::adamw_step(*c.plan, static_cast<const cuda::Hyper*>(c.hyper.data_ptr()), stream, min_blocks()),
         "fused_adamw_ (OPTSTATE_CUDA_MIN_BLOCKS: 0 or 5)");
 }
@@ -209,14 +220,9 @@ void adamw8bit_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   key.push_back(reinterpret_cast<const void*>(uintptr_t{2}));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   std::lock_guard<std::mutex> lock(g_mu);
-  Cached& c = plan_for(key);
-  if (!c.plan) {
-    c.plan = cuda::make_adamw8bit_plan(ts, stream, chunk);
-    TORCH_CHECK(c.plan, op, ": cannot build the CUDA work list");
-    c.hyper = at::empty({static_cast<int64_t>(sizeof(cuda::Hyper))}, params[0].options().dtype(at::kByte));
-  }
-  use_grads(c, grad_ptrs, stream);
-  put_hyper(c, {0.0, beta1, beta2, eps, weight_decay, amsgrad, 0}, lr, stream);
+  Cached& c = ready_plan(
+      key, [&] { return cuda::make_adamw8bit_plan(ts, stream, chunk); }, op, params[0], grad_ptrs,
+      {0.0, beta1, beta2, eps, weight_decay, amsgrad, 0}, lr, stream);
   check(cuda::adamw8bit_step(*c.plan, static_cast<const cuda::Hyper*>(c.hyper.data_ptr()), stream, min_blocks()),
         "adamw8bit_ (OPTSTATE_CUDA_MIN_BLOCKS: 0 or 4)");
 }

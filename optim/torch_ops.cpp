@@ -13,6 +13,7 @@
 #include "op_overloads.h"
 #include "native/native_sharded.h"
 #include "optstate/checkpoint.h"
+#include "optstate/json_fields.h"
 #include "optstate/quant8.h"
 #include "optstate/shard.h"
 #include "optstate/transform.h"
@@ -201,14 +202,7 @@ std::string meta_json(const OptimizerState& state, std::string_view format) {
   meta["kind"] = state.kind;
   meta["format"] = std::string(format);
   json groups = json::array();
-  for (const auto& g : state.groups)
-    groups.push_back({{"lr", g.hyper.lr},
-                      {"betas", {g.hyper.beta1, g.hyper.beta2}},
-                      {"eps", g.hyper.eps},
-                      {"weight_decay", g.hyper.weight_decay},
-                      {"amsgrad", g.hyper.amsgrad},
-                      {"maximize", g.hyper.maximize},
-                      {"params", g.params}});
+  for (const auto& g : state.groups) groups.push_back(param_group_to_json(g));
   meta["param_groups"] = groups;
   json params = json::object();
   for (const auto& [fqn, ps] : state.params) {

@@ -9,10 +9,19 @@
 namespace optstate::optim {
 namespace avx2 {
 void update8(const AdamW8bitTensor& t, int64_t begin, int64_t end);
+void quantize_scaled(const float* x, int64_t n, QMap m, uint8_t* codes);
 }
 namespace generic {
 void update8(const AdamW8bitTensor& t, int64_t begin, int64_t end);
+void quantize_scaled(const float* x, int64_t n, QMap m, uint8_t* codes);
 }
+
+namespace {
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+}  // namespace
 
 AdamW8bitScalars adamw8bit_step_scalars(const AdamWHyper& h, float step) {
   // torchao keeps lr and step as float32 tensors: every product below rounds in fp32.
@@ -30,11 +39,7 @@ AdamW8bitScalars adamw8bit_step_scalars(const AdamWHyper& h, float step) {
 
 void adamw8bit_cpu(std::span<const AdamW8bitTensor> items, CpuIsa isa) {
   using Fn = void (*)(const AdamW8bitTensor&, int64_t, int64_t);
-  static const Fn kAuto = [] {
-    __builtin_cpu_init();
-    return (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? Fn{avx2::update8}
-                                                                             : Fn{generic::update8};
-  }();
+  static const Fn kAuto = has_avx2() ? Fn{avx2::update8} : Fn{generic::update8};
   const Fn fn = isa == CpuIsa::kAuto ? kAuto : isa == CpuIsa::kAvx2 ? avx2::update8 : generic::update8;
   // Work list of block-aligned chunks of about 16 Ki elements over all tensors; one parallel region.
   struct Work {
@@ -51,6 +56,11 @@ void adamw8bit_cpu(std::span<const AdamW8bitTensor> items, CpuIsa isa) {
   at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t w = lo; w < hi; ++w) fn(items[work[w].t], work[w].begin, work[w].end);
   });
+}
+
+void quantize_scaled_cpu(std::span<const float> x, QMap m, std::span<uint8_t> codes, CpuIsa isa) {
+  const bool avx2 = isa == CpuIsa::kAvx2 || (isa == CpuIsa::kAuto && has_avx2());
+  (avx2 ? avx2::quantize_scaled : generic::quantize_scaled)(x.data(), static_cast<int64_t>(x.size()), m, codes.data());
 }
 
 }  // namespace optstate::optim

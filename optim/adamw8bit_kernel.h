@@ -8,6 +8,7 @@
 #include <span>
 
 #include "adamw_kernel.h"
+#include "optstate/quant8.h"
 
 namespace optstate::optim {
 
@@ -38,5 +39,9 @@ struct AdamW8bitTensor {
 };
 
 void adamw8bit_cpu(std::span<const AdamW8bitTensor> items, CpuIsa isa = CpuIsa::kAuto);
+
+// codes[i] = the code of x[i] (already divided by its block scale) with the kernel's own quantizer:
+// the step's requantization, exposed so tests can hold each ISA's path to the reference.
+void quantize_scaled_cpu(std::span<const float> x, QMap m, std::span<uint8_t> codes, CpuIsa isa = CpuIsa::kAuto);
 
 }  // namespace optstate::optim

@@ -103,21 +103,47 @@ Quantizer::Quantizer(QMap m) : map_(qmap_table(m).data()) {
     threshold_[c] = from_ordered(lo);
   }
   threshold_[255] = threshold_[256] = inf;
-  for (uint32_t key = 0; key < 65536; ++key) {
-    float a, b;
-    const uint32_t first = key << 16, last = first | 0xffffu;
-    std::memcpy(&a, &first, 4);
-    std::memcpy(&b, &last, 4);
-    if (std::isnan(a) || std::isnan(b)) {
-      low_[key] = 0;  // NaN quantizes to 0
-      continue;
+
+  // Bucket table (see quant8.h). Magnitudes below 2^-24 share bucket 0: the maps' smallest
+  // thresholds are near 2^-22. The last bucket ends at 2.0 and takes every larger magnitude.
+  const bool is_signed = map_[0] < 0.0f;
+  const uint32_t per_binade_bits = is_signed ? 6 : 7;
+  buckets_.shift = 23 - per_binade_bits;
+  buckets_.first = 103u << per_binade_bits;
+  buckets_.count = (128u << per_binade_bits) - buckets_.first;
+  buckets_.negative_half = is_signed;
+  const uint32_t low_mask = (1u << buckets_.shift) - 1, none = 1u << buckets_.shift;
+  entry_.assign(buckets_.count * (is_signed ? 2 : 1), 0);
+  auto value = [](uint32_t sign, uint32_t mag) {
+    const uint32_t b = sign << 31 | mag;
+    float f;
+    std::memcpy(&f, &b, 4);
+    return f;
+  };
+  for (uint32_t sign = 0; sign < (is_signed ? 2u : 1u); ++sign)
+    for (uint32_t k = 0; k < buckets_.count; ++k) {
+      const uint32_t own = (buckets_.first + k) << buckets_.shift;  // the bucket's own magnitudes
+      const uint32_t lo = k == 0 ? 0u : own;
+      const uint32_t hi = k + 1 == buckets_.count ? 0x7f800000u : own | low_mask;
+      const uint8_t base = quantize_scaled_reference(value(sign, lo), map_);
+      const uint8_t top = quantize_scaled_reference(value(sign, hi), map_);
+      uint32_t step = none;
+      if (top != base) {
+        // The shared ends must hold no step (their low bits are not the bucket's), and a step is one code.
+        if (k == 0 || k + 1 == buckets_.count || top != (sign ? base - 1 : base + 1)) std::abort();
+        uint32_t a = 0, b = low_mask;  // least low bits whose code differs from base
+        while (a < b) {
+          const uint32_t mid = a + (b - a) / 2;
+          if (quantize_scaled_reference(value(sign, own | mid), map_) != base)
+            b = mid;
+          else
+            a = mid + 1;
+        }
+        step = a;
+      }
+      entry_[sign * buckets_.count + k] = base | step << kBaseBits;
     }
-    const float smallest = (key & 0x8000u) ? b : a, largest = (key & 0x8000u) ? a : b;
-    const uint8_t low = quantize_scaled_reference(smallest, map_);
-    const uint8_t high = quantize_scaled_reference(largest, map_);
-    if (high - low > 2) std::abort();  // the two-comparison formula would not be exact (never for these maps)
-    low_[key] = low;
-  }
+  buckets_.entry = entry_.data();
 }
 
 const Quantizer& Quantizer::get(QMap m) {

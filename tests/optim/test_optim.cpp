@@ -3,9 +3,11 @@
 #include <ATen/core/grad_mode.h>
 #include <doctest/doctest.h>
 
+#include "adamw8bit_kernel.h"
 #include "adamw_kernel.h"
 #include "fused_adamw.h"
 #include "optstate/hash.h"
+#include "optstate/quant8.h"
 #include "torch_bridge.h"
 
 using namespace optstate;
@@ -96,6 +98,116 @@ TEST_CASE("the multi-tensor launch equals per-tensor updates, and both ISAs give
     CHECK(at::equal(all[i], one[i]));
     CHECK(at::equal(all[i], gen[i]));
   }
+}
+
+TEST_CASE("the step's requantization equals the reference quantizer on thresholds and every exponent") {
+  __builtin_cpu_init();
+  std::vector<CpuIsa> isas{CpuIsa::kGeneric};
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isas.push_back(CpuIsa::kAvx2);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (QMap m : {QMap::kDynamicSigned, QMap::kDynamicUnsigned}) {
+    const Quantizer& q = Quantizer::get(m);
+    std::vector<float> xs{0.0f, -0.0f, 1.0f, -1.0f, 2.0f, -2.0f, inf, -inf, 1e-45f, -1e-45f, 1e-40f, -1e-40f,
+                          std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN()};
+    for (int c = 0; c < 255; ++c) {  // each threshold, and two neighbours on each side
+      float up = q.thresholds()[c], down = up;
+      for (int k = 0; k < 3; ++k) {
+        xs.insert(xs.end(), {up, down, -up, -down});
+        up = std::nextafter(up, inf);
+        down = std::nextafter(down, -inf);
+      }
+    }
+    for (uint32_t bits = 0; bits < 0xffffffffu - 65537; bits += 65537) {  // every exponent and sign
+      float f;
+      std::memcpy(&f, &bits, 4);
+      xs.push_back(f);
+    }
+    xs.push_back(0.5f);  // a length that leaves a scalar tail after the 8-wide loop
+    for (CpuIsa isa : isas) {
+      CAPTURE(static_cast<int>(isa));
+      std::vector<uint8_t> codes(xs.size());
+      quantize_scaled_cpu(xs, m, codes, isa);
+      size_t wrong = 0;
+      for (size_t i = 0; i < xs.size(); ++i) wrong += codes[i] != quantize_scaled_reference(xs[i], q.map());
+      CHECK(wrong == 0);
+    }
+  }
+}
+
+TEST_CASE("AdamW8bit: the AVX2 kernel gives the generic kernel's bits, hostile values included") {
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
+    WARN_MESSAGE(false, "no AVX2+FMA on this CPU: only the generic kernel exists here");
+    return;
+  }
+  // Block sizes that are and are not multiples of the 8- and 32-wide loops; partial last blocks.
+  const std::vector<std::pair<int64_t, int64_t>> shapes{{5000, 256}, {4099, 64}, {1003, 100}, {300, 7}, {4096, 256}};
+  for (const auto& [n, block] : shapes)
+    for (int kind = 0; kind < 2; ++kind)
+      for (int ams = 0; ams < 2; ++ams) {
+        CAPTURE(n);
+        CAPTURE(block);
+        CAPTURE(kind);
+        CAPTURE(ams);
+        const int64_t nb = (n + block - 1) / block;
+        const AdamWHyper h{1e-2, 0.9, 0.999, 1e-8, 0.1, ams != 0, false};
+        at::Tensor m0 = randn({n}, 1) * 1e-2, v0 = (randn({n}, 2) * 1e-3).square();
+        std::vector<float> m0v(m0.data_ptr<float>(), m0.data_ptr<float>() + n);
+        std::vector<float> v0v(v0.data_ptr<float>(), v0.data_ptr<float>() + n);
+        std::fill(m0v.begin(), m0v.begin() + std::min<int64_t>(n, block), 0.0f);  // an all-zero block
+        struct State {
+          at::Tensor p;
+          std::vector<uint8_t> mc, vc, xc;
+          std::vector<float> ma, va, xa;
+        };
+        auto make = [&] {
+          State st{randn({n}, 3), std::vector<uint8_t>(n), std::vector<uint8_t>(n), std::vector<uint8_t>(n),
+                   std::vector<float>(nb), std::vector<float>(nb), std::vector<float>(nb)};
+          if (kind == 1) st.p = st.p.to(at::kBFloat16);
+          quantize_blockwise(m0v, block, QMap::kDynamicSigned, st.mc, st.ma);
+          quantize_blockwise(v0v, block, QMap::kDynamicUnsigned, st.vc, st.va);
+          quantize_blockwise(v0v, block, QMap::kDynamicUnsigned, st.xc, st.xa);
+          return st;
+        };
+        State a = make(), b = make();
+        for (int step = 1; step <= 3; ++step) {
+          at::Tensor g = randn({n}, 10 + step) * 0.1;
+          float* gp = g.data_ptr<float>();
+          // Values that stress the quantizer and the scale: huge, tiny, denormal, exact zero, NaN.
+          gp[n - 1] = 1e30f;
+          gp[n / 2] = 1e-40f;
+          gp[n / 3] = -3e-20f;
+          gp[1] = 0.0f;
+          if (step == 3) gp[n / 4] = std::numeric_limits<float>::quiet_NaN();
+          if (kind == 1) g = g.to(at::kBFloat16);
+          auto run = [&](State& st, CpuIsa isa) {
+            AdamW8bitTensor t{};
+            t.param = st.p.data_ptr();
+            t.grad = g.data_ptr();
+            t.kind = kind == 1 ? ParamKind::kBF16 : ParamKind::kF32;
+            t.numel = n;
+            t.block = block;
+            t.m_codes = st.mc.data();
+            t.v_codes = st.vc.data();
+            t.vmax_codes = st.xc.data();
+            t.m_absmax = st.ma.data();
+            t.v_absmax = st.va.data();
+            t.vmax_absmax = st.xa.data();
+            t.s = adamw8bit_step_scalars(h, static_cast<float>(step));
+            adamw8bit_cpu(std::span(&t, 1), isa);
+          };
+          run(a, CpuIsa::kAvx2);
+          run(b, CpuIsa::kGeneric);
+        }
+        const auto bits = kind == 1 ? at::kShort : at::kInt;  // bit patterns: NaN compares unequal as floats
+        CHECK(at::equal(a.p.view(bits), b.p.view(bits)));
+        CHECK(a.mc == b.mc);
+        CHECK(a.vc == b.vc);
+        CHECK(a.xc == b.xc);
+        CHECK(std::memcmp(a.ma.data(), b.ma.data(), 4 * nb) == 0);
+        CHECK(std::memcmp(a.va.data(), b.va.data(), 4 * nb) == 0);
+        CHECK(std::memcmp(a.xa.data(), b.xa.data(), 4 * nb) == 0);
+      }
 }
 
 TEST_CASE("bf16 params are updated in one pass with fp32 state") {

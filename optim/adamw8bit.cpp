@@ -75,8 +75,10 @@ at::Tensor AdamW8bit::step(LossClosure closure) {
   for (auto& group : param_groups()) {
     auto& o = static_cast<AdamW8bitOptions&>(group.options());
     check_options(o);
-    const AdamWHyper hyper{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
-                           o.amsgrad(), false};
+    const LrArg lr = o.step_lr(o.lr(), "AdamW8bit");
+    AdamWHyper hyper{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
+                     o.amsgrad(), false};
+    bool cpu_lr_read = !lr.tensor.defined();  // CPU params take a tensor lr's value, read once per group
     struct CudaLists {
       std::vector<at::Tensor> p, g, m, v, mx, m_absmax, v_absmax, mx_absmax, steps;
       std::vector<int64_t> blocks;
@@ -119,6 +121,10 @@ at::Tensor AdamW8bit::step(LossClosure closure) {
         c.steps.push_back(device_steps_->before_step(p, done));
         continue;
       }
+      if (!cpu_lr_read) {
+        hyper.lr = lr_value(lr);
+        cpu_lr_read = true;
+      }
       AdamW8bitTensor t{};
       t.param = p.data_ptr();
       t.grad = g.data_ptr();
@@ -143,7 +149,7 @@ at::Tensor AdamW8bit::step(LossClosure closure) {
       items.push_back(t);
     }
     for (auto& [device, c] : cuda)
-      adamw8bit_cuda(c.p, c.g, c.m, c.v, c.mx, c.m_absmax, c.v_absmax, c.mx_absmax, c.steps, c.blocks, {hyper.lr, {}},
+      adamw8bit_cuda(c.p, c.g, c.m, c.v, c.mx, c.m_absmax, c.v_absmax, c.mx_absmax, c.steps, c.blocks, lr,
                      hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, hyper.amsgrad);
   }
   adamw8bit_cpu(items);

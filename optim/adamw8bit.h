@@ -6,6 +6,8 @@
 
 #include <torch/optim/optimizer.h>
 
+#include "tensor_lr.h"
+
 #include <memory>
 #include <tuple>
 #include <vector>
@@ -14,7 +16,7 @@ namespace optstate::optim {
 
 class DeviceSteps;
 
-struct AdamW8bitOptions : public torch::optim::OptimizerCloneableOptions<AdamW8bitOptions> {
+struct AdamW8bitOptions : public torch::optim::OptimizerCloneableOptions<AdamW8bitOptions>, public TensorLr {
   AdamW8bitOptions(double lr = 1e-3);  // NOLINT
   TORCH_ARG(double, lr) = 1e-3;
   typedef std::tuple<double, double> betas_t;
@@ -26,8 +28,20 @@ struct AdamW8bitOptions : public torch::optim::OptimizerCloneableOptions<AdamW8b
   TORCH_ARG(int64_t, min_8bit_size) = 4096;
 
  public:
+  // lr as a one-element float32/float64 tensor on the CPU or the params' GPU, read when each step
+  // runs, so a step captured in a CUDA graph follows it (tensor_lr.h). Sets lr() to its value.
+  AdamW8bitOptions& lr_tensor(at::Tensor t) {
+    const double value = adopt_lr_tensor(std::move(t), "AdamW8bit");
+    if (lr_tensor().defined()) lr(value);
+    return *this;
+  }
+  using TensorLr::lr_tensor;
   double get_lr() const override { return lr(); }
-  void set_lr(const double lr) override { this->lr(lr); }
+  // What LibTorch's LR schedulers call: also writes lr_tensor in place.
+  void set_lr(const double lr) override {
+    this->lr(lr);
+    write_lr_tensor(lr);
+  }
 };
 
 // One moment: 8-bit (codes + absmax, block_size > 0) or dense fp32 (values).

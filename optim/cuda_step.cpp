@@ -130,6 +130,13 @@ int64_t chunk_elems() {
 
 bool cuda_kernels_built() { return true; }
 
+bool cuda_stream_capturing() {
+  if (!at::hasCUDA()) return false;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream().stream(), &status) != cudaSuccess) return false;
+  return status != cudaStreamCaptureStatusNone;
+}
+
 size_t cuda_plan_count() {
   std::lock_guard<std::mutex> lock(g_mu);
   return g_plans.size();

@@ -14,6 +14,9 @@ namespace optstate::optim {
 
 bool cuda_kernels_built();
 
+// Whether the current CUDA stream is capturing a graph (false where LibTorch has no CUDA).
+bool cuda_stream_capturing();
+
 // How many device work lists (plans) the CUDA steps have built: one per set of tensors an optimizer
 // steps, whatever its gradients' addresses (for the GPU check).
 size_t cuda_plan_count();

@@ -5,6 +5,8 @@ namespace optstate::optim {
 
 bool cuda_kernels_built() { return false; }
 
+bool cuda_stream_capturing() { return false; }
+
 size_t cuda_plan_count() { return 0; }
 
 void fused_adamw_cuda(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,

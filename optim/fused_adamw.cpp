@@ -52,8 +52,10 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
   for (auto& group : param_groups()) {
     auto& o = static_cast<FusedAdamWOptions&>(group.options());
     check_options(o);
-    const AdamWHyper hyper{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
-                           o.amsgrad(), o.maximize()};
+    const LrArg lr = o.step_lr(o.lr(), "FusedAdamW");
+    AdamWHyper hyper{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
+                     o.amsgrad(), o.maximize()};
+    bool cpu_lr_read = !lr.tensor.defined();  // CPU params take a tensor lr's value, read once per group
     struct CudaLists {
       std::vector<at::Tensor> p, g, m, v, mx, steps;
     };
@@ -95,6 +97,10 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
         c.steps.push_back(device_steps_->before_step(p, done));
         continue;
       }
+      if (!cpu_lr_read) {
+        hyper.lr = lr_value(lr);
+        cpu_lr_read = true;
+      }
       AdamWTensor t{};
       t.param = p.data_ptr();
       t.grad = g.data_ptr();
@@ -107,7 +113,7 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
       items.push_back(t);
     }
     for (auto& [device, c] : cuda)
-      fused_adamw_cuda(c.p, c.g, c.m, c.v, c.mx, c.steps, {hyper.lr, {}}, hyper.beta1, hyper.beta2, hyper.eps,
+      fused_adamw_cuda(c.p, c.g, c.m, c.v, c.mx, c.steps, lr, hyper.beta1, hyper.beta2, hyper.eps,
                        hyper.weight_decay, hyper.amsgrad, hyper.maximize);
   }
   adamw_cpu(items);

@@ -5,6 +5,8 @@
 
 #include <torch/optim/optimizer.h>
 
+#include "tensor_lr.h"
+
 #include <memory>
 #include <tuple>
 #include <vector>
@@ -13,7 +15,7 @@ namespace optstate::optim {
 
 class DeviceSteps;
 
-struct FusedAdamWOptions : public torch::optim::OptimizerCloneableOptions<FusedAdamWOptions> {
+struct FusedAdamWOptions : public torch::optim::OptimizerCloneableOptions<FusedAdamWOptions>, public TensorLr {
   FusedAdamWOptions(double lr = 1e-3);  // NOLINT: implicit like torch::optim::AdamWOptions
   TORCH_ARG(double, lr) = 1e-3;
   typedef std::tuple<double, double> betas_t;
@@ -24,8 +26,20 @@ struct FusedAdamWOptions : public torch::optim::OptimizerCloneableOptions<FusedA
   TORCH_ARG(bool, maximize) = false;
 
  public:
+  // lr as a one-element float32/float64 tensor on the CPU or the params' GPU, read when each step
+  // runs, so a step captured in a CUDA graph follows it (tensor_lr.h). Sets lr() to its value.
+  FusedAdamWOptions& lr_tensor(at::Tensor t) {
+    const double value = adopt_lr_tensor(std::move(t), "FusedAdamW");
+    if (lr_tensor().defined()) lr(value);
+    return *this;
+  }
+  using TensorLr::lr_tensor;
   double get_lr() const override { return lr(); }
-  void set_lr(const double lr) override { this->lr(lr); }
+  // What LibTorch's LR schedulers call: also writes lr_tensor in place.
+  void set_lr(const double lr) override {
+    this->lr(lr);
+    write_lr_tensor(lr);
+  }
 };
 
 struct FusedAdamWParamState : public torch::optim::OptimizerCloneableParamState<FusedAdamWParamState> {

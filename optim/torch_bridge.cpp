@@ -78,7 +78,7 @@ Result<at::Tensor> tensor_taking(Buffer b, DType dtype, const std::vector<int64_
 namespace {
 
 Hyperparameters hyper_of(const FusedAdamWOptions& o) {
-  return {o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(), o.amsgrad(),
+  return {lr_value({o.lr(), o.lr_tensor()}), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(), o.amsgrad(),
           o.maximize()};
 }
 
@@ -235,8 +235,8 @@ Status import_state(FusedAdamW& opt, const std::vector<std::string>& names, cons
   for (size_t gi = 0; gi < opt.param_groups().size(); ++gi) {
     auto& o = static_cast<FusedAdamWOptions&>(opt.param_groups()[gi].options());
     const Hyperparameters& h = state.groups[gi].hyper;
-    o.lr(h.lr).betas({h.beta1, h.beta2}).eps(h.eps).weight_decay(h.weight_decay).amsgrad(h.amsgrad).maximize(
-        h.maximize);
+    o.set_lr(h.lr);  // and into lr_tensor, in place
+    o.betas({h.beta1, h.beta2}).eps(h.eps).weight_decay(h.weight_decay).amsgrad(h.amsgrad).maximize(h.maximize);
   }
   apply_import(opt, pending);
   return Status::Ok();
@@ -276,7 +276,7 @@ Result<OptimizerState> export_state(const AdamW8bit& opt, const std::vector<std:
       opt, names, "adamw8bit", include_params,
       [](const torch::optim::OptimizerOptions& base) {
         const auto& o = static_cast<const AdamW8bitOptions&>(base);
-        return Hyperparameters{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
+        return Hyperparameters{lr_value({o.lr(), o.lr_tensor()}), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
                                o.amsgrad(), false};
       },
       [](const torch::optim::OptimizerParamState& base, ParamState& ps) {
@@ -338,7 +338,8 @@ Status import_state(AdamW8bit& opt, const std::vector<std::string>& names, const
   for (size_t gi = 0; gi < opt.param_groups().size(); ++gi) {
     auto& o = static_cast<AdamW8bitOptions&>(opt.param_groups()[gi].options());
     const Hyperparameters& h = state.groups[gi].hyper;
-    o.lr(h.lr).betas({h.beta1, h.beta2}).eps(h.eps).weight_decay(h.weight_decay).amsgrad(h.amsgrad);
+    o.set_lr(h.lr);  // and into lr_tensor, in place
+    o.betas({h.beta1, h.beta2}).eps(h.eps).weight_decay(h.weight_decay).amsgrad(h.amsgrad);
   }
   apply_import(opt, pending);
   return Status::Ok();

@@ -2,7 +2,9 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
 #include <doctest/doctest.h>
+#include <torch/optim/schedulers/step_lr.h>
 
+#include "adamw8bit.h"
 #include "adamw8bit_kernel.h"
 #include "adamw_kernel.h"
 #include "fused_adamw.h"
@@ -282,4 +284,99 @@ TEST_CASE("export and import restore the optimizer exactly; a bad import changes
     ob->step();
   }
   for (size_t i = 0; i < a.size(); ++i) CHECK(at::equal(a[i], b[i]));
+}
+
+namespace {
+
+template <class Opt>
+std::vector<at::Tensor> lr_test_params(uint64_t seed) {
+  std::vector<at::Tensor> ps{randn({300, 40}, seed), randn({5000}, seed + 1), randn({7}, seed + 2)};
+  return ps;
+}
+
+void set_lr_test_grads(std::vector<at::Tensor>& a, std::vector<at::Tensor>& b, int step) {
+  for (size_t i = 0; i < a.size(); ++i) {
+    a[i].mutable_grad() = randn(a[i].sizes().vec(), 1000 + 10 * step + i) * 1e-2;
+    b[i].mutable_grad() = a[i].grad().clone();
+  }
+}
+
+bool same_bits(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!at::equal(a[i].view(at::kInt), b[i].view(at::kInt))) return false;
+  return true;
+}
+
+// A float32 lr tensor holds the fp32 value; the double-lr reference is given that same number.
+double as_held(double lr, at::ScalarType dtype) { return dtype == at::kFloat ? static_cast<double>(static_cast<float>(lr)) : lr; }
+
+template <class Opt, class Options>
+void check_lr_tensor_follows_schedule() {
+  at::NoGradGuard no_grad;
+  for (at::ScalarType dtype : {at::kDouble, at::kFloat}) {
+    CAPTURE(dtype);
+    auto pa = lr_test_params<Opt>(1), pb = lr_test_params<Opt>(1);
+    const at::Tensor lr = at::full({}, 1e-2, at::TensorOptions().dtype(dtype));
+    Opt a(pa, Options(as_held(1e-2, dtype)).weight_decay(0.1));
+    Opt b(pb, Options(0.5).lr_tensor(lr).weight_decay(0.1));  // lr() becomes the tensor's value
+    auto& ob = static_cast<Options&>(b.param_groups()[0].options());
+    CHECK(ob.get_lr() == as_held(1e-2, dtype));
+    torch::optim::StepLR sa(a, 2, 0.5), sb(b, 2, 0.5);
+    for (int step = 0; step < 5; ++step) {
+      set_lr_test_grads(pa, pb, step);
+      a.step();
+      b.step();
+      sa.step();
+      sb.step();
+    }
+    CHECK(same_bits(pa, pb));
+    // The schedule wrote the same tensor in place: 1e-2 * 0.5^2 after 5 scheduler steps.
+    CHECK(ob.lr_tensor().unsafeGetTensorImpl() == lr.unsafeGetTensorImpl());
+    CHECK(lr.item<double>() == as_held(1e-2, dtype) * 0.25);
+
+    // Writing the tensor itself, and setting options.lr() directly, are both followed.
+    lr.fill_(3e-3);
+    static_cast<Options&>(a.param_groups()[0].options()).set_lr(as_held(3e-3, dtype));
+    set_lr_test_grads(pa, pb, 10);
+    a.step();
+    b.step();
+    CHECK(same_bits(pa, pb));
+    static_cast<Options&>(a.param_groups()[0].options()).lr(as_held(7e-3, dtype));
+    ob.lr(as_held(7e-3, dtype));
+    set_lr_test_grads(pa, pb, 11);
+    a.step();
+    b.step();
+    CHECK(same_bits(pa, pb));
+    CHECK(lr.item<double>() == as_held(7e-3, dtype));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("lr_tensor: LibTorch's StepLR writes it in place; steps equal the double-lr run, for both optimizers") {
+  check_lr_tensor_follows_schedule<FusedAdamW, FusedAdamWOptions>();
+  check_lr_tensor_follows_schedule<AdamW8bit, AdamW8bitOptions>();
+}
+
+TEST_CASE("lr_tensor: bad tensors are refused; export reads it and import writes it in place") {
+  at::NoGradGuard no_grad;
+  CHECK_THROWS_WITH(FusedAdamWOptions().lr_tensor(at::zeros({2})), doctest::Contains("one float32 or float64"));
+  CHECK_THROWS_WITH(AdamW8bitOptions().lr_tensor(at::zeros({}, at::kInt)), doctest::Contains("one float32 or float64"));
+
+  auto pa = lr_test_params<FusedAdamW>(5), pb = lr_test_params<FusedAdamW>(5);
+  const at::Tensor lr_a = at::full({}, 2e-3, at::kDouble), lr_b = at::full({}, 9.0, at::kDouble);
+  FusedAdamW a(pa, FusedAdamWOptions().lr_tensor(lr_a));
+  FusedAdamW b(pb, FusedAdamWOptions().lr_tensor(lr_b));
+  set_lr_test_grads(pa, pb, 0);
+  a.step();
+  lr_a.fill_(4e-3);  // written behind the options' back: export still reports the tensor's value
+  const std::vector<std::string> names{"w", "v", "b"};
+  auto st = export_state(a, names, true);
+  REQUIRE(st.ok());
+  CHECK(st->groups[0].hyper.lr == 4e-3);
+  REQUIRE(import_state(b, names, *st, true).ok());
+  auto& ob = static_cast<FusedAdamWOptions&>(b.param_groups()[0].options());
+  CHECK(ob.lr_tensor().unsafeGetTensorImpl() == lr_b.unsafeGetTensorImpl());
+  CHECK(lr_b.item<double>() == 4e-3);
+  CHECK(ob.lr() == 4e-3);
 }

@@ -3,10 +3,18 @@
 // optimizers give on CPU params — params, moments, codes, scales, step counts — over steps with
 // fresh gradients, including a state whose step count is changed between steps (as a load does:
 // the device step counters must follow), with gradients at new addresses every step (one device
-// work list per optimizer all the same). Prints one line per case; exit 0 when all are equal, 1 when
-// any differs, 2 without a CUDA device.
+// work list per optimizer all the same). Where LibTorch has CUDA it also captures a step in a CUDA
+// graph with lr_tensor on the GPU and changes the lr (set_lr, as LibTorch's schedulers do) before
+// each replay. Prints one line per case; exit 0 when all are equal, 1 when any differs, 2 without a
+// CUDA device.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+
+#if defined(OPTSTATE_CXX_CUDA_GRAPHS)
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 #include <cstdio>
 #include <functional>
@@ -96,6 +104,72 @@ bool run_case(const std::string& name, at::ScalarType dtype, std::function<Opt(s
   return diff == 0 && plans == 1;
 }
 
+#if defined(OPTSTATE_CXX_CUDA_GRAPHS)
+// One step captured in a CUDA graph, lr_tensor (float32) on the GPU; before each of 3 replays, new
+// gradients are copied into the captured ones and set_lr writes a new lr into the tensor. Compared
+// with eager steps of the same optimizer given each lr as a double. (Replays advance the device step
+// counters, which the kernels use; the host's param_state.step() counts the capture once.)
+template <class Opt, class Options, class State>
+bool graph_case(const std::string& name, std::function<std::vector<at::Tensor>(State&)> tensors_of) {
+  const at::Device dev(at::kCUDA, 0);
+  auto pg = make_params(at::kFloat, dev), pe = make_params(at::kFloat, dev);
+  const at::Tensor lr = at::full({}, 1e-2, at::TensorOptions().dtype(at::kFloat).device(dev));
+  const auto held = [](double x) { return static_cast<double>(static_cast<float>(x)); };
+  Opt g(pg, Options().lr_tensor(lr).weight_decay(0.1));
+  Opt e(pe, Options(held(1e-2)).weight_decay(0.1));
+  for (auto& p : pg) p.mutable_grad() = at::zeros_like(p);  // the captured gradient buffers
+  auto new_grads = [&](int step) {
+    at::manual_seed(300 + step);
+    for (size_t i = 0; i < pg.size(); ++i) {
+      const at::Tensor grad = (at::randn(pg[i].sizes()) * 1e-2).to(dev);
+      pg[i].grad().copy_(grad);
+      pe[i].mutable_grad() = grad.clone();
+    }
+  };
+  const at::cuda::CUDAStream side = at::cuda::getStreamFromPool();
+  bool ok = true;
+  {
+    const c10::cuda::CUDAStreamGuard guard(side);
+    for (int step = 0; step < 2; ++step) {  // warm-up: state and the device work list exist before capture
+      new_grads(step);
+      g.step();
+      e.step();
+    }
+    side.synchronize();
+    at::cuda::CUDAGraph graph;
+    graph.capture_begin();
+    g.step();
+    graph.capture_end();
+    auto& go = static_cast<Options&>(g.param_groups()[0].options());
+    auto& eo = static_cast<Options&>(e.param_groups()[0].options());
+    for (double next : {5e-3, 2e-3, 8e-4}) {
+      new_grads(static_cast<int>(next * 1e4));
+      go.set_lr(next);  // writes lr_tensor in place; the replay reads it
+      eo.set_lr(held(next));
+      graph.replay();
+      e.step();
+    }
+    side.synchronize();
+  }
+  int64_t diff = 0, total = 0;
+  for (size_t i = 0; i < pg.size(); ++i) {
+    diff += differing(pe[i].detach().cpu(), pg[i].detach());
+    total += pg[i].numel();
+    const auto ta = tensors_of(static_cast<State&>(*e.state()[pe[i].unsafeGetTensorImpl()]));
+    const auto tb = tensors_of(static_cast<State&>(*g.state()[pg[i].unsafeGetTensorImpl()]));
+    for (size_t k = 0; k < ta.size(); ++k) {
+      const int64_t d = differing(ta[k].defined() ? ta[k].cpu() : ta[k], tb[k]);
+      diff += d < 0 ? 1 : d;
+      total += ta[k].defined() ? ta[k].numel() : 0;
+    }
+  }
+  ok = diff == 0;
+  std::printf("  C++ %-44s %s\n", name.c_str(),
+              ok ? "bitwise equal" : (std::to_string(diff) + " of " + std::to_string(total) + " differ").c_str());
+  return ok;
+}
+#endif
+
 }  // namespace
 
 int main() {
@@ -126,5 +200,19 @@ int main() {
             return out;
           });
     }
+#if defined(OPTSTATE_CXX_CUDA_GRAPHS)
+  std::printf("== LibTorch optimizers: a captured step, lr_tensor on the GPU changed before 3 replays\n");
+  ok &= graph_case<FusedAdamW, FusedAdamWOptions, FusedAdamWParamState>(
+      "FusedAdamW graph replays follow set_lr", [](FusedAdamWParamState& s) {
+        return std::vector<at::Tensor>{s.exp_avg(), s.exp_avg_sq()};
+      });
+  ok &= graph_case<AdamW8bit, AdamW8bitOptions, AdamW8bitParamState>(
+      "AdamW8bit graph replays follow set_lr", [](AdamW8bitParamState& s) {
+        std::vector<at::Tensor> out;
+        for (const auto* m : {&s.exp_avg(), &s.exp_avg_sq()})
+          for (const at::Tensor* t : {&m->codes, &m->absmax, &m->values}) out.push_back(*t);
+        return out;
+      });
+#endif
   return ok ? 0 : 1;
 }

@@ -156,4 +156,10 @@ at::Tensor AdamW8bit::step(LossClosure closure) {
   return loss;
 }
 
+int64_t AdamW8bit::step_count(const at::Tensor& param) const {
+  return DeviceSteps::step_count<AdamW8bitParamState>(*this, device_steps_.get(), param);
+}
+
+void AdamW8bit::sync_step_counts() { DeviceSteps::sync<AdamW8bitParamState>(*this, device_steps_.get()); }
+
 }  // namespace optstate::optim

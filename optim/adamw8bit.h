@@ -66,6 +66,13 @@ class AdamW8bit : public torch::optim::Optimizer {
   // CPU params with the CPU kernel, CUDA params with one launch per param group and GPU.
   at::Tensor step(LossClosure closure = nullptr) override;
 
+  // CUDA params count their steps on the device (no host sync per step). Steps the host does not
+  // run, CUDA graph replays, advance those counters but not param_state.step(): step_count reads
+  // the device's count (a sync), sync_step_counts writes it into every param state. export_state
+  // exports step_count.
+  int64_t step_count(const at::Tensor& param) const;
+  void sync_step_counts();
+
   // New zero state for a parameter of `numel` global elements (8-bit when numel >= min_8bit_size).
   static AdamW8bitParamState zero_state(const at::Tensor& p, const AdamW8bitOptions& o);
 

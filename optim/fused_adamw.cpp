@@ -120,4 +120,10 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
   return loss;
 }
 
+int64_t FusedAdamW::step_count(const at::Tensor& param) const {
+  return DeviceSteps::step_count<FusedAdamWParamState>(*this, device_steps_.get(), param);
+}
+
+void FusedAdamW::sync_step_counts() { DeviceSteps::sync<FusedAdamWParamState>(*this, device_steps_.get()); }
+
 }  // namespace optstate::optim

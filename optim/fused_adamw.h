@@ -60,6 +60,13 @@ class FusedAdamW : public torch::optim::Optimizer {
   // result is the same bits; docs/cuda.md).
   at::Tensor step(LossClosure closure = nullptr) override;
 
+  // CUDA params count their steps on the device (no host sync per step). Steps the host does not
+  // run, CUDA graph replays, advance those counters but not param_state.step(): step_count reads
+  // the device's count (a sync), sync_step_counts writes it into every param state. export_state
+  // exports step_count.
+  int64_t step_count(const at::Tensor& param) const;
+  void sync_step_counts();
+
  private:
   std::shared_ptr<DeviceSteps> device_steps_;  // float32 step counters of CUDA params
 };

@@ -99,9 +99,9 @@ size_t param_count(const torch::optim::Optimizer& opt) {
 // The export both optimizers share: groups with their hyperparameters, one ParamState per named
 // param with shape, dtype, group and (with include_params) the weights. `fill` adds the step and
 // moments from the optimizer's own per-param state, when it has one.
-template <typename HyperOf, typename Fill>
-Result<OptimizerState> export_common(const torch::optim::Optimizer& opt, const std::vector<std::string>& names,
-                                     const char* kind, bool include_params, HyperOf hyper_of, Fill fill) {
+template <typename Opt, typename HyperOf, typename Fill>
+Result<OptimizerState> export_common(const Opt& opt, const std::vector<std::string>& names, const char* kind,
+                                     bool include_params, HyperOf hyper_of, Fill fill) {
   if (names.size() != param_count(opt))
     return invalid_argument(
         fmt::format("{} names given for an optimizer with {} params", names.size(), param_count(opt)));
@@ -120,7 +120,10 @@ Result<OptimizerState> export_common(const torch::optim::Optimizer& opt, const s
       OPTSTATE_ASSIGN_OR_RETURN(ps.param_dtype, dtype_of(p.scalar_type()));
       ps.group = static_cast<int>(gi);
       auto it = opt.state().find(p.unsafeGetTensorImpl());
-      if (it != opt.state().end()) fill(*it->second, ps);
+      if (it != opt.state().end()) {
+        fill(*it->second, ps);
+        ps.step = opt.step_count(p);  // a CUDA param's device counter: ahead after graph replays
+      }
       if (include_params) ps.entries.emplace(kParam, dense_entry(p, ps.param_dtype));
       pg.params.push_back(fqn);
       out.params.emplace(fqn, std::move(ps));

@@ -107,8 +107,9 @@ bool run_case(const std::string& name, at::ScalarType dtype, std::function<Opt(s
 #if defined(OPTSTATE_CXX_CUDA_GRAPHS)
 // One step captured in a CUDA graph, lr_tensor (float32) on the GPU; before each of 3 replays, new
 // gradients are copied into the captured ones and set_lr writes a new lr into the tensor. Compared
-// with eager steps of the same optimizer given each lr as a double. (Replays advance the device step
-// counters, which the kernels use; the host's param_state.step() counts the capture once.)
+// with eager steps of the same optimizer given each lr as a double. Replays advance the device step
+// counters, which the kernels use; the host's param_state.step() counts the capture once until
+// sync_step_counts reads them back, after which an eager step continues in step with the reference.
 template <class Opt, class Options, class State>
 bool graph_case(const std::string& name, std::function<std::vector<at::Tensor>(State&)> tensors_of) {
   const at::Device dev(at::kCUDA, 0);
@@ -127,7 +128,7 @@ bool graph_case(const std::string& name, std::function<std::vector<at::Tensor>(S
     }
   };
   const at::cuda::CUDAStream side = at::cuda::getStreamFromPool();
-  bool ok = true;
+  bool ok = true, counts_ok = false;
   {
     const c10::cuda::CUDAStreamGuard guard(side);
     for (int step = 0; step < 2; ++step) {  // warm-up: state and the device work list exist before capture
@@ -150,6 +151,17 @@ bool graph_case(const std::string& name, std::function<std::vector<at::Tensor>(S
       e.step();
     }
     side.synchronize();
+    // The host counted the captured step once (3); the device counters saw every replay (5).
+    // sync_step_counts brings the host up to date, and an eager step continues from there.
+    auto host_step = [&] { return static_cast<State&>(*g.state()[pg[0].unsafeGetTensorImpl()]).step(); };
+    counts_ok = host_step() == 3 && g.step_count(pg[0]) == 5;
+    g.sync_step_counts();
+    counts_ok = counts_ok && host_step() == 5;
+    new_grads(99);
+    g.step();
+    e.step();
+    side.synchronize();
+    counts_ok = counts_ok && host_step() == 6 && g.step_count(pg[0]) == 6;
   }
   int64_t diff = 0, total = 0;
   for (size_t i = 0; i < pg.size(); ++i) {
@@ -163,9 +175,10 @@ bool graph_case(const std::string& name, std::function<std::vector<at::Tensor>(S
       total += ta[k].defined() ? ta[k].numel() : 0;
     }
   }
-  ok = diff == 0;
-  std::printf("  C++ %-44s %s\n", name.c_str(),
-              ok ? "bitwise equal" : (std::to_string(diff) + " of " + std::to_string(total) + " differ").c_str());
+  ok = diff == 0 && counts_ok;
+  std::printf("  C++ %-44s %s; step counts %s\n", name.c_str(),
+              diff == 0 ? "bitwise equal" : (std::to_string(diff) + " of " + std::to_string(total) + " differ").c_str(),
+              counts_ok ? "caught up" : "WRONG");
   return ok;
 }
 #endif

@@ -7,6 +7,7 @@
 #include "adamw8bit.h"
 #include "adamw8bit_kernel.h"
 #include "adamw_kernel.h"
+#include "device_steps.h"
 #include "fused_adamw.h"
 #include "optstate/hash.h"
 #include "optstate/quant8.h"
@@ -379,4 +380,39 @@ TEST_CASE("lr_tensor: bad tensors are refused; export reads it and import writes
   CHECK(ob.lr_tensor().unsafeGetTensorImpl() == lr_b.unsafeGetTensorImpl());
   CHECK(lr_b.item<double>() == 4e-3);
   CHECK(ob.lr() == 4e-3);
+}
+
+TEST_CASE("device step counters: steps the host did not run (graph replays) are read back; a load still wins") {
+  // DeviceSteps keeps a float32 counter per param on the param's device; the kernels add one per
+  // step. Here the counter is a CPU tensor and the kernel's += 1 is done by hand.
+  const at::Tensor p = at::zeros({4});
+  DeviceSteps ds;
+  at::Tensor c = ds.before_step(p, 0);
+  CHECK(c.item<float>() == 0.0f);
+  c.add_(1);  // step 1 runs
+  CHECK(ds.before_step(p, 1).unsafeGetTensorImpl() == c.unsafeGetTensorImpl());
+  c.add_(1);  // step 2 runs
+  ds.before_step(p, 2);  // step 3 is captured in a graph: host code runs, the kernel does not
+  c.add_(3);  // three replays
+  CHECK(c.item<float>() == 5.0f);
+  CHECK(ds.current(p, 3) == 5);  // the host counted 3
+  ds.caught_up(p, 5);
+  ds.before_step(p, 5);
+  CHECK(c.item<float>() == 5.0f);  // no refill: the host agrees with the device
+  c.add_(1);
+  // A load sets the host count to 7: the host wins, and the next step refills the device.
+  CHECK(ds.current(p, 7) == 7);
+  ds.before_step(p, 7);
+  CHECK(c.item<float>() == 7.0f);
+
+  // The optimizers' step_count is param_state.step() for CPU params.
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> ps{randn({10}, 1)};
+  FusedAdamW opt(ps, FusedAdamWOptions(1e-2));
+  CHECK(opt.step_count(ps[0]) == 0);
+  ps[0].mutable_grad() = randn({10}, 2);
+  opt.step();
+  opt.step();
+  opt.sync_step_counts();
+  CHECK(opt.step_count(ps[0]) == 2);
 }

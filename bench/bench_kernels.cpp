@@ -110,24 +110,20 @@ int main(int argc, char** argv) {
                      at::_fused_adamw_({torch_fused.p}, {g}, {torch_fused.m}, {torch_fused.v}, {}, {torch_step}, h.lr,
                                        h.beta1, h.beta2, h.weight_decay, h.eps, false, false);
                    }, {}});
-  if (avx2)
-    cands.push_back({"optstate FusedAdamW avx2", 28, [&] {
-                       const AdamWTensor t = adamw_item(ours_avx2);
-                       adamw_cpu({&t, 1}, CpuIsa::kAvx2);
+  std::vector<std::pair<CpuIsa, const char*>> isas{{CpuIsa::kGeneric, "generic"}};
+  if (avx2) isas.insert(isas.begin(), {CpuIsa::kAvx2, "avx2"});
+  for (const auto& [isa, tag] : isas) {
+    Dense& d = isa == CpuIsa::kAvx2 ? ours_avx2 : ours_generic;
+    Quant& q = isa == CpuIsa::kAvx2 ? q_avx2 : q_generic;
+    cands.push_back({std::string("optstate FusedAdamW ") + tag, 28, [&, isa = isa, dp = &d] {
+                       const AdamWTensor t = adamw_item(*dp);
+                       adamw_cpu({&t, 1}, isa);
                      }, {}});
-  cands.push_back({"optstate FusedAdamW generic", 28, [&] {
-                     const AdamWTensor t = adamw_item(ours_generic);
-                     adamw_cpu({&t, 1}, CpuIsa::kGeneric);
-                   }, {}});
-  if (avx2)
-    cands.push_back({"optstate AdamW8bit avx2", 16, [&] {
-                       const AdamW8bitTensor t = item8(q_avx2);
-                       adamw8bit_cpu({&t, 1}, CpuIsa::kAvx2);
+    cands.push_back({std::string("optstate AdamW8bit ") + tag, 16, [&, isa = isa, qp = &q] {
+                       const AdamW8bitTensor t = item8(*qp);
+                       adamw8bit_cpu({&t, 1}, isa);
                      }, {}});
-  cands.push_back({"optstate AdamW8bit generic", 16, [&] {
-                     const AdamW8bitTensor t = item8(q_generic);
-                     adamw8bit_cpu({&t, 1}, CpuIsa::kGeneric);
-                   }, {}});
+  }
 
   for (auto& c : cands) c.step();  // warm-up: page faults, thread pool
   for (int r = 0; r < rounds; ++r)

@@ -66,8 +66,6 @@ class Quantizer {
     const uint32_t base = e & 0xffu;
     return static_cast<uint8_t>(neg ? base - stepped : base + stepped);
   }
-  // Kept for the optimizer's x / absmax (|x| <= 1 or NaN); the table covers every float.
-  uint8_t no_inf(float x) const { return (*this)(x); }
   const float* map() const { return map_; }
   const Buckets& buckets() const { return buckets_; }
   const float* thresholds() const { return threshold_.data(); }

@@ -100,7 +100,9 @@ void ensure_maps(c10::DeviceIndex device) {
   if (done.count(device)) return;
   const Quantizer& s = Quantizer::get(QMap::kDynamicSigned);
   const Quantizer& u = Quantizer::get(QMap::kDynamicUnsigned);
-  check(cuda::set_qmaps(s.map(), u.map(), s.thresholds(), u.thresholds()), "quantization tables");
+  check(cuda::set_qmaps(s.map(), u.map(), s.entries(), bucket_entries(s.layout()), u.entries(),
+                        bucket_entries(u.layout())),
+        "quantization tables");
   done.insert(device);
 }
 

@@ -104,16 +104,12 @@ Quantizer::Quantizer(QMap m) : map_(qmap_table(m).data()) {
   }
   threshold_[255] = threshold_[256] = inf;
 
-  // Bucket table (see quant8.h). Magnitudes below 2^-24 share bucket 0: the maps' smallest
-  // thresholds are near 2^-22. The last bucket ends at 2.0 and takes every larger magnitude.
+  // Bucket table (quant8_buckets.h). The shared first and last buckets must hold no step: their
+  // low bits are not the bucket's own.
   const bool is_signed = map_[0] < 0.0f;
-  const uint32_t per_binade_bits = is_signed ? 6 : 7;
-  buckets_.shift = 23 - per_binade_bits;
-  buckets_.first = 103u << per_binade_bits;
-  buckets_.count = (128u << per_binade_bits) - buckets_.first;
-  buckets_.negative_half = is_signed;
-  const uint32_t low_mask = (1u << buckets_.shift) - 1, none = 1u << buckets_.shift;
-  entry_.assign(buckets_.count * (is_signed ? 2 : 1), 0);
+  layout_ = bucket_layout(is_signed);
+  const uint32_t low_mask = (1u << layout_.shift) - 1, none = 1u << layout_.shift;
+  entry_.assign(bucket_entries(layout_), 0);
   auto value = [](uint32_t sign, uint32_t mag) {
     const uint32_t b = sign << 31 | mag;
     float f;
@@ -121,16 +117,16 @@ Quantizer::Quantizer(QMap m) : map_(qmap_table(m).data()) {
     return f;
   };
   for (uint32_t sign = 0; sign < (is_signed ? 2u : 1u); ++sign)
-    for (uint32_t k = 0; k < buckets_.count; ++k) {
-      const uint32_t own = (buckets_.first + k) << buckets_.shift;  // the bucket's own magnitudes
+    for (uint32_t k = 0; k < layout_.count; ++k) {
+      const uint32_t own = (layout_.first + k) << layout_.shift;  // the bucket's own magnitudes
       const uint32_t lo = k == 0 ? 0u : own;
-      const uint32_t hi = k + 1 == buckets_.count ? 0x7f800000u : own | low_mask;
+      const uint32_t hi = k + 1 == layout_.count ? 0x7f800000u : own | low_mask;
       const uint8_t base = quantize_scaled_reference(value(sign, lo), map_);
       const uint8_t top = quantize_scaled_reference(value(sign, hi), map_);
       uint32_t step = none;
       if (top != base) {
-        // The shared ends must hold no step (their low bits are not the bucket's), and a step is one code.
-        if (k == 0 || k + 1 == buckets_.count || top != (sign ? base - 1 : base + 1)) std::abort();
+        // a step in a shared end, or a step of more than one code: the layout cannot be exact
+        if (k == 0 || k + 1 == layout_.count || top != (sign ? base - 1 : base + 1)) std::abort();
         uint32_t a = 0, b = low_mask;  // least low bits whose code differs from base
         while (a < b) {
           const uint32_t mid = a + (b - a) / 2;
@@ -141,9 +137,12 @@ Quantizer::Quantizer(QMap m) : map_(qmap_table(m).data()) {
         }
         step = a;
       }
-      entry_[sign * buckets_.count + k] = base | step << kBaseBits;
+      // x < 0: the code steps down from base at low bits `step`; bucket_code reads the complemented
+      // low bits, in which the code steps up from base - 1 at low_mask - step + 1.
+      const uint32_t entry = sign && step != none ? (base - 1u) | (low_mask - step + 1u) << kBucketBaseBits
+                                                  : base | step << kBucketBaseBits;
+      entry_[sign * layout_.count + k] = entry;
     }
-  buckets_.entry = entry_.data();
 }
 
 const Quantizer& Quantizer::get(QMap m) {

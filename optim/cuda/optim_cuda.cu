@@ -256,10 +256,11 @@ int store_hyper(Hyper* device_hyper, const Hyper& h, void* stream, LrSource lr_s
   return cudaGetLastError();
 }
 
-int set_qmaps(const float* signed_map, const float* unsigned_map, const float* signed_thresholds,
-              const float* unsigned_thresholds) {
-  static Tables8 t;  // 12.5 KB: not on the stack
-  if (!build_tables8(signed_map, unsigned_map, signed_thresholds, unsigned_thresholds, t)) return cudaErrorInvalidValue;
+int set_qmaps(const float* signed_map, const float* unsigned_map, const uint32_t* signed_entries, size_t signed_count,
+              const uint32_t* unsigned_entries, size_t unsigned_count) {
+  static Tables8 t;  // 27 KB: not on the stack
+  if (!build_tables8(signed_map, unsigned_map, signed_entries, signed_count, unsigned_entries, unsigned_count, t))
+    return cudaErrorInvalidValue;
   const cudaError_t e = cudaMemcpyToSymbol(g_tables, &t, sizeof t);
   // Done before any stream (torch's may be non-blocking ones) launches a kernel that reads them.
   return e != cudaSuccess ? e : cudaDeviceSynchronize();

@@ -6,6 +6,7 @@
 // be captured in a CUDA graph. Plain pointers: no LibTorch here (torch_ops_cuda.cpp dispatches).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -104,10 +105,10 @@ int store_hyper(Hyper* device_hyper, const Hyper& h, void* stream, LrSource lr_s
 
 // Sets the 8-bit kernel's tables on the current device, once per device before its first 8-bit
 // step (it synchronizes the device: not while capturing a graph). Device memory, copied to each
-// CUDA block's shared memory: the two 256-entry maps and their quantization thresholds t[0..254]
-// (Quantizer::thresholds(): the least float whose code exceeds c), from which the bucket tables
-// are built.
-int set_qmaps(const float* signed_map, const float* unsigned_map, const float* signed_thresholds,
-              const float* unsigned_thresholds);
+// CUDA block's shared memory: the two 256-entry maps (dequantize) and the two Quantizers' bucket
+// entries (quantize; Quantizer::entries(), quant8_buckets.h). Refused unless the entry counts are
+// those of bucket_layout(true) and bucket_layout(false).
+int set_qmaps(const float* signed_map, const float* unsigned_map, const uint32_t* signed_entries, size_t signed_count,
+              const uint32_t* unsigned_entries, size_t unsigned_count);
 
 }  // namespace optstate::optim::cuda

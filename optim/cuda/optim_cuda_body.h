@@ -13,6 +13,7 @@
 
 #include "optim_cuda.h"
 #include "optim_cuda_math.h"
+#include "optstate/quant8_buckets.h"
 
 #if defined(__CUDACC__)
 #define OPTSTATE_UNROLL _Pragma("unroll")
@@ -98,71 +99,10 @@ inline std::vector<Work> adamw8bit_work(std::vector<AdamW8bitTensor>& ts, int64_
   return work;
 }
 
-// The quantizer as bucket tables. The code of x is the number of thresholds t[c] <= x (t sorted;
-// t[c] is the least float whose reference code exceeds c; Quantizer::thresholds()). Buckets are
-// 64 per binade by the top bits of |x| and its sign; magnitudes below 2^-24 share a bucket (the
-// maps' smallest thresholds are near 2^-22), |x| <= 1 always (x = moment / block absmax). A bucket
-// holds at most two thresholds (checked when the tables are built), so
-//   code = low[bucket] + (x >= t[low]) + (x >= t[low + 1])
-// is exact, as the CPU's 2^16-entry table is; NaN gives 0. About 15 instructions where an 8-step
-// search takes 45, and the tables fit in shared memory (12.5 KB with the maps).
-constexpr uint32_t kQMagLow = 103u << 6;                          // 2^-24 in units of 1/64 binade
-constexpr int kQBuckets = static_cast<int>((127u << 6) + 64 - kQMagLow);  // per sign, up to |x| < 2
-
-OPTSTATE_HD int q_bucket(uint32_t bits) {
-  uint32_t k = (bits & 0x7fffffffu) >> 17;
-  k = k < kQMagLow ? kQMagLow : k;
-  k = k > kQMagLow + kQBuckets - 1 ? kQMagLow + kQBuckets - 1 : k;
-  return static_cast<int>(k - kQMagLow) + static_cast<int>(bits >> 31) * kQBuckets;
-}
-
-struct QTable {
-  alignas(8) float t[257][2];  // (t[c], t[c + 1]); t[255] = t[256] = +inf
-  uint8_t low[2 * kQBuckets];  // positive buckets, then negative
-};
-
-OPTSTATE_HD uint8_t quantize_bucket(float x, const QTable& q) {
-  const uint32_t bits = float_bits(x);
-  const int low = q.low[q_bucket(bits)];
-#if defined(__CUDA_ARCH__)
-  const float2 t = *reinterpret_cast<const float2*>(q.t[low]);  // one 8-byte shared load
-  const float t0 = t.x, t1 = t.y;
-#else
-  const float t0 = q.t[low][0], t1 = q.t[low][1];
-#endif
-  const int code = low + (x >= t0 ? 1 : 0) + (x >= t1 ? 1 : 0);
-  return x != x ? uint8_t{0} : static_cast<uint8_t>(code);
-}
-
-// Host: the bucket tables from the 255 sorted thresholds; false if a bucket would hold more than
-// two thresholds (not so for the dynamic maps; the build is checked anyway).
-inline bool build_qtable(const float* thresholds, QTable& q) {
-  auto count_le = [&](float x) {  // number of t[c] <= x
-    int lo = 0, hi = 255;
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (thresholds[mid] <= x) lo = mid + 1;
-      else hi = mid;
-    }
-    return lo;
-  };
-  for (int c = 0; c < 257; ++c) {
-    q.t[c][0] = c < 255 ? thresholds[c] : bits_float(0x7f800000u);
-    q.t[c][1] = c + 1 < 255 ? thresholds[c + 1] : bits_float(0x7f800000u);
-  }
-  for (int sign = 0; sign < 2; ++sign)
-    for (int k = 0; k < kQBuckets; ++k) {
-      // magnitudes of bucket k: [first, last] in bit patterns (bucket 0 reaches down to 0)
-      const uint32_t first = k == 0 ? 0u : (kQMagLow + k) << 17;
-      const uint32_t last = ((kQMagLow + k + 1) << 17) - 1;
-      const uint32_t sb = static_cast<uint32_t>(sign) << 31;
-      const float lo_v = bits_float(sb | (sign ? last : first)), hi_v = bits_float(sb | (sign ? first : last));
-      const int low = count_le(lo_v), high = count_le(hi_v);
-      if (high - low > 2 || low > 255) return false;
-      q.low[sign * kQBuckets + k] = static_cast<uint8_t>(low);
-    }
-  return true;
-}
+// The quantizer: the CPU's one-threshold bucket tables (Quantizer, quant8_buckets.h), the same
+// entries read by the same bucket_code, from shared memory. One 4-byte load, one comparison. (The
+// layouts are constexpr calls, not variables: nvcc folds them, and device code cannot name host
+// constexpr objects of class type.)
 
 // ---- device and host: vector access ----
 
@@ -261,18 +201,27 @@ OPTSTATE_HD void dense8_thread(const Scalars8& sc, const AdamW8bitTensor& t, int
   }
 }
 
-// The tables a CUDA block keeps in shared memory: maps (dequantize) and bucket tables (quantize).
+// The tables a CUDA block keeps in shared memory (27 KB): maps (dequantize) and the quantizer's
+// bucket entries of both maps (quantize).
 struct Tables8 {
-  float smap[256], umap[256];  // dequantize
-  QTable sq, uq;               // quantize
+  float smap[256], umap[256];
+  uint32_t sq[bucket_entries(bucket_layout(true))], uq[bucket_entries(bucket_layout(false))];
 };
 
-// Host: the tables from the two maps and their thresholds; false if a bucket table cannot be exact.
-inline bool build_tables8(const float* signed_map, const float* unsigned_map, const float* signed_thresholds,
-                          const float* unsigned_thresholds, Tables8& t) {
+OPTSTATE_HD uint8_t quantize_signed(float x, const Tables8& t) { return bucket_code(x, t.sq, bucket_layout(true)); }
+OPTSTATE_HD uint8_t quantize_unsigned(float x, const Tables8& t) { return bucket_code(x, t.uq, bucket_layout(false)); }
+
+// Host: the tables from the two maps and the Quantizers' bucket entries; false unless the entries
+// have this layout.
+inline bool build_tables8(const float* signed_map, const float* unsigned_map, const uint32_t* signed_entries,
+                          size_t signed_count, const uint32_t* unsigned_entries, size_t unsigned_count, Tables8& t) {
+  if (signed_count != bucket_entries(bucket_layout(true)) || unsigned_count != bucket_entries(bucket_layout(false)))
+    return false;
   memcpy(t.smap, signed_map, sizeof t.smap);
   memcpy(t.umap, unsigned_map, sizeof t.umap);
-  return build_qtable(signed_thresholds, t.sq) && build_qtable(unsigned_thresholds, t.uq);
+  memcpy(t.sq, signed_entries, sizeof t.sq);
+  memcpy(t.uq, unsigned_entries, sizeof t.uq);
+  return true;
 }
 
 // The largest |x| bit patterns of a lane's elements (a warp reduces them to the block's new absmax).
@@ -356,11 +305,11 @@ OPTSTATE_UNROLL
       const int j = 4 * k + e;
       const float qm = kFastDiv ? div_fast(r.m[j], dm) : r.m[j] / dm.d;
       const float qv = kFastDiv ? div_fast(r.v[j], dv) : r.v[j] / dv.d;
-      mc |= uint32_t{quantize_bucket(qm, tab.sq)} << (8 * e);
-      vc |= uint32_t{quantize_bucket(qv, tab.uq)} << (8 * e);
+      mc |= uint32_t{quantize_signed(qm, tab)} << (8 * e);
+      vc |= uint32_t{quantize_unsigned(qv, tab)} << (8 * e);
       if (kAms) {
         const float qx = kFastDiv ? div_fast(r.x[j], dx) : r.x[j] / dx.d;
-        xc |= uint32_t{quantize_bucket(qx, tab.uq)} << (8 * e);
+        xc |= uint32_t{quantize_unsigned(qx, tab)} << (8 * e);
       }
     }
     if (i0 + 4 <= n) {
@@ -419,9 +368,9 @@ OPTSTATE_HD void lane8_pass(const Scalars8& sc, const AdamW8bitTensor& t, int64_
       continue;
     }
     store_value(t.param, i, p, t.kind);
-    t.m_codes[i] = quantize_bucket(m / nm, tab.sq);
-    t.v_codes[i] = quantize_bucket(v / nv, tab.uq);
-    if (kAms) t.vmax_codes[i] = quantize_bucket(x / nx, tab.uq);
+    t.m_codes[i] = quantize_signed(m / nm, tab);
+    t.v_codes[i] = quantize_unsigned(v / nv, tab);
+    if (kAms) t.vmax_codes[i] = quantize_unsigned(x / nx, tab);
   }
 }
 

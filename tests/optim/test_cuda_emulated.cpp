@@ -62,7 +62,8 @@ const cb::Tables8& tables8() {
     auto p = std::make_unique<cb::Tables8>();
     const Quantizer& s = Quantizer::get(QMap::kDynamicSigned);
     const Quantizer& u = Quantizer::get(QMap::kDynamicUnsigned);
-    REQUIRE(cb::build_tables8(s.map(), u.map(), s.thresholds(), u.thresholds(), *p));
+    REQUIRE(cb::build_tables8(s.map(), u.map(), s.entries(), bucket_entries(s.layout()), u.entries(),
+                              bucket_entries(u.layout()), *p));
     return p;
   }();
   return *t;
@@ -125,40 +126,51 @@ bool same_bytes(const void* a, const void* b, size_t n) { return n == 0 || std::
 
 }  // namespace
 
-TEST_CASE("CUDA bucket quantizer == CPU quantizer at every threshold, bucket edge and a stride of all |x| <= 1") {
+TEST_CASE("CUDA quantizer (shared-memory copy of the bucket tables) == reference at every threshold, bucket edge, stride") {
   const cb::Tables8& tab = tables8();
   for (QMap m : {QMap::kDynamicSigned, QMap::kDynamicUnsigned}) {
     CAPTURE(static_cast<int>(m));
     const Quantizer& q = Quantizer::get(m);
-    const cb::QTable& qt = m == QMap::kDynamicSigned ? tab.sq : tab.uq;
+    const bool is_signed = m == QMap::kDynamicSigned;
+    const BucketLayout layout = bucket_layout(is_signed);
+    auto device_code = [&](float x) { return is_signed ? cb::quantize_signed(x, tab) : cb::quantize_unsigned(x, tab); };
     int64_t checked = 0, wrong = 0;
     auto check = [&](float x) {
       ++checked;
       const uint8_t want = quantize_scaled_reference(x, q.map());
-      if (cb::quantize_bucket(x, qt) != want || q(x) != want) ++wrong;
+      if (device_code(x) != want || q(x) != want) ++wrong;
     };
     for (int c = 0; c < 255; ++c) {  // both sides of every threshold
       float x = q.thresholds()[c];
       for (int k = 0; k < 4; ++k) x = std::nextafter(x, -2.0f);
       for (int k = 0; k < 9; ++k, x = std::nextafter(x, 2.0f)) check(x);
     }
-    for (uint32_t sign : {0u, 0x80000000u})  // every bucket's first and last magnitude
-      for (uint32_t k = 0; k <= cb::kQMagLow + cb::kQBuckets; ++k) {
-        const uint32_t first = k << 17;
-        if (first > 0x3f800000u) break;
+    for (uint32_t sign : {0u, 0x80000000u})  // every bucket's first and last magnitude, up to 2
+      for (uint32_t k = 0; k <= layout.first + layout.count; ++k) {
+        const uint32_t first = k << layout.shift;
         check(cm::bits_float(sign | first));
         if (first) check(cm::bits_float(sign | (first - 1)));
       }
-    for (float x : {0.0f, -0.0f, 1.0f, -1.0f, std::numeric_limits<float>::denorm_min(), 1e-12f, -1e-12f}) check(x);
+    for (float x : {0.0f, -0.0f, 1.0f, -1.0f, 2.0f, -2.0f, 1e30f, -1e30f, std::numeric_limits<float>::infinity(),
+                    -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::denorm_min(), 1e-12f, -1e-12f})
+      check(x);
     for (uint32_t bits = 0; bits <= 0x3f800000u; bits += 9973) {  // every 9973rd magnitude, both signs
       check(cm::bits_float(bits));
       check(cm::bits_float(bits | 0x80000000u));
     }
-    CHECK(cb::quantize_bucket(std::numeric_limits<float>::quiet_NaN(), qt) == 0);
-    CHECK(cb::quantize_bucket(-std::numeric_limits<float>::quiet_NaN(), qt) == 0);
+    CHECK(device_code(std::numeric_limits<float>::quiet_NaN()) == 0);
+    CHECK(device_code(-std::numeric_limits<float>::quiet_NaN()) == 0);
     CHECK(checked > 200000);
     CHECK(wrong == 0);
   }
+  // entries of another layout (here: one short) are refused, not copied short
+  const Quantizer& s = Quantizer::get(QMap::kDynamicSigned);
+  const Quantizer& u = Quantizer::get(QMap::kDynamicUnsigned);
+  auto scratch = std::make_unique<cb::Tables8>();
+  CHECK_FALSE(cb::build_tables8(s.map(), u.map(), s.entries(), bucket_entries(s.layout()) - 1, u.entries(),
+                                bucket_entries(u.layout()), *scratch));
+  CHECK_FALSE(cb::build_tables8(s.map(), u.map(), s.entries(), bucket_entries(s.layout()), u.entries(),
+                                bucket_entries(u.layout()) - 1, *scratch));
 }
 
 TEST_CASE("CUDA FusedAdamW kernel body, emulated thread by thread == CPU kernel bit for bit") {

@@ -9,6 +9,7 @@
 #include <string_view>
 #include <vector>
 
+#include "optstate/quant8_buckets.h"
 #include "optstate/status.h"
 
 namespace optstate {
@@ -32,48 +33,26 @@ uint8_t quantize_scaled_reference(float x, const float* map);
 
 // The same result as quantize_scaled_reference without a search. The reference is monotone in x, so
 // the code of x is the number of "thresholds" t[c] <= x, where t[c] is the least float whose code
-// exceeds c. Buckets split |x| by its top bits (2^m per binade, m as small as leaves at most one
-// threshold per bucket: 6 for the signed map, 7 for the unsigned one) and by its sign. One 32-bit
-// entry per bucket holds the code at the bucket's smallest magnitude and where, in the low bits of
-// |x|, the code steps (up for x >= 0, down for x < 0), so
-//   code = base +/- (low bits of |x| >= step)
-// is exact with one table read, which SIMD code does as one gather per eight values. Magnitudes below
-// the first bucket share it and those of 2 or more share the last one (neither holds a threshold;
-// checked when the table is built). NaN gives 0. Built once per map.
+// exceeds c. A bucket table (quant8_buckets.h: layout, entries and the lookup, shared with the CUDA
+// kernels) holds at most one threshold per bucket, so one 32-bit entry per bucket gives
+//   code = base + (low bits of x, complemented for x < 0, >= step)
+// exactly, with one table read, which SIMD code does as one gather per eight values. The builder
+// checks that no bucket holds two thresholds and that the shared first and last buckets hold none.
+// NaN gives 0. Built once per map.
 class Quantizer {
  public:
-  struct Buckets {
-    const uint32_t* entry;  // [count] for x >= 0, then [count] for x < 0 when negative_half
-    uint32_t shift;         // 23 - m: |x| bits >> shift is x's bucket number in all floats
-    uint32_t first;         // the bucket number of entry[0]
-    uint32_t count;         // buckets per sign
-    bool negative_half;     // without it (unsigned map) every x < 0 has code 0
-  };
-  static constexpr uint32_t kBaseBits = 8;  // entry = base | step << kBaseBits; step == 1 << shift: none
-
   explicit Quantizer(QMap m);
   static const Quantizer& get(QMap m);
-  uint8_t operator()(float x) const {
-    uint32_t bits;
-    __builtin_memcpy(&bits, &x, 4);
-    const uint32_t mag = bits & 0x7fffffffu, neg = bits >> 31;
-    if (mag > 0x7f800000u || (neg && !buckets_.negative_half)) return 0;  // NaN; x < 0 for unsigned
-    int32_t k = static_cast<int32_t>(mag >> buckets_.shift) - static_cast<int32_t>(buckets_.first);
-    k = k < 0 ? 0 : k;
-    k = k > static_cast<int32_t>(buckets_.count) - 1 ? static_cast<int32_t>(buckets_.count) - 1 : k;
-    const uint32_t e = entry_[static_cast<uint32_t>(k) + neg * buckets_.count];
-    const uint32_t stepped = (mag & ((1u << buckets_.shift) - 1)) >= (e >> kBaseBits);
-    const uint32_t base = e & 0xffu;
-    return static_cast<uint8_t>(neg ? base - stepped : base + stepped);
-  }
+  uint8_t operator()(float x) const { return bucket_code(x, entry_.data(), layout_); }
   const float* map() const { return map_; }
-  const Buckets& buckets() const { return buckets_; }
+  const BucketLayout& layout() const { return layout_; }
+  const uint32_t* entries() const { return entry_.data(); }  // bucket_entries(layout()) of them
   const float* thresholds() const { return threshold_.data(); }
 
  private:
   const float* map_;
+  BucketLayout layout_;
   std::vector<uint32_t> entry_;
-  Buckets buckets_{};
   std::array<float, 257> threshold_;  // t[255] = t[256] = +inf: no code above 255
 };
 

@@ -56,8 +56,19 @@ if [ -n "$sanitizer" ] && [ -z "${OPTSTATE_GPU_CHECK_NO_SANITIZER:-}" ]; then
       continue
     fi
     echo "== compute-sanitizer --tool $tool (C++ check)" | tee -a "$out"
-    timeout 90 "$sanitizer" --tool $tool --error-exitcode 9 ./build-gpu/tests/optstate_gpu_cxx_check 2>&1 \
-      | tail -5 | tee -a "$out" || san_rc=$?
+    rc=0
+    timeout 90 "$sanitizer" --tool $tool --error-exitcode 9 ./build-gpu/tests/optstate_gpu_cxx_check \
+      > build-gpu/sanitizer.log 2>&1 || rc=$?
+    tail -5 build-gpu/sanitizer.log | tee -a "$out"
+    # Not findings: a runtime where the sanitizer cannot attach to the GPU (gVisor answers "Device
+    # not supported"), and a run cut off by the timeout. Only its error exit (9) or a failed check is.
+    if grep -q "Device not supported" build-gpu/sanitizer.log; then
+      echo "compute-sanitizer cannot use the GPU on this machine's runtime: $tool not run" | tee -a "$out"
+    elif [ "$rc" = 124 ]; then
+      echo "compute-sanitizer --tool $tool: cut off after 90 s, no verdict" | tee -a "$out"
+    elif [ "$rc" != 0 ]; then
+      san_rc=$rc
+    fi
   done
 else
   echo "compute-sanitizer not run" | tee -a "$out"

@@ -39,12 +39,15 @@ ninja -C build-gpu optstate_ops optstate_gpu_cxx_check >> build-gpu.log 2>&1 || 
 echo "build: $(( $(date +%s) - start )) s"
 grep -E "ptxas info.*(registers|spill)" build-gpu.log | head -12 || true
 out=${OUT:-.}/gpu_check.txt
+# Line-buffered output and a time limit on each check: a check that hangs is cut off with what it
+# printed so far kept in $out, and the rest of the script still runs.
+export PYTHONUNBUFFERED=1
 cxx_rc=0
-./build-gpu/tests/optstate_gpu_cxx_check 2>&1 | tee "$out" || cxx_rc=$?
+timeout 150 stdbuf -oL -eL ./build-gpu/tests/optstate_gpu_cxx_check 2>&1 | tee "$out" || cxx_rc=$?
 py_rc=0
-OPTSTATE_OPS_LIBRARY=$root/build-gpu/liboptstate_ops.so PYTHONPATH=$root/python "$py" tests/gpu/check_cuda.py "$@" \
-  2>&1 | tee -a "$out" || py_rc=$?
-echo "C++ check exit $cxx_rc, Python check exit $py_rc" | tee -a "$out"
+OPTSTATE_OPS_LIBRARY=$root/build-gpu/liboptstate_ops.so PYTHONPATH=$root/python timeout 300 "$py" \
+  tests/gpu/check_cuda.py "$@" 2>&1 | tee -a "$out" || py_rc=$?
+echo "C++ check exit $cxx_rc, Python check exit $py_rc (124: cut off by its time limit)" | tee -a "$out"
 # Device-only faults the host emulation cannot see (out-of-bounds or misaligned accesses, shared-memory
 # races): the C++ check's small cases under compute-sanitizer, if the toolkit has it.
 san_rc=0

@@ -48,11 +48,11 @@ def make(shapes, device, dtype=torch.float32, seed=0, misaligned=False):
     return params
 
 
-def make_on_gpu(shapes):
+def make_on_gpu(shapes, device="cuda"):
     """Timing inputs drawn on the GPU (1.2B values: seconds on the CPU, milliseconds here)."""
-    params = [torch.randn(s, device="cuda").requires_grad_(True) for s in shapes]
+    params = [torch.randn(s, device=device).requires_grad_(True) for s in shapes]
     for p in params:
-        p.grad = torch.randn(p.shape, device="cuda") * 1e-2
+        p.grad = torch.randn(p.shape, device=device) * 1e-2
     return params
 
 
@@ -201,9 +201,18 @@ def graph_capture():
     return ok
 
 
-def time_steps(step, iters):
+def time_steps(step, iters, device="cuda"):
+    """Median ms of `iters` calls after 3 warm-ups: CUDA events on the GPU, the wall clock on the CPU
+    (the dry run)."""
     for _ in range(3):
         step()
+    if device != "cuda":
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
@@ -216,40 +225,56 @@ def time_steps(step, iters):
     return statistics.median(times)
 
 
-def timing(iters, skip_torchao):
-    shapes = llama_1b_shapes()
+def timing(iters, skip_torchao, device="cuda", shapes=None):
+    """The table. Each row is printed as soon as it is measured, and a row that fails is reported and
+    skipped, so one failure or a cut-off run still leaves the rows before it."""
+    shapes = shapes or llama_1b_shapes()
     n = sum(torch.Size(s).numel() for s in shapes)
-    print(f"\n== timing: {n:,} fp32 params in {len(shapes)} tensors, median of {iters} steps")
-    src = torch.empty(1 << 28, device="cuda")
+    print(f"\n== timing on {device}: {n:,} fp32 params in {len(shapes)} tensors, median of {iters} steps")
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    src = torch.empty(1 << 28 if device == "cuda" else 1 << 20, device=device)
     dst = torch.empty_like(src)
-    copy_ms = time_steps(lambda: dst.copy_(src), iters)
+    copy_ms = time_steps(lambda: dst.copy_(src), iters, device)
     copy_bw = 8 * src.numel() / (copy_ms / 1e3) / 1e9
     del src, dst
     print(f"  copy bandwidth: {copy_bw:.0f} GB/s")
+    print(f"\n  {'optimizer':<24}{'ms/step':>10}{'% of copy BW':>14}{'first step s':>14}")
     rows = []
 
+    def row(name, ms, pct, first):
+        rows.append((name, ms, pct, first))
+        print(f"  {name:<24}{ms:>10.2f}{pct:>13.0f}%{first:>14.2f}")
+
     def run(name, make_opt, bytes_per_param, chunks=(), min_blocks=None):
-        params = make_on_gpu(shapes)
-        opt = make_opt(params)
-        t0 = time.perf_counter()
-        opt.step()
-        torch.cuda.synchronize()
-        first = time.perf_counter() - t0
-        ms = time_steps(opt.step, iters)
-        floor = bytes_per_param * n / (copy_bw * 1e9) * 1e3
-        rows.append((name, ms, 100 * floor / ms, first))
-        for chunk in chunks:  # the work-item size sweep (a new plan per size)
-            os.environ["OPTSTATE_CUDA_CHUNK"] = str(chunk)
-            ms = time_steps(opt.step, iters)
-            rows.append((f"  chunk {chunk // 1024}k", ms, 100 * floor / ms, float("nan")))
-        os.environ.pop("OPTSTATE_CUDA_CHUNK", None)
-        if min_blocks:  # the other compiled register budget (more resident blocks per SM)
-            os.environ["OPTSTATE_CUDA_MIN_BLOCKS"] = str(min_blocks)
-            ms = time_steps(opt.step, iters)
-            rows.append((f"  {min_blocks} blocks/SM", ms, 100 * floor / ms, float("nan")))
+        params = opt = None
+        try:
+            params = make_on_gpu(shapes, device)
+            opt = make_opt(params)
+            t0 = time.perf_counter()
+            opt.step()
+            sync()
+            first = time.perf_counter() - t0
+            ms = time_steps(opt.step, iters, device)
+            floor = bytes_per_param * n / (copy_bw * 1e9) * 1e3
+            row(name, ms, 100 * floor / ms, first)
+            for chunk in chunks:  # the work-item size sweep (a new plan per size)
+                os.environ["OPTSTATE_CUDA_CHUNK"] = str(chunk)
+                ms = time_steps(opt.step, iters, device)
+                row(f"  chunk {chunk // 1024}k", ms, 100 * floor / ms, float("nan"))
+            os.environ.pop("OPTSTATE_CUDA_CHUNK", None)
+            if min_blocks:  # the other compiled register budget (more resident blocks per SM)
+                os.environ["OPTSTATE_CUDA_MIN_BLOCKS"] = str(min_blocks)
+                ms = time_steps(opt.step, iters, device)
+                row(f"  {min_blocks} blocks/SM", ms, 100 * floor / ms, float("nan"))
+        except Exception as e:  # noqa: BLE001 - report the row and go on to the next one
+            print(f"  {name:<24}failed: {type(e).__name__}: {e}")
+            rows.append((name, float("nan"), float("nan"), float("nan")))
+        finally:
+            os.environ.pop("OPTSTATE_CUDA_CHUNK", None)
             os.environ.pop("OPTSTATE_CUDA_MIN_BLOCKS", None)
-        del opt, params
-        torch.cuda.empty_cache()
+            del opt, params
+            if device == "cuda":
+                torch.cuda.empty_cache()
 
     sweep = (16384, 262144)
     run("optstate FusedAdamW", lambda p: optstate.FusedAdamW(p, lr=1e-4), 28, sweep, min_blocks=5)
@@ -259,12 +284,11 @@ def timing(iters, skip_torchao):
     if not skip_torchao:
         try:
             from torchao.optim import AdamW8bit as AoAdamW8bit
-            run("torchao AdamW8bit", lambda p: AoAdamW8bit(p, lr=1e-4), 16)
         except Exception as e:  # noqa: BLE001 - report and go on
-            print(f"  torchao AdamW8bit: skipped ({type(e).__name__}: {e})")
-    print(f"\n  {'optimizer':<24}{'ms/step':>10}{'% of copy BW':>14}{'first step s':>14}")
-    for name, ms, pct, first in rows:
-        print(f"  {name:<24}{ms:>10.2f}{pct:>13.0f}%{first:>14.2f}")
+            print(f"  torchao AdamW8bit: not importable ({type(e).__name__}: {e})")
+        else:
+            run("torchao AdamW8bit", lambda p: AoAdamW8bit(p, lr=1e-4), 16)
+    return rows
 
 
 def main():
@@ -273,12 +297,14 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--skip-torchao", action="store_true")
     ap.add_argument("--dry-run-cpu", action="store_true",
-                    help="run the correctness part CPU against CPU (checks this script where no GPU is)")
+                    help="run the correctness part CPU against CPU and the timing table on small CPU tensors "
+                         "(checks this script where no GPU is)")
     args = ap.parse_args()
     if args.dry_run_cpu:
         ok = correctness(args.steps, "cpu")
         ok &= save_load_resume("cpu")
-        sys.exit(0 if ok else 1)
+        rows = timing(args.iters, args.skip_torchao, "cpu", shapes=[(256, 64), (4096,), (3,), (300, 70)])
+        sys.exit(0 if ok and not any(r[1] != r[1] for r in rows) else 1)
     if not torch.cuda.is_available():
         sys.exit("no CUDA device")
     print(torch.cuda.get_device_name(), "torch", torch.__version__)

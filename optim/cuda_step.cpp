@@ -106,27 +106,25 @@ void ensure_maps(c10::DeviceIndex device) {
   done.insert(device);
 }
 
-// The kernels' register budget: OPTSTATE_CUDA_MIN_BLOCKS if set (the GPU check's tuning sweep;
-// cuda::adamw_step says which values exist), else the compiler's choice (0).
-int min_blocks() {
-  const char* env = std::getenv("OPTSTATE_CUDA_MIN_BLOCKS");
-  if (env == nullptr || *env == 0) return 0;
-  char* end = nullptr;
-  const long v = std::strtol(env, &end, 10);
-  TORCH_CHECK(end && *end == 0 && v >= 0 && v <= 32, "OPTSTATE_CUDA_MIN_BLOCKS=", env, ": expected 0..32");
-  return static_cast<int>(v);
-}
-
-// Elements per work item: OPTSTATE_CUDA_CHUNK if set (the GPU check's tuning sweep), else the default.
-int64_t chunk_elems() {
-  const char* env = std::getenv("OPTSTATE_CUDA_CHUNK");
-  if (env == nullptr || *env == 0) return cuda::kDefaultChunk;
+// A tuning knob of the GPU check's sweep from the environment, `fallback` when unset.
+int64_t env_knob(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == 0) return fallback;
   char* end = nullptr;
   const long long v = std::strtoll(env, &end, 10);
-  TORCH_CHECK(end && *end == 0 && v >= 1024 && v <= (int64_t{1} << 30), "OPTSTATE_CUDA_CHUNK=", env,
-              ": expected a number of elements in [1024, 2^30]");
+  TORCH_CHECK(end && *end == 0 && v >= lo && v <= hi, name, "=", env, ": expected a number in [", lo, ", ", hi, "]");
   return v;
 }
+
+// The kernels' register budget: OPTSTATE_CUDA_MIN_BLOCKS (cuda::adamw_step says which values
+// exist), else the compiler's choice (0).
+int min_blocks() { return static_cast<int>(env_knob("OPTSTATE_CUDA_MIN_BLOCKS", 0, 0, 32)); }
+
+// Groups of 4 elements in flight per thread or lane: OPTSTATE_CUDA_GROUPS (1 or 2), else 1.
+int groups() { return static_cast<int>(env_knob("OPTSTATE_CUDA_GROUPS", 1, 1, 2)); }
+
+// Elements per work item: OPTSTATE_CUDA_CHUNK, else the default.
+int64_t chunk_elems() { return env_knob("OPTSTATE_CUDA_CHUNK", cuda::kDefaultChunk, 1024, int64_t{1} << 30); }
 
 }  // namespace
 
@@ -182,8 +180,9 @@ void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorLis
   Cached& c = ready_plan(
       key, [&] { return cuda::make_adamw_plan(ts, stream, chunk); }, op, params[0], grad_ptrs,
       {0.0, beta1, beta2, eps, weight_decay, amsgrad, maximize}, lr, stream);
-  check(cuda::adamw_step(*c.plan, static_cast<const cuda::Hyper*>(c.hyper.data_ptr()), stream, min_blocks()),
-        "fused_adamw_ (OPTSTATE_CUDA_MIN_BLOCKS: 0 or 5)");
+  check(cuda::adamw_step(*c.plan, static_cast<const cuda::Hyper*>(c.hyper.data_ptr()), stream, min_blocks(),
+                         groups()),
+        "fused_adamw_ (OPTSTATE_CUDA_MIN_BLOCKS: 0 or 5; OPTSTATE_CUDA_GROUPS 2 only with 0)");
 }
 
 void adamw8bit_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
@@ -232,8 +231,9 @@ void adamw8bit_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   Cached& c = ready_plan(
       key, [&] { return cuda::make_adamw8bit_plan(ts, stream, chunk); }, op, params[0], grad_ptrs,
       {0.0, beta1, beta2, eps, weight_decay, amsgrad, 0}, lr, stream);
-  check(cuda::adamw8bit_step(*c.plan, static_cast<const cuda::Hyper*>(c.hyper.data_ptr()), stream, min_blocks()),
-        "adamw8bit_ (OPTSTATE_CUDA_MIN_BLOCKS: 0 or 4)");
+  check(cuda::adamw8bit_step(*c.plan, static_cast<const cuda::Hyper*>(c.hyper.data_ptr()), stream, min_blocks(),
+                             groups()),
+        "adamw8bit_ (OPTSTATE_CUDA_MIN_BLOCKS: 0 or 4; OPTSTATE_CUDA_GROUPS 2 only with 0)");
 }
 
 }  // namespace optstate::optim

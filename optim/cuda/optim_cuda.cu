@@ -36,13 +36,14 @@ __global__ void prepare_adamw8bit(const AdamW8bitTensor* ts, size_t n, const Hyp
 }
 
 // One CUDA block per work item.
+template <int kGroups = 1>
 __device__ __forceinline__ void adamw_item(const AdamWTensor* ts, const Work* work, const AdamWScalars* scalars) {
   const Work w = work[blockIdx.x];
   // Copies in registers: stores through the tensor pointers could alias the tables, and the loop
   // would reload every field after every store.
   const AdamWTensor t = ts[w.tensor];
   const AdamWScalars sc = scalars[w.tensor];
-  adamw_thread(sc, t, w.begin, w.end, threadIdx.x, kThreads);
+  adamw_thread<kGroups>(sc, t, w.begin, w.end, threadIdx.x, kThreads);
 }
 
 // Two register budgets (OPTSTATE_CUDA_MIN_BLOCKS): the compiler's choice (53 registers, 4 blocks per
@@ -56,6 +57,11 @@ __global__ void __launch_bounds__(kThreads, 5) adamw_kernel_5(const AdamWTensor*
                                                               const AdamWScalars* scalars) {
   adamw_item(ts, work, scalars);
 }
+// Two groups of 4 elements in flight per thread (OPTSTATE_CUDA_GROUPS=2).
+__global__ void __launch_bounds__(kThreads) adamw_kernel_g2(const AdamWTensor* ts, const Work* work,
+                                                            const AdamWScalars* scalars) {
+  adamw_item<2>(ts, work, scalars);
+}
 
 __device__ __forceinline__ uint32_t warp_max(uint32_t x) {
   for (int o = 16; o > 0; o /= 2) x = max(x, __shfl_xor_sync(0xffffffffu, x, o));
@@ -63,7 +69,7 @@ __device__ __forceinline__ uint32_t warp_max(uint32_t x) {
 }
 
 // One warp per quantization block (several per CUDA block); maps and bucket tables in shared memory.
-template <bool kAms>
+template <bool kAms, bool kPreload = false>
 __device__ __forceinline__ void adamw8bit_item(const AdamW8bitTensor* ts, const Work* work, const Scalars8* scalars) {
   __shared__ __align__(16) Tables8 tab;
   {
@@ -85,7 +91,7 @@ __device__ __forceinline__ void adamw8bit_item(const AdamW8bitTensor* ts, const 
     Max8 mx;
     Lane8 r;
     if (t.fast) {
-      lane8_update<kAms>(sc, t, b, lane, tab, r, mx);
+      lane8_update<kAms, kPreload>(sc, t, b, lane, tab, r, mx);
     } else {
       lane8_pass<kAms, false>(sc, t, b, lane, tab, mx, 0.0f, 0.0f, 0.0f);
     }
@@ -112,6 +118,12 @@ template <bool kAms>
 __global__ void __launch_bounds__(kThreads, 4) adamw8bit_kernel_4(const AdamW8bitTensor* ts, const Work* work,
                                                                   const Scalars8* scalars) {
   adamw8bit_item<kAms>(ts, work, scalars);
+}
+// Both groups of a lane's elements loaded before either is computed (OPTSTATE_CUDA_GROUPS=2).
+template <bool kAms>
+__global__ void __launch_bounds__(kThreads) adamw8bit_kernel_p(const AdamW8bitTensor* ts, const Work* work,
+                                                               const Scalars8* scalars) {
+  adamw8bit_item<kAms, true>(ts, work, scalars);
 }
 
 __global__ void store_hyper_kernel(Hyper* dst, Hyper h, LrSource lr_source, const void* lr) {
@@ -187,7 +199,7 @@ std::unique_ptr<Plan> make_adamw8bit_plan(const std::vector<AdamW8bitTensor>& te
   return p;
 }
 
-int adamw_step(const Plan& plan, const Hyper* hyper, void* stream, int min_blocks) {
+int adamw_step(const Plan& plan, const Hyper* hyper, void* stream, int min_blocks, int groups) {
   if (plan.eight_) return cudaErrorInvalidValue;
   if (plan.n_ == 0) return 0;
   auto s = static_cast<cudaStream_t>(stream);
@@ -197,7 +209,9 @@ int adamw_step(const Plan& plan, const Hyper* hyper, void* stream, int min_block
   if (plan.work_items_) {
     const auto* work = static_cast<const Work*>(plan.work_);
     const auto items = static_cast<unsigned>(plan.work_items_);
-    switch (min_blocks) {
+    if (groups != 1 && (groups != 2 || min_blocks != 0)) return cudaErrorInvalidValue;
+    switch (groups == 2 ? -1 : min_blocks) {
+      case -1: adamw_kernel_g2<<<items, kThreads, 0, s>>>(ts, work, scalars); break;
       case 0: adamw_kernel<<<items, kThreads, 0, s>>>(ts, work, scalars); break;
       case 5: adamw_kernel_5<<<items, kThreads, 0, s>>>(ts, work, scalars); break;
       default: return cudaErrorInvalidValue;
@@ -209,8 +223,10 @@ int adamw_step(const Plan& plan, const Hyper* hyper, void* stream, int min_block
 namespace {
 template <bool kAms>
 int launch8(unsigned items, cudaStream_t s, const AdamW8bitTensor* ts, const Work* work, const Scalars8* scalars,
-            int min_blocks) {
-  switch (min_blocks) {
+            int min_blocks, int groups) {
+  if (groups != 1 && (groups != 2 || min_blocks != 0)) return cudaErrorInvalidValue;
+  switch (groups == 2 ? -1 : min_blocks) {
+    case -1: adamw8bit_kernel_p<kAms><<<items, kThreads, 0, s>>>(ts, work, scalars); break;
     case 0: adamw8bit_kernel<kAms><<<items, kThreads, 0, s>>>(ts, work, scalars); break;
     case 4: adamw8bit_kernel_4<kAms><<<items, kThreads, 0, s>>>(ts, work, scalars); break;
     default: return cudaErrorInvalidValue;
@@ -219,7 +235,7 @@ int launch8(unsigned items, cudaStream_t s, const AdamW8bitTensor* ts, const Wor
 }
 }  // namespace
 
-int adamw8bit_step(const Plan& plan, const Hyper* hyper, void* stream, int min_blocks) {
+int adamw8bit_step(const Plan& plan, const Hyper* hyper, void* stream, int min_blocks, int groups) {
   if (!plan.eight_) return cudaErrorInvalidValue;
   if (plan.n_ == 0) return 0;
   auto s = static_cast<cudaStream_t>(stream);
@@ -229,8 +245,8 @@ int adamw8bit_step(const Plan& plan, const Hyper* hyper, void* stream, int min_b
   if (plan.work_items_) {
     const auto* work = static_cast<const Work*>(plan.work_);
     const auto items = static_cast<unsigned>(plan.work_items_);
-    const int e = plan.amsgrad_ ? launch8<true>(items, s, ts, work, scalars, min_blocks)
-                                : launch8<false>(items, s, ts, work, scalars, min_blocks);
+    const int e = plan.amsgrad_ ? launch8<true>(items, s, ts, work, scalars, min_blocks, groups)
+                                : launch8<false>(items, s, ts, work, scalars, min_blocks, groups);
     if (e != 0) return e;
   }
   return cudaGetLastError();

@@ -53,8 +53,8 @@ class Plan {
  private:
   friend std::unique_ptr<Plan> make_adamw_plan(const std::vector<AdamWTensor>&, void*, int64_t);
   friend std::unique_ptr<Plan> make_adamw8bit_plan(const std::vector<AdamW8bitTensor>&, void*, int64_t);
-  friend int adamw_step(const Plan&, const Hyper*, void*, int);
-  friend int adamw8bit_step(const Plan&, const Hyper*, void*, int);
+  friend int adamw_step(const Plan&, const Hyper*, void*, int, int);
+  friend int adamw8bit_step(const Plan&, const Hyper*, void*, int, int);
   friend int set_grads(Plan&, const void* const*, size_t, void*);
   // Device copies of the tensor and work tables, room for the per-tensor scalars.
   int allocate(const void* tensors, size_t tensor_bytes, const void* work, size_t work_bytes, size_t scalar_bytes,
@@ -90,8 +90,11 @@ int set_grads(Plan& plan, const void* const* grads, size_t n, void* stream);
 // `min_blocks` picks a compiled register budget (resident CUDA blocks per SM): 0 the compiler's
 // choice (FusedAdamW 53 registers = 4 blocks, AdamW8bit ~80 = 3 blocks), or 5 for FusedAdamW and 4
 // for AdamW8bit (fewer registers, a few bytes spilled): a tuning knob for the GPU check.
-int adamw_step(const Plan& plan, const Hyper* hyper, void* stream, int min_blocks = 0);
-int adamw8bit_step(const Plan& plan, const Hyper* hyper, void* stream, int min_blocks = 0);
+// `groups` 2 (with min_blocks 0): kernels that have two groups of 4 elements' loads in flight per
+// thread (FusedAdamW) or per lane (AdamW8bit's register path) before computing, where 1 has one;
+// another tuning knob for the GPU check, same results.
+int adamw_step(const Plan& plan, const Hyper* hyper, void* stream, int min_blocks = 0, int groups = 1);
+int adamw8bit_step(const Plan& plan, const Hyper* hyper, void* stream, int min_blocks = 0, int groups = 1);
 
 // Where the step's learning rate comes from: `Hyper::lr`, or a device scalar read when the step
 // runs (torch's tensor `lr`: an LR schedule's in-place update reaches CUDA graph replays).

@@ -162,21 +162,56 @@ OPTSTATE_HD void store_codes4(uint8_t* p, uint32_t x) {
 
 // ---- FusedAdamW: one thread of a work item ----
 
+// Groups of 4 elements a thread has in flight before it computes (the GPU check's
+// OPTSTATE_CUDA_GROUPS sweep: 1 is 64 bytes of loads per thread, 2 is 128). The results do not
+// depend on it: every element is updated alone, by the same operations.
+constexpr int kMaxGroups = 2;
+
+struct AdamWGroup {
+  Four p, g, m, v, x;
+};
+
+OPTSTATE_HD void adamw_load(const AdamWScalars& sc, const AdamWTensor& t, int64_t j, AdamWGroup& a) {
+  a.p = load4(t.param, j, t.kind);
+  a.g = load4(t.grad, j, t.kind);
+  a.m = load4(t.exp_avg + j, 0, Param::kF32);
+  a.v = load4(t.exp_avg_sq + j, 0, Param::kF32);
+  a.x = Four{};
+  if (sc.amsgrad) a.x = load4(t.max_exp_avg_sq + j, 0, Param::kF32);
+}
+
+OPTSTATE_HD void adamw_update_store(const AdamWScalars& sc, const AdamWTensor& t, int64_t j, AdamWGroup& a) {
+  for (int e = 0; e < 4; ++e) adamw_element(sc, a.p.v[e], a.g.v[e], a.m.v[e], a.v.v[e], &a.x.v[e]);
+  store4(t.param, j, a.p, t.kind);
+  store4(t.exp_avg + j, 0, a.m, Param::kF32);
+  store4(t.exp_avg_sq + j, 0, a.v, Param::kF32);
+  if (sc.amsgrad) store4(t.max_exp_avg_sq + j, 0, a.x, Param::kF32);
+}
+
+template <int kGroups = 1>
 OPTSTATE_HD void adamw_thread(const AdamWScalars& sc, const AdamWTensor& t, int64_t begin, int64_t end, int thread,
                               int threads) {
+  static_assert(kGroups >= 1 && kGroups <= kMaxGroups, "groups in flight");
   int64_t rest = begin;
   if (t.vec) {  // begin is a multiple of 4 (items are multiples of 1024 elements)
     const int64_t vend = begin + ((end - begin) & ~int64_t{3});
-    for (int64_t j = begin + 4 * int64_t{thread}; j < vend; j += 4 * int64_t{threads}) {
-      Four p = load4(t.param, j, t.kind);
-      const Four g = load4(t.grad, j, t.kind);
-      Four m = load4(t.exp_avg + j, 0, Param::kF32), v = load4(t.exp_avg_sq + j, 0, Param::kF32), x{};
-      if (sc.amsgrad) x = load4(t.max_exp_avg_sq + j, 0, Param::kF32);
-      for (int e = 0; e < 4; ++e) adamw_element(sc, p.v[e], g.v[e], m.v[e], v.v[e], &x.v[e]);
-      store4(t.param, j, p, t.kind);
-      store4(t.exp_avg + j, 0, m, Param::kF32);
-      store4(t.exp_avg_sq + j, 0, v, Param::kF32);
-      if (sc.amsgrad) store4(t.max_exp_avg_sq + j, 0, x, Param::kF32);
+    const int64_t stride = 4 * int64_t{threads};
+    int64_t j = begin + 4 * int64_t{thread};
+    if constexpr (kGroups > 1) {
+      // The loads of all groups before the first store: a store may alias a later group's data as
+      // far as the compiler knows, so it would not move those loads up itself.
+      for (; j + (kGroups - 1) * stride < vend; j += kGroups * stride) {
+        AdamWGroup a[kGroups];
+OPTSTATE_UNROLL
+        for (int k = 0; k < kGroups; ++k) adamw_load(sc, t, j + k * stride, a[k]);
+OPTSTATE_UNROLL
+        for (int k = 0; k < kGroups; ++k) adamw_update_store(sc, t, j + k * stride, a[k]);
+      }
+    }
+    for (; j < vend; j += stride) {
+      AdamWGroup a;
+      adamw_load(sc, t, j, a);
+      adamw_update_store(sc, t, j, a);
     }
     rest = vend;
   }
@@ -242,52 +277,86 @@ struct Lane8 {
   float m[4 * kGroups8], v[4 * kGroups8], x[4 * kGroups8];
 };
 
+// One group of a lane's register-path elements as read: params, gradients, codes.
+struct Lane8In {
+  Four p, g;
+  uint32_t mc, vc, xc;
+};
+
 template <bool kAms>
+OPTSTATE_HD void lane8_load(const AdamW8bitTensor& t, int64_t off, int n, int i0, Lane8In& in) {
+  in.p = Four{}, in.g = Four{};
+  in.mc = in.vc = in.xc = 0;
+  if (i0 + 4 <= n) {
+    in.p = load4(t.param, off + i0, t.kind);
+    in.g = load4(t.grad, off + i0, t.kind);
+    in.mc = load_codes4(t.m_codes + off + i0);
+    in.vc = load_codes4(t.v_codes + off + i0);
+    if (kAms) in.xc = load_codes4(t.vmax_codes + off + i0);
+    return;
+  }
+  for (int e = 0; e < 4 && i0 + e < n; ++e) {
+    in.p.v[e] = load_value(t.param, off + i0 + e, t.kind);
+    in.g.v[e] = load_value(t.grad, off + i0 + e, t.kind);
+    in.mc |= uint32_t{t.m_codes[off + i0 + e]} << (8 * e);
+    in.vc |= uint32_t{t.v_codes[off + i0 + e]} << (8 * e);
+    if (kAms) in.xc |= uint32_t{t.vmax_codes[off + i0 + e]} << (8 * e);
+  }
+}
+
+// Dequantizes and updates group k (its first element i0 of the block), keeps the new moments in
+// registers and their block max, and writes the params.
+template <bool kAms>
+OPTSTATE_HD void lane8_apply(const Scalars8& sc, const AdamW8bitTensor& t, int64_t off, int n, int k, int i0,
+                             const Tables8& tab, float ms, float vs, float xs, Lane8In& in, Lane8& r, Max8& mx) {
+  const bool full = i0 + 4 <= n;
+OPTSTATE_UNROLL
+  for (int e = 0; e < 4; ++e) {
+    if (!full && i0 + e >= n) break;
+    float m = tab.smap[(in.mc >> (8 * e)) & 0xffu] * ms;
+    float v = tab.umap[(in.vc >> (8 * e)) & 0xffu] * vs;
+    float x = kAms ? tab.umap[(in.xc >> (8 * e)) & 0xffu] * xs : 0.0f;
+    update8(sc, in.p.v[e], in.g.v[e], m, v, &x);
+    r.m[4 * k + e] = m;
+    r.v[4 * k + e] = v;
+    r.x[4 * k + e] = x;
+    track(mx, m, v, x);
+  }
+  if (full) {
+    store4(t.param, off + i0, in.p, t.kind);
+  } else {
+    for (int e = 0; e < 4 && i0 + e < n; ++e) store_value(t.param, off + i0 + e, in.p.v[e], t.kind);
+  }
+}
+
+// kPreload: both groups' loads before either is computed (the GPU check's OPTSTATE_CUDA_GROUPS=2;
+// twice the bytes in flight per lane, more registers). Same results either way.
+template <bool kAms, bool kPreload = false>
 OPTSTATE_HD void lane8_update(const Scalars8& sc, const AdamW8bitTensor& t, int64_t b, int lane, const Tables8& tab,
                               Lane8& r, Max8& mx) {
   const int64_t off = b * t.block;
   const int n = static_cast<int>(t.block < t.numel - off ? t.block : t.numel - off);
   const float ms = t.m_absmax[b], vs = t.v_absmax[b];
   const float xs = kAms ? t.vmax_absmax[b] : 0.0f;
+  if constexpr (kPreload) {
+    Lane8In in[kGroups8];
 OPTSTATE_UNROLL
-  for (int k = 0; k < kGroups8; ++k) {
-    const int i0 = 128 * k + 4 * lane;
-    for (int e = 0; e < 4; ++e) r.m[4 * k + e] = r.v[4 * k + e] = r.x[4 * k + e] = 0.0f;
-    if (i0 >= n) continue;
-    const bool full = i0 + 4 <= n;
-    Four p{}, g{};
-    uint32_t mc = 0, vc = 0, xc = 0;
-    if (full) {
-      p = load4(t.param, off + i0, t.kind);
-      g = load4(t.grad, off + i0, t.kind);
-      mc = load_codes4(t.m_codes + off + i0);
-      vc = load_codes4(t.v_codes + off + i0);
-      if (kAms) xc = load_codes4(t.vmax_codes + off + i0);
-    } else {
-      for (int e = 0; e < 4 && i0 + e < n; ++e) {
-        p.v[e] = load_value(t.param, off + i0 + e, t.kind);
-        g.v[e] = load_value(t.grad, off + i0 + e, t.kind);
-        mc |= uint32_t{t.m_codes[off + i0 + e]} << (8 * e);
-        vc |= uint32_t{t.v_codes[off + i0 + e]} << (8 * e);
-        if (kAms) xc |= uint32_t{t.vmax_codes[off + i0 + e]} << (8 * e);
-      }
-    }
+    for (int k = 0; k < kGroups8; ++k)
+      if (128 * k + 4 * lane < n) lane8_load<kAms>(t, off, n, 128 * k + 4 * lane, in[k]);
 OPTSTATE_UNROLL
-    for (int e = 0; e < 4; ++e) {
-      if (!full && i0 + e >= n) break;
-      float m = tab.smap[(mc >> (8 * e)) & 0xffu] * ms;
-      float v = tab.umap[(vc >> (8 * e)) & 0xffu] * vs;
-      float x = kAms ? tab.umap[(xc >> (8 * e)) & 0xffu] * xs : 0.0f;
-      update8(sc, p.v[e], g.v[e], m, v, &x);
-      r.m[4 * k + e] = m;
-      r.v[4 * k + e] = v;
-      r.x[4 * k + e] = x;
-      track(mx, m, v, x);
+    for (int k = 0; k < kGroups8; ++k) {
+      for (int e = 0; e < 4; ++e) r.m[4 * k + e] = r.v[4 * k + e] = r.x[4 * k + e] = 0.0f;
+      if (128 * k + 4 * lane < n) lane8_apply<kAms>(sc, t, off, n, k, 128 * k + 4 * lane, tab, ms, vs, xs, in[k], r, mx);
     }
-    if (full) {
-      store4(t.param, off + i0, p, t.kind);
-    } else {
-      for (int e = 0; e < 4 && i0 + e < n; ++e) store_value(t.param, off + i0 + e, p.v[e], t.kind);
+  } else {
+OPTSTATE_UNROLL
+    for (int k = 0; k < kGroups8; ++k) {
+      const int i0 = 128 * k + 4 * lane;
+      for (int e = 0; e < 4; ++e) r.m[4 * k + e] = r.v[4 * k + e] = r.x[4 * k + e] = 0.0f;
+      if (i0 >= n) continue;
+      Lane8In in;
+      lane8_load<kAms>(t, off, n, i0, in);
+      lane8_apply<kAms>(sc, t, off, n, k, i0, tab, ms, vs, xs, in, r, mx);
     }
   }
 }

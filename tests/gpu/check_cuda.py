@@ -266,12 +266,17 @@ def timing(iters, skip_torchao, device="cuda", shapes=None):
                 os.environ["OPTSTATE_CUDA_MIN_BLOCKS"] = str(min_blocks)
                 ms = time_steps(opt.step, iters, device)
                 row(f"  {min_blocks} blocks/SM", ms, 100 * floor / ms, float("nan"))
+                os.environ.pop("OPTSTATE_CUDA_MIN_BLOCKS")
+                # the kernels with two groups of 4 elements' loads in flight per thread / lane
+                os.environ["OPTSTATE_CUDA_GROUPS"] = "2"
+                ms = time_steps(opt.step, iters, device)
+                row("  2 groups in flight", ms, 100 * floor / ms, float("nan"))
         except Exception as e:  # noqa: BLE001 - report the row and go on to the next one
             print(f"  {name:<24}failed: {type(e).__name__}: {e}")
             rows.append((name, float("nan"), float("nan"), float("nan")))
         finally:
-            os.environ.pop("OPTSTATE_CUDA_CHUNK", None)
-            os.environ.pop("OPTSTATE_CUDA_MIN_BLOCKS", None)
+            for knob in ("OPTSTATE_CUDA_CHUNK", "OPTSTATE_CUDA_MIN_BLOCKS", "OPTSTATE_CUDA_GROUPS"):
+                os.environ.pop(knob, None)
             del opt, params
             if device == "cuda":
                 torch.cuda.empty_cache()

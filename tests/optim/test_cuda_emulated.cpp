@@ -69,8 +69,8 @@ const cb::Tables8& tables8() {
   return *t;
 }
 
-// What prepare_adamw + adamw_kernel do, one thread after another.
-void emulate_adamw(std::vector<cuda::AdamWTensor> ts, const cuda::Hyper& h, int64_t chunk) {
+// What prepare_adamw + adamw_kernel (groups 1) or adamw_kernel_g2 (groups 2) do, one thread after another.
+void emulate_adamw(std::vector<cuda::AdamWTensor> ts, const cuda::Hyper& h, int64_t chunk, int groups) {
   const std::vector<cb::Work> work = cb::adamw_work(ts, chunk);
   std::vector<cm::AdamWScalars> sc;
   for (auto& t : ts) {
@@ -78,11 +78,17 @@ void emulate_adamw(std::vector<cuda::AdamWTensor> ts, const cuda::Hyper& h, int6
     sc.push_back(cm::adamw_scalars(h, *t.step));
   }
   for (const cb::Work& w : work)
-    for (int th = 0; th < cb::kThreads; ++th) cb::adamw_thread(sc[w.tensor], ts[w.tensor], w.begin, w.end, th, cb::kThreads);
+    for (int th = 0; th < cb::kThreads; ++th) {
+      if (groups == 2)
+        cb::adamw_thread<2>(sc[w.tensor], ts[w.tensor], w.begin, w.end, th, cb::kThreads);
+      else
+        cb::adamw_thread<1>(sc[w.tensor], ts[w.tensor], w.begin, w.end, th, cb::kThreads);
+    }
 }
 
-// What prepare_adamw8bit + adamw8bit_kernel<kAms> do: warps in turn, lanes in turn within a phase.
-template <bool kAms>
+// What prepare_adamw8bit + adamw8bit_kernel<kAms> (or, kPreload, adamw8bit_kernel_p<kAms>) do: warps
+// in turn, lanes in turn within a phase.
+template <bool kAms, bool kPreload>
 void emulate_8bit(std::vector<cuda::AdamW8bitTensor> ts, const cuda::Hyper& h, int64_t chunk) {
   const std::vector<cb::Work> work = cb::adamw8bit_work(ts, chunk);
   std::vector<cm::Scalars8> sc;
@@ -103,7 +109,7 @@ void emulate_8bit(std::vector<cuda::AdamW8bitTensor> ts, const cuda::Hyper& h, i
         cb::Lane8 r[32];
         for (int lane = 0; lane < 32; ++lane) {
           if (t.fast)
-            cb::lane8_update<kAms>(sc[w.tensor], t, b, lane, tab, r[lane], mx[lane]);
+            cb::lane8_update<kAms, kPreload>(sc[w.tensor], t, b, lane, tab, r[lane], mx[lane]);
           else
             cb::lane8_pass<kAms, false>(sc[w.tensor], t, b, lane, tab, mx[lane], 0, 0, 0);
         }
@@ -178,7 +184,9 @@ TEST_CASE("CUDA FusedAdamW kernel body, emulated thread by thread == CPU kernel 
   for (int64_t chunk : {int64_t{1024}, cuda::kDefaultChunk})
     for (int bf16 = 0; bf16 < 2; ++bf16)
       for (int ams = 0; ams < 2; ++ams)
-        for (int maxi = 0; maxi < 2; ++maxi) {
+        for (int variant = 0; variant < 4; ++variant) {
+          const int maxi = variant & 1, groups = 1 + (variant >> 1);  // groups: adamw_kernel or _g2
+          CAPTURE(groups);
           CAPTURE(chunk);
           CAPTURE(bf16);
           CAPTURE(ams);
@@ -236,7 +244,7 @@ TEST_CASE("CUDA FusedAdamW kernel body, emulated thread by thread == CPU kernel 
               gpu.push_back(d);
             }
             adamw_cpu(cpu, CpuIsa::kGeneric);
-            emulate_adamw(gpu, dh, chunk);
+            emulate_adamw(gpu, dh, chunk, groups);
           }
           for (size_t k = 0; k < sizes.size(); ++k) {
             CAPTURE(k);
@@ -263,10 +271,13 @@ TEST_CASE("CUDA AdamW8bit kernel body, emulated lane by lane == CPU kernel bit f
                                   {3000, 512, 0}, {600, 256, 1}, {4095, 0, 0},  {70000, 256, 0}};
   for (int64_t chunk : {int64_t{1024}, cuda::kDefaultChunk})
     for (int bf16 = 0; bf16 < 2; ++bf16)
-      for (int ams = 0; ams < 2; ++ams) {
+      for (int variant = 0; variant < 4; ++variant) {
+        const int ams = variant & 1;
+        const bool preload = variant >> 1;  // adamw8bit_kernel or adamw8bit_kernel_p
         CAPTURE(chunk);
         CAPTURE(bf16);
         CAPTURE(ams);
+        CAPTURE(preload);
         const AdamWHyper h{1e-3, 0.9, 0.999, 1e-8, 0.01, ams != 0, false};
         const cuda::Hyper dh{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, ams, 0};
         const cuda::Param kind = bf16 ? cuda::Param::kBF16 : cuda::Param::kF32;
@@ -338,9 +349,9 @@ TEST_CASE("CUDA AdamW8bit kernel body, emulated lane by lane == CPU kernel bit f
           }
           adamw8bit_cpu(cpu, CpuIsa::kGeneric);
           if (ams)
-            emulate_8bit<true>(gpu, dh, chunk);
+            preload ? emulate_8bit<true, true>(gpu, dh, chunk) : emulate_8bit<true, false>(gpu, dh, chunk);
           else
-            emulate_8bit<false>(gpu, dh, chunk);
+            preload ? emulate_8bit<false, true>(gpu, dh, chunk) : emulate_8bit<false, false>(gpu, dh, chunk);
         }
         // The flags the work list set: the register path where the shape and alignment allow it.
         std::vector<cuda::AdamW8bitTensor> probe(shapes.size());

@@ -26,3 +26,4 @@ def test_gpu_check_script_dry_run_on_cpu():
     for name in ("optstate FusedAdamW", "chunk 16k", "chunk 256k", "5 blocks/SM", "torch AdamW fused",
                  "torch AdamW foreach", "optstate AdamW8bit", "4 blocks/SM"):
         assert name in table, table
+    assert table.count("2 groups in flight") == 2, table

@@ -91,24 +91,37 @@ def correctness(steps, device="cuda"):
     cases.append((optstate.AdamW8bit, dict(weight_decay=0.1, block_size=102, min_8bit_size=1000), False))
     cases.append((optstate.AdamW8bit, dict(weight_decay=0.1, amsgrad=True, block_size=512, min_8bit_size=1000), False))
     cases.append((optstate.AdamW8bit, dict(weight_decay=0.1, block_size=64, min_8bit_size=1000), False))
+    def run_case(cls, kw, misaligned, dtype, knob=""):
+        cpu_p, gpu_p = make(shapes, "cpu", dtype), make(shapes, device, dtype, misaligned=misaligned)
+        a, b = cls(cpu_p, lr=1e-2, **kw), cls(gpu_p, lr=1e-2, **kw)
+        for s in range(steps):
+            a.step()
+            b.step()
+            g = torch.Generator().manual_seed(100 + s)
+            for pc, pg in zip(cpu_p, gpu_p):
+                new = (torch.randn(pc.shape, generator=g) * 1e-2).to(dtype)
+                pc.grad.copy_(new)
+                pg.grad.copy_(new.to(device))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        label = " ".join(f"{k}={v}" for k, v in kw.items() if k != "weight_decay")
+        return compare(f"{cls.__name__} {str(dtype)[6:]} {label}{' misaligned' if misaligned else ''}{knob}",
+                       a, b, cpu_p, gpu_p, device)
+
     ok = True
     for dtype in (torch.float32, torch.bfloat16):
         for cls, kw, misaligned in cases:
-            cpu_p, gpu_p = make(shapes, "cpu", dtype), make(shapes, device, dtype, misaligned=misaligned)
-            a, b = cls(cpu_p, lr=1e-2, **kw), cls(gpu_p, lr=1e-2, **kw)
-            for s in range(steps):
-                a.step()
-                b.step()
-                g = torch.Generator().manual_seed(100 + s)
-                for pc, pg in zip(cpu_p, gpu_p):
-                    new = (torch.randn(pc.shape, generator=g) * 1e-2).to(dtype)
-                    pc.grad.copy_(new)
-                    pg.grad.copy_(new.to(device))
-            if device == "cuda":
-                torch.cuda.synchronize()
-            label = " ".join(f"{k}={v}" for k, v in kw.items() if k != "weight_decay")
-            ok &= compare(f"{cls.__name__} {str(dtype)[6:]} {label}{' misaligned' if misaligned else ''}",
-                          a, b, cpu_p, gpu_p, device)
+            ok &= run_case(cls, kw, misaligned, dtype)
+    # The kernels the timing sweep tries (and one of which may become the default) on the aligned
+    # vector/register-path cases: each knob alone.
+    for knob, value in (("OPTSTATE_CUDA_GROUPS", "2"), ("OPTSTATE_CUDA_MIN_BLOCKS", None),
+                        ("OPTSTATE_CUDA_CHUNK", "16384")):
+        for cls, kw, misaligned in cases[:4]:
+            os.environ[knob] = value or ("5" if cls is optstate.FusedAdamW else "4")
+            try:
+                ok &= run_case(cls, kw, misaligned, torch.float32, f" {knob[14:]}={os.environ[knob]}")
+            finally:
+                os.environ.pop(knob)
     return ok
 
 

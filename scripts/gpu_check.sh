@@ -5,9 +5,10 @@
 # kernels against that machine's LibTorch (ptxas register/spill report), then runs
 #   tests/gpu/check_cxx_cuda.cpp  the LibTorch optimizers: CUDA params vs CPU params, bitwise;
 #   tests/gpu/check_cuda.py       the torch ops: CUDA vs the CPU path on fresh random inputs (max
-#                                 difference; goal: bitwise), CUDA-graph capture, and the timing
-#                                 table (ours with a work-item size sweep, torch fused/foreach,
-#                                 torchao if importable, copy bandwidth);
+#                                 difference; goal: bitwise; the default kernels and those behind
+#                                 each tuning knob), CUDA-graph capture, and the timing table (ours
+#                                 with a sweep of work-item size, register budget and loads in
+#                                 flight; torch fused/foreach, torchao if importable, copy bandwidth);
 #   compute-sanitizer memcheck + racecheck over the C++ check, where the toolkit has it.
 # Everything lands in $OUT/gpu_check.txt. Budget: well inside 8 minutes including the build.
 set -euo pipefail

@@ -199,8 +199,14 @@ std::unique_ptr<Plan> make_adamw8bit_plan(const std::vector<AdamW8bitTensor>& te
   return p;
 }
 
+// The knobs name a compiled kernel: checked before anything is launched (a refused step must not
+// have advanced the step counters).
+static bool knobs_ok(int min_blocks, int groups, int other_min_blocks) {
+  return groups == 1 ? min_blocks == 0 || min_blocks == other_min_blocks : groups == 2 && min_blocks == 0;
+}
+
 int adamw_step(const Plan& plan, const Hyper* hyper, void* stream, int min_blocks, int groups) {
-  if (plan.eight_) return cudaErrorInvalidValue;
+  if (plan.eight_ || !knobs_ok(min_blocks, groups, 5)) return cudaErrorInvalidValue;
   if (plan.n_ == 0) return 0;
   auto s = static_cast<cudaStream_t>(stream);
   const auto* ts = static_cast<const AdamWTensor*>(plan.tensors_);
@@ -209,7 +215,6 @@ int adamw_step(const Plan& plan, const Hyper* hyper, void* stream, int min_block
   if (plan.work_items_) {
     const auto* work = static_cast<const Work*>(plan.work_);
     const auto items = static_cast<unsigned>(plan.work_items_);
-    if (groups != 1 && (groups != 2 || min_blocks != 0)) return cudaErrorInvalidValue;
     switch (groups == 2 ? -1 : min_blocks) {
       case -1: adamw_kernel_g2<<<items, kThreads, 0, s>>>(ts, work, scalars); break;
       case 0: adamw_kernel<<<items, kThreads, 0, s>>>(ts, work, scalars); break;
@@ -224,7 +229,6 @@ namespace {
 template <bool kAms>
 int launch8(unsigned items, cudaStream_t s, const AdamW8bitTensor* ts, const Work* work, const Scalars8* scalars,
             int min_blocks, int groups) {
-  if (groups != 1 && (groups != 2 || min_blocks != 0)) return cudaErrorInvalidValue;
   switch (groups == 2 ? -1 : min_blocks) {
     case -1: adamw8bit_kernel_p<kAms><<<items, kThreads, 0, s>>>(ts, work, scalars); break;
     case 0: adamw8bit_kernel<kAms><<<items, kThreads, 0, s>>>(ts, work, scalars); break;
@@ -236,7 +240,7 @@ int launch8(unsigned items, cudaStream_t s, const AdamW8bitTensor* ts, const Wor
 }  // namespace
 
 int adamw8bit_step(const Plan& plan, const Hyper* hyper, void* stream, int min_blocks, int groups) {
-  if (!plan.eight_) return cudaErrorInvalidValue;
+  if (!plan.eight_ || !knobs_ok(min_blocks, groups, 4)) return cudaErrorInvalidValue;
   if (plan.n_ == 0) return 0;
   auto s = static_cast<cudaStream_t>(stream);
   const auto* ts = static_cast<const AdamW8bitTensor*>(plan.tensors_);

@@ -99,11 +99,6 @@ inline std::vector<Work> adamw8bit_work(std::vector<AdamW8bitTensor>& ts, int64_
   return work;
 }
 
-// The quantizer: the CPU's one-threshold bucket tables (Quantizer, quant8_buckets.h), the same
-// entries read by the same bucket_code, from shared memory. One 4-byte load, one comparison. (The
-// layouts are constexpr calls, not variables: nvcc folds them, and device code cannot name host
-// constexpr objects of class type.)
-
 // ---- device and host: vector access ----
 
 struct Four {
@@ -237,7 +232,10 @@ OPTSTATE_HD void dense8_thread(const Scalars8& sc, const AdamW8bitTensor& t, int
 }
 
 // The tables a CUDA block keeps in shared memory (27 KB): maps (dequantize) and the quantizer's
-// bucket entries of both maps (quantize).
+// bucket entries of both maps (quantize). The quantizer is the CPU's one-threshold bucket table
+// (Quantizer, quant8_buckets.h): the same entries read by the same bucket_code, here from shared
+// memory, one 4-byte load and one comparison. (The layouts are constexpr calls, not variables:
+// nvcc folds them, and device code cannot name host constexpr objects of class type.)
 struct Tables8 {
   float smap[256], umap[256];
   uint32_t sq[bucket_entries(bucket_layout(true))], uq[bucket_entries(bucket_layout(false))];

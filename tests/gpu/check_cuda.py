@@ -91,6 +91,7 @@ def correctness(steps, device="cuda"):
     cases.append((optstate.AdamW8bit, dict(weight_decay=0.1, block_size=102, min_8bit_size=1000), False))
     cases.append((optstate.AdamW8bit, dict(weight_decay=0.1, amsgrad=True, block_size=512, min_8bit_size=1000), False))
     cases.append((optstate.AdamW8bit, dict(weight_decay=0.1, block_size=64, min_8bit_size=1000), False))
+
     def run_case(cls, kw, misaligned, dtype, knob=""):
         cpu_p, gpu_p = make(shapes, "cpu", dtype), make(shapes, device, dtype, misaligned=misaligned)
         a, b = cls(cpu_p, lr=1e-2, **kw), cls(gpu_p, lr=1e-2, **kw)

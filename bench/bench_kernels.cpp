@@ -5,7 +5,9 @@
 // best and median ms per step, ns per element per thread, and GB/s at the bytes each must move (28
 // per param for fp32 state, 16 for 8-bit), next to the copy bandwidth measured in the same run.
 //
-//   build/bench/optstate_bench_kernels [--numel N] [--threads T] [--rounds R]
+//   build/bench/optstate_bench_kernels [--numel N] [--threads T] [--rounds R] [--only TEXT]
+//
+// --only keeps the candidates whose name contains TEXT (plus copy and torch, the references).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -45,12 +47,14 @@ double time_ms(const std::function<void()>& f) {
 int main(int argc, char** argv) {
   int64_t n = int64_t{1} << 24;
   int threads = at::get_num_threads(), rounds = 15;
+  std::string only;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--numel")) n = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--threads")) threads = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--rounds")) rounds = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--only")) only = argv[i + 1];
     else {
-      std::fprintf(stderr, "usage: %s [--numel N] [--threads T] [--rounds R]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--numel N] [--threads T] [--rounds R] [--only TEXT]\n", argv[0]);
       return 2;
     }
   }
@@ -125,6 +129,10 @@ int main(int argc, char** argv) {
                      }, {}});
   }
 
+  if (!only.empty())
+    std::erase_if(cands, [&](const Candidate& c) {
+      return c.name.find(only) == std::string::npos && c.name.rfind("copy", 0) != 0 && c.name.rfind("torch", 0) != 0;
+    });
   for (auto& c : cands) c.step();  // warm-up: page faults, thread pool
   for (int r = 0; r < rounds; ++r)
     for (auto& c : cands) c.ms.push_back(time_ms(c.step));

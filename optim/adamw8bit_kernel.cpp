@@ -21,6 +21,15 @@ bool has_avx2() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
+
+// beta^step in fp32 as the double power rounded once: the correctly rounded powf (barring a double
+// rounding, which no step of the usual betas meets), and what the CUDA kernels compute. Not
+// std::pow(float, float): glibc's powf (torch's CPU pow, so torchao's CPU step) is within 0.82 ulp,
+// not correctly rounded, and no device function reproduces its misroundings (docs/numerics.md).
+float pow_f32(float base, float step) {
+  return static_cast<float>(std::pow(static_cast<double>(base), static_cast<double>(step)));
+}
+
 }  // namespace
 
 AdamW8bitScalars adamw8bit_step_scalars(const AdamWHyper& h, float step) {
@@ -30,8 +39,8 @@ AdamW8bitScalars adamw8bit_step_scalars(const AdamWHyper& h, float step) {
   s.lr_wd = s.lr * static_cast<float>(h.weight_decay);
   s.w1 = static_cast<float>(1.0 - h.beta1);
   s.w2 = static_cast<float>(1.0 - h.beta2);
-  s.bc1 = 1.0f - std::pow(static_cast<float>(h.beta1), step);
-  s.bc2_sqrt = std::sqrt(1.0f - std::pow(static_cast<float>(h.beta2), step));
+  s.bc1 = 1.0f - pow_f32(static_cast<float>(h.beta1), step);
+  s.bc2_sqrt = std::sqrt(1.0f - pow_f32(static_cast<float>(h.beta2), step));
   s.eps = static_cast<float>(h.eps);
   s.amsgrad = h.amsgrad;
   return s;

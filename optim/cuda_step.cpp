@@ -142,6 +142,20 @@ size_t cuda_plan_count() {
   return g_plans.size();
 }
 
+at::Tensor cuda_step_scalars(const at::Tensor& steps, double lr, double beta1, double beta2, double eps,
+                             double weight_decay) {
+  TORCH_CHECK(steps.is_cuda() && steps.scalar_type() == at::kFloat && steps.dim() == 1,
+              "optstate cuda_step_scalars: steps must be a 1-d float32 CUDA tensor");
+  const c10::cuda::CUDAGuard guard(steps.device());
+  const at::Tensor st = steps.contiguous();
+  at::Tensor out = at::empty({st.numel(), 4}, st.options());
+  const cuda::Hyper h{lr, beta1, beta2, eps, weight_decay, 0, 0};
+  check(cuda::step_scalars(h, st.const_data_ptr<float>(), st.numel(), out.data_ptr<float>(),
+                           c10::cuda::getCurrentCUDAStream().stream()),
+        "step scalars");
+  return out;
+}
+
 void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                       at::TensorList max_exp_avg_sqs, at::TensorList steps, const LrArg& lr, double beta1,
                       double beta2, double eps, double weight_decay, bool amsgrad, bool maximize) {

@@ -21,6 +21,12 @@ bool cuda_stream_capturing();
 // steps, whatever its gradients' addresses (for the GPU check).
 size_t cuda_plan_count();
 
+// The step-dependent scalars the CUDA kernels compute for each value of `steps` (float32 on a GPU):
+// an [n, 4] float32 tensor on it of FusedAdamW's -lr / bc1 and sqrt(bc2), and AdamW8bit's bc1 and
+// sqrt(bc2). The GPU check compares them with adamw_step_scalars / adamw8bit_step_scalars.
+at::Tensor cuda_step_scalars(const at::Tensor& steps, double lr, double beta1, double beta2, double eps,
+                             double weight_decay);
+
 void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                       at::TensorList max_exp_avg_sqs, at::TensorList steps, const LrArg& lr, double beta1,
                       double beta2, double eps, double weight_decay, bool amsgrad, bool maximize);

@@ -9,6 +9,10 @@ bool cuda_stream_capturing() { return false; }
 
 size_t cuda_plan_count() { return 0; }
 
+at::Tensor cuda_step_scalars(const at::Tensor&, double, double, double, double, double) {
+  TORCH_CHECK(false, "optstate: this build has no CUDA kernels (LibTorch without CUDA, or OPTSTATE_WITH_CUDA=OFF)");
+}
+
 void fused_adamw_cuda(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
                       const LrArg&, double, double, double, double, bool, bool) {
   TORCH_CHECK(false, "optstate FusedAdamW: CUDA tensors, but this build of optstate has no CUDA kernels "

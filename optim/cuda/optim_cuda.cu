@@ -126,6 +126,17 @@ __global__ void __launch_bounds__(kThreads) adamw8bit_kernel_p(const AdamW8bitTe
   adamw8bit_item<kAms, true>(ts, work, scalars);
 }
 
+__global__ void step_scalars_kernel(Hyper h, const float* steps, int64_t n, float* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const AdamWScalars a = adamw_scalars(h, steps[i]);
+  const Scalars8 b = scalars8(h, steps[i]);
+  out[4 * i] = a.neg_step_size;
+  out[4 * i + 1] = a.bc2_sqrt;
+  out[4 * i + 2] = b.bc1;
+  out[4 * i + 3] = b.bc2_sqrt;
+}
+
 __global__ void store_hyper_kernel(Hyper* dst, Hyper h, LrSource lr_source, const void* lr) {
   if (lr_source == LrSource::kF32) h.lr = *static_cast<const float*>(lr);
   if (lr_source == LrSource::kF64) h.lr = *static_cast<const double*>(lr);
@@ -273,6 +284,14 @@ int set_grads(Plan& plan, const void* const* grads, size_t n, void* stream) {
 int store_hyper(Hyper* device_hyper, const Hyper& h, void* stream, LrSource lr_source, const void* device_lr) {
   if (lr_source != LrSource::kValue && device_lr == nullptr) return cudaErrorInvalidValue;
   store_hyper_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(device_hyper, h, lr_source, device_lr);
+  return cudaGetLastError();
+}
+
+int step_scalars(const Hyper& h, const float* steps, int64_t n, float* out, void* stream) {
+  if (n < 0) return cudaErrorInvalidValue;
+  if (n == 0) return 0;
+  step_scalars_kernel<<<grid(static_cast<size_t>(n), 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(h, steps, n,
+                                                                                                        out);
   return cudaGetLastError();
 }
 

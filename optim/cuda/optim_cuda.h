@@ -106,6 +106,11 @@ enum class LrSource : uint8_t { kValue, kF32, kF64 };
 int store_hyper(Hyper* device_hyper, const Hyper& h, void* stream, LrSource lr_source = LrSource::kValue,
                 const void* device_lr = nullptr);
 
+// The step-dependent scalars the update launches use, for n step values: out[4i..4i+3] = FusedAdamW's
+// -lr / bc1 and sqrt(bc2), AdamW8bit's bc1 and sqrt(bc2), as the kernels compute them from `h` and
+// steps[i] (device arrays). For the GPU check, which holds them against the CPU kernels' scalars over
+// long runs' worth of steps: device pow against the host's.
+int step_scalars(const Hyper& h, const float* steps, int64_t n, float* out, void* stream);
 // Sets the 8-bit kernel's tables on the current device, once per device before its first 8-bit
 // step (it synchronizes the device: not while capturing a graph). Device memory, copied to each
 // CUDA block's shared memory: the two 256-entry maps (dequantize) and the two Quantizers' bucket

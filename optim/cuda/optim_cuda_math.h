@@ -124,8 +124,8 @@ struct Scalars8 {
   bool amsgrad, small1, small2;
 };
 
-// adamw8bit_step_scalars: torchao's float32 lr/step tensors; fp32 products. powf is taken as the
-// double pow rounded once to fp32 (see the note in optim_cuda.h about glibc's powf).
+// adamw8bit_step_scalars: torchao's float32 lr/step tensors; fp32 products. beta^step is the double
+// pow rounded once to fp32, as on the CPU (adamw8bit_kernel.cpp: pow_f32, and why not powf).
 OPTSTATE_HD Scalars8 scalars8(const Hyper& h, float step) {
   Scalars8 s;
   s.lr = static_cast<float>(h.lr);

@@ -5,10 +5,12 @@
 // the device step counters must follow), with gradients at new addresses every step (one device
 // work list per optimizer all the same). Where LibTorch has CUDA it also captures a step in a CUDA
 // graph with lr_tensor on the GPU and changes the lr (set_lr, as LibTorch's schedulers do) before
-// each replay. Prints one line per case; exit 0 when all are equal, 1 when any differs, 2 without a
+// each replay. And the step-dependent scalars the kernels compute on the device equal the CPU
+// kernels' over 1.3M step values at 4 pairs of betas. Prints one line per case; exit 0 when all are equal, 1 when any differs, 2 without a
 // CUDA device.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <ATen/Parallel.h>
 
 #if defined(OPTSTATE_CXX_CUDA_GRAPHS)
 #include <ATen/cuda/CUDAGraph.h>
@@ -17,11 +19,14 @@
 #endif
 
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "adamw8bit.h"
+#include "adamw8bit_kernel.h"
+#include "adamw_kernel.h"
 #include "cuda_step.h"
 #include "fused_adamw.h"
 
@@ -102,6 +107,41 @@ bool run_case(const std::string& name, at::ScalarType dtype, std::function<Opt(s
               diff == 0 ? "bitwise equal" : (std::to_string(diff) + " of " + std::to_string(total) + " differ").c_str(),
               plans);
   return diff == 0 && plans == 1;
+}
+
+// The step-dependent scalars (bias corrections) the kernels compute on the device against the CPU
+// kernels' for every step up to 2^20 and a stride to 2^24, at common betas: the host and device pow
+// must agree to the last bit after rounding to fp32 or a long run's step stops being bitwise equal.
+bool step_scalars_case() {
+  std::vector<float> steps;
+  for (int64_t t = 1; t <= (int64_t{1} << 20); ++t) steps.push_back(static_cast<float>(t));
+  for (int64_t t = (int64_t{1} << 20) + 61; t <= (int64_t{1} << 24); t += 61) steps.push_back(static_cast<float>(t));
+  const auto n = static_cast<int64_t>(steps.size());
+  const at::Tensor dev_steps = at::from_blob(steps.data(), {n}, at::kFloat).to(at::Device(at::kCUDA, 0));
+  int64_t diff = 0, compared = 0;
+  std::string first;
+  for (const auto& [b1, b2] : std::vector<std::pair<double, double>>{{0.9, 0.999}, {0.9, 0.95}, {0.95, 0.99}, {0.8, 0.9999}}) {
+    const optstate::optim::AdamWHyper h{3e-4, b1, b2, 1e-8, 0.1, false, false};
+    const at::Tensor dev = optstate::optim::cuda_step_scalars(dev_steps, h.lr, b1, b2, h.eps, h.weight_decay).cpu();
+    const float* d = dev.const_data_ptr<float>();
+    std::vector<int64_t> bad(static_cast<size_t>(n), 0);
+    at::parallel_for(0, n, 4096, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) {
+        const auto a = optstate::optim::adamw_step_scalars(h, static_cast<int64_t>(steps[i]));
+        const auto b = optstate::optim::adamw8bit_step_scalars(h, steps[i]);
+        const float host[4] = {a.neg_step_size, a.bc2_sqrt, b.bc1, b.bc2_sqrt};
+        bad[i] = std::memcmp(host, d + 4 * i, sizeof host) != 0;
+      }
+    });
+    for (int64_t i = 0; i < n; ++i)
+      if (bad[i] && diff++ == 0) first = "betas (" + std::to_string(b1) + ", " + std::to_string(b2) + ") step " +
+                                         std::to_string(static_cast<int64_t>(steps[i]));
+    compared += n;
+  }
+  std::printf("  C++ %-44s %s\n", "step scalars, device vs host (4 beta pairs)",
+              diff == 0 ? ("bitwise equal at all " + std::to_string(compared) + " steps").c_str()
+                        : (std::to_string(diff) + " of " + std::to_string(compared) + " differ, first " + first).c_str());
+  return diff == 0;
 }
 
 #if defined(OPTSTATE_CXX_CUDA_GRAPHS)
@@ -213,6 +253,8 @@ int main() {
             return out;
           });
     }
+  std::printf("== Step scalars (bias corrections): the kernels' on the device vs the CPU kernels'\n");
+  ok &= step_scalars_case();
 #if defined(OPTSTATE_CXX_CUDA_GRAPHS)
   std::printf("== LibTorch optimizers: a captured step, lr_tensor on the GPU changed before 3 replays\n");
   ok &= graph_case<FusedAdamW, FusedAdamWOptions, FusedAdamWParamState>(

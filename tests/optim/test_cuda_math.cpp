@@ -162,6 +162,52 @@ TEST_CASE("CUDA AdamW8bit math == CPU kernel, bit for bit (blocks of 64 and 256,
     }
 }
 
+// The bias corrections are the only step-dependent inputs, and a one-ulp difference in one changes
+// every element's update. Both kernels' scalars are compared over every step a run reaches early
+// and a stride through long runs, at the betas people use; glibc's powf (what std::pow(float,
+// float) calls) misrounds some of them (beta 0.9 first at step 685, 0.999 at 873), so its result is
+// not a definition the device can reproduce.
+TEST_CASE("Step scalars: the CPU kernels' == the CUDA kernels' (host compile), steps 1..100000 and a stride to 2^24; "
+          "beta^t correctly rounded") {
+  std::vector<int64_t> steps;
+  for (int64_t t = 1; t <= 100000; ++t) steps.push_back(t);
+  for (int64_t t = 100001; t <= (int64_t{1} << 24); t += 997) steps.push_back(t);
+  int64_t checked = 0;
+  for (const double b1 : {0.8, 0.9, 0.95})
+    for (const double b2 : {0.95, 0.99, 0.999, 0.9999}) {
+      CAPTURE(b1);
+      CAPTURE(b2);
+      const AdamWHyper h{3e-4, b1, b2, 1e-8, 0.1, false, false};
+      const cuda::Hyper dh{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, 0, 0};
+      int64_t bad8 = 0, bad32 = 0, bad_cr = 0, first8 = 0, first32 = 0, first_cr = 0;
+      for (const int64_t t : steps) {
+        const float step = static_cast<float>(t);
+        const AdamW8bitScalars c = adamw8bit_step_scalars(h, step);
+        const cm::Scalars8 d = cm::scalars8(dh, step);
+        if (t <= 100000) {  // beta^t correctly rounded: against the 80-bit power rounded to fp32
+          const auto cr = [&](double b) {
+            return static_cast<float>(std::pow(static_cast<long double>(static_cast<float>(b)), static_cast<long double>(t)));
+          };
+          if (c.bc1 != 1.0f - cr(b1) || c.bc2_sqrt != std::sqrt(1.0f - cr(b2))) first_cr = bad_cr++ ? first_cr : t;
+        }
+        if (std::memcmp(&c.bc1, &d.bc1, 4) || std::memcmp(&c.bc2_sqrt, &d.bc2_sqrt, 4) || c.lr != d.lr ||
+            c.lr_wd != d.lr_wd || c.w1 != d.w1 || c.w2 != d.w2 || c.eps != d.eps)
+          first8 = bad8++ ? first8 : t;
+        const AdamWStepScalars e = adamw_step_scalars(h, t);
+        const cm::AdamWScalars f = cm::adamw_scalars(dh, step);
+        if (std::memcmp(&e.neg_step_size, &f.neg_step_size, 4) || std::memcmp(&e.bc2_sqrt, &f.bc2_sqrt, 4) ||
+            e.decay != f.decay || e.lerp_weight != f.lerp_weight || e.beta2 != f.beta2 ||
+            e.one_minus_b2 != f.one_minus_b2 || e.eps != f.eps)
+          first32 = bad32++ ? first32 : t;
+        ++checked;
+      }
+      CHECK_MESSAGE(bad_cr == 0, "AdamW8bit: ", bad_cr, " steps not correctly rounded, the first ", first_cr);
+      CHECK_MESSAGE(bad8 == 0, "AdamW8bit: ", bad8, " steps differ, the first ", first8);
+      CHECK_MESSAGE(bad32 == 0, "FusedAdamW: ", bad32, " steps differ, the first ", first32);
+    }
+  MESSAGE(checked, " (betas, step) pairs compared");
+}
+
 TEST_CASE("Quantization's fast division: exact quotients where codes depend on them, the division's codes everywhere") {
   std::mt19937 rng(7);
   std::uniform_int_distribution<uint32_t> mant(0, (1u << 23) - 1);

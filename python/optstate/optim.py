@@ -99,6 +99,10 @@ class FusedAdamW(torch.optim.Optimizer):
 class AdamW8bit(torch.optim.Optimizer):
     """AdamW with blockwise 8-bit moments, bit-compatible with torchao's AdamW8bit.
 
+    Same maps, codes, scales and update arithmetic; the bias corrections use the correctly rounded
+    float32 power, on CPU and CUDA alike, where torch's CPU pow (glibc's powf) is off by an ulp at
+    some steps (docs/numerics.md).
+
     Per-parameter state holds plain tensors only: ``step`` (float32 scalar), and for parameters with
     at least ``min_8bit_size`` elements ``exp_avg_codes``/``exp_avg_sq_codes`` (uint8, the param's
     shape) with ``exp_avg_absmax``/``exp_avg_sq_absmax`` (float32, one per block of ``block_size``

@@ -40,7 +40,8 @@ ninja -C build-gpu optstate_ops optstate_gpu_cxx_check >> build-gpu.log 2>&1 || 
 echo "build: $(( $(date +%s) - start )) s"
 # Each kernel's registers, stack (spills) and shared memory, by kernel name: `adamw8bit_kernel_4<1>`.
 awk '/Compiling entry function/ { n = $0; sub(/.*optim_cuda_cu_[0-9a-f]+[0-9][0-9]/, "", n);
-       sub(/ILb0EEEv/, "<0>", n); sub(/ILb1EEEv/, "<1>", n); sub(/EP.*/, "", n); sub(/PK.*/, "", n); sub(/ENS.*/, "", n) }
+       sub(/ILb0EEEv/, "<0>", n); sub(/ILb1EEEv/, "<1>", n); sub(/EP.*/, "", n); sub(/PK.*/, "", n);
+       sub(/ENS.*/, "", n) }
      /Used [0-9]+ registers/ { sub(/.*: /, ""); printf "  %-24s %s\n", n, $0 }' build-gpu.log | sort -u || true
 out=${OUT:-.}/gpu_check.txt
 # Line-buffered output and a time limit on each check: a check that hangs is cut off with what it

@@ -6,8 +6,8 @@
 // work list per optimizer all the same). Where LibTorch has CUDA it also captures a step in a CUDA
 // graph with lr_tensor on the GPU and changes the lr (set_lr, as LibTorch's schedulers do) before
 // each replay. And the step-dependent scalars the kernels compute on the device equal the CPU
-// kernels' over 1.3M step values at 4 pairs of betas. Prints one line per case; exit 0 when all are equal, 1 when any differs, 2 without a
-// CUDA device.
+// kernels' over 1.3M step values at 4 pairs of betas. Prints one line per case; exit 0 when all are
+// equal, 1 when any differs, 2 without a CUDA device.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
@@ -120,7 +120,8 @@ bool step_scalars_case() {
   const at::Tensor dev_steps = at::from_blob(steps.data(), {n}, at::kFloat).to(at::Device(at::kCUDA, 0));
   int64_t diff = 0, compared = 0;
   std::string first;
-  for (const auto& [b1, b2] : std::vector<std::pair<double, double>>{{0.9, 0.999}, {0.9, 0.95}, {0.95, 0.99}, {0.8, 0.9999}}) {
+  const std::vector<std::pair<double, double>> betas{{0.9, 0.999}, {0.9, 0.95}, {0.95, 0.99}, {0.8, 0.9999}};
+  for (const auto& [b1, b2] : betas) {
     const optstate::optim::AdamWHyper h{3e-4, b1, b2, 1e-8, 0.1, false, false};
     const at::Tensor dev = optstate::optim::cuda_step_scalars(dev_steps, h.lr, b1, b2, h.eps, h.weight_decay).cpu();
     const float* d = dev.const_data_ptr<float>();
@@ -138,9 +139,9 @@ bool step_scalars_case() {
                                          std::to_string(static_cast<int64_t>(steps[i]));
     compared += n;
   }
-  std::printf("  C++ %-44s %s\n", "step scalars, device vs host (4 beta pairs)",
-              diff == 0 ? ("bitwise equal at all " + std::to_string(compared) + " steps").c_str()
-                        : (std::to_string(diff) + " of " + std::to_string(compared) + " differ, first " + first).c_str());
+  const std::string verdict = diff == 0 ? "bitwise equal at all " + std::to_string(compared) + " steps"
+                                        : std::to_string(diff) + " of " + std::to_string(compared) + " differ, first " + first;
+  std::printf("  C++ %-44s %s\n", "step scalars, device vs host (4 beta pairs)", verdict.c_str());
   return diff == 0;
 }
 

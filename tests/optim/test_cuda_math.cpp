@@ -186,7 +186,8 @@ TEST_CASE("Step scalars: the CPU kernels' == the CUDA kernels' (host compile), s
         const cm::Scalars8 d = cm::scalars8(dh, step);
         if (t <= 100000) {  // beta^t correctly rounded: against the 80-bit power rounded to fp32
           const auto cr = [&](double b) {
-            return static_cast<float>(std::pow(static_cast<long double>(static_cast<float>(b)), static_cast<long double>(t)));
+            const auto base = static_cast<long double>(static_cast<float>(b));
+            return static_cast<float>(std::pow(base, static_cast<long double>(t)));
           };
           if (c.bc1 != 1.0f - cr(b1) || c.bc2_sqrt != std::sqrt(1.0f - cr(b2))) first_cr = bad_cr++ ? first_cr : t;
         }

@@ -76,6 +76,12 @@ Status check_coverage(std::vector<Segment>& segs, int64_t count, const std::stri
   return Status::Ok();
 }
 
+// A param group's 8-bit layout as optstate's AdamW8bit records it (block 0: none recorded).
+struct Plain8 {
+  int64_t block = 0;
+  std::string signed_map = "dynamic-signed", unsigned_map = "dynamic-unsigned";
+};
+
 struct ParsedItem {
   Payload payload;
   pickle::Pickle pickle;                      // for bytes items' values
@@ -88,6 +94,10 @@ struct Source {
   std::string key;      // flat DCP key of the item
   const ItemMeta* item = nullptr;
   bool eight = false;
+  // 8-bit state as two plain tensor items (optstate's AdamW8bit: `<entry>_codes`, `<entry>_absmax`)
+  // rather than one OptimState8bit item: the absmax item; its segments index its own chunks.
+  std::string absmax_key;
+  const ItemMeta* absmax_item = nullptr;
   std::vector<Segment> values;  // dense values or 8-bit codes
   std::vector<Segment> absmax;
 };
@@ -152,17 +162,22 @@ class DcpReader final : public CheckpointReader {
   // Where a segment's first element lies: (file, byte offset, element size).
   Result<std::tuple<const InputFile*, uint64_t, int64_t>> segment_source(const Source& src, const Segment& s,
                                                                           Component c) {
-    const ChunkMeta& ch = src.item->chunks[s.chunk];
-    const std::string iw = fmt::format("{}: item '{}' chunk at {}", dir_.string(), src.key, format_shape(ch.offsets));
-    OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(src.key, ch.offsets));
+    const bool pair = src.absmax_item != nullptr;  // 8-bit as plain codes and absmax items
+    const bool from_absmax = pair && c == Component::kAbsmax;
+    const ItemMeta& im = from_absmax ? *src.absmax_item : *src.item;
+    const std::string& key = from_absmax ? src.absmax_key : src.key;
+    const ChunkMeta& ch = im.chunks[s.chunk];
+    const std::string iw = fmt::format("{}: item '{}' chunk at {}", dir_.string(), key, format_shape(ch.offsets));
+    OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(key, ch.offsets));
     const TensorRef* t = nullptr;
-    if (pi->payload.kind == Payload::Kind::kTensor && !src.eight && c == Component::kValues) t = &pi->payload.tensor;
-    if (pi->payload.kind == Payload::Kind::kOptimState8bit && src.eight)
+    if (pi->payload.kind == Payload::Kind::kTensor && (pair || (!src.eight && c == Component::kValues)))
+      t = &pi->payload.tensor;
+    if (pi->payload.kind == Payload::Kind::kOptimState8bit && src.eight && !pair)
       t = c == Component::kAbsmax ? &pi->payload.scale : c == Component::kCodes ? &pi->payload.codes : nullptr;
     if (!t) return corrupt(iw + ": holds a different kind of tensor than the item's first chunk");
-    if (!src.eight && t->dtype != src.item->dtype)
+    if ((!src.eight || pair) && t->dtype != im.dtype)
       return corrupt(fmt::format("{}: holds {} data, the metadata says {}", iw, dtype_name(t->dtype),
-                                 dtype_name(src.item->dtype)));
+                                 dtype_name(im.dtype)));
     const int64_t elem = dtype_size(t->dtype);
     const int64_t numel = *checked_numel(t->shape);
     if (s.local + s.count > numel)
@@ -247,6 +262,23 @@ class DcpReader final : public CheckpointReader {
       if (!names) return corrupt(gw + ": params is not a list of names (get_state_dict's FQNs)");
       pg.params = *names;
       meta_.groups.push_back(std::move(pg));
+      // optstate's AdamW8bit keeps its 8-bit layout in the group: block_size and the two map names.
+      Plain8 q;
+      if (fields.count("block_size")) {
+        OPTSTATE_ASSIGN_OR_RETURN(const double b, number(fields, "block_size", gw, std::nullopt));
+        if (!(b >= 1 && b <= (1 << 20) && b == static_cast<double>(static_cast<int64_t>(b))))
+          return corrupt(fmt::format("{}: block_size {} is not an integer in [1, 2^20]", gw, b));
+        q.block = static_cast<int64_t>(b);
+      }
+      for (auto [field, name] : {std::pair{"exp_avg_qmap", &q.signed_map}, std::pair{"exp_avg_sq_qmap", &q.unsigned_map}}) {
+        auto f = fields.find(field);
+        if (f == fields.end()) continue;
+        OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * qi, item(f->second, {}));
+        auto v = as_string(qi->pickle, qi->pickle.root());
+        if (!v || !qmap_from_name(*v).ok()) return corrupt(fmt::format("{}: {} is not a known map name", gw, field));
+        *name = *v;
+      }
+      plain8_.push_back(q);
     }
     if (meta_.groups.empty()) return corrupt(fmt::format("{}: no optim.param_groups items", where));
 
@@ -260,6 +292,8 @@ class DcpReader final : public CheckpointReader {
         auto mo = model_items.find(fqn);
         const ItemMeta* shape_src = nullptr;
         if (st != state_items.end() && st->second.count("exp_avg")) shape_src = &md_.items.at(st->second.at("exp_avg"));
+        else if (st != state_items.end() && st->second.count("exp_avg_codes"))
+          shape_src = &md_.items.at(st->second.at("exp_avg_codes"));
         else if (mo != model_items.end()) shape_src = &md_.items.at(mo->second);
         if (!shape_src) continue;  // no state and no weights: nothing to carry
         if (meta_.params.count(fqn)) return corrupt(pw + ": listed in two param groups");
@@ -280,7 +314,23 @@ class DcpReader final : public CheckpointReader {
               ps.step = static_cast<int64_t>(step);
               continue;
             }
+            if (const auto base = moment_of(ename, "_codes")) {
+              auto absmax = st->second.find(*base + "_absmax");
+              if (absmax == st->second.end())
+                return corrupt(fmt::format("{}: '{}' without '{}_absmax'", pw, ename, *base));
+              if (md_.items.at(key).size != ps.shape)
+                return corrupt(fmt::format("{}: '{}' has another shape", pw, ename));
+              OPTSTATE_RETURN_IF_ERROR(add_plain8(fqn, *base, key, absmax->second, plain8_[g], ps, any8));
+              continue;
+            }
+            if (const auto base = moment_of(ename, "_absmax")) {
+              if (!st->second.count(*base + "_codes"))
+                return corrupt(fmt::format("{}: '{}' without '{}_codes'", pw, ename, *base));
+              continue;  // read with its codes
+            }
             if (ename != kExpAvg && ename != kExpAvgSq && ename != kMaxExpAvgSq) continue;
+            if (ps.entries.count(ename))
+              return corrupt(fmt::format("{}: '{}' is both dense and 8-bit (codes and absmax)", pw, ename));
             if (md_.items.at(key).size != ps.shape) return corrupt(fmt::format("{}: '{}' has another shape", pw, ename));
             OPTSTATE_RETURN_IF_ERROR(add_entry(fqn, ename, key, ps, any8));
           }
@@ -468,6 +518,58 @@ class DcpReader final : public CheckpointReader {
     return Status::Ok();
   }
 
+  // "exp_avg" for ("exp_avg_codes", "_codes"): a moment's name with the suffix, else nothing.
+  static std::optional<std::string> moment_of(const std::string& name, std::string_view suffix) {
+    if (name.size() <= suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
+      return std::nullopt;
+    std::string base = name.substr(0, name.size() - suffix.size());
+    if (base != kExpAvg && base != kExpAvgSq && base != kMaxExpAvgSq) return std::nullopt;
+    return base;
+  }
+
+  // optstate's AdamW8bit state (DESIGN §6): `<entry>_codes` (uint8, the param's shape) and
+  // `<entry>_absmax` (float32, one per block of the flattened param, any shape) as two plain tensor
+  // items; block size and maps from the param group. The two are read independently, so their
+  // chunks need not line up.
+  Status add_plain8(const std::string& fqn, const std::string& ename, const std::string& codes_key,
+                    const std::string& absmax_key, const Plain8& q, ParamState& ps, bool& any8) {
+    const ItemMeta& ci = md_.items.at(codes_key);
+    const ItemMeta& ai = md_.items.at(absmax_key);
+    const std::string ew = fmt::format("{}: item '{}'", dir_.string(), codes_key);
+    const std::string aw = fmt::format("{}: item '{}'", dir_.string(), absmax_key);
+    if (!ci.is_tensor || ci.chunks.empty() || ci.dtype != DType::kU8) return corrupt(ew + ": not a uint8 tensor");
+    if (!ai.is_tensor || ai.chunks.empty() || ai.dtype != DType::kF32) return corrupt(aw + ": not a float32 tensor");
+    if (q.block == 0)
+      return corrupt(fmt::format("{}: 8-bit codes, but the param group has no block_size (optstate's AdamW8bit "
+                                 "records it)", ew));
+    OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ci.size));
+    OPTSTATE_ASSIGN_OR_RETURN(const int64_t blocks, checked_numel(ai.size));
+    if (blocks != (numel + q.block - 1) / q.block)
+      return corrupt(fmt::format("{}: {} scales for {} codes in blocks of {} (needs {})", aw, blocks, numel, q.block,
+                                 (numel + q.block - 1) / q.block));
+    if (ps.entries.count(ename)) return corrupt(fmt::format("{}: '{}' is both dense and 8-bit", ew, ename));
+    Source src;
+    src.key = codes_key;
+    src.item = &ci;
+    src.absmax_key = absmax_key;
+    src.absmax_item = &ai;
+    src.eight = any8 = true;
+    for (size_t k = 0; k < ci.chunks.size(); ++k)
+      OPTSTATE_RETURN_IF_ERROR(chunk_segments(ci.size, ci.chunks[k], k, src.values, ew));
+    for (size_t k = 0; k < ai.chunks.size(); ++k)
+      OPTSTATE_RETURN_IF_ERROR(chunk_segments(ai.size, ai.chunks[k], k, src.absmax, aw));
+    OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, numel, ew));
+    OPTSTATE_RETURN_IF_ERROR(check_coverage(src.absmax, blocks, aw));
+    Entry e;
+    e.encoding = Encoding::kBlockwise8;
+    e.dtype = DType::kU8;
+    e.block_size = q.block;
+    e.qmap = ename == kExpAvg ? q.signed_map : q.unsigned_map;
+    ps.entries.emplace(ename, std::move(e));
+    sources_.emplace(std::pair{fqn, ename}, std::move(src));
+    return Status::Ok();
+  }
+
   Result<std::string> map_name(const ParsedItem& pi, const std::string& where) {
     const TensorRef& q = pi.payload.qmap;
     if (*checked_numel(q.shape) != 256) return corrupt(where + ": quantization map does not have 256 entries");
@@ -485,6 +587,7 @@ class DcpReader final : public CheckpointReader {
   std::map<std::string, InputFile> files_;
   std::map<std::pair<std::string, std::vector<int64_t>>, ParsedItem> items_;
   std::map<std::pair<std::string, std::string>, Source> sources_;
+  std::vector<Plain8> plain8_;  // per param group
 };
 
 class DcpDriver final : public FormatDriver {

@@ -142,6 +142,8 @@ std::optional<bool> as_bool(const Pickle& p, Ref r) {
   return p.at(r).i != 0;
 }
 
+std::optional<std::string> as_string(const Pickle& p, Ref r) { return str(p, r); }
+
 std::optional<std::vector<std::string>> as_string_list(const Pickle& p, Ref r) {
   if (r == kNoRef || (p.at(r).kind != Kind::kList && p.at(r).kind != Kind::kTuple)) return std::nullopt;
   std::vector<std::string> out;

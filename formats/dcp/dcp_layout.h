@@ -64,5 +64,6 @@ Result<Payload> interpret_payload(const pickle::Pickle& p, const std::string& wh
 std::optional<double> as_number(const pickle::Pickle& p, pickle::Ref r);
 std::optional<bool> as_bool(const pickle::Pickle& p, pickle::Ref r);
 std::optional<std::vector<std::string>> as_string_list(const pickle::Pickle& p, pickle::Ref r);
+std::optional<std::string> as_string(const pickle::Pickle& p, pickle::Ref r);
 
 }  // namespace optstate::dcp

@@ -28,6 +28,9 @@ MAKE_DCP = textwrap.dedent("""
     if kind == "ao":
         from torchao.optim import AdamW8bit
         opt = AdamW8bit(model.parameters(), lr=1e-3, block_size=64)
+    elif kind == "ours8":
+        import optstate
+        opt = optstate.AdamW8bit(model.parameters(), lr=1e-3, block_size=64)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05, amsgrad=(kind == "ams"))
     for step in range(3):
@@ -47,7 +50,15 @@ MAKE_DCP = textwrap.dedent("""
                 if k in st:
                     v = st[k]
                     ref[name + "." + k] = v.dequantize() if hasattr(v, "dequantize") else v.detach().clone()
+                elif k + "_codes" in st:  # optstate's AdamW8bit: plain codes and absmax
+                    import optstate
+                    qmap = "dynamic-signed" if k == "exp_avg" else "dynamic-unsigned"
+                    ref[name + "." + k] = optstate.ops.dequantize_blockwise(
+                        st[k + "_codes"], st[k + "_absmax"], 64, qmap).reshape(p.shape)
         torch.save(ref, out + ".ref.pt")
+        if kind == "ours8":
+            import optstate
+            optstate.save(out + ".native", model, opt)
     if dist_run:
         dist.destroy_process_group()
 """)
@@ -135,6 +146,50 @@ def test_torchao_8bit_dcp_converts_to_torchaos_own_dequantize_bit_for_bit(tmp_pa
     assert hashes(optstate_cli, ck) == hashes(optstate_cli, tmp_path / "native")
     assert hashes(optstate_cli, ck, values=True)["root"] == hashes(optstate_cli, tmp_path / "fp32.safetensors",
                                                                    values=True)["root"]
+
+
+def test_dcp_of_optstate_adamw8bit_is_read_as_its_8bit_state(tmp_path, optstate_cli):
+    """get_state_dict + dcp.save of optstate's own AdamW8bit: its state is plain tensors
+    (`exp_avg_codes`, `exp_avg_absmax`, ...; block size and maps in the param group), read back as
+    blockwise8 entries: the DCP hashes like optstate.save of the same state, converts to the
+    dequantized moments, and optstate.load resumes from it with the same codes."""
+    import optstate
+    ck = make_dcp(tmp_path, "ours8")
+    info = optstate_cli("inspect", ck).stdout
+    assert "adamw8bit" in info and "8bit/64 dynamic-signed" in info and "8bit/64 dynamic-unsigned" in info
+    assert hashes(optstate_cli, ck) == hashes(optstate_cli, str(ck) + ".native")
+    optstate_cli("convert", ck, tmp_path / "fp32.safetensors", "--to", "fp32")
+    got = st_load(tmp_path / "fp32.safetensors")
+    ref = torch.load(str(ck) + ".ref.pt")
+    assert set(got) == set(ref)
+    for k, v in ref.items():
+        assert torch.equal(got[k], v), k
+    model = torch.nn.Sequential(torch.nn.Linear(64, 97), torch.nn.GELU(), torch.nn.Linear(97, 3))
+    opt = optstate.AdamW8bit(model.parameters(), block_size=64)
+    optstate.load(ck, model, opt)
+    assert optstate.verify(str(ck) + ".native", model, opt) == []
+
+
+def test_dcp_8bit_codes_without_their_layout_are_refused_by_name(tmp_path, optstate_cli):
+    import torch.distributed.checkpoint as dcp
+
+    def save(name, state, group):
+        out = tmp_path / name
+        group = dict(dict(lr=1e-3, betas=(0.9, 0.999), params=["w"]), **group)
+        dcp.save({"optim": {"state": {"w": dict(step=torch.tensor(1.0), **state)}, "param_groups": [group]}},
+                 checkpoint_id=str(out))
+        return out
+
+    codes, absmax = torch.zeros(512, dtype=torch.uint8), torch.ones(2)
+    err = run_err(optstate_cli, "inspect", save("no_absmax", {"exp_avg_codes": codes}, {"block_size": 256}))
+    assert "exp_avg_codes" in err and "exp_avg_absmax" in err
+    err = run_err(optstate_cli, "inspect", save("no_block", {"exp_avg_codes": codes, "exp_avg_absmax": absmax}, {}))
+    assert "optim.state.w.exp_avg_codes" in err and "block_size" in err
+    err = run_err(optstate_cli, "inspect", save("miscounted", {"exp_avg_codes": codes, "exp_avg_absmax": absmax},
+                                                {"block_size": 64}))
+    assert "optim.state.w.exp_avg_absmax" in err and "2 scales for 512 codes" in err
+    ok = save("ok", {"exp_avg_codes": codes, "exp_avg_absmax": absmax}, {"block_size": 256})
+    assert "8bit/256 dynamic-signed" in optstate_cli("inspect", ok).stdout
 
 
 def test_chain_native_hdf5_safetensors_dcp_native_keeps_the_hash(tmp_path, optstate_cli):

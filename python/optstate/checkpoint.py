@@ -80,7 +80,10 @@ def _params(model, optimizer):
             if _is_dtensor(whole):
                 _local_rows(whole, fqn, "the parameter")
                 if isinstance(optimizer, AdamW8bit):
-                    raise NotImplementedError(f"optstate: '{fqn}' is a DTensor: AdamW8bit does not step FSDP2 params")
+                    raise NotImplementedError(
+                        f"optstate: '{fqn}' is a DTensor: optstate.save/load/verify do not handle AdamW8bit state "
+                        f"under FSDP2 yet. Save it with torch.distributed.checkpoint (get_state_dict + dcp.save): "
+                        f"optstate reads that DCP (inspect, hash, convert, and optstate.load into one process)")
             out.append((gi, p, fqn, whole))
     return out
 

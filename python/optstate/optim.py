@@ -33,6 +33,52 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _fsdp2_rows(p):
+    """(rows, elements per row, rows per rank) of a DTensor param FSDP2 shards by dim 0 (torch.chunk:
+    ceil-sized), or None for any other layout."""
+    from torch.distributed.tensor import Shard
+    if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),) or p.dim() == 0:
+        return None
+    rows = p.shape[0]
+    world = p.device_mesh.size()
+    return rows, (p.numel() // rows if rows else 0), -(-rows // world)
+
+
+def _check_fsdp2_blocks(p, block):
+    """8-bit state of an FSDP2 param needs every rank's rows to begin on a quantization block of the
+    whole parameter, and its scales to shard like its rows: a row length that is a multiple of the
+    block (2-d and up), or a 1-d param whose per-rank length is. Otherwise a clear error."""
+    layout = _fsdp2_rows(p)
+    ok = False
+    if layout is not None:
+        rows, row_len, rows_per_rank = layout
+        ok = row_len % block == 0 if p.dim() > 1 else rows_per_rank % block == 0
+    if not ok:
+        raise NotImplementedError(
+            f"optstate.AdamW8bit: a DTensor param of shape {list(p.shape)} with placements {tuple(p.placements)} "
+            f"on a mesh of shape {tuple(p.device_mesh.shape)}: its 8-bit blocks of {block} would straddle ranks. "
+            f"FSDP2 (Shard(0) on a 1-d mesh) is supported where each row holds whole blocks (a 1-d param: each "
+            f"rank's share). Use a block_size that divides the row length, a min_8bit_size above {p.numel()} "
+            f"to keep this param's moments dense, or optstate.ShardedParams (ZeRO-1)")
+
+
+def _fsdp2_absmax(p, block):
+    """The scales of an FSDP2 param's 8-bit moment as a DTensor sharded like its rows: [rows, blocks
+    per row] (2-d and up) or [blocks] (1-d), so dcp.save writes each rank's own and any reader
+    flattens them back into block order."""
+    from torch.distributed.tensor import DTensor as _DTensor
+    rows, row_len, _ = _fsdp2_rows(p)
+    local_rows = p.to_local().shape[0] if p.to_local().dim() else 0
+    if p.dim() > 1:
+        shape, local = (rows, row_len // block), (local_rows, row_len // block)
+    else:
+        shape, local = (-(-rows // block),), (-(-local_rows // block),)
+    t = torch.zeros(local, dtype=torch.float32, device=p.to_local().device)
+    stride = (shape[1], 1) if len(shape) == 2 else (1,)
+    return _DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
+                               stride=stride)
+
+
 def _with_lr(op, lr):
     """The op overload for this lr: `tensor_lr` for a tensor (read where it lives, when the step
     runs), the float one otherwise."""
@@ -108,6 +154,12 @@ class AdamW8bit(torch.optim.Optimizer):
     shape) with ``exp_avg_absmax``/``exp_avg_sq_absmax`` (float32, one per block of ``block_size``
     flattened elements; the last block may be partial); smaller parameters keep dense float32
     ``exp_avg``/``exp_avg_sq``. The block size and map names are in the param group.
+
+    FSDP2 (DTensor) params are stepped shard by shard where every rank's rows hold whole blocks of
+    the parameter (its row length a multiple of ``block_size``; for a 1-d param, each rank's share):
+    codes and scales are then DTensors sharded like the rows, the step equals the unsharded one bit
+    for bit, and ``get_state_dict`` + ``dcp.save`` write it (optstate reads that DCP). Other layouts
+    are refused by name.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
@@ -123,9 +175,14 @@ class AdamW8bit(torch.optim.Optimizer):
     @staticmethod
     def _zero_moment(state, name, p, block):
         if block > 0:
+            # A DTensor param gets DTensor codes of its layout (zeros_like keeps it) and scales laid
+            # out to match (_fsdp2_absmax).
             state[name + "_codes"] = torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.contiguous_format)
-            state[name + "_absmax"] = torch.zeros((p.numel() + block - 1) // block, dtype=torch.float32,
-                                                  device=p.device)
+            if isinstance(p, DTensor):
+                state[name + "_absmax"] = _fsdp2_absmax(p, block)
+            else:
+                state[name + "_absmax"] = torch.zeros((p.numel() + block - 1) // block, dtype=torch.float32,
+                                                      device=p.device)
         else:
             state[name] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
 
@@ -136,6 +193,8 @@ class AdamW8bit(torch.optim.Optimizer):
             # ShardedParams carries the size of the whole parameter.
             numel = getattr(p, "_optstate_global_numel", p.numel())
             block = group["block_size"] if numel >= group["min_8bit_size"] else 0
+            if block and isinstance(p, DTensor):
+                _check_fsdp2_blocks(p, block)
             state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device)
             for name in ("exp_avg", "exp_avg_sq"):
                 self._zero_moment(state, name, p, block)
@@ -158,33 +217,29 @@ class AdamW8bit(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("AdamW8bit does not support sparse gradients")
-                if isinstance(p, DTensor):
-                    raise NotImplementedError(
-                        "optstate.AdamW8bit: FSDP2 (DTensor) params are not supported yet: its 8-bit blocks "
-                        "run over whole parameters, FSDP2 shards them by rows. Use optstate.ShardedParams "
-                        "(ZeRO-1, the same checkpoint layout on any number of ranks), or optstate.FusedAdamW "
-                        "with FSDP2")
+                # FSDP2 (DTensor) params: each rank steps its rows; their 8-bit blocks are the whole
+                # parameter's (_check_fsdp2_blocks), so the result is the unsharded step's.
                 state = self._init_state(p, group)
                 block = group["block_size"] if "exp_avg_codes" in state else 0
-                lists["p"].append(p)
-                lists["g"].append(p.grad.contiguous())
+                lists["p"].append(_local(p))
+                lists["g"].append(_local(p.grad).contiguous())
                 lists["step"].append(state["step"])
                 lists["block"].append(block)
                 if block:
-                    lists["m"].append(state["exp_avg_codes"])
-                    lists["v"].append(state["exp_avg_sq_codes"])
-                    lists["ma"].append(state["exp_avg_absmax"])
-                    lists["va"].append(state["exp_avg_sq_absmax"])
+                    lists["m"].append(_local(state["exp_avg_codes"]))
+                    lists["v"].append(_local(state["exp_avg_sq_codes"]))
+                    lists["ma"].append(_local(state["exp_avg_absmax"]).view(-1))
+                    lists["va"].append(_local(state["exp_avg_sq_absmax"]).view(-1))
                     if group["amsgrad"]:
-                        lists["x"].append(state["max_exp_avg_sq_codes"])
-                        lists["xa"].append(state["max_exp_avg_sq_absmax"])
+                        lists["x"].append(_local(state["max_exp_avg_sq_codes"]))
+                        lists["xa"].append(_local(state["max_exp_avg_sq_absmax"]).view(-1))
                 else:
-                    lists["m"].append(state["exp_avg"])
-                    lists["v"].append(state["exp_avg_sq"])
+                    lists["m"].append(_local(state["exp_avg"]))
+                    lists["v"].append(_local(state["exp_avg_sq"]))
                     lists["ma"].append(empty)
                     lists["va"].append(empty)
                     if group["amsgrad"]:
-                        lists["x"].append(state["max_exp_avg_sq"])
+                        lists["x"].append(_local(state["max_exp_avg_sq"]))
                         lists["xa"].append(empty)
             if not lists["p"]:
                 continue

@@ -79,6 +79,24 @@ def _fsdp2_absmax(p, block):
                                stride=stride)
 
 
+def _load_state_dict(optimizer, state_dict):
+    """torch.optim.Optimizer.load_state_dict keeping the state's dtypes. torch casts every state
+    tensor but `step` to its param's dtype, right for its own optimizers, wrong for these: uint8
+    codes would become floats, and the fp32 moments of bf16 params would be rounded to bf16. Here
+    each tensor keeps its dtype and moves to its param's device (where the step ops take it, step
+    counters included); groups and hyperparameters load as torch loads them."""
+    saved = state_dict["state"]
+    torch.optim.Optimizer.load_state_dict(optimizer, {**state_dict, "state": {}})
+    ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for pid, p in zip(ids, params):
+        if pid not in saved:
+            continue
+        device = p.device
+        optimizer.state[p] = {k: v.to(device=device) if isinstance(v, torch.Tensor) else v
+                              for k, v in saved[pid].items()}
+
+
 def _with_lr(op, lr):
     """The op overload for this lr: `tensor_lr` for a tensor (read where it lives, when the step
     runs), the float one otherwise."""
@@ -100,6 +118,10 @@ class FusedAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize)
         super().__init__(params, defaults)
+
+    def load_state_dict(self, state_dict):
+        """As torch's, except that the state keeps its dtypes (fp32 moments also for bf16 params)."""
+        _load_state_dict(self, state_dict)
 
     def _init_state(self, p, amsgrad):
         state = self.state[p]
@@ -171,6 +193,10 @@ class AdamW8bit(torch.optim.Optimizer):
                         block_size=block_size, min_8bit_size=min_8bit_size,
                         exp_avg_qmap="dynamic-signed", exp_avg_sq_qmap="dynamic-unsigned")
         super().__init__(params, defaults)
+
+    def load_state_dict(self, state_dict):
+        """As torch's, except that the state keeps its dtypes (uint8 codes, fp32 scales and moments)."""
+        _load_state_dict(self, state_dict)
 
     @staticmethod
     def _zero_moment(state, name, p, block):

@@ -327,3 +327,41 @@ def test_failed_convert_leaves_no_output(tmp_path, optstate_cli):
     (tmp_path / "existing").mkdir()
     proc = optstate_cli("convert", tmp_path / "c", tmp_path / "existing", check=False)
     assert proc.returncode == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_dict_round_trip_keeps_codes_and_continues_bitwise(dtype):
+    # torch's Optimizer.load_state_dict casts state to the param's dtype (uint8 codes to floats);
+    # optstate's keeps each tensor's dtype, so a loaded optimizer continues bit for bit.
+    import copy
+    import io
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
+    a = [x.clone().requires_grad_() for x in init]
+    oa = optstate.AdamW8bit(a, lr=1e-2, weight_decay=0.1)
+
+    def step(params, opt, s):
+        gg = torch.Generator().manual_seed(100 + s)
+        for x, shape in zip(params, SHAPES):
+            x.grad = torch.randn(shape, generator=gg).to(dtype)
+        opt.step()
+
+    for s in range(3):
+        step(a, oa, s)
+    buf = io.BytesIO()
+    torch.save(oa.state_dict(), buf)
+    buf.seek(0)
+    b = [x.detach().clone().requires_grad_() for x in a]
+    ob = optstate.AdamW8bit(b, lr=1e-2, weight_decay=0.1)
+    ob.load_state_dict(torch.load(buf))
+    for x, y in zip(a, b):
+        for k, v in oa.state[x].items():
+            assert ob.state[y][k].dtype == v.dtype and torch.equal(ob.state[y][k], v), k
+    for s in range(3, 6):
+        step(a, oa, s)
+        step(b, ob, s)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+        for k in oa.state[x]:
+            assert torch.equal(oa.state[x][k], ob.state[y][k]), k
+    assert copy.deepcopy(oa.state_dict())["param_groups"][0]["block_size"] == 256

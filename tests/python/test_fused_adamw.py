@@ -110,9 +110,11 @@ def test_bf16_params_single_pass(amsgrad, maximize, wd):
         assert rel <= 1e-5
 
 
-def test_state_is_plain_tensors_and_state_dict_round_trips():
-    init = _params(torch.float32)
-    ps, opt = _run(lambda ps: optstate.FusedAdamW(ps, lr=1e-2), init, torch.float32, steps=5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_is_plain_tensors_and_state_dict_round_trips(dtype):
+    # bf16 params keep fp32 moments, also through load_state_dict (torch's would cast them to bf16)
+    init = _params(dtype)
+    ps, opt = _run(lambda ps: optstate.FusedAdamW(ps, lr=1e-2), init, dtype, steps=5)
     sd = opt.state_dict()
     st = sd["state"][0]
     assert set(st) == {"step", "exp_avg", "exp_avg_sq"}
@@ -121,8 +123,9 @@ def test_state_is_plain_tensors_and_state_dict_round_trips():
     ps2 = [p.detach().clone().requires_grad_(True) for p in ps]
     opt2 = optstate.FusedAdamW(ps2, lr=1e-2)
     opt2.load_state_dict(copy.deepcopy(sd))  # as torch.save + torch.load would give
+    assert all(opt2.state[p]["exp_avg"].dtype == torch.float32 for p in ps2)
     for step in range(5, 10):
-        for a, b, g in zip(ps, ps2, _grads(step, torch.float32)):
+        for a, b, g in zip(ps, ps2, _grads(step, dtype)):
             a.grad, b.grad = g, g.clone()
         opt.step()
         opt2.step()

@@ -285,6 +285,26 @@ FSDP2_8BIT_SCRIPT = textwrap.dedent("""
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
     optstate.save(out + ".ref", ref, ref_opt)  # the unsharded run, every rank its share
+    # Resume as torchtitan does: a fresh FSDP2 model and optimizer, dcp.load + set_state_dict; then
+    # both runs continue equally.
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    torch.manual_seed(9)
+    fresh = Net()
+    fully_shard(fresh)
+    fresh_opt = optstate.AdamW8bit(fresh.parameters(), **kw)
+    fmsd, fosd = get_state_dict(fresh, fresh_opt)
+    loaded = {"model": fmsd, "optim": fosd}
+    dcp.load(loaded, checkpoint_id=out)
+    set_state_dict(fresh, fresh_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    train(model, opt, 2)
+    train(fresh, fresh_opt, 2)
+    resumed = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model.parameters(), fresh.parameters()))
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        for k, v in opt.state[p].items():
+            w = fresh_opt.state[q][k]
+            resumed &= torch.equal(v.full_tensor() if isinstance(v, DTensor) else v,
+                                   w.full_tensor() if isinstance(w, DTensor) else w)
+    print("dcp resume bitwise" if resumed else "dcp resume differs")
     try:
         optstate.save(out + ".native", model, opt)
     except NotImplementedError as e:
@@ -306,13 +326,15 @@ FSDP2_8BIT_SCRIPT = textwrap.dedent("""
 def test_fsdp2_training_with_adamw8bit_equals_unsharded_and_saves_with_dcp(tmp_path, optstate_cli):
     """AdamW8bit under FSDP2: each rank steps its rows with codes and scales sharded like them, which
     equals the unsharded run bit for bit (params, codes, scales, dense moments); get_state_dict +
-    dcp.save write it and optstate reads that DCP with the unsharded run's hash. Layouts whose
-    blocks would straddle ranks, and optstate.save of this state, are refused with a way out."""
+    dcp.save write it, dcp.load + set_state_dict resume it bit for bit (torchtitan's way), and
+    optstate reads that DCP with the unsharded run's hash. Layouts whose blocks would straddle
+    ranks, and optstate.save of this state, are refused with a way out."""
     script = tmp_path / "fsdp2_8bit.py"
     script.write_text(FSDP2_8BIT_SCRIPT)
     ck = tmp_path / "dcp8"
     out = torchrun(2, ck, script=script)
     assert out.count("fsdp2 == unsharded") == 2, out
+    assert out.count("dcp resume bitwise") == 2, out
     assert out.count("optstate.save refused") == 2, out
     assert out.count("misaligned refused") == 2, out
     optstate_cli("validate", ck)

@@ -142,6 +142,19 @@ FlatRange shard_range(const Entry& e, Component c, const std::vector<int64_t>& s
     units = shape.empty() ? 1 : shape[0];
     unit_elems = units > 0 ? numel / units : 0;
   } else {
+    // FSDP2's rows where every rank's rows begin on a block (its Shard(0) layout, so an FSDP2 rank's
+    // local codes are its range), else whole blocks, so blocks never straddle ranks. A single rank
+    // gets everything either way.
+    const int64_t rows = shape.empty() ? 1 : shape[0];
+    const int64_t row_len = rows > 0 ? numel / rows : 0;
+    const int64_t rows_per_rank = (rows + world - 1) / world;
+    if (row_len > 0 && (rows_per_rank * row_len) % e.block_size == 0) {
+      const int64_t first = std::min<int64_t>(rows, rows_per_rank * rank);
+      const int64_t last = std::min<int64_t>(rows, first + rows_per_rank);
+      const int64_t begin = first * row_len, end = last * row_len;
+      if (c == Component::kAbsmax) return {begin / e.block_size, (end + e.block_size - 1) / e.block_size};
+      return {begin, end};
+    }
     units = (numel + e.block_size - 1) / e.block_size;
     unit_elems = c == Component::kAbsmax ? 1 : e.block_size;
   }

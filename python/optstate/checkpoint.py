@@ -7,8 +7,9 @@ Layouts:
   writes its shard of each entry in parallel, rank 0 commits; every rank loads the whole state;
 - ``ShardedParams`` (ZeRO-1): every rank writes and loads only its own ranges, on any number of ranks;
 - FSDP2 (``fully_shard``: DTensor params and moments sharded by rows of dim 0 over all ranks, as
-  torch.chunk splits them): the same layout as optstate's dense shards, so each rank writes and
-  loads its local rows as they are.
+  torch.chunk splits them): the same layout as optstate's dense shards, and as its 8-bit shards
+  where every rank's rows begin on a block (which AdamW8bit requires under FSDP2), so each rank
+  writes and loads its local rows as they are.
 """
 import json
 
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ._ops import ops
-from .optim import AdamW8bit, DTensor, FusedAdamW
+from .optim import AdamW8bit, DTensor, FusedAdamW, _check_fsdp2_blocks, _fsdp2_absmax
 from .sharded import ShardedParams, world_and_rank
 
 _HYPER = ("lr", "eps", "weight_decay", "amsgrad")
@@ -79,11 +80,8 @@ def _params(model, optimizer):
             fqn, whole = lookup[id(p)]
             if _is_dtensor(whole):
                 _local_rows(whole, fqn, "the parameter")
-                if isinstance(optimizer, AdamW8bit):
-                    raise NotImplementedError(
-                        f"optstate: '{fqn}' is a DTensor: optstate.save/load/verify do not handle AdamW8bit state "
-                        f"under FSDP2 yet. Save it with torch.distributed.checkpoint (get_state_dict + dcp.save): "
-                        f"optstate reads that DCP (inspect, hash, convert, and optstate.load into one process)")
+                if isinstance(optimizer, AdamW8bit) and whole.numel() >= optimizer.param_groups[gi]["min_8bit_size"]:
+                    _check_fsdp2_blocks(whole, optimizer.param_groups[gi]["block_size"])
             out.append((gi, p, fqn, whole))
     return out
 
@@ -148,6 +146,10 @@ def _state_lists(model, optimizer, slice_world, slice_rank, whole_param):
                 qmap = group["exp_avg_qmap"] if entry == "exp_avg" else group["exp_avg_sq_qmap"]
                 pm["entries"][entry] = {"encoding": "blockwise8", "block_size": block, "qmap": qmap}
                 codes, absmax = state[entry + "_codes"], state[entry + "_absmax"]
+                if _is_dtensor(codes):  # FSDP2: the local rows, on blocks, are this rank's range
+                    lists.add(fqn, entry, "codes", _local_rows(codes, fqn, entry + "_codes"))
+                    lists.add(fqn, entry, "absmax", _local_rows(absmax, fqn, entry + "_absmax").reshape(-1))
+                    continue
                 if sharded and codes.numel() == whole.numel():
                     codes = codes.reshape(shape)
                 lists.add(fqn, entry, "codes", codes if sharded else cut(codes, block, "codes", shape))
@@ -307,9 +309,10 @@ def load(path, model, optimizer, transactional=True):
         found.setdefault(fqn, {})[(entry, comp)] = t
     for p, fqn, whole, pm in plan:
         for (entry, comp), t in found.get(fqn, {}).items():
-            if comp == "codes" and t.numel() != p.numel():
+            local_numel = p.to_local().numel() if _is_dtensor(p) else p.numel()
+            if comp == "codes" and t.numel() != local_numel:
                 raise ValueError(f"optstate.load: '{fqn}.{entry}' holds {t.numel()} codes for a "
-                                 f"parameter range of {p.numel()}")
+                                 f"parameter range of {local_numel}")
     # Nothing below raises: the checkpoint is applied whole.
     for p, fqn, whole, pm in plan:
         e = found.get(fqn, {})
@@ -332,8 +335,14 @@ def load(path, model, optimizer, transactional=True):
         st = {"step": torch.tensor(float(pm["step"]), dtype=torch.float32, device=device)}
         for entry in _MOMENTS:
             if (entry, "codes") in e:
-                st[entry + "_codes"] = e[(entry, "codes")].reshape(shape).to(device)
-                st[entry + "_absmax"] = e[(entry, "absmax")].to(device)
+                codes = e[(entry, "codes")].reshape(shape).to(device)
+                absmax = e[(entry, "absmax")].to(device)
+                if dt:  # codes and scales sharded like the rows, as AdamW8bit keeps them under FSDP2
+                    codes = DTensor.from_local(codes, whole.device_mesh, whole.placements, run_check=False,
+                                               shape=whole.shape, stride=whole.stride())
+                    absmax = _fsdp2_absmax(whole, block, absmax)
+                st[entry + "_codes"] = codes
+                st[entry + "_absmax"] = absmax
             elif (entry, "values") in e:
                 local = e[(entry, "values")].reshape(shape).to(device)
                 if dt:  # DTensor moments of the param's layout, as FusedAdamW keeps them under FSDP2

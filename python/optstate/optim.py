@@ -62,10 +62,10 @@ def _check_fsdp2_blocks(p, block):
             f"to keep this param's moments dense, or optstate.ShardedParams (ZeRO-1)")
 
 
-def _fsdp2_absmax(p, block):
+def _fsdp2_absmax(p, block, local_values=None):
     """The scales of an FSDP2 param's 8-bit moment as a DTensor sharded like its rows: [rows, blocks
     per row] (2-d and up) or [blocks] (1-d), so dcp.save writes each rank's own and any reader
-    flattens them back into block order."""
+    flattens them back into block order. Zeros, or this rank's `local_values` in block order."""
     from torch.distributed.tensor import DTensor as _DTensor
     rows, row_len, _ = _fsdp2_rows(p)
     local_rows = p.to_local().shape[0] if p.to_local().dim() else 0
@@ -73,7 +73,10 @@ def _fsdp2_absmax(p, block):
         shape, local = (rows, row_len // block), (local_rows, row_len // block)
     else:
         shape, local = (-(-rows // block),), (-(-local_rows // block),)
-    t = torch.zeros(local, dtype=torch.float32, device=p.to_local().device)
+    if local_values is None:
+        t = torch.zeros(local, dtype=torch.float32, device=p.to_local().device)
+    else:
+        t = local_values.reshape(local)
     stride = (shape[1], 1) if len(shape) == 2 else (1,)
     return _DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
                                stride=stride)

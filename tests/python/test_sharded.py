@@ -251,11 +251,14 @@ FSDP2_8BIT_SCRIPT = textwrap.dedent("""
             super().__init__()
             torch.manual_seed(0)
             self.a = torch.nn.Linear(64, 256)   # weight: rows of 64 = one block each; bias dense
-            self.b = torch.nn.Linear(256, 24)   # weight: 6144 elements, rows of 4 blocks
+            self.b = torch.nn.Linear(256, 128)  # weight: rows of 4 blocks
+            # weight [33, 128]: ranks hold 17 and 16 rows (34 and 32 blocks), not 33 blocks each
+            self.c = torch.nn.Linear(128, 33)
             self.gain = torch.nn.Parameter(torch.randn(8192))  # 1-d: 4096 per rank = 64 blocks
 
         def forward(self, x):
-            return self.b(torch.nn.functional.gelu(self.a(x))).square().sum() + 1e-3 * self.gain.square().sum()
+            h = torch.nn.functional.gelu(self.b(torch.nn.functional.gelu(self.a(x))))
+            return self.c(h).square().sum() + 1e-3 * self.gain.square().sum()
 
     def train(model, opt, steps=4):
         for step in range(steps):  # the same batch on every rank: FSDP2's averaged grads are the batch's
@@ -296,20 +299,30 @@ FSDP2_8BIT_SCRIPT = textwrap.dedent("""
     loaded = {"model": fmsd, "optim": fosd}
     dcp.load(loaded, checkpoint_id=out)
     set_state_dict(fresh, fresh_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-    train(model, opt, 2)
-    train(fresh, fresh_opt, 2)
-    resumed = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model.parameters(), fresh.parameters()))
-    for p, q in zip(model.parameters(), fresh.parameters()):
-        for k, v in opt.state[p].items():
-            w = fresh_opt.state[q][k]
-            resumed &= torch.equal(v.full_tensor() if isinstance(v, DTensor) else v,
-                                   w.full_tensor() if isinstance(w, DTensor) else w)
-    print("dcp resume bitwise" if resumed else "dcp resume differs")
-    try:
-        optstate.save(out + ".native", model, opt)
-    except NotImplementedError as e:
-        assert "dcp.save" in str(e), e
-        print("optstate.save refused")
+    # ... and optstate's way: each rank writes its rows (on blocks) in parallel; a fresh model loads.
+    optstate.save(out + ".native", model, opt)
+    torch.manual_seed(7)
+    back = Net()
+    fully_shard(back)
+    back_opt = optstate.AdamW8bit(back.parameters(), **kw)
+    optstate.load(out + ".native", back, back_opt)
+    assert optstate.verify(out + ".native", back, back_opt) == []
+    assert isinstance(back_opt.state[back.a.weight]["exp_avg_absmax"], DTensor)
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    def same_run(m1, o1, m2, o2):
+        ok = all(torch.equal(full(a), full(b)) for a, b in zip(m1.parameters(), m2.parameters()))
+        for p, q in zip(m1.parameters(), m2.parameters()):
+            ok &= o1.state[p].keys() == o2.state[q].keys()
+            ok &= all(torch.equal(full(v), full(o2.state[q][k])) for k, v in o1.state[p].items())
+        return ok
+
+    for m_, o_ in ((model, opt), (fresh, fresh_opt), (back, back_opt)):
+        train(m_, o_, 2)
+    print("dcp resume bitwise" if same_run(model, opt, fresh, fresh_opt) else "dcp resume differs")
+    print("native resume bitwise" if same_run(model, opt, back, back_opt) else "native resume differs")
     bad = torch.nn.Linear(100, 97)  # rows of 100 elements: blocks of 64 would straddle ranks
     fully_shard(bad)
     bad_opt = optstate.AdamW8bit(bad.parameters(), **kw)
@@ -323,24 +336,28 @@ FSDP2_8BIT_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_fsdp2_training_with_adamw8bit_equals_unsharded_and_saves_with_dcp(tmp_path, optstate_cli):
+def test_fsdp2_training_with_adamw8bit_equals_unsharded_saves_loads_and_resumes(tmp_path, optstate_cli):
     """AdamW8bit under FSDP2: each rank steps its rows with codes and scales sharded like them, which
-    equals the unsharded run bit for bit (params, codes, scales, dense moments); get_state_dict +
-    dcp.save write it, dcp.load + set_state_dict resume it bit for bit (torchtitan's way), and
-    optstate reads that DCP with the unsharded run's hash. Layouts whose blocks would straddle
-    ranks, and optstate.save of this state, are refused with a way out."""
+    equals the unsharded run bit for bit (params, codes, scales, dense moments). get_state_dict +
+    dcp.save write it and dcp.load + set_state_dict resume it (torchtitan's way); optstate.save
+    writes it too (each rank its rows) and optstate.load resumes it; both resumes continue bit for
+    bit, and both checkpoints hash like the unsharded run. Layouts whose blocks would straddle
+    ranks are refused with the ways out."""
     script = tmp_path / "fsdp2_8bit.py"
     script.write_text(FSDP2_8BIT_SCRIPT)
     ck = tmp_path / "dcp8"
     out = torchrun(2, ck, script=script)
     assert out.count("fsdp2 == unsharded") == 2, out
     assert out.count("dcp resume bitwise") == 2, out
-    assert out.count("optstate.save refused") == 2, out
+    assert out.count("native resume bitwise") == 2, out
+    native = tmp_path / "dcp8.native"
+    assert sorted(os.listdir(native / "data")) == ["rank-00000.bin", "rank-00001.bin"]
+    optstate_cli("validate", native)
     assert out.count("misaligned refused") == 2, out
     optstate_cli("validate", ck)
     info = optstate_cli("inspect", ck).stdout
     assert "adamw8bit" in info and "8bit/64 dynamic-signed" in info
-    assert root(optstate_cli, ck) == root(optstate_cli, tmp_path / "dcp8.ref")
+    assert root(optstate_cli, ck) == root(optstate_cli, native) == root(optstate_cli, tmp_path / "dcp8.ref")
 
 
 TP_SCRIPT = textwrap.dedent("""

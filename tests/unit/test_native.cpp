@@ -237,6 +237,16 @@ TEST_CASE("shard ranges split rows like torch.chunk and 8-bit entries by whole b
   CHECK(a1.begin == 2);
   CHECK(a1.end == 4);
   CHECK(shard_range(q, Component::kCodes, {1000}, 3, 2).size() == 0);
+  // 3 rows of 2 blocks on 2 ranks: FSDP2's rows (2 and 1) begin on blocks, so they are the split
+  // (whole blocks would give 3 and 3); codes in elements, absmax in blocks.
+  CHECK(shard_range(q, Component::kCodes, {3, 512}, 2, 0).end == 1024);
+  CHECK(shard_range(q, Component::kCodes, {3, 512}, 2, 1).begin == 1024);
+  CHECK(shard_range(q, Component::kAbsmax, {3, 512}, 2, 1).begin == 4);
+  CHECK(shard_range(q, Component::kAbsmax, {3, 512}, 2, 1).end == 6);
+  // a 1-d param of 1000 on 2 ranks: 500 per rank is not whole blocks, so blocks: 2 and 2
+  CHECK(shard_range(q, Component::kCodes, {1000}, 2, 0).end == 512);
+  // rows of 100 elements: rows never line up with blocks of 256 here, so blocks
+  CHECK(shard_range(q, Component::kCodes, {97, 100}, 2, 0).end == 4864);
 }
 
 TEST_CASE("the hash does not depend on the world size the checkpoint was written with") {

@@ -113,8 +113,10 @@ std::string format_shape(const std::vector<int64_t>& shape);
 
 // The contiguous flat range [begin, end) of a component that `rank` of `world` owns (DESIGN §2):
 // dense values split by whole rows of dim 0 like FSDP2's torch.chunk (ceil-sized, trailing ranks
-// short or empty); 8-bit codes and absmax split by whole quantization blocks, so blocks never
-// straddle ranks. Ranges are in the component's own units (elements, or blocks for absmax).
+// short or empty); 8-bit codes and absmax split the same way where every rank's rows begin on a
+// quantization block (rows per rank x row length a multiple of the block: FSDP2's layout, which
+// optstate's AdamW8bit steps), else by whole blocks (ceil-sized too), so blocks never straddle
+// ranks. Ranges are in the component's own units (elements, or blocks for absmax).
 struct FlatRange {
   int64_t begin = 0, end = 0;
   int64_t size() const { return end - begin; }

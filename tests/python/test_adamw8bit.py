@@ -180,6 +180,16 @@ def test_trajectory_bitwise_vs_torchao_step_with_ieee_sqrt(dtype, wd):
                 assert row[k + "_codes_equal"] == 1.0 and row[k + "_absmax_equal"], row
 
 
+def _report_and_bound(rows, param_max_diff):
+    """Prints the comparison rows; every param within `param_max_diff`, >= 99.9% of codes equal."""
+    print(json.dumps(rows, indent=1))
+    for row in rows:
+        assert row["param_max_diff"] <= param_max_diff
+        for k in ("exp_avg", "exp_avg_sq"):
+            if k + "_codes_equal" in row:
+                assert row[k + "_codes_equal"] >= 0.999, row
+
+
 def test_trajectory_across_a_powf_misrounding():
     # beta2 = 0.9999 at step 508: glibc's powf gives 0x1.e6a27ap-1, one ulp above the correctly
     # rounded 0x1.e6a278p-1; 1 - x cancels, so bias_correction2.sqrt() moves by 18 ulps that step.
@@ -198,25 +208,13 @@ def test_trajectory_across_a_powf_misrounding():
     # itself, so params by a few ulps.
     with torchao_eager(ieee_sqrt=True):
         a, b, oa, ob = _trajectory(torch.float32, **kw)
-    rows = _compare(a, b, oa, ob)
-    print(json.dumps(rows, indent=1))
-    for row in rows:
-        assert row["param_max_diff"] <= 1e-6
-        for k in ("exp_avg", "exp_avg_sq"):
-            if k + "_codes_equal" in row:
-                assert row[k + "_codes_equal"] >= 0.999, row
+    _report_and_bound(_compare(a, b, oa, ob), param_max_diff=1e-6)
 
 
 def test_trajectory_vs_torchao_eager_as_shipped():
     with torchao_eager(ieee_sqrt=False):
         a, b, oa, ob = _trajectory(torch.float32)
-    rows = _compare(a, b, oa, ob)
-    print(json.dumps(rows, indent=1))
-    for row in rows:
-        assert row["param_max_diff"] <= 1e-5
-        for k in ("exp_avg", "exp_avg_sq"):
-            if k + "_codes_equal" in row:
-                assert row[k + "_codes_equal"] >= 0.999, row
+    _report_and_bound(_compare(a, b, oa, ob), param_max_diff=1e-5)
 
 
 @pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile unsupported here")

@@ -183,8 +183,8 @@ class AdamW8bit(torch.optim.Optimizer):
     FSDP2 (DTensor) params are stepped shard by shard where every rank's rows hold whole blocks of
     the parameter (its row length a multiple of ``block_size``; for a 1-d param, each rank's share):
     codes and scales are then DTensors sharded like the rows, the step equals the unsharded one bit
-    for bit, and ``get_state_dict`` + ``dcp.save`` write it (optstate reads that DCP). Other layouts
-    are refused by name.
+    for bit, and ``optstate.save``/``load``/``verify`` as well as ``get_state_dict`` + ``dcp.save``
+    (optstate reads that DCP) handle it. Other layouts are refused by name.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,

@@ -307,6 +307,9 @@ class DcpReader final : public CheckpointReader {
           OPTSTATE_RETURN_IF_ERROR(add_entry(fqn, kParam, mo->second, ps, any8));
         }
         if (st != state_items.end()) {
+          for (const char* m : {kExpAvg, kExpAvgSq, kMaxExpAvgSq})
+            if (st->second.count(m) && st->second.count(std::string(m) + "_codes"))
+              return corrupt(fmt::format("{}: '{}' is both dense and 8-bit (codes and absmax)", pw, m));
           for (const auto& [ename, key] : st->second) {
             if (ename == "step") {
               OPTSTATE_ASSIGN_OR_RETURN(double step, value_of(key, pw + " step"));
@@ -329,8 +332,6 @@ class DcpReader final : public CheckpointReader {
               continue;  // read with its codes
             }
             if (ename != kExpAvg && ename != kExpAvgSq && ename != kMaxExpAvgSq) continue;
-            if (ps.entries.count(ename))
-              return corrupt(fmt::format("{}: '{}' is both dense and 8-bit (codes and absmax)", pw, ename));
             if (md_.items.at(key).size != ps.shape) return corrupt(fmt::format("{}: '{}' has another shape", pw, ename));
             OPTSTATE_RETURN_IF_ERROR(add_entry(fqn, ename, key, ps, any8));
           }
@@ -547,7 +548,6 @@ class DcpReader final : public CheckpointReader {
     if (blocks != (numel + q.block - 1) / q.block)
       return corrupt(fmt::format("{}: {} scales for {} codes in blocks of {} (needs {})", aw, blocks, numel, q.block,
                                  (numel + q.block - 1) / q.block));
-    if (ps.entries.count(ename)) return corrupt(fmt::format("{}: '{}' is both dense and 8-bit", ew, ename));
     Source src;
     src.key = codes_key;
     src.item = &ci;

@@ -137,31 +137,23 @@ Status check_structure(const OptimizerState& state, bool require_buffers) {
 
 FlatRange shard_range(const Entry& e, Component c, const std::vector<int64_t>& shape, int world, int rank) {
   const int64_t numel = *checked_numel(shape);
-  int64_t units, unit_elems;  // what is split (rows or blocks) and how many component elements each holds
-  if (e.encoding == Encoding::kDense) {
-    units = shape.empty() ? 1 : shape[0];
-    unit_elems = units > 0 ? numel / units : 0;
-  } else {
-    // FSDP2's rows where every rank's rows begin on a block (its Shard(0) layout, so an FSDP2 rank's
-    // local codes are its range), else whole blocks, so blocks never straddle ranks. A single rank
-    // gets everything either way.
-    const int64_t rows = shape.empty() ? 1 : shape[0];
-    const int64_t row_len = rows > 0 ? numel / rows : 0;
-    const int64_t rows_per_rank = (rows + world - 1) / world;
-    if (row_len > 0 && (rows_per_rank * row_len) % e.block_size == 0) {
-      const int64_t first = std::min<int64_t>(rows, rows_per_rank * rank);
-      const int64_t last = std::min<int64_t>(rows, first + rows_per_rank);
-      const int64_t begin = first * row_len, end = last * row_len;
-      if (c == Component::kAbsmax) return {begin / e.block_size, (end + e.block_size - 1) / e.block_size};
-      return {begin, end};
-    }
-    units = (numel + e.block_size - 1) / e.block_size;
-    unit_elems = c == Component::kAbsmax ? 1 : e.block_size;
-  }
-  const int64_t per_rank = (units + world - 1) / world;  // torch.chunk: ceil-sized
-  const int64_t total = component_count(e, c, numel);
+  const int64_t rows = shape.empty() ? 1 : shape[0];
+  const int64_t row_len = rows > 0 ? numel / rows : 0;
+  // What is split, torch.chunk-style (ceil-sized, trailing ranks short or empty): whole rows of dim 0
+  // for dense entries, and for 8-bit ones where every rank's rows begin on a block (FSDP2's Shard(0)
+  // layout, so an FSDP2 rank's local codes are its range); else whole blocks. Blocks never straddle
+  // ranks, and a single rank gets everything either way.
+  const bool eight = e.encoding == Encoding::kBlockwise8;
+  const bool by_rows = !eight || (row_len > 0 && ((rows + world - 1) / world * row_len) % e.block_size == 0);
+  const int64_t units = by_rows ? rows : (numel + e.block_size - 1) / e.block_size;
+  const int64_t unit_elems = by_rows ? row_len : e.block_size;
+  const int64_t per_rank = (units + world - 1) / world;
   const int64_t first = std::min<int64_t>(units, per_rank * rank), last = std::min<int64_t>(units, first + per_rank);
-  return {std::min(total, first * unit_elems), std::min(total, last * unit_elems)};
+  const int64_t begin = std::min(numel, first * unit_elems), end = std::min(numel, last * unit_elems);
+  // absmax in blocks: begin lies on a block (or at numel, for an empty shard)
+  const int64_t b = e.block_size;
+  if (eight && c == Component::kAbsmax) return {(begin + b - 1) / b, (end + b - 1) / b};
+  return {begin, end};
 }
 
 std::string format_shape(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }

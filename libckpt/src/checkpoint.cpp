@@ -78,18 +78,19 @@ Result<OptimizerState> load_all(CheckpointReader& reader) {
     for (auto& [name, e] : ps.entries) {
       for (Component c : e.components()) {
         const int64_t want = component_bytes(e, c, numel);
+        const std::string key = entry_key(fqn, name);  // clang < 16 cannot capture a structured binding
         std::vector<std::byte> bytes;
         bytes.reserve(static_cast<size_t>(want));
         OPTSTATE_RETURN_IF_ERROR(reader.stream(fqn, name, c, [&](std::span<const std::byte> piece) {
           if (bytes.size() + piece.size() > static_cast<size_t>(want))
             return corrupt(fmt::format("{}: entry '{}' {} has more bytes than its shape allows",
-                                       reader.path().string(), entry_key(fqn, name), component_name(c)));
+                                       reader.path().string(), key, component_name(c)));
           bytes.insert(bytes.end(), piece.begin(), piece.end());
           return Status::Ok();
         }));
         if (static_cast<int64_t>(bytes.size()) != want)
           return corrupt(fmt::format("{}: entry '{}' {} has {} bytes, expected {}", reader.path().string(),
-                                     entry_key(fqn, name), component_name(c), bytes.size(), want));
+                                     key, component_name(c), bytes.size(), want));
         e.buffer(c) = Buffer::take(std::move(bytes));
       }
     }

@@ -87,9 +87,21 @@ def _load_state_dict(optimizer, state_dict):
     tensor but `step` to its param's dtype, right for its own optimizers, wrong for these: uint8
     codes would become floats, and the fp32 moments of bf16 params would be rounded to bf16. Here
     each tensor keeps its dtype and moves to its param's device (where the step ops take it, step
-    counters included); groups and hyperparameters load as torch loads them."""
+    counters included); groups and hyperparameters load as torch loads them. Load hooks run as in
+    torch: pre hooks see (and may replace) the whole state dict, post hooks see the loaded state."""
+    state_dict = state_dict.copy()
+    for hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
+        result = hook(optimizer, state_dict)
+        if result is not None:
+            state_dict = result
+    # torch's loader does the groups (and their checks) only; its hooks run here, around all of it.
+    pre, post = optimizer._optimizer_load_state_dict_pre_hooks, optimizer._optimizer_load_state_dict_post_hooks
+    optimizer._optimizer_load_state_dict_pre_hooks, optimizer._optimizer_load_state_dict_post_hooks = {}, {}
+    try:
+        torch.optim.Optimizer.load_state_dict(optimizer, {**state_dict, "state": {}})
+    finally:
+        optimizer._optimizer_load_state_dict_pre_hooks, optimizer._optimizer_load_state_dict_post_hooks = pre, post
     saved = state_dict["state"]
-    torch.optim.Optimizer.load_state_dict(optimizer, {**state_dict, "state": {}})
     ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for pid, p in zip(ids, params):
@@ -98,6 +110,8 @@ def _load_state_dict(optimizer, state_dict):
         device = p.device
         optimizer.state[p] = {k: v.to(device=device) if isinstance(v, torch.Tensor) else v
                               for k, v in saved[pid].items()}
+    for hook in post.values():
+        hook(optimizer)
 
 
 def _with_lr(op, lr):

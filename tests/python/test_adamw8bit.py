@@ -351,7 +351,15 @@ def test_state_dict_round_trip_keeps_codes_and_continues_bitwise(dtype):
     buf.seek(0)
     b = [x.detach().clone().requires_grad_() for x in a]
     ob = optstate.AdamW8bit(b, lr=1e-2, weight_decay=0.1)
+    # Load hooks run as torch runs them: the pre hook sees the whole state dict, the post hook the
+    # loaded state (with its uint8 codes).
+    seen = {}
+    ob.register_load_state_dict_pre_hook(lambda opt, sd: seen.update(pre=len(sd["state"])))
+    ob.register_load_state_dict_post_hook(
+        lambda opt: seen.update(post=sorted({v.dtype for st in opt.state.values() for k, v in st.items()
+                                             if k.endswith("_codes")}, key=str)))
     ob.load_state_dict(torch.load(buf))
+    assert seen == {"pre": len(oa.state), "post": [torch.uint8]}
     for x, y in zip(a, b):
         for k, v in oa.state[x].items():
             assert ob.state[y][k].dtype == v.dtype and torch.equal(ob.state[y][k], v), k

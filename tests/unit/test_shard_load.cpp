@@ -71,7 +71,8 @@ void check_equal_pieces(const std::vector<OptimizerState>& shards, const Optimiz
   for (const auto& [fqn, ps] : whole.params)
     for (const auto& [name, e] : ps.entries)
       for (Component c : e.components()) {
-        CAPTURE(entry_key(fqn, name));
+        const std::string key = entry_key(fqn, name);  // clang < 16 cannot capture a structured binding
+        CAPTURE(key);
         CAPTURE(component_name(c));
         const Entry& got = shards[0].params.at(fqn).entries.at(name);
         CHECK(got.encoding == e.encoding);

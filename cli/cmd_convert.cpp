@@ -40,7 +40,7 @@ int run_convert(int argc, char** argv) {
        {"--min-8bit-size", true, "params with fewer elements stay dense (default 4096)"},
        {"--world-size", true, "lay DST out as N ranks' shards (default 1)"},
        {"--compress", true, "gzip level 1-9 where the format compresses (hdf5, with shuffle)"},
-       {"--overwrite", false, "replace DST if it exists"},
+       {"--overwrite", false, "replace DST if it is a checkpoint (any format) or an empty directory"},
        {"--json", false, "print a JSON summary"}},
       2,
       2};
@@ -54,7 +54,7 @@ int run_reshard(int argc, char** argv) {
                          "whole rows for dense entries, whole blocks for 8-bit ones; nothing is requantized).\n"
                          "SRC is only read; DST appears complete or not at all.",
                          {{"--world-size", true, "number of ranks (required)"},
-                          {"--overwrite", false, "replace DST if it exists"},
+                          {"--overwrite", false, "replace DST if it is a checkpoint (any format) or an empty directory"},
                           {"--json", false, "print a JSON summary"}},
                          2,
                          2};
@@ -62,6 +62,17 @@ int run_reshard(int argc, char** argv) {
 }
 
 namespace {
+
+// Whether `inner` is `outer` or lies under it (both resolved: symlinks, "..").
+bool contains(const std::filesystem::path& outer, const std::filesystem::path& inner) {
+  std::error_code ec;
+  const auto o = std::filesystem::weakly_canonical(outer, ec);
+  if (ec) return false;
+  const auto i = std::filesystem::weakly_canonical(inner, ec);
+  if (ec) return false;
+  const auto rel = i.lexically_relative(o);
+  return !rel.empty() && *rel.begin() != "..";
+}
 
 int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, char** argv) {
   auto args = parse_args(spec, argc, argv);
@@ -110,6 +121,9 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   std::error_code ec;
   if (std::filesystem::exists(dst, ec) && std::filesystem::equivalent(src, dst, ec))
     return fail(command, invalid_argument(fmt::format("{}: destination is the source", dst.string())));
+  if (std::filesystem::exists(dst, ec) && contains(dst, src))  // replacing DST would delete SRC
+    return fail(command, invalid_argument(fmt::format("{}: destination contains the source {}", dst.string(),
+                                                      src.string())));
 
   auto reader = open_checkpoint(src);
   if (!reader.ok()) return fail(command, reader.status());

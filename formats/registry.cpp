@@ -34,6 +34,20 @@ Result<const FormatDriver*> detect_format(const std::filesystem::path& path) {
                                       fmt::join(tried, ", ")));
 }
 
+Status check_destination(const std::filesystem::path& path, bool overwrite) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::symlink_status(path, ec);
+  if (!fs::exists(st)) return Status::Ok();
+  if (!overwrite) return invalid_argument(fmt::format("{}: already exists (overwrite not requested)", path.string()));
+  for (const FormatDriver* d : format_drivers())
+    if (d->sniff(path)) return Status::Ok();
+  if (fs::is_directory(path, ec) && fs::is_empty(path, ec) && !ec) return Status::Ok();
+  return invalid_argument(fmt::format(
+      "{}: exists and is not a checkpoint ({}); overwriting replaces checkpoints only, so it is left as it is",
+      path.string(), fs::is_directory(path, ec) ? "a directory holding other files" : "not in any known format"));
+}
+
 Result<std::unique_ptr<CheckpointReader>> open_checkpoint(const std::filesystem::path& path) {
   OPTSTATE_ASSIGN_OR_RETURN(const FormatDriver* d, detect_format(path));
   return d->open(path);

@@ -11,6 +11,7 @@
 #include "optstate/io.h"
 #include "optstate/quant8.h"
 #include "pickle.h"
+#include "registry.h"
 #include "zip.h"
 
 namespace optstate::dcp {
@@ -371,9 +372,8 @@ Status write_into(const OptimizerState& state, const fs::path& staging, int worl
 
 Status write_dcp(const OptimizerState& state, const fs::path& path, const WriteOptions& options) {
   OPTSTATE_RETURN_IF_ERROR(check_structure(state, true));
+  OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
   std::error_code ec;
-  if (!options.overwrite && fs::exists(fs::symlink_status(path, ec)))
-    return invalid_argument(fmt::format("{}: already exists (overwrite not requested)", path.string()));
   OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_dir(path));
   if (options.world_size < 1 || options.world_size > 65536)
     return invalid_argument(fmt::format("world size {} out of range", options.world_size));

@@ -13,6 +13,7 @@
 #include "optstate/checkpoint.h"
 #include "optstate/io.h"
 #include "optstate/state_json.h"
+#include "registry.h"
 
 namespace optstate::hdf5 {
 namespace {
@@ -410,9 +411,8 @@ class Hdf5Driver final : public FormatDriver {
     OPTSTATE_RETURN_IF_ERROR(check_structure(state, true));
     if (options.compression < 0 || options.compression > 9)
       return invalid_argument(fmt::format("gzip level {} out of range (0-9)", options.compression));
+    OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
     std::error_code ec;
-    if (!options.overwrite && fs::exists(fs::symlink_status(path, ec)))
-      return invalid_argument(fmt::format("{}: already exists (overwrite not requested)", path.string()));
     OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_path(path));
     Status st;
     {

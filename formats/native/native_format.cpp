@@ -14,6 +14,7 @@
 #include "optstate/hash.h"
 #include "optstate/io.h"
 #include "native_manifest.h"
+#include "registry.h"
 
 namespace optstate::native {
 namespace {
@@ -234,9 +235,8 @@ class NativeDriver final : public FormatDriver {
 
   Status write(const OptimizerState& state, const fs::path& path, const WriteOptions& options) const override {
     OPTSTATE_RETURN_IF_ERROR(check_structure(state, true));
+    OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
     std::error_code ec;
-    if (!options.overwrite && fs::exists(fs::symlink_status(path, ec)))
-      return invalid_argument(fmt::format("{}: already exists (overwrite not requested)", path.string()));
     OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_dir(path));
     Status st = write_into(state, staging, options.world_size);
     if (st.ok()) st = publish_directory(staging, path, options.overwrite);

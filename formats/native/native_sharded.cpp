@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "native_manifest.h"
+#include "registry.h"
 #include "optstate/io.h"
 
 namespace optstate::native {
@@ -49,10 +50,9 @@ Status save_sharded(const OptimizerState& local, const std::filesystem::path& pa
 
   // 1. Rank 0 makes the staging directory beside the destination and tells everyone its name.
   if (rank == 0) {
-    std::error_code ec;
     std::string staging_value;
-    if (!options.overwrite && std::filesystem::exists(std::filesystem::symlink_status(path, ec))) {
-      staging_value = fmt::format("{}{}: already exists (overwrite not requested)", kError, path.string());
+    if (Status dst = check_destination(path, options.overwrite); !dst.ok()) {
+      staging_value = kError + dst.message();
     } else {
       auto staging = make_staging_dir(path);
       if (staging.ok() && ::mkdir((*staging / "data").c_str(), 0755) != 0)

@@ -8,6 +8,7 @@
 #include "optstate/checkpoint.h"
 #include "optstate/io.h"
 #include "optstate/state_json.h"
+#include "registry.h"
 #include "safetensors_layout.h"
 
 namespace optstate::safetensors {
@@ -151,9 +152,8 @@ class SafetensorsDriver final : public FormatDriver {
 
   Status write(const OptimizerState& state, const fs::path& path, const WriteOptions& options) const override {
     OPTSTATE_RETURN_IF_ERROR(check_structure(state, true));
+    OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
     std::error_code ec;
-    if (!options.overwrite && fs::exists(fs::symlink_status(path, ec)))
-      return invalid_argument(fmt::format("{}: already exists (overwrite not requested)", path.string()));
     std::vector<std::pair<std::string, TensorInfo>> tensors;
     std::vector<const Buffer*> buffers;
     uint64_t at = 0;

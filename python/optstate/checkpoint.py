@@ -178,7 +178,8 @@ def save(path, model, optimizer, overwrite=True, dequantize=False, timeout=600.0
     an initialized process group every rank must call this: each writes its own file in parallel and
     rank 0 commits after all have reported (a failed or silent rank: no commit, the previous
     checkpoint stays). 8-bit state is stored as codes + absmax + map name; ``dequantize=True``
-    (single process) stores it as dense fp32.
+    (single process) stores it as dense fp32. ``overwrite`` replaces an existing checkpoint (of any
+    format) or an empty directory; a path holding anything else is refused and left as it is.
     """
     world, rank = world_and_rank(model.group if isinstance(model, ShardedParams) else None)
     if isinstance(model, ShardedParams) and (model.world, model.rank) != (world, rank):

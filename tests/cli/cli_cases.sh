@@ -175,6 +175,22 @@ assert j["params"]["head.bias"]["entries"]["exp_avg"]["encoding"] == "dense"
     mkdir "$work/exists"
     expect_error 2 "$work/exists: already exists" -- "$OPTSTATE" convert "$work/c" "$work/exists"
     expect_error 2 "unknown output format 'zip'" -- "$OPTSTATE" convert "$work/c" "$work/y" --format zip
+    # --overwrite replaces checkpoints (any format) and empty directories, never other files, and
+    # never a directory holding the source.
+    mkdir -p "$work/home/ckpt" && echo keep > "$work/home/notes.txt" && cp -r "$work/c/." "$work/home/ckpt"
+    expect_error 2 "$work/home: destination contains the source" -- \
+      "$OPTSTATE" convert "$work/home/ckpt" "$work/home" --overwrite
+    rm -r "$work/home/ckpt"
+    expect_error 2 "$work/home: exists and is not a checkpoint \(a directory holding other files\)" -- \
+      "$OPTSTATE" convert "$work/c" "$work/home" --overwrite
+    expect_error 2 "notes.txt: exists and is not a checkpoint \(not in any known format\)" -- \
+      "$OPTSTATE" convert "$work/c" "$work/home/notes.txt" --format safetensors --overwrite
+    [ "$(cat "$work/home/notes.txt")" = keep ] || fail "--overwrite touched a file that is no checkpoint"
+    "$OPTSTATE" convert "$work/c" "$work/exists" --overwrite >/dev/null || fail "--overwrite of an empty directory"
+    "$OPTSTATE" convert "$work/c" "$work/s.safetensors" >/dev/null || fail "convert to safetensors"
+    "$OPTSTATE" convert "$work/c" "$work/s.safetensors" --format native --overwrite >/dev/null \
+      || fail "--overwrite of a safetensors checkpoint"
+    [ "$("$OPTSTATE" hash "$work/s.safetensors")" = "$("$OPTSTATE" hash "$work/c")" ] || fail "replaced checkpoint"
     truncate -s -5 "$work/c/data/rank-00000.bin"
     expect_error 2 "rank-00000.bin" -- "$OPTSTATE" convert "$work/c" "$work/z" --to 8bit
     [ ! -e "$work/z" ] || fail "a failed convert left output"

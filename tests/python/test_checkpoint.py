@@ -136,6 +136,14 @@ def test_save_refuses_to_clobber_and_load_rejects_mismatch(tmp_path):
         optstate.load(tmp_path / "c", other, optstate.FusedAdamW(other.parameters()))
     with pytest.raises(RuntimeError, match="no such file"):
         optstate.load(tmp_path / "missing", model, opt)
+    # overwrite (the default) replaces a checkpoint, never a directory of other files: a save to a
+    # wrong path such as the run directory must not delete it.
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "train.log").write_text("keep")
+    with pytest.raises(RuntimeError, match="run: exists and is not a checkpoint"):
+        optstate.save(tmp_path / "run", model, opt)
+    assert (tmp_path / "run" / "train.log").read_text() == "keep"
+    optstate.save(tmp_path / "c", model, opt)  # a checkpoint is replaced
 
 
 def _snapshot(model, opt):

@@ -44,7 +44,8 @@ class CheckpointReader {
 };
 
 struct WriteOptions {
-  bool overwrite = false;   // replace an existing checkpoint (atomically, after the new one is durable)
+  bool overwrite = false;   // replace an existing checkpoint (atomically, after the new one is durable);
+                            // never anything else (check_destination in formats/registry.h)
   bool dequantize = false;  // store blockwise8 entries as dense fp32 (dequantize-on-save)
   int world_size = 1;       // lay the state out as this many ranks' shards (formats that shard)
   int compression = 0;      // gzip level 1-9 for formats that compress (hdf5: with shuffle); 0 none

@@ -37,15 +37,22 @@ Result<const FormatDriver*> detect_format(const std::filesystem::path& path) {
 Status check_destination(const std::filesystem::path& path, bool overwrite) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  const fs::file_status st = fs::symlink_status(path, ec);
-  if (!fs::exists(st)) return Status::Ok();
+  if (!fs::exists(fs::symlink_status(path, ec))) return Status::Ok();
   if (!overwrite) return invalid_argument(fmt::format("{}: already exists (overwrite not requested)", path.string()));
-  for (const FormatDriver* d : format_drivers())
-    if (d->sniff(path)) return Status::Ok();
   if (fs::is_directory(path, ec) && fs::is_empty(path, ec) && !ec) return Status::Ok();
+  // A checkpoint is what opens as one, not only what sniffs as one: a project folder with a
+  // manifest.json must not be taken for a native checkpoint and deleted.
+  std::string why = fs::is_directory(path, ec) ? "a directory holding other files" : "not in any known format";
+  for (const FormatDriver* d : format_drivers()) {
+    if (!d->sniff(path)) continue;
+    auto reader = d->open(path);
+    if (reader.ok()) return Status::Ok();
+    why = fmt::format("looks like {} but does not open: {}", d->name(), reader.status().message());
+    break;
+  }
   return invalid_argument(fmt::format(
       "{}: exists and is not a checkpoint ({}); overwriting replaces checkpoints only, so it is left as it is",
-      path.string(), fs::is_directory(path, ec) ? "a directory holding other files" : "not in any known format"));
+      path.string(), why));
 }
 
 Result<std::unique_ptr<CheckpointReader>> open_checkpoint(const std::filesystem::path& path) {

@@ -16,7 +16,7 @@ const FormatDriver* find_format(std::string_view name);
 // The driver whose sniffer recognizes `path`, or an error naming the path.
 Result<const FormatDriver*> detect_format(const std::filesystem::path& path);
 // What a writer may put its output in place of at `path`: nothing; or, with `overwrite`, a
-// checkpoint in any format this build detects, or an empty directory. Anything else (a directory of
+// checkpoint in any format this build opens, or an empty directory. Anything else (a directory of
 // other files, a file that is no checkpoint) is refused naming it: overwriting replaces checkpoints
 // and never deletes what optstate did not write. Every driver's write checks this first.
 Status check_destination(const std::filesystem::path& path, bool overwrite);

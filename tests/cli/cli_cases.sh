@@ -186,6 +186,10 @@ assert j["params"]["head.bias"]["entries"]["exp_avg"]["encoding"] == "dense"
     expect_error 2 "notes.txt: exists and is not a checkpoint \(not in any known format\)" -- \
       "$OPTSTATE" convert "$work/c" "$work/home/notes.txt" --format safetensors --overwrite
     [ "$(cat "$work/home/notes.txt")" = keep ] || fail "--overwrite touched a file that is no checkpoint"
+    echo '{"name": "web"}' > "$work/home/manifest.json"  # sniffs as native, is none
+    expect_error 2 "$work/home: exists and is not a checkpoint \(looks like native but does not open: .*manifest.json" \
+      -- "$OPTSTATE" convert "$work/c" "$work/home" --overwrite
+    [ -e "$work/home/notes.txt" ] || fail "--overwrite deleted a directory with a manifest.json"
     "$OPTSTATE" convert "$work/c" "$work/exists" --overwrite >/dev/null || fail "--overwrite of an empty directory"
     "$OPTSTATE" convert "$work/c" "$work/s.safetensors" >/dev/null || fail "convert to safetensors"
     "$OPTSTATE" convert "$work/c" "$work/s.safetensors" --format native --overwrite >/dev/null \

@@ -236,9 +236,11 @@ Result<Metadata> interpret_metadata(const Pickle& p, const std::string& where) {
     StorageLoc loc;
     auto rel = str(p, p.dict_get(sf, "relative_path"));
     const Ref o = p.dict_get(sf, "offset"), l = p.dict_get(sf, "length");
-    if (!rel || o == kNoRef || l == kNoRef || p.at(o).kind != Kind::kInt || p.at(l).kind != Kind::kInt ||
-        p.at(o).i < 0 || p.at(l).i < 0)
+    if (!rel || o == kNoRef || l == kNoRef || p.at(o).kind != Kind::kInt || p.at(l).kind != Kind::kInt)
       return corrupt(fmt::format("{}: storage of '{}' needs relative_path, offset and length", where, *fqn));
+    if (p.at(o).i < 0 || p.at(l).i < 0)
+      return corrupt(fmt::format("{}: storage of '{}' has a negative offset or length ({}, {})", where, *fqn,
+                                 p.at(o).i, p.at(l).i));
     loc.relative_path = *rel;
     loc.offset = static_cast<uint64_t>(p.at(o).i);
     loc.length = static_cast<uint64_t>(p.at(l).i);

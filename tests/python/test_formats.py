@@ -341,6 +341,16 @@ def test_truncated_or_garbled_dcp_names_the_item(tmp_path, optstate_cli):
     md.storage_data[idx].relative_path = "../../etc/passwd"
     (bad / ".metadata").write_bytes(pickle.dumps(md))
     assert "optim.state.0.weight.exp_avg" in run_err(optstate_cli, "inspect", bad)
+    # an absolute path, a missing data file, a negative offset, no storage record at all
+    for change, want in [(lambda m: setattr(m.storage_data[idx], "relative_path", "/etc/passwd"), "is absolute"),
+                         (lambda m: setattr(m.storage_data[idx], "relative_path", "__9_0.distcp"), "is missing"),
+                         (lambda m: setattr(m.storage_data[idx], "offset", -5), "negative offset"),
+                         (lambda m: m.storage_data.pop(idx), "has no storage record")]:
+        md = pickle.loads(meta)
+        change(md)
+        (bad / ".metadata").write_bytes(pickle.dumps(md))
+        err = run_err(optstate_cli, "hash", bad)
+        assert "optim.state.0.weight.exp_avg" in err and want in err, err
 
 
 def test_optstate_load_resumes_its_optimizers_from_torch_and_torchao_dcp(tmp_path):

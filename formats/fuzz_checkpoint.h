@@ -1,0 +1,156 @@
+// Whole-checkpoint fuzzing for the directory formats: a real checkpoint is written once; each input
+// replaces its index file (manifest.json, .metadata) and may damage a data file; then every reader
+// path runs (validate, open, hash, a full read). Any bytes must give a result or an error; never a
+// crash, a hang or an unbounded allocation. Used by formats/<name>/fuzz_<name>_checkpoint.cpp.
+#pragma once
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <optional>
+#include <random>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "fuzz_mutate.h"
+#include "optstate/checkpoint.h"
+#include "optstate/hash.h"
+#include "optstate/transform.h"
+#include "optstate/validate.h"
+#include "registry.h"
+
+namespace optstate::fuzz {
+
+// Two params: a weight with 8-bit moments (block 64) and a bias with dense ones.
+inline OptimizerState sample_state() {
+  OptimizerState st;
+  st.groups.push_back({});
+  st.groups[0].params = {"a.weight", "a.bias"};
+  auto add = [&](const std::string& fqn, std::vector<int64_t> shape) {
+    ParamState ps;
+    ps.shape = shape;
+    ps.step = 5;
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    for (std::string name : {"exp_avg", "exp_avg_sq"}) {
+      const bool second = name == "exp_avg_sq";  // second moments are non-negative
+      std::vector<float> v(static_cast<size_t>(n));
+      for (size_t i = 0; i < v.size(); ++i)
+        v[i] = (second ? 1e-4f : 1e-2f) * static_cast<float>(static_cast<int>((i * 37) % 101) - (second ? 0 : 50));
+      Entry e;
+      e.values = Buffer::copy_of(std::as_bytes(std::span(v)));
+      ps.entries.emplace(name, e);
+    }
+    st.params.emplace(fqn, ps);
+  };
+  add("a.weight", {24, 32});
+  add("a.bias", {24});
+  QuantizeOptions q;
+  q.block_size = 64;
+  q.min_8bit_size = 256;
+  return *quantize_state(st, q);
+}
+
+inline std::string read_file(const std::filesystem::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), {}};
+}
+
+inline void write_file(const std::filesystem::path& p, std::string_view bytes) {
+  std::ofstream(p, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+class CheckpointFixture {
+ public:
+  using Files = std::vector<std::pair<std::filesystem::path, std::string>>;  // relative path, bytes
+
+  // Writes sample_state() as `format` with `world_size` ranks; `index_name` is the file inputs replace.
+  CheckpointFixture(std::string_view format, int world_size, std::string index_name)
+      : driver_(find_format(format)), index_name_(std::move(index_name)) {
+    namespace fs = std::filesystem;
+    base_ = fs::temp_directory_path() / fmt_name(format);
+    fs::remove_all(base_);
+    fs::create_directories(base_);
+    WriteOptions wo;
+    wo.world_size = world_size;
+    if (!driver_ || !driver_->write(sample_state(), base_ / "seed", wo).ok()) std::abort();
+    index_ = read_file(base_ / "seed" / index_name_);
+    for (const auto& e : fs::recursive_directory_iterator(base_ / "seed"))
+      if (e.is_regular_file() && e.path().filename() != index_name_)
+        data_.emplace_back(fs::relative(e.path(), base_ / "seed"), read_file(e.path()));
+  }
+  ~CheckpointFixture() {
+    std::error_code ec;
+    std::filesystem::remove_all(base_, ec);
+  }
+
+  const std::string& index() const { return index_; }
+  const Files& data() const { return data_; }
+
+  // Lays out `index` and `data` as a checkpoint and runs every reader path; whether it opened.
+  bool run(std::string_view index, const Files& data) const {
+    namespace fs = std::filesystem;
+    const fs::path work = base_ / "work";
+    fs::remove_all(work);
+    fs::create_directories(work);
+    write_file(work / index_name_, index);
+    for (const auto& [rel, bytes] : data) {
+      fs::create_directories((work / rel).parent_path());
+      write_file(work / rel, bytes);
+    }
+    const FormatDriver* d = driver_;
+    (void)validate_checkpoint(work, [d](const fs::path& p) { return d->open(p); });
+    auto r = d->open(work);
+    if (!r.ok()) return false;
+    (void)hash_checkpoint(**r);
+    (void)load_all(**r);
+    return true;
+  }
+
+  // The target's main() without libFuzzer: `--print-seed` prints the index file (the seed kept in
+  // testdata/checkpoint/); else `[ITERATIONS] [SEED]`, the bounded mutation run of CTest: two in
+  // three inputs mutate the index (passed through `sign`, which re-signs it where the format has a
+  // checksum), one in three damages a data file.
+  int main(int argc, char** argv, const char* test, std::string_view alphabet,
+           const std::function<std::optional<std::string>(const std::string&)>& sign) const {
+    if (argc > 1 && std::string_view(argv[1]) == "--print-seed") {
+      std::fwrite(index_.data(), 1, index_.size(), stdout);
+      return 0;
+    }
+    const long iterations = argc > 1 ? std::atol(argv[1]) : 500;
+    std::mt19937_64 rng(argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 1);
+    long opened = 0;
+    for (long i = 0; i < iterations; ++i) {
+      std::string index = index_;
+      Files data = data_;
+      if (i % 3 != 2) {
+        mutate(index, rng, alphabet);
+        if (auto s = sign(index)) index = *s;
+      } else {
+        mutate(data[rng() % data.size()].second, rng, "");
+      }
+      opened += run(index, data);
+    }
+    std::printf("%s: %ld inputs, %ld opened, no crash\n", test, iterations, opened);
+    return 0;
+  }
+
+ private:
+  static std::string fmt_name(std::string_view format) {
+    return "optstate-fuzz-" + std::string(format) + "-" + std::to_string(::getpid());
+  }
+
+  const FormatDriver* driver_;
+  std::string index_name_;
+  std::filesystem::path base_;
+  std::string index_;
+  Files data_;
+};
+
+}  // namespace optstate::fuzz

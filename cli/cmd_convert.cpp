@@ -119,11 +119,13 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
     compression = static_cast<int>(*n);
   }
   std::error_code ec;
-  if (std::filesystem::exists(dst, ec) && std::filesystem::equivalent(src, dst, ec))
-    return fail(command, invalid_argument(fmt::format("{}: destination is the source", dst.string())));
-  if (std::filesystem::exists(dst, ec) && contains(dst, src))  // replacing DST would delete SRC
-    return fail(command, invalid_argument(fmt::format("{}: destination contains the source {}", dst.string(),
-                                                      src.string())));
+  if (std::filesystem::exists(dst, ec)) {
+    if (std::filesystem::equivalent(src, dst, ec))
+      return fail(command, invalid_argument(fmt::format("{}: destination is the source", dst.string())));
+    if (contains(dst, src))  // replacing DST would delete SRC
+      return fail(command, invalid_argument(fmt::format("{}: destination contains the source {}", dst.string(),
+                                                        src.string())));
+  }
 
   auto reader = open_checkpoint(src);
   if (!reader.ok()) return fail(command, reader.status());

@@ -6,6 +6,7 @@
 #include <fmt/ranges.h>
 
 #include <cstring>
+#include <optional>
 
 #include "adamw8bit.h"
 #include "fused_adamw.h"
@@ -154,16 +155,21 @@ void apply_import(torch::optim::Optimizer& opt, std::vector<PendingParam>& pendi
 }
 
 // Checks, before anything is changed, that `state` can be imported into `opt` under `names`.
-Status check_import(const torch::optim::Optimizer& opt, const std::vector<std::string>& names,
-                    const OptimizerState& state, bool load_params) {
+// The checks an import makes before it changes anything, and the checkpoint's hyperparameters for
+// each live param group (nullopt: a group without params). Groups are matched through their params,
+// not by position: a flattened DCP (torchtitan's) records no group order, and the canonical state
+// merges groups with equal hyperparameters. A live group whose params the checkpoint has with
+// different hyperparameters is refused.
+Result<std::vector<std::optional<Hyperparameters>>> check_import(const torch::optim::Optimizer& opt,
+                                                                 const std::vector<std::string>& names,
+                                                                 const OptimizerState& state, bool load_params) {
   if (names.size() != param_count(opt))
     return invalid_argument(
         fmt::format("{} names given for an optimizer with {} params", names.size(), param_count(opt)));
-  if (state.groups.size() != opt.param_groups().size())
-    return invalid_argument(fmt::format("checkpoint has {} param groups, optimizer has {}", state.groups.size(),
-                                        opt.param_groups().size()));
+  std::vector<std::optional<Hyperparameters>> hypers(opt.param_groups().size());
   size_t i = 0;
-  for (size_t gi = 0; gi < opt.param_groups().size(); ++gi)
+  for (size_t gi = 0; gi < opt.param_groups().size(); ++gi) {
+    std::string first;
     for (const auto& p : opt.param_groups()[gi].params()) {
       const std::string& fqn = names[i++];
       auto it = state.params.find(fqn);
@@ -172,8 +178,17 @@ Status check_import(const torch::optim::Optimizer& opt, const std::vector<std::s
       if (ps.shape != shape_of(p))
         return invalid_argument(fmt::format("param '{}': checkpoint shape {} differs from the model's {}", fqn,
                                             format_shape(ps.shape), format_shape(shape_of(p))));
-      if (static_cast<size_t>(ps.group) != gi)
-        return invalid_argument(fmt::format("param '{}' is in group {} in the checkpoint, {} here", fqn, ps.group, gi));
+      if (ps.group < 0 || static_cast<size_t>(ps.group) >= state.groups.size())
+        return invalid_argument(fmt::format("param '{}' names param group {} of {}", fqn, ps.group, state.groups.size()));
+      const Hyperparameters& h = state.groups[static_cast<size_t>(ps.group)].hyper;
+      if (!hypers[gi]) {
+        hypers[gi] = h;
+        first = fqn;
+      } else if (!(*hypers[gi] == h)) {
+        return invalid_argument(fmt::format("param group {} holds '{}' and '{}', which the checkpoint has with "
+                                            "different hyperparameters; split the group as it was",
+                                            gi, first, fqn));
+      }
       if (ps.entries.count(kExpAvg) != ps.entries.count(kExpAvgSq))
         return invalid_argument(fmt::format("param '{}' has only one of exp_avg and exp_avg_sq", fqn));
       for (const auto& [name, e] : ps.entries)
@@ -183,7 +198,8 @@ Status check_import(const torch::optim::Optimizer& opt, const std::vector<std::s
       if (load_params && !ps.entries.count(kParam))
         return not_found(fmt::format("checkpoint has no weights for param '{}'", fqn));
     }
-  return Status::Ok();
+  }
+  return hypers;
 }
 
 }  // namespace
@@ -207,7 +223,7 @@ Status import_state(FusedAdamW& opt, const std::vector<std::string>& names, cons
                     bool load_params) {
   // FusedAdamW keeps dense fp32 moments: 8-bit ones are dequantized.
   OPTSTATE_ASSIGN_OR_RETURN(const OptimizerState state, dequantize_state(state_in));
-  OPTSTATE_RETURN_IF_ERROR(check_import(opt, names, state, load_params));
+  OPTSTATE_ASSIGN_OR_RETURN(const auto hypers, check_import(opt, names, state, load_params));
   std::vector<PendingParam> pending;
   size_t i = 0;
   for (auto& group : opt.param_groups())
@@ -236,8 +252,9 @@ Status import_state(FusedAdamW& opt, const std::vector<std::string>& names, cons
       pp.state = std::move(st);
     }
   for (size_t gi = 0; gi < opt.param_groups().size(); ++gi) {
+    if (!hypers[gi]) continue;
     auto& o = static_cast<FusedAdamWOptions&>(opt.param_groups()[gi].options());
-    const Hyperparameters& h = state.groups[gi].hyper;
+    const Hyperparameters& h = *hypers[gi];
     o.set_lr(h.lr);  // and into lr_tensor, in place
     o.betas({h.beta1, h.beta2}).eps(h.eps).weight_decay(h.weight_decay).amsgrad(h.amsgrad).maximize(h.maximize);
   }
@@ -312,7 +329,7 @@ Status import_state(AdamW8bit& opt, const std::vector<std::string>& names, const
   OPTSTATE_ASSIGN_OR_RETURN(OptimizerState dense, dequantize_state(state_in));
   OPTSTATE_ASSIGN_OR_RETURN(const OptimizerState state,
                             quantize_state(dense, {o0.block_size(), o0.min_8bit_size()}));
-  OPTSTATE_RETURN_IF_ERROR(check_import(opt, names, state, load_params));
+  OPTSTATE_ASSIGN_OR_RETURN(const auto hypers, check_import(opt, names, state, load_params));
   std::vector<PendingParam> pending;
   size_t i = 0;
   for (auto& group : opt.param_groups())
@@ -339,8 +356,9 @@ Status import_state(AdamW8bit& opt, const std::vector<std::string>& names, const
       pp.state = std::move(st);
     }
   for (size_t gi = 0; gi < opt.param_groups().size(); ++gi) {
+    if (!hypers[gi]) continue;
     auto& o = static_cast<AdamW8bitOptions&>(opt.param_groups()[gi].options());
-    const Hyperparameters& h = state.groups[gi].hyper;
+    const Hyperparameters& h = *hypers[gi];
     o.set_lr(h.lr);  // and into lr_tensor, in place
     o.betas({h.beta1, h.beta2}).eps(h.eps).weight_decay(h.weight_decay).amsgrad(h.amsgrad);
   }

@@ -208,79 +208,103 @@ class DcpReader final : public CheckpointReader {
         return corrupt(fmt::format("{}: item '{}' has no storage record", where, key));
       }
     }
-    // Sort the items by their place in the state dict.
-    std::map<int, std::map<std::string, std::string>> group_fields;  // group -> field -> key
-    std::map<std::string, std::map<std::string, std::string>> state_items;  // fqn -> entry -> key
-    std::map<std::string, std::string> model_items;                         // fqn -> key
+    // Sort the items by their place in the state dict. The optimizer's state sits under one
+    // top-level key (K: "optim" from get_state_dict, "optimizer" in torchtitan, ...) in one of two
+    // layouts: nested (K.state.<fqn>.<entry>, K.param_groups.<i>.<field>) or flattened
+    // (flatten_optimizer_state_dict=True: K.state.<fqn>.<entry>, K.param_groups.<fqn>.<field>, no
+    // group index). The weights are model.<fqn>, or <fqn> at the top level (torchtitan).
+    std::map<std::string, std::map<int, std::map<std::string, std::string>>> nested_groups;  // K -> group -> field
+    std::map<std::string, std::map<std::string, std::map<std::string, std::string>>> flat_groups;  // K -> fqn -> field
+    std::map<std::string, std::map<std::string, std::map<std::string, std::string>>> states;  // K -> fqn -> entry
+    std::map<std::string, std::string> model_items, top_items;  // fqn -> key
+    auto split_last = [](const std::string& s) -> std::optional<std::pair<std::string, std::string>> {
+      const auto dot = s.rfind('.');
+      if (dot == std::string::npos || dot == 0 || dot + 1 == s.size()) return std::nullopt;
+      return std::pair{s.substr(0, dot), s.substr(dot + 1)};
+    };
     for (const auto& [key, im] : md_.items) {
       std::vector<std::string> path;
       if (auto pl = md_.planner.find(key); pl != md_.planner.end()) path = pl->second;
       else path = split_key(key);
-      if (path.size() == 4 && path[0] == "optim" && path[1] == "state") {
-        state_items[path[2]][path[3]] = key;
-      } else if (path.size() == 4 && path[0] == "optim" && path[1] == "param_groups") {
+      if (path.size() == 4 && path[1] == "state") {
+        states[path[0]][path[2]][path[3]] = key;
+      } else if (path.size() == 4 && path[1] == "param_groups") {
         int g = -1;
         try {
           g = std::stoi(path[2]);
         } catch (...) {
         }
         if (g < 0 || g > 100000) return corrupt(fmt::format("{}: item '{}' names param group '{}'", where, key, path[2]));
-        group_fields[g][path[3]] = key;
+        nested_groups[path[0]][g][path[3]] = key;
+      } else if (path.size() == 2 && path[1].rfind("state.", 0) == 0) {
+        if (auto fe = split_last(path[1].substr(6))) states[path[0]][fe->first][fe->second] = key;
+      } else if (path.size() == 2 && path[1].rfind("param_groups.", 0) == 0) {
+        if (auto ff = split_last(path[1].substr(13))) flat_groups[path[0]][ff->first][ff->second] = key;
       } else if (path.size() == 2 && path[0] == "model") {
         model_items[path[1]] = key;
+      } else if (path.size() == 1 && im.is_tensor) {
+        top_items[path[0]] = key;
       }
     }
-    if (state_items.empty() && group_fields.empty())
-      return corrupt(fmt::format("{}: a DCP checkpoint without optimizer state (no optim.state.* items)", where));
+    std::set<std::string> optimizer_keys;
+    for (const auto& [k, v] : nested_groups) optimizer_keys.insert(k);
+    for (const auto& [k, v] : flat_groups) optimizer_keys.insert(k);
+    if (optimizer_keys.empty()) {
+      if (!states.empty())
+        return corrupt(fmt::format("{}: optimizer state under '{}' without param_groups items", where,
+                                   states.begin()->first));
+      return corrupt(fmt::format("{}: a DCP checkpoint without optimizer state (no <key>.param_groups items)", where));
+    }
+    if (optimizer_keys.size() > 1)
+      return corrupt(fmt::format("{}: more than one optimizer state ('{}' and '{}'); optstate reads one", where,
+                                 *optimizer_keys.begin(), *std::next(optimizer_keys.begin())));
+    const std::string opt_key = *optimizer_keys.begin();
+    if (nested_groups.count(opt_key) && flat_groups.count(opt_key))
+      return corrupt(fmt::format("{}: '{}' mixes numbered and flattened (per-param) param_groups items", where, opt_key));
+    const auto& state_items = states[opt_key];
+    for (const auto& [fqn, key] : top_items) model_items.emplace(fqn, key);  // model.<fqn> first
 
     // Param groups: hyperparameters and members.
-    int expect = 0;
-    for (const auto& [g, fields] : group_fields) {
-      if (g != expect++) return corrupt(fmt::format("{}: param group {} is missing", where, expect - 1));
-      const std::string gw = fmt::format("{}: param group {}", where, g);
-      ParamGroup pg;
-      OPTSTATE_ASSIGN_OR_RETURN(pg.hyper.lr, number(fields, "lr", gw, std::nullopt));
-      OPTSTATE_ASSIGN_OR_RETURN(pg.hyper.eps, number(fields, "eps", gw, 1e-8));
-      OPTSTATE_ASSIGN_OR_RETURN(pg.hyper.weight_decay, number(fields, "weight_decay", gw, 1e-2));
-      OPTSTATE_ASSIGN_OR_RETURN(double ams, number(fields, "amsgrad", gw, 0.0));
-      OPTSTATE_ASSIGN_OR_RETURN(double maxi, number(fields, "maximize", gw, 0.0));
-      pg.hyper.amsgrad = ams != 0;
-      pg.hyper.maximize = maxi != 0;
-      auto betas = fields.find("betas");
-      if (betas == fields.end()) return corrupt(gw + ": no betas");
-      OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * bi, item(betas->second, {}));
-      const auto& bv = bi->pickle.at(bi->pickle.root());
-      if ((bv.kind != pickle::Kind::kTuple && bv.kind != pickle::Kind::kList) || bv.items.size() != 2 ||
-          !as_number(bi->pickle, bv.items[0]) || !as_number(bi->pickle, bv.items[1]))
-        return corrupt(gw + ": betas is not two numbers");
-      pg.hyper.beta1 = *as_number(bi->pickle, bv.items[0]);
-      pg.hyper.beta2 = *as_number(bi->pickle, bv.items[1]);
-      auto params = fields.find("params");
-      if (params == fields.end()) return corrupt(gw + ": no params");
-      OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(params->second, {}));
-      auto names = as_string_list(pi->pickle, pi->pickle.root());
-      if (!names) return corrupt(gw + ": params is not a list of names (get_state_dict's FQNs)");
-      pg.params = *names;
-      meta_.groups.push_back(std::move(pg));
-      // optstate's AdamW8bit keeps its 8-bit layout in the group: block_size and the two map names.
-      Plain8 q;
-      if (fields.count("block_size")) {
-        OPTSTATE_ASSIGN_OR_RETURN(const double b, number(fields, "block_size", gw, std::nullopt));
-        if (!(b >= 1 && b <= (1 << 20) && b == static_cast<double>(static_cast<int64_t>(b))))
-          return corrupt(fmt::format("{}: block_size {} is not an integer in [1, 2^20]", gw, b));
-        q.block = static_cast<int64_t>(b);
+    if (auto ng = nested_groups.find(opt_key); ng != nested_groups.end()) {
+      int expect = 0;
+      for (const auto& [g, fields] : ng->second) {
+        if (g != expect++) return corrupt(fmt::format("{}: param group {} is missing", where, expect - 1));
+        const std::string gw = fmt::format("{}: param group {}", where, g);
+        ParamGroup pg;
+        Plain8 q;
+        OPTSTATE_RETURN_IF_ERROR(parse_group(fields, gw, pg, q));
+        auto params = fields.find("params");
+        if (params == fields.end()) return corrupt(gw + ": no params");
+        OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(params->second, {}));
+        auto names = as_string_list(pi->pickle, pi->pickle.root());
+        if (!names) return corrupt(gw + ": params is not a list of names (get_state_dict's FQNs)");
+        pg.params = *names;
+        meta_.groups.push_back(std::move(pg));
+        plain8_.push_back(q);
       }
-      for (auto [field, name] : {std::pair{"exp_avg_qmap", &q.signed_map}, std::pair{"exp_avg_sq_qmap", &q.unsigned_map}}) {
-        auto f = fields.find(field);
-        if (f == fields.end()) continue;
-        OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * qi, item(f->second, {}));
-        auto v = as_string(qi->pickle, qi->pickle.root());
-        if (!v || !qmap_from_name(*v).ok()) return corrupt(fmt::format("{}: {} is not a known map name", gw, field));
-        *name = *v;
+    } else {
+      // Flattened: each param carries its group's fields; params with equal hyperparameters and
+      // 8-bit layout form one group (in fqn order), which is all the canonical state keeps.
+      for (const auto& [fqn, fields] : flat_groups.at(opt_key)) {
+        ParamGroup pg;
+        Plain8 q;
+        OPTSTATE_RETURN_IF_ERROR(parse_group(fields, fmt::format("{}: param_groups of '{}'", where, fqn), pg, q));
+        size_t g = 0;
+        while (g < meta_.groups.size() && !(same_hyper(meta_.groups[g].hyper, pg.hyper) && plain8_[g].block == q.block &&
+                                             plain8_[g].signed_map == q.signed_map &&
+                                             plain8_[g].unsigned_map == q.unsigned_map))
+          ++g;
+        if (g == meta_.groups.size()) {
+          meta_.groups.push_back(std::move(pg));
+          plain8_.push_back(q);
+        }
+        meta_.groups[g].params.push_back(fqn);
       }
-      plain8_.push_back(q);
+      for (const auto& [fqn, entries] : state_items)
+        if (!flat_groups.at(opt_key).count(fqn))
+          return corrupt(fmt::format("{}: param '{}' has state but no param_groups items", where, fqn));
     }
-    if (meta_.groups.empty()) return corrupt(fmt::format("{}: no optim.param_groups items", where));
+    if (meta_.groups.empty()) return corrupt(fmt::format("{}: no param_groups items", where));
 
     // Params: shape, dtype, step and entries.
     bool any8 = false;
@@ -346,20 +370,75 @@ class DcpReader final : public CheckpointReader {
   }
 
  private:
-  static std::vector<std::string> split_key(const std::string& key) {
-    // Without planner_data: "optim.state.<fqn>.<entry>", "optim.param_groups.<i>.<field>", "model.<fqn>".
-    auto starts = [&](const char* p) { return key.rfind(p, 0) == 0; };
-    if (starts("optim.state.")) {
-      const std::string rest = key.substr(12);
-      const auto dot = rest.rfind('.');
-      if (dot != std::string::npos) return {"optim", "state", rest.substr(0, dot), rest.substr(dot + 1)};
-    } else if (starts("optim.param_groups.")) {
-      const std::string rest = key.substr(19);
-      const auto dot = rest.find('.');
-      if (dot != std::string::npos) return {"optim", "param_groups", rest.substr(0, dot), rest.substr(dot + 1)};
-    } else if (starts("model.")) {
-      return {"model", key.substr(6)};
+  static bool same_hyper(const Hyperparameters& a, const Hyperparameters& b) {
+    auto bits = [](double d) {
+      uint64_t u;
+      std::memcpy(&u, &d, 8);
+      return u;
+    };
+    return bits(a.lr) == bits(b.lr) && bits(a.beta1) == bits(b.beta1) && bits(a.beta2) == bits(b.beta2) &&
+           bits(a.eps) == bits(b.eps) && bits(a.weight_decay) == bits(b.weight_decay) && a.amsgrad == b.amsgrad &&
+           a.maximize == b.maximize;
+  }
+
+  // A param group's hyperparameters and optstate's 8-bit layout fields (not its members).
+  Status parse_group(const std::map<std::string, std::string>& fields, const std::string& gw, ParamGroup& pg,
+                     Plain8& q) {
+    OPTSTATE_ASSIGN_OR_RETURN(pg.hyper.lr, number(fields, "lr", gw, std::nullopt));
+    OPTSTATE_ASSIGN_OR_RETURN(pg.hyper.eps, number(fields, "eps", gw, 1e-8));
+    OPTSTATE_ASSIGN_OR_RETURN(pg.hyper.weight_decay, number(fields, "weight_decay", gw, 1e-2));
+    OPTSTATE_ASSIGN_OR_RETURN(double ams, number(fields, "amsgrad", gw, 0.0));
+    OPTSTATE_ASSIGN_OR_RETURN(double maxi, number(fields, "maximize", gw, 0.0));
+    pg.hyper.amsgrad = ams != 0;
+    pg.hyper.maximize = maxi != 0;
+    auto betas = fields.find("betas");
+    if (betas == fields.end()) return corrupt(gw + ": no betas");
+    OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * bi, item(betas->second, {}));
+    const auto& bv = bi->pickle.at(bi->pickle.root());
+    if ((bv.kind != pickle::Kind::kTuple && bv.kind != pickle::Kind::kList) || bv.items.size() != 2 ||
+        !as_number(bi->pickle, bv.items[0]) || !as_number(bi->pickle, bv.items[1]))
+      return corrupt(gw + ": betas is not two numbers");
+    pg.hyper.beta1 = *as_number(bi->pickle, bv.items[0]);
+    pg.hyper.beta2 = *as_number(bi->pickle, bv.items[1]);
+    // optstate's AdamW8bit keeps its 8-bit layout in the group: block_size and the two map names.
+    if (fields.count("block_size")) {
+      OPTSTATE_ASSIGN_OR_RETURN(const double b, number(fields, "block_size", gw, std::nullopt));
+      if (!(b >= 1 && b <= (1 << 20) && b == static_cast<double>(static_cast<int64_t>(b))))
+        return corrupt(fmt::format("{}: block_size {} is not an integer in [1, 2^20]", gw, b));
+      q.block = static_cast<int64_t>(b);
     }
+    for (auto [field, name] : {std::pair{"exp_avg_qmap", &q.signed_map}, std::pair{"exp_avg_sq_qmap", &q.unsigned_map}}) {
+      auto f = fields.find(field);
+      if (f == fields.end()) continue;
+      OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * qi, item(f->second, {}));
+      auto v = as_string(qi->pickle, qi->pickle.root());
+      if (!v || !qmap_from_name(*v).ok()) return corrupt(fmt::format("{}: {} is not a known map name", gw, field));
+      *name = *v;
+    }
+    return Status::Ok();
+  }
+
+  static std::vector<std::string> split_key(const std::string& key) {
+    // Without planner_data (the key's path), for the usual top-level names: "<K>.state.<fqn>.<entry>",
+    // "<K>.param_groups.<i>.<field>" or flattened "<K>.param_groups.<fqn>.<field>" (K: optim,
+    // optimizer), "model.<fqn>"; anything else is one top-level name.
+    auto starts = [&](const std::string& p) { return key.rfind(p, 0) == 0; };
+    for (const std::string k : {"optim", "optimizer"}) {
+      if (starts(k + ".state.")) {
+        const std::string rest = key.substr(k.size() + 7);
+        const auto dot = rest.rfind('.');
+        if (dot != std::string::npos) return {k, "state", rest.substr(0, dot), rest.substr(dot + 1)};
+      } else if (starts(k + ".param_groups.")) {
+        const std::string rest = key.substr(k.size() + 14);
+        const auto dot = rest.find('.');
+        if (dot == std::string::npos) break;
+        const std::string first = rest.substr(0, dot);
+        if (!first.empty() && first.find_first_not_of("0123456789") == std::string::npos)
+          return {k, "param_groups", first, rest.substr(dot + 1)};
+        return {k, "param_groups." + rest};
+      }
+    }
+    if (starts("model.")) return {"model", key.substr(6)};
     return {key};
   }
 

@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <cmath>
+#include <map>
 #include <set>
 
 #include "optstate/values.h"
@@ -21,15 +22,26 @@ Result<DiffReport> diff_checkpoints(CheckpointReader& a, CheckpointReader& b, co
   DiffReport r;
   const OptimizerState &ma = a.meta(), &mb = b.meta();
   if (ma.kind != mb.kind) r.metadata.push_back(fmt::format("optimizer kind: {} vs {}", ma.kind, mb.kind));
-  if (ma.groups.size() != mb.groups.size())
-    r.metadata.push_back(fmt::format("param groups: {} vs {}", ma.groups.size(), mb.groups.size()));
-  for (size_t g = 0; g < std::min(ma.groups.size(), mb.groups.size()); ++g) {
-    const Hyperparameters &x = ma.groups[g].hyper, &y = mb.groups[g].hyper;
-    if (!(x == y))
-      r.metadata.push_back(fmt::format("group {} hyperparameters: lr {} vs {}, betas ({}, {}) vs ({}, {}), eps {} vs "
-                                       "{}, weight_decay {} vs {}, amsgrad {} vs {}, maximize {} vs {}",
-                                       g, x.lr, y.lr, x.beta1, x.beta2, y.beta1, y.beta2, x.eps, y.eps,
-                                       x.weight_decay, y.weight_decay, x.amsgrad, y.amsgrad, x.maximize, y.maximize));
+  // Hyperparameters are compared param by param, as the hash sees them: how params are grouped
+  // is not part of the state (a flattened DCP does not record it), what each param is trained
+  // with is. Params with the same difference are reported together.
+  std::map<std::pair<int, int>, std::vector<std::string>> differing;  // (group in A, group in B) -> fqns
+  for (const auto& [fqn, pa] : ma.params) {
+    auto pb = mb.params.find(fqn);
+    if (pb == mb.params.end() || pa.group < 0 || pb->second.group < 0 ||
+        static_cast<size_t>(pa.group) >= ma.groups.size() || static_cast<size_t>(pb->second.group) >= mb.groups.size())
+      continue;
+    if (!(ma.groups[pa.group].hyper == mb.groups[pb->second.group].hyper))
+      differing[{pa.group, pb->second.group}].push_back(fqn);
+  }
+  for (const auto& [gg, fqns] : differing) {
+    const Hyperparameters &x = ma.groups[gg.first].hyper, &y = mb.groups[gg.second].hyper;
+    std::vector<std::string> shown(fqns.begin(), fqns.begin() + static_cast<long>(std::min<size_t>(fqns.size(), 3)));
+    r.metadata.push_back(fmt::format("hyperparameters of {} param(s) ('{}'{}): lr {} vs {}, betas ({}, {}) vs ({}, {}), "
+                                     "eps {} vs {}, weight_decay {} vs {}, amsgrad {} vs {}, maximize {} vs {}",
+                                     fqns.size(), fmt::join(shown, "', '"), fqns.size() > 3 ? ", ..." : "", x.lr,
+                                     y.lr, x.beta1, x.beta2, y.beta1, y.beta2, x.eps, y.eps, x.weight_decay,
+                                     y.weight_decay, x.amsgrad, y.amsgrad, x.maximize, y.maximize));
   }
   std::set<std::string> fqns;
   for (const auto& [f, _] : ma.params) fqns.insert(f);

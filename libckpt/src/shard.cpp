@@ -209,15 +209,20 @@ Result<std::vector<std::string>> verify_resume_shard(const OptimizerState& live,
   const OptimizerState& meta = saved.meta();
   const std::string path = saved.path().string();
   if (live.kind != meta.kind) diffs.push_back(fmt::format("kind: live '{}', {} '{}'", live.kind, path, meta.kind));
-  if (live.groups.size() != meta.groups.size()) {
-    diffs.push_back(fmt::format("param groups: live {}, {} {}", live.groups.size(), path, meta.groups.size()));
-  } else {
-    for (size_t g = 0; g < live.groups.size(); ++g) {
-      if (!(live.groups[g].hyper == meta.groups[g].hyper))
-        diffs.push_back(fmt::format("param group {}: hyperparameters differ from {}", g, path));
-      if (live.groups[g].params != meta.groups[g].params)
-        diffs.push_back(fmt::format("param group {}: member params differ from {}", g, path));
+  // Hyperparameters param by param (as the hash sees them): how params are grouped is not part of
+  // the state (a flattened DCP does not record it), what each is trained with is. One line per
+  // live group that differs.
+  for (size_t g = 0; g < live.groups.size(); ++g) {
+    std::vector<std::string> differ;
+    for (const std::string& fqn : live.groups[g].params) {
+      auto it = meta.params.find(fqn);
+      if (it == meta.params.end() || it->second.group < 0 || static_cast<size_t>(it->second.group) >= meta.groups.size())
+        continue;  // reported below
+      if (!(live.groups[g].hyper == meta.groups[static_cast<size_t>(it->second.group)].hyper)) differ.push_back(fqn);
     }
+    if (!differ.empty())
+      diffs.push_back(fmt::format("param group {}: hyperparameters of {} param(s) (first '{}') differ from {}", g,
+                                  differ.size(), differ.front(), path));
   }
   for (const auto& [fqn, sps] : meta.params)
     if (!live.params.count(fqn)) diffs.push_back(fmt::format("param '{}' is in {} but not live", fqn, path));

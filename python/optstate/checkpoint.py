@@ -209,10 +209,8 @@ def _target(optimizer):
 
 def _load_plan(path, meta, model, optimizer):
     """The checks a load makes on a checkpoint's metadata before it changes anything live: one entry
-    (param, fqn, whole, param meta) per optimized param, or an error naming the file and param."""
-    if len(meta["param_groups"]) != len(optimizer.param_groups):
-        raise ValueError(f"optstate.load: {path} has {len(meta['param_groups'])} param groups, "
-                         f"the optimizer has {len(optimizer.param_groups)}")
+    (param, fqn, whole, param meta) per optimized param and each live group's hyperparameters, or an
+    error naming the file and param."""
     plan = []
     for _, p, fqn, whole in _params(model, optimizer):
         if fqn not in meta["params"]:
@@ -221,7 +219,28 @@ def _load_plan(path, meta, model, optimizer):
         if list(whole.shape) != pm["shape"]:
             raise ValueError(f"optstate.load: param '{fqn}' has shape {list(whole.shape)}, checkpoint {pm['shape']}")
         plan.append((p, fqn, whole, pm))
-    return plan
+    return plan, _group_hypers(path, meta, model, optimizer)
+
+
+def _group_hypers(path, meta, model, optimizer):
+    """The checkpoint's hyperparameters for each live param group, found through its params (groups
+    are matched by membership, not by position: a flattened DCP, torchtitan's, records no group
+    order). A live group whose params were trained with different hyperparameters is an error."""
+    out = []
+    params = {fqn: gi for gi, _, fqn, _ in _params(model, optimizer)}
+    for gi in range(len(optimizer.param_groups)):
+        found = {}  # hyperparameters -> first fqn
+        for fqn, g in params.items():
+            if g == gi:
+                gm = meta["param_groups"][meta["params"][fqn]["group"]]
+                found.setdefault(tuple((k, repr(gm[k])) for k in _HYPER + ("betas", "maximize") if k in gm), (fqn, gm))
+        if len(found) > 1:
+            (a, ga), (b, gb) = list(found.values())[:2]
+            raise ValueError(f"optstate.load: param group {gi} holds '{a}' and '{b}', which {path} has with "
+                             f"different hyperparameters (lr {ga['lr']} vs {gb['lr']}, weight_decay "
+                             f"{ga['weight_decay']} vs {gb['weight_decay']}, ...); split the group as it was")
+        out.append(next(iter(found.values()))[1] if found else None)
+    return out
 
 
 def _all_ranks_ok(group, err, path):
@@ -304,7 +323,7 @@ def load(path, model, optimizer, transactional=True):
     meta_json, pnames, enames, cnames, tensors = ops.load_native_shard(str(path), to, block, min_size, world, rank,
                                                                        not rows, *dest.args())
     meta = json.loads(meta_json)
-    plan = _load_plan(path, meta, model, optimizer)
+    plan, hypers = _load_plan(path, meta, model, optimizer)
     found = {}
     for fqn, entry, comp, t in zip(pnames, enames, cnames, tensors):
         found.setdefault(fqn, {})[(entry, comp)] = t
@@ -352,7 +371,9 @@ def load(path, model, optimizer, transactional=True):
                 else:
                     st[entry] = local
         optimizer.state[p] = st
-    for group, gm in zip(optimizer.param_groups, meta["param_groups"]):
+    for group, gm in zip(optimizer.param_groups, hypers):
+        if gm is None:
+            continue
         for k in _HYPER:
             if isinstance(group[k], torch.Tensor):
                 group[k].fill_(gm[k])  # a tensor lr stays the same tensor (a captured CUDA graph reads it)

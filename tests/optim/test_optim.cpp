@@ -276,6 +276,26 @@ TEST_CASE("export and import restore the optimizer exactly; a bad import changes
   REQUIRE(h1.ok());
   REQUIRE(h2.ok());
   CHECK(h1->root == h2->root);
+  // Groups are matched through their params, not by position (a flattened DCP records no group
+  // order): the state with its groups listed the other way round imports the same.
+  OptimizerState swapped = *st;
+  std::swap(swapped.groups[0], swapped.groups[1]);
+  swapped.params.at("w").group = 1;
+  swapped.params.at("b").group = 0;
+  std::vector<at::Tensor> c;
+  auto oc = build(c);
+  static_cast<FusedAdamWOptions&>(oc->param_groups()[0].options()).weight_decay(0.0);
+  REQUIRE(import_state(*oc, names, swapped, true).ok());
+  CHECK(static_cast<FusedAdamWOptions&>(oc->param_groups()[0].options()).weight_decay() == 0.5);
+  CHECK(static_cast<FusedAdamWOptions&>(oc->param_groups()[1].options()).lr() == 2e-2);
+  CHECK(hash_state(*export_state(*oc, names, true))->root == h1->root);
+  // One live group holding params the checkpoint has with different hyperparameters: refused.
+  std::vector<at::Tensor> d{randn({16, 8}, 1), randn({8}, 2)};
+  FusedAdamW od(d, FusedAdamWOptions(1e-2));
+  auto merged = import_state(od, names, *st, true);
+  CHECK(!merged.ok());
+  CHECK(merged.message().find("split the group") != std::string::npos);
+  CHECK(od.state().empty());
   for (int s = 5; s < 10; ++s) {
     for (size_t i = 0; i < a.size(); ++i) {
       a[i].mutable_grad() = randn(a[i].sizes().vec(), 10 * s + i);

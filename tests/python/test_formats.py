@@ -182,6 +182,126 @@ def test_torchao_8bit_dcp_of_two_fsdp2_ranks_converts_to_torchaos_own_dequantize
     assert hashes(optstate_cli, ck) == hashes(optstate_cli, tmp_path / "native")
 
 
+MAKE_TORCHTITAN_DCP = textwrap.dedent("""
+    # One training saved twice: as torchtitan's CheckpointManager saves it (model weights at the top
+    # level, the optimizer's flattened state dict -- flatten_optimizer_state_dict=True, per-param
+    # param_groups fields, no group index -- under "optimizer", and train_state / lr_scheduler /
+    # dataloader beside them), and as get_state_dict + dcp.save ({"model", "optim"}, nested).
+    import io, os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, get_state_dict)
+    kind, out = sys.argv[1], sys.argv[2]
+    dist_run = "RANK" in os.environ
+    if dist_run:
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 4))
+    if dist_run:
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(model)
+    groups = [{"params": [model[0].weight, model[2].weight], "weight_decay": 0.1},
+              {"params": [model[0].bias, model[2].bias], "weight_decay": 0.0}]
+    if kind == "ao":
+        from torchao.optim import AdamW8bit
+        opt = AdamW8bit(groups, lr=1e-3, block_size=64)
+    elif kind == "ours8":
+        import optstate
+        opt = optstate.AdamW8bit(groups, lr=1e-3, block_size=64)
+    else:
+        opt = torch.optim.AdamW(groups, lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.1 * s)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        model(torch.randn(8, 64, generator=g)).square().sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    states = dict(get_model_state_dict(model))
+    states["optimizer"] = get_optimizer_state_dict(
+        model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    states["lr_scheduler"] = sched.state_dict()
+    losses = io.BytesIO()
+    torch.save([1.0, 0.5], losses)
+    states["train_state"] = {"step": torch.tensor(3, dtype=torch.int32), "global_avg_losses": losses}
+    states["dataloader"] = {"dp_rank_0": io.BytesIO(b"opaque")}
+    dcp.save(states, checkpoint_id=out)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out + ".nested")
+    if dist_run:
+        dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize("kind,ranks", [("fp32", 1), ("ours8", 1), ("ao", 2)])
+def test_torchtitan_layout_dcp_reads_as_the_same_state(tmp_path, optstate_cli, kind, ranks):
+    """torchtitan (and prime-rl, OLMo-core) save the optimizer with flatten_optimizer_state_dict=True
+    and torchtitan puts the weights at the top level: the same state as get_state_dict's nested
+    layout, so the same hash; param groups are rebuilt from the per-param fields (equal
+    hyperparameters: one group), and the other top-level states are left alone."""
+    if kind == "ao":
+        pytest.importorskip("torchao")
+    script = tmp_path / "make_tt.py"
+    script.write_text(MAKE_TORCHTITAN_DCP)
+    out = tmp_path / f"tt_{kind}"
+    cmd = [sys.executable, str(script), kind, str(out)]
+    if ranks > 1:
+        cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    nested = str(out) + ".nested"
+    optstate_cli("validate", out)
+    info = optstate_cli("inspect", out).stdout
+    assert "2 param group(s)" in info and "weight_decay=0.1" in info and "weight_decay=0 " in info
+    if kind != "fp32":
+        assert "8bit/64 dynamic-signed" in info
+    assert hashes(optstate_cli, out) == hashes(optstate_cli, nested)
+    optstate_cli("diff", out, nested, "--rtol", "0", "--atol", "0")
+    optstate_cli("convert", out, tmp_path / "native")
+    assert hashes(optstate_cli, tmp_path / "native") == hashes(optstate_cli, nested)
+    if kind != "fp32":
+        return
+    # optstate.load matches groups through their params (no group order in a flattened DCP)
+    import optstate
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 4))
+    with pytest.raises(ValueError, match="split the group"):
+        optstate.load(out, model, optstate.FusedAdamW(model.parameters()))
+    opt = optstate.FusedAdamW([{"params": [model[0].weight, model[2].weight], "weight_decay": 0.0},
+                               {"params": [model[0].bias, model[2].bias], "weight_decay": 0.5}])
+    optstate.load(out, model, opt)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert optstate.verify(out, model, opt) == [] and optstate.verify(nested, model, opt) == []
+    opt.param_groups[1]["lr"] = 1.0
+    assert optstate.verify(out, model, opt) == [
+        f"param group 1: hyperparameters of 2 param(s) (first '0.bias') differ from {out}"]
+
+
+def test_flattened_optimizer_state_that_does_not_add_up_is_refused_by_name(tmp_path, optstate_cli):
+    import torch.distributed.checkpoint as dcp
+    pg = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    st = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}
+
+    def save(name, sd):
+        dcp.save(sd, checkpoint_id=str(tmp_path / name))
+        return tmp_path / name
+
+    flat = lambda fqns, state_fqns: {**{f"param_groups.{f}.{k}": v for f in fqns for k, v in pg.items()},
+                                     **{f"state.{f}.{k}": v.clone() for f in state_fqns for k, v in st.items()}}
+    ok = save("ok", {"w": torch.ones(4), "optimizer": flat(["w"], ["w"])})
+    assert "1 param group(s)" in optstate_cli("inspect", ok).stdout
+    err = run_err(optstate_cli, "inspect", save("no_group", {"optimizer": flat(["w"], ["w", "layers.0.v"])}))
+    assert "'layers.0.v'" in err and "param_groups" in err
+    err = run_err(optstate_cli, "inspect", save("two", {"optimizer": flat(["w"], ["w"]), "optim": flat(["w"], ["w"])}))
+    assert "more than one optimizer state" in err and "'optim'" in err and "'optimizer'" in err
+    err = run_err(optstate_cli, "inspect", save("no_lr", {"optimizer": {k: v for k, v in flat(["w"], ["w"]).items()
+                                                                        if k != "param_groups.w.lr"}}))
+    assert "param_groups of 'w'" in err and "'lr'" in err
+    # diff compares what each param is trained with, not how params are grouped
+    other = flat(["w"], ["w"])
+    other["param_groups.w.lr"] = 2e-3
+    proc = optstate_cli("diff", ok, save("lr", {"w": torch.ones(4), "optimizer": other}), check=False)
+    assert proc.returncode == 1 and "hyperparameters of 1 param(s) ('w'): lr 0.001 vs 0.002" in proc.stdout, proc.stdout
+
+
 def test_dcp_of_optstate_adamw8bit_is_read_as_its_8bit_state(tmp_path, optstate_cli):
     """get_state_dict + dcp.save of optstate's own AdamW8bit: its state is plain tensors
     (`exp_avg_codes`, `exp_avg_absmax`, ...; block size and maps in the param group), read back as

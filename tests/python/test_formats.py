@@ -295,6 +295,11 @@ def test_flattened_optimizer_state_that_does_not_add_up_is_refused_by_name(tmp_p
     err = run_err(optstate_cli, "inspect", save("no_lr", {"optimizer": {k: v for k, v in flat(["w"], ["w"]).items()
                                                                         if k != "param_groups.w.lr"}}))
     assert "param_groups of 'w'" in err and "'lr'" in err
+    err = run_err(optstate_cli, "inspect", save("no_groups", {"optimizer": flat([], ["w"])}))
+    assert "under 'optimizer' without param_groups" in err
+    mixed = dict(flat(["w"], ["w"]), param_groups=[dict(pg, params=["w"])])
+    err = run_err(optstate_cli, "inspect", save("mixed", {"optimizer": mixed}))
+    assert "mixes numbered and flattened" in err
     # diff compares what each param is trained with, not how params are grouped
     other = flat(["w"], ["w"])
     other["param_groups.w.lr"] = 2e-3

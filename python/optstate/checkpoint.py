@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ._ops import ops
 from .optim import AdamW8bit, DTensor, FusedAdamW, _check_fsdp2_blocks, _fsdp2_absmax
+from .names import named_parameters
 from .sharded import ShardedParams, world_and_rank
 
 _HYPER = ("lr", "eps", "weight_decay", "amsgrad")
@@ -69,7 +70,7 @@ def _params(model, optimizer):
     if isinstance(model, ShardedParams):
         lookup = {id(s.local): (s.fqn, s.param) for s in model.shards}
     else:
-        lookup = {id(p): (name, p) for name, p in model.named_parameters()}
+        lookup = {id(p): (name, p) for name, p in named_parameters(model)}
     out = []
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:

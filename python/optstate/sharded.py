@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ._ops import ops
+from .names import named_parameters
 
 
 def world_and_rank(group=None):
@@ -46,7 +47,7 @@ class ShardedParams:
         self.block_size = block_size or 0
         self.min_8bit_size = min_8bit_size
         self.shards = []
-        for fqn, p in model.named_parameters():
+        for fqn, p in named_parameters(model):
             if not p.requires_grad:
                 continue
             block = self.block_size if self.block_size and p.numel() >= min_8bit_size else 0

@@ -208,3 +208,42 @@ def test_load_of_another_models_checkpoint_changes_nothing(tmp_path):
     with pytest.raises(KeyError, match="has no param '3.weight'"):
         optstate.load(tmp_path / "c", big, bopt)
     assert _unchanged(big, bopt, snap)
+
+
+@pytest.mark.parametrize("make", [optstate.FusedAdamW, lambda ps: optstate.AdamW8bit(ps, min_8bit_size=256)])
+def test_wrapped_models_use_torchs_names_and_resume_from_their_dcp(tmp_path, optstate_cli, make):
+    """torch.compile (per block, as torchtitan does), activation checkpointing, FSDP1 and DDP insert
+    segments into named_parameters() ('0._orig_mod._checkpoint_wrapped_module.weight'); torch's
+    state dicts, and so DCP, drop them ('0.weight'). optstate names params the same way: a wrapped
+    and a plain model trained alike save the same checkpoint, and a DCP of the wrapped model loads
+    into it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    def build(wrap):
+        model = _model()
+        if wrap:
+            model.register_module("0", torch.compile(checkpoint_wrapper(model[0]), backend="eager"))
+        return model
+
+    plain, wrapped = build(False), build(True)
+    assert next(iter(wrapped.named_parameters()))[0] == "0._orig_mod._checkpoint_wrapped_module.weight"
+    popt, wopt = make(plain.parameters()), make(wrapped.parameters())
+    _train(plain, popt, 3)
+    _train(wrapped, wopt, 3)
+    optstate.save(tmp_path / "plain", plain, popt)
+    optstate.save(tmp_path / "wrapped", wrapped, wopt)
+    hashes = [json.loads(optstate_cli("hash", tmp_path / n, "--json").stdout) for n in ("plain", "wrapped")]
+    assert hashes[0] == hashes[1] and "0.weight.exp_avg" in hashes[0]["entries"]
+    msd, osd = get_state_dict(wrapped, wopt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "dcp"))
+    again = build(True)
+    aopt = make(again.parameters())
+    optstate.load(tmp_path / "dcp", again, aopt)
+    assert optstate.verify(tmp_path / "wrapped", again, aopt) == []
+    clash = torch.nn.Sequential(torch.nn.Linear(4, 4))  # '0.weight', and '_orig_mod.0.weight' below
+    clash.register_module("_orig_mod", torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match="'0.weight' and '_orig_mod.0.weight' both have the name '0.weight'"):
+        optstate.save(tmp_path / "clash", clash, optstate.FusedAdamW(clash.parameters()))
+    assert not (tmp_path / "clash").exists()

@@ -226,22 +226,19 @@ def _load_plan(path, meta, model, optimizer):
 def _group_hypers(path, meta, model, optimizer):
     """The checkpoint's hyperparameters for each live param group, found through its params (groups
     are matched by membership, not by position: a flattened DCP, torchtitan's, records no group
-    order). A live group whose params were trained with different hyperparameters is an error."""
-    out = []
-    params = {fqn: gi for gi, _, fqn, _ in _params(model, optimizer)}
-    for gi in range(len(optimizer.param_groups)):
-        found = {}  # hyperparameters -> first fqn
-        for fqn, g in params.items():
-            if g == gi:
-                gm = meta["param_groups"][meta["params"][fqn]["group"]]
-                found.setdefault(tuple((k, repr(gm[k])) for k in _HYPER + ("betas", "maximize") if k in gm), (fqn, gm))
-        if len(found) > 1:
-            (a, ga), (b, gb) = list(found.values())[:2]
+    order); None for a group without params. A live group whose params the checkpoint has with
+    different hyperparameters is an error."""
+    found = [{} for _ in optimizer.param_groups]  # per live group: hyperparameters -> (first fqn, group meta)
+    for gi, _, fqn, _ in _params(model, optimizer):
+        gm = meta["param_groups"][meta["params"][fqn]["group"]]
+        found[gi].setdefault(tuple((k, repr(gm.get(k))) for k in _HYPER + ("betas", "maximize")), (fqn, gm))
+    for gi, f in enumerate(found):
+        if len(f) > 1:
+            (a, ga), (b, gb) = list(f.values())[:2]
             raise ValueError(f"optstate.load: param group {gi} holds '{a}' and '{b}', which {path} has with "
                              f"different hyperparameters (lr {ga['lr']} vs {gb['lr']}, weight_decay "
                              f"{ga['weight_decay']} vs {gb['weight_decay']}, ...); split the group as it was")
-        out.append(next(iter(found.values()))[1] if found else None)
-    return out
+    return [next(iter(f.values()))[1] if f else None for f in found]
 
 
 def _all_ranks_ok(group, err, path):

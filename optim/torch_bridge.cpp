@@ -154,7 +154,6 @@ void apply_import(torch::optim::Optimizer& opt, std::vector<PendingParam>& pendi
   }
 }
 
-// Checks, before anything is changed, that `state` can be imported into `opt` under `names`.
 // The checks an import makes before it changes anything, and the checkpoint's hyperparameters for
 // each live param group (nullopt: a group without params). Groups are matched through their params,
 // not by position: a flattened DCP (torchtitan's) records no group order, and the canonical state

@@ -30,7 +30,9 @@ Result<at::Tensor> tensor_taking(Buffer b, DType dtype, const std::vector<int64_
 // With include_params the model weights go along as "param" entries.
 Result<OptimizerState> export_state(const FusedAdamW& opt, const std::vector<std::string>& names,
                                     bool include_params);
-// Restores hyperparameters, steps and moments (and with load_params the weights) exactly.
+// Restores hyperparameters, steps and moments (and with load_params the weights) exactly. Each
+// group takes the hyperparameters the state has for its params (groups match through their
+// params, not by position); a group whose params the state has with different ones is refused.
 Status import_state(FusedAdamW& opt, const std::vector<std::string>& names, const OptimizerState& state,
                     bool load_params);
 

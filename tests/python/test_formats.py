@@ -307,6 +307,59 @@ def test_flattened_optimizer_state_that_does_not_add_up_is_refused_by_name(tmp_p
     assert proc.returncode == 1 and "hyperparameters of 1 param(s) ('w'): lr 0.001 vs 0.002" in proc.stdout, proc.stdout
 
 
+MAKE_TP_DCP = textwrap.dedent("""
+    # Tensor parallelism (torchtitan's TP dimension) over 2 ranks: ColwiseParallel shards rows
+    # (Shard(0)), RowwiseParallel shards columns (Shard(1)) and replicates the bias.
+    import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    out = sys.argv[1]
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.GELU(), torch.nn.Linear(40, 6))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    assert str(model[2].weight.placements) == "(Shard(dim=1),)", model[2].weight.placements
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        model(torch.randn(4, 16, generator=g)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    ref = {}
+    for name, p in model.named_parameters():
+        ref[name + ".param"] = p.full_tensor().detach().clone()
+        for k in ("exp_avg", "exp_avg_sq"):
+            ref[name + "." + k] = opt.state[p][k].full_tensor().clone()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
+    if dist.get_rank() == 0:
+        torch.save(ref, out + ".ref.pt")
+    dist.destroy_process_group()
+""")
+
+
+def test_dcp_of_tensor_parallel_ranks_reads_column_shards_exactly(tmp_path, optstate_cli):
+    """Column shards (RowwiseParallel's Shard(1)) are n-d chunks whose flat elements are one run per
+    row: read without torch, they give torch's own full tensors bit for bit."""
+    script = tmp_path / "make_tp.py"
+    script.write_text(MAKE_TP_DCP)
+    ck = tmp_path / "tp"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(script), str(ck)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    optstate_cli("validate", ck)
+    optstate_cli("convert", ck, tmp_path / "tp.safetensors")
+    got = st_load(tmp_path / "tp.safetensors")
+    ref = torch.load(str(ck) + ".ref.pt")
+    assert set(got) == set(ref)
+    for k, v in ref.items():
+        assert torch.equal(got[k], v), k
+    optstate_cli("convert", ck, tmp_path / "native", "--world-size", "2")
+    assert hashes(optstate_cli, ck) == hashes(optstate_cli, tmp_path / "native")
+
+
 def test_dcp_of_optstate_adamw8bit_is_read_as_its_8bit_state(tmp_path, optstate_cli):
     """get_state_dict + dcp.save of optstate's own AdamW8bit: its state is plain tensors
     (`exp_avg_codes`, `exp_avg_absmax`, ...; block size and maps in the param group), read back as

@@ -1,4 +1,5 @@
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -141,13 +142,17 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   Status st = write_checkpoint(*driver, *state, dst, wo);
   if (!st.ok()) return fail(command, st);
 
+  // Said on stderr even with --json: DST is complete as optimizer state, not as a copy of SRC.
+  if (const auto rest = (*reader)->not_read(); !rest.empty())
+    std::fprintf(stderr, "note: %s also holds %s: not optimizer state, not in %s\n", src.c_str(),
+                 fmt::format("{}", fmt::join(rest, ", ")).c_str(), dst.c_str());
   int64_t dense = 0, eight = 0;
   for (const auto& [fqn, ps] : state->params)
     for (const auto& [name, e] : ps.entries) (e.encoding == Encoding::kDense ? dense : eight) += 1;
   if (args->has("--json")) {
     nlohmann::json j = {{"source", src.string()}, {"source_format", std::string((*reader)->format())},
                         {"destination", dst.string()}, {"format", format}, {"world_size", world},
-                        {"params", state->params.size()},
+                        {"params", state->params.size()}, {"not_carried", (*reader)->not_read()},
                         {"dense_entries", dense}, {"blockwise8_entries", eight}};
     std::fputs((j.dump(2) + "\n").c_str(), stdout);
   } else {

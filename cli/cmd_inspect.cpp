@@ -1,4 +1,5 @@
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -117,6 +118,7 @@ int run_inspect(int argc, char** argv) {
     params[fqn] = pj;
   }
   j["params"] = params;
+  j["not_read"] = reader.not_read();
   const double per_param = total_numel ? static_cast<double>(total_state_bytes) / static_cast<double>(total_numel) : 0;
   j["totals"] = {{"params", meta.params.size()},
                  {"numel", total_numel},
@@ -138,6 +140,8 @@ int run_inspect(int argc, char** argv) {
                        g, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.amsgrad, h.maximize,
                        meta.groups[g].params.size());
   }
+  if (const auto rest = reader.not_read(); !rest.empty())
+    out += fmt::format("other       {}: not optimizer state, not read\n", fmt::join(rest, ", "));
   out += fmt::format("state       {} ({:.2f} bytes/param){}\n\n", human_bytes(static_cast<double>(total_state_bytes)),
                      per_param,
                      total_param_bytes ? fmt::format(", model weights {}", human_bytes(total_param_bytes)) : "");

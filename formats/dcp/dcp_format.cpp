@@ -109,6 +109,11 @@ class DcpReader final : public CheckpointReader {
   std::string_view format() const override { return "dcp"; }
   const fs::path& path() const override { return dir_; }
   const OptimizerState& meta() const override { return meta_; }
+  std::vector<std::string> not_read() const override {
+    std::vector<std::string> out;
+    for (const auto& [top, n] : not_read_) out.push_back(fmt::format("{} ({} item{})", top, n, n == 1 ? "" : "s"));
+    return out;
+  }
 
   // Reads straight into `out`, only the segments that overlap [begin, end).
   Status read_range(const std::string& fqn, const std::string& entry, Component c, int64_t begin, int64_t end,
@@ -226,6 +231,8 @@ class DcpReader final : public CheckpointReader {
       std::vector<std::string> path;
       if (auto pl = md_.planner.find(key); pl != md_.planner.end()) path = pl->second;
       else path = split_key(key);
+      if (path.empty()) return corrupt(fmt::format("{}: item '{}' has an empty path", where, key));
+      top_key_[key] = path[0];
       if (path.size() == 4 && path[1] == "state") {
         states[path[0]][path[2]][path[3]] = key;
       } else if (path.size() == 4 && path[1] == "param_groups") {
@@ -262,6 +269,7 @@ class DcpReader final : public CheckpointReader {
     if (nested_groups.count(opt_key) && flat_groups.count(opt_key))
       return corrupt(fmt::format("{}: '{}' mixes numbered and flattened (per-param) param_groups items", where, opt_key));
     const auto& state_items = states[opt_key];
+    std::set<std::string> carried_weights;  // weight items of the params read
     for (const auto& [fqn, key] : top_items) model_items.emplace(fqn, key);  // model.<fqn> first
 
     // Param groups: hyperparameters and members.
@@ -329,6 +337,7 @@ class DcpReader final : public CheckpointReader {
           if (!w.is_tensor || w.size != ps.shape) return corrupt(pw + ": model weight's shape differs from its state's");
           ps.param_dtype = w.dtype;
           OPTSTATE_RETURN_IF_ERROR(add_entry(fqn, kParam, mo->second, ps, any8));
+          carried_weights.insert(mo->second);
         }
         if (st != state_items.end()) {
           for (const char* m : {kExpAvg, kExpAvgSq, kMaxExpAvgSq})
@@ -366,6 +375,10 @@ class DcpReader final : public CheckpointReader {
       meta_.groups[g].params = std::move(kept);
     }
     meta_.kind = any8 ? "adamw8bit" : "adamw";
+    // What the checkpoint holds beyond the optimizer and the weights it carries (torchtitan's
+    // train_state, lr_scheduler, dataloader; model buffers), by top-level key.
+    for (const auto& [key, top] : top_key_)
+      if (top != opt_key && !carried_weights.count(key)) ++not_read_[top];
     return check_structure(meta_, false).with_context(where);
   }
 
@@ -667,6 +680,8 @@ class DcpReader final : public CheckpointReader {
   std::map<std::pair<std::string, std::vector<int64_t>>, ParsedItem> items_;
   std::map<std::pair<std::string, std::string>, Source> sources_;
   std::vector<Plain8> plain8_;  // per param group
+  std::map<std::string, std::string> top_key_;  // item -> its top-level key in the saved state dict
+  std::map<std::string, int64_t> not_read_;     // top-level key -> items not read
 };
 
 class DcpDriver final : public FormatDriver {

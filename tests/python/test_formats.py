@@ -256,7 +256,11 @@ def test_torchtitan_layout_dcp_reads_as_the_same_state(tmp_path, optstate_cli, k
         assert "8bit/64 dynamic-signed" in info
     assert hashes(optstate_cli, out) == hashes(optstate_cli, nested)
     optstate_cli("diff", out, nested, "--rtol", "0", "--atol", "0")
-    optstate_cli("convert", out, tmp_path / "native")
+    # what is not optimizer state is named, not silently dropped
+    assert "other       dataloader (1 item), lr_scheduler (" in info and "train_state (2 items)" in info
+    note = optstate_cli("convert", out, tmp_path / "native").stderr
+    assert "also holds dataloader (1 item)" in note and "not in" in note, note
+    assert optstate_cli("convert", nested, tmp_path / "native2").stderr == ""
     assert hashes(optstate_cli, tmp_path / "native") == hashes(optstate_cli, nested)
     if kind != "fp32":
         return

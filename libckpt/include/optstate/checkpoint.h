@@ -28,6 +28,10 @@ class CheckpointReader {
   virtual const std::filesystem::path& path() const = 0;
   // The state's metadata: every ParamState and Entry, with empty buffers.
   virtual const OptimizerState& meta() const = 0;
+  // What the file holds that the canonical state does not carry (a DCP's train_state,
+  // lr_scheduler, dataloader, model buffers): one short line each, for inspect and convert to say
+  // so. Empty for formats that hold only optimizer state.
+  virtual std::vector<std::string> not_read() const { return {}; }
   // Streams one component of one entry in flattened order. Formats with checksums verify every
   // chunk and fail (naming the file, the entry and the range) when one does not match.
   virtual Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) = 0;

@@ -114,20 +114,36 @@ class CheckpointFixture {
   }
 
   // The target's main() without libFuzzer: `--print-seed` prints the index file (the seed kept in
-  // testdata/checkpoint/); else `[ITERATIONS] [SEED]`, the bounded mutation run of CTest: two in
-  // three inputs mutate the index (passed through `sign`, which re-signs it where the format has a
-  // checksum), one in three damages a data file.
+  // testdata/checkpoint/); `--write-seed DIR` writes the whole checkpoint (for seeds made from it);
+  // else `[ITERATIONS] [SEED] [INDEX_FILE...]`, the bounded mutation run of CTest: two in three
+  // inputs mutate an index (the fixture's and each INDEX_FILE in turn, passed through `sign`,
+  // which re-signs it where the format has a checksum), one in three damages a data file. An
+  // INDEX_FILE that does not open on the fixture's data as it is fails the run: a stale seed.
   int main(int argc, char** argv, const char* test, std::string_view alphabet,
            const std::function<std::optional<std::string>(const std::string&)>& sign) const {
     if (argc > 1 && std::string_view(argv[1]) == "--print-seed") {
       std::fwrite(index_.data(), 1, index_.size(), stdout);
       return 0;
     }
+    if (argc > 2 && std::string_view(argv[1]) == "--write-seed") {
+      std::error_code ec;
+      std::filesystem::copy(base_ / "seed", argv[2], std::filesystem::copy_options::recursive, ec);
+      return ec ? 1 : 0;
+    }
     const long iterations = argc > 1 ? std::atol(argv[1]) : 500;
     std::mt19937_64 rng(argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 1);
+    std::vector<std::string> starts{index_};
+    for (int a = 3; a < argc; ++a) {
+      starts.push_back(read_file(argv[a]));
+      if (starts.back().empty() || !run(starts.back(), data_)) {
+        std::fprintf(stderr, "%s: seed %s does not open on the fixture's data (stale: see docs/fuzzing.md)\n", test,
+                     argv[a]);
+        return 1;
+      }
+    }
     long opened = 0;
     for (long i = 0; i < iterations; ++i) {
-      std::string index = index_;
+      std::string index = starts[static_cast<size_t>(i) % starts.size()];
       Files data = data_;
       if (i % 3 != 2) {
         mutate(index, rng, alphabet);

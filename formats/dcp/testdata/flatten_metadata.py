@@ -1,0 +1,59 @@
+"""Rewrites a DCP's .metadata from get_state_dict's nested layout ({"model", "optim"}) into the
+layout torchtitan saves: weights at the top level, the optimizer flattened under "optimizer"
+(flatten_optimizer_state_dict=True: per-param param_groups fields). Storage locations are kept,
+so the result describes the same data files; each param's group fields point at its group's
+items. Makes the fuzz seed checkpoint/flattened.metadata from the fixture's checkpoint:
+
+    .venv/bin/python formats/dcp/testdata/flatten_metadata.py DCP_DIR OUT
+"""
+import io
+import pickle
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+
+def main(src, out):
+    src = Path(src)
+    md: Metadata = pickle.loads((src / ".metadata").read_bytes())
+    storage = md.storage_data
+
+    def item_bytes(key):
+        info = storage[MetadataIndex(key)]
+        with open(src / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            return f.read(info.length)
+
+    members = {}  # group index -> fqns
+    for key in md.state_dict_metadata:
+        path = md.planner_data[key]
+        if path[:2] == ("optim", "param_groups") and path[3] == "params":
+            members[path[2]] = torch.load(io.BytesIO(item_bytes(key)), weights_only=True)
+    new_items, new_planner, new_storage = {}, {}, {}
+
+    def put(old_key, new_key, new_path):
+        new_items[new_key] = md.state_dict_metadata[old_key]
+        new_planner[new_key] = new_path
+        for idx, info in storage.items():
+            if idx.fqn == old_key:
+                new_storage[MetadataIndex(new_key, idx.offset, idx.index)] = info
+
+    for key in md.state_dict_metadata:
+        path = md.planner_data[key]
+        if path[0] == "model":
+            put(key, path[1], (path[1],))
+        elif path[:2] == ("optim", "state"):
+            flat = f"state.{path[2]}.{path[3]}"
+            put(key, "optimizer." + flat, ("optimizer", flat))
+        elif path[:2] == ("optim", "param_groups") and path[3] != "params":
+            for fqn in members[path[2]]:
+                flat = f"param_groups.{fqn}.{path[3]}"
+                put(key, "optimizer." + flat, ("optimizer", flat))
+    out_md = Metadata(state_dict_metadata=new_items, planner_data=new_planner, storage_data=new_storage)
+    Path(out).write_bytes(pickle.dumps(out_md, protocol=2))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -79,17 +79,21 @@ MAKE_DCP = textwrap.dedent("""
 """)
 
 
-def make_dcp(tmp_path, kind, ranks=1):
-    script = tmp_path / "make_dcp.py"
-    script.write_text(MAKE_DCP)
-    out = tmp_path / f"dcp_{kind}_{ranks}"
-    if ranks == 1:
-        cmd = [sys.executable, str(script), kind, str(out)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script),
-               kind, str(out)]
+def run_script(tmp_path, source, name, *args, ranks=1):
+    """Writes `source` to tmp_path/name and runs it with `args`, under torchrun with `ranks` local
+    ranks when ranks > 1; a failure fails the test with the script's stderr."""
+    script = tmp_path / name
+    script.write_text(source)
+    cmd = [sys.executable, str(script), *map(str, args)]
+    if ranks > 1:
+        cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def make_dcp(tmp_path, kind, ranks=1):
+    out = tmp_path / f"dcp_{kind}_{ranks}"
+    run_script(tmp_path, MAKE_DCP, "make_dcp.py", kind, out, ranks=ranks)
     return out
 
 
@@ -104,16 +108,23 @@ def st_load(path):
     return load_file(str(path))
 
 
+def assert_converts_to_ref(cli, ck, dst, *args, same_keys=True):
+    """`convert CK DST ARGS` to safetensors gives, bit for bit, the tensors the script that made CK
+    saved as CK.ref.pt (what torch / torchao hold, widened to fp32)."""
+    cli("convert", ck, dst, *args)
+    got = st_load(dst)
+    ref = torch.load(str(ck) + ".ref.pt")
+    if same_keys:
+        assert set(got) == set(ref)
+    for k, v in ref.items():
+        assert torch.equal(got[k], v.float()), k
+
+
 @pytest.mark.parametrize("kind", ["fp32", "ams"])
 def test_dcp_fp32_reads_exactly_what_torch_holds(tmp_path, optstate_cli, kind):
     ck = make_dcp(tmp_path, kind)
     optstate_cli("validate", ck)
-    optstate_cli("convert", ck, tmp_path / "x.safetensors")
-    got = st_load(tmp_path / "x.safetensors")
-    ref = torch.load(str(ck) + ".ref.pt")
-    assert set(got) == set(ref)
-    for k, v in ref.items():
-        assert torch.equal(got[k], v), k
+    assert_converts_to_ref(optstate_cli, ck, tmp_path / "x.safetensors")
     # hash of the DCP == hash of its native conversion
     optstate_cli("convert", ck, tmp_path / "native")
     assert hashes(optstate_cli, ck) == hashes(optstate_cli, tmp_path / "native")
@@ -151,11 +162,7 @@ def test_torchao_8bit_dcp_converts_to_torchaos_own_dequantize_bit_for_bit(tmp_pa
     ck = make_dcp(tmp_path, "ao")
     info = optstate_cli("inspect", ck).stdout
     assert "adamw8bit" in info and "8bit/64 dynamic-signed" in info and "8bit/64 dynamic-unsigned" in info
-    optstate_cli("convert", ck, tmp_path / "fp32.safetensors", "--to", "fp32")
-    got = st_load(tmp_path / "fp32.safetensors")
-    ref = torch.load(str(ck) + ".ref.pt")
-    for k, v in ref.items():
-        assert torch.equal(got[k], v.float()), k
+    assert_converts_to_ref(optstate_cli, ck, tmp_path / "fp32.safetensors", "--to", "fp32", same_keys=False)
     # raw hash of the torchao DCP == its native conversion's (codes and scales kept, not requantized)
     optstate_cli("convert", ck, tmp_path / "native")
     assert hashes(optstate_cli, ck) == hashes(optstate_cli, tmp_path / "native")
@@ -172,12 +179,7 @@ def test_torchao_8bit_dcp_of_two_fsdp2_ranks_converts_to_torchaos_own_dequantize
     assert sorted(p for p in os.listdir(ck) if p.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     optstate_cli("validate", ck)
     assert "8bit/64 dynamic-signed" in optstate_cli("inspect", ck).stdout
-    optstate_cli("convert", ck, tmp_path / "fp32.safetensors", "--to", "fp32")
-    got = st_load(tmp_path / "fp32.safetensors")
-    ref = torch.load(str(ck) + ".ref.pt")
-    assert set(got) == set(ref)
-    for k, v in ref.items():
-        assert torch.equal(got[k], v.float()), k
+    assert_converts_to_ref(optstate_cli, ck, tmp_path / "fp32.safetensors", "--to", "fp32")
     optstate_cli("convert", ck, tmp_path / "native", "--world-size", "3")
     assert hashes(optstate_cli, ck) == hashes(optstate_cli, tmp_path / "native")
 
@@ -234,20 +236,14 @@ MAKE_TORCHTITAN_DCP = textwrap.dedent("""
 
 @pytest.mark.parametrize("kind,ranks", [("fp32", 1), ("ours8", 1), ("ao", 2)])
 def test_torchtitan_layout_dcp_reads_as_the_same_state(tmp_path, optstate_cli, kind, ranks):
-    """torchtitan (and prime-rl, OLMo-core) save the optimizer with flatten_optimizer_state_dict=True
+    """torchtitan (and zeroband, OLMo-core) save the optimizer with flatten_optimizer_state_dict=True
     and torchtitan puts the weights at the top level: the same state as get_state_dict's nested
     layout, so the same hash; param groups are rebuilt from the per-param fields (equal
     hyperparameters: one group), and the other top-level states are left alone."""
     if kind == "ao":
         pytest.importorskip("torchao")
-    script = tmp_path / "make_tt.py"
-    script.write_text(MAKE_TORCHTITAN_DCP)
     out = tmp_path / f"tt_{kind}"
-    cmd = [sys.executable, str(script), kind, str(out)]
-    if ranks > 1:
-        cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script(tmp_path, MAKE_TORCHTITAN_DCP, "make_tt.py", kind, out, ranks=ranks)
     nested = str(out) + ".nested"
     optstate_cli("validate", out)
     info = optstate_cli("inspect", out).stdout
@@ -347,19 +343,10 @@ MAKE_TP_DCP = textwrap.dedent("""
 def test_dcp_of_tensor_parallel_ranks_reads_column_shards_exactly(tmp_path, optstate_cli):
     """Column shards (RowwiseParallel's Shard(1)) are n-d chunks whose flat elements are one run per
     row: read without torch, they give torch's own full tensors bit for bit."""
-    script = tmp_path / "make_tp.py"
-    script.write_text(MAKE_TP_DCP)
     ck = tmp_path / "tp"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(script), str(ck)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script(tmp_path, MAKE_TP_DCP, "make_tp.py", ck, ranks=2)
     optstate_cli("validate", ck)
-    optstate_cli("convert", ck, tmp_path / "tp.safetensors")
-    got = st_load(tmp_path / "tp.safetensors")
-    ref = torch.load(str(ck) + ".ref.pt")
-    assert set(got) == set(ref)
-    for k, v in ref.items():
-        assert torch.equal(got[k], v), k
+    assert_converts_to_ref(optstate_cli, ck, tmp_path / "tp.safetensors")
     optstate_cli("convert", ck, tmp_path / "native", "--world-size", "2")
     assert hashes(optstate_cli, ck) == hashes(optstate_cli, tmp_path / "native")
 
@@ -374,12 +361,7 @@ def test_dcp_of_optstate_adamw8bit_is_read_as_its_8bit_state(tmp_path, optstate_
     info = optstate_cli("inspect", ck).stdout
     assert "adamw8bit" in info and "8bit/64 dynamic-signed" in info and "8bit/64 dynamic-unsigned" in info
     assert hashes(optstate_cli, ck) == hashes(optstate_cli, str(ck) + ".native")
-    optstate_cli("convert", ck, tmp_path / "fp32.safetensors", "--to", "fp32")
-    got = st_load(tmp_path / "fp32.safetensors")
-    ref = torch.load(str(ck) + ".ref.pt")
-    assert set(got) == set(ref)
-    for k, v in ref.items():
-        assert torch.equal(got[k], v), k
+    assert_converts_to_ref(optstate_cli, ck, tmp_path / "fp32.safetensors", "--to", "fp32")
     model = torch.nn.Sequential(torch.nn.Linear(64, 97), torch.nn.GELU(), torch.nn.Linear(97, 3))
     opt = optstate.AdamW8bit(model.parameters(), block_size=64)
     optstate.load(ck, model, opt)

@@ -222,6 +222,7 @@ class DcpReader final : public CheckpointReader {
     std::map<std::string, std::map<std::string, std::map<std::string, std::string>>> flat_groups;  // K -> fqn -> field
     std::map<std::string, std::map<std::string, std::map<std::string, std::string>>> states;  // K -> fqn -> entry
     std::map<std::string, std::string> model_items, top_items;  // fqn -> key
+    std::map<std::string, std::string> top_key;                  // item -> its top-level key
     auto split_last = [](const std::string& s) -> std::optional<std::pair<std::string, std::string>> {
       const auto dot = s.rfind('.');
       if (dot == std::string::npos || dot == 0 || dot + 1 == s.size()) return std::nullopt;
@@ -232,7 +233,7 @@ class DcpReader final : public CheckpointReader {
       if (auto pl = md_.planner.find(key); pl != md_.planner.end()) path = pl->second;
       else path = split_key(key);
       if (path.empty()) return corrupt(fmt::format("{}: item '{}' has an empty path", where, key));
-      top_key_[key] = path[0];
+      top_key[key] = path[0];
       if (path.size() == 4 && path[1] == "state") {
         states[path[0]][path[2]][path[3]] = key;
       } else if (path.size() == 4 && path[1] == "param_groups") {
@@ -377,7 +378,7 @@ class DcpReader final : public CheckpointReader {
     meta_.kind = any8 ? "adamw8bit" : "adamw";
     // What the checkpoint holds beyond the optimizer and the weights it carries (torchtitan's
     // train_state, lr_scheduler, dataloader; model buffers), by top-level key.
-    for (const auto& [key, top] : top_key_)
+    for (const auto& [key, top] : top_key)
       if (top != opt_key && !carried_weights.count(key)) ++not_read_[top];
     return check_structure(meta_, false).with_context(where);
   }
@@ -680,7 +681,6 @@ class DcpReader final : public CheckpointReader {
   std::map<std::pair<std::string, std::vector<int64_t>>, ParsedItem> items_;
   std::map<std::pair<std::string, std::string>, Source> sources_;
   std::vector<Plain8> plain8_;  // per param group
-  std::map<std::string, std::string> top_key_;  // item -> its top-level key in the saved state dict
   std::map<std::string, int64_t> not_read_;     // top-level key -> items not read
 };
 

@@ -139,26 +139,34 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   wo.overwrite = args->has("--overwrite");
   wo.world_size = world;
   wo.compression = compression;
+  wo.source = reader->get();
   Status st = write_checkpoint(*driver, *state, dst, wo);
   if (!st.ok()) return fail(command, st);
 
-  // Said on stderr even with --json: DST is complete as optimizer state, not as a copy of SRC.
-  if (const auto rest = (*reader)->not_read(); !rest.empty())
+  // Said on stderr even with --json: DST is complete as optimizer state, not as a copy of SRC
+  // (unless the driver carried the rest through: DCP from DCP).
+  const std::vector<std::string> rest = (*reader)->not_read();
+  const bool carried = driver->carries(**reader);
+  if (!rest.empty() && !carried)
     std::fprintf(stderr, "note: %s also holds %s: not optimizer state, not in %s\n", src.c_str(),
                  fmt::format("{}", fmt::join(rest, ", ")).c_str(), dst.c_str());
   int64_t dense = 0, eight = 0;
   for (const auto& [fqn, ps] : state->params)
-    for (const auto& [name, e] : ps.entries) (e.encoding == Encoding::kDense ? dense : eight) += 1;
+    for (const auto& [name, e] : ps.entries)  // as written: DCP stores 8-bit moments dequantized
+      (e.encoding == Encoding::kDense || !driver->keeps_blockwise8() ? dense : eight) += 1;
   if (args->has("--json")) {
     nlohmann::json j = {{"source", src.string()}, {"source_format", std::string((*reader)->format())},
                         {"destination", dst.string()}, {"format", format}, {"world_size", world},
-                        {"params", state->params.size()}, {"not_carried", (*reader)->not_read()},
+                        {"params", state->params.size()},
+                        {"carried", carried ? rest : std::vector<std::string>{}},
+                        {"not_carried", carried ? std::vector<std::string>{} : rest},
                         {"dense_entries", dense}, {"blockwise8_entries", eight}};
     std::fputs((j.dump(2) + "\n").c_str(), stdout);
   } else {
-    std::printf("wrote %s (%s, %d rank%s): %zu params, %lld dense and %lld 8-bit entries\n", dst.c_str(),
+    std::printf("wrote %s (%s, %d rank%s): %zu params, %lld dense and %lld 8-bit entries%s\n", dst.c_str(),
                 format.c_str(), world, world == 1 ? "" : "s", state->params.size(), static_cast<long long>(dense),
-                static_cast<long long>(eight));
+                static_cast<long long>(eight),
+                carried && !rest.empty() ? fmt::format("; carried unchanged: {}", fmt::join(rest, ", ")).c_str() : "");
   }
   return kExitOk;
 }

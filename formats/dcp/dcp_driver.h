@@ -1,12 +1,54 @@
-// Internal to formats/dcp: the writer half of the driver (dcp_writer.cpp).
+// Internal to formats/dcp: the writer half of the driver (dcp_writer.cpp), and what a DCP reader
+// tells it when a DCP is written from a DCP (convert DCP -> DCP keeps the source's layout and
+// carries the rest of it through).
 #pragma once
 
 #include <filesystem>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
 
+#include "dcp_layout.h"
 #include "optstate/checkpoint.h"
 
 namespace optstate::dcp {
 
-Status write_dcp(const OptimizerState& state, const std::filesystem::path& path, const WriteOptions& options);
+// A planner_data path: dict keys, and list indices where `index` says so.
+struct PlannerPath {
+  std::vector<std::string> parts;
+  std::vector<bool> index;
+};
+
+// An item's flat key and its planner_data path (absent where the source has none).
+struct ItemName {
+  std::string key;
+  std::optional<PlannerPath> path;
+};
+
+// An item of the source that the canonical state does not hold, copied byte for byte.
+struct CarriedItem {
+  ItemName name;
+  ItemMeta meta;
+  std::vector<StorageLoc> pieces;  // one per chunk (in meta.chunks order), or one for a bytes item
+};
+
+// How a DCP source lays out the optimizer, and what else it holds.
+struct SourceLayout {
+  std::filesystem::path dir;
+  std::string optimizer_key = "optim";  // the top-level key of the optimizer state
+  bool flattened = false;               // flatten_optimizer_state_dict=True: per-param param_groups fields
+  std::map<std::string, ItemName> weights;  // fqn -> where its weights were (model.<fqn>, or <fqn> in torchtitan)
+  std::set<std::string> tensor_lr;      // fqns whose group's lr was a 0-d tensor (torchao keeps it so)
+  std::vector<CarriedItem> carried;     // everything else, in key order
+};
+
+// The layout of `reader` when it is a DCP reader, else null.
+const SourceLayout* source_layout(const CheckpointReader& reader);
+
+// Writes `state` as a DCP directory; with `source`, in its layout and with its carried items.
+Status write_dcp(const OptimizerState& state, const std::filesystem::path& path, const WriteOptions& options,
+                 const SourceLayout* source);
 
 }  // namespace optstate::dcp

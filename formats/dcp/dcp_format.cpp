@@ -271,6 +271,20 @@ class DcpReader final : public CheckpointReader {
       return corrupt(fmt::format("{}: '{}' mixes numbered and flattened (per-param) param_groups items", where, opt_key));
     const auto& state_items = states[opt_key];
     std::set<std::string> carried_weights;  // weight items of the params read
+    // Items the canonical state holds (a DCP writer rewrites them); the rest is carried through by
+    // convert DCP -> DCP (layout_.carried).
+    std::set<std::string> consumed;
+    auto consume_fields = [&](const std::map<std::string, std::string>& fields) {
+      for (const auto& [field, key] : fields)
+        if (kGroupFieldsRead.count(field)) consumed.insert(key);
+    };
+    auto lr_is_tensor = [&](const std::map<std::string, std::string>& fields) {
+      auto lr = fields.find("lr");
+      return lr != fields.end() && md_.items.at(lr->second).is_tensor;
+    };
+    layout_.dir = dir_;
+    layout_.optimizer_key = opt_key;
+    layout_.flattened = !nested_groups.count(opt_key);
     for (const auto& [fqn, key] : top_items) model_items.emplace(fqn, key);  // model.<fqn> first
 
     // Param groups: hyperparameters and members.
@@ -290,6 +304,7 @@ class DcpReader final : public CheckpointReader {
         pg.params = *names;
         meta_.groups.push_back(std::move(pg));
         plain8_.push_back(q);
+        consume_fields(fields);
       }
     } else {
       // Flattened: each param carries its group's fields; params with equal hyperparameters and
@@ -339,6 +354,7 @@ class DcpReader final : public CheckpointReader {
           ps.param_dtype = w.dtype;
           OPTSTATE_RETURN_IF_ERROR(add_entry(fqn, kParam, mo->second, ps, any8));
           carried_weights.insert(mo->second);
+          layout_.weights[fqn] = ItemName{mo->second, planner_path(mo->second)};
         }
         if (st != state_items.end()) {
           for (const char* m : {kExpAvg, kExpAvgSq, kMaxExpAvgSq})
@@ -349,6 +365,7 @@ class DcpReader final : public CheckpointReader {
               OPTSTATE_ASSIGN_OR_RETURN(double step, value_of(key, pw + " step"));
               if (!(step >= 0 && step < 9.2e18)) return corrupt(pw + ": step out of range");
               ps.step = static_cast<int64_t>(step);
+              consumed.insert(key);
               continue;
             }
             if (const auto base = moment_of(ename, "_codes")) {
@@ -358,6 +375,8 @@ class DcpReader final : public CheckpointReader {
               if (md_.items.at(key).size != ps.shape)
                 return corrupt(fmt::format("{}: '{}' has another shape", pw, ename));
               OPTSTATE_RETURN_IF_ERROR(add_plain8(fqn, *base, key, absmax->second, plain8_[g], ps, any8));
+              consumed.insert(key);
+              consumed.insert(absmax->second);
               continue;
             }
             if (const auto base = moment_of(ename, "_absmax")) {
@@ -368,10 +387,18 @@ class DcpReader final : public CheckpointReader {
             if (ename != kExpAvg && ename != kExpAvgSq && ename != kMaxExpAvgSq) continue;
             if (md_.items.at(key).size != ps.shape) return corrupt(fmt::format("{}: '{}' has another shape", pw, ename));
             OPTSTATE_RETURN_IF_ERROR(add_entry(fqn, ename, key, ps, any8));
+            consumed.insert(key);
           }
         }
         meta_.params.emplace(fqn, std::move(ps));
         kept.push_back(fqn);
+        if (layout_.flattened) {
+          const auto& fields = flat_groups.at(opt_key).at(fqn);
+          consume_fields(fields);
+          if (lr_is_tensor(fields)) layout_.tensor_lr.insert(fqn);
+        } else if (lr_is_tensor(nested_groups.at(opt_key).at(static_cast<int>(g)))) {
+          layout_.tensor_lr.insert(fqn);
+        }
       }
       meta_.groups[g].params = std::move(kept);
     }
@@ -380,10 +407,32 @@ class DcpReader final : public CheckpointReader {
     // train_state, lr_scheduler, dataloader; model buffers), by top-level key.
     for (const auto& [key, top] : top_key)
       if (top != opt_key && !carried_weights.count(key)) ++not_read_[top];
+    for (const auto& [key, im] : md_.items) {
+      if (consumed.count(key) || carried_weights.count(key)) continue;
+      CarriedItem c{ItemName{key, planner_path(key)}, im, {}};
+      if (im.is_tensor)
+        for (const ChunkMeta& ch : im.chunks) c.pieces.push_back(md_.storage.at({key, ch.offsets}));
+      else
+        c.pieces.push_back(md_.storage.at({key, {}}));
+      layout_.carried.push_back(std::move(c));
+    }
     return check_structure(meta_, false).with_context(where);
   }
 
+  const SourceLayout& layout() const { return layout_; }
+
  private:
+  // The param group fields parse_group reads (and `params`); a DCP writer writes its own.
+  static inline const std::set<std::string> kGroupFieldsRead = {
+      "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "params",
+      "block_size", "min_8bit_size", "exp_avg_qmap", "exp_avg_sq_qmap"};
+
+  std::optional<PlannerPath> planner_path(const std::string& key) const {
+    auto p = md_.planner.find(key);
+    if (p == md_.planner.end()) return std::nullopt;
+    return PlannerPath{p->second, md_.planner_index.at(key)};
+  }
+
   static bool same_hyper(const Hyperparameters& a, const Hyperparameters& b) {
     auto bits = [](double d) {
       uint64_t u;
@@ -682,6 +731,7 @@ class DcpReader final : public CheckpointReader {
   std::map<std::pair<std::string, std::string>, Source> sources_;
   std::vector<Plain8> plain8_;  // per param group
   std::map<std::string, int64_t> not_read_;     // top-level key -> items not read
+  SourceLayout layout_;
 };
 
 class DcpDriver final : public FormatDriver {
@@ -707,11 +757,17 @@ class DcpDriver final : public FormatDriver {
 
   bool keeps_blockwise8() const override { return false; }
   Status write(const OptimizerState& state, const fs::path& path, const WriteOptions& options) const override {
-    return write_dcp(state, path, options);
+    return write_dcp(state, path, options, options.source ? source_layout(*options.source) : nullptr);
   }
+  bool carries(const CheckpointReader& source) const override { return source_layout(source) != nullptr; }
 };
 
 }  // namespace
+
+const SourceLayout* source_layout(const CheckpointReader& reader) {
+  const auto* dcp = dynamic_cast<const DcpReader*>(&reader);
+  return dcp ? &dcp->layout() : nullptr;
+}
 
 const FormatDriver& driver() {
   static const DcpDriver d;

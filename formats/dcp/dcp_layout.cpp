@@ -259,12 +259,20 @@ Result<Metadata> interpret_metadata(const Pickle& p, const std::string& where) {
       const Ref path = pitems[k + 1];
       if (!key || (p.at(path).kind != Kind::kTuple && p.at(path).kind != Kind::kList)) continue;
       std::vector<std::string> parts;
+      std::vector<bool> index;
       for (Ref x : p.at(path).items) {
-        if (p.at(x).kind == Kind::kStr) parts.push_back(p.at(x).s);
-        else if (p.at(x).kind == Kind::kInt) parts.push_back(std::to_string(p.at(x).i));
-        else parts.clear();
+        const bool is_int = p.at(x).kind == Kind::kInt;
+        if (!is_int && p.at(x).kind != Kind::kStr) {
+          parts.clear();
+          break;
+        }
+        parts.push_back(is_int ? std::to_string(p.at(x).i) : p.at(x).s);
+        index.push_back(is_int);
       }
-      if (!parts.empty()) m.planner[*key] = std::move(parts);
+      if (!parts.empty()) {
+        m.planner[*key] = std::move(parts);
+        m.planner_index[*key] = std::move(index);
+      }
     }
   }
   return m;

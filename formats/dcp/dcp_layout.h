@@ -38,6 +38,7 @@ struct Metadata {
   std::map<std::string, ItemMeta> items;                                   // flat key -> meta
   std::map<std::pair<std::string, std::vector<int64_t>>, StorageLoc> storage;  // (key, chunk offsets) -> where
   std::map<std::string, std::vector<std::string>> planner;                 // flat key -> path (ints as text)
+  std::map<std::string, std::vector<bool>> planner_index;                  // which parts of that path are ints
 };
 
 Result<Metadata> interpret_metadata(const pickle::Pickle& p, const std::string& where);

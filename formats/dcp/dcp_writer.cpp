@@ -1,11 +1,15 @@
 // Writes a DCP directory in the layout torch.distributed.checkpoint.save produces for
 // get_state_dict(model, AdamW): `model.<fqn>`, `optim.state.<fqn>.{step,exp_avg,exp_avg_sq[,max_exp_avg_sq]}`
-// and `optim.param_groups.<i>.<field>` items in one `__0_0.distcp`, then `.metadata` (pickle of the
-// DCP dataclasses). 8-bit moments are written dequantized (fp32): torch.optim.AdamW keeps dense
-// state. Committed like every optstate checkpoint: staging directory, fsync, one rename.
+// and `optim.param_groups.<i>.<field>` items in `__<rank>_0.distcp` files, then `.metadata` (pickle
+// of the DCP dataclasses). Written from a DCP, in the source's layout instead (its optimizer key,
+// flattened or nested groups, where its weights were) with every item the state does not hold
+// copied through unchanged. 8-bit moments are written dequantized (fp32): torch.optim.AdamW keeps
+// dense state. Committed like every optstate checkpoint: staging directory, fsync, one rename.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
+#include <set>
 
 #include "dcp_driver.h"
 #include "optstate/io.h"
@@ -121,7 +125,7 @@ struct Piece {
 
 struct Written {
   std::string key;
-  std::vector<std::string> path;  // planner path; group indices as "#<n>"
+  std::optional<PlannerPath> path;  // planner_data path; none where a carried item had none
   bool tensor = false;
   DType dtype = DType::kF32;
   std::vector<int64_t> shape;
@@ -192,11 +196,12 @@ std::string metadata_pickle(const std::vector<Written>& items) {
   w.empty_dict();
   w.mark();
   for (const Written& it : items) {
+    if (!it.path) continue;
     w.str(it.key);
     w.mark();
-    for (const std::string& part : it.path) {
-      if (!part.empty() && part[0] == '#') w.integer(std::stoll(part.substr(1)));
-      else w.str(part);
+    for (size_t k = 0; k < it.path->parts.size(); ++k) {
+      if (it.path->index[k]) w.integer(std::stoll(it.path->parts[k]));
+      else w.str(it.path->parts[k]);
     }
     w.tuple_from_mark();
   }
@@ -244,17 +249,83 @@ std::string metadata_pickle(const std::vector<Written>& items) {
   return w.finish();
 }
 
+PlannerPath dict_path(std::vector<std::string> parts) {
+  std::vector<bool> index(parts.size(), false);
+  return {std::move(parts), std::move(index)};
+}
+
+// Copies the source's items that the state does not hold, each a torch.save archive checked whole
+// (end records, central directory) before it is copied: a damaged one fails the write, naming it,
+// rather than landing in a checkpoint that looks valid. Source data files are spread over the
+// output files in name order, so a many-rank source keeps its bytes in many files.
+Status copy_carried(const SourceLayout& src, std::vector<OutputFile>& outs, const std::set<std::string>& written,
+                    std::vector<Written>& done) {
+  std::map<std::string, size_t> out_of;  // source data file -> output file
+  for (const CarriedItem& c : src.carried)
+    for (const StorageLoc& loc : c.pieces) out_of.emplace(loc.relative_path, 0);
+  size_t n = 0;
+  for (auto& [rel, o] : out_of) o = n++ % outs.size();
+  std::map<std::string, InputFile> files;
+  std::vector<std::byte> buf;
+  for (const CarriedItem& c : src.carried) {
+    if (written.count(c.name.key)) continue;  // the state's value replaces the source's (e.g. `foreach`)
+    Written wr{c.name.key, c.name.path, c.meta.is_tensor, c.meta.dtype, c.meta.size, {}};
+    for (size_t k = 0; k < c.pieces.size(); ++k) {
+      const StorageLoc& loc = c.pieces[k];
+      const std::string iw = fmt::format("{}: item '{}'{}", src.dir.string(), c.name.key,
+                                         c.meta.is_tensor ? " chunk at " + format_shape(c.meta.chunks[k].offsets) : "");
+      auto f = files.find(loc.relative_path);
+      if (f == files.end()) {
+        OPTSTATE_ASSIGN_OR_RETURN(fs::path full, contained_path(src.dir, loc.relative_path));
+        auto in = InputFile::open(full);
+        if (!in.ok()) return not_found(fmt::format("{}: data file {} is missing or unreadable", iw, full.string()));
+        f = files.emplace(loc.relative_path, std::move(*in)).first;
+      }
+      const InputFile& in = f->second;
+      if (loc.offset > in.size() || loc.length > in.size() - loc.offset)
+        return corrupt(fmt::format("{}: bytes [{}, {}) lie beyond the end of {}", iw, loc.offset,
+                                   loc.offset + loc.length, in.path().string()));
+      std::vector<std::byte> tail(std::min<uint64_t>(loc.length, zip::kMaxTailBytes));
+      OPTSTATE_RETURN_IF_ERROR(in.read_at(loc.offset + loc.length - tail.size(), tail).with_context(iw));
+      OPTSTATE_ASSIGN_OR_RETURN(zip::CentralDirectory cd, zip::find_central_directory(tail, loc.length, iw));
+      if (cd.size > (uint64_t{64} << 20)) return corrupt(iw + ": zip central directory too large");
+      std::vector<std::byte> cdb(cd.size);
+      OPTSTATE_RETURN_IF_ERROR(in.read_at(loc.offset + cd.offset, cdb).with_context(iw));
+      OPTSTATE_RETURN_IF_ERROR(zip::parse_central_directory(cdb, cd, iw).status());
+      OutputFile& out = outs[out_of.at(loc.relative_path)];
+      Piece pc;
+      pc.file = static_cast<int>(out_of.at(loc.relative_path));
+      pc.offset = out.offset();
+      pc.length = loc.length;
+      if (c.meta.is_tensor) {
+        pc.offsets = c.meta.chunks[k].offsets;
+        pc.sizes = c.meta.chunks[k].sizes;
+      }
+      for (uint64_t at = 0; at < loc.length;) {
+        buf.resize(std::min<uint64_t>(loc.length - at, kStreamPieceBytes));
+        OPTSTATE_RETURN_IF_ERROR(in.read_at(loc.offset + at, buf).with_context(iw));
+        OPTSTATE_RETURN_IF_ERROR(out.write(buf));
+        at += buf.size();
+      }
+      wr.pieces.push_back(std::move(pc));
+    }
+    done.push_back(std::move(wr));
+  }
+  return Status::Ok();
+}
+
 // Tensors are laid out as `world` ranks' row shards (torch.chunk of dim 0, as FSDP2), each rank's
-// chunks in its own file; bytes items and 0-d tensors go to rank 0's.
-Status write_into(const OptimizerState& state, const fs::path& staging, int world) {
+// chunks in its own file; bytes items and 0-d tensors go to rank 0's. The names follow `layout`.
+Status write_into(const OptimizerState& state, const fs::path& staging, int world, const SourceLayout& layout,
+                  bool carry) {
   std::vector<OutputFile> outs;
   for (int r = 0; r < world; ++r) {
     OPTSTATE_ASSIGN_OR_RETURN(OutputFile f, OutputFile::create(staging / data_file(r)));
     outs.push_back(std::move(f));
   }
   std::vector<Written> done;
-  auto value_item = [&](const std::string& key, std::vector<std::string> path, std::string pkl) -> Status {
-    Written wr{key, std::move(path), false, DType::kF32, {}, {}};
+  auto value_item = [&](ItemName name, std::string pkl) -> Status {
+    Written wr{std::move(name.key), std::move(name.path), false, DType::kF32, {}, {}};
     Piece pc;
     pc.offset = outs[0].offset();
     OPTSTATE_ASSIGN_OR_RETURN(pc.length, Item(std::move(pkl)).write(outs[0], {}, false));
@@ -262,9 +333,9 @@ Status write_into(const OptimizerState& state, const fs::path& staging, int worl
     done.push_back(std::move(wr));
     return Status::Ok();
   };
-  auto tensor_item = [&](const std::string& key, std::vector<std::string> path, DType d, const std::vector<int64_t>& shape,
+  auto tensor_item = [&](ItemName name, DType d, const std::vector<int64_t>& shape,
                          std::span<const std::byte> bytes) -> Status {
-    Written wr{key, std::move(path), true, d, shape, {}};
+    Written wr{std::move(name.key), std::move(name.path), true, d, shape, {}};
     Entry dense;
     dense.dtype = d;
     const int ranks = shape.empty() ? 1 : world;
@@ -294,47 +365,76 @@ Status write_into(const OptimizerState& state, const fs::path& staging, int worl
     done.push_back(std::move(wr));
     return Status::Ok();
   };
-  // Bytes items first, as DCP writes them: the param groups' fields.
+  const std::string& k = layout.optimizer_key;
+  // `<K>.state.<fqn>.<entry>`: nested paths (K, "state", fqn, entry) or flattened (K, "state.<fqn>.<entry>").
+  auto state_name = [&](const std::string& fqn, const std::string& entry) {
+    return ItemName{fmt::format("{}.state.{}.{}", k, fqn, entry),
+                    layout.flattened ? dict_path({k, fmt::format("state.{}.{}", fqn, entry)})
+                                     : dict_path({k, "state", fqn, entry})};
+  };
+  // Bytes items first, as DCP writes them: the param groups' fields, per group (nested:
+  // `<K>.param_groups.<i>.<field>` and the members in `params`) or per param (flattened:
+  // `<K>.param_groups.<fqn>.<field>`, each param carrying its group's fields).
   for (size_t g = 0; g < state.groups.size(); ++g) {
     const Hyperparameters& h = state.groups[g].hyper;
-    const std::string prefix = fmt::format("optim.param_groups.{}.", g);
-    auto path = [&](const char* field) { return std::vector<std::string>{"optim", "param_groups", fmt::format("#{}", g), field}; };
-    auto num = [&](const char* field, double v) {
+    const std::vector<std::string> nested_owner{""};
+    const std::vector<std::string>& owners = layout.flattened ? state.groups[g].params : nested_owner;
+    for (const std::string& fqn : owners) {
+      auto name = [&](const char* field) {
+        if (layout.flattened)
+          return ItemName{fmt::format("{}.param_groups.{}.{}", k, fqn, field),
+                          dict_path({k, fmt::format("param_groups.{}.{}", fqn, field)})};
+        PlannerPath p = dict_path({k, "param_groups", std::to_string(g), field});
+        p.index[2] = true;
+        return ItemName{fmt::format("{}.param_groups.{}.{}", k, g, field), std::move(p)};
+      };
+      auto num = [&](const char* field, double v) {
+        pickle::Writer w;
+        w.real(v);
+        return value_item(name(field), w.finish());
+      };
+      auto flag = [&](const char* field, int v) {  // v: 0/1, or -1 for None
+        pickle::Writer w;
+        if (v < 0) w.none();
+        else w.boolean(v != 0);
+        return value_item(name(field), w.finish());
+      };
+      // lr as the source kept it: a 0-d tensor where torchao's groups (and torch's with a tensor lr) hold one.
+      const bool lr_tensor = layout.flattened ? layout.tensor_lr.count(fqn) > 0
+                                              : std::any_of(state.groups[g].params.begin(), state.groups[g].params.end(),
+                                                            [&](const std::string& f) { return layout.tensor_lr.count(f); });
+      if (lr_tensor) {
+        const float lr = static_cast<float>(h.lr);
+        OPTSTATE_RETURN_IF_ERROR(tensor_item(name("lr"), DType::kF32, {}, std::as_bytes(std::span(&lr, 1))));
+      } else {
+        OPTSTATE_RETURN_IF_ERROR(num("lr", h.lr));
+      }
+      {
+        pickle::Writer w;
+        w.mark();
+        w.real(h.beta1);
+        w.real(h.beta2);
+        w.tuple_from_mark();
+        OPTSTATE_RETURN_IF_ERROR(value_item(name("betas"), w.finish()));
+      }
+      OPTSTATE_RETURN_IF_ERROR(num("eps", h.eps));
+      OPTSTATE_RETURN_IF_ERROR(num("weight_decay", h.weight_decay));
+      OPTSTATE_RETURN_IF_ERROR(flag("amsgrad", h.amsgrad));
+      OPTSTATE_RETURN_IF_ERROR(flag("maximize", h.maximize));
+      // The rest of torch.optim.AdamW's group (2.13), so dcp.load finds every key it asks for.
+      OPTSTATE_RETURN_IF_ERROR(flag("foreach", -1));
+      OPTSTATE_RETURN_IF_ERROR(flag("capturable", 0));
+      OPTSTATE_RETURN_IF_ERROR(flag("differentiable", 0));
+      OPTSTATE_RETURN_IF_ERROR(flag("fused", -1));
+      OPTSTATE_RETURN_IF_ERROR(flag("decoupled_weight_decay", 1));
+      if (layout.flattened) continue;
       pickle::Writer w;
-      w.real(v);
-      return value_item(prefix + field, path(field), w.finish());
-    };
-    auto flag = [&](const char* field, int v) {  // v: 0/1, or -1 for None
-      pickle::Writer w;
-      if (v < 0) w.none();
-      else w.boolean(v != 0);
-      return value_item(prefix + field, path(field), w.finish());
-    };
-    OPTSTATE_RETURN_IF_ERROR(num("lr", h.lr));
-    {
-      pickle::Writer w;
+      w.empty_list();
       w.mark();
-      w.real(h.beta1);
-      w.real(h.beta2);
-      w.tuple_from_mark();
-      OPTSTATE_RETURN_IF_ERROR(value_item(prefix + "betas", path("betas"), w.finish()));
+      for (const std::string& member : state.groups[g].params) w.str(member);
+      w.appends_from_mark();
+      OPTSTATE_RETURN_IF_ERROR(value_item(name("params"), w.finish()));
     }
-    OPTSTATE_RETURN_IF_ERROR(num("eps", h.eps));
-    OPTSTATE_RETURN_IF_ERROR(num("weight_decay", h.weight_decay));
-    OPTSTATE_RETURN_IF_ERROR(flag("amsgrad", h.amsgrad));
-    OPTSTATE_RETURN_IF_ERROR(flag("maximize", h.maximize));
-    // The rest of torch.optim.AdamW's group (2.13), so dcp.load finds every key it asks for.
-    OPTSTATE_RETURN_IF_ERROR(flag("foreach", -1));
-    OPTSTATE_RETURN_IF_ERROR(flag("capturable", 0));
-    OPTSTATE_RETURN_IF_ERROR(flag("differentiable", 0));
-    OPTSTATE_RETURN_IF_ERROR(flag("fused", -1));
-    OPTSTATE_RETURN_IF_ERROR(flag("decoupled_weight_decay", 1));
-    pickle::Writer w;
-    w.empty_list();
-    w.mark();
-    for (const std::string& fqn : state.groups[g].params) w.str(fqn);
-    w.appends_from_mark();
-    OPTSTATE_RETURN_IF_ERROR(value_item(prefix + "params", path("params"), w.finish()));
   }
   for (const auto& [fqn, ps] : state.params) {
     OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps.shape));
@@ -351,17 +451,22 @@ Status write_into(const OptimizerState& state, const fs::path& staging, int worl
         d = DType::kF32;
       }
       if (name == kParam) {
-        OPTSTATE_RETURN_IF_ERROR(tensor_item("model." + fqn, {"model", fqn}, d, ps.shape, bytes));
+        auto w = layout.weights.find(fqn);
+        ItemName where = w != layout.weights.end() ? w->second : ItemName{"model." + fqn, dict_path({"model", fqn})};
+        OPTSTATE_RETURN_IF_ERROR(tensor_item(std::move(where), d, ps.shape, bytes));
       } else {
-        OPTSTATE_RETURN_IF_ERROR(tensor_item(fmt::format("optim.state.{}.{}", fqn, name), {"optim", "state", fqn, name},
-                                             d, ps.shape, bytes));
+        OPTSTATE_RETURN_IF_ERROR(tensor_item(state_name(fqn, name), d, ps.shape, bytes));
       }
     }
     if (ps.entries.count(kExpAvg)) {
       const float step = static_cast<float>(ps.step);
-      OPTSTATE_RETURN_IF_ERROR(tensor_item(fmt::format("optim.state.{}.step", fqn), {"optim", "state", fqn, "step"},
-                                           DType::kF32, {}, std::as_bytes(std::span(&step, 1))));
+      OPTSTATE_RETURN_IF_ERROR(tensor_item(state_name(fqn, "step"), DType::kF32, {}, std::as_bytes(std::span(&step, 1))));
     }
+  }
+  if (carry) {
+    std::set<std::string> written;
+    for (const Written& wr : done) written.insert(wr.key);
+    OPTSTATE_RETURN_IF_ERROR(copy_carried(layout, outs, written, done));
   }
   for (OutputFile& f : outs) OPTSTATE_RETURN_IF_ERROR(f.sync_and_close());
   const std::string md = metadata_pickle(done);
@@ -370,14 +475,16 @@ Status write_into(const OptimizerState& state, const fs::path& staging, int worl
 
 }  // namespace
 
-Status write_dcp(const OptimizerState& state, const fs::path& path, const WriteOptions& options) {
+Status write_dcp(const OptimizerState& state, const fs::path& path, const WriteOptions& options,
+                 const SourceLayout* source) {
   OPTSTATE_RETURN_IF_ERROR(check_structure(state, true));
   OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
   std::error_code ec;
   OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_dir(path));
   if (options.world_size < 1 || options.world_size > 65536)
     return invalid_argument(fmt::format("world size {} out of range", options.world_size));
-  Status st = write_into(state, staging, options.world_size);
+  const SourceLayout get_state_dict_layout;  // {"model": ..., "optim": ...}, nested groups
+  Status st = write_into(state, staging, options.world_size, source ? *source : get_state_dict_layout, source != nullptr);
   if (st.ok()) st = publish_directory(staging, path, options.overwrite);
   if (!st.ok()) fs::remove_all(staging, ec);  // never leave a partial checkpoint behind
   return st;

@@ -53,6 +53,9 @@ struct WriteOptions {
   bool dequantize = false;  // store blockwise8 entries as dense fp32 (dequantize-on-save)
   int world_size = 1;       // lay the state out as this many ranks' shards (formats that shard)
   int compression = 0;      // gzip level 1-9 for formats that compress (hdf5: with shuffle); 0 none
+  // The checkpoint `state` was read from (convert). A driver writing its own format may keep the
+  // source's layout and carry through what the state does not hold (FormatDriver::carries).
+  const CheckpointReader* source = nullptr;
 };
 
 class FormatDriver {
@@ -67,6 +70,9 @@ class FormatDriver {
   virtual bool keeps_blockwise8() const { return true; }
   virtual Status write(const OptimizerState& state, const std::filesystem::path& path,
                        const WriteOptions& options) const = 0;
+  // Whether a write with WriteOptions::source = &source keeps what source.not_read() names (a DCP
+  // written from a DCP carries its train_state, lr_scheduler, ... through, byte for byte).
+  virtual bool carries(const CheckpointReader& source) const { return false; }
 };
 
 // Writes through a driver after the option-driven transforms every driver shares (dequantize-on-save).

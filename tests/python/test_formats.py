@@ -2,6 +2,7 @@
 PyTorch and torchao: DCP (single process, 2 FSDP2 ranks over gloo, torchao AdamW8bit), safetensors,
 h5py; conversion chains keep the hash; hostile DCP inputs give errors naming the item.
 """
+import io
 import os
 import pickle
 import subprocess
@@ -273,6 +274,126 @@ def test_torchtitan_layout_dcp_reads_as_the_same_state(tmp_path, optstate_cli, k
     opt.param_groups[1]["lr"] = 1.0
     assert optstate.verify(out, model, opt) == [
         f"param group 1: hyperparameters of 2 param(s) (first '0.bias') differ from {out}"]
+
+
+RESUME_TORCHTITAN = textwrap.dedent("""
+    # torchtitan's resume: the state dict it builds (weights at the top level, the flattened
+    # optimizer, lr_scheduler, train_state, dataloader), a strict dcp.load, and torch.optim.AdamW --
+    # with a tensor lr where the source came from torchao, whose groups (and so the LR scheduler's
+    # state) hold tensors. Checks the state against EXPECT (our fp32 conversion of the source) and
+    # that training goes on; with a second checkpoint, that both resume to bit-equal training.
+    import io, sys, torch, torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+        get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+    path, lr_kind, expect = sys.argv[1:4]
+    others = ("optimizer", "lr_scheduler", "train_state", "dataloader")
+    opts = StateDictOptions(flatten_optimizer_state_dict=True)
+    def resume(path):
+        torch.manual_seed(7)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 4))
+        lr = torch.tensor(1e-3) if lr_kind == "tensor" else 1e-3
+        opt = torch.optim.AdamW([{"params": [model[0].weight, model[2].weight], "weight_decay": 0.1},
+                                 {"params": [model[0].bias, model[2].bias], "weight_decay": 0.0}],
+                                lr=lr, foreach=False)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.1 * s)
+        states = dict(get_model_state_dict(model))
+        states["optimizer"] = get_optimizer_state_dict(model, opt, options=opts)
+        states["lr_scheduler"] = sched.state_dict()
+        states["train_state"] = {"step": torch.tensor(0, dtype=torch.int32), "global_avg_losses": io.BytesIO()}
+        states["dataloader"] = {"dp_rank_0": io.BytesIO()}
+        dcp.load(states, checkpoint_id=path)  # strict: every key above must be in the checkpoint
+        set_model_state_dict(model, {k: v for k, v in states.items() if k not in others})
+        set_optimizer_state_dict(model, opt, states["optimizer"], options=opts)
+        sched.load_state_dict(states["lr_scheduler"])
+        return model, opt, sched, states
+    model, opt, sched, states = resume(path)
+    ref = load_file(expect)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), ref[name + ".param"]), name
+        st = opt.state[p]
+        assert st["step"].item() == 3, name
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[k], ref[name + "." + k]), name + "." + k
+    assert sched.last_epoch == 3
+    initial_lr = torch.tensor(1e-3) if lr_kind == "tensor" else 1e-3  # as the source's LambdaLR had it
+    assert [float(g["lr"]) for g in opt.param_groups] == [float(initial_lr * (1.0 - 0.1 * 3))] * 2
+    assert [float(g["initial_lr"]) for g in opt.param_groups] == [float(initial_lr)] * 2
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert states["train_state"]["step"].item() == 3
+    assert torch.load(io.BytesIO(states["train_state"]["global_avg_losses"].getvalue())) == [1.0, 0.5]
+    assert states["dataloader"]["dp_rank_0"].getvalue() == b"opaque"
+    def train(model, opt, sched):
+        g = torch.Generator().manual_seed(11)
+        model(torch.randn(8, 64, generator=g)).square().sum().backward()
+        opt.step()
+        sched.step()
+    train(model, opt, sched)
+    assert opt.state[model[0].weight]["step"].item() == 4
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    if len(sys.argv) > 4:
+        other = resume(sys.argv[4])
+        train(*other[:3])
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other[0].parameters()))
+        assert all(torch.equal(opt.state[a]["exp_avg_sq"], other[1].state[b]["exp_avg_sq"])
+                   for a, b in zip(model.parameters(), other[0].parameters()))
+    print("ok")
+""")
+
+
+def deep_equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(deep_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(deep_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, io.BytesIO):
+        return isinstance(b, io.BytesIO) and a.getvalue() == b.getvalue()
+    return a == b
+
+
+@pytest.mark.parametrize("kind,ranks", [("fp32", 1), ("ours8", 1), ("ao", 2)])
+def test_torchtitan_dcp_converts_to_fp32_in_place_and_torchtitan_resumes_from_it(tmp_path, optstate_cli, kind,
+                                                                                   ranks):
+    """convert DCP -> DCP keeps the source's layout (the optimizer under "optimizer", flattened,
+    weights at the top level, torchao's tensor lr) and carries train_state, lr_scheduler and
+    dataloader through byte for byte: torchtitan resumes from it with torch.optim.AdamW -- a strict
+    dcp.load of its whole state dict -- with the state our fp32 conversion holds, its LR schedule,
+    step and data position. From torch's own AdamW the result is the source, item for item."""
+    if kind == "ao":
+        pytest.importorskip("torchao")
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    src = tmp_path / f"tt_{kind}"
+    run_script(tmp_path, MAKE_TORCHTITAN_DCP, "make_tt.py", kind, src, ranks=ranks)
+    dst, expect = tmp_path / "fp32_dcp", tmp_path / "expect.safetensors"
+    out = optstate_cli("convert", src, dst, "--format", "dcp")
+    assert out.stderr == "" and "carried unchanged: dataloader (1 item), lr_scheduler (" in out.stdout, out.stdout
+    assert "0 8-bit entries" in out.stdout
+    optstate_cli("convert", src, expect, "--to", "fp32")
+    assert hashes(optstate_cli, dst, values=True) == hashes(optstate_cli, src, values=True)
+    lr_kind = "tensor" if kind == "ao" else "float"
+    args = [dst, lr_kind, expect] + ([src] if kind == "fp32" else [])
+    run_script(tmp_path, RESUME_TORCHTITAN, "resume_tt.py", *args)
+    # torch's own reader of the whole checkpoint (planner_data paths, list indices included)
+    dcp_to_torch_save(src, tmp_path / "src.pt")
+    dcp_to_torch_save(dst, tmp_path / "dst.pt")
+    a, b = torch.load(tmp_path / "src.pt", weights_only=False), torch.load(tmp_path / "dst.pt", weights_only=False)
+    for key in ("lr_scheduler", "train_state", "dataloader"):
+        assert deep_equal(a[key], b[key]), key
+    if kind == "fp32":
+        assert deep_equal(a, b)
+        # a carried item that is not a whole torch.save archive fails the write, naming it; no DST
+        from torch.distributed.checkpoint import FileSystemReader
+        info = FileSystemReader(str(src)).read_metadata().storage_data
+        loc = next(v for k, v in info.items() if k.fqn == "dataloader.dp_rank_0")
+        with open(src / loc.relative_path, "r+b") as f:
+            f.seek(loc.offset + loc.length - 22)
+            f.write(b"\0" * 22)
+        bad = optstate_cli("convert", src, tmp_path / "bad", "--format", "dcp", check=False)
+        assert bad.returncode == 2 and "item 'dataloader.dp_rank_0'" in bad.stderr, bad.stderr
+        assert not (tmp_path / "bad").exists()
+        optstate_cli("convert", src, tmp_path / "native")  # the optimizer state itself is intact
 
 
 def test_flattened_optimizer_state_that_does_not_add_up_is_refused_by_name(tmp_path, optstate_cli):

@@ -149,10 +149,11 @@ Result<std::string> get_string_attr(hid_t obj, const char* name, const std::stri
 
 class Hdf5Reader final : public CheckpointReader {
  public:
-  Hdf5Reader(fs::path path, Id file, OptimizerState meta)
-      : path_(std::move(path)), file_(std::move(file)), meta_(std::move(meta)) {}
+  Hdf5Reader(fs::path path, Id file, OptimizerState meta, bool checksummed)
+      : path_(std::move(path)), file_(std::move(file)), meta_(std::move(meta)), checksummed_(checksummed) {}
 
   std::string_view format() const override { return "hdf5"; }
+  bool checksummed() const override { return checksummed_; }
   const fs::path& path() const override { return path_; }
   const OptimizerState& meta() const override { return meta_; }
 
@@ -261,6 +262,7 @@ class Hdf5Reader final : public CheckpointReader {
   fs::path path_;
   Id file_;
   OptimizerState meta_;
+  bool checksummed_ = false;
 };
 
 Status write_component(hid_t parent, const char* name, const ParamState& ps, const Entry& e, Component c,
@@ -381,6 +383,7 @@ class Hdf5Driver final : public FormatDriver {
     OPTSTATE_ASSIGN_OR_RETURN(std::string text, get_string_attr(file.get(), "optstate", where));
     OPTSTATE_ASSIGN_OR_RETURN(OptimizerState meta, decode_state_meta(text, where));
     // Every component the metadata names is a dataset of the right type and shape.
+    bool checksummed = true;  // every dataset has fletcher32 (optstate writes it; an edited file may not)
     for (const auto& [fqn, ps] : meta.params)
       for (const auto& [name, e] : ps.entries)
         for (Component c : e.components()) {
@@ -395,6 +398,13 @@ class Hdf5Driver final : public FormatDriver {
           if (!ds.ok()) return corrupt(fmt::format("{}: '{}' is not a dataset", where, dpath));
           Id type(H5Dget_type(ds.get()), H5Tclose);
           Id space(H5Dget_space(ds.get()), H5Sclose);
+          Id dcpl(H5Dget_create_plist(ds.get()), H5Pclose);
+          unsigned flags = 0;
+          size_t nvalues = 0;
+          unsigned filter_config = 0;
+          if (!dcpl.ok() || H5Pget_filter_by_id2(dcpl.get(), H5Z_FILTER_FLETCHER32, &flags, &nvalues, nullptr, 0,
+                                                 nullptr, &filter_config) < 0)
+            checksummed = false;
           const DType d = component_dtype(e, c);
           const auto want = component_dims(ps, e, c);
           const int rank = H5Sget_simple_extent_ndims(space.get());
@@ -404,7 +414,7 @@ class Hdf5Driver final : public FormatDriver {
             return corrupt(fmt::format("{}: dataset '{}' does not have the type {} and shape {} the metadata says",
                                        where, dpath, dtype_name(d), format_shape(ps.shape)));
         }
-    return std::unique_ptr<CheckpointReader>(new Hdf5Reader(path, std::move(file), std::move(meta)));
+    return std::unique_ptr<CheckpointReader>(new Hdf5Reader(path, std::move(file), std::move(meta), checksummed));
   }
 
   Status write(const OptimizerState& state, const fs::path& path, const WriteOptions& options) const override {

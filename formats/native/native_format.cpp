@@ -27,6 +27,7 @@ class NativeReader final : public CheckpointReader {
  public:
   NativeReader(fs::path dir, Manifest manifest) : dir_(std::move(dir)), m_(std::move(manifest)) {}
   std::string_view format() const override { return "native"; }
+  bool checksummed() const override { return true; }
   const fs::path& path() const override { return dir_; }
   const OptimizerState& meta() const override { return m_.state; }
 

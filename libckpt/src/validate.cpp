@@ -89,6 +89,7 @@ Result<ValidationReport> validate_checkpoint(const std::filesystem::path& path, 
     return opened.status();
   }
   CheckpointReader& reader = **opened;
+  r.checksums_verified = reader.checksummed();
   const OptimizerState& meta = reader.meta();
   Status structure = check_structure(meta, false);
   if (!structure.ok()) r.findings.push_back({"", fmt::format("{}: {}", path.string(), structure.message())});

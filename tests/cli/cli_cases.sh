@@ -205,8 +205,14 @@ assert j["params"]["head.bias"]["entries"]["exp_avg"]["encoding"] == "dense"
     "$OPTSTATE_DEMO" --optimizer adamw8bit --steps 3 --save "$work/good8" >/dev/null
     for c in good good8; do
       out=$("$OPTSTATE" validate "$work/$c") || fail "false alarm on a good checkpoint: $out"
-      printf '%s' "$out" | grep -q "^ok: " || fail "no ok line"
+      printf '%s' "$out" | grep -q "^ok: .*every chunk checksum verified" || fail "no ok line with checksums: $out"
     done
+    # a format without checksums is not said to have had them verified
+    "$OPTSTATE" convert "$work/good" "$work/good.safetensors" >/dev/null || fail "convert to safetensors"
+    out=$("$OPTSTATE" validate "$work/good.safetensors") || fail "false alarm on safetensors: $out"
+    printf '%s' "$out" | grep -q "the format stores no checksums" || fail "safetensors claimed checksums: $out"
+    "$OPTSTATE" validate --json "$work/good.safetensors" | "$PY" -c \
+      'import json,sys; j=json.load(sys.stdin); assert j["ok"] and j["checksums_verified"] is False'
     # expect_finding DIR PATTERN: validate exits 1 and one finding matches
     expect_finding() {
       local out rc

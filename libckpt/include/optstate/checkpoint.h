@@ -32,6 +32,9 @@ class CheckpointReader {
   // lr_scheduler, dataloader, model buffers): one short line each, for inspect and convert to say
   // so. Empty for formats that hold only optimizer state.
   virtual std::vector<std::string> not_read() const { return {}; }
+  // Whether every chunk read is checked against a stored checksum (native: XXH3; optstate's HDF5:
+  // fletcher32). DCP and safetensors store none: a reader can check sizes and coverage only.
+  virtual bool checksummed() const { return false; }
   // Streams one component of one entry in flattened order. Formats with checksums verify every
   // chunk and fail (naming the file, the entry and the range) when one does not match.
   virtual Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) = 0;

@@ -23,6 +23,7 @@ struct ValidationReport {
   std::vector<Finding> findings;
   int64_t entries_checked = 0;
   int64_t values_checked = 0;
+  bool checksums_verified = false;  // the format stores checksums and every chunk matched (CheckpointReader::checksummed)
   bool ok() const { return findings.empty(); }
 };
 

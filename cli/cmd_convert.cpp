@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
+#include "progress.h"
 #include "optstate/transform.h"
 #include "registry.h"
 
@@ -128,9 +129,11 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
                                                         src.string())));
   }
 
-  auto reader = open_checkpoint(src);
-  if (!reader.ok()) return fail(command, reader.status());
-  auto state = load_all(**reader);
+  Progress progress(command);
+  auto opened = open_with_progress(src, progress);
+  if (!opened.ok()) return fail(command, opened.status());
+  auto* reader = &static_cast<ProgressReader&>(**opened).inner();  // the source itself, for the writer
+  auto state = load_all(**opened);
   if (!state.ok()) return fail(command, state.status());
   if (to == "fp32") state = dequantize_state(*state);
   if (to == "8bit") state = quantize_state(*state, q);
@@ -139,14 +142,16 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   wo.overwrite = args->has("--overwrite");
   wo.world_size = world;
   wo.compression = compression;
-  wo.source = reader->get();
+  wo.source = reader;
+  progress.phase(fmt::format("writing {}", dst.string()));
   Status st = write_checkpoint(*driver, *state, dst, wo);
+  progress.finish();
   if (!st.ok()) return fail(command, st);
 
   // Said on stderr even with --json: DST is complete as optimizer state, not as a copy of SRC
   // (unless the driver carried the rest through: DCP from DCP).
-  const std::vector<std::string> rest = (*reader)->not_read();
-  const bool carried = driver->carries(**reader);
+  const std::vector<std::string> rest = reader->not_read();
+  const bool carried = driver->carries(*reader);
   if (!rest.empty() && !carried)
     std::fprintf(stderr, "note: %s also holds %s: not optimizer state, not in %s\n", src.c_str(),
                  fmt::format("{}", fmt::join(rest, ", ")).c_str(), dst.c_str());
@@ -155,7 +160,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
     for (const auto& [name, e] : ps.entries)  // as written: DCP stores 8-bit moments dequantized
       (e.encoding == Encoding::kDense || !driver->keeps_blockwise8() ? dense : eight) += 1;
   if (args->has("--json")) {
-    nlohmann::json j = {{"source", src.string()}, {"source_format", std::string((*reader)->format())},
+    nlohmann::json j = {{"source", src.string()}, {"source_format", std::string(reader->format())},
                         {"destination", dst.string()}, {"format", format}, {"world_size", world},
                         {"params", state->params.size()},
                         {"carried", carried ? rest : std::vector<std::string>{}},

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
+#include "progress.h"
 #include "optstate/diff.h"
 #include "registry.h"
 
@@ -47,11 +48,13 @@ int run_diff(int argc, char** argv) {
       if (!t.ok()) return fail("diff", t.status());
       *target = *t;
     }
-  auto a = open_checkpoint(args->positional[0]);
+  Progress progress("diff");
+  auto a = open_with_progress(args->positional[0], progress);
   if (!a.ok()) return fail("diff", a.status());
-  auto b = open_checkpoint(args->positional[1]);
+  auto b = open_with_progress(args->positional[1], progress);
   if (!b.ok()) return fail("diff", b.status());
   auto report = diff_checkpoints(**a, **b, options);
+  progress.finish();
   if (!report.ok()) return fail("diff", report.status());
   if (args->has("--json")) {
     nlohmann::json entries = nlohmann::json::object();

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
+#include "progress.h"
 #include "optstate/hash.h"
 #include "registry.h"
 
@@ -25,11 +26,13 @@ int run_hash(int argc, char** argv) {
     std::fputs(help_text(spec).c_str(), stdout);
     return kExitOk;
   }
-  auto reader = open_checkpoint(args->positional[0]);
+  Progress progress("hash");
+  auto reader = open_with_progress(args->positional[0], progress);
   if (!reader.ok()) return fail("hash", reader.status());
   HashOptions options;
   options.values = args->has("--values");
   auto h = hash_checkpoint(**reader, options);
+  progress.finish();
   if (!h.ok()) return fail("hash", h.status());
   if (args->has("--json")) {
     nlohmann::json j = {{"root", h->root}, {"entries", h->entries}, {"mode", options.values ? "values" : "raw"}};

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
+#include "progress.h"
 #include "optstate/json_fields.h"
 #include "optstate/values.h"
 #include "registry.h"
@@ -45,7 +46,8 @@ int run_inspect(int argc, char** argv) {
     std::fputs(help_text(spec).c_str(), stdout);
     return kExitOk;
   }
-  auto opened = open_checkpoint(args->positional[0]);
+  Progress progress("inspect");
+  auto opened = open_with_progress(args->positional[0], progress);
   if (!opened.ok()) return fail("inspect", opened.status());
   CheckpointReader& reader = **opened;
   const OptimizerState& meta = reader.meta();
@@ -117,6 +119,7 @@ int run_inspect(int argc, char** argv) {
     pj["entries"] = entries;
     params[fqn] = pj;
   }
+  progress.finish();
   j["params"] = params;
   j["not_read"] = reader.not_read();
   const double per_param = total_numel ? static_cast<double>(total_state_bytes) / static_cast<double>(total_numel) : 0;

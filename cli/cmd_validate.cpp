@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
+#include "progress.h"
 #include "optstate/validate.h"
 #include "registry.h"
 
@@ -25,7 +26,9 @@ int run_validate(int argc, char** argv) {
     return kExitOk;
   }
   const std::filesystem::path path = args->positional[0];
-  auto report = validate_checkpoint(path, [](const std::filesystem::path& p) { return open_checkpoint(p); });
+  Progress progress("validate");
+  auto report = validate_checkpoint(path, [&](const std::filesystem::path& p) { return open_with_progress(p, progress); });
+  progress.finish();
   if (!report.ok()) return fail("validate", report.status());
   if (args->has("--json")) {
     nlohmann::json findings = nlohmann::json::array();
@@ -41,7 +44,7 @@ int run_validate(int argc, char** argv) {
     std::printf("ok: %s: %lld entries, %lld values, %s\n", path.c_str(),
                 static_cast<long long>(report->entries_checked), static_cast<long long>(report->values_checked),
                 report->checksums_verified ? "every chunk checksum verified"
-                                           : "values, sizes and coverage checked; the format stores no checksums");
+                                           : "no checksums in this format (sizes, coverage and values checked)");
   } else {
     for (const auto& f : report->findings) std::printf("FINDING  %s\n", f.message.c_str());
     std::printf("%s: %zu finding(s)\n", path.c_str(), report->findings.size());

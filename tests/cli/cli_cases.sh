@@ -210,7 +210,7 @@ assert j["params"]["head.bias"]["entries"]["exp_avg"]["encoding"] == "dense"
     # a format without checksums is not said to have had them verified
     "$OPTSTATE" convert "$work/good" "$work/good.safetensors" >/dev/null || fail "convert to safetensors"
     out=$("$OPTSTATE" validate "$work/good.safetensors") || fail "false alarm on safetensors: $out"
-    printf '%s' "$out" | grep -q "the format stores no checksums" || fail "safetensors claimed checksums: $out"
+    printf '%s' "$out" | grep -q "no checksums in this format" || fail "safetensors claimed checksums: $out"
     "$OPTSTATE" validate --json "$work/good.safetensors" | "$PY" -c \
       'import json,sys; j=json.load(sys.stdin); assert j["ok"] and j["checksums_verified"] is False'
     # expect_finding DIR PATTERN: validate exits 1 and one finding matches
@@ -307,6 +307,22 @@ assert j["ok"], [k for k, e in j["entries"].items() if not e["ok"]]
 assert j["entries"]["layers.1.weight.exp_avg"]["max_abs"] > 0
 '  || fail "quantization error outside 10%"
     expect_error 2 "--rtol needs a non-negative number" -- "$OPTSTATE" diff "$work/a" "$work/b" --rtol x
+    ;;
+  progress)
+    # Progress goes to stderr, only when asked (OPTSTATE_PROGRESS=1) or stderr is a terminal (not here);
+    # stdout is the same either way.
+    make_ckpt "$work/a"
+    for c in hash validate inspect; do
+      "$OPTSTATE" "$c" "$work/a" >"$work/quiet.out" 2>"$work/quiet.err" || fail "$c"
+      [ ! -s "$work/quiet.err" ] || fail "$c wrote to stderr without a terminal: $(cat "$work/quiet.err")"
+      OPTSTATE_PROGRESS=1 "$OPTSTATE" "$c" "$work/a" >"$work/shown.out" 2>"$work/shown.err" || fail "$c with progress"
+      cmp -s "$work/quiet.out" "$work/shown.out" || fail "$c: progress changed stdout"
+      grep -Eq "^$c: read [0-9.]+ KiB of [0-9.]+ KiB \(100%\)" "$work/shown.err" || fail "$c: no progress: $(cat "$work/shown.err")"
+    done
+    OPTSTATE_PROGRESS=1 "$OPTSTATE" convert "$work/a" "$work/b" 2>"$work/shown.err" >/dev/null || fail "convert"
+    grep -q "^convert: writing $work/b" "$work/shown.err" || fail "convert: no write phase: $(cat "$work/shown.err")"
+    OPTSTATE_PROGRESS=0 "$OPTSTATE" hash "$work/a" 2>"$work/quiet.err" >/dev/null && [ ! -s "$work/quiet.err" ] \
+      || fail "OPTSTATE_PROGRESS=0 still shows progress"
     ;;
   reshard)
     "$OPTSTATE_DEMO" --steps 3 --save "$work/w1" >/dev/null

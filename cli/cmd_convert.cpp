@@ -94,6 +94,10 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   }
   const FormatDriver* driver = find_format(format);
   if (!driver) return fail(command, invalid_argument(fmt::format("unknown output format '{}'", format)));
+  if (to == "8bit" && !driver->keeps_blockwise8())  // it would quantize, then store the rounded values dense
+    return fail(command, invalid_argument(fmt::format("--to 8bit: {} stores moments dense (torch.optim.AdamW's "
+                                                      "state); write 8-bit state as native, hdf5 or safetensors",
+                                                      format)));
   QuantizeOptions q;
   if (auto v = args->value("--block-size")) {
     auto n = parse_positive("--block-size", *v);

@@ -175,6 +175,8 @@ assert j["params"]["head.bias"]["entries"]["exp_avg"]["encoding"] == "dense"
     mkdir "$work/exists"
     expect_error 2 "$work/exists: already exists" -- "$OPTSTATE" convert "$work/c" "$work/exists"
     expect_error 2 "unknown output format 'zip'" -- "$OPTSTATE" convert "$work/c" "$work/y" --format zip
+    expect_error 2 "--to 8bit: dcp stores moments dense" -- "$OPTSTATE" convert "$work/c" "$work/y" --format dcp --to 8bit
+    [ ! -e "$work/y" ] || fail "a refused convert wrote output"
     # --overwrite replaces checkpoints (any format) and empty directories, never other files, and
     # never a directory holding the source.
     mkdir -p "$work/home/ckpt" && echo keep > "$work/home/notes.txt" && cp -r "$work/c/." "$work/home/ckpt"

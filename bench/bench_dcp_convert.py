@@ -1,0 +1,221 @@
+"""Turning a torchtitan checkpoint of torchao's AdamW8bit into one of plain fp32 torch.optim.AdamW,
+same layout, everything else kept (DCP -> DCP): `optstate convert SRC DST --format dcp` next to the
+way it is done with torch and torchao installed, side by side in one run on the same checkpoint and
+disk, cold page cache, each a fresh process as a user runs it.
+
+- The checkpoint: a Llama-shaped stack (--layers pairs of 2048x4096 / 4096x2048 Linears), one
+  torchao AdamW8bit step (block 256), saved as torchtitan's CheckpointManager saves it: weights at
+  the top level, the optimizer flattened under "optimizer", lr_scheduler, train_state, dataloader.
+- torch + torchao: build the model, AdamW8bit and LambdaLR, strict dcp.load of torchtitan's state
+  dict, dequantize each moment into torch.optim.AdamW's state (lr as a tensor, as torchao keeps it),
+  dcp.save of the same state dict layout.
+- optstate: the CLI, no Python, no torchao.
+- floor: read SRC's bytes cold, write DST's byte count and fsync (bench_ckpt's raw helpers).
+Both outputs are read back with torch's dcp_to_torch_save and compared: weights, moments, steps,
+LR-scheduler, train_state and dataloader items must be equal, bit for bit.
+
+    .venv/bin/python bench/bench_dcp_convert.py [--layers 2] [--reps 2] [--dir /tmp] [--json bench/results/dcp_convert.json]
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+sys.path.insert(0, str(BENCH))
+from bench_ckpt import dir_bytes, drop_cache, raw_read, raw_write  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+COMMON = textwrap.dedent("""
+    import io, sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch, torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+        get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+    sys.path.insert(0, BENCH)
+    from bench_ckpt import make_model
+    from torchao.optim import AdamW8bit
+    OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
+    OTHERS = ("optimizer", "lr_scheduler", "train_state", "dataloader")
+
+    def lr_lambda(step):
+        return 1.0 - 1e-3 * step
+
+    def titan_states(model, opt, sched, train_state=None, dataloader=None):
+        states = dict(get_model_state_dict(model))
+        states["optimizer"] = get_optimizer_state_dict(model, opt, options=OPTS)
+        states["lr_scheduler"] = sched.state_dict()
+        states["train_state"] = train_state or {"step": torch.tensor(0, dtype=torch.int32),
+                                                "global_avg_losses": io.BytesIO()}
+        states["dataloader"] = dataloader or {"dp_rank_0": io.BytesIO()}
+        return states
+""")
+
+MAKE = COMMON + textwrap.dedent("""
+    out, layers = sys.argv[1], int(sys.argv[2])
+    model = make_model(layers)
+    opt = AdamW8bit(model.parameters(), lr=1e-3, block_size=256)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    sched.step()
+    losses = io.BytesIO()
+    torch.save([2.5, 2.25], losses)
+    states = titan_states(model, opt, sched, {"step": torch.tensor(1, dtype=torch.int32), "global_avg_losses": losses},
+                          {"dp_rank_0": io.BytesIO(b"sampler position 4096")})
+    dcp.save(states, checkpoint_id=out)
+""")
+
+CONVERT_WITH_TORCHAO = COMMON + textwrap.dedent("""
+    src, dst, layers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    model = make_model(layers)
+    opt8 = AdamW8bit(model.parameters(), lr=1e-3, block_size=256)
+    sched8 = torch.optim.lr_scheduler.LambdaLR(opt8, lr_lambda)
+    states = titan_states(model, opt8, sched8)
+    dcp.load(states, checkpoint_id=src)
+    set_model_state_dict(model, {k: v for k, v in states.items() if k not in OTHERS})
+    set_optimizer_state_dict(model, opt8, states["optimizer"], options=OPTS)
+    sched8.load_state_dict(states["lr_scheduler"])
+    g8 = opt8.param_groups[0]
+    opt = torch.optim.AdamW(model.parameters(), lr=g8["lr"].clone(), betas=g8["betas"], eps=g8["eps"],
+                            weight_decay=g8["weight_decay"])
+    opt.param_groups[0]["initial_lr"] = g8["initial_lr"].clone()
+    for p in model.parameters():
+        s = opt8.state[p]
+        opt.state[p] = {"step": s["step"].float().clone(), "exp_avg": s["exp_avg"].dequantize(),
+                        "exp_avg_sq": s["exp_avg_sq"].dequantize()}
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    sched.load_state_dict(sched8.state_dict())
+    dcp.save(titan_states(model, opt, sched, states["train_state"], states["dataloader"]), checkpoint_id=dst)
+""")
+
+
+def run(cmd):
+    t0 = time.perf_counter()
+    proc = subprocess.run(list(map(str, cmd)), capture_output=True, text=True)
+    dt = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(map(str, cmd))} failed:\n{proc.stderr[-3000:]}")
+    return dt
+
+
+def flat(obj, prefix=""):
+    """Leaves of a nested state dict by dotted path."""
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            out.update(flat(v, f"{prefix}{k}."))
+        return out
+    if isinstance(obj, (list, tuple)) and any(isinstance(x, (torch.Tensor, dict)) for x in obj):
+        out = {}
+        for i, v in enumerate(obj):
+            out.update(flat(v, f"{prefix}{i}."))
+        return out
+    return {prefix[:-1]: obj}
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if hasattr(a, "getvalue"):
+        return hasattr(b, "getvalue") and a.getvalue() == b.getvalue()
+    return a == b
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        sys.exit("torchao is needed for the reference side")
+    cli = REPO / "build" / "optstate"
+    if not cli.exists():
+        sys.exit(f"{cli} is not built")
+    work = Path(tempfile.mkdtemp(prefix="optstate-bench-dcpconv-", dir=args.dir))
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    prelude = f"BENCH = {str(BENCH)!r}\n"
+    scripts = {}
+    for name, text in (("make.py", MAKE), ("convert_torchao.py", CONVERT_WITH_TORCHAO)):
+        scripts[name] = work / name
+        scripts[name].write_text(prelude + text)
+    src = work / "src"
+    t_make = run([sys.executable, scripts["make.py"], src, args.layers])
+    src_bytes = dir_bytes(src)
+    print(f"source: {src_bytes / 1e9:.2f} GB torchtitan DCP of torchao AdamW8bit ({args.layers} layer pairs, "
+          f"made in {t_make:.0f} s); {os.cpu_count()} cpus, torch {torch.__version__}")
+
+    dst = {"optstate": work / "dst_optstate", "torch + torchao": work / "dst_torchao"}
+    cases = {
+        "optstate": lambda out: [cli, "convert", src, out, "--format", "dcp"],
+        "torch + torchao": lambda out: [sys.executable, scripts["convert_torchao.py"], src, out, args.layers],
+    }
+    times = {k: [] for k in list(cases) + ["floor (raw copy)"]}
+    for rep in range(args.reps):
+        for k, make_cmd in cases.items():
+            shutil.rmtree(dst[k], ignore_errors=True)
+            drop_cache(src)
+            times[k].append(run(make_cmd(dst[k])))
+    dst_bytes = dir_bytes(dst["optstate"])
+    buf = bytearray(max(src_bytes, dst_bytes))
+    files = [os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs]
+    for rep in range(args.reps):
+        t = 0.0
+        for f in files:
+            t += raw_read(f, memoryview(buf)[:os.path.getsize(f)])
+        t += raw_write(work / "raw_copy", memoryview(buf)[:dst_bytes])
+        times["floor (raw copy)"].append(t)
+
+    # Both outputs hold the same state, read by torch's own DCP reader.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(dst["optstate"], work / "a.pt")
+    dcp_to_torch_save(dst["torch + torchao"], work / "b.pt")
+    a = flat(torch.load(work / "a.pt", weights_only=False))
+    b = flat(torch.load(work / "b.pt", weights_only=False))
+    compared = [k for k in b if k.startswith(("optimizer.state.", "lr_scheduler.", "train_state.", "dataloader."))
+                or not k.startswith("optimizer.")]
+    bad = [k for k in compared if k not in a or not same(a[k], b[k])]
+    assert not bad, f"outputs differ: {bad[:8]}"
+    groups = [k for k in b if k.startswith("optimizer.param_groups.")]
+    assert all(k in a for k in groups), [k for k in groups if k not in a][:8]
+    print(f"outputs: {dst_bytes / 1e9:.2f} GB each; {len(compared)} items equal bit for bit "
+          f"(weights, moments, steps, lr_scheduler, train_state, dataloader); every param_groups field present")
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    moved = src_bytes + dst_bytes
+    print(f"\n{'case':<18}{'median s':>10}{'best s':>9}{'GB/s':>7}{'% floor':>9}{'vs torch+torchao':>18}")
+    rows = {}
+    for k in times:
+        rows[k] = {"median_s": med[k], "best_s": min(times[k]), "gb_per_s": moved / med[k] / 1e9,
+                   "pct_floor": 100 * med["floor (raw copy)"] / med[k],
+                   "speedup_vs_torchao": med["torch + torchao"] / med[k]}
+        r = rows[k]
+        print(f"{k:<18}{med[k]:>10.2f}{min(times[k]):>9.2f}{r['gb_per_s']:>7.2f}{r['pct_floor']:>8.0f}%"
+              f"{r['speedup_vs_torchao']:>17.2f}x")
+    print("(GB/s: bytes read + written; each case a fresh process, cold page cache for SRC)")
+    shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"layers": args.layers, "src_bytes": src_bytes, "dst_bytes": dst_bytes,
+                                               "reps": args.reps, "results": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

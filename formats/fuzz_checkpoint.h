@@ -109,8 +109,35 @@ class CheckpointFixture {
     auto r = d->open(work);
     if (!r.ok()) return false;
     (void)hash_checkpoint(**r);
-    (void)load_all(**r);
+    auto state = load_all(**r);
+    if (state.ok()) check_written_back(*state, **r);
     return true;
+  }
+
+  // What was read writes back in the same format (with the source handed over, as convert does: a
+  // DCP keeps its layout and carries its other items) and reads again as the same values. A write
+  // that succeeds but does not read back, or reads back different, is a bug: abort.
+  void check_written_back(const OptimizerState& state, const CheckpointReader& source) const {
+    namespace fs = std::filesystem;
+    const fs::path out = base_ / "out";
+    fs::remove_all(out);
+    WriteOptions wo;
+    wo.source = &source;
+    if (!driver_->write(state, out, wo).ok()) return;
+    HashOptions values;
+    values.values = true;
+    auto want = hash_checkpoint(*memory_reader(state), values);
+    auto back = driver_->open(out);
+    if (!back.ok()) {
+      std::fprintf(stderr, "wrote a checkpoint that does not open: %s\n", back.status().message().c_str());
+      std::abort();
+    }
+    auto got = hash_checkpoint(**back, values);
+    if (!want.ok() || !got.ok() || want->root != got->root) {
+      std::fprintf(stderr, "written back, the values differ: %s\n",
+                   got.ok() ? (want.ok() ? "hash" : want.status().message().c_str()) : got.status().message().c_str());
+      std::abort();
+    }
   }
 
   // The target's main() without libFuzzer: `--print-seed` prints the index file (the seed kept in

@@ -459,6 +459,11 @@ Status write_into(const OptimizerState& state, const fs::path& staging, int worl
       }
     }
     if (ps.entries.count(kExpAvg)) {
+      // torch.optim.AdamW keeps the step as a float32 tensor: exact up to 2^24 (where its own
+      // counter stops); a larger one would be rounded, so it is refused instead.
+      if (ps.step > (int64_t{1} << 24))
+        return invalid_argument(fmt::format("param '{}': step {} is beyond what torch.optim.AdamW's float32 step "
+                                            "holds exactly (2^24)", fqn, ps.step));
       const float step = static_cast<float>(ps.step);
       OPTSTATE_RETURN_IF_ERROR(tensor_item(state_name(fqn, "step"), DType::kF32, {}, std::as_bytes(std::span(&step, 1))));
     }

@@ -47,5 +47,26 @@ TEST_CASE("every format driver round-trips the canonical state with an equal has
     for (const auto& [fqn, ps] : (*dq)->meta().params)
       for (const auto& [name, e] : ps.entries) CHECK(e.encoding == Encoding::kDense);
     CHECK(hash_checkpoint(**dq, {.values = true})->root == hash_state(state, {.values = true})->root);
+    // written again from itself as the source (what convert hands a driver): the same values
+    auto again = load_all(**reader);
+    REQUIRE(again.ok());
+    REQUIRE(d->write(*again, dir.path / "again", {.source = reader->get()}).ok());
+    auto back = open_checkpoint(dir.path / "again");
+    REQUIRE(back.ok());
+    CHECK(hash_checkpoint(**back, {.values = true})->root == hash_state(state, {.values = true})->root);
   }
+}
+
+TEST_CASE("dcp: a step torch.optim.AdamW's float32 step cannot hold exactly is refused, not rounded") {
+  OptimizerState state = testing::sample_state();
+  const FormatDriver* dcp = find_format("dcp");
+  REQUIRE(dcp);
+  testing::TempDir dir;
+  state.params.begin()->second.step = (int64_t{1} << 24) + 1;
+  const Status st = dcp->write(state, dir.path / "c", {});
+  CHECK(st.code() == ErrorCode::kInvalidArgument);
+  CHECK(st.message().find("step 16777217") != std::string::npos);
+  CHECK(!std::filesystem::exists(dir.path / "c"));
+  state.params.begin()->second.step = int64_t{1} << 24;  // the last exact one
+  CHECK(dcp->write(state, dir.path / "c", {}).ok());
 }

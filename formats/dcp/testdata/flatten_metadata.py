@@ -2,7 +2,10 @@
 layout torchtitan saves: weights at the top level, the optimizer flattened under "optimizer"
 (flatten_optimizer_state_dict=True: per-param param_groups fields). Storage locations are kept,
 so the result describes the same data files; each param's group fields point at its group's
-items. Makes the fuzz seed checkpoint/flattened.metadata from the fixture's checkpoint:
+items. Items the canonical state does not hold are added the same way (an LR scheduler's
+`initial_lr` in the groups, `lr_scheduler.*` with a list index in its path, `train_state.step`),
+so a DCP -> DCP write carries them. Makes the fuzz seed checkpoint/flattened.metadata from the
+fixture's checkpoint:
 
     .venv/bin/python formats/dcp/testdata/flatten_metadata.py DCP_DIR OUT
 """
@@ -47,10 +50,17 @@ def main(src, out):
         elif path[:2] == ("optim", "state"):
             flat = f"state.{path[2]}.{path[3]}"
             put(key, "optimizer." + flat, ("optimizer", flat))
+            if path[3] == "step" and "train_state.step" not in new_items:
+                put(key, "train_state.step", ("train_state", "step"))
         elif path[:2] == ("optim", "param_groups") and path[3] != "params":
             for fqn in members[path[2]]:
                 flat = f"param_groups.{fqn}.{path[3]}"
                 put(key, "optimizer." + flat, ("optimizer", flat))
+                if path[3] == "lr":
+                    put(key, f"optimizer.param_groups.{fqn}.initial_lr", ("optimizer", f"param_groups.{fqn}.initial_lr"))
+            if path[3] == "lr":
+                put(key, "lr_scheduler.base_lrs.0", ("lr_scheduler", "base_lrs", 0))
+                put(key, "lr_scheduler.last_epoch", ("lr_scheduler", "last_epoch"))
     out_md = Metadata(state_dict_metadata=new_items, planner_data=new_planner, storage_data=new_storage)
     Path(out).write_bytes(pickle.dumps(out_md, protocol=2))
 

@@ -31,7 +31,7 @@ int run_convert(int argc, char** argv) {
   const CommandSpec spec{
       "convert",
       "optstate convert SRC DST [--to fp32|8bit] [--format native|safetensors|hdf5|dcp] [--world-size N] [--block-size N] "
-      "[--min-8bit-size N] [--overwrite] [--json]",
+      "[--min-8bit-size N] [--float-lr] [--overwrite] [--json]",
       "Writes the state of SRC to DST, optionally changing its encoding: --to fp32 dequantizes 8-bit\n"
       "moments, --to 8bit quantizes the moments of params with at least --min-8bit-size elements\n"
       "(default 4096) in blocks of --block-size (default 256); moments that came from 8-bit get their\n"
@@ -42,6 +42,8 @@ int run_convert(int argc, char** argv) {
        {"--min-8bit-size", true, "params with fewer elements stay dense (default 4096)"},
        {"--world-size", true, "lay DST out as N ranks' shards (default 1)"},
        {"--compress", true, "gzip level 1-9 where the format compresses (hdf5, with shuffle)"},
+       {"--float-lr", false, "dcp: lr as Python floats (for torch.optim.AdamW with a float lr), also where the source "
+                             "kept tensors (torchao), its LR scheduler's lists included"},
        {"--overwrite", false, "replace DST if it is a checkpoint (any format) or an empty directory"},
        {"--json", false, "print a JSON summary"}},
       2,
@@ -94,6 +96,8 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   }
   const FormatDriver* driver = find_format(format);
   if (!driver) return fail(command, invalid_argument(fmt::format("unknown output format '{}'", format)));
+  if (args->has("--float-lr") && format != "dcp")
+    return fail(command, invalid_argument("--float-lr is for --format dcp"));
   if (to == "8bit" && !driver->keeps_blockwise8())  // it would quantize, then store the rounded values dense
     return fail(command, invalid_argument(fmt::format("--to 8bit: {} stores moments dense (torch.optim.AdamW's "
                                                       "state); write 8-bit state as native, hdf5 or safetensors",
@@ -147,6 +151,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   wo.world_size = world;
   wo.compression = compression;
   wo.source = reader;
+  wo.float_lr = args->has("--float-lr");
   progress.phase(fmt::format("writing {}", dst.string()));
   Status st = write_checkpoint(*driver, *state, dst, wo);
   progress.finish();
@@ -175,7 +180,10 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
     std::printf("wrote %s (%s, %d rank%s): %zu params, %lld dense and %lld 8-bit entries%s\n", dst.c_str(),
                 format.c_str(), world, world == 1 ? "" : "s", state->params.size(), static_cast<long long>(dense),
                 static_cast<long long>(eight),
-                carried && !rest.empty() ? fmt::format("; carried unchanged: {}", fmt::join(rest, ", ")).c_str() : "");
+                carried && !rest.empty()
+                    ? fmt::format("; carried {}: {}", wo.float_lr ? "(tensor lrs as floats)" : "unchanged",
+                                  fmt::join(rest, ", ")).c_str()
+                    : "");
   }
   return kExitOk;
 }

@@ -110,19 +110,21 @@ class CheckpointFixture {
     if (!r.ok()) return false;
     (void)hash_checkpoint(**r);
     auto state = load_all(**r);
-    if (state.ok()) check_written_back(*state, **r);
+    if (state.ok()) check_written_back(*state, **r, index.size() % 2 == 1);
     return true;
   }
 
   // What was read writes back in the same format (with the source handed over, as convert does: a
   // DCP keeps its layout and carries its other items) and reads again as the same values. A write
   // that succeeds but does not read back, or reads back different, is a bug: abort.
-  void check_written_back(const OptimizerState& state, const CheckpointReader& source) const {
+  // `float_lr` (DCP: tensor lrs written as numbers) alternates with the input's length.
+  void check_written_back(const OptimizerState& state, const CheckpointReader& source, bool float_lr) const {
     namespace fs = std::filesystem;
     const fs::path out = base_ / "out";
     fs::remove_all(out);
     WriteOptions wo;
     wo.source = &source;
+    wo.float_lr = float_lr;
     if (!driver_->write(state, out, wo).ok()) return;
     HashOptions values;
     values.values = true;

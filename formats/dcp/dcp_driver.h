@@ -4,6 +4,7 @@
 #pragma once
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -42,6 +43,8 @@ struct SourceLayout {
   std::map<std::string, ItemName> weights;  // fqn -> where its weights were (model.<fqn>, or <fqn> in torchtitan)
   std::set<std::string> tensor_lr;      // fqns whose group's lr was a 0-d tensor (torchao keeps it so)
   std::vector<CarriedItem> carried;     // everything else, in key order
+  // The number a bytes item or a one-element tensor item of the source holds (for float_lr).
+  std::function<Result<double>(const std::string& key)> number;
 };
 
 // The layout of `reader` when it is a DCP reader, else null.

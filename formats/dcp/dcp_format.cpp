@@ -283,6 +283,9 @@ class DcpReader final : public CheckpointReader {
       return lr != fields.end() && md_.items.at(lr->second).is_tensor;
     };
     layout_.dir = dir_;
+    layout_.number = [this](const std::string& key) {
+      return value_of(key, fmt::format("{}: item '{}'", dir_.string(), key));
+    };
     layout_.optimizer_key = opt_key;
     layout_.flattened = !nested_groups.count(opt_key);
     for (const auto& [fqn, key] : top_items) model_items.emplace(fqn, key);  // model.<fqn> first

@@ -317,7 +317,7 @@ Status copy_carried(const SourceLayout& src, std::vector<OutputFile>& outs, cons
 // Tensors are laid out as `world` ranks' row shards (torch.chunk of dim 0, as FSDP2), each rank's
 // chunks in its own file; bytes items and 0-d tensors go to rank 0's. The names follow `layout`.
 Status write_into(const OptimizerState& state, const fs::path& staging, int world, const SourceLayout& layout,
-                  bool carry) {
+                  bool carry, bool float_lr) {
   std::vector<OutputFile> outs;
   for (int r = 0; r < world; ++r) {
     OPTSTATE_ASSIGN_OR_RETURN(OutputFile f, OutputFile::create(staging / data_file(r)));
@@ -366,6 +366,7 @@ Status write_into(const OptimizerState& state, const fs::path& staging, int worl
     return Status::Ok();
   };
   const std::string& k = layout.optimizer_key;
+  std::set<std::string> replaced;  // carried items written in another form (float_lr)
   // `<K>.state.<fqn>.<entry>`: nested paths (K, "state", fqn, entry) or flattened (K, "state.<fqn>.<entry>").
   auto state_name = [&](const std::string& fqn, const std::string& entry) {
     return ItemName{fmt::format("{}.state.{}.{}", k, fqn, entry),
@@ -400,7 +401,8 @@ Status write_into(const OptimizerState& state, const fs::path& staging, int worl
         return value_item(name(field), w.finish());
       };
       // lr as the source kept it: a 0-d tensor where torchao's groups (and torch's with a tensor lr) hold one.
-      const bool lr_tensor = layout.flattened ? layout.tensor_lr.count(fqn) > 0
+      const bool lr_tensor = float_lr ? false
+                             : layout.flattened ? layout.tensor_lr.count(fqn) > 0
                                               : std::any_of(state.groups[g].params.begin(), state.groups[g].params.end(),
                                                             [&](const std::string& f) { return layout.tensor_lr.count(f); });
       if (lr_tensor) {
@@ -468,8 +470,47 @@ Status write_into(const OptimizerState& state, const fs::path& staging, int worl
       OPTSTATE_RETURN_IF_ERROR(tensor_item(state_name(fqn, "step"), DType::kF32, {}, std::as_bytes(std::span(&step, 1))));
     }
   }
+  if (carry && float_lr) {
+    // What the source kept as 0-d tensors because its lr was one (torchao): the group fields
+    // (initial_lr) become numbers, an LR scheduler's lists of them (base_lrs, _last_lr: items
+    // `<top>.<name>.<i>`) one list of numbers, as torch keeps them for a float lr.
+    std::map<std::pair<std::string, std::string>, std::map<int64_t, const CarriedItem*>> lists;
+    std::set<std::string> carried_keys;
+    for (const CarriedItem& c : layout.carried) carried_keys.insert(c.name.key);
+    for (const CarriedItem& c : layout.carried) {
+      if (!c.meta.is_tensor || !c.meta.size.empty() || !c.name.path) continue;
+      const PlannerPath& p = *c.name.path;
+      const bool group_field = p.parts[0] == k && ((p.parts.size() == 2 && p.parts[1].rfind("param_groups.", 0) == 0) ||
+                                                   (p.parts.size() == 4 && p.parts[1] == "param_groups"));
+      if (group_field) {
+        OPTSTATE_ASSIGN_OR_RETURN(const double v, layout.number(c.name.key));
+        pickle::Writer w;
+        w.real(v);
+        OPTSTATE_RETURN_IF_ERROR(value_item(c.name, w.finish()));
+      } else if (p.parts.size() == 3 && p.parts[0] != k && p.index[2] &&
+                 (p.parts[1] == "base_lrs" || p.parts[1] == "_last_lr")) {
+        lists[{p.parts[0], p.parts[1]}][std::stoll(p.parts[2])] = &c;
+      }
+    }
+    for (const auto& [owner, elems] : lists) {
+      const std::string key = owner.first + "." + owner.second;
+      if (elems.begin()->first != 0 || elems.rbegin()->first != static_cast<int64_t>(elems.size()) - 1 ||
+          carried_keys.count(key))
+        continue;  // not a whole list of tensors: left as it is
+      pickle::Writer w;
+      w.empty_list();
+      w.mark();
+      for (const auto& [i, c] : elems) {
+        OPTSTATE_ASSIGN_OR_RETURN(const double v, layout.number(c->name.key));
+        w.real(v);
+      }
+      w.appends_from_mark();
+      OPTSTATE_RETURN_IF_ERROR(value_item(ItemName{key, dict_path({owner.first, owner.second})}, w.finish()));
+      for (const auto& [i, c] : elems) replaced.insert(c->name.key);
+    }
+  }
   if (carry) {
-    std::set<std::string> written;
+    std::set<std::string> written = std::move(replaced);
     for (const Written& wr : done) written.insert(wr.key);
     OPTSTATE_RETURN_IF_ERROR(copy_carried(layout, outs, written, done));
   }
@@ -489,7 +530,8 @@ Status write_dcp(const OptimizerState& state, const fs::path& path, const WriteO
   if (options.world_size < 1 || options.world_size > 65536)
     return invalid_argument(fmt::format("world size {} out of range", options.world_size));
   const SourceLayout get_state_dict_layout;  // {"model": ..., "optim": ...}, nested groups
-  Status st = write_into(state, staging, options.world_size, source ? *source : get_state_dict_layout, source != nullptr);
+  Status st = write_into(state, staging, options.world_size, source ? *source : get_state_dict_layout, source != nullptr,
+                         options.float_lr);
   if (st.ok()) st = publish_directory(staging, path, options.overwrite);
   if (!st.ok()) fs::remove_all(staging, ec);  // never leave a partial checkpoint behind
   return st;

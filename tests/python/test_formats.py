@@ -279,8 +279,9 @@ def test_torchtitan_layout_dcp_reads_as_the_same_state(tmp_path, optstate_cli, k
 RESUME_TORCHTITAN = textwrap.dedent("""
     # torchtitan's resume: the state dict it builds (weights at the top level, the flattened
     # optimizer, lr_scheduler, train_state, dataloader), a strict dcp.load, and torch.optim.AdamW --
-    # with a tensor lr where the source came from torchao, whose groups (and so the LR scheduler's
-    # state) hold tensors. Checks the state against EXPECT (our fp32 conversion of the source) and
+    # LR_KIND "tensor": built with a tensor lr, as the source came from torchao, whose groups (and so
+    # the LR scheduler's state) hold tensors; "float": a float lr; "float-from-tensor": a float lr,
+    # the checkpoint's values being torchao's float32 ones (convert --float-lr). Checks the state against EXPECT (our fp32 conversion of the source) and
     # that training goes on; with a second checkpoint, that both resume to bit-equal training.
     import io, sys, torch, torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
@@ -316,7 +317,10 @@ RESUME_TORCHTITAN = textwrap.dedent("""
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(st[k], ref[name + "." + k]), name + "." + k
     assert sched.last_epoch == 3
-    initial_lr = torch.tensor(1e-3) if lr_kind == "tensor" else 1e-3  # as the source's LambdaLR had it
+    initial_lr = 1e-3 if lr_kind == "float" else torch.tensor(1e-3)  # as the source's LambdaLR had it
+    lr_type = torch.Tensor if lr_kind == "tensor" else float
+    assert all(isinstance(g[k], lr_type) for g in opt.param_groups for k in ("lr", "initial_lr"))
+    assert all(isinstance(v, lr_type) for v in sched.base_lrs + sched.get_last_lr())
     assert [float(g["lr"]) for g in opt.param_groups] == [float(initial_lr * (1.0 - 0.1 * 3))] * 2
     assert [float(g["initial_lr"]) for g in opt.param_groups] == [float(initial_lr)] * 2
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
@@ -375,6 +379,12 @@ def test_torchtitan_dcp_converts_to_fp32_in_place_and_torchtitan_resumes_from_it
     lr_kind = "tensor" if kind == "ao" else "float"
     args = [dst, lr_kind, expect] + ([src] if kind == "fp32" else [])
     run_script(tmp_path, RESUME_TORCHTITAN, "resume_tt.py", *args)
+    if kind == "ao":
+        # torchtitan builds torch.optim.AdamW with a float lr: --float-lr writes the lrs (groups and
+        # the LR scheduler's lists) as floats, so its strict dcp.load finds what it asks for
+        out = optstate_cli("convert", src, tmp_path / "float_lr", "--format", "dcp", "--float-lr").stdout
+        assert "carried (tensor lrs as floats): dataloader (1 item), lr_scheduler (" in out, out
+        run_script(tmp_path, RESUME_TORCHTITAN, "resume_tt.py", tmp_path / "float_lr", "float-from-tensor", expect)
     # torch's own reader of the whole checkpoint (planner_data paths, list indices included)
     dcp_to_torch_save(src, tmp_path / "src.pt")
     dcp_to_torch_save(dst, tmp_path / "dst.pt")

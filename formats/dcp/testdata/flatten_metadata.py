@@ -3,7 +3,8 @@ layout torchtitan saves: weights at the top level, the optimizer flattened under
 (flatten_optimizer_state_dict=True: per-param param_groups fields). Storage locations are kept,
 so the result describes the same data files; each param's group fields point at its group's
 items. Items the canonical state does not hold are added the same way (an LR scheduler's
-`initial_lr` in the groups, `lr_scheduler.*` with a list index in its path, `train_state.step`),
+`initial_lr` in the groups, `lr_scheduler.*` with a list index in its path, one a 0-d tensor,
+`train_state.step`),
 so a DCP -> DCP write carries them. Makes the fuzz seed checkpoint/flattened.metadata from the
 fixture's checkpoint:
 
@@ -52,6 +53,8 @@ def main(src, out):
             put(key, "optimizer." + flat, ("optimizer", flat))
             if path[3] == "step" and "train_state.step" not in new_items:
                 put(key, "train_state.step", ("train_state", "step"))
+                # a 0-d float32 tensor, as torchao's LR scheduler keeps its lrs (convert --float-lr)
+                put(key, "lr_scheduler._last_lr.0", ("lr_scheduler", "_last_lr", 0))
         elif path[:2] == ("optim", "param_groups") and path[3] != "params":
             for fqn in members[path[2]]:
                 flat = f"param_groups.{fqn}.{path[3]}"

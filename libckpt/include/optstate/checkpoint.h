@@ -56,6 +56,10 @@ struct WriteOptions {
   bool dequantize = false;  // store blockwise8 entries as dense fp32 (dequantize-on-save)
   int world_size = 1;       // lay the state out as this many ranks' shards (formats that shard)
   int compression = 0;      // gzip level 1-9 for formats that compress (hdf5: with shuffle); 0 none
+  // DCP: lr as Python floats, as torch.optim.AdamW built with a float lr (torchtitan's) holds it,
+  // also where the source kept tensors (torchao): the groups' lr and initial_lr, and an LR
+  // scheduler's lists of tensor lrs (`base_lrs`, `_last_lr`) carried from the source.
+  bool float_lr = false;
   // The checkpoint `state` was read from (convert). A driver writing its own format may keep the
   // source's layout and carry through what the state does not hold (FormatDriver::carries).
   const CheckpointReader* source = nullptr;

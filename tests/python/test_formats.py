@@ -393,6 +393,12 @@ def test_torchtitan_dcp_converts_to_fp32_in_place_and_torchtitan_resumes_from_it
         assert deep_equal(a[key], b[key]), key
     if kind == "fp32":
         assert deep_equal(a, b)
+        # the same for get_state_dict's nested layout ({"model", "optim"}, numbered groups)
+        optstate_cli("convert", str(src) + ".nested", tmp_path / "nested_dcp", "--format", "dcp")
+        dcp_to_torch_save(str(src) + ".nested", tmp_path / "n_src.pt")
+        dcp_to_torch_save(tmp_path / "nested_dcp", tmp_path / "n_dst.pt")
+        assert deep_equal(torch.load(tmp_path / "n_src.pt", weights_only=False),
+                          torch.load(tmp_path / "n_dst.pt", weights_only=False))
         # a carried item that is not a whole torch.save archive fails the write, naming it; no DST
         from torch.distributed.checkpoint import FileSystemReader
         info = FileSystemReader(str(src)).read_metadata().storage_data

@@ -6,8 +6,8 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
-#include "progress.h"
 #include "optstate/transform.h"
+#include "progress.h"
 #include "registry.h"
 
 namespace optstate::cli {
@@ -35,7 +35,9 @@ int run_convert(int argc, char** argv) {
       "Writes the state of SRC to DST, optionally changing its encoding: --to fp32 dequantizes 8-bit\n"
       "moments, --to 8bit quantizes the moments of params with at least --min-8bit-size elements\n"
       "(default 4096) in blocks of --block-size (default 256); moments that came from 8-bit get their\n"
-      "original codes back. SRC is only read. DST is written atomically: it appears complete or not at all.",
+      "original codes back. A DCP written from a DCP keeps its layout (torchtitan's too) and carries what\n"
+      "is not optimizer state (train_state, lr_scheduler, dataloader, ...) unchanged. SRC is only read.\n"
+      "DST is written atomically: it appears complete or not at all.",
       {{"--to", true, "fp32 or 8bit (default: keep encodings)"},
        {"--format", true, "output format (default: from DST's extension, .safetensors / .h5 / .hdf5, else native)"},
        {"--block-size", true, "8-bit block size (default 256)"},

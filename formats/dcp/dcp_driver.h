@@ -13,6 +13,8 @@
 
 #include "dcp_layout.h"
 #include "optstate/checkpoint.h"
+#include "optstate/io.h"
+#include "zip.h"
 
 namespace optstate::dcp {
 
@@ -46,6 +48,14 @@ struct SourceLayout {
   // The number a bytes item or a one-element tensor item of the source holds (for float_lr).
   std::function<Result<double>(const std::string& key)> number;
 };
+
+// The index of the torch.save archive an item's bytes hold: its end records (from the last bytes)
+// and its central directory, read and parsed (entries stored, named once, inside the archive).
+struct ArchiveIndex {
+  zip::CentralDirectory cd;
+  std::vector<zip::Entry> entries;
+};
+Result<ArchiveIndex> read_archive_index(const InputFile& file, const StorageLoc& loc, const std::string& where);
 
 // The layout of `reader` when it is a DCP reader, else null.
 const SourceLayout* source_layout(const CheckpointReader& reader);

@@ -526,14 +526,9 @@ class DcpReader final : public CheckpointReader {
     const std::string iw = fmt::format("{}: item '{}'{}", dir_.string(), key,
                                        offsets.empty() ? "" : " chunk at " + format_shape(offsets));
     OPTSTATE_ASSIGN_OR_RETURN(const InputFile* f, file(loc.relative_path, iw));
-    const uint64_t tail_len = std::min<uint64_t>(loc.length, zip::kMaxTailBytes);
-    std::vector<std::byte> tail(tail_len);
-    OPTSTATE_RETURN_IF_ERROR(f->read_at(loc.offset + loc.length - tail_len, tail).with_context(iw));
-    OPTSTATE_ASSIGN_OR_RETURN(zip::CentralDirectory cd, zip::find_central_directory(tail, loc.length, iw));
-    if (cd.size > kMaxPickleBytes) return corrupt(iw + ": zip central directory too large");
-    std::vector<std::byte> cdb(cd.size);
-    OPTSTATE_RETURN_IF_ERROR(f->read_at(loc.offset + cd.offset, cdb).with_context(iw));
-    OPTSTATE_ASSIGN_OR_RETURN(auto entries, zip::parse_central_directory(cdb, cd, iw));
+    OPTSTATE_ASSIGN_OR_RETURN(ArchiveIndex index, read_archive_index(*f, loc, iw));
+    const zip::CentralDirectory& cd = index.cd;
+    const std::vector<zip::Entry>& entries = index.entries;
     auto locate = [&](const zip::Entry& e) -> Result<uint64_t> {
       std::byte h[30];
       OPTSTATE_RETURN_IF_ERROR(f->read_at(loc.offset + e.local_header_offset, h).with_context(iw));
@@ -766,6 +761,18 @@ class DcpDriver final : public FormatDriver {
 };
 
 }  // namespace
+
+Result<ArchiveIndex> read_archive_index(const InputFile& file, const StorageLoc& loc, const std::string& where) {
+  std::vector<std::byte> tail(std::min<uint64_t>(loc.length, zip::kMaxTailBytes));
+  OPTSTATE_RETURN_IF_ERROR(file.read_at(loc.offset + loc.length - tail.size(), tail).with_context(where));
+  ArchiveIndex index;
+  OPTSTATE_ASSIGN_OR_RETURN(index.cd, zip::find_central_directory(tail, loc.length, where));
+  if (index.cd.size > kMaxPickleBytes) return corrupt(where + ": zip central directory too large");
+  std::vector<std::byte> cdb(index.cd.size);
+  OPTSTATE_RETURN_IF_ERROR(file.read_at(loc.offset + index.cd.offset, cdb).with_context(where));
+  OPTSTATE_ASSIGN_OR_RETURN(index.entries, zip::parse_central_directory(cdb, index.cd, where));
+  return index;
+}
 
 const SourceLayout* source_layout(const CheckpointReader& reader) {
   const auto* dcp = dynamic_cast<const DcpReader*>(&reader);

@@ -285,13 +285,7 @@ Status copy_carried(const SourceLayout& src, std::vector<OutputFile>& outs, cons
       if (loc.offset > in.size() || loc.length > in.size() - loc.offset)
         return corrupt(fmt::format("{}: bytes [{}, {}) lie beyond the end of {}", iw, loc.offset,
                                    loc.offset + loc.length, in.path().string()));
-      std::vector<std::byte> tail(std::min<uint64_t>(loc.length, zip::kMaxTailBytes));
-      OPTSTATE_RETURN_IF_ERROR(in.read_at(loc.offset + loc.length - tail.size(), tail).with_context(iw));
-      OPTSTATE_ASSIGN_OR_RETURN(zip::CentralDirectory cd, zip::find_central_directory(tail, loc.length, iw));
-      if (cd.size > (uint64_t{64} << 20)) return corrupt(iw + ": zip central directory too large");
-      std::vector<std::byte> cdb(cd.size);
-      OPTSTATE_RETURN_IF_ERROR(in.read_at(loc.offset + cd.offset, cdb).with_context(iw));
-      OPTSTATE_RETURN_IF_ERROR(zip::parse_central_directory(cdb, cd, iw).status());
+      OPTSTATE_RETURN_IF_ERROR(read_archive_index(in, loc, iw).status());
       OutputFile& out = outs[out_of.at(loc.relative_path)];
       Piece pc;
       pc.file = static_cast<int>(out_of.at(loc.relative_path));

@@ -1,7 +1,8 @@
-// Whole-checkpoint fuzzing for the directory formats: a real checkpoint is written once; each input
-// replaces its index file (manifest.json, .metadata) and may damage a data file; then every reader
-// path runs (validate, open, hash, a full read). Any bytes must give a result or an error; never a
-// crash, a hang or an unbounded allocation. Used by formats/<name>/fuzz_<name>_checkpoint.cpp.
+// Whole-checkpoint fuzzing: a real checkpoint is written once; each input replaces its index (a
+// directory format's manifest.json or .metadata; a single-file format's header) and may damage its
+// data (a data file; the bytes after the header); then every reader path runs (validate, open, hash,
+// a full read). Any bytes must give a result or an error; never a crash, a hang or an unbounded
+// allocation. Used by formats/<name>/fuzz_<name>_checkpoint.cpp.
 #pragma once
 
 #include <unistd.h>
@@ -69,21 +70,27 @@ inline void write_file(const std::filesystem::path& p, std::string_view bytes) {
 class CheckpointFixture {
  public:
   using Files = std::vector<std::pair<std::filesystem::path, std::string>>;  // relative path, bytes
+  // A single-file format's header size: the index is the file's first index_size(file) bytes.
+  using IndexSize = std::function<size_t(std::string_view file)>;
 
   // Writes sample_state() as `format` with `world_size` ranks; `index_name` is the file inputs replace.
   CheckpointFixture(std::string_view format, int world_size, std::string index_name)
       : driver_(find_format(format)), index_name_(std::move(index_name)) {
     namespace fs = std::filesystem;
-    base_ = fs::temp_directory_path() / fmt_name(format);
-    fs::remove_all(base_);
-    fs::create_directories(base_);
-    WriteOptions wo;
-    wo.world_size = world_size;
-    if (!driver_ || !driver_->write(sample_state(), base_ / "seed", wo).ok()) std::abort();
+    write_seed(format, world_size);
     index_ = read_file(base_ / "seed" / index_name_);
     for (const auto& e : fs::recursive_directory_iterator(base_ / "seed"))
       if (e.is_regular_file() && e.path().filename() != index_name_)
         data_.emplace_back(fs::relative(e.path(), base_ / "seed"), read_file(e.path()));
+  }
+  // Writes sample_state() as the single-file `format`; inputs replace its header.
+  CheckpointFixture(std::string_view format, const IndexSize& index_size) : driver_(find_format(format)) {
+    write_seed(format, 1);
+    const std::string file = read_file(base_ / "seed");
+    const size_t n = index_size(file);
+    if (n > file.size()) std::abort();
+    index_ = file.substr(0, n);
+    data_.emplace_back(std::filesystem::path(), file.substr(n));
   }
   ~CheckpointFixture() {
     std::error_code ec;
@@ -98,11 +105,15 @@ class CheckpointFixture {
     namespace fs = std::filesystem;
     const fs::path work = base_ / "work";
     fs::remove_all(work);
-    fs::create_directories(work);
-    write_file(work / index_name_, index);
-    for (const auto& [rel, bytes] : data) {
-      fs::create_directories((work / rel).parent_path());
-      write_file(work / rel, bytes);
+    if (single_file()) {
+      write_file(work, std::string(index).append(data.at(0).second));
+    } else {
+      fs::create_directories(work);
+      write_file(work / index_name_, index);
+      for (const auto& [rel, bytes] : data) {
+        fs::create_directories((work / rel).parent_path());
+        write_file(work / rel, bytes);
+      }
     }
     const FormatDriver* d = driver_;
     (void)validate_checkpoint(work, [d](const fs::path& p) { return d->open(p); });
@@ -156,7 +167,7 @@ class CheckpointFixture {
     }
     if (argc > 2 && std::string_view(argv[1]) == "--write-seed") {
       std::error_code ec;
-      std::filesystem::copy(base_ / "seed", argv[2], std::filesystem::copy_options::recursive, ec);
+      std::filesystem::copy(base_ / "seed", argv[2], std::filesystem::copy_options::recursive, ec);  // a file too
       return ec ? 1 : 0;
     }
     const long iterations = argc > 1 ? std::atol(argv[1]) : 500;
@@ -174,11 +185,12 @@ class CheckpointFixture {
     for (long i = 0; i < iterations; ++i) {
       std::string index = starts[static_cast<size_t>(i) % starts.size()];
       Files data = data_;
-      if (i % 3 != 2) {
+      const size_t damaged = rng() % data.size();
+      if (i % 3 != 2 || data[damaged].second.empty()) {
         mutate(index, rng, alphabet);
         if (auto s = sign(index)) index = *s;
       } else {
-        mutate(data[rng() % data.size()].second, rng, "");
+        mutate(data[damaged].second, rng, "");
       }
       opened += run(index, data);
     }
@@ -187,6 +199,18 @@ class CheckpointFixture {
   }
 
  private:
+  bool single_file() const { return index_name_.empty(); }
+
+  void write_seed(std::string_view format, int world_size) {
+    namespace fs = std::filesystem;
+    base_ = fs::temp_directory_path() / fmt_name(format);
+    fs::remove_all(base_);
+    fs::create_directories(base_);
+    WriteOptions wo;
+    wo.world_size = world_size;
+    if (!driver_ || !driver_->write(sample_state(), base_ / "seed", wo).ok()) std::abort();
+  }
+
   static std::string fmt_name(std::string_view format) {
     return "optstate-fuzz-" + std::string(format) + "-" + std::to_string(::getpid());
   }

@@ -166,13 +166,7 @@ std::string serialize_manifest(const Manifest& m) {
   for (const auto& [fqn, ps] : m.state.params) {
     json entries = json::object();
     for (const auto& [name, e] : ps.entries) {
-      json ej = {{"encoding", encoding_name(e.encoding)}};
-      if (e.encoding == Encoding::kDense) {
-        ej["dtype"] = dtype_name(e.dtype);
-      } else {
-        ej["block_size"] = e.block_size;
-        ej["qmap"] = e.qmap;
-      }
+      json ej = entry_meta_to_json(e);
       json comps = json::object();
       for (Component c : e.components()) {
         json list = json::array();
@@ -189,11 +183,7 @@ std::string serialize_manifest(const Manifest& m) {
       ej["components"] = comps;
       entries[name] = ej;
     }
-    params[fqn] = {{"shape", ps.shape},
-                   {"dtype", dtype_name(ps.param_dtype)},
-                   {"step", ps.step},
-                   {"group", ps.group},
-                   {"entries", entries}};
+    params[fqn] = param_header_to_json(ps, std::move(entries));
   }
   root["params"] = params;
   root["manifest_xxh3"] = body_checksum(root);

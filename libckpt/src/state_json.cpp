@@ -19,21 +19,8 @@ std::string encode_state_meta(const OptimizerState& state) {
   json params = json::object();
   for (const auto& [fqn, ps] : state.params) {
     json entries = json::object();
-    for (const auto& [name, e] : ps.entries) {
-      json ej = {{"encoding", encoding_name(e.encoding)}};
-      if (e.encoding == Encoding::kDense) {
-        ej["dtype"] = dtype_name(e.dtype);
-      } else {
-        ej["block_size"] = e.block_size;
-        ej["qmap"] = e.qmap;
-      }
-      entries[name] = ej;
-    }
-    params[fqn] = {{"shape", ps.shape},
-                   {"dtype", dtype_name(ps.param_dtype)},
-                   {"step", ps.step},
-                   {"group", ps.group},
-                   {"entries", entries}};
+    for (const auto& [name, e] : ps.entries) entries[name] = entry_meta_to_json(e);
+    params[fqn] = param_header_to_json(ps, std::move(entries));
   }
   json root = {{"optstate_state", kStateJsonVersion},
                {"state_version", state.format_version},

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 
 #include "optstate/dtype.h"
 #include "optstate/state.h"
@@ -110,7 +111,27 @@ inline Result<ParamState> param_header_from_json(const JsonFields& f, size_t gro
   return ps;
 }
 
+// A param's own fields {shape, dtype, step, group} and its `entries` object.
+inline nlohmann::json param_header_to_json(const ParamState& ps, nlohmann::json entries) {
+  return {{"shape", ps.shape},
+          {"dtype", dtype_name(ps.param_dtype)},
+          {"step", ps.step},
+          {"group", ps.group},
+          {"entries", std::move(entries)}};
+}
+
 // An entry's encoding fields: {encoding: "dense", dtype} or {encoding: "blockwise8", block_size, qmap}.
+inline nlohmann::json entry_meta_to_json(const Entry& e) {
+  nlohmann::json j = {{"encoding", encoding_name(e.encoding)}};
+  if (e.encoding == Encoding::kDense) {
+    j["dtype"] = dtype_name(e.dtype);
+  } else {
+    j["block_size"] = e.block_size;
+    j["qmap"] = e.qmap;
+  }
+  return j;
+}
+
 inline Result<Entry> entry_meta_from_json(const JsonFields& f) {
   Entry e;
   OPTSTATE_ASSIGN_OR_RETURN(std::string enc, f.str("encoding"));

@@ -2,7 +2,12 @@
 
 #include <fmt/format.h>
 
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
+#include <iterator>
+
+#include "optstate/io.h"
 
 namespace optstate::cli {
 
@@ -51,6 +56,61 @@ std::string help_text(const CommandSpec& spec) {
   out += fmt::format("  {:<18} {}\n", "--help", "show this help");
   out += "\nexit status: 0 ok, 1 findings, 2 usage or I/O error\n";
   return out;
+}
+
+namespace {
+
+struct StopSignal {
+  int number;
+  const char* name;
+};
+constexpr StopSignal kStopSignals[] = {{SIGINT, "SIGINT"}, {SIGTERM, "SIGTERM"}, {SIGHUP, "SIGHUP"}};
+struct sigaction g_previous[std::size(kStopSignals)];  // restored when the write is over
+bool g_installed[std::size(kStopSignals)];
+
+extern "C" void stop_write(int sig) {
+  if (interrupt_signal() != 0) {  // asked twice: stop now (signal and raise are async-signal-safe)
+    ::signal(sig, SIG_DFL);
+    ::raise(sig);
+    return;
+  }
+  request_interrupt(sig);
+}
+
+}  // namespace
+
+InterruptibleWrite::InterruptibleWrite() {
+  clear_interrupt();
+  struct sigaction sa {};
+  sa.sa_handler = stop_write;
+  sa.sa_flags = SA_RESTART;  // the writers check the flag themselves; no EINTR for libhdf5 to mishandle
+  sigemptyset(&sa.sa_mask);
+  for (size_t i = 0; i < std::size(kStopSignals); ++i) {
+    // A signal the caller ignores (nohup, a background job of a script) stays ignored.
+    g_installed[i] = ::sigaction(kStopSignals[i].number, nullptr, &g_previous[i]) == 0 &&
+                     g_previous[i].sa_handler != SIG_IGN && ::sigaction(kStopSignals[i].number, &sa, nullptr) == 0;
+  }
+}
+
+InterruptibleWrite::~InterruptibleWrite() {
+  for (size_t i = 0; i < std::size(kStopSignals); ++i)
+    if (g_installed[i]) ::sigaction(kStopSignals[i].number, &g_previous[i], nullptr);
+}
+
+void InterruptibleWrite::exit_if_interrupted(const std::string& command, const std::string& destination) {
+  const int sig = interrupt_signal();
+  if (sig == 0) return;
+  const char* name = "a signal";
+  for (const StopSignal& s : kStopSignals)
+    if (s.number == sig) name = s.name;
+  std::fprintf(stderr, "optstate %s: interrupted by %s: %s was not written, and its partial output was removed\n",
+               command.c_str(), name, destination.c_str());
+  std::fflush(stderr);
+  struct sigaction dfl {};
+  dfl.sa_handler = SIG_DFL;
+  ::sigaction(sig, &dfl, nullptr);
+  ::raise(sig);            // die of it, as the shell expects of an interrupted command
+  std::_Exit(128 + sig);  // not reached
 }
 
 int fail(const std::string& command, const Status& status) {

@@ -44,6 +44,21 @@ std::string help_text(const CommandSpec& spec);
 // Prints "optstate <cmd>: <message>" on stderr and returns kExitError.
 int fail(const std::string& command, const Status& status);
 
+// While one lives, SIGINT, SIGTERM and SIGHUP stop the checkpoint write in progress instead of
+// killing the process: the writer fails with kCancelled and removes its partial output (io.h:
+// request_interrupt). A second signal kills at once. Outside it signals act as usual: the commands
+// that only read have nothing to clean up.
+class InterruptibleWrite {
+ public:
+  InterruptibleWrite();
+  ~InterruptibleWrite();
+  InterruptibleWrite(const InterruptibleWrite&) = delete;
+  InterruptibleWrite& operator=(const InterruptibleWrite&) = delete;
+  // After the write: if a signal stopped it, says so on stderr (naming `destination`) and ends the
+  // process by that signal, as the shell expects of an interrupted command; else returns.
+  void exit_if_interrupted(const std::string& command, const std::string& destination);
+};
+
 int run_inspect(int argc, char** argv);
 int run_hash(int argc, char** argv);
 int run_convert(int argc, char** argv);

@@ -37,7 +37,8 @@ int run_convert(int argc, char** argv) {
       "(default 4096) in blocks of --block-size (default 256); moments that came from 8-bit get their\n"
       "original codes back. A DCP written from a DCP keeps its layout (torchtitan's too) and carries what\n"
       "is not optimizer state (train_state, lr_scheduler, dataloader, ...) unchanged. SRC is only read.\n"
-      "DST is written atomically: it appears complete or not at all.",
+      "DST is written atomically: it appears complete or not at all. Ctrl-C (SIGINT, SIGTERM, SIGHUP)\n"
+      "stops the write and removes what it wrote; an existing DST stays as it was.",
       {{"--to", true, "fp32 or 8bit (default: keep encodings)"},
        {"--format", true, "output format (default: from DST's extension, .safetensors / .h5 / .hdf5, else native)"},
        {"--block-size", true, "8-bit block size (default 256)"},
@@ -58,7 +59,7 @@ int run_reshard(int argc, char** argv) {
                          "optstate reshard SRC DST --world-size N [--overwrite] [--json]",
                          "Writes SRC again as N ranks' shards (each rank a contiguous flat range of every entry,\n"
                          "whole rows for dense entries, whole blocks for 8-bit ones; nothing is requantized).\n"
-                         "SRC is only read; DST appears complete or not at all.",
+                         "SRC is only read; DST appears complete or not at all (Ctrl-C leaves nothing).",
                          {{"--world-size", true, "number of ranks (required)"},
                           {"--overwrite", false, "replace DST if it is a checkpoint (any format) or an empty directory"},
                           {"--json", false, "print a JSON summary"}},
@@ -155,8 +156,13 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   wo.source = reader;
   wo.float_lr = args->has("--float-lr");
   progress.phase(fmt::format("writing {}", dst.string()));
-  Status st = write_checkpoint(*driver, *state, dst, wo);
-  progress.finish();
+  Status st;
+  {
+    InterruptibleWrite interruptible;
+    st = write_checkpoint(*driver, *state, dst, wo);
+    progress.finish();
+    if (!st.ok()) interruptible.exit_if_interrupted(command, dst.string());
+  }
   if (!st.ok()) return fail(command, st);
 
   // Said on stderr even with --json: DST is complete as optimizer state, not as a copy of SRC

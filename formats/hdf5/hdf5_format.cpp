@@ -327,6 +327,7 @@ Status write_file(const OptimizerState& state, const fs::path& file_path, int co
     OPTSTATE_RETURN_IF_ERROR(set_i64_attr(g.get(), "param_group", ps.group));
     for (const auto& [name, e] : ps.entries) {
       const std::string ew = fmt::format("{}: entry '{}'", file_path.string(), entry_key(fqn, name));
+      OPTSTATE_RETURN_IF_ERROR(check_interrupt(ew));  // libhdf5 writes on its own, not through OutputFile
       if (name.find('/') != std::string::npos) return invalid_argument(ew + ": name holds '/'");
       if (e.encoding == Encoding::kDense) {
         OPTSTATE_RETURN_IF_ERROR(write_component(g.get(), name.c_str(), ps, e, Component::kValues, compression, ew));

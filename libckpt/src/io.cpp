@@ -6,6 +6,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <random>
@@ -13,7 +15,24 @@
 namespace optstate {
 namespace {
 std::string errno_text() { return std::strerror(errno); }
+
+// Lock-free, so a signal handler may store into it.
+std::atomic<int> g_interrupt{0};
+static_assert(std::atomic<int>::is_always_lock_free);
+
+// Bytes per write(2) call: a large buffer is written in pieces, so an interrupt stops it within one.
+constexpr size_t kWritePiece = size_t{64} << 20;
 }  // namespace
+
+void request_interrupt(int signal) noexcept { g_interrupt.store(signal, std::memory_order_relaxed); }
+int interrupt_signal() noexcept { return g_interrupt.load(std::memory_order_relaxed); }
+void clear_interrupt() noexcept { g_interrupt.store(0, std::memory_order_relaxed); }
+
+Status check_interrupt(const fs::path& where) {
+  const int sig = interrupt_signal();
+  if (sig == 0) return Status::Ok();
+  return {ErrorCode::kCancelled, fmt::format("{}: interrupted by signal {} ({})", where.string(), sig, strsignal(sig))};
+}
 
 Result<InputFile> InputFile::open(const fs::path& path) {
   InputFile f;
@@ -93,7 +112,8 @@ OutputFile::~OutputFile() {
 Status OutputFile::write(std::span<const std::byte> bytes) {
   size_t done = 0;
   while (done < bytes.size()) {
-    ssize_t n = ::write(fd_, bytes.data() + done, bytes.size() - done);
+    OPTSTATE_RETURN_IF_ERROR(check_interrupt(path_));
+    ssize_t n = ::write(fd_, bytes.data() + done, std::min(bytes.size() - done, kWritePiece));
     if (n < 0) {
       if (errno == EINTR) continue;
       return io_error(fmt::format("{}: write failed: {}", path_.string(), errno_text()));
@@ -192,6 +212,7 @@ Status publish_directory(const fs::path& staging, const fs::path& final_dir, boo
   fs::path parent = final_dir.parent_path();
   if (parent.empty()) parent = ".";
   OPTSTATE_RETURN_IF_ERROR(fsync_directory(staging));
+  OPTSTATE_RETURN_IF_ERROR(check_interrupt(final_dir));  // the last moment a stop leaves nothing published
   std::error_code ec;
   if (fs::exists(fs::symlink_status(final_dir, ec))) {
     if (!overwrite) return invalid_argument(fmt::format("{}: already exists", final_dir.string()));
@@ -245,6 +266,7 @@ Status publish_file(const fs::path& staging, const fs::path& final_file, bool ov
   const int rc = ::fsync(fd);
   ::close(fd);
   if (rc != 0) return io_error(fmt::format("{}: fsync failed: {}", staging.string(), errno_text()));
+  OPTSTATE_RETURN_IF_ERROR(check_interrupt(final_file));  // the last moment a stop leaves nothing published
   std::error_code ec;
   if (overwrite) {
     if (fs::is_directory(final_file, ec))

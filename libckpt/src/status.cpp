@@ -11,6 +11,7 @@ const char* error_code_name(ErrorCode code) {
     case ErrorCode::kCorrupt: return "corrupt";
     case ErrorCode::kUnsupported: return "unsupported";
     case ErrorCode::kInternal: return "internal error";
+    case ErrorCode::kCancelled: return "cancelled";
   }
   return "unknown";
 }

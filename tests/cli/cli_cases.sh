@@ -353,6 +353,72 @@ PY
     expect_error 2 "--world-size is required" -- "$OPTSTATE" reshard "$work/w1" "$work/x"
     expect_error 2 "--world-size must be between 1 and 65536" -- "$OPTSTATE" reshard "$work/w1" "$work/x" --world-size 0
     ;;
+  interrupted-write)
+    # SIGINT or SIGTERM while convert/reshard writes: the write stops, DST is not written (an existing
+    # one is kept as it was), no partial output is left, and the command dies of the signal. The
+    # signal is sent while the command is stopped (SIGSTOP), once its staging output exists, so it
+    # lands before the publish whatever the machine's speed.
+    "$PY" - "$OPTSTATE" "$work" "$(cd "$(dirname "$0")/../.." && pwd)/python" <<'PY' || fail "see above"
+import os, signal, subprocess, sys, time
+optstate_bin, work, pydir = sys.argv[1:4]
+sys.path.insert(0, pydir)
+import torch
+import optstate
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])  # ~100 MB of state
+opt = optstate.FusedAdamW(model.parameters())
+for p in model.parameters():
+    p.grad = torch.randn_like(p)
+opt.step()
+src = os.path.join(work, "src")
+optstate.save(src, model, opt)
+
+def listing():
+    return sorted(n for n in os.listdir(work) if n != "src")
+
+def interrupted(args, dst, sig):
+    before = listing()
+    proc = subprocess.Popen([optstate_bin] + args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    prefix = "." + os.path.basename(dst) + ".partial-"
+    deadline = time.monotonic() + 60
+    while not any(n.startswith(prefix) for n in os.listdir(work)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            sys.exit(f"FAIL: {args}: no staging output seen (exit {proc.poll()})")
+        time.sleep(0.0005)
+    proc.send_signal(signal.SIGSTOP)
+    proc.send_signal(sig)
+    proc.send_signal(signal.SIGCONT)
+    err = proc.communicate(timeout=120)[1].decode()
+    name = signal.Signals(sig).name
+    if proc.returncode != -sig:
+        sys.exit(f"FAIL: {args}: exit {proc.returncode}, want death by {name}: {err}")
+    want = f"optstate {args[0]}: interrupted by {name}: {dst} was not written, and its partial output was removed"
+    if err.strip() != want:
+        sys.exit(f"FAIL: {args}: stderr {err!r}, want {want!r}")
+    if listing() != before:
+        sys.exit(f"FAIL: {args}: left {sorted(set(listing()) - set(before))}")
+    print(f"ok: {' '.join(args)} stopped by {name}, nothing left")
+
+def hash_of(path):
+    return subprocess.run([optstate_bin, "hash", path], check=True, capture_output=True).stdout
+
+for fmt, sig in [("native", signal.SIGINT), ("hdf5", signal.SIGTERM), ("safetensors", signal.SIGINT),
+                 ("dcp", signal.SIGTERM)]:
+    dst = os.path.join(work, "out." + fmt)
+    interrupted(["convert", src, dst, "--format", fmt], dst, sig)
+    if os.path.exists(dst):
+        sys.exit(f"FAIL: {dst} exists")
+# --overwrite: the checkpoint already at DST stays, whole
+old = os.path.join(work, "old")
+subprocess.run([optstate_bin, "convert", src, old, "--to", "8bit"], check=True, stdout=subprocess.DEVNULL)
+want = hash_of(old)
+interrupted(["convert", src, old, "--overwrite"], old, signal.SIGINT)
+if hash_of(old) != want or subprocess.run([optstate_bin, "validate", old], capture_output=True).returncode != 0:
+    sys.exit("FAIL: the checkpoint at DST changed")
+interrupted(["reshard", src, os.path.join(work, "r3"), "--world-size", "3"], os.path.join(work, "r3"), signal.SIGINT)
+PY
+    ;;
   *) fail "unknown case" ;;
 esac
 exit 0

@@ -3,7 +3,12 @@
 // up here without touching this file.
 #include <doctest/doctest.h>
 
+#include <csignal>
+#include <filesystem>
+#include <iterator>
+
 #include "optstate/hash.h"
+#include "optstate/io.h"
 #include "optstate/transform.h"
 #include "registry.h"
 #include "test_helpers.h"
@@ -69,4 +74,28 @@ TEST_CASE("dcp: a step torch.optim.AdamW's float32 step cannot hold exactly is r
   CHECK(!std::filesystem::exists(dir.path / "c"));
   state.params.begin()->second.step = int64_t{1} << 24;  // the last exact one
   CHECK(dcp->write(state, dir.path / "c", {}).ok());
+}
+
+TEST_CASE("every format driver stops a write when interrupted: kCancelled, nothing published, nothing left") {
+  const OptimizerState eight = *quantize_state(testing::sample_state(), {4, 1});
+  for (const FormatDriver* d : format_drivers()) {
+    CAPTURE(d->name());
+    testing::TempDir dir;
+    const auto path = dir.path / ("ckpt." + std::string(d->name()));
+    request_interrupt(SIGINT);  // as the CLI's signal handler does
+    const Status st = d->write(eight, path, {});
+    clear_interrupt();
+    CHECK(st.code() == ErrorCode::kCancelled);
+    CHECK(st.message().find("interrupted by signal 2") != std::string::npos);
+    CHECK(std::distance(std::filesystem::directory_iterator(dir.path), {}) == 0);  // no DST, no staging
+    // an existing checkpoint at DST stays as it was
+    REQUIRE(d->write(eight, path, {}).ok());
+    const auto before = hash_checkpoint(**open_checkpoint(path));
+    request_interrupt(SIGTERM);
+    CHECK(d->write(testing::sample_state(), path, {.overwrite = true}).code() == ErrorCode::kCancelled);
+    clear_interrupt();
+    CHECK(hash_checkpoint(**open_checkpoint(path))->root == before->root);
+    CHECK(std::distance(std::filesystem::directory_iterator(dir.path), {}) == 1);
+    CHECK(check_interrupt(path).ok());
+  }
 }

@@ -14,6 +14,17 @@ namespace optstate {
 
 namespace fs = std::filesystem;
 
+// Stopping a write from a signal handler (the CLI's, for SIGINT, SIGTERM and SIGHUP while it writes a
+// checkpoint). request_interrupt is async-signal-safe: it only stores the signal number. From then on
+// every OutputFile write, and each writer's own loop through check_interrupt, fails with kCancelled,
+// so the writer stops and removes its staging output as after any other error: nothing is published
+// and no partial output is left behind.
+void request_interrupt(int signal) noexcept;
+int interrupt_signal() noexcept;  // the signal that asked to stop; 0 if none
+void clear_interrupt() noexcept;
+// A kCancelled error naming `where` once an interrupt was requested; ok otherwise.
+Status check_interrupt(const fs::path& where);
+
 class InputFile {
  public:
   static Result<InputFile> open(const fs::path& path);

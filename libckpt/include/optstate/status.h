@@ -16,6 +16,7 @@ enum class ErrorCode {
   kCorrupt,          // a file exists but its bytes are wrong (magic, sizes, checksums, JSON)
   kUnsupported,      // valid but newer/other than what this build understands
   kInternal,
+  kCancelled,        // stopped on request (a signal) before it finished; nothing was published
 };
 
 const char* error_code_name(ErrorCode code);

@@ -113,6 +113,16 @@ void InterruptibleWrite::exit_if_interrupted(const std::string& command, const s
   std::_Exit(128 + sig);  // not reached
 }
 
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) {
+    b /= 1024;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{:.0f} B", b) : fmt::format("{:.1f} {}", b, units[u]);
+}
+
 int fail(const std::string& command, const Status& status) {
   std::fprintf(stderr, "optstate %s: error: %s\n", command.c_str(), status.message().c_str());
   return kExitError;

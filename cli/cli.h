@@ -41,6 +41,8 @@ struct Args {
 // `--help` sets options["--help"].
 Result<Args> parse_args(const CommandSpec& spec, int argc, char** argv);
 std::string help_text(const CommandSpec& spec);
+// "512 B", "1.5 KiB", "3.2 GiB".
+std::string human_bytes(double bytes);
 // Prints "optstate <cmd>: <message>" on stderr and returns kExitError.
 int fail(const std::string& command, const Status& status);
 

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
+#include "optstate/io.h"
 #include "optstate/transform.h"
 #include "progress.h"
 #include "registry.h"
@@ -140,6 +141,11 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
                                                         src.string())));
   }
 
+  // Said first: a killed write's leftovers may be why this one runs out of space.
+  for (const Leftover& l : find_leftovers(dst))
+    std::fprintf(stderr, "note: %s is left from an interrupted write of %s (%s, its process is gone); "
+                 "remove it unless a writer on another machine still owns it\n",
+                 l.path.c_str(), dst.c_str(), human_bytes(static_cast<double>(l.bytes)).c_str());
   Progress progress(command);
   auto opened = open_with_progress(src, progress);
   if (!opened.ok()) return fail(command, opened.status());

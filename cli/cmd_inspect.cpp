@@ -13,16 +13,6 @@
 namespace optstate::cli {
 namespace {
 
-std::string human_bytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (b >= 1024 && u < 4) {
-    b /= 1024;
-    ++u;
-  }
-  return u == 0 ? fmt::format("{:.0f} B", b) : fmt::format("{:.1f} {}", b, units[u]);
-}
-
 std::string encoding_text(const Entry& e) {
   if (e.encoding == Encoding::kDense) return fmt::format("dense {}", dtype_name(e.dtype));
   return fmt::format("8bit/{} {}", e.block_size, e.qmap);

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <stdio.h>  // renameat2, RENAME_EXCHANGE (glibc >= 2.28)
 #include <fmt/format.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <cerrno>
 #include <cstring>
 #include <random>
+#include <string_view>
 
 namespace optstate {
 namespace {
@@ -256,6 +258,40 @@ Result<fs::path> make_staging_path(const fs::path& final_file) {
     if (!fs::exists(fs::symlink_status(p, ec))) return p;
   }
   return io_error(fmt::format("{}: cannot find a free staging name", final_file.string()));
+}
+
+std::vector<Leftover> find_leftovers(const fs::path& final_path) {
+  std::vector<Leftover> out;
+  fs::path parent = final_path.parent_path();
+  if (parent.empty()) parent = ".";
+  const std::string name = final_path.filename().string();
+  if (name.empty()) return out;
+  std::error_code ec;
+  fs::directory_iterator it(parent, ec), end;
+  for (; !ec && it != end; it.increment(ec)) {
+    const std::string n = it->path().filename().string();
+    std::string_view rest(n);
+    const std::string partial = "." + name + ".partial-", old = "." + name + ".old-";
+    if (rest.starts_with(partial)) rest.remove_prefix(partial.size());
+    else if (rest.starts_with(old)) rest.remove_prefix(old.size());
+    else continue;
+    const std::string_view digits = rest.substr(0, rest.find('-'));
+    if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string_view::npos)
+      continue;
+    const pid_t pid = static_cast<pid_t>(std::stoi(std::string(digits)));
+    if (pid == ::getpid() || ::kill(pid, 0) == 0 || errno != ESRCH) continue;  // still running here
+    Leftover l{final_path.parent_path() / n, 0};  // as the caller named the directory
+    std::error_code fe;
+    if (it->is_regular_file(fe)) {
+      l.bytes = it->file_size(fe);
+    } else if (it->is_directory(fe) && !it->is_symlink(fe)) {
+      for (fs::recursive_directory_iterator r(it->path(), fe), rend; !fe && r != rend; r.increment(fe))
+        if (r->is_regular_file(fe)) l.bytes += r->file_size(fe);
+    }
+    out.push_back(std::move(l));
+  }
+  std::sort(out.begin(), out.end(), [](const Leftover& a, const Leftover& b) { return a.path < b.path; });
+  return out;
 }
 
 Status publish_file(const fs::path& staging, const fs::path& final_file, bool overwrite) {

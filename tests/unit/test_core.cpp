@@ -1,7 +1,10 @@
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <limits>
 
 #include "optstate/dtype.h"
@@ -100,4 +103,25 @@ TEST_CASE("InputFile reports truncation with the file name") {
   CHECK(st.message().find((dir.path / "f").string()) != std::string::npos);
   CHECK(InputFile::open(dir.path / "missing").status().code() == ErrorCode::kNotFound);
   CHECK(!read_small_file(dir.path / "f", 3).ok());  // over the cap: refused before allocating
+}
+
+TEST_CASE("find_leftovers: a killed write's staging and moved-aside outputs, by name and dead process only") {
+  testing::TempDir dir;
+  namespace fs = std::filesystem;
+  const std::string dead = "999999999";  // above any pid_max: no such process
+  fs::create_directories(dir.path / (".ck.partial-" + dead + "-0000abcd") / "data");
+  std::ofstream(dir.path / (".ck.partial-" + dead + "-0000abcd") / "data" / "f") << std::string(10, 'x');
+  std::ofstream(dir.path / (".ck.old-" + dead)) << std::string(7, 'x');
+  fs::create_directories(dir.path / (".ck.partial-" + std::to_string(::getpid()) + "-00000001"));  // this process
+  fs::create_directories(dir.path / ".ck.partial-1-00000001");  // a running process (init)
+  fs::create_directories(dir.path / (".other.partial-" + dead + "-00000001"));
+  fs::create_directories(dir.path / ".ck.partial-abc");
+  fs::create_directories(dir.path / "ck");
+  const auto found = find_leftovers(dir.path / "ck");
+  REQUIRE(found.size() == 2);
+  CHECK(found[0].path == dir.path / (".ck.old-" + dead));
+  CHECK(found[0].bytes == 7);
+  CHECK(found[1].path == dir.path / (".ck.partial-" + dead + "-0000abcd"));
+  CHECK(found[1].bytes == 10);
+  CHECK(find_leftovers(dir.path / "nothing").empty());
 }

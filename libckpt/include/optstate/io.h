@@ -91,4 +91,14 @@ Status publish_directory(const fs::path& staging, const fs::path& final_dir, boo
 Result<fs::path> make_staging_path(const fs::path& final_file);
 Status publish_file(const fs::path& staging, const fs::path& final_file, bool overwrite);
 
+// What writes of `final_path` that were killed (SIGKILL, OOM, power loss) left beside it: staging
+// outputs `.<name>.partial-<pid>-<hex>` and old checkpoints moved aside `.<name>.old-<pid>` whose
+// process no longer runs on this machine. Only found, never removed: on a shared filesystem another
+// machine's writer may still own one.
+struct Leftover {
+  fs::path path;
+  uint64_t bytes = 0;  // of its regular files
+};
+std::vector<Leftover> find_leftovers(const fs::path& final_path);
+
 }  // namespace optstate

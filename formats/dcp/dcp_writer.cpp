@@ -521,14 +521,12 @@ Status write_dcp(const OptimizerState& state, const fs::path& path, const WriteO
   OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
   if (options.world_size < 1 || options.world_size > 65536)
     return invalid_argument(fmt::format("world size {} out of range", options.world_size));
-  std::error_code ec;
   OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_dir(path));
   const SourceLayout get_state_dict_layout;  // {"model": ..., "optim": ...}, nested groups
   Status st = write_into(state, staging, options.world_size, source ? *source : get_state_dict_layout, source != nullptr,
                          options.float_lr);
   if (st.ok()) st = publish_directory(staging, path, options.overwrite);
-  if (!st.ok()) fs::remove_all(staging, ec);  // never leave a partial checkpoint behind
-  return st;
+  return st.ok() ? st : abandon_staging(staging, path, st);
 }
 
 }  // namespace optstate::dcp

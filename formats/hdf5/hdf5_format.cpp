@@ -29,9 +29,16 @@ std::recursive_mutex& hdf5_mutex() {
   return mu;
 }
 
+// Before the first other HDF5 call. Errors come back as Status, not printed. No library shutdown at
+// exit: a file whose write failed (disk full, EFBIG) cannot be flushed, so its close fails and
+// leaves it half-closed, and libhdf5's exit handler then crashes closing it again (1.10). Files
+// that were written are closed, flushed and fsynced before write() returns; nothing is lost.
 void silence_hdf5() {
   static std::once_flag once;
-  std::call_once(once, [] { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); });  // errors come back as Status
+  std::call_once(once, [] {
+    H5dont_atexit();
+    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+  });
 }
 
 // An HDF5 identifier closed on scope exit.
@@ -50,11 +57,42 @@ class Id {
   }
   hid_t get() const { return id_; }
   bool ok() const { return id_ >= 0; }
+  // Closes now, for the callers that must know whether closing worked (a file's last writes).
+  herr_t close() {
+    const herr_t r = id_ >= 0 && close_ ? close_(id_) : 0;
+    id_ = -1;
+    return r;
+  }
 
  private:
   hid_t id_ = -1;
   herr_t (*close_)(hid_t) = nullptr;
 };
+
+// Why the last HDF5 call failed, from the innermost entry of libhdf5's error stack: for a write the
+// operating system's message ("No space left on device"), else HDF5's own description; "" if none.
+std::string hdf5_cause() {
+  std::string cause;
+  H5Ewalk2(
+      H5E_DEFAULT, H5E_WALK_DOWNWARD,
+      [](unsigned, const H5E_error2_t* e, void* out) -> herr_t {
+        if (e->desc && *e->desc) *static_cast<std::string*>(out) = e->desc;  // downward: the last is innermost
+        return 0;
+      },
+      &cause);
+  // sec2 writes say "... errno = 28, error message = 'No space left on device', buf = ...".
+  if (const size_t at = cause.find("error message = '"); at != std::string::npos) {
+    const size_t from = at + 17, to = cause.find('\'', from);
+    if (to != std::string::npos) return cause.substr(from, to - from);
+  }
+  return cause.size() > 200 ? cause.substr(0, 200) + "..." : cause;
+}
+
+// An I/O error naming `where` and what failed, with libhdf5's cause when it gives one.
+Status hdf5_failure(const std::string& where, std::string_view what) {
+  const std::string cause = hdf5_cause();
+  return io_error(fmt::format("{}{}{}{}{}", where, where.empty() ? "" : ": ", what, cause.empty() ? "" : ": ", cause));
+}
 
 std::string component_path(const std::string& fqn, const std::string& entry, const Entry& e, Component c) {
   const std::string base = "/" + fqn + "/" + entry;
@@ -93,7 +131,7 @@ Status set_string_attr(hid_t obj, const char* name, const std::string& value) {
   Id space(H5Screate(H5S_SCALAR), H5Sclose);
   Id attr(H5Acreate2(obj, name, type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
   if (!attr.ok() || H5Awrite(attr.get(), type.get(), value.empty() ? "" : value.data()) < 0)
-    return io_error(fmt::format("cannot write attribute '{}'", name));
+    return hdf5_failure("", fmt::format("cannot write attribute '{}'", name));
   return Status::Ok();
 }
 
@@ -101,7 +139,7 @@ Status set_i64_attr(hid_t obj, const char* name, int64_t value) {
   Id space(H5Screate(H5S_SCALAR), H5Sclose);
   Id attr(H5Acreate2(obj, name, H5T_STD_I64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
   if (!attr.ok() || H5Awrite(attr.get(), H5T_NATIVE_INT64, &value) < 0)
-    return io_error(fmt::format("cannot write attribute '{}'", name));
+    return hdf5_failure("", fmt::format("cannot write attribute '{}'", name));
   return Status::Ok();
 }
 
@@ -110,7 +148,7 @@ Status set_shape_attr(hid_t obj, const char* name, const std::vector<int64_t>& s
   Id space(n ? H5Screate_simple(1, &n, nullptr) : H5Screate(H5S_NULL), H5Sclose);
   Id attr(H5Acreate2(obj, name, H5T_STD_I64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
   if (!attr.ok() || (n && H5Awrite(attr.get(), H5T_NATIVE_INT64, shape.data()) < 0))
-    return io_error(fmt::format("cannot write attribute '{}'", name));
+    return hdf5_failure("", fmt::format("cannot write attribute '{}'", name));
   return Status::Ok();
 }
 
@@ -290,7 +328,7 @@ Status write_component(hid_t parent, const char* name, const ParamState& ps, con
     H5Pset_fletcher32(dcpl.get());
   }
   Id ds(H5Dcreate2(parent, name, file_type(d), space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT), H5Dclose);
-  if (!ds.ok()) return io_error(fmt::format("{}: cannot create dataset", where));
+  if (!ds.ok()) return hdf5_failure(where, "cannot create dataset");
   const Buffer& b = e.buffer(c);
   hid_t mem = d == DType::kF32   ? H5T_NATIVE_FLOAT
               : d == DType::kF64 ? H5T_NATIVE_DOUBLE
@@ -300,7 +338,7 @@ Status write_component(hid_t parent, const char* name, const ParamState& ps, con
               : d == DType::kI64 ? H5T_NATIVE_INT64
                                  : H5T_NATIVE_UINT16;
   if (!empty && H5Dwrite(ds.get(), mem, H5S_ALL, H5S_ALL, H5P_DEFAULT, b.data) < 0)
-    return io_error(fmt::format("{}: cannot write dataset", where));
+    return hdf5_failure(where, "cannot write dataset");
   OPTSTATE_RETURN_IF_ERROR(set_string_attr(ds.get(), "dtype", std::string(dtype_name(d))).with_context(where));
   return Status::Ok();
 }
@@ -309,7 +347,7 @@ Status write_file(const OptimizerState& state, const fs::path& file_path, int co
   Id fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
   H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V18, H5F_LIBVER_LATEST);  // readable by h5py's HDF5 1.10+
   Id file(H5Fcreate(file_path.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, fapl.get()), H5Fclose);
-  if (!file.ok()) return io_error(fmt::format("{}: cannot create HDF5 file", file_path.string()));
+  if (!file.ok()) return hdf5_failure(file_path.string(), "cannot create HDF5 file");
   OPTSTATE_RETURN_IF_ERROR(set_string_attr(file.get(), "format", kFormatTag));
   OPTSTATE_RETURN_IF_ERROR(set_i64_attr(file.get(), "layout_version", kLayoutVersion));
   OPTSTATE_RETURN_IF_ERROR(set_string_attr(file.get(), "optimizer", state.kind));
@@ -320,7 +358,7 @@ Status write_file(const OptimizerState& state, const fs::path& file_path, int co
     if (fqn.empty() || fqn.find('/') != std::string::npos || fqn == "." )
       return invalid_argument(fmt::format("{}: an HDF5 group name cannot be empty or hold '/'", where));
     Id g(H5Gcreate2(file.get(), fqn.c_str(), H5P_DEFAULT, gcpl.get(), H5P_DEFAULT), H5Gclose);
-    if (!g.ok()) return io_error(fmt::format("{}: cannot create group", where));
+    if (!g.ok()) return hdf5_failure(where, "cannot create group");
     OPTSTATE_RETURN_IF_ERROR(set_shape_attr(g.get(), "shape", ps.shape));
     OPTSTATE_RETURN_IF_ERROR(set_string_attr(g.get(), "dtype", std::string(dtype_name(ps.param_dtype))));
     OPTSTATE_RETURN_IF_ERROR(set_i64_attr(g.get(), "step", ps.step));
@@ -334,7 +372,7 @@ Status write_file(const OptimizerState& state, const fs::path& file_path, int co
         continue;
       }
       Id sub(H5Gcreate2(g.get(), name.c_str(), H5P_DEFAULT, gcpl.get(), H5P_DEFAULT), H5Gclose);
-      if (!sub.ok()) return io_error(ew + ": cannot create group");
+      if (!sub.ok()) return hdf5_failure(ew, "cannot create group");
       OPTSTATE_RETURN_IF_ERROR(set_string_attr(sub.get(), "encoding", "blockwise8"));
       OPTSTATE_RETURN_IF_ERROR(set_i64_attr(sub.get(), "block_size", e.block_size));
       OPTSTATE_RETURN_IF_ERROR(set_string_attr(sub.get(), "qmap", e.qmap));
@@ -343,7 +381,9 @@ Status write_file(const OptimizerState& state, const fs::path& file_path, int co
                                                  compression, ew));
     }
   }
-  if (H5Fflush(file.get(), H5F_SCOPE_GLOBAL) < 0) return io_error(fmt::format("{}: flush failed", file_path.string()));
+  if (H5Fflush(file.get(), H5F_SCOPE_GLOBAL) < 0) return hdf5_failure(file_path.string(), "flush failed");
+  // Closing writes the file's last metadata: a failure here is a damaged file, not to be published.
+  if (file.close() < 0) return hdf5_failure(file_path.string(), "close failed");
   return Status::Ok();
 }
 
@@ -423,7 +463,6 @@ class Hdf5Driver final : public FormatDriver {
     if (options.compression < 0 || options.compression > 9)
       return invalid_argument(fmt::format("gzip level {} out of range (0-9)", options.compression));
     OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
-    std::error_code ec;
     OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_path(path));
     Status st;
     {
@@ -432,8 +471,7 @@ class Hdf5Driver final : public FormatDriver {
       st = write_file(state, staging, options.compression);
     }
     if (st.ok()) st = publish_file(staging, path, options.overwrite);
-    if (!st.ok()) fs::remove(staging, ec);  // never leave a partial file behind
-    return st;
+    return st.ok() ? st : abandon_staging(staging, path, st);
   }
 };
 

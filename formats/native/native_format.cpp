@@ -241,8 +241,7 @@ class NativeDriver final : public FormatDriver {
     OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_dir(path));
     Status st = write_into(state, staging, options.world_size);
     if (st.ok()) st = publish_directory(staging, path, options.overwrite);
-    if (!st.ok()) fs::remove_all(staging, ec);  // never leave a partial checkpoint behind
-    return st;
+    return st.ok() ? st : abandon_staging(staging, path, st);
   }
 
  private:

@@ -98,10 +98,7 @@ Status save_sharded(const OptimizerState& local, const std::filesystem::path& pa
       if (st.ok()) st = write_small_file(std::filesystem::path(staging) / kManifestName, std::as_bytes(std::span(text)));
       if (st.ok()) st = publish_directory(staging, path, options.overwrite);
     }
-    if (!st.ok()) {
-      std::error_code ec;
-      std::filesystem::remove_all(staging, ec);
-    }
+    if (!st.ok()) st = abandon_staging(staging, path, st);
     OPTSTATE_RETURN_IF_ERROR(coord.set(id + "/result", st.ok() ? "ok" : kError + st.message()));
     // Rank 0 may host the store (c10d): stay until every rank has read the verdict. A rank that
     // died meanwhile only makes this wait time out; the outcome is already decided.

@@ -177,8 +177,7 @@ class SafetensorsDriver final : public FormatDriver {
       OPTSTATE_RETURN_IF_ERROR(out.sync_and_close());
       return publish_file(staging, path, options.overwrite);
     }();
-    if (!st.ok()) fs::remove(staging, ec);  // never leave a partial file behind
-    return st;
+    return st.ok() ? st : abandon_staging(staging, path, st);
   }
 };
 

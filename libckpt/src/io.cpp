@@ -260,6 +260,12 @@ Result<fs::path> make_staging_path(const fs::path& final_file) {
   return io_error(fmt::format("{}: cannot find a free staging name", final_file.string()));
 }
 
+Status abandon_staging(const fs::path& staging, const fs::path& final_path, const Status& why) {
+  std::error_code ec;
+  fs::remove_all(staging, ec);
+  return why.with_context(fmt::format("writing {}", final_path.string()));
+}
+
 std::vector<Leftover> find_leftovers(const fs::path& final_path) {
   std::vector<Leftover> out;
   fs::path parent = final_path.parent_path();

@@ -2,7 +2,9 @@
 // it back, and get the same hash; refuse to overwrite unless asked. A new driver folder is picked
 // up here without touching this file.
 #include <doctest/doctest.h>
+#include <sys/resource.h>
 
+#include <algorithm>
 #include <csignal>
 #include <filesystem>
 #include <iterator>
@@ -98,4 +100,45 @@ TEST_CASE("every format driver stops a write when interrupted: kCancelled, nothi
     CHECK(std::distance(std::filesystem::directory_iterator(dir.path), {}) == 1);
     CHECK(check_interrupt(path).ok());
   }
+}
+
+TEST_CASE("every format driver fails cleanly when the disk refuses a write: an error, nothing left, writes go on") {
+  // The file size limit (ulimit -f) makes write(2) fail with EFBIG once a file would grow past it: a
+  // full disk or a quota, deterministically. SIGXFSZ is ignored so the write fails instead.
+  const OptimizerState eight = *quantize_state(testing::sample_state(), {4, 1});
+  struct rlimit old {};
+  REQUIRE(::getrlimit(RLIMIT_FSIZE, &old) == 0);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  for (const FormatDriver* d : format_drivers()) {
+    // limits: in the first bytes, and half way through the largest file
+    testing::TempDir full;
+    REQUIRE(d->write(eight, full.path / "c", {}).ok());
+    uintmax_t largest = std::filesystem::is_regular_file(full.path / "c") ? std::filesystem::file_size(full.path / "c") : 0;
+    if (std::filesystem::is_directory(full.path / "c"))
+      for (const auto& f : std::filesystem::recursive_directory_iterator(full.path / "c"))
+        if (f.is_regular_file()) largest = std::max(largest, f.file_size());
+    const bool raw = d->keeps_blockwise8();  // else the values hash: 8-bit moments stored dequantized
+    for (rlim_t limit : {rlim_t{64}, static_cast<rlim_t>(largest / 2)}) {
+      CAPTURE(d->name());
+      CAPTURE(limit);
+      testing::TempDir dir;
+      const auto path = dir.path / ("ckpt." + std::string(d->name()));
+      struct rlimit small = old;
+      small.rlim_cur = limit;
+      REQUIRE(::setrlimit(RLIMIT_FSIZE, &small) == 0);
+      const Status st = d->write(eight, path, {});
+      REQUIRE(::setrlimit(RLIMIT_FSIZE, &old) == 0);
+      CHECK(!st.ok());
+      CHECK(st.code() == ErrorCode::kIoError);
+      CHECK(st.message().rfind("writing " + path.string() + ": ", 0) == 0);  // names DST, not the staging path
+      CHECK(st.message().find("File too large") != std::string::npos);     // and why, from the OS
+      CHECK(std::distance(std::filesystem::directory_iterator(dir.path), {}) == 0);  // no DST, no staging
+      // the same process writes and reads the next checkpoint as usual
+      REQUIRE(d->write(eight, path, {}).ok());
+      auto back = open_checkpoint(path);
+      REQUIRE(back.ok());
+      CHECK(hash_checkpoint(**back, {.values = !raw})->root == hash_state(eight, {.values = !raw})->root);
+    }
+  }
+  std::signal(SIGXFSZ, old_handler);
 }

@@ -91,6 +91,11 @@ Status publish_directory(const fs::path& staging, const fs::path& final_dir, boo
 Result<fs::path> make_staging_path(const fs::path& final_file);
 Status publish_file(const fs::path& staging, const fs::path& final_file, bool overwrite);
 
+// After a failed write: removes the staging output (file or directory; never leave a partial
+// checkpoint behind) and returns `why` naming the destination ("writing DST: ..."), as its message
+// names the hidden staging path.
+Status abandon_staging(const fs::path& staging, const fs::path& final_path, const Status& why);
+
 // What writes of `final_path` that were killed (SIGKILL, OOM, power loss) left beside it: staging
 // outputs `.<name>.partial-<pid>-<hex>` and old checkpoints moved aside `.<name>.old-<pid>` whose
 // process no longer runs on this machine. Only found, never removed: on a shared filesystem another

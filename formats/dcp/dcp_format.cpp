@@ -85,8 +85,13 @@ struct Plain8 {
 struct ParsedItem {
   Payload payload;
   pickle::Pickle pickle;                      // for bytes items' values
-  std::map<std::string, uint64_t> storages;   // storage key -> absolute file offset of its bytes
-  std::map<std::string, uint64_t> storage_sizes;
+  // A storage's zip record: where its bytes lie, how many, and the CRC-32 torch.save stored for them.
+  struct Record {
+    uint64_t at = 0, size = 0;  // absolute file offset, bytes
+    uint32_t crc = 0;           // 0: none stored (torch.serialization.config.save.compute_crc32 off)
+    bool verified = false;
+  };
+  std::map<std::string, Record> storages;  // by storage key
   const InputFile* file = nullptr;
 };
 
@@ -109,6 +114,12 @@ class DcpReader final : public CheckpointReader {
   std::string_view format() const override { return "dcp"; }
   const fs::path& path() const override { return dir_; }
   const OptimizerState& meta() const override { return meta_; }
+  // Whether every chunk streamed so far was checked against the CRC-32 torch.save stored for it (and
+  // at least one was): true after validate's full read of a checkpoint torch saved with CRCs (its
+  // default). read_range (a rank's shard) reads part of a record and checks nothing.
+  bool checksummed() const override { return verified_ > 0 && unverified_ == 0; }
+  // The CRC-32 costs about twice the read of a cached file (hash, convert), so only validate asks.
+  void check_costly_checksums() override { check_crc_ = true; }
   std::vector<std::string> not_read() const override {
     std::vector<std::string> out;
     for (const auto& [top, n] : not_read_) out.push_back(fmt::format("{} ({} item{})", top, n, n == 1 ? "" : "s"));
@@ -128,7 +139,7 @@ class DcpReader final : public CheckpointReader {
       const int64_t a = std::max(begin, s.begin), b = std::min(end, s.begin + s.count);
       if (a >= b) continue;
       OPTSTATE_ASSIGN_OR_RETURN(auto loc, segment_source(src, s, c));
-      const auto [file, at, elem] = loc;
+      const auto [file, at, elem, record] = loc;
       if (static_cast<int64_t>(out.size()) != (end - begin) * elem || begin < 0 || end > count)
         return invalid_argument(fmt::format("{}: range [{}, {}) of entry '{}' does not fit", dir_.string(), begin, end,
                                             entry_key(fqn, entry)));
@@ -149,24 +160,45 @@ class DcpReader final : public CheckpointReader {
     std::vector<std::byte> piece;
     for (const Segment& s : segs) {
       OPTSTATE_ASSIGN_OR_RETURN(auto loc, segment_source(src, s, c));
-      auto [file, at, elem] = loc;
-      const std::string iw = fmt::format("{}: item '{}'", dir_.string(), src.key);
+      auto [file, at, elem, record] = loc;
+      const std::string& key = c == Component::kAbsmax && src.absmax_item ? src.absmax_key : src.key;
+      const std::string iw = fmt::format("{}: item '{}'", dir_.string(), key);
       uint64_t left = static_cast<uint64_t>(s.count * elem);
+      // A segment that is its storage's whole record (as DCP saves chunks) is checked against the
+      // record's CRC-32 on the way; others (a view into a larger storage) cannot be.
+      const bool whole = at == record->at && left == record->size;
+      const bool check = check_crc_ && whole && record->crc != 0 && !record->verified;
+      unverified_ += !check_crc_ || !whole || record->crc == 0;
+      uint32_t crc = 0;
       while (left > 0) {
         const uint64_t n = std::min<uint64_t>(left, kStreamPieceBytes);
         piece.resize(n);
         OPTSTATE_RETURN_IF_ERROR(file->read_at(at, piece).with_context(iw));
+        if (check) crc = zip::crc32(piece, crc);
         OPTSTATE_RETURN_IF_ERROR(sink(piece));
         at += n;
         left -= n;
       }
+      if (check && crc != record->crc)
+        return corrupt(fmt::format("{} chunk at {}: its data fails the CRC-32 torch.save stored (stored {:08x}, read "
+                                   "{:08x}): changed or damaged after it was written",
+                                   iw, format_shape(item_chunk(src, s, c).offsets), record->crc, crc));
+      if (check) record->verified = true;
+      verified_ += check_crc_ && whole && record->crc != 0;
     }
     return Status::Ok();
   }
 
-  // Where a segment's first element lies: (file, byte offset, element size).
-  Result<std::tuple<const InputFile*, uint64_t, int64_t>> segment_source(const Source& src, const Segment& s,
-                                                                          Component c) {
+  // The chunk a segment reads from.
+  static const ChunkMeta& item_chunk(const Source& src, const Segment& s, Component c) {
+    const bool from_absmax = src.absmax_item != nullptr && c == Component::kAbsmax;
+    return (from_absmax ? *src.absmax_item : *src.item).chunks[s.chunk];
+  }
+
+  // Where a segment's first element lies: (file, byte offset, element size, its storage's record).
+  Result<std::tuple<const InputFile*, uint64_t, int64_t, ParsedItem::Record*>> segment_source(const Source& src,
+                                                                                              const Segment& s,
+                                                                                              Component c) {
     const bool pair = src.absmax_item != nullptr;  // 8-bit as plain codes and absmax items
     const bool from_absmax = pair && c == Component::kAbsmax;
     const ItemMeta& im = from_absmax ? *src.absmax_item : *src.item;
@@ -187,8 +219,9 @@ class DcpReader final : public CheckpointReader {
     const int64_t numel = *checked_numel(t->shape);
     if (s.local + s.count > numel)
       return corrupt(fmt::format("{}: holds {} elements, the chunk needs {}", iw, numel, s.local + s.count));
-    return std::tuple{static_cast<const InputFile*>(pi->file),
-                      pi->storages.at(t->storage_key) + static_cast<uint64_t>((t->offset + s.local) * elem), elem};
+    ParsedItem::Record& rec = pi->storages.at(t->storage_key);
+    return std::tuple{static_cast<const InputFile*>(pi->file), rec.at + static_cast<uint64_t>((t->offset + s.local) * elem),
+                      elem, &rec};
   }
 
   Status init() {
@@ -564,7 +597,7 @@ class DcpReader final : public CheckpointReader {
         return corrupt(fmt::format("{}: storage '{}' holds {} bytes, less than its {} elements", iw, name, e->size,
                                    t->storage_numel));
       OPTSTATE_ASSIGN_OR_RETURN(uint64_t at, locate(*e));
-      pi.storages[t->storage_key] = at;
+      pi.storages[t->storage_key] = {at, e->size, e->crc32, false};
     }
     return &items_.emplace(std::pair{key, offsets}, std::move(pi)).first->second;
   }
@@ -586,7 +619,7 @@ class DcpReader final : public CheckpointReader {
     const TensorRef& t = pi->payload.tensor;
     std::byte raw[8];
     const int64_t elem = dtype_size(t.dtype);
-    OPTSTATE_RETURN_IF_ERROR(pi->file->read_at(pi->storages.at(t.storage_key) + static_cast<uint64_t>(t.offset * elem),
+    OPTSTATE_RETURN_IF_ERROR(pi->file->read_at(pi->storages.at(t.storage_key).at + static_cast<uint64_t>(t.offset * elem),
                                                std::span(raw, static_cast<size_t>(elem))));
     switch (t.dtype) {
       case DType::kF32: { float f; std::memcpy(&f, raw, 4); return static_cast<double>(f); }
@@ -714,7 +747,7 @@ class DcpReader final : public CheckpointReader {
     const TensorRef& q = pi.payload.qmap;
     if (*checked_numel(q.shape) != 256) return corrupt(where + ": quantization map does not have 256 entries");
     std::array<float, 256> m;
-    OPTSTATE_RETURN_IF_ERROR(pi.file->read_at(pi.storages.at(q.storage_key) + static_cast<uint64_t>(q.offset * 4),
+    OPTSTATE_RETURN_IF_ERROR(pi.file->read_at(pi.storages.at(q.storage_key).at + static_cast<uint64_t>(q.offset * 4),
                                               std::as_writable_bytes(std::span(m))));
     for (QMap k : {QMap::kDynamicSigned, QMap::kDynamicUnsigned})
       if (std::memcmp(m.data(), qmap_table(k).data(), sizeof m) == 0) return std::string(qmap_name(k));
@@ -730,6 +763,8 @@ class DcpReader final : public CheckpointReader {
   std::vector<Plain8> plain8_;  // per param group
   std::map<std::string, int64_t> not_read_;     // top-level key -> items not read
   SourceLayout layout_;
+  bool check_crc_ = false;
+  int64_t verified_ = 0, unverified_ = 0;       // chunks streamed with and without a CRC-32 check
 };
 
 class DcpDriver final : public FormatDriver {

@@ -209,6 +209,10 @@ assert j["params"]["head.bias"]["entries"]["exp_avg"]["encoding"] == "dense"
       out=$("$OPTSTATE" validate "$work/$c") || fail "false alarm on a good checkpoint: $out"
       printf '%s' "$out" | grep -q "^ok: .*every chunk checksum verified" || fail "no ok line with checksums: $out"
     done
+    # DCP: the CRC-32 of every torch.save record (ours are filled in as torch's are)
+    "$OPTSTATE" convert "$work/good8" "$work/good.dcp" --format dcp >/dev/null || fail "convert to dcp"
+    out=$("$OPTSTATE" validate "$work/good.dcp") || fail "false alarm on dcp: $out"
+    printf '%s' "$out" | grep -q "^ok: .*every chunk checksum verified" || fail "dcp checksums not verified: $out"
     # a format without checksums is not said to have had them verified
     "$OPTSTATE" convert "$work/good" "$work/good.safetensors" >/dev/null || fail "convert to safetensors"
     out=$("$OPTSTATE" validate "$work/good.safetensors") || fail "false alarm on safetensors: $out"

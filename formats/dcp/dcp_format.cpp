@@ -115,11 +115,9 @@ class DcpReader final : public CheckpointReader {
   const fs::path& path() const override { return dir_; }
   const OptimizerState& meta() const override { return meta_; }
   // Whether every chunk streamed so far was checked against the CRC-32 torch.save stored for it (and
-  // at least one was): true after validate's full read of a checkpoint torch saved with CRCs (its
-  // default). read_range (a rank's shard) reads part of a record and checks nothing.
+  // at least one was): true after a full read of a checkpoint torch saved with CRCs (its default).
+  // read_range (a rank's shard) reads part of a record and checks nothing.
   bool checksummed() const override { return verified_ > 0 && unverified_ == 0; }
-  // The CRC-32 costs about twice the read of a cached file (hash, convert), so only validate asks.
-  void check_costly_checksums() override { check_crc_ = true; }
   std::vector<std::string> not_read() const override {
     std::vector<std::string> out;
     for (const auto& [top, n] : not_read_) out.push_back(fmt::format("{} ({} item{})", top, n, n == 1 ? "" : "s"));
@@ -167,8 +165,8 @@ class DcpReader final : public CheckpointReader {
       // A segment that is its storage's whole record (as DCP saves chunks) is checked against the
       // record's CRC-32 on the way; others (a view into a larger storage) cannot be.
       const bool whole = at == record->at && left == record->size;
-      const bool check = check_crc_ && whole && record->crc != 0 && !record->verified;
-      unverified_ += !check_crc_ || !whole || record->crc == 0;
+      const bool check = whole && record->crc != 0 && !record->verified;
+      unverified_ += !whole || record->crc == 0;
       uint32_t crc = 0;
       while (left > 0) {
         const uint64_t n = std::min<uint64_t>(left, kStreamPieceBytes);
@@ -184,7 +182,7 @@ class DcpReader final : public CheckpointReader {
                                    "{:08x}): changed or damaged after it was written",
                                    iw, format_shape(item_chunk(src, s, c).offsets), record->crc, crc));
       if (check) record->verified = true;
-      verified_ += check_crc_ && whole && record->crc != 0;
+      verified_ += whole && record->crc != 0;
     }
     return Status::Ok();
   }
@@ -763,7 +761,6 @@ class DcpReader final : public CheckpointReader {
   std::vector<Plain8> plain8_;  // per param group
   std::map<std::string, int64_t> not_read_;     // top-level key -> items not read
   SourceLayout layout_;
-  bool check_crc_ = false;
   int64_t verified_ = 0, unverified_ = 0;       // chunks streamed with and without a CRC-32 check
 };
 

@@ -33,12 +33,9 @@ class CheckpointReader {
   // so. Empty for formats that hold only optimizer state.
   virtual std::vector<std::string> not_read() const { return {}; }
   // Whether every chunk read is checked against a stored checksum (native: XXH3; optstate's HDF5:
-  // fletcher32; DCP, when asked to: torch.save's CRC-32 of each record, known once the chunks were
-  // streamed). safetensors stores none: a reader can check sizes and coverage only.
+  // fletcher32; DCP: torch.save's CRC-32 of each record, known once the chunks were streamed).
+  // safetensors stores none: a reader can check sizes and coverage only.
   virtual bool checksummed() const { return false; }
-  // Checksums that cost more than the read itself (DCP's CRC-32, ~1.4 GB/s here against XXH3's
-  // ~20) are checked by stream() only once this is called; validate calls it. Others always are.
-  virtual void check_costly_checksums() {}
   // Streams one component of one entry in flattened order. Formats with checksums verify every
   // chunk and fail (naming the file, the entry and the range) when one does not match.
   virtual Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) = 0;

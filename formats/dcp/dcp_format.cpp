@@ -218,8 +218,8 @@ class DcpReader final : public CheckpointReader {
     if (s.local + s.count > numel)
       return corrupt(fmt::format("{}: holds {} elements, the chunk needs {}", iw, numel, s.local + s.count));
     ParsedItem::Record& rec = pi->storages.at(t->storage_key);
-    return std::tuple{static_cast<const InputFile*>(pi->file), rec.at + static_cast<uint64_t>((t->offset + s.local) * elem),
-                      elem, &rec};
+    const uint64_t at = rec.at + static_cast<uint64_t>((t->offset + s.local) * elem);
+    return std::tuple{static_cast<const InputFile*>(pi->file), at, elem, &rec};
   }
 
   Status init() {
@@ -617,8 +617,8 @@ class DcpReader final : public CheckpointReader {
     const TensorRef& t = pi->payload.tensor;
     std::byte raw[8];
     const int64_t elem = dtype_size(t.dtype);
-    OPTSTATE_RETURN_IF_ERROR(pi->file->read_at(pi->storages.at(t.storage_key).at + static_cast<uint64_t>(t.offset * elem),
-                                               std::span(raw, static_cast<size_t>(elem))));
+    const uint64_t at = pi->storages.at(t.storage_key).at + static_cast<uint64_t>(t.offset * elem);
+    OPTSTATE_RETURN_IF_ERROR(pi->file->read_at(at, std::span(raw, static_cast<size_t>(elem))));
     switch (t.dtype) {
       case DType::kF32: { float f; std::memcpy(&f, raw, 4); return static_cast<double>(f); }
       case DType::kF64: { double d; std::memcpy(&d, raw, 8); return d; }

@@ -113,9 +113,10 @@ TEST_CASE("every format driver fails cleanly when the disk refuses a write: an e
     // limits: in the first bytes, and half way through the largest file
     testing::TempDir full;
     REQUIRE(d->write(eight, full.path / "c", {}).ok());
-    uintmax_t largest = std::filesystem::is_regular_file(full.path / "c") ? std::filesystem::file_size(full.path / "c") : 0;
-    if (std::filesystem::is_directory(full.path / "c"))
-      for (const auto& f : std::filesystem::recursive_directory_iterator(full.path / "c"))
+    const auto written = full.path / "c";
+    uintmax_t largest = std::filesystem::is_regular_file(written) ? std::filesystem::file_size(written) : 0;
+    if (std::filesystem::is_directory(written))
+      for (const auto& f : std::filesystem::recursive_directory_iterator(written))
         if (f.is_regular_file()) largest = std::max(largest, f.file_size());
     const bool raw = d->keeps_blockwise8();  // else the values hash: 8-bit moments stored dequantized
     for (rlim_t limit : {rlim_t{64}, static_cast<rlim_t>(largest / 2)}) {

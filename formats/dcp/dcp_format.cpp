@@ -114,9 +114,9 @@ class DcpReader final : public CheckpointReader {
   std::string_view format() const override { return "dcp"; }
   const fs::path& path() const override { return dir_; }
   const OptimizerState& meta() const override { return meta_; }
-  // Whether every chunk streamed so far was checked against the CRC-32 torch.save stored for it (and
-  // at least one was): true after a full read of a checkpoint torch saved with CRCs (its default).
-  // read_range (a rank's shard) reads part of a record and checks nothing.
+  // Whether every chunk read so far was checked against the CRC-32 torch.save stored for it (and at
+  // least one was): true after a full read of a checkpoint torch saved with CRCs (its default).
+  // A rank's share of a larger chunk is part of a record and cannot be checked.
   bool checksummed() const override { return verified_ > 0 && unverified_ == 0; }
   std::vector<std::string> not_read() const override {
     std::vector<std::string> out;
@@ -141,10 +141,10 @@ class DcpReader final : public CheckpointReader {
       if (static_cast<int64_t>(out.size()) != (end - begin) * elem || begin < 0 || end > count)
         return invalid_argument(fmt::format("{}: range [{}, {}) of entry '{}' does not fit", dir_.string(), begin, end,
                                             entry_key(fqn, entry)));
-      OPTSTATE_RETURN_IF_ERROR(file->read_at(at + static_cast<uint64_t>((a - s.begin) * elem),
-                                             out.subspan(static_cast<size_t>((a - begin) * elem),
-                                                         static_cast<size_t>((b - a) * elem)))
-                                   .with_context(fmt::format("item '{}'", src.key)));
+      const uint64_t from = at + static_cast<uint64_t>((a - s.begin) * elem);
+      const auto dst = out.subspan(static_cast<size_t>((a - begin) * elem), static_cast<size_t>((b - a) * elem));
+      OPTSTATE_RETURN_IF_ERROR(file->read_at(from, dst).with_context(fmt::format("item '{}'", src.key)));
+      if (crc_due(*record, from, dst.size())) OPTSTATE_RETURN_IF_ERROR(crc_result(src, s, c, *record, zip::crc32(dst)));
     }
     return Status::Ok();
   }
@@ -162,11 +162,7 @@ class DcpReader final : public CheckpointReader {
       const std::string& key = c == Component::kAbsmax && src.absmax_item ? src.absmax_key : src.key;
       const std::string iw = fmt::format("{}: item '{}'", dir_.string(), key);
       uint64_t left = static_cast<uint64_t>(s.count * elem);
-      // A segment that is its storage's whole record (as DCP saves chunks) is checked against the
-      // record's CRC-32 on the way; others (a view into a larger storage) cannot be.
-      const bool whole = at == record->at && left == record->size;
-      const bool check = whole && record->crc != 0 && !record->verified;
-      unverified_ += !whole || record->crc == 0;
+      const bool check = crc_due(*record, at, left);
       uint32_t crc = 0;
       while (left > 0) {
         const uint64_t n = std::min<uint64_t>(left, kStreamPieceBytes);
@@ -177,13 +173,29 @@ class DcpReader final : public CheckpointReader {
         at += n;
         left -= n;
       }
-      if (check && crc != record->crc)
-        return corrupt(fmt::format("{} chunk at {}: its data fails the CRC-32 torch.save stored (stored {:08x}, read "
-                                   "{:08x}): changed or damaged after it was written",
-                                   iw, format_shape(item_chunk(src, s, c).offsets), record->crc, crc));
-      if (check) record->verified = true;
-      verified_ += whole && record->crc != 0;
+      if (check) OPTSTATE_RETURN_IF_ERROR(crc_result(src, s, c, *record, crc));
     }
+    return Status::Ok();
+  }
+
+  // Whether the bytes [at, at + bytes) just read are their storage's whole record (as DCP saves
+  // chunks) with a CRC-32 still to check; a part of a record (a rank's share of a larger chunk, a
+  // view) cannot be checked. Counts the reads checked and not, for checksummed().
+  bool crc_due(ParsedItem::Record& rec, uint64_t at, uint64_t bytes) {
+    const bool whole = at == rec.at && bytes == rec.size;
+    unverified_ += !whole || rec.crc == 0;
+    verified_ += whole && rec.crc != 0;
+    return whole && rec.crc != 0 && !rec.verified;
+  }
+
+  Status crc_result(const Source& src, const Segment& s, Component c, ParsedItem::Record& rec, uint32_t crc) {
+    if (crc != rec.crc) {
+      const std::string& key = c == Component::kAbsmax && src.absmax_item ? src.absmax_key : src.key;
+      return corrupt(fmt::format("{}: item '{}' chunk at {}: its data fails the CRC-32 torch.save stored (stored "
+                                 "{:08x}, read {:08x}): changed or damaged after it was written",
+                                 dir_.string(), key, format_shape(item_chunk(src, s, c).offsets), rec.crc, crc));
+    }
+    rec.verified = true;
     return Status::Ok();
   }
 

@@ -672,6 +672,14 @@ def test_dcp_data_is_checked_against_the_crc32_torch_save_stored(tmp_path, optst
     proc = optstate_cli("validate", bad, check=False)
     assert proc.returncode == 1, proc.stdout
     assert f"item '{fqn}'" in proc.stdout and "fails the CRC-32 torch.save stored" in proc.stdout, proc.stdout
+    # and optstate.load, which reads each chunk into place (a whole record here: one rank saved it)
+    import optstate
+    model = torch.nn.Sequential(torch.nn.Linear(64, 97), torch.nn.GELU(), torch.nn.Linear(97, 3))
+    opt = (optstate.AdamW8bit(model.parameters(), block_size=64) if kind == "ao"
+           else optstate.FusedAdamW(model.parameters()))
+    with pytest.raises(Exception, match=f"item '{fqn}' chunk at .*fails the CRC-32 torch.save stored"):
+        optstate.load(bad, model, opt)
+    optstate.load(ck, model, opt)
 
 
 def test_truncated_or_garbled_dcp_names_the_item(tmp_path, optstate_cli):

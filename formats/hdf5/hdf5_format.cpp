@@ -33,7 +33,7 @@ std::recursive_mutex& hdf5_mutex() {
 // exit: a file whose write failed (disk full, EFBIG) cannot be flushed, so its close fails and
 // leaves it half-closed, and libhdf5's exit handler then crashes closing it again (1.10). Files
 // that were written are closed, flushed and fsynced before write() returns; nothing is lost.
-void silence_hdf5() {
+void start_hdf5() {
   static std::once_flag once;
   std::call_once(once, [] {
     H5dont_atexit();
@@ -411,7 +411,7 @@ class Hdf5Driver final : public FormatDriver {
 
   Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {
     std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
-    silence_hdf5();
+    start_hdf5();
     const std::string where = path.string();
     std::error_code ec;
     if (!fs::is_regular_file(path, ec)) return not_found(fmt::format("{}: no such file", where));
@@ -467,7 +467,7 @@ class Hdf5Driver final : public FormatDriver {
     Status st;
     {
       std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
-      silence_hdf5();
+      start_hdf5();
       st = write_file(state, staging, options.compression);
     }
     if (st.ok()) st = publish_file(staging, path, options.overwrite);

@@ -159,8 +159,7 @@ class DcpReader final : public CheckpointReader {
     for (const Segment& s : segs) {
       OPTSTATE_ASSIGN_OR_RETURN(auto loc, segment_source(src, s, c));
       auto [file, at, elem, record] = loc;
-      const std::string& key = c == Component::kAbsmax && src.absmax_item ? src.absmax_key : src.key;
-      const std::string iw = fmt::format("{}: item '{}'", dir_.string(), key);
+      const std::string iw = fmt::format("{}: item '{}'", dir_.string(), item_key(src, c));
       uint64_t left = static_cast<uint64_t>(s.count * elem);
       const bool check = crc_due(*record, at, left);
       uint32_t crc = 0;
@@ -190,19 +189,25 @@ class DcpReader final : public CheckpointReader {
 
   Status crc_result(const Source& src, const Segment& s, Component c, ParsedItem::Record& rec, uint32_t crc) {
     if (crc != rec.crc) {
-      const std::string& key = c == Component::kAbsmax && src.absmax_item ? src.absmax_key : src.key;
       return corrupt(fmt::format("{}: item '{}' chunk at {}: its data fails the CRC-32 torch.save stored (stored "
                                  "{:08x}, read {:08x}): changed or damaged after it was written",
-                                 dir_.string(), key, format_shape(item_chunk(src, s, c).offsets), rec.crc, crc));
+                                 dir_.string(), item_key(src, c), format_shape(item_chunk(src, s, c).offsets), rec.crc, crc));
     }
     rec.verified = true;
     return Status::Ok();
   }
 
+  // The item a component is read from: for 8-bit state kept as plain codes and absmax items
+  // (optstate's AdamW8bit), the absmax comes from its own item; everything else from the entry's.
+  static bool in_absmax_item(const Source& src, Component c) {
+    return src.absmax_item != nullptr && c == Component::kAbsmax;
+  }
+  static const std::string& item_key(const Source& src, Component c) {
+    return in_absmax_item(src, c) ? src.absmax_key : src.key;
+  }
   // The chunk a segment reads from.
   static const ChunkMeta& item_chunk(const Source& src, const Segment& s, Component c) {
-    const bool from_absmax = src.absmax_item != nullptr && c == Component::kAbsmax;
-    return (from_absmax ? *src.absmax_item : *src.item).chunks[s.chunk];
+    return (in_absmax_item(src, c) ? *src.absmax_item : *src.item).chunks[s.chunk];
   }
 
   // Where a segment's first element lies: (file, byte offset, element size, its storage's record).
@@ -210,10 +215,9 @@ class DcpReader final : public CheckpointReader {
                                                                                               const Segment& s,
                                                                                               Component c) {
     const bool pair = src.absmax_item != nullptr;  // 8-bit as plain codes and absmax items
-    const bool from_absmax = pair && c == Component::kAbsmax;
-    const ItemMeta& im = from_absmax ? *src.absmax_item : *src.item;
-    const std::string& key = from_absmax ? src.absmax_key : src.key;
-    const ChunkMeta& ch = im.chunks[s.chunk];
+    const ItemMeta& im = in_absmax_item(src, c) ? *src.absmax_item : *src.item;
+    const std::string& key = item_key(src, c);
+    const ChunkMeta& ch = item_chunk(src, s, c);
     const std::string iw = fmt::format("{}: item '{}' chunk at {}", dir_.string(), key, format_shape(ch.offsets));
     OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(key, ch.offsets));
     const TensorRef* t = nullptr;

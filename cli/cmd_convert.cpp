@@ -150,11 +150,13 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   auto opened = open_with_progress(src, progress);
   if (!opened.ok()) return fail(command, opened.status());
   auto* reader = &static_cast<ProgressReader&>(**opened).inner();  // the source itself, for the writer
-  auto state = load_all(**opened);
-  if (!state.ok()) return fail(command, state.status());
-  if (to == "fp32") state = dequantize_state(*state);
-  if (to == "8bit") state = quantize_state(*state, q);
-  if (!state.ok()) return fail(command, state.status().with_context(src.string()));
+  if (to == "8bit")
+    if (Status qs = check_quantize_options(q); !qs.ok()) return fail(command, qs);
+  // Entry by entry: SRC is read as DST is written, one entry in memory at a time.
+  auto read = reader_source(**opened);
+  auto recoded = recoded_source(*read, to == "fp32" ? Recode::kDequantize : to == "8bit" ? Recode::kQuantize
+                                                                                           : Recode::kKeep, q);
+  const OptimizerState& written = recoded->meta();
   WriteOptions wo;
   wo.overwrite = args->has("--overwrite");
   wo.world_size = world;
@@ -165,7 +167,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   Status st;
   {
     InterruptibleWrite interruptible;
-    st = write_checkpoint(*driver, *state, dst, wo);
+    st = write_checkpoint(*driver, *recoded, dst, wo);
     progress.finish();
     if (!st.ok()) interruptible.exit_if_interrupted(command, dst.string());
   }
@@ -179,20 +181,20 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
     std::fprintf(stderr, "note: %s also holds %s: not optimizer state, not in %s\n", src.c_str(),
                  fmt::format("{}", fmt::join(rest, ", ")).c_str(), dst.c_str());
   int64_t dense = 0, eight = 0;
-  for (const auto& [fqn, ps] : state->params)
+  for (const auto& [fqn, ps] : written.params)
     for (const auto& [name, e] : ps.entries)  // as written: DCP stores 8-bit moments dequantized
       (e.encoding == Encoding::kDense || !driver->keeps_blockwise8() ? dense : eight) += 1;
   if (args->has("--json")) {
     nlohmann::json j = {{"source", src.string()}, {"source_format", std::string(reader->format())},
                         {"destination", dst.string()}, {"format", format}, {"world_size", world},
-                        {"params", state->params.size()},
+                        {"params", written.params.size()},
                         {"carried", carried ? rest : std::vector<std::string>{}},
                         {"not_carried", carried ? std::vector<std::string>{} : rest},
                         {"dense_entries", dense}, {"blockwise8_entries", eight}};
     std::fputs((j.dump(2) + "\n").c_str(), stdout);
   } else {
     std::printf("wrote %s (%s, %d rank%s): %zu params, %lld dense and %lld 8-bit entries%s\n", dst.c_str(),
-                format.c_str(), world, world == 1 ? "" : "s", state->params.size(), static_cast<long long>(dense),
+                format.c_str(), world, world == 1 ? "" : "s", written.params.size(), static_cast<long long>(dense),
                 static_cast<long long>(eight),
                 carried && !rest.empty()
                     ? fmt::format("; carried {}: {}", wo.float_lr ? "(tensor lrs as floats)" : "unchanged",

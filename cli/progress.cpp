@@ -57,14 +57,13 @@ void Progress::draw(bool force) {
   const bool complete = total_ > 0 && done_ >= total_;
   if (!force && !complete && drawn_ && now - last_ < kRedrawEvery) return;
   last_ = now;
-  std::string line;
-  if (!phase_.empty()) {
-    line = fmt::format("{}: {}", label_, phase_);
-  } else {
+  std::string line = phase_.empty() ? label_ : fmt::format("{}: {}", label_, phase_);
+  if (phase_.empty() || done_ > 0) {  // a phase that reads (convert's write streams SRC) shows the bytes too
     const double secs = std::chrono::duration<double>(now - start_).count();
-    line = fmt::format("{}: read {} of {} ({:.0f}%), {}/s", label_, bytes_text(done_), bytes_text(total_),
-                       total_ ? 100.0 * static_cast<double>(done_) / static_cast<double>(total_) : 100.0,
-                       bytes_text(secs > 0 ? static_cast<uint64_t>(static_cast<double>(done_) / secs) : 0));
+    line += fmt::format(": read {} of {} ({:.0f}%), {}/s", bytes_text(done_), bytes_text(total_),
+                        total_ ? std::min(100.0, 100.0 * static_cast<double>(done_) / static_cast<double>(total_))
+                               : 100.0,
+                        bytes_text(secs > 0 ? static_cast<uint64_t>(static_cast<double>(done_) / secs) : 0));
   }
   if (tty_) std::fprintf(stderr, "\r\x1b[K%s", line.c_str());
   else std::fprintf(stderr, "%s\n", line.c_str());

@@ -22,7 +22,8 @@ class Progress {
 
   void add_total(uint64_t bytes) { total_ += bytes; }
   void advance(uint64_t bytes);
-  // A step with no byte count (e.g. "writing DST"): shown as it starts, if progress is showing.
+  // Names the step under way (e.g. "writing DST", which reads SRC as it writes): shown at once if
+  // progress is showing, then before the byte count.
   void phase(const std::string& what);
   // Erases the line (before the command prints its result); the destructor does it too.
   void finish();

@@ -60,8 +60,9 @@ Result<ArchiveIndex> read_archive_index(const InputFile& file, const StorageLoc&
 // The layout of `reader` when it is a DCP reader, else null.
 const SourceLayout* source_layout(const CheckpointReader& reader);
 
-// Writes `state` as a DCP directory; with `source`, in its layout and with its carried items.
-Status write_dcp(const OptimizerState& state, const std::filesystem::path& path, const WriteOptions& options,
+// Writes `state` as a DCP directory, one entry loaded at a time; with `source`, in its layout and
+// with its carried items.
+Status write_dcp(StateSource& state, const std::filesystem::path& path, const WriteOptions& options,
                  const SourceLayout* source);
 
 }  // namespace optstate::dcp

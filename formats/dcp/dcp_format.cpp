@@ -802,8 +802,8 @@ class DcpDriver final : public FormatDriver {
   }
 
   bool keeps_blockwise8() const override { return false; }
-  Status write(const OptimizerState& state, const fs::path& path, const WriteOptions& options) const override {
-    return write_dcp(state, path, options, options.source ? source_layout(*options.source) : nullptr);
+  Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
+    return write_dcp(source, path, options, options.source ? source_layout(*options.source) : nullptr);
   }
   bool carries(const CheckpointReader& source) const override { return source_layout(source) != nullptr; }
 };

@@ -310,8 +310,9 @@ Status copy_carried(const SourceLayout& src, std::vector<OutputFile>& outs, cons
 
 // Tensors are laid out as `world` ranks' row shards (torch.chunk of dim 0, as FSDP2), each rank's
 // chunks in its own file; bytes items and 0-d tensors go to rank 0's. The names follow `layout`.
-Status write_into(const OptimizerState& state, const fs::path& staging, int world, const SourceLayout& layout,
+Status write_into(StateSource& source, const fs::path& staging, int world, const SourceLayout& layout,
                   bool carry, bool float_lr) {
+  const OptimizerState& state = source.meta();
   std::vector<OutputFile> outs;
   for (int r = 0; r < world; ++r) {
     OPTSTATE_ASSIGN_OR_RETURN(OutputFile f, OutputFile::create(staging / data_file(r)));
@@ -434,7 +435,8 @@ Status write_into(const OptimizerState& state, const fs::path& staging, int worl
   }
   for (const auto& [fqn, ps] : state.params) {
     OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps.shape));
-    for (const auto& [name, e] : ps.entries) {
+    for (const auto& [name, me] : ps.entries) {
+      OPTSTATE_ASSIGN_OR_RETURN(const Entry e, source.load(fqn, name));
       std::vector<float> dq;
       std::span<const std::byte> bytes = e.values.span();
       DType d = e.dtype;
@@ -515,9 +517,9 @@ Status write_into(const OptimizerState& state, const fs::path& staging, int worl
 
 }  // namespace
 
-Status write_dcp(const OptimizerState& state, const fs::path& path, const WriteOptions& options,
+Status write_dcp(StateSource& state, const fs::path& path, const WriteOptions& options,
                  const SourceLayout* source) {
-  OPTSTATE_RETURN_IF_ERROR(check_structure(state, true));
+  OPTSTATE_RETURN_IF_ERROR(check_structure(state.meta(), false));
   OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
   if (options.world_size < 1 || options.world_size > 65536)
     return invalid_argument(fmt::format("world size {} out of range", options.world_size));

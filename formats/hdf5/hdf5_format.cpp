@@ -343,7 +343,8 @@ Status write_component(hid_t parent, const char* name, const ParamState& ps, con
   return Status::Ok();
 }
 
-Status write_file(const OptimizerState& state, const fs::path& file_path, int compression) {
+Status write_file(StateSource& source, const fs::path& file_path, int compression) {
+  const OptimizerState& state = source.meta();
   Id fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
   H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V18, H5F_LIBVER_LATEST);  // readable by h5py's HDF5 1.10+
   Id file(H5Fcreate(file_path.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, fapl.get()), H5Fclose);
@@ -363,10 +364,11 @@ Status write_file(const OptimizerState& state, const fs::path& file_path, int co
     OPTSTATE_RETURN_IF_ERROR(set_string_attr(g.get(), "dtype", std::string(dtype_name(ps.param_dtype))));
     OPTSTATE_RETURN_IF_ERROR(set_i64_attr(g.get(), "step", ps.step));
     OPTSTATE_RETURN_IF_ERROR(set_i64_attr(g.get(), "param_group", ps.group));
-    for (const auto& [name, e] : ps.entries) {
+    for (const auto& [name, me] : ps.entries) {
       const std::string ew = fmt::format("{}: entry '{}'", file_path.string(), entry_key(fqn, name));
       OPTSTATE_RETURN_IF_ERROR(check_interrupt(ew));  // libhdf5 writes on its own, not through OutputFile
       if (name.find('/') != std::string::npos) return invalid_argument(ew + ": name holds '/'");
+      OPTSTATE_ASSIGN_OR_RETURN(const Entry e, source.load(fqn, name));
       if (e.encoding == Encoding::kDense) {
         OPTSTATE_RETURN_IF_ERROR(write_component(g.get(), name.c_str(), ps, e, Component::kValues, compression, ew));
         continue;
@@ -458,8 +460,8 @@ class Hdf5Driver final : public FormatDriver {
     return std::unique_ptr<CheckpointReader>(new Hdf5Reader(path, std::move(file), std::move(meta), checksummed));
   }
 
-  Status write(const OptimizerState& state, const fs::path& path, const WriteOptions& options) const override {
-    OPTSTATE_RETURN_IF_ERROR(check_structure(state, true));
+  Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
+    OPTSTATE_RETURN_IF_ERROR(check_structure(source.meta(), false));
     if (options.compression < 0 || options.compression > 9)
       return invalid_argument(fmt::format("gzip level {} out of range (0-9)", options.compression));
     OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
@@ -468,7 +470,7 @@ class Hdf5Driver final : public FormatDriver {
     {
       std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
       start_hdf5();
-      st = write_file(state, staging, options.compression);
+      st = write_file(source, staging, options.compression);
     }
     if (st.ok()) st = publish_file(staging, path, options.overwrite);
     return st.ok() ? st : abandon_staging(staging, path, st);

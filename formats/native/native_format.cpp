@@ -152,44 +152,71 @@ class NativeReader final : public CheckpointReader {
 
 std::string rank_file_name(int rank) { return fmt::format("data/rank-{:05d}.bin", rank); }
 
-// Writes one rank's data file: its shard of every component (DESIGN §2), in chunks of at most
-// kMaxChunkBytes. With `local`, each buffer of `state` holds exactly that shard; otherwise buffers
-// are whole and the shard is sliced out.
-Result<RankFile> write_rank_file(const OptimizerState& state, const fs::path& staging, int world, int rank,
-                                 bool local) {
-  RankFile rf;
-  const std::string rel = rank_file_name(rank);
-  OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging / rel));
-  for (const auto& [fqn, ps] : state.params)
+namespace {
+
+// One rank's data file while it is written: components' ranges appended in chunks of at most
+// kMaxChunkBytes, each 64-byte aligned and hashed.
+class RankFileWriter {
+ public:
+  static Result<RankFileWriter> create(const fs::path& staging, int rank) {
+    OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging / rank_file_name(rank)));
+    return RankFileWriter(std::move(out), rank);
+  }
+  // Elements [r.begin, r.end) of a component; `bytes` holds exactly them.
+  Status append(const std::string& fqn, const std::string& entry, Component c, FlatRange r, int64_t elem,
+                std::span<const std::byte> bytes) {
+    const int64_t per_chunk = std::max<int64_t>(1, static_cast<int64_t>(kMaxChunkBytes) / elem);
+    for (int64_t b = r.begin; b < r.end; b += per_chunk) {
+      const int64_t end = std::min(r.end, b + per_chunk);
+      const auto piece = bytes.subspan(static_cast<size_t>((b - r.begin) * elem), static_cast<size_t>((end - b) * elem));
+      OPTSTATE_RETURN_IF_ERROR(out_.write_zeros((kAlign - out_.offset() % kAlign) % kAlign));
+      Chunk ch;
+      ch.file = static_cast<size_t>(rank_);
+      ch.offset = out_.offset();
+      ch.length = piece.size();
+      ch.begin = b;
+      ch.end = end;
+      ch.xxh3 = xxh3_64(piece);
+      OPTSTATE_RETURN_IF_ERROR(out_.write(piece));
+      rf_.chunks.emplace_back(ChunkKey{fqn, entry, c}, ch);
+    }
+    return Status::Ok();
+  }
+  Result<RankFile> finish() {
+    rf_.size = out_.offset();
+    OPTSTATE_RETURN_IF_ERROR(out_.sync_and_close());
+    return std::move(rf_);
+  }
+
+ private:
+  RankFileWriter(OutputFile out, int rank) : out_(std::move(out)), rank_(rank) {}
+  OutputFile out_;
+  int rank_;
+  RankFile rf_;
+};
+
+// A write to more ranks than this reads its source once per this many ranks: each pass keeps one
+// file per rank open (file descriptors are limited) and loads each entry once.
+constexpr int kRanksPerPass = 256;
+
+}  // namespace
+
+// Writes one rank's data file: its shard of every component (DESIGN §2). Each buffer of `local`
+// holds exactly that shard.
+Result<RankFile> write_rank_file(const OptimizerState& local, const fs::path& staging, int world, int rank) {
+  OPTSTATE_ASSIGN_OR_RETURN(RankFileWriter out, RankFileWriter::create(staging, rank));
+  for (const auto& [fqn, ps] : local.params)
     for (const auto& [name, e] : ps.entries)
       for (Component c : e.components()) {
         const FlatRange r = shard_range(e, c, ps.shape, world, rank);
         const int64_t elem = component_elem_size(e, c);
-        const int64_t base = local ? r.begin : 0;
-        if (static_cast<int64_t>(e.buffer(c).size) < (r.end - base) * elem)
+        if (static_cast<int64_t>(e.buffer(c).size) != r.size() * elem)
           return invalid_argument(fmt::format("entry '{}' {} holds {} bytes, rank {} of {} needs elements [{}, {})",
                                               entry_key(fqn, name), component_name(c), e.buffer(c).size, rank, world,
                                               r.begin, r.end));
-        const int64_t per_chunk = std::max<int64_t>(1, static_cast<int64_t>(kMaxChunkBytes) / elem);
-        for (int64_t b = r.begin; b < r.end; b += per_chunk) {
-          const int64_t end = std::min(r.end, b + per_chunk);
-          const auto bytes = e.buffer(c).span().subspan(static_cast<size_t>((b - base) * elem),
-                                                       static_cast<size_t>((end - b) * elem));
-          OPTSTATE_RETURN_IF_ERROR(out.write_zeros((kAlign - out.offset() % kAlign) % kAlign));
-          Chunk ch;
-          ch.file = static_cast<size_t>(rank);
-          ch.offset = out.offset();
-          ch.length = bytes.size();
-          ch.begin = b;
-          ch.end = end;
-          ch.xxh3 = xxh3_64(bytes);
-          OPTSTATE_RETURN_IF_ERROR(out.write(bytes));
-          rf.chunks.emplace_back(ChunkKey{fqn, name, c}, ch);
-        }
+        OPTSTATE_RETURN_IF_ERROR(out.append(fqn, name, c, r, elem, e.buffer(c).span()));
       }
-  rf.size = out.offset();
-  OPTSTATE_RETURN_IF_ERROR(out.sync_and_close());
-  return rf;
+  return out.finish();
 }
 
 void add_rank_file(Manifest& m, const fs::path& staging, int rank, const RankFile& rf) {
@@ -234,26 +261,50 @@ class NativeDriver final : public FormatDriver {
     return std::unique_ptr<CheckpointReader>(new NativeReader(path, std::move(m)));
   }
 
-  Status write(const OptimizerState& state, const fs::path& path, const WriteOptions& options) const override {
-    OPTSTATE_RETURN_IF_ERROR(check_structure(state, true));
+  Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
+    OPTSTATE_RETURN_IF_ERROR(check_structure(source.meta(), false));
     OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
-    std::error_code ec;
+    if (options.world_size < 1 || options.world_size > 65536)
+      return invalid_argument(fmt::format("world size {} out of range", options.world_size));
     OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_dir(path));
-    Status st = write_into(state, staging, options.world_size);
+    Status st = write_into(source, staging, options.world_size);
     if (st.ok()) st = publish_directory(staging, path, options.overwrite);
     return st.ok() ? st : abandon_staging(staging, path, st);
   }
 
  private:
-  static Status write_into(const OptimizerState& state, const fs::path& staging, int world) {
-    if (world < 1 || world > 65536) return invalid_argument(fmt::format("world size {} out of range", world));
+  // Entries outer, ranks inner: each entry is loaded once per pass and each rank's range of it
+  // appended to that rank's file, so the files come out as write_rank_file writes them.
+  static Status write_into(StateSource& source, const fs::path& staging, int world) {
     if (::mkdir((staging / "data").c_str(), 0755) != 0)
       return io_error(fmt::format("{}: cannot create data directory", staging.string()));
+    const OptimizerState& meta = source.meta();
     Manifest m;
-    m.state = state;
-    for (int rank = 0; rank < world; ++rank) {
-      OPTSTATE_ASSIGN_OR_RETURN(RankFile rf, write_rank_file(state, staging, world, rank, /*local=*/false));
-      add_rank_file(m, staging, rank, rf);
+    m.state = meta;
+    for (int first = 0; first < world; first += kRanksPerPass) {
+      const int last = std::min(world, first + kRanksPerPass);
+      std::vector<RankFileWriter> outs;
+      for (int rank = first; rank < last; ++rank) {
+        OPTSTATE_ASSIGN_OR_RETURN(RankFileWriter w, RankFileWriter::create(staging, rank));
+        outs.push_back(std::move(w));
+      }
+      for (const auto& [fqn, ps] : meta.params)
+        for (const auto& [name, me] : ps.entries) {
+          OPTSTATE_ASSIGN_OR_RETURN(const Entry e, source.load(fqn, name));
+          for (Component c : me.components()) {
+            const int64_t elem = component_elem_size(me, c);
+            for (int rank = first; rank < last; ++rank) {
+              const FlatRange r = shard_range(me, c, ps.shape, world, rank);
+              const auto bytes = e.buffer(c).span().subspan(static_cast<size_t>(r.begin * elem),
+                                                            static_cast<size_t>(r.size() * elem));
+              OPTSTATE_RETURN_IF_ERROR(outs[static_cast<size_t>(rank - first)].append(fqn, name, c, r, elem, bytes));
+            }
+          }
+        }
+      for (int rank = first; rank < last; ++rank) {
+        OPTSTATE_ASSIGN_OR_RETURN(RankFile rf, outs[static_cast<size_t>(rank - first)].finish());
+        add_rank_file(m, staging, rank, rf);
+      }
     }
     OPTSTATE_RETURN_IF_ERROR(fsync_directory(staging / "data"));
     const std::string text = serialize_manifest(m);

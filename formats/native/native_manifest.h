@@ -55,8 +55,9 @@ struct RankFile {
 };
 
 std::string rank_file_name(int rank);
-Result<RankFile> write_rank_file(const OptimizerState& state, const std::filesystem::path& staging, int world,
-                                 int rank, bool local);
+// Writes one rank's data file from a local state (each buffer exactly the rank's range).
+Result<RankFile> write_rank_file(const OptimizerState& local, const std::filesystem::path& staging, int world,
+                                 int rank);
 void add_rank_file(Manifest& m, const std::filesystem::path& staging, int rank, const RankFile& rf);
 // A RankFile through the coordinator's store and back (JSON).
 std::string encode_rank_file(const RankFile& rf);

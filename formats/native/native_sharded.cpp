@@ -65,7 +65,7 @@ Status save_sharded(const OptimizerState& local, const std::filesystem::path& pa
   if (is_error(staging)) return invalid_argument(staging.substr(6));
 
   // 2. Every rank writes and fsyncs its own file, then reports its chunks (or its failure).
-  auto written = write_rank_file(local, staging, world, rank, /*local=*/true);
+  auto written = write_rank_file(local, staging, world, rank);
   OPTSTATE_RETURN_IF_ERROR(coord.set(fmt::format("{}/rank/{}", id, rank),
                                      written.ok() ? encode_rank_file(*written)
                                                   : kError + written.status().message()));

@@ -150,30 +150,35 @@ class SafetensorsDriver final : public FormatDriver {
     return std::unique_ptr<CheckpointReader>(new SafetensorsReader(path, std::move(f), std::move(h), std::move(meta)));
   }
 
-  Status write(const OptimizerState& state, const fs::path& path, const WriteOptions& options) const override {
-    OPTSTATE_RETURN_IF_ERROR(check_structure(state, true));
+  Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
+    const OptimizerState& meta = source.meta();
+    OPTSTATE_RETURN_IF_ERROR(check_structure(meta, false));
     OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
-    std::error_code ec;
+    // The header holds every offset, so it is laid out from the metadata before any data is read.
     std::vector<std::pair<std::string, TensorInfo>> tensors;
-    std::vector<const Buffer*> buffers;
     uint64_t at = 0;
-    for (const auto& [fqn, ps] : state.params)
+    for (const auto& [fqn, ps] : meta.params) {
+      OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps.shape));
       for (const auto& [name, e] : ps.entries)
         for (Component c : e.components()) {
           TensorInfo t;
           t.dtype = component_dtype(e, c);
           t.shape = component_shape(ps, e, c);
           t.begin = at;
-          t.end = at += e.buffer(c).size;
+          t.end = at += static_cast<uint64_t>(component_bytes(e, c, numel));
           tensors.emplace_back(tensor_name(fqn, name, e, c), std::move(t));
-          buffers.push_back(&e.buffer(c));
         }
-    const std::string header = encode_header(tensors, {{kMetaKey, encode_state_meta(state)}, {"format", "pt"}});
+    }
+    const std::string header = encode_header(tensors, {{kMetaKey, encode_state_meta(meta)}, {"format", "pt"}});
     OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_path(path));
     Status st = [&]() -> Status {
       OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging));
       OPTSTATE_RETURN_IF_ERROR(out.write(std::as_bytes(std::span(header))));
-      for (const Buffer* b : buffers) OPTSTATE_RETURN_IF_ERROR(out.write(b->span()));
+      for (const auto& [fqn, ps] : meta.params)  // in the header's order
+        for (const auto& [name, me] : ps.entries) {
+          OPTSTATE_ASSIGN_OR_RETURN(const Entry e, source.load(fqn, name));
+          for (Component c : me.components()) OPTSTATE_RETURN_IF_ERROR(out.write(e.buffer(c).span()));
+        }
       OPTSTATE_RETURN_IF_ERROR(out.sync_and_close());
       return publish_file(staging, path, options.overwrite);
     }();

@@ -64,36 +64,157 @@ Status CheckpointReader::read_range(const std::string& fqn, const std::string& e
   });
 }
 
+namespace {
+
+// Every component of `e` holds exactly the bytes a param of `numel` elements implies.
+Status check_entry_bytes(const Entry& e, int64_t numel, const std::string& key) {
+  for (Component c : e.components()) {
+    const int64_t want = component_bytes(e, c, numel);
+    if (static_cast<int64_t>(e.buffer(c).size) != want)
+      return invalid_argument(fmt::format("entry '{}' {} holds {} bytes, its shape needs {}", key, component_name(c),
+                                          e.buffer(c).size, want));
+  }
+  return Status::Ok();
+}
+
+const Entry* find_entry(const OptimizerState& s, const std::string& fqn, const std::string& name, int64_t* numel) {
+  auto p = s.params.find(fqn);
+  if (p == s.params.end()) return nullptr;
+  auto e = p->second.entries.find(name);
+  if (e == p->second.entries.end()) return nullptr;
+  auto n = checked_numel(p->second.shape);
+  if (!n.ok()) return nullptr;
+  *numel = *n;
+  return &e->second;
+}
+
+OptimizerState without_buffers(OptimizerState s) {
+  for (auto& [fqn, ps] : s.params)
+    for (auto& [name, e] : ps.entries) e.values = e.codes = e.absmax = Buffer{};
+  return s;
+}
+
+Status no_entry(const std::string& fqn, const std::string& name) {
+  return not_found(fmt::format("no entry '{}' in the state being written", entry_key(fqn, name)));
+}
+
+// Streams one component of an entry into a buffer of exactly the size its shape implies.
+Result<Buffer> read_component(CheckpointReader& reader, const std::string& fqn, const std::string& name,
+                              const Entry& e, Component c, int64_t numel) {
+  const int64_t want = component_bytes(e, c, numel);
+  const std::string key = entry_key(fqn, name);
+  std::span<std::byte> out;
+  Buffer b = Buffer::allocate(static_cast<size_t>(want), &out);
+  size_t at = 0;
+  OPTSTATE_RETURN_IF_ERROR(reader.stream(fqn, name, c, [&](std::span<const std::byte> piece) {
+    if (piece.size() > out.size() - at)
+      return corrupt(fmt::format("{}: entry '{}' {} has more bytes than its shape allows", reader.path().string(), key,
+                                 component_name(c)));
+    std::memcpy(out.data() + at, piece.data(), piece.size());
+    at += piece.size();
+    return Status::Ok();
+  }));
+  if (at != out.size())
+    return corrupt(fmt::format("{}: entry '{}' {} has {} bytes, expected {}", reader.path().string(), key,
+                               component_name(c), at, want));
+  return b;
+}
+
+class MemorySource final : public StateSource {
+ public:
+  explicit MemorySource(const OptimizerState& state) : state_(state), meta_(without_buffers(state)) {}
+  const OptimizerState& meta() const override { return meta_; }
+  Result<Entry> load(const std::string& fqn, const std::string& name) override {
+    int64_t numel = 0;
+    const Entry* e = find_entry(state_, fqn, name, &numel);
+    if (!e) return no_entry(fqn, name);
+    OPTSTATE_RETURN_IF_ERROR(check_entry_bytes(*e, numel, entry_key(fqn, name)));
+    return *e;  // shares the buffers
+  }
+
+ private:
+  const OptimizerState& state_;
+  OptimizerState meta_;
+};
+
+class ReaderSource final : public StateSource {
+ public:
+  explicit ReaderSource(CheckpointReader& reader) : reader_(reader) {}
+  const OptimizerState& meta() const override { return reader_.meta(); }
+  Result<Entry> load(const std::string& fqn, const std::string& name) override {
+    int64_t numel = 0;
+    const Entry* m = find_entry(reader_.meta(), fqn, name, &numel);
+    if (!m) return no_entry(fqn, name);
+    Entry e = *m;
+    for (Component c : e.components()) {
+      OPTSTATE_ASSIGN_OR_RETURN(e.buffer(c), read_component(reader_, fqn, name, *m, c, numel));
+    }
+    return e;
+  }
+
+ private:
+  CheckpointReader& reader_;
+};
+
+class RecodedSource final : public StateSource {
+ public:
+  RecodedSource(StateSource& inner, Recode how, const QuantizeOptions& q)
+      : inner_(inner), how_(how), q_(q), meta_(inner.meta()) {
+    for (auto& [fqn, ps] : meta_.params) {
+      auto n = checked_numel(ps.shape);  // a bad shape fails the writer's check_structure
+      const int64_t numel = n.ok() ? *n : 0;
+      for (auto& [name, e] : ps.entries) e = recode_meta(name, e, numel, how, q);
+    }
+  }
+  const OptimizerState& meta() const override { return meta_; }
+  Result<Entry> load(const std::string& fqn, const std::string& name) override {
+    OPTSTATE_RETURN_IF_ERROR(check_quantize_options(q_));
+    OPTSTATE_ASSIGN_OR_RETURN(Entry e, inner_.load(fqn, name));
+    int64_t numel = 0;
+    if (!find_entry(inner_.meta(), fqn, name, &numel)) return no_entry(fqn, name);
+    const std::string key = entry_key(fqn, name);
+    OPTSTATE_RETURN_IF_ERROR(check_entry_bytes(e, numel, key));
+    return recode_entry(name, e, numel, how_, q_, key);
+  }
+
+ private:
+  StateSource& inner_;
+  Recode how_;
+  QuantizeOptions q_;
+  OptimizerState meta_;
+};
+
+}  // namespace
+
+std::unique_ptr<StateSource> memory_source(const OptimizerState& state) {
+  return std::make_unique<MemorySource>(state);
+}
+std::unique_ptr<StateSource> reader_source(CheckpointReader& reader) { return std::make_unique<ReaderSource>(reader); }
+std::unique_ptr<StateSource> recoded_source(StateSource& inner, Recode how, const QuantizeOptions& q) {
+  return std::make_unique<RecodedSource>(inner, how, q);
+}
+
+Status write_checkpoint(const FormatDriver& driver, StateSource& source, const std::filesystem::path& path,
+                        const WriteOptions& options) {
+  if (!options.dequantize) return driver.write(source, path, options);
+  auto dense = recoded_source(source, Recode::kDequantize);
+  return driver.write(*dense, path, options);
+}
+
 Status write_checkpoint(const FormatDriver& driver, const OptimizerState& state, const std::filesystem::path& path,
                         const WriteOptions& options) {
-  if (!options.dequantize) return driver.write(state, path, options);
-  OPTSTATE_ASSIGN_OR_RETURN(OptimizerState dense, dequantize_state(state));
-  return driver.write(dense, path, options);
+  auto source = memory_source(state);
+  return write_checkpoint(driver, *source, path, options);
 }
 
 Result<OptimizerState> load_all(CheckpointReader& reader) {
   OptimizerState out = reader.meta();
   for (auto& [fqn, ps] : out.params) {
     OPTSTATE_ASSIGN_OR_RETURN(int64_t numel, checked_numel(ps.shape));
-    for (auto& [name, e] : ps.entries) {
+    for (auto& [name, e] : ps.entries)
       for (Component c : e.components()) {
-        const int64_t want = component_bytes(e, c, numel);
-        const std::string key = entry_key(fqn, name);  // clang < 16 cannot capture a structured binding
-        std::vector<std::byte> bytes;
-        bytes.reserve(static_cast<size_t>(want));
-        OPTSTATE_RETURN_IF_ERROR(reader.stream(fqn, name, c, [&](std::span<const std::byte> piece) {
-          if (bytes.size() + piece.size() > static_cast<size_t>(want))
-            return corrupt(fmt::format("{}: entry '{}' {} has more bytes than its shape allows",
-                                       reader.path().string(), key, component_name(c)));
-          bytes.insert(bytes.end(), piece.begin(), piece.end());
-          return Status::Ok();
-        }));
-        if (static_cast<int64_t>(bytes.size()) != want)
-          return corrupt(fmt::format("{}: entry '{}' {} has {} bytes, expected {}", reader.path().string(),
-                                     key, component_name(c), bytes.size(), want));
-        e.buffer(c) = Buffer::take(std::move(bytes));
+        OPTSTATE_ASSIGN_OR_RETURN(e.buffer(c), read_component(reader, fqn, name, e, c, numel));
       }
-    }
   }
   return out;
 }

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "optstate/quant8.h"
@@ -35,60 +36,94 @@ Result<std::vector<float>> dense_to_f32(std::span<const std::byte> bytes, DType 
   return out;
 }
 
-Result<OptimizerState> dequantize_state(const OptimizerState& in) {
+namespace {
+
+// The quantization map quantize_state gives entry `name`, or none: model weights and unknown
+// entries stay as they are.
+std::optional<QMap> moment_map(const std::string& name) {
+  if (name == kExpAvg) return QMap::kDynamicSigned;
+  if (name == kExpAvgSq || name == kMaxExpAvgSq) return QMap::kDynamicUnsigned;
+  return std::nullopt;
+}
+
+bool recodes(const std::string& name, const Entry& e, int64_t numel, Recode how, const QuantizeOptions& q) {
+  if (how == Recode::kDequantize) return e.encoding == Encoding::kBlockwise8;
+  if (how == Recode::kQuantize)
+    return e.encoding == Encoding::kDense && numel >= q.min_8bit_size && moment_map(name).has_value();
+  return false;
+}
+
+}  // namespace
+
+Status check_quantize_options(const QuantizeOptions& q) {
+  if (q.block_size <= 0 || q.block_size > (int64_t{1} << 20))
+    return invalid_argument(fmt::format("block size {} out of range", q.block_size));
+  return Status::Ok();
+}
+
+Entry recode_meta(const std::string& name, const Entry& e, int64_t numel, Recode how, const QuantizeOptions& q) {
+  Entry out;
+  if (!recodes(name, e, numel, how, q)) {
+    out = e;
+    out.values = out.codes = out.absmax = Buffer{};
+  } else if (how == Recode::kDequantize) {
+    out.encoding = Encoding::kDense;
+    out.dtype = DType::kF32;
+  } else {
+    out.encoding = Encoding::kBlockwise8;
+    out.dtype = DType::kU8;
+    out.block_size = q.block_size;
+    out.qmap = std::string(qmap_name(*moment_map(name)));
+  }
+  return out;
+}
+
+Result<Entry> recode_entry(const std::string& name, const Entry& e, int64_t numel, Recode how,
+                           const QuantizeOptions& q, const std::string& key) {
+  if (!recodes(name, e, numel, how, q)) return e;
+  Entry out = recode_meta(name, e, numel, how, q);
+  if (how == Recode::kDequantize) {
+    OPTSTATE_ASSIGN_OR_RETURN(QMap m, qmap_from_name(e.qmap));
+    std::span<std::byte> values;
+    out.values = Buffer::allocate(static_cast<size_t>(numel) * 4, &values);
+    dequantize_blockwise({reinterpret_cast<const uint8_t*>(e.codes.data), e.codes.size},
+                         {reinterpret_cast<const float*>(e.absmax.data), e.absmax.size / 4}, e.block_size, m,
+                         {reinterpret_cast<float*>(values.data()), static_cast<size_t>(numel)});
+    return out;
+  }
+  OPTSTATE_ASSIGN_OR_RETURN(std::vector<float> values, dense_to_f32(e.values.span(), e.dtype, key));
+  std::span<std::byte> codes, absmax;
+  const int64_t blocks = (numel + q.block_size - 1) / q.block_size;
+  out.codes = Buffer::allocate(static_cast<size_t>(numel), &codes);
+  out.absmax = Buffer::allocate(static_cast<size_t>(blocks) * 4, &absmax);
+  requantize_blockwise(values, q.block_size, *moment_map(name),
+                       {reinterpret_cast<uint8_t*>(codes.data()), codes.size()},
+                       {reinterpret_cast<float*>(absmax.data()), static_cast<size_t>(blocks)});
+  return out;
+}
+
+namespace {
+
+Result<OptimizerState> recode_state(const OptimizerState& in, Recode how, const QuantizeOptions& q) {
   OPTSTATE_RETURN_IF_ERROR(check_structure(in, true));
+  OPTSTATE_RETURN_IF_ERROR(check_quantize_options(q));
   OptimizerState out = in;
   for (auto& [fqn, ps] : out.params) {
     OPTSTATE_ASSIGN_OR_RETURN(int64_t numel, checked_numel(ps.shape));
     for (auto& [name, e] : ps.entries) {
-      if (e.encoding != Encoding::kBlockwise8) continue;
-      OPTSTATE_ASSIGN_OR_RETURN(QMap m, qmap_from_name(e.qmap));
-      std::vector<float> values(static_cast<size_t>(numel));
-      dequantize_blockwise({reinterpret_cast<const uint8_t*>(e.codes.data), e.codes.size},
-                           {reinterpret_cast<const float*>(e.absmax.data), e.absmax.size / 4}, e.block_size, m,
-                           values);
-      Entry d;
-      d.encoding = Encoding::kDense;
-      d.dtype = DType::kF32;
-      d.values = Buffer::copy_of(std::as_bytes(std::span(values)));
-      e = std::move(d);
+      OPTSTATE_ASSIGN_OR_RETURN(Entry r, recode_entry(name, e, numel, how, q, entry_key(fqn, name)));
+      e = std::move(r);
     }
   }
   return out;
 }
 
+}  // namespace
+
+Result<OptimizerState> dequantize_state(const OptimizerState& in) { return recode_state(in, Recode::kDequantize, {}); }
+
 Result<OptimizerState> quantize_state(const OptimizerState& in, const QuantizeOptions& options) {
-  OPTSTATE_RETURN_IF_ERROR(check_structure(in, true));
-  if (options.block_size <= 0 || options.block_size > (int64_t{1} << 20))
-    return invalid_argument(fmt::format("block size {} out of range", options.block_size));
-  OptimizerState out = in;
-  for (auto& [fqn, ps] : out.params) {
-    OPTSTATE_ASSIGN_OR_RETURN(int64_t numel, checked_numel(ps.shape));
-    if (numel < options.min_8bit_size) continue;
-    for (auto& [name, e] : ps.entries) {
-      if (e.encoding != Encoding::kDense) continue;
-      QMap m;
-      if (name == kExpAvg)
-        m = QMap::kDynamicSigned;
-      else if (name == kExpAvgSq || name == kMaxExpAvgSq)
-        m = QMap::kDynamicUnsigned;
-      else
-        continue;  // model weights and unknown entries stay as they are
-      OPTSTATE_ASSIGN_OR_RETURN(std::vector<float> values, dense_to_f32(e.values.span(), e.dtype, entry_key(fqn, name)));
-      std::vector<uint8_t> codes(static_cast<size_t>(numel));
-      std::vector<float> absmax(static_cast<size_t>((numel + options.block_size - 1) / options.block_size));
-      requantize_blockwise(values, options.block_size, m, codes, absmax);
-      Entry q;
-      q.encoding = Encoding::kBlockwise8;
-      q.dtype = DType::kU8;
-      q.block_size = options.block_size;
-      q.qmap = std::string(qmap_name(m));
-      q.codes = Buffer::copy_of(std::as_bytes(std::span(codes)));
-      q.absmax = Buffer::copy_of(std::as_bytes(std::span(absmax)));
-      e = std::move(q);
-    }
-  }
-  return out;
+  return recode_state(in, Recode::kQuantize, options);
 }
 
 }  // namespace optstate

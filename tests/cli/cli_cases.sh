@@ -326,7 +326,9 @@ assert j["entries"]["layers.1.weight.exp_avg"]["max_abs"] > 0
       grep -Eq "^$c: read [0-9.]+ KiB of [0-9.]+ KiB \(100%\)" "$work/shown.err" || fail "$c: no progress: $(cat "$work/shown.err")"
     done
     OPTSTATE_PROGRESS=1 "$OPTSTATE" convert "$work/a" "$work/b" 2>"$work/shown.err" >/dev/null || fail "convert"
-    grep -q "^convert: writing $work/b" "$work/shown.err" || fail "convert: no write phase: $(cat "$work/shown.err")"
+    # Writing streams SRC entry by entry: the write phase counts the bytes read.
+    grep -Eq "^convert: writing $work/b: read [0-9.]+ KiB of [0-9.]+ KiB \(100%\)" "$work/shown.err" \
+      || fail "convert: no write phase: $(cat "$work/shown.err")"
     OPTSTATE_PROGRESS=0 "$OPTSTATE" hash "$work/a" 2>"$work/quiet.err" >/dev/null && [ ! -s "$work/quiet.err" ] \
       || fail "OPTSTATE_PROGRESS=0 still shows progress"
     ;;
@@ -429,6 +431,72 @@ PY
     grep -qx "note: $work/.b.partial-999999999-0badf00d is left from an interrupted write of $work/b (2.0 KiB, its process is gone); remove it unless a writer on another machine still owns it" "$work/err" \
       || fail "no note of the leftover: $(cat "$work/err")"
     [ -d "$work/.b.partial-999999999-0badf00d" ] || fail "the leftover was removed"
+    ;;
+  convert-memory)
+    # convert and reshard stream: SRC is read entry by entry as DST is written, so their peak memory
+    # is bounded by the largest entry, not the checkpoint (one larger than RAM converts). Peak RSS of
+    # each command (wait4's ru_maxrss, from a parent without torch: a forked child starts with its
+    # parent's peak) against a conversion of the tiny demo checkpoint.
+    "$PY" - "$work" "$(cd "$(dirname "$0")/../.." && pwd)/python" <<'PY' || fail "could not make the checkpoint"
+import sys
+work, pydir = sys.argv[1:3]
+sys.path.insert(0, pydir)
+import torch
+import optstate
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(16)])
+opt = optstate.FusedAdamW(model.parameters())
+for p in model.parameters():
+    p.grad = torch.randn_like(p)
+opt.step()
+optstate.save(work + "/src", model, opt)  # 16 params x (weights, exp_avg, exp_avg_sq) x 4 MiB: 192 MiB
+PY
+    make_ckpt "$work/tiny"
+    "$PY" - "$OPTSTATE" "$work" <<'PY' || fail "see above"
+import os, shutil, subprocess, sys
+optstate_bin, work = sys.argv[1:3]
+MiB = 1 << 20
+
+def peak(args):
+    p = subprocess.Popen([optstate_bin] + args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(p.pid, 0)
+    err = p.stderr.read().decode()
+    if status != 0:
+        sys.exit(f"FAIL: {args}: exit status {status}: {err}")
+    return usage.ru_maxrss * 1024
+
+def clear(*names):
+    for n in names:
+        path = os.path.join(work, n)
+        shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
+
+src, size = os.path.join(work, "src"), 0
+for root, _, files in os.walk(src):
+    size += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+assert size > 190 * MiB, size
+base = max(peak(["convert", os.path.join(work, "tiny"), os.path.join(work, "tiny." + f), "--format", f])
+           for f in ("native", "hdf5"))
+clear("tiny.native", "tiny.hdf5")
+# Largest entry 4 MiB: a write holds one entry (plus its recoded form and the writer's pieces).
+allowed = base + 40 * MiB
+runs = [["convert", "src", "out.native"], ["convert", "src", "out.safetensors"], ["convert", "src", "out.h5"],
+        ["convert", "src", "out.dcp", "--format", "dcp"], ["convert", "src", "q8", "--to", "8bit"],
+        ["convert", "out.safetensors", "from-st"], ["convert", "out.h5", "from-h5"], ["convert", "out.dcp", "from-dcp"],
+        ["convert", "q8", "q8-dense.dcp", "--format", "dcp"], ["convert", "q8", "q8-fp32", "--to", "fp32"],
+        ["reshard", "src", "r3", "--world-size", "3"]]
+for args in runs:
+    argv = [args[0]] + [os.path.join(work, a) if i < 2 else a for i, a in enumerate(args[1:])]
+    used = peak(argv)
+    print(f"{' '.join(args)}: peak RSS {used / MiB:.1f} MiB (tiny checkpoint {base / MiB:.1f} MiB)")
+    if used > allowed:
+        sys.exit(f"FAIL: {' '.join(args)} peaked at {used / MiB:.1f} MiB; the largest entry is 4 MiB, "
+                 f"SRC {size / MiB:.0f} MiB, a tiny conversion {base / MiB:.1f} MiB")
+h = lambda p: subprocess.run([optstate_bin, "hash", os.path.join(work, p)], check=True, capture_output=True).stdout
+want = h("src")
+for p in ("out.native", "out.safetensors", "out.h5", "from-st", "from-h5", "from-dcp", "r3"):
+    if h(p) != want:
+        sys.exit(f"FAIL: {p} does not hash as src")
+PY
     ;;
   *) fail "unknown case" ;;
 esac

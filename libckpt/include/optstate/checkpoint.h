@@ -12,6 +12,7 @@
 
 #include "optstate/state.h"
 #include "optstate/status.h"
+#include "optstate/transform.h"
 
 namespace optstate {
 
@@ -51,6 +52,27 @@ class CheckpointReader {
   }
 };
 
+// What a writer writes: the whole state's metadata, and each entry's bytes when the writer comes to
+// it. Writers load one entry at a time and let it go before the next, so `convert` holds one entry
+// in memory, not the checkpoint: SRC may be larger than RAM.
+class StateSource {
+ public:
+  virtual ~StateSource() = default;
+  // Every param and entry with its metadata; buffers empty (writers read bytes through load()).
+  virtual const OptimizerState& meta() const = 0;
+  // Entry `name` of param `fqn` as meta() describes it, its buffers filled with exactly the bytes
+  // its shape implies (checked: a source that gives other sizes fails, naming the entry).
+  virtual Result<Entry> load(const std::string& fqn, const std::string& name) = 0;
+};
+
+// Over a state in memory, borrowed (it must outlive the source); load() shares its buffers.
+std::unique_ptr<StateSource> memory_source(const OptimizerState& state);
+// Over a reader: load() streams the entry's components, verified as the reader verifies them.
+std::unique_ptr<StateSource> reader_source(CheckpointReader& reader);
+// Over another source (borrowed), every entry recoded as recode_entry does: convert --to, and
+// dequantize-on-save. `q` is checked by the first load.
+std::unique_ptr<StateSource> recoded_source(StateSource& inner, Recode how, const QuantizeOptions& q = {});
+
 struct WriteOptions {
   bool overwrite = false;   // replace an existing checkpoint (atomically, after the new one is durable);
                             // never anything else (check_destination in formats/registry.h)
@@ -76,14 +98,20 @@ class FormatDriver {
   // False for formats whose consumers keep dense state (DCP for torch.optim.AdamW): they store
   // blockwise8 entries dequantized, so a round trip keeps the values hash, not the raw one.
   virtual bool keeps_blockwise8() const { return true; }
-  virtual Status write(const OptimizerState& state, const std::filesystem::path& path,
-                       const WriteOptions& options) const = 0;
+  // Writes every entry of `source`, loading one at a time.
+  virtual Status write(StateSource& source, const std::filesystem::path& path, const WriteOptions& options) const = 0;
+  // A state in memory.
+  Status write(const OptimizerState& state, const std::filesystem::path& path, const WriteOptions& options) const {
+    return write(*memory_source(state), path, options);
+  }
   // Whether a write with WriteOptions::source = &source keeps what source.not_read() names (a DCP
   // written from a DCP carries its train_state, lr_scheduler, ... through, byte for byte).
   virtual bool carries(const CheckpointReader& source) const { return false; }
 };
 
 // Writes through a driver after the option-driven transforms every driver shares (dequantize-on-save).
+Status write_checkpoint(const FormatDriver& driver, StateSource& source, const std::filesystem::path& path,
+                        const WriteOptions& options);
 Status write_checkpoint(const FormatDriver& driver, const OptimizerState& state, const std::filesystem::path& path,
                         const WriteOptions& options);
 

@@ -24,6 +24,17 @@ struct QuantizeOptions {
 // that came from 8-bit gets its codes back). Entries already 8-bit are kept.
 Result<OptimizerState> quantize_state(const OptimizerState& in, const QuantizeOptions& options = {});
 
+// The same conversions entry by entry, for writers that take one entry at a time (convert streams:
+// it never holds the whole state). kDequantize is dequantize_state's rule, kQuantize quantize_state's.
+enum class Recode { kKeep, kDequantize, kQuantize };
+// The metadata entry `name` (of a param of `numel` elements) gets; buffers left empty.
+Entry recode_meta(const std::string& name, const Entry& e, int64_t numel, Recode how, const QuantizeOptions& q);
+// Entry `name` with its buffers filled, recoded; `key` names it in errors. The options are checked
+// by check_quantize_options first.
+Result<Entry> recode_entry(const std::string& name, const Entry& e, int64_t numel, Recode how,
+                           const QuantizeOptions& q, const std::string& key);
+Status check_quantize_options(const QuantizeOptions& q);
+
 // Dense values of a float dtype widened (or narrowed, f64) to fp32; `key` names the entry in errors.
 Result<std::vector<float>> dense_to_f32(std::span<const std::byte> bytes, DType dtype, const std::string& key);
 

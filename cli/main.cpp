@@ -4,6 +4,7 @@
 #include <string>
 
 #include "cli.h"
+#include "optstate/io.h"
 
 namespace {
 
@@ -44,6 +45,9 @@ int main(int argc, char** argv) {
     std::printf("optstate %s\n", OPTSTATE_VERSION);
     return optstate::cli::kExitOk;
   }
+  // A DCP write keeps every rank's file open, a native one up to 256: take the hard limit on open
+  // files rather than the usual soft 1024 (nothing here uses select()).
+  optstate::raise_open_file_limit();
   for (const auto& c : kCommands)
     if (cmd == c.name) return c.run(argc - 2, argv + 2);
   std::fprintf(stderr, "optstate: unknown command '%s' (see optstate --help)\n", cmd.c_str());

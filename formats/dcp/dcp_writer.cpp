@@ -315,8 +315,11 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
   const OptimizerState& state = source.meta();
   std::vector<OutputFile> outs;
   for (int r = 0; r < world; ++r) {
-    OPTSTATE_ASSIGN_OR_RETURN(OutputFile f, OutputFile::create(staging / data_file(r)));
-    outs.push_back(std::move(f));
+    auto f = OutputFile::create(staging / data_file(r));
+    if (!f.ok() && r > 0)  // most likely the limit on open files (ulimit -n)
+      return f.status().with_context(fmt::format("a DCP write keeps its {} ranks' files open at once", world));
+    if (!f.ok()) return f.status();
+    outs.push_back(std::move(*f));
   }
   std::vector<Written> done;
   auto value_item = [&](ItemName name, std::string pkl) -> Status {

@@ -196,8 +196,9 @@ class RankFileWriter {
 };
 
 // A write to more ranks than this reads its source once per this many ranks: each pass keeps one
-// file per rank open (file descriptors are limited) and loads each entry once.
-constexpr int kRanksPerPass = 256;
+// file per rank open and loads each entry once. Open files are limited: a pass takes at most a
+// quarter of the soft limit (inputs may hold half).
+int ranks_per_pass() { return static_cast<int>(std::clamp<size_t>(max_open_inputs() / 2, 4, 256)); }
 
 }  // namespace
 
@@ -281,8 +282,9 @@ class NativeDriver final : public FormatDriver {
     const OptimizerState& meta = source.meta();
     Manifest m;
     m.state = meta;
-    for (int first = 0; first < world; first += kRanksPerPass) {
-      const int last = std::min(world, first + kRanksPerPass);
+    const int per_pass = ranks_per_pass();
+    for (int first = 0; first < world; first += per_pass) {
+      const int last = std::min(world, first + per_pass);
       std::vector<RankFileWriter> outs;
       for (int rank = first; rank < last; ++rank) {
         OPTSTATE_ASSIGN_OR_RETURN(RankFileWriter w, RankFileWriter::create(staging, rank));

@@ -4,6 +4,7 @@
 #include <stdio.h>  // renameat2, RENAME_EXCHANGE (glibc >= 2.28)
 #include <fmt/format.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,6 +12,8 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <list>
+#include <mutex>
 #include <random>
 #include <string_view>
 
@@ -36,52 +39,166 @@ Status check_interrupt(const fs::path& where) {
   return {ErrorCode::kCancelled, fmt::format("{}: interrupted by signal {} ({})", where.string(), sig, strsignal(sig))};
 }
 
-Result<InputFile> InputFile::open(const fs::path& path) {
-  InputFile f;
-  f.path_ = path;
-  f.fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (f.fd_ < 0) {
-    if (errno == ENOENT) return not_found(fmt::format("{}: no such file", path.string()));
-    return io_error(fmt::format("{}: {}", path.string(), errno_text()));
+struct InputFile::State {
+  fs::path path;
+  uint64_t size = 0;
+  dev_t dev = 0;
+  ino_t ino = 0;
+  int fd = -1;    // -1 while closed for another file
+  int pins = 0;   // reads in progress: not closed under them
+  std::list<State*>::iterator lru;  // valid while fd >= 0
+};
+
+namespace {
+
+// The open InputFile descriptors, most recently read first.
+struct InputPool {
+  std::mutex mu;
+  std::list<InputFile::State*> open;
+};
+InputPool& pool() {
+  static InputPool* p = new InputPool;  // never destroyed: InputFiles may outlive static destruction
+  return *p;
+}
+
+rlim_t soft_open_limit() {
+  rlimit lim{};
+  return ::getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY ? lim.rlim_cur : 1 << 20;
+}
+
+// Closes the least recently read unpinned descriptor; false if every open one is in use. Holds mu.
+bool close_one(InputPool& p) {
+  for (auto it = p.open.end(); it != p.open.begin();) {
+    InputFile::State* s = *--it;
+    if (s->pins > 0) continue;
+    ::close(s->fd);
+    s->fd = -1;
+    p.open.erase(it);
+    return true;
+  }
+  return false;
+}
+
+// Opens `s`'s file (first open, or again after its descriptor was closed for another) and lists it
+// as most recently read. Holds mu.
+Status open_listed(InputPool& p, InputFile::State& s, bool first) {
+  while (p.open.size() >= max_open_inputs() && close_one(p)) {
+  }
+  int fd = ::open(s.path.c_str(), O_RDONLY | O_CLOEXEC);
+  while (fd < 0 && (errno == EMFILE || errno == ENFILE) && close_one(p))
+    fd = ::open(s.path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return not_found(fmt::format("{}: no such file", s.path.string()));
+    return io_error(fmt::format("{}: {}", s.path.string(), errno_text()));
   }
   struct stat st {};
-  if (::fstat(f.fd_, &st) != 0) return io_error(fmt::format("{}: {}", path.string(), errno_text()));
-  if (!S_ISREG(st.st_mode)) return corrupt(fmt::format("{}: not a regular file", path.string()));
-  f.size_ = static_cast<uint64_t>(st.st_size);
+  if (::fstat(fd, &st) != 0) {
+    const Status e = io_error(fmt::format("{}: {}", s.path.string(), errno_text()));
+    ::close(fd);
+    return e;
+  }
+  if (first) {
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd);
+      return corrupt(fmt::format("{}: not a regular file", s.path.string()));
+    }
+    s.size = static_cast<uint64_t>(st.st_size);
+    s.dev = st.st_dev;
+    s.ino = st.st_ino;
+  } else if (st.st_dev != s.dev || st.st_ino != s.ino || static_cast<uint64_t>(st.st_size) != s.size) {
+    ::close(fd);
+    return corrupt(fmt::format("{}: replaced or resized while it was being read", s.path.string()));
+  }
+  s.fd = fd;
+  p.open.push_front(&s);
+  s.lru = p.open.begin();
+  return Status::Ok();
+}
+
+void release(InputFile::State* s) {
+  if (!s) return;
+  InputPool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mu);
+  if (s->fd >= 0) {
+    ::close(s->fd);
+    p.open.erase(s->lru);
+  }
+  delete s;
+}
+
+}  // namespace
+
+size_t max_open_inputs() { return std::max<size_t>(8, static_cast<size_t>(soft_open_limit() / 2)); }
+
+uint64_t raise_open_file_limit() {
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0) return 0;
+  if (lim.rlim_cur < lim.rlim_max) {
+    rlimit raised = lim;
+    raised.rlim_cur = lim.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) lim = raised;
+  }
+  return lim.rlim_cur == RLIM_INFINITY ? UINT64_MAX : static_cast<uint64_t>(lim.rlim_cur);
+}
+
+Result<InputFile> InputFile::open(const fs::path& path) {
+  InputFile f;
+  f.s_ = std::make_unique<State>();
+  f.s_->path = path;
+  InputPool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mu);
+  OPTSTATE_RETURN_IF_ERROR(open_listed(p, *f.s_, /*first=*/true));
   return f;
 }
 
-InputFile::InputFile(InputFile&& o) noexcept : fd_(o.fd_), size_(o.size_), path_(std::move(o.path_)) { o.fd_ = -1; }
+InputFile::InputFile(InputFile&& o) noexcept : s_(std::move(o.s_)) {}
 InputFile& InputFile::operator=(InputFile&& o) noexcept {
   if (this != &o) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = o.fd_;
-    size_ = o.size_;
-    path_ = std::move(o.path_);
-    o.fd_ = -1;
+    release(s_.release());
+    s_ = std::move(o.s_);
   }
   return *this;
 }
-InputFile::~InputFile() {
-  if (fd_ >= 0) ::close(fd_);
-}
+InputFile::~InputFile() { release(s_.release()); }
+
+uint64_t InputFile::size() const { return s_->size; }
+const fs::path& InputFile::path() const { return s_->path; }
 
 Status InputFile::read_at(uint64_t offset, std::span<std::byte> out) const {
-  if (offset > size_ || out.size() > size_ - offset)
-    return corrupt(fmt::format("{}: truncated: need bytes [{}, {}) but the file has {}", path_.string(), offset,
-                               offset + out.size(), size_));
+  State& s = *s_;
+  if (offset > s.size || out.size() > s.size - offset)
+    return corrupt(fmt::format("{}: truncated: need bytes [{}, {}) but the file has {}", s.path.string(), offset,
+                               offset + out.size(), s.size));
+  InputPool& p = pool();
+  int fd;
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    if (s.fd < 0) {
+      OPTSTATE_RETURN_IF_ERROR(open_listed(p, s, /*first=*/false));
+    } else if (s.lru != p.open.begin()) {
+      p.open.splice(p.open.begin(), p.open, s.lru);
+    }
+    ++s.pins;
+    fd = s.fd;
+  }
+  Status result;
   size_t done = 0;
   while (done < out.size()) {
-    ssize_t n = ::pread(fd_, out.data() + done, out.size() - done, static_cast<off_t>(offset + done));
+    ssize_t n = ::pread(fd, out.data() + done, out.size() - done, static_cast<off_t>(offset + done));
     if (n < 0) {
       if (errno == EINTR) continue;
-      return io_error(fmt::format("{}: read failed: {}", path_.string(), errno_text()));
+      result = io_error(fmt::format("{}: read failed: {}", s.path.string(), errno_text()));
+      break;
     }
-    if (n == 0)
-      return corrupt(fmt::format("{}: truncated while reading at offset {}", path_.string(), offset + done));
+    if (n == 0) {
+      result = corrupt(fmt::format("{}: truncated while reading at offset {}", s.path.string(), offset + done));
+      break;
+    }
     done += static_cast<size_t>(n);
   }
-  return Status::Ok();
+  std::lock_guard<std::mutex> lock(p.mu);
+  --s.pins;
+  return result;
 }
 
 Result<OutputFile> OutputFile::create(const fs::path& path) {

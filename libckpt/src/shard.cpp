@@ -147,27 +147,15 @@ Result<TargetEncoding> target_encoding_from_name(std::string_view name) {
 
 Entry target_entry(const std::string& entry_name, const Entry& stored, int64_t numel, TargetEncoding to,
                    const QuantizeOptions& quant) {
-  Entry t;
-  if (to == TargetEncoding::kFp32 && stored.encoding == Encoding::kBlockwise8) {
-    t.encoding = Encoding::kDense;
-    t.dtype = DType::kF32;
-    return t;
-  }
-  // An 8-bit optimizer keeps its own block size: dense moments are quantized, 8-bit ones of another
-  // block size re-blocked (through their values; same block size: taken as stored).
-  if (to == TargetEncoding::k8bit && is_moment(entry_name) && numel >= quant.min_8bit_size &&
-      !(stored.encoding == Encoding::kBlockwise8 && stored.block_size == quant.block_size)) {
-    t.encoding = Encoding::kBlockwise8;
-    t.dtype = DType::kU8;
-    t.block_size = quant.block_size;
-    t.qmap = std::string(qmap_name(entry_name == kExpAvg ? QMap::kDynamicSigned : QMap::kDynamicUnsigned));
-    return t;
-  }
-  t.encoding = stored.encoding;
-  t.dtype = stored.dtype;
-  t.block_size = stored.block_size;
-  t.qmap = stored.qmap;
-  return t;
+  const Recode how = to == TargetEncoding::kFp32 ? Recode::kDequantize
+                     : to == TargetEncoding::k8bit ? Recode::kQuantize
+                                                   : Recode::kKeep;
+  // An 8-bit optimizer keeps its own block size: 8-bit moments of another block size are re-blocked
+  // through their values (same block size: taken as stored).
+  if (to == TargetEncoding::k8bit && stored.encoding == Encoding::kBlockwise8 && stored.block_size != quant.block_size &&
+      is_moment(entry_name) && numel >= quant.min_8bit_size)
+    return recode_meta(entry_name, recode_meta(entry_name, stored, numel, Recode::kDequantize, quant), numel, how, quant);
+  return recode_meta(entry_name, stored, numel, how, quant);
 }
 
 Result<OptimizerState> load_shard(CheckpointReader& reader, const ShardLoadOptions& options) {

@@ -498,6 +498,46 @@ for p in ("out.native", "out.safetensors", "out.h5", "from-st", "from-h5", "from
         sys.exit(f"FAIL: {p} does not hash as src")
 PY
     ;;
+  many-ranks)
+    # Hundreds of ranks' files under a low limit on open files: readers keep at most half the limit
+    # open (reopening files as they go), native writes go in passes of ranks, and the CLI takes the
+    # hard limit where only the soft one is low (a DCP write keeps every rank's file open).
+    "$PY" - "$work" "$(cd "$(dirname "$0")/../.." && pwd)/python" <<'PY' || fail "could not make the checkpoint"
+import sys
+work, pydir = sys.argv[1:3]
+sys.path.insert(0, pydir)
+import torch
+import optstate
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 1000, bias=False), torch.nn.Linear(1000, 1000, bias=False))
+opt = optstate.FusedAdamW(model.parameters())
+for p in model.parameters():
+    p.grad = torch.randn_like(p)
+opt.step()
+optstate.save(work + "/src", model, opt)  # 1000 rows: every one of 500 ranks holds two
+PY
+    want=$("$OPTSTATE" hash "$work/src") || fail "hash src"
+    (
+      ulimit -Sn 64  # the soft limit only: the CLI raises it to the hard one
+      "$OPTSTATE" reshard "$work/src" "$work/n500" --world-size 500 >/dev/null || fail "reshard to 500 ranks"
+      "$OPTSTATE" convert "$work/n500" "$work/d500" --format dcp --world-size 500 >/dev/null || fail "dcp of 500 ranks"
+    ) || exit 1
+    [ "$(ls "$work/n500/data" | wc -l)" = 500 ] && [ "$(ls "$work/d500" | grep -c distcp)" = 500 ] \
+      || fail "not 500 ranks' files"
+    (
+      ulimit -n 64  # soft and hard: 500 files cannot be open at once
+      [ "$("$OPTSTATE" hash "$work/n500")" = "$want" ] || fail "native of 500 ranks hashes differently"
+      "$OPTSTATE" validate "$work/n500" >/dev/null || fail "validate native of 500 ranks"
+      "$OPTSTATE" validate "$work/d500" >/dev/null || fail "validate dcp of 500 ranks"
+      "$OPTSTATE" convert "$work/d500" "$work/back" >/dev/null || fail "convert dcp of 500 ranks"
+      [ "$("$OPTSTATE" hash "$work/back")" = "$want" ] || fail "dcp of 500 ranks converts to other values"
+      "$OPTSTATE" reshard "$work/n500" "$work/n300" --world-size 300 >/dev/null || fail "reshard in passes"
+      [ "$("$OPTSTATE" hash "$work/n300")" = "$want" ] || fail "300 ranks written in passes hash differently"
+      expect_error 2 "^optstate convert: error: writing $work/d300: a DCP write keeps its 300 ranks' files open at once: .*Too many open files$" -- \
+        "$OPTSTATE" convert "$work/n500" "$work/d300" --format dcp --world-size 300
+      [ -z "$(ls -a "$work" | grep d300)" ] || fail "a refused DCP write left $(ls -a "$work" | grep d300)"
+    ) || exit 1
+    ;;
   *) fail "unknown case" ;;
 esac
 exit 0

@@ -1,9 +1,11 @@
 #include <doctest/doctest.h>
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 
@@ -124,4 +126,57 @@ TEST_CASE("find_leftovers: a killed write's staging and moved-aside outputs, by 
   CHECK(found[1].path == dir.path / (".ck.partial-" + dead + "-0000abcd"));
   CHECK(found[1].bytes == 10);
   CHECK(find_leftovers(dir.path / "nothing").empty());
+}
+
+namespace {
+size_t open_descriptors() {
+  size_t n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+  return n;
+}
+}  // namespace
+
+TEST_CASE("InputFile keeps at most half the open-file limit open and reopens the same file on demand") {
+  testing::TempDir dir;
+  constexpr int kFiles = 150;
+  for (int i = 0; i < kFiles; ++i) {
+    std::ofstream f(dir.path / std::to_string(i), std::ios::binary);
+    const std::string text = "file " + std::to_string(i) + std::string(static_cast<size_t>(i), '.');
+    f << text;
+  }
+  rlimit saved{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &saved) == 0);
+  const size_t base = open_descriptors();
+  rlimit low = saved;
+  low.rlim_cur = base + 48;  // far fewer than the files held open below
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &low) == 0);
+  CHECK(max_open_inputs() == (base + 48) / 2);
+  {
+    std::vector<InputFile> files;
+    for (int i = 0; i < kFiles; ++i) {
+      auto f = InputFile::open(dir.path / std::to_string(i));
+      REQUIRE(f.ok());
+      files.push_back(std::move(*f));  // moved (vector growth too): the pool follows the file
+    }
+    CHECK(open_descriptors() <= base + max_open_inputs());
+    for (int round = 0; round < 3; ++round)
+      for (int i = 0; i < kFiles; i += (round + 1)) {
+        std::string got(files[static_cast<size_t>(i)].size(), '\0');
+        REQUIRE(files[static_cast<size_t>(i)].read_at(0, std::as_writable_bytes(std::span(got))).ok());
+        CHECK(got == "file " + std::to_string(i) + std::string(static_cast<size_t>(i), '.'));
+      }
+    CHECK(open_descriptors() <= base + max_open_inputs());
+    // File 0's descriptor was closed for others; replaced since, it is not read as if it were the same.
+    {
+      std::ofstream f(dir.path / "new", std::ios::binary);
+      f << "file 0";
+    }
+    std::filesystem::rename(dir.path / "new", dir.path / "0");
+    std::string got(6, '\0');
+    const Status st = files[0].read_at(0, std::as_writable_bytes(std::span(got)));
+    CHECK(st.code() == ErrorCode::kCorrupt);
+    CHECK(st.message() == (dir.path / "0").string() + ": replaced or resized while it was being read");
+  }
+  CHECK(open_descriptors() == base);  // every descriptor closed with its file
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &saved) == 0);
 }

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -25,6 +26,10 @@ void clear_interrupt() noexcept;
 // A kCancelled error naming `where` once an interrupt was requested; ok otherwise.
 Status check_interrupt(const fs::path& where);
 
+// A file read by position. Its descriptor is process-wide pooled: at most max_open_inputs() are
+// open at once, the least recently read one closed to make room and reopened when read again (and
+// checked to be the same file), so a checkpoint of thousands of ranks' files reads within the
+// usual limit of 1024 open files. Reads from several threads are safe.
 class InputFile {
  public:
   static Result<InputFile> open(const fs::path& path);
@@ -33,17 +38,23 @@ class InputFile {
   InputFile(const InputFile&) = delete;
   ~InputFile();
 
-  uint64_t size() const { return size_; }
-  const fs::path& path() const { return path_; }
+  uint64_t size() const;
+  const fs::path& path() const;
   // Reads exactly out.size() bytes at offset; a short file is a corrupt error naming the file.
   Status read_at(uint64_t offset, std::span<std::byte> out) const;
 
+  struct State;  // the pool's view of the file (io.cpp)
+
  private:
   InputFile() = default;
-  int fd_ = -1;
-  uint64_t size_ = 0;
-  fs::path path_;
+  std::unique_ptr<State> s_;
 };
+// How many InputFile descriptors may be open at once: half the soft limit on open files (the rest
+// is left for outputs), at least 8.
+size_t max_open_inputs();
+// Raises the soft limit on open files to the hard one (a write of many ranks keeps a file per rank
+// open). Returns the limit now in force.
+uint64_t raise_open_file_limit();
 
 class OutputFile {
  public:

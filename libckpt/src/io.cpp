@@ -312,6 +312,21 @@ Result<fs::path> contained_path(const fs::path& root, const std::string& relativ
   return root / relative;
 }
 
+namespace {
+
+// The DST part of staging and moved-aside names: DST's name, or, for a name too long to take the
+// suffixes within NAME_MAX (255 bytes), its first 180 bytes and an FNV-1a hash of all of it (stable
+// across processes and builds, so find_leftovers recognizes another process's names).
+std::string staging_stem(const fs::path& final_path) {
+  const std::string name = final_path.filename().string();
+  if (name.size() <= 200) return name;
+  uint64_t h = 14695981039346656037ull;
+  for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
+  return fmt::format("{}~{:016x}", name.substr(0, 180), h);
+}
+
+}  // namespace
+
 Result<fs::path> make_staging_dir(const fs::path& final_dir) {
   fs::path parent = final_dir.parent_path();
   if (parent.empty()) parent = ".";
@@ -320,7 +335,7 @@ Result<fs::path> make_staging_dir(const fs::path& final_dir) {
     return not_found(fmt::format("{}: parent directory does not exist", final_dir.string()));
   std::random_device rd;
   for (int attempt = 0; attempt < 16; ++attempt) {
-    fs::path staging = parent / fmt::format(".{}.partial-{}-{:08x}", final_dir.filename().string(), ::getpid(), rd());
+    fs::path staging = parent / fmt::format(".{}.partial-{}-{:08x}", staging_stem(final_dir), ::getpid(), rd());
     if (::mkdir(staging.c_str(), 0755) == 0) return staging;
     if (errno != EEXIST) return io_error(fmt::format("{}: cannot create: {}", staging.string(), errno_text()));
   }
@@ -346,7 +361,7 @@ Status publish_directory(const fs::path& staging, const fs::path& final_dir, boo
       return io_error(fmt::format("{}: cannot publish: {}", final_dir.string(), errno_text()));
     // Filesystems without RENAME_EXCHANGE: move the old one aside first (a short window in which
     // final_dir is absent; the old checkpoint stays complete under .<name>.old-<pid>).
-    const fs::path aside = parent / fmt::format(".{}.old-{}", final_dir.filename().string(), ::getpid());
+    const fs::path aside = parent / fmt::format(".{}.old-{}", staging_stem(final_dir), ::getpid());
     if (::rename(final_dir.c_str(), aside.c_str()) != 0)
       return io_error(fmt::format("{}: cannot move the old checkpoint aside: {}", final_dir.string(), errno_text()));
     if (::rename(staging.c_str(), final_dir.c_str()) != 0) {
@@ -371,7 +386,7 @@ Result<fs::path> make_staging_path(const fs::path& final_file) {
     return not_found(fmt::format("{}: parent directory does not exist", final_file.string()));
   std::random_device rd;
   for (int attempt = 0; attempt < 16; ++attempt) {
-    fs::path p = parent / fmt::format(".{}.partial-{}-{:08x}", final_file.filename().string(), ::getpid(), rd());
+    fs::path p = parent / fmt::format(".{}.partial-{}-{:08x}", staging_stem(final_file), ::getpid(), rd());
     if (!fs::exists(fs::symlink_status(p, ec))) return p;
   }
   return io_error(fmt::format("{}: cannot find a free staging name", final_file.string()));
@@ -387,8 +402,8 @@ std::vector<Leftover> find_leftovers(const fs::path& final_path) {
   std::vector<Leftover> out;
   fs::path parent = final_path.parent_path();
   if (parent.empty()) parent = ".";
-  const std::string name = final_path.filename().string();
-  if (name.empty()) return out;
+  if (final_path.filename().empty()) return out;
+  const std::string name = staging_stem(final_path);
   std::error_code ec;
   fs::directory_iterator it(parent, ec), end;
   for (; !ec && it != end; it.increment(ec)) {

@@ -2,6 +2,7 @@
 // it back, and get the same hash; refuse to overwrite unless asked. A new driver folder is picked
 // up here without touching this file.
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -142,4 +143,34 @@ TEST_CASE("every format driver fails cleanly when the disk refuses a write: an e
     }
   }
   std::signal(SIGXFSZ, old_handler);
+}
+
+TEST_CASE("a DST name of NAME_MAX bytes is written, replaced and its leftovers found") {
+  const OptimizerState state = testing::sample_state();
+  testing::TempDir dir;
+  for (const FormatDriver* d : format_drivers()) {
+    CAPTURE(d->name());
+    const std::string name = std::string(d->name()) + std::string(255 - d->name().size(), 'n');
+    const auto path = dir.path / name;
+    REQUIRE(d->write(state, path, {}).ok());
+    CHECK(d->write(state, path, {.overwrite = true}).ok());
+    auto reader = open_checkpoint(path);
+    REQUIRE(reader.ok());
+    CHECK(hash_checkpoint(**reader)->root == hash_state(state)->root);
+    CHECK(std::distance(std::filesystem::directory_iterator(dir.path), {}) == 1);  // nothing else left
+    std::filesystem::remove_all(path);
+  }
+  // What a killed write of such a DST leaves is recognized as its leftover, not another DST's.
+  const auto path = dir.path / std::string(255, 'x');
+  auto staging = make_staging_dir(path);
+  REQUIRE(staging.ok());
+  const std::string made = staging->filename().string(), pid = fmt::format("-{}-", ::getpid());
+  const size_t at = made.find(pid);
+  REQUIRE(at != std::string::npos);
+  const std::string killed = made.substr(0, at) + "-999999999-" + made.substr(at + pid.size());
+  std::filesystem::rename(*staging, dir.path / killed);
+  const auto found = find_leftovers(path);
+  REQUIRE(found.size() == 1);
+  CHECK(found[0].path == dir.path / killed);
+  CHECK(find_leftovers(dir.path / (std::string(254, 'x') + "y")).empty());
 }

@@ -109,8 +109,9 @@ Status abandon_staging(const fs::path& staging, const fs::path& final_path, cons
 
 // What writes of `final_path` that were killed (SIGKILL, OOM, power loss) left beside it: staging
 // outputs `.<name>.partial-<pid>-<hex>` and old checkpoints moved aside `.<name>.old-<pid>` whose
-// process no longer runs on this machine. Only found, never removed: on a shared filesystem another
-// machine's writer may still own one.
+// process no longer runs on this machine (<name>: DST's name; over 200 bytes, its first 180 and
+// `~<hash>`, so the suffixes fit NAME_MAX). Only found, never removed: on a shared filesystem
+// another machine's writer may still own one.
 struct Leftover {
   fs::path path;
   uint64_t bytes = 0;  // of its regular files

@@ -73,6 +73,32 @@ def drop_cache(path):
             os.close(fd)
 
 
+# Runs a command from a small Python that forks it and reports its wall time and peak RSS. A child
+# forked straight from this (large, torch-holding) process would start its peak RSS from ours: Linux
+# keeps ru_maxrss across fork and exec.
+_MEASURE = (
+    "import os, sys, time\n"
+    "t = time.perf_counter()\n"
+    "pid = os.fork()\n"
+    "if pid == 0:\n"
+    "    os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "_, status, usage = os.wait4(pid, 0)\n"
+    "open(sys.argv[1], 'w').write(f'{time.perf_counter() - t} {usage.ru_maxrss * 1024}')\n"
+    "sys.exit(os.waitstatus_to_exitcode(status))\n")
+
+
+def run_measured(cmd, env=None):
+    """(wall seconds, peak RSS bytes) of a command; exits with its stderr if it fails."""
+    import subprocess
+    with tempfile.NamedTemporaryFile(mode="r", suffix=".measure") as out:
+        proc = subprocess.run([sys.executable, "-c", _MEASURE, out.name] + list(map(str, cmd)), capture_output=True,
+                              text=True, env=env)
+        if proc.returncode != 0:
+            sys.exit(f"{' '.join(map(str, cmd))} failed:\n{proc.stderr[-3000:]}")
+        seconds, peak = out.read().split()
+    return float(seconds), int(peak)
+
+
 def dir_bytes(path):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 

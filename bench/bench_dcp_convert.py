@@ -1,7 +1,7 @@
 """Turning a torchtitan checkpoint of torchao's AdamW8bit into one of plain fp32 torch.optim.AdamW,
 same layout, everything else kept (DCP -> DCP): `optstate convert SRC DST --format dcp` next to the
 way it is done with torch and torchao installed, side by side in one run on the same checkpoint and
-disk, cold page cache, each a fresh process as a user runs it.
+disk, cold page cache, each a fresh process as a user runs it; wall time and peak RSS of each.
 
 - The checkpoint: a Llama-shaped stack (--layers pairs of 2048x4096 / 4096x2048 Linears), one
   torchao AdamW8bit step (block 256), saved as torchtitan's CheckpointManager saves it: weights at
@@ -34,7 +34,7 @@ import torch
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
-from bench_ckpt import dir_bytes, drop_cache, raw_read, raw_write  # noqa: E402
+from bench_ckpt import dir_bytes, drop_cache, raw_read, raw_write, run_measured  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -168,11 +168,14 @@ def main():
         "torch + torchao": lambda out: [sys.executable, scripts["convert_torchao.py"], src, out, args.layers],
     }
     times = {k: [] for k in list(cases) + ["floor (raw copy)"]}
+    peak = {k: 0 for k in cases}
     for rep in range(args.reps):
         for k, make_cmd in cases.items():
             shutil.rmtree(dst[k], ignore_errors=True)
             drop_cache(src)
-            times[k].append(run(make_cmd(dst[k])))
+            seconds, rss = run_measured(make_cmd(dst[k]), env)
+            times[k].append(seconds)
+            peak[k] = max(peak[k], rss)
     dst_bytes = dir_bytes(dst["optstate"])
     buf = bytearray(max(src_bytes, dst_bytes))
     files = [os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs]
@@ -200,16 +203,19 @@ def main():
 
     med = {k: statistics.median(v) for k, v in times.items()}
     moved = src_bytes + dst_bytes
-    print(f"\n{'case':<18}{'median s':>10}{'best s':>9}{'GB/s':>7}{'% floor':>9}{'vs torch+torchao':>18}")
+    print(f"\n{'case':<18}{'median s':>10}{'best s':>9}{'GB/s':>7}{'% floor':>9}{'vs torch+torchao':>18}"
+          f"{'peak RSS GB':>13}{'RSS / SRC':>11}")
     rows = {}
     for k in times:
         rows[k] = {"median_s": med[k], "best_s": min(times[k]), "gb_per_s": moved / med[k] / 1e9,
                    "pct_floor": 100 * med["floor (raw copy)"] / med[k],
-                   "speedup_vs_torchao": med["torch + torchao"] / med[k]}
+                   "speedup_vs_torchao": med["torch + torchao"] / med[k], "peak_rss_bytes": peak.get(k)}
         r = rows[k]
+        rss = f"{peak[k] / 1e9:>13.3f}{peak[k] / src_bytes:>11.2f}" if k in peak else f"{'-':>13}{'-':>11}"
         print(f"{k:<18}{med[k]:>10.2f}{min(times[k]):>9.2f}{r['gb_per_s']:>7.2f}{r['pct_floor']:>8.0f}%"
-              f"{r['speedup_vs_torchao']:>17.2f}x")
-    print("(GB/s: bytes read + written; each case a fresh process, cold page cache for SRC)")
+              f"{r['speedup_vs_torchao']:>17.2f}x{rss}")
+    print("(GB/s: bytes read + written; each case a fresh process, cold page cache for SRC; peak RSS: the\n"
+          " process's high-water resident memory, the largest over the runs)")
     shutil.rmtree(work, ignore_errors=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -18,11 +18,7 @@ TEST_CASE("hdf5: a flipped data byte fails its chunk's fletcher32; truncation an
   testing::TempDir dir;
   const auto good = dir.path / "good.h5";
   REQUIRE(d->write(testing::sample_state(), good, {}).ok());
-  std::string bytes;
-  {
-    std::ifstream f(good, std::ios::binary);
-    bytes.assign(std::istreambuf_iterator<char>(f), {});
-  }
+  std::string bytes = testing::read_file(good);
   SUBCASE("flipped bit in exp_avg's data") {
     const float v[3] = {0.1f, -0.2f, 0.3f};
     std::string pattern(reinterpret_cast<const char*>(v), sizeof v);

@@ -1,5 +1,7 @@
 #include "test_helpers.h"
 
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <unistd.h>
 
@@ -14,6 +16,14 @@ TempDir::TempDir() {
 TempDir::~TempDir() {
   std::error_code ec;
   std::filesystem::remove_all(path, ec);
+}
+
+std::string read_file(const std::filesystem::path& path) {
+  std::ifstream f(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), {}};
+}
+void write_file(const std::filesystem::path& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
 }
 
 Buffer f32_buffer(const std::vector<float>& values) {

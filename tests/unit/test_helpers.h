@@ -16,6 +16,10 @@ struct TempDir {
   ~TempDir();
 };
 
+// A whole file's bytes (empty if it cannot be read), and a file replaced by `bytes`.
+std::string read_file(const std::filesystem::path& path);
+void write_file(const std::filesystem::path& path, const std::string& bytes);
+
 Buffer f32_buffer(const std::vector<float>& values);
 // A small two-param, two-group state with dense fp32 entries (and a bf16 weight entry).
 OptimizerState sample_state();

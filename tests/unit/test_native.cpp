@@ -25,23 +25,17 @@ fs::path write_sample(const testing::TempDir& dir) {
   return p;
 }
 
-std::string slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), {}};
-}
-void spit(const fs::path& p, const std::string& s) {
-  std::ofstream f(p, std::ios::binary | std::ios::trunc);
-  f << s;
-}
+using testing::read_file;
+using testing::write_file;
 
 // Re-signs an edited manifest, so the test reaches the check behind the manifest checksum.
 void rewrite_manifest(const fs::path& ckpt, const std::function<void(nlohmann::json&)>& edit) {
-  auto j = nlohmann::json::parse(slurp(ckpt / "manifest.json"));
+  auto j = nlohmann::json::parse(read_file(ckpt / "manifest.json"));
   edit(j);
   j.erase("manifest_xxh3");
   const std::string body = j.dump();
   j["manifest_xxh3"] = xxh3_64_hex(std::as_bytes(std::span(body)));
-  spit(ckpt / "manifest.json", j.dump(1));
+  write_file(ckpt / "manifest.json", j.dump(1));
 }
 
 Status open_and_read_all(const fs::path& p) {
@@ -128,20 +122,20 @@ TEST_CASE("hostile native checkpoints give errors that name the file, never a cr
     CHECK(st.message().find("rank-00000.bin") != std::string::npos);
   }
   SUBCASE("one flipped data bit is caught by the chunk checksum") {
-    std::string bytes = slurp(data);
+    std::string bytes = read_file(data);
     bytes[bytes.size() - 3] ^= 0x10;
-    spit(data, bytes);
+    write_file(data, bytes);
     Status st = open_and_read_all(p);
     CHECK(st.code() == ErrorCode::kCorrupt);
     CHECK(st.message().find("checksum mismatch") != std::string::npos);
     CHECK(st.message().find(data.string()) != std::string::npos);
   }
   SUBCASE("one flipped manifest byte") {
-    std::string text = slurp(manifest);
+    std::string text = read_file(manifest);
     const auto at = text.find("\"step\": 5");
     REQUIRE(at != std::string::npos);
     text[at + 8] = '7';
-    spit(manifest, text);
+    write_file(manifest, text);
     Status st = open_and_read_all(p);
     CHECK(st.code() == ErrorCode::kCorrupt);
     CHECK(st.message().find("manifest.json") != std::string::npos);
@@ -196,7 +190,7 @@ TEST_CASE("hostile native checkpoints give errors that name the file, never a cr
     CHECK(open_and_read_all(p).code() == ErrorCode::kCorrupt);
   }
   SUBCASE("not JSON") {
-    spit(manifest, "{\"format\": ");
+    write_file(manifest, "{\"format\": ");
     CHECK(open_and_read_all(p).code() == ErrorCode::kCorrupt);
   }
   SUBCASE("wrong types") {
@@ -292,7 +286,7 @@ TEST_CASE("a rank reads exactly its range of a checkpoint written by another wor
   s.params["big.weight"] = big;
   s.groups[0].params.push_back("big.weight");
   REQUIRE(native_driver().write(s, dir.path / "c", {.world_size = 2}).ok());
-  auto manifest = nlohmann::json::parse(slurp(dir.path / "c" / "manifest.json"));
+  auto manifest = nlohmann::json::parse(read_file(dir.path / "c" / "manifest.json"));
   CHECK(manifest["params"]["big.weight"]["entries"]["exp_avg"]["components"]["values"].size() >= 2);
   auto r = open_checkpoint(dir.path / "c");
   REQUIRE(r.ok());

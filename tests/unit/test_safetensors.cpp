@@ -13,11 +13,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string read_all(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), {}};
-}
-void write_all(const fs::path& p, const std::string& s) { std::ofstream(p, std::ios::binary) << s; }
+using testing::read_file;
+using testing::write_file;
 
 std::string open_error(const fs::path& p) {
   auto r = find_format("safetensors")->open(p);
@@ -30,23 +27,23 @@ TEST_CASE("safetensors: lying, truncated and foreign files are refused with the 
   testing::TempDir dir;
   const auto good = dir.path / "good.safetensors";
   REQUIRE(find_format("safetensors")->write(testing::sample_state(), good, {}).ok());
-  const std::string bytes = read_all(good);
+  const std::string bytes = read_file(good);
   const uint64_t hlen = static_cast<uint8_t>(bytes[0]) | static_cast<uint64_t>(static_cast<uint8_t>(bytes[1])) << 8;
   const std::string header = bytes.substr(8, hlen);
   const auto bad = dir.path / "bad.safetensors";
 
   SUBCASE("truncated data") {
-    write_all(bad, bytes.substr(0, bytes.size() - 3));
+    write_file(bad, bytes.substr(0, bytes.size() - 3));
     CHECK(open_error(bad).find("outside the data buffer") != std::string::npos);
   }
   SUBCASE("truncated header") {
-    write_all(bad, bytes.substr(0, 20));
+    write_file(bad, bytes.substr(0, 20));
     CHECK(open_error(bad).find("does not fit") != std::string::npos);
   }
   SUBCASE("header length beyond the cap") {
     std::string s = bytes;
     s[6] = '\x7f';
-    write_all(bad, s);
+    write_file(bad, s);
     CHECK(open_error(bad).find("out of range") != std::string::npos);
   }
   SUBCASE("offsets that lie about a tensor's size") {
@@ -56,7 +53,7 @@ TEST_CASE("safetensors: lying, truncated and foreign files are refused with the 
     const auto shape = h.find("[3]", at);
     REQUIRE(shape != std::string::npos);
     h.replace(shape, 3, "[4]");
-    write_all(bad, bytes.substr(0, 8) + h + bytes.substr(8 + hlen));
+    write_file(bad, bytes.substr(0, 8) + h + bytes.substr(8 + hlen));
     const std::string err = open_error(bad);
     CHECK(err.find("layers.0.bias.exp_avg") != std::string::npos);
     CHECK(err.find("bad.safetensors") != std::string::npos);
@@ -65,7 +62,7 @@ TEST_CASE("safetensors: lying, truncated and foreign files are refused with the 
     safetensors::TensorInfo t;
     t.shape = {1};
     t.end = 4;
-    write_all(bad, safetensors::encode_header({{"x", t}}, {}) + std::string(4, '\0'));
+    write_file(bad, safetensors::encode_header({{"x", t}}, {}) + std::string(4, '\0'));
     CHECK(open_error(bad).find("without optstate metadata") != std::string::npos);
   }
   SUBCASE("a hole and an overlap") {
@@ -75,11 +72,11 @@ TEST_CASE("safetensors: lying, truncated and foreign files are refused with the 
     b.shape = {1};
     b.begin = 8;
     b.end = 12;
-    write_all(bad, safetensors::encode_header({{"a", a}, {"b", b}}, {}) + std::string(12, '\0'));
+    write_file(bad, safetensors::encode_header({{"a", a}, {"b", b}}, {}) + std::string(12, '\0'));
     CHECK(open_error(bad).find("a hole") != std::string::npos);
     b.begin = 2;
     b.end = 6;
-    write_all(bad, safetensors::encode_header({{"a", a}, {"b", b}}, {}) + std::string(6, '\0'));
+    write_file(bad, safetensors::encode_header({{"a", a}, {"b", b}}, {}) + std::string(6, '\0'));
     CHECK(open_error(bad).find("an overlap") != std::string::npos);
   }
 }

@@ -22,20 +22,15 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string file_bytes(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), {}};
-}
-
 // Every regular file under `root` (or `root` itself) by relative path, with its bytes.
 std::map<std::string, std::string> tree(const fs::path& root) {
   std::map<std::string, std::string> out;
   if (fs::is_regular_file(root)) {
-    out["."] = file_bytes(root);
+    out["."] = testing::read_file(root);
     return out;
   }
   for (const auto& f : fs::recursive_directory_iterator(root))
-    if (f.is_regular_file()) out[fs::relative(f.path(), root).string()] = file_bytes(f.path());
+    if (f.is_regular_file()) out[fs::relative(f.path(), root).string()] = testing::read_file(f.path());
   return out;
 }
 

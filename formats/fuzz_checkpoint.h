@@ -121,22 +121,59 @@ class CheckpointFixture {
     if (!r.ok()) return false;
     (void)hash_checkpoint(**r);
     auto state = load_all(**r);
-    if (state.ok()) check_written_back(*state, **r, index.size() % 2 == 1);
+    const bool float_lr = index.size() % 2 == 1;
+    const bool wrote = state.ok() && check_written_back(*state, **r, float_lr);
+    check_streamed(state.ok() ? &*state : nullptr, wrote, **r, float_lr);
     return true;
+  }
+
+  // Written as convert writes, streamed entry by entry from the reader: where reading failed, the
+  // write fails and leaves nothing (no output, no staging); where it did not, it succeeds exactly
+  // when the in-memory write did and reads back as the same values.
+  void check_streamed(const OptimizerState* state, bool memory_wrote, CheckpointReader& source, bool float_lr) const {
+    namespace fs = std::filesystem;
+    const fs::path out = base_ / "streamed";
+    fs::remove_all(out);
+    WriteOptions wo;
+    wo.source = &source;
+    wo.float_lr = float_lr;
+    auto entries = reader_source(source);
+    const Status st = driver_->write(*entries, out, wo);
+    auto fail = [](const char* what, const std::string& why) {
+      std::fprintf(stderr, "streamed write: %s: %s\n", what, why.c_str());
+      std::abort();
+    };
+    if (!st.ok()) {
+      if (state && memory_wrote) fail("failed where the in-memory write succeeded", st.message());
+      std::error_code ec;
+      for (const auto& e : fs::directory_iterator(base_, ec))
+        if (e.path().filename().string().rfind(".streamed", 0) == 0 || e.path() == out)
+          fail("a failed write left", e.path().string());
+      return;
+    }
+    if (!state) fail("succeeded although reading the source failed", "");
+    if (!memory_wrote) fail("succeeded where the in-memory write failed", "");
+    HashOptions values;
+    values.values = true;
+    auto back = driver_->open(out);
+    if (!back.ok()) fail("wrote a checkpoint that does not open", back.status().message());
+    auto got = hash_checkpoint(**back, values), want = hash_checkpoint(*memory_reader(*state), values);
+    if (!want.ok() || !got.ok() || want->root != got->root) fail("written back, the values differ", "");
   }
 
   // What was read writes back in the same format (with the source handed over, as convert does: a
   // DCP keeps its layout and carries its other items) and reads again as the same values. A write
   // that succeeds but does not read back, or reads back different, is a bug: abort.
-  // `float_lr` (DCP: tensor lrs written as numbers) alternates with the input's length.
-  void check_written_back(const OptimizerState& state, const CheckpointReader& source, bool float_lr) const {
+  // `float_lr` (DCP: tensor lrs written as numbers) alternates with the input's length. Whether the
+  // write succeeded.
+  bool check_written_back(const OptimizerState& state, const CheckpointReader& source, bool float_lr) const {
     namespace fs = std::filesystem;
     const fs::path out = base_ / "out";
     fs::remove_all(out);
     WriteOptions wo;
     wo.source = &source;
     wo.float_lr = float_lr;
-    if (!driver_->write(state, out, wo).ok()) return;
+    if (!driver_->write(state, out, wo).ok()) return false;
     HashOptions values;
     values.values = true;
     auto want = hash_checkpoint(*memory_reader(state), values);
@@ -151,6 +188,7 @@ class CheckpointFixture {
                    got.ok() ? (want.ok() ? "hash" : want.status().message().c_str()) : got.status().message().c_str());
       std::abort();
     }
+    return true;
   }
 
   // The target's main() without libFuzzer: `--print-seed` prints the index file (the seed kept in

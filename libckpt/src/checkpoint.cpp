@@ -9,14 +9,16 @@
 namespace optstate {
 namespace {
 
+OptimizerState without_buffers(OptimizerState s) {
+  for (auto& [fqn, ps] : s.params)
+    for (auto& [name, e] : ps.entries) e.values = e.codes = e.absmax = Buffer{};
+  return s;
+}
+
 class MemoryReader final : public CheckpointReader {
  public:
   MemoryReader(OptimizerState state, std::filesystem::path label)
-      : state_(std::move(state)), label_(std::move(label)) {
-    meta_ = state_;
-    for (auto& [fqn, ps] : meta_.params)
-      for (auto& [name, e] : ps.entries) e.values = e.codes = e.absmax = Buffer{};
-  }
+      : state_(std::move(state)), meta_(without_buffers(state_)), label_(std::move(label)) {}
   std::string_view format() const override { return "memory"; }
   const std::filesystem::path& path() const override { return label_; }
   const OptimizerState& meta() const override { return meta_; }
@@ -86,12 +88,6 @@ const Entry* find_entry(const OptimizerState& s, const std::string& fqn, const s
   if (!n.ok()) return nullptr;
   *numel = *n;
   return &e->second;
-}
-
-OptimizerState without_buffers(OptimizerState s) {
-  for (auto& [fqn, ps] : s.params)
-    for (auto& [name, e] : ps.entries) e.values = e.codes = e.absmax = Buffer{};
-  return s;
 }
 
 Status no_entry(const std::string& fqn, const std::string& name) {

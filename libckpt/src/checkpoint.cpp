@@ -1,5 +1,6 @@
 #include "optstate/checkpoint.h"
 
+#include "optstate/io.h"
 #include "optstate/transform.h"
 
 #include <fmt/format.h>
@@ -103,6 +104,8 @@ Result<Buffer> read_component(CheckpointReader& reader, const std::string& fqn, 
   Buffer b = Buffer::allocate(static_cast<size_t>(want), &out);
   size_t at = 0;
   OPTSTATE_RETURN_IF_ERROR(reader.stream(fqn, name, c, [&](std::span<const std::byte> piece) {
+    // A write streaming from this reader stops within a piece, not after a whole (maybe huge) entry.
+    OPTSTATE_RETURN_IF_ERROR(check_interrupt(reader.path()));
     if (piece.size() > out.size() - at)
       return corrupt(fmt::format("{}: entry '{}' {} has more bytes than its shape allows", reader.path().string(), key,
                                  component_name(c)));

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -149,6 +150,7 @@ TEST_CASE("a source that gives wrong bytes or fails part way leaves no output an
   testing::TempDir dir;
   const fs::path src = dir.path / "src";
   REQUIRE(find_format("native")->write(larger_state(), src, {}).ok());
+  REQUIRE(find_format("native")->write(larger_state(), dir.path / "intact", {}).ok());
   {
     const fs::path data = src / "data" / "rank-00000.bin";
     std::fstream f(data, std::ios::in | std::ios::out | std::ios::binary);
@@ -171,6 +173,16 @@ TEST_CASE("a source that gives wrong bytes or fails part way leaves no output an
     CHECK(rs.code() == ErrorCode::kCorrupt);
     CHECK(rs.message().find(src.string()) != std::string::npos);  // the file the bad bytes are in
     CHECK(rs.message().find(key) != std::string::npos);
+    CHECK(listing(out.path).empty());
+
+    // Interrupted (Ctrl-C in convert) while it reads the source: stopped, nothing left.
+    auto intact = open_checkpoint(dir.path / "intact");
+    REQUIRE(intact.ok());
+    auto from_intact = reader_source(**intact);
+    request_interrupt(SIGINT);
+    const Status is = write_checkpoint(*d, *from_intact, out.path / "c", {});
+    clear_interrupt();
+    CHECK(is.code() == ErrorCode::kCancelled);
     CHECK(listing(out.path).empty());
   }
 }

@@ -194,14 +194,15 @@ TEST_CASE("recode_entry and recode_meta agree with the whole-state conversions")
   for (const auto& [fqn, ps] : dense.params) {
     const int64_t numel = *checked_numel(ps.shape);
     for (const auto& [name, e] : ps.entries) {
-      CAPTURE(entry_key(fqn, name));
+      const std::string key = entry_key(fqn, name);  // clang < 16 cannot capture a structured binding
+      CAPTURE(key);
       const Entry& want = eight.params.at(fqn).entries.at(name);
       const Entry m = recode_meta(name, e, numel, Recode::kQuantize, q);
       CHECK(m.encoding == want.encoding);
       CHECK(m.block_size == want.block_size);
       CHECK(m.qmap == want.qmap);
       CHECK(m.values.empty());
-      auto got = recode_entry(name, e, numel, Recode::kQuantize, q, entry_key(fqn, name));
+      auto got = recode_entry(name, e, numel, Recode::kQuantize, q, key);
       REQUIRE(got.ok());
       for (Component c : want.components()) {
         const auto a = got->buffer(c).span(), b = want.buffer(c).span();

@@ -127,68 +127,63 @@ class CheckpointFixture {
     return true;
   }
 
+  // What was read writes back in the same format and reads again as the same values. A write that
+  // succeeds but does not read back, or reads back different, is a bug: abort. `float_lr` (DCP:
+  // tensor lrs written as numbers) alternates with the input's length. Whether the write succeeded.
+  bool check_written_back(const OptimizerState& state, const CheckpointReader& source, bool float_lr) const {
+    const std::filesystem::path out = base_ / "out";
+    auto entries = memory_source(state);
+    if (!write_back(*entries, source, float_lr, out).ok()) return false;
+    expect_values(out, state, "written back");
+    return true;
+  }
+
   // Written as convert writes, streamed entry by entry from the reader: where reading failed, the
   // write fails and leaves nothing (no output, no staging); where it did not, it succeeds exactly
   // when the in-memory write did and reads back as the same values.
   void check_streamed(const OptimizerState* state, bool memory_wrote, CheckpointReader& source, bool float_lr) const {
     namespace fs = std::filesystem;
     const fs::path out = base_ / "streamed";
-    fs::remove_all(out);
-    WriteOptions wo;
-    wo.source = &source;
-    wo.float_lr = float_lr;
     auto entries = reader_source(source);
-    const Status st = driver_->write(*entries, out, wo);
-    auto fail = [](const char* what, const std::string& why) {
-      std::fprintf(stderr, "streamed write: %s: %s\n", what, why.c_str());
-      std::abort();
-    };
+    const Status st = write_back(*entries, source, float_lr, out);
     if (!st.ok()) {
-      if (state && memory_wrote) fail("failed where the in-memory write succeeded", st.message());
+      if (state && memory_wrote) die("streamed write", "failed where the in-memory write succeeded", st.message());
       std::error_code ec;
       for (const auto& e : fs::directory_iterator(base_, ec))
         if (e.path().filename().string().rfind(".streamed", 0) == 0 || e.path() == out)
-          fail("a failed write left", e.path().string());
+          die("streamed write", "a failed write left", e.path().string());
       return;
     }
-    if (!state) fail("succeeded although reading the source failed", "");
-    if (!memory_wrote) fail("succeeded where the in-memory write failed", "");
-    HashOptions values;
-    values.values = true;
-    auto back = driver_->open(out);
-    if (!back.ok()) fail("wrote a checkpoint that does not open", back.status().message());
-    auto got = hash_checkpoint(**back, values), want = hash_checkpoint(*memory_reader(*state), values);
-    if (!want.ok() || !got.ok() || want->root != got->root) fail("written back, the values differ", "");
+    if (!state) die("streamed write", "succeeded although reading the source failed", "");
+    if (!memory_wrote) die("streamed write", "succeeded where the in-memory write failed", "");
+    expect_values(out, *state, "streamed write");
   }
 
-  // What was read writes back in the same format (with the source handed over, as convert does: a
-  // DCP keeps its layout and carries its other items) and reads again as the same values. A write
-  // that succeeds but does not read back, or reads back different, is a bug: abort.
-  // `float_lr` (DCP: tensor lrs written as numbers) alternates with the input's length. Whether the
-  // write succeeded.
-  bool check_written_back(const OptimizerState& state, const CheckpointReader& source, bool float_lr) const {
-    namespace fs = std::filesystem;
-    const fs::path out = base_ / "out";
-    fs::remove_all(out);
+  // Writes `entries` to `out` in the fixture's format, the reader handed over as the source (as
+  // convert does: a DCP keeps its layout and carries its other items through).
+  Status write_back(StateSource& entries, const CheckpointReader& source, bool float_lr,
+                    const std::filesystem::path& out) const {
+    std::filesystem::remove_all(out);
     WriteOptions wo;
     wo.source = &source;
     wo.float_lr = float_lr;
-    if (!driver_->write(state, out, wo).ok()) return false;
+    return driver_->write(entries, out, wo);
+  }
+
+  // What `out` holds opens and has `state`'s values; anything else aborts, naming `how`.
+  void expect_values(const std::filesystem::path& out, const OptimizerState& state, const char* how) const {
     HashOptions values;
     values.values = true;
-    auto want = hash_checkpoint(*memory_reader(state), values);
     auto back = driver_->open(out);
-    if (!back.ok()) {
-      std::fprintf(stderr, "wrote a checkpoint that does not open: %s\n", back.status().message().c_str());
-      std::abort();
-    }
-    auto got = hash_checkpoint(**back, values);
-    if (!want.ok() || !got.ok() || want->root != got->root) {
-      std::fprintf(stderr, "written back, the values differ: %s\n",
-                   got.ok() ? (want.ok() ? "hash" : want.status().message().c_str()) : got.status().message().c_str());
-      std::abort();
-    }
-    return true;
+    if (!back.ok()) die(how, "wrote a checkpoint that does not open", back.status().message());
+    auto got = hash_checkpoint(**back, values), want = hash_checkpoint(*memory_reader(state), values);
+    if (!want.ok() || !got.ok() || want->root != got->root)
+      die(how, "the values differ", got.ok() ? (want.ok() ? "hash" : want.status().message()) : got.status().message());
+  }
+
+  static void die(const char* how, const char* what, const std::string& why) {
+    std::fprintf(stderr, "%s: %s: %s\n", how, what, why.c_str());
+    std::abort();
   }
 
   // The target's main() without libFuzzer: `--print-seed` prints the index file (the seed kept in

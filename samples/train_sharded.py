@@ -83,6 +83,8 @@ def main():
         optstate.save(args.save, shards, opt)
         if rank == 0:
             print(f"saved {args.save} ({world} rank files)")
+    # together: torch 2.13 + gloo aborts now and then (SIGABRT) when one rank destroys its group early
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -76,6 +76,8 @@ MAKE_DCP = textwrap.dedent("""
             import optstate
             optstate.save(out + ".native", model, opt)
     if dist_run:
+        # together: torch 2.13 + gloo aborts now and then (SIGABRT) when one rank destroys its group early
+        dist.barrier()
         dist.destroy_process_group()
 """)
 
@@ -231,6 +233,8 @@ MAKE_TORCHTITAN_DCP = textwrap.dedent("""
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=out + ".nested")
     if dist_run:
+        # together: torch 2.13 + gloo aborts now and then (SIGABRT) when one rank destroys its group early
+        dist.barrier()
         dist.destroy_process_group()
 """)
 
@@ -473,6 +477,8 @@ MAKE_TP_DCP = textwrap.dedent("""
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
     if dist.get_rank() == 0:
         torch.save(ref, out + ".ref.pt")
+    # together: torch 2.13 + gloo aborts now and then (SIGABRT) when one rank destroys its group early
+    dist.barrier()
     dist.destroy_process_group()
 """)
 

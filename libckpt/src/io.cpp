@@ -82,7 +82,8 @@ bool close_one(InputPool& p) {
 // Opens `s`'s file (first open, or again after its descriptor was closed for another) and lists it
 // as most recently read. Holds mu.
 Status open_listed(InputPool& p, InputFile::State& s, bool first) {
-  while (p.open.size() >= max_open_inputs() && close_one(p)) {
+  const size_t cap = max_open_inputs();
+  while (p.open.size() >= cap && close_one(p)) {
   }
   int fd = ::open(s.path.c_str(), O_RDONLY | O_CLOEXEC);
   while (fd < 0 && (errno == EMFILE || errno == ENFILE) && close_one(p))
@@ -115,7 +116,8 @@ Status open_listed(InputPool& p, InputFile::State& s, bool first) {
   return Status::Ok();
 }
 
-void release(InputFile::State* s) {
+// Closes a file's descriptor, if open, and takes it off the pool (before its State is freed).
+void close_listed(InputFile::State* s) {
   if (!s) return;
   InputPool& p = pool();
   std::lock_guard<std::mutex> lock(p.mu);
@@ -123,7 +125,6 @@ void release(InputFile::State* s) {
     ::close(s->fd);
     p.open.erase(s->lru);
   }
-  delete s;
 }
 
 }  // namespace
@@ -154,12 +155,12 @@ Result<InputFile> InputFile::open(const fs::path& path) {
 InputFile::InputFile(InputFile&& o) noexcept : s_(std::move(o.s_)) {}
 InputFile& InputFile::operator=(InputFile&& o) noexcept {
   if (this != &o) {
-    release(s_.release());
+    close_listed(s_.get());
     s_ = std::move(o.s_);
   }
   return *this;
 }
-InputFile::~InputFile() { release(s_.release()); }
+InputFile::~InputFile() { close_listed(s_.get()); }
 
 uint64_t InputFile::size() const { return s_->size; }
 const fs::path& InputFile::path() const { return s_->path; }

@@ -9,15 +9,18 @@ Layouts:
 - FSDP2 (``fully_shard``: DTensor params and moments sharded by rows of dim 0 over all ranks, as
   torch.chunk splits them): the same layout as optstate's dense shards, and as its 8-bit shards
   where every rank's rows begin on a block (which AdamW8bit requires under FSDP2), so each rank
-  writes and loads its local rows as they are.
+  writes and loads its local rows as they are;
+- HSDP (``fully_shard`` on a 2-d (replicate, shard) mesh: placements (Replicate(), Shard(0))): the
+  checkpoint of S shard ranks, written by the first replica's S ranks; every replica loads its rows.
 """
 import json
+import os
 
 import torch
 import torch.distributed as dist
 
 from ._ops import ops
-from .optim import AdamW8bit, DTensor, FusedAdamW, _check_fsdp2_blocks, _fsdp2_absmax
+from .optim import AdamW8bit, DTensor, FusedAdamW, _check_fsdp2_blocks, _fsdp2_absmax, _rows_layout
 from .names import named_parameters
 from .sharded import ShardedParams, world_and_rank
 
@@ -37,27 +40,55 @@ def _is_dtensor(t):
     return isinstance(t, DTensor)  # () without torch.distributed: never
 
 
-def _local_rows(t, fqn, what):
-    """The local tensor of a DTensor laid out as optstate's dense shards: Shard(0) over a 1-D mesh of
-    every rank in order (FSDP2's fully_shard), each rank holding the rows torch.chunk gives it. Any
-    other layout (TP, HSDP, a sub-mesh) is refused, naming the param."""
-    from torch.distributed.tensor import Shard
+def _rows_rank(t, fqn, what):
+    """(shard ranks S, this rank's index s among them, whether it writes) for a DTensor laid out as
+    optstate's dense shards: Shard(0) over one dim of a mesh of every rank, Replicate over the others
+    (FSDP2's fully_shard; HSDP), each rank holding the rows torch.chunk gives index s of S. The
+    replicas of a row range hold the same values; the one whose other mesh coordinates are all 0
+    writes it. Any other layout (TP, a sub-mesh) is refused, naming the param."""
     mesh = t.device_mesh
-    world, rank = world_and_rank()
+    world, _ = world_and_rank()
+    layout = _rows_layout(t)
     coordinate = mesh.get_coordinate()
-    if (mesh.ndim != 1 or tuple(t.placements) != (Shard(0),) or mesh.size() != world
-            or coordinate is None or coordinate[0] != rank):
+    if layout is None or mesh.size() != world or coordinate is None:
         raise NotImplementedError(
             f"optstate: {what} of '{fqn}' is a DTensor with placements {tuple(t.placements)} on a mesh of shape "
             f"{tuple(mesh.shape)}; optstate.save/load handle FSDP2's row sharding over all ranks (Shard(0) on a "
-            f"1-D mesh) only. Save other layouts with torch.distributed.checkpoint: optstate reads a DCP of "
-            f"any number of ranks")
+            f"1-D mesh, or HSDP's (Replicate(), Shard(0))) only. Save other layouts with "
+            f"torch.distributed.checkpoint: optstate reads a DCP of any number of ranks")
+    dim, shards = layout
+    index = coordinate[dim]
+    begin, end = ops.shard_range(list(t.shape), 0, shards, index)
     local = t.to_local()
-    begin, end = ops.shard_range(list(t.shape), 0, world, rank)
     if local.numel() != end - begin:
-        raise NotImplementedError(f"optstate: {what} of '{fqn}': rank {rank} holds {local.numel()} elements, "
-                                  f"the torch.chunk rows of {list(t.shape)} over {world} ranks are {end - begin}")
-    return local
+        raise NotImplementedError(f"optstate: {what} of '{fqn}': shard {index} of {shards} holds {local.numel()} "
+                                  f"elements, the torch.chunk rows of {list(t.shape)} over {shards} ranks are "
+                                  f"{end - begin}")
+    return shards, index, all(c == 0 for d, c in enumerate(coordinate) if d != dim)
+
+
+def _local_rows(t, fqn, what):
+    """The local rows of a DTensor of FSDP2's layout (_rows_rank), checked."""
+    _rows_rank(t, fqn, what)
+    return t.to_local()
+
+
+def _rows_group(model, optimizer):
+    """(S, s, writes) shared by every DTensor param of an FSDP2/HSDP model: save and load treat the
+    checkpoint as written by S ranks, of which this one is s. Params sharded over different meshes
+    are refused."""
+    found = {}
+    for _, _, fqn, whole in _params(model, optimizer):
+        if _is_dtensor(whole):
+            found.setdefault(_rows_rank(whole, fqn, "the parameter"), fqn)
+    if not found:
+        return (*world_and_rank(), True)
+    if len(found) > 1:
+        (a, fa), (b, fb) = list(found.items())[:2]
+        raise NotImplementedError(f"optstate: '{fa}' is shard {a[1]} of {a[0]} and '{fb}' shard {b[1]} of {b[0]} "
+                                  f"on this rank; optstate.save/load need every param sharded over the same "
+                                  f"ranks. Save with torch.distributed.checkpoint instead")
+    return next(iter(found))
 
 
 def _row_sharded(model):
@@ -182,7 +213,8 @@ def save(path, model, optimizer, overwrite=True, dequantize=False, timeout=600.0
     (single process) stores it as dense fp32. ``overwrite`` replaces an existing checkpoint (of any
     format) or an empty directory; a path holding anything else is refused and left as it is.
     """
-    world, rank = world_and_rank(model.group if isinstance(model, ShardedParams) else None)
+    group = model.group if isinstance(model, ShardedParams) else None
+    world, rank = world_and_rank(group)
     if isinstance(model, ShardedParams) and (model.world, model.rank) != (world, rank):
         raise RuntimeError("optstate.save: the process group changed since ShardedParams was made")
     if world == 1:
@@ -192,9 +224,38 @@ def save(path, model, optimizer, overwrite=True, dequantize=False, timeout=600.0
     if dequantize:
         raise ValueError("optstate.save: dequantize=True is for single-process saves; convert a sharded "
                          "checkpoint afterwards with `optstate convert SRC DST --to fp32`")
-    meta, lists = _state_lists(model, optimizer, world, rank, whole_param=False)
-    host, port = _store_address(model.group if isinstance(model, ShardedParams) else None)
-    ops.save_native_sharded(str(path), meta, *lists.args(), overwrite, host, port, world, rank, "", float(timeout))
+    save_id = _next_save_id(path)  # every rank calls save, so every rank counts alike
+    shards, index, writes = _rows_group(model, optimizer) if _row_sharded(model) else (world, rank, True)
+    if shards == world:  # every rank writes its part (FSDP2, ZeRO-1, a replicated model)
+        meta, lists = _state_lists(model, optimizer, world, rank, whole_param=False)
+        host, port = _store_address(group)
+        ops.save_native_sharded(str(path), meta, *lists.args(), overwrite, host, port, world, rank, save_id,
+                                float(timeout))
+        return
+    # HSDP: the first replica of every row range writes it, as S ranks would; the other replicas
+    # hold the same values and only learn, with everyone, whether every writer succeeded.
+    err = None
+    if writes:
+        try:
+            meta, lists = _state_lists(model, optimizer, shards, index, whole_param=False)
+            host, port = _store_address(group)
+            ops.save_native_sharded(str(path), meta, *lists.args(), overwrite, host, port, shards, index,
+                                    save_id, float(timeout))
+        except Exception as e:  # noqa: BLE001 - raised below, after every rank has had its say
+            err = e
+    _all_ranks_ok(group, err, f"optstate.save: a writing rank failed to save {path} (its error is in its log)")
+
+
+_save_counts = {}
+
+
+def _next_save_id(path):
+    """The store key prefix of this process's n-th sharded save to `path`: the same on every rank,
+    whichever ranks write, and never one an earlier save used."""
+    key = os.path.abspath(str(path))
+    n = _save_counts.get(key, 0)
+    _save_counts[key] = n + 1
+    return f"py:{key}#{n}"
 
 
 def _target(optimizer):
@@ -241,17 +302,16 @@ def _group_hypers(path, meta, model, optimizer):
     return [next(iter(f.values()))[1] if f else None for f in found]
 
 
-def _all_ranks_ok(group, err, path):
+def _all_ranks_ok(group, err, failed_elsewhere):
     """One collective: every rank learns whether all ranks passed their check. Raises on every rank
-    if any failed (its own error on the failing ones), before any rank changes a live tensor."""
+    if any failed: its own error on the failing ones, RuntimeError(failed_elsewhere) on the others."""
     device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
     ok = torch.tensor([0 if err is not None else 1], dtype=torch.int32, device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     if err is not None:
         raise err
     if ok.item() == 0:
-        raise RuntimeError(f"optstate.load: another rank could not load {path} (its error is in its log); "
-                           f"nothing was changed on this rank")
+        raise RuntimeError(failed_elsewhere)
 
 
 @torch.no_grad()
@@ -280,8 +340,8 @@ def load(path, model, optimizer, transactional=True):
             raise ValueError(f"optstate.load: ShardedParams has block_size {model.block_size} and min_8bit_size "
                              f"{model.min_8bit_size}, the optimizer {block} and {min_size}")
         world, rank = model.world, model.rank
-    elif _row_sharded(model):
-        world, rank = world_and_rank()
+    elif _row_sharded(model):  # FSDP2/HSDP: the rows of shard s of S, whatever the replica
+        world, rank, _ = _rows_group(model, optimizer)
     else:
         world, rank = 1, 0
     rows = _row_sharded(model)
@@ -315,7 +375,8 @@ def load(path, model, optimizer, transactional=True):
         except Exception as e:  # noqa: BLE001 - raised below, after every rank has had its say
             err = e
         if world > 1:
-            _all_ranks_ok(group, err, path)
+            _all_ranks_ok(group, err, f"optstate.load: another rank could not load {path} (its error is in its "
+                                      f"log); nothing was changed on this rank")
         elif err is not None:
             raise err
     meta_json, pnames, enames, cnames, tensors = ops.load_native_shard(str(path), to, block, min_size, world, rank,
@@ -386,8 +447,8 @@ def verify(path, model, optimizer):
     """Resume validation: right after ``load``, is the live state exactly the checkpoint's? Returns
     the list of differences (empty when it is), each naming the entry, the rank and the first
     differing element. Every rank checks its own ranges and the whole weights."""
-    if _row_sharded(model):  # FSDP2: every rank checks its rows, weights included
-        world, rank = world_and_rank()
+    if _row_sharded(model):  # FSDP2/HSDP: every rank checks its rows, weights included
+        world, rank, _ = _rows_group(model, optimizer)
         meta, lists = _state_lists(model, optimizer, world, rank, whole_param=False)
         return list(ops.verify_native_shard(str(path), meta, *lists.args(), world, rank, False))
     world, rank = (model.world, model.rank) if isinstance(model, ShardedParams) else (1, 0)

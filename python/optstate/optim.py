@@ -33,14 +33,28 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _rows_layout(p):
+    """(mesh dim, ranks on it) of a DTensor FSDP2 lays out by rows: one Shard(0) placement, every
+    other mesh dim Replicate -- fully_shard on a 1-d mesh, or HSDP's (Replicate(), Shard(0)) on a
+    2-d (replicate, shard) mesh, whose replicas hold the same rows. None for any other layout (TP's
+    Shard(1), two shard dims, a 0-d param)."""
+    from torch.distributed.tensor import Replicate, Shard
+    placements = tuple(p.placements)
+    shard_dims = [d for d, pl in enumerate(placements) if pl == Shard(0)]
+    if p.dim() == 0 or len(shard_dims) != 1 or any(
+            pl != Replicate() for d, pl in enumerate(placements) if d != shard_dims[0]):
+        return None
+    return shard_dims[0], p.device_mesh.size(shard_dims[0])
+
+
 def _fsdp2_rows(p):
     """(rows, elements per row, rows per rank) of a DTensor param FSDP2 shards by dim 0 (torch.chunk:
-    ceil-sized), or None for any other layout."""
-    from torch.distributed.tensor import Shard
-    if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),) or p.dim() == 0:
+    ceil-sized, over the ranks of its shard mesh dim), or None for any other layout."""
+    layout = _rows_layout(p)
+    if layout is None:
         return None
     rows = p.shape[0]
-    world = p.device_mesh.size()
+    world = layout[1]
     return rows, (p.numel() // rows if rows else 0), -(-rows // world)
 
 
@@ -57,7 +71,8 @@ def _check_fsdp2_blocks(p, block):
         raise NotImplementedError(
             f"optstate.AdamW8bit: a DTensor param of shape {list(p.shape)} with placements {tuple(p.placements)} "
             f"on a mesh of shape {tuple(p.device_mesh.shape)}: its 8-bit blocks of {block} would straddle ranks. "
-            f"FSDP2 (Shard(0) on a 1-d mesh) is supported where each row holds whole blocks (a 1-d param: each "
+            f"FSDP2 (Shard(0) on a 1-d mesh, or HSDP's (Replicate(), Shard(0))) is supported where each row holds "
+            f"whole blocks (a 1-d param: each "
             f"rank's share). Use a block_size that divides the row length, a min_8bit_size above {p.numel()} "
             f"to keep this param's moments dense, or optstate.ShardedParams (ZeRO-1)")
 

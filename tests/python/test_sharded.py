@@ -368,19 +368,139 @@ def test_fsdp2_training_with_adamw8bit_equals_unsharded_saves_loads_and_resumes(
     assert root(optstate_cli, ck) == root(optstate_cli, native) == root(optstate_cli, tmp_path / "dcp8.ref")
 
 
+HSDP_SCRIPT = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp, optstate
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    out = sys.argv[1]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a = torch.nn.Linear(64, 256)   # weight: rows of one block of 64; bias dense
+            self.b = torch.nn.Linear(256, 128)  # weight: rows of 4 blocks
+            self.c = torch.nn.Linear(128, 33)   # weight [33, 128]: the two shards hold 17 and 16 rows
+            self.gain = torch.nn.Parameter(torch.randn(8192))  # 1-d: 4096 per shard = 64 blocks
+
+        def forward(self, x):
+            h = torch.nn.functional.gelu(self.b(torch.nn.functional.gelu(self.a(x))))
+            return self.c(h).square().sum() + 1e-3 * self.gain.square().sum()
+
+    def train(model, opt, steps, first=0):
+        for step in range(first, first + steps):  # the same batch everywhere: averaged grads are the batch's
+            g = torch.Generator().manual_seed(step)
+            model(torch.randn(8, 64, generator=g)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    def full(t):
+        return (t.full_tensor() if isinstance(t, DTensor) else t).reshape(-1)
+
+    def same_run(m1, o1, m2, o2):
+        ok = all(torch.equal(full(a), full(b)) for a, b in zip(m1.parameters(), m2.parameters()))
+        for p, q in zip(m1.parameters(), m2.parameters()):
+            ok &= o1.state[p].keys() == o2.state[q].keys()
+            ok &= all(torch.equal(full(v), full(o2.state[q][k])) for k, v in o1.state[p].items())
+        return ok
+
+    kinds = {"adamw": lambda ps: optstate.FusedAdamW(ps, lr=1e-3, weight_decay=0.05, amsgrad=True),
+             "adamw8bit": lambda ps: optstate.AdamW8bit(ps, lr=1e-3, weight_decay=0.05, block_size=64)}
+    for kind, make in kinds.items():
+        model = Net()
+        fully_shard(model, mesh=mesh)
+        assert model.b.weight.placements[0].is_replicate() and model.b.weight.placements[1].is_shard(0)
+        opt = make(model.parameters())
+        train(model, opt, 3)
+        ref = Net()
+        ref_opt = make(ref.parameters())
+        train(ref, ref_opt, 3)
+        print(f"{kind} " + ("hsdp == unsharded" if same_run(model, opt, ref, ref_opt) else "hsdp differs"), flush=True)
+        path = f"{out}.{kind}"
+        optstate.save(path, model, opt)
+        optstate.save(path + ".ref", ref, ref_opt)
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path + ".dcp")
+        torch.manual_seed(7)
+        back = Net()
+        fully_shard(back, mesh=mesh)
+        back_opt = make(back.parameters())
+        optstate.load(path, back, back_opt)
+        assert optstate.verify(path, back, back_opt) == []
+        train(model, opt, 2, first=3)
+        train(back, back_opt, 2, first=3)
+        print(f"{kind} " + ("native resume bitwise" if same_run(model, opt, back, back_opt) else "native resume differs"),
+              flush=True)
+        # A failed writer fails the save on every rank, the replicas that write nothing included.
+        if kind == "adamw" and dist.get_rank() == 0:
+            os.makedirs(out + ".taken")
+            open(out + ".taken/keep.txt", "w").close()
+        dist.barrier()
+        try:
+            optstate.save(out + ".taken", model, opt)
+        except (ValueError, RuntimeError) as e:
+            if mesh.get_coordinate()[0] == 0:
+                assert "keep.txt" in str(e) or "not empty" in str(e) or "taken" in str(e), e
+            else:
+                assert "a writing rank failed" in str(e), e
+            print(f"{kind} failed save raised", flush=True)
+    # Params sharded over different meshes: no single layout of shard ranks; refused on every rank.
+    mixed = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    fully_shard(mixed[0], mesh=init_device_mesh("cpu", (4,)))
+    fully_shard(mixed[1], mesh=mesh)
+    try:
+        optstate.save(out + ".mixed", mixed, optstate.FusedAdamW(mixed.parameters()))
+    except NotImplementedError as e:
+        assert "same ranks" in str(e), e
+        print("mixed meshes refused", flush=True)
+    # together: torch 2.13 + gloo aborts now and then (SIGABRT) when one rank destroys its group early
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def test_hsdp_training_saves_once_per_row_range_loads_on_every_replica_and_resumes(tmp_path, optstate_cli):
+    """HSDP (fully_shard on a (replicate, shard) mesh, torchtitan's multi-node layout) on 4 ranks as
+    2 x 2: both optimizers step it bit for bit like the unsharded run; optstate.save writes the rows
+    once (the first replica's two ranks, each its rows), every replica loads its rows back and
+    resumes bit for bit; the checkpoint, torch's DCP of the same run and the unsharded run's hash
+    alike. A writer's failure fails the save on every rank."""
+    script = tmp_path / "hsdp.py"
+    script.write_text(HSDP_SCRIPT)
+    ck = tmp_path / "hsdp"
+    out = torchrun(4, ck, script=script)
+    for kind in ("adamw", "adamw8bit"):
+        for what in ("hsdp == unsharded", "native resume bitwise", "failed save raised"):
+            assert out.count(f"{kind} {what}") == 4, (kind, what, out)
+        native = tmp_path / f"hsdp.{kind}"
+        assert sorted(os.listdir(native / "data")) == ["rank-00000.bin", "rank-00001.bin"]
+        optstate_cli("validate", native)
+        dcp_ck = tmp_path / f"hsdp.{kind}.dcp"
+        assert root(optstate_cli, native) == root(optstate_cli, dcp_ck) == root(optstate_cli, tmp_path / f"hsdp.{kind}.ref")
+    assert os.listdir(tmp_path / "hsdp.taken") == ["keep.txt"]
+    assert out.count("mixed meshes refused") == 4, out
+    assert not (tmp_path / "hsdp.mixed").exists()
+
+
 TP_SCRIPT = textwrap.dedent("""
     import sys, torch, torch.distributed as dist, optstate
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import Shard, distribute_tensor
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,))
     model = torch.nn.Linear(16, 32)
-    model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Replicate()]))
+    # TP's RowwiseParallel layout: columns per rank, not a range of the flattened weight
+    model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Shard(1)]))
     opt = optstate.FusedAdamW([model.weight])
     try:
         optstate.save(sys.argv[1], model, opt)
     except NotImplementedError as e:
-        assert "'weight'" in str(e) and "Replicate" in str(e) and "torch.distributed.checkpoint" in str(e), e
+        assert "'weight'" in str(e) and "Shard(dim=1)" in str(e) and "torch.distributed.checkpoint" in str(e), e
         print("refused")
     # together: torch 2.13 + gloo aborts now and then (SIGABRT) when one rank destroys its group early
     dist.barrier()

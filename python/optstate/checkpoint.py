@@ -227,9 +227,10 @@ def save(path, model, optimizer, overwrite=True, dequantize=False, timeout=600.0
     save_id = _next_save_id(path)  # every rank calls save, so every rank counts alike
     shards, index, writes = _rows_group(model, optimizer) if _row_sharded(model) else (world, rank, True)
     if shards == world:  # every rank writes its part (FSDP2, ZeRO-1, a replicated model)
-        meta, lists = _state_lists(model, optimizer, world, rank, whole_param=False)
+        # (as shard `index`, the mesh coordinate its rows belong to, which need not be its rank)
+        meta, lists = _state_lists(model, optimizer, shards, index, whole_param=False)
         host, port = _store_address(group)
-        ops.save_native_sharded(str(path), meta, *lists.args(), overwrite, host, port, world, rank, save_id,
+        ops.save_native_sharded(str(path), meta, *lists.args(), overwrite, host, port, shards, index, save_id,
                                 float(timeout))
         return
     # HSDP: the first replica of every row range writes it, as S ranks would; the other replicas

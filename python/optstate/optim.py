@@ -209,8 +209,8 @@ class AdamW8bit(torch.optim.Optimizer):
     flattened elements; the last block may be partial); smaller parameters keep dense float32
     ``exp_avg``/``exp_avg_sq``. The block size and map names are in the param group.
 
-    FSDP2 (DTensor) params are stepped shard by shard where every rank's rows hold whole blocks of
-    the parameter (its row length a multiple of ``block_size``; for a 1-d param, each rank's share):
+    FSDP2 (DTensor) params, HSDP's included, are stepped shard by shard where every rank's rows hold
+    whole blocks of the parameter (its row length a multiple of ``block_size``; for a 1-d param, each rank's share):
     codes and scales are then DTensors sharded like the rows, the step equals the unsharded one bit
     for bit, and ``optstate.save``/``load``/``verify`` as well as ``get_state_dict`` + ``dcp.save``
     (optstate reads that DCP) handle it. Other layouts are refused by name.

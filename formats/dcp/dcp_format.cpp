@@ -155,7 +155,6 @@ class DcpReader final : public CheckpointReader {
       return not_found(fmt::format("{}: no entry '{}'", dir_.string(), entry_key(fqn, entry)));
     const Source& src = it->second;
     const auto& segs = c == Component::kAbsmax ? src.absmax : src.values;
-    std::vector<std::byte> piece;
     for (const Segment& s : segs) {
       OPTSTATE_ASSIGN_OR_RETURN(auto loc, segment_source(src, s, c));
       auto [file, at, elem, record] = loc;
@@ -165,7 +164,7 @@ class DcpReader final : public CheckpointReader {
       uint32_t crc = 0;
       while (left > 0) {
         const uint64_t n = std::min<uint64_t>(left, kStreamPieceBytes);
-        piece.resize(n);
+        const std::span<std::byte> piece = piece_.for_read(at, n);
         OPTSTATE_RETURN_IF_ERROR(file->read_at(at, piece).with_context(iw));
         if (check) crc = zip::crc32(piece, crc);
         OPTSTATE_RETURN_IF_ERROR(sink(piece));
@@ -778,6 +777,7 @@ class DcpReader final : public CheckpointReader {
   std::map<std::string, int64_t> not_read_;     // top-level key -> items not read
   SourceLayout layout_;
   int64_t verified_ = 0, unverified_ = 0;       // chunks streamed with and without a CRC-32 check
+  ReadBuffer piece_;                             // reused between streams
 };
 
 class DcpDriver final : public FormatDriver {

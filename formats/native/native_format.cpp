@@ -97,10 +97,9 @@ class NativeReader final : public CheckpointReader {
     XXH3_state_t* st = XXH3_createState();
     XXH3_64bits_reset(st);
     Status status;
-    std::vector<std::byte>& piece = piece_;
     for (uint64_t done = 0; done < ch.length && status.ok();) {
       const uint64_t n = std::min<uint64_t>(kStreamPieceBytes, ch.length - done);
-      piece.resize(n);
+      const std::span<std::byte> piece = piece_.for_read(ch.offset + done, n);
       status = file->read_at(ch.offset + done, piece);
       if (!status.ok()) break;
       XXH3_64bits_update(st, piece.data(), piece.size());
@@ -145,7 +144,7 @@ class NativeReader final : public CheckpointReader {
   fs::path dir_;
   Manifest m_;
   std::map<size_t, InputFile> open_;
-  std::vector<std::byte> piece_;  // reused between chunks
+  ReadBuffer piece_;  // reused between chunks
 };
 
 }  // namespace

@@ -41,10 +41,9 @@ class SafetensorsReader final : public CheckpointReader {
 
   Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) override {
     OPTSTATE_ASSIGN_OR_RETURN(const TensorInfo* t, find(fqn, entry, c));
-    std::vector<std::byte> piece;
     for (uint64_t at = t->begin; at < t->end;) {
       const uint64_t n = std::min<uint64_t>(kStreamPieceBytes, t->end - at);
-      piece.resize(n);
+      const std::span<std::byte> piece = piece_.for_read(header_.data_start + at, n);
       OPTSTATE_RETURN_IF_ERROR(file_.read_at(header_.data_start + at, piece)
                                    .with_context(fmt::format("tensor '{}'", name_of(fqn, entry, c))));
       OPTSTATE_RETURN_IF_ERROR(sink(piece));
@@ -91,6 +90,7 @@ class SafetensorsReader final : public CheckpointReader {
   InputFile file_;
   Header header_;
   OptimizerState meta_;
+  ReadBuffer piece_;  // reused between tensors
 };
 
 class SafetensorsDriver final : public FormatDriver {

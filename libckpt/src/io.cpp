@@ -11,9 +11,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <list>
 #include <mutex>
+#include <new>
 #include <random>
 #include <string_view>
 
@@ -27,6 +29,7 @@ static_assert(std::atomic<int>::is_always_lock_free);
 
 // Bytes per write(2) call: a large buffer is written in pieces, so an interrupt stops it within one.
 constexpr size_t kWritePiece = size_t{64} << 20;
+constexpr size_t kBouncePieceBytes = size_t{8} << 20;
 }  // namespace
 
 void request_interrupt(int signal) noexcept { g_interrupt.store(signal, std::memory_order_relaxed); }
@@ -165,6 +168,19 @@ InputFile::~InputFile() { close_listed(s_.get()); }
 uint64_t InputFile::size() const { return s_->size; }
 const fs::path& InputFile::path() const { return s_->path; }
 
+void ReadBuffer::Free::operator()(std::byte* p) const { std::free(p); }
+
+std::span<std::byte> ReadBuffer::for_read(uint64_t offset, size_t n) {
+  const size_t need = n + kPageBytes;
+  if (need > capacity_) {
+    const size_t rounded = (need + kPageBytes - 1) / kPageBytes * kPageBytes;
+    data_.reset(static_cast<std::byte*>(std::aligned_alloc(kPageBytes, rounded)));
+    if (!data_) throw std::bad_alloc();
+    capacity_ = rounded;
+  }
+  return {data_.get() + offset % kPageBytes, n};
+}
+
 Status InputFile::read_at(uint64_t offset, std::span<std::byte> out) const {
   State& s = *s_;
   if (offset > s.size || out.size() > s.size - offset)
@@ -184,8 +200,19 @@ Status InputFile::read_at(uint64_t offset, std::span<std::byte> out) const {
   }
   Status result;
   size_t done = 0;
+  // A skewed destination: read unskewed pieces into a bounce buffer and copy them (glibc's memcpy
+  // handles the skew); cheaper than the kernel's skewed copy from 64 KiB on.
+  const bool bounce = out.size() >= (size_t{64} << 10) && skewed_read(offset, out.data());
+  thread_local ReadBuffer bounce_buffer;
   while (done < out.size()) {
-    ssize_t n = ::pread(fd, out.data() + done, out.size() - done, static_cast<off_t>(offset + done));
+    ssize_t n;
+    if (bounce) {
+      const auto piece = bounce_buffer.for_read(offset + done, std::min(out.size() - done, kBouncePieceBytes));
+      n = ::pread(fd, piece.data(), piece.size(), static_cast<off_t>(offset + done));
+      if (n > 0) std::memcpy(out.data() + done, piece.data(), static_cast<size_t>(n));
+    } else {
+      n = ::pread(fd, out.data() + done, out.size() - done, static_cast<off_t>(offset + done));
+    }
     if (n < 0) {
       if (errno == EINTR) continue;
       result = io_error(fmt::format("{}: read failed: {}", s.path.string(), errno_text()));

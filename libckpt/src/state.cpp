@@ -3,7 +3,10 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <sys/mman.h>
+
 #include <cstring>
+#include <new>
 
 namespace optstate {
 
@@ -12,8 +15,21 @@ Buffer Buffer::copy_of(std::span<const std::byte> bytes) {
 }
 
 Buffer Buffer::allocate(size_t size, std::span<std::byte>* out) {
-  std::shared_ptr<std::byte[]> holder = std::make_shared_for_overwrite<std::byte[]>(size);
   Buffer b;
+  if (size >= (size_t{64} << 10)) {
+    // Pages of its own: readers fill it with preads, whose copies are fastest unskewed (io.h; a
+    // chunk of a native checkpoint starts on a page), and freeing it returns the memory at once
+    // (aligned_alloc from the heap left convert's peak RSS at 2.7x, the heap fragmented).
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    auto* bytes = static_cast<std::byte*>(p);
+    b.owner = std::shared_ptr<std::byte>(bytes, [size](std::byte* q) { ::munmap(q, size); });
+    b.data = bytes;
+    b.size = size;
+    *out = {bytes, size};
+    return b;
+  }
+  std::shared_ptr<std::byte[]> holder = std::make_shared_for_overwrite<std::byte[]>(size);
   b.data = holder.get();
   b.size = size;
   *out = {holder.get(), size};

@@ -107,6 +107,50 @@ TEST_CASE("InputFile reports truncation with the file name") {
   CHECK(!read_small_file(dir.path / "f", 3).ok());  // over the cap: refused before allocating
 }
 
+TEST_CASE("reads place bytes unskewed against the page cache, and skewed destinations read right") {
+  // ReadBuffer: n bytes at the offset's position within a page, for any offset and size.
+  ReadBuffer rb;
+  for (uint64_t offset : {uint64_t{0}, uint64_t{1}, uint64_t{4095}, uint64_t{4096}, uint64_t{123456789}})
+    for (size_t n : {size_t{1}, size_t{5000}, size_t{3} << 20}) {
+      const auto s = rb.for_read(offset, n);
+      CAPTURE(offset);
+      CAPTURE(n);
+      CHECK(s.size() == n);
+      CHECK(!skewed_read(offset, s.data()));
+      std::memset(s.data(), 0xab, s.size());  // all of it is writable (ASan checks the bounds)
+    }
+  CHECK(skewed_read(0, reinterpret_cast<void*>(16)));
+  CHECK(skewed_read(4096 + 8, reinterpret_cast<void*>(8192 + 40)));
+  CHECK(!skewed_read(16, reinterpret_cast<void*>(16)));
+  CHECK(!skewed_read(0, reinterpret_cast<void*>(4096 - 16)));  // behind the source: no aliasing
+
+  // read_at into skewed destinations goes through the bounce buffer, in pieces (more than its
+  // 8 MiB), and reads the same bytes as an unskewed read; a short file is still an error.
+  testing::TempDir dir;
+  std::string text((size_t{9} << 20) + 777, '\0');
+  uint32_t x = 12345;
+  for (char& c : text) c = static_cast<char>((x = x * 1664525u + 1013904223u) >> 24);
+  testing::write_file(dir.path / "f", text);
+  auto f = InputFile::open(dir.path / "f");
+  REQUIRE(f.ok());
+  std::vector<std::byte> storage(text.size() + 2 * kPageBytes);
+  const uintptr_t base = (reinterpret_cast<uintptr_t>(storage.data()) + kPageBytes - 1) / kPageBytes * kPageBytes;
+  for (uint64_t offset : {uint64_t{0}, uint64_t{100}, uint64_t{4090}})
+    for (size_t skew : {size_t{0}, size_t{1}, size_t{16}, size_t{63}, size_t{64}}) {
+      const size_t n = text.size() - offset;
+      std::byte* dst = reinterpret_cast<std::byte*>(base + (offset + skew) % kPageBytes);
+      CAPTURE(offset);
+      CAPTURE(skew);
+      CHECK(skewed_read(offset, dst) == (skew > 0 && skew < 64));
+      REQUIRE(f->read_at(offset, std::span(dst, n)).ok());
+      CHECK(std::memcmp(dst, text.data() + offset, n) == 0);
+    }
+  std::byte* dst = reinterpret_cast<std::byte*>(base + 16);
+  const Status st = f->read_at(1 << 20, std::span(dst, text.size()));  // past the end, skewed
+  CHECK(st.code() == ErrorCode::kCorrupt);
+  CHECK(st.message().find("truncated") != std::string::npos);
+}
+
 TEST_CASE("find_leftovers: a killed write's staging and moved-aside outputs, by name and dead process only") {
   testing::TempDir dir;
   namespace fs = std::filesystem;

@@ -30,6 +30,32 @@ Status check_interrupt(const fs::path& where);
 // open at once, the least recently read one closed to make room and reopened when read again (and
 // checked to be the same file), so a checkpoint of thousands of ranks' files reads within the
 // usual limit of 1024 open files. Reads from several threads are safe.
+// Where read bytes land, relative to the page cache: the kernel copies a pread's bytes with `rep
+// movsb`, which on AMD Zen 3 runs about 6x slower when the destination lies 1 to 31 bytes past the
+// source modulo the page size (4K aliasing; measured: hashing 1.6 GB from the page cache took 1.0 s
+// with 16-byte-aligned heap buffers, 0.33 s without the skew). Reads avoid such skews.
+inline constexpr size_t kPageBytes = 4096;
+// True when a read from file offset `offset` into `dst` would hit that skew (a margin to 63 bytes).
+inline bool skewed_read(uint64_t offset, const void* dst) {
+  const uint64_t skew = (reinterpret_cast<uintptr_t>(dst) - offset) % kPageBytes;
+  return skew != 0 && skew < 64;
+}
+
+// A reusable buffer for reading pieces of files: `for_read(offset, n)` gives n bytes placed at
+// `offset`'s position within a page, so the kernel's copy is never skewed. Its contents are not
+// kept when it grows.
+class ReadBuffer {
+ public:
+  std::span<std::byte> for_read(uint64_t offset, size_t n);
+
+ private:
+  struct Free {
+    void operator()(std::byte* p) const;
+  };
+  std::unique_ptr<std::byte, Free> data_;
+  size_t capacity_ = 0;
+};
+
 class InputFile {
  public:
   static Result<InputFile> open(const fs::path& path);
@@ -41,6 +67,7 @@ class InputFile {
   uint64_t size() const;
   const fs::path& path() const;
   // Reads exactly out.size() bytes at offset; a short file is a corrupt error naming the file.
+  // A large read into a skewed destination (skewed_read) goes through a bounce buffer.
   Status read_at(uint64_t offset, std::span<std::byte> out) const;
 
   struct State;  // the pool's view of the file (io.cpp)

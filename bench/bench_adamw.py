@@ -14,7 +14,6 @@ bandwidths measured in the same run:
 """
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys

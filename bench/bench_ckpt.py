@@ -139,13 +139,25 @@ def raw_read(path, buf):
     return time.perf_counter() - t0
 
 
-def main():
+def checkpoint_args(layers=8, reps=3):
+    """The options of every checkpoint benchmark: model size, rounds, where to write, JSON output."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--reps", type=int, default=reps)
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--json")
-    args = ap.parse_args()
+    return ap
+
+
+def write_json(path, doc):
+    """A benchmark's results as JSON, where --json names a file."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(doc, indent=1))
+
+
+def main():
+    args = checkpoint_args().parse_args()
     torch.set_num_threads(2)
     work = Path(tempfile.mkdtemp(prefix="optstate-bench-ckpt-", dir=args.dir))
 
@@ -241,11 +253,8 @@ def main():
     print("\nGB/s counts the state's bytes (weights + moments); '% raw' = the faster raw time / case time; "
           "'vs dcp' = dcp time / case time.")
     shutil.rmtree(work, ignore_errors=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"machine": platform.platform(), "cpus": os.cpu_count(),
-                                               "params": nparams, "bytes": total, "reps": args.reps,
-                                               "results": rows}, indent=1))
+    write_json(args.json, {"machine": platform.platform(), "cpus": os.cpu_count(), "params": nparams,
+                           "bytes": total, "reps": args.reps, "results": rows})
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ LR-scheduler, train_state and dataloader items must be equal, bit for bit.
 
     .venv/bin/python bench/bench_dcp_convert.py [--layers 2] [--reps 2] [--dir /tmp] [--json bench/results/dcp_convert.json]
 """
-import argparse
-import json
 import os
 import shutil
 import statistics
@@ -34,7 +32,8 @@ import torch
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
-from bench_ckpt import dir_bytes, drop_cache, raw_read, raw_write, run_measured  # noqa: E402
+from bench_ckpt import (checkpoint_args, dir_bytes, drop_cache, raw_read, raw_write, run_measured,  # noqa: E402
+                        write_json)
 
 warnings.filterwarnings("ignore")
 
@@ -136,12 +135,7 @@ def same(a, b):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--dir", default=tempfile.gettempdir())
-    ap.add_argument("--json")
-    args = ap.parse_args()
+    args = checkpoint_args(layers=2, reps=2).parse_args()
     try:
         import torchao  # noqa: F401
     except ImportError:
@@ -217,10 +211,8 @@ def main():
     print("(GB/s: bytes read + written; each case a fresh process, cold page cache for SRC; peak RSS: the\n"
           " process's high-water resident memory, the largest over the runs)")
     shutil.rmtree(work, ignore_errors=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"layers": args.layers, "src_bytes": src_bytes, "dst_bytes": dst_bytes,
-                                               "reps": args.reps, "results": rows}, indent=1))
+    write_json(args.json, {"layers": args.layers, "src_bytes": src_bytes, "dst_bytes": dst_bytes,
+                           "reps": args.reps, "results": rows})
 
 
 if __name__ == "__main__":

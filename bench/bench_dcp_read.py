@@ -12,8 +12,6 @@ Median of --reps, round-robin.
 
     .venv/bin/python bench/bench_dcp_read.py [--layers 8] [--reps 3] [--dir /tmp] [--json bench/results/dcp_read.json]
 """
-import argparse
-import json
 import os
 import shutil
 import statistics
@@ -30,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import optstate  # noqa: E402
-from bench_ckpt import drop_cache, make_model  # noqa: E402
+from bench_ckpt import checkpoint_args, drop_cache, make_model, write_json  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -45,12 +43,7 @@ def stepped(layers):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--dir", default=tempfile.gettempdir())
-    ap.add_argument("--json")
-    args = ap.parse_args()
+    args = checkpoint_args().parse_args()
     torch.set_num_threads(2)
     work = Path(tempfile.mkdtemp(prefix="optstate-bench-dcp-", dir=args.dir))
     ck = work / "dcp"
@@ -125,9 +118,7 @@ def main():
         print(f"{k:<16}{med[k]:>10.3f}{min(times[k]):>10.3f}{r['gb_per_s']:>8.2f}{r['pct_raw']:>7.0f}%"
               f"{r['speedup_vs_dcp_load']:>12.2f}x")
     shutil.rmtree(work, ignore_errors=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"bytes": total, "reps": args.reps, "results": rows}, indent=1))
+    write_json(args.json, {"bytes": total, "reps": args.reps, "results": rows})
 
 
 if __name__ == "__main__":

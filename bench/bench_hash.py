@@ -21,8 +21,6 @@ Median of --reps, round-robin, each round starting at another case.
 
     .venv/bin/python bench/bench_hash.py [--layers 8] [--reps 3] [--dir /tmp] [--json bench/results/hash.json]
 """
-import argparse
-import json
 import os
 import shutil
 import statistics
@@ -37,7 +35,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ckpt import dir_bytes, drop_cache, fill_state, make_model, run_measured  # noqa: E402
+from bench_ckpt import (checkpoint_args, dir_bytes, drop_cache, fill_state, make_model, run_measured,  # noqa: E402
+                        write_json)
 
 warnings.filterwarnings("ignore")
 REPO = Path(__file__).resolve().parents[1]
@@ -88,12 +87,7 @@ def go_cold(path):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--dir", default=tempfile.gettempdir())
-    ap.add_argument("--json")
-    args = ap.parse_args()
+    args = checkpoint_args().parse_args()
     if not CLI.exists():
         sys.exit(f"{CLI} not found: build first (README)")
     torch.set_num_threads(2)
@@ -183,9 +177,7 @@ def main():
         rows[k] = row
     print(f"\nroot hash (DCP and native alike): {roots['dcp']}")
     shutil.rmtree(work, ignore_errors=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"bytes": total, "reps": args.reps, "results": rows}, indent=1))
+    write_json(args.json, {"bytes": total, "reps": args.reps, "results": rows})
 
 
 if __name__ == "__main__":

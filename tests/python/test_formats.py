@@ -12,7 +12,6 @@ import textwrap
 import pytest
 import torch
 
-from conftest import REPO
 
 MAKE_DCP = textwrap.dedent("""
     import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp

@@ -20,7 +20,9 @@ from conftest import REPO
 def torchrun(n, *args, script=None, cwd=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            str(script or REPO / "samples" / "train_sharded.py"), *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=300)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "tests" / "python"),
+                                                                   os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=300, env=env)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     return proc.stdout
 
@@ -247,6 +249,7 @@ FSDP2_8BIT_SCRIPT = textwrap.dedent("""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
+    from dist_checks import same_run
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     out = sys.argv[1]
@@ -315,16 +318,6 @@ FSDP2_8BIT_SCRIPT = textwrap.dedent("""
     assert optstate.verify(out + ".native", back, back_opt) == []
     assert isinstance(back_opt.state[back.a.weight]["exp_avg_absmax"], DTensor)
 
-    def full(t):
-        return t.full_tensor() if isinstance(t, DTensor) else t
-
-    def same_run(m1, o1, m2, o2):
-        ok = all(torch.equal(full(a), full(b)) for a, b in zip(m1.parameters(), m2.parameters()))
-        for p, q in zip(m1.parameters(), m2.parameters()):
-            ok &= o1.state[p].keys() == o2.state[q].keys()
-            ok &= all(torch.equal(full(v), full(o2.state[q][k])) for k, v in o1.state[p].items())
-        return ok
-
     for m_, o_ in ((model, opt), (fresh, fresh_opt), (back, back_opt)):
         train(m_, o_, 2)
     print("dcp resume bitwise" if same_run(model, opt, fresh, fresh_opt) else "dcp resume differs")
@@ -373,7 +366,7 @@ HSDP_SCRIPT = textwrap.dedent("""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
+    from dist_checks import same_run
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     out = sys.argv[1]
@@ -398,16 +391,6 @@ HSDP_SCRIPT = textwrap.dedent("""
             model(torch.randn(8, 64, generator=g)).backward()
             opt.step()
             opt.zero_grad()
-
-    def full(t):
-        return (t.full_tensor() if isinstance(t, DTensor) else t).reshape(-1)
-
-    def same_run(m1, o1, m2, o2):
-        ok = all(torch.equal(full(a), full(b)) for a, b in zip(m1.parameters(), m2.parameters()))
-        for p, q in zip(m1.parameters(), m2.parameters()):
-            ok &= o1.state[p].keys() == o2.state[q].keys()
-            ok &= all(torch.equal(full(v), full(o2.state[q][k])) for k, v in o1.state[p].items())
-        return ok
 
     kinds = {"adamw": lambda ps: optstate.FusedAdamW(ps, lr=1e-3, weight_decay=0.05, amsgrad=True),
              "adamw8bit": lambda ps: optstate.AdamW8bit(ps, lr=1e-3, weight_decay=0.05, block_size=64)}

@@ -415,6 +415,13 @@ HSDP_SCRIPT = textwrap.dedent("""
         back_opt = make(back.parameters())
         optstate.load(path, back, back_opt)
         assert optstate.verify(path, back, back_opt) == []
+        # torch's DCP of the same run loads the same way, each replica reading its rows
+        from_dcp = Net()
+        fully_shard(from_dcp, mesh=mesh)
+        from_dcp_opt = make(from_dcp.parameters())
+        optstate.load(path + ".dcp", from_dcp, from_dcp_opt)
+        print(f"{kind} " + ("dcp load == native load" if same_run(back, back_opt, from_dcp, from_dcp_opt)
+                            else "dcp load differs"), flush=True)
         train(model, opt, 2, first=3)
         train(back, back_opt, 2, first=3)
         print(f"{kind} " + ("native resume bitwise" if same_run(model, opt, back, back_opt) else "native resume differs"),
@@ -450,15 +457,15 @@ HSDP_SCRIPT = textwrap.dedent("""
 def test_hsdp_training_saves_once_per_row_range_loads_on_every_replica_and_resumes(tmp_path, optstate_cli):
     """HSDP (fully_shard on a (replicate, shard) mesh, torchtitan's multi-node layout) on 4 ranks as
     2 x 2: both optimizers step it bit for bit like the unsharded run; optstate.save writes the rows
-    once (the first replica's two ranks, each its rows), every replica loads its rows back and
-    resumes bit for bit; the checkpoint, torch's DCP of the same run and the unsharded run's hash
+    once (the first replica's two ranks, each its rows), every replica loads its rows back (from it
+    and from torch's DCP of the run alike) and resumes bit for bit; the checkpoint, torch's DCP of the same run and the unsharded run's hash
     alike. A writer's failure fails the save on every rank."""
     script = tmp_path / "hsdp.py"
     script.write_text(HSDP_SCRIPT)
     ck = tmp_path / "hsdp"
     out = torchrun(4, ck, script=script)
     for kind in ("adamw", "adamw8bit"):
-        for what in ("hsdp == unsharded", "native resume bitwise", "failed save raised"):
+        for what in ("hsdp == unsharded", "native resume bitwise", "dcp load == native load", "failed save raised"):
             assert out.count(f"{kind} {what}") == 4, (kind, what, out)
         native = tmp_path / f"hsdp.{kind}"
         assert sorted(os.listdir(native / "data")) == ["rank-00000.bin", "rank-00001.bin"]

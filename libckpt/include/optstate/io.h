@@ -26,10 +26,6 @@ void clear_interrupt() noexcept;
 // A kCancelled error naming `where` once an interrupt was requested; ok otherwise.
 Status check_interrupt(const fs::path& where);
 
-// A file read by position. Its descriptor is process-wide pooled: at most max_open_inputs() are
-// open at once, the least recently read one closed to make room and reopened when read again (and
-// checked to be the same file), so a checkpoint of thousands of ranks' files reads within the
-// usual limit of 1024 open files. Reads from several threads are safe.
 // Where read bytes land, relative to the page cache: the kernel copies a pread's bytes with `rep
 // movsb`, which on AMD Zen 3 runs about 6x slower when the destination lies 1 to 31 bytes past the
 // source modulo the page size (4K aliasing; measured: hashing 1.6 GB from the page cache took 1.0 s
@@ -56,6 +52,10 @@ class ReadBuffer {
   size_t capacity_ = 0;
 };
 
+// A file read by position. Its descriptor is process-wide pooled: at most max_open_inputs() are
+// open at once, the least recently read one closed to make room and reopened when read again (and
+// checked to be the same file), so a checkpoint of thousands of ranks' files reads within the
+// usual limit of 1024 open files. Reads from several threads are safe.
 class InputFile {
  public:
   static Result<InputFile> open(const fs::path& path);
@@ -67,7 +67,8 @@ class InputFile {
   uint64_t size() const;
   const fs::path& path() const;
   // Reads exactly out.size() bytes at offset; a short file is a corrupt error naming the file.
-  // A large read into a skewed destination (skewed_read) goes through a bounce buffer.
+  // A large read into a skewed destination (skewed_read) goes through a bounce buffer (8 MiB,
+  // kept by the thread that needed it).
   Status read_at(uint64_t offset, std::span<std::byte> out) const;
 
   struct State;  // the pool's view of the file (io.cpp)

@@ -66,23 +66,27 @@ print(root.hexdigest(), len(hashes))
 """
 
 
+CAT_ALL = ["sh", "-c", 'cat "$@" > /dev/null', "sh"]  # + the files
+
+
+def files_under(path):
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
+
+
 def raw_read_all(path, cold):
     """cat reads every file under `path` (sequential 128 KiB reads, the kernel's readahead ahead of
     them); (seconds, peak RSS). On this VM that is the fastest plain reader: 8 MiB reads with nothing
     between them (dd bs=8M) ran 1.5-3x slower cold, as the readahead window is 8 MiB here."""
     if cold:
         go_cold(path)
-    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
-    return run_measured(["sh", "-c", 'cat "$@" > /dev/null', "sh", *files])
+    return run_measured(CAT_ALL + files_under(path))
 
 
 def go_cold(path):
     """Drops `path` from this machine's page cache, after one untimed read. On a VM the host may
     still cache what the guest dropped, so which case ran first would decide who reads the real disk;
     reading first makes every cold case start alike: out of the guest's cache, in the host's."""
-    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
-    subprocess.run(["sh", "-c", 'for f; do dd if="$f" of=/dev/null bs=8M status=none; done', "sh", *files],
-                   check=True)
+    subprocess.run(CAT_ALL + files_under(path), check=True)
     drop_cache(path)
 
 

@@ -278,9 +278,10 @@ Result<Metadata> interpret_metadata(const Pickle& p, const std::string& where) {
   return m;
 }
 
-Result<Payload> interpret_payload(const Pickle& p, const std::string& where) {
+Result<Payload> interpret_payload(const Pickle& p, const std::string& where) { return interpret_value(p, p.root(), where); }
+
+Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& where) {
   Payload out;
-  const Ref root = p.root();
   if (is_instance(p, root, "torch._utils", "_rebuild_tensor_v2") ||
       is_instance(p, root, "torch._utils", "_rebuild_tensor_v3")) {
     out.kind = Payload::Kind::kTensor;
@@ -312,6 +313,51 @@ Result<Payload> interpret_payload(const Pickle& p, const std::string& where) {
   }
   out.kind = Payload::Kind::kValue;
   return out;
+}
+
+std::string_view storage_class(DType d) {
+  switch (d) {
+    case DType::kF32: return "FloatStorage";
+    case DType::kBF16: return "BFloat16Storage";
+    case DType::kF16: return "HalfStorage";
+    case DType::kF64: return "DoubleStorage";
+    case DType::kU8: return "ByteStorage";
+    case DType::kI8: return "CharStorage";
+    case DType::kI32: return "IntStorage";
+    case DType::kI64: return "LongStorage";
+  }
+  return "ByteStorage";
+}
+
+void encode_tensor(pickle::Writer& w, DType d, const std::vector<int64_t>& shape, std::string_view storage_key) {
+  int64_t numel = 1;
+  for (int64_t x : shape) numel *= x;
+  std::vector<int64_t> stride(shape.size(), 1);
+  for (size_t k = shape.size(); k-- > 1;) stride[k - 1] = stride[k] * shape[k];
+  auto int_tuple_of = [&w](const std::vector<int64_t>& v) {
+    w.mark();
+    for (int64_t x : v) w.integer(x);
+    w.tuple_from_mark();
+  };
+  w.global("torch._utils", "_rebuild_tensor_v2");
+  w.mark();
+  w.mark();
+  w.str("storage");
+  w.global("torch", storage_class(d));
+  w.str(storage_key);
+  w.str("cpu");
+  w.integer(numel);
+  w.tuple_from_mark();
+  w.binpersid();
+  w.integer(0);
+  int_tuple_of(shape);
+  int_tuple_of(stride);
+  w.boolean(false);
+  w.global("collections", "OrderedDict");
+  w.empty_tuple();
+  w.reduce();
+  w.tuple_from_mark();
+  w.reduce();
 }
 
 }  // namespace optstate::dcp

@@ -23,20 +23,6 @@ namespace {
 
 constexpr const char* kMeta = "torch.distributed.checkpoint.metadata";
 
-std::string_view storage_class(DType d) {
-  switch (d) {
-    case DType::kF32: return "FloatStorage";
-    case DType::kBF16: return "BFloat16Storage";
-    case DType::kF16: return "HalfStorage";
-    case DType::kF64: return "DoubleStorage";
-    case DType::kU8: return "ByteStorage";
-    case DType::kI8: return "CharStorage";
-    case DType::kI32: return "IntStorage";
-    case DType::kI64: return "LongStorage";
-  }
-  return "ByteStorage";
-}
-
 void write_size(pickle::Writer& w, const std::vector<int64_t>& dims) {
   w.global("torch", "Size");
   w.mark();
@@ -45,12 +31,6 @@ void write_size(pickle::Writer& w, const std::vector<int64_t>& dims) {
   w.tuple_from_mark();
   w.tuple_from_mark();
   w.reduce();
-}
-
-void write_int_tuple(pickle::Writer& w, const std::vector<int64_t>& v) {
-  w.mark();
-  for (int64_t d : v) w.integer(d);
-  w.tuple_from_mark();
 }
 
 // NEWOBJ of a dataclass, the caller then pushes the state and calls build().
@@ -91,29 +71,7 @@ class Item {
 
 std::string tensor_pickle(DType d, const std::vector<int64_t>& shape) {
   pickle::Writer w;
-  int64_t numel = 1;
-  for (int64_t x : shape) numel *= x;
-  std::vector<int64_t> stride(shape.size(), 1);
-  for (size_t k = shape.size(); k-- > 1;) stride[k - 1] = stride[k] * shape[k];
-  w.global("torch._utils", "_rebuild_tensor_v2");
-  w.mark();
-  w.mark();
-  w.str("storage");
-  w.global("torch", storage_class(d));
-  w.str("0");
-  w.str("cpu");
-  w.integer(numel);
-  w.tuple_from_mark();
-  w.binpersid();
-  w.integer(0);
-  write_int_tuple(w, shape);
-  write_int_tuple(w, stride);
-  w.boolean(false);
-  w.global("collections", "OrderedDict");
-  w.empty_tuple();
-  w.reduce();
-  w.tuple_from_mark();
-  w.reduce();
+  encode_tensor(w, d, shape, "0");
   return w.finish();
 }
 

@@ -1,0 +1,446 @@
+#include "torchsave_layout.h"
+
+#include <fmt/format.h>
+
+#include <set>
+
+#include "optstate/quant8.h"
+
+namespace optstate::torchsave {
+namespace {
+
+using dcp::Payload;
+using dcp::TensorRef;
+using pickle::Kind;
+using pickle::kNoRef;
+using pickle::Pickle;
+using pickle::Ref;
+
+// A dict, or an OrderedDict (what nn.Module.state_dict() returns): its items k0, v0, k1, v1, ...
+const std::vector<Ref>* dict_items(const Pickle& p, Ref r) {
+  if (r == kNoRef) return nullptr;
+  const auto& v = p.at(r);
+  if (v.kind == Kind::kDict) return &v.items;
+  if (v.kind == Kind::kObject && p.is_global(v.callable, "collections", "OrderedDict")) return &v.items;
+  return nullptr;
+}
+
+bool is_optimizer_dict(const Pickle& p, Ref r) {
+  return dict_items(p, r) && p.dict_get(r, "state") != kNoRef && p.dict_get(r, "param_groups") != kNoRef;
+}
+
+const std::vector<Ref>* list_items(const Pickle& p, Ref r) {
+  if (r == kNoRef) return nullptr;
+  const auto& v = p.at(r);
+  return v.kind == Kind::kList || v.kind == Kind::kTuple ? &v.items : nullptr;
+}
+
+// A number, or a one-element tensor the driver will read.
+Result<Scalar> scalar(const Pickle& p, Ref r, const std::string& where) {
+  Scalar s;
+  if (auto n = dcp::as_number(p, r)) {
+    s.number = *n;
+    return s;
+  }
+  auto v = dcp::interpret_value(p, r, where);
+  if (!v.ok()) return v.status();
+  if (v->kind != Payload::Kind::kTensor || *checked_numel(v->tensor.shape) != 1)
+    return corrupt(where + ": neither a number nor a one-element tensor");
+  s.tensor = v->tensor;
+  return s;
+}
+
+Result<double> number(const Pickle& p, Ref group, const char* key, const std::string& where) {
+  const Ref r = p.dict_get(group, key);
+  if (r == kNoRef) return corrupt(fmt::format("{}: no '{}' (not an AdamW param group)", where, key));
+  auto n = dcp::as_number(p, r);
+  if (!n) return corrupt(fmt::format("{}: '{}' is not a number", where, key));
+  return *n;
+}
+
+Result<bool> flag(const Pickle& p, Ref group, const char* key, const std::string& where) {
+  const Ref r = p.dict_get(group, key);
+  if (r == kNoRef || p.at(r).kind == Kind::kNone) return false;
+  auto b = dcp::as_bool(p, r);
+  if (!b) return corrupt(fmt::format("{}: '{}' is not a bool", where, key));
+  return *b;
+}
+
+// Group fields that hold nothing the canonical state needs: torch.optim.AdamW's implementation
+// switches, torchao's and optstate's own settings (the 8-bit layout is read from the entries).
+const std::set<std::string, std::less<>> kIgnoredGroupKeys = {
+    "params", "param_names", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach",
+    "capturable", "differentiable", "fused", "decoupled_weight_decay", "block_size", "min_8bit_size",
+    "exp_avg_qmap", "exp_avg_sq_qmap", "bf16_stochastic_round", "is_adamw"};
+
+// "exp_avg" for ("exp_avg_codes", "_codes"): a moment's name with the suffix, else nothing.
+std::optional<std::string> moment_of(const std::string& name, std::string_view suffix) {
+  if (name.size() <= suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
+    return std::nullopt;
+  std::string base = name.substr(0, name.size() - suffix.size());
+  if (base != kExpAvg && base != kExpAvgSq && base != kMaxExpAvgSq) return std::nullopt;
+  return base;
+}
+
+bool is_moment(const std::string& name) { return name == kExpAvg || name == kExpAvgSq || name == kMaxExpAvgSq; }
+
+struct GroupInfo {
+  int64_t block = 0;  // optstate's AdamW8bit: its block_size and map names
+  std::string signed_map = std::string(qmap_name(QMap::kDynamicSigned));
+  std::string unsigned_map = std::string(qmap_name(QMap::kDynamicUnsigned));
+};
+
+// Sets `shape` from the first entry; every later one must agree.
+Status same_shape(std::optional<std::vector<int64_t>>& shape, const std::vector<int64_t>& s, const std::string& where) {
+  if (!shape) {
+    shape = s;
+    return Status::Ok();
+  }
+  if (*shape != s)
+    return corrupt(fmt::format("{}: shape {}, the param's other state has {}", where, format_shape(s), format_shape(*shape)));
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where) {
+  StateDict out;
+  const Ref root = p.root();
+  Ref opt = kNoRef, model = kNoRef;
+  if (is_optimizer_dict(p, root)) {
+    opt = root;
+  } else if (const auto* items = dict_items(p, root)) {
+    std::vector<std::string> found;
+    for (size_t k = 0; k + 1 < items->size(); k += 2) {
+      const auto key = dcp::as_string(p, (*items)[k]);
+      const Ref v = (*items)[k + 1];
+      const std::string name = key ? fmt::format("['{}']", *key) : "[?]";
+      if (is_optimizer_dict(p, v)) {
+        found.push_back(name);
+        opt = v;
+      } else if (const auto* list = list_items(p, v); list && list->size() == 1 && is_optimizer_dict(p, (*list)[0])) {
+        found.push_back(name + "[0]");
+        opt = (*list)[0];
+      } else if (key && (*key == "model" || *key == "model_state_dict") && dict_items(p, v)) {
+        model = v;
+      } else {
+        out.not_read.push_back(name);
+      }
+    }
+    if (found.empty())
+      return corrupt(fmt::format("{}: no optimizer state_dict in it (a dict with 'state' and 'param_groups', at the "
+                                 "top or one level down)", where));
+    if (found.size() > 1)
+      return corrupt(fmt::format("{}: holds {} optimizer state_dicts ({}); optstate reads a file with one", where,
+                                 found.size(), fmt::join(found, ", ")));
+    out.optimizer_path = found[0];
+  } else {
+    return corrupt(fmt::format("{}: data.pkl is not a dict, so not an optimizer state_dict", where));
+  }
+  const std::string ow = where + (out.optimizer_path.empty() ? "" : " " + out.optimizer_path);
+
+  // Param groups: hyperparameters, member ids and (torch >= 2.6, params given by name) their names.
+  const auto* groups = list_items(p, p.dict_get(opt, "param_groups"));
+  if (!groups || groups->empty()) return corrupt(ow + ": 'param_groups' is not a non-empty list");
+  std::map<int64_t, std::pair<int, std::string>> members;  // id -> (group, name)
+  std::set<std::string> names;
+  std::vector<GroupInfo> info(groups->size());
+  for (size_t g = 0; g < groups->size(); ++g) {
+    const Ref gr = (*groups)[g];
+    const std::string gw = fmt::format("{} param group {}", ow, g);
+    if (!dict_items(p, gr)) return corrupt(gw + ": not a dict");
+    GroupSpec spec;
+    const Ref lr = p.dict_get(gr, "lr");
+    if (lr == kNoRef) return corrupt(gw + ": no 'lr' (not an AdamW param group)");
+    OPTSTATE_ASSIGN_OR_RETURN(spec.lr, scalar(p, lr, gw + " 'lr'"));
+    const auto* betas = list_items(p, p.dict_get(gr, "betas"));
+    if (!betas || betas->size() != 2 || !dcp::as_number(p, (*betas)[0]) || !dcp::as_number(p, (*betas)[1]))
+      return corrupt(gw + ": 'betas' is not a pair of numbers (not an AdamW param group)");
+    spec.hyper.beta1 = *dcp::as_number(p, (*betas)[0]);
+    spec.hyper.beta2 = *dcp::as_number(p, (*betas)[1]);
+    OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.eps, number(p, gr, "eps", gw));
+    OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.weight_decay, number(p, gr, "weight_decay", gw));
+    OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.amsgrad, flag(p, gr, "amsgrad", gw));
+    OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.maximize, flag(p, gr, "maximize", gw));
+    if (const Ref b = p.dict_get(gr, "block_size"); b != kNoRef) {
+      const auto v = dcp::as_number(p, b);
+      if (!v || *v < 1 || *v > (1 << 20) || *v != static_cast<double>(static_cast<int64_t>(*v)))
+        return corrupt(gw + ": 'block_size' is not an integer in [1, 2^20]");
+      info[g].block = static_cast<int64_t>(*v);
+      out.eight = true;
+    }
+    for (auto [field, name] : {std::pair{"exp_avg_qmap", &info[g].signed_map},
+                               std::pair{"exp_avg_sq_qmap", &info[g].unsigned_map}}) {
+      const Ref r = p.dict_get(gr, field);
+      if (r == kNoRef) continue;
+      auto v = dcp::as_string(p, r);
+      if (!v || !qmap_from_name(*v).ok()) return corrupt(fmt::format("{}: '{}' is not a known map name", gw, field));
+      *name = *v;
+    }
+    const auto* ids = list_items(p, p.dict_get(gr, "params"));
+    if (!ids) return corrupt(gw + ": 'params' is not a list");
+    std::optional<std::vector<std::string>> pnames;
+    if (const Ref pn = p.dict_get(gr, "param_names"); pn != kNoRef) {
+      pnames = dcp::as_string_list(p, pn);
+      if (!pnames || pnames->size() != ids->size())
+        return corrupt(gw + ": 'param_names' is not a list of strings as long as 'params'");
+    }
+    for (size_t i = 0; i < ids->size(); ++i) {
+      const auto& id = p.at((*ids)[i]);
+      if (id.kind != Kind::kInt || id.i < 0) return corrupt(gw + ": a param id is not a non-negative integer");
+      std::string name = pnames ? (*pnames)[i] : std::to_string(id.i);
+      if (name.empty()) return corrupt(fmt::format("{}: param {} has an empty name", gw, id.i));
+      if (!members.emplace(id.i, std::pair{static_cast<int>(g), name}).second)
+        return corrupt(fmt::format("{}: param id {} is listed twice", gw, id.i));
+      if (!names.insert(name).second) return corrupt(fmt::format("{}: param name '{}' is listed twice", gw, name));
+    }
+    const auto& gitems = *dict_items(p, gr);
+    for (size_t k = 0; k + 1 < gitems.size(); k += 2) {
+      const auto key = dcp::as_string(p, gitems[k]);
+      if (!key || !kIgnoredGroupKeys.count(*key))
+        out.not_read.push_back(fmt::format("param group {} '{}'", g, key ? *key : "?"));
+    }
+    out.groups.push_back(std::move(spec));
+  }
+
+  // Per-param state, by id.
+  const Ref state = p.dict_get(opt, "state");
+  const auto* sitems = dict_items(p, state);
+  if (!sitems) return corrupt(ow + ": 'state' is not a dict");
+  std::map<int64_t, ParamSpec> params;
+  for (size_t k = 0; k + 1 < sitems->size(); k += 2) {
+    const auto& idv = p.at((*sitems)[k]);
+    if (idv.kind != Kind::kInt) return corrupt(ow + ": a 'state' key is not a param id");
+    const auto member = members.find(idv.i);
+    if (member == members.end())
+      return corrupt(fmt::format("{}: state of param id {}, which no param group lists", ow, idv.i));
+    const auto& [g, fqn] = member->second;
+    const std::string pw = fmt::format("{} state[{}] (param '{}')", ow, idv.i, fqn);
+    const Ref ps = (*sitems)[k + 1];
+    const auto* fields = dict_items(p, ps);
+    if (!fields) return corrupt(pw + ": not a dict");
+    ParamSpec spec;
+    spec.fqn = fqn;
+    spec.id = idv.i;
+    spec.group = g;
+    std::optional<std::vector<int64_t>> shape;
+    bool has_step = false;
+    for (size_t f = 0; f + 1 < fields->size(); f += 2) {
+      const auto name = dcp::as_string(p, (*fields)[f]);
+      const Ref v = (*fields)[f + 1];
+      if (!name) return corrupt(pw + ": a key is not a string");
+      const std::string ew = fmt::format("{} '{}'", pw, *name);
+      if (*name == "step") {
+        OPTSTATE_ASSIGN_OR_RETURN(spec.step, scalar(p, v, ew));
+        has_step = true;
+      } else if (is_moment(*name)) {
+        OPTSTATE_ASSIGN_OR_RETURN(Payload pl, dcp::interpret_value(p, v, ew));
+        EntrySpec e;
+        if (pl.kind == Payload::Kind::kTensor) {
+          if (pl.tensor.dtype != DType::kF32 && pl.tensor.dtype != DType::kBF16 && pl.tensor.dtype != DType::kF16)
+            return corrupt(fmt::format("{}: a {} tensor; dense state is fp32, bf16 or fp16", ew, dtype_name(pl.tensor.dtype)));
+          OPTSTATE_RETURN_IF_ERROR(same_shape(shape, pl.tensor.shape, ew));
+          e.values = pl.tensor;
+        } else if (pl.kind == Payload::Kind::kOptimState8bit) {
+          // torchao: codes in the param's shape, one scale per block, the map itself.
+          const int64_t codes = *checked_numel(pl.codes.shape), blocks = *checked_numel(pl.scale.shape);
+          OPTSTATE_ASSIGN_OR_RETURN(const int64_t claimed, checked_numel(pl.claimed_shape));
+          if (claimed != codes) return corrupt(fmt::format("{}: OptimState8bit of {} elements with {} codes", ew, claimed, codes));
+          if (blocks <= 0 || codes % blocks) return corrupt(ew + ": codes are not a whole number of blocks");
+          OPTSTATE_RETURN_IF_ERROR(same_shape(shape, pl.claimed_shape, ew));
+          e.encoding = Encoding::kBlockwise8;
+          e.codes = pl.codes;
+          e.absmax = pl.scale;
+          e.block_size = codes / blocks;
+          e.qmap = pl.qmap;
+          out.eight = true;
+        } else {
+          return corrupt(ew + ": neither a tensor nor torchao's OptimState8bit");
+        }
+        if (!spec.entries.emplace(*name, std::move(e)).second) return corrupt(ew + ": listed twice");
+      } else if (const auto base = moment_of(*name, "_codes")) {
+        // optstate's AdamW8bit (DESIGN §6): plain codes and absmax tensors, block and maps in the group.
+        const Ref absmax = p.dict_get(ps, *base + "_absmax");
+        if (absmax == kNoRef) return corrupt(fmt::format("{}: without '{}_absmax'", ew, *base));
+        if (info[static_cast<size_t>(g)].block == 0)
+          return corrupt(ew + ": 8-bit codes, but the param group has no block_size (optstate's AdamW8bit records it)");
+        OPTSTATE_ASSIGN_OR_RETURN(Payload c, dcp::interpret_value(p, v, ew));
+        OPTSTATE_ASSIGN_OR_RETURN(Payload a, dcp::interpret_value(p, absmax, fmt::format("{} '{}_absmax'", pw, *base)));
+        if (c.kind != Payload::Kind::kTensor || c.tensor.dtype != DType::kU8) return corrupt(ew + ": not a uint8 tensor");
+        if (a.kind != Payload::Kind::kTensor || a.tensor.dtype != DType::kF32)
+          return corrupt(fmt::format("{} '{}_absmax': not a float32 tensor", pw, *base));
+        const int64_t block = info[static_cast<size_t>(g)].block;
+        const int64_t numel = *checked_numel(c.tensor.shape), blocks = *checked_numel(a.tensor.shape);
+        if (blocks != (numel + block - 1) / block)
+          return corrupt(fmt::format("{}: {} scales for {} codes in blocks of {} (needs {})", ew, blocks, numel, block,
+                                     (numel + block - 1) / block));
+        OPTSTATE_RETURN_IF_ERROR(same_shape(shape, c.tensor.shape, ew));
+        EntrySpec e;
+        e.encoding = Encoding::kBlockwise8;
+        e.codes = c.tensor;
+        e.absmax = a.tensor;
+        e.block_size = block;
+        e.qmap_name = *base == kExpAvg ? info[static_cast<size_t>(g)].signed_map : info[static_cast<size_t>(g)].unsigned_map;
+        if (!spec.entries.emplace(*base, std::move(e)).second)
+          return corrupt(fmt::format("{}: '{}' is both dense and 8-bit", pw, *base));
+        out.eight = true;
+      } else if (const auto base = moment_of(*name, "_absmax")) {
+        if (p.dict_get(ps, *base + "_codes") == kNoRef) return corrupt(fmt::format("{}: without '{}_codes'", ew, *base));
+      } else {
+        out.not_read.push_back(fmt::format("state[{}] '{}'", idv.i, *name));
+      }
+    }
+    if (spec.entries.empty()) continue;  // only a step: nothing to carry
+    if (!has_step) return corrupt(pw + ": moments without a 'step'");
+    spec.shape = *shape;
+    if (!params.emplace(idv.i, std::move(spec)).second) return corrupt(pw + ": listed twice");
+  }
+
+  // Weights beside the optimizer, by name; every other tensor there is named as not read.
+  std::set<std::string> weights_read;
+  if (model != kNoRef) {
+    for (auto& [id, spec] : params) {
+      const Ref w = p.dict_get(model, spec.fqn);
+      if (w == kNoRef) continue;
+      const std::string ww = fmt::format("{} ['model']['{}']", where, spec.fqn);
+      OPTSTATE_ASSIGN_OR_RETURN(Payload pl, dcp::interpret_value(p, w, ww));
+      if (pl.kind != Payload::Kind::kTensor) return corrupt(ww + ": not a tensor");
+      if (pl.tensor.shape != spec.shape)
+        return corrupt(fmt::format("{}: shape {}, its optimizer state's is {}", ww, format_shape(pl.tensor.shape),
+                                   format_shape(spec.shape)));
+      if (pl.tensor.dtype != DType::kF32 && pl.tensor.dtype != DType::kBF16 && pl.tensor.dtype != DType::kF16)
+        return corrupt(fmt::format("{}: a {} weight; optstate carries fp32, bf16 or fp16 weights", ww,
+                                   dtype_name(pl.tensor.dtype)));
+      spec.weight = pl.tensor;
+      weights_read.insert(spec.fqn);
+    }
+    const auto& mitems = *dict_items(p, model);
+    const size_t others = mitems.size() / 2 - weights_read.size();
+    if (others)
+      out.not_read.push_back(fmt::format("['model'] ({} entr{} besides the optimized params' weights)", others,
+                                         others == 1 ? "y" : "ies"));
+  }
+
+  for (auto& [id, spec] : params) out.groups[static_cast<size_t>(spec.group)].params.push_back(spec.fqn);
+  const size_t stateless = members.size() - params.size();
+  if (stateless)
+    out.not_read.push_back(fmt::format("{} param{} without state (never stepped: no shape in the file)", stateless,
+                                       stateless == 1 ? "" : "s"));
+  // Each group keeps its members in its own order (params were visited by id; torch numbers them
+  // in group order, so the two agree for files torch wrote).
+  for (auto& [id, spec] : params) out.params.push_back(std::move(spec));
+  return out;
+}
+
+std::vector<std::string> param_order(const OptimizerState& state) {
+  std::vector<std::string> order;
+  for (const ParamGroup& g : state.groups)
+    for (const std::string& fqn : g.params) order.push_back(fqn);
+  return order;
+}
+
+std::string encode_state_dict(const OptimizerState& state, const StorageKeys& keys) {
+  const std::vector<std::string> order = param_order(state);
+  bool numbered = true, weights = false;
+  for (size_t i = 0; i < order.size(); ++i) {
+    numbered = numbered && order[i] == std::to_string(i);
+    weights = weights || state.params.at(order[i]).entries.count(kParam);
+  }
+  pickle::Writer w;
+  auto tensor = [&](int64_t id, const std::string& name, DType d, const std::vector<int64_t>& shape) {
+    dcp::encode_tensor(w, d, shape, keys.key.at({id, name}));
+  };
+  w.empty_dict();
+  if (weights) {
+    w.mark();
+    w.str("model");
+    w.empty_dict();
+    w.mark();
+    for (size_t i = 0; i < order.size(); ++i) {
+      const ParamState& ps = state.params.at(order[i]);
+      auto e = ps.entries.find(kParam);
+      if (e == ps.entries.end()) continue;
+      w.str(order[i]);
+      tensor(static_cast<int64_t>(i), kParam, e->second.dtype, ps.shape);
+    }
+    w.setitems_from_mark();
+    w.str("optimizer");
+    w.empty_dict();
+  }
+  w.mark();
+  w.str("state");
+  w.empty_dict();
+  w.mark();
+  for (size_t i = 0; i < order.size(); ++i) {
+    const ParamState& ps = state.params.at(order[i]);
+    if (!ps.entries.count(kExpAvg)) continue;
+    const auto id = static_cast<int64_t>(i);
+    w.integer(id);
+    w.empty_dict();
+    w.mark();
+    w.str("step");
+    tensor(id, "step", DType::kF32, {});
+    for (const char* m : {kExpAvg, kExpAvgSq, kMaxExpAvgSq}) {
+      auto e = ps.entries.find(m);
+      if (e == ps.entries.end()) continue;
+      w.str(m);
+      tensor(id, m, e->second.dtype, ps.shape);
+    }
+    w.setitems_from_mark();
+  }
+  w.setitems_from_mark();
+  w.str("param_groups");
+  w.empty_list();
+  w.mark();
+  size_t next = 0;
+  for (const ParamGroup& g : state.groups) {
+    const Hyperparameters& h = g.hyper;
+    w.empty_dict();
+    w.mark();
+    if (!numbered) {
+      w.str("param_names");
+      w.empty_list();
+      w.mark();
+      for (const std::string& fqn : g.params) w.str(fqn);
+      w.appends_from_mark();
+    }
+    w.str("lr");
+    w.real(h.lr);
+    w.str("betas");
+    w.mark();
+    w.real(h.beta1);
+    w.real(h.beta2);
+    w.tuple_from_mark();
+    w.str("eps");
+    w.real(h.eps);
+    w.str("weight_decay");
+    w.real(h.weight_decay);
+    w.str("amsgrad");
+    w.boolean(h.amsgrad);
+    w.str("maximize");
+    w.boolean(h.maximize);
+    // The rest of torch.optim.AdamW's group (2.13), as its state_dict() has it.
+    w.str("foreach");
+    w.none();
+    w.str("capturable");
+    w.boolean(false);
+    w.str("differentiable");
+    w.boolean(false);
+    w.str("fused");
+    w.none();
+    w.str("decoupled_weight_decay");
+    w.boolean(true);
+    w.str("params");
+    w.empty_list();
+    w.mark();
+    for (size_t k = 0; k < g.params.size(); ++k) w.integer(static_cast<int64_t>(next++));
+    w.appends_from_mark();
+    w.setitems_from_mark();
+  }
+  w.appends_from_mark();
+  w.setitems_from_mark();
+  if (weights) w.setitems_from_mark();
+  return w.finish();
+}
+
+}  // namespace optstate::torchsave

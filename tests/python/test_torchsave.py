@@ -1,0 +1,223 @@
+"""The torch.save driver against real files: optimizer state_dicts that torch.optim.AdamW, torchao's
+AdamW8bit and optstate's optimizers write with torch.save (Hugging Face's `optimizer.pt`, a plain
+loop's `{"model": ..., "optimizer": ...}`), read by optstate with no Python in the loop, and what
+optstate writes, loaded back by torch.load + optimizer.load_state_dict."""
+import json
+import subprocess
+import sys
+import textwrap
+import zipfile
+
+import pytest
+import torch
+
+from test_formats import assert_converts_to_ref, hashes, run_script
+
+# Trains a small model with one optimizer, then saves the same state three ways: a DCP of
+# get_state_dict (the reference reader path), torch.save of the optimizer's state_dict alone, and
+# torch.save of {"model", "optimizer", "epoch"}; plus what torch/torchao hold, as plain tensors.
+MAKE_PT = textwrap.dedent("""
+    import sys, torch, torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    kind, named, out = sys.argv[1], sys.argv[2] == "named", sys.argv[3]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 3))
+    params = model.named_parameters() if named else model.parameters()
+    if kind == "ao":
+        from torchao.optim import AdamW8bit
+        opt = AdamW8bit(params, lr=1e-3, block_size=64)
+    elif kind == "ours8":
+        import optstate
+        opt = optstate.AdamW8bit(params, lr=1e-3, block_size=64)
+    else:
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.05, amsgrad=(kind == "ams"))
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        model(torch.randn(8, 64, generator=g)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save(opt.state_dict(), out + ".optimizer.pt")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3}, out + ".full.pt")
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out + ".dcp")
+    ref = {}
+    for i, (name, p) in enumerate(model.named_parameters()):
+        st = opt.state[p]
+        key = name if named else str(i)
+        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            if k in st:
+                v = st[k]
+                ref[key + "." + k] = v.dequantize() if hasattr(v, "dequantize") else v.detach().clone()
+            elif k + "_codes" in st:
+                import optstate
+                qmap = "dynamic-signed" if k == "exp_avg" else "dynamic-unsigned"
+                ref[key + "." + k] = optstate.ops.dequantize_blockwise(
+                    st[k + "_codes"], st[k + "_absmax"], 64, qmap).reshape(p.shape)
+    torch.save(ref, out + ".optimizer.pt.ref.pt")
+""")
+
+
+def make_pt(tmp_path, kind, named):
+    out = tmp_path / f"{kind}_{named}"
+    run_script(tmp_path, MAKE_PT, "make_pt.py", kind, named, out)
+    return out
+
+
+def run_python(source):
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(source)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kind", ["fp32", "ams", "ao", "ours8"])
+def test_torch_saved_optimizer_reads_as_the_state_its_dcp_holds(tmp_path, optstate_cli, kind):
+    out = make_pt(tmp_path, kind, "named")
+    pt, full, ck = (f"{out}.optimizer.pt", f"{out}.full.pt", f"{out}.dcp")
+    # param_names give the canonical names; the file with the model carries its weights too, so it
+    # hashes like the DCP of the same model and optimizer, raw (8-bit codes as codes) and by value.
+    assert hashes(optstate_cli, full) == hashes(optstate_cli, ck)
+    assert hashes(optstate_cli, full, values=True) == hashes(optstate_cli, ck, values=True)
+    alone, with_model = hashes(optstate_cli, pt)["entries"], hashes(optstate_cli, ck)["entries"]
+    assert alone == {k: v for k, v in with_model.items() if not k.endswith(".param")}
+    # What torch / torchao hold (torchao's own dequantize for its 8-bit moments), bit for bit.
+    assert_converts_to_ref(optstate_cli, pt, tmp_path / "pt.safetensors", "--to", "fp32")
+    insp = json.loads(optstate_cli("inspect", full, "--json").stdout)
+    assert insp["format"] == "torchsave"
+    assert insp["optimizer"] == ("adamw8bit" if kind in ("ao", "ours8") else "adamw")
+    assert "['epoch']" in insp["not_read"]
+    assert optstate_cli("validate", pt).returncode == 0
+
+
+def test_unnamed_params_are_numbered_as_torch_numbers_them(tmp_path, optstate_cli):
+    out = make_pt(tmp_path, "ao", "unnamed")
+    pt = f"{out}.optimizer.pt"
+    names = sorted(hashes(optstate_cli, pt)["entries"])
+    assert names == ["0.exp_avg", "0.exp_avg_sq", "1.exp_avg", "1.exp_avg_sq", "2.exp_avg", "2.exp_avg_sq",
+                     "3.exp_avg", "3.exp_avg_sq"]
+    assert_converts_to_ref(optstate_cli, pt, tmp_path / "pt.safetensors", "--to", "fp32")
+
+
+@pytest.mark.parametrize("named", ["named", "unnamed"])
+def test_written_optimizer_pt_loads_into_torch_adamw_and_training_continues_bitwise(tmp_path, optstate_cli, named):
+    out = make_pt(tmp_path, "ams", named)
+    pt = f"{out}.optimizer.pt"
+    # Through optstate's own format and back: torch.load sees the very tensors and groups it saved.
+    optstate_cli("convert", pt, tmp_path / "native")
+    optstate_cli("convert", tmp_path / "native", tmp_path / "back.pt", "--format", "torchsave")
+    assert hashes(optstate_cli, tmp_path / "back.pt") == hashes(optstate_cli, pt)
+    # the full checkpoint (weights + optimizer) round-trips too
+    optstate_cli("convert", f"{out}.full.pt", tmp_path / "full_native")
+    optstate_cli("convert", tmp_path / "full_native", tmp_path / "full_back.pt", "--format", "torchsave")
+    not_read = json.loads(optstate_cli("inspect", f"{out}.full.pt", "--json").stdout)["not_read"]
+    assert not_read == (["['epoch']"] if named == "named" else ["['epoch']", "['model'] (4 entries besides the optimized params' weights)"])
+    run_python(f"""
+        import torch
+        a, b = torch.load({pt!r}, weights_only=True), torch.load({str(tmp_path / "back.pt")!r}, weights_only=True)
+        assert a["param_groups"] == b["param_groups"], (a["param_groups"], b["param_groups"])
+        assert a["state"].keys() == b["state"].keys()
+        for i in a["state"]:
+            assert a["state"][i].keys() == b["state"][i].keys()
+            for k, v in a["state"][i].items():
+                assert v.dtype == b["state"][i][k].dtype and torch.equal(v, b["state"][i][k]), (i, k)
+        def run(sd=None, steps=3):
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 3))
+            o = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.05, amsgrad=True)
+            if sd is not None:
+                # Without param_names the weights cannot be told apart by name, so optstate carried
+                # the optimizer alone: the weights come from the original file then.
+                m.load_state_dict(sd["model"] if "model" in sd else torch.load({f"{out}.full.pt"!r})["model"])
+                o.load_state_dict(sd.get("optimizer", sd))
+            for step in range(3 - steps, 3 + 2):
+                if step < 0:
+                    continue
+                g = torch.Generator().manual_seed(step)
+                m(torch.randn(8, 64, generator=g)).square().sum().backward()
+                o.step()
+                o.zero_grad()
+            return m
+        whole = run()
+        resumed = run(torch.load({str(tmp_path / "full_back.pt")!r}, weights_only=True), steps=0)
+        assert all(torch.equal(x, y) for x, y in zip(whole.parameters(), resumed.parameters()))
+        print("ok")
+    """)
+
+
+def test_torchao_8bit_optimizer_pt_converts_to_plain_adamw_state_without_torchao(tmp_path, optstate_cli):
+    out = make_pt(tmp_path, "ao", "named")
+    optstate_cli("convert", f"{out}.full.pt", tmp_path / "plain.pt", "--format", "torchsave")
+    ref = torch.load(f"{out}.optimizer.pt.ref.pt")
+    # A process that never imports torchao loads it into torch.optim.AdamW: exp_avg and exp_avg_sq
+    # are torchao's own dequantize of its codes, bit for bit.
+    run_python(f"""
+        import sys, torch
+        sd = torch.load({str(tmp_path / "plain.pt")!r}, weights_only=True)
+        ref = torch.load({f"{out}.optimizer.pt.ref.pt"!r})
+        m = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 3))
+        m.load_state_dict(sd["model"])
+        o = torch.optim.AdamW(m.parameters())
+        o.load_state_dict(sd["optimizer"])
+        names = dict(zip(m.parameters(), (n for n, _ in m.named_parameters())))
+        for p, st in o.state.items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(st[k], ref[names[p] + "." + k].float()), (names[p], k)
+            assert st["step"].item() == 3
+        assert abs(o.param_groups[0]["lr"] - 1e-3) < 1e-9
+        assert "torchao" not in sys.modules
+        print("ok")
+    """)
+    assert len(ref) == 8
+
+
+def test_damaged_or_foreign_torch_save_files_are_refused_by_name(tmp_path, optstate_cli):
+    out = make_pt(tmp_path, "fp32", "named")
+    pt = f"{out}.optimizer.pt"
+    data = open(pt, "rb").read()
+
+    def refused(path, *needles, code=2, cmd="inspect"):
+        proc = optstate_cli(cmd, path, check=False)
+        assert proc.returncode == code, (proc.returncode, proc.stderr)
+        said = proc.stderr + proc.stdout  # validate reports findings on stdout
+        for n in needles:
+            assert n in said, (n, said)
+        return said
+
+    (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
+    refused(tmp_path / "cut.pt", "cut.pt")
+    # One bit of a moment flipped: the storage's CRC-32 no longer matches; validate names the tensor.
+    with zipfile.ZipFile(pt) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data/1"))
+        at = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra) + 100
+    flipped = bytearray(data)
+    flipped[at] ^= 0x10
+    (tmp_path / "flip.pt").write_bytes(bytes(flipped))
+    refused(tmp_path / "flip.pt", "flip.pt", "CRC-32", "'0.weight.exp_avg'", cmd="validate", code=1)
+    # A model's state_dict is no optimizer state; nor is a list of tensors.
+    torch.save(torch.nn.Linear(4, 4).state_dict(), tmp_path / "model.pt")
+    refused(tmp_path / "model.pt", "model.pt", "no optimizer state_dict")
+    torch.save([torch.zeros(3)], tmp_path / "list.pt")
+    refused(tmp_path / "list.pt", "list.pt", "not a dict")
+    # Two optimizers in one file: which one is meant is not guessed.
+    sd = torch.load(pt)
+    torch.save({"opt_a": sd, "opt_b": sd}, tmp_path / "two.pt")
+    refused(tmp_path / "two.pt", "two.pt", "2 optimizer state_dicts")
+    # State for a param id no group lists.
+    bad = torch.load(pt)
+    bad["state"][7] = bad["state"][0]
+    torch.save(bad, tmp_path / "stray.pt")
+    refused(tmp_path / "stray.pt", "stray.pt", "param id 7")
+    # Moments of different shapes for one param.
+    bad = torch.load(pt)
+    bad["state"][0]["exp_avg_sq"] = torch.zeros(5)
+    torch.save(bad, tmp_path / "shapes.pt")
+    refused(tmp_path / "shapes.pt", "shapes.pt", "'0.weight'", "exp_avg")
+    # SGD's state is not AdamW's.
+    m = torch.nn.Linear(4, 4)
+    sgd = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    m(torch.randn(2, 4)).sum().backward()
+    sgd.step()
+    torch.save(sgd.state_dict(), tmp_path / "sgd.pt")
+    refused(tmp_path / "sgd.pt", "sgd.pt", "betas")
+    # A failed convert leaves nothing behind.
+    proc = optstate_cli("convert", tmp_path / "flip.pt", tmp_path / "never.pt", "--format", "torchsave", check=False)
+    assert proc.returncode != 0 and not (tmp_path / "never.pt").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".never")] == []

@@ -31,7 +31,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
 int run_convert(int argc, char** argv) {
   const CommandSpec spec{
       "convert",
-      "optstate convert SRC DST [--to fp32|8bit] [--format native|safetensors|hdf5|dcp] [--world-size N] [--block-size N] "
+      "optstate convert SRC DST [--to fp32|8bit] [--format native|safetensors|hdf5|dcp|torchsave] [--world-size N] [--block-size N] "
       "[--min-8bit-size N] [--float-lr] [--overwrite] [--json]",
       "Writes the state of SRC to DST, optionally changing its encoding: --to fp32 dequantizes 8-bit\n"
       "moments, --to 8bit quantizes the moments of params with at least --min-8bit-size elements\n"
@@ -41,7 +41,8 @@ int run_convert(int argc, char** argv) {
       "DST is written atomically: it appears complete or not at all. Ctrl-C (SIGINT, SIGTERM, SIGHUP)\n"
       "stops the write and removes what it wrote; an existing DST stays as it was.",
       {{"--to", true, "fp32 or 8bit (default: keep encodings)"},
-       {"--format", true, "output format (default: from DST's extension, .safetensors / .h5 / .hdf5, else native)"},
+       {"--format", true, "output format: native, dcp, safetensors, hdf5 or torchsave (default: from DST's extension, .safetensors / "
+        ".h5 / .hdf5 / .pt / .pth, else native)"},
        {"--block-size", true, "8-bit block size (default 256)"},
        {"--min-8bit-size", true, "params with fewer elements stay dense (default 4096)"},
        {"--world-size", true, "lay DST out as N ranks' shards (default 1)"},
@@ -96,7 +97,10 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   std::string format = args->value("--format").value_or("");
   if (format.empty()) {
     const std::string ext = dst.extension().string();
-    format = ext == ".safetensors" ? "safetensors" : ext == ".h5" || ext == ".hdf5" ? "hdf5" : "native";
+    format = ext == ".safetensors"               ? "safetensors"
+             : ext == ".h5" || ext == ".hdf5"    ? "hdf5"
+             : ext == ".pt" || ext == ".pth"     ? "torchsave"
+                                                 : "native";
   }
   const FormatDriver* driver = find_format(format);
   if (!driver) return fail(command, invalid_argument(fmt::format("unknown output format '{}'", format)));

@@ -164,6 +164,7 @@ class RecodedSource final : public StateSource {
       const int64_t numel = n.ok() ? *n : 0;
       for (auto& [name, e] : ps.entries) e = recode_meta(name, e, numel, how, q);
     }
+    if (how == Recode::kQuantize && has_blockwise8(meta_)) meta_.kind = "adamw8bit";
   }
   const OptimizerState& meta() const override { return meta_; }
   Result<Entry> load(const std::string& fqn, const std::string& name) override {

@@ -115,10 +115,18 @@ Result<OptimizerState> recode_state(const OptimizerState& in, Recode how, const 
       e = std::move(r);
     }
   }
+  if (how == Recode::kQuantize && has_blockwise8(out)) out.kind = "adamw8bit";
   return out;
 }
 
 }  // namespace
+
+bool has_blockwise8(const OptimizerState& state) {
+  for (const auto& [fqn, ps] : state.params)
+    for (const auto& [name, e] : ps.entries)
+      if (e.encoding == Encoding::kBlockwise8) return true;
+  return false;
+}
 
 Result<OptimizerState> dequantize_state(const OptimizerState& in) { return recode_state(in, Recode::kDequantize, {}); }
 

@@ -166,7 +166,15 @@ assert w["entries"]["exp_avg"]["encoding"] == "blockwise8" and w["entries"]["exp
 assert w["state_bytes_per_param"] <= 2.04, w["state_bytes_per_param"]
 assert j["params"]["head.bias"]["entries"]["exp_avg"]["encoding"] == "dense"
 ' || fail "inspect of 8-bit state"
-    echo "ok: 8bit -> fp32 -> 8bit reproduces the checkpoint; --values hashes agree"
+    # DST's extension picks torch.save (torch.optim.AdamW's state_dict: 8-bit moments dequantized)
+    "$OPTSTATE" convert "$work/c8" "$work/optimizer.pt" | grep -q "(torchsave, 1 rank)" || fail "to .pt"
+    [ "$("$OPTSTATE" hash --values "$work/c8")" = "$("$OPTSTATE" hash --values "$work/optimizer.pt")" ] \
+      || fail "--values hash differs between 8-bit and its torch.save conversion"
+    "$OPTSTATE" convert "$work/optimizer.pt" "$work/back8" --to 8bit >/dev/null || fail ".pt to 8bit"
+    [ "$("$OPTSTATE" hash "$work/c8")" = "$("$OPTSTATE" hash "$work/back8")" ] || fail "8bit->.pt->8bit differs"
+    expect_error 2 "--to 8bit: torchsave stores moments dense" -- \
+      "$OPTSTATE" convert "$work/c8" "$work/o8.pt" --to 8bit
+    echo "ok: 8bit -> fp32 -> 8bit and 8bit -> .pt -> 8bit reproduce the checkpoint; --values hashes agree"
     ;;
   convert-errors)
     make_ckpt "$work/c"
@@ -303,13 +311,17 @@ PY
     "$OPTSTATE_DEMO" --optimizer adamw8bit --steps 3 --save "$work/q" >/dev/null
     "$OPTSTATE" convert "$work/q" "$work/qf" --to fp32 >/dev/null
     "$OPTSTATE" diff "$work/q" "$work/qf" >/dev/null || fail "8-bit and its fp32 conversion differ"
-    # fp32 vs its 8-bit quantization: within a tolerance, not exactly
+    # fp32 vs its 8-bit quantization: values within a tolerance, not exactly; the quantized state is
+    # AdamW8bit's, and diff says so
     "$OPTSTATE" convert "$work/a" "$work/a8" --to 8bit >/dev/null
     "$OPTSTATE" diff "$work/a" "$work/a8" >/dev/null && fail "quantized state reported exactly equal"
-    "$OPTSTATE" diff --json --rtol 0.1 --atol 1e-6 "$work/a8" "$work/a" | "$PY" -c '
+    out=$("$OPTSTATE" diff --json --rtol 0.1 --atol 1e-6 "$work/a8" "$work/a"); rc=$?
+    [ $rc -eq 1 ] || fail "diff of a state and its quantization (kinds differ) exited $rc"
+    printf '%s\n' "$out" | "$PY" -c '
 import json, sys
 j = json.load(sys.stdin)
-assert j["ok"], [k for k, e in j["entries"].items() if not e["ok"]]
+assert all(e["ok"] for e in j["entries"].values()), [k for k, e in j["entries"].items() if not e["ok"]]
+assert j["metadata"] == ["optimizer kind: adamw8bit vs adamw"], j["metadata"]
 assert j["entries"]["layers.1.weight.exp_avg"]["max_abs"] > 0
 '  || fail "quantization error outside 10%"
     expect_error 2 "--rtol needs a non-negative number" -- "$OPTSTATE" diff "$work/a" "$work/b" --rtol x

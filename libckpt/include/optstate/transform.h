@@ -22,7 +22,11 @@ struct QuantizeOptions {
 // Dense moment entries (exp_avg: dynamic-signed; exp_avg_sq, max_exp_avg_sq: dynamic-unsigned) of
 // params with at least min_8bit_size elements become blockwise8 (requantize_blockwise, so an entry
 // that came from 8-bit gets its codes back). Entries already 8-bit are kept.
+// The result is AdamW8bit's state (kind "adamw8bit") once any entry is 8-bit, as the DCP and
+// torch.save readers infer it from the entries: 8-bit -> dense -> 8-bit through them keeps the hash.
 Result<OptimizerState> quantize_state(const OptimizerState& in, const QuantizeOptions& options = {});
+// Whether any entry of `state` is blockwise8.
+bool has_blockwise8(const OptimizerState& state);
 
 // The same conversions entry by entry, for writers that take one entry at a time (convert streams:
 // it never holds the whole state). kDequantize is dequantize_state's rule, kQuantize quantize_state's.

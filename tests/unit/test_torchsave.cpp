@@ -1,0 +1,133 @@
+// torchsave driver: real files from torch, torchao and optstate's Python optimizers
+// (formats/torchsave/testdata/make_seeds.py) read as their canonical state; the state_dict encoding
+// reads back through the interpretation; hostile variants are refused with the file named.
+#include <doctest/doctest.h>
+
+#include "dcp/pickle.h"
+#include "optstate/checkpoint.h"
+#include "optstate/validate.h"
+#include "registry.h"
+#include "test_helpers.h"
+#include "torchsave/torchsave_layout.h"
+
+using namespace optstate;
+namespace fs = std::filesystem;
+
+namespace {
+
+const fs::path kSeeds = fs::path(OPTSTATE_SOURCE_DIR) / "formats/torchsave/testdata";
+
+std::unique_ptr<CheckpointReader> open_seed(const char* name) {
+  auto r = open_checkpoint(kSeeds / name);
+  REQUIRE_MESSAGE(r.ok(), r.status().message());
+  CHECK(r.value()->format() == "torchsave");
+  return std::move(r.value());
+}
+
+}  // namespace
+
+TEST_CASE("torchsave: torch AdamW's optimizer.pt, params numbered as torch numbers them") {
+  auto r = open_seed("torch_adamw_amsgrad.pt");
+  const OptimizerState& m = r->meta();
+  CHECK(m.kind == "adamw");
+  REQUIRE(m.groups.size() == 1);
+  CHECK(m.groups[0].params == std::vector<std::string>{"0", "1"});
+  CHECK(m.groups[0].hyper.amsgrad);
+  CHECK(m.groups[0].hyper.lr == 1e-3);
+  const ParamState& w = m.params.at("0");
+  CHECK(w.shape == std::vector<int64_t>{64, 64});
+  CHECK(w.step == 2);
+  CHECK(w.entries.size() == 3);
+  CHECK(w.entries.at(kMaxExpAvgSq).dtype == DType::kF32);
+  CHECK(r->checksummed());
+  CHECK(r->not_read().empty());
+}
+
+TEST_CASE("torchsave: torchao's OptimState8bit and optstate's plain codes read as blockwise8") {
+  for (const char* seed : {"torchao_adamw8bit.pt", "optstate_adamw8bit_named.pt"}) {
+    CAPTURE(seed);
+    auto r = open_seed(seed);
+    const OptimizerState& m = r->meta();
+    CHECK(m.kind == "adamw8bit");
+    const std::string w = std::string(seed).starts_with("torchao") ? "0" : "weight";
+    const std::string b = std::string(seed).starts_with("torchao") ? "1" : "bias";
+    const Entry& e = m.params.at(w).entries.at(kExpAvg);
+    CHECK(e.encoding == Encoding::kBlockwise8);
+    CHECK(e.block_size == 256);
+    CHECK(e.qmap == "dynamic-signed");
+    CHECK(m.params.at(w).entries.at(kExpAvgSq).qmap == "dynamic-unsigned");
+    CHECK(m.params.at(b).entries.at(kExpAvg).encoding == Encoding::kDense);  // 64 < 4096 elements
+    auto v = validate_checkpoint(kSeeds / seed, [](const fs::path& p) { return open_checkpoint(p); });
+    REQUIRE(v.ok());
+    CHECK(v->findings.empty());
+  }
+}
+
+TEST_CASE("torchsave: a {model, optimizer} checkpoint carries the weights by param name") {
+  auto r = open_seed("torch_model_and_optimizer.pt");
+  const OptimizerState& m = r->meta();
+  CHECK(m.params.at("weight").entries.count(kParam) == 1);
+  CHECK(m.params.at("bias").entries.count(kParam) == 1);
+  CHECK(r->not_read() == std::vector<std::string>{"['step']"});
+}
+
+TEST_CASE("torchsave: the written state_dict reads back through the interpretation") {
+  OptimizerState s = testing::sample_state();
+  torchsave::StorageKeys keys;
+  int next = 0;
+  const auto order = torchsave::param_order(s);
+  CHECK(order == std::vector<std::string>{"layers.0.weight", "layers.0.bias"});
+  for (size_t i = 0; i < order.size(); ++i)
+    for (const char* n : {"step", kExpAvg, kExpAvgSq, kParam}) keys.key[{static_cast<int64_t>(i), n}] = std::to_string(next++);
+  const std::string pkl = torchsave::encode_state_dict(s, keys);
+  auto p = pickle::unpickle(std::as_bytes(std::span(pkl)), "test");
+  REQUIRE(p.ok());
+  auto sd = torchsave::interpret_state_dict(*p, "test");
+  REQUIRE_MESSAGE(sd.ok(), sd.status().message());
+  CHECK(sd->optimizer_path == "['optimizer']");  // weights present: {"model", "optimizer"}
+  REQUIRE(sd->groups.size() == 2);
+  CHECK(sd->groups[0].hyper.weight_decay == 0.1);
+  CHECK(sd->groups[1].hyper.weight_decay == 0.0);
+  CHECK(*sd->groups[0].lr.number == s.groups[0].hyper.lr);
+  REQUIRE(sd->params.size() == 2);
+  CHECK(sd->params[0].fqn == "layers.0.weight");  // param_names written: the names are not numbers
+  CHECK(sd->params[0].shape == std::vector<int64_t>{2, 3});
+  CHECK(sd->params[0].weight.has_value());
+  CHECK(sd->params[0].weight->dtype == DType::kBF16);
+  CHECK(sd->params[1].fqn == "layers.0.bias");
+  CHECK(!sd->params[1].weight.has_value());
+  CHECK(sd->params[1].entries.at(kExpAvg).values.storage_key == keys.key.at({1, kExpAvg}));
+  CHECK(sd->not_read.empty());
+}
+
+TEST_CASE("torchsave: damaged files are refused naming the file") {
+  testing::TempDir dir;
+  const std::string good = testing::read_file(kSeeds / "torch_adamw_amsgrad.pt");
+  const auto bad = dir.path / "bad.pt";
+  const FormatDriver* d = find_format("torchsave");
+  auto error = [&](const std::string& bytes) {
+    testing::write_file(bad, bytes);
+    auto r = d->open(bad);
+    if (!r.ok()) return r.status().message();
+    auto all = load_all(**r);
+    return all.ok() ? std::string() : all.status().message();
+  };
+  SUBCASE("truncated") {
+    const std::string e = error(good.substr(0, good.size() / 2));
+    CHECK(e.find("bad.pt") != std::string::npos);
+  }
+  SUBCASE("a flipped byte in a moment fails its storage's CRC-32, naming the tensor") {
+    // data/1 is param 0's exp_avg (torch numbers storages as it pickles them: step, exp_avg, ...)
+    const std::string name = "torch_adamw_amsgrad/data/1";
+    const size_t at = good.find(name);  // first in its local header, 30 bytes in
+    REQUIRE(at != std::string::npos);
+    const size_t extra = static_cast<uint8_t>(good[at - 2]) | static_cast<size_t>(static_cast<uint8_t>(good[at - 1])) << 8;
+    std::string b = good;
+    b[at + name.size() + extra + 100] ^= 0x01;
+    const std::string e = error(b);
+    CHECK(e.find("bad.pt") != std::string::npos);
+    CHECK(e.find("CRC-32") != std::string::npos);
+    CHECK(e.find("'0.exp_avg'") != std::string::npos);
+  }
+  SUBCASE("not a zip at all") { CHECK(error(std::string(100, 'x')).find("bad.pt") != std::string::npos); }
+}

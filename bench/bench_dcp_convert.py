@@ -134,6 +134,46 @@ def same(a, b):
     return a == b
 
 
+def time_cases(cases, dst, src, reps, env):
+    """Runs each case `reps` times, rotating, each a fresh process on a cold SRC writing its DST
+    (removed first); wall seconds per run and the peak RSS over the runs, by case. The times leave
+    room for the floor's ("floor (raw copy)")."""
+    times = {k: [] for k in list(cases) + ["floor (raw copy)"]}
+    peak = {k: 0 for k in cases}
+    for rep in range(reps):
+        for k, make_cmd in cases.items():
+            if os.path.isdir(dst[k]):
+                shutil.rmtree(dst[k])
+            elif os.path.exists(dst[k]):
+                os.unlink(dst[k])
+            drop_cache(src)
+            seconds, rss = run_measured(make_cmd(dst[k]), env)
+            times[k].append(seconds)
+            peak[k] = max(peak[k], rss)
+    return times, peak
+
+
+def convert_table(times, peak, src_bytes, dst_bytes):
+    """Prints the table of a convert benchmark (cases "optstate", "torch + torchao" and the floor,
+    "floor (raw copy)") and returns its rows for the JSON."""
+    med = {k: statistics.median(v) for k, v in times.items()}
+    moved = src_bytes + dst_bytes
+    print(f"\n{'case':<18}{'median s':>10}{'best s':>9}{'GB/s':>7}{'% floor':>9}{'vs torch+torchao':>18}"
+          f"{'peak RSS GB':>13}{'RSS / SRC':>11}")
+    rows = {}
+    for k in times:
+        rows[k] = {"median_s": med[k], "best_s": min(times[k]), "gb_per_s": moved / med[k] / 1e9,
+                   "pct_floor": 100 * med["floor (raw copy)"] / med[k],
+                   "speedup_vs_torchao": med["torch + torchao"] / med[k], "peak_rss_bytes": peak.get(k)}
+        r = rows[k]
+        rss = f"{peak[k] / 1e9:>13.3f}{peak[k] / src_bytes:>11.2f}" if k in peak else f"{'-':>13}{'-':>11}"
+        print(f"{k:<18}{med[k]:>10.2f}{min(times[k]):>9.2f}{r['gb_per_s']:>7.2f}{r['pct_floor']:>8.0f}%"
+              f"{r['speedup_vs_torchao']:>17.2f}x{rss}")
+    print("(GB/s: bytes read + written; each case a fresh process, cold page cache for SRC; peak RSS: the\n"
+          " process's high-water resident memory, the largest over the runs)")
+    return rows
+
+
 def main():
     args = checkpoint_args(layers=2, reps=2).parse_args()
     try:
@@ -161,15 +201,7 @@ def main():
         "optstate": lambda out: [cli, "convert", src, out, "--format", "dcp"],
         "torch + torchao": lambda out: [sys.executable, scripts["convert_torchao.py"], src, out, args.layers],
     }
-    times = {k: [] for k in list(cases) + ["floor (raw copy)"]}
-    peak = {k: 0 for k in cases}
-    for rep in range(args.reps):
-        for k, make_cmd in cases.items():
-            shutil.rmtree(dst[k], ignore_errors=True)
-            drop_cache(src)
-            seconds, rss = run_measured(make_cmd(dst[k]), env)
-            times[k].append(seconds)
-            peak[k] = max(peak[k], rss)
+    times, peak = time_cases(cases, dst, src, args.reps, env)
     dst_bytes = dir_bytes(dst["optstate"])
     buf = bytearray(max(src_bytes, dst_bytes))
     files = [os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs]
@@ -195,21 +227,7 @@ def main():
     print(f"outputs: {dst_bytes / 1e9:.2f} GB each; {len(compared)} items equal bit for bit "
           f"(weights, moments, steps, lr_scheduler, train_state, dataloader); every param_groups field present")
 
-    med = {k: statistics.median(v) for k, v in times.items()}
-    moved = src_bytes + dst_bytes
-    print(f"\n{'case':<18}{'median s':>10}{'best s':>9}{'GB/s':>7}{'% floor':>9}{'vs torch+torchao':>18}"
-          f"{'peak RSS GB':>13}{'RSS / SRC':>11}")
-    rows = {}
-    for k in times:
-        rows[k] = {"median_s": med[k], "best_s": min(times[k]), "gb_per_s": moved / med[k] / 1e9,
-                   "pct_floor": 100 * med["floor (raw copy)"] / med[k],
-                   "speedup_vs_torchao": med["torch + torchao"] / med[k], "peak_rss_bytes": peak.get(k)}
-        r = rows[k]
-        rss = f"{peak[k] / 1e9:>13.3f}{peak[k] / src_bytes:>11.2f}" if k in peak else f"{'-':>13}{'-':>11}"
-        print(f"{k:<18}{med[k]:>10.2f}{min(times[k]):>9.2f}{r['gb_per_s']:>7.2f}{r['pct_floor']:>8.0f}%"
-              f"{r['speedup_vs_torchao']:>17.2f}x{rss}")
-    print("(GB/s: bytes read + written; each case a fresh process, cold page cache for SRC; peak RSS: the\n"
-          " process's high-water resident memory, the largest over the runs)")
+    rows = convert_table(times, peak, src_bytes, dst_bytes)
     shutil.rmtree(work, ignore_errors=True)
     write_json(args.json, {"layers": args.layers, "src_bytes": src_bytes, "dst_bytes": dst_bytes,
                            "reps": args.reps, "results": rows})

@@ -634,14 +634,8 @@ class DcpReader final : public CheckpointReader {
     const int64_t elem = dtype_size(t.dtype);
     const uint64_t at = pi->storages.at(t.storage_key).at + static_cast<uint64_t>(t.offset * elem);
     OPTSTATE_RETURN_IF_ERROR(pi->file->read_at(at, std::span(raw, static_cast<size_t>(elem))));
-    switch (t.dtype) {
-      case DType::kF32: { float f; std::memcpy(&f, raw, 4); return static_cast<double>(f); }
-      case DType::kF64: { double d; std::memcpy(&d, raw, 8); return d; }
-      case DType::kI64: { int64_t i; std::memcpy(&i, raw, 8); return static_cast<double>(i); }
-      case DType::kI32: { int32_t i; std::memcpy(&i, raw, 4); return static_cast<double>(i); }
-      case DType::kBF16: { uint16_t h; std::memcpy(&h, raw, 2); return static_cast<double>(bf16_to_f32(h)); }
-      default: return corrupt(where + ": unsupported dtype for a scalar");
-    }
+    if (const auto v = scalar_value(t.dtype, raw)) return *v;
+    return corrupt(where + ": unsupported dtype for a scalar");
   }
 
   Result<double> number(const std::map<std::string, std::string>& fields, const char* name, const std::string& where,
@@ -705,15 +699,6 @@ class DcpReader final : public CheckpointReader {
     return Status::Ok();
   }
 
-  // "exp_avg" for ("exp_avg_codes", "_codes"): a moment's name with the suffix, else nothing.
-  static std::optional<std::string> moment_of(const std::string& name, std::string_view suffix) {
-    if (name.size() <= suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
-      return std::nullopt;
-    std::string base = name.substr(0, name.size() - suffix.size());
-    if (base != kExpAvg && base != kExpAvgSq && base != kMaxExpAvgSq) return std::nullopt;
-    return base;
-  }
-
   // optstate's AdamW8bit state (DESIGN §6): `<entry>_codes` (uint8, the param's shape) and
   // `<entry>_absmax` (float32, one per block of the flattened param, any shape) as two plain tensor
   // items; block size and maps from the param group. The two are read independently, so their
@@ -762,8 +747,7 @@ class DcpReader final : public CheckpointReader {
     std::array<float, 256> m;
     OPTSTATE_RETURN_IF_ERROR(pi.file->read_at(pi.storages.at(q.storage_key).at + static_cast<uint64_t>(q.offset * 4),
                                               std::as_writable_bytes(std::span(m))));
-    for (QMap k : {QMap::kDynamicSigned, QMap::kDynamicUnsigned})
-      if (std::memcmp(m.data(), qmap_table(k).data(), sizeof m) == 0) return std::string(qmap_name(k));
+    if (const auto k = qmap_matching(m)) return std::string(qmap_name(*k));
     return corrupt(where + ": quantization map is neither the dynamic signed nor the unsigned one");
   }
 

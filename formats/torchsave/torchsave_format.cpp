@@ -209,15 +209,10 @@ class TorchSaveReader final : public CheckpointReader {
     const dcp::TensorRef& t = *s.tensor;
     OPTSTATE_ASSIGN_OR_RETURN(const Stored st, resolve(t, 1, where));
     std::byte raw[8];
+    if (st.bytes > sizeof raw) return corrupt(fmt::format("{}: a {} tensor where a number is needed", where, dtype_name(t.dtype)));
     OPTSTATE_RETURN_IF_ERROR(file_.read_at(st.at, std::span(raw, st.bytes)).with_context(where));
-    switch (t.dtype) {
-      case DType::kF32: { float f; std::memcpy(&f, raw, 4); return static_cast<double>(f); }
-      case DType::kF64: { double d; std::memcpy(&d, raw, 8); return d; }
-      case DType::kI64: { int64_t i; std::memcpy(&i, raw, 8); return static_cast<double>(i); }
-      case DType::kI32: { int32_t i; std::memcpy(&i, raw, 4); return static_cast<double>(i); }
-      case DType::kBF16: { uint16_t h; std::memcpy(&h, raw, 2); return static_cast<double>(bf16_to_f32(h)); }
-      default: return corrupt(fmt::format("{}: a {} tensor where a number is needed", where, dtype_name(t.dtype)));
-    }
+    if (const auto v = scalar_value(t.dtype, raw)) return *v;
+    return corrupt(fmt::format("{}: a {} tensor where a number is needed", where, dtype_name(t.dtype)));
   }
 
   Result<std::string> map_name(const dcp::TensorRef& q, const std::string& where) const {
@@ -225,8 +220,7 @@ class TorchSaveReader final : public CheckpointReader {
     OPTSTATE_ASSIGN_OR_RETURN(const Stored st, resolve(q, 256, where + " quantization map"));
     std::array<float, 256> m;
     OPTSTATE_RETURN_IF_ERROR(file_.read_at(st.at, std::as_writable_bytes(std::span(m))).with_context(where));
-    for (QMap k : {QMap::kDynamicSigned, QMap::kDynamicUnsigned})
-      if (std::memcmp(m.data(), qmap_table(k).data(), sizeof m) == 0) return std::string(qmap_name(k));
+    if (const auto k = qmap_matching(m)) return std::string(qmap_name(*k));
     return corrupt(where + ": quantization map is neither the dynamic signed nor the unsigned one");
   }
 

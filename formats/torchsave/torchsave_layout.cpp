@@ -73,15 +73,6 @@ const std::set<std::string, std::less<>> kIgnoredGroupKeys = {
     "capturable", "differentiable", "fused", "decoupled_weight_decay", "block_size", "min_8bit_size",
     "exp_avg_qmap", "exp_avg_sq_qmap", "bf16_stochastic_round", "is_adamw"};
 
-// "exp_avg" for ("exp_avg_codes", "_codes"): a moment's name with the suffix, else nothing.
-std::optional<std::string> moment_of(const std::string& name, std::string_view suffix) {
-  if (name.size() <= suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
-    return std::nullopt;
-  std::string base = name.substr(0, name.size() - suffix.size());
-  if (base != kExpAvg && base != kExpAvgSq && base != kMaxExpAvgSq) return std::nullopt;
-  return base;
-}
-
 bool is_moment(const std::string& name) { return name == kExpAvg || name == kExpAvgSq || name == kMaxExpAvgSq; }
 
 struct GroupInfo {

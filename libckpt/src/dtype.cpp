@@ -3,6 +3,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <cstring>
 
 namespace optstate {
 namespace {
@@ -63,6 +64,17 @@ uint16_t f32_to_bf16(float value) {
   if (std::isnan(value)) return 0x7fc0;
   bits += 0x7fffu + ((bits >> 16) & 1u);
   return static_cast<uint16_t>(bits >> 16);
+}
+
+std::optional<double> scalar_value(DType d, const std::byte* raw) {
+  switch (d) {
+    case DType::kF32: { float f; std::memcpy(&f, raw, 4); return static_cast<double>(f); }
+    case DType::kF64: { double v; std::memcpy(&v, raw, 8); return v; }
+    case DType::kI64: { int64_t i; std::memcpy(&i, raw, 8); return static_cast<double>(i); }
+    case DType::kI32: { int32_t i; std::memcpy(&i, raw, 4); return static_cast<double>(i); }
+    case DType::kBF16: { uint16_t h; std::memcpy(&h, raw, 2); return static_cast<double>(bf16_to_f32(h)); }
+    default: return std::nullopt;
+  }
 }
 
 }  // namespace optstate

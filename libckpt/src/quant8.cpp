@@ -63,6 +63,12 @@ const std::array<float, 256>& qmap_table(QMap m) {
   return m == QMap::kDynamicSigned ? kSigned : kUnsigned;
 }
 
+std::optional<QMap> qmap_matching(const std::array<float, 256>& m) {
+  for (QMap k : {QMap::kDynamicSigned, QMap::kDynamicUnsigned})
+    if (std::memcmp(m.data(), qmap_table(k).data(), sizeof m) == 0) return k;
+  return std::nullopt;
+}
+
 uint8_t quantize_scaled_reference(float x, const float* map) {
   int c = x >= map[128] ? 128 : 0;
   for (int half = 64; half >= 1; half /= 2) c += x >= map[c + half] ? half : 0;

@@ -174,4 +174,12 @@ FlatRange shard_range(const Entry& e, Component c, const std::vector<int64_t>& s
 
 std::string format_shape(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
+std::optional<std::string> moment_of(const std::string& name, std::string_view suffix) {
+  if (name.size() <= suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
+    return std::nullopt;
+  std::string base = name.substr(0, name.size() - suffix.size());
+  if (base != kExpAvg && base != kExpAvgSq && base != kMaxExpAvgSq) return std::nullopt;
+  return base;
+}
+
 }  // namespace optstate

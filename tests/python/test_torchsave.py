@@ -221,3 +221,22 @@ def test_damaged_or_foreign_torch_save_files_are_refused_by_name(tmp_path, optst
     proc = optstate_cli("convert", tmp_path / "flip.pt", tmp_path / "never.pt", "--format", "torchsave", check=False)
     assert proc.returncode != 0 and not (tmp_path / "never.pt").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".never")] == []
+
+
+def test_optstate_load_takes_a_torch_saved_model_and_optimizer(tmp_path, optstate_cli):
+    out = make_pt(tmp_path, "fp32", "named")
+    run_python(f"""
+        import torch, optstate
+        sd = torch.load({f"{out}.full.pt"!r}, weights_only=True)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 3))
+        o = optstate.FusedAdamW(m.parameters(), lr=0.5)
+        optstate.load({f"{out}.full.pt"!r}, m, o)
+        assert optstate.verify({f"{out}.full.pt"!r}, m, o) == []
+        for i, (name, p) in enumerate(m.named_parameters()):
+            assert torch.equal(p, sd["model"][name])
+            st, ref = o.state[p], sd["optimizer"]["state"][i]
+            assert torch.equal(st["exp_avg"], ref["exp_avg"]) and torch.equal(st["exp_avg_sq"], ref["exp_avg_sq"])
+            assert st["step"].item() == ref["step"].item() == 3
+        assert o.param_groups[0]["lr"] == 1e-3 and o.param_groups[0]["weight_decay"] == 0.05
+        print("ok")
+    """)

@@ -27,6 +27,9 @@ std::optional<DType> dtype_from_torch_name(std::string_view name);
 
 // Exact widening of 16-bit floats to f32 (bf16 is the top half of an f32; f16 via IEEE rules).
 float bf16_to_f32(uint16_t bits);
+// One element of `d` at `raw` (dtype_size(d) bytes, little-endian) as a double: what a 0-d tensor
+// holding a Python number (a step, an lr) means. Nothing for dtypes that hold no number (u8 codes...).
+std::optional<double> scalar_value(DType d, const std::byte* raw);
 float f16_to_f32(uint16_t bits);
 // Round-to-nearest-even narrowing, NaN kept quiet; the same rounding as torch's c10::BFloat16.
 uint16_t f32_to_bf16(float value);

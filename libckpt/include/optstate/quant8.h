@@ -5,6 +5,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -25,6 +26,8 @@ Result<QMap> qmap_from_name(std::string_view name);
 // The 256 sorted fp32 values of a map. Signed: 0 at index 127, 1 at 255, min -0.99297.
 // Unsigned: 0 at index 0, 1 at 255.
 const std::array<float, 256>& qmap_table(QMap m);
+// The map whose table is `m` bit for bit (how a map stored beside codes, torchao's qmap, is named).
+std::optional<QMap> qmap_matching(const std::array<float, 256>& m);
 
 // The code of one value already divided by its block scale: the largest c with map[c] <= x (0 when
 // none; a branchless 8-step binary search), then rounded up to c+1 when

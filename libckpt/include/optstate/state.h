@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -62,6 +63,10 @@ inline constexpr const char* kExpAvg = "exp_avg";
 inline constexpr const char* kExpAvgSq = "exp_avg_sq";
 inline constexpr const char* kMaxExpAvgSq = "max_exp_avg_sq";
 inline constexpr const char* kParam = "param";
+
+// "exp_avg" for ("exp_avg_codes", "_codes"): the moment a name of optstate's Python state (DESIGN
+// §6: `<moment>_codes`, `<moment>_absmax`) belongs to, where it is one with that suffix.
+std::optional<std::string> moment_of(const std::string& name, std::string_view suffix);
 
 struct ParamState {
   std::vector<int64_t> shape;  // global shape

@@ -277,6 +277,13 @@ def _load_plan(path, meta, model, optimizer):
     plan = []
     for _, p, fqn, whole in _params(model, optimizer):
         if fqn not in meta["params"]:
+            names = meta["params"].keys()
+            if names and all(n.isdigit() for n in names):
+                raise KeyError(f"optstate.load: {path} has no param '{fqn}': its params are numbered (0..), as "
+                               f"torch.save keeps an optimizer built without names; torch's own "
+                               f"optimizer.load_state_dict matches them by position (optstate convert it to a .pt "
+                               f"first if it is 8-bit), or build the optimizer from model.named_parameters() "
+                               f"before saving")
             raise KeyError(f"optstate.load: {path} has no param '{fqn}'")
         pm = meta["params"][fqn]
         if list(whole.shape) != pm["shape"]:

@@ -225,6 +225,7 @@ def test_damaged_or_foreign_torch_save_files_are_refused_by_name(tmp_path, optst
 
 def test_optstate_load_takes_a_torch_saved_model_and_optimizer(tmp_path, optstate_cli):
     out = make_pt(tmp_path, "fp32", "named")
+    unnamed = make_pt(tmp_path, "fp32", "unnamed")
     run_python(f"""
         import torch, optstate
         sd = torch.load({f"{out}.full.pt"!r}, weights_only=True)
@@ -238,5 +239,11 @@ def test_optstate_load_takes_a_torch_saved_model_and_optimizer(tmp_path, optstat
             assert torch.equal(st["exp_avg"], ref["exp_avg"]) and torch.equal(st["exp_avg_sq"], ref["exp_avg_sq"])
             assert st["step"].item() == ref["step"].item() == 3
         assert o.param_groups[0]["lr"] == 1e-3 and o.param_groups[0]["weight_decay"] == 0.05
+        # Numbered params (no param_names) are not matched to the model's names by guesswork.
+        try:
+            optstate.load({f"{unnamed}.optimizer.pt"!r}, m, o)
+            raise AssertionError("loaded numbered params by name")
+        except KeyError as e:
+            assert "numbered" in str(e) and "'0.weight'" in str(e), e
         print("ok")
     """)

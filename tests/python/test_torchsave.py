@@ -29,6 +29,12 @@ MAKE_PT = textwrap.dedent("""
     elif kind == "ours8":
         import optstate
         opt = optstate.AdamW8bit(params, lr=1e-3, block_size=64)
+    elif kind == "groups":  # Hugging Face's layout: weights decayed, biases not, in two groups
+        params = list(params)
+        decay = [p for p in params if (p[1] if named else p).dim() > 1]
+        rest = [p for p in params if (p[1] if named else p).dim() <= 1]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0,
+                                 "lr": 2e-3}], lr=1e-3)
     else:
         opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.05, amsgrad=(kind == "ams"))
     for step in range(3):
@@ -68,7 +74,7 @@ def run_python(source):
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("kind", ["fp32", "ams", "ao", "ours8"])
+@pytest.mark.parametrize("kind", ["fp32", "ams", "groups", "ao", "ours8"])
 def test_torch_saved_optimizer_reads_as_the_state_its_dcp_holds(tmp_path, optstate_cli, kind):
     out = make_pt(tmp_path, kind, "named")
     pt, full, ck = (f"{out}.optimizer.pt", f"{out}.full.pt", f"{out}.dcp")
@@ -81,6 +87,7 @@ def test_torch_saved_optimizer_reads_as_the_state_its_dcp_holds(tmp_path, optsta
     # What torch / torchao hold (torchao's own dequantize for its 8-bit moments), bit for bit.
     assert_converts_to_ref(optstate_cli, pt, tmp_path / "pt.safetensors", "--to", "fp32")
     insp = json.loads(optstate_cli("inspect", full, "--json").stdout)
+    assert len(insp["param_groups"]) == (2 if kind == "groups" else 1)
     assert insp["format"] == "torchsave"
     assert insp["optimizer"] == ("adamw8bit" if kind in ("ao", "ours8") else "adamw")
     assert "['epoch']" in insp["not_read"]

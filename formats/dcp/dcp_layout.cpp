@@ -62,16 +62,6 @@ std::optional<std::string> str(const Pickle& p, Ref r) {
   return p.at(r).s;
 }
 
-std::optional<DType> storage_dtype(std::string_view cls) {
-  static const std::pair<std::string_view, DType> kMap[] = {
-      {"FloatStorage", DType::kF32}, {"BFloat16Storage", DType::kBF16}, {"HalfStorage", DType::kF16},
-      {"DoubleStorage", DType::kF64}, {"ByteStorage", DType::kU8},      {"CharStorage", DType::kI8},
-      {"IntStorage", DType::kI32},    {"LongStorage", DType::kI64}};
-  for (const auto& [n, d] : kMap)
-    if (n == cls) return d;
-  return std::nullopt;
-}
-
 Result<TensorRef> tensor_ref(const Pickle& p, Ref r, const std::string& where) {
   const bool v2 = is_instance(p, r, "torch._utils", "_rebuild_tensor_v2");
   const bool v3 = is_instance(p, r, "torch._utils", "_rebuild_tensor_v3");
@@ -98,7 +88,7 @@ Result<TensorRef> tensor_ref(const Pickle& p, Ref r, const std::string& where) {
     if (numel % dtype_size(t.dtype)) return corrupt(fmt::format("{}: storage bytes not a multiple of the dtype", where));
     numel /= dtype_size(t.dtype);
   } else {
-    auto d = cls.s == "torch" ? storage_dtype(cls.name) : std::nullopt;
+    auto d = cls.s == "torch" ? dtype_from_torch_storage(cls.name) : std::nullopt;
     if (!d) return corrupt(fmt::format("{}: unsupported storage class {}.{}", where, cls.s, cls.name));
     t.dtype = *d;
   }
@@ -315,20 +305,6 @@ Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& wh
   return out;
 }
 
-std::string_view storage_class(DType d) {
-  switch (d) {
-    case DType::kF32: return "FloatStorage";
-    case DType::kBF16: return "BFloat16Storage";
-    case DType::kF16: return "HalfStorage";
-    case DType::kF64: return "DoubleStorage";
-    case DType::kU8: return "ByteStorage";
-    case DType::kI8: return "CharStorage";
-    case DType::kI32: return "IntStorage";
-    case DType::kI64: return "LongStorage";
-  }
-  return "ByteStorage";
-}
-
 void encode_tensor(pickle::Writer& w, DType d, const std::vector<int64_t>& shape, std::string_view storage_key) {
   int64_t numel = 1;
   for (int64_t x : shape) numel *= x;
@@ -343,7 +319,7 @@ void encode_tensor(pickle::Writer& w, DType d, const std::vector<int64_t>& shape
   w.mark();
   w.mark();
   w.str("storage");
-  w.global("torch", storage_class(d));
+  w.global("torch", dtype_info(d).torch_storage);
   w.str(storage_key);
   w.str("cpu");
   w.integer(numel);

@@ -64,9 +64,7 @@ Result<Payload> interpret_payload(const pickle::Pickle& p, const std::string& wh
 Result<Payload> interpret_value(const pickle::Pickle& p, pickle::Ref r, const std::string& where);
 
 // Encoding (the writers): a C-contiguous tensor of `shape` over the whole of storage `storage_key`
-// (torch._utils._rebuild_tensor_v2 with a persistent id, as torch.save writes it), and the legacy
-// storage class torch.save names for a dtype.
-std::string_view storage_class(DType d);
+// (torch._utils._rebuild_tensor_v2 with a persistent id, as torch.save writes it).
 void encode_tensor(pickle::Writer& w, DType d, const std::vector<int64_t>& shape, std::string_view storage_key);
 
 // Plain values of bytes items.

@@ -3,19 +3,18 @@
 #include <array>
 #include <cmath>
 #include <cstring>
-#include <cstring>
 
 namespace optstate {
 namespace {
 constexpr std::array<DTypeInfo, 8> kTable{{
-    {DType::kF32, "f32", "F32", "float32", 4, true},
-    {DType::kBF16, "bf16", "BF16", "bfloat16", 2, true},
-    {DType::kF16, "f16", "F16", "float16", 2, true},
-    {DType::kF64, "f64", "F64", "float64", 8, true},
-    {DType::kU8, "u8", "U8", "uint8", 1, false},
-    {DType::kI8, "i8", "I8", "int8", 1, false},
-    {DType::kI32, "i32", "I32", "int32", 4, false},
-    {DType::kI64, "i64", "I64", "int64", 8, false},
+    {DType::kF32, "f32", "F32", "float32", "FloatStorage", 4, true},
+    {DType::kBF16, "bf16", "BF16", "bfloat16", "BFloat16Storage", 2, true},
+    {DType::kF16, "f16", "F16", "float16", "HalfStorage", 2, true},
+    {DType::kF64, "f64", "F64", "float64", "DoubleStorage", 8, true},
+    {DType::kU8, "u8", "U8", "uint8", "ByteStorage", 1, false},
+    {DType::kI8, "i8", "I8", "int8", "CharStorage", 1, false},
+    {DType::kI32, "i32", "I32", "int32", "IntStorage", 4, false},
+    {DType::kI64, "i64", "I64", "int64", "LongStorage", 8, false},
 }};
 }  // namespace
 
@@ -35,6 +34,12 @@ std::optional<DType> dtype_from_torch_name(std::string_view name) {
   if (name.substr(0, 6) == "torch.") name.remove_prefix(6);
   for (const auto& info : kTable)
     if (info.torch_name == name) return info.dtype;
+  return std::nullopt;
+}
+
+std::optional<DType> dtype_from_torch_storage(std::string_view name) {
+  for (const auto& info : kTable)
+    if (info.torch_storage == name) return info.dtype;
   return std::nullopt;
 }
 

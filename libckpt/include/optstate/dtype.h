@@ -14,6 +14,7 @@ struct DTypeInfo {
   std::string_view name;              // canonical name in manifests and hashes ("f32")
   std::string_view safetensors_name;  // "F32"
   std::string_view torch_name;        // "float32", as torch prints it without the "torch." prefix
+  std::string_view torch_storage;     // "FloatStorage": the typed storage class torch.save pickles
   uint8_t size;                       // bytes per element
   bool is_float;
 };
@@ -24,14 +25,15 @@ inline uint8_t dtype_size(DType d) { return dtype_info(d).size; }
 std::optional<DType> dtype_from_name(std::string_view name);
 std::optional<DType> dtype_from_safetensors(std::string_view name);
 std::optional<DType> dtype_from_torch_name(std::string_view name);
+std::optional<DType> dtype_from_torch_storage(std::string_view name);
 
 // Exact widening of 16-bit floats to f32 (bf16 is the top half of an f32; f16 via IEEE rules).
 float bf16_to_f32(uint16_t bits);
-// One element of `d` at `raw` (dtype_size(d) bytes, little-endian) as a double: what a 0-d tensor
-// holding a Python number (a step, an lr) means. Nothing for dtypes that hold no number (u8 codes...).
-std::optional<double> scalar_value(DType d, const std::byte* raw);
 float f16_to_f32(uint16_t bits);
 // Round-to-nearest-even narrowing, NaN kept quiet; the same rounding as torch's c10::BFloat16.
 uint16_t f32_to_bf16(float value);
+// One element of `d` at `raw` (dtype_size(d) bytes, little-endian) as a double: what a 0-d tensor
+// holding a Python number (a step, an lr) means. Nothing for the dtypes a number is not kept in.
+std::optional<double> scalar_value(DType d, const std::byte* raw);
 
 }  // namespace optstate

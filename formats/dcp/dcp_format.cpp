@@ -597,6 +597,7 @@ class DcpReader final : public CheckpointReader {
     OPTSTATE_RETURN_IF_ERROR(f->read_at(pkl_at, pb).with_context(iw));
     ParsedItem pi;
     pi.file = f;
+    OPTSTATE_RETURN_IF_ERROR(zip::check_record_crc(pb, *pkl, iw));  // what it holds (lr, ...) has no other check
     OPTSTATE_ASSIGN_OR_RETURN(pi.pickle, pickle::unpickle(pb, iw + " data.pkl"));
     OPTSTATE_ASSIGN_OR_RETURN(pi.payload, interpret_payload(pi.pickle, iw));
     std::vector<const TensorRef*> refs;

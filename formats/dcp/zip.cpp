@@ -296,4 +296,12 @@ std::string Builder::finish(uint64_t at) const {
   return out;
 }
 
+Status check_record_crc(std::span<const std::byte> bytes, const Entry& e, const std::string& where) {
+  if (e.crc32 == 0) return Status::Ok();
+  const uint32_t got = crc32(bytes);
+  if (got == e.crc32) return Status::Ok();
+  return corrupt(fmt::format("{}: CRC-32 of record '{}' is {:08x}, the archive records {:08x}: the file is damaged",
+                             where, e.name, got, e.crc32));
+}
+
 }  // namespace optstate::zip

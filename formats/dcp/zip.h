@@ -45,6 +45,9 @@ Result<uint64_t> data_offset(std::span<const std::byte> local_header30, const En
 // PCLMULQDQ, ~10x faster), else crc32_table's slicing-by-8. The same values either way.
 uint32_t crc32(std::span<const std::byte> bytes, uint32_t crc = 0);
 uint32_t crc32_table(std::span<const std::byte> bytes, uint32_t crc = 0);
+// A whole record's bytes against the CRC-32 its directory entry records (0: none recorded, as torch
+// writes with torch.serialization.config.save.compute_crc32 off). `where` names the record.
+Status check_record_crc(std::span<const std::byte> bytes, const Entry& e, const std::string& where);
 
 // Writing: entries laid out one after another, data of each aligned to `align` bytes from the
 // archive's start (torch aligns storages to 64 for mmap) through padding in the local header's

@@ -106,6 +106,8 @@ class TorchSaveReader final : public CheckpointReader {
     OPTSTATE_ASSIGN_OR_RETURN(const uint64_t pkl_at, data_at(*pkl, where));
     std::vector<std::byte> pb(pkl->size);
     OPTSTATE_RETURN_IF_ERROR(file_.read_at(pkl_at, pb).with_context(where));
+    // data.pkl holds the hyperparameters and often the steps: its CRC-32 is their only check.
+    OPTSTATE_RETURN_IF_ERROR(zip::check_record_crc(pb, *pkl, where));
     OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(pb, where + " data.pkl"));
     OPTSTATE_ASSIGN_OR_RETURN(StateDict sd, interpret_state_dict(p, where));
     prefix_ = prefix;

@@ -685,6 +685,19 @@ def test_dcp_data_is_checked_against_the_crc32_torch_save_stored(tmp_path, optst
     with pytest.raises(Exception, match=f"item '{fqn}' chunk at .*fails the CRC-32 torch.save stored"):
         optstate.load(bad, model, opt)
     optstate.load(ck, model, opt)
+    # A bytes item (a param group's weight_decay, a Python float in its data.pkl) with one bit of the
+    # number flipped: its record's CRC-32 is the only check that sees it.
+    key = "optim.param_groups.0.weight_decay"
+    loc = next(v for i, v in md.storage_data.items() if i.fqn == key)
+    bad = tmp_path / "bad_group"
+    shutil.copytree(ck, bad)
+    data = bytearray((bad / loc.relative_path).read_bytes())
+    item = bytes(data[loc.offset:loc.offset + loc.length])
+    at = loc.offset + item.index(b"G" + struct.pack(">d", 0.05 if kind != "ao" else 0.01)) + 8
+    data[at] ^= 0x01
+    (bad / loc.relative_path).write_bytes(bytes(data))
+    err = run_err(optstate_cli, "hash", bad)
+    assert f"item '{key}'" in err and "CRC-32 of record" in err and "data.pkl" in err, err
 
 
 def test_truncated_or_garbled_dcp_names_the_item(tmp_path, optstate_cli):

@@ -198,6 +198,13 @@ def test_damaged_or_foreign_torch_save_files_are_refused_by_name(tmp_path, optst
     flipped[at] ^= 0x10
     (tmp_path / "flip.pt").write_bytes(bytes(flipped))
     refused(tmp_path / "flip.pt", "flip.pt", "CRC-32", "'0.weight.exp_avg'", cmd="validate", code=1)
+    # The lowest bit of lr in data.pkl: the record's CRC-32 catches what no tensor checksum covers.
+    import struct
+    lr_at = data.index(b"G" + struct.pack(">d", 1e-3))
+    flipped = bytearray(data)
+    flipped[lr_at + 8] ^= 0x01
+    (tmp_path / "lr.pt").write_bytes(bytes(flipped))
+    refused(tmp_path / "lr.pt", "lr.pt", "CRC-32 of record", "data.pkl")
     # A model's state_dict is no optimizer state; nor is a list of tensors.
     torch.save(torch.nn.Linear(4, 4).state_dict(), tmp_path / "model.pt")
     refused(tmp_path / "model.pt", "model.pt", "no optimizer state_dict")

@@ -17,6 +17,10 @@ namespace {
 
 const fs::path kSeeds = fs::path(OPTSTATE_SOURCE_DIR) / "formats/torchsave/testdata";
 
+size_t get_u16(const std::string& s, size_t at) {
+  return static_cast<uint8_t>(s[at]) | static_cast<size_t>(static_cast<uint8_t>(s[at + 1])) << 8;
+}
+
 std::unique_ptr<CheckpointReader> open_seed(const char* name) {
   auto r = open_checkpoint(kSeeds / name);
   REQUIRE_MESSAGE(r.ok(), r.status().message());
@@ -121,13 +125,21 @@ TEST_CASE("torchsave: damaged files are refused naming the file") {
     const std::string name = "torch_adamw_amsgrad/data/1";
     const size_t at = good.find(name);  // first in its local header, 30 bytes in
     REQUIRE(at != std::string::npos);
-    const size_t extra = static_cast<uint8_t>(good[at - 2]) | static_cast<size_t>(static_cast<uint8_t>(good[at - 1])) << 8;
     std::string b = good;
-    b[at + name.size() + extra + 100] ^= 0x01;
+    b[at + name.size() + get_u16(good, at - 2) + 100] ^= 0x01;
     const std::string e = error(b);
     CHECK(e.find("bad.pt") != std::string::npos);
     CHECK(e.find("CRC-32") != std::string::npos);
     CHECK(e.find("'0.exp_avg'") != std::string::npos);
+  }
+  SUBCASE("a flipped byte in data.pkl (hyperparameters, steps) fails its CRC-32") {
+    const std::string name = "torch_adamw_amsgrad/data.pkl";
+    REQUIRE(good.compare(30, name.size(), name) == 0);  // torch.save writes data.pkl first
+    std::string b = good;
+    b[30 + name.size() + get_u16(good, 28) + 40] ^= 0x01;
+    const std::string e = error(b);
+    CHECK(e.find("bad.pt") != std::string::npos);
+    CHECK(e.find("CRC-32 of record 'torch_adamw_amsgrad/data.pkl'") != std::string::npos);
   }
   SUBCASE("not a zip at all") { CHECK(error(std::string(100, 'x')).find("bad.pt") != std::string::npos); }
 }

@@ -57,6 +57,25 @@ struct ArchiveIndex {
 };
 Result<ArchiveIndex> read_archive_index(const InputFile& file, const StorageLoc& loc, const std::string& where);
 
+// One torch.save archive written to `out` from its current offset, laid out as torch.save lays it
+// out (folder "archive"): begin() writes data.pkl and the small records, storage() each
+// data/<key> (64-byte aligned, with its CRC-32), finish() the version record and the central
+// directory and gives the archive's length. Offsets count from where the archive began (a DCP item
+// sits inside a larger file).
+class ArchiveWriter {
+ public:
+  explicit ArchiveWriter(OutputFile& out) : out_(out), start_(out.offset()) {}
+  Status begin(std::span<const std::byte> pkl);
+  Status storage(const std::string& key, std::span<const std::byte> bytes);
+  Result<uint64_t> finish();
+
+ private:
+  Status put(const std::string& name, std::span<const std::byte> data);
+  OutputFile& out_;
+  uint64_t start_;
+  zip::Builder zb_;
+};
+
 // The layout of `reader` when it is a DCP reader, else null.
 const SourceLayout* source_layout(const CheckpointReader& reader);
 

@@ -46,23 +46,10 @@ class Item {
   explicit Item(std::string pkl) : pkl_(std::move(pkl)) {}
   // Writes the archive to `out`, returns its length.
   Result<uint64_t> write(OutputFile& out, std::span<const std::byte> storage, bool tensor) {
-    const uint64_t start = out.offset();
-    zip::Builder zb;
-    auto put = [&](const std::string& name, std::span<const std::byte> data) -> Status {
-      const std::string h = zb.local_header(name, data.size(), zip::crc32(data), out.offset() - start);
-      OPTSTATE_RETURN_IF_ERROR(out.write(std::as_bytes(std::span(h))));
-      return out.write(data);
-    };
-    auto text = [](const char* s) { return std::as_bytes(std::span(s, std::strlen(s))); };
-    OPTSTATE_RETURN_IF_ERROR(put("archive/data.pkl", std::as_bytes(std::span(pkl_))));
-    OPTSTATE_RETURN_IF_ERROR(put("archive/.format_version", text("1")));
-    OPTSTATE_RETURN_IF_ERROR(put("archive/.storage_alignment", text("64")));
-    OPTSTATE_RETURN_IF_ERROR(put("archive/byteorder", text("little")));
-    if (tensor) OPTSTATE_RETURN_IF_ERROR(put("archive/data/0", storage));
-    OPTSTATE_RETURN_IF_ERROR(put("archive/version", text("3\n")));
-    const std::string tail = zb.finish(out.offset() - start);
-    OPTSTATE_RETURN_IF_ERROR(out.write(std::as_bytes(std::span(tail))));
-    return out.offset() - start;
+    ArchiveWriter archive(out);
+    OPTSTATE_RETURN_IF_ERROR(archive.begin(std::as_bytes(std::span(pkl_))));
+    if (tensor) OPTSTATE_RETURN_IF_ERROR(archive.storage("0", storage));
+    return archive.finish();
   }
 
  private:
@@ -477,6 +464,29 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
 }
 
 }  // namespace
+
+Status ArchiveWriter::put(const std::string& name, std::span<const std::byte> data) {
+  const std::string h = zb_.local_header("archive/" + name, data.size(), zip::crc32(data), out_.offset() - start_);
+  OPTSTATE_RETURN_IF_ERROR(out_.write(std::as_bytes(std::span(h))));
+  return out_.write(data);
+}
+
+Status ArchiveWriter::begin(std::span<const std::byte> pkl) {
+  auto text = [](const char* s) { return std::as_bytes(std::span(s, std::strlen(s))); };
+  OPTSTATE_RETURN_IF_ERROR(put("data.pkl", pkl));
+  OPTSTATE_RETURN_IF_ERROR(put(".format_version", text("1")));
+  OPTSTATE_RETURN_IF_ERROR(put(".storage_alignment", text("64")));
+  return put("byteorder", text("little"));
+}
+
+Status ArchiveWriter::storage(const std::string& key, std::span<const std::byte> bytes) { return put("data/" + key, bytes); }
+
+Result<uint64_t> ArchiveWriter::finish() {
+  OPTSTATE_RETURN_IF_ERROR(put("version", std::as_bytes(std::span("3\n", 2))));
+  const std::string tail = zb_.finish(out_.offset() - start_);
+  OPTSTATE_RETURN_IF_ERROR(out_.write(std::as_bytes(std::span(tail))));
+  return out_.offset() - start_;
+}
 
 Status write_dcp(StateSource& state, const fs::path& path, const WriteOptions& options,
                  const SourceLayout* source) {

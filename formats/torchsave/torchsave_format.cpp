@@ -22,7 +22,6 @@ namespace optstate::torchsave {
 namespace {
 
 constexpr uint64_t kMaxPickleBytes = uint64_t{64} << 20;
-constexpr const char* kArchive = "archive";  // the folder torch.save uses when writing to a stream
 
 // Where a tensor's bytes lie in the file, and the CRC-32 of its storage record where the tensor is
 // the whole storage (torch's tensors are; a view of part of a storage cannot be checked alone).
@@ -328,17 +327,8 @@ class TorchSaveDriver final : public FormatDriver {
     OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_path(path));
     Status st = [&]() -> Status {
       OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging));
-      zip::Builder zb;
-      auto put = [&](const std::string& name, std::span<const std::byte> data) -> Status {
-        const std::string h = zb.local_header(fmt::format("{}/{}", kArchive, name), data.size(), zip::crc32(data), out.offset());
-        OPTSTATE_RETURN_IF_ERROR(out.write(std::as_bytes(std::span(h))));
-        return out.write(data);
-      };
-      auto text = [](const char* s) { return std::as_bytes(std::span(s, std::strlen(s))); };
-      OPTSTATE_RETURN_IF_ERROR(put("data.pkl", std::as_bytes(std::span(pkl))));
-      OPTSTATE_RETURN_IF_ERROR(put(".format_version", text("1")));
-      OPTSTATE_RETURN_IF_ERROR(put(".storage_alignment", text("64")));
-      OPTSTATE_RETURN_IF_ERROR(put("byteorder", text("little")));
+      dcp::ArchiveWriter archive(out);
+      OPTSTATE_RETURN_IF_ERROR(archive.begin(std::as_bytes(std::span(pkl))));
       for (size_t i = 0; i < order.size(); ++i) {
         const std::string& fqn = order[i];
         const ParamState& ps = meta.params.at(fqn);
@@ -347,22 +337,20 @@ class TorchSaveDriver final : public FormatDriver {
         auto entry = [&](const char* name) -> Status {
           if (!ps.entries.count(name)) return Status::Ok();
           OPTSTATE_ASSIGN_OR_RETURN(const Entry e, source.load(fqn, name));
-          if (e.encoding == Encoding::kDense) return put("data/" + keys.key.at({id, name}), e.values.span());
+          if (e.encoding == Encoding::kDense) return archive.storage(keys.key.at({id, name}), e.values.span());
           OPTSTATE_ASSIGN_OR_RETURN(QMap m, qmap_from_name(e.qmap));
           std::vector<float> dq(static_cast<size_t>(numel));
           dequantize_blockwise({reinterpret_cast<const uint8_t*>(e.codes.data), e.codes.size},
                                {reinterpret_cast<const float*>(e.absmax.data), e.absmax.size / 4}, e.block_size, m, dq);
-          return put("data/" + keys.key.at({id, name}), std::as_bytes(std::span(dq)));
+          return archive.storage(keys.key.at({id, name}), std::as_bytes(std::span(dq)));
         };
         OPTSTATE_RETURN_IF_ERROR(entry(kParam));
         if (!ps.entries.count(kExpAvg)) continue;
         const float step = static_cast<float>(ps.step);
-        OPTSTATE_RETURN_IF_ERROR(put("data/" + keys.key.at({id, "step"}), std::as_bytes(std::span(&step, 1))));
+        OPTSTATE_RETURN_IF_ERROR(archive.storage(keys.key.at({id, "step"}), std::as_bytes(std::span(&step, 1))));
         for (const char* m : {kExpAvg, kExpAvgSq, kMaxExpAvgSq}) OPTSTATE_RETURN_IF_ERROR(entry(m));
       }
-      OPTSTATE_RETURN_IF_ERROR(put("version", text("3\n")));
-      const std::string tail = zb.finish(out.offset());
-      OPTSTATE_RETURN_IF_ERROR(out.write(std::as_bytes(std::span(tail))));
+      OPTSTATE_RETURN_IF_ERROR(archive.finish().status());
       OPTSTATE_RETURN_IF_ERROR(out.sync_and_close());
       return publish_file(staging, path, options.overwrite);
     }();

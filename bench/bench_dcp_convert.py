@@ -134,6 +134,26 @@ def same(a, b):
     return a == b
 
 
+def prepare(name, where, make, convert_with_torchao):
+    """What a convert benchmark needs before it runs: the CLI, a work folder under `where`, the
+    environment of its child processes, and its two scripts (make.py, convert_torchao.py) written there."""
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        sys.exit("torchao is needed for the reference side")
+    cli = REPO / "build" / "optstate"
+    if not cli.exists():
+        sys.exit(f"{cli} is not built")
+    work = Path(tempfile.mkdtemp(prefix=f"optstate-bench-{name}-", dir=where))
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    prelude = f"BENCH = {str(BENCH)!r}\n"
+    scripts = {}
+    for script, text in (("make.py", make), ("convert_torchao.py", convert_with_torchao)):
+        scripts[script] = work / script
+        scripts[script].write_text(prelude + text)
+    return cli, work, env, scripts
+
+
 def time_cases(cases, dst, src, reps, env):
     """Runs each case `reps` times, rotating, each a fresh process on a cold SRC writing its DST
     (removed first); wall seconds per run and the peak RSS over the runs, by case. The times leave
@@ -176,20 +196,7 @@ def convert_table(times, peak, src_bytes, dst_bytes):
 
 def main():
     args = checkpoint_args(layers=2, reps=2).parse_args()
-    try:
-        import torchao  # noqa: F401
-    except ImportError:
-        sys.exit("torchao is needed for the reference side")
-    cli = REPO / "build" / "optstate"
-    if not cli.exists():
-        sys.exit(f"{cli} is not built")
-    work = Path(tempfile.mkdtemp(prefix="optstate-bench-dcpconv-", dir=args.dir))
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    prelude = f"BENCH = {str(BENCH)!r}\n"
-    scripts = {}
-    for name, text in (("make.py", MAKE), ("convert_torchao.py", CONVERT_WITH_TORCHAO)):
-        scripts[name] = work / name
-        scripts[name].write_text(prelude + text)
+    cli, work, env, scripts = prepare("dcpconv", args.dir, MAKE, CONVERT_WITH_TORCHAO)
     src = work / "src"
     t_make = run([sys.executable, scripts["make.py"], src, args.layers])
     src_bytes = dir_bytes(src)

@@ -18,7 +18,6 @@ moments, bit for bit, and the same hyperparameters.
 import os
 import shutil
 import sys
-import tempfile
 import textwrap
 import warnings
 from pathlib import Path
@@ -26,10 +25,9 @@ from pathlib import Path
 import torch
 
 BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 from bench_ckpt import checkpoint_args, raw_read, raw_write, write_json  # noqa: E402
-from bench_dcp_convert import convert_table, run, same, time_cases  # noqa: E402
+from bench_dcp_convert import convert_table, prepare, run, same, time_cases  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -68,20 +66,7 @@ CONVERT_WITH_TORCHAO = textwrap.dedent("""
 
 def main():
     args = checkpoint_args(layers=2, reps=2).parse_args()
-    try:
-        import torchao  # noqa: F401
-    except ImportError:
-        sys.exit("torchao is needed for the reference side")
-    cli = REPO / "build" / "optstate"
-    if not cli.exists():
-        sys.exit(f"{cli} is not built")
-    work = Path(tempfile.mkdtemp(prefix="optstate-bench-torchsave-", dir=args.dir))
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    prelude = f"BENCH = {str(BENCH)!r}\n"
-    scripts = {}
-    for name, text in (("make.py", MAKE), ("convert_torchao.py", CONVERT_WITH_TORCHAO)):
-        scripts[name] = work / name
-        scripts[name].write_text(prelude + text)
+    cli, work, env, scripts = prepare("torchsave", args.dir, MAKE, CONVERT_WITH_TORCHAO)
     src = work / "optimizer.pt"
     t_make = run([sys.executable, scripts["make.py"], src, args.layers])
     src_bytes = os.path.getsize(src)

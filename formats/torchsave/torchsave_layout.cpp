@@ -287,15 +287,27 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
     if (!params.emplace(idv.i, std::move(spec)).second) return corrupt(pw + ": listed twice");
   }
 
-  // Weights beside the optimizer, by name; every other tensor there is named as not read.
+  // Weights beside the optimizer, by name; every other tensor there is named as not read. A param
+  // the optimizer never stepped has no state, but its weights give it a shape: it is carried with
+  // no moments and step 0, as the DCP reader carries it.
   std::set<std::string> weights_read;
   if (model != kNoRef) {
+    for (const auto& [id, member] : members)
+      if (!params.count(id) && p.dict_get(model, member.second) != kNoRef) {
+        ParamSpec spec;
+        spec.fqn = member.second;
+        spec.id = id;
+        spec.group = member.first;
+        spec.step.number = 0;
+        params.emplace(id, std::move(spec));
+      }
     for (auto& [id, spec] : params) {
       const Ref w = p.dict_get(model, spec.fqn);
       if (w == kNoRef) continue;
       const std::string ww = fmt::format("{} ['model']['{}']", where, spec.fqn);
       OPTSTATE_ASSIGN_OR_RETURN(Payload pl, dcp::interpret_value(p, w, ww));
       if (pl.kind != Payload::Kind::kTensor) return corrupt(ww + ": not a tensor");
+      if (spec.entries.empty()) spec.shape = pl.tensor.shape;
       if (pl.tensor.shape != spec.shape)
         return corrupt(fmt::format("{}: shape {}, its optimizer state's is {}", ww, format_shape(pl.tensor.shape),
                                    format_shape(spec.shape)));
@@ -315,7 +327,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
   for (auto& [id, spec] : params) out.groups[static_cast<size_t>(spec.group)].params.push_back(spec.fqn);
   const size_t stateless = members.size() - params.size();
   if (stateless)
-    out.not_read.push_back(fmt::format("{} param{} without state (never stepped: no shape in the file)", stateless,
+    out.not_read.push_back(fmt::format("{} param{} without state or weights (never stepped: no shape in the file)", stateless,
                                        stateless == 1 ? "" : "s"));
   // Each group keeps its members in its own order (params were visited by id; torch numbers them
   // in group order, so the two agree for files torch wrote).

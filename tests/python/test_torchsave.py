@@ -261,3 +261,37 @@ def test_optstate_load_takes_a_torch_saved_model_and_optimizer(tmp_path, optstat
             assert "numbered" in str(e) and "'0.weight'" in str(e), e
         print("ok")
     """)
+
+
+def test_params_the_optimizer_never_stepped_are_carried_by_their_weights(tmp_path, optstate_cli):
+    # Only the first layer gets gradients: torch keeps no state for the second.
+    run_python(f"""
+        import torch
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        o = torch.optim.AdamW(m.named_parameters())
+        m[0](torch.randn(2, 8)).sum().backward()
+        o.step()
+        torch.save({{"model": m.state_dict(), "optimizer": o.state_dict()}}, {str(tmp_path / "full.pt")!r})
+        torch.save(o.state_dict(), {str(tmp_path / "opt.pt")!r})
+        print("ok")
+    """)
+    full = json.loads(optstate_cli("inspect", tmp_path / "full.pt", "--json").stdout)
+    assert sorted(full["params"]) == ["0.bias", "0.weight", "1.bias", "1.weight"] and full["not_read"] == []
+    alone = json.loads(optstate_cli("inspect", tmp_path / "opt.pt", "--json").stdout)
+    assert sorted(alone["params"]) == ["0.bias", "0.weight"]
+    assert alone["not_read"] == ["2 params without state or weights (never stepped: no shape in the file)"]
+    # through native and back: the same state, and torch's load_state_dict takes it (all 4 params listed)
+    optstate_cli("convert", tmp_path / "full.pt", tmp_path / "native")
+    optstate_cli("convert", tmp_path / "native", tmp_path / "back.pt")
+    assert hashes(optstate_cli, tmp_path / "back.pt") == hashes(optstate_cli, tmp_path / "full.pt")
+    run_python(f"""
+        import torch
+        sd = torch.load({str(tmp_path / "back.pt")!r}, weights_only=True)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        m.load_state_dict(sd["model"])
+        o = torch.optim.AdamW(m.parameters())
+        o.load_state_dict(sd["optimizer"])
+        assert sorted(sd["optimizer"]["state"]) == [0, 1] and len(o.param_groups[0]["params"]) == 4
+        print("ok")
+    """)

@@ -173,6 +173,14 @@ def time_cases(cases, dst, src, reps, env):
     return times, peak
 
 
+def report(args, work, times, peak, src_bytes, dst_bytes):
+    """The end of a convert benchmark: its table, the work folder removed, the JSON written."""
+    rows = convert_table(times, peak, src_bytes, dst_bytes)
+    shutil.rmtree(work, ignore_errors=True)
+    write_json(args.json, {"layers": args.layers, "src_bytes": src_bytes, "dst_bytes": dst_bytes,
+                           "reps": args.reps, "results": rows})
+
+
 def convert_table(times, peak, src_bytes, dst_bytes):
     """Prints the table of a convert benchmark (cases "optstate", "torch + torchao" and the floor,
     "floor (raw copy)") and returns its rows for the JSON."""
@@ -234,10 +242,7 @@ def main():
     print(f"outputs: {dst_bytes / 1e9:.2f} GB each; {len(compared)} items equal bit for bit "
           f"(weights, moments, steps, lr_scheduler, train_state, dataloader); every param_groups field present")
 
-    rows = convert_table(times, peak, src_bytes, dst_bytes)
-    shutil.rmtree(work, ignore_errors=True)
-    write_json(args.json, {"layers": args.layers, "src_bytes": src_bytes, "dst_bytes": dst_bytes,
-                           "reps": args.reps, "results": rows})
+    report(args, work, times, peak, src_bytes, dst_bytes)
 
 
 if __name__ == "__main__":

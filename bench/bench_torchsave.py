@@ -16,7 +16,6 @@ moments, bit for bit, and the same hyperparameters.
     .venv/bin/python bench/bench_torchsave.py [--layers 2] [--reps 2] [--dir /tmp] [--json bench/results/torchsave.json]
 """
 import os
-import shutil
 import sys
 import textwrap
 import warnings
@@ -26,8 +25,8 @@ import torch
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from bench_ckpt import checkpoint_args, raw_read, raw_write, write_json  # noqa: E402
-from bench_dcp_convert import convert_table, prepare, run, same, time_cases  # noqa: E402
+from bench_ckpt import checkpoint_args, raw_read, raw_write  # noqa: E402
+from bench_dcp_convert import prepare, report, run, same, time_cases  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -94,10 +93,7 @@ def main():
         assert all(ga[k] == gb[k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad", "params")), (ga, gb)
     print(f"outputs: {dst_bytes / 1e9:.2f} GB each; {sum(len(s) for s in b['state'].values())} state tensors "
           f"equal bit for bit, hyperparameters equal; torch.load(weights_only=True) reads both")
-    rows = convert_table(times, peak, src_bytes, dst_bytes)
-    shutil.rmtree(work, ignore_errors=True)
-    write_json(args.json, {"layers": args.layers, "src_bytes": src_bytes, "dst_bytes": dst_bytes,
-                           "reps": args.reps, "results": rows})
+    report(args, work, times, peak, src_bytes, dst_bytes)
 
 
 if __name__ == "__main__":

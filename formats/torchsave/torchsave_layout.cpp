@@ -292,8 +292,12 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
   // no moments and step 0, as the DCP reader carries it.
   std::set<std::string> weights_read;
   if (model != kNoRef) {
+    std::map<std::string, Ref, std::less<>> weights;  // by name, indexed once: a model has thousands
+    const auto& mitems = *dict_items(p, model);
+    for (size_t k = 0; k + 1 < mitems.size(); k += 2)
+      if (const auto name = dcp::as_string(p, mitems[k])) weights.emplace(*name, mitems[k + 1]);
     for (const auto& [id, member] : members)
-      if (!params.count(id) && p.dict_get(model, member.second) != kNoRef) {
+      if (!params.count(id) && weights.count(member.second)) {
         ParamSpec spec;
         spec.fqn = member.second;
         spec.id = id;
@@ -302,8 +306,9 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
         params.emplace(id, std::move(spec));
       }
     for (auto& [id, spec] : params) {
-      const Ref w = p.dict_get(model, spec.fqn);
-      if (w == kNoRef) continue;
+      const auto found = weights.find(spec.fqn);
+      if (found == weights.end()) continue;
+      const Ref w = found->second;
       const std::string ww = fmt::format("{} ['model']['{}']", where, spec.fqn);
       OPTSTATE_ASSIGN_OR_RETURN(Payload pl, dcp::interpret_value(p, w, ww));
       if (pl.kind != Payload::Kind::kTensor) return corrupt(ww + ": not a tensor");
@@ -317,7 +322,6 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
       spec.weight = pl.tensor;
       weights_read.insert(spec.fqn);
     }
-    const auto& mitems = *dict_items(p, model);
     const size_t others = mitems.size() / 2 - weights_read.size();
     if (others)
       out.not_read.push_back(fmt::format("['model'] ({} entr{} besides the optimized params' weights)", others,

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,32 @@ const FormatDriver* find_format(std::string_view name) {
   return nullptr;
 }
 
+namespace {
+
+// For a directory that is no checkpoint itself but holds checkpoint files (Hugging Face's
+// checkpoint-500/ holds optimizer.pt beside model.safetensors and trainer_state.json): "; it holds
+// <name> (<format>)", naming what opens, of the first entries; else nothing.
+std::string checkpoints_inside(const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return "";
+  std::vector<std::string> found;
+  int looked = 0;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end && looked < 64; it.increment(ec), ++looked) {
+    if (!it->is_regular_file(ec)) continue;
+    for (const FormatDriver* d : format_drivers())
+      if (d->sniff(it->path()) && d->open(it->path()).ok()) {
+        found.push_back(fmt::format("{} ({})", it->path().filename().string(), d->name()));
+        break;
+      }
+  }
+  if (found.empty()) return "";
+  std::sort(found.begin(), found.end());
+  return fmt::format("; it holds {}: pass that file", fmt::join(found, ", "));
+}
+
+}  // namespace
+
 Result<const FormatDriver*> detect_format(const std::filesystem::path& path) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec))
@@ -30,8 +57,8 @@ Result<const FormatDriver*> detect_format(const std::filesystem::path& path) {
     if (d->sniff(path)) return d;
     tried.emplace_back(d->name());
   }
-  return invalid_argument(fmt::format("{}: not a checkpoint in any known format (tried {})", path.string(),
-                                      fmt::join(tried, ", ")));
+  return invalid_argument(fmt::format("{}: not a checkpoint in any known format (tried {}){}", path.string(),
+                                      fmt::join(tried, ", "), checkpoints_inside(path)));
 }
 
 Status check_destination(const std::filesystem::path& path, bool overwrite) {

@@ -231,6 +231,13 @@ def test_damaged_or_foreign_torch_save_files_are_refused_by_name(tmp_path, optst
     sgd.step()
     torch.save(sgd.state_dict(), tmp_path / "sgd.pt")
     refused(tmp_path / "sgd.pt", "sgd.pt", "betas")
+    # Hugging Face's checkpoint folder is no checkpoint itself; the error names the file that is.
+    hf = tmp_path / "checkpoint-500"
+    hf.mkdir()
+    (hf / "optimizer.pt").write_bytes(data)
+    (hf / "trainer_state.json").write_text("{}")
+    torch.save(torch.nn.Linear(4, 4).state_dict(), hf / "pytorch_model.bin")  # a zip too, but no optimizer
+    refused(hf, "checkpoint-500: not a checkpoint in any known format", "it holds optimizer.pt (torchsave): pass that file")
     # A failed convert leaves nothing behind.
     proc = optstate_cli("convert", tmp_path / "flip.pt", tmp_path / "never.pt", "--format", "torchsave", check=False)
     assert proc.returncode != 0 and not (tmp_path / "never.pt").exists()

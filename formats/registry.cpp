@@ -73,7 +73,10 @@ Status check_destination(const std::filesystem::path& path, bool overwrite) {
   for (const FormatDriver* d : format_drivers()) {
     if (!d->sniff(path)) continue;
     auto reader = d->open(path);
-    if (reader.ok()) return Status::Ok();
+    if (reader.ok() && d->replaceable(path)) return Status::Ok();
+    if (reader.ok())
+      return invalid_argument(fmt::format("{}: a {} checkpoint that a write never replaces (a training run's folder "
+                                          "of per-rank files); it is left as it is", path.string(), d->name()));
     why = fmt::format("looks like {} but does not open: {}", d->name(), reader.status().message());
     break;
   }

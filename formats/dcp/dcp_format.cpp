@@ -8,6 +8,7 @@
 #include <set>
 
 #include "dcp_driver.h"
+#include "chunks.h"
 #include "dcp_layout.h"
 #include "optstate/io.h"
 #include "optstate/quant8.h"
@@ -19,62 +20,6 @@ namespace {
 
 constexpr uint64_t kMaxMetadataBytes = uint64_t{1} << 30;
 constexpr uint64_t kMaxPickleBytes = uint64_t{64} << 20;
-constexpr uint64_t kMaxSegments = uint64_t{1} << 24;
-
-struct Segment {
-  int64_t begin, count;  // flat elements of the global tensor (or blocks, for absmax)
-  size_t chunk;          // index into the item's chunks
-  int64_t local;         // element offset inside that chunk's data
-};
-
-// A chunk box (offsets, sizes) of a tensor of shape `g` as runs of consecutive flat elements, in
-// the chunk's own C order.
-Status chunk_segments(const std::vector<int64_t>& g, const ChunkMeta& c, size_t chunk, std::vector<Segment>& out,
-                      const std::string& where) {
-  const size_t n = g.size();
-  for (int64_t s : c.sizes)
-    if (s == 0) return Status::Ok();
-  if (n == 0) {
-    out.push_back({0, 1, chunk, 0});
-    return Status::Ok();
-  }
-  std::vector<int64_t> stride(n, 1);
-  for (size_t d = n - 1; d > 0; --d) stride[d - 1] = stride[d] * g[d];
-  // Dims after j are covered whole, so a run spans dim j's extent in the box.
-  size_t j = n - 1;
-  while (j > 0 && c.offsets[j] == 0 && c.sizes[j] == g[j]) --j;
-  const int64_t run = c.sizes[j] * stride[j];
-  std::vector<int64_t> idx(c.offsets.begin(), c.offsets.begin() + static_cast<long>(j));
-  int64_t local = 0;
-  while (true) {
-    int64_t begin = c.offsets[j] * stride[j];
-    for (size_t d = 0; d < j; ++d) begin += idx[d] * stride[d];
-    if (out.size() >= kMaxSegments) return corrupt(where + ": too many pieces (column-sharded beyond the cap)");
-    out.push_back({begin, run, chunk, local});
-    local += run;
-    size_t d = j;
-    while (d > 0) {
-      --d;
-      if (++idx[d] < c.offsets[d] + c.sizes[d]) break;
-      idx[d] = c.offsets[d];
-      if (d == 0) return Status::Ok();
-    }
-    if (j == 0) return Status::Ok();
-  }
-}
-
-Status check_coverage(std::vector<Segment>& segs, int64_t count, const std::string& where) {
-  std::sort(segs.begin(), segs.end(), [](const Segment& a, const Segment& b) { return a.begin < b.begin; });
-  int64_t at = 0;
-  for (const Segment& s : segs) {
-    if (s.begin != at)
-      return corrupt(fmt::format("{}: elements [{}, {}) {}", where, std::min(at, s.begin), std::max(at, s.begin),
-                                 s.begin > at ? "are in no chunk" : "are in two chunks"));
-    at += s.count;
-  }
-  if (at != count) return corrupt(fmt::format("{}: elements [{}, {}) are in no chunk", where, at, count));
-  return Status::Ok();
-}
 
 // A param group's 8-bit layout as optstate's AdamW8bit records it (block 0: none recorded).
 struct Plain8 {

@@ -5,14 +5,11 @@
 #include "optstate/state.h"
 
 namespace optstate::dcp {
-namespace {
 
 using pickle::Kind;
 using pickle::kNoRef;
 using pickle::Pickle;
 using pickle::Ref;
-
-constexpr const char* kMetaModule = "torch.distributed.checkpoint.metadata";
 
 // A dataclass's fields: BUILD state as a dict, or (None, slots dict) for slotted classes.
 Ref fields_of(const Pickle& p, Ref obj) {
@@ -57,10 +54,15 @@ std::optional<DType> torch_dtype(const Pickle& p, Ref r) {
   return dtype_from_torch_name(p.at(r).name);
 }
 
+
+namespace {
+
 std::optional<std::string> str(const Pickle& p, Ref r) {
   if (r == kNoRef || p.at(r).kind != Kind::kStr) return std::nullopt;
   return p.at(r).s;
 }
+
+constexpr const char* kMetaModule = "torch.distributed.checkpoint.metadata";
 
 Result<TensorRef> tensor_ref(const Pickle& p, Ref r, const std::string& where) {
   const bool v2 = is_instance(p, r, "torch._utils", "_rebuild_tensor_v2");

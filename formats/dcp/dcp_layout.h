@@ -67,6 +67,19 @@ Result<Payload> interpret_value(const pickle::Pickle& p, pickle::Ref r, const st
 // (torch._utils._rebuild_tensor_v2 with a persistent id, as torch.save writes it).
 void encode_tensor(pickle::Writer& w, DType d, const std::vector<int64_t>& shape, std::string_view storage_key);
 
+// Reading helpers over the pickle's value model, for the interpretation layers (here and the
+// torch.save driver's).
+// A dataclass's or NEWOBJ+BUILD object's fields: BUILD state as a dict, or the dict of a
+// (None, slots dict) state; kNoRef otherwise.
+pickle::Ref fields_of(const pickle::Pickle& p, pickle::Ref obj);
+// An object made by calling (REDUCE) or instantiating (NEWOBJ) the global module.name.
+bool is_instance(const pickle::Pickle& p, pickle::Ref obj, std::string_view module, std::string_view name);
+std::optional<std::vector<int64_t>> int_tuple(const pickle::Pickle& p, pickle::Ref r);
+// torch.Size((d0, d1, ...)) or a plain tuple of ints.
+std::optional<std::vector<int64_t>> torch_size(const pickle::Pickle& p, pickle::Ref r);
+// The global torch.<dtype name>.
+std::optional<DType> torch_dtype(const pickle::Pickle& p, pickle::Ref r);
+
 // Plain values of bytes items.
 std::optional<double> as_number(const pickle::Pickle& p, pickle::Ref r);
 std::optional<bool> as_bool(const pickle::Pickle& p, pickle::Ref r);

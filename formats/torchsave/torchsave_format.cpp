@@ -10,6 +10,7 @@
 #include <cstring>
 #include <set>
 
+#include "dcp/chunks.h"
 #include "dcp/dcp_driver.h"
 #include "dcp/zip.h"
 #include "optstate/checkpoint.h"
@@ -23,20 +24,85 @@ namespace {
 
 constexpr uint64_t kMaxPickleBytes = uint64_t{64} << 20;
 
-// Where a tensor's bytes lie in the file, and the CRC-32 of its storage record where the tensor is
-// the whole storage (torch's tensors are; a view of part of a storage cannot be checked alone).
+// One torch.save archive: the file, its zip index and the folder its records sit in.
+struct Archive {
+  fs::path path;
+  InputFile file;
+  dcp::ArchiveIndex index;
+  std::map<std::string, size_t> entries;  // record name -> index.entries
+  std::string prefix;
+
+  // The offset of a record's data: past its local header, which is checked against the directory.
+  Result<uint64_t> data_at(const zip::Entry& e) const {
+    std::byte h[30];
+    if (e.local_header_offset > file.size() || file.size() - e.local_header_offset < sizeof h)
+      return corrupt(fmt::format("{}: record '{}' starts past the end of the file", path.string(), e.name));
+    OPTSTATE_RETURN_IF_ERROR(file.read_at(e.local_header_offset, h).with_context(path.string()));
+    return zip::data_offset(h, e, index.cd.offset, path.string());
+  }
+};
+
+// Opens a torch.save archive and interprets its data.pkl (CRC-checked: it holds the
+// hyperparameters and often the steps, and this is their only check).
+Result<std::pair<Archive, pickle::Pickle>> open_archive(const fs::path& path) {
+  const std::string where = path.string();
+  OPTSTATE_ASSIGN_OR_RETURN(InputFile f, InputFile::open(path));
+  Archive a{path, std::move(f), {}, {}, {}};
+  dcp::StorageLoc whole;
+  whole.length = a.file.size();
+  OPTSTATE_ASSIGN_OR_RETURN(a.index, dcp::read_archive_index(a.file, whole, where));
+  // data.pkl names the archive's folder; every storage is <folder>/data/<key>.
+  const zip::Entry* pkl = nullptr;
+  for (const zip::Entry& e : a.index.entries) {
+    const auto slash = e.name.find('/');
+    if (slash != std::string::npos && e.name.substr(slash) == "/data.pkl") {
+      if (pkl) return corrupt(where + ": two data.pkl records; not one torch.save archive");
+      pkl = &e;
+      a.prefix = e.name.substr(0, slash);
+    }
+    a.entries.emplace(e.name, &e - a.index.entries.data());
+  }
+  if (!pkl) return corrupt(where + ": a zip file, but not a torch.save archive (no <folder>/data.pkl)");
+  if (pkl->size > kMaxPickleBytes) return corrupt(fmt::format("{}: data.pkl of {} bytes is too large", where, pkl->size));
+  OPTSTATE_ASSIGN_OR_RETURN(const uint64_t pkl_at, a.data_at(*pkl));
+  std::vector<std::byte> pb(pkl->size);
+  OPTSTATE_RETURN_IF_ERROR(a.file.read_at(pkl_at, pb).with_context(where));
+  OPTSTATE_RETURN_IF_ERROR(zip::check_record_crc(pb, *pkl, where));
+  OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(pb, where + " data.pkl"));
+  return std::pair{std::move(a), std::move(p)};
+}
+
+// Where a run of a tensor's bytes lies: its archive, offset and length, and the CRC-32 of its
+// storage record where the run is that whole record (torch's tensors are; a view of part of a
+// storage, or one row-run of a column-sharded DTensor, cannot be checked alone).
 struct Stored {
+  size_t file = 0;
   uint64_t at = 0, bytes = 0;
   uint32_t crc = 0;
   bool whole = false;
   bool checked() const { return whole && crc != 0; }
 };
 
+// A run of consecutive flat elements of a component (blocks, for absmax), stored consecutively.
+struct Piece {
+  int64_t begin = 0, count = 0;
+  Stored stored;
+};
+
+// One rank's part of a tensor: its bytes in that rank's file and, for a DTensor, its placement.
+struct Part {
+  size_t file = 0;
+  dcp::TensorRef tensor;
+  const std::optional<DTensorSpec>* dtensor = nullptr;
+};
+
 using Key = std::tuple<std::string, std::string, Component>;
+
+bool numbered(const std::string& name, int64_t id) { return name == std::to_string(id); }
 
 class TorchSaveReader final : public CheckpointReader {
  public:
-  TorchSaveReader(fs::path path, InputFile file) : path_(std::move(path)), file_(std::move(file)) {}
+  explicit TorchSaveReader(fs::path path) : path_(std::move(path)) {}
 
   std::string_view format() const override { return "torchsave"; }
   const fs::path& path() const override { return path_; }
@@ -45,152 +111,392 @@ class TorchSaveReader final : public CheckpointReader {
   bool checksummed() const override { return checksummed_; }
 
   Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) override {
-    OPTSTATE_ASSIGN_OR_RETURN(const Stored* s, find(fqn, entry, c));
-    uint32_t crc = 0;
-    for (uint64_t done = 0; done < s->bytes;) {
-      const uint64_t n = std::min<uint64_t>(kStreamPieceBytes, s->bytes - done);
-      const std::span<std::byte> piece = piece_.for_read(s->at + done, n);
-      OPTSTATE_RETURN_IF_ERROR(file_.read_at(s->at + done, piece).with_context(name_of(fqn, entry, c)));
-      if (s->checked()) crc = zip::crc32(piece, crc);
-      OPTSTATE_RETURN_IF_ERROR(sink(piece));
-      done += n;
+    OPTSTATE_ASSIGN_OR_RETURN(const std::vector<Piece>* pieces, find(fqn, entry, c));
+    for (const Piece& pc : *pieces) {
+      const Stored& s = pc.stored;
+      const Archive& a = files_[s.file];
+      uint32_t crc = 0;
+      for (uint64_t done = 0; done < s.bytes;) {
+        const uint64_t n = std::min<uint64_t>(kStreamPieceBytes, s.bytes - done);
+        const std::span<std::byte> piece = piece_.for_read(s.at + done, n);
+        OPTSTATE_RETURN_IF_ERROR(a.file.read_at(s.at + done, piece).with_context(where_of(s, fqn, entry, c)));
+        if (s.checked()) crc = zip::crc32(piece, crc);
+        OPTSTATE_RETURN_IF_ERROR(sink(piece));
+        done += n;
+      }
+      OPTSTATE_RETURN_IF_ERROR(check_crc(s, crc, fqn, entry, c));
     }
-    if (s->checked() && crc != s->crc)
-      return corrupt(fmt::format("{}: {}: CRC-32 of its storage is {:08x}, the archive records {:08x}", path_.string(),
-                                 name_of(fqn, entry, c), crc, s->crc));
     return Status::Ok();
   }
 
   Status read_range(const std::string& fqn, const std::string& entry, Component c, int64_t begin, int64_t end,
                     std::span<std::byte> out) override {
-    OPTSTATE_ASSIGN_OR_RETURN(const Stored* s, find(fqn, entry, c));
+    OPTSTATE_ASSIGN_OR_RETURN(const std::vector<Piece>* pieces, find(fqn, entry, c));
     const Entry& e = meta_.params.at(fqn).entries.at(entry);
     const int64_t elem = component_elem_size(e, c);
-    const auto count = static_cast<int64_t>(s->bytes) / elem;
+    const int64_t count = pieces->empty() ? 0 : pieces->back().begin + pieces->back().count;
     if (begin < 0 || end < begin || end > count || static_cast<int64_t>(out.size()) != (end - begin) * elem)
       return invalid_argument(fmt::format("{}: range [{}, {}) of {} is outside [0, {}) or does not fit", path_.string(),
                                           begin, end, name_of(fqn, entry, c), count));
-    if (s->checked() && begin == 0 && end == count) return CheckpointReader::read_range(fqn, entry, c, begin, end, out);
-    return file_.read_at(s->at + static_cast<uint64_t>(begin * elem), out).with_context(name_of(fqn, entry, c));
+    for (const Piece& pc : *pieces) {
+      const int64_t a = std::max(begin, pc.begin), b = std::min(end, pc.begin + pc.count);
+      if (a >= b) continue;
+      const Stored& s = pc.stored;
+      const auto dst = out.subspan(static_cast<size_t>((a - begin) * elem), static_cast<size_t>((b - a) * elem));
+      OPTSTATE_RETURN_IF_ERROR(files_[s.file]
+                                   .file.read_at(s.at + static_cast<uint64_t>((a - pc.begin) * elem), dst)
+                                   .with_context(where_of(s, fqn, entry, c)));
+      // A read of a whole stored record is checked as it is read.
+      if (a == pc.begin && b == pc.begin + pc.count) OPTSTATE_RETURN_IF_ERROR(check_crc(s, zip::crc32(dst), fqn, entry, c));
+    }
+    return Status::Ok();
   }
 
   std::string locate(const std::string& fqn, const std::string& entry, Component c, int64_t index) const override {
     auto it = stored_.find({fqn, entry, c});
     if (it == stored_.end()) return path_.string();
     const Entry& e = meta_.params.at(fqn).entries.at(entry);
-    return fmt::format("{} at byte {}", path_.string(), it->second.at + index * component_elem_size(e, c));
+    for (const Piece& pc : it->second)
+      if (index >= pc.begin && index < pc.begin + pc.count)
+        return fmt::format("{} at byte {}", files_[pc.stored.file].path.string(),
+                           pc.stored.at + (index - pc.begin) * component_elem_size(e, c));
+    return path_.string();
   }
 
-  Status init() {
-    const std::string where = path_.string();
-    dcp::StorageLoc whole;
-    whole.length = file_.size();
-    OPTSTATE_ASSIGN_OR_RETURN(dcp::ArchiveIndex index, dcp::read_archive_index(file_, whole, where));
-    // data.pkl names the archive's folder; every storage is <folder>/data/<key>.
-    std::string prefix;
-    const zip::Entry* pkl = nullptr;
-    for (const zip::Entry& e : index.entries) {
-      const auto slash = e.name.find('/');
-      if (slash != std::string::npos && e.name.substr(slash) == "/data.pkl") {
-        if (pkl) return corrupt(where + ": two data.pkl records; not one torch.save archive");
-        pkl = &e;
-        prefix = e.name.substr(0, slash);
-      }
-      entries_.emplace(e.name, &e - index.entries.data());
+  // One file, or a per-rank set (optimizer files in rank order; the model's beside them, if any).
+  Status init(const std::vector<fs::path>& optim_files, const std::vector<fs::path>& model_files,
+              std::vector<std::string> not_read) {
+    set_ = optim_files.size() > 1 || !model_files.empty();
+    std::vector<StateDict> sds;
+    for (const fs::path& f : optim_files) {
+      OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(f));
+      files_.push_back(std::move(ap.first));
+      OPTSTATE_ASSIGN_OR_RETURN(StateDict sd, interpret_state_dict(ap.second, f.string()));
+      sds.push_back(std::move(sd));
     }
-    if (!pkl) return corrupt(where + ": a zip file, but not a torch.save archive (no <folder>/data.pkl)");
-    if (pkl->size > kMaxPickleBytes) return corrupt(fmt::format("{}: data.pkl of {} bytes is too large", where, pkl->size));
-    index_ = std::move(index);
-    pkl = &index_.entries[entries_.at(prefix + "/data.pkl")];
-    OPTSTATE_ASSIGN_OR_RETURN(const uint64_t pkl_at, data_at(*pkl, where));
-    std::vector<std::byte> pb(pkl->size);
-    OPTSTATE_RETURN_IF_ERROR(file_.read_at(pkl_at, pb).with_context(where));
-    // data.pkl holds the hyperparameters and often the steps: its CRC-32 is their only check.
-    OPTSTATE_RETURN_IF_ERROR(zip::check_record_crc(pb, *pkl, where));
-    OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(pb, where + " data.pkl"));
-    OPTSTATE_ASSIGN_OR_RETURN(StateDict sd, interpret_state_dict(p, where));
-    prefix_ = prefix;
-    not_read_ = std::move(sd.not_read);
+    const StateDict& sd0 = sds[0];
+    const std::string w0 = optim_files[0].string();
+    not_read_ = sd0.not_read;
+    for (std::string& n : not_read) not_read_.push_back(std::move(n));
+    for (size_t f = 1; f < sds.size(); ++f) OPTSTATE_RETURN_IF_ERROR(same_layout(sd0, sds[f], w0, optim_files[f].string()));
 
-    meta_.kind = sd.eight ? "adamw8bit" : "adamw";
-    for (size_t g = 0; g < sd.groups.size(); ++g) {
+    // Names: the groups' param_names; else the model files' params in order, which torch numbers
+    // the same way when the optimizer was given model.parameters().
+    std::map<int64_t, std::string> rename;
+    std::vector<std::pair<ModelDict, size_t>> models;  // (dict, archive index)
+    for (const fs::path& f : model_files) {
+      OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(f));
+      files_.push_back(std::move(ap.first));
+      OPTSTATE_ASSIGN_OR_RETURN(ModelDict md, interpret_model_dict(ap.second, f.string()));
+      models.emplace_back(std::move(md), files_.size() - 1);
+    }
+    if (!models.empty()) OPTSTATE_RETURN_IF_ERROR(model_names(sd0, models[0].first, model_files[0], rename));
+
+    meta_.kind = sd0.eight ? "adamw8bit" : "adamw";
+    for (size_t g = 0; g < sd0.groups.size(); ++g) {
       ParamGroup group;
-      group.hyper = sd.groups[g].hyper;
-      OPTSTATE_ASSIGN_OR_RETURN(group.hyper.lr, value_of(sd.groups[g].lr, fmt::format("{} param group {} 'lr'", where, g)));
-      group.params = std::move(sd.groups[g].params);
+      group.hyper = sd0.groups[g].hyper;
+      for (size_t f = 0; f < sds.size(); ++f) {
+        OPTSTATE_ASSIGN_OR_RETURN(const double lr, value_of(f, sds[f].groups[g].lr,
+                                                            fmt::format("{} param group {} 'lr'", optim_files[f].string(), g)));
+        if (f == 0) group.hyper.lr = lr;
+        if (lr != group.hyper.lr)
+          return corrupt(fmt::format("{}: param group {} has lr {}, rank 0's file has {}", optim_files[f].string(), g, lr,
+                                     group.hyper.lr));
+      }
       meta_.groups.push_back(std::move(group));
     }
-    for (const ParamSpec& spec : sd.params) {
-      const std::string pw = fmt::format("{} param '{}'", where, spec.fqn);
+    size_t weights = 0;
+    for (size_t i = 0; i < sd0.params.size(); ++i) {
+      const ParamSpec& spec = sd0.params[i];
+      const std::string fqn = rename.count(spec.id) ? rename.at(spec.id) : spec.fqn;
+      meta_.groups[static_cast<size_t>(spec.group)].params.push_back(fqn);
+      const std::string pw = fmt::format("{} param '{}'", w0, fqn);
       ParamState ps;
       ps.shape = spec.shape;
       ps.group = spec.group;
-      OPTSTATE_ASSIGN_OR_RETURN(const double step, value_of(spec.step, pw + " 'step'"));
-      if (!(step >= 0 && step < 9.2e18) || step != std::floor(step))
-        return corrupt(fmt::format("{}: step {} is not a count", pw, step));
-      ps.step = static_cast<int64_t>(step);
-      OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps.shape));
+      for (size_t f = 0; f < sds.size(); ++f) {
+        const std::string fw = fmt::format("{} param '{}'", optim_files[f].string(), fqn);
+        OPTSTATE_ASSIGN_OR_RETURN(const double step, value_of(f, sds[f].params[i].step, fw + " 'step'"));
+        if (!(step >= 0 && step < 9.2e18) || step != std::floor(step))
+          return corrupt(fmt::format("{}: step {} is not a count", fw, step));
+        if (f == 0) ps.step = static_cast<int64_t>(step);
+        if (static_cast<int64_t>(step) != ps.step)
+          return corrupt(fmt::format("{}: step {}, rank 0's file has {}", fw, step, ps.step));
+      }
       for (const auto& [name, es] : spec.entries) {
         const std::string ew = fmt::format("{} '{}'", pw, name);
         Entry e;
         e.encoding = es.encoding;
+        auto parts = [&](auto member) {
+          std::vector<Part> out;
+          for (size_t f = 0; f < sds.size(); ++f) {
+            const EntrySpec& x = sds[f].params[i].entries.at(name);
+            out.push_back({f, x.*member, &x.dtensor});
+          }
+          return out;
+        };
+        for (size_t f = 1; f < sds.size(); ++f) {
+          const auto& x = sds[f].params[i].entries;
+          if (!x.count(name) || x.at(name).encoding != es.encoding)
+            return corrupt(fmt::format("{} param '{}': '{}' {} in rank 0's file", optim_files[f].string(), fqn, name,
+                                       x.count(name) ? "is encoded differently than" : "is missing; it is"));
+        }
         if (es.encoding == Encoding::kDense) {
           e.dtype = es.values.dtype;
-          OPTSTATE_RETURN_IF_ERROR(add(spec.fqn, name, Component::kValues, es.values, numel, ew));
+          for (size_t f = 1; f < sds.size(); ++f)
+            if (sds[f].params[i].entries.at(name).values.dtype != e.dtype)
+              return corrupt(fmt::format("{} param '{}' '{}': {}, rank 0's file has {}", optim_files[f].string(), fqn, name,
+                                         dtype_name(sds[f].params[i].entries.at(name).values.dtype), dtype_name(e.dtype)));
+          OPTSTATE_RETURN_IF_ERROR(place(fqn, name, Component::kValues, ps.shape, parts(&EntrySpec::values), ew).status());
         } else {
           e.dtype = DType::kU8;
           e.block_size = es.block_size;
-          if (es.qmap) {
-            OPTSTATE_ASSIGN_OR_RETURN(e.qmap, map_name(*es.qmap, ew));
-          } else {
-            e.qmap = es.qmap_name;
+          for (size_t f = 0; f < sds.size(); ++f) {
+            const EntrySpec& x = sds[f].params[i].entries.at(name);
+            std::string q = x.qmap_name;
+            if (x.qmap) {
+              OPTSTATE_ASSIGN_OR_RETURN(q, map_name(f, *x.qmap, ew));
+            }
+            if (f == 0) e.qmap = q;
+            if (x.block_size != e.block_size || q != e.qmap)
+              return corrupt(fmt::format("{} param '{}' '{}': blocks of {} with map {}, rank 0's file has {} with {}",
+                                         optim_files[f].string(), fqn, name, x.block_size, q, e.block_size, e.qmap));
           }
-          OPTSTATE_RETURN_IF_ERROR(add(spec.fqn, name, Component::kCodes, es.codes, numel, ew));
-          OPTSTATE_RETURN_IF_ERROR(
-              add(spec.fqn, name, Component::kAbsmax, es.absmax, (numel + e.block_size - 1) / e.block_size, ew + " scales"));
+          OPTSTATE_ASSIGN_OR_RETURN(const std::vector<size_t> of,
+                                    place(fqn, name, Component::kCodes, ps.shape, parts(&EntrySpec::codes), ew));
+          OPTSTATE_RETURN_IF_ERROR(place_absmax(fqn, name, ps.shape, e.block_size, parts(&EntrySpec::absmax), of, ew));
         }
         ps.entries.emplace(name, std::move(e));
       }
+      // Weights: from a "model" dict in the optimizer's files, or from the model's own files.
+      std::vector<Part> wparts;
+      std::string ww;
       if (spec.weight) {
-        Entry w;
-        w.dtype = spec.weight->dtype;
-        ps.param_dtype = w.dtype;
-        OPTSTATE_RETURN_IF_ERROR(add(spec.fqn, kParam, Component::kValues, *spec.weight, numel,
-                                     fmt::format("{} ['model']['{}']", where, spec.fqn)));
-        ps.entries.emplace(kParam, std::move(w));
+        for (size_t f = 0; f < sds.size(); ++f) {
+          const ParamSpec& x = sds[f].params[i];
+          if (!x.weight) return corrupt(fmt::format("{}: ['model']['{}'] is missing; rank 0's file has it", optim_files[f].string(), fqn));
+          wparts.push_back({f, *x.weight, &x.weight_dtensor});
+        }
+        ww = fmt::format("{} ['model']['{}']", w0, fqn);
+      } else if (!models.empty()) {
+        for (size_t m = 0; m < models.size(); ++m) {
+          const ModelTensor* t = models[m].first.find(fqn);
+          if (!t) {
+            if (m == 0) break;
+            return corrupt(fmt::format("{}: no '{}'; rank 0's model file has it", model_files[m].string(), fqn));
+          }
+          wparts.push_back({models[m].second, t->tensor, &t->dtensor});
+        }
+        ww = fmt::format("{} ['{}']", model_files[0].string(), fqn);
       }
-      meta_.params.emplace(spec.fqn, std::move(ps));
+      if (!wparts.empty()) {
+        Entry w;
+        w.dtype = wparts[0].tensor.dtype;
+        for (const Part& part : wparts)
+          if (part.tensor.dtype != w.dtype || (w.dtype != DType::kF32 && w.dtype != DType::kBF16 && w.dtype != DType::kF16))
+            return corrupt(fmt::format("{}: {} weights; optstate carries fp32, bf16 or fp16 weights of one dtype", ww,
+                                       dtype_name(part.tensor.dtype)));
+        OPTSTATE_RETURN_IF_ERROR(place(fqn, kParam, Component::kValues, ps.shape, wparts, ww).status());
+        ps.param_dtype = w.dtype;
+        ps.entries.emplace(kParam, std::move(w));
+        weights += !spec.weight;
+      }
+      meta_.params.emplace(fqn, std::move(ps));
     }
-    OPTSTATE_RETURN_IF_ERROR(check_structure(meta_, false).with_context(where));
-    checksummed_ = std::all_of(stored_.begin(), stored_.end(), [](const auto& kv) { return kv.second.checked(); });
+    if (!models.empty()) {
+      const size_t others = models[0].first.tensors.size() + models[0].first.others - weights;
+      if (others)
+        not_read_.push_back(fmt::format("{} ({} entr{} besides the optimized params' weights)",
+                                        rank_pattern(model_files), others, others == 1 ? "y" : "ies"));
+    }
+    OPTSTATE_RETURN_IF_ERROR(check_structure(meta_, false).with_context(path_.string()));
+    checksummed_ = true;
+    for (const auto& [key, pieces] : stored_)
+      for (const Piece& pc : pieces) checksummed_ = checksummed_ && pc.stored.checked();
     return Status::Ok();
   }
 
- private:
-  // The offset of a record's data: past its local header, which is checked against the directory.
-  Result<uint64_t> data_at(const zip::Entry& e, const std::string& where) const {
-    std::byte h[30];
-    if (e.local_header_offset > file_.size() || file_.size() - e.local_header_offset < sizeof h)
-      return corrupt(fmt::format("{}: record '{}' starts past the end of the file", where, e.name));
-    OPTSTATE_RETURN_IF_ERROR(file_.read_at(e.local_header_offset, h).with_context(where));
-    return zip::data_offset(h, e, index_.cd.offset, where);
+  // "optim_world_size_2_rank_*.pt" for a per-rank set's files.
+  static std::string rank_pattern(const std::vector<fs::path>& files) {
+    if (files.size() < 2) return files.empty() ? "" : files[0].filename().string();
+    std::string name = files[0].filename().string();
+    const std::string ext = files[0].extension().string();
+    const std::string stem = name.substr(0, name.size() - ext.size());
+    return stem.substr(0, stem.size() - 1) + "*" + ext;  // rank 0's stem ends in "0"
   }
 
-  // Where a tensor's `count` elements lie: its storage record, checked to hold them.
-  Result<Stored> resolve(const dcp::TensorRef& t, int64_t count, const std::string& where) const {
+ private:
+  // Every rank's file must hold the same groups (members and hyperparameters) and the same params.
+  static Status same_layout(const StateDict& a, const StateDict& b, const std::string& wa, const std::string& wb) {
+    if (a.groups.size() != b.groups.size() || a.params.size() != b.params.size() || a.members != b.members)
+      return corrupt(fmt::format("{}: {} param groups and {} params with state; {} has {} and {}: not one optimizer's "
+                                 "ranks", wb, b.groups.size(), b.params.size(), wa, a.groups.size(), a.params.size()));
+    for (size_t g = 0; g < a.groups.size(); ++g) {
+      const Hyperparameters &x = a.groups[g].hyper, &y = b.groups[g].hyper;
+      if (a.groups[g].params != b.groups[g].params || x.beta1 != y.beta1 || x.beta2 != y.beta2 || x.eps != y.eps ||
+          x.weight_decay != y.weight_decay || x.amsgrad != y.amsgrad || x.maximize != y.maximize)
+        return corrupt(fmt::format("{}: param group {} differs from {}'s (members or hyperparameters)", wb, g, wa));
+    }
+    for (size_t i = 0; i < a.params.size(); ++i)
+      if (a.params[i].id != b.params[i].id || a.params[i].shape != b.params[i].shape)
+        return corrupt(fmt::format("{}: param id {} of shape {}; {} has id {} of shape {} there", wb, b.params[i].id,
+                                   format_shape(b.params[i].shape), wa, a.params[i].id, format_shape(a.params[i].shape)));
+    return Status::Ok();
+  }
+
+  // Numbered params named after the model's: its params are the distinct DTensors of its
+  // state_dict in order (buffers are plain tensors; tied weights are one object under two names),
+  // and torch numbered the optimizer's params in that order when it was given model.parameters().
+  // Where the counts or shapes do not line up, the params keep their numbers and the model files
+  // are named as not read.
+  Status model_names(const StateDict& sd, const ModelDict& md, const fs::path& model0,
+                     std::map<int64_t, std::string>& rename) {
+    for (const ParamSpec& ps : sd.params)
+      if (!numbered(ps.fqn, ps.id)) return Status::Ok();  // named by param_names
+    std::vector<const ModelTensor*> params;
+    std::set<pickle::Ref> seen;
+    for (const ModelTensor& t : md.tensors)
+      if (t.dtensor && seen.insert(t.ref).second) params.push_back(&t);
+    std::string why;
+    if (params.size() != sd.members) {
+      why = fmt::format("its {} params are not the optimizer's {}", params.size(), sd.members);
+    } else {
+      for (const ParamSpec& ps : sd.params)
+        if (params[static_cast<size_t>(ps.id)]->dtensor->global_shape != ps.shape) {
+          why = fmt::format("param {} is '{}' of shape {} there, {} in the optimizer", ps.id,
+                            params[static_cast<size_t>(ps.id)]->name,
+                            format_shape(params[static_cast<size_t>(ps.id)]->dtensor->global_shape), format_shape(ps.shape));
+          break;
+        }
+    }
+    if (!why.empty()) {
+      not_read_.push_back(fmt::format("{} (the model's files: {}, so params keep their numbers)", model0.filename().string(), why));
+      return Status::Ok();
+    }
+    for (const ParamSpec& ps : sd.params) rename[ps.id] = params[static_cast<size_t>(ps.id)]->name;
+    return Status::Ok();
+  }
+
+  // Places the ranks' parts of a component in the global tensor of `shape` as pieces: a plain
+  // tensor (every rank holds all of it: rank 0's is read), or a DTensor on every rank, each part
+  // where its mesh coordinate puts it (the mesh's shape is what the ranks' coordinates span), with
+  // every element held by exactly one part. Returns the part each piece came from.
+  Result<std::vector<size_t>> place(const std::string& fqn, const std::string& entry, Component c,
+                                    const std::vector<int64_t>& shape, const std::vector<Part>& parts,
+                                    const std::string& where) {
+    OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(shape));
+    const bool sharded = parts[0].dtensor->has_value();
+    for (const Part& part : parts)
+      if (part.dtensor->has_value() != sharded)
+        return corrupt(where + ": a DTensor in some ranks' files and a plain tensor in others'");
+    std::vector<Piece> pieces;
+    std::vector<size_t> of;
+    if (!sharded) {
+      OPTSTATE_ASSIGN_OR_RETURN(Stored s, resolve(parts[0].file, parts[0].tensor, numel, where));
+      if (numel > 0) pieces.push_back({0, numel, s});
+      of.push_back(0);
+    } else {
+      const DTensorSpec& d0 = **parts[0].dtensor;
+      std::vector<int64_t> mesh(d0.coordinate.size(), 1);
+      std::set<std::vector<int64_t>> coords;
+      for (const Part& part : parts) {
+        const DTensorSpec& d = **part.dtensor;
+        if (d.placements != d0.placements || d.global_shape != shape)
+          return corrupt(fmt::format("{}: {}'s DTensor is placed or shaped differently than rank 0's", where,
+                                     files_[part.file].path.filename().string()));
+        for (size_t k = 0; k < mesh.size(); ++k) mesh[k] = std::max(mesh[k], d.coordinate[k] + 1);
+        if (!coords.insert(d.coordinate).second)
+          return corrupt(fmt::format("{}: two files hold mesh position {}", where, format_shape(d.coordinate)));
+      }
+      int64_t positions = 1;
+      for (int64_t m : mesh) positions = std::min<int64_t>(positions * m, int64_t{1} << 40);
+      if (!set_ && (positions > 1 || *checked_numel(parts[0].tensor.shape) != numel))
+        return corrupt(fmt::format("{}: one rank's shard of a DTensor (local {} of {}, mesh position {}): this file is "
+                                   "one rank's part; pass the directory that holds every rank's file", where,
+                                   format_shape(parts[0].tensor.shape), format_shape(shape), format_shape(d0.coordinate)));
+      if (positions != static_cast<int64_t>(parts.size()))
+        return corrupt(fmt::format("{}: the ranks' files hold {} of the {} positions of a mesh of {}", where, parts.size(),
+                                   positions, format_shape(mesh)));
+      std::vector<dcp::Segment> segs;
+      std::vector<Stored> stored;
+      for (size_t k = 0; k < parts.size(); ++k) {
+        const Part& part = parts[k];
+        const std::string rw = fmt::format("{} in {}", where, files_[part.file].path.filename().string());
+        OPTSTATE_ASSIGN_OR_RETURN(Box box, dtensor_box(**part.dtensor, mesh, rw));
+        stored.emplace_back();
+        if (box.replica) continue;  // another rank holds the same box
+        if (part.tensor.shape != box.sizes)
+          return corrupt(fmt::format("{}: local tensor {}, its mesh position {} on a mesh of {} gives {}", rw,
+                                     format_shape(part.tensor.shape), format_shape((*part.dtensor)->coordinate),
+                                     format_shape(mesh), format_shape(box.sizes)));
+        OPTSTATE_ASSIGN_OR_RETURN(stored.back(), resolve(part.file, part.tensor, *checked_numel(box.sizes), rw));
+        OPTSTATE_RETURN_IF_ERROR(dcp::chunk_segments(shape, {box.offsets, box.sizes}, k, segs, rw));
+      }
+      OPTSTATE_RETURN_IF_ERROR(dcp::check_coverage(segs, numel, where));
+      for (const dcp::Segment& sg : segs) {
+        const Stored& s = stored[sg.chunk];
+        const auto elem = static_cast<uint64_t>(dtype_size(parts[sg.chunk].tensor.dtype));
+        Piece pc{sg.begin, sg.count, s};
+        pc.stored.at += static_cast<uint64_t>(sg.local) * elem;
+        pc.stored.bytes = static_cast<uint64_t>(sg.count) * elem;
+        pc.stored.whole = s.whole && pc.stored.bytes == s.bytes;
+        pieces.push_back(pc);
+        of.push_back(sg.chunk);
+      }
+    }
+    stored_[{fqn, entry, c}] = std::move(pieces);
+    return of;
+  }
+
+  // The scales of 8-bit state beside its codes' pieces: a rank's codes must be one flat run that
+  // starts on a block boundary (torchao quantizes a shard as its own tensor), and its scales are
+  // that run's blocks.
+  Status place_absmax(const std::string& fqn, const std::string& entry, const std::vector<int64_t>& shape, int64_t block,
+                      const std::vector<Part>& parts, const std::vector<size_t>& of, const std::string& where) {
+    const std::vector<Piece>& codes = stored_.at({fqn, entry, Component::kCodes});
+    const int64_t numel = *checked_numel(shape);
+    std::vector<Piece> pieces;
+    if (!parts[0].dtensor->has_value()) {
+      const int64_t blocks = (numel + block - 1) / block;
+      OPTSTATE_ASSIGN_OR_RETURN(Stored s, resolve(parts[0].file, parts[0].tensor, blocks, where + " scales"));
+      if (blocks > 0) pieces.push_back({0, blocks, s});
+    } else {
+      std::set<size_t> seen;
+      for (size_t k = 0; k < codes.size(); ++k) {
+        const Piece& pc = codes[k];
+        const Part& part = parts[of[k]];
+        const std::string rw = fmt::format("{} in {}", where, files_[part.file].path.filename().string());
+        if (!seen.insert(of[k]).second || pc.begin % block != 0 || (pc.count % block != 0 && pc.begin + pc.count != numel))
+          return corrupt(fmt::format("{}: this rank's 8-bit shard is not whole blocks of the flattened tensor (blocks of "
+                                     "{}); optstate reads 8-bit DTensors sharded by rows on block boundaries", rw, block));
+        const int64_t blocks = (pc.count + block - 1) / block;
+        OPTSTATE_ASSIGN_OR_RETURN(Stored s, resolve(part.file, part.tensor, blocks, rw + " scales"));
+        pieces.push_back({pc.begin / block, blocks, s});
+      }
+    }
+    stored_[{fqn, entry, Component::kAbsmax}] = std::move(pieces);
+    return Status::Ok();
+  }
+
+  // Where a tensor's `count` elements lie in archive `file`: its storage record, checked to hold them.
+  Result<Stored> resolve(size_t file, const dcp::TensorRef& t, int64_t count, const std::string& where) const {
+    const Archive& a = files_[file];
     OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(t.shape));
     if (numel != count)
       return corrupt(fmt::format("{}: {} elements where {} are needed", where, numel, count));
-    const std::string name = prefix_ + "/data/" + t.storage_key;
-    auto it = entries_.find(name);
-    if (it == entries_.end()) return corrupt(fmt::format("{}: storage '{}' is missing from the archive", where, name));
-    const zip::Entry& e = index_.entries[it->second];
+    const std::string name = a.prefix + "/data/" + t.storage_key;
+    auto it = a.entries.find(name);
+    if (it == a.entries.end()) return corrupt(fmt::format("{}: storage '{}' is missing from the archive", where, name));
+    const zip::Entry& e = a.index.entries[it->second];
     const auto elem = static_cast<uint64_t>(dtype_size(t.dtype));
-    if (e.size / elem < static_cast<uint64_t>(t.storage_numel))
-      return corrupt(fmt::format("{}: storage '{}' holds {} bytes, less than its {} elements of {}", where, name, e.size,
-                                 t.storage_numel, dtype_name(t.dtype)));
+    if (e.size / elem < static_cast<uint64_t>(t.storage_numel) ||
+        static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(numel) > static_cast<uint64_t>(t.storage_numel))
+      return corrupt(fmt::format("{}: storage '{}' holds {} bytes, too few for {} elements of {} at {}", where, name,
+                                 e.size, numel, dtype_name(t.dtype), t.offset));
     Stored s;
-    OPTSTATE_ASSIGN_OR_RETURN(const uint64_t at, data_at(e, where));
+    s.file = file;
+    OPTSTATE_ASSIGN_OR_RETURN(const uint64_t at, a.data_at(e));
     s.at = at + static_cast<uint64_t>(t.offset) * elem;
     s.bytes = static_cast<uint64_t>(numel) * elem;
     s.crc = e.crc32;
@@ -198,29 +504,32 @@ class TorchSaveReader final : public CheckpointReader {
     return s;
   }
 
-  Status add(const std::string& fqn, const std::string& entry, Component c, const dcp::TensorRef& t, int64_t count,
-             const std::string& where) {
-    OPTSTATE_ASSIGN_OR_RETURN(Stored s, resolve(t, count, where));
-    stored_.emplace(Key{fqn, entry, c}, s);
-    return Status::Ok();
+  Status check_crc(const Stored& s, uint32_t crc, const std::string& fqn, const std::string& entry, Component c) const {
+    if (!s.checked() || crc == s.crc) return Status::Ok();
+    return corrupt(fmt::format("{}: CRC-32 of its storage is {:08x}, the archive records {:08x}", where_of(s, fqn, entry, c),
+                               crc, s.crc));
   }
 
-  Result<double> value_of(const Scalar& s, const std::string& where) const {
+  std::string where_of(const Stored& s, const std::string& fqn, const std::string& entry, Component c) const {
+    return fmt::format("{}: {}", files_[s.file].path.string(), name_of(fqn, entry, c));
+  }
+
+  Result<double> value_of(size_t file, const Scalar& s, const std::string& where) const {
     if (s.number) return *s.number;
     const dcp::TensorRef& t = *s.tensor;
-    OPTSTATE_ASSIGN_OR_RETURN(const Stored st, resolve(t, 1, where));
+    OPTSTATE_ASSIGN_OR_RETURN(const Stored st, resolve(file, t, 1, where));
     std::byte raw[8];
     if (st.bytes > sizeof raw) return corrupt(fmt::format("{}: a {} tensor where a number is needed", where, dtype_name(t.dtype)));
-    OPTSTATE_RETURN_IF_ERROR(file_.read_at(st.at, std::span(raw, st.bytes)).with_context(where));
+    OPTSTATE_RETURN_IF_ERROR(files_[file].file.read_at(st.at, std::span(raw, st.bytes)).with_context(where));
     if (const auto v = scalar_value(t.dtype, raw)) return *v;
     return corrupt(fmt::format("{}: a {} tensor where a number is needed", where, dtype_name(t.dtype)));
   }
 
-  Result<std::string> map_name(const dcp::TensorRef& q, const std::string& where) const {
+  Result<std::string> map_name(size_t file, const dcp::TensorRef& q, const std::string& where) const {
     if (q.dtype != DType::kF32) return corrupt(where + ": quantization map is not float32");
-    OPTSTATE_ASSIGN_OR_RETURN(const Stored st, resolve(q, 256, where + " quantization map"));
+    OPTSTATE_ASSIGN_OR_RETURN(const Stored st, resolve(file, q, 256, where + " quantization map"));
     std::array<float, 256> m;
-    OPTSTATE_RETURN_IF_ERROR(file_.read_at(st.at, std::as_writable_bytes(std::span(m))).with_context(where));
+    OPTSTATE_RETURN_IF_ERROR(files_[file].file.read_at(st.at, std::as_writable_bytes(std::span(m))).with_context(where));
     if (const auto k = qmap_matching(m)) return std::string(qmap_name(*k));
     return corrupt(where + ": quantization map is neither the dynamic signed nor the unsigned one");
   }
@@ -232,23 +541,130 @@ class TorchSaveReader final : public CheckpointReader {
     return fmt::format("tensor '{}'{}", entry_key(fqn, entry), eight ? fmt::format(" ({})", component_name(c)) : "");
   }
 
-  Result<const Stored*> find(const std::string& fqn, const std::string& entry, Component c) const {
+  Result<const std::vector<Piece>*> find(const std::string& fqn, const std::string& entry, Component c) const {
     auto it = stored_.find({fqn, entry, c});
     if (it == stored_.end()) return not_found(fmt::format("{}: no {}", path_.string(), name_of(fqn, entry, c)));
     return &it->second;
   }
 
   fs::path path_;
-  InputFile file_;
-  dcp::ArchiveIndex index_;
-  std::map<std::string, size_t> entries_;  // record name -> index_.entries
-  std::string prefix_;
+  bool set_ = false;  // a per-rank set (a directory), not one file
+  std::vector<Archive> files_;
   OptimizerState meta_;
   std::vector<std::string> not_read_;
-  std::map<Key, Stored> stored_;
+  std::map<Key, std::vector<Piece>> stored_;
   bool checksummed_ = false;
   ReadBuffer piece_;  // reused between tensors
 };
+
+// A directory of per-rank torch.save files, <prefix><rank>.pt (verl's
+// optim_world_size_8_rank_3.pt, with model_world_size_8_rank_3.pt beside it): FSDP2's
+// optimizer.state_dict() and model.state_dict() of DTensors, saved by every rank.
+struct RankName {
+  std::string prefix, ext;
+  int64_t rank = 0;
+};
+
+std::optional<RankName> rank_name(const std::string& filename) {
+  RankName n;
+  const auto dot = filename.rfind('.');
+  if (dot == std::string::npos) return std::nullopt;
+  n.ext = filename.substr(dot);
+  if (n.ext != ".pt" && n.ext != ".pth") return std::nullopt;
+  size_t d = dot;
+  while (d > 0 && std::isdigit(static_cast<unsigned char>(filename[d - 1]))) --d;
+  if (d == dot || dot - d > 7) return std::nullopt;
+  n.prefix = filename.substr(0, d);
+  n.rank = std::stoll(filename.substr(d, dot - d));
+  return n;
+}
+
+size_t find_optim(const std::string& prefix) {
+  std::string lower = prefix;
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  return lower.find("optim");
+}
+
+constexpr size_t kMaxDirEntries = size_t{1} << 20;
+constexpr int64_t kMaxRanks = int64_t{1} << 20;
+
+struct RankSet {
+  std::vector<fs::path> optim, model;
+  std::vector<std::string> others;  // what else the directory holds, for not_read
+};
+
+Result<RankSet> rank_set(const fs::path& dir) {
+  const std::string where = dir.string();
+  std::map<std::pair<std::string, std::string>, std::map<int64_t, fs::path>> groups;  // (prefix, ext) -> rank -> file
+  std::vector<std::string> other;
+  std::error_code ec;
+  size_t seen = 0;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (++seen > kMaxDirEntries) return corrupt(fmt::format("{}: more than {} entries", where, kMaxDirEntries));
+    const std::string name = it->path().filename().string();
+    const auto rn = it->is_regular_file(ec) ? rank_name(name) : std::nullopt;
+    if (rn && rn->rank < kMaxRanks) {
+      groups[{rn->prefix, rn->ext}][rn->rank] = it->path();
+    } else {
+      other.push_back(name);
+    }
+  }
+  if (ec) return io_error(fmt::format("{}: {}", where, ec.message()));
+  auto pattern = [](const std::pair<std::string, std::string>& g) { return g.first + "*" + g.second; };
+  std::vector<std::pair<std::string, std::string>> optim;
+  for (const auto& [g, files] : groups)
+    if (find_optim(g.first) != std::string::npos) optim.push_back(g);
+  if (optim.empty())
+    return corrupt(fmt::format("{}: no per-rank optimizer files (<name with 'optim'><rank>.pt)", where));
+  if (optim.size() > 1) {
+    std::vector<std::string> names;
+    for (const auto& g : optim) names.push_back(pattern(g));
+    return corrupt(fmt::format("{}: holds {} sets of per-rank optimizer files ({}); optstate reads a directory with one",
+                               where, optim.size(), fmt::join(names, ", ")));
+  }
+  RankSet out;
+  const auto& og = optim[0];
+  const auto& files = groups.at(og);
+  const auto n = static_cast<int64_t>(files.size());
+  std::optional<int64_t> world;  // what the name says: ..._world_size_8_...
+  if (const auto at = og.first.find("world_size_"); at != std::string::npos) {
+    size_t e = at + 11;
+    while (e < og.first.size() && std::isdigit(static_cast<unsigned char>(og.first[e]))) ++e;
+    if (e > at + 11 && e - at - 11 <= 7) world = std::stoll(og.first.substr(at + 11, e - at - 11));
+  }
+  const int64_t expect = std::max(world.value_or(n), files.rbegin()->first + 1);
+  for (int64_t r = 0; r < expect; ++r)
+    if (!files.count(r))
+      return corrupt(fmt::format("{}: rank {}'s file {}{}{} is missing ({} of {} ranks' files found)", where, r, og.first,
+                                 r, og.second, n, expect));
+  for (const auto& [r, f] : files) out.optim.push_back(f);
+  // The model's files: the same name with "model" for "optim".
+  std::string mprefix = og.first;
+  mprefix.replace(find_optim(mprefix), 5, "model");
+  auto mg = groups.find({mprefix, og.second});
+  if (mg != groups.end() && static_cast<int64_t>(mg->second.size()) == n && mg->second.rbegin()->first == n - 1) {
+    for (const auto& [r, f] : mg->second) out.model.push_back(f);
+  } else {
+    mg = groups.end();
+  }
+  for (const auto& [g, fs_] : groups)
+    if (g != og && (mg == groups.end() || g != mg->first))
+      out.others.push_back(fmt::format("{} ({} file{})", pattern(g), fs_.size(), fs_.size() == 1 ? "" : "s"));
+  if (!other.empty()) {
+    std::sort(other.begin(), other.end());
+    const size_t shown = std::min<size_t>(other.size(), 4);
+    out.others.push_back(fmt::format("{} other entr{} ({}{})", other.size(), other.size() == 1 ? "y" : "ies",
+                                     fmt::join(other.begin(), other.begin() + static_cast<long>(shown), ", "),
+                                     other.size() > shown ? ", ..." : ""));
+  }
+  return out;
+}
+
+bool is_zip(const fs::path& path) {
+  auto f = InputFile::open(path);
+  std::byte h[4];
+  return f.ok() && f->size() >= 30 && f->read_at(0, h).ok() && std::memcmp(h, "PK\x03\x04", 4) == 0;
+}
 
 // The state as torch.optim.AdamW holds it: every entry dense, 8-bit moments as fp32.
 OptimizerState dense_view(const OptimizerState& meta) {
@@ -269,8 +685,17 @@ class TorchSaveDriver final : public FormatDriver {
   std::string_view name() const override { return "torchsave"; }
 
   // A zip whose first record is <folder>/data.pkl: torch.save writes data.pkl first.
+  // A directory: rank 0's file of a per-rank set is there (an "optim" name ending in 0.pt).
   bool sniff(const fs::path& path) const override {
     std::error_code ec;
+    if (fs::is_directory(path, ec)) {
+      size_t seen = 0;
+      for (fs::directory_iterator it(path, ec), end; !ec && it != end && ++seen <= 4096; it.increment(ec)) {
+        const auto rn = rank_name(it->path().filename().string());
+        if (rn && rn->rank == 0 && find_optim(rn->prefix) != std::string::npos && is_zip(it->path())) return true;
+      }
+      return false;
+    }
     if (!fs::is_regular_file(path, ec)) return false;
     auto f = InputFile::open(path);
     if (!f.ok() || f->size() < 30) return false;
@@ -285,13 +710,24 @@ class TorchSaveDriver final : public FormatDriver {
   }
 
   Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {
-    OPTSTATE_ASSIGN_OR_RETURN(InputFile f, InputFile::open(path));
-    auto reader = std::make_unique<TorchSaveReader>(path, std::move(f));
-    OPTSTATE_RETURN_IF_ERROR(reader->init());
+    auto reader = std::make_unique<TorchSaveReader>(path);
+    std::error_code ec;
+    if (fs::is_directory(path, ec)) {
+      OPTSTATE_ASSIGN_OR_RETURN(RankSet set, rank_set(path));
+      OPTSTATE_RETURN_IF_ERROR(reader->init(set.optim, set.model, std::move(set.others)));
+    } else {
+      OPTSTATE_RETURN_IF_ERROR(reader->init({path}, {}, {}));
+    }
     return std::unique_ptr<CheckpointReader>(std::move(reader));
   }
 
   bool keeps_blockwise8() const override { return false; }
+  // A per-rank set lives in a training run's folder (verl's holds extra_state_*.pt, huggingface/,
+  // ...): not optstate's to replace. A single file is.
+  bool replaceable(const fs::path& path) const override {
+    std::error_code ec;
+    return !fs::is_directory(path, ec);
+  }
 
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
     const OptimizerState& meta = source.meta();

@@ -92,7 +92,137 @@ Status same_shape(std::optional<std::vector<int64_t>>& shape, const std::vector<
   return Status::Ok();
 }
 
+bool is_dtensor_class(const Pickle& p, Ref cls) {
+  if (cls == kNoRef || p.at(cls).kind != Kind::kGlobal) return false;
+  const auto& v = p.at(cls);
+  return v.name == "DTensor" && v.s.starts_with("torch.distributed.");  // .tensor, ._tensor.api, .tensor._api
+}
+
+// A placement object: Shard(dim) or Replicate(); anything else is refused by name.
+Result<Placement> placement(const Pickle& p, Ref r, size_t ndim, const std::string& where) {
+  const auto& v = p.at(r);
+  if (v.kind != Kind::kObject || v.callable == kNoRef || p.at(v.callable).kind != Kind::kGlobal ||
+      !p.at(v.callable).s.ends_with("placement_types"))
+    return corrupt(where + ": a placement that is not one of torch.distributed.tensor's");
+  const std::string& cls = p.at(v.callable).name;
+  Placement out;
+  if (cls == "Replicate") return out;
+  if (cls != "Shard")
+    return corrupt(fmt::format("{}: a {} placement ({}); optstate reads Shard and Replicate", where, cls,
+                               cls == "_StridedShard" ? "FSDP2 and tensor parallelism on one dim"
+                               : cls == "Partial"     ? "a pending reduction, no values yet"
+                                                      : "unknown"));
+  Ref dim = p.dict_get(dcp::fields_of(p, r), "dim");
+  if (dim == kNoRef && v.args != kNoRef && p.at(v.args).items.size() == 1) dim = p.at(v.args).items[0];
+  if (dim == kNoRef || p.at(dim).kind != Kind::kInt) return corrupt(where + ": a Shard placement without its dim");
+  int64_t d = p.at(dim).i;
+  if (d < 0) d += static_cast<int64_t>(ndim);
+  if (d < 0 || d >= static_cast<int64_t>(ndim))
+    return corrupt(fmt::format("{}: Shard({}) of a {}-d tensor", where, p.at(dim).i, ndim));
+  out.kind = Placement::Kind::kShard;
+  out.dim = static_cast<int>(d);
+  return out;
+}
+
+// A tensor value, or a DTensor's local part and its placement.
+struct LocalValue {
+  Payload local;
+  std::optional<DTensorSpec> dtensor;
+};
+
+Result<LocalValue> local_value(const Pickle& p, Ref r, const std::string& where) {
+  LocalValue out;
+  if (dcp::is_instance(p, r, "torch._tensor", "_rebuild_from_type_v2") && p.at(r).args != kNoRef) {
+    // (_rebuild_wrapper_subclass, DTensor, (DTensor, dtype, size, stride, ...), {"_local_tensor", "_spec"})
+    const auto& a = p.at(p.at(r).args).items;
+    if (a.size() >= 4 && is_dtensor_class(p, a[1])) {
+      const std::string dw = where + " (a DTensor)";
+      const auto* sub = list_items(p, a[2]);
+      std::optional<std::vector<int64_t>> shape;
+      if (sub && sub->size() >= 3) shape = dcp::torch_size(p, (*sub)[2]);
+      if (!shape || shape->size() > 64) return corrupt(dw + ": without its global size");
+      OPTSTATE_RETURN_IF_ERROR(checked_numel(*shape).status().with_context(dw));
+      // The instance's state: its __dict__, or (None, __dict__) as DTensor pickles it.
+      Ref state = a[3];
+      if (const auto* t = list_items(p, state); t && t->size() == 2) state = (*t)[1];
+      const Ref local = p.dict_get(state, "_local_tensor");
+      const Ref spec = dcp::fields_of(p, p.dict_get(state, "_spec"));
+      if (local == kNoRef || spec == kNoRef) return corrupt(dw + ": without _local_tensor and _spec");
+      OPTSTATE_ASSIGN_OR_RETURN(out.local, dcp::interpret_value(p, local, dw + " local tensor"));
+      if (out.local.kind == Payload::Kind::kValue) return corrupt(dw + ": its local part is not a tensor");
+      DTensorSpec ds;
+      ds.global_shape = *shape;
+      const Ref mesh = dcp::fields_of(p, p.dict_get(spec, "mesh"));
+      auto coord = dcp::int_tuple(p, p.dict_get(mesh, "_coordinate_on_dim"));
+      if (!coord) return corrupt(dw + ": its device mesh gives no coordinate for this rank (_coordinate_on_dim)");
+      ds.coordinate = *coord;
+      const auto* places = list_items(p, p.dict_get(spec, "placements"));
+      if (!places || places->size() != ds.coordinate.size() || places->empty() || places->size() > 16)
+        return corrupt(dw + ": placements do not match its device mesh's dims");
+      for (Ref pl : *places) {
+        OPTSTATE_ASSIGN_OR_RETURN(Placement x, placement(p, pl, shape->size(), dw));
+        ds.placements.push_back(x);
+      }
+      for (int64_t c : ds.coordinate)
+        if (c < 0 || c >= (int64_t{1} << 24)) return corrupt(fmt::format("{}: mesh coordinate {}", dw, c));
+      out.dtensor = std::move(ds);
+      return out;
+    }
+  }
+  OPTSTATE_ASSIGN_OR_RETURN(out.local, dcp::interpret_value(p, r, where));
+  return out;
+}
+
 }  // namespace
+
+Result<Box> dtensor_box(const DTensorSpec& spec, const std::vector<int64_t>& mesh_shape, const std::string& where) {
+  if (mesh_shape.size() != spec.placements.size() || spec.coordinate.size() != spec.placements.size())
+    return corrupt(fmt::format("{}: a DTensor over {} mesh dims, on a mesh of {}", where, spec.placements.size(),
+                               mesh_shape.size()));
+  Box b;
+  b.offsets.assign(spec.global_shape.size(), 0);
+  b.sizes = spec.global_shape;
+  for (size_t i = 0; i < mesh_shape.size(); ++i) {
+    const int64_t n = mesh_shape[i], c = spec.coordinate[i];
+    if (n < 1 || c < 0 || c >= n)
+      return corrupt(fmt::format("{}: mesh coordinate {} on a mesh dim of {}", where, c, n));
+    if (spec.placements[i].kind == Placement::Kind::kReplicate) {
+      b.replica = b.replica || c != 0;
+      continue;
+    }
+    const auto d = static_cast<size_t>(spec.placements[i].dim);
+    if (d >= b.sizes.size()) return corrupt(fmt::format("{}: Shard({}) of a {}-d tensor", where, d, b.sizes.size()));
+    const int64_t cur = b.sizes[d], piece = (cur + n - 1) / n, start = piece * c;
+    if (start >= cur) {
+      b.offsets[d] += cur;
+      b.sizes[d] = 0;
+    } else {
+      b.offsets[d] += start;
+      b.sizes[d] = std::min(piece, cur - start);
+    }
+  }
+  return b;
+}
+
+Result<ModelDict> interpret_model_dict(const Pickle& p, const std::string& where) {
+  const auto* items = dict_items(p, p.root());
+  if (!items) return corrupt(where + ": data.pkl is not a dict, so not a model's state_dict");
+  ModelDict out;
+  for (size_t k = 0; k + 1 < items->size(); k += 2) {
+    const auto name = dcp::as_string(p, (*items)[k]);
+    if (!name) return corrupt(where + ": a key is not a string, so not a model's state_dict");
+    const Ref v = (*items)[k + 1];
+    auto lv = local_value(p, v, fmt::format("{} ['{}']", where, *name));
+    if (!lv.ok() || lv->local.kind != Payload::Kind::kTensor) {
+      ++out.others;
+      continue;
+    }
+    if (!out.by_name.emplace(*name, out.tensors.size()).second)
+      return corrupt(fmt::format("{}: '{}' is listed twice", where, *name));
+    out.tensors.push_back({*name, lv->local.tensor, lv->dtensor, v});
+  }
+  return out;
+}
 
 Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where) {
   StateDict out;
@@ -225,12 +355,14 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
         OPTSTATE_ASSIGN_OR_RETURN(spec.step, scalar(p, v, ew));
         has_step = true;
       } else if (is_moment(*name)) {
-        OPTSTATE_ASSIGN_OR_RETURN(Payload pl, dcp::interpret_value(p, v, ew));
+        OPTSTATE_ASSIGN_OR_RETURN(LocalValue lv, local_value(p, v, ew));
+        const Payload& pl = lv.local;
         EntrySpec e;
+        e.dtensor = lv.dtensor;
         if (pl.kind == Payload::Kind::kTensor) {
           if (pl.tensor.dtype != DType::kF32 && pl.tensor.dtype != DType::kBF16 && pl.tensor.dtype != DType::kF16)
             return corrupt(fmt::format("{}: a {} tensor; dense state is fp32, bf16 or fp16", ew, dtype_name(pl.tensor.dtype)));
-          OPTSTATE_RETURN_IF_ERROR(same_shape(shape, pl.tensor.shape, ew));
+          OPTSTATE_RETURN_IF_ERROR(same_shape(shape, lv.dtensor ? lv.dtensor->global_shape : pl.tensor.shape, ew));
           e.values = pl.tensor;
         } else if (pl.kind == Payload::Kind::kOptimState8bit) {
           // torchao: codes in the param's shape, one scale per block, the map itself.
@@ -238,7 +370,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
           OPTSTATE_ASSIGN_OR_RETURN(const int64_t claimed, checked_numel(pl.claimed_shape));
           if (claimed != codes) return corrupt(fmt::format("{}: OptimState8bit of {} elements with {} codes", ew, claimed, codes));
           if (blocks <= 0 || codes % blocks) return corrupt(ew + ": codes are not a whole number of blocks");
-          OPTSTATE_RETURN_IF_ERROR(same_shape(shape, pl.claimed_shape, ew));
+          OPTSTATE_RETURN_IF_ERROR(same_shape(shape, lv.dtensor ? lv.dtensor->global_shape : pl.claimed_shape, ew));
           e.encoding = Encoding::kBlockwise8;
           e.codes = pl.codes;
           e.absmax = pl.scale;
@@ -310,16 +442,19 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
       if (found == weights.end()) continue;
       const Ref w = found->second;
       const std::string ww = fmt::format("{} ['model']['{}']", where, spec.fqn);
-      OPTSTATE_ASSIGN_OR_RETURN(Payload pl, dcp::interpret_value(p, w, ww));
+      OPTSTATE_ASSIGN_OR_RETURN(LocalValue lv, local_value(p, w, ww));
+      const Payload& pl = lv.local;
       if (pl.kind != Payload::Kind::kTensor) return corrupt(ww + ": not a tensor");
-      if (spec.entries.empty()) spec.shape = pl.tensor.shape;
-      if (pl.tensor.shape != spec.shape)
-        return corrupt(fmt::format("{}: shape {}, its optimizer state's is {}", ww, format_shape(pl.tensor.shape),
+      const auto& wshape = lv.dtensor ? lv.dtensor->global_shape : pl.tensor.shape;
+      if (spec.entries.empty()) spec.shape = wshape;
+      if (wshape != spec.shape)
+        return corrupt(fmt::format("{}: shape {}, its optimizer state's is {}", ww, format_shape(wshape),
                                    format_shape(spec.shape)));
       if (pl.tensor.dtype != DType::kF32 && pl.tensor.dtype != DType::kBF16 && pl.tensor.dtype != DType::kF16)
         return corrupt(fmt::format("{}: a {} weight; optstate carries fp32, bf16 or fp16 weights", ww,
                                    dtype_name(pl.tensor.dtype)));
       spec.weight = pl.tensor;
+      spec.weight_dtensor = lv.dtensor;
       weights_read.insert(spec.fqn);
     }
     const size_t others = mitems.size() / 2 - weights_read.size();
@@ -329,6 +464,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
   }
 
   for (auto& [id, spec] : params) out.groups[static_cast<size_t>(spec.group)].params.push_back(spec.fqn);
+  out.members = members.size();
   const size_t stateless = members.size() - params.size();
   if (stateless)
     out.not_read.push_back(fmt::format("{} param{} without state or weights (never stepped: no shape in the file)", stateless,

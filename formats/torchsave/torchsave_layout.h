@@ -23,6 +23,32 @@ struct Scalar {
   std::optional<dcp::TensorRef> tensor;
 };
 
+// One mesh dim's placement of a DTensor (torch.distributed.tensor.placement_types).
+struct Placement {
+  enum class Kind { kShard, kReplicate } kind = Kind::kReplicate;
+  int dim = 0;  // kShard: the tensor dim split across this mesh dim
+  bool operator==(const Placement&) const = default;
+};
+
+// What a DTensor's pickle says of how its local tensor (one rank's) sits in the global tensor:
+// FSDP2's optimizer.state_dict() and model.state_dict() hold DTensors, saved per rank (verl's
+// optim_world_size_N_rank_R.pt).
+struct DTensorSpec {
+  std::vector<int64_t> global_shape;
+  std::vector<Placement> placements;  // one per mesh dim
+  std::vector<int64_t> coordinate;    // this rank's coordinate on each mesh dim
+};
+
+// Where a rank's local tensor lies in the global tensor, on a mesh of `mesh_shape`: each Shard
+// placement splits the tensor dim as torch.chunk does (pieces of ceil(size / n), trailing ones
+// short or empty), mesh dims in order. `replica`: the rank's coordinate on a Replicate dim is not
+// 0, so another rank holds the same box.
+struct Box {
+  std::vector<int64_t> offsets, sizes;
+  bool replica = false;
+};
+Result<Box> dtensor_box(const DTensorSpec& spec, const std::vector<int64_t>& mesh_shape, const std::string& where);
+
 struct EntrySpec {
   Encoding encoding = Encoding::kDense;
   dcp::TensorRef values;                // dense
@@ -30,6 +56,7 @@ struct EntrySpec {
   int64_t block_size = 0;               // blockwise8
   std::optional<dcp::TensorRef> qmap;   // torchao's OptimState8bit: its map, checked by the driver
   std::string qmap_name;                // optstate's plain 8-bit tensors: the map the group names
+  std::optional<DTensorSpec> dtensor;   // a DTensor's local part: the tensors above are this rank's
 };
 
 struct ParamSpec {
@@ -40,6 +67,7 @@ struct ParamSpec {
   Scalar step;
   std::map<std::string, EntrySpec> entries;
   std::optional<dcp::TensorRef> weight;  // from a "model" dict beside the optimizer's
+  std::optional<DTensorSpec> weight_dtensor;
 };
 
 struct GroupSpec {
@@ -51,6 +79,7 @@ struct GroupSpec {
 struct StateDict {
   std::vector<GroupSpec> groups;
   std::vector<ParamSpec> params;     // in id order
+  size_t members = 0;                // params the groups list (with state or not): ids 0 .. members-1
   bool eight = false;                // any 8-bit entry, or a group with optstate's block_size
   std::string optimizer_path;        // where the optimizer's dict is: "" (the file is one) or "['optimizer']"
   std::vector<std::string> not_read; // what the file holds that the canonical state does not
@@ -60,6 +89,25 @@ struct StateDict {
 // root ({"model": ..., "optimizer": ...}), or the one element of a list there (Lightning's
 // "optimizer_states"). `where` names the file in errors.
 Result<StateDict> interpret_state_dict(const pickle::Pickle& p, const std::string& where);
+
+// A model's state_dict saved alone (FSDP2's model.state_dict() per rank, beside the optimizer's
+// files): its tensors in order, by name. Entries that are no tensor are counted.
+struct ModelTensor {
+  std::string name;
+  dcp::TensorRef tensor;
+  std::optional<DTensorSpec> dtensor;
+  pickle::Ref ref = pickle::kNoRef;  // the pickled object: tied weights are one object under two names
+};
+struct ModelDict {
+  std::vector<ModelTensor> tensors;
+  std::map<std::string, size_t, std::less<>> by_name;  // -> tensors
+  size_t others = 0;
+  const ModelTensor* find(std::string_view name) const {
+    auto it = by_name.find(name);
+    return it == by_name.end() ? nullptr : &tensors[it->second];
+  }
+};
+Result<ModelDict> interpret_model_dict(const pickle::Pickle& p, const std::string& where);
 
 // Where the writer puts each tensor: the storage key of param `id`'s `entry` ("step", "exp_avg",
 // ..., "param" for its weights in the "model" dict).

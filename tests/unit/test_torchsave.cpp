@@ -5,6 +5,7 @@
 
 #include "dcp/pickle.h"
 #include "optstate/checkpoint.h"
+#include "optstate/hash.h"
 #include "optstate/validate.h"
 #include "registry.h"
 #include "test_helpers.h"
@@ -142,4 +143,109 @@ TEST_CASE("torchsave: damaged files are refused naming the file") {
     CHECK(e.find("CRC-32 of record 'torch_adamw_amsgrad/data.pkl'") != std::string::npos);
   }
   SUBCASE("not a zip at all") { CHECK(error(std::string(100, 'x')).find("bad.pt") != std::string::npos); }
+}
+
+TEST_CASE("torchsave: a DTensor's box is torch.chunk's piece on each sharded mesh dim") {
+  using torchsave::DTensorSpec;
+  using torchsave::Placement;
+  const Placement shard0{Placement::Kind::kShard, 0}, shard1{Placement::Kind::kShard, 1}, rep{};
+  auto box = [](const DTensorSpec& s, std::vector<int64_t> mesh) {
+    auto b = torchsave::dtensor_box(s, mesh, "t");
+    REQUIRE_MESSAGE(b.ok(), b.status().message());
+    return *b;
+  };
+  SUBCASE("FSDP2's Shard(0): ceil-sized rows, the last short, then empty") {
+    // 5 rows over 4 ranks: torch.chunk gives 2, 2, 1 and nothing for the fourth.
+    const std::vector<std::pair<int64_t, int64_t>> rows = {{0, 2}, {2, 2}, {4, 1}, {5, 0}};
+    for (int64_t r = 0; r < 4; ++r) {
+      const auto b = box({{5, 33}, {shard0}, {r}}, {4});
+      CHECK(b.offsets == std::vector<int64_t>{rows[static_cast<size_t>(r)].first, 0});
+      CHECK(b.sizes == std::vector<int64_t>{rows[static_cast<size_t>(r)].second, 33});
+      CHECK(!b.replica);
+    }
+  }
+  SUBCASE("HSDP (Replicate, Shard(0)): replicas beyond coordinate 0 are marked") {
+    CHECK(box({{8, 2}, {rep, shard0}, {0, 1}}, {2, 2}).offsets == std::vector<int64_t>{4, 0});
+    CHECK(!box({{8, 2}, {rep, shard0}, {0, 1}}, {2, 2}).replica);
+    CHECK(box({{8, 2}, {rep, shard0}, {1, 1}}, {2, 2}).replica);
+  }
+  SUBCASE("two mesh dims on two tensor dims (FSDP x TP), and on one dim, in mesh order") {
+    const auto b = box({{6, 10}, {shard0, shard1}, {1, 2}}, {2, 3});
+    CHECK(b.offsets == std::vector<int64_t>{3, 8});
+    CHECK(b.sizes == std::vector<int64_t>{3, 2});
+    // Shard(0) twice: the second splits the first's piece (10 -> 5 + 5 -> 3 + 2).
+    const auto c = box({{10}, {shard0, shard0}, {1, 1}}, {2, 2});
+    CHECK(c.offsets == std::vector<int64_t>{8});
+    CHECK(c.sizes == std::vector<int64_t>{2});
+  }
+  SUBCASE("a coordinate outside the mesh is refused") {
+    CHECK(!torchsave::dtensor_box({{4}, {shard0}, {2}}, {2}, "t").ok());
+    CHECK(!torchsave::dtensor_box({{4}, {shard0}, {0}}, {2, 2}, "t").ok());
+  }
+}
+
+TEST_CASE("torchsave: FSDP2's per-rank files (verl's layout) read as the state torch gathers") {
+  const fs::path set = kSeeds / "fsdp2_world2";
+  auto r = open_checkpoint(set);
+  REQUIRE_MESSAGE(r.ok(), r.status().message());
+  CHECK((*r)->format() == "torchsave");
+  const OptimizerState& m = (*r)->meta();
+  // Named after the model's files; weights carried from them.
+  CHECK(m.groups.at(0).params == std::vector<std::string>{"0.weight", "0.bias", "2.weight", "2.bias"});
+  CHECK(m.params.at("0.weight").shape == std::vector<int64_t>{33, 16});
+  CHECK(m.params.at("0.weight").entries.count(kParam) == 1);
+  CHECK(m.params.at("2.bias").step == 2);
+  const auto nr = (*r)->not_read();
+  CHECK(std::find(nr.begin(), nr.end(), "extra_state_world_size_2_rank_*.pt (2 files)") != nr.end());
+  // The same state, put together by torch (DTensor.full_tensor()) into one file, hashes alike.
+  auto full = open_checkpoint(kSeeds / "fsdp2_world2_full.pt");
+  REQUIRE(full.ok());
+  auto a = hash_checkpoint(**r), b = hash_checkpoint(**full);
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  CHECK(a->root == b->root);
+  CHECK(a->entries == b->entries);
+  // A rank's part of a row: read_range reads across both ranks' files.
+  std::vector<float> rows(16 * 2);
+  REQUIRE((*r)->read_range("0.weight", kExpAvg, Component::kValues, 16 * 16, 16 * 18, std::as_writable_bytes(std::span(rows))).ok());
+  std::vector<float> want(16 * 2);
+  REQUIRE((*full)->read_range("0.weight", kExpAvg, Component::kValues, 16 * 16, 16 * 18, std::as_writable_bytes(std::span(want))).ok());
+  CHECK(rows == want);
+  // A training run's folder: a write never replaces it.
+  const Status st = check_destination(set, true);
+  CHECK(!st.ok());
+  CHECK(st.message().find("never replaces") != std::string::npos);
+}
+
+TEST_CASE("torchsave: a one-rank FSDP2 file (DTensors on a mesh of one) reads alone; one rank of two does not") {
+  auto one = open_checkpoint(kSeeds / "fsdp2_world1_optim.pt");
+  REQUIRE_MESSAGE(one.ok(), one.status().message());
+  CHECK((*one)->meta().params.at("0").shape == std::vector<int64_t>{33, 16});
+  auto part = open_checkpoint(kSeeds / "fsdp2_world2" / "optim_world_size_2_rank_1.pt");
+  REQUIRE(!part.ok());
+  CHECK(part.status().message().find("pass the directory that holds every rank's file") != std::string::npos);
+}
+
+TEST_CASE("torchsave: a per-rank set with a missing or duplicated rank is refused naming it") {
+  testing::TempDir dir;
+  for (const auto& e : fs::directory_iterator(kSeeds / "fsdp2_world2")) fs::copy(e.path(), dir.path / e.path().filename());
+  SUBCASE("missing") {
+    fs::remove(dir.path / "optim_world_size_2_rank_1.pt");
+    auto r = open_checkpoint(dir.path);
+    REQUIRE(!r.ok());
+    CHECK(r.status().message().find("rank 1's file optim_world_size_2_rank_1.pt is missing") != std::string::npos);
+  }
+  SUBCASE("rank 0's file under rank 1's name") {
+    fs::copy_file(dir.path / "optim_world_size_2_rank_0.pt", dir.path / "optim_world_size_2_rank_1.pt",
+                  fs::copy_options::overwrite_existing);
+    auto r = open_checkpoint(dir.path);
+    REQUIRE(!r.ok());
+    CHECK(r.status().message().find("two files hold mesh position [0]") != std::string::npos);
+  }
+  SUBCASE("two sets of optimizer files") {
+    fs::copy_file(dir.path / "optim_world_size_2_rank_0.pt", dir.path / "optim_old_0.pt");
+    auto r = open_checkpoint(dir.path);
+    REQUIRE(!r.ok());
+    CHECK(r.status().message().find("holds 2 sets of per-rank optimizer files") != std::string::npos);
+  }
 }

@@ -104,6 +104,10 @@ class FormatDriver {
   Status write(const OptimizerState& state, const std::filesystem::path& path, const WriteOptions& options) const {
     return write(*memory_source(state), path, options);
   }
+  // Whether a checkpoint this driver opens at `path` may be replaced by a write with
+  // WriteOptions::overwrite: false where it is not optstate's to replace (a training run's folder
+  // that holds per-rank torch.save files among its other files).
+  virtual bool replaceable(const std::filesystem::path& path) const { return true; }
   // Whether a write with WriteOptions::source = &source keeps what source.not_read() names (a DCP
   // written from a DCP carries its train_state, lr_scheduler, ... through, byte for byte).
   virtual bool carries(const CheckpointReader& source) const { return false; }

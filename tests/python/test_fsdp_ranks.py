@@ -1,0 +1,170 @@
+"""Per-rank torch.save files of FSDP2 training (verl's optim_world_size_N_rank_R.pt and
+model_world_size_N_rank_R.pt): real FSDP2 runs over gloo on loopback save them, and optstate reads
+the directory as one optimizer state, checked against what every rank held.
+
+Each rank also saves its local state as plain tensors (torchao's 8-bit moments dequantized by
+torchao itself) beside the checkpoint; the test puts those together by rows (FSDP2's Shard(0)),
+independently of optstate, and compares bit for bit.
+"""
+import json
+import os
+import struct
+import textwrap
+import zipfile
+
+import pytest
+import torch
+
+from conftest import REPO
+from test_sharded import torchrun
+
+FSDP_SCRIPT = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist, torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kind, out = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    # Rows that do not divide by the ranks (33, 5: short and empty last shards), and, for 8-bit,
+    # a weight whose shards are whole 256-element blocks.
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 33), nn.ReLU(), nn.Linear(33, 5))
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m)
+    fully_shard(model)
+    if kind == "torchao":
+        from torchao.optim import AdamW8bit
+        # Eager: torch.compile of torchao's step over DTensors reuses one param's graph for another
+        # (torch 2.13 + torchao, CPU). What is tested here is the state it leaves, not its speed.
+        torch.compile = lambda fn, **kwargs: fn
+        opt = AdamW8bit(model.parameters(), lr=1e-2, weight_decay=0.1)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, amsgrad=kind == "amsgrad")
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        model(torch.randn(4, 64, generator=g)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    os.makedirs(out, exist_ok=True)
+    torch.save(model.state_dict(), f"{out}/model_world_size_{world}_rank_{rank}.pt")
+    torch.save(opt.state_dict(), f"{out}/optim_world_size_{world}_rank_{rank}.pt")
+    torch.save({"lr_scheduler": None, "rng": torch.get_rng_state()}, f"{out}/extra_state_world_size_{world}_rank_{rank}.pt")
+    # The reference: every rank's local state, as plain tensors, by name.
+    names = {p: n for n, p in model.named_parameters()}
+    local = {}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            if isinstance(v, DTensor):
+                v = v.to_local()
+            if hasattr(v, "dequantize"):
+                v = v.dequantize()
+            local[f"{names[p]}.{k}"] = v.detach().clone()
+        local[f"{names[p]}.param"] = p.to_local().detach().clone()
+    torch.save(local, f"{out}.local{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def fsdp_run(tmp_path, kind, world):
+    script = tmp_path / "fsdp.py"
+    script.write_text(FSDP_SCRIPT)
+    out = tmp_path / f"{kind}{world}"
+    torchrun(world, kind, out, script=script)
+    return out
+
+
+def reference(out, world):
+    """Every rank's local tensors put together by rows, as FSDP2 shards them."""
+    locals_ = [torch.load(f"{out}.local{r}") for r in range(world)]
+    full = {}
+    for key in locals_[0]:
+        parts = [l[key] for l in locals_]
+        full[key] = parts[0] if key.endswith(".step") else torch.cat([p.reshape(-1, *parts[0].shape[1:]) for p in parts])
+    return full
+
+
+@pytest.mark.parametrize("kind,world", [("adamw", 3), ("amsgrad", 4), ("adamw", 1)])
+def test_fsdp2_rank_files_read_as_one_state_by_name(tmp_path, optstate_cli, kind, world):
+    out = fsdp_run(tmp_path, kind, world)
+    full = reference(out, world)
+    inspect = optstate_cli("inspect", out, "--json")
+    doc = json.loads(inspect.stdout)
+    assert doc["format"] == "torchsave"
+    # Names from the model's files (the optimizer's own state has only numbers), weights carried.
+    assert sorted(doc["params"]) == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"]
+    assert any("extra_state_world_size" in line for line in doc["not_read"])
+    assert optstate_cli("validate", out).returncode == 0
+
+    # Converted to one torch.optim.AdamW file: every entry bit for bit what the ranks held.
+    optstate_cli("convert", out, tmp_path / "plain.pt")
+    plain = torch.load(tmp_path / "plain.pt", weights_only=True)
+    opt_sd, weights = plain["optimizer"], plain["model"]
+    names = opt_sd["param_groups"][0]["param_names"]
+    for i, name in enumerate(names):
+        st = opt_sd["state"][i]
+        assert torch.equal(st["step"], full[f"{name}.step"])
+        for k in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if kind == "amsgrad" else ()):
+            assert torch.equal(st[k], full[f"{name}.{k}"]), (name, k)
+        assert torch.equal(weights[name], full[f"{name}.param"]), name
+    # ... which a plain (not sharded) model and torch.optim.AdamW take.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 33), torch.nn.ReLU(),
+                                torch.nn.Linear(33, 5))
+    model.load_state_dict(weights)
+    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-2, amsgrad=kind == "amsgrad")
+    opt.load_state_dict(opt_sd)
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+
+    # The same state hashes alike from the rank files and from the plain file.
+    h = lambda p: optstate_cli("hash", p).stdout.strip().splitlines()[-1]
+    assert h(out) == h(tmp_path / "plain.pt")
+
+
+def test_torchao_8bit_fsdp2_rank_files_keep_their_codes(tmp_path, optstate_cli):
+    pytest.importorskip("torchao")
+    out = fsdp_run(tmp_path, "torchao", 2)
+    full = reference(out, 2)
+    doc = json.loads(optstate_cli("inspect", out, "--json").stdout)
+    assert doc["optimizer"] == "adamw8bit"
+    enc = {n: {k: e["encoding"] for k, e in p["entries"].items()} for n, p in doc["params"].items()}
+    # 128x64 over 2 ranks: 4096 elements a rank, quantized by torchao; the small ones stay plain.
+    assert enc["0.weight"]["exp_avg"] == "blockwise8" and enc["2.bias"]["exp_avg"] == "dense"
+    # Kept as 8-bit in a native checkpoint; dequantized into a plain file; both agree by value.
+    optstate_cli("convert", out, tmp_path / "native")
+    optstate_cli("convert", out, tmp_path / "plain.pt")
+    hv = lambda p: optstate_cli("hash", "--values", p).stdout.strip().splitlines()[-1]
+    assert hv(tmp_path / "native") == hv(tmp_path / "plain.pt") == hv(out)
+    plain = torch.load(tmp_path / "plain.pt", weights_only=True)["optimizer"]
+    for i, name in enumerate(plain["param_groups"][0]["param_names"]):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(plain["state"][i][k], full[f"{name}.{k}"]), (name, k)
+
+
+def test_missing_or_lone_rank_files_are_refused_by_name(tmp_path, optstate_cli):
+    out = fsdp_run(tmp_path, "adamw", 3)
+    # One rank's file alone is not the state.
+    r = optstate_cli("inspect", out / "optim_world_size_3_rank_1.pt", check=False)
+    assert r.returncode == 2 and "one rank's part; pass the directory" in r.stderr
+    # A missing rank is named.
+    os.rename(out / "optim_world_size_3_rank_2.pt", tmp_path / "moved.pt")
+    r = optstate_cli("inspect", out, check=False)
+    assert r.returncode == 2 and "rank 2's file optim_world_size_3_rank_2.pt is missing" in r.stderr
+    os.rename(tmp_path / "moved.pt", out / "optim_world_size_3_rank_2.pt")
+    # A damaged byte in one rank's moments fails its CRC-32, naming the file and tensor.
+    path = out / "optim_world_size_3_rank_1.pt"
+    raw = bytearray(path.read_bytes())
+    info = zipfile.ZipFile(path).getinfo("optim_world_size_3_rank_1/data/3")  # exp_avg_sq of '0.weight'
+    name_len, extra_len = struct.unpack_from("<HH", raw, info.header_offset + 26)
+    raw[info.header_offset + 30 + name_len + extra_len + 100] ^= 0x10
+    path.write_bytes(bytes(raw))
+    r = optstate_cli("validate", out, check=False)
+    assert r.returncode == 1 and "optim_world_size_3_rank_1.pt: tensor '0.weight.exp_avg_sq'" in r.stdout
+    assert "CRC-32" in r.stdout
+    # The directory is a training run's folder: a write with --overwrite leaves it as it is.
+    before = sorted(os.listdir(out))
+    r = optstate_cli("convert", out / "optim_world_size_3_rank_0.pt", out, "--overwrite", check=False)
+    assert r.returncode == 2 and sorted(os.listdir(out)) == before

@@ -83,17 +83,39 @@ struct Stored {
   bool checked() const { return whole && crc != 0; }
 };
 
-// A run of consecutive flat elements of a component (blocks, for absmax), stored consecutively.
+// 8-bit codes read as fp32 values: a rank's part that torchao quantized as its own tensor (blocks
+// of that part) where the entry cannot be blockwise8 as a whole (other ranks' parts plain, or
+// blocks that do not fall on the global tensor's).
+struct Dequant {
+  Stored scales;      // all of the part's scales
+  int64_t local = 0;  // the run's first element within the part
+  int64_t block = 0;
+  QMap map = QMap::kDynamicSigned;
+};
+
+// A run of consecutive flat elements of a component (blocks, for absmax), stored consecutively;
+// with `dq`, stored as 8-bit codes (`stored` is the run's codes) and read as fp32 values.
 struct Piece {
   int64_t begin = 0, count = 0;
   Stored stored;
+  std::optional<Dequant> dq;
 };
 
-// One rank's part of a tensor: its bytes in that rank's file and, for a DTensor, its placement.
+// One rank's part of a tensor: its bytes in that rank's file and, for a DTensor, its placement;
+// with `scales`, the part is 8-bit codes (`tensor`) read as fp32 values.
 struct Part {
   size_t file = 0;
   dcp::TensorRef tensor;
   const std::optional<DTensorSpec>* dtensor = nullptr;
+  std::optional<dcp::TensorRef> scales;
+  int64_t block = 0;
+  QMap map = QMap::kDynamicSigned;
+};
+
+// The pieces of a component, and the part each came from.
+struct Placed {
+  std::vector<Piece> pieces;
+  std::vector<size_t> of;
 };
 
 using Key = std::tuple<std::string, std::string, Component>;
@@ -113,6 +135,10 @@ class TorchSaveReader final : public CheckpointReader {
   Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) override {
     OPTSTATE_ASSIGN_OR_RETURN(const std::vector<Piece>* pieces, find(fqn, entry, c));
     for (const Piece& pc : *pieces) {
+      if (pc.dq) {
+        OPTSTATE_RETURN_IF_ERROR(dequantized(pc, 0, pc.count, fqn, entry, c, sink));
+        continue;
+      }
       const Stored& s = pc.stored;
       const Archive& a = files_[s.file];
       uint32_t crc = 0;
@@ -143,6 +169,15 @@ class TorchSaveReader final : public CheckpointReader {
       if (a >= b) continue;
       const Stored& s = pc.stored;
       const auto dst = out.subspan(static_cast<size_t>((a - begin) * elem), static_cast<size_t>((b - a) * elem));
+      if (pc.dq) {
+        size_t done = 0;
+        OPTSTATE_RETURN_IF_ERROR(dequantized(pc, a - pc.begin, b - pc.begin, fqn, entry, c, [&](std::span<const std::byte> x) {
+          std::memcpy(dst.data() + done, x.data(), x.size());
+          done += x.size();
+          return Status::Ok();
+        }));
+        continue;
+      }
       OPTSTATE_RETURN_IF_ERROR(files_[s.file]
                                    .file.read_at(s.at + static_cast<uint64_t>((a - pc.begin) * elem), dst)
                                    .with_context(where_of(s, fqn, entry, c)));
@@ -161,6 +196,40 @@ class TorchSaveReader final : public CheckpointReader {
         return fmt::format("{} at byte {}", files_[pc.stored.file].path.string(),
                            pc.stored.at + (index - pc.begin) * component_elem_size(e, c));
     return path_.string();
+  }
+
+  // Elements [from, to) of a dequantized piece as fp32 bytes, in bounded pieces. The part's
+  // scales are read whole (a 256th of its codes) and checked; the codes' CRC-32 is checked where
+  // the run is their whole record and read whole.
+  Status dequantized(const Piece& pc, int64_t from, int64_t to, const std::string& fqn, const std::string& entry,
+                     Component c, const ByteSink& sink) {
+    const Dequant& dq = *pc.dq;
+    std::vector<float> scales(dq.scales.bytes / 4);
+    OPTSTATE_RETURN_IF_ERROR(files_[dq.scales.file]
+                                 .file.read_at(dq.scales.at, std::as_writable_bytes(std::span(scales)))
+                                 .with_context(where_of(dq.scales, fqn, entry, c) + " (scales)"));
+    OPTSTATE_RETURN_IF_ERROR(check_crc(dq.scales, zip::crc32(std::as_bytes(std::span(scales))), fqn, entry, c));
+    const std::array<float, 256>& map = qmap_table(dq.map);
+    const Archive& a = files_[pc.stored.file];
+    const bool check = pc.stored.checked() && from == 0 && to == pc.count;
+    uint32_t crc = 0;
+    constexpr int64_t kStep = int64_t{1} << 20;
+    std::vector<uint8_t> codes;
+    std::vector<float> values;
+    for (int64_t at = from; at < to; at += kStep) {
+      const int64_t n = std::min(kStep, to - at);
+      codes.resize(static_cast<size_t>(n));
+      values.resize(static_cast<size_t>(n));
+      OPTSTATE_RETURN_IF_ERROR(a.file.read_at(pc.stored.at + static_cast<uint64_t>(at), std::as_writable_bytes(std::span(codes)))
+                                   .with_context(where_of(pc.stored, fqn, entry, c) + " (codes)"));
+      if (check) crc = zip::crc32(std::as_bytes(std::span(codes)), crc);
+      for (int64_t k = 0; k < n; ++k) {
+        const auto blk = static_cast<size_t>((dq.local + at + k) / dq.block);
+        values[static_cast<size_t>(k)] = map[codes[static_cast<size_t>(k)]] * scales[blk];
+      }
+      OPTSTATE_RETURN_IF_ERROR(sink(std::as_bytes(std::span(values))));
+    }
+    return check ? check_crc(pc.stored, crc, fqn, entry, c) : Status::Ok();
   }
 
   // One file, or a per-rank set (optimizer files in rank order; the model's beside them, if any).
@@ -226,47 +295,85 @@ class TorchSaveReader final : public CheckpointReader {
       }
       for (const auto& [name, es] : spec.entries) {
         const std::string ew = fmt::format("{} '{}'", pw, name);
-        Entry e;
-        e.encoding = es.encoding;
+        std::vector<const EntrySpec*> xs;  // the entry in each rank's file
+        bool any8 = false, all8 = true;
+        for (size_t f = 0; f < sds.size(); ++f) {
+          const auto& x = sds[f].params[i].entries;
+          if (!x.count(name))
+            return corrupt(fmt::format("{} param '{}': '{}' is missing; rank 0's file has it", optim_files[f].string(), fqn, name));
+          xs.push_back(&x.at(name));
+          any8 = any8 || xs.back()->encoding == Encoding::kBlockwise8;
+          all8 = all8 && xs.back()->encoding == Encoding::kBlockwise8;
+        }
         auto parts = [&](auto member) {
           std::vector<Part> out;
-          for (size_t f = 0; f < sds.size(); ++f) {
-            const EntrySpec& x = sds[f].params[i].entries.at(name);
-            out.push_back({f, x.*member, &x.dtensor});
-          }
+          for (size_t f = 0; f < xs.size(); ++f) out.push_back({f, (*xs[f]).*member, &xs[f]->dtensor});
           return out;
         };
-        for (size_t f = 1; f < sds.size(); ++f) {
-          const auto& x = sds[f].params[i].entries;
-          if (!x.count(name) || x.at(name).encoding != es.encoding)
-            return corrupt(fmt::format("{} param '{}': '{}' {} in rank 0's file", optim_files[f].string(), fqn, name,
-                                       x.count(name) ? "is encoded differently than" : "is missing; it is"));
-        }
-        if (es.encoding == Encoding::kDense) {
+        Entry e;
+        if (!any8) {
           e.dtype = es.values.dtype;
-          for (size_t f = 1; f < sds.size(); ++f)
-            if (sds[f].params[i].entries.at(name).values.dtype != e.dtype)
+          for (size_t f = 1; f < xs.size(); ++f)
+            if (xs[f]->values.dtype != e.dtype)
               return corrupt(fmt::format("{} param '{}' '{}': {}, rank 0's file has {}", optim_files[f].string(), fqn, name,
-                                         dtype_name(sds[f].params[i].entries.at(name).values.dtype), dtype_name(e.dtype)));
-          OPTSTATE_RETURN_IF_ERROR(place(fqn, name, Component::kValues, ps.shape, parts(&EntrySpec::values), ew).status());
-        } else {
-          e.dtype = DType::kU8;
-          e.block_size = es.block_size;
-          for (size_t f = 0; f < sds.size(); ++f) {
-            const EntrySpec& x = sds[f].params[i].entries.at(name);
-            std::string q = x.qmap_name;
-            if (x.qmap) {
-              OPTSTATE_ASSIGN_OR_RETURN(q, map_name(f, *x.qmap, ew));
-            }
-            if (f == 0) e.qmap = q;
-            if (x.block_size != e.block_size || q != e.qmap)
-              return corrupt(fmt::format("{} param '{}' '{}': blocks of {} with map {}, rank 0's file has {} with {}",
-                                         optim_files[f].string(), fqn, name, x.block_size, q, e.block_size, e.qmap));
-          }
-          OPTSTATE_ASSIGN_OR_RETURN(const std::vector<size_t> of,
-                                    place(fqn, name, Component::kCodes, ps.shape, parts(&EntrySpec::codes), ew));
-          OPTSTATE_RETURN_IF_ERROR(place_absmax(fqn, name, ps.shape, e.block_size, parts(&EntrySpec::absmax), of, ew));
+                                         dtype_name(xs[f]->values.dtype), dtype_name(e.dtype)));
+          OPTSTATE_ASSIGN_OR_RETURN(Placed v, place(ps.shape, parts(&EntrySpec::values), ew));
+          stored_[{fqn, name, Component::kValues}] = std::move(v.pieces);
+          ps.entries.emplace(name, std::move(e));
+          continue;
         }
+        // 8-bit: the map of each rank's part, checked; one block size and map for the entry.
+        std::vector<QMap> maps(xs.size());
+        int64_t block = 0;
+        std::string qmap;
+        for (size_t f = 0; f < xs.size(); ++f) {
+          const EntrySpec& x = *xs[f];
+          if (x.encoding != Encoding::kBlockwise8) {
+            if (x.values.dtype != DType::kF32)
+              return corrupt(fmt::format("{} param '{}' '{}': {} beside other ranks' 8-bit parts; torchao keeps fp32",
+                                         optim_files[f].string(), fqn, name, dtype_name(x.values.dtype)));
+            continue;
+          }
+          std::string q = x.qmap_name;
+          if (x.qmap) {
+            OPTSTATE_ASSIGN_OR_RETURN(q, map_name(f, *x.qmap, ew));
+          }
+          OPTSTATE_ASSIGN_OR_RETURN(maps[f], qmap_from_name(q));
+          if (qmap.empty()) block = x.block_size, qmap = q;
+          if (x.block_size != block || q != qmap)
+            return corrupt(fmt::format("{} param '{}' '{}': blocks of {} with map {}, another rank's file has {} with {}",
+                                       optim_files[f].string(), fqn, name, x.block_size, q, block, qmap));
+        }
+        if (all8) {
+          OPTSTATE_ASSIGN_OR_RETURN(Placed codes, place(ps.shape, parts(&EntrySpec::codes), ew));
+          OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps.shape));
+          if (auto absmax = absmax_pieces(codes, parts(&EntrySpec::absmax), numel, block)) {
+            e.encoding = Encoding::kBlockwise8;
+            e.dtype = DType::kU8;
+            e.block_size = block;
+            e.qmap = qmap;
+            stored_[{fqn, name, Component::kCodes}] = std::move(codes.pieces);
+            stored_[{fqn, name, Component::kAbsmax}] = std::move(*absmax);
+            ps.entries.emplace(name, std::move(e));
+            continue;
+          }
+        }
+        // 8-bit on some ranks and plain on others (torchao quantizes a shard only when it has at
+        // least 4096 elements in whole blocks), or blocks that are not the global tensor's: the
+        // 8-bit parts are read dequantized, the entry is fp32 values.
+        std::vector<Part> dq;
+        for (size_t f = 0; f < xs.size(); ++f) {
+          const EntrySpec& x = *xs[f];
+          if (x.encoding == Encoding::kBlockwise8) {
+            dq.push_back({f, x.codes, &x.dtensor, x.absmax, x.block_size, maps[f]});
+          } else {
+            dq.push_back({f, x.values, &x.dtensor});
+          }
+        }
+        OPTSTATE_ASSIGN_OR_RETURN(Placed v, place(ps.shape, dq, ew));
+        stored_[{fqn, name, Component::kValues}] = std::move(v.pieces);
+        e.dtype = DType::kF32;
+        dequantized_.push_back(entry_key(fqn, name));
         ps.entries.emplace(name, std::move(e));
       }
       // Weights: from a "model" dict in the optimizer's files, or from the model's own files.
@@ -297,7 +404,8 @@ class TorchSaveReader final : public CheckpointReader {
           if (part.tensor.dtype != w.dtype || (w.dtype != DType::kF32 && w.dtype != DType::kBF16 && w.dtype != DType::kF16))
             return corrupt(fmt::format("{}: {} weights; optstate carries fp32, bf16 or fp16 weights of one dtype", ww,
                                        dtype_name(part.tensor.dtype)));
-        OPTSTATE_RETURN_IF_ERROR(place(fqn, kParam, Component::kValues, ps.shape, wparts, ww).status());
+        OPTSTATE_ASSIGN_OR_RETURN(Placed v, place(ps.shape, wparts, ww));
+        stored_[{fqn, kParam, Component::kValues}] = std::move(v.pieces);
         ps.param_dtype = w.dtype;
         ps.entries.emplace(kParam, std::move(w));
         weights += !spec.weight;
@@ -310,6 +418,10 @@ class TorchSaveReader final : public CheckpointReader {
         not_read_.push_back(fmt::format("{} ({} entr{} besides the optimized params' weights)",
                                         rank_pattern(model_files), others, others == 1 ? "y" : "ies"));
     }
+    if (!dequantized_.empty())
+      not_read_.push_back(fmt::format("the 8-bit encoding of {} ({}): 8-bit on some ranks only, or in blocks that are "
+                                      "not the whole tensor's; read as fp32 values", fmt::join(dequantized_, ", "),
+                                      dequantized_.size() == 1 ? "one entry" : fmt::format("{} entries", dequantized_.size())));
     OPTSTATE_RETURN_IF_ERROR(check_structure(meta_, false).with_context(path_.string()));
     checksummed_ = true;
     for (const auto& [key, pieces] : stored_)
@@ -381,102 +493,98 @@ class TorchSaveReader final : public CheckpointReader {
   // Places the ranks' parts of a component in the global tensor of `shape` as pieces: a plain
   // tensor (every rank holds all of it: rank 0's is read), or a DTensor on every rank, each part
   // where its mesh coordinate puts it (the mesh's shape is what the ranks' coordinates span), with
-  // every element held by exactly one part. Returns the part each piece came from.
-  Result<std::vector<size_t>> place(const std::string& fqn, const std::string& entry, Component c,
-                                    const std::vector<int64_t>& shape, const std::vector<Part>& parts,
-                                    const std::string& where) {
+  // every element held by exactly one part.
+  Result<Placed> place(const std::vector<int64_t>& shape, const std::vector<Part>& parts, const std::string& where) {
     OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(shape));
     const bool sharded = parts[0].dtensor->has_value();
     for (const Part& part : parts)
       if (part.dtensor->has_value() != sharded)
         return corrupt(where + ": a DTensor in some ranks' files and a plain tensor in others'");
-    std::vector<Piece> pieces;
-    std::vector<size_t> of;
+    Placed out;
+    // A part's bytes: values, or codes and its scales.
+    auto resolve_part = [&](const Part& part, int64_t count, const std::string& pw) -> Result<std::pair<Stored, Stored>> {
+      OPTSTATE_ASSIGN_OR_RETURN(Stored v, resolve(part.file, part.tensor, count, pw));
+      Stored sc;
+      if (part.scales) {
+        OPTSTATE_ASSIGN_OR_RETURN(sc, resolve(part.file, *part.scales, (count + part.block - 1) / part.block, pw + " scales"));
+      }
+      return std::pair{v, sc};
+    };
+    auto piece = [&](size_t k, int64_t begin, int64_t count, int64_t local, const std::pair<Stored, Stored>& st) {
+      const Part& part = parts[k];
+      const auto elem = static_cast<uint64_t>(dtype_size(part.tensor.dtype));
+      Piece pc{begin, count, st.first, std::nullopt};
+      pc.stored.at += static_cast<uint64_t>(local) * elem;
+      pc.stored.bytes = static_cast<uint64_t>(count) * elem;
+      pc.stored.whole = st.first.whole && pc.stored.bytes == st.first.bytes;
+      if (part.scales) pc.dq = Dequant{st.second, local, part.block, part.map};
+      out.pieces.push_back(pc);
+      out.of.push_back(k);
+    };
     if (!sharded) {
-      OPTSTATE_ASSIGN_OR_RETURN(Stored s, resolve(parts[0].file, parts[0].tensor, numel, where));
-      if (numel > 0) pieces.push_back({0, numel, s});
-      of.push_back(0);
-    } else {
-      const DTensorSpec& d0 = **parts[0].dtensor;
-      std::vector<int64_t> mesh(d0.coordinate.size(), 1);
-      std::set<std::vector<int64_t>> coords;
-      for (const Part& part : parts) {
-        const DTensorSpec& d = **part.dtensor;
-        if (d.placements != d0.placements || d.global_shape != shape)
-          return corrupt(fmt::format("{}: {}'s DTensor is placed or shaped differently than rank 0's", where,
-                                     files_[part.file].path.filename().string()));
-        for (size_t k = 0; k < mesh.size(); ++k) mesh[k] = std::max(mesh[k], d.coordinate[k] + 1);
-        if (!coords.insert(d.coordinate).second)
-          return corrupt(fmt::format("{}: two files hold mesh position {}", where, format_shape(d.coordinate)));
-      }
-      int64_t positions = 1;
-      for (int64_t m : mesh) positions = std::min<int64_t>(positions * m, int64_t{1} << 40);
-      if (!set_ && (positions > 1 || *checked_numel(parts[0].tensor.shape) != numel))
-        return corrupt(fmt::format("{}: one rank's shard of a DTensor (local {} of {}, mesh position {}): this file is "
-                                   "one rank's part; pass the directory that holds every rank's file", where,
-                                   format_shape(parts[0].tensor.shape), format_shape(shape), format_shape(d0.coordinate)));
-      if (positions != static_cast<int64_t>(parts.size()))
-        return corrupt(fmt::format("{}: the ranks' files hold {} of the {} positions of a mesh of {}", where, parts.size(),
-                                   positions, format_shape(mesh)));
-      std::vector<dcp::Segment> segs;
-      std::vector<Stored> stored;
-      for (size_t k = 0; k < parts.size(); ++k) {
-        const Part& part = parts[k];
-        const std::string rw = fmt::format("{} in {}", where, files_[part.file].path.filename().string());
-        OPTSTATE_ASSIGN_OR_RETURN(Box box, dtensor_box(**part.dtensor, mesh, rw));
-        stored.emplace_back();
-        if (box.replica) continue;  // another rank holds the same box
-        if (part.tensor.shape != box.sizes)
-          return corrupt(fmt::format("{}: local tensor {}, its mesh position {} on a mesh of {} gives {}", rw,
-                                     format_shape(part.tensor.shape), format_shape((*part.dtensor)->coordinate),
-                                     format_shape(mesh), format_shape(box.sizes)));
-        OPTSTATE_ASSIGN_OR_RETURN(stored.back(), resolve(part.file, part.tensor, *checked_numel(box.sizes), rw));
-        OPTSTATE_RETURN_IF_ERROR(dcp::chunk_segments(shape, {box.offsets, box.sizes}, k, segs, rw));
-      }
-      OPTSTATE_RETURN_IF_ERROR(dcp::check_coverage(segs, numel, where));
-      for (const dcp::Segment& sg : segs) {
-        const Stored& s = stored[sg.chunk];
-        const auto elem = static_cast<uint64_t>(dtype_size(parts[sg.chunk].tensor.dtype));
-        Piece pc{sg.begin, sg.count, s};
-        pc.stored.at += static_cast<uint64_t>(sg.local) * elem;
-        pc.stored.bytes = static_cast<uint64_t>(sg.count) * elem;
-        pc.stored.whole = s.whole && pc.stored.bytes == s.bytes;
-        pieces.push_back(pc);
-        of.push_back(sg.chunk);
-      }
+      OPTSTATE_ASSIGN_OR_RETURN(const auto st, resolve_part(parts[0], numel, where));
+      if (numel > 0) piece(0, 0, numel, 0, st);
+      return out;
     }
-    stored_[{fqn, entry, c}] = std::move(pieces);
-    return of;
+    const DTensorSpec& d0 = **parts[0].dtensor;
+    std::vector<int64_t> mesh(d0.coordinate.size(), 1);
+    std::set<std::vector<int64_t>> coords;
+    for (const Part& part : parts) {
+      const DTensorSpec& d = **part.dtensor;
+      if (d.placements != d0.placements || d.global_shape != shape)
+        return corrupt(fmt::format("{}: {}'s DTensor is placed or shaped differently than rank 0's", where,
+                                   files_[part.file].path.filename().string()));
+      for (size_t k = 0; k < mesh.size(); ++k) mesh[k] = std::max(mesh[k], d.coordinate[k] + 1);
+      if (!coords.insert(d.coordinate).second)
+        return corrupt(fmt::format("{}: two files hold mesh position {}", where, format_shape(d.coordinate)));
+    }
+    int64_t positions = 1;
+    for (int64_t m : mesh) positions = std::min<int64_t>(positions * m, int64_t{1} << 40);
+    if (!set_ && (positions > 1 || *checked_numel(parts[0].tensor.shape) != numel))
+      return corrupt(fmt::format("{}: one rank's shard of a DTensor (local {} of {}, mesh position {}): this file is "
+                                 "one rank's part; pass the directory that holds every rank's file", where,
+                                 format_shape(parts[0].tensor.shape), format_shape(shape), format_shape(d0.coordinate)));
+    if (positions != static_cast<int64_t>(parts.size()))
+      return corrupt(fmt::format("{}: the ranks' files hold {} of the {} positions of a mesh of {}", where, parts.size(),
+                                 positions, format_shape(mesh)));
+    std::vector<dcp::Segment> segs;
+    std::vector<std::pair<Stored, Stored>> stored(parts.size());
+    for (size_t k = 0; k < parts.size(); ++k) {
+      const Part& part = parts[k];
+      const std::string rw = fmt::format("{} in {}", where, files_[part.file].path.filename().string());
+      OPTSTATE_ASSIGN_OR_RETURN(Box box, dtensor_box(**part.dtensor, mesh, rw));
+      if (box.replica) continue;  // another rank holds the same box
+      if (part.tensor.shape != box.sizes)
+        return corrupt(fmt::format("{}: local tensor {}, its mesh position {} on a mesh of {} gives {}", rw,
+                                   format_shape(part.tensor.shape), format_shape((*part.dtensor)->coordinate),
+                                   format_shape(mesh), format_shape(box.sizes)));
+      OPTSTATE_ASSIGN_OR_RETURN(stored[k], resolve_part(part, *checked_numel(box.sizes), rw));
+      OPTSTATE_RETURN_IF_ERROR(dcp::chunk_segments(shape, {box.offsets, box.sizes}, k, segs, rw));
+    }
+    OPTSTATE_RETURN_IF_ERROR(dcp::check_coverage(segs, numel, where));
+    for (const dcp::Segment& sg : segs) piece(sg.chunk, sg.begin, sg.count, sg.local, stored[sg.chunk]);
+    return out;
   }
 
-  // The scales of 8-bit state beside its codes' pieces: a rank's codes must be one flat run that
-  // starts on a block boundary (torchao quantizes a shard as its own tensor), and its scales are
-  // that run's blocks.
-  Status place_absmax(const std::string& fqn, const std::string& entry, const std::vector<int64_t>& shape, int64_t block,
-                      const std::vector<Part>& parts, const std::vector<size_t>& of, const std::string& where) {
-    const std::vector<Piece>& codes = stored_.at({fqn, entry, Component::kCodes});
-    const int64_t numel = *checked_numel(shape);
-    std::vector<Piece> pieces;
-    if (!parts[0].dtensor->has_value()) {
-      const int64_t blocks = (numel + block - 1) / block;
-      OPTSTATE_ASSIGN_OR_RETURN(Stored s, resolve(parts[0].file, parts[0].tensor, blocks, where + " scales"));
-      if (blocks > 0) pieces.push_back({0, blocks, s});
-    } else {
-      std::set<size_t> seen;
-      for (size_t k = 0; k < codes.size(); ++k) {
-        const Piece& pc = codes[k];
-        const Part& part = parts[of[k]];
-        const std::string rw = fmt::format("{} in {}", where, files_[part.file].path.filename().string());
-        if (!seen.insert(of[k]).second || pc.begin % block != 0 || (pc.count % block != 0 && pc.begin + pc.count != numel))
-          return corrupt(fmt::format("{}: this rank's 8-bit shard is not whole blocks of the flattened tensor (blocks of "
-                                     "{}); optstate reads 8-bit DTensors sharded by rows on block boundaries", rw, block));
-        const int64_t blocks = (pc.count + block - 1) / block;
-        OPTSTATE_ASSIGN_OR_RETURN(Stored s, resolve(part.file, part.tensor, blocks, rw + " scales"));
-        pieces.push_back({pc.begin / block, blocks, s});
-      }
+  // The scales of 8-bit codes placed as `codes`, where that gives blockwise8 state of the global
+  // tensor: each part's codes one flat run that starts on a block boundary (torchao quantizes a
+  // shard as its own tensor), its scales that run's blocks. Null where it does not.
+  std::optional<std::vector<Piece>> absmax_pieces(const Placed& codes, const std::vector<Part>& scales, int64_t numel,
+                                                  int64_t block) {
+    std::vector<Piece> out;
+    std::set<size_t> seen;
+    for (size_t k = 0; k < codes.pieces.size(); ++k) {
+      const Piece& pc = codes.pieces[k];
+      if (!seen.insert(codes.of[k]).second || pc.begin % block != 0 ||
+          (pc.count % block != 0 && pc.begin + pc.count != numel))
+        return std::nullopt;
+      const int64_t blocks = (pc.count + block - 1) / block;
+      const Part& part = scales[codes.of[k]];
+      auto s = resolve(part.file, part.tensor, blocks, "scales");
+      if (!s.ok()) return std::nullopt;
+      out.push_back({pc.begin / block, blocks, *s, std::nullopt});
     }
-    stored_[{fqn, entry, Component::kAbsmax}] = std::move(pieces);
-    return Status::Ok();
+    return out;
   }
 
   // Where a tensor's `count` elements lie in archive `file`: its storage record, checked to hold them.
@@ -553,6 +661,7 @@ class TorchSaveReader final : public CheckpointReader {
   OptimizerState meta_;
   std::vector<std::string> not_read_;
   std::map<Key, std::vector<Piece>> stored_;
+  std::vector<std::string> dequantized_;  // 8-bit entries read as fp32 values
   bool checksummed_ = false;
   ReadBuffer piece_;  // reused between tensors
 };

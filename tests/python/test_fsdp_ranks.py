@@ -27,9 +27,11 @@ FSDP_SCRIPT = textwrap.dedent("""
     rank, world = dist.get_rank(), dist.get_world_size()
     kind, out = sys.argv[1], sys.argv[2]
     torch.manual_seed(0)
-    # Rows that do not divide by the ranks (33, 5: short and empty last shards), and, for 8-bit,
-    # a weight whose shards are whole 256-element blocks.
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 33), nn.ReLU(), nn.Linear(33, 5))
+    # Rows that do not divide by the ranks (33, 5: short and empty last shards). For 8-bit, a weight
+    # whose shards are whole 256-element blocks (128x64 over 2 ranks), and one that torchao
+    # quantizes on one rank only (129x128: 65 rows, not whole blocks, and 64 rows, 32 blocks).
+    hidden = 129 if kind == "torchao" else 33
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, hidden), nn.ReLU(), nn.Linear(hidden, 5))
     for m in model:
         if isinstance(m, nn.Linear):
             fully_shard(m)
@@ -131,8 +133,11 @@ def test_torchao_8bit_fsdp2_rank_files_keep_their_codes(tmp_path, optstate_cli):
     doc = json.loads(optstate_cli("inspect", out, "--json").stdout)
     assert doc["optimizer"] == "adamw8bit"
     enc = {n: {k: e["encoding"] for k, e in p["entries"].items()} for n, p in doc["params"].items()}
-    # 128x64 over 2 ranks: 4096 elements a rank, quantized by torchao; the small ones stay plain.
+    # 128x64 over 2 ranks: 4096 elements a rank, quantized by torchao; the small ones stay plain;
+    # 129x128 is 8-bit on rank 1 only, so it is read as fp32 values (rank 1's dequantized).
     assert enc["0.weight"]["exp_avg"] == "blockwise8" and enc["2.bias"]["exp_avg"] == "dense"
+    assert enc["2.weight"]["exp_avg"] == "dense" and doc["params"]["2.weight"]["entries"]["exp_avg"]["dtype"] == "f32"
+    assert any("8-bit encoding of 2.weight.exp_avg" in line for line in doc["not_read"])
     # Kept as 8-bit in a native checkpoint; dequantized into a plain file; both agree by value.
     optstate_cli("convert", out, tmp_path / "native")
     optstate_cli("convert", out, tmp_path / "plain.pt")

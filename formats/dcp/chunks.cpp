@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "zip.h"
+
 namespace optstate::dcp {
 
 Status chunk_segments(const std::vector<int64_t>& g, const ChunkMeta& c, size_t chunk, std::vector<Segment>& out,
@@ -50,6 +52,30 @@ Status check_coverage(std::vector<Segment>& segs, int64_t count, const std::stri
     at += s.count;
   }
   if (at != count) return corrupt(fmt::format("{}: elements [{}, {}) are in no chunk", where, at, count));
+  return Status::Ok();
+}
+
+Status stream_dequantized(const InputFile& file, uint64_t codes_at, int64_t from, int64_t to,
+                          std::span<const float> scales, int64_t block, QMap map, const ByteSink& sink, uint32_t* crc,
+                          const std::string& where) {
+  if (from < 0 || to < from || block <= 0 || (to > from && (to - 1) / block >= static_cast<int64_t>(scales.size())))
+    return corrupt(fmt::format("{}: 8-bit elements [{}, {}) are past its {} scales of blocks of {}", where, from, to,
+                               scales.size(), block));
+  const std::array<float, 256>& table = qmap_table(map);
+  constexpr int64_t kStep = int64_t{1} << 20;
+  std::vector<uint8_t> codes;
+  std::vector<float> values;
+  for (int64_t at = from; at < to; at += kStep) {
+    const int64_t n = std::min(kStep, to - at);
+    codes.resize(static_cast<size_t>(n));
+    values.resize(static_cast<size_t>(n));
+    OPTSTATE_RETURN_IF_ERROR(
+        file.read_at(codes_at + static_cast<uint64_t>(at), std::as_writable_bytes(std::span(codes))).with_context(where));
+    if (crc) *crc = zip::crc32(std::as_bytes(std::span(codes)), *crc);
+    for (int64_t k = 0; k < n; ++k)
+      values[static_cast<size_t>(k)] = table[codes[static_cast<size_t>(k)]] * scales[static_cast<size_t>((at + k) / block)];
+    OPTSTATE_RETURN_IF_ERROR(sink(std::as_bytes(std::span(values))));
+  }
   return Status::Ok();
 }
 

@@ -9,6 +9,9 @@
 #include <vector>
 
 #include "dcp_layout.h"
+#include "optstate/checkpoint.h"
+#include "optstate/io.h"
+#include "optstate/quant8.h"
 #include "optstate/status.h"
 
 namespace optstate::dcp {
@@ -29,5 +32,15 @@ Status chunk_segments(const std::vector<int64_t>& g, const ChunkMeta& c, size_t 
 
 // Sorts `segs` by position and checks they cover [0, count) once: no holes, no overlaps.
 Status check_coverage(std::vector<Segment>& segs, int64_t count, const std::string& where);
+
+// Elements [from, to) of one rank's 8-bit part as fp32 values, through `sink` in bounded pieces:
+// torchao quantizes each rank's shard as its own tensor (OptimState8bit: blocks of `block` from the
+// part's first element), so a part that cannot join blockwise8 state of the whole tensor (8-bit on
+// some ranks only) is read as map[code] * scale[block], the values torchao's dequantize() gives.
+// `codes_at`: the file offset of the part's first code. With `crc`, the CRC-32 of the codes read
+// is accumulated there.
+Status stream_dequantized(const InputFile& file, uint64_t codes_at, int64_t from, int64_t to,
+                          std::span<const float> scales, int64_t block, QMap map, const ByteSink& sink, uint32_t* crc,
+                          const std::string& where);
 
 }  // namespace optstate::dcp

@@ -78,14 +78,27 @@ class DcpReader final : public CheckpointReader {
     const Source& src = it->second;
     const auto& segs = c == Component::kAbsmax ? src.absmax : src.values;
     const int64_t count = segs.empty() ? 0 : segs.back().begin + segs.back().count;
+    const int64_t size = component_elem_size(meta_.params.at(fqn).entries.at(entry), c);
+    if (static_cast<int64_t>(out.size()) != (end - begin) * size || begin < 0 || end > count)
+      return invalid_argument(fmt::format("{}: range [{}, {}) of entry '{}' does not fit", dir_.string(), begin, end,
+                                          entry_key(fqn, entry)));
     for (const Segment& s : segs) {
       const int64_t a = std::max(begin, s.begin), b = std::min(end, s.begin + s.count);
       if (a >= b) continue;
+      size_t done = 0;
+      const auto part = out.subspan(static_cast<size_t>((a - begin) * size), static_cast<size_t>((b - a) * size));
+      OPTSTATE_ASSIGN_OR_RETURN(const bool dq, dequantized_segment(src, s, c, a - s.begin, b - s.begin,
+                                                                   [&](std::span<const std::byte> x) {
+                                                                     std::memcpy(part.data() + done, x.data(), x.size());
+                                                                     done += x.size();
+                                                                     return Status::Ok();
+                                                                   }));
+      if (dq) continue;
       OPTSTATE_ASSIGN_OR_RETURN(auto loc, segment_source(src, s, c));
       const auto [file, at, elem, record] = loc;
-      if (static_cast<int64_t>(out.size()) != (end - begin) * elem || begin < 0 || end > count)
-        return invalid_argument(fmt::format("{}: range [{}, {}) of entry '{}' does not fit", dir_.string(), begin, end,
-                                            entry_key(fqn, entry)));
+      if (elem != size)
+        return corrupt(fmt::format("{}: item '{}' holds {}-byte elements where {} are needed", dir_.string(), src.key,
+                                   elem, size));
       const uint64_t from = at + static_cast<uint64_t>((a - s.begin) * elem);
       const auto dst = out.subspan(static_cast<size_t>((a - begin) * elem), static_cast<size_t>((b - a) * elem));
       OPTSTATE_RETURN_IF_ERROR(file->read_at(from, dst).with_context(fmt::format("item '{}'", src.key)));
@@ -101,6 +114,8 @@ class DcpReader final : public CheckpointReader {
     const Source& src = it->second;
     const auto& segs = c == Component::kAbsmax ? src.absmax : src.values;
     for (const Segment& s : segs) {
+      OPTSTATE_ASSIGN_OR_RETURN(const bool dq, dequantized_segment(src, s, c, 0, s.count, sink));
+      if (dq) continue;
       OPTSTATE_ASSIGN_OR_RETURN(auto loc, segment_source(src, s, c));
       auto [file, at, elem, record] = loc;
       const std::string iw = fmt::format("{}: item '{}'", dir_.string(), item_key(src, c));
@@ -152,6 +167,46 @@ class DcpReader final : public CheckpointReader {
   // The chunk a segment reads from.
   static const ChunkMeta& item_chunk(const Source& src, const Segment& s, Component c) {
     return (in_absmax_item(src, c) ? *src.absmax_item : *src.item).chunks[s.chunk];
+  }
+
+  // Elements [from, to) of a segment (from its first) through `sink`, where the segment's chunk is
+  // torchao 8-bit data in an entry read as fp32 values (a rank's part quantized alone: see
+  // add_entry); false, reading nothing, for every other segment.
+  Result<bool> dequantized_segment(const Source& src, const Segment& s, Component c, int64_t from, int64_t to,
+                                   const ByteSink& sink) {
+    if (src.eight || src.absmax_item != nullptr || c != Component::kValues) return false;
+    const ChunkMeta& ch = src.item->chunks[s.chunk];
+    OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(src.key, ch.offsets));
+    if (pi->payload.kind != Payload::Kind::kOptimState8bit) return false;
+    const std::string iw = fmt::format("{}: item '{}' chunk at {}", dir_.string(), src.key, format_shape(ch.offsets));
+    if (src.item->dtype != DType::kF32)
+      return corrupt(fmt::format("{}: 8-bit data where the metadata says {}", iw, dtype_name(src.item->dtype)));
+    const Payload& p = pi->payload;
+    const int64_t codes = *checked_numel(p.codes.shape), blocks = *checked_numel(p.scale.shape);
+    if (blocks <= 0 || codes % blocks) return corrupt(iw + ": codes are not a whole number of blocks");
+    if (s.local + s.count > codes)
+      return corrupt(fmt::format("{}: holds {} codes, the chunk needs {}", iw, codes, s.local + s.count));
+    OPTSTATE_ASSIGN_OR_RETURN(const std::string mname, map_name(*pi, iw));
+    OPTSTATE_ASSIGN_OR_RETURN(const QMap map, qmap_from_name(mname));
+    ParsedItem::Record& sr = pi->storages.at(p.scale.storage_key);
+    std::vector<float> scales(static_cast<size_t>(blocks));
+    const uint64_t scales_at = sr.at + static_cast<uint64_t>(p.scale.offset) * 4;
+    if (static_cast<uint64_t>(p.scale.offset + blocks) * 4 > sr.size)
+      return corrupt(fmt::format("{}: its scales lie past their storage", iw));
+    OPTSTATE_RETURN_IF_ERROR(pi->file->read_at(scales_at, std::as_writable_bytes(std::span(scales))).with_context(iw));
+    const auto scale_bytes = std::as_bytes(std::span(scales));
+    if (crc_due(sr, scales_at, scale_bytes.size()) && zip::crc32(scale_bytes) != sr.crc)
+      return corrupt(fmt::format("{} scales: their data fails the CRC-32 torch.save stored", iw));
+    sr.verified = sr.verified || (scales_at == sr.at && scale_bytes.size() == sr.size);
+    ParsedItem::Record& cr = pi->storages.at(p.codes.storage_key);
+    if (static_cast<uint64_t>(p.codes.offset + codes) > cr.size) return corrupt(fmt::format("{}: its codes lie past their storage", iw));
+    const uint64_t codes_at = cr.at + static_cast<uint64_t>(p.codes.offset);
+    const bool check = crc_due(cr, codes_at + static_cast<uint64_t>(s.local + from), static_cast<uint64_t>(to - from));
+    uint32_t crc = 0;
+    OPTSTATE_RETURN_IF_ERROR(stream_dequantized(*pi->file, codes_at, s.local + from, s.local + to, scales,
+                                                codes / blocks, map, sink, check ? &crc : nullptr, iw));
+    if (check) OPTSTATE_RETURN_IF_ERROR(crc_result(src, s, c, cr, crc));
+    return true;
   }
 
   // Where a segment's first element lies: (file, byte offset, element size, its storage's record).
@@ -604,30 +659,50 @@ class DcpReader final : public CheckpointReader {
     src.item = &im;
     Entry e;
     OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * first, item(key, im.chunks[0].offsets));
-    if (first->payload.kind == Payload::Kind::kOptimState8bit) {
-      // torchao 8-bit: codes + per-block scale + the map; blocks must not straddle chunks.
+    // torchao 8-bit: codes + per-block scale + the map, in every chunk, blocks not straddling
+    // chunks: blockwise8. torchao quantizes each rank's shard alone, and only one of at least 4096
+    // elements in whole blocks, so other chunks may be plain; then the entry is fp32 values, the
+    // 8-bit chunks read dequantized (dequantized_segment).
+    bool blockwise = first->payload.kind == Payload::Kind::kOptimState8bit;
+    if (blockwise) {
       const Payload& p = first->payload;
       const int64_t codes = *checked_numel(p.codes.shape), blocks = *checked_numel(p.scale.shape);
       if (blocks <= 0 || codes % blocks) return corrupt(ew + ": codes are not a whole number of blocks");
-      e.encoding = Encoding::kBlockwise8;
-      e.dtype = DType::kU8;
       e.block_size = codes / blocks;
       OPTSTATE_ASSIGN_OR_RETURN(e.qmap, map_name(*first, ew));
-      for (size_t k = 0; k < im.chunks.size(); ++k) {
+      for (size_t k = 0; k < im.chunks.size() && blockwise; ++k) {
+        OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pk, item(key, im.chunks[k].offsets));
         std::vector<Segment> segs;
         OPTSTATE_RETURN_IF_ERROR(chunk_segments(im.size, im.chunks[k], k, segs, ew));
-        if (segs.size() > 1) return corrupt(ew + ": an 8-bit chunk that is not one flat range");
+        blockwise = pk->payload.kind == Payload::Kind::kOptimState8bit && segs.size() <= 1;
         for (const Segment& s : segs) {
-          if (s.begin % e.block_size || (s.count % e.block_size && s.begin + s.count != numel))
-            return corrupt(fmt::format("{}: chunk [{}, {}) does not start and end on blocks of {}", ew, s.begin,
-                                       s.begin + s.count, e.block_size));
+          if (!blockwise) break;
+          const int64_t kb = *checked_numel(pk->payload.scale.shape);
+          blockwise = kb > 0 && *checked_numel(pk->payload.codes.shape) == kb * e.block_size &&
+                      s.begin % e.block_size == 0 && (s.count % e.block_size == 0 || s.begin + s.count == numel);
           src.values.push_back(s);
           src.absmax.push_back({s.begin / e.block_size, (s.count + e.block_size - 1) / e.block_size, k, 0});
         }
       }
-      src.eight = any8 = true;
-      OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, numel, ew));
-      OPTSTATE_RETURN_IF_ERROR(check_coverage(src.absmax, (numel + e.block_size - 1) / e.block_size, ew + " blocks"));
+      if (blockwise) {
+        e.encoding = Encoding::kBlockwise8;
+        e.dtype = DType::kU8;
+        src.eight = any8 = true;
+        OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, numel, ew));
+        OPTSTATE_RETURN_IF_ERROR(check_coverage(src.absmax, (numel + e.block_size - 1) / e.block_size, ew + " blocks"));
+      } else {
+        any8 = true;
+        e = Entry{};
+        src.values.clear();
+        src.absmax.clear();
+        if (im.dtype != DType::kF32)
+          return corrupt(fmt::format("{}: 8-bit chunks, and the metadata says {}; torchao's says float32", ew,
+                                     dtype_name(im.dtype)));
+        for (size_t k = 0; k < im.chunks.size(); ++k)
+          OPTSTATE_RETURN_IF_ERROR(chunk_segments(im.size, im.chunks[k], k, src.values, ew));
+        OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, numel, ew));
+        e.dtype = DType::kF32;
+      }
     } else if (first->payload.kind == Payload::Kind::kTensor) {
       if (first->payload.tensor.dtype != im.dtype)
         return corrupt(fmt::format("{}: holds {} data, the metadata says {}", ew, dtype_name(first->payload.tensor.dtype),

@@ -209,26 +209,12 @@ class TorchSaveReader final : public CheckpointReader {
                                  .file.read_at(dq.scales.at, std::as_writable_bytes(std::span(scales)))
                                  .with_context(where_of(dq.scales, fqn, entry, c) + " (scales)"));
     OPTSTATE_RETURN_IF_ERROR(check_crc(dq.scales, zip::crc32(std::as_bytes(std::span(scales))), fqn, entry, c));
-    const std::array<float, 256>& map = qmap_table(dq.map);
-    const Archive& a = files_[pc.stored.file];
     const bool check = pc.stored.checked() && from == 0 && to == pc.count;
     uint32_t crc = 0;
-    constexpr int64_t kStep = int64_t{1} << 20;
-    std::vector<uint8_t> codes;
-    std::vector<float> values;
-    for (int64_t at = from; at < to; at += kStep) {
-      const int64_t n = std::min(kStep, to - at);
-      codes.resize(static_cast<size_t>(n));
-      values.resize(static_cast<size_t>(n));
-      OPTSTATE_RETURN_IF_ERROR(a.file.read_at(pc.stored.at + static_cast<uint64_t>(at), std::as_writable_bytes(std::span(codes)))
-                                   .with_context(where_of(pc.stored, fqn, entry, c) + " (codes)"));
-      if (check) crc = zip::crc32(std::as_bytes(std::span(codes)), crc);
-      for (int64_t k = 0; k < n; ++k) {
-        const auto blk = static_cast<size_t>((dq.local + at + k) / dq.block);
-        values[static_cast<size_t>(k)] = map[codes[static_cast<size_t>(k)]] * scales[blk];
-      }
-      OPTSTATE_RETURN_IF_ERROR(sink(std::as_bytes(std::span(values))));
-    }
+    // pc.stored.at is the run's first code, element dq.local of the part.
+    OPTSTATE_RETURN_IF_ERROR(dcp::stream_dequantized(files_[pc.stored.file].file, pc.stored.at - static_cast<uint64_t>(dq.local),
+                                                     dq.local + from, dq.local + to, scales, dq.block, dq.map, sink,
+                                                     check ? &crc : nullptr, where_of(pc.stored, fqn, entry, c) + " (codes)"));
     return check ? check_crc(pc.stored, crc, fqn, entry, c) : Status::Ok();
   }
 

@@ -65,6 +65,11 @@ FSDP_SCRIPT = textwrap.dedent("""
             local[f"{names[p]}.{k}"] = v.detach().clone()
         local[f"{names[p]}.param"] = p.to_local().detach().clone()
     torch.save(local, f"{out}.local{rank}")
+    if kind == "torchao":  # the same state as a DCP, as torchtitan saves it
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{out}.dcp")
     dist.barrier()
     dist.destroy_process_group()
 """)
@@ -147,6 +152,17 @@ def test_torchao_8bit_fsdp2_rank_files_keep_their_codes(tmp_path, optstate_cli):
     for i, name in enumerate(plain["param_groups"][0]["param_names"]):
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(plain["state"][i][k], full[f"{name}.{k}"]), (name, k)
+
+    # The DCP of the same state (8-bit chunks for some ranks of 2.weight, plain for others) reads
+    # as the same values, and hashes as the rank files do.
+    dcp_dir = f"{out}.dcp"
+    doc = json.loads(optstate_cli("inspect", dcp_dir, "--json").stdout)
+    assert doc["params"]["0.weight"]["entries"]["exp_avg"]["encoding"] == "blockwise8"
+    assert doc["params"]["2.weight"]["entries"]["exp_avg"]["encoding"] == "dense"
+    assert hv(dcp_dir) == hv(out)
+    h = lambda p: optstate_cli("hash", p).stdout.strip().splitlines()[-1]
+    assert h(dcp_dir) == h(out)
+    assert optstate_cli("validate", dcp_dir).returncode == 0
 
 
 def test_missing_or_lone_rank_files_are_refused_by_name(tmp_path, optstate_cli):

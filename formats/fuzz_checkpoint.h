@@ -92,6 +92,22 @@ class CheckpointFixture {
     index_ = file.substr(0, n);
     data_.emplace_back(std::filesystem::path(), file.substr(n));
   }
+  // A directory that exists already (real files another writer made: a per-rank set of torch.save
+  // files), copied; inputs replace its file `index_name`.
+  CheckpointFixture(std::string_view format, const std::filesystem::path& seed_dir, std::string index_name)
+      : driver_(find_format(format)), index_name_(std::move(index_name)) {
+    namespace fs = std::filesystem;
+    base_ = fs::temp_directory_path() / fmt_name(format);
+    fs::remove_all(base_);
+    fs::create_directories(base_);
+    std::error_code ec;
+    fs::copy(seed_dir, base_ / "seed", fs::copy_options::recursive, ec);
+    if (ec || !driver_) std::abort();
+    index_ = read_file(base_ / "seed" / index_name_);
+    for (const auto& e : fs::recursive_directory_iterator(base_ / "seed"))
+      if (e.is_regular_file() && e.path().filename() != index_name_)
+        data_.emplace_back(fs::relative(e.path(), base_ / "seed"), read_file(e.path()));
+  }
   ~CheckpointFixture() {
     std::error_code ec;
     std::filesystem::remove_all(base_, ec);

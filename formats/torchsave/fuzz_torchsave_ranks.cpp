@@ -1,0 +1,37 @@
+// Fuzz target for the torch.save driver's per-rank sets (FSDP2's DTensor state saved by every rank,
+// verl's layout): the input is rank 1's optimizer file of testdata/fsdp2_world2/, beside the real
+// files of rank 0 and both ranks' model files, so damage reaches the DTensor interpretation, the
+// placement of every rank's part (mesh coordinates, boxes, coverage), the names taken from the model
+// files and the cross-rank checks. Each input is also tried with data.pkl's CRC-32 re-signed (as
+// fuzz_torchsave_file does). Every input must validate, open, hash, read whole and write back (as
+// one file), or give an error; never a crash, a hang or an unbounded allocation.
+// CTest: fuzz.torchsave_ranks (bounded mutation run); with OPTSTATE_LIBFUZZER, coverage-guided.
+#include <cstdint>
+#include <string>
+
+#include "fuzz_checkpoint.h"
+#include "torchsave_fuzz_sign.h"
+
+using namespace optstate;
+
+namespace {
+
+const fuzz::CheckpointFixture& fixture() {
+  static const fuzz::CheckpointFixture f("torchsave", OPTSTATE_TORCHSAVE_RANKS_SEED, "optim_world_size_2_rank_1.pt");
+  return f;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::string raw(reinterpret_cast<const char*>(data), size);
+  auto signed_input = torchsave::with_pickle_crc(raw);
+  fixture().run(signed_input ? *signed_input : raw, fixture().data());
+  return 0;
+}
+
+#ifndef OPTSTATE_LIBFUZZER
+int main(int argc, char** argv) {
+  return fixture().main(argc, argv, "fuzz.torchsave_ranks", "", torchsave::with_pickle_crc);
+}
+#endif

@@ -231,6 +231,16 @@ class TorchSaveReader final : public CheckpointReader {
     }
     const StateDict& sd0 = sds[0];
     const std::string w0 = optim_files[0].string();
+    if (sds.size() > 1) {
+      // Ranks of one state hold DTensors; files of whole state_dicts (one per epoch, say) are not a set.
+      bool dtensors = false;
+      for (const ParamSpec& ps : sd0.params)
+        for (const auto& [name, es] : ps.entries) dtensors = dtensors || es.dtensor.has_value();
+      if (!dtensors)
+        return corrupt(fmt::format("{}: {} holds {} files of whole optimizer state_dicts (no DTensors), not one "
+                                   "state's ranks; pass one file", path_.string(), rank_pattern(optim_files),
+                                   sds.size()));
+    }
     not_read_ = sd0.not_read;
     for (std::string& n : not_read) not_read_.push_back(std::move(n));
     for (size_t f = 1; f < sds.size(); ++f) OPTSTATE_RETURN_IF_ERROR(same_layout(sd0, sds[f], w0, optim_files[f].string()));

@@ -242,6 +242,14 @@ TEST_CASE("torchsave: a per-rank set with a missing or duplicated rank is refuse
     REQUIRE(!r.ok());
     CHECK(r.status().message().find("two files hold mesh position [0]") != std::string::npos);
   }
+  SUBCASE("whole state_dicts (one per epoch) are not a set of ranks") {
+    testing::TempDir epochs;
+    fs::copy_file(kSeeds / "torch_adamw_amsgrad.pt", epochs.path / "optim_epoch_0.pt");
+    fs::copy_file(kSeeds / "torch_adamw_amsgrad.pt", epochs.path / "optim_epoch_1.pt");
+    auto r = open_checkpoint(epochs.path);
+    REQUIRE(!r.ok());
+    CHECK(r.status().message().find("optim_epoch_*.pt holds 2 files of whole optimizer state_dicts") != std::string::npos);
+  }
   SUBCASE("two sets of optimizer files") {
     fs::copy_file(dir.path / "optim_world_size_2_rank_0.pt", dir.path / "optim_old_0.pt");
     auto r = open_checkpoint(dir.path);

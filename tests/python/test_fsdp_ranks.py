@@ -32,10 +32,14 @@ FSDP_SCRIPT = textwrap.dedent("""
     # quantizes on one rank only (129x128: 65 rows, not whole blocks, and 64 rows, 32 blocks).
     hidden = 129 if kind == "torchao" else 33
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, hidden), nn.ReLU(), nn.Linear(hidden, 5))
+    mesh = None
+    if kind == "hsdp":  # HSDP: (Replicate, Shard(0)) over a 2 x world/2 mesh
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     for m in model:
         if isinstance(m, nn.Linear):
-            fully_shard(m)
-    fully_shard(model)
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     if kind == "torchao":
         from torchao.optim import AdamW8bit
         # Eager: torch.compile of torchao's step over DTensors reuses one param's graph for another
@@ -65,6 +69,12 @@ FSDP_SCRIPT = textwrap.dedent("""
             local[f"{names[p]}.{k}"] = v.detach().clone()
         local[f"{names[p]}.param"] = p.to_local().detach().clone()
     torch.save(local, f"{out}.local{rank}")
+    if kind == "hsdp":  # torch's own gather (a collective), as the reference
+        full = {f"{names[p]}.param": p.full_tensor() for p in model.parameters()}
+        for p, st in opt.state.items():
+            full.update({f"{names[p]}.{k}": (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in st.items()})
+        if rank == 0:
+            torch.save(full, f"{out}.full")
     if kind == "torchao":  # the same state as a DCP, as torchtitan saves it
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -93,10 +103,10 @@ def reference(out, world):
     return full
 
 
-@pytest.mark.parametrize("kind,world", [("adamw", 3), ("amsgrad", 4), ("adamw", 1)])
+@pytest.mark.parametrize("kind,world", [("adamw", 3), ("amsgrad", 4), ("adamw", 1), ("hsdp", 4)])
 def test_fsdp2_rank_files_read_as_one_state_by_name(tmp_path, optstate_cli, kind, world):
     out = fsdp_run(tmp_path, kind, world)
-    full = reference(out, world)
+    full = torch.load(f"{out}.full") if kind == "hsdp" else reference(out, world)
     inspect = optstate_cli("inspect", out, "--json")
     doc = json.loads(inspect.stdout)
     assert doc["format"] == "torchsave"

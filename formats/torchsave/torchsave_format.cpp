@@ -104,12 +104,15 @@ struct Piece {
 // One rank's part of a tensor: its bytes in that rank's file and, for a DTensor, its placement;
 // with `scales`, the part is 8-bit codes (`tensor`) read as fp32 values.
 struct Part {
-  size_t file = 0;
+  Part(size_t file, dcp::TensorRef tensor, const std::optional<DTensorSpec>* dtensor,
+       std::optional<dcp::TensorRef> scales = std::nullopt, int64_t block = 0, QMap map = QMap::kDynamicSigned)
+      : file(file), tensor(std::move(tensor)), dtensor(dtensor), scales(std::move(scales)), block(block), map(map) {}
+  size_t file;
   dcp::TensorRef tensor;
-  const std::optional<DTensorSpec>* dtensor = nullptr;
+  const std::optional<DTensorSpec>* dtensor;
   std::optional<dcp::TensorRef> scales;
-  int64_t block = 0;
-  QMap map = QMap::kDynamicSigned;
+  int64_t block;
+  QMap map;
 };
 
 // The pieces of a component, and the part each came from.

@@ -72,15 +72,18 @@ Result<std::pair<Archive, pickle::Pickle>> open_archive(const fs::path& path) {
   return std::pair{std::move(a), std::move(p)};
 }
 
-// Where a run of a tensor's bytes lies: its archive, offset and length, and the CRC-32 of its
-// storage record where the run is that whole record (torch's tensors are; a view of part of a
-// storage, or one row-run of a column-sharded DTensor, cannot be checked alone).
+// Where a run of a tensor's bytes lies: its archive, offset and length, and its storage record with
+// the CRC-32 torch.save stored for it. Reading the run checks that CRC where the run is all of its
+// tensor and the rest of the record is no larger than the run (read too, for the check): torch's
+// own tensors fill their records; FSDP2's sharded params are views into padded storages. A small
+// view of a large storage, or one row-run of a column-sharded DTensor, is not checked.
 struct Stored {
   size_t file = 0;
   uint64_t at = 0, bytes = 0;
+  uint64_t record_at = 0, record_bytes = 0;
   uint32_t crc = 0;
-  bool whole = false;
-  bool checked() const { return whole && crc != 0; }
+  bool whole = false;  // the run is all of its tensor
+  bool checked() const { return whole && crc != 0 && record_bytes - bytes <= bytes; }
 };
 
 // 8-bit codes read as fp32 values: a rank's part that torchao quantized as its own tensor (blocks
@@ -144,7 +147,7 @@ class TorchSaveReader final : public CheckpointReader {
       }
       const Stored& s = pc.stored;
       const Archive& a = files_[s.file];
-      uint32_t crc = 0;
+      OPTSTATE_ASSIGN_OR_RETURN(uint32_t crc, record_prefix_crc(s, fqn, entry, c));
       for (uint64_t done = 0; done < s.bytes;) {
         const uint64_t n = std::min<uint64_t>(kStreamPieceBytes, s.bytes - done);
         const std::span<std::byte> piece = piece_.for_read(s.at + done, n);
@@ -184,8 +187,11 @@ class TorchSaveReader final : public CheckpointReader {
       OPTSTATE_RETURN_IF_ERROR(files_[s.file]
                                    .file.read_at(s.at + static_cast<uint64_t>((a - pc.begin) * elem), dst)
                                    .with_context(where_of(s, fqn, entry, c)));
-      // A read of a whole stored record is checked as it is read.
-      if (a == pc.begin && b == pc.begin + pc.count) OPTSTATE_RETURN_IF_ERROR(check_crc(s, zip::crc32(dst), fqn, entry, c));
+      // A read of all of a tensor is checked as it is read.
+      if (a == pc.begin && b == pc.begin + pc.count && s.checked()) {
+        OPTSTATE_ASSIGN_OR_RETURN(const uint32_t prefix, record_prefix_crc(s, fqn, entry, c));
+        OPTSTATE_RETURN_IF_ERROR(check_crc(s, zip::crc32(dst, prefix), fqn, entry, c));
+      }
     }
     return Status::Ok();
   }
@@ -211,9 +217,15 @@ class TorchSaveReader final : public CheckpointReader {
     OPTSTATE_RETURN_IF_ERROR(files_[dq.scales.file]
                                  .file.read_at(dq.scales.at, std::as_writable_bytes(std::span(scales)))
                                  .with_context(where_of(dq.scales, fqn, entry, c) + " (scales)"));
-    OPTSTATE_RETURN_IF_ERROR(check_crc(dq.scales, zip::crc32(std::as_bytes(std::span(scales))), fqn, entry, c));
+    if (dq.scales.checked()) {
+      OPTSTATE_ASSIGN_OR_RETURN(const uint32_t prefix, record_prefix_crc(dq.scales, fqn, entry, c));
+      OPTSTATE_RETURN_IF_ERROR(check_crc(dq.scales, zip::crc32(std::as_bytes(std::span(scales)), prefix), fqn, entry, c));
+    }
     const bool check = pc.stored.checked() && from == 0 && to == pc.count;
     uint32_t crc = 0;
+    if (check) {
+      OPTSTATE_ASSIGN_OR_RETURN(crc, record_prefix_crc(pc.stored, fqn, entry, c));
+    }
     // pc.stored.at is the run's first code, element dq.local of the part.
     OPTSTATE_RETURN_IF_ERROR(dcp::stream_dequantized(files_[pc.stored.file].file, pc.stored.at - static_cast<uint64_t>(dq.local),
                                                      dq.local + from, dq.local + to, scales, dq.block, dq.map, sink,
@@ -603,16 +615,44 @@ class TorchSaveReader final : public CheckpointReader {
                                  e.size, numel, dtype_name(t.dtype), t.offset));
     Stored s;
     s.file = file;
-    OPTSTATE_ASSIGN_OR_RETURN(const uint64_t at, a.data_at(e));
-    s.at = at + static_cast<uint64_t>(t.offset) * elem;
+    OPTSTATE_ASSIGN_OR_RETURN(s.record_at, a.data_at(e));
+    s.record_bytes = e.size;
+    s.at = s.record_at + static_cast<uint64_t>(t.offset) * elem;
     s.bytes = static_cast<uint64_t>(numel) * elem;
     s.crc = e.crc32;
-    s.whole = t.offset == 0 && s.bytes == e.size;
+    s.whole = true;
     return s;
   }
 
-  Status check_crc(const Stored& s, uint32_t crc, const std::string& fqn, const std::string& entry, Component c) const {
-    if (!s.checked() || crc == s.crc) return Status::Ok();
+  // The CRC-32 of the record's bytes before the run (a view's offset into its storage), to start
+  // the run's check with; 0 where the run is not checked.
+  Result<uint32_t> record_prefix_crc(const Stored& s, const std::string& fqn, const std::string& entry, Component c) {
+    if (!s.checked() || s.at == s.record_at) return 0u;
+    return record_crc(s.file, s.record_at, s.at, 0, fqn, entry, c);
+  }
+
+  // CRC-32 `crc` continued over the file's bytes [from, to).
+  Result<uint32_t> record_crc(size_t file, uint64_t from, uint64_t to, uint32_t crc, const std::string& fqn,
+                              const std::string& entry, Component c) {
+    for (uint64_t at = from; at < to;) {
+      const uint64_t n = std::min<uint64_t>(kStreamPieceBytes, to - at);
+      const std::span<std::byte> piece = pad_.for_read(at, n);
+      OPTSTATE_RETURN_IF_ERROR(files_[file].file.read_at(at, piece).with_context(
+          fmt::format("{}: {} (the rest of its storage)", files_[file].path.string(), name_of(fqn, entry, c))));
+      crc = zip::crc32(piece, crc);
+      at += n;
+    }
+    return crc;
+  }
+
+  // Finishes a run's check: `crc` covers the record up to the run's end; the rest of the record
+  // (a view's padding) is read into it, and the whole must be what torch.save stored.
+  Status check_crc(const Stored& s, uint32_t crc, const std::string& fqn, const std::string& entry, Component c) {
+    if (!s.checked()) return Status::Ok();
+    if (s.at + s.bytes < s.record_at + s.record_bytes) {
+      OPTSTATE_ASSIGN_OR_RETURN(crc, record_crc(s.file, s.at + s.bytes, s.record_at + s.record_bytes, crc, fqn, entry, c));
+    }
+    if (crc == s.crc) return Status::Ok();
     return corrupt(fmt::format("{}: CRC-32 of its storage is {:08x}, the archive records {:08x}", where_of(s, fqn, entry, c),
                                crc, s.crc));
   }
@@ -663,6 +703,7 @@ class TorchSaveReader final : public CheckpointReader {
   std::vector<std::string> dequantized_;  // 8-bit entries read as fp32 values
   bool checksummed_ = false;
   ReadBuffer piece_;  // reused between tensors
+  ReadBuffer pad_;    // a view's storage around it, read for its record's CRC-32
 };
 
 // A directory of per-rank torch.save files, <prefix><rank>.pt (verl's

@@ -211,6 +211,9 @@ TEST_CASE("torchsave: FSDP2's per-rank files (verl's layout) read as the state t
   std::vector<float> want(16 * 2);
   REQUIRE((*full)->read_range("0.weight", kExpAvg, Component::kValues, 16 * 16, 16 * 18, std::as_writable_bytes(std::span(want))).ok());
   CHECK(rows == want);
+  // Every tensor's storage CRC-32 is checked, the weights' too: FSDP2's local params are views into
+  // padded storages, whose padding is read for the check.
+  CHECK((*r)->checksummed());
   // A training run's folder: a write never replaces it.
   const Status st = check_destination(set, true);
   CHECK(!st.ok());
@@ -249,6 +252,23 @@ TEST_CASE("torchsave: a per-rank set with a missing or duplicated rank is refuse
     auto r = open_checkpoint(epochs.path);
     REQUIRE(!r.ok());
     CHECK(r.status().message().find("optim_epoch_*.pt holds 2 files of whole optimizer state_dicts") != std::string::npos);
+  }
+  SUBCASE("a changed byte in the padding of a weight's storage fails its CRC-32") {
+    // Rank 1 holds 16 of 0.weight's 33 rows in a storage padded to 17: its last row is padding.
+    const fs::path model1 = dir.path / "model_world_size_2_rank_1.pt";
+    std::string b = testing::read_file(model1);
+    const std::string name = "model_world_size_2_rank_1/data/0";  // 0.weight's storage, pickled first
+    const size_t header = b.find(name) - 30;                       // its local header
+    REQUIRE(header < b.size());
+    const size_t data = header + 30 + get_u16(b, header + 26) + get_u16(b, header + 28);
+    b[data + 16 * 16 * 4] ^= 0x01;  // the first byte past rank 1's 16 rows
+    testing::write_file(model1, b);
+    auto r = open_checkpoint(dir.path);
+    REQUIRE(r.ok());
+    auto all = load_all(**r);
+    REQUIRE(!all.ok());
+    CHECK(all.status().message().find("model_world_size_2_rank_1.pt: tensor '") != std::string::npos);
+    CHECK(all.status().message().find("CRC-32") != std::string::npos);
   }
   SUBCASE("two sets of optimizer files") {
     fs::copy_file(dir.path / "optim_world_size_2_rank_0.pt", dir.path / "optim_old_0.pt");

@@ -834,14 +834,15 @@ class TorchSaveDriver final : public FormatDriver {
   std::string_view name() const override { return "torchsave"; }
 
   // A zip whose first record is <folder>/data.pkl: torch.save writes data.pkl first.
-  // A directory: rank 0's file of a per-rank set is there (an "optim" name ending in 0.pt).
+  // A directory: a file of a per-rank set is there (an "optim" name ending in its rank, .pt), so
+  // that one without rank 0's file is named as such rather than taken for no checkpoint.
   bool sniff(const fs::path& path) const override {
     std::error_code ec;
     if (fs::is_directory(path, ec)) {
       size_t seen = 0;
       for (fs::directory_iterator it(path, ec), end; !ec && it != end && ++seen <= 4096; it.increment(ec)) {
         const auto rn = rank_name(it->path().filename().string());
-        if (rn && rn->rank == 0 && find_optim(rn->prefix) != std::string::npos && is_zip(it->path())) return true;
+        if (rn && find_optim(rn->prefix) != std::string::npos && is_zip(it->path())) return true;
       }
       return false;
     }

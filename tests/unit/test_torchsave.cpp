@@ -238,6 +238,12 @@ TEST_CASE("torchsave: a per-rank set with a missing or duplicated rank is refuse
     REQUIRE(!r.ok());
     CHECK(r.status().message().find("rank 1's file optim_world_size_2_rank_1.pt is missing") != std::string::npos);
   }
+  SUBCASE("rank 0's missing") {
+    fs::remove(dir.path / "optim_world_size_2_rank_0.pt");
+    auto r = open_checkpoint(dir.path);
+    REQUIRE(!r.ok());
+    CHECK(r.status().message().find("rank 0's file optim_world_size_2_rank_0.pt is missing") != std::string::npos);
+  }
   SUBCASE("rank 0's file under rank 1's name") {
     fs::copy_file(dir.path / "optim_world_size_2_rank_0.pt", dir.path / "optim_world_size_2_rank_1.pt",
                   fs::copy_options::overwrite_existing);

@@ -405,6 +405,8 @@ class DcpReader final : public CheckpointReader {
           carried_weights.insert(mo->second);
           layout_.weights[fqn] = ItemName{mo->second, planner_path(mo->second)};
         }
+        const bool lr_tensor = layout_.flattened ? lr_is_tensor(flat_groups.at(opt_key).at(fqn))
+                                                 : lr_is_tensor(nested_groups.at(opt_key).at(static_cast<int>(g)));
         if (st != state_items.end()) {
           for (const char* m : {kExpAvg, kExpAvgSq, kMaxExpAvgSq})
             if (st->second.count(m) && st->second.count(std::string(m) + "_codes"))
@@ -435,19 +437,14 @@ class DcpReader final : public CheckpointReader {
             }
             if (ename != kExpAvg && ename != kExpAvgSq && ename != kMaxExpAvgSq) continue;
             if (md_.items.at(key).size != ps.shape) return corrupt(fmt::format("{}: '{}' has another shape", pw, ename));
-            OPTSTATE_RETURN_IF_ERROR(add_entry(fqn, ename, key, ps, any8));
+            OPTSTATE_RETURN_IF_ERROR(add_entry(fqn, ename, key, ps, any8, lr_tensor));
             consumed.insert(key);
           }
         }
         meta_.params.emplace(fqn, std::move(ps));
         kept.push_back(fqn);
-        if (layout_.flattened) {
-          const auto& fields = flat_groups.at(opt_key).at(fqn);
-          consume_fields(fields);
-          if (lr_is_tensor(fields)) layout_.tensor_lr.insert(fqn);
-        } else if (lr_is_tensor(nested_groups.at(opt_key).at(static_cast<int>(g)))) {
-          layout_.tensor_lr.insert(fqn);
-        }
+        if (layout_.flattened) consume_fields(flat_groups.at(opt_key).at(fqn));
+        if (lr_tensor) layout_.tensor_lr.insert(fqn);
       }
       meta_.groups[g].params = std::move(kept);
     }
@@ -649,7 +646,8 @@ class DcpReader final : public CheckpointReader {
     return value_of(it->second, fmt::format("{} '{}'", where, name));
   }
 
-  Status add_entry(const std::string& fqn, const std::string& ename, const std::string& key, ParamState& ps, bool& any8) {
+  Status add_entry(const std::string& fqn, const std::string& ename, const std::string& key, ParamState& ps, bool& any8,
+                   bool torchao_lr = false) {
     const ItemMeta& im = md_.items.at(key);
     const std::string ew = fmt::format("{}: item '{}'", dir_.string(), key);
     if (!im.is_tensor || im.chunks.empty()) return corrupt(ew + ": not a tensor with chunks");
@@ -712,6 +710,15 @@ class DcpReader final : public CheckpointReader {
       for (size_t k = 0; k < im.chunks.size(); ++k)
         OPTSTATE_RETURN_IF_ERROR(chunk_segments(im.size, im.chunks[k], k, src.values, ew));
       OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, numel, ew));
+      // torchao's state (its groups keep lr as a tensor) may be 8-bit on later ranks only: such a
+      // moment reads dequantized (dequantized_segment), and the state is 8-bit AdamW's, as the
+      // same state read from per-rank torch.save files is. Other checkpoints are not scanned here.
+      if (torchao_lr && im.dtype == DType::kF32) {
+        for (size_t k = 1; k < im.chunks.size() && !any8; ++k) {
+          OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pk, item(key, im.chunks[k].offsets));
+          any8 = pk->payload.kind == Payload::Kind::kOptimState8bit;
+        }
+      }
     } else {
       return corrupt(ew + ": neither a tensor nor torchao's OptimState8bit");
     }

@@ -550,6 +550,25 @@ PY
       [ -z "$(ls -a "$work" | grep d300)" ] || fail "a refused DCP write left $(ls -a "$work" | grep d300)"
     ) || exit 1
     ;;
+  fsdp-rank-files)
+    # FSDP2's per-rank torch.save files (verl's layout, real files of a 2-rank run): the folder is
+    # one state; one rank's file, a missing rank and an --overwrite of the folder are refused.
+    set_dir="$(cd "$(dirname "$0")/../.." && pwd)/formats/torchsave/testdata/fsdp2_world2"
+    cp -r "$set_dir" "$work/actor"
+    "$OPTSTATE" validate "$work/actor" | grep -q "every chunk checksum verified" || fail "validate the folder"
+    "$OPTSTATE" inspect "$work/actor" | grep -q "extra_state_world_size_2_rank_\*.pt (2 files)" \
+      || fail "inspect does not name the extra_state files"
+    "$OPTSTATE" convert "$work/actor" "$work/plain.pt" >/dev/null || fail "convert to one file"
+    [ "$("$OPTSTATE" hash "$work/actor" | tail -1)" = "$("$OPTSTATE" hash "$work/plain.pt" | tail -1)" ] \
+      || fail "the folder and its one-file conversion hash differently"
+    expect_error 2 "optim_world_size_2_rank_1.pt.*pass the directory that holds every rank's file" -- \
+      "$OPTSTATE" inspect "$work/actor/optim_world_size_2_rank_1.pt"
+    expect_error 2 "actor: a torchsave checkpoint that a write never replaces" -- \
+      "$OPTSTATE" convert "$work/plain.pt" "$work/actor" --overwrite
+    [ -f "$work/actor/extra_state_world_size_2_rank_0.pt" ] || fail "the folder was touched"
+    rm "$work/actor/optim_world_size_2_rank_1.pt"
+    expect_error 2 "rank 1's file optim_world_size_2_rank_1.pt is missing" -- "$OPTSTATE" hash "$work/actor"
+    ;;
   *) fail "unknown case" ;;
 esac
 exit 0

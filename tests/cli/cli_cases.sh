@@ -10,6 +10,10 @@ trap 'rm -rf "$work"' EXIT
 
 fail() { echo "FAIL [$case_name]: $*" >&2; exit 1; }
 
+# grep that reads all of its input: `grep -q` stops at the first match, so under pipefail the
+# writer's SIGPIPE could fail a case that matched (a load-dependent race).
+matches() { grep "$@" >/dev/null; }
+
 # expect_error WANT_RC PATTERN -- cmd...: runs cmd, checks rc and that stderr matches PATTERN in one line.
 expect_error() {
   local want=$1 pattern=$2; shift 3
@@ -17,7 +21,7 @@ expect_error() {
   out=$("$@" 2>&1 >/dev/null); rc=$?
   [ "$rc" -eq "$want" ] || fail "exit $rc (want $want) from: $* -- $out"
   [ "$(printf '%s\n' "$out" | wc -l)" -eq 1 ] || fail "error is not one line: $out"
-  printf '%s\n' "$out" | grep -Eq -- "$pattern" || fail "error '$out' does not match '$pattern'"
+  printf '%s\n' "$out" | matches -E -- "$pattern" || fail "error '$out' does not match '$pattern'"
   echo "ok: $* -> $rc: $out"
 }
 
@@ -41,8 +45,8 @@ PY
 
 case "$case_name" in
   help)
-    "$OPTSTATE" --help | grep -q "inspect" || fail "no command list"
-    for c in inspect hash convert validate diff reshard; do "$OPTSTATE" "$c" --help | grep -q "usage: optstate $c" || fail "$c --help"; done
+    "$OPTSTATE" --help | matches "inspect" || fail "no command list"
+    for c in inspect hash convert validate diff reshard; do "$OPTSTATE" "$c" --help | matches "usage: optstate $c" || fail "$c --help"; done
     expect_error 2 "unknown command" -- "$OPTSTATE" frobnicate
     expect_error 2 "unknown option '--bogus'" -- "$OPTSTATE" hash --bogus x
     expect_error 2 "usage: optstate hash" -- "$OPTSTATE" hash
@@ -54,7 +58,7 @@ case "$case_name" in
     [[ "$last" =~ ^[0-9a-f]{32}\ \ \(root\)$ ]] || fail "bad root line '$last'"
     names=$(printf '%s\n' "$out" | head -n -1 | awk '{print $2}')
     [ "$names" = "$(printf '%s\n' "$names" | LC_ALL=C sort)" ] || fail "entries not sorted"
-    printf '%s\n' "$names" | grep -qx "layers.0.weight.exp_avg_sq" || fail "missing entry"
+    printf '%s\n' "$names" | matches -x "layers.0.weight.exp_avg_sq" || fail "missing entry"
     json=$("$OPTSTATE" hash --json "$work/c") || fail "hash --json failed"
     root=$(printf '%s' "$json" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["root"])')
     [ "$root $last" = "$root ${root}  (root)" ] || fail "json root $root differs from '$last'"
@@ -65,8 +69,8 @@ case "$case_name" in
   inspect-output)
     make_ckpt "$work/c"
     out=$("$OPTSTATE" inspect "$work/c") || fail "inspect failed"
-    printf '%s\n' "$out" | grep -q "optimizer   adamw, 2 param group(s), 6 params" || fail "header: $out"
-    printf '%s\n' "$out" | grep -q "8.00 bytes/param" || fail "bytes/param"
+    printf '%s\n' "$out" | matches "optimizer   adamw, 2 param group(s), 6 params" || fail "header: $out"
+    printf '%s\n' "$out" | matches "8.00 bytes/param" || fail "bytes/param"
     "$OPTSTATE" inspect --json "$work/c" | "$PY" -c '
 import json, sys
 j = json.load(sys.stdin)
@@ -133,7 +137,7 @@ PY
   resume-bitwise)
     "$OPTSTATE_DEMO" --steps 40 --final "$work/a" >/dev/null || fail "uninterrupted run"
     "$OPTSTATE_DEMO" --steps 20 --save "$work/c20" >/dev/null || fail "first half"
-    "$OPTSTATE_DEMO" --steps 40 --resume "$work/c20" --final "$work/b" | grep -q "every entry.s hash verified" || fail "resume"
+    "$OPTSTATE_DEMO" --steps 40 --resume "$work/c20" --final "$work/b" | matches "every entry.s hash verified" || fail "resume"
     a=$("$OPTSTATE" hash "$work/a") b=$("$OPTSTATE" hash "$work/b")
     [ "$a" = "$b" ] || fail "resumed run differs: $(diff <(echo "$a") <(echo "$b"))"
     cmp -s "$work/a/data/rank-00000.bin" "$work/b/data/rank-00000.bin" || fail "data files differ"
@@ -151,7 +155,7 @@ PY
   convert-roundtrip)
     "$OPTSTATE_DEMO" --optimizer adamw8bit --steps 5 --save "$work/c8" >/dev/null || fail "8-bit demo"
     before=$(cd "$work/c8" && find . -type f -exec sha256sum {} + | sort)
-    "$OPTSTATE" convert "$work/c8" "$work/f32" --to fp32 | grep -q "0 8-bit entries" || fail "to fp32"
+    "$OPTSTATE" convert "$work/c8" "$work/f32" --to fp32 | matches "0 8-bit entries" || fail "to fp32"
     "$OPTSTATE" convert "$work/f32" "$work/back" --to 8bit >/dev/null || fail "to 8bit"
     [ "$(cd "$work/c8" && find . -type f -exec sha256sum {} + | sort)" = "$before" ] || fail "input changed"
     [ "$("$OPTSTATE" hash "$work/c8")" = "$("$OPTSTATE" hash "$work/back")" ] || fail "8bit->fp32->8bit differs"
@@ -167,7 +171,7 @@ assert w["state_bytes_per_param"] <= 2.04, w["state_bytes_per_param"]
 assert j["params"]["head.bias"]["entries"]["exp_avg"]["encoding"] == "dense"
 ' || fail "inspect of 8-bit state"
     # DST's extension picks torch.save (torch.optim.AdamW's state_dict: 8-bit moments dequantized)
-    "$OPTSTATE" convert "$work/c8" "$work/optimizer.pt" | grep -q "(torchsave, 1 rank)" || fail "to .pt"
+    "$OPTSTATE" convert "$work/c8" "$work/optimizer.pt" | matches "(torchsave, 1 rank)" || fail "to .pt"
     [ "$("$OPTSTATE" hash --values "$work/c8")" = "$("$OPTSTATE" hash --values "$work/optimizer.pt")" ] \
       || fail "--values hash differs between 8-bit and its torch.save conversion"
     "$OPTSTATE" convert "$work/optimizer.pt" "$work/back8" --to 8bit >/dev/null || fail ".pt to 8bit"
@@ -215,16 +219,16 @@ assert j["params"]["head.bias"]["entries"]["exp_avg"]["encoding"] == "dense"
     "$OPTSTATE_DEMO" --optimizer adamw8bit --steps 3 --save "$work/good8" >/dev/null
     for c in good good8; do
       out=$("$OPTSTATE" validate "$work/$c") || fail "false alarm on a good checkpoint: $out"
-      printf '%s' "$out" | grep -q "^ok: .*every chunk checksum verified" || fail "no ok line with checksums: $out"
+      printf '%s' "$out" | matches "^ok: .*every chunk checksum verified" || fail "no ok line with checksums: $out"
     done
     # DCP: the CRC-32 of every torch.save record (ours are filled in as torch's are)
     "$OPTSTATE" convert "$work/good8" "$work/good.dcp" --format dcp >/dev/null || fail "convert to dcp"
     out=$("$OPTSTATE" validate "$work/good.dcp") || fail "false alarm on dcp: $out"
-    printf '%s' "$out" | grep -q "^ok: .*every chunk checksum verified" || fail "dcp checksums not verified: $out"
+    printf '%s' "$out" | matches "^ok: .*every chunk checksum verified" || fail "dcp checksums not verified: $out"
     # a format without checksums is not said to have had them verified
     "$OPTSTATE" convert "$work/good" "$work/good.safetensors" >/dev/null || fail "convert to safetensors"
     out=$("$OPTSTATE" validate "$work/good.safetensors") || fail "false alarm on safetensors: $out"
-    printf '%s' "$out" | grep -q "no checksums in this format" || fail "safetensors claimed checksums: $out"
+    printf '%s' "$out" | matches "no checksums in this format" || fail "safetensors claimed checksums: $out"
     "$OPTSTATE" validate --json "$work/good.safetensors" | "$PY" -c \
       'import json,sys; j=json.load(sys.stdin); assert j["ok"] and j["checksums_verified"] is False'
     # expect_finding DIR PATTERN: validate exits 1 and one finding matches
@@ -232,7 +236,7 @@ assert j["params"]["head.bias"]["entries"]["exp_avg"]["encoding"] == "dense"
       local out rc
       out=$("$OPTSTATE" validate "$1" 2>&1); rc=$?
       [ "$rc" -eq 1 ] || fail "validate $1 exited $rc (want 1): $out"
-      printf '%s\n' "$out" | grep -Eq -- "$2" || fail "no finding matching '$2' in: $out"
+      printf '%s\n' "$out" | matches -E -- "$2" || fail "no finding matching '$2' in: $out"
       echo "ok: finding: $(printf '%s\n' "$out" | grep -E -- "$2" | head -1)"
     }
     fresh() { rm -rf "$work/c"; cp -r "$work/$1" "$work/c"; }
@@ -302,11 +306,11 @@ PY
   diff)
     make_ckpt "$work/a"
     cp -r "$work/a" "$work/b"
-    "$OPTSTATE" diff "$work/a" "$work/b" | grep -q "equal within tolerance" || fail "identical checkpoints differ"
+    "$OPTSTATE" diff "$work/a" "$work/b" | matches "equal within tolerance" || fail "identical checkpoints differ"
     "$OPTSTATE_DEMO" --steps 4 --save "$work/c" >/dev/null
     out=$("$OPTSTATE" diff "$work/a" "$work/c"); rc=$?
     [ $rc -eq 1 ] || fail "diff of different steps exited $rc"
-    printf '%s\n' "$out" | grep -q "step: 3 vs 4" || fail "step difference not reported: $out"
+    printf '%s\n' "$out" | matches "step: 3 vs 4" || fail "step difference not reported: $out"
     # 8-bit vs its fp32 conversion: exactly equal values
     "$OPTSTATE_DEMO" --optimizer adamw8bit --steps 3 --save "$work/q" >/dev/null
     "$OPTSTATE" convert "$work/q" "$work/qf" --to fp32 >/dev/null
@@ -555,8 +559,8 @@ PY
     # one state; one rank's file, a missing rank and an --overwrite of the folder are refused.
     set_dir="$(cd "$(dirname "$0")/../.." && pwd)/formats/torchsave/testdata/fsdp2_world2"
     cp -r "$set_dir" "$work/actor"
-    "$OPTSTATE" validate "$work/actor" | grep -q "every chunk checksum verified" || fail "validate the folder"
-    "$OPTSTATE" inspect "$work/actor" | grep -q "extra_state_world_size_2_rank_\*.pt (2 files)" \
+    "$OPTSTATE" validate "$work/actor" | matches "every chunk checksum verified" || fail "validate the folder"
+    "$OPTSTATE" inspect "$work/actor" | matches "extra_state_world_size_2_rank_\*.pt (2 files)" \
       || fail "inspect does not name the extra_state files"
     "$OPTSTATE" convert "$work/actor" "$work/plain.pt" >/dev/null || fail "convert to one file"
     [ "$("$OPTSTATE" hash "$work/actor" | tail -1)" = "$("$OPTSTATE" hash "$work/plain.pt" | tail -1)" ] \

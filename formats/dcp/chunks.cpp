@@ -72,8 +72,17 @@ Status stream_dequantized(const InputFile& file, uint64_t codes_at, int64_t from
     OPTSTATE_RETURN_IF_ERROR(
         file.read_at(codes_at + static_cast<uint64_t>(at), std::as_writable_bytes(std::span(codes))).with_context(where));
     if (crc) *crc = zip::crc32(std::as_bytes(std::span(codes)), *crc);
-    for (int64_t k = 0; k < n; ++k)
-      values[static_cast<size_t>(k)] = table[codes[static_cast<size_t>(k)]] * scales[static_cast<size_t>((at + k) / block)];
+    // The block and the position in it are carried along: a division per element would cost more
+    // than the lookup and the multiply.
+    size_t blk = static_cast<size_t>(at / block);
+    int64_t in = at % block;
+    for (int64_t k = 0; k < n; ++k) {
+      values[static_cast<size_t>(k)] = table[codes[static_cast<size_t>(k)]] * scales[blk];
+      if (++in == block) {
+        in = 0;
+        ++blk;
+      }
+    }
     OPTSTATE_RETURN_IF_ERROR(sink(std::as_bytes(std::span(values))));
   }
   return Status::Ok();

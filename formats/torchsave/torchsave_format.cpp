@@ -551,7 +551,8 @@ class TorchSaveReader final : public CheckpointReader {
     }
     int64_t positions = 1;
     for (int64_t m : mesh) positions = std::min<int64_t>(positions * m, int64_t{1} << 40);
-    if (!set_ && (positions > 1 || *checked_numel(parts[0].tensor.shape) != numel))
+    const auto local = checked_numel(parts[0].tensor.shape);
+    if (!set_ && (positions > 1 || !local.ok() || *local != numel))
       return corrupt(fmt::format("{}: one rank's shard of a DTensor (local {} of {}, mesh position {}): this file is "
                                  "one rank's part; pass the directory that holds every rank's file", where,
                                  format_shape(parts[0].tensor.shape), format_shape(shape), format_shape(d0.coordinate)));

@@ -264,6 +264,8 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
   const auto* groups = list_items(p, p.dict_get(opt, "param_groups"));
   if (!groups || groups->empty()) return corrupt(ow + ": 'param_groups' is not a non-empty list");
   std::map<int64_t, std::pair<int, std::string>> members;  // id -> (group, name)
+  bool keyed_by_name = false;                               // params listed by fqn, not by number
+  std::map<std::string, int64_t, std::less<>> id_of_name;  // then: fqn -> its number
   std::set<std::string> names;
   std::vector<GroupInfo> info(groups->size());
   for (size_t g = 0; g < groups->size(); ++g) {
@@ -307,13 +309,22 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
         return corrupt(gw + ": 'param_names' is not a list of strings as long as 'params'");
     }
     for (size_t i = 0; i < ids->size(); ++i) {
-      const auto& id = p.at((*ids)[i]);
-      if (id.kind != Kind::kInt || id.i < 0) return corrupt(gw + ": a param id is not a non-negative integer");
-      std::string name = pnames ? (*pnames)[i] : std::to_string(id.i);
-      if (name.empty()) return corrupt(fmt::format("{}: param {} has an empty name", gw, id.i));
-      if (!members.emplace(id.i, std::pair{static_cast<int>(g), name}).second)
-        return corrupt(fmt::format("{}: param id {} is listed twice", gw, id.i));
+      const auto& idv = p.at((*ids)[i]);
+      // Params by number (optimizer.state_dict()), or by name (get_optimizer_state_dict,
+      // FSDP.optim_state_dict: state keyed by fqn); all of one kind in a file.
+      const bool by_name = idv.kind == Kind::kStr;
+      if (!members.empty() && by_name != keyed_by_name)
+        return corrupt(gw + ": params listed by number and by name in one state_dict");
+      keyed_by_name = by_name;
+      if (!by_name && (idv.kind != Kind::kInt || idv.i < 0))
+        return corrupt(gw + ": a param is neither a non-negative integer id nor a name");
+      const int64_t id = by_name ? static_cast<int64_t>(members.size()) : idv.i;  // by name: numbered in order
+      std::string name = by_name ? idv.s : pnames ? (*pnames)[i] : std::to_string(id);
+      if (name.empty()) return corrupt(fmt::format("{}: param {} has an empty name", gw, id));
+      if (!members.emplace(id, std::pair{static_cast<int>(g), name}).second)
+        return corrupt(fmt::format("{}: param id {} is listed twice", gw, id));
       if (!names.insert(name).second) return corrupt(fmt::format("{}: param name '{}' is listed twice", gw, name));
+      if (by_name) id_of_name.emplace(name, id);
     }
     const auto& gitems = *dict_items(p, gr);
     for (size_t k = 0; k + 1 < gitems.size(); k += 2) {
@@ -330,19 +341,28 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
   if (!sitems) return corrupt(ow + ": 'state' is not a dict");
   std::map<int64_t, ParamSpec> params;
   for (size_t k = 0; k + 1 < sitems->size(); k += 2) {
-    const auto& idv = p.at((*sitems)[k]);
-    if (idv.kind != Kind::kInt) return corrupt(ow + ": a 'state' key is not a param id");
-    const auto member = members.find(idv.i);
+    const auto& key = p.at((*sitems)[k]);
+    int64_t id = key.i;
+    if (keyed_by_name) {
+      const auto it = key.kind == Kind::kStr ? id_of_name.find(key.s) : id_of_name.end();
+      if (it == id_of_name.end())
+        return corrupt(fmt::format("{}: state of '{}', which no param group lists", ow,
+                                   key.kind == Kind::kStr ? key.s : std::string("a key that is not a name")));
+      id = it->second;
+    } else if (key.kind != Kind::kInt) {
+      return corrupt(ow + ": a 'state' key is not a param id");
+    }
+    const auto member = members.find(id);
     if (member == members.end())
-      return corrupt(fmt::format("{}: state of param id {}, which no param group lists", ow, idv.i));
+      return corrupt(fmt::format("{}: state of param id {}, which no param group lists", ow, id));
     const auto& [g, fqn] = member->second;
-    const std::string pw = fmt::format("{} state[{}] (param '{}')", ow, idv.i, fqn);
+    const std::string pw = fmt::format("{} state[{}] (param '{}')", ow, keyed_by_name ? "'" + fqn + "'" : std::to_string(id), fqn);
     const Ref ps = (*sitems)[k + 1];
     const auto* fields = dict_items(p, ps);
     if (!fields) return corrupt(pw + ": not a dict");
     ParamSpec spec;
     spec.fqn = fqn;
-    spec.id = idv.i;
+    spec.id = id;
     spec.group = g;
     std::optional<std::vector<int64_t>> shape;
     bool has_step = false;
@@ -410,13 +430,13 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
       } else if (const auto base = moment_of(*name, "_absmax")) {
         if (p.dict_get(ps, *base + "_codes") == kNoRef) return corrupt(fmt::format("{}: without '{}_codes'", ew, *base));
       } else {
-        out.not_read.push_back(fmt::format("state[{}] '{}'", idv.i, *name));
+        out.not_read.push_back(fmt::format("state[{}] '{}'", keyed_by_name ? "'" + fqn + "'" : std::to_string(id), *name));
       }
     }
     if (spec.entries.empty()) continue;  // only a step: nothing to carry
     if (!has_step) return corrupt(pw + ": moments without a 'step'");
     spec.shape = *shape;
-    if (!params.emplace(idv.i, std::move(spec)).second) return corrupt(pw + ": listed twice");
+    if (!params.emplace(id, std::move(spec)).second) return corrupt(pw + ": listed twice");
   }
 
   // Weights beside the optimizer, by name; every other tensor there is named as not read. A param

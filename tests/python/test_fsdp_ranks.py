@@ -55,7 +55,11 @@ FSDP_SCRIPT = textwrap.dedent("""
         opt.zero_grad()
     os.makedirs(out, exist_ok=True)
     torch.save(model.state_dict(), f"{out}/model_world_size_{world}_rank_{rank}.pt")
-    torch.save(opt.state_dict(), f"{out}/optim_world_size_{world}_rank_{rank}.pt")
+    if kind == "fqn":  # keyed by name, as get_optimizer_state_dict gives it (DTensors still)
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        torch.save(get_optimizer_state_dict(model, opt), f"{out}/optim_world_size_{world}_rank_{rank}.pt")
+    else:
+        torch.save(opt.state_dict(), f"{out}/optim_world_size_{world}_rank_{rank}.pt")
     torch.save({"lr_scheduler": None, "rng": torch.get_rng_state()}, f"{out}/extra_state_world_size_{world}_rank_{rank}.pt")
     # The reference: every rank's local state, as plain tensors, by name.
     names = {p: n for n, p in model.named_parameters()}
@@ -103,14 +107,15 @@ def reference(out, world):
     return full
 
 
-@pytest.mark.parametrize("kind,world", [("adamw", 3), ("amsgrad", 4), ("adamw", 1), ("hsdp", 4)])
+@pytest.mark.parametrize("kind,world", [("adamw", 3), ("amsgrad", 4), ("adamw", 1), ("hsdp", 4), ("fqn", 2)])
 def test_fsdp2_rank_files_read_as_one_state_by_name(tmp_path, optstate_cli, kind, world):
     out = fsdp_run(tmp_path, kind, world)
     full = torch.load(f"{out}.full") if kind == "hsdp" else reference(out, world)
     inspect = optstate_cli("inspect", out, "--json")
     doc = json.loads(inspect.stdout)
     assert doc["format"] == "torchsave"
-    # Names from the model's files (the optimizer's own state has only numbers), weights carried.
+    # Names from the model's files (the optimizer's own state has only numbers), or the state's own
+    # keys (get_optimizer_state_dict); weights carried.
     assert sorted(doc["params"]) == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"]
     assert any("extra_state_world_size" in line for line in doc["not_read"])
     assert optstate_cli("validate", out).returncode == 0

@@ -46,6 +46,7 @@ MAKE_PT = textwrap.dedent("""
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3}, out + ".full.pt")
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=out + ".dcp")
+    torch.save(osd, out + ".fqn.pt")  # keyed by fqn, as get_optimizer_state_dict / FSDP.optim_state_dict give it
     ref = {}
     for i, (name, p) in enumerate(model.named_parameters()):
         st = opt.state[p]
@@ -84,6 +85,8 @@ def test_torch_saved_optimizer_reads_as_the_state_its_dcp_holds(tmp_path, optsta
     assert hashes(optstate_cli, full, values=True) == hashes(optstate_cli, ck, values=True)
     alone, with_model = hashes(optstate_cli, pt)["entries"], hashes(optstate_cli, ck)["entries"]
     assert alone == {k: v for k, v in with_model.items() if not k.endswith(".param")}
+    # The same optimizer state keyed by name (get_optimizer_state_dict) is the same state.
+    assert hashes(optstate_cli, f"{out}.fqn.pt") == hashes(optstate_cli, pt)
     # What torch / torchao hold (torchao's own dequantize for its 8-bit moments), bit for bit.
     assert_converts_to_ref(optstate_cli, pt, tmp_path / "pt.safetensors", "--to", "fp32")
     insp = json.loads(optstate_cli("inspect", full, "--json").stdout)

@@ -283,3 +283,69 @@ TEST_CASE("torchsave: a per-rank set with a missing or duplicated rank is refuse
     CHECK(r.status().message().find("holds 2 sets of per-rank optimizer files") != std::string::npos);
   }
 }
+
+TEST_CASE("torchsave: a state_dict keyed by fqn (get_optimizer_state_dict) reads by those names") {
+  auto r = open_seed("torch_adamw_fqn.pt");
+  const OptimizerState& m = r->meta();
+  REQUIRE(m.groups.size() == 2);
+  CHECK(m.groups[0].params == std::vector<std::string>{"0.weight", "1.weight"});
+  CHECK(m.groups[1].params == std::vector<std::string>{"0.bias", "1.bias"});
+  CHECK(m.groups[1].hyper.weight_decay == 0.0);
+  CHECK(m.params.at("1.weight").shape == std::vector<int64_t>{4, 8});
+  CHECK(m.params.at("0.bias").step == 2);
+  CHECK(load_all(*r).ok());
+  // Written back (numbered, with param_names, as torch.optim.AdamW keeps it), the same state.
+  testing::TempDir dir;
+  const FormatDriver* d = find_format("torchsave");
+  auto state = load_all(*r);
+  REQUIRE(state.ok());
+  REQUIRE(d->write(*state, dir.path / "back.pt", {}).ok());
+  auto back = d->open(dir.path / "back.pt");
+  REQUIRE(back.ok());
+  CHECK(hash_checkpoint(**back)->root == hash_checkpoint(*r)->root);
+}
+
+TEST_CASE("torchsave: params listed by number and by name in one state_dict are refused") {
+  // A state_dict whose first group lists an id and whose second lists a name.
+  pickle::Writer w;
+  w.empty_dict();
+  w.mark();
+  w.str("state");
+  w.empty_dict();
+  w.str("param_groups");
+  w.empty_list();
+  w.mark();
+  for (int g = 0; g < 2; ++g) {
+    w.empty_dict();
+    w.mark();
+    w.str("lr");
+    w.real(1e-3);
+    w.str("betas");
+    w.mark();
+    w.real(0.9);
+    w.real(0.999);
+    w.tuple_from_mark();
+    w.str("eps");
+    w.real(1e-8);
+    w.str("weight_decay");
+    w.real(0.0);
+    w.str("params");
+    w.empty_list();
+    w.mark();
+    if (g == 0) {
+      w.integer(0);
+    } else {
+      w.str("layer.weight");
+    }
+    w.appends_from_mark();
+    w.setitems_from_mark();
+  }
+  w.appends_from_mark();
+  w.setitems_from_mark();
+  const std::string bytes = w.finish();
+  auto p = pickle::unpickle(std::as_bytes(std::span(bytes)), "t");
+  REQUIRE(p.ok());
+  auto sd = torchsave::interpret_state_dict(*p, "mixed.pt");
+  REQUIRE(!sd.ok());
+  CHECK(sd.status().message().find("mixed.pt param group 1: params listed by number and by name") != std::string::npos);
+}

@@ -2,7 +2,8 @@
 .venv/bin/python formats/torchsave/testdata/make_seeds.py). Each is what a real writer gives for a
 tiny model (Linear(64, 64), two steps): torch.optim.AdamW (amsgrad, params unnamed), torchao's
 AdamW8bit (OptimState8bit moments for the 64x64 weight, a tensor lr), optstate.AdamW8bit built from
-named_parameters (param_names, plain codes/absmax tensors), and a {"model", "optimizer"} checkpoint.
+named_parameters (param_names, plain codes/absmax tensors), a {"model", "optimizer"} checkpoint, and
+torch.optim.AdamW's state keyed by fqn in two groups (get_optimizer_state_dict).
 
 FSDP2 (two CPU processes over gloo): fsdp2_world2/ holds what verl saves per rank
 (optim_world_size_2_rank_R.pt, model_world_size_2_rank_R.pt of DTensors, extra_state_...), and
@@ -40,6 +41,23 @@ def main():
     model, opt = trained(lambda p: torch.optim.AdamW(p, lr=1e-3), named=True)
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 2},
                os.path.join(HERE, "torch_model_and_optimizer.pt"))
+
+
+def fqn():
+    """torch.optim.AdamW's state keyed by fqn (get_optimizer_state_dict, FSDP.optim_state_dict), two
+    groups as Hugging Face's Trainer makes them (weights decayed, biases not)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4))
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    rest = [p for p in model.parameters() if p.dim() <= 1]
+    opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-3)
+    for _ in range(2):
+        model(torch.randn(4, 16)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save(get_optimizer_state_dict(model, opt), os.path.join(HERE, "torch_adamw_fqn.pt"))
 
 
 def fsdp2_rank(rank, world, out):
@@ -87,4 +105,5 @@ def fsdp2():
 
 if __name__ == "__main__":
     main()
+    fqn()
     fsdp2()

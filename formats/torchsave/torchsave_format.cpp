@@ -124,6 +124,28 @@ struct Placed {
   std::vector<size_t> of;
 };
 
+// A directory of per-rank torch.save files, <prefix><rank>.pt (verl's
+// optim_world_size_8_rank_3.pt, with model_world_size_8_rank_3.pt beside it): FSDP2's
+// optimizer.state_dict() and model.state_dict() of DTensors, saved by every rank.
+struct RankName {
+  std::string prefix, ext;
+  int64_t rank = 0;
+};
+
+std::optional<RankName> rank_name(const std::string& filename) {
+  RankName n;
+  const auto dot = filename.rfind('.');
+  if (dot == std::string::npos) return std::nullopt;
+  n.ext = filename.substr(dot);
+  if (n.ext != ".pt" && n.ext != ".pth") return std::nullopt;
+  size_t d = dot;
+  while (d > 0 && std::isdigit(static_cast<unsigned char>(filename[d - 1]))) --d;
+  if (d == dot || dot - d > 7) return std::nullopt;
+  n.prefix = filename.substr(0, d);
+  n.rank = std::stoll(filename.substr(d, dot - d));
+  return n;
+}
+
 using Key = std::tuple<std::string, std::string, Component>;
 
 bool numbered(const std::string& name, int64_t id) { return name == std::to_string(id); }
@@ -441,12 +463,12 @@ class TorchSaveReader final : public CheckpointReader {
   }
 
   // "optim_world_size_2_rank_*.pt" for a per-rank set's files.
+  // "optim_world_size_2_rank_*.pt" for a per-rank set's files (their shared name, the rank as *).
   static std::string rank_pattern(const std::vector<fs::path>& files) {
-    if (files.size() < 2) return files.empty() ? "" : files[0].filename().string();
-    std::string name = files[0].filename().string();
-    const std::string ext = files[0].extension().string();
-    const std::string stem = name.substr(0, name.size() - ext.size());
-    return stem.substr(0, stem.size() - 1) + "*" + ext;  // rank 0's stem ends in "0"
+    if (files.empty()) return "";
+    const std::string name = files[0].filename().string();
+    const auto rn = rank_name(name);
+    return files.size() > 1 && rn ? rn->prefix + "*" + rn->ext : name;
   }
 
  private:
@@ -706,28 +728,6 @@ class TorchSaveReader final : public CheckpointReader {
   ReadBuffer piece_;  // reused between tensors
   ReadBuffer pad_;    // a view's storage around it, read for its record's CRC-32
 };
-
-// A directory of per-rank torch.save files, <prefix><rank>.pt (verl's
-// optim_world_size_8_rank_3.pt, with model_world_size_8_rank_3.pt beside it): FSDP2's
-// optimizer.state_dict() and model.state_dict() of DTensors, saved by every rank.
-struct RankName {
-  std::string prefix, ext;
-  int64_t rank = 0;
-};
-
-std::optional<RankName> rank_name(const std::string& filename) {
-  RankName n;
-  const auto dot = filename.rfind('.');
-  if (dot == std::string::npos) return std::nullopt;
-  n.ext = filename.substr(dot);
-  if (n.ext != ".pt" && n.ext != ".pth") return std::nullopt;
-  size_t d = dot;
-  while (d > 0 && std::isdigit(static_cast<unsigned char>(filename[d - 1]))) --d;
-  if (d == dot || dot - d > 7) return std::nullopt;
-  n.prefix = filename.substr(0, d);
-  n.rank = std::stoll(filename.substr(d, dot - d));
-  return n;
-}
 
 size_t find_optim(const std::string& prefix) {
   std::string lower = prefix;

@@ -40,7 +40,12 @@ struct CarriedItem {
 // How a DCP source lays out the optimizer, and what else it holds.
 struct SourceLayout {
   std::filesystem::path dir;
-  std::string optimizer_key = "optim";  // the top-level key of the optimizer state
+  // Where the optimizer state sits in the state dict: {"optim"} from get_state_dict, {"optimizer"}
+  // in torchtitan, {"app", "optimizers"} in prime-rl (a Stateful under "app"). The weights are
+  // <parent>.model.<fqn>, or <fqn> at the top level (torchtitan), parent = the path without its last key.
+  std::vector<std::string> optimizer_path{"optim"};
+  std::string optimizer_key() const;                   // the path joined with '.'
+  std::vector<std::string> parent() const { return {optimizer_path.begin(), optimizer_path.end() - 1}; }
   bool flattened = false;               // flatten_optimizer_state_dict=True: per-param param_groups fields
   std::map<std::string, ItemName> weights;  // fqn -> where its weights were (model.<fqn>, or <fqn> in torchtitan)
   std::set<std::string> tensor_lr;      // fqns whose group's lr was a 0-d tensor (torchao keeps it so)

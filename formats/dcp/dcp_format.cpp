@@ -259,62 +259,76 @@ class DcpReader final : public CheckpointReader {
         return corrupt(fmt::format("{}: item '{}' has no storage record", where, key));
       }
     }
-    // Sort the items by their place in the state dict. The optimizer's state sits under one
-    // top-level key (K: "optim" from get_state_dict, "optimizer" in torchtitan, ...) in one of two
-    // layouts: nested (K.state.<fqn>.<entry>, K.param_groups.<i>.<field>) or flattened
-    // (flatten_optimizer_state_dict=True: K.state.<fqn>.<entry>, K.param_groups.<fqn>.<field>, no
-    // group index). The weights are model.<fqn>, or <fqn> at the top level (torchtitan).
-    std::map<std::string, std::map<int, std::map<std::string, std::string>>> nested_groups;  // K -> group -> field
-    std::map<std::string, std::map<std::string, std::map<std::string, std::string>>> flat_groups;  // K -> fqn -> field
-    std::map<std::string, std::map<std::string, std::map<std::string, std::string>>> states;  // K -> fqn -> entry
-    std::map<std::string, std::string> model_items, top_items;  // fqn -> key
-    std::map<std::string, std::string> top_key;                  // item -> its top-level key
+    // Sort the items by their place in the state dict. The optimizer's state sits under one key
+    // path K ("optim" from get_state_dict, "optimizer" in torchtitan, "app.optimizers" in prime-rl,
+    // whose Stateful sits under "app") in one of two layouts: nested (K.state.<fqn>.<entry>,
+    // K.param_groups.<i>.<field>) or flattened (flatten_optimizer_state_dict=True:
+    // K.state.<fqn>.<entry>, K.param_groups.<fqn>.<field>, no group index). The weights are
+    // <P>.model.<fqn> (P: K without its last key), or <fqn> at the top level (torchtitan).
+    using Path = std::vector<std::string>;
+    std::map<Path, std::map<int, std::map<std::string, std::string>>> nested_groups;  // K -> group -> field
+    std::map<Path, std::map<std::string, std::map<std::string, std::string>>> flat_groups;  // K -> fqn -> field
+    std::map<Path, std::map<std::string, std::map<std::string, std::string>>> states;  // K -> fqn -> entry
+    std::map<Path, std::map<std::string, std::string>> model_items;  // P -> fqn -> key
+    std::map<std::string, std::string> top_items;                    // fqn -> key
+    std::map<std::string, Path> item_path;                           // item -> its path
     auto split_last = [](const std::string& s) -> std::optional<std::pair<std::string, std::string>> {
       const auto dot = s.rfind('.');
       if (dot == std::string::npos || dot == 0 || dot + 1 == s.size()) return std::nullopt;
       return std::pair{s.substr(0, dot), s.substr(dot + 1)};
     };
     for (const auto& [key, im] : md_.items) {
-      std::vector<std::string> path;
+      Path path;
       if (auto pl = md_.planner.find(key); pl != md_.planner.end()) path = pl->second;
       else path = split_key(key);
       if (path.empty()) return corrupt(fmt::format("{}: item '{}' has an empty path", where, key));
-      top_key[key] = path[0];
-      if (path.size() == 4 && path[1] == "state") {
-        states[path[0]][path[2]][path[3]] = key;
-      } else if (path.size() == 4 && path[1] == "param_groups") {
+      item_path[key] = path;
+      const size_t n = path.size();
+      const Path head3(path.begin(), path.end() - std::min<size_t>(n, 3));  // K of K.<x>.<y>.<z>
+      const Path head1(path.begin(), path.end() - 1);                       // K of K.<x>
+      const std::string& last = path.back();
+      if (n >= 4 && path[n - 3] == "state") {
+        states[head3][path[n - 2]][last] = key;
+      } else if (n >= 4 && path[n - 3] == "param_groups") {
         int g = -1;
         try {
-          g = std::stoi(path[2]);
+          g = std::stoi(path[n - 2]);
         } catch (...) {
         }
-        if (g < 0 || g > 100000) return corrupt(fmt::format("{}: item '{}' names param group '{}'", where, key, path[2]));
-        nested_groups[path[0]][g][path[3]] = key;
-      } else if (path.size() == 2 && path[1].rfind("state.", 0) == 0) {
-        if (auto fe = split_last(path[1].substr(6))) states[path[0]][fe->first][fe->second] = key;
-      } else if (path.size() == 2 && path[1].rfind("param_groups.", 0) == 0) {
-        if (auto ff = split_last(path[1].substr(13))) flat_groups[path[0]][ff->first][ff->second] = key;
-      } else if (path.size() == 2 && path[0] == "model") {
-        model_items[path[1]] = key;
-      } else if (path.size() == 1 && im.is_tensor) {
+        if (g < 0 || g > 100000)
+          return corrupt(fmt::format("{}: item '{}' names param group '{}'", where, key, path[n - 2]));
+        nested_groups[head3][g][last] = key;
+      } else if (n >= 2 && last.rfind("state.", 0) == 0) {
+        if (auto fe = split_last(last.substr(6))) states[head1][fe->first][fe->second] = key;
+      } else if (n >= 2 && last.rfind("param_groups.", 0) == 0) {
+        if (auto ff = split_last(last.substr(13))) flat_groups[head1][ff->first][ff->second] = key;
+      } else if (n >= 2 && path[n - 2] == "model") {
+        model_items[Path(path.begin(), path.end() - 2)][last] = key;
+      } else if (n == 1 && im.is_tensor) {
         top_items[path[0]] = key;
       }
     }
-    std::set<std::string> optimizer_keys;
+    auto dotted = [](const Path& p) {
+      std::string s;
+      for (const auto& part : p) s += (s.empty() ? "" : ".") + part;
+      return s;
+    };
+    std::set<Path> optimizer_keys;
     for (const auto& [k, v] : nested_groups) optimizer_keys.insert(k);
     for (const auto& [k, v] : flat_groups) optimizer_keys.insert(k);
     if (optimizer_keys.empty()) {
       if (!states.empty())
         return corrupt(fmt::format("{}: optimizer state under '{}' without param_groups items", where,
-                                   states.begin()->first));
+                                   dotted(states.begin()->first)));
       return corrupt(fmt::format("{}: a DCP checkpoint without optimizer state (no <key>.param_groups items)", where));
     }
     if (optimizer_keys.size() > 1)
       return corrupt(fmt::format("{}: more than one optimizer state ('{}' and '{}'); optstate reads one", where,
-                                 *optimizer_keys.begin(), *std::next(optimizer_keys.begin())));
-    const std::string opt_key = *optimizer_keys.begin();
+                                 dotted(*optimizer_keys.begin()), dotted(*std::next(optimizer_keys.begin()))));
+    const Path opt_key = *optimizer_keys.begin();
     if (nested_groups.count(opt_key) && flat_groups.count(opt_key))
-      return corrupt(fmt::format("{}: '{}' mixes numbered and flattened (per-param) param_groups items", where, opt_key));
+      return corrupt(fmt::format("{}: '{}' mixes numbered and flattened (per-param) param_groups items", where,
+                                 dotted(opt_key)));
     const auto& state_items = states[opt_key];
     std::set<std::string> carried_weights;  // weight items of the params read
     // Items the canonical state holds (a DCP writer rewrites them); the rest is carried through by
@@ -332,9 +346,11 @@ class DcpReader final : public CheckpointReader {
     layout_.number = [this](const std::string& key) {
       return value_of(key, fmt::format("{}: item '{}'", dir_.string(), key));
     };
-    layout_.optimizer_key = opt_key;
+    layout_.optimizer_path = opt_key;
     layout_.flattened = !nested_groups.count(opt_key);
-    for (const auto& [fqn, key] : top_items) model_items.emplace(fqn, key);  // model.<fqn> first
+    std::map<std::string, std::string> weight_items = model_items[layout_.parent()];
+    if (opt_key.size() == 1)
+      for (const auto& [fqn, key] : top_items) weight_items.emplace(fqn, key);  // model.<fqn> first
 
     // Param groups: hyperparameters and members.
     if (auto ng = nested_groups.find(opt_key); ng != nested_groups.end()) {
@@ -386,18 +402,18 @@ class DcpReader final : public CheckpointReader {
       for (const std::string& fqn : meta_.groups[g].params) {
         const std::string pw = fmt::format("{}: param '{}'", where, fqn);
         auto st = state_items.find(fqn);
-        auto mo = model_items.find(fqn);
+        auto mo = weight_items.find(fqn);
         const ItemMeta* shape_src = nullptr;
         if (st != state_items.end() && st->second.count("exp_avg")) shape_src = &md_.items.at(st->second.at("exp_avg"));
         else if (st != state_items.end() && st->second.count("exp_avg_codes"))
           shape_src = &md_.items.at(st->second.at("exp_avg_codes"));
-        else if (mo != model_items.end()) shape_src = &md_.items.at(mo->second);
+        else if (mo != weight_items.end()) shape_src = &md_.items.at(mo->second);
         if (!shape_src) continue;  // no state and no weights: nothing to carry
         if (meta_.params.count(fqn)) return corrupt(pw + ": listed in two param groups");
         ParamState ps;
         ps.shape = shape_src->size;
         ps.group = static_cast<int>(g);
-        if (mo != model_items.end()) {
+        if (mo != weight_items.end()) {
           const ItemMeta& w = md_.items.at(mo->second);
           if (!w.is_tensor || w.size != ps.shape) return corrupt(pw + ": model weight's shape differs from its state's");
           ps.param_dtype = w.dtype;
@@ -450,9 +466,14 @@ class DcpReader final : public CheckpointReader {
     }
     meta_.kind = any8 ? "adamw8bit" : "adamw";
     // What the checkpoint holds beyond the optimizer and the weights it carries (torchtitan's
-    // train_state, lr_scheduler, dataloader; model buffers), by top-level key.
-    for (const auto& [key, top] : top_key)
-      if (top != opt_key && !carried_weights.count(key)) ++not_read_[top];
+    // train_state, lr_scheduler, dataloader; model buffers), by key: the top-level one, or for a
+    // state nested under keys (prime-rl's "app"), the one beside the optimizer's ("app.scheduler").
+    const size_t depth = opt_key.size();
+    for (const auto& [key, path] : item_path) {
+      const bool under_optimizer = path.size() > depth && std::equal(opt_key.begin(), opt_key.end(), path.begin());
+      if (under_optimizer || carried_weights.count(key)) continue;
+      ++not_read_[dotted(Path(path.begin(), path.begin() + static_cast<std::ptrdiff_t>(std::min(depth, path.size()))))];
+    }
     for (const auto& [key, im] : md_.items) {
       if (consumed.count(key) || carried_weights.count(key)) continue;
       CarriedItem c{ItemName{key, planner_path(key)}, im, {}};

@@ -199,6 +199,21 @@ PlannerPath dict_path(std::vector<std::string> parts) {
   return {std::move(parts), std::move(index)};
 }
 
+}  // namespace
+
+std::string SourceLayout::optimizer_key() const {
+  std::string s;
+  for (const std::string& part : optimizer_path) s += (s.empty() ? "" : ".") + part;
+  return s;
+}
+
+namespace {
+
+std::vector<std::string> joined(std::vector<std::string> head, std::initializer_list<std::string> tail) {
+  head.insert(head.end(), tail);
+  return head;
+}
+
 // Copies the source's items that the state does not hold, each a torch.save archive checked whole
 // (end records, central directory) before it is copied: a damaged one fails the write, naming it,
 // rather than landing in a checkpoint that looks valid. Source data files are spread over the
@@ -308,13 +323,14 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
     done.push_back(std::move(wr));
     return Status::Ok();
   };
-  const std::string& k = layout.optimizer_key;
+  const std::string k = layout.optimizer_key();
+  const std::vector<std::string>& kp = layout.optimizer_path;
   std::set<std::string> replaced;  // carried items written in another form (float_lr)
   // `<K>.state.<fqn>.<entry>`: nested paths (K, "state", fqn, entry) or flattened (K, "state.<fqn>.<entry>").
   auto state_name = [&](const std::string& fqn, const std::string& entry) {
     return ItemName{fmt::format("{}.state.{}.{}", k, fqn, entry),
-                    layout.flattened ? dict_path({k, fmt::format("state.{}.{}", fqn, entry)})
-                                     : dict_path({k, "state", fqn, entry})};
+                    layout.flattened ? dict_path(joined(kp, {fmt::format("state.{}.{}", fqn, entry)}))
+                                     : dict_path(joined(kp, {"state", fqn, entry}))};
   };
   // Bytes items first, as DCP writes them: the param groups' fields, per group (nested:
   // `<K>.param_groups.<i>.<field>` and the members in `params`) or per param (flattened:
@@ -327,9 +343,9 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
       auto name = [&](const char* field) {
         if (layout.flattened)
           return ItemName{fmt::format("{}.param_groups.{}.{}", k, fqn, field),
-                          dict_path({k, fmt::format("param_groups.{}.{}", fqn, field)})};
-        PlannerPath p = dict_path({k, "param_groups", std::to_string(g), field});
-        p.index[2] = true;
+                          dict_path(joined(kp, {fmt::format("param_groups.{}.{}", fqn, field)}))};
+        PlannerPath p = dict_path(joined(kp, {"param_groups", std::to_string(g), field}));
+        p.index[kp.size() + 1] = true;
         return ItemName{fmt::format("{}.param_groups.{}.{}", k, g, field), std::move(p)};
       };
       auto num = [&](const char* field, double v) {
@@ -398,7 +414,11 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
       }
       if (name == kParam) {
         auto w = layout.weights.find(fqn);
-        ItemName where = w != layout.weights.end() ? w->second : ItemName{"model." + fqn, dict_path({"model", fqn})};
+        std::string model_key;
+        for (const std::string& part : layout.parent()) model_key += part + ".";
+        ItemName where = w != layout.weights.end()
+                             ? w->second
+                             : ItemName{model_key + "model." + fqn, dict_path(joined(layout.parent(), {"model", fqn}))};
         OPTSTATE_RETURN_IF_ERROR(tensor_item(std::move(where), d, ps.shape, bytes));
       } else {
         OPTSTATE_RETURN_IF_ERROR(tensor_item(state_name(fqn, name), d, ps.shape, bytes));
@@ -418,26 +438,29 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
     // What the source kept as 0-d tensors because its lr was one (torchao): the group fields
     // (initial_lr) become numbers, an LR scheduler's lists of them (base_lrs, _last_lr: items
     // `<top>.<name>.<i>`) one list of numbers, as torch keeps them for a float lr.
-    std::map<std::pair<std::string, std::string>, std::map<int64_t, const CarriedItem*>> lists;
+    std::map<std::vector<std::string>, std::map<int64_t, const CarriedItem*>> lists;  // list path -> elements
     std::set<std::string> carried_keys;
     for (const CarriedItem& c : layout.carried) carried_keys.insert(c.name.key);
     for (const CarriedItem& c : layout.carried) {
       if (!c.meta.is_tensor || !c.meta.size.empty() || !c.name.path) continue;
       const PlannerPath& p = *c.name.path;
-      const bool group_field = p.parts[0] == k && ((p.parts.size() == 2 && p.parts[1].rfind("param_groups.", 0) == 0) ||
-                                                   (p.parts.size() == 4 && p.parts[1] == "param_groups"));
+      const size_t n = p.parts.size(), d = kp.size();
+      const bool under_optimizer = n > d && std::equal(kp.begin(), kp.end(), p.parts.begin());
+      const bool group_field = under_optimizer && ((n == d + 1 && p.parts[d].rfind("param_groups.", 0) == 0) ||
+                                                   (n == d + 3 && p.parts[d] == "param_groups"));
       if (group_field) {
         OPTSTATE_ASSIGN_OR_RETURN(const double v, layout.number(c.name.key));
         pickle::Writer w;
         w.real(v);
         OPTSTATE_RETURN_IF_ERROR(value_item(c.name, w.finish()));
-      } else if (p.parts.size() == 3 && p.parts[0] != k && p.index[2] &&
-                 (p.parts[1] == "base_lrs" || p.parts[1] == "_last_lr")) {
-        lists[{p.parts[0], p.parts[1]}][std::stoll(p.parts[2])] = &c;
+      } else if (n >= 3 && !under_optimizer && p.index[n - 1] &&
+                 (p.parts[n - 2] == "base_lrs" || p.parts[n - 2] == "_last_lr")) {
+        lists[std::vector<std::string>(p.parts.begin(), p.parts.end() - 1)][std::stoll(p.parts[n - 1])] = &c;
       }
     }
     for (const auto& [owner, elems] : lists) {
-      const std::string key = owner.first + "." + owner.second;
+      std::string key;
+      for (const std::string& part : owner) key += (key.empty() ? "" : ".") + part;
       if (elems.begin()->first != 0 || elems.rbegin()->first != static_cast<int64_t>(elems.size()) - 1 ||
           carried_keys.count(key))
         continue;  // not a whole list of tensors: left as it is
@@ -449,7 +472,7 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
         w.real(v);
       }
       w.appends_from_mark();
-      OPTSTATE_RETURN_IF_ERROR(value_item(ItemName{key, dict_path({owner.first, owner.second})}, w.finish()));
+      OPTSTATE_RETURN_IF_ERROR(value_item(ItemName{key, dict_path(owner)}, w.finish()));
       for (const auto& [i, c] : elems) replaced.insert(c->name.key);
     }
   }

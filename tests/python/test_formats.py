@@ -279,6 +279,116 @@ def test_torchtitan_layout_dcp_reads_as_the_same_state(tmp_path, optstate_cli, k
         f"param group 1: hyperparameters of 2 param(s) (first '0.bias') differ from {out}"]
 
 
+MAKE_PRIME_RL_DCP = textwrap.dedent("""
+    # prime-rl's trainer checkpoint: dcp.save({"app": AppState}) where AppState.state_dict() is
+    # {"model", "optimizers" (get_state_dict(model, [optimizers]): nested layout), "scheduler",
+    # "progress"} -- everything one level down, under "app". The same training is also saved as
+    # get_state_dict + dcp.save ({"model", "optim"}), and what torch holds as OUT.ref.pt.
+    import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.stateful import Stateful
+    out = sys.argv[1]
+    dist_run = "RANK" in os.environ
+    if dist_run:
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 97), torch.nn.GELU(), torch.nn.Linear(97, 4))
+    if dist_run:
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.1 * s)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        model(torch.randn(8, 64, generator=g)).square().sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+    class AppState(Stateful):
+        def state_dict(self):
+            msd, osd = get_state_dict(model, [opt])
+            return {"model": msd, "optimizers": osd, "scheduler": sched.state_dict(),
+                    "progress": {"step": 3, "total_tokens": 4096}}
+
+        def load_state_dict(self, state_dict):
+            raise AssertionError("not loaded here")
+
+    dcp.save({"app": AppState()}, checkpoint_id=out)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out + ".nested")
+    if dist_run:
+        dist.barrier()
+        dist.destroy_process_group()
+""")
+
+RESUME_PRIME_RL = textwrap.dedent("""
+    # prime-rl's resume: AppState.load_state_dict through set_state_dict, a strict dcp.load of
+    # {"app": ...}; the model, optimizer, scheduler and progress must come back as saved.
+    import sys, torch, torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.stateful import Stateful
+    path, ref = sys.argv[1], sys.argv[2]
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 97), torch.nn.GELU(), torch.nn.Linear(97, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.1 * s)
+    progress = {}
+
+    class AppState(Stateful):
+        def state_dict(self):
+            msd, osd = get_state_dict(model, [opt])
+            return {"model": msd, "optimizers": osd, "scheduler": sched.state_dict(),
+                    "progress": {"step": 0, "total_tokens": 0}}
+
+        def load_state_dict(self, sd):
+            set_state_dict(model, [opt], model_state_dict=sd["model"], optim_state_dict=sd["optimizers"])
+            sched.load_state_dict(sd["scheduler"])
+            progress.update(sd["progress"])
+
+    dcp.load({"app": AppState()}, checkpoint_id=path)
+    want = torch.load(ref)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), want[name + ".param"]), name
+        st = opt.state[p]
+        assert float(st["step"]) == 3.0, name
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[k], want[name + "." + k]), (name, k)
+    assert sched.last_epoch == 3 and progress == {"step": 3, "total_tokens": 4096}, (sched.last_epoch, progress)
+    model(torch.randn(8, 64)).square().sum().backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+""")
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_prime_rl_dcp_reads_converts_and_resumes(tmp_path, optstate_cli, ranks):
+    """prime-rl saves its trainer as dcp.save({"app": AppState}): the optimizer's state one level
+    down (app.optimizers.state.<fqn>.<entry>), the weights at app.model.<fqn>. Read as the same
+    state as get_state_dict's layout (same hash); the scheduler and progress are named as not read;
+    a DCP converted from it keeps prime-rl's layout and carries them, so prime-rl's own resume (a
+    strict dcp.load through set_state_dict) restores every weight, moment and step bit for bit."""
+    out = tmp_path / "prime"
+    run_script(tmp_path, MAKE_PRIME_RL_DCP, "make_prime.py", out, ranks=ranks)
+    nested = str(out) + ".nested"
+    optstate_cli("validate", out)
+    info = optstate_cli("inspect", out).stdout
+    assert "1 param group(s), 4 params" in info and "weight_decay=0.1" in info, info
+    assert "other       app.progress (2 items), app.scheduler (" in info, info
+    assert hashes(optstate_cli, out) == hashes(optstate_cli, nested)
+    optstate_cli("diff", out, nested, "--rtol", "0", "--atol", "0")
+    # torch's own values, from the nested copy, as the reference for the resume
+    optstate_cli("convert", nested, tmp_path / "ref.safetensors")
+    ref = {k: v for k, v in st_load(tmp_path / "ref.safetensors").items() if not k.startswith("__")}
+    torch.save(ref, tmp_path / "ref.pt")
+    copy = tmp_path / "prime_copy"
+    optstate_cli("convert", out, copy, "--format", "dcp")
+    assert hashes(optstate_cli, copy) == hashes(optstate_cli, out)
+    assert "app.progress (2 items)" in optstate_cli("inspect", copy).stdout
+    run_script(tmp_path, RESUME_PRIME_RL, "resume_prime.py", copy, tmp_path / "ref.pt")
+    run_script(tmp_path, RESUME_PRIME_RL, "resume_prime.py", out, tmp_path / "ref.pt")  # the check itself
+
+
 RESUME_TORCHTITAN = textwrap.dedent("""
     # torchtitan's resume: the state dict it builds (weights at the top level, the flattened
     # optimizer, lr_scheduler, train_state, dataloader), a strict dcp.load, and torch.optim.AdamW --

@@ -298,12 +298,12 @@ class DcpReader final : public CheckpointReader {
         if (g < 0 || g > 100000)
           return corrupt(fmt::format("{}: item '{}' names param group '{}'", where, key, path[n - 2]));
         nested_groups[head3][g][last] = key;
+      } else if (n >= 2 && path[n - 2] == "model") {  // before the flattened forms: a module may be named "state"
+        model_items[Path(path.begin(), path.end() - 2)][last] = key;
       } else if (n >= 2 && last.rfind("state.", 0) == 0) {
         if (auto fe = split_last(last.substr(6))) states[head1][fe->first][fe->second] = key;
       } else if (n >= 2 && last.rfind("param_groups.", 0) == 0) {
         if (auto ff = split_last(last.substr(13))) flat_groups[head1][ff->first][ff->second] = key;
-      } else if (n >= 2 && path[n - 2] == "model") {
-        model_items[Path(path.begin(), path.end() - 2)][last] = key;
       } else if (n == 1 && im.is_tensor) {
         top_items[path[0]] = key;
       }

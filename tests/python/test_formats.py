@@ -886,3 +886,26 @@ def test_optstate_load_resumes_its_optimizers_from_torch_and_torchao_dcp(tmp_pat
     deq = optstate.ops.dequantize_blockwise(st["exp_avg_codes"], st["exp_avg_absmax"], 64, "dynamic-signed")
     assert torch.equal(deq, ref8["0.weight.exp_avg"].float())
     assert optstate.verify(ao, model8, opt8) == []
+
+
+def test_dcp_of_a_module_named_state_keeps_its_weights(tmp_path, optstate_cli):
+    """A top-level module named "state" gives weights `model.state.weight`: they are the model's
+    (planner path ("model", "state.weight")), not flattened optimizer state."""
+    script = textwrap.dedent("""
+        import sys, torch, torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"state": torch.nn.Linear(8, 4), "head": torch.nn.Linear(4, 2)})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model["head"](model["state"](torch.randn(3, 8))).sum().backward()
+        opt.step()
+        m, o = get_state_dict(model, opt)
+        dcp.save({"model": m, "optim": o}, checkpoint_id=sys.argv[1])
+        torch.save({k: v.detach() for k, v in model.state_dict().items()}, sys.argv[1] + ".weights.pt")
+    """)
+    out = tmp_path / "st"
+    run_script(tmp_path, script, "st.py", out)
+    optstate_cli("convert", out, tmp_path / "st.safetensors")
+    got = st_load(tmp_path / "st.safetensors")
+    for name, w in torch.load(str(out) + ".weights.pt").items():
+        assert torch.equal(got[name + ".param"], w), name

@@ -1,5 +1,5 @@
 """Rewrites a DCP's .metadata from get_state_dict's nested layout ({"model", "optim"}) into the
-layout torchtitan saves: weights at the top level, the optimizer flattened under "optimizer"
+layout torchtitan saves (or, with `--layout prime-rl`, prime-rl's: below): weights at the top level, the optimizer flattened under "optimizer"
 (flatten_optimizer_state_dict=True: per-param param_groups fields). Storage locations are kept,
 so the result describes the same data files; each param's group fields point at its group's
 items. Items the canonical state does not hold are added the same way (an LR scheduler's
@@ -9,6 +9,12 @@ so a DCP -> DCP write carries them. Makes the fuzz seed checkpoint/flattened.met
 fixture's checkpoint:
 
     .venv/bin/python formats/dcp/testdata/flatten_metadata.py DCP_DIR OUT
+
+prime-rl saves its trainer as dcp.save({"app": AppState}): the same nested layout one level down
+(`app.model.<fqn>`, `app.optimizers.state.<fqn>.<entry>`, `app.optimizers.param_groups.<i>.<field>`)
+beside `app.scheduler.*` and `app.progress.*`. Makes checkpoint/prime_rl.metadata:
+
+    .venv/bin/python formats/dcp/testdata/flatten_metadata.py DCP_DIR OUT --layout prime-rl
 """
 import io
 import pickle
@@ -19,7 +25,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 
-def main(src, out):
+def main(src, out, *layout):
     src = Path(src)
     md: Metadata = pickle.loads((src / ".metadata").read_bytes())
     storage = md.storage_data
@@ -44,6 +50,23 @@ def main(src, out):
             if idx.fqn == old_key:
                 new_storage[MetadataIndex(new_key, idx.offset, idx.index)] = info
 
+    if layout == ("--layout", "prime-rl"):
+        for key in md.state_dict_metadata:
+            path = md.planner_data[key]
+            top = {"model": "model", "optim": "optimizers"}[path[0]]
+            new_path = ("app", top) + tuple(path[1:])
+            put(key, ".".join(map(str, new_path)), new_path)
+            if path[:2] == ("optim", "state") and path[3] == "step" and "app.progress.step" not in new_items:
+                put(key, "app.progress.step", ("app", "progress", "step"))
+                put(key, "app.scheduler._last_lr.0", ("app", "scheduler", "_last_lr", 0))
+            if path[:2] == ("optim", "param_groups") and path[3] == "lr" and "app.scheduler.base_lrs.0" not in new_items:
+                put(key, "app.scheduler.base_lrs.0", ("app", "scheduler", "base_lrs", 0))
+                put(key, "app.scheduler.last_epoch", ("app", "scheduler", "last_epoch"))
+        out_md = Metadata(state_dict_metadata=new_items, planner_data=new_planner, storage_data=new_storage)
+        Path(out).write_bytes(pickle.dumps(out_md, protocol=2))
+        return
+    elif layout:
+        sys.exit(f"unknown arguments {layout}: --layout prime-rl, or none for torchtitan's")
     for key in md.state_dict_metadata:
         path = md.planner_data[key]
         if path[0] == "model":

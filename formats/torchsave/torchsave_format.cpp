@@ -268,23 +268,6 @@ class TorchSaveReader final : public CheckpointReader {
     }
     const StateDict& sd0 = sds[0];
     const std::string w0 = optim_files[0].string();
-    if (sds.size() > 1) {
-      // Ranks of one state hold DTensors; files of whole state_dicts (one per epoch, say) are not a set.
-      bool dtensors = false;
-      for (const ParamSpec& ps : sd0.params)
-        for (const auto& [name, es] : ps.entries) dtensors = dtensors || es.dtensor.has_value();
-      if (!dtensors)
-        return corrupt(fmt::format("{}: {} holds {} files of whole optimizer state_dicts (no DTensors), not one "
-                                   "state's ranks; pass one file", path_.string(), rank_pattern(optim_files),
-                                   sds.size()));
-    }
-    not_read_ = sd0.not_read;
-    for (std::string& n : not_read) not_read_.push_back(std::move(n));
-    for (size_t f = 1; f < sds.size(); ++f) OPTSTATE_RETURN_IF_ERROR(same_layout(sd0, sds[f], w0, optim_files[f].string()));
-
-    // Names: the groups' param_names; else the model files' params in order, which torch numbers
-    // the same way when the optimizer was given model.parameters().
-    std::map<int64_t, std::string> rename;
     std::vector<std::pair<ModelDict, size_t>> models;  // (dict, archive index)
     for (const fs::path& f : model_files) {
       OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(f));
@@ -292,7 +275,42 @@ class TorchSaveReader final : public CheckpointReader {
       OPTSTATE_ASSIGN_OR_RETURN(ModelDict md, interpret_model_dict(ap.second, f.string()));
       models.emplace_back(std::move(md), files_.size() - 1);
     }
-    if (!models.empty()) OPTSTATE_RETURN_IF_ERROR(model_names(sd0, models[0].first, model_files[0], rename));
+    // Ranks of one state hold DTensors (FSDP2); plain tensors beside a model of DTensors are FSDP1's
+    // flat parts; files of whole state_dicts (one per epoch, say) are not a set.
+    bool dtensors = false, model_dtensors = false;
+    for (const StateDict& sd : sds)
+      for (const ParamSpec& ps : sd.params)
+        for (const auto& [name, es] : ps.entries) dtensors = dtensors || es.dtensor.has_value();
+    for (const auto& [md, file] : models)
+      for (const ModelTensor& t : md.tensors) model_dtensors = model_dtensors || t.dtensor.has_value();
+    const bool fsdp1 = !dtensors && model_dtensors;
+    if (sds.size() > 1 && !dtensors && !fsdp1) {
+      if (!models.empty())
+        return corrupt(fmt::format("{}: {} hold plain tensors and {} no DTensors: not FSDP2's ranks, and FSDP1's "
+                                   "(parts of flat parameters) are read beside model files of DTensors only "
+                                   "(FullyShardedDataParallel with a device_mesh, as verl builds it; without one "
+                                   "its model files hold ShardedTensors)", path_.string(), rank_pattern(optim_files),
+                                   rank_pattern(model_files)));
+      return corrupt(fmt::format("{}: {} holds {} files of whole optimizer state_dicts (no DTensors), not one "
+                                 "state's ranks; pass one file", path_.string(), rank_pattern(optim_files),
+                                 sds.size()));
+    }
+    not_read_ = sd0.not_read;
+    // FSDP1's ranks hold no state for params with no part on them (use_orig_params): not unread.
+    if (sd0.stateless && !fsdp1)
+      not_read_.push_back(fmt::format("{} param{} without state or weights (never stepped: no shape in the file)",
+                                      sd0.stateless, sd0.stateless == 1 ? "" : "s"));
+    for (std::string& n : not_read) not_read_.push_back(std::move(n));
+    if (fsdp1) {
+      for (size_t f = 1; f < sds.size(); ++f) OPTSTATE_RETURN_IF_ERROR(same_groups(sd0, sds[f], w0, optim_files[f].string()));
+    } else {
+      for (size_t f = 1; f < sds.size(); ++f) OPTSTATE_RETURN_IF_ERROR(same_layout(sd0, sds[f], w0, optim_files[f].string()));
+    }
+
+    // Names: the groups' param_names; else the model files' params in order, which torch numbers
+    // the same way when the optimizer was given model.parameters().
+    std::map<int64_t, std::string> rename;
+    if (!models.empty() && !fsdp1) OPTSTATE_RETURN_IF_ERROR(model_names(sd0, models[0].first, model_files[0], rename));
 
     meta_.kind = sd0.eight ? "adamw8bit" : "adamw";
     for (size_t g = 0; g < sd0.groups.size(); ++g) {
@@ -307,6 +325,10 @@ class TorchSaveReader final : public CheckpointReader {
                                      group.hyper.lr));
       }
       meta_.groups.push_back(std::move(group));
+    }
+    if (fsdp1) {
+      OPTSTATE_ASSIGN_OR_RETURN(const size_t weights, init_fsdp1(sds, optim_files, models, model_files));
+      return finish(models, model_files, weights);
     }
     size_t weights = 0;
     for (size_t i = 0; i < sd0.params.size(); ++i) {
@@ -419,32 +441,50 @@ class TorchSaveReader final : public CheckpointReader {
           wparts.push_back({f, *x.weight, &x.weight_dtensor});
         }
         ww = fmt::format("{} ['model']['{}']", w0, fqn);
+        OPTSTATE_RETURN_IF_ERROR(add_weights(fqn, ps, wparts, ww));
       } else if (!models.empty()) {
-        for (size_t m = 0; m < models.size(); ++m) {
-          const ModelTensor* t = models[m].first.find(fqn);
-          if (!t) {
-            if (m == 0) break;
-            return corrupt(fmt::format("{}: no '{}'; rank 0's model file has it", model_files[m].string(), fqn));
-          }
-          wparts.push_back({models[m].second, t->tensor, &t->dtensor});
-        }
-        ww = fmt::format("{} ['{}']", model_files[0].string(), fqn);
-      }
-      if (!wparts.empty()) {
-        Entry w;
-        w.dtype = wparts[0].tensor.dtype;
-        for (const Part& part : wparts)
-          if (part.tensor.dtype != w.dtype || (w.dtype != DType::kF32 && w.dtype != DType::kBF16 && w.dtype != DType::kF16))
-            return corrupt(fmt::format("{}: {} weights; optstate carries fp32, bf16 or fp16 weights of one dtype", ww,
-                                       dtype_name(part.tensor.dtype)));
-        OPTSTATE_ASSIGN_OR_RETURN(Placed v, place(ps.shape, wparts, ww));
-        stored_[{fqn, kParam, Component::kValues}] = std::move(v.pieces);
-        ps.param_dtype = w.dtype;
-        ps.entries.emplace(kParam, std::move(w));
-        weights += !spec.weight;
+        OPTSTATE_ASSIGN_OR_RETURN(const bool found, model_weights(fqn, ps, models, model_files));
+        weights += found;
       }
       meta_.params.emplace(fqn, std::move(ps));
     }
+    return finish(models, model_files, weights);
+  }
+
+  // The weights of `fqn` from the model's files (each rank's part), where rank 0's has it.
+  Result<bool> model_weights(const std::string& fqn, ParamState& ps, const std::vector<std::pair<ModelDict, size_t>>& models,
+                             const std::vector<fs::path>& model_files) {
+    std::vector<Part> wparts;
+    for (size_t m = 0; m < models.size(); ++m) {
+      const ModelTensor* t = models[m].first.find(fqn);
+      if (!t) {
+        if (m == 0) return false;
+        return corrupt(fmt::format("{}: no '{}'; rank 0's model file has it", model_files[m].string(), fqn));
+      }
+      wparts.push_back({models[m].second, t->tensor, &t->dtensor});
+    }
+    OPTSTATE_RETURN_IF_ERROR(add_weights(fqn, ps, wparts, fmt::format("{} ['{}']", model_files[0].string(), fqn)));
+    return true;
+  }
+
+  Status add_weights(const std::string& fqn, ParamState& ps, const std::vector<Part>& wparts, const std::string& ww) {
+    Entry w;
+    w.dtype = wparts[0].tensor.dtype;
+    for (const Part& part : wparts)
+      if (part.tensor.dtype != w.dtype || (w.dtype != DType::kF32 && w.dtype != DType::kBF16 && w.dtype != DType::kF16))
+        return corrupt(fmt::format("{}: {} weights; optstate carries fp32, bf16 or fp16 weights of one dtype", ww,
+                                   dtype_name(part.tensor.dtype)));
+    OPTSTATE_ASSIGN_OR_RETURN(Placed v, place(ps.shape, wparts, ww));
+    stored_[{fqn, kParam, Component::kValues}] = std::move(v.pieces);
+    ps.param_dtype = w.dtype;
+    ps.entries.emplace(kParam, std::move(w));
+    return Status::Ok();
+  }
+
+  // What every kind of file ends with: what was not read, the structure check, whether every piece
+  // is checksummed.
+  Status finish(const std::vector<std::pair<ModelDict, size_t>>& models, const std::vector<fs::path>& model_files,
+                size_t weights) {
     if (!models.empty()) {
       const size_t others = models[0].first.tensors.size() + models[0].first.others - weights;
       if (others)
@@ -462,7 +502,6 @@ class TorchSaveReader final : public CheckpointReader {
     return Status::Ok();
   }
 
-  // "optim_world_size_2_rank_*.pt" for a per-rank set's files.
   // "optim_world_size_2_rank_*.pt" for a per-rank set's files (their shared name, the rank as *).
   static std::string rank_pattern(const std::vector<fs::path>& files) {
     if (files.empty()) return "";
@@ -472,6 +511,181 @@ class TorchSaveReader final : public CheckpointReader {
   }
 
  private:
+  // FSDP1's per-rank files (verl's FSDP strategy: FullyShardedDataParallel's optimizer.state_dict()
+  // and, under SHARDED_STATE_DICT, model.state_dict() of DTensors): the optimizer steps plain 1-D
+  // parts of flat parameters, which the model's DTensors (names in module order, shapes) place.
+  // use_orig_params=True: one optimizer param per model param, each rank holding the run of it that
+  // falls in its part of the unit's flat parameter (or none, and then no state), runs in rank
+  // order; use_orig_params=False: one optimizer param per FSDP unit (match_flat_units), rank r
+  // holding elements [r * shard, (r + 1) * shard) of it. Gives the number of params whose weights
+  // came from the model's files.
+  Result<size_t> init_fsdp1(const std::vector<StateDict>& sds, const std::vector<fs::path>& optim_files,
+                            const std::vector<std::pair<ModelDict, size_t>>& models,
+                            const std::vector<fs::path>& model_files) {
+    const size_t world = sds.size();
+    const std::string w0 = optim_files[0].string();
+    if (models.size() != world)
+      return corrupt(fmt::format("{}: {} optimizer files of FSDP1 (plain parts of flat parameters) and {} model files; "
+                                 "each rank's model file places its part", path_.string(), world, models.size()));
+    // The model's params: its distinct DTensors in order (buffers are plain; tied weights one object).
+    std::vector<const ModelTensor*> params;
+    std::set<pickle::Ref> seen;
+    for (const ModelTensor& t : models[0].first.tensors)
+      if (t.dtensor && seen.insert(t.ref).second) params.push_back(&t);
+    std::vector<std::string> names;
+    std::vector<int64_t> numels;
+    for (const ModelTensor* t : params) {
+      OPTSTATE_ASSIGN_OR_RETURN(const int64_t n, checked_numel(t->dtensor->global_shape));
+      names.push_back(t->name);
+      numels.push_back(n);
+    }
+    const size_t members = sds[0].members;
+    const std::string where = fmt::format("{} ({} beside {})", path_.string(), rank_pattern(optim_files),
+                                          rank_pattern(model_files));
+    // Each rank's state by optimizer param id; dense 1-D fp32/bf16 parts only.
+    std::vector<std::map<int64_t, const ParamSpec*>> by_id(world);
+    for (size_t f = 0; f < world; ++f)
+      for (const ParamSpec& ps : sds[f].params) {
+        const std::string pw = fmt::format("{} param {}", optim_files[f].string(), ps.id);
+        for (const auto& [name, es] : ps.entries) {
+          if (es.encoding != Encoding::kDense)
+            return corrupt(fmt::format("{} '{}': 8-bit state in FSDP1's files (flat parameters) is not read", pw, name));
+          if (es.values.shape.size() != 1)
+            return corrupt(fmt::format("{} '{}': shape {}; FSDP1's parts of flat parameters are 1-D", pw, name,
+                                       format_shape(es.values.shape)));
+        }
+        by_id[f][ps.id] = &ps;
+      }
+    // Where each param lies: (optimizer param, offset in it), and each optimizer param's per-rank runs.
+    const bool orig = members == params.size();
+    std::vector<std::pair<int64_t, int64_t>> at(params.size());
+    std::vector<int64_t> shard;  // flat: elements per rank of each unit
+    if (orig) {
+      for (size_t j = 0; j < params.size(); ++j) at[j] = {static_cast<int64_t>(j), 0};
+    } else {
+      if (members == 0 || members > params.size())
+        return corrupt(fmt::format("{}: the optimizer steps {} params, the model has {}: not FSDP1's flat parameters "
+                                   "of this model", where, members, params.size()));
+      for (size_t u = 0; u < members; ++u) {
+        for (size_t f = 0; f < world; ++f) {
+          auto it = by_id[f].find(static_cast<int64_t>(u));
+          if (it == by_id[f].end() || !it->second->entries.count(kExpAvg))
+            return corrupt(fmt::format("{}: flat parameter {} has no exp_avg; every rank steps every FSDP unit",
+                                       optim_files[f].string(), u));
+          const int64_t n = it->second->entries.at(kExpAvg).values.shape[0];
+          if (f == 0) shard.push_back(n);
+          if (n != shard[u])
+            return corrupt(fmt::format("{}: flat parameter {} holds {} elements, rank 0's {}; FSDP1 pads every "
+                                       "rank's part to one size", optim_files[f].string(), u, n, shard[u]));
+        }
+      }
+      OPTSTATE_ASSIGN_OR_RETURN(FlatUnits units, match_flat_units(names, numels, shard, static_cast<int64_t>(world), where));
+      for (size_t j = 0; j < params.size(); ++j) at[j] = {units.unit_of[j], units.offset[j]};
+    }
+    size_t weights = 0;
+    for (size_t j = 0; j < params.size(); ++j) {
+      const std::string& fqn = names[j];
+      const int64_t id = at[j].first, offset = at[j].second, numel = numels[j];
+      const std::string pw = fmt::format("{} param '{}'", where, fqn);
+      ParamState ps;
+      ps.shape = params[j]->dtensor->global_shape;
+      // Every rank's run of this param, in rank order: (rank, begin in the rank's part, count).
+      std::vector<std::tuple<size_t, int64_t, int64_t>> runs;
+      std::set<std::string> entries;
+      std::optional<int> group;
+      std::optional<int64_t> step;
+      int64_t covered = 0;
+      for (size_t f = 0; f < world; ++f) {
+        auto it = by_id[f].find(id);
+        if (it == by_id[f].end()) continue;  // use_orig_params: no part of this param on this rank
+        const ParamSpec& spec = *it->second;
+        const std::string fw = fmt::format("{} param {} ('{}')", optim_files[f].string(), id, fqn);
+        std::set<std::string> here;
+        int64_t part = -1;
+        for (const auto& [name, es] : spec.entries) {
+          here.insert(name);
+          if (part < 0) part = es.values.shape[0];
+          if (es.values.shape[0] != part)
+            return corrupt(fmt::format("{}: '{}' holds {} elements, its other moments {}", fw, name, es.values.shape[0], part));
+        }
+        if (part < 0) continue;
+        if (entries.empty()) entries = here;
+        if (here != entries)
+          return corrupt(fmt::format("{}: moments {} where another rank's file has {}", fw, fmt::join(here, ", "),
+                                     fmt::join(entries, ", ")));
+        OPTSTATE_ASSIGN_OR_RETURN(const double st, value_of(f, spec.step, fw + " 'step'"));
+        if (!(st >= 0 && st < 9.2e18) || st != std::floor(st)) return corrupt(fmt::format("{}: step {} is not a count", fw, st));
+        if (step && *step != static_cast<int64_t>(st))
+          return corrupt(fmt::format("{}: step {}, another rank's file has {}", fw, st, *step));
+        step = static_cast<int64_t>(st);
+        if (group && *group != spec.group)
+          return corrupt(fmt::format("{}: in param group {}, another rank's file has it in {}", fw, spec.group, *group));
+        group = spec.group;
+        if (orig) {
+          if (part > 0) runs.emplace_back(f, 0, part);
+          covered += part;
+        } else {
+          const int64_t lo = std::max(offset, static_cast<int64_t>(f) * part);
+          const int64_t hi = std::min(offset + numel, static_cast<int64_t>(f + 1) * part);
+          if (lo < hi) runs.emplace_back(f, lo - static_cast<int64_t>(f) * part, hi - lo);
+          covered += std::max<int64_t>(0, hi - lo);
+        }
+      }
+      if (!group) {
+        // No state on any rank (never stepped, or frozen): weights only, where the group is clear.
+        if (meta_.groups.size() != 1) continue;
+        group = 0;
+      } else if (covered != numel) {
+        return corrupt(fmt::format("{}: the ranks' parts hold {} of its {} elements", pw, covered, numel));
+      }
+      ps.group = *group;
+      ps.step = step.value_or(0);
+      for (const std::string& name : entries) {
+        Entry e;
+        std::vector<Piece> pieces;
+        int64_t begin = 0;
+        for (const auto& [f, local, count] : runs) {
+          const EntrySpec& es = by_id[f].at(id)->entries.at(name);
+          if (pieces.empty()) e.dtype = es.values.dtype;
+          if (es.values.dtype != e.dtype || (e.dtype != DType::kF32 && e.dtype != DType::kBF16))
+            return corrupt(fmt::format("{} '{}': {} in {}; FSDP1's moments are fp32 (or bf16) alike", pw, name,
+                                       dtype_name(es.values.dtype), optim_files[f].string()));
+          OPTSTATE_ASSIGN_OR_RETURN(Stored whole, resolve(f, es.values, es.values.shape[0],
+                                                           fmt::format("{} '{}' in {}", pw, name, optim_files[f].string())));
+          const auto elem = static_cast<uint64_t>(dtype_size(e.dtype));
+          Piece pc{begin, count, whole, std::nullopt};
+          pc.stored.at += static_cast<uint64_t>(local) * elem;
+          pc.stored.bytes = static_cast<uint64_t>(count) * elem;
+          pc.stored.whole = whole.whole && pc.stored.bytes == whole.bytes;
+          pieces.push_back(pc);
+          begin += count;
+        }
+        stored_[{fqn, name, Component::kValues}] = std::move(pieces);
+        ps.entries.emplace(name, std::move(e));
+      }
+      OPTSTATE_ASSIGN_OR_RETURN(const bool found, model_weights(fqn, ps, models, model_files));
+      weights += found;
+      meta_.groups[static_cast<size_t>(ps.group)].params.push_back(fqn);
+      meta_.params.emplace(fqn, std::move(ps));
+    }
+    return weights;
+  }
+
+  // FSDP1's ranks: the same groups (hyperparameters, member count) in every file; which params
+  // have state differs between ranks under use_orig_params.
+  static Status same_groups(const StateDict& a, const StateDict& b, const std::string& wa, const std::string& wb) {
+    if (a.groups.size() != b.groups.size() || a.members != b.members)
+      return corrupt(fmt::format("{}: {} param groups of {} params; {} has {} of {}: not one optimizer's ranks", wb,
+                                 b.groups.size(), b.members, wa, a.groups.size(), a.members));
+    for (size_t g = 0; g < a.groups.size(); ++g) {
+      const Hyperparameters &x = a.groups[g].hyper, &y = b.groups[g].hyper;
+      if (x.beta1 != y.beta1 || x.beta2 != y.beta2 || x.eps != y.eps || x.weight_decay != y.weight_decay ||
+          x.amsgrad != y.amsgrad || x.maximize != y.maximize)
+        return corrupt(fmt::format("{}: param group {}'s hyperparameters differ from {}'s", wb, g, wa));
+    }
+    return Status::Ok();
+  }
+
   // Every rank's file must hold the same groups (members and hyperparameters) and the same params.
   static Status same_layout(const StateDict& a, const StateDict& b, const std::string& wa, const std::string& wb) {
     if (a.groups.size() != b.groups.size() || a.params.size() != b.params.size() || a.members != b.members)
@@ -792,10 +1006,15 @@ Result<RankSet> rank_set(const fs::path& dir) {
   std::string mprefix = og.first;
   mprefix.replace(find_optim(mprefix), 5, "model");
   auto mg = groups.find({mprefix, og.second});
-  if (mg != groups.end() && static_cast<int64_t>(mg->second.size()) == n && mg->second.rbegin()->first == n - 1) {
+  if (mg != groups.end()) {  // every rank's, as for the optimizer's: they name and place the params
+    for (int64_t r = 0; r < n; ++r)
+      if (!mg->second.count(r))
+        return corrupt(fmt::format("{}: rank {}'s model file {}{}{} is missing ({} of {} ranks' files found)", where, r,
+                                   mprefix, r, og.second, mg->second.size(), n));
+    if (static_cast<int64_t>(mg->second.size()) != n)
+      return corrupt(fmt::format("{}: {} model files {}*{} for {} ranks' optimizer files", where, mg->second.size(),
+                                 mprefix, og.second, n));
     for (const auto& [r, f] : mg->second) out.model.push_back(f);
-  } else {
-    mg = groups.end();
   }
   for (const auto& [g, fs_] : groups)
     if (g != og && (mg == groups.end() || g != mg->first))

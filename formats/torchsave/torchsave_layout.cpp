@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <functional>
+#include <map>
 #include <set>
 
 #include "optstate/quant8.h"
@@ -174,6 +177,100 @@ Result<LocalValue> local_value(const Pickle& p, Ref r, const std::string& where)
 }
 
 }  // namespace
+
+Result<FlatUnits> match_flat_units(const std::vector<std::string>& names, const std::vector<int64_t>& numels,
+                                   const std::vector<int64_t>& shard, int64_t world, const std::string& where) {
+  const size_t m = names.size(), units = shard.size();
+  if (numels.size() != m || units == 0 || world < 1)
+    return invalid_argument(fmt::format("{}: no FSDP units or params to match", where));
+  if (units > 10000)  // the search recurses once per unit
+    return corrupt(fmt::format("{}: {} FSDP units; optstate matches up to 10000", where, units));
+  std::vector<int64_t> prefix(m + 1, 0);  // element sums; sizes come from checked shapes
+  for (size_t j = 0; j < m; ++j) {
+    if (numels[j] < 0 || numels[j] > (int64_t{1} << 50)) return corrupt(fmt::format("{}: param size out of range", where));
+    prefix[j + 1] = prefix[j] + numels[j];
+  }
+  // Modules: every proper dot-prefix of a name, with the params under it (a module's params are
+  // consecutive in module order; one that is not is no candidate). ends[p]: where the modules whose
+  // first param is p end.
+  std::map<std::string, std::pair<size_t, size_t>> range;  // module -> [first, last]
+  std::map<std::string, size_t> count;
+  for (size_t j = 0; j < m; ++j)
+    for (size_t dot = names[j].find('.'); dot != std::string::npos; dot = names[j].find('.', dot + 1)) {
+      const std::string mod = names[j].substr(0, dot);
+      auto [it, fresh] = range.try_emplace(mod, j, j);
+      if (!fresh) it->second.second = j;
+      ++count[mod];
+    }
+  std::vector<std::vector<size_t>> ends(m);
+  for (const auto& [mod, r] : range)
+    if (count[mod] == r.second - r.first + 1) ends[r.first].push_back(r.second + 1);
+  for (auto& e : ends) {
+    std::sort(e.begin(), e.end());
+    e.erase(std::unique(e.begin(), e.end()), e.end());
+  }
+  auto fits = [&](int64_t elems, int64_t s) { return elems > 0 && (elems + world - 1) / world == s; };
+
+  // Depth-first over where each wrapped unit starts and which module it is, counting whole splits
+  // (two are enough to refuse); bounded, since a hostile file could make it search long.
+  // Splits that put every param in the same unit count once (an unwrapped first block in the
+  // root's unit is the same split as that block wrapped alone).
+  struct Found {
+    int solutions = 0;
+    std::vector<int> unit_of;  // the first split's
+    int64_t steps = 0;
+  } found;
+  std::vector<std::pair<size_t, size_t>> runs;  // [begin, end) of each wrapped unit so far
+  constexpr int64_t kMaxSteps = 20'000'000;  // candidates tried: well under a second
+  // root: unit 0 is the root's (the params no run holds), the runs are units 1..; else every unit is a run.
+  std::function<void(bool, size_t, size_t, int64_t)> search = [&](bool root, size_t u, size_t pos, int64_t sum) {
+    if (found.solutions > 1 || found.steps > kMaxSteps) return;
+    if (u == units) {
+      const int64_t rest = prefix[m] - sum;
+      if (root ? fits(rest, shard[0]) : rest == 0) {
+        std::vector<int> unit_of(m, 0);
+        for (size_t k = 0; k < runs.size(); ++k)
+          for (size_t j = runs[k].first; j < runs[k].second; ++j) unit_of[j] = static_cast<int>(k + (root ? 1 : 0));
+        if (found.solutions == 0) {
+          found.unit_of = std::move(unit_of);
+          found.solutions = 1;
+        } else if (unit_of != found.unit_of) {
+          found.solutions = 2;
+        }
+      }
+      return;
+    }
+    const size_t last_start = root ? m : pos + 1;  // without a root unit, no param is skipped
+    for (size_t p = pos; p < std::min(last_start, m) && ++found.steps <= kMaxSteps; ++p)
+      for (size_t end : ends[p])
+        if (++found.steps <= kMaxSteps && fits(prefix[end] - prefix[p], shard[u])) {
+          runs.emplace_back(p, end);
+          search(root, u + 1, end, sum + prefix[end] - prefix[p]);
+          runs.pop_back();
+        }
+  };
+  search(true, 1, 0, 0);
+  search(false, 0, 0, 0);
+  if (found.steps > kMaxSteps)
+    return corrupt(fmt::format("{}: too many ways to split {} params into {} FSDP units to try them all", where, m, units));
+  if (found.solutions == 0)
+    return corrupt(fmt::format("{}: the model's {} params do not split into the optimizer's {} FSDP units (elements "
+                               "per rank {}) as FSDP flattens them: each unit one module's params, the root's the "
+                               "rest (nested units, or another model's files?)", where, m, units, fmt::join(shard, ", ")));
+  if (found.solutions > 1)
+    return corrupt(fmt::format("{}: the model's {} params split into the optimizer's {} FSDP units in more than one "
+                               "way; which param is where cannot be told", where, m, units));
+  FlatUnits out;
+  out.unit_of = std::move(found.unit_of);
+  out.offset.assign(m, 0);
+  out.numel.assign(units, 0);
+  for (size_t j = 0; j < m; ++j) {
+    const auto u = static_cast<size_t>(out.unit_of[j]);
+    out.offset[j] = out.numel[u];
+    out.numel[u] += numels[j];
+  }
+  return out;
+}
 
 Result<Box> dtensor_box(const DTensorSpec& spec, const std::vector<int64_t>& mesh_shape, const std::string& where) {
   if (mesh_shape.size() != spec.placements.size() || spec.coordinate.size() != spec.placements.size())
@@ -485,10 +582,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
 
   for (auto& [id, spec] : params) out.groups[static_cast<size_t>(spec.group)].params.push_back(spec.fqn);
   out.members = members.size();
-  const size_t stateless = members.size() - params.size();
-  if (stateless)
-    out.not_read.push_back(fmt::format("{} param{} without state or weights (never stepped: no shape in the file)", stateless,
-                                       stateless == 1 ? "" : "s"));
+  out.stateless = members.size() - params.size();
   // Each group keeps its members in its own order (params were visited by id; torch numbers them
   // in group order, so the two agree for files torch wrote).
   for (auto& [id, spec] : params) out.params.push_back(std::move(spec));

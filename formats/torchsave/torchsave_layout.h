@@ -49,6 +49,22 @@ struct Box {
 };
 Result<Box> dtensor_box(const DTensorSpec& spec, const std::vector<int64_t>& mesh_shape, const std::string& where);
 
+// FSDP1 (FullyShardedDataParallel, use_orig_params=False) steps flat parameters: one per FSDP
+// unit, the params the unit wraps and no nested unit does, flattened and concatenated in module
+// order, padded to a multiple of the world size; each rank's optimizer state holds its
+// ceil(numel / world) elements. The files name no param of a unit: which params each unit holds
+// is found from the model's params (names in module order, sizes) and each unit's per-rank length
+// `shard` (units in the optimizer's order): the root's unit holds the params of no other unit (it
+// comes first, and may be absent: everything wrapped), every other unit all params under one
+// module, units in module order. Exactly one such split must fit, else an error saying why.
+struct FlatUnits {
+  std::vector<int> unit_of;       // per param: its unit
+  std::vector<int64_t> offset;    // per param: where it starts in its unit's flat parameter
+  std::vector<int64_t> numel;     // per unit: its params' elements (the rest of world * shard is padding)
+};
+Result<FlatUnits> match_flat_units(const std::vector<std::string>& names, const std::vector<int64_t>& numels,
+                                   const std::vector<int64_t>& shard, int64_t world, const std::string& where);
+
 struct EntrySpec {
   Encoding encoding = Encoding::kDense;
   dcp::TensorRef values;                // dense
@@ -80,6 +96,7 @@ struct StateDict {
   std::vector<GroupSpec> groups;
   std::vector<ParamSpec> params;     // in id order
   size_t members = 0;                // params the groups list (with state or not): ids 0 .. members-1
+  size_t stateless = 0;              // of those, params without state (never stepped: no shape in the file)
   bool eight = false;                // any 8-bit entry, or a group with optstate's block_size
   std::string optimizer_path;        // where the optimizer's dict is: "" (the file is one) or "['optimizer']"
   std::vector<std::string> not_read; // what the file holds that the canonical state does not

@@ -8,6 +8,7 @@ independently of optstate, and compares bit for bit.
 """
 import json
 import os
+import shutil
 import struct
 import textwrap
 import zipfile
@@ -204,3 +205,135 @@ def test_missing_or_lone_rank_files_are_refused_by_name(tmp_path, optstate_cli):
     before = sorted(os.listdir(out))
     r = optstate_cli("convert", out / "optim_world_size_3_rank_0.pt", out, "--overwrite", check=False)
     assert r.returncode == 2 and sorted(os.listdir(out)) == before
+
+
+FSDP1_SCRIPT = textwrap.dedent("""
+    # FSDP1 (FullyShardedDataParallel) saved as verl's FSDP strategy saves it: under
+    # SHARDED_STATE_DICT, each rank's model.state_dict() (DTensors: FSDP built with a device_mesh)
+    # and optimizer.state_dict() (plain 1-D parts of flat parameters). Transformer-like blocks
+    # wrapped as units, the embedding and head in the root's unit; sizes that leave padding.
+    import os, sys, torch, torch.distributed as dist, torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+    from torch.distributed.fsdp import ShardedStateDictConfig, ShardedOptimStateDictConfig
+    from torch.distributed.fsdp import FullStateDictConfig, FullOptimStateDictConfig
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    orig, amsgrad, out = sys.argv[1] == "orig", sys.argv[2] == "amsgrad", sys.argv[3]
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.norm, self.b = nn.Linear(16, 7), nn.LayerNorm(7), nn.Linear(7, 16, bias=False)
+
+        def forward(self, x):
+            return x + self.b(self.norm(torch.relu(self.a(x))))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.layers, self.head = nn.Embedding(11, 16), nn.ModuleList([Block(), Block()]), nn.Linear(16, 5)
+
+        def forward(self, x):
+            x = self.emb(x)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    model = FSDP(Model(), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=orig,
+                 device_mesh=init_device_mesh("cpu", (world,)), device_id=torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        model(torch.randint(0, 11, (4, 3), generator=g)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    os.makedirs(out, exist_ok=True)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),
+                              ShardedOptimStateDictConfig()):
+        torch.save(model.state_dict(), f"{out}/model_world_size_{world}_rank_{rank}.pt")
+        torch.save(opt.state_dict(), f"{out}/optim_world_size_{world}_rank_{rank}.pt")
+    # The reference, independent of how optstate finds it: each rank's runs of each param, placed by
+    # FSDP's own flat-parameter metadata (where a run starts in the param and in this rank's part).
+    runs = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, FSDP) or mod._handle is None:
+            continue
+        flat = mod._handle.flat_param
+        prefix = clean_tensor_name(name)
+        for fqn, info, p in zip(flat._fqns, flat._shard_param_infos, flat._params or [None] * len(flat._fqns)):
+            if info.in_shard:
+                st = opt.state[p] if orig else opt.state[flat]
+                lo = 0 if orig else info.offset_in_shard
+                moments = {k: v.reshape(-1)[lo:lo + info.numel_in_shard].clone() for k, v in st.items() if k != "step"}
+                runs.append(((prefix + "." if prefix else "") + fqn, info.intra_param_start_idx, moments, float(st["step"])))
+    torch.save(runs, f"{out}.runs{rank}")
+    # torch's own gather of the weights (its FULL optimizer state dict of use_orig_params is not
+    # used: on CPU, torch 2.13 gives exp_avg_sq's values for exp_avg there)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True),
+                              FullOptimStateDictConfig(rank0_only=True)):
+        weights = model.state_dict()
+    if rank == 0:
+        torch.save(weights, f"{out}.weights")
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize("mode,kind,world", [("flat", "adamw", 3), ("orig", "adamw", 3), ("flat", "amsgrad", 2),
+                                             ("orig", "amsgrad", 4), ("orig", "adamw", 2)])
+def test_fsdp1_rank_files_read_as_one_state_by_name(tmp_path, optstate_cli, mode, kind, world):
+    """verl's FSDP (FSDP1) checkpoint: every rank's optimizer.state_dict() holds 1-D parts of flat
+    parameters -- one per FSDP unit (use_orig_params=False, verl's default), or one per param with
+    a run of it or nothing on each rank (use_orig_params=True) -- beside model files of DTensors.
+    optstate names and places every element; checked against where FSDP's own metadata puts each
+    rank's run, and the weights against torch's gather."""
+    script = tmp_path / "fsdp1.py"
+    script.write_text(FSDP1_SCRIPT)
+    out = tmp_path / f"{mode}{kind}{world}"
+    torchrun(world, mode, kind, out, script=script)
+    doc = json.loads(optstate_cli("inspect", out, "--json").stdout)
+    assert doc["format"] == "torchsave" and len(doc["params"]) == 13
+    assert not any("without state" in line for line in doc["not_read"]), doc["not_read"]
+    optstate_cli("validate", out)
+    optstate_cli("convert", out, tmp_path / "plain.safetensors")
+    from safetensors.torch import load_file
+    got = load_file(str(tmp_path / "plain.safetensors"))
+    checked = 0
+    for r in range(world):
+        for name, start, moments, step in torch.load(f"{out}.runs{r}"):
+            for k, v in moments.items():
+                assert torch.equal(got[f"{name}.{k}"].reshape(-1)[start:start + v.numel()], v), (name, k, r)
+                checked += v.numel()
+    moments = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if kind == "amsgrad" else ("exp_avg", "exp_avg_sq")
+    assert checked == sum(got[f"{n}.{k}"].numel() for n in doc["params"] for k in moments)  # every element
+    for name, w in torch.load(f"{out}.weights").items():
+        assert torch.equal(got[f"{name}.param"], w), name
+    # as plain torch state: it loads into torch.optim.AdamW over the unwrapped model
+    optstate_cli("convert", out, tmp_path / "plain.pt")
+    sd = torch.load(tmp_path / "plain.pt")
+    assert sd["optimizer"]["param_groups"][0]["param_names"][0] == "emb.weight"
+
+
+def test_fsdp1_rank_files_that_do_not_add_up_are_refused_by_name(tmp_path, optstate_cli):
+    script = tmp_path / "fsdp1.py"
+    script.write_text(FSDP1_SCRIPT)
+    out = tmp_path / "flat"
+    torchrun(2, "flat", "adamw", out, script=script)
+    # a param gone from the model's files: the units no longer split its params
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    for r in range(2):
+        sd = torch.load(bad / f"model_world_size_2_rank_{r}.pt", weights_only=False)
+        del sd["layers.1.norm.bias"]
+        torch.save(sd, bad / f"model_world_size_2_rank_{r}.pt")
+    err = optstate_cli("inspect", bad, check=False)
+    assert err.returncode == 2 and "do not split into the optimizer's 3 FSDP units" in err.stderr, err.stderr
+    # a rank's model file missing
+    os.remove(bad / "model_world_size_2_rank_1.pt")
+    err = optstate_cli("inspect", bad, check=False)
+    assert err.returncode == 2 and "rank 1's model file model_world_size_2_rank_1.pt is missing" in err.stderr, err.stderr

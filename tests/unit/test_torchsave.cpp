@@ -184,6 +184,57 @@ TEST_CASE("torchsave: a DTensor's box is torch.chunk's piece on each sharded mes
   }
 }
 
+TEST_CASE("torchsave: FSDP1's flat parameters are split into the model's params as FSDP flattens them") {
+  // emb, two wrapped blocks (a.weight, a.bias, norm.weight, norm.bias, b.weight), head: the root's
+  // unit holds emb and head, around the blocks (tests/python/test_fsdp_ranks.py's model).
+  const std::vector<std::string> names = {"emb.weight", "layers.0.a.weight", "layers.0.a.bias", "layers.0.norm.weight",
+                                          "layers.0.norm.bias", "layers.0.b.weight", "layers.1.a.weight",
+                                          "layers.1.a.bias", "layers.1.norm.weight", "layers.1.norm.bias",
+                                          "layers.1.b.weight", "head.weight", "head.bias"};
+  const std::vector<int64_t> numels = {176, 112, 7, 7, 7, 112, 112, 7, 7, 7, 112, 80, 5};
+  SUBCASE("root first, then the blocks; padding to 3 ranks") {
+    // root: 176 + 80 + 5 = 261 = 3 * 87; each block 245 -> 3 * 82 (one element of padding)
+    auto u = torchsave::match_flat_units(names, numels, {87, 82, 82}, 3, "t");
+    REQUIRE_MESSAGE(u.ok(), u.status().message());
+    CHECK(u->unit_of == std::vector<int>{0, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 0, 0});
+    CHECK(u->offset == std::vector<int64_t>{0, 0, 112, 119, 126, 133, 0, 112, 119, 126, 133, 176, 256});
+    CHECK(u->numel == std::vector<int64_t>{261, 245, 245});
+  }
+  SUBCASE("everything wrapped: no root unit (the same split as the first module unwrapped in the root's)") {
+    auto u = torchsave::match_flat_units({"a.x", "a.y", "b.x"}, {10, 7, 20}, {9, 10}, 2, "t");
+    REQUIRE_MESSAGE(u.ok(), u.status().message());
+    CHECK(u->unit_of == std::vector<int>{0, 0, 1});
+    CHECK(u->offset == std::vector<int64_t>{0, 10, 0});
+  }
+  SUBCASE("two wrapped blocks of one size and nothing else: either could be the root's") {
+    const std::vector<std::string> two(names.begin() + 1, names.begin() + 11);
+    const std::vector<int64_t> sizes(numels.begin() + 1, numels.begin() + 11);
+    auto u = torchsave::match_flat_units(two, sizes, {123, 123}, 2, "t");  // 245 -> 2 * 123
+    REQUIRE(!u.ok());
+    CHECK(u.status().message().find("more than one way") != std::string::npos);
+  }
+  SUBCASE("sizes no split gives, and sizes two splits give, are refused") {
+    auto none = torchsave::match_flat_units(names, numels, {87, 80, 82}, 3, "t");
+    REQUIRE(!none.ok());
+    CHECK(none.status().message().find("do not split into the optimizer's 3 FSDP units") != std::string::npos);
+    // Two one-param modules of equal size, one of them wrapped: which one cannot be told.
+    auto two = torchsave::match_flat_units({"x.w", "y.w"}, {4, 4}, {4, 4}, 1, "t");
+    REQUIRE(!two.ok());
+    CHECK(two.status().message().find("more than one way") != std::string::npos);
+  }
+  SUBCASE("a hostile file cannot make the search run long") {
+    // 600 one-element modules and 300 one-element units, the root's size unreachable: every choice
+    // is tried until the bound.
+    std::vector<std::string> many;
+    for (int i = 0; i < 600; ++i) many.push_back("m" + std::to_string(i) + ".w");
+    std::vector<int64_t> shard(301, 1);
+    shard[0] = 1000;
+    auto r = torchsave::match_flat_units(many, std::vector<int64_t>(600, 1), shard, 1, "t");
+    REQUIRE(!r.ok());
+    CHECK(r.status().message().find("too many ways") != std::string::npos);
+  }
+}
+
 TEST_CASE("torchsave: FSDP2's per-rank files (verl's layout) read as the state torch gathers") {
   const fs::path set = kSeeds / "fsdp2_world2";
   auto r = open_checkpoint(set);

@@ -1,11 +1,13 @@
-// Fuzz target for the torch.save driver's per-rank sets (FSDP2's DTensor state saved by every rank,
-// verl's layout): the input is rank 1's optimizer file of testdata/fsdp2_world2/, beside the real
-// files of rank 0 and both ranks' model files, so damage reaches the DTensor interpretation, the
-// placement of every rank's part (mesh coordinates, boxes, coverage), the names taken from the model
-// files and the cross-rank checks. Each input is also tried with data.pkl's CRC-32 re-signed (as
+// Fuzz target for the torch.save driver's per-rank sets (verl's layout), built twice: over FSDP2's
+// DTensor state (testdata/fsdp2_world2/, fuzz.torchsave_ranks) and over FSDP1's flat parameters
+// (testdata/fsdp1_world2/, fuzz.torchsave_fsdp1). The input is rank 1's optimizer file, beside the
+// real files of rank 0 and both ranks' model files, so damage reaches the DTensor interpretation, the
+// placement of every rank's part (mesh coordinates, boxes, coverage; FSDP1's split of flat
+// parameters into the model's params), the names taken from the model files and the cross-rank checks. Each input is also tried with data.pkl's CRC-32 re-signed (as
 // fuzz_torchsave_file does). Every input must validate, open, hash, read whole and write back (as
 // one file), or give an error; never a crash, a hang or an unbounded allocation.
-// CTest: fuzz.torchsave_ranks (bounded mutation run); with OPTSTATE_LIBFUZZER, coverage-guided.
+// CTest: fuzz.torchsave_ranks, fuzz.torchsave_fsdp1 (bounded mutation runs); with OPTSTATE_LIBFUZZER,
+// coverage-guided.
 #include <cstdint>
 #include <string>
 
@@ -32,6 +34,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
 #ifndef OPTSTATE_LIBFUZZER
 int main(int argc, char** argv) {
-  return fixture().main(argc, argv, "fuzz.torchsave_ranks", "", torchsave::with_pickle_crc);
+  return fixture().main(argc, argv, OPTSTATE_TORCHSAVE_RANKS_TEST, "", torchsave::with_pickle_crc);
 }
 #endif

@@ -271,6 +271,51 @@ TEST_CASE("torchsave: FSDP2's per-rank files (verl's layout) read as the state t
   CHECK(st.message().find("never replaces") != std::string::npos);
 }
 
+TEST_CASE("torchsave: FSDP1's per-rank files (flat parameters, or runs of each param) read as the state FSDP places") {
+  for (const char* name : {"fsdp1_world2", "fsdp1_world2_orig"}) {
+    CAPTURE(name);
+    auto r = open_checkpoint(kSeeds / name);
+    REQUIRE_MESSAGE(r.ok(), r.status().message());
+    const OptimizerState& m = (*r)->meta();
+    REQUIRE(m.groups.size() == 1);
+    CHECK(m.groups[0].params.size() == 13);
+    CHECK(m.groups[0].params.front() == "emb.weight");
+    CHECK(m.params.at("layers.1.b.weight").shape == std::vector<int64_t>{8, 3});
+    CHECK(m.params.at("head.bias").step == 2);
+    CHECK(m.params.at("head.bias").entries.count(kParam) == 1);
+    for (const std::string& line : (*r)->not_read()) CHECK(line.find("without state") == std::string::npos);
+    // The same state put together from FSDP's own flat-parameter metadata hashes alike.
+    auto full = open_checkpoint(kSeeds / (std::string(name) + "_full.pt"));
+    REQUIRE(full.ok());
+    auto a = hash_checkpoint(**r), b = hash_checkpoint(**full);
+    REQUIRE(a.ok());
+    REQUIRE(b.ok());
+    CHECK(a->root == b->root);
+    CHECK(a->entries == b->entries);
+    // A range across both ranks' parts of the root's flat parameter (emb.weight is 40 elements).
+    std::vector<float> got(30), want(30);
+    REQUIRE((*r)->read_range("emb.weight", kExpAvgSq, Component::kValues, 5, 35, std::as_writable_bytes(std::span(got))).ok());
+    REQUIRE((*full)->read_range("emb.weight", kExpAvgSq, Component::kValues, 5, 35, std::as_writable_bytes(std::span(want))).ok());
+    CHECK(got == want);
+  }
+  SUBCASE("a rank's model file missing, or the model's files of another model, are refused by name") {
+    testing::TempDir tmp;
+    const fs::path set = tmp.path / "set";
+    fs::copy(kSeeds / "fsdp1_world2", set);
+    fs::remove(set / "model_world_size_2_rank_1.pt");
+    auto r = open_checkpoint(set);
+    REQUIRE(!r.ok());
+    CHECK(r.status().message().find("rank 1's model file model_world_size_2_rank_1.pt is missing") != std::string::npos);
+    // FSDP2's model files beside FSDP1's optimizer files: they do not split into its units
+    fs::copy_file(kSeeds / "fsdp2_world2/model_world_size_2_rank_0.pt", set / "model_world_size_2_rank_0.pt",
+                  fs::copy_options::overwrite_existing);
+    fs::copy_file(kSeeds / "fsdp2_world2/model_world_size_2_rank_1.pt", set / "model_world_size_2_rank_1.pt");
+    r = open_checkpoint(set);
+    REQUIRE(!r.ok());
+    CHECK(r.status().message().find("FSDP units") != std::string::npos);
+  }
+}
+
 TEST_CASE("torchsave: a one-rank FSDP2 file (DTensors on a mesh of one) reads alone; one rank of two does not") {
   auto one = open_checkpoint(kSeeds / "fsdp2_world1_optim.pt");
   REQUIRE_MESSAGE(one.ok(), one.status().message());

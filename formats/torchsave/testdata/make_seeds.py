@@ -9,8 +9,17 @@ FSDP2 (two CPU processes over gloo): fsdp2_world2/ holds what verl saves per ran
 (optim_world_size_2_rank_R.pt, model_world_size_2_rank_R.pt of DTensors, extra_state_...), and
 fsdp2_world2_full.pt the same state put together by torch itself (DTensor.full_tensor()) as one
 {"model", "optimizer"} file with param_names; fsdp2_world1_optim.pt is one rank's file of a
-one-rank run (DTensors on a mesh of one)."""
+one-rank run (DTensors on a mesh of one).
+
+FSDP1 (FullyShardedDataParallel, two CPU processes, device_id=cpu): fsdp1_world2/ is what verl's FSDP
+strategy saves per rank with use_orig_params=False (its default: the optimizer steps one flat
+parameter per unit), fsdp1_world2_orig/ with use_orig_params=True (one param each, a run of it or
+nothing per rank); fsdp1_world2*_full.pt the same state put together from FSDP's own flat-parameter
+metadata (where each rank's run of each param starts), as one {"model", "optimizer"} file.
+
+    .venv/bin/python formats/torchsave/testdata/make_seeds.py [main|fqn|fsdp2|fsdp1]"""
 import os
+import sys
 
 import torch
 
@@ -103,7 +112,94 @@ def fsdp2():
     mp.spawn(fsdp2_rank, args=(2, os.path.join(HERE, "fsdp2_world2")), nprocs=2)
 
 
+def fsdp1_rank(rank, world, orig, out):
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29450 + int(orig)))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.norm, self.b = nn.Linear(8, 3), nn.LayerNorm(3), nn.Linear(3, 8, bias=False)
+
+        def forward(self, x):
+            return x + self.b(self.norm(torch.relu(self.a(x))))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.layers, self.head = nn.Embedding(5, 8), nn.ModuleList([Block(), Block()]), nn.Linear(8, 3)
+
+        def forward(self, x):
+            x = self.emb(x)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    model = FSDP(Model(), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=orig,
+                 device_mesh=init_device_mesh("cpu", (world,)), device_id=torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(2):
+        x = torch.randint(0, 5, (4, 3), generator=torch.Generator().manual_seed(10 * step + rank))
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    os.makedirs(out, exist_ok=True)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),
+                              ShardedOptimStateDictConfig()):
+        torch.save(model.state_dict(), f"{out}/model_world_size_{world}_rank_{rank}.pt")
+        torch.save(opt.state_dict(), f"{out}/optim_world_size_{world}_rank_{rank}.pt")
+    # The reference: each rank's runs placed by FSDP's flat-parameter metadata, gathered on rank 0.
+    runs = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, FSDP) and mod._handle is not None:
+            flat = mod._handle.flat_param
+            prefix = clean_tensor_name(name)
+            for fqn, info, p in zip(flat._fqns, flat._shard_param_infos, flat._params or [None] * len(flat._fqns)):
+                if info.in_shard:
+                    st = opt.state[p] if orig else opt.state[flat]
+                    lo = 0 if orig else info.offset_in_shard
+                    runs.append(((prefix + "." if prefix else "") + fqn, info.intra_param_start_idx,
+                                 {k: v.reshape(-1)[lo:lo + info.numel_in_shard].clone() for k, v in st.items() if k != "step"},
+                                 st["step"].clone()))
+    every = [None] * world
+    dist.all_gather_object(every, runs)
+    with FSDP.summon_full_params(model):
+        weights = {clean_tensor_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    if rank == 0:
+        names = list(weights)
+        state = {}
+        for rank_runs in every:
+            for fqn, start, moments, step in rank_runs:
+                st = state.setdefault(names.index(fqn), {"step": step})
+                for k, v in moments.items():
+                    full = st.setdefault(k, torch.zeros(weights[fqn].numel()))
+                    full[start:start + v.numel()] = v
+        for i, st in state.items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                st[k] = st[k].reshape(weights[names[i]].shape)
+        group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+        group.update(params=sorted(state), param_names=[names[i] for i in sorted(state)])
+        torch.save({"model": weights, "optimizer": {"state": state, "param_groups": [group]}}, f"{out}_full.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def fsdp1():
+    import torch.multiprocessing as mp
+
+    mp.spawn(fsdp1_rank, args=(2, False, os.path.join(HERE, "fsdp1_world2")), nprocs=2)
+    mp.spawn(fsdp1_rank, args=(2, True, os.path.join(HERE, "fsdp1_world2_orig")), nprocs=2)
+
+
 if __name__ == "__main__":
-    main()
-    fqn()
-    fsdp2()
+    for step in sys.argv[1:] or ["main", "fqn", "fsdp2", "fsdp1"]:
+        globals()[step]()

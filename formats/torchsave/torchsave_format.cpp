@@ -582,7 +582,7 @@ class TorchSaveReader final : public CheckpointReader {
       OPTSTATE_ASSIGN_OR_RETURN(FlatUnits units, match_flat_units(names, numels, shard, static_cast<int64_t>(world), where));
       for (size_t j = 0; j < params.size(); ++j) at[j] = {units.unit_of[j], units.offset[j]};
     }
-    size_t weights = 0;
+    size_t weights = 0, groupless = 0;
     for (size_t j = 0; j < params.size(); ++j) {
       const std::string& fqn = names[j];
       const int64_t id = at[j].first, offset = at[j].second, numel = numels[j];
@@ -609,6 +609,8 @@ class TorchSaveReader final : public CheckpointReader {
             return corrupt(fmt::format("{}: '{}' holds {} elements, its other moments {}", fw, name, es.values.shape[0], part));
         }
         if (part < 0) continue;
+        if (orig && part > numel)  // a flat parameter's part (shard) was checked by match_flat_units
+          return corrupt(fmt::format("{}: {} elements of a param of {}", fw, part, numel));
         if (entries.empty()) entries = here;
         if (here != entries)
           return corrupt(fmt::format("{}: moments {} where another rank's file has {}", fw, fmt::join(here, ", "),
@@ -633,7 +635,10 @@ class TorchSaveReader final : public CheckpointReader {
       }
       if (!group) {
         // No state on any rank (never stepped, or frozen): weights only, where the group is clear.
-        if (meta_.groups.size() != 1) continue;
+        if (meta_.groups.size() != 1) {
+          ++groupless;
+          continue;
+        }
         group = 0;
       } else if (covered != numel) {
         return corrupt(fmt::format("{}: the ranks' parts hold {} of its {} elements", pw, covered, numel));
@@ -668,6 +673,9 @@ class TorchSaveReader final : public CheckpointReader {
       meta_.groups[static_cast<size_t>(ps.group)].params.push_back(fqn);
       meta_.params.emplace(fqn, std::move(ps));
     }
+    if (groupless)
+      not_read_.push_back(fmt::format("{} param{} without state on any rank (frozen, or never stepped), whose group "
+                                      "the files do not say", groupless, groupless == 1 ? "" : "s"));
     return weights;
   }
 

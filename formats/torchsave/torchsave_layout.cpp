@@ -187,7 +187,8 @@ Result<FlatUnits> match_flat_units(const std::vector<std::string>& names, const 
     return corrupt(fmt::format("{}: {} FSDP units; optstate matches up to 10000", where, units));
   std::vector<int64_t> prefix(m + 1, 0);  // element sums; sizes come from checked shapes
   for (size_t j = 0; j < m; ++j) {
-    if (numels[j] < 0 || numels[j] > (int64_t{1} << 50)) return corrupt(fmt::format("{}: param size out of range", where));
+    if (numels[j] < 0 || numels[j] > (int64_t{1} << 50) || prefix[j] > (int64_t{1} << 60))
+      return corrupt(fmt::format("{}: param sizes out of range", where));
     prefix[j + 1] = prefix[j] + numels[j];
   }
   // Modules: every proper dot-prefix of a name, with the params under it (a module's params are

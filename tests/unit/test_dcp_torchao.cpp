@@ -29,7 +29,9 @@ TEST_CASE("dcp: a torchao item 8-bit on one rank and plain on the other reads as
   CHECK(e.dtype == DType::kF32);
   const std::vector<std::pair<std::string, std::string>> entries = {
       {"0.weight", kExpAvg}, {"0.weight", kExpAvgSq}, {"1.weight", kExpAvg}, {"1.weight", kExpAvgSq}};
-  for (const auto& [fqn, entry] : entries) {
+  for (const auto& fe : entries) {
+    const std::string& fqn = fe.first;  // not a structured binding: clang 14 cannot capture those
+    const std::string& entry = fe.second;
     CAPTURE(fqn);
     CAPTURE(entry);
     const std::string want = testing::read_file(data / "fsdp2_torchao_values" / (fqn + "." + entry + ".f32"));

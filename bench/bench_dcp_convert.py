@@ -173,30 +173,32 @@ def time_cases(cases, dst, src, reps, env):
     return times, peak
 
 
-def report(args, work, times, peak, src_bytes, dst_bytes):
+def report(args, work, times, peak, src_bytes, dst_bytes, reference="torch + torchao"):
     """The end of a convert benchmark: its table, the work folder removed, the JSON written."""
-    rows = convert_table(times, peak, src_bytes, dst_bytes)
+    rows = convert_table(times, peak, src_bytes, dst_bytes, reference)
     shutil.rmtree(work, ignore_errors=True)
     write_json(args.json, {"layers": args.layers, "src_bytes": src_bytes, "dst_bytes": dst_bytes,
-                           "reps": args.reps, "results": rows})
+                           "reps": args.reps, "reference": reference, "results": rows})
 
 
-def convert_table(times, peak, src_bytes, dst_bytes):
-    """Prints the table of a convert benchmark (cases "optstate", "torch + torchao" and the floor,
+def convert_table(times, peak, src_bytes, dst_bytes, reference="torch + torchao"):
+    """Prints the table of a convert benchmark (cases "optstate", the `reference` one and the floor,
     "floor (raw copy)") and returns its rows for the JSON."""
     med = {k: statistics.median(v) for k, v in times.items()}
     moved = src_bytes + dst_bytes
-    print(f"\n{'case':<18}{'median s':>10}{'best s':>9}{'GB/s':>7}{'% floor':>9}{'vs torch+torchao':>18}"
+    width = max(18, max(map(len, times)) + 2)
+    key = "speedup_vs_torchao" if reference == "torch + torchao" else "speedup_vs_reference"
+    print(f"\n{'case':<{width}}{'median s':>10}{'best s':>9}{'GB/s':>7}{'% floor':>9}{'vs ' + reference:>{len(reference) + 5}}"
           f"{'peak RSS GB':>13}{'RSS / SRC':>11}")
     rows = {}
     for k in times:
         rows[k] = {"median_s": med[k], "best_s": min(times[k]), "gb_per_s": moved / med[k] / 1e9,
                    "pct_floor": 100 * med["floor (raw copy)"] / med[k],
-                   "speedup_vs_torchao": med["torch + torchao"] / med[k], "peak_rss_bytes": peak.get(k)}
+                   key: med[reference] / med[k], "peak_rss_bytes": peak.get(k)}
         r = rows[k]
         rss = f"{peak[k] / 1e9:>13.3f}{peak[k] / src_bytes:>11.2f}" if k in peak else f"{'-':>13}{'-':>11}"
-        print(f"{k:<18}{med[k]:>10.2f}{min(times[k]):>9.2f}{r['gb_per_s']:>7.2f}{r['pct_floor']:>8.0f}%"
-              f"{r['speedup_vs_torchao']:>17.2f}x{rss}")
+        print(f"{k:<{width}}{med[k]:>10.2f}{min(times[k]):>9.2f}{r['gb_per_s']:>7.2f}{r['pct_floor']:>8.0f}%"
+              f"{r[key]:>{len(reference) + 4}.2f}x{rss}")
     print("(GB/s: bytes read + written; each case a fresh process, cold page cache for SRC; peak RSS: the\n"
           " process's high-water resident memory, the largest over the runs)")
     return rows

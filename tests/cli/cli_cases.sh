@@ -573,6 +573,22 @@ PY
     rm "$work/actor/optim_world_size_2_rank_1.pt"
     expect_error 2 "rank 1's file optim_world_size_2_rank_1.pt is missing" -- "$OPTSTATE" hash "$work/actor"
     ;;
+  fsdp1-rank-files)
+    # FSDP1's per-rank files (verl's FSDP strategy, real files of a 2-rank run with and without
+    # use_orig_params): each folder is the state FSDP's own metadata places; a model file missing
+    # is named.
+    data="$(cd "$(dirname "$0")/../.." && pwd)/formats/torchsave/testdata"
+    for set in fsdp1_world2 fsdp1_world2_orig; do
+      cp -r "$data/$set" "$work/$set"
+      "$OPTSTATE" validate "$work/$set" >/dev/null || fail "validate $set"
+      "$OPTSTATE" convert "$work/$set" "$work/$set.safetensors" >/dev/null || fail "convert $set"
+      [ "$("$OPTSTATE" hash "$work/$set.safetensors" | tail -1)" = "$("$OPTSTATE" hash "$data/${set}_full.pt" | tail -1)" ] \
+        || fail "$set converts to another state than FSDP places"
+    done
+    "$OPTSTATE" inspect "$work/fsdp1_world2" | matches "13 params" || fail "inspect names the 13 params"
+    rm "$work/fsdp1_world2/model_world_size_2_rank_0.pt"
+    expect_error 2 "rank 0's model file model_world_size_2_rank_0.pt is missing" -- "$OPTSTATE" inspect "$work/fsdp1_world2"
+    ;;
   *) fail "unknown case" ;;
 esac
 exit 0

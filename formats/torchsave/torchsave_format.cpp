@@ -527,19 +527,38 @@ class TorchSaveReader final : public CheckpointReader {
     if (models.size() != world)
       return corrupt(fmt::format("{}: {} optimizer files of FSDP1 (plain parts of flat parameters) and {} model files; "
                                  "each rank's model file places its part", path_.string(), world, models.size()));
-    // The model's params: its distinct DTensors in order (buffers are plain; tied weights one object).
-    std::vector<const ModelTensor*> params;
+    // The model's params: its distinct DTensors in order (buffers are plain). FSDP1 saves a tied
+    // weight (lm_head tied to the embedding) once per name, as two objects; FSDP flattened it once.
+    // A later DTensor whose every rank's part is a whole storage record of the same size and CRC-32
+    // as an earlier one of its shape is such a copy: left out where the params do not add up with it.
+    std::vector<const ModelTensor*> all;
     std::set<pickle::Ref> seen;
     for (const ModelTensor& t : models[0].first.tensors)
-      if (t.dtensor && seen.insert(t.ref).second) params.push_back(&t);
+      if (t.dtensor && seen.insert(t.ref).second) all.push_back(&t);
+    std::vector<bool> tied(all.size(), false);
+    std::set<std::pair<std::vector<int64_t>, std::vector<std::pair<uint32_t, uint64_t>>>> signatures;
+    for (size_t j = 0; j < all.size(); ++j)
+      if (auto sig = record_signature(models, all[j]->name))
+        tied[j] = !signatures.emplace(all[j]->dtensor->global_shape, std::move(*sig)).second;
+    const size_t copies = static_cast<size_t>(std::count(tied.begin(), tied.end(), true));
+    const size_t members = sds[0].members;
+    std::vector<const ModelTensor*> params;
     std::vector<std::string> names;
     std::vector<int64_t> numels;
-    for (const ModelTensor* t : params) {
-      OPTSTATE_ASSIGN_OR_RETURN(const int64_t n, checked_numel(t->dtensor->global_shape));
-      names.push_back(t->name);
-      numels.push_back(n);
-    }
-    const size_t members = sds[0].members;
+    auto take = [&](bool without_copies) -> Status {
+      params.clear();
+      names.clear();
+      numels.clear();
+      for (size_t j = 0; j < all.size(); ++j) {
+        if (without_copies && tied[j]) continue;
+        OPTSTATE_ASSIGN_OR_RETURN(const int64_t n, checked_numel(all[j]->dtensor->global_shape));
+        params.push_back(all[j]);
+        names.push_back(all[j]->name);
+        numels.push_back(n);
+      }
+      return Status::Ok();
+    };
+    OPTSTATE_RETURN_IF_ERROR(take(copies > 0 && members == all.size() - copies));
     const std::string where = fmt::format("{} ({} beside {})", path_.string(), rank_pattern(optim_files),
                                           rank_pattern(model_files));
     // Each rank's state by optimizer param id; dense 1-D fp32/bf16 parts only.
@@ -579,8 +598,16 @@ class TorchSaveReader final : public CheckpointReader {
                                        "rank's part to one size", optim_files[f].string(), u, n, shard[u]));
         }
       }
-      OPTSTATE_ASSIGN_OR_RETURN(FlatUnits units, match_flat_units(names, numels, shard, static_cast<int64_t>(world), where));
-      for (size_t j = 0; j < params.size(); ++j) at[j] = {units.unit_of[j], units.offset[j]};
+      auto units = match_flat_units(names, numels, shard, static_cast<int64_t>(world), where);
+      if (!units.ok() && copies > 0) {  // with the tied copies left out
+        OPTSTATE_RETURN_IF_ERROR(take(true));
+        auto again = match_flat_units(names, numels, shard, static_cast<int64_t>(world), where);
+        if (again.ok()) units = std::move(again);
+        else OPTSTATE_RETURN_IF_ERROR(take(false));
+      }
+      if (!units.ok()) return units.status();
+      at.resize(params.size());
+      for (size_t j = 0; j < params.size(); ++j) at[j] = {units->unit_of[j], units->offset[j]};
     }
     size_t weights = 0, groupless = 0;
     for (size_t j = 0; j < params.size(); ++j) {
@@ -677,6 +704,26 @@ class TorchSaveReader final : public CheckpointReader {
       not_read_.push_back(fmt::format("{} param{} without state on any rank (frozen, or never stepped), whose group "
                                       "the files do not say", groupless, groupless == 1 ? "" : "s"));
     return weights;
+  }
+
+  // What the archives tell of model tensor `name`'s bytes without reading them: each rank's part's
+  // storage record (CRC-32, size) where the part is that whole record; none where one is not.
+  std::optional<std::vector<std::pair<uint32_t, uint64_t>>> record_signature(
+      const std::vector<std::pair<ModelDict, size_t>>& models, const std::string& name) const {
+    std::vector<std::pair<uint32_t, uint64_t>> sig;
+    for (const auto& [md, file] : models) {
+      const ModelTensor* t = md.find(name);
+      if (!t) return std::nullopt;
+      const Archive& ar = files_[file];
+      auto it = ar.entries.find(ar.prefix + "/data/" + t->tensor.storage_key);
+      const auto numel = checked_numel(t->tensor.shape);
+      if (it == ar.entries.end() || !numel.ok() || t->tensor.offset != 0 || t->tensor.storage_numel != *numel)
+        return std::nullopt;
+      const zip::Entry& e = ar.index.entries[it->second];
+      if (e.size != static_cast<uint64_t>(*numel) * static_cast<uint64_t>(dtype_size(t->tensor.dtype))) return std::nullopt;
+      sig.emplace_back(e.crc32, e.size);
+    }
+    return sig;
   }
 
   // FSDP1's ranks: the same groups (hyperparameters, member count) in every file; which params

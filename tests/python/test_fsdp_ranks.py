@@ -222,7 +222,7 @@ FSDP1_SCRIPT = textwrap.dedent("""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    orig, amsgrad, out = sys.argv[1] == "orig", sys.argv[2] == "amsgrad", sys.argv[3]
+    orig, amsgrad, tied, out = sys.argv[1] == "orig", sys.argv[2] == "amsgrad", sys.argv[2] == "tied", sys.argv[3]
     torch.manual_seed(0)
 
     class Block(nn.Module):
@@ -237,6 +237,9 @@ FSDP1_SCRIPT = textwrap.dedent("""
         def __init__(self):
             super().__init__()
             self.emb, self.layers, self.head = nn.Embedding(11, 16), nn.ModuleList([Block(), Block()]), nn.Linear(16, 5)
+            if tied:  # the head tied to the embedding, as small Qwen and Llama models have it
+                self.head = nn.Linear(16, 11, bias=False)
+                self.head.weight = self.emb.weight
 
         def forward(self, x):
             x = self.emb(x)
@@ -285,19 +288,22 @@ FSDP1_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("mode,kind,world", [("flat", "adamw", 3), ("orig", "adamw", 3), ("flat", "amsgrad", 2),
-                                             ("orig", "amsgrad", 4), ("orig", "adamw", 2)])
+                                             ("orig", "amsgrad", 4), ("orig", "adamw", 2), ("flat", "tied", 3),
+                                             ("orig", "tied", 2)])
 def test_fsdp1_rank_files_read_as_one_state_by_name(tmp_path, optstate_cli, mode, kind, world):
     """verl's FSDP (FSDP1) checkpoint: every rank's optimizer.state_dict() holds 1-D parts of flat
     parameters -- one per FSDP unit (use_orig_params=False, verl's default), or one per param with
     a run of it or nothing on each rank (use_orig_params=True) -- beside model files of DTensors.
     optstate names and places every element; checked against where FSDP's own metadata puts each
-    rank's run, and the weights against torch's gather."""
+    rank's run, and the weights against torch's gather. A tied head is one param (the embedding's
+    name), as FSDP flattens it once; the model files hold it twice."""
     script = tmp_path / "fsdp1.py"
     script.write_text(FSDP1_SCRIPT)
     out = tmp_path / f"{mode}{kind}{world}"
     torchrun(world, mode, kind, out, script=script)
     doc = json.loads(optstate_cli("inspect", out, "--json").stdout)
-    assert doc["format"] == "torchsave" and len(doc["params"]) == 13
+    assert doc["format"] == "torchsave" and len(doc["params"]) == (11 if kind == "tied" else 13)
+    assert ("head.weight" in doc["params"]) == (kind != "tied")
     assert not any("without state" in line for line in doc["not_read"]), doc["not_read"]
     optstate_cli("validate", out)
     optstate_cli("convert", out, tmp_path / "plain.safetensors")
@@ -312,7 +318,7 @@ def test_fsdp1_rank_files_read_as_one_state_by_name(tmp_path, optstate_cli, mode
     moments = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if kind == "amsgrad" else ("exp_avg", "exp_avg_sq")
     assert checked == sum(got[f"{n}.{k}"].numel() for n in doc["params"] for k in moments)  # every element
     for name, w in torch.load(f"{out}.weights").items():
-        assert torch.equal(got[f"{name}.param"], w), name
+        assert torch.equal(got[f"{name}.param"], w) if name in doc["params"] else name == "head.weight", name
     # as plain torch state: it loads into torch.optim.AdamW over the unwrapped model
     optstate_cli("convert", out, tmp_path / "plain.pt")
     sd = torch.load(tmp_path / "plain.pt")

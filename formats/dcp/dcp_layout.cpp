@@ -64,11 +64,20 @@ std::optional<std::string> str(const Pickle& p, Ref r) {
 
 constexpr const char* kMetaModule = "torch.distributed.checkpoint.metadata";
 
+Result<TensorRef> tensor_args(const Pickle& p, bool v3, Ref args_ref, const std::string& where);
+
 Result<TensorRef> tensor_ref(const Pickle& p, Ref r, const std::string& where) {
   const bool v2 = is_instance(p, r, "torch._utils", "_rebuild_tensor_v2");
   const bool v3 = is_instance(p, r, "torch._utils", "_rebuild_tensor_v3");
   if (!v2 && !v3) return corrupt(fmt::format("{}: expected a tensor (torch._utils._rebuild_tensor_v2/_v3)", where));
-  const auto& args = p.at(p.at(r).args).items;
+  return tensor_args(p, v3, p.at(r).args, where);
+}
+
+// The arguments of _rebuild_tensor_v2 (storage, offset, size, stride, ...) or _v3 (..., dtype).
+Result<TensorRef> tensor_args(const Pickle& p, bool v3, Ref args_ref, const std::string& where) {
+  if (args_ref == kNoRef || (p.at(args_ref).kind != Kind::kTuple && p.at(args_ref).kind != Kind::kList))
+    return corrupt(fmt::format("{}: tensor rebuild without its arguments", where));
+  const auto& args = p.at(args_ref).items;
   if (args.size() < (v3 ? 7u : 4u)) return corrupt(fmt::format("{}: tensor rebuild with too few arguments", where));
   const Ref pid_ref = args[0];
   if (p.at(pid_ref).kind != Kind::kPersId) return corrupt(fmt::format("{}: tensor without a storage", where));
@@ -281,8 +290,20 @@ Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& wh
     return out;
   }
   if (is_instance(p, root, "torch._tensor", "_rebuild_from_type_v2")) {
-    // (func=_rebuild_wrapper_subclass, type=OptimState8bit, args=(cls, dtype, size, stride, ...), state)
     const auto& a = p.at(p.at(root).args).items;
+    // A plain torch.Tensor with Python attributes (FSDP1's state_dict tensors carry
+    // _has_been_cloned): (func=_rebuild_tensor_v2/_v3, type=torch.Tensor, args, state); the
+    // attributes are not the tensor's data.
+    if (a.size() >= 3 && p.is_global(a[1], "torch", "Tensor")) {
+      const bool v2 = p.is_global(a[0], "torch._utils", "_rebuild_tensor_v2");
+      const bool v3 = p.is_global(a[0], "torch._utils", "_rebuild_tensor_v3");
+      if (v2 || v3) {
+        out.kind = Payload::Kind::kTensor;
+        OPTSTATE_ASSIGN_OR_RETURN(out.tensor, tensor_args(p, v3, a[2], where));
+        return out;
+      }
+    }
+    // (func=_rebuild_wrapper_subclass, type=OptimState8bit, args=(cls, dtype, size, stride, ...), state)
     if (a.size() < 4 || !p.is_global(a[0], "torch._utils", "_rebuild_wrapper_subclass") ||
         !p.is_global(a[1], "torchao.optim.subclass_8bit", "OptimState8bit"))
       return corrupt(fmt::format("{}: a tensor subclass other than torchao's OptimState8bit", where));

@@ -283,7 +283,10 @@ class TorchSaveReader final : public CheckpointReader {
         for (const auto& [name, es] : ps.entries) dtensors = dtensors || es.dtensor.has_value();
     for (const auto& [md, file] : models)
       for (const ModelTensor& t : md.tensors) model_dtensors = model_dtensors || t.dtensor.has_value();
-    const bool fsdp1 = !dtensors && model_dtensors;
+    // A one-rank FSDP1 run's model file holds plain tensors (nothing is sharded): its optimizer's
+    // tensors are still flat parts, 1-D and fewer than the model's params or shaped unlike them.
+    const bool fsdp1 = !dtensors && (model_dtensors || (sds.size() == 1 && models.size() == 1 &&
+                                                        flat_parts(sd0, models[0].first)));
     if (sds.size() > 1 && !dtensors && !fsdp1) {
       if (!models.empty())
         return corrupt(fmt::format("{}: {} hold plain tensors and {} no DTensors: not FSDP2's ranks, and FSDP1's "
@@ -527,19 +530,22 @@ class TorchSaveReader final : public CheckpointReader {
     if (models.size() != world)
       return corrupt(fmt::format("{}: {} optimizer files of FSDP1 (plain parts of flat parameters) and {} model files; "
                                  "each rank's model file places its part", path_.string(), world, models.size()));
-    // The model's params: its distinct DTensors in order (buffers are plain). FSDP1 saves a tied
+    bool model_dtensors = false;
+    for (const ModelTensor& t : models[0].first.tensors) model_dtensors = model_dtensors || t.dtensor.has_value();
+    // The model's params: its distinct DTensors in order (buffers are plain; a one-rank run's
+    // file, all plain, gives every tensor: buffers there would not add up). FSDP1 saves a tied
     // weight (lm_head tied to the embedding) once per name, as two objects; FSDP flattened it once.
     // A later DTensor whose every rank's part is a whole storage record of the same size and CRC-32
     // as an earlier one of its shape is such a copy: left out where the params do not add up with it.
     std::vector<const ModelTensor*> all;
     std::set<pickle::Ref> seen;
     for (const ModelTensor& t : models[0].first.tensors)
-      if (t.dtensor && seen.insert(t.ref).second) all.push_back(&t);
+      if ((t.dtensor || !model_dtensors) && seen.insert(t.ref).second) all.push_back(&t);
     std::vector<bool> tied(all.size(), false);
     std::set<std::pair<std::vector<int64_t>, std::vector<std::pair<uint32_t, uint64_t>>>> signatures;
     for (size_t j = 0; j < all.size(); ++j)
       if (auto sig = record_signature(models, all[j]->name))
-        tied[j] = !signatures.emplace(all[j]->dtensor->global_shape, std::move(*sig)).second;
+        tied[j] = !signatures.emplace(global_shape(*all[j]), std::move(*sig)).second;
     const size_t copies = static_cast<size_t>(std::count(tied.begin(), tied.end(), true));
     const size_t members = sds[0].members;
     std::vector<const ModelTensor*> params;
@@ -551,7 +557,7 @@ class TorchSaveReader final : public CheckpointReader {
       numels.clear();
       for (size_t j = 0; j < all.size(); ++j) {
         if (without_copies && tied[j]) continue;
-        OPTSTATE_ASSIGN_OR_RETURN(const int64_t n, checked_numel(all[j]->dtensor->global_shape));
+        OPTSTATE_ASSIGN_OR_RETURN(const int64_t n, checked_numel(global_shape(*all[j])));
         params.push_back(all[j]);
         names.push_back(all[j]->name);
         numels.push_back(n);
@@ -615,7 +621,7 @@ class TorchSaveReader final : public CheckpointReader {
       const int64_t id = at[j].first, offset = at[j].second, numel = numels[j];
       const std::string pw = fmt::format("{} param '{}'", where, fqn);
       ParamState ps;
-      ps.shape = params[j]->dtensor->global_shape;
+      ps.shape = global_shape(*params[j]);
       // Every rank's run of this param, in rank order: (rank, begin in the rank's part, count).
       std::vector<std::tuple<size_t, int64_t, int64_t>> runs;
       std::set<std::string> entries;
@@ -706,6 +712,27 @@ class TorchSaveReader final : public CheckpointReader {
     return weights;
   }
 
+  static const std::vector<int64_t>& global_shape(const ModelTensor& t) {
+    return t.dtensor ? t.dtensor->global_shape : t.tensor.shape;
+  }
+
+  // One optimizer file beside one plain model file: FSDP1's flat parts (every moment 1-D, params
+  // numbered) when the optimizer has fewer params than the model's tensors, or a moment of a param
+  // that the model has with more than one dim.
+  static bool flat_parts(const StateDict& sd, const ModelDict& md) {
+    bool reshaped = false;
+    for (const ParamSpec& ps : sd.params) {
+      if (!numbered(ps.fqn, ps.id)) return false;
+      for (const auto& [name, es] : ps.entries) {
+        if (es.encoding != Encoding::kDense || es.values.shape.size() != 1) return false;
+        if (ps.id >= 0 && static_cast<size_t>(ps.id) < md.tensors.size() &&
+            md.tensors[static_cast<size_t>(ps.id)].tensor.shape.size() > 1)
+          reshaped = true;
+      }
+    }
+    return !sd.params.empty() && (sd.members < md.tensors.size() || reshaped);
+  }
+
   // What the archives tell of model tensor `name`'s bytes without reading them: each rank's part's
   // storage record (CRC-32, size) where the part is that whole record; none where one is not.
   std::optional<std::vector<std::pair<uint32_t, uint64_t>>> record_signature(
@@ -768,19 +795,23 @@ class TorchSaveReader final : public CheckpointReader {
                      std::map<int64_t, std::string>& rename) {
     for (const ParamSpec& ps : sd.params)
       if (!numbered(ps.fqn, ps.id)) return Status::Ok();  // named by param_names
+    // A model file of plain tensors (a one-rank run's): all of them, buffers too (if it has any,
+    // the count tells).
+    bool dtensors = false;
+    for (const ModelTensor& t : md.tensors) dtensors = dtensors || t.dtensor.has_value();
     std::vector<const ModelTensor*> params;
     std::set<pickle::Ref> seen;
     for (const ModelTensor& t : md.tensors)
-      if (t.dtensor && seen.insert(t.ref).second) params.push_back(&t);
+      if ((t.dtensor || !dtensors) && seen.insert(t.ref).second) params.push_back(&t);
     std::string why;
     if (params.size() != sd.members) {
       why = fmt::format("its {} params are not the optimizer's {}", params.size(), sd.members);
     } else {
       for (const ParamSpec& ps : sd.params)
-        if (params[static_cast<size_t>(ps.id)]->dtensor->global_shape != ps.shape) {
+        if (global_shape(*params[static_cast<size_t>(ps.id)]) != ps.shape) {
           why = fmt::format("param {} is '{}' of shape {} there, {} in the optimizer", ps.id,
                             params[static_cast<size_t>(ps.id)]->name,
-                            format_shape(params[static_cast<size_t>(ps.id)]->dtensor->global_shape), format_shape(ps.shape));
+                            format_shape(global_shape(*params[static_cast<size_t>(ps.id)])), format_shape(ps.shape));
           break;
         }
     }

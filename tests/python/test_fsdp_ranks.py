@@ -289,7 +289,7 @@ FSDP1_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("mode,kind,world", [("flat", "adamw", 3), ("orig", "adamw", 3), ("flat", "amsgrad", 2),
                                              ("orig", "amsgrad", 4), ("orig", "adamw", 2), ("flat", "tied", 3),
-                                             ("orig", "tied", 2)])
+                                             ("orig", "tied", 2), ("flat", "adamw", 1), ("orig", "adamw", 1)])
 def test_fsdp1_rank_files_read_as_one_state_by_name(tmp_path, optstate_cli, mode, kind, world):
     """verl's FSDP (FSDP1) checkpoint: every rank's optimizer.state_dict() holds 1-D parts of flat
     parameters -- one per FSDP unit (use_orig_params=False, verl's default), or one per param with

@@ -75,9 +75,13 @@ MAKE_DCP = textwrap.dedent("""
             import optstate
             optstate.save(out + ".native", model, opt)
     if dist_run:
-        # together: torch 2.13 + gloo aborts now and then (SIGABRT) when one rank destroys its group early
+        # together, then out without tearing the group down: torch 2.13 + gloo aborts now and then
+        # (SIGABRT, "terminate called without an active exception") in that teardown
         dist.barrier()
-        dist.destroy_process_group()
+        import os as _os, sys as _sys
+        _sys.stdout.flush()
+        _sys.stderr.flush()
+        _os._exit(0)
 """)
 
 
@@ -232,9 +236,13 @@ MAKE_TORCHTITAN_DCP = textwrap.dedent("""
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=out + ".nested")
     if dist_run:
-        # together: torch 2.13 + gloo aborts now and then (SIGABRT) when one rank destroys its group early
+        # together, then out without tearing the group down: torch 2.13 + gloo aborts now and then
+        # (SIGABRT, "terminate called without an active exception") in that teardown
         dist.barrier()
-        dist.destroy_process_group()
+        import os as _os, sys as _sys
+        _sys.stdout.flush()
+        _sys.stderr.flush()
+        _os._exit(0)
 """)
 
 
@@ -318,8 +326,13 @@ MAKE_PRIME_RL_DCP = textwrap.dedent("""
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=out + ".nested")
     if dist_run:
+        # together, then out without tearing the group down: torch 2.13 + gloo aborts now and then
+        # (SIGABRT, "terminate called without an active exception") in that teardown
         dist.barrier()
-        dist.destroy_process_group()
+        import os as _os, sys as _sys
+        _sys.stdout.flush()
+        _sys.stderr.flush()
+        _os._exit(0)
 """)
 
 RESUME_PRIME_RL = textwrap.dedent("""
@@ -586,9 +599,13 @@ MAKE_TP_DCP = textwrap.dedent("""
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
     if dist.get_rank() == 0:
         torch.save(ref, out + ".ref.pt")
-    # together: torch 2.13 + gloo aborts now and then (SIGABRT) when one rank destroys its group early
+    # together, then out without tearing the group down: torch 2.13 + gloo aborts now and then
+    # (SIGABRT, "terminate called without an active exception") in that teardown
     dist.barrier()
-    dist.destroy_process_group()
+    import os as _os, sys as _sys
+    _sys.stdout.flush()
+    _sys.stderr.flush()
+    _os._exit(0)
 """)
 
 

@@ -12,6 +12,8 @@ import textwrap
 import pytest
 import torch
 
+from test_sharded import gloo_teardown_abort
+
 
 MAKE_DCP = textwrap.dedent("""
     import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
@@ -94,6 +96,8 @@ def run_script(tmp_path, source, name, *args, ranks=1):
     if ranks > 1:
         cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if ranks > 1 and gloo_teardown_abort(proc):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

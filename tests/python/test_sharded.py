@@ -23,8 +23,17 @@ def torchrun(n, *args, script=None, cwd=None):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "tests" / "python"),
                                                                    os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=300, env=env)
+    if gloo_teardown_abort(proc):  # once more, the same work (every script here can run again)
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=300, env=env)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     return proc.stdout
+
+
+def gloo_teardown_abort(proc):
+    """torch 2.13 + gloo aborts now and then as a process exits or tears its group down
+    ("terminate called without an active exception", SIGABRT): torch's own threads (a script with no
+    optstate in it does it too; optstate starts no threads). Such a run is tried once more."""
+    return proc.returncode != 0 and "terminate called without an active exception" in proc.stderr
 
 
 def root(optstate_cli, path):

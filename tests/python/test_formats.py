@@ -77,13 +77,9 @@ MAKE_DCP = textwrap.dedent("""
             import optstate
             optstate.save(out + ".native", model, opt)
     if dist_run:
-        # together, then out without tearing the group down: torch 2.13 + gloo aborts now and then
-        # (SIGABRT, "terminate called without an active exception") in that teardown
+        # together (the rare gloo abort in the teardown is retried by the runner)
         dist.barrier()
-        import os as _os, sys as _sys
-        _sys.stdout.flush()
-        _sys.stderr.flush()
-        _os._exit(0)
+        dist.destroy_process_group()
 """)
 
 
@@ -240,13 +236,9 @@ MAKE_TORCHTITAN_DCP = textwrap.dedent("""
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=out + ".nested")
     if dist_run:
-        # together, then out without tearing the group down: torch 2.13 + gloo aborts now and then
-        # (SIGABRT, "terminate called without an active exception") in that teardown
+        # together (the rare gloo abort in the teardown is retried by the runner)
         dist.barrier()
-        import os as _os, sys as _sys
-        _sys.stdout.flush()
-        _sys.stderr.flush()
-        _os._exit(0)
+        dist.destroy_process_group()
 """)
 
 
@@ -330,13 +322,9 @@ MAKE_PRIME_RL_DCP = textwrap.dedent("""
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=out + ".nested")
     if dist_run:
-        # together, then out without tearing the group down: torch 2.13 + gloo aborts now and then
-        # (SIGABRT, "terminate called without an active exception") in that teardown
+        # together (the rare gloo abort in the teardown is retried by the runner)
         dist.barrier()
-        import os as _os, sys as _sys
-        _sys.stdout.flush()
-        _sys.stderr.flush()
-        _os._exit(0)
+        dist.destroy_process_group()
 """)
 
 RESUME_PRIME_RL = textwrap.dedent("""
@@ -603,13 +591,9 @@ MAKE_TP_DCP = textwrap.dedent("""
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
     if dist.get_rank() == 0:
         torch.save(ref, out + ".ref.pt")
-    # together, then out without tearing the group down: torch 2.13 + gloo aborts now and then
-    # (SIGABRT, "terminate called without an active exception") in that teardown
+    # together (the rare gloo abort in the teardown is retried by the runner)
     dist.barrier()
-    import os as _os, sys as _sys
-    _sys.stdout.flush()
-    _sys.stderr.flush()
-    _os._exit(0)
+    dist.destroy_process_group()
 """)
 
 

@@ -85,13 +85,9 @@ FSDP_SCRIPT = textwrap.dedent("""
         from torch.distributed.checkpoint.state_dict import get_state_dict
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{out}.dcp")
-    # together, then out without tearing the group down: torch 2.13 + gloo aborts now and then
-    # (SIGABRT, "terminate called without an active exception") in that teardown
+    # together (the rare gloo abort in the teardown is retried by the runner)
     dist.barrier()
-    import os as _os, sys as _sys
-    _sys.stdout.flush()
-    _sys.stderr.flush()
-    _os._exit(0)
+    dist.destroy_process_group()
 """)
 
 
@@ -287,13 +283,9 @@ FSDP1_SCRIPT = textwrap.dedent("""
         weights = model.state_dict()
     if rank == 0:
         torch.save(weights, f"{out}.weights")
-    # together, then out without tearing the group down: torch 2.13 + gloo aborts now and then
-    # (SIGABRT, "terminate called without an active exception") in that teardown
+    # together (the rare gloo abort in the teardown is retried by the runner)
     dist.barrier()
-    import os as _os, sys as _sys
-    _sys.stdout.flush()
-    _sys.stderr.flush()
-    _os._exit(0)
+    dist.destroy_process_group()
 """)
 
 

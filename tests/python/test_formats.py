@@ -392,6 +392,15 @@ def test_prime_rl_dcp_reads_converts_and_resumes(tmp_path, optstate_cli, ranks):
     assert "app.progress (2 items)" in optstate_cli("inspect", copy).stdout
     run_script(tmp_path, RESUME_PRIME_RL, "resume_prime.py", copy, tmp_path / "ref.pt")
     run_script(tmp_path, RESUME_PRIME_RL, "resume_prime.py", out, tmp_path / "ref.pt")  # the check itself
+    # optstate's own optimizer resumes from it too (optstate.load reads any DCP layout it reads)
+    import optstate
+    model = torch.nn.Sequential(torch.nn.Linear(64, 97), torch.nn.GELU(), torch.nn.Linear(97, 4))
+    opt = optstate.FusedAdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    optstate.load(out, model, opt)
+    assert optstate.verify(out, model, opt) == []
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), ref[f"{name}.param"]), name
+        assert torch.equal(opt.state[p]["exp_avg"], ref[f"{name}.exp_avg"]), name
 
 
 RESUME_TORCHTITAN = textwrap.dedent("""

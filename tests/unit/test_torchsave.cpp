@@ -22,6 +22,15 @@ size_t get_u16(const std::string& s, size_t at) {
   return static_cast<uint8_t>(s[at]) | static_cast<size_t>(static_cast<uint8_t>(s[at + 1])) << 8;
 }
 
+// Two readers of one state: the same root and entry hashes.
+void check_same_hashes(CheckpointReader& x, CheckpointReader& y) {
+  auto a = hash_checkpoint(x), b = hash_checkpoint(y);
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  CHECK(a->root == b->root);
+  CHECK(a->entries == b->entries);
+}
+
 std::unique_ptr<CheckpointReader> open_seed(const char* name) {
   auto r = open_checkpoint(kSeeds / name);
   REQUIRE_MESSAGE(r.ok(), r.status().message());
@@ -251,11 +260,7 @@ TEST_CASE("torchsave: FSDP2's per-rank files (verl's layout) read as the state t
   // The same state, put together by torch (DTensor.full_tensor()) into one file, hashes alike.
   auto full = open_checkpoint(kSeeds / "fsdp2_world2_full.pt");
   REQUIRE(full.ok());
-  auto a = hash_checkpoint(**r), b = hash_checkpoint(**full);
-  REQUIRE(a.ok());
-  REQUIRE(b.ok());
-  CHECK(a->root == b->root);
-  CHECK(a->entries == b->entries);
+  check_same_hashes(**r, **full);
   // A rank's part of a row: read_range reads across both ranks' files.
   std::vector<float> rows(16 * 2);
   REQUIRE((*r)->read_range("0.weight", kExpAvg, Component::kValues, 16 * 16, 16 * 18, std::as_writable_bytes(std::span(rows))).ok());
@@ -287,11 +292,7 @@ TEST_CASE("torchsave: FSDP1's per-rank files (flat parameters, or runs of each p
     // The same state put together from FSDP's own flat-parameter metadata hashes alike.
     auto full = open_checkpoint(kSeeds / (std::string(name) + "_full.pt"));
     REQUIRE(full.ok());
-    auto a = hash_checkpoint(**r), b = hash_checkpoint(**full);
-    REQUIRE(a.ok());
-    REQUIRE(b.ok());
-    CHECK(a->root == b->root);
-    CHECK(a->entries == b->entries);
+    check_same_hashes(**r, **full);
     // A range across both ranks' parts of the root's flat parameter (emb.weight is 40 elements).
     std::vector<float> got(30), want(30);
     REQUIRE((*r)->read_range("emb.weight", kExpAvgSq, Component::kValues, 5, 35, std::as_writable_bytes(std::span(got))).ok());

@@ -24,26 +24,31 @@ const FormatDriver* find_format(std::string_view name) {
 
 namespace {
 
-// For a directory that is no checkpoint itself but holds checkpoint files (Hugging Face's
-// checkpoint-500/ holds optimizer.pt beside model.safetensors and trainer_state.json): "; it holds
-// <name> (<format>)", naming what opens, of the first entries; else nothing.
+// For a directory that is no checkpoint itself but holds checkpoints (Hugging Face's checkpoint-500/
+// holds optimizer.pt beside model.safetensors and trainer_state.json; under FSDP with sharded state
+// dicts, Accelerate's optimizer_0/ DCP beside pytorch_model_fsdp_0/, a DCP of weights only):
+// "; it holds <name> (<format>)", naming what opens, of the first entries; else nothing.
 std::string checkpoints_inside(const std::filesystem::path& dir) {
   namespace fs = std::filesystem;
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return "";
   std::vector<std::string> found;
+  bool any_directory = false;
   int looked = 0;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end && looked < 64; it.increment(ec), ++looked) {
-    if (!it->is_regular_file(ec)) continue;
+    const bool is_directory = it->is_directory(ec);
+    if (!is_directory && !it->is_regular_file(ec)) continue;
     for (const FormatDriver* d : format_drivers())
       if (d->sniff(it->path()) && d->open(it->path()).ok()) {
-        found.push_back(fmt::format("{} ({})", it->path().filename().string(), d->name()));
+        found.push_back(fmt::format("{}{} ({})", it->path().filename().string(), is_directory ? "/" : "", d->name()));
+        any_directory = any_directory || is_directory;
         break;
       }
   }
   if (found.empty()) return "";
   std::sort(found.begin(), found.end());
-  return fmt::format("; it holds {}: pass that file", fmt::join(found, ", "));
+  return fmt::format("; it holds {}: pass {}", fmt::join(found, ", "),
+                     found.size() > 1 ? "one of them" : any_directory ? "that directory" : "that file");
 }
 
 }  // namespace

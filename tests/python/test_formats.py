@@ -923,3 +923,99 @@ def test_dcp_of_a_module_named_state_keeps_its_weights(tmp_path, optstate_cli):
     got = st_load(tmp_path / "st.safetensors")
     for name, w in torch.load(str(out) + ".weights.pt").items():
         assert torch.equal(got[name + ".param"], w), name
+
+
+MAKE_ACCELERATE_DCP = textwrap.dedent("""
+    # What Hugging Face Accelerate (and so the Trainer) saves under FSDP1 with SHARDED_STATE_DICT:
+    # checkpoint-N/optimizer_0/, a DCP of {"optimizer": FSDP.optim_state_dict(model, opt)} (keyed by
+    # fqn; ShardedTensors, or DTensors when FSDP has a device_mesh), beside pytorch_model_fsdp_0/, a
+    # DCP of {"model": model.state_dict()}. Nested units; rows that leave an uneven last shard.
+    import os, sys, torch, torch.distributed as dist, torch.nn as nn
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+    from torch.distributed.fsdp import ShardedStateDictConfig, ShardedOptimStateDictConfig
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.tensor import DTensor
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    orig, with_mesh, out = sys.argv[1] == "orig", sys.argv[2] == "mesh", sys.argv[3]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 25), nn.ReLU(), nn.Linear(25, 5))
+    kwargs = {}
+    if with_mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+        kwargs["device_mesh"] = init_device_mesh("cpu", (world,))
+    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=orig,
+                 device_id=torch.device("cpu"), **kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        model(torch.randn(4, 16, generator=g)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),
+                              ShardedOptimStateDictConfig()):
+        osd = FSDP.optim_state_dict(model, opt)
+        dcp.save({"optimizer": osd}, checkpoint_id=f"{out}/optimizer_0")
+        dcp.save({"model": model.state_dict()}, checkpoint_id=f"{out}/pytorch_model_fsdp_0")
+    # The reference: each sharded moment put together by torch itself (ShardedTensor.gather,
+    # DTensor.full_tensor), independently of the DCP files.
+    ref = {}
+    for fqn, st in osd["state"].items():
+        for k, v in st.items():
+            if k == "step":
+                ref[f"{fqn}.step"] = float(v)
+                continue
+            assert isinstance(v, DTensor) == with_mesh, type(v)
+            if with_mesh:
+                full = v.full_tensor()
+            else:
+                full = torch.zeros(v.size()) if rank == 0 else None
+                v.gather(0, full)
+            ref[f"{fqn}.{k}"] = full
+    if rank == 0:
+        torch.save(ref, f"{out}.ref")
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize("mode,mesh", [("flat", "sharded_tensor"), ("orig", "sharded_tensor"), ("flat", "mesh")])
+def test_accelerate_fsdp1_sharded_dcp_reads_as_the_state_torch_gathers(tmp_path, optstate_cli, mode, mesh):
+    """The optimizer_0/ DCP of an Accelerate (Hugging Face Trainer) FSDP1 run reads as the state torch
+    gathers from its own shards, by name; it converts to a torch.optim.AdamW state_dict that loads
+    over the unwrapped model; the checkpoint folder itself is refused, naming optimizer_0/."""
+    out = tmp_path / "checkpoint-3"
+    run_script(tmp_path, MAKE_ACCELERATE_DCP, "accelerate_fsdp1.py", mode, mesh, out, ranks=2)
+    ref = torch.load(str(out) + ".ref")
+    r = optstate_cli("inspect", out, check=False)
+    assert r.returncode == 2 and "it holds optimizer_0/ (dcp): pass that directory" in r.stderr, r.stderr
+    ck = out / "optimizer_0"
+    import json
+    doc = json.loads(optstate_cli("inspect", ck, "--json").stdout)
+    assert doc["format"] == "dcp" and sorted(doc["params"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    optstate_cli("validate", ck)
+    optstate_cli("convert", ck, tmp_path / "plain.safetensors")
+    got = st_load(tmp_path / "plain.safetensors")
+    moments = [k for k in ref if not k.endswith(".step")]
+    assert len(moments) == 8
+    for k in moments:
+        assert torch.equal(got[k], ref[k]), k
+    # plain torch state, keyed by name: it loads into torch.optim.AdamW over the unwrapped model
+    optstate_cli("convert", ck, tmp_path / "plain.pt")
+    sd = torch.load(tmp_path / "plain.pt")  # no weights in optimizer_0/: the optimizer's state_dict alone
+    model = torch.nn.Sequential(torch.nn.Linear(16, 25), torch.nn.ReLU(), torch.nn.Linear(25, 5))
+    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-2, weight_decay=0.1)
+    opt.load_state_dict(sd)
+    names = {p: n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        assert float(st["step"]) == ref[f"{names[p]}.step"] == 3.0
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[k], ref[f"{names[p]}.{k}"]), (names[p], k)
+    # DCP -> DCP keeps Accelerate's key and the values
+    optstate_cli("convert", ck, tmp_path / "again", "--format", "dcp")
+    assert hashes(optstate_cli, tmp_path / "again") == hashes(optstate_cli, ck)
+    from torch.distributed.checkpoint import FileSystemReader
+    keys = [set(FileSystemReader(str(d)).read_metadata().state_dict_metadata) for d in (ck, tmp_path / "again")]
+    assert keys[0] == keys[1] and "optimizer.state.0.weight.exp_avg" in keys[0]

@@ -1,5 +1,8 @@
 #include "adamw8bit.h"
 
+#include "archive.h"
+#include "torch_bridge.h"
+
 #include <map>
 
 #include <ATen/ATen.h>
@@ -36,6 +39,25 @@ Moment8bit zero_moment(const at::Tensor& p, int64_t block) {
     m.values = at::zeros(p.sizes(), p.options().dtype(at::kFloat));
   }
   return m;
+}
+
+// The kernels take raw pointers: state set by hand (or loaded elsewhere) must fit its param.
+void check_state_fits(const AdamW8bitParamState& st, const at::Tensor& p) {
+  const int64_t block = st.block_size();
+  TORCH_CHECK(block >= 0 && block <= (1 << 20), "AdamW8bit: invalid state block_size ", block);
+  const int64_t blocks = block > 0 ? (p.numel() + block - 1) / block : 0;
+  auto fits = [&](const at::Tensor& t, at::ScalarType dtype, int64_t numel) {
+    return t.defined() && t.device() == p.device() && t.scalar_type() == dtype && t.numel() == numel &&
+           t.is_contiguous();
+  };
+  for (const Moment8bit* m : {&st.exp_avg(), &st.exp_avg_sq(), &st.max_exp_avg_sq()}) {
+    if (!m->defined()) continue;
+    const bool ok = block > 0 ? fits(m->codes, at::kByte, p.numel()) && fits(m->absmax, at::kFloat, blocks)
+                              : fits(m->values, at::kFloat, p.numel());
+    TORCH_CHECK(ok, "AdamW8bit: the state of a param of ", p.numel(), " elements on ", p.device(),
+                " does not fit it (block_size ", block, ": uint8 codes of as many elements and one float32 absmax",
+                " per block, or float32 values when 0, contiguous, on the param's device)");
+  }
 }
 }  // namespace
 
@@ -99,6 +121,7 @@ at::Tensor AdamW8bit::step(LossClosure closure) {
       if (!slot) slot = std::make_unique<AdamW8bitParamState>(zero_state(p, o));
       auto& st = static_cast<AdamW8bitParamState&>(*slot);
       if (o.amsgrad() && !st.max_exp_avg_sq().defined()) st.max_exp_avg_sq(zero_moment(p, st.block_size()));
+      check_state_fits(st, p);
       const int64_t done = st.step();
       st.step(done + 1);
       if (p.is_cuda()) {
@@ -161,5 +184,19 @@ int64_t AdamW8bit::step_count(const at::Tensor& param) const {
 }
 
 void AdamW8bit::sync_step_counts() { DeviceSteps::sync<AdamW8bitParamState>(*this, device_steps_.get()); }
+
+void AdamW8bit::save(torch::serialize::OutputArchive& archive) const {
+  const auto state = export_state(*this, numbered_names(*this), /*include_params=*/false);
+  TORCH_CHECK(state.ok(), "AdamW8bit::save: ", state.status().message());
+  const auto& o = static_cast<const AdamW8bitOptions&>(param_groups().at(0).options());
+  write_archive(archive, *this, *state, {{"block_size", o.block_size()}, {"min_8bit_size", o.min_8bit_size()}});
+}
+
+void AdamW8bit::load(torch::serialize::InputArchive& archive) {
+  const auto state = read_archive(archive, *this);
+  TORCH_CHECK(state.ok(), "AdamW8bit::load: ", state.status().message());
+  const Status done = import_state(*this, numbered_names(*this), *state, /*load_params=*/false);
+  TORCH_CHECK(done.ok(), "AdamW8bit::load: ", done.message());
+}
 
 }  // namespace optstate::optim

@@ -73,6 +73,13 @@ class AdamW8bit : public torch::optim::Optimizer {
   int64_t step_count(const at::Tensor& param) const;
   void sync_step_counts();
 
+  // torch::save(optimizer, path) / torch::load(optimizer, path): LibTorch's optimizer archive in
+  // torch::optim::AdamW's layout (archive.h). An archive of torch::optim::AdamW loads here, and
+  // dense moments of 8-bit-eligible params are quantized; 8-bit moments are stored as codes +
+  // absmax. load checks the whole archive before it changes anything.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
   // New zero state for a parameter of `numel` global elements (8-bit when numel >= min_8bit_size).
   static AdamW8bitParamState zero_state(const at::Tensor& p, const AdamW8bitOptions& o);
 

@@ -6,8 +6,10 @@
 #include <ATen/core/grad_mode.h>
 
 #include "adamw_kernel.h"
+#include "archive.h"
 #include "cuda_step.h"
 #include "device_steps.h"
+#include "torch_bridge.h"
 
 namespace optstate::optim {
 
@@ -84,6 +86,12 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
       }
       auto& st = static_cast<FusedAdamWParamState&>(*slot);
       if (o.amsgrad() && !st.max_exp_avg_sq().defined()) st.max_exp_avg_sq(at::zeros_like(st.exp_avg_sq()));
+      // The kernels take raw pointers: state set by hand (or loaded elsewhere) must fit its param.
+      for (const at::Tensor* m : {&st.exp_avg(), &st.exp_avg_sq(), &st.max_exp_avg_sq()})
+        TORCH_CHECK(!m->defined() || (m->device() == p.device() && m->scalar_type() == at::kFloat &&
+                                      m->numel() == p.numel() && m->is_contiguous()),
+                    "FusedAdamW: the state of a param of ", p.numel(), " elements on ", p.device(),
+                    " must be contiguous float32 tensors of as many elements on the same device");
       const int64_t done = st.step();
       st.step(done + 1);
       if (p.is_cuda()) {
@@ -125,5 +133,18 @@ int64_t FusedAdamW::step_count(const at::Tensor& param) const {
 }
 
 void FusedAdamW::sync_step_counts() { DeviceSteps::sync<FusedAdamWParamState>(*this, device_steps_.get()); }
+
+void FusedAdamW::save(torch::serialize::OutputArchive& archive) const {
+  const auto state = export_state(*this, numbered_names(*this), /*include_params=*/false);
+  TORCH_CHECK(state.ok(), "FusedAdamW::save: ", state.status().message());
+  write_archive(archive, *this, *state, {});
+}
+
+void FusedAdamW::load(torch::serialize::InputArchive& archive) {
+  const auto state = read_archive(archive, *this);
+  TORCH_CHECK(state.ok(), "FusedAdamW::load: ", state.status().message());
+  const Status done = import_state(*this, numbered_names(*this), *state, /*load_params=*/false);
+  TORCH_CHECK(done.ok(), "FusedAdamW::load: ", done.message());
+}
 
 }  // namespace optstate::optim

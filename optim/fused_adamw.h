@@ -67,6 +67,12 @@ class FusedAdamW : public torch::optim::Optimizer {
   int64_t step_count(const at::Tensor& param) const;
   void sync_step_counts();
 
+  // torch::save(optimizer, path) / torch::load(optimizer, path): LibTorch's optimizer archive in
+  // torch::optim::AdamW's layout (archive.h). An archive of torch::optim::AdamW loads here, and one
+  // of FusedAdamW into torch::optim::AdamW; load checks the whole archive before it changes anything.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
  private:
   std::shared_ptr<DeviceSteps> device_steps_;  // float32 step counters of CUDA params
 };

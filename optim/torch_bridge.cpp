@@ -242,11 +242,11 @@ Status import_state(FusedAdamW& opt, const std::vector<std::string>& names, cons
       st->step(ps.step);
       OPTSTATE_ASSIGN_OR_RETURN(at::Tensor m, load(kExpAvg));
       OPTSTATE_ASSIGN_OR_RETURN(at::Tensor v, load(kExpAvgSq));
-      st->exp_avg(m);
-      st->exp_avg_sq(v);
+      st->exp_avg(m.to(p.device()));  // the state lives on its param's device, as a step makes it
+      st->exp_avg_sq(v.to(p.device()));
       if (ps.entries.count(kMaxExpAvgSq)) {
         OPTSTATE_ASSIGN_OR_RETURN(at::Tensor mx, load(kMaxExpAvgSq));
-        st->max_exp_avg_sq(mx);
+        st->max_exp_avg_sq(mx.to(p.device()));
       }
       pp.state = std::move(st);
     }
@@ -274,16 +274,20 @@ Entry blockwise_entry(const Moment8bit& m, int64_t block, const char* qmap) {
   return e;
 }
 
-Result<Moment8bit> moment_of(const Entry& e, const std::vector<int64_t>& shape) {
+// One moment on `device` (its param's, as a step makes it).
+Result<Moment8bit> moment_of(const Entry& e, const std::vector<int64_t>& shape, const at::Device& device) {
   Moment8bit m;
   if (e.encoding == Encoding::kDense) {
     OPTSTATE_ASSIGN_OR_RETURN(m.values, tensor_of(e.values, DType::kF32, shape));
+    m.values = m.values.to(device);
     return m;
   }
   OPTSTATE_ASSIGN_OR_RETURN(int64_t numel, checked_numel(shape));
   OPTSTATE_ASSIGN_OR_RETURN(m.codes, tensor_of(e.codes, DType::kU8, shape));
   OPTSTATE_ASSIGN_OR_RETURN(m.absmax,
                             tensor_of(e.absmax, DType::kF32, {component_count(e, Component::kAbsmax, numel)}));
+  m.codes = m.codes.to(device);
+  m.absmax = m.absmax.to(device);
   return m;
 }
 
@@ -344,12 +348,12 @@ Status import_state(AdamW8bit& opt, const std::vector<std::string>& names, const
       auto st = std::make_unique<AdamW8bitParamState>();
       st->step(ps.step);
       st->block_size(ps.entries.at(kExpAvg).encoding == Encoding::kBlockwise8 ? o0.block_size() : 0);
-      OPTSTATE_ASSIGN_OR_RETURN(Moment8bit m, moment_of(ps.entries.at(kExpAvg), ps.shape));
-      OPTSTATE_ASSIGN_OR_RETURN(Moment8bit v, moment_of(ps.entries.at(kExpAvgSq), ps.shape));
+      OPTSTATE_ASSIGN_OR_RETURN(Moment8bit m, moment_of(ps.entries.at(kExpAvg), ps.shape, p.device()));
+      OPTSTATE_ASSIGN_OR_RETURN(Moment8bit v, moment_of(ps.entries.at(kExpAvgSq), ps.shape, p.device()));
       st->exp_avg(m);
       st->exp_avg_sq(v);
       if (ps.entries.count(kMaxExpAvgSq)) {
-        OPTSTATE_ASSIGN_OR_RETURN(Moment8bit x, moment_of(ps.entries.at(kMaxExpAvgSq), ps.shape));
+        OPTSTATE_ASSIGN_OR_RETURN(Moment8bit x, moment_of(ps.entries.at(kMaxExpAvgSq), ps.shape, p.device()));
         st->max_exp_avg_sq(x);
       }
       pp.state = std::move(st);

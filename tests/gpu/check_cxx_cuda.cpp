@@ -2,7 +2,8 @@
 // build so it cannot rot): FusedAdamW and AdamW8bit stepping CUDA params give the bits the same
 // optimizers give on CPU params — params, moments, codes, scales, step counts — over steps with
 // fresh gradients, including a state whose step count is changed between steps (as a load does:
-// the device step counters must follow), with gradients at new addresses every step (one device
+// the device step counters must follow) and a torch::save / torch::load round trip into a new
+// optimizer of the GPU params, with gradients at new addresses every step (one device
 // work list per optimizer all the same). Where LibTorch has CUDA it also captures a step in a CUDA
 // graph with lr_tensor on the GPU and changes the lr (set_lr, as LibTorch's schedulers do) before
 // each replay. And the step-dependent scalars the kernels compute on the device equal the CPU
@@ -11,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
+#include <torch/serialize.h>
 
 #if defined(OPTSTATE_CXX_CUDA_GRAPHS)
 #include <ATen/cuda/CUDAGraph.h>
@@ -21,6 +23,8 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -75,19 +79,30 @@ template <class Opt, class State>
 bool run_case(const std::string& name, at::ScalarType dtype, std::function<Opt(std::vector<at::Tensor>)> make,
               std::function<std::vector<at::Tensor>(State&)> tensors_of) {
   auto cpu = make_params(dtype, at::kCPU), gpu = make_params(dtype, at::Device(at::kCUDA, 0));
-  Opt a = make(cpu), b = make(gpu);
+  Opt a = make(cpu), b0 = make(gpu);
+  Opt* live = &b0;
+  std::optional<Opt> loaded;
   std::vector<at::Tensor> keep;
   const size_t plans_before = optstate::optim::cuda_plan_count();
   for (int step = 0; step < 4; ++step) {
     set_grads(cpu, gpu, step, keep);
-    if (step == 2)  // a changed step count (as after a load): both sides continue from step 7
+    if (step == 2) {  // a changed step count (as after a load): both sides continue from step 7
       for (size_t i = 0; i < cpu.size(); ++i) {
         static_cast<State&>(*a.state()[cpu[i].unsafeGetTensorImpl()]).step(7);
-        static_cast<State&>(*b.state()[gpu[i].unsafeGetTensorImpl()]).step(7);
+        static_cast<State&>(*b0.state()[gpu[i].unsafeGetTensorImpl()]).step(7);
       }
+      // and the GPU side goes on in a new optimizer, torch::load'ed from b0's torch::save archive
+      // (CPU tensors in the archive; the state must land on the params' GPU)
+      std::stringstream archive;
+      torch::save(b0, archive);
+      loaded.emplace(make(gpu));
+      torch::load(*loaded, archive);
+      live = &*loaded;
+    }
     a.step();
-    b.step();
+    live->step();
   }
+  Opt& b = *live;
   int64_t diff = 0, total = 0;
   for (size_t i = 0; i < cpu.size(); ++i) {
     diff += differing(cpu[i].detach(), gpu[i].detach());
@@ -242,7 +257,7 @@ int main() {
     std::printf("no CUDA device\n");
     return 2;
   }
-  std::printf("== LibTorch optimizers: CUDA params vs CPU params, 4 steps (step count changed after 2)\n");
+  std::printf("== LibTorch optimizers: CUDA params vs CPU params, 4 steps (step count changed and the GPU side saved and loaded after 2)\n");
   bool ok = true;
   const auto dense_state = [](FusedAdamWParamState& s) {
     return std::vector<at::Tensor>{s.exp_avg(), s.exp_avg_sq(), s.max_exp_avg_sq()};

@@ -60,7 +60,8 @@ struct ArchiveIndex {
   zip::CentralDirectory cd;
   std::vector<zip::Entry> entries;
 };
-Result<ArchiveIndex> read_archive_index(const InputFile& file, const StorageLoc& loc, const std::string& where);
+Result<ArchiveIndex> read_archive_index(const InputFile& file, const StorageLoc& loc, const std::string& where,
+                                        bool allow_compressed = false);
 
 // One torch.save archive written to `out` from its current offset, laid out as torch.save lays it
 // out (folder "archive"): begin() writes data.pkl and the small records, storage() each

@@ -843,7 +843,8 @@ class DcpDriver final : public FormatDriver {
 
 }  // namespace
 
-Result<ArchiveIndex> read_archive_index(const InputFile& file, const StorageLoc& loc, const std::string& where) {
+Result<ArchiveIndex> read_archive_index(const InputFile& file, const StorageLoc& loc, const std::string& where,
+                                        bool allow_compressed) {
   std::vector<std::byte> tail(std::min<uint64_t>(loc.length, zip::kMaxTailBytes));
   OPTSTATE_RETURN_IF_ERROR(file.read_at(loc.offset + loc.length - tail.size(), tail).with_context(where));
   ArchiveIndex index;
@@ -851,7 +852,7 @@ Result<ArchiveIndex> read_archive_index(const InputFile& file, const StorageLoc&
   if (index.cd.size > kMaxPickleBytes) return corrupt(where + ": zip central directory too large");
   std::vector<std::byte> cdb(index.cd.size);
   OPTSTATE_RETURN_IF_ERROR(file.read_at(loc.offset + index.cd.offset, cdb).with_context(where));
-  OPTSTATE_ASSIGN_OR_RETURN(index.entries, zip::parse_central_directory(cdb, index.cd, where));
+  OPTSTATE_ASSIGN_OR_RETURN(index.entries, zip::parse_central_directory(cdb, index.cd, where, allow_compressed));
   return index;
 }
 

@@ -62,7 +62,7 @@ Result<CentralDirectory> find_central_directory(std::span<const std::byte> tail,
 }
 
 Result<std::vector<Entry>> parse_central_directory(std::span<const std::byte> b, const CentralDirectory& cd,
-                                                   const std::string& where) {
+                                                   const std::string& where, bool allow_compressed) {
   std::vector<Entry> out;
   std::set<std::string> names;
   size_t at = 0;
@@ -95,11 +95,11 @@ Result<std::vector<Entry>> parse_central_directory(std::span<const std::byte> b,
       }
       xa += 4 + len;
     }
-    if (e.method != 0)
+    if (e.method != 0 && !allow_compressed)
       return corrupt(fmt::format("{}: zip entry '{}' is compressed (method {}); torch.save stores entries", where,
                                  e.name, e.method));
-    if (csize != usize) return corrupt(fmt::format("{}: zip entry '{}' sizes disagree", where, e.name));
-    e.size = usize;
+    if (e.method == 0 && csize != usize) return corrupt(fmt::format("{}: zip entry '{}' sizes disagree", where, e.name));
+    e.size = csize;
     e.local_header_offset = offset;
     if (offset >= cd.offset || e.size > cd.offset - offset)
       return corrupt(fmt::format("{}: zip entry '{}' [{}, +{}) overlaps the central directory", where, e.name, offset,

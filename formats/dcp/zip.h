@@ -25,7 +25,7 @@ struct Entry {
   std::string name;
   uint16_t method = 0;
   uint32_t crc32 = 0;
-  uint64_t size = 0;                 // stored entries: compressed == uncompressed
+  uint64_t size = 0;                 // stored entries: compressed == uncompressed; else the bytes on disk
   uint64_t local_header_offset = 0;
 };
 
@@ -33,9 +33,11 @@ struct Entry {
 Result<CentralDirectory> find_central_directory(std::span<const std::byte> tail, uint64_t archive_size,
                                                 const std::string& where);
 // `bytes` is the central directory itself. Every entry must be stored (method 0), named once, and
-// lie before the central directory.
+// lie before the central directory. With `allow_compressed`, compressed entries are listed too
+// (LibTorch's TorchScript archives deflate their code/ records, which optstate never reads); a
+// caller that reads an entry checks that it is stored.
 Result<std::vector<Entry>> parse_central_directory(std::span<const std::byte> bytes, const CentralDirectory& cd,
-                                                   const std::string& where);
+                                                   const std::string& where, bool allow_compressed = false);
 // The offset of an entry's data from the 30 fixed bytes of its local header; checked against the
 // central directory's offset (where the data must end).
 Result<uint64_t> data_offset(std::span<const std::byte> local_header30, const Entry& e, uint64_t cd_offset,

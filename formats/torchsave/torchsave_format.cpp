@@ -50,11 +50,17 @@ Result<std::pair<Archive, pickle::Pickle>> open_archive(const fs::path& path) {
   Archive a{path, std::move(f), {}, {}, {}};
   dcp::StorageLoc whole;
   whole.length = a.file.size();
-  OPTSTATE_ASSIGN_OR_RETURN(a.index, dcp::read_archive_index(a.file, whole, where));
+  // LibTorch's TorchScript archives deflate their code/ records (never read here); the records
+  // that are read, data.pkl and the storages, must be stored.
+  OPTSTATE_ASSIGN_OR_RETURN(a.index, dcp::read_archive_index(a.file, whole, where, /*allow_compressed=*/true));
   // data.pkl names the archive's folder; every storage is <folder>/data/<key>.
   const zip::Entry* pkl = nullptr;
   for (const zip::Entry& e : a.index.entries) {
     const auto slash = e.name.find('/');
+    if (e.method != 0 && slash != std::string::npos &&
+        (e.name.substr(slash) == "/data.pkl" || e.name.compare(slash, 6, "/data/") == 0))
+      return corrupt(fmt::format("{}: zip entry '{}' is compressed (method {}); torch.save stores entries", where,
+                                 e.name, e.method));
     if (slash != std::string::npos && e.name.substr(slash) == "/data.pkl") {
       if (pkl) return corrupt(where + ": two data.pkl records; not one torch.save archive");
       pkl = &e;
@@ -266,6 +272,13 @@ class TorchSaveReader final : public CheckpointReader {
       OPTSTATE_ASSIGN_OR_RETURN(StateDict sd, interpret_state_dict(ap.second, f.string()));
       sds.push_back(std::move(sd));
     }
+    // A LibTorch archive's sizes (tensors) must say what it lists.
+    for (size_t f = 0; f < sds.size(); ++f)
+      for (const DeclaredCount& dc : sds[f].counts) {
+        OPTSTATE_ASSIGN_OR_RETURN(const double n, value_of(f, dc.value, dc.where));
+        if (n != static_cast<double>(dc.listed))
+          return corrupt(fmt::format("{} is {}, but {} are listed", dc.where, n, dc.listed));
+      }
     const StateDict& sd0 = sds[0];
     const std::string w0 = optim_files[0].string();
     std::vector<std::pair<ModelDict, size_t>> models;  // (dict, archive index)
@@ -1139,7 +1152,8 @@ class TorchSaveDriver final : public FormatDriver {
  public:
   std::string_view name() const override { return "torchsave"; }
 
-  // A zip whose first record is <folder>/data.pkl: torch.save writes data.pkl first.
+  // A zip whose first record is <folder>/data.pkl: torch.save writes data.pkl first; LibTorch's
+  // torch::save (a TorchScript archive) writes the storages first, <folder>/data/0.
   // A directory: a file of a per-rank set is there (an "optim" name ending in its rank, .pt), so
   // that one without rank 0's file is named as such rather than taken for no checkpoint.
   bool sniff(const fs::path& path) const override {
@@ -1162,7 +1176,9 @@ class TorchSaveDriver final : public FormatDriver {
     const size_t name_len = static_cast<size_t>(h[26]) | static_cast<size_t>(h[27]) << 8;
     if (name_len < 9 || 30 + name_len > n) return false;
     const std::string_view name(reinterpret_cast<const char*>(h + 30), name_len);
-    return name.ends_with("/data.pkl");
+    if (name.ends_with("/data.pkl")) return true;
+    const auto slash = name.find('/');
+    return slash != std::string_view::npos && name.substr(slash) == "/data/0";
   }
 
   Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {

@@ -28,7 +28,7 @@ inline std::optional<std::string> with_pickle_crc(const std::string& in) {
   const uint64_t n = in.size();
   auto cd = zip::find_central_directory(bytes.subspan(n - std::min<uint64_t>(n, zip::kMaxTailBytes)), n, "fuzz");
   if (!cd.ok() || cd->offset > n || cd->size > n - cd->offset) return std::nullopt;
-  auto entries = zip::parse_central_directory(bytes.subspan(cd->offset, cd->size), *cd, "fuzz");
+  auto entries = zip::parse_central_directory(bytes.subspan(cd->offset, cd->size), *cd, "fuzz", /*allow_compressed=*/true);
   if (!entries.ok()) return std::nullopt;
   for (const zip::Entry& e : *entries) {
     if (!e.name.ends_with("/data.pkl") || e.local_header_offset > n || n - e.local_header_offset < 30) continue;

@@ -176,6 +176,229 @@ Result<LocalValue> local_value(const Pickle& p, Ref r, const std::string& where)
   return out;
 }
 
+
+// ---- LibTorch's optimizer archive (torch::save(optimizer, path) in C++) ----
+//
+// A TorchScript module saved by torch::serialize::OutputArchive: every archive level is a
+// `__torch__[.___torch_mangle_N].Module` object (NEWOBJ + BUILD of its attributes). The optimizer's:
+// {"pytorch_version": "1.5.0", "state": {<key>: {"step": int, "exp_avg": tensor, ...}},
+//  "param_groups": {"param_groups/size": tensor, "param_groups/<i>": {"params/size": tensor,
+//  "params/<j>": <key>, "options": {"lr", "betas", "eps", "weight_decay", "amsgrad", ...}}}},
+// <key> the decimal address of the param's TensorImpl when it was saved (it pairs state and groups).
+
+bool is_script_module(const Pickle& p, Ref r) {
+  if (r == kNoRef) return false;
+  const auto& v = p.at(r);
+  if (v.kind != Kind::kObject || !v.newobj || v.callable == kNoRef) return false;
+  const auto& c = p.at(v.callable);
+  return c.kind == Kind::kGlobal && (c.s == "__torch__" || c.s.starts_with("__torch__.")) && c.name == "Module";
+}
+
+// A module's attributes, in order (k0, v0, k1, v1, ...); nullptr when `r` is no module.
+const std::vector<Ref>* module_attrs(const Pickle& p, Ref r) {
+  if (!is_script_module(p, r)) return nullptr;
+  return dict_items(p, dcp::fields_of(p, r));
+}
+
+Ref module_attr(const Pickle& p, Ref r, std::string_view key) {
+  const Ref f = is_script_module(p, r) ? dcp::fields_of(p, r) : kNoRef;
+  return f == kNoRef ? kNoRef : p.dict_get(f, key);
+}
+
+// 3 for ("param_groups/3", "param_groups/"); nullopt when `key` is not prefix + a decimal index.
+std::optional<int64_t> index_after(std::string_view key, std::string_view prefix) {
+  if (!key.starts_with(prefix) || key.size() == prefix.size() || key.size() - prefix.size() > 9) return std::nullopt;
+  int64_t i = 0;
+  for (char c : key.substr(prefix.size())) {
+    if (c < '0' || c > '9') return std::nullopt;
+    i = i * 10 + (c - '0');
+  }
+  if (key.size() - prefix.size() > 1 && key[prefix.size()] == '0') return std::nullopt;  // "01" is no index
+  return i;
+}
+
+// The entries "<prefix><i>" of a module, which must be 0..n-1, and its "<prefix>size" count (checked
+// by the driver). Other attributes go to `others`.
+Result<std::vector<Ref>> indexed_attrs(const Pickle& p, Ref module, std::string_view prefix, const std::string& where,
+                                       StateDict& out, std::vector<std::string>* others) {
+  const auto* attrs = module_attrs(p, module);
+  if (!attrs) return corrupt(where + ": not an archive module");
+  std::map<int64_t, Ref> found;
+  std::optional<Scalar> size;
+  const std::string size_key = std::string(prefix) + "size";
+  for (size_t k = 0; k + 1 < attrs->size(); k += 2) {
+    const auto key = dcp::as_string(p, (*attrs)[k]);
+    if (!key) return corrupt(where + ": an attribute name is not a string");
+    if (*key == size_key) {
+      OPTSTATE_ASSIGN_OR_RETURN(size, scalar(p, (*attrs)[k + 1], fmt::format("{} '{}'", where, *key)));
+    } else if (const auto i = index_after(*key, prefix)) {
+      if (!found.emplace(*i, (*attrs)[k + 1]).second) return corrupt(fmt::format("{}: '{}' twice", where, *key));
+    } else if (others) {
+      others->push_back(*key);
+    }
+  }
+  if (!size) return corrupt(fmt::format("{}: no '{}'", where, size_key));
+  std::vector<Ref> items;
+  for (const auto& [i, r] : found) {
+    if (i != static_cast<int64_t>(items.size()))
+      return corrupt(fmt::format("{}: '{}{}' is missing", where, prefix, items.size()));
+    items.push_back(r);
+  }
+  out.counts.push_back({*size, static_cast<int64_t>(items.size()), fmt::format("{} '{}'", where, size_key)});
+  return items;
+}
+
+// One moment of a param's archive state: dense under its name, or 8-bit (optstate's AdamW8bit) as
+// "<moment>_codes" + "<moment>_absmax" with the state's "block_size". Absent: nullopt.
+Result<std::optional<EntrySpec>> archive_moment(const Pickle& p, Ref st, const std::string& moment,
+                                                std::optional<std::vector<int64_t>>& shape, const std::string& pw) {
+  const std::string ew = fmt::format("{} '{}'", pw, moment);
+  const Ref dense = module_attr(p, st, moment), codes = module_attr(p, st, moment + "_codes");
+  if (dense == kNoRef && codes == kNoRef) return std::optional<EntrySpec>();
+  if (dense != kNoRef && codes != kNoRef) return corrupt(ew + ": both dense and 8-bit");
+  EntrySpec e;
+  if (dense != kNoRef) {
+    OPTSTATE_ASSIGN_OR_RETURN(Payload pl, dcp::interpret_value(p, dense, ew));
+    if (pl.kind != Payload::Kind::kTensor) return corrupt(ew + ": not a tensor");
+    if (pl.tensor.dtype != DType::kF32 && pl.tensor.dtype != DType::kBF16 && pl.tensor.dtype != DType::kF16)
+      return corrupt(fmt::format("{}: a {} tensor; dense state is fp32, bf16 or fp16", ew, dtype_name(pl.tensor.dtype)));
+    OPTSTATE_RETURN_IF_ERROR(same_shape(shape, pl.tensor.shape, ew));
+    e.values = pl.tensor;
+    return std::optional<EntrySpec>(std::move(e));
+  }
+  const std::string cw = ew + "_codes", aw = ew + "_absmax";
+  const Ref absmax = module_attr(p, st, moment + "_absmax");
+  if (absmax == kNoRef) return corrupt(fmt::format("{}: without '{}_absmax'", cw, moment));
+  const auto block = dcp::as_number(p, module_attr(p, st, "block_size"));
+  if (!block || *block < 1 || *block > (1 << 20) || *block != static_cast<double>(static_cast<int64_t>(*block)))
+    return corrupt(pw + ": 8-bit moments without an integer 'block_size' in [1, 2^20]");
+  OPTSTATE_ASSIGN_OR_RETURN(Payload c, dcp::interpret_value(p, codes, cw));
+  OPTSTATE_ASSIGN_OR_RETURN(Payload a, dcp::interpret_value(p, absmax, aw));
+  if (c.kind != Payload::Kind::kTensor || c.tensor.dtype != DType::kU8) return corrupt(cw + ": not a uint8 tensor");
+  if (a.kind != Payload::Kind::kTensor || a.tensor.dtype != DType::kF32) return corrupt(aw + ": not a float32 tensor");
+  const auto b = static_cast<int64_t>(*block);
+  const int64_t numel = *checked_numel(c.tensor.shape), blocks = *checked_numel(a.tensor.shape);
+  if (blocks != (numel + b - 1) / b)
+    return corrupt(fmt::format("{}: {} scales for {} codes in blocks of {} (needs {})", aw, blocks, numel, b, (numel + b - 1) / b));
+  OPTSTATE_RETURN_IF_ERROR(same_shape(shape, c.tensor.shape, cw));
+  e.encoding = Encoding::kBlockwise8;
+  e.codes = c.tensor;
+  e.absmax = a.tensor;
+  e.block_size = b;
+  e.qmap_name = std::string(qmap_name(moment == kExpAvg ? QMap::kDynamicSigned : QMap::kDynamicUnsigned));
+  return std::optional<EntrySpec>(std::move(e));
+}
+
+// Option fields the canonical state reads or that say nothing it needs (optstate's 8-bit layout).
+const std::set<std::string, std::less<>> kArchiveOptions = {"lr",      "betas",    "eps",        "weight_decay",
+                                                            "amsgrad", "maximize", "block_size", "min_8bit_size"};
+
+Result<StateDict> interpret_libtorch_archive(const Pickle& p, const std::string& where) {
+  StateDict out;
+  out.libtorch = true;
+  const Ref root = p.root();
+  const auto version = dcp::as_string(p, module_attr(p, root, "pytorch_version"));
+  if (!version)
+    return corrupt(where + ": a TorchScript archive, but not LibTorch's optimizer archive (no 'pytorch_version'; "
+                           "what C++'s torch::save(optimizer, path) writes)");
+  if (*version != "1.5.0")
+    return unsupported(fmt::format("{}: LibTorch optimizer archive of layout '{}' (known: 1.5.0)", where, *version));
+  const std::string ow = where + " (LibTorch optimizer archive)";
+  const Ref groups_module = module_attr(p, root, "param_groups"), state_module = module_attr(p, root, "state");
+  if (!is_script_module(p, groups_module)) return corrupt(ow + ": no 'param_groups' module");
+  if (!is_script_module(p, state_module)) return corrupt(ow + ": no 'state' module");
+  if (const auto* attrs = module_attrs(p, root))
+    for (size_t k = 0; k + 1 < attrs->size(); k += 2)
+      if (const auto key = dcp::as_string(p, (*attrs)[k]); !key || (*key != "pytorch_version" && *key != "param_groups" && *key != "state"))
+        out.not_read.push_back(fmt::format("'{}'", key ? *key : "?"));
+
+  OPTSTATE_ASSIGN_OR_RETURN(const std::vector<Ref> groups,
+                            indexed_attrs(p, groups_module, "param_groups/", ow + " param_groups", out, nullptr));
+  if (groups.empty()) return corrupt(ow + ": no param groups");
+  std::map<std::string, std::pair<int64_t, int>, std::less<>> member_of_key;  // key -> (id, group)
+  std::vector<std::pair<int64_t, int>> members;                               // in id order
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const std::string gw = fmt::format("{} param group {}", ow, g);
+    std::vector<std::string> others;
+    OPTSTATE_ASSIGN_OR_RETURN(const std::vector<Ref> keys, indexed_attrs(p, groups[g], "params/", gw, out, &others));
+    const Ref options = module_attr(p, groups[g], "options");
+    const auto* opts = module_attrs(p, options);
+    if (!opts) return corrupt(gw + ": no 'options' module");
+    for (const std::string& o : others)
+      if (o != "options") out.not_read.push_back(fmt::format("param group {} '{}'", g, o));
+    const Ref fields = dcp::fields_of(p, options);
+    GroupSpec spec;
+    const Ref lr = p.dict_get(fields, "lr");
+    if (lr == kNoRef) return corrupt(gw + ": no 'lr' (not AdamW's options)");
+    OPTSTATE_ASSIGN_OR_RETURN(spec.lr, scalar(p, lr, gw + " 'lr'"));
+    const auto* betas = list_items(p, p.dict_get(fields, "betas"));
+    if (!betas || betas->size() != 2 || !dcp::as_number(p, (*betas)[0]) || !dcp::as_number(p, (*betas)[1]))
+      return corrupt(gw + ": 'betas' is not a pair of numbers (not AdamW's options)");
+    spec.hyper.beta1 = *dcp::as_number(p, (*betas)[0]);
+    spec.hyper.beta2 = *dcp::as_number(p, (*betas)[1]);
+    OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.eps, number(p, fields, "eps", gw));
+    OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.weight_decay, number(p, fields, "weight_decay", gw));
+    OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.amsgrad, flag(p, fields, "amsgrad", gw));
+    OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.maximize, flag(p, fields, "maximize", gw));
+    for (size_t k = 0; k + 1 < opts->size(); k += 2) {
+      const auto key = dcp::as_string(p, (*opts)[k]);
+      if (!key || !kArchiveOptions.count(*key)) out.not_read.push_back(fmt::format("param group {} option '{}'", g, key ? *key : "?"));
+    }
+    for (size_t j = 0; j < keys.size(); ++j) {
+      const auto key = dcp::as_string(p, keys[j]);
+      if (!key) return corrupt(fmt::format("{}: 'params/{}' is not a string", gw, j));
+      const auto id = static_cast<int64_t>(members.size());
+      if (!member_of_key.emplace(*key, std::pair{id, static_cast<int>(g)}).second)
+        return corrupt(fmt::format("{}: param '{}' is listed twice", gw, *key));
+      members.emplace_back(id, static_cast<int>(g));
+    }
+    out.groups.push_back(std::move(spec));
+  }
+
+  const auto* states = module_attrs(p, state_module);
+  if (!states) return corrupt(ow + ": 'state' is not a module");
+  std::map<int64_t, ParamSpec> params;
+  for (size_t k = 0; k + 1 < states->size(); k += 2) {
+    const auto key = dcp::as_string(p, (*states)[k]);
+    const auto member = key ? member_of_key.find(*key) : member_of_key.end();
+    if (member == member_of_key.end())
+      return corrupt(fmt::format("{}: state of param '{}', which no param group lists", ow, key ? *key : "?"));
+    const auto [id, g] = member->second;
+    const std::string pw = fmt::format("{} state of param {} (key {})", ow, id, *key);
+    const Ref st = (*states)[k + 1];
+    const auto* fields = module_attrs(p, st);
+    if (!fields) return corrupt(pw + ": not an archive module");
+    ParamSpec spec;
+    spec.fqn = std::to_string(id);
+    spec.id = id;
+    spec.group = g;
+    const Ref step = module_attr(p, st, "step");
+    if (step == kNoRef) return corrupt(pw + ": no 'step'");
+    OPTSTATE_ASSIGN_OR_RETURN(spec.step, scalar(p, step, pw + " 'step'"));
+    std::optional<std::vector<int64_t>> shape;
+    for (const char* moment : {kExpAvg, kExpAvgSq, kMaxExpAvgSq}) {
+      OPTSTATE_ASSIGN_OR_RETURN(auto e, archive_moment(p, st, moment, shape, pw));
+      if (!e) continue;
+      out.eight = out.eight || e->encoding == Encoding::kBlockwise8;
+      spec.entries.emplace(moment, std::move(*e));
+    }
+    if (!spec.entries.count(kExpAvg) || !spec.entries.count(kExpAvgSq))
+      return corrupt(pw + ": no 'exp_avg' and 'exp_avg_sq'");
+    for (size_t f = 0; f + 1 < fields->size(); f += 2) {
+      const auto name = dcp::as_string(p, (*fields)[f]);
+      const bool known = name && (*name == "step" || *name == "block_size" || is_moment(*name) ||
+                                  moment_of(*name, "_codes") || moment_of(*name, "_absmax"));
+      if (!known) out.not_read.push_back(fmt::format("state of param {} '{}'", id, name ? *name : "?"));
+    }
+    spec.shape = *shape;
+    params.emplace(id, std::move(spec));
+  }
+  for (auto& [id, spec] : params) out.groups[static_cast<size_t>(spec.group)].params.push_back(spec.fqn);
+  out.members = members.size();
+  out.stateless = members.size() - params.size();
+  for (auto& [id, spec] : params) out.params.push_back(std::move(spec));
+  return out;
+}
 }  // namespace
 
 Result<FlatUnits> match_flat_units(const std::vector<std::string>& names, const std::vector<int64_t>& numels,
@@ -325,6 +548,7 @@ Result<ModelDict> interpret_model_dict(const Pickle& p, const std::string& where
 Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where) {
   StateDict out;
   const Ref root = p.root();
+  if (is_script_module(p, root)) return interpret_libtorch_archive(p, where);
   Ref opt = kNoRef, model = kNoRef;
   if (is_optimizer_dict(p, root)) {
     opt = root;

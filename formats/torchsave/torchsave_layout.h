@@ -92,6 +92,14 @@ struct GroupSpec {
   std::vector<std::string> params;  // fqns, in the group's order (params without state left out)
 };
 
+// A count a LibTorch optimizer archive stores as a tensor ("param_groups/size", "params/size"),
+// which the driver reads and checks against the entries the archive lists.
+struct DeclaredCount {
+  Scalar value;
+  int64_t listed = 0;
+  std::string where;
+};
+
 struct StateDict {
   std::vector<GroupSpec> groups;
   std::vector<ParamSpec> params;     // in id order
@@ -100,11 +108,15 @@ struct StateDict {
   bool eight = false;                // any 8-bit entry, or a group with optstate's block_size
   std::string optimizer_path;        // where the optimizer's dict is: "" (the file is one) or "['optimizer']"
   std::vector<std::string> not_read; // what the file holds that the canonical state does not
+  std::vector<DeclaredCount> counts; // LibTorch archives: sizes to check against what is listed
+  bool libtorch = false;             // a LibTorch optimizer archive (torch::save(optimizer, path))
 };
 
 // The optimizer state_dict at the pickle's root, or the one dict beside others in a dict at the
 // root ({"model": ..., "optimizer": ...}), or the one element of a list there (Lightning's
-// "optimizer_states"). `where` names the file in errors.
+// "optimizer_states"); or LibTorch's optimizer archive, what C++'s torch::save(optimizer, path)
+// writes for torch::optim::AdamW (and optstate's FusedAdamW and AdamW8bit): a TorchScript module
+// whose attributes are the state (FORMAT.md). `where` names the file in errors.
 Result<StateDict> interpret_state_dict(const pickle::Pickle& p, const std::string& where);
 
 // A model's state_dict saved alone (FSDP2's model.state_dict() per rank, beside the optimizer's

@@ -8,6 +8,9 @@
 #include <torch/optim/adamw.h>
 #include <torch/serialize.h>
 
+#include <unistd.h>
+
+#include <filesystem>
 #include <functional>
 #include <optional>
 #include <sstream>
@@ -15,7 +18,9 @@
 #include "adamw8bit.h"
 #include "archive.h"
 #include "fused_adamw.h"
+#include "optstate/checkpoint.h"
 #include "optstate/hash.h"
+#include "registry.h"
 #include "torch_bridge.h"
 
 using namespace optstate;
@@ -276,4 +281,34 @@ TEST_CASE("a step refuses state that does not fit its param (the kernels take ra
   m.absmax = m.absmax.narrow(0, 0, m.absmax.numel() - 1).clone();
   qs.exp_avg(m);
   CHECK_THROWS_WITH_AS(train(oq, q, 1, 2), doctest::Contains("does not fit it"), c10::Error);
+}
+
+TEST_CASE("optstate's torchsave reader (no LibTorch) reads what torch::save wrote as the live state") {
+  at::NoGradGuard no_grad;
+  const auto dir = std::filesystem::temp_directory_path() / ("optstate_archive_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  auto read_hash = [&](const torch::optim::Optimizer& opt, const char* name) {
+    const auto path = dir / name;
+    torch::save(opt, path.string());
+    auto reader = open_checkpoint(path);
+    REQUIRE_MESSAGE(reader.ok(), reader.status().message());
+    CHECK((*reader)->format() == "torchsave");
+    auto h = hash_checkpoint(**reader);
+    REQUIRE_MESSAGE(h.ok(), h.status().message());
+    return h->root;
+  };
+  std::vector<at::Tensor> t, f, q, g;
+  auto ot = build<torch::optim::AdamW, torch::optim::AdamWOptions>(t);
+  auto of = build<FusedAdamW, FusedAdamWOptions>(f);
+  auto oq = build<AdamW8bit, AdamW8bitOptions>(q);
+  train(*ot, t, 0, 3);
+  train(*of, f, 0, 3);
+  train(*oq, q, 0, 3);
+  const auto names = numbered_names(*of);
+  CHECK(read_hash(*of, "fused.pt") == root_hash(*export_state(*of, names, false)));
+  CHECK(read_hash(*oq, "8bit.pt") == root_hash(*export_state(*oq, names, false)));
+  auto og = build<FusedAdamW, FusedAdamWOptions>(g);
+  load_into(*og, saved(*ot));  // torch's state, read by LibTorch itself
+  CHECK(read_hash(*ot, "torch.pt") == root_hash(*export_state(*og, names, false)));
+  std::filesystem::remove_all(dir);
 }

@@ -11,6 +11,7 @@ import zipfile
 import pytest
 import torch
 
+from conftest import REPO
 from test_formats import assert_converts_to_ref, hashes, run_script
 
 # Trains a small model with one optimizer, then saves the same state three ways: a DCP of
@@ -305,3 +306,65 @@ def test_params_the_optimizer_never_stepped_are_carried_by_their_weights(tmp_pat
         assert sorted(sd["optimizer"]["state"]) == [0, 1] and len(o.param_groups[0]["params"]) == 4
         print("ok")
     """)
+
+
+def jit_archive(path):
+    """A LibTorch optimizer archive as LibTorch itself loads it (torch.jit.load), independently of
+    optstate: per param in group order, (group options, step, {name: tensor}) or (options, None, {})."""
+    m = torch.jit.load(str(path))
+    pg, out = m.param_groups, []
+    for gi in range(int(getattr(pg, "param_groups/size"))):
+        g = getattr(pg, f"param_groups/{gi}")
+        o = g.options
+        options = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, amsgrad=o.amsgrad)
+        for j in range(int(getattr(g, "params/size"))):
+            key = getattr(g, f"params/{j}")
+            if not m.state._c.hasattr(key):
+                out.append((options, None, {}))
+                continue
+            st = getattr(m.state, key)
+            moments = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+            names = moments + tuple(m + s for m in moments for s in ("_codes", "_absmax")) + ("block_size",)
+            out.append((options, st.step, {n: st._c.getattr(n) for n in names if st._c.hasattr(n)}))
+    return out
+
+
+@pytest.mark.parametrize("name", ["libtorch_adamw", "libtorch_adamw8bit"])
+def test_libtorch_optimizer_archive_converts_to_torch_adamw_state(tmp_path, optstate_cli, name):
+    """C++'s torch::save(optimizer) of torch::optim::AdamW and of optstate's AdamW8bit
+    (tests/optim/write_libtorch_archives.cpp): optstate reads it with no LibTorch and writes a
+    torch.optim.AdamW state_dict holding what torch.jit.load sees in the archive (8-bit moments
+    dequantized with torchao's maps), which torch.optim.AdamW loads and steps from."""
+    from torchao.optim import quant_utils as qu
+    src = REPO / "formats/torchsave/testdata" / f"{name}.pt"
+    ref = jit_archive(src)
+    assert [step for _, step, _ in ref] == [3, 3, None]  # the third param never had a gradient
+    r = optstate_cli("inspect", src)
+    assert "1 param without state or weights" in r.stdout
+    optstate_cli("convert", src, tmp_path / "plain.pt")
+    sd = torch.load(tmp_path / "plain.pt")
+    assert [g["params"] for g in sd["param_groups"]] == [[0], [1]]
+    maps = {True: torch.tensor(qu.create_dynamic_map(True)), False: torch.tensor(qu.create_dynamic_map(False))}
+    for i, (options, step, tensors) in enumerate(ref[:2]):
+        group = sd["param_groups"][0 if i == 0 else 1]
+        assert {k: group[k] for k in options} == options
+        st = sd["state"][i]
+        assert float(st["step"]) == step
+        for moment in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            if moment in tensors:
+                want = tensors[moment]
+            elif moment + "_codes" in tensors:
+                codes, absmax = tensors[moment + "_codes"], tensors[moment + "_absmax"]
+                block = tensors["block_size"]
+                qmap = maps[moment == "exp_avg"]
+                want = (qmap[codes.long().flatten()].view(-1, block) * absmax.view(-1, 1)).view(codes.shape)
+            else:
+                assert moment not in st, moment
+                continue
+            assert torch.equal(st[moment], want), (i, moment)
+    w, b = torch.zeros(64, 80, requires_grad=True), torch.zeros(80, requires_grad=True)
+    opt = torch.optim.AdamW([{"params": [w], "amsgrad": True}, {"params": [b]}])
+    opt.load_state_dict(sd)
+    (w.sum() + b.sum()).backward()
+    opt.step()
+    assert float(opt.state[w]["step"]) == 4 and opt.param_groups[1]["lr"] == 3e-2

@@ -3,12 +3,16 @@
 // reads back through the interpretation; hostile variants are refused with the file named.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <functional>
+
 #include "dcp/pickle.h"
 #include "optstate/checkpoint.h"
 #include "optstate/hash.h"
 #include "optstate/validate.h"
 #include "registry.h"
 #include "test_helpers.h"
+#include "torchsave/torchsave_fuzz_sign.h"
 #include "torchsave/torchsave_layout.h"
 
 using namespace optstate;
@@ -152,6 +156,176 @@ TEST_CASE("torchsave: damaged files are refused naming the file") {
     CHECK(e.find("CRC-32 of record 'torch_adamw_amsgrad/data.pkl'") != std::string::npos);
   }
   SUBCASE("not a zip at all") { CHECK(error(std::string(100, 'x')).find("bad.pt") != std::string::npos); }
+}
+
+TEST_CASE("torchsave: LibTorch's optimizer archives (C++ torch::save) read as the live optimizer's state") {
+  // tests/optim/write_libtorch_archives.cpp: torch::optim::AdamW's and optstate's AdamW8bit's
+  // archives, and the same states written from the live optimizers.
+  for (const char* name : {"libtorch_adamw", "libtorch_adamw8bit"}) {
+    CAPTURE(name);
+    auto r = open_seed((std::string(name) + ".pt").c_str());
+    auto expected = open_checkpoint(kSeeds / (std::string(name) + ".expected.safetensors"));
+    REQUIRE(expected.ok());
+    check_same_hashes(*r, **expected);
+    const OptimizerState& m = r->meta();
+    REQUIRE(m.groups.size() == 2);
+    CHECK(m.groups[0].params == std::vector<std::string>{"0"});
+    CHECK(m.groups[1].params == std::vector<std::string>{"1"});  // "2" never stepped: no shape, not read
+    CHECK(m.groups[0].hyper.amsgrad);
+    CHECK(m.groups[1].hyper.lr == 3e-2);
+    CHECK(m.params.at("0").step == 3);
+    CHECK(r->checksummed());
+    REQUIRE(r->not_read().size() == 1);
+    CHECK(r->not_read()[0].find("1 param without state") != std::string::npos);
+    const Entry& w = m.params.at("0").entries.at(kExpAvgSq);
+    if (std::string(name) == "libtorch_adamw8bit") {
+      CHECK(m.kind == "adamw8bit");
+      CHECK((w.encoding == Encoding::kBlockwise8));
+      CHECK(w.block_size == 256);
+      CHECK(w.qmap == "dynamic-unsigned");
+      CHECK((m.params.at("1").entries.at(kExpAvg).encoding == Encoding::kDense));  // 80 elements
+    } else {
+      CHECK((w.encoding == Encoding::kDense));
+      CHECK(m.params.at("0").entries.count(kMaxExpAvgSq) == 1);
+    }
+  }
+}
+
+TEST_CASE("torchsave: a damaged LibTorch optimizer archive is refused naming the file") {
+  testing::TempDir dir;
+  const std::string good = testing::read_file(kSeeds / "libtorch_adamw.pt");
+  const auto bad = dir.path / "bad.pt";
+  auto error = [&](const std::string& bytes) {
+    testing::write_file(bad, bytes);
+    auto r = open_checkpoint(bad);
+    if (!r.ok()) return r.status().message();
+    auto all = load_all(**r);
+    return all.ok() ? std::string() : all.status().message();
+  };
+  CHECK(error(good).empty());
+  SUBCASE("a count that lies: param_groups/size (data/5, an int64) says 3 for 2 groups") {
+    const std::string name = "libtorch_adamw/data/5";
+    const size_t at = good.find(name);
+    REQUIRE(at != std::string::npos);
+    std::string b = good;
+    const size_t data = at + name.size() + get_u16(good, at - 2);
+    REQUIRE(b[data] == 2);
+    b[data] = 3;
+    const std::string e = error(b);
+    CHECK(e.find("bad.pt (LibTorch optimizer archive) param_groups 'param_groups/size' is 3, but 2 are listed") !=
+          std::string::npos);
+  }
+  SUBCASE("data.pkl compressed (the code/ records may be; what is read may not)") {
+    const std::string name = "libtorch_adamw/data.pkl";
+    const size_t central = good.find(name, good.find(name) + 1);  // its central directory record
+    REQUIRE(central != std::string::npos);
+    std::string b = good;
+    b[central - 46 + 10] = 8;
+    CHECK(error(b).find("zip entry 'libtorch_adamw/data.pkl' is compressed") != std::string::npos);
+  }
+  SUBCASE("a TorchScript archive that is no optimizer's") {
+    std::string b = good;
+    const size_t at = b.find("pytorch_version");
+    REQUIRE(at != std::string::npos);
+    b[at + 14] = 'X';
+    const auto signed_ = torchsave::with_pickle_crc(b);
+    REQUIRE(signed_);
+    CHECK(error(*signed_).find("bad.pt: a TorchScript archive, but not LibTorch's optimizer archive") !=
+          std::string::npos);
+  }
+}
+
+namespace {
+
+// A LibTorch optimizer archive's data.pkl, made with the pickle writer: each archive level a
+// __torch__ Module (NEWOBJ + BUILD of its attributes), one group of `keys`, state for `state_keys`.
+std::string archive_pickle(const std::string& version, const std::vector<std::string>& group_names,
+                           const std::vector<std::string>& keys, const std::vector<std::string>& state_keys) {
+  pickle::Writer w;
+  auto module = [&](const std::function<void()>& attrs) {
+    w.global("__torch__", "Module");
+    w.empty_tuple();
+    w.newobj();
+    w.empty_dict();
+    w.mark();
+    attrs();
+    w.setitems_from_mark();
+    w.build();
+  };
+  int storage = 0;
+  auto tensor = [&](DType d, std::vector<int64_t> shape) { dcp::encode_tensor(w, d, shape, std::to_string(storage++)); };
+  module([&] {
+    w.str("pytorch_version");
+    w.str(version);
+    w.str("state");
+    module([&] {
+      for (const std::string& k : state_keys) {
+        w.str(k);
+        module([&] {
+          w.str("step");
+          w.integer(2);
+          w.str("exp_avg");
+          tensor(DType::kF32, {3});
+          w.str("exp_avg_sq");
+          tensor(DType::kF32, {3});
+        });
+      }
+    });
+    w.str("param_groups");
+    module([&] {
+      w.str("param_groups/size");
+      tensor(DType::kI64, {});
+      for (const std::string& g : group_names) {
+        w.str(g);
+        module([&] {
+          w.str("params/size");
+          tensor(DType::kI64, {});
+          for (size_t j = 0; j < keys.size(); ++j) {
+            w.str("params/" + std::to_string(j));
+            w.str(keys[j]);
+          }
+          w.str("options");
+          module([&] {
+            w.str("lr");
+            w.real(1e-3);
+            w.str("betas");
+            w.mark();
+            w.real(0.9);
+            w.real(0.999);
+            w.tuple_from_mark();
+            w.str("eps");
+            w.real(1e-8);
+            w.str("weight_decay");
+            w.real(0.0);
+            w.str("amsgrad");
+            w.boolean(false);
+          });
+        });
+      }
+    });
+  });
+  return w.finish();
+}
+
+std::string archive_error(const std::string& bytes) {
+  auto p = pickle::unpickle(std::as_bytes(std::span(bytes)), "x.pt");
+  REQUIRE(p.ok());
+  auto sd = torchsave::interpret_state_dict(*p, "x.pt");
+  return sd.ok() ? std::string() : sd.status().message();
+}
+
+}  // namespace
+
+TEST_CASE("torchsave: a LibTorch archive's groups and state must pair up; its layout version is known") {
+  CHECK(archive_error(archive_pickle("1.5.0", {"param_groups/0"}, {"11", "12"}, {"11"})).empty());
+  CHECK(archive_error(archive_pickle("1.5.0", {"param_groups/0"}, {"11"}, {"11", "13"})) ==
+        "x.pt (LibTorch optimizer archive): state of param '13', which no param group lists");
+  CHECK(archive_error(archive_pickle("1.5.0", {"param_groups/0"}, {"11", "11"}, {"11"})) ==
+        "x.pt (LibTorch optimizer archive) param group 0: param '11' is listed twice");
+  CHECK(archive_error(archive_pickle("1.5.0", {"param_groups/0", "param_groups/2"}, {"11"}, {"11"})).find(
+            "'param_groups/1' is missing") != std::string::npos);
+  CHECK(archive_error(archive_pickle("9.9.9", {"param_groups/0"}, {"11"}, {"11"})) ==
+        "x.pt: LibTorch optimizer archive of layout '9.9.9' (known: 1.5.0)");
 }
 
 TEST_CASE("torchsave: a DTensor's box is torch.chunk's piece on each sharded mesh dim") {

@@ -589,6 +589,22 @@ PY
     rm "$work/fsdp1_world2/model_world_size_2_rank_0.pt"
     expect_error 2 "rank 0's model file model_world_size_2_rank_0.pt is missing" -- "$OPTSTATE" inspect "$work/fsdp1_world2"
     ;;
+  libtorch-archive)
+    # A C++ loop's torch::save(optimizer) (LibTorch's archive) of torch::optim::AdamW and of
+    # optstate's AdamW8bit: validated, converted to torch's state_dict and to safetensors with the
+    # state the live optimizer had; a truncated one is named.
+    data="$(cd "$(dirname "$0")/../.." && pwd)/formats/torchsave/testdata"
+    for name in libtorch_adamw libtorch_adamw8bit; do
+      "$OPTSTATE" validate "$data/$name.pt" >/dev/null || fail "validate $name"
+      "$OPTSTATE" convert "$data/$name.pt" "$work/$name.safetensors" >/dev/null || fail "convert $name"
+      "$OPTSTATE" diff "$work/$name.safetensors" "$data/$name.expected.safetensors" --rtol 0 --atol 0 >/dev/null \
+        || fail "$name converts to another state than the optimizer had"
+      "$OPTSTATE" convert "$data/$name.pt" "$work/$name.torch.pt" >/dev/null || fail "convert $name to .pt"
+    done
+    "$OPTSTATE" inspect "$data/libtorch_adamw8bit.pt" | matches "8bit/256 dynamic-signed" || fail "inspect shows the 8-bit moments"
+    head -c 40000 "$data/libtorch_adamw.pt" > "$work/cut.pt"
+    expect_error 2 "cut.pt" -- "$OPTSTATE" inspect "$work/cut.pt"
+    ;;
   *) fail "unknown case" ;;
 esac
 exit 0

@@ -5,12 +5,15 @@
 //   optstate-demo --steps 60 --final out/a                        # uninterrupted
 //   optstate-demo --steps 30 --save out/ckpt-30                   # first half, then checkpoint
 //   optstate-demo --steps 60 --resume out/ckpt-30 --final out/b   # second half in a new process
+//   optstate-demo --steps 30 --torch-save out/t30                 # LibTorch's idiom instead:
+//   optstate-demo --steps 60 --torch-resume out/t30 --final out/c  # torch::save / torch::load
 //
 // Batches are a pure function of (seed, step), so a resumed run sees the same data as an
 // uninterrupted one and must end with the same hash, bit for bit.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/serialize.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -34,6 +37,7 @@ using optstate::optim::FusedAdamWOptions;
 struct Options {
   int64_t steps = 60, seed = 7;
   std::string save, resume, final_path, optimizer = "adamw";
+  std::string torch_save, torch_resume;  // prefixes of <prefix>.model.pt and <prefix>.optimizer.pt
   bool bf16 = false;
 };
 
@@ -55,11 +59,13 @@ Options parse(int argc, char** argv) {
     else if (a == "--save") o.save = next();
     else if (a == "--resume") o.resume = next();
     else if (a == "--final") o.final_path = next();
+    else if (a == "--torch-save") o.torch_save = next();
+    else if (a == "--torch-resume") o.torch_resume = next();
     else if (a == "--bf16") o.bf16 = true;
     else if (a == "--optimizer") o.optimizer = next();
     else if (a == "--help") {
       std::puts("usage: optstate-demo --steps N [--optimizer adamw|adamw8bit] [--seed S] [--resume CKPT] "
-                "[--save CKPT] [--final CKPT] [--bf16]");
+                "[--save CKPT] [--final CKPT] [--torch-save PREFIX] [--torch-resume PREFIX] [--bf16]");
       std::exit(0);
     } else die("unknown option " + a);
   }
@@ -132,6 +138,22 @@ int run(const Options& o) {
     std::printf("resumed from %s at step %lld (every entry's hash verified)\n", o.resume.c_str(),
                 static_cast<long long>(start));
   }
+  if (!o.torch_resume.empty()) {
+    // A C++ loop's own checkpoint: the weights and the optimizer through LibTorch's archives.
+    std::vector<at::Tensor> weights;
+    try {
+      torch::load(weights, o.torch_resume + ".model.pt");
+      torch::load(opt, o.torch_resume + ".optimizer.pt");  // checks the whole archive first
+    } catch (const c10::Error& e) {
+      die(o.torch_resume + ": " + e.what_without_backtrace());
+    }
+    if (weights.size() != model.params.size()) die(o.torch_resume + ".model.pt: not this model's weights");
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < weights.size(); ++i) model.params[i].copy_(weights[i]);
+    start = opt.step_count(model.params[0]);
+    std::printf("resumed from %s.optimizer.pt (torch::load) at step %lld\n", o.torch_resume.c_str(),
+                static_cast<long long>(start));
+  }
 
   for (int64_t step = start; step < o.steps; ++step) {
     auto [x, y] = batch(static_cast<uint64_t>(o.seed), step, model.dtype);
@@ -147,6 +169,13 @@ int run(const Options& o) {
   auto h = optstate::hash_state(state);
   if (!h.ok()) die(h.status().to_string());
   std::printf("state hash after step %lld: %s\n", static_cast<long long>(o.steps), h->root.c_str());
+  if (!o.torch_save.empty()) {
+    std::vector<at::Tensor> weights;
+    for (const at::Tensor& p : model.params) weights.push_back(p.detach());
+    torch::save(weights, o.torch_save + ".model.pt");
+    torch::save(opt, o.torch_save + ".optimizer.pt");
+    std::printf("saved %s.model.pt and %s.optimizer.pt (torch::save)\n", o.torch_save.c_str(), o.torch_save.c_str());
+  }
   for (const std::string* path : {&o.save, &o.final_path}) {
     if (path->empty()) continue;
     optstate::WriteOptions wo;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The optstate demo: train a small LibTorch MLP with FusedAdamW and with AdamW8bit, checkpoint,
 # inspect and hash the checkpoints, resume in a new process and show the resumed runs end
-# bit-identical to uninterrupted ones, then convert the 8-bit checkpoint to fp32 and back; then
+# bit-identical to uninterrupted ones, then convert the 8-bit checkpoint to fp32 and back, and resume
+# through LibTorch's own torch::save / torch::load of the optimizer; then
 # ZeRO-1 training on 2 ranks resumed on 3 (bitwise equal to 1 rank), and the state through
 # safetensors, HDF5, PyTorch DCP and a torch.save'd optimizer state_dict (optimizer.pt).
 set -euo pipefail
@@ -44,6 +45,15 @@ echo "8-bit   raw:      $($bin/optstate hash "$out/adamw8bit-step30" | tail -1)"
 echo "round trip raw:   $($bin/optstate hash "$out/adamw8bit-step30-back" | tail -1)"
 [ "$($bin/optstate hash "$out/adamw8bit-step30")" = "$($bin/optstate hash "$out/adamw8bit-step30-back")" ]
 echo "8-bit -> fp32 -> 8-bit reproduces the checkpoint exactly"
+
+echo
+echo "==== a C++ loop's own checkpoint: torch::save(optimizer) / torch::load(optimizer), 8-bit state"
+$bin/optstate-demo --optimizer adamw8bit --steps 30 --torch-save "$out/libtorch-step30" | tail -1
+$bin/optstate inspect "$out/libtorch-step30.optimizer.pt" | sed -n 1,5p
+$bin/optstate convert "$out/libtorch-step30.optimizer.pt" "$out/libtorch-step30.torch.pt"   # for Python's torch.load
+$bin/optstate-demo --optimizer adamw8bit --steps 60 --torch-resume "$out/libtorch-step30" --final "$out/libtorch-resumed" | tail -3
+[ "$($bin/optstate hash "$out/libtorch-resumed" | tail -1)" = "$($bin/optstate hash "$out/adamw8bit-uninterrupted" | tail -1)" ]
+echo "the run resumed through torch::load is bitwise identical to the uninterrupted one"
 
 echo
 echo "==== ZeRO-1 sharded training over torch.distributed (gloo, loopback): 2 ranks -> save -> 3 ranks"

@@ -31,7 +31,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
 int run_convert(int argc, char** argv) {
   const CommandSpec spec{
       "convert",
-      "optstate convert SRC DST [--to fp32|8bit] [--format native|safetensors|hdf5|dcp|torchsave] [--world-size N] [--block-size N] "
+      "optstate convert SRC DST [--to fp32|8bit] [--format native|safetensors|hdf5|dcp|torchsave|libtorch] [--world-size N] [--block-size N] "
       "[--min-8bit-size N] [--float-lr] [--overwrite] [--json]",
       "Writes the state of SRC to DST, optionally changing its encoding: --to fp32 dequantizes 8-bit\n"
       "moments, --to 8bit quantizes the moments of params with at least --min-8bit-size elements\n"
@@ -41,8 +41,8 @@ int run_convert(int argc, char** argv) {
       "DST is written atomically: it appears complete or not at all. Ctrl-C (SIGINT, SIGTERM, SIGHUP)\n"
       "stops the write and removes what it wrote; an existing DST stays as it was.",
       {{"--to", true, "fp32 or 8bit (default: keep encodings)"},
-       {"--format", true, "output format: native, dcp, safetensors, hdf5 or torchsave (default: from DST's extension, .safetensors / "
-        ".h5 / .hdf5 / .pt / .pth, else native)"},
+       {"--format", true, "output format: native, dcp, safetensors, hdf5, torchsave or libtorch (C++ torch::save's optimizer "
+        "archive) (default: from DST's extension, .safetensors / .h5 / .hdf5 / .pt / .pth (torchsave), else native)"},
        {"--block-size", true, "8-bit block size (default 256)"},
        {"--min-8bit-size", true, "params with fewer elements stay dense (default 4096)"},
        {"--world-size", true, "lay DST out as N ranks' shards (default 1)"},
@@ -184,21 +184,37 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   if (!rest.empty() && !carried)
     std::fprintf(stderr, "note: %s also holds %s: not optimizer state, not in %s\n", src.c_str(),
                  fmt::format("{}", fmt::join(rest, ", ")).c_str(), dst.c_str());
+  // What DST keeps of the state (LibTorch's optimizer archive: numbered params, no weights).
+  const OptimizerState kept = driver->kept(written);
+  size_t weights = 0, kept_weights = 0;
+  for (const auto& [fqn, ps] : written.params) weights += ps.entries.count(kParam);
+  for (const auto& [fqn, ps] : kept.params) kept_weights += ps.entries.count(kParam);
+  if (weights > kept_weights)
+    std::fprintf(stderr, "note: %s holds no weights (%s keeps optimizer state only): %zu params' weights not written\n",
+                 dst.c_str(), format.c_str(), weights - kept_weights);
+  if (kept.params.size() < written.params.size())
+    std::fprintf(stderr, "note: %zu params without optimizer state are not in %s (%s keeps no shape for them)\n",
+                 written.params.size() - kept.params.size(), dst.c_str(), format.c_str());
+  bool renamed = false;
+  for (const auto& [fqn, ps] : kept.params) renamed = renamed || !written.params.count(fqn);
+  if (renamed)
+    std::fprintf(stderr, "note: %s numbers the params 0..%zu in group order (%s names none)\n", dst.c_str(),
+                 kept.params.size() - 1, format.c_str());
   int64_t dense = 0, eight = 0;
-  for (const auto& [fqn, ps] : written.params)
+  for (const auto& [fqn, ps] : kept.params)
     for (const auto& [name, e] : ps.entries)  // as written: DCP stores 8-bit moments dequantized
       (e.encoding == Encoding::kDense || !driver->keeps_blockwise8() ? dense : eight) += 1;
   if (args->has("--json")) {
     nlohmann::json j = {{"source", src.string()}, {"source_format", std::string(reader->format())},
                         {"destination", dst.string()}, {"format", format}, {"world_size", world},
-                        {"params", written.params.size()},
+                        {"params", kept.params.size()},
                         {"carried", carried ? rest : std::vector<std::string>{}},
                         {"not_carried", carried ? std::vector<std::string>{} : rest},
                         {"dense_entries", dense}, {"blockwise8_entries", eight}};
     std::fputs((j.dump(2) + "\n").c_str(), stdout);
   } else {
     std::printf("wrote %s (%s, %d rank%s): %zu params, %lld dense and %lld 8-bit entries%s\n", dst.c_str(),
-                format.c_str(), world, world == 1 ? "" : "s", written.params.size(), static_cast<long long>(dense),
+                format.c_str(), world, world == 1 ? "" : "s", kept.params.size(), static_cast<long long>(dense),
                 static_cast<long long>(eight),
                 carried && !rest.empty()
                     ? fmt::format("; carried {}: {}", wo.float_lr ? "(tensor lrs as floats)" : "unchanged",

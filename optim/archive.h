@@ -1,6 +1,6 @@
 // LibTorch's optimizer archive: what `torch::save(optimizer, "optimizer.pt")` writes and
 // `torch::load(optimizer, ...)` reads, for FusedAdamW and AdamW8bit in the layout of
-// torch::optim::AdamW's (formats/torchsave/FORMAT.md, "LibTorch's optimizer archive"), so a C++ training loop keeps its checkpoint
+// torch::optim::AdamW's (formats/libtorch/FORMAT.md), so a C++ training loop keeps its checkpoint
 // code when it switches optimizer, and an archive of one loads into the other.
 //
 // Both directions go through the canonical state (torch_bridge.h): the params are numbered in

@@ -15,6 +15,7 @@
 #include "dcp/zip.h"
 #include "optstate/checkpoint.h"
 #include "optstate/io.h"
+#include "torchsave_reader.h"
 #include "optstate/quant8.h"
 #include "registry.h"
 #include "torchsave_layout.h"
@@ -160,7 +161,8 @@ class TorchSaveReader final : public CheckpointReader {
  public:
   explicit TorchSaveReader(fs::path path) : path_(std::move(path)) {}
 
-  std::string_view format() const override { return "torchsave"; }
+  // A LibTorch archive is read here (the same zip, pickle and tensors) for formats/libtorch/.
+  std::string_view format() const override { return libtorch_ ? "libtorch" : "torchsave"; }
   const fs::path& path() const override { return path_; }
   const OptimizerState& meta() const override { return meta_; }
   std::vector<std::string> not_read() const override { return not_read_; }
@@ -281,6 +283,7 @@ class TorchSaveReader final : public CheckpointReader {
       }
     const StateDict& sd0 = sds[0];
     const std::string w0 = optim_files[0].string();
+    libtorch_ = sd0.libtorch;
     std::vector<std::pair<ModelDict, size_t>> models;  // (dict, archive index)
     for (const fs::path& f : model_files) {
       OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(f));
@@ -1031,7 +1034,8 @@ class TorchSaveReader final : public CheckpointReader {
   }
 
   fs::path path_;
-  bool set_ = false;  // a per-rank set (a directory), not one file
+  bool set_ = false;       // a per-rank set (a directory), not one file
+  bool libtorch_ = false;  // a LibTorch optimizer archive
   std::vector<Archive> files_;
   OptimizerState meta_;
   std::vector<std::string> not_read_;
@@ -1152,8 +1156,8 @@ class TorchSaveDriver final : public FormatDriver {
  public:
   std::string_view name() const override { return "torchsave"; }
 
-  // A zip whose first record is <folder>/data.pkl: torch.save writes data.pkl first; LibTorch's
-  // torch::save (a TorchScript archive) writes the storages first, <folder>/data/0.
+  // A zip whose first record is <folder>/data.pkl: torch.save writes data.pkl first (LibTorch's
+  // torch::save writes the storages first: formats/libtorch/ sniffs those, and opens them here).
   // A directory: a file of a per-rank set is there (an "optim" name ending in its rank, .pt), so
   // that one without rank 0's file is named as such rather than taken for no checkpoint.
   bool sniff(const fs::path& path) const override {
@@ -1176,9 +1180,7 @@ class TorchSaveDriver final : public FormatDriver {
     const size_t name_len = static_cast<size_t>(h[26]) | static_cast<size_t>(h[27]) << 8;
     if (name_len < 9 || 30 + name_len > n) return false;
     const std::string_view name(reinterpret_cast<const char*>(h + 30), name_len);
-    if (name.ends_with("/data.pkl")) return true;
-    const auto slash = name.find('/');
-    return slash != std::string_view::npos && name.substr(slash) == "/data/0";
+    return name.ends_with("/data.pkl");
   }
 
   Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {
@@ -1271,6 +1273,12 @@ class TorchSaveDriver final : public FormatDriver {
 const FormatDriver& driver() {
   static const TorchSaveDriver d;
   return d;
+}
+
+Result<std::unique_ptr<CheckpointReader>> open_file(const fs::path& path) {
+  auto reader = std::make_unique<TorchSaveReader>(path);
+  OPTSTATE_RETURN_IF_ERROR(reader->init({path}, {}, {}));
+  return std::unique_ptr<CheckpointReader>(std::move(reader));
 }
 
 }  // namespace optstate::torchsave

@@ -592,8 +592,8 @@ PY
   libtorch-archive)
     # A C++ loop's torch::save(optimizer) (LibTorch's archive) of torch::optim::AdamW and of
     # optstate's AdamW8bit: validated, converted to torch's state_dict and to safetensors with the
-    # state the live optimizer had; a truncated one is named.
-    data="$(cd "$(dirname "$0")/../.." && pwd)/formats/torchsave/testdata"
+    # state the live optimizer had; a truncated one is named; one written by convert is read back.
+    data="$(cd "$(dirname "$0")/../.." && pwd)/formats/libtorch/testdata"
     for name in libtorch_adamw libtorch_adamw8bit; do
       "$OPTSTATE" validate "$data/$name.pt" >/dev/null || fail "validate $name"
       "$OPTSTATE" convert "$data/$name.pt" "$work/$name.safetensors" >/dev/null || fail "convert $name"
@@ -602,6 +602,13 @@ PY
       "$OPTSTATE" convert "$data/$name.pt" "$work/$name.torch.pt" >/dev/null || fail "convert $name to .pt"
     done
     "$OPTSTATE" inspect "$data/libtorch_adamw8bit.pt" | matches "8bit/256 dynamic-signed" || fail "inspect shows the 8-bit moments"
+    # and written: a demo checkpoint (named params with weights) as an archive for torch::load
+    make_ckpt "$work/ck"
+    "$OPTSTATE" convert "$work/ck" "$work/opt.pt" --format libtorch 2>"$work/notes" >/dev/null || fail "convert to libtorch"
+    matches "holds no weights" "$work/notes" || fail "convert says the archive holds no weights"
+    matches "numbers the params 0..5" "$work/notes" || fail "convert says the params are numbered"
+    "$OPTSTATE" inspect "$work/opt.pt" | matches "(libtorch)" || fail "the archive is sniffed as libtorch"
+    "$OPTSTATE" validate "$work/opt.pt" >/dev/null || fail "validate the written archive"
     head -c 40000 "$data/libtorch_adamw.pt" > "$work/cut.pt"
     expect_error 2 "cut.pt" -- "$OPTSTATE" inspect "$work/cut.pt"
     ;;

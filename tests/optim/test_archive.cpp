@@ -10,7 +10,10 @@
 
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <functional>
 #include <optional>
 #include <sstream>
@@ -20,6 +23,7 @@
 #include "fused_adamw.h"
 #include "optstate/checkpoint.h"
 #include "optstate/hash.h"
+#include "optstate/transform.h"
 #include "registry.h"
 #include "torch_bridge.h"
 
@@ -283,7 +287,7 @@ TEST_CASE("a step refuses state that does not fit its param (the kernels take ra
   CHECK_THROWS_WITH_AS(train(oq, q, 1, 2), doctest::Contains("does not fit it"), c10::Error);
 }
 
-TEST_CASE("optstate's torchsave reader (no LibTorch) reads what torch::save wrote as the live state") {
+TEST_CASE("optstate's reader (no LibTorch) reads what torch::save wrote as the live state") {
   at::NoGradGuard no_grad;
   const auto dir = std::filesystem::temp_directory_path() / ("optstate_archive_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
@@ -292,7 +296,7 @@ TEST_CASE("optstate's torchsave reader (no LibTorch) reads what torch::save wrot
     torch::save(opt, path.string());
     auto reader = open_checkpoint(path);
     REQUIRE_MESSAGE(reader.ok(), reader.status().message());
-    CHECK((*reader)->format() == "torchsave");
+    CHECK((*reader)->format() == "libtorch");
     auto h = hash_checkpoint(**reader);
     REQUIRE_MESSAGE(h.ok(), h.status().message());
     return h->root;
@@ -310,5 +314,57 @@ TEST_CASE("optstate's torchsave reader (no LibTorch) reads what torch::save wrot
   auto og = build<FusedAdamW, FusedAdamWOptions>(g);
   load_into(*og, saved(*ot));  // torch's state, read by LibTorch itself
   CHECK(read_hash(*ot, "torch.pt") == root_hash(*export_state(*og, names, false)));
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("optstate convert --format libtorch writes archives torch::load takes into every AdamW") {
+  at::NoGradGuard no_grad;
+  const auto dir = std::filesystem::temp_directory_path() / ("optstate_libtorch_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  auto write = [&](const OptimizerState& state, const char* name, bool dequantize) {
+    const auto path = dir / name;
+    WriteOptions wo;
+    wo.dequantize = dequantize;
+    const Status st = find_format("libtorch")->write(state, path, wo);
+    REQUIRE_MESSAGE(st.ok(), st.message());
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  std::vector<at::Tensor> f, q;
+  auto of = build<FusedAdamW, FusedAdamWOptions>(f);
+  auto oq = build<AdamW8bit, AdamW8bitOptions>(q);
+  train(*of, f, 0, 3);
+  train(*oq, q, 0, 3);
+  const auto names = numbered_names(*of);
+  const OptimizerState dense = *export_state(*of, names, false), eight = *export_state(*oq, names, false);
+
+  // torch::optim::AdamW takes the dense archive: its moments and options are FusedAdamW's
+  std::vector<at::Tensor> t;
+  auto ot = build<torch::optim::AdamW, torch::optim::AdamWOptions>(t, 4);
+  load_into(*ot, write(dense, "dense.pt", false));
+  for (size_t i = 0; i < t.size(); ++i) {
+    const auto& ts = static_cast<torch::optim::AdamWParamState&>(*ot->state().at(t[i].unsafeGetTensorImpl()));
+    const auto& fs = static_cast<FusedAdamWParamState&>(*of->state().at(f[i].unsafeGetTensorImpl()));
+    CHECK(ts.step() == fs.step());
+    CHECK(at::equal(ts.exp_avg(), fs.exp_avg()));
+    CHECK(at::equal(ts.exp_avg_sq(), fs.exp_avg_sq()));
+  }
+  CHECK(static_cast<torch::optim::AdamWOptions&>(ot->param_groups()[0].options()).amsgrad());
+  CHECK(static_cast<torch::optim::AdamWOptions&>(ot->param_groups()[1].options()).lr() == 3e-2);
+  // FusedAdamW takes it back exactly; AdamW8bit takes the 8-bit archive exactly (codes kept)
+  std::vector<at::Tensor> f2, q2, t2;
+  auto of2 = build<FusedAdamW, FusedAdamWOptions>(f2, 4);
+  load_into(*of2, write(dense, "dense2.pt", false));
+  CHECK(root_hash(*export_state(*of2, names, false)) == root_hash(dense));
+  auto oq2 = build<AdamW8bit, AdamW8bitOptions>(q2, 4);
+  load_into(*oq2, write(eight, "eight.pt", false));
+  CHECK(root_hash(*export_state(*oq2, names, false)) == root_hash(eight));
+  // dequantized on write, torch::optim::AdamW takes the 8-bit state too
+  auto ot2 = build<torch::optim::AdamW, torch::optim::AdamWOptions>(t2, 4);
+  load_into(*ot2, write(eight, "eight_fp32.pt", true));
+  const auto m0 = static_cast<torch::optim::AdamWParamState&>(*ot2->state().at(t2[0].unsafeGetTensorImpl())).exp_avg();
+  OptimizerState dq = *dequantize_state(eight);
+  const Entry& e = dq.params.at("0").entries.at(kExpAvg);
+  CHECK(std::memcmp(m0.const_data_ptr(), e.values.data, e.values.size) == 0);
   std::filesystem::remove_all(dir);
 }

@@ -1,5 +1,5 @@
 // Writes the LibTorch optimizer archives the torchsave driver's tests and fuzz target use as seeds
-// (formats/torchsave/testdata/, checked in), each with what it must read as, written by optstate's
+// (formats/libtorch/testdata/, checked in), each with what it must read as, written by optstate's
 // safetensors driver from the live optimizer (not through the archive):
 //   libtorch_adamw.pt        torch::save of torch::optim::AdamW: two groups (amsgrad in the first),
 //                            and a param that never had a gradient (no state);
@@ -7,7 +7,7 @@
 //   <name>.expected.safetensors   the same state (torch's AdamW through FusedAdamW::load, which reads
 //                            the archive with LibTorch's own InputArchive; AdamW8bit exported).
 //
-//   build/tests/optstate_write_libtorch_archives formats/torchsave/testdata
+//   build/tests/optstate_write_libtorch_archives formats/libtorch/testdata
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>

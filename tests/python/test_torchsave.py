@@ -336,7 +336,7 @@ def test_libtorch_optimizer_archive_converts_to_torch_adamw_state(tmp_path, opts
     torch.optim.AdamW state_dict holding what torch.jit.load sees in the archive (8-bit moments
     dequantized with torchao's maps), which torch.optim.AdamW loads and steps from."""
     from torchao.optim import quant_utils as qu
-    src = REPO / "formats/torchsave/testdata" / f"{name}.pt"
+    src = REPO / "formats/libtorch/testdata" / f"{name}.pt"
     ref = jit_archive(src)
     assert [step for _, step, _ in ref] == [3, 3, None]  # the third param never had a gradient
     r = optstate_cli("inspect", src)
@@ -368,3 +368,29 @@ def test_libtorch_optimizer_archive_converts_to_torch_adamw_state(tmp_path, opts
     (w.sum() + b.sum()).backward()
     opt.step()
     assert float(opt.state[w]["step"]) == 4 and opt.param_groups[1]["lr"] == 3e-2
+
+
+def test_python_optimizer_state_converts_to_a_libtorch_archive_torch_jit_load_reads(tmp_path, optstate_cli):
+    """torchao's AdamW8bit optimizer.pt (a Python run) as LibTorch's optimizer archive, for a C++
+    loop's torch::load: PyTorch's own TorchScript loader reads it; 8-bit moments keep torchao's codes
+    and scales (optstate's AdamW8bit layout), or with --to fp32 are torchao's own dequantize()."""
+    src = REPO / "formats/torchsave/testdata/torchao_adamw8bit.pt"
+    sd = torch.load(src, weights_only=False)
+    r = optstate_cli("convert", src, tmp_path / "eight.pt", "--format", "libtorch")
+    assert "numbers the params" not in r.stderr  # torch numbered them already
+    optstate_cli("convert", src, tmp_path / "fp32.pt", "--format", "libtorch", "--to", "fp32")
+    eight, fp32 = jit_archive(tmp_path / "eight.pt"), jit_archive(tmp_path / "fp32.pt")
+    assert len(eight) == len(fp32) == len(sd["state"])
+    for i, st in sd["state"].items():
+        (options, step, tensors), (_, step32, dense) = eight[i], fp32[i]
+        assert step == step32 == int(st["step"])
+        assert options["lr"] == float(sd["param_groups"][0]["lr"])
+        for m in ("exp_avg", "exp_avg_sq"):
+            v = st[m]
+            if hasattr(v, "codes"):  # torchao's OptimState8bit
+                assert torch.equal(tensors[m + "_codes"], v.codes) and torch.equal(tensors[m + "_absmax"], v.scale)
+                assert torch.equal(dense[m], v.dequantize())
+            else:
+                assert torch.equal(tensors[m], v) and torch.equal(dense[m], v)
+    assert optstate_cli("hash", tmp_path / "eight.pt").stdout.splitlines()[-1] == \
+        optstate_cli("hash", src).stdout.splitlines()[-1]

@@ -98,6 +98,10 @@ class FormatDriver {
   // False for formats whose consumers keep dense state (DCP for torch.optim.AdamW): they store
   // blockwise8 entries dequantized, so a round trip keeps the values hash, not the raw one.
   virtual bool keeps_blockwise8() const { return true; }
+  // What a round trip through this format gives back of `state`, encodings aside: the state itself
+  // for formats that keep names and weights. LibTorch's optimizer archive numbers the params in group
+  // order ("0", "1", ...) and holds no weights (so no param dtype, and nothing of a param without state).
+  virtual OptimizerState kept(const OptimizerState& state) const { return state; }
   // Writes every entry of `source`, loading one at a time.
   virtual Status write(StateSource& source, const std::filesystem::path& path, const WriteOptions& options) const = 0;
   // A state in memory.

@@ -32,19 +32,9 @@ class LibTorchDriver final : public FormatDriver {
   // A zip whose first record is <folder>/data/0: LibTorch writes the storages before data.pkl
   // (torch.save writes data.pkl first), and an optimizer archive always has a storage (its counts).
   bool sniff(const fs::path& path) const override {
-    std::error_code ec;
-    if (!fs::is_regular_file(path, ec)) return false;
-    auto f = InputFile::open(path);
-    if (!f.ok() || f->size() < 30) return false;
-    std::byte h[30 + 256];
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(sizeof h, f->size()));
-    if (!f->read_at(0, std::span(h, n)).ok()) return false;
-    if (std::memcmp(h, "PK\x03\x04", 4) != 0) return false;
-    const size_t name_len = static_cast<size_t>(h[26]) | static_cast<size_t>(h[27]) << 8;
-    if (name_len < 8 || 30 + name_len > n) return false;
-    const std::string_view name(reinterpret_cast<const char*>(h + 30), name_len);
-    const auto slash = name.find('/');
-    return slash != std::string_view::npos && name.substr(slash) == "/data/0";
+    const auto first = torchsave::first_zip_record(path);
+    const auto slash = first ? first->find('/') : std::string::npos;
+    return slash != std::string::npos && slash > 0 && first->substr(slash) == "/data/0";
   }
 
   OptimizerState kept(const OptimizerState& state) const override {

@@ -1170,17 +1170,8 @@ class TorchSaveDriver final : public FormatDriver {
       }
       return false;
     }
-    if (!fs::is_regular_file(path, ec)) return false;
-    auto f = InputFile::open(path);
-    if (!f.ok() || f->size() < 30) return false;
-    std::byte h[30 + 256];
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(sizeof h, f->size()));
-    if (!f->read_at(0, std::span(h, n)).ok()) return false;
-    if (std::memcmp(h, "PK\x03\x04", 4) != 0) return false;
-    const size_t name_len = static_cast<size_t>(h[26]) | static_cast<size_t>(h[27]) << 8;
-    if (name_len < 9 || 30 + name_len > n) return false;
-    const std::string_view name(reinterpret_cast<const char*>(h + 30), name_len);
-    return name.ends_with("/data.pkl");
+    const auto first = first_zip_record(path);
+    return first && first->size() > 9 && first->ends_with("/data.pkl");
   }
 
   Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {
@@ -1273,6 +1264,20 @@ class TorchSaveDriver final : public FormatDriver {
 const FormatDriver& driver() {
   static const TorchSaveDriver d;
   return d;
+}
+
+std::optional<std::string> first_zip_record(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) return std::nullopt;
+  auto f = InputFile::open(path);
+  if (!f.ok() || f->size() < 30) return std::nullopt;
+  std::byte h[30 + 256];
+  const size_t n = static_cast<size_t>(std::min<uint64_t>(sizeof h, f->size()));
+  if (!f->read_at(0, std::span(h, n)).ok()) return std::nullopt;
+  if (std::memcmp(h, "PK\x03\x04", 4) != 0) return std::nullopt;
+  const size_t name_len = static_cast<size_t>(h[26]) | static_cast<size_t>(h[27]) << 8;
+  if (30 + name_len > n) return std::nullopt;
+  return std::string(reinterpret_cast<const char*>(h + 30), name_len);
 }
 
 Result<std::unique_ptr<CheckpointReader>> open_file(const fs::path& path) {

@@ -4,11 +4,17 @@
 
 #include <filesystem>
 #include <memory>
+#include <optional>
+#include <string>
 
 #include "optstate/checkpoint.h"
 
 namespace optstate::torchsave {
 
 Result<std::unique_ptr<CheckpointReader>> open_file(const std::filesystem::path& path);
+
+// The name of a file's first zip record, from its first local header (the sniffers' cheap look:
+// torch.save writes <folder>/data.pkl first, LibTorch <folder>/data/0); nullopt for anything else.
+std::optional<std::string> first_zip_record(const std::filesystem::path& path);
 
 }  // namespace optstate::torchsave

@@ -25,6 +25,7 @@
 #include "optstate/hash.h"
 #include "optstate/transform.h"
 #include "registry.h"
+#include "test_tensors.h"
 #include "torch_bridge.h"
 
 using namespace optstate;
@@ -32,10 +33,7 @@ using namespace optstate::optim;
 
 namespace {
 
-at::Tensor randn(std::vector<int64_t> shape, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, gen);
-}
+at::Tensor randn(std::vector<int64_t> shape, uint64_t seed) { return test::randn_tensor(std::move(shape), seed); }
 
 // Two groups: a 64x80 weight (8-bit in AdamW8bit: 5120 elements) with amsgrad and weight decay,
 // and a bias (dense everywhere) with another lr.

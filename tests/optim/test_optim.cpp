@@ -11,6 +11,7 @@
 #include "fused_adamw.h"
 #include "optstate/hash.h"
 #include "optstate/quant8.h"
+#include "test_tensors.h"
 #include "torch_bridge.h"
 
 using namespace optstate;
@@ -18,10 +19,7 @@ using namespace optstate::optim;
 
 namespace {
 
-at::Tensor randn(std::vector<int64_t> shape, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, gen);
-}
+at::Tensor randn(std::vector<int64_t> shape, uint64_t seed) { return test::randn_tensor(std::move(shape), seed); }
 
 struct Ref {  // torch.optim.AdamW's for-loop, restated with the same ATen ops
   at::Tensor p, m, v, vmax;

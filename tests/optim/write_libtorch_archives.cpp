@@ -21,6 +21,7 @@
 #include "archive.h"
 #include "fused_adamw.h"
 #include "registry.h"
+#include "test_tensors.h"
 #include "torch_bridge.h"
 
 using namespace optstate;
@@ -28,10 +29,7 @@ using namespace optstate::optim;
 
 namespace {
 
-at::Tensor randn(std::vector<int64_t> shape, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, gen);
-}
+at::Tensor randn(std::vector<int64_t> shape, uint64_t seed) { return test::randn_tensor(std::move(shape), seed); }
 
 template <class Options>
 std::vector<torch::optim::OptimizerParamGroup> groups_of(std::vector<at::Tensor>& ps) {

@@ -108,7 +108,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
     return fail(command, invalid_argument("--float-lr is for --format dcp"));
   if (to == "8bit" && !driver->keeps_blockwise8())  // it would quantize, then store the rounded values dense
     return fail(command, invalid_argument(fmt::format("--to 8bit: {} stores moments dense (torch.optim.AdamW's "
-                                                      "state); write 8-bit state as native, hdf5 or safetensors",
+                                                      "state); write 8-bit state as native, hdf5, safetensors or libtorch",
                                                       format)));
   QuantizeOptions q;
   if (auto v = args->value("--block-size")) {
@@ -130,6 +130,9 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   } else if (std::string(command) == "reshard") {
     return fail(command, invalid_argument("--world-size is required"));
   }
+  if (world > 1 && !driver->shards())
+    return fail(command, invalid_argument(fmt::format("--world-size {}: {} is one file, not ranks' shards (native and dcp "
+                                                      "lay a state out as ranks)", world, format)));
   int compression = 0;
   if (auto v = args->value("--compress")) {
     auto n = parse_positive("--compress", *v);

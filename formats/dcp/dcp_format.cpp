@@ -835,6 +835,7 @@ class DcpDriver final : public FormatDriver {
   }
 
   bool keeps_blockwise8() const override { return false; }
+  bool shards() const override { return true; }
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
     return write_dcp(source, path, options, options.source ? source_layout(*options.source) : nullptr);
   }

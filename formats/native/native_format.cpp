@@ -235,6 +235,7 @@ namespace {
 class NativeDriver final : public FormatDriver {
  public:
   std::string_view name() const override { return "native"; }
+  bool shards() const override { return true; }
 
   bool sniff(const fs::path& path) const override {
     std::error_code ec;

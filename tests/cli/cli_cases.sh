@@ -188,6 +188,10 @@ assert j["params"]["head.bias"]["entries"]["exp_avg"]["encoding"] == "dense"
     expect_error 2 "$work/exists: already exists" -- "$OPTSTATE" convert "$work/c" "$work/exists"
     expect_error 2 "unknown output format 'zip'" -- "$OPTSTATE" convert "$work/c" "$work/y" --format zip
     expect_error 2 "--to 8bit: dcp stores moments dense" -- "$OPTSTATE" convert "$work/c" "$work/y" --format dcp --to 8bit
+    # one-file formats take no world size (they would say "2 ranks" and write one file)
+    expect_error 2 "--world-size 2: safetensors is one file" -- "$OPTSTATE" convert "$work/c" "$work/y.safetensors" --world-size 2
+    expect_error 2 "--world-size 3: torchsave is one file" -- "$OPTSTATE" reshard "$work/c" "$work/y.pt" --world-size 3
+    [ ! -e "$work/y.safetensors" ] && [ ! -e "$work/y.pt" ] || fail "a refused convert wrote something"
     [ ! -e "$work/y" ] || fail "a refused convert wrote output"
     # --overwrite replaces checkpoints (any format) and empty directories, never other files, and
     # never a directory holding the source.

@@ -98,6 +98,9 @@ class FormatDriver {
   // False for formats whose consumers keep dense state (DCP for torch.optim.AdamW): they store
   // blockwise8 entries dequantized, so a round trip keeps the values hash, not the raw one.
   virtual bool keeps_blockwise8() const { return true; }
+  // Whether a write lays the state out as WriteOptions::world_size ranks' shards (native, DCP); the
+  // other formats write one file whatever the world size.
+  virtual bool shards() const { return false; }
   // What a round trip through this format gives back of `state`, encodings aside: the state itself
   // for formats that keep names and weights. LibTorch's optimizer archive numbers the params in group
   // order ("0", "1", ...) and holds no weights (so no param dtype, and nothing of a param without state).

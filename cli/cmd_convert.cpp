@@ -138,6 +138,9 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
     auto n = parse_positive("--compress", *v);
     if (!n.ok() || *n > 9) return fail(command, invalid_argument("--compress must be a gzip level 1-9"));
     compression = static_cast<int>(*n);
+    if (!driver->compresses())
+      return fail(command, invalid_argument(fmt::format("--compress: {} stores tensors uncompressed (hdf5 compresses)",
+                                                        format)));
   }
   std::error_code ec;
   if (std::filesystem::exists(dst, ec)) {

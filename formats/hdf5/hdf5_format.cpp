@@ -405,6 +405,7 @@ bool has_signature(const fs::path& path) {
 class Hdf5Driver final : public FormatDriver {
  public:
   std::string_view name() const override { return "hdf5"; }
+  bool compresses() const override { return true; }
 
   bool sniff(const fs::path& path) const override {
     std::error_code ec;

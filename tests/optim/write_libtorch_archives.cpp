@@ -66,6 +66,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::filesystem::path out = argv[1];
+  std::filesystem::create_directories(out);
   at::NoGradGuard no_grad;
   int rc = 0;
   {

@@ -101,6 +101,8 @@ class FormatDriver {
   // Whether a write lays the state out as WriteOptions::world_size ranks' shards (native, DCP); the
   // other formats write one file whatever the world size.
   virtual bool shards() const { return false; }
+  // Whether a write honours WriteOptions::compression (HDF5's gzip); the others store as they are.
+  virtual bool compresses() const { return false; }
   // What a round trip through this format gives back of `state`, encodings aside: the state itself
   // for formats that keep names and weights. LibTorch's optimizer archive numbers the params in group
   // order ("0", "1", ...) and holds no weights (so no param dtype, and nothing of a param without state).

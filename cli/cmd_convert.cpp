@@ -111,6 +111,9 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
                                                       "state); write 8-bit state as native, hdf5, safetensors or libtorch",
                                                       format)));
   QuantizeOptions q;
+  for (const char* option : {"--block-size", "--min-8bit-size"})
+    if (args->has(option) && to != "8bit")
+      return fail(command, invalid_argument(fmt::format("{} is for --to 8bit (it sets how moments are quantized)", option)));
   if (auto v = args->value("--block-size")) {
     auto n = parse_positive("--block-size", *v);
     if (!n.ok()) return fail(command, n.status());

@@ -18,21 +18,65 @@ bool DiffReport::ok() const {
   return true;
 }
 
+namespace {
+
+// Each param's position: its number where every param of the state is one ("0", "1", ...), else
+// its index in group order (as torch numbers params).
+std::map<int64_t, std::string> positions(const OptimizerState& s) {
+  std::map<int64_t, std::string> out;
+  bool numbered = !s.params.empty();
+  for (const auto& [fqn, ps] : s.params)
+    numbered = numbered && !fqn.empty() && fqn.size() <= 15 && fqn.find_first_not_of("0123456789") == std::string::npos &&
+               (fqn == "0" || fqn[0] != '0');
+  if (numbered) {
+    for (const auto& [fqn, ps] : s.params) out.emplace(std::stoll(fqn), fqn);
+    return out;
+  }
+  int64_t i = 0;
+  for (const ParamGroup& g : s.groups)
+    for (const std::string& fqn : g.params)
+      if (s.params.count(fqn)) out.emplace(i++, fqn);
+  return out;
+}
+
+}  // namespace
+
 Result<DiffReport> diff_checkpoints(CheckpointReader& a, CheckpointReader& b, const DiffOptions& options) {
   DiffReport r;
   const OptimizerState &ma = a.meta(), &mb = b.meta();
   if (ma.kind != mb.kind) r.metadata.push_back(fmt::format("optimizer kind: {} vs {}", ma.kind, mb.kind));
+  // The pairs compared: (A's fqn, B's fqn), "" where a side has none; by name, or by position.
+  std::vector<std::pair<std::string, std::string>> pairs;
+  if (options.by_position) {
+    const auto pa = positions(ma), pb = positions(mb);
+    std::set<int64_t> at;
+    for (const auto& [i, f] : pa) at.insert(i);
+    for (const auto& [i, f] : pb) at.insert(i);
+    for (int64_t i : at) {
+      auto x = pa.find(i), y = pb.find(i);
+      pairs.emplace_back(x == pa.end() ? "" : x->second, y == pb.end() ? "" : y->second);
+    }
+  } else {
+    std::set<std::string> fqns;
+    for (const auto& [f, _] : ma.params) fqns.insert(f);
+    for (const auto& [f, _] : mb.params) fqns.insert(f);
+    for (const std::string& f : fqns)
+      pairs.emplace_back(ma.params.count(f) ? f : "", mb.params.count(f) ? f : "");
+  }
+  auto label = [&](const std::pair<std::string, std::string>& p) {
+    return options.by_position && p.first != p.second ? p.first + "=" + p.second : p.first;
+  };
   // Hyperparameters are compared param by param, as the hash sees them: how params are grouped
   // is not part of the state (a flattened DCP does not record it), what each param is trained
   // with is. Params with the same difference are reported together.
   std::map<std::pair<int, int>, std::vector<std::string>> differing;  // (group in A, group in B) -> fqns
-  for (const auto& [fqn, pa] : ma.params) {
-    auto pb = mb.params.find(fqn);
-    if (pb == mb.params.end() || pa.group < 0 || pb->second.group < 0 ||
-        static_cast<size_t>(pa.group) >= ma.groups.size() || static_cast<size_t>(pb->second.group) >= mb.groups.size())
+  for (const auto& pair : pairs) {
+    if (pair.first.empty() || pair.second.empty()) continue;
+    const ParamState &pa = ma.params.at(pair.first), &pb = mb.params.at(pair.second);
+    if (pa.group < 0 || pb.group < 0 || static_cast<size_t>(pa.group) >= ma.groups.size() ||
+        static_cast<size_t>(pb.group) >= mb.groups.size())
       continue;
-    if (!(ma.groups[pa.group].hyper == mb.groups[pb->second.group].hyper))
-      differing[{pa.group, pb->second.group}].push_back(fqn);
+    if (!(ma.groups[pa.group].hyper == mb.groups[pb.group].hyper)) differing[{pa.group, pb.group}].push_back(label(pair));
   }
   for (const auto& [gg, fqns] : differing) {
     const Hyperparameters &x = ma.groups[gg.first].hyper, &y = mb.groups[gg.second].hyper;
@@ -43,23 +87,26 @@ Result<DiffReport> diff_checkpoints(CheckpointReader& a, CheckpointReader& b, co
                                      y.lr, x.beta1, x.beta2, y.beta1, y.beta2, x.eps, y.eps, x.weight_decay,
                                      y.weight_decay, x.amsgrad, y.amsgrad, x.maximize, y.maximize));
   }
-  std::set<std::string> fqns;
-  for (const auto& [f, _] : ma.params) fqns.insert(f);
-  for (const auto& [f, _] : mb.params) fqns.insert(f);
-  for (const std::string& fqn : fqns) {
-    auto pa = ma.params.find(fqn), pb = mb.params.find(fqn);
-    if (pa == ma.params.end() || pb == mb.params.end()) {
-      r.metadata.push_back(fmt::format("param '{}' only in {}", fqn, pa == ma.params.end() ? "B" : "A"));
+  for (const auto& pair : pairs) {
+    const std::string fqn = label(pair);
+    if (pair.first.empty() || pair.second.empty()) {
+      // Optimizer state only: a param with nothing but weights (never stepped) is not part of it.
+      const ParamState& only = pair.first.empty() ? mb.params.at(pair.second) : ma.params.at(pair.first);
+      if (options.no_weights && only.entries.size() == only.entries.count(kParam)) continue;
+      r.metadata.push_back(fmt::format("param '{}' only in {}{}", pair.first.empty() ? pair.second : pair.first,
+                                       pair.first.empty() ? "B" : "A", options.by_position ? " (by position)" : ""));
       continue;
     }
+    auto pa = ma.params.find(pair.first), pb = mb.params.find(pair.second);
     if (pa->second.step != pb->second.step)
       r.metadata.push_back(fmt::format("param '{}' step: {} vs {}", fqn, pa->second.step, pb->second.step));
-    if (pa->second.param_dtype != pb->second.param_dtype)
+    if (!options.no_weights && pa->second.param_dtype != pb->second.param_dtype)
       r.metadata.push_back(fmt::format("param '{}' dtype: {} vs {}", fqn, dtype_name(pa->second.param_dtype),
                                        dtype_name(pb->second.param_dtype)));
     std::set<std::string> names;
     for (const auto& [n, _] : pa->second.entries) names.insert(n);
     for (const auto& [n, _] : pb->second.entries) names.insert(n);
+    if (options.no_weights) names.erase(kParam);
     for (const std::string& name : names) {
       EntryDiff d;
       d.key = entry_key(fqn, name);
@@ -71,12 +118,12 @@ Result<DiffReport> diff_checkpoints(CheckpointReader& a, CheckpointReader& b, co
       } else {
         // One entry of A in memory at a time; B streams against it.
         std::vector<float> va;
-        OPTSTATE_RETURN_IF_ERROR(stream_f32_values(a, fqn, name, [&](std::span<const float> v) {
+        OPTSTATE_RETURN_IF_ERROR(stream_f32_values(a, pair.first, name, [&](std::span<const float> v) {
           va.insert(va.end(), v.begin(), v.end());
           return Status::Ok();
         }));
         size_t at = 0;
-        OPTSTATE_RETURN_IF_ERROR(stream_f32_values(b, fqn, name, [&](std::span<const float> v) {
+        OPTSTATE_RETURN_IF_ERROR(stream_f32_values(b, pair.second, name, [&](std::span<const float> v) {
           if (at + v.size() > va.size()) return corrupt(fmt::format("entry '{}' has more values in B", d.key));
           for (float y : v) {
             const float x = va[at++];

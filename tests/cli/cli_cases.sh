@@ -335,6 +335,16 @@ assert j["metadata"] == ["optimizer kind: adamw8bit vs adamw"], j["metadata"]
 assert j["entries"]["layers.1.weight.exp_avg"]["max_abs"] > 0
 '  || fail "quantization error outside 10%"
     expect_error 2 "--rtol needs a non-negative number" -- "$OPTSTATE" diff "$work/a" "$work/b" --rtol x
+    # a LibTorch archive of it numbers the params and holds no weights: by name nothing matches;
+    # by position, moments only, it equals its source; a step changed in it is found at its param
+    "$OPTSTATE" convert "$work/a" "$work/a.pt" --format libtorch 2>/dev/null >/dev/null || fail "convert to libtorch"
+    "$OPTSTATE" diff "$work/a" "$work/a.pt" >/dev/null && fail "named and numbered params matched by name"
+    "$OPTSTATE" diff "$work/a" "$work/a.pt" --by-position --no-weights | matches "equal within tolerance" \
+      || fail "the archive differs from its source by position"
+    "$OPTSTATE" convert "$work/c" "$work/c.pt" --format libtorch 2>/dev/null >/dev/null || fail "convert c"
+    out=$("$OPTSTATE" diff "$work/a" "$work/c.pt" --by-position --no-weights); rc=$?
+    [ $rc -eq 1 ] || fail "by-position diff of different steps exited $rc"
+    printf '%s\n' "$out" | matches "param 'layers.0.weight=0' step: 3 vs 4" || fail "step difference by position: $out"
     ;;
   progress)
     # Progress goes to stderr, only when asked (OPTSTATE_PROGRESS=1) or stderr is a terminal (not here);

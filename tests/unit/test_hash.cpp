@@ -3,7 +3,9 @@
 
 #include <cstring>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include "optstate/diff.h"
 #include "optstate/hash.h"
 #include "registry.h"
 #include "test_helpers.h"
@@ -170,4 +172,36 @@ TEST_CASE("verify_resume names the entries that differ from the checkpoint") {
   OptimizerState hyper = s;
   hyper.groups[0].hyper.lr = 0.5;
   CHECK(!verify_resume(hyper, **reader)->ok());
+}
+
+TEST_CASE("diff by position: the k-th param in group order, a numbered side by its numbers") {
+  const OptimizerState named = testing::sample_state();
+  const FormatDriver* lt = find_format("libtorch");
+  REQUIRE(lt);
+  // what a LibTorch archive keeps of it: numbered, no weights
+  const OptimizerState numbered = lt->kept(named);
+  auto a = memory_reader(named), b = memory_reader(numbered);
+  auto by_name = diff_checkpoints(*a, *b, {});
+  REQUIRE(by_name.ok());
+  CHECK(!by_name->ok());
+  auto by_position = diff_checkpoints(*a, *b, {.by_position = true, .no_weights = true});
+  REQUIRE(by_position.ok());
+  CHECK_MESSAGE(by_position->ok(), fmt::format("{}", fmt::join(by_position->metadata, "; ")));
+  std::vector<std::string> order;
+  for (const ParamGroup& g : named.groups) order.insert(order.end(), g.params.begin(), g.params.end());
+  CHECK(by_position->entries.front().key.rfind(order.front() + "=0.", 0) == 0);
+  // weights count unless left out
+  auto with_weights = diff_checkpoints(*a, *b, {.by_position = true});
+  REQUIRE(with_weights.ok());
+  CHECK(!with_weights->ok());
+  // a numbered side's gap (a param it left out) does not shift the others: drop "0" from B
+  OptimizerState gap = numbered;
+  gap.params.erase("0");
+  for (ParamGroup& g : gap.groups) std::erase(g.params, "0");
+  auto c = memory_reader(gap);
+  auto shifted = diff_checkpoints(*a, *c, {.by_position = true, .no_weights = true});
+  REQUIRE(shifted.ok());
+  REQUIRE(shifted->metadata.size() == 1);
+  CHECK(shifted->metadata[0] == fmt::format("param '{}' only in A (by position)", order.front()));
+  for (const EntryDiff& e : shifted->entries) CHECK(e.ok());
 }

@@ -10,10 +10,17 @@ namespace optstate {
 
 struct DiffOptions {
   double rtol = 0.0, atol = 0.0;  // an element differs when |a - b| > atol + rtol * |b| (numpy's allclose rule)
+  // Params matched by position instead of by name: the k-th param in group order, which torch
+  // numbers k; a side whose params are all numbers ("0", "1", ...: a torch.save without names, a
+  // LibTorch archive) keeps its numbers, so params it left out (never stepped) do not shift the rest.
+  bool by_position = false;
+  // Optimizer state only: weights ("param" entries) and param dtypes are not compared (a format
+  // such as LibTorch's optimizer archive holds none).
+  bool no_weights = false;
 };
 
 struct EntryDiff {
-  std::string key;                 // "<fqn>.<entry>"
+  std::string key;                 // "<fqn>.<entry>" (A's fqn; "<fqn A>=<fqn B>.<entry>" when matched by position)
   std::string problem;             // non-empty when the entry cannot be compared (missing, shape)
   int64_t count = 0, outside = 0;  // elements compared, elements outside tolerance
   double max_abs = 0, max_rel = 0;

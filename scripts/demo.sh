@@ -54,6 +54,9 @@ $bin/optstate convert "$out/libtorch-step30.optimizer.pt" "$out/libtorch-step30.
 $bin/optstate-demo --optimizer adamw8bit --steps 60 --torch-resume "$out/libtorch-step30" --final "$out/libtorch-resumed" | tail -3
 [ "$($bin/optstate hash "$out/libtorch-resumed" | tail -1)" = "$($bin/optstate hash "$out/adamw8bit-uninterrupted" | tail -1)" ]
 echo "the run resumed through torch::load is bitwise identical to the uninterrupted one"
+# and the other way: any checkpoint as the archive a C++ loop's torch::load takes (numbered params, no weights)
+$bin/optstate convert "$out/adamw8bit-step30" "$out/adamw8bit-step30.libtorch.pt" --format libtorch
+$bin/optstate diff "$out/adamw8bit-step30" "$out/adamw8bit-step30.libtorch.pt" --by-position --no-weights | tail -1
 
 echo
 echo "==== ZeRO-1 sharded training over torch.distributed (gloo, loopback): 2 ranks -> save -> 3 ranks"

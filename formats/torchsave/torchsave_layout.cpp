@@ -177,6 +177,26 @@ Result<LocalValue> local_value(const Pickle& p, Ref r, const std::string& where)
 }
 
 
+// An AdamW param group's fields (a state_dict's group dict, or a LibTorch archive's options): lr
+// (a number, or a one-element tensor the driver reads), betas, eps, weight_decay, amsgrad and
+// maximize (absent: false).
+Result<GroupSpec> adamw_group(const Pickle& p, Ref fields, const std::string& gw) {
+  GroupSpec spec;
+  const Ref lr = p.dict_get(fields, "lr");
+  if (lr == kNoRef) return corrupt(gw + ": no 'lr' (not an AdamW param group)");
+  OPTSTATE_ASSIGN_OR_RETURN(spec.lr, scalar(p, lr, gw + " 'lr'"));
+  const auto* betas = list_items(p, p.dict_get(fields, "betas"));
+  if (!betas || betas->size() != 2 || !dcp::as_number(p, (*betas)[0]) || !dcp::as_number(p, (*betas)[1]))
+    return corrupt(gw + ": 'betas' is not a pair of numbers (not an AdamW param group)");
+  spec.hyper.beta1 = *dcp::as_number(p, (*betas)[0]);
+  spec.hyper.beta2 = *dcp::as_number(p, (*betas)[1]);
+  OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.eps, number(p, fields, "eps", gw));
+  OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.weight_decay, number(p, fields, "weight_decay", gw));
+  OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.amsgrad, flag(p, fields, "amsgrad", gw));
+  OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.maximize, flag(p, fields, "maximize", gw));
+  return spec;
+}
+
 // ---- LibTorch's optimizer archive (torch::save(optimizer, path) in C++) ----
 //
 // A TorchScript module saved by torch::serialize::OutputArchive: every archive level is a
@@ -327,19 +347,7 @@ Result<StateDict> interpret_libtorch_archive(const Pickle& p, const std::string&
     for (const std::string& o : others)
       if (o != "options") out.not_read.push_back(fmt::format("param group {} '{}'", g, o));
     const Ref fields = dcp::fields_of(p, options);
-    GroupSpec spec;
-    const Ref lr = p.dict_get(fields, "lr");
-    if (lr == kNoRef) return corrupt(gw + ": no 'lr' (not AdamW's options)");
-    OPTSTATE_ASSIGN_OR_RETURN(spec.lr, scalar(p, lr, gw + " 'lr'"));
-    const auto* betas = list_items(p, p.dict_get(fields, "betas"));
-    if (!betas || betas->size() != 2 || !dcp::as_number(p, (*betas)[0]) || !dcp::as_number(p, (*betas)[1]))
-      return corrupt(gw + ": 'betas' is not a pair of numbers (not AdamW's options)");
-    spec.hyper.beta1 = *dcp::as_number(p, (*betas)[0]);
-    spec.hyper.beta2 = *dcp::as_number(p, (*betas)[1]);
-    OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.eps, number(p, fields, "eps", gw));
-    OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.weight_decay, number(p, fields, "weight_decay", gw));
-    OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.amsgrad, flag(p, fields, "amsgrad", gw));
-    OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.maximize, flag(p, fields, "maximize", gw));
+    OPTSTATE_ASSIGN_OR_RETURN(GroupSpec spec, adamw_group(p, fields, gw));
     for (size_t k = 0; k + 1 < opts->size(); k += 2) {
       const auto key = dcp::as_string(p, (*opts)[k]);
       if (!key || !kArchiveOptions.count(*key)) out.not_read.push_back(fmt::format("param group {} option '{}'", g, key ? *key : "?"));
@@ -594,19 +602,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
     const Ref gr = (*groups)[g];
     const std::string gw = fmt::format("{} param group {}", ow, g);
     if (!dict_items(p, gr)) return corrupt(gw + ": not a dict");
-    GroupSpec spec;
-    const Ref lr = p.dict_get(gr, "lr");
-    if (lr == kNoRef) return corrupt(gw + ": no 'lr' (not an AdamW param group)");
-    OPTSTATE_ASSIGN_OR_RETURN(spec.lr, scalar(p, lr, gw + " 'lr'"));
-    const auto* betas = list_items(p, p.dict_get(gr, "betas"));
-    if (!betas || betas->size() != 2 || !dcp::as_number(p, (*betas)[0]) || !dcp::as_number(p, (*betas)[1]))
-      return corrupt(gw + ": 'betas' is not a pair of numbers (not an AdamW param group)");
-    spec.hyper.beta1 = *dcp::as_number(p, (*betas)[0]);
-    spec.hyper.beta2 = *dcp::as_number(p, (*betas)[1]);
-    OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.eps, number(p, gr, "eps", gw));
-    OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.weight_decay, number(p, gr, "weight_decay", gw));
-    OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.amsgrad, flag(p, gr, "amsgrad", gw));
-    OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.maximize, flag(p, gr, "maximize", gw));
+    OPTSTATE_ASSIGN_OR_RETURN(GroupSpec spec, adamw_group(p, gr, gw));
     if (const Ref b = p.dict_get(gr, "block_size"); b != kNoRef) {
       const auto v = dcp::as_number(p, b);
       if (!v || *v < 1 || *v > (1 << 20) || *v != static_cast<double>(static_cast<int64_t>(*v)))

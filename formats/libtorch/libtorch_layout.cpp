@@ -113,7 +113,11 @@ Result<ArchivePlan> plan_archive(const OptimizerState& state, bool dequantize) {
     dcp::encode_tensor(tree.writer(), dtype, shape, std::to_string(plan.storages.size()));
     plan.storages.push_back(std::move(s));
   };
-  auto count = [&](int64_t n) { storage({.bytes = int64_bytes(n)}, DType::kI64, {}); };
+  auto count = [&](int64_t n) {
+    StorageSpec s;
+    s.bytes = int64_bytes(n);
+    storage(std::move(s), DType::kI64, {});
+  };
   for (const std::string& fqn : order) {
     const ParamState& ps = state.params.at(fqn);
     for (const auto& [name, e] : ps.entries) {

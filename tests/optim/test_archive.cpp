@@ -185,7 +185,7 @@ void check_refused(FusedAdamW& opt, const std::string& bytes, const std::string&
 struct Handmade {
   std::vector<int64_t> shape{4, 5};
   c10::IValue step = int64_t{2};
-  std::optional<c10::IValue> exp_avg, exp_avg_sq;  // unset: zeros of `shape`
+  std::optional<c10::IValue> exp_avg = std::nullopt, exp_avg_sq = std::nullopt;  // unset: zeros of `shape`
   bool dense = true;                              // false: no exp_avg / exp_avg_sq at all
   std::function<void(torch::serialize::OutputArchive&)> more = [](auto&) {};  // further state fields
   c10::IValue lr = 1e-3;

@@ -2,6 +2,7 @@
 // (formats/torchsave/testdata/make_seeds.py) read as their canonical state; the state_dict encoding
 // reads back through the interpretation; hostile variants are refused with the file named.
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <functional>
@@ -413,7 +414,7 @@ TEST_CASE("torchsave: FSDP1's flat parameters are split into the model's params 
     // 600 one-element modules and 300 one-element units, the root's size unreachable: every choice
     // is tried until the bound.
     std::vector<std::string> many;
-    for (int i = 0; i < 600; ++i) many.push_back("m" + std::to_string(i) + ".w");
+    for (int i = 0; i < 600; ++i) many.push_back(fmt::format("m{}.w", i));  // GCC 12 -Wrestrict misfires on "m" + string
     std::vector<int64_t> shard(301, 1);
     shard[0] = 1000;
     auto r = torchsave::match_flat_units(many, std::vector<int64_t>(600, 1), shard, 1, "t");

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "dcp_driver.h"
+#include "bnb_state.h"
 #include "chunks.h"
 #include "dcp_layout.h"
 #include "optstate/io.h"
@@ -287,7 +288,11 @@ class DcpReader final : public CheckpointReader {
       const Path head3(path.begin(), path.end() - std::min<size_t>(n, 3));  // K of K.<x>.<y>.<z>
       const Path head1(path.begin(), path.end() - 1);                       // K of K.<x>
       const std::string& last = path.back();
-      if (n >= 4 && path[n - 3] == "state") {
+      if (n >= 5 && path[n - 2] == kBnbQuantState && path[n - 4] == "state") {
+        // bitsandbytes' tensors nested one level down (K.state.<fqn>.__bnb_optimizer_quant_state__.state1):
+        // spliced into the param's entries below, as its own key path leaves them without the planner's.
+        states[Path(path.begin(), path.end() - 4)][path[n - 3] + "." + std::string(kBnbQuantState)][last] = key;
+      } else if (n >= 4 && path[n - 3] == "state") {
         states[head3][path[n - 2]][last] = key;
       } else if (n >= 4 && path[n - 3] == "param_groups") {
         int g = -1;
@@ -308,6 +313,19 @@ class DcpReader final : public CheckpointReader {
         top_items[path[0]] = key;
       }
     }
+    const std::string bnb_suffix = "." + std::string(kBnbQuantState);
+    for (auto& [k, fqns] : states)
+      for (auto it = fqns.begin(); it != fqns.end();) {
+        if (!it->first.ends_with(bnb_suffix)) {
+          ++it;
+          continue;
+        }
+        auto& into = fqns[it->first.substr(0, it->first.size() - bnb_suffix.size())];
+        for (const auto& [ename, key] : it->second)
+          if (!into.emplace(ename, key).second)
+            return corrupt(fmt::format("{}: item '{}': '{}' both in '{}' and beside it", where, key, ename, kBnbQuantState));
+        it = fqns.erase(it);
+      }
     auto dotted = [](const Path& p) {
       std::string s;
       for (const auto& part : p) s += (s.empty() ? "" : ".") + part;
@@ -397,17 +415,18 @@ class DcpReader final : public CheckpointReader {
 
     // Params: shape, dtype, step and entries.
     bool any8 = false;
+    std::set<std::string> listed;  // every param a group lists
     for (size_t g = 0; g < meta_.groups.size(); ++g) {
       std::vector<std::string> kept;
       for (const std::string& fqn : meta_.groups[g].params) {
+        listed.insert(fqn);
         const std::string pw = fmt::format("{}: param '{}'", where, fqn);
         auto st = state_items.find(fqn);
         auto mo = weight_items.find(fqn);
         const ItemMeta* shape_src = nullptr;
-        if (st != state_items.end() && st->second.count("exp_avg")) shape_src = &md_.items.at(st->second.at("exp_avg"));
-        else if (st != state_items.end() && st->second.count("exp_avg_codes"))
-          shape_src = &md_.items.at(st->second.at("exp_avg_codes"));
-        else if (mo != weight_items.end()) shape_src = &md_.items.at(mo->second);
+        for (const char* first : {"exp_avg", "exp_avg_codes", "state1"})
+          if (!shape_src && st != state_items.end() && st->second.count(first)) shape_src = &md_.items.at(st->second.at(first));
+        if (!shape_src && mo != weight_items.end()) shape_src = &md_.items.at(mo->second);
         if (!shape_src) continue;  // no state and no weights: nothing to carry
         if (meta_.params.count(fqn)) return corrupt(pw + ": listed in two param groups");
         ParamState ps;
@@ -451,10 +470,34 @@ class DcpReader final : public CheckpointReader {
                 return corrupt(fmt::format("{}: '{}' without '{}_codes'", pw, ename, *base));
               continue;  // read with its codes
             }
-            if (ename != kExpAvg && ename != kExpAvgSq && ename != kMaxExpAvgSq) continue;
+            if (const auto moment = bnb_moment(ename)) {
+              if (st->second.count(*moment))
+                return corrupt(fmt::format("{}: '{}' twice (as '{}' and bitsandbytes' '{}')", pw, *moment, *moment, ename));
+              if (md_.items.at(key).size != ps.shape) return corrupt(fmt::format("{}: '{}' has another shape", pw, ename));
+              OPTSTATE_RETURN_IF_ERROR(add_bnb(fqn, ename, st->second, ps, any8, consumed));
+              continue;
+            }
+            if (const auto of = bnb_part_of(ename)) {
+              if (!st->second.count(*of)) return corrupt(fmt::format("{}: '{}' without '{}'", pw, ename, *of));
+              continue;  // read with its state tensor
+            }
+            if (ename != kExpAvg && ename != kExpAvgSq && ename != kMaxExpAvgSq) {
+              // Per-param state the canonical state has no place for (bitsandbytes' gnorm_vec, another
+              // optimizer's buffers): named, and carried through by DCP -> DCP.
+              ++not_read_[fmt::format("{}.state.*.{}", dotted(opt_key), ename)];
+              continue;
+            }
             if (md_.items.at(key).size != ps.shape) return corrupt(fmt::format("{}: '{}' has another shape", pw, ename));
             OPTSTATE_RETURN_IF_ERROR(add_entry(fqn, ename, key, ps, any8, lr_tensor));
             consumed.insert(key);
+          }
+          if (!ps.entries.count(kExpAvg) || !ps.entries.count(kExpAvgSq)) {
+            if (st->second.count("state1") && !st->second.count("state2"))
+              return corrupt(pw + ": bitsandbytes' 'state1' without 'state2': a one-state optimizer (Lion, SGD with "
+                                  "momentum, RMSprop, Adagrad), not AdamW");
+            if (ps.entries.size() > (ps.entries.count(kParam) ? 1u : 0u))
+              return corrupt(fmt::format("{}: no '{}' (AdamW keeps exp_avg and exp_avg_sq)", pw,
+                                         ps.entries.count(kExpAvg) ? kExpAvgSq : kExpAvg));
           }
         }
         meta_.params.emplace(fqn, std::move(ps));
@@ -464,6 +507,9 @@ class DcpReader final : public CheckpointReader {
       }
       meta_.groups[g].params = std::move(kept);
     }
+    for (const auto& [fqn, entries] : state_items)
+      if (!listed.count(fqn))
+        return corrupt(fmt::format("{}: param '{}' has state but no param group lists it", where, fqn));
     meta_.kind = any8 ? "adamw8bit" : "adamw";
     // What the checkpoint holds beyond the optimizer and the weights it carries (torchtitan's
     // train_state, lr_scheduler, dataloader; model buffers), by key: the top-level one, or for a
@@ -525,6 +571,8 @@ class DcpReader final : public CheckpointReader {
     if (betas == fields.end()) return corrupt(gw + ": no betas");
     OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * bi, item(betas->second, {}));
     const auto& bv = bi->pickle.at(bi->pickle.root());
+    if ((bv.kind == pickle::Kind::kTuple || bv.kind == pickle::Kind::kList) && bv.items.size() == 3)
+      return corrupt(gw + ": three betas (bitsandbytes' AdEMAMix, whose state1 holds two moments): not AdamW");
     if ((bv.kind != pickle::Kind::kTuple && bv.kind != pickle::Kind::kList) || bv.items.size() != 2 ||
         !as_number(bi->pickle, bv.items[0]) || !as_number(bi->pickle, bv.items[1]))
       return corrupt(gw + ": betas is not two numbers");
@@ -790,8 +838,51 @@ class DcpReader final : public CheckpointReader {
     return Status::Ok();
   }
 
+  // bitsandbytes' state1 / state2 (bnb_state.h): fp32 values as a dense entry, or uint8 codes with
+  // absmaxN (one scale per block) and qmapN (the map itself, one item), read as optstate's plain
+  // codes and scales are.
+  Status add_bnb(const std::string& fqn, const std::string& name, const std::map<std::string, std::string>& fields,
+                 ParamState& ps, bool& any8, std::set<std::string>& consumed) {
+    const std::string moment = *bnb_moment(name), key = fields.at(name);
+    const ItemMeta& im = md_.items.at(key);
+    const std::string ew = fmt::format("{}: item '{}'", dir_.string(), key);
+    if (im.is_tensor && im.dtype != DType::kU8) {
+      OPTSTATE_RETURN_IF_ERROR(add_entry(fqn, moment, key, ps, any8));
+      consumed.insert(key);
+      return Status::Ok();
+    }
+    const char n = name.back();
+    const auto absmax = fields.find(fmt::format("absmax{}", n)), qmap = fields.find(fmt::format("qmap{}", n));
+    if (absmax == fields.end() && fields.count(fmt::format("max{}", n)))
+      return corrupt(fmt::format("{}: bitsandbytes' 8-bit state without blocks (block_wise=False: one scale per "
+                                 "tensor, 'max{}') is not read; optstate reads its blockwise state", ew, n));
+    if (absmax == fields.end() || qmap == fields.end())
+      return corrupt(fmt::format("{}: uint8 codes without 'absmax{}' and 'qmap{}'", ew, n, n));
+    const ItemMeta& qi = md_.items.at(qmap->second);
+    const std::string qw = fmt::format("{}: item '{}'", dir_.string(), qmap->second);
+    if (!qi.is_tensor || qi.dtype != DType::kF32 || qi.size != std::vector<int64_t>{256} || qi.chunks.size() != 1 ||
+        qi.chunks[0].sizes != qi.size)
+      return corrupt(qw + ": not one chunk of 256 float32 (a quantization map)");
+    OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pq, item(qmap->second, qi.chunks[0].offsets));
+    if (pq->payload.kind != Payload::Kind::kTensor) return corrupt(qw + ": not a tensor");
+    OPTSTATE_ASSIGN_OR_RETURN(const std::string map, map_name(*pq, pq->payload.tensor, qw));
+    const ItemMeta& ai = md_.items.at(absmax->second);
+    OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(im.size));
+    OPTSTATE_ASSIGN_OR_RETURN(const int64_t blocks, checked_numel(ai.size));
+    const int64_t block = bnb_block_size(numel, blocks);
+    if (block == 0)
+      return corrupt(fmt::format("{}: {} scales for {} codes, neither blocks of 256 nor of 2048", ew, blocks, numel));
+    OPTSTATE_RETURN_IF_ERROR(add_plain8(fqn, moment, key, absmax->second, Plain8{block, map, map}, ps, any8));
+    consumed.insert({key, absmax->second, qmap->second});
+    return Status::Ok();
+  }
+
   Result<std::string> map_name(const ParsedItem& pi, const std::string& where) {
-    const TensorRef& q = pi.payload.qmap;
+    return map_name(pi, pi.payload.qmap, where);
+  }
+
+  Result<std::string> map_name(const ParsedItem& pi, const TensorRef& q, const std::string& where) {
+    if (q.dtype != DType::kF32) return corrupt(where + ": quantization map is not float32");
     if (*checked_numel(q.shape) != 256) return corrupt(where + ": quantization map does not have 256 entries");
     std::array<float, 256> m;
     OPTSTATE_RETURN_IF_ERROR(pi.file->read_at(pi.storages.at(q.storage_key).at + static_cast<uint64_t>(q.offset * 4),

@@ -7,6 +7,7 @@
 #include <map>
 #include <set>
 
+#include "dcp/bnb_state.h"
 #include "optstate/quant8.h"
 
 namespace optstate::torchsave {
@@ -74,7 +75,9 @@ Result<bool> flag(const Pickle& p, Ref group, const char* key, const std::string
 const std::set<std::string, std::less<>> kIgnoredGroupKeys = {
     "params", "param_names", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach",
     "capturable", "differentiable", "fused", "decoupled_weight_decay", "block_size", "min_8bit_size",
-    "exp_avg_qmap", "exp_avg_sq_qmap", "bf16_stochastic_round", "is_adamw"};
+    "exp_avg_qmap", "exp_avg_sq_qmap", "bf16_stochastic_round", "is_adamw",
+    // bitsandbytes' AdEMAMix fields, in every Optimizer2State's groups; inert for two betas (Adam).
+    "alpha", "t_alpha", "t_beta3"};
 
 bool is_moment(const std::string& name) { return name == kExpAvg || name == kExpAvgSq || name == kMaxExpAvgSq; }
 
@@ -186,6 +189,8 @@ Result<GroupSpec> adamw_group(const Pickle& p, Ref fields, const std::string& gw
   if (lr == kNoRef) return corrupt(gw + ": no 'lr' (not an AdamW param group)");
   OPTSTATE_ASSIGN_OR_RETURN(spec.lr, scalar(p, lr, gw + " 'lr'"));
   const auto* betas = list_items(p, p.dict_get(fields, "betas"));
+  if (betas && betas->size() == 3)
+    return corrupt(gw + ": three 'betas' (bitsandbytes' AdEMAMix, whose state1 holds two moments): not AdamW");
   if (!betas || betas->size() != 2 || !dcp::as_number(p, (*betas)[0]) || !dcp::as_number(p, (*betas)[1]))
     return corrupt(gw + ": 'betas' is not a pair of numbers (not an AdamW param group)");
   spec.hyper.beta1 = *dcp::as_number(p, (*betas)[0]);
@@ -195,6 +200,81 @@ Result<GroupSpec> adamw_group(const Pickle& p, Ref fields, const std::string& gw
   OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.amsgrad, flag(p, fields, "amsgrad", gw));
   OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.maximize, flag(p, fields, "maximize", gw));
   return spec;
+}
+
+// ---- bitsandbytes' AdamW8bit / Adam8bit / AdamW: dcp/bnb_state.h ----
+
+using dcp::bnb_moment;
+using dcp::bnb_part_of;
+using dcp::kBnbQuantState;
+
+// A param's state fields in order, bitsandbytes' nested dict spliced in where it stands.
+struct ParamFields {
+  std::vector<std::pair<std::string, Ref>> fields;
+  Ref get(std::string_view name) const {
+    for (const auto& [n, r] : fields)
+      if (n == name) return r;
+    return kNoRef;
+  }
+};
+
+Result<ParamFields> param_fields(const Pickle& p, const std::vector<Ref>& items, const std::string& pw) {
+  ParamFields out;
+  std::set<std::string, std::less<>> seen;
+  auto add = [&](const std::vector<Ref>& kv, bool nested) -> Status {
+    for (size_t f = 0; f + 1 < kv.size(); f += 2) {
+      const auto name = dcp::as_string(p, kv[f]);
+      if (!name) return corrupt(pw + ": a key is not a string");
+      if (!nested && *name == kBnbQuantState) continue;  // spliced in below
+      if (!seen.insert(*name).second)
+        return corrupt(fmt::format("{}: '{}' both in '{}' and beside it", pw, *name, kBnbQuantState));
+      out.fields.emplace_back(*name, kv[f + 1]);
+    }
+    return {};
+  };
+  OPTSTATE_RETURN_IF_ERROR(add(items, false));
+  for (size_t f = 0; f + 1 < items.size(); f += 2)
+    if (dcp::as_string(p, items[f]) == kBnbQuantState) {
+      const auto* inner = dict_items(p, items[f + 1]);
+      if (!inner) return corrupt(fmt::format("{} '{}': not a dict", pw, kBnbQuantState));
+      OPTSTATE_RETURN_IF_ERROR(add(*inner, true));
+    }
+  return out;
+}
+
+Result<EntrySpec> bnb_entry(const Pickle& p, const ParamFields& pf, const std::string& name, const std::string& ew) {
+  OPTSTATE_ASSIGN_OR_RETURN(Payload s, dcp::interpret_value(p, pf.get(name), ew));
+  if (s.kind != Payload::Kind::kTensor) return corrupt(ew + ": not a tensor");
+  EntrySpec e;
+  if (s.tensor.dtype == DType::kF32 || s.tensor.dtype == DType::kBF16 || s.tensor.dtype == DType::kF16) {
+    e.values = s.tensor;  // 32-bit state
+    return e;
+  }
+  if (s.tensor.dtype != DType::kU8)
+    return corrupt(fmt::format("{}: a {} tensor; bitsandbytes' state is fp32, or uint8 codes", ew, dtype_name(s.tensor.dtype)));
+  const char n = name.back();
+  const Ref absmax = pf.get(fmt::format("absmax{}", n)), qmap = pf.get(fmt::format("qmap{}", n));
+  if (absmax == kNoRef && pf.get(fmt::format("max{}", n)) != kNoRef)
+    return corrupt(fmt::format("{}: bitsandbytes' 8-bit state without blocks (block_wise=False: one scale per "
+                               "tensor, 'max{}') is not read; optstate reads its blockwise state", ew, n));
+  if (absmax == kNoRef || qmap == kNoRef)
+    return corrupt(fmt::format("{}: uint8 codes without 'absmax{}' and 'qmap{}'", ew, n, n));
+  OPTSTATE_ASSIGN_OR_RETURN(Payload a, dcp::interpret_value(p, absmax, fmt::format("{} 'absmax{}'", ew, n)));
+  OPTSTATE_ASSIGN_OR_RETURN(Payload q, dcp::interpret_value(p, qmap, fmt::format("{} 'qmap{}'", ew, n)));
+  if (a.kind != Payload::Kind::kTensor || a.tensor.dtype != DType::kF32 || a.tensor.shape.size() != 1)
+    return corrupt(fmt::format("{} 'absmax{}': not a 1-d float32 tensor", ew, n));
+  if (q.kind != Payload::Kind::kTensor || q.tensor.dtype != DType::kF32 || *checked_numel(q.tensor.shape) != 256)
+    return corrupt(fmt::format("{} 'qmap{}': not a map of 256 float32", ew, n));
+  const int64_t numel = *checked_numel(s.tensor.shape), blocks = a.tensor.shape[0];
+  const int64_t block = dcp::bnb_block_size(numel, blocks);
+  if (block == 0)
+    return corrupt(fmt::format("{}: {} scales for {} codes, neither blocks of 256 nor of 2048", ew, blocks, numel));
+  e.encoding = Encoding::kBlockwise8;
+  e.codes = s.tensor;
+  e.absmax = a.tensor;
+  e.block_size = block;
+  e.qmap = q.tensor;  // named by the driver, which compares it with the dynamic maps bit for bit
+  return e;
 }
 
 // ---- LibTorch's optimizer archive (torch::save(optimizer, path) in C++) ----
@@ -684,10 +764,9 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
     spec.group = g;
     std::optional<std::vector<int64_t>> shape;
     bool has_step = false;
-    for (size_t f = 0; f + 1 < fields->size(); f += 2) {
-      const auto name = dcp::as_string(p, (*fields)[f]);
-      const Ref v = (*fields)[f + 1];
-      if (!name) return corrupt(pw + ": a key is not a string");
+    OPTSTATE_ASSIGN_OR_RETURN(const ParamFields pf, param_fields(p, *fields, pw));
+    for (const auto& [field, v] : pf.fields) {
+      const std::string* name = &field;
       const std::string ew = fmt::format("{} '{}'", pw, *name);
       if (*name == "step") {
         OPTSTATE_ASSIGN_OR_RETURN(spec.step, scalar(p, v, ew));
@@ -719,9 +798,21 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
           return corrupt(ew + ": neither a tensor nor torchao's OptimState8bit");
         }
         if (!spec.entries.emplace(*name, std::move(e)).second) return corrupt(ew + ": listed twice");
+      } else if (const auto moment = bnb_moment(*name)) {
+        OPTSTATE_ASSIGN_OR_RETURN(EntrySpec e, bnb_entry(p, pf, *name, ew));
+        OPTSTATE_RETURN_IF_ERROR(same_shape(shape, e.encoding == Encoding::kDense ? e.values.shape : e.codes.shape, ew));
+        if (e.encoding == Encoding::kBlockwise8) out.eight = true;
+        if (!spec.entries.emplace(*moment, std::move(e)).second)
+          return corrupt(fmt::format("{}: '{}' twice (as '{}' and bitsandbytes' '{}')", pw, *moment, *moment, *name));
+      } else if (const auto of = bnb_part_of(*name)) {
+        if (pf.get(*of) == kNoRef) return corrupt(fmt::format("{}: without '{}'", ew, *of));
+      } else if (*name == "unorm_vec" || *name == "gnorm_vec") {
+        // bitsandbytes' update-norm / gradient-norm history (max_unorm, percentile_clipping): no
+        // canonical entry holds it; the moments are what a resume needs.
+        out.not_read.push_back(fmt::format("state[{}] '{}'", keyed_by_name ? "'" + fqn + "'" : std::to_string(id), *name));
       } else if (const auto base = moment_of(*name, "_codes")) {
         // optstate's AdamW8bit (DESIGN §6): plain codes and absmax tensors, block and maps in the group.
-        const Ref absmax = p.dict_get(ps, *base + "_absmax");
+        const Ref absmax = pf.get(*base + "_absmax");
         if (absmax == kNoRef) return corrupt(fmt::format("{}: without '{}_absmax'", ew, *base));
         if (info[static_cast<size_t>(g)].block == 0)
           return corrupt(ew + ": 8-bit codes, but the param group has no block_size (optstate's AdamW8bit records it)");
@@ -746,13 +837,19 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
           return corrupt(fmt::format("{}: '{}' is both dense and 8-bit", pw, *base));
         out.eight = true;
       } else if (const auto base = moment_of(*name, "_absmax")) {
-        if (p.dict_get(ps, *base + "_codes") == kNoRef) return corrupt(fmt::format("{}: without '{}_codes'", ew, *base));
+        if (pf.get(*base + "_codes") == kNoRef) return corrupt(fmt::format("{}: without '{}_codes'", ew, *base));
       } else {
         out.not_read.push_back(fmt::format("state[{}] '{}'", keyed_by_name ? "'" + fqn + "'" : std::to_string(id), *name));
       }
     }
     if (spec.entries.empty()) continue;  // only a step: nothing to carry
     if (!has_step) return corrupt(pw + ": moments without a 'step'");
+    for (const char* m : {kExpAvg, kExpAvgSq})
+      if (!spec.entries.count(m))
+        return corrupt(pf.get("state1") != kNoRef
+                           ? pw + ": bitsandbytes' 'state1' without 'state2': a one-state optimizer (Lion, "
+                                  "SGD with momentum, RMSprop, Adagrad), not AdamW"
+                           : fmt::format("{}: no '{}' (AdamW keeps exp_avg and exp_avg_sq)", pw, m));
     spec.shape = *shape;
     if (!params.emplace(id, std::move(spec)).second) return corrupt(pw + ": listed twice");
   }

@@ -652,7 +652,12 @@ def test_dcp_8bit_codes_without_their_layout_are_refused_by_name(tmp_path, optst
     err = run_err(optstate_cli, "inspect", save("miscounted", {"exp_avg_codes": codes, "exp_avg_absmax": absmax},
                                                 {"block_size": 64}))
     assert "optim.state.w.exp_avg_absmax" in err and "2 scales for 512 codes" in err
-    ok = save("ok", {"exp_avg_codes": codes, "exp_avg_absmax": absmax}, {"block_size": 256})
+    # AdamW keeps both moments; one alone is another optimizer's state (or a damaged one).
+    err = run_err(optstate_cli, "inspect", save("one_moment", {"exp_avg_codes": codes, "exp_avg_absmax": absmax},
+                                                {"block_size": 256}))
+    assert "param 'w'" in err and "no 'exp_avg_sq'" in err
+    ok = save("ok", {"exp_avg_codes": codes, "exp_avg_absmax": absmax, "exp_avg_sq": torch.zeros(512)},
+              {"block_size": 256})
     assert "8bit/256 dynamic-signed" in optstate_cli("inspect", ok).stdout
 
 

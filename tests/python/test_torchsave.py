@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from test_formats import assert_converts_to_ref, hashes, run_script
+from test_formats import assert_converts_to_ref, hashes, run_err, run_script
 
 # Trains a small model with one optimizer, then saves the same state three ways: a DCP of
 # get_state_dict (the reference reader path), torch.save of the optimizer's state_dict alone, and
@@ -30,6 +30,9 @@ MAKE_PT = textwrap.dedent("""
     elif kind == "ours8":
         import optstate
         opt = optstate.AdamW8bit(params, lr=1e-3, block_size=64)
+    elif kind == "bnb":  # bitsandbytes' AdamW8bit (Hugging Face's optim="adamw_bnb_8bit"): blocks of 256
+        import bitsandbytes as bnb
+        opt = bnb.optim.AdamW8bit(params, lr=1e-3, weight_decay=0.05)
     elif kind == "groups":  # Hugging Face's layout: weights decayed, biases not, in two groups
         params = list(params)
         decay = [p for p in params if (p[1] if named else p).dim() > 1]
@@ -52,6 +55,13 @@ MAKE_PT = textwrap.dedent("""
     for i, (name, p) in enumerate(model.named_parameters()):
         st = opt.state[p]
         key = name if named else str(i)
+        if kind == "bnb":  # bitsandbytes' own dequantization of its 8-bit state1/state2
+            import bitsandbytes.functional as F
+            for k, n in (("exp_avg", "1"), ("exp_avg_sq", "2")):
+                s = st["state" + n]
+                ref[key + "." + k] = s.clone() if s.dtype != torch.uint8 else F.dequantize_blockwise(
+                    s, absmax=st["absmax" + n], code=st["qmap" + n], blocksize=256)
+            continue
         for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
             if k in st:
                 v = st[k]
@@ -76,7 +86,7 @@ def run_python(source):
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("kind", ["fp32", "ams", "groups", "ao", "ours8"])
+@pytest.mark.parametrize("kind", ["fp32", "ams", "groups", "ao", "ours8", "bnb"])
 def test_torch_saved_optimizer_reads_as_the_state_its_dcp_holds(tmp_path, optstate_cli, kind):
     out = make_pt(tmp_path, kind, "named")
     pt, full, ck = (f"{out}.optimizer.pt", f"{out}.full.pt", f"{out}.dcp")
@@ -93,7 +103,7 @@ def test_torch_saved_optimizer_reads_as_the_state_its_dcp_holds(tmp_path, optsta
     insp = json.loads(optstate_cli("inspect", full, "--json").stdout)
     assert len(insp["param_groups"]) == (2 if kind == "groups" else 1)
     assert insp["format"] == "torchsave"
-    assert insp["optimizer"] == ("adamw8bit" if kind in ("ao", "ours8") else "adamw")
+    assert insp["optimizer"] == ("adamw8bit" if kind in ("ao", "ours8", "bnb") else "adamw")
     assert "['epoch']" in insp["not_read"]
     assert optstate_cli("validate", pt).returncode == 0
 
@@ -394,3 +404,159 @@ def test_python_optimizer_state_converts_to_a_libtorch_archive_torch_jit_load_re
                 assert torch.equal(tensors[m], v) and torch.equal(dense[m], v)
     assert optstate_cli("hash", tmp_path / "eight.pt").stdout.splitlines()[-1] == \
         optstate_cli("hash", src).stdout.splitlines()[-1]
+
+
+# bitsandbytes' AdamW8bit as Hugging Face's Trainer runs it (optim="adamw_bnb_8bit"): a weight of
+# 7000 elements (8-bit, a partial last block of 256), small params in fp32 state, two groups.
+MAKE_BNB = textwrap.dedent("""
+    import sys, torch, torch.distributed.checkpoint as dcp, bitsandbytes as bnb
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    out = sys.argv[1]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(100, 70), torch.nn.GELU(), torch.nn.Linear(70, 3))
+    named = list(model.named_parameters())
+    opt = bnb.optim.AdamW8bit([{"params": [p for p in named if p[1].dim() > 1], "weight_decay": 0.05},
+                               {"params": [p for p in named if p[1].dim() <= 1], "weight_decay": 0.0}], lr=1e-3)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        model(torch.randn(8, 100, generator=g)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save(opt.state_dict(), out + ".optimizer.pt")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, out + ".full.pt")
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out + ".dcp")
+""")
+
+
+def bnb_ref(st, blocksize=256):
+    """What bitsandbytes holds, by its own dequantization: {moment: fp32 tensor}."""
+    import bitsandbytes.functional as F
+    out = {}
+    for k, n in (("exp_avg", "1"), ("exp_avg_sq", "2")):
+        s = st["state" + n]
+        out[k] = s if s.dtype != torch.uint8 else F.dequantize_blockwise(
+            s, absmax=st["absmax" + n], code=st["qmap" + n], blocksize=blocksize)
+    return out
+
+
+def test_bitsandbytes_8bit_state_converts_to_plain_adamw_and_moves_into_optstate_exactly(tmp_path, optstate_cli):
+    out = tmp_path / "bnb"
+    run_script(tmp_path, MAKE_BNB, "make_bnb.py", out)
+    pt, full, ck = f"{out}.optimizer.pt", f"{out}.full.pt", f"{out}.dcp"
+    insp = json.loads(optstate_cli("inspect", pt, "--json").stdout)
+    assert insp["optimizer"] == "adamw8bit" and insp["not_read"] == []
+    assert [g["weight_decay"] for g in insp["param_groups"]] == [0.05, 0.0]
+    # The DCP of the same optimizer (get_state_dict: the 8-bit tensors one level down) is the same state.
+    assert hashes(optstate_cli, full) == hashes(optstate_cli, ck)
+    assert hashes(optstate_cli, pt)["entries"].keys() == {
+        f"{p}.{m}" for p in ("0.weight", "0.bias", "2.weight", "2.bias") for m in ("exp_avg", "exp_avg_sq")}
+    # To torch.optim.AdamW's state_dict: every moment is bitsandbytes' own dequantization, bit for bit.
+    optstate_cli("convert", pt, tmp_path / "plain.pt")
+    sd, plain = torch.load(pt, weights_only=False), torch.load(tmp_path / "plain.pt", weights_only=True)
+    for i, st in sd["state"].items():
+        ref = bnb_ref(st["__bnb_optimizer_quant_state__"])
+        for k, v in ref.items():
+            assert torch.equal(plain["state"][i][k], v), (i, k)
+        assert plain["state"][i]["step"].item() == st["step"] == 3
+    assert [g["weight_decay"] for g in plain["param_groups"]] == [0.05, 0.0]
+    # ... which torch.optim.AdamW takes and steps on.
+    model = torch.nn.Sequential(torch.nn.Linear(100, 70), torch.nn.GELU(), torch.nn.Linear(70, 3))
+    opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.dim() > 1]},
+                             {"params": [p for p in model.parameters() if p.dim() <= 1]}])
+    opt.load_state_dict(plain)
+    model(torch.randn(2, 100)).sum().backward()
+    opt.step()
+    # Into optstate's AdamW8bit with nothing requantized: its codes and scales are bitsandbytes'.
+    run_python(f"""
+        import torch, optstate
+        sd = torch.load({full!r}, weights_only=False)
+        m = torch.nn.Sequential(torch.nn.Linear(100, 70), torch.nn.GELU(), torch.nn.Linear(70, 3))
+        o = optstate.AdamW8bit([{{"params": [p for p in m.parameters() if p.dim() > 1]}},
+                                {{"params": [p for p in m.parameters() if p.dim() <= 1]}}], lr=0.5, block_size=256)
+        optstate.load({full!r}, m, o)
+        ids = {{n: i for g in sd["optimizer"]["param_groups"] for n, i in zip(g["param_names"], g["params"])}}
+        for name, p in m.named_parameters():
+            st, ref = o.state[p], sd["optimizer"]["state"][ids[name]]["__bnb_optimizer_quant_state__"]
+            assert torch.equal(p, sd["model"][name])
+            if ref["state1"].dtype == torch.uint8:
+                assert torch.equal(st["exp_avg_codes"], ref["state1"]) and torch.equal(st["exp_avg_absmax"], ref["absmax1"])
+                assert torch.equal(st["exp_avg_sq_codes"], ref["state2"]) and torch.equal(st["exp_avg_sq_absmax"], ref["absmax2"])
+            else:
+                assert torch.equal(st["exp_avg"], ref["state1"]) and torch.equal(st["exp_avg_sq"], ref["state2"])
+            assert st["step"].item() == 3
+        print("ok")
+    """)
+
+
+def test_bitsandbytes_older_layout_and_foreign_state_are_read_or_refused_by_name(tmp_path, optstate_cli):
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+
+    def trained(make, n=100):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(n, 70)
+        opt = make(model.parameters())
+        for _ in range(2):
+            model(torch.randn(4, n)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return opt.state_dict()
+
+    def flat(sd):  # the layout of releases before the nested dict: tensors beside "step"
+        return {"state": {i: {"step": st["step"], **st.get("__bnb_optimizer_quant_state__", {})}
+                          for i, st in sd["state"].items()}, "param_groups": sd["param_groups"]}
+
+    sd = flat(trained(lambda p: bnb.optim.AdamW8bit(p, lr=1e-3)))
+    # Older releases quantized in blocks of 2048: the same moments, quantized so by bitsandbytes.
+    w = sd["state"][0]
+    for n in ("1", "2"):
+        values = F.dequantize_blockwise(w["state" + n], absmax=w["absmax" + n], code=w["qmap" + n], blocksize=256)
+        w["state" + n], qs = F.quantize_blockwise(values, code=w["qmap" + n], blocksize=2048)
+        w["absmax" + n] = qs.absmax
+    torch.save(sd, tmp_path / "b2048.pt")
+    assert "8bit/2048 dynamic-signed" in optstate_cli("inspect", tmp_path / "b2048.pt").stdout
+    optstate_cli("convert", tmp_path / "b2048.pt", tmp_path / "b2048_plain.pt")
+    plain = torch.load(tmp_path / "b2048_plain.pt", weights_only=True)
+    for k, v in bnb_ref(w, blocksize=2048).items():
+        assert torch.equal(plain["state"][0][k], v), k
+
+    def refused(name, state_dict, *words):
+        torch.save(state_dict, tmp_path / name)
+        err = run_err(optstate_cli, "inspect", tmp_path / name)
+        assert str(tmp_path / name) in err and all(w in err for w in words), err
+
+    # Not AdamW: Lion keeps one moment, AdEMAMix three betas and two moments in state1.
+    refused("lion.pt", trained(lambda p: bnb.optim.Lion8bit(p, lr=1e-3)), "state[0]", "'state1' without 'state2'", "Lion")
+    refused("ademamix.pt", trained(lambda p: bnb.optim.AdEMAMix8bit(p, lr=1e-3)), "param group 0", "AdEMAMix")
+    # The same in a DCP (get_state_dict + dcp.save), whose reader shares the rules.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    for name, make, words in (("lion", bnb.optim.Lion8bit, ["param 'weight'", "'state1' without 'state2'"]),
+                              ("ademamix", bnb.optim.AdEMAMix8bit, ["param group 0", "AdEMAMix"])):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(100, 70)
+        opt = make(model.parameters(), lr=1e-3)
+        model(torch.randn(4, 100)).square().sum().backward()
+        opt.step()
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / f"{name}.dcp"))
+        err = run_err(optstate_cli, "inspect", tmp_path / f"{name}.dcp")
+        assert all(w in err for w in words), err
+    # Damaged or unsupported 8-bit parts, named with the param and the field.
+    def edited(edit):
+        s = flat(trained(lambda p: bnb.optim.AdamW8bit(p, lr=1e-3)))
+        edit(s["state"][0])
+        return s
+    refused("nonblockwise.pt", edited(lambda st: st.update(max1=st.pop("absmax1"), new_max1=torch.ones(1))),
+            "state[0]", "'state1'", "block_wise=False")
+    refused("noqmap.pt", edited(lambda st: st.pop("qmap2")), "'state2'", "qmap2")
+    refused("miscounted.pt", edited(lambda st: st.update(absmax1=st["absmax1"][:-1])), "'state1'", "27 scales for 7000 codes")
+    refused("custom_map.pt", edited(lambda st: st.update(qmap1=st["qmap1"] * 0.5)),
+            "quantization map is neither")
+    refused("orphan.pt", edited(lambda st: st.pop("state2")), "without 'state2'")
+    # Older releases' clipping history (percentile_clipping < 100: "gnorm_vec", 100 norms) has no
+    # canonical place: named as not read.
+    torch.save(edited(lambda st: st.update(gnorm_vec=torch.rand(100))), tmp_path / "clipped.pt")
+    insp = json.loads(optstate_cli("inspect", tmp_path / "clipped.pt", "--json").stdout)
+    assert "state[0] 'gnorm_vec'" in insp["not_read"], insp["not_read"]

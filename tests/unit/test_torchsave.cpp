@@ -83,6 +83,33 @@ TEST_CASE("torchsave: torchao's OptimState8bit and optstate's plain codes read a
   }
 }
 
+TEST_CASE("torchsave: bitsandbytes' AdamW8bit state (state1/state2, absmax, qmap) reads as blockwise8") {
+  // 0.50's layout (nested under __bnb_optimizer_quant_state__, blocks of 256, param_names) and the
+  // older one (beside "step", blocks of 2048, numbered params).
+  for (auto [seed, block, w, b] : {std::tuple{"bnb_adamw8bit_named.pt", 256, "weight", "bias"},
+                                   std::tuple{"bnb_adamw8bit_2048.pt", 2048, "0", "1"}}) {
+    CAPTURE(seed);
+    auto r = open_seed(seed);
+    const OptimizerState& m = r->meta();
+    CHECK(m.kind == "adamw8bit");
+    REQUIRE(m.groups.size() == 1);
+    CHECK(m.groups[0].hyper.weight_decay == 0.01);
+    const ParamState& wp = m.params.at(w);
+    CHECK(wp.shape == std::vector<int64_t>{64, 64});
+    CHECK(wp.step == 2);
+    const Entry& e = wp.entries.at(kExpAvg);
+    CHECK(e.encoding == Encoding::kBlockwise8);
+    CHECK(e.block_size == block);
+    CHECK(e.qmap == "dynamic-signed");
+    CHECK(wp.entries.at(kExpAvgSq).qmap == "dynamic-unsigned");
+    CHECK(m.params.at(b).entries.at(kExpAvgSq).encoding == Encoding::kDense);  // 64 < min_8bit_size: fp32
+    CHECK(r->not_read().empty());  // AdEMAMix's inert group fields (alpha, t_alpha, t_beta3) are no loss
+    auto v = validate_checkpoint(kSeeds / seed, [](const fs::path& p) { return open_checkpoint(p); });
+    REQUIRE(v.ok());
+    CHECK(v->findings.empty());
+  }
+}
+
 TEST_CASE("torchsave: a {model, optimizer} checkpoint carries the weights by param name") {
   auto r = open_seed("torch_model_and_optimizer.pt");
   const OptimizerState& m = r->meta();

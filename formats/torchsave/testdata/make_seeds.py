@@ -3,7 +3,8 @@
 tiny model (Linear(64, 64), two steps): torch.optim.AdamW (amsgrad, params unnamed), torchao's
 AdamW8bit (OptimState8bit moments for the 64x64 weight, a tensor lr), optstate.AdamW8bit built from
 named_parameters (param_names, plain codes/absmax tensors), a {"model", "optimizer"} checkpoint, and
-torch.optim.AdamW's state keyed by fqn in two groups (get_optimizer_state_dict).
+torch.optim.AdamW's state keyed by fqn in two groups (get_optimizer_state_dict); bitsandbytes'
+AdamW8bit as 0.50 saves it and in its older layout (bnb).
 
 FSDP2 (two CPU processes over gloo): fsdp2_world2/ holds what verl saves per rank
 (optim_world_size_2_rank_R.pt, model_world_size_2_rank_R.pt of DTensors, extra_state_...), and
@@ -17,7 +18,7 @@ parameter per unit), fsdp1_world2_orig/ with use_orig_params=True (one param eac
 nothing per rank); fsdp1_world2*_full.pt the same state put together from FSDP's own flat-parameter
 metadata (where each rank's run of each param starts), as one {"model", "optimizer"} file.
 
-    .venv/bin/python formats/torchsave/testdata/make_seeds.py [main|fqn|fsdp2|fsdp1]"""
+    .venv/bin/python formats/torchsave/testdata/make_seeds.py [main|fqn|fsdp2|fsdp1|bnb]"""
 import os
 import sys
 
@@ -200,6 +201,32 @@ def fsdp1():
     mp.spawn(fsdp1_rank, args=(2, True, os.path.join(HERE, "fsdp1_world2_orig")), nprocs=2)
 
 
+def bnb():
+    """bitsandbytes' AdamW8bit (CPU): bnb_adamw8bit_named.pt as bitsandbytes 0.50 saves it (built from
+    named_parameters: param_names; the 8-bit tensors nested in "__bnb_optimizer_quant_state__", blocks
+    of 256); bnb_adamw8bit_2048.pt the layout of older releases (the tensors beside "step", blocks of
+    2048, no param_names), its codes and scales bitsandbytes' own quantize_blockwise of the same
+    moments in blocks of 2048."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+
+    _, opt = trained(lambda p: bnb.optim.AdamW8bit(p, lr=1e-3), named=True)
+    sd = opt.state_dict()
+    torch.save(sd, os.path.join(HERE, "bnb_adamw8bit_named.pt"))
+    old = {"state": {}, "param_groups": [{k: v for k, v in g.items() if k not in ("param_names", "alpha", "t_alpha", "t_beta3")}
+                                         for g in sd["param_groups"]]}
+    for i, st in sd["state"].items():
+        flat = {"step": st["step"], **st["__bnb_optimizer_quant_state__"]}
+        for n in ("1", "2"):
+            if flat["state" + n].dtype == torch.uint8:
+                values = F.dequantize_blockwise(flat["state" + n], absmax=flat["absmax" + n], code=flat["qmap" + n],
+                                                blocksize=256)
+                codes, qs = F.quantize_blockwise(values, code=flat["qmap" + n], blocksize=2048)
+                flat["state" + n], flat["absmax" + n] = codes, qs.absmax
+        old["state"][i] = flat
+    torch.save(old, os.path.join(HERE, "bnb_adamw8bit_2048.pt"))
+
+
 if __name__ == "__main__":
-    for step in sys.argv[1:] or ["main", "fqn", "fsdp2", "fsdp1"]:
+    for step in sys.argv[1:] or ["main", "fqn", "fsdp2", "fsdp1", "bnb"]:
         globals()[step]()

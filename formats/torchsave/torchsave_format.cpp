@@ -161,8 +161,9 @@ class TorchSaveReader final : public CheckpointReader {
  public:
   explicit TorchSaveReader(fs::path path) : path_(std::move(path)) {}
 
-  // A LibTorch archive is read here (the same zip, pickle and tensors) for formats/libtorch/.
-  std::string_view format() const override { return libtorch_ ? "libtorch" : "torchsave"; }
+  // A LibTorch archive is read here (the same zip, pickle and tensors) for formats/libtorch/, and
+  // bitsandbytes' state_dict for formats/bitsandbytes/.
+  std::string_view format() const override { return libtorch_ ? "libtorch" : bnb_ ? "bitsandbytes" : "torchsave"; }
   const fs::path& path() const override { return path_; }
   const OptimizerState& meta() const override { return meta_; }
   std::vector<std::string> not_read() const override { return not_read_; }
@@ -284,6 +285,7 @@ class TorchSaveReader final : public CheckpointReader {
     const StateDict& sd0 = sds[0];
     const std::string w0 = optim_files[0].string();
     libtorch_ = sd0.libtorch;
+    bnb_ = sd0.bnb;
     std::vector<std::pair<ModelDict, size_t>> models;  // (dict, archive index)
     for (const fs::path& f : model_files) {
       OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(f));
@@ -1036,6 +1038,7 @@ class TorchSaveReader final : public CheckpointReader {
   fs::path path_;
   bool set_ = false;       // a per-rank set (a directory), not one file
   bool libtorch_ = false;  // a LibTorch optimizer archive
+  bool bnb_ = false;       // bitsandbytes' state: formats/bitsandbytes/ writes it
   std::vector<Archive> files_;
   OptimizerState meta_;
   std::vector<std::string> not_read_;
@@ -1171,7 +1174,7 @@ class TorchSaveDriver final : public FormatDriver {
       return false;
     }
     const auto first = first_zip_record(path);
-    return first && first->size() > 9 && first->ends_with("/data.pkl");
+    return first && first->size() > 9 && first->ends_with("/data.pkl") && !holds_bnb_state(path);
   }
 
   Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {
@@ -1278,6 +1281,42 @@ std::optional<std::string> first_zip_record(const fs::path& path) {
   const size_t name_len = static_cast<size_t>(h[26]) | static_cast<size_t>(h[27]) << 8;
   if (30 + name_len > n) return std::nullopt;
   return std::string(reinterpret_cast<const char*>(h + 30), name_len);
+}
+
+bool holds_bnb_state(const fs::path& path) {
+  // data.pkl's bytes, found through the central directory (torch.save's local headers leave the
+  // sizes to a data descriptor).
+  auto f = InputFile::open(path);
+  if (!f.ok() || f->size() < 30) return false;
+  const uint64_t tail_n = std::min<uint64_t>(f->size(), zip::kMaxTailBytes);
+  std::vector<std::byte> tail(static_cast<size_t>(tail_n));
+  if (!f->read_at(f->size() - tail_n, tail).ok()) return false;
+  const auto cd = zip::find_central_directory(tail, f->size(), "");
+  if (!cd.ok() || cd->size > (uint64_t{64} << 20) || cd->offset > f->size() || cd->size > f->size() - cd->offset)
+    return false;
+  std::vector<std::byte> dir(static_cast<size_t>(cd->size));
+  if (!f->read_at(cd->offset, dir).ok()) return false;
+  const auto entries = zip::parse_central_directory(dir, *cd, "", true);
+  if (!entries.ok()) return false;
+  for (const zip::Entry& e : *entries) {
+    if (!e.name.ends_with("/data.pkl") || e.method != 0) continue;
+    std::byte h[30];
+    if (!f->read_at(e.local_header_offset, h).ok()) return false;
+    const auto at = zip::data_offset(h, e, cd->offset, "");
+    if (!at.ok()) return false;
+    // The keys come early: a model dict before the optimizer's takes ~100 bytes a weight.
+    std::string pkl(static_cast<size_t>(std::min<uint64_t>(e.size, uint64_t{8} << 20)), '\0');
+    if (!f->read_at(*at, std::as_writable_bytes(std::span(pkl))).ok()) return false;
+    // "state1" and "state2" as whole pickled strings (protocol 2's BINUNICODE, or SHORT_BINUNICODE),
+    // not inside a longer name.
+    auto has = [&](std::string_view key) {
+      const std::string bin = std::string("X") + char(key.size()) + std::string(3, '\0') + std::string(key);
+      const std::string sbin = std::string("\x8c") + char(key.size()) + std::string(key);
+      return pkl.find(bin) != std::string::npos || pkl.find(sbin) != std::string::npos;
+    };
+    return has("state1") && has("state2");
+  }
+  return false;
 }
 
 Result<std::unique_ptr<CheckpointReader>> open_file(const fs::path& path) {

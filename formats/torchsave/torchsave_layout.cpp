@@ -802,6 +802,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
         OPTSTATE_ASSIGN_OR_RETURN(EntrySpec e, bnb_entry(p, pf, *name, ew));
         OPTSTATE_RETURN_IF_ERROR(same_shape(shape, e.encoding == Encoding::kDense ? e.values.shape : e.codes.shape, ew));
         if (e.encoding == Encoding::kBlockwise8) out.eight = true;
+        out.bnb = true;
         if (!spec.entries.emplace(*moment, std::move(e)).second)
           return corrupt(fmt::format("{}: '{}' twice (as '{}' and bitsandbytes' '{}')", pw, *moment, *moment, *name));
       } else if (const auto of = bnb_part_of(*name)) {

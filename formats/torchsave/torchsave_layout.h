@@ -110,6 +110,7 @@ struct StateDict {
   std::vector<std::string> not_read; // what the file holds that the canonical state does not
   std::vector<DeclaredCount> counts; // LibTorch archives: sizes to check against what is listed
   bool libtorch = false;             // a LibTorch optimizer archive (torch::save(optimizer, path))
+  bool bnb = false;                  // bitsandbytes' state (state1/state2: dcp/bnb_state.h)
 };
 
 // The optimizer state_dict at the pickle's root, or the one dict beside others in a dict at the

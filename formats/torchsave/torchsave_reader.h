@@ -1,5 +1,6 @@
 // The torch.save driver's reader of one file, for formats whose files are torch.save's zip with a
-// pickle it interprets: LibTorch's optimizer archives (formats/libtorch/) open through it.
+// pickle it interprets: LibTorch's optimizer archives (formats/libtorch/) and bitsandbytes' state_dicts
+// (formats/bitsandbytes/) open through it.
 #pragma once
 
 #include <filesystem>
@@ -16,5 +17,9 @@ Result<std::unique_ptr<CheckpointReader>> open_file(const std::filesystem::path&
 // The name of a file's first zip record, from its first local header (the sniffers' cheap look:
 // torch.save writes <folder>/data.pkl first, LibTorch <folder>/data/0); nullopt for anything else.
 std::optional<std::string> first_zip_record(const std::filesystem::path& path);
+
+// Whether a torch.save file's data.pkl names bitsandbytes' "state1" and "state2" (its first 8 MiB):
+// the bitsandbytes driver's sniff, which the torch.save driver's leaves to it.
+bool holds_bnb_state(const std::filesystem::path& path);
 
 }  // namespace optstate::torchsave

@@ -560,3 +560,98 @@ def test_bitsandbytes_older_layout_and_foreign_state_are_read_or_refused_by_name
     torch.save(edited(lambda st: st.update(gnorm_vec=torch.rand(100))), tmp_path / "clipped.pt")
     insp = json.loads(optstate_cli("inspect", tmp_path / "clipped.pt", "--json").stdout)
     assert "state[0] 'gnorm_vec'" in insp["not_read"], insp["not_read"]
+
+
+RESUME_BNB = textwrap.dedent("""
+    import sys, subprocess, torch, bitsandbytes as bnb
+    cli, out = sys.argv[1], sys.argv[2]
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(100, 70), torch.nn.GELU(), torch.nn.Linear(70, 3))
+    def run(m, o, start, stop):
+        for s in range(start, stop):
+            g = torch.Generator().manual_seed(s)
+            m(torch.randn(8, 100, generator=g)).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    m = make()
+    o = bnb.optim.AdamW8bit(m.parameters(), lr=1e-3)
+    run(m, o, 0, 3)
+    torch.save(o.state_dict(), out + ".optimizer.pt")
+    torch.save(m.state_dict(), out + ".model.pt")
+    run(m, o, 3, 6)
+    # Through optstate's own format and back to bitsandbytes' layout, then resumed by bitsandbytes.
+    for args in (["convert", out + ".optimizer.pt", out + ".native"],
+                 ["convert", out + ".native", out + ".back.pt", "--format", "bitsandbytes"]):
+        subprocess.run([cli, *args], check=True, capture_output=True)
+    m2 = make()
+    m2.load_state_dict(torch.load(out + ".model.pt"))
+    o2 = bnb.optim.AdamW8bit(m2.parameters(), lr=1e-3)
+    o2.load_state_dict(torch.load(out + ".back.pt"))
+    run(m2, o2, 3, 6)
+    for a, b in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(o.state.values(), o2.state.values()):
+        assert a["step"] == b["step"] == 6 and torch.equal(a["state1"], b["state1"]) and torch.equal(a["state2"], b["state2"])
+    print("ok")
+""")
+
+
+def test_bitsandbytes_resumes_bitwise_from_the_state_optstate_writes(tmp_path, optstate_cli):
+    from conftest import BUILD
+    run_script(tmp_path, RESUME_BNB, "resume_bnb.py", BUILD / "optstate", tmp_path / "r")
+    back, orig = tmp_path / "r.back.pt", tmp_path / "r.optimizer.pt"
+    assert "(bitsandbytes)" in optstate_cli("inspect", back).stdout
+    assert hashes(optstate_cli, back) == hashes(optstate_cli, orig)
+
+
+def test_torch_and_torchao_state_move_to_bitsandbytes_8bit(tmp_path, optstate_cli):
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+    from torchao.optim import AdamW8bit as AoAdamW8bit
+
+    def trained(make):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(100, 70), torch.nn.GELU(), torch.nn.Linear(70, 3))
+        opt = make(model.parameters())
+        for _ in range(3):
+            model(torch.randn(8, 100)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    # torch.optim.AdamW (fp32) -> bitsandbytes' 8-bit state: quantized here (blocks of 256, nearest code).
+    model, opt = trained(lambda p: torch.optim.AdamW(p, lr=1e-3))
+    torch.save(opt.state_dict(), tmp_path / "torch.pt")
+    optstate_cli("convert", tmp_path / "torch.pt", tmp_path / "bnb.pt", "--format", "bitsandbytes", "--to", "8bit",
+                 "--block-size", "256")
+    sd = torch.load(tmp_path / "bnb.pt")
+    st = sd["state"][0]["__bnb_optimizer_quant_state__"]
+    assert st["state1"].dtype == torch.uint8 and sd["state"][1]["__bnb_optimizer_quant_state__"]["state1"].dtype == torch.float32
+    for n, k in (("1", "exp_avg"), ("2", "exp_avg_sq")):
+        x = opt.state[model[0].weight][k]
+        codes, qs = F.quantize_blockwise(x, code=st["qmap" + n], blocksize=256)
+        assert torch.equal(qs.absmax, st["absmax" + n])
+        # Every code is a nearest one: at least as near as bitsandbytes' own quantizer's, whose pivot
+        # search picks the neighbour in a few elements (docs: formats/bitsandbytes/FORMAT.md).
+        scale = st["absmax" + n].repeat_interleave(256)[: x.numel()].view_as(x)
+        ours = (st["qmap" + n][st["state" + n].long()] * scale - x).abs()
+        theirs = (st["qmap" + n][codes.long()] * scale - x).abs()
+        assert bool((ours <= theirs).all())
+    resumed = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
+    resumed.load_state_dict(sd)
+    model(torch.randn(8, 100)).square().sum().backward()
+    resumed.step()
+    assert resumed.state[model[0].weight]["step"] == 4
+    assert resumed.state[model[0].weight]["state1"].dtype == torch.uint8
+
+    # torchao's AdamW8bit (blocks of 256): its codes and scales carry over as they are.
+    _, ao = trained(lambda p: AoAdamW8bit(p, lr=1e-3, block_size=256))
+    torch.save(ao.state_dict(), tmp_path / "ao.pt")
+    optstate_cli("convert", tmp_path / "ao.pt", tmp_path / "ao_bnb.pt", "--format", "bitsandbytes")
+    assert hashes(optstate_cli, tmp_path / "ao_bnb.pt") == hashes(optstate_cli, tmp_path / "ao.pt")
+    # bitsandbytes' AdamW has no amsgrad: refused by name, nothing written.
+    _, ams = trained(lambda p: torch.optim.AdamW(p, lr=1e-3, amsgrad=True))
+    torch.save(ams.state_dict(), tmp_path / "ams.pt")
+    err = run_err(optstate_cli, "convert", tmp_path / "ams.pt", tmp_path / "ams_bnb.pt", "--format", "bitsandbytes")
+    assert "amsgrad" in err and not (tmp_path / "ams_bnb.pt").exists()

@@ -1,0 +1,51 @@
+// bitsandbytes' optimizer state_dict (torch.save of AdamW8bit / AdamW's state_dict()): encoded from
+// the canonical state as pure functions; the driver (bnb_format.cpp) writes the zip and the
+// tensors' bytes. Layout: FORMAT.md. Reading is the torch.save driver's (torchsave/), which knows
+// bitsandbytes' names (dcp/bnb_state.h).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "optstate/state.h"
+
+namespace optstate::bitsandbytes {
+
+// bitsandbytes' optimizers quantize their 8-bit state in blocks of 256 with the dynamic maps.
+inline constexpr int64_t kBlockSize = 256;
+
+// Whether bitsandbytes steps this blockwise8 entry as it is (blocks of 256, the dynamic map for
+// the moment); the writer stores the others dequantized, as fp32 state it steps in 32 bits.
+bool steps_as_8bit(const std::string& moment, const Entry& e);
+
+// One storage record, in writing order: a component of an entry (`fqn`, `entry`, `component`),
+// widened or dequantized to fp32 (`to_f32`), or a quantization map (`qmap` set).
+struct StorageSpec {
+  std::string fqn, entry;
+  Component component = Component::kValues;
+  bool to_f32 = false;
+  std::string qmap;  // "dynamic-signed" / "dynamic-unsigned": the map's 256 floats
+};
+
+struct Plan {
+  std::string data_pkl;
+  std::vector<StorageSpec> storages;  // storage keys "0", "1", ... in this order
+};
+
+// data.pkl and its storages for `state`: the state_dict of bitsandbytes >= 0.45 (its tensors in
+// "__bnb_optimizer_quant_state__"; bitsandbytes' load_state_dict also takes the older flat form),
+// params numbered in group order with `param_names` unless every name is its number, and
+// {"model": {fqn: weight}, "optimizer": ...} when the state has weights. Refused: amsgrad and
+// maximize (bitsandbytes has neither), entries other than the two moments and the weights.
+Result<Plan> plan_state_dict(const OptimizerState& state);
+
+// The fp32 values of bitsandbytes' 32-bit state for entry `e` (buffers filled): dense values
+// widened, 8-bit ones dequantized (map[code] * absmax); `key` names it in errors.
+Result<std::vector<float>> f32_values(const Entry& e, int64_t numel, const std::string& key);
+
+// What a round trip gives back: entries bitsandbytes does not step as 8-bit become dense fp32
+// (dequantized, where `state` has the buffers), dense moments fp32.
+OptimizerState kept_state(const OptimizerState& state);
+
+}  // namespace optstate::bitsandbytes

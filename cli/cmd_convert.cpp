@@ -31,7 +31,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
 int run_convert(int argc, char** argv) {
   const CommandSpec spec{
       "convert",
-      "optstate convert SRC DST [--to fp32|8bit] [--format native|safetensors|hdf5|dcp|torchsave|libtorch] [--world-size N] [--block-size N] "
+      "optstate convert SRC DST [--to fp32|8bit] [--format native|safetensors|hdf5|dcp|torchsave|libtorch|bitsandbytes] [--world-size N] [--block-size N] "
       "[--min-8bit-size N] [--float-lr] [--overwrite] [--json]",
       "Writes the state of SRC to DST, optionally changing its encoding: --to fp32 dequantizes 8-bit\n"
       "moments, --to 8bit quantizes the moments of params with at least --min-8bit-size elements\n"
@@ -41,8 +41,9 @@ int run_convert(int argc, char** argv) {
       "DST is written atomically: it appears complete or not at all. Ctrl-C (SIGINT, SIGTERM, SIGHUP)\n"
       "stops the write and removes what it wrote; an existing DST stays as it was.",
       {{"--to", true, "fp32 or 8bit (default: keep encodings)"},
-       {"--format", true, "output format: native, dcp, safetensors, hdf5, torchsave or libtorch (C++ torch::save's optimizer "
-        "archive) (default: from DST's extension, .safetensors / .h5 / .hdf5 / .pt / .pth (torchsave), else native)"},
+       {"--format", true, "output format: native, dcp, safetensors, hdf5, torchsave, libtorch (C++ torch::save's optimizer "
+        "archive) or bitsandbytes (its AdamW8bit's state_dict) (default: from DST's extension, .safetensors / .h5 / "
+        ".hdf5 / .pt / .pth (torchsave), else native)"},
        {"--block-size", true, "8-bit block size (default 256)"},
        {"--min-8bit-size", true, "params with fewer elements stay dense (default 4096)"},
        {"--world-size", true, "lay DST out as N ranks' shards (default 1)"},
@@ -209,6 +210,17 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   if (renamed)
     std::fprintf(stderr, "note: %s numbers the params 0..%zu in group order (%s names none)\n", dst.c_str(),
                  kept.params.size() - 1, format.c_str());
+  // bitsandbytes steps 8-bit state in blocks of 256 only: others are written as fp32 values.
+  size_t widened = 0;
+  if (driver->keeps_blockwise8())
+    for (const auto& [fqn, ps] : kept.params)
+      for (const auto& [name, e] : ps.entries)
+        if (auto w = written.params.find(fqn); w != written.params.end() && w->second.entries.count(name))
+          widened += e.encoding == Encoding::kDense && w->second.entries.at(name).encoding == Encoding::kBlockwise8;
+  if (widened)
+    std::fprintf(stderr, "note: %s stores %zu 8-bit entr%s as fp32 values: %s keeps 8-bit state in its own block "
+                 "layout only (formats/%s/FORMAT.md)\n", dst.c_str(), widened, widened == 1 ? "y" : "ies",
+                 format.c_str(), format.c_str());
   int64_t dense = 0, eight = 0;
   for (const auto& [fqn, ps] : kept.params)
     for (const auto& [name, e] : ps.entries)  // as written: DCP stores 8-bit moments dequantized

@@ -3,6 +3,7 @@ PyTorch and torchao: DCP (single process, 2 FSDP2 ranks over gloo, torchao AdamW
 h5py; conversion chains keep the hash; hostile DCP inputs give errors naming the item.
 """
 import io
+import json
 import os
 import pickle
 import subprocess
@@ -659,6 +660,15 @@ def test_dcp_8bit_codes_without_their_layout_are_refused_by_name(tmp_path, optst
     ok = save("ok", {"exp_avg_codes": codes, "exp_avg_absmax": absmax, "exp_avg_sq": torch.zeros(512)},
               {"block_size": 256})
     assert "8bit/256 dynamic-signed" in optstate_cli("inspect", ok).stdout
+    # Per-param state the canonical state has no place for is named, never dropped unsaid.
+    extra = save("extra", {"exp_avg": torch.zeros(512), "exp_avg_sq": torch.zeros(512), "gnorm_vec": torch.ones(100)}, {})
+    assert json.loads(optstate_cli("inspect", extra, "--json").stdout)["not_read"] == ["optim.state.*.gnorm_vec (1 item)"]
+    # State of a param no group lists.
+    orphan = tmp_path / "orphan"
+    dcp.save({"optim": {"state": {"w": dict(step=torch.tensor(1.0), exp_avg=torch.zeros(4), exp_avg_sq=torch.zeros(4)),
+                                  "v": dict(step=torch.tensor(1.0), exp_avg=torch.zeros(4), exp_avg_sq=torch.zeros(4))},
+                        "param_groups": [dict(lr=1e-3, betas=(0.9, 0.999), params=["w"])]}}, checkpoint_id=str(orphan))
+    assert "param 'v' has state but no param group lists it" in run_err(optstate_cli, "inspect", orphan)
 
 
 def test_chain_native_hdf5_safetensors_dcp_native_keeps_the_hash(tmp_path, optstate_cli):

@@ -83,7 +83,7 @@ for opt in adamw adamw8bit; do
 done
 
 echo
-echo "==== formats: the 3-rank 8-bit checkpoint as safetensors, HDF5, PyTorch DCP and optimizer.pt, and back"
+echo "==== formats: the 3-rank 8-bit checkpoint as safetensors, HDF5, PyTorch DCP, optimizer.pt and bitsandbytes' state_dict, and back"
 src="$out/zero-adamw8bit-3ranks"
 $bin/optstate convert "$src" "$out/state.safetensors"
 $bin/optstate convert "$src" "$out/state.h5" --compress 4
@@ -91,8 +91,9 @@ $bin/optstate convert "$src" "$out/state-dcp" --format dcp --world-size 2   # de
 $bin/optstate convert "$out/state-dcp" "$out/state-back" --to 8bit
 $bin/optstate convert "$src" "$out/optimizer.pt"   # torch.optim.AdamW's state_dict, for torch.load
 $bin/optstate convert "$out/optimizer.pt" "$out/state-back-pt" --to 8bit
+$bin/optstate convert "$src" "$out/bnb-optimizer.pt" --format bitsandbytes   # bitsandbytes' AdamW8bit loads it
 want=$($bin/optstate hash "$src" | tail -1)
-for f in state.safetensors state.h5; do
+for f in state.safetensors state.h5 bnb-optimizer.pt; do
   got=$($bin/optstate hash "$out/$f" | tail -1)
   echo "$f: $got"
   [ "$got" = "$want" ] || { echo "MISMATCH: $f" >&2; exit 1; }

@@ -211,22 +211,21 @@ using dcp::kBnbQuantState;
 // A param's state fields in order, bitsandbytes' nested dict spliced in where it stands.
 struct ParamFields {
   std::vector<std::pair<std::string, Ref>> fields;
+  std::map<std::string, Ref, std::less<>> by_name;  // a hostile file may list many
   Ref get(std::string_view name) const {
-    for (const auto& [n, r] : fields)
-      if (n == name) return r;
-    return kNoRef;
+    const auto it = by_name.find(name);
+    return it == by_name.end() ? kNoRef : it->second;
   }
 };
 
 Result<ParamFields> param_fields(const Pickle& p, const std::vector<Ref>& items, const std::string& pw) {
   ParamFields out;
-  std::set<std::string, std::less<>> seen;
   auto add = [&](const std::vector<Ref>& kv, bool nested) -> Status {
     for (size_t f = 0; f + 1 < kv.size(); f += 2) {
       const auto name = dcp::as_string(p, kv[f]);
       if (!name) return corrupt(pw + ": a key is not a string");
       if (!nested && *name == kBnbQuantState) continue;  // spliced in below
-      if (!seen.insert(*name).second)
+      if (!out.by_name.emplace(*name, kv[f + 1]).second)
         return corrupt(fmt::format("{}: '{}' both in '{}' and beside it", pw, *name, kBnbQuantState));
       out.fields.emplace_back(*name, kv[f + 1]);
     }
@@ -807,10 +806,6 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
           return corrupt(fmt::format("{}: '{}' twice (as '{}' and bitsandbytes' '{}')", pw, *moment, *moment, *name));
       } else if (const auto of = bnb_part_of(*name)) {
         if (pf.get(*of) == kNoRef) return corrupt(fmt::format("{}: without '{}'", ew, *of));
-      } else if (*name == "unorm_vec" || *name == "gnorm_vec") {
-        // bitsandbytes' update-norm / gradient-norm history (max_unorm, percentile_clipping): no
-        // canonical entry holds it; the moments are what a resume needs.
-        out.not_read.push_back(fmt::format("state[{}] '{}'", keyed_by_name ? "'" + fqn + "'" : std::to_string(id), *name));
       } else if (const auto base = moment_of(*name, "_codes")) {
         // optstate's AdamW8bit (DESIGN §6): plain codes and absmax tensors, block and maps in the group.
         const Ref absmax = pf.get(*base + "_absmax");

@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -40,8 +41,12 @@ Status stream_dequantized(CheckpointReader& reader, const std::string& fqn, cons
   OPTSTATE_RETURN_IF_ERROR(reader.stream(fqn, entry, Component::kCodes, [&](std::span<const std::byte> piece) {
     if (index + piece.size() > static_cast<size_t>(numel)) return corrupt(where + ": too many codes");
     out.resize(piece.size());
-    for (size_t i = 0; i < piece.size(); ++i, ++index)
-      out[i] = map[static_cast<uint8_t>(piece[i])] * absmax[index / block];
+    // Block by block within the piece: no division per element.
+    for (size_t i = 0; i < piece.size();) {
+      const size_t blk = index / block, end = std::min(piece.size(), i + (blk + 1) * block - index);
+      const float scale = absmax[blk];
+      for (; i < end; ++i, ++index) out[i] = map[static_cast<uint8_t>(piece[i])] * scale;
+    }
     return sink(out);
   }));
   if (static_cast<int64_t>(index) != numel) return corrupt(where + ": too few codes");

@@ -75,12 +75,8 @@ CONVERT_WITH_BNB = textwrap.dedent("""
 
 
 def main():
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:
-        sys.exit("bitsandbytes is needed for the reference side")
     args = checkpoint_args(layers=2, reps=2).parse_args()
-    cli, work, env, scripts = prepare("bnb", args.dir, MAKE, CONVERT_WITH_BNB)
+    cli, work, env, scripts = prepare("bnb", args.dir, MAKE, CONVERT_WITH_BNB, needs="bitsandbytes")
     src = work / "optimizer.pt"
     t_make = run([sys.executable, scripts["make.py"], src, args.layers])
     src_bytes = os.path.getsize(src)
@@ -90,7 +86,7 @@ def main():
     dst = {"optstate": work / "plain_optstate.pt", "torch + bitsandbytes": work / "plain_bnb.pt"}
     cases = {
         "optstate": lambda out: [cli, "convert", src, out],
-        "torch + bitsandbytes": lambda out: [sys.executable, scripts["convert_torchao.py"], src, out],
+        "torch + bitsandbytes": lambda out: [sys.executable, scripts["convert_reference.py"], src, out],
     }
     times, peak = time_cases(cases, dst, src, args.reps, env)
     dst_bytes = os.path.getsize(dst["optstate"])

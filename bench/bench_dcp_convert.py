@@ -134,13 +134,14 @@ def same(a, b):
     return a == b
 
 
-def prepare(name, where, make, convert_with_torchao):
+def prepare(name, where, make, convert_reference, needs="torchao"):
     """What a convert benchmark needs before it runs: the CLI, a work folder under `where`, the
-    environment of its child processes, and its two scripts (make.py, convert_torchao.py) written there."""
+    environment of its child processes, and its two scripts (make.py, and convert_reference.py: the
+    way it is done with torch and `needs` installed) written there."""
     try:
-        import torchao  # noqa: F401
+        __import__(needs)
     except ImportError:
-        sys.exit("torchao is needed for the reference side")
+        sys.exit(f"{needs} is needed for the reference side")
     cli = REPO / "build" / "optstate"
     if not cli.exists():
         sys.exit(f"{cli} is not built")
@@ -148,7 +149,7 @@ def prepare(name, where, make, convert_with_torchao):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     prelude = f"BENCH = {str(BENCH)!r}\n"
     scripts = {}
-    for script, text in (("make.py", make), ("convert_torchao.py", convert_with_torchao)):
+    for script, text in (("make.py", make), ("convert_reference.py", convert_reference)):
         scripts[script] = work / script
         scripts[script].write_text(prelude + text)
     return cli, work, env, scripts
@@ -216,7 +217,7 @@ def main():
     dst = {"optstate": work / "dst_optstate", "torch + torchao": work / "dst_torchao"}
     cases = {
         "optstate": lambda out: [cli, "convert", src, out, "--format", "dcp"],
-        "torch + torchao": lambda out: [sys.executable, scripts["convert_torchao.py"], src, out, args.layers],
+        "torch + torchao": lambda out: [sys.executable, scripts["convert_reference.py"], src, out, args.layers],
     }
     times, peak = time_cases(cases, dst, src, args.reps, env)
     dst_bytes = dir_bytes(dst["optstate"])

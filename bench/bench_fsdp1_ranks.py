@@ -123,7 +123,7 @@ def main():
     dst = {"optstate": work / "plain_optstate.pt", "torch (FSDP, torchrun)": work / "plain_torch.pt"}
     cases = {
         "optstate": lambda out: [cli, "convert", src, out],
-        "torch (FSDP, torchrun)": lambda out: torchrun + [scripts["convert_torchao.py"], src, out, args.layers],
+        "torch (FSDP, torchrun)": lambda out: torchrun + [scripts["convert_reference.py"], src, out, args.layers],
     }
     times, peak = time_cases(cases, dst, src, args.reps, env)
     dst_bytes = os.path.getsize(dst["optstate"])

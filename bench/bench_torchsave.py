@@ -75,7 +75,7 @@ def main():
     dst = {"optstate": work / "plain_optstate.pt", "torch + torchao": work / "plain_torchao.pt"}
     cases = {
         "optstate": lambda out: [cli, "convert", src, out],
-        "torch + torchao": lambda out: [sys.executable, scripts["convert_torchao.py"], src, out],
+        "torch + torchao": lambda out: [sys.executable, scripts["convert_reference.py"], src, out],
     }
     times, peak = time_cases(cases, dst, src, args.reps, env)
     dst_bytes = os.path.getsize(dst["optstate"])

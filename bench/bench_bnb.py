@@ -17,18 +17,14 @@ moments, bit for bit, and the same hyperparameters.
 
     .venv/bin/python bench/bench_bnb.py [--layers 2] [--reps 2] [--dir /tmp] [--json bench/results/bnb.json]
 """
-import os
 import sys
 import textwrap
 import warnings
 from pathlib import Path
 
-import torch
-
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from bench_ckpt import checkpoint_args, raw_read, raw_write  # noqa: E402
-from bench_dcp_convert import prepare, report, run, same, time_cases  # noqa: E402
+from bench_torchsave import state_dict_bench  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -75,36 +71,8 @@ CONVERT_WITH_BNB = textwrap.dedent("""
 
 
 def main():
-    args = checkpoint_args(layers=2, reps=2).parse_args()
-    cli, work, env, scripts = prepare("bnb", args.dir, MAKE, CONVERT_WITH_BNB, needs="bitsandbytes")
-    src = work / "optimizer.pt"
-    t_make = run([sys.executable, scripts["make.py"], src, args.layers])
-    src_bytes = os.path.getsize(src)
-    print(f"source: {src_bytes / 1e9:.2f} GB optimizer.pt of bitsandbytes AdamW8bit ({args.layers} layer pairs, "
-          f"made in {t_make:.0f} s); {os.cpu_count()} cpus, torch {torch.__version__}")
-
-    dst = {"optstate": work / "plain_optstate.pt", "torch + bitsandbytes": work / "plain_bnb.pt"}
-    cases = {
-        "optstate": lambda out: [cli, "convert", src, out],
-        "torch + bitsandbytes": lambda out: [sys.executable, scripts["convert_reference.py"], src, out],
-    }
-    times, peak = time_cases(cases, dst, src, args.reps, env)
-    dst_bytes = os.path.getsize(dst["optstate"])
-    buf = bytearray(max(src_bytes, dst_bytes))
-    for rep in range(args.reps):
-        times["floor (raw copy)"].append(raw_read(src, memoryview(buf)[:src_bytes]) +
-                                         raw_write(work / "raw_copy", memoryview(buf)[:dst_bytes]))
-
-    a = torch.load(dst["optstate"], weights_only=True)
-    b = torch.load(dst["torch + bitsandbytes"], weights_only=True)
-    assert a["state"].keys() == b["state"].keys()
-    bad = [(i, k) for i in b["state"] for k in b["state"][i] if not same(b["state"][i][k], a["state"][i].get(k))]
-    assert not bad, f"outputs differ: {bad[:8]}"
-    for ga, gb in zip(a["param_groups"], b["param_groups"], strict=True):
-        assert all(ga[k] == gb[k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad", "params")), (ga, gb)
-    print(f"outputs: {dst_bytes / 1e9:.2f} GB each; {sum(len(s) for s in b['state'].values())} state tensors "
-          f"equal bit for bit, hyperparameters equal; torch.load(weights_only=True) reads both")
-    report(args, work, times, peak, src_bytes, dst_bytes, reference="torch + bitsandbytes")
+    state_dict_bench("bnb", MAKE, CONVERT_WITH_BNB, "torch + bitsandbytes", "bitsandbytes",
+                     "bitsandbytes AdamW8bit")
 
 
 if __name__ == "__main__":

@@ -63,19 +63,22 @@ CONVERT_WITH_TORCHAO = textwrap.dedent("""
 """)
 
 
-def main():
+def state_dict_bench(name, make, convert_reference, reference, needs, source):
+    """One run of a state_dict convert benchmark: `make` writes SRC (an optimizer.pt of `source`),
+    `convert_reference` turns it into torch.optim.AdamW's state_dict the `reference` way (with torch
+    and `needs`), optstate's CLI the other; times, peak RSS, the raw copy, both outputs compared."""
     args = checkpoint_args(layers=2, reps=2).parse_args()
-    cli, work, env, scripts = prepare("torchsave", args.dir, MAKE, CONVERT_WITH_TORCHAO)
+    cli, work, env, scripts = prepare(name, args.dir, make, convert_reference, needs=needs)
     src = work / "optimizer.pt"
     t_make = run([sys.executable, scripts["make.py"], src, args.layers])
     src_bytes = os.path.getsize(src)
-    print(f"source: {src_bytes / 1e9:.2f} GB optimizer.pt of torchao AdamW8bit ({args.layers} layer pairs, "
+    print(f"source: {src_bytes / 1e9:.2f} GB optimizer.pt of {source} ({args.layers} layer pairs, "
           f"made in {t_make:.0f} s); {os.cpu_count()} cpus, torch {torch.__version__}")
 
-    dst = {"optstate": work / "plain_optstate.pt", "torch + torchao": work / "plain_torchao.pt"}
+    dst = {"optstate": work / "plain_optstate.pt", reference: work / "plain_reference.pt"}
     cases = {
         "optstate": lambda out: [cli, "convert", src, out],
-        "torch + torchao": lambda out: [sys.executable, scripts["convert_reference.py"], src, out],
+        reference: lambda out: [sys.executable, scripts["convert_reference.py"], src, out],
     }
     times, peak = time_cases(cases, dst, src, args.reps, env)
     dst_bytes = os.path.getsize(dst["optstate"])
@@ -85,7 +88,7 @@ def main():
                                          raw_write(work / "raw_copy", memoryview(buf)[:dst_bytes]))
 
     a = torch.load(dst["optstate"], weights_only=True)
-    b = torch.load(dst["torch + torchao"], weights_only=True)
+    b = torch.load(dst[reference], weights_only=True)
     assert a["state"].keys() == b["state"].keys()
     bad = [(i, k) for i in b["state"] for k in b["state"][i] if not same(b["state"][i][k], a["state"][i].get(k))]
     assert not bad, f"outputs differ: {bad[:8]}"
@@ -93,7 +96,11 @@ def main():
         assert all(ga[k] == gb[k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad", "params")), (ga, gb)
     print(f"outputs: {dst_bytes / 1e9:.2f} GB each; {sum(len(s) for s in b['state'].values())} state tensors "
           f"equal bit for bit, hyperparameters equal; torch.load(weights_only=True) reads both")
-    report(args, work, times, peak, src_bytes, dst_bytes)
+    report(args, work, times, peak, src_bytes, dst_bytes, reference=reference)
+
+
+def main():
+    state_dict_bench("torchsave", MAKE, CONVERT_WITH_TORCHAO, "torch + torchao", "torchao", "torchao AdamW8bit")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@
 #include "dcp/pickle.h"
 #include "optstate/quant8.h"
 #include "optstate/transform.h"
+#include "torchsave/torchsave_layout.h"
 
 namespace optstate::bitsandbytes {
 
@@ -18,20 +19,9 @@ bool steps_as_8bit(const std::string& moment, const Entry& e) {
          e.qmap == qmap_name(moment == kExpAvg ? QMap::kDynamicSigned : QMap::kDynamicUnsigned);
 }
 
-namespace {
-
-std::vector<std::string> group_order(const OptimizerState& state) {
-  std::vector<std::string> order;
-  for (const ParamGroup& g : state.groups)
-    for (const std::string& fqn : g.params) order.push_back(fqn);
-  return order;
-}
-
-}  // namespace
-
 Result<Plan> plan_state_dict(const OptimizerState& state) {
   OPTSTATE_RETURN_IF_ERROR(check_structure(state, false));
-  const std::vector<std::string> order = group_order(state);
+  const std::vector<std::string> order = torchsave::param_order(state);
   if (order.size() != state.params.size() || std::set(order.begin(), order.end()).size() != order.size())
     return invalid_argument("bitsandbytes: every param must be in exactly one param group (torch numbers them by it)");
   for (size_t g = 0; g < state.groups.size(); ++g) {
@@ -40,7 +30,6 @@ Result<Plan> plan_state_dict(const OptimizerState& state) {
       return invalid_argument(fmt::format("param group {}: {}; bitsandbytes' AdamW has neither amsgrad nor maximize",
                                           g, h.amsgrad ? "amsgrad" : "maximize"));
   }
-  bool numbered = true, weights = false;
   for (size_t i = 0; i < order.size(); ++i) {
     const ParamState& ps = state.params.at(order[i]);
     for (const auto& [name, e] : ps.entries)
@@ -48,8 +37,7 @@ Result<Plan> plan_state_dict(const OptimizerState& state) {
         return invalid_argument(fmt::format("param '{}': entry '{}' has no place in bitsandbytes' AdamW state", order[i], name));
     if (ps.entries.count(kExpAvg) != ps.entries.count(kExpAvgSq))
       return invalid_argument(fmt::format("param '{}' has only one of exp_avg and exp_avg_sq", order[i]));
-    numbered = numbered && order[i] == std::to_string(i);
-    weights = weights || ps.entries.count(kParam);
+    OPTSTATE_RETURN_IF_ERROR(checked_numel(ps.shape).status());
   }
 
   Plan plan;
@@ -67,108 +55,53 @@ Result<Plan> plan_state_dict(const OptimizerState& state) {
     dcp::encode_tensor(w, d, shape, key);
     plan.storages.push_back(std::move(s));
   };
-  w.empty_dict();
-  if (weights) {
-    w.mark();
-    w.str("model");
-    w.empty_dict();
-    w.mark();
-    for (const std::string& fqn : order) {
-      const ParamState& ps = state.params.at(fqn);
-      auto e = ps.entries.find(kParam);
-      if (e == ps.entries.end()) continue;
-      w.str(fqn);
-      tensor({fqn, kParam, Component::kValues, false, {}}, e->second.dtype, ps.shape);
-    }
-    w.setitems_from_mark();
-    w.str("optimizer");
-    w.empty_dict();
-  }
-  w.mark();
-  w.str("state");
-  w.empty_dict();
-  w.mark();
-  for (size_t i = 0; i < order.size(); ++i) {
-    const std::string& fqn = order[i];
-    const ParamState& ps = state.params.at(fqn);
-    if (!ps.entries.count(kExpAvg)) continue;  // never stepped: no state, as bitsandbytes keeps it
-    OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps.shape));
-    w.integer(static_cast<int64_t>(i));
-    w.empty_dict();
-    w.mark();
-    w.str("step");
-    w.integer(ps.step);  // a Python int, as bitsandbytes counts
-    w.str(dcp::kBnbQuantState);
-    w.empty_dict();
-    w.mark();
-    // bitsandbytes' own order: state1, qmap1, state2, qmap2, absmax1, absmax2.
-    const char* moments[2] = {kExpAvg, kExpAvgSq};
-    bool eight[2];
-    for (int n = 0; n < 2; ++n) {
-      const Entry& e = ps.entries.at(moments[n]);
-      eight[n] = steps_as_8bit(moments[n], e);
-      w.str(fmt::format("state{}", n + 1));
-      if (eight[n]) {
-        tensor({fqn, moments[n], Component::kCodes, false, {}}, DType::kU8, ps.shape);
-        w.str(fmt::format("qmap{}", n + 1));
-        tensor({{}, {}, Component::kValues, false, e.qmap}, DType::kF32, {256});
-      } else {  // 32-bit state: bitsandbytes steps fp32 moments
-        tensor({fqn, moments[n], Component::kValues, e.encoding != Encoding::kDense || e.dtype != DType::kF32, {}},
-               DType::kF32, ps.shape);
-      }
-    }
-    for (int n = 0; n < 2; ++n) {
-      if (!eight[n]) continue;
-      w.str(fmt::format("absmax{}", n + 1));
-      tensor({fqn, moments[n], Component::kAbsmax, false, {}}, DType::kF32, {(numel + kBlockSize - 1) / kBlockSize});
-    }
-    w.setitems_from_mark();
-    w.setitems_from_mark();
-  }
-  w.setitems_from_mark();
-  w.str("param_groups");
-  w.empty_list();
-  w.mark();
-  size_t next = 0;
-  for (const ParamGroup& g : state.groups) {
-    const Hyperparameters& h = g.hyper;
-    w.empty_dict();
-    w.mark();
-    if (!numbered) {
-      w.str("param_names");
-      w.empty_list();
-      w.mark();
-      for (const std::string& fqn : g.params) w.str(fqn);
-      w.appends_from_mark();
-    }
-    w.str("lr");
-    w.real(h.lr);
-    w.str("betas");
-    w.mark();
-    w.real(h.beta1);
-    w.real(h.beta2);
-    w.tuple_from_mark();
-    w.str("eps");
-    w.real(h.eps);
-    w.str("weight_decay");
-    w.real(h.weight_decay);
-    // The rest of bitsandbytes' group (0.50): AdEMAMix's fields, inert for AdamW.
-    w.str("alpha");
-    w.real(0.0);
-    w.str("t_alpha");
-    w.none();
-    w.str("t_beta3");
-    w.none();
-    w.str("params");
-    w.empty_list();
-    w.mark();
-    for (size_t k = 0; k < g.params.size(); ++k) w.integer(static_cast<int64_t>(next++));
-    w.appends_from_mark();
-    w.setitems_from_mark();
-  }
-  w.appends_from_mark();
-  w.setitems_from_mark();
-  if (weights) w.setitems_from_mark();
+  torchsave::encode_state_dict_frame(state, w, {
+      .weight = [&](size_t i, const ParamState& ps) {
+        tensor({order[i], kParam, Component::kValues, false, {}}, ps.entries.at(kParam).dtype, ps.shape);
+      },
+      .param_state =
+          [&](size_t i, const ParamState& ps) {
+            const std::string& fqn = order[i];
+            w.str("step");
+            w.integer(ps.step);  // a Python int, as bitsandbytes counts
+            w.str(dcp::kBnbQuantState);
+            w.empty_dict();
+            w.mark();
+            // bitsandbytes' own order: state1, qmap1, state2, qmap2, absmax1, absmax2.
+            const char* moments[2] = {kExpAvg, kExpAvgSq};
+            bool eight[2];
+            for (int n = 0; n < 2; ++n) {
+              const Entry& e = ps.entries.at(moments[n]);
+              eight[n] = steps_as_8bit(moments[n], e);
+              w.str(fmt::format("state{}", n + 1));
+              if (eight[n]) {
+                tensor({fqn, moments[n], Component::kCodes, false, {}}, DType::kU8, ps.shape);
+                w.str(fmt::format("qmap{}", n + 1));
+                tensor({{}, {}, Component::kValues, false, e.qmap}, DType::kF32, {256});
+              } else {  // 32-bit state: bitsandbytes steps fp32 moments
+                tensor({fqn, moments[n], Component::kValues, e.encoding != Encoding::kDense || e.dtype != DType::kF32, {}},
+                       DType::kF32, ps.shape);
+              }
+            }
+            const int64_t numel = *checked_numel(ps.shape);  // checked above
+            for (int n = 0; n < 2; ++n) {
+              if (!eight[n]) continue;
+              w.str(fmt::format("absmax{}", n + 1));
+              tensor({fqn, moments[n], Component::kAbsmax, false, {}}, DType::kF32, {(numel + kBlockSize - 1) / kBlockSize});
+            }
+            w.setitems_from_mark();
+          },
+      // The rest of bitsandbytes' group (0.50): AdEMAMix's fields, inert for AdamW.
+      .group_fields =
+          [&](const Hyperparameters&) {
+            w.str("alpha");
+            w.real(0.0);
+            w.str("t_alpha");
+            w.none();
+            w.str("t_beta3");
+            w.none();
+          },
+  });
   plan.data_pkl = w.finish();
   return plan;
 }

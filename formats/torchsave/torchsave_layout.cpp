@@ -910,17 +910,13 @@ std::vector<std::string> param_order(const OptimizerState& state) {
   return order;
 }
 
-std::string encode_state_dict(const OptimizerState& state, const StorageKeys& keys) {
+void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, const FrameParts& parts) {
   const std::vector<std::string> order = param_order(state);
   bool numbered = true, weights = false;
   for (size_t i = 0; i < order.size(); ++i) {
     numbered = numbered && order[i] == std::to_string(i);
     weights = weights || state.params.at(order[i]).entries.count(kParam);
   }
-  pickle::Writer w;
-  auto tensor = [&](int64_t id, const std::string& name, DType d, const std::vector<int64_t>& shape) {
-    dcp::encode_tensor(w, d, shape, keys.key.at({id, name}));
-  };
   w.empty_dict();
   if (weights) {
     w.mark();
@@ -929,10 +925,9 @@ std::string encode_state_dict(const OptimizerState& state, const StorageKeys& ke
     w.mark();
     for (size_t i = 0; i < order.size(); ++i) {
       const ParamState& ps = state.params.at(order[i]);
-      auto e = ps.entries.find(kParam);
-      if (e == ps.entries.end()) continue;
+      if (!ps.entries.count(kParam)) continue;
       w.str(order[i]);
-      tensor(static_cast<int64_t>(i), kParam, e->second.dtype, ps.shape);
+      parts.weight(i, ps);
     }
     w.setitems_from_mark();
     w.str("optimizer");
@@ -944,19 +939,11 @@ std::string encode_state_dict(const OptimizerState& state, const StorageKeys& ke
   w.mark();
   for (size_t i = 0; i < order.size(); ++i) {
     const ParamState& ps = state.params.at(order[i]);
-    if (!ps.entries.count(kExpAvg)) continue;
-    const auto id = static_cast<int64_t>(i);
-    w.integer(id);
+    if (!ps.entries.count(kExpAvg)) continue;  // never stepped: no state, as torch keeps it
+    w.integer(static_cast<int64_t>(i));
     w.empty_dict();
     w.mark();
-    w.str("step");
-    tensor(id, "step", DType::kF32, {});
-    for (const char* m : {kExpAvg, kExpAvgSq, kMaxExpAvgSq}) {
-      auto e = ps.entries.find(m);
-      if (e == ps.entries.end()) continue;
-      w.str(m);
-      tensor(id, m, e->second.dtype, ps.shape);
-    }
+    parts.param_state(i, ps);
     w.setitems_from_mark();
   }
   w.setitems_from_mark();
@@ -986,21 +973,7 @@ std::string encode_state_dict(const OptimizerState& state, const StorageKeys& ke
     w.real(h.eps);
     w.str("weight_decay");
     w.real(h.weight_decay);
-    w.str("amsgrad");
-    w.boolean(h.amsgrad);
-    w.str("maximize");
-    w.boolean(h.maximize);
-    // The rest of torch.optim.AdamW's group (2.13), as its state_dict() has it.
-    w.str("foreach");
-    w.none();
-    w.str("capturable");
-    w.boolean(false);
-    w.str("differentiable");
-    w.boolean(false);
-    w.str("fused");
-    w.none();
-    w.str("decoupled_weight_decay");
-    w.boolean(true);
+    parts.group_fields(h);
     w.str("params");
     w.empty_list();
     w.mark();
@@ -1011,6 +984,45 @@ std::string encode_state_dict(const OptimizerState& state, const StorageKeys& ke
   w.appends_from_mark();
   w.setitems_from_mark();
   if (weights) w.setitems_from_mark();
+}
+
+std::string encode_state_dict(const OptimizerState& state, const StorageKeys& keys) {
+  pickle::Writer w;
+  auto tensor = [&](size_t id, const std::string& name, DType d, const std::vector<int64_t>& shape) {
+    dcp::encode_tensor(w, d, shape, keys.key.at({static_cast<int64_t>(id), name}));
+  };
+  encode_state_dict_frame(state, w, {
+      .weight = [&](size_t i, const ParamState& ps) { tensor(i, kParam, ps.entries.at(kParam).dtype, ps.shape); },
+      .param_state =
+          [&](size_t i, const ParamState& ps) {
+            w.str("step");
+            tensor(i, "step", DType::kF32, {});
+            for (const char* m : {kExpAvg, kExpAvgSq, kMaxExpAvgSq}) {
+              auto e = ps.entries.find(m);
+              if (e == ps.entries.end()) continue;
+              w.str(m);
+              tensor(i, m, e->second.dtype, ps.shape);
+            }
+          },
+      .group_fields =
+          [&](const Hyperparameters& h) {
+            w.str("amsgrad");
+            w.boolean(h.amsgrad);
+            w.str("maximize");
+            w.boolean(h.maximize);
+            // The rest of torch.optim.AdamW's group (2.13), as its state_dict() has it.
+            w.str("foreach");
+            w.none();
+            w.str("capturable");
+            w.boolean(false);
+            w.str("differentiable");
+            w.boolean(false);
+            w.str("fused");
+            w.none();
+            w.str("decoupled_weight_decay");
+            w.boolean(true);
+          },
+  });
   return w.finish();
 }
 

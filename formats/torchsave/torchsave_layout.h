@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -150,6 +151,18 @@ struct StorageKeys {
 // `param_names` are written unless every name is its own number (what this reader gives files
 // without them), so a file read without names writes back as it was.
 std::string encode_state_dict(const OptimizerState& state, const StorageKeys& keys);
+
+// The frame every optimizer state_dict torch.save keeps shares, params numbered in the groups' order
+// (param_order): {"state": {id: {<param_state>}}, "param_groups": [{"param_names" (unless every
+// name is its number), "lr", "betas", "eps", "weight_decay", <group_fields>, "params"}]}, inside
+// {"model": {fqn: <weight>}, "optimizer": ...} when the state has weights. The parts write their
+// values into `w`: `weight` a param's weight tensor, `param_state` the key/value pairs of a
+// stepped param's state, `group_fields` the optimizer's own group fields as key/value pairs.
+struct FrameParts {
+  std::function<void(size_t id, const ParamState&)> weight, param_state;
+  std::function<void(const Hyperparameters&)> group_fields;
+};
+void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, const FrameParts& parts);
 
 // The params in the order torch numbers them (the groups' order): what encode_state_dict's ids mean.
 std::vector<std::string> param_order(const OptimizerState& state);

@@ -7,9 +7,11 @@
 #include <algorithm>
 #include <functional>
 
+#include "bitsandbytes/bnb_layout.h"
 #include "dcp/pickle.h"
 #include "optstate/checkpoint.h"
 #include "optstate/hash.h"
+#include "optstate/transform.h"
 #include "optstate/validate.h"
 #include "registry.h"
 #include "test_helpers.h"
@@ -108,6 +110,53 @@ TEST_CASE("torchsave: bitsandbytes' AdamW8bit state (state1/state2, absmax, qmap
     REQUIRE(v.ok());
     CHECK(v->findings.empty());
   }
+}
+
+TEST_CASE("bitsandbytes: the planned state_dict reads back through the interpretation as the state") {
+  // 8-bit in blocks of 256 (bitsandbytes' own) for the weight, fp32 for the small bias.
+  OptimizerState s = *quantize_state(testing::sample_state(), {256, 4});
+  s.params.at("layers.0.bias").step = 7;
+  auto plan = bitsandbytes::plan_state_dict(s);
+  REQUIRE_MESSAGE(plan.ok(), plan.status().message());
+  auto p = pickle::unpickle(std::as_bytes(std::span(plan->data_pkl)), "test");
+  REQUIRE(p.ok());
+  auto sd = torchsave::interpret_state_dict(*p, "test");
+  REQUIRE_MESSAGE(sd.ok(), sd.status().message());
+  CHECK(sd->bnb);
+  CHECK(sd->optimizer_path == "['optimizer']");  // the weights ride along: {"model", "optimizer"}
+  CHECK(sd->not_read.empty());                   // alpha, t_alpha, t_beta3 are bitsandbytes' inert fields
+  REQUIRE(sd->params.size() == 2);
+  const auto& w = sd->params[0];
+  CHECK(w.fqn == "layers.0.weight");
+  CHECK(*w.step.number == 5);
+  CHECK(w.entries.at(kExpAvg).encoding == Encoding::kBlockwise8);
+  CHECK(w.entries.at(kExpAvg).block_size == 256);
+  // One storage per map, shared by every param that uses it, as bitsandbytes shares it.
+  CHECK(w.entries.at(kExpAvg).qmap->storage_key != w.entries.at(kExpAvgSq).qmap->storage_key);
+  size_t maps = 0;
+  for (const auto& st : plan->storages) maps += !st.qmap.empty();
+  CHECK(maps == 2);
+  const auto& b = sd->params[1];
+  CHECK(*b.step.number == 7);
+  CHECK(b.entries.at(kExpAvg).encoding == Encoding::kDense);  // 3 elements: below min_8bit_size
+  CHECK(b.entries.at(kExpAvg).values.dtype == DType::kF32);
+
+  // 8-bit entries bitsandbytes would not step as its own (blocks of 4) are planned as fp32 values.
+  const OptimizerState four = *quantize_state(testing::sample_state(), {4, 1});
+  auto planned = bitsandbytes::plan_state_dict(four);
+  REQUIRE(planned.ok());
+  for (const auto& st : planned->storages)
+    if (st.entry == kExpAvg || st.entry == kExpAvgSq) CHECK(st.to_f32);
+  const OptimizerState kept = bitsandbytes::kept_state(four);
+  CHECK(kept.kind == "adamw");
+  CHECK(kept.params.at("layers.0.weight").entries.at(kExpAvg).encoding == Encoding::kDense);
+
+  // bitsandbytes has no amsgrad: refused, naming the group.
+  OptimizerState ams = testing::sample_state();
+  ams.groups[1].hyper.amsgrad = true;
+  auto refused = bitsandbytes::plan_state_dict(ams);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().message().find("param group 1: amsgrad") != std::string::npos);
 }
 
 TEST_CASE("torchsave: a {model, optimizer} checkpoint carries the weights by param name") {

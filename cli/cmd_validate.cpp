@@ -14,8 +14,9 @@ int run_validate(int argc, char** argv) {
   const CommandSpec spec{"validate",
                          "optstate validate CKPT [--json]",
                          "Checks a checkpoint: manifest and sizes, every chunk's checksum, coverage of every\n"
-                         "element exactly once, and state sanity (finite values, exp_avg_sq >= 0, absmax > 0,\n"
-                         "steps consistent with the state). Exit 1 when anything is found, each finding named.",
+                         "element exactly once, and state sanity (finite values, exp_avg_sq >= 0, absmax finite\n"
+                         "and >= 0 (0: a block of zeros, as bitsandbytes leaves it), steps consistent with the\n"
+                         "state). Exit 1 when anything is found, each finding named.",
                          {{"--json", false, "print {\"ok\": bool, \"findings\": [...]}"}},
                          1,
                          1};

@@ -299,13 +299,13 @@ m = json.load(open(f"{ckpt}/manifest.json"))
 ch = m["params"]["layers.1.weight"]["entries"]["exp_avg"]["components"]["absmax"][0]
 path = f"{ckpt}/{m['files'][ch['file']]['path']}"
 data = bytearray(open(path, "rb").read())
-data[ch["offset"]:ch["offset"] + 4] = struct.pack("<f", 0.0)
+data[ch["offset"]:ch["offset"] + 4] = struct.pack("<f", -0.5)
 open(path, "wb").write(data)
 ch["xxh3"] = xxhash.xxh3_64_hexdigest(bytes(data[ch["offset"]:ch["offset"] + (ch["end"] - ch["begin"]) * 4]))
 json.dump(m, open(f"{ckpt}/manifest.json", "w"))
 PY
     resign "$work/c/manifest.json" 'pass'
-    expect_finding "$work/c" "rank-00000.bin at byte [0-9]+: entry 'layers.1.weight.exp_avg' has 1 blocks whose absmax is not a positive finite number"
+    expect_finding "$work/c" "rank-00000.bin at byte [0-9]+: entry 'layers.1.weight.exp_avg' has 1 blocks whose absmax is not a finite number >= 0"
     "$OPTSTATE" validate --json "$work/c" | "$PY" -c 'import json,sys; j=json.load(sys.stdin); assert not j["ok"] and j["findings"]'
     expect_error 2 "no such file" -- "$OPTSTATE" validate "$work/none"
     ;;

@@ -555,6 +555,22 @@ def test_bitsandbytes_older_layout_and_foreign_state_are_read_or_refused_by_name
     refused("custom_map.pt", edited(lambda st: st.update(qmap1=st["qmap1"] * 0.5)),
             "quantization map is neither")
     refused("orphan.pt", edited(lambda st: st.pop("state2")), "without 'state2'")
+    # A block that never saw a gradient keeps bitsandbytes' scale 0 (it does not clamp): a block of
+    # zeros, which validates clean and reads as zeros.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(100, 70)
+    opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
+    model.weight.grad = torch.zeros_like(model.weight)
+    model.weight.grad[:3] = torch.randn(3, 100)
+    model.bias.grad = torch.zeros_like(model.bias)
+    opt.step()
+    assert int((opt.state[model.weight]["absmax1"] == 0).sum()) > 0
+    torch.save(opt.state_dict(), tmp_path / "zero_blocks.pt")
+    assert optstate_cli("validate", tmp_path / "zero_blocks.pt").returncode == 0
+    optstate_cli("convert", tmp_path / "zero_blocks.pt", tmp_path / "zero_blocks_plain.pt")
+    plain = torch.load(tmp_path / "zero_blocks_plain.pt", weights_only=True)
+    assert torch.equal(plain["state"][0]["exp_avg"], bnb_ref(flat(opt.state_dict())["state"][0])["exp_avg"])
+    assert torch.equal(plain["state"][0]["exp_avg"].flatten()[512:], torch.zeros(70 * 100 - 512))  # blocks 2..
     # Older releases' clipping history (percentile_clipping < 100: "gnorm_vec", 100 norms) has no
     # canonical place: named as not read.
     torch.save(edited(lambda st: st.update(gnorm_vec=torch.rand(100))), tmp_path / "clipped.pt")

@@ -96,8 +96,10 @@ def _row_sharded(model):
     return not isinstance(model, ShardedParams) and any(_is_dtensor(p) for p in model.parameters())
 
 
-def _params(model, optimizer):
-    """(group index, optimizer tensor, fqn, whole param) for every param of the optimizer, in order."""
+def _params(model, optimizer, by_position=False):
+    """(group index, optimizer tensor, fqn, whole param) for every param of the optimizer, in order.
+    With ``by_position`` the name is the param's number in group order ("0", "1", ...), which is how
+    torch numbers an optimizer's params in its state_dict."""
     if isinstance(model, ShardedParams):
         lookup = {id(s.local): (s.fqn, s.param) for s in model.shards}
     else:
@@ -115,7 +117,7 @@ def _params(model, optimizer):
                 if isinstance(optimizer, AdamW8bit) and whole.numel() >= optimizer.param_groups[gi]["min_8bit_size"]:
                     _check_fsdp2_blocks(whole, optimizer.param_groups[gi]["block_size"])
             out.append((gi, p, fqn, whole))
-    return out
+    return [(gi, p, str(i), whole) for i, (gi, p, _, whole) in enumerate(out)] if by_position else out
 
 
 def _store_address(group):
@@ -142,10 +144,11 @@ class _Lists:
         return self.fqn, self.entry, self.comp, self.tensor
 
 
-def _state_lists(model, optimizer, slice_world, slice_rank, whole_param):
+def _state_lists(model, optimizer, slice_world, slice_rank, whole_param, by_position=False):
     """The optimizer's state as (meta json, lists). Moments of a ShardedParams are its ranges as
     they are; whole tensors are cut to rank `slice_rank` of `slice_world` (1: kept whole). The
-    weights are cut the same way unless `whole_param`."""
+    weights are cut the same way unless `whole_param`. With `by_position`, params are named by
+    their number in group order (see _params)."""
     sharded = isinstance(model, ShardedParams)
     meta = {"kind": _kind(optimizer), "param_groups": [dict(params=[]) for _ in optimizer.param_groups],
             "params": {}}
@@ -165,7 +168,7 @@ def _state_lists(model, optimizer, slice_world, slice_rank, whole_param):
         g["lr"] = float(g["lr"])
         g["maximize"] = bool(group.get("maximize", False))
         g["betas"] = [float(b) for b in group["betas"]]
-    for gi, p, fqn, whole in _params(model, optimizer):
+    for gi, p, fqn, whole in _params(model, optimizer, by_position):
         meta["param_groups"][gi]["params"].append(fqn)
         state = optimizer.state.get(p, {})
         step = int(state["step"].item()) if "step" in state else 0
@@ -270,35 +273,51 @@ def _target(optimizer):
     return "fp32", 0, 0
 
 
-def _load_plan(path, meta, model, optimizer):
+def _load_plan(path, meta, model, optimizer, by_position=False):
     """The checks a load makes on a checkpoint's metadata before it changes anything live: one entry
     (param, fqn, whole, param meta) per optimized param and each live group's hyperparameters, or an
     error naming the file and param."""
     plan = []
-    for _, p, fqn, whole in _params(model, optimizer):
+    params = _params(model, optimizer, by_position)
+    if by_position:
+        # As torch's load_state_dict: the same groups, param i of the file in the group of param i.
+        if len(meta["param_groups"]) != len(optimizer.param_groups):
+            raise ValueError(f"optstate.load: {path} has {len(meta['param_groups'])} param groups, the optimizer "
+                             f"{len(optimizer.param_groups)}; by_position matches them group by group")
+        extra = [n for n in meta["params"] if not n.isdigit() or int(n) >= len(params)]
+        if extra:
+            raise ValueError(f"optstate.load: {path} has param '{extra[0]}', which is no position among the "
+                             f"optimizer's {len(params)} params")
+        for gi, _, fqn, _ in params:
+            if fqn in meta["params"] and meta["params"][fqn]["group"] != gi:
+                raise ValueError(f"optstate.load: param {fqn} is in param group {meta['params'][fqn]['group']} "
+                                 f"of {path} and in group {gi} of the optimizer")
+    for _, p, fqn, whole in params:
         if fqn not in meta["params"]:
+            if by_position:
+                continue  # never stepped when saved: torch keeps no state for it either
             names = meta["params"].keys()
             if names and all(n.isdigit() for n in names):
                 raise KeyError(f"optstate.load: {path} has no param '{fqn}': its params are numbered (0..), as "
-                               f"torch.save keeps an optimizer built without names; torch's own "
-                               f"optimizer.load_state_dict matches them by position (optstate convert it to a .pt "
-                               f"first if it is 8-bit), or build the optimizer from model.named_parameters() "
-                               f"before saving")
+                               f"torch.save keeps an optimizer built without names; pass by_position=True to "
+                               f"match them by position, as torch's optimizer.load_state_dict does")
             raise KeyError(f"optstate.load: {path} has no param '{fqn}'")
         pm = meta["params"][fqn]
         if list(whole.shape) != pm["shape"]:
             raise ValueError(f"optstate.load: param '{fqn}' has shape {list(whole.shape)}, checkpoint {pm['shape']}")
         plan.append((p, fqn, whole, pm))
-    return plan, _group_hypers(path, meta, model, optimizer)
+    return plan, _group_hypers(path, meta, params, optimizer)
 
 
-def _group_hypers(path, meta, model, optimizer):
+def _group_hypers(path, meta, params, optimizer):
     """The checkpoint's hyperparameters for each live param group, found through its params (groups
     are matched by membership, not by position: a flattened DCP, torchtitan's, records no group
     order); None for a group without params. A live group whose params the checkpoint has with
     different hyperparameters is an error."""
     found = [{} for _ in optimizer.param_groups]  # per live group: hyperparameters -> (first fqn, group meta)
-    for gi, _, fqn, _ in _params(model, optimizer):
+    for gi, _, fqn, _ in params:
+        if fqn not in meta["params"]:
+            continue
         gm = meta["param_groups"][meta["params"][fqn]["group"]]
         found[gi].setdefault(tuple((k, repr(gm.get(k))) for k in _HYPER + ("betas", "maximize")), (fqn, gm))
     for gi, f in enumerate(found):
@@ -323,7 +342,7 @@ def _all_ranks_ok(group, err, failed_elsewhere):
 
 
 @torch.no_grad()
-def load(path, model, optimizer, transactional=True):
+def load(path, model, optimizer, transactional=True, by_position=False):
     """Restores model weights and optimizer state from a native optstate checkpoint.
 
     Entries are converted to what the optimizer keeps: FusedAdamW gets dense fp32 moments;
@@ -340,6 +359,11 @@ def load(path, model, optimizer, transactional=True):
     checks (one all-reduce): if any rank fails, every rank raises and none changes anything.
     ``transactional=False`` reads once: faster for a checkpoint larger than memory, but a corrupt
     chunk found midway leaves the live tensors partly loaded.
+
+    Params are matched by name. A checkpoint whose params are numbered (an ``optimizer.pt`` of an
+    optimizer built without names, as Hugging Face's Trainer saves it) is matched with
+    ``by_position=True``: param i of the checkpoint is the optimizer's i-th param in group order, as
+    torch's ``optimizer.load_state_dict`` matches them (same groups; the weights are not in it).
     """
     sharded = isinstance(model, ShardedParams)
     to, block, min_size = _target(optimizer)
@@ -357,7 +381,7 @@ def load(path, model, optimizer, transactional=True):
     # Tensors that already exist (the live weights, state of a matching layout) are read into in
     # place: a resume neither allocates nor copies them again.
     dest = _Lists()
-    for _, p, fqn, whole in _params(model, optimizer):
+    for _, p, fqn, whole in _params(model, optimizer, by_position):
         live = _local_rows(whole, fqn, "the parameter") if _is_dtensor(whole) else whole
         if live.is_contiguous() and live.device.type == "cpu":
             dest.add(fqn, "param", "values", live)
@@ -379,7 +403,7 @@ def load(path, model, optimizer, transactional=True):
         err = None
         try:
             _load_plan(path, json.loads(ops.check_native_shard(str(path), to, block, min_size, world, rank,
-                                                               not rows)), model, optimizer)
+                                                               not rows)), model, optimizer, by_position)
         except Exception as e:  # noqa: BLE001 - raised below, after every rank has had its say
             err = e
         if world > 1:
@@ -390,7 +414,7 @@ def load(path, model, optimizer, transactional=True):
     meta_json, pnames, enames, cnames, tensors = ops.load_native_shard(str(path), to, block, min_size, world, rank,
                                                                        not rows, *dest.args())
     meta = json.loads(meta_json)
-    plan, hypers = _load_plan(path, meta, model, optimizer)
+    plan, hypers = _load_plan(path, meta, model, optimizer, by_position)
     found = {}
     for fqn, entry, comp, t in zip(pnames, enames, cnames, tensors):
         found.setdefault(fqn, {})[(entry, comp)] = t
@@ -451,14 +475,15 @@ def load(path, model, optimizer, transactional=True):
         group["betas"] = tuple(gm["betas"])
 
 
-def verify(path, model, optimizer):
+def verify(path, model, optimizer, by_position=False):
     """Resume validation: right after ``load``, is the live state exactly the checkpoint's? Returns
     the list of differences (empty when it is), each naming the entry, the rank and the first
-    differing element. Every rank checks its own ranges and the whole weights."""
+    differing element. Every rank checks its own ranges and the whole weights. ``by_position`` as
+    for ``load``."""
     if _row_sharded(model):  # FSDP2/HSDP: every rank checks its rows, weights included
         world, rank, _ = _rows_group(model, optimizer)
-        meta, lists = _state_lists(model, optimizer, world, rank, whole_param=False)
+        meta, lists = _state_lists(model, optimizer, world, rank, whole_param=False, by_position=by_position)
         return list(ops.verify_native_shard(str(path), meta, *lists.args(), world, rank, False))
     world, rank = (model.world, model.rank) if isinstance(model, ShardedParams) else (1, 0)
-    meta, lists = _state_lists(model, optimizer, 1, 0, whole_param=True)
+    meta, lists = _state_lists(model, optimizer, 1, 0, whole_param=True, by_position=by_position)
     return list(ops.verify_native_shard(str(path), meta, *lists.args(), world, rank, True))

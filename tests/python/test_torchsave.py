@@ -671,3 +671,57 @@ def test_torch_and_torchao_state_move_to_bitsandbytes_8bit(tmp_path, optstate_cl
     torch.save(ams.state_dict(), tmp_path / "ams.pt")
     err = run_err(optstate_cli, "convert", tmp_path / "ams.pt", tmp_path / "ams_bnb.pt", "--format", "bitsandbytes")
     assert "amsgrad" in err and not (tmp_path / "ams_bnb.pt").exists()
+
+
+def test_optstate_load_by_position_takes_numbered_optimizer_pt_as_torch_load_state_dict_does(tmp_path, optstate_cli):
+    # Hugging Face's Trainer saves optimizer.pt of an optimizer built from params, not names: the
+    # state is numbered. by_position matches it as torch's optimizer.load_state_dict does.
+    run_python(f"""
+        import logging, torch, optstate, bitsandbytes as bnb
+        logging.disable(logging.WARNING)
+        def make():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(100, 70), torch.nn.GELU(), torch.nn.Linear(70, 3))
+        def groups(m):  # the Trainer's two groups: weights decayed, the rest not
+            return [{{"params": [p for p in m.parameters() if p.dim() > 1], "weight_decay": 0.05}},
+                    {{"params": [p for p in m.parameters() if p.dim() <= 1], "weight_decay": 0.0}}]
+        m = make()
+        o = bnb.optim.AdamW8bit(groups(m), lr=1e-3)
+        for s in range(3):
+            m(torch.randn(8, 100)).square().sum().backward()
+            o.step()
+            o.zero_grad()
+        path = {str(tmp_path / "optimizer.pt")!r}
+        torch.save(o.state_dict(), path)
+        m2 = make()
+        o2 = optstate.AdamW8bit(groups(m2), lr=0.5, block_size=256)
+        try:
+            optstate.load(path, m2, o2)
+            raise AssertionError("numbered params matched by name")
+        except KeyError as e:
+            assert "by_position=True" in str(e), e
+        optstate.load(path, m2, o2, by_position=True)
+        assert optstate.verify(path, m2, o2, by_position=True) == []
+        live = [p for g in o2.param_groups for p in g["params"]]
+        theirs = [p for g in o.param_groups for p in g["params"]]
+        for p2, p in zip(live, theirs):
+            st2, st = o2.state[p2], o.state[p]
+            assert st2["step"].item() == st["step"] == 3
+            if st["state1"].dtype == torch.uint8:  # bitsandbytes' codes and scales, as they are
+                assert torch.equal(st2["exp_avg_codes"], st["state1"]) and torch.equal(st2["exp_avg_absmax"], st["absmax1"])
+                assert torch.equal(st2["exp_avg_sq_codes"], st["state2"])
+            else:
+                assert torch.equal(st2["exp_avg"], st["state1"]) and torch.equal(st2["exp_avg_sq"], st["state2"])
+        assert [g["weight_decay"] for g in o2.param_groups] == [0.05, 0.0] and o2.param_groups[0]["lr"] == 1e-3
+        m2(torch.randn(8, 100)).square().sum().backward()
+        o2.step()
+        # Other groups than the file's: refused, as torch refuses them, with nothing changed.
+        o3 = optstate.FusedAdamW(m2.parameters(), lr=0.5)
+        try:
+            optstate.load(path, m2, o3, by_position=True)
+            raise AssertionError("loaded into other groups")
+        except ValueError as e:
+            assert "2 param groups, the optimizer 1" in str(e), e
+        assert o3.state == {{}} or all(len(v) == 0 for v in o3.state.values())
+        print("ok")
+    """)

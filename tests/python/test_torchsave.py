@@ -467,6 +467,30 @@ def test_bitsandbytes_8bit_state_converts_to_plain_adamw_and_moves_into_optstate
     opt.load_state_dict(plain)
     model(torch.randn(2, 100)).sum().backward()
     opt.step()
+    # The DCP becomes one torch.optim.AdamW resumes (get_state_dict + dcp.load + set_state_dict).
+    optstate_cli("convert", ck, tmp_path / "plain.dcp", "--format", "dcp")
+    assert hashes(optstate_cli, tmp_path / "plain.dcp", values=True) == hashes(optstate_cli, ck, values=True)
+    run_python(f"""
+        import torch, torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        m = torch.nn.Sequential(torch.nn.Linear(100, 70), torch.nn.GELU(), torch.nn.Linear(70, 3))
+        o = torch.optim.AdamW([{{"params": [p for p in m.parameters() if p.dim() > 1]}},
+                               {{"params": [p for p in m.parameters() if p.dim() <= 1]}}], lr=0.5)
+        m(torch.randn(2, 100)).sum().backward()
+        o.step()
+        msd, osd = get_state_dict(m, o)
+        sd = {{"model": msd, "optim": osd}}
+        dcp.load(sd, checkpoint_id={str(tmp_path / "plain.dcp")!r})
+        set_state_dict(m, o, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        ref = torch.load({pt!r}, weights_only=False)["state"][0]["__bnb_optimizer_quant_state__"]
+        import bitsandbytes.functional as F
+        want = F.dequantize_blockwise(ref["state1"], absmax=ref["absmax1"], code=ref["qmap1"], blocksize=256)
+        assert torch.equal(o.state[m[0].weight]["exp_avg"], want)
+        assert o.state[m[0].weight]["step"].item() == 3 and o.param_groups[0]["lr"] == 1e-3
+        m(torch.randn(2, 100)).sum().backward()
+        o.step()
+        print("ok")
+    """)
     # Into optstate's AdamW8bit with nothing requantized: its codes and scales are bitsandbytes'.
     run_python(f"""
         import torch, optstate

@@ -56,12 +56,11 @@ Status check_coverage(std::vector<Segment>& segs, int64_t count, const std::stri
 }
 
 Status stream_dequantized(const InputFile& file, uint64_t codes_at, int64_t from, int64_t to,
-                          std::span<const float> scales, int64_t block, QMap map, const ByteSink& sink, uint32_t* crc,
-                          const std::string& where) {
+                          std::span<const float> scales, int64_t block, const std::array<float, 256>& table,
+                          const ByteSink& sink, uint32_t* crc, const std::string& where) {
   if (from < 0 || to < from || block <= 0 || (to > from && (to - 1) / block >= static_cast<int64_t>(scales.size())))
     return corrupt(fmt::format("{}: 8-bit elements [{}, {}) are past its {} scales of blocks of {}", where, from, to,
                                scales.size(), block));
-  const std::array<float, 256>& table = qmap_table(map);
   constexpr int64_t kStep = int64_t{1} << 20;
   std::vector<uint8_t> codes;
   std::vector<float> values;

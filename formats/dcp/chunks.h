@@ -3,6 +3,7 @@
 // readers stream an entry in flattened order and read a rank's range.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -36,11 +37,12 @@ Status check_coverage(std::vector<Segment>& segs, int64_t count, const std::stri
 // Elements [from, to) of one rank's 8-bit part as fp32 values, through `sink` in bounded pieces:
 // torchao quantizes each rank's shard as its own tensor (OptimState8bit: blocks of `block` from the
 // part's first element), so a part that cannot join blockwise8 state of the whole tensor (8-bit on
-// some ranks only) is read as map[code] * scale[block], the values torchao's dequantize() gives.
+// some ranks only) is read as table[code] * scale[block], the values torchao's dequantize() gives:
+// `table` is the part's map (qmap_table), or float8_e4m3fn's values for OptimStateFp8's codes.
 // `codes_at`: the file offset of the part's first code. With `crc`, the CRC-32 of the codes read
 // is accumulated there.
 Status stream_dequantized(const InputFile& file, uint64_t codes_at, int64_t from, int64_t to,
-                          std::span<const float> scales, int64_t block, QMap map, const ByteSink& sink, uint32_t* crc,
-                          const std::string& where);
+                          std::span<const float> scales, int64_t block, const std::array<float, 256>& table,
+                          const ByteSink& sink, uint32_t* crc, const std::string& where);
 
 }  // namespace optstate::dcp

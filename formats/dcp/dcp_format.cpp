@@ -187,8 +187,12 @@ class DcpReader final : public CheckpointReader {
     if (blocks <= 0 || codes % blocks) return corrupt(iw + ": codes are not a whole number of blocks");
     if (s.local + s.count > codes)
       return corrupt(fmt::format("{}: holds {} codes, the chunk needs {}", iw, codes, s.local + s.count));
-    OPTSTATE_ASSIGN_OR_RETURN(const std::string mname, map_name(*pi, iw));
-    OPTSTATE_ASSIGN_OR_RETURN(const QMap map, qmap_from_name(mname));
+    const std::array<float, 256>* table = &float8_e4m3fn_values();
+    if (!p.fp8) {
+      OPTSTATE_ASSIGN_OR_RETURN(const std::string mname, map_name(*pi, iw));
+      OPTSTATE_ASSIGN_OR_RETURN(const QMap map, qmap_from_name(mname));
+      table = &qmap_table(map);
+    }
     ParsedItem::Record& sr = pi->storages.at(p.scale.storage_key);
     std::vector<float> scales(static_cast<size_t>(blocks));
     const uint64_t scales_at = sr.at + static_cast<uint64_t>(p.scale.offset) * 4;
@@ -205,7 +209,7 @@ class DcpReader final : public CheckpointReader {
     const bool check = crc_due(cr, codes_at + static_cast<uint64_t>(s.local + from), static_cast<uint64_t>(to - from));
     uint32_t crc = 0;
     OPTSTATE_RETURN_IF_ERROR(stream_dequantized(*pi->file, codes_at, s.local + from, s.local + to, scales,
-                                                codes / blocks, map, sink, check ? &crc : nullptr, iw));
+                                                codes / blocks, *table, sink, check ? &crc : nullptr, iw));
     if (check) OPTSTATE_RETURN_IF_ERROR(crc_result(src, s, c, cr, crc));
     return true;
   }
@@ -668,7 +672,8 @@ class DcpReader final : public CheckpointReader {
     OPTSTATE_ASSIGN_OR_RETURN(pi.payload, interpret_payload(pi.pickle, iw));
     std::vector<const TensorRef*> refs;
     if (pi.payload.kind == Payload::Kind::kTensor) refs = {&pi.payload.tensor};
-    if (pi.payload.kind == Payload::Kind::kOptimState8bit) refs = {&pi.payload.codes, &pi.payload.scale, &pi.payload.qmap};
+    if (pi.payload.kind == Payload::Kind::kOptimState8bit) refs = {&pi.payload.codes, &pi.payload.scale};
+    if (pi.payload.kind == Payload::Kind::kOptimState8bit && !pi.payload.fp8) refs.push_back(&pi.payload.qmap);
     for (const TensorRef* t : refs) {
       const std::string name = prefix + "/data/" + t->storage_key;
       auto e = std::find_if(entries.begin(), entries.end(), [&](const zip::Entry& x) { return x.name == name; });
@@ -730,13 +735,20 @@ class DcpReader final : public CheckpointReader {
     // chunks: blockwise8. torchao quantizes each rank's shard alone, and only one of at least 4096
     // elements in whole blocks, so other chunks may be plain; then the entry is fp32 values, the
     // 8-bit chunks read dequantized (dequantized_segment).
+    // torchao's fp8 state (OptimStateFp8) has no canonical map: always fp32 values, the state
+    // AdamW's (no 8-bit entry), each chunk read dequantized.
+    const bool fp8 = first->payload.kind == Payload::Kind::kOptimState8bit && first->payload.fp8;
     bool blockwise = first->payload.kind == Payload::Kind::kOptimState8bit;
     if (blockwise) {
       const Payload& p = first->payload;
       const int64_t codes = *checked_numel(p.codes.shape), blocks = *checked_numel(p.scale.shape);
       if (blocks <= 0 || codes % blocks) return corrupt(ew + ": codes are not a whole number of blocks");
       e.block_size = codes / blocks;
-      OPTSTATE_ASSIGN_OR_RETURN(e.qmap, map_name(*first, ew));
+      if (fp8) {
+        blockwise = false;
+      } else {
+        OPTSTATE_ASSIGN_OR_RETURN(e.qmap, map_name(*first, ew));
+      }
       for (size_t k = 0; k < im.chunks.size() && blockwise; ++k) {
         OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pk, item(key, im.chunks[k].offsets));
         std::vector<Segment> segs;
@@ -758,7 +770,7 @@ class DcpReader final : public CheckpointReader {
         OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, numel, ew));
         OPTSTATE_RETURN_IF_ERROR(check_coverage(src.absmax, (numel + e.block_size - 1) / e.block_size, ew + " blocks"));
       } else {
-        any8 = true;
+        any8 = any8 || !fp8;
         e = Entry{};
         src.values.clear();
         src.absmax.clear();
@@ -785,7 +797,7 @@ class DcpReader final : public CheckpointReader {
       if (torchao_lr && im.dtype == DType::kF32) {
         for (size_t k = 1; k < im.chunks.size() && !any8; ++k) {
           OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pk, item(key, im.chunks[k].offsets));
-          any8 = pk->payload.kind == Payload::Kind::kOptimState8bit;
+          any8 = pk->payload.kind == Payload::Kind::kOptimState8bit && !pk->payload.fp8;
         }
       }
     } else {

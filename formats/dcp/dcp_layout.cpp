@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
+#include <limits>
+
 #include "optstate/state.h"
 
 namespace optstate::dcp {
@@ -49,6 +52,22 @@ std::optional<std::vector<int64_t>> torch_size(const Pickle& p, Ref r) {
   return int_tuple(p, r);
 }
 
+const std::array<float, 256>& float8_e4m3fn_values() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) {
+      const int sign = b >> 7, exp = (b >> 3) & 15, mant = b & 7;
+      float v;
+      if (exp == 15 && mant == 7) v = std::numeric_limits<float>::quiet_NaN();  // e4m3fn: no infinities
+      else if (exp == 0) v = std::ldexp(static_cast<float>(mant), -9);          // subnormal: mant/8 * 2^-6
+      else v = std::ldexp(1.0f + static_cast<float>(mant) / 8.0f, exp - 7);
+      t[static_cast<size_t>(b)] = sign ? -v : v;
+    }
+    return t;
+  }();
+  return table;
+}
+
 std::optional<DType> torch_dtype(const Pickle& p, Ref r) {
   if (r == kNoRef || p.at(r).kind != Kind::kGlobal || p.at(r).s != "torch") return std::nullopt;
   return dtype_from_torch_name(p.at(r).name);
@@ -64,17 +83,19 @@ std::optional<std::string> str(const Pickle& p, Ref r) {
 
 constexpr const char* kMetaModule = "torch.distributed.checkpoint.metadata";
 
-Result<TensorRef> tensor_args(const Pickle& p, bool v3, Ref args_ref, const std::string& where);
+Result<TensorRef> tensor_args(const Pickle& p, bool v3, Ref args_ref, const std::string& where, bool fp8 = false);
 
-Result<TensorRef> tensor_ref(const Pickle& p, Ref r, const std::string& where) {
+// `fp8`: the tensor is float8_e4m3fn (torchao's OptimStateFp8 codes), returned as its bytes (kU8);
+// nowhere else is that dtype read.
+Result<TensorRef> tensor_ref(const Pickle& p, Ref r, const std::string& where, bool fp8 = false) {
   const bool v2 = is_instance(p, r, "torch._utils", "_rebuild_tensor_v2");
   const bool v3 = is_instance(p, r, "torch._utils", "_rebuild_tensor_v3");
   if (!v2 && !v3) return corrupt(fmt::format("{}: expected a tensor (torch._utils._rebuild_tensor_v2/_v3)", where));
-  return tensor_args(p, v3, p.at(r).args, where);
+  return tensor_args(p, v3, p.at(r).args, where, fp8);
 }
 
 // The arguments of _rebuild_tensor_v2 (storage, offset, size, stride, ...) or _v3 (..., dtype).
-Result<TensorRef> tensor_args(const Pickle& p, bool v3, Ref args_ref, const std::string& where) {
+Result<TensorRef> tensor_args(const Pickle& p, bool v3, Ref args_ref, const std::string& where, bool fp8) {
   if (args_ref == kNoRef || (p.at(args_ref).kind != Kind::kTuple && p.at(args_ref).kind != Kind::kList))
     return corrupt(fmt::format("{}: tensor rebuild without its arguments", where));
   const auto& args = p.at(args_ref).items;
@@ -93,6 +114,11 @@ Result<TensorRef> tensor_args(const Pickle& p, bool v3, Ref args_ref, const std:
   int64_t numel = p.at(pid.items[4]).i;
   if (v3) {
     auto d = torch_dtype(p, args[6]);
+    if (fp8) {
+      if (p.at(args[6]).kind != Kind::kGlobal || p.at(args[6]).s != "torch" || p.at(args[6]).name != "float8_e4m3fn")
+        return corrupt(fmt::format("{}: not a float8_e4m3fn tensor", where));
+      d = DType::kU8;  // its bit patterns
+    }
     if (!d) return corrupt(fmt::format("{}: unsupported tensor dtype", where));
     t.dtype = *d;
     if (cls.name != "UntypedStorage") return corrupt(fmt::format("{}: _rebuild_tensor_v3 without UntypedStorage", where));
@@ -303,10 +329,16 @@ Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& wh
         return out;
       }
     }
-    // (func=_rebuild_wrapper_subclass, type=OptimState8bit, args=(cls, dtype, size, stride, ...), state)
+    // (func=_rebuild_wrapper_subclass, type=OptimState8bit, args=(cls, dtype, size, stride, ...), state);
+    // OptimStateFp8 the same without a qmap (codes float8_e4m3fn).
+    const bool fp8 = a.size() >= 2 && p.is_global(a[1], "torchao.optim.subclass_fp8", "OptimStateFp8");
+    if (a.size() >= 2 && p.is_global(a[1], "torchao.optim.subclass_4bit", "OptimState4bit"))
+      return corrupt(fmt::format("{}: torchao's OptimState4bit (AdamW4bit: two codes a byte, a 16-entry map) is not "
+                                 "read; its 8-bit and fp8 states are", where));
     if (a.size() < 4 || !p.is_global(a[0], "torch._utils", "_rebuild_wrapper_subclass") ||
-        !p.is_global(a[1], "torchao.optim.subclass_8bit", "OptimState8bit"))
-      return corrupt(fmt::format("{}: a tensor subclass other than torchao's OptimState8bit", where));
+        !(fp8 || p.is_global(a[1], "torchao.optim.subclass_8bit", "OptimState8bit")))
+      return corrupt(fmt::format("{}: a tensor subclass other than torchao's OptimState8bit and OptimStateFp8", where));
+    const char* name = fp8 ? "OptimStateFp8" : "OptimState8bit";
     const auto& sub = p.at(a[2]);
     if (sub.kind == Kind::kTuple && sub.items.size() >= 3) {
       auto shape = int_tuple(p, sub.items[2]);
@@ -314,14 +346,18 @@ Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& wh
     }
     const Ref st = a[3];
     const Ref codes = p.dict_get(st, "codes"), scale = p.dict_get(st, "scale"), qmap = p.dict_get(st, "qmap");
-    if (codes == kNoRef || scale == kNoRef || qmap == kNoRef)
-      return corrupt(fmt::format("{}: OptimState8bit without codes, scale and qmap", where));
+    if (codes == kNoRef || scale == kNoRef || (qmap == kNoRef && !fp8))
+      return corrupt(fmt::format("{}: {} without codes, scale{}", where, name, fp8 ? "" : " and qmap"));
     out.kind = Payload::Kind::kOptimState8bit;
-    OPTSTATE_ASSIGN_OR_RETURN(out.codes, tensor_ref(p, codes, where + " codes"));
+    out.fp8 = fp8;
+    OPTSTATE_ASSIGN_OR_RETURN(out.codes, tensor_ref(p, codes, where + " codes", fp8));
     OPTSTATE_ASSIGN_OR_RETURN(out.scale, tensor_ref(p, scale, where + " scale"));
-    OPTSTATE_ASSIGN_OR_RETURN(out.qmap, tensor_ref(p, qmap, where + " qmap"));
-    if (out.codes.dtype != DType::kU8 || out.scale.dtype != DType::kF32 || out.qmap.dtype != DType::kF32)
-      return corrupt(fmt::format("{}: OptimState8bit with codes/scale/qmap not u8/f32/f32", where));
+    if (!fp8) {
+      OPTSTATE_ASSIGN_OR_RETURN(out.qmap, tensor_ref(p, qmap, where + " qmap"));
+    }
+    if (out.codes.dtype != DType::kU8 || out.scale.dtype != DType::kF32 || (!fp8 && out.qmap.dtype != DType::kF32))
+      return corrupt(fmt::format("{}: {} with codes/scale{} not {}/f32{}", where, name, fp8 ? "" : "/qmap",
+                                 fp8 ? "float8_e4m3fn" : "u8", fp8 ? "" : "/f32"));
     return out;
   }
   out.kind = Payload::Kind::kValue;

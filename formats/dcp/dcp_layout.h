@@ -5,6 +5,7 @@
 // _rebuild_from_type_v2 + _rebuild_wrapper_subclass, or a plain Python value).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -56,7 +57,14 @@ struct Payload {
   TensorRef tensor;              // kTensor
   TensorRef codes, scale, qmap;  // kOptimState8bit
   std::vector<int64_t> claimed_shape;  // kOptimState8bit: the shape the subclass claims
+  // torchao's OptimStateFp8 (AdamWFp8), read as kOptimState8bit: codes are float8_e4m3fn bit
+  // patterns (kU8), no qmap; value = float8_e4m3fn_values()[code] * scale[block], always read
+  // dequantized (its map is no canonical one).
+  bool fp8 = false;
 };
+
+// The 256 values of float8_e4m3fn, by bit pattern (NaN at 0x7f and 0xff; no infinities).
+const std::array<float, 256>& float8_e4m3fn_values();
 
 // The meaning of a torch.save data.pkl. Tensors must be C-contiguous views inside their storage.
 Result<Payload> interpret_payload(const pickle::Pickle& p, const std::string& where);

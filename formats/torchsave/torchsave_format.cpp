@@ -100,7 +100,7 @@ struct Dequant {
   Stored scales;      // all of the part's scales
   int64_t local = 0;  // the run's first element within the part
   int64_t block = 0;
-  QMap map = QMap::kDynamicSigned;
+  const std::array<float, 256>* table = nullptr;  // the map's values, or float8_e4m3fn's (torchao's fp8)
 };
 
 // A run of consecutive flat elements of a component (blocks, for absmax), stored consecutively;
@@ -115,14 +115,15 @@ struct Piece {
 // with `scales`, the part is 8-bit codes (`tensor`) read as fp32 values.
 struct Part {
   Part(size_t file, dcp::TensorRef tensor, const std::optional<DTensorSpec>* dtensor,
-       std::optional<dcp::TensorRef> scales = std::nullopt, int64_t block = 0, QMap map = QMap::kDynamicSigned)
-      : file(file), tensor(std::move(tensor)), dtensor(dtensor), scales(std::move(scales)), block(block), map(map) {}
+       std::optional<dcp::TensorRef> scales = std::nullopt, int64_t block = 0,
+       const std::array<float, 256>* table = nullptr)
+      : file(file), tensor(std::move(tensor)), dtensor(dtensor), scales(std::move(scales)), block(block), table(table) {}
   size_t file;
   dcp::TensorRef tensor;
   const std::optional<DTensorSpec>* dtensor;
   std::optional<dcp::TensorRef> scales;
   int64_t block;
-  QMap map;
+  const std::array<float, 256>* table;  // with scales: how codes decode
 };
 
 // The pieces of a component, and the part each came from.
@@ -259,7 +260,7 @@ class TorchSaveReader final : public CheckpointReader {
     }
     // pc.stored.at is the run's first code, element dq.local of the part.
     OPTSTATE_RETURN_IF_ERROR(dcp::stream_dequantized(files_[pc.stored.file].file, pc.stored.at - static_cast<uint64_t>(dq.local),
-                                                     dq.local + from, dq.local + to, scales, dq.block, dq.map, sink,
+                                                     dq.local + from, dq.local + to, scales, dq.block, *dq.table, sink,
                                                      check ? &crc : nullptr, where_of(pc.stored, fqn, entry, c) + " (codes)"));
     return check ? check_crc(pc.stored, crc, fqn, entry, c) : Status::Ok();
   }
@@ -372,7 +373,7 @@ class TorchSaveReader final : public CheckpointReader {
       for (const auto& [name, es] : spec.entries) {
         const std::string ew = fmt::format("{} '{}'", pw, name);
         std::vector<const EntrySpec*> xs;  // the entry in each rank's file
-        bool any8 = false, all8 = true;
+        bool any8 = false, all8 = true, fp8 = false;
         for (size_t f = 0; f < sds.size(); ++f) {
           const auto& x = sds[f].params[i].entries;
           if (!x.count(name))
@@ -380,7 +381,9 @@ class TorchSaveReader final : public CheckpointReader {
           xs.push_back(&x.at(name));
           any8 = any8 || xs.back()->encoding == Encoding::kBlockwise8;
           all8 = all8 && xs.back()->encoding == Encoding::kBlockwise8;
+          fp8 = fp8 || xs.back()->fp8;  // no canonical map: read dequantized
         }
+        all8 = all8 && !fp8;
         auto parts = [&](auto member) {
           std::vector<Part> out;
           for (size_t f = 0; f < xs.size(); ++f) out.push_back({f, (*xs[f]).*member, &xs[f]->dtensor});
@@ -399,7 +402,7 @@ class TorchSaveReader final : public CheckpointReader {
           continue;
         }
         // 8-bit: the map of each rank's part, checked; one block size and map for the entry.
-        std::vector<QMap> maps(xs.size());
+        std::vector<const std::array<float, 256>*> maps(xs.size());
         int64_t block = 0;
         std::string qmap;
         for (size_t f = 0; f < xs.size(); ++f) {
@@ -410,11 +413,16 @@ class TorchSaveReader final : public CheckpointReader {
                                          optim_files[f].string(), fqn, name, dtype_name(x.values.dtype)));
             continue;
           }
+          if (x.fp8) {
+            maps[f] = &dcp::float8_e4m3fn_values();
+            continue;
+          }
           std::string q = x.qmap_name;
           if (x.qmap) {
             OPTSTATE_ASSIGN_OR_RETURN(q, map_name(f, *x.qmap, ew));
           }
-          OPTSTATE_ASSIGN_OR_RETURN(maps[f], qmap_from_name(q));
+          OPTSTATE_ASSIGN_OR_RETURN(const QMap m, qmap_from_name(q));
+          maps[f] = &qmap_table(m);
           if (qmap.empty()) block = x.block_size, qmap = q;
           if (x.block_size != block || q != qmap)
             return corrupt(fmt::format("{} param '{}' '{}': blocks of {} with map {}, another rank's file has {} with {}",
@@ -449,7 +457,7 @@ class TorchSaveReader final : public CheckpointReader {
         OPTSTATE_ASSIGN_OR_RETURN(Placed v, place(ps.shape, dq, ew));
         stored_[{fqn, name, Component::kValues}] = std::move(v.pieces);
         e.dtype = DType::kF32;
-        dequantized_.push_back(entry_key(fqn, name));
+        (fp8 ? dequantized_fp8_ : dequantized_).push_back(entry_key(fqn, name));
         ps.entries.emplace(name, std::move(e));
       }
       // Weights: from a "model" dict in the optimizer's files, or from the model's own files.
@@ -516,6 +524,11 @@ class TorchSaveReader final : public CheckpointReader {
       not_read_.push_back(fmt::format("the 8-bit encoding of {} ({}): 8-bit on some ranks only, or in blocks that are "
                                       "not the whole tensor's; read as fp32 values", fmt::join(dequantized_, ", "),
                                       dequantized_.size() == 1 ? "one entry" : fmt::format("{} entries", dequantized_.size())));
+    if (!dequantized_fp8_.empty())
+      not_read_.push_back(fmt::format("torchao's float8 encoding of {} ({}, AdamWFp8): read as fp32 values",
+                                      fmt::join(dequantized_fp8_, ", "),
+                                      dequantized_fp8_.size() == 1 ? "one entry"
+                                                                   : fmt::format("{} entries", dequantized_fp8_.size())));
     OPTSTATE_RETURN_IF_ERROR(check_structure(meta_, false).with_context(path_.string()));
     checksummed_ = true;
     for (const auto& [key, pieces] : stored_)
@@ -868,7 +881,7 @@ class TorchSaveReader final : public CheckpointReader {
       pc.stored.at += static_cast<uint64_t>(local) * elem;
       pc.stored.bytes = static_cast<uint64_t>(count) * elem;
       pc.stored.whole = st.first.whole && pc.stored.bytes == st.first.bytes;
-      if (part.scales) pc.dq = Dequant{st.second, local, part.block, part.map};
+      if (part.scales) pc.dq = Dequant{st.second, local, part.block, part.table};
       out.pieces.push_back(pc);
       out.of.push_back(k);
     };
@@ -1043,7 +1056,8 @@ class TorchSaveReader final : public CheckpointReader {
   OptimizerState meta_;
   std::vector<std::string> not_read_;
   std::map<Key, std::vector<Piece>> stored_;
-  std::vector<std::string> dequantized_;  // 8-bit entries read as fp32 values
+  std::vector<std::string> dequantized_;      // 8-bit entries read as fp32 values
+  std::vector<std::string> dequantized_fp8_;  // torchao's fp8 entries, read as fp32 values
   bool checksummed_ = false;
   ReadBuffer piece_;  // reused between tensors
   ReadBuffer pad_;    // a view's storage around it, read for its record's CRC-32

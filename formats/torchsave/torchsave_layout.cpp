@@ -791,10 +791,14 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
           e.codes = pl.codes;
           e.absmax = pl.scale;
           e.block_size = codes / blocks;
-          e.qmap = pl.qmap;
-          out.eight = true;
+          if (pl.fp8) {
+            e.fp8 = true;  // AdamWFp8: its state is AdamW's once read (fp32 values)
+          } else {
+            e.qmap = pl.qmap;
+            out.eight = true;
+          }
         } else {
-          return corrupt(ew + ": neither a tensor nor torchao's OptimState8bit");
+          return corrupt(ew + ": neither a tensor nor torchao's OptimState8bit or OptimStateFp8");
         }
         if (!spec.entries.emplace(*name, std::move(e)).second) return corrupt(ew + ": listed twice");
       } else if (const auto moment = bnb_moment(*name)) {

@@ -31,7 +31,7 @@ FSDP_SCRIPT = textwrap.dedent("""
     # Rows that do not divide by the ranks (33, 5: short and empty last shards). For 8-bit, a weight
     # whose shards are whole 256-element blocks (128x64 over 2 ranks), and one that torchao
     # quantizes on one rank only (129x128: 65 rows, not whole blocks, and 64 rows, 32 blocks).
-    hidden = 129 if kind == "torchao" else 33
+    hidden = 129 if kind.startswith("torchao") else 33
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, hidden), nn.ReLU(), nn.Linear(hidden, 5))
     mesh = None
     if kind == "hsdp":  # HSDP: (Replicate, Shard(0)) over a 2 x world/2 mesh
@@ -41,12 +41,12 @@ FSDP_SCRIPT = textwrap.dedent("""
         if isinstance(m, nn.Linear):
             fully_shard(m, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    if kind == "torchao":
-        from torchao.optim import AdamW8bit
+    if kind.startswith("torchao"):
+        from torchao.optim import AdamW8bit, AdamWFp8
         # Eager: torch.compile of torchao's step over DTensors reuses one param's graph for another
         # (torch 2.13 + torchao, CPU). What is tested here is the state it leaves, not its speed.
         torch.compile = lambda fn, **kwargs: fn
-        opt = AdamW8bit(model.parameters(), lr=1e-2, weight_decay=0.1)
+        opt = (AdamWFp8 if kind == "torchaofp8" else AdamW8bit)(model.parameters(), lr=1e-2, weight_decay=0.1)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, amsgrad=kind == "amsgrad")
     for step in range(3):
@@ -80,7 +80,7 @@ FSDP_SCRIPT = textwrap.dedent("""
             full.update({f"{names[p]}.{k}": (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in st.items()})
         if rank == 0:
             torch.save(full, f"{out}.full")
-    if kind == "torchao":  # the same state as a DCP, as torchtitan saves it
+    if kind.startswith("torchao"):  # the same state as a DCP, as torchtitan saves it
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
         msd, osd = get_state_dict(model, opt)
@@ -180,6 +180,27 @@ def test_torchao_8bit_fsdp2_rank_files_keep_their_codes(tmp_path, optstate_cli):
     h = lambda p: optstate_cli("hash", p).stdout.strip().splitlines()[-1]
     assert h(dcp_dir) == h(out)
     assert optstate_cli("validate", dcp_dir).returncode == 0
+
+
+def test_torchao_fp8_fsdp2_rank_files_and_dcp_read_as_torchaos_dequantize(tmp_path, optstate_cli):
+    # AdamWFp8: float8_e4m3fn codes and per-block scales on the ranks whose shards torchao quantized
+    # (128x64: both; 129x128: rank 1 only), plain fp32 elsewhere; read as fp32 values, bit for bit
+    # what torchao's own dequantize() gives, from the per-rank files and from the DCP alike.
+    out = fsdp_run(tmp_path, "torchaofp8", 2)
+    full = reference(out, 2)
+    doc = json.loads(optstate_cli("inspect", out, "--json").stdout)
+    assert doc["optimizer"] == "adamw"
+    assert all(e["encoding"] == "dense" for p in doc["params"].values() for e in p["entries"].values())
+    assert any("float8 encoding of 0.weight.exp_avg" in line for line in doc["not_read"]), doc["not_read"]
+    optstate_cli("convert", out, tmp_path / "plain.pt")
+    plain = torch.load(tmp_path / "plain.pt", weights_only=True)["optimizer"]
+    for i, name in enumerate(plain["param_groups"][0]["param_names"]):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(plain["state"][i][k], full[f"{name}.{k}"]), (name, k)
+    h = lambda p: optstate_cli("hash", p).stdout.strip().splitlines()[-1]
+    assert h(f"{out}.dcp") == h(out) == h(tmp_path / "plain.pt")
+    assert optstate_cli("validate", f"{out}.dcp").returncode == 0
+    assert optstate_cli("validate", out).returncode == 0
 
 
 def test_missing_or_lone_rank_files_are_refused_by_name(tmp_path, optstate_cli):

@@ -5,9 +5,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 
 #include "bitsandbytes/bnb_layout.h"
+#include "dcp/dcp_layout.h"
 #include "dcp/pickle.h"
 #include "optstate/checkpoint.h"
 #include "optstate/hash.h"
@@ -157,6 +159,28 @@ TEST_CASE("bitsandbytes: the planned state_dict reads back through the interpret
   auto refused = bitsandbytes::plan_state_dict(ams);
   REQUIRE_FALSE(refused.ok());
   CHECK(refused.status().message().find("param group 1: amsgrad") != std::string::npos);
+}
+
+TEST_CASE("torchsave: torchao's OptimStateFp8 (AdamWFp8) reads as fp32 values, float8_e4m3fn times the block's scale") {
+  const auto& fp8 = dcp::float8_e4m3fn_values();
+  CHECK(fp8[0x38] == 1.0f);
+  CHECK(fp8[0xb8] == -1.0f);
+  CHECK(fp8[0x7e] == 448.0f);  // the largest
+  CHECK(fp8[0x01] == std::ldexp(1.0f, -9));  // the smallest subnormal
+  CHECK(fp8[0x08] == std::ldexp(1.0f, -6));  // the smallest normal
+  CHECK(std::isnan(fp8[0x7f]));
+  CHECK(std::isnan(fp8[0xff]));
+  auto r = open_seed("torchao_adamwfp8.pt");
+  const OptimizerState& m = r->meta();
+  CHECK(m.kind == "adamw");  // no canonical map: AdamW's fp32 state once read
+  const Entry& e = m.params.at("0").entries.at(kExpAvg);
+  CHECK(e.encoding == Encoding::kDense);
+  CHECK(e.dtype == DType::kF32);
+  REQUIRE(r->not_read().size() == 1);
+  CHECK(r->not_read()[0].find("float8 encoding of 0.exp_avg, 0.exp_avg_sq") != std::string::npos);
+  auto v = validate_checkpoint(kSeeds / "torchao_adamwfp8.pt", [](const fs::path& p) { return open_checkpoint(p); });
+  REQUIRE(v.ok());
+  CHECK(v->findings.empty());
 }
 
 TEST_CASE("torchsave: a {model, optimizer} checkpoint carries the weights by param name") {

@@ -753,7 +753,7 @@ class DcpReader final : public CheckpointReader {
         OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pk, item(key, im.chunks[k].offsets));
         std::vector<Segment> segs;
         OPTSTATE_RETURN_IF_ERROR(chunk_segments(im.size, im.chunks[k], k, segs, ew));
-        blockwise = pk->payload.kind == Payload::Kind::kOptimState8bit && segs.size() <= 1;
+        blockwise = pk->payload.kind == Payload::Kind::kOptimState8bit && !pk->payload.fp8 && segs.size() <= 1;
         for (const Segment& s : segs) {
           if (!blockwise) break;
           const int64_t kb = *checked_numel(pk->payload.scale.shape);

@@ -57,20 +57,33 @@ Status check_coverage(std::vector<Segment>& segs, int64_t count, const std::stri
 
 Status stream_dequantized(const InputFile& file, uint64_t codes_at, int64_t from, int64_t to,
                           std::span<const float> scales, int64_t block, const std::array<float, 256>& table,
-                          const ByteSink& sink, uint32_t* crc, const std::string& where) {
+                          const ByteSink& sink, uint32_t* crc, const std::string& where, int bits) {
   if (from < 0 || to < from || block <= 0 || (to > from && (to - 1) / block >= static_cast<int64_t>(scales.size())))
     return corrupt(fmt::format("{}: 8-bit elements [{}, {}) are past its {} scales of blocks of {}", where, from, to,
                                scales.size(), block));
-  constexpr int64_t kStep = int64_t{1} << 20;
-  std::vector<uint8_t> codes;
+  constexpr int64_t kStep = int64_t{1} << 20;  // even: 4-bit steps begin on a byte
+  std::vector<uint8_t> codes, packed;
   std::vector<float> values;
   for (int64_t at = from; at < to; at += kStep) {
     const int64_t n = std::min(kStep, to - at);
     codes.resize(static_cast<size_t>(n));
     values.resize(static_cast<size_t>(n));
-    OPTSTATE_RETURN_IF_ERROR(
-        file.read_at(codes_at + static_cast<uint64_t>(at), std::as_writable_bytes(std::span(codes))).with_context(where));
-    if (crc) *crc = zip::crc32(std::as_bytes(std::span(codes)), *crc);
+    if (bits == 4) {  // the bytes holding codes [at, at + n), unpacked
+      const int64_t first = at / 2, last = (at + n + 1) / 2;
+      packed.resize(static_cast<size_t>(last - first));
+      OPTSTATE_RETURN_IF_ERROR(file.read_at(codes_at + static_cast<uint64_t>(first), std::as_writable_bytes(std::span(packed)))
+                                   .with_context(where));
+      if (crc) *crc = zip::crc32(std::as_bytes(std::span(packed)), *crc);
+      for (int64_t k = 0; k < n; ++k) {
+        const int64_t e = at + k;
+        const uint8_t byte = packed[static_cast<size_t>(e / 2 - first)];
+        codes[static_cast<size_t>(k)] = e % 2 == 0 ? byte >> 4 : byte & 15;
+      }
+    } else {
+      OPTSTATE_RETURN_IF_ERROR(
+          file.read_at(codes_at + static_cast<uint64_t>(at), std::as_writable_bytes(std::span(codes))).with_context(where));
+      if (crc) *crc = zip::crc32(std::as_bytes(std::span(codes)), *crc);
+    }
     // The block and the position in it are carried along: a division per element would cost more
     // than the lookup and the multiply.
     size_t blk = static_cast<size_t>(at / block);

@@ -39,10 +39,11 @@ Status check_coverage(std::vector<Segment>& segs, int64_t count, const std::stri
 // part's first element), so a part that cannot join blockwise8 state of the whole tensor (8-bit on
 // some ranks only) is read as table[code] * scale[block], the values torchao's dequantize() gives:
 // `table` is the part's map (qmap_table), or float8_e4m3fn's values for OptimStateFp8's codes.
-// `codes_at`: the file offset of the part's first code. With `crc`, the CRC-32 of the codes read
-// is accumulated there.
+// `codes_at`: the file offset of the part's first code. With `crc`, the CRC-32 of the code bytes
+// read is accumulated there. `bits` 4: two codes a byte, the first in the high nibble (torchao's
+// OptimState4bit, whose 16-entry map fills the table's first 16 values).
 Status stream_dequantized(const InputFile& file, uint64_t codes_at, int64_t from, int64_t to,
                           std::span<const float> scales, int64_t block, const std::array<float, 256>& table,
-                          const ByteSink& sink, uint32_t* crc, const std::string& where);
+                          const ByteSink& sink, uint32_t* crc, const std::string& where, int bits = 8);
 
 }  // namespace optstate::dcp

@@ -183,12 +183,19 @@ class DcpReader final : public CheckpointReader {
     if (src.item->dtype != DType::kF32)
       return corrupt(fmt::format("{}: 8-bit data where the metadata says {}", iw, dtype_name(src.item->dtype)));
     const Payload& p = pi->payload;
-    const int64_t codes = *checked_numel(p.codes.shape), blocks = *checked_numel(p.scale.shape);
+    const int64_t codes = p.elements(), blocks = *checked_numel(p.scale.shape);
     if (blocks <= 0 || codes % blocks) return corrupt(iw + ": codes are not a whole number of blocks");
     if (s.local + s.count > codes)
       return corrupt(fmt::format("{}: holds {} codes, the chunk needs {}", iw, codes, s.local + s.count));
     const std::array<float, 256>* table = &float8_e4m3fn_values();
-    if (!p.fp8) {
+    std::array<float, 256> map16{};  // torchao's 4-bit map, its 16 values first
+    if (p.bits == 4) {
+      ParsedItem::Record& qr = pi->storages.at(p.qmap.storage_key);
+      const uint64_t qat = qr.at + static_cast<uint64_t>(p.qmap.offset) * 4;
+      if (static_cast<uint64_t>(p.qmap.offset + 16) * 4 > qr.size) return corrupt(iw + ": its map lies past its storage");
+      OPTSTATE_RETURN_IF_ERROR(pi->file->read_at(qat, std::as_writable_bytes(std::span(map16.data(), 16))).with_context(iw));
+      table = &map16;
+    } else if (!p.fp8) {
       OPTSTATE_ASSIGN_OR_RETURN(const std::string mname, map_name(*pi, iw));
       OPTSTATE_ASSIGN_OR_RETURN(const QMap map, qmap_from_name(mname));
       table = &qmap_table(map);
@@ -204,12 +211,18 @@ class DcpReader final : public CheckpointReader {
       return corrupt(fmt::format("{} scales: their data fails the CRC-32 torch.save stored", iw));
     sr.verified = sr.verified || (scales_at == sr.at && scale_bytes.size() == sr.size);
     ParsedItem::Record& cr = pi->storages.at(p.codes.storage_key);
-    if (static_cast<uint64_t>(p.codes.offset + codes) > cr.size) return corrupt(fmt::format("{}: its codes lie past their storage", iw));
+    if (static_cast<uint64_t>(p.codes.offset + p.codes_numel()) > cr.size)
+      return corrupt(fmt::format("{}: its codes lie past their storage", iw));
     const uint64_t codes_at = cr.at + static_cast<uint64_t>(p.codes.offset);
-    const bool check = crc_due(cr, codes_at + static_cast<uint64_t>(s.local + from), static_cast<uint64_t>(to - from));
+    // The bytes read: one a code, or (4-bit) one per two codes, checked where they are whole bytes.
+    const int64_t first = s.local + from, last = s.local + to;
+    const bool bytes_whole = p.bits == 8 || (first % 2 == 0 && last % 2 == 0);
+    const uint64_t byte_at = static_cast<uint64_t>(p.bits == 4 ? first / 2 : first);
+    const uint64_t byte_count = static_cast<uint64_t>(p.bits == 4 ? (last - first) / 2 : last - first);
+    const bool check = bytes_whole && crc_due(cr, codes_at + byte_at, byte_count);
     uint32_t crc = 0;
-    OPTSTATE_RETURN_IF_ERROR(stream_dequantized(*pi->file, codes_at, s.local + from, s.local + to, scales,
-                                                codes / blocks, *table, sink, check ? &crc : nullptr, iw));
+    OPTSTATE_RETURN_IF_ERROR(stream_dequantized(*pi->file, codes_at, first, last, scales, codes / blocks, *table, sink,
+                                                check ? &crc : nullptr, iw, p.bits));
     if (check) OPTSTATE_RETURN_IF_ERROR(crc_result(src, s, c, cr, crc));
     return true;
   }
@@ -735,16 +748,17 @@ class DcpReader final : public CheckpointReader {
     // chunks: blockwise8. torchao quantizes each rank's shard alone, and only one of at least 4096
     // elements in whole blocks, so other chunks may be plain; then the entry is fp32 values, the
     // 8-bit chunks read dequantized (dequantized_segment).
-    // torchao's fp8 state (OptimStateFp8) has no canonical map: always fp32 values, the state
-    // AdamW's (no 8-bit entry), each chunk read dequantized.
-    const bool fp8 = first->payload.kind == Payload::Kind::kOptimState8bit && first->payload.fp8;
+    // torchao's fp8 and 4-bit states (OptimStateFp8, OptimState4bit) have no canonical map: always
+    // fp32 values, the state AdamW's (no 8-bit entry), each chunk read dequantized.
+    const bool dequant_only = first->payload.kind == Payload::Kind::kOptimState8bit &&
+                              (first->payload.fp8 || first->payload.bits == 4);
     bool blockwise = first->payload.kind == Payload::Kind::kOptimState8bit;
     if (blockwise) {
       const Payload& p = first->payload;
-      const int64_t codes = *checked_numel(p.codes.shape), blocks = *checked_numel(p.scale.shape);
+      const int64_t codes = p.elements(), blocks = *checked_numel(p.scale.shape);
       if (blocks <= 0 || codes % blocks) return corrupt(ew + ": codes are not a whole number of blocks");
       e.block_size = codes / blocks;
-      if (fp8) {
+      if (dequant_only) {
         blockwise = false;
       } else {
         OPTSTATE_ASSIGN_OR_RETURN(e.qmap, map_name(*first, ew));
@@ -753,7 +767,8 @@ class DcpReader final : public CheckpointReader {
         OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pk, item(key, im.chunks[k].offsets));
         std::vector<Segment> segs;
         OPTSTATE_RETURN_IF_ERROR(chunk_segments(im.size, im.chunks[k], k, segs, ew));
-        blockwise = pk->payload.kind == Payload::Kind::kOptimState8bit && !pk->payload.fp8 && segs.size() <= 1;
+        blockwise = pk->payload.kind == Payload::Kind::kOptimState8bit && !pk->payload.fp8 && pk->payload.bits == 8 &&
+                    segs.size() <= 1;
         for (const Segment& s : segs) {
           if (!blockwise) break;
           const int64_t kb = *checked_numel(pk->payload.scale.shape);
@@ -770,7 +785,7 @@ class DcpReader final : public CheckpointReader {
         OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, numel, ew));
         OPTSTATE_RETURN_IF_ERROR(check_coverage(src.absmax, (numel + e.block_size - 1) / e.block_size, ew + " blocks"));
       } else {
-        any8 = any8 || !fp8;
+        any8 = any8 || !dequant_only;
         e = Entry{};
         src.values.clear();
         src.absmax.clear();
@@ -797,7 +812,7 @@ class DcpReader final : public CheckpointReader {
       if (torchao_lr && im.dtype == DType::kF32) {
         for (size_t k = 1; k < im.chunks.size() && !any8; ++k) {
           OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pk, item(key, im.chunks[k].offsets));
-          any8 = pk->payload.kind == Payload::Kind::kOptimState8bit && !pk->payload.fp8;
+          any8 = pk->payload.kind == Payload::Kind::kOptimState8bit && !pk->payload.fp8 && pk->payload.bits == 8;
         }
       }
     } else {

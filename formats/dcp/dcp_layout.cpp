@@ -332,13 +332,12 @@ Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& wh
     // (func=_rebuild_wrapper_subclass, type=OptimState8bit, args=(cls, dtype, size, stride, ...), state);
     // OptimStateFp8 the same without a qmap (codes float8_e4m3fn).
     const bool fp8 = a.size() >= 2 && p.is_global(a[1], "torchao.optim.subclass_fp8", "OptimStateFp8");
-    if (a.size() >= 2 && p.is_global(a[1], "torchao.optim.subclass_4bit", "OptimState4bit"))
-      return corrupt(fmt::format("{}: torchao's OptimState4bit (AdamW4bit: two codes a byte, a 16-entry map) is not "
-                                 "read; its 8-bit and fp8 states are", where));
+    const bool four = a.size() >= 2 && p.is_global(a[1], "torchao.optim.subclass_4bit", "OptimState4bit");
     if (a.size() < 4 || !p.is_global(a[0], "torch._utils", "_rebuild_wrapper_subclass") ||
-        !(fp8 || p.is_global(a[1], "torchao.optim.subclass_8bit", "OptimState8bit")))
-      return corrupt(fmt::format("{}: a tensor subclass other than torchao's OptimState8bit and OptimStateFp8", where));
-    const char* name = fp8 ? "OptimStateFp8" : "OptimState8bit";
+        !(fp8 || four || p.is_global(a[1], "torchao.optim.subclass_8bit", "OptimState8bit")))
+      return corrupt(fmt::format("{}: a tensor subclass other than torchao's OptimState8bit, OptimState4bit and "
+                                 "OptimStateFp8", where));
+    const char* name = fp8 ? "OptimStateFp8" : four ? "OptimState4bit" : "OptimState8bit";
     const auto& sub = p.at(a[2]);
     if (sub.kind == Kind::kTuple && sub.items.size() >= 3) {
       auto shape = int_tuple(p, sub.items[2]);
@@ -350,6 +349,7 @@ Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& wh
       return corrupt(fmt::format("{}: {} without codes, scale{}", where, name, fp8 ? "" : " and qmap"));
     out.kind = Payload::Kind::kOptimState8bit;
     out.fp8 = fp8;
+    out.bits = four ? 4 : 8;
     OPTSTATE_ASSIGN_OR_RETURN(out.codes, tensor_ref(p, codes, where + " codes", fp8));
     OPTSTATE_ASSIGN_OR_RETURN(out.scale, tensor_ref(p, scale, where + " scale"));
     if (!fp8) {
@@ -358,6 +358,8 @@ Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& wh
     if (out.codes.dtype != DType::kU8 || out.scale.dtype != DType::kF32 || (!fp8 && out.qmap.dtype != DType::kF32))
       return corrupt(fmt::format("{}: {} with codes/scale{} not {}/f32{}", where, name, fp8 ? "" : "/qmap",
                                  fp8 ? "float8_e4m3fn" : "u8", fp8 ? "" : "/f32"));
+    if (four && *checked_numel(out.qmap.shape) != 16)
+      return corrupt(fmt::format("{}: OptimState4bit with a map of {} values, not 16", where, *checked_numel(out.qmap.shape)));
     return out;
   }
   out.kind = Payload::Kind::kValue;

@@ -61,6 +61,15 @@ struct Payload {
   // patterns (kU8), no qmap; value = float8_e4m3fn_values()[code] * scale[block], always read
   // dequantized (its map is no canonical one).
   bool fp8 = false;
+  // torchao's OptimState4bit (AdamW4bit), read as kOptimState8bit: 4 (two codes a byte, the first
+  // in the high nibble; a 16-entry qmap), always read dequantized. 8 otherwise.
+  int bits = 8;
+  int64_t elements() const { return bits == 4 ? 2 * codes_numel() : codes_numel(); }
+  int64_t codes_numel() const {
+    int64_t n = 1;
+    for (int64_t d : codes.shape) n *= d;
+    return n;
+  }
 };
 
 // The 256 values of float8_e4m3fn, by bit pattern (NaN at 0x7f and 0xff; no infinities).

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <set>
 
 #include "dcp/chunks.h"
@@ -101,6 +102,7 @@ struct Dequant {
   int64_t local = 0;  // the run's first element within the part
   int64_t block = 0;
   const std::array<float, 256>* table = nullptr;  // the map's values, or float8_e4m3fn's (torchao's fp8)
+  int bits = 8;                                   // 4: two codes a byte (torchao's 4-bit)
 };
 
 // A run of consecutive flat elements of a component (blocks, for absmax), stored consecutively;
@@ -116,14 +118,16 @@ struct Piece {
 struct Part {
   Part(size_t file, dcp::TensorRef tensor, const std::optional<DTensorSpec>* dtensor,
        std::optional<dcp::TensorRef> scales = std::nullopt, int64_t block = 0,
-       const std::array<float, 256>* table = nullptr)
-      : file(file), tensor(std::move(tensor)), dtensor(dtensor), scales(std::move(scales)), block(block), table(table) {}
+       const std::array<float, 256>* table = nullptr, int bits = 8)
+      : file(file), tensor(std::move(tensor)), dtensor(dtensor), scales(std::move(scales)), block(block), table(table),
+        bits(bits) {}
   size_t file;
   dcp::TensorRef tensor;
   const std::optional<DTensorSpec>* dtensor;
   std::optional<dcp::TensorRef> scales;
   int64_t block;
   const std::array<float, 256>* table;  // with scales: how codes decode
+  int bits;                             // with scales: 8, or 4 (two codes a byte)
 };
 
 // The pieces of a component, and the part each came from.
@@ -259,9 +263,11 @@ class TorchSaveReader final : public CheckpointReader {
       OPTSTATE_ASSIGN_OR_RETURN(crc, record_prefix_crc(pc.stored, fqn, entry, c));
     }
     // pc.stored.at is the run's first code, element dq.local of the part.
-    OPTSTATE_RETURN_IF_ERROR(dcp::stream_dequantized(files_[pc.stored.file].file, pc.stored.at - static_cast<uint64_t>(dq.local),
+    const int64_t local_bytes = dq.bits == 4 ? dq.local / 2 : dq.local;
+    OPTSTATE_RETURN_IF_ERROR(dcp::stream_dequantized(files_[pc.stored.file].file, pc.stored.at - static_cast<uint64_t>(local_bytes),
                                                      dq.local + from, dq.local + to, scales, dq.block, *dq.table, sink,
-                                                     check ? &crc : nullptr, where_of(pc.stored, fqn, entry, c) + " (codes)"));
+                                                     check ? &crc : nullptr, where_of(pc.stored, fqn, entry, c) + " (codes)",
+                                                     dq.bits));
     return check ? check_crc(pc.stored, crc, fqn, entry, c) : Status::Ok();
   }
 
@@ -373,7 +379,7 @@ class TorchSaveReader final : public CheckpointReader {
       for (const auto& [name, es] : spec.entries) {
         const std::string ew = fmt::format("{} '{}'", pw, name);
         std::vector<const EntrySpec*> xs;  // the entry in each rank's file
-        bool any8 = false, all8 = true, fp8 = false;
+        bool any8 = false, all8 = true, fp8 = false, four = false;
         for (size_t f = 0; f < sds.size(); ++f) {
           const auto& x = sds[f].params[i].entries;
           if (!x.count(name))
@@ -382,8 +388,9 @@ class TorchSaveReader final : public CheckpointReader {
           any8 = any8 || xs.back()->encoding == Encoding::kBlockwise8;
           all8 = all8 && xs.back()->encoding == Encoding::kBlockwise8;
           fp8 = fp8 || xs.back()->fp8;  // no canonical map: read dequantized
+          four = four || xs.back()->bits == 4;
         }
-        all8 = all8 && !fp8;
+        all8 = all8 && !fp8 && !four;
         auto parts = [&](auto member) {
           std::vector<Part> out;
           for (size_t f = 0; f < xs.size(); ++f) out.push_back({f, (*xs[f]).*member, &xs[f]->dtensor});
@@ -415,6 +422,10 @@ class TorchSaveReader final : public CheckpointReader {
           }
           if (x.fp8) {
             maps[f] = &dcp::float8_e4m3fn_values();
+            continue;
+          }
+          if (x.bits == 4) {
+            OPTSTATE_ASSIGN_OR_RETURN(maps[f], map16(f, *x.qmap, ew));
             continue;
           }
           std::string q = x.qmap_name;
@@ -449,7 +460,7 @@ class TorchSaveReader final : public CheckpointReader {
         for (size_t f = 0; f < xs.size(); ++f) {
           const EntrySpec& x = *xs[f];
           if (x.encoding == Encoding::kBlockwise8) {
-            dq.push_back({f, x.codes, &x.dtensor, x.absmax, x.block_size, maps[f]});
+            dq.push_back({f, x.codes, &x.dtensor, x.absmax, x.block_size, maps[f], x.bits});
           } else {
             dq.push_back({f, x.values, &x.dtensor});
           }
@@ -457,7 +468,7 @@ class TorchSaveReader final : public CheckpointReader {
         OPTSTATE_ASSIGN_OR_RETURN(Placed v, place(ps.shape, dq, ew));
         stored_[{fqn, name, Component::kValues}] = std::move(v.pieces);
         e.dtype = DType::kF32;
-        (fp8 ? dequantized_fp8_ : dequantized_).push_back(entry_key(fqn, name));
+        (fp8 ? dequantized_fp8_ : four ? dequantized_4bit_ : dequantized_).push_back(entry_key(fqn, name));
         ps.entries.emplace(name, std::move(e));
       }
       // Weights: from a "model" dict in the optimizer's files, or from the model's own files.
@@ -524,6 +535,11 @@ class TorchSaveReader final : public CheckpointReader {
       not_read_.push_back(fmt::format("the 8-bit encoding of {} ({}): 8-bit on some ranks only, or in blocks that are "
                                       "not the whole tensor's; read as fp32 values", fmt::join(dequantized_, ", "),
                                       dequantized_.size() == 1 ? "one entry" : fmt::format("{} entries", dequantized_.size())));
+    if (!dequantized_4bit_.empty())
+      not_read_.push_back(fmt::format("torchao's 4-bit encoding of {} ({}, AdamW4bit): read as fp32 values",
+                                      fmt::join(dequantized_4bit_, ", "),
+                                      dequantized_4bit_.size() == 1 ? "one entry"
+                                                                    : fmt::format("{} entries", dequantized_4bit_.size())));
     if (!dequantized_fp8_.empty())
       not_read_.push_back(fmt::format("torchao's float8 encoding of {} ({}, AdamWFp8): read as fp32 values",
                                       fmt::join(dequantized_fp8_, ", "),
@@ -867,27 +883,33 @@ class TorchSaveReader final : public CheckpointReader {
     Placed out;
     // A part's bytes: values, or codes and its scales.
     auto resolve_part = [&](const Part& part, int64_t count, const std::string& pw) -> Result<std::pair<Stored, Stored>> {
-      OPTSTATE_ASSIGN_OR_RETURN(Stored v, resolve(part.file, part.tensor, count, pw));
+      const bool four = part.scales && part.bits == 4;  // two codes a byte
+      if (four && count % 2) return corrupt(fmt::format("{}: an odd number ({}) of 4-bit codes", pw, count));
+      OPTSTATE_ASSIGN_OR_RETURN(Stored v, resolve(part.file, part.tensor, four ? count / 2 : count, pw));
       Stored sc;
       if (part.scales) {
         OPTSTATE_ASSIGN_OR_RETURN(sc, resolve(part.file, *part.scales, (count + part.block - 1) / part.block, pw + " scales"));
       }
       return std::pair{v, sc};
     };
-    auto piece = [&](size_t k, int64_t begin, int64_t count, int64_t local, const std::pair<Stored, Stored>& st) {
+    auto piece = [&](size_t k, int64_t begin, int64_t count, int64_t local, const std::pair<Stored, Stored>& st) -> Status {
       const Part& part = parts[k];
       const auto elem = static_cast<uint64_t>(dtype_size(part.tensor.dtype));
+      const bool four = part.scales && part.bits == 4;
+      if (four && (local % 2 || count % 2))
+        return corrupt(fmt::format("{}: a run of 4-bit codes [{}, {}) that splits a byte", where, local, local + count));
       Piece pc{begin, count, st.first, std::nullopt};
-      pc.stored.at += static_cast<uint64_t>(local) * elem;
-      pc.stored.bytes = static_cast<uint64_t>(count) * elem;
+      pc.stored.at += static_cast<uint64_t>(four ? local / 2 : local) * elem;
+      pc.stored.bytes = static_cast<uint64_t>(four ? count / 2 : count) * elem;
       pc.stored.whole = st.first.whole && pc.stored.bytes == st.first.bytes;
-      if (part.scales) pc.dq = Dequant{st.second, local, part.block, part.table};
+      if (part.scales) pc.dq = Dequant{st.second, local, part.block, part.table, part.bits};
       out.pieces.push_back(pc);
       out.of.push_back(k);
+      return Status::Ok();
     };
     if (!sharded) {
       OPTSTATE_ASSIGN_OR_RETURN(const auto st, resolve_part(parts[0], numel, where));
-      if (numel > 0) piece(0, 0, numel, 0, st);
+      if (numel > 0) OPTSTATE_RETURN_IF_ERROR(piece(0, 0, numel, 0, st));
       return out;
     }
     const DTensorSpec& d0 = **parts[0].dtensor;
@@ -904,7 +926,12 @@ class TorchSaveReader final : public CheckpointReader {
     }
     int64_t positions = 1;
     for (int64_t m : mesh) positions = std::min<int64_t>(positions * m, int64_t{1} << 40);
-    const auto local = checked_numel(parts[0].tensor.shape);
+    // A part's elements: its tensor's, or (torchao's 4-bit codes, two a byte) twice its bytes.
+    auto elements = [](const Part& part) -> Result<int64_t> {
+      OPTSTATE_ASSIGN_OR_RETURN(const int64_t n, checked_numel(part.tensor.shape));
+      return part.scales && part.bits == 4 ? 2 * n : n;
+    };
+    const auto local = elements(parts[0]);
     if (!set_ && (positions > 1 || !local.ok() || *local != numel))
       return corrupt(fmt::format("{}: one rank's shard of a DTensor (local {} of {}, mesh position {}): this file is "
                                  "one rank's part; pass the directory that holds every rank's file", where,
@@ -919,7 +946,8 @@ class TorchSaveReader final : public CheckpointReader {
       const std::string rw = fmt::format("{} in {}", where, files_[part.file].path.filename().string());
       OPTSTATE_ASSIGN_OR_RETURN(Box box, dtensor_box(**part.dtensor, mesh, rw));
       if (box.replica) continue;  // another rank holds the same box
-      if (part.tensor.shape != box.sizes)
+      const bool four = part.scales && part.bits == 4;  // flat codes: their count is what must agree
+      if (four ? *elements(part) != *checked_numel(box.sizes) : part.tensor.shape != box.sizes)
         return corrupt(fmt::format("{}: local tensor {}, its mesh position {} on a mesh of {} gives {}", rw,
                                    format_shape(part.tensor.shape), format_shape((*part.dtensor)->coordinate),
                                    format_shape(mesh), format_shape(box.sizes)));
@@ -927,7 +955,7 @@ class TorchSaveReader final : public CheckpointReader {
       OPTSTATE_RETURN_IF_ERROR(dcp::chunk_segments(shape, {box.offsets, box.sizes}, k, segs, rw));
     }
     OPTSTATE_RETURN_IF_ERROR(dcp::check_coverage(segs, numel, where));
-    for (const dcp::Segment& sg : segs) piece(sg.chunk, sg.begin, sg.count, sg.local, stored[sg.chunk]);
+    for (const dcp::Segment& sg : segs) OPTSTATE_RETURN_IF_ERROR(piece(sg.chunk, sg.begin, sg.count, sg.local, stored[sg.chunk]));
     return out;
   }
 
@@ -1026,6 +1054,18 @@ class TorchSaveReader final : public CheckpointReader {
     return corrupt(fmt::format("{}: a {} tensor where a number is needed", where, dtype_name(t.dtype)));
   }
 
+  // torchao's 4-bit map (16 fp32 values) as a table the dequantizer indexes by code.
+  Result<const std::array<float, 256>*> map16(size_t file, const dcp::TensorRef& q, const std::string& where) {
+    if (q.dtype != DType::kF32) return corrupt(where + ": quantization map is not float32");
+    OPTSTATE_ASSIGN_OR_RETURN(const Stored st, resolve(file, q, 16, where + " quantization map"));
+    std::array<float, 16> m;
+    OPTSTATE_RETURN_IF_ERROR(files_[file].file.read_at(st.at, std::as_writable_bytes(std::span(m))).with_context(where));
+    std::array<float, 256>& t = tables_.emplace_back();
+    t.fill(0.0f);
+    std::copy(m.begin(), m.end(), t.begin());
+    return &t;
+  }
+
   Result<std::string> map_name(size_t file, const dcp::TensorRef& q, const std::string& where) const {
     if (q.dtype != DType::kF32) return corrupt(where + ": quantization map is not float32");
     OPTSTATE_ASSIGN_OR_RETURN(const Stored st, resolve(file, q, 256, where + " quantization map"));
@@ -1058,6 +1098,8 @@ class TorchSaveReader final : public CheckpointReader {
   std::map<Key, std::vector<Piece>> stored_;
   std::vector<std::string> dequantized_;      // 8-bit entries read as fp32 values
   std::vector<std::string> dequantized_fp8_;  // torchao's fp8 entries, read as fp32 values
+  std::vector<std::string> dequantized_4bit_;  // torchao's 4-bit entries, read as fp32 values
+  std::deque<std::array<float, 256>> tables_;  // torchao's 4-bit maps (16 values), where parts point
   bool checksummed_ = false;
   ReadBuffer piece_;  // reused between tensors
   ReadBuffer pad_;    // a view's storage around it, read for its record's CRC-32

@@ -782,9 +782,10 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
           e.values = pl.tensor;
         } else if (pl.kind == Payload::Kind::kOptimState8bit) {
           // torchao: codes in the param's shape, one scale per block, the map itself.
-          const int64_t codes = *checked_numel(pl.codes.shape), blocks = *checked_numel(pl.scale.shape);
+          const int64_t codes = pl.elements(), blocks = *checked_numel(pl.scale.shape);
           OPTSTATE_ASSIGN_OR_RETURN(const int64_t claimed, checked_numel(pl.claimed_shape));
-          if (claimed != codes) return corrupt(fmt::format("{}: OptimState8bit of {} elements with {} codes", ew, claimed, codes));
+          if (claimed != codes)
+            return corrupt(fmt::format("{}: torchao's state of {} elements with {} codes", ew, claimed, codes));
           if (blocks <= 0 || codes % blocks) return corrupt(ew + ": codes are not a whole number of blocks");
           OPTSTATE_RETURN_IF_ERROR(same_shape(shape, lv.dtensor ? lv.dtensor->global_shape : pl.claimed_shape, ew));
           e.encoding = Encoding::kBlockwise8;
@@ -793,12 +794,15 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
           e.block_size = codes / blocks;
           if (pl.fp8) {
             e.fp8 = true;  // AdamWFp8: its state is AdamW's once read (fp32 values)
+          } else if (pl.bits == 4) {
+            e.bits = 4;  // AdamW4bit: the same, through its 16-entry map
+            e.qmap = pl.qmap;
           } else {
             e.qmap = pl.qmap;
             out.eight = true;
           }
         } else {
-          return corrupt(ew + ": neither a tensor nor torchao's OptimState8bit or OptimStateFp8");
+          return corrupt(ew + ": neither a tensor nor torchao's OptimState8bit, OptimState4bit or OptimStateFp8");
         }
         if (!spec.entries.emplace(*name, std::move(e)).second) return corrupt(ew + ": listed twice");
       } else if (const auto moment = bnb_moment(*name)) {

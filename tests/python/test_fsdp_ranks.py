@@ -42,11 +42,12 @@ FSDP_SCRIPT = textwrap.dedent("""
             fully_shard(m, mesh=mesh)
     fully_shard(model, mesh=mesh)
     if kind.startswith("torchao"):
-        from torchao.optim import AdamW8bit, AdamWFp8
+        from torchao.optim import AdamW4bit, AdamW8bit, AdamWFp8
         # Eager: torch.compile of torchao's step over DTensors reuses one param's graph for another
         # (torch 2.13 + torchao, CPU). What is tested here is the state it leaves, not its speed.
         torch.compile = lambda fn, **kwargs: fn
-        opt = (AdamWFp8 if kind == "torchaofp8" else AdamW8bit)(model.parameters(), lr=1e-2, weight_decay=0.1)
+        make = {"torchaofp8": AdamWFp8, "torchao4bit": AdamW4bit}.get(kind, AdamW8bit)
+        opt = make(model.parameters(), lr=1e-2, weight_decay=0.1)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, amsgrad=kind == "amsgrad")
     for step in range(3):
@@ -182,16 +183,18 @@ def test_torchao_8bit_fsdp2_rank_files_keep_their_codes(tmp_path, optstate_cli):
     assert optstate_cli("validate", dcp_dir).returncode == 0
 
 
-def test_torchao_fp8_fsdp2_rank_files_and_dcp_read_as_torchaos_dequantize(tmp_path, optstate_cli):
-    # AdamWFp8: float8_e4m3fn codes and per-block scales on the ranks whose shards torchao quantized
-    # (128x64: both; 129x128: rank 1 only), plain fp32 elsewhere; read as fp32 values, bit for bit
-    # what torchao's own dequantize() gives, from the per-rank files and from the DCP alike.
-    out = fsdp_run(tmp_path, "torchaofp8", 2)
+@pytest.mark.parametrize("kind", ["torchaofp8", "torchao4bit"])
+def test_torchao_fp8_and_4bit_fsdp2_rank_files_and_dcp_read_as_torchaos_dequantize(tmp_path, optstate_cli, kind):
+    # AdamWFp8 (float8_e4m3fn codes, blocks of 256) and AdamW4bit (two codes a byte, a 16-entry map,
+    # blocks of 128) on the ranks whose shards torchao quantized, plain fp32 elsewhere: read as fp32
+    # values, bit for bit what torchao's own dequantize() gives, from the per-rank files and the DCP.
+    out = fsdp_run(tmp_path, kind, 2)
     full = reference(out, 2)
     doc = json.loads(optstate_cli("inspect", out, "--json").stdout)
     assert doc["optimizer"] == "adamw"
     assert all(e["encoding"] == "dense" for p in doc["params"].values() for e in p["entries"].values())
-    assert any("float8 encoding of 0.weight.exp_avg" in line for line in doc["not_read"]), doc["not_read"]
+    what = "float8" if kind == "torchaofp8" else "4-bit"
+    assert any(f"{what} encoding of 0.weight.exp_avg" in line for line in doc["not_read"]), doc["not_read"]
     optstate_cli("convert", out, tmp_path / "plain.pt")
     plain = torch.load(tmp_path / "plain.pt", weights_only=True)["optimizer"]
     for i, name in enumerate(plain["param_groups"][0]["param_names"]):

@@ -161,7 +161,7 @@ TEST_CASE("bitsandbytes: the planned state_dict reads back through the interpret
   CHECK(refused.status().message().find("param group 1: amsgrad") != std::string::npos);
 }
 
-TEST_CASE("torchsave: torchao's OptimStateFp8 (AdamWFp8) reads as fp32 values, float8_e4m3fn times the block's scale") {
+TEST_CASE("torchsave: torchao's OptimStateFp8 and OptimState4bit read as fp32 values, code value times the block's scale") {
   const auto& fp8 = dcp::float8_e4m3fn_values();
   CHECK(fp8[0x38] == 1.0f);
   CHECK(fp8[0xb8] == -1.0f);
@@ -170,17 +170,21 @@ TEST_CASE("torchsave: torchao's OptimStateFp8 (AdamWFp8) reads as fp32 values, f
   CHECK(fp8[0x08] == std::ldexp(1.0f, -6));  // the smallest normal
   CHECK(std::isnan(fp8[0x7f]));
   CHECK(std::isnan(fp8[0xff]));
-  auto r = open_seed("torchao_adamwfp8.pt");
-  const OptimizerState& m = r->meta();
-  CHECK(m.kind == "adamw");  // no canonical map: AdamW's fp32 state once read
-  const Entry& e = m.params.at("0").entries.at(kExpAvg);
-  CHECK(e.encoding == Encoding::kDense);
-  CHECK(e.dtype == DType::kF32);
-  REQUIRE(r->not_read().size() == 1);
-  CHECK(r->not_read()[0].find("float8 encoding of 0.exp_avg, 0.exp_avg_sq") != std::string::npos);
-  auto v = validate_checkpoint(kSeeds / "torchao_adamwfp8.pt", [](const fs::path& p) { return open_checkpoint(p); });
-  REQUIRE(v.ok());
-  CHECK(v->findings.empty());
+  // AdamWFp8's seed, and AdamW4bit's (two codes a byte, high nibble first, its 16-entry map).
+  for (auto [seed, what] : {std::pair{"torchao_adamwfp8.pt", "float8"}, std::pair{"torchao_adamw4bit.pt", "4-bit"}}) {
+    CAPTURE(seed);
+    auto r = open_seed(seed);
+    const OptimizerState& m = r->meta();
+    CHECK(m.kind == "adamw");  // no canonical map: AdamW's fp32 state once read
+    const Entry& e = m.params.at("0").entries.at(kExpAvg);
+    CHECK(e.encoding == Encoding::kDense);
+    CHECK(e.dtype == DType::kF32);
+    REQUIRE(r->not_read().size() == 1);
+    CHECK(r->not_read()[0].find(fmt::format("{} encoding of 0.exp_avg, 0.exp_avg_sq", what)) != std::string::npos);
+    auto v = validate_checkpoint(kSeeds / seed, [](const fs::path& p) { return open_checkpoint(p); });
+    REQUIRE(v.ok());
+    CHECK(v->findings.empty());
+  }
 }
 
 TEST_CASE("torchsave: a {model, optimizer} checkpoint carries the weights by param name") {

@@ -1,7 +1,7 @@
 """Writes the torch.save seeds of the torchsave driver's tests and fuzz target (run from the repo root:
 .venv/bin/python formats/torchsave/testdata/make_seeds.py). Each is what a real writer gives for a
 tiny model (Linear(64, 64), two steps): torch.optim.AdamW (amsgrad, params unnamed), torchao's
-AdamW8bit (OptimState8bit moments for the 64x64 weight, a tensor lr) and AdamWFp8 (OptimStateFp8),
+AdamW8bit (OptimState8bit moments for the 64x64 weight, a tensor lr), AdamWFp8 and AdamW4bit,
 optstate.AdamW8bit built from named_parameters (param_names, plain codes/absmax tensors), a
 {"model", "optimizer"} checkpoint, and
 torch.optim.AdamW's state keyed by fqn in two groups (get_optimizer_state_dict); bitsandbytes'
@@ -47,9 +47,11 @@ def main():
     torch.save(opt.state_dict(), os.path.join(HERE, "torch_adamw_amsgrad.pt"))
     _, opt = trained(lambda p: AdamW8bit(p, lr=1e-3, block_size=256))
     torch.save(opt.state_dict(), os.path.join(HERE, "torchao_adamw8bit.pt"))
-    from torchao.optim import AdamWFp8
+    from torchao.optim import AdamW4bit, AdamWFp8
     _, opt = trained(lambda p: AdamWFp8(p, lr=1e-3))
     torch.save(opt.state_dict(), os.path.join(HERE, "torchao_adamwfp8.pt"))
+    _, opt = trained(lambda p: AdamW4bit(p, lr=1e-3))
+    torch.save(opt.state_dict(), os.path.join(HERE, "torchao_adamw4bit.pt"))
     _, opt = trained(lambda p: optstate.AdamW8bit(p, lr=1e-3, block_size=256), named=True)
     torch.save(opt.state_dict(), os.path.join(HERE, "optstate_adamw8bit_named.pt"))
     model, opt = trained(lambda p: torch.optim.AdamW(p, lr=1e-3), named=True)

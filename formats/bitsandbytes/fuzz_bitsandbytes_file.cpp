@@ -7,33 +7,17 @@
 // back in bitsandbytes' layout with the same values, or give an error; never a crash, a hang or an
 // unbounded allocation.
 // CTest: fuzz.bitsandbytes_file (bounded mutation run); with OPTSTATE_LIBFUZZER, coverage-guided.
+#include <cstddef>
 #include <cstdint>
-#include <string>
-#include <string_view>
 
-#include "fuzz_checkpoint.h"
-#include "torchsave/torchsave_fuzz_sign.h"
-
-using namespace optstate;
-
-namespace {
-
-const fuzz::CheckpointFixture& fixture() {
-  static const fuzz::CheckpointFixture f("bitsandbytes", [](std::string_view file) { return file.size(); });
-  return f;
-}
-
-}  // namespace
+#include "torchsave/torchsave_fuzz_target.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const std::string raw(reinterpret_cast<const char*>(data), size);
-  auto signed_input = torchsave::with_pickle_crc(raw);
-  fixture().run(signed_input ? *signed_input : raw, fixture().data());
-  return 0;
+  return optstate::torchsave::fuzz_zip_input("bitsandbytes", data, size);
 }
 
 #ifndef OPTSTATE_LIBFUZZER
 int main(int argc, char** argv) {
-  return fixture().main(argc, argv, "fuzz.bitsandbytes_file", "", torchsave::with_pickle_crc);
+  return optstate::torchsave::fuzz_zip_main("bitsandbytes", "fuzz.bitsandbytes_file", argc, argv);
 }
 #endif

@@ -6,33 +6,17 @@
 // open, hash, read whole and write back as an archive with the same values, or give an error; never
 // a crash, a hang or an unbounded allocation.
 // CTest: fuzz.libtorch_archive (bounded mutation run); with OPTSTATE_LIBFUZZER, coverage-guided.
+#include <cstddef>
 #include <cstdint>
-#include <string>
-#include <string_view>
 
-#include "fuzz_checkpoint.h"
-#include "torchsave/torchsave_fuzz_sign.h"
-
-using namespace optstate;
-
-namespace {
-
-const fuzz::CheckpointFixture& fixture() {
-  static const fuzz::CheckpointFixture f("libtorch", [](std::string_view file) { return file.size(); });
-  return f;
-}
-
-}  // namespace
+#include "torchsave/torchsave_fuzz_target.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const std::string raw(reinterpret_cast<const char*>(data), size);
-  auto signed_input = torchsave::with_pickle_crc(raw);
-  fixture().run(signed_input ? *signed_input : raw, fixture().data());
-  return 0;
+  return optstate::torchsave::fuzz_zip_input("libtorch", data, size);
 }
 
 #ifndef OPTSTATE_LIBFUZZER
 int main(int argc, char** argv) {
-  return fixture().main(argc, argv, "fuzz.libtorch_archive", "", torchsave::with_pickle_crc);
+  return optstate::torchsave::fuzz_zip_main("libtorch", "fuzz.libtorch_archive", argc, argv);
 }
 #endif

@@ -6,36 +6,17 @@
 // interpreter rather than stopping at the checksum. Every input must validate, open, hash, read
 // whole and write back, or give an error; never a crash, a hang or an unbounded allocation.
 // CTest: fuzz.torchsave_file (bounded mutation run); with OPTSTATE_LIBFUZZER, coverage-guided.
-#include <algorithm>
+#include <cstddef>
 #include <cstdint>
-#include <optional>
-#include <span>
-#include <string>
-#include <string_view>
 
-#include "fuzz_checkpoint.h"
-#include "torchsave_fuzz_sign.h"
-
-using namespace optstate;
-
-namespace {
-
-const fuzz::CheckpointFixture& fixture() {
-  static const fuzz::CheckpointFixture f("torchsave", [](std::string_view file) { return file.size(); });
-  return f;
-}
-
-}  // namespace
+#include "torchsave_fuzz_target.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const std::string raw(reinterpret_cast<const char*>(data), size);
-  auto signed_input = torchsave::with_pickle_crc(raw);
-  fixture().run(signed_input ? *signed_input : raw, fixture().data());
-  return 0;
+  return optstate::torchsave::fuzz_zip_input("torchsave", data, size);
 }
 
 #ifndef OPTSTATE_LIBFUZZER
 int main(int argc, char** argv) {
-  return fixture().main(argc, argv, "fuzz.torchsave_file", "", torchsave::with_pickle_crc);
+  return optstate::torchsave::fuzz_zip_main("torchsave", "fuzz.torchsave_file", argc, argv);
 }
 #endif

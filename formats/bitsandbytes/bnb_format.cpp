@@ -3,14 +3,10 @@
 // through the torch.save driver (the same zip, pickle interpreter and tensor rebuilds; torchsave/,
 // whose reader knows bitsandbytes' names), written here so that bitsandbytes' load_state_dict takes
 // it and steps on. Layout: FORMAT.md.
-#include <fmt/format.h>
-
 #include "bnb_layout.h"
 #include "dcp/dcp_driver.h"
 #include "optstate/checkpoint.h"
-#include "optstate/io.h"
 #include "optstate/quant8.h"
-#include "registry.h"
 #include "torchsave/torchsave_reader.h"
 
 namespace optstate::bitsandbytes {
@@ -38,12 +34,7 @@ class BitsandbytesDriver final : public FormatDriver {
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
     const OptimizerState& meta = source.meta();
     OPTSTATE_ASSIGN_OR_RETURN(const Plan plan, plan_state_dict(meta));
-    OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
-    OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_path(path));
-    Status st = [&]() -> Status {
-      OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging));
-      dcp::ArchiveWriter archive(out);
-      OPTSTATE_RETURN_IF_ERROR(archive.begin(std::as_bytes(std::span(plan.data_pkl))));
+    return torchsave::write_file(path, options.overwrite, plan.data_pkl, [&](dcp::ArchiveWriter& archive) -> Status {
       std::string loaded_key;  // one entry held at a time; its components are written in turn
       Entry loaded;
       for (size_t i = 0; i < plan.storages.size(); ++i) {
@@ -67,11 +58,8 @@ class BitsandbytesDriver final : public FormatDriver {
         }
         OPTSTATE_RETURN_IF_ERROR(archive.storage(key, loaded.buffer(s.component).span()));
       }
-      OPTSTATE_RETURN_IF_ERROR(archive.finish().status());
-      OPTSTATE_RETURN_IF_ERROR(out.sync_and_close());
-      return publish_file(staging, path, options.overwrite);
-    }();
-    return st.ok() ? st : abandon_staging(staging, path, st);
+      return Status::Ok();
+    });
   }
 };
 

@@ -1283,12 +1283,7 @@ class TorchSaveDriver final : public FormatDriver {
         if (ps.entries.count(m)) keys.key[{id, m}] = std::to_string(keys.key.size());
     }
     const std::string pkl = encode_state_dict(dense_view(meta), keys);
-    OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
-    OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_path(path));
-    Status st = [&]() -> Status {
-      OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging));
-      dcp::ArchiveWriter archive(out);
-      OPTSTATE_RETURN_IF_ERROR(archive.begin(std::as_bytes(std::span(pkl))));
+    return write_file(path, options.overwrite, pkl, [&](dcp::ArchiveWriter& archive) -> Status {
       for (size_t i = 0; i < order.size(); ++i) {
         const std::string& fqn = order[i];
         const ParamState& ps = meta.params.at(fqn);
@@ -1310,11 +1305,8 @@ class TorchSaveDriver final : public FormatDriver {
         OPTSTATE_RETURN_IF_ERROR(archive.storage(keys.key.at({id, "step"}), std::as_bytes(std::span(&step, 1))));
         for (const char* m : {kExpAvg, kExpAvgSq, kMaxExpAvgSq}) OPTSTATE_RETURN_IF_ERROR(entry(m));
       }
-      OPTSTATE_RETURN_IF_ERROR(archive.finish().status());
-      OPTSTATE_RETURN_IF_ERROR(out.sync_and_close());
-      return publish_file(staging, path, options.overwrite);
-    }();
-    return st.ok() ? st : abandon_staging(staging, path, st);
+      return Status::Ok();
+    });
   }
 };
 
@@ -1323,6 +1315,22 @@ class TorchSaveDriver final : public FormatDriver {
 const FormatDriver& driver() {
   static const TorchSaveDriver d;
   return d;
+}
+
+Status write_file(const fs::path& path, bool overwrite, std::string_view pkl,
+                  const std::function<Status(dcp::ArchiveWriter&)>& storages) {
+  OPTSTATE_RETURN_IF_ERROR(check_destination(path, overwrite));
+  OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_path(path));
+  Status st = [&]() -> Status {
+    OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging));
+    dcp::ArchiveWriter archive(out);
+    OPTSTATE_RETURN_IF_ERROR(archive.begin(std::as_bytes(std::span(pkl))));
+    OPTSTATE_RETURN_IF_ERROR(storages(archive));
+    OPTSTATE_RETURN_IF_ERROR(archive.finish().status());
+    OPTSTATE_RETURN_IF_ERROR(out.sync_and_close());
+    return publish_file(staging, path, overwrite);
+  }();
+  return st.ok() ? st : abandon_staging(staging, path, st);
 }
 
 std::optional<std::string> first_zip_record(const fs::path& path) {

@@ -4,10 +4,12 @@
 #pragma once
 
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 
+#include "dcp/dcp_driver.h"
 #include "optstate/checkpoint.h"
 
 namespace optstate::torchsave {
@@ -21,5 +23,11 @@ std::optional<std::string> first_zip_record(const std::filesystem::path& path);
 // Whether a torch.save file's data.pkl names bitsandbytes' "state1" and "state2" (its first 8 MiB):
 // the bitsandbytes driver's sniff, which the torch.save driver's leaves to it.
 bool holds_bnb_state(const std::filesystem::path& path);
+
+// Writes a torch.save file at `path`: data.pkl, then the storages `storages` writes (torch's record
+// order, 64-byte aligned, CRC-32s), staged beside `path`, fsync'd and renamed into place; on any
+// error nothing is left. The torch.save and bitsandbytes writers.
+Status write_file(const std::filesystem::path& path, bool overwrite, std::string_view pkl,
+                  const std::function<Status(dcp::ArchiveWriter&)>& storages);
 
 }  // namespace optstate::torchsave

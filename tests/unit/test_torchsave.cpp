@@ -41,6 +41,21 @@ void check_same_hashes(CheckpointReader& x, CheckpointReader& y) {
   CHECK(a->entries == b->entries);
 }
 
+// An AdamW group's lr, betas, eps and weight_decay as key/value pairs, for the hand-built pickles.
+void adamw_hyper(pickle::Writer& w) {
+  w.str("lr");
+  w.real(1e-3);
+  w.str("betas");
+  w.mark();
+  w.real(0.9);
+  w.real(0.999);
+  w.tuple_from_mark();
+  w.str("eps");
+  w.real(1e-8);
+  w.str("weight_decay");
+  w.real(0.0);
+}
+
 std::unique_ptr<CheckpointReader> open_seed(const char* name, std::string_view format = "torchsave") {
   auto r = open_checkpoint(kSeeds / name);
   REQUIRE_MESSAGE(r.ok(), r.status().message());
@@ -395,17 +410,7 @@ std::string archive_pickle(const std::string& version, const std::vector<std::st
           }
           w.str("options");
           module([&] {
-            w.str("lr");
-            w.real(1e-3);
-            w.str("betas");
-            w.mark();
-            w.real(0.9);
-            w.real(0.999);
-            w.tuple_from_mark();
-            w.str("eps");
-            w.real(1e-8);
-            w.str("weight_decay");
-            w.real(0.0);
+            adamw_hyper(w);
             w.str("amsgrad");
             w.boolean(false);
           });
@@ -698,17 +703,7 @@ TEST_CASE("torchsave: params listed by number and by name in one state_dict are 
   for (int g = 0; g < 2; ++g) {
     w.empty_dict();
     w.mark();
-    w.str("lr");
-    w.real(1e-3);
-    w.str("betas");
-    w.mark();
-    w.real(0.9);
-    w.real(0.999);
-    w.tuple_from_mark();
-    w.str("eps");
-    w.real(1e-8);
-    w.str("weight_decay");
-    w.real(0.0);
+    adamw_hyper(w);
     w.str("params");
     w.empty_list();
     w.mark();

@@ -7,6 +7,7 @@
 #include "dcp/dcp_driver.h"
 #include "optstate/checkpoint.h"
 #include "optstate/quant8.h"
+#include "optstate/transform.h"
 #include "torchsave/torchsave_reader.h"
 
 namespace optstate::bitsandbytes {
@@ -22,7 +23,7 @@ class BitsandbytesDriver final : public FormatDriver {
   // A torch.save file (first record <folder>/data.pkl) whose pickle names "state1" and "state2".
   bool sniff(const fs::path& path) const override {
     const auto first = torchsave::first_zip_record(path);
-    return first && first->size() > 9 && first->ends_with("/data.pkl") && torchsave::holds_bnb_state(path);
+    return first && first->size() > 9 && first->ends_with("/data.pkl") && torchsave::state_family(path) == torchsave::Family::kBitsandbytes;
   }
 
   Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {
@@ -52,7 +53,7 @@ class BitsandbytesDriver final : public FormatDriver {
         }
         if (s.to_f32) {
           OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(meta.params.at(s.fqn).shape));
-          OPTSTATE_ASSIGN_OR_RETURN(const std::vector<float> values, f32_values(loaded, numel, loaded_key));
+          OPTSTATE_ASSIGN_OR_RETURN(const std::vector<float> values, entry_f32_values(loaded, numel, loaded_key));
           OPTSTATE_RETURN_IF_ERROR(archive.storage(key, std::as_bytes(std::span(values))));
           continue;
         }

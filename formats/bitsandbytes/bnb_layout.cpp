@@ -101,21 +101,10 @@ Result<Plan> plan_state_dict(const OptimizerState& state) {
             w.str("t_beta3");
             w.none();
           },
+      .lr = {},
   });
   plan.data_pkl = w.finish();
   return plan;
-}
-
-Result<std::vector<float>> f32_values(const Entry& e, int64_t numel, const std::string& key) {
-  if (e.encoding == Encoding::kDense) return dense_to_f32(e.values.span(), e.dtype, key);
-  OPTSTATE_ASSIGN_OR_RETURN(const QMap m, qmap_from_name(e.qmap));
-  if (e.codes.size != static_cast<size_t>(numel) || e.block_size < 1 ||
-      e.absmax.size / 4 != static_cast<size_t>((numel + e.block_size - 1) / e.block_size))
-    return internal_error(fmt::format("{}: codes or scales do not fit its shape", key));
-  std::vector<float> values(static_cast<size_t>(numel));
-  dequantize_blockwise({reinterpret_cast<const uint8_t*>(e.codes.data), e.codes.size},
-                       {reinterpret_cast<const float*>(e.absmax.data), e.absmax.size / 4}, e.block_size, m, values);
-  return values;
 }
 
 OptimizerState kept_state(const OptimizerState& state) {
@@ -133,7 +122,7 @@ OptimizerState kept_state(const OptimizerState& state) {
       dense.dtype = DType::kF32;
       const bool filled = e.encoding == Encoding::kDense ? e.values.size > 0 : e.codes.size > 0;
       if (filled && numel.ok())
-        if (auto v = f32_values(e, *numel, entry_key(fqn, name)); v.ok())
+        if (auto v = entry_f32_values(e, *numel, entry_key(fqn, name)); v.ok())
           dense.values = Buffer::copy_of(std::as_bytes(std::span(*v)));
       e = std::move(dense);
     }

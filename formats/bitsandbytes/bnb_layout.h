@@ -40,10 +40,6 @@ struct Plan {
 // maximize (bitsandbytes has neither), entries other than the two moments and the weights.
 Result<Plan> plan_state_dict(const OptimizerState& state);
 
-// The fp32 values of bitsandbytes' 32-bit state for entry `e` (buffers filled): dense values
-// widened, 8-bit ones dequantized (map[code] * absmax); `key` names it in errors.
-Result<std::vector<float>> f32_values(const Entry& e, int64_t numel, const std::string& key);
-
 // What a round trip gives back: entries bitsandbytes does not step as 8-bit become dense fp32
 // (dequantized, where `state` has the buffers), dense moments fp32.
 OptimizerState kept_state(const OptimizerState& state);

@@ -18,6 +18,7 @@
 #include "optstate/io.h"
 #include "torchsave_reader.h"
 #include "optstate/quant8.h"
+#include "optstate/transform.h"
 #include "registry.h"
 #include "torchsave_layout.h"
 
@@ -168,7 +169,9 @@ class TorchSaveReader final : public CheckpointReader {
 
   // A LibTorch archive is read here (the same zip, pickle and tensors) for formats/libtorch/, and
   // bitsandbytes' state_dict for formats/bitsandbytes/.
-  std::string_view format() const override { return libtorch_ ? "libtorch" : bnb_ ? "bitsandbytes" : "torchsave"; }
+  std::string_view format() const override {
+    return libtorch_ ? "libtorch" : bnb_ ? "bitsandbytes" : torchao_ ? "torchao" : "torchsave";
+  }
   const fs::path& path() const override { return path_; }
   const OptimizerState& meta() const override { return meta_; }
   std::vector<std::string> not_read() const override { return not_read_; }
@@ -293,6 +296,8 @@ class TorchSaveReader final : public CheckpointReader {
     const std::string w0 = optim_files[0].string();
     libtorch_ = sd0.libtorch;
     bnb_ = sd0.bnb;
+    std::error_code ec;
+    torchao_ = sd0.torchao && !fs::is_directory(path_, ec);  // formats/torchao/ sniffs files, not sets
     std::vector<std::pair<ModelDict, size_t>> models;  // (dict, archive index)
     for (const fs::path& f : model_files) {
       OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(f));
@@ -1092,6 +1097,7 @@ class TorchSaveReader final : public CheckpointReader {
   bool set_ = false;       // a per-rank set (a directory), not one file
   bool libtorch_ = false;  // a LibTorch optimizer archive
   bool bnb_ = false;       // bitsandbytes' state: formats/bitsandbytes/ writes it
+  bool torchao_ = false;   // one file of torchao's state: formats/torchao/ writes it
   std::vector<Archive> files_;
   OptimizerState meta_;
   std::vector<std::string> not_read_;
@@ -1230,7 +1236,7 @@ class TorchSaveDriver final : public FormatDriver {
       return false;
     }
     const auto first = first_zip_record(path);
-    return first && first->size() > 9 && first->ends_with("/data.pkl") && !holds_bnb_state(path);
+    return first && first->size() > 9 && first->ends_with("/data.pkl") && state_family(path) == Family::kTorch;
   }
 
   Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {
@@ -1293,10 +1299,7 @@ class TorchSaveDriver final : public FormatDriver {
           if (!ps.entries.count(name)) return Status::Ok();
           OPTSTATE_ASSIGN_OR_RETURN(const Entry e, source.load(fqn, name));
           if (e.encoding == Encoding::kDense) return archive.storage(keys.key.at({id, name}), e.values.span());
-          OPTSTATE_ASSIGN_OR_RETURN(QMap m, qmap_from_name(e.qmap));
-          std::vector<float> dq(static_cast<size_t>(numel));
-          dequantize_blockwise({reinterpret_cast<const uint8_t*>(e.codes.data), e.codes.size},
-                               {reinterpret_cast<const float*>(e.absmax.data), e.absmax.size / 4}, e.block_size, m, dq);
+          OPTSTATE_ASSIGN_OR_RETURN(const std::vector<float> dq, entry_f32_values(e, numel, entry_key(fqn, name)));
           return archive.storage(keys.key.at({id, name}), std::as_bytes(std::span(dq)));
         };
         OPTSTATE_RETURN_IF_ERROR(entry(kParam));
@@ -1347,40 +1350,50 @@ std::optional<std::string> first_zip_record(const fs::path& path) {
   return std::string(reinterpret_cast<const char*>(h + 30), name_len);
 }
 
-bool holds_bnb_state(const fs::path& path) {
+Family state_family(const fs::path& path) {
   // data.pkl's bytes, found through the central directory (torch.save's local headers leave the
   // sizes to a data descriptor).
   auto f = InputFile::open(path);
-  if (!f.ok() || f->size() < 30) return false;
+  if (!f.ok() || f->size() < 30) return Family::kTorch;
   const uint64_t tail_n = std::min<uint64_t>(f->size(), zip::kMaxTailBytes);
   std::vector<std::byte> tail(static_cast<size_t>(tail_n));
-  if (!f->read_at(f->size() - tail_n, tail).ok()) return false;
+  if (!f->read_at(f->size() - tail_n, tail).ok()) return Family::kTorch;
   const auto cd = zip::find_central_directory(tail, f->size(), "");
   if (!cd.ok() || cd->size > (uint64_t{64} << 20) || cd->offset > f->size() || cd->size > f->size() - cd->offset)
-    return false;
+    return Family::kTorch;
   std::vector<std::byte> dir(static_cast<size_t>(cd->size));
-  if (!f->read_at(cd->offset, dir).ok()) return false;
+  if (!f->read_at(cd->offset, dir).ok()) return Family::kTorch;
   const auto entries = zip::parse_central_directory(dir, *cd, "", true);
-  if (!entries.ok()) return false;
+  if (!entries.ok()) return Family::kTorch;
   for (const zip::Entry& e : *entries) {
     if (!e.name.ends_with("/data.pkl") || e.method != 0) continue;
     std::byte h[30];
-    if (!f->read_at(e.local_header_offset, h).ok()) return false;
+    if (!f->read_at(e.local_header_offset, h).ok()) return Family::kTorch;
     const auto at = zip::data_offset(h, e, cd->offset, "");
-    if (!at.ok()) return false;
+    if (!at.ok()) return Family::kTorch;
     // The keys come early: a model dict before the optimizer's takes ~100 bytes a weight.
-    std::string pkl(static_cast<size_t>(std::min<uint64_t>(e.size, uint64_t{8} << 20)), '\0');
-    if (!f->read_at(*at, std::as_writable_bytes(std::span(pkl))).ok()) return false;
-    // "state1" and "state2" as whole pickled strings (protocol 2's BINUNICODE, or SHORT_BINUNICODE),
-    // not inside a longer name.
+    constexpr uint64_t kLook = uint64_t{8} << 20;
+    std::string pkl(static_cast<size_t>(std::min<uint64_t>(e.size, kLook)), '\0');
+    if (!f->read_at(*at, std::as_writable_bytes(std::span(pkl))).ok()) return Family::kTorch;
+    // Keys as whole pickled strings (protocol 2's BINUNICODE, or SHORT_BINUNICODE), not inside a
+    // longer name.
     auto has = [&](std::string_view key) {
       const std::string bin = std::string("X") + char(key.size()) + std::string(3, '\0') + std::string(key);
       const std::string sbin = std::string("\x8c") + char(key.size()) + std::string(key);
       return pkl.find(bin) != std::string::npos || pkl.find(sbin) != std::string::npos;
     };
-    return has("state1") && has("state2");
+    if (has("state1") && has("state2")) return Family::kBitsandbytes;
+    // torchao's moments: its tensor subclasses, by their GLOBAL (module, name).
+    if (pkl.find("ctorchao.optim.subclass_") != std::string::npos) return Family::kTorchao;
+    // No 8-bit moment (every param below torchao's 4096 elements): torchao's groups, told by the
+    // interpretation (lr a tensor, no 'maximize'); only looked for where 'maximize' is absent.
+    if (has("maximize") || e.size > kLook) return Family::kTorch;
+    const auto p = pickle::unpickle(std::as_bytes(std::span(pkl)), path.string());
+    if (!p.ok()) return Family::kTorch;
+    const auto sd = interpret_state_dict(*p, path.string());
+    return sd.ok() && sd->torchao ? Family::kTorchao : Family::kTorch;
   }
-  return false;
+  return Family::kTorch;
 }
 
 Result<std::unique_ptr<CheckpointReader>> open_file(const fs::path& path) {

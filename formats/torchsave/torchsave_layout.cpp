@@ -677,17 +677,22 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
   std::map<std::string, int64_t, std::less<>> id_of_name;  // then: fqn -> its number
   std::set<std::string> names;
   std::vector<GroupInfo> info(groups->size());
+  bool torchao_groups = true;
   for (size_t g = 0; g < groups->size(); ++g) {
     const Ref gr = (*groups)[g];
     const std::string gw = fmt::format("{} param group {}", ow, g);
     if (!dict_items(p, gr)) return corrupt(gw + ": not a dict");
     OPTSTATE_ASSIGN_OR_RETURN(GroupSpec spec, adamw_group(p, gr, gw));
+    // torchao's optimizers (_AdamBase) keep lr as a tensor and have no 'maximize', which every
+    // torch.optim.AdamW state_dict since torch 1.11 has.
+    torchao_groups = torchao_groups && spec.lr.tensor && p.dict_get(gr, "maximize") == kNoRef;
     if (const Ref b = p.dict_get(gr, "block_size"); b != kNoRef) {
       const auto v = dcp::as_number(p, b);
       if (!v || *v < 1 || *v > (1 << 20) || *v != static_cast<double>(static_cast<int64_t>(*v)))
         return corrupt(gw + ": 'block_size' is not an integer in [1, 2^20]");
       info[g].block = static_cast<int64_t>(*v);
       out.eight = true;
+      torchao_groups = false;  // optstate's AdamW8bit
     }
     for (auto [field, name] : {std::pair{"exp_avg_qmap", &info[g].signed_map},
                                std::pair{"exp_avg_sq_qmap", &info[g].unsigned_map}}) {
@@ -782,6 +787,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
           e.values = pl.tensor;
         } else if (pl.kind == Payload::Kind::kOptimState8bit) {
           // torchao: codes in the param's shape, one scale per block, the map itself.
+          out.torchao = true;
           const int64_t codes = pl.elements(), blocks = *checked_numel(pl.scale.shape);
           OPTSTATE_ASSIGN_OR_RETURN(const int64_t claimed, checked_numel(pl.claimed_shape));
           if (claimed != codes)
@@ -902,6 +908,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
                                          others == 1 ? "y" : "ies"));
   }
 
+  out.torchao = out.torchao || (torchao_groups && !out.bnb);
   for (auto& [id, spec] : params) out.groups[static_cast<size_t>(spec.group)].params.push_back(spec.fqn);
   out.members = members.size();
   out.stateless = members.size() - params.size();
@@ -971,7 +978,10 @@ void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, con
       w.appends_from_mark();
     }
     w.str("lr");
-    w.real(h.lr);
+    if (parts.lr)
+      parts.lr(static_cast<size_t>(&g - state.groups.data()), h);
+    else
+      w.real(h.lr);
     w.str("betas");
     w.mark();
     w.real(h.beta1);
@@ -1030,6 +1040,7 @@ std::string encode_state_dict(const OptimizerState& state, const StorageKeys& ke
             w.str("decoupled_weight_decay");
             w.boolean(true);
           },
+      .lr = {},
   });
   return w.finish();
 }

@@ -114,6 +114,8 @@ struct StateDict {
   std::vector<DeclaredCount> counts; // LibTorch archives: sizes to check against what is listed
   bool libtorch = false;             // a LibTorch optimizer archive (torch::save(optimizer, path))
   bool bnb = false;                  // bitsandbytes' state (state1/state2: dcp/bnb_state.h)
+  bool torchao = false;              // torchao's state: OptimState8bit/Fp8/4bit moments, or groups with
+                                     // lr a tensor and no 'maximize' (_AdamBase's: torchao's AdamW*)
 };
 
 // The optimizer state_dict at the pickle's root, or the one dict beside others in a dict at the
@@ -159,10 +161,12 @@ std::string encode_state_dict(const OptimizerState& state, const StorageKeys& ke
 // name is its number), "lr", "betas", "eps", "weight_decay", <group_fields>, "params"}]}, inside
 // {"model": {fqn: <weight>}, "optimizer": ...} when the state has weights. The parts write their
 // values into `w`: `weight` a param's weight tensor, `param_state` the key/value pairs of a
-// stepped param's state, `group_fields` the optimizer's own group fields as key/value pairs.
+// stepped param's state, `group_fields` the optimizer's own group fields as key/value pairs, and
+// `lr`, where set, group `group`'s lr value (torchao keeps a tensor; else a Python float).
 struct FrameParts {
   std::function<void(size_t id, const ParamState&)> weight, param_state;
   std::function<void(const Hyperparameters&)> group_fields;
+  std::function<void(size_t group, const Hyperparameters&)> lr;
 };
 void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, const FrameParts& parts);
 

@@ -20,9 +20,12 @@ Result<std::unique_ptr<CheckpointReader>> open_file(const std::filesystem::path&
 // torch.save writes <folder>/data.pkl first, LibTorch <folder>/data/0); nullopt for anything else.
 std::optional<std::string> first_zip_record(const std::filesystem::path& path);
 
-// Whether a torch.save file's data.pkl names bitsandbytes' "state1" and "state2" (its first 8 MiB):
-// the bitsandbytes driver's sniff, which the torch.save driver's leaves to it.
-bool holds_bnb_state(const std::filesystem::path& path);
+// Whose optimizer a torch.save file's state is, from its data.pkl (the first 8 MiB): bitsandbytes'
+// (it names "state1" and "state2"), torchao's (its tensor subclasses, or param groups with a tensor
+// lr and no 'maximize'), else torch's. The bitsandbytes and torchao drivers sniff their own; the
+// torch.save driver's sniff leaves those to them.
+enum class Family { kTorch, kBitsandbytes, kTorchao };
+Family state_family(const std::filesystem::path& path);
 
 // Writes a torch.save file at `path`: data.pkl, then the storages `storages` writes (torch's record
 // order, 64-byte aligned, CRC-32s), staged beside `path`, fsync'd and renamed into place; on any

@@ -36,6 +36,18 @@ Result<std::vector<float>> dense_to_f32(std::span<const std::byte> bytes, DType 
   return out;
 }
 
+Result<std::vector<float>> entry_f32_values(const Entry& e, int64_t numel, const std::string& key) {
+  if (e.encoding == Encoding::kDense) return dense_to_f32(e.values.span(), e.dtype, key);
+  OPTSTATE_ASSIGN_OR_RETURN(const QMap m, qmap_from_name(e.qmap));
+  if (numel < 0 || e.codes.size != static_cast<size_t>(numel) || e.block_size < 1 ||
+      e.absmax.size / 4 != static_cast<size_t>((numel + e.block_size - 1) / e.block_size))
+    return internal_error(fmt::format("{}: codes or scales do not fit its shape", key));
+  std::vector<float> values(static_cast<size_t>(numel));
+  dequantize_blockwise({reinterpret_cast<const uint8_t*>(e.codes.data), e.codes.size},
+                       {reinterpret_cast<const float*>(e.absmax.data), e.absmax.size / 4}, e.block_size, m, values);
+  return values;
+}
+
 namespace {
 
 // The quantization map quantize_state gives entry `name`, or none: model weights and unknown

@@ -85,7 +85,8 @@ TEST_CASE("torchsave: torch AdamW's optimizer.pt, params numbered as torch numbe
 TEST_CASE("torchsave: torchao's OptimState8bit and optstate's plain codes read as blockwise8") {
   for (const char* seed : {"torchao_adamw8bit.pt", "optstate_adamw8bit_named.pt"}) {
     CAPTURE(seed);
-    auto r = open_seed(seed);
+    // read by the torch.save driver's reader; formats/torchao/ sniffs torchao's files
+    auto r = open_seed(seed, std::string(seed).starts_with("torchao") ? "torchao" : "torchsave");
     const OptimizerState& m = r->meta();
     CHECK(m.kind == "adamw8bit");
     const std::string w = std::string(seed).starts_with("torchao") ? "0" : "weight";
@@ -188,7 +189,7 @@ TEST_CASE("torchsave: torchao's OptimStateFp8 and OptimState4bit read as fp32 va
   // AdamWFp8's seed, and AdamW4bit's (two codes a byte, high nibble first, its 16-entry map).
   for (auto [seed, what] : {std::pair{"torchao_adamwfp8.pt", "float8"}, std::pair{"torchao_adamw4bit.pt", "4-bit"}}) {
     CAPTURE(seed);
-    auto r = open_seed(seed);
+    auto r = open_seed(seed, "torchao");
     const OptimizerState& m = r->meta();
     CHECK(m.kind == "adamw");  // no canonical map: AdamW's fp32 state once read
     const Entry& e = m.params.at("0").entries.at(kExpAvg);

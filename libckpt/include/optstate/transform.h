@@ -41,5 +41,9 @@ Status check_quantize_options(const QuantizeOptions& q);
 
 // Dense values of a float dtype widened (or narrowed, f64) to fp32; `key` names the entry in errors.
 Result<std::vector<float>> dense_to_f32(std::span<const std::byte> bytes, DType dtype, const std::string& key);
+// The fp32 values of entry `e` (buffers filled) of a param of `numel` elements: dense values
+// widened, blockwise8 ones dequantized (map[code] * absmax[block]). The writers of formats that keep
+// some entries as fp32 values (torch.save, bitsandbytes' and torchao's 32-bit state).
+Result<std::vector<float>> entry_f32_values(const Entry& e, int64_t numel, const std::string& key);
 
 }  // namespace optstate

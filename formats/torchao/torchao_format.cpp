@@ -1,0 +1,83 @@
+// The torchao driver: the optimizer state_dict of torchao's AdamW8bit, as Hugging Face's Trainer
+// saves it with optim="adamw_torch_8bit" (checkpoint-N/optimizer.pt) or a plain loop with
+// torch.save(optimizer.state_dict()). Read through the torch.save driver (the same zip, pickle
+// interpreter and tensor rebuilds; torchsave/, whose reader knows torchao's OptimState8bit,
+// OptimStateFp8 and OptimState4bit), written here so that torchao's load_state_dict takes it and
+// steps on with 8-bit moments. Layout: FORMAT.md.
+#include "dcp/dcp_driver.h"
+#include "optstate/checkpoint.h"
+#include "optstate/quant8.h"
+#include "optstate/transform.h"
+#include "torchao_layout.h"
+#include "torchsave/torchsave_reader.h"
+
+namespace optstate::torchao {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+class TorchaoDriver final : public FormatDriver {
+ public:
+  std::string_view name() const override { return "torchao"; }
+
+  // A torch.save file (first record <folder>/data.pkl) of torchao's optimizer state.
+  bool sniff(const fs::path& path) const override {
+    const auto first = torchsave::first_zip_record(path);
+    return first && first->size() > 9 && first->ends_with("/data.pkl") &&
+           torchsave::state_family(path) == torchsave::Family::kTorchao;
+  }
+
+  Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {
+    return torchsave::open_file(path);  // says "torchao" when it read torchao's state
+  }
+
+  OptimizerState kept(const OptimizerState& state) const override { return kept_state(state); }
+
+  Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
+    const OptimizerState& meta = source.meta();
+    OPTSTATE_ASSIGN_OR_RETURN(const Plan plan, plan_state_dict(meta));
+    return torchsave::write_file(path, options.overwrite, plan.data_pkl, [&](dcp::ArchiveWriter& archive) -> Status {
+      std::string loaded_key;  // one entry held at a time; its components are written in turn
+      Entry loaded;
+      for (size_t i = 0; i < plan.storages.size(); ++i) {
+        const StorageSpec& s = plan.storages[i];
+        const std::string key = std::to_string(i);
+        switch (s.what) {
+          case StorageSpec::What::kScalar:
+            OPTSTATE_RETURN_IF_ERROR(archive.storage(key, std::as_bytes(std::span(&s.scalar, 1))));
+            continue;
+          case StorageSpec::What::kQMap: {
+            OPTSTATE_ASSIGN_OR_RETURN(const QMap m, qmap_from_name(s.qmap));
+            OPTSTATE_RETURN_IF_ERROR(archive.storage(key, std::as_bytes(std::span(qmap_table(m)))));
+            continue;
+          }
+          case StorageSpec::What::kComponent:
+          case StorageSpec::What::kF32Values: break;
+        }
+        if (loaded_key != entry_key(s.fqn, s.entry)) {
+          loaded = Entry{};
+          OPTSTATE_ASSIGN_OR_RETURN(loaded, source.load(s.fqn, s.entry));
+          loaded_key = entry_key(s.fqn, s.entry);
+        }
+        if (s.what == StorageSpec::What::kF32Values) {
+          OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(meta.params.at(s.fqn).shape));
+          OPTSTATE_ASSIGN_OR_RETURN(const std::vector<float> values, entry_f32_values(loaded, numel, loaded_key));
+          OPTSTATE_RETURN_IF_ERROR(archive.storage(key, std::as_bytes(std::span(values))));
+          continue;
+        }
+        OPTSTATE_RETURN_IF_ERROR(archive.storage(key, loaded.buffer(s.component).span()));
+      }
+      return Status::Ok();
+    });
+  }
+};
+
+}  // namespace
+
+const FormatDriver& driver() {
+  static const TorchaoDriver d;
+  return d;
+}
+
+}  // namespace optstate::torchao

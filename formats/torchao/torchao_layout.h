@@ -1,0 +1,60 @@
+// torchao's AdamW8bit optimizer state_dict (torch.save of torchao.optim.AdamW8bit's state_dict():
+// Hugging Face's Trainer with optim="adamw_torch_8bit"), encoded from the canonical state as pure
+// functions; the driver (torchao_format.cpp) writes the zip and the tensors' bytes. Layout:
+// FORMAT.md. Reading is the torch.save driver's (torchsave/), which knows torchao's subclasses.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dcp/pickle.h"
+#include "optstate/state.h"
+
+namespace optstate::torchao {
+
+// Whether torchao steps this blockwise8 entry of a param of `numel` elements as its own
+// OptimState8bit: whole blocks (torchao quantizes tensor.view(-1, block_size)) and the dynamic map
+// of the moment (signed for exp_avg, unsigned for exp_avg_sq and max_exp_avg_sq). The writer stores
+// the others as plain fp32 tensors, which torchao steps in 32 bits as it keeps small params' state.
+bool steps_as_8bit(const std::string& moment, const Entry& e, int64_t numel);
+
+// One storage record, in writing order.
+struct StorageSpec {
+  enum class What {
+    kComponent,  // a component of an entry (fqn, entry, component), as stored
+    kF32Values,  // entry (fqn, entry) as fp32 values (an 8-bit entry torchao would not step as 8-bit)
+    kQMap,       // the 256 floats of map `qmap`
+    kScalar,     // a float32 0-d tensor holding `scalar` (a param's step, a group's lr)
+  } what = What::kComponent;
+  std::string fqn, entry;
+  Component component = Component::kValues;
+  std::string qmap;
+  float scalar = 0;
+};
+
+struct Plan {
+  std::string data_pkl;
+  std::vector<StorageSpec> storages;  // storage keys "0", "1", ... in this order
+};
+
+// data.pkl and its storages for `state`: torchao's _AdamBase state_dict. Params numbered in group
+// order with `param_names` unless every name is its number; per param `step` (a float32 tensor) and
+// the moments, 8-bit ones as OptimState8bit; groups with `lr` a float32 tensor (torchao's step
+// refuses a float) and `amsgrad`; {"model": {fqn: weight}, "optimizer": ...} when the state has
+// weights. Refused: maximize (torchao has none), entries other than the moments and the weights,
+// a step beyond float32's exact integers (2^24).
+Result<Plan> plan_state_dict(const OptimizerState& state);
+
+// What a round trip gives back: entries torchao does not step as 8-bit become dense (dequantized to
+// fp32 where `state` has the buffers; dense ones keep their dtype), lr rounded to float32.
+OptimizerState kept_state(const OptimizerState& state);
+
+// torchao's OptimState8bit of `shape` as torch.save pickles it: _rebuild_from_type_v2 of
+// _rebuild_wrapper_subclass(OptimState8bit, float32, size, stride, 0, strided, cpu, False) with the
+// state {"codes": uint8 of `shape`, "scale": fp32[blocks], "qmap": fp32[256], "signed", "block_size"}
+// over storages `codes_key`, `scale_key`, `qmap_key`.
+void encode_optim_state_8bit(pickle::Writer& w, const std::vector<int64_t>& shape, int64_t block_size, bool is_signed,
+                             const std::string& codes_key, const std::string& scale_key, const std::string& qmap_key);
+
+}  // namespace optstate::torchao

@@ -31,7 +31,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
 int run_convert(int argc, char** argv) {
   const CommandSpec spec{
       "convert",
-      "optstate convert SRC DST [--to fp32|8bit] [--format native|safetensors|hdf5|dcp|torchsave|libtorch|bitsandbytes] [--world-size N] [--block-size N] "
+      "optstate convert SRC DST [--to fp32|8bit] [--format native|safetensors|hdf5|dcp|torchsave|libtorch|bitsandbytes|torchao] [--world-size N] [--block-size N] "
       "[--min-8bit-size N] [--float-lr] [--overwrite] [--json]",
       "Writes the state of SRC to DST, optionally changing its encoding: --to fp32 dequantizes 8-bit\n"
       "moments, --to 8bit quantizes the moments of params with at least --min-8bit-size elements\n"
@@ -42,7 +42,7 @@ int run_convert(int argc, char** argv) {
       "stops the write and removes what it wrote; an existing DST stays as it was.",
       {{"--to", true, "fp32 or 8bit (default: keep encodings)"},
        {"--format", true, "output format: native, dcp, safetensors, hdf5, torchsave, libtorch (C++ torch::save's optimizer "
-        "archive) or bitsandbytes (its AdamW8bit's state_dict) (default: from DST's extension, .safetensors / .h5 / "
+        "archive), bitsandbytes or torchao (their AdamW8bit's state_dict) (default: from DST's extension, .safetensors / .h5 / "
         ".hdf5 / .pt / .pth (torchsave), else native)"},
        {"--block-size", true, "8-bit block size (default 256)"},
        {"--min-8bit-size", true, "params with fewer elements stay dense (default 4096)"},
@@ -125,6 +125,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
     if (!n.ok()) return fail(command, n.status());
     q.min_8bit_size = *n;
   }
+  q = driver->quantize_rule(q);
   int world = 1;
   if (auto v = args->value("--world-size")) {
     auto n = parse_positive("--world-size", *v);
@@ -210,7 +211,8 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   if (renamed)
     std::fprintf(stderr, "note: %s numbers the params 0..%zu in group order (%s names none)\n", dst.c_str(),
                  kept.params.size() - 1, format.c_str());
-  // bitsandbytes steps 8-bit state in blocks of 256 only: others are written as fp32 values.
+  // bitsandbytes steps 8-bit state in blocks of 256 only, torchao in whole blocks only: others are
+  // written as fp32 values.
   size_t widened = 0;
   if (driver->keeps_blockwise8())
     for (const auto& [fqn, ps] : kept.params)

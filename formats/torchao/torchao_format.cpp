@@ -34,6 +34,13 @@ class TorchaoDriver final : public FormatDriver {
 
   OptimizerState kept(const OptimizerState& state) const override { return kept_state(state); }
 
+  // torchao quantizes tensor.view(-1, block_size): a param of no whole number of blocks keeps fp32.
+  QuantizeOptions quantize_rule(const QuantizeOptions& q) const override {
+    QuantizeOptions whole = q;
+    whole.whole_blocks = true;
+    return whole;
+  }
+
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
     const OptimizerState& meta = source.meta();
     OPTSTATE_ASSIGN_OR_RETURN(const Plan plan, plan_state_dict(meta));

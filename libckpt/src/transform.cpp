@@ -61,7 +61,8 @@ std::optional<QMap> moment_map(const std::string& name) {
 bool recodes(const std::string& name, const Entry& e, int64_t numel, Recode how, const QuantizeOptions& q) {
   if (how == Recode::kDequantize) return e.encoding == Encoding::kBlockwise8;
   if (how == Recode::kQuantize)
-    return e.encoding == Encoding::kDense && numel >= q.min_8bit_size && moment_map(name).has_value();
+    return e.encoding == Encoding::kDense && numel >= q.min_8bit_size && moment_map(name).has_value() &&
+           (!q.whole_blocks || numel % q.block_size == 0);
   return false;
 }
 

@@ -755,3 +755,179 @@ def test_optstate_load_by_position_takes_numbered_optimizer_pt_as_torch_load_sta
         assert o3.state == {{}} or all(len(v) == 0 for v in o3.state.values())
         print("ok")
     """)
+
+
+# ---- torchao's AdamW8bit state_dict, written (formats/torchao/) ----
+
+@pytest.fixture
+def torchao_eager():
+    """torchao's step without torch.compile (its eager single_param_adam): the same kernel in every
+    run compared here, and no 20 s compile per shape on this CPU."""
+    import torchao.optim.adam as tadam
+    saved = tadam.torch.compile
+    tadam.torch.compile = lambda fn, **kw: fn
+    yield
+    tadam.torch.compile = saved
+
+
+def _ao_model():
+    torch.manual_seed(0)
+    # 128*96 = 48 blocks of 256: 8-bit in torchao; 96*50 = 4800 >= 4096 but no whole number of
+    # blocks: fp32 in torchao; the biases: small, fp32.
+    return torch.nn.Sequential(torch.nn.Linear(128, 96), torch.nn.GELU(), torch.nn.Linear(96, 50))
+
+
+def _ao_train(model, opt, steps):
+    for s in steps:
+        g = torch.Generator().manual_seed(s)
+        model(torch.randn(8, 128, generator=g)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _assert_same_torchao_state(a, b):
+    assert a["param_groups"] == b["param_groups"] or all(
+        {k: v for k, v in ga.items() if k != "lr"} == {k: v for k, v in gb.items() if k != "lr"}
+        and torch.equal(ga["lr"], gb["lr"]) for ga, gb in zip(a["param_groups"], b["param_groups"]))
+    assert a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        assert a["state"][k].keys() == b["state"][k].keys(), k
+        for n, x in a["state"][k].items():
+            y = b["state"][k][n]
+            assert type(x) is type(y), (k, n)
+            if hasattr(x, "codes"):  # OptimState8bit
+                assert torch.equal(x.codes, y.codes) and torch.equal(x.scale, y.scale) and torch.equal(x.qmap, y.qmap)
+                assert (x.signed, x.block_size, x.shape, x.dtype) == (y.signed, y.block_size, y.shape, y.dtype)
+            else:
+                assert x.dtype == y.dtype and torch.equal(x, y), (k, n)
+
+
+def test_torchao_optimizer_pt_converted_and_written_back_resumes_bit_for_bit(tmp_path, optstate_cli, torchao_eager):
+    """torchao's AdamW8bit optimizer.pt -> native (optstate's own) -> --format torchao: the same
+    state_dict, tensor for tensor; torchao loads it (torch.load's weights_only default) and ends
+    where the uninterrupted run ends, bit for bit."""
+    import copy
+    from torchao.optim import AdamW8bit
+    from torchao.optim.subclass_8bit import OptimState8bit
+    model = _ao_model()
+    opt = AdamW8bit(model.named_parameters(), lr=1e-3, weight_decay=0.05)
+    _ao_train(model, opt, range(3))
+    torch.save(opt.state_dict(), tmp_path / "ao.pt")
+    at3 = copy.deepcopy(model)
+    _ao_train(model, opt, range(3, 6))  # the uninterrupted run
+
+    optstate_cli("convert", tmp_path / "ao.pt", tmp_path / "native")
+    done = optstate_cli("convert", tmp_path / "native", tmp_path / "back.pt", "--format", "torchao")
+    assert "(torchao, 1 rank)" in done.stdout and "as fp32 values" not in done.stderr
+    assert "(torchao)" in optstate_cli("inspect", tmp_path / "ao.pt").stdout
+    assert "(torchao)" in optstate_cli("inspect", tmp_path / "back.pt").stdout
+    assert hashes(optstate_cli, tmp_path / "back.pt") == hashes(optstate_cli, tmp_path / "ao.pt")
+    written = torch.load(tmp_path / "back.pt")
+    _assert_same_torchao_state(written, torch.load(tmp_path / "ao.pt"))
+    assert type(written["state"][0]["exp_avg"]) is OptimState8bit
+    assert type(written["state"][2]["exp_avg"]) is torch.Tensor  # 4800 elements: torchao's own fp32
+
+    resumed = AdamW8bit(at3.named_parameters(), lr=1e-3, weight_decay=0.05)
+    resumed.load_state_dict(written)
+    _ao_train(at3, resumed, range(3, 6))
+    for (name, p), q in zip(model.named_parameters(), at3.parameters()):
+        assert torch.equal(p, q), name
+    _assert_same_torchao_state(resumed.state_dict(), opt.state_dict())
+
+    # amsgrad's max_exp_avg_sq (torchao steps amsgrad compiled only; its state is built here with
+    # torchao's own buffers and quantizing copy_): the same round trip, tensor for tensor.
+    ams = AdamW8bit(at3.parameters(), lr=1e-3, amsgrad=True)
+    for p in at3.parameters():
+        st = ams.state[p]
+        st["step"] = torch.tensor(3.0)
+        for k, signed in (("exp_avg", True), ("exp_avg_sq", False), ("max_exp_avg_sq", False)):
+            st[k] = ams._new_buffer(p, signed)
+            st[k].copy_(torch.randn_like(p) if signed else torch.rand_like(p))
+    torch.save(ams.state_dict(), tmp_path / "ams.pt")
+    optstate_cli("convert", tmp_path / "ams.pt", tmp_path / "ams_native")
+    optstate_cli("convert", tmp_path / "ams_native", tmp_path / "ams_back.pt", "--format", "torchao")
+    written = torch.load(tmp_path / "ams_back.pt")
+    assert type(written["state"][0]["max_exp_avg_sq"]) is OptimState8bit and written["param_groups"][0]["amsgrad"]
+    _assert_same_torchao_state(written, torch.load(tmp_path / "ams.pt"))
+
+
+def test_torch_bnb_and_optstate_state_move_into_torchao_8bit(tmp_path, optstate_cli, torchao_eager):
+    import bitsandbytes as bnb
+    import optstate
+    from torchao.optim import AdamW8bit
+    from torchao.optim.quant_utils import quantize_8bit_with_qmap, scale_tensor
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    # torch.optim.AdamW (fp32) -> torchao's 8-bit state, quantized by optstate: torchao's own codes
+    # (its quantize_8bit_with_qmap of the same moments), where torchao would quantize them.
+    model = _ao_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+    _ao_train(model, opt, range(3))
+    torch.save(opt.state_dict(), tmp_path / "torch.pt")
+    done = optstate_cli("convert", tmp_path / "torch.pt", tmp_path / "ao.pt", "--format", "torchao", "--to", "8bit")
+    assert "as fp32 values" not in done.stderr  # 4800 elements: left fp32, not quantized then widened
+    sd = torch.load(tmp_path / "ao.pt")
+    assert isinstance(sd["param_groups"][0]["lr"], torch.Tensor)
+    for i, p in enumerate(model.parameters()):
+        st = sd["state"][i]
+        assert st["step"].dtype == torch.float32 and st["step"].item() == 3
+        for k in ("exp_avg", "exp_avg_sq"):
+            x = opt.state[p][k]
+            if i == 0:
+                assert type(st[k]) is OptimState8bit and st[k].block_size == 256
+                scaled, scale = scale_tensor(x, 256)
+                assert torch.equal(st[k].scale, scale)
+                assert torch.equal(st[k].codes, quantize_8bit_with_qmap(scaled, st[k].qmap).view(x.shape))
+            else:  # below 4096 elements, or 4800 (no whole blocks): the moments as they were
+                assert type(st[k]) is torch.Tensor and torch.equal(st[k], x)
+    resumed = AdamW8bit(model.parameters(), lr=1e-3, weight_decay=0.05)
+    resumed.load_state_dict(sd)
+    _ao_train(model, resumed, range(3, 4))
+    assert resumed.state[model[0].weight]["step"].item() == 4
+    assert type(resumed.state[model[0].weight]["exp_avg"]) is OptimState8bit
+
+    # bitsandbytes' AdamW8bit (blocks of 256) and optstate's AdamW8bit: codes and scales carry over
+    # as they are; optstate's 4800-element param (a partial last block) becomes its fp32 values.
+    for name, make in (("bnb", lambda p: bnb.optim.AdamW8bit(p, lr=1e-3)),
+                       ("ours", lambda p: optstate.AdamW8bit(p, lr=1e-3, block_size=256))):
+        model = _ao_model()
+        src = make(model.parameters())
+        _ao_train(model, src, range(3))
+        torch.save(src.state_dict(), tmp_path / f"{name}.pt")
+        done = optstate_cli("convert", tmp_path / f"{name}.pt", tmp_path / f"{name}_ao.pt", "--format", "torchao")
+        sd = torch.load(tmp_path / f"{name}_ao.pt")
+        st = sd["state"][0]
+        w = src.state[model[0].weight]
+        codes = w["state1"] if name == "bnb" else w["exp_avg_codes"]
+        absmax = w["absmax1"] if name == "bnb" else w["exp_avg_absmax"]
+        assert torch.equal(st["exp_avg"].codes, codes) and torch.equal(st["exp_avg"].scale, absmax)
+        assert type(sd["state"][2]["exp_avg"]) is torch.Tensor
+        if name == "ours":
+            assert "stores 2 8-bit entries as fp32 values" in done.stderr
+        resumed = AdamW8bit(model.parameters(), lr=1e-3)
+        resumed.load_state_dict(sd)
+        _ao_train(model, resumed, range(3, 4))
+
+    # torchao has no maximize: refused by name, nothing written.
+    model = _ao_model()
+    mx = torch.optim.AdamW(model.parameters(), lr=1e-3, maximize=True)
+    _ao_train(model, mx, range(1))
+    torch.save(mx.state_dict(), tmp_path / "max.pt")
+    err = run_err(optstate_cli, "convert", tmp_path / "max.pt", tmp_path / "max_ao.pt", "--format", "torchao")
+    assert "maximize" in err and not (tmp_path / "max_ao.pt").exists()
+
+
+def test_torchao_file_without_8bit_moments_sniffs_as_torchao_not_torch(tmp_path, optstate_cli, torchao_eager):
+    """Every param below 4096 elements: torchao's file holds no subclass, only its groups (lr a
+    tensor, no 'maximize') tell it; torch.optim.AdamW with a tensor lr still reads as torch's."""
+    from torchao.optim import AdamW8bit
+    model = torch.nn.Linear(16, 8)
+    ao = AdamW8bit(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 16)).sum().backward()
+    ao.step()
+    torch.save(ao.state_dict(), tmp_path / "small_ao.pt")
+    assert "(torchao)" in optstate_cli("inspect", tmp_path / "small_ao.pt").stdout
+    ta = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
+    ta.step()
+    torch.save(ta.state_dict(), tmp_path / "tensor_lr.pt")
+    assert "(torchsave)" in optstate_cli("inspect", tmp_path / "tensor_lr.pt").stdout

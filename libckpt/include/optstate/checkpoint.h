@@ -107,6 +107,10 @@ class FormatDriver {
   // for formats that keep names and weights. LibTorch's optimizer archive numbers the params in group
   // order ("0", "1", ...) and holds no weights (so no param dtype, and nothing of a param without state).
   virtual OptimizerState kept(const OptimizerState& state) const { return state; }
+  // The rule `convert --to 8bit` quantizes by for this format: `q` adjusted to what the format's
+  // optimizer steps as 8-bit (torchao: whole blocks only), so no moment is quantized only to be
+  // written back as its rounded fp32 values.
+  virtual QuantizeOptions quantize_rule(const QuantizeOptions& q) const { return q; }
   // Writes every entry of `source`, loading one at a time.
   virtual Status write(StateSource& source, const std::filesystem::path& path, const WriteOptions& options) const = 0;
   // A state in memory.

@@ -18,6 +18,9 @@ Result<OptimizerState> dequantize_state(const OptimizerState& in);
 struct QuantizeOptions {
   int64_t block_size = 256;
   int64_t min_8bit_size = 4096;  // params with fewer global elements keep dense state
+  // Params whose element count is no multiple of block_size keep dense state too (torchao's rule:
+  // it quantizes tensor.view(-1, block_size), so it has no partial block).
+  bool whole_blocks = false;
 };
 // Dense moment entries (exp_avg: dynamic-signed; exp_avg_sq, max_exp_avg_sq: dynamic-unsigned) of
 // params with at least min_8bit_size elements become blockwise8 (requantize_blockwise, so an entry

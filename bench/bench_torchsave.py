@@ -63,10 +63,23 @@ CONVERT_WITH_TORCHAO = textwrap.dedent("""
 """)
 
 
-def state_dict_bench(name, make, convert_reference, reference, needs, source):
+def same_adamw_state_dicts(a, b):
+    """Two torch.optim.AdamW state_dicts hold the same steps and moments, bit for bit, and the same
+    hyperparameters; a description of what was compared."""
+    assert a["state"].keys() == b["state"].keys()
+    bad = [(i, k) for i in b["state"] for k in b["state"][i] if not same(b["state"][i][k], a["state"][i].get(k))]
+    assert not bad, f"outputs differ: {bad[:8]}"
+    for ga, gb in zip(a["param_groups"], b["param_groups"], strict=True):
+        assert all(ga[k] == gb[k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad", "params")), (ga, gb)
+    return f"{sum(len(s) for s in b['state'].values())} state tensors equal bit for bit, hyperparameters equal"
+
+
+def state_dict_bench(name, make, convert_reference, reference, needs, source, optstate_args=(),
+                     compare=same_adamw_state_dicts, target="torch.optim.AdamW"):
     """One run of a state_dict convert benchmark: `make` writes SRC (an optimizer.pt of `source`),
-    `convert_reference` turns it into torch.optim.AdamW's state_dict the `reference` way (with torch
-    and `needs`), optstate's CLI the other; times, peak RSS, the raw copy, both outputs compared."""
+    `convert_reference` turns it into `target`'s state_dict the `reference` way (with torch and
+    `needs`), optstate's CLI (`convert SRC DST *optstate_args`) the other; times, peak RSS, the raw
+    copy, both outputs read back and checked by `compare(optstate's, reference's)`."""
     args = checkpoint_args(layers=2, reps=2).parse_args()
     cli, work, env, scripts = prepare(name, args.dir, make, convert_reference, needs=needs)
     src = work / "optimizer.pt"
@@ -75,9 +88,9 @@ def state_dict_bench(name, make, convert_reference, reference, needs, source):
     print(f"source: {src_bytes / 1e9:.2f} GB optimizer.pt of {source} ({args.layers} layer pairs, "
           f"made in {t_make:.0f} s); {os.cpu_count()} cpus, torch {torch.__version__}")
 
-    dst = {"optstate": work / "plain_optstate.pt", reference: work / "plain_reference.pt"}
+    dst = {"optstate": work / "out_optstate.pt", reference: work / "out_reference.pt"}
     cases = {
-        "optstate": lambda out: [cli, "convert", src, out],
+        "optstate": lambda out: [cli, "convert", src, out, *optstate_args],
         reference: lambda out: [sys.executable, scripts["convert_reference.py"], src, out],
     }
     times, peak = time_cases(cases, dst, src, args.reps, env)
@@ -87,15 +100,9 @@ def state_dict_bench(name, make, convert_reference, reference, needs, source):
         times["floor (raw copy)"].append(raw_read(src, memoryview(buf)[:src_bytes]) +
                                          raw_write(work / "raw_copy", memoryview(buf)[:dst_bytes]))
 
-    a = torch.load(dst["optstate"], weights_only=True)
-    b = torch.load(dst[reference], weights_only=True)
-    assert a["state"].keys() == b["state"].keys()
-    bad = [(i, k) for i in b["state"] for k in b["state"][i] if not same(b["state"][i][k], a["state"][i].get(k))]
-    assert not bad, f"outputs differ: {bad[:8]}"
-    for ga, gb in zip(a["param_groups"], b["param_groups"], strict=True):
-        assert all(ga[k] == gb[k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad", "params")), (ga, gb)
-    print(f"outputs: {dst_bytes / 1e9:.2f} GB each; {sum(len(s) for s in b['state'].values())} state tensors "
-          f"equal bit for bit, hyperparameters equal; torch.load(weights_only=True) reads both")
+    checked = compare(torch.load(dst["optstate"], weights_only=True), torch.load(dst[reference], weights_only=True))
+    print(f"outputs: {dst_bytes / 1e9:.2f} GB each, {target}'s state_dict; {checked}; "
+          f"torch.load(weights_only=True) reads both")
     report(args, work, times, peak, src_bytes, dst_bytes, reference=reference)
 
 

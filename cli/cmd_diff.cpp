@@ -28,7 +28,8 @@ int run_diff(int argc, char** argv) {
                          "Compares two checkpoints entry by entry on their (dequantized) fp32 values: max abs and\n"
                          "relative difference, and how many elements lie outside |a - b| <= atol + rtol * |b|\n"
                          "(default 0 and 0: exact). Metadata must match: kind, steps, and each param's\n"
-                         "hyperparameters (compared param by param: how params are grouped does not matter).\n"
+                         "hyperparameters (compared param by param: how params are grouped does not matter;\n"
+                         "numbers within rtol, so --rtol 1e-7 passes an lr kept as float32, torchao's).\n"
                          "Exit 1 when anything differs beyond tolerance.",
                          {{"--rtol", true, "relative tolerance (default 0)"},
                           {"--atol", true, "absolute tolerance (default 0)"},

@@ -186,13 +186,14 @@ class CheckpointFixture {
     return driver_->write(entries, out, wo);
   }
 
-  // What `out` holds opens and has `state`'s values; anything else aborts, naming `how`.
+  // What `out` holds opens and has the values of what the format keeps of `state` (kept(): torchao's
+  // lr as float32, LibTorch's numbered params); anything else aborts, naming `how`.
   void expect_values(const std::filesystem::path& out, const OptimizerState& state, const char* how) const {
     HashOptions values;
     values.values = true;
     auto back = driver_->open(out);
     if (!back.ok()) die(how, "wrote a checkpoint that does not open", back.status().message());
-    auto got = hash_checkpoint(**back, values), want = hash_checkpoint(*memory_reader(state), values);
+    auto got = hash_checkpoint(**back, values), want = hash_checkpoint(*memory_reader(driver_->kept(state)), values);
     if (!want.ok() || !got.ok() || want->root != got->root)
       die(how, "the values differ", got.ok() ? (want.ok() ? "hash" : want.status().message()) : got.status().message());
   }

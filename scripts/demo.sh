@@ -83,7 +83,7 @@ for opt in adamw adamw8bit; do
 done
 
 echo
-echo "==== formats: the 3-rank 8-bit checkpoint as safetensors, HDF5, PyTorch DCP, optimizer.pt and bitsandbytes' state_dict, and back"
+echo "==== formats: the 3-rank 8-bit checkpoint as safetensors, HDF5, PyTorch DCP, optimizer.pt, bitsandbytes' and torchao's state_dicts, and back"
 src="$out/zero-adamw8bit-3ranks"
 $bin/optstate convert "$src" "$out/state.safetensors"
 $bin/optstate convert "$src" "$out/state.h5" --compress 4
@@ -92,6 +92,9 @@ $bin/optstate convert "$out/state-dcp" "$out/state-back" --to 8bit
 $bin/optstate convert "$src" "$out/optimizer.pt"   # torch.optim.AdamW's state_dict, for torch.load
 $bin/optstate convert "$out/optimizer.pt" "$out/state-back-pt" --to 8bit
 $bin/optstate convert "$src" "$out/bnb-optimizer.pt" --format bitsandbytes   # bitsandbytes' AdamW8bit loads it
+# torchao's AdamW8bit loads it; torchao quantizes whole blocks only, so these 97x48 and 67x97
+# weights' 8-bit moments go as fp32 values (a note says so), as torchao keeps such params.
+$bin/optstate convert "$src" "$out/ao-optimizer.pt" --format torchao
 want=$($bin/optstate hash "$src" | tail -1)
 for f in state.safetensors state.h5 bnb-optimizer.pt; do
   got=$($bin/optstate hash "$out/$f" | tail -1)
@@ -104,6 +107,9 @@ for f in state-back state-back-pt; do
   echo "$f: $got"
   [ "$got" = "$want" ] || { echo "MISMATCH: $f" >&2; exit 1; }
 done
+# So it holds what the DCP holds, with lr as torchao keeps it (a float32 tensor): diff within 1e-7.
+$bin/optstate diff "$out/state-dcp" "$out/ao-optimizer.pt" --rtol 1e-7 > /dev/null || { echo "MISMATCH: ao-optimizer.pt" >&2; exit 1; }
+echo "ao-optimizer.pt: the values state-dcp holds (diff --rtol 1e-7: lr as torchao's float32)"
 echo "state-dcp    --values: $($bin/optstate hash --values "$out/state-dcp" | tail -1)"
 echo "optimizer.pt --values: $($bin/optstate hash --values "$out/optimizer.pt" | tail -1)"
 echo "source       --values: $($bin/optstate hash --values "$src" | tail -1)"

@@ -45,7 +45,7 @@ Result<Plan> plan_state_dict(const OptimizerState& state) {
   std::map<std::string, std::string> map_key;  // map name -> its one storage, shared as bitsandbytes shares it
   auto tensor = [&](StorageSpec s, DType d, const std::vector<int64_t>& shape) {
     std::string key = std::to_string(plan.storages.size());
-    if (!s.qmap.empty()) {
+    if (s.what == StorageSpec::What::kQMap) {
       auto [it, fresh] = map_key.try_emplace(s.qmap, key);
       if (!fresh) {
         dcp::encode_tensor(w, d, shape, it->second);
@@ -57,7 +57,7 @@ Result<Plan> plan_state_dict(const OptimizerState& state) {
   };
   torchsave::encode_state_dict_frame(state, w, {
       .weight = [&](size_t i, const ParamState& ps) {
-        tensor({order[i], kParam, Component::kValues, false, {}}, ps.entries.at(kParam).dtype, ps.shape);
+        tensor(StorageSpec::of_component(order[i], kParam), ps.entries.at(kParam).dtype, ps.shape);
       },
       .param_state =
           [&](size_t i, const ParamState& ps) {
@@ -75,11 +75,12 @@ Result<Plan> plan_state_dict(const OptimizerState& state) {
               eight[n] = steps_as_8bit(moments[n], e);
               w.str(fmt::format("state{}", n + 1));
               if (eight[n]) {
-                tensor({fqn, moments[n], Component::kCodes, false, {}}, DType::kU8, ps.shape);
+                tensor(StorageSpec::of_component(fqn, moments[n], Component::kCodes), DType::kU8, ps.shape);
                 w.str(fmt::format("qmap{}", n + 1));
-                tensor({{}, {}, Component::kValues, false, e.qmap}, DType::kF32, {256});
+                tensor(StorageSpec::of_qmap(e.qmap), DType::kF32, {256});
               } else {  // 32-bit state: bitsandbytes steps fp32 moments
-                tensor({fqn, moments[n], Component::kValues, e.encoding != Encoding::kDense || e.dtype != DType::kF32, {}},
+                const bool as_is = e.encoding == Encoding::kDense && e.dtype == DType::kF32;
+                tensor(as_is ? StorageSpec::of_component(fqn, moments[n]) : StorageSpec::of_f32_values(fqn, moments[n]),
                        DType::kF32, ps.shape);
               }
             }
@@ -87,7 +88,8 @@ Result<Plan> plan_state_dict(const OptimizerState& state) {
             for (int n = 0; n < 2; ++n) {
               if (!eight[n]) continue;
               w.str(fmt::format("absmax{}", n + 1));
-              tensor({fqn, moments[n], Component::kAbsmax, false, {}}, DType::kF32, {(numel + kBlockSize - 1) / kBlockSize});
+              tensor(StorageSpec::of_component(fqn, moments[n], Component::kAbsmax), DType::kF32,
+                     {(numel + kBlockSize - 1) / kBlockSize});
             }
             w.setitems_from_mark();
           },

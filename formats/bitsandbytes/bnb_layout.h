@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "optstate/state.h"
+#include "torchsave/torchsave_layout.h"
 
 namespace optstate::bitsandbytes {
 
@@ -19,19 +20,8 @@ inline constexpr int64_t kBlockSize = 256;
 // the moment); the writer stores the others dequantized, as fp32 state it steps in 32 bits.
 bool steps_as_8bit(const std::string& moment, const Entry& e);
 
-// One storage record, in writing order: a component of an entry (`fqn`, `entry`, `component`),
-// widened or dequantized to fp32 (`to_f32`), or a quantization map (`qmap` set).
-struct StorageSpec {
-  std::string fqn, entry;
-  Component component = Component::kValues;
-  bool to_f32 = false;
-  std::string qmap;  // "dynamic-signed" / "dynamic-unsigned": the map's 256 floats
-};
-
-struct Plan {
-  std::string data_pkl;
-  std::vector<StorageSpec> storages;  // storage keys "0", "1", ... in this order
-};
+using torchsave::Plan;
+using torchsave::StorageSpec;
 
 // data.pkl and its storages for `state`: the state_dict of bitsandbytes >= 0.45 (its tensors in
 // "__bnb_optimizer_quant_state__"; bitsandbytes' load_state_dict also takes the older flat form),

@@ -6,8 +6,6 @@
 // steps on with 8-bit moments. Layout: FORMAT.md.
 #include "dcp/dcp_driver.h"
 #include "optstate/checkpoint.h"
-#include "optstate/quant8.h"
-#include "optstate/transform.h"
 #include "torchao_layout.h"
 #include "torchsave/torchsave_reader.h"
 
@@ -42,41 +40,8 @@ class TorchaoDriver final : public FormatDriver {
   }
 
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
-    const OptimizerState& meta = source.meta();
-    OPTSTATE_ASSIGN_OR_RETURN(const Plan plan, plan_state_dict(meta));
-    return torchsave::write_file(path, options.overwrite, plan.data_pkl, [&](dcp::ArchiveWriter& archive) -> Status {
-      std::string loaded_key;  // one entry held at a time; its components are written in turn
-      Entry loaded;
-      for (size_t i = 0; i < plan.storages.size(); ++i) {
-        const StorageSpec& s = plan.storages[i];
-        const std::string key = std::to_string(i);
-        switch (s.what) {
-          case StorageSpec::What::kScalar:
-            OPTSTATE_RETURN_IF_ERROR(archive.storage(key, std::as_bytes(std::span(&s.scalar, 1))));
-            continue;
-          case StorageSpec::What::kQMap: {
-            OPTSTATE_ASSIGN_OR_RETURN(const QMap m, qmap_from_name(s.qmap));
-            OPTSTATE_RETURN_IF_ERROR(archive.storage(key, std::as_bytes(std::span(qmap_table(m)))));
-            continue;
-          }
-          case StorageSpec::What::kComponent:
-          case StorageSpec::What::kF32Values: break;
-        }
-        if (loaded_key != entry_key(s.fqn, s.entry)) {
-          loaded = Entry{};
-          OPTSTATE_ASSIGN_OR_RETURN(loaded, source.load(s.fqn, s.entry));
-          loaded_key = entry_key(s.fqn, s.entry);
-        }
-        if (s.what == StorageSpec::What::kF32Values) {
-          OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(meta.params.at(s.fqn).shape));
-          OPTSTATE_ASSIGN_OR_RETURN(const std::vector<float> values, entry_f32_values(loaded, numel, loaded_key));
-          OPTSTATE_RETURN_IF_ERROR(archive.storage(key, std::as_bytes(std::span(values))));
-          continue;
-        }
-        OPTSTATE_RETURN_IF_ERROR(archive.storage(key, loaded.buffer(s.component).span()));
-      }
-      return Status::Ok();
-    });
+    OPTSTATE_ASSIGN_OR_RETURN(const Plan plan, plan_state_dict(source.meta()));
+    return torchsave::write_plan(source, path, options.overwrite, plan);
   }
 };
 

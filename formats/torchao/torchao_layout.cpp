@@ -19,31 +19,6 @@ constexpr int64_t kMaxExactStep = int64_t{1} << 24;
 
 const char* const kMoments[] = {kExpAvg, kExpAvgSq, kMaxExpAvgSq};
 
-StorageSpec component(const std::string& fqn, const std::string& entry, Component c = Component::kValues) {
-  StorageSpec s;
-  s.fqn = fqn;
-  s.entry = entry;
-  s.component = c;
-  return s;
-}
-StorageSpec f32_values(const std::string& fqn, const std::string& entry) {
-  StorageSpec s = component(fqn, entry);
-  s.what = StorageSpec::What::kF32Values;
-  return s;
-}
-StorageSpec scalar(float v) {
-  StorageSpec s;
-  s.what = StorageSpec::What::kScalar;
-  s.scalar = v;
-  return s;
-}
-StorageSpec qmap_of(const std::string& name) {
-  StorageSpec s;
-  s.what = StorageSpec::What::kQMap;
-  s.qmap = name;
-  return s;
-}
-
 void int_tuple(pickle::Writer& w, const std::vector<int64_t>& v) {
   w.mark();
   for (int64_t x : v) w.integer(x);
@@ -135,11 +110,11 @@ Result<Plan> plan_state_dict(const OptimizerState& state) {
   auto qmap_storage = [&](const std::string& name) {
     auto it = map_key.find(name);
     if (it != map_key.end()) return it->second;
-    return map_key[name] = add(qmap_of(name));
+    return map_key[name] = add(StorageSpec::of_qmap(name));
   };
   torchsave::encode_state_dict_frame(state, w, {
       .weight = [&](size_t i, const ParamState& ps) {
-        dcp::encode_tensor(w, ps.entries.at(kParam).dtype, ps.shape, add(component(order[i], kParam)));
+        dcp::encode_tensor(w, ps.entries.at(kParam).dtype, ps.shape, add(StorageSpec::of_component(order[i], kParam)));
       },
       .param_state =
           [&](size_t i, const ParamState& ps) {
@@ -147,21 +122,21 @@ Result<Plan> plan_state_dict(const OptimizerState& state) {
             const int64_t numel = *checked_numel(ps.shape);  // checked above
             w.str("step");
             dcp::encode_tensor(w, DType::kF32, {},
-                               add(scalar(static_cast<float>(ps.step))));
+                               add(StorageSpec::of_scalar(static_cast<float>(ps.step))));
             for (const char* m : kMoments) {
               const auto it = ps.entries.find(m);
               if (it == ps.entries.end()) continue;
               const Entry& e = it->second;
               w.str(m);
               if (steps_as_8bit(m, e, numel)) {
-                const std::string codes = add(component(fqn, m, Component::kCodes));
-                const std::string scale = add(component(fqn, m, Component::kAbsmax));
+                const std::string codes = add(StorageSpec::of_component(fqn, m, Component::kCodes));
+                const std::string scale = add(StorageSpec::of_component(fqn, m, Component::kAbsmax));
                 encode_optim_state_8bit(w, ps.shape, e.block_size, m == std::string(kExpAvg), codes, scale,
                                         qmap_storage(e.qmap));
               } else if (e.encoding == Encoding::kDense) {
-                dcp::encode_tensor(w, e.dtype, ps.shape, add(component(fqn, m)));
+                dcp::encode_tensor(w, e.dtype, ps.shape, add(StorageSpec::of_component(fqn, m)));
               } else {
-                dcp::encode_tensor(w, DType::kF32, ps.shape, add(f32_values(fqn, m)));
+                dcp::encode_tensor(w, DType::kF32, ps.shape, add(StorageSpec::of_f32_values(fqn, m)));
               }
             }
           },
@@ -173,7 +148,7 @@ Result<Plan> plan_state_dict(const OptimizerState& state) {
       .lr =
           [&](size_t, const Hyperparameters& h) {
             dcp::encode_tensor(w, DType::kF32, {},
-                               add(scalar(static_cast<float>(h.lr))));
+                               add(StorageSpec::of_scalar(static_cast<float>(h.lr))));
           },
   });
   plan.data_pkl = w.finish();

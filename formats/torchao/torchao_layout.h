@@ -10,6 +10,7 @@
 
 #include "dcp/pickle.h"
 #include "optstate/state.h"
+#include "torchsave/torchsave_layout.h"
 
 namespace optstate::torchao {
 
@@ -19,24 +20,8 @@ namespace optstate::torchao {
 // the others as plain fp32 tensors, which torchao steps in 32 bits as it keeps small params' state.
 bool steps_as_8bit(const std::string& moment, const Entry& e, int64_t numel);
 
-// One storage record, in writing order.
-struct StorageSpec {
-  enum class What {
-    kComponent,  // a component of an entry (fqn, entry, component), as stored
-    kF32Values,  // entry (fqn, entry) as fp32 values (an 8-bit entry torchao would not step as 8-bit)
-    kQMap,       // the 256 floats of map `qmap`
-    kScalar,     // a float32 0-d tensor holding `scalar` (a param's step, a group's lr)
-  } what = What::kComponent;
-  std::string fqn, entry;
-  Component component = Component::kValues;
-  std::string qmap;
-  float scalar = 0;
-};
-
-struct Plan {
-  std::string data_pkl;
-  std::vector<StorageSpec> storages;  // storage keys "0", "1", ... in this order
-};
+using torchsave::Plan;
+using torchsave::StorageSpec;
 
 // data.pkl and its storages for `state`: torchao's _AdamBase state_dict. Params numbered in group
 // order with `param_names` unless every name is its number; per param `step` (a float32 tensor) and

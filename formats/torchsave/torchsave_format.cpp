@@ -1396,6 +1396,45 @@ Family state_family(const fs::path& path) {
   return Family::kTorch;
 }
 
+Status write_plan(StateSource& source, const fs::path& path, bool overwrite, const Plan& plan) {
+  const OptimizerState& meta = source.meta();
+  return write_file(path, overwrite, plan.data_pkl, [&](dcp::ArchiveWriter& archive) -> Status {
+    std::string loaded_key;  // one entry held at a time
+    Entry loaded;
+    for (size_t i = 0; i < plan.storages.size(); ++i) {
+      const StorageSpec& s = plan.storages[i];
+      const std::string key = std::to_string(i);
+      switch (s.what) {
+        case StorageSpec::What::kScalar:
+          OPTSTATE_RETURN_IF_ERROR(archive.storage(key, std::as_bytes(std::span(&s.scalar, 1))));
+          continue;
+        case StorageSpec::What::kQMap: {
+          OPTSTATE_ASSIGN_OR_RETURN(const QMap m, qmap_from_name(s.qmap));
+          OPTSTATE_RETURN_IF_ERROR(archive.storage(key, std::as_bytes(std::span(qmap_table(m)))));
+          continue;
+        }
+        case StorageSpec::What::kComponent:
+        case StorageSpec::What::kF32Values: break;
+      }
+      if (loaded_key != entry_key(s.fqn, s.entry)) {
+        loaded = Entry{};
+        OPTSTATE_ASSIGN_OR_RETURN(loaded, source.load(s.fqn, s.entry));
+        loaded_key = entry_key(s.fqn, s.entry);
+      }
+      if (s.what == StorageSpec::What::kF32Values) {
+        const auto ps = meta.params.find(s.fqn);
+        if (ps == meta.params.end()) return internal_error(fmt::format("{}: not in the state", loaded_key));
+        OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps->second.shape));
+        OPTSTATE_ASSIGN_OR_RETURN(const std::vector<float> values, entry_f32_values(loaded, numel, loaded_key));
+        OPTSTATE_RETURN_IF_ERROR(archive.storage(key, std::as_bytes(std::span(values))));
+        continue;
+      }
+      OPTSTATE_RETURN_IF_ERROR(archive.storage(key, loaded.buffer(s.component).span()));
+    }
+    return Status::Ok();
+  });
+}
+
 Result<std::unique_ptr<CheckpointReader>> open_file(const fs::path& path) {
   auto reader = std::make_unique<TorchSaveReader>(path);
   OPTSTATE_RETURN_IF_ERROR(reader->init({path}, {}, {}));

@@ -918,6 +918,34 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
   return out;
 }
 
+StorageSpec StorageSpec::of_component(const std::string& fqn, const std::string& entry, Component c) {
+  StorageSpec s;
+  s.fqn = fqn;
+  s.entry = entry;
+  s.component = c;
+  return s;
+}
+
+StorageSpec StorageSpec::of_f32_values(const std::string& fqn, const std::string& entry) {
+  StorageSpec s = of_component(fqn, entry);
+  s.what = What::kF32Values;
+  return s;
+}
+
+StorageSpec StorageSpec::of_qmap(const std::string& name) {
+  StorageSpec s;
+  s.what = What::kQMap;
+  s.qmap = name;
+  return s;
+}
+
+StorageSpec StorageSpec::of_scalar(float v) {
+  StorageSpec s;
+  s.what = What::kScalar;
+  s.scalar = v;
+  return s;
+}
+
 std::vector<std::string> param_order(const OptimizerState& state) {
   std::vector<std::string> order;
   for (const ParamGroup& g : state.groups)

@@ -170,6 +170,30 @@ struct FrameParts {
 };
 void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, const FrameParts& parts);
 
+// A planned state_dict of an optimizer with its own state layout (the bitsandbytes and torchao
+// writers): data.pkl and its storage records "0", "1", ... in writing order, each one of:
+struct StorageSpec {
+  enum class What {
+    kComponent,  // a component of an entry (fqn, entry, component), as stored
+    kF32Values,  // entry (fqn, entry) as fp32 values: dense widened, 8-bit dequantized
+    kQMap,       // the 256 floats of map `qmap`
+    kScalar,     // a float32 0-d tensor holding `scalar` (torchao's step and lr)
+  } what = What::kComponent;
+  std::string fqn, entry;
+  Component component = Component::kValues;
+  std::string qmap;
+  float scalar = 0;
+
+  static StorageSpec of_component(const std::string& fqn, const std::string& entry, Component c = Component::kValues);
+  static StorageSpec of_f32_values(const std::string& fqn, const std::string& entry);
+  static StorageSpec of_qmap(const std::string& name);
+  static StorageSpec of_scalar(float v);
+};
+struct Plan {
+  std::string data_pkl;
+  std::vector<StorageSpec> storages;  // storage keys "0", "1", ... in this order
+};
+
 // The params in the order torch numbers them (the groups' order): what encode_state_dict's ids mean.
 std::vector<std::string> param_order(const OptimizerState& state);
 

@@ -11,6 +11,7 @@
 
 #include "dcp/dcp_driver.h"
 #include "optstate/checkpoint.h"
+#include "torchsave_layout.h"
 
 namespace optstate::torchsave {
 
@@ -32,5 +33,9 @@ Family state_family(const std::filesystem::path& path);
 // error nothing is left. The torch.save and bitsandbytes writers.
 Status write_file(const std::filesystem::path& path, bool overwrite, std::string_view pkl,
                   const std::function<Status(dcp::ArchiveWriter&)>& storages);
+
+// write_file of a planned state_dict (the bitsandbytes and torchao writers): each storage as `plan`
+// lists it, every entry loaded from `source` once (its components are written in turn).
+Status write_plan(StateSource& source, const std::filesystem::path& path, bool overwrite, const Plan& plan);
 
 }  // namespace optstate::torchsave

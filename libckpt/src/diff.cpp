@@ -20,6 +20,13 @@ bool DiffReport::ok() const {
 
 namespace {
 
+// Hyperparameters equal, numbers within rtol (relative to b's).
+bool same_hyper(const Hyperparameters& a, const Hyperparameters& b, double rtol) {
+  auto near = [rtol](double x, double y) { return x == y || std::fabs(x - y) <= rtol * std::fabs(y); };
+  return near(a.lr, b.lr) && near(a.beta1, b.beta1) && near(a.beta2, b.beta2) && near(a.eps, b.eps) &&
+         near(a.weight_decay, b.weight_decay) && a.amsgrad == b.amsgrad && a.maximize == b.maximize;
+}
+
 // Each param's position: its number where every param of the state is one ("0", "1", ...), else
 // its index in group order (as torch numbers params).
 std::map<int64_t, std::string> positions(const OptimizerState& s) {
@@ -66,7 +73,8 @@ Result<DiffReport> diff_checkpoints(CheckpointReader& a, CheckpointReader& b, co
   auto label = [&](const std::pair<std::string, std::string>& p) {
     return options.by_position && p.first != p.second ? p.first + "=" + p.second : p.first;
   };
-  // Hyperparameters are compared param by param, as the hash sees them: how params are grouped
+  // Hyperparameters are compared param by param, as the hash sees them (numbers within rtol: lr
+  // kept as a float32 tensor, torchao's, is lr rounded to float32): how params are grouped
   // is not part of the state (a flattened DCP does not record it), what each param is trained
   // with is. Params with the same difference are reported together.
   std::map<std::pair<int, int>, std::vector<std::string>> differing;  // (group in A, group in B) -> fqns
@@ -76,7 +84,8 @@ Result<DiffReport> diff_checkpoints(CheckpointReader& a, CheckpointReader& b, co
     if (pa.group < 0 || pb.group < 0 || static_cast<size_t>(pa.group) >= ma.groups.size() ||
         static_cast<size_t>(pb.group) >= mb.groups.size())
       continue;
-    if (!(ma.groups[pa.group].hyper == mb.groups[pb.group].hyper)) differing[{pa.group, pb.group}].push_back(label(pair));
+    if (!same_hyper(ma.groups[pa.group].hyper, mb.groups[pb.group].hyper, options.rtol))
+      differing[{pa.group, pb.group}].push_back(label(pair));
   }
   for (const auto& [gg, fqns] : differing) {
     const Hyperparameters &x = ma.groups[gg.first].hyper, &y = mb.groups[gg.second].hyper;

@@ -108,7 +108,7 @@ def test_torch_saved_optimizer_reads_as_the_state_its_dcp_holds(tmp_path, optsta
     assert_converts_to_ref(optstate_cli, pt, tmp_path / "pt.safetensors", "--to", "fp32")
     insp = json.loads(optstate_cli("inspect", full, "--json").stdout)
     assert len(insp["param_groups"]) == (2 if kind == "groups" else 1)
-    assert insp["format"] == ("bitsandbytes" if kind == "bnb" else "torchsave")
+    assert insp["format"] == ("bitsandbytes" if kind == "bnb" else "torchao" if kind.startswith("ao") else "torchsave")
     assert insp["optimizer"] == ("adamw8bit" if kind in ("ao", "ours8", "bnb") else "adamw")
     assert "['epoch']" in insp["not_read"]
     assert optstate_cli("validate", pt).returncode == 0

@@ -205,3 +205,21 @@ TEST_CASE("diff by position: the k-th param in group order, a numbered side by i
   CHECK(shifted->metadata[0] == fmt::format("param '{}' only in A (by position)", order.front()));
   for (const EntryDiff& e : shifted->entries) CHECK(e.ok());
 }
+
+TEST_CASE("diff: hyperparameters within rtol (an lr torchao keeps as float32), never within atol") {
+  const OptimizerState s = testing::sample_state();
+  OptimizerState f32 = s;
+  for (ParamGroup& g : f32.groups) g.hyper.lr = static_cast<double>(static_cast<float>(g.hyper.lr));
+  REQUIRE(f32.groups[0].hyper.lr != s.groups[0].hyper.lr);
+  auto a = memory_reader(s), b = memory_reader(f32);
+  auto exact = diff_checkpoints(*a, *b, {});
+  REQUIRE(exact.ok());
+  CHECK(!exact->ok());
+  REQUIRE(!exact->metadata.empty());
+  CHECK(exact->metadata[0].find("hyperparameters of") != std::string::npos);
+  CHECK(diff_checkpoints(*a, *b, {.rtol = 1e-7})->ok());
+  CHECK(!diff_checkpoints(*a, *b, {.atol = 1.0})->ok());  // atol is for values only
+  OptimizerState other = s;
+  other.groups[0].hyper.amsgrad = !other.groups[0].hyper.amsgrad;
+  CHECK(!diff_checkpoints(*a, *memory_reader(other), {.rtol = 1.0})->ok());  // flags exactly
+}

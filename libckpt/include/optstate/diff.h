@@ -10,6 +10,7 @@ namespace optstate {
 
 struct DiffOptions {
   double rtol = 0.0, atol = 0.0;  // an element differs when |a - b| > atol + rtol * |b| (numpy's allclose rule)
+                                  // a hyperparameter when |a - b| > rtol * |b| (atol is for values)
   // Params matched by position instead of by name: the k-th param in group order, which torch
   // numbers k; a side whose params are all numbers ("0", "1", ...: a torch.save without names, a
   // LibTorch archive) keeps its numbers, so params it left out (never stepped) do not shift the rest.

@@ -342,6 +342,7 @@ Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& wh
     if (sub.kind == Kind::kTuple && sub.items.size() >= 3) {
       auto shape = int_tuple(p, sub.items[2]);
       if (shape) out.claimed_shape = *shape;
+      out.claimed_dtype = torch_dtype(p, sub.items[1]);
     }
     const Ref st = a[3];
     const Ref codes = p.dict_get(st, "codes"), scale = p.dict_get(st, "scale"), qmap = p.dict_get(st, "qmap");

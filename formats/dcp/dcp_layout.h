@@ -57,6 +57,7 @@ struct Payload {
   TensorRef tensor;              // kTensor
   TensorRef codes, scale, qmap;  // kOptimState8bit
   std::vector<int64_t> claimed_shape;  // kOptimState8bit: the shape the subclass claims
+  std::optional<DType> claimed_dtype;  // kOptimState8bit: its dtype (torchao: the param's, "appearance" only)
   // torchao's OptimStateFp8 (AdamWFp8), read as kOptimState8bit: codes are float8_e4m3fn bit
   // patterns (kU8), no qmap; value = float8_e4m3fn_values()[code] * scale[block], always read
   // dequantized (its map is no canonical one).

@@ -32,8 +32,9 @@ bool steps_as_8bit(const std::string& moment, const Entry& e, int64_t numel) {
          e.qmap == qmap_name(moment == kExpAvg ? QMap::kDynamicSigned : QMap::kDynamicUnsigned);
 }
 
-void encode_optim_state_8bit(pickle::Writer& w, const std::vector<int64_t>& shape, int64_t block_size, bool is_signed,
-                             const std::string& codes_key, const std::string& scale_key, const std::string& qmap_key) {
+void encode_optim_state_8bit(pickle::Writer& w, const std::vector<int64_t>& shape, DType apparent, int64_t block_size,
+                             bool is_signed, const std::string& codes_key, const std::string& scale_key,
+                             const std::string& qmap_key) {
   int64_t numel = 1;
   for (int64_t x : shape) numel *= x;
   std::vector<int64_t> stride(shape.size(), 1);
@@ -44,7 +45,7 @@ void encode_optim_state_8bit(pickle::Writer& w, const std::vector<int64_t>& shap
   w.global("torchao.optim.subclass_8bit", "OptimState8bit");
   w.mark();  // the wrapper's args: (cls, dtype, size, stride, storage_offset, layout, device, requires_grad)
   w.global("torchao.optim.subclass_8bit", "OptimState8bit");
-  w.global("torch", "float32");
+  w.global("torch", dtype_info(apparent).torch_name);
   int_tuple(w, shape);
   int_tuple(w, stride);
   w.integer(0);
@@ -131,7 +132,10 @@ Result<Plan> plan_state_dict(const OptimizerState& state) {
               if (steps_as_8bit(m, e, numel)) {
                 const std::string codes = add(StorageSpec::of_component(fqn, m, Component::kCodes));
                 const std::string scale = add(StorageSpec::of_component(fqn, m, Component::kAbsmax));
-                encode_optim_state_8bit(w, ps.shape, e.block_size, m == std::string(kExpAvg), codes, scale,
+                // torchao's subclass claims the param's dtype (float32 where optstate has none other)
+                const DType apparent = ps.param_dtype == DType::kBF16 || ps.param_dtype == DType::kF16 ? ps.param_dtype
+                                                                                                       : DType::kF32;
+                encode_optim_state_8bit(w, ps.shape, apparent, e.block_size, m == std::string(kExpAvg), codes, scale,
                                         qmap_storage(e.qmap));
               } else if (e.encoding == Encoding::kDense) {
                 dcp::encode_tensor(w, e.dtype, ps.shape, add(StorageSpec::of_component(fqn, m)));
@@ -174,6 +178,11 @@ OptimizerState kept_state(const OptimizerState& state) {
           dense.values = Buffer::copy_of(std::as_bytes(std::span(*v)));
       e = std::move(dense);
     }
+    // Read back, an OptimState8bit's dtype is the param's (float32 written for another).
+    bool eight = false;
+    for (const auto& [name, e] : ps.entries) eight = eight || (name != kParam && e.encoding == Encoding::kBlockwise8);
+    if (eight && !ps.entries.count(kParam) && ps.param_dtype != DType::kBF16 && ps.param_dtype != DType::kF16)
+      ps.param_dtype = DType::kF32;
   }
   out.kind = any8 ? "adamw8bit" : "adamw";
   return out;

@@ -32,14 +32,17 @@ using torchsave::StorageSpec;
 Result<Plan> plan_state_dict(const OptimizerState& state);
 
 // What a round trip gives back: entries torchao does not step as 8-bit become dense (dequantized to
-// fp32 where `state` has the buffers; dense ones keep their dtype), lr rounded to float32.
+// fp32 where `state` has the buffers; dense ones keep their dtype), lr rounded to float32, and the
+// param dtype of a param without weights but with 8-bit moments what their subclass claims.
 OptimizerState kept_state(const OptimizerState& state);
 
 // torchao's OptimState8bit of `shape` as torch.save pickles it: _rebuild_from_type_v2 of
-// _rebuild_wrapper_subclass(OptimState8bit, float32, size, stride, 0, strided, cpu, False) with the
+// _rebuild_wrapper_subclass(OptimState8bit, apparent, size, stride, 0, strided, cpu, False) (torchao's
+// "appearance" dtype: the param's) with the
 // state {"codes": uint8 of `shape`, "scale": fp32[blocks], "qmap": fp32[256], "signed", "block_size"}
 // over storages `codes_key`, `scale_key`, `qmap_key`.
-void encode_optim_state_8bit(pickle::Writer& w, const std::vector<int64_t>& shape, int64_t block_size, bool is_signed,
-                             const std::string& codes_key, const std::string& scale_key, const std::string& qmap_key);
+void encode_optim_state_8bit(pickle::Writer& w, const std::vector<int64_t>& shape, DType apparent, int64_t block_size,
+                             bool is_signed, const std::string& codes_key, const std::string& scale_key,
+                             const std::string& qmap_key);
 
 }  // namespace optstate::torchao

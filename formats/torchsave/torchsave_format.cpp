@@ -372,6 +372,9 @@ class TorchSaveReader final : public CheckpointReader {
       ParamState ps;
       ps.shape = spec.shape;
       ps.group = spec.group;
+      // torchao's subclasses claim the param's dtype; weights, where the files have them, say it too.
+      for (const auto& [name, es] : spec.entries)
+        if (es.apparent_dtype) ps.param_dtype = *es.apparent_dtype;
       for (size_t f = 0; f < sds.size(); ++f) {
         const std::string fw = fmt::format("{} param '{}'", optim_files[f].string(), fqn);
         OPTSTATE_ASSIGN_OR_RETURN(const double step, value_of(f, sds[f].params[i].step, fw + " 'step'"));

@@ -798,6 +798,9 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
           e.codes = pl.codes;
           e.absmax = pl.scale;
           e.block_size = codes / blocks;
+          if (pl.claimed_dtype && (*pl.claimed_dtype == DType::kF32 || *pl.claimed_dtype == DType::kBF16 ||
+                                   *pl.claimed_dtype == DType::kF16))
+            e.apparent_dtype = pl.claimed_dtype;
           if (pl.fp8) {
             e.fp8 = true;  // AdamWFp8: its state is AdamW's once read (fp32 values)
           } else if (pl.bits == 4) {

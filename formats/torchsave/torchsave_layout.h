@@ -72,6 +72,7 @@ struct EntrySpec {
   dcp::TensorRef codes, absmax;         // blockwise8
   int64_t block_size = 0;               // blockwise8
   std::optional<dcp::TensorRef> qmap;   // torchao's OptimState8bit: its map, checked by the driver
+  std::optional<DType> apparent_dtype;  // torchao's subclasses: the dtype they claim, the param's
   bool fp8 = false;                     // torchao's OptimStateFp8: float8_e4m3fn codes, read dequantized
   int bits = 8;                         // 4: torchao's OptimState4bit (two codes a byte), read dequantized
   std::string qmap_name;                // optstate's plain 8-bit tensors: the map the group names

@@ -770,17 +770,18 @@ def torchao_eager():
     tadam.torch.compile = saved
 
 
-def _ao_model():
+def _ao_model(dtype=torch.float32):
     torch.manual_seed(0)
     # 128*96 = 48 blocks of 256: 8-bit in torchao; 96*50 = 4800 >= 4096 but no whole number of
-    # blocks: fp32 in torchao; the biases: small, fp32.
-    return torch.nn.Sequential(torch.nn.Linear(128, 96), torch.nn.GELU(), torch.nn.Linear(96, 50))
+    # blocks: plain in torchao; the biases: small, plain.
+    return torch.nn.Sequential(torch.nn.Linear(128, 96), torch.nn.GELU(), torch.nn.Linear(96, 50)).to(dtype)
 
 
 def _ao_train(model, opt, steps):
+    dtype = next(model.parameters()).dtype
     for s in steps:
         g = torch.Generator().manual_seed(s)
-        model(torch.randn(8, 128, generator=g)).square().sum().backward()
+        model(torch.randn(8, 128, generator=g).to(dtype)).float().square().sum().backward()
         opt.step()
         opt.zero_grad()
 
@@ -802,14 +803,17 @@ def _assert_same_torchao_state(a, b):
                 assert x.dtype == y.dtype and torch.equal(x, y), (k, n)
 
 
-def test_torchao_optimizer_pt_converted_and_written_back_resumes_bit_for_bit(tmp_path, optstate_cli, torchao_eager):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torchao_optimizer_pt_converted_and_written_back_resumes_bit_for_bit(tmp_path, optstate_cli, torchao_eager,
+                                                                             dtype):
     """torchao's AdamW8bit optimizer.pt -> native (optstate's own) -> --format torchao: the same
-    state_dict, tensor for tensor; torchao loads it (torch.load's weights_only default) and ends
-    where the uninterrupted run ends, bit for bit."""
+    state_dict, tensor for tensor (bf16 params: bf16 plain moments, OptimState8bit claiming bf16);
+    torchao loads it (torch.load's weights_only default) and ends where the uninterrupted run ends,
+    bit for bit."""
     import copy
     from torchao.optim import AdamW8bit
     from torchao.optim.subclass_8bit import OptimState8bit
-    model = _ao_model()
+    model = _ao_model(dtype)
     opt = AdamW8bit(model.named_parameters(), lr=1e-3, weight_decay=0.05)
     _ao_train(model, opt, range(3))
     torch.save(opt.state_dict(), tmp_path / "ao.pt")

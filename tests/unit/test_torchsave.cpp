@@ -18,6 +18,7 @@
 #include "registry.h"
 #include "test_helpers.h"
 #include "torchsave/torchsave_fuzz_sign.h"
+#include "torchao/torchao_layout.h"
 #include "torchsave/torchsave_layout.h"
 
 using namespace optstate;
@@ -175,6 +176,72 @@ TEST_CASE("bitsandbytes: the planned state_dict reads back through the interpret
   auto refused = bitsandbytes::plan_state_dict(ams);
   REQUIRE_FALSE(refused.ok());
   CHECK(refused.status().message().find("param group 1: amsgrad") != std::string::npos);
+}
+
+TEST_CASE("torchao: the planned state_dict reads back through the interpretation as torchao's state") {
+  // Blocks of 1 (torchao keeps the block size per tensor): both params' moments are OptimState8bit.
+  OptimizerState s = *quantize_state(testing::sample_state(), {1, 3});
+  auto plan = torchao::plan_state_dict(s);
+  REQUIRE_MESSAGE(plan.ok(), plan.status().message());
+  auto p = pickle::unpickle(std::as_bytes(std::span(plan->data_pkl)), "test");
+  REQUIRE(p.ok());
+  auto sd = torchsave::interpret_state_dict(*p, "test");
+  REQUIRE_MESSAGE(sd.ok(), sd.status().message());
+  CHECK(sd->torchao);
+  CHECK(sd->optimizer_path == "['optimizer']");  // the weights ride along
+  CHECK(sd->not_read.empty());
+  REQUIRE(sd->groups.size() == 2);
+  CHECK(sd->groups[0].lr.tensor.has_value());  // torchao's step refuses a float lr
+  const auto& w = sd->params[0];
+  CHECK(w.fqn == "layers.0.weight");
+  CHECK(w.step.tensor.has_value());
+  const auto& e = w.entries.at(kExpAvg);
+  CHECK(e.encoding == Encoding::kBlockwise8);
+  CHECK(e.block_size == 1);
+  CHECK(e.qmap.has_value());
+  CHECK(e.apparent_dtype == DType::kBF16);  // the param's dtype, as torchao's subclass claims it
+  // one storage per map, shared by every param that uses it
+  CHECK(w.entries.at(kExpAvgSq).qmap->storage_key == sd->params[1].entries.at(kExpAvgSq).qmap->storage_key);
+  CHECK(w.entries.at(kExpAvg).qmap->storage_key != w.entries.at(kExpAvgSq).qmap->storage_key);
+  CHECK(sd->params[1].entries.at(kExpAvg).encoding == Encoding::kBlockwise8);
+  CHECK(sd->params[1].entries.at(kExpAvg).apparent_dtype == DType::kF32);
+  size_t maps = 0, scalars = 0;
+  for (const auto& st : plan->storages) {
+    maps += st.what == torchsave::StorageSpec::What::kQMap;
+    scalars += st.what == torchsave::StorageSpec::What::kScalar;
+  }
+  CHECK(maps == 2);
+  CHECK(scalars == 4);  // two steps, two lrs
+  CHECK(torchao::kept_state(s).kind == "adamw8bit");
+
+  // Blocks of 4: the weight's 6 elements end in a partial block, which torchao never has: fp32 values.
+  const OptimizerState four = *quantize_state(testing::sample_state(), {4, 4});
+  auto planned = torchao::plan_state_dict(four);
+  REQUIRE(planned.ok());
+  for (const auto& st : planned->storages)
+    if (st.fqn == "layers.0.weight" && st.entry != kParam) CHECK(st.what == torchsave::StorageSpec::What::kF32Values);
+  const OptimizerState kept = torchao::kept_state(four);
+  CHECK(kept.kind == "adamw");
+  CHECK(kept.params.at("layers.0.weight").entries.at(kExpAvg).encoding == Encoding::kDense);
+  CHECK(kept.groups[0].hyper.lr == static_cast<double>(static_cast<float>(1e-3)));
+  // The quantize rule the torchao driver gives `convert --to 8bit`: whole blocks only.
+  const FormatDriver* d = find_format("torchao");
+  REQUIRE(d);
+  const QuantizeOptions rule = d->quantize_rule({4, 4});
+  CHECK(rule.whole_blocks);
+  CHECK(!has_blockwise8(*quantize_state(testing::sample_state(), rule)));
+
+  // torchao has no maximize, and keeps step as float32: refused by name.
+  OptimizerState mx = testing::sample_state();
+  mx.groups[1].hyper.maximize = true;
+  auto refused = torchao::plan_state_dict(mx);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().message().find("param group 1: maximize") != std::string::npos);
+  OptimizerState far = testing::sample_state();
+  far.params.at("layers.0.bias").step = (int64_t{1} << 24) + 1;
+  auto beyond = torchao::plan_state_dict(far);
+  REQUIRE_FALSE(beyond.ok());
+  CHECK(beyond.status().message().find("'layers.0.bias': step 16777217") != std::string::npos);
 }
 
 TEST_CASE("torchsave: torchao's OptimStateFp8 and OptimState4bit read as fp32 values, code value times the block's scale") {

@@ -20,8 +20,7 @@ class BitsandbytesDriver final : public FormatDriver {
 
   // A torch.save file (first record <folder>/data.pkl) whose pickle names "state1" and "state2".
   bool sniff(const fs::path& path) const override {
-    const auto first = torchsave::first_zip_record(path);
-    return first && first->size() > 9 && first->ends_with("/data.pkl") && torchsave::state_family(path) == torchsave::Family::kBitsandbytes;
+    return torchsave::is_torch_save_of(path, torchsave::Family::kBitsandbytes);
   }
 
   Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {

@@ -21,9 +21,7 @@ class TorchaoDriver final : public FormatDriver {
 
   // A torch.save file (first record <folder>/data.pkl) of torchao's optimizer state.
   bool sniff(const fs::path& path) const override {
-    const auto first = torchsave::first_zip_record(path);
-    return first && first->size() > 9 && first->ends_with("/data.pkl") &&
-           torchsave::state_family(path) == torchsave::Family::kTorchao;
+    return torchsave::is_torch_save_of(path, torchsave::Family::kTorchao);
   }
 
   Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {

@@ -1238,8 +1238,7 @@ class TorchSaveDriver final : public FormatDriver {
       }
       return false;
     }
-    const auto first = first_zip_record(path);
-    return first && first->size() > 9 && first->ends_with("/data.pkl") && state_family(path) == Family::kTorch;
+    return is_torch_save_of(path, Family::kTorch);
   }
 
   Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {
@@ -1351,6 +1350,11 @@ std::optional<std::string> first_zip_record(const fs::path& path) {
   const size_t name_len = static_cast<size_t>(h[26]) | static_cast<size_t>(h[27]) << 8;
   if (30 + name_len > n) return std::nullopt;
   return std::string(reinterpret_cast<const char*>(h + 30), name_len);
+}
+
+bool is_torch_save_of(const fs::path& path, Family family) {
+  const auto first = first_zip_record(path);
+  return first && first->size() > 9 && first->ends_with("/data.pkl") && state_family(path) == family;
 }
 
 Family state_family(const fs::path& path) {

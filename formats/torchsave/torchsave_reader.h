@@ -27,6 +27,8 @@ std::optional<std::string> first_zip_record(const std::filesystem::path& path);
 // torch.save driver's sniff leaves those to them.
 enum class Family { kTorch, kBitsandbytes, kTorchao };
 Family state_family(const std::filesystem::path& path);
+// The sniff of the three: a torch.save file (first zip record <folder>/data.pkl) of `family`'s state.
+bool is_torch_save_of(const std::filesystem::path& path, Family family);
 
 // Writes a torch.save file at `path`: data.pkl, then the storages `storages` writes (torch's record
 // order, 64-byte aligned, CRC-32s), staged beside `path`, fsync'd and renamed into place; on any

@@ -193,7 +193,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   const std::vector<std::string> rest = reader->not_read();
   const bool carried = driver->carries(*reader);
   if (!rest.empty() && !carried)
-    std::fprintf(stderr, "note: %s also holds %s: not optimizer state, not in %s\n", src.c_str(),
+    std::fprintf(stderr, "note: %s also holds %s: outside the state read, not in %s\n", src.c_str(),
                  fmt::format("{}", fmt::join(rest, ", ")).c_str(), dst.c_str());
   // What DST keeps of the state (LibTorch's optimizer archive: numbered params, no weights).
   const OptimizerState kept = driver->kept(written);

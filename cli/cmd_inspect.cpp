@@ -134,7 +134,8 @@ int run_inspect(int argc, char** argv) {
                        meta.groups[g].params.size());
   }
   if (const auto rest = reader.not_read(); !rest.empty())
-    out += fmt::format("other       {}: not optimizer state, not read\n", fmt::join(rest, ", "));
+    // Not optimizer state (train_state, a model's buffers), or an encoding read as fp32 values.
+    out += fmt::format("other       {}: outside the state read\n", fmt::join(rest, ", "));
   out += fmt::format("state       {} ({:.2f} bytes/param){}\n\n", human_bytes(static_cast<double>(total_state_bytes)),
                      per_param,
                      total_param_bytes ? fmt::format(", model weights {}", human_bytes(total_param_bytes)) : "");

@@ -167,8 +167,8 @@ class TorchSaveReader final : public CheckpointReader {
  public:
   explicit TorchSaveReader(fs::path path) : path_(std::move(path)) {}
 
-  // A LibTorch archive is read here (the same zip, pickle and tensors) for formats/libtorch/, and
-  // bitsandbytes' state_dict for formats/bitsandbytes/.
+  // A LibTorch archive is read here (the same zip, pickle and tensors) for formats/libtorch/,
+  // bitsandbytes' state_dict for formats/bitsandbytes/ and one file of torchao's for formats/torchao/.
   std::string_view format() const override {
     return libtorch_ ? "libtorch" : bnb_ ? "bitsandbytes" : torchao_ ? "torchao" : "torchsave";
   }

@@ -1,6 +1,6 @@
 // The torch.save driver's reader of one file, for formats whose files are torch.save's zip with a
-// pickle it interprets: LibTorch's optimizer archives (formats/libtorch/) and bitsandbytes' state_dicts
-// (formats/bitsandbytes/) open through it.
+// pickle it interprets: LibTorch's optimizer archives (formats/libtorch/), bitsandbytes' and torchao's
+// state_dicts (formats/bitsandbytes/, formats/torchao/) open through it.
 #pragma once
 
 #include <filesystem>
@@ -32,7 +32,7 @@ bool is_torch_save_of(const std::filesystem::path& path, Family family);
 
 // Writes a torch.save file at `path`: data.pkl, then the storages `storages` writes (torch's record
 // order, 64-byte aligned, CRC-32s), staged beside `path`, fsync'd and renamed into place; on any
-// error nothing is left. The torch.save and bitsandbytes writers.
+// error nothing is left. The torch.save, bitsandbytes and torchao writers.
 Status write_file(const std::filesystem::path& path, bool overwrite, std::string_view pkl,
                   const std::function<Status(dcp::ArchiveWriter&)>& storages);
 

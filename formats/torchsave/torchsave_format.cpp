@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <fstream>
 #include <set>
 
 #include "dcp/chunks.h"
@@ -159,6 +160,14 @@ std::optional<RankName> rank_name(const std::string& filename) {
   return n;
 }
 
+// A DeepSpeed ZeRO checkpoint's tag folder (global_step500/): each data-parallel rank's optimizer
+// file, in rank order, and the model states file that names the params.
+struct ZeroFiles {
+  fs::path dir;
+  std::vector<fs::path> optim;
+  fs::path model;
+};
+
 using Key = std::tuple<std::string, std::string, Component>;
 
 bool numbered(const std::string& name, int64_t id) { return name == std::to_string(id); }
@@ -170,7 +179,7 @@ class TorchSaveReader final : public CheckpointReader {
   // A LibTorch archive is read here (the same zip, pickle and tensors) for formats/libtorch/,
   // bitsandbytes' state_dict for formats/bitsandbytes/ and one file of torchao's for formats/torchao/.
   std::string_view format() const override {
-    return libtorch_ ? "libtorch" : bnb_ ? "bitsandbytes" : torchao_ ? "torchao" : "torchsave";
+    return libtorch_ ? "libtorch" : bnb_ ? "bitsandbytes" : torchao_ ? "torchao" : deepspeed_ ? "deepspeed" : "torchsave";
   }
   const fs::path& path() const override { return path_; }
   const OptimizerState& meta() const override { return meta_; }
@@ -558,6 +567,147 @@ class TorchSaveReader final : public CheckpointReader {
     for (const auto& [key, pieces] : stored_)
       for (const Piece& pc : pieces) checksummed_ = checksummed_ && pc.stored.checked();
     return Status::Ok();
+  }
+
+  // DeepSpeed ZeRO's tag folder (global_step500/): every data-parallel rank's optimizer file and
+  // the model states file. Each param is put together from its runs in the ranks' flat partitions,
+  // in rank order: stages 1 and 2 flatten each group's params in order and split the flat group in
+  // equal parts (param_slice_mappings says where each rank's runs lie); stage 3 splits every param
+  // in parts of ceil(numel / world), each rank's flat group their concatenation in order.
+  Status init_zero(const ZeroFiles& z) {
+    deepspeed_ = true;
+    set_ = true;
+    const size_t world = z.optim.size();
+    std::vector<ZeroRank> ranks;
+    for (const fs::path& f : z.optim) {
+      OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(f));
+      files_.push_back(std::move(ap.first));
+      OPTSTATE_ASSIGN_OR_RETURN(ZeroRank zr, interpret_zero_optim(ap.second, f.string()));
+      ranks.push_back(std::move(zr));
+    }
+    const ZeroRank& r0 = ranks[0];
+    const bool stage3 = r0.stage == 3;
+    for (size_t f = 0; f < world; ++f) {
+      const ZeroRank& zr = ranks[f];
+      const std::string wf = z.optim[f].string();
+      if (zr.partitions != static_cast<int64_t>(world))
+        return corrupt(fmt::format("{}: partition_count {}, but {} holds {} ranks' optimizer files", wf, zr.partitions,
+                                   z.dir.string(), world));
+      if ((zr.stage == 3) != stage3 || zr.groups.size() != r0.groups.size())
+        return corrupt(fmt::format("{}: ZeRO stage {} with {} param groups, rank 0's file stage {} with {}", wf, zr.stage,
+                                   zr.groups.size(), r0.stage, r0.groups.size()));
+      for (size_t g = 0; g < zr.groups.size(); ++g) {
+        std::set<std::string> a, b;
+        for (const auto& [n, t] : zr.groups[g].moments) a.insert(n);
+        for (const auto& [n, t] : r0.groups[g].moments) b.insert(n);
+        Hyperparameters x = zr.groups[g].group.hyper, y = r0.groups[g].group.hyper;
+        x.lr = y.lr = 0;  // compared below, as read
+        if (a != b || !(x == y))
+          return corrupt(fmt::format("{} param group {}: moments or hyperparameters other than rank 0's file's", wf, g));
+      }
+    }
+    OPTSTATE_ASSIGN_OR_RETURN(auto model, open_archive(z.model));
+    OPTSTATE_ASSIGN_OR_RETURN(const ZeroShapes shapes, interpret_zero_model(model.second, z.model.string()));
+    if (shapes.groups.size() != r0.groups.size())
+      return corrupt(fmt::format("{}: {} param groups in param_shapes, {} in the optimizer's files", z.model.string(),
+                                 shapes.groups.size(), r0.groups.size()));
+    not_read_ = shapes.not_read;
+    not_read_.insert(not_read_.end(), r0.not_read.begin(), r0.not_read.end());
+    meta_.kind = "adamw";
+    for (size_t g = 0; g < r0.groups.size(); ++g) {
+      const std::string gw = fmt::format("{} param group {}", z.dir.string(), g);
+      ParamGroup group;
+      group.hyper = r0.groups[g].group.hyper;
+      std::optional<int64_t> step;
+      for (size_t f = 0; f < world; ++f) {
+        const ZeroGroup& zg = ranks[f].groups[g];
+        const std::string fw = fmt::format("{} param group {}", z.optim[f].string(), g);
+        OPTSTATE_ASSIGN_OR_RETURN(const double lr, value_of(f, zg.group.lr, fw + " 'lr'"));
+        OPTSTATE_ASSIGN_OR_RETURN(const double st, value_of(f, zg.step, fw + " 'step'"));
+        if (!(st >= 0 && st < 9.2e18) || st != std::floor(st)) return corrupt(fmt::format("{}: step {} is not a count", fw, st));
+        if (f == 0) {
+          group.hyper.lr = lr;
+          step = static_cast<int64_t>(st);
+        }
+        if (lr != group.hyper.lr || static_cast<int64_t>(st) != *step)
+          return corrupt(fmt::format("{}: lr {} and step {}, rank 0's file {} and {}", fw, lr, st, group.hyper.lr, *step));
+      }
+      meta_.groups.push_back(std::move(group));
+      // Every rank's runs of each param: (rank, first element in the rank's partition, count).
+      const auto& params = shapes.groups[g];
+      std::map<std::string, std::vector<std::tuple<size_t, int64_t, int64_t>>> runs;
+      std::set<std::string> names;
+      for (const auto& [name, shape] : params) names.insert(name);
+      std::vector<int64_t> partition(world);
+      for (size_t f = 0; f < world; ++f) partition[f] = ranks[f].groups[g].master.shape[0];
+      if (stage3) {
+        int64_t offset = 0;
+        const auto w = static_cast<int64_t>(world);
+        for (const auto& [name, shape] : params) {
+          const int64_t numel = *checked_numel(shape), part = (numel + w - 1) / w;
+          for (size_t f = 0; f < world; ++f) {
+            const int64_t count = std::clamp<int64_t>(numel - static_cast<int64_t>(f) * part, 0, part);
+            if (count > 0) runs[name].emplace_back(f, offset, count);
+          }
+          offset += part;
+          for (size_t f = 0; f < world; ++f)
+            if (offset > partition[f])
+              return corrupt(fmt::format("{}: '{}' ends at element {} of the flat partition, which holds {}",
+                                         z.optim[f].string(), name, offset, partition[f]));
+        }
+      } else {
+        for (size_t f = 0; f < world; ++f) {
+          std::vector<ZeroFragment> frags = ranks[f].groups[g].fragments;
+          std::sort(frags.begin(), frags.end(), [](const auto& a, const auto& b) { return a.start < b.start; });
+          int64_t end = 0;
+          for (const ZeroFragment& fr : frags) {
+            const std::string fw = fmt::format("{} param group {} '{}'", z.optim[f].string(), g, fr.name);
+            if (!names.count(fr.name)) return corrupt(fw + ": mapped, but the model states' param_shapes do not list it");
+            if (fr.start < end || fr.numel > partition[f] - fr.start)
+              return corrupt(fmt::format("{}: run [{}, {}) overlaps another or leaves the partition of {}", fw, fr.start,
+                                         fr.start + fr.numel, partition[f]));
+            end = fr.start + fr.numel;
+            if (fr.numel > 0) runs[fr.name].emplace_back(f, fr.start, fr.numel);
+          }
+        }
+      }
+      for (const auto& [name, shape] : params) {
+        const int64_t numel = *checked_numel(shape);
+        const std::string pw = fmt::format("{} '{}'", gw, name);
+        int64_t covered = 0;
+        for (const auto& [f, local, count] : runs[name]) covered += count;
+        if (covered != numel)
+          return corrupt(fmt::format("{}: the ranks' partitions hold {} of its {} elements", pw, covered, numel));
+        ParamState ps;
+        ps.shape = shape;
+        ps.group = static_cast<int>(g);
+        ps.step = *step;
+        std::vector<std::string> entries;
+        for (const auto& [n, t] : r0.groups[g].moments) entries.push_back(n);
+        entries.push_back(kParam);  // the fp32 master weights
+        for (const std::string& entry : entries) {
+          std::vector<Piece> pieces;
+          int64_t begin = 0;
+          for (const auto& [f, local, count] : runs[name]) {
+            const ZeroGroup& zg = ranks[f].groups[g];
+            const dcp::TensorRef& t = entry == kParam ? zg.master : zg.moments.at(entry);
+            OPTSTATE_ASSIGN_OR_RETURN(const Stored whole, resolve(f, t, t.shape[0], fmt::format("{} '{}' in {}", pw, entry,
+                                                                                                z.optim[f].string())));
+            Piece pc{begin, count, whole, std::nullopt};
+            pc.stored.at += static_cast<uint64_t>(local) * 4;
+            pc.stored.bytes = static_cast<uint64_t>(count) * 4;
+            pc.stored.whole = whole.whole && pc.stored.bytes == whole.bytes;
+            pieces.push_back(pc);
+            begin += count;
+          }
+          stored_[{name, entry, Component::kValues}] = std::move(pieces);
+          ps.entries.emplace(entry, Entry{});  // fp32 values
+        }
+        meta_.groups[g].params.push_back(name);
+        meta_.params.emplace(name, std::move(ps));
+      }
+    }
+    return finish({}, {}, 0);
   }
 
   // "optim_world_size_2_rank_*.pt" for a per-rank set's files (their shared name, the rank as *).
@@ -1101,6 +1251,7 @@ class TorchSaveReader final : public CheckpointReader {
   bool libtorch_ = false;  // a LibTorch optimizer archive
   bool bnb_ = false;       // bitsandbytes' state: formats/bitsandbytes/ writes it
   bool torchao_ = false;   // one file of torchao's state: formats/torchao/ writes it
+  bool deepspeed_ = false; // a DeepSpeed ZeRO checkpoint: formats/deepspeed/ sniffs it
   std::vector<Archive> files_;
   OptimizerState meta_;
   std::vector<std::string> not_read_;
@@ -1440,6 +1591,109 @@ Status write_plan(StateSource& source, const fs::path& path, bool overwrite, con
     }
     return Status::Ok();
   });
+}
+
+namespace {
+
+// "zero_pp_rank_R_mp_rank_MM_optim_states.pt" ("bf16_" before it under bf16): (bf16, R, MM).
+std::optional<std::tuple<bool, int64_t, int64_t>> zero_optim_name(std::string name) {
+  const bool bf16 = name.rfind("bf16_", 0) == 0;
+  if (bf16) name = name.substr(5);
+  constexpr std::string_view head = "zero_pp_rank_", mid = "_mp_rank_", tail = "_optim_states.pt";
+  if (name.rfind(head, 0) != 0 || !name.ends_with(tail)) return std::nullopt;
+  name = name.substr(head.size(), name.size() - head.size() - tail.size());
+  const auto m = name.find(mid);
+  if (m == std::string::npos) return std::nullopt;
+  auto number = [](const std::string& d) -> std::optional<int64_t> {
+    if (d.empty() || d.size() > 7 || !std::all_of(d.begin(), d.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      return std::nullopt;
+    return std::stoll(d);
+  };
+  const auto r = number(name.substr(0, m)), mp = number(name.substr(m + mid.size()));
+  if (!r || !mp) return std::nullopt;
+  return std::tuple{bf16, *r, *mp};
+}
+
+// The tag folder a `latest` file names (DeepSpeed's save_checkpoint writes it beside the tags), or
+// `path` itself.
+fs::path zero_tag_dir(const fs::path& path) {
+  std::error_code ec;
+  const fs::path latest = path / "latest";
+  if (!fs::is_regular_file(latest, ec) || fs::file_size(latest, ec) > 256) return path;
+  std::ifstream in(latest);
+  std::string tag;
+  std::getline(in, tag);
+  while (!tag.empty() && std::isspace(static_cast<unsigned char>(tag.back()))) tag.pop_back();
+  if (tag.empty() || tag == "." || tag == ".." || tag.find('/') != std::string::npos) return path;
+  return fs::is_directory(path / tag, ec) ? path / tag : path;
+}
+
+// The ZeRO files of the tag folder at (or named by `latest` in) `path`; nullopt where it holds none.
+Result<std::optional<ZeroFiles>> zero_files(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) return std::optional<ZeroFiles>{};
+  ZeroFiles z;
+  z.dir = zero_tag_dir(path);
+  std::map<int64_t, fs::path> ranks;
+  std::set<bool> kinds;
+  std::set<int64_t> mp;
+  bool pipeline = false;
+  size_t seen = 0;
+  for (fs::directory_iterator it(z.dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (++seen > (size_t{1} << 20)) return corrupt(z.dir.string() + ": more than 2^20 entries");
+    const std::string name = it->path().filename().string();
+    pipeline = pipeline || (name.rfind("layer_", 0) == 0 && name.ends_with("-model_states.pt"));
+    const auto parsed = zero_optim_name(name);
+    if (!parsed) continue;
+    const auto [bf16, rank, mprank] = *parsed;
+    kinds.insert(bf16);
+    mp.insert(mprank);
+    if (mprank == 0 && !ranks.emplace(rank, it->path()).second)
+      return corrupt(fmt::format("{}: two optimizer files of rank {}", z.dir.string(), rank));
+  }
+  if (ec) return io_error(fmt::format("{}: {}", z.dir.string(), ec.message()));
+  if (ranks.empty() && mp.empty()) return std::optional<ZeroFiles>{};
+  if (kinds.size() > 1)
+    return corrupt(z.dir.string() + ": optimizer files with and without the bf16_ prefix; one run's are alike");
+  if (mp.size() > 1 || !mp.count(0))
+    return corrupt(fmt::format("{}: model-parallel ranks (mp_rank_{:02d}): tensor-parallel ZeRO checkpoints are not read",
+                               z.dir.string(), *mp.rbegin()));
+  if (pipeline) return corrupt(z.dir.string() + ": layer_*-model_states.pt: pipeline-parallel checkpoints are not read");
+  for (int64_t r = 0; r < static_cast<int64_t>(ranks.size()); ++r) {
+    if (!ranks.count(r))
+      return corrupt(fmt::format("{}: no optimizer file of rank {} (zero_pp_rank_{}_mp_rank_00_optim_states.pt) among {} "
+                                 "ranks' files", z.dir.string(), r, r, ranks.size()));
+    z.optim.push_back(ranks.at(r));
+  }
+  for (const char* model : {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"})
+    if (fs::is_regular_file(z.dir / model, ec)) {
+      z.model = z.dir / model;
+      break;
+    }
+  if (z.model.empty())
+    return corrupt(z.dir.string() + ": no model states file (mp_rank_00_model_states.pt, or ZeRO-3's "
+                                    "zero_pp_rank_0_mp_rank_00_model_states.pt), which names the params");
+  return std::optional<ZeroFiles>{std::move(z)};
+}
+
+}  // namespace
+
+bool is_deepspeed_checkpoint(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) return false;
+  const fs::path dir = zero_tag_dir(path);
+  size_t seen = 0;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end && ++seen <= 4096; it.increment(ec))
+    if (zero_optim_name(it->path().filename().string())) return true;
+  return false;
+}
+
+Result<std::unique_ptr<CheckpointReader>> open_deepspeed(const fs::path& path) {
+  OPTSTATE_ASSIGN_OR_RETURN(const auto z, zero_files(path));
+  if (!z) return invalid_argument(path.string() + ": no DeepSpeed ZeRO optimizer files (zero_pp_rank_*_optim_states.pt)");
+  auto reader = std::make_unique<TorchSaveReader>(path);
+  OPTSTATE_RETURN_IF_ERROR(reader->init_zero(*z));
+  return std::unique_ptr<CheckpointReader>(std::move(reader));
 }
 
 Result<std::unique_ptr<CheckpointReader>> open_file(const fs::path& path) {

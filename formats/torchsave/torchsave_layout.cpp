@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <algorithm>
 #include <functional>
 #include <map>
@@ -918,6 +919,169 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
   // Each group keeps its members in its own order (params were visited by id; torch numbers them
   // in group order, so the two agree for files torch wrote).
   for (auto& [id, spec] : params) out.params.push_back(std::move(spec));
+  return out;
+}
+
+// ---- DeepSpeed ZeRO ----
+
+namespace {
+
+// An int stored plainly or as an enum member (ZeroStageEnum(2) pickles as a call with its value).
+std::optional<int64_t> int_or_enum(const Pickle& p, Ref r) {
+  if (r == kNoRef) return std::nullopt;
+  if (p.at(r).kind == Kind::kInt) return p.at(r).i;
+  if (p.at(r).kind == Kind::kObject && p.at(r).args != kNoRef) {
+    const auto* a = list_items(p, p.at(r).args);
+    if (a && a->size() == 1 && p.at((*a)[0]).kind == Kind::kInt) return p.at((*a)[0]).i;
+  }
+  return std::nullopt;
+}
+
+Result<TensorRef> flat_tensor(const Pickle& p, Ref r, const std::string& where) {
+  OPTSTATE_ASSIGN_OR_RETURN(Payload v, dcp::interpret_value(p, r, where));
+  if (v.kind != Payload::Kind::kTensor || v.tensor.shape.size() != 1)
+    return corrupt(where + ": not a 1-D tensor (ZeRO keeps flat partitions)");
+  if (v.tensor.dtype != DType::kF32) return corrupt(fmt::format("{}: {}, not float32", where, dtype_name(v.tensor.dtype)));
+  return v.tensor;
+}
+
+}  // namespace
+
+Result<ZeroRank> interpret_zero_optim(const Pickle& p, const std::string& where) {
+  const Ref osd = p.dict_get(p.root(), "optimizer_state_dict");
+  if (!dict_items(p, osd)) return corrupt(where + ": no 'optimizer_state_dict' dict (not a DeepSpeed ZeRO optimizer file)");
+  ZeroRank out;
+  const auto stage = int_or_enum(p, p.dict_get(osd, "zero_stage"));
+  Ref base = kNoRef, masters = kNoRef;
+  if (stage && *stage == 3) {
+    out.stage = 3;
+    base = p.dict_get(osd, "optimizer_state_dict");
+    masters = p.dict_get(osd, "fp32_flat_groups");
+    const auto n = int_or_enum(p, p.dict_get(osd, "partition_count"));
+    if (!n) return corrupt(where + ": 'partition_count' is not an int");
+    out.partitions = *n;
+  } else if (!stage || *stage == 1 || *stage == 2) {
+    out.stage = stage ? static_cast<int>(*stage) : 1;  // BF16_Optimizer (stage 1) records none
+    base = p.dict_get(osd, "base_optimizer_state");
+    masters = p.dict_get(osd, "single_partition_of_fp32_groups");
+    const auto* counts = list_items(p, p.dict_get(osd, "partition_count"));
+    if (!counts || counts->empty()) return corrupt(where + ": 'partition_count' is not a list");
+    for (Ref c : *counts) {
+      const auto n = int_or_enum(p, c);
+      if (!n || (out.partitions && *n != out.partitions))
+        return corrupt(where + ": 'partition_count' differs between param groups (not one data-parallel world)");
+      out.partitions = *n;
+    }
+  } else {
+    return corrupt(fmt::format("{}: ZeRO stage {}", where, *stage));
+  }
+  if (out.partitions < 1 || out.partitions > (int64_t{1} << 20))
+    return corrupt(fmt::format("{}: partition_count {} is not a world size", where, out.partitions));
+  if (!is_optimizer_dict(p, base))
+    return corrupt(where + ": the wrapped optimizer's state_dict ('state', 'param_groups') is missing");
+  const auto* groups = list_items(p, p.dict_get(base, "param_groups"));
+  const auto* flat = list_items(p, masters);
+  if (!groups || groups->empty() || !flat || flat->size() != groups->size())
+    return corrupt(where + ": param groups and fp32 partitions do not pair up");
+  const Ref state = p.dict_get(base, "state");
+  const auto* sitems = dict_items(p, state);
+  if (!sitems) return corrupt(where + ": 'state' is not a dict");
+  const std::vector<Ref>* mappings = nullptr;
+  if (out.stage != 3) {
+    mappings = list_items(p, p.dict_get(osd, "param_slice_mappings"));
+    if (!mappings || mappings->size() != groups->size())
+      return corrupt(where + ": no 'param_slice_mappings' for every param group (DeepSpeed >= 0.7 records where "
+                             "each param's run lies)");
+  }
+  std::set<std::string> other_keys;
+  for (size_t g = 0; g < groups->size(); ++g) {
+    const std::string gw = fmt::format("{} param group {}", where, g);
+    const Ref gr = (*groups)[g];
+    ZeroGroup zg;
+    OPTSTATE_ASSIGN_OR_RETURN(zg.group, adamw_group(p, gr, gw));
+    // DeepSpeed's FusedAdam / DeepSpeedCPUAdam: Adam with L2 decay unless in AdamW mode.
+    for (const char* mode : {"adam_w_mode", "adamw_mode"})
+      if (const auto m = dcp::as_bool(p, p.dict_get(gr, mode)); m && !*m && zg.group.hyper.weight_decay != 0)
+        return corrupt(fmt::format("{}: {}=False with weight decay: Adam with L2 decay, not AdamW", gw, mode));
+    const auto* ids = list_items(p, p.dict_get(gr, "params"));
+    if (!ids || ids->size() != 1 || p.at((*ids)[0]).kind != Kind::kInt)
+      return corrupt(gw + ": 'params' is not one flat param");
+    const int64_t id = p.at((*ids)[0]).i;
+    Ref st = kNoRef;
+    for (size_t k = 0; k + 1 < sitems->size(); k += 2)
+      if (p.at((*sitems)[k]).kind == Kind::kInt && p.at((*sitems)[k]).i == id) st = (*sitems)[k + 1];
+    const auto* fields = dict_items(p, st);
+    if (!fields) return corrupt(fmt::format("{}: no state for its flat param {} (never stepped)", gw, id));
+    for (size_t f = 0; f + 1 < fields->size(); f += 2) {
+      const auto name = dcp::as_string(p, (*fields)[f]);
+      if (!name) return corrupt(gw + ": a state key is not a string");
+      const std::string ew = fmt::format("{} '{}'", gw, *name);
+      if (*name == "step") {
+        OPTSTATE_ASSIGN_OR_RETURN(zg.step, scalar(p, (*fields)[f + 1], ew));
+      } else if (is_moment(*name)) {
+        OPTSTATE_ASSIGN_OR_RETURN(TensorRef t, flat_tensor(p, (*fields)[f + 1], ew));
+        if (!zg.moments.emplace(*name, t).second) return corrupt(ew + ": listed twice");
+      } else {
+        other_keys.insert(*name);
+      }
+    }
+    if (!zg.step.number && !zg.step.tensor) return corrupt(gw + ": no 'step'");
+    if (!zg.moments.count(kExpAvg) || !zg.moments.count(kExpAvgSq)) return corrupt(gw + ": no 'exp_avg' and 'exp_avg_sq'");
+    OPTSTATE_ASSIGN_OR_RETURN(zg.master, flat_tensor(p, (*flat)[g], gw + " fp32 weights"));
+    // The last rank's moments hold the group's padding too; its fp32 weights' partition does not.
+    for (const auto& [name, t] : zg.moments)
+      if (t.shape[0] < zg.master.shape[0])
+        return corrupt(fmt::format("{} '{}': {} elements, fewer than the fp32 weights' partition's {}", gw, name,
+                                   t.shape[0], zg.master.shape[0]));
+    if (mappings) {
+      const auto* items = dict_items(p, (*mappings)[g]);
+      if (!items) return corrupt(gw + ": 'param_slice_mappings' is not a dict");
+      std::set<std::string> seen;
+      for (size_t k = 0; k + 1 < items->size(); k += 2) {
+        const auto name = dcp::as_string(p, (*items)[k]);
+        const Ref fa = dcp::fields_of(p, (*items)[k + 1]);
+        const auto numel = dcp::as_number(p, p.dict_get(fa, "numel")), start = dcp::as_number(p, p.dict_get(fa, "start"));
+        if (!name || !numel || !start || *numel < 0 || *start < 0 || *numel > 9e15 || *start > 9e15 ||
+            *numel != std::floor(*numel) || *start != std::floor(*start))
+          return corrupt(gw + ": a param_slice_mappings entry is not a name with a fragment_address(numel, start)");
+        if (!seen.insert(*name).second) return corrupt(fmt::format("{}: '{}' mapped twice", gw, *name));
+        zg.fragments.push_back({*name, static_cast<int64_t>(*start), static_cast<int64_t>(*numel)});
+      }
+    }
+    out.groups.push_back(std::move(zg));
+  }
+  for (const std::string& k : other_keys) out.not_read.push_back(fmt::format("the optimizer's per-group '{}'", k));
+  return out;
+}
+
+Result<ZeroShapes> interpret_zero_model(const Pickle& p, const std::string& where) {
+  const auto* groups = list_items(p, p.dict_get(p.root(), "param_shapes"));
+  if (!groups || groups->empty())
+    return corrupt(where + ": no 'param_shapes' list (not DeepSpeed's model states file)");
+  ZeroShapes out;
+  std::set<std::string> names;
+  for (size_t g = 0; g < groups->size(); ++g) {
+    const auto* items = dict_items(p, (*groups)[g]);
+    if (!items) return corrupt(fmt::format("{}: param_shapes[{}] is not a dict", where, g));
+    auto& params = out.groups.emplace_back();
+    for (size_t k = 0; k + 1 < items->size(); k += 2) {
+      const auto name = dcp::as_string(p, (*items)[k]);
+      const auto shape = dcp::torch_size(p, (*items)[k + 1]);
+      if (!name || !shape) return corrupt(fmt::format("{}: param_shapes[{}] has an entry that is no name and shape", where, g));
+      OPTSTATE_RETURN_IF_ERROR(checked_numel(*shape).status().with_context(fmt::format("{}: '{}'", where, *name)));
+      if (!names.insert(*name).second) return corrupt(fmt::format("{}: '{}' in param_shapes twice", where, *name));
+      params.emplace_back(*name, *shape);
+    }
+  }
+  if (const auto* frozen = dict_items(p, p.dict_get(p.root(), "frozen_param_shapes")); frozen && !frozen->empty())
+    out.not_read.push_back(fmt::format("{} frozen param{} (no optimizer state)", frozen->size() / 2,
+                                       frozen->size() == 2 ? "" : "s"));
+  if (const auto* module = dict_items(p, p.dict_get(p.root(), "module")); module && !module->empty())
+    out.not_read.push_back(fmt::format("['module'] ({} entries: the model's weights and buffers in their training "
+                                       "dtype; the optimizer's fp32 weights are read)", module->size() / 2));
+  for (const char* key : {"lr_scheduler", "data_sampler", "random_ltd"})
+    if (const Ref r = p.dict_get(p.root(), key); r != kNoRef && p.at(r).kind != Kind::kNone)
+      out.not_read.push_back(fmt::format("['{}']", key));
   return out;
 }
 

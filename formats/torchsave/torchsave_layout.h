@@ -171,6 +171,37 @@ struct FrameParts {
 };
 void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, const FrameParts& parts);
 
+// ---- DeepSpeed ZeRO (stages 1, 2 and 3), read for formats/deepspeed/ ----
+// One rank's optimizer file (global_stepN/zero_pp_rank_R_mp_rank_00_optim_states.pt, "bf16_"
+// before it under bf16): the wrapped torch optimizer's state of one flat fp32 param per group, this
+// rank's partition of it, and that partition of the fp32 master weights.
+struct ZeroFragment {
+  std::string name;
+  int64_t start = 0, numel = 0;  // where the param's run lies in this rank's partition
+};
+struct ZeroGroup {
+  GroupSpec group;                                // hyperparameters (params: from the model states file)
+  Scalar step;
+  std::map<std::string, dcp::TensorRef> moments;  // exp_avg, exp_avg_sq (max_exp_avg_sq): 1-D partitions
+  dcp::TensorRef master;                          // the fp32 weights' partition, 1-D
+  std::vector<ZeroFragment> fragments;            // stages 1 and 2: param_slice_mappings, this rank's runs
+};
+struct ZeroRank {
+  int stage = 0;            // 1 or 2 (one layout), 3
+  int64_t partitions = 0;   // partition_count: the data-parallel world size
+  std::vector<ZeroGroup> groups;
+  std::vector<std::string> not_read;
+};
+Result<ZeroRank> interpret_zero_optim(const pickle::Pickle& p, const std::string& where);
+
+// The model states file (mp_rank_00_model_states.pt; stage 3: zero_pp_rank_0_mp_rank_00_model_states.pt):
+// each group's params in flattening order with their shapes, and what else it holds.
+struct ZeroShapes {
+  std::vector<std::vector<std::pair<std::string, std::vector<int64_t>>>> groups;
+  std::vector<std::string> not_read;
+};
+Result<ZeroShapes> interpret_zero_model(const pickle::Pickle& p, const std::string& where);
+
 // A planned state_dict of an optimizer with its own state layout (the bitsandbytes and torchao
 // writers): data.pkl and its storage records "0", "1", ... in writing order, each one of:
 struct StorageSpec {

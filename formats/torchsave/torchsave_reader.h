@@ -17,6 +17,12 @@ namespace optstate::torchsave {
 
 Result<std::unique_ptr<CheckpointReader>> open_file(const std::filesystem::path& path);
 
+// A DeepSpeed ZeRO checkpoint (formats/deepspeed/): its tag folder (global_step500/, every rank's
+// zero_pp_rank_R_mp_rank_00_optim_states.pt and the model states file), or the folder above whose
+// `latest` file names the tag (Hugging Face's checkpoint-500/).
+bool is_deepspeed_checkpoint(const std::filesystem::path& path);
+Result<std::unique_ptr<CheckpointReader>> open_deepspeed(const std::filesystem::path& path);
+
 // The name of a file's first zip record, from its first local header (the sniffers' cheap look:
 // torch.save writes <folder>/data.pkl first, LibTorch <folder>/data/0); nullopt for anything else.
 std::optional<std::string> first_zip_record(const std::filesystem::path& path);

@@ -99,6 +99,7 @@ TEST_CASE("every driver writes the same checkpoint streamed from a reader as fro
   REQUIRE(find_format("native")->write(eight, dir.path / "eight-src", {}).ok());
   for (const FormatDriver* d : format_drivers())
     for (int world : {1, 3}) {
+      if (!d->writes()) continue;  // read-only (DeepSpeed)
       CAPTURE(d->name());
       CAPTURE(world);
       const std::string tag = fmt::format("{}-{}", d->name(), world);
@@ -129,6 +130,7 @@ TEST_CASE("a writer holds one entry at a time and loads each once per pass") {
   const OptimizerState eight = *quantize_state(larger_state(), {64, 1});
   for (const FormatDriver* d : format_drivers())
     for (bool dequantize : {false, true}) {
+      if (!d->writes()) continue;  // read-only (DeepSpeed)
       CAPTURE(d->name());
       CAPTURE(dequantize);
       testing::TempDir dir;
@@ -163,6 +165,7 @@ TEST_CASE("a source that gives wrong bytes or fails part way leaves no output an
     f.put('\x7f');
   }
   for (const FormatDriver* d : format_drivers()) {
+    if (!d->writes()) continue;  // read-only (DeepSpeed)
     CAPTURE(d->name());
     testing::TempDir out;
     const Status st = d->write(bad, out.path / "c", {});

@@ -19,15 +19,18 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 py_reqs="$root/scripts/requirements.txt"
+sdist_reqs="$root/scripts/requirements-sdist.txt"
 stamp="$root/.venv/.optstate-reqs"
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-if [ ! -f "$stamp" ] || ! cmp -s "$py_reqs" "$stamp"; then
-  echo "setup: pip install -r scripts/requirements.txt" >&2
+if [ ! -f "$stamp" ] || ! cmp -s <(cat "$py_reqs" "$sdist_reqs") "$stamp"; then
+  echo "setup: pip install -r scripts/requirements.txt -r scripts/requirements-sdist.txt" >&2
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
   .venv/bin/python -m pip install -q -r "$py_reqs"
-  cp "$py_reqs" "$stamp"
+  # DeepSpeed (for the interop tests): no compiled ops, built against this torch.
+  DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --no-build-isolation --no-deps -r "$sdist_reqs"
+  cat "$py_reqs" "$sdist_reqs" > "$stamp"
 fi
 
 # The Python package lives in python/; a .pth file makes `import optstate` work in the venv.

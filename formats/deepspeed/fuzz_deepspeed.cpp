@@ -1,0 +1,41 @@
+// Fuzz target for the deepspeed driver, built twice: over a ZeRO-2 checkpoint
+// (testdata/zero2_world2/, fuzz.deepspeed_zero2) and a ZeRO-3 one (testdata/zero3_world2/,
+// fuzz.deepspeed_zero3), both real (make_seeds.py). The input is rank 1's optimizer file, beside the
+// real files of rank 0 and the model states, so damage reaches the ZeRO interpretation (stage,
+// partition counts, the wrapped optimizer's groups and flat state, param_slice_mappings), the
+// placement of every param's runs across the ranks' partitions and the cross-rank checks. Each input
+// is also tried with data.pkl's CRC-32 re-signed (as fuzz_torchsave_file does). Every input must
+// validate, open, hash, read whole and write back (as a native checkpoint: DeepSpeed's format is
+// read only), or give an error; never a crash, a hang or an unbounded allocation.
+// CTest: fuzz.deepspeed_zero2, fuzz.deepspeed_zero3 (bounded mutation runs); with OPTSTATE_LIBFUZZER,
+// coverage-guided.
+#include <cstdint>
+#include <string>
+
+#include "fuzz_checkpoint.h"
+#include "torchsave/torchsave_fuzz_sign.h"
+
+using namespace optstate;
+
+namespace {
+
+const fuzz::CheckpointFixture& fixture() {
+  static const fuzz::CheckpointFixture f("deepspeed", OPTSTATE_DEEPSPEED_SEED,
+                                         "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt");
+  return f;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::string raw(reinterpret_cast<const char*>(data), size);
+  auto signed_input = torchsave::with_pickle_crc(raw);
+  fixture().run(signed_input ? *signed_input : raw, fixture().data());
+  return 0;
+}
+
+#ifndef OPTSTATE_LIBFUZZER
+int main(int argc, char** argv) {
+  return fixture().main(argc, argv, OPTSTATE_DEEPSPEED_TEST, "", torchsave::with_pickle_crc);
+}
+#endif

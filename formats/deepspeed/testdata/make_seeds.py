@@ -1,0 +1,59 @@
+"""Writes the seed checkpoints of the deepspeed driver's tests and fuzz target: real DeepSpeed ZeRO
+checkpoints of a tiny model (Linear(16, 24), GELU, Linear(24, 3); two param groups as Hugging Face's
+Trainer makes them: weights decayed, biases not), three AdamW steps on 2 CPU ranks (gloo), saved
+with engine.save_checkpoint (global_step3/ and `latest`):
+
+  zero2_world2/       ZeRO-2, fp32
+  zero3_world2/       ZeRO-3, fp32 (the same run: it hashes like zero2_world2/)
+  bf16_zero1_world2/  ZeRO-1 under bf16 (bf16_zero_pp_rank_*: fp32 master weights and moments)
+
+    .venv/bin/python formats/deepspeed/testdata/make_seeds.py     (needs deepspeed; 1-2 min)
+"""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def train(stage, bf16, out):
+    import deepspeed
+    import torch
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.GELU(), torch.nn.Linear(24, 3))
+    groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05},
+              {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1e-3)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+           "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    for step in range(3):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))  # every rank the same batch
+        engine.backward(engine(x.to(dtype)).float().square().sum())
+        engine.step()
+    engine.save_checkpoint(out)
+    torch.distributed.barrier()
+
+
+def main():
+    if len(sys.argv) > 1:  # a rank, under torchrun
+        stage, bf16, out = int(sys.argv[1]), sys.argv[2] == "bf16", sys.argv[3]
+        train(stage, bf16, out)
+        return
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    for name, stage, bf16 in (("zero2_world2", 2, "fp32"), ("zero3_world2", 3, "fp32"), ("bf16_zero1_world2", 1, "bf16")):
+        out = HERE / name
+        shutil.rmtree(out, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+                        str(stage), bf16, str(out)], check=True, env=env)
+        for extra in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's recovery scripts: not state
+            (out / extra).unlink(missing_ok=True)
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

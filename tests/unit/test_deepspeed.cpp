@@ -1,0 +1,135 @@
+// deepspeed driver: real DeepSpeed ZeRO checkpoints (formats/deepspeed/testdata/make_seeds.py:
+// ZeRO-2 and ZeRO-3 of one run, ZeRO-1 under bf16, 2 ranks each) read as their canonical state;
+// damaged and unsupported variants are refused with the file named.
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+
+#include "optstate/checkpoint.h"
+#include "optstate/hash.h"
+#include "optstate/io.h"
+#include "optstate/validate.h"
+#include "registry.h"
+#include "test_helpers.h"
+
+using namespace optstate;
+namespace fs = std::filesystem;
+
+namespace {
+
+const fs::path kSeeds = fs::path(OPTSTATE_SOURCE_DIR) / "formats/deepspeed/testdata";
+
+std::unique_ptr<CheckpointReader> open_seed(const fs::path& path) {
+  auto r = open_checkpoint(path);
+  REQUIRE_MESSAGE(r.ok(), r.status().message());
+  CHECK(r.value()->format() == "deepspeed");
+  return std::move(r.value());
+}
+
+// A seed's tag folder copied into `dir`, for damaging.
+fs::path copy_tag(const char* seed, const testing::TempDir& dir) {
+  const fs::path out = dir.path / "global_step3";
+  fs::copy(kSeeds / seed / "global_step3", out, fs::copy_options::recursive);
+  return out;
+}
+
+std::string error_of(const fs::path& path) {
+  auto r = open_checkpoint(path);
+  REQUIRE_FALSE(r.ok());
+  return r.status().message();
+}
+
+}  // namespace
+
+TEST_CASE("deepspeed: ZeRO-1, -2 and -3 checkpoints read as AdamW state, each param put together from both ranks") {
+  for (const char* seed : {"zero2_world2", "zero3_world2", "bf16_zero1_world2"}) {
+    CAPTURE(seed);
+    auto r = open_seed(kSeeds / seed);  // the folder whose `latest` names global_step3/
+    const OptimizerState& m = r->meta();
+    CHECK(m.kind == "adamw");
+    REQUIRE(m.groups.size() == 2);  // Hugging Face's two: weights decayed, biases not
+    CHECK(m.groups[0].hyper.weight_decay == 0.05);
+    CHECK(m.groups[1].hyper.weight_decay == 0.0);
+    CHECK(m.groups[0].params == std::vector<std::string>{"0.weight", "2.weight"});
+    CHECK(m.groups[1].params == std::vector<std::string>{"0.bias", "2.bias"});
+    CHECK(m.params.at("0.weight").shape == std::vector<int64_t>{24, 16});
+    CHECK(m.params.at("2.bias").shape == std::vector<int64_t>{3});
+    for (const auto& [fqn, ps] : m.params) {
+      CHECK(ps.step == 3);
+      CHECK(ps.entries.size() == 3);  // exp_avg, exp_avg_sq and the fp32 master weights
+      for (const auto& [name, e] : ps.entries) CHECK(e.dtype == DType::kF32);
+    }
+    // the model's own weights (bf16 under bf16) are named, not read: the fp32 copies are the weights
+    const auto nr = r->not_read();
+    CHECK(std::any_of(nr.begin(), nr.end(), [](const std::string& s) { return s.starts_with("['module']"); }));
+    auto v = validate_checkpoint(kSeeds / seed, [](const fs::path& p) { return open_checkpoint(p); });
+    REQUIRE(v.ok());
+    CHECK(v->findings.empty());
+    // the tag folder itself opens as the same state
+    auto tag = open_seed(kSeeds / seed / "global_step3");
+    CHECK(hash_checkpoint(*tag)->root == hash_checkpoint(*r)->root);
+  }
+  // One run saved under ZeRO-2 and under ZeRO-3 (other partitions, other files): the same state.
+  auto z2 = open_seed(kSeeds / "zero2_world2"), z3 = open_seed(kSeeds / "zero3_world2");
+  CHECK(hash_checkpoint(*z2)->root == hash_checkpoint(*z3)->root);
+  // and it converts: DeepSpeed is read only, any writable format takes it
+  testing::TempDir dir;
+  REQUIRE(write_checkpoint(*find_format("native"), *load_all(*z2), dir.path / "native", {}).ok());
+  CHECK(hash_checkpoint(*open_checkpoint(dir.path / "native").value())->root == hash_checkpoint(*z2)->root);
+  const FormatDriver* ds = find_format("deepspeed");
+  REQUIRE(ds);
+  CHECK(!ds->writes());
+  auto refused = ds->write(*load_all(*z2), dir.path / "ds", {});
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.message().find("does not write") != std::string::npos);
+  CHECK(!fs::exists(dir.path / "ds"));
+}
+
+TEST_CASE("deepspeed: a missing rank, model-parallel files, no model states or a damaged file are refused by name") {
+  {
+    testing::TempDir dir;
+    const fs::path tag = copy_tag("zero2_world2", dir);
+    fs::remove(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt");
+    CHECK(error_of(tag).find("no optimizer file of rank 0") != std::string::npos);
+  }
+  {
+    testing::TempDir dir;
+    const fs::path tag = copy_tag("zero2_world2", dir);
+    fs::remove(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt");  // rank 0 alone: partition_count says 2
+    CHECK(error_of(tag).find("partition_count 2, but") != std::string::npos);
+  }
+  {
+    testing::TempDir dir;
+    const fs::path tag = copy_tag("zero2_world2", dir);
+    fs::copy(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt", tag / "zero_pp_rank_0_mp_rank_01_optim_states.pt");
+    CHECK(error_of(tag).find("tensor-parallel ZeRO checkpoints are not read") != std::string::npos);
+  }
+  {
+    testing::TempDir dir;
+    const fs::path tag = copy_tag("zero2_world2", dir);
+    fs::remove(tag / "mp_rank_00_model_states.pt");
+    CHECK(error_of(tag).find("no model states file") != std::string::npos);
+  }
+  {
+    testing::TempDir dir;
+    const fs::path tag = copy_tag("zero3_world2", dir);
+    const fs::path f = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt";
+    const std::string bytes = testing::read_file(f);
+    testing::write_file(f, bytes.substr(0, bytes.size() / 2));
+    CHECK(error_of(tag).find(f.string()) != std::string::npos);
+  }
+  {
+    // The other run's rank 1 beside this one's rank 0 (ZeRO-1 bf16 and ZeRO-2 files): refused.
+    testing::TempDir dir;
+    const fs::path tag = copy_tag("zero2_world2", dir);
+    fs::copy(kSeeds / "zero3_world2/global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+             tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt", fs::copy_options::overwrite_existing);
+    CHECK(error_of(tag).find("ZeRO stage 3 with 2 param groups, rank 0's file stage 2") != std::string::npos);
+  }
+  {
+    // `latest` may only name a folder beside it.
+    testing::TempDir dir;
+    copy_tag("zero2_world2", dir);
+    testing::write_file(dir.path / "latest", "../global_step3\n");
+    CHECK(!find_format("deepspeed")->sniff(dir.path));
+  }
+}

@@ -124,7 +124,7 @@ class CheckpointFixture {
     if (single_file()) {
       write_file(work, std::string(index).append(data.at(0).second));
     } else {
-      fs::create_directories(work);
+      fs::create_directories((work / index_name_).parent_path());
       write_file(work / index_name_, index);
       for (const auto& [rel, bytes] : data) {
         fs::create_directories((work / rel).parent_path());

@@ -1,0 +1,130 @@
+"""DeepSpeed ZeRO checkpoints (formats/deepspeed/) against DeepSpeed itself: real runs on CPU ranks
+(gloo), saved with engine.save_checkpoint. What optstate reads is compared with DeepSpeed's own
+reassembly of the same checkpoint (its ds_to_universal: per-param fp32 weights, moments and step)
+bit for bit, and the converted state, loaded into plain torch.optim.AdamW in one process, ends
+where DeepSpeed's own run continues to, bit for bit."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from test_formats import hashes, run_err, run_script
+
+pytest.importorskip("deepspeed")
+
+TRAIN = """
+import sys, torch, deepspeed
+stage, bf16, out, steps, more = int(sys.argv[1]), sys.argv[2] == "bf16", sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+# Hugging Face's two groups (weights decayed, the rest not); sizes that split across the ranks'
+# partitions at odd places.
+model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 50), torch.nn.GELU(),
+                            torch.nn.Linear(50, 3))
+groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05},
+          {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "lr": 2e-3}]
+opt = torch.optim.AdamW(groups, lr=1e-3)
+cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+       "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
+engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+dtype = torch.bfloat16 if bf16 else torch.float32
+def step(s):
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))  # every rank the same batch
+    engine.backward((engine(x.to(dtype)).float() * 1e-2).square().sum())
+    engine.step()
+for s in range(steps):
+    step(s)
+engine.save_checkpoint(out)
+for s in range(steps, steps + more):  # the run continues: its fp32 weights at the end, for the resume test
+    step(s)
+if more:
+    full = {n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()}
+    if torch.distributed.get_rank() == 0:
+        torch.save(full, out + ".continued.pt")
+torch.distributed.barrier()
+"""
+
+
+@pytest.fixture(autouse=True)
+def cpu_accelerator(monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+
+
+def ds_run(tmp_path, stage, dtype, ranks, steps=3, more=0):
+    out = tmp_path / f"zero{stage}_{dtype}_{ranks}"
+    run_script(tmp_path, TRAIN, "ds_train.py", stage, dtype, out, steps, more, ranks=ranks)
+    return out
+
+
+def universal(tmp_path, ck, tag):
+    """DeepSpeed's own reassembly of a ZeRO checkpoint: zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt."""
+    out = tmp_path / (ck.name + "_universal")
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ck / tag),
+                           "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1",
+                           "--inject_missing_state"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def universal_tensor(path):
+    t = torch.load(path, weights_only=False)
+    return t["param"] if isinstance(t, dict) else t
+
+
+@pytest.mark.parametrize("stage,dtype,ranks", [(1, "bf16", 2), (2, "fp32", 3), (3, "fp32", 3)])
+def test_zero_checkpoint_reads_as_deepspeeds_own_reassembly(tmp_path, optstate_cli, stage, dtype, ranks):
+    ck = ds_run(tmp_path, stage, dtype, ranks)
+    assert "(deepspeed)" in optstate_cli("inspect", ck).stdout
+    done = optstate_cli("convert", ck, tmp_path / "plain.pt")  # HF's checkpoint-N/ layout: `latest` names the tag
+    assert "['module']" in done.stderr  # the model's own weights: named as not read (the fp32 copies are)
+    sd = torch.load(tmp_path / "plain.pt")
+    ref = universal(tmp_path, ck, "global_step3")
+    groups = sd["optimizer"]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.05, 0.0] and [g["lr"] for g in groups] == [1e-3, 2e-3]
+    names = [n for g in groups for n in g["param_names"]]
+    assert names == ["0.weight", "2.weight", "4.weight", "0.bias", "2.bias", "4.bias"]
+    for i, n in enumerate(names):
+        st = sd["optimizer"]["state"][i]
+        assert st["step"].item() == 3
+        if (ref / "zero" / n / "step.pt").exists():  # ZeRO-3's reassembly keeps none per param
+            assert universal_tensor(ref / "zero" / n / "step.pt") == 3
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[k], universal_tensor(ref / "zero" / n / f"{k}.pt").view_as(st[k])), (n, k)
+        assert torch.equal(sd["model"][n], universal_tensor(ref / "zero" / n / "fp32.pt").view_as(sd["model"][n])), n
+    # convert is the only way in: DeepSpeed's format is read, not written
+    err = run_err(optstate_cli, "convert", tmp_path / "plain.pt", tmp_path / "back", "--format", "deepspeed")
+    assert "does not write" in err and not (tmp_path / "back").exists()
+
+
+def test_zero2_and_zero3_of_one_run_hold_the_same_state(tmp_path, optstate_cli):
+    a, b = ds_run(tmp_path, 2, "fp32", 2), ds_run(tmp_path, 3, "fp32", 2)
+    assert hashes(optstate_cli, a) == hashes(optstate_cli, b)
+    # and resharded to any world size, it is still that state
+    optstate_cli("reshard", a, tmp_path / "native3", "--world-size", "3")
+    assert hashes(optstate_cli, tmp_path / "native3") == hashes(optstate_cli, a)
+
+
+def test_converted_zero_state_resumes_in_torch_adamw_where_deepspeed_continues(tmp_path, optstate_cli):
+    """ZeRO-2 on 2 ranks, every rank the same batch: DeepSpeed's averaged gradient is the
+    one-process gradient exactly, so torch.optim.AdamW from the converted state, stepping on the
+    same batches, must end on DeepSpeed's fp32 weights bit for bit."""
+    ck = ds_run(tmp_path, 2, "fp32", 2, steps=3, more=2)
+    optstate_cli("convert", ck, tmp_path / "plain.pt")
+    sd = torch.load(tmp_path / "plain.pt")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 50), torch.nn.GELU(),
+                                torch.nn.Linear(50, 3))
+    model.load_state_dict(sd["model"])
+    named = dict(model.named_parameters())
+    groups = [{"params": [named[n] for n in g["param_names"]]} for g in sd["optimizer"]["param_groups"]]
+    opt = torch.optim.AdamW(groups, lr=1.0)
+    opt.load_state_dict(sd["optimizer"])
+    for s in range(3, 5):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))
+        (model(x) * 1e-2).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    continued = torch.load(str(ck) + ".continued.pt")
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), continued[n]), n

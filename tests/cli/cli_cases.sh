@@ -605,6 +605,24 @@ PY
     rm "$work/fsdp1_world2/model_world_size_2_rank_0.pt"
     expect_error 2 "rank 0's model file model_world_size_2_rank_0.pt is missing" -- "$OPTSTATE" inspect "$work/fsdp1_world2"
     ;;
+  deepspeed-zero)
+    # DeepSpeed ZeRO checkpoints (real 2-rank runs): the folder with `latest` and its tag folder
+    # read alike; ZeRO-2 and ZeRO-3 of one run give one state in every format; a missing rank's file
+    # is named; the format is not written, and a convert to it leaves nothing.
+    data="$(cd "$(dirname "$0")/../.." && pwd)/formats/deepspeed/testdata"
+    cp -r "$data/zero2_world2" "$work/z2"
+    "$OPTSTATE" inspect "$work/z2" | matches "(deepspeed)" || fail "inspect says deepspeed"
+    "$OPTSTATE" validate "$work/z2" >/dev/null || fail "validate"
+    [ "$("$OPTSTATE" hash "$work/z2")" = "$("$OPTSTATE" hash "$work/z2/global_step3")" ] || fail "latest and tag differ"
+    "$OPTSTATE" convert "$work/z2" "$work/z2.safetensors" >/dev/null || fail "convert to safetensors"
+    "$OPTSTATE" convert "$data/zero3_world2" "$work/z3.pt" 2>/dev/null >/dev/null || fail "convert to torch.save"
+    [ "$("$OPTSTATE" hash "$work/z2.safetensors" | tail -1)" = "$("$OPTSTATE" hash "$work/z3.pt" | tail -1)" ] \
+      || fail "ZeRO-2 and ZeRO-3 of one run convert to other states"
+    expect_error 2 "does not write" -- "$OPTSTATE" convert "$work/z3.pt" "$work/back" --format deepspeed
+    [ ! -e "$work/back" ] || fail "a refused convert left $work/back"
+    rm "$work/z2/global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    expect_error 2 "partition_count 2, but" -- "$OPTSTATE" inspect "$work/z2"
+    ;;
   libtorch-archive)
     # A C++ loop's torch::save(optimizer) (LibTorch's archive) of torch::optim::AdamW and of
     # optstate's AdamW8bit: validated, converted to torch's state_dict and to safetensors with the

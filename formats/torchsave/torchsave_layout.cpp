@@ -1003,6 +1003,8 @@ Result<ZeroRank> interpret_zero_optim(const Pickle& p, const std::string& where)
     for (const char* mode : {"adam_w_mode", "adamw_mode"})
       if (const auto m = dcp::as_bool(p, p.dict_get(gr, mode)); m && !*m && zg.group.hyper.weight_decay != 0)
         return corrupt(fmt::format("{}: {}=False with weight decay: Adam with L2 decay, not AdamW", gw, mode));
+    if (const auto bc = dcp::as_bool(p, p.dict_get(gr, "bias_correction")); bc && !*bc)
+      return corrupt(gw + ": bias_correction=False: not AdamW's update");
     const auto* ids = list_items(p, p.dict_get(gr, "params"));
     if (!ids || ids->size() != 1 || p.at((*ids)[0]).kind != Kind::kInt)
       return corrupt(gw + ": 'params' is not one flat param");

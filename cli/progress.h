@@ -49,6 +49,7 @@ class ProgressReader final : public CheckpointReader {
   const OptimizerState& meta() const override { return inner_->meta(); }
   std::vector<std::string> not_read() const override { return inner_->not_read(); }
   bool checksummed() const override { return inner_->checksummed(); }
+  Status verify_shared_records() override { return inner_->verify_shared_records(); }
   Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) override;
   Status read_range(const std::string& fqn, const std::string& entry, Component c, int64_t begin, int64_t end,
                     std::span<std::byte> out) override;

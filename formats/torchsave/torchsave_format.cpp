@@ -184,7 +184,30 @@ class TorchSaveReader final : public CheckpointReader {
   const fs::path& path() const override { return path_; }
   const OptimizerState& meta() const override { return meta_; }
   std::vector<std::string> not_read() const override { return not_read_; }
-  bool checksummed() const override { return checksummed_; }
+  bool checksummed() const override { return checksummed_ || shared_verified_; }
+
+  Status verify_shared_records() override {
+    std::set<std::pair<size_t, uint64_t>> done;  // (file, record): each read once
+    bool all = true;
+    for (const auto& [key, pieces] : stored_)
+      for (const Piece& pc : pieces) {
+        const Stored& s = pc.stored;
+        if (s.checked()) continue;
+        if (s.crc == 0) {  // none recorded (compute_crc32 off)
+          all = false;
+          continue;
+        }
+        if (!done.emplace(s.file, s.record_at).second) continue;
+        const auto& [fqn, entry, c] = key;
+        OPTSTATE_ASSIGN_OR_RETURN(const uint32_t crc, record_crc(s.file, s.record_at, s.record_at + s.record_bytes, 0,
+                                                                 fqn, entry, c));
+        if (crc != s.crc)
+          return corrupt(fmt::format("{}: CRC-32 of the storage holding {} is {:08x}, the archive records {:08x}",
+                                     files_[s.file].path.string(), name_of(fqn, entry, c), crc, s.crc));
+      }
+    shared_verified_ = all;
+    return Status::Ok();
+  }
 
   Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) override {
     OPTSTATE_ASSIGN_OR_RETURN(const std::vector<Piece>* pieces, find(fqn, entry, c));
@@ -1252,6 +1275,7 @@ class TorchSaveReader final : public CheckpointReader {
   bool bnb_ = false;       // bitsandbytes' state: formats/bitsandbytes/ writes it
   bool torchao_ = false;   // one file of torchao's state: formats/torchao/ writes it
   bool deepspeed_ = false; // a DeepSpeed ZeRO checkpoint: formats/deepspeed/ sniffs it
+  bool shared_verified_ = false;  // verify_shared_records covered every record the pieces read
   std::vector<Archive> files_;
   OptimizerState meta_;
   std::vector<std::string> not_read_;

@@ -126,6 +126,30 @@ TEST_CASE("deepspeed: a missing rank, model-parallel files, no model states or a
     CHECK(error_of(tag).find("ZeRO stage 3 with 2 param groups, rank 0's file stage 2") != std::string::npos);
   }
   {
+    // A bit flipped in a flat partition that several params share: reading param by param cannot
+    // check its CRC-32; validate reads the record whole and names the file.
+    testing::TempDir dir;
+    const fs::path tag = copy_tag("zero2_world2", dir);
+    const fs::path f = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt";
+    std::string bytes = testing::read_file(f);
+    const size_t name = bytes.find("optim_states/data/1");  // the first local header naming storage 1
+    REQUIRE(name != std::string::npos);
+    const size_t header = name - 30 - (sizeof("zero_pp_rank_1_mp_rank_00_") - 1);
+    REQUIRE(bytes.compare(header, 4, "PK\x03\x04") == 0);
+    auto u16 = [&](size_t at) { return static_cast<size_t>(static_cast<uint8_t>(bytes[at])) |
+                                       static_cast<size_t>(static_cast<uint8_t>(bytes[at + 1])) << 8; };
+    const size_t data = header + 30 + u16(header + 26) + u16(header + 28);
+    bytes[data + 8] = static_cast<char>(bytes[data + 8] ^ 1);  // a low mantissa bit: the value stays finite
+    testing::write_file(f, bytes);
+    auto clean = validate_checkpoint(kSeeds / "zero2_world2", [](const fs::path& p) { return open_checkpoint(p); });
+    REQUIRE(clean.ok());
+    CHECK(clean->checksums_verified);  // every record's CRC-32, shared ones read whole
+    auto v = validate_checkpoint(tag, [](const fs::path& p) { return open_checkpoint(p); });
+    REQUIRE(v.ok());
+    REQUIRE(v->findings.size() == 1);
+    CHECK(v->findings[0].message.find(f.string() + ": CRC-32 of the storage holding") != std::string::npos);
+  }
+  {
     // `latest` may only name a folder beside it.
     testing::TempDir dir;
     copy_tag("zero2_world2", dir);

@@ -37,6 +37,11 @@ class CheckpointReader {
   // fletcher32; DCP: torch.save's CRC-32 of each record, known once the chunks were streamed).
   // safetensors stores none: a reader can check sizes and coverage only.
   virtual bool checksummed() const { return false; }
+  // validate's check of the stored checksums that reading entry by entry cannot check: a record
+  // several entries share (torch.save's CRC-32 of a flat partition that ZeRO or FSDP1 split among
+  // many params), read whole once each. An error names the file and record; afterwards
+  // checksummed() says whether every byte read was covered.
+  virtual Status verify_shared_records() { return Status::Ok(); }
   // Streams one component of one entry in flattened order. Formats with checksums verify every
   // chunk and fail (naming the file, the entry and the range) when one does not match.
   virtual Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) = 0;

@@ -584,6 +584,15 @@ class DcpReader final : public CheckpointReader {
     OPTSTATE_ASSIGN_OR_RETURN(double maxi, number(fields, "maximize", gw, 0.0));
     pg.hyper.amsgrad = ams != 0;
     pg.hyper.maximize = maxi != 0;
+    // torch.optim.Adam (decoupled_weight_decay False) decays by L2 in the gradient: AdamW's update
+    // only without decay.
+    for (const char* key : {"decoupled_weight_decay", "is_adamw"})
+      if (fields.count(key)) {
+        OPTSTATE_ASSIGN_OR_RETURN(const double d, number(fields, key, gw, 1.0));
+        if (d == 0 && pg.hyper.weight_decay != 0)
+          return corrupt(fmt::format("{}: {}=False with weight_decay {}: Adam's L2 decay, not AdamW's decoupled decay",
+                                     gw, key, pg.hyper.weight_decay));
+      }
     auto betas = fields.find("betas");
     if (betas == fields.end()) return corrupt(gw + ": no betas");
     OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * bi, item(betas->second, {}));

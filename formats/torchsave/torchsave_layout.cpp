@@ -76,11 +76,15 @@ Result<bool> flag(const Pickle& p, Ref group, const char* key, const std::string
 const std::set<std::string, std::less<>> kIgnoredGroupKeys = {
     "params", "param_names", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach",
     "capturable", "differentiable", "fused", "decoupled_weight_decay", "block_size", "min_8bit_size",
-    "exp_avg_qmap", "exp_avg_sq_qmap", "bf16_stochastic_round", "is_adamw",
+    "exp_avg_qmap", "exp_avg_sq_qmap", "bf16_stochastic_round", "is_adamw", "adam_w_mode", "adamw_mode",
+    "bias_correction",
     // bitsandbytes' AdEMAMix fields, in every Optimizer2State's groups; inert for two betas (Adam).
     "alpha", "t_alpha", "t_beta3"};
 
 bool is_moment(const std::string& name) { return name == kExpAvg || name == kExpAvgSq || name == kMaxExpAvgSq; }
+
+// Group flags that, False, mean Adam's L2 decay rather than AdamW's decoupled decay.
+constexpr const char* kCoupledDecayFlags[] = {"decoupled_weight_decay", "is_adamw", "adam_w_mode", "adamw_mode"};
 
 struct GroupInfo {
   int64_t block = 0;  // optstate's AdamW8bit: its block_size and map names
@@ -200,6 +204,14 @@ Result<GroupSpec> adamw_group(const Pickle& p, Ref fields, const std::string& gw
   OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.weight_decay, number(p, fields, "weight_decay", gw));
   OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.amsgrad, flag(p, fields, "amsgrad", gw));
   OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.maximize, flag(p, fields, "maximize", gw));
+  // Adam's L2 decay (torch.optim.Adam: decoupled_weight_decay False; DeepSpeed's FusedAdam and
+  // CPUAdam out of AdamW mode) is another update than AdamW's; without decay the two are one.
+  for (const char* key : kCoupledDecayFlags)
+    if (const auto d = dcp::as_bool(p, p.dict_get(fields, key)); d && !*d && spec.hyper.weight_decay != 0)
+      return corrupt(fmt::format("{}: {}=False with weight_decay {}: Adam's L2 decay, not AdamW's decoupled decay",
+                                 gw, key, spec.hyper.weight_decay));
+  if (const auto bc = dcp::as_bool(p, p.dict_get(fields, "bias_correction")); bc && !*bc)
+    return corrupt(gw + ": bias_correction=False: not AdamW's update");  // apex's / DeepSpeed's FusedAdam
   return spec;
 }
 
@@ -999,12 +1011,6 @@ Result<ZeroRank> interpret_zero_optim(const Pickle& p, const std::string& where)
     const Ref gr = (*groups)[g];
     ZeroGroup zg;
     OPTSTATE_ASSIGN_OR_RETURN(zg.group, adamw_group(p, gr, gw));
-    // DeepSpeed's FusedAdam / DeepSpeedCPUAdam: Adam with L2 decay unless in AdamW mode.
-    for (const char* mode : {"adam_w_mode", "adamw_mode"})
-      if (const auto m = dcp::as_bool(p, p.dict_get(gr, mode)); m && !*m && zg.group.hyper.weight_decay != 0)
-        return corrupt(fmt::format("{}: {}=False with weight decay: Adam with L2 decay, not AdamW", gw, mode));
-    if (const auto bc = dcp::as_bool(p, p.dict_get(gr, "bias_correction")); bc && !*bc)
-      return corrupt(gw + ": bias_correction=False: not AdamW's update");
     const auto* ids = list_items(p, p.dict_get(gr, "params"));
     if (!ids || ids->size() != 1 || p.at((*ids)[0]).kind != Kind::kInt)
       return corrupt(gw + ": 'params' is not one flat param");

@@ -935,3 +935,25 @@ def test_torchao_file_without_8bit_moments_sniffs_as_torchao_not_torch(tmp_path,
     ta.step()
     torch.save(ta.state_dict(), tmp_path / "tensor_lr.pt")
     assert "(torchsave)" in optstate_cli("inspect", tmp_path / "tensor_lr.pt").stdout
+
+
+def test_torch_adam_with_weight_decay_is_refused_as_not_adamw_and_without_reads(tmp_path, optstate_cli):
+    """torch.optim.Adam adds weight decay to the gradient (L2), AdamW decays the weights: other
+    updates, so Adam's state with decay is refused by name, in torch.save files and DCPs alike;
+    without decay the two are one update and it reads."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    for wd in (0.1, 0.0):
+        model = torch.nn.Linear(8, 4)
+        opt = torch.optim.Adam(model.named_parameters(), weight_decay=wd)
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        torch.save(opt.state_dict(), tmp_path / f"adam_{wd}.pt")
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / f"adam_{wd}.dcp"))
+        for f in (f"adam_{wd}.pt", f"adam_{wd}.dcp"):
+            if wd:
+                err = run_err(optstate_cli, "convert", tmp_path / f, tmp_path / (f + ".safetensors"))
+                assert "decoupled_weight_decay=False with weight_decay 0.1" in err and "not AdamW" in err, err
+            else:
+                optstate_cli("convert", tmp_path / f, tmp_path / (f + ".safetensors"))

@@ -1,0 +1,111 @@
+"""Reading a DeepSpeed ZeRO checkpoint's optimizer state per param: `optstate convert checkpoint-N
+plain.pt` (one torch.optim.AdamW state_dict with the fp32 weights) next to DeepSpeed's own tool for
+it, `ds_to_universal` (per-param fp32 weights, exp_avg, exp_avg_sq files), side by side in one run on
+the same checkpoint and disk, cold page cache, each a fresh process; wall time and peak RSS of each,
+and the raw copy as the floor.
+
+- The checkpoint: a Llama-shaped stack (--layers pairs of 2048x4096 / 4096x2048 Linears), one
+  torch.optim.AdamW step under ZeRO-2 on 2 CPU ranks (gloo), engine.save_checkpoint.
+- DeepSpeed: `python -m deepspeed.checkpoint.ds_to_universal` with 2 extract and 2 merge workers
+  (this machine's cores).
+- optstate: the CLI, no Python, no DeepSpeed.
+Both outputs are read back and must hold the same fp32 weights and moments per param, bit for bit.
+
+    .venv/bin/python bench/bench_deepspeed.py [--layers 2] [--reps 2] [--dir /tmp] [--json bench/results/deepspeed.json]
+"""
+import os
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+from bench_ckpt import checkpoint_args, dir_bytes, raw_read, raw_write  # noqa: E402
+from bench_dcp_convert import prepare, report, run, time_cases  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+MAKE = textwrap.dedent("""
+    import os, subprocess, sys, warnings
+    warnings.filterwarnings("ignore")
+    out, layers = sys.argv[1], sys.argv[2]
+    if len(sys.argv) == 3:  # the launcher: 2 ranks under torchrun
+        env = dict(os.environ, DS_ACCELERATOR="cpu")
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+                        out, layers, "rank"], check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        sys.exit(0)
+    import torch, deepspeed
+    sys.path.insert(0, BENCH)
+    from bench_ckpt import make_model
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = make_model(int(layers))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2}}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    engine.backward(engine(torch.randn(1, 2048)).square().mean())
+    engine.step()
+    engine.save_checkpoint(out)
+    torch.distributed.barrier()
+""")
+
+UNIVERSAL = textwrap.dedent("""
+    import os, subprocess, sys
+    src, dst = sys.argv[1], sys.argv[2]
+    tag = open(os.path.join(src, "latest")).read().strip()
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    os.path.join(src, tag), "--output_folder", dst, "--num_extract_workers", "2",
+                    "--num_merge_workers", "2", "--inject_missing_state"], check=True,
+                   env=dict(os.environ, DS_ACCELERATOR="cpu"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+""")
+
+
+def universal_tensor(path):
+    t = torch.load(path, weights_only=False)
+    return t["param"] if isinstance(t, dict) else t
+
+
+def main():
+    args = checkpoint_args(layers=2, reps=2).parse_args()
+    cli, work, env, scripts = prepare("deepspeed", args.dir, MAKE, UNIVERSAL, needs="deepspeed")
+    src = work / "ckpt"
+    t_make = run([sys.executable, scripts["make.py"], src, args.layers])
+    src_bytes = dir_bytes(src)
+    print(f"source: {src_bytes / 1e9:.2f} GB DeepSpeed ZeRO-2 checkpoint, 2 ranks ({args.layers} layer pairs, "
+          f"made in {t_make:.0f} s); {os.cpu_count()} cpus, torch {torch.__version__}")
+    reference = "DeepSpeed ds_to_universal"
+    dst = {"optstate": work / "plain.pt", reference: work / "universal"}
+    cases = {
+        "optstate": lambda out: [cli, "convert", src, out],
+        reference: lambda out: [sys.executable, scripts["convert_reference.py"], src, out],
+    }
+    times, peak = time_cases(cases, dst, src, args.reps, env)
+    dst_bytes = os.path.getsize(dst["optstate"])
+    buf = bytearray(max(src_bytes, dst_bytes))
+    for rep in range(args.reps):
+        times["floor (raw copy)"].append(raw_copy(src, buf, work, dst_bytes))
+    sd = torch.load(dst["optstate"], weights_only=True)
+    names = [n for g in sd["optimizer"]["param_groups"] for n in g["param_names"]]
+    for i, n in enumerate(names):
+        st, ref = sd["optimizer"]["state"][i], dst[reference] / "zero" / n
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[k], universal_tensor(ref / f"{k}.pt").view_as(st[k])), (n, k)
+        assert torch.equal(sd["model"][n], universal_tensor(ref / "fp32.pt").view_as(sd["model"][n])), n
+    print(f"outputs: {dst_bytes / 1e9:.2f} GB torch.optim.AdamW state_dict / {dir_bytes(dst[reference]) / 1e9:.2f} GB "
+          f"of per-param files; {len(names)} params' fp32 weights, exp_avg and exp_avg_sq equal bit for bit")
+    report(args, work, times, peak, src_bytes, dst_bytes, reference=reference)
+
+
+def raw_copy(src, buf, work, dst_bytes):
+    """The floor: every file of the checkpoint read (cold) and DST's bytes written."""
+    seconds = 0.0
+    for f in sorted(p for p in src.rglob("*") if p.is_file()):
+        n = os.path.getsize(f)
+        seconds += raw_read(f, memoryview(buf)[:n])
+    return seconds + raw_write(work / "raw_copy", memoryview(buf)[:dst_bytes])
+
+
+if __name__ == "__main__":
+    main()

@@ -10,10 +10,8 @@
 // CTest: fuzz.deepspeed_zero2, fuzz.deepspeed_zero3 (bounded mutation runs); with OPTSTATE_LIBFUZZER,
 // coverage-guided.
 #include <cstdint>
-#include <string>
 
-#include "fuzz_checkpoint.h"
-#include "torchsave/torchsave_fuzz_sign.h"
+#include "torchsave/torchsave_fuzz_target.h"
 
 using namespace optstate;
 
@@ -28,14 +26,9 @@ const fuzz::CheckpointFixture& fixture() {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const std::string raw(reinterpret_cast<const char*>(data), size);
-  auto signed_input = torchsave::with_pickle_crc(raw);
-  fixture().run(signed_input ? *signed_input : raw, fixture().data());
-  return 0;
+  return torchsave::fuzz_member_input(fixture(), data, size);
 }
 
 #ifndef OPTSTATE_LIBFUZZER
-int main(int argc, char** argv) {
-  return fixture().main(argc, argv, OPTSTATE_DEEPSPEED_TEST, "", torchsave::with_pickle_crc);
-}
+int main(int argc, char** argv) { return torchsave::fuzz_member_main(fixture(), OPTSTATE_DEEPSPEED_TEST, argc, argv); }
 #endif

@@ -28,5 +28,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 }
 
 #ifndef OPTSTATE_LIBFUZZER
-int main(int argc, char** argv) { return torchsave::fuzz_member_main(fixture(), OPTSTATE_TORCHSAVE_RANKS_TEST, argc, argv); }
+int main(int argc, char** argv) {
+  return torchsave::fuzz_member_main(fixture(), OPTSTATE_TORCHSAVE_RANKS_TEST, argc, argv);
+}
 #endif

@@ -1676,7 +1676,12 @@ Result<std::optional<ZeroFiles>> zero_files(const fs::path& path) {
       return corrupt(fmt::format("{}: two optimizer files of rank {}", z.dir.string(), rank));
   }
   if (ec) return io_error(fmt::format("{}: {}", z.dir.string(), ec.message()));
-  if (ranks.empty() && mp.empty()) return std::optional<ZeroFiles>{};
+  if (ranks.empty() && mp.empty()) {
+    if (fs::is_regular_file(z.dir / "mp_rank_00_model_states.pt", ec))
+      return corrupt(z.dir.string() + ": a DeepSpeed checkpoint without ZeRO partitions (stage 0: the optimizer's "
+                                      "state sits in mp_rank_00_model_states.pt): not read");
+    return std::optional<ZeroFiles>{};
+  }
   if (kinds.size() > 1)
     return corrupt(z.dir.string() + ": optimizer files with and without the bf16_ prefix; one run's are alike");
   if (mp.size() > 1 || !mp.count(0))
@@ -1709,7 +1714,8 @@ bool is_deepspeed_checkpoint(const fs::path& path) {
   size_t seen = 0;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end && ++seen <= 4096; it.increment(ec))
     if (zero_optim_name(it->path().filename().string())) return true;
-  return false;
+  // Stage 0's tag folder (the optimizer inside the model states file): sniffed, to be named as not read.
+  return fs::is_regular_file(dir / "mp_rank_00_model_states.pt", ec);
 }
 
 Result<std::unique_ptr<CheckpointReader>> open_deepspeed(const fs::path& path) {

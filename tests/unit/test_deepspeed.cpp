@@ -150,6 +150,13 @@ TEST_CASE("deepspeed: a missing rank, model-parallel files, no model states or a
     CHECK(v->findings[0].message.find(f.string() + ": CRC-32 of the storage holding") != std::string::npos);
   }
   {
+    // No ZeRO partitions, only the model states file (stage 0 keeps the optimizer in it): named.
+    testing::TempDir dir;
+    const fs::path tag = copy_tag("zero2_world2", dir);
+    for (int r : {0, 1}) fs::remove(tag / fmt::format("zero_pp_rank_{}_mp_rank_00_optim_states.pt", r));
+    CHECK(error_of(tag).find("without ZeRO partitions (stage 0") != std::string::npos);
+  }
+  {
     // `latest` may only name a folder beside it.
     testing::TempDir dir;
     copy_tag("zero2_world2", dir);

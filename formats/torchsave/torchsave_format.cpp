@@ -668,15 +668,16 @@ class TorchSaveReader final : public CheckpointReader {
         const auto w = static_cast<int64_t>(world);
         for (const auto& [name, shape] : params) {
           const int64_t numel = *checked_numel(shape), part = (numel + w - 1) / w;
+          // Checked before it is added: a partition is no larger than its file, so nothing overflows.
+          for (size_t f = 0; f < world; ++f)
+            if (part > partition[f] - offset)
+              return corrupt(fmt::format("{}: '{}' ends past element {} of the flat partition, which holds {}",
+                                         z.optim[f].string(), name, offset, partition[f]));
           for (size_t f = 0; f < world; ++f) {
             const int64_t count = std::clamp<int64_t>(numel - static_cast<int64_t>(f) * part, 0, part);
             if (count > 0) runs[name].emplace_back(f, offset, count);
           }
           offset += part;
-          for (size_t f = 0; f < world; ++f)
-            if (offset > partition[f])
-              return corrupt(fmt::format("{}: '{}' ends at element {} of the flat partition, which holds {}",
-                                         z.optim[f].string(), name, offset, partition[f]));
         }
       } else {
         for (size_t f = 0; f < world; ++f) {

@@ -37,7 +37,9 @@ int run_convert(int argc, char** argv) {
       "moments, --to 8bit quantizes the moments of params with at least --min-8bit-size elements\n"
       "(default 4096) in blocks of --block-size (default 256); moments that came from 8-bit get their\n"
       "original codes back. A DCP written from a DCP keeps its layout (torchtitan's too) and carries what\n"
-      "is not optimizer state (train_state, lr_scheduler, dataloader, ...) unchanged. SRC is only read.\n"
+      "is not optimizer state (train_state, lr_scheduler, dataloader, ...) unchanged. A DCP holds 8-bit\n"
+      "moments as torchao's AdamW8bit items when SRC is such a DCP or with --to 8bit, else dequantized\n"
+      "(torch.optim.AdamW's state). SRC is only read.\n"
       "DST is written atomically: it appears complete or not at all. Ctrl-C (SIGINT, SIGTERM, SIGHUP)\n"
       "stops the write and removes what it wrote; an existing DST stays as it was.",
       {{"--to", true, "fp32 or 8bit (default: keep encodings)"},
@@ -48,8 +50,8 @@ int run_convert(int argc, char** argv) {
        {"--min-8bit-size", true, "params with fewer elements stay dense (default 4096)"},
        {"--world-size", true, "lay DST out as N ranks' shards (default 1)"},
        {"--compress", true, "gzip level 1-9 where the format compresses (hdf5, with shuffle)"},
-       {"--float-lr", false, "dcp: lr as Python floats (for torch.optim.AdamW with a float lr), also where the source "
-                             "kept tensors (torchao), its LR scheduler's lists included"},
+       {"--float-lr", false, "dcp: torch.optim.AdamW's state for a float lr: lr as Python floats also where the source "
+                             "kept tensors (torchao), its LR scheduler's lists included, and 8-bit moments dequantized"},
        {"--overwrite", false, "replace DST if it is a checkpoint (any format) or an empty directory"},
        {"--json", false, "print a JSON summary"}},
       2,
@@ -107,10 +109,15 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   if (!driver) return fail(command, invalid_argument(fmt::format("unknown output format '{}'", format)));
   if (args->has("--float-lr") && format != "dcp")
     return fail(command, invalid_argument("--float-lr is for --format dcp"));
-  if (to == "8bit" && !driver->keeps_blockwise8())  // it would quantize, then store the rounded values dense
+  if (to == "8bit" && args->has("--float-lr"))
+    return fail(command, invalid_argument("--float-lr writes torch.optim.AdamW's state (dense moments); --to 8bit "
+                                          "writes torchao's 8-bit items"));
+  WriteOptions quantized;
+  quantized.quantized = true;
+  if (to == "8bit" && !driver->writes_blockwise8(quantized))  // it would quantize, then store the rounded values dense
     return fail(command, invalid_argument(fmt::format("--to 8bit: {} stores moments dense (torch.optim.AdamW's "
-                                                      "state); write 8-bit state as native, hdf5, safetensors or libtorch",
-                                                      format)));
+                                                      "state); write 8-bit state as native, hdf5, safetensors, dcp, "
+                                                      "libtorch, bitsandbytes or torchao", format)));
   QuantizeOptions q;
   for (const char* option : {"--block-size", "--min-8bit-size"})
     if (args->has(option) && to != "8bit")
@@ -178,6 +185,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   wo.compression = compression;
   wo.source = reader;
   wo.float_lr = args->has("--float-lr");
+  wo.quantized = to == "8bit";
   progress.phase(fmt::format("writing {}", dst.string()));
   Status st;
   {
@@ -196,7 +204,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
     std::fprintf(stderr, "note: %s also holds %s: outside the state read, not in %s\n", src.c_str(),
                  fmt::format("{}", fmt::join(rest, ", ")).c_str(), dst.c_str());
   // What DST keeps of the state (LibTorch's optimizer archive: numbered params, no weights).
-  const OptimizerState kept = driver->kept(written);
+  const OptimizerState kept = driver->kept_by_write(written, wo);
   size_t weights = 0, kept_weights = 0;
   for (const auto& [fqn, ps] : written.params) weights += ps.entries.count(kParam);
   for (const auto& [fqn, ps] : kept.params) kept_weights += ps.entries.count(kParam);
@@ -214,7 +222,8 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   // bitsandbytes steps 8-bit state in blocks of 256 only, torchao in whole blocks only: others are
   // written as fp32 values.
   size_t widened = 0;
-  if (driver->keeps_blockwise8())
+  const bool eight_bit = driver->writes_blockwise8(wo);
+  if (eight_bit)
     for (const auto& [fqn, ps] : kept.params)
       for (const auto& [name, e] : ps.entries)
         if (auto w = written.params.find(fqn); w != written.params.end() && w->second.entries.count(name))
@@ -225,8 +234,8 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
                  format.c_str(), format.c_str());
   int64_t dense = 0, eight = 0;
   for (const auto& [fqn, ps] : kept.params)
-    for (const auto& [name, e] : ps.entries)  // as written: DCP stores 8-bit moments dequantized
-      (e.encoding == Encoding::kDense || !driver->keeps_blockwise8() ? dense : eight) += 1;
+    for (const auto& [name, e] : ps.entries)  // as written: DCP for torch.optim.AdamW stores 8-bit moments dequantized
+      (e.encoding == Encoding::kDense || !eight_bit ? dense : eight) += 1;
   if (args->has("--json")) {
     nlohmann::json j = {{"source", src.string()}, {"source_format", std::string(reader->format())},
                         {"destination", dst.string()}, {"format", format}, {"world_size", world},

@@ -49,6 +49,7 @@ struct SourceLayout {
   bool flattened = false;               // flatten_optimizer_state_dict=True: per-param param_groups fields
   std::map<std::string, ItemName> weights;  // fqn -> where its weights were (model.<fqn>, or <fqn> in torchtitan)
   std::set<std::string> tensor_lr;      // fqns whose group's lr was a 0-d tensor (torchao keeps it so)
+  bool torchao_8bit = false;            // some moment was torchao's OptimState8bit (AdamW8bit's) items
   std::vector<CarriedItem> carried;     // everything else, in key order
   // The number a bytes item or a one-element tensor item of the source holds (for float_lr).
   std::function<Result<double>(const std::string& key)> number;
@@ -84,6 +85,15 @@ class ArchiveWriter {
 
 // The layout of `reader` when it is a DCP reader, else null.
 const SourceLayout* source_layout(const CheckpointReader& reader);
+
+// Whether a write stores 8-bit moments as torchao's OptimState8bit items (the 8-bit state a DCP
+// consumer steps) rather than dequantized for torch.optim.AdamW: for convert --to 8bit, and from a
+// DCP of torchao's AdamW8bit (its layout kept); never with float_lr (torch.optim.AdamW's state).
+bool writes_torchao_items(const WriteOptions& options, const SourceLayout* source);
+// Whether blockwise8 entry `e`, moment `moment` of a param of `shape`, is written as torchao's
+// items when laid out as `world` ranks' row shards: torchao steps it as 8-bit (whole blocks of its
+// map) and every rank's rows are whole blocks (torchao slices its state on block boundaries only).
+bool fits_torchao_items(const std::string& moment, const Entry& e, const std::vector<int64_t>& shape, int world);
 
 // Writes `state` as a DCP directory, one entry loaded at a time; with `source`, in its layout and
 // with its carried items.

@@ -13,7 +13,9 @@
 #include "dcp_layout.h"
 #include "optstate/io.h"
 #include "optstate/quant8.h"
+#include "optstate/transform.h"
 #include "pickle.h"
+#include "torchao/torchao_layout.h"
 #include "zip.h"
 
 namespace optstate::dcp {
@@ -787,6 +789,7 @@ class DcpReader final : public CheckpointReader {
           src.absmax.push_back({s.begin / e.block_size, (s.count + e.block_size - 1) / e.block_size, k, 0});
         }
       }
+      layout_.torchao_8bit = layout_.torchao_8bit || !dequant_only;
       if (blockwise) {
         e.encoding = Encoding::kBlockwise8;
         e.dtype = DType::kU8;
@@ -822,6 +825,7 @@ class DcpReader final : public CheckpointReader {
         for (size_t k = 1; k < im.chunks.size() && !any8; ++k) {
           OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pk, item(key, im.chunks[k].offsets));
           any8 = pk->payload.kind == Payload::Kind::kOptimState8bit && !pk->payload.fp8 && pk->payload.bits == 8;
+          layout_.torchao_8bit = layout_.torchao_8bit || any8;
         }
       }
     } else {
@@ -962,6 +966,31 @@ class DcpDriver final : public FormatDriver {
   }
 
   bool keeps_blockwise8() const override { return false; }
+  bool writes_blockwise8(const WriteOptions& options) const override {
+    return writes_torchao_items(options, options.source ? source_layout(*options.source) : nullptr);
+  }
+  OptimizerState kept_by_write(const OptimizerState& state, const WriteOptions& options) const override {
+    if (!writes_blockwise8(options)) return state;  // 8-bit moments dequantized: the values hash is kept
+    OptimizerState out = state;
+    for (auto& [fqn, ps] : out.params)
+      for (auto& [name, e] : ps.entries)
+        if (e.encoding == Encoding::kBlockwise8 && !fits_torchao_items(name, e, ps.shape, options.world_size)) {
+          Entry dense;
+          dense.dtype = DType::kF32;
+          if (e.codes.size > 0)
+            if (auto n = checked_numel(ps.shape); n.ok())
+              if (auto v = entry_f32_values(e, *n, entry_key(fqn, name)); v.ok())
+                dense.values = Buffer::copy_of(std::as_bytes(std::span(*v)));
+          e = std::move(dense);
+        }
+    return torchao::kept_state(out);  // lr a float32 tensor; the subclass's dtype the param's
+  }
+  // --to 8bit quantizes as torchao steps 8-bit state: whole blocks only.
+  QuantizeOptions quantize_rule(const QuantizeOptions& q) const override {
+    QuantizeOptions whole = q;
+    whole.whole_blocks = true;
+    return whole;
+  }
   bool shards() const override { return true; }
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
     return write_dcp(source, path, options, options.source ? source_layout(*options.source) : nullptr);

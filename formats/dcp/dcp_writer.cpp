@@ -3,8 +3,8 @@
 // and `optim.param_groups.<i>.<field>` items in `__<rank>_0.distcp` files, then `.metadata` (pickle
 // of the DCP dataclasses). Written from a DCP, in the source's layout instead (its optimizer key,
 // flattened or nested groups, where its weights were) with every item the state does not hold
-// copied through unchanged. 8-bit moments are written dequantized (fp32): torch.optim.AdamW keeps
-// dense state. Committed like every optstate checkpoint: staging directory, fsync, one rename.
+// copied through unchanged. 8-bit moments are written dequantized (fp32), as torch.optim.AdamW keeps
+// them, or as torchao's OptimState8bit items (writes_torchao_items). Committed like every optstate checkpoint: staging directory, fsync, one rename.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -16,6 +16,7 @@
 #include "optstate/quant8.h"
 #include "pickle.h"
 #include "registry.h"
+#include "torchao/torchao_layout.h"
 #include "zip.h"
 
 namespace optstate::dcp {
@@ -271,7 +272,7 @@ Status copy_carried(const SourceLayout& src, std::vector<OutputFile>& outs, cons
 // Tensors are laid out as `world` ranks' row shards (torch.chunk of dim 0, as FSDP2), each rank's
 // chunks in its own file; bytes items and 0-d tensors go to rank 0's. The names follow `layout`.
 Status write_into(StateSource& source, const fs::path& staging, int world, const SourceLayout& layout,
-                  bool carry, bool float_lr) {
+                  bool carry, bool float_lr, bool torchao) {
   const OptimizerState& state = source.meta();
   std::vector<OutputFile> outs;
   for (int r = 0; r < world; ++r) {
@@ -323,6 +324,46 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
     done.push_back(std::move(wr));
     return Status::Ok();
   };
+  // A blockwise8 entry as torchao's OptimState8bit items, one per rank's rows (fits_torchao_items):
+  // codes, the rows' scales and the map, as torch.save pickles the subclass; the metadata claims the
+  // subclass's dtype (the param's), as torchao's own save does.
+  auto torchao_item = [&](ItemName name, const Entry& e, const ParamState& ps, bool is_signed) -> Status {
+    const DType apparent = ps.param_dtype == DType::kBF16 || ps.param_dtype == DType::kF16 ? ps.param_dtype : DType::kF32;
+    OPTSTATE_ASSIGN_OR_RETURN(const QMap m, qmap_from_name(e.qmap));
+    const auto qmap = std::as_bytes(std::span(qmap_table(m)));
+    Written wr{std::move(name.key), std::move(name.path), true, apparent, ps.shape, {}};
+    Entry dense;
+    dense.dtype = DType::kF32;
+    int64_t row = 1;
+    for (size_t d = 1; d < ps.shape.size(); ++d) row *= ps.shape[d];
+    for (int r = 0; r < world; ++r) {
+      const FlatRange fr = shard_range(dense, Component::kValues, ps.shape, world, r);
+      if (fr.size() == 0) continue;  // fits_torchao_items: the tensor is not empty
+      Piece pc;
+      pc.file = r;
+      pc.offsets.assign(ps.shape.size(), 0);
+      pc.sizes = ps.shape;
+      pc.offsets[0] = fr.begin / row;
+      pc.sizes[0] = fr.size() / row;
+      pickle::Writer w;
+      torchao::encode_optim_state_8bit(w, pc.sizes, apparent, e.block_size, is_signed, "0", "1", "2");
+      const std::string pkl = w.finish();
+      OutputFile& out = outs[static_cast<size_t>(r)];
+      pc.offset = out.offset();
+      ArchiveWriter archive(out);
+      OPTSTATE_RETURN_IF_ERROR(archive.begin(std::as_bytes(std::span(pkl))));
+      OPTSTATE_RETURN_IF_ERROR(archive.storage("0", e.codes.span().subspan(static_cast<size_t>(fr.begin),
+                                                                            static_cast<size_t>(fr.size()))));
+      OPTSTATE_RETURN_IF_ERROR(archive.storage(
+          "1", e.absmax.span().subspan(static_cast<size_t>(fr.begin / e.block_size) * 4,
+                                       static_cast<size_t>(fr.size() / e.block_size) * 4)));
+      OPTSTATE_RETURN_IF_ERROR(archive.storage("2", qmap));
+      OPTSTATE_ASSIGN_OR_RETURN(pc.length, archive.finish());
+      wr.pieces.push_back(std::move(pc));
+    }
+    done.push_back(std::move(wr));
+    return Status::Ok();
+  };
   const std::string k = layout.optimizer_key();
   const std::vector<std::string>& kp = layout.optimizer_path;
   std::set<std::string> replaced;  // carried items written in another form (float_lr)
@@ -360,7 +401,8 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
         return value_item(name(field), w.finish());
       };
       // lr as the source kept it: a 0-d tensor where torchao's groups (and torch's with a tensor lr) hold one.
-      const bool lr_tensor = float_lr ? false
+      const bool lr_tensor = float_lr  ? false
+                             : torchao ? true  // torchao's step refuses a float lr
                              : layout.flattened ? layout.tensor_lr.count(fqn) > 0
                                               : std::any_of(state.groups[g].params.begin(), state.groups[g].params.end(),
                                                             [&](const std::string& f) { return layout.tensor_lr.count(f); });
@@ -404,6 +446,10 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
       std::vector<float> dq;
       std::span<const std::byte> bytes = e.values.span();
       DType d = e.dtype;
+      if (e.encoding == Encoding::kBlockwise8 && torchao && fits_torchao_items(name, e, ps.shape, world)) {
+        OPTSTATE_RETURN_IF_ERROR(torchao_item(state_name(fqn, name), e, ps, name == kExpAvg));
+        continue;
+      }
       if (e.encoding == Encoding::kBlockwise8) {
         OPTSTATE_ASSIGN_OR_RETURN(QMap m, qmap_from_name(e.qmap));
         dq.resize(static_cast<size_t>(numel));
@@ -488,6 +534,22 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
 
 }  // namespace
 
+bool writes_torchao_items(const WriteOptions& options, const SourceLayout* source) {
+  return !options.float_lr && (options.quantized || (source && source->torchao_8bit));
+}
+
+bool fits_torchao_items(const std::string& moment, const Entry& e, const std::vector<int64_t>& shape, int world) {
+  const auto numel = checked_numel(shape);
+  if (!numel.ok() || shape.empty() || !torchao::steps_as_8bit(moment, e, *numel)) return false;
+  Entry dense;
+  dense.dtype = DType::kF32;
+  for (int r = 0; r < world; ++r) {
+    const FlatRange fr = shard_range(dense, Component::kValues, shape, world, r);
+    if (fr.begin % e.block_size || fr.size() % e.block_size) return false;
+  }
+  return true;
+}
+
 Status ArchiveWriter::put(const std::string& name, std::span<const std::byte> data) {
   const std::string h = zb_.local_header("archive/" + name, data.size(), zip::crc32(data), out_.offset() - start_);
   OPTSTATE_RETURN_IF_ERROR(out_.write(std::as_bytes(std::span(h))));
@@ -520,7 +582,7 @@ Status write_dcp(StateSource& state, const fs::path& path, const WriteOptions& o
   OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_dir(path));
   const SourceLayout get_state_dict_layout;  // {"model": ..., "optim": ...}, nested groups
   Status st = write_into(state, staging, options.world_size, source ? *source : get_state_dict_layout, source != nullptr,
-                         options.float_lr);
+                         options.float_lr, writes_torchao_items(options, source));
   if (st.ok()) st = publish_directory(staging, path, options.overwrite);
   return st.ok() ? st : abandon_staging(staging, path, st);
 }

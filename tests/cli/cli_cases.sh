@@ -178,7 +178,14 @@ assert j["params"]["head.bias"]["entries"]["exp_avg"]["encoding"] == "dense"
     [ "$("$OPTSTATE" hash "$work/c8")" = "$("$OPTSTATE" hash "$work/back8")" ] || fail "8bit->.pt->8bit differs"
     expect_error 2 "--to 8bit: torchsave stores moments dense" -- \
       "$OPTSTATE" convert "$work/c8" "$work/o8.pt" --to 8bit
-    echo "ok: 8bit -> fp32 -> 8bit and 8bit -> .pt -> 8bit reproduce the checkpoint; --values hashes agree"
+    # a DCP with --to 8bit holds torchao's OptimState8bit items: the same codes and scales (lr now a
+    # float32 tensor, as torchao keeps it: equal within 1e-7)
+    "$OPTSTATE" convert "$work/c8" "$work/d8" --format dcp --to 8bit --world-size 2 | matches " 4 8-bit entries" \
+      || fail "to dcp --to 8bit"
+    "$OPTSTATE" diff "$work/c8" "$work/d8" --rtol 1e-7 >/dev/null || fail "8bit -> dcp (torchao's items) differs"
+    "$OPTSTATE" convert "$work/d8" "$work/d8back" >/dev/null || fail "dcp (torchao's items) -> native"
+    [ "$("$OPTSTATE" hash "$work/d8")" = "$("$OPTSTATE" hash "$work/d8back")" ] || fail "dcp 8-bit -> native differs"
+    echo "ok: 8bit -> fp32 -> 8bit, 8bit -> .pt -> 8bit and 8bit -> dcp -> 8bit reproduce the checkpoint; --values hashes agree"
     ;;
   convert-errors)
     make_ckpt "$work/c"
@@ -187,7 +194,8 @@ assert j["params"]["head.bias"]["entries"]["exp_avg"]["encoding"] == "dense"
     mkdir "$work/exists"
     expect_error 2 "$work/exists: already exists" -- "$OPTSTATE" convert "$work/c" "$work/exists"
     expect_error 2 "unknown output format 'zip'" -- "$OPTSTATE" convert "$work/c" "$work/y" --format zip
-    expect_error 2 "--to 8bit: dcp stores moments dense" -- "$OPTSTATE" convert "$work/c" "$work/y" --format dcp --to 8bit
+    expect_error 2 "--float-lr writes torch.optim.AdamW's state" -- \
+      "$OPTSTATE" convert "$work/c" "$work/y" --format dcp --to 8bit --float-lr
     # one-file formats take no world size (they would say "2 ranks" and write one file)
     expect_error 2 "--world-size 2: safetensors is one file" -- "$OPTSTATE" convert "$work/c" "$work/y.safetensors" --world-size 2
     expect_error 2 "--world-size 3: torchsave is one file" -- "$OPTSTATE" reshard "$work/c" "$work/y.pt" --world-size 3

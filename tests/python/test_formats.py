@@ -96,6 +96,7 @@ def run_script(tmp_path, source, name, *args, ranks=1):
     if ranks > 1 and gloo_teardown_abort(proc):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
 
 
 def make_dcp(tmp_path, kind, ranks=1):
@@ -490,7 +491,8 @@ def test_torchtitan_dcp_converts_to_fp32_in_place_and_torchtitan_resumes_from_it
                                                                                    ranks):
     """convert DCP -> DCP keeps the source's layout (the optimizer under "optimizer", flattened,
     weights at the top level, torchao's tensor lr) and carries train_state, lr_scheduler and
-    dataloader through byte for byte: torchtitan resumes from it with torch.optim.AdamW -- a strict
+    dataloader through byte for byte; torchao's 8-bit moments are dequantized by --to fp32 (else kept:
+    the next test). torchtitan resumes from it with torch.optim.AdamW -- a strict
     dcp.load of its whole state dict -- with the state our fp32 conversion holds, its LR schedule,
     step and data position. From torch's own AdamW the result is the source, item for item."""
     if kind == "ao":
@@ -499,7 +501,7 @@ def test_torchtitan_dcp_converts_to_fp32_in_place_and_torchtitan_resumes_from_it
     src = tmp_path / f"tt_{kind}"
     run_script(tmp_path, MAKE_TORCHTITAN_DCP, "make_tt.py", kind, src, ranks=ranks)
     dst, expect = tmp_path / "fp32_dcp", tmp_path / "expect.safetensors"
-    out = optstate_cli("convert", src, dst, "--format", "dcp")
+    out = optstate_cli("convert", src, dst, "--format", "dcp", *(["--to", "fp32"] if kind == "ao" else []))
     assert out.stderr == "" and "carried unchanged: dataloader (1 item), lr_scheduler (" in out.stdout, out.stdout
     assert "0 8-bit entries" in out.stdout
     optstate_cli("convert", src, expect, "--to", "fp32")
@@ -538,6 +540,115 @@ def test_torchtitan_dcp_converts_to_fp32_in_place_and_torchtitan_resumes_from_it
         assert bad.returncode == 2 and "item 'dataloader.dp_rank_0'" in bad.stderr, bad.stderr
         assert not (tmp_path / "bad").exists()
         optstate_cli("convert", src, tmp_path / "native")  # the optimizer state itself is intact
+
+
+RESUME_TORCHAO = textwrap.dedent("""
+    # torchtitan's resume with torchao's AdamW8bit (blocks of 64, as MAKE_TORCHTITAN_DCP's), in one
+    # process: the state dict it builds, dcp.load, set_state_dict. For each checkpoint given, the
+    # state torchao then holds (codes and scales of its OptimState8bit, plain moments, steps) and the
+    # weights after one more step. "strict": the whole torchtitan state (LR scheduler, train_state,
+    # dataloader) is loaded too; "opt": the weights and the optimizer only (a torch.optim.AdamW
+    # source's scheduler keeps float lrs). Prints, as JSON, for each pair of checkpoints whether every
+    # tensor is bit for bit equal, the largest difference of the dequantized moments, and whether the
+    # checkpoint gave torchao the tensor lr its step needs (a float one is made a tensor to go on).
+    import io, json, sys, torch, torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+        get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+    from torchao.optim import AdamW8bit
+    mode, paths = sys.argv[1], sys.argv[2:]
+    opts = StateDictOptions(flatten_optimizer_state_dict=True)
+    def resume(path):
+        torch.manual_seed(7)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 4))
+        opt = AdamW8bit([{"params": [model[0].weight, model[2].weight], "weight_decay": 0.1},
+                         {"params": [model[0].bias, model[2].bias], "weight_decay": 0.0}], lr=1e-3, block_size=64)
+        if mode == "strict":  # before the state dict: it gives the groups their initial_lr
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.1 * s)
+        states = dict(get_model_state_dict(model))
+        states["optimizer"] = get_optimizer_state_dict(model, opt, options=opts)
+        if mode == "strict":
+            states["lr_scheduler"] = sched.state_dict()
+            states["train_state"] = {"step": torch.tensor(0, dtype=torch.int32), "global_avg_losses": io.BytesIO()}
+            states["dataloader"] = {"dp_rank_0": io.BytesIO()}
+        dcp.load(states, checkpoint_id=path)
+        set_model_state_dict(model, {k: v for k, v in states.items() if k not in (
+            "optimizer", "lr_scheduler", "train_state", "dataloader")})
+        set_optimizer_state_dict(model, opt, states["optimizer"], options=opts)
+        if mode == "strict":
+            sched.load_state_dict(states["lr_scheduler"])
+            assert sched.last_epoch == 3 and states["train_state"]["step"].item() == 3
+            assert states["dataloader"]["dp_rank_0"].getvalue() == b"opaque"
+        lr_tensor = all(isinstance(g["lr"], torch.Tensor) for g in opt.param_groups)
+        for g in opt.param_groups:  # what a float lr needs before torchao steps (its error says so)
+            g["lr"] = torch.as_tensor(g["lr"], dtype=torch.float32)
+        held = {}
+        for name, p in model.named_parameters():
+            for k, v in opt.state[p].items():
+                held[f"{name}.{k}"] = ("8bit", v.codes.clone(), v.scale.clone(), v.dequantize()) \
+                    if hasattr(v, "codes") else ("plain", v.clone())
+        assert any(h[0] == "8bit" for h in held.values())
+        g = torch.Generator().manual_seed(11)
+        model(torch.randn(8, 64, generator=g)).square().sum().backward()
+        opt.step()
+        if mode == "strict":
+            sched.step()
+        return held, [p.detach().clone() for p in model.parameters()], lr_tensor
+    runs = [resume(p) for p in paths]
+    report = []
+    for held, params, lr_tensor in runs[1:]:
+        ref_held, ref_params, _ = runs[0]
+        assert held.keys() == ref_held.keys()
+        same = all(a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1:], b[1:]))
+                   for a, b in zip(held.values(), ref_held.values()))
+        diff = max(((a[-1] - b[-1]).abs().max() / b[-1].abs().max().clamp(min=1e-30)).item()
+                   for a, b in zip(held.values(), ref_held.values()))
+        report.append({"state_equal": same, "max_rel_diff": diff, "lr_tensor": lr_tensor,
+                       "stepped_equal": all(torch.equal(a, b) for a, b in zip(params, ref_params))})
+    print(json.dumps(report))
+""")
+
+
+def resume_torchao(tmp_path, mode, *paths):
+    out = run_script(tmp_path, RESUME_TORCHAO, "resume_ao.py", mode, *paths)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_torchao_dcp_converted_or_resharded_keeps_torchaos_items_and_torchao_resumes_bit_for_bit(
+        tmp_path, optstate_cli):
+    """torchtitan with torchao's AdamW8bit, 2 FSDP2 ranks: DCP -> DCP keeps each moment's
+    OptimState8bit items (codes and scales as saved, in the source's layout, on 1 or 3 ranks), so
+    torchao resumes from optstate's DCP with exactly the state it resumes with from its own, and
+    trains on bit for bit. --to fp32 gives torch.optim.AdamW's state instead; torchao requantizes
+    that on load (copy_), and blocks whose largest value was negative come back with a smaller
+    scale (torchao's signed map has no -1.0): close, not equal."""
+    pytest.importorskip("torchao")
+    src = tmp_path / "tt_ao"
+    run_script(tmp_path, MAKE_TORCHTITAN_DCP, "make_tt.py", "ao", src, ranks=2)
+    one, three, plain = tmp_path / "one", tmp_path / "three", tmp_path / "plain"
+    out = optstate_cli("convert", src, one, "--format", "dcp").stdout
+    assert "2 8-bit entries" in out and "carried unchanged: dataloader (1 item)" in out, out
+    assert "2 8-bit entries" in optstate_cli("convert", src, three, "--format", "dcp", "--world-size", "3").stdout
+    assert "0 8-bit entries" in optstate_cli("convert", src, plain, "--format", "dcp", "--to", "fp32").stdout
+    # codes and scales are the source's: the raw hash is kept
+    assert hashes(optstate_cli, one) == hashes(optstate_cli, src) == hashes(optstate_cli, three)
+    report = resume_torchao(tmp_path, "strict", src, one, three, plain)
+    assert [r["state_equal"] and r["stepped_equal"] and r["lr_tensor"] for r in report[:2]] == [True, True], report
+    assert 0 < report[2]["max_rel_diff"] < 0.01, report
+
+
+def test_torch_adamw_dcp_to_8bit_is_what_torchao_quantizes_on_load(tmp_path, optstate_cli):
+    """Switching a torchtitan run from torch.optim.AdamW to torchao's AdamW8bit: `convert --format
+    dcp --to 8bit --block-size 64` writes torchao's items, quantized as torchao's own load of the
+    fp32 checkpoint quantizes them (copy_ into its OptimState8bit), bit for bit; torchao's step then
+    gives the same weights."""
+    pytest.importorskip("torchao")
+    src = tmp_path / "tt_fp32"
+    run_script(tmp_path, MAKE_TORCHTITAN_DCP, "make_tt.py", "fp32", src)
+    q = tmp_path / "q8"
+    out = optstate_cli("convert", src, q, "--format", "dcp", "--to", "8bit", "--block-size", "64").stdout
+    assert "2 8-bit entries" in out, out
+    report = resume_torchao(tmp_path, "opt", src, q)
+    assert report[0]["state_equal"] and report[0]["stepped_equal"] and report[0]["lr_tensor"], report
 
 
 def test_flattened_optimizer_state_that_does_not_add_up_is_refused_by_name(tmp_path, optstate_cli):

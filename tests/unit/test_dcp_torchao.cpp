@@ -1,6 +1,7 @@
 // The DCP driver against real torchao checkpoints of FSDP2 (formats/dcp/testdata/): items whose
 // chunks torchao quantized on some ranks only.
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 
 #include <cstring>
 #include <filesystem>
@@ -9,6 +10,8 @@
 #include <vector>
 
 #include "optstate/checkpoint.h"
+#include "optstate/hash.h"
+#include "optstate/transform.h"
 #include "optstate/validate.h"
 #include "registry.h"
 #include "test_helpers.h"
@@ -53,4 +56,48 @@ TEST_CASE("dcp: a torchao item 8-bit on one rank and plain on the other reads as
   auto report = validate_checkpoint(data / "fsdp2_torchao", [](const std::filesystem::path& p) { return open_checkpoint(p); });
   REQUIRE(report.ok());
   CHECK(report->ok());
+}
+
+TEST_CASE("dcp: --to 8bit writes torchao's OptimState8bit items where each rank's rows are whole blocks") {
+  const FormatDriver* d = find_format("dcp");
+  REQUIRE(d != nullptr);
+  // layers.0.weight [2, 3] in blocks of 3: one block a row; layers.0.bias [3]: one block.
+  const OptimizerState eight = *quantize_state(testing::sample_state(), {3, 1});
+  const WriteOptions to8{.quantized = true};
+  CHECK(d->writes_blockwise8(to8));
+  CHECK_FALSE(d->writes_blockwise8({}));
+  CHECK_FALSE(d->writes_blockwise8({.float_lr = true, .quantized = true}));  // torch.optim.AdamW's state
+  testing::TempDir dir;
+  for (int world : {1, 2}) {
+    CAPTURE(world);
+    WriteOptions o = to8;
+    o.world_size = world;
+    const auto path = dir.path / fmt::format("w{}", world);
+    REQUIRE(d->write(eight, path, o).ok());
+    auto r = open_checkpoint(path);
+    REQUIRE_MESSAGE(r.ok(), r.status().message());
+    const OptimizerState kept = d->kept_by_write(eight, o);
+    // Codes and scales as they were, lr a float32 tensor (torchao's step takes no float).
+    CHECK(hash_checkpoint(**r)->root == hash_state(kept)->root);
+    CHECK((*r)->meta().kind == "adamw8bit");
+    CHECK((*r)->meta().params.at("layers.0.weight").entries.at(kExpAvg).encoding == Encoding::kBlockwise8);
+    // Over two ranks the bias's rows (2 and 1) are not whole blocks: torchao could not slice its
+    // state there, so it is written as fp32 values.
+    const Encoding bias = (*r)->meta().params.at("layers.0.bias").entries.at(kExpAvgSq).encoding;
+    CHECK(bias == (world == 1 ? Encoding::kBlockwise8 : Encoding::kDense));
+    CHECK(kept.params.at("layers.0.bias").entries.at(kExpAvgSq).encoding == bias);
+    CHECK(hash_checkpoint(**r, {.values = true})->root == hash_state(kept, {.values = true})->root);
+    CHECK(validate_checkpoint(path, [](const std::filesystem::path& p) { return open_checkpoint(p); })->ok());
+    // DCP -> DCP from it keeps the items (a torchao source), --float-lr dequantizes them.
+    auto again = load_all(**r);
+    REQUIRE(again.ok());
+    REQUIRE(d->write(*again, dir.path / fmt::format("again{}", world), {.source = r->get()}).ok());
+    CHECK(hash_checkpoint(**open_checkpoint(dir.path / fmt::format("again{}", world)))->root ==
+          hash_checkpoint(**r)->root);
+    REQUIRE(d->write(*again, dir.path / fmt::format("float{}", world), {.float_lr = true, .source = r->get()}).ok());
+    auto plain = open_checkpoint(dir.path / fmt::format("float{}", world));
+    REQUIRE(plain.ok());
+    CHECK((*plain)->meta().kind == "adamw");
+    CHECK(hash_checkpoint(**plain, {.values = true})->root == hash_state(kept, {.values = true})->root);
+  }
 }

@@ -88,6 +88,10 @@ struct WriteOptions {
   // also where the source kept tensors (torchao): the groups' lr and initial_lr, and an LR
   // scheduler's lists of tensor lrs (`base_lrs`, `_last_lr`) carried from the source.
   bool float_lr = false;
+  // convert --to 8bit: the state was quantized for this write. Formats whose default consumer keeps
+  // dense state store 8-bit moments in the form an 8-bit consumer steps where they have one (DCP:
+  // torchao's OptimState8bit items; FormatDriver::writes_blockwise8).
+  bool quantized = false;
   // The checkpoint `state` was read from (convert). A driver writing its own format may keep the
   // source's layout and carry through what the state does not hold (FormatDriver::carries).
   const CheckpointReader* source = nullptr;
@@ -103,6 +107,9 @@ class FormatDriver {
   // False for formats whose consumers keep dense state (DCP for torch.optim.AdamW): they store
   // blockwise8 entries dequantized, so a round trip keeps the values hash, not the raw one.
   virtual bool keeps_blockwise8() const { return true; }
+  // Whether a write with `options` stores blockwise8 entries as 8-bit: keeps_blockwise8(), unless
+  // the options choose another consumer (DCP: torchao's items for --to 8bit or a torchao source).
+  virtual bool writes_blockwise8(const WriteOptions&) const { return keeps_blockwise8(); }
   // Whether a write lays the state out as WriteOptions::world_size ranks' shards (native, DCP); the
   // other formats write one file whatever the world size.
   virtual bool shards() const { return false; }
@@ -112,6 +119,9 @@ class FormatDriver {
   // for formats that keep names and weights. LibTorch's optimizer archive numbers the params in group
   // order ("0", "1", ...) and holds no weights (so no param dtype, and nothing of a param without state).
   virtual OptimizerState kept(const OptimizerState& state) const { return state; }
+  // The same for a write with `options` (DCP writing torchao's items: the 8-bit moments torchao
+  // cannot step as 8-bit become fp32 values).
+  virtual OptimizerState kept_by_write(const OptimizerState& state, const WriteOptions&) const { return kept(state); }
   // The rule `convert --to 8bit` quantizes by for this format: `q` adjusted to what the format's
   // optimizer steps as 8-bit (torchao: whole blocks only), so no moment is quantized only to be
   // written back as its rounded fp32 values.

@@ -73,11 +73,12 @@ class CheckpointFixture {
   // A single-file format's header size: the index is the file's first index_size(file) bytes.
   using IndexSize = std::function<size_t(std::string_view file)>;
 
-  // Writes sample_state() as `format` with `world_size` ranks; `index_name` is the file inputs replace.
-  CheckpointFixture(std::string_view format, int world_size, std::string index_name)
+  // Writes sample_state() as `format` with `world_size` ranks (`quantized`: as convert --to 8bit
+  // writes it: DCP with torchao's items); `index_name` is the file inputs replace.
+  CheckpointFixture(std::string_view format, int world_size, std::string index_name, bool quantized = false)
       : driver_(find_format(format)), index_name_(std::move(index_name)) {
     namespace fs = std::filesystem;
-    write_seed(format, world_size);
+    write_seed(format, world_size, quantized);
     index_ = read_file(base_ / "seed" / index_name_);
     for (const auto& e : fs::recursive_directory_iterator(base_ / "seed"))
       if (e.is_regular_file() && fs::relative(e.path(), base_ / "seed") != fs::path(index_name_))
@@ -150,7 +151,7 @@ class CheckpointFixture {
     const std::filesystem::path out = base_ / "out";
     auto entries = memory_source(state);
     if (!write_back(*entries, source, float_lr, out).ok()) return false;
-    expect_values(out, state, "written back");
+    expect_values(out, state, options(source, float_lr), "written back");
     return true;
   }
 
@@ -172,28 +173,34 @@ class CheckpointFixture {
     }
     if (!state) die("streamed write", "succeeded although reading the source failed", "");
     if (!memory_wrote) die("streamed write", "succeeded where the in-memory write failed", "");
-    expect_values(out, *state, "streamed write");
+    expect_values(out, *state, options(source, float_lr), "streamed write");
   }
 
   // Writes `entries` to `out` in the fixture's format, the reader handed over as the source (as
   // convert does: a DCP keeps its layout and carries its other items through).
-  Status write_back(StateSource& entries, const CheckpointReader& source, bool float_lr,
-                    const std::filesystem::path& out) const {
-    std::filesystem::remove_all(out);
+  static WriteOptions options(const CheckpointReader& source, bool float_lr) {
     WriteOptions wo;
     wo.source = &source;
     wo.float_lr = float_lr;
-    return writer()->write(entries, out, wo);
+    return wo;
+  }
+  Status write_back(StateSource& entries, const CheckpointReader& source, bool float_lr,
+                    const std::filesystem::path& out) const {
+    std::filesystem::remove_all(out);
+    return writer()->write(entries, out, options(source, float_lr));
   }
 
-  // What `out` holds opens and has the values of what the format keeps of `state` (kept(): torchao's
-  // lr as float32, LibTorch's numbered params); anything else aborts, naming `how`.
-  void expect_values(const std::filesystem::path& out, const OptimizerState& state, const char* how) const {
+  // What `out` holds opens and has the values of what the format keeps of `state` written with `wo`
+  // (kept_by_write(): torchao's lr as float32, LibTorch's numbered params); anything else aborts,
+  // naming `how`.
+  void expect_values(const std::filesystem::path& out, const OptimizerState& state, const WriteOptions& wo,
+                     const char* how) const {
     HashOptions values;
     values.values = true;
     auto back = writer()->open(out);
     if (!back.ok()) die(how, "wrote a checkpoint that does not open", back.status().message());
-    auto got = hash_checkpoint(**back, values), want = hash_checkpoint(*memory_reader(writer()->kept(state)), values);
+    auto got = hash_checkpoint(**back, values),
+         want = hash_checkpoint(*memory_reader(writer()->kept_by_write(state, wo)), values);
     if (!want.ok() || !got.ok() || want->root != got->root)
       die(how, "the values differ", got.ok() ? (want.ok() ? "hash" : want.status().message()) : got.status().message());
   }
@@ -251,13 +258,14 @@ class CheckpointFixture {
  private:
   bool single_file() const { return index_name_.empty(); }
 
-  void write_seed(std::string_view format, int world_size) {
+  void write_seed(std::string_view format, int world_size, bool quantized = false) {
     namespace fs = std::filesystem;
     base_ = fs::temp_directory_path() / fmt_name(format);
     fs::remove_all(base_);
     fs::create_directories(base_);
     WriteOptions wo;
     wo.world_size = world_size;
+    wo.quantized = quantized;
     if (!driver_ || !driver_->write(sample_state(), base_ / "seed", wo).ok()) std::abort();
   }
 

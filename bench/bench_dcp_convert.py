@@ -1,5 +1,5 @@
 """Turning a torchtitan checkpoint of torchao's AdamW8bit into one of plain fp32 torch.optim.AdamW,
-same layout, everything else kept (DCP -> DCP): `optstate convert SRC DST --format dcp` next to the
+same layout, everything else kept (DCP -> DCP): `optstate convert SRC DST --format dcp --to fp32` next to the
 way it is done with torch and torchao installed, side by side in one run on the same checkpoint and
 disk, cold page cache, each a fresh process as a user runs it; wall time and peak RSS of each.
 
@@ -216,7 +216,7 @@ def main():
 
     dst = {"optstate": work / "dst_optstate", "torch + torchao": work / "dst_torchao"}
     cases = {
-        "optstate": lambda out: [cli, "convert", src, out, "--format", "dcp"],
+        "optstate": lambda out: [cli, "convert", src, out, "--format", "dcp", "--to", "fp32"],
         "torch + torchao": lambda out: [sys.executable, scripts["convert_reference.py"], src, out, args.layers],
     }
     times, peak = time_cases(cases, dst, src, args.reps, env)

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from test_sharded import gloo_teardown_abort
+from test_sharded import run_past_gloo_aborts
 
 
 MAKE_DCP = textwrap.dedent("""
@@ -92,9 +92,7 @@ def run_script(tmp_path, source, name, *args, ranks=1):
     cmd = [sys.executable, str(script), *map(str, args)]
     if ranks > 1:
         cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    if ranks > 1 and gloo_teardown_abort(proc):
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = run_past_gloo_aborts(cmd) if ranks > 1 else subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

@@ -364,6 +364,11 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
     done.push_back(std::move(wr));
     return Status::Ok();
   };
+  if (torchao)  // its loader would drop the flag and step the other way
+    for (size_t g = 0; g < state.groups.size(); ++g)
+      if (state.groups[g].hyper.maximize)
+        return invalid_argument(fmt::format("param group {}: maximize; torchao's AdamW8bit has none (write "
+                                            "torch.optim.AdamW's state: --to fp32)", g));
   const std::string k = layout.optimizer_key();
   const std::vector<std::string>& kp = layout.optimizer_path;
   std::set<std::string> replaced;  // carried items written in another form (float_lr)

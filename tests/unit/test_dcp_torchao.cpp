@@ -100,4 +100,12 @@ TEST_CASE("dcp: --to 8bit writes torchao's OptimState8bit items where each rank'
     CHECK((*plain)->meta().kind == "adamw");
     CHECK(hash_checkpoint(**plain, {.values = true})->root == hash_state(kept, {.values = true})->root);
   }
+  // torchao's AdamW has no maximize: its load would drop the flag, so such a state is refused.
+  OptimizerState maximize = eight;
+  maximize.groups[1].hyper.maximize = true;
+  const Status st = d->write(maximize, dir.path / "maximize", to8);
+  CHECK(st.code() == ErrorCode::kInvalidArgument);
+  CHECK(st.message().find("param group 1: maximize") != std::string::npos);
+  CHECK_FALSE(std::filesystem::exists(dir.path / "maximize"));
+  CHECK(d->write(maximize, dir.path / "maximize", {}).ok());  // torch.optim.AdamW's state has it
 }

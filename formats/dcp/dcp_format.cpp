@@ -944,27 +944,69 @@ class DcpReader final : public CheckpointReader {
   ReadBuffer piece_;                             // reused between streams
 };
 
+// Hugging Face Accelerate's checkpoint folder under FSDP with sharded state dicts (the Trainer's
+// checkpoint-N/): optimizer_0/, a DCP of {"optimizer": FSDP.optim_state_dict(...)}, beside
+// pytorch_model_fsdp_0/, a DCP of {"model": model.state_dict()}. Read as one DCP: the optimizer's
+// state with its params' weights.
+constexpr const char* kAccelerateParts[] = {"optimizer_0", "pytorch_model_fsdp_0"};
+
+bool is_accelerate_folder(const fs::path& path) {
+  std::error_code ec;
+  if (fs::exists(path / ".metadata", ec)) return false;
+  for (const char* part : kAccelerateParts)
+    if (!fs::is_regular_file(path / part / ".metadata", ec)) return false;
+  return true;
+}
+
+Result<Metadata> read_metadata(const fs::path& dir) {
+  const std::string where = (dir / ".metadata").string();
+  OPTSTATE_ASSIGN_OR_RETURN(auto bytes, read_small_file(dir / ".metadata", kMaxMetadataBytes));
+  OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(bytes, where));
+  return interpret_metadata(p, where);
+}
+
+// The two DCPs of an Accelerate folder as one: every item under its own key (the two hold
+// "optimizer.*" and "model.*"; a key in both is an error naming it), each storage's file relative to
+// the folder.
+Result<Metadata> accelerate_metadata(const fs::path& folder) {
+  Metadata all;
+  for (const char* part : kAccelerateParts) {
+    OPTSTATE_ASSIGN_OR_RETURN(Metadata md, read_metadata(folder / part));
+    for (auto& [key, im] : md.items)
+      if (!all.items.emplace(key, std::move(im)).second)
+        return corrupt(fmt::format("{}: item '{}' is in both {}/ and {}/", folder.string(), key, kAccelerateParts[0],
+                                   kAccelerateParts[1]));
+    for (auto& [k, loc] : md.storage) {
+      loc.relative_path = std::string(part) + "/" + loc.relative_path;
+      all.storage.emplace(k, std::move(loc));
+    }
+    all.planner.merge(md.planner);
+    all.planner_index.merge(md.planner_index);
+  }
+  return all;
+}
+
 class DcpDriver final : public FormatDriver {
  public:
   std::string_view name() const override { return "dcp"; }
 
   bool sniff(const fs::path& path) const override {
     std::error_code ec;
-    return fs::is_directory(path, ec) && fs::is_regular_file(path / ".metadata", ec);
+    return fs::is_directory(path, ec) && (fs::is_regular_file(path / ".metadata", ec) || is_accelerate_folder(path));
   }
 
   Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {
-    const std::string where = (path / ".metadata").string();
     std::error_code ec;
     if (!fs::is_directory(path, ec)) return not_found(fmt::format("{}: not a directory", path.string()));
-    OPTSTATE_ASSIGN_OR_RETURN(auto bytes, read_small_file(path / ".metadata", kMaxMetadataBytes));
-    OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(bytes, where));
-    OPTSTATE_ASSIGN_OR_RETURN(Metadata md, interpret_metadata(p, where));
+    OPTSTATE_ASSIGN_OR_RETURN(Metadata md, is_accelerate_folder(path) ? accelerate_metadata(path) : read_metadata(path));
     auto reader = std::make_unique<DcpReader>(path, std::move(md));
     OPTSTATE_RETURN_IF_ERROR(reader->init());
     return std::unique_ptr<CheckpointReader>(std::move(reader));
   }
 
+  // An Accelerate folder is a training run's (trainer_state.json, RNG states, the scheduler beside
+  // the two DCPs): a write never replaces it.
+  bool replaceable(const fs::path& path) const override { return !is_accelerate_folder(path); }
   bool keeps_blockwise8() const override { return false; }
   bool writes_blockwise8(const WriteOptions& options) const override {
     return writes_torchao_items(options, options.source ? source_layout(*options.source) : nullptr);

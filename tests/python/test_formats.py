@@ -1098,6 +1098,9 @@ MAKE_ACCELERATE_DCP = textwrap.dedent("""
                 full = torch.zeros(v.size()) if rank == 0 else None
                 v.gather(0, full)
             ref[f"{fqn}.{k}"] = full
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):  # the weights, gathered by torch
+        for fqn, w in model.state_dict().items():
+            ref[f"{fqn}.param"] = w.clone()
     if rank == 0:
         torch.save(ref, f"{out}.ref")
     dist.barrier()
@@ -1109,21 +1112,36 @@ MAKE_ACCELERATE_DCP = textwrap.dedent("""
 def test_accelerate_fsdp1_sharded_dcp_reads_as_the_state_torch_gathers(tmp_path, optstate_cli, mode, mesh):
     """The optimizer_0/ DCP of an Accelerate (Hugging Face Trainer) FSDP1 run reads as the state torch
     gathers from its own shards, by name; it converts to a torch.optim.AdamW state_dict that loads
-    over the unwrapped model; the checkpoint folder itself is refused, naming optimizer_0/."""
+    over the unwrapped model. The checkpoint folder itself reads as the same state with its params'
+    weights, from pytorch_model_fsdp_0/ beside it, as torch gathers them."""
     out = tmp_path / "checkpoint-3"
     run_script(tmp_path, MAKE_ACCELERATE_DCP, "accelerate_fsdp1.py", mode, mesh, out, ranks=2)
     ref = torch.load(str(out) + ".ref")
-    r = optstate_cli("inspect", out, check=False)
-    assert r.returncode == 2 and "it holds optimizer_0/ (dcp): pass that directory" in r.stderr, r.stderr
+    (out / "trainer_state.json").write_text("{}")  # what else the Trainer keeps there
+    folder = json.loads(optstate_cli("inspect", out, "--json").stdout)
+    assert folder["format"] == "dcp" and sorted(folder["params"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    optstate_cli("validate", out)
+    optstate_cli("convert", out, tmp_path / "full.safetensors")
+    full = st_load(tmp_path / "full.safetensors")
+    assert sorted(full) == sorted(k for k in ref if not k.endswith(".step"))
+    for k in ref:
+        if not k.endswith(".step"):
+            assert torch.equal(full[k], ref[k]), k
+    # a training run's folder: a write never replaces it
+    r = optstate_cli("convert", tmp_path / "full.safetensors", out, "--overwrite", check=False)
+    assert r.returncode == 2 and "never replaces" in r.stderr, r.stderr
+    assert (out / "trainer_state.json").exists()
+    # DCP -> DCP from the folder: one DCP with both (torch's dcp.load finds model.* and optimizer.*)
+    optstate_cli("convert", out, tmp_path / "merged", "--format", "dcp")
+    assert hashes(optstate_cli, tmp_path / "merged") == hashes(optstate_cli, out)
     ck = out / "optimizer_0"
-    import json
     doc = json.loads(optstate_cli("inspect", ck, "--json").stdout)
     assert doc["format"] == "dcp" and sorted(doc["params"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
     optstate_cli("validate", ck)
     optstate_cli("convert", ck, tmp_path / "plain.safetensors")
     got = st_load(tmp_path / "plain.safetensors")
-    moments = [k for k in ref if not k.endswith(".step")]
-    assert len(moments) == 8
+    moments = [k for k in ref if k.endswith(("exp_avg", "exp_avg_sq"))]
+    assert len(moments) == 8 and "0.weight.param" not in got  # optimizer_0/ alone holds no weights
     for k in moments:
         assert torch.equal(got[k], ref[k]), k
     # plain torch state, keyed by name: it loads into torch.optim.AdamW over the unwrapped model

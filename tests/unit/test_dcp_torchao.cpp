@@ -109,3 +109,26 @@ TEST_CASE("dcp: --to 8bit writes torchao's OptimState8bit items where each rank'
   CHECK_FALSE(std::filesystem::exists(dir.path / "maximize"));
   CHECK(d->write(maximize, dir.path / "maximize", {}).ok());  // torch.optim.AdamW's state has it
 }
+
+TEST_CASE("dcp: an Accelerate folder (optimizer_0/ beside pytorch_model_fsdp_0/) is one DCP; a key in both is refused") {
+  const FormatDriver* d = find_format("dcp");
+  REQUIRE(d != nullptr);
+  testing::TempDir dir;
+  const auto folder = dir.path / "checkpoint-3";
+  // Both parts written whole: every key (optim.*, model.*) is in both.
+  for (const char* part : {"optimizer_0", "pytorch_model_fsdp_0"}) {
+    std::filesystem::create_directories(folder);
+    REQUIRE(d->write(testing::sample_state(), folder / part, {}).ok());
+  }
+  CHECK(d->sniff(folder));
+  auto r = d->open(folder);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.status().message().find("is in both optimizer_0/ and pytorch_model_fsdp_0/") != std::string::npos);
+  CHECK_FALSE(d->replaceable(folder));  // a training run's folder
+  CHECK(d->replaceable(folder / "optimizer_0"));
+  // Either part alone is an ordinary DCP.
+  CHECK(d->open(folder / "optimizer_0").ok());
+  // Without the model's part the folder is no checkpoint.
+  std::filesystem::remove_all(folder / "pytorch_model_fsdp_0");
+  CHECK_FALSE(d->sniff(folder));
+}

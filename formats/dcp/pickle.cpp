@@ -446,4 +446,105 @@ std::string Writer::finish() {
   return std::move(out_);
 }
 
+namespace {
+
+struct Emitter {
+  Writer& w;
+  const Pickle& p;
+  const std::string& where;
+  size_t budget;
+  std::vector<bool> open;  // values being written: reaching one again is a cycle
+
+  Status pairs(const std::vector<Ref>& items) {
+    if (items.size() % 2) return corrupt(where + ": a mapping with an odd number of items");
+    if (items.empty()) return Status::Ok();
+    w.mark();
+    for (Ref x : items) OPTSTATE_RETURN_IF_ERROR(value(x));
+    w.setitems_from_mark();
+    return Status::Ok();
+  }
+  Status sequence(const std::vector<Ref>& items) {
+    for (Ref x : items) OPTSTATE_RETURN_IF_ERROR(value(x));
+    return Status::Ok();
+  }
+  Status value(Ref r) {
+    if (r >= p.size()) return corrupt(where + ": a reference out of range");
+    if (budget-- == 0) return corrupt(where + ": too many values to write again");
+    if (open[r]) return corrupt(where + ": a value that contains itself");
+    open[r] = true;
+    const Value& v = p.at(r);
+    switch (v.kind) {
+      case Kind::kNone: w.none(); break;
+      case Kind::kBool: w.boolean(v.i != 0); break;
+      case Kind::kInt: w.integer(v.i); break;
+      case Kind::kFloat: w.real(v.f); break;
+      case Kind::kStr: w.str(v.s); break;
+      case Kind::kBytes: w.bytes(v.s); break;
+      case Kind::kTuple:
+        w.mark();
+        OPTSTATE_RETURN_IF_ERROR(sequence(v.items));
+        w.tuple_from_mark();
+        break;
+      case Kind::kList:
+        w.empty_list();
+        if (!v.items.empty()) {
+          w.mark();
+          OPTSTATE_RETURN_IF_ERROR(sequence(v.items));
+          w.appends_from_mark();
+        }
+        break;
+      case Kind::kSet:  // set([...]): protocol 2 has no set opcodes
+        w.global("builtins", "set");
+        w.mark();
+        w.empty_list();
+        if (!v.items.empty()) {
+          w.mark();
+          OPTSTATE_RETURN_IF_ERROR(sequence(v.items));
+          w.appends_from_mark();
+        }
+        w.tuple_from_mark();
+        w.reduce();
+        break;
+      case Kind::kDict:
+        w.empty_dict();
+        OPTSTATE_RETURN_IF_ERROR(pairs(v.items));
+        break;
+      case Kind::kGlobal:
+        if (v.s.find('\n') != std::string::npos || v.name.find('\n') != std::string::npos || v.s.empty() ||
+            v.name.empty())
+          return corrupt(where + ": a global with an unusable name");
+        w.global(v.s, v.name);
+        break;
+      case Kind::kObject: {
+        if (v.callable == kNoRef || v.args == kNoRef) return corrupt(where + ": an object without its constructor");
+        OPTSTATE_RETURN_IF_ERROR(value(v.callable));
+        OPTSTATE_RETURN_IF_ERROR(value(v.args));
+        if (v.newobj) w.newobj();
+        else w.reduce();
+        if (!v.items.empty()) {
+          if (!p.is_global(v.callable, "collections", "OrderedDict"))
+            return corrupt(where + ": an object with appended items (only an OrderedDict's are written again)");
+          OPTSTATE_RETURN_IF_ERROR(pairs(v.items));
+        }
+        if (v.state != kNoRef) {
+          OPTSTATE_RETURN_IF_ERROR(value(v.state));
+          w.build();
+        }
+        break;
+      }
+      case Kind::kPersId:
+        return corrupt(where + ": a tensor (persistent id) where settings were expected");
+    }
+    open[r] = false;
+    return Status::Ok();
+  }
+};
+
+}  // namespace
+
+Status emit(Writer& w, const Pickle& p, Ref r, const std::string& where, size_t max_values) {
+  Emitter e{w, p, where, max_values, std::vector<bool>(p.size(), false)};
+  return e.value(r);
+}
+
 }  // namespace optstate::pickle

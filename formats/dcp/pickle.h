@@ -89,4 +89,11 @@ class Writer {
   std::string out_;
 };
 
+// Writes value `r` of `p` again with `w` (what a writer carries from a file it read: DeepSpeed's
+// optimizer settings, its loss scaler). Shared values are written once per use; a cycle, a
+// persistent id (a tensor's storage, which is not carried), an object with appended items other
+// than an OrderedDict's, a global whose name would break the pickle, or more than `max_values`
+// values written are errors naming `where`.
+Status emit(Writer& w, const Pickle& p, Ref r, const std::string& where, size_t max_values = size_t{1} << 20);
+
 }  // namespace optstate::pickle

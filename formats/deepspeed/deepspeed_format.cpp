@@ -3,11 +3,17 @@
 // every data-parallel rank's partition of the flat fp32 param groups, their AdamW moments and the
 // model states file that names the params. Read through the torch.save driver's reader (the same
 // zip, pickle interpreter and tensor rebuilds; torchsave/), which puts each param together from the
-// ranks' runs; not written (DeepSpeed resumes its own, and `convert` writes the state in any other
-// format or world size). Layout: FORMAT.md.
+// ranks' runs. Written as a DeepSpeed universal checkpoint (what ds_to_universal makes), which
+// DeepSpeed loads on any number of ranks ("checkpoint": {"load_universal": true}); from a ZeRO-1/2
+// checkpoint, whose model states file and optimizer settings it carries. Layout: FORMAT.md.
 #include <fmt/format.h>
 
+#include "dcp/dcp_layout.h"
+#include "dcp/pickle.h"
 #include "optstate/checkpoint.h"
+#include "optstate/io.h"
+#include "optstate/transform.h"
+#include "registry.h"
 #include "torchsave/torchsave_reader.h"
 
 namespace optstate::deepspeed {
@@ -15,6 +21,84 @@ namespace optstate::deepspeed {
 namespace fs = std::filesystem;
 
 namespace {
+
+constexpr uint64_t kCopyPieceBytes = uint64_t{8} << 20;
+
+// A param's folder under zero/: its name as DeepSpeed names it, which must be one path component.
+Status check_param_folder(const std::string& fqn) {
+  if (fqn.empty() || fqn == "." || fqn == ".." || fqn.find('/') != std::string::npos ||
+      fqn.find('\0') != std::string::npos || fqn.find('\\') != std::string::npos)
+    return invalid_argument(fmt::format("param '{}': not usable as a folder name of a universal checkpoint", fqn));
+  return Status::Ok();
+}
+
+Status copy_durably(const fs::path& from, const fs::path& to) {
+  OPTSTATE_ASSIGN_OR_RETURN(InputFile in, InputFile::open(from));
+  OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(to));
+  std::vector<std::byte> buf;
+  for (uint64_t at = 0; at < in.size();) {
+    buf.resize(std::min<uint64_t>(in.size() - at, kCopyPieceBytes));
+    OPTSTATE_RETURN_IF_ERROR(in.read_at(at, buf));
+    OPTSTATE_RETURN_IF_ERROR(out.write(buf));
+    at += buf.size();
+  }
+  return out.sync_and_close();
+}
+
+// torch.save({"cat_dim": 0, "param": tensor}) of float32 `values` of `shape` (ds_to_universal's
+// per-param state file), or of the 0-d tensor alone (`step.pt`).
+Status write_tensor_file(const fs::path& path, const std::vector<int64_t>& shape, std::span<const float> values,
+                         bool bare) {
+  pickle::Writer w;
+  if (!bare) {
+    w.empty_dict();
+    w.mark();
+    w.str("cat_dim");
+    w.integer(0);
+    w.str("param");
+  }
+  dcp::encode_tensor(w, DType::kF32, shape, "0");
+  if (!bare) w.setitems_from_mark();
+  const std::string pkl = w.finish();
+  return torchsave::write_file(path, false, pkl, [&](dcp::ArchiveWriter& archive) {
+    return archive.storage("0", std::as_bytes(values));
+  });
+}
+
+Status write_universal(StateSource& source, const fs::path& staging, const torchsave::ZeroUniversalParts& parts) {
+  const OptimizerState& state = source.meta();
+  OPTSTATE_RETURN_IF_ERROR(copy_durably(parts.model_states, staging / parts.model_states.filename()));
+  std::error_code ec;
+  fs::create_directory(staging / "zero", ec);
+  if (ec) return io_error(fmt::format("{}: {}", (staging / "zero").string(), ec.message()));
+  OPTSTATE_RETURN_IF_ERROR(torchsave::write_file(staging / "zero" / "optimizer_state.pt", false,
+                                                 parts.optimizer_state_pkl,
+                                                 [](dcp::ArchiveWriter&) { return Status::Ok(); }));
+  for (const auto& [fqn, ps] : state.params) {
+    OPTSTATE_RETURN_IF_ERROR(check_param_folder(fqn));
+    const fs::path dir = staging / "zero" / fqn;
+    fs::create_directory(dir, ec);
+    if (ec) return io_error(fmt::format("{}: {}", dir.string(), ec.message()));
+    OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps.shape));
+    for (const auto& [name, meta] : ps.entries) {
+      OPTSTATE_ASSIGN_OR_RETURN(const Entry e, source.load(fqn, name));
+      // fp32 values: DeepSpeed's master weights and moments are float32 (8-bit ones dequantized)
+      OPTSTATE_ASSIGN_OR_RETURN(const std::vector<float> values, entry_f32_values(e, numel, entry_key(fqn, name)));
+      const std::string file = name == kParam ? "fp32" : name;
+      OPTSTATE_RETURN_IF_ERROR(write_tensor_file(dir / (file + ".pt"), ps.shape, values, false));
+    }
+    if (ps.entries.count(kExpAvg)) {
+      const float step = static_cast<float>(ps.step);
+      if (static_cast<int64_t>(step) != ps.step)
+        return invalid_argument(fmt::format("param '{}': step {} is beyond what DeepSpeed's float32 step holds exactly",
+                                            fqn, ps.step));
+      OPTSTATE_RETURN_IF_ERROR(write_tensor_file(dir / "step.pt", {}, std::span(&step, 1), true));
+    }
+    OPTSTATE_RETURN_IF_ERROR(fsync_directory(dir));
+  }
+  OPTSTATE_RETURN_IF_ERROR(fsync_directory(staging / "zero"));
+  return fsync_directory(staging);
+}
 
 class DeepSpeedDriver final : public FormatDriver {
  public:
@@ -27,11 +111,26 @@ class DeepSpeedDriver final : public FormatDriver {
     return torchsave::open_deepspeed(path);
   }
 
+  // DeepSpeed keeps fp32 moments.
+  bool keeps_blockwise8() const override { return false; }
+  // Only from a DeepSpeed checkpoint (the files it carries): not from any state.
   bool writes() const override { return false; }
 
-  Status write(StateSource&, const fs::path& path, const WriteOptions&) const override {
-    return invalid_argument(fmt::format("{}: optstate reads DeepSpeed ZeRO checkpoints and does not write them; "
-                                        "convert to another format", path.string()));
+  Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
+    if (!options.source || options.source->format() != "deepspeed")
+      return invalid_argument(fmt::format(
+          "{}: a DeepSpeed universal checkpoint is written from a DeepSpeed ZeRO checkpoint (it carries that run's "
+          "model states file and optimizer settings); the source is {}", path.string(),
+          options.source ? fmt::format("{} ({})", options.source->path().string(), options.source->format())
+                         : std::string("a state in memory")));
+    OPTSTATE_ASSIGN_OR_RETURN(const torchsave::ZeroUniversalParts parts,
+                              torchsave::zero_universal_parts(options.source->path()));
+    OPTSTATE_RETURN_IF_ERROR(check_structure(source.meta(), false));
+    OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
+    OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_dir(path));
+    Status st = write_universal(source, staging, parts);
+    if (st.ok()) st = publish_directory(staging, path, options.overwrite);
+    return st.ok() ? st : abandon_staging(staging, path, st);
   }
 
   // Not a checkpoint optstate wrote: never replaced by an overwrite.

@@ -1719,6 +1719,49 @@ bool is_deepspeed_checkpoint(const fs::path& path) {
   return fs::is_regular_file(dir / "mp_rank_00_model_states.pt", ec);
 }
 
+Result<ZeroUniversalParts> zero_universal_parts(const fs::path& path) {
+  OPTSTATE_ASSIGN_OR_RETURN(const auto z, zero_files(path));
+  if (!z) return invalid_argument(path.string() + ": no DeepSpeed ZeRO optimizer files (zero_pp_rank_*_optim_states.pt)");
+  const fs::path& file = z->optim.at(0);
+  const std::string where = file.string();
+  OPTSTATE_ASSIGN_OR_RETURN(auto opened, open_archive(file));
+  const pickle::Pickle& p = opened.second;
+  const pickle::Ref osd = p.dict_get(p.root(), "optimizer_state_dict");
+  if (osd == pickle::kNoRef || p.at(osd).kind != pickle::Kind::kDict)
+    return corrupt(where + ": no optimizer_state_dict (a dict) in this ZeRO optimizer file");
+  // zero_stage: ZeroStageEnum(n), pickled as a REDUCE of the enum with (n,); older files an int.
+  int64_t stage = -1;
+  if (const pickle::Ref st = p.dict_get(osd, "zero_stage"); st != pickle::kNoRef) {
+    const pickle::Value& v = p.at(st);
+    if (v.kind == pickle::Kind::kInt) stage = v.i;
+    if (v.kind == pickle::Kind::kObject && v.args != pickle::kNoRef && p.at(v.args).kind == pickle::Kind::kTuple &&
+        p.at(v.args).items.size() == 1 && p.at(p.at(v.args).items[0]).kind == pickle::Kind::kInt)
+      stage = p.at(p.at(v.args).items[0]).i;
+  }
+  if (stage == 3)
+    return invalid_argument(where + ": a ZeRO-3 checkpoint; optstate writes universal checkpoints of ZeRO-1/2 ones");
+  const pickle::Ref base = p.dict_get(osd, "base_optimizer_state");
+  const pickle::Ref groups = base == pickle::kNoRef ? pickle::kNoRef : p.dict_get(base, "param_groups");
+  if (groups == pickle::kNoRef || p.at(groups).kind != pickle::Kind::kList)
+    return corrupt(where + ": no base_optimizer_state.param_groups (a list)");
+  pickle::Writer w;
+  w.empty_dict();
+  w.mark();
+  const std::vector<pickle::Ref>& items = p.at(osd).items;
+  for (size_t k = 0; k + 1 < items.size(); k += 2) {
+    const pickle::Value& key = p.at(items[k]);
+    if (key.kind == pickle::Kind::kStr && (key.s == "base_optimizer_state" || key.s == "param_slice_mappings" ||
+                                           key.s == "single_partition_of_fp32_groups" || key.s == "param_groups"))
+      continue;
+    OPTSTATE_RETURN_IF_ERROR(pickle::emit(w, p, items[k], where));
+    OPTSTATE_RETURN_IF_ERROR(pickle::emit(w, p, items[k + 1], where + " optimizer_state_dict"));
+  }
+  w.str("param_groups");
+  OPTSTATE_RETURN_IF_ERROR(pickle::emit(w, p, groups, where + " param_groups"));
+  w.setitems_from_mark();
+  return ZeroUniversalParts{z->dir, z->model, w.finish()};
+}
+
 Result<std::unique_ptr<CheckpointReader>> open_deepspeed(const fs::path& path) {
   OPTSTATE_ASSIGN_OR_RETURN(const auto z, zero_files(path));
   if (!z) return invalid_argument(path.string() + ": no DeepSpeed ZeRO optimizer files (zero_pp_rank_*_optim_states.pt)");

@@ -23,6 +23,17 @@ Result<std::unique_ptr<CheckpointReader>> open_file(const std::filesystem::path&
 bool is_deepspeed_checkpoint(const std::filesystem::path& path);
 Result<std::unique_ptr<CheckpointReader>> open_deepspeed(const std::filesystem::path& path);
 
+// What a DeepSpeed universal checkpoint written from a ZeRO-1/2 checkpoint carries of it
+// (formats/deepspeed/): the model states file, copied as it is, and zero/optimizer_state.pt's pickle,
+// as ds_to_universal makes it: rank 0's optimizer_state_dict without its partitions
+// (base_optimizer_state, param_slice_mappings, single_partition_of_fp32_groups), plus the base
+// optimizer's param_groups. ZeRO-3 checkpoints are refused, naming the stage.
+struct ZeroUniversalParts {
+  std::filesystem::path tag_dir, model_states;
+  std::string optimizer_state_pkl;
+};
+Result<ZeroUniversalParts> zero_universal_parts(const std::filesystem::path& path);
+
 // The name of a file's first zip record, from its first local header (the sniffers' cheap look:
 // torch.save writes <folder>/data.pkl first, LibTorch <folder>/data/0); nullopt for anything else.
 std::optional<std::string> first_zip_record(const std::filesystem::path& path);

@@ -616,7 +616,8 @@ PY
   deepspeed-zero)
     # DeepSpeed ZeRO checkpoints (real 2-rank runs): the folder with `latest` and its tag folder
     # read alike; ZeRO-2 and ZeRO-3 of one run give one state in every format; a missing rank's file
-    # is named; the format is not written, and a convert to it leaves nothing.
+    # is named; the format is written as a universal checkpoint of a ZeRO-1/2 checkpoint only, and a
+    # refused convert to it leaves nothing.
     data="$(cd "$(dirname "$0")/../.." && pwd)/formats/deepspeed/testdata"
     cp -r "$data/zero2_world2" "$work/z2"
     "$OPTSTATE" inspect "$work/z2" | matches "(deepspeed)" || fail "inspect says deepspeed"
@@ -626,8 +627,17 @@ PY
     "$OPTSTATE" convert "$data/zero3_world2" "$work/z3.pt" 2>/dev/null >/dev/null || fail "convert to torch.save"
     [ "$("$OPTSTATE" hash "$work/z2.safetensors" | tail -1)" = "$("$OPTSTATE" hash "$work/z3.pt" | tail -1)" ] \
       || fail "ZeRO-2 and ZeRO-3 of one run convert to other states"
-    expect_error 2 "does not write" -- "$OPTSTATE" convert "$work/z3.pt" "$work/back" --format deepspeed
+    expect_error 2 "written from a DeepSpeed ZeRO checkpoint" -- "$OPTSTATE" convert "$work/z3.pt" "$work/back" --format deepspeed
+    expect_error 2 "a ZeRO-3 checkpoint" -- "$OPTSTATE" convert "$data/zero3_world2" "$work/back" --format deepspeed
     [ ! -e "$work/back" ] || fail "a refused convert left $work/back"
+    "$OPTSTATE" convert "$work/z2" "$work/universal" --format deepspeed 2>/dev/null | matches "(deepspeed, 1 rank)" \
+      || fail "universal checkpoint"
+    cmp -s "$work/z2/global_step3/mp_rank_00_model_states.pt" "$work/universal/mp_rank_00_model_states.pt" \
+      || fail "model states not carried"
+    for f in fp32 exp_avg exp_avg_sq step; do
+      [ -f "$work/universal/zero/0.weight/$f.pt" ] || fail "universal: no zero/0.weight/$f.pt"
+    done
+    [ -f "$work/universal/zero/optimizer_state.pt" ] || fail "universal: no zero/optimizer_state.pt"
     rm "$work/z2/global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"
     expect_error 2 "partition_count 2, but" -- "$OPTSTATE" inspect "$work/z2"
     ;;

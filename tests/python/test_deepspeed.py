@@ -92,9 +92,77 @@ def test_zero_checkpoint_reads_as_deepspeeds_own_reassembly(tmp_path, optstate_c
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(st[k], universal_tensor(ref / "zero" / n / f"{k}.pt").view_as(st[k])), (n, k)
         assert torch.equal(sd["model"][n], universal_tensor(ref / "zero" / n / "fp32.pt").view_as(sd["model"][n])), n
-    # convert is the only way in: DeepSpeed's format is read, not written
+    # DeepSpeed's format is written only from a DeepSpeed checkpoint (a universal one: the next test)
     err = run_err(optstate_cli, "convert", tmp_path / "plain.pt", tmp_path / "back", "--format", "deepspeed")
-    assert "does not write" in err and not (tmp_path / "back").exists()
+    assert "written from a DeepSpeed ZeRO checkpoint" in err and not (tmp_path / "back").exists()
+
+
+RESUME_UNIVERSAL = """
+import sys, torch, deepspeed
+load_dir, tags, out = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
+deepspeed.init_distributed(dist_backend="gloo")
+runs = []
+for tag in tags:  # each universal checkpoint loaded into a fresh engine, two more steps
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 50), torch.nn.GELU(),
+                                torch.nn.Linear(50, 3))
+    groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05},
+              {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "lr": 2e-3}]
+    opt = torch.optim.AdamW(groups, lr=1e-3)
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+           "zero_optimization": {"stage": 2}, "checkpoint": {"load_universal": True}}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    engine.load_checkpoint(load_dir, tag=tag)
+    assert engine.global_steps == 3
+    for s in range(3, 5):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))
+        engine.backward((engine(x).float() * 1e-2).square().sum())
+        engine.step()
+    runs.append({n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()})
+if torch.distributed.get_rank() == 0:
+    torch.save(runs, out)
+torch.distributed.barrier()
+"""
+
+
+@pytest.mark.parametrize("stage,dtype", [(2, "fp32"), (1, "bf16")])
+def test_universal_checkpoint_is_ds_to_universals_and_deepspeed_resumes_it_on_other_world_sizes(
+        tmp_path, optstate_cli, stage, dtype):
+    """`convert --format deepspeed` of a ZeRO-1/2 checkpoint writes DeepSpeed's universal checkpoint:
+    the files ds_to_universal writes (zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt, equal tensor
+    for tensor; zero/optimizer_state.pt with the same settings; the model states file as it was).
+    DeepSpeed, with "load_universal", resumes from it on 1 and on 3 ranks exactly as from its own
+    conversion (a 2-rank checkpoint: DeepSpeed itself refuses another world size without one)."""
+    ck = ds_run(tmp_path, stage, dtype, 2)
+    ref = universal(tmp_path, ck, "global_step3")
+    ours = tmp_path / "ours_universal"
+    out = optstate_cli("convert", ck, ours, "--format", "deepspeed")
+    assert "(deepspeed, 1 rank)" in out.stdout, out.stdout
+    assert (ours / "mp_rank_00_model_states.pt").read_bytes() == (ref / "mp_rank_00_model_states.pt").read_bytes()
+    a = torch.load(ref / "zero" / "optimizer_state.pt", weights_only=False)
+    b = torch.load(ours / "zero" / "optimizer_state.pt", weights_only=False)
+    assert list(a) == list(b) and a["param_groups"] == b["param_groups"] and a["ds_version"] == b["ds_version"]
+    assert vars(a["loss_scaler"]) == vars(b["loss_scaler"]) and a["zero_stage"] == b["zero_stage"]
+    params = sorted(p.name for p in (ref / "zero").iterdir() if p.is_dir())
+    assert params == sorted(p.name for p in (ours / "zero").iterdir() if p.is_dir()) and len(params) == 6
+    for n in params:
+        files = sorted(f.name for f in (ref / "zero" / n).iterdir())
+        assert files == sorted(f.name for f in (ours / "zero" / n).iterdir()), n
+        for f in files:
+            x = torch.load(ref / "zero" / n / f, weights_only=False)
+            y = torch.load(ours / "zero" / n / f, weights_only=False)
+            if isinstance(x, dict):
+                assert x.keys() == y.keys() and x["cat_dim"] == y["cat_dim"], (n, f)
+                x, y = x["param"], y["param"]
+            assert x.dtype == y.dtype and torch.equal(x, y), (n, f)
+    if stage != 2:
+        return
+    for world in (1, 3):
+        res = tmp_path / f"resumed{world}.pt"
+        run_script(tmp_path, RESUME_UNIVERSAL, "resume_universal.py", tmp_path, f"{ref.name},{ours.name}", res,
+                   ranks=world, torchrun=True)
+        theirs, mine = torch.load(res)
+        assert all(torch.equal(theirs[n], mine[n]) for n in theirs), world
 
 
 def test_zero2_and_zero3_of_one_run_hold_the_same_state(tmp_path, optstate_cli):

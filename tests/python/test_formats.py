@@ -84,15 +84,16 @@ MAKE_DCP = textwrap.dedent("""
 """)
 
 
-def run_script(tmp_path, source, name, *args, ranks=1):
+def run_script(tmp_path, source, name, *args, ranks=1, torchrun=False):
     """Writes `source` to tmp_path/name and runs it with `args`, under torchrun with `ranks` local
-    ranks when ranks > 1; a failure fails the test with the script's stderr."""
+    ranks when ranks > 1 or `torchrun`; a failure fails the test with the script's stderr."""
     script = tmp_path / name
     script.write_text(source)
     cmd = [sys.executable, str(script), *map(str, args)]
-    if ranks > 1:
+    torchrun = torchrun or ranks > 1
+    if torchrun:
         cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    proc = run_past_gloo_aborts(cmd) if ranks > 1 else subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = run_past_gloo_aborts(cmd) if torchrun else subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

@@ -10,6 +10,7 @@
 #include "optstate/validate.h"
 #include "registry.h"
 #include "test_helpers.h"
+#include "torchsave/torchsave_reader.h"
 
 using namespace optstate;
 namespace fs = std::filesystem;
@@ -71,17 +72,47 @@ TEST_CASE("deepspeed: ZeRO-1, -2 and -3 checkpoints read as AdamW state, each pa
   // One run saved under ZeRO-2 and under ZeRO-3 (other partitions, other files): the same state.
   auto z2 = open_seed(kSeeds / "zero2_world2"), z3 = open_seed(kSeeds / "zero3_world2");
   CHECK(hash_checkpoint(*z2)->root == hash_checkpoint(*z3)->root);
-  // and it converts: DeepSpeed is read only, any writable format takes it
+  // and it converts: any writable format takes it
   testing::TempDir dir;
   REQUIRE(write_checkpoint(*find_format("native"), *load_all(*z2), dir.path / "native", {}).ok());
   CHECK(hash_checkpoint(*open_checkpoint(dir.path / "native").value())->root == hash_checkpoint(*z2)->root);
+  // DeepSpeed's own format is written only as a universal checkpoint of a DeepSpeed checkpoint
   const FormatDriver* ds = find_format("deepspeed");
   REQUIRE(ds);
   CHECK(!ds->writes());
   auto refused = ds->write(*load_all(*z2), dir.path / "ds", {});
   REQUIRE_FALSE(refused.ok());
-  CHECK(refused.message().find("does not write") != std::string::npos);
+  CHECK(refused.message().find("written from a DeepSpeed ZeRO checkpoint") != std::string::npos);
   CHECK(!fs::exists(dir.path / "ds"));
+}
+
+TEST_CASE("deepspeed: a universal checkpoint of ZeRO-1/2 (zero/<param>/*.pt, optimizer_state.pt, the model states)") {
+  for (const char* seed : {"zero2_world2", "bf16_zero1_world2"}) {
+    CAPTURE(seed);
+    auto r = open_seed(kSeeds / seed);
+    const FormatDriver* ds = find_format("deepspeed");
+    testing::TempDir dir;
+    const fs::path out = dir.path / "universal";
+    const auto st = write_checkpoint(*ds, *load_all(*r), out, {.source = r.get()});
+    REQUIRE_MESSAGE(st.ok(), st.message());
+    CHECK(fs::is_regular_file(out / "mp_rank_00_model_states.pt"));
+    // the carried settings: rank 0's optimizer_state_dict without its partitions, plus param_groups
+    const auto pkl = torchsave::first_zip_record(out / "zero" / "optimizer_state.pt");
+    CHECK((pkl && pkl->ends_with("/data.pkl")));
+    for (const auto& [fqn, ps] : r->meta().params) {
+      CAPTURE(fqn);
+      for (const char* f : {"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt"})
+        CHECK(fs::is_regular_file(out / "zero" / fqn / f));
+    }
+    // written once: DST is not replaced without --overwrite, and never a DeepSpeed folder
+    CHECK_FALSE(write_checkpoint(*ds, *load_all(*r), out, {.source = r.get()}).ok());
+  }
+  // ZeRO-3's universal layout is another: refused, naming the stage
+  auto z3 = open_seed(kSeeds / "zero3_world2");
+  testing::TempDir dir;
+  const auto st = write_checkpoint(*find_format("deepspeed"), *load_all(*z3), dir.path / "u3", {.source = z3.get()});
+  CHECK(st.message().find("a ZeRO-3 checkpoint") != std::string::npos);
+  CHECK_FALSE(fs::exists(dir.path / "u3"));
 }
 
 TEST_CASE("deepspeed: a missing rank, model-parallel files, no model states or a damaged file are refused by name") {

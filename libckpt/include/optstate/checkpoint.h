@@ -126,7 +126,8 @@ class FormatDriver {
   // optimizer steps as 8-bit (torchao: whole blocks only), so no moment is quantized only to be
   // written back as its rounded fp32 values.
   virtual QuantizeOptions quantize_rule(const QuantizeOptions& q) const { return q; }
-  // Whether this format is written at all (DeepSpeed's ZeRO checkpoints are read only: write fails).
+  // Whether this format writes any state (DeepSpeed's universal checkpoint is written only from a
+  // DeepSpeed checkpoint, whose files it carries: WriteOptions::source; from anything else write fails).
   virtual bool writes() const { return true; }
   // Writes every entry of `source`, loading one at a time.
   virtual Status write(StateSource& source, const std::filesystem::path& path, const WriteOptions& options) const = 0;

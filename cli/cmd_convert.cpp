@@ -31,7 +31,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
 int run_convert(int argc, char** argv) {
   const CommandSpec spec{
       "convert",
-      "optstate convert SRC DST [--to fp32|8bit] [--format native|safetensors|hdf5|dcp|torchsave|libtorch|bitsandbytes|torchao] [--world-size N] [--block-size N] "
+      "optstate convert SRC DST [--to fp32|8bit] [--format native|safetensors|hdf5|dcp|torchsave|libtorch|bitsandbytes|torchao|deepspeed] [--world-size N] [--block-size N] "
       "[--min-8bit-size N] [--float-lr] [--overwrite] [--json]",
       "Writes the state of SRC to DST, optionally changing its encoding: --to fp32 dequantizes 8-bit\n"
       "moments, --to 8bit quantizes the moments of params with at least --min-8bit-size elements\n"
@@ -44,7 +44,8 @@ int run_convert(int argc, char** argv) {
       "stops the write and removes what it wrote; an existing DST stays as it was.",
       {{"--to", true, "fp32 or 8bit (default: keep encodings)"},
        {"--format", true, "output format: native, dcp, safetensors, hdf5, torchsave, libtorch (C++ torch::save's optimizer "
-        "archive), bitsandbytes or torchao (their AdamW8bit's state_dict) (default: from DST's extension, .safetensors / .h5 / "
+        "archive), bitsandbytes or torchao (their AdamW8bit's state_dict), deepspeed (a universal checkpoint of a DeepSpeed "
+        "ZeRO-1/2 SRC, which DeepSpeed loads on any world size) (default: from DST's extension, .safetensors / .h5 / "
         ".hdf5 / .pt / .pth (torchsave), else native)"},
        {"--block-size", true, "8-bit block size (default 256)"},
        {"--min-8bit-size", true, "params with fewer elements stay dense (default 4096)"},

@@ -1,15 +1,17 @@
 """Reading a DeepSpeed ZeRO checkpoint's optimizer state per param: `optstate convert checkpoint-N
-plain.pt` (one torch.optim.AdamW state_dict with the fp32 weights) next to DeepSpeed's own tool for
-it, `ds_to_universal` (per-param fp32 weights, exp_avg, exp_avg_sq files), side by side in one run on
-the same checkpoint and disk, cold page cache, each a fresh process; wall time and peak RSS of each,
-and the raw copy as the floor.
+plain.pt` (one torch.optim.AdamW state_dict with the fp32 weights) and `optstate convert checkpoint-N
+universal --format deepspeed` (DeepSpeed's universal checkpoint, the same files ds_to_universal
+writes) next to DeepSpeed's own tool for it, `ds_to_universal` (per-param fp32 weights, exp_avg,
+exp_avg_sq files), side by side in one run on the same checkpoint and disk, cold page cache, each a
+fresh process; wall time and peak RSS of each, and the raw copy as the floor.
 
 - The checkpoint: a Llama-shaped stack (--layers pairs of 2048x4096 / 4096x2048 Linears), one
   torch.optim.AdamW step under ZeRO-2 on 2 CPU ranks (gloo), engine.save_checkpoint.
 - DeepSpeed: `python -m deepspeed.checkpoint.ds_to_universal` with 2 extract and 2 merge workers
   (this machine's cores).
 - optstate: the CLI, no Python, no DeepSpeed.
-Both outputs are read back and must hold the same fp32 weights and moments per param, bit for bit.
+The outputs are read back and must hold the same fp32 weights and moments per param, bit for bit
+(the two universal checkpoints: every file's tensors).
 
     .venv/bin/python bench/bench_deepspeed.py [--layers 2] [--reps 2] [--dir /tmp] [--json bench/results/deepspeed.json]
 """
@@ -76,9 +78,10 @@ def main():
     print(f"source: {src_bytes / 1e9:.2f} GB DeepSpeed ZeRO-2 checkpoint, 2 ranks ({args.layers} layer pairs, "
           f"made in {t_make:.0f} s); {os.cpu_count()} cpus, torch {torch.__version__}")
     reference = "DeepSpeed ds_to_universal"
-    dst = {"optstate": work / "plain.pt", reference: work / "universal"}
+    dst = {"optstate": work / "plain.pt", "optstate universal": work / "ours_universal", reference: work / "universal"}
     cases = {
         "optstate": lambda out: [cli, "convert", src, out],
+        "optstate universal": lambda out: [cli, "convert", src, out, "--format", "deepspeed"],
         reference: lambda out: [sys.executable, scripts["convert_reference.py"], src, out],
     }
     times, peak = time_cases(cases, dst, src, args.reps, env)
@@ -93,8 +96,13 @@ def main():
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(st[k], universal_tensor(ref / f"{k}.pt").view_as(st[k])), (n, k)
         assert torch.equal(sd["model"][n], universal_tensor(ref / "fp32.pt").view_as(sd["model"][n])), n
+    ours, theirs = dst["optstate universal"] / "zero", dst[reference] / "zero"
+    for n in names:
+        for f in ("fp32", "exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(universal_tensor(ours / n / f"{f}.pt"), universal_tensor(theirs / n / f"{f}.pt")), (n, f)
     print(f"outputs: {dst_bytes / 1e9:.2f} GB torch.optim.AdamW state_dict / {dir_bytes(dst[reference]) / 1e9:.2f} GB "
-          f"of per-param files; {len(names)} params' fp32 weights, exp_avg and exp_avg_sq equal bit for bit")
+          f"of per-param files (both universal checkpoints); {len(names)} params' fp32 weights, exp_avg and exp_avg_sq "
+          f"equal bit for bit")
     report(args, work, times, peak, src_bytes, dst_bytes, reference=reference)
 
 

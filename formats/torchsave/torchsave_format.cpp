@@ -734,6 +734,79 @@ class TorchSaveReader final : public CheckpointReader {
     return finish({}, {}, 0);
   }
 
+  // A DeepSpeed universal checkpoint (`dir`: zero/optimizer_state.pt, zero/<param>/{fp32,exp_avg,
+  // exp_avg_sq,step}.pt, the model states file `model`): groups and their params from the model
+  // states' param_shapes, hyperparameters from optimizer_state.pt, each param's tensors whole.
+  Status init_universal(const fs::path& dir, const fs::path& model) {
+    deepspeed_ = true;
+    const fs::path opt_file = dir / "zero" / "optimizer_state.pt";
+    OPTSTATE_ASSIGN_OR_RETURN(auto opt, open_archive(opt_file));
+    OPTSTATE_ASSIGN_OR_RETURN(const UniversalOptimizer uo, interpret_universal_optimizer(opt.second, opt_file.string()));
+    const std::vector<GroupSpec>& groups = uo.groups;
+    files_.push_back(std::move(opt.first));
+    const size_t opt_index = files_.size() - 1;
+    OPTSTATE_ASSIGN_OR_RETURN(auto ms, open_archive(model));
+    OPTSTATE_ASSIGN_OR_RETURN(const ZeroShapes shapes, interpret_zero_model(ms.second, model.string()));
+    if (shapes.groups.size() != groups.size())
+      return corrupt(fmt::format("{}: {} param groups in param_shapes, {} in {}", model.string(), shapes.groups.size(),
+                                 groups.size(), opt_file.string()));
+    not_read_ = shapes.not_read;
+    meta_.kind = "adamw";
+    std::error_code ec;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      ParamGroup group;
+      group.hyper = groups[g].hyper;
+      group.hyper.lr = *groups[g].lr.number;
+      meta_.groups.push_back(group);
+      for (const auto& [name, shape] : shapes.groups[g]) {
+        const fs::path pdir = dir / "zero" / name;
+        const std::string pw = fmt::format("{} '{}'", (dir / "zero").string(), name);
+        if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
+          return corrupt(fmt::format("{}: param name '{}' is no folder name", model.string(), name));
+        if (meta_.params.count(name)) return corrupt(fmt::format("{}: param '{}' is listed twice", model.string(), name));
+        OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(shape));
+        ParamState ps;
+        ps.shape = shape;
+        ps.group = static_cast<int>(g);
+        std::vector<std::pair<std::string, std::string>> files = {{kParam, "fp32.pt"}};
+        const bool moments = fs::is_regular_file(pdir / "exp_avg.pt", ec) || fs::is_regular_file(pdir / "exp_avg_sq.pt", ec);
+        if (moments) {
+          files.insert(files.end(), {{kExpAvg, "exp_avg.pt"}, {kExpAvgSq, "exp_avg_sq.pt"}});
+          if (group.hyper.amsgrad) files.emplace_back(kMaxExpAvgSq, "max_exp_avg_sq.pt");
+        }
+        for (const auto& [entry, file] : files) {
+          const fs::path f = pdir / file;
+          if (!fs::is_regular_file(f, ec)) return corrupt(fmt::format("{}: no {}", pw, file));
+          OPTSTATE_ASSIGN_OR_RETURN(auto a, open_archive(f));
+          OPTSTATE_ASSIGN_OR_RETURN(const dcp::TensorRef t, interpret_universal_tensor(a.second, f.string()));
+          files_.push_back(std::move(a.first));
+          OPTSTATE_ASSIGN_OR_RETURN(const Stored whole, resolve(files_.size() - 1, t, numel, f.string()));
+          stored_[{name, entry, Component::kValues}] = {Piece{0, numel, whole, std::nullopt}};
+          ps.entries.emplace(entry, Entry{});  // fp32 values
+        }
+        if (moments) {
+          const fs::path f = pdir / "step.pt";
+          double st = 0;
+          if (fs::is_regular_file(f, ec)) {
+            OPTSTATE_ASSIGN_OR_RETURN(auto a, open_archive(f));
+            OPTSTATE_ASSIGN_OR_RETURN(const dcp::TensorRef t, interpret_universal_tensor(a.second, f.string()));
+            files_.push_back(std::move(a.first));
+            OPTSTATE_ASSIGN_OR_RETURN(st, value_of(files_.size() - 1, Scalar{std::nullopt, t}, f.string()));
+          } else if (const auto gs = uo.steps.find(g); gs != uo.steps.end()) {  // ZeRO-3's: the group's
+            OPTSTATE_ASSIGN_OR_RETURN(st, value_of(opt_index, gs->second, fmt::format("{} group {} step", opt_file.string(), g)));
+          } else {
+            return corrupt(pw + ": no step.pt, and " + opt_file.string() + " holds no step for its group");
+          }
+          if (!(st >= 0 && st < 9.2e18) || st != std::floor(st)) return corrupt(fmt::format("{}: step {} is not a count", pw, st));
+          ps.step = static_cast<int64_t>(st);
+        }
+        meta_.groups[g].params.push_back(name);
+        meta_.params.emplace(name, std::move(ps));
+      }
+    }
+    return finish({}, {}, 0);
+  }
+
   // "optim_world_size_2_rank_*.pt" for a per-rank set's files (their shared name, the rank as *).
   static std::string rank_pattern(const std::vector<fs::path>& files) {
     if (files.empty()) return "";
@@ -1706,11 +1779,32 @@ Result<std::optional<ZeroFiles>> zero_files(const fs::path& path) {
   return std::optional<ZeroFiles>{std::move(z)};
 }
 
+// A DeepSpeed universal checkpoint's folder and its model states file: `path` itself, or the folder
+// its `latest_universal` names (ds_to_universal writes that file beside its output).
+std::optional<std::pair<fs::path, fs::path>> universal_dir(const fs::path& path) {
+  std::error_code ec;
+  auto at = [&](const fs::path& dir) -> std::optional<std::pair<fs::path, fs::path>> {
+    if (!fs::is_regular_file(dir / "zero" / "optimizer_state.pt", ec)) return std::nullopt;
+    for (const char* model : {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"})
+      if (fs::is_regular_file(dir / model, ec)) return std::pair{dir, dir / model};
+    return std::nullopt;
+  };
+  if (auto u = at(path)) return u;
+  if (!fs::is_regular_file(path / "latest_universal", ec) || fs::file_size(path / "latest_universal", ec) > 4096)
+    return std::nullopt;
+  std::ifstream f(path / "latest_universal");
+  std::string tag;
+  std::getline(f, tag);
+  if (tag.empty() || tag.find('/') != std::string::npos || tag == "." || tag == "..") return std::nullopt;
+  return at(path / tag);
+}
+
 }  // namespace
 
 bool is_deepspeed_checkpoint(const fs::path& path) {
   std::error_code ec;
   if (!fs::is_directory(path, ec)) return false;
+  if (universal_dir(path)) return true;
   const fs::path dir = zero_tag_dir(path);
   size_t seen = 0;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end && ++seen <= 4096; it.increment(ec))
@@ -1720,6 +1814,8 @@ bool is_deepspeed_checkpoint(const fs::path& path) {
 }
 
 Result<ZeroUniversalParts> zero_universal_parts(const fs::path& path) {
+  if (universal_dir(path))
+    return invalid_argument(path.string() + ": already a universal checkpoint (DeepSpeed loads it on any world size)");
   OPTSTATE_ASSIGN_OR_RETURN(const auto z, zero_files(path));
   if (!z) return invalid_argument(path.string() + ": no DeepSpeed ZeRO optimizer files (zero_pp_rank_*_optim_states.pt)");
   const fs::path& file = z->optim.at(0);
@@ -1763,6 +1859,11 @@ Result<ZeroUniversalParts> zero_universal_parts(const fs::path& path) {
 }
 
 Result<std::unique_ptr<CheckpointReader>> open_deepspeed(const fs::path& path) {
+  if (const auto u = universal_dir(path)) {
+    auto reader = std::make_unique<TorchSaveReader>(path);
+    OPTSTATE_RETURN_IF_ERROR(reader->init_universal(u->first, u->second));
+    return std::unique_ptr<CheckpointReader>(std::move(reader));
+  }
   OPTSTATE_ASSIGN_OR_RETURN(const auto z, zero_files(path));
   if (!z) return invalid_argument(path.string() + ": no DeepSpeed ZeRO optimizer files (zero_pp_rank_*_optim_states.pt)");
   auto reader = std::make_unique<TorchSaveReader>(path);

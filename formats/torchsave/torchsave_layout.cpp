@@ -1062,6 +1062,40 @@ Result<ZeroRank> interpret_zero_optim(const Pickle& p, const std::string& where)
   return out;
 }
 
+Result<UniversalOptimizer> interpret_universal_optimizer(const Pickle& p, const std::string& where) {
+  const auto* groups = list_items(p, p.dict_get(p.root(), "param_groups"));
+  if (!groups || groups->empty()) return corrupt(where + ": 'param_groups' is not a non-empty list");
+  UniversalOptimizer out;
+  const Ref nested = p.dict_get(p.root(), "optimizer_state_dict");
+  if (const auto* st = nested == kNoRef ? nullptr : dict_items(p, p.dict_get(nested, "state")))
+    for (size_t k = 0; k + 1 < st->size(); k += 2) {
+      const pickle::Value& key = p.at((*st)[k]);
+      const Ref step = p.dict_get((*st)[k + 1], "step");
+      if (key.kind != Kind::kInt || key.i < 0 || static_cast<size_t>(key.i) >= groups->size() || step == kNoRef) continue;
+      OPTSTATE_ASSIGN_OR_RETURN(out.steps[static_cast<size_t>(key.i)],
+                                scalar(p, step, fmt::format("{} optimizer_state_dict state {} 'step'", where, key.i)));
+    }
+  for (size_t g = 0; g < groups->size(); ++g) {
+    const std::string gw = fmt::format("{} param group {}", where, g);
+    if (!dict_items(p, (*groups)[g])) return corrupt(gw + ": not a dict");
+    OPTSTATE_ASSIGN_OR_RETURN(GroupSpec spec, adamw_group(p, (*groups)[g], gw));
+    if (spec.lr.tensor) return corrupt(gw + ": 'lr' is a tensor; DeepSpeed's groups hold a number");
+    out.groups.push_back(std::move(spec));
+  }
+  return out;
+}
+
+Result<dcp::TensorRef> interpret_universal_tensor(const Pickle& p, const std::string& where) {
+  Ref t = p.root();
+  if (p.at(t).kind == Kind::kDict) t = p.dict_get(t, "param");
+  if (t == kNoRef) return corrupt(where + ": neither a tensor nor a dict with 'param'");
+  OPTSTATE_ASSIGN_OR_RETURN(const dcp::Payload v, dcp::interpret_value(p, t, where));
+  if (v.kind != dcp::Payload::Kind::kTensor) return corrupt(where + ": 'param' is not a tensor");
+  if (v.tensor.dtype != DType::kF32)
+    return corrupt(fmt::format("{}: a {} tensor; DeepSpeed's universal state is float32", where, dtype_name(v.tensor.dtype)));
+  return v.tensor;
+}
+
 Result<ZeroShapes> interpret_zero_model(const Pickle& p, const std::string& where) {
   const auto* groups = list_items(p, p.dict_get(p.root(), "param_shapes"));
   if (!groups || groups->empty())

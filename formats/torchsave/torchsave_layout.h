@@ -202,6 +202,18 @@ struct ZeroShapes {
 };
 Result<ZeroShapes> interpret_zero_model(const pickle::Pickle& p, const std::string& where);
 
+// A DeepSpeed universal checkpoint (ds_to_universal's, or optstate's): zero/optimizer_state.pt's
+// param_groups (AdamW's fields; the groups' params come from the model states file), and a
+// per-param file: torch.save({"cat_dim": ..., "param": tensor}) or of the tensor alone (step.pt).
+// ZeRO-3's has no step.pt per param: each group's step is its flat param's, in the nested
+// optimizer_state_dict's state (`steps`, by group; absent where the file has none).
+struct UniversalOptimizer {
+  std::vector<GroupSpec> groups;
+  std::map<size_t, Scalar> steps;
+};
+Result<UniversalOptimizer> interpret_universal_optimizer(const pickle::Pickle& p, const std::string& where);
+Result<dcp::TensorRef> interpret_universal_tensor(const pickle::Pickle& p, const std::string& where);
+
 // A planned state_dict of an optimizer with its own state layout (the bitsandbytes and torchao
 // writers): data.pkl and its storage records "0", "1", ... in writing order, each one of:
 struct StorageSpec {

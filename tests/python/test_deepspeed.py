@@ -80,6 +80,8 @@ def test_zero_checkpoint_reads_as_deepspeeds_own_reassembly(tmp_path, optstate_c
     assert "['module']" in done.stderr  # the model's own weights: named as not read (the fp32 copies are)
     sd = torch.load(tmp_path / "plain.pt")
     ref = universal(tmp_path, ck, "global_step3")
+    # DeepSpeed's universal checkpoint reads as the same state (optstate's own: the next test)
+    assert hashes(optstate_cli, ref) == hashes(optstate_cli, ck)
     groups = sd["optimizer"]["param_groups"]
     assert [g["weight_decay"] for g in groups] == [0.05, 0.0] and [g["lr"] for g in groups] == [1e-3, 2e-3]
     names = [n for g in groups for n in g["param_names"]]
@@ -138,6 +140,8 @@ def test_universal_checkpoint_is_ds_to_universals_and_deepspeed_resumes_it_on_ot
     ours = tmp_path / "ours_universal"
     out = optstate_cli("convert", ck, ours, "--format", "deepspeed")
     assert "(deepspeed, 1 rank)" in out.stdout, out.stdout
+    assert hashes(optstate_cli, ours) == hashes(optstate_cli, ck)
+    optstate_cli("validate", ours)
     assert (ours / "mp_rank_00_model_states.pt").read_bytes() == (ref / "mp_rank_00_model_states.pt").read_bytes()
     a = torch.load(ref / "zero" / "optimizer_state.pt", weights_only=False)
     b = torch.load(ours / "zero" / "optimizer_state.pt", weights_only=False)

@@ -104,6 +104,21 @@ TEST_CASE("deepspeed: a universal checkpoint of ZeRO-1/2 (zero/<param>/*.pt, opt
       for (const char* f : {"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt"})
         CHECK(fs::is_regular_file(out / "zero" / fqn / f));
     }
+    // read back (optstate reads universal checkpoints too): the same state
+    auto back = open_checkpoint(out);
+    REQUIRE_MESSAGE(back.ok(), back.status().message());
+    CHECK((*back)->format() == "deepspeed");
+    CHECK(hash_checkpoint(**back)->root == hash_checkpoint(*r)->root);
+    CHECK(validate_checkpoint(out, [](const fs::path& p) { return open_checkpoint(p); })->findings.empty());
+    // not written again from itself: it is universal already
+    CHECK(write_checkpoint(*ds, *load_all(**back), dir.path / "again", {.source = back->get()})
+              .message()
+              .find("already a universal checkpoint") != std::string::npos);
+    // a missing per-param file is named
+    fs::remove(out / "zero" / r->meta().groups[0].params[0] / "exp_avg_sq.pt");
+    auto broken = open_checkpoint(out);
+    REQUIRE_FALSE(broken.ok());
+    CHECK(broken.status().message().find("no exp_avg_sq.pt") != std::string::npos);
     // written once: DST is not replaced without --overwrite, and never a DeepSpeed folder
     CHECK_FALSE(write_checkpoint(*ds, *load_all(*r), out, {.source = r.get()}).ok());
   }

@@ -7,8 +7,11 @@
 // is also tried with data.pkl's CRC-32 re-signed (as fuzz_torchsave_file does). Every input must
 // validate, open, hash, read whole and write back (as a native checkpoint: DeepSpeed's format is
 // read only), or give an error; never a crash, a hang or an unbounded allocation.
-// CTest: fuzz.deepspeed_zero2, fuzz.deepspeed_zero3 (bounded mutation runs); with OPTSTATE_LIBFUZZER,
-// coverage-guided.
+// Built a third time over DeepSpeed's universal checkpoint of the ZeRO-3 one
+// (testdata/zero3_world2_universal/, ds_to_universal's; fuzz.deepspeed_universal): the input is
+// zero/optimizer_state.pt (settings, param groups, the nested state with each group's step).
+// CTest: fuzz.deepspeed_zero2, fuzz.deepspeed_zero3, fuzz.deepspeed_universal (bounded mutation
+// runs); with OPTSTATE_LIBFUZZER, coverage-guided.
 #include <cstdint>
 
 #include "torchsave/torchsave_fuzz_target.h"
@@ -18,8 +21,7 @@ using namespace optstate;
 namespace {
 
 const fuzz::CheckpointFixture& fixture() {
-  static const fuzz::CheckpointFixture f("deepspeed", OPTSTATE_DEEPSPEED_SEED,
-                                         "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt");
+  static const fuzz::CheckpointFixture f("deepspeed", OPTSTATE_DEEPSPEED_SEED, OPTSTATE_DEEPSPEED_MEMBER);
   return f;
 }
 

@@ -6,6 +6,7 @@ with engine.save_checkpoint (global_step3/ and `latest`):
   zero2_world2/       ZeRO-2, fp32
   zero3_world2/       ZeRO-3, fp32 (the same run: it hashes like zero2_world2/)
   bf16_zero1_world2/  ZeRO-1 under bf16 (bf16_zero_pp_rank_*: fp32 master weights and moments)
+  zero3_world2_universal/  DeepSpeed's universal checkpoint of zero3_world2/ (its ds_to_universal)
 
     .venv/bin/python formats/deepspeed/testdata/make_seeds.py     (needs deepspeed; 1-2 min)
 """
@@ -52,6 +53,17 @@ def main():
                         str(stage), bf16, str(out)], check=True, env=env)
         for extra in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's recovery scripts: not state
             (out / extra).unlink(missing_ok=True)
+        print(f"wrote {out}")
+    # ds_to_universal writes `latest_universal` beside its output: made elsewhere, the folder copied
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                        str(HERE / "zero3_world2" / "global_step3"), "--output_folder", f"{tmp}/u",
+                        "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
+                       check=True, env=env, stdout=subprocess.DEVNULL)
+        out = HERE / "zero3_world2_universal"
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(f"{tmp}/u", out)
         print(f"wrote {out}")
 
 

@@ -6,7 +6,8 @@
 // placement of every param's runs across the ranks' partitions and the cross-rank checks. Each input
 // is also tried with data.pkl's CRC-32 re-signed (as fuzz_torchsave_file does). Every input must
 // validate, open, hash, read whole and write back (as a native checkpoint: DeepSpeed's format is
-// read only), or give an error; never a crash, a hang or an unbounded allocation.
+// written only from a ZeRO checkpoint), or give an error; never a crash, a hang or an unbounded
+// allocation.
 // Built a third time over DeepSpeed's universal checkpoint of the ZeRO-3 one
 // (testdata/zero3_world2_universal/, ds_to_universal's; fuzz.deepspeed_universal): the input is
 // zero/optimizer_state.pt (settings, param groups, the nested state with each group's step).

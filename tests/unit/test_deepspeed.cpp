@@ -122,6 +122,10 @@ TEST_CASE("deepspeed: a universal checkpoint of ZeRO-1/2 (zero/<param>/*.pt, opt
     // written once: DST is not replaced without --overwrite, and never a DeepSpeed folder
     CHECK_FALSE(write_checkpoint(*ds, *load_all(*r), out, {.source = r.get()}).ok());
   }
+  // DeepSpeed's own conversion of the ZeRO-3 seed (no step.pt: each group's step from
+  // optimizer_state.pt) reads as that checkpoint's state
+  auto theirs = open_seed(kSeeds / "zero3_world2_universal");
+  CHECK(hash_checkpoint(*theirs)->root == hash_checkpoint(*open_seed(kSeeds / "zero3_world2"))->root);
   // ZeRO-3's universal layout is another: refused, naming the stage
   auto z3 = open_seed(kSeeds / "zero3_world2");
   testing::TempDir dir;

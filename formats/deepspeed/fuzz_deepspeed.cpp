@@ -1,4 +1,4 @@
-// Fuzz target for the deepspeed driver, built twice: over a ZeRO-2 checkpoint
+// Fuzz target for the deepspeed driver, built three times: over a ZeRO-2 checkpoint
 // (testdata/zero2_world2/, fuzz.deepspeed_zero2) and a ZeRO-3 one (testdata/zero3_world2/,
 // fuzz.deepspeed_zero3), both real (make_seeds.py). The input is rank 1's optimizer file, beside the
 // real files of rank 0 and the model states, so damage reaches the ZeRO interpretation (stage,

@@ -3,6 +3,10 @@
 // paths, chunk shapes, the zip and torch.save payload of each item, 8-bit pairs). Inputs are
 // .metadata pickles; the bounded run (CTest: fuzz.dcp_checkpoint) also damages data files.
 // `--print-seed` prints the seed .metadata (testdata/checkpoint/.metadata).
+// Built a second time with OPTSTATE_DCP_QUANTIZED (fuzz.dcp_torchao_checkpoint): the checkpoint
+// written as `convert --to 8bit --format dcp` writes it (each rank's rows of the 8-bit moments a
+// torchao OptimState8bit item, lr a tensor), written back DCP -> DCP keeping torchao's items; seed
+// testdata/checkpoint_torchao/.metadata.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -15,7 +19,11 @@ using namespace optstate;
 namespace {
 
 const fuzz::CheckpointFixture& fixture() {
+#ifdef OPTSTATE_DCP_QUANTIZED
+  static const fuzz::CheckpointFixture f("dcp", 2, ".metadata", /*quantized=*/true);
+#else
   static const fuzz::CheckpointFixture f("dcp", 2, ".metadata");
+#endif
   return f;
 }
 
@@ -28,7 +36,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
 #ifndef OPTSTATE_LIBFUZZER
 int main(int argc, char** argv) {
-  return fixture().main(argc, argv, "fuzz.dcp_checkpoint", "",
+#ifdef OPTSTATE_DCP_QUANTIZED
+  const char* test = "fuzz.dcp_torchao_checkpoint";
+#else
+  const char* test = "fuzz.dcp_checkpoint";
+#endif
+  return fixture().main(argc, argv, test, "",
                         [](const std::string&) { return std::optional<std::string>(); });
 }
 #endif

@@ -13,18 +13,24 @@ from test_formats import hashes, run_err, run_script
 
 pytest.importorskip("deepspeed")
 
+# The model and optimizer of every DeepSpeed run here: Hugging Face's two groups (weights decayed,
+# the rest not); sizes that split across the ranks' partitions at odd places.
+BUILD = """
+def build(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 50), torch.nn.GELU(),
+                                torch.nn.Linear(50, 3))
+    groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05},
+              {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "lr": 2e-3}]
+    return model, torch.optim.AdamW(groups, lr=1e-3)
+"""
+
 TRAIN = """
 import sys, torch, deepspeed
 stage, bf16, out, steps, more = int(sys.argv[1]), sys.argv[2] == "bf16", sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 deepspeed.init_distributed(dist_backend="gloo")
-torch.manual_seed(0)
-# Hugging Face's two groups (weights decayed, the rest not); sizes that split across the ranks'
-# partitions at odd places.
-model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 50), torch.nn.GELU(),
-                            torch.nn.Linear(50, 3))
-groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05},
-          {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "lr": 2e-3}]
-opt = torch.optim.AdamW(groups, lr=1e-3)
+""" + BUILD + """
+model, opt = build(0)
 cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
        "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
 engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
@@ -103,14 +109,10 @@ RESUME_UNIVERSAL = """
 import sys, torch, deepspeed
 load_dir, tags, out = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
 deepspeed.init_distributed(dist_backend="gloo")
+""" + BUILD + """
 runs = []
 for tag in tags:  # each universal checkpoint loaded into a fresh engine, two more steps
-    torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 50), torch.nn.GELU(),
-                                torch.nn.Linear(50, 3))
-    groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05},
-              {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "lr": 2e-3}]
-    opt = torch.optim.AdamW(groups, lr=1e-3)
+    model, opt = build(1)
     cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
            "zero_optimization": {"stage": 2}, "checkpoint": {"load_universal": True}}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)

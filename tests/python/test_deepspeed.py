@@ -107,20 +107,21 @@ def test_zero_checkpoint_reads_as_deepspeeds_own_reassembly(tmp_path, optstate_c
 
 RESUME_UNIVERSAL = """
 import sys, torch, deepspeed
-load_dir, tags, out = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
+load_dir, tags, out, stage, bf16 = sys.argv[1], sys.argv[2].split(","), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "bf16"
 deepspeed.init_distributed(dist_backend="gloo")
 """ + BUILD + """
+dtype = torch.bfloat16 if bf16 else torch.float32
 runs = []
 for tag in tags:  # each universal checkpoint loaded into a fresh engine, two more steps
     model, opt = build(1)
     cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-           "zero_optimization": {"stage": 2}, "checkpoint": {"load_universal": True}}
+           "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}, "checkpoint": {"load_universal": True}}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     engine.load_checkpoint(load_dir, tag=tag)
     assert engine.global_steps == 3
     for s in range(3, 5):
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))
-        engine.backward((engine(x).float() * 1e-2).square().sum())
+        engine.backward((engine(x.to(dtype)).float() * 1e-2).square().sum())
         engine.step()
     runs.append({n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()})
 if torch.distributed.get_rank() == 0:
@@ -135,8 +136,9 @@ def test_universal_checkpoint_is_ds_to_universals_and_deepspeed_resumes_it_on_ot
     """`convert --format deepspeed` of a ZeRO-1/2 checkpoint writes DeepSpeed's universal checkpoint:
     the files ds_to_universal writes (zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt, equal tensor
     for tensor; zero/optimizer_state.pt with the same settings; the model states file as it was).
-    DeepSpeed, with "load_universal", resumes from it on 1 and on 3 ranks exactly as from its own
-    conversion (a 2-rank checkpoint: DeepSpeed itself refuses another world size without one)."""
+    DeepSpeed, with "load_universal", resumes from it on 1 and on 3 ranks (bf16 ZeRO-1: on 3) exactly
+    as from its own conversion (a 2-rank checkpoint: DeepSpeed itself refuses another world size
+    without one)."""
     ck = ds_run(tmp_path, stage, dtype, 2)
     ref = universal(tmp_path, ck, "global_step3")
     ours = tmp_path / "ours_universal"
@@ -161,12 +163,10 @@ def test_universal_checkpoint_is_ds_to_universals_and_deepspeed_resumes_it_on_ot
                 assert x.keys() == y.keys() and x["cat_dim"] == y["cat_dim"], (n, f)
                 x, y = x["param"], y["param"]
             assert x.dtype == y.dtype and torch.equal(x, y), (n, f)
-    if stage != 2:
-        return
-    for world in (1, 3):
+    for world in (1, 3) if stage == 2 else (3,):
         res = tmp_path / f"resumed{world}.pt"
         run_script(tmp_path, RESUME_UNIVERSAL, "resume_universal.py", tmp_path, f"{ref.name},{ours.name}", res,
-                   ranks=world, torchrun=True)
+                   stage, dtype, ranks=world, torchrun=True)
         theirs, mine = torch.load(res)
         assert all(torch.equal(theirs[n], mine[n]) for n in theirs), world
 

@@ -1013,19 +1013,10 @@ class DcpDriver final : public FormatDriver {
   }
   OptimizerState kept_by_write(const OptimizerState& state, const WriteOptions& options) const override {
     if (!writes_blockwise8(options)) return state;  // 8-bit moments dequantized: the values hash is kept
-    OptimizerState out = state;
-    for (auto& [fqn, ps] : out.params)
-      for (auto& [name, e] : ps.entries)
-        if (e.encoding == Encoding::kBlockwise8 && !fits_torchao_items(name, e, ps.shape, options.world_size)) {
-          Entry dense;
-          dense.dtype = DType::kF32;
-          if (e.codes.size > 0)
-            if (auto n = checked_numel(ps.shape); n.ok())
-              if (auto v = entry_f32_values(e, *n, entry_key(fqn, name)); v.ok())
-                dense.values = Buffer::copy_of(std::as_bytes(std::span(*v)));
-          e = std::move(dense);
-        }
-    return torchao::kept_state(out);  // lr a float32 tensor; the subclass's dtype the param's
+    // torchao's: lr a float32 tensor, the subclass's dtype the param's, moments that are not items fp32
+    return torchao::kept_state(state, [&](const std::string& moment, const Entry& e, const ParamState& ps) {
+      return fits_torchao_items(moment, e, ps.shape, options.world_size);
+    });
   }
   // --to 8bit quantizes as torchao steps 8-bit state: whole blocks only.
   QuantizeOptions quantize_rule(const QuantizeOptions& q) const override {

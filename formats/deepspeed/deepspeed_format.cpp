@@ -8,7 +8,6 @@
 // checkpoint, whose model states file and optimizer settings it carries. Layout: FORMAT.md.
 #include <fmt/format.h>
 
-#include <functional>
 
 #include "dcp/dcp_driver.h"
 #include "dcp/dcp_layout.h"
@@ -48,18 +47,6 @@ Status copy_durably(const fs::path& from, const fs::path& to) {
   return out.sync_and_close();
 }
 
-// A torch.save archive written straight into the staging folder (which is published whole): `pkl`
-// and the storages `storages` writes, fsync'd.
-Status write_archive(const fs::path& path, std::string_view pkl,
-                     const std::function<Status(dcp::ArchiveWriter&)>& storages) {
-  OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(path));
-  dcp::ArchiveWriter archive(out);
-  OPTSTATE_RETURN_IF_ERROR(archive.begin(std::as_bytes(std::span(pkl))));
-  OPTSTATE_RETURN_IF_ERROR(storages(archive));
-  OPTSTATE_RETURN_IF_ERROR(archive.finish().status());
-  return out.sync_and_close();
-}
-
 // torch.save({"cat_dim": 0, "param": tensor}) of float32 `values` of `shape` (ds_to_universal's
 // per-param state file), or of the 0-d tensor alone (`step.pt`).
 Status write_tensor_file(const fs::path& path, const std::vector<int64_t>& shape, std::span<const float> values,
@@ -75,7 +62,8 @@ Status write_tensor_file(const fs::path& path, const std::vector<int64_t>& shape
   dcp::encode_tensor(w, DType::kF32, shape, "0");
   if (!bare) w.setitems_from_mark();
   const std::string pkl = w.finish();
-  return write_archive(path, pkl, [&](dcp::ArchiveWriter& archive) { return archive.storage("0", std::as_bytes(values)); });
+  return torchsave::write_archive(path, pkl,
+                                  [&](dcp::ArchiveWriter& archive) { return archive.storage("0", std::as_bytes(values)); });
 }
 
 Status write_universal(StateSource& source, const fs::path& staging, const torchsave::ZeroUniversalParts& parts) {
@@ -84,7 +72,7 @@ Status write_universal(StateSource& source, const fs::path& staging, const torch
   std::error_code ec;
   fs::create_directory(staging / "zero", ec);
   if (ec) return io_error(fmt::format("{}: {}", (staging / "zero").string(), ec.message()));
-  OPTSTATE_RETURN_IF_ERROR(write_archive(staging / "zero" / "optimizer_state.pt", parts.optimizer_state_pkl,
+  OPTSTATE_RETURN_IF_ERROR(torchsave::write_archive(staging / "zero" / "optimizer_state.pt", parts.optimizer_state_pkl,
                                          [](dcp::ArchiveWriter&) { return Status::Ok(); }));
   for (const auto& [fqn, ps] : state.params) {
     OPTSTATE_RETURN_IF_ERROR(check_param_folder(fqn));

@@ -159,7 +159,7 @@ Result<Plan> plan_state_dict(const OptimizerState& state) {
   return plan;
 }
 
-OptimizerState kept_state(const OptimizerState& state) {
+OptimizerState kept_state(const OptimizerState& state, const KeepsEight& eight) {
   OptimizerState out = state;
   for (ParamGroup& g : out.groups) g.hyper.lr = static_cast<double>(static_cast<float>(g.hyper.lr));
   bool any8 = false;
@@ -167,7 +167,7 @@ OptimizerState kept_state(const OptimizerState& state) {
     const auto numel = checked_numel(ps.shape);
     for (auto& [name, e] : ps.entries) {
       if (name == kParam || e.encoding == Encoding::kDense) continue;
-      if (numel.ok() && steps_as_8bit(name, e, *numel)) {
+      if (numel.ok() && (eight ? eight(name, e, ps) : steps_as_8bit(name, e, *numel))) {
         any8 = true;
         continue;
       }

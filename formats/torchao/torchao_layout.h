@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -34,7 +35,10 @@ Result<Plan> plan_state_dict(const OptimizerState& state);
 // What a round trip gives back: entries torchao does not step as 8-bit become dense (dequantized to
 // fp32 where `state` has the buffers; dense ones keep their dtype), lr rounded to float32, and the
 // param dtype of a param without weights but with 8-bit moments what their subclass claims.
-OptimizerState kept_state(const OptimizerState& state);
+// `eight` (default: steps_as_8bit) says which blockwise8 moments are written as 8-bit; a writer
+// with a further rule (DCP: each rank's rows whole blocks) passes its own.
+using KeepsEight = std::function<bool(const std::string& moment, const Entry& e, const ParamState& ps)>;
+OptimizerState kept_state(const OptimizerState& state, const KeepsEight& eight = {});
 
 // torchao's OptimState8bit of `shape` as torch.save pickles it: _rebuild_from_type_v2 of
 // _rebuild_wrapper_subclass(OptimState8bit, apparent, size, stride, 0, strided, cpu, False) (torchao's

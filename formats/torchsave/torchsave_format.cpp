@@ -1575,16 +1575,19 @@ Status write_file(const fs::path& path, bool overwrite, std::string_view pkl,
                   const std::function<Status(dcp::ArchiveWriter&)>& storages) {
   OPTSTATE_RETURN_IF_ERROR(check_destination(path, overwrite));
   OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_path(path));
-  Status st = [&]() -> Status {
-    OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging));
-    dcp::ArchiveWriter archive(out);
-    OPTSTATE_RETURN_IF_ERROR(archive.begin(std::as_bytes(std::span(pkl))));
-    OPTSTATE_RETURN_IF_ERROR(storages(archive));
-    OPTSTATE_RETURN_IF_ERROR(archive.finish().status());
-    OPTSTATE_RETURN_IF_ERROR(out.sync_and_close());
-    return publish_file(staging, path, overwrite);
-  }();
+  Status st = write_archive(staging, pkl, storages);
+  if (st.ok()) st = publish_file(staging, path, overwrite);
   return st.ok() ? st : abandon_staging(staging, path, st);
+}
+
+Status write_archive(const fs::path& path, std::string_view pkl,
+                     const std::function<Status(dcp::ArchiveWriter&)>& storages) {
+  OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(path));
+  dcp::ArchiveWriter archive(out);
+  OPTSTATE_RETURN_IF_ERROR(archive.begin(std::as_bytes(std::span(pkl))));
+  OPTSTATE_RETURN_IF_ERROR(storages(archive));
+  OPTSTATE_RETURN_IF_ERROR(archive.finish().status());
+  return out.sync_and_close();
 }
 
 std::optional<std::string> first_zip_record(const fs::path& path) {

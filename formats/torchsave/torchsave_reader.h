@@ -53,6 +53,11 @@ bool is_torch_save_of(const std::filesystem::path& path, Family family);
 Status write_file(const std::filesystem::path& path, bool overwrite, std::string_view pkl,
                   const std::function<Status(dcp::ArchiveWriter&)>& storages);
 
+// The archive alone, created at `path` and fsync'd, no staging: for a file inside a staged folder
+// (DeepSpeed's universal checkpoint), which is published whole. write_file stages around it.
+Status write_archive(const std::filesystem::path& path, std::string_view pkl,
+                     const std::function<Status(dcp::ArchiveWriter&)>& storages);
+
 // write_file of a planned state_dict (the bitsandbytes and torchao writers): each storage as `plan`
 // lists it, every entry loaded from `source` once (its components are written in turn).
 Status write_plan(StateSource& source, const std::filesystem::path& path, bool overwrite, const Plan& plan);

@@ -47,53 +47,73 @@ Status copy_durably(const fs::path& from, const fs::path& to) {
   return out.sync_and_close();
 }
 
-// torch.save({"cat_dim": 0, "param": tensor}) of float32 `values` of `shape` (ds_to_universal's
-// per-param state file), or of the 0-d tensor alone (`step.pt`).
+// What a per-param file of ds_to_universal's holds: torch.save({"cat_dim": 0, "param": tensor}) of
+// a param's state, {"param": tensor} of a module tensor without one, or the 0-d tensor alone (step.pt).
+enum class FileForm { kCatDim, kParamOnly, kBare };
+
 Status write_tensor_file(const fs::path& path, const std::vector<int64_t>& shape, std::span<const float> values,
-                         bool bare) {
+                         FileForm form) {
   pickle::Writer w;
-  if (!bare) {
+  if (form != FileForm::kBare) {
     w.empty_dict();
     w.mark();
-    w.str("cat_dim");
-    w.integer(0);
+    if (form == FileForm::kCatDim) {
+      w.str("cat_dim");
+      w.integer(0);
+    }
     w.str("param");
   }
   dcp::encode_tensor(w, DType::kF32, shape, "0");
-  if (!bare) w.setitems_from_mark();
+  if (form != FileForm::kBare) w.setitems_from_mark();
   const std::string pkl = w.finish();
   return torchsave::write_archive(path, pkl,
                                   [&](dcp::ArchiveWriter& archive) { return archive.storage("0", std::as_bytes(values)); });
 }
 
+Status make_folder(const fs::path& dir) {
+  std::error_code ec;
+  fs::create_directory(dir, ec);
+  if (ec) return io_error(fmt::format("{}: {}", dir.string(), ec.message()));
+  return Status::Ok();
+}
+
 Status write_universal(StateSource& source, const fs::path& staging, const torchsave::ZeroUniversalParts& parts) {
   const OptimizerState& state = source.meta();
   OPTSTATE_RETURN_IF_ERROR(copy_durably(parts.model_states, staging / parts.model_states.filename()));
-  std::error_code ec;
-  fs::create_directory(staging / "zero", ec);
-  if (ec) return io_error(fmt::format("{}: {}", (staging / "zero").string(), ec.message()));
+  OPTSTATE_RETURN_IF_ERROR(make_folder(staging / "zero"));
   OPTSTATE_RETURN_IF_ERROR(torchsave::write_archive(staging / "zero" / "optimizer_state.pt", parts.optimizer_state_pkl,
                                          [](dcp::ArchiveWriter&) { return Status::Ok(); }));
   for (const auto& [fqn, ps] : state.params) {
     OPTSTATE_RETURN_IF_ERROR(check_param_folder(fqn));
     const fs::path dir = staging / "zero" / fqn;
-    fs::create_directory(dir, ec);
-    if (ec) return io_error(fmt::format("{}: {}", dir.string(), ec.message()));
+    OPTSTATE_RETURN_IF_ERROR(make_folder(dir));
     OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps.shape));
     for (const auto& [name, meta] : ps.entries) {
       OPTSTATE_ASSIGN_OR_RETURN(const Entry e, source.load(fqn, name));
       // fp32 values: DeepSpeed's master weights and moments are float32 (8-bit ones dequantized)
       OPTSTATE_ASSIGN_OR_RETURN(const std::vector<float> values, entry_f32_values(e, numel, entry_key(fqn, name)));
       const std::string file = name == kParam ? "fp32" : name;
-      OPTSTATE_RETURN_IF_ERROR(write_tensor_file(dir / (file + ".pt"), ps.shape, values, false));
+      OPTSTATE_RETURN_IF_ERROR(write_tensor_file(dir / (file + ".pt"), ps.shape, values, FileForm::kCatDim));
     }
     if (ps.entries.count(kExpAvg)) {
       const float step = static_cast<float>(ps.step);
       if (static_cast<int64_t>(step) != ps.step)
         return invalid_argument(fmt::format("param '{}': step {} is beyond what DeepSpeed's float32 step holds exactly",
                                             fqn, ps.step));
-      OPTSTATE_RETURN_IF_ERROR(write_tensor_file(dir / "step.pt", {}, std::span(&step, 1), true));
+      OPTSTATE_RETURN_IF_ERROR(write_tensor_file(dir / "step.pt", {}, std::span(&step, 1), FileForm::kBare));
     }
+    OPTSTATE_RETURN_IF_ERROR(fsync_directory(dir));
+  }
+  // Frozen params and buffers: their module values, as ds_to_universal writes them (DeepSpeed itself
+  // loads them from the model states file; other readers of the layout look here).
+  for (size_t i = 0; i < parts.module_only.size(); ++i) {
+    const auto& [name, shape] = parts.module_only[i];
+    if (state.params.count(name)) continue;
+    OPTSTATE_RETURN_IF_ERROR(check_param_folder(name));
+    const fs::path dir = staging / "zero" / name;
+    OPTSTATE_RETURN_IF_ERROR(make_folder(dir));
+    OPTSTATE_ASSIGN_OR_RETURN(const std::vector<float> values, parts.module_values(i));
+    OPTSTATE_RETURN_IF_ERROR(write_tensor_file(dir / "fp32.pt", shape, values, FileForm::kParamOnly));
     OPTSTATE_RETURN_IF_ERROR(fsync_directory(dir));
   }
   OPTSTATE_RETURN_IF_ERROR(fsync_directory(staging / "zero"));
@@ -132,6 +152,10 @@ class DeepSpeedDriver final : public FormatDriver {
     if (st.ok()) st = publish_directory(staging, path, options.overwrite);
     return st.ok() ? st : abandon_staging(staging, path, st);
   }
+
+  // The model states file (module, frozen params, LR scheduler) and the optimizer's settings go
+  // through as they were; the module's other tensors as fp32.pt too.
+  bool carries(const CheckpointReader& source) const override { return source.format() == "deepspeed"; }
 
   // Not a checkpoint optstate wrote: never replaced by an overwrite.
   bool replaceable(const fs::path&) const override { return false; }

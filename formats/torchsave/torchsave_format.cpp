@@ -10,6 +10,7 @@
 #include <cstring>
 #include <deque>
 #include <fstream>
+#include <memory>
 #include <set>
 
 #include "dcp/chunks.h"
@@ -80,6 +81,42 @@ Result<std::pair<Archive, pickle::Pickle>> open_archive(const fs::path& path) {
   OPTSTATE_RETURN_IF_ERROR(zip::check_record_crc(pb, *pkl, where));
   OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(pb, where + " data.pkl"));
   return std::pair{std::move(a), std::move(p)};
+}
+
+// A whole tensor of archive `a` as float32, as torch's .float() gives it: floats widened (f64
+// rounded), integers rounded to nearest. Read with the rest of its storage record, whose CRC-32 is
+// checked, where the tensor is at least half of the record; a small view of a large one is not.
+Result<std::vector<float>> tensor_f32(const Archive& a, const dcp::TensorRef& t, const std::string& where) {
+  OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(t.shape));
+  const std::string name = a.prefix + "/data/" + t.storage_key;
+  const auto it = a.entries.find(name);
+  if (it == a.entries.end()) return corrupt(fmt::format("{}: storage '{}' is missing from the archive", where, name));
+  const zip::Entry& e = a.index.entries[it->second];
+  const auto elem = static_cast<uint64_t>(dtype_size(t.dtype));
+  if (t.offset < 0 || e.size / elem < static_cast<uint64_t>(t.storage_numel) ||
+      static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(numel) > static_cast<uint64_t>(t.storage_numel))
+    return corrupt(fmt::format("{}: storage '{}' holds {} bytes, too few for {} elements of {} at {}", where, name,
+                               e.size, numel, dtype_name(t.dtype), t.offset));
+  OPTSTATE_ASSIGN_OR_RETURN(const uint64_t record_at, a.data_at(e));
+  const uint64_t bytes = static_cast<uint64_t>(numel) * elem, skip = static_cast<uint64_t>(t.offset) * elem;
+  const bool checked = e.size - bytes <= bytes;
+  std::vector<std::byte> raw(checked ? e.size : bytes);
+  OPTSTATE_RETURN_IF_ERROR(a.file.read_at(checked ? record_at : record_at + skip, raw).with_context(where));
+  if (checked) OPTSTATE_RETURN_IF_ERROR(zip::check_record_crc(raw, e, where));
+  const std::span<const std::byte> values = std::span<const std::byte>(raw).subspan(checked ? skip : 0, bytes);
+  if (dtype_info(t.dtype).is_float) return dense_to_f32(values, t.dtype, where);
+  std::vector<float> out(static_cast<size_t>(numel));
+  for (size_t i = 0; i < out.size(); ++i) {
+    const std::byte* v = values.data() + i * elem;
+    switch (t.dtype) {
+      case DType::kU8: out[i] = static_cast<float>(std::to_integer<uint8_t>(*v)); break;
+      case DType::kI8: out[i] = static_cast<float>(static_cast<int8_t>(std::to_integer<uint8_t>(*v))); break;
+      case DType::kI32: { int32_t x; std::memcpy(&x, v, 4); out[i] = static_cast<float>(x); break; }
+      case DType::kI64: { int64_t x; std::memcpy(&x, v, 8); out[i] = static_cast<float>(x); break; }
+      default: return corrupt(fmt::format("{}: a {} tensor", where, dtype_name(t.dtype)));
+    }
+  }
+  return out;
 }
 
 // Where a run of a tensor's bytes lies: its archive, offset and length, and its storage record with
@@ -1858,7 +1895,32 @@ Result<ZeroUniversalParts> zero_universal_parts(const fs::path& path) {
   w.str("param_groups");
   OPTSTATE_RETURN_IF_ERROR(pickle::emit(w, p, groups, where + " param_groups"));
   w.setitems_from_mark();
-  return ZeroUniversalParts{z->dir, z->model, w.finish()};
+  ZeroUniversalParts parts{z->dir, z->model, w.finish(), {}, {}};
+
+  // The module's tensors that no param group holds: ds_to_universal writes them as fp32.pt too.
+  const std::string mw = z->model.string();
+  OPTSTATE_ASSIGN_OR_RETURN(auto model, open_archive(z->model));
+  OPTSTATE_ASSIGN_OR_RETURN(const ZeroShapes shapes, interpret_zero_model(model.second, mw));
+  std::set<std::string> grouped;
+  for (const auto& group : shapes.groups)
+    for (const auto& [name, shape] : group) grouped.insert(name);
+  auto refs = std::make_shared<std::vector<dcp::TensorRef>>();
+  if (const pickle::Ref module = model.second.dict_get(model.second.root(), "module");
+      module != pickle::kNoRef && model.second.at(module).kind != pickle::Kind::kNone) {
+    OPTSTATE_ASSIGN_OR_RETURN(const ModelDict md, interpret_model_dict(model.second, module, mw + " ['module']"));
+    for (const ModelTensor& t : md.tensors) {
+      if (grouped.count(t.name)) continue;
+      if (t.dtensor) return corrupt(fmt::format("{} ['module']: '{}' is a DTensor", mw, t.name));
+      parts.module_only.push_back({t.name, t.tensor.shape});
+      refs->push_back(t.tensor);
+    }
+  }
+  auto archive = std::make_shared<Archive>(std::move(model.first));
+  parts.module_values = [archive, refs, mw, names = parts.module_only](size_t i) -> Result<std::vector<float>> {
+    if (i >= refs->size()) return internal_error("module tensor index out of range");
+    return tensor_f32(*archive, (*refs)[i], fmt::format("{} ['module']['{}']", mw, names[i].name));
+  };
+  return parts;
 }
 
 Result<std::unique_ptr<CheckpointReader>> open_deepspeed(const fs::path& path) {

@@ -626,7 +626,11 @@ Result<Box> dtensor_box(const DTensorSpec& spec, const std::vector<int64_t>& mes
 }
 
 Result<ModelDict> interpret_model_dict(const Pickle& p, const std::string& where) {
-  const auto* items = dict_items(p, p.root());
+  return interpret_model_dict(p, p.root(), where);
+}
+
+Result<ModelDict> interpret_model_dict(const Pickle& p, Ref dict, const std::string& where) {
+  const auto* items = dict_items(p, dict);
   if (!items) return corrupt(where + ": data.pkl is not a dict, so not a model's state_dict");
   ModelDict out;
   for (size_t k = 0; k + 1 < items->size(); k += 2) {

@@ -144,6 +144,8 @@ struct ModelDict {
   }
 };
 Result<ModelDict> interpret_model_dict(const pickle::Pickle& p, const std::string& where);
+// The same of the dict at `dict` (DeepSpeed's model states keep it under 'module').
+Result<ModelDict> interpret_model_dict(const pickle::Pickle& p, pickle::Ref dict, const std::string& where);
 
 // Where the writer puts each tensor: the storage key of param `id`'s `entry` ("step", "exp_avg",
 // ..., "param" for its weights in the "model" dict).

@@ -31,6 +31,16 @@ Result<std::unique_ptr<CheckpointReader>> open_deepspeed(const std::filesystem::
 struct ZeroUniversalParts {
   std::filesystem::path tag_dir, model_states;
   std::string optimizer_state_pkl;
+  // The model states' 'module' tensors that no param group holds (frozen params, buffers, a tied
+  // weight's second name), which ds_to_universal writes too, as zero/<name>/fp32.pt of
+  // {"param": tensor.float()}: each one's name and shape, and its values as float32 (torch's
+  // .float(): floats widened, integers rounded), read from the model states file, CRC-32 checked.
+  struct ModuleTensor {
+    std::string name;
+    std::vector<int64_t> shape;
+  };
+  std::vector<ModuleTensor> module_only;
+  std::function<Result<std::vector<float>>(size_t index)> module_values;
 };
 Result<ZeroUniversalParts> zero_universal_parts(const std::filesystem::path& path);
 

@@ -5,11 +5,14 @@ bit for bit, and the converted state, loaded into plain torch.optim.AdamW in one
 where DeepSpeed's own run continues to, bit for bit."""
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from test_formats import hashes, run_err, run_script
+
+SEEDS = Path(__file__).resolve().parents[2] / "formats" / "deepspeed" / "testdata"
 
 pytest.importorskip("deepspeed")
 
@@ -130,6 +133,24 @@ torch.distributed.barrier()
 """
 
 
+def same_param_files(ref, ours):
+    """Asserts that the per-param files of two universal checkpoints (zero/<name>/*.pt) are the same
+    files holding equal tensors; returns the names."""
+    params = sorted(p.name for p in (ref / "zero").iterdir() if p.is_dir())
+    assert params == sorted(p.name for p in (ours / "zero").iterdir() if p.is_dir())
+    for n in params:
+        files = sorted(f.name for f in (ref / "zero" / n).iterdir())
+        assert files == sorted(f.name for f in (ours / "zero" / n).iterdir()), n
+        for f in files:
+            x = torch.load(ref / "zero" / n / f, weights_only=False)
+            y = torch.load(ours / "zero" / n / f, weights_only=False)
+            if isinstance(x, dict):
+                assert x.keys() == y.keys() and x.get("cat_dim") == y.get("cat_dim"), (n, f)
+                x, y = x["param"], y["param"]
+            assert x.dtype == y.dtype and torch.equal(x, y), (n, f)
+    return params
+
+
 @pytest.mark.parametrize("stage,dtype", [(2, "fp32"), (1, "bf16")])
 def test_universal_checkpoint_is_ds_to_universals_and_deepspeed_resumes_it_on_other_world_sizes(
         tmp_path, optstate_cli, stage, dtype):
@@ -151,24 +172,28 @@ def test_universal_checkpoint_is_ds_to_universals_and_deepspeed_resumes_it_on_ot
     b = torch.load(ours / "zero" / "optimizer_state.pt", weights_only=False)
     assert list(a) == list(b) and a["param_groups"] == b["param_groups"] and a["ds_version"] == b["ds_version"]
     assert vars(a["loss_scaler"]) == vars(b["loss_scaler"]) and a["zero_stage"] == b["zero_stage"]
-    params = sorted(p.name for p in (ref / "zero").iterdir() if p.is_dir())
-    assert params == sorted(p.name for p in (ours / "zero").iterdir() if p.is_dir()) and len(params) == 6
-    for n in params:
-        files = sorted(f.name for f in (ref / "zero" / n).iterdir())
-        assert files == sorted(f.name for f in (ours / "zero" / n).iterdir()), n
-        for f in files:
-            x = torch.load(ref / "zero" / n / f, weights_only=False)
-            y = torch.load(ours / "zero" / n / f, weights_only=False)
-            if isinstance(x, dict):
-                assert x.keys() == y.keys() and x["cat_dim"] == y["cat_dim"], (n, f)
-                x, y = x["param"], y["param"]
-            assert x.dtype == y.dtype and torch.equal(x, y), (n, f)
+    assert len(same_param_files(ref, ours)) == 6
     for world in (1, 3) if stage == 2 else (3,):
         res = tmp_path / f"resumed{world}.pt"
         run_script(tmp_path, RESUME_UNIVERSAL, "resume_universal.py", tmp_path, f"{ref.name},{ours.name}", res,
                    stage, dtype, ranks=world, torchrun=True)
         theirs, mine = torch.load(res)
         assert all(torch.equal(theirs[n], mine[n]) for n in theirs), world
+
+
+def test_universal_checkpoint_holds_frozen_params_and_buffers_as_ds_to_universal_writes_them(tmp_path, optstate_cli):
+    """A LoRA-like run (a frozen Linear; a float and an int64 buffer; bf16 ZeRO-1: the seed
+    frozen_bf16_zero1_world2): the module tensors no param group holds are written as
+    zero/<name>/fp32.pt ({"param": tensor.float()}) as ds_to_universal writes them, file for file."""
+    seed = SEEDS / "frozen_bf16_zero1_world2"
+    ref = universal(tmp_path, seed, "global_step3")
+    ours = tmp_path / "ours_universal"
+    out = optstate_cli("convert", seed, ours, "--format", "deepspeed")
+    assert "carried unchanged: ['module']" in out.stdout, out.stdout
+    names = same_param_files(ref, ours)
+    assert {"0.weight", "0.bias", "scale", "seen"} < set(names) and len(names) == 8
+    assert torch.load(ours / "zero" / "seen" / "fp32.pt")["param"].tolist() == [3.0, -5.0, float(1 << 40)]
+    assert hashes(optstate_cli, ours) == hashes(optstate_cli, seed)
 
 
 def test_zero2_and_zero3_of_one_run_hold_the_same_state(tmp_path, optstate_cli):

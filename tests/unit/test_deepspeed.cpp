@@ -1,5 +1,5 @@
 // deepspeed driver: real DeepSpeed ZeRO checkpoints (formats/deepspeed/testdata/make_seeds.py:
-// ZeRO-2 and ZeRO-3 of one run, ZeRO-1 under bf16, 2 ranks each) read as their canonical state;
+// ZeRO-2 and ZeRO-3 of one run, ZeRO-1 under bf16 with and without frozen params, 2 ranks each) read as their canonical state;
 // damaged and unsupported variants are refused with the file named.
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -37,6 +37,18 @@ std::string error_of(const fs::path& path) {
   auto r = open_checkpoint(path);
   REQUIRE_FALSE(r.ok());
   return r.status().message();
+}
+
+// Where the data of zip record `record` (its full name) begins in archive `bytes`: past the local
+// header that names it.
+size_t record_data(const std::string& bytes, const std::string& record) {
+  const size_t name = bytes.find(record);  // the first local header naming it
+  REQUIRE(name != std::string::npos);
+  const size_t header = name - 30;
+  REQUIRE(bytes.compare(header, 4, "PK\x03\x04") == 0);
+  auto u16 = [&](size_t at) { return static_cast<size_t>(static_cast<uint8_t>(bytes[at])) |
+                                     static_cast<size_t>(static_cast<uint8_t>(bytes[at + 1])) << 8; };
+  return header + 30 + u16(header + 26) + u16(header + 28);
 }
 
 }  // namespace
@@ -100,7 +112,8 @@ TEST_CASE("deepspeed: a universal checkpoint of ZeRO-1/2 (zero/<param>/*.pt, opt
     const auto pkl = torchsave::first_zip_record(out / "zero" / "optimizer_state.pt");
     CHECK((pkl && pkl->ends_with("/data.pkl")));
     for (const auto& [fqn, ps] : r->meta().params) {
-      CAPTURE(fqn);
+      const std::string& param = fqn;  // a structured binding: clang 14 cannot capture it
+      CAPTURE(param);
       for (const char* f : {"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt"})
         CHECK(fs::is_regular_file(out / "zero" / fqn / f));
     }
@@ -121,6 +134,39 @@ TEST_CASE("deepspeed: a universal checkpoint of ZeRO-1/2 (zero/<param>/*.pt, opt
     CHECK(broken.status().message().find("no exp_avg_sq.pt") != std::string::npos);
     // written once: DST is not replaced without --overwrite, and never a DeepSpeed folder
     CHECK_FALSE(write_checkpoint(*ds, *load_all(*r), out, {.source = r.get()}).ok());
+  }
+  {
+    // Frozen params and buffers (no param group holds them): zero/<name>/fp32.pt of the module's
+    // values as float32, as ds_to_universal writes them (tests/python/test_deepspeed.py compares the
+    // files); the optimizer's params as before.
+    auto r = open_seed(kSeeds / "frozen_bf16_zero1_world2");
+    CHECK(r->meta().params.size() == 4);  // 1.weight, 1.bias, 3.weight, 3.bias
+    const FormatDriver* ds = find_format("deepspeed");
+    CHECK(ds->carries(*r));  // the model states file goes through whole
+    testing::TempDir dir;
+    const fs::path out = dir.path / "universal";
+    const auto st = write_checkpoint(*ds, *load_all(*r), out, {.source = r.get()});
+    REQUIRE_MESSAGE(st.ok(), st.message());
+    for (const char* name : {"0.weight", "0.bias", "scale", "seen"}) {
+      CAPTURE(name);
+      CHECK(fs::is_regular_file(out / "zero" / name / "fp32.pt"));
+      CHECK(!fs::exists(out / "zero" / name / "exp_avg.pt"));
+    }
+    CHECK(fs::is_regular_file(out / "zero" / "3.weight" / "exp_avg.pt"));
+    CHECK(hash_checkpoint(*open_seed(out))->root == hash_checkpoint(*r)->root);
+    // a damaged frozen weight in the model states file: named, and nothing written
+    const fs::path tag = copy_tag("frozen_bf16_zero1_world2", dir);
+    const fs::path model = tag / "mp_rank_00_model_states.pt";
+    std::string bytes = testing::read_file(model);
+    const size_t data = record_data(bytes, "mp_rank_00_model_states/data/2");  // 0.weight, bf16
+    bytes[data + 100] = static_cast<char>(bytes[data + 100] ^ 1);
+    testing::write_file(model, bytes);
+    auto damaged = open_seed(tag);  // the optimizer's state reads: the module is not part of it
+    const auto refused = write_checkpoint(*ds, *load_all(*damaged), dir.path / "u2", {.source = damaged.get()});
+    REQUIRE_FALSE(refused.ok());
+    CHECK(refused.message().find(model.string() + " ['module']['0.weight']") != std::string::npos);
+    CHECK(refused.message().find("CRC-32") != std::string::npos);
+    CHECK_FALSE(fs::exists(dir.path / "u2"));
   }
   // DeepSpeed's own conversion of the ZeRO-3 seed (no step.pt: each group's step from
   // optimizer_state.pt) reads as that checkpoint's state
@@ -182,13 +228,7 @@ TEST_CASE("deepspeed: a missing rank, model-parallel files, no model states or a
     const fs::path tag = copy_tag("zero2_world2", dir);
     const fs::path f = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt";
     std::string bytes = testing::read_file(f);
-    const size_t name = bytes.find("optim_states/data/1");  // the first local header naming storage 1
-    REQUIRE(name != std::string::npos);
-    const size_t header = name - 30 - (sizeof("zero_pp_rank_1_mp_rank_00_") - 1);
-    REQUIRE(bytes.compare(header, 4, "PK\x03\x04") == 0);
-    auto u16 = [&](size_t at) { return static_cast<size_t>(static_cast<uint8_t>(bytes[at])) |
-                                       static_cast<size_t>(static_cast<uint8_t>(bytes[at + 1])) << 8; };
-    const size_t data = header + 30 + u16(header + 26) + u16(header + 28);
+    const size_t data = record_data(bytes, "zero_pp_rank_1_mp_rank_00_optim_states/data/1");
     bytes[data + 8] = static_cast<char>(bytes[data + 8] ^ 1);  // a low mantissa bit: the value stays finite
     testing::write_file(f, bytes);
     auto clean = validate_checkpoint(kSeeds / "zero2_world2", [](const fs::path& p) { return open_checkpoint(p); });

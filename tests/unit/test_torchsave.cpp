@@ -109,7 +109,8 @@ TEST_CASE("torchsave: bitsandbytes' AdamW8bit state (state1/state2, absmax, qmap
   // older one (beside "step", blocks of 2048, numbered params).
   for (auto [seed, block, w, b] : {std::tuple{"bnb_adamw8bit_named.pt", 256, "weight", "bias"},
                                    std::tuple{"bnb_adamw8bit_2048.pt", 2048, "0", "1"}}) {
-    CAPTURE(seed);
+    const char* const seed_file = seed;  // a structured binding: clang 14 cannot capture it
+    CAPTURE(seed_file);
     auto r = open_seed(seed, "bitsandbytes");  // read by this driver's reader; formats/bitsandbytes/ sniffs it
     const OptimizerState& m = r->meta();
     CHECK(m.kind == "adamw8bit");
@@ -255,7 +256,8 @@ TEST_CASE("torchsave: torchao's OptimStateFp8 and OptimState4bit read as fp32 va
   CHECK(std::isnan(fp8[0xff]));
   // AdamWFp8's seed, and AdamW4bit's (two codes a byte, high nibble first, its 16-entry map).
   for (auto [seed, what] : {std::pair{"torchao_adamwfp8.pt", "float8"}, std::pair{"torchao_adamw4bit.pt", "4-bit"}}) {
-    CAPTURE(seed);
+    const char* const seed_file = seed;  // a structured binding (see above)
+    CAPTURE(seed_file);
     auto r = open_seed(seed, "torchao");
     const OptimizerState& m = r->meta();
     CHECK(m.kind == "adamw");  // no canonical map: AdamW's fp32 state once read

@@ -7,8 +7,10 @@ with engine.save_checkpoint (global_step3/ and `latest`):
   zero3_world2/       ZeRO-3, fp32 (the same run: it hashes like zero2_world2/)
   bf16_zero1_world2/  ZeRO-1 under bf16 (bf16_zero_pp_rank_*: fp32 master weights and moments)
   zero3_world2_universal/  DeepSpeed's universal checkpoint of zero3_world2/ (its ds_to_universal)
+  frozen_bf16_zero1_world2/  ZeRO-1 under bf16 of Linear(16, 24) frozen, LayerNorm(24), GELU, Linear(24, 3),
+                      a float buffer and an int64 one: module tensors that no param group holds
 
-    .venv/bin/python formats/deepspeed/testdata/make_seeds.py     (needs deepspeed; 1-2 min)
+    .venv/bin/python formats/deepspeed/testdata/make_seeds.py [NAME ...]    (needs deepspeed; 1-2 min)
 """
 import os
 import shutil
@@ -19,14 +21,22 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def train(stage, bf16, out):
+def train(stage, bf16, out, frozen):
     import deepspeed
     import torch
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.GELU(), torch.nn.Linear(24, 3))
-    groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05},
-              {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
+    if frozen:
+        model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.LayerNorm(24), torch.nn.GELU(),
+                                    torch.nn.Linear(24, 3))
+        model[0].requires_grad_(False)
+        model.register_buffer("scale", torch.linspace(-2, 2, 6))  # buffers: float and int64
+        model.register_buffer("seen", torch.tensor([3, -5, (1 << 40) + 1]))
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.GELU(), torch.nn.Linear(24, 3))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in trained if p.dim() > 1], "weight_decay": 0.05},
+              {"params": [p for p in trained if p.dim() <= 1], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=1e-3)
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
            "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
@@ -41,19 +51,26 @@ def train(stage, bf16, out):
 
 
 def main():
-    if len(sys.argv) > 1:  # a rank, under torchrun
-        stage, bf16, out = int(sys.argv[1]), sys.argv[2] == "bf16", sys.argv[3]
-        train(stage, bf16, out)
+    if "LOCAL_RANK" in os.environ:  # a rank, under torchrun
+        stage, bf16, out, frozen = int(sys.argv[1]), sys.argv[2] == "bf16", sys.argv[3], sys.argv[4] == "frozen"
+        train(stage, bf16, out, frozen)
         return
     env = dict(os.environ, DS_ACCELERATOR="cpu")
-    for name, stage, bf16 in (("zero2_world2", 2, "fp32"), ("zero3_world2", 3, "fp32"), ("bf16_zero1_world2", 1, "bf16")):
+    wanted = set(sys.argv[1:])
+    for name, stage, bf16, frozen in (("zero2_world2", 2, "fp32", ""), ("zero3_world2", 3, "fp32", ""),
+                                      ("bf16_zero1_world2", 1, "bf16", ""),
+                                      ("frozen_bf16_zero1_world2", 1, "bf16", "frozen")):
+        if wanted and name not in wanted:
+            continue
         out = HERE / name
         shutil.rmtree(out, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-                        str(stage), bf16, str(out)], check=True, env=env)
+                        str(stage), bf16, str(out), frozen or "-"], check=True, env=env)
         for extra in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's recovery scripts: not state
             (out / extra).unlink(missing_ok=True)
         print(f"wrote {out}")
+    if wanted and "zero3_world2_universal" not in wanted:
+        return
     # ds_to_universal writes `latest_universal` beside its output: made elsewhere, the folder copied
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:

@@ -671,6 +671,9 @@ class TorchSaveReader final : public CheckpointReader {
     if (shapes.groups.size() != r0.groups.size())
       return corrupt(fmt::format("{}: {} param groups in param_shapes, {} in the optimizer's files", z.model.string(),
                                  shapes.groups.size(), r0.groups.size()));
+    std::vector<double> decay;
+    for (const ZeroGroup& zg : r0.groups) decay.push_back(zg.group.hyper.weight_decay);
+    OPTSTATE_RETURN_IF_ERROR(check_zero_decay(shapes, decay, z.model.string()));
     not_read_ = shapes.not_read;
     not_read_.insert(not_read_.end(), r0.not_read.begin(), r0.not_read.end());
     meta_.kind = "adamw";
@@ -787,6 +790,9 @@ class TorchSaveReader final : public CheckpointReader {
     if (shapes.groups.size() != groups.size())
       return corrupt(fmt::format("{}: {} param groups in param_shapes, {} in {}", model.string(), shapes.groups.size(),
                                  groups.size(), opt_file.string()));
+    std::vector<double> decay;
+    for (const GroupSpec& g : groups) decay.push_back(g.hyper.weight_decay);
+    OPTSTATE_RETURN_IF_ERROR(check_zero_decay(shapes, decay, model.string()));
     not_read_ = shapes.not_read;
     meta_.kind = "adamw";
     std::error_code ec;

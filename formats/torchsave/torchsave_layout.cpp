@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cctype>
 #include <cmath>
 #include <algorithm>
 #include <functional>
@@ -1128,7 +1129,30 @@ Result<ZeroShapes> interpret_zero_model(const Pickle& p, const std::string& wher
   for (const char* key : {"lr_scheduler", "data_sampler", "random_ltd"})
     if (const Ref r = p.dict_get(p.root(), key); r != kNoRef && p.at(r).kind != Kind::kNone)
       out.not_read.push_back(fmt::format("['{}']", key));
+  const Ref config = p.dict_get(p.root(), "ds_config");
+  const Ref opt = dict_items(p, config) ? p.dict_get(config, "optimizer") : kNoRef;
+  if (dict_items(p, opt)) {
+    const auto type = dcp::as_string(p, p.dict_get(opt, "type"));
+    std::string lower = type ? *type : "";
+    std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+    if (lower != "adam" && lower != "adamw")
+      return corrupt(fmt::format("{}: ds_config's optimizer is {}, not Adam or AdamW: optstate reads AdamW state", where,
+                                 type ? "'" + *type + "'" : std::string("of no type")));
+    const Ref params = p.dict_get(opt, "params");
+    const auto w_mode = dict_items(p, params) ? dcp::as_bool(p, p.dict_get(params, "adam_w_mode")) : std::nullopt;
+    out.l2_decay = lower == "adam" && w_mode && !*w_mode;  // "AdamW" forces AdamW's update
+  }
   return out;
+}
+
+Status check_zero_decay(const ZeroShapes& shapes, const std::vector<double>& weight_decay, const std::string& where) {
+  if (!shapes.l2_decay) return Status::Ok();
+  for (size_t g = 0; g < weight_decay.size(); ++g)
+    if (weight_decay[g] != 0)
+      return corrupt(fmt::format("{}: ds_config's optimizer is Adam with adam_w_mode false, and param group {} has "
+                                 "weight_decay {}: Adam's L2 decay, not AdamW's decoupled decay", where, g,
+                                 weight_decay[g]));
+  return Status::Ok();
 }
 
 StorageSpec StorageSpec::of_component(const std::string& fqn, const std::string& entry, Component c) {

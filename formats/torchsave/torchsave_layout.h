@@ -201,8 +201,15 @@ Result<ZeroRank> interpret_zero_optim(const pickle::Pickle& p, const std::string
 struct ZeroShapes {
   std::vector<std::vector<std::pair<std::string, std::vector<int64_t>>>> groups;
   std::vector<std::string> not_read;
+  // ds_config's optimizer is "Adam" with adam_w_mode false: DeepSpeed's FusedAdam / CPUAdam in Adam's
+  // L2 mode, which they keep outside their param groups (the readers refuse it with weight decay).
+  bool l2_decay = false;
 };
+// The model states' ds_config names the optimizer DeepSpeed built (none: the client's own, whose
+// param groups tell); any but Adam or AdamW is refused, naming it.
 Result<ZeroShapes> interpret_zero_model(const pickle::Pickle& p, const std::string& where);
+// Refuses `shapes` of an L2-mode Adam run when any group (weight_decay, by group) decays.
+Status check_zero_decay(const ZeroShapes& shapes, const std::vector<double>& weight_decay, const std::string& where);
 
 // A DeepSpeed universal checkpoint (ds_to_universal's, or optstate's): zero/optimizer_state.pt's
 // param_groups (AdamW's fields; the groups' params come from the model states file), and a

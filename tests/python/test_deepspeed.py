@@ -196,6 +196,27 @@ def test_universal_checkpoint_holds_frozen_params_and_buffers_as_ds_to_universal
     assert hashes(optstate_cli, ours) == hashes(optstate_cli, seed)
 
 
+def test_optimizer_deepspeed_built_is_read_only_as_adamw(tmp_path, optstate_cli):
+    """DeepSpeed's FusedAdam and CPUAdam keep Adam's L2 mode outside their param groups: only the
+    model states' ds_config tells ("Adam", adam_w_mode false; the seed adam_l2_zero2_world2). With
+    weight decay that is another update than AdamW's: refused, as is any optimizer but Adam/AdamW."""
+    import shutil
+    ck = tmp_path / "ck"
+    shutil.copytree(SEEDS / "adam_l2_zero2_world2" / "global_step3", ck)
+    model = ck / "mp_rank_00_model_states.pt"
+    assert "Adam's L2 decay, not AdamW's decoupled decay" in run_err(optstate_cli, "inspect", ck)
+
+    def with_optimizer(opt):
+        sd = torch.load(model, weights_only=False)
+        sd["ds_config"]["optimizer"] = opt
+        torch.save(sd, model)
+
+    with_optimizer({"type": "Lamb", "params": {"lr": 1e-3, "weight_decay": 0.01}})  # its state: exp_avg, exp_avg_sq too
+    assert "ds_config's optimizer is 'Lamb', not Adam or AdamW" in run_err(optstate_cli, "inspect", ck)
+    with_optimizer({"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "adam_w_mode": False}})
+    assert "(deepspeed)" in optstate_cli("inspect", ck).stdout  # "AdamW" forces AdamW's update
+
+
 def test_zero2_and_zero3_of_one_run_hold_the_same_state(tmp_path, optstate_cli):
     a, b = ds_run(tmp_path, 2, "fp32", 2), ds_run(tmp_path, 3, "fp32", 2)
     assert hashes(optstate_cli, a) == hashes(optstate_cli, b)

@@ -247,6 +247,14 @@ TEST_CASE("deepspeed: a missing rank, model-parallel files, no model states or a
     CHECK(error_of(tag).find("without ZeRO partitions (stage 0") != std::string::npos);
   }
   {
+    // DeepSpeed's own Adam from its config in L2 mode (adam_w_mode false), which only ds_config tells:
+    // another update than AdamW's, refused naming the model states file.
+    const std::string err = error_of(kSeeds / "adam_l2_zero2_world2");
+    CHECK(err.find("adam_l2_zero2_world2/global_step3/mp_rank_00_model_states.pt: ds_config's optimizer is Adam with "
+                   "adam_w_mode false") != std::string::npos);
+    CHECK(err.find("Adam's L2 decay, not AdamW's decoupled decay") != std::string::npos);
+  }
+  {
     // `latest` may only name a folder beside it.
     testing::TempDir dir;
     copy_tag("zero2_world2", dir);

@@ -9,6 +9,8 @@ with engine.save_checkpoint (global_step3/ and `latest`):
   zero3_world2_universal/  DeepSpeed's universal checkpoint of zero3_world2/ (its ds_to_universal)
   frozen_bf16_zero1_world2/  ZeRO-1 under bf16 of Linear(16, 24) frozen, LayerNorm(24), GELU, Linear(24, 3),
                       a float buffer and an int64 one: module tensors that no param group holds
+  adam_l2_zero2_world2/  ZeRO-2 with DeepSpeed's own optimizer from its config: "Adam", adam_w_mode false,
+                      weight_decay 0.01 (FusedAdam in L2 mode, which only ds_config tells)
 
     .venv/bin/python formats/deepspeed/testdata/make_seeds.py [NAME ...]    (needs deepspeed; 1-2 min)
 """
@@ -21,12 +23,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def train(stage, bf16, out, frozen):
+def train(stage, bf16, out, variant):
     import deepspeed
     import torch
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    if frozen:
+    if variant == "frozen":
         model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.LayerNorm(24), torch.nn.GELU(),
                                     torch.nn.Linear(24, 3))
         model[0].requires_grad_(False)
@@ -37,10 +39,14 @@ def train(stage, bf16, out, frozen):
     trained = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in trained if p.dim() > 1], "weight_decay": 0.05},
               {"params": [p for p in trained if p.dim() <= 1], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=1e-3)
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
            "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    if variant == "adam_l2":
+        cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.01, "adam_w_mode": False}}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+    else:
+        opt = torch.optim.AdamW(groups, lr=1e-3)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     dtype = torch.bfloat16 if bf16 else torch.float32
     for step in range(3):
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))  # every rank the same batch
@@ -52,20 +58,21 @@ def train(stage, bf16, out, frozen):
 
 def main():
     if "LOCAL_RANK" in os.environ:  # a rank, under torchrun
-        stage, bf16, out, frozen = int(sys.argv[1]), sys.argv[2] == "bf16", sys.argv[3], sys.argv[4] == "frozen"
-        train(stage, bf16, out, frozen)
+        stage, bf16, out, variant = int(sys.argv[1]), sys.argv[2] == "bf16", sys.argv[3], sys.argv[4]
+        train(stage, bf16, out, variant)
         return
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     wanted = set(sys.argv[1:])
-    for name, stage, bf16, frozen in (("zero2_world2", 2, "fp32", ""), ("zero3_world2", 3, "fp32", ""),
-                                      ("bf16_zero1_world2", 1, "bf16", ""),
-                                      ("frozen_bf16_zero1_world2", 1, "bf16", "frozen")):
+    for name, stage, bf16, variant in (("zero2_world2", 2, "fp32", "-"), ("zero3_world2", 3, "fp32", "-"),
+                                       ("bf16_zero1_world2", 1, "bf16", "-"),
+                                       ("frozen_bf16_zero1_world2", 1, "bf16", "frozen"),
+                                       ("adam_l2_zero2_world2", 2, "fp32", "adam_l2")):
         if wanted and name not in wanted:
             continue
         out = HERE / name
         shutil.rmtree(out, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-                        str(stage), bf16, str(out), frozen or "-"], check=True, env=env)
+                        str(stage), bf16, str(out), variant], check=True, env=env)
         for extra in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's recovery scripts: not state
             (out / extra).unlink(missing_ok=True)
         print(f"wrote {out}")

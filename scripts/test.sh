@@ -11,4 +11,4 @@ echo "== doctest detail"
 ./build/tests/optstate_unit_tests --no-intro 2>&1 | tail -3
 if [ -x build/tests/optstate_optim_tests ]; then ./build/tests/optstate_optim_tests --no-intro 2>&1 | tail -3; fi
 echo "== pytest (interop with PyTorch)"
-.venv/bin/python -m pytest tests/python -q -p no:cacheprovider
+.venv/bin/python -m pytest tests/python -q -p no:cacheprovider --durations=15

@@ -653,49 +653,57 @@ class TorchSaveReader final : public CheckpointReader {
       if (zr.partitions != static_cast<int64_t>(world))
         return corrupt(fmt::format("{}: partition_count {}, but {} holds {} ranks' optimizer files", wf, zr.partitions,
                                    z.dir.string(), world));
-      if ((zr.stage == 3) != stage3 || zr.groups.size() != r0.groups.size())
-        return corrupt(fmt::format("{}: ZeRO stage {} with {} param groups, rank 0's file stage {} with {}", wf, zr.stage,
-                                   zr.groups.size(), r0.stage, r0.groups.size()));
+      if ((zr.stage == 3) != stage3 || zr.param_groups != r0.param_groups || zr.groups.size() != r0.groups.size())
+        return corrupt(fmt::format("{}: ZeRO stage {} with {} param groups ({} flat params), rank 0's file stage {} with "
+                                   "{} ({})", wf, zr.stage, zr.param_groups, zr.groups.size(), r0.stage,
+                                   r0.param_groups, r0.groups.size()));
       for (size_t g = 0; g < zr.groups.size(); ++g) {
         std::set<std::string> a, b;
         for (const auto& [n, t] : zr.groups[g].moments) a.insert(n);
         for (const auto& [n, t] : r0.groups[g].moments) b.insert(n);
         Hyperparameters x = zr.groups[g].group.hyper, y = r0.groups[g].group.hyper;
         x.lr = y.lr = 0;  // compared below, as read
-        if (a != b || !(x == y))
-          return corrupt(fmt::format("{} param group {}: moments or hyperparameters other than rank 0's file's", wf, g));
+        if (a != b || !(x == y) || zr.groups[g].param_group != r0.groups[g].param_group)
+          return corrupt(fmt::format("{} flat param {}: group, moments or hyperparameters other than rank 0's file's", wf, g));
       }
     }
     OPTSTATE_ASSIGN_OR_RETURN(auto model, open_archive(z.model));
     OPTSTATE_ASSIGN_OR_RETURN(const ZeroShapes shapes, interpret_zero_model(model.second, z.model.string()));
     if (shapes.groups.size() != r0.groups.size())
-      return corrupt(fmt::format("{}: {} param groups in param_shapes, {} in the optimizer's files", z.model.string(),
+      return corrupt(fmt::format("{}: {} flat params in param_shapes, {} in the optimizer's files", z.model.string(),
                                  shapes.groups.size(), r0.groups.size()));
-    std::vector<double> decay;
-    for (const ZeroGroup& zg : r0.groups) decay.push_back(zg.group.hyper.weight_decay);
+    std::vector<double> decay(r0.param_groups);
+    for (const ZeroGroup& zg : r0.groups) decay[zg.param_group] = zg.group.hyper.weight_decay;
     OPTSTATE_RETURN_IF_ERROR(check_zero_decay(shapes, decay, z.model.string()));
     not_read_ = shapes.not_read;
     not_read_.insert(not_read_.end(), r0.not_read.begin(), r0.not_read.end());
     meta_.kind = "adamw";
+    // Each flat param (g): a param group's, or under ZeRO-3 one of its sub-groups, in group order.
     for (size_t g = 0; g < r0.groups.size(); ++g) {
-      const std::string gw = fmt::format("{} param group {}", z.dir.string(), g);
-      ParamGroup group;
-      group.hyper = r0.groups[g].group.hyper;
+      const size_t pg = r0.groups[g].param_group;
+      const std::string gw = fmt::format("{} param group {}", z.dir.string(), pg);
+      const bool first = pg == meta_.groups.size();  // the group's first flat param
+      if (first) {
+        ParamGroup group;
+        group.hyper = r0.groups[g].group.hyper;
+        meta_.groups.push_back(std::move(group));
+      }
+      double& group_lr = meta_.groups[pg].hyper.lr;
       std::optional<int64_t> step;
       for (size_t f = 0; f < world; ++f) {
         const ZeroGroup& zg = ranks[f].groups[g];
-        const std::string fw = fmt::format("{} param group {}", z.optim[f].string(), g);
+        const std::string fw = fmt::format("{} param group {}{}", z.optim[f].string(), pg,
+                                           r0.groups.size() == r0.param_groups ? "" : fmt::format(" flat param {}", g));
         OPTSTATE_ASSIGN_OR_RETURN(const double lr, value_of(f, zg.group.lr, fw + " 'lr'"));
         OPTSTATE_ASSIGN_OR_RETURN(const double st, value_of(f, zg.step, fw + " 'step'"));
         if (!(st >= 0 && st < 9.2e18) || st != std::floor(st)) return corrupt(fmt::format("{}: step {} is not a count", fw, st));
         if (f == 0) {
-          group.hyper.lr = lr;
+          if (first) group_lr = lr;
           step = static_cast<int64_t>(st);
         }
-        if (lr != group.hyper.lr || static_cast<int64_t>(st) != *step)
-          return corrupt(fmt::format("{}: lr {} and step {}, rank 0's file {} and {}", fw, lr, st, group.hyper.lr, *step));
+        if (lr != group_lr || static_cast<int64_t>(st) != *step)
+          return corrupt(fmt::format("{}: lr {} and step {}, rank 0's file {} and {}", fw, lr, st, group_lr, *step));
       }
-      meta_.groups.push_back(std::move(group));
       // Every rank's runs of each param: (rank, first element in the rank's partition, count).
       const auto& params = shapes.groups[g];
       std::map<std::string, std::vector<std::tuple<size_t, int64_t, int64_t>>> runs;
@@ -744,7 +752,7 @@ class TorchSaveReader final : public CheckpointReader {
           return corrupt(fmt::format("{}: the ranks' partitions hold {} of its {} elements", pw, covered, numel));
         ParamState ps;
         ps.shape = shape;
-        ps.group = static_cast<int>(g);
+        ps.group = static_cast<int>(pg);
         ps.step = *step;
         std::vector<std::string> entries;
         for (const auto& [n, t] : r0.groups[g].moments) entries.push_back(n);
@@ -767,7 +775,7 @@ class TorchSaveReader final : public CheckpointReader {
           stored_[{name, entry, Component::kValues}] = std::move(pieces);
           ps.entries.emplace(entry, Entry{});  // fp32 values
         }
-        meta_.groups[g].params.push_back(name);
+        meta_.groups[pg].params.push_back(name);
         meta_.params.emplace(name, std::move(ps));
       }
     }
@@ -787,21 +795,27 @@ class TorchSaveReader final : public CheckpointReader {
     const size_t opt_index = files_.size() - 1;
     OPTSTATE_ASSIGN_OR_RETURN(auto ms, open_archive(model));
     OPTSTATE_ASSIGN_OR_RETURN(const ZeroShapes shapes, interpret_zero_model(ms.second, model.string()));
-    if (shapes.groups.size() != groups.size())
-      return corrupt(fmt::format("{}: {} param groups in param_shapes, {} in {}", model.string(), shapes.groups.size(),
-                                 groups.size(), opt_file.string()));
+    // param_shapes lists each flat param's params: one per group, or ZeRO-3's sub-groups.
+    const size_t flats = uo.group_of_flat.empty() ? groups.size() : uo.group_of_flat.size();
+    if (shapes.groups.size() != flats)
+      return corrupt(fmt::format("{}: {} flat params in param_shapes, {} in {}", model.string(), shapes.groups.size(),
+                                 flats, opt_file.string()));
     std::vector<double> decay;
     for (const GroupSpec& g : groups) decay.push_back(g.hyper.weight_decay);
     OPTSTATE_RETURN_IF_ERROR(check_zero_decay(shapes, decay, model.string()));
     not_read_ = shapes.not_read;
     meta_.kind = "adamw";
     std::error_code ec;
-    for (size_t g = 0; g < groups.size(); ++g) {
+    for (const GroupSpec& spec : groups) {
       ParamGroup group;
-      group.hyper = groups[g].hyper;
-      group.hyper.lr = *groups[g].lr.number;
+      group.hyper = spec.hyper;
+      group.hyper.lr = *spec.lr.number;
       meta_.groups.push_back(group);
-      for (const auto& [name, shape] : shapes.groups[g]) {
+    }
+    for (size_t flat = 0; flat < flats; ++flat) {
+      const size_t g = uo.group_of_flat.empty() ? flat : uo.group_of_flat[flat];
+      const ParamGroup& group = meta_.groups[g];
+      for (const auto& [name, shape] : shapes.groups[flat]) {
         const fs::path pdir = dir / "zero" / name;
         const std::string pw = fmt::format("{} '{}'", (dir / "zero").string(), name);
         if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
@@ -835,8 +849,9 @@ class TorchSaveReader final : public CheckpointReader {
             OPTSTATE_ASSIGN_OR_RETURN(const dcp::TensorRef t, interpret_universal_tensor(a.second, f.string()));
             files_.push_back(std::move(a.first));
             OPTSTATE_ASSIGN_OR_RETURN(st, value_of(files_.size() - 1, Scalar{std::nullopt, t}, f.string()));
-          } else if (const auto gs = uo.steps.find(g); gs != uo.steps.end()) {  // ZeRO-3's: the group's
-            OPTSTATE_ASSIGN_OR_RETURN(st, value_of(opt_index, gs->second, fmt::format("{} group {} step", opt_file.string(), g)));
+          } else if (const auto gs = uo.steps.find(flat); gs != uo.steps.end()) {  // ZeRO-3's: its flat param's
+            OPTSTATE_ASSIGN_OR_RETURN(st, value_of(opt_index, gs->second,
+                                                   fmt::format("{} flat param {} step", opt_file.string(), flat)));
           } else {
             return corrupt(pw + ": no step.pt, and " + opt_file.string() + " holds no step for its group");
           }

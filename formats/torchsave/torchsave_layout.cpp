@@ -998,8 +998,9 @@ Result<ZeroRank> interpret_zero_optim(const Pickle& p, const std::string& where)
     return corrupt(where + ": the wrapped optimizer's state_dict ('state', 'param_groups') is missing");
   const auto* groups = list_items(p, p.dict_get(base, "param_groups"));
   const auto* flat = list_items(p, masters);
-  if (!groups || groups->empty() || !flat || flat->size() != groups->size())
+  if (!groups || groups->empty() || !flat || flat->size() < groups->size())
     return corrupt(where + ": param groups and fp32 partitions do not pair up");
+  out.param_groups = groups->size();
   const Ref state = p.dict_get(base, "state");
   const auto* sitems = dict_items(p, state);
   if (!sitems) return corrupt(where + ": 'state' is not a dict");
@@ -1011,58 +1012,71 @@ Result<ZeroRank> interpret_zero_optim(const Pickle& p, const std::string& where)
                              "each param's run lies)");
   }
   std::set<std::string> other_keys;
+  size_t next = 0;  // the flat params are numbered in group order
   for (size_t g = 0; g < groups->size(); ++g) {
-    const std::string gw = fmt::format("{} param group {}", where, g);
+    const std::string pgw = fmt::format("{} param group {}", where, g);
     const Ref gr = (*groups)[g];
-    ZeroGroup zg;
-    OPTSTATE_ASSIGN_OR_RETURN(zg.group, adamw_group(p, gr, gw));
+    OPTSTATE_ASSIGN_OR_RETURN(const GroupSpec spec, adamw_group(p, gr, pgw));
     const auto* ids = list_items(p, p.dict_get(gr, "params"));
-    if (!ids || ids->size() != 1 || p.at((*ids)[0]).kind != Kind::kInt)
-      return corrupt(gw + ": 'params' is not one flat param");
-    const int64_t id = p.at((*ids)[0]).i;
-    Ref st = kNoRef;
-    for (size_t k = 0; k + 1 < sitems->size(); k += 2)
-      if (p.at((*sitems)[k]).kind == Kind::kInt && p.at((*sitems)[k]).i == id) st = (*sitems)[k + 1];
-    const auto* fields = dict_items(p, st);
-    if (!fields) return corrupt(fmt::format("{}: no state for its flat param {} (never stepped)", gw, id));
-    for (size_t f = 0; f + 1 < fields->size(); f += 2) {
-      const auto name = dcp::as_string(p, (*fields)[f]);
-      if (!name) return corrupt(gw + ": a state key is not a string");
-      const std::string ew = fmt::format("{} '{}'", gw, *name);
-      if (*name == "step") {
-        OPTSTATE_ASSIGN_OR_RETURN(zg.step, scalar(p, (*fields)[f + 1], ew));
-      } else if (is_moment(*name)) {
-        OPTSTATE_ASSIGN_OR_RETURN(TensorRef t, flat_tensor(p, (*fields)[f + 1], ew));
-        if (!zg.moments.emplace(*name, t).second) return corrupt(ew + ": listed twice");
-      } else {
-        other_keys.insert(*name);
+    if (!ids || ids->empty() || (out.stage != 3 && ids->size() != 1))
+      return corrupt(pgw + (out.stage == 3 ? ": 'params' lists no flat param" : ": 'params' is not one flat param"));
+    for (const Ref id_ref : *ids) {
+      if (p.at(id_ref).kind != Kind::kInt || p.at(id_ref).i != static_cast<int64_t>(next) || next >= flat->size())
+        return corrupt(fmt::format("{}: 'params' lists {} where flat param {} of {} is due", pgw,
+                                   p.at(id_ref).kind == Kind::kInt ? std::to_string(p.at(id_ref).i) : "no number", next,
+                                   flat->size()));
+      const size_t fi = next++;
+      const std::string gw = ids->size() == 1 ? pgw : fmt::format("{} flat param {}", pgw, fi);
+      ZeroGroup zg;
+      zg.param_group = g;
+      zg.group = spec;
+      const auto id = static_cast<int64_t>(fi);
+      Ref st = kNoRef;
+      for (size_t k = 0; k + 1 < sitems->size(); k += 2)
+        if (p.at((*sitems)[k]).kind == Kind::kInt && p.at((*sitems)[k]).i == id) st = (*sitems)[k + 1];
+      const auto* fields = dict_items(p, st);
+      if (!fields) return corrupt(fmt::format("{}: no state for its flat param {} (never stepped)", gw, id));
+      for (size_t f = 0; f + 1 < fields->size(); f += 2) {
+        const auto name = dcp::as_string(p, (*fields)[f]);
+        if (!name) return corrupt(gw + ": a state key is not a string");
+        const std::string ew = fmt::format("{} '{}'", gw, *name);
+        if (*name == "step") {
+          OPTSTATE_ASSIGN_OR_RETURN(zg.step, scalar(p, (*fields)[f + 1], ew));
+        } else if (is_moment(*name)) {
+          OPTSTATE_ASSIGN_OR_RETURN(TensorRef t, flat_tensor(p, (*fields)[f + 1], ew));
+          if (!zg.moments.emplace(*name, t).second) return corrupt(ew + ": listed twice");
+        } else {
+          other_keys.insert(*name);
+        }
       }
-    }
-    if (!zg.step.number && !zg.step.tensor) return corrupt(gw + ": no 'step'");
-    if (!zg.moments.count(kExpAvg) || !zg.moments.count(kExpAvgSq)) return corrupt(gw + ": no 'exp_avg' and 'exp_avg_sq'");
-    OPTSTATE_ASSIGN_OR_RETURN(zg.master, flat_tensor(p, (*flat)[g], gw + " fp32 weights"));
-    // The last rank's moments hold the group's padding too; its fp32 weights' partition does not.
-    for (const auto& [name, t] : zg.moments)
-      if (t.shape[0] < zg.master.shape[0])
-        return corrupt(fmt::format("{} '{}': {} elements, fewer than the fp32 weights' partition's {}", gw, name,
-                                   t.shape[0], zg.master.shape[0]));
-    if (mappings) {
-      const auto* items = dict_items(p, (*mappings)[g]);
-      if (!items) return corrupt(gw + ": 'param_slice_mappings' is not a dict");
-      std::set<std::string> seen;
-      for (size_t k = 0; k + 1 < items->size(); k += 2) {
-        const auto name = dcp::as_string(p, (*items)[k]);
-        const Ref fa = dcp::fields_of(p, (*items)[k + 1]);
-        const auto numel = dcp::as_number(p, p.dict_get(fa, "numel")), start = dcp::as_number(p, p.dict_get(fa, "start"));
-        if (!name || !numel || !start || *numel < 0 || *start < 0 || *numel > 9e15 || *start > 9e15 ||
-            *numel != std::floor(*numel) || *start != std::floor(*start))
-          return corrupt(gw + ": a param_slice_mappings entry is not a name with a fragment_address(numel, start)");
-        if (!seen.insert(*name).second) return corrupt(fmt::format("{}: '{}' mapped twice", gw, *name));
-        zg.fragments.push_back({*name, static_cast<int64_t>(*start), static_cast<int64_t>(*numel)});
+      if (!zg.step.number && !zg.step.tensor) return corrupt(gw + ": no 'step'");
+      if (!zg.moments.count(kExpAvg) || !zg.moments.count(kExpAvgSq)) return corrupt(gw + ": no 'exp_avg' and 'exp_avg_sq'");
+      OPTSTATE_ASSIGN_OR_RETURN(zg.master, flat_tensor(p, (*flat)[fi], gw + " fp32 weights"));
+      // The last rank's moments hold the group's padding too; its fp32 weights' partition does not.
+      for (const auto& [name, t] : zg.moments)
+        if (t.shape[0] < zg.master.shape[0])
+          return corrupt(fmt::format("{} '{}': {} elements, fewer than the fp32 weights' partition's {}", gw, name,
+                                     t.shape[0], zg.master.shape[0]));
+      if (mappings) {
+        const auto* items = dict_items(p, (*mappings)[fi]);
+        if (!items) return corrupt(gw + ": 'param_slice_mappings' is not a dict");
+        std::set<std::string> seen;
+        for (size_t k = 0; k + 1 < items->size(); k += 2) {
+          const auto name = dcp::as_string(p, (*items)[k]);
+          const Ref fa = dcp::fields_of(p, (*items)[k + 1]);
+          const auto numel = dcp::as_number(p, p.dict_get(fa, "numel")), start = dcp::as_number(p, p.dict_get(fa, "start"));
+          if (!name || !numel || !start || *numel < 0 || *start < 0 || *numel > 9e15 || *start > 9e15 ||
+              *numel != std::floor(*numel) || *start != std::floor(*start))
+            return corrupt(gw + ": a param_slice_mappings entry is not a name with a fragment_address(numel, start)");
+          if (!seen.insert(*name).second) return corrupt(fmt::format("{}: '{}' mapped twice", gw, *name));
+          zg.fragments.push_back({*name, static_cast<int64_t>(*start), static_cast<int64_t>(*numel)});
+        }
       }
+      out.groups.push_back(std::move(zg));
     }
-    out.groups.push_back(std::move(zg));
   }
+  if (next != flat->size())
+    return corrupt(fmt::format("{}: {} fp32 partitions, but the param groups list {} flat params", where, flat->size(), next));
   for (const std::string& k : other_keys) out.not_read.push_back(fmt::format("the optimizer's per-group '{}'", k));
   return out;
 }
@@ -1072,11 +1086,30 @@ Result<UniversalOptimizer> interpret_universal_optimizer(const Pickle& p, const 
   if (!groups || groups->empty()) return corrupt(where + ": 'param_groups' is not a non-empty list");
   UniversalOptimizer out;
   const Ref nested = p.dict_get(p.root(), "optimizer_state_dict");
+  // ZeRO-3's nested optimizer: its groups list the flat params (sub-groups), numbered in order.
+  if (const auto* ngroups = nested == kNoRef ? nullptr : list_items(p, p.dict_get(nested, "param_groups"))) {
+    if (ngroups->size() != groups->size())
+      return corrupt(fmt::format("{}: {} param groups, {} in its optimizer_state_dict", where, groups->size(),
+                                 ngroups->size()));
+    for (size_t g = 0; g < ngroups->size(); ++g) {
+      const auto* ids = list_items(p, p.dict_get((*ngroups)[g], "params"));
+      if (!ids || ids->empty())
+        return corrupt(fmt::format("{} optimizer_state_dict param group {}: 'params' lists no flat param", where, g));
+      for (const Ref id : *ids) {
+        if (p.at(id).kind != Kind::kInt || p.at(id).i != static_cast<int64_t>(out.group_of_flat.size()) ||
+            out.group_of_flat.size() >= (size_t{1} << 24))
+          return corrupt(fmt::format("{} optimizer_state_dict param group {}: 'params' are not the flat params "
+                                     "numbered in order", where, g));
+        out.group_of_flat.push_back(g);
+      }
+    }
+  }
+  const size_t flats = out.group_of_flat.empty() ? groups->size() : out.group_of_flat.size();
   if (const auto* st = nested == kNoRef ? nullptr : dict_items(p, p.dict_get(nested, "state")))
     for (size_t k = 0; k + 1 < st->size(); k += 2) {
       const pickle::Value& key = p.at((*st)[k]);
       const Ref step = p.dict_get((*st)[k + 1], "step");
-      if (key.kind != Kind::kInt || key.i < 0 || static_cast<size_t>(key.i) >= groups->size() || step == kNoRef) continue;
+      if (key.kind != Kind::kInt || key.i < 0 || static_cast<size_t>(key.i) >= flats || step == kNoRef) continue;
       OPTSTATE_ASSIGN_OR_RETURN(out.steps[static_cast<size_t>(key.i)],
                                 scalar(p, step, fmt::format("{} optimizer_state_dict state {} 'step'", where, key.i)));
     }

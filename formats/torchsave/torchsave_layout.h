@@ -181,7 +181,11 @@ struct ZeroFragment {
   std::string name;
   int64_t start = 0, numel = 0;  // where the param's run lies in this rank's partition
 };
+// One flat param: a param group's under ZeRO-1/2; under ZeRO-3 one of its sub-groups (DeepSpeed
+// splits a group into flat params of at most sub_group_size elements, 1e9 by default), which the
+// wrapped optimizer steps as its own params, numbered in group order.
 struct ZeroGroup {
+  size_t param_group = 0;                         // the param group it belongs to
   GroupSpec group;                                // hyperparameters (params: from the model states file)
   Scalar step;
   std::map<std::string, dcp::TensorRef> moments;  // exp_avg, exp_avg_sq (max_exp_avg_sq): 1-D partitions
@@ -191,7 +195,8 @@ struct ZeroGroup {
 struct ZeroRank {
   int stage = 0;            // 1 or 2 (one layout), 3
   int64_t partitions = 0;   // partition_count: the data-parallel world size
-  std::vector<ZeroGroup> groups;
+  size_t param_groups = 0;
+  std::vector<ZeroGroup> groups;  // the flat params, in order (param_shapes lists one dict each)
   std::vector<std::string> not_read;
 };
 Result<ZeroRank> interpret_zero_optim(const pickle::Pickle& p, const std::string& where);
@@ -218,7 +223,10 @@ Status check_zero_decay(const ZeroShapes& shapes, const std::vector<double>& wei
 // optimizer_state_dict's state (`steps`, by group; absent where the file has none).
 struct UniversalOptimizer {
   std::vector<GroupSpec> groups;
-  std::map<size_t, Scalar> steps;
+  std::map<size_t, Scalar> steps;  // by flat param (ZeRO-3's sub-group)
+  // ZeRO-3's: each flat param's group, from the nested optimizer_state_dict's param_groups (its
+  // 'params' list the flat params, numbered in group order); empty: one flat param per group.
+  std::vector<size_t> group_of_flat;
 };
 Result<UniversalOptimizer> interpret_universal_optimizer(const pickle::Pickle& p, const std::string& where);
 Result<dcp::TensorRef> interpret_universal_tensor(const pickle::Pickle& p, const std::string& where);

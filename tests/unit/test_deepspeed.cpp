@@ -1,5 +1,6 @@
 // deepspeed driver: real DeepSpeed ZeRO checkpoints (formats/deepspeed/testdata/make_seeds.py:
-// ZeRO-2 and ZeRO-3 of one run, ZeRO-1 under bf16 with and without frozen params, 2 ranks each) read as their canonical state;
+// ZeRO-2 and ZeRO-3 of one run (ZeRO-3 with and without sub-groups), ZeRO-1 under bf16 with and
+// without frozen params, Adam in L2 mode; 2 ranks each) read as their canonical state;
 // damaged and unsupported variants are refused with the file named.
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -84,6 +85,17 @@ TEST_CASE("deepspeed: ZeRO-1, -2 and -3 checkpoints read as AdamW state, each pa
   // One run saved under ZeRO-2 and under ZeRO-3 (other partitions, other files): the same state.
   auto z2 = open_seed(kSeeds / "zero2_world2"), z3 = open_seed(kSeeds / "zero3_world2");
   CHECK(hash_checkpoint(*z2)->root == hash_checkpoint(*z3)->root);
+  // ZeRO-3 splits a param group into flat params of at most sub_group_size elements (1e9 by
+  // default: every model past 1B params); the seed's 100 gives group 0 two, group 1 one. It reads as
+  // the same two groups, and so does DeepSpeed's universal checkpoint of it.
+  for (const char* seed : {"zero3_subgroups_world2", "zero3_subgroups_world2_universal"}) {
+    CAPTURE(seed);
+    auto sub = open_seed(kSeeds / seed);
+    REQUIRE(sub->meta().groups.size() == 2);
+    CHECK(sub->meta().groups[0].params == std::vector<std::string>{"0.weight", "2.weight"});
+    CHECK(sub->meta().groups[0].hyper.weight_decay == 0.05);
+    CHECK(hash_checkpoint(*sub)->root == hash_checkpoint(*z2)->root);
+  }
   // and it converts: any writable format takes it
   testing::TempDir dir;
   REQUIRE(write_checkpoint(*find_format("native"), *load_all(*z2), dir.path / "native", {}).ok());
@@ -219,7 +231,7 @@ TEST_CASE("deepspeed: a missing rank, model-parallel files, no model states or a
     const fs::path tag = copy_tag("zero2_world2", dir);
     fs::copy(kSeeds / "zero3_world2/global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt",
              tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt", fs::copy_options::overwrite_existing);
-    CHECK(error_of(tag).find("ZeRO stage 3 with 2 param groups, rank 0's file stage 2") != std::string::npos);
+    CHECK(error_of(tag).find("ZeRO stage 3 with 2 param groups (2 flat params), rank 0's file stage 2") != std::string::npos);
   }
   {
     // A bit flipped in a flat partition that several params share: reading param by param cannot

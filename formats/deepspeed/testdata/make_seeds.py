@@ -9,6 +9,9 @@ with engine.save_checkpoint (global_step3/ and `latest`):
   zero3_world2_universal/  DeepSpeed's universal checkpoint of zero3_world2/ (its ds_to_universal)
   frozen_bf16_zero1_world2/  ZeRO-1 under bf16 of Linear(16, 24) frozen, LayerNorm(24), GELU, Linear(24, 3),
                       a float buffer and an int64 one: module tensors that no param group holds
+  zero3_subgroups_world2/  ZeRO-3 of the same run with sub_group_size 100: each param group split into
+                      flat params ("sub-groups"; 1e9 elements by default, so every model past 1B params)
+  zero3_subgroups_world2_universal/  DeepSpeed's universal checkpoint of it
   adam_l2_zero2_world2/  ZeRO-2 with DeepSpeed's own optimizer from its config: "Adam", adam_w_mode false,
                       weight_decay 0.01 (FusedAdam in L2 mode, which only ds_config tells)
 
@@ -41,6 +44,8 @@ def train(stage, bf16, out, variant):
               {"params": [p for p in trained if p.dim() <= 1], "weight_decay": 0.0}]
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
            "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
+    if variant == "subgroups":
+        cfg["zero_optimization"]["sub_group_size"] = 100
     if variant == "adam_l2":
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.01, "adam_w_mode": False}}
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
@@ -66,7 +71,8 @@ def main():
     for name, stage, bf16, variant in (("zero2_world2", 2, "fp32", "-"), ("zero3_world2", 3, "fp32", "-"),
                                        ("bf16_zero1_world2", 1, "bf16", "-"),
                                        ("frozen_bf16_zero1_world2", 1, "bf16", "frozen"),
-                                       ("adam_l2_zero2_world2", 2, "fp32", "adam_l2")):
+                                       ("adam_l2_zero2_world2", 2, "fp32", "adam_l2"),
+                                       ("zero3_subgroups_world2", 3, "fp32", "subgroups")):
         if wanted and name not in wanted:
             continue
         out = HERE / name
@@ -76,19 +82,21 @@ def main():
         for extra in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's recovery scripts: not state
             (out / extra).unlink(missing_ok=True)
         print(f"wrote {out}")
-    if wanted and "zero3_world2_universal" not in wanted:
-        return
     # ds_to_universal writes `latest_universal` beside its output: made elsewhere, the folder copied
     import tempfile
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                        str(HERE / "zero3_world2" / "global_step3"), "--output_folder", f"{tmp}/u",
-                        "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
-                       check=True, env=env, stdout=subprocess.DEVNULL)
-        out = HERE / "zero3_world2_universal"
-        shutil.rmtree(out, ignore_errors=True)
-        shutil.copytree(f"{tmp}/u", out)
-        print(f"wrote {out}")
+    for source in ("zero3_world2", "zero3_subgroups_world2"):
+        name = source + "_universal"
+        if wanted and name not in wanted:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                            str(HERE / source / "global_step3"), "--output_folder", f"{tmp}/u",
+                            "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
+                           check=True, env=env, stdout=subprocess.DEVNULL)
+            out = HERE / name
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.copytree(f"{tmp}/u", out)
+            print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -454,6 +454,7 @@ struct Emitter {
   const std::string& where;
   size_t budget;
   std::vector<bool> open;  // values being written: reaching one again is a cycle
+  const EmitHook* hook = nullptr;
 
   Status pairs(const std::vector<Ref>& items) {
     if (items.size() % 2) return corrupt(where + ": a mapping with an odd number of items");
@@ -471,6 +472,10 @@ struct Emitter {
     if (r >= p.size()) return corrupt(where + ": a reference out of range");
     if (budget-- == 0) return corrupt(where + ": too many values to write again");
     if (open[r]) return corrupt(where + ": a value that contains itself");
+    if (hook && *hook) {
+      OPTSTATE_ASSIGN_OR_RETURN(const bool written, (*hook)(w, r));
+      if (written) return Status::Ok();
+    }
     open[r] = true;
     const Value& v = p.at(r);
     switch (v.kind) {
@@ -544,6 +549,11 @@ struct Emitter {
 
 Status emit(Writer& w, const Pickle& p, Ref r, const std::string& where, size_t max_values) {
   Emitter e{w, p, where, max_values, std::vector<bool>(p.size(), false)};
+  return e.value(r);
+}
+
+Status emit(Writer& w, const Pickle& p, Ref r, const std::string& where, const EmitHook& hook, size_t max_values) {
+  Emitter e{w, p, where, max_values, std::vector<bool>(p.size(), false), &hook};
   return e.value(r);
 }
 

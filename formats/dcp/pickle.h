@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -95,5 +96,12 @@ class Writer {
 // than an OrderedDict's, a global whose name would break the pickle, or more than `max_values`
 // values written are errors naming `where`.
 Status emit(Writer& w, const Pickle& p, Ref r, const std::string& where, size_t max_values = size_t{1} << 20);
+
+// The same, with `hook` asked first for every value: it writes a value of its own in place of value
+// `r` (a tensor the writer replaces, a number it changes, a carried tensor's persistent id with the
+// storage key it gets in the new file) and returns true, or returns false to have it written as read.
+using EmitHook = std::function<Result<bool>(Writer& w, Ref r)>;
+Status emit(Writer& w, const Pickle& p, Ref r, const std::string& where, const EmitHook& hook,
+            size_t max_values = size_t{1} << 20);
 
 }  // namespace optstate::pickle

@@ -16,6 +16,9 @@
 #include "optstate/io.h"
 #include "optstate/transform.h"
 #include "registry.h"
+#include "deepspeed_zero3.h"
+#include "torchsave/torchsave_archive.h"
+#include "torchsave/torchsave_layout.h"
 #include "torchsave/torchsave_reader.h"
 
 namespace optstate::deepspeed {
@@ -120,6 +123,17 @@ Status write_universal(StateSource& source, const fs::path& staging, const torch
   return fsync_directory(staging);
 }
 
+// The ZeRO stage of the checkpoint at `path` (its rank 0's optimizer file); a universal checkpoint's
+// is taken as 2 (zero_universal_parts refuses it, naming why).
+Result<int> zero_stage(const fs::path& path) {
+  OPTSTATE_ASSIGN_OR_RETURN(const auto z, torchsave::zero_files(path));
+  if (!z) return 2;
+  OPTSTATE_ASSIGN_OR_RETURN(auto opened, torchsave::open_archive(z->optim.at(0)));
+  OPTSTATE_ASSIGN_OR_RETURN(const torchsave::ZeroRank zr,
+                            torchsave::interpret_zero_optim(opened.second, z->optim[0].string()));
+  return zr.stage;
+}
+
 class DeepSpeedDriver final : public FormatDriver {
  public:
   std::string_view name() const override { return "deepspeed"; }
@@ -133,6 +147,8 @@ class DeepSpeedDriver final : public FormatDriver {
 
   // DeepSpeed keeps fp32 moments.
   bool keeps_blockwise8() const override { return false; }
+  // A ZeRO-3 checkpoint is written for --world-size ranks; a universal one loads on any.
+  bool shards() const override { return true; }
   // Only from a DeepSpeed checkpoint (the files it carries): not from any state.
   bool writes() const override { return false; }
 
@@ -143,12 +159,16 @@ class DeepSpeedDriver final : public FormatDriver {
           "model states file and optimizer settings); the source is {}", path.string(),
           options.source ? fmt::format("{} ({})", options.source->path().string(), options.source->format())
                          : std::string("a state in memory")));
-    OPTSTATE_ASSIGN_OR_RETURN(const torchsave::ZeroUniversalParts parts,
-                              torchsave::zero_universal_parts(options.source->path()));
+    OPTSTATE_ASSIGN_OR_RETURN(const int stage, zero_stage(options.source->path()));
+    std::optional<torchsave::ZeroUniversalParts> parts;
+    if (stage != 3) {
+      OPTSTATE_ASSIGN_OR_RETURN(parts, torchsave::zero_universal_parts(options.source->path()));
+    }
     OPTSTATE_RETURN_IF_ERROR(check_structure(source.meta(), false));
     OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
     OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_dir(path));
-    Status st = write_universal(source, staging, parts);
+    Status st = parts ? write_universal(source, staging, *parts)
+                      : write_zero3(source, options.source->path(), staging, options.world_size);
     if (st.ok()) st = publish_directory(staging, path, options.overwrite);
     return st.ok() ? st : abandon_staging(staging, path, st);
   }

@@ -18,6 +18,7 @@
 #include "dcp/zip.h"
 #include "optstate/checkpoint.h"
 #include "optstate/io.h"
+#include "torchsave_archive.h"
 #include "torchsave_reader.h"
 #include "optstate/quant8.h"
 #include "optstate/transform.h"
@@ -29,23 +30,8 @@ namespace {
 
 constexpr uint64_t kMaxPickleBytes = uint64_t{64} << 20;
 
-// One torch.save archive: the file, its zip index and the folder its records sit in.
-struct Archive {
-  fs::path path;
-  InputFile file;
-  dcp::ArchiveIndex index;
-  std::map<std::string, size_t> entries;  // record name -> index.entries
-  std::string prefix;
 
-  // The offset of a record's data: past its local header, which is checked against the directory.
-  Result<uint64_t> data_at(const zip::Entry& e) const {
-    std::byte h[30];
-    if (e.local_header_offset > file.size() || file.size() - e.local_header_offset < sizeof h)
-      return corrupt(fmt::format("{}: record '{}' starts past the end of the file", path.string(), e.name));
-    OPTSTATE_RETURN_IF_ERROR(file.read_at(e.local_header_offset, h).with_context(path.string()));
-    return zip::data_offset(h, e, index.cd.offset, path.string());
-  }
-};
+}  // namespace
 
 // Opens a torch.save archive and interprets its data.pkl (CRC-checked: it holds the
 // hyperparameters and often the steps, and this is their only check).
@@ -82,6 +68,21 @@ Result<std::pair<Archive, pickle::Pickle>> open_archive(const fs::path& path) {
   OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(pb, where + " data.pkl"));
   return std::pair{std::move(a), std::move(p)};
 }
+
+Result<std::vector<std::byte>> read_storage(const Archive& a, const std::string& key) {
+  const std::string name = a.prefix + "/data/" + key;
+  const auto it = a.entries.find(name);
+  if (it == a.entries.end()) return corrupt(fmt::format("{}: storage '{}' is missing from the archive", a.path.string(), name));
+  const zip::Entry& e = a.index.entries[it->second];
+  if (e.size > a.file.size()) return corrupt(fmt::format("{}: storage '{}' is larger than the file", a.path.string(), name));
+  OPTSTATE_ASSIGN_OR_RETURN(const uint64_t at, a.data_at(e));
+  std::vector<std::byte> bytes(e.size);
+  OPTSTATE_RETURN_IF_ERROR(a.file.read_at(at, bytes).with_context(a.path.string()));
+  OPTSTATE_RETURN_IF_ERROR(zip::check_record_crc(bytes, e, fmt::format("{}: storage '{}'", a.path.string(), name)));
+  return bytes;
+}
+
+namespace {
 
 // A whole tensor of archive `a` as float32, as torch's .float() gives it: floats widened (f64
 // rounded), integers rounded to nearest. Read with the rest of its storage record, whose CRC-32 is
@@ -197,13 +198,6 @@ std::optional<RankName> rank_name(const std::string& filename) {
   return n;
 }
 
-// A DeepSpeed ZeRO checkpoint's tag folder (global_step500/): each data-parallel rank's optimizer
-// file, in rank order, and the model states file that names the params.
-struct ZeroFiles {
-  fs::path dir;
-  std::vector<fs::path> optim;
-  fs::path model;
-};
 
 using Key = std::tuple<std::string, std::string, Component>;
 
@@ -1787,6 +1781,8 @@ fs::path zero_tag_dir(const fs::path& path) {
   return fs::is_directory(path / tag, ec) ? path / tag : path;
 }
 
+}  // namespace
+
 // The ZeRO files of the tag folder at (or named by `latest` in) `path`; nullopt where it holds none.
 Result<std::optional<ZeroFiles>> zero_files(const fs::path& path) {
   std::error_code ec;
@@ -1839,6 +1835,8 @@ Result<std::optional<ZeroFiles>> zero_files(const fs::path& path) {
                                     "zero_pp_rank_0_mp_rank_00_model_states.pt), which names the params");
   return std::optional<ZeroFiles>{std::move(z)};
 }
+
+namespace {
 
 // A DeepSpeed universal checkpoint's folder and its model states file: `path` itself, or the folder
 // its `latest_universal` names (ds_to_universal writes that file beside its output).

@@ -1,0 +1,384 @@
+// A DeepSpeed ZeRO-3 checkpoint written again for another data-parallel world size: what DeepSpeed
+// itself would have saved had the run been on `world` ranks. DeepSpeed loads a ZeRO checkpoint only
+// on the world size it was saved with, and its universal checkpoint of a ZeRO-3 run loads with every
+// param group given group 0's hyperparameters (FORMAT.md), so a ZeRO-3 run changes world size here.
+//
+// Each rank's files are rank 0's, written again (pickle::emit) with what depends on the world size
+// replaced: in the optimizer file the fp32 partitions (fp32_flat_groups) and the wrapped optimizer's
+// moments of each flat param, laid out for `world` ranks, and partition_count; in the model states
+// file dp_world_size. Every other value, tensors included (the steps, the module's placeholders), is
+// carried as it was: its storage copied under the key it gets in the new file.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <memory>
+#include <variant>
+
+#include "deepspeed_zero3.h"
+#include "dcp/dcp_layout.h"
+#include "dcp/pickle.h"
+#include "optstate/io.h"
+#include "optstate/transform.h"
+#include "torchsave/torchsave_archive.h"
+#include "torchsave/torchsave_layout.h"
+
+namespace optstate::deepspeed {
+
+namespace {
+
+using pickle::Kind;
+using pickle::Ref;
+
+// A storage of the new file: one carried from the source file (its key there), or a new tensor
+// (flat param, entry).
+struct NewTensor {
+  size_t flat = 0;
+  std::string entry;  // an entry's partition; or "step", the flat param's step as a 0-d tensor of `dtype`
+  DType dtype = DType::kF32;
+};
+using Storage = std::variant<std::string, NewTensor>;
+
+// One file's pickle and the storages its keys name, in key order ("0", "1", ...).
+struct Planned {
+  std::string pkl;
+  std::vector<Storage> storages;
+};
+
+// Writes a file's pickle `p` again. `replace` may write a value of its own in place of a value
+// (returning true); it writes values of `p` it keeps through `carry`. Persistent ids (storages) are
+// carried under new keys.
+class Planner {
+ public:
+  using Carry = std::function<Status(Ref)>;
+  using Replace = std::function<Result<bool>(pickle::Writer&, Ref, Planned&, const Carry&)>;
+
+  Planner(const pickle::Pickle& p, std::string where) : p_(p), where_(std::move(where)) {}
+
+  Result<Planned> run(const Replace& replace) {
+    Planned out;
+    pickle::Writer w;
+    pickle::EmitHook hook;
+    const Carry carry = [&](Ref r) { return pickle::emit(w, p_, r, where_, hook); };
+    hook = [&](pickle::Writer& wr, Ref r) -> Result<bool> {
+      OPTSTATE_ASSIGN_OR_RETURN(const bool replaced, replace(wr, r, out, carry));
+      if (replaced) return true;
+      if (p_.at(r).kind != Kind::kPersId) return false;
+      OPTSTATE_RETURN_IF_ERROR(persistent_id(wr, p_.at(r), out));
+      return true;
+    };
+    OPTSTATE_RETURN_IF_ERROR(pickle::emit(w, p_, p_.root(), where_, hook));
+    out.pkl = w.finish();
+    return out;
+  }
+
+ private:
+  // ('storage', <storage type>, key, location, numel), the key the new file's.
+  Status persistent_id(pickle::Writer& w, const pickle::Value& v, Planned& out) {
+    const pickle::Value* t = v.pid < p_.size() ? &p_.at(v.pid) : nullptr;
+    if (!t || t->kind != Kind::kTuple || t->items.size() != 5 || p_.at(t->items[2]).kind != Kind::kStr)
+      return corrupt(where_ + ": a persistent id that is not torch.save's storage tuple");
+    const std::string& old_key = p_.at(t->items[2]).s;
+    auto it = carried_.find(old_key);
+    if (it == carried_.end()) {
+      it = carried_.emplace(old_key, std::to_string(out.storages.size())).first;
+      out.storages.emplace_back(old_key);
+    }
+    w.mark();
+    for (size_t i = 0; i < 5; ++i) {
+      if (i == 2) {
+        w.str(it->second);
+      } else {
+        OPTSTATE_RETURN_IF_ERROR(pickle::emit(w, p_, t->items[i], where_));
+      }
+    }
+    w.tuple_from_mark();
+    w.binpersid();
+    return Status::Ok();
+  }
+
+  const pickle::Pickle& p_;
+  std::string where_;
+  std::map<std::string, std::string> carried_;  // source key -> new key
+};
+
+std::string rank_file(const std::string& rank0_name, int rank) {
+  const std::string from = "zero_pp_rank_0_", to = fmt::format("zero_pp_rank_{}_", rank);
+  std::string name = rank0_name;
+  name.replace(name.find(from), from.size(), to);
+  return name;
+}
+
+// A flat param on the new world size: its group and params (name, shape), in order.
+struct Flat {
+  size_t group = 0;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> params;
+  int64_t length = 0;  // elements on each rank: the params' parts
+};
+
+// DeepSpeed's sub-groups (stage3.py, _create_fp16_sub_groups) of one param group on `world` ranks:
+// params in order, each counted by its partition (ceil(numel / world)); a sub-group closes once it
+// holds sub_group_size or more, and at the group's last param; one sub-group where the whole group's
+// partitions fit.
+std::vector<Flat> sub_groups(size_t group, const std::vector<std::pair<std::string, std::vector<int64_t>>>& params,
+                             int64_t world, double sub_group_size) {
+  std::vector<Flat> out;
+  int64_t total = 0;
+  for (const auto& [name, shape] : params) total += (*checked_numel(shape) + world - 1) / world;
+  Flat cur{group, {}, 0};
+  for (size_t i = 0; i < params.size(); ++i) {
+    cur.params.push_back(params[i]);
+    cur.length += (*checked_numel(params[i].second) + world - 1) / world;
+    if (sub_group_size >= static_cast<double>(total) ? i + 1 == params.size()
+                                                     : static_cast<double>(cur.length) >= sub_group_size || i + 1 == params.size()) {
+      out.push_back(std::move(cur));
+      cur = Flat{group, {}, 0};
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+Status write_zero3(StateSource& source, const fs::path& source_path, const fs::path& staging, int world) {
+  OPTSTATE_ASSIGN_OR_RETURN(const auto z, torchsave::zero_files(source_path));
+  if (!z) return invalid_argument(source_path.string() + ": no DeepSpeed ZeRO optimizer files");
+  const std::string ow = z->optim[0].string(), mw = z->model.string();
+  OPTSTATE_ASSIGN_OR_RETURN(auto opt, torchsave::open_archive(z->optim[0]));
+  OPTSTATE_ASSIGN_OR_RETURN(const torchsave::ZeroRank zr, torchsave::interpret_zero_optim(opt.second, ow));
+  if (zr.stage != 3) return internal_error(ow + ": not a ZeRO-3 checkpoint");
+  OPTSTATE_ASSIGN_OR_RETURN(auto model, torchsave::open_archive(z->model));
+  OPTSTATE_ASSIGN_OR_RETURN(const torchsave::ZeroShapes shapes, torchsave::interpret_zero_model(model.second, mw));
+  if (shapes.groups.size() != zr.groups.size())
+    return corrupt(fmt::format("{}: {} flat params in param_shapes, {} in {}", mw, shapes.groups.size(), zr.groups.size(), ow));
+  const pickle::Pickle& op = opt.second;
+  const pickle::Pickle& mp = model.second;
+  // Frozen params' partitions sit in the model states file, one rank's each: not laid out again.
+  if (const Ref frozen = mp.dict_get(mp.root(), "frozen_param_fragments");
+      frozen != pickle::kNoRef && !mp.at(frozen).items.empty())
+    return invalid_argument(mw + ": frozen params' partitions (frozen_param_fragments) are not laid out for another "
+                                 "world size");
+  // sub_group_size, from the run's config (DeepSpeed's default: 1e9 elements).
+  double sub_group_size = 1e9;
+  {
+    const Ref config = op.dict_get(op.root(), "ds_config");
+    const Ref zero = config == pickle::kNoRef ? pickle::kNoRef : op.dict_get(config, "zero_optimization");
+    const Ref size = zero == pickle::kNoRef ? pickle::kNoRef : op.dict_get(zero, "sub_group_size");
+    if (size != pickle::kNoRef) {
+      const auto v = dcp::as_number(op, size);
+      if (!v || !(*v >= 1)) return corrupt(ow + ": ds_config's sub_group_size is not a positive number");
+      sub_group_size = *v;
+    }
+  }
+
+  // Each param group's params, in order, and their flat params on `world` ranks.
+  const OptimizerState& state = source.meta();
+  const auto w = static_cast<int64_t>(world);
+  std::vector<std::vector<std::pair<std::string, std::vector<int64_t>>>> group_params(zr.param_groups);
+  for (size_t k = 0; k < shapes.groups.size(); ++k)
+    for (const auto& param : shapes.groups[k]) group_params[zr.groups[k].param_group].push_back(param);
+  std::vector<Flat> flats;
+  for (size_t g = 0; g < group_params.size(); ++g)
+    for (Flat& f : sub_groups(g, group_params[g], w, sub_group_size)) flats.push_back(std::move(f));
+  std::vector<std::string> entries = {kParam};
+  for (const auto& [name, t] : zr.groups[0].moments) entries.push_back(name);
+  size_t listed = 0;
+  for (const auto& params : group_params)
+    for (const auto& [name, shape] : params) {
+      const auto ps = state.params.find(name);
+      if (ps == state.params.end()) return invalid_argument(fmt::format("{}: param '{}' is not in the state", mw, name));
+      for (const std::string& e : entries)
+        if (!ps->second.entries.count(e))
+          return invalid_argument(fmt::format("param '{}': no '{}' entry, which DeepSpeed's ZeRO-3 state holds", name, e));
+      ++listed;
+    }
+  if (listed != state.params.size())
+    return invalid_argument(fmt::format("the state holds {} params, {}'s param_shapes {}", state.params.size(), mw, listed));
+
+  // What depends on the world size in rank 0's optimizer file (checked by interpret_zero_optim).
+  const Ref osd = op.dict_get(op.root(), "optimizer_state_dict");
+  const Ref count = op.dict_get(osd, "partition_count");
+  const Ref flat_list = op.dict_get(osd, "fp32_flat_groups");
+  const Ref nested = op.dict_get(osd, "optimizer_state_dict");
+  const Ref state_dict = op.dict_get(nested, "state");
+  std::map<Ref, size_t> group_params_list;  // each group's 'params' list -> the group
+  {
+    const pickle::Value& groups = op.at(op.dict_get(nested, "param_groups"));
+    for (size_t g = 0; g < groups.items.size(); ++g) group_params_list[op.dict_get(groups.items[g], "params")] = g;
+  }
+  // Each group's first flat param's state in the file: its keys in order, and its step (carried).
+  std::vector<Ref> old_state(zr.param_groups, pickle::kNoRef);
+  {
+    const pickle::Value& st = op.at(state_dict);
+    std::map<int64_t, Ref> by_id;
+    for (size_t i = 0; i + 1 < st.items.size(); i += 2)
+      if (op.at(st.items[i]).kind == Kind::kInt) by_id[op.at(st.items[i]).i] = st.items[i + 1];
+    for (size_t k = zr.groups.size(); k-- > 0;) old_state[zr.groups[k].param_group] = by_id.at(static_cast<int64_t>(k));
+  }
+  // Each group's step: a 0-d tensor (torch >= 1.12) of this dtype, or a number (carried).
+  std::vector<std::optional<DType>> step_dtype(zr.param_groups);
+  for (const torchsave::ZeroGroup& zg : zr.groups)
+    if (zg.step.tensor) {
+      if (zg.step.tensor->dtype != DType::kF32 && zg.step.tensor->dtype != DType::kF64)
+        return corrupt(fmt::format("{}: a {} step tensor", ow, dtype_name(zg.step.tensor->dtype)));
+      step_dtype[zg.param_group] = zg.step.tensor->dtype;
+    }
+  Planner optim_planner(op, ow);
+  OPTSTATE_ASSIGN_OR_RETURN(
+      const Planned optim_plan,
+      optim_planner.run([&](pickle::Writer& wr, Ref r, Planned& out, const Planner::Carry& carry) -> Result<bool> {
+        auto tensor = [&](size_t flat, const std::string& entry) {
+          dcp::encode_tensor(wr, DType::kF32, {flats[flat].length}, std::to_string(out.storages.size()));
+          out.storages.emplace_back(NewTensor{flat, entry});
+        };
+        if (r == count) {
+          wr.integer(w);
+        } else if (r == flat_list) {
+          wr.empty_list();
+          wr.mark();
+          for (size_t k = 0; k < flats.size(); ++k) tensor(k, kParam);
+          wr.appends_from_mark();
+        } else if (const auto g = group_params_list.find(r); g != group_params_list.end()) {
+          wr.empty_list();
+          wr.mark();
+          for (size_t k = 0; k < flats.size(); ++k)
+            if (flats[k].group == g->second) wr.integer(static_cast<int64_t>(k));
+          wr.appends_from_mark();
+        } else if (r == state_dict) {
+          wr.empty_dict();
+          wr.mark();
+          for (size_t k = 0; k < flats.size(); ++k) {
+            wr.integer(static_cast<int64_t>(k));
+            wr.empty_dict();
+            wr.mark();
+            const pickle::Value& fields = op.at(old_state[flats[k].group]);
+            for (size_t i = 0; i + 1 < fields.items.size(); i += 2) {
+              OPTSTATE_RETURN_IF_ERROR(carry(fields.items[i]));
+              const auto name = dcp::as_string(op, fields.items[i]);
+              if (name && std::find(entries.begin(), entries.end(), *name) != entries.end()) {
+                tensor(k, *name);
+              } else if (name && *name == "step" && step_dtype[flats[k].group]) {
+                // A tensor of its own: the optimizer adds to each flat param's step in place.
+                dcp::encode_tensor(wr, *step_dtype[flats[k].group], {}, std::to_string(out.storages.size()));
+                out.storages.emplace_back(NewTensor{k, "step", *step_dtype[flats[k].group]});
+              } else {
+                OPTSTATE_RETURN_IF_ERROR(carry(fields.items[i + 1]));  // a step kept as a number
+              }
+            }
+            wr.setitems_from_mark();
+          }
+          wr.setitems_from_mark();
+        } else {
+          return false;
+        }
+        return true;
+      }));
+
+  // The model states file: dp_world_size, and param_shapes per new flat param.
+  const Ref dp_world = mp.dict_get(mp.root(), "dp_world_size");
+  const Ref param_shapes = mp.dict_get(mp.root(), "param_shapes");
+  std::map<std::string, Ref> size_of;  // param -> its torch.Size in the file
+  for (const Ref d : mp.at(param_shapes).items)
+    for (size_t i = 0; i + 1 < mp.at(d).items.size(); i += 2)
+      if (const auto name = dcp::as_string(mp, mp.at(d).items[i])) size_of[*name] = mp.at(d).items[i + 1];
+  Planner model_planner(mp, mw);
+  OPTSTATE_ASSIGN_OR_RETURN(
+      const Planned model_plan,
+      model_planner.run([&](pickle::Writer& wr, Ref r, Planned&, const Planner::Carry& carry) -> Result<bool> {
+        if (r == dp_world) {
+          wr.integer(w);
+        } else if (r == param_shapes) {
+          wr.empty_list();
+          wr.mark();
+          for (const Flat& f : flats) {
+            wr.global("collections", "OrderedDict");
+            wr.empty_tuple();
+            wr.reduce();
+            wr.mark();
+            for (const auto& [name, shape] : f.params) {
+              wr.str(name);
+              OPTSTATE_RETURN_IF_ERROR(carry(size_of.at(name)));
+            }
+            wr.setitems_from_mark();
+          }
+          wr.appends_from_mark();
+        } else {
+          return false;
+        }
+        return true;
+      }));
+
+  // Every rank's two files, open together: each new partition is made once for all ranks.
+  struct RankFiles {
+    std::unique_ptr<OutputFile> optim, model;
+    std::unique_ptr<dcp::ArchiveWriter> optim_archive, model_archive;
+  };
+  std::vector<RankFiles> files(static_cast<size_t>(world));
+  const std::string optim_name = z->optim[0].filename().string(), model_name = z->model.filename().string();
+  if (model_name.find("zero_pp_rank_0_") == std::string::npos)
+    return corrupt(mw + ": not a ZeRO-3 model states file name (zero_pp_rank_0_mp_rank_00_model_states.pt)");
+  auto carry_storages = [](const torchsave::Archive& from, const Planned& planned, dcp::ArchiveWriter& to) -> Status {
+    for (size_t key = 0; key < planned.storages.size(); ++key)
+      if (const auto* old_key = std::get_if<std::string>(&planned.storages[key])) {
+        OPTSTATE_ASSIGN_OR_RETURN(const std::vector<std::byte> bytes, torchsave::read_storage(from, *old_key));
+        OPTSTATE_RETURN_IF_ERROR(to.storage(std::to_string(key), bytes));
+      }
+    return Status::Ok();
+  };
+  for (int r = 0; r < world; ++r) {
+    RankFiles& f = files[static_cast<size_t>(r)];
+    OPTSTATE_ASSIGN_OR_RETURN(OutputFile o, OutputFile::create(staging / rank_file(optim_name, r)));
+    OPTSTATE_ASSIGN_OR_RETURN(OutputFile m, OutputFile::create(staging / rank_file(model_name, r)));
+    f.optim = std::make_unique<OutputFile>(std::move(o));
+    f.model = std::make_unique<OutputFile>(std::move(m));
+    f.optim_archive = std::make_unique<dcp::ArchiveWriter>(*f.optim);
+    f.model_archive = std::make_unique<dcp::ArchiveWriter>(*f.model);
+    OPTSTATE_RETURN_IF_ERROR(f.optim_archive->begin(std::as_bytes(std::span(optim_plan.pkl))));
+    OPTSTATE_RETURN_IF_ERROR(f.model_archive->begin(std::as_bytes(std::span(model_plan.pkl))));
+    OPTSTATE_RETURN_IF_ERROR(carry_storages(opt.first, optim_plan, *f.optim_archive));
+    OPTSTATE_RETURN_IF_ERROR(carry_storages(model.first, model_plan, *f.model_archive));
+  }
+  // The new partitions: per flat param and entry, each param's values split into `world` parts
+  // (the last ones zero-padded, as DeepSpeed pads them).
+  std::map<std::pair<size_t, std::string>, size_t> key_of;
+  for (size_t key = 0; key < optim_plan.storages.size(); ++key)
+    if (const auto* t = std::get_if<NewTensor>(&optim_plan.storages[key])) {
+      key_of[{t->flat, t->entry}] = key;
+      if (t->entry != "step") continue;
+      const int64_t step = state.params.at(flats[t->flat].params.at(0).first).step;  // every param of it has it
+      const float f32 = static_cast<float>(step);
+      const auto f64 = static_cast<double>(step);
+      const std::span<const std::byte> bytes =
+          t->dtype == DType::kF32 ? std::as_bytes(std::span(&f32, 1)) : std::as_bytes(std::span(&f64, 1));
+      for (RankFiles& f : files) OPTSTATE_RETURN_IF_ERROR(f.optim_archive->storage(std::to_string(key), bytes));
+    }
+  for (size_t k = 0; k < flats.size(); ++k)
+    for (const std::string& e : entries) {
+      const auto key = key_of.find({k, e});
+      if (key == key_of.end()) return corrupt(fmt::format("{}: no '{}' in the state of flat param {}", ow, e, k));
+      std::vector<std::vector<float>> parts(files.size(), std::vector<float>(static_cast<size_t>(flats[k].length), 0.0f));
+      int64_t offset = 0;
+      for (const auto& [name, shape] : flats[k].params) {
+        const int64_t numel = *checked_numel(shape), part = (numel + w - 1) / w;
+        OPTSTATE_ASSIGN_OR_RETURN(const Entry loaded, source.load(name, e));
+        OPTSTATE_ASSIGN_OR_RETURN(const std::vector<float> values, entry_f32_values(loaded, numel, entry_key(name, e)));
+        for (int64_t r = 0; r < w; ++r) {
+          const int64_t begin = std::min(numel, r * part), end = std::min(numel, begin + part);
+          std::copy(values.begin() + begin, values.begin() + end, parts[static_cast<size_t>(r)].begin() + offset);
+        }
+        offset += part;
+      }
+      for (size_t r = 0; r < files.size(); ++r)
+        OPTSTATE_RETURN_IF_ERROR(files[r].optim_archive->storage(std::to_string(key->second), std::as_bytes(std::span(parts[r]))));
+    }
+  for (RankFiles& f : files) {
+    OPTSTATE_RETURN_IF_ERROR(f.optim_archive->finish().status());
+    OPTSTATE_RETURN_IF_ERROR(f.model_archive->finish().status());
+    OPTSTATE_RETURN_IF_ERROR(f.optim->sync_and_close());
+    OPTSTATE_RETURN_IF_ERROR(f.model->sync_and_close());
+  }
+  return fsync_directory(staging);
+}
+
+}  // namespace optstate::deepspeed

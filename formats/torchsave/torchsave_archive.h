@@ -1,0 +1,58 @@
+// The torch.save driver's archive access, shared with the DeepSpeed writer (formats/deepspeed/):
+// an opened torch.save zip and its interpreted data.pkl, a storage record read whole, and a
+// DeepSpeed ZeRO checkpoint's files. Internal to optstate_formats.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dcp/dcp_driver.h"
+#include "dcp/pickle.h"
+#include "dcp/zip.h"
+#include "optstate/io.h"
+#include "optstate/status.h"
+
+namespace optstate::torchsave {
+
+// One torch.save archive: the file, its zip index and the folder its records sit in.
+struct Archive {
+  fs::path path;
+  InputFile file;
+  dcp::ArchiveIndex index;
+  std::map<std::string, size_t> entries;  // record name -> index.entries
+  std::string prefix;
+
+  // The offset of a record's data: past its local header, which is checked against the directory.
+  Result<uint64_t> data_at(const zip::Entry& e) const {
+    std::byte h[30];
+    if (e.local_header_offset > file.size() || file.size() - e.local_header_offset < sizeof h)
+      return corrupt(fmt::format("{}: record '{}' starts past the end of the file", path.string(), e.name));
+    OPTSTATE_RETURN_IF_ERROR(file.read_at(e.local_header_offset, h).with_context(path.string()));
+    return zip::data_offset(h, e, index.cd.offset, path.string());
+  }
+};
+
+// Opens a torch.save archive and interprets its data.pkl (CRC-checked).
+Result<std::pair<Archive, pickle::Pickle>> open_archive(const fs::path& path);
+
+// The bytes of storage `key` (the record <folder>/data/<key>), CRC-32 checked.
+Result<std::vector<std::byte>> read_storage(const Archive& a, const std::string& key);
+
+// A DeepSpeed ZeRO checkpoint's tag folder (global_step500/): each data-parallel rank's optimizer
+// file, in rank order, and the model states file that names the params.
+struct ZeroFiles {
+  fs::path dir;
+  std::vector<fs::path> optim;
+  fs::path model;
+};
+
+// The ZeRO files of the tag folder at (or named by `latest` in) `path`; nullopt where it holds none.
+Result<std::optional<ZeroFiles>> zero_files(const fs::path& path);
+
+}  // namespace optstate::torchsave

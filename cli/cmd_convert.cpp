@@ -44,8 +44,9 @@ int run_convert(int argc, char** argv) {
       "stops the write and removes what it wrote; an existing DST stays as it was.",
       {{"--to", true, "fp32 or 8bit (default: keep encodings)"},
        {"--format", true, "output format: native, dcp, safetensors, hdf5, torchsave, libtorch (C++ torch::save's optimizer "
-        "archive), bitsandbytes or torchao (their AdamW8bit's state_dict), deepspeed (a universal checkpoint of a DeepSpeed "
-        "ZeRO-1/2 SRC, which DeepSpeed loads on any world size) (default: from DST's extension, .safetensors / .h5 / "
+        "archive), bitsandbytes or torchao (their AdamW8bit's state_dict), deepspeed (from a DeepSpeed SRC: of "
+        "ZeRO-1/2, a universal checkpoint, which DeepSpeed loads on any world size; of ZeRO-3, the same checkpoint for "
+        "--world-size ranks) (default: from DST's extension, .safetensors / .h5 / "
         ".hdf5 / .pt / .pth (torchsave), else native)"},
        {"--block-size", true, "8-bit block size (default 256)"},
        {"--min-8bit-size", true, "params with fewer elements stay dense (default 4096)"},

@@ -126,11 +126,12 @@ Status write_universal(StateSource& source, const fs::path& staging, const torch
 // The ZeRO stage of the checkpoint at `path` (its rank 0's optimizer file); a universal checkpoint's
 // is taken as 2 (zero_universal_parts refuses it, naming why).
 Result<int> zero_stage(const fs::path& path) {
-  OPTSTATE_ASSIGN_OR_RETURN(const auto z, torchsave::zero_files(path));
-  if (!z) return 2;
-  OPTSTATE_ASSIGN_OR_RETURN(auto opened, torchsave::open_archive(z->optim.at(0)));
+  const auto z = torchsave::zero_files(path);
+  if (!z.ok() || !*z) return 2;  // no ZeRO files (a universal checkpoint): zero_universal_parts names why
+  const auto& files = **z;
+  OPTSTATE_ASSIGN_OR_RETURN(auto opened, torchsave::open_archive(files.optim.at(0)));
   OPTSTATE_ASSIGN_OR_RETURN(const torchsave::ZeroRank zr,
-                            torchsave::interpret_zero_optim(opened.second, z->optim[0].string()));
+                            torchsave::interpret_zero_optim(opened.second, files.optim[0].string()));
   return zr.stage;
 }
 

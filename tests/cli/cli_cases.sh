@@ -616,8 +616,8 @@ PY
   deepspeed-zero)
     # DeepSpeed ZeRO checkpoints (real 2-rank runs): the folder with `latest` and its tag folder
     # read alike; ZeRO-2 and ZeRO-3 of one run give one state in every format; a missing rank's file
-    # is named; the format is written as a universal checkpoint of a ZeRO-1/2 checkpoint only, and a
-    # refused convert to it leaves nothing.
+    # is named; the format is written from a DeepSpeed checkpoint only (a universal checkpoint of a
+    # ZeRO-1/2 one; a ZeRO-3 one for another world size), and a refused convert to it leaves nothing.
     data="$(cd "$(dirname "$0")/../.." && pwd)/formats/deepspeed/testdata"
     cp -r "$data/zero2_world2" "$work/z2"
     "$OPTSTATE" inspect "$work/z2" | matches "(deepspeed)" || fail "inspect says deepspeed"
@@ -628,8 +628,14 @@ PY
     [ "$("$OPTSTATE" hash "$work/z2.safetensors" | tail -1)" = "$("$OPTSTATE" hash "$work/z3.pt" | tail -1)" ] \
       || fail "ZeRO-2 and ZeRO-3 of one run convert to other states"
     expect_error 2 "written from a DeepSpeed ZeRO checkpoint" -- "$OPTSTATE" convert "$work/z3.pt" "$work/back" --format deepspeed
-    expect_error 2 "a ZeRO-3 checkpoint" -- "$OPTSTATE" convert "$data/zero3_world2" "$work/back" --format deepspeed
     [ ! -e "$work/back" ] || fail "a refused convert left $work/back"
+    # a ZeRO-3 checkpoint is written again for another world size: every rank's two files
+    "$OPTSTATE" convert "$data/zero3_world2" "$work/z3x3" --format deepspeed --world-size 3 2>/dev/null | matches "(deepspeed, 3 ranks)" \
+      || fail "reshard ZeRO-3 to 3 ranks"
+    [ "$(ls "$work/z3x3" | grep -c '^zero_pp_rank_[0-2]_mp_rank_00_\(optim\|model\)_states.pt$')" = 6 ] \
+      || fail "ZeRO-3 on 3 ranks: not 6 rank files"
+    [ "$("$OPTSTATE" hash "$work/z3x3" | tail -1)" = "$("$OPTSTATE" hash "$data/zero3_world2" | tail -1)" ] \
+      || fail "ZeRO-3 resharded to 3 ranks holds another state"
     "$OPTSTATE" convert "$work/z2" "$work/universal" --format deepspeed 2>/dev/null | matches "(deepspeed, 1 rank)" \
       || fail "universal checkpoint"
     cmp -s "$work/z2/global_step3/mp_rank_00_model_states.pt" "$work/universal/mp_rank_00_model_states.pt" \
@@ -638,6 +644,8 @@ PY
       [ -f "$work/universal/zero/0.weight/$f.pt" ] || fail "universal: no zero/0.weight/$f.pt"
     done
     [ -f "$work/universal/zero/optimizer_state.pt" ] || fail "universal: no zero/optimizer_state.pt"
+    expect_error 2 "already a universal checkpoint" -- "$OPTSTATE" convert "$work/universal" "$work/again" --format deepspeed
+    [ ! -e "$work/again" ] || fail "a refused convert left $work/again"
     rm "$work/z2/global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"
     expect_error 2 "partition_count 2, but" -- "$OPTSTATE" inspect "$work/z2"
     ;;

@@ -31,11 +31,14 @@ def build(seed):
 TRAIN = """
 import sys, torch, deepspeed
 stage, bf16, out, steps, more = int(sys.argv[1]), sys.argv[2] == "bf16", sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+sub_group_size = int(sys.argv[6]) if len(sys.argv) > 6 else 0
 deepspeed.init_distributed(dist_backend="gloo")
 """ + BUILD + """
 model, opt = build(0)
 cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
        "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
+if sub_group_size:
+    cfg["zero_optimization"]["sub_group_size"] = sub_group_size
 engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
 dtype = torch.bfloat16 if bf16 else torch.float32
 def step(s):
@@ -60,9 +63,9 @@ def cpu_accelerator(monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
 
 
-def ds_run(tmp_path, stage, dtype, ranks, steps=3, more=0):
+def ds_run(tmp_path, stage, dtype, ranks, steps=3, more=0, sub_group_size=0):
     out = tmp_path / f"zero{stage}_{dtype}_{ranks}"
-    run_script(tmp_path, TRAIN, "ds_train.py", stage, dtype, out, steps, more, ranks=ranks)
+    run_script(tmp_path, TRAIN, "ds_train.py", stage, dtype, out, steps, more, sub_group_size, ranks=ranks)
     return out
 
 
@@ -215,6 +218,48 @@ def test_optimizer_deepspeed_built_is_read_only_as_adamw(tmp_path, optstate_cli)
     assert "ds_config's optimizer is 'Lamb', not Adam or AdamW" in run_err(optstate_cli, "inspect", ck)
     with_optimizer({"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "adam_w_mode": False}})
     assert "(deepspeed)" in optstate_cli("inspect", ck).stdout  # "AdamW" forces AdamW's update
+
+
+RESUME_ZERO3 = """
+import sys, torch, deepspeed
+load_dir, tag, out, sub_group_size = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+deepspeed.init_distributed(dist_backend="gloo")
+""" + BUILD + """
+model, opt = build(1)
+cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+       "zero_optimization": {"stage": 3, "sub_group_size": sub_group_size}, "bf16": {"enabled": True}}
+engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+engine.load_checkpoint(load_dir, tag=tag)  # DeepSpeed's own load: the world size must be the files'
+assert engine.global_steps == 3
+for s in range(3, 5):
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))
+    engine.backward((engine(x.to(torch.bfloat16)).float() * 1e-2).square().sum())
+    engine.step()
+full = {n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()}
+if torch.distributed.get_rank() == 0:
+    torch.save(full, out)
+torch.distributed.barrier()
+"""
+
+
+def test_zero3_checkpoint_resharded_resumes_in_deepspeed_on_other_world_sizes(tmp_path, optstate_cli):
+    """DeepSpeed loads a ZeRO-3 checkpoint only on its own world size, and its universal one with every
+    group given group 0's hyperparameters. `convert --format deepspeed --world-size N` of a ZeRO-3
+    checkpoint writes what DeepSpeed would have saved on N ranks (partitions, and the sub-groups it
+    forms from N ranks' partition sizes: 2000 elements here, so 3 flat params on 2 ranks, 2 on 4, 2 on 1),
+    and DeepSpeed resumes a bf16 2-rank run from it on 4 and on 1 rank to the uninterrupted run's
+    weights bit for bit (worlds whose gradient averaging is exact: every rank here sees one batch)."""
+    ck = ds_run(tmp_path, 3, "bf16", 2, more=2, sub_group_size=2000)
+    continued = torch.load(str(ck) + ".continued.pt")
+    for world in (4, 1):
+        tag = f"resharded{world}"
+        out = optstate_cli("convert", ck, tmp_path / tag, "--format", "deepspeed", "--world-size", world)
+        assert f"(deepspeed, {world} rank" in out.stdout, out.stdout
+        assert hashes(optstate_cli, tmp_path / tag) == hashes(optstate_cli, ck)
+        res = tmp_path / f"resumed{world}.pt"
+        run_script(tmp_path, RESUME_ZERO3, "resume_zero3.py", tmp_path, tag, res, 2000, ranks=world, torchrun=True)
+        mine = torch.load(res)
+        assert all(torch.equal(continued[n], mine[n]) for n in continued), world
 
 
 def test_zero2_and_zero3_of_one_run_hold_the_same_state(tmp_path, optstate_cli):

@@ -184,12 +184,44 @@ TEST_CASE("deepspeed: a universal checkpoint of ZeRO-1/2 (zero/<param>/*.pt, opt
   // optimizer_state.pt) reads as that checkpoint's state
   auto theirs = open_seed(kSeeds / "zero3_world2_universal");
   CHECK(hash_checkpoint(*theirs)->root == hash_checkpoint(*open_seed(kSeeds / "zero3_world2"))->root);
-  // ZeRO-3's universal layout is another: refused, naming the stage
+}
+
+TEST_CASE("deepspeed: a ZeRO-3 checkpoint written again for another world size, sub-groups laid out anew") {
+  // tests/python/test_deepspeed.py resumes DeepSpeed from such files; here: the files and the state.
+  for (const char* seed : {"zero3_world2", "zero3_subgroups_world2"}) {
+    CAPTURE(seed);
+    auto z3 = open_seed(kSeeds / seed);
+    const FormatDriver* ds = find_format("deepspeed");
+    CHECK(ds->shards());
+    for (int world : {1, 3, 4}) {
+      CAPTURE(world);
+      testing::TempDir dir;
+      const fs::path out = dir.path / "global_step3";
+      const auto st = write_checkpoint(*ds, *load_all(*z3), out, {.world_size = world, .source = z3.get()});
+      REQUIRE_MESSAGE(st.ok(), st.message());
+      size_t files = 0;
+      for (const auto& e : fs::directory_iterator(out)) files += e.is_regular_file();
+      CHECK(files == 2 * static_cast<size_t>(world));
+      for (int r = 0; r < world; ++r) {
+        CHECK(fs::is_regular_file(out / fmt::format("zero_pp_rank_{}_mp_rank_00_optim_states.pt", r)));
+        CHECK(fs::is_regular_file(out / fmt::format("zero_pp_rank_{}_mp_rank_00_model_states.pt", r)));
+      }
+      // read back: every rank's partitions put together give the same state
+      auto back = open_seed(out);
+      CHECK(hash_checkpoint(*back)->root == hash_checkpoint(*z3)->root);
+      CHECK(back->meta().groups.size() == 2);
+      CHECK(validate_checkpoint(out, [](const fs::path& p) { return open_checkpoint(p); })->findings.empty());
+    }
+  }
+  // The state must be the source's (its params are laid out by the source's files): another is refused.
   auto z3 = open_seed(kSeeds / "zero3_world2");
+  auto other = open_seed(kSeeds / "frozen_bf16_zero1_world2");
   testing::TempDir dir;
-  const auto st = write_checkpoint(*find_format("deepspeed"), *load_all(*z3), dir.path / "u3", {.source = z3.get()});
-  CHECK(st.message().find("a ZeRO-3 checkpoint") != std::string::npos);
-  CHECK_FALSE(fs::exists(dir.path / "u3"));
+  const auto st = write_checkpoint(*find_format("deepspeed"), *load_all(*other), dir.path / "out",
+                                   {.world_size = 3, .source = z3.get()});
+  REQUIRE_FALSE(st.ok());
+  CHECK(st.message().find("is not in the state") != std::string::npos);
+  CHECK_FALSE(fs::exists(dir.path / "out"));
 }
 
 TEST_CASE("deepspeed: a missing rank, model-parallel files, no model states or a damaged file are refused by name") {

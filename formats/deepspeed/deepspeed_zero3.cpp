@@ -34,8 +34,9 @@ using pickle::Ref;
 // A storage of the new file: one carried from the source file (its key there), or a new tensor
 // (flat param, entry).
 struct NewTensor {
-  size_t flat = 0;
-  std::string entry;  // an entry's partition; or "step", the flat param's step as a 0-d tensor of `dtype`
+  size_t flat = 0;  // a flat param; in a model states file: a frozen param
+  std::string entry;  // an entry's partition; "step", the flat param's step as a 0-d tensor of `dtype`;
+                      // "frozen", a frozen param's partition
   DType dtype = DType::kF32;
 };
 using Storage = std::variant<std::string, NewTensor>;
@@ -154,11 +155,59 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
     return corrupt(fmt::format("{}: {} flat params in param_shapes, {} in {}", mw, shapes.groups.size(), zr.groups.size(), ow));
   const pickle::Pickle& op = opt.second;
   const pickle::Pickle& mp = model.second;
-  // Frozen params' partitions sit in the model states file, one rank's each: not laid out again.
-  if (const Ref frozen = mp.dict_get(mp.root(), "frozen_param_fragments");
-      frozen != pickle::kNoRef && !mp.at(frozen).items.empty())
-    return invalid_argument(mw + ": frozen params' partitions (frozen_param_fragments) are not laid out for another "
-                                 "world size");
+  // Frozen params (LoRA's base model, say): each rank's model states file holds its partition of
+  // each (frozen_param_fragments), which DeepSpeed loads as the param's. Put together from every
+  // rank's file, to be cut again for `world` ranks.
+  struct Frozen {
+    Ref fragment;  // in rank 0's file
+    DType dtype;
+    int64_t numel = 0;
+    std::vector<std::byte> values;  // the whole param, numel elements
+  };
+  std::vector<Frozen> frozen;
+  if (const Ref fragments = mp.dict_get(mp.root(), "frozen_param_fragments");
+      fragments != pickle::kNoRef && !mp.at(fragments).items.empty()) {
+    const Ref frozen_shapes = mp.dict_get(mp.root(), "frozen_param_shapes");
+    OPTSTATE_ASSIGN_OR_RETURN(const torchsave::ModelDict parts0,
+                              torchsave::interpret_model_dict(mp, fragments, mw + " frozen_param_fragments"));
+    std::vector<torchsave::ModelDict> parts = {parts0};
+    std::vector<torchsave::Archive> archives;
+    for (size_t f = 1; f < z->optim.size(); ++f) {
+      const fs::path mf = z->dir / rank_file(z->model.filename().string(), static_cast<int>(f));
+      OPTSTATE_ASSIGN_OR_RETURN(auto opened, torchsave::open_archive(mf));
+      const Ref fr = opened.second.dict_get(opened.second.root(), "frozen_param_fragments");
+      if (fr == pickle::kNoRef) return corrupt(mf.string() + ": no frozen_param_fragments; rank 0's file has them");
+      OPTSTATE_ASSIGN_OR_RETURN(torchsave::ModelDict md,
+                                torchsave::interpret_model_dict(opened.second, fr, mf.string() + " frozen_param_fragments"));
+      parts.push_back(std::move(md));
+      archives.push_back(std::move(opened.first));
+    }
+    const auto source_world = static_cast<int64_t>(z->optim.size());
+    for (const torchsave::ModelTensor& t : parts0.tensors) {
+      const std::string fw = fmt::format("{} frozen param '{}'", mw, t.name);
+      const Ref size = frozen_shapes == pickle::kNoRef ? pickle::kNoRef : mp.dict_get(frozen_shapes, t.name);
+      const auto shape = size == pickle::kNoRef ? std::nullopt : dcp::torch_size(mp, size);
+      if (!shape) return corrupt(fw + ": not in frozen_param_shapes");
+      OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(*shape));
+      const int64_t part = (numel + source_world - 1) / source_world;
+      const auto elem = static_cast<size_t>(dtype_size(t.tensor.dtype));
+      Frozen fz{t.ref, t.tensor.dtype, numel, std::vector<std::byte>(static_cast<size_t>(numel) * elem)};
+      for (int64_t f = 0; f < source_world; ++f) {
+        const torchsave::ModelTensor* ft = parts[static_cast<size_t>(f)].find(t.name);
+        if (!ft || ft->tensor.dtype != t.tensor.dtype || ft->tensor.shape != std::vector<int64_t>{part})
+          return corrupt(fmt::format("{}: rank {}'s partition is not {} elements of {}", fw, f, part, dtype_name(t.tensor.dtype)));
+        const torchsave::Archive& a = f == 0 ? model.first : archives[static_cast<size_t>(f - 1)];
+        OPTSTATE_ASSIGN_OR_RETURN(const std::vector<std::byte> bytes, torchsave::read_storage(a, ft->tensor.storage_key));
+        const auto at = static_cast<uint64_t>(ft->tensor.offset) * elem;
+        if (ft->tensor.offset < 0 || at + static_cast<uint64_t>(part) * elem > bytes.size())
+          return corrupt(fmt::format("{}: rank {}'s partition lies past its storage", fw, f));
+        const int64_t begin = std::min(numel, f * part), count = std::min(numel, begin + part) - begin;
+        std::copy_n(bytes.begin() + static_cast<std::ptrdiff_t>(at), static_cast<size_t>(count) * elem,
+                    fz.values.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(begin) * elem));
+      }
+      frozen.push_back(std::move(fz));
+    }
+  }
   // sub_group_size, from the run's config (DeepSpeed's default: 1e9 elements).
   double sub_group_size = 1e9;
   {
@@ -285,7 +334,13 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
   Planner model_planner(mp, mw);
   OPTSTATE_ASSIGN_OR_RETURN(
       const Planned model_plan,
-      model_planner.run([&](pickle::Writer& wr, Ref r, Planned&, const Planner::Carry& carry) -> Result<bool> {
+      model_planner.run([&](pickle::Writer& wr, Ref r, Planned& out, const Planner::Carry& carry) -> Result<bool> {
+        for (size_t i = 0; i < frozen.size(); ++i)
+          if (r == frozen[i].fragment) {
+            dcp::encode_tensor(wr, frozen[i].dtype, {(frozen[i].numel + w - 1) / w}, std::to_string(out.storages.size()));
+            out.storages.emplace_back(NewTensor{i, "frozen", frozen[i].dtype});
+            return true;
+          }
         if (r == dp_world) {
           wr.integer(w);
         } else if (r == param_shapes) {
@@ -338,6 +393,18 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
     OPTSTATE_RETURN_IF_ERROR(f.model_archive->begin(std::as_bytes(std::span(model_plan.pkl))));
     OPTSTATE_RETURN_IF_ERROR(carry_storages(opt.first, optim_plan, *f.optim_archive));
     OPTSTATE_RETURN_IF_ERROR(carry_storages(model.first, model_plan, *f.model_archive));
+    for (size_t key = 0; key < model_plan.storages.size(); ++key)
+      if (const auto* t = std::get_if<NewTensor>(&model_plan.storages[key])) {
+        // this rank's partition of the frozen param, zero-padded
+        const Frozen& fz = frozen[t->flat];
+        const auto elem = static_cast<size_t>(dtype_size(fz.dtype));
+        const int64_t part = (fz.numel + w - 1) / w, begin = std::min(fz.numel, r * part);
+        const int64_t count = std::min(fz.numel, begin + part) - begin;
+        std::vector<std::byte> bytes(static_cast<size_t>(part) * elem, std::byte{0});
+        std::copy_n(fz.values.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(begin) * elem),
+                    static_cast<size_t>(count) * elem, bytes.begin());
+        OPTSTATE_RETURN_IF_ERROR(f.model_archive->storage(std::to_string(key), bytes));
+      }
   }
   // The new partitions: per flat param and entry, each param's values split into `world` parts
   // (the last ones zero-padded, as DeepSpeed pads them).

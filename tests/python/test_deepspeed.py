@@ -19,12 +19,14 @@ pytest.importorskip("deepspeed")
 # The model and optimizer of every DeepSpeed run here: Hugging Face's two groups (weights decayed,
 # the rest not); sizes that split across the ranks' partitions at odd places.
 BUILD = """
-def build(seed):
+def build(seed, frozen=False):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 50), torch.nn.GELU(),
                                 torch.nn.Linear(50, 3))
-    groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05},
-              {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "lr": 2e-3}]
+    model[0].requires_grad_(not frozen)  # frozen: as a LoRA run's base model
+    trained = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in trained if p.dim() > 1], "weight_decay": 0.05},
+              {"params": [p for p in trained if p.dim() <= 1], "weight_decay": 0.0, "lr": 2e-3}]
     return model, torch.optim.AdamW(groups, lr=1e-3)
 """
 
@@ -32,9 +34,10 @@ TRAIN = """
 import sys, torch, deepspeed
 stage, bf16, out, steps, more = int(sys.argv[1]), sys.argv[2] == "bf16", sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 sub_group_size = int(sys.argv[6]) if len(sys.argv) > 6 else 0
+frozen = len(sys.argv) > 7 and sys.argv[7] == "frozen"
 deepspeed.init_distributed(dist_backend="gloo")
 """ + BUILD + """
-model, opt = build(0)
+model, opt = build(0, frozen)
 cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
        "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
 if sub_group_size:
@@ -51,7 +54,10 @@ engine.save_checkpoint(out)
 for s in range(steps, steps + more):  # the run continues: its fp32 weights at the end, for the resume test
     step(s)
 if more:
-    full = {n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()}
+    full = {n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters() if p.requires_grad}
+    if frozen:  # the frozen params' values, gathered from every rank's partition
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            full.update({n + " (module)": p.detach().clone() for n, p in model.named_parameters()})
     if torch.distributed.get_rank() == 0:
         torch.save(full, out + ".continued.pt")
 torch.distributed.barrier()
@@ -63,9 +69,10 @@ def cpu_accelerator(monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
 
 
-def ds_run(tmp_path, stage, dtype, ranks, steps=3, more=0, sub_group_size=0):
+def ds_run(tmp_path, stage, dtype, ranks, steps=3, more=0, sub_group_size=0, frozen=False):
     out = tmp_path / f"zero{stage}_{dtype}_{ranks}"
-    run_script(tmp_path, TRAIN, "ds_train.py", stage, dtype, out, steps, more, sub_group_size, ranks=ranks)
+    run_script(tmp_path, TRAIN, "ds_train.py", stage, dtype, out, steps, more, sub_group_size,
+               "frozen" if frozen else "-", ranks=ranks)
     return out
 
 
@@ -225,7 +232,7 @@ import sys, torch, deepspeed
 load_dir, tag, out, sub_group_size = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 deepspeed.init_distributed(dist_backend="gloo")
 """ + BUILD + """
-model, opt = build(1)
+model, opt = build(1, frozen=True)
 cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
        "zero_optimization": {"stage": 3, "sub_group_size": sub_group_size}, "bf16": {"enabled": True}}
 engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
@@ -235,7 +242,9 @@ for s in range(3, 5):
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))
     engine.backward((engine(x.to(torch.bfloat16)).float() * 1e-2).square().sum())
     engine.step()
-full = {n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()}
+full = {n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters() if p.requires_grad}
+with deepspeed.zero.GatheredParameters(list(model.parameters())):
+    full.update({n + " (module)": p.detach().clone() for n, p in model.named_parameters()})
 if torch.distributed.get_rank() == 0:
     torch.save(full, out)
 torch.distributed.barrier()
@@ -245,11 +254,12 @@ torch.distributed.barrier()
 def test_zero3_checkpoint_resharded_resumes_in_deepspeed_on_other_world_sizes(tmp_path, optstate_cli):
     """DeepSpeed loads a ZeRO-3 checkpoint only on its own world size, and its universal one with every
     group given group 0's hyperparameters. `convert --format deepspeed --world-size N` of a ZeRO-3
-    checkpoint writes what DeepSpeed would have saved on N ranks (partitions, and the sub-groups it
-    forms from N ranks' partition sizes: 2000 elements here, so 3 flat params on 2 ranks, 2 on 4, 2 on 1),
-    and DeepSpeed resumes a bf16 2-rank run from it on 4 and on 1 rank to the uninterrupted run's
-    weights bit for bit (worlds whose gradient averaging is exact: every rank here sees one batch)."""
-    ck = ds_run(tmp_path, 3, "bf16", 2, more=2, sub_group_size=2000)
+    checkpoint writes what DeepSpeed would have saved on N ranks (partitions, the sub-groups it forms
+    from N ranks' partition sizes: 2000 elements here, so 3 flat params on 2 ranks, 2 on 4, 2 on 1;
+    the frozen first layer's partitions), and DeepSpeed resumes a bf16 2-rank run from it on 4 and on
+    1 rank to the uninterrupted run's weights bit for bit, fp32 master weights and the module's bf16
+    ones, frozen included (worlds whose gradient averaging is exact: every rank here sees one batch)."""
+    ck = ds_run(tmp_path, 3, "bf16", 2, more=2, sub_group_size=2000, frozen=True)
     continued = torch.load(str(ck) + ".continued.pt")
     for world in (4, 1):
         tag = f"resharded{world}"
@@ -259,6 +269,7 @@ def test_zero3_checkpoint_resharded_resumes_in_deepspeed_on_other_world_sizes(tm
         res = tmp_path / f"resumed{world}.pt"
         run_script(tmp_path, RESUME_ZERO3, "resume_zero3.py", tmp_path, tag, res, 2000, ranks=world, torchrun=True)
         mine = torch.load(res)
+        assert continued.keys() == mine.keys() and "0.weight (module)" in mine
         assert all(torch.equal(continued[n], mine[n]) for n in continued), world
 
 

@@ -95,8 +95,12 @@ class CheckpointFixture {
   }
   // A directory that exists already (real files another writer made: a per-rank set of torch.save
   // files), copied; inputs replace its file `index_name`.
-  CheckpointFixture(std::string_view format, const std::filesystem::path& seed_dir, std::string index_name)
-      : driver_(find_format(format)), index_name_(std::move(index_name)) {
+  // `write_format` (with `write_world` ranks): what inputs are written back as, where not `format`
+  // itself or native (DeepSpeed's ZeRO-3 writer, which writes only from a ZeRO-3 source).
+  CheckpointFixture(std::string_view format, const std::filesystem::path& seed_dir, std::string index_name,
+                    std::string_view write_format = "", int write_world = 1)
+      : driver_(find_format(format)), write_driver_(write_format.empty() ? nullptr : find_format(write_format)),
+        write_world_(write_world), index_name_(std::move(index_name)) {
     namespace fs = std::filesystem;
     base_ = fs::temp_directory_path() / fmt_name(format);
     fs::remove_all(base_);
@@ -178,10 +182,11 @@ class CheckpointFixture {
 
   // Writes `entries` to `out` in the fixture's format, the reader handed over as the source (as
   // convert does: a DCP keeps its layout and carries its other items through).
-  static WriteOptions options(const CheckpointReader& source, bool float_lr) {
+  WriteOptions options(const CheckpointReader& source, bool float_lr) const {
     WriteOptions wo;
     wo.source = &source;
     wo.float_lr = float_lr;
+    wo.world_size = write_world_;
     return wo;
   }
   Status write_back(StateSource& entries, const CheckpointReader& source, bool float_lr,
@@ -275,7 +280,11 @@ class CheckpointFixture {
 
   const FormatDriver* driver_;
   // What the write-back writes: the format itself, or native for a format optstate only reads.
-  const FormatDriver* writer() const { return driver_->writes() ? driver_ : find_format("native"); }
+  const FormatDriver* writer() const {
+    return write_driver_ ? write_driver_ : driver_->writes() ? driver_ : find_format("native");
+  }
+  const FormatDriver* write_driver_ = nullptr;
+  int write_world_ = 1;
   std::string index_name_;
   std::filesystem::path base_;
   std::string index_;

@@ -11,8 +11,11 @@
 // Built a third time over DeepSpeed's universal checkpoint of the ZeRO-3 one
 // (testdata/zero3_world2_universal/, ds_to_universal's; fuzz.deepspeed_universal): the input is
 // zero/optimizer_state.pt (settings, param groups, the nested state with each group's step).
-// CTest: fuzz.deepspeed_zero2, fuzz.deepspeed_zero3, fuzz.deepspeed_universal (bounded mutation
-// runs); with OPTSTATE_LIBFUZZER, coverage-guided.
+// Built a fourth time over the sub-grouped ZeRO-3 checkpoint (testdata/zero3_subgroups_world2/),
+// written back by DeepSpeed's own ZeRO-3 writer for 3 ranks (fuzz.deepspeed_zero3_write): the input
+// is rank 0's optimizer file, whose pickle the writer emits again with its partitions replaced.
+// CTest: fuzz.deepspeed_zero2, fuzz.deepspeed_zero3, fuzz.deepspeed_universal,
+// fuzz.deepspeed_zero3_write (bounded mutation runs); with OPTSTATE_LIBFUZZER, coverage-guided.
 #include <cstdint>
 
 #include "torchsave/torchsave_fuzz_target.h"
@@ -22,7 +25,12 @@ using namespace optstate;
 namespace {
 
 const fuzz::CheckpointFixture& fixture() {
+#ifdef OPTSTATE_DEEPSPEED_WRITE_WORLD
+  static const fuzz::CheckpointFixture f("deepspeed", OPTSTATE_DEEPSPEED_SEED, OPTSTATE_DEEPSPEED_MEMBER, "deepspeed",
+                                         OPTSTATE_DEEPSPEED_WRITE_WORLD);
+#else
   static const fuzz::CheckpointFixture f("deepspeed", OPTSTATE_DEEPSPEED_SEED, OPTSTATE_DEEPSPEED_MEMBER);
+#endif
   return f;
 }
 

@@ -6,14 +6,18 @@ exp_avg_sq files), side by side in one run on the same checkpoint and disk, cold
 fresh process; wall time and peak RSS of each, and the raw copy as the floor.
 
 - The checkpoint: a Llama-shaped stack (--layers pairs of 2048x4096 / 4096x2048 Linears), one
-  torch.optim.AdamW step under ZeRO-2 on 2 CPU ranks (gloo), engine.save_checkpoint.
+  torch.optim.AdamW step under ZeRO-2 (--stage 3: ZeRO-3) on 2 CPU ranks (gloo), engine.save_checkpoint.
+- --stage 3: optstate's way to another world size is the ZeRO-3 checkpoint for 4 ranks (`convert
+  --format deepspeed --world-size 4`; DeepSpeed loads its universal one with group 0's
+  hyperparameters in every group), timed beside the same ds_to_universal; it must read back as the
+  source's state (optstate hash).
 - DeepSpeed: `python -m deepspeed.checkpoint.ds_to_universal` with 2 extract and 2 merge workers
   (this machine's cores).
 - optstate: the CLI, no Python, no DeepSpeed.
 The outputs are read back and must hold the same fp32 weights and moments per param, bit for bit
 (the two universal checkpoints: every file's tensors).
 
-    .venv/bin/python bench/bench_deepspeed.py [--layers 2] [--reps 2] [--dir /tmp] [--json bench/results/deepspeed.json]
+    .venv/bin/python bench/bench_deepspeed.py [--layers 2] [--reps 2] [--stage 2|3] [--dir /tmp] [--json bench/results/deepspeed.json]
 """
 import os
 import sys
@@ -33,11 +37,12 @@ warnings.filterwarnings("ignore")
 MAKE = textwrap.dedent("""
     import os, subprocess, sys, warnings
     warnings.filterwarnings("ignore")
-    out, layers = sys.argv[1], sys.argv[2]
-    if len(sys.argv) == 3:  # the launcher: 2 ranks under torchrun
+    out, layers, stage = sys.argv[1], sys.argv[2], sys.argv[3]
+    if len(sys.argv) == 4:  # the launcher: 2 ranks under torchrun
         env = dict(os.environ, DS_ACCELERATOR="cpu")
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-                        out, layers, "rank"], check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        out, layers, stage, "rank"], check=True, env=env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
         sys.exit(0)
     import torch, deepspeed
     sys.path.insert(0, BENCH)
@@ -45,7 +50,7 @@ MAKE = textwrap.dedent("""
     deepspeed.init_distributed(dist_backend="gloo")
     model = make_model(int(layers))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2}}
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": int(stage)}}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     engine.backward(engine(torch.randn(1, 2048)).square().mean())
     engine.step()
@@ -70,18 +75,21 @@ def universal_tensor(path):
 
 
 def main():
-    args = checkpoint_args(layers=2, reps=2).parse_args()
+    ap = checkpoint_args(layers=2, reps=2)
+    ap.add_argument("--stage", type=int, choices=(2, 3), default=2)
+    args = ap.parse_args()
     cli, work, env, scripts = prepare("deepspeed", args.dir, MAKE, UNIVERSAL, needs="deepspeed")
     src = work / "ckpt"
-    t_make = run([sys.executable, scripts["make.py"], src, args.layers])
+    t_make = run([sys.executable, scripts["make.py"], src, args.layers, args.stage])
     src_bytes = dir_bytes(src)
-    print(f"source: {src_bytes / 1e9:.2f} GB DeepSpeed ZeRO-2 checkpoint, 2 ranks ({args.layers} layer pairs, "
-          f"made in {t_make:.0f} s); {os.cpu_count()} cpus, torch {torch.__version__}")
+    print(f"source: {src_bytes / 1e9:.2f} GB DeepSpeed ZeRO-{args.stage} checkpoint, 2 ranks ({args.layers} layer "
+          f"pairs, made in {t_make:.0f} s); {os.cpu_count()} cpus, torch {torch.__version__}")
     reference = "DeepSpeed ds_to_universal"
-    dst = {"optstate": work / "plain.pt", "optstate universal": work / "ours_universal", reference: work / "universal"}
+    ours = "optstate universal" if args.stage == 2 else "optstate ZeRO-3, 4 ranks"
+    dst = {"optstate": work / "plain.pt", ours: work / "ours_deepspeed", reference: work / "universal"}
     cases = {
         "optstate": lambda out: [cli, "convert", src, out],
-        "optstate universal": lambda out: [cli, "convert", src, out, "--format", "deepspeed"],
+        ours: lambda out: [cli, "convert", src, out, "--format", "deepspeed"] + (["--world-size", 4] if args.stage == 3 else []),
         reference: lambda out: [sys.executable, scripts["convert_reference.py"], src, out],
     }
     times, peak = time_cases(cases, dst, src, args.reps, env)
@@ -96,13 +104,20 @@ def main():
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(st[k], universal_tensor(ref / f"{k}.pt").view_as(st[k])), (n, k)
         assert torch.equal(sd["model"][n], universal_tensor(ref / "fp32.pt").view_as(sd["model"][n])), n
-    ours, theirs = dst["optstate universal"] / "zero", dst[reference] / "zero"
-    for n in names:
-        for f in ("fp32", "exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(universal_tensor(ours / n / f"{f}.pt"), universal_tensor(theirs / n / f"{f}.pt")), (n, f)
+    if args.stage == 2:
+        mine, theirs = dst[ours] / "zero", dst[reference] / "zero"
+        for n in names:
+            for f in ("fp32", "exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(universal_tensor(mine / n / f"{f}.pt"), universal_tensor(theirs / n / f"{f}.pt")), (n, f)
+        what = "both universal checkpoints"
+    else:
+        import subprocess
+        root = [subprocess.run([str(cli), "hash", str(p)], capture_output=True, text=True, check=True).stdout.split()[-2]
+                for p in (src, dst[ours])]
+        assert root[0] == root[1], root
+        what = f"ds_to_universal's; optstate's 4 ranks' files, {dir_bytes(dst[ours]) / 1e9:.2f} GB, hash as the source"
     print(f"outputs: {dst_bytes / 1e9:.2f} GB torch.optim.AdamW state_dict / {dir_bytes(dst[reference]) / 1e9:.2f} GB "
-          f"of per-param files (both universal checkpoints); {len(names)} params' fp32 weights, exp_avg and exp_avg_sq "
-          f"equal bit for bit")
+          f"of per-param files ({what}); {len(names)} params' fp32 weights, exp_avg and exp_avg_sq equal bit for bit")
     report(args, work, times, peak, src_bytes, dst_bytes, reference=reference)
 
 

@@ -191,18 +191,24 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
       OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(*shape));
       const int64_t part = (numel + source_world - 1) / source_world;
       const auto elem = static_cast<size_t>(dtype_size(t.tensor.dtype));
-      Frozen fz{t.ref, t.tensor.dtype, numel, std::vector<std::byte>(static_cast<size_t>(numel) * elem)};
+      // Every rank's partition read first (its storage, bounded by its file), then put together.
+      std::vector<std::vector<std::byte>> pieces;
       for (int64_t f = 0; f < source_world; ++f) {
         const torchsave::ModelTensor* ft = parts[static_cast<size_t>(f)].find(t.name);
         if (!ft || ft->tensor.dtype != t.tensor.dtype || ft->tensor.shape != std::vector<int64_t>{part})
           return corrupt(fmt::format("{}: rank {}'s partition is not {} elements of {}", fw, f, part, dtype_name(t.tensor.dtype)));
         const torchsave::Archive& a = f == 0 ? model.first : archives[static_cast<size_t>(f - 1)];
-        OPTSTATE_ASSIGN_OR_RETURN(const std::vector<std::byte> bytes, torchsave::read_storage(a, ft->tensor.storage_key));
+        OPTSTATE_ASSIGN_OR_RETURN(std::vector<std::byte> bytes, torchsave::read_storage(a, ft->tensor.storage_key));
         const auto at = static_cast<uint64_t>(ft->tensor.offset) * elem;
-        if (ft->tensor.offset < 0 || at + static_cast<uint64_t>(part) * elem > bytes.size())
+        if (ft->tensor.offset < 0 || at > bytes.size() || static_cast<uint64_t>(part) * elem > bytes.size() - at)
           return corrupt(fmt::format("{}: rank {}'s partition lies past its storage", fw, f));
+        bytes.erase(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(at));
+        pieces.push_back(std::move(bytes));
+      }
+      Frozen fz{t.ref, t.tensor.dtype, numel, std::vector<std::byte>(static_cast<size_t>(numel) * elem)};
+      for (int64_t f = 0; f < source_world; ++f) {
         const int64_t begin = std::min(numel, f * part), count = std::min(numel, begin + part) - begin;
-        std::copy_n(bytes.begin() + static_cast<std::ptrdiff_t>(at), static_cast<size_t>(count) * elem,
+        std::copy_n(pieces[static_cast<size_t>(f)].begin(), static_cast<size_t>(count) * elem,
                     fz.values.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(begin) * elem));
       }
       frozen.push_back(std::move(fz));
@@ -364,12 +370,6 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
         return true;
       }));
 
-  // Every rank's two files, open together: each new partition is made once for all ranks.
-  struct RankFiles {
-    std::unique_ptr<OutputFile> optim, model;
-    std::unique_ptr<dcp::ArchiveWriter> optim_archive, model_archive;
-  };
-  std::vector<RankFiles> files(static_cast<size_t>(world));
   const std::string optim_name = z->optim[0].filename().string(), model_name = z->model.filename().string();
   if (model_name.find("zero_pp_rank_0_") == std::string::npos)
     return corrupt(mw + ": not a ZeRO-3 model states file name (zero_pp_rank_0_mp_rank_00_model_states.pt)");
@@ -381,69 +381,81 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
       }
     return Status::Ok();
   };
+
+  // The model states files, one at a time: rank 0's values, the frozen params' partitions of each rank.
   for (int r = 0; r < world; ++r) {
-    RankFiles& f = files[static_cast<size_t>(r)];
-    OPTSTATE_ASSIGN_OR_RETURN(OutputFile o, OutputFile::create(staging / rank_file(optim_name, r)));
-    OPTSTATE_ASSIGN_OR_RETURN(OutputFile m, OutputFile::create(staging / rank_file(model_name, r)));
-    f.optim = std::make_unique<OutputFile>(std::move(o));
-    f.model = std::make_unique<OutputFile>(std::move(m));
-    f.optim_archive = std::make_unique<dcp::ArchiveWriter>(*f.optim);
-    f.model_archive = std::make_unique<dcp::ArchiveWriter>(*f.model);
-    OPTSTATE_RETURN_IF_ERROR(f.optim_archive->begin(std::as_bytes(std::span(optim_plan.pkl))));
-    OPTSTATE_RETURN_IF_ERROR(f.model_archive->begin(std::as_bytes(std::span(model_plan.pkl))));
-    OPTSTATE_RETURN_IF_ERROR(carry_storages(opt.first, optim_plan, *f.optim_archive));
-    OPTSTATE_RETURN_IF_ERROR(carry_storages(model.first, model_plan, *f.model_archive));
+    OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging / rank_file(model_name, r)));
+    dcp::ArchiveWriter archive(out);
+    OPTSTATE_RETURN_IF_ERROR(archive.begin(std::as_bytes(std::span(model_plan.pkl))));
+    OPTSTATE_RETURN_IF_ERROR(carry_storages(model.first, model_plan, archive));
     for (size_t key = 0; key < model_plan.storages.size(); ++key)
       if (const auto* t = std::get_if<NewTensor>(&model_plan.storages[key])) {
-        // this rank's partition of the frozen param, zero-padded
-        const Frozen& fz = frozen[t->flat];
+        const Frozen& fz = frozen[t->flat];  // this rank's partition of it, zero-padded
         const auto elem = static_cast<size_t>(dtype_size(fz.dtype));
         const int64_t part = (fz.numel + w - 1) / w, begin = std::min(fz.numel, r * part);
         const int64_t count = std::min(fz.numel, begin + part) - begin;
         std::vector<std::byte> bytes(static_cast<size_t>(part) * elem, std::byte{0});
         std::copy_n(fz.values.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(begin) * elem),
                     static_cast<size_t>(count) * elem, bytes.begin());
-        OPTSTATE_RETURN_IF_ERROR(f.model_archive->storage(std::to_string(key), bytes));
+        OPTSTATE_RETURN_IF_ERROR(archive.storage(std::to_string(key), bytes));
       }
+    OPTSTATE_RETURN_IF_ERROR(archive.finish().status());
+    OPTSTATE_RETURN_IF_ERROR(out.sync_and_close());
   }
-  // The new partitions: per flat param and entry, each param's values split into `world` parts
-  // (the last ones zero-padded, as DeepSpeed pads them).
+
+  // The optimizer files, up to kRanksAtOnce open together: each entry of each param is loaded once
+  // per such batch and split into the batch's ranks' partitions (the last ones zero-padded, as
+  // DeepSpeed pads them). Each flat param's step: a tensor of its own.
   std::map<std::pair<size_t, std::string>, size_t> key_of;
   for (size_t key = 0; key < optim_plan.storages.size(); ++key)
-    if (const auto* t = std::get_if<NewTensor>(&optim_plan.storages[key])) {
-      key_of[{t->flat, t->entry}] = key;
-      if (t->entry != "step") continue;
+    if (const auto* t = std::get_if<NewTensor>(&optim_plan.storages[key])) key_of[{t->flat, t->entry}] = key;
+  constexpr int kRanksAtOnce = 256;  // open files: well under the usual limit of 1024
+  for (int first = 0; first < world; first += kRanksAtOnce) {
+    const int batch = std::min(kRanksAtOnce, world - first);
+    std::vector<std::unique_ptr<OutputFile>> outs;
+    std::vector<std::unique_ptr<dcp::ArchiveWriter>> archives;
+    for (int r = first; r < first + batch; ++r) {
+      OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging / rank_file(optim_name, r)));
+      outs.push_back(std::make_unique<OutputFile>(std::move(out)));
+      archives.push_back(std::make_unique<dcp::ArchiveWriter>(*outs.back()));
+      OPTSTATE_RETURN_IF_ERROR(archives.back()->begin(std::as_bytes(std::span(optim_plan.pkl))));
+      OPTSTATE_RETURN_IF_ERROR(carry_storages(opt.first, optim_plan, *archives.back()));
+    }
+    for (size_t key = 0; key < optim_plan.storages.size(); ++key) {
+      const auto* t = std::get_if<NewTensor>(&optim_plan.storages[key]);
+      if (!t || t->entry != "step") continue;
       const int64_t step = state.params.at(flats[t->flat].params.at(0).first).step;  // every param of it has it
       const float f32 = static_cast<float>(step);
       const auto f64 = static_cast<double>(step);
       const std::span<const std::byte> bytes =
           t->dtype == DType::kF32 ? std::as_bytes(std::span(&f32, 1)) : std::as_bytes(std::span(&f64, 1));
-      for (RankFiles& f : files) OPTSTATE_RETURN_IF_ERROR(f.optim_archive->storage(std::to_string(key), bytes));
+      for (auto& archive : archives) OPTSTATE_RETURN_IF_ERROR(archive->storage(std::to_string(key), bytes));
     }
-  for (size_t k = 0; k < flats.size(); ++k)
-    for (const std::string& e : entries) {
-      const auto key = key_of.find({k, e});
-      if (key == key_of.end()) return corrupt(fmt::format("{}: no '{}' in the state of flat param {}", ow, e, k));
-      std::vector<std::vector<float>> parts(files.size(), std::vector<float>(static_cast<size_t>(flats[k].length), 0.0f));
-      int64_t offset = 0;
-      for (const auto& [name, shape] : flats[k].params) {
-        const int64_t numel = *checked_numel(shape), part = (numel + w - 1) / w;
-        OPTSTATE_ASSIGN_OR_RETURN(const Entry loaded, source.load(name, e));
-        OPTSTATE_ASSIGN_OR_RETURN(const std::vector<float> values, entry_f32_values(loaded, numel, entry_key(name, e)));
-        for (int64_t r = 0; r < w; ++r) {
-          const int64_t begin = std::min(numel, r * part), end = std::min(numel, begin + part);
-          std::copy(values.begin() + begin, values.begin() + end, parts[static_cast<size_t>(r)].begin() + offset);
+    for (size_t k = 0; k < flats.size(); ++k)
+      for (const std::string& e : entries) {
+        const auto key = key_of.find({k, e});
+        if (key == key_of.end()) return corrupt(fmt::format("{}: no '{}' in the state of flat param {}", ow, e, k));
+        std::vector<std::vector<float>> parts(static_cast<size_t>(batch),
+                                              std::vector<float>(static_cast<size_t>(flats[k].length), 0.0f));
+        int64_t offset = 0;
+        for (const auto& [name, shape] : flats[k].params) {
+          const int64_t numel = *checked_numel(shape), part = (numel + w - 1) / w;
+          OPTSTATE_ASSIGN_OR_RETURN(const Entry loaded, source.load(name, e));
+          OPTSTATE_ASSIGN_OR_RETURN(const std::vector<float> values, entry_f32_values(loaded, numel, entry_key(name, e)));
+          for (int i = 0; i < batch; ++i) {
+            const int64_t begin = std::min(numel, (first + i) * part), end = std::min(numel, begin + part);
+            std::copy(values.begin() + begin, values.begin() + end, parts[static_cast<size_t>(i)].begin() + offset);
+          }
+          offset += part;
         }
-        offset += part;
+        for (int i = 0; i < batch; ++i)
+          OPTSTATE_RETURN_IF_ERROR(archives[static_cast<size_t>(i)]->storage(
+              std::to_string(key->second), std::as_bytes(std::span(parts[static_cast<size_t>(i)]))));
       }
-      for (size_t r = 0; r < files.size(); ++r)
-        OPTSTATE_RETURN_IF_ERROR(files[r].optim_archive->storage(std::to_string(key->second), std::as_bytes(std::span(parts[r]))));
+    for (size_t i = 0; i < outs.size(); ++i) {
+      OPTSTATE_RETURN_IF_ERROR(archives[i]->finish().status());
+      OPTSTATE_RETURN_IF_ERROR(outs[i]->sync_and_close());
     }
-  for (RankFiles& f : files) {
-    OPTSTATE_RETURN_IF_ERROR(f.optim_archive->finish().status());
-    OPTSTATE_RETURN_IF_ERROR(f.model_archive->finish().status());
-    OPTSTATE_RETURN_IF_ERROR(f.optim->sync_and_close());
-    OPTSTATE_RETURN_IF_ERROR(f.model->sync_and_close());
   }
   return fsync_directory(staging);
 }

@@ -3,11 +3,13 @@
 // on the world size it was saved with, and its universal checkpoint of a ZeRO-3 run loads with every
 // param group given group 0's hyperparameters (FORMAT.md), so a ZeRO-3 run changes world size here.
 //
-// Each rank's files are rank 0's, written again (pickle::emit) with what depends on the world size
-// replaced: in the optimizer file the fp32 partitions (fp32_flat_groups) and the wrapped optimizer's
-// moments of each flat param, laid out for `world` ranks, and partition_count; in the model states
-// file dp_world_size. Every other value, tensors included (the steps, the module's placeholders), is
-// carried as it was: its storage copied under the key it gets in the new file.
+// Each rank's files are rank 0's, written again (pickle::emit with a hook) with what depends on the
+// world size made anew: in the optimizer file the flat params (sub-groups, as DeepSpeed forms them
+// from `world` ranks' partition sizes), their fp32 partitions (fp32_flat_groups), the wrapped
+// optimizer's moments and a step tensor each, the groups' lists of them and partition_count; in the
+// model states file param_shapes (per flat param), dp_world_size and the frozen params' partitions.
+// Every other value, tensors included (the module's placeholders), is carried as it was: its storage
+// copied under the key it gets in the new file. Byte layout and checks: FORMAT.md.
 #include <fmt/format.h>
 
 #include <algorithm>

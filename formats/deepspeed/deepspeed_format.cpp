@@ -3,9 +3,10 @@
 // every data-parallel rank's partition of the flat fp32 param groups, their AdamW moments and the
 // model states file that names the params. Read through the torch.save driver's reader (the same
 // zip, pickle interpreter and tensor rebuilds; torchsave/), which puts each param together from the
-// ranks' runs. Written as a DeepSpeed universal checkpoint (what ds_to_universal makes), which
-// DeepSpeed loads on any number of ranks ("checkpoint": {"load_universal": true}); from a ZeRO-1/2
-// checkpoint, whose model states file and optimizer settings it carries. Layout: FORMAT.md.
+// ranks' runs. Written from a DeepSpeed checkpoint, whose model states and optimizer settings it
+// carries: of ZeRO-1/2, as a universal checkpoint (what ds_to_universal makes), which DeepSpeed loads
+// on any number of ranks ("checkpoint": {"load_universal": true}); of ZeRO-3, as the ZeRO-3
+// checkpoint of WriteOptions::world_size ranks (deepspeed_zero3.cpp). Layout: FORMAT.md.
 #include <fmt/format.h>
 
 
@@ -164,6 +165,10 @@ class DeepSpeedDriver final : public FormatDriver {
     std::optional<torchsave::ZeroUniversalParts> parts;
     if (stage != 3) {
       OPTSTATE_ASSIGN_OR_RETURN(parts, torchsave::zero_universal_parts(options.source->path()));
+      if (options.world_size != 1)
+        return invalid_argument(fmt::format("{}: --world-size {}: the universal checkpoint of a ZeRO-1/2 checkpoint "
+                                            "loads on any world size (only a ZeRO-3 one is written for N ranks)",
+                                            path.string(), options.world_size));
     }
     OPTSTATE_RETURN_IF_ERROR(check_structure(source.meta(), false));
     OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));

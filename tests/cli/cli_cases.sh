@@ -645,6 +645,7 @@ PY
     done
     [ -f "$work/universal/zero/optimizer_state.pt" ] || fail "universal: no zero/optimizer_state.pt"
     expect_error 2 "already a universal checkpoint" -- "$OPTSTATE" convert "$work/universal" "$work/again" --format deepspeed
+    expect_error 2 "loads on any world size" -- "$OPTSTATE" convert "$work/z2" "$work/again" --format deepspeed --world-size 2
     [ ! -e "$work/again" ] || fail "a refused convert left $work/again"
     rm "$work/z2/global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"
     expect_error 2 "partition_count 2, but" -- "$OPTSTATE" inspect "$work/z2"

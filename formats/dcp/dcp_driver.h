@@ -74,6 +74,11 @@ class ArchiveWriter {
   explicit ArchiveWriter(OutputFile& out) : out_(out), start_(out.offset()) {}
   Status begin(std::span<const std::byte> pkl);
   Status storage(const std::string& key, std::span<const std::byte> bytes);
+  // A storage of `size` bytes written in pieces: begin, append until `size` bytes, end (which patches
+  // the CRC-32 into its local header). One at a time per archive.
+  Status begin_storage(const std::string& key, uint64_t size);
+  Status append(std::span<const std::byte> bytes);
+  Status end_storage();
   Result<uint64_t> finish();
 
  private:
@@ -81,6 +86,11 @@ class ArchiveWriter {
   OutputFile& out_;
   uint64_t start_;
   zip::Builder zb_;
+  struct Streamed {
+    uint64_t header_at = 0, left = 0;
+    uint32_t crc = 0;
+  };
+  std::optional<Streamed> streamed_;
 };
 
 // The layout of `reader` when it is a DCP reader, else null.

@@ -571,6 +571,33 @@ Status ArchiveWriter::begin(std::span<const std::byte> pkl) {
 
 Status ArchiveWriter::storage(const std::string& key, std::span<const std::byte> bytes) { return put("data/" + key, bytes); }
 
+Status ArchiveWriter::begin_storage(const std::string& key, uint64_t size) {
+  if (streamed_) return internal_error("a streamed storage is still open");
+  const uint64_t at = out_.offset();
+  const std::string h = zb_.local_header("archive/data/" + key, size, 0, at - start_);
+  OPTSTATE_RETURN_IF_ERROR(out_.write(std::as_bytes(std::span(h))));
+  streamed_ = Streamed{at, size, 0};
+  return Status::Ok();
+}
+
+Status ArchiveWriter::append(std::span<const std::byte> bytes) {
+  if (!streamed_ || bytes.size() > streamed_->left) return internal_error("append past a streamed storage's size");
+  streamed_->crc = zip::crc32(bytes, streamed_->crc);
+  streamed_->left -= bytes.size();
+  return out_.write(bytes);
+}
+
+Status ArchiveWriter::end_storage() {
+  if (!streamed_ || streamed_->left != 0) return internal_error("a streamed storage ended short of its size");
+  const uint32_t crc = streamed_->crc;
+  const std::byte le[4] = {std::byte(crc & 0xff), std::byte((crc >> 8) & 0xff), std::byte((crc >> 16) & 0xff),
+                           std::byte(crc >> 24)};
+  OPTSTATE_RETURN_IF_ERROR(out_.patch(streamed_->header_at + zip::Builder::kLocalCrcOffset, le));
+  zb_.set_last_crc(crc);
+  streamed_.reset();
+  return Status::Ok();
+}
+
 Result<uint64_t> ArchiveWriter::finish() {
   OPTSTATE_RETURN_IF_ERROR(put("version", std::as_bytes(std::span("3\n", 2))));
   const std::string tail = zb_.finish(out_.offset() - start_);

@@ -60,6 +60,10 @@ class Builder {
   std::string local_header(const std::string& name, uint64_t size, uint32_t crc, uint64_t at, uint64_t align = 64);
   // Central directory + ZIP64 EOCD + locator + EOCD, to append after the last entry at `at`.
   std::string finish(uint64_t at) const;
+  // The last entry's CRC-32, where it was streamed (its local header written with 0, then patched).
+  void set_last_crc(uint32_t crc) { recs_.back().crc = crc; }
+  // Where a local header's CRC-32 field lies, from the header's start.
+  static constexpr uint64_t kLocalCrcOffset = 14;
 
  private:
   struct Rec {

@@ -406,8 +406,8 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
   }
 
   // The optimizer files, up to kRanksAtOnce open together: each entry of each param is loaded once
-  // per such batch and split into the batch's ranks' partitions (the last ones zero-padded, as
-  // DeepSpeed pads them). Each flat param's step: a tensor of its own.
+  // per such batch and its parts streamed into the batch's ranks' partitions (the last ones
+  // zero-padded, as DeepSpeed pads them). Each flat param's step: a tensor of its own.
   std::map<std::pair<size_t, std::string>, size_t> key_of;
   for (size_t key = 0; key < optim_plan.storages.size(); ++key)
     if (const auto* t = std::get_if<NewTensor>(&optim_plan.storages[key])) key_of[{t->flat, t->entry}] = key;
@@ -433,26 +433,32 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
           t->dtype == DType::kF32 ? std::as_bytes(std::span(&f32, 1)) : std::as_bytes(std::span(&f64, 1));
       for (auto& archive : archives) OPTSTATE_RETURN_IF_ERROR(archive->storage(std::to_string(key), bytes));
     }
+    // Each rank's partition streamed into its file: the memory is one param's entry, not a flat's.
+    static const std::vector<float> kZeros(4096, 0.0f);
     for (size_t k = 0; k < flats.size(); ++k)
       for (const std::string& e : entries) {
         const auto key = key_of.find({k, e});
         if (key == key_of.end()) return corrupt(fmt::format("{}: no '{}' in the state of flat param {}", ow, e, k));
-        std::vector<std::vector<float>> parts(static_cast<size_t>(batch),
-                                              std::vector<float>(static_cast<size_t>(flats[k].length), 0.0f));
-        int64_t offset = 0;
+        for (auto& archive : archives)
+          OPTSTATE_RETURN_IF_ERROR(archive->begin_storage(std::to_string(key->second),
+                                                          static_cast<uint64_t>(flats[k].length) * sizeof(float)));
         for (const auto& [name, shape] : flats[k].params) {
           const int64_t numel = *checked_numel(shape), part = (numel + w - 1) / w;
           OPTSTATE_ASSIGN_OR_RETURN(const Entry loaded, source.load(name, e));
           OPTSTATE_ASSIGN_OR_RETURN(const std::vector<float> values, entry_f32_values(loaded, numel, entry_key(name, e)));
           for (int i = 0; i < batch; ++i) {
             const int64_t begin = std::min(numel, (first + i) * part), end = std::min(numel, begin + part);
-            std::copy(values.begin() + begin, values.begin() + end, parts[static_cast<size_t>(i)].begin() + offset);
+            dcp::ArchiveWriter& archive = *archives[static_cast<size_t>(i)];
+            OPTSTATE_RETURN_IF_ERROR(archive.append(std::as_bytes(
+                std::span(values).subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin)))));
+            for (int64_t pad = part - (end - begin); pad > 0;) {  // the last parts: zero-padded
+              const auto n = static_cast<size_t>(std::min<int64_t>(pad, static_cast<int64_t>(kZeros.size())));
+              OPTSTATE_RETURN_IF_ERROR(archive.append(std::as_bytes(std::span(kZeros).first(n))));
+              pad -= static_cast<int64_t>(n);
+            }
           }
-          offset += part;
         }
-        for (int i = 0; i < batch; ++i)
-          OPTSTATE_RETURN_IF_ERROR(archives[static_cast<size_t>(i)]->storage(
-              std::to_string(key->second), std::as_bytes(std::span(parts[static_cast<size_t>(i)]))));
+        for (auto& archive : archives) OPTSTATE_RETURN_IF_ERROR(archive->end_storage());
       }
     for (size_t i = 0; i < outs.size(); ++i) {
       OPTSTATE_RETURN_IF_ERROR(archives[i]->finish().status());

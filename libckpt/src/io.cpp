@@ -278,6 +278,22 @@ Status OutputFile::write(std::span<const std::byte> bytes) {
   return Status::Ok();
 }
 
+Status OutputFile::patch(uint64_t at, std::span<const std::byte> bytes) {
+  if (at > offset_ || bytes.size() > offset_ - at)
+    return internal_error(fmt::format("{}: patch of {} bytes at {} beyond the {} written", path_.string(), bytes.size(),
+                                      at, offset_));
+  size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t n = ::pwrite(fd_, bytes.data() + done, bytes.size() - done, static_cast<off_t>(at + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return io_error(fmt::format("{}: write failed: {}", path_.string(), errno_text()));
+    }
+    done += static_cast<size_t>(n);
+  }
+  return Status::Ok();
+}
+
 Status OutputFile::write_zeros(uint64_t count) {
   static const std::byte kZeros[4096] = {};
   while (count > 0) {

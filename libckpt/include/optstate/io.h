@@ -95,6 +95,8 @@ class OutputFile {
 
   Status write(std::span<const std::byte> bytes);
   Status write_zeros(uint64_t count);
+  // Overwrites bytes already written at `at` (a header field known only after its data: a CRC).
+  Status patch(uint64_t at, std::span<const std::byte> bytes);
   uint64_t offset() const { return offset_; }
   // fsync + close; the file is durable when this returns ok.
   Status sync_and_close();

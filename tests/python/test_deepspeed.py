@@ -255,7 +255,7 @@ def test_zero3_checkpoint_resharded_resumes_in_deepspeed_on_other_world_sizes(tm
     """DeepSpeed loads a ZeRO-3 checkpoint only on its own world size, and its universal one with every
     group given group 0's hyperparameters. `convert --format deepspeed --world-size N` of a ZeRO-3
     checkpoint writes what DeepSpeed would have saved on N ranks (partitions, the sub-groups it forms
-    from N ranks' partition sizes: 2000 elements here, so 3 flat params on 2 ranks, 2 on 4, 2 on 1;
+    from N ranks' partition sizes: 2000 elements here, so 3 flat params on 2 ranks, 2 on 4, 3 on 1;
     the frozen first layer's partitions), and DeepSpeed resumes a bf16 2-rank run from it on 4 and on
     1 rank to the uninterrupted run's weights bit for bit, fp32 master weights and the module's bf16
     ones, frozen included (worlds whose gradient averaging is exact: every rank here sees one batch)."""

@@ -85,26 +85,19 @@ Result<std::vector<std::byte>> read_storage(const Archive& a, const std::string&
 namespace {
 
 // A whole tensor of archive `a` as float32, as torch's .float() gives it: floats widened (f64
-// rounded), integers rounded to nearest. Read with the rest of its storage record, whose CRC-32 is
-// checked, where the tensor is at least half of the record; a small view of a large one is not.
+// rounded), integers rounded to nearest. Read with its whole storage record, CRC-32 checked.
 Result<std::vector<float>> tensor_f32(const Archive& a, const dcp::TensorRef& t, const std::string& where) {
   OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(t.shape));
-  const std::string name = a.prefix + "/data/" + t.storage_key;
-  const auto it = a.entries.find(name);
-  if (it == a.entries.end()) return corrupt(fmt::format("{}: storage '{}' is missing from the archive", where, name));
-  const zip::Entry& e = a.index.entries[it->second];
+  auto read = read_storage(a, t.storage_key);
+  if (!read.ok()) return read.status().with_context(where);
+  const std::vector<std::byte>& record = *read;
   const auto elem = static_cast<uint64_t>(dtype_size(t.dtype));
-  if (t.offset < 0 || e.size / elem < static_cast<uint64_t>(t.storage_numel) ||
-      static_cast<uint64_t>(t.offset) + static_cast<uint64_t>(numel) > static_cast<uint64_t>(t.storage_numel))
-    return corrupt(fmt::format("{}: storage '{}' holds {} bytes, too few for {} elements of {} at {}", where, name,
-                               e.size, numel, dtype_name(t.dtype), t.offset));
-  OPTSTATE_ASSIGN_OR_RETURN(const uint64_t record_at, a.data_at(e));
-  const uint64_t bytes = static_cast<uint64_t>(numel) * elem, skip = static_cast<uint64_t>(t.offset) * elem;
-  const bool checked = e.size - bytes <= bytes;
-  std::vector<std::byte> raw(checked ? e.size : bytes);
-  OPTSTATE_RETURN_IF_ERROR(a.file.read_at(checked ? record_at : record_at + skip, raw).with_context(where));
-  if (checked) OPTSTATE_RETURN_IF_ERROR(zip::check_record_crc(raw, e, where));
-  const std::span<const std::byte> values = std::span<const std::byte>(raw).subspan(checked ? skip : 0, bytes);
+  const uint64_t held = record.size() / elem;
+  if (t.offset < 0 || static_cast<uint64_t>(t.offset) > held || static_cast<uint64_t>(numel) > held - t.offset)
+    return corrupt(fmt::format("{}: storage '{}' holds {} bytes, too few for {} elements of {} at {}", where,
+                               t.storage_key, record.size(), numel, dtype_name(t.dtype), t.offset));
+  const std::span<const std::byte> values =
+      std::span(record).subspan(static_cast<size_t>(t.offset) * elem, static_cast<size_t>(numel) * elem);
   if (dtype_info(t.dtype).is_float) return dense_to_f32(values, t.dtype, where);
   std::vector<float> out(static_cast<size_t>(numel));
   for (size_t i = 0; i < out.size(); ++i) {

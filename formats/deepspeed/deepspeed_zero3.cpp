@@ -375,12 +375,21 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
   const std::string optim_name = z->optim[0].filename().string(), model_name = z->model.filename().string();
   if (model_name.find("zero_pp_rank_0_") == std::string::npos)
     return corrupt(mw + ": not a ZeRO-3 model states file name (zero_pp_rank_0_mp_rank_00_model_states.pt)");
-  auto carry_storages = [](const torchsave::Archive& from, const Planned& planned, dcp::ArchiveWriter& to) -> Status {
+  // The storages carried from rank 0's files (the same in every rank's), read and checked once.
+  using Carried = std::vector<std::pair<std::string, std::vector<std::byte>>>;  // new key, bytes
+  auto read_carried = [](const torchsave::Archive& from, const Planned& planned) -> Result<Carried> {
+    Carried out;
     for (size_t key = 0; key < planned.storages.size(); ++key)
       if (const auto* old_key = std::get_if<std::string>(&planned.storages[key])) {
-        OPTSTATE_ASSIGN_OR_RETURN(const std::vector<std::byte> bytes, torchsave::read_storage(from, *old_key));
-        OPTSTATE_RETURN_IF_ERROR(to.storage(std::to_string(key), bytes));
+        OPTSTATE_ASSIGN_OR_RETURN(std::vector<std::byte> bytes, torchsave::read_storage(from, *old_key));
+        out.emplace_back(std::to_string(key), std::move(bytes));
       }
+    return out;
+  };
+  OPTSTATE_ASSIGN_OR_RETURN(const Carried optim_carried, read_carried(opt.first, optim_plan));
+  OPTSTATE_ASSIGN_OR_RETURN(const Carried model_carried, read_carried(model.first, model_plan));
+  auto carry_storages = [](const Carried& carried, dcp::ArchiveWriter& to) -> Status {
+    for (const auto& [key, bytes] : carried) OPTSTATE_RETURN_IF_ERROR(to.storage(key, bytes));
     return Status::Ok();
   };
 
@@ -389,7 +398,7 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
     OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging / rank_file(model_name, r)));
     dcp::ArchiveWriter archive(out);
     OPTSTATE_RETURN_IF_ERROR(archive.begin(std::as_bytes(std::span(model_plan.pkl))));
-    OPTSTATE_RETURN_IF_ERROR(carry_storages(model.first, model_plan, archive));
+    OPTSTATE_RETURN_IF_ERROR(carry_storages(model_carried, archive));
     for (size_t key = 0; key < model_plan.storages.size(); ++key)
       if (const auto* t = std::get_if<NewTensor>(&model_plan.storages[key])) {
         const Frozen& fz = frozen[t->flat];  // this rank's partition of it, zero-padded
@@ -421,7 +430,7 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
       outs.push_back(std::make_unique<OutputFile>(std::move(out)));
       archives.push_back(std::make_unique<dcp::ArchiveWriter>(*outs.back()));
       OPTSTATE_RETURN_IF_ERROR(archives.back()->begin(std::as_bytes(std::span(optim_plan.pkl))));
-      OPTSTATE_RETURN_IF_ERROR(carry_storages(opt.first, optim_plan, *archives.back()));
+      OPTSTATE_RETURN_IF_ERROR(carry_storages(optim_carried, *archives.back()));
     }
     for (size_t key = 0; key < optim_plan.storages.size(); ++key) {
       const auto* t = std::get_if<NewTensor>(&optim_plan.storages[key]);

@@ -16,6 +16,14 @@ SEEDS = Path(__file__).resolve().parents[2] / "formats" / "deepspeed" / "testdat
 
 pytest.importorskip("deepspeed")
 
+# fp16 runs: a dynamic loss scale that starts at 2^29 and doubles after every 2 steps without an
+# overflow, so that the 4th step (the first after the checkpoint) overflows and is skipped, and
+# resuming is exact only where the loss scaler's state came through.
+FP16 = """
+def fp16(half):
+    return {"enabled": half == "fp16", "initial_scale_power": 29, "loss_scale_window": 2, "hysteresis": 1}
+"""
+
 # The model and optimizer of every DeepSpeed run here: Hugging Face's two groups (weights decayed,
 # the rest not); sizes that split across the ranks' partitions at odd places.
 BUILD = """
@@ -32,18 +40,18 @@ def build(seed, frozen=False):
 
 TRAIN = """
 import sys, torch, deepspeed
-stage, bf16, out, steps, more = int(sys.argv[1]), sys.argv[2] == "bf16", sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+stage, half, out, steps, more = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 sub_group_size = int(sys.argv[6]) if len(sys.argv) > 6 else 0
 frozen = len(sys.argv) > 7 and sys.argv[7] == "frozen"
 deepspeed.init_distributed(dist_backend="gloo")
-""" + BUILD + """
+""" + BUILD + FP16 + """
 model, opt = build(0, frozen)
 cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-       "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
+       "zero_optimization": {"stage": stage}, "bf16": {"enabled": half == "bf16"}, "fp16": fp16(half)}
 if sub_group_size:
     cfg["zero_optimization"]["sub_group_size"] = sub_group_size
 engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
-dtype = torch.bfloat16 if bf16 else torch.float32
+dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(half, torch.float32)
 def step(s):
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))  # every rank the same batch
     engine.backward((engine(x.to(dtype)).float() * 1e-2).square().sum())
@@ -55,6 +63,7 @@ for s in range(steps, steps + more):  # the run continues: its fp32 weights at t
     step(s)
 if more:
     full = {n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters() if p.requires_grad}
+    full["skipped steps"] = torch.tensor(engine.skipped_steps)
     if frozen:  # the frozen params' values, gathered from every rank's partition
         with deepspeed.zero.GatheredParameters(list(model.parameters())):
             full.update({n + " (module)": p.detach().clone() for n, p in model.named_parameters()})
@@ -91,7 +100,7 @@ def universal_tensor(path):
     return t["param"] if isinstance(t, dict) else t
 
 
-@pytest.mark.parametrize("stage,dtype,ranks", [(1, "bf16", 2), (2, "fp32", 3), (3, "fp32", 3)])
+@pytest.mark.parametrize("stage,dtype,ranks", [(1, "bf16", 2), (2, "fp32", 3), (3, "fp32", 3), (2, "fp16", 2)])
 def test_zero_checkpoint_reads_as_deepspeeds_own_reassembly(tmp_path, optstate_cli, stage, dtype, ranks):
     ck = ds_run(tmp_path, stage, dtype, ranks)
     assert "(deepspeed)" in optstate_cli("inspect", ck).stdout
@@ -120,15 +129,16 @@ def test_zero_checkpoint_reads_as_deepspeeds_own_reassembly(tmp_path, optstate_c
 
 RESUME_UNIVERSAL = """
 import sys, torch, deepspeed
-load_dir, tags, out, stage, bf16 = sys.argv[1], sys.argv[2].split(","), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "bf16"
+load_dir, tags, out, stage, half = sys.argv[1], sys.argv[2].split(","), sys.argv[3], int(sys.argv[4]), sys.argv[5]
 deepspeed.init_distributed(dist_backend="gloo")
-""" + BUILD + """
-dtype = torch.bfloat16 if bf16 else torch.float32
+""" + BUILD + FP16 + """
+dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(half, torch.float32)
 runs = []
 for tag in tags:  # each universal checkpoint loaded into a fresh engine, two more steps
     model, opt = build(1)
     cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-           "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}, "checkpoint": {"load_universal": True}}
+           "zero_optimization": {"stage": stage}, "bf16": {"enabled": half == "bf16"}, "fp16": fp16(half),
+           "checkpoint": {"load_universal": True}}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     engine.load_checkpoint(load_dir, tag=tag)
     assert engine.global_steps == 3
@@ -161,14 +171,14 @@ def same_param_files(ref, ours):
     return params
 
 
-@pytest.mark.parametrize("stage,dtype", [(2, "fp32"), (1, "bf16")])
+@pytest.mark.parametrize("stage,dtype", [(2, "fp32"), (1, "bf16"), (2, "fp16")])
 def test_universal_checkpoint_is_ds_to_universals_and_deepspeed_resumes_it_on_other_world_sizes(
         tmp_path, optstate_cli, stage, dtype):
     """`convert --format deepspeed` of a ZeRO-1/2 checkpoint writes DeepSpeed's universal checkpoint:
     the files ds_to_universal writes (zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt, equal tensor
     for tensor; zero/optimizer_state.pt with the same settings; the model states file as it was).
-    DeepSpeed, with "load_universal", resumes from it on 1 and on 3 ranks (bf16 ZeRO-1: on 3) exactly
-    as from its own conversion (a 2-rank checkpoint: DeepSpeed itself refuses another world size
+    DeepSpeed, with "load_universal", resumes from it on 1 and on 3 ranks (bf16 and fp16: on 3) exactly
+    as from its own conversion (fp16: with the loss scaler's state, FP16) (a 2-rank checkpoint: DeepSpeed itself refuses another world size
     without one)."""
     ck = ds_run(tmp_path, stage, dtype, 2)
     ref = universal(tmp_path, ck, "global_step3")
@@ -183,7 +193,7 @@ def test_universal_checkpoint_is_ds_to_universals_and_deepspeed_resumes_it_on_ot
     assert list(a) == list(b) and a["param_groups"] == b["param_groups"] and a["ds_version"] == b["ds_version"]
     assert vars(a["loss_scaler"]) == vars(b["loss_scaler"]) and a["zero_stage"] == b["zero_stage"]
     assert len(same_param_files(ref, ours)) == 6
-    for world in (1, 3) if stage == 2 else (3,):
+    for world in (1, 3) if dtype == "fp32" else (3,):
         res = tmp_path / f"resumed{world}.pt"
         run_script(tmp_path, RESUME_UNIVERSAL, "resume_universal.py", tmp_path, f"{ref.name},{ours.name}", res,
                    stage, dtype, ranks=world, torchrun=True)
@@ -229,20 +239,23 @@ def test_optimizer_deepspeed_built_is_read_only_as_adamw(tmp_path, optstate_cli)
 
 RESUME_ZERO3 = """
 import sys, torch, deepspeed
-load_dir, tag, out, sub_group_size = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+load_dir, tag, out, sub_group_size, half = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 deepspeed.init_distributed(dist_backend="gloo")
-""" + BUILD + """
+""" + BUILD + FP16 + """
 model, opt = build(1, frozen=True)
 cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-       "zero_optimization": {"stage": 3, "sub_group_size": sub_group_size}, "bf16": {"enabled": True}}
+       "zero_optimization": {"stage": 3, "sub_group_size": sub_group_size}, "bf16": {"enabled": half == "bf16"},
+       "fp16": fp16(half)}
+dtype = torch.bfloat16 if half == "bf16" else torch.float16
 engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
 engine.load_checkpoint(load_dir, tag=tag)  # DeepSpeed's own load: the world size must be the files'
 assert engine.global_steps == 3
 for s in range(3, 5):
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))
-    engine.backward((engine(x.to(torch.bfloat16)).float() * 1e-2).square().sum())
+    engine.backward((engine(x.to(dtype)).float() * 1e-2).square().sum())
     engine.step()
 full = {n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters() if p.requires_grad}
+full["skipped steps"] = torch.tensor(engine.skipped_steps)
 with deepspeed.zero.GatheredParameters(list(model.parameters())):
     full.update({n + " (module)": p.detach().clone() for n, p in model.named_parameters()})
 if torch.distributed.get_rank() == 0:
@@ -251,7 +264,8 @@ torch.distributed.barrier()
 """
 
 
-def test_zero3_checkpoint_resharded_resumes_in_deepspeed_on_other_world_sizes(tmp_path, optstate_cli):
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+def test_zero3_checkpoint_resharded_resumes_in_deepspeed_on_other_world_sizes(tmp_path, optstate_cli, half):
     """DeepSpeed loads a ZeRO-3 checkpoint only on its own world size, and its universal one with every
     group given group 0's hyperparameters. `convert --format deepspeed --world-size N` of a ZeRO-3
     checkpoint writes what DeepSpeed would have saved on N ranks (partitions, the sub-groups it forms
@@ -259,15 +273,19 @@ def test_zero3_checkpoint_resharded_resumes_in_deepspeed_on_other_world_sizes(tm
     the frozen first layer's partitions), and DeepSpeed resumes a bf16 2-rank run from it on 4 and on
     1 rank to the uninterrupted run's weights bit for bit, fp32 master weights and the module's bf16
     ones, frozen included (worlds whose gradient averaging is exact: every rank here sees one batch)."""
-    ck = ds_run(tmp_path, 3, "bf16", 2, more=2, sub_group_size=2000, frozen=True)
+    ck = ds_run(tmp_path, 3, half, 2, more=2, sub_group_size=2000, frozen=True)
     continued = torch.load(str(ck) + ".continued.pt")
+    # fp16: the run's 4th step overflowed at the loss scale it had reached (FP16); a loss scaler
+    # restarted at 2^29 would have taken it
+    assert continued["skipped steps"].item() == (1 if half == "fp16" else 0)
     for world in (4, 1):
         tag = f"resharded{world}"
         out = optstate_cli("convert", ck, tmp_path / tag, "--format", "deepspeed", "--world-size", world)
         assert f"(deepspeed, {world} rank" in out.stdout, out.stdout
         assert hashes(optstate_cli, tmp_path / tag) == hashes(optstate_cli, ck)
         res = tmp_path / f"resumed{world}.pt"
-        run_script(tmp_path, RESUME_ZERO3, "resume_zero3.py", tmp_path, tag, res, 2000, ranks=world, torchrun=True)
+        run_script(tmp_path, RESUME_ZERO3, "resume_zero3.py", tmp_path, tag, res, 2000, half, ranks=world,
+                   torchrun=True)
         mine = torch.load(res)
         assert continued.keys() == mine.keys() and "0.weight (module)" in mine
         assert all(torch.equal(continued[n], mine[n]) for n in continued), world

@@ -1,6 +1,6 @@
 // deepspeed driver: real DeepSpeed ZeRO checkpoints (formats/deepspeed/testdata/make_seeds.py:
 // ZeRO-2 and ZeRO-3 of one run (ZeRO-3 with and without sub-groups), ZeRO-1 under bf16 with and
-// without frozen params, Adam in L2 mode; 2 ranks each) read as their canonical state;
+// without frozen params, Adam in L2 mode, ZeRO-3 under fp16 with skipped steps; 2 ranks each) read as their canonical state;
 // damaged and unsupported variants are refused with the file named.
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -110,6 +110,22 @@ TEST_CASE("deepspeed: ZeRO-1, -2 and -3 checkpoints read as AdamW state, each pa
   CHECK(!fs::exists(dir.path / "ds"));
 }
 
+TEST_CASE("deepspeed: under fp16, steps the loss scaler skipped are not the optimizer's steps") {
+  // 3 steps, the first 2 overflowed at loss scales 2^16 and 2^15 and were skipped: DeepSpeed counts 3
+  // (global_steps, in the model states), torch's AdamW inside it stepped once, and that is the step.
+  auto r = open_seed(kSeeds / "fp16_zero3_world2");
+  const OptimizerState& m = r->meta();
+  REQUIRE(m.groups.size() == 2);
+  CHECK(m.params.size() == 4);
+  for (const auto& [fqn, ps] : m.params) {
+    CAPTURE(fqn);
+    CHECK(ps.step == 1);
+    CHECK(ps.entries.size() == 3);
+  }
+  CHECK(validate_checkpoint(kSeeds / "fp16_zero3_world2",
+                            [](const fs::path& p) { return open_checkpoint(p); })->findings.empty());
+}
+
 TEST_CASE("deepspeed: a universal checkpoint of ZeRO-1/2 (zero/<param>/*.pt, optimizer_state.pt, the model states)") {
   for (const char* seed : {"zero2_world2", "bf16_zero1_world2"}) {
     CAPTURE(seed);
@@ -188,7 +204,7 @@ TEST_CASE("deepspeed: a universal checkpoint of ZeRO-1/2 (zero/<param>/*.pt, opt
 
 TEST_CASE("deepspeed: a ZeRO-3 checkpoint written again for another world size, sub-groups laid out anew") {
   // tests/python/test_deepspeed.py resumes DeepSpeed from such files; here: the files and the state.
-  for (const char* seed : {"zero3_world2", "zero3_subgroups_world2"}) {
+  for (const char* seed : {"zero3_world2", "zero3_subgroups_world2", "fp16_zero3_world2"}) {
     CAPTURE(seed);
     auto z3 = open_seed(kSeeds / seed);
     const FormatDriver* ds = find_format("deepspeed");

@@ -14,6 +14,8 @@ with engine.save_checkpoint (global_step3/ and `latest`):
   zero3_subgroups_world2_universal/  DeepSpeed's universal checkpoint of it
   adam_l2_zero2_world2/  ZeRO-2 with DeepSpeed's own optimizer from its config: "Adam", adam_w_mode false,
                       weight_decay 0.01 (FusedAdam in L2 mode, which only ds_config tells)
+  fp16_zero3_world2/  ZeRO-3 under fp16, a dynamic loss scale from 2^16 that halves on each overflow: steps
+                      1 and 2 overflow and are skipped, so the optimizer has stepped once (global_steps 3)
 
     .venv/bin/python formats/deepspeed/testdata/make_seeds.py [NAME ...]    (needs deepspeed; 1-2 min)
 """
@@ -26,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def train(stage, bf16, out, variant):
+def train(stage, half, out, variant):
     import deepspeed
     import torch
     deepspeed.init_distributed(dist_backend="gloo")
@@ -43,7 +45,8 @@ def train(stage, bf16, out, variant):
     groups = [{"params": [p for p in trained if p.dim() > 1], "weight_decay": 0.05},
               {"params": [p for p in trained if p.dim() <= 1], "weight_decay": 0.0}]
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-           "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
+           "zero_optimization": {"stage": stage}, "bf16": {"enabled": half == "bf16"},
+           "fp16": {"enabled": half == "fp16", "initial_scale_power": 16, "loss_scale_window": 2, "hysteresis": 1}}
     if variant == "subgroups":
         cfg["zero_optimization"]["sub_group_size"] = 100
     if variant == "adam_l2":
@@ -52,7 +55,7 @@ def train(stage, bf16, out, variant):
     else:
         opt = torch.optim.AdamW(groups, lr=1e-3)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(half, torch.float32)
     for step in range(3):
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))  # every rank the same batch
         engine.backward(engine(x.to(dtype)).float().square().sum())
@@ -63,22 +66,22 @@ def train(stage, bf16, out, variant):
 
 def main():
     if "LOCAL_RANK" in os.environ:  # a rank, under torchrun
-        stage, bf16, out, variant = int(sys.argv[1]), sys.argv[2] == "bf16", sys.argv[3], sys.argv[4]
-        train(stage, bf16, out, variant)
+        train(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])
         return
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     wanted = set(sys.argv[1:])
-    for name, stage, bf16, variant in (("zero2_world2", 2, "fp32", "-"), ("zero3_world2", 3, "fp32", "-"),
+    for name, stage, half, variant in (("zero2_world2", 2, "fp32", "-"), ("zero3_world2", 3, "fp32", "-"),
                                        ("bf16_zero1_world2", 1, "bf16", "-"),
                                        ("frozen_bf16_zero1_world2", 1, "bf16", "frozen"),
                                        ("adam_l2_zero2_world2", 2, "fp32", "adam_l2"),
-                                       ("zero3_subgroups_world2", 3, "fp32", "subgroups")):
+                                       ("zero3_subgroups_world2", 3, "fp32", "subgroups"),
+                                       ("fp16_zero3_world2", 3, "fp16", "-")):
         if wanted and name not in wanted:
             continue
         out = HERE / name
         shutil.rmtree(out, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-                        str(stage), bf16, str(out), variant], check=True, env=env)
+                        str(stage), half, str(out), variant], check=True, env=env)
         for extra in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's recovery scripts: not state
             (out / extra).unlink(missing_ok=True)
         print(f"wrote {out}")

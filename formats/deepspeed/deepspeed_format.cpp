@@ -92,12 +92,16 @@ Status write_universal(StateSource& source, const fs::path& staging, const torch
     const fs::path dir = staging / "zero" / fqn;
     OPTSTATE_RETURN_IF_ERROR(make_folder(dir));
     OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps.shape));
+    // A param the optimizer never stepped has no state to merge: ds_to_universal writes its fp32.pt
+    // as a module tensor's, without cat_dim (the values are the same: the fp32 weights are still the
+    // half-precision ones widened).
+    const FileForm form = ps.entries.count(kExpAvg) ? FileForm::kCatDim : FileForm::kParamOnly;
     for (const auto& [name, meta] : ps.entries) {
       OPTSTATE_ASSIGN_OR_RETURN(const Entry e, source.load(fqn, name));
       // fp32 values: DeepSpeed's master weights and moments are float32 (8-bit ones dequantized)
       OPTSTATE_ASSIGN_OR_RETURN(const std::vector<float> values, entry_f32_values(e, numel, entry_key(fqn, name)));
       const std::string file = name == kParam ? "fp32" : name;
-      OPTSTATE_RETURN_IF_ERROR(write_tensor_file(dir / (file + ".pt"), ps.shape, values, FileForm::kCatDim));
+      OPTSTATE_RETURN_IF_ERROR(write_tensor_file(dir / (file + ".pt"), ps.shape, values, form));
     }
     if (ps.entries.count(kExpAvg)) {
       const float step = static_cast<float>(ps.step);

@@ -240,6 +240,9 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
     for (Flat& f : sub_groups(g, group_params[g], w, sub_group_size)) flats.push_back(std::move(f));
   std::vector<std::string> entries = {kParam};
   for (const auto& [name, t] : zr.groups[0].moments) entries.push_back(name);
+  // No moments: the optimizer never stepped (every flat param alike, as interpret_zero_optim checks);
+  // its state stays empty, and so must the state written.
+  const bool stepped = entries.size() > 1;
   size_t listed = 0;
   for (const auto& params : group_params)
     for (const auto& [name, shape] : params) {
@@ -248,6 +251,9 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
       for (const std::string& e : entries)
         if (!ps->second.entries.count(e))
           return invalid_argument(fmt::format("param '{}': no '{}' entry, which DeepSpeed's ZeRO-3 state holds", name, e));
+      if (!stepped && (ps->second.entries.size() != 1 || ps->second.step != 0))
+        return invalid_argument(fmt::format("param '{}': optimizer state at step {}, but {}'s optimizer never stepped "
+                                            "(its files hold no state to lay it out by)", name, ps->second.step, ow));
       ++listed;
     }
   if (listed != state.params.size())
@@ -271,7 +277,11 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
     std::map<int64_t, Ref> by_id;
     for (size_t i = 0; i + 1 < st.items.size(); i += 2)
       if (op.at(st.items[i]).kind == Kind::kInt) by_id[op.at(st.items[i]).i] = st.items[i + 1];
-    for (size_t k = zr.groups.size(); k-- > 0;) old_state[zr.groups[k].param_group] = by_id.at(static_cast<int64_t>(k));
+    for (size_t k = zr.groups.size(); stepped && k-- > 0;) {
+      const auto it = by_id.find(static_cast<int64_t>(k));
+      if (it == by_id.end()) return corrupt(fmt::format("{}: no state for flat param {}", ow, k));
+      old_state[zr.groups[k].param_group] = it->second;
+    }
   }
   // Each group's step: a 0-d tensor (torch >= 1.12) of this dtype, or a number (carried).
   std::vector<std::optional<DType>> step_dtype(zr.param_groups);
@@ -305,7 +315,7 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
         } else if (r == state_dict) {
           wr.empty_dict();
           wr.mark();
-          for (size_t k = 0; k < flats.size(); ++k) {
+          for (size_t k = 0; stepped && k < flats.size(); ++k) {
             wr.integer(static_cast<int64_t>(k));
             wr.empty_dict();
             wr.mark();

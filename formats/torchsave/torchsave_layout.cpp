@@ -1035,8 +1035,13 @@ Result<ZeroRank> interpret_zero_optim(const Pickle& p, const std::string& where)
       for (size_t k = 0; k + 1 < sitems->size(); k += 2)
         if (p.at((*sitems)[k]).kind == Kind::kInt && p.at((*sitems)[k]).i == id) st = (*sitems)[k + 1];
       const auto* fields = dict_items(p, st);
-      if (!fields) return corrupt(fmt::format("{}: no state for its flat param {} (never stepped)", gw, id));
-      for (size_t f = 0; f + 1 < fields->size(); f += 2) {
+      // No state: the optimizer never stepped (under fp16, every step so far may have overflowed
+      // and been skipped). All flat params step together, so either all have state or none has.
+      if (!fields) {
+        if (st != kNoRef) return corrupt(fmt::format("{}: the state of flat param {} is not a dict", gw, id));
+        zg.step.number = 0;
+      }
+      for (size_t f = 0; fields && f + 1 < fields->size(); f += 2) {
         const auto name = dcp::as_string(p, (*fields)[f]);
         if (!name) return corrupt(gw + ": a state key is not a string");
         const std::string ew = fmt::format("{} '{}'", gw, *name);
@@ -1050,7 +1055,11 @@ Result<ZeroRank> interpret_zero_optim(const Pickle& p, const std::string& where)
         }
       }
       if (!zg.step.number && !zg.step.tensor) return corrupt(gw + ": no 'step'");
-      if (!zg.moments.count(kExpAvg) || !zg.moments.count(kExpAvgSq)) return corrupt(gw + ": no 'exp_avg' and 'exp_avg_sq'");
+      if (fields && (!zg.moments.count(kExpAvg) || !zg.moments.count(kExpAvgSq)))
+        return corrupt(gw + ": no 'exp_avg' and 'exp_avg_sq'");
+      if (!out.groups.empty() && out.groups.front().moments.empty() != zg.moments.empty())
+        return corrupt(fmt::format("{}: flat param {} has {}, flat param 0 {} (they step together)", gw, id,
+                                   fields ? "state" : "no state (never stepped)", fields ? "none" : "has"));
       OPTSTATE_ASSIGN_OR_RETURN(zg.master, flat_tensor(p, (*flat)[fi], gw + " fp32 weights"));
       // The last rank's moments hold the group's padding too; its fp32 weights' partition does not.
       for (const auto& [name, t] : zg.moments)

@@ -16,12 +16,15 @@ SEEDS = Path(__file__).resolve().parents[2] / "formats" / "deepspeed" / "testdat
 
 pytest.importorskip("deepspeed")
 
-# fp16 runs: a dynamic loss scale that starts at 2^29 and doubles after every 2 steps without an
-# overflow, so that the 4th step (the first after the checkpoint) overflows and is skipped, and
-# resuming is exact only where the loss scaler's state came through.
+# fp16 runs: a dynamic loss scale that halves on an overflow and doubles after 2 steps without one.
+# From 2^29 ("fp16") the 4th step (the first after the checkpoint) overflows and is skipped; from 2^32
+# ("fp16-unstepped") the first 4 overflow (the checkpoint, after 3, holds no optimizer state) and the
+# 5th goes through. Either way, resuming is exact only where the loss scaler's state came through.
 FP16 = """
 def fp16(half):
-    return {"enabled": half == "fp16", "initial_scale_power": 29, "loss_scale_window": 2, "hysteresis": 1}
+    return {"enabled": half.startswith("fp16"), "initial_scale_power": 32 if half == "fp16-unstepped" else 29,
+            "loss_scale_window": 2, "hysteresis": 1}
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp16-unstepped": torch.float16}
 """
 
 # The model and optimizer of every DeepSpeed run here: Hugging Face's two groups (weights decayed,
@@ -51,7 +54,7 @@ cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "g
 if sub_group_size:
     cfg["zero_optimization"]["sub_group_size"] = sub_group_size
 engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
-dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(half, torch.float32)
+dtype = HALF.get(half, torch.float32)
 def step(s):
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))  # every rank the same batch
     engine.backward((engine(x.to(dtype)).float() * 1e-2).square().sum())
@@ -132,7 +135,7 @@ import sys, torch, deepspeed
 load_dir, tags, out, stage, half = sys.argv[1], sys.argv[2].split(","), sys.argv[3], int(sys.argv[4]), sys.argv[5]
 deepspeed.init_distributed(dist_backend="gloo")
 """ + BUILD + FP16 + """
-dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(half, torch.float32)
+dtype = HALF.get(half, torch.float32)
 runs = []
 for tag in tags:  # each universal checkpoint loaded into a fresh engine, two more steps
     model, opt = build(1)
@@ -171,7 +174,7 @@ def same_param_files(ref, ours):
     return params
 
 
-@pytest.mark.parametrize("stage,dtype", [(2, "fp32"), (1, "bf16"), (2, "fp16")])
+@pytest.mark.parametrize("stage,dtype", [(2, "fp32"), (1, "bf16"), (2, "fp16"), (2, "fp16-unstepped")])
 def test_universal_checkpoint_is_ds_to_universals_and_deepspeed_resumes_it_on_other_world_sizes(
         tmp_path, optstate_cli, stage, dtype):
     """`convert --format deepspeed` of a ZeRO-1/2 checkpoint writes DeepSpeed's universal checkpoint:
@@ -246,7 +249,7 @@ model, opt = build(1, frozen=True)
 cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
        "zero_optimization": {"stage": 3, "sub_group_size": sub_group_size}, "bf16": {"enabled": half == "bf16"},
        "fp16": fp16(half)}
-dtype = torch.bfloat16 if half == "bf16" else torch.float16
+dtype = HALF[half]
 engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
 engine.load_checkpoint(load_dir, tag=tag)  # DeepSpeed's own load: the world size must be the files'
 assert engine.global_steps == 3
@@ -264,7 +267,7 @@ torch.distributed.barrier()
 """
 
 
-@pytest.mark.parametrize("half", ["bf16", "fp16"])
+@pytest.mark.parametrize("half", ["bf16", "fp16", "fp16-unstepped"])
 def test_zero3_checkpoint_resharded_resumes_in_deepspeed_on_other_world_sizes(tmp_path, optstate_cli, half):
     """DeepSpeed loads a ZeRO-3 checkpoint only on its own world size, and its universal one with every
     group given group 0's hyperparameters. `convert --format deepspeed --world-size N` of a ZeRO-3
@@ -275,9 +278,13 @@ def test_zero3_checkpoint_resharded_resumes_in_deepspeed_on_other_world_sizes(tm
     ones, frozen included (worlds whose gradient averaging is exact: every rank here sees one batch)."""
     ck = ds_run(tmp_path, 3, half, 2, more=2, sub_group_size=2000, frozen=True)
     continued = torch.load(str(ck) + ".continued.pt")
-    # fp16: the run's 4th step overflowed at the loss scale it had reached (FP16); a loss scaler
-    # restarted at 2^29 would have taken it
-    assert continued["skipped steps"].item() == (1 if half == "fp16" else 0)
+    # fp16: the run's 4th step overflowed at the loss scale it had reached (FP16), which a loss
+    # scaler restarted at 2^29 would have taken; fp16-unstepped: its first 4 overflowed (the
+    # checkpoint holds no optimizer state), and a loss scaler restarted at 2^32 would skip the 5th too
+    assert continued["skipped steps"].item() == {"bf16": 0, "fp16": 1, "fp16-unstepped": 4}[half]
+    if half == "fp16-unstepped":  # read as the fp32 weights alone, at step 0
+        entries = hashes(optstate_cli, ck)["entries"]
+        assert len(entries) == 4 and all(e.endswith(".param") for e in entries), entries
     for world in (4, 1):
         tag = f"resharded{world}"
         out = optstate_cli("convert", ck, tmp_path / tag, "--format", "deepspeed", "--world-size", world)
@@ -322,3 +329,24 @@ def test_converted_zero_state_resumes_in_torch_adamw_where_deepspeed_continues(t
     continued = torch.load(str(ck) + ".continued.pt")
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), continued[n]), n
+
+
+def test_optimizer_state_on_some_flat_params_or_ranks_only_is_refused(tmp_path, optstate_cli):
+    """A checkpoint whose optimizer never stepped holds no state (the seed fp16_unstepped_zero2_world2
+    reads as its weights at step 0); all flat params and ranks step together, so state on some of them
+    only is a damaged file, refused naming it."""
+    import shutil
+    ck = tmp_path / "ck"
+    shutil.copytree(SEEDS / "zero2_world2" / "global_step3", ck)
+    rank0 = ck / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    sd = torch.load(rank0, weights_only=False)
+    del sd["optimizer_state_dict"]["base_optimizer_state"]["state"][0]
+    torch.save(sd, rank0)
+    err = run_err(optstate_cli, "inspect", ck)
+    assert f"{rank0} param group 1: flat param 1 has state, flat param 0 none" in err, err
+    sd["optimizer_state_dict"]["base_optimizer_state"]["state"].clear()  # rank 0 never stepped, rank 1 did
+    torch.save(sd, rank0)
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt flat param 0: group, moments or hyperparameters other" in err, err
+    entries = hashes(optstate_cli, SEEDS / "fp16_unstepped_zero2_world2")["entries"]
+    assert sorted(entries) == ["0.bias.param", "0.weight.param", "2.bias.param", "2.weight.param"]

@@ -126,6 +126,33 @@ TEST_CASE("deepspeed: under fp16, steps the loss scaler skipped are not the opti
                             [](const fs::path& p) { return open_checkpoint(p); })->findings.empty());
 }
 
+TEST_CASE("deepspeed: a checkpoint whose optimizer never stepped reads as its fp32 weights at step 0") {
+  // fp16 from a loss scale of 2^40: all 3 steps overflowed, the wrapped optimizer holds no state.
+  const fs::path seed = kSeeds / "fp16_unstepped_zero2_world2";
+  auto r = open_seed(seed);
+  const OptimizerState& m = r->meta();
+  REQUIRE(m.groups.size() == 2);
+  CHECK(m.params.size() == 4);
+  for (const auto& [fqn, ps] : m.params) {
+    CAPTURE(fqn);
+    CHECK(ps.step == 0);
+    REQUIRE(ps.entries.size() == 1);
+    CHECK(ps.entries.count(kParam) == 1);
+  }
+  CHECK(validate_checkpoint(seed, [](const fs::path& p) { return open_checkpoint(p); })->findings.empty());
+  // its universal checkpoint: fp32.pt alone per param, read back as the same state
+  testing::TempDir dir;
+  const FormatDriver* ds = find_format("deepspeed");
+  REQUIRE(write_checkpoint(*ds, *load_all(*r), dir.path / "u", {.source = r.get()}).ok());
+  for (const auto& [fqn, ps] : m.params) {
+    size_t files = 0;
+    for (const auto& e : fs::directory_iterator(dir.path / "u" / "zero" / fqn)) files += e.is_regular_file();
+    CHECK(files == 1);
+    CHECK(fs::is_regular_file(dir.path / "u" / "zero" / fqn / "fp32.pt"));
+  }
+  CHECK(hash_checkpoint(*open_seed(dir.path / "u"))->root == hash_checkpoint(*r)->root);
+}
+
 TEST_CASE("deepspeed: a universal checkpoint of ZeRO-1/2 (zero/<param>/*.pt, optimizer_state.pt, the model states)") {
   for (const char* seed : {"zero2_world2", "bf16_zero1_world2"}) {
     CAPTURE(seed);

@@ -16,6 +16,8 @@ with engine.save_checkpoint (global_step3/ and `latest`):
                       weight_decay 0.01 (FusedAdam in L2 mode, which only ds_config tells)
   fp16_zero3_world2/  ZeRO-3 under fp16, a dynamic loss scale from 2^16 that halves on each overflow: steps
                       1 and 2 overflow and are skipped, so the optimizer has stepped once (global_steps 3)
+  fp16_unstepped_zero2_world2/  ZeRO-2 under fp16 from a loss scale of 2^40: all 3 steps overflow, the
+                      optimizer has never stepped and holds no state (the fp32 weights are the initial ones)
 
     .venv/bin/python formats/deepspeed/testdata/make_seeds.py [NAME ...]    (needs deepspeed; 1-2 min)
 """
@@ -46,7 +48,8 @@ def train(stage, half, out, variant):
               {"params": [p for p in trained if p.dim() <= 1], "weight_decay": 0.0}]
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
            "zero_optimization": {"stage": stage}, "bf16": {"enabled": half == "bf16"},
-           "fp16": {"enabled": half == "fp16", "initial_scale_power": 16, "loss_scale_window": 2, "hysteresis": 1}}
+           "fp16": {"enabled": half == "fp16", "initial_scale_power": 40 if variant == "unstepped" else 16,
+                    "loss_scale_window": 2, "hysteresis": 1}}
     if variant == "subgroups":
         cfg["zero_optimization"]["sub_group_size"] = 100
     if variant == "adam_l2":
@@ -75,7 +78,8 @@ def main():
                                        ("frozen_bf16_zero1_world2", 1, "bf16", "frozen"),
                                        ("adam_l2_zero2_world2", 2, "fp32", "adam_l2"),
                                        ("zero3_subgroups_world2", 3, "fp32", "subgroups"),
-                                       ("fp16_zero3_world2", 3, "fp16", "-")):
+                                       ("fp16_zero3_world2", 3, "fp16", "-"),
+                                       ("fp16_unstepped_zero2_world2", 2, "fp16", "unstepped")):
         if wanted and name not in wanted:
             continue
         out = HERE / name

@@ -1,6 +1,8 @@
 // optstate: inspect, hash, validate, diff, convert and reshard AdamW optimizer checkpoints.
 #include <cstdio>
 #include <cstring>
+#include <exception>
+#include <new>
 #include <string>
 
 #include "cli.h"
@@ -48,8 +50,21 @@ int main(int argc, char** argv) {
   // A DCP write keeps every rank's file open, a native one up to 256: take the hard limit on open
   // files rather than the usual soft 1024 (nothing here uses select()).
   optstate::raise_open_file_limit();
-  for (const auto& c : kCommands)
-    if (cmd == c.name) return c.run(argc - 2, argv + 2);
+  for (const auto& c : kCommands) {
+    if (cmd != c.name) continue;
+    // The libraries report errors as Status; an exception reaching here is a bug (or memory running
+    // out). Caught, so that the stack unwinds: a write's staging folder is removed, not left behind
+    // as an abort leaves it, and the exit is the I/O error's, not a signal.
+    try {
+      return c.run(argc - 2, argv + 2);
+    } catch (const std::bad_alloc&) {
+      std::fprintf(stderr, "optstate %s: error: out of memory\n", c.name);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "optstate %s: internal error: %s (a bug in optstate: please report it with the command)\n",
+                   c.name, e.what());
+    }
+    return optstate::cli::kExitError;
+  }
   std::fprintf(stderr, "optstate: unknown command '%s' (see optstate --help)\n", cmd.c_str());
   return optstate::cli::kExitError;
 }

@@ -117,7 +117,9 @@ TEST_CASE("deepspeed: under fp16, steps the loss scaler skipped are not the opti
   const OptimizerState& m = r->meta();
   REQUIRE(m.groups.size() == 2);
   CHECK(m.params.size() == 4);
-  for (const auto& [fqn, ps] : m.params) {
+  for (const auto& kv : m.params) {  // not a structured binding: clang 14 cannot capture one
+    const std::string& fqn = kv.first;
+    const ParamState& ps = kv.second;
     CAPTURE(fqn);
     CHECK(ps.step == 1);
     CHECK(ps.entries.size() == 3);
@@ -133,7 +135,9 @@ TEST_CASE("deepspeed: a checkpoint whose optimizer never stepped reads as its fp
   const OptimizerState& m = r->meta();
   REQUIRE(m.groups.size() == 2);
   CHECK(m.params.size() == 4);
-  for (const auto& [fqn, ps] : m.params) {
+  for (const auto& kv : m.params) {  // not a structured binding: clang 14 cannot capture one
+    const std::string& fqn = kv.first;
+    const ParamState& ps = kv.second;
     CAPTURE(fqn);
     CHECK(ps.step == 0);
     REQUIRE(ps.entries.size() == 1);

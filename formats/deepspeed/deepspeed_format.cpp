@@ -83,6 +83,7 @@ Status make_folder(const fs::path& dir) {
 
 Status write_universal(StateSource& source, const fs::path& staging, const torchsave::ZeroUniversalParts& parts) {
   const OptimizerState& state = source.meta();
+  std::vector<float> scratch;  // 8-bit or half-precision entries widened (fp32 ones are written as loaded)
   OPTSTATE_RETURN_IF_ERROR(copy_durably(parts.model_states, staging / parts.model_states.filename()));
   OPTSTATE_RETURN_IF_ERROR(make_folder(staging / "zero"));
   OPTSTATE_RETURN_IF_ERROR(torchsave::write_archive(staging / "zero" / "optimizer_state.pt", parts.optimizer_state_pkl,
@@ -99,7 +100,7 @@ Status write_universal(StateSource& source, const fs::path& staging, const torch
     for (const auto& [name, meta] : ps.entries) {
       OPTSTATE_ASSIGN_OR_RETURN(const Entry e, source.load(fqn, name));
       // fp32 values: DeepSpeed's master weights and moments are float32 (8-bit ones dequantized)
-      OPTSTATE_ASSIGN_OR_RETURN(const std::vector<float> values, entry_f32_values(e, numel, entry_key(fqn, name)));
+      OPTSTATE_ASSIGN_OR_RETURN(const std::span<const float> values, entry_f32_span(e, numel, entry_key(fqn, name), scratch));
       const std::string file = name == kParam ? "fp32" : name;
       OPTSTATE_RETURN_IF_ERROR(write_tensor_file(dir / (file + ".pt"), ps.shape, values, form));
     }

@@ -454,6 +454,7 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
     }
     // Each rank's partition streamed into its file: the memory is one param's entry, not a flat's.
     static const std::vector<float> kZeros(4096, 0.0f);
+    std::vector<float> scratch;  // 8-bit or half-precision entries widened (fp32 ones are written as loaded)
     for (size_t k = 0; k < flats.size(); ++k)
       for (const std::string& e : entries) {
         const auto key = key_of.find({k, e});
@@ -464,12 +465,13 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
         for (const auto& [name, shape] : flats[k].params) {
           const int64_t numel = *checked_numel(shape), part = (numel + w - 1) / w;
           OPTSTATE_ASSIGN_OR_RETURN(const Entry loaded, source.load(name, e));
-          OPTSTATE_ASSIGN_OR_RETURN(const std::vector<float> values, entry_f32_values(loaded, numel, entry_key(name, e)));
+          OPTSTATE_ASSIGN_OR_RETURN(const std::span<const float> values,
+                                    entry_f32_span(loaded, numel, entry_key(name, e), scratch));
           for (int i = 0; i < batch; ++i) {
             const int64_t begin = std::min(numel, (first + i) * part), end = std::min(numel, begin + part);
             dcp::ArchiveWriter& archive = *archives[static_cast<size_t>(i)];
             OPTSTATE_RETURN_IF_ERROR(archive.append(std::as_bytes(
-                std::span(values).subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin)))));
+                values.subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin)))));
             for (int64_t pad = part - (end - begin); pad > 0;) {  // the last parts: zero-padded
               const auto n = static_cast<size_t>(std::min<int64_t>(pad, static_cast<int64_t>(kZeros.size())));
               OPTSTATE_RETURN_IF_ERROR(archive.append(std::as_bytes(std::span(kZeros).first(n))));

@@ -1586,6 +1586,7 @@ class TorchSaveDriver final : public FormatDriver {
     }
     const std::string pkl = encode_state_dict(dense_view(meta), keys);
     return write_file(path, options.overwrite, pkl, [&](dcp::ArchiveWriter& archive) -> Status {
+      std::vector<float> scratch;  // 8-bit moments dequantized, entry after entry
       for (size_t i = 0; i < order.size(); ++i) {
         const std::string& fqn = order[i];
         const ParamState& ps = meta.params.at(fqn);
@@ -1595,8 +1596,8 @@ class TorchSaveDriver final : public FormatDriver {
           if (!ps.entries.count(name)) return Status::Ok();
           OPTSTATE_ASSIGN_OR_RETURN(const Entry e, source.load(fqn, name));
           if (e.encoding == Encoding::kDense) return archive.storage(keys.key.at({id, name}), e.values.span());
-          OPTSTATE_ASSIGN_OR_RETURN(const std::vector<float> dq, entry_f32_values(e, numel, entry_key(fqn, name)));
-          return archive.storage(keys.key.at({id, name}), std::as_bytes(std::span(dq)));
+          OPTSTATE_ASSIGN_OR_RETURN(const std::span<const float> dq, entry_f32_span(e, numel, entry_key(fqn, name), scratch));
+          return archive.storage(keys.key.at({id, name}), std::as_bytes(dq));
         };
         OPTSTATE_RETURN_IF_ERROR(entry(kParam));
         if (!ps.entries.count(kExpAvg)) continue;
@@ -1705,6 +1706,7 @@ Status write_plan(StateSource& source, const fs::path& path, bool overwrite, con
   return write_file(path, overwrite, plan.data_pkl, [&](dcp::ArchiveWriter& archive) -> Status {
     std::string loaded_key;  // one entry held at a time
     Entry loaded;
+    std::vector<float> scratch;  // its values widened or dequantized, where they are not fp32
     for (size_t i = 0; i < plan.storages.size(); ++i) {
       const StorageSpec& s = plan.storages[i];
       const std::string key = std::to_string(i);
@@ -1729,8 +1731,8 @@ Status write_plan(StateSource& source, const fs::path& path, bool overwrite, con
         const auto ps = meta.params.find(s.fqn);
         if (ps == meta.params.end()) return internal_error(fmt::format("{}: not in the state", loaded_key));
         OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps->second.shape));
-        OPTSTATE_ASSIGN_OR_RETURN(const std::vector<float> values, entry_f32_values(loaded, numel, loaded_key));
-        OPTSTATE_RETURN_IF_ERROR(archive.storage(key, std::as_bytes(std::span(values))));
+        OPTSTATE_ASSIGN_OR_RETURN(const std::span<const float> values, entry_f32_span(loaded, numel, loaded_key, scratch));
+        OPTSTATE_RETURN_IF_ERROR(archive.storage(key, std::as_bytes(values)));
         continue;
       }
       OPTSTATE_RETURN_IF_ERROR(archive.storage(key, loaded.buffer(s.component).span()));

@@ -9,43 +9,84 @@
 #include "optstate/quant8.h"
 
 namespace optstate {
+namespace {
+
+// Dense values of a float dtype into `out` (sized for them), one loop per dtype.
+Status widen_to_f32(std::span<const std::byte> bytes, DType dtype, std::span<float> out, const std::string& key) {
+  const std::byte* src = bytes.data();
+  const size_t n = out.size();
+  switch (dtype) {
+    case DType::kF32:
+      if (n) std::memcpy(out.data(), src, n * 4);
+      return Status::Ok();
+    case DType::kBF16:
+    case DType::kF16:
+      for (size_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * i, 2);
+        out[i] = dtype == DType::kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
+      }
+      return Status::Ok();
+    case DType::kF64:
+      for (size_t i = 0; i < n; ++i) {
+        double d;
+        std::memcpy(&d, src + 8 * i, 8);
+        out[i] = static_cast<float>(d);
+      }
+      return Status::Ok();
+    default: return invalid_argument(fmt::format("entry '{}' is not a float entry", key));
+  }
+}
+
+Status check_blockwise(const Entry& e, int64_t numel, const std::string& key) {
+  if (numel < 0 || e.codes.size != static_cast<size_t>(numel) || e.block_size < 1 ||
+      e.absmax.size / 4 != static_cast<size_t>((numel + e.block_size - 1) / e.block_size))
+    return internal_error(fmt::format("{}: codes or scales do not fit its shape", key));
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<std::vector<float>> dense_to_f32(std::span<const std::byte> bytes, DType dtype, const std::string& key) {
   const int64_t elem = dtype_size(dtype);
   const int64_t numel = elem > 0 ? static_cast<int64_t>(bytes.size()) / elem : 0;
   std::vector<float> out(static_cast<size_t>(numel));
-  const std::byte* src = bytes.data();
-  for (int64_t i = 0; i < numel; ++i) {
-    switch (dtype) {
-      case DType::kF32: std::memcpy(&out[i], src + 4 * i, 4); break;
-      case DType::kBF16:
-      case DType::kF16: {
-        uint16_t h;
-        std::memcpy(&h, src + 2 * i, 2);
-        out[i] = dtype == DType::kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
-        break;
-      }
-      case DType::kF64: {
-        double d;
-        std::memcpy(&d, src + 8 * i, 8);
-        out[i] = static_cast<float>(d);
-        break;
-      }
-      default: return invalid_argument(fmt::format("entry '{}' is not a float entry", key));
-    }
-  }
+  OPTSTATE_RETURN_IF_ERROR(widen_to_f32(bytes, dtype, out, key));
   return out;
 }
 
 Result<std::vector<float>> entry_f32_values(const Entry& e, int64_t numel, const std::string& key) {
   if (e.encoding == Encoding::kDense) return dense_to_f32(e.values.span(), e.dtype, key);
   OPTSTATE_ASSIGN_OR_RETURN(const QMap m, qmap_from_name(e.qmap));
-  if (numel < 0 || e.codes.size != static_cast<size_t>(numel) || e.block_size < 1 ||
-      e.absmax.size / 4 != static_cast<size_t>((numel + e.block_size - 1) / e.block_size))
-    return internal_error(fmt::format("{}: codes or scales do not fit its shape", key));
+  OPTSTATE_RETURN_IF_ERROR(check_blockwise(e, numel, key));
   std::vector<float> values(static_cast<size_t>(numel));
   dequantize_blockwise({reinterpret_cast<const uint8_t*>(e.codes.data), e.codes.size},
                        {reinterpret_cast<const float*>(e.absmax.data), e.absmax.size / 4}, e.block_size, m, values);
   return values;
+}
+
+Result<std::span<const float>> entry_f32_span(const Entry& e, int64_t numel, const std::string& key,
+                                              std::vector<float>& scratch) {
+  if (numel < 0) return internal_error(fmt::format("{}: {} elements", key, numel));
+  const auto n = static_cast<size_t>(numel);
+  if (e.encoding == Encoding::kDense) {
+    const int64_t elem = dtype_size(e.dtype);
+    if (elem <= 0 || e.values.size != n * static_cast<size_t>(elem))
+      return internal_error(fmt::format("{}: {} bytes of values for {} elements", key, e.values.size, numel));
+    // fp32 values as they lie, where they are aligned for floats (a buffer's always are)
+    if (e.dtype == DType::kF32 && reinterpret_cast<uintptr_t>(e.values.data) % alignof(float) == 0)
+      return std::span<const float>(reinterpret_cast<const float*>(e.values.data), n);
+    if (scratch.size() < n) scratch.resize(n);
+    OPTSTATE_RETURN_IF_ERROR(widen_to_f32(e.values.span(), e.dtype, std::span(scratch).first(n), key));
+    return std::span<const float>(scratch.data(), n);
+  }
+  OPTSTATE_ASSIGN_OR_RETURN(const QMap m, qmap_from_name(e.qmap));
+  OPTSTATE_RETURN_IF_ERROR(check_blockwise(e, numel, key));
+  if (scratch.size() < n) scratch.resize(n);
+  dequantize_blockwise({reinterpret_cast<const uint8_t*>(e.codes.data), e.codes.size},
+                       {reinterpret_cast<const float*>(e.absmax.data), e.absmax.size / 4}, e.block_size, m,
+                       std::span(scratch).first(n));
+  return std::span<const float>(scratch.data(), n);
 }
 
 namespace {

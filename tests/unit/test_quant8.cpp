@@ -110,3 +110,52 @@ TEST_CASE("dequantize_state and quantize_state invert each other on 8-bit state"
   auto big_threshold = quantize_state(s, {4, 1000});
   CHECK(big_threshold->params.at("layers.0.weight").entries.at(kExpAvg).encoding == Encoding::kDense);
 }
+
+TEST_CASE("entry_f32_span: fp32 values as they lie, others widened or dequantized into a reused scratch") {
+  std::vector<float> scratch;
+  // fp32: a view of the entry's own buffer, no copy, scratch untouched
+  Entry f32;
+  f32.values = testing::f32_buffer({1.5f, -2.0f, 3.25f});
+  auto view = entry_f32_span(f32, 3, "p.exp_avg", scratch);
+  REQUIRE(view.ok());
+  CHECK(reinterpret_cast<const std::byte*>(view->data()) == f32.values.data);
+  CHECK(scratch.empty());
+  // bf16: widened into scratch, as entry_f32_values widens it
+  Entry bf16;
+  bf16.dtype = DType::kBF16;
+  const std::vector<uint16_t> bits = {0x3f80, 0xc000, 0x4040, 0x0001};
+  bf16.values = Buffer::copy_of(std::as_bytes(std::span(bits)));
+  auto widened = entry_f32_span(bf16, 4, "p.param", scratch);
+  REQUIRE(widened.ok());
+  CHECK(widened->data() == scratch.data());
+  const auto want = entry_f32_values(bf16, 4, "p.param");
+  REQUIRE(want.ok());
+  CHECK(std::equal(widened->begin(), widened->end(), want->begin(), want->end()));
+  // blockwise8 of 600 elements (blocks of 256, a partial last one): the scratch grows and is reused
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(600);
+  for (auto& v : x) v = nd(rng);
+  std::vector<uint8_t> codes(x.size());
+  std::vector<float> absmax(3);
+  quantize_blockwise(x, 256, QMap::kDynamicSigned, codes, absmax);
+  Entry q;
+  q.encoding = Encoding::kBlockwise8;
+  q.dtype = DType::kU8;
+  q.block_size = 256;
+  q.qmap = qmap_name(QMap::kDynamicSigned);
+  q.codes = Buffer::copy_of(std::as_bytes(std::span(codes)));
+  q.absmax = testing::f32_buffer(absmax);
+  auto dq = entry_f32_span(q, 600, "p.exp_avg", scratch);
+  REQUIRE(dq.ok());
+  CHECK(dq->size() == 600);
+  CHECK(scratch.size() >= 600);
+  const auto dq_want = entry_f32_values(q, 600, "p.exp_avg");
+  REQUIRE(dq_want.ok());
+  CHECK(std::memcmp(dq->data(), dq_want->data(), 600 * sizeof(float)) == 0);
+  // a size that does not fit the entry is an error naming it, not a read past its buffer
+  auto bad = entry_f32_span(f32, 4, "p.exp_avg", scratch);
+  REQUIRE_FALSE(bad.ok());
+  CHECK(bad.status().message().find("p.exp_avg") != std::string::npos);
+  CHECK_FALSE(entry_f32_span(q, 601, "p.exp_avg", scratch).ok());
+}

@@ -48,5 +48,11 @@ Result<std::vector<float>> dense_to_f32(std::span<const std::byte> bytes, DType 
 // widened, blockwise8 ones dequantized (map[code] * absmax[block]). The writers of formats that keep
 // some entries as fp32 values (torch.save, bitsandbytes' and torchao's 32-bit state).
 Result<std::vector<float>> entry_f32_values(const Entry& e, int64_t numel, const std::string& key);
+// The same values without a copy where they are fp32 already (a view of e.values); else converted
+// into `scratch`, which grows to the largest entry and is reused from call to call (the writers that
+// stream entry after entry: no allocation, page faults and copy per entry). Valid while e and
+// scratch are.
+Result<std::span<const float>> entry_f32_span(const Entry& e, int64_t numel, const std::string& key,
+                                              std::vector<float>& scratch);
 
 }  // namespace optstate

@@ -104,7 +104,12 @@ Status write_universal(StateSource& source, const fs::path& staging, const torch
       const std::string file = name == kParam ? "fp32" : name;
       OPTSTATE_RETURN_IF_ERROR(write_tensor_file(dir / (file + ".pt"), ps.shape, values, form));
     }
-    if (ps.entries.count(kExpAvg)) {
+    if (ps.entries.count(kExpAvg) && parts.int_step) {  // DeepSpeed's CPU Adam: torch.save(step) of an int
+      pickle::Writer w;
+      w.integer(ps.step);
+      OPTSTATE_RETURN_IF_ERROR(torchsave::write_archive(dir / "step.pt", w.finish(),
+                                                        [](dcp::ArchiveWriter&) { return Status::Ok(); }));
+    } else if (ps.entries.count(kExpAvg)) {
       const float step = static_cast<float>(ps.step);
       if (static_cast<int64_t>(step) != ps.step)
         return invalid_argument(fmt::format("param '{}': step {} is beyond what DeepSpeed's float32 step holds exactly",

@@ -833,9 +833,9 @@ class TorchSaveReader final : public CheckpointReader {
           double st = 0;
           if (fs::is_regular_file(f, ec)) {
             OPTSTATE_ASSIGN_OR_RETURN(auto a, open_archive(f));
-            OPTSTATE_ASSIGN_OR_RETURN(const dcp::TensorRef t, interpret_universal_tensor(a.second, f.string()));
+            OPTSTATE_ASSIGN_OR_RETURN(const Scalar step, interpret_universal_step(a.second, f.string()));
             files_.push_back(std::move(a.first));
-            OPTSTATE_ASSIGN_OR_RETURN(st, value_of(files_.size() - 1, Scalar{std::nullopt, t}, f.string()));
+            OPTSTATE_ASSIGN_OR_RETURN(st, value_of(files_.size() - 1, step, f.string()));
           } else if (const auto gs = uo.steps.find(flat); gs != uo.steps.end()) {  // ZeRO-3's: its flat param's
             OPTSTATE_ASSIGN_OR_RETURN(st, value_of(opt_index, gs->second,
                                                    fmt::format("{} flat param {} step", opt_file.string(), flat)));
@@ -1910,6 +1910,12 @@ Result<ZeroUniversalParts> zero_universal_parts(const fs::path& path) {
   OPTSTATE_RETURN_IF_ERROR(pickle::emit(w, p, groups, where + " param_groups"));
   w.setitems_from_mark();
   ZeroUniversalParts parts{z->dir, z->model, w.finish(), {}, {}};
+  if (const pickle::Ref state = p.dict_get(base, "state"); state != pickle::kNoRef && p.at(state).kind == pickle::Kind::kDict)
+    for (size_t k = 0; k + 1 < p.at(state).items.size(); k += 2) {
+      const pickle::Ref step = p.dict_get(p.at(state).items[k + 1], "step");
+      if (step != pickle::kNoRef) parts.int_step = p.at(step).kind == pickle::Kind::kInt;
+      break;  // the first param's; all are kept alike
+    }
 
   // The module's tensors that no param group holds: ds_to_universal writes them as fp32.pt too.
   const std::string mw = z->model.string();

@@ -1143,6 +1143,13 @@ Result<dcp::TensorRef> interpret_universal_tensor(const Pickle& p, const std::st
   return v.tensor;
 }
 
+Result<Scalar> interpret_universal_step(const Pickle& p, const std::string& where) {
+  Ref t = p.root();
+  if (p.at(t).kind == Kind::kDict) t = p.dict_get(t, "param");
+  if (t == kNoRef) return corrupt(where + ": neither a step nor a dict with 'param'");
+  return scalar(p, t, where);
+}
+
 Result<ZeroShapes> interpret_zero_model(const Pickle& p, const std::string& where) {
   const auto* groups = list_items(p, p.dict_get(p.root(), "param_shapes"));
   if (!groups || groups->empty())

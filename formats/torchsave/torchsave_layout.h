@@ -230,6 +230,9 @@ struct UniversalOptimizer {
 };
 Result<UniversalOptimizer> interpret_universal_optimizer(const pickle::Pickle& p, const std::string& where);
 Result<dcp::TensorRef> interpret_universal_tensor(const pickle::Pickle& p, const std::string& where);
+// A per-param step.pt: ds_to_universal saves the optimizer's step as it was, a 0-d tensor (torch's
+// optimizers) or a Python int (DeepSpeed's own CPU Adam, ZeRO-Offload); {"param": step} taken too.
+Result<Scalar> interpret_universal_step(const pickle::Pickle& p, const std::string& where);
 
 // A planned state_dict of an optimizer with its own state layout (the bitsandbytes and torchao
 // writers): data.pkl and its storage records "0", "1", ... in writing order, each one of:

@@ -41,6 +41,9 @@ struct ZeroUniversalParts {
   };
   std::vector<ModuleTensor> module_only;
   std::function<Result<std::vector<float>>(size_t index)> module_values;
+  // The wrapped optimizer keeps each param's step as a Python int (DeepSpeed's own CPU Adam, under
+  // ZeRO-Offload), not a 0-d float32 tensor (torch's): ds_to_universal saves step.pt as it was.
+  bool int_step = false;
 };
 Result<ZeroUniversalParts> zero_universal_parts(const std::filesystem::path& path);
 

@@ -994,6 +994,10 @@ Result<ZeroRank> interpret_zero_optim(const Pickle& p, const std::string& where)
   }
   if (out.partitions < 1 || out.partitions > (int64_t{1} << 20))
     return corrupt(fmt::format("{}: partition_count {} is not a world size", where, out.partitions));
+  if (base != kNoRef && p.at(base).kind == Kind::kList && out.stage != 3)
+    return invalid_argument(where + ": an elastic checkpoint (\"elastic_checkpoint\": true): the wrapped optimizer's "
+                                    "state is kept per group without its param_groups, so lr, betas, eps and weight "
+                                    "decay are not in the files; save without it to read the state");
   if (!is_optimizer_dict(p, base))
     return corrupt(where + ": the wrapped optimizer's state_dict ('state', 'param_groups') is missing");
   const auto* groups = list_items(p, p.dict_get(base, "param_groups"));

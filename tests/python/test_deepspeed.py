@@ -377,3 +377,12 @@ def test_optimizer_state_on_some_flat_params_or_ranks_only_is_refused(tmp_path, 
     assert "zero_pp_rank_1_mp_rank_00_optim_states.pt flat param 0: group, moments or hyperparameters other" in err, err
     entries = hashes(optstate_cli, SEEDS / "fp16_unstepped_zero2_world2")["entries"]
     assert sorted(entries) == ["0.bias.param", "0.weight.param", "2.bias.param", "2.weight.param"]
+    # "elastic_checkpoint": true keeps the wrapped optimizer's state per group, without param_groups
+    # (checked on DeepSpeed 0.19.8's files): the hyperparameters are not there, so it is refused
+    sd = torch.load(SEEDS / "zero2_world2" / "global_step3" / rank0.name, weights_only=False)
+    osd = sd["optimizer_state_dict"]
+    base = osd["base_optimizer_state"]
+    osd["base_optimizer_state"] = [base["state"][i] for i in sorted(base["state"])]
+    osd["base_optimizer_state_step"] = 3
+    torch.save(sd, rank0)
+    assert 'an elastic checkpoint ("elastic_checkpoint": true)' in run_err(optstate_cli, "inspect", ck)

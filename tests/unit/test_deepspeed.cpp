@@ -52,6 +52,25 @@ size_t record_data(const std::string& bytes, const std::string& record) {
   return header + 30 + u16(header + 26) + u16(header + 28);
 }
 
+// A fp16 seed (2 groups, 4 params) read: every param at `step` with `entries` entries (one of them
+// the fp32 weights), and valid.
+std::unique_ptr<CheckpointReader> check_fp16_seed(const fs::path& seed, int64_t step, size_t entries) {
+  auto r = open_seed(seed);
+  const OptimizerState& m = r->meta();
+  REQUIRE(m.groups.size() == 2);
+  CHECK(m.params.size() == 4);
+  for (const auto& kv : m.params) {  // not a structured binding: clang 14 cannot capture one
+    const std::string& fqn = kv.first;
+    const ParamState& ps = kv.second;
+    CAPTURE(fqn);
+    CHECK(ps.step == step);
+    CHECK(ps.entries.size() == entries);
+    CHECK(ps.entries.count(kParam) == 1);
+  }
+  CHECK(validate_checkpoint(seed, [](const fs::path& p) { return open_checkpoint(p); })->findings.empty());
+  return r;
+}
+
 }  // namespace
 
 TEST_CASE("deepspeed: ZeRO-1, -2 and -3 checkpoints read as AdamW state, each param put together from both ranks") {
@@ -113,37 +132,13 @@ TEST_CASE("deepspeed: ZeRO-1, -2 and -3 checkpoints read as AdamW state, each pa
 TEST_CASE("deepspeed: under fp16, steps the loss scaler skipped are not the optimizer's steps") {
   // 3 steps, the first 2 overflowed at loss scales 2^16 and 2^15 and were skipped: DeepSpeed counts 3
   // (global_steps, in the model states), torch's AdamW inside it stepped once, and that is the step.
-  auto r = open_seed(kSeeds / "fp16_zero3_world2");
-  const OptimizerState& m = r->meta();
-  REQUIRE(m.groups.size() == 2);
-  CHECK(m.params.size() == 4);
-  for (const auto& kv : m.params) {  // not a structured binding: clang 14 cannot capture one
-    const std::string& fqn = kv.first;
-    const ParamState& ps = kv.second;
-    CAPTURE(fqn);
-    CHECK(ps.step == 1);
-    CHECK(ps.entries.size() == 3);
-  }
-  CHECK(validate_checkpoint(kSeeds / "fp16_zero3_world2",
-                            [](const fs::path& p) { return open_checkpoint(p); })->findings.empty());
+  check_fp16_seed(kSeeds / "fp16_zero3_world2", 1, 3);  // moments and weights
 }
 
 TEST_CASE("deepspeed: a checkpoint whose optimizer never stepped reads as its fp32 weights at step 0") {
   // fp16 from a loss scale of 2^40: all 3 steps overflowed, the wrapped optimizer holds no state.
-  const fs::path seed = kSeeds / "fp16_unstepped_zero2_world2";
-  auto r = open_seed(seed);
+  auto r = check_fp16_seed(kSeeds / "fp16_unstepped_zero2_world2", 0, 1);  // the weights alone
   const OptimizerState& m = r->meta();
-  REQUIRE(m.groups.size() == 2);
-  CHECK(m.params.size() == 4);
-  for (const auto& kv : m.params) {  // not a structured binding: clang 14 cannot capture one
-    const std::string& fqn = kv.first;
-    const ParamState& ps = kv.second;
-    CAPTURE(fqn);
-    CHECK(ps.step == 0);
-    REQUIRE(ps.entries.size() == 1);
-    CHECK(ps.entries.count(kParam) == 1);
-  }
-  CHECK(validate_checkpoint(seed, [](const fs::path& p) { return open_checkpoint(p); })->findings.empty());
   // its universal checkpoint: fp32.pt alone per param, read back as the same state
   testing::TempDir dir;
   const FormatDriver* ds = find_format("deepspeed");

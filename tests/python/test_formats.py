@@ -684,18 +684,29 @@ def test_flattened_optimizer_state_that_does_not_add_up_is_refused_by_name(tmp_p
 
 MAKE_TP_DCP = textwrap.dedent("""
     # Tensor parallelism (torchtitan's TP dimension) over 2 ranks: ColwiseParallel shards rows
-    # (Shard(0)), RowwiseParallel shards columns (Shard(1)) and replicates the bias.
+    # (Shard(0)), RowwiseParallel shards columns (Shard(1)) and replicates the bias. "fsdp-tp":
+    # torchtitan's 2-D layout on 4 ranks, FSDP2 (fully_shard) over dp=2 on top of TP over tp=2:
+    # the colwise weight's rows are then _StridedShard(0, sf=2) over dp and Shard(0) over tp (each
+    # rank's rows are not where a plain Shard(0) would put them), the rowwise one Shard(0) x Shard(1).
     import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    out = sys.argv[1]
+    out, layout = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (2,))
+    mesh = init_device_mesh("cpu", (2, 2) if layout == "fsdp-tp" else (2,),
+                            mesh_dim_names=("dp", "tp") if layout == "fsdp-tp" else ("tp",))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.GELU(), torch.nn.Linear(40, 6))
-    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    assert str(model[2].weight.placements) == "(Shard(dim=1),)", model[2].weight.placements
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    if layout == "fsdp-tp":
+        from torch.distributed.fsdp import fully_shard
+        for m in (model[0], model[2], model):
+            fully_shard(m, mesh=mesh["dp"])
+        assert "_StridedShard(dim=0, sf=2)" in str(model[0].weight.placements), model[0].weight.placements
+        assert str(model[2].weight.placements) == "(Shard(dim=0), Shard(dim=1))", model[2].weight.placements
+    else:
+        assert str(model[2].weight.placements) == "(Shard(dim=1),)", model[2].weight.placements
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     for step in range(3):
         g = torch.Generator().manual_seed(step)
@@ -717,11 +728,13 @@ MAKE_TP_DCP = textwrap.dedent("""
 """)
 
 
-def test_dcp_of_tensor_parallel_ranks_reads_column_shards_exactly(tmp_path, optstate_cli):
+@pytest.mark.parametrize("layout", ["tp", "fsdp-tp"])
+def test_dcp_of_tensor_parallel_ranks_reads_column_shards_exactly(tmp_path, optstate_cli, layout):
     """Column shards (RowwiseParallel's Shard(1)) are n-d chunks whose flat elements are one run per
-    row: read without torch, they give torch's own full tensors bit for bit."""
+    row: read without torch, they give torch's own full tensors bit for bit. So do torchtitan's 2-D
+    (FSDP2 x TP) ones, _StridedShard rows included: DCP records each rank's chunks where they lie."""
     ck = tmp_path / "tp"
-    run_script(tmp_path, MAKE_TP_DCP, "make_tp.py", ck, ranks=2)
+    run_script(tmp_path, MAKE_TP_DCP, "make_tp.py", ck, layout, ranks=2 if layout == "tp" else 4)
     optstate_cli("validate", ck)
     assert_converts_to_ref(optstate_cli, ck, tmp_path / "tp.safetensors")
     optstate_cli("convert", ck, tmp_path / "native", "--world-size", "2")

@@ -151,6 +151,11 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
   OPTSTATE_ASSIGN_OR_RETURN(auto opt, torchsave::open_archive(z->optim[0]));
   OPTSTATE_ASSIGN_OR_RETURN(const torchsave::ZeroRank zr, torchsave::interpret_zero_optim(opt.second, ow));
   if (zr.stage != 3) return internal_error(ow + ": not a ZeRO-3 checkpoint");
+  if (zr.bnb)
+    return invalid_argument(ow + ": the optimizer DeepSpeed wraps is bitsandbytes' (state1/state2: 8-bit codes in "
+                                 "blocks of each rank's partition, which another world size cuts differently); "
+                                 "optstate reads it, as fp32 moments, but does not lay it out for other ranks: "
+                                 "convert it to another format");
   OPTSTATE_ASSIGN_OR_RETURN(auto model, torchsave::open_archive(z->model));
   OPTSTATE_ASSIGN_OR_RETURN(const torchsave::ZeroShapes shapes, torchsave::interpret_zero_model(model.second, mw));
   if (shapes.groups.size() != zr.groups.size())

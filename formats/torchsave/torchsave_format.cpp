@@ -13,6 +13,7 @@
 #include <memory>
 #include <set>
 
+#include "dcp/bnb_state.h"
 #include "dcp/chunks.h"
 #include "dcp/dcp_driver.h"
 #include "dcp/zip.h"
@@ -665,6 +666,7 @@ class TorchSaveReader final : public CheckpointReader {
     not_read_ = shapes.not_read;
     not_read_.insert(not_read_.end(), r0.not_read.begin(), r0.not_read.end());
     meta_.kind = "adamw";
+    bool bnb_partitions = false;  // some moments are bitsandbytes' 8-bit codes
     // Each flat param (g): a param group's, or under ZeRO-3 one of its sub-groups, in group order.
     for (size_t g = 0; g < r0.groups.size(); ++g) {
       const size_t pg = r0.groups[g].param_group;
@@ -750,12 +752,24 @@ class TorchSaveReader final : public CheckpointReader {
           for (const auto& [f, local, count] : runs[name]) {
             const ZeroGroup& zg = ranks[f].groups[g];
             const dcp::TensorRef& t = entry == kParam ? zg.master : zg.moments.at(entry);
-            OPTSTATE_ASSIGN_OR_RETURN(const Stored whole, resolve(f, t, t.shape[0], fmt::format("{} '{}' in {}", pw, entry,
-                                                                                                z.optim[f].string())));
+            const std::string tw = fmt::format("{} '{}' in {}", pw, entry, z.optim[f].string());
+            OPTSTATE_ASSIGN_OR_RETURN(const Stored whole, resolve(f, t, t.shape[0], tw));
+            const auto quant = entry == kParam ? zg.quant.end() : zg.quant.find(entry);
+            const uint64_t elem = quant == zg.quant.end() ? 4 : 1;  // fp32 values, or 8-bit codes
             Piece pc{begin, count, whole, std::nullopt};
-            pc.stored.at += static_cast<uint64_t>(local) * 4;
-            pc.stored.bytes = static_cast<uint64_t>(count) * 4;
+            pc.stored.at += static_cast<uint64_t>(local) * elem;
+            pc.stored.bytes = static_cast<uint64_t>(count) * elem;
             pc.stored.whole = whole.whole && pc.stored.bytes == whole.bytes;
+            if (quant != zg.quant.end()) {
+              // bitsandbytes' codes, their blocks counted from the partition's start: read as
+              // fp32 values, map[code] * absmax[block], as its dequantize_blockwise gives them.
+              const ZeroQuant& q = quant->second;
+              OPTSTATE_ASSIGN_OR_RETURN(const std::string map, map_name(f, q.qmap, tw + " map"));
+              OPTSTATE_ASSIGN_OR_RETURN(const QMap m, qmap_from_name(map));
+              OPTSTATE_ASSIGN_OR_RETURN(const Stored scales, resolve(f, q.absmax, q.absmax.shape[0], tw + " absmax"));
+              pc.dq = Dequant{scales, local, q.block, &qmap_table(m)};
+              bnb_partitions = true;
+            }
             pieces.push_back(pc);
             begin += count;
           }
@@ -766,6 +780,9 @@ class TorchSaveReader final : public CheckpointReader {
         meta_.params.emplace(name, std::move(ps));
       }
     }
+    if (bnb_partitions)
+      not_read_.push_back("bitsandbytes' 8-bit encoding of the moments (its AdamW8bit under ZeRO: blocks of each rank's "
+                          "flat partition, not of each param): read as fp32 values");
     return finish({}, {}, 0);
   }
 
@@ -1909,6 +1926,17 @@ Result<ZeroUniversalParts> zero_universal_parts(const fs::path& path) {
   w.str("param_groups");
   OPTSTATE_RETURN_IF_ERROR(pickle::emit(w, p, groups, where + " param_groups"));
   w.setitems_from_mark();
+  // bitsandbytes' optimizer wrapped by ZeRO: a universal checkpoint would hold fp32 moments, which
+  // it does not load (ds_to_universal does not convert its state either).
+  if (const pickle::Ref st = p.dict_get(base, "state"); st != pickle::kNoRef && p.at(st).kind == pickle::Kind::kDict)
+    for (size_t k = 0; k + 1 < p.at(st).items.size(); k += 2) {
+      const pickle::Ref s1 = p.at(st).items[k + 1];
+      const pickle::Ref q = p.dict_get(s1, dcp::kBnbQuantState);
+      if (p.dict_get(s1, "state1") != pickle::kNoRef || (q != pickle::kNoRef && p.dict_get(q, "state1") != pickle::kNoRef))
+        return invalid_argument(where + ": the optimizer DeepSpeed wraps is bitsandbytes' (state1/state2); a universal "
+                                        "checkpoint holds fp32 exp_avg/exp_avg_sq, which its optimizer does not load. "
+                                        "optstate reads the state (as fp32 moments): convert it to another format");
+    }
   ZeroUniversalParts parts{z->dir, z->model, w.finish(), {}, {}};
   if (const pickle::Ref state = p.dict_get(base, "state"); state != pickle::kNoRef && p.at(state).kind == pickle::Kind::kDict)
     for (size_t k = 0; k + 1 < p.at(state).items.size(); k += 2) {

@@ -1045,17 +1045,31 @@ Result<ZeroRank> interpret_zero_optim(const Pickle& p, const std::string& where)
         if (st != kNoRef) return corrupt(fmt::format("{}: the state of flat param {} is not a dict", gw, id));
         zg.step.number = 0;
       }
-      for (size_t f = 0; fields && f + 1 < fields->size(); f += 2) {
-        const auto name = dcp::as_string(p, (*fields)[f]);
-        if (!name) return corrupt(gw + ": a state key is not a string");
-        const std::string ew = fmt::format("{} '{}'", gw, *name);
-        if (*name == "step") {
-          OPTSTATE_ASSIGN_OR_RETURN(zg.step, scalar(p, (*fields)[f + 1], ew));
-        } else if (is_moment(*name)) {
-          OPTSTATE_ASSIGN_OR_RETURN(TensorRef t, flat_tensor(p, (*fields)[f + 1], ew));
-          if (!zg.moments.emplace(*name, t).second) return corrupt(ew + ": listed twice");
-        } else {
-          other_keys.insert(*name);
+      ParamFields pf;  // bitsandbytes' nested quant state spliced in
+      if (fields) {
+        OPTSTATE_ASSIGN_OR_RETURN(pf, param_fields(p, *fields, gw));
+      }
+      for (const auto& [name, v] : pf.fields) {
+        const std::string ew = fmt::format("{} '{}'", gw, name);
+        if (name == "step") {
+          OPTSTATE_ASSIGN_OR_RETURN(zg.step, scalar(p, v, ew));
+        } else if (is_moment(name)) {
+          OPTSTATE_ASSIGN_OR_RETURN(TensorRef t, flat_tensor(p, v, ew));
+          if (!zg.moments.emplace(name, t).second) return corrupt(ew + ": listed twice");
+        } else if (const auto moment = bnb_moment(name)) {
+          // bitsandbytes' AdamW8bit (or 32-bit state) as ZeRO's wrapped optimizer: state1 is
+          // exp_avg, state2 exp_avg_sq, of the flat partition.
+          OPTSTATE_ASSIGN_OR_RETURN(const EntrySpec e, bnb_entry(p, pf, name, ew));
+          const bool eight = e.encoding == Encoding::kBlockwise8;
+          const TensorRef& t = eight ? e.codes : e.values;
+          if (t.shape.size() != 1) return corrupt(ew + ": not a 1-D tensor (ZeRO keeps flat partitions)");
+          if (!eight && t.dtype != DType::kF32) return corrupt(fmt::format("{}: {}, not float32", ew, dtype_name(t.dtype)));
+          if (!zg.moments.emplace(*moment, t).second)
+            return corrupt(fmt::format("{}: '{}' twice (as '{}' and bitsandbytes' '{}')", gw, *moment, *moment, name));
+          if (eight) zg.quant[*moment] = ZeroQuant{e.absmax, *e.qmap, e.block_size};
+          out.bnb = true;
+        } else if (!bnb_part_of(name)) {  // absmax1, qmap1, ...: read with their state
+          other_keys.insert(name);
         }
       }
       if (!zg.step.number && !zg.step.tensor) return corrupt(gw + ": no 'step'");

@@ -184,11 +184,19 @@ struct ZeroFragment {
 // One flat param: a param group's under ZeRO-1/2; under ZeRO-3 one of its sub-groups (DeepSpeed
 // splits a group into flat params of at most sub_group_size elements, 1e9 by default), which the
 // wrapped optimizer steps as its own params, numbered in group order.
+// bitsandbytes' 8-bit state of a flat partition (its AdamW8bit wrapped by ZeRO): the codes are
+// the moment's tensor; one absmax per block of the partition (blocks begin at the partition's
+// start, not at a param's), and the map.
+struct ZeroQuant {
+  dcp::TensorRef absmax, qmap;
+  int64_t block = 0;
+};
 struct ZeroGroup {
   size_t param_group = 0;                         // the param group it belongs to
   GroupSpec group;                                // hyperparameters (params: from the model states file)
   Scalar step;
   std::map<std::string, dcp::TensorRef> moments;  // exp_avg, exp_avg_sq (max_exp_avg_sq): 1-D partitions
+  std::map<std::string, ZeroQuant> quant;         // moments kept as bitsandbytes' 8-bit codes (uint8)
   dcp::TensorRef master;                          // the fp32 weights' partition, 1-D
   std::vector<ZeroFragment> fragments;            // stages 1 and 2: param_slice_mappings, this rank's runs
 };
@@ -198,6 +206,7 @@ struct ZeroRank {
   size_t param_groups = 0;
   std::vector<ZeroGroup> groups;  // the flat params, in order (param_shapes lists one dict each)
   std::vector<std::string> not_read;
+  bool bnb = false;  // the wrapped optimizer is bitsandbytes' (state1/state2, 8-bit or 32-bit)
 };
 Result<ZeroRank> interpret_zero_optim(const pickle::Pickle& p, const std::string& where);
 

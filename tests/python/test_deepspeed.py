@@ -386,3 +386,83 @@ def test_optimizer_state_on_some_flat_params_or_ranks_only_is_refused(tmp_path, 
     osd["base_optimizer_state_step"] = 3
     torch.save(sd, rank0)
     assert 'an elastic checkpoint ("elastic_checkpoint": true)' in run_err(optstate_cli, "inspect", ck)
+
+
+BNB_TRAIN = """
+import sys, torch, deepspeed, bitsandbytes as bnb
+stage, out = int(sys.argv[1]), sys.argv[2]
+deepspeed.init_distributed(dist_backend="gloo")
+""" + BUILD + """
+model, opt = build(0)
+opt = bnb.optim.AdamW8bit([{k: v for k, v in g.items() if k in ("params", "lr", "weight_decay")} for g in opt.param_groups],
+                          lr=1e-3)
+cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+       "zero_optimization": {"stage": stage}, "bf16": {"enabled": True}, "zero_allow_untested_optimizer": True}
+engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+for s in range(3):
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))
+    engine.backward((engine(x.to(torch.bfloat16)).float() * 1e-2).square().sum())
+    engine.step()
+engine.save_checkpoint(out)
+torch.distributed.barrier()
+"""
+
+
+def bnb_partitions_by_param(tag, stage):
+    """What DeepSpeed wrapping bitsandbytes holds, put together in Python: each rank's flat
+    partition dequantized by bitsandbytes' own dequantize_blockwise (its blocks counted from the
+    partition's start), cut into params by DeepSpeed's own records (ZeRO-1/2: param_slice_mappings;
+    ZeRO-3: param_shapes, each param split in ceil(numel / world) parts), and the parts joined."""
+    import math
+    import bitsandbytes.functional as F
+    files = sorted(tag.glob("*zero_pp_rank_*_optim_states.pt"), key=lambda f: int(f.name.split("rank_")[1].split("_")[0]))
+    shapes = torch.load(next(tag.glob("*model_states.pt")), weights_only=False)["param_shapes"]
+    full = {}
+    for rank, f in enumerate(files):
+        osd = torch.load(f, weights_only=False)["optimizer_state_dict"]
+        base = osd["optimizer_state_dict" if stage == 3 else "base_optimizer_state"]
+        weights = osd["fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"]
+        for k in range(len(weights)):
+            quant = base["state"][k]["__bnb_optimizer_quant_state__"]
+            parts = {"param": weights[k]}
+            for entry, n in (("exp_avg", "1"), ("exp_avg_sq", "2")):
+                codes = quant["state" + n]
+                parts[entry] = codes if codes.dtype != torch.uint8 else F.dequantize_blockwise(
+                    codes, absmax=quant["absmax" + n], code=quant["qmap" + n], blocksize=256)
+            if stage == 3:
+                runs, offset = {}, 0
+                for name, shape in shapes[k].items():
+                    part = -(-math.prod(shape) // len(files))
+                    runs[name] = (offset, max(0, min(part, math.prod(shape) - rank * part)))
+                    offset += part
+            else:
+                runs = {name: (a.start, a.numel) for name, a in osd["param_slice_mappings"][k].items()}
+            for name, (start, count) in runs.items():
+                for entry, v in parts.items():
+                    full.setdefault(f"{name}.{entry}", []).append(v[start:start + count])
+    return {k: torch.cat(v) for k, v in full.items()}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bitsandbytes_adamw8bit_under_zero_reads_as_its_dequantized_partitions(tmp_path, optstate_cli, stage):
+    """Hugging Face's optim="adamw_bnb_8bit" under DeepSpeed: ZeRO wraps bitsandbytes' AdamW8bit,
+    whose state is 8-bit codes of each rank's flat partition in blocks of 256 counted from the
+    partition's start (32-bit state for partitions under 4096 elements). optstate reads each param's
+    moments as bitsandbytes' own dequantize_blockwise of those partitions gives them, bit for bit,
+    and says so; DeepSpeed's own layouts of it (universal, another world size) are refused."""
+    pytest.importorskip("bitsandbytes")
+    from safetensors.torch import load_file
+    ck = tmp_path / f"bnb_zero{stage}"
+    run_script(tmp_path, BNB_TRAIN, "bnb_train.py", stage, ck, ranks=2)
+    out = optstate_cli("convert", ck, tmp_path / "plain.safetensors")
+    assert "bitsandbytes' 8-bit encoding of the moments" in out.stderr, out.stderr
+    got, want = load_file(tmp_path / "plain.safetensors"), bnb_partitions_by_param(ck / "global_step3", stage)
+    assert sorted(got) == sorted(want) and len(want) == 18
+    for k in want:
+        assert torch.equal(got[k].flatten(), want[k]), k
+    if stage == 3:
+        err = run_err(optstate_cli, "convert", ck, tmp_path / "w4", "--format", "deepspeed", "--world-size", "4")
+        assert "the optimizer DeepSpeed wraps is bitsandbytes'" in err and not (tmp_path / "w4").exists()
+    else:
+        err = run_err(optstate_cli, "convert", ck, tmp_path / "u", "--format", "deepspeed")
+        assert "a universal checkpoint holds fp32 exp_avg/exp_avg_sq" in err and not (tmp_path / "u").exists()

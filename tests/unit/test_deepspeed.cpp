@@ -152,6 +152,40 @@ TEST_CASE("deepspeed: a checkpoint whose optimizer never stepped reads as its fp
   CHECK(hash_checkpoint(*open_seed(dir.path / "u"))->root == hash_checkpoint(*r)->root);
 }
 
+TEST_CASE("deepspeed: bitsandbytes' AdamW8bit wrapped by ZeRO reads as fp32 moments; DeepSpeed layouts of it are refused") {
+  // Its 8-bit codes are blocks of each rank's partition (tests/python/test_deepspeed.py compares the
+  // values with bitsandbytes' own dequantize_blockwise); the biases' partitions keep 32-bit state.
+  const fs::path seed = kSeeds / "bnb_zero2_world2";
+  auto r = open_seed(seed);
+  const OptimizerState& m = r->meta();
+  REQUIRE(m.groups.size() == 2);
+  CHECK(m.groups[0].params == std::vector<std::string>{"0.weight", "2.weight"});
+  for (const auto& kv : m.params) {  // not a structured binding: clang 14 cannot capture one
+    CAPTURE(kv.first);
+    CHECK(kv.second.step == 3);
+    CHECK(kv.second.entries.size() == 3);
+    for (const auto& e : kv.second.entries) CHECK(e.second.encoding == Encoding::kDense);
+  }
+  const auto nr = r->not_read();
+  CHECK(std::any_of(nr.begin(), nr.end(), [](const std::string& s) { return s.starts_with("bitsandbytes' 8-bit"); }));
+  CHECK(validate_checkpoint(seed, [](const fs::path& p) { return open_checkpoint(p); })->findings.empty());
+  // moments of a plausible size: an 8-bit run dequantized with the wrong block or map would not be
+  auto all = load_all(*r);
+  REQUIRE(all.ok());
+  const Entry& v = all->params.at("0.weight").entries.at(kExpAvgSq);
+  const std::span<const float> sq(reinterpret_cast<const float*>(v.values.data), v.values.size / 4);
+  CHECK(std::all_of(sq.begin(), sq.end(), [](float x) { return x >= 0 && x < 1; }));
+  // written again natively, the same state
+  testing::TempDir dir;
+  REQUIRE(write_checkpoint(*find_format("native"), *all, dir.path / "native", {}).ok());
+  CHECK(hash_checkpoint(*open_checkpoint(dir.path / "native").value())->root == hash_checkpoint(*r)->root);
+  const FormatDriver* ds = find_format("deepspeed");
+  const auto universal = write_checkpoint(*ds, *all, dir.path / "u", {.source = r.get()});
+  REQUIRE_FALSE(universal.ok());
+  CHECK(universal.message().find("the optimizer DeepSpeed wraps is bitsandbytes'") != std::string::npos);
+  CHECK_FALSE(fs::exists(dir.path / "u"));
+}
+
 TEST_CASE("deepspeed: a universal checkpoint of ZeRO-1/2 (zero/<param>/*.pt, optimizer_state.pt, the model states)") {
   for (const char* seed : {"zero2_world2", "bf16_zero1_world2"}) {
     CAPTURE(seed);

@@ -18,6 +18,9 @@ with engine.save_checkpoint (global_step3/ and `latest`):
                       1 and 2 overflow and are skipped, so the optimizer has stepped once (global_steps 3)
   fp16_unstepped_zero2_world2/  ZeRO-2 under fp16 from a loss scale of 2^40: all 3 steps overflow, the
                       optimizer has never stepped and holds no state (the fp32 weights are the initial ones)
+  bnb_zero2_world2/   ZeRO-2 under bf16 wrapping bitsandbytes' AdamW8bit (Hugging Face's adamw_bnb_8bit under
+                      DeepSpeed), Linear(64, 128), GELU, Linear(128, 3): the weights' partitions (4288 elements
+                      each) as 8-bit codes in blocks of 256 of the partition, the biases' (66) as 32-bit state
 
     .venv/bin/python formats/deepspeed/testdata/make_seeds.py [NAME ...]    (needs deepspeed; 1-2 min)
 """
@@ -43,6 +46,7 @@ def train(stage, half, out, variant):
         model.register_buffer("seen", torch.tensor([3, -5, (1 << 40) + 1]))
     else:
         model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.GELU(), torch.nn.Linear(24, 3))
+    in_features = 16
     trained = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in trained if p.dim() > 1], "weight_decay": 0.05},
               {"params": [p for p in trained if p.dim() <= 1], "weight_decay": 0.0}]
@@ -52,7 +56,16 @@ def train(stage, half, out, variant):
                     "loss_scale_window": 2, "hysteresis": 1}}
     if variant == "subgroups":
         cfg["zero_optimization"]["sub_group_size"] = 100
-    if variant == "adam_l2":
+    if variant == "bnb":  # partitions of at least 4096 elements get 8-bit state
+        import bitsandbytes as bnb
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 3))
+        groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05},
+                  {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
+        cfg["zero_allow_untested_optimizer"] = True
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=bnb.optim.AdamW8bit(groups, lr=1e-3), config=cfg)
+        in_features = 64
+    elif variant == "adam_l2":
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.01, "adam_w_mode": False}}
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
     else:
@@ -60,7 +73,7 @@ def train(stage, half, out, variant):
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(half, torch.float32)
     for step in range(3):
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))  # every rank the same batch
+        x = torch.randn(4, in_features, generator=torch.Generator().manual_seed(step))  # every rank the same batch
         engine.backward(engine(x.to(dtype)).float().square().sum())
         engine.step()
     engine.save_checkpoint(out)
@@ -79,7 +92,8 @@ def main():
                                        ("adam_l2_zero2_world2", 2, "fp32", "adam_l2"),
                                        ("zero3_subgroups_world2", 3, "fp32", "subgroups"),
                                        ("fp16_zero3_world2", 3, "fp16", "-"),
-                                       ("fp16_unstepped_zero2_world2", 2, "fp16", "unstepped")):
+                                       ("fp16_unstepped_zero2_world2", 2, "fp16", "unstepped"),
+                                       ("bnb_zero2_world2", 2, "bf16", "bnb")):
         if wanted and name not in wanted:
             continue
         out = HERE / name

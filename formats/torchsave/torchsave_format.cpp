@@ -732,6 +732,18 @@ class TorchSaveReader final : public CheckpointReader {
           }
         }
       }
+      // bitsandbytes' 8-bit moments of this flat param (codes whose blocks count from each rank's
+      // partition start): each rank's scales and map, found once for all its params.
+      std::map<std::pair<size_t, std::string>, Dequant> dequant;  // (rank, entry)
+      for (size_t f = 0; f < world; ++f)
+        for (const auto& [entry, q] : ranks[f].groups[g].quant) {
+          const std::string qw = fmt::format("{} flat param {} '{}' in {}", gw, g, entry, z.optim[f].string());
+          OPTSTATE_ASSIGN_OR_RETURN(const std::string map, map_name(f, q.qmap, qw + " map"));
+          OPTSTATE_ASSIGN_OR_RETURN(const QMap m, qmap_from_name(map));
+          OPTSTATE_ASSIGN_OR_RETURN(const Stored scales, resolve(f, q.absmax, q.absmax.shape[0], qw + " absmax"));
+          dequant[{f, entry}] = Dequant{scales, 0, q.block, &qmap_table(m)};
+        }
+      if (!dequant.empty()) bnb_partitions = true;
       for (const auto& [name, shape] : params) {
         const int64_t numel = *checked_numel(shape);
         const std::string pw = fmt::format("{} '{}'", gw, name);
@@ -752,23 +764,17 @@ class TorchSaveReader final : public CheckpointReader {
           for (const auto& [f, local, count] : runs[name]) {
             const ZeroGroup& zg = ranks[f].groups[g];
             const dcp::TensorRef& t = entry == kParam ? zg.master : zg.moments.at(entry);
-            const std::string tw = fmt::format("{} '{}' in {}", pw, entry, z.optim[f].string());
-            OPTSTATE_ASSIGN_OR_RETURN(const Stored whole, resolve(f, t, t.shape[0], tw));
-            const auto quant = entry == kParam ? zg.quant.end() : zg.quant.find(entry);
-            const uint64_t elem = quant == zg.quant.end() ? 4 : 1;  // fp32 values, or 8-bit codes
+            OPTSTATE_ASSIGN_OR_RETURN(const Stored whole, resolve(f, t, t.shape[0], fmt::format("{} '{}' in {}", pw, entry,
+                                                                                                z.optim[f].string())));
+            const auto dq = dequant.find({f, entry});
+            const uint64_t elem = dq == dequant.end() ? 4 : 1;  // fp32 values, or 8-bit codes
             Piece pc{begin, count, whole, std::nullopt};
             pc.stored.at += static_cast<uint64_t>(local) * elem;
             pc.stored.bytes = static_cast<uint64_t>(count) * elem;
             pc.stored.whole = whole.whole && pc.stored.bytes == whole.bytes;
-            if (quant != zg.quant.end()) {
-              // bitsandbytes' codes, their blocks counted from the partition's start: read as
-              // fp32 values, map[code] * absmax[block], as its dequantize_blockwise gives them.
-              const ZeroQuant& q = quant->second;
-              OPTSTATE_ASSIGN_OR_RETURN(const std::string map, map_name(f, q.qmap, tw + " map"));
-              OPTSTATE_ASSIGN_OR_RETURN(const QMap m, qmap_from_name(map));
-              OPTSTATE_ASSIGN_OR_RETURN(const Stored scales, resolve(f, q.absmax, q.absmax.shape[0], tw + " absmax"));
-              pc.dq = Dequant{scales, local, q.block, &qmap_table(m)};
-              bnb_partitions = true;
+            if (dq != dequant.end()) {  // read as fp32 values, map[code] * absmax[block] of the partition
+              pc.dq = dq->second;
+              pc.dq->local = local;
             }
             pieces.push_back(pc);
             begin += count;
@@ -1893,20 +1899,17 @@ Result<ZeroUniversalParts> zero_universal_parts(const fs::path& path) {
   const std::string where = file.string();
   OPTSTATE_ASSIGN_OR_RETURN(auto opened, open_archive(file));
   const pickle::Pickle& p = opened.second;
-  const pickle::Ref osd = p.dict_get(p.root(), "optimizer_state_dict");
-  if (osd == pickle::kNoRef || p.at(osd).kind != pickle::Kind::kDict)
-    return corrupt(where + ": no optimizer_state_dict (a dict) in this ZeRO optimizer file");
-  // zero_stage: ZeroStageEnum(n), pickled as a REDUCE of the enum with (n,); older files an int.
-  int64_t stage = -1;
-  if (const pickle::Ref st = p.dict_get(osd, "zero_stage"); st != pickle::kNoRef) {
-    const pickle::Value& v = p.at(st);
-    if (v.kind == pickle::Kind::kInt) stage = v.i;
-    if (v.kind == pickle::Kind::kObject && v.args != pickle::kNoRef && p.at(v.args).kind == pickle::Kind::kTuple &&
-        p.at(v.args).items.size() == 1 && p.at(p.at(v.args).items[0]).kind == pickle::Kind::kInt)
-      stage = p.at(p.at(v.args).items[0]).i;
-  }
-  if (stage == 3)
+  // What the reader makes of it: the stage, and whose optimizer ZeRO wraps.
+  OPTSTATE_ASSIGN_OR_RETURN(const ZeroRank zr, interpret_zero_optim(p, where));
+  if (zr.stage == 3)
     return invalid_argument(where + ": a ZeRO-3 checkpoint; optstate writes universal checkpoints of ZeRO-1/2 ones");
+  // bitsandbytes' optimizer wrapped by ZeRO: a universal checkpoint would hold fp32 moments, which
+  // it does not load (ds_to_universal does not convert its state either).
+  if (zr.bnb)
+    return invalid_argument(where + ": the optimizer DeepSpeed wraps is bitsandbytes' (state1/state2); a universal "
+                                    "checkpoint holds fp32 exp_avg/exp_avg_sq, which its optimizer does not load. "
+                                    "optstate reads the state (as fp32 moments): convert it to another format");
+  const pickle::Ref osd = p.dict_get(p.root(), "optimizer_state_dict");
   const pickle::Ref base = p.dict_get(osd, "base_optimizer_state");
   const pickle::Ref groups = base == pickle::kNoRef ? pickle::kNoRef : p.dict_get(base, "param_groups");
   if (groups == pickle::kNoRef || p.at(groups).kind != pickle::Kind::kList)
@@ -1926,24 +1929,10 @@ Result<ZeroUniversalParts> zero_universal_parts(const fs::path& path) {
   w.str("param_groups");
   OPTSTATE_RETURN_IF_ERROR(pickle::emit(w, p, groups, where + " param_groups"));
   w.setitems_from_mark();
-  // bitsandbytes' optimizer wrapped by ZeRO: a universal checkpoint would hold fp32 moments, which
-  // it does not load (ds_to_universal does not convert its state either).
-  if (const pickle::Ref st = p.dict_get(base, "state"); st != pickle::kNoRef && p.at(st).kind == pickle::Kind::kDict)
-    for (size_t k = 0; k + 1 < p.at(st).items.size(); k += 2) {
-      const pickle::Ref s1 = p.at(st).items[k + 1];
-      const pickle::Ref q = p.dict_get(s1, dcp::kBnbQuantState);
-      if (p.dict_get(s1, "state1") != pickle::kNoRef || (q != pickle::kNoRef && p.dict_get(q, "state1") != pickle::kNoRef))
-        return invalid_argument(where + ": the optimizer DeepSpeed wraps is bitsandbytes' (state1/state2); a universal "
-                                        "checkpoint holds fp32 exp_avg/exp_avg_sq, which its optimizer does not load. "
-                                        "optstate reads the state (as fp32 moments): convert it to another format");
-    }
   ZeroUniversalParts parts{z->dir, z->model, w.finish(), {}, {}};
-  if (const pickle::Ref state = p.dict_get(base, "state"); state != pickle::kNoRef && p.at(state).kind == pickle::Kind::kDict)
-    for (size_t k = 0; k + 1 < p.at(state).items.size(); k += 2) {
-      const pickle::Ref step = p.dict_get(p.at(state).items[k + 1], "step");
-      if (step != pickle::kNoRef) parts.int_step = p.at(step).kind == pickle::Kind::kInt;
-      break;  // the first param's; all are kept alike
-    }
+  // A step kept as a number (DeepSpeed's CPU Adam: an int); the reader gives a never-stepped flat
+  // param the number 0, but then no step.pt is written.
+  parts.int_step = !zr.groups.empty() && zr.groups[0].step.number.has_value();
 
   // The module's tensors that no param group holds: ds_to_universal writes them as fp32.pt too.
   const std::string mw = z->model.string();

@@ -57,11 +57,8 @@ Result<std::vector<float>> dense_to_f32(std::span<const std::byte> bytes, DType 
 
 Result<std::vector<float>> entry_f32_values(const Entry& e, int64_t numel, const std::string& key) {
   if (e.encoding == Encoding::kDense) return dense_to_f32(e.values.span(), e.dtype, key);
-  OPTSTATE_ASSIGN_OR_RETURN(const QMap m, qmap_from_name(e.qmap));
-  OPTSTATE_RETURN_IF_ERROR(check_blockwise(e, numel, key));
-  std::vector<float> values(static_cast<size_t>(numel));
-  dequantize_blockwise({reinterpret_cast<const uint8_t*>(e.codes.data), e.codes.size},
-                       {reinterpret_cast<const float*>(e.absmax.data), e.absmax.size / 4}, e.block_size, m, values);
+  std::vector<float> values;  // dequantized into it by entry_f32_span, which sizes it to numel
+  OPTSTATE_RETURN_IF_ERROR(entry_f32_span(e, numel, key, values).status());
   return values;
 }
 

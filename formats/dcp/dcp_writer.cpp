@@ -611,12 +611,11 @@ Status write_dcp(StateSource& state, const fs::path& path, const WriteOptions& o
   OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
   if (options.world_size < 1 || options.world_size > 65536)
     return invalid_argument(fmt::format("world size {} out of range", options.world_size));
-  OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_dir(path));
+  OPTSTATE_ASSIGN_OR_RETURN(Staging staging, Staging::directory(path));
   const SourceLayout get_state_dict_layout;  // {"model": ..., "optim": ...}, nested groups
-  Status st = write_into(state, staging, options.world_size, source ? *source : get_state_dict_layout, source != nullptr,
-                         options.float_lr, writes_torchao_items(options, source));
-  if (st.ok()) st = publish_directory(staging, path, options.overwrite);
-  return st.ok() ? st : abandon_staging(staging, path, st);
+  return staging.commit(write_into(state, staging.path(), options.world_size, source ? *source : get_state_dict_layout,
+                                   source != nullptr, options.float_lr, writes_torchao_items(options, source)),
+                        options.overwrite);
 }
 
 }  // namespace optstate::dcp

@@ -182,11 +182,10 @@ class DeepSpeedDriver final : public FormatDriver {
     }
     OPTSTATE_RETURN_IF_ERROR(check_structure(source.meta(), false));
     OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
-    OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_dir(path));
-    Status st = parts ? write_universal(source, staging, *parts)
-                      : write_zero3(source, options.source->path(), staging, options.world_size);
-    if (st.ok()) st = publish_directory(staging, path, options.overwrite);
-    return st.ok() ? st : abandon_staging(staging, path, st);
+    OPTSTATE_ASSIGN_OR_RETURN(Staging staging, Staging::directory(path));
+    return staging.commit(parts ? write_universal(source, staging.path(), *parts)
+                                : write_zero3(source, options.source->path(), staging.path(), options.world_size),
+                          options.overwrite);
   }
 
   // The model states file (module, frozen params, LR scheduler) and the optimizer's settings go

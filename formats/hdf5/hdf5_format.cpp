@@ -466,15 +466,14 @@ class Hdf5Driver final : public FormatDriver {
     if (options.compression < 0 || options.compression > 9)
       return invalid_argument(fmt::format("gzip level {} out of range (0-9)", options.compression));
     OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
-    OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_path(path));
+    OPTSTATE_ASSIGN_OR_RETURN(Staging staging, Staging::file(path));
     Status st;
     {
       std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
       start_hdf5();
-      st = write_file(source, staging, options.compression);
+      st = write_file(source, staging.path(), options.compression);
     }
-    if (st.ok()) st = publish_file(staging, path, options.overwrite);
-    return st.ok() ? st : abandon_staging(staging, path, st);
+    return staging.commit(st, options.overwrite);
   }
 };
 

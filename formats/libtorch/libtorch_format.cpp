@@ -69,9 +69,9 @@ class LibTorchDriver final : public FormatDriver {
     const OptimizerState& meta = source.meta();
     OPTSTATE_ASSIGN_OR_RETURN(const ArchivePlan plan, plan_archive(meta, options.dequantize));
     OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
-    OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_path(path));
+    OPTSTATE_ASSIGN_OR_RETURN(Staging staging, Staging::file(path));
     Status st = [&]() -> Status {
-      OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging));
+      OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging.path()));
       zip::Builder zb;
       auto put = [&](const std::string& name, std::span<const std::byte> data) -> Status {
         const std::string h = zb.local_header(fmt::format("{}/{}", kFolder, name), data.size(), zip::crc32(data), out.offset());
@@ -114,10 +114,9 @@ class LibTorchDriver final : public FormatDriver {
       OPTSTATE_RETURN_IF_ERROR(put("byteorder", text("little")));
       const std::string tail = zb.finish(out.offset());
       OPTSTATE_RETURN_IF_ERROR(out.write(std::as_bytes(std::span(tail))));
-      OPTSTATE_RETURN_IF_ERROR(out.sync_and_close());
-      return publish_file(staging, path, options.overwrite);
+      return out.sync_and_close();
     }();
-    return st.ok() ? st : abandon_staging(staging, path, st);
+    return staging.commit(st, options.overwrite);
   }
 };
 

@@ -267,10 +267,8 @@ class NativeDriver final : public FormatDriver {
     OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
     if (options.world_size < 1 || options.world_size > 65536)
       return invalid_argument(fmt::format("world size {} out of range", options.world_size));
-    OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_dir(path));
-    Status st = write_into(source, staging, options.world_size);
-    if (st.ok()) st = publish_directory(staging, path, options.overwrite);
-    return st.ok() ? st : abandon_staging(staging, path, st);
+    OPTSTATE_ASSIGN_OR_RETURN(Staging staging, Staging::directory(path));
+    return staging.commit(write_into(source, staging.path(), options.world_size), options.overwrite);
   }
 
  private:

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <optional>
 
 #include "native_manifest.h"
 #include "registry.h"
@@ -48,16 +49,20 @@ Status save_sharded(const OptimizerState& local, const std::filesystem::path& pa
   const std::string id = "optstate/save/" + (options.save_id.empty() ? default_save_id(path) : options.save_id);
   OPTSTATE_RETURN_IF_ERROR(check_structure(local, false));
 
-  // 1. Rank 0 makes the staging directory beside the destination and tells everyone its name.
+  // 1. Rank 0 makes the staging directory beside the destination and tells everyone its name. It owns
+  // it: whatever ends this call on rank 0 without a commit (an error, an exception) removes it.
+  std::optional<Staging> owned;
   if (rank == 0) {
     std::string staging_value;
     if (Status dst = check_destination(path, options.overwrite); !dst.ok()) {
       staging_value = kError + dst.message();
+    } else if (auto staging = Staging::directory(path); !staging.ok()) {
+      staging_value = kError + staging.status().message();
     } else {
-      auto staging = make_staging_dir(path);
-      if (staging.ok() && ::mkdir((*staging / "data").c_str(), 0755) != 0)
-        staging = io_error(fmt::format("{}: cannot create data directory", staging->string()));
-      staging_value = staging.ok() ? staging->string() : kError + staging.status().message();
+      owned.emplace(std::move(*staging));
+      staging_value = ::mkdir((owned->path() / "data").c_str(), 0755) == 0
+                          ? owned->path().string()
+                          : kError + fmt::format("{}: cannot create data directory", owned->path().string());
     }
     OPTSTATE_RETURN_IF_ERROR(coord.set(id + "/staging", staging_value));
   }
@@ -96,9 +101,8 @@ Status save_sharded(const OptimizerState& local, const std::filesystem::path& pa
       st = check.ok() ? Status::Ok() : check.status().with_context("assembled manifest");
       if (st.ok()) st = fsync_directory(std::filesystem::path(staging) / "data");
       if (st.ok()) st = write_small_file(std::filesystem::path(staging) / kManifestName, std::as_bytes(std::span(text)));
-      if (st.ok()) st = publish_directory(staging, path, options.overwrite);
     }
-    if (!st.ok()) st = abandon_staging(staging, path, st);
+    st = owned->commit(st, options.overwrite);
     OPTSTATE_RETURN_IF_ERROR(coord.set(id + "/result", st.ok() ? "ok" : kError + st.message()));
     // Rank 0 may host the store (c10d): stay until every rank has read the verdict. A rank that
     // died meanwhile only makes this wait time out; the outcome is already decided.

@@ -170,19 +170,18 @@ class SafetensorsDriver final : public FormatDriver {
         }
     }
     const std::string header = encode_header(tensors, {{kMetaKey, encode_state_meta(meta)}, {"format", "pt"}});
-    OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_path(path));
+    OPTSTATE_ASSIGN_OR_RETURN(Staging staging, Staging::file(path));
     Status st = [&]() -> Status {
-      OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging));
+      OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging.path()));
       OPTSTATE_RETURN_IF_ERROR(out.write(std::as_bytes(std::span(header))));
       for (const auto& [fqn, ps] : meta.params)  // in the header's order
         for (const auto& [name, me] : ps.entries) {
           OPTSTATE_ASSIGN_OR_RETURN(const Entry e, source.load(fqn, name));
           for (Component c : me.components()) OPTSTATE_RETURN_IF_ERROR(out.write(e.buffer(c).span()));
         }
-      OPTSTATE_RETURN_IF_ERROR(out.sync_and_close());
-      return publish_file(staging, path, options.overwrite);
+      return out.sync_and_close();
     }();
-    return st.ok() ? st : abandon_staging(staging, path, st);
+    return staging.commit(st, options.overwrite);
   }
 };
 

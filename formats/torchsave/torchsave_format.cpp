@@ -1643,10 +1643,8 @@ const FormatDriver& driver() {
 Status write_file(const fs::path& path, bool overwrite, std::string_view pkl,
                   const std::function<Status(dcp::ArchiveWriter&)>& storages) {
   OPTSTATE_RETURN_IF_ERROR(check_destination(path, overwrite));
-  OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_path(path));
-  Status st = write_archive(staging, pkl, storages);
-  if (st.ok()) st = publish_file(staging, path, overwrite);
-  return st.ok() ? st : abandon_staging(staging, path, st);
+  OPTSTATE_ASSIGN_OR_RETURN(Staging staging, Staging::file(path));
+  return staging.commit(write_archive(staging.path(), pkl, storages), overwrite);
 }
 
 Status write_archive(const fs::path& path, std::string_view pkl,

@@ -442,6 +442,57 @@ Status abandon_staging(const fs::path& staging, const fs::path& final_path, cons
   return why.with_context(fmt::format("writing {}", final_path.string()));
 }
 
+Result<Staging> Staging::directory(const fs::path& final_dir) {
+  OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_dir(final_dir));
+  return Staging(std::move(staging), final_dir, true);
+}
+
+Result<Staging> Staging::file(const fs::path& final_file) {
+  OPTSTATE_ASSIGN_OR_RETURN(fs::path staging, make_staging_path(final_file));
+  return Staging(std::move(staging), final_file, false);
+}
+
+Staging::Staging(Staging&& other) noexcept
+    : staging_(std::move(other.staging_)), final_(std::move(other.final_)), is_directory_(other.is_directory_),
+      settled_(other.settled_) {
+  other.settled_ = true;
+}
+
+Staging& Staging::operator=(Staging&& other) noexcept {
+  if (this != &other) {
+    discard();
+    staging_ = std::move(other.staging_);
+    final_ = std::move(other.final_);
+    is_directory_ = other.is_directory_;
+    settled_ = other.settled_;
+    other.settled_ = true;
+  }
+  return *this;
+}
+
+Staging::~Staging() { discard(); }
+
+void Staging::discard() noexcept {
+  if (settled_) return;
+  settled_ = true;
+  try {
+    std::error_code ec;
+    fs::remove_all(staging_, ec);  // a file the writer never created is simply absent
+  } catch (...) {                  // std::bad_alloc inside remove_all: the leftover stays, findable
+  }
+}
+
+Status Staging::commit(const Status& written, bool overwrite) {
+  Status st = written;
+  if (st.ok()) st = is_directory_ ? publish_directory(staging_, final_, overwrite) : publish_file(staging_, final_, overwrite);
+  if (st.ok()) {
+    settled_ = true;  // published: the staging name is gone (or holds the replaced checkpoint, already removed)
+    return st;
+  }
+  discard();
+  return abandon_staging(staging_, final_, st);
+}
+
 std::vector<Leftover> find_leftovers(const fs::path& final_path) {
   std::vector<Leftover> out;
   fs::path parent = final_path.parent_path();

@@ -149,6 +149,31 @@ TEST_CASE("every format driver fails cleanly when the disk refuses a write: an e
   std::signal(SIGXFSZ, old_handler);
 }
 
+TEST_CASE("every format driver leaves nothing behind when an exception unwinds through a write") {
+  const OptimizerState eight = *quantize_state(testing::sample_state(), {4, 1});
+  for (const FormatDriver* d : format_drivers()) {
+    if (!d->writes()) continue;  // read-only (DeepSpeed)
+    for (int good : {0, 1}) {
+      CAPTURE(d->name());
+      CAPTURE(good);
+      testing::TempDir dir;
+      const auto path = dir.path / ("ckpt." + std::string(d->name()));
+      testing::ThrowingSource throwing(eight, good);
+      CHECK_THROWS_WITH_AS(d->write(throwing, path, {}), doctest::Contains("boom in load("), std::runtime_error);
+      CHECK(std::distance(std::filesystem::directory_iterator(dir.path), {}) == 0);  // no DST, no staging
+      // over an existing checkpoint: it stays as it was, and only it is there
+      REQUIRE(d->write(eight, path, {}).ok());
+      const auto before = hash_checkpoint(**open_checkpoint(path));
+      const OptimizerState dense = testing::sample_state();
+      testing::ThrowingSource again(dense, good);
+      CHECK_THROWS_AS(d->write(again, path, {.overwrite = true}), std::runtime_error);
+      CHECK(hash_checkpoint(**open_checkpoint(path))->root == before->root);
+      CHECK(std::distance(std::filesystem::directory_iterator(dir.path), {}) == 1);
+      CHECK(find_leftovers(path).empty());
+    }
+  }
+}
+
 TEST_CASE("a DST name of NAME_MAX bytes is written, replaced and its leftovers found") {
   const OptimizerState state = testing::sample_state();
   testing::TempDir dir;

@@ -289,6 +289,17 @@ TEST_CASE("deepspeed: a ZeRO-3 checkpoint written again for another world size, 
       CHECK(validate_checkpoint(out, [](const fs::path& p) { return open_checkpoint(p); })->findings.empty());
     }
   }
+  // An exception through the write (a bug, std::bad_alloc) leaves no staging folder behind.
+  {
+    auto z3 = open_seed(kSeeds / "zero3_world2");
+    const OptimizerState state = *load_all(*z3);
+    testing::TempDir dir;
+    testing::ThrowingSource throwing(state, 1);
+    CHECK_THROWS_AS((void)write_checkpoint(*find_format("deepspeed"), throwing, dir.path / "out",
+                                           {.world_size = 3, .source = z3.get()}),
+                    std::runtime_error);
+    CHECK(fs::is_empty(dir.path));
+  }
   // The state must be the source's (its params are laid out by the source's files): another is refused.
   auto z3 = open_seed(kSeeds / "zero3_world2");
   auto other = open_seed(kSeeds / "frozen_bf16_zero1_world2");

@@ -137,6 +137,36 @@ Status publish_file(const fs::path& staging, const fs::path& final_file, bool ov
 // names the hidden staging path.
 Status abandon_staging(const fs::path& staging, const fs::path& final_path, const Status& why);
 
+// A staging output (directory or file) beside its destination, owned: removed on every path that does
+// not publish it, also when an exception unwinds through the writer (a bug, std::bad_alloc), so no
+// failed write leaves its hidden partial output behind. Only SIGKILL, OOM or power loss do
+// (find_leftovers).
+class Staging {
+ public:
+  static Result<Staging> directory(const fs::path& final_dir);  // made now (make_staging_dir)
+  static Result<Staging> file(const fs::path& final_file);      // a free name; the writer creates it
+  Staging(Staging&& other) noexcept;
+  Staging& operator=(Staging&& other) noexcept;
+  Staging(const Staging&) = delete;
+  Staging& operator=(const Staging&) = delete;
+  ~Staging();
+
+  const fs::path& path() const { return staging_; }
+  // Ends the write: publishes it (publish_directory / publish_file) when `written` is ok; otherwise,
+  // or when publishing fails, removes it and returns the error naming the destination
+  // (abandon_staging).
+  Status commit(const Status& written, bool overwrite);
+
+ private:
+  Staging(fs::path staging, fs::path final_path, bool is_directory)
+      : staging_(std::move(staging)), final_(std::move(final_path)), is_directory_(is_directory) {}
+  void discard() noexcept;
+
+  fs::path staging_, final_;
+  bool is_directory_ = false;
+  bool settled_ = false;  // committed, abandoned or moved from: nothing left to remove
+};
+
 // What writes of `final_path` that were killed (SIGKILL, OOM, power loss) left beside it: staging
 // outputs `.<name>.partial-<pid>-<hex>` and old checkpoints moved aside `.<name>.old-<pid>` whose
 // process no longer runs on this machine (<name>: DST's name; over 200 bytes, its first 180 and

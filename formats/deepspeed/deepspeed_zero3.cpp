@@ -25,6 +25,7 @@
 #include "optstate/transform.h"
 #include "torchsave/torchsave_archive.h"
 #include "torchsave/torchsave_layout.h"
+#include "torchsave/torchsave_planner.h"
 
 namespace optstate::deepspeed {
 
@@ -41,70 +42,8 @@ struct NewTensor {
                       // "frozen", a frozen param's partition
   DType dtype = DType::kF32;
 };
-using Storage = std::variant<std::string, NewTensor>;
-
-// One file's pickle and the storages its keys name, in key order ("0", "1", ...).
-struct Planned {
-  std::string pkl;
-  std::vector<Storage> storages;
-};
-
-// Writes a file's pickle `p` again. `replace` may write a value of its own in place of a value
-// (returning true); it writes values of `p` it keeps through `carry`. Persistent ids (storages) are
-// carried under new keys.
-class Planner {
- public:
-  using Carry = std::function<Status(Ref)>;
-  using Replace = std::function<Result<bool>(pickle::Writer&, Ref, Planned&, const Carry&)>;
-
-  Planner(const pickle::Pickle& p, std::string where) : p_(p), where_(std::move(where)) {}
-
-  Result<Planned> run(const Replace& replace) {
-    Planned out;
-    pickle::Writer w;
-    pickle::EmitHook hook;
-    const Carry carry = [&](Ref r) { return pickle::emit(w, p_, r, where_, hook); };
-    hook = [&](pickle::Writer& wr, Ref r) -> Result<bool> {
-      OPTSTATE_ASSIGN_OR_RETURN(const bool replaced, replace(wr, r, out, carry));
-      if (replaced) return true;
-      if (p_.at(r).kind != Kind::kPersId) return false;
-      OPTSTATE_RETURN_IF_ERROR(persistent_id(wr, p_.at(r), out));
-      return true;
-    };
-    OPTSTATE_RETURN_IF_ERROR(pickle::emit(w, p_, p_.root(), where_, hook));
-    out.pkl = w.finish();
-    return out;
-  }
-
- private:
-  // ('storage', <storage type>, key, location, numel), the key the new file's.
-  Status persistent_id(pickle::Writer& w, const pickle::Value& v, Planned& out) {
-    const pickle::Value* t = v.pid < p_.size() ? &p_.at(v.pid) : nullptr;
-    if (!t || t->kind != Kind::kTuple || t->items.size() != 5 || p_.at(t->items[2]).kind != Kind::kStr)
-      return corrupt(where_ + ": a persistent id that is not torch.save's storage tuple");
-    const std::string& old_key = p_.at(t->items[2]).s;
-    auto it = carried_.find(old_key);
-    if (it == carried_.end()) {
-      it = carried_.emplace(old_key, std::to_string(out.storages.size())).first;
-      out.storages.emplace_back(old_key);
-    }
-    w.mark();
-    for (size_t i = 0; i < 5; ++i) {
-      if (i == 2) {
-        w.str(it->second);
-      } else {
-        OPTSTATE_RETURN_IF_ERROR(pickle::emit(w, p_, t->items[i], where_));
-      }
-    }
-    w.tuple_from_mark();
-    w.binpersid();
-    return Status::Ok();
-  }
-
-  const pickle::Pickle& p_;
-  std::string where_;
-  std::map<std::string, std::string> carried_;  // source key -> new key
-};
+using Planned = torchsave::Planned<NewTensor>;
+using Planner = torchsave::Planner<NewTensor>;
 
 std::string rank_file(const std::string& rank0_name, int rank) {
   const std::string from = "zero_pp_rank_0_", to = fmt::format("zero_pp_rank_{}_", rank);

@@ -63,11 +63,15 @@ int run_convert(int argc, char** argv) {
 
 int run_reshard(int argc, char** argv) {
   const CommandSpec spec{"reshard",
-                         "optstate reshard SRC DST --world-size N [--overwrite] [--json]",
+                         "optstate reshard SRC DST --world-size N [--format native|dcp|torchsave|deepspeed] [--overwrite] [--json]",
                          "Writes SRC again as N ranks' shards (each rank a contiguous flat range of every entry,\n"
                          "whole rows for dense entries, whole blocks for 8-bit ones; nothing is requantized).\n"
+                         "--format torchsave with SRC a folder of FSDP2's per-rank files (verl's actor/) writes that\n"
+                         "folder for N ranks; --format deepspeed with SRC a ZeRO-3 checkpoint, that checkpoint.\n"
                          "SRC is only read; DST appears complete or not at all (Ctrl-C leaves nothing).",
                          {{"--world-size", true, "number of ranks (required)"},
+                          {"--format", true, "output format (default: native): native, dcp, torchsave (FSDP2's per-rank "
+                                             "files, from such a folder), deepspeed (ZeRO-3, from such a checkpoint)"},
                           {"--overwrite", false, "replace DST if it is a checkpoint (any format) or an empty directory"},
                           {"--json", false, "print a JSON summary"}},
                          2,
@@ -201,7 +205,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   // Said on stderr even with --json: DST is complete as optimizer state, not as a copy of SRC
   // (unless the driver carried the rest through: DCP from DCP).
   const std::vector<std::string> rest = reader->not_read();
-  const bool carried = driver->carries(*reader);
+  const bool carried = driver->carries(*reader, dst);
   if (!rest.empty() && !carried)
     std::fprintf(stderr, "note: %s also holds %s: outside the state read, not in %s\n", src.c_str(),
                  fmt::format("{}", fmt::join(rest, ", ")).c_str(), dst.c_str());
@@ -251,7 +255,10 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
                 format.c_str(), world, world == 1 ? "" : "s", kept.params.size(), static_cast<long long>(dense),
                 static_cast<long long>(eight),
                 carried && !rest.empty()
-                    ? fmt::format("; carried {}: {}", wo.float_lr ? "(tensor lrs as floats)" : "unchanged",
+                    ? fmt::format("; carried {}: {}",
+                                  wo.float_lr            ? "(tensor lrs as floats)"
+                                  : format == "torchsave" ? "for each rank (rank r's from SRC's rank r mod its ranks)"
+                                                          : "unchanged",
                                   fmt::join(rest, ", ")).c_str()
                     : "");
   }

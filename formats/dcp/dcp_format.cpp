@@ -1028,7 +1028,7 @@ class DcpDriver final : public FormatDriver {
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
     return write_dcp(source, path, options, options.source ? source_layout(*options.source) : nullptr);
   }
-  bool carries(const CheckpointReader& source) const override { return source_layout(source) != nullptr; }
+  bool carries(const CheckpointReader& source, const fs::path&) const override { return source_layout(source) != nullptr; }
 };
 
 }  // namespace

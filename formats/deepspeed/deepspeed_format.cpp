@@ -190,7 +190,7 @@ class DeepSpeedDriver final : public FormatDriver {
 
   // The model states file (module, frozen params, LR scheduler) and the optimizer's settings go
   // through as they were; the module's other tensors as fp32.pt too.
-  bool carries(const CheckpointReader& source) const override { return source.format() == "deepspeed"; }
+  bool carries(const CheckpointReader& source, const fs::path&) const override { return source.format() == "deepspeed"; }
 
   // Not a checkpoint optstate wrote: never replaced by an overwrite.
   bool replaceable(const fs::path&) const override { return false; }

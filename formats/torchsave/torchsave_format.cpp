@@ -21,6 +21,7 @@
 #include "optstate/io.h"
 #include "torchsave_archive.h"
 #include "torchsave_reader.h"
+#include "torchsave_ranks.h"
 #include "optstate/quant8.h"
 #include "optstate/transform.h"
 #include "registry.h"
@@ -173,26 +174,6 @@ struct Placed {
 // A directory of per-rank torch.save files, <prefix><rank>.pt (verl's
 // optim_world_size_8_rank_3.pt, with model_world_size_8_rank_3.pt beside it): FSDP2's
 // optimizer.state_dict() and model.state_dict() of DTensors, saved by every rank.
-struct RankName {
-  std::string prefix, ext;
-  int64_t rank = 0;
-};
-
-std::optional<RankName> rank_name(const std::string& filename) {
-  RankName n;
-  const auto dot = filename.rfind('.');
-  if (dot == std::string::npos) return std::nullopt;
-  n.ext = filename.substr(dot);
-  if (n.ext != ".pt" && n.ext != ".pth") return std::nullopt;
-  size_t d = dot;
-  while (d > 0 && std::isdigit(static_cast<unsigned char>(filename[d - 1]))) --d;
-  if (d == dot || dot - d > 7) return std::nullopt;
-  n.prefix = filename.substr(0, d);
-  n.rank = std::stoll(filename.substr(d, dot - d));
-  return n;
-}
-
-
 using Key = std::tuple<std::string, std::string, Component>;
 
 bool numbered(const std::string& name, int64_t id) { return name == std::to_string(id); }
@@ -210,6 +191,7 @@ class TorchSaveReader final : public CheckpointReader {
   const OptimizerState& meta() const override { return meta_; }
   std::vector<std::string> not_read() const override { return not_read_; }
   bool checksummed() const override { return checksummed_ || shared_verified_; }
+  const Fsdp2Set* fsdp2() const { return fsdp2_ ? &*fsdp2_ : nullptr; }
 
   Status verify_shared_records() override {
     std::set<std::pair<size_t, uint64_t>> done;  // (file, record): each read once
@@ -421,9 +403,11 @@ class TorchSaveReader final : public CheckpointReader {
       return finish(models, model_files, weights);
     }
     size_t weights = 0;
+    if (dtensors && !models.empty()) fsdp2_ = Fsdp2Set{path_, optim_files, model_files, {}};
     for (size_t i = 0; i < sd0.params.size(); ++i) {
       const ParamSpec& spec = sd0.params[i];
       const std::string fqn = rename.count(spec.id) ? rename.at(spec.id) : spec.fqn;
+      if (fsdp2_) fsdp2_->fqn_of_id[spec.id] = fqn;
       meta_.groups[static_cast<size_t>(spec.group)].params.push_back(fqn);
       const std::string pw = fmt::format("{} param '{}'", w0, fqn);
       ParamState ps;
@@ -1413,6 +1397,7 @@ class TorchSaveReader final : public CheckpointReader {
 
   fs::path path_;
   bool set_ = false;       // a per-rank set (a directory), not one file
+  std::optional<Fsdp2Set> fsdp2_;  // FSDP2's set with the model's files: what a writer of it needs
   bool libtorch_ = false;  // a LibTorch optimizer archive
   bool bnb_ = false;       // bitsandbytes' state: formats/bitsandbytes/ writes it
   bool torchao_ = false;   // one file of torchao's state: formats/torchao/ writes it
@@ -1578,9 +1563,33 @@ class TorchSaveDriver final : public FormatDriver {
     return !fs::is_directory(path, ec);
   }
 
+  // FSDP2's per-rank files are written again for another world size (from such a set: its files
+  // give the layout); otherwise one file.
+  bool shards() const override { return true; }
+  // Such a set's other files (extra_state_*, fsdp_config.json, huggingface/) go with it.
+  bool carries(const CheckpointReader& source, const fs::path& path) const override {
+    return fsdp2_set(source) && !is_single_file(path);
+  }
+  static bool is_single_file(const fs::path& path) {
+    const std::string ext = path.extension().string();
+    return ext == ".pt" || ext == ".pth";
+  }
+
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
     const OptimizerState& meta = source.meta();
     OPTSTATE_RETURN_IF_ERROR(check_structure(meta, false));
+    const Fsdp2Set* set = options.source ? fsdp2_set(*options.source) : nullptr;
+    if (set && !is_single_file(path)) {
+      OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
+      OPTSTATE_ASSIGN_OR_RETURN(Staging staging, Staging::directory(path));
+      return staging.commit(write_fsdp2_ranks(source, *options.source, *set, staging.path(), options.world_size),
+                            options.overwrite);
+    }
+    if (options.world_size != 1)
+      return invalid_argument(fmt::format(
+          "{}: --world-size {}: a torch.save file is one state; per-rank files (FSDP2's, verl's) are written for "
+          "another world size from such a folder of them, into a folder (a DST without .pt)",
+          path.string(), options.world_size));
     const std::vector<std::string> order = param_order(meta);
     if (order.size() != meta.params.size() || std::set(order.begin(), order.end()).size() != order.size())
       return invalid_argument("torchsave: every param must be in exactly one param group (torch numbers them by it)");
@@ -1634,6 +1643,25 @@ class TorchSaveDriver final : public FormatDriver {
 };
 
 }  // namespace
+
+std::optional<RankName> rank_name(const std::string& filename) {
+  RankName n;
+  const auto dot = filename.rfind('.');
+  if (dot == std::string::npos) return std::nullopt;
+  n.ext = filename.substr(dot);
+  if (n.ext != ".pt" && n.ext != ".pth") return std::nullopt;
+  size_t d = dot;
+  while (d > 0 && std::isdigit(static_cast<unsigned char>(filename[d - 1]))) --d;
+  if (d == dot || dot - d > 7) return std::nullopt;
+  n.prefix = filename.substr(0, d);
+  n.rank = std::stoll(filename.substr(d, dot - d));
+  return n;
+}
+
+const Fsdp2Set* fsdp2_set(const CheckpointReader& reader) {
+  const auto* r = dynamic_cast<const TorchSaveReader*>(&reader);
+  return r ? r->fsdp2() : nullptr;
+}
 
 const FormatDriver& driver() {
   static const TorchSaveDriver d;

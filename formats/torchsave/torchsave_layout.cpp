@@ -798,6 +798,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
         const Payload& pl = lv.local;
         EntrySpec e;
         e.dtensor = lv.dtensor;
+        e.ref = v;
         if (pl.kind == Payload::Kind::kTensor) {
           if (pl.tensor.dtype != DType::kF32 && pl.tensor.dtype != DType::kBF16 && pl.tensor.dtype != DType::kF16)
             return corrupt(fmt::format("{}: a {} tensor; dense state is fp32, bf16 or fp16", ew, dtype_name(pl.tensor.dtype)));

@@ -77,6 +77,7 @@ struct EntrySpec {
   int bits = 8;                         // 4: torchao's OptimState4bit (two codes a byte), read dequantized
   std::string qmap_name;                // optstate's plain 8-bit tensors: the map the group names
   std::optional<DTensorSpec> dtensor;   // a DTensor's local part: the tensors above are this rank's
+  pickle::Ref ref = pickle::kNoRef;     // the pickled value (a DTensor: its _rebuild_from_type_v2 object)
 };
 
 struct ParamSpec {

@@ -5,9 +5,11 @@
 
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "dcp/dcp_driver.h"
 #include "optstate/checkpoint.h"
@@ -16,6 +18,23 @@
 namespace optstate::torchsave {
 
 Result<std::unique_ptr<CheckpointReader>> open_file(const std::filesystem::path& path);
+
+// A per-rank file's name: <prefix><rank><ext> (verl's optim_world_size_8_rank_3.pt), ext .pt or .pth.
+struct RankName {
+  std::string prefix, ext;
+  int64_t rank = 0;
+};
+std::optional<RankName> rank_name(const std::string& filename);
+
+// FSDP2's per-rank set as the reader read it (a directory of optimizer and model files of
+// DTensors): what its writer for another world size needs (torchsave_ranks.h).
+struct Fsdp2Set {
+  std::filesystem::path dir;
+  std::vector<std::filesystem::path> optim, model;  // by rank
+  std::map<int64_t, std::string> fqn_of_id;         // rank 0's optimizer params (ParamSpec::id) -> name
+};
+// The set `reader` reads, or null (another reader, one file, FSDP1's set, a set without model files).
+const Fsdp2Set* fsdp2_set(const CheckpointReader& reader);
 
 // A DeepSpeed ZeRO checkpoint (formats/deepspeed/): its tag folder (global_step500/, every rank's
 // zero_pp_rank_R_mp_rank_00_optim_states.pt and the model states file), or the folder above whose

@@ -198,7 +198,7 @@ assert j["params"]["head.bias"]["entries"]["exp_avg"]["encoding"] == "dense"
       "$OPTSTATE" convert "$work/c" "$work/y" --format dcp --to 8bit --float-lr
     # one-file formats take no world size (they would say "2 ranks" and write one file)
     expect_error 2 "--world-size 2: safetensors is one file" -- "$OPTSTATE" convert "$work/c" "$work/y.safetensors" --world-size 2
-    expect_error 2 "--world-size 3: torchsave is one file" -- "$OPTSTATE" reshard "$work/c" "$work/y.pt" --world-size 3
+    expect_error 2 "--world-size 3: a torch.save file is one state" -- "$OPTSTATE" reshard "$work/c" "$work/y.pt" --world-size 3
     expect_error 2 "--block-size is for --to 8bit" -- "$OPTSTATE" convert "$work/c" "$work/y.safetensors" --block-size 64
     expect_error 2 "--compress: safetensors stores tensors uncompressed" -- "$OPTSTATE" convert "$work/c" "$work/y.safetensors" --compress 4
     [ ! -e "$work/y.safetensors" ] && [ ! -e "$work/y.pt" ] || fail "a refused convert wrote something"

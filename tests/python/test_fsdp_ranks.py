@@ -37,6 +37,8 @@ FSDP_SCRIPT = textwrap.dedent("""
     if kind == "hsdp":  # HSDP: (Replicate, Shard(0)) over a 2 x world/2 mesh
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    if kind == "frozen":  # a param the optimizer holds but never steps (LoRA's base weights)
+        model[0].weight.requires_grad_(False)
     for m in model:
         if isinstance(m, nn.Linear):
             fully_shard(m, mesh=mesh)
@@ -81,6 +83,12 @@ FSDP_SCRIPT = textwrap.dedent("""
             full.update({f"{names[p]}.{k}": (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in st.items()})
         if rank == 0:
             torch.save(full, f"{out}.full")
+    if kind in ("adamw", "amsgrad", "frozen"):  # torch's own gather of the whole state, for a resume elsewhere
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+        o = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        whole = {"model": get_model_state_dict(model, options=o), "optim": get_optimizer_state_dict(model, opt, options=o)}
+        if rank == 0:
+            torch.save(whole, f"{out}.whole")
     if kind.startswith("torchao"):  # the same state as a DCP, as torchtitan saves it
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -204,6 +212,112 @@ def test_torchao_fp8_and_4bit_fsdp2_rank_files_and_dcp_read_as_torchaos_dequanti
     assert h(f"{out}.dcp") == h(out) == h(tmp_path / "plain.pt")
     assert optstate_cli("validate", f"{out}.dcp").returncode == 0
     assert optstate_cli("validate", out).returncode == 0
+
+
+RESUME_SCRIPT = textwrap.dedent("""
+    # verl's load_checkpoint on another world size: each rank torch.loads its own model, optimizer and
+    # extra_state files and loads them into FSDP2. Beside it, the same model and optimizer given the
+    # saved run's whole state through torch's own resharding (set_state_dict), as the reference.
+    import sys, torch, torch.distributed as dist, torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+        get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kind, ckpt, whole, out = sys.argv[1:5]
+
+    def build():
+        torch.manual_seed(1)  # not the saved run's init: everything must come from the files
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 33), nn.ReLU(), nn.Linear(33, 5))
+        if kind == "frozen":
+            model[0].weight.requires_grad_(False)
+        for m in model:
+            if isinstance(m, nn.Linear):
+                fully_shard(m)
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, amsgrad=kind == "amsgrad")
+
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    def state(model, opt):  # copies: a step tensor is the optimizer's own, which the next step changes
+        import copy
+        return copy.deepcopy({"model": get_model_state_dict(model, options=full),
+                              "optim": get_optimizer_state_dict(model, opt, options=full)})
+
+    model, opt = build()
+    model.load_state_dict(torch.load(f"{ckpt}/model_world_size_{world}_rank_{rank}.pt", weights_only=False))
+    opt.load_state_dict(torch.load(f"{ckpt}/optim_world_size_{world}_rank_{rank}.pt", weights_only=False))
+    extra = torch.load(f"{ckpt}/extra_state_world_size_{world}_rank_{rank}.pt", weights_only=False)
+    torch.set_rng_state(extra["rng"])
+    loaded = state(model, opt)
+    ref_model, ref_opt = build()
+    saved = torch.load(whole, weights_only=False)
+    set_model_state_dict(ref_model, saved["model"], options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(ref_model, ref_opt, saved["optim"], options=StateDictOptions(full_state_dict=True))
+    for m, o in ((model, opt), (ref_model, ref_opt)):  # one more step each, on the same data
+        g = torch.Generator().manual_seed(1000 + rank)
+        m(torch.randn(4, 64, generator=g)).square().sum().backward()
+        o.step()
+        o.zero_grad()
+    after, ref_after = state(model, opt), state(ref_model, ref_opt)
+    if rank == 0:
+        torch.save({"loaded": loaded, "after": after, "ref_after": ref_after}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def assert_same_state(a, b, what):
+    """Two {"model": ..., "optim": ...} whole state dicts (get_state_dict's, keyed by name) bit for bit."""
+    assert a["model"].keys() == b["model"].keys(), what
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), (what, k)
+    sa, sb = a["optim"]["state"], b["optim"]["state"]
+    assert sa.keys() == sb.keys(), what
+    for name in sa:
+        assert sa[name].keys() == sb[name].keys(), (what, name)
+        for k in sa[name]:
+            assert torch.equal(sa[name][k], sb[name][k]), (what, name, k)
+    # (torch's set_optimizer_state_dict leaves betas a list where load_state_dict keeps the tuple)
+    plain = lambda groups: [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in groups]
+    assert plain(a["optim"]["param_groups"]) == plain(b["optim"]["param_groups"]), what
+
+
+@pytest.mark.parametrize("kind,n,m", [("adamw", 2, 3), ("frozen", 3, 2), ("amsgrad", 2, 1), ("adamw", 1, 2)])
+def test_fsdp2_rank_files_resharded_resume_in_fsdp2_on_another_world_size(tmp_path, optstate_cli, kind, n, m):
+    """verl saves FSDP2's state per rank and loads it only on the world size it saved. reshard
+    --format torchsave writes those files for m ranks: verl's own loading steps take them on m ranks
+    and hold the saved state bit for bit (as torch's set_state_dict of the whole state gives it),
+    and the next step is the same too. The other files go along: the extra_state ones for each new
+    rank, fsdp_config.json with the new world size, huggingface/ as it was."""
+    out = fsdp_run(tmp_path, kind, n)
+    (out / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": n}))
+    (out / "huggingface").mkdir()
+    (out / "huggingface" / "config.json").write_text('{"architectures": ["Sequential"]}')
+    dst = tmp_path / f"actor{m}"
+    res = optstate_cli("reshard", out, dst, "--world-size", str(m), "--format", "torchsave")
+    assert f"(torchsave, {m} rank" in res.stdout and "extra_state_world_size_" in res.stdout, res.stdout
+    names = sorted(p.name for p in dst.iterdir())
+    assert names == sorted([f"{f}_world_size_{m}_rank_{r}.pt" for f in ("model", "optim", "extra_state")
+                            for r in range(m)] + ["fsdp_config.json", "huggingface"]), names
+    assert json.loads((dst / "fsdp_config.json").read_text()) == {"FSDP_version": 2, "world_size": m}
+    assert (dst / "huggingface" / "config.json").read_text() == '{"architectures": ["Sequential"]}'
+    for r in range(m):  # rank r's extra state is the saved run's rank r % n's
+        assert (dst / f"extra_state_world_size_{m}_rank_{r}.pt").read_bytes() == \
+            (out / f"extra_state_world_size_{n}_rank_{r % n}.pt").read_bytes()
+    h = lambda p: optstate_cli("hash", p).stdout.strip().splitlines()[-1]
+    assert h(dst) == h(out)
+    assert optstate_cli("validate", dst).returncode == 0
+
+    script = tmp_path / "resume.py"
+    script.write_text(RESUME_SCRIPT)
+    torchrun(m, kind, dst, f"{out}.whole", tmp_path / "resumed.pt", script=script)
+    got = torch.load(tmp_path / "resumed.pt", weights_only=False)
+    saved = torch.load(f"{out}.whole", weights_only=False)
+    assert_same_state(got["loaded"], saved, "loaded")
+    assert_same_state(got["after"], got["ref_after"], "after a step")
+    if kind == "frozen":  # held by the optimizer, never stepped: no state, weights carried
+        assert "0.weight" not in saved["optim"]["state"] and "0.weight" in saved["model"]
 
 
 def test_missing_or_lone_rank_files_are_refused_by_name(tmp_path, optstate_cli):

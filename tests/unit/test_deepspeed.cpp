@@ -230,7 +230,7 @@ TEST_CASE("deepspeed: a universal checkpoint of ZeRO-1/2 (zero/<param>/*.pt, opt
     auto r = open_seed(kSeeds / "frozen_bf16_zero1_world2");
     CHECK(r->meta().params.size() == 4);  // 1.weight, 1.bias, 3.weight, 3.bias
     const FormatDriver* ds = find_format("deepspeed");
-    CHECK(ds->carries(*r));  // the model states file goes through whole
+    CHECK(ds->carries(*r, "universal"));  // the model states file goes through whole
     testing::TempDir dir;
     const fs::path out = dir.path / "universal";
     const auto st = write_checkpoint(*ds, *load_all(*r), out, {.source = r.get()});

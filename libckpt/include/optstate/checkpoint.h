@@ -139,9 +139,9 @@ class FormatDriver {
   // WriteOptions::overwrite: false where it is not optstate's to replace (a training run's folder
   // that holds per-rank torch.save files among its other files).
   virtual bool replaceable(const std::filesystem::path& path) const { return true; }
-  // Whether a write with WriteOptions::source = &source keeps what source.not_read() names (a DCP
-  // written from a DCP carries its train_state, lr_scheduler, ... through, byte for byte).
-  virtual bool carries(const CheckpointReader& source) const { return false; }
+  // Whether a write to `path` with WriteOptions::source = &source keeps what source.not_read() names
+  // (a DCP written from a DCP carries its train_state, lr_scheduler, ... through, byte for byte).
+  virtual bool carries(const CheckpointReader& source, const std::filesystem::path& path) const { return false; }
 };
 
 // Writes through a driver after the option-driven transforms every driver shares (dequantize-on-save).

@@ -1585,6 +1585,13 @@ class TorchSaveDriver final : public FormatDriver {
       return staging.commit(write_fsdp2_ranks(source, *options.source, *set, staging.path(), options.world_size),
                             options.overwrite);
     }
+    std::error_code ec;
+    if (!set && options.source && options.source->format() == "torchsave" && options.world_size != 1 &&
+        fs::is_directory(options.source->path(), ec))
+      return unsupported(fmt::format(
+          "{}: --world-size {}: {} is a per-rank set optstate reads but does not write for another world size "
+          "(FSDP1's flat parameters, or FSDP2's optimizer files without the model's); FSDP2's per-rank files with "
+          "the model's beside them are written", path.string(), options.world_size, options.source->path().string()));
     if (options.world_size != 1)
       return invalid_argument(fmt::format(
           "{}: --world-size {}: a torch.save file is one state; per-rank files (FSDP2's, verl's) are written for "

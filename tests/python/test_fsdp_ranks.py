@@ -155,6 +155,10 @@ def test_fsdp2_rank_files_read_as_one_state_by_name(tmp_path, optstate_cli, kind
     # The same state hashes alike from the rank files and from the plain file.
     h = lambda p: optstate_cli("hash", p).stdout.strip().splitlines()[-1]
     assert h(out) == h(tmp_path / "plain.pt")
+    if kind == "hsdp":  # per-rank files are written for another world size on a 1-D mesh only
+        res = optstate_cli("reshard", out, tmp_path / "hsdp2", "--world-size", "2", "--format", "torchsave", check=False)
+        assert res.returncode == 2 and "a DTensor on a 2-D device mesh" in res.stderr, res.stderr
+        assert not (tmp_path / "hsdp2").exists() and not any(p.name.startswith(".hsdp2") for p in tmp_path.iterdir())
 
 
 def test_torchao_8bit_fsdp2_rank_files_keep_their_codes(tmp_path, optstate_cli):

@@ -17,6 +17,7 @@
 #include "optstate/validate.h"
 #include "registry.h"
 #include "test_helpers.h"
+#include "torchsave/torchsave_archive.h"
 #include "torchsave/torchsave_fuzz_sign.h"
 #include "torchao/torchao_layout.h"
 #include "torchsave/torchsave_layout.h"
@@ -632,6 +633,68 @@ TEST_CASE("torchsave: FSDP2's per-rank files (verl's layout) read as the state t
   const Status st = check_destination(set, true);
   CHECK(!st.ok());
   CHECK(st.message().find("never replaces") != std::string::npos);
+}
+
+TEST_CASE("torchsave: FSDP2's per-rank files written for another world size: each rank's rows, the mesh anew") {
+  // tests/python/test_fsdp_ranks.py resumes FSDP2 from such files; here: the files and the pickles.
+  auto r = open_checkpoint(kSeeds / "fsdp2_world2");
+  REQUIRE(r.ok());
+  const FormatDriver* ts = find_format("torchsave");
+  REQUIRE(ts->shards());
+  const auto want = hash_checkpoint(**r);
+  testing::TempDir dir;
+  for (int world : {1, 3, 5}) {  // 5: 33 rows in pieces of 7, the last 5; 16-element biases, one rank empty
+    CAPTURE(world);
+    const fs::path out = dir.path / fmt::format("w{}", world);
+    const Status st = write_checkpoint(*ts, *load_all(**r), out, {.world_size = world, .source = r->get()});
+    REQUIRE_MESSAGE(st.ok(), st.message());
+    CHECK(ts->carries(**r, out));
+    for (const char* kind : {"optim", "model", "extra_state"})
+      for (int k = 0; k < world; ++k)
+        CHECK(fs::is_regular_file(out / fmt::format("{}_world_size_{}_rank_{}.pt", kind, world, k)));
+    CHECK(static_cast<int>(std::distance(fs::directory_iterator(out), {})) == 3 * world);
+    auto back = open_checkpoint(out);
+    REQUIRE_MESSAGE(back.ok(), back.status().message());
+    CHECK(hash_checkpoint(**back)->root == want->root);
+    CHECK(validate_checkpoint(out, [](const fs::path& p) { return open_checkpoint(p); })->findings.empty());
+    // The last rank's file: its rows of 0.weight (33 x 16) and its place in a mesh of `world`.
+    const fs::path last = out / fmt::format("optim_world_size_{}_rank_{}.pt", world, world - 1);
+    auto archive = torchsave::open_archive(last);
+    REQUIRE(archive.ok());
+    auto sd = torchsave::interpret_state_dict(archive->second, last.string());
+    REQUIRE(sd.ok());
+    const auto& w0 = sd->params.at(0).entries.at(kExpAvg);
+    REQUIRE(w0.dtensor.has_value());
+    const int64_t chunk = (33 + world - 1) / world;
+    CHECK(w0.dtensor->coordinate == std::vector<int64_t>{world - 1});
+    CHECK(w0.values.shape == std::vector<int64_t>{std::max<int64_t>(0, 33 - (world - 1) * chunk), 16});
+    const std::string bytes = testing::read_file(last);
+    CHECK(bytes.find("_hash") != std::string::npos);  // written, as None: torch computes it again
+  }
+  // One file (.pt) is the one-file writer's: a world size there is refused, nothing written.
+  const Status one = write_checkpoint(*ts, *load_all(**r), dir.path / "x.pt", {.world_size = 2, .source = r->get()});
+  CHECK(one.message().find("a torch.save file is one state") != std::string::npos);
+  CHECK_FALSE(fs::exists(dir.path / "x.pt"));
+  // The state must be the source's.
+  OptimizerState other = *load_all(**r);
+  other.params.at("0.bias").step += 1;
+  const Status stepped = write_checkpoint(*ts, other, dir.path / "y", {.world_size = 2, .source = r->get()});
+  CHECK(stepped.message().find("step 3, the source's files hold 2") != std::string::npos);
+  OptimizerState fewer = *load_all(**r);
+  fewer.params.erase("2.bias");
+  for (auto& g : fewer.groups) std::erase(g.params, "2.bias");
+  CHECK_FALSE(write_checkpoint(*ts, fewer, dir.path / "y", {.world_size = 2, .source = r->get()}).ok());
+  CHECK_FALSE(fs::exists(dir.path / "y"));
+  // 8-bit state (quantized for this write) is not laid out per rank.
+  const OptimizerState eight = *quantize_state(*load_all(**r), {16, 1});
+  const Status q = write_checkpoint(*ts, eight, dir.path / "z", {.world_size = 2, .source = r->get()});
+  CHECK(q.message().find("8-bit state") != std::string::npos);
+  // FSDP1's files (flat parameters) are not written per rank: said so.
+  auto fsdp1 = open_checkpoint(kSeeds / "fsdp1_world2");
+  REQUIRE(fsdp1.ok());
+  const Status f1 = write_checkpoint(*ts, *load_all(**fsdp1), dir.path / "f1", {.world_size = 2, .source = fsdp1->get()});
+  CHECK(f1.message().find("FSDP1") != std::string::npos);
+  CHECK(std::distance(fs::directory_iterator(dir.path), {}) == 3);  // w1, w3, w5 only
 }
 
 TEST_CASE("torchsave: FSDP1's per-rank files (flat parameters, or runs of each param) read as the state FSDP places") {

@@ -43,7 +43,8 @@ int run_convert(int argc, char** argv) {
       "DST is written atomically: it appears complete or not at all. Ctrl-C (SIGINT, SIGTERM, SIGHUP)\n"
       "stops the write and removes what it wrote; an existing DST stays as it was.",
       {{"--to", true, "fp32 or 8bit (default: keep encodings)"},
-       {"--format", true, "output format: native, dcp, safetensors, hdf5, torchsave, libtorch (C++ torch::save's optimizer "
+       {"--format", true, "output format: native, dcp, safetensors, hdf5, torchsave (one file; from a folder of FSDP2's per-rank "
+        "files and to a folder, those files for --world-size ranks), libtorch (C++ torch::save's optimizer "
         "archive), bitsandbytes or torchao (their AdamW8bit's state_dict), deepspeed (from a DeepSpeed SRC: of "
         "ZeRO-1/2, a universal checkpoint, which DeepSpeed loads on any world size; of ZeRO-3, the same checkpoint for "
         "--world-size ranks) (default: from DST's extension, .safetensors / .h5 / "
@@ -178,6 +179,11 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   auto opened = open_with_progress(src, progress);
   if (!opened.ok()) return fail(command, opened.status());
   auto* reader = &static_cast<ProgressReader&>(**opened).inner();  // the source itself, for the writer
+  if (std::string(command) == "reshard" && !args->has("--format") && reader->format() == "torchsave" &&
+      std::filesystem::is_directory(src, ec))
+    std::fprintf(stderr, "note: %s is a folder of per-rank torch.save files; %s is written as a native checkpoint "
+                 "(--format torchsave writes those files for %d ranks, which verl resumes from)\n",
+                 src.c_str(), dst.c_str(), world);
   if (to == "8bit")
     if (Status qs = check_quantize_options(q); !qs.ok()) return fail(command, qs);
   // Entry by entry: SRC is read as DST is written, one entry in memory at a time.

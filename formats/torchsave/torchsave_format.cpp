@@ -191,7 +191,7 @@ class TorchSaveReader final : public CheckpointReader {
   const OptimizerState& meta() const override { return meta_; }
   std::vector<std::string> not_read() const override { return not_read_; }
   bool checksummed() const override { return checksummed_ || shared_verified_; }
-  const Fsdp2Set* fsdp2() const { return fsdp2_ ? &*fsdp2_ : nullptr; }
+  const FsdpSet* fsdp() const { return fsdp_ ? &*fsdp_ : nullptr; }
 
   Status verify_shared_records() override {
     std::set<std::pair<size_t, uint64_t>> done;  // (file, record): each read once
@@ -403,11 +403,11 @@ class TorchSaveReader final : public CheckpointReader {
       return finish(models, model_files, weights);
     }
     size_t weights = 0;
-    if (dtensors && !models.empty()) fsdp2_ = Fsdp2Set{path_, optim_files, model_files, {}};
+    if (dtensors && !models.empty()) fsdp_ = FsdpSet{path_, optim_files, model_files, {}, {}};
     for (size_t i = 0; i < sd0.params.size(); ++i) {
       const ParamSpec& spec = sd0.params[i];
       const std::string fqn = rename.count(spec.id) ? rename.at(spec.id) : spec.fqn;
-      if (fsdp2_) fsdp2_->fqn_of_id[spec.id] = fqn;
+      if (fsdp_) fsdp_->fqn_of_id[spec.id] = fqn;
       meta_.groups[static_cast<size_t>(spec.group)].params.push_back(fqn);
       const std::string pw = fmt::format("{} param '{}'", w0, fqn);
       ParamState ps;
@@ -968,6 +968,15 @@ class TorchSaveReader final : public CheckpointReader {
       if (!units.ok()) return units.status();
       at.resize(params.size());
       for (size_t j = 0; j < params.size(); ++j) at[j] = {units->unit_of[j], units->offset[j]};
+      if (model_dtensors) {  // what a writer for another world size needs: each unit's params in order
+        FsdpSet set{path_, optim_files, model_files, {}, std::vector<std::vector<FsdpSet::FlatParam>>(members)};
+        std::vector<std::pair<std::pair<int64_t, int64_t>, size_t>> order;  // ((unit, offset), param)
+        for (size_t j = 0; j < params.size(); ++j) order.push_back({at[j], j});
+        std::sort(order.begin(), order.end());
+        for (const auto& [place, j] : order)
+          set.flat_units[static_cast<size_t>(place.first)].push_back({names[j], numels[j]});
+        fsdp_ = std::move(set);
+      }
     }
     size_t weights = 0, groupless = 0;
     for (size_t j = 0; j < params.size(); ++j) {
@@ -1397,7 +1406,7 @@ class TorchSaveReader final : public CheckpointReader {
 
   fs::path path_;
   bool set_ = false;       // a per-rank set (a directory), not one file
-  std::optional<Fsdp2Set> fsdp2_;  // FSDP2's set with the model's files: what a writer of it needs
+  std::optional<FsdpSet> fsdp_;  // FSDP2 (or FSDP1, flat parameters) set with the model's files: what a writer of it needs
   bool libtorch_ = false;  // a LibTorch optimizer archive
   bool bnb_ = false;       // bitsandbytes' state: formats/bitsandbytes/ writes it
   bool torchao_ = false;   // one file of torchao's state: formats/torchao/ writes it
@@ -1568,7 +1577,7 @@ class TorchSaveDriver final : public FormatDriver {
   bool shards() const override { return true; }
   // Such a set's other files (extra_state_*, fsdp_config.json, huggingface/) go with it.
   bool carries(const CheckpointReader& source, const fs::path& path) const override {
-    return fsdp2_set(source) && !is_single_file(path);
+    return fsdp_set(source) && !is_single_file(path);
   }
   static bool is_single_file(const fs::path& path) {
     const std::string ext = path.extension().string();
@@ -1578,11 +1587,11 @@ class TorchSaveDriver final : public FormatDriver {
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
     const OptimizerState& meta = source.meta();
     OPTSTATE_RETURN_IF_ERROR(check_structure(meta, false));
-    const Fsdp2Set* set = options.source ? fsdp2_set(*options.source) : nullptr;
+    const FsdpSet* set = options.source ? fsdp_set(*options.source) : nullptr;
     if (set && !is_single_file(path)) {
       OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
       OPTSTATE_ASSIGN_OR_RETURN(Staging staging, Staging::directory(path));
-      return staging.commit(write_fsdp2_ranks(source, *options.source, *set, staging.path(), options.world_size),
+      return staging.commit(write_fsdp_ranks(source, *options.source, *set, staging.path(), options.world_size),
                             options.overwrite);
     }
     std::error_code ec;
@@ -1590,8 +1599,9 @@ class TorchSaveDriver final : public FormatDriver {
         fs::is_directory(options.source->path(), ec))
       return unsupported(fmt::format(
           "{}: --world-size {}: {} is a per-rank set optstate reads but does not write for another world size "
-          "(FSDP1's flat parameters, or FSDP2's optimizer files without the model's); FSDP2's per-rank files with "
-          "the model's beside them are written", path.string(), options.world_size, options.source->path().string()));
+          "(FSDP1's with use_orig_params, whose params' places in the flat parameters the files do not say; a "
+          "one-rank FSDP1 run's, whose model file holds no DTensors; optimizer files without the model's); FSDP2's "
+          "and FSDP1's (flat parameters) with the model's DTensors beside them are written", path.string(), options.world_size, options.source->path().string()));
     if (options.world_size != 1)
       return invalid_argument(fmt::format(
           "{}: --world-size {}: a torch.save file is one state; per-rank files (FSDP2's, verl's) are written for "
@@ -1665,9 +1675,9 @@ std::optional<RankName> rank_name(const std::string& filename) {
   return n;
 }
 
-const Fsdp2Set* fsdp2_set(const CheckpointReader& reader) {
+const FsdpSet* fsdp_set(const CheckpointReader& reader) {
   const auto* r = dynamic_cast<const TorchSaveReader*>(&reader);
-  return r ? r->fsdp2() : nullptr;
+  return r ? r->fsdp() : nullptr;
 }
 
 const FormatDriver& driver() {

@@ -45,11 +45,19 @@ struct Dtensor {
   bool replicated = false;     // Replicate(): every rank holds all of it; else Shard(0)
 };
 
-// A storage of a new file: a DTensor's local part (index into the DTensors), or the mesh's rank map.
+// An FSDP1 optimizer file's part of a flat parameter's moment: unit (its optimizer param id) and entry.
+struct FlatMoment {
+  size_t unit = 0;
+  std::string entry;
+  DType dtype = DType::kF32;
+};
+
+// A storage of a new file: a DTensor's local part, FSDP1's part of a flat parameter's moment (index
+// into each), or the device mesh's rank map (of `dtype`).
 struct NewPart {
-  size_t dtensor = 0;
-  bool rank_map = false;
-  DType dtype = DType::kI32;  // rank_map's
+  enum class Kind { kDtensor, kFlat, kRankMap } kind = Kind::kDtensor;
+  size_t index = 0;
+  DType dtype = DType::kI32;
 };
 using Plan = Planned<NewPart>;
 
@@ -67,9 +75,9 @@ struct MeshFields {
   bool coordinate_list = false;
 };
 
-class Fsdp2Writer {
+class FsdpWriter {
  public:
-  Fsdp2Writer(StateSource& source, const CheckpointReader& reader, const Fsdp2Set& set, const fs::path& staging,
+  FsdpWriter(StateSource& source, const CheckpointReader& reader, const FsdpSet& set, const fs::path& staging,
               int world)
       : source_(source), reader_(reader), set_(set), staging_(staging), world_(world),
         n_(static_cast<int64_t>(set.optim.size())) {}
@@ -102,9 +110,25 @@ class Fsdp2Writer {
     OPTSTATE_ASSIGN_OR_RETURN(const StateDict sd, interpret_state_dict(optim0.second, ow));
     OPTSTATE_ASSIGN_OR_RETURN(const ModelDict md, interpret_model_dict(model0.second, mw));
 
-    // The optimizer file's DTensors: each param's moments.
+    // The optimizer file's DTensors: each param's moments; FSDP1's: each flat parameter's.
     Tables optim_tables;
+    const bool flat = !set_.flat_units.empty();
     for (const ParamSpec& ps : sd.params) {
+      if (!flat) continue;
+      if (ps.id < 0 || static_cast<size_t>(ps.id) >= set_.flat_units.size())
+        return corrupt(fmt::format("{}: flat parameter {} was not read", ow, ps.id));
+      for (const auto& [name, es] : ps.entries) {
+        const std::string ew = fmt::format("{} flat parameter {} '{}'", ow, ps.id, name);
+        if (es.dtensor || es.encoding != Encoding::kDense || es.values.shape.size() != 1 ||
+            !dcp::is_instance(optim0.second, es.ref, "torch._utils", "_rebuild_tensor_v2"))
+          return corrupt(ew + ": not a plain 1-D tensor, as FSDP1 keeps a flat parameter's part");
+        if (optim_tables.flat.count(es.ref)) return corrupt(ew + ": a tensor two moments share");
+        optim_tables.flat.emplace(es.ref, flats_.size());
+        flats_.push_back({static_cast<size_t>(ps.id), name, es.values.dtype});
+      }
+    }
+    for (const ParamSpec& ps : sd.params) {
+      if (flat) continue;
       if (ps.weight) return unsupported(ow + ": weights inside the optimizer's file; FSDP2's model files hold them");
       const auto fqn = set_.fqn_of_id.find(ps.id);
       if (fqn == set_.fqn_of_id.end()) return corrupt(fmt::format("{}: param {} was not read", ow, ps.id));
@@ -132,6 +156,8 @@ class Fsdp2Writer {
     std::set<std::pair<std::string, std::string>> placed;
     for (const Dtensor& d : dtensors_)
       if (!d.entry.empty()) placed.emplace(d.fqn, d.entry);
+    for (const FlatMoment& f : flats_)
+      for (const FsdpSet::FlatParam& fp : set_.flat_units[f.unit]) placed.emplace(fp.fqn, f.entry);
     for (const auto& [fqn, ps] : state.params)
       for (const auto& [name, e] : ps.entries)
         if (!placed.count({fqn, name}))
@@ -148,7 +174,9 @@ class Fsdp2Writer {
  private:
   // What the hook of one file replaces: local tensors (-> DTensor index), hashes, and each mesh's fields.
   struct Tables {
-    std::map<Ref, size_t> local;
+    std::map<Ref, size_t> local;  // -> dtensors_
+    std::map<Ref, size_t> whole;  // FSDP1 on one rank: the DTensor objects, written as plain tensors
+    std::map<Ref, size_t> flat;   // FSDP1's plain parts -> flats_
     std::set<Ref> hashes;
     std::map<Ref, MeshFields> meshes;  // by the mesh's fields dict
   };
@@ -184,6 +212,7 @@ class Fsdp2Writer {
     }
     if (t.local.count(local)) return corrupt(where + ": a local tensor two DTensors share");
     t.local.emplace(local, dtensors_.size());
+    t.whole.emplace(ref, dtensors_.size());
     dtensors_.push_back({fqn, entry, key, dtype, spec.global_shape, pl.kind == Placement::Kind::kReplicate});
     return Status::Ok();
   }
@@ -294,7 +323,7 @@ class Fsdp2Writer {
         w.none();  // computed again when first needed
       } else if (key == "_rank_map") {
         dcp::encode_tensor(w, mf.rank_map_dtype, {world_}, std::to_string(out.storages.size()));
-        out.storages.emplace_back(NewPart{0, true, mf.rank_map_dtype});
+        out.storages.emplace_back(NewPart{NewPart::Kind::kRankMap, 0, mf.rank_map_dtype});
       } else if (key == "_layout") {
         OPTSTATE_RETURN_IF_ERROR(carry(mf.layout_class));
         OPTSTATE_RETURN_IF_ERROR(carry(mf.layout_args));
@@ -344,10 +373,23 @@ class Fsdp2Writer {
   Result<Plan> plan(const Pickle& p, const Tables& t, int r, const std::string& where) {
     Planner<NewPart> planner(p, where);
     return planner.run([&](pickle::Writer& w, Ref ref, Plan& out, const Planner<NewPart>::Carry& carry) -> Result<bool> {
+      // FSDP1 on one rank shards nothing: its sharded state_dict holds plain tensors, and it loads only those.
+      if (const auto it = t.whole.find(ref); it != t.whole.end() && world_ == 1 && !set_.flat_units.empty()) {
+        const Dtensor& d = dtensors_[it->second];
+        dcp::encode_tensor(w, d.dtype, d.shape, std::to_string(out.storages.size()));
+        out.storages.emplace_back(NewPart{NewPart::Kind::kDtensor, it->second, d.dtype});
+        return true;
+      }
       if (const auto it = t.local.find(ref); it != t.local.end()) {
         const Dtensor& d = dtensors_[it->second];
         dcp::encode_tensor(w, d.dtype, local_shape(d, r), std::to_string(out.storages.size()));
-        out.storages.emplace_back(NewPart{it->second, false, d.dtype});
+        out.storages.emplace_back(NewPart{NewPart::Kind::kDtensor, it->second, d.dtype});
+        return true;
+      }
+      if (const auto it = t.flat.find(ref); it != t.flat.end()) {
+        const FlatMoment& f = flats_[it->second];
+        dcp::encode_tensor(w, f.dtype, {flat_part(f.unit)}, std::to_string(out.storages.size()));
+        out.storages.emplace_back(NewPart{NewPart::Kind::kFlat, it->second, f.dtype});
         return true;
       }
       if (t.hashes.count(ref)) {
@@ -421,7 +463,12 @@ class Fsdp2Writer {
           continue;
         }
         const NewPart& part = std::get<NewPart>(s);
-        if (part.rank_map) {
+        if (part.kind == NewPart::Kind::kFlat) {
+          OPTSTATE_RETURN_IF_ERROR(write_flat(flats_[part.index], k, first, archives));
+          OPTSTATE_RETURN_IF_ERROR(check_interrupt(staging_));
+          continue;
+        }
+        if (part.kind == NewPart::Kind::kRankMap) {
           std::vector<std::byte> bytes(static_cast<size_t>(world_) * dtype_size(part.dtype));
           for (int i = 0; i < world_; ++i) {
             const int64_t v64 = i;
@@ -432,7 +479,7 @@ class Fsdp2Writer {
           for (auto& a : archives) OPTSTATE_RETURN_IF_ERROR(a->storage(k, bytes));
           continue;
         }
-        const Dtensor& d = dtensors_[part.dtensor];
+        const Dtensor& d = dtensors_[part.index];
         Entry loaded;
         std::vector<std::byte> assembled;
         std::span<const std::byte> values;
@@ -464,6 +511,52 @@ class Fsdp2Writer {
         OPTSTATE_RETURN_IF_ERROR(archives[i]->finish().status());
         OPTSTATE_RETURN_IF_ERROR(outs[i]->sync_and_close());
       }
+    }
+    return Status::Ok();
+  }
+
+  // FSDP1: the elements of unit u's flat parameter each rank holds on world_ ranks (FSDP pads the
+  // flat parameter to world_ * that).
+  int64_t flat_part(size_t u) const {
+    int64_t total = 0;
+    for (const FsdpSet::FlatParam& fp : set_.flat_units[u]) total += fp.numel;
+    return (total + world_ - 1) / world_;
+  }
+
+  // FSDP1: one moment of a flat parameter, each rank's part streamed into its file from the params in
+  // order, one param's entry in memory at a time; past the params, zeros (FSDP's padding).
+  Status write_flat(const FlatMoment& f, const std::string& key, int first,
+                    std::vector<std::unique_ptr<dcp::ArchiveWriter>>& archives) {
+    const int64_t part = flat_part(f.unit);
+    const auto elem = static_cast<int64_t>(dtype_size(f.dtype));
+    for (auto& a : archives) OPTSTATE_RETURN_IF_ERROR(a->begin_storage(key, static_cast<uint64_t>(part * elem)));
+    std::vector<int64_t> filled(archives.size(), 0);
+    int64_t at = 0;
+    for (const FsdpSet::FlatParam& fp : set_.flat_units[f.unit]) {
+      OPTSTATE_ASSIGN_OR_RETURN(const Entry e, source_.load(fp.fqn, f.entry));
+      if (e.encoding != Encoding::kDense || e.dtype != f.dtype ||
+          e.values.size != static_cast<size_t>(fp.numel * elem))
+        return invalid_argument(fmt::format("param '{}' '{}': not {} values of its {} elements, as its flat parameter "
+                                            "holds them", fp.fqn, f.entry, dtype_name(f.dtype), fp.numel));
+      const std::span<const std::byte> values = e.values.span();
+      for (size_t i = 0; i < archives.size(); ++i) {
+        const int64_t r = first + static_cast<int64_t>(i);
+        const int64_t lo = std::max(at, r * part), hi = std::min(at + fp.numel, (r + 1) * part);
+        if (lo >= hi) continue;
+        OPTSTATE_RETURN_IF_ERROR(archives[i]->append(
+            values.subspan(static_cast<size_t>((lo - at) * elem), static_cast<size_t>((hi - lo) * elem))));
+        filled[i] += hi - lo;
+      }
+      at += fp.numel;
+    }
+    static const std::vector<std::byte> kZeros(size_t{1} << 16);
+    for (size_t i = 0; i < archives.size(); ++i) {
+      for (int64_t left = (part - filled[i]) * elem; left > 0;) {
+        const auto n = std::min<int64_t>(left, static_cast<int64_t>(kZeros.size()));
+        OPTSTATE_RETURN_IF_ERROR(archives[i]->append(std::span(kZeros).first(static_cast<size_t>(n))));
+        left -= n;
+      }
+      OPTSTATE_RETURN_IF_ERROR(archives[i]->end_storage());
     }
     return Status::Ok();
   }
@@ -535,19 +628,20 @@ class Fsdp2Writer {
 
   StateSource& source_;
   const CheckpointReader& reader_;
-  const Fsdp2Set& set_;
+  const FsdpSet& set_;
   fs::path staging_;
   int world_;
   int64_t n_;  // the source's world size
   std::vector<Dtensor> dtensors_;
+  std::vector<FlatMoment> flats_;
 };
 
 }  // namespace
 
-Status write_fsdp2_ranks(StateSource& source, const CheckpointReader& reader, const Fsdp2Set& set,
+Status write_fsdp_ranks(StateSource& source, const CheckpointReader& reader, const FsdpSet& set,
                          const fs::path& staging, int world) {
   if (world < 1 || world > 65536) return invalid_argument(fmt::format("world size {} out of range", world));
-  Fsdp2Writer w(source, reader, set, staging, world);
+  FsdpWriter w(source, reader, set, staging, world);
   return w.run();
 }
 

@@ -11,7 +11,7 @@ namespace optstate::torchsave {
 // Writes into `staging` (a fresh directory, published by the caller) every file of `set` (read by
 // `reader`) for `world` ranks: the optimizer's and model's files with `source`'s values (the state
 // read from `reader`, dense), the other per-rank files from the source rank r % N, the rest copied.
-Status write_fsdp2_ranks(StateSource& source, const CheckpointReader& reader, const Fsdp2Set& set,
+Status write_fsdp_ranks(StateSource& source, const CheckpointReader& reader, const FsdpSet& set,
                          const std::filesystem::path& staging, int world);
 
 }  // namespace optstate::torchsave

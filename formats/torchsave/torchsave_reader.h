@@ -26,15 +26,23 @@ struct RankName {
 };
 std::optional<RankName> rank_name(const std::string& filename);
 
-// FSDP2's per-rank set as the reader read it (a directory of optimizer and model files of
-// DTensors): what its writer for another world size needs (torchsave_ranks.h).
-struct Fsdp2Set {
+// FSDP's per-rank set as the reader read it (a directory of optimizer and model files, the model's
+// of DTensors): what its writer for another world size needs (torchsave_ranks.h). FSDP2's optimizer
+// files hold DTensors; FSDP1's (flat parameters, use_orig_params=False) plain 1-D parts of each
+// FSDP unit's flat parameter, its params flattened and concatenated in `flat_units` order.
+struct FsdpSet {
   std::filesystem::path dir;
   std::vector<std::filesystem::path> optim, model;  // by rank
-  std::map<int64_t, std::string> fqn_of_id;         // rank 0's optimizer params (ParamSpec::id) -> name
+  std::map<int64_t, std::string> fqn_of_id;         // FSDP2: rank 0's optimizer params (ParamSpec::id) -> name
+  struct FlatParam {
+    std::string fqn;
+    int64_t numel = 0;
+  };
+  std::vector<std::vector<FlatParam>> flat_units;   // FSDP1: by optimizer param id (unit), its params in order
 };
-// The set `reader` reads, or null (another reader, one file, FSDP1's set, a set without model files).
-const Fsdp2Set* fsdp2_set(const CheckpointReader& reader);
+// The set `reader` reads, or null (another reader, one file, FSDP1 with use_orig_params, a set
+// without model files or whose model files hold no DTensors).
+const FsdpSet* fsdp_set(const CheckpointReader& reader);
 
 // A DeepSpeed ZeRO checkpoint (formats/deepspeed/): its tag folder (global_step500/, every rank's
 // zero_pp_rank_R_mp_rank_00_optim_states.pt and the model states file), or the folder above whose

@@ -350,11 +350,7 @@ def test_missing_or_lone_rank_files_are_refused_by_name(tmp_path, optstate_cli):
     assert r.returncode == 2 and sorted(os.listdir(out)) == before
 
 
-FSDP1_SCRIPT = textwrap.dedent("""
-    # FSDP1 (FullyShardedDataParallel) saved as verl's FSDP strategy saves it: under
-    # SHARDED_STATE_DICT, each rank's model.state_dict() (DTensors: FSDP built with a device_mesh)
-    # and optimizer.state_dict() (plain 1-D parts of flat parameters). Transformer-like blocks
-    # wrapped as units, the embedding and head in the root's unit; sizes that leave padding.
+FSDP1_MODEL = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist, torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
@@ -365,7 +361,7 @@ FSDP1_SCRIPT = textwrap.dedent("""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    orig, amsgrad, tied, out = sys.argv[1] == "orig", sys.argv[2] == "amsgrad", sys.argv[2] == "tied", sys.argv[3]
+    orig, amsgrad, tied = sys.argv[1] == "orig", sys.argv[2] == "amsgrad", sys.argv[2] == "tied"
     torch.manual_seed(0)
 
     class Block(nn.Module):
@@ -390,8 +386,19 @@ FSDP1_SCRIPT = textwrap.dedent("""
                 x = layer(x)
             return self.head(x)
 
-    model = FSDP(Model(), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=orig,
-                 device_mesh=init_device_mesh("cpu", (world,)), device_id=torch.device("cpu"))
+
+    def wrap(module):
+        return FSDP(module, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=orig,
+                    device_mesh=init_device_mesh("cpu", (world,)), device_id=torch.device("cpu"))
+""")
+
+FSDP1_SCRIPT = FSDP1_MODEL + textwrap.dedent("""
+    # FSDP1 (FullyShardedDataParallel) saved as verl's FSDP strategy saves it: under
+    # SHARDED_STATE_DICT, each rank's model.state_dict() (DTensors: FSDP built with a device_mesh)
+    # and optimizer.state_dict() (plain 1-D parts of flat parameters). Transformer-like blocks
+    # wrapped as units, the embedding and head in the root's unit; sizes that leave padding.
+    out = sys.argv[3]
+    model = wrap(Model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
     for step in range(3):
         g = torch.Generator().manual_seed(100 * step + rank)
@@ -425,6 +432,12 @@ FSDP1_SCRIPT = textwrap.dedent("""
         weights = model.state_dict()
     if rank == 0:
         torch.save(weights, f"{out}.weights")
+    if not orig:  # torch's own gather of the whole state, for a resume elsewhere
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True),
+                                  FullOptimStateDictConfig(rank0_only=True)):
+            whole = FSDP.optim_state_dict(model, opt)
+        if rank == 0:
+            torch.save({"model": weights, "optim": whole}, f"{out}.whole")
     # together (the rare gloo abort in the teardown is retried by the runner)
     dist.barrier()
     dist.destroy_process_group()
@@ -467,6 +480,70 @@ def test_fsdp1_rank_files_read_as_one_state_by_name(tmp_path, optstate_cli, mode
     optstate_cli("convert", out, tmp_path / "plain.pt")
     sd = torch.load(tmp_path / "plain.pt")
     assert sd["optimizer"]["param_groups"][0]["param_names"][0] == "emb.weight"
+
+
+FSDP1_RESUME = FSDP1_MODEL + textwrap.dedent("""
+    # verl's load_checkpoint (FSDP1) on another world size: under SHARDED_STATE_DICT each rank loads its
+    # own model file (DTensors) and optimizer file (its parts of the flat parameters). Beside it, the
+    # same model given the saved run's whole state through FSDP's own resharding
+    # (FSDP.optim_state_dict_to_load), as the reference; then one more step each on the same data.
+    import copy
+    ckpt, whole, out = sys.argv[3:6]
+    full = lambda m: FSDP.state_dict_type(m, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False),
+                                          FullOptimStateDictConfig(rank0_only=False))
+    def state(m, o):
+        with full(m):
+            return copy.deepcopy({"model": m.state_dict(), "optim": FSDP.optim_state_dict(m, o)})
+
+    model = wrap(Model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),
+                              ShardedOptimStateDictConfig()):
+        model.load_state_dict(torch.load(f"{ckpt}/model_world_size_{world}_rank_{rank}.pt", weights_only=False))
+        opt.load_state_dict(torch.load(f"{ckpt}/optim_world_size_{world}_rank_{rank}.pt", weights_only=False))
+    loaded = state(model, opt)
+    ref = wrap(Model())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+    saved = torch.load(whole, weights_only=False)
+    with full(ref):
+        ref.load_state_dict(saved["model"])
+        ref_opt.load_state_dict(FSDP.optim_state_dict_to_load(ref, ref_opt, saved["optim"]))
+    for m, o in ((model, opt), (ref, ref_opt)):
+        g = torch.Generator().manual_seed(1000 + rank)
+        m(torch.randint(0, 11, (4, 3), generator=g)).square().sum().backward()
+        o.step()
+        o.zero_grad()
+    after, ref_after = state(model, opt), state(ref, ref_opt)
+    if rank == 0:
+        torch.save({"loaded": loaded, "after": after, "ref_after": ref_after}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize("kind,n,m", [("adamw", 2, 3), ("tied", 3, 2), ("amsgrad", 2, 1)])
+def test_fsdp1_rank_files_resharded_resume_in_fsdp1_on_another_world_size(tmp_path, optstate_cli, kind, n, m):
+    """verl's default strategy (FSDP1, flat parameters) saved on n ranks, written by reshard --format
+    torchsave for m: each rank's part of every flat parameter (FSDP's padding zeros) and of every
+    DTensor. FSDP1 loads them through verl's own steps on m ranks and holds the saved state bit for bit
+    (as FSDP's own resharding of the whole state gives it), and the next step is the same too."""
+    script = tmp_path / "fsdp1.py"
+    script.write_text(FSDP1_SCRIPT)
+    out = tmp_path / f"flat{kind}{n}"
+    torchrun(n, "flat", kind, out, script=script)
+    dst = tmp_path / f"actor{m}"
+    optstate_cli("reshard", out, dst, "--world-size", str(m), "--format", "torchsave")
+    assert sorted(p.name for p in dst.iterdir()) == sorted(f"{f}_world_size_{m}_rank_{r}.pt" for f in ("model", "optim")
+                                                           for r in range(m))
+    h = lambda p: optstate_cli("hash", p).stdout.strip().splitlines()[-1]
+    assert h(dst) == h(out)
+    script = tmp_path / "resume.py"
+    script.write_text(FSDP1_RESUME)
+    torchrun(m, "flat", kind, dst, f"{out}.whole", tmp_path / "resumed.pt", script=script)
+    got = torch.load(tmp_path / "resumed.pt", weights_only=False)
+    saved = torch.load(f"{out}.whole", weights_only=False)
+    assert_same_state(got["loaded"], saved, "loaded")
+    assert_same_state(got["after"], got["ref_after"], "after a step")
 
 
 def test_fsdp1_rank_files_that_do_not_add_up_are_refused_by_name(tmp_path, optstate_cli):

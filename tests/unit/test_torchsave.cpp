@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 
 #include "bitsandbytes/bnb_layout.h"
@@ -19,6 +20,7 @@
 #include "test_helpers.h"
 #include "torchsave/torchsave_archive.h"
 #include "torchsave/torchsave_fuzz_sign.h"
+#include "torchsave/torchsave_reader.h"
 #include "torchao/torchao_layout.h"
 #include "torchsave/torchsave_layout.h"
 
@@ -689,12 +691,56 @@ TEST_CASE("torchsave: FSDP2's per-rank files written for another world size: eac
   const OptimizerState eight = *quantize_state(*load_all(**r), {16, 1});
   const Status q = write_checkpoint(*ts, eight, dir.path / "z", {.world_size = 2, .source = r->get()});
   CHECK(q.message().find("8-bit state") != std::string::npos);
-  // FSDP1's files (flat parameters) are not written per rank: said so.
-  auto fsdp1 = open_checkpoint(kSeeds / "fsdp1_world2");
-  REQUIRE(fsdp1.ok());
-  const Status f1 = write_checkpoint(*ts, *load_all(**fsdp1), dir.path / "f1", {.world_size = 2, .source = fsdp1->get()});
-  CHECK(f1.message().find("FSDP1") != std::string::npos);
+  // FSDP1's files with use_orig_params (where each param lies in a flat parameter, the files do not
+  // say) are not written per rank: said so.
+  auto orig = open_checkpoint(kSeeds / "fsdp1_world2_orig");
+  REQUIRE(orig.ok());
+  const Status o = write_checkpoint(*ts, *load_all(**orig), dir.path / "o", {.world_size = 2, .source = orig->get()});
+  CHECK(o.message().find("FSDP1's with use_orig_params") != std::string::npos);
   CHECK(std::distance(fs::directory_iterator(dir.path), {}) == 3);  // w1, w3, w5 only
+}
+
+TEST_CASE("torchsave: FSDP1's per-rank files (flat parameters) written for another world size, padding zeros") {
+  auto r = open_checkpoint(kSeeds / "fsdp1_world2");
+  REQUIRE(r.ok());
+  const FormatDriver* ts = find_format("torchsave");
+  const auto want = hash_checkpoint(**r);
+  testing::TempDir dir;
+  for (int world : {1, 3, 4}) {
+    CAPTURE(world);
+    const fs::path out = dir.path / fmt::format("w{}", world);
+    const Status st = write_checkpoint(*ts, *load_all(**r), out, {.world_size = world, .source = r->get()});
+    REQUIRE_MESSAGE(st.ok(), st.message());
+    auto back = open_checkpoint(out);
+    REQUIRE_MESSAGE(back.ok(), back.status().message());
+    CHECK(hash_checkpoint(**back)->root == want->root);
+    // Every rank holds ceil(numel / world) elements of each flat parameter; the last rank's tail is zeros.
+    std::vector<int64_t> parts;
+    std::vector<float> last;
+    for (int k = 0; k < world; ++k) {
+      auto a = torchsave::open_archive(out / fmt::format("optim_world_size_{}_rank_{}.pt", world, k));
+      REQUIRE(a.ok());
+      auto sd = torchsave::interpret_state_dict(a->second, "optim");
+      REQUIRE(sd.ok());
+      const auto& m = sd->params.at(0).entries.at(kExpAvg);
+      CHECK_FALSE(m.dtensor.has_value());
+      parts.push_back(m.values.shape.at(0));
+      if (k == world - 1) {
+        auto bytes = torchsave::read_storage(a->first, m.values.storage_key);
+        REQUIRE(bytes.ok());
+        last.resize(bytes->size() / 4);
+        std::memcpy(last.data(), bytes->data(), bytes->size());
+      }
+    }
+    CHECK(std::all_of(parts.begin(), parts.end(), [&](int64_t n) { return n == parts[0]; }));
+    const int64_t unit = static_cast<int64_t>(torchsave::fsdp_set(**r)->flat_units.at(0).size());
+    CHECK(unit > 0);
+    int64_t numel = 0;
+    for (const auto& fp : torchsave::fsdp_set(**r)->flat_units.at(0)) numel += fp.numel;
+    CHECK(parts[0] == (numel + world - 1) / world);
+    const int64_t pad = parts[0] * world - numel;
+    for (int64_t i = 0; i < pad; ++i) CHECK(last.at(last.size() - 1 - static_cast<size_t>(i)) == 0.0f);
+  }
 }
 
 TEST_CASE("torchsave: FSDP1's per-rank files (flat parameters, or runs of each param) read as the state FSDP places") {

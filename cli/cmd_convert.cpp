@@ -43,7 +43,7 @@ int run_convert(int argc, char** argv) {
       "DST is written atomically: it appears complete or not at all. Ctrl-C (SIGINT, SIGTERM, SIGHUP)\n"
       "stops the write and removes what it wrote; an existing DST stays as it was.",
       {{"--to", true, "fp32 or 8bit (default: keep encodings)"},
-       {"--format", true, "output format: native, dcp, safetensors, hdf5, torchsave (one file; from a folder of FSDP2's per-rank "
+       {"--format", true, "output format: native, dcp, safetensors, hdf5, torchsave (one file; from a folder of FSDP's per-rank "
         "files and to a folder, those files for --world-size ranks), libtorch (C++ torch::save's optimizer "
         "archive), bitsandbytes or torchao (their AdamW8bit's state_dict), deepspeed (from a DeepSpeed SRC: of "
         "ZeRO-1/2, a universal checkpoint, which DeepSpeed loads on any world size; of ZeRO-3, the same checkpoint for "
@@ -67,11 +67,11 @@ int run_reshard(int argc, char** argv) {
                          "optstate reshard SRC DST --world-size N [--format native|dcp|torchsave|deepspeed] [--overwrite] [--json]",
                          "Writes SRC again as N ranks' shards (each rank a contiguous flat range of every entry,\n"
                          "whole rows for dense entries, whole blocks for 8-bit ones; nothing is requantized).\n"
-                         "--format torchsave with SRC a folder of FSDP2's per-rank files (verl's actor/) writes that\n"
-                         "folder for N ranks; --format deepspeed with SRC a ZeRO-3 checkpoint, that checkpoint.\n"
+                         "--format torchsave with SRC a folder of FSDP's per-rank files (verl's actor/: FSDP2, or FSDP1\n"
+                         "with flat parameters) writes that folder for N ranks; --format deepspeed with SRC a ZeRO-3 checkpoint, that checkpoint.\n"
                          "SRC is only read; DST appears complete or not at all (Ctrl-C leaves nothing).",
                          {{"--world-size", true, "number of ranks (required)"},
-                          {"--format", true, "output format (default: native): native, dcp, torchsave (FSDP2's per-rank "
+                          {"--format", true, "output format (default: native): native, dcp, torchsave (FSDP's per-rank "
                                              "files, from such a folder), deepspeed (ZeRO-3, from such a checkpoint)"},
                           {"--overwrite", false, "replace DST if it is a checkpoint (any format) or an empty directory"},
                           {"--json", false, "print a JSON summary"}},

@@ -1,5 +1,5 @@
-// FSDP2's per-rank files written again for another world size: what every rank of an FSDP2 run on
-// `world` ranks would have saved (verl's optim_world_size_W_rank_R.pt, model_world_size_W_rank_R.pt
+// FSDP's per-rank files written again for another world size: what every rank of an FSDP2 (or FSDP1,
+// flat parameters) run on `world` ranks would have saved (verl's optim_world_size_W_rank_R.pt, model_world_size_W_rank_R.pt
 // and extra_state_world_size_W_rank_R.pt), which verl loads only on the world size it saved.
 //
 // Each rank's files are rank 0's, written again (Planner: pickle::emit with a hook), so the classes
@@ -8,6 +8,8 @@
 // FSDP2's Shard(0)), and in its device mesh the rank, its coordinate, the ranks and the layout's
 // size; cached hashes are written as None, so torch computes them again. Every other value is
 // carried as it was, tensors included (steps, buffers): their storages copied from rank 0's file.
+// FSDP1's optimizer files hold plain 1-D parts of each unit's flat parameter instead of DTensors:
+// each rank's part made anew from the unit's params in order, padded with zeros.
 // Values come from the state being written (moments, weights); a DTensor the state does not hold
 // (the weights of a frozen param, a tied weight's second name) is put together from the source's
 // ranks' files. Byte layout and checks: FORMAT.md.

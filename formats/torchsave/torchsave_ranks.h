@@ -1,4 +1,4 @@
-// FSDP2's per-rank files (verl's) written for another world size: torchsave_ranks.cpp.
+// FSDP2's and FSDP1's per-rank files (verl's) written for another world size: torchsave_ranks.cpp.
 #pragma once
 
 #include <filesystem>

@@ -1599,7 +1599,8 @@ class TorchSaveDriver final : public FormatDriver {
         fs::is_directory(options.source->path(), ec))
       return unsupported(fmt::format(
           "{}: --world-size {}: {} is a per-rank set optstate reads but does not write for another world size "
-          "(FSDP1's with use_orig_params, whose params' places in the flat parameters the files do not say; a "
+          "(FSDP1's with use_orig_params, whose params' places in the flat parameters the files do not say, or "
+          "with one param per FSDP unit, which the files cannot tell from it; a "
           "one-rank FSDP1 run's, whose model file holds no DTensors; optimizer files without the model's); FSDP2's "
           "and FSDP1's (flat parameters) with the model's DTensors beside them are written", path.string(), options.world_size, options.source->path().string()));
     if (options.world_size != 1)

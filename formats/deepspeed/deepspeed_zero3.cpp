@@ -374,17 +374,12 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
   std::map<std::pair<size_t, std::string>, size_t> key_of;
   for (size_t key = 0; key < optim_plan.storages.size(); ++key)
     if (const auto* t = std::get_if<NewTensor>(&optim_plan.storages[key])) key_of[{t->flat, t->entry}] = key;
-  constexpr int kRanksAtOnce = 256;  // open files: well under the usual limit of 1024
-  for (int first = 0; first < world; first += kRanksAtOnce) {
-    const int batch = std::min(kRanksAtOnce, world - first);
-    std::vector<std::unique_ptr<OutputFile>> outs;
-    std::vector<std::unique_ptr<dcp::ArchiveWriter>> archives;
+  for (int first = 0; first < world; first += torchsave::kRanksAtOnce) {
+    const int batch = std::min(torchsave::kRanksAtOnce, world - first);
+    torchsave::RankArchives archives;
     for (int r = first; r < first + batch; ++r) {
-      OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging / rank_file(optim_name, r)));
-      outs.push_back(std::make_unique<OutputFile>(std::move(out)));
-      archives.push_back(std::make_unique<dcp::ArchiveWriter>(*outs.back()));
-      OPTSTATE_RETURN_IF_ERROR(archives.back()->begin(std::as_bytes(std::span(optim_plan.pkl))));
-      OPTSTATE_RETURN_IF_ERROR(carry_storages(optim_carried, *archives.back()));
+      OPTSTATE_RETURN_IF_ERROR(archives.open(staging / rank_file(optim_name, r), optim_plan.pkl));
+      OPTSTATE_RETURN_IF_ERROR(carry_storages(optim_carried, archives[archives.size() - 1]));
     }
     for (size_t key = 0; key < optim_plan.storages.size(); ++key) {
       const auto* t = std::get_if<NewTensor>(&optim_plan.storages[key]);
@@ -394,7 +389,7 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
       const auto f64 = static_cast<double>(step);
       const std::span<const std::byte> bytes =
           t->dtype == DType::kF32 ? std::as_bytes(std::span(&f32, 1)) : std::as_bytes(std::span(&f64, 1));
-      for (auto& archive : archives) OPTSTATE_RETURN_IF_ERROR(archive->storage(std::to_string(key), bytes));
+      OPTSTATE_RETURN_IF_ERROR(archives.storage_to_all(std::to_string(key), bytes));
     }
     // Each rank's partition streamed into its file: the memory is one param's entry, not a flat's.
     static const std::vector<float> kZeros(4096, 0.0f);
@@ -403,9 +398,9 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
       for (const std::string& e : entries) {
         const auto key = key_of.find({k, e});
         if (key == key_of.end()) return corrupt(fmt::format("{}: no '{}' in the state of flat param {}", ow, e, k));
-        for (auto& archive : archives)
-          OPTSTATE_RETURN_IF_ERROR(archive->begin_storage(std::to_string(key->second),
-                                                          static_cast<uint64_t>(flats[k].length) * sizeof(float)));
+        for (size_t i = 0; i < archives.size(); ++i)
+          OPTSTATE_RETURN_IF_ERROR(archives[i].begin_storage(std::to_string(key->second),
+                                                             static_cast<uint64_t>(flats[k].length) * sizeof(float)));
         for (const auto& [name, shape] : flats[k].params) {
           const int64_t numel = *checked_numel(shape), part = (numel + w - 1) / w;
           OPTSTATE_ASSIGN_OR_RETURN(const Entry loaded, source.load(name, e));
@@ -413,7 +408,7 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
                                     entry_f32_span(loaded, numel, entry_key(name, e), scratch));
           for (int i = 0; i < batch; ++i) {
             const int64_t begin = std::min(numel, (first + i) * part), end = std::min(numel, begin + part);
-            dcp::ArchiveWriter& archive = *archives[static_cast<size_t>(i)];
+            dcp::ArchiveWriter& archive = archives[static_cast<size_t>(i)];
             OPTSTATE_RETURN_IF_ERROR(archive.append(std::as_bytes(
                 values.subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin)))));
             for (int64_t pad = part - (end - begin); pad > 0;) {  // the last parts: zero-padded
@@ -423,12 +418,9 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
             }
           }
         }
-        for (auto& archive : archives) OPTSTATE_RETURN_IF_ERROR(archive->end_storage());
+        for (size_t i = 0; i < archives.size(); ++i) OPTSTATE_RETURN_IF_ERROR(archives[i].end_storage());
       }
-    for (size_t i = 0; i < outs.size(); ++i) {
-      OPTSTATE_RETURN_IF_ERROR(archives[i]->finish().status());
-      OPTSTATE_RETURN_IF_ERROR(outs[i]->sync_and_close());
-    }
+    OPTSTATE_RETURN_IF_ERROR(archives.finish());
   }
   return fsync_directory(staging);
 }

@@ -6,13 +6,19 @@
 
 #include <fmt/format.h>
 
+#include <filesystem>
 #include <functional>
 #include <map>
+#include <memory>
+#include <span>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
+#include "dcp/dcp_driver.h"
 #include "dcp/pickle.h"
+#include "optstate/io.h"
 #include "optstate/status.h"
 
 namespace optstate::torchsave {
@@ -82,6 +88,41 @@ class Planner {
   const pickle::Pickle& p_;
   std::string where_;
   std::map<std::string, std::string> carried_;  // source key -> new key
+};
+
+// Writers that lay a state out for many ranks write the ranks' files a batch at a time: at most
+// kRanksAtOnce open together (well under the usual limit of 1024 open files), each entry loaded once
+// per batch and its parts written into every open file in turn.
+inline constexpr int kRanksAtOnce = 256;
+
+class RankArchives {
+ public:
+  // Creates `path` and begins its archive with `pkl`: the archive at index size() - 1.
+  Status open(const std::filesystem::path& path, std::string_view pkl) {
+    OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(path));
+    outs_.push_back(std::make_unique<OutputFile>(std::move(out)));
+    archives_.push_back(std::make_unique<dcp::ArchiveWriter>(*outs_.back()));
+    return archives_.back()->begin(std::as_bytes(std::span(pkl)));
+  }
+  size_t size() const { return archives_.size(); }
+  dcp::ArchiveWriter& operator[](size_t i) { return *archives_[i]; }
+  // The same storage written into every archive.
+  Status storage_to_all(const std::string& key, std::span<const std::byte> bytes) {
+    for (auto& a : archives_) OPTSTATE_RETURN_IF_ERROR(a->storage(key, bytes));
+    return Status::Ok();
+  }
+  // Ends every archive and syncs its file.
+  Status finish() {
+    for (size_t i = 0; i < archives_.size(); ++i) {
+      OPTSTATE_RETURN_IF_ERROR(archives_[i]->finish().status());
+      OPTSTATE_RETURN_IF_ERROR(outs_[i]->sync_and_close());
+    }
+    return Status::Ok();
+  }
+
+ private:
+  std::vector<std::unique_ptr<OutputFile>> outs_;
+  std::vector<std::unique_ptr<dcp::ArchiveWriter>> archives_;
 };
 
 }  // namespace optstate::torchsave

@@ -444,24 +444,19 @@ class FsdpWriter {
       plans.push_back(std::move(pl));
     }
     const std::string prefix = new_prefix(name.prefix);
-    constexpr int kRanksAtOnce = 256;  // open files: well under the usual limit of 1024
     for (int first = 0; first < world_; first += kRanksAtOnce) {
       const int batch = std::min(kRanksAtOnce, world_ - first);
-      std::vector<std::unique_ptr<OutputFile>> outs;
-      std::vector<std::unique_ptr<dcp::ArchiveWriter>> archives;
-      for (int r = first; r < first + batch; ++r) {
-        OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging_ / fmt::format("{}{}{}", prefix, r, name.ext)));
-        outs.push_back(std::make_unique<OutputFile>(std::move(out)));
-        archives.push_back(std::make_unique<dcp::ArchiveWriter>(*outs.back()));
-        OPTSTATE_RETURN_IF_ERROR(archives.back()->begin(std::as_bytes(std::span(plans[static_cast<size_t>(r)].pkl))));
-      }
+      RankArchives archives;
+      for (int r = first; r < first + batch; ++r)
+        OPTSTATE_RETURN_IF_ERROR(archives.open(staging_ / fmt::format("{}{}{}", prefix, r, name.ext),
+                                               plans[static_cast<size_t>(r)].pkl));
       // Storages in key order, each loaded once for the batch.
       for (size_t key = 0; key < plans[0].storages.size(); ++key) {
         const std::string k = std::to_string(key);
         const auto& s = plans[0].storages[key];
         if (const auto* old_key = std::get_if<std::string>(&s)) {
           OPTSTATE_ASSIGN_OR_RETURN(const std::vector<std::byte> bytes, read_storage(source.first, *old_key));
-          for (auto& a : archives) OPTSTATE_RETURN_IF_ERROR(a->storage(k, bytes));
+          OPTSTATE_RETURN_IF_ERROR(archives.storage_to_all(k, bytes));
           continue;
         }
         const NewPart& part = std::get<NewPart>(s);
@@ -478,7 +473,7 @@ class FsdpWriter {
             if (part.dtype == DType::kI64) std::memcpy(bytes.data() + static_cast<size_t>(i) * 8, &v64, 8);
             else std::memcpy(bytes.data() + static_cast<size_t>(i) * 4, &v32, 4);
           }
-          for (auto& a : archives) OPTSTATE_RETURN_IF_ERROR(a->storage(k, bytes));
+          OPTSTATE_RETURN_IF_ERROR(archives.storage_to_all(k, bytes));
           continue;
         }
         const Dtensor& d = dtensors_[part.index];
@@ -505,14 +500,11 @@ class FsdpWriter {
           const auto [b, e] = rows(d, first + i);
           const auto part_bytes = d.replicated ? values : values.subspan(static_cast<size_t>(b) * row_bytes,
                                                                          static_cast<size_t>(e - b) * row_bytes);
-          OPTSTATE_RETURN_IF_ERROR(archives[static_cast<size_t>(i)]->storage(k, part_bytes));
+          OPTSTATE_RETURN_IF_ERROR(archives[static_cast<size_t>(i)].storage(k, part_bytes));
         }
         OPTSTATE_RETURN_IF_ERROR(check_interrupt(staging_));
       }
-      for (size_t i = 0; i < archives.size(); ++i) {
-        OPTSTATE_RETURN_IF_ERROR(archives[i]->finish().status());
-        OPTSTATE_RETURN_IF_ERROR(outs[i]->sync_and_close());
-      }
+      OPTSTATE_RETURN_IF_ERROR(archives.finish());
     }
     return Status::Ok();
   }
@@ -527,11 +519,11 @@ class FsdpWriter {
 
   // FSDP1: one moment of a flat parameter, each rank's part streamed into its file from the params in
   // order, one param's entry in memory at a time; past the params, zeros (FSDP's padding).
-  Status write_flat(const FlatMoment& f, const std::string& key, int first,
-                    std::vector<std::unique_ptr<dcp::ArchiveWriter>>& archives) {
+  Status write_flat(const FlatMoment& f, const std::string& key, int first, RankArchives& archives) {
     const int64_t part = flat_part(f.unit);
     const auto elem = static_cast<int64_t>(dtype_size(f.dtype));
-    for (auto& a : archives) OPTSTATE_RETURN_IF_ERROR(a->begin_storage(key, static_cast<uint64_t>(part * elem)));
+    for (size_t i = 0; i < archives.size(); ++i)
+      OPTSTATE_RETURN_IF_ERROR(archives[i].begin_storage(key, static_cast<uint64_t>(part * elem)));
     std::vector<int64_t> filled(archives.size(), 0);
     int64_t at = 0;
     for (const FsdpSet::FlatParam& fp : set_.flat_units[f.unit]) {
@@ -545,7 +537,7 @@ class FsdpWriter {
         const int64_t r = first + static_cast<int64_t>(i);
         const int64_t lo = std::max(at, r * part), hi = std::min(at + fp.numel, (r + 1) * part);
         if (lo >= hi) continue;
-        OPTSTATE_RETURN_IF_ERROR(archives[i]->append(
+        OPTSTATE_RETURN_IF_ERROR(archives[i].append(
             values.subspan(static_cast<size_t>((lo - at) * elem), static_cast<size_t>((hi - lo) * elem))));
         filled[i] += hi - lo;
       }
@@ -555,10 +547,10 @@ class FsdpWriter {
     for (size_t i = 0; i < archives.size(); ++i) {
       for (int64_t left = (part - filled[i]) * elem; left > 0;) {
         const auto n = std::min<int64_t>(left, static_cast<int64_t>(kZeros.size()));
-        OPTSTATE_RETURN_IF_ERROR(archives[i]->append(std::span(kZeros).first(static_cast<size_t>(n))));
+        OPTSTATE_RETURN_IF_ERROR(archives[i].append(std::span(kZeros).first(static_cast<size_t>(n))));
         left -= n;
       }
-      OPTSTATE_RETURN_IF_ERROR(archives[i]->end_storage());
+      OPTSTATE_RETURN_IF_ERROR(archives[i].end_storage());
     }
     return Status::Ok();
   }

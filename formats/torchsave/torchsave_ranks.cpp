@@ -406,6 +406,22 @@ class FsdpWriter {
     });
   }
 
+  // The source's rank r's model file, opened and interpreted once (for every DTensor assemble() puts together).
+  struct SourceModel {
+    Archive archive;
+    ModelDict dict;
+  };
+  Result<const SourceModel*> source_model(size_t r) {
+    if (source_models_.empty()) source_models_.resize(set_.model.size());
+    if (!source_models_[r]) {
+      const fs::path& file = set_.model[r];
+      OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(file));
+      OPTSTATE_ASSIGN_OR_RETURN(ModelDict md, interpret_model_dict(ap.second, file.string()));
+      source_models_[r] = std::make_unique<SourceModel>(SourceModel{std::move(ap.first), std::move(md)});
+    }
+    return source_models_[r].get();
+  }
+
   // The global values of a DTensor the state does not hold, put together from the source's ranks'
   // model files (each rank's local tensor where its coordinate puts it).
   Result<std::vector<std::byte>> assemble(const Dtensor& d) {
@@ -415,16 +431,15 @@ class FsdpWriter {
     const int64_t row = d.shape.empty() || d.shape[0] == 0 ? 0 : numel / d.shape[0];
     for (int64_t r = 0; r < (d.replicated ? 1 : n_); ++r) {
       const fs::path& file = set_.model[static_cast<size_t>(r)];
-      OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(file));
-      OPTSTATE_ASSIGN_OR_RETURN(const ModelDict md, interpret_model_dict(ap.second, file.string()));
-      const ModelTensor* t = md.find(d.key);
+      OPTSTATE_ASSIGN_OR_RETURN(const SourceModel* m, source_model(static_cast<size_t>(r)));
+      const ModelTensor* t = m->dict.find(d.key);
       const std::string tw = fmt::format("{} ['{}']", file.string(), d.key);
       if (!t || !t->dtensor || t->tensor.dtype != d.dtype || t->dtensor->global_shape != d.shape)
         return corrupt(tw + ": not the DTensor rank 0's model file has");
       OPTSTATE_ASSIGN_OR_RETURN(const Box box, dtensor_box(*t->dtensor, {n_}, tw));
       OPTSTATE_ASSIGN_OR_RETURN(const int64_t local, checked_numel(t->tensor.shape));
       if (t->tensor.shape != box.sizes) return corrupt(tw + ": its local tensor is not its rows");
-      OPTSTATE_ASSIGN_OR_RETURN(const std::vector<std::byte> storage, read_storage(ap.first, t->tensor.storage_key));
+      OPTSTATE_ASSIGN_OR_RETURN(const std::vector<std::byte> storage, read_storage(m->archive, t->tensor.storage_key));
       const uint64_t at = static_cast<uint64_t>(t->tensor.offset) * elem, bytes = static_cast<uint64_t>(local) * elem;
       if (t->tensor.offset < 0 || at > storage.size() || storage.size() - at < bytes)
         return corrupt(tw + ": its local tensor lies outside its storage");
@@ -628,6 +643,7 @@ class FsdpWriter {
   int64_t n_;  // the source's world size
   std::vector<Dtensor> dtensors_;
   std::vector<FlatMoment> flats_;
+  std::vector<std::unique_ptr<SourceModel>> source_models_;  // by source rank, as assemble() needs them
 };
 
 }  // namespace

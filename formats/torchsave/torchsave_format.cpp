@@ -1149,40 +1149,23 @@ class TorchSaveReader final : public CheckpointReader {
     return Status::Ok();
   }
 
-  // Numbered params named after the model's: its params are the distinct DTensors of its
-  // state_dict in order (buffers are plain tensors; tied weights are one object under two names),
-  // and torch numbered the optimizer's params in that order when it was given model.parameters().
-  // Where the counts or shapes do not line up, the params keep their numbers and the model files
-  // are named as not read.
+  // Numbered params named after the model's (names_from_model: the distinct DTensors of its
+  // state_dict, each group's params among them in order; torch numbered the optimizer's params so
+  // when it was given model.parameters() or filters of named_parameters()). Where they do not fit
+  // one way, the params keep their numbers and the model files are named as not read.
   Status model_names(const StateDict& sd, const ModelDict& md, const fs::path& model0,
                      std::map<int64_t, std::string>& rename) {
     for (const ParamSpec& ps : sd.params)
       if (!numbered(ps.fqn, ps.id)) return Status::Ok();  // named by param_names
-    // A model file of plain tensors (a one-rank run's): all of them, buffers too (if it has any,
-    // the count tells).
-    bool dtensors = false;
-    for (const ModelTensor& t : md.tensors) dtensors = dtensors || t.dtensor.has_value();
-    std::vector<const ModelTensor*> params;
-    std::set<pickle::Ref> seen;
-    for (const ModelTensor& t : md.tensors)
-      if ((t.dtensor || !dtensors) && seen.insert(t.ref).second) params.push_back(&t);
-    std::string why;
-    if (params.size() != sd.members) {
-      why = fmt::format("its {} params are not the optimizer's {}", params.size(), sd.members);
-    } else {
-      for (const ParamSpec& ps : sd.params)
-        if (global_shape(*params[static_cast<size_t>(ps.id)]) != ps.shape) {
-          why = fmt::format("param {} is '{}' of shape {} there, {} in the optimizer", ps.id,
-                            params[static_cast<size_t>(ps.id)]->name,
-                            format_shape(global_shape(*params[static_cast<size_t>(ps.id)])), format_shape(ps.shape));
-          break;
-        }
-    }
-    if (!why.empty()) {
-      not_read_.push_back(fmt::format("{} (the model's files: {}, so params keep their numbers)", model0.filename().string(), why));
+    std::map<int64_t, std::vector<int64_t>> shape_of;
+    for (const ParamSpec& ps : sd.params) shape_of.emplace(ps.id, ps.shape);
+    ModelNames names = names_from_model(md, sd.member_ids, shape_of);
+    if (!names.why.empty()) {
+      not_read_.push_back(fmt::format("{} (the model's files: {}, so params keep their numbers)",
+                                      model0.filename().string(), names.why));
       return Status::Ok();
     }
-    for (const ParamSpec& ps : sd.params) rename[ps.id] = params[static_cast<size_t>(ps.id)]->name;
+    for (const ParamSpec& ps : sd.params) rename[ps.id] = names.by_id.at(ps.id);
     return Status::Ok();
   }
 

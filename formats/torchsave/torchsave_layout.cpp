@@ -8,6 +8,8 @@
 #include <functional>
 #include <map>
 #include <set>
+#include <tuple>
+#include <unordered_map>
 
 #include "dcp/bnb_state.h"
 #include "optstate/quant8.h"
@@ -597,6 +599,111 @@ Result<FlatUnits> match_flat_units(const std::vector<std::string>& names, const 
   return out;
 }
 
+ModelPlacement place_params_in_model(const std::vector<std::vector<std::optional<std::vector<int64_t>>>>& groups,
+                                     const std::vector<std::vector<int64_t>>& tensors) {
+  ModelPlacement out;
+  const size_t k = groups.size(), c = tensors.size();
+  size_t n = 0;
+  for (const auto& g : groups) n += g.size();
+  if (n > c) {
+    out.why = fmt::format("its {} tensors are fewer than the optimizer's {} params", c, n);
+    return out;
+  }
+  const size_t spare = c - n;  // tensors that are no param of the optimizer: buffers, frozen params
+  // Layer t: after the first t tensors, how many of each group's params are placed (the key) and in
+  // how many ways (capped at 2: one or more than one is all that matters). Each tensor is either
+  // the next param of a group whose next shape it has, or spare.
+  using Key = std::vector<uint32_t>;
+  struct KeyHash {
+    size_t operator()(const Key& key) const noexcept {
+      uint64_t h = 1469598103934665603ull;
+      for (uint32_t v : key) h = (h ^ v) * 1099511628211ull;
+      return static_cast<size_t>(h);
+    }
+  };
+  auto fits = [&](size_t g, uint32_t i, size_t t) {
+    const auto& s = groups[g][i];
+    return !s || *s == tensors[t];
+  };
+  // A hostile file's model or groups must not make this run long or large: past this many key
+  // elements held, or copied, the placement is given up as "too many ways".
+  constexpr size_t kMaxCells = size_t{1} << 22, kMaxWork = size_t{1} << 26;
+  size_t cells = k, work = 0;
+  std::vector<std::vector<std::pair<Key, uint8_t>>> layers(c + 1);  // sorted, kept for the walk back
+  layers[0].emplace_back(Key(k, 0), uint8_t{1});
+  for (size_t t = 0; t < c; ++t) {
+    std::unordered_map<Key, uint8_t, KeyHash> next;
+    auto add = [&](Key key, uint8_t ways) {
+      auto [it, fresh] = next.try_emplace(std::move(key), uint8_t{0});
+      it->second = static_cast<uint8_t>(std::min(2, it->second + ways));
+      if (fresh) cells += k + 1;
+      work += k + 1;
+    };
+    for (const auto& [key, ways] : layers[t]) {
+      if (work > kMaxWork) break;
+      size_t placed = 0;
+      for (uint32_t v : key) placed += v;
+      if (t - placed < spare) add(key, ways);
+      for (size_t g = 0; g < k; ++g)
+        if (key[g] < groups[g].size() && fits(g, key[g], t)) {
+          Key moved = key;
+          ++moved[g];
+          add(std::move(moved), ways);
+        }
+    }
+    if (cells > kMaxCells || work > kMaxWork) {
+      out.why = fmt::format("too many ways to place the optimizer's {} params among its {} tensors to try them all", n, c);
+      return out;
+    }
+    layers[t + 1].assign(next.begin(), next.end());
+    std::sort(layers[t + 1].begin(), layers[t + 1].end());
+  }
+  auto find = [&](size_t t, const Key& key) -> const uint8_t* {
+    const auto& l = layers[t];
+    auto it = std::lower_bound(l.begin(), l.end(), key, [](const auto& e, const Key& x) { return e.first < x; });
+    return it != l.end() && it->first == key ? &it->second : nullptr;
+  };
+  Key key(k);
+  for (size_t g = 0; g < k; ++g) key[g] = static_cast<uint32_t>(groups[g].size());
+  const uint8_t* ways = find(c, key);
+  if (!ways) {
+    out.why = fmt::format("the optimizer's {} params (in {} group{}) are not among its {} tensors in order with their "
+                          "shapes", n, k, k == 1 ? "" : "s", c);
+    return out;
+  }
+  if (*ways > 1) {
+    out.why = fmt::format("the optimizer's {} params (in {} group{}) fit among its {} tensors in more than one way "
+                          "(buffers or frozen params shaped like params); which is which cannot be told", n, k,
+                          k == 1 ? "" : "s", c);
+    return out;
+  }
+  // One way: walk it back. The count is exact, so exactly one predecessor of each state is held.
+  out.tensor_of.resize(k);
+  for (size_t g = 0; g < k; ++g) out.tensor_of[g].resize(groups[g].size());
+  for (size_t t = c; t-- > 0;) {
+    size_t placed = 0;
+    for (uint32_t v : key) placed += v;
+    if (t >= placed && t - placed < spare && find(t, key)) continue;  // tensor t is spare
+    bool found = false;
+    for (size_t g = 0; g < k && !found; ++g) {
+      if (key[g] == 0 || !fits(g, key[g] - 1, t)) continue;
+      Key prev = key;
+      --prev[g];
+      if (find(t, prev)) {
+        out.tensor_of[g][prev[g]] = t;
+        key = std::move(prev);
+        found = true;
+      }
+    }
+    if (!found) {  // cannot happen: the count said one way leads here
+      out.tensor_of.clear();
+      out.why = "no placement could be traced back (an internal error)";
+      return out;
+    }
+  }
+  return out;
+}
+
 Result<Box> dtensor_box(const DTensorSpec& spec, const std::vector<int64_t>& mesh_shape, const std::string& where) {
   if (mesh_shape.size() != spec.placements.size() || spec.coordinate.size() != spec.placements.size())
     return corrupt(fmt::format("{}: a DTensor over {} mesh dims, on a mesh of {}", where, spec.placements.size(),
@@ -650,11 +757,56 @@ Result<ModelDict> interpret_model_dict(const Pickle& p, Ref dict, const std::str
   return out;
 }
 
+namespace {
+
+// torch.nn's BatchNorm / InstanceNorm buffers, which sit between params of the same shape in a
+// model's state_dict and are never an optimizer's params.
+bool norm_buffer(std::string_view name) {
+  const auto dot = name.rfind('.');
+  const std::string_view last = dot == std::string_view::npos ? name : name.substr(dot + 1);
+  return last == "running_mean" || last == "running_var" || last == "num_batches_tracked";
+}
+
+}  // namespace
+
+ModelNames names_from_model(const ModelDict& md, const std::vector<std::vector<int64_t>>& member_ids,
+                            const std::map<int64_t, std::vector<int64_t>>& shape_of) {
+  size_t members = 0;
+  for (const auto& ids : member_ids) members += ids.size();
+  if (members == 0) return {{}, "the optimizer lists no params"};
+  bool dtensors = false;
+  for (const ModelTensor& t : md.tensors) dtensors = dtensors || t.dtensor.has_value();
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<const std::string*> names;
+  std::set<std::tuple<std::string, int64_t, std::vector<int64_t>>> storages;
+  std::set<Ref> objects;
+  for (const ModelTensor& t : md.tensors) {
+    if (dtensors ? !t.dtensor : !dtype_info(t.tensor.dtype).is_float || norm_buffer(t.name)) continue;
+    if (!objects.insert(t.ref).second) continue;  // tied: one object under two names
+    if (!t.dtensor && !storages.emplace(t.tensor.storage_key, t.tensor.offset, t.tensor.shape).second) continue;
+    shapes.push_back(t.dtensor ? t.dtensor->global_shape : t.tensor.shape);
+    names.push_back(&t.name);
+  }
+  std::vector<std::vector<std::optional<std::vector<int64_t>>>> groups(member_ids.size());
+  for (size_t g = 0; g < member_ids.size(); ++g)
+    for (int64_t id : member_ids[g]) {
+      const auto it = shape_of.find(id);
+      groups[g].push_back(it == shape_of.end() ? std::nullopt : std::optional(it->second));
+    }
+  ModelPlacement placed = place_params_in_model(groups, shapes);
+  if (!placed.why.empty()) return {{}, placed.why};
+  ModelNames out;
+  for (size_t g = 0; g < member_ids.size(); ++g)
+    for (size_t i = 0; i < member_ids[g].size(); ++i) out.by_id[member_ids[g][i]] = *names[placed.tensor_of[g][i]];
+  return out;
+}
+
 Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where) {
   StateDict out;
   const Ref root = p.root();
   if (is_script_module(p, root)) return interpret_libtorch_archive(p, where);
   Ref opt = kNoRef, model = kNoRef;
+  std::string model_key;  // where the model's state_dict is: "['model']", ...
   if (is_optimizer_dict(p, root)) {
     opt = root;
   } else if (const auto* items = dict_items(p, root)) {
@@ -669,8 +821,10 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
       } else if (const auto* list = list_items(p, v); list && list->size() == 1 && is_optimizer_dict(p, (*list)[0])) {
         found.push_back(name + "[0]");
         opt = (*list)[0];
-      } else if (key && (*key == "model" || *key == "model_state_dict") && dict_items(p, v)) {
-        model = v;
+      } else if (key && (*key == "model" || *key == "model_state_dict" || *key == "state_dict") && dict_items(p, v) &&
+                 model == kNoRef) {
+        model = v;  // "state_dict": Lightning's (the LightningModule's, beside "optimizer_states")
+        model_key = name;
       } else {
         out.not_read.push_back(name);
       }
@@ -695,6 +849,8 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
   std::map<std::string, int64_t, std::less<>> id_of_name;  // then: fqn -> its number
   std::set<std::string> names;
   std::vector<GroupInfo> info(groups->size());
+  std::vector<std::vector<int64_t>> group_ids(groups->size());  // each group's param ids, in its order
+  bool named_in_groups = false;                                  // some group has param_names
   bool torchao_groups = true;
   for (size_t g = 0; g < groups->size(); ++g) {
     const Ref gr = (*groups)[g];
@@ -724,6 +880,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
     if (!ids) return corrupt(gw + ": 'params' is not a list");
     std::optional<std::vector<std::string>> pnames;
     if (const Ref pn = p.dict_get(gr, "param_names"); pn != kNoRef) {
+      named_in_groups = true;
       pnames = dcp::as_string_list(p, pn);
       if (!pnames || pnames->size() != ids->size())
         return corrupt(gw + ": 'param_names' is not a list of strings as long as 'params'");
@@ -743,6 +900,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
       if (name.empty()) return corrupt(fmt::format("{}: param {} has an empty name", gw, id));
       if (!members.emplace(id, std::pair{static_cast<int>(g), name}).second)
         return corrupt(fmt::format("{}: param id {} is listed twice", gw, id));
+      group_ids[g].push_back(id);
       if (!names.insert(name).second) return corrupt(fmt::format("{}: param name '{}' is listed twice", gw, name));
       if (by_name) id_of_name.emplace(name, id);
     }
@@ -895,6 +1053,23 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
     const auto& mitems = *dict_items(p, model);
     for (size_t k = 0; k + 1 < mitems.size(); k += 2)
       if (const auto name = dcp::as_string(p, mitems[k])) weights.emplace(*name, mitems[k + 1]);
+    // Numbered params whose numbers the model does not name: named after the model's tensors.
+    bool by_number = !keyed_by_name && !named_in_groups && !members.empty();
+    for (const auto& [id, member] : members) by_number = by_number && !weights.count(member.second);
+    if (by_number) {
+      std::map<int64_t, std::vector<int64_t>> shape_of;
+      for (const auto& [id, spec] : params) shape_of.emplace(id, spec.shape);
+      auto md = interpret_model_dict(p, model, where + " " + model_key);
+      const ModelNames names = md.ok() ? names_from_model(*md, group_ids, shape_of) : ModelNames{{}, md.status().message()};
+      if (!names.why.empty()) {
+        out.not_read.push_back(fmt::format("{} (the model's tensors: {}, so params keep their numbers)", model_key, names.why));
+      } else {
+        for (const auto& [id, name] : names.by_id) {
+          members[id].second = name;
+          if (auto it = params.find(id); it != params.end()) it->second.fqn = name;
+        }
+      }
+    }
     for (const auto& [id, member] : members)
       if (!params.count(id) && weights.count(member.second)) {
         ParamSpec spec;
@@ -908,7 +1083,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
       const auto found = weights.find(spec.fqn);
       if (found == weights.end()) continue;
       const Ref w = found->second;
-      const std::string ww = fmt::format("{} ['model']['{}']", where, spec.fqn);
+      const std::string ww = fmt::format("{} {}['{}']", where, model_key, spec.fqn);
       OPTSTATE_ASSIGN_OR_RETURN(LocalValue lv, local_value(p, w, ww));
       const Payload& pl = lv.local;
       if (pl.kind != Payload::Kind::kTensor) return corrupt(ww + ": not a tensor");
@@ -926,7 +1101,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
     }
     const size_t others = mitems.size() / 2 - weights_read.size();
     if (others)
-      out.not_read.push_back(fmt::format("['model'] ({} entr{} besides the optimized params' weights)", others,
+      out.not_read.push_back(fmt::format("{} ({} entr{} besides the optimized params' weights)", model_key, others,
                                          others == 1 ? "y" : "ies"));
   }
 
@@ -934,6 +1109,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
   for (auto& [id, spec] : params) out.groups[static_cast<size_t>(spec.group)].params.push_back(spec.fqn);
   out.members = members.size();
   out.stateless = members.size() - params.size();
+  out.member_ids = std::move(group_ids);
   // Each group keeps its members in its own order (params were visited by id; torch numbers them
   // in group order, so the two agree for files torch wrote).
   for (auto& [id, spec] : params) out.params.push_back(std::move(spec));

@@ -66,6 +66,23 @@ struct FlatUnits {
 Result<FlatUnits> match_flat_units(const std::vector<std::string>& names, const std::vector<int64_t>& numels,
                                    const std::vector<int64_t>& shard, int64_t world, const std::string& where);
 
+// A torch.save file of `{"model": model.state_dict(), "optimizer": optimizer.state_dict()}` numbers
+// the optimizer's params as torch does (group by group, each group's in the order it was given)
+// and names none; the model's dict beside it names its tensors in module order, params and buffers
+// alike. Each group given a filter of `named_parameters()` (one group of `model.parameters()`;
+// nanoGPT's and Hugging Face's decay / no-decay groups; only a LoRA's adapters), each group's params
+// are a subsequence of the model's tensors in order, the groups disjoint. `groups`: per group, its
+// params' shapes in order (none: a param without state, whose shape the file does not hold);
+// `tensors`: the model's candidate tensors' shapes in order. Exactly one such placement must fit
+// (shapes equal, every param placed): then `tensor_of[g][i]` is group g's i-th param's tensor;
+// else `why` says what did not fit, and the params keep their numbers.
+struct ModelPlacement {
+  std::vector<std::vector<size_t>> tensor_of;
+  std::string why;  // empty when placed
+};
+ModelPlacement place_params_in_model(const std::vector<std::vector<std::optional<std::vector<int64_t>>>>& groups,
+                                     const std::vector<std::vector<int64_t>>& tensors);
+
 struct EntrySpec {
   Encoding encoding = Encoding::kDense;
   dcp::TensorRef values;                // dense
@@ -110,6 +127,7 @@ struct StateDict {
   std::vector<ParamSpec> params;     // in id order
   size_t members = 0;                // params the groups list (with state or not): ids 0 .. members-1
   size_t stateless = 0;              // of those, params without state (never stepped: no shape in the file)
+  std::vector<std::vector<int64_t>> member_ids;  // each group's param ids in its order, with state or not
   bool eight = false;                // any 8-bit entry, or a group with optstate's block_size
   std::string optimizer_path;        // where the optimizer's dict is: "" (the file is one) or "['optimizer']"
   std::vector<std::string> not_read; // what the file holds that the canonical state does not
@@ -147,6 +165,19 @@ struct ModelDict {
 Result<ModelDict> interpret_model_dict(const pickle::Pickle& p, const std::string& where);
 // The same of the dict at `dict` (DeepSpeed's model states keep it under 'module').
 Result<ModelDict> interpret_model_dict(const pickle::Pickle& p, pickle::Ref dict, const std::string& where);
+
+// Names for numbered params (`member_ids`: each group's ids in order; `shape_of`: the shape of
+// each id with state) from a model's state_dict: its params are its DTensors where it has any
+// (FSDP's: buffers stay plain tensors), else its float tensors but torch.nn's norm buffers
+// (running_mean, running_var, num_batches_tracked); tied weights (one object or storage under two
+// names) once, under the first name, as named_parameters() gives them. Each group's params are
+// placed among them in order (place_params_in_model). Either a name per id, or why there are none.
+struct ModelNames {
+  std::map<int64_t, std::string> by_id;
+  std::string why;  // empty when named
+};
+ModelNames names_from_model(const ModelDict& md, const std::vector<std::vector<int64_t>>& member_ids,
+                            const std::map<int64_t, std::vector<int64_t>>& shape_of);
 
 // Where the writer puts each tensor: the storage key of param `id`'s `entry` ("step", "exp_avg",
 // ..., "param" for its weights in the "model" dict).

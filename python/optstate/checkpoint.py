@@ -360,7 +360,9 @@ def load(path, model, optimizer, transactional=True, by_position=False):
     ``transactional=False`` reads once: faster for a checkpoint larger than memory, but a corrupt
     chunk found midway leaves the live tensors partly loaded.
 
-    Params are matched by name. A checkpoint whose params are numbered (an ``optimizer.pt`` of an
+    Params are matched by name (a ``{"model": ..., "optimizer": ...}`` file of an optimizer built
+    without names is named after the model beside it where its groups fit the model one way:
+    ``formats/torchsave/FORMAT.md``). A checkpoint whose params are numbered (an ``optimizer.pt`` of an
     optimizer built without names, as Hugging Face's Trainer saves it) is matched with
     ``by_position=True``: param i of the checkpoint is the optimizer's i-th param in group order, as
     torch's ``optimizer.load_state_dict`` matches them (same groups; the weights are not in it).

@@ -135,7 +135,12 @@ def test_written_optimizer_pt_loads_into_torch_adamw_and_training_continues_bitw
     optstate_cli("convert", f"{out}.full.pt", tmp_path / "full_native")
     optstate_cli("convert", tmp_path / "full_native", tmp_path / "full_back.pt", "--format", "torchsave")
     not_read = json.loads(optstate_cli("inspect", f"{out}.full.pt", "--json").stdout)["not_read"]
-    assert not_read == (["['epoch']"] if named == "named" else ["['epoch']", "['model'] (4 entries besides the optimized params' weights)"])
+    # unnamed: the numbered params are named after the model beside them, so its weights are carried too
+    assert not_read == ["['epoch']"]
+    if named == "unnamed":
+        assert sorted(hashes(optstate_cli, f"{out}.full.pt")["entries"]) == sorted(
+            f"{n}.{e}" for n in ("0.weight", "0.bias", "2.weight", "2.bias")
+            for e in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "param"))
     run_python(f"""
         import torch
         a, b = torch.load({pt!r}, weights_only=True), torch.load({str(tmp_path / "back.pt")!r}, weights_only=True)
@@ -150,10 +155,8 @@ def test_written_optimizer_pt_loads_into_torch_adamw_and_training_continues_bitw
             m = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 3))
             o = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.05, amsgrad=True)
             if sd is not None:
-                # Without param_names the weights cannot be told apart by name, so optstate carried
-                # the optimizer alone: the weights come from the original file then.
-                m.load_state_dict(sd["model"] if "model" in sd else torch.load({f"{out}.full.pt"!r})["model"])
-                o.load_state_dict(sd.get("optimizer", sd))
+                m.load_state_dict(sd["model"])
+                o.load_state_dict(sd["optimizer"])
             for step in range(3 - steps, 3 + 2):
                 if step < 0:
                     continue
@@ -957,3 +960,142 @@ def test_torch_adam_with_weight_decay_is_refused_as_not_adamw_and_without_reads(
                 assert "decoupled_weight_decay=False with weight_decay 0.1" in err and "not AdamW" in err, err
             else:
                 optstate_cli("convert", tmp_path / f, tmp_path / (f + ".safetensors"))
+
+
+# Training loops that torch.save {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+# with an optimizer built from parameters (no param_names): nanoGPT (decay / no-decay groups, a tied
+# embedding), Lightning (its "state_dict" and "optimizer_states"), a CNN with BatchNorm buffers, a
+# LoRA's adapters alone; and one whose frozen param is shaped like its neighbour (ambiguous).
+GPT_MODEL = textwrap.dedent("""
+    import torch, torch.nn as nn
+    class Block(nn.Module):
+        def __init__(s, d):
+            super().__init__()
+            s.ln_1, s.attn, s.proj, s.ln_2 = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d), nn.LayerNorm(d)
+            s.fc, s.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        def forward(s, x):
+            x = x + s.proj(s.attn(s.ln_1(x))[..., : x.shape[-1]])
+            return x + s.out(torch.relu(s.fc(s.ln_2(x))))
+
+    class GPT(nn.Module):
+        def __init__(s, d=16, vocab=40, n=2):
+            super().__init__()
+            s.wte, s.wpe = nn.Embedding(vocab, d), nn.Embedding(8, d)
+            s.h, s.ln_f = nn.ModuleList(Block(d) for _ in range(n)), nn.LayerNorm(d)
+            s.lm_head = nn.Linear(d, vocab, bias=False)
+            s.lm_head.weight = s.wte.weight  # tied, as nanoGPT ties them
+        def forward(s, idx):
+            x = s.wte(idx) + s.wpe(torch.arange(idx.shape[1]))
+            for b in s.h:
+                x = b(x)
+            return s.lm_head(s.ln_f(x))
+""")
+MAKE_NUMBERED = GPT_MODEL + textwrap.dedent("""
+    import sys, json, torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    kind, out = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+
+    if kind in ("nanogpt", "lightning"):
+        model = GPT()
+        data = lambda g: (model, torch.randint(0, 40, (4, 8), generator=g))
+    elif kind == "cnn":
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8),
+                              nn.Flatten(), nn.Linear(8 * 4 * 4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+        data = lambda g: (model, torch.randn(4, 3, 8, 8, generator=g))
+    elif kind == "lora":
+        model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 2, bias=False), nn.Linear(2, 16, bias=False),
+                              nn.Linear(16, 16), nn.Linear(16, 2, bias=False), nn.Linear(2, 16, bias=False))
+        for i in (0, 3):
+            model[i].requires_grad_(False)  # the base weights are frozen; only the adapters train
+        data = lambda g: (model, torch.randn(4, 16, generator=g))
+    else:  # ambiguous: a frozen weight between two trainable ones of its shape
+        model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))
+        model[1].weight.requires_grad_(False)
+        data = lambda g: (model, torch.randn(4, 8, generator=g))
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if kind in ("nanogpt", "lightning"):  # nanoGPT's configure_optimizers
+        decay = [(n, p) for n, p in named if p.dim() >= 2]
+        nodecay = [(n, p) for n, p in named if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": [p for _, p in decay], "weight_decay": 0.1},
+                                 {"params": [p for _, p in nodecay], "weight_decay": 0.0}], lr=1e-3)
+        order = [[n for n, _ in decay], [n for n, _ in nodecay]]
+    else:
+        opt = torch.optim.AdamW([p for _, p in named], lr=1e-3)
+        order = [[n for n, _ in named]]
+    for step in range(3):
+        m, x = data(torch.Generator().manual_seed(step))
+        m(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    if kind == "lightning":
+        sched = torch.optim.lr_scheduler.StepLR(opt, 10)
+        torch.save({"epoch": 0, "global_step": 3, "pytorch-lightning_version": "2.5.0",
+                    "state_dict": model.state_dict(), "loops": {}, "callbacks": {},
+                    "optimizer_states": [opt.state_dict()], "lr_schedulers": [sched.state_dict()]}, out + ".pt")
+    else:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "iter_num": 3}, out + ".pt")
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out + ".dcp")
+    json.dump(order, open(out + ".order.json", "w"))
+""")
+
+
+def make_numbered(tmp_path, kind):
+    out = tmp_path / kind
+    run_script(tmp_path, MAKE_NUMBERED, "make_numbered.py", kind, out)
+    return f"{out}.pt", f"{out}.dcp", json.loads(open(f"{out}.order.json").read())
+
+
+@pytest.mark.parametrize("kind", ["nanogpt", "lightning", "cnn", "lora"])
+def test_numbered_params_beside_their_model_are_named_after_it(tmp_path, optstate_cli, kind):
+    pt, ck, groups = make_numbered(tmp_path, kind)
+    order = [n for g in groups for n in g]
+    insp = json.loads(optstate_cli("inspect", pt, "--json").stdout)
+    # Each param id torch numbered gets the name named_parameters() gives it (tied weights once, under
+    # their first name; norm buffers and frozen params passed over), and its weights.
+    assert sorted(insp["params"]) == sorted(order)
+    assert [g["params"] for g in insp["param_groups"]] == [len(g) for g in groups]
+    assert all(insp["params"][n]["group"] == g for g, names in enumerate(groups) for n in names)
+    assert all(insp["params"][n]["entries"].get("param") for n in order)
+    assert not any("keep their numbers" in s for s in insp["not_read"])
+    # So the file is the state the same run's DCP holds, entry for entry, where the DCP holds the same.
+    ours, theirs = hashes(optstate_cli, pt)["entries"], hashes(optstate_cli, ck)["entries"]
+    assert ours == {k: v for k, v in theirs.items() if k.rsplit(".", 1)[0] in order}
+    # And converted to a DCP, torch's own set_state_dict takes it by name into a fresh model and AdamW.
+    optstate_cli("convert", pt, tmp_path / "out.dcp", "--format", "dcp")
+    if kind in ("nanogpt", "lightning"):
+        run_script(tmp_path, GPT_MODEL + textwrap.dedent(f"""
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+            sd = torch.load({pt!r}, weights_only=True)
+            src = sd["optimizer_states"][0] if "optimizer_states" in sd else sd["optimizer"]
+            model = GPT()
+            named = [(n, p) for n, p in model.named_parameters()]
+            decay = [p for n, p in named if p.dim() >= 2]
+            nodecay = [p for n, p in named if p.dim() < 2]
+            opt = torch.optim.AdamW([{{"params": decay, "weight_decay": 0.1}}, {{"params": nodecay, "weight_decay": 0.0}}])
+            msd, osd = get_state_dict(model, opt)
+            # what convert carries: the optimized params' weights and state (the tied alias, named
+            # once, and buffers are named by convert as not carried)
+            dcp.load({{"model": msd, "optim": osd}}, checkpoint_id={str(tmp_path / "out.dcp")!r},
+                     planner=DefaultLoadPlanner(allow_partial_load=True))
+            set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+            got = opt.state_dict()
+            for i in range(len(decay) + len(nodecay)):
+                for k in ("exp_avg", "exp_avg_sq", "step"):
+                    assert torch.equal(got["state"][i][k], src["state"][i][k]), (i, k)
+            saved = sd["state_dict"] if "state_dict" in sd else sd["model"]
+            assert all(torch.equal(p, saved[n]) for n, p in model.named_parameters())
+        """), "load_numbered.py")
+
+
+def test_numbered_params_that_fit_the_model_more_than_one_way_keep_their_numbers(tmp_path, optstate_cli):
+    pt, _, _ = make_numbered(tmp_path, "ambiguous")
+    insp = json.loads(optstate_cli("inspect", pt, "--json").stdout)
+    assert sorted(insp["params"]) == ["0", "1"]
+    assert any(s.startswith("['model'] (the model's tensors: the optimizer's 2 params (in 1 group) fit among its 3 "
+                            "tensors in more than one way") for s in insp["not_read"]), insp["not_read"]

@@ -283,6 +283,18 @@ TEST_CASE("torchsave: a {model, optimizer} checkpoint carries the weights by par
   CHECK(r->not_read() == std::vector<std::string>{"['step']"});
 }
 
+TEST_CASE("torchsave: numbered params beside their model are named after it (decay groups, tied head, BatchNorm)") {
+  auto r = open_seed("torch_numbered_model_and_optimizer.pt");
+  const OptimizerState& m = r->meta();
+  REQUIRE(m.groups.size() == 2);
+  CHECK(m.groups[0].params == std::vector<std::string>{"0.weight", "1.weight"});
+  CHECK(m.groups[1].params == std::vector<std::string>{"1.bias", "2.weight", "2.bias"});
+  for (const auto& [name, ps] : m.params) CHECK_MESSAGE(ps.entries.count(kParam) == 1, name);
+  CHECK(m.params.at("0.weight").shape == std::vector<int64_t>{10, 8});
+  // the head's tied weight (3.weight) and the three BatchNorm buffers are the model's other entries
+  CHECK(r->not_read() == std::vector<std::string>{"['iter_num']", "['model'] (4 entries besides the optimized params' weights)"});
+}
+
 TEST_CASE("torchsave: the written state_dict reads back through the interpretation") {
   OptimizerState s = testing::sample_state();
   torchsave::StorageKeys keys;
@@ -602,6 +614,76 @@ TEST_CASE("torchsave: FSDP1's flat parameters are split into the model's params 
     auto r = torchsave::match_flat_units(many, std::vector<int64_t>(600, 1), shard, 1, "t");
     REQUIRE(!r.ok());
     CHECK(r.status().message().find("too many ways") != std::string::npos);
+  }
+}
+
+TEST_CASE("torchsave: numbered params placed among the model's tensors, each group in order") {
+  using Shape = std::vector<int64_t>;
+  using Groups = std::vector<std::vector<std::optional<Shape>>>;
+  const Shape emb{50, 8}, pos{16, 8}, ln{8}, qkv{24, 8}, proj{8, 8}, up{32, 8}, down{8, 32};
+  SUBCASE("one group of model.parameters(): the tensors in order") {
+    auto r = torchsave::place_params_in_model(Groups{{emb, ln, proj, ln}}, {emb, ln, proj, ln});
+    REQUIRE_MESSAGE(r.why.empty(), r.why);
+    CHECK(r.tensor_of == std::vector<std::vector<size_t>>{{0, 1, 2, 3}});
+  }
+  SUBCASE("nanoGPT's decay (2-d) and no-decay (1-d) groups, interleaved in the model") {
+    // wte, wpe, then per block ln_1, c_attn, c_proj, ln_2, c_fc, c_proj; ln_f
+    std::vector<Shape> model = {emb, pos};
+    Groups groups(2);
+    groups[0] = {emb, pos};
+    for (int b = 0; b < 3; ++b) {
+      for (const Shape& s : {ln, qkv, proj, ln, up, down}) model.push_back(s);
+      for (const Shape& s : {qkv, proj, up, down}) groups[0].push_back(s);
+      groups[1].push_back(ln);
+      groups[1].push_back(ln);
+    }
+    model.push_back(ln);
+    groups[1].push_back(ln);
+    auto r = torchsave::place_params_in_model(groups, model);
+    REQUIRE_MESSAGE(r.why.empty(), r.why);
+    CHECK(r.tensor_of[0] == std::vector<size_t>{0, 1, 3, 4, 6, 7, 9, 10, 12, 13, 15, 16, 18, 19});
+    CHECK(r.tensor_of[1] == std::vector<size_t>{2, 5, 8, 11, 14, 17, 20});
+  }
+  SUBCASE("buffers and frozen params of other shapes are passed over (a LoRA's adapters alone)") {
+    const Shape a{2, 8}, b{8, 2};
+    auto r = torchsave::place_params_in_model(Groups{{a, b, a, b}}, {emb, proj, a, b, proj, Shape{}, a, b, ln});
+    REQUIRE_MESSAGE(r.why.empty(), r.why);
+    CHECK(r.tensor_of == std::vector<std::vector<size_t>>{{2, 3, 6, 7}});
+  }
+  SUBCASE("a param without state takes the shape of the one tensor left for it") {
+    auto r = torchsave::place_params_in_model(Groups{{emb, std::nullopt, proj}}, {emb, ln, proj});
+    REQUIRE_MESSAGE(r.why.empty(), r.why);
+    CHECK(r.tensor_of == std::vector<std::vector<size_t>>{{0, 1, 2}});
+  }
+  SUBCASE("a spare tensor shaped like a param leaves more than one way: refused") {
+    // weight, bias, and a buffer of their shape (what norm_buffer's names exist to take out)
+    auto r = torchsave::place_params_in_model(Groups{{proj, ln, ln}}, {proj, ln, ln, ln});
+    CHECK(r.tensor_of.empty());
+    CHECK(r.why.find("more than one way") != std::string::npos);
+    // two groups whose next params have one shape: which group a tensor is cannot be told
+    auto two = torchsave::place_params_in_model(Groups{{ln}, {ln}}, {ln, ln});
+    CHECK(two.why.find("more than one way") != std::string::npos);
+  }
+  SUBCASE("shapes out of order, or fewer tensors than params: refused saying so") {
+    auto r = torchsave::place_params_in_model(Groups{{proj, emb}}, {emb, proj});
+    CHECK(r.why.find("not among its 2 tensors in order") != std::string::npos);
+    auto fewer = torchsave::place_params_in_model(Groups{{emb, proj}}, {emb});
+    CHECK(fewer.why.find("fewer than the optimizer's 2 params") != std::string::npos);
+  }
+  SUBCASE("nothing to place, and nothing to place it in") {
+    auto r = torchsave::place_params_in_model(Groups{{}}, {});
+    CHECK(r.why.empty());
+  }
+  SUBCASE("a hostile file cannot make the search run long or large") {
+    // 8 groups of 60 one-element params among 1200 one-element tensors: the ways grow past the bound.
+    Groups groups(8, std::vector<std::optional<Shape>>(60, Shape{1}));
+    auto r = torchsave::place_params_in_model(groups, std::vector<Shape>(1200, Shape{1}));
+    CHECK(r.tensor_of.empty());
+    CHECK(r.why.find("too many ways") != std::string::npos);
+    // 3000 groups of one param each: every state's key is long, and each tensor fits every group.
+    Groups wide(3000, std::vector<std::optional<Shape>>(1, Shape{1}));
+    auto w = torchsave::place_params_in_model(wide, std::vector<Shape>(3000, Shape{1}));
+    CHECK(w.why.find("too many ways") != std::string::npos);
   }
 }
 

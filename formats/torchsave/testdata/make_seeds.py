@@ -5,7 +5,9 @@ AdamW8bit (OptimState8bit moments for the 64x64 weight, a tensor lr), AdamWFp8 a
 optstate.AdamW8bit built from named_parameters (param_names, plain codes/absmax tensors), a
 {"model", "optimizer"} checkpoint, and
 torch.optim.AdamW's state keyed by fqn in two groups (get_optimizer_state_dict); bitsandbytes'
-AdamW8bit as 0.50 saves it and in its older layout (bnb).
+AdamW8bit as 0.50 saves it and in its older layout (bnb); a {"model", "optimizer"} checkpoint of
+numbered params in decay / no-decay groups beside a model with a tied weight and BatchNorm buffers,
+named from the model (numbered).
 
 FSDP2 (two CPU processes over gloo): fsdp2_world2/ holds what verl saves per rank
 (optim_world_size_2_rank_R.pt, model_world_size_2_rank_R.pt of DTensors, extra_state_...), and
@@ -19,7 +21,7 @@ parameter per unit), fsdp1_world2_orig/ with use_orig_params=True (one param eac
 nothing per rank); fsdp1_world2*_full.pt the same state put together from FSDP's own flat-parameter
 metadata (where each rank's run of each param starts), as one {"model", "optimizer"} file.
 
-    .venv/bin/python formats/torchsave/testdata/make_seeds.py [main|fqn|fsdp2|fsdp1|bnb]"""
+    .venv/bin/python formats/torchsave/testdata/make_seeds.py [main|fqn|fsdp2|fsdp1|bnb|numbered]"""
 import os
 import sys
 
@@ -57,6 +59,25 @@ def main():
     model, opt = trained(lambda p: torch.optim.AdamW(p, lr=1e-3), named=True)
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 2},
                os.path.join(HERE, "torch_model_and_optimizer.pt"))
+
+
+def numbered():
+    """nanoGPT's way: torch.save({"model", "optimizer", "iter_num"}) of an AdamW built from parameters
+    in two groups (2-d weights decayed, the rest not); the model's head is tied to its embedding and
+    a BatchNorm's buffers sit between params of their shape."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8),
+                                torch.nn.Linear(8, 10, bias=False))
+    model[3].weight = model[0].weight
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-3)
+    for _ in range(2):
+        model(torch.randint(0, 10, (4,))).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "iter_num": 2},
+               os.path.join(HERE, "torch_numbered_model_and_optimizer.pt"))
 
 
 def fqn():
@@ -234,5 +255,5 @@ def bnb():
 
 
 if __name__ == "__main__":
-    for step in sys.argv[1:] or ["main", "fqn", "fsdp2", "fsdp1", "bnb"]:
+    for step in sys.argv[1:] or ["main", "fqn", "fsdp2", "fsdp1", "bnb", "numbered"]:
         globals()[step]()

@@ -289,7 +289,7 @@ TEST_CASE("torchsave: numbered params beside their model are named after it (dec
   REQUIRE(m.groups.size() == 2);
   CHECK(m.groups[0].params == std::vector<std::string>{"0.weight", "1.weight"});
   CHECK(m.groups[1].params == std::vector<std::string>{"1.bias", "2.weight", "2.bias"});
-  for (const auto& [name, ps] : m.params) CHECK_MESSAGE(ps.entries.count(kParam) == 1, name);
+  for (const auto& kv : m.params) CHECK_MESSAGE(kv.second.entries.count(kParam) == 1, kv.first);
   CHECK(m.params.at("0.weight").shape == std::vector<int64_t>{10, 8});
   // the head's tied weight (3.weight) and the three BatchNorm buffers are the model's other entries
   CHECK(r->not_read() == std::vector<std::string>{"['iter_num']", "['model'] (4 entries besides the optimized params' weights)"});

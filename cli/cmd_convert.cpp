@@ -263,8 +263,9 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
                 carried && !rest.empty()
                     ? fmt::format("; carried {}: {}",
                                   wo.float_lr            ? "(tensor lrs as floats)"
-                                  : format == "torchsave" ? "for each rank (rank r's from SRC's rank r mod its ranks)"
-                                                          : "unchanged",
+                                  : format == "torchsave" && std::filesystem::is_directory(dst)
+                                      ? "for each rank (rank r's from SRC's rank r mod its ranks)"
+                                      : "unchanged",
                                   fmt::join(rest, ", ")).c_str()
                     : "");
   }

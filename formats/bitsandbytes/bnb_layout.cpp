@@ -104,6 +104,8 @@ Result<Plan> plan_state_dict(const OptimizerState& state) {
             w.none();
           },
       .lr = {},
+      .optimizer_only = false,
+      .group_extra = {},
   });
   plan.data_pkl = w.finish();
   return plan;

@@ -154,6 +154,8 @@ Result<Plan> plan_state_dict(const OptimizerState& state) {
             dcp::encode_tensor(w, DType::kF32, {},
                                add(StorageSpec::of_scalar(static_cast<float>(h.lr))));
           },
+      .optimizer_only = false,
+      .group_extra = {},
   });
   plan.data_pkl = w.finish();
   return plan;

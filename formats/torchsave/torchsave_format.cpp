@@ -21,6 +21,7 @@
 #include "optstate/io.h"
 #include "torchsave_archive.h"
 #include "torchsave_reader.h"
+#include "torchsave_planner.h"
 #include "torchsave_ranks.h"
 #include "optstate/quant8.h"
 #include "optstate/transform.h"
@@ -192,6 +193,7 @@ class TorchSaveReader final : public CheckpointReader {
   std::vector<std::string> not_read() const override { return not_read_; }
   bool checksummed() const override { return checksummed_ || shared_verified_; }
   const FsdpSet* fsdp() const { return fsdp_ ? &*fsdp_ : nullptr; }
+  bool carries_rest() const { return carries_rest_; }
 
   Status verify_shared_records() override {
     std::set<std::pair<size_t, uint64_t>> done;  // (file, record): each read once
@@ -373,6 +375,12 @@ class TorchSaveReader final : public CheckpointReader {
       not_read_.push_back(fmt::format("{} param{} without state or weights (never stepped: no shape in the file)",
                                       sd0.stateless, sd0.stateless == 1 ? "" : "s"));
     for (std::string& n : not_read) not_read_.push_back(std::move(n));
+    // One file whose optimizer sits beside other entries ({"model", "optimizer", "epoch"}): a
+    // torch.save write from it carries them, and its groups' other keys, when that is all it holds
+    // beyond the state (per-param fields and stateless params without weights it does not carry).
+    carries_rest_ = !set_ && !libtorch_ && !sd0.optimizer_path.empty();
+    for (const std::string& n : not_read_)
+      carries_rest_ = carries_rest_ && (n.starts_with("[") || n.starts_with("param group "));
     if (fsdp1) {
       for (size_t f = 1; f < sds.size(); ++f) OPTSTATE_RETURN_IF_ERROR(same_groups(sd0, sds[f], w0, optim_files[f].string()));
     } else {
@@ -1389,6 +1397,7 @@ class TorchSaveReader final : public CheckpointReader {
 
   fs::path path_;
   bool set_ = false;       // a per-rank set (a directory), not one file
+  bool carries_rest_ = false;  // one file whose other entries a torch.save write from it carries
   std::optional<FsdpSet> fsdp_;  // FSDP2 (or FSDP1, flat parameters) set with the model's files: what a writer of it needs
   bool libtorch_ = false;  // a LibTorch optimizer archive
   bool bnb_ = false;       // bitsandbytes' state: formats/bitsandbytes/ writes it
@@ -1559,8 +1568,9 @@ class TorchSaveDriver final : public FormatDriver {
   // give the layout); otherwise one file.
   bool shards() const override { return true; }
   // Such a set's other files (extra_state_*, fsdp_config.json, huggingface/) go with it.
+  // So does one file's {"model", "optimizer", "epoch", ...} (write_carrying).
   bool carries(const CheckpointReader& source, const fs::path& path) const override {
-    return fsdp_set(source) && !is_single_file(path);
+    return fsdp_set(source) ? !is_single_file(path) : carries_file(source);
   }
   static bool is_single_file(const fs::path& path) {
     const std::string ext = path.extension().string();
@@ -1617,6 +1627,8 @@ class TorchSaveDriver final : public FormatDriver {
       for (const char* m : {kExpAvg, kExpAvgSq, kMaxExpAvgSq})
         if (ps.entries.count(m)) keys.key[{id, m}] = std::to_string(keys.key.size());
     }
+    if (options.source && carries_file(*options.source))
+      return write_carrying(source, *options.source, path, options.overwrite, order);
     const std::string pkl = encode_state_dict(dense_view(meta), keys);
     return write_file(path, options.overwrite, pkl, [&](dcp::ArchiveWriter& archive) -> Status {
       std::vector<float> scratch;  // 8-bit moments dequantized, entry after entry
@@ -1637,6 +1649,121 @@ class TorchSaveDriver final : public FormatDriver {
         const float step = static_cast<float>(ps.step);
         OPTSTATE_RETURN_IF_ERROR(archive.storage(keys.key.at({id, "step"}), std::as_bytes(std::span(&step, 1))));
         for (const char* m : {kExpAvg, kExpAvgSq, kMaxExpAvgSq}) OPTSTATE_RETURN_IF_ERROR(entry(m));
+      }
+      return Status::Ok();
+    });
+  }
+
+  // A new tensor of the carried file: param `id`'s weights ("param"), step or moment.
+  struct NewTensor {
+    size_t id = 0;
+    std::string entry;
+  };
+
+  // The state written into the source file's own pickle (`carries_file`: one torch.save file whose
+  // optimizer sits beside other entries): the optimizer's dict replaced by torch.optim.AdamW's of
+  // the state, each param's weights in the model's dict replaced by the state's, the groups' other
+  // keys (a scheduler's 'initial_lr') carried into the new groups, and everything else (the model's
+  // buffers and tied names, 'epoch', 'lr_schedulers', Lightning's 'loops', nanoGPT's 'model_args')
+  // carried as it is, storages byte for byte, in the classes the source's torch pickled.
+  static Status write_carrying(StateSource& source, const CheckpointReader& from, const fs::path& path, bool overwrite,
+                               const std::vector<std::string>& order) {
+    const OptimizerState& meta = source.meta();
+    const std::string where = from.path().string();
+    OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(from.path()));
+    const pickle::Pickle& p = ap.second;
+    OPTSTATE_ASSIGN_OR_RETURN(const StateDict sd, interpret_state_dict(p, where));
+    if (sd.optimizer_ref == pickle::kNoRef) return internal_error(where + ": no optimizer dict to replace");
+    // Each weight the state holds replaces the model's tensor of its name.
+    std::map<pickle::Ref, size_t> weight_of;  // the model dict's value -> param id
+    std::map<std::string, pickle::Ref, std::less<>> model_values;
+    if (const auto* items = sd.model_ref == pickle::kNoRef ? nullptr : dict_items(p, sd.model_ref))
+      for (size_t k = 0; k + 1 < items->size(); k += 2)
+        if (const auto name = dcp::as_string(p, (*items)[k])) model_values.emplace(*name, (*items)[k + 1]);
+    for (size_t i = 0; i < order.size(); ++i) {
+      if (!meta.params.at(order[i]).entries.count(kParam)) continue;
+      const auto it = model_values.find(order[i]);
+      if (it == model_values.end())
+        return invalid_argument(fmt::format("{}: param '{}' has weights, but the model's dict in {} has no such name",
+                                            path.string(), order[i], where));
+      weight_of.emplace(it->second, i);
+    }
+    const auto* groups = list_items(p, p.dict_get(sd.optimizer_ref, "param_groups"));
+    if (!groups || groups->size() != meta.groups.size())
+      return invalid_argument(fmt::format("{}: {} param groups, {} has {}: not the state read from it", path.string(),
+                                          meta.groups.size(), where, groups ? groups->size() : 0));
+    const OptimizerState dense = dense_view(meta);
+    Planner<NewTensor> planner(p, where);
+    OPTSTATE_ASSIGN_OR_RETURN(
+        const Planned<NewTensor> planned,
+        planner.run([&](pickle::Writer& w, pickle::Ref r, Planned<NewTensor>& out, const Planner<NewTensor>::Carry& carry)
+                        -> Result<bool> {
+          auto tensor = [&](size_t id, const std::string& entry, DType d, const std::vector<int64_t>& shape) {
+            dcp::encode_tensor(w, d, shape, std::to_string(out.storages.size()));
+            out.storages.emplace_back(NewTensor{id, entry});
+          };
+          if (const auto it = weight_of.find(r); it != weight_of.end()) {
+            const ParamState& ps = dense.params.at(order[it->second]);
+            tensor(it->second, kParam, ps.entries.at(kParam).dtype, ps.shape);
+            return true;
+          }
+          if (r != sd.optimizer_ref) return false;
+          Status carried = Status::Ok();
+          encode_state_dict_frame(dense, w, {
+              .weight = {},
+              .param_state =
+                  [&](size_t i, const ParamState& ps) {
+                    w.str("step");
+                    tensor(i, "step", DType::kF32, {});
+                    for (const char* m : {kExpAvg, kExpAvgSq, kMaxExpAvgSq}) {
+                      const auto e = ps.entries.find(m);
+                      if (e == ps.entries.end()) continue;
+                      w.str(m);
+                      tensor(i, m, e->second.dtype, ps.shape);
+                    }
+                  },
+              .group_fields = [&](const Hyperparameters& h) { adamw_group_fields(w, h); },
+              .lr = {},
+              .optimizer_only = true,
+              .group_extra =
+                  [&](size_t g) {
+                    const auto* items = dict_items(p, (*groups)[g]);
+                    for (size_t k = 0; items && k + 1 < items->size() && carried.ok(); k += 2) {
+                      const auto key = dcp::as_string(p, (*items)[k]);
+                      if (key && known_group_key(*key)) continue;
+                      carried = carry((*items)[k]);
+                      if (carried.ok()) carried = carry((*items)[k + 1]);
+                    }
+                  },
+          });
+          OPTSTATE_RETURN_IF_ERROR(carried);
+          return true;
+        }));
+    return write_file(path, overwrite, planned.pkl, [&](dcp::ArchiveWriter& archive) -> Status {
+      std::vector<float> scratch;  // 8-bit moments dequantized, entry after entry
+      for (size_t k = 0; k < planned.storages.size(); ++k) {
+        const std::string key = std::to_string(k);
+        if (const auto* old_key = std::get_if<std::string>(&planned.storages[k])) {
+          OPTSTATE_ASSIGN_OR_RETURN(const std::vector<std::byte> bytes, read_storage(ap.first, *old_key));
+          OPTSTATE_RETURN_IF_ERROR(archive.storage(key, bytes));
+          continue;
+        }
+        const NewTensor& t = std::get<NewTensor>(planned.storages[k]);
+        const std::string& fqn = order[t.id];
+        const ParamState& ps = meta.params.at(fqn);
+        if (t.entry == "step") {
+          const float step = static_cast<float>(ps.step);
+          OPTSTATE_RETURN_IF_ERROR(archive.storage(key, std::as_bytes(std::span(&step, 1))));
+          continue;
+        }
+        OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps.shape));
+        OPTSTATE_ASSIGN_OR_RETURN(const Entry e, source.load(fqn, t.entry));
+        if (e.encoding == Encoding::kDense) {
+          OPTSTATE_RETURN_IF_ERROR(archive.storage(key, e.values.span()));
+          continue;
+        }
+        OPTSTATE_ASSIGN_OR_RETURN(const std::span<const float> dq, entry_f32_span(e, numel, entry_key(fqn, t.entry), scratch));
+        OPTSTATE_RETURN_IF_ERROR(archive.storage(key, std::as_bytes(dq)));
       }
       return Status::Ok();
     });
@@ -1662,6 +1789,11 @@ std::optional<RankName> rank_name(const std::string& filename) {
 const FsdpSet* fsdp_set(const CheckpointReader& reader) {
   const auto* r = dynamic_cast<const TorchSaveReader*>(&reader);
   return r ? r->fsdp() : nullptr;
+}
+
+bool carries_file(const CheckpointReader& reader) {
+  const auto* r = dynamic_cast<const TorchSaveReader*>(&reader);
+  return r && r->carries_rest();
 }
 
 const FormatDriver& driver() {

@@ -24,7 +24,8 @@ using pickle::kNoRef;
 using pickle::Pickle;
 using pickle::Ref;
 
-// A dict, or an OrderedDict (what nn.Module.state_dict() returns): its items k0, v0, k1, v1, ...
+}  // namespace
+
 const std::vector<Ref>* dict_items(const Pickle& p, Ref r) {
   if (r == kNoRef) return nullptr;
   const auto& v = p.at(r);
@@ -33,15 +34,21 @@ const std::vector<Ref>* dict_items(const Pickle& p, Ref r) {
   return nullptr;
 }
 
+namespace {
+
 bool is_optimizer_dict(const Pickle& p, Ref r) {
   return dict_items(p, r) && p.dict_get(r, "state") != kNoRef && p.dict_get(r, "param_groups") != kNoRef;
 }
+
+}  // namespace
 
 const std::vector<Ref>* list_items(const Pickle& p, Ref r) {
   if (r == kNoRef) return nullptr;
   const auto& v = p.at(r);
   return v.kind == Kind::kList || v.kind == Kind::kTuple ? &v.items : nullptr;
 }
+
+namespace {
 
 // A number, or a one-element tensor the driver will read.
 Result<Scalar> scalar(const Pickle& p, Ref r, const std::string& where) {
@@ -83,6 +90,12 @@ const std::set<std::string, std::less<>> kIgnoredGroupKeys = {
     "bias_correction",
     // bitsandbytes' AdEMAMix fields, in every Optimizer2State's groups; inert for two betas (Adam).
     "alpha", "t_alpha", "t_beta3"};
+
+}  // namespace
+
+bool known_group_key(std::string_view key) { return kIgnoredGroupKeys.count(key) > 0; }
+
+namespace {
 
 bool is_moment(const std::string& name) { return name == kExpAvg || name == kExpAvgSq || name == kMaxExpAvgSq; }
 
@@ -840,6 +853,8 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
     return corrupt(fmt::format("{}: data.pkl is not a dict, so not an optimizer state_dict", where));
   }
   const std::string ow = where + (out.optimizer_path.empty() ? "" : " " + out.optimizer_path);
+  out.optimizer_ref = opt;
+  out.model_ref = model;
 
   // Param groups: hyperparameters, member ids and (torch >= 2.6, params given by name) their names.
   const auto* groups = list_items(p, p.dict_get(opt, "param_groups"));
@@ -1441,6 +1456,7 @@ void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, con
     numbered = numbered && order[i] == std::to_string(i);
     weights = weights || state.params.at(order[i]).entries.count(kParam);
   }
+  weights = weights && !parts.optimizer_only;
   w.empty_dict();
   if (weights) {
     w.mark();
@@ -1501,6 +1517,7 @@ void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, con
     w.str("weight_decay");
     w.real(h.weight_decay);
     parts.group_fields(h);
+    if (parts.group_extra) parts.group_extra(static_cast<size_t>(&g - state.groups.data()));
     w.str("params");
     w.empty_list();
     w.mark();
@@ -1511,6 +1528,24 @@ void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, con
   w.appends_from_mark();
   w.setitems_from_mark();
   if (weights) w.setitems_from_mark();
+}
+
+void adamw_group_fields(pickle::Writer& w, const Hyperparameters& h) {
+  w.str("amsgrad");
+  w.boolean(h.amsgrad);
+  w.str("maximize");
+  w.boolean(h.maximize);
+  // The rest of torch.optim.AdamW's group (2.13), as its state_dict() has it.
+  w.str("foreach");
+  w.none();
+  w.str("capturable");
+  w.boolean(false);
+  w.str("differentiable");
+  w.boolean(false);
+  w.str("fused");
+  w.none();
+  w.str("decoupled_weight_decay");
+  w.boolean(true);
 }
 
 std::string encode_state_dict(const OptimizerState& state, const StorageKeys& keys) {
@@ -1531,25 +1566,10 @@ std::string encode_state_dict(const OptimizerState& state, const StorageKeys& ke
               tensor(i, m, e->second.dtype, ps.shape);
             }
           },
-      .group_fields =
-          [&](const Hyperparameters& h) {
-            w.str("amsgrad");
-            w.boolean(h.amsgrad);
-            w.str("maximize");
-            w.boolean(h.maximize);
-            // The rest of torch.optim.AdamW's group (2.13), as its state_dict() has it.
-            w.str("foreach");
-            w.none();
-            w.str("capturable");
-            w.boolean(false);
-            w.str("differentiable");
-            w.boolean(false);
-            w.str("fused");
-            w.none();
-            w.str("decoupled_weight_decay");
-            w.boolean(true);
-          },
+      .group_fields = [&](const Hyperparameters& h) { adamw_group_fields(w, h); },
       .lr = {},
+      .optimizer_only = false,
+      .group_extra = {},
   });
   return w.finish();
 }

@@ -130,6 +130,8 @@ struct StateDict {
   std::vector<std::vector<int64_t>> member_ids;  // each group's param ids in its order, with state or not
   bool eight = false;                // any 8-bit entry, or a group with optstate's block_size
   std::string optimizer_path;        // where the optimizer's dict is: "" (the file is one) or "['optimizer']"
+  pickle::Ref optimizer_ref = pickle::kNoRef;  // the optimizer's dict
+  pickle::Ref model_ref = pickle::kNoRef;      // the model's state_dict beside it, if any
   std::vector<std::string> not_read; // what the file holds that the canonical state does not
   std::vector<DeclaredCount> counts; // LibTorch archives: sizes to check against what is listed
   bool libtorch = false;             // a LibTorch optimizer archive (torch::save(optimizer, path))
@@ -198,12 +200,27 @@ std::string encode_state_dict(const OptimizerState& state, const StorageKeys& ke
 // values into `w`: `weight` a param's weight tensor, `param_state` the key/value pairs of a
 // stepped param's state, `group_fields` the optimizer's own group fields as key/value pairs, and
 // `lr`, where set, group `group`'s lr value (torchao keeps a tensor; else a Python float).
+// `optimizer_only`: the optimizer's dict alone, without the {"model", "optimizer"} around it (the
+// writer that carries a file's other entries places it); `group_extra`, where set, writes more
+// key/value pairs of group `group` (what the source's group held beyond AdamW's fields).
 struct FrameParts {
   std::function<void(size_t id, const ParamState&)> weight, param_state;
   std::function<void(const Hyperparameters&)> group_fields;
   std::function<void(size_t group, const Hyperparameters&)> lr;
+  bool optimizer_only = false;
+  std::function<void(size_t group)> group_extra;
 };
+// Whether a param group's key is one the reader takes (AdamW's fields and the optimizers' own), not
+// a key it names as not read (a scheduler's 'initial_lr').
+bool known_group_key(std::string_view key);
 void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, const FrameParts& parts);
+// torch.optim.AdamW's group fields beyond lr, betas, eps and weight_decay (torch 2.13): amsgrad,
+// maximize, foreach, capturable, differentiable, fused, decoupled_weight_decay.
+void adamw_group_fields(pickle::Writer& w, const Hyperparameters& h);
+
+// A dict's or OrderedDict's items (k0, v0, k1, v1, ...), a list's or tuple's; null for anything else.
+const std::vector<pickle::Ref>* dict_items(const pickle::Pickle& p, pickle::Ref r);
+const std::vector<pickle::Ref>* list_items(const pickle::Pickle& p, pickle::Ref r);
 
 // ---- DeepSpeed ZeRO (stages 1, 2 and 3), read for formats/deepspeed/ ----
 // One rank's optimizer file (global_stepN/zero_pp_rank_R_mp_rank_00_optim_states.pt, "bf16_"

@@ -43,6 +43,10 @@ struct FsdpSet {
 // The set `reader` reads, or null (another reader, one file, FSDP1 with use_orig_params, a set
 // without model files or whose model files hold no DTensors).
 const FsdpSet* fsdp_set(const CheckpointReader& reader);
+// Whether `reader` reads one torch.save file whose optimizer sits beside other entries
+// ({"model", "optimizer", "epoch"}, Lightning's .ckpt) and holds nothing else beyond the state: a
+// torch.save write from it carries those entries into its own file.
+bool carries_file(const CheckpointReader& reader);
 
 // A DeepSpeed ZeRO checkpoint (formats/deepspeed/): its tag folder (global_step500/, every rank's
 // zero_pp_rank_R_mp_rank_00_optim_states.pt and the model states file), or the folder above whose

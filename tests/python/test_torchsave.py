@@ -1099,3 +1099,78 @@ def test_numbered_params_that_fit_the_model_more_than_one_way_keep_their_numbers
     assert sorted(insp["params"]) == ["0", "1"]
     assert any(s.startswith("['model'] (the model's tensors: the optimizer's 2 params (in 1 group) fit among its 3 "
                             "tensors in more than one way") for s in insp["not_read"]), insp["not_read"]
+
+
+@pytest.mark.parametrize("layout", ["nanogpt", "lightning"])
+def test_converted_training_checkpoint_keeps_its_other_entries_and_resumes(tmp_path, optstate_cli, layout):
+    """torchao's AdamW8bit state in a training loop's own file (nanoGPT's {"model", "optimizer",
+    "iter_num", "config"}, Lightning's .ckpt), converted to torch.optim.AdamW's: the file keeps all
+    the rest (the model's buffers and tied head, the scheduler's state and the groups' initial_lr,
+    the loop's counters), so the loop's own strict loading resumes from it."""
+    run_script(tmp_path, GPT_MODEL + textwrap.dedent(f"""
+        import torch
+        from torchao.optim import AdamW8bit
+        torch.manual_seed(0)
+        model = GPT(d=64)
+        model.register_buffer("mask", torch.ones(8))  # a persistent buffer of the root module
+        named = list(model.named_parameters())
+        decay = [p for n, p in named if p.dim() >= 2]
+        nodecay = [p for n, p in named if p.dim() < 2]
+        opt = AdamW8bit([{{"params": decay, "weight_decay": 0.1}}, {{"params": nodecay, "weight_decay": 0.0}}],
+                        lr=1e-3, block_size=64)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            model(torch.randint(0, 40, (4, 8), generator=g)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+        ref = {{i: {{k: (v.dequantize() if hasattr(v, "dequantize") else v).clone() for k, v in st.items()}}
+               for i, st in enumerate(opt.state[p] for p in decay + nodecay)}}
+        torch.save(ref, {str(tmp_path / "ref.pt")!r})
+        if {layout!r} == "lightning":
+            ck = {{"epoch": 0, "global_step": 3, "state_dict": model.state_dict(), "loops": {{"fit_loop": {{"n": 3}}}},
+                   "optimizer_states": [opt.state_dict()], "lr_schedulers": [sched.state_dict()]}}
+        else:
+            ck = {{"model": model.state_dict(), "optimizer": opt.state_dict(), "iter_num": 3,
+                   "config": {{"d": 64, "lr": 1e-3}}}}
+        torch.save(ck, {str(tmp_path / "ckpt.pt")!r})
+    """), "make_ckpt.py")
+    proc = optstate_cli("convert", tmp_path / "ckpt.pt", tmp_path / "plain.pt")
+    assert "; carried unchanged: " in proc.stdout and "note:" not in proc.stderr, (proc.stdout, proc.stderr)
+    run_script(tmp_path, GPT_MODEL + textwrap.dedent(f"""
+        import torch
+        src = torch.load({str(tmp_path / "ckpt.pt")!r}, weights_only=False)
+        ck = torch.load({str(tmp_path / "plain.pt")!r}, weights_only=True)  # no torchao needed now
+        ref = torch.load({str(tmp_path / "ref.pt")!r})
+        assert list(ck) == list(src), (list(ck), list(src))
+        lightning = "state_dict" in ck
+        msd, osd = (ck["state_dict"], ck["optimizer_states"][0]) if lightning else (ck["model"], ck["optimizer"])
+        for k in ck:
+            if k not in ("state_dict", "optimizer_states", "model", "optimizer"):
+                assert ck[k] == src[k], k
+        model = GPT(d=64)
+        model.register_buffer("mask", torch.zeros(8))
+        model.load_state_dict(msd)  # strict: every key, the tied head's and the buffer's too
+        assert torch.equal(model.mask, torch.ones(8)) and model.lm_head.weight is model.wte.weight
+        named = list(model.named_parameters())
+        decay = [p for n, p in named if p.dim() >= 2]
+        nodecay = [p for n, p in named if p.dim() < 2]
+        opt = torch.optim.AdamW([{{"params": decay, "weight_decay": 0.1}}, {{"params": nodecay, "weight_decay": 0.0}}],
+                                lr=1e-3)
+        opt.load_state_dict(osd)
+        for i, p in enumerate(decay + nodecay):
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(opt.state[p][k], ref[i][k]), (i, k)
+            assert opt.state[p]["step"].item() == 3
+        # the scheduler's groups field came along; the scheduler resumes from its saved state
+        assert [g["initial_lr"] for g in opt.param_groups] == [1e-3, 1e-3]
+        sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5, last_epoch=2)
+        if lightning:
+            sched.load_state_dict(ck["lr_schedulers"][0])
+        # (torchao keeps lr as a float32 tensor: 5e-4 rounded to float32)
+        assert all(abs(float(x) - 5e-4) < 1e-10 for x in sched.get_last_lr()), sched.get_last_lr()
+        g = torch.Generator().manual_seed(3)
+        model(torch.randint(0, 40, (4, 8), generator=g)).float().square().mean().backward()
+        opt.step()
+    """), "resume.py")

@@ -295,6 +295,34 @@ TEST_CASE("torchsave: numbered params beside their model are named after it (dec
   CHECK(r->not_read() == std::vector<std::string>{"['iter_num']", "['model'] (4 entries besides the optimized params' weights)"});
 }
 
+TEST_CASE("torchsave: written from a {model, optimizer, iter_num} file, the file's other entries are carried") {
+  auto r = open_checkpoint(kSeeds / "torch_numbered_model_and_optimizer.pt");
+  REQUIRE(r.ok());
+  const FormatDriver* ts = find_format("torchsave");
+  testing::TempDir dir;
+  const fs::path out = dir.path / "back.pt";
+  CHECK(ts->carries(**r, out));
+  const Status st = write_checkpoint(*ts, *load_all(**r), out, {.source = r->get()});
+  REQUIRE_MESSAGE(st.ok(), st.message());
+  auto back = open_checkpoint(out);
+  REQUIRE_MESSAGE(back.ok(), back.status().message());
+  CHECK(hash_checkpoint(**back)->root == hash_checkpoint(**r)->root);
+  // the same entries beside the state: the model's tied head and BatchNorm buffers, 'iter_num'
+  CHECK((*back)->not_read() == (*r)->not_read());
+  // written again from the written file: the same bytes (nothing added or lost on the way)
+  const fs::path again = dir.path / "again.pt";
+  REQUIRE(write_checkpoint(*ts, *load_all(**back), again, {.source = back->get()}).ok());
+  CHECK(testing::read_file(again) == testing::read_file(out));
+  // Without the source (or from a plain optimizer file) the file is optimizer and weights only.
+  const fs::path plain = dir.path / "plain.pt";
+  REQUIRE(write_checkpoint(*ts, *load_all(**r), plain, {}).ok());
+  auto p = open_checkpoint(plain);
+  REQUIRE(p.ok());
+  CHECK((*p)->not_read().empty());
+  auto alone = open_seed("torch_adamw_amsgrad.pt");
+  CHECK_FALSE(ts->carries(*alone, plain));
+}
+
 TEST_CASE("torchsave: the written state_dict reads back through the interpretation") {
   OptimizerState s = testing::sample_state();
   torchsave::StorageKeys keys;

@@ -20,6 +20,13 @@ bool steps_as_8bit(const std::string& moment, const Entry& e) {
 }
 
 Result<Plan> plan_state_dict(const OptimizerState& state) {
+  return torchsave::plan_of([&](pickle::Writer& w, const torchsave::SpecSink& add, const torchsave::FrameOptions& fo) {
+    return plan_frame(state, w, add, fo);
+  });
+}
+
+Status plan_frame(const OptimizerState& state, pickle::Writer& w, const torchsave::SpecSink& add,
+                  const torchsave::FrameOptions& options) {
   OPTSTATE_RETURN_IF_ERROR(check_structure(state, false));
   const std::vector<std::string> order = torchsave::param_order(state);
   if (order.size() != state.params.size() || std::set(order.begin(), order.end()).size() != order.size())
@@ -40,20 +47,19 @@ Result<Plan> plan_state_dict(const OptimizerState& state) {
     OPTSTATE_RETURN_IF_ERROR(checked_numel(ps.shape).status());
   }
 
-  Plan plan;
-  pickle::Writer w;
   std::map<std::string, std::string> map_key;  // map name -> its one storage, shared as bitsandbytes shares it
   auto tensor = [&](StorageSpec s, DType d, const std::vector<int64_t>& shape) {
-    std::string key = std::to_string(plan.storages.size());
     if (s.what == StorageSpec::What::kQMap) {
-      auto [it, fresh] = map_key.try_emplace(s.qmap, key);
-      if (!fresh) {
+      const auto it = map_key.find(s.qmap);
+      if (it != map_key.end()) {
         dcp::encode_tensor(w, d, shape, it->second);
         return;
       }
+      const std::string name = s.qmap;
+      dcp::encode_tensor(w, d, shape, map_key[name] = add(std::move(s)));
+      return;
     }
-    dcp::encode_tensor(w, d, shape, key);
-    plan.storages.push_back(std::move(s));
+    dcp::encode_tensor(w, d, shape, add(std::move(s)));
   };
   torchsave::encode_state_dict_frame(state, w, {
       .weight = [&](size_t i, const ParamState& ps) {
@@ -104,11 +110,10 @@ Result<Plan> plan_state_dict(const OptimizerState& state) {
             w.none();
           },
       .lr = {},
-      .optimizer_only = false,
-      .group_extra = {},
+      .optimizer_only = options.optimizer_only,
+      .group_extra = options.group_extra,
   });
-  plan.data_pkl = w.finish();
-  return plan;
+  return Status::Ok();
 }
 
 OptimizerState kept_state(const OptimizerState& state) {

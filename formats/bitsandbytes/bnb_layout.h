@@ -29,6 +29,10 @@ using torchsave::StorageSpec;
 // {"model": {fqn: weight}, "optimizer": ...} when the state has weights. Refused: amsgrad and
 // maximize (bitsandbytes has neither), entries other than the two moments and the weights.
 Result<Plan> plan_state_dict(const OptimizerState& state);
+// The same frame written into `w` with storages from `add` (plan_state_dict's, or the carrying
+// writer's: torchsave::write_carrying).
+Status plan_frame(const OptimizerState& state, pickle::Writer& w, const torchsave::SpecSink& add,
+                  const torchsave::FrameOptions& options);
 
 // What a round trip gives back: entries bitsandbytes does not step as 8-bit become dense fp32
 // (dequantized, where `state` has the buffers), dense moments fp32.

@@ -37,8 +37,22 @@ class TorchaoDriver final : public FormatDriver {
     return whole;
   }
 
+  // A training loop's own file ({"model", "optimizer", "epoch"}, Lightning's .ckpt): its other
+  // entries go with the state (torchsave::write_carrying).
+  bool carries(const CheckpointReader& source, const fs::path&) const override {
+    return torchsave::carries_file(source);
+  }
+
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
-    OPTSTATE_ASSIGN_OR_RETURN(const Plan plan, plan_state_dict(source.meta()));
+    const OptimizerState& meta = source.meta();
+    if (options.source && torchsave::carries_file(*options.source)) {
+      return torchsave::write_carrying(
+          source, *options.source, path, options.overwrite,
+          [&](pickle::Writer& w, const torchsave::SpecSink& add, const torchsave::FrameOptions& fo) {
+            return plan_frame(meta, w, add, fo);
+          });
+    }
+    OPTSTATE_ASSIGN_OR_RETURN(const Plan plan, plan_state_dict(meta));
     return torchsave::write_plan(source, path, options.overwrite, plan);
   }
 };

@@ -79,6 +79,13 @@ void encode_optim_state_8bit(pickle::Writer& w, const std::vector<int64_t>& shap
 }
 
 Result<Plan> plan_state_dict(const OptimizerState& state) {
+  return torchsave::plan_of([&](pickle::Writer& w, const torchsave::SpecSink& add, const torchsave::FrameOptions& fo) {
+    return plan_frame(state, w, add, fo);
+  });
+}
+
+Status plan_frame(const OptimizerState& state, pickle::Writer& w, const torchsave::SpecSink& add,
+                  const torchsave::FrameOptions& options) {
   OPTSTATE_RETURN_IF_ERROR(check_structure(state, false));
   const std::vector<std::string> order = torchsave::param_order(state);
   if (order.size() != state.params.size() || std::set(order.begin(), order.end()).size() != order.size())
@@ -101,12 +108,6 @@ Result<Plan> plan_state_dict(const OptimizerState& state) {
     OPTSTATE_RETURN_IF_ERROR(checked_numel(ps.shape).status());
   }
 
-  Plan plan;
-  pickle::Writer w;
-  auto add = [&](StorageSpec s) {
-    plan.storages.push_back(std::move(s));
-    return std::to_string(plan.storages.size() - 1);
-  };
   std::map<std::string, std::string> map_key;  // map name -> its one storage, shared by every moment
   auto qmap_storage = [&](const std::string& name) {
     auto it = map_key.find(name);
@@ -154,11 +155,10 @@ Result<Plan> plan_state_dict(const OptimizerState& state) {
             dcp::encode_tensor(w, DType::kF32, {},
                                add(StorageSpec::of_scalar(static_cast<float>(h.lr))));
           },
-      .optimizer_only = false,
-      .group_extra = {},
+      .optimizer_only = options.optimizer_only,
+      .group_extra = options.group_extra,
   });
-  plan.data_pkl = w.finish();
-  return plan;
+  return Status::Ok();
 }
 
 OptimizerState kept_state(const OptimizerState& state, const KeepsEight& eight) {

@@ -31,6 +31,10 @@ using torchsave::StorageSpec;
 // weights. Refused: maximize (torchao has none), entries other than the moments and the weights,
 // a step beyond float32's exact integers (2^24).
 Result<Plan> plan_state_dict(const OptimizerState& state);
+// The same frame written into `w` with storages from `add` (plan_state_dict's, or the carrying
+// writer's: torchsave::write_carrying).
+Status plan_frame(const OptimizerState& state, pickle::Writer& w, const torchsave::SpecSink& add,
+                  const torchsave::FrameOptions& options);
 
 // What a round trip gives back: entries torchao does not step as 8-bit become dense (dequantized to
 // fp32 where `state` has the buffers; dense ones keep their dtype), lr rounded to float32, and the

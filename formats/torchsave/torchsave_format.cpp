@@ -1523,6 +1523,38 @@ OptimizerState dense_view(const OptimizerState& meta) {
   return out;
 }
 
+// torch.optim.AdamW's state_dict frame (as encode_state_dict writes it) with its storages planned:
+// weights and dense moments as stored, 8-bit moments as fp32 values, each step a float32 tensor.
+Status plan_adamw_frame(const OptimizerState& meta, const std::vector<std::string>& order, pickle::Writer& w,
+                        const SpecSink& add, const FrameOptions& options) {
+  const OptimizerState dense = dense_view(meta);
+  encode_state_dict_frame(dense, w, {
+      .weight =
+          [&](size_t i, const ParamState& ps) {
+            dcp::encode_tensor(w, ps.entries.at(kParam).dtype, ps.shape, add(StorageSpec::of_component(order[i], kParam)));
+          },
+      .param_state =
+          [&](size_t i, const ParamState& ps) {
+            w.str("step");
+            dcp::encode_tensor(w, DType::kF32, {}, add(StorageSpec::of_scalar(static_cast<float>(ps.step))));
+            for (const char* m : {kExpAvg, kExpAvgSq, kMaxExpAvgSq}) {
+              const auto e = meta.params.at(order[i]).entries.find(m);
+              if (e == meta.params.at(order[i]).entries.end()) continue;
+              w.str(m);
+              if (e->second.encoding == Encoding::kDense)
+                dcp::encode_tensor(w, e->second.dtype, ps.shape, add(StorageSpec::of_component(order[i], m)));
+              else
+                dcp::encode_tensor(w, DType::kF32, ps.shape, add(StorageSpec::of_f32_values(order[i], m)));
+            }
+          },
+      .group_fields = [&](const Hyperparameters& h) { adamw_group_fields(w, h); },
+      .lr = {},
+      .optimizer_only = options.optimizer_only,
+      .group_extra = options.group_extra,
+  });
+  return Status::Ok();
+}
+
 class TorchSaveDriver final : public FormatDriver {
  public:
   std::string_view name() const override { return "torchsave"; }
@@ -1628,7 +1660,10 @@ class TorchSaveDriver final : public FormatDriver {
         if (ps.entries.count(m)) keys.key[{id, m}] = std::to_string(keys.key.size());
     }
     if (options.source && carries_file(*options.source))
-      return write_carrying(source, *options.source, path, options.overwrite, order);
+      return write_carrying(source, *options.source, path, options.overwrite,
+                            [&](pickle::Writer& w, const SpecSink& add, const FrameOptions& fo) {
+                              return plan_adamw_frame(meta, order, w, add, fo);
+                            });
     const std::string pkl = encode_state_dict(dense_view(meta), keys);
     return write_file(path, options.overwrite, pkl, [&](dcp::ArchiveWriter& archive) -> Status {
       std::vector<float> scratch;  // 8-bit moments dequantized, entry after entry
@@ -1649,121 +1684,6 @@ class TorchSaveDriver final : public FormatDriver {
         const float step = static_cast<float>(ps.step);
         OPTSTATE_RETURN_IF_ERROR(archive.storage(keys.key.at({id, "step"}), std::as_bytes(std::span(&step, 1))));
         for (const char* m : {kExpAvg, kExpAvgSq, kMaxExpAvgSq}) OPTSTATE_RETURN_IF_ERROR(entry(m));
-      }
-      return Status::Ok();
-    });
-  }
-
-  // A new tensor of the carried file: param `id`'s weights ("param"), step or moment.
-  struct NewTensor {
-    size_t id = 0;
-    std::string entry;
-  };
-
-  // The state written into the source file's own pickle (`carries_file`: one torch.save file whose
-  // optimizer sits beside other entries): the optimizer's dict replaced by torch.optim.AdamW's of
-  // the state, each param's weights in the model's dict replaced by the state's, the groups' other
-  // keys (a scheduler's 'initial_lr') carried into the new groups, and everything else (the model's
-  // buffers and tied names, 'epoch', 'lr_schedulers', Lightning's 'loops', nanoGPT's 'model_args')
-  // carried as it is, storages byte for byte, in the classes the source's torch pickled.
-  static Status write_carrying(StateSource& source, const CheckpointReader& from, const fs::path& path, bool overwrite,
-                               const std::vector<std::string>& order) {
-    const OptimizerState& meta = source.meta();
-    const std::string where = from.path().string();
-    OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(from.path()));
-    const pickle::Pickle& p = ap.second;
-    OPTSTATE_ASSIGN_OR_RETURN(const StateDict sd, interpret_state_dict(p, where));
-    if (sd.optimizer_ref == pickle::kNoRef) return internal_error(where + ": no optimizer dict to replace");
-    // Each weight the state holds replaces the model's tensor of its name.
-    std::map<pickle::Ref, size_t> weight_of;  // the model dict's value -> param id
-    std::map<std::string, pickle::Ref, std::less<>> model_values;
-    if (const auto* items = sd.model_ref == pickle::kNoRef ? nullptr : dict_items(p, sd.model_ref))
-      for (size_t k = 0; k + 1 < items->size(); k += 2)
-        if (const auto name = dcp::as_string(p, (*items)[k])) model_values.emplace(*name, (*items)[k + 1]);
-    for (size_t i = 0; i < order.size(); ++i) {
-      if (!meta.params.at(order[i]).entries.count(kParam)) continue;
-      const auto it = model_values.find(order[i]);
-      if (it == model_values.end())
-        return invalid_argument(fmt::format("{}: param '{}' has weights, but the model's dict in {} has no such name",
-                                            path.string(), order[i], where));
-      weight_of.emplace(it->second, i);
-    }
-    const auto* groups = list_items(p, p.dict_get(sd.optimizer_ref, "param_groups"));
-    if (!groups || groups->size() != meta.groups.size())
-      return invalid_argument(fmt::format("{}: {} param groups, {} has {}: not the state read from it", path.string(),
-                                          meta.groups.size(), where, groups ? groups->size() : 0));
-    const OptimizerState dense = dense_view(meta);
-    Planner<NewTensor> planner(p, where);
-    OPTSTATE_ASSIGN_OR_RETURN(
-        const Planned<NewTensor> planned,
-        planner.run([&](pickle::Writer& w, pickle::Ref r, Planned<NewTensor>& out, const Planner<NewTensor>::Carry& carry)
-                        -> Result<bool> {
-          auto tensor = [&](size_t id, const std::string& entry, DType d, const std::vector<int64_t>& shape) {
-            dcp::encode_tensor(w, d, shape, std::to_string(out.storages.size()));
-            out.storages.emplace_back(NewTensor{id, entry});
-          };
-          if (const auto it = weight_of.find(r); it != weight_of.end()) {
-            const ParamState& ps = dense.params.at(order[it->second]);
-            tensor(it->second, kParam, ps.entries.at(kParam).dtype, ps.shape);
-            return true;
-          }
-          if (r != sd.optimizer_ref) return false;
-          Status carried = Status::Ok();
-          encode_state_dict_frame(dense, w, {
-              .weight = {},
-              .param_state =
-                  [&](size_t i, const ParamState& ps) {
-                    w.str("step");
-                    tensor(i, "step", DType::kF32, {});
-                    for (const char* m : {kExpAvg, kExpAvgSq, kMaxExpAvgSq}) {
-                      const auto e = ps.entries.find(m);
-                      if (e == ps.entries.end()) continue;
-                      w.str(m);
-                      tensor(i, m, e->second.dtype, ps.shape);
-                    }
-                  },
-              .group_fields = [&](const Hyperparameters& h) { adamw_group_fields(w, h); },
-              .lr = {},
-              .optimizer_only = true,
-              .group_extra =
-                  [&](size_t g) {
-                    const auto* items = dict_items(p, (*groups)[g]);
-                    for (size_t k = 0; items && k + 1 < items->size() && carried.ok(); k += 2) {
-                      const auto key = dcp::as_string(p, (*items)[k]);
-                      if (key && known_group_key(*key)) continue;
-                      carried = carry((*items)[k]);
-                      if (carried.ok()) carried = carry((*items)[k + 1]);
-                    }
-                  },
-          });
-          OPTSTATE_RETURN_IF_ERROR(carried);
-          return true;
-        }));
-    return write_file(path, overwrite, planned.pkl, [&](dcp::ArchiveWriter& archive) -> Status {
-      std::vector<float> scratch;  // 8-bit moments dequantized, entry after entry
-      for (size_t k = 0; k < planned.storages.size(); ++k) {
-        const std::string key = std::to_string(k);
-        if (const auto* old_key = std::get_if<std::string>(&planned.storages[k])) {
-          OPTSTATE_ASSIGN_OR_RETURN(const std::vector<std::byte> bytes, read_storage(ap.first, *old_key));
-          OPTSTATE_RETURN_IF_ERROR(archive.storage(key, bytes));
-          continue;
-        }
-        const NewTensor& t = std::get<NewTensor>(planned.storages[k]);
-        const std::string& fqn = order[t.id];
-        const ParamState& ps = meta.params.at(fqn);
-        if (t.entry == "step") {
-          const float step = static_cast<float>(ps.step);
-          OPTSTATE_RETURN_IF_ERROR(archive.storage(key, std::as_bytes(std::span(&step, 1))));
-          continue;
-        }
-        OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps.shape));
-        OPTSTATE_ASSIGN_OR_RETURN(const Entry e, source.load(fqn, t.entry));
-        if (e.encoding == Encoding::kDense) {
-          OPTSTATE_RETURN_IF_ERROR(archive.storage(key, e.values.span()));
-          continue;
-        }
-        OPTSTATE_ASSIGN_OR_RETURN(const std::span<const float> dq, entry_f32_span(e, numel, entry_key(fqn, t.entry), scratch));
-        OPTSTATE_RETURN_IF_ERROR(archive.storage(key, std::as_bytes(dq)));
       }
       return Status::Ok();
     });
@@ -1883,41 +1803,127 @@ Family state_family(const fs::path& path) {
   return Family::kTorch;
 }
 
+namespace {
+
+// Writes storages as a plan lists them: each from `source` (one entry held at a time), or, where
+// it names one, the source file's own storage record `carried` copied (CRC-32 checked).
+class SpecWriter {
+ public:
+  explicit SpecWriter(StateSource& source) : source_(source) {}
+
+  Status write(dcp::ArchiveWriter& archive, const std::string& key, const StorageSpec& s) {
+    switch (s.what) {
+      case StorageSpec::What::kScalar:
+        return archive.storage(key, std::as_bytes(std::span(&s.scalar, 1)));
+      case StorageSpec::What::kQMap: {
+        OPTSTATE_ASSIGN_OR_RETURN(const QMap m, qmap_from_name(s.qmap));
+        return archive.storage(key, std::as_bytes(std::span(qmap_table(m))));
+      }
+      case StorageSpec::What::kComponent:
+      case StorageSpec::What::kF32Values: break;
+    }
+    if (loaded_key_ != entry_key(s.fqn, s.entry)) {
+      loaded_ = Entry{};
+      OPTSTATE_ASSIGN_OR_RETURN(loaded_, source_.load(s.fqn, s.entry));
+      loaded_key_ = entry_key(s.fqn, s.entry);
+    }
+    if (s.what == StorageSpec::What::kF32Values) {
+      const auto ps = source_.meta().params.find(s.fqn);
+      if (ps == source_.meta().params.end()) return internal_error(fmt::format("{}: not in the state", loaded_key_));
+      OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps->second.shape));
+      OPTSTATE_ASSIGN_OR_RETURN(const std::span<const float> values, entry_f32_span(loaded_, numel, loaded_key_, scratch_));
+      return archive.storage(key, std::as_bytes(values));
+    }
+    return archive.storage(key, loaded_.buffer(s.component).span());
+  }
+
+ private:
+  StateSource& source_;
+  std::string loaded_key_;
+  Entry loaded_;
+  std::vector<float> scratch_;  // its values widened or dequantized, where they are not fp32
+};
+
+}  // namespace
+
 Status write_plan(StateSource& source, const fs::path& path, bool overwrite, const Plan& plan) {
-  const OptimizerState& meta = source.meta();
   return write_file(path, overwrite, plan.data_pkl, [&](dcp::ArchiveWriter& archive) -> Status {
-    std::string loaded_key;  // one entry held at a time
-    Entry loaded;
-    std::vector<float> scratch;  // its values widened or dequantized, where they are not fp32
-    for (size_t i = 0; i < plan.storages.size(); ++i) {
-      const StorageSpec& s = plan.storages[i];
-      const std::string key = std::to_string(i);
-      switch (s.what) {
-        case StorageSpec::What::kScalar:
-          OPTSTATE_RETURN_IF_ERROR(archive.storage(key, std::as_bytes(std::span(&s.scalar, 1))));
-          continue;
-        case StorageSpec::What::kQMap: {
-          OPTSTATE_ASSIGN_OR_RETURN(const QMap m, qmap_from_name(s.qmap));
-          OPTSTATE_RETURN_IF_ERROR(archive.storage(key, std::as_bytes(std::span(qmap_table(m)))));
-          continue;
+    SpecWriter specs(source);
+    for (size_t i = 0; i < plan.storages.size(); ++i)
+      OPTSTATE_RETURN_IF_ERROR(specs.write(archive, std::to_string(i), plan.storages[i]));
+    return Status::Ok();
+  });
+}
+
+Status write_carrying(StateSource& source, const CheckpointReader& from, const fs::path& path, bool overwrite,
+                      const PlanFrame& frame) {
+  const OptimizerState& meta = source.meta();
+  const std::string where = from.path().string();
+  OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(from.path()));
+  const pickle::Pickle& p = ap.second;
+  OPTSTATE_ASSIGN_OR_RETURN(const StateDict sd, interpret_state_dict(p, where));
+  if (sd.optimizer_ref == pickle::kNoRef || sd.optimizer_path.empty())
+    return internal_error(where + ": no optimizer dict beside other entries to replace");
+  // Each weight the state holds replaces the model's tensor of its name.
+  std::map<pickle::Ref, std::string> weight_of;  // the model dict's value -> param fqn
+  std::map<std::string, pickle::Ref, std::less<>> model_values;
+  if (const auto* items = sd.model_ref == pickle::kNoRef ? nullptr : dict_items(p, sd.model_ref))
+    for (size_t k = 0; k + 1 < items->size(); k += 2)
+      if (const auto name = dcp::as_string(p, (*items)[k])) model_values.emplace(*name, (*items)[k + 1]);
+  for (const auto& [fqn, ps] : meta.params) {
+    if (!ps.entries.count(kParam)) continue;
+    const auto it = model_values.find(fqn);
+    if (it == model_values.end())
+      return invalid_argument(fmt::format("{}: param '{}' has weights, but the model's dict in {} has no such name",
+                                          path.string(), fqn, where));
+    weight_of.emplace(it->second, fqn);
+  }
+  const auto* groups = list_items(p, p.dict_get(sd.optimizer_ref, "param_groups"));
+  if (!groups || groups->size() != meta.groups.size())
+    return invalid_argument(fmt::format("{}: {} param groups, {} has {}: not the state read from it", path.string(),
+                                        meta.groups.size(), where, groups ? groups->size() : 0));
+  Planner<StorageSpec> planner(p, where);
+  OPTSTATE_ASSIGN_OR_RETURN(
+      const Planned<StorageSpec> planned,
+      planner.run([&](pickle::Writer& w, pickle::Ref r, Planned<StorageSpec>& out,
+                      const Planner<StorageSpec>::Carry& carry) -> Result<bool> {
+        const SpecSink add = [&](StorageSpec s) {
+          out.storages.emplace_back(std::move(s));
+          return std::to_string(out.storages.size() - 1);
+        };
+        if (const auto it = weight_of.find(r); it != weight_of.end()) {
+          const ParamState& ps = meta.params.at(it->second);
+          dcp::encode_tensor(w, ps.entries.at(kParam).dtype, ps.shape, add(StorageSpec::of_component(it->second, kParam)));
+          return true;
         }
-        case StorageSpec::What::kComponent:
-        case StorageSpec::What::kF32Values: break;
-      }
-      if (loaded_key != entry_key(s.fqn, s.entry)) {
-        loaded = Entry{};
-        OPTSTATE_ASSIGN_OR_RETURN(loaded, source.load(s.fqn, s.entry));
-        loaded_key = entry_key(s.fqn, s.entry);
-      }
-      if (s.what == StorageSpec::What::kF32Values) {
-        const auto ps = meta.params.find(s.fqn);
-        if (ps == meta.params.end()) return internal_error(fmt::format("{}: not in the state", loaded_key));
-        OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps->second.shape));
-        OPTSTATE_ASSIGN_OR_RETURN(const std::span<const float> values, entry_f32_span(loaded, numel, loaded_key, scratch));
-        OPTSTATE_RETURN_IF_ERROR(archive.storage(key, std::as_bytes(values)));
+        if (r != sd.optimizer_ref) return false;
+        // The source's group keys that are no optimizer's field (a scheduler's 'initial_lr').
+        Status carried = Status::Ok();
+        FrameOptions fo;
+        fo.optimizer_only = true;
+        fo.group_extra = [&](size_t g) {
+          const auto* items = dict_items(p, (*groups)[g]);
+          for (size_t k = 0; items && k + 1 < items->size() && carried.ok(); k += 2) {
+            const auto key = dcp::as_string(p, (*items)[k]);
+            if (key && known_group_key(*key)) continue;
+            carried = carry((*items)[k]);
+            if (carried.ok()) carried = carry((*items)[k + 1]);
+          }
+        };
+        OPTSTATE_RETURN_IF_ERROR(frame(w, add, fo));
+        OPTSTATE_RETURN_IF_ERROR(carried);
+        return true;
+      }));
+  return write_file(path, overwrite, planned.pkl, [&](dcp::ArchiveWriter& archive) -> Status {
+    SpecWriter specs(source);
+    for (size_t k = 0; k < planned.storages.size(); ++k) {
+      const std::string key = std::to_string(k);
+      if (const auto* old_key = std::get_if<std::string>(&planned.storages[k])) {
+        OPTSTATE_ASSIGN_OR_RETURN(const std::vector<std::byte> bytes, read_storage(ap.first, *old_key));
+        OPTSTATE_RETURN_IF_ERROR(archive.storage(key, bytes));
         continue;
       }
-      OPTSTATE_RETURN_IF_ERROR(archive.storage(key, loaded.buffer(s.component).span()));
+      OPTSTATE_RETURN_IF_ERROR(specs.write(archive, key, std::get<StorageSpec>(planned.storages[k])));
     }
     return Status::Ok();
   });

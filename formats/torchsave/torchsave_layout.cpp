@@ -1442,6 +1442,20 @@ StorageSpec StorageSpec::of_scalar(float v) {
   return s;
 }
 
+Result<Plan> plan_of(const PlanFrame& frame) {
+  Plan plan;
+  pickle::Writer w;
+  OPTSTATE_RETURN_IF_ERROR(frame(
+      w,
+      [&](StorageSpec s) {
+        plan.storages.push_back(std::move(s));
+        return std::to_string(plan.storages.size() - 1);
+      },
+      {}));
+  plan.data_pkl = w.finish();
+  return plan;
+}
+
 std::vector<std::string> param_order(const OptimizerState& state) {
   std::vector<std::string> order;
   for (const ParamGroup& g : state.groups)

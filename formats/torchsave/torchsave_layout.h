@@ -316,6 +316,19 @@ struct Plan {
   std::vector<StorageSpec> storages;  // storage keys "0", "1", ... in this order
 };
 
+// How a planner writes its optimizer state_dict frame into a pickle that may be another's (the
+// writer that carries a training loop's file): `add` takes a new storage and gives its key;
+// `optimizer_only` and `group_extra` as in FrameParts.
+using SpecSink = std::function<std::string(StorageSpec)>;
+struct FrameOptions {
+  bool optimizer_only = false;
+  std::function<void(size_t group)> group_extra;
+};
+// A planner's frame: its checks (an error before anything is written), then its pickle into `w`.
+using PlanFrame = std::function<Status(pickle::Writer& w, const SpecSink& add, const FrameOptions& options)>;
+// The whole file's plan of a frame: data.pkl and its storages "0", "1", ...
+Result<Plan> plan_of(const PlanFrame& frame);
+
 // The params in the order torch numbers them (the groups' order): what encode_state_dict's ids mean.
 std::vector<std::string> param_order(const OptimizerState& state);
 

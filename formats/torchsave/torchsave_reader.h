@@ -106,4 +106,12 @@ Status write_archive(const std::filesystem::path& path, std::string_view pkl,
 // lists it, every entry loaded from `source` once (its components are written in turn).
 Status write_plan(StateSource& source, const std::filesystem::path& path, bool overwrite, const Plan& plan);
 
+// A state written into the pickle of the file `from` reads (carries_file): the optimizer's dict
+// replaced by `frame`'s (written optimizer_only, the source groups' other keys carried into its
+// groups through group_extra), each param's tensor in the model's dict by the state's weights, and
+// everything else carried as it is, storages byte for byte (formats/torchsave/FORMAT.md). The
+// torch.save, bitsandbytes and torchao writers, from a training loop's own file.
+Status write_carrying(StateSource& source, const CheckpointReader& from, const std::filesystem::path& path,
+                      bool overwrite, const PlanFrame& frame);
+
 }  // namespace optstate::torchsave

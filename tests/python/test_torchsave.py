@@ -1174,3 +1174,54 @@ def test_converted_training_checkpoint_keeps_its_other_entries_and_resumes(tmp_p
         model(torch.randint(0, 40, (4, 8), generator=g)).float().square().mean().backward()
         opt.step()
     """), "resume.py")
+
+
+@pytest.mark.parametrize("target", ["torchao", "bitsandbytes"])
+def test_training_checkpoint_moves_to_an_8bit_optimizer_keeping_its_other_entries(tmp_path, optstate_cli, target):
+    """The other way: nanoGPT's file of torch.optim.AdamW state written as torchao's or
+    bitsandbytes' AdamW8bit state (`--to 8bit`), the rest of the file carried, so the loop resumes
+    with the 8-bit optimizer from its own file."""
+    run_script(tmp_path, GPT_MODEL + textwrap.dedent(f"""
+        torch.manual_seed(0)
+        model = GPT(d=64)
+        named = list(model.named_parameters())
+        opt = torch.optim.AdamW([{{"params": [p for n, p in named if p.dim() >= 2], "weight_decay": 0.1}},
+                                 {{"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}}], lr=1e-3)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            model(torch.randint(0, 40, (4, 8), generator=g)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        torch.save({{"model": model.state_dict(), "optimizer": opt.state_dict(), "iter_num": 3,
+                    "model_args": {{"d": 64}}}}, {str(tmp_path / "ckpt.pt")!r})
+    """), "make_ckpt.py")
+    block = ["--block-size", "64"] if target == "torchao" else []
+    proc = optstate_cli("convert", tmp_path / "ckpt.pt", tmp_path / "eight.pt", "--format", target, "--to", "8bit",
+                        *block)
+    assert "; carried unchanged: ['iter_num'], ['model_args'], ['model'] (1 entry" in proc.stdout, proc.stdout
+    run_script(tmp_path, GPT_MODEL + textwrap.dedent(f"""
+        src = torch.load({str(tmp_path / "ckpt.pt")!r}, weights_only=True)
+        if {target!r} == "torchao":
+            from torchao.optim import AdamW8bit
+            make = lambda groups: AdamW8bit(groups, lr=1e-3, block_size=64)
+            ck = torch.load({str(tmp_path / "eight.pt")!r}, weights_only=False)
+        else:
+            import bitsandbytes as bnb
+            make = lambda groups: bnb.optim.AdamW8bit(groups, lr=1e-3)
+            ck = torch.load({str(tmp_path / "eight.pt")!r}, weights_only=True)
+        assert list(ck) == list(src) and ck["iter_num"] == 3 and ck["model_args"] == {{"d": 64}}
+        model = GPT(d=64)
+        model.load_state_dict(ck["model"])  # strict: the tied head's name too
+        assert all(torch.equal(v, src["model"][k]) for k, v in model.state_dict().items())
+        named = list(model.named_parameters())
+        opt = make([{{"params": [p for n, p in named if p.dim() >= 2], "weight_decay": 0.1}},
+                    {{"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}}])
+        opt.load_state_dict(ck["optimizer"])
+        p = model.h[0].fc.weight  # 256 x 64: 8-bit state
+        st = opt.state[p]
+        codes = st["exp_avg"].codes if {target!r} == "torchao" else st["state1"]
+        assert codes.dtype == torch.uint8, codes.dtype
+        g = torch.Generator().manual_seed(3)
+        model(torch.randint(0, 40, (4, 8), generator=g)).float().square().mean().backward()
+        opt.step()
+    """), "resume.py")

@@ -50,6 +50,10 @@ FSDP_SCRIPT = textwrap.dedent("""
         torch.compile = lambda fn, **kwargs: fn
         make = {"torchaofp8": AdamWFp8, "torchao4bit": AdamW4bit}.get(kind, AdamW8bit)
         opt = make(model.parameters(), lr=1e-2, weight_decay=0.1)
+    elif kind == "groups":  # decay / no-decay groups, as Hugging Face's and nanoGPT's trainers make them
+        ps = list(model.parameters())
+        opt = torch.optim.AdamW([{"params": [p for p in ps if p.dim() > 1], "weight_decay": 0.1},
+                                 {"params": [p for p in ps if p.dim() <= 1], "weight_decay": 0.0}], lr=1e-2)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, amsgrad=kind == "amsgrad")
     for step in range(3):
@@ -118,7 +122,8 @@ def reference(out, world):
     return full
 
 
-@pytest.mark.parametrize("kind,world", [("adamw", 3), ("amsgrad", 4), ("adamw", 1), ("hsdp", 4), ("fqn", 2)])
+@pytest.mark.parametrize("kind,world", [("adamw", 3), ("amsgrad", 4), ("adamw", 1), ("hsdp", 4), ("fqn", 2),
+                                        ("groups", 2)])
 def test_fsdp2_rank_files_read_as_one_state_by_name(tmp_path, optstate_cli, kind, world):
     out = fsdp_run(tmp_path, kind, world)
     full = torch.load(f"{out}.full") if kind == "hsdp" else reference(out, world)
@@ -135,7 +140,10 @@ def test_fsdp2_rank_files_read_as_one_state_by_name(tmp_path, optstate_cli, kind
     optstate_cli("convert", out, tmp_path / "plain.pt")
     plain = torch.load(tmp_path / "plain.pt", weights_only=True)
     opt_sd, weights = plain["optimizer"], plain["model"]
-    names = opt_sd["param_groups"][0]["param_names"]
+    names = [n for g in opt_sd["param_groups"] for n in g["param_names"]]
+    if kind == "groups":  # each group's params placed among the model's DTensors in order
+        assert [g["param_names"] for g in opt_sd["param_groups"]] == [["0.weight", "2.weight", "4.weight"],
+                                                                       ["0.bias", "2.bias", "4.bias"]]
     for i, name in enumerate(names):
         st = opt_sd["state"][i]
         assert torch.equal(st["step"], full[f"{name}.step"])
@@ -147,7 +155,12 @@ def test_fsdp2_rank_files_read_as_one_state_by_name(tmp_path, optstate_cli, kind
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 33), torch.nn.ReLU(),
                                 torch.nn.Linear(33, 5))
     model.load_state_dict(weights)
-    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-2, amsgrad=kind == "amsgrad")
+    if kind == "groups":
+        named = list(model.named_parameters())
+        opt = torch.optim.AdamW([{"params": [(n, p) for n, p in named if p.dim() > 1]},
+                                 {"params": [(n, p) for n, p in named if p.dim() <= 1]}], lr=1e-2)
+    else:
+        opt = torch.optim.AdamW(model.named_parameters(), lr=1e-2, amsgrad=kind == "amsgrad")
     opt.load_state_dict(opt_sd)
     model(torch.randn(2, 64)).sum().backward()
     opt.step()

@@ -1805,8 +1805,8 @@ Family state_family(const fs::path& path) {
 
 namespace {
 
-// Writes storages as a plan lists them: each from `source` (one entry held at a time), or, where
-// it names one, the source file's own storage record `carried` copied (CRC-32 checked).
+// Writes storages as a plan's StorageSpecs describe them, from `source` (one entry held at a time:
+// a spec's components follow each other). write_carrying copies the source file's own records itself.
 class SpecWriter {
  public:
   explicit SpecWriter(StateSource& source) : source_(source) {}

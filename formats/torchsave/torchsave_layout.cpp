@@ -623,6 +623,35 @@ ModelPlacement place_params_in_model(const std::vector<std::vector<std::optional
     return out;
   }
   const size_t spare = c - n;  // tensors that are no param of the optimizer: buffers, frozen params
+  // One group with params (the common case: model.parameters(), a LoRA's adapters): its leftmost
+  // and rightmost placements bound every other, element by element, so it is unique exactly when
+  // they are the same; found in two scans, whatever the number of spare tensors.
+  size_t nonempty = 0, only = 0;
+  for (size_t g = 0; g < k; ++g)
+    if (!groups[g].empty()) ++nonempty, only = g;
+  if (nonempty == 1) {
+    const auto& params = groups[only];
+    auto fits_one = [&](size_t i, size_t t) { return !params[i] || *params[i] == tensors[t]; };
+    std::vector<size_t> left, right(params.size());
+    for (size_t t = 0; t < c && left.size() < params.size(); ++t)
+      if (fits_one(left.size(), t)) left.push_back(t);
+    if (left.size() < params.size()) {
+      out.why = fmt::format("the optimizer's {} params (in 1 group) are not among its {} tensors in order with their "
+                            "shapes", n, c);
+      return out;
+    }
+    size_t i = params.size();
+    for (size_t t = c; t-- > 0 && i > 0;)
+      if (fits_one(i - 1, t)) right[--i] = t;
+    if (left != right) {
+      out.why = fmt::format("the optimizer's {} params (in 1 group) fit among its {} tensors in more than one way "
+                            "(buffers or frozen params shaped like params); which is which cannot be told", n, c);
+      return out;
+    }
+    out.tensor_of.assign(k, {});
+    out.tensor_of[only] = std::move(left);
+    return out;
+  }
   // Layer t: after the first t tensors, how many of each group's params are placed (the key) and in
   // how many ways (capped at 2: one or more than one is all that matters). Each tensor is either
   // the next param of a group whose next shape it has, or spare.

@@ -698,6 +698,30 @@ TEST_CASE("torchsave: numbered params placed among the model's tensors, each gro
     auto fewer = torchsave::place_params_in_model(Groups{{emb, proj}}, {emb});
     CHECK(fewer.why.find("fewer than the optimizer's 2 params") != std::string::npos);
   }
+  SUBCASE("one group among many spare tensors (a large LoRA): found by two scans, unique or not") {
+    // 1,120 adapters among 723 frozen tensors, as a 70B model's LoRA on every projection
+    std::vector<Shape> model;
+    std::vector<std::optional<Shape>> adapters;
+    std::vector<size_t> where;
+    for (int layer = 0; layer < 80; ++layer)
+      for (int proj = 0; proj < 7; ++proj) {
+        model.push_back(proj < 4 ? Shape{64, 64} : Shape{256, 64});
+        if (layer % 9 == 0 && proj == 0) model.push_back(ln);  // frozen norms between them
+        for (const Shape& s : {Shape{8, 64}, Shape{64, 8}}) {
+          where.push_back(model.size());
+          model.push_back(s);
+          adapters.push_back(s);
+        }
+      }
+    auto r = torchsave::place_params_in_model(Groups{{}, adapters}, model);
+    REQUIRE_MESSAGE(r.why.empty(), r.why);
+    CHECK(r.tensor_of[0].empty());
+    CHECK(r.tensor_of[1] == where);
+    // a frozen tensor shaped like an adapter, between two adapters: two ways
+    model.insert(model.begin() + static_cast<std::ptrdiff_t>(where[1]), Shape{8, 64});
+    auto two = torchsave::place_params_in_model(Groups{adapters}, model);
+    CHECK(two.why.find("more than one way") != std::string::npos);
+  }
   SUBCASE("nothing to place, and nothing to place it in") {
     auto r = torchsave::place_params_in_model(Groups{{}}, {});
     CHECK(r.why.empty());

@@ -283,7 +283,15 @@ def test_optstate_load_takes_a_torch_saved_model_and_optimizer(tmp_path, optstat
             assert torch.equal(st["exp_avg"], ref["exp_avg"]) and torch.equal(st["exp_avg_sq"], ref["exp_avg_sq"])
             assert st["step"].item() == ref["step"].item() == 3
         assert o.param_groups[0]["lr"] == 1e-3 and o.param_groups[0]["weight_decay"] == 0.05
-        # Numbered params (no param_names) are not matched to the model's names by guesswork.
+        # Numbered params beside the model that names them (one placement fits): loaded by name.
+        m2 = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 3))
+        o2 = optstate.FusedAdamW(m2.parameters(), lr=0.5)
+        optstate.load({f"{unnamed}.full.pt"!r}, m2, o2)
+        nsd = torch.load({f"{unnamed}.full.pt"!r}, weights_only=True)
+        for i, (name, p) in enumerate(m2.named_parameters()):
+            assert torch.equal(p, nsd["model"][name])
+            assert torch.equal(o2.state[p]["exp_avg_sq"], nsd["optimizer"]["state"][i]["exp_avg_sq"])
+        # Numbered params alone (no param_names, no model) are not matched to names by guesswork.
         try:
             optstate.load({f"{unnamed}.optimizer.pt"!r}, m, o)
             raise AssertionError("loaded numbered params by name")

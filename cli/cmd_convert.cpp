@@ -49,7 +49,8 @@ int run_convert(int argc, char** argv) {
         "ZeRO-1/2, a universal checkpoint, which DeepSpeed loads on any world size; of ZeRO-3, the same checkpoint for "
         "--world-size ranks) (default: from DST's extension, .safetensors / .h5 / "
         ".hdf5 / .pt / .pth (torchsave), else native)"},
-       {"--block-size", true, "8-bit block size (default 256)"},
+       {"--block-size", true, "8-bit block size (default 256); given, 8-bit moments of another block size are "
+                              "requantized in it (else they keep theirs)"},
        {"--min-8bit-size", true, "params with fewer elements stay dense (default 4096)"},
        {"--world-size", true, "lay DST out as N ranks' shards (default 1)"},
        {"--compress", true, "gzip level 1-9 where the format compresses (hdf5, with shuffle)"},
@@ -133,6 +134,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
     auto n = parse_positive("--block-size", *v);
     if (!n.ok()) return fail(command, n.status());
     q.block_size = *n;
+    q.reblock = true;  // asked for by name: 8-bit moments of other blocks are requantized into these
   }
   if (auto v = args->value("--min-8bit-size")) {
     auto n = parse_positive("--min-8bit-size", *v);

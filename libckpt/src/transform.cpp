@@ -98,10 +98,11 @@ std::optional<QMap> moment_map(const std::string& name) {
 
 bool recodes(const std::string& name, const Entry& e, int64_t numel, Recode how, const QuantizeOptions& q) {
   if (how == Recode::kDequantize) return e.encoding == Encoding::kBlockwise8;
-  if (how == Recode::kQuantize)
-    return e.encoding == Encoding::kDense && numel >= q.min_8bit_size && moment_map(name).has_value() &&
-           (!q.whole_blocks || numel % q.block_size == 0);
-  return false;
+  if (how != Recode::kQuantize) return false;
+  const auto map = moment_map(name);
+  if (!map || numel < q.min_8bit_size || (q.whole_blocks && numel % q.block_size != 0)) return false;
+  if (e.encoding == Encoding::kDense) return true;
+  return q.reblock && (e.block_size != q.block_size || e.qmap != qmap_name(*map));
 }
 
 }  // namespace
@@ -142,7 +143,13 @@ Result<Entry> recode_entry(const std::string& name, const Entry& e, int64_t nume
                          {reinterpret_cast<float*>(values.data()), static_cast<size_t>(numel)});
     return out;
   }
-  OPTSTATE_ASSIGN_OR_RETURN(std::vector<float> values, dense_to_f32(e.values.span(), e.dtype, key));
+  std::vector<float> values;
+  if (e.encoding == Encoding::kDense) {
+    OPTSTATE_ASSIGN_OR_RETURN(values, dense_to_f32(e.values.span(), e.dtype, key));
+  } else {  // reblock: dequantized, then quantized as a dense entry would be
+    OPTSTATE_ASSIGN_OR_RETURN(const std::span<const float> dq, entry_f32_span(e, numel, key, values));
+    if (dq.data() != values.data()) values.assign(dq.begin(), dq.end());
+  }
   std::span<std::byte> codes, absmax;
   const int64_t blocks = (numel + q.block_size - 1) / q.block_size;
   out.codes = Buffer::allocate(static_cast<size_t>(numel), &codes);

@@ -707,6 +707,33 @@ def test_torch_and_torchao_state_move_to_bitsandbytes_8bit(tmp_path, optstate_cl
     torch.save(ao.state_dict(), tmp_path / "ao.pt")
     optstate_cli("convert", tmp_path / "ao.pt", tmp_path / "ao_bnb.pt", "--format", "bitsandbytes")
     assert hashes(optstate_cli, tmp_path / "ao_bnb.pt") == hashes(optstate_cli, tmp_path / "ao.pt")
+    # torchao's blocks of 128: requantized into bitsandbytes' 256 in one step when --block-size says
+    # so, the codes of dequantizing first (two converts) exactly; bitsandbytes steps them as 8-bit.
+    torch.manual_seed(0)
+    m128 = torch.nn.Linear(128, 64)  # 8192 weights: whole blocks of 128 and of 256
+    ao128 = AoAdamW8bit(m128.parameters(), lr=1e-3, block_size=128)
+    for _ in range(3):
+        m128(torch.randn(8, 128)).square().sum().backward()
+        ao128.step()
+        ao128.zero_grad()
+    torch.save(ao128.state_dict(), tmp_path / "ao128.pt")
+    assert "8bit/128" in optstate_cli("inspect", tmp_path / "ao128.pt", "--no-stats").stdout
+    kept = optstate_cli("convert", tmp_path / "ao128.pt", tmp_path / "kept.pt", "--format", "bitsandbytes")
+    assert "stores 2 8-bit entries as fp32 values" in kept.stderr, kept.stderr
+    one = optstate_cli("convert", tmp_path / "ao128.pt", tmp_path / "one.pt", "--format", "bitsandbytes", "--to", "8bit",
+                       "--block-size", "256")
+    assert "as fp32 values" not in one.stderr, one.stderr
+    optstate_cli("convert", tmp_path / "ao128.pt", tmp_path / "f32.safetensors", "--to", "fp32")
+    optstate_cli("convert", tmp_path / "f32.safetensors", tmp_path / "two.pt", "--format", "bitsandbytes", "--to",
+                 "8bit", "--block-size", "256")
+    assert hashes(optstate_cli, tmp_path / "one.pt") == hashes(optstate_cli, tmp_path / "two.pt")
+    st128 = torch.load(tmp_path / "one.pt")["state"][0]["__bnb_optimizer_quant_state__"]
+    assert st128["state1"].dtype == torch.uint8 and st128["absmax1"].numel() == 8192 // 256
+    bnb128 = bnb.optim.AdamW8bit(m128.parameters(), lr=1e-3)
+    bnb128.load_state_dict(torch.load(tmp_path / "one.pt"))
+    m128(torch.randn(8, 128)).square().sum().backward()
+    bnb128.step()
+    assert bnb128.state[m128.weight]["state1"].dtype == torch.uint8
     # bitsandbytes' AdamW has no amsgrad: refused by name, nothing written.
     _, ams = trained(lambda p: torch.optim.AdamW(p, lr=1e-3, amsgrad=True))
     torch.save(ams.state_dict(), tmp_path / "ams.pt")

@@ -111,6 +111,34 @@ TEST_CASE("dequantize_state and quantize_state invert each other on 8-bit state"
   CHECK(big_threshold->params.at("layers.0.weight").entries.at(kExpAvg).encoding == Encoding::kDense);
 }
 
+TEST_CASE("quantize_state with reblock: 8-bit moments of other blocks requantized, as dequantizing first would") {
+  const OptimizerState s = testing::sample_state();
+  auto four = quantize_state(s, {4, 1});  // blocks of 4
+  REQUIRE(four.ok());
+  // Kept without reblock: an 8-bit entry stays as it is whatever block size is asked for.
+  auto kept = quantize_state(*four, {2, 1});
+  REQUIRE(kept.ok());
+  CHECK(kept->params.at("layers.0.weight").entries.at(kExpAvg).block_size == 4);
+  CHECK(hash_state(*kept)->root == hash_state(*four)->root);
+  // With it: the codes and scales of dequantize-then-quantize, in one step.
+  QuantizeOptions two{2, 1};
+  two.reblock = true;
+  auto one_step = quantize_state(*four, two);
+  auto two_steps = quantize_state(*dequantize_state(*four), {2, 1});
+  REQUIRE(one_step.ok());
+  REQUIRE(two_steps.ok());
+  CHECK(one_step->params.at("layers.0.weight").entries.at(kExpAvg).block_size == 2);
+  CHECK(hash_state(*one_step)->root == hash_state(*two_steps)->root);
+  // The same block size and maps: nothing to redo, the codes stay.
+  QuantizeOptions same{4, 1};
+  same.reblock = true;
+  CHECK(hash_state(*quantize_state(*four, same))->root == hash_state(*four)->root);
+  // Below the threshold an 8-bit entry is kept, not requantized.
+  QuantizeOptions high{2, 1000};
+  high.reblock = true;
+  CHECK(quantize_state(*four, high)->params.at("layers.0.weight").entries.at(kExpAvg).block_size == 4);
+}
+
 TEST_CASE("entry_f32_span: fp32 values as they lie, others widened or dequantized into a reused scratch") {
   std::vector<float> scratch;
   // fp32: a view of the entry's own buffer, no copy, scratch untouched

@@ -21,10 +21,15 @@ struct QuantizeOptions {
   // Params whose element count is no multiple of block_size keep dense state too (torchao's rule:
   // it quantizes tensor.view(-1, block_size), so it has no partial block).
   bool whole_blocks = false;
+  // 8-bit moments of another block size or map are requantized in blocks of block_size (where
+  // dense ones would be quantized), instead of kept: `convert --to 8bit --block-size N` given N.
+  // The same codes as dequantizing first and quantizing that (the two steps it replaces).
+  bool reblock = false;
 };
 // Dense moment entries (exp_avg: dynamic-signed; exp_avg_sq, max_exp_avg_sq: dynamic-unsigned) of
 // params with at least min_8bit_size elements become blockwise8 (requantize_blockwise, so an entry
-// that came from 8-bit gets its codes back). Entries already 8-bit are kept.
+// that came from 8-bit gets its codes back). Entries already 8-bit are kept (requantized with
+// `reblock` where their blocks or map differ).
 // The result is AdamW8bit's state (kind "adamw8bit") once any entry is 8-bit, as the DCP and
 // torch.save readers infer it from the entries: 8-bit -> dense -> 8-bit through them keeps the hash.
 Result<OptimizerState> quantize_state(const OptimizerState& in, const QuantizeOptions& options = {});

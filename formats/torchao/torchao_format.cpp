@@ -44,16 +44,10 @@ class TorchaoDriver final : public FormatDriver {
   }
 
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
-    const OptimizerState& meta = source.meta();
-    if (options.source && torchsave::carries_file(*options.source)) {
-      return torchsave::write_carrying(
-          source, *options.source, path, options.overwrite,
-          [&](pickle::Writer& w, const torchsave::SpecSink& add, const torchsave::FrameOptions& fo) {
-            return plan_frame(meta, w, add, fo);
-          });
-    }
-    OPTSTATE_ASSIGN_OR_RETURN(const Plan plan, plan_state_dict(meta));
-    return torchsave::write_plan(source, path, options.overwrite, plan);
+    return torchsave::write_framed(source, path, options, [&](pickle::Writer& w, const torchsave::SpecSink& add,
+                                                              const torchsave::FrameOptions& fo) {
+      return plan_frame(source.meta(), w, add, fo);
+    });
   }
 };
 

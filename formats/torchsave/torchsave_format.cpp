@@ -1855,6 +1855,13 @@ Status write_plan(StateSource& source, const fs::path& path, bool overwrite, con
   });
 }
 
+Status write_framed(StateSource& source, const fs::path& path, const WriteOptions& options, const PlanFrame& frame) {
+  if (options.source && carries_file(*options.source))
+    return write_carrying(source, *options.source, path, options.overwrite, frame);
+  OPTSTATE_ASSIGN_OR_RETURN(const Plan plan, plan_of(frame));
+  return write_plan(source, path, options.overwrite, plan);
+}
+
 Status write_carrying(StateSource& source, const CheckpointReader& from, const fs::path& path, bool overwrite,
                       const PlanFrame& frame) {
   const OptimizerState& meta = source.meta();

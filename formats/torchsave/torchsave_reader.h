@@ -113,5 +113,9 @@ Status write_plan(StateSource& source, const std::filesystem::path& path, bool o
 // torch.save, bitsandbytes and torchao writers, from a training loop's own file.
 Status write_carrying(StateSource& source, const CheckpointReader& from, const std::filesystem::path& path,
                       bool overwrite, const PlanFrame& frame);
+// A planner's state_dict written at `path`: into the source's own file's layout where
+// options.source is a training loop's file (write_carrying), else as a file of its own (write_plan).
+Status write_framed(StateSource& source, const std::filesystem::path& path, const WriteOptions& options,
+                    const PlanFrame& frame);
 
 }  // namespace optstate::torchsave

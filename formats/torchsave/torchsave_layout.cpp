@@ -860,9 +860,14 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
       if (is_optimizer_dict(p, v)) {
         found.push_back(name);
         opt = v;
-      } else if (const auto* list = list_items(p, v); list && list->size() == 1 && is_optimizer_dict(p, (*list)[0])) {
-        found.push_back(name + "[0]");
-        opt = (*list)[0];
+      } else if (const auto* list = list_items(p, v);
+                 list && !list->empty() && list->size() <= 64 && is_optimizer_dict(p, (*list)[0])) {
+        // Lightning's "optimizer_states": one per optimizer (a GAN's two are refused below, named)
+        for (size_t i = 0; i < list->size(); ++i)
+          if (is_optimizer_dict(p, (*list)[i])) {
+            found.push_back(fmt::format("{}[{}]", name, i));
+            opt = (*list)[i];
+          }
       } else if (key && (*key == "model" || *key == "model_state_dict" || *key == "state_dict") && dict_items(p, v) &&
                  model == kNoRef) {
         model = v;  // "state_dict": Lightning's (the LightningModule's, beside "optimizer_states")

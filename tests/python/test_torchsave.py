@@ -237,6 +237,10 @@ def test_damaged_or_foreign_torch_save_files_are_refused_by_name(tmp_path, optst
     sd = torch.load(pt)
     torch.save({"opt_a": sd, "opt_b": sd}, tmp_path / "two.pt")
     refused(tmp_path / "two.pt", "two.pt", "2 optimizer state_dicts")
+    # ... nor in Lightning's list of them (a GAN's generator and discriminator optimizers).
+    torch.save({"state_dict": {}, "optimizer_states": [sd, sd]}, tmp_path / "gan.ckpt")
+    refused(tmp_path / "gan.ckpt", "gan.ckpt", "holds 2 optimizer state_dicts (['optimizer_states'][0], "
+            "['optimizer_states'][1])")
     # State for a param id no group lists.
     bad = torch.load(pt)
     bad["state"][7] = bad["state"][0]

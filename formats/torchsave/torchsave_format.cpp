@@ -1509,52 +1509,6 @@ bool is_zip(const fs::path& path) {
   return f.ok() && f->size() >= 30 && f->read_at(0, h).ok() && std::memcmp(h, "PK\x03\x04", 4) == 0;
 }
 
-// The state as torch.optim.AdamW holds it: every entry dense, 8-bit moments as fp32.
-OptimizerState dense_view(const OptimizerState& meta) {
-  OptimizerState out = meta;
-  for (auto& [fqn, ps] : out.params)
-    for (auto& [name, e] : ps.entries)
-      if (e.encoding == Encoding::kBlockwise8) {
-        e.encoding = Encoding::kDense;
-        e.dtype = DType::kF32;
-        e.block_size = 0;
-        e.qmap.clear();
-      }
-  return out;
-}
-
-// torch.optim.AdamW's state_dict frame (as encode_state_dict writes it) with its storages planned:
-// weights and dense moments as stored, 8-bit moments as fp32 values, each step a float32 tensor.
-Status plan_adamw_frame(const OptimizerState& meta, const std::vector<std::string>& order, pickle::Writer& w,
-                        const SpecSink& add, const FrameOptions& options) {
-  const OptimizerState dense = dense_view(meta);
-  encode_state_dict_frame(dense, w, {
-      .weight =
-          [&](size_t i, const ParamState& ps) {
-            dcp::encode_tensor(w, ps.entries.at(kParam).dtype, ps.shape, add(StorageSpec::of_component(order[i], kParam)));
-          },
-      .param_state =
-          [&](size_t i, const ParamState& ps) {
-            w.str("step");
-            dcp::encode_tensor(w, DType::kF32, {}, add(StorageSpec::of_scalar(static_cast<float>(ps.step))));
-            for (const char* m : {kExpAvg, kExpAvgSq, kMaxExpAvgSq}) {
-              const auto e = meta.params.at(order[i]).entries.find(m);
-              if (e == meta.params.at(order[i]).entries.end()) continue;
-              w.str(m);
-              if (e->second.encoding == Encoding::kDense)
-                dcp::encode_tensor(w, e->second.dtype, ps.shape, add(StorageSpec::of_component(order[i], m)));
-              else
-                dcp::encode_tensor(w, DType::kF32, ps.shape, add(StorageSpec::of_f32_values(order[i], m)));
-            }
-          },
-      .group_fields = [&](const Hyperparameters& h) { adamw_group_fields(w, h); },
-      .lr = {},
-      .optimizer_only = options.optimizer_only,
-      .group_extra = options.group_extra,
-  });
-  return Status::Ok();
-}
-
 class TorchSaveDriver final : public FormatDriver {
  public:
   std::string_view name() const override { return "torchsave"; }
@@ -1636,15 +1590,11 @@ class TorchSaveDriver final : public FormatDriver {
     const std::vector<std::string> order = param_order(meta);
     if (order.size() != meta.params.size() || std::set(order.begin(), order.end()).size() != order.size())
       return invalid_argument("torchsave: every param must be in exactly one param group (torch numbers them by it)");
-    // Storage keys in the order the data is written: per param, its weights, step and moments.
-    StorageKeys keys;
     for (size_t i = 0; i < order.size(); ++i) {
       const ParamState& ps = meta.params.at(order[i]);
-      const auto id = static_cast<int64_t>(i);
       for (const auto& [name, e] : ps.entries)
         if (name != kParam && name != kExpAvg && name != kExpAvgSq && name != kMaxExpAvgSq)
           return invalid_argument(fmt::format("param '{}': entry '{}' has no place in torch.optim.AdamW's state", order[i], name));
-      if (ps.entries.count(kParam)) keys.key[{id, kParam}] = std::to_string(keys.key.size());
       if (!ps.entries.count(kExpAvg)) {
         if (ps.entries.size() > ps.entries.count(kParam))
           return invalid_argument(fmt::format("param '{}': moments without exp_avg", order[i]));
@@ -1655,37 +1605,11 @@ class TorchSaveDriver final : public FormatDriver {
       if (ps.step > (int64_t{1} << 24))
         return invalid_argument(fmt::format("param '{}': step {} is beyond what torch.optim.AdamW's float32 step "
                                             "holds exactly (2^24)", order[i], ps.step));
-      keys.key[{id, "step"}] = std::to_string(keys.key.size());
-      for (const char* m : {kExpAvg, kExpAvgSq, kMaxExpAvgSq})
-        if (ps.entries.count(m)) keys.key[{id, m}] = std::to_string(keys.key.size());
     }
-    if (options.source && carries_file(*options.source))
-      return write_carrying(source, *options.source, path, options.overwrite,
-                            [&](pickle::Writer& w, const SpecSink& add, const FrameOptions& fo) {
-                              return plan_adamw_frame(meta, order, w, add, fo);
-                            });
-    const std::string pkl = encode_state_dict(dense_view(meta), keys);
-    return write_file(path, options.overwrite, pkl, [&](dcp::ArchiveWriter& archive) -> Status {
-      std::vector<float> scratch;  // 8-bit moments dequantized, entry after entry
-      for (size_t i = 0; i < order.size(); ++i) {
-        const std::string& fqn = order[i];
-        const ParamState& ps = meta.params.at(fqn);
-        const auto id = static_cast<int64_t>(i);
-        OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps.shape));
-        auto entry = [&](const char* name) -> Status {
-          if (!ps.entries.count(name)) return Status::Ok();
-          OPTSTATE_ASSIGN_OR_RETURN(const Entry e, source.load(fqn, name));
-          if (e.encoding == Encoding::kDense) return archive.storage(keys.key.at({id, name}), e.values.span());
-          OPTSTATE_ASSIGN_OR_RETURN(const std::span<const float> dq, entry_f32_span(e, numel, entry_key(fqn, name), scratch));
-          return archive.storage(keys.key.at({id, name}), std::as_bytes(dq));
-        };
-        OPTSTATE_RETURN_IF_ERROR(entry(kParam));
-        if (!ps.entries.count(kExpAvg)) continue;
-        const float step = static_cast<float>(ps.step);
-        OPTSTATE_RETURN_IF_ERROR(archive.storage(keys.key.at({id, "step"}), std::as_bytes(std::span(&step, 1))));
-        for (const char* m : {kExpAvg, kExpAvgSq, kMaxExpAvgSq}) OPTSTATE_RETURN_IF_ERROR(entry(m));
-      }
-      return Status::Ok();
+    // Entry after entry, 8-bit moments dequantized as they are written (SpecWriter); carrying a
+    // training loop's file's other entries where the source is one (write_carrying).
+    return write_framed(source, path, options, [&](pickle::Writer& w, const SpecSink& add, const FrameOptions& fo) {
+      return plan_adamw_frame(meta, w, add, fo);
     });
   }
 };

@@ -1596,30 +1596,53 @@ void adamw_group_fields(pickle::Writer& w, const Hyperparameters& h) {
   w.boolean(true);
 }
 
-std::string encode_state_dict(const OptimizerState& state, const StorageKeys& keys) {
-  pickle::Writer w;
-  auto tensor = [&](size_t id, const std::string& name, DType d, const std::vector<int64_t>& shape) {
-    dcp::encode_tensor(w, d, shape, keys.key.at({static_cast<int64_t>(id), name}));
-  };
-  encode_state_dict_frame(state, w, {
-      .weight = [&](size_t i, const ParamState& ps) { tensor(i, kParam, ps.entries.at(kParam).dtype, ps.shape); },
+namespace {
+
+// The state as torch.optim.AdamW holds it: every entry dense, 8-bit moments as fp32.
+OptimizerState dense_view(const OptimizerState& meta) {
+  OptimizerState out = meta;
+  for (auto& [fqn, ps] : out.params)
+    for (auto& [name, e] : ps.entries)
+      if (e.encoding == Encoding::kBlockwise8) {
+        e.encoding = Encoding::kDense;
+        e.dtype = DType::kF32;
+        e.block_size = 0;
+        e.qmap.clear();
+      }
+  return out;
+}
+
+}  // namespace
+
+Status plan_adamw_frame(const OptimizerState& meta, pickle::Writer& w, const SpecSink& add,
+                        const FrameOptions& options) {
+  const std::vector<std::string> order = param_order(meta);
+  const OptimizerState dense = dense_view(meta);
+  encode_state_dict_frame(dense, w, {
+      .weight =
+          [&](size_t i, const ParamState& ps) {
+            dcp::encode_tensor(w, ps.entries.at(kParam).dtype, ps.shape, add(StorageSpec::of_component(order[i], kParam)));
+          },
       .param_state =
           [&](size_t i, const ParamState& ps) {
             w.str("step");
-            tensor(i, "step", DType::kF32, {});
+            dcp::encode_tensor(w, DType::kF32, {}, add(StorageSpec::of_scalar(static_cast<float>(ps.step))));
             for (const char* m : {kExpAvg, kExpAvgSq, kMaxExpAvgSq}) {
-              auto e = ps.entries.find(m);
-              if (e == ps.entries.end()) continue;
+              const auto e = meta.params.at(order[i]).entries.find(m);
+              if (e == meta.params.at(order[i]).entries.end()) continue;
               w.str(m);
-              tensor(i, m, e->second.dtype, ps.shape);
+              if (e->second.encoding == Encoding::kDense)
+                dcp::encode_tensor(w, e->second.dtype, ps.shape, add(StorageSpec::of_component(order[i], m)));
+              else
+                dcp::encode_tensor(w, DType::kF32, ps.shape, add(StorageSpec::of_f32_values(order[i], m)));
             }
           },
       .group_fields = [&](const Hyperparameters& h) { adamw_group_fields(w, h); },
       .lr = {},
-      .optimizer_only = false,
-      .group_extra = {},
+      .optimizer_only = options.optimizer_only,
+      .group_extra = options.group_extra,
   });
-  return w.finish();
+  return Status::Ok();
 }
 
 }  // namespace optstate::torchsave

@@ -181,17 +181,6 @@ struct ModelNames {
 ModelNames names_from_model(const ModelDict& md, const std::vector<std::vector<int64_t>>& member_ids,
                             const std::map<int64_t, std::vector<int64_t>>& shape_of);
 
-// Where the writer puts each tensor: the storage key of param `id`'s `entry` ("step", "exp_avg",
-// ..., "param" for its weights in the "model" dict).
-struct StorageKeys {
-  std::map<std::pair<int64_t, std::string>, std::string> key;
-};
-
-// data.pkl for `state` (dense entries only: the writer dequantizes), params numbered in the
-// groups' order. With weights, the file is {"model": {fqn: weight}, "optimizer": state_dict}.
-// `param_names` are written unless every name is its own number (what this reader gives files
-// without them), so a file read without names writes back as it was.
-std::string encode_state_dict(const OptimizerState& state, const StorageKeys& keys);
 
 // The frame every optimizer state_dict torch.save keeps shares, params numbered in the groups' order
 // (param_order): {"state": {id: {<param_state>}}, "param_groups": [{"param_names" (unless every
@@ -328,8 +317,15 @@ struct FrameOptions {
 using PlanFrame = std::function<Status(pickle::Writer& w, const SpecSink& add, const FrameOptions& options)>;
 // The whole file's plan of a frame: data.pkl and its storages "0", "1", ...
 Result<Plan> plan_of(const PlanFrame& frame);
+// torch.optim.AdamW's state_dict frame, params numbered in the groups' order: every entry as torch
+// keeps it (8-bit moments as fp32 values, each step a float32 tensor). With weights, the file is
+// {"model": {fqn: weight}, "optimizer": state_dict}. `param_names` are written unless every name is
+// its own number (what this reader gives files without them), so a file read without names writes
+// back as it was.
+Status plan_adamw_frame(const OptimizerState& state, pickle::Writer& w, const SpecSink& add,
+                        const FrameOptions& options);
 
-// The params in the order torch numbers them (the groups' order): what encode_state_dict's ids mean.
+// The params in the order torch numbers them (the groups' order): what plan_adamw_frame's ids mean.
 std::vector<std::string> param_order(const OptimizerState& state);
 
 }  // namespace optstate::torchsave

@@ -10,8 +10,9 @@
 
 #include <cstdlib>
 #include <map>
-#include <set>
 #include <mutex>
+#include <set>
+#include <string>
 #include <vector>
 
 #include "cuda/optim_cuda.h"
@@ -53,6 +54,17 @@ void use_grads(Cached& c, const std::vector<const void*>& grads, cudaStream_t s)
   check(cuda::set_grads(*c.plan, grads.data(), grads.size(), s), "gradient pointers");
 }
 
+// The first step on a GPU first asks the runtime for the kernels' image there, so a GPU the build
+// has no code for gets told what to rebuild with rather than a launch's "no kernel image".
+void ensure_image(c10::DeviceIndex device) {
+  static std::mutex mu;
+  static std::set<c10::DeviceIndex> done;
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.count(device)) return;
+  cuda_kernel_image(device);
+  done.insert(device);
+}
+
 // A tensor lr's placement, checked. Params on the CPU come here only through a GPU tensor lr
 // (the dispatcher picks CUDA for any CUDA argument).
 void check_lr_cuda(const LrArg& lr, const at::Tensor& first_param, const char* op) {
@@ -83,6 +95,7 @@ Cached& ready_plan(const std::vector<const void*>& key, MakePlan make_plan, cons
                    const std::vector<const void*>& grads, const cuda::Hyper& hyper, const LrArg& lr, cudaStream_t s) {
   Cached& c = plan_for(key);
   if (!c.plan) {
+    ensure_image(first.device().index());
     c.plan = make_plan();
     TORCH_CHECK(c.plan, op, ": cannot build the CUDA work list");
     c.hyper = at::empty({static_cast<int64_t>(sizeof(cuda::Hyper))}, first.options().dtype(at::kByte));
@@ -98,6 +111,7 @@ void ensure_maps(c10::DeviceIndex device) {
   static std::set<c10::DeviceIndex> done;
   std::lock_guard<std::mutex> lock(mu);
   if (done.count(device)) return;
+  ensure_image(device);
   const Quantizer& s = Quantizer::get(QMap::kDynamicSigned);
   const Quantizer& u = Quantizer::get(QMap::kDynamicUnsigned);
   check(cuda::set_qmaps(s.map(), u.map(), s.entries(), bucket_entries(s.layout()), u.entries(),
@@ -129,6 +143,22 @@ int64_t chunk_elems() { return env_knob("OPTSTATE_CUDA_CHUNK", cuda::kDefaultChu
 }  // namespace
 
 bool cuda_kernels_built() { return true; }
+
+std::string cuda_kernel_image(int device) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  int major = 0, minor = 0;
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "device attributes");
+  check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "device attributes");
+  int binary = 0, ptx = 0;
+  const int err = cuda::kernel_image(&binary, &ptx);
+  const std::string built = cuda::compiled_architectures();
+  TORCH_CHECK(err == 0, "optstate: no CUDA kernels for GPU ", device, " (compute capability ", major, ".", minor,
+              "): this build of optstate has code for CMAKE_CUDA_ARCHITECTURES=\"", built,
+              "\" only; configure it with -DCMAKE_CUDA_ARCHITECTURES=", major * 10 + minor,
+              " (or a list holding it) and rebuild (", cudaGetErrorString(static_cast<cudaError_t>(err)), ")");
+  return "sm_" + std::to_string(binary) + " code (PTX version " + std::to_string(ptx) + ") on a compute capability " +
+         std::to_string(major) + "." + std::to_string(minor) + " GPU; built for " + built;
+}
 
 bool cuda_stream_capturing() {
   if (!at::hasCUDA()) return false;

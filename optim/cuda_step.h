@@ -8,6 +8,8 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
+
 #include "op_checks.h"  // LrArg
 
 namespace optstate::optim {
@@ -16,6 +18,11 @@ bool cuda_kernels_built();
 
 // Whether the current CUDA stream is capturing a graph (false where LibTorch has no CUDA).
 bool cuda_stream_capturing();
+
+// The kernels' image the runtime takes for GPU `device`, in words ("sm_90 machine code; built for
+// 90-real 90-virtual"); a clear error naming the GPU's architecture and the CMake option to rebuild
+// with where the build holds none it can run. Checked before a GPU's first step.
+std::string cuda_kernel_image(int device);
 
 // How many device work lists (plans) the CUDA steps have built: one per set of tensors an optimizer
 // steps, whatever its gradients' addresses (for the GPU check).

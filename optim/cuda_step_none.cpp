@@ -9,6 +9,10 @@ bool cuda_stream_capturing() { return false; }
 
 size_t cuda_plan_count() { return 0; }
 
+std::string cuda_kernel_image(int) {
+  TORCH_CHECK(false, "optstate: this build has no CUDA kernels (LibTorch without CUDA, or OPTSTATE_WITH_CUDA=OFF)");
+}
+
 at::Tensor cuda_step_scalars(const at::Tensor&, double, double, double, double, double) {
   TORCH_CHECK(false, "optstate: this build has no CUDA kernels (LibTorch without CUDA, or OPTSTATE_WITH_CUDA=OFF)");
 }

@@ -48,12 +48,17 @@ __device__ __forceinline__ void adamw_item(const AdamWTensor* ts, const Work* wo
 
 // Two register budgets (OPTSTATE_CUDA_MIN_BLOCKS): the compiler's choice (53 registers, 4 blocks per
 // SM), and at most 48 registers for 5 blocks. (`__launch_bounds__(256, 1)` is not the former: it
-// lets the compiler take 77.)
+// lets the compiler take 77.) Turing holds at most 1024 threads per SM, so 4 blocks there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
+constexpr int kMinBlocks5 = 4;
+#else
+constexpr int kMinBlocks5 = 5;
+#endif
 __global__ void __launch_bounds__(kThreads) adamw_kernel(const AdamWTensor* ts, const Work* work,
                                                          const AdamWScalars* scalars) {
   adamw_item(ts, work, scalars);
 }
-__global__ void __launch_bounds__(kThreads, 5) adamw_kernel_5(const AdamWTensor* ts, const Work* work,
+__global__ void __launch_bounds__(kThreads, kMinBlocks5) adamw_kernel_5(const AdamWTensor* ts, const Work* work,
                                                               const AdamWScalars* scalars) {
   adamw_item(ts, work, scalars);
 }
@@ -294,6 +299,20 @@ int step_scalars(const Hyper& h, const float* steps, int64_t n, float* out, void
                                                                                                         out);
   return cudaGetLastError();
 }
+
+int kernel_image(int* binary_version, int* ptx_version) {
+  cudaFuncAttributes a{};
+  const cudaError_t e = cudaFuncGetAttributes(&a, adamw_kernel);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // not sticky, but torch's next launch check would report it
+    return e;
+  }
+  *binary_version = a.binaryVersion;
+  *ptx_version = a.ptxVersion;
+  return 0;
+}
+
+const char* compiled_architectures() { return OPTSTATE_CUDA_ARCHS; }
 
 int set_qmaps(const float* signed_map, const float* unsigned_map, const uint32_t* signed_entries, size_t signed_count,
               const uint32_t* unsigned_entries, size_t unsigned_count) {

@@ -111,6 +111,14 @@ int store_hyper(Hyper* device_hyper, const Hyper& h, void* stream, LrSource lr_s
 // steps[i] (device arrays). For the GPU check, which holds them against the CPU kernels' scalars over
 // long runs' worth of steps: device pow against the host's.
 int step_scalars(const Hyper& h, const float* steps, int64_t n, float* out, void* stream);
+// Which of the kernels' images the runtime takes for the current device: *binary_version is the
+// machine code's architecture (major * 10 + minor; that of PTX JIT-compiled for the device where
+// it came from PTX), *ptx_version the PTX's. cudaErrorNoKernelImageForDevice (or another error)
+// where the build holds nothing this device runs. compiled_architectures(): the build's
+// CMAKE_CUDA_ARCHITECTURES, space-separated ("75-real 80-real ... 120-virtual").
+int kernel_image(int* binary_version, int* ptx_version);
+const char* compiled_architectures();
+
 // Sets the 8-bit kernel's tables on the current device, once per device before its first 8-bit
 // step (it synchronizes the device: not while capturing a graph). Device memory, copied to each
 // CUDA block's shared memory: the two 256-entry maps (dequantize) and the two Quantizers' bucket

@@ -257,6 +257,7 @@ int main() {
     std::printf("no CUDA device\n");
     return 2;
   }
+  std::printf("kernel image: %s\n", optstate::optim::cuda_kernel_image(0).c_str());
   std::printf("== LibTorch optimizers: CUDA params vs CPU params, 4 steps (step count changed and the GPU side saved and loaded after 2)\n");
   bool ok = true;
   const auto dense_state = [](FusedAdamWParamState& s) {

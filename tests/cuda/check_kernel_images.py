@@ -74,6 +74,8 @@ def wanted_images(archs):
     real, virtual = set(), set()
     for a in archs.replace(";", " ").split():
         num, _, kind = a.partition("-")
+        if not num.isdigit() or kind not in ("", "real", "virtual"):
+            sys.exit(f"check_kernel_images: --archs {archs!r}: {a!r} is not an architecture (as 90, 90-real, 90-virtual)")
         if kind in ("", "real"):
             real.add(int(num))
         if kind in ("", "virtual"):

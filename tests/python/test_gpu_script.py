@@ -1,6 +1,7 @@
 """The GPU check script (tests/gpu/check_cuda.py, run by scripts/gpu_check.sh on a lent GPU) kept
 working where no GPU is: its correctness part runs CPU against CPU over every case it would run on a
-GPU (vector, scalar and two-pass paths, misaligned storage, dtypes), and must pass; its timing table
+GPU (vector, scalar and two-pass paths, misaligned storage, dtypes), and must pass, as must FusedAdamW
+against torch.optim.AdamW on the same device (docs/numerics.md's tolerance); its timing table
 runs on small CPU tensors, every row (the sweeps too) measured."""
 import os
 import subprocess
@@ -19,6 +20,8 @@ def test_gpu_check_script_dry_run_on_cpu():
     lines = [ln for ln in proc.stdout.splitlines() if "max |cpu - cpu|" in ln]
     assert len(lines) == 18 + 12, proc.stdout  # 9 cases x 2 dtypes, then 4 cases x 3 tuning knobs
     assert all("bitwise equal" in ln for ln in lines)
+    against = [ln for ln in proc.stdout.splitlines() if "ours vs torch fused" in ln]
+    assert len(against) == 2 and all("(within 1e-6)" in ln for ln in against), proc.stdout
     resumed = [ln for ln in proc.stdout.splitlines() if "resumed equal" in ln]
     assert len(resumed) == 2 and all(ln.count("True") == 3 for ln in resumed), proc.stdout
     table = proc.stdout[proc.stdout.index("== timing on cpu"):]

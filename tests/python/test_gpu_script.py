@@ -30,3 +30,16 @@ def test_gpu_check_script_dry_run_on_cpu():
                  "torch AdamW foreach", "optstate AdamW8bit", "4 blocks/SM"):
         assert name in table, table
     assert table.count("2 groups in flight") == 2, table
+
+
+def test_gpu_check_against_torchao_runs_on_cpu(capsys):
+    """The GPU check's comparison with torchao's compiled AdamW8bit (skipped by the dry run above to
+    save its compile), run here on the CPU with small shapes: it must run through and hold."""
+    sys.path.insert(0, str(REPO / "tests/gpu"))
+    try:
+        import check_cuda
+    finally:
+        sys.path.pop(0)
+    assert check_cuda.against_torchao(3, "cpu", shapes=((64, 256), (300,))) is True
+    out = capsys.readouterr().out
+    assert "exp_avg codes" in out and "dense state" in out and "within the CPU bounds" in out, out

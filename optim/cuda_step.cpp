@@ -54,15 +54,28 @@ void use_grads(Cached& c, const std::vector<const void*>& grads, cudaStream_t s)
   check(cuda::set_grads(*c.plan, grads.data(), grads.size(), s), "gradient pointers");
 }
 
+// Work done before the first step on each GPU, under its own lock. A failure (an exception) is not
+// recorded: the next step tries again.
+class OncePerDevice {
+ public:
+  template <class F>
+  void run(c10::DeviceIndex device, F&& fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_.count(device)) return;
+    fn();
+    done_.insert(device);
+  }
+
+ private:
+  std::mutex mu_;
+  std::set<c10::DeviceIndex> done_;
+};
+
 // The first step on a GPU first asks the runtime for the kernels' image there, so a GPU the build
 // has no code for gets told what to rebuild with rather than a launch's "no kernel image".
 void ensure_image(c10::DeviceIndex device) {
-  static std::mutex mu;
-  static std::set<c10::DeviceIndex> done;
-  std::lock_guard<std::mutex> lock(mu);
-  if (done.count(device)) return;
-  cuda_kernel_image(device);
-  done.insert(device);
+  static OncePerDevice checked;
+  checked.run(device, [&] { cuda_kernel_image(device); });
 }
 
 // A tensor lr's placement, checked. Params on the CPU come here only through a GPU tensor lr
@@ -107,17 +120,15 @@ Cached& ready_plan(const std::vector<const void*>& key, MakePlan make_plan, cons
 
 // The 8-bit kernel's tables, once per GPU (a __device__ symbol lives in each device's context).
 void ensure_maps(c10::DeviceIndex device) {
-  static std::mutex mu;
-  static std::set<c10::DeviceIndex> done;
-  std::lock_guard<std::mutex> lock(mu);
-  if (done.count(device)) return;
-  ensure_image(device);
-  const Quantizer& s = Quantizer::get(QMap::kDynamicSigned);
-  const Quantizer& u = Quantizer::get(QMap::kDynamicUnsigned);
-  check(cuda::set_qmaps(s.map(), u.map(), s.entries(), bucket_entries(s.layout()), u.entries(),
-                        bucket_entries(u.layout())),
-        "quantization tables");
-  done.insert(device);
+  static OncePerDevice tables;
+  tables.run(device, [&] {
+    ensure_image(device);
+    const Quantizer& s = Quantizer::get(QMap::kDynamicSigned);
+    const Quantizer& u = Quantizer::get(QMap::kDynamicUnsigned);
+    check(cuda::set_qmaps(s.map(), u.map(), s.entries(), bucket_entries(s.layout()), u.entries(),
+                          bucket_entries(u.layout())),
+          "quantization tables");
+  });
 }
 
 // A tuning knob of the GPU check's sweep from the environment, `fallback` when unset.

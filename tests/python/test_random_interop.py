@@ -132,3 +132,71 @@ def test_random_models_dcp_loads_through_torch(tmp_path, optstate_cli, seed):
     for (n, a), b in zip(model.named_parameters(), m2.parameters()):
         assert torch.equal(a, b), n
     same_state(opt.state_dict(), o2.state_dict())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_8bit_state_moves_to_bitsandbytes_and_torchao_and_back(tmp_path, optstate_cli, seed):
+    """optstate.AdamW8bit on random shapes (around the 4096-element threshold, partial last blocks,
+    a scalar, an empty param) saved natively, converted to bitsandbytes' and torchao's AdamW8bit
+    files, loaded by those optimizers: every moment their rules quantize carries the same codes and
+    scales (bitsandbytes keeps partial blocks, torchao whole blocks only, so its others read as our
+    dequantized values), and converting each file back gives the state (bitsandbytes: the same hash;
+    torchao: the same values, lr as its float32)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    import optstate
+    from torchao.optim import AdamW8bit as AoAdamW8bit
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(), (0, 3), (4095,), (4096,), (4097,), (64, 64 + 1 + int(torch.randint(0, 60, (1,), generator=g))),
+              (1 + int(torch.randint(0, 30, (1,), generator=g)), 256)]
+    dtype = torch.bfloat16 if seed == 2 else torch.float32
+
+    def make():
+        return Bag(shapes, dtype, seed)
+
+    model = make()
+    opt = optstate.AdamW8bit(model.parameters(), lr=1e-3, weight_decay=0.01)
+    for s in range(3):
+        gg = torch.Generator().manual_seed(seed * 10 + s)
+        for p in model.parameters():
+            p.grad = (torch.randn(p.shape, generator=gg) * 1e-2).to(dtype)
+        opt.step()
+    optstate.save(tmp_path / "ckpt", model, opt)
+    want = json.loads(optstate_cli("hash", tmp_path / "ckpt", "--json").stdout)["root"]
+
+    optstate_cli("convert", tmp_path / "ckpt", tmp_path / "bnb.pt", "--format", "bitsandbytes")
+    b = bnb.optim.AdamW8bit(make().parameters(), lr=1e-3)
+    sd = torch.load(tmp_path / "bnb.pt")
+    assert set(sd) == {"model", "optimizer"}  # with the weights the native checkpoint holds
+    b.load_state_dict(sd["optimizer"])
+    optstate_cli("convert", tmp_path / "ckpt", tmp_path / "ao.pt", "--format", "torchao")
+    a = AoAdamW8bit(make().parameters(), lr=1e-3)
+    a.load_state_dict(torch.load(tmp_path / "ao.pt", weights_only=False)["optimizer"])
+    for p, pb, pa in zip(model.parameters(), b.param_groups[0]["params"], a.param_groups[0]["params"]):
+        ours, sb, sa = opt.state[p], b.state[pb], a.state[pa]
+        for k, n in (("exp_avg", "1"), ("exp_avg_sq", "2")):
+            dense = ours.get(k)
+            if dense is None:  # 8-bit here: bitsandbytes' codes and absmax are ours
+                assert torch.equal(sb["state" + n].view(-1), ours[k + "_codes"].view(-1)), (p.shape, k)
+                assert torch.equal(sb["absmax" + n], ours[k + "_absmax"]), (p.shape, k)
+                t = sa[k]
+                if hasattr(t, "codes"):  # whole blocks: torchao's too
+                    assert torch.equal(t.codes.view(-1), ours[k + "_codes"].view(-1)) and torch.equal(
+                        t.scale, ours[k + "_absmax"]), (p.shape, k)
+                else:  # torchao keeps it dense: our dequantized values (in the param's dtype, as
+                    # torch's load_state_dict casts a plain state tensor)
+                    deq = optstate.ops.dequantize_blockwise(ours[k + "_codes"], ours[k + "_absmax"], 256,
+                                                            "dynamic-signed" if n == "1" else "dynamic-unsigned")
+                    assert torch.equal(t.view(-1), deq.to(p.dtype).view(-1)), (p.shape, k)
+            else:
+                assert torch.equal(sb["state" + n].view(-1).float(), dense.view(-1)), (p.shape, k)
+                assert torch.equal(sa[k].view(-1), dense.to(p.dtype).view(-1)), (p.shape, k)
+    # Back: bitsandbytes' file gives the state's own hash; torchao's the same values (its partial
+    # blocks dequantized), and its lr as the float32 tensor torchao keeps, which diff names.
+    optstate_cli("convert", tmp_path / "bnb.pt", tmp_path / "bnb.native")
+    assert json.loads(optstate_cli("hash", tmp_path / "bnb.native", "--json").stdout)["root"] == want
+    optstate_cli("convert", tmp_path / "ao.pt", tmp_path / "ao.native")
+    d = json.loads(optstate_cli("diff", tmp_path / "ckpt", tmp_path / "ao.native", "--json", check=False).stdout)
+    assert all(e["max_abs"] == 0 and e["outside"] == 0 for e in d["entries"].values()), d
+    assert len(d["metadata"]) == 1 and "lr 0.001 vs 0.0010000000474974513" in d["metadata"][0], d["metadata"]
+    assert optstate_cli("diff", tmp_path / "ckpt", tmp_path / "ao.native", "--rtol", "1e-7").returncode == 0

@@ -19,9 +19,10 @@ bool cuda_kernels_built();
 // Whether the current CUDA stream is capturing a graph (false where LibTorch has no CUDA).
 bool cuda_stream_capturing();
 
-// The kernels' image the runtime takes for GPU `device`, in words ("sm_90 machine code; built for
-// 90-real 90-virtual"); a clear error naming the GPU's architecture and the CMake option to rebuild
-// with where the build holds none it can run. Checked before a GPU's first step.
+// The kernels' image the runtime takes for GPU `device`, in words ("sm_90 code (PTX version 90) on
+// a compute capability 9.0 GPU; built for 90-real 90-virtual"); a clear error naming the GPU's
+// compute capability and the CMake option to rebuild with where the build holds none it can run.
+// Checked before a GPU's first step.
 std::string cuda_kernel_image(int device);
 
 // How many device work lists (plans) the CUDA steps have built: one per set of tensors an optimizer

@@ -11,6 +11,8 @@ import json
 import pytest
 import torch
 
+from test_formats import hashes
+
 SEEDS = range(6)
 FORMATS = [("native", "ckpt"), ("hdf5", "ckpt.h5"), ("safetensors", "ckpt.safetensors"), ("dcp", "ckpt.dcp")]
 
@@ -87,12 +89,12 @@ def test_random_models_through_every_format_come_back_as_torch_saved_them(tmp_pa
     src = tmp_path / "src.pt"
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, src)
     saved = torch.load(src, weights_only=True)  # what torch saved (its state_dict shares live tensors)
-    want = json.loads(optstate_cli("hash", src, "--json").stdout)
+    want = hashes(optstate_cli, src)
     assert "p0.exp_avg" in want["entries"] and f"p{len(list(model.parameters())) - 1}.exp_avg" not in want["entries"]
     for fmt, name in FORMATS:
         dst = tmp_path / name
         optstate_cli("convert", src, dst, "--format", fmt)
-        assert json.loads(optstate_cli("hash", dst, "--json").stdout)["root"] == want["root"], fmt
+        assert hashes(optstate_cli, dst)["root"] == want["root"], fmt
         back = tmp_path / f"back_{fmt}.pt"
         optstate_cli("convert", dst, back, "--format", "torchsave")
         got = torch.load(back, weights_only=True)
@@ -162,7 +164,7 @@ def test_random_8bit_state_moves_to_bitsandbytes_and_torchao_and_back(tmp_path, 
             p.grad = (torch.randn(p.shape, generator=gg) * 1e-2).to(dtype)
         opt.step()
     optstate.save(tmp_path / "ckpt", model, opt)
-    want = json.loads(optstate_cli("hash", tmp_path / "ckpt", "--json").stdout)["root"]
+    want = hashes(optstate_cli, tmp_path / "ckpt")["root"]
 
     optstate_cli("convert", tmp_path / "ckpt", tmp_path / "bnb.pt", "--format", "bitsandbytes")
     b = bnb.optim.AdamW8bit(make().parameters(), lr=1e-3)
@@ -194,7 +196,7 @@ def test_random_8bit_state_moves_to_bitsandbytes_and_torchao_and_back(tmp_path, 
     # Back: bitsandbytes' file gives the state's own hash; torchao's the same values (its partial
     # blocks dequantized), and its lr as the float32 tensor torchao keeps, which diff names.
     optstate_cli("convert", tmp_path / "bnb.pt", tmp_path / "bnb.native")
-    assert json.loads(optstate_cli("hash", tmp_path / "bnb.native", "--json").stdout)["root"] == want
+    assert hashes(optstate_cli, tmp_path / "bnb.native")["root"] == want
     optstate_cli("convert", tmp_path / "ao.pt", tmp_path / "ao.native")
     d = json.loads(optstate_cli("diff", tmp_path / "ckpt", tmp_path / "ao.native", "--json", check=False).stdout)
     assert all(e["max_abs"] == 0 and e["outside"] == 0 for e in d["entries"].values()), d

@@ -11,6 +11,7 @@
 #include "adamw8bit_kernel.h"
 #include "cuda_step.h"
 #include "device_steps.h"
+#include "step_commit.h"
 
 namespace optstate::optim {
 
@@ -93,19 +94,19 @@ at::Tensor AdamW8bit::step(LossClosure closure) {
     loss = closure();
   }
   at::NoGradGuard no_grad;
-  std::vector<AdamW8bitTensor> items;
+  // Checked first, changed after, each param's step counted with its update (as FusedAdamW::step).
+  struct Group {
+    const AdamW8bitOptions* o;
+    LrArg lr;
+    std::vector<StepParam<AdamW8bitParamState>> cpu;
+    std::map<c10::DeviceIndex, std::vector<StepParam<AdamW8bitParamState>>> cuda;  // one launch per GPU
+  };
+  NewStates fresh("AdamW8bit");
+  std::vector<Group> groups;
   for (auto& group : param_groups()) {
     auto& o = static_cast<AdamW8bitOptions&>(group.options());
     check_options(o);
-    const LrArg lr = o.step_lr(o.lr(), "AdamW8bit");
-    AdamWHyper hyper{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
-                     o.amsgrad(), false};
-    bool cpu_lr_read = !lr.tensor.defined();  // CPU params take a tensor lr's value, read once per group
-    struct CudaLists {
-      std::vector<at::Tensor> p, g, m, v, mx, m_absmax, v_absmax, mx_absmax, steps;
-      std::vector<int64_t> blocks;
-    };
-    std::map<c10::DeviceIndex, CudaLists> cuda;  // one launch per GPU
+    Group& gr = groups.emplace_back(Group{&o, o.step_lr(o.lr(), "AdamW8bit"), {}, {}});
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       const at::Tensor& g = p.grad();
@@ -117,42 +118,64 @@ at::Tensor AdamW8bit::step(LossClosure closure) {
                   "AdamW8bit: params must be float32 or bfloat16, got ", p.scalar_type());
       TORCH_CHECK(g.scalar_type() == p.scalar_type() && g.sizes() == p.sizes(), "AdamW8bit: grad does not match param");
       TORCH_CHECK(p.is_contiguous() && g.is_contiguous(), "AdamW8bit: params and grads must be contiguous");
-      auto& slot = state_[p.unsafeGetTensorImpl()];
-      if (!slot) slot = std::make_unique<AdamW8bitParamState>(zero_state(p, o));
-      auto& st = static_cast<AdamW8bitParamState&>(*slot);
-      if (o.amsgrad() && !st.max_exp_avg_sq().defined()) st.max_exp_avg_sq(zero_moment(p, st.block_size()));
-      check_state_fits(st, p);
-      const int64_t done = st.step();
-      st.step(done + 1);
-      if (p.is_cuda()) {
-        if (!device_steps_) device_steps_ = std::make_shared<DeviceSteps>();
-        CudaLists& c = cuda[p.device().index()];
+      auto* st = static_cast<AdamW8bitParamState*>(fresh.find(state_, p));
+      if (!st) {
+        fresh.before_new_tensors(p);
+        st = fresh.add(p, std::make_unique<AdamW8bitParamState>(zero_state(p, o)));
+      }
+      const bool needs_max = o.amsgrad() && !st->max_exp_avg_sq().defined();  // amsgrad turned on since
+      if (needs_max) fresh.before_new_tensors(p);
+      check_state_fits(*st, p);
+      (p.is_cuda() ? gr.cuda[p.device().index()] : gr.cpu).push_back({p, st, needs_max});
+    }
+  }
+  fresh.commit(state_);
+  std::vector<AdamW8bitTensor> items;
+  std::vector<AdamW8bitParamState*> cpu_states;
+  auto add_max = [](const StepParam<AdamW8bitParamState>& x) {
+    if (x.needs_max) x.st->max_exp_avg_sq(zero_moment(x.p, x.st->block_size()));
+  };
+  for (Group& gr : groups) {
+    const AdamW8bitOptions& o = *gr.o;
+    AdamWHyper hyper{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
+                     o.amsgrad(), false};
+    for (auto& [device, params] : gr.cuda) {
+      if (!device_steps_) device_steps_ = std::make_shared<DeviceSteps>();
+      std::vector<at::Tensor> p, g, m, v, mx, m_absmax, v_absmax, mx_absmax, steps;
+      std::vector<int64_t> blocks;
+      for (auto& x : params) {
+        add_max(x);
+        const AdamW8bitParamState& st = *x.st;
         const bool q = st.block_size() > 0;
-        auto data = [q](const Moment8bit& m) { return q ? m.codes : m.values; };
-        auto scale = [q](const Moment8bit& m) { return q ? m.absmax : at::Tensor(); };
-        c.p.push_back(p);
-        c.g.push_back(g);
-        c.m.push_back(data(st.exp_avg()));
-        c.v.push_back(data(st.exp_avg_sq()));
-        c.m_absmax.push_back(scale(st.exp_avg()));
-        c.v_absmax.push_back(scale(st.exp_avg_sq()));
+        auto data = [q](const Moment8bit& mo) { return q ? mo.codes : mo.values; };
+        auto scale = [q](const Moment8bit& mo) { return q ? mo.absmax : at::Tensor(); };
+        p.push_back(x.p);
+        g.push_back(x.p.grad());
+        m.push_back(data(st.exp_avg()));
+        v.push_back(data(st.exp_avg_sq()));
+        m_absmax.push_back(scale(st.exp_avg()));
+        v_absmax.push_back(scale(st.exp_avg_sq()));
         if (o.amsgrad()) {
-          c.mx.push_back(data(st.max_exp_avg_sq()));
-          c.mx_absmax.push_back(scale(st.max_exp_avg_sq()));
+          mx.push_back(data(st.max_exp_avg_sq()));
+          mx_absmax.push_back(scale(st.max_exp_avg_sq()));
         }
-        c.blocks.push_back(st.block_size());
-        c.steps.push_back(device_steps_->before_step(p, done));
-        continue;
+        blocks.push_back(st.block_size());
+        steps.push_back(device_steps_->before_step(x.p, st.step()));
       }
-      if (!cpu_lr_read) {
-        hyper.lr = lr_value(lr);
-        cpu_lr_read = true;
-      }
+      launch_then_count(*device_steps_, params, [&] {
+        adamw8bit_cuda(p, g, m, v, mx, m_absmax, v_absmax, mx_absmax, steps, blocks, gr.lr, hyper.beta1, hyper.beta2,
+                       hyper.eps, hyper.weight_decay, hyper.amsgrad);
+      });
+    }
+    if (!gr.cpu.empty()) hyper.lr = lr_value(gr.lr);  // a tensor lr's value, read once per group
+    for (auto& x : gr.cpu) {
+      add_max(x);
+      AdamW8bitParamState& st = *x.st;
       AdamW8bitTensor t{};
-      t.param = p.data_ptr();
-      t.grad = g.data_ptr();
-      t.kind = p.scalar_type() == at::kFloat ? ParamKind::kF32 : ParamKind::kBF16;
-      t.numel = p.numel();
+      t.param = x.p.data_ptr();
+      t.grad = x.p.grad().data_ptr();
+      t.kind = x.p.scalar_type() == at::kFloat ? ParamKind::kF32 : ParamKind::kBF16;
+      t.numel = x.p.numel();
       t.block = st.block_size();
       if (t.block > 0) {
         t.m_codes = st.exp_avg().codes.data_ptr<uint8_t>();
@@ -168,14 +191,13 @@ at::Tensor AdamW8bit::step(LossClosure closure) {
         t.v = st.exp_avg_sq().values.data_ptr<float>();
         if (o.amsgrad()) t.vmax = st.max_exp_avg_sq().values.data_ptr<float>();
       }
-      t.s = adamw8bit_step_scalars(hyper, static_cast<float>(st.step()));
+      t.s = adamw8bit_step_scalars(hyper, static_cast<float>(st.step() + 1));
       items.push_back(t);
+      cpu_states.push_back(&st);
     }
-    for (auto& [device, c] : cuda)
-      adamw8bit_cuda(c.p, c.g, c.m, c.v, c.mx, c.m_absmax, c.v_absmax, c.mx_absmax, c.steps, c.blocks, lr,
-                     hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, hyper.amsgrad);
   }
   adamw8bit_cpu(items);
+  for (AdamW8bitParamState* st : cpu_states) st->step(st->step() + 1);
   return loss;
 }
 

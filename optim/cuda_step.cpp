@@ -31,11 +31,10 @@ struct Cached {
 std::mutex g_mu;
 std::map<std::vector<const void*>, Cached> g_plans;
 
-// The cached plan for `key` (its tensors' addresses and sizes, the chunk; of the gradients only
+// Plans are keyed by their tensors' addresses and sizes and the chunk; of the gradients only by
 // their address modulo 16, as they are often reallocated between steps: set_grads re-points the
-// plan at them); the caller fills a new one. Plans are never evicted: a captured CUDA graph may
-// still point at one (a plan is ~24 bytes per 64k elements, 0.5 MB for a 1.2B-parameter set).
-Cached& plan_for(const std::vector<const void*>& key) { return g_plans[key]; }
+// plan at them. Plans are never evicted: a captured CUDA graph may still point at one (a plan is
+// ~24 bytes per 64k elements, 0.5 MB for a 1.2B-parameter set).
 
 // A gradient's place in a plan key: its alignment class (the plan's vector paths depend on it).
 const void* grad_key(const void* grad) {
@@ -52,6 +51,21 @@ void check(int err, const char* what) {
 // descriptors; this way every step, eager or replayed, sets its own (a few microseconds).
 void use_grads(Cached& c, const std::vector<const void*>& grads, cudaStream_t s) {
   check(cuda::set_grads(*c.plan, grads.data(), grads.size(), s), "gradient pointers");
+}
+
+bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(s, &status) != cudaSuccess) return false;
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// Set-up a step does once (device allocations and copies, a device-wide sync) cannot be recorded in
+// a CUDA graph, and trying would invalidate the capture with a runtime error that names neither:
+// refused before any CUDA call, saying what to do.
+void refuse_setup_in_capture(cudaStream_t s, const char* op, const char* what) {
+  TORCH_CHECK(!capturing(s), op, ": ", what,
+              ", which a CUDA graph cannot record; run one step eagerly before capturing (a warm-up, as "
+              "torch.cuda.graph asks) and capture the steps after it");
 }
 
 // Work done before the first step on each GPU, under its own lock. A failure (an exception) is not
@@ -106,22 +120,27 @@ void put_hyper(Cached& c, cuda::Hyper h, const LrArg& lr, cudaStream_t s) {
 template <class MakePlan>
 Cached& ready_plan(const std::vector<const void*>& key, MakePlan make_plan, const char* op, const at::Tensor& first,
                    const std::vector<const void*>& grads, const cuda::Hyper& hyper, const LrArg& lr, cudaStream_t s) {
-  Cached& c = plan_for(key);
-  if (!c.plan) {
+  auto it = g_plans.find(key);
+  if (it == g_plans.end()) {
+    refuse_setup_in_capture(s, op, "the first step over these tensors builds their device work list");
     ensure_image(first.device().index());
-    c.plan = make_plan();
-    TORCH_CHECK(c.plan, op, ": cannot build the CUDA work list");
-    c.hyper = at::empty({static_cast<int64_t>(sizeof(cuda::Hyper))}, first.options().dtype(at::kByte));
+    Cached made;
+    made.plan = make_plan();
+    TORCH_CHECK(made.plan, op, ": cannot build the CUDA work list (", cudaGetErrorString(cudaGetLastError()), ")");
+    made.hyper = at::empty({static_cast<int64_t>(sizeof(cuda::Hyper))}, first.options().dtype(at::kByte));
+    it = g_plans.emplace(key, std::move(made)).first;
   }
+  Cached& c = it->second;
   use_grads(c, grads, s);
   put_hyper(c, hyper, lr, s);
   return c;
 }
 
 // The 8-bit kernel's tables, once per GPU (a __device__ symbol lives in each device's context).
-void ensure_maps(c10::DeviceIndex device) {
+void ensure_maps(c10::DeviceIndex device, cudaStream_t s, const char* op) {
   static OncePerDevice tables;
   tables.run(device, [&] {
+    refuse_setup_in_capture(s, op, "the first 8-bit step on a GPU copies the quantization tables to it");
     ensure_image(device);
     const Quantizer& s = Quantizer::get(QMap::kDynamicSigned);
     const Quantizer& u = Quantizer::get(QMap::kDynamicUnsigned);
@@ -171,11 +190,9 @@ std::string cuda_kernel_image(int device) {
          std::to_string(major) + "." + std::to_string(minor) + " GPU; built for " + built;
 }
 
-bool cuda_stream_capturing() {
+bool cuda_stream_capturing(int device) {
   if (!at::hasCUDA()) return false;
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream().stream(), &status) != cudaSuccess) return false;
-  return status != cudaStreamCaptureStatusNone;
+  return capturing(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream());
 }
 
 size_t cuda_plan_count() {
@@ -251,7 +268,7 @@ void adamw8bit_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   const size_t n = params.size();
   if (n == 0) return;
   c10::cuda::CUDAGuard guard(params[0].device());
-  ensure_maps(params[0].device().index());
+  ensure_maps(params[0].device().index(), c10::cuda::getCurrentCUDAStream().stream(), op);
   std::vector<cuda::AdamW8bitTensor> ts(n);
   std::vector<const void*> key, grad_ptrs(n);
   for (size_t i = 0; i < n; ++i) {

@@ -16,8 +16,9 @@ namespace optstate::optim {
 
 bool cuda_kernels_built();
 
-// Whether the current CUDA stream is capturing a graph (false where LibTorch has no CUDA).
-bool cuda_stream_capturing();
+// Whether the current CUDA stream of GPU `device` (-1: the current GPU) is capturing a graph (false
+// where LibTorch has no CUDA).
+bool cuda_stream_capturing(int device = -1);
 
 // The kernels' image the runtime takes for GPU `device`, in words ("sm_90 code (PTX version 90) on
 // a compute capability 9.0 GPU; built for 90-real 90-virtual"); a clear error naming the GPU's

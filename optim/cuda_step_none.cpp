@@ -5,7 +5,7 @@ namespace optstate::optim {
 
 bool cuda_kernels_built() { return false; }
 
-bool cuda_stream_capturing() { return false; }
+bool cuda_stream_capturing(int) { return false; }
 
 size_t cuda_plan_count() { return 0; }
 

@@ -41,6 +41,13 @@ class DeviceSteps {
     if (it != entries_.end()) it->second.host = completed;
   }
 
+  // The step that took `p`'s counter did not run (its launch was refused): the next step refills
+  // the counter from the host's count.
+  void forget(const at::Tensor& p) {
+    const auto it = entries_.find(p.unsafeGetTensorImpl());
+    if (it != entries_.end()) it->second.host = -1;
+  }
+
   // The optimizers' step_count and sync_step_counts, over param states of type State.
   template <class State>
   static int64_t step_count(const torch::optim::Optimizer& opt, const DeviceSteps* steps, const at::Tensor& p) {

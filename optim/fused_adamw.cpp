@@ -9,6 +9,7 @@
 #include "archive.h"
 #include "cuda_step.h"
 #include "device_steps.h"
+#include "step_commit.h"
 #include "torch_bridge.h"
 
 namespace optstate::optim {
@@ -50,18 +51,21 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
     loss = closure();
   }
   at::NoGradGuard no_grad;
-  std::vector<AdamWTensor> items;
+  // Every group and param is checked before anything changes, so a refused step leaves the state as
+  // it was; then each param's step count advances with its update, so the two stay in agreement
+  // even when a CUDA launch is refused part-way (step_commit.h).
+  struct Group {
+    const FusedAdamWOptions* o;
+    LrArg lr;
+    std::vector<StepParam<FusedAdamWParamState>> cpu;
+    std::map<c10::DeviceIndex, std::vector<StepParam<FusedAdamWParamState>>> cuda;  // one launch per GPU
+  };
+  NewStates fresh("FusedAdamW");
+  std::vector<Group> groups;
   for (auto& group : param_groups()) {
     auto& o = static_cast<FusedAdamWOptions&>(group.options());
     check_options(o);
-    const LrArg lr = o.step_lr(o.lr(), "FusedAdamW");
-    AdamWHyper hyper{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
-                     o.amsgrad(), o.maximize()};
-    bool cpu_lr_read = !lr.tensor.defined();  // CPU params take a tensor lr's value, read once per group
-    struct CudaLists {
-      std::vector<at::Tensor> p, g, m, v, mx, steps;
-    };
-    std::map<c10::DeviceIndex, CudaLists> cuda;  // one launch per GPU
+    Group& gr = groups.emplace_back(Group{&o, o.step_lr(o.lr(), "FusedAdamW"), {}, {}});
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       const at::Tensor& g = p.grad();
@@ -75,56 +79,70 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
                   " differs from param dtype ", p.scalar_type());
       TORCH_CHECK(p.is_contiguous() && g.is_contiguous(), "FusedAdamW: params and grads must be contiguous");
       TORCH_CHECK(g.sizes() == p.sizes(), "FusedAdamW: grad shape differs from param shape");
-      auto& slot = state_[p.unsafeGetTensorImpl()];
-      if (!slot) {
-        auto st = std::make_unique<FusedAdamWParamState>();
+      auto* st = static_cast<FusedAdamWParamState*>(fresh.find(state_, p));
+      if (!st) {
+        fresh.before_new_tensors(p);
+        auto made = std::make_unique<FusedAdamWParamState>();
         const auto f32 = p.options().dtype(at::kFloat);
-        st->exp_avg(at::zeros(p.sizes(), f32));
-        st->exp_avg_sq(at::zeros(p.sizes(), f32));
-        if (o.amsgrad()) st->max_exp_avg_sq(at::zeros(p.sizes(), f32));
-        slot = std::move(st);
+        made->exp_avg(at::zeros(p.sizes(), f32));
+        made->exp_avg_sq(at::zeros(p.sizes(), f32));
+        if (o.amsgrad()) made->max_exp_avg_sq(at::zeros(p.sizes(), f32));
+        st = fresh.add(p, std::move(made));
       }
-      auto& st = static_cast<FusedAdamWParamState&>(*slot);
-      if (o.amsgrad() && !st.max_exp_avg_sq().defined()) st.max_exp_avg_sq(at::zeros_like(st.exp_avg_sq()));
+      const bool needs_max = o.amsgrad() && !st->max_exp_avg_sq().defined();  // amsgrad turned on since
+      if (needs_max) fresh.before_new_tensors(p);
       // The kernels take raw pointers: state set by hand (or loaded elsewhere) must fit its param.
-      for (const at::Tensor* m : {&st.exp_avg(), &st.exp_avg_sq(), &st.max_exp_avg_sq()})
+      for (const at::Tensor* m : {&st->exp_avg(), &st->exp_avg_sq(), &st->max_exp_avg_sq()})
         TORCH_CHECK(!m->defined() || (m->device() == p.device() && m->scalar_type() == at::kFloat &&
                                       m->numel() == p.numel() && m->is_contiguous()),
                     "FusedAdamW: the state of a param of ", p.numel(), " elements on ", p.device(),
                     " must be contiguous float32 tensors of as many elements on the same device");
-      const int64_t done = st.step();
-      st.step(done + 1);
-      if (p.is_cuda()) {
-        if (!device_steps_) device_steps_ = std::make_shared<DeviceSteps>();
-        CudaLists& c = cuda[p.device().index()];
-        c.p.push_back(p);
-        c.g.push_back(g);
-        c.m.push_back(st.exp_avg());
-        c.v.push_back(st.exp_avg_sq());
-        if (o.amsgrad()) c.mx.push_back(st.max_exp_avg_sq());
-        c.steps.push_back(device_steps_->before_step(p, done));
-        continue;
+      (p.is_cuda() ? gr.cuda[p.device().index()] : gr.cpu).push_back({p, st, needs_max});
+    }
+  }
+  fresh.commit(state_);
+  std::vector<AdamWTensor> items;
+  std::vector<FusedAdamWParamState*> cpu_states;
+  for (Group& gr : groups) {
+    const FusedAdamWOptions& o = *gr.o;
+    AdamWHyper hyper{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
+                     o.amsgrad(), o.maximize()};
+    for (auto& [device, params] : gr.cuda) {
+      if (!device_steps_) device_steps_ = std::make_shared<DeviceSteps>();
+      std::vector<at::Tensor> p, g, m, v, mx, steps;
+      for (auto& x : params) {
+        if (x.needs_max) x.st->max_exp_avg_sq(at::zeros_like(x.st->exp_avg_sq()));
+        p.push_back(x.p);
+        g.push_back(x.p.grad());
+        m.push_back(x.st->exp_avg());
+        v.push_back(x.st->exp_avg_sq());
+        if (o.amsgrad()) mx.push_back(x.st->max_exp_avg_sq());
+        steps.push_back(device_steps_->before_step(x.p, x.st->step()));
       }
-      if (!cpu_lr_read) {
-        hyper.lr = lr_value(lr);
-        cpu_lr_read = true;
-      }
+      launch_then_count(*device_steps_, params, [&] {
+        fused_adamw_cuda(p, g, m, v, mx, steps, gr.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay,
+                         hyper.amsgrad, hyper.maximize);
+      });
+    }
+    if (!gr.cpu.empty()) hyper.lr = lr_value(gr.lr);  // a tensor lr's value, read once per group
+    for (auto& x : gr.cpu) {
+      if (x.needs_max) x.st->max_exp_avg_sq(at::zeros_like(x.st->exp_avg_sq()));
+      FusedAdamWParamState& st = *x.st;
       AdamWTensor t{};
-      t.param = p.data_ptr();
-      t.grad = g.data_ptr();
+      t.param = x.p.data_ptr();
+      t.grad = x.p.grad().data_ptr();
       t.exp_avg = st.exp_avg().data_ptr<float>();
       t.exp_avg_sq = st.exp_avg_sq().data_ptr<float>();
       t.max_exp_avg_sq = o.amsgrad() ? st.max_exp_avg_sq().data_ptr<float>() : nullptr;
-      t.numel = p.numel();
-      t.kind = p.scalar_type() == at::kFloat ? ParamKind::kF32 : ParamKind::kBF16;
-      t.s = adamw_step_scalars(hyper, st.step());
+      t.numel = x.p.numel();
+      t.kind = x.p.scalar_type() == at::kFloat ? ParamKind::kF32 : ParamKind::kBF16;
+      t.s = adamw_step_scalars(hyper, st.step() + 1);
       items.push_back(t);
+      cpu_states.push_back(&st);
     }
-    for (auto& [device, c] : cuda)
-      fused_adamw_cuda(c.p, c.g, c.m, c.v, c.mx, c.steps, lr, hyper.beta1, hyper.beta2, hyper.eps,
-                       hyper.weight_decay, hyper.amsgrad, hyper.maximize);
   }
   adamw_cpu(items);
+  for (FusedAdamWParamState* st : cpu_states) st->step(st->step() + 1);
   return loss;
 }
 

@@ -27,6 +27,15 @@ def _check_hyperparameters(name, lr, betas, eps, weight_decay):
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
+def _refuse_new_state_in_capture(name, p):
+    """A CUDA graph being captured would record the new state's zero fills without running them (the
+    state would hold whatever the graph's memory held): refused, saying what to do."""
+    if p.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{name}: the first step of a param makes its state, which a CUDA graph cannot "
+                           "record; run one step eagerly before capturing (a warm-up, as torch.cuda.graph "
+                           "asks) and capture the steps after it")
+
+
 def _local(t):
     """A DTensor's local shard (FSDP2 shards params by rows; the update is elementwise, so stepping
     each rank's rows is the whole step); any other tensor as it is."""
@@ -157,6 +166,8 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def _init_state(self, p, amsgrad):
         state = self.state[p]
+        if len(state) == 0 or (amsgrad and "max_exp_avg_sq" not in state):
+            _refuse_new_state_in_capture("FusedAdamW", p)
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device)
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
@@ -246,6 +257,9 @@ class AdamW8bit(torch.optim.Optimizer):
 
     def _init_state(self, p, group):
         state = self.state[p]
+        if len(state) == 0 or (group["amsgrad"] and "max_exp_avg_sq" not in state
+                               and "max_exp_avg_sq_codes" not in state):
+            _refuse_new_state_in_capture("AdamW8bit", p)
         if len(state) == 0:
             # 8-bit or dense is decided on the parameter's global size (DESIGN §1); a shard from
             # ShardedParams carries the size of the whole parameter.

@@ -11,6 +11,7 @@ measured in the same run (dst.copy_(src) counted as 8 B/element, the issue's con
 28 B/param (AdamW, fp32) and 16 B/param (8-bit moments, fp32 params).
 """
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -316,6 +317,51 @@ def graph_capture():
     return ok
 
 
+def capture_refusals():
+    """Steps captured without a warm-up are refused with what to do, and change nothing: a fresh
+    optimizer's (its state would be made inside the capture), then one that loaded a state_dict (its
+    state has no device work list yet: the op refuses before any launch, the step counters stay).
+    Eager steps after each equal those of an optimizer that never saw a capture."""
+    print("== a step captured without a warm-up: refused, nothing changed")
+    ok = True
+
+    def captured_step(opt):
+        g, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(stream):
+                with torch.cuda.graph(g):
+                    opt.step()
+        except RuntimeError as e:
+            return str(e)
+        finally:
+            torch.cuda.current_stream().wait_stream(stream)
+        return "not refused"
+
+    for cls, kw in ((optstate.FusedAdamW, {}), (optstate.AdamW8bit, dict(block_size=256))):
+        shapes = [(512, 256), (4096,), (3,)]
+        ps, ref_p = make(shapes, "cuda", seed=5), make(shapes, "cuda", seed=5)
+        opt, ref = cls(ps, lr=1e-2, **kw), cls(ref_p, lr=1e-2, **kw)
+        fresh = captured_step(opt)
+        fresh_ok = "warm-up" in fresh and len(opt.state) == 0
+        opt.step()
+        ref.step()
+        loaded = cls(ps, lr=1e-2, **kw)
+        loaded.load_state_dict(copy.deepcopy(opt.state_dict()))  # new tensors, as from a checkpoint
+        again = captured_step(loaded)
+        steps = [loaded.state[p]["step"].item() for p in ps]
+        loaded_ok = "warm-up" in again and steps == [1.0] * len(ps)
+        loaded.step()
+        ref.step()
+        torch.cuda.synchronize()
+        same = all(torch.equal(a, b) for a, b in zip(ps, ref_p))
+        print(f"  {cls.__name__:<12} fresh: {'refused, no state made' if fresh_ok else 'WRONG: ' + fresh}; "
+              f"loaded: {'refused, steps kept' if loaded_ok else f'WRONG: {again} (steps {steps})'}; then "
+              f"eager steps {'equal to a reference' if same else 'DIFFERENT from a reference'}")
+        ok &= fresh_ok and loaded_ok and same
+    return ok
+
+
 def time_steps(step, iters, device="cuda"):
     """Median ms of `iters` calls after 3 warm-ups: CUDA events on the GPU, the wall clock on the CPU
     (the dry run)."""
@@ -446,6 +492,11 @@ def main():
         ok &= graph_capture()
     except Exception as e:  # noqa: BLE001 - report and go on to the timing table
         print(f"  graph capture failed: {type(e).__name__}: {e}")
+        ok = False
+    try:
+        ok &= capture_refusals()
+    except Exception as e:  # noqa: BLE001 - report and go on to the timing table
+        print(f"  capture refusals failed: {type(e).__name__}: {e}")
         ok = False
     timing(args.iters, args.skip_torchao)
     # After the table (the part a cut-off run must not lose), when torchao has compiled these shapes.

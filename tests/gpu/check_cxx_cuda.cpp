@@ -117,11 +117,12 @@ bool run_case(const std::string& name, at::ScalarType dtype, std::function<Opt(s
       total += ta[k].defined() ? ta[k].numel() : 0;
     }
   }
+  // One work list per set of state tensors (b0's, then the loaded optimizer's), not per gradients.
   const size_t plans = optstate::optim::cuda_plan_count() - plans_before;
-  std::printf("  C++ %-44s %s; %zu device work list(s) for 4 sets of gradients\n", name.c_str(),
+  std::printf("  C++ %-44s %s; %zu device work lists for 4 sets of gradients and 2 of state\n", name.c_str(),
               diff == 0 ? "bitwise equal" : (std::to_string(diff) + " of " + std::to_string(total) + " differ").c_str(),
               plans);
-  return diff == 0 && plans == 1;
+  return diff == 0 && plans == 2;
 }
 
 // The step-dependent scalars (bias corrections) the kernels compute on the device against the CPU
@@ -237,6 +238,60 @@ bool graph_case(const std::string& name, std::function<std::vector<at::Tensor>(S
               counts_ok ? "caught up" : "WRONG");
   return ok;
 }
+
+// Steps captured without a warm-up are refused with what to do, and change nothing: a fresh
+// optimizer's (its state would be made inside the capture), then, after torch::load, one whose
+// state has no device work list yet (the launch is refused: no step counted). Eager steps after
+// each equal those of an optimizer that never saw a capture.
+template <class Opt, class Options, class State>
+bool capture_refusal_case(const std::string& name) {
+  const at::Device dev(at::kCUDA, 0);
+  auto pa = make_params(at::kFloat, dev), pr = make_params(at::kFloat, dev);
+  Opt a(pa, Options(1e-2)), ref(pr, Options(1e-2));
+  at::manual_seed(500);
+  for (size_t i = 0; i < pa.size(); ++i) {
+    pa[i].mutable_grad() = (at::randn(pa[i].sizes()) * 1e-2).to(dev);
+    pr[i].mutable_grad() = pa[i].grad().clone();
+  }
+  const at::cuda::CUDAStream side = at::cuda::getStreamFromPool();
+  const c10::cuda::CUDAStreamGuard guard(side);
+  auto captured_step = [&](Opt& o) {
+    side.synchronize();
+    at::cuda::CUDAGraph graph;
+    graph.capture_begin();
+    std::string message;
+    try {
+      o.step();
+    } catch (const c10::Error& e) {
+      message = e.what_without_backtrace();
+    }
+    graph.capture_end();
+    return message;
+  };
+  const std::string fresh = captured_step(a);
+  const bool fresh_ok = fresh.find("warm-up") != std::string::npos && a.state().empty();
+  a.step();
+  ref.step();
+  std::stringstream archive;
+  torch::save(a, archive);
+  Opt b(pa, Options(1e-2));
+  torch::load(b, archive);
+  const std::string loaded = captured_step(b);
+  const auto step_of = [&](Opt& o) { return static_cast<State&>(*o.state()[pa[0].unsafeGetTensorImpl()]).step(); };
+  const bool loaded_ok = loaded.find("warm-up") != std::string::npos && step_of(b) == 1 && b.step_count(pa[0]) == 1;
+  b.step();
+  ref.step();
+  side.synchronize();
+  int64_t diff = 0;
+  for (size_t i = 0; i < pa.size(); ++i) diff += differing(pr[i].detach().cpu(), pa[i].detach());
+  const bool counted = step_of(b) == 2 && b.step_count(pa[0]) == 2;
+  std::printf("  C++ %-44s fresh: %s; loaded: %s; then eager steps %s, step count %s\n", name.c_str(),
+              fresh_ok ? "refused, no state made" : ("WRONG (" + fresh + ")").c_str(),
+              loaded_ok ? "refused, no step counted" : ("WRONG (" + loaded + ")").c_str(),
+              diff == 0 ? "bitwise equal to a reference" : (std::to_string(diff) + " elements differ").c_str(),
+              counted ? "2" : "WRONG");
+  return fresh_ok && loaded_ok && diff == 0 && counted;
+}
 #endif
 
 // Runs one case; an exception (a CUDA error surfaces as a c10::Error) fails that case, is printed,
@@ -302,6 +357,13 @@ int main() {
             for (const at::Tensor* t : {&m->codes, &m->absmax, &m->values}) out.push_back(*t);
           return out;
         });
+  });
+  std::printf("== LibTorch optimizers: a step captured without a warm-up\n");
+  ok &= guarded("FusedAdamW capture refused", [] {
+    return capture_refusal_case<FusedAdamW, FusedAdamWOptions, FusedAdamWParamState>("FusedAdamW capture refused");
+  });
+  ok &= guarded("AdamW8bit capture refused", [] {
+    return capture_refusal_case<AdamW8bit, AdamW8bitOptions, AdamW8bitParamState>("AdamW8bit capture refused");
   });
 #endif
   return ok ? 0 : 1;

@@ -422,6 +422,12 @@ TEST_CASE("device step counters: steps the host did not run (graph replays) are 
   CHECK(ds.current(p, 7) == 7);
   ds.before_step(p, 7);
   CHECK(c.item<float>() == 7.0f);
+  // A step whose launch was refused: forgotten, so the next step refills from the host's count (7)
+  // although the host's count is the one that step was given.
+  c.fill_(99.0);
+  ds.forget(p);
+  ds.before_step(p, 7);
+  CHECK(c.item<float>() == 7.0f);
 
   // The optimizers' step_count is param_state.step() for CPU params.
   at::NoGradGuard no_grad;
@@ -433,4 +439,76 @@ TEST_CASE("device step counters: steps the host did not run (graph replays) are 
   opt.step();
   opt.sync_step_counts();
   CHECK(opt.step_count(ps[0]) == 2);
+}
+
+TEST_CASE("a step refused part-way changes nothing: no state made, no step counted, no param moved") {
+  // Group 0 is fine; group 1's second param has a grad of the wrong shape. The refused step must not
+  // leave group 0's params counted (or updated) by a step that did not happen: the next good step
+  // equals the first step of an optimizer that never saw the refused one.
+  at::NoGradGuard no_grad;
+  auto run = [](auto make_opt, auto turn_on_amsgrad, auto has_max, const char* name) {
+    CAPTURE(name);
+    std::vector<at::Tensor> a{randn({64, 80}, 1), randn({80}, 2), randn({5000}, 3)};
+    std::vector<at::Tensor> b;
+    for (const auto& t : a) b.push_back(t.clone());
+    auto oa = make_opt(a);
+    auto ob = make_opt(b);
+    for (size_t i = 0; i < a.size(); ++i) {
+      a[i].mutable_grad() = randn(a[i].sizes().vec(), 10 + i);
+      b[i].mutable_grad() = a[i].grad().clone();
+    }
+    // One good step first, so existing state is covered too; then amsgrad turned on in group 0: the
+    // refused step must not add its moment either.
+    oa->step();
+    ob->step();
+    turn_on_amsgrad(*oa);
+    turn_on_amsgrad(*ob);
+    const at::Tensor good = a[2].grad();
+    a[2].mutable_grad() = randn({4999}, 7);
+    const auto before = a[0].clone();
+    CHECK_THROWS_WITH_AS(oa->step(), doctest::Contains("grad"), c10::Error);
+    CHECK(at::equal(a[0], before));
+    CHECK(oa->step_count(a[0]) == 1);
+    CHECK(oa->step_count(a[2]) == 1);
+    CHECK(!has_max(*oa, a[0]));
+    a[2].mutable_grad() = good;
+    oa->step();
+    ob->step();
+    for (size_t i = 0; i < a.size(); ++i) {
+      CHECK(oa->step_count(a[i]) == 2);
+      CHECK(at::equal(a[i], b[i]));
+    }
+    CHECK(has_max(*oa, a[0]));
+    // A fresh optimizer refused at its first step makes no state.
+    auto oc = make_opt(b);
+    b[2].mutable_grad() = randn({4999}, 8);
+    CHECK_THROWS_AS(oc->step(), c10::Error);
+    CHECK(oc->state().empty());
+  };
+  run(
+      [](std::vector<at::Tensor>& ps) {
+        std::vector<torch::optim::OptimizerParamGroup> groups;
+        groups.emplace_back(std::vector<at::Tensor>{ps[0], ps[1]},
+                            std::make_unique<FusedAdamWOptions>(FusedAdamWOptions(1e-2)));
+        groups.emplace_back(std::vector<at::Tensor>{ps[2]}, std::make_unique<FusedAdamWOptions>(2e-2));
+        return std::make_unique<FusedAdamW>(groups);
+      },
+      [](FusedAdamW& o) { static_cast<FusedAdamWOptions&>(o.param_groups()[0].options()).amsgrad(true); },
+      [](FusedAdamW& o, const at::Tensor& p) {
+        return static_cast<FusedAdamWParamState&>(*o.state().at(p.unsafeGetTensorImpl())).max_exp_avg_sq().defined();
+      },
+      "FusedAdamW");
+  run(
+      [](std::vector<at::Tensor>& ps) {
+        std::vector<torch::optim::OptimizerParamGroup> groups;
+        groups.emplace_back(std::vector<at::Tensor>{ps[0], ps[1]},
+                            std::make_unique<AdamW8bitOptions>(AdamW8bitOptions(1e-2)));
+        groups.emplace_back(std::vector<at::Tensor>{ps[2]}, std::make_unique<AdamW8bitOptions>(2e-2));
+        return std::make_unique<AdamW8bit>(groups);
+      },
+      [](AdamW8bit& o) { static_cast<AdamW8bitOptions&>(o.param_groups()[0].options()).amsgrad(true); },
+      [](AdamW8bit& o, const at::Tensor& p) {
+        return static_cast<AdamW8bitParamState&>(*o.state().at(p.unsafeGetTensorImpl())).max_exp_avg_sq().defined();
+      },
+      "AdamW8bit");
 }

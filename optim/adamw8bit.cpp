@@ -95,12 +95,7 @@ at::Tensor AdamW8bit::step(LossClosure closure) {
   }
   at::NoGradGuard no_grad;
   // Checked first, changed after, each param's step counted with its update (as FusedAdamW::step).
-  struct Group {
-    const AdamW8bitOptions* o;
-    LrArg lr;
-    std::vector<StepParam<AdamW8bitParamState>> cpu;
-    std::map<c10::DeviceIndex, std::vector<StepParam<AdamW8bitParamState>>> cuda;  // one launch per GPU
-  };
+  using Group = StepGroup<AdamW8bitOptions, AdamW8bitParamState>;
   NewStates fresh("AdamW8bit");
   std::vector<Group> groups;
   for (auto& group : param_groups()) {

@@ -54,12 +54,7 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
   // Every group and param is checked before anything changes, so a refused step leaves the state as
   // it was; then each param's step count advances with its update, so the two stay in agreement
   // even when a CUDA launch is refused part-way (step_commit.h).
-  struct Group {
-    const FusedAdamWOptions* o;
-    LrArg lr;
-    std::vector<StepParam<FusedAdamWParamState>> cpu;
-    std::map<c10::DeviceIndex, std::vector<StepParam<FusedAdamWParamState>>> cuda;  // one launch per GPU
-  };
+  using Group = StepGroup<FusedAdamWOptions, FusedAdamWParamState>;
   NewStates fresh("FusedAdamW");
   std::vector<Group> groups;
   for (auto& group : param_groups()) {

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <torch/optim/optimizer.h>
 
+#include <map>
 #include <memory>
 #include <unordered_map>
 #include <utility>
@@ -23,6 +24,16 @@ struct StepParam {
   at::Tensor p;
   State* st;
   bool needs_max = false;
+};
+
+// One param group's share of a step: its options and lr, its CPU params, and its CUDA params by GPU
+// (one launch each).
+template <class Options, class State>
+struct StepGroup {
+  const Options* o;
+  LrArg lr;
+  std::vector<StepParam<State>> cpu;
+  std::map<c10::DeviceIndex, std::vector<StepParam<State>>> cuda;
 };
 
 // Param states made by this step, kept out of the optimizer's state until every check has passed.

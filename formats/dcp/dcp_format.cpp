@@ -654,7 +654,7 @@ class DcpReader final : public CheckpointReader {
     auto full = contained_path(dir_, rel);
     if (!full.ok()) return corrupt(fmt::format("{}: {}", where, full.status().message()));
     auto f = InputFile::open(*full);
-    if (!f.ok()) return not_found(fmt::format("{}: data file {} is missing or unreadable", where, full->string()));
+    if (!f.ok()) return Status(f.status().code(), fmt::format("{}: data file {}", where, f.status().message()));
     return &files_.emplace(rel, std::move(*f)).first->second;
   }
 

@@ -239,7 +239,7 @@ Status copy_carried(const SourceLayout& src, std::vector<OutputFile>& outs, cons
       if (f == files.end()) {
         OPTSTATE_ASSIGN_OR_RETURN(fs::path full, contained_path(src.dir, loc.relative_path));
         auto in = InputFile::open(full);
-        if (!in.ok()) return not_found(fmt::format("{}: data file {} is missing or unreadable", iw, full.string()));
+        if (!in.ok()) return Status(in.status().code(), fmt::format("{}: data file {}", iw, in.status().message()));
         f = files.emplace(loc.relative_path, std::move(*in)).first;
       }
       const InputFile& in = f->second;

@@ -253,6 +253,9 @@ class NativeDriver final : public FormatDriver {
     OPTSTATE_ASSIGN_OR_RETURN(Manifest m, parse_manifest(bytes, path));
     // Declared sizes are checked against the files before anything is read or allocated.
     for (const DataFile& df : m.files) {
+      const fs::file_status st = fs::status(df.full_path, ec);
+      if (fs::exists(st) && !fs::is_regular_file(st))  // a FIFO or device there is not read (or waited on)
+        return corrupt(fmt::format("{}: data file is not a regular file", df.full_path.string()));
       auto size = fs::file_size(df.full_path, ec);
       if (ec) return not_found(fmt::format("{}: data file missing ({})", df.full_path.string(), ec.message()));
       if (size != df.size)

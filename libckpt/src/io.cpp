@@ -88,9 +88,11 @@ Status open_listed(InputPool& p, InputFile::State& s, bool first) {
   const size_t cap = max_open_inputs();
   while (p.open.size() >= cap && close_one(p)) {
   }
-  int fd = ::open(s.path.c_str(), O_RDONLY | O_CLOEXEC);
-  while (fd < 0 && (errno == EMFILE || errno == ENFILE) && close_one(p))
-    fd = ::open(s.path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO where a file should be would block the open until something writes to it;
+  // it is refused below as not a regular file. Cleared once the file is known to be one.
+  constexpr int kFlags = O_RDONLY | O_CLOEXEC | O_NONBLOCK;
+  int fd = ::open(s.path.c_str(), kFlags);
+  while (fd < 0 && (errno == EMFILE || errno == ENFILE) && close_one(p)) fd = ::open(s.path.c_str(), kFlags);
   if (fd < 0) {
     if (errno == ENOENT) return not_found(fmt::format("{}: no such file", s.path.string()));
     return io_error(fmt::format("{}: {}", s.path.string(), errno_text()));
@@ -112,6 +114,12 @@ Status open_listed(InputPool& p, InputFile::State& s, bool first) {
   } else if (st.st_dev != s.dev || st.st_ino != s.ino || static_cast<uint64_t>(st.st_size) != s.size) {
     ::close(fd);
     return corrupt(fmt::format("{}: replaced or resized while it was being read", s.path.string()));
+  }
+  const int fl = ::fcntl(fd, F_GETFL);
+  if (fl < 0 || ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+    const Status e = io_error(fmt::format("{}: {}", s.path.string(), errno_text()));
+    ::close(fd);
+    return e;
   }
   s.fd = fd;
   p.open.push_front(&s);

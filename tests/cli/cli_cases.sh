@@ -256,6 +256,12 @@ assert j["params"]["head.bias"]["entries"]["exp_avg"]["encoding"] == "dense"
     fresh() { rm -rf "$work/c"; cp -r "$work/$1" "$work/c"; }
     fresh good; rm "$work/c/data/rank-00000.bin"
     expect_finding "$work/c" "rank-00000.bin: data file missing"
+    # a FIFO where a data file should be: refused, not waited on (opening it would block for a writer)
+    fresh good; rm "$work/c/data/rank-00000.bin"; mkfifo "$work/c/data/rank-00000.bin"
+    expect_finding "$work/c" "rank-00000.bin: data file is not a regular file"
+    rm -rf "$work/c"; cp -r "$work/good.dcp" "$work/c"; rm "$work/c/__0_0.distcp"; mkfifo "$work/c/__0_0.distcp"
+    expect_finding "$work/c" "data file .*__0_0.distcp: not a regular file"
+    expect_error 2 "__0_0.distcp: not a regular file" -- "$OPTSTATE" hash "$work/c"
     fresh good; truncate -s -64 "$work/c/data/rank-00000.bin"
     expect_finding "$work/c" "rank-00000.bin: file has .* bytes, manifest says"
     fresh good

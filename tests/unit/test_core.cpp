@@ -1,6 +1,7 @@
 #include <doctest/doctest.h>
 
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -105,6 +106,20 @@ TEST_CASE("InputFile reports truncation with the file name") {
   CHECK(st.message().find((dir.path / "f").string()) != std::string::npos);
   CHECK(InputFile::open(dir.path / "missing").status().code() == ErrorCode::kNotFound);
   CHECK(!read_small_file(dir.path / "f", 3).ok());  // over the cap: refused before allocating
+}
+
+TEST_CASE("InputFile refuses a FIFO or a device where a file should be, without waiting on it") {
+  // Opening a FIFO for reading blocks until some process opens it for writing: a checkpoint whose
+  // data file is one must be refused, not hang validate or hash.
+  testing::TempDir dir;
+  const fs::path fifo = dir.path / "__0_0.distcp";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  auto f = InputFile::open(fifo);
+  REQUIRE(!f.ok());
+  CHECK(f.status().code() == ErrorCode::kCorrupt);
+  CHECK(f.status().message() == fifo.string() + ": not a regular file");
+  CHECK(!read_small_file(fifo, 1024).ok());
+  CHECK(InputFile::open("/dev/zero").status().message() == "/dev/zero: not a regular file");
 }
 
 TEST_CASE("reads place bytes unskewed against the page cache, and skewed destinations read right") {

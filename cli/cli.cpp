@@ -1,6 +1,7 @@
 #include "cli.h"
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include <csignal>
 #include <cstdio>
@@ -121,6 +122,10 @@ std::string human_bytes(double b) {
     ++u;
   }
   return u == 0 ? fmt::format("{:.0f} B", b) : fmt::format("{:.1f} {}", b, units[u]);
+}
+
+void print_json(const nlohmann::json& j) {
+  std::fputs((j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n").c_str(), stdout);
 }
 
 int fail(const std::string& command, const Status& status) {

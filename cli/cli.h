@@ -1,6 +1,8 @@
 // Shared pieces of the `optstate` command: argument parsing and the error-to-exit-code rule.
 #pragma once
 
+#include <nlohmann/json_fwd.hpp>
+
 #include <map>
 #include <optional>
 #include <string>
@@ -45,6 +47,10 @@ std::string help_text(const CommandSpec& spec);
 std::string human_bytes(double bytes);
 // Prints "optstate <cmd>: <message>" on stderr and returns kExitError.
 int fail(const std::string& command, const Status& status);
+// Prints `j` on stdout, indented, one document. Bytes that are not UTF-8 (a path, or the name of an
+// entry a file carries, can hold any) are written as U+FFFD rather than failing the output; param
+// names never need it (open_checkpoint refuses those that are not text).
+void print_json(const nlohmann::json& j);
 
 // While one lives, SIGINT, SIGTERM and SIGHUP stop the checkpoint write in progress instead of
 // killing the process: the writer fails with kCancelled and removes its partial output (io.h:

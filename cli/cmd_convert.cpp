@@ -257,7 +257,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
                         {"carried", carried ? rest : std::vector<std::string>{}},
                         {"not_carried", carried ? std::vector<std::string>{} : rest},
                         {"dense_entries", dense}, {"blockwise8_entries", eight}};
-    std::fputs((j.dump(2) + "\n").c_str(), stdout);
+    print_json(j);
   } else {
     std::printf("wrote %s (%s, %d rank%s): %zu params, %lld dense and %lld 8-bit entries%s\n", dst.c_str(),
                 format.c_str(), world, world == 1 ? "" : "s", kept.params.size(), static_cast<long long>(dense),

@@ -73,7 +73,7 @@ int run_diff(int argc, char** argv) {
     }
     nlohmann::json j = {{"ok", report->ok()}, {"rtol", options.rtol}, {"atol", options.atol},
                         {"metadata", report->metadata}, {"entries", entries}};
-    std::fputs((j.dump(2) + "\n").c_str(), stdout);
+    print_json(j);
   } else {
     for (const auto& m : report->metadata) std::printf("DIFF  %s\n", m.c_str());
     std::printf("%-48s %12s %12s %10s\n", "ENTRY", "MAX ABS", "MAX REL", "OUTSIDE");

@@ -36,7 +36,7 @@ int run_hash(int argc, char** argv) {
   if (!h.ok()) return fail("hash", h.status());
   if (args->has("--json")) {
     nlohmann::json j = {{"root", h->root}, {"entries", h->entries}, {"mode", options.values ? "values" : "raw"}};
-    std::fputs((j.dump(2) + "\n").c_str(), stdout);
+    print_json(j);
   } else {
     for (const auto& [name, hex] : h->entries) std::fputs(fmt::format("{}  {}\n", hex, name).c_str(), stdout);
     std::fputs(fmt::format("{}  (root)\n", h->root).c_str(), stdout);

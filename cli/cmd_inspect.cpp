@@ -120,7 +120,7 @@ int run_inspect(int argc, char** argv) {
                  {"state_bytes_per_param", per_param}};
 
   if (args->has("--json")) {
-    std::fputs((j.dump(2) + "\n").c_str(), stdout);
+    print_json(j);
     return kExitOk;
   }
   std::string out = fmt::format("checkpoint  {} ({})\noptimizer   {}, {} param group(s), {} params, {} elements\n",

@@ -40,7 +40,7 @@ int run_validate(int argc, char** argv) {
                         {"values_checked", report->values_checked},
                         {"checksums_verified", report->checksums_verified},
                         {"findings", findings}};
-    std::fputs((j.dump(2) + "\n").c_str(), stdout);
+    print_json(j);
   } else if (report->ok()) {
     std::printf("ok: %s: %lld entries, %lld values, %s\n", path.c_str(),
                 static_cast<long long>(report->entries_checked), static_cast<long long>(report->values_checked),

@@ -92,7 +92,12 @@ Status check_destination(const std::filesystem::path& path, bool overwrite) {
 
 Result<std::unique_ptr<CheckpointReader>> open_checkpoint(const std::filesystem::path& path) {
   OPTSTATE_ASSIGN_OR_RETURN(const FormatDriver* d, detect_format(path));
-  return d->open(path);
+  OPTSTATE_ASSIGN_OR_RETURN(auto reader, d->open(path));
+  // Names every format's reader takes as they come (pickled strings may hold bytes that are not
+  // text): refused here, once, before any output or write uses them.
+  const Status names = check_names(reader->meta());
+  if (!names.ok()) return Status(names.code(), fmt::format("{}: {}", path.string(), names.message()));
+  return reader;
 }
 
 }  // namespace optstate

@@ -113,7 +113,73 @@ int64_t component_bytes(const Entry& e, Component c, int64_t numel) {
   return component_count(e, c, numel) * component_elem_size(e, c);
 }
 
+int64_t utf8_error_at(std::string_view s) {
+  const auto* b = reinterpret_cast<const unsigned char*>(s.data());
+  const size_t n = s.size();
+  for (size_t i = 0; i < n;) {
+    const unsigned c = b[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    // length and the range of the second byte (which rules out overlong forms, surrogates and
+    // code points past U+10FFFF); later bytes are 0x80-0xBF
+    size_t len = 0;
+    unsigned lo = 0x80, hi = 0xBF;
+    if (c >= 0xC2 && c <= 0xDF) {
+      len = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      if (c == 0xE0) lo = 0xA0;
+      if (c == 0xED) hi = 0x9F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      if (c == 0xF0) lo = 0x90;
+      if (c == 0xF4) hi = 0x8F;
+    } else {
+      return static_cast<int64_t>(i);
+    }
+    if (n - i < len || b[i + 1] < lo || b[i + 1] > hi) return static_cast<int64_t>(i);
+    for (size_t k = 2; k < len; ++k)
+      if (b[i + k] < 0x80 || b[i + k] > 0xBF) return static_cast<int64_t>(i);
+    i += len;
+  }
+  return -1;
+}
+
+std::string printable(std::string_view s) {
+  std::string out;
+  while (!s.empty()) {
+    const int64_t bad = utf8_error_at(s);
+    const std::string_view good = s.substr(0, bad < 0 ? s.size() : static_cast<size_t>(bad));
+    for (char ch : good) {
+      const auto c = static_cast<unsigned char>(ch);
+      if (c < 0x20 || c == 0x7F)
+        out += fmt::format("\\x{:02x}", c);
+      else
+        out += ch;
+    }
+    if (bad < 0) break;
+    out += fmt::format("\\x{:02x}", static_cast<unsigned char>(s[static_cast<size_t>(bad)]));
+    s.remove_prefix(static_cast<size_t>(bad) + 1);
+  }
+  return out;
+}
+
+Status check_names(const OptimizerState& state) {
+  auto check = [](const std::string& name) -> Status {
+    const int64_t at = utf8_error_at(name);
+    if (at < 0) return Status::Ok();
+    return corrupt(fmt::format("param name '{}' is not valid UTF-8 (byte {}); names must be text", printable(name), at));
+  };
+  for (const auto& [fqn, ps] : state.params) OPTSTATE_RETURN_IF_ERROR(check(fqn));
+  for (const auto& g : state.groups)
+    for (const auto& fqn : g.params) OPTSTATE_RETURN_IF_ERROR(check(fqn));
+  return Status::Ok();
+}
+
 Status check_structure(const OptimizerState& state, bool require_buffers) {
+  OPTSTATE_RETURN_IF_ERROR(check_names(state));
   if (state.kind != "adamw" && state.kind != "adamw8bit")
     return unsupported(fmt::format("unknown optimizer kind '{}'", state.kind));
   for (const auto& [fqn, ps] : state.params) {

@@ -265,6 +265,22 @@ def test_damaged_or_foreign_torch_save_files_are_refused_by_name(tmp_path, optst
     (hf / "trainer_state.json").write_text("{}")
     torch.save(torch.nn.Linear(4, 4).state_dict(), hf / "pytorch_model.bin")  # a zip too, but no optimizer
     refused(hf, "checkpoint-500: not a checkpoint in any known format", "it holds optimizer.pt (torchsave): pass that file")
+    # A param name that is not text (a lone surrogate pickles as bytes that are not UTF-8): refused by
+    # name, by every command; an entry the file carries may have such a key: shown, not a failure.
+    bad = torch.load(pt)
+    bad["param_groups"][0]["param_names"][0] = "w\udcff.weight"
+    torch.save(bad, tmp_path / "surrogate.pt")
+    for cmd in ("inspect", "hash"):
+        refused(tmp_path / "surrogate.pt", "surrogate.pt: param name 'w\\xed\\xb3\\xbf.weight' is not valid UTF-8",
+                cmd=cmd)
+    refused(tmp_path / "surrogate.pt", "not valid UTF-8", cmd="validate", code=1)
+    m = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    torch.save({"model": m.state_dict(), "optimizer": opt.state_dict(), "cfg\udcff": 1}, tmp_path / "carried.pt")
+    shown = json.loads(optstate_cli("inspect", "--json", tmp_path / "carried.pt").stdout)
+    assert "cfg\ufffd" in json.dumps(shown, ensure_ascii=False), shown
     # A failed convert leaves nothing behind.
     proc = optstate_cli("convert", tmp_path / "flip.pt", tmp_path / "never.pt", "--format", "torchsave", check=False)
     assert proc.returncode != 0 and not (tmp_path / "never.pt").exists()

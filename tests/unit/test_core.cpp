@@ -85,6 +85,30 @@ TEST_CASE("check_structure finds inconsistent states") {
     s.groups[0].params.push_back("ghost");
     CHECK(!check_structure(s, false).ok());
   }
+  SUBCASE("a param name that is not UTF-8 (a lone surrogate, as Python pickles one)") {
+    const std::string bad = "w\xed\xb3\xbf.weight";
+    auto node = s.params.extract("layers.0.bias");
+    node.key() = bad;
+    s.params.insert(std::move(node));
+    for (auto& g : s.groups)
+      for (auto& name : g.params)
+        if (name == "layers.0.bias") name = bad;
+    const Status st = check_names(s);
+    CHECK(st.code() == ErrorCode::kCorrupt);
+    CHECK(st.message() == "param name 'w\\xed\\xb3\\xbf.weight' is not valid UTF-8 (byte 1); names must be text");
+    CHECK(check_structure(s, false).code() == ErrorCode::kCorrupt);
+  }
+}
+
+TEST_CASE("valid_utf8: RFC 3629, no surrogates, no overlong forms, nothing past U+10FFFF") {
+  for (const char* good : {"", "layers.0.weight", "\xc3\xa9", "\xe2\x82\xac", "\xf0\x9f\x98\x80", "\xed\x9f\xbf",
+                           "\xee\x80\x80", "\xf4\x8f\xbf\xbf"})
+    CHECK_MESSAGE(utf8_error_at(good) < 0, good);
+  const std::vector<std::pair<std::string, int64_t>> bad{
+      {"a\x80", 1},          {"\xc0\xaf", 0},      {"\xc3", 0},          {"\xe0\x80\xaf", 0}, {"\xed\xa0\x80", 0},
+      {"ab\xed\xbf\xbf", 2}, {"\xf0\x80\x80\xaf", 0}, {"\xf4\x90\x80\x80", 0}, {"\xf8\x88\x80\x80\x80", 0}, {"\xff", 0},
+      {"\xe2\x82", 0}};
+  for (const auto& [text, at] : bad) CHECK_MESSAGE(utf8_error_at(text) == at, text);
 }
 
 TEST_CASE("contained_path keeps checkpoint paths inside the checkpoint") {

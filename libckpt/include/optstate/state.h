@@ -10,6 +10,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "optstate/dtype.h"
@@ -107,8 +108,20 @@ int64_t component_elem_size(const Entry& e, Component c);
 // Total bytes of a component for an entry of `numel` elements.
 int64_t component_bytes(const Entry& e, Component c, int64_t numel);
 
-// Checks the structure (not the values) of a state: group indices, entry encodings, block sizes,
-// and, for in-memory state, that every buffer has exactly the bytes its shape implies.
+// Index of the first byte at which `s` stops being UTF-8 (RFC 3629: no surrogates, overlong forms
+// or code points past U+10FFFF), or -1 when all of it is.
+int64_t utf8_error_at(std::string_view s);
+// `s` for a message: bytes that are not UTF-8, and control characters, written as \xNN.
+std::string printable(std::string_view s);
+
+// Param names (and those the groups list) must be UTF-8 text: manifests, JSON output, HDF5 and
+// safetensors names are. A Python string with a lone surrogate pickles as bytes that are not; such
+// a name is refused by name.
+Status check_names(const OptimizerState& state);
+
+// Checks the structure (not the values) of a state: names (check_names), group indices, entry
+// encodings, block sizes, and, for in-memory state, that every buffer has exactly the bytes its
+// shape implies.
 Status check_structure(const OptimizerState& state, bool require_buffers);
 
 // "<fqn>.<entry>", the name used by hash, diff and every flat format.

@@ -169,8 +169,15 @@ std::string printable(std::string_view s) {
 Status check_names(const OptimizerState& state) {
   auto check = [](const std::string& name) -> Status {
     const int64_t at = utf8_error_at(name);
-    if (at < 0) return Status::Ok();
-    return corrupt(fmt::format("param name '{}' is not valid UTF-8 (byte {}); names must be text", printable(name), at));
+    if (at >= 0)
+      return corrupt(
+          fmt::format("param name '{}' is not valid UTF-8 (byte {}); names must be text", printable(name), at));
+    // A line break in a name would make `hash` print a line of its own choosing (a forged root).
+    for (size_t i = 0; i < name.size(); ++i)
+      if (static_cast<unsigned char>(name[i]) < 0x20 || name[i] == 0x7F)
+        return corrupt(fmt::format("param name '{}' holds a control character (byte {}); names must be text",
+                                   printable(name), i));
+    return Status::Ok();
   };
   for (const auto& [fqn, ps] : state.params) OPTSTATE_RETURN_IF_ERROR(check(fqn));
   for (const auto& g : state.groups)

@@ -274,6 +274,11 @@ def test_damaged_or_foreign_torch_save_files_are_refused_by_name(tmp_path, optst
         refused(tmp_path / "surrogate.pt", "surrogate.pt: param name 'w\\xed\\xb3\\xbf.weight' is not valid UTF-8",
                 cmd=cmd)
     refused(tmp_path / "surrogate.pt", "not valid UTF-8", cmd="validate", code=1)
+    # ... nor one holding a line break: `hash` prints a name per line, and this one would forge the root.
+    bad["param_groups"][0]["param_names"][0] = "w\n" + "0" * 32 + "  (root)"
+    torch.save(bad, tmp_path / "newline.pt")
+    refused(tmp_path / "newline.pt", "newline.pt: param name 'w\\x0a" + "0" * 32 + "  (root)' holds a control character",
+            cmd="hash")
     m = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(m.parameters())
     m(torch.randn(2, 4)).sum().backward()

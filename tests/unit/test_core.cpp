@@ -98,6 +98,18 @@ TEST_CASE("check_structure finds inconsistent states") {
     CHECK(st.message() == "param name 'w\\xed\\xb3\\xbf.weight' is not valid UTF-8 (byte 1); names must be text");
     CHECK(check_structure(s, false).code() == ErrorCode::kCorrupt);
   }
+  SUBCASE("a param name with a line break (hash prints one name per line)") {
+    s.groups.clear();
+    s.params.clear();
+    s.groups.emplace_back();
+    const std::string forged = "w\n0123456789abcdef0123456789abcdef  (root)";
+    s.params[forged].group = 0;
+    s.groups[0].params.push_back(forged);
+    const Status st = check_names(s);
+    CHECK(st.code() == ErrorCode::kCorrupt);
+    CHECK(st.message() == "param name 'w\\x0a0123456789abcdef0123456789abcdef  (root)' holds a control character "
+                          "(byte 1); names must be text");
+  }
 }
 
 TEST_CASE("valid_utf8: RFC 3629, no surrogates, no overlong forms, nothing past U+10FFFF") {

@@ -114,9 +114,9 @@ int64_t utf8_error_at(std::string_view s);
 // `s` for a message: bytes that are not UTF-8, and control characters, written as \xNN.
 std::string printable(std::string_view s);
 
-// Param names (and those the groups list) must be UTF-8 text: manifests, JSON output, HDF5 and
-// safetensors names are. A Python string with a lone surrogate pickles as bytes that are not; such
-// a name is refused by name.
+// Param names (and those the groups list) must be UTF-8 text without control characters: manifests,
+// JSON output, HDF5 and safetensors names are text, and `hash` prints one name per line. A Python
+// string with a lone surrogate pickles as bytes that are not UTF-8; such a name is refused by name.
 Status check_names(const OptimizerState& state);
 
 // Checks the structure (not the values) of a state: names (check_names), group indices, entry

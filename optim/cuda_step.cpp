@@ -137,10 +137,10 @@ Cached& ready_plan(const std::vector<const void*>& key, MakePlan make_plan, cons
 }
 
 // The 8-bit kernel's tables, once per GPU (a __device__ symbol lives in each device's context).
-void ensure_maps(c10::DeviceIndex device, cudaStream_t s, const char* op) {
+void ensure_maps(c10::DeviceIndex device, cudaStream_t stream, const char* op) {
   static OncePerDevice tables;
   tables.run(device, [&] {
-    refuse_setup_in_capture(s, op, "the first 8-bit step on a GPU copies the quantization tables to it");
+    refuse_setup_in_capture(stream, op, "the first 8-bit step on a GPU copies the quantization tables to it");
     ensure_image(device);
     const Quantizer& s = Quantizer::get(QMap::kDynamicSigned);
     const Quantizer& u = Quantizer::get(QMap::kDynamicUnsigned);

@@ -1002,7 +1002,8 @@ def test_truncated_or_garbled_dcp_names_the_item(tmp_path, optstate_cli):
     assert "optim.state.0.weight.exp_avg" in run_err(optstate_cli, "inspect", bad)
     # an absolute path, a missing data file, a negative offset, no storage record at all
     for change, want in [(lambda m: setattr(m.storage_data[idx], "relative_path", "/etc/passwd"), "is absolute"),
-                         (lambda m: setattr(m.storage_data[idx], "relative_path", "__9_0.distcp"), "is missing"),
+                         (lambda m: setattr(m.storage_data[idx], "relative_path", "__9_0.distcp"),
+                          "__9_0.distcp: no such file"),
                          (lambda m: setattr(m.storage_data[idx], "offset", -5), "negative offset"),
                          (lambda m: m.storage_data.pop(idx), "has no storage record")]:
         md = pickle.loads(meta)

@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "json_strict.h"
 #include "optstate/hash.h"
 #include "optstate/io.h"
 #include "optstate/json_fields.h"
@@ -128,10 +129,11 @@ Result<Manifest> parse_body(const json& root, const std::filesystem::path& dir, 
 
 Result<Manifest> parse_manifest(std::span<const std::byte> bytes, const std::filesystem::path& dir) {
   const std::string mpath = (dir / kManifestName).string();
-  json root = json::parse(reinterpret_cast<const char*>(bytes.data()),
-                          reinterpret_cast<const char*>(bytes.data()) + bytes.size(), nullptr,
-                          /*allow_exceptions=*/false);
+  std::optional<std::string> twice;
+  json root = parse_json_strict(reinterpret_cast<const char*>(bytes.data()),
+                                reinterpret_cast<const char*>(bytes.data()) + bytes.size(), twice);
   if (root.is_discarded() || !root.is_object()) return corrupt(mpath + ": not a valid JSON manifest");
+  if (twice) return corrupt(fmt::format("{}: an object names '{}' twice", mpath, printable(*twice)));
   // Format and version first: a newer manifest may compute its checksum differently.
   Fields top{root, mpath};
   OPTSTATE_ASSIGN_OR_RETURN(std::string tag, top.str("format"));

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
+#include "json_strict.h"
 #include "optstate/state.h"
 
 namespace optstate::safetensors {
@@ -26,8 +27,10 @@ Result<uint64_t> parse_header_length(std::span<const std::byte> first8, uint64_t
 Result<Header> parse_header(std::span<const std::byte> json_bytes, uint64_t data_size, const std::string& where) {
   const char* text = reinterpret_cast<const char*>(json_bytes.data());
   if (json_bytes.empty() || text[0] != '{') return corrupt(fmt::format("{}: header does not start with '{{'", where));
-  json root = json::parse(text, text + json_bytes.size(), nullptr, /*allow_exceptions=*/false);
+  std::optional<std::string> twice;
+  json root = parse_json_strict(text, text + json_bytes.size(), twice);
   if (root.is_discarded() || !root.is_object()) return corrupt(fmt::format("{}: header is not a JSON object", where));
+  if (twice) return corrupt(fmt::format("{}: header names '{}' twice", where, printable(*twice)));
   Header h;
   h.data_start = 8 + json_bytes.size();
   std::vector<std::pair<uint64_t, std::string>> order;

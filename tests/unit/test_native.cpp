@@ -203,6 +203,14 @@ TEST_CASE("manifest parsing is a pure function of bytes") {
   const std::string junk = "\x00\x01garbage";
   auto m = native::parse_manifest(std::as_bytes(std::span(junk)), "/x");
   CHECK(!m.ok());
+  // An object with a key twice, at any depth, is refused before any field is read.
+  const std::string twice = R"({"format": "optstate", "x": {"a": 1, "b": {"c": 1}, "a": 2}})";
+  m = native::parse_manifest(std::as_bytes(std::span(twice)), "/x");
+  CHECK(m.status().message() == "/x/manifest.json: an object names 'a' twice");
+  // The same key in different objects is no duplicate.
+  const std::string apart = R"({"x": {"a": 1}, "y": {"a": 2}, "z": [{"a": 1}, {"a": 2}]})";
+  m = native::parse_manifest(std::as_bytes(std::span(apart)), "/x");
+  CHECK(m.status().message().find("twice") == std::string::npos);
 }
 
 TEST_CASE("shard ranges split rows like torch.chunk and 8-bit entries by whole blocks") {

@@ -46,6 +46,17 @@ TEST_CASE("safetensors: lying, truncated and foreign files are refused with the 
     write_file(bad, s);
     CHECK(open_error(bad).find("out of range") != std::string::npos);
   }
+  SUBCASE("a tensor named twice (nlohmann would keep the second; which is meant is not guessed)") {
+    const auto at = header.find("\"layers.0.bias.exp_avg\"");
+    REQUIRE(at != std::string::npos);
+    const auto end = header.find('}', at);
+    std::string h = "{" + header.substr(at, end + 1 - at) + "," + header.substr(1);
+    h.resize(h.size() + (8 - h.size() % 8) % 8, ' ');
+    std::string len(8, '\0');
+    for (int i = 0; i < 8; ++i) len[i] = static_cast<char>((h.size() >> (8 * i)) & 0xff);
+    write_file(bad, len + h + bytes.substr(8 + hlen));
+    CHECK(open_error(bad) == bad.string() + ": header names 'layers.0.bias.exp_avg' twice");
+  }
   SUBCASE("offsets that lie about a tensor's size") {
     std::string h = header;
     const auto at = h.find("\"layers.0.bias.exp_avg\"");

@@ -98,6 +98,9 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
   fresh.commit(state_);
   std::vector<AdamWTensor> items;
   std::vector<FusedAdamWParamState*> cpu_states;
+  auto add_max = [](const StepParam<FusedAdamWParamState>& x) {
+    if (x.needs_max) x.st->max_exp_avg_sq(at::zeros_like(x.st->exp_avg_sq()));
+  };
   for (Group& gr : groups) {
     const FusedAdamWOptions& o = *gr.o;
     AdamWHyper hyper{o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
@@ -106,7 +109,7 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
       if (!device_steps_) device_steps_ = std::make_shared<DeviceSteps>();
       std::vector<at::Tensor> p, g, m, v, mx, steps;
       for (auto& x : params) {
-        if (x.needs_max) x.st->max_exp_avg_sq(at::zeros_like(x.st->exp_avg_sq()));
+        add_max(x);
         p.push_back(x.p);
         g.push_back(x.p.grad());
         m.push_back(x.st->exp_avg());
@@ -121,7 +124,7 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
     }
     if (!gr.cpu.empty()) hyper.lr = lr_value(gr.lr);  // a tensor lr's value, read once per group
     for (auto& x : gr.cpu) {
-      if (x.needs_max) x.st->max_exp_avg_sq(at::zeros_like(x.st->exp_avg_sq()));
+      add_max(x);
       FusedAdamWParamState& st = *x.st;
       AdamWTensor t{};
       t.param = x.p.data_ptr();

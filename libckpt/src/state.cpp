@@ -113,6 +113,10 @@ int64_t component_bytes(const Entry& e, Component c, int64_t numel) {
   return component_count(e, c, numel) * component_elem_size(e, c);
 }
 
+namespace {
+bool is_control(unsigned char c) { return c < 0x20 || c == 0x7F; }
+}  // namespace
+
 int64_t utf8_error_at(std::string_view s) {
   const auto* b = reinterpret_cast<const unsigned char*>(s.data());
   const size_t n = s.size();
@@ -154,7 +158,7 @@ std::string printable(std::string_view s) {
     const std::string_view good = s.substr(0, bad < 0 ? s.size() : static_cast<size_t>(bad));
     for (char ch : good) {
       const auto c = static_cast<unsigned char>(ch);
-      if (c < 0x20 || c == 0x7F)
+      if (is_control(c))
         out += fmt::format("\\x{:02x}", c);
       else
         out += ch;
@@ -174,7 +178,7 @@ Status check_names(const OptimizerState& state) {
           fmt::format("param name '{}' is not valid UTF-8 (byte {}); names must be text", printable(name), at));
     // A line break in a name would make `hash` print a line of its own choosing (a forged root).
     for (size_t i = 0; i < name.size(); ++i)
-      if (static_cast<unsigned char>(name[i]) < 0x20 || name[i] == 0x7F)
+      if (is_control(static_cast<unsigned char>(name[i])))
         return corrupt(fmt::format("param name '{}' holds a control character (byte {}); names must be text",
                                    printable(name), i));
     return Status::Ok();

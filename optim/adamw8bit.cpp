@@ -112,7 +112,6 @@ at::Tensor AdamW8bit::step(LossClosure closure) {
       TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16,
                   "AdamW8bit: params must be float32 or bfloat16, got ", p.scalar_type());
       TORCH_CHECK(g.scalar_type() == p.scalar_type() && g.sizes() == p.sizes(), "AdamW8bit: grad does not match param");
-      TORCH_CHECK(p.is_contiguous() && g.is_contiguous(), "AdamW8bit: params and grads must be contiguous");
       auto* st = static_cast<AdamW8bitParamState*>(fresh.find(state_, p));
       if (!st) {
         fresh.before_new_tensors(p);
@@ -121,12 +120,14 @@ at::Tensor AdamW8bit::step(LossClosure closure) {
       const bool needs_max = o.amsgrad() && !st->max_exp_avg_sq().defined();  // amsgrad turned on since
       if (needs_max) fresh.before_new_tensors(p);
       check_state_fits(*st, p);
-      (p.is_cuda() ? gr.cuda[p.device().index()] : gr.cpu).push_back({p, st, needs_max});
+      if (!working_copies_) working_copies_ = std::make_shared<WorkingCopies>();
+      (p.is_cuda() ? gr.cuda[p.device().index()] : gr.cpu)
+          .push_back({p, st, needs_max, working_copies_->refreshed(p, fresh), g.contiguous()});
     }
   }
   fresh.commit(state_);
   std::vector<AdamW8bitTensor> items;
-  std::vector<AdamW8bitParamState*> cpu_states;
+  std::vector<const StepParam<AdamW8bitParamState>*> cpu_params;
   auto add_max = [](const StepParam<AdamW8bitParamState>& x) {
     if (x.needs_max) x.st->max_exp_avg_sq(zero_moment(x.p, x.st->block_size()));
   };
@@ -144,8 +145,8 @@ at::Tensor AdamW8bit::step(LossClosure closure) {
         const bool q = st.block_size() > 0;
         auto data = [q](const Moment8bit& mo) { return q ? mo.codes : mo.values; };
         auto scale = [q](const Moment8bit& mo) { return q ? mo.absmax : at::Tensor(); };
-        p.push_back(x.p);
-        g.push_back(x.p.grad());
+        p.push_back(x.work);
+        g.push_back(x.grad);
         m.push_back(data(st.exp_avg()));
         v.push_back(data(st.exp_avg_sq()));
         m_absmax.push_back(scale(st.exp_avg()));
@@ -167,8 +168,8 @@ at::Tensor AdamW8bit::step(LossClosure closure) {
       add_max(x);
       AdamW8bitParamState& st = *x.st;
       AdamW8bitTensor t{};
-      t.param = x.p.data_ptr();
-      t.grad = x.p.grad().data_ptr();
+      t.param = x.work.data_ptr();
+      t.grad = x.grad.const_data_ptr();
       t.kind = x.p.scalar_type() == at::kFloat ? ParamKind::kF32 : ParamKind::kBF16;
       t.numel = x.p.numel();
       t.block = st.block_size();
@@ -188,11 +189,14 @@ at::Tensor AdamW8bit::step(LossClosure closure) {
       }
       t.s = adamw8bit_step_scalars(hyper, static_cast<float>(st.step() + 1));
       items.push_back(t);
-      cpu_states.push_back(&st);
+      cpu_params.push_back(&x);
     }
   }
   adamw8bit_cpu(items);
-  for (AdamW8bitParamState* st : cpu_states) st->step(st->step() + 1);
+  for (const auto* x : cpu_params) {
+    x->write_back();
+    x->st->step(x->st->step() + 1);
+  }
   return loss;
 }
 

@@ -15,6 +15,7 @@
 namespace optstate::optim {
 
 class DeviceSteps;
+class WorkingCopies;
 
 struct AdamW8bitOptions : public torch::optim::OptimizerCloneableOptions<AdamW8bitOptions>, public TensorLr {
   AdamW8bitOptions(double lr = 1e-3);  // NOLINT
@@ -85,6 +86,7 @@ class AdamW8bit : public torch::optim::Optimizer {
 
  private:
   std::shared_ptr<DeviceSteps> device_steps_;  // float32 step counters of CUDA params
+  std::shared_ptr<WorkingCopies> working_copies_;  // of params not stored contiguously
 };
 
 }  // namespace optstate::optim

@@ -72,7 +72,6 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
                   "FusedAdamW: params must be float32 or bfloat16, got ", p.scalar_type());
       TORCH_CHECK(g.scalar_type() == p.scalar_type(), "FusedAdamW: grad dtype ", g.scalar_type(),
                   " differs from param dtype ", p.scalar_type());
-      TORCH_CHECK(p.is_contiguous() && g.is_contiguous(), "FusedAdamW: params and grads must be contiguous");
       TORCH_CHECK(g.sizes() == p.sizes(), "FusedAdamW: grad shape differs from param shape");
       auto* st = static_cast<FusedAdamWParamState*>(fresh.find(state_, p));
       if (!st) {
@@ -92,12 +91,14 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
                                       m->numel() == p.numel() && m->is_contiguous()),
                     "FusedAdamW: the state of a param of ", p.numel(), " elements on ", p.device(),
                     " must be contiguous float32 tensors of as many elements on the same device");
-      (p.is_cuda() ? gr.cuda[p.device().index()] : gr.cpu).push_back({p, st, needs_max});
+      if (!working_copies_) working_copies_ = std::make_shared<WorkingCopies>();
+      (p.is_cuda() ? gr.cuda[p.device().index()] : gr.cpu)
+          .push_back({p, st, needs_max, working_copies_->refreshed(p, fresh), g.contiguous()});
     }
   }
   fresh.commit(state_);
   std::vector<AdamWTensor> items;
-  std::vector<FusedAdamWParamState*> cpu_states;
+  std::vector<const StepParam<FusedAdamWParamState>*> cpu_params;
   auto add_max = [](const StepParam<FusedAdamWParamState>& x) {
     if (x.needs_max) x.st->max_exp_avg_sq(at::zeros_like(x.st->exp_avg_sq()));
   };
@@ -110,8 +111,8 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
       std::vector<at::Tensor> p, g, m, v, mx, steps;
       for (auto& x : params) {
         add_max(x);
-        p.push_back(x.p);
-        g.push_back(x.p.grad());
+        p.push_back(x.work);
+        g.push_back(x.grad);
         m.push_back(x.st->exp_avg());
         v.push_back(x.st->exp_avg_sq());
         if (o.amsgrad()) mx.push_back(x.st->max_exp_avg_sq());
@@ -127,8 +128,8 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
       add_max(x);
       FusedAdamWParamState& st = *x.st;
       AdamWTensor t{};
-      t.param = x.p.data_ptr();
-      t.grad = x.p.grad().data_ptr();
+      t.param = x.work.data_ptr();
+      t.grad = x.grad.const_data_ptr();
       t.exp_avg = st.exp_avg().data_ptr<float>();
       t.exp_avg_sq = st.exp_avg_sq().data_ptr<float>();
       t.max_exp_avg_sq = o.amsgrad() ? st.max_exp_avg_sq().data_ptr<float>() : nullptr;
@@ -136,11 +137,14 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
       t.kind = x.p.scalar_type() == at::kFloat ? ParamKind::kF32 : ParamKind::kBF16;
       t.s = adamw_step_scalars(hyper, st.step() + 1);
       items.push_back(t);
-      cpu_states.push_back(&st);
+      cpu_params.push_back(&x);
     }
   }
   adamw_cpu(items);
-  for (FusedAdamWParamState* st : cpu_states) st->step(st->step() + 1);
+  for (const auto* x : cpu_params) {
+    x->write_back();
+    x->st->step(x->st->step() + 1);
+  }
   return loss;
 }
 

@@ -14,6 +14,7 @@
 namespace optstate::optim {
 
 class DeviceSteps;
+class WorkingCopies;
 
 struct FusedAdamWOptions : public torch::optim::OptimizerCloneableOptions<FusedAdamWOptions>, public TensorLr {
   FusedAdamWOptions(double lr = 1e-3);  // NOLINT: implicit like torch::optim::AdamWOptions
@@ -75,6 +76,7 @@ class FusedAdamW : public torch::optim::Optimizer {
 
  private:
   std::shared_ptr<DeviceSteps> device_steps_;  // float32 step counters of CUDA params
+  std::shared_ptr<WorkingCopies> working_copies_;  // of params not stored contiguously
 };
 
 }  // namespace optstate::optim

@@ -22,8 +22,11 @@ void check_param_grad_step(OpBackend backend, const at::Tensor& p, const at::Ten
   check_device(backend, step, first, op, "step", i);
   TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16, op,
               ": params must be float32 or bfloat16, got ", p.scalar_type(), " (param ", i, ")");
-  TORCH_CHECK(g.scalar_type() == p.scalar_type() && g.sizes() == p.sizes() && p.is_contiguous() && g.is_contiguous(),
-              op, ": grad ", i, " does not match its contiguous param");
+  // The kernels take flat tensors in logical order (the optimizers step other layouts through a
+  // contiguous working copy).
+  TORCH_CHECK(p.is_contiguous(), op, ": param ", i, " is not contiguous (strides ", p.strides(), ")");
+  TORCH_CHECK(g.scalar_type() == p.scalar_type() && g.sizes() == p.sizes() && g.is_contiguous(), op, ": grad ", i,
+              " must be a contiguous ", p.scalar_type(), " tensor of its param's shape ", p.sizes());
   TORCH_CHECK(step.numel() == 1 && step.scalar_type() == at::kFloat, op, ": step ", i,
               " must be a float32 scalar tensor");
 }

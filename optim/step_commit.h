@@ -18,12 +18,21 @@
 
 namespace optstate::optim {
 
-// One param a step updates: its state, and whether this step adds its amsgrad moment.
+// One param a step updates: its state, and whether this step adds its amsgrad moment; `work` is
+// the tensor the kernels update (the param, or its working copy: WorkingCopies) and `grad` its
+// gradient in logical order.
 template <class State>
 struct StepParam {
   at::Tensor p;
   State* st;
   bool needs_max = false;
+  at::Tensor work;
+  at::Tensor grad;
+
+  // After the param's update: a working copy goes back into the param.
+  void write_back() const {
+    if (!work.is_same(p)) p.copy_(work);
+  }
 };
 
 // One param group's share of a step: its options and lr, its CPU params, and its CUDA params by GPU
@@ -79,6 +88,29 @@ class NewStates {
   std::unordered_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>> made_;
 };
 
+// Params not stored as one contiguous run in logical order (a channels_last conv weight, a
+// transposed view), which torch's AdamW steps as they are: the kernels take flat tensors in logical
+// (row-major) order, as the state and its 8-bit blocks are laid out, so such a param is stepped
+// through a contiguous copy, refreshed from it before the update and written back after. The copy
+// is kept between steps, so a CUDA step finds the same tensors (its cached plan, a graph capture).
+class WorkingCopies {
+ public:
+  // The tensor the kernels update for `p`: `p` itself, or its working copy holding p's values.
+  at::Tensor refreshed(const at::Tensor& p, const NewStates& fresh) {
+    if (p.is_contiguous()) return p;
+    at::Tensor& w = copies_[p.unsafeGetTensorImpl()];
+    if (!w.defined() || w.sizes() != p.sizes() || w.scalar_type() != p.scalar_type() || w.device() != p.device()) {
+      fresh.before_new_tensors(p);
+      w = at::empty(p.sizes(), p.options().memory_format(at::MemoryFormat::Contiguous));
+    }
+    w.copy_(p);
+    return w;
+  }
+
+ private:
+  std::unordered_map<void*, at::Tensor> copies_;
+};
+
 // Runs one CUDA launch over `params` (whose device counters `steps` gave out), then counts the step
 // on the host; a launch that throws counts nothing, and the device counters are refilled from the
 // host counts at the next step.
@@ -90,7 +122,10 @@ void launch_then_count(DeviceSteps& steps, const std::vector<StepParam<State>>& 
     for (const auto& x : params) steps.forget(x.p);
     throw;
   }
-  for (const auto& x : params) x.st->step(x.st->step() + 1);
+  for (const auto& x : params) {
+    x.write_back();
+    x.st->step(x.st->step() + 1);
+  }
 }
 
 }  // namespace optstate::optim

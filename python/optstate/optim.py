@@ -42,6 +42,32 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _working_param(optimizer, name, p):
+    """(the tensor the step updates for `p`, the tensor to copy it back into after the step or None).
+
+    torch's AdamW steps params of any layout; the kernels take flat tensors in logical (row-major)
+    order, as the state and its 8-bit blocks are laid out. A param stored otherwise (a channels_last
+    conv weight, a transposed view) is stepped through a contiguous copy, refreshed from it before
+    the step and written back after. The copy is kept between steps (outside the state: it is not
+    saved), so a CUDA step finds the same tensors each time (its cached plan, a graph capture)."""
+    local = _local(p)
+    if local.is_contiguous():
+        return local, None
+    copies = optimizer.__dict__.setdefault("_optstate_working_copies", {})
+    work = copies.get(p)
+    if work is None or work.shape != local.shape or work.dtype != local.dtype or work.device != local.device:
+        _refuse_new_state_in_capture(name, local)
+        work = torch.empty_like(local, memory_format=torch.contiguous_format)
+        copies[p] = work
+    work.copy_(local)
+    return work, local
+
+
+def _write_back(pending):
+    for work, local in pending:
+        local.copy_(work)
+
+
 def _rows_layout(p):
     """(mesh dim, ranks on it) of a DTensor FSDP2 lays out by rows: one Shard(0) placement, every
     other mesh dim Replicate -- fully_shard on a 1-d mesh, or HSDP's (Replicate(), Shard(0)) on a
@@ -131,11 +157,20 @@ def _load_state_dict(optimizer, state_dict):
     for pid, p in zip(ids, params):
         if pid not in saved:
             continue
-        device = p.device
-        optimizer.state[p] = {k: v.to(device=device) if isinstance(v, torch.Tensor) else v
+        optimizer.state[p] = {k: _loaded_tensor(v, p.device) if isinstance(v, torch.Tensor) else v
                               for k, v in saved[pid].items()}
     for hook in post.values():
         hook(optimizer)
+
+
+def _loaded_tensor(t, device):
+    """A loaded state tensor on its param's device, in logical order: torch's AdamW keeps its
+    moments in the param's layout (a channels_last conv weight's are channels_last), the kernels
+    take them contiguous."""
+    t = t.to(device=device)
+    if not isinstance(t, DTensor) and not t.is_contiguous():
+        t = t.contiguous()
+    return t
 
 
 def _with_lr(op, lr):
@@ -151,6 +186,8 @@ class FusedAdamW(torch.optim.Optimizer):
     ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad), always float32, also for bf16 params.
     FSDP2 (DTensor) params are stepped shard by shard and get DTensor moments of the same layout,
     as torch's AdamW does, so ``get_state_dict`` + ``dcp.save`` work as with torch's optimizers.
+    Params stored other than contiguously (channels_last) step through a kept contiguous copy; the
+    moments are contiguous (``_working_param``).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
@@ -184,14 +221,17 @@ class FusedAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params, grads, m, v, vmax, steps = [], [], [], [], [], []
+            params, grads, m, v, vmax, steps, pending = [], [], [], [], [], [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("FusedAdamW does not support sparse gradients")
                 state = self._init_state(p, group["amsgrad"])
-                params.append(_local(p))
+                work, local = _working_param(self, "FusedAdamW", p)
+                if local is not None:
+                    pending.append((work, local))
+                params.append(work)
                 grads.append(_local(p.grad).contiguous())
                 m.append(_local(state["exp_avg"]))
                 v.append(_local(state["exp_avg_sq"]))
@@ -204,6 +244,7 @@ class FusedAdamW(torch.optim.Optimizer):
             op, lr = _with_lr(ops.fused_adamw_, group["lr"])
             op(params, grads, m, v, vmax, steps, lr, float(beta1), float(beta2), float(group["eps"]),
                float(group["weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"]))
+            _write_back(pending)
         return loss
 
 
@@ -284,6 +325,7 @@ class AdamW8bit(torch.optim.Optimizer):
         empty = torch.empty(0)
         for group in self.param_groups:
             lists = {k: [] for k in ("p", "g", "m", "v", "x", "ma", "va", "xa", "step", "block")}
+            pending = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -293,7 +335,10 @@ class AdamW8bit(torch.optim.Optimizer):
                 # parameter's (_check_fsdp2_blocks), so the result is the unsharded step's.
                 state = self._init_state(p, group)
                 block = group["block_size"] if "exp_avg_codes" in state else 0
-                lists["p"].append(_local(p))
+                work, local = _working_param(self, "AdamW8bit", p)
+                if local is not None:
+                    pending.append((work, local))
+                lists["p"].append(work)
                 lists["g"].append(_local(p.grad).contiguous())
                 lists["step"].append(state["step"])
                 lists["block"].append(block)
@@ -320,4 +365,5 @@ class AdamW8bit(torch.optim.Optimizer):
             op(lists["p"], lists["g"], lists["m"], lists["v"], lists["x"], lists["ma"], lists["va"], lists["xa"],
                lists["step"], lists["block"], lr, float(beta1), float(beta2), float(group["eps"]),
                float(group["weight_decay"]), bool(group["amsgrad"]))
+            _write_back(pending)
         return loss

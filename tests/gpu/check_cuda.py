@@ -317,6 +317,56 @@ def graph_capture():
     return ok
 
 
+def strided_params(device="cuda"):
+    """Params stored other than contiguously (a channels_last conv weight, a transposed view, with
+    gradients in the same layout) step through a working copy: on `device` as on the CPU, bit for
+    bit, keeping their layout; on a GPU also captured in a CUDA graph after a warm-up step."""
+    print(f"== params not stored contiguously (channels_last, transposed) on {device}")
+    ok = True
+    for cls, kw in ((optstate.FusedAdamW, {}), (optstate.AdamW8bit, dict(min_8bit_size=1024))):
+        plain = make([(32, 64, 3, 3), (64, 80), (300,)], "cpu", seed=7)
+
+        def relaid(p, dev):
+            t = p.detach().to(dev)
+            t = t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else (
+                t.t().contiguous().t() if t.dim() == 2 else t.clone())
+            t.requires_grad_(True)
+            t.grad = torch.empty_like(t).copy_(p.grad.to(dev))
+            return t
+
+        ref, dev = [relaid(p, "cpu") for p in plain], [relaid(p, device) for p in plain]
+        strides = [p.stride() for p in dev]
+        oref, odev = cls(ref, lr=1e-2, **kw), cls(dev, lr=1e-2, **kw)
+        oref.step()
+        odev.step()
+        replays = 0
+        if device == "cuda":
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                with torch.cuda.graph(g):
+                    odev.step()
+            torch.cuda.current_stream().wait_stream(stream)
+            for _ in range(2):
+                g.replay()
+                oref.step()
+            replays = 2
+            torch.cuda.synchronize()
+        else:
+            for _ in range(2):
+                odev.step()
+                oref.step()
+        same = compare(f"{cls.__name__} channels_last / transposed, 3 steps ({replays} replayed)", odev, oref, dev,
+                       ref, device)
+        kept = [p.stride() for p in dev] == strides
+        if not kept:
+            print(f"  {cls.__name__}: LAYOUT CHANGED: {strides} -> {[p.stride() for p in dev]}")
+        ok &= same and kept
+    return ok
+
+
 def capture_refusals():
     """Steps captured without a warm-up are refused with what to do, and change nothing: a fresh
     optimizer's (its state would be made inside the capture), then one that loaded a state_dict (its
@@ -472,6 +522,7 @@ def main():
         if not args.skip_torchao:
             ok &= against_torchao(args.steps, "cpu", shapes=((64, 256), (300,))) is not False
         ok &= save_load_resume("cpu")
+        ok &= strided_params("cpu")
         rows = timing(args.iters, args.skip_torchao, "cpu", shapes=[(256, 64), (4096,), (3,), (300, 70)])
         sys.exit(0 if ok and not any(r[1] != r[1] for r in rows) else 1)
     if not torch.cuda.is_available():
@@ -492,6 +543,11 @@ def main():
         ok &= graph_capture()
     except Exception as e:  # noqa: BLE001 - report and go on to the timing table
         print(f"  graph capture failed: {type(e).__name__}: {e}")
+        ok = False
+    try:
+        ok &= strided_params()
+    except Exception as e:  # noqa: BLE001 - report and go on to the timing table
+        print(f"  strided params failed: {type(e).__name__}: {e}")
         ok = False
     try:
         ok &= capture_refusals()

@@ -45,10 +45,16 @@ namespace {
 
 const std::vector<std::vector<int64_t>> kShapes{{1000, 37}, {4096}, {257, 129}, {3}, {70001}};
 
-std::vector<at::Tensor> make_params(at::ScalarType dtype, const at::Device& device) {
+// `transposed`: the 2-d params stored column-major (the same values), as a transposed view is:
+// the optimizers step them through a contiguous working copy.
+std::vector<at::Tensor> make_params(at::ScalarType dtype, const at::Device& device, bool transposed = false) {
   at::manual_seed(1);
   std::vector<at::Tensor> ps;
-  for (const auto& s : kShapes) ps.push_back(at::randn(s).to(dtype).to(device).set_requires_grad(true));
+  for (const auto& s : kShapes) {
+    at::Tensor t = at::randn(s).to(dtype).to(device);
+    if (transposed && t.dim() == 2) t = t.t().contiguous().t();
+    ps.push_back(t.set_requires_grad(true));
+  }
   return ps;
 }
 
@@ -77,8 +83,8 @@ int64_t differing(const at::Tensor& a, const at::Tensor& b) {
 
 template <class Opt, class State>
 bool run_case(const std::string& name, at::ScalarType dtype, std::function<Opt(std::vector<at::Tensor>)> make,
-              std::function<std::vector<at::Tensor>(State&)> tensors_of) {
-  auto cpu = make_params(dtype, at::kCPU), gpu = make_params(dtype, at::Device(at::kCUDA, 0));
+              std::function<std::vector<at::Tensor>(State&)> tensors_of, bool transposed = false) {
+  auto cpu = make_params(dtype, at::kCPU), gpu = make_params(dtype, at::Device(at::kCUDA, 0), transposed);
   Opt a = make(cpu), b0 = make(gpu);
   Opt* live = &b0;
   std::optional<Opt> loaded;
@@ -110,6 +116,7 @@ bool run_case(const std::string& name, at::ScalarType dtype, std::function<Opt(s
     auto& sa = static_cast<State&>(*a.state()[cpu[i].unsafeGetTensorImpl()]);
     auto& sb = static_cast<State&>(*b.state()[gpu[i].unsafeGetTensorImpl()]);
     if (sa.step() != sb.step() || sa.step() != 9) diff += 1;
+    if (transposed && gpu[i].dim() == 2 && gpu[i].is_contiguous()) diff += 1;  // its layout kept
     const auto ta = tensors_of(sa), tb = tensors_of(sb);
     for (size_t k = 0; k < ta.size(); ++k) {
       const int64_t d = differing(ta[k], tb[k]);
@@ -340,6 +347,18 @@ int main() {
         return run_case<AdamW8bit, AdamW8bitParamState>("AdamW8bit " + tag, dtype, make8, state8);
       });
     }
+  {
+    const auto make32 = [](std::vector<at::Tensor> ps) { return FusedAdamW(std::move(ps), FusedAdamWOptions(1e-2)); };
+    const auto make8 = [](std::vector<at::Tensor> ps) { return AdamW8bit(std::move(ps), AdamW8bitOptions(1e-2)); };
+    ok &= guarded("FusedAdamW transposed", [&] {
+      return run_case<FusedAdamW, FusedAdamWParamState>("FusedAdamW float32, 2-d params transposed", at::kFloat,
+                                                        make32, dense_state, true);
+    });
+    ok &= guarded("AdamW8bit transposed", [&] {
+      return run_case<AdamW8bit, AdamW8bitParamState>("AdamW8bit float32, 2-d params transposed", at::kFloat, make8,
+                                                       state8, true);
+    });
+  }
   std::printf("== Step scalars (bias corrections): the kernels' on the device vs the CPU kernels'\n");
   ok &= guarded("step scalars", step_scalars_case);
 #if defined(OPTSTATE_CXX_CUDA_GRAPHS)

@@ -512,3 +512,44 @@ TEST_CASE("a step refused part-way changes nothing: no state made, no step count
       },
       "AdamW8bit");
 }
+
+TEST_CASE("params not stored contiguously (channels_last, transposed) step as their contiguous twins") {
+  // torch's AdamW steps any layout; the kernels take logical order, as the state and its 8-bit blocks
+  // are laid out, so these go through a working copy and must keep their own layout.
+  at::NoGradGuard no_grad;
+  auto run = [](auto make_opt, const char* name) {
+    CAPTURE(name);
+    std::vector<at::Tensor> b{randn({8, 160, 3, 3}, 1), randn({80, 64}, 2), randn({300}, 3)};
+    std::vector<at::Tensor> a{b[0].contiguous(at::MemoryFormat::ChannelsLast), b[1].t().contiguous().t(),
+                              b[2].clone()};
+    REQUIRE(!a[0].is_contiguous());
+    REQUIRE(!a[1].is_contiguous());
+    const std::vector<std::vector<int64_t>> strides{a[0].strides().vec(), a[1].strides().vec()};
+    auto oa = make_opt(a);
+    auto ob = make_opt(b);
+    for (int step = 0; step < 3; ++step) {
+      for (size_t i = 0; i < a.size(); ++i) {
+        b[i].mutable_grad() = randn(b[i].sizes().vec(), 100 * step + i);
+        a[i].mutable_grad() = at::empty_like(a[i]).copy_(b[i].grad());  // the param's layout, as autograd's
+      }
+      if (step == 2) a[2].mutable_grad() = a[2].grad().expand({2, 300})[1];  // a strided view: any grad
+      oa->step();
+      ob->step();
+      for (size_t i = 0; i < a.size(); ++i) CHECK(at::equal(a[i], b[i]));
+    }
+    CHECK(a[0].strides().vec() == strides[0]);
+    CHECK(a[1].strides().vec() == strides[1]);
+    for (size_t i = 0; i < a.size(); ++i) CHECK(oa->step_count(a[i]) == 3);
+    const std::vector<std::string> names{"conv", "t", "b"};
+    const auto sa = export_state(*oa, names, false), sb = export_state(*ob, names, false);
+    REQUIRE(sa.ok());
+    REQUIRE(sb.ok());
+    CHECK(hash_state(*sa)->root == hash_state(*sb)->root);
+  };
+  run([](std::vector<at::Tensor>& ps) { return std::make_unique<FusedAdamW>(ps, FusedAdamWOptions(1e-2)); },
+      "FusedAdamW");
+  run([](std::vector<at::Tensor>& ps) {
+        return std::make_unique<AdamW8bit>(ps, AdamW8bitOptions(1e-2).min_8bit_size(4096));
+      },
+      "AdamW8bit");
+}

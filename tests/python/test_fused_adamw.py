@@ -159,3 +159,80 @@ def test_rejects_bad_arguments():
     opt.param_groups[0]["params"][0].grad = torch.zeros(3, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         opt.step()
+
+
+def _conv_model(channels_last, seed=0):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Conv2d(16, 32, 3), torch.nn.ReLU(), torch.nn.Conv2d(32, 8, 3))
+    if channels_last:
+        m = m.to(memory_format=torch.channels_last)
+    return m
+
+
+def _train_conv(cl, ocl, plain, oplain, steps, seed=0):
+    """Steps the channels_last model `cl` on its own gradients (channels_last, as autograd makes
+    them) and `plain` on the same values, contiguous (a contiguous model's convolution would round
+    its gradients differently)."""
+    for step in range(steps):
+        x = torch.randn(4, 16, 12, 12, generator=torch.Generator().manual_seed(seed + step))
+        ocl.zero_grad()
+        cl(x.contiguous(memory_format=torch.channels_last)).square().mean().backward()
+        for a, b in zip(cl.parameters(), plain.parameters()):
+            b.grad = a.grad.contiguous()
+        ocl.step()
+        oplain.step()
+
+
+@pytest.mark.parametrize("make", [lambda ps: optstate.FusedAdamW(ps, lr=1e-2, amsgrad=True),
+                                  lambda ps: optstate.AdamW8bit(ps, lr=1e-2, min_8bit_size=1024)],
+                         ids=["FusedAdamW", "AdamW8bit"])
+def test_channels_last_and_transposed_params_step_as_contiguous_ones(make):
+    # torch's AdamW steps params of any layout (channels_last conv weights are common on GPUs); the
+    # kernels take logical order, so such params step through a working copy. They must give the
+    # contiguous run's bits, keep their layout, and carry state that loads into either layout.
+    cl, plain = _conv_model(True), _conv_model(False)
+    assert not cl[0].weight.is_contiguous()
+    ocl, oplain = make(list(cl.parameters())), make(list(plain.parameters()))
+    _train_conv(cl, ocl, plain, oplain, 6)
+    assert not cl[0].weight.grad.is_contiguous()
+    for a, b in zip(cl.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
+    assert cl[0].weight.is_contiguous(memory_format=torch.channels_last)
+    sa, sb = ocl.state_dict(), oplain.state_dict()
+    for i in sb["state"]:
+        for k, v in sb["state"][i].items():
+            assert torch.equal(sa["state"][i][k], v), k
+    # A transposed view as the param, and the gradient in yet another layout.
+    w = torch.randn(64, 80)
+    pt, pc = torch.nn.Parameter(w.t().contiguous().t()), torch.nn.Parameter(w.clone())
+    ot, oc = make([pt]), make([pc])
+    for step in range(3):
+        g = torch.randn(64, 80, generator=torch.Generator().manual_seed(50 + step))
+        pt.grad, pc.grad = g.t().contiguous().t(), g.clone()
+        ot.step()
+        oc.step()
+    assert pt.stride() == (1, 64) and torch.equal(pt, pc)
+
+
+def test_channels_last_state_from_torch_adamw_loads_and_continues():
+    # torch's AdamW keeps a channels_last param's moments channels_last (zeros_like keeps the
+    # layout); loaded here they are taken in logical order, into a channels_last model and into a
+    # contiguous one alike, and the two runs continue bit for bit.
+    cl, plain = _conv_model(True), _conv_model(False)
+    tcl, tplain = torch.optim.AdamW(cl.parameters(), lr=1e-2), torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    _train_conv(cl, tcl, plain, tplain, 2)
+    saved = tcl.state_dict()
+    assert not saved["state"][0]["exp_avg"].is_contiguous()
+    ocl, oplain = optstate.FusedAdamW(cl.parameters(), lr=1e-2), optstate.FusedAdamW(plain.parameters(), lr=1e-2)
+    ocl.load_state_dict(copy.deepcopy(saved))
+    oplain.load_state_dict(copy.deepcopy(saved))
+    for a, b in zip(cl.parameters(), plain.parameters()):
+        for k, v in tcl.state[a].items():
+            assert torch.equal(ocl.state[a][k], v) and torch.equal(oplain.state[b][k], v), k
+            assert ocl.state[a][k].is_contiguous()
+    with torch.no_grad():
+        for a, b in zip(cl.parameters(), plain.parameters()):
+            b.copy_(a)
+    _train_conv(cl, ocl, plain, oplain, 3, seed=10)
+    for a, b in zip(cl.parameters(), plain.parameters()):
+        assert torch.equal(a, b)

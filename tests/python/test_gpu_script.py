@@ -18,7 +18,8 @@ def test_gpu_check_script_dry_run_on_cpu():
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if "max |cpu - cpu|" in ln]
-    assert len(lines) == 18 + 12, proc.stdout  # 9 cases x 2 dtypes, then 4 cases x 3 tuning knobs
+    # 9 cases x 2 dtypes, then 4 cases x 3 tuning knobs, then the channels_last / transposed params
+    assert len(lines) == 18 + 12 + 2, proc.stdout
     assert all("bitwise equal" in ln for ln in lines)
     against = [ln for ln in proc.stdout.splitlines() if "ours vs torch fused" in ln]
     assert len(against) == 2 and all("(within 1e-6)" in ln for ln in against), proc.stdout

@@ -23,6 +23,9 @@ namespace {
 
 constexpr uint64_t kMaxMetadataBytes = uint64_t{1} << 30;
 constexpr uint64_t kMaxPickleBytes = uint64_t{64} << 20;
+// A tensor stored permuted (channels_last, transposed) is put in logical order in memory: its
+// storage record is read whole, up to this size (conv weights are far smaller).
+constexpr uint64_t kMaxPermutedBytes = uint64_t{1} << 30;
 
 // A param group's 8-bit layout as optstate's AdamW8bit records it (block 0: none recorded).
 struct Plain8 {
@@ -97,6 +100,13 @@ class DcpReader final : public CheckpointReader {
                                                                      return Status::Ok();
                                                                    }));
       if (dq) continue;
+      OPTSTATE_ASSIGN_OR_RETURN(const bool pm, permuted_segment(src, s, c, a - s.begin, b - s.begin,
+                                                                [&](std::span<const std::byte> x) {
+                                                                  std::memcpy(part.data() + done, x.data(), x.size());
+                                                                  done += x.size();
+                                                                  return Status::Ok();
+                                                                }));
+      if (pm) continue;
       OPTSTATE_ASSIGN_OR_RETURN(auto loc, segment_source(src, s, c));
       const auto [file, at, elem, record] = loc;
       if (elem != size)
@@ -119,6 +129,8 @@ class DcpReader final : public CheckpointReader {
     for (const Segment& s : segs) {
       OPTSTATE_ASSIGN_OR_RETURN(const bool dq, dequantized_segment(src, s, c, 0, s.count, sink));
       if (dq) continue;
+      OPTSTATE_ASSIGN_OR_RETURN(const bool pm, permuted_segment(src, s, c, 0, s.count, sink));
+      if (pm) continue;
       OPTSTATE_ASSIGN_OR_RETURN(auto loc, segment_source(src, s, c));
       auto [file, at, elem, record] = loc;
       const std::string iw = fmt::format("{}: item '{}'", dir_.string(), item_key(src, c));
@@ -229,10 +241,54 @@ class DcpReader final : public CheckpointReader {
     return true;
   }
 
+  // Elements [from, to) of a segment (from its first) through `sink`, where the segment's chunk is
+  // a tensor stored permuted (channels_last, transposed: TensorRef::stride); false, reading
+  // nothing, for every other segment. Its storage record is read whole (and checked against its
+  // CRC-32), its elements put in logical order once and kept for the next segment of it.
+  Result<bool> permuted_segment(const Source& src, const Segment& s, Component c, int64_t from, int64_t to,
+                                const ByteSink& sink) {
+    OPTSTATE_ASSIGN_OR_RETURN(auto found, segment_tensor(src, s, c));
+    const auto [pi, t, iw] = found;
+    if (!t->permuted()) return false;
+    const int64_t elem = dtype_size(t->dtype);
+    const int64_t numel = *checked_numel(t->shape);
+    ParsedItem::Record& rec = pi->storages.at(t->storage_key);
+    if (permuted_.pi != pi || permuted_.key != t->storage_key) {
+      if (rec.size > kMaxPermutedBytes)
+        return corrupt(fmt::format("{}: a tensor stored permuted (strides {}) in a storage of {} bytes; up to {} are "
+                                   "read", iw, fmt::join(t->stride, ", "), rec.size, kMaxPermutedBytes));
+      std::vector<std::byte> record(rec.size);
+      OPTSTATE_RETURN_IF_ERROR(pi->file->read_at(rec.at, record).with_context(iw));
+      if (crc_due(rec, rec.at, rec.size)) OPTSTATE_RETURN_IF_ERROR(crc_result(src, s, c, rec, zip::crc32(record)));
+      permuted_.bytes.resize(static_cast<size_t>(numel * elem));
+      to_logical_order(*t, elem, std::span(record).subspan(static_cast<size_t>(t->offset * elem), permuted_.bytes.size()),
+                       permuted_.bytes);
+      permuted_.pi = pi;
+      permuted_.key = t->storage_key;
+    }
+    OPTSTATE_RETURN_IF_ERROR(sink(std::span<const std::byte>(permuted_.bytes)
+                                      .subspan(static_cast<size_t>((s.local + from) * elem),
+                                               static_cast<size_t>((to - from) * elem))));
+    return true;
+  }
+
   // Where a segment's first element lies: (file, byte offset, element size, its storage's record).
   Result<std::tuple<const InputFile*, uint64_t, int64_t, ParsedItem::Record*>> segment_source(const Source& src,
                                                                                               const Segment& s,
                                                                                               Component c) {
+    OPTSTATE_ASSIGN_OR_RETURN(auto found, segment_tensor(src, s, c));
+    const auto [pi, t, iw] = found;
+    OPTSTATE_RETURN_IF_ERROR(require_contiguous(*t, iw));
+    const int64_t elem = dtype_size(t->dtype);
+    ParsedItem::Record& rec = pi->storages.at(t->storage_key);
+    const uint64_t at = rec.at + static_cast<uint64_t>((t->offset + s.local) * elem);
+    return std::tuple{static_cast<const InputFile*>(pi->file), at, elem, &rec};
+  }
+
+  // The tensor a segment reads from, checked to be the item's kind and dtype and to hold the
+  // segment: (its item, the tensor, a name for errors).
+  Result<std::tuple<ParsedItem*, const TensorRef*, std::string>> segment_tensor(const Source& src, const Segment& s,
+                                                                                 Component c) {
     const bool pair = src.absmax_item != nullptr;  // 8-bit as plain codes and absmax items
     const ItemMeta& im = in_absmax_item(src, c) ? *src.absmax_item : *src.item;
     const std::string& key = item_key(src, c);
@@ -248,13 +304,10 @@ class DcpReader final : public CheckpointReader {
     if ((!src.eight || pair) && t->dtype != im.dtype)
       return corrupt(fmt::format("{}: holds {} data, the metadata says {}", iw, dtype_name(t->dtype),
                                  dtype_name(im.dtype)));
-    const int64_t elem = dtype_size(t->dtype);
     const int64_t numel = *checked_numel(t->shape);
     if (s.local + s.count > numel)
       return corrupt(fmt::format("{}: holds {} elements, the chunk needs {}", iw, numel, s.local + s.count));
-    ParsedItem::Record& rec = pi->storages.at(t->storage_key);
-    const uint64_t at = rec.at + static_cast<uint64_t>((t->offset + s.local) * elem);
-    return std::tuple{static_cast<const InputFile*>(pi->file), at, elem, &rec};
+    return std::tuple{pi, t, iw};
   }
 
   Status init() {
@@ -942,6 +995,11 @@ class DcpReader final : public CheckpointReader {
   SourceLayout layout_;
   int64_t verified_ = 0, unverified_ = 0;       // chunks streamed with and without a CRC-32 check
   ReadBuffer piece_;                             // reused between streams
+  struct {
+    const ParsedItem* pi = nullptr;
+    std::string key;
+    std::vector<std::byte> bytes;  // in logical order
+  } permuted_;                     // the last tensor stored permuted that was read
 };
 
 // Hugging Face Accelerate's checkpoint folder under FSDP with sharded state dicts (the Trainer's

@@ -2,7 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "optstate/state.h"
@@ -140,13 +142,31 @@ Result<TensorRef> tensor_args(const Pickle& p, bool v3, Ref args_ref, const std:
   t.shape = *shape;
   auto n = checked_numel(t.shape);
   if (!n.ok()) return n.status().with_context(where);
-  // C-contiguous, inside the storage.
+  // C-contiguous, or a permutation of a dense layout: its dims of more than one element, taken from
+  // the smallest stride up, each stride the product of the sizes before it (so no element is held
+  // twice and none is skipped); inside the storage either way.
   int64_t expect = 1;
+  bool contiguous = true;
   for (size_t k = t.shape.size(); k-- > 0;) {
-    if (t.shape[k] != 1 && (*stride)[k] != expect)
-      return corrupt(fmt::format("{}: tensor is not C-contiguous (stride {} of dim {}); not supported", where,
-                                 (*stride)[k], k));
+    if (t.shape[k] != 1 && (*stride)[k] != expect) contiguous = false;
     expect *= t.shape[k];
+  }
+  if (!contiguous && *n > 0) {  // an empty tensor holds nothing to order
+    std::vector<size_t> dims;
+    for (size_t k = 0; k < t.shape.size(); ++k)
+      if (t.shape[k] != 1) dims.push_back(k);
+    std::stable_sort(dims.begin(), dims.end(), [&](size_t a, size_t b) { return (*stride)[a] < (*stride)[b]; });
+    int64_t dense = 1;
+    for (size_t k : dims) {
+      if ((*stride)[k] != dense)
+        return corrupt(fmt::format("{}: tensor of shape [{}] with strides [{}] is neither C-contiguous nor a permutation "
+                                   "of a dense layout (stride {} of dim {}); not supported", where,
+                                   fmt::join(t.shape, ", "), fmt::join(*stride, ", "), (*stride)[k], k));
+      dense *= t.shape[k];
+    }
+    t.stride = *stride;
+    for (size_t k = 0; k < t.shape.size(); ++k)
+      if (t.shape[k] == 1) t.stride[k] = 0;  // never stepped over
   }
   if (t.offset < 0 || t.offset > numel || *n > numel - t.offset)
     return corrupt(fmt::format("{}: tensor of {} elements at offset {} overruns its storage of {}", where, *n, t.offset,
@@ -155,6 +175,33 @@ Result<TensorRef> tensor_args(const Pickle& p, bool v3, Ref args_ref, const std:
 }
 
 }  // namespace
+
+void to_logical_order(const TensorRef& t, int64_t elem, std::span<const std::byte> stored, std::span<std::byte> out) {
+  // An odometer over the logical index, innermost dim fastest; `from` is the stored element's index.
+  const size_t rank = t.shape.size();
+  const int64_t numel = static_cast<int64_t>(out.size()) / elem;
+  std::vector<int64_t> index(rank, 0);
+  int64_t from = 0;
+  const auto e = static_cast<size_t>(elem);
+  for (int64_t i = 0; i < numel; ++i) {
+    std::memcpy(out.data() + static_cast<size_t>(i) * e, stored.data() + static_cast<size_t>(from) * e, e);
+    for (size_t k = rank; k-- > 0;) {
+      if (++index[k] < t.shape[k]) {
+        from += t.stride[k];
+        break;
+      }
+      from -= (t.shape[k] - 1) * t.stride[k];
+      index[k] = 0;
+    }
+  }
+}
+
+Status require_contiguous(const TensorRef& t, const std::string& where) {
+  if (!t.permuted()) return Status::Ok();
+  return corrupt(fmt::format("{}: tensor of shape [{}] stored with strides [{}] (not C-contiguous); only dense values "
+                             "are read in another layout, not 8-bit codes, scales or maps", where,
+                             fmt::join(t.shape, ", "), fmt::join(t.stride, ", ")));
+}
 
 std::optional<double> as_number(const Pickle& p, Ref r) {
   if (r == kNoRef) return std::nullopt;
@@ -356,6 +403,9 @@ Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& wh
     if (!fp8) {
       OPTSTATE_ASSIGN_OR_RETURN(out.qmap, tensor_ref(p, qmap, where + " qmap"));
     }
+    OPTSTATE_RETURN_IF_ERROR(require_contiguous(out.codes, where + " codes"));
+    OPTSTATE_RETURN_IF_ERROR(require_contiguous(out.scale, where + " scale"));
+    OPTSTATE_RETURN_IF_ERROR(require_contiguous(out.qmap, where + " qmap"));
     if (out.codes.dtype != DType::kU8 || out.scale.dtype != DType::kF32 || (!fp8 && out.qmap.dtype != DType::kF32))
       return corrupt(fmt::format("{}: {} with codes/scale{} not {}/f32{}", where, name, fp8 ? "" : "/qmap",
                                  fp8 ? "float8_e4m3fn" : "u8", fp8 ? "" : "/f32"));

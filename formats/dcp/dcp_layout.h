@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -50,7 +51,19 @@ struct TensorRef {
   int64_t storage_numel = 0;  // elements of dtype in the storage
   int64_t offset = 0;         // storage offset, elements
   std::vector<int64_t> shape;
+  // Empty for a C-contiguous tensor. Otherwise its strides, a permutation of a dense layout (a
+  // channels_last conv weight, a transposed tensor, as torch.save and DCP store them): its elements
+  // are still the `numel` at `offset`, in another order (to_logical_order).
+  std::vector<int64_t> stride;
+  bool permuted() const { return !stride.empty(); }
 };
+
+// A permuted tensor's elements in logical (row-major) order: `stored` holds its numel elements of
+// `elem` bytes as they lie from its offset, `out` receives them (both numel * elem bytes).
+void to_logical_order(const TensorRef& t, int64_t elem, std::span<const std::byte> stored, std::span<std::byte> out);
+
+// Refuses a permuted tensor where only C-contiguous data is read (8-bit codes and scales, maps).
+Status require_contiguous(const TensorRef& t, const std::string& where);
 
 struct Payload {
   enum class Kind { kTensor, kOptimState8bit, kValue } kind = Kind::kValue;
@@ -76,7 +89,8 @@ struct Payload {
 // The 256 values of float8_e4m3fn, by bit pattern (NaN at 0x7f and 0xff; no infinities).
 const std::array<float, 256>& float8_e4m3fn_values();
 
-// The meaning of a torch.save data.pkl. Tensors must be C-contiguous views inside their storage.
+// The meaning of a torch.save data.pkl. Tensors must be views inside their storage, C-contiguous or
+// a permutation of a dense layout (TensorRef::stride).
 Result<Payload> interpret_payload(const pickle::Pickle& p, const std::string& where);
 // The same for one value inside a larger pickle (a tensor in a torch.save'd state_dict).
 Result<Payload> interpret_value(const pickle::Pickle& p, pickle::Ref r, const std::string& where);

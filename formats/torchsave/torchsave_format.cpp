@@ -32,6 +32,9 @@ namespace optstate::torchsave {
 namespace {
 
 constexpr uint64_t kMaxPickleBytes = uint64_t{64} << 20;
+// A dense tensor stored permuted (channels_last, transposed) is put in logical order in memory: its
+// storage record is read whole, up to this size (conv weights are far smaller).
+constexpr uint64_t kMaxPermutedBytes = uint64_t{1} << 30;
 
 
 }  // namespace
@@ -99,8 +102,14 @@ Result<std::vector<float>> tensor_f32(const Archive& a, const dcp::TensorRef& t,
   if (t.offset < 0 || static_cast<uint64_t>(t.offset) > held || static_cast<uint64_t>(numel) > held - t.offset)
     return corrupt(fmt::format("{}: storage '{}' holds {} bytes, too few for {} elements of {} at {}", where,
                                t.storage_key, record.size(), numel, dtype_name(t.dtype), t.offset));
-  const std::span<const std::byte> values =
+  std::span<const std::byte> values =
       std::span(record).subspan(static_cast<size_t>(t.offset) * elem, static_cast<size_t>(numel) * elem);
+  std::vector<std::byte> logical;
+  if (t.permuted()) {
+    logical.resize(values.size());
+    dcp::to_logical_order(t, static_cast<int64_t>(elem), values, logical);
+    values = logical;
+  }
   if (dtype_info(t.dtype).is_float) return dense_to_f32(values, t.dtype, where);
   std::vector<float> out(static_cast<size_t>(numel));
   for (size_t i = 0; i < out.size(); ++i) {
@@ -128,6 +137,10 @@ struct Stored {
   uint32_t crc = 0;
   bool whole = false;  // the run is all of its tensor
   bool checked() const { return whole && crc != 0 && record_bytes - bytes <= bytes; }
+  // A dense tensor stored permuted (channels_last, transposed): `at`/`bytes` are all of its
+  // elements, in storage order; the run is its logical elements from `permuted_local` on.
+  std::shared_ptr<const dcp::TensorRef> permuted;
+  int64_t permuted_local = 0;
 };
 
 // 8-bit codes read as fp32 values: a rank's part that torchao quantized as its own tensor (blocks
@@ -226,6 +239,10 @@ class TorchSaveReader final : public CheckpointReader {
         continue;
       }
       const Stored& s = pc.stored;
+      if (s.permuted) {
+        OPTSTATE_RETURN_IF_ERROR(permuted_run(s, 0, pc.count, fqn, entry, c, sink));
+        continue;
+      }
       const Archive& a = files_[s.file];
       OPTSTATE_ASSIGN_OR_RETURN(uint32_t crc, record_prefix_crc(s, fqn, entry, c));
       for (uint64_t done = 0; done < s.bytes;) {
@@ -264,6 +281,15 @@ class TorchSaveReader final : public CheckpointReader {
         }));
         continue;
       }
+      if (s.permuted) {
+        size_t done = 0;
+        OPTSTATE_RETURN_IF_ERROR(permuted_run(s, a - pc.begin, b - pc.begin, fqn, entry, c, [&](std::span<const std::byte> x) {
+          std::memcpy(dst.data() + done, x.data(), x.size());
+          done += x.size();
+          return Status::Ok();
+        }));
+        continue;
+      }
       OPTSTATE_RETURN_IF_ERROR(files_[s.file]
                                    .file.read_at(s.at + static_cast<uint64_t>((a - pc.begin) * elem), dst)
                                    .with_context(where_of(s, fqn, entry, c)));
@@ -285,6 +311,32 @@ class TorchSaveReader final : public CheckpointReader {
         return fmt::format("{} at byte {}", files_[pc.stored.file].path.string(),
                            pc.stored.at + (index - pc.begin) * component_elem_size(e, c));
     return path_.string();
+  }
+
+  // Elements [from, to) of a run of a tensor stored permuted, through `sink`: its storage record is
+  // read whole (and checked against its CRC-32), its elements put in logical order once and kept
+  // for the next run of it.
+  Status permuted_run(const Stored& s, int64_t from, int64_t to, const std::string& fqn, const std::string& entry,
+                      Component c, const ByteSink& sink) {
+    const dcp::TensorRef& t = *s.permuted;
+    const auto elem = static_cast<size_t>(dtype_size(t.dtype));
+    if (permuted_.ref != s.permuted.get()) {
+      const std::string where = where_of(s, fqn, entry, c);
+      if (s.record_bytes > kMaxPermutedBytes)
+        return corrupt(fmt::format("{}: a tensor stored permuted (strides {}) in a storage of {} bytes; up to {} are "
+                                   "read", where, fmt::join(t.stride, ", "), s.record_bytes, kMaxPermutedBytes));
+      std::vector<std::byte> record(s.record_bytes);
+      OPTSTATE_RETURN_IF_ERROR(files_[s.file].file.read_at(s.record_at, record).with_context(where));
+      if (s.crc != 0 && zip::crc32(record) != s.crc)
+        return corrupt(fmt::format("{}: CRC-32 of its storage is {:08x}, the archive records {:08x}", where,
+                                   zip::crc32(record), s.crc));
+      permuted_.bytes.resize(s.bytes);
+      dcp::to_logical_order(t, static_cast<int64_t>(elem), std::span(record).subspan(s.at - s.record_at, s.bytes),
+                            permuted_.bytes);
+      permuted_.ref = s.permuted.get();
+    }
+    return sink(std::span<const std::byte>(permuted_.bytes)
+                    .subspan(static_cast<size_t>(s.permuted_local + from) * elem, static_cast<size_t>(to - from) * elem));
   }
 
   // Elements [from, to) of a dequantized piece as fp32 bytes, in bounded pieces. The part's
@@ -460,7 +512,7 @@ class TorchSaveReader final : public CheckpointReader {
             if (xs[f]->values.dtype != e.dtype)
               return corrupt(fmt::format("{} param '{}' '{}': {}, rank 0's file has {}", optim_files[f].string(), fqn, name,
                                          dtype_name(xs[f]->values.dtype), dtype_name(e.dtype)));
-          OPTSTATE_ASSIGN_OR_RETURN(Placed v, place(ps.shape, parts(&EntrySpec::values), ew));
+          OPTSTATE_ASSIGN_OR_RETURN(Placed v, place(ps.shape, parts(&EntrySpec::values), ew, /*dense=*/true));
           stored_[{fqn, name, Component::kValues}] = std::move(v.pieces);
           ps.entries.emplace(name, std::move(e));
           continue;
@@ -571,7 +623,7 @@ class TorchSaveReader final : public CheckpointReader {
       if (part.tensor.dtype != w.dtype || (w.dtype != DType::kF32 && w.dtype != DType::kBF16 && w.dtype != DType::kF16))
         return corrupt(fmt::format("{}: {} weights; optstate carries fp32, bf16 or fp16 weights of one dtype", ww,
                                    dtype_name(part.tensor.dtype)));
-    OPTSTATE_ASSIGN_OR_RETURN(Placed v, place(ps.shape, wparts, ww));
+    OPTSTATE_ASSIGN_OR_RETURN(Placed v, place(ps.shape, wparts, ww, /*dense=*/true));
     stored_[{fqn, kParam, Component::kValues}] = std::move(v.pieces);
     ps.param_dtype = w.dtype;
     ps.entries.emplace(kParam, std::move(w));
@@ -1181,7 +1233,10 @@ class TorchSaveReader final : public CheckpointReader {
   // tensor (every rank holds all of it: rank 0's is read), or a DTensor on every rank, each part
   // where its mesh coordinate puts it (the mesh's shape is what the ranks' coordinates span), with
   // every element held by exactly one part.
-  Result<Placed> place(const std::vector<int64_t>& shape, const std::vector<Part>& parts, const std::string& where) {
+  // `dense`: the parts are dense values (not 8-bit codes, whose blocks follow their storage order),
+  // which may be stored permuted.
+  Result<Placed> place(const std::vector<int64_t>& shape, const std::vector<Part>& parts, const std::string& where,
+                       bool dense = false) {
     OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(shape));
     const bool sharded = parts[0].dtensor->has_value();
     for (const Part& part : parts)
@@ -1192,7 +1247,8 @@ class TorchSaveReader final : public CheckpointReader {
     auto resolve_part = [&](const Part& part, int64_t count, const std::string& pw) -> Result<std::pair<Stored, Stored>> {
       const bool four = part.scales && part.bits == 4;  // two codes a byte
       if (four && count % 2) return corrupt(fmt::format("{}: an odd number ({}) of 4-bit codes", pw, count));
-      OPTSTATE_ASSIGN_OR_RETURN(Stored v, resolve(part.file, part.tensor, four ? count / 2 : count, pw));
+      OPTSTATE_ASSIGN_OR_RETURN(Stored v, resolve(part.file, part.tensor, four ? count / 2 : count, pw,
+                                                  dense && !part.scales));
       Stored sc;
       if (part.scales) {
         OPTSTATE_ASSIGN_OR_RETURN(sc, resolve(part.file, *part.scales, (count + part.block - 1) / part.block, pw + " scales"));
@@ -1206,9 +1262,14 @@ class TorchSaveReader final : public CheckpointReader {
       if (four && (local % 2 || count % 2))
         return corrupt(fmt::format("{}: a run of 4-bit codes [{}, {}) that splits a byte", where, local, local + count));
       Piece pc{begin, count, st.first, std::nullopt};
-      pc.stored.at += static_cast<uint64_t>(four ? local / 2 : local) * elem;
-      pc.stored.bytes = static_cast<uint64_t>(four ? count / 2 : count) * elem;
-      pc.stored.whole = st.first.whole && pc.stored.bytes == st.first.bytes;
+      if (pc.stored.permuted) {
+        pc.stored.permuted_local = local;  // at and bytes stay all of the tensor: it is read whole
+        pc.stored.whole = false;           // checked by permuted_run, not as a run
+      } else {
+        pc.stored.at += static_cast<uint64_t>(four ? local / 2 : local) * elem;
+        pc.stored.bytes = static_cast<uint64_t>(four ? count / 2 : count) * elem;
+        pc.stored.whole = st.first.whole && pc.stored.bytes == st.first.bytes;
+      }
       if (part.scales) pc.dq = Dequant{st.second, local, part.block, part.table, part.bits};
       out.pieces.push_back(pc);
       out.of.push_back(k);
@@ -1288,7 +1349,10 @@ class TorchSaveReader final : public CheckpointReader {
   }
 
   // Where a tensor's `count` elements lie in archive `file`: its storage record, checked to hold them.
-  Result<Stored> resolve(size_t file, const dcp::TensorRef& t, int64_t count, const std::string& where) const {
+  // `permuted_ok`: a dense tensor stored permuted is read (Stored::permuted); elsewhere refused.
+  Result<Stored> resolve(size_t file, const dcp::TensorRef& t, int64_t count, const std::string& where,
+                         bool permuted_ok = false) const {
+    if (!permuted_ok) OPTSTATE_RETURN_IF_ERROR(dcp::require_contiguous(t, where));
     const Archive& a = files_[file];
     OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(t.shape));
     if (numel != count)
@@ -1310,6 +1374,7 @@ class TorchSaveReader final : public CheckpointReader {
     s.bytes = static_cast<uint64_t>(numel) * elem;
     s.crc = e.crc32;
     s.whole = true;
+    if (t.permuted()) s.permuted = std::make_shared<const dcp::TensorRef>(t);
     return s;
   }
 
@@ -1414,6 +1479,10 @@ class TorchSaveReader final : public CheckpointReader {
   std::deque<std::array<float, 256>> tables_;  // torchao's 4-bit maps (16 values), where parts point
   bool checksummed_ = false;
   ReadBuffer piece_;  // reused between tensors
+  struct {
+    const dcp::TensorRef* ref = nullptr;  // its Stored::permuted
+    std::vector<std::byte> bytes;         // in logical order
+  } permuted_;                            // the last tensor stored permuted that was read
   ReadBuffer pad_;    // a view's storage around it, read for its record's CRC-32
 };
 

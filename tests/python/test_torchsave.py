@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -1285,3 +1286,60 @@ def test_training_checkpoint_moves_to_an_8bit_optimizer_keeping_its_other_entrie
         model(torch.randint(0, 40, (4, 8), generator=g)).float().square().mean().backward()
         opt.step()
     """), "resume.py")
+
+
+# A channels_last conv model under torch's AdamW: torch.save and DCP store the conv weights and
+# their moments as they lie in memory (strides of a permutation, not C-contiguous).
+MAKE_CHANNELS_LAST = textwrap.dedent("""
+    import sys, torch, torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    out = sys.argv[1]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3), torch.nn.ReLU(), torch.nn.Conv2d(16, 4, 3))
+    model = model.to(memory_format=torch.channels_last)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(2):
+        x = torch.randn(2, 8, 9, 9, generator=torch.Generator().manual_seed(step))
+        model(x.contiguous(memory_format=torch.channels_last)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert not opt.state[model[0].weight]["exp_avg"].is_contiguous()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, out + ".full.pt")
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out + ".dcp")
+    ref = {}
+    for name, p in model.named_parameters():
+        for k in ("exp_avg", "exp_avg_sq"):
+            ref[name + "." + k] = opt.state[p][k].clone()
+    torch.save(ref, out + ".full.pt.ref.pt")
+    torch.save(ref, out + ".dcp.ref.pt")
+""")
+
+
+def test_channels_last_state_reads_in_logical_order(tmp_path, optstate_cli):
+    out = tmp_path / "cl"
+    run_script(tmp_path, MAKE_CHANNELS_LAST, "make_cl.py", out)
+    full, ck = f"{out}.full.pt", f"{out}.dcp"
+    for path in (full, ck):
+        proc = optstate_cli("validate", path)
+        assert "every chunk checksum verified" in proc.stdout, proc.stdout
+        # what torch holds, element by element (torch.equal compares logical order)
+        assert_converts_to_ref(optstate_cli, path, tmp_path / (Path(path).name + ".safetensors"), same_keys=False)
+    assert hashes(optstate_cli, full) == hashes(optstate_cli, ck)
+    # written back as torch.save: torch.load gives the same tensors, now C-contiguous
+    optstate_cli("convert", ck, tmp_path / "back.pt", "--format", "torchsave")
+    a, b = torch.load(full), torch.load(tmp_path / "back.pt")
+    for i, st in a["optimizer"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(b["optimizer"]["state"][i][k], v), (i, k)
+    assert all(torch.equal(b["model"][k], v) for k, v in a["model"].items())
+    # a damaged byte in a permuted tensor's storage is caught by its CRC-32
+    with zipfile.ZipFile(full) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data/0"))  # model.0.weight's storage
+    raw = bytearray(Path(full).read_bytes())
+    h = info.header_offset  # the local header's own name and extra lengths (torch pads with extras)
+    at = h + 30 + int.from_bytes(raw[h + 26:h + 28], "little") + int.from_bytes(raw[h + 28:h + 30], "little")
+    raw[at + 5] ^= 0x40
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(bytes(raw))
+    assert "CRC-32" in run_err(optstate_cli, "hash", bad)

@@ -1,0 +1,105 @@
+// Tensor strides in torch.save / DCP items (formats/dcp/dcp_layout.cpp): C-contiguous tensors, and
+// dense tensors stored permuted (channels_last, transposed), which are read in logical order;
+// overlapping, holey or out-of-storage strides are refused.
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <numeric>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "dcp/dcp_layout.h"
+#include "dcp/pickle.h"
+
+using namespace optstate;
+
+namespace {
+
+// The data.pkl of torch.save(t) for a float32 tensor with these sizes, strides and offset.
+Result<dcp::Payload> tensor_item(const std::vector<int64_t>& shape, const std::vector<int64_t>& stride,
+                                 int64_t storage_numel, int64_t offset = 0) {
+  pickle::Writer w;
+  auto ints = [&w](const std::vector<int64_t>& v) {
+    w.mark();
+    for (int64_t x : v) w.integer(x);
+    w.tuple_from_mark();
+  };
+  w.global("torch._utils", "_rebuild_tensor_v2");
+  w.mark();
+  w.mark();
+  w.str("storage");
+  w.global("torch", "FloatStorage");
+  w.str("0");
+  w.str("cpu");
+  w.integer(storage_numel);
+  w.tuple_from_mark();
+  w.binpersid();
+  w.integer(offset);
+  ints(shape);
+  ints(stride);
+  w.boolean(false);
+  w.global("collections", "OrderedDict");
+  w.empty_tuple();
+  w.reduce();
+  w.tuple_from_mark();
+  w.reduce();
+  const std::string bytes = w.finish();
+  OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(std::as_bytes(std::span(bytes)), "test"));
+  return dcp::interpret_payload(p, "item");
+}
+
+// The tensor's elements in logical order, where storage element i holds the value i.
+std::vector<int32_t> logical(const dcp::TensorRef& t) {
+  const int64_t numel = std::accumulate(t.shape.begin(), t.shape.end(), int64_t{1}, std::multiplies<>());
+  std::vector<int32_t> stored(static_cast<size_t>(numel)), out(stored.size());
+  std::iota(stored.begin(), stored.end(), 0);
+  dcp::to_logical_order(t, 4, std::as_bytes(std::span(stored)), std::as_writable_bytes(std::span(out)));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("dcp layout: tensors stored permuted are read in logical order; other strides are refused") {
+  // channels_last [N=2, C=3, H=2, W=2]: strides (C*H*W, 1, W*C, C)
+  auto cl = tensor_item({2, 3, 2, 2}, {12, 1, 6, 3}, 24);
+  REQUIRE_MESSAGE(cl.ok(), cl.status().message());
+  REQUIRE(cl->tensor.permuted());
+  std::vector<int32_t> want;
+  for (int n = 0; n < 2; ++n)
+    for (int c = 0; c < 3; ++c)
+      for (int h = 0; h < 2; ++h)
+        for (int w = 0; w < 2; ++w) want.push_back(n * 12 + c + h * 6 + w * 3);
+  CHECK(logical(cl->tensor) == want);
+  // a transposed [3, 4]: element (i, j) at i + 3 j
+  auto tr = tensor_item({3, 4}, {1, 3}, 12);
+  REQUIRE(tr.ok());
+  CHECK(logical(tr->tensor) == std::vector<int32_t>{0, 3, 6, 9, 1, 4, 7, 10, 2, 5, 8, 11});
+  // size-1 dims take any stride; an empty tensor holds nothing to order: both C-contiguous
+  auto one = tensor_item({1, 4, 1}, {99, 1, 7}, 4);
+  REQUIRE(one.ok());
+  CHECK(!one->tensor.permuted());
+  auto empty = tensor_item({0, 3}, {1, 5}, 0);
+  REQUIRE(empty.ok());
+  CHECK(!empty->tensor.permuted());
+  // a permuted [2, 3] with size-1 dims between: the size-1 dims are never stepped over
+  auto mixed = tensor_item({2, 1, 3}, {1, 50, 2}, 6);
+  REQUIRE(mixed.ok());
+  CHECK(logical(mixed->tensor) == std::vector<int32_t>{0, 2, 4, 1, 3, 5});
+  // overlapping (an expanded dim, two dims on one stride), holes, past the storage: refused
+  for (const auto& [shape, stride, numel] :
+       std::vector<std::tuple<std::vector<int64_t>, std::vector<int64_t>, int64_t>>{
+           {{3, 4}, {0, 1}, 4}, {{2, 2}, {1, 1}, 4}, {{2, 2}, {4, 1}, 8}, {{2, 2}, {1, 3}, 8}}) {
+    auto r = tensor_item(shape, stride, numel);
+    CAPTURE(stride[0]);
+    CAPTURE(stride[1]);
+    REQUIRE(!r.ok());
+    CHECK(r.status().message().find("neither C-contiguous nor a permutation of a dense layout") != std::string::npos);
+  }
+  auto past = tensor_item({3, 4}, {1, 3}, 12, /*offset=*/1);
+  REQUIRE(!past.ok());
+  CHECK(past.status().message().find("overruns its storage") != std::string::npos);
+  // where only C-contiguous data is read (8-bit codes, scales, maps), a permuted tensor is named
+  const Status st = dcp::require_contiguous(cl->tensor, "x codes");
+  CHECK(st.message().find("x codes: tensor of shape [2, 3, 2, 2] stored with strides [12, 1, 6, 3]") != std::string::npos);
+}

@@ -7,7 +7,8 @@ optstate.AdamW8bit built from named_parameters (param_names, plain codes/absmax 
 torch.optim.AdamW's state keyed by fqn in two groups (get_optimizer_state_dict); bitsandbytes'
 AdamW8bit as 0.50 saves it and in its older layout (bnb); a {"model", "optimizer"} checkpoint of
 numbered params in decay / no-decay groups beside a model with a tied weight and BatchNorm buffers,
-named from the model (numbered).
+named from the model (numbered); a {"model", "optimizer"} checkpoint of a channels_last conv model,
+its weights and moments stored permuted (channels_last).
 
 FSDP2 (two CPU processes over gloo): fsdp2_world2/ holds what verl saves per rank
 (optim_world_size_2_rank_R.pt, model_world_size_2_rank_R.pt of DTensors, extra_state_...), and
@@ -21,7 +22,7 @@ parameter per unit), fsdp1_world2_orig/ with use_orig_params=True (one param eac
 nothing per rank); fsdp1_world2*_full.pt the same state put together from FSDP's own flat-parameter
 metadata (where each rank's run of each param starts), as one {"model", "optimizer"} file.
 
-    .venv/bin/python formats/torchsave/testdata/make_seeds.py [main|fqn|fsdp2|fsdp1|bnb|numbered]"""
+    .venv/bin/python formats/torchsave/testdata/make_seeds.py [main|fqn|fsdp2|fsdp1|bnb|numbered|channels_last]"""
 import os
 import sys
 
@@ -95,6 +96,21 @@ def fqn():
         opt.step()
         opt.zero_grad()
     torch.save(get_optimizer_state_dict(model, opt), os.path.join(HERE, "torch_adamw_fqn.pt"))
+
+
+def channels_last():
+    """A channels_last conv model under torch.optim.AdamW, saved as {"model", "optimizer"}: the conv
+    weights and their moments stored as they lie in memory (permuted strides, not C-contiguous)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.Conv2d(8, 2, 3)).to(memory_format=torch.channels_last)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        model(torch.randn(2, 4, 7, 7).contiguous(memory_format=torch.channels_last)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert not opt.state[model[0].weight]["exp_avg"].is_contiguous()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+               os.path.join(HERE, "torch_channels_last.pt"))
 
 
 def fsdp2_rank(rank, world, out):
@@ -255,5 +271,5 @@ def bnb():
 
 
 if __name__ == "__main__":
-    for step in sys.argv[1:] or ["main", "fqn", "fsdp2", "fsdp1", "bnb", "numbered"]:
+    for step in sys.argv[1:] or ["main", "fqn", "fsdp2", "fsdp1", "bnb", "numbered", "channels_last"]:
         globals()[step]()

@@ -266,9 +266,10 @@ class DcpReader final : public CheckpointReader {
       permuted_.pi = pi;
       permuted_.key = t->storage_key;
     }
-    OPTSTATE_RETURN_IF_ERROR(sink(std::span<const std::byte>(permuted_.bytes)
-                                      .subspan(static_cast<size_t>((s.local + from) * elem),
-                                               static_cast<size_t>((to - from) * elem))));
+    OPTSTATE_RETURN_IF_ERROR(sink_pieces(std::span<const std::byte>(permuted_.bytes)
+                                             .subspan(static_cast<size_t>((s.local + from) * elem),
+                                                      static_cast<size_t>((to - from) * elem)),
+                                         sink));
     return true;
   }
 

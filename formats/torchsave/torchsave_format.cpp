@@ -335,8 +335,10 @@ class TorchSaveReader final : public CheckpointReader {
                             permuted_.bytes);
       permuted_.ref = s.permuted.get();
     }
-    return sink(std::span<const std::byte>(permuted_.bytes)
-                    .subspan(static_cast<size_t>(s.permuted_local + from) * elem, static_cast<size_t>(to - from) * elem));
+    return sink_pieces(std::span<const std::byte>(permuted_.bytes)
+                           .subspan(static_cast<size_t>(s.permuted_local + from) * elem,
+                                    static_cast<size_t>(to - from) * elem),
+                       sink);
   }
 
   // Elements [from, to) of a dequantized piece as fp32 bytes, in bounded pieces. The part's

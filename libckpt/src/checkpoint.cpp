@@ -28,10 +28,7 @@ class MemoryReader final : public CheckpointReader {
     if (p == state_.params.end()) return not_found(fmt::format("no param '{}'", fqn));
     auto e = p->second.entries.find(entry);
     if (e == p->second.entries.end()) return not_found(fmt::format("no entry '{}'", entry_key(fqn, entry)));
-    std::span<const std::byte> bytes = e->second.buffer(c).span();
-    for (size_t at = 0; at < bytes.size(); at += kStreamPieceBytes)
-      OPTSTATE_RETURN_IF_ERROR(sink(bytes.subspan(at, std::min(kStreamPieceBytes, bytes.size() - at))));
-    return Status::Ok();
+    return sink_pieces(e->second.buffer(c).span(), sink);
   }
 
  private:

@@ -1296,14 +1296,17 @@ MAKE_CHANNELS_LAST = textwrap.dedent("""
     out = sys.argv[1]
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3), torch.nn.ReLU(), torch.nn.Conv2d(16, 4, 3))
+    # and a param of 10.5 MB, so a permuted tensor is read in more than one piece of 8 MiB
+    model.register_parameter("big", torch.nn.Parameter(torch.randn(160, 64, 16, 16)))
     model = model.to(memory_format=torch.channels_last)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(2):
         x = torch.randn(2, 8, 9, 9, generator=torch.Generator().manual_seed(step))
-        model(x.contiguous(memory_format=torch.channels_last)).square().sum().backward()
+        (model(x.contiguous(memory_format=torch.channels_last)).square().sum() + model.big.square().sum()).backward()
         opt.step()
         opt.zero_grad()
     assert not opt.state[model[0].weight]["exp_avg"].is_contiguous()
+    assert not opt.state[model.big]["exp_avg"].is_contiguous()
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, out + ".full.pt")
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=out + ".dcp")
@@ -1335,7 +1338,7 @@ def test_channels_last_state_reads_in_logical_order(tmp_path, optstate_cli):
     assert all(torch.equal(b["model"][k], v) for k, v in a["model"].items())
     # a damaged byte in a permuted tensor's storage is caught by its CRC-32
     with zipfile.ZipFile(full) as z:
-        info = next(i for i in z.infolist() if i.filename.endswith("/data/0"))  # model.0.weight's storage
+        info = next(i for i in z.infolist() if i.filename.endswith("/data/0"))  # model.big's storage
     raw = bytearray(Path(full).read_bytes())
     h = info.header_offset  # the local header's own name and extra lengths (torch pads with extras)
     at = h + 30 + int.from_bytes(raw[h + 26:h + 28], "little") + int.from_bytes(raw[h + 28:h + 30], "little")

@@ -2,6 +2,7 @@
 // the operations built on it that do not care where bytes come from.
 #pragma once
 
+#include <algorithm>
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -21,6 +22,15 @@ using ByteSink = std::function<Status(std::span<const std::byte>)>;
 
 // Upper bound on the piece size handed to a ByteSink, so streaming stays in bounded memory.
 inline constexpr size_t kStreamPieceBytes = size_t{8} << 20;
+
+// Hands `bytes` (held in memory) to `sink` in pieces of at most kStreamPieceBytes.
+inline Status sink_pieces(std::span<const std::byte> bytes, const ByteSink& sink) {
+  for (size_t at = 0; at < bytes.size(); at += kStreamPieceBytes) {
+    const Status st = sink(bytes.subspan(at, std::min(kStreamPieceBytes, bytes.size() - at)));
+    if (!st.ok()) return st;
+  }
+  return Status::Ok();
+}
 
 class CheckpointReader {
  public:

@@ -422,6 +422,12 @@ void encode_tensor(pickle::Writer& w, DType d, const std::vector<int64_t>& shape
   for (int64_t x : shape) numel *= x;
   std::vector<int64_t> stride(shape.size(), 1);
   for (size_t k = shape.size(); k-- > 1;) stride[k - 1] = stride[k] * shape[k];
+  encode_tensor_view(w, d, shape, stride, 0, numel, storage_key);
+}
+
+void encode_tensor_view(pickle::Writer& w, DType d, const std::vector<int64_t>& shape,
+                        const std::vector<int64_t>& stride, int64_t offset, int64_t storage_numel,
+                        std::string_view storage_key) {
   auto int_tuple_of = [&w](const std::vector<int64_t>& v) {
     w.mark();
     for (int64_t x : v) w.integer(x);
@@ -434,10 +440,10 @@ void encode_tensor(pickle::Writer& w, DType d, const std::vector<int64_t>& shape
   w.global("torch", dtype_info(d).torch_storage);
   w.str(storage_key);
   w.str("cpu");
-  w.integer(numel);
+  w.integer(storage_numel);
   w.tuple_from_mark();
   w.binpersid();
-  w.integer(0);
+  w.integer(offset);
   int_tuple_of(shape);
   int_tuple_of(stride);
   w.boolean(false);

@@ -98,6 +98,10 @@ Result<Payload> interpret_value(const pickle::Pickle& p, pickle::Ref r, const st
 // Encoding (the writers): a C-contiguous tensor of `shape` over the whole of storage `storage_key`
 // (torch._utils._rebuild_tensor_v2 with a persistent id, as torch.save writes it).
 void encode_tensor(pickle::Writer& w, DType d, const std::vector<int64_t>& shape, std::string_view storage_key);
+// The same for any view: its strides and storage offset, in a storage of `storage_numel` elements.
+void encode_tensor_view(pickle::Writer& w, DType d, const std::vector<int64_t>& shape,
+                        const std::vector<int64_t>& stride, int64_t offset, int64_t storage_numel,
+                        std::string_view storage_key);
 
 // Reading helpers over the pickle's value model, for the interpretation layers (here and the
 // torch.save driver's).

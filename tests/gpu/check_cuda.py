@@ -59,6 +59,19 @@ def make_on_gpu(shapes, device="cuda"):
     return params
 
 
+def captured(step):
+    """A CUDA graph of `step()`, captured on a side stream as torch.cuda.graph asks."""
+    g, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):
+            with torch.cuda.graph(g):
+                step()
+    finally:
+        torch.cuda.current_stream().wait_stream(stream)
+    return g
+
+
 def compare(name, a_opt, b_opt, a_params, b_params, device="cuda"):
     worst, differing, total = 0.0, 0, 0
     for pa, pb in zip(a_params, b_params):
@@ -279,13 +292,7 @@ def graph_capture():
         eager.step()
         graphed.step()
         torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            with torch.cuda.graph(g):
-                graphed.step()
-        torch.cuda.current_stream().wait_stream(stream)
+        g = captured(graphed.step)
         for i in range(3):
             new_lr = 1e-2 * 0.5 ** (i + 1)
             lr.fill_(new_lr)
@@ -342,13 +349,7 @@ def strided_params(device="cuda"):
         replays = 0
         if device == "cuda":
             torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                with torch.cuda.graph(g):
-                    odev.step()
-            torch.cuda.current_stream().wait_stream(stream)
+            g = captured(odev.step)
             for _ in range(2):
                 g.replay()
                 oref.step()
@@ -376,16 +377,10 @@ def capture_refusals():
     ok = True
 
     def captured_step(opt):
-        g, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
         try:
-            with torch.cuda.stream(stream):
-                with torch.cuda.graph(g):
-                    opt.step()
+            captured(opt.step)
         except RuntimeError as e:
             return str(e)
-        finally:
-            torch.cuda.current_stream().wait_stream(stream)
         return "not refused"
 
     for cls, kw in ((optstate.FusedAdamW, {}), (optstate.AdamW8bit, dict(block_size=256))):

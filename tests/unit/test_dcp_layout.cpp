@@ -20,30 +20,7 @@ namespace {
 Result<dcp::Payload> tensor_item(const std::vector<int64_t>& shape, const std::vector<int64_t>& stride,
                                  int64_t storage_numel, int64_t offset = 0) {
   pickle::Writer w;
-  auto ints = [&w](const std::vector<int64_t>& v) {
-    w.mark();
-    for (int64_t x : v) w.integer(x);
-    w.tuple_from_mark();
-  };
-  w.global("torch._utils", "_rebuild_tensor_v2");
-  w.mark();
-  w.mark();
-  w.str("storage");
-  w.global("torch", "FloatStorage");
-  w.str("0");
-  w.str("cpu");
-  w.integer(storage_numel);
-  w.tuple_from_mark();
-  w.binpersid();
-  w.integer(offset);
-  ints(shape);
-  ints(stride);
-  w.boolean(false);
-  w.global("collections", "OrderedDict");
-  w.empty_tuple();
-  w.reduce();
-  w.tuple_from_mark();
-  w.reduce();
+  dcp::encode_tensor_view(w, DType::kF32, shape, stride, offset, storage_numel, "0");
   const std::string bytes = w.finish();
   OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(std::as_bytes(std::span(bytes)), "test"));
   return dcp::interpret_payload(p, "item");

@@ -78,22 +78,38 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
         fresh.before_new_tensors(p);
         auto made = std::make_unique<FusedAdamWParamState>();
         const auto f32 = p.options().dtype(at::kFloat);
-        made->exp_avg(at::zeros(p.sizes(), f32));
-        made->exp_avg_sq(at::zeros(p.sizes(), f32));
-        if (o.amsgrad()) made->max_exp_avg_sq(at::zeros(p.sizes(), f32));
+        // In the param's layout, as torch's AdamW keeps them: a channels_last param then steps in
+        // place over storage order (with_param_layout).
+        made->exp_avg(at::zeros_like(p, f32, at::MemoryFormat::Preserve));
+        made->exp_avg_sq(at::zeros_like(p, f32, at::MemoryFormat::Preserve));
+        if (o.amsgrad()) made->max_exp_avg_sq(at::zeros_like(p, f32, at::MemoryFormat::Preserve));
         st = fresh.add(p, std::move(made));
       }
       const bool needs_max = o.amsgrad() && !st->max_exp_avg_sq().defined();  // amsgrad turned on since
       if (needs_max) fresh.before_new_tensors(p);
       // The kernels take raw pointers: state set by hand (or loaded elsewhere) must fit its param.
-      for (const at::Tensor* m : {&st->exp_avg(), &st->exp_avg_sq(), &st->max_exp_avg_sq()})
+      // A param in a dense layout its moments share (channels_last, as made above) is stepped in
+      // place over storage order; one whose moments are contiguous (loaded from a checkpoint)
+      // through a contiguous working copy.
+      bool with_param_layout = p.is_non_overlapping_and_dense();
+      for (const at::Tensor* m : {&st->exp_avg(), &st->exp_avg_sq(), &st->max_exp_avg_sq()}) {
         TORCH_CHECK(!m->defined() || (m->device() == p.device() && m->scalar_type() == at::kFloat &&
-                                      m->numel() == p.numel() && m->is_contiguous()),
+                                      m->numel() == p.numel() &&
+                                      (m->is_contiguous() || (m->sizes() == p.sizes() && m->strides() == p.strides()))),
                     "FusedAdamW: the state of a param of ", p.numel(), " elements on ", p.device(),
-                    " must be contiguous float32 tensors of as many elements on the same device");
-      if (!working_copies_) working_copies_ = std::make_shared<WorkingCopies>();
-      (p.is_cuda() ? gr.cuda[p.device().index()] : gr.cpu)
-          .push_back({p, st, needs_max, working_copies_->refreshed(p, fresh), g.contiguous()});
+                    " must be float32 tensors of as many elements on the same device, contiguous or in the param's "
+                    "layout");
+        if (m->defined() && m->strides() != p.strides()) with_param_layout = false;
+      }
+      at::Tensor work = p, grad = g;
+      if (with_param_layout) {
+        if (g.strides() != p.strides()) grad = at::empty_like(p).copy_(g);
+      } else {
+        if (!working_copies_) working_copies_ = std::make_shared<WorkingCopies>();
+        work = working_copies_->refreshed(p, fresh);
+        grad = g.contiguous();
+      }
+      (p.is_cuda() ? gr.cuda[p.device().index()] : gr.cpu).push_back({p, st, needs_max, work, grad});
     }
   }
   fresh.commit(state_);

@@ -15,8 +15,12 @@ void check_device(OpBackend backend, const at::Tensor& t, const at::Tensor& firs
   }
 }
 
+// `any_dense_layout`: the param may lie in any dense, non-overlapping layout (channels_last, a
+// transpose) that its grad and state share: an elementwise update over storage order is then the
+// update in logical order (the dense AdamW step). Otherwise every tensor is C-contiguous (8-bit
+// blocks follow logical order).
 void check_param_grad_step(OpBackend backend, const at::Tensor& p, const at::Tensor& g, const at::Tensor& step,
-                           const at::Tensor& first, const char* op, size_t i) {
+                           const at::Tensor& first, const char* op, size_t i, bool any_dense_layout = false) {
   check_device(backend, p, first, op, "param", i);
   check_device(backend, g, first, op, "grad", i);
   check_device(backend, step, first, op, "step", i);
@@ -24,16 +28,31 @@ void check_param_grad_step(OpBackend backend, const at::Tensor& p, const at::Ten
               ": params must be float32 or bfloat16, got ", p.scalar_type(), " (param ", i, ")");
   // The kernels take flat tensors in logical order (the optimizers step other layouts through a
   // contiguous working copy).
-  TORCH_CHECK(p.is_contiguous(), op, ": param ", i, " is not contiguous (strides ", p.strides(), ")");
-  TORCH_CHECK(g.scalar_type() == p.scalar_type() && g.sizes() == p.sizes() && g.is_contiguous(), op, ": grad ", i,
-              " must be a contiguous ", p.scalar_type(), " tensor of its param's shape ", p.sizes());
+  if (any_dense_layout) {
+    TORCH_CHECK(p.is_non_overlapping_and_dense(), op, ": param ", i, " is neither contiguous nor dense (strides ",
+                p.strides(), ")");
+    TORCH_CHECK(g.scalar_type() == p.scalar_type() && g.sizes() == p.sizes() && g.strides() == p.strides(), op,
+                ": grad ", i, " must be a ", p.scalar_type(), " tensor of its param's shape ", p.sizes(), " and strides ",
+                p.strides());
+  } else {
+    TORCH_CHECK(p.is_contiguous(), op, ": param ", i, " is not contiguous (strides ", p.strides(), ")");
+    TORCH_CHECK(g.scalar_type() == p.scalar_type() && g.sizes() == p.sizes() && g.is_contiguous(), op, ": grad ", i,
+                " must be a contiguous ", p.scalar_type(), " tensor of its param's shape ", p.sizes());
+  }
   TORCH_CHECK(step.numel() == 1 && step.scalar_type() == at::kFloat, op, ": step ", i,
               " must be a float32 scalar tensor");
 }
 
+// `like`: the param whose strides a dense moment shares (check_param_grad_step's any_dense_layout).
 void check_state(OpBackend backend, const at::Tensor& t, const at::Tensor& first, bool codes, int64_t numel,
-                 const char* op, const char* what, size_t i) {
+                 const char* op, const char* what, size_t i, const at::Tensor* like = nullptr) {
   check_device(backend, t, first, op, what, i);
+  if (like && !like->is_contiguous()) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.sizes() == like->sizes() && t.strides() == like->strides(), op, ": ",
+                what, " ", i, " must be float32 with its param's shape ", like->sizes(), " and strides ",
+                like->strides());
+    return;
+  }
   TORCH_CHECK(t.is_contiguous() && t.numel() == numel && t.scalar_type() == (codes ? at::kByte : at::kFloat), op,
               ": ", what, " ", i, " must be contiguous ", codes ? "uint8" : "float32", " with ", numel, " elements");
 }
@@ -67,10 +86,10 @@ void check_fused_adamw_args(OpBackend backend, at::TensorList params, at::Tensor
   TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == n, op, ": amsgrad needs max_exp_avg_sqs");
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
-    check_param_grad_step(backend, p, grads[i], steps[i], params[0], op, i);
-    check_state(backend, exp_avgs[i], params[0], false, p.numel(), op, "exp_avg", i);
-    check_state(backend, exp_avg_sqs[i], params[0], false, p.numel(), op, "exp_avg_sq", i);
-    if (amsgrad) check_state(backend, max_exp_avg_sqs[i], params[0], false, p.numel(), op, "max_exp_avg_sq", i);
+    check_param_grad_step(backend, p, grads[i], steps[i], params[0], op, i, /*any_dense_layout=*/true);
+    check_state(backend, exp_avgs[i], params[0], false, p.numel(), op, "exp_avg", i, &p);
+    check_state(backend, exp_avg_sqs[i], params[0], false, p.numel(), op, "exp_avg_sq", i, &p);
+    if (amsgrad) check_state(backend, max_exp_avg_sqs[i], params[0], false, p.numel(), op, "max_exp_avg_sq", i, &p);
   }
 }
 

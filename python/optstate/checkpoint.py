@@ -462,6 +462,8 @@ def load(path, model, optimizer, transactional=True, by_position=False):
                     st[entry] = DTensor.from_local(local, whole.device_mesh, whole.placements, run_check=False,
                                                    shape=whole.shape, stride=whole.stride())
                 else:
+                    if getattr(optimizer, "_moments_in_param_layout", False) and p.stride() != local.stride():
+                        local = torch.empty_like(p, dtype=local.dtype).copy_(local)  # channels_last
                     st[entry] = local
         optimizer.state[p] = st
     for group, gm in zip(optimizer.param_groups, hypers):

@@ -132,7 +132,7 @@ def _fsdp2_absmax(p, block, local_values=None):
                                stride=stride)
 
 
-def _load_state_dict(optimizer, state_dict):
+def _load_state_dict(optimizer, state_dict, param_layout=False):
     """torch.optim.Optimizer.load_state_dict keeping the state's dtypes. torch casts every state
     tensor but `step` to its param's dtype, right for its own optimizers, wrong for these: uint8
     codes would become floats, and the fp32 moments of bf16 params would be rounded to bf16. Here
@@ -157,20 +157,23 @@ def _load_state_dict(optimizer, state_dict):
     for pid, p in zip(ids, params):
         if pid not in saved:
             continue
-        optimizer.state[p] = {k: _loaded_tensor(v, p.device) if isinstance(v, torch.Tensor) else v
+        optimizer.state[p] = {k: _loaded_tensor(v, p, param_layout) if isinstance(v, torch.Tensor) else v
                               for k, v in saved[pid].items()}
     for hook in post.values():
         hook(optimizer)
 
 
-def _loaded_tensor(t, device):
-    """A loaded state tensor on its param's device, in logical order: torch's AdamW keeps its
-    moments in the param's layout (a channels_last conv weight's are channels_last), the kernels
-    take them contiguous."""
-    t = t.to(device=device)
-    if not isinstance(t, DTensor) and not t.is_contiguous():
-        t = t.contiguous()
-    return t
+def _loaded_tensor(t, p, param_layout):
+    """A loaded state tensor on its param's device. torch's AdamW keeps its moments in the param's
+    layout (a channels_last conv weight's are channels_last): with `param_layout` (FusedAdamW) a
+    moment of the param's shape takes the param's layout, else (8-bit state, whose blocks follow
+    logical order) every tensor is taken contiguous."""
+    t = t.to(device=p.device)
+    if isinstance(t, DTensor) or isinstance(p, DTensor):
+        return t
+    if param_layout and t.shape == p.shape and t.dim() > 0:
+        return t if t.stride() == p.stride() else torch.empty_like(p, dtype=t.dtype).copy_(t)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _with_lr(op, lr):
@@ -186,9 +189,12 @@ class FusedAdamW(torch.optim.Optimizer):
     ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad), always float32, also for bf16 params.
     FSDP2 (DTensor) params are stepped shard by shard and get DTensor moments of the same layout,
     as torch's AdamW does, so ``get_state_dict`` + ``dcp.save`` work as with torch's optimizers.
-    Params stored other than contiguously (channels_last) step through a kept contiguous copy; the
-    moments are contiguous (``_working_param``).
+    Params stored other than contiguously (channels_last) keep moments in their layout, as torch's
+    AdamW does, and step in place; with contiguous moments (``optstate.load``) through a kept
+    contiguous copy (``_working_param``).
     """
+
+    _moments_in_param_layout = True  # for optstate.load: dense moments take the param's layout
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
                  maximize=False):
@@ -198,21 +204,36 @@ class FusedAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def load_state_dict(self, state_dict):
-        """As torch's, except that the state keeps its dtypes (fp32 moments also for bf16 params)."""
-        _load_state_dict(self, state_dict)
+        """As torch's, except that the state keeps its dtypes (fp32 moments also for bf16 params);
+        moments take their param's layout."""
+        _load_state_dict(self, state_dict, param_layout=True)
 
     def _init_state(self, p, amsgrad):
         state = self.state[p]
         if len(state) == 0 or (amsgrad and "max_exp_avg_sq" not in state):
             _refuse_new_state_in_capture("FusedAdamW", p)
         if len(state) == 0:
+            # In the param's layout, as torch's AdamW keeps them: a channels_last param then steps in
+            # place over storage order (_step_tensors).
             state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device)
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
         if amsgrad and "max_exp_avg_sq" not in state:
-            state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32,
-                                                       memory_format=torch.contiguous_format)
+            state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg_sq"])
         return state
+
+    def _step_tensors(self, p, moments):
+        """(param, grad, write-back) for the op: a param in a dense layout its moments share
+        (channels_last, as _init_state makes them) steps in place over storage order, its grad
+        given that layout; one with contiguous moments (loaded) through a working copy."""
+        local = _local(p)
+        grad = _local(p.grad)
+        if all(_local(m).stride() == local.stride() for m in moments):
+            if grad.stride() != local.stride():
+                grad = torch.empty_like(local).copy_(grad)
+            return local, grad, None
+        work, back = _working_param(self, "FusedAdamW", p)
+        return work, grad.contiguous(), back
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -228,11 +249,12 @@ class FusedAdamW(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("FusedAdamW does not support sparse gradients")
                 state = self._init_state(p, group["amsgrad"])
-                work, local = _working_param(self, "FusedAdamW", p)
-                if local is not None:
-                    pending.append((work, local))
+                moments = [state["exp_avg"], state["exp_avg_sq"]] + ([state["max_exp_avg_sq"]] if group["amsgrad"] else [])
+                work, grad, back = self._step_tensors(p, moments)
+                if back is not None:
+                    pending.append((work, back))
                 params.append(work)
-                grads.append(_local(p.grad).contiguous())
+                grads.append(grad)
                 m.append(_local(state["exp_avg"]))
                 v.append(_local(state["exp_avg_sq"]))
                 if group["amsgrad"]:

@@ -514,10 +514,11 @@ TEST_CASE("a step refused part-way changes nothing: no state made, no step count
 }
 
 TEST_CASE("params not stored contiguously (channels_last, transposed) step as their contiguous twins") {
-  // torch's AdamW steps any layout; the kernels take logical order, as the state and its 8-bit blocks
-  // are laid out, so these go through a working copy and must keep their own layout.
+  // torch's AdamW steps any layout. FusedAdamW keeps its moments in the param's layout and steps over
+  // storage order; with contiguous moments (as loaded) it goes through a working copy, as AdamW8bit
+  // always does (its 8-bit blocks follow logical order). Either way the param keeps its layout.
   at::NoGradGuard no_grad;
-  auto run = [](auto make_opt, const char* name) {
+  auto run = [](auto make_opt, const char* name, auto after_first_step) {
     CAPTURE(name);
     std::vector<at::Tensor> b{randn({8, 160, 3, 3}, 1), randn({80, 64}, 2), randn({300}, 3)};
     std::vector<at::Tensor> a{b[0].contiguous(at::MemoryFormat::ChannelsLast), b[1].t().contiguous().t(),
@@ -536,6 +537,7 @@ TEST_CASE("params not stored contiguously (channels_last, transposed) step as th
       oa->step();
       ob->step();
       for (size_t i = 0; i < a.size(); ++i) CHECK(at::equal(a[i], b[i]));
+      if (step == 0) after_first_step(*oa, a);
     }
     CHECK(a[0].strides().vec() == strides[0]);
     CHECK(a[1].strides().vec() == strides[1]);
@@ -546,10 +548,23 @@ TEST_CASE("params not stored contiguously (channels_last, transposed) step as th
     REQUIRE(sb.ok());
     CHECK(hash_state(*sa)->root == hash_state(*sb)->root);
   };
-  run([](std::vector<at::Tensor>& ps) { return std::make_unique<FusedAdamW>(ps, FusedAdamWOptions(1e-2)); },
-      "FusedAdamW");
+  auto fused = [](std::vector<at::Tensor>& ps) { return std::make_unique<FusedAdamW>(ps, FusedAdamWOptions(1e-2)); };
+  auto moments = [](FusedAdamW& o, const at::Tensor& p) -> FusedAdamWParamState& {
+    return static_cast<FusedAdamWParamState&>(*o.state().at(p.unsafeGetTensorImpl()));
+  };
+  run(fused, "FusedAdamW, moments in the param's layout", [&](FusedAdamW& o, std::vector<at::Tensor>& ps) {
+    CHECK(moments(o, ps[0]).exp_avg().strides() == ps[0].strides());
+    CHECK(moments(o, ps[1]).exp_avg_sq().strides() == ps[1].strides());
+  });
+  run(fused, "FusedAdamW, contiguous moments", [&](FusedAdamW& o, std::vector<at::Tensor>& ps) {
+    for (const at::Tensor& p : ps) {
+      FusedAdamWParamState& st = moments(o, p);
+      st.exp_avg(st.exp_avg().contiguous());
+      st.exp_avg_sq(st.exp_avg_sq().contiguous());
+    }
+  });
   run([](std::vector<at::Tensor>& ps) {
         return std::make_unique<AdamW8bit>(ps, AdamW8bitOptions(1e-2).min_8bit_size(4096));
       },
-      "AdamW8bit");
+      "AdamW8bit", [](AdamW8bit&, std::vector<at::Tensor>&) {});
 }

@@ -202,6 +202,22 @@ def test_channels_last_and_transposed_params_step_as_contiguous_ones(make):
     for i in sb["state"]:
         for k, v in sb["state"][i].items():
             assert torch.equal(sa["state"][i][k], v), k
+    # Moments in the param's layout (FusedAdamW, as torch's AdamW) or contiguous (AdamW8bit); then
+    # contiguous moments for every param (as a checkpoint loads them): FusedAdamW steps those
+    # through a working copy, with the same bits.
+    w0 = cl[0].weight
+    fused = isinstance(ocl, optstate.FusedAdamW)
+    if fused:
+        assert ocl.state[w0]["exp_avg"].stride() == w0.stride()
+    else:
+        assert ocl.state[w0]["exp_avg_codes"].is_contiguous()
+    for st in ocl.state.values():
+        for k, v in st.items():
+            if v.dim():
+                st[k] = v.contiguous()
+    _train_conv(cl, ocl, plain, oplain, 2, seed=20)
+    for a, b in zip(cl.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
     # A transposed view as the param, and the gradient in yet another layout.
     w = torch.randn(64, 80)
     pt, pc = torch.nn.Parameter(w.t().contiguous().t()), torch.nn.Parameter(w.clone())
@@ -216,7 +232,7 @@ def test_channels_last_and_transposed_params_step_as_contiguous_ones(make):
 
 def test_channels_last_state_from_torch_adamw_loads_and_continues():
     # torch's AdamW keeps a channels_last param's moments channels_last (zeros_like keeps the
-    # layout); loaded here they are taken in logical order, into a channels_last model and into a
+    # layout); loaded here they take each param's layout, into a channels_last model and into a
     # contiguous one alike, and the two runs continue bit for bit.
     cl, plain = _conv_model(True), _conv_model(False)
     tcl, tplain = torch.optim.AdamW(cl.parameters(), lr=1e-2), torch.optim.AdamW(plain.parameters(), lr=1e-2)
@@ -229,10 +245,29 @@ def test_channels_last_state_from_torch_adamw_loads_and_continues():
     for a, b in zip(cl.parameters(), plain.parameters()):
         for k, v in tcl.state[a].items():
             assert torch.equal(ocl.state[a][k], v) and torch.equal(oplain.state[b][k], v), k
-            assert ocl.state[a][k].is_contiguous()
+            assert ocl.state[a][k].stride() == a.stride() or k == "step"
+            assert oplain.state[b][k].is_contiguous()
     with torch.no_grad():
         for a, b in zip(cl.parameters(), plain.parameters()):
             b.copy_(a)
     _train_conv(cl, ocl, plain, oplain, 3, seed=10)
     for a, b in zip(cl.parameters(), plain.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cls", [optstate.FusedAdamW, optstate.AdamW8bit])
+def test_channels_last_save_load_resumes_bitwise(tmp_path, cls):
+    # optstate.save / optstate.load of a channels_last model: the weights keep their layout, the run
+    # continues as if never stopped, and FusedAdamW's loaded moments take the param's layout again
+    # (so the step stays in place, without a working copy).
+    a, b, c = _conv_model(True), _conv_model(True), _conv_model(True)
+    oa, ob, oc = (cls(m.parameters(), lr=1e-2) for m in (a, b, c))
+    _train_conv(a, oa, c, oc, 2)
+    optstate.save(tmp_path / "ck", a, oa)
+    optstate.load(tmp_path / "ck", b, ob)
+    _train_conv(a, oa, b, ob, 2, seed=30)
+    for x, y in zip(a.parameters(), b.parameters()):
+        assert torch.equal(x, y) and x.stride() == y.stride()
+    w = b[0].weight
+    if cls is optstate.FusedAdamW:
+        assert ob.state[w]["exp_avg"].stride() == w.stride()

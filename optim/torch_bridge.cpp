@@ -242,11 +242,15 @@ Status import_state(FusedAdamW& opt, const std::vector<std::string>& names, cons
       st->step(ps.step);
       OPTSTATE_ASSIGN_OR_RETURN(at::Tensor m, load(kExpAvg));
       OPTSTATE_ASSIGN_OR_RETURN(at::Tensor v, load(kExpAvgSq));
-      st->exp_avg(m.to(p.device()));  // the state lives on its param's device, as a step makes it
-      st->exp_avg_sq(v.to(p.device()));
+      // The state lives on its param's device and in its layout (channels_last), as a step makes it.
+      auto placed = [&p](const at::Tensor& t) {
+        return p.is_contiguous() ? t.to(p.device()) : at::empty_like(p, p.options().dtype(t.scalar_type())).copy_(t);
+      };
+      st->exp_avg(placed(m));
+      st->exp_avg_sq(placed(v));
       if (ps.entries.count(kMaxExpAvgSq)) {
         OPTSTATE_ASSIGN_OR_RETURN(at::Tensor mx, load(kMaxExpAvgSq));
-        st->max_exp_avg_sq(mx.to(p.device()));
+        st->max_exp_avg_sq(placed(mx));
       }
       pp.state = std::move(st);
     }

@@ -518,7 +518,7 @@ TEST_CASE("params not stored contiguously (channels_last, transposed) step as th
   // storage order; with contiguous moments (as loaded) it goes through a working copy, as AdamW8bit
   // always does (its 8-bit blocks follow logical order). Either way the param keeps its layout.
   at::NoGradGuard no_grad;
-  auto run = [](auto make_opt, const char* name, auto after_first_step) {
+  auto run = [](auto make_opt, const char* name, auto after_first_step, auto after_import) {
     CAPTURE(name);
     std::vector<at::Tensor> b{randn({8, 160, 3, 3}, 1), randn({80, 64}, 2), randn({300}, 3)};
     std::vector<at::Tensor> a{b[0].contiguous(at::MemoryFormat::ChannelsLast), b[1].t().contiguous().t(),
@@ -547,24 +547,36 @@ TEST_CASE("params not stored contiguously (channels_last, transposed) step as th
     REQUIRE(sa.ok());
     REQUIRE(sb.ok());
     CHECK(hash_state(*sa)->root == hash_state(*sb)->root);
+    // imported again (as torch::load does): the same state, FusedAdamW's moments in the param's layout
+    auto oc = make_opt(a);
+    REQUIRE(import_state(*oc, names, *sa, false).ok());
+    const auto sc = export_state(*oc, names, false);
+    REQUIRE(sc.ok());
+    CHECK(hash_state(*sc)->root == hash_state(*sa)->root);
+    after_import(*oc, a);
   };
   auto fused = [](std::vector<at::Tensor>& ps) { return std::make_unique<FusedAdamW>(ps, FusedAdamWOptions(1e-2)); };
   auto moments = [](FusedAdamW& o, const at::Tensor& p) -> FusedAdamWParamState& {
     return static_cast<FusedAdamWParamState&>(*o.state().at(p.unsafeGetTensorImpl()));
   };
-  run(fused, "FusedAdamW, moments in the param's layout", [&](FusedAdamW& o, std::vector<at::Tensor>& ps) {
+  auto in_param_layout = [&](FusedAdamW& o, std::vector<at::Tensor>& ps) {
     CHECK(moments(o, ps[0]).exp_avg().strides() == ps[0].strides());
     CHECK(moments(o, ps[1]).exp_avg_sq().strides() == ps[1].strides());
-  });
-  run(fused, "FusedAdamW, contiguous moments", [&](FusedAdamW& o, std::vector<at::Tensor>& ps) {
-    for (const at::Tensor& p : ps) {
-      FusedAdamWParamState& st = moments(o, p);
-      st.exp_avg(st.exp_avg().contiguous());
-      st.exp_avg_sq(st.exp_avg_sq().contiguous());
-    }
-  });
+  };
+  run(fused, "FusedAdamW, moments in the param's layout", in_param_layout, in_param_layout);
+  run(
+      fused, "FusedAdamW, contiguous moments",
+      [&](FusedAdamW& o, std::vector<at::Tensor>& ps) {
+        for (const at::Tensor& p : ps) {
+          FusedAdamWParamState& st = moments(o, p);
+          st.exp_avg(st.exp_avg().contiguous());
+          st.exp_avg_sq(st.exp_avg_sq().contiguous());
+        }
+      },
+      in_param_layout);
+  auto nothing = [](AdamW8bit&, std::vector<at::Tensor>&) {};
   run([](std::vector<at::Tensor>& ps) {
         return std::make_unique<AdamW8bit>(ps, AdamW8bitOptions(1e-2).min_8bit_size(4096));
       },
-      "AdamW8bit", [](AdamW8bit&, std::vector<at::Tensor>&) {});
+      "AdamW8bit", nothing, nothing);
 }

@@ -91,21 +91,10 @@ class DcpReader final : public CheckpointReader {
     for (const Segment& s : segs) {
       const int64_t a = std::max(begin, s.begin), b = std::min(end, s.begin + s.count);
       if (a >= b) continue;
-      size_t done = 0;
       const auto part = out.subspan(static_cast<size_t>((a - begin) * size), static_cast<size_t>((b - a) * size));
-      OPTSTATE_ASSIGN_OR_RETURN(const bool dq, dequantized_segment(src, s, c, a - s.begin, b - s.begin,
-                                                                   [&](std::span<const std::byte> x) {
-                                                                     std::memcpy(part.data() + done, x.data(), x.size());
-                                                                     done += x.size();
-                                                                     return Status::Ok();
-                                                                   }));
+      OPTSTATE_ASSIGN_OR_RETURN(const bool dq, dequantized_segment(src, s, c, a - s.begin, b - s.begin, filling(part)));
       if (dq) continue;
-      OPTSTATE_ASSIGN_OR_RETURN(const bool pm, permuted_segment(src, s, c, a - s.begin, b - s.begin,
-                                                                [&](std::span<const std::byte> x) {
-                                                                  std::memcpy(part.data() + done, x.data(), x.size());
-                                                                  done += x.size();
-                                                                  return Status::Ok();
-                                                                }));
+      OPTSTATE_ASSIGN_OR_RETURN(const bool pm, permuted_segment(src, s, c, a - s.begin, b - s.begin, filling(part)));
       if (pm) continue;
       OPTSTATE_ASSIGN_OR_RETURN(auto loc, segment_source(src, s, c));
       const auto [file, at, elem, record] = loc;

@@ -273,21 +273,11 @@ class TorchSaveReader final : public CheckpointReader {
       const Stored& s = pc.stored;
       const auto dst = out.subspan(static_cast<size_t>((a - begin) * elem), static_cast<size_t>((b - a) * elem));
       if (pc.dq) {
-        size_t done = 0;
-        OPTSTATE_RETURN_IF_ERROR(dequantized(pc, a - pc.begin, b - pc.begin, fqn, entry, c, [&](std::span<const std::byte> x) {
-          std::memcpy(dst.data() + done, x.data(), x.size());
-          done += x.size();
-          return Status::Ok();
-        }));
+        OPTSTATE_RETURN_IF_ERROR(dequantized(pc, a - pc.begin, b - pc.begin, fqn, entry, c, filling(dst)));
         continue;
       }
       if (s.permuted) {
-        size_t done = 0;
-        OPTSTATE_RETURN_IF_ERROR(permuted_run(s, a - pc.begin, b - pc.begin, fqn, entry, c, [&](std::span<const std::byte> x) {
-          std::memcpy(dst.data() + done, x.data(), x.size());
-          done += x.size();
-          return Status::Ok();
-        }));
+        OPTSTATE_RETURN_IF_ERROR(permuted_run(s, a - pc.begin, b - pc.begin, fqn, entry, c, filling(dst)));
         continue;
       }
       OPTSTATE_RETURN_IF_ERROR(files_[s.file]

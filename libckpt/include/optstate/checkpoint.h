@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -22,6 +23,18 @@ using ByteSink = std::function<Status(std::span<const std::byte>)>;
 
 // Upper bound on the piece size handed to a ByteSink, so streaming stays in bounded memory.
 inline constexpr size_t kStreamPieceBytes = size_t{8} << 20;
+
+// A sink that fills `out` from its start, piece after piece: a range read served by a stream. A
+// piece past the end of `out` is an internal error, not a write.
+inline ByteSink filling(std::span<std::byte> out) {
+  auto done = std::make_shared<size_t>(0);
+  return [out, done](std::span<const std::byte> piece) {
+    if (piece.size() > out.size() - *done) return internal_error("a stream gave more bytes than its range holds");
+    std::memcpy(out.data() + *done, piece.data(), piece.size());
+    *done += piece.size();
+    return Status::Ok();
+  };
+}
 
 // Hands `bytes` (held in memory) to `sink` in pieces of at most kStreamPieceBytes.
 inline Status sink_pieces(std::span<const std::byte> bytes, const ByteSink& sink) {

@@ -205,11 +205,15 @@ TEST_CASE("every format driver round-trips random states, or refuses them cleanl
         // bytes of what was written, where the stored encoding is the state's.
         if (raw) {
           std::mt19937_64 rr(seed * 1000 + d->name().size());
-          for (const auto& [fqn, ps] : kept.params) {
+          for (const auto& param : kept.params) {  // no structured bindings: clang 14's CHECK_MESSAGE can't capture them
+            const std::string& fqn = param.first;
+            const auto& ps = param.second;
             int64_t numel = 1;
             for (int64_t dim : ps.shape) numel *= dim;
-            for (const auto& [name, e] : ps.entries)
-              for (Component c : e.components()) {
+            for (const auto& entry : ps.entries)
+              for (Component c : entry.second.components()) {
+                const std::string& name = entry.first;
+                const auto& e = entry.second;
                 const int64_t count = component_count(e, c, numel), size = component_elem_size(e, c);
                 if (count == 0) continue;
                 const int64_t b = std::uniform_int_distribution<int64_t>(0, count - 1)(rr);
@@ -223,10 +227,10 @@ TEST_CASE("every format driver round-trips random states, or refuses them cleanl
           }
         }
         if (got->entries != want->entries)
-          for (const auto& [k, h] : want->entries) {
-            const auto it = got->entries.find(k);
-            CHECK_MESSAGE(it != got->entries.end(), "missing ", k);
-            if (it != got->entries.end()) CHECK_MESSAGE(it->second == h, "entry ", k);
+          for (const auto& kh : want->entries) {
+            const auto it = got->entries.find(kh.first);
+            CHECK_MESSAGE(it != got->entries.end(), "missing ", kh.first);
+            if (it != got->entries.end()) CHECK_MESSAGE(it->second == kh.second, "entry ", kh.first);
           }
       }
   }

@@ -64,9 +64,10 @@ TEST_CASE("dcp layout: tensors stored permuted are read in logical order; other 
   REQUIRE(mixed.ok());
   CHECK(logical(mixed->tensor) == std::vector<int32_t>{0, 2, 4, 1, 3, 5});
   // overlapping (an expanded dim, two dims on one stride), holes, past the storage: refused
-  for (const auto& [shape, stride, numel] :
+  for (const auto& [shape, stride_in, numel] :
        std::vector<std::tuple<std::vector<int64_t>, std::vector<int64_t>, int64_t>>{
            {{3, 4}, {0, 1}, 4}, {{2, 2}, {1, 1}, 4}, {{2, 2}, {4, 1}, 8}, {{2, 2}, {1, 3}, 8}}) {
+    const std::vector<int64_t> stride = stride_in;  // CAPTURE can't take a structured binding in clang 14
     auto r = tensor_item(shape, stride, numel);
     CAPTURE(stride[0]);
     CAPTURE(stride[1]);

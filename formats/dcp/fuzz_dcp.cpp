@@ -1,13 +1,12 @@
 // Fuzz target for the DCP parsers: the pickle interpreter + metadata interpretation (seed: a real
 // `.metadata` written by torch 2.13) and the zip + torch.save payload parsing of one item (seeds:
 // real tensor items, one stored channels_last). Any bytes give a result or an error; never a crash,
-// hang or unbounded allocation. A tensor accepted as stored permuted is put in logical order, which
-// must take each stored element exactly once (the strides' check is what makes that so).
+// hang or unbounded allocation. A tensor accepted as stored permuted is put in logical order and
+// checked against an oracle (check_logical_order): the strides' check is what makes that safe.
 // libFuzzer entry point plus a bounded mutation run (CTest: fuzz.dcp).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
 #include <numeric>
 #include <random>

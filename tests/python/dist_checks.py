@@ -1,5 +1,5 @@
-"""Checks shared by the multi-rank scripts the sharded tests launch with torchrun (they find this
-module through PYTHONPATH, which test_sharded.torchrun sets)."""
+"""Checks shared by the multi-rank scripts the sharded tests launch (they find this module through
+PYTHONPATH, which test_sharded.run_on_ranks sets)."""
 import torch
 from torch.distributed.tensor import DTensor
 

@@ -222,7 +222,7 @@ def test_universal_checkpoint_is_ds_to_universals_and_deepspeed_resumes_it_on_ot
     for world in {"fp32": (1, 3), "bf16-offload": (1,)}.get(dtype, (3,)):  # offload: 1 rank (CI's time)
         res = tmp_path / f"resumed{world}.pt"
         run_script(tmp_path, RESUME_UNIVERSAL, "resume_universal.py", tmp_path, f"{ref.name},{ours.name}", res,
-                   stage, dtype, ranks=world, torchrun=True)
+                   stage, dtype, ranks=world, distributed=True)
         theirs, mine = torch.load(res)
         assert all(torch.equal(theirs[n], mine[n]) for n in theirs), world
 
@@ -320,7 +320,7 @@ def test_zero3_checkpoint_resharded_resumes_in_deepspeed_on_other_world_sizes(tm
         assert hashes(optstate_cli, tmp_path / tag) == hashes(optstate_cli, ck)
         res = tmp_path / f"resumed{world}.pt"
         run_script(tmp_path, RESUME_ZERO3, "resume_zero3.py", tmp_path, tag, res, 2000, half,
-                   "frozen" if frozen else "-", ranks=world, torchrun=True)
+                   "frozen" if frozen else "-", ranks=world, distributed=True)
         mine = torch.load(res)
         assert continued.keys() == mine.keys() and ("0.weight (module)" in mine) == frozen
         assert all(torch.equal(continued[n], mine[n]) for n in continued), world

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from test_sharded import run_past_gloo_aborts
+from launch import run_ranks_past_gloo_aborts
 
 
 MAKE_DCP = textwrap.dedent("""
@@ -84,16 +84,17 @@ MAKE_DCP = textwrap.dedent("""
 """)
 
 
-def run_script(tmp_path, source, name, *args, ranks=1, torchrun=False):
-    """Writes `source` to tmp_path/name and runs it with `args`, under torchrun with `ranks` local
-    ranks when ranks > 1 or `torchrun`; a failure fails the test with the script's stderr."""
+def run_script(tmp_path, source, name, *args, ranks=1, distributed=False):
+    """Writes `source` to tmp_path/name and runs it with `args`: on `ranks` local ranks (launch.py)
+    when ranks > 1 or `distributed` (a script that joins a process group on one rank), else as one
+    plain process; a failure fails the test with the script's stderr."""
     script = tmp_path / name
     script.write_text(source)
     cmd = [sys.executable, str(script), *map(str, args)]
-    torchrun = torchrun or ranks > 1
-    if torchrun:
-        cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    proc = run_past_gloo_aborts(cmd) if torchrun else subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if ranks > 1 or distributed:
+        proc = run_ranks_past_gloo_aborts(cmd, ranks)
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

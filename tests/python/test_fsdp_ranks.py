@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from test_sharded import torchrun
+from test_sharded import run_on_ranks
 
 FSDP_SCRIPT = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist, torch.nn as nn
@@ -108,7 +108,7 @@ def fsdp_run(tmp_path, kind, world):
     script = tmp_path / "fsdp.py"
     script.write_text(FSDP_SCRIPT)
     out = tmp_path / f"{kind}{world}"
-    torchrun(world, kind, out, script=script)
+    run_on_ranks(world, kind, out, script=script)
     return out
 
 
@@ -328,7 +328,7 @@ def test_fsdp2_rank_files_resharded_resume_in_fsdp2_on_another_world_size(tmp_pa
 
     script = tmp_path / "resume.py"
     script.write_text(RESUME_SCRIPT)
-    torchrun(m, kind, dst, f"{out}.whole", tmp_path / "resumed.pt", script=script)
+    run_on_ranks(m, kind, dst, f"{out}.whole", tmp_path / "resumed.pt", script=script)
     got = torch.load(tmp_path / "resumed.pt", weights_only=False)
     saved = torch.load(f"{out}.whole", weights_only=False)
     assert_same_state(got["loaded"], saved, "loaded")
@@ -470,7 +470,7 @@ def test_fsdp1_rank_files_read_as_one_state_by_name(tmp_path, optstate_cli, mode
     script = tmp_path / "fsdp1.py"
     script.write_text(FSDP1_SCRIPT)
     out = tmp_path / f"{mode}{kind}{world}"
-    torchrun(world, mode, kind, out, script=script)
+    run_on_ranks(world, mode, kind, out, script=script)
     doc = json.loads(optstate_cli("inspect", out, "--json").stdout)
     assert doc["format"] == "torchsave" and len(doc["params"]) == (11 if kind == "tied" else 13)
     assert ("head.weight" in doc["params"]) == (kind != "tied")
@@ -543,7 +543,7 @@ def test_fsdp1_rank_files_resharded_resume_in_fsdp1_on_another_world_size(tmp_pa
     script = tmp_path / "fsdp1.py"
     script.write_text(FSDP1_SCRIPT)
     out = tmp_path / f"flat{kind}{n}"
-    torchrun(n, "flat", kind, out, script=script)
+    run_on_ranks(n, "flat", kind, out, script=script)
     dst = tmp_path / f"actor{m}"
     optstate_cli("reshard", out, dst, "--world-size", str(m), "--format", "torchsave")
     assert sorted(p.name for p in dst.iterdir()) == sorted(f"{f}_world_size_{m}_rank_{r}.pt" for f in ("model", "optim")
@@ -552,7 +552,7 @@ def test_fsdp1_rank_files_resharded_resume_in_fsdp1_on_another_world_size(tmp_pa
     assert h(dst) == h(out)
     script = tmp_path / "resume.py"
     script.write_text(FSDP1_RESUME)
-    torchrun(m, "flat", kind, dst, f"{out}.whole", tmp_path / "resumed.pt", script=script)
+    run_on_ranks(m, "flat", kind, dst, f"{out}.whole", tmp_path / "resumed.pt", script=script)
     got = torch.load(tmp_path / "resumed.pt", weights_only=False)
     saved = torch.load(f"{out}.whole", weights_only=False)
     assert_same_state(got["loaded"], saved, "loaded")
@@ -563,7 +563,7 @@ def test_fsdp1_rank_files_that_do_not_add_up_are_refused_by_name(tmp_path, optst
     script = tmp_path / "fsdp1.py"
     script.write_text(FSDP1_SCRIPT)
     out = tmp_path / "flat"
-    torchrun(2, "flat", "adamw", out, script=script)
+    run_on_ranks(2, "flat", "adamw", out, script=script)
     # a param gone from the model's files: the units no longer split its params
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)

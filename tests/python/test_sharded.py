@@ -5,7 +5,6 @@ parallel and, after a resume on any number of ranks, checks its live shard again
 An uninterrupted run and runs resumed on another number of ranks must end with the same hash.
 """
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -15,33 +14,18 @@ import torch
 import optstate
 
 from conftest import REPO
+from launch import run_ranks_past_gloo_aborts
 
 
-def torchrun(n, *args, script=None, cwd=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-           str(script or REPO / "samples" / "train_sharded.py"), *map(str, args)]
+def run_on_ranks(n, *args, script=None, cwd=None):
+    """Runs `script` (samples/train_sharded.py by default) with `args` on n local ranks (launch.py);
+    a failure fails the test with the ranks' output. Returns their stdout."""
+    cmd = [sys.executable, str(script or REPO / "samples" / "train_sharded.py"), *map(str, args)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "tests" / "python"),
                                                                    os.environ.get("PYTHONPATH")])))
-    proc = run_past_gloo_aborts(cmd, cwd=cwd, env=env)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    proc = run_ranks_past_gloo_aborts(cmd, n, cwd=cwd, env=env)
+    assert proc.returncode == 0, f"{n} ranks of {' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     return proc.stdout
-
-
-def gloo_teardown_abort(proc):
-    """torch 2.13 + gloo aborts now and then as a process exits or tears its group down
-    ("terminate called without an active exception", SIGABRT): torch's own threads (a script with no
-    optstate in it does it too; optstate starts no threads). Such a run is tried once more."""
-    return proc.returncode != 0 and "terminate called without an active exception" in proc.stderr
-
-
-def run_past_gloo_aborts(cmd, **kwargs):
-    """Runs `cmd` (a multi-process run; every script here can run again), up to twice more where it
-    ended in gloo's teardown abort: on a loaded 2-core machine two in a row have been seen."""
-    for _ in range(3):
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kwargs)
-        if not gloo_teardown_abort(proc):
-            break
-    return proc
 
 
 def root(optstate_cli, path):
@@ -50,16 +34,16 @@ def root(optstate_cli, path):
 
 @pytest.mark.parametrize("opt", ["adamw", "adamw8bit"])
 def test_resume_on_other_world_sizes_is_bitwise(tmp_path, optstate_cli, opt):
-    torchrun(1, "--optimizer", opt, "--steps", 12, "--save", tmp_path / "full")
-    torchrun(2, "--optimizer", opt, "--steps", 6, "--save", tmp_path / "two")
+    run_on_ranks(1, "--optimizer", opt, "--steps", 12, "--save", tmp_path / "full")
+    run_on_ranks(2, "--optimizer", opt, "--steps", 6, "--save", tmp_path / "two")
     assert sorted(os.listdir(tmp_path / "two" / "data")) == ["rank-00000.bin", "rank-00001.bin"]
     optstate_cli("validate", tmp_path / "two")
-    out = torchrun(3, "--optimizer", opt, "--steps", 6, "--resume", tmp_path / "two", "--save", tmp_path / "three")
+    out = run_on_ranks(3, "--optimizer", opt, "--steps", 6, "--resume", tmp_path / "two", "--save", tmp_path / "three")
     assert "every rank's live shard equals the checkpoint" in out
     assert root(optstate_cli, tmp_path / "three") == root(optstate_cli, tmp_path / "full")
     # ... and back down to one rank, from the 3-rank checkpoint, also matches a longer run.
-    torchrun(1, "--optimizer", opt, "--steps", 18, "--save", tmp_path / "full18")
-    torchrun(4, "--optimizer", opt, "--steps", 6, "--resume", tmp_path / "three", "--save", tmp_path / "four")
+    run_on_ranks(1, "--optimizer", opt, "--steps", 18, "--save", tmp_path / "full18")
+    run_on_ranks(4, "--optimizer", opt, "--steps", 6, "--resume", tmp_path / "three", "--save", tmp_path / "four")
     assert root(optstate_cli, tmp_path / "four") == root(optstate_cli, tmp_path / "full18")
 
 
@@ -92,8 +76,8 @@ DDP_SCRIPT = textwrap.dedent("""
 def test_replicated_model_saves_in_parallel_like_one_process(tmp_path, optstate_cli, opt):
     script = tmp_path / "ddp.py"
     script.write_text(DDP_SCRIPT)
-    torchrun(1, opt, tmp_path / "one", script=script)
-    torchrun(3, opt, tmp_path / "three", script=script)
+    run_on_ranks(1, opt, tmp_path / "one", script=script)
+    run_on_ranks(3, opt, tmp_path / "three", script=script)
     assert len(os.listdir(tmp_path / "three" / "data")) == 3
     assert root(optstate_cli, tmp_path / "three") == root(optstate_cli, tmp_path / "one")
 
@@ -169,7 +153,7 @@ CORRUPT_RANK_SCRIPT = textwrap.dedent("""
 def test_sharded_load_with_a_corrupt_chunk_on_one_rank_changes_no_rank(tmp_path):
     script = tmp_path / "corrupt.py"
     script.write_text(CORRUPT_RANK_SCRIPT)
-    out = torchrun(2, tmp_path / "ck", script=script)
+    out = run_on_ranks(2, tmp_path / "ck", script=script)
     assert "rank 1: RuntimeError: optstate: " in out and "checksum mismatch" in out, out
     assert "rank 0: RuntimeError: optstate.load: another rank could not load" in out, out
     assert "rank 0: unchanged=True" in out and "rank 1: unchanged=True" in out, out
@@ -239,7 +223,7 @@ def test_fsdp2_training_with_fused_adamw_saves_loads_and_resumes(tmp_path, optst
     script = tmp_path / "fsdp2_train.py"
     script.write_text(FSDP2_TRAIN_SCRIPT)
     ck = tmp_path / "dcp"
-    out = torchrun(2, ck, script=script)
+    out = run_on_ranks(2, ck, script=script)
     assert out.count("resumed bitwise") == 2, out
     native = tmp_path / "dcp.native"
     assert sorted(os.listdir(native / "data")) == ["rank-00000.bin", "rank-00001.bin"]
@@ -364,7 +348,7 @@ def test_fsdp2_training_with_adamw8bit_equals_unsharded_saves_loads_and_resumes(
     script = tmp_path / "fsdp2_8bit.py"
     script.write_text(FSDP2_8BIT_SCRIPT)
     ck = tmp_path / "dcp8"
-    out = torchrun(2, ck, script=script)
+    out = run_on_ranks(2, ck, script=script)
     assert out.count("fsdp2 == unsharded") == 2, out
     assert out.count("dcp resume bitwise") == 2, out
     assert out.count("native resume bitwise") == 2, out
@@ -480,7 +464,7 @@ def test_hsdp_training_saves_once_per_row_range_loads_on_every_replica_and_resum
     script = tmp_path / "hsdp.py"
     script.write_text(HSDP_SCRIPT)
     ck = tmp_path / "hsdp"
-    out = torchrun(4, ck, script=script)
+    out = run_on_ranks(4, ck, script=script)
     for kind in ("adamw", "adamw8bit"):
         for what in ("hsdp == unsharded", "native resume bitwise", "dcp load == native load", "failed save raised"):
             assert out.count(f"{kind} {what}") == 4, (kind, what, out)
@@ -518,6 +502,6 @@ TP_SCRIPT = textwrap.dedent("""
 def test_dtensor_layouts_other_than_fsdp2_rows_are_refused_with_a_way_out(tmp_path):
     script = tmp_path / "tp.py"
     script.write_text(TP_SCRIPT)
-    out = torchrun(2, tmp_path / "ck", script=script)
+    out = run_on_ranks(2, tmp_path / "ck", script=script)
     assert out.count("refused") == 2
     assert not (tmp_path / "ck").exists()

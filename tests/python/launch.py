@@ -68,8 +68,8 @@ def run_ranks(cmd, world, *, cwd=None, env=None, timeout=300, grace=5.0):
     stdout, stderr = "".join(texts[0::2]), "".join(texts[1::2])
     if timed_out:
         raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
+    # not timed out: any rank killed here was stopped after another rank failed by itself
     code = next((p.returncode for p, kill in zip(procs, killed) if p.returncode != 0 and not kill), 0)
-    code = code or next((p.returncode for p in procs if p.returncode != 0), 0)
     return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
 

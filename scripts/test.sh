@@ -23,6 +23,8 @@ if not counts:
 EOF
 echo "== pytest (interop with PyTorch)"
 # One pytest worker per core (pytest-xdist; worksteal: the multi-rank DeepSpeed/FSDP cases are long):
-# the suite is ~400 short Python processes, each importing torch, and one worker leaves a core idle.
+# the suite is ~300 short Python processes with torch (forked from a server per worker that imported
+# it once: tests/python/forkserver.py; OPTSTATE_TEST_FORKSERVER=0 runs them fresh), and one worker
+# leaves a core idle.
 .venv/bin/python -m pytest tests/python -q -p no:cacheprovider -n "${OPTSTATE_TEST_JOBS:-$(nproc)}" --dist worksteal \
   --durations=15

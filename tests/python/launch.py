@@ -10,6 +10,8 @@ import subprocess
 import tempfile
 import time
 
+import forkserver
+
 
 def free_port():
     with socket.socket() as s:
@@ -41,7 +43,7 @@ def run_ranks(cmd, world, *, cwd=None, env=None, timeout=300, grace=5.0):
                 out = open(os.path.join(logs, f"{rank}.out"), "w+")
                 err = open(os.path.join(logs, f"{rank}.err"), "w+")
                 files += [out, err]
-                procs.append(subprocess.Popen(cmd, cwd=cwd, env=rank_env(base, rank, world, port),
+                procs.append(forkserver.popen(cmd, cwd=cwd, env=rank_env(base, rank, world, port),
                                               stdout=out, stderr=err, stdin=subprocess.DEVNULL))
             deadline, failed_at = time.monotonic() + timeout, None
             while [p.poll() for p in procs].count(None):  # every rank polled (not any()'s first)

@@ -3,13 +3,13 @@
 reassembly of the same checkpoint (its ds_to_universal: per-param fp32 weights, moments and step)
 bit for bit, and the converted state, loaded into plain torch.optim.AdamW in one process, ends
 where DeepSpeed's own run continues to, bit for bit."""
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import forkserver
 from test_formats import hashes, run_err, run_script
 
 SEEDS = Path(__file__).resolve().parents[2] / "formats" / "deepspeed" / "testdata"
@@ -110,9 +110,9 @@ def ds_run(tmp_path, stage, dtype, ranks, steps=3, more=0, sub_group_size=0, fro
 def universal(tmp_path, ck, tag):
     """DeepSpeed's own reassembly of a ZeRO checkpoint: zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt."""
     out = tmp_path / (ck.name + "_universal")
-    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ck / tag),
+    proc = forkserver.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ck / tag),
                            "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1",
-                           "--inject_missing_state"], capture_output=True, text=True, timeout=300)
+                           "--inject_missing_state"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 

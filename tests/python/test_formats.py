@@ -6,13 +6,13 @@ import io
 import json
 import os
 import pickle
-import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
 
+import forkserver
 from launch import run_ranks_past_gloo_aborts
 
 
@@ -94,7 +94,7 @@ def run_script(tmp_path, source, name, *args, ranks=1, distributed=False):
     if ranks > 1 or distributed:
         proc = run_ranks_past_gloo_aborts(cmd, ranks)
     else:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        proc = forkserver.run(cmd, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -848,7 +848,7 @@ def test_our_dcp_loads_into_torch_adamw_and_training_continues(tmp_path, optstat
         assert ob.state[b[0].weight]["step"].item() == 4
         print("ok")
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    proc = forkserver.run([sys.executable, "-c", script], timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 

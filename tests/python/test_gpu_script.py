@@ -4,18 +4,18 @@ GPU (vector, scalar and two-pass paths, misaligned storage, dtypes), and must pa
 against torch.optim.AdamW on the same device (docs/numerics.md's tolerance); its timing table
 runs on small CPU tensors, every row (the sweeps too) measured."""
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+import forkserver
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_gpu_check_script_dry_run_on_cpu():
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
-    proc = subprocess.run([sys.executable, str(REPO / "tests/gpu/check_cuda.py"), "--dry-run-cpu", "--steps", "1",
-                           "--iters", "2", "--skip-torchao"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = forkserver.run([sys.executable, str(REPO / "tests/gpu/check_cuda.py"), "--dry-run-cpu", "--steps", "1",
+                           "--iters", "2", "--skip-torchao"], env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if "max |cpu - cpu|" in ln]
     # 9 cases x 2 dtypes, then 4 cases x 3 tuning knobs, then the channels_last / transposed params

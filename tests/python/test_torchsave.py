@@ -3,7 +3,6 @@ AdamW8bit and optstate's optimizers write with torch.save (Hugging Face's `optim
 loop's `{"model": ..., "optimizer": ...}`), read by optstate with no Python in the loop, and what
 optstate writes, loaded back by torch.load + optimizer.load_state_dict."""
 import json
-import subprocess
 import sys
 import textwrap
 import zipfile
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import forkserver
 from conftest import REPO
 from test_formats import assert_converts_to_ref, hashes, run_err, run_script
 
@@ -89,7 +89,7 @@ def make_pt(tmp_path, kind, named):
 
 
 def run_python(source):
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(source)], capture_output=True, text=True, timeout=300)
+    proc = forkserver.run([sys.executable, "-c", textwrap.dedent(source)], timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 

@@ -194,7 +194,7 @@ def _forkable(cmd, env):
         return False
     server_env = _Server.env()
     omp, server_omp = env.get("OMP_NUM_THREADS"), server_env.get("OMP_NUM_THREADS")
-    if omp != server_omp and not (omp or "").isdigit():
+    if omp != server_omp and not ((omp or "").isdigit() and int(omp) > 0):
         return False  # removed (the server's libgomp has read it) or not a count torch.set_num_threads takes
     changed = {k for k in env.keys() | server_env.keys() if env.get(k) != server_env.get(k)}
     return all(_runtime_only(k) for k in changed)

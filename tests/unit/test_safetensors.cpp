@@ -50,7 +50,11 @@ TEST_CASE("safetensors: lying, truncated and foreign files are refused with the 
     const auto at = header.find("\"layers.0.bias.exp_avg\"");
     REQUIRE(at != std::string::npos);
     const auto end = header.find('}', at);
-    std::string h = "{" + header.substr(at, end + 1 - at) + "," + header.substr(1);
+    // appended piece by piece: gcc 12 warns about `"{" + std::string` (its PR 105329, a false positive)
+    std::string h = "{";
+    h += header.substr(at, end + 1 - at);
+    h += ',';
+    h += header.substr(1);
     h.resize(h.size() + (8 - h.size() % 8) % 8, ' ');
     std::string len(8, '\0');
     for (int i = 0; i < 8; ++i) len[i] = static_cast<char>((h.size() >> (8 * i)) & 0xff);

@@ -18,7 +18,9 @@ A command runs in a fresh interpreter (subprocess.Popen) instead where a fork co
 Preimported are only modules whose import reads no per-run setting; torchao, deepspeed and optstate
 are not among them (a test checks that a process never imported torchao; optstate reads
 OPTSTATE_OPS_LIBRARY as it loads). Unlike a fresh interpreter, forked ones share the server's
-PYTHONHASHSEED and stdin defaults to /dev/null.
+PYTHONHASHSEED, stdin defaults to /dev/null, and the objects the imports made are frozen out of the
+garbage collector (gc.freeze: a child's collections, and its exit, skip them; the exit of a child
+that has torch takes 0.3 s instead of 1.2 s).
 
 Protocol (one Unix-socket connection per process): the client sends an 8-byte length with the
 child's stdin, stdout and stderr descriptors (SCM_RIGHTS), then that many bytes of JSON {argv, cwd,
@@ -71,7 +73,7 @@ def _serve(path):
     for name in PREIMPORTED:
         __import__(name)
     import gc
-    gc.freeze()
+    gc.freeze()  # see the docstring: children do not walk the imported modules' objects again
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)

@@ -9,7 +9,7 @@
 #   bash scripts/sanitize.sh -k adamw8bit  # other arguments go to pytest
 #
 # 40-50 minutes of building on 2 cores from a cold cache (the sanitized objects share nothing with build/), then
-# ~5 min of CTest and ~25 min of pytest. Any sanitizer report fails the run: the process reporting it
+# ~4 min of CTest and ~22 min of pytest. Any sanitizer report fails the run: the process reporting it
 # exits non-zero (its test fails, UBSan's report in the test's output) and ASan's reports are also
 # kept under build-asan/sanitizer-logs/ (a subprocess's report would otherwise be lost in its output).
 set -euo pipefail

@@ -88,11 +88,16 @@ def _serve(path):
             break  # the client (a pytest worker) has gone
         if listener in readable:
             conn, _ = listener.accept()
+            fds = []
             try:
                 header, fds, _, _ = socket.recv_fds(conn, 8, 3)
+                if len(fds) != 3:
+                    raise ValueError(f"{len(fds)} descriptors, not stdin, stdout and stderr")
                 request = json.loads(_recv_exact(conn, struct.unpack("<Q", header)[0]))
             except (OSError, EOFError, ValueError, struct.error) as e:
                 print(f"forkserver: bad request: {e}", file=sys.stderr, flush=True)
+                for fd in fds:
+                    os.close(fd)
                 conn.close()
                 continue
             sys.stdout.flush()
@@ -173,8 +178,14 @@ def _run_main(argv):
         sys.argv = list(argv)
         main.__file__ = argv[0]
         main.__cached__ = None
-        with open(argv[0], "rb") as f:
-            code = compile(f.read(), argv[0], "exec")
+        try:
+            with open(argv[0], "rb") as f:
+                source = f.read()
+        except OSError as e:  # as CPython says it, with its exit code
+            print(f"{sys.executable}: can't open file {os.path.abspath(argv[0])!r}: [Errno {e.errno}] {e.strerror}",
+                  file=sys.stderr)
+            sys.exit(2)
+        code = compile(source, argv[0], "exec")
     exec(code, main.__dict__)
 
 

@@ -77,6 +77,14 @@ def test_exit_codes_output_and_shutdown_are_a_fresh_interpreters(body, code, err
         assert forked.stdout == "joined\n"
 
 
+def test_a_missing_script_fails_as_python_says_it(tmp_path):
+    cmd = [sys.executable, tmp_path / "absent.py"]
+    forked = forkserver.run(cmd, timeout=60)
+    fresh = forkserver.run(cmd, timeout=60, env=dict(os.environ, OPTSTATE_TEST_FORKSERVER="0"))
+    assert forked.returncode == fresh.returncode == 2
+    assert forked.stderr == fresh.stderr and "can't open file" in forked.stderr
+
+
 def test_a_class_defined_in_the_script_pickles_by_its_main_module(tmp_path):
     script = tmp_path / "pick.py"
     script.write_text(textwrap.dedent("""

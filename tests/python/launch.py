@@ -3,7 +3,9 @@ loopback, given the environment `torchrun --standalone --nproc-per-node=N` gives
 (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_*, MASTER_ADDR/MASTER_PORT for
 init_process_group's env:// rendezvous, OMP_NUM_THREADS=1 where N > 1), but without torchrun's own
 process: that one imports torch and runs an elastic agent, 3-4 s a run on a 2-core machine, and the
-suites here start about a hundred runs. What the runs test (gloo, FSDP, DeepSpeed) is the same."""
+suites here start about a hundred runs. What the runs test (gloo, FSDP, DeepSpeed) is the same.
+A Python command's ranks are forked from the worker's pre-imported interpreter where that is the
+same as a fresh one (forkserver.py)."""
 import os
 import socket
 import subprocess

@@ -354,6 +354,12 @@ Result<Metadata> interpret_metadata(const Pickle& p, const std::string& where) {
 
 Result<Payload> interpret_payload(const Pickle& p, const std::string& where) { return interpret_value(p, p.root(), where); }
 
+bool is_torchao_subclass(const Pickle& p, Ref r, std::string_view module, std::string_view name) {
+  for (std::string_view package : kTorchaoOptimPackages)
+    if (p.is_global(r, std::string(package) + "." + std::string(module), name)) return true;
+  return false;
+}
+
 Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& where) {
   Payload out;
   if (is_instance(p, root, "torch._utils", "_rebuild_tensor_v2") ||
@@ -378,10 +384,10 @@ Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& wh
     }
     // (func=_rebuild_wrapper_subclass, type=OptimState8bit, args=(cls, dtype, size, stride, ...), state);
     // OptimStateFp8 the same without a qmap (codes float8_e4m3fn).
-    const bool fp8 = a.size() >= 2 && p.is_global(a[1], "torchao.optim.subclass_fp8", "OptimStateFp8");
-    const bool four = a.size() >= 2 && p.is_global(a[1], "torchao.optim.subclass_4bit", "OptimState4bit");
+    const bool fp8 = a.size() >= 2 && is_torchao_subclass(p, a[1], "subclass_fp8", "OptimStateFp8");
+    const bool four = a.size() >= 2 && is_torchao_subclass(p, a[1], "subclass_4bit", "OptimState4bit");
     if (a.size() < 4 || !p.is_global(a[0], "torch._utils", "_rebuild_wrapper_subclass") ||
-        !(fp8 || four || p.is_global(a[1], "torchao.optim.subclass_8bit", "OptimState8bit")))
+        !(fp8 || four || is_torchao_subclass(p, a[1], "subclass_8bit", "OptimState8bit")))
       return corrupt(fmt::format("{}: a tensor subclass other than torchao's OptimState8bit, OptimState4bit and "
                                  "OptimStateFp8", where));
     const char* name = fp8 ? "OptimStateFp8" : four ? "OptimState4bit" : "OptimState8bit";

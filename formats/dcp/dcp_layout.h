@@ -11,6 +11,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "optstate/dtype.h"
@@ -92,6 +93,14 @@ const std::array<float, 256>& float8_e4m3fn_values();
 // The meaning of a torch.save data.pkl. Tensors must be views inside their storage, C-contiguous or
 // a permutation of a dense layout (TensorRef::stride).
 Result<Payload> interpret_payload(const pickle::Pickle& p, const std::string& where);
+
+// Where torchao defines its optimizer-state subclasses (OptimState8bit in `<package>.subclass_8bit`):
+// torchao.optim since torchao 0.11, torchao.prototype.low_bit_optim before. A pickle names the
+// defining module, so checkpoints of older torchao name the second; both are read alike.
+inline constexpr std::string_view kTorchaoOptimPackages[] = {"torchao.optim", "torchao.prototype.low_bit_optim"};
+
+// Whether `r` is the GLOBAL of torchao's subclass `name` in `<package>.<module>`, for either package.
+bool is_torchao_subclass(const pickle::Pickle& p, pickle::Ref r, std::string_view module, std::string_view name);
 // The same for one value inside a larger pickle (a tensor in a torch.save'd state_dict).
 Result<Payload> interpret_value(const pickle::Pickle& p, pickle::Ref r, const std::string& where);
 

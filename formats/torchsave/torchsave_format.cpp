@@ -1775,8 +1775,9 @@ Family state_family(const fs::path& path) {
       return pkl.find(bin) != std::string::npos || pkl.find(sbin) != std::string::npos;
     };
     if (has("state1") && has("state2")) return Family::kBitsandbytes;
-    // torchao's moments: its tensor subclasses, by their GLOBAL (module, name).
-    if (pkl.find("ctorchao.optim.subclass_") != std::string::npos) return Family::kTorchao;
+    // torchao's moments: its tensor subclasses, by their GLOBAL (module, name), in either package.
+    for (std::string_view package : dcp::kTorchaoOptimPackages)
+      if (pkl.find("c" + std::string(package) + ".subclass_") != std::string::npos) return Family::kTorchao;
     // No 8-bit moment (every param below torchao's 4096 elements): torchao's groups, told by the
     // interpretation (lr a tensor, no 'maximize'); only looked for where 'maximize' is absent.
     if (has("maximize") || e.size > kLook) return Family::kTorch;

@@ -1,0 +1,133 @@
+"""Checkpoints that other torch and torchao releases wrote (tests/data/torch_versions/<release>/,
+made by its make.py in a venv of each release: torch 2.6 with torchao 0.9, 2.8 with 0.13, 2.14
+with 0.18) read as each release held the state: torch.save'd optimizers, DCP, verl's per-rank
+FSDP2 files, torchao AdamW8bit's state_dict and DCP. The rest of the suite writes with the one
+torch in .venv; these pickles (DCP's Metadata and storage records, DTensor and DeviceMesh,
+torchao's OptimState8bit, defined in torchao.prototype.low_bit_optim before torchao 0.11) are
+what differ between releases.
+"""
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_formats import hashes, run_script, st_load
+
+CORPUS = Path(__file__).resolve().parents[1] / "data" / "torch_versions"
+CASES = sorted((d.name, ref.name[:-len(".ref.safetensors")])
+               for d in CORPUS.iterdir() if d.is_dir() for ref in d.glob("*.ref.safetensors"))
+
+
+def torch_version(release):
+    """(2, 14) of "torch-2.14.1_torchao-0.18.0"."""
+    return tuple(int(x) for x in release.split("_")[0][len("torch-"):].split(".")[:2])
+
+
+def ref_of(release, name):
+    from safetensors import safe_open
+    path = CORPUS / release / (name + ".ref.safetensors")
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    return st_load(path), json.loads(meta["ref"]), meta
+
+
+def test_the_corpus_holds_every_kind_of_checkpoint_for_each_release():
+    releases = {r for r, _ in CASES}
+    assert len(releases) >= 3, releases
+    for r in releases:
+        names = {n for rr, n in CASES if rr == r}
+        assert {"optimizer.pt", "dcp", "torchao_optimizer.pt", "torchao_dcp"} <= names, (r, names)
+        # FSDP2 runs on the CPU from torch 2.7: verl's per-rank files from the later releases
+        assert ("fsdp2_world2" in names) == (torch_version(r) >= (2, 7)), (r, names)
+    assert any(ref_of(r, "torchao_dcp")[2]["torchao"].startswith("0.9.") for r in releases)
+
+
+@pytest.mark.parametrize("release,name", CASES)
+def test_a_checkpoint_of_another_release_reads_as_that_release_held_it(tmp_path, optstate_cli, release, name):
+    """validate passes with every checksum checked; the fp32 conversion holds, bit for bit, what the
+    writing release held (torchao's moments as its own dequantize() gives them); steps and group
+    hyperparameters are the release's; --values hashes the checkpoint as its fp32 conversion."""
+    ck = CORPUS / release / name
+    ref, meta, _ = ref_of(release, name)
+    assert "every chunk checksum verified" in optstate_cli("validate", ck).stdout
+    out = tmp_path / "fp32.safetensors"
+    optstate_cli("convert", ck, out, "--to", "fp32")
+    got = st_load(out)
+    moments = {k for k in got if k.endswith((".exp_avg", ".exp_avg_sq", ".max_exp_avg_sq"))}
+    assert moments == {k for k in ref if not k.endswith(".param")}
+    for k, v in ref.items():
+        assert got[k].dtype == torch.float32 and torch.equal(got[k], v), k
+    info = json.loads(optstate_cli("inspect", ck, "--json", "--no-stats").stdout)
+    assert set(info["params"]) == set(meta)
+    for fqn, want in meta.items():
+        p = info["params"][fqn]
+        group = info["param_groups"][p["group"]]
+        assert p["step"] == want["step"], fqn
+        for field in ("lr", "betas", "eps", "weight_decay"):
+            assert group[field] == pytest.approx(want[field], rel=1e-7), (fqn, field)
+    assert hashes(optstate_cli, ck, values=True)["root"] == hashes(optstate_cli, out, values=True)["root"]
+
+
+RESUME_TORCHAO = textwrap.dedent("""
+    # Today's torchao resumes from optstate's conversion of another release's torchao checkpoint:
+    # torch.load + load_state_dict (a torch.save'd state_dict, params numbered) or dcp.load +
+    # set_optimizer_state_dict (a DCP), into AdamW8bit over make.py's wide model. Prints, as JSON,
+    # whether each moment is then an 8-bit OptimState8bit whose dequantize() is the writing
+    # release's bit for bit, and whether a step then runs.
+    import json, sys, torch
+    from safetensors.torch import load_file
+    from torchao.optim import AdamW8bit
+    kind, path, ref_path = sys.argv[1:4]
+    ref = load_file(ref_path)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256, bias=False), torch.nn.Linear(256, 4))
+    opt = AdamW8bit(model.parameters(), lr=1e-3)
+    if kind == "pt":
+        opt.load_state_dict(torch.load(path, weights_only=False))
+        names = {p: str(i) for i, p in enumerate(model.parameters())}
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        msd, osd = get_state_dict(model, opt)
+        states = {"model": msd, "optim": osd}
+        dcp.load(states, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=states["model"], optim_state_dict=states["optim"])
+        names = {p: n for n, p in model.named_parameters()}
+    report = {"eight_bit": [], "equal": True}
+    for p, name in names.items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            v = opt.state[p][k]
+            if hasattr(v, "codes"):
+                report["eight_bit"].append(f"{name}.{k}")
+                v = v.dequantize()
+            report["equal"] &= bool(torch.equal(v.float(), ref[f"{name}.{k}"]))
+    for g in opt.param_groups:  # torchao's step takes a tensor lr
+        g["lr"] = torch.as_tensor(g["lr"], dtype=torch.float32)
+    model(torch.randn(4, 32)).square().sum().backward()
+    opt.step()
+    report["stepped"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    print(json.dumps(report))
+""")
+
+
+@pytest.mark.parametrize("release", sorted({r for r, _ in CASES}))
+def test_todays_torchao_resumes_from_the_conversion_of_another_releases_torchao_state(
+        tmp_path, optstate_cli, release):
+    """torchao before 0.11 pickled its OptimState8bit from torchao.prototype.low_bit_optim, a
+    module today's torchao no longer has, so its own torch.load of such a Trainer optimizer.pt
+    fails. `convert --format torchao` (and `--format dcp` for a DCP) writes the same codes and scales
+    as today's torchao.optim classes: today's AdamW8bit loads them as 8-bit state, its moments are
+    the old release's bit for bit, and it steps on."""
+    pytest.importorskip("torchao")
+    src = CORPUS / release
+    pt, dcp_out = tmp_path / "optimizer.pt", tmp_path / "dcp"
+    optstate_cli("convert", src / "torchao_optimizer.pt", pt, "--format", "torchao")
+    optstate_cli("convert", src / "torchao_dcp", dcp_out, "--format", "dcp")
+    for kind, path, ref in (("pt", pt, "torchao_optimizer.pt"), ("dcp", dcp_out, "torchao_dcp")):
+        out = run_script(tmp_path, RESUME_TORCHAO, "resume.py", kind, path, src / (ref + ".ref.safetensors"))
+        report = json.loads(out.stdout.strip().splitlines()[-1])
+        weight = "0" if kind == "pt" else "0.weight"
+        assert report == {"eight_bit": [f"{weight}.exp_avg", f"{weight}.exp_avg_sq"], "equal": True,
+                          "stepped": True}, (kind, report)

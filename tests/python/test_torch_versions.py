@@ -1,7 +1,7 @@
 """Checkpoints that other torch and torchao releases wrote (tests/data/torch_versions/<release>/,
 made by its make.py in a venv of each release: torch 2.6 with torchao 0.9, 2.8 with 0.13, 2.14
 with 0.18) read as each release held the state: torch.save'd optimizers, DCP, verl's per-rank
-FSDP2 files, torchao AdamW8bit's state_dict and DCP. The rest of the suite writes with the one
+FSDP1 and FSDP2 files, torchao AdamW8bit's state_dict and DCP. The rest of the suite writes with the one
 torch in .venv; these pickles (DCP's Metadata and storage records, DTensor and DeviceMesh,
 torchao's OptimState8bit, defined in torchao.prototype.low_bit_optim before torchao 0.11) are
 what differ between releases.
@@ -38,8 +38,8 @@ def test_the_corpus_holds_every_kind_of_checkpoint_for_each_release():
     assert len(releases) >= 3, releases
     for r in releases:
         names = {n for rr, n in CASES if rr == r}
-        assert {"optimizer.pt", "dcp", "torchao_optimizer.pt", "torchao_dcp"} <= names, (r, names)
-        # FSDP2 runs on the CPU from torch 2.7: verl's per-rank files from the later releases
+        assert {"optimizer.pt", "dcp", "fsdp1_world2", "torchao_optimizer.pt", "torchao_dcp"} <= names, (r, names)
+        # FSDP2 runs on the CPU from torch 2.7: its per-rank files from the later releases
         assert ("fsdp2_world2" in names) == (torch_version(r) >= (2, 7)), (r, names)
     assert any(ref_of(r, "torchao_dcp")[2]["torchao"].startswith("0.9.") for r in releases)
 

@@ -13,6 +13,8 @@ torchao 0.11) are what changes between releases. Written into OUT:
 - `dcp/`: `dcp.save({"model", "optim"})` of get_state_dict under FSDP2 on two CPU ranks (gloo);
 - `fsdp2_world2/`: what verl saves per rank under FSDP2 (`model_/optim_world_size_2_rank_R.pt`
   of DTensors);
+- `fsdp1_world2/`: the same under FSDP1 (flat parameters, a device mesh: DTensors), verl's older
+  default;
 - with torchao: `torchao_optimizer.pt` (Hugging Face Trainer's `optimizer.pt` under
   `optim="adamw_torch_8bit"`: the state_dict alone, params numbered) and `torchao_dcp/` (FSDP2, two
   ranks, each rank's 4096-element half of the weight quantized by torchao).
@@ -66,8 +68,7 @@ def adamw(model):
                              lr=1e-3, betas=(0.9, 0.95))
 
 
-def train(model, opt, rank, steps=2):
-    width = next(model.parameters()).shape[1]
+def train(model, opt, rank, width=16, steps=2):
     for step in range(steps):
         x = torch.randn(4, width, generator=torch.Generator().manual_seed(10 * step + rank))
         model(x).square().sum().backward()
@@ -89,8 +90,6 @@ def write_ref(path, model, opt, gather=None, numbered=False, weights=True):
     `numbered`: a state_dict saved without the model, whose params optstate names by their index
     in the groups (no weights). `weights=False` leaves the weights out (the torchao sets: their
     moments are what is at stake, and the corpus stays small)."""
-    from safetensors.torch import save_file
-
     names = {p: n for n, p in model.named_parameters()}
     tensors, meta = {}, {}
     index = 0
@@ -112,13 +111,55 @@ def write_ref(path, model, opt, gather=None, numbered=False, weights=True):
                          "betas": list(group["betas"]), "eps": group["eps"],
                          "weight_decay": group["weight_decay"]}
     if gather is None or gather == 0:
-        try:
-            import torchao
-            ao = torchao.__version__
-        except ImportError:
-            ao = ""
-        save_file(tensors, path + ".ref.safetensors",
-                  metadata={"ref": json.dumps(meta, sort_keys=True), "torch": torch.__version__, "torchao": ao})
+        save_ref(path, tensors, meta)
+
+
+def save_ref(path, tensors, meta):
+    from safetensors.torch import save_file
+
+    try:
+        import torchao
+        ao = torchao.__version__
+    except ImportError:
+        ao = ""
+    save_file(tensors, path + ".ref.safetensors",
+              metadata={"ref": json.dumps(meta, sort_keys=True), "torch": torch.__version__, "torchao": ao})
+
+
+def fsdp1_files(rank, world, out):
+    """verl's per-rank files under FSDP1 (flat parameters, one unit per Linear, a device mesh so
+    that the sharded state dicts hold DTensors), and torch's own full gather of the same state
+    (FSDP.optim_state_dict under FULL_STATE_DICT) as the reference."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    model = FSDP(small_model(), auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
+                 device_mesh=init_device_mesh("cpu", (world,)), device_id=torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    train(model, opt, rank)
+    folder = os.path.join(out, "fsdp1_world2")
+    os.makedirs(folder, exist_ok=True)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),
+                              ShardedOptimStateDictConfig()):
+        torch.save(model.state_dict(), f"{folder}/model_world_size_{world}_rank_{rank}.pt")
+        torch.save(opt.state_dict(), f"{folder}/optim_world_size_{world}_rank_{rank}.pt")
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False),
+                              FullOptimStateDictConfig(rank0_only=False)):
+        weights = model.state_dict()
+        full = FSDP.optim_state_dict(model, opt)
+    if rank == 0:
+        (group,) = full["param_groups"]
+        tensors, meta = {}, {}
+        for fqn, st in full["state"].items():
+            tensors[f"{fqn}.param"] = weights[fqn].float().contiguous()
+            for k in ("exp_avg", "exp_avg_sq"):
+                tensors[f"{fqn}.{k}"] = st[k].float().contiguous()
+            meta[fqn] = {"step": int(plain(st["step"]).item()), "lr": float(group["lr"]),
+                         "betas": list(group["betas"]), "eps": group["eps"], "weight_decay": group["weight_decay"]}
+        save_ref(folder, tensors, meta)
 
 
 def fsdp2_on_cpu():
@@ -146,7 +187,7 @@ def one_process(out):
     if AdamW8bit is not None:
         model = wide_model()
         opt = AdamW8bit(model.parameters(), lr=1e-3)
-        train(model, opt, 0)
+        train(model, opt, 0, width=32)
         torch.save(opt.state_dict(), os.path.join(out, "torchao_optimizer.pt"))
         write_ref(os.path.join(out, "torchao_optimizer.pt"), model, opt, numbered=True)
         if not fsdp2_on_cpu():
@@ -156,10 +197,19 @@ def one_process(out):
 
 def rank_main(rank, world, port, out):
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    fsdp1_files(rank, world, out)
+    if fsdp2_on_cpu():
+        fsdp2_files(rank, world, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def fsdp2_files(rank, world, out):
+    from torch.distributed.fsdp import fully_shard
+
     AdamW8bit = torchao_adamw8bit()
 
     def sharded(make):
@@ -181,19 +231,15 @@ def rank_main(rank, world, port, out):
     if AdamW8bit is not None:
         model = sharded(wide_model)
         opt = AdamW8bit(model.parameters(), lr=1e-3)
-        train(model, opt, rank)
+        train(model, opt, rank, width=32)
         save_dcp(os.path.join(out, "torchao_dcp"), model, opt)
         write_ref(os.path.join(out, "torchao_dcp"), model, opt, gather=rank, weights=False)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def main():
     out = os.path.abspath(sys.argv[1])
     os.makedirs(out, exist_ok=True)
     one_process(out)
-    if not fsdp2_on_cpu():
-        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -72,7 +72,7 @@ struct MeshFields {
   std::vector<std::pair<Ref, Ref>> items;  // (key, value) in the file's order
   std::vector<std::string> keys;
   Ref layout_class = pickle::kNoRef, layout_args = pickle::kNoRef, flat_class = pickle::kNoRef,
-      flat_args = pickle::kNoRef;
+      flat_args = pickle::kNoRef;  // flat_*: kNoRef for a _MeshLayout with its own shape and stride
   DType rank_map_dtype = DType::kI32;
   bool coordinate_list = false;
 };
@@ -228,9 +228,6 @@ class FsdpWriter {
     MeshFields out;
     const auto& items = p.at(f).items;
     auto ints = [&](Ref r) { return dcp::int_tuple(p, r); };
-    // torch pickles a 1-D mesh of one rank with an empty layout (its size-1 mode dropped).
-    const std::vector<int64_t> layout_shape = n_ == 1 ? std::vector<int64_t>{} : std::vector<int64_t>{n_};
-    const std::vector<int64_t> layout_stride = n_ == 1 ? std::vector<int64_t>{} : std::vector<int64_t>{1};
     std::set<std::string> needed = {"_rank", "_coordinate_on_dim", "_flatten_rank_map", "_layout", "_rank_map"};
     for (size_t k = 0; k + 1 < items.size(); k += 2) {
       const auto key = dcp::as_string(p, items[k]);
@@ -258,24 +255,33 @@ class FsdpWriter {
         if (!in_order)
           return unsupported(fmt::format("{}: its ranks are not 0..{} in order (a mesh over some ranks only)", mw, n_ - 1));
       } else if (*key == "_layout") {
-        // _MeshLayout{axes: (_FlatLayout{shape: (N,), stride: (1,)},)}
+        // torch 2.13 and later: _MeshLayout{axes: (_FlatLayout{shape: (N,), stride: (1,)},)};
+        // 2.9 to 2.12: _MeshLayout{shape: (N,), stride: (1,)}. Written back in the file's form.
         const pickle::Value& lv = p.at(val);
         const Ref lf = dcp::fields_of(p, val);
         const Ref axes = lf == pickle::kNoRef ? pickle::kNoRef : p.dict_get(lf, "axes");
         const pickle::Value* ax = axes == pickle::kNoRef ? nullptr : &p.at(axes);
         const Ref flat_obj = ax && ax->kind == Kind::kTuple && ax->items.size() == 1 ? ax->items[0] : pickle::kNoRef;
-        const Ref flat = flat_obj == pickle::kNoRef ? pickle::kNoRef : dcp::fields_of(p, flat_obj);
+        const Ref flat = axes == pickle::kNoRef ? lf : flat_obj == pickle::kNoRef ? pickle::kNoRef : dcp::fields_of(p, flat_obj);
+        const bool axes_form_ok = axes == pickle::kNoRef ||
+                                  (flat != pickle::kNoRef && p.at(lf).items.size() == 2 &&
+                                   dcp::is_instance(p, flat_obj, "torch.distributed._mesh_layout", "_FlatLayout") &&
+                                   p.at(flat_obj).newobj);
         if (!dcp::is_instance(p, val, "torch.distributed._mesh_layout", "_MeshLayout") || !lv.newobj ||
-            flat == pickle::kNoRef || !dcp::is_instance(p, flat_obj, "torch.distributed._mesh_layout", "_FlatLayout") ||
-            !p.at(flat_obj).newobj || p.at(lf).items.size() != 2 || p.at(flat).items.size() != 4)
-          return unsupported(mw + ": a '_layout' optstate does not know (a 1-D _MeshLayout of one _FlatLayout)");
-        if (ints(p.dict_get(flat, "shape")) != layout_shape || ints(p.dict_get(flat, "stride")) != layout_stride)
+            flat == pickle::kNoRef || !axes_form_ok || p.at(flat).kind != Kind::kDict || p.at(flat).items.size() != 4 ||
+            p.dict_get(flat, "shape") == pickle::kNoRef || p.dict_get(flat, "stride") == pickle::kNoRef)
+          return unsupported(mw + ": a '_layout' optstate does not know (a 1-D _MeshLayout: its shape and stride, "
+                                  "or one _FlatLayout's)");
+        if (ints(p.dict_get(flat, "shape")) != layout_of(n_, axes != pickle::kNoRef) ||
+            ints(p.dict_get(flat, "stride")) != layout_of(1, axes != pickle::kNoRef && n_ == 1))
           return unsupported(fmt::format("{}: a '_layout' other than a 1-D mesh of {} rank{} in order", mw, n_,
                                          n_ == 1 ? "" : "s"));
         out.layout_class = lv.callable;
         out.layout_args = lv.args;
-        out.flat_class = p.at(flat_obj).callable;
-        out.flat_args = p.at(flat_obj).args;
+        if (axes != pickle::kNoRef) {
+          out.flat_class = p.at(flat_obj).callable;
+          out.flat_args = p.at(flat_obj).args;
+        }
       } else if (*key == "_rank_map") {
         OPTSTATE_ASSIGN_OR_RETURN(const dcp::Payload pl, dcp::interpret_value(p, val, mw + " '_rank_map'"));
         if (pl.kind != dcp::Payload::Kind::kTensor || pl.tensor.shape != std::vector<int64_t>{n_} ||
@@ -290,6 +296,13 @@ class FsdpWriter {
     if (!needed.empty())
       return unsupported(fmt::format("{}: without '{}', a field of torch 2.9 and later's DeviceMesh", mw, *needed.begin()));
     return out;
+  }
+
+  // A 1-D mesh layout's shape (n,), or its stride (1,) as layout_of(1, ...). torch 2.13 and later
+  // pickle a mesh of one rank with an empty one (its size-1 mode dropped; `dropped`), and refuse
+  // the (1,) form as another mesh; 2.9-2.12 keep (1,).
+  static std::vector<int64_t> layout_of(int64_t n, bool dropped) {
+    return n == 1 && dropped ? std::vector<int64_t>{} : std::vector<int64_t>{n};
   }
 
   // A mesh's fields for rank r of world_ ranks: the file's, with those of the rank and world size anew.
@@ -327,27 +340,35 @@ class FsdpWriter {
         dcp::encode_tensor(w, mf.rank_map_dtype, {world_}, std::to_string(out.storages.size()));
         out.storages.emplace_back(NewPart{NewPart::Kind::kRankMap, 0, mf.rank_map_dtype});
       } else if (key == "_layout") {
+        const bool axes = mf.flat_class != pickle::kNoRef;
+        auto shape_and_stride = [&] {
+          w.empty_dict();
+          w.mark();
+          w.str("shape");
+          int_seq(layout_of(world_, axes), false);
+          w.str("stride");
+          int_seq(layout_of(1, axes && world_ == 1), false);
+          w.setitems_from_mark();
+          w.build();
+        };
         OPTSTATE_RETURN_IF_ERROR(carry(mf.layout_class));
         OPTSTATE_RETURN_IF_ERROR(carry(mf.layout_args));
         w.newobj();
-        w.empty_dict();
-        w.mark();
-        w.str("axes");
-        w.mark();
-        OPTSTATE_RETURN_IF_ERROR(carry(mf.flat_class));
-        OPTSTATE_RETURN_IF_ERROR(carry(mf.flat_args));
-        w.newobj();
-        w.empty_dict();
-        w.mark();
-        w.str("shape");
-        int_seq(world_ == 1 ? std::vector<int64_t>{} : std::vector<int64_t>{world_}, false);
-        w.str("stride");
-        int_seq(world_ == 1 ? std::vector<int64_t>{} : std::vector<int64_t>{1}, false);
-        w.setitems_from_mark();
-        w.build();
-        w.tuple_from_mark();
-        w.setitems_from_mark();
-        w.build();
+        if (!axes) {
+          shape_and_stride();
+        } else {
+          w.empty_dict();
+          w.mark();
+          w.str("axes");
+          w.mark();
+          OPTSTATE_RETURN_IF_ERROR(carry(mf.flat_class));
+          OPTSTATE_RETURN_IF_ERROR(carry(mf.flat_args));
+          w.newobj();
+          shape_and_stride();
+          w.tuple_from_mark();
+          w.setitems_from_mark();
+          w.build();
+        }
       } else {
         OPTSTATE_RETURN_IF_ERROR(carry(mf.items[i].second));
       }

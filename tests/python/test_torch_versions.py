@@ -1,7 +1,8 @@
 """Checkpoints that other torch and torchao releases wrote (tests/data/torch_versions/<release>/,
-made by its make.py in a venv of each release: torch 2.6 with torchao 0.9, 2.8 with 0.13, 2.14
-with 0.18) read as each release held the state: torch.save'd optimizers, DCP, verl's per-rank
-FSDP1 and FSDP2 files, torchao AdamW8bit's state_dict and DCP. The rest of the suite writes with the one
+made by its make.py in a venv of each release: torch 2.4 with torchao 0.5, 2.6 with 0.9, 2.8 with
+0.13, 2.11 with 0.16, 2.14 with 0.18) read as each release held the state: torch.save'd
+optimizers, DCP, verl's per-rank FSDP1 and FSDP2 files, torchao AdamW8bit's state_dict and DCP;
+verl's files reshard in the source release's DeviceMesh form. The rest of the suite writes with the one
 torch in .venv; these pickles (DCP's Metadata and storage records, DTensor and DeviceMesh,
 torchao's OptimState8bit, defined in torchao.prototype.low_bit_optim before torchao 0.11) are
 what differ between releases.
@@ -35,13 +36,15 @@ def ref_of(release, name):
 
 def test_the_corpus_holds_every_kind_of_checkpoint_for_each_release():
     releases = {r for r, _ in CASES}
-    assert len(releases) >= 3, releases
+    assert len(releases) >= 5, releases
     for r in releases:
         names = {n for rr, n in CASES if rr == r}
-        assert {"optimizer.pt", "dcp", "fsdp1_world2", "torchao_optimizer.pt", "torchao_dcp"} <= names, (r, names)
+        assert {"optimizer.pt", "dcp", "fsdp1_world2", "torchao_optimizer.pt"} <= names, (r, names)
         # FSDP2 runs on the CPU from torch 2.7: its per-rank files from the later releases
         assert ("fsdp2_world2" in names) == (torch_version(r) >= (2, 7)), (r, names)
-    assert any(ref_of(r, "torchao_dcp")[2]["torchao"].startswith("0.9.") for r in releases)
+        # torchao 0.5 cannot dcp.save its own state (make.py)
+        assert ("torchao_dcp" in names) == (not r.endswith("torchao-0.5.0")), (r, names)
+    assert any(ref_of(r, "torchao_optimizer.pt")[2]["torchao"].startswith("0.9.") for r in releases)
 
 
 @pytest.mark.parametrize("release,name", CASES)
@@ -124,10 +127,72 @@ def test_todays_torchao_resumes_from_the_conversion_of_another_releases_torchao_
     src = CORPUS / release
     pt, dcp_out = tmp_path / "optimizer.pt", tmp_path / "dcp"
     optstate_cli("convert", src / "torchao_optimizer.pt", pt, "--format", "torchao")
-    optstate_cli("convert", src / "torchao_dcp", dcp_out, "--format", "dcp")
-    for kind, path, ref in (("pt", pt, "torchao_optimizer.pt"), ("dcp", dcp_out, "torchao_dcp")):
+    runs = [("pt", pt, "torchao_optimizer.pt")]
+    if (src / "torchao_dcp").exists():
+        optstate_cli("convert", src / "torchao_dcp", dcp_out, "--format", "dcp")
+        runs.append(("dcp", dcp_out, "torchao_dcp"))
+    for kind, path, ref in runs:
         out = run_script(tmp_path, RESUME_TORCHAO, "resume.py", kind, path, src / (ref + ".ref.safetensors"))
         report = json.loads(out.stdout.strip().splitlines()[-1])
         weight = "0" if kind == "pt" else "0.weight"
         assert report == {"eight_bit": [f"{weight}.exp_avg", f"{weight}.exp_avg_sq"], "equal": True,
                           "stepped": True}, (kind, report)
+
+
+def mesh_layouts(folder):
+    """The DeviceMesh `_layout` of each file of a per-rank set, as pickletools shows its opcodes:
+    ("axes" for torch 2.13's form or "flat" for 2.9-2.12's, its (shape, stride))."""
+    import io
+    import pickletools
+    import re
+    import zipfile
+    out = set()
+    for f in sorted(folder.glob("*_world_size_*_rank_*.pt")):
+        with zipfile.ZipFile(f) as z:
+            pkl = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+        text = io.StringIO()
+        pickletools.dis(pkl, out=text)
+        dis = text.getvalue()
+        at = dis.find("'_layout'")
+        if at < 0:
+            continue
+        block = dis[at:dis.find("'_rank_map'", at)]
+        ints = [int(x) for x in re.findall(r"BININT1\s+(\d+)", block)]
+        form = "axes" if "'axes'" in block else "flat"
+        n = len(ints) // 2  # shape then stride, each a tuple of n ints (no ints for a dropped size-1 mode)
+        out.add((form, tuple(ints[:n]), tuple(ints[n:])))
+    return out
+
+
+@pytest.mark.parametrize("release,name", [c for c in CASES if c[1] in ("fsdp1_world2", "fsdp2_world2")])
+def test_verls_files_of_another_release_reshard_in_that_releases_mesh_form(tmp_path, optstate_cli, release, name):
+    """`reshard --format torchsave` rewrites each DTensor's DeviceMesh for the new world size in the
+    form the source's torch pickles: 2.13 and later `_MeshLayout{axes: (_FlatLayout{shape, stride},)}`
+    (one rank: an empty shape), 2.9-2.12 `_MeshLayout{shape, stride}` (one rank: (1,)); FSDP1's files
+    for one rank hold plain tensors. The files read back as the same state. (That torch 2.11 and 2.14 themselves load such files on 1 and 3
+    ranks, FSDP1 and FSDP2, and step on, was checked with those releases when this was written.)
+    Older meshes (a `mesh` tensor, `_dim_group_infos`) are refused, naming the field."""
+    src = CORPUS / release / name
+    ref, _, _ = ref_of(release, name)
+    source_form = {f for f, _, _ in mesh_layouts(src)}
+    if torch_version(release) < (2, 9):
+        assert not source_form
+        err = optstate_cli("reshard", src, tmp_path / "out", "--world-size", "3", "--format", "torchsave",
+                           check=False)
+        assert err.returncode == 2 and "device mesh: field 'device_type'" in err.stderr, err.stderr
+        assert "2.9 and later" in err.stderr and not (tmp_path / "out").exists()
+        return
+    (form,) = source_form
+    assert form == ("axes" if torch_version(release) >= (2, 13) else "flat")
+    for world in (1, 3):
+        out = tmp_path / f"w{world}"
+        optstate_cli("reshard", src, out, "--world-size", str(world), "--format", "torchsave")
+        one_rank = () if form == "axes" else (1,)
+        want = {(form, (world,), (1,))} if world > 1 else {(form, one_rank, one_rank)}
+        if world == 1 and name == "fsdp1_world2":
+            want = set()  # FSDP1 on one rank shards nothing: plain tensors, no mesh
+        assert mesh_layouts(out) == want, (world, mesh_layouts(out))
+        optstate_cli("convert", out, tmp_path / f"w{world}.safetensors")
+        got = st_load(tmp_path / f"w{world}.safetensors")
+        for k, v in ref.items():
+            assert torch.equal(got[k], v), (world, k)

@@ -63,18 +63,20 @@ struct NewPart {
 };
 using Plan = Planned<NewPart>;
 
-// A DeviceMesh's pickled state (DeviceMesh.__getstate__: its __dict__, torch 2.9 and later), found
+// A DeviceMesh's pickled state (its __dict__, in the fields of torch 2.4 to 2.14: FORMAT.md), found
 // in rank 0's file and written anew for each rank: the whole dict, since the values that depend on
-// the rank or the world size (_rank, _coordinate_on_dim, _flatten_rank_map, _layout, _rank_map) may
-// be objects the pickle shares with others. A field optstate does not know is refused rather than
+// the rank or the world size (_rank, _coordinate_on_dim, _flatten_rank_map, _layout, _rank_map;
+// before torch 2.10 mesh, _flatten_mesh_list, _dim_group_infos) may be objects the pickle shares
+// with others. A field optstate does not know is refused rather than
 // carried, since it may hold the world size.
 struct MeshFields {
   std::vector<std::pair<Ref, Ref>> items;  // (key, value) in the file's order
   std::vector<std::string> keys;
   Ref layout_class = pickle::kNoRef, layout_args = pickle::kNoRef, flat_class = pickle::kNoRef,
       flat_args = pickle::kNoRef;  // flat_*: kNoRef for a _MeshLayout with its own shape and stride
-  DType rank_map_dtype = DType::kI32;
+  DType rank_map_dtype = DType::kI32;  // of `_rank_map` (torch 2.10 and later) or `mesh` (before)
   bool coordinate_list = false;
+  std::string group_tag, group_name;  // `_dim_group_infos`' one (tag, ranks, name), torch before 2.8
 };
 
 class FsdpWriter {
@@ -228,7 +230,13 @@ class FsdpWriter {
     MeshFields out;
     const auto& items = p.at(f).items;
     auto ints = [&](Ref r) { return dcp::int_tuple(p, r); };
-    std::set<std::string> needed = {"_rank", "_coordinate_on_dim", "_flatten_rank_map", "_layout", "_rank_map"};
+    // Two generations: torch 2.10 and later pickle `_rank_map` and `_layout`; before, the ranks are
+    // the tensor `mesh` and the tuple `_flatten_mesh_list` (with `_dim_group_infos`, before 2.8).
+    bool before_layout = false;
+    for (size_t k = 0; k + 1 < items.size(); k += 2) before_layout |= dcp::as_string(p, items[k]) == "mesh";
+    std::set<std::string> needed = before_layout ? std::set<std::string>{"mesh", "_coordinate_on_dim", "_flatten_mesh_list"}
+                                                 : std::set<std::string>{"_coordinate_on_dim", "_flatten_rank_map",
+                                                                         "_layout", "_rank_map"};  // `_rank`: 2.11 on
     for (size_t k = 0; k + 1 < items.size(); k += 2) {
       const auto key = dcp::as_string(p, items[k]);
       const Ref val = items[k + 1];
@@ -237,10 +245,10 @@ class FsdpWriter {
       out.keys.push_back(*key);
       needed.erase(*key);
       if (*key == "_device_type" || *key == "_mesh_dim_names" || *key == "_thread_id" || *key == "_dim_group_names" ||
-          *key == "_hash") {
+          *key == "_hash" || (before_layout && (*key == "device_type" || *key == "mesh_dim_names"))) {
         continue;  // the same on every rank and world size (one group: the default one's name); the hash recomputed
-      } else if (*key == "_root_mesh") {
-        if (p.at(val).kind != Kind::kNone) return unsupported(mw + ": a sub-mesh of a larger mesh (_root_mesh)");
+      } else if (*key == "_root_mesh" || *key == "_parent_mesh") {
+        if (p.at(val).kind != Kind::kNone) return unsupported(fmt::format("{}: a sub-mesh of a larger mesh ({})", mw, *key));
       } else if (*key == "_flatten_mapping") {
         if (!p.at(val).items.empty()) return unsupported(mw + ": flattened sub-meshes (_flatten_mapping)");
       } else if (*key == "_rank") {
@@ -248,7 +256,7 @@ class FsdpWriter {
       } else if (*key == "_coordinate_on_dim") {
         if (ints(val) != std::vector<int64_t>{0}) return corrupt(mw + ": '_coordinate_on_dim' is not rank 0's on a 1-D mesh");
         out.coordinate_list = p.at(val).kind == Kind::kList;
-      } else if (*key == "_flatten_rank_map") {
+      } else if (*key == "_flatten_rank_map" || (before_layout && *key == "_flatten_mesh_list")) {
         const auto ranks = ints(val);
         bool in_order = ranks && static_cast<int64_t>(ranks->size()) == n_;
         for (int64_t i = 0; in_order && i < n_; ++i) in_order = (*ranks)[static_cast<size_t>(i)] == i;
@@ -282,19 +290,33 @@ class FsdpWriter {
           out.flat_class = p.at(flat_obj).callable;
           out.flat_args = p.at(flat_obj).args;
         }
-      } else if (*key == "_rank_map") {
-        OPTSTATE_ASSIGN_OR_RETURN(const dcp::Payload pl, dcp::interpret_value(p, val, mw + " '_rank_map'"));
+      } else if (*key == "_rank_map" || (before_layout && *key == "mesh")) {
+        OPTSTATE_ASSIGN_OR_RETURN(const dcp::Payload pl, dcp::interpret_value(p, val, fmt::format("{} '{}'", mw, *key)));
         if (pl.kind != dcp::Payload::Kind::kTensor || pl.tensor.shape != std::vector<int64_t>{n_} ||
             (pl.tensor.dtype != DType::kI32 && pl.tensor.dtype != DType::kI64))
-          return unsupported(fmt::format("{}: a '_rank_map' other than {} integers", mw, n_));
+          return unsupported(fmt::format("{}: a '{}' other than {} integers", mw, *key, n_));
         out.rank_map_dtype = pl.tensor.dtype;
+      } else if (before_layout && *key == "_dim_group_infos") {
+        // [(tag, ranks, group name)]: the one group of a 1-D mesh, over ranks 0..n-1
+        const pickle::Value& v = p.at(val);
+        const pickle::Value* info = v.kind == Kind::kList && v.items.size() == 1 ? &p.at(v.items[0]) : nullptr;
+        const auto tag = info && info->kind == Kind::kTuple && info->items.size() == 3 ? dcp::as_string(p, info->items[0])
+                                                                                        : std::nullopt;
+        const auto name = tag ? dcp::as_string(p, info->items[2]) : std::nullopt;
+        const auto ranks = tag ? ints(info->items[1]) : std::nullopt;
+        bool in_order = ranks && static_cast<int64_t>(ranks->size()) == n_;
+        for (int64_t i = 0; in_order && i < n_; ++i) in_order = (*ranks)[static_cast<size_t>(i)] == i;
+        if (!name || !in_order)
+          return unsupported(fmt::format("{}: a '_dim_group_infos' other than one group over ranks 0..{}", mw, n_ - 1));
+        out.group_tag = *tag;
+        out.group_name = *name;
       } else {
         return unsupported(fmt::format("{}: field '{}', which optstate does not know; a DeviceMesh pickled by another "
-                                       "torch than the ones optstate writes for (2.9 and later)", mw, *key));
+                                       "torch than the ones optstate writes for (2.4 to 2.14)", mw, *key));
       }
     }
     if (!needed.empty())
-      return unsupported(fmt::format("{}: without '{}', a field of torch 2.9 and later's DeviceMesh", mw, *needed.begin()));
+      return unsupported(fmt::format("{}: without '{}', a field of torch's DeviceMesh", mw, *needed.begin()));
     return out;
   }
 
@@ -332,11 +354,20 @@ class FsdpWriter {
         w.integer(r);
       } else if (key == "_coordinate_on_dim") {
         int_seq({r}, mf.coordinate_list);
-      } else if (key == "_flatten_rank_map") {
+      } else if (key == "_flatten_rank_map" || key == "_flatten_mesh_list") {
         int_seq(all, false);
+      } else if (key == "_dim_group_infos") {
+        w.empty_list();
+        w.mark();
+        w.mark();
+        w.str(mf.group_tag);
+        int_seq(all, true);
+        w.str(mf.group_name);
+        w.tuple_from_mark();
+        w.appends_from_mark();
       } else if (key == "_hash") {
         w.none();  // computed again when first needed
-      } else if (key == "_rank_map") {
+      } else if (key == "_rank_map" || key == "mesh") {
         dcp::encode_tensor(w, mf.rank_map_dtype, {world_}, std::to_string(out.storages.size()));
         out.storages.emplace_back(NewPart{NewPart::Kind::kRankMap, 0, mf.rank_map_dtype});
       } else if (key == "_layout") {

@@ -1,6 +1,6 @@
 """Checkpoints that other torch and torchao releases wrote (tests/data/torch_versions/<release>/,
 made by its make.py in a venv of each release: torch 2.4 with torchao 0.5, 2.6 with 0.9, 2.8 with
-0.13, 2.11 with 0.16, 2.14 with 0.18) read as each release held the state: torch.save'd
+0.13, 2.10 alone, 2.11 with 0.16, 2.14 with 0.18) read as each release held the state: torch.save'd
 optimizers, DCP, verl's per-rank FSDP1 and FSDP2 files, torchao AdamW8bit's state_dict and DCP;
 verl's files reshard in the source release's DeviceMesh form. The rest of the suite writes with the one
 torch in .venv; these pickles (DCP's Metadata and storage records, DTensor and DeviceMesh,
@@ -36,14 +36,16 @@ def ref_of(release, name):
 
 def test_the_corpus_holds_every_kind_of_checkpoint_for_each_release():
     releases = {r for r, _ in CASES}
-    assert len(releases) >= 5, releases
+    assert len(releases) >= 6, releases
     for r in releases:
         names = {n for rr, n in CASES if rr == r}
-        assert {"optimizer.pt", "dcp", "fsdp1_world2", "torchao_optimizer.pt"} <= names, (r, names)
+        assert {"optimizer.pt", "dcp", "fsdp1_world2"} <= names, (r, names)
         # FSDP2 runs on the CPU from torch 2.7: its per-rank files from the later releases
         assert ("fsdp2_world2" in names) == (torch_version(r) >= (2, 7)), (r, names)
-        # torchao 0.5 cannot dcp.save its own state (make.py)
-        assert ("torchao_dcp" in names) == (not r.endswith("torchao-0.5.0")), (r, names)
+        # a release made without torchao ("torchao-none") has no torchao sets; torchao 0.5 cannot
+        # dcp.save its own state (make.py)
+        assert ("torchao_optimizer.pt" in names) == (not r.endswith("torchao-none")), (r, names)
+        assert ("torchao_dcp" in names) == (not r.endswith(("torchao-none", "torchao-0.5.0"))), (r, names)
     assert any(ref_of(r, "torchao_optimizer.pt")[2]["torchao"].startswith("0.9.") for r in releases)
 
 
@@ -115,7 +117,7 @@ RESUME_TORCHAO = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("release", sorted({r for r, _ in CASES}))
+@pytest.mark.parametrize("release", sorted({r for r, n in CASES if n == "torchao_optimizer.pt"}))
 def test_todays_torchao_resumes_from_the_conversion_of_another_releases_torchao_state(
         tmp_path, optstate_cli, release):
     """torchao before 0.11 pickled its OptimState8bit from torchao.prototype.low_bit_optim, a
@@ -140,8 +142,9 @@ def test_todays_torchao_resumes_from_the_conversion_of_another_releases_torchao_
 
 
 def mesh_layouts(folder):
-    """The DeviceMesh `_layout` of each file of a per-rank set, as pickletools shows its opcodes:
-    ("axes" for torch 2.13's form or "flat" for 2.9-2.12's, its (shape, stride))."""
+    """The DeviceMesh of each file of a per-rank set, as pickletools shows its opcodes: ("axes",
+    shape, stride) for torch 2.13's `_layout`, ("flat", shape, stride) for 2.10-2.12's, ("mesh",
+    ranks of `_flatten_mesh_list`, ranks of `_dim_group_infos` or None) before 2.10."""
     import io
     import pickletools
     import re
@@ -153,14 +156,17 @@ def mesh_layouts(folder):
         text = io.StringIO()
         pickletools.dis(pkl, out=text)
         dis = text.getvalue()
-        at = dis.find("'_layout'")
-        if at < 0:
-            continue
-        block = dis[at:dis.find("'_rank_map'", at)]
-        ints = [int(x) for x in re.findall(r"BININT1\s+(\d+)", block)]
-        form = "axes" if "'axes'" in block else "flat"
-        n = len(ints) // 2  # shape then stride, each a tuple of n ints (no ints for a dropped size-1 mode)
-        out.add((form, tuple(ints[:n]), tuple(ints[n:])))
+        ints = lambda block: tuple(int(x) for x in re.findall(r"BININT1\s+(\d+)", block))  # noqa: E731
+        if (at := dis.find("'_layout'")) >= 0:
+            both = ints(dis[at:dis.find("'_rank_map'", at)])
+            n = len(both) // 2  # shape then stride, each a tuple of n ints (none for a dropped size-1 mode)
+            dis_block = dis[at:dis.find("'_rank_map'", at)]
+            out.add(("axes" if "'axes'" in dis_block else "flat", both[:n], both[n:]))
+        elif (at := dis.find("'_flatten_mesh_list'")) >= 0:
+            flat = ints(dis[at:dis.find("BINUNICODE", at + 30)])
+            g = dis.find("'_dim_group_infos'", at)
+            groups = ints(dis[g:dis.find("'_coordinate_on_dim'", g)]) if g >= 0 else None
+            out.add(("mesh", flat, groups))
     return out
 
 
@@ -168,27 +174,29 @@ def mesh_layouts(folder):
 def test_verls_files_of_another_release_reshard_in_that_releases_mesh_form(tmp_path, optstate_cli, release, name):
     """`reshard --format torchsave` rewrites each DTensor's DeviceMesh for the new world size in the
     form the source's torch pickles: 2.13 and later `_MeshLayout{axes: (_FlatLayout{shape, stride},)}`
-    (one rank: an empty shape), 2.9-2.12 `_MeshLayout{shape, stride}` (one rank: (1,)); FSDP1's files
-    for one rank hold plain tensors. The files read back as the same state. (That torch 2.11 and 2.14 themselves load such files on 1 and 3
-    ranks, FSDP1 and FSDP2, and step on, was checked with those releases when this was written.)
-    Older meshes (a `mesh` tensor, `_dim_group_infos`) are refused, naming the field."""
+    (one rank: an empty shape), 2.10-2.12 `_MeshLayout{shape, stride}` (one rank: (1,)), before 2.10
+    the ranks as the tensor `mesh` and the tuple `_flatten_mesh_list` (and `_dim_group_infos`' ranks,
+    before 2.8). FSDP1's files for one rank hold plain tensors. The files read back as the same
+    state. (That torch 2.6 (FSDP1), 2.8, 2.9, 2.10, 2.11 and 2.14 (FSDP1 and FSDP2) themselves load
+    such files on 1 and 3 ranks and step on with the same state was checked with those releases when
+    this was written.)"""
     src = CORPUS / release / name
     ref, _, _ = ref_of(release, name)
-    source_form = {f for f, _, _ in mesh_layouts(src)}
-    if torch_version(release) < (2, 9):
-        assert not source_form
-        err = optstate_cli("reshard", src, tmp_path / "out", "--world-size", "3", "--format", "torchsave",
-                           check=False)
-        assert err.returncode == 2 and "device mesh: field 'device_type'" in err.stderr, err.stderr
-        assert "2.9 and later" in err.stderr and not (tmp_path / "out").exists()
-        return
-    (form,) = source_form
-    assert form == ("axes" if torch_version(release) >= (2, 13) else "flat")
+    (source,) = mesh_layouts(src)
+    version = torch_version(release)
+    form = "axes" if version >= (2, 13) else "flat" if version >= (2, 10) else "mesh"
+    assert source[0] == form
+    assert (source[2] is not None) == (version < (2, 8)) if form == "mesh" else True
     for world in (1, 3):
         out = tmp_path / f"w{world}"
         optstate_cli("reshard", src, out, "--world-size", str(world), "--format", "torchsave")
-        one_rank = () if form == "axes" else (1,)
-        want = {(form, (world,), (1,))} if world > 1 else {(form, one_rank, one_rank)}
+        ranks = tuple(range(world))
+        if form == "mesh":
+            want = {("mesh", ranks, ranks if source[2] is not None else None)}
+        elif world > 1:
+            want = {(form, (world,), (1,))}
+        else:
+            want = {(form, (), ()) if form == "axes" else (form, (1,), (1,))}
         if world == 1 and name == "fsdp1_world2":
             want = set()  # FSDP1 on one rank shards nothing: plain tensors, no mesh
         assert mesh_layouts(out) == want, (world, mesh_layouts(out))

@@ -264,7 +264,7 @@ class FsdpWriter {
           return unsupported(fmt::format("{}: its ranks are not 0..{} in order (a mesh over some ranks only)", mw, n_ - 1));
       } else if (*key == "_layout") {
         // torch 2.13 and later: _MeshLayout{axes: (_FlatLayout{shape: (N,), stride: (1,)},)};
-        // 2.9 to 2.12: _MeshLayout{shape: (N,), stride: (1,)}. Written back in the file's form.
+        // 2.10 to 2.12: _MeshLayout{shape: (N,), stride: (1,)}. Written back in the file's form.
         const pickle::Value& lv = p.at(val);
         const Ref lf = dcp::fields_of(p, val);
         const Ref axes = lf == pickle::kNoRef ? pickle::kNoRef : p.dict_get(lf, "axes");
@@ -322,7 +322,7 @@ class FsdpWriter {
 
   // A 1-D mesh layout's shape (n,), or its stride (1,) as layout_of(1, ...). torch 2.13 and later
   // pickle a mesh of one rank with an empty one (its size-1 mode dropped; `dropped`), and refuse
-  // the (1,) form as another mesh; 2.9-2.12 keep (1,).
+  // the (1,) form as another mesh; 2.10-2.12 keep (1,).
   static std::vector<int64_t> layout_of(int64_t n, bool dropped) {
     return n == 1 && dropped ? std::vector<int64_t>{} : std::vector<int64_t>{n};
   }

@@ -2,10 +2,10 @@
 made by its make.py in a venv of each release: torch 2.4 with torchao 0.5, 2.6 with 0.9, 2.8 with
 0.13, 2.10 alone, 2.11 with 0.16, 2.14 with 0.18) read as each release held the state: torch.save'd
 optimizers, DCP, verl's per-rank FSDP1 and FSDP2 files, torchao AdamW8bit's state_dict and DCP;
-verl's files reshard in the source release's DeviceMesh form. The rest of the suite writes with the one
-torch in .venv; these pickles (DCP's Metadata and storage records, DTensor and DeviceMesh,
-torchao's OptimState8bit, defined in torchao.prototype.low_bit_optim before torchao 0.11) are
-what differ between releases.
+verl's files reshard in the source release's DeviceMesh form. The rest of the suite writes with the
+one torch in .venv; these pickles (DCP's Metadata and storage records, DTensor and DeviceMesh,
+torchao's OptimState8bit, defined in torchao.prototype.low_bit_optim before torchao 0.11) are what
+differ between releases.
 """
 import json
 import textwrap

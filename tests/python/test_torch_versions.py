@@ -158,10 +158,10 @@ def mesh_layouts(folder):
         dis = text.getvalue()
         ints = lambda block: tuple(int(x) for x in re.findall(r"BININT1\s+(\d+)", block))  # noqa: E731
         if (at := dis.find("'_layout'")) >= 0:
-            both = ints(dis[at:dis.find("'_rank_map'", at)])
+            block = dis[at:dis.find("'_rank_map'", at)]
+            both = ints(block)
             n = len(both) // 2  # shape then stride, each a tuple of n ints (none for a dropped size-1 mode)
-            dis_block = dis[at:dis.find("'_rank_map'", at)]
-            out.add(("axes" if "'axes'" in dis_block else "flat", both[:n], both[n:]))
+            out.add(("axes" if "'axes'" in block else "flat", both[:n], both[n:]))
         elif (at := dis.find("'_flatten_mesh_list'")) >= 0:
             flat = ints(dis[at:dis.find("BINUNICODE", at + 30)])
             g = dis.find("'_dim_group_infos'", at)

@@ -230,6 +230,12 @@ class FsdpWriter {
     MeshFields out;
     const auto& items = p.at(f).items;
     auto ints = [&](Ref r) { return dcp::int_tuple(p, r); };
+    auto all_ranks = [&](Ref r) {  // the ints 0..n-1 in order: a 1-D mesh over every rank
+      const auto ranks = ints(r);
+      bool in_order = ranks && static_cast<int64_t>(ranks->size()) == n_;
+      for (int64_t i = 0; in_order && i < n_; ++i) in_order = (*ranks)[static_cast<size_t>(i)] == i;
+      return in_order;
+    };
     // Two generations: torch 2.10 and later pickle `_rank_map` and `_layout`; before, the ranks are
     // the tensor `mesh` and the tuple `_flatten_mesh_list` (with `_dim_group_infos`, before 2.8).
     bool before_layout = false;
@@ -257,10 +263,7 @@ class FsdpWriter {
         if (ints(val) != std::vector<int64_t>{0}) return corrupt(mw + ": '_coordinate_on_dim' is not rank 0's on a 1-D mesh");
         out.coordinate_list = p.at(val).kind == Kind::kList;
       } else if (*key == "_flatten_rank_map" || (before_layout && *key == "_flatten_mesh_list")) {
-        const auto ranks = ints(val);
-        bool in_order = ranks && static_cast<int64_t>(ranks->size()) == n_;
-        for (int64_t i = 0; in_order && i < n_; ++i) in_order = (*ranks)[static_cast<size_t>(i)] == i;
-        if (!in_order)
+        if (!all_ranks(val))
           return unsupported(fmt::format("{}: its ranks are not 0..{} in order (a mesh over some ranks only)", mw, n_ - 1));
       } else if (*key == "_layout") {
         // torch 2.13 and later: _MeshLayout{axes: (_FlatLayout{shape: (N,), stride: (1,)},)};
@@ -303,10 +306,7 @@ class FsdpWriter {
         const auto tag = info && info->kind == Kind::kTuple && info->items.size() == 3 ? dcp::as_string(p, info->items[0])
                                                                                         : std::nullopt;
         const auto name = tag ? dcp::as_string(p, info->items[2]) : std::nullopt;
-        const auto ranks = tag ? ints(info->items[1]) : std::nullopt;
-        bool in_order = ranks && static_cast<int64_t>(ranks->size()) == n_;
-        for (int64_t i = 0; in_order && i < n_; ++i) in_order = (*ranks)[static_cast<size_t>(i)] == i;
-        if (!name || !in_order)
+        if (!name || !all_ranks(info->items[1]))
           return unsupported(fmt::format("{}: a '_dim_group_infos' other than one group over ranks 0..{}", mw, n_ - 1));
         out.group_tag = *tag;
         out.group_name = *name;

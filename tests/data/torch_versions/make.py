@@ -109,11 +109,15 @@ def write_ref(path, model, opt, gather=None, numbered=False, weights=True):
                     dist.all_gather_object(pieces, v)
                     v = torch.cat(pieces)
                 tensors[f"{fqn}.{k}"] = v.reshape(p.shape).contiguous()
-            meta[fqn] = {"step": int(plain(st["step"]).item()), "lr": float(group["lr"]),
-                         "betas": list(group["betas"]), "eps": group["eps"],
-                         "weight_decay": group["weight_decay"]}
+            meta[fqn] = hyperparameters(st, group)
     if gather is None or gather == 0:
         save_ref(path, tensors, meta)
+
+
+def hyperparameters(st, group):
+    """What the reference records of a param besides its tensors: its step and its group's settings."""
+    return {"step": int(plain(st["step"]).item()), "lr": float(group["lr"]), "betas": list(group["betas"]),
+            "eps": group["eps"], "weight_decay": group["weight_decay"]}
 
 
 def save_ref(path, tensors, meta):
@@ -159,8 +163,7 @@ def fsdp1_files(rank, world, out):
             tensors[f"{fqn}.param"] = weights[fqn].float().contiguous()
             for k in ("exp_avg", "exp_avg_sq"):
                 tensors[f"{fqn}.{k}"] = st[k].float().contiguous()
-            meta[fqn] = {"step": int(plain(st["step"]).item()), "lr": float(group["lr"]),
-                         "betas": list(group["betas"]), "eps": group["eps"], "weight_decay": group["weight_decay"]}
+            meta[fqn] = hyperparameters(st, group)
         save_ref(folder, tensors, meta)
 
 

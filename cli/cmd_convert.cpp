@@ -9,6 +9,7 @@
 #include "optstate/io.h"
 #include "optstate/transform.h"
 #include "progress.h"
+#include "dcp/dcp_driver.h"
 #include "registry.h"
 
 namespace optstate::cli {
@@ -26,13 +27,17 @@ Result<int64_t> parse_positive(const std::string& name, const std::string& text)
 
 int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, char** argv);
 
+constexpr const char* kTorchaoPackageHelp =
+    "torchao, dcp: the Python package whose OptimState8bit the 8-bit moments are: torchao.optim (torchao 0.11 "
+    "and later) or torchao.prototype.low_bit_optim (before 0.11) (default: the source's, else torchao.optim)";
+
 }  // namespace
 
 int run_convert(int argc, char** argv) {
   const CommandSpec spec{
       "convert",
       "optstate convert SRC DST [--to fp32|8bit] [--format native|safetensors|hdf5|dcp|torchsave|libtorch|bitsandbytes|torchao|deepspeed] [--world-size N] [--block-size N] "
-      "[--min-8bit-size N] [--float-lr] [--overwrite] [--json]",
+      "[--min-8bit-size N] [--float-lr] [--torchao-package P] [--overwrite] [--json]",
       "Writes the state of SRC to DST, optionally changing its encoding: --to fp32 dequantizes 8-bit\n"
       "moments, --to 8bit quantizes the moments of params with at least --min-8bit-size elements\n"
       "(default 4096) in blocks of --block-size (default 256); moments that came from 8-bit get their\n"
@@ -56,6 +61,7 @@ int run_convert(int argc, char** argv) {
        {"--compress", true, "gzip level 1-9 where the format compresses (hdf5, with shuffle)"},
        {"--float-lr", false, "dcp: torch.optim.AdamW's state for a float lr: lr as Python floats also where the source "
                              "kept tensors (torchao), its LR scheduler's lists included, and 8-bit moments dequantized"},
+       {"--torchao-package", true, kTorchaoPackageHelp},
        {"--overwrite", false, "replace DST if it is a checkpoint (any format) or an empty directory"},
        {"--json", false, "print a JSON summary"}},
       2,
@@ -65,7 +71,8 @@ int run_convert(int argc, char** argv) {
 
 int run_reshard(int argc, char** argv) {
   const CommandSpec spec{"reshard",
-                         "optstate reshard SRC DST --world-size N [--format native|dcp|torchsave|deepspeed] [--overwrite] [--json]",
+                         "optstate reshard SRC DST --world-size N [--format native|dcp|torchsave|deepspeed] [--torchao-package P] "
+                         "[--overwrite] [--json]",
                          "Writes SRC again as N ranks' shards (each rank a contiguous flat range of every entry,\n"
                          "whole rows for dense entries, whole blocks for 8-bit ones; nothing is requantized).\n"
                          "--format torchsave with SRC a folder of FSDP's per-rank files (verl's actor/: FSDP2, or FSDP1\n"
@@ -74,6 +81,7 @@ int run_reshard(int argc, char** argv) {
                          {{"--world-size", true, "number of ranks (required)"},
                           {"--format", true, "output format (default: native): native, dcp, torchsave (FSDP's per-rank "
                                              "files, from such a folder), deepspeed (ZeRO-3, from such a checkpoint)"},
+                          {"--torchao-package", true, kTorchaoPackageHelp},
                           {"--overwrite", false, "replace DST if it is a checkpoint (any format) or an empty directory"},
                           {"--json", false, "print a JSON summary"}},
                          2,
@@ -120,6 +128,14 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   if (to == "8bit" && args->has("--float-lr"))
     return fail(command, invalid_argument("--float-lr writes torch.optim.AdamW's state (dense moments); --to 8bit "
                                           "writes torchao's 8-bit items"));
+  if (args->has("--torchao-package") && format != "torchao" && format != "dcp")
+    return fail(command, invalid_argument(fmt::format("--torchao-package is for --format torchao and dcp (their 8-bit "
+                                                      "moments are torchao's classes); {} names none", format)));
+  if (args->has("--torchao-package")) {  // checked before SRC is read, as the writer checks it
+    WriteOptions check;
+    check.torchao_package = *args->value("--torchao-package");
+    if (auto p = dcp::written_torchao_package(check); !p.ok()) return fail(command, p.status());
+  }
   WriteOptions quantized;
   quantized.quantized = true;
   if (to == "8bit" && !driver->writes_blockwise8(quantized))  // it would quantize, then store the rounded values dense
@@ -200,6 +216,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   wo.source = reader;
   wo.float_lr = args->has("--float-lr");
   wo.quantized = to == "8bit";
+  wo.torchao_package = args->value("--torchao-package").value_or("");
   progress.phase(fmt::format("writing {}", dst.string()));
   Status st;
   {
@@ -228,6 +245,8 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   if (kept.params.size() < written.params.size())
     std::fprintf(stderr, "note: %zu params without optimizer state are not in %s (%s keeps no shape for them)\n",
                  written.params.size() - kept.params.size(), dst.c_str(), format.c_str());
+  for (const std::string& note : driver->write_notes(kept, wo))
+    std::fprintf(stderr, "note: %s: %s\n", dst.c_str(), note.c_str());
   bool renamed = false;
   for (const auto& [fqn, ps] : kept.params) renamed = renamed || !written.params.count(fqn);
   if (renamed)

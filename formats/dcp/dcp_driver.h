@@ -50,6 +50,7 @@ struct SourceLayout {
   std::map<std::string, ItemName> weights;  // fqn -> where its weights were (model.<fqn>, or <fqn> in torchtitan)
   std::set<std::string> tensor_lr;      // fqns whose group's lr was a 0-d tensor (torchao keeps it so)
   bool torchao_8bit = false;            // some moment was torchao's OptimState8bit (AdamW8bit's) items
+  std::string_view torchao_package;     // where its torchao subclasses were defined (kTorchaoOptimPackages)
   std::vector<CarriedItem> carried;     // everything else, in key order
   // The number a bytes item or a one-element tensor item of the source holds (for float_lr).
   std::function<Result<double>(const std::string& key)> number;
@@ -100,6 +101,13 @@ const SourceLayout* source_layout(const CheckpointReader& reader);
 // consumer steps) rather than dequantized for torch.optim.AdamW: for convert --to 8bit, and from a
 // DCP of torchao's AdamW8bit (its layout kept); never with float_lr (torch.optim.AdamW's state).
 bool writes_torchao_items(const WriteOptions& options, const SourceLayout* source);
+// The package that 8-bit moments written as torchao's subclasses name: WriteOptions::torchao_package
+// (refused unless one of kTorchaoOptimPackages), else the source's (CheckpointReader::torchao_package:
+// a reshard or conversion keeps what that torchao release loads), else torchao.optim.
+Result<std::string_view> written_torchao_package(const WriteOptions& options);
+// What convert says of 8-bit moments written as `package`'s subclasses: which torchao releases load
+// them, where that is not simply today's (the package is the older one, or the source's was); else "".
+std::string torchao_package_note(std::string_view package, const WriteOptions& options);
 // Whether blockwise8 entry `e`, moment `moment` of a param of `shape`, is written as torchao's
 // items when laid out as `world` ranks' row shards: torchao steps it as 8-bit (whole blocks of its
 // map) and every rank's rows are whole blocks (torchao slices its state on block boundaries only).

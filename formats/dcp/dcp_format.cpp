@@ -65,6 +65,7 @@ class DcpReader final : public CheckpointReader {
   std::string_view format() const override { return "dcp"; }
   const fs::path& path() const override { return dir_; }
   const OptimizerState& meta() const override { return meta_; }
+  std::string_view torchao_package() const override { return layout_.torchao_package; }
   // Whether every chunk read so far was checked against the CRC-32 torch.save stored for it (and at
   // least one was): true after a full read of a checkpoint torch saved with CRCs (its default).
   // A rank's share of a larger chunk is part of a record and cannot be checked.
@@ -833,6 +834,7 @@ class DcpReader final : public CheckpointReader {
         }
       }
       layout_.torchao_8bit = layout_.torchao_8bit || !dequant_only;
+      if (layout_.torchao_package.empty()) layout_.torchao_package = first->payload.torchao_package;
       if (blockwise) {
         e.encoding = Encoding::kBlockwise8;
         e.dtype = DType::kU8;
@@ -869,6 +871,7 @@ class DcpReader final : public CheckpointReader {
           OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pk, item(key, im.chunks[k].offsets));
           any8 = pk->payload.kind == Payload::Kind::kOptimState8bit && !pk->payload.fp8 && pk->payload.bits == 8;
           layout_.torchao_8bit = layout_.torchao_8bit || any8;
+          if (any8 && layout_.torchao_package.empty()) layout_.torchao_package = pk->payload.torchao_package;
         }
       }
     } else {
@@ -1066,6 +1069,15 @@ class DcpDriver final : public FormatDriver {
       return fits_torchao_items(moment, e, ps.shape, options.world_size);
     });
   }
+  std::vector<std::string> write_notes(const OptimizerState& kept, const WriteOptions& options) const override {
+    const auto package = written_torchao_package(options);
+    bool eight = false;
+    for (const auto& [fqn, ps] : kept.params)
+      for (const auto& [name, e] : ps.entries) eight = eight || e.encoding == Encoding::kBlockwise8;
+    if (!package.ok() || !eight || !writes_blockwise8(options)) return {};
+    std::string note = torchao_package_note(*package, options);
+    return note.empty() ? std::vector<std::string>{} : std::vector<std::string>{std::move(note)};
+  }
   // --to 8bit quantizes as torchao steps 8-bit state: whole blocks only.
   QuantizeOptions quantize_rule(const QuantizeOptions& q) const override {
     QuantizeOptions whole = q;
@@ -1092,6 +1104,30 @@ Result<ArchiveIndex> read_archive_index(const InputFile& file, const StorageLoc&
   OPTSTATE_RETURN_IF_ERROR(file.read_at(loc.offset + index.cd.offset, cdb).with_context(where));
   OPTSTATE_ASSIGN_OR_RETURN(index.entries, zip::parse_central_directory(cdb, index.cd, where, allow_compressed));
   return index;
+}
+
+Result<std::string_view> written_torchao_package(const WriteOptions& options) {
+  if (!options.torchao_package.empty()) {
+    for (std::string_view package : kTorchaoOptimPackages)
+      if (options.torchao_package == package) return package;
+    return invalid_argument(fmt::format("'{}' defines no torchao optimizer state: torchao.optim, or "
+                                        "torchao.prototype.low_bit_optim before torchao 0.11",
+                                        printable(options.torchao_package)));
+  }
+  if (options.source && is_torchao_package(options.source->torchao_package())) return options.source->torchao_package();
+  return kTorchaoDefaultPackage;
+}
+
+std::string torchao_package_note(std::string_view package, const WriteOptions& options) {
+  const std::string_view source = options.source ? options.source->torchao_package() : std::string_view{};
+  if (package != kTorchaoDefaultPackage)
+    return fmt::format("8-bit moments are {}'s OptimState8bit{}, which torchao before 0.11 loads; for torchao 0.11 "
+                       "and later: --torchao-package {}", package, source == package ? " (as the source's)" : "",
+                       kTorchaoDefaultPackage);
+  if (!source.empty() && source != package)
+    return fmt::format("8-bit moments are {}'s OptimState8bit, which torchao 0.11 and later loads (the source's "
+                       "were {}'s, torchao before 0.11: --torchao-package {} keeps them)", package, source, source);
+  return "";
 }
 
 const SourceLayout* source_layout(const CheckpointReader& reader) {

@@ -354,10 +354,15 @@ Result<Metadata> interpret_metadata(const Pickle& p, const std::string& where) {
 
 Result<Payload> interpret_payload(const Pickle& p, const std::string& where) { return interpret_value(p, p.root(), where); }
 
-bool is_torchao_subclass(const Pickle& p, Ref r, std::string_view module, std::string_view name) {
+std::string_view torchao_subclass_package(const Pickle& p, Ref r, std::string_view module, std::string_view name) {
   for (std::string_view package : kTorchaoOptimPackages)
-    if (p.is_global(r, std::string(package) + "." + std::string(module), name)) return true;
-  return false;
+    if (p.is_global(r, std::string(package) + "." + std::string(module), name)) return package;
+  return {};
+}
+
+bool is_torchao_package(std::string_view package) {
+  return std::find(std::begin(kTorchaoOptimPackages), std::end(kTorchaoOptimPackages), package) !=
+         std::end(kTorchaoOptimPackages);
 }
 
 Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& where) {
@@ -384,10 +389,12 @@ Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& wh
     }
     // (func=_rebuild_wrapper_subclass, type=OptimState8bit, args=(cls, dtype, size, stride, ...), state);
     // OptimStateFp8 the same without a qmap (codes float8_e4m3fn).
-    const bool fp8 = a.size() >= 2 && is_torchao_subclass(p, a[1], "subclass_fp8", "OptimStateFp8");
-    const bool four = a.size() >= 2 && is_torchao_subclass(p, a[1], "subclass_4bit", "OptimState4bit");
-    if (a.size() < 4 || !p.is_global(a[0], "torch._utils", "_rebuild_wrapper_subclass") ||
-        !(fp8 || four || is_torchao_subclass(p, a[1], "subclass_8bit", "OptimState8bit")))
+    std::string_view package;
+    const bool fp8 = a.size() >= 2 && !(package = torchao_subclass_package(p, a[1], "subclass_fp8", "OptimStateFp8")).empty();
+    const bool four =
+        a.size() >= 2 && !fp8 && !(package = torchao_subclass_package(p, a[1], "subclass_4bit", "OptimState4bit")).empty();
+    if (a.size() >= 2 && !fp8 && !four) package = torchao_subclass_package(p, a[1], "subclass_8bit", "OptimState8bit");
+    if (a.size() < 4 || !p.is_global(a[0], "torch._utils", "_rebuild_wrapper_subclass") || package.empty())
       return corrupt(fmt::format("{}: a tensor subclass other than torchao's OptimState8bit, OptimState4bit and "
                                  "OptimStateFp8", where));
     const char* name = fp8 ? "OptimStateFp8" : four ? "OptimState4bit" : "OptimState8bit";
@@ -402,6 +409,7 @@ Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& wh
     if (codes == kNoRef || scale == kNoRef || (qmap == kNoRef && !fp8))
       return corrupt(fmt::format("{}: {} without codes, scale{}", where, name, fp8 ? "" : " and qmap"));
     out.kind = Payload::Kind::kOptimState8bit;
+    out.torchao_package = package;
     out.fp8 = fp8;
     out.bits = four ? 4 : 8;
     OPTSTATE_ASSIGN_OR_RETURN(out.codes, tensor_ref(p, codes, where + " codes", fp8));

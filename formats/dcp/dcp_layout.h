@@ -79,6 +79,8 @@ struct Payload {
   // torchao's OptimState4bit (AdamW4bit), read as kOptimState8bit: 4 (two codes a byte, the first
   // in the high nibble; a 16-entry qmap), always read dequantized. 8 otherwise.
   int bits = 8;
+  // kOptimState8bit: the package that defined the subclass (one of kTorchaoOptimPackages).
+  std::string_view torchao_package;
   int64_t elements() const { return bits == 4 ? 2 * codes_numel() : codes_numel(); }
   int64_t codes_numel() const {
     int64_t n = 1;
@@ -99,8 +101,14 @@ Result<Payload> interpret_payload(const pickle::Pickle& p, const std::string& wh
 // defining module, so checkpoints of older torchao name the second; both are read alike.
 inline constexpr std::string_view kTorchaoOptimPackages[] = {"torchao.optim", "torchao.prototype.low_bit_optim"};
 
-// Whether `r` is the GLOBAL of torchao's subclass `name` in `<package>.<module>`, for either package.
-bool is_torchao_subclass(const pickle::Pickle& p, pickle::Ref r, std::string_view module, std::string_view name);
+// The package whose `<package>.<module>.<name>` the GLOBAL `r` names (one of kTorchaoOptimPackages),
+// or an empty view when it names neither package's torchao subclass `name`.
+std::string_view torchao_subclass_package(const pickle::Pickle& p, pickle::Ref r, std::string_view module,
+                                          std::string_view name);
+// The package writers name when none is chosen: today's torchao.
+inline constexpr std::string_view kTorchaoDefaultPackage = kTorchaoOptimPackages[0];
+// Whether `package` is one of kTorchaoOptimPackages.
+bool is_torchao_package(std::string_view package);
 // The same for one value inside a larger pickle (a tensor in a torch.save'd state_dict).
 Result<Payload> interpret_value(const pickle::Pickle& p, pickle::Ref r, const std::string& where);
 

@@ -272,7 +272,7 @@ Status copy_carried(const SourceLayout& src, std::vector<OutputFile>& outs, cons
 // Tensors are laid out as `world` ranks' row shards (torch.chunk of dim 0, as FSDP2), each rank's
 // chunks in its own file; bytes items and 0-d tensors go to rank 0's. The names follow `layout`.
 Status write_into(StateSource& source, const fs::path& staging, int world, const SourceLayout& layout,
-                  bool carry, bool float_lr, bool torchao) {
+                  bool carry, bool float_lr, bool torchao, std::string_view torchao_package) {
   const OptimizerState& state = source.meta();
   std::vector<OutputFile> outs;
   for (int r = 0; r < world; ++r) {
@@ -346,7 +346,7 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
       pc.offsets[0] = fr.begin / row;
       pc.sizes[0] = fr.size() / row;
       pickle::Writer w;
-      torchao::encode_optim_state_8bit(w, pc.sizes, apparent, e.block_size, is_signed, "0", "1", "2");
+      torchao::encode_optim_state_8bit(w, pc.sizes, apparent, e.block_size, is_signed, "0", "1", "2", torchao_package);
       const std::string pkl = w.finish();
       OutputFile& out = outs[static_cast<size_t>(r)];
       pc.offset = out.offset();
@@ -611,10 +611,12 @@ Status write_dcp(StateSource& state, const fs::path& path, const WriteOptions& o
   OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
   if (options.world_size < 1 || options.world_size > 65536)
     return invalid_argument(fmt::format("world size {} out of range", options.world_size));
+  OPTSTATE_ASSIGN_OR_RETURN(const std::string_view torchao_package, written_torchao_package(options));
   OPTSTATE_ASSIGN_OR_RETURN(Staging staging, Staging::directory(path));
   const SourceLayout get_state_dict_layout;  // {"model": ..., "optim": ...}, nested groups
   return staging.commit(write_into(state, staging.path(), options.world_size, source ? *source : get_state_dict_layout,
-                                   source != nullptr, options.float_lr, writes_torchao_items(options, source)),
+                                   source != nullptr, options.float_lr, writes_torchao_items(options, source),
+                                   torchao_package),
                         options.overwrite);
 }
 

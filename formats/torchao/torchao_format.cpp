@@ -43,10 +43,21 @@ class TorchaoDriver final : public FormatDriver {
     return torchsave::carries_file(source);
   }
 
+  std::vector<std::string> write_notes(const OptimizerState& kept, const WriteOptions& options) const override {
+    const auto package = dcp::written_torchao_package(options);
+    bool eight = false;
+    for (const auto& [fqn, ps] : kept.params)
+      for (const auto& [name, e] : ps.entries) eight = eight || e.encoding == Encoding::kBlockwise8;
+    if (!package.ok() || !eight) return {};
+    std::string note = dcp::torchao_package_note(*package, options);
+    return note.empty() ? std::vector<std::string>{} : std::vector<std::string>{std::move(note)};
+  }
+
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
+    OPTSTATE_ASSIGN_OR_RETURN(const std::string_view package, dcp::written_torchao_package(options));
     return torchsave::write_framed(source, path, options, [&](pickle::Writer& w, const torchsave::SpecSink& add,
                                                               const torchsave::FrameOptions& fo) {
-      return plan_frame(source.meta(), w, add, fo);
+      return plan_frame(source.meta(), w, add, fo, package);
     });
   }
 };

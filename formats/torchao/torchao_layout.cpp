@@ -34,7 +34,8 @@ bool steps_as_8bit(const std::string& moment, const Entry& e, int64_t numel) {
 
 void encode_optim_state_8bit(pickle::Writer& w, const std::vector<int64_t>& shape, DType apparent, int64_t block_size,
                              bool is_signed, const std::string& codes_key, const std::string& scale_key,
-                             const std::string& qmap_key) {
+                             const std::string& qmap_key, std::string_view package) {
+  const std::string module = std::string(package) + ".subclass_8bit";
   int64_t numel = 1;
   for (int64_t x : shape) numel *= x;
   std::vector<int64_t> stride(shape.size(), 1);
@@ -42,9 +43,9 @@ void encode_optim_state_8bit(pickle::Writer& w, const std::vector<int64_t>& shap
   w.global("torch._tensor", "_rebuild_from_type_v2");
   w.mark();
   w.global("torch._utils", "_rebuild_wrapper_subclass");
-  w.global("torchao.optim.subclass_8bit", "OptimState8bit");
+  w.global(module, "OptimState8bit");
   w.mark();  // the wrapper's args: (cls, dtype, size, stride, storage_offset, layout, device, requires_grad)
-  w.global("torchao.optim.subclass_8bit", "OptimState8bit");
+  w.global(module, "OptimState8bit");
   w.global("torch", dtype_info(apparent).torch_name);
   int_tuple(w, shape);
   int_tuple(w, stride);
@@ -78,14 +79,17 @@ void encode_optim_state_8bit(pickle::Writer& w, const std::vector<int64_t>& shap
   w.reduce();
 }
 
-Result<Plan> plan_state_dict(const OptimizerState& state) {
+Result<Plan> plan_state_dict(const OptimizerState& state, std::string_view package) {
   return torchsave::plan_of([&](pickle::Writer& w, const torchsave::SpecSink& add, const torchsave::FrameOptions& fo) {
-    return plan_frame(state, w, add, fo);
+    return plan_frame(state, w, add, fo, package);
   });
 }
 
 Status plan_frame(const OptimizerState& state, pickle::Writer& w, const torchsave::SpecSink& add,
-                  const torchsave::FrameOptions& options) {
+                  const torchsave::FrameOptions& options, std::string_view package) {
+  if (!dcp::is_torchao_package(package))
+    return invalid_argument(fmt::format("torchao: '{}' defines no torchao optimizer state (torchao.optim, or "
+                                        "torchao.prototype.low_bit_optim before torchao 0.11)", printable(package)));
   OPTSTATE_RETURN_IF_ERROR(check_structure(state, false));
   const std::vector<std::string> order = torchsave::param_order(state);
   if (order.size() != state.params.size() || std::set(order.begin(), order.end()).size() != order.size())
@@ -137,7 +141,7 @@ Status plan_frame(const OptimizerState& state, pickle::Writer& w, const torchsav
                 const DType apparent = ps.param_dtype == DType::kBF16 || ps.param_dtype == DType::kF16 ? ps.param_dtype
                                                                                                        : DType::kF32;
                 encode_optim_state_8bit(w, ps.shape, apparent, e.block_size, m == std::string(kExpAvg), codes, scale,
-                                        qmap_storage(e.qmap));
+                                        qmap_storage(e.qmap), package);
               } else if (e.encoding == Encoding::kDense) {
                 dcp::encode_tensor(w, e.dtype, ps.shape, add(StorageSpec::of_component(fqn, m)));
               } else {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "dcp/dcp_layout.h"
 #include "dcp/pickle.h"
 #include "optstate/state.h"
 #include "torchsave/torchsave_layout.h"
@@ -30,11 +31,13 @@ using torchsave::StorageSpec;
 // refuses a float) and `amsgrad`; {"model": {fqn: weight}, "optimizer": ...} when the state has
 // weights. Refused: maximize (torchao has none), entries other than the moments and the weights,
 // a step beyond float32's exact integers (2^24).
-Result<Plan> plan_state_dict(const OptimizerState& state);
+// 8-bit moments are `package`'s OptimState8bit (dcp::kTorchaoOptimPackages: torchao.optim, or
+// torchao.prototype.low_bit_optim for torchao before 0.11).
+Result<Plan> plan_state_dict(const OptimizerState& state, std::string_view package = dcp::kTorchaoDefaultPackage);
 // The same frame written into `w` with storages from `add` (plan_state_dict's, or the carrying
 // writer's: torchsave::write_carrying).
 Status plan_frame(const OptimizerState& state, pickle::Writer& w, const torchsave::SpecSink& add,
-                  const torchsave::FrameOptions& options);
+                  const torchsave::FrameOptions& options, std::string_view package = dcp::kTorchaoDefaultPackage);
 
 // What a round trip gives back: entries torchao does not step as 8-bit become dense (dequantized to
 // fp32 where `state` has the buffers; dense ones keep their dtype), lr rounded to float32, and the
@@ -48,9 +51,9 @@ OptimizerState kept_state(const OptimizerState& state, const KeepsEight& eight =
 // _rebuild_wrapper_subclass(OptimState8bit, apparent, size, stride, 0, strided, cpu, False) (torchao's
 // "appearance" dtype: the param's) with the
 // state {"codes": uint8 of `shape`, "scale": fp32[blocks], "qmap": fp32[256], "signed", "block_size"}
-// over storages `codes_key`, `scale_key`, `qmap_key`.
+// over storages `codes_key`, `scale_key`, `qmap_key`; the class is `<package>.subclass_8bit.OptimState8bit`.
 void encode_optim_state_8bit(pickle::Writer& w, const std::vector<int64_t>& shape, DType apparent, int64_t block_size,
                              bool is_signed, const std::string& codes_key, const std::string& scale_key,
-                             const std::string& qmap_key);
+                             const std::string& qmap_key, std::string_view package = dcp::kTorchaoDefaultPackage);
 
 }  // namespace optstate::torchao

@@ -207,6 +207,7 @@ class TorchSaveReader final : public CheckpointReader {
   bool checksummed() const override { return checksummed_ || shared_verified_; }
   const FsdpSet* fsdp() const { return fsdp_ ? &*fsdp_ : nullptr; }
   bool carries_rest() const { return carries_rest_; }
+  std::string_view torchao_package() const override { return torchao_package_; }
 
   Status verify_shared_records() override {
     std::set<std::pair<size_t, uint64_t>> done;  // (file, record): each read once
@@ -383,6 +384,8 @@ class TorchSaveReader final : public CheckpointReader {
     bnb_ = sd0.bnb;
     std::error_code ec;
     torchao_ = sd0.torchao && !fs::is_directory(path_, ec);  // formats/torchao/ sniffs files, not sets
+    for (const StateDict& sd : sds)
+      if (torchao_package_.empty()) torchao_package_ = sd.torchao_package;
     std::vector<std::pair<ModelDict, size_t>> models;  // (dict, archive index)
     for (const fs::path& f : model_files) {
       OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(f));
@@ -1459,6 +1462,7 @@ class TorchSaveReader final : public CheckpointReader {
   bool libtorch_ = false;  // a LibTorch optimizer archive
   bool bnb_ = false;       // bitsandbytes' state: formats/bitsandbytes/ writes it
   bool torchao_ = false;   // one file of torchao's state: formats/torchao/ writes it
+  std::string_view torchao_package_;  // where its torchao subclasses were defined (a kTorchaoOptimPackages view)
   bool deepspeed_ = false; // a DeepSpeed ZeRO checkpoint: formats/deepspeed/ sniffs it
   bool shared_verified_ = false;  // verify_shared_records covered every record the pieces read
   std::vector<Archive> files_;

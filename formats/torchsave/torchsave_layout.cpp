@@ -1014,6 +1014,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
         } else if (pl.kind == Payload::Kind::kOptimState8bit) {
           // torchao: codes in the param's shape, one scale per block, the map itself.
           out.torchao = true;
+          if (out.torchao_package.empty()) out.torchao_package = pl.torchao_package;
           const int64_t codes = pl.elements(), blocks = *checked_numel(pl.scale.shape);
           OPTSTATE_ASSIGN_OR_RETURN(const int64_t claimed, checked_numel(pl.claimed_shape));
           if (claimed != codes)

@@ -138,6 +138,8 @@ struct StateDict {
   bool bnb = false;                  // bitsandbytes' state (state1/state2: dcp/bnb_state.h)
   bool torchao = false;              // torchao's state: OptimState8bit/Fp8/4bit moments, or groups with
                                      // lr a tensor and no 'maximize' (_AdamBase's: torchao's AdamW*)
+  std::string_view torchao_package;   // where its subclasses were defined (dcp::kTorchaoOptimPackages);
+                                     // the first seen
 };
 
 // The optimizer state_dict at the pickle's root, or the one dict beside others in a dict at the

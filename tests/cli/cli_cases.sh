@@ -196,6 +196,11 @@ assert j["params"]["head.bias"]["entries"]["exp_avg"]["encoding"] == "dense"
     expect_error 2 "unknown output format 'zip'" -- "$OPTSTATE" convert "$work/c" "$work/y" --format zip
     expect_error 2 "--float-lr writes torch.optim.AdamW's state" -- \
       "$OPTSTATE" convert "$work/c" "$work/y" --format dcp --to 8bit --float-lr
+    # --torchao-package names one of torchao's two packages, for the formats that write its classes
+    expect_error 2 "--torchao-package is for --format torchao and dcp" -- \
+      "$OPTSTATE" convert "$work/c" "$work/y.safetensors" --torchao-package torchao.optim
+    expect_error 2 "'torchao.prototype' defines no torchao optimizer state" -- \
+      "$OPTSTATE" reshard "$work/c" "$work/y" --world-size 2 --format dcp --torchao-package torchao.prototype
     # one-file formats take no world size (they would say "2 ranks" and write one file)
     expect_error 2 "--world-size 2: safetensors is one file" -- "$OPTSTATE" convert "$work/c" "$work/y.safetensors" --world-size 2
     expect_error 2 "--world-size 3: a torch.save file is one state" -- "$OPTSTATE" reshard "$work/c" "$work/y.pt" --world-size 3

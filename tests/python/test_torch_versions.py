@@ -124,15 +124,17 @@ def test_todays_torchao_resumes_from_the_conversion_of_another_releases_torchao_
     """torchao before 0.11 pickled its OptimState8bit from torchao.prototype.low_bit_optim, a
     module today's torchao no longer has, so its own torch.load of such a Trainer optimizer.pt
     fails. `convert --format torchao` (and `--format dcp` for a DCP) writes the same codes and scales
-    as today's torchao.optim classes: today's AdamW8bit loads them as 8-bit state, its moments are
-    the old release's bit for bit, and it steps on."""
+    as today's torchao.optim classes (--torchao-package torchao.optim; by default a conversion keeps
+    the source's package: the next test): today's AdamW8bit loads them as 8-bit state, its moments
+    are the old release's bit for bit, and it steps on."""
     pytest.importorskip("torchao")
     src = CORPUS / release
     pt, dcp_out = tmp_path / "optimizer.pt", tmp_path / "dcp"
-    optstate_cli("convert", src / "torchao_optimizer.pt", pt, "--format", "torchao")
+    today = ("--torchao-package", "torchao.optim")
+    optstate_cli("convert", src / "torchao_optimizer.pt", pt, "--format", "torchao", *today)
     runs = [("pt", pt, "torchao_optimizer.pt")]
     if (src / "torchao_dcp").exists():
-        optstate_cli("convert", src / "torchao_dcp", dcp_out, "--format", "dcp")
+        optstate_cli("convert", src / "torchao_dcp", dcp_out, "--format", "dcp", *today)
         runs.append(("dcp", dcp_out, "torchao_dcp"))
     for kind, path, ref in runs:
         out = run_script(tmp_path, RESUME_TORCHAO, "resume.py", kind, path, src / (ref + ".ref.safetensors"))
@@ -140,6 +142,49 @@ def test_todays_torchao_resumes_from_the_conversion_of_another_releases_torchao_
         weight = "0" if kind == "pt" else "0.weight"
         assert report == {"eight_bit": [f"{weight}.exp_avg", f"{weight}.exp_avg_sq"], "equal": True,
                           "stepped": True}, (kind, report)
+
+
+def torchao_packages(path):
+    """The packages whose torchao subclasses the pickles under `path` name (a torch.save file, or
+    a DCP whose items are torch.save archives inside its .distcp files)."""
+    import re
+    files = [path] if path.is_file() else sorted(path.glob("*.distcp"))
+    found = set()
+    for f in files:
+        found |= {m.decode() for m in re.findall(rb"(torchao\.optim|torchao\.prototype\.low_bit_optim)\.subclass_8bit",
+                                                  f.read_bytes())}
+    return found
+
+
+@pytest.mark.parametrize("release", sorted({r for r, n in CASES if n == "torchao_optimizer.pt"}))
+def test_a_reshard_or_conversion_of_another_releases_torchao_state_keeps_its_package(tmp_path, optstate_cli, release):
+    """A pickle names the module that defined its class, so torchao before 0.11 loads only
+    torchao.prototype.low_bit_optim's OptimState8bit and later releases only torchao.optim's. A
+    conversion to torchao's file or a DCP reshard of a release's torchao state writes its 8-bit
+    moments as that release's classes, the state unchanged, and says which releases load them;
+    --torchao-package chooses the other."""
+    src = CORPUS / release
+    ao_version = tuple(int(x) for x in release.split("torchao-")[1].split(".")[:2])
+    package = "torchao.optim" if ao_version >= (0, 11) else "torchao.prototype.low_bit_optim"
+    other = "torchao.prototype.low_bit_optim" if package == "torchao.optim" else "torchao.optim"
+    runs = [("convert", src / "torchao_optimizer.pt", tmp_path / "optimizer.pt", ("--format", "torchao"))]
+    if (src / "torchao_dcp").exists():
+        # 8192-element moments in blocks of 256: 4 ranks' rows are whole blocks, kept 8-bit.
+        runs.append(("reshard", src / "torchao_dcp", tmp_path / "dcp4", ("--format", "dcp", "--world-size", "4")))
+    for command, source, out, args in runs:
+        assert torchao_packages(source) == {package}, source
+        proc = optstate_cli(command, source, out, *args)
+        assert torchao_packages(out) == {package}, (out, proc.stderr)
+        if package == "torchao.optim":
+            assert "OptimState8bit" not in proc.stderr, proc.stderr  # today's: nothing to say
+        else:
+            assert f"8-bit moments are {package}'s OptimState8bit (as the source's), which torchao before 0.11 " \
+                   "loads; for torchao 0.11 and later: --torchao-package torchao.optim" in proc.stderr, proc.stderr
+        assert hashes(optstate_cli, out) == hashes(optstate_cli, source), out  # codes, scales, steps: the same
+        chosen = out.with_name(out.name + "-other")
+        proc = optstate_cli(command, source, chosen, *args, "--torchao-package", other)
+        assert torchao_packages(chosen) == {other}, (chosen, proc.stderr)
+        assert hashes(optstate_cli, chosen) == hashes(optstate_cli, source), chosen
 
 
 def mesh_layouts(folder):

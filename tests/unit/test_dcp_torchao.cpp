@@ -132,3 +132,64 @@ TEST_CASE("dcp: an Accelerate folder (optimizer_0/ beside pytorch_model_fsdp_0/)
   std::filesystem::remove_all(folder / "pytorch_model_fsdp_0");
   CHECK_FALSE(d->sniff(folder));
 }
+
+TEST_CASE("torchao: 8-bit moments are the package's subclasses that was asked for, else the source's") {
+  // torchao before 0.11 defined OptimState8bit in torchao.prototype.low_bit_optim, and a pickle
+  // names the defining module: a reshard or conversion of such state keeps that package, so the
+  // release that wrote it still loads it; --torchao-package chooses.
+  constexpr std::string_view kOld = "torchao.prototype.low_bit_optim", kNew = "torchao.optim";
+  const FormatDriver* dcp = find_format("dcp");
+  const FormatDriver* ao = find_format("torchao");
+  REQUIRE(dcp != nullptr);
+  REQUIRE(ao != nullptr);
+  const OptimizerState eight = *quantize_state(testing::sample_state(), {3, 1});
+  testing::TempDir dir;
+  WriteOptions old_items{.quantized = true};
+  old_items.torchao_package = std::string(kOld);
+  REQUIRE(dcp->write(eight, dir.path / "old", old_items).ok());
+  REQUIRE(dcp->write(eight, dir.path / "new", {.quantized = true}).ok());
+  auto old_dcp = open_checkpoint(dir.path / "old");
+  auto new_dcp = open_checkpoint(dir.path / "new");
+  REQUIRE(old_dcp.ok());
+  REQUIRE(new_dcp.ok());
+  CHECK((*old_dcp)->torchao_package() == kOld);
+  CHECK((*new_dcp)->torchao_package() == kNew);
+  CHECK(hash_checkpoint(**old_dcp)->root == hash_checkpoint(**new_dcp)->root);  // the same state
+  REQUIRE(find_format("native")->write(eight, dir.path / "native", {}).ok());
+  CHECK((*open_checkpoint(dir.path / "native"))->torchao_package().empty());
+  // Notes: the older package says which torchao loads it; today's after an older source too.
+  const OptimizerState kept = dcp->kept_by_write(eight, old_items);
+  REQUIRE(dcp->write_notes(kept, old_items).size() == 1);
+  CHECK(dcp->write_notes(kept, old_items)[0].find("torchao before 0.11") != std::string::npos);
+  CHECK(dcp->write_notes(kept, {.quantized = true}).empty());
+  CHECK(dcp->write_notes(kept, {}).empty());  // torch.optim.AdamW's state: dequantized, no torchao class
+
+  auto all = load_all(**old_dcp);
+  REQUIRE(all.ok());
+  for (const FormatDriver* d : {dcp, ao}) {
+    CAPTURE(d->name());
+    const std::string n(d->name());
+    // From the older package's DCP: kept by default, replaced when asked for.
+    REQUIRE(d->write(*all, dir.path / (n + "-kept"), {.source = old_dcp->get()}).ok());
+    WriteOptions to_new{.source = old_dcp->get()};
+    to_new.torchao_package = std::string(kNew);
+    REQUIRE(d->write(*all, dir.path / (n + "-new"), to_new).ok());
+    auto kept_r = open_checkpoint(dir.path / (n + "-kept"));
+    auto new_r = open_checkpoint(dir.path / (n + "-new"));
+    REQUIRE(kept_r.ok());
+    REQUIRE(new_r.ok());
+    CHECK((*kept_r)->torchao_package() == kOld);
+    CHECK((*new_r)->torchao_package() == kNew);
+    CHECK(hash_checkpoint(**kept_r)->root == hash_checkpoint(**new_r)->root);
+    const auto note = d->write_notes(d->kept_by_write(*all, to_new), to_new);
+    REQUIRE(note.size() == 1);
+    CHECK(note[0].find("the source's were torchao.prototype.low_bit_optim's") != std::string::npos);
+    // A package that defines no torchao state is refused before anything is written.
+    WriteOptions bad{.quantized = true};
+    bad.torchao_package = "torchao.prototype";
+    const Status st = d->write(*all, dir.path / (n + "-bad"), bad);
+    CHECK(st.code() == ErrorCode::kInvalidArgument);
+    CHECK(st.message().find("'torchao.prototype' defines no torchao optimizer state") != std::string::npos);
+    CHECK_FALSE(std::filesystem::exists(dir.path / (n + "-bad")));
+  }
+}

@@ -56,6 +56,10 @@ class CheckpointReader {
   // lr_scheduler, dataloader, model buffers): one short line each, for inspect and convert to say
   // so. Empty for formats that hold only optimizer state.
   virtual std::vector<std::string> not_read() const { return {}; }
+  // The Python package whose torchao tensor subclasses the file's 8-bit moments are (torchao.optim,
+  // or torchao.prototype.low_bit_optim before torchao 0.11), for writers of torchao's state to name
+  // the same by default (WriteOptions::torchao_package); empty where the file holds none.
+  virtual std::string_view torchao_package() const { return {}; }
   // Whether every chunk read is checked against a stored checksum (native: XXH3; optstate's HDF5:
   // fletcher32; DCP: torch.save's CRC-32 of each record, known once the chunks were streamed).
   // safetensors stores none: a reader can check sizes and coverage only.
@@ -118,6 +122,10 @@ struct WriteOptions {
   // The checkpoint `state` was read from (convert). A driver writing its own format may keep the
   // source's layout and carry through what the state does not hold (FormatDriver::carries).
   const CheckpointReader* source = nullptr;
+  // The package whose torchao subclasses 8-bit moments written as torchao's are (torchao.optim, or
+  // torchao.prototype.low_bit_optim for torchao before 0.11, whose pickles name their defining
+  // module); empty: the source's (CheckpointReader::torchao_package), else torchao.optim.
+  std::string torchao_package = {};
 };
 
 class FormatDriver {
@@ -145,6 +153,10 @@ class FormatDriver {
   // The same for a write with `options` (DCP writing torchao's items: the 8-bit moments torchao
   // cannot step as 8-bit become fp32 values).
   virtual OptimizerState kept_by_write(const OptimizerState& state, const WriteOptions&) const { return kept(state); }
+  // What a user of the written file should know of how it was written, one line each, for convert
+  // and reshard to say (torchao's: which torchao releases load its 8-bit moments); `kept` is
+  // kept_by_write's state.
+  virtual std::vector<std::string> write_notes(const OptimizerState& kept, const WriteOptions&) const { return {}; }
   // The rule `convert --to 8bit` quantizes by for this format: `q` adjusted to what the format's
   // optimizer steps as 8-bit (torchao: whole blocks only), so no moment is quantized only to be
   // written back as its rounded fp32 values.

@@ -37,7 +37,7 @@ int run_convert(int argc, char** argv) {
   const CommandSpec spec{
       "convert",
       "optstate convert SRC DST [--to fp32|8bit] [--format native|safetensors|hdf5|dcp|torchsave|libtorch|bitsandbytes|torchao|deepspeed] [--world-size N] [--block-size N] "
-      "[--min-8bit-size N] [--float-lr] [--torchao-package P] [--overwrite] [--json]",
+      "[--min-8bit-size N] [--float-lr] [--torchao-package P] [--bitsandbytes-layout nested|flat] [--overwrite] [--json]",
       "Writes the state of SRC to DST, optionally changing its encoding: --to fp32 dequantizes 8-bit\n"
       "moments, --to 8bit quantizes the moments of params with at least --min-8bit-size elements\n"
       "(default 4096) in blocks of --block-size (default 256); moments that came from 8-bit get their\n"
@@ -62,6 +62,9 @@ int run_convert(int argc, char** argv) {
        {"--float-lr", false, "dcp: torch.optim.AdamW's state for a float lr: lr as Python floats also where the source "
                              "kept tensors (torchao), its LR scheduler's lists included, and 8-bit moments dequantized"},
        {"--torchao-package", true, kTorchaoPackageHelp},
+       {"--bitsandbytes-layout", true, "bitsandbytes: nested (its state tensors in __bnb_optimizer_quant_state__, as "
+        "bitsandbytes 0.49.2 and later save them) or flat (beside step, as earlier releases save them; every release "
+        "loads it) (default: the source's, else nested)"},
        {"--overwrite", false, "replace DST if it is a checkpoint (any format) or an empty directory"},
        {"--json", false, "print a JSON summary"}},
       2,
@@ -131,6 +134,13 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   if (args->has("--torchao-package") && format != "torchao" && format != "dcp")
     return fail(command, invalid_argument(fmt::format("--torchao-package is for --format torchao and dcp (their 8-bit "
                                                       "moments are torchao's classes); {} names none", format)));
+  if (auto layout = args->value("--bitsandbytes-layout")) {
+    if (format != "bitsandbytes")
+      return fail(command, invalid_argument(fmt::format("--bitsandbytes-layout is for --format bitsandbytes; {} is "
+                                                        "another format", format)));
+    if (*layout != "nested" && *layout != "flat")
+      return fail(command, invalid_argument(fmt::format("--bitsandbytes-layout must be nested or flat, got '{}'", *layout)));
+  }
   if (args->has("--torchao-package")) {  // checked before SRC is read, as the writer checks it
     WriteOptions check;
     check.torchao_package = *args->value("--torchao-package");
@@ -217,6 +227,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   wo.float_lr = args->has("--float-lr");
   wo.quantized = to == "8bit";
   wo.torchao_package = args->value("--torchao-package").value_or("");
+  wo.bitsandbytes_layout = args->value("--bitsandbytes-layout").value_or("");
   progress.phase(fmt::format("writing {}", dst.string()));
   Status st;
   {

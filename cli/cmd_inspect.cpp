@@ -112,6 +112,7 @@ int run_inspect(int argc, char** argv) {
   progress.finish();
   j["params"] = params;
   j["not_read"] = reader.not_read();
+  if (!reader.torchao_package().empty()) j["torchao_package"] = std::string(reader.torchao_package());
   const double per_param = total_numel ? static_cast<double>(total_state_bytes) / static_cast<double>(total_numel) : 0;
   j["totals"] = {{"params", meta.params.size()},
                  {"numel", total_numel},
@@ -133,6 +134,12 @@ int run_inspect(int argc, char** argv) {
                        g, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.amsgrad, h.maximize,
                        meta.groups[g].params.size());
   }
+  // A pickle names the module that defined the class: each torchao loads only its own package's.
+  if (const std::string_view package = reader.torchao_package(); !package.empty())
+    out += fmt::format("torchao     moments of {}'s classes: {}\n", package,
+                       package == "torchao.optim" ? "torchao 0.11 and later load them"
+                                                  : "torchao before 0.11 loads them (for later releases: convert "
+                                                    "--torchao-package torchao.optim)");
   if (const auto rest = reader.not_read(); !rest.empty())
     // Not optimizer state (train_state, a model's buffers), or an encoding read as fp32 values.
     out += fmt::format("other       {}: outside the state read\n", fmt::join(rest, ", "));

@@ -48,6 +48,7 @@ class ProgressReader final : public CheckpointReader {
   const std::filesystem::path& path() const override { return inner_->path(); }
   const OptimizerState& meta() const override { return inner_->meta(); }
   std::vector<std::string> not_read() const override { return inner_->not_read(); }
+  std::string_view torchao_package() const override { return inner_->torchao_package(); }
   bool checksummed() const override { return inner_->checksummed(); }
   Status verify_shared_records() override { return inner_->verify_shared_records(); }
   Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) override;

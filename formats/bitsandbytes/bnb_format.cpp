@@ -35,10 +35,20 @@ class BitsandbytesDriver final : public FormatDriver {
     return torchsave::carries_file(source);
   }
 
+  // The nested form loads in bitsandbytes 0.49.2 and later only: said unless the source was such a file.
+  std::vector<std::string> write_notes(const OptimizerState& kept, const WriteOptions& options) const override {
+    const auto layout = written_layout(options);
+    const bool from_nested = options.source && torchsave::bnb_nested(*options.source).value_or(false);
+    if (!layout.ok() || *layout != Layout::kNested || from_nested || kept.params.empty()) return {};
+    return {"its state tensors are nested in '__bnb_optimizer_quant_state__', as bitsandbytes 0.49.2 and later save "
+            "and load them; for earlier releases: --bitsandbytes-layout flat"};
+  }
+
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
+    OPTSTATE_ASSIGN_OR_RETURN(const Layout layout, written_layout(options));
     return torchsave::write_framed(source, path, options, [&](pickle::Writer& w, const torchsave::SpecSink& add,
                                                               const torchsave::FrameOptions& fo) {
-      return plan_frame(source.meta(), w, add, fo);
+      return plan_frame(source.meta(), w, add, fo, layout);
     });
   }
 };

@@ -11,6 +11,7 @@
 #include "optstate/quant8.h"
 #include "optstate/transform.h"
 #include "torchsave/torchsave_layout.h"
+#include "torchsave/torchsave_reader.h"
 
 namespace optstate::bitsandbytes {
 
@@ -19,14 +20,25 @@ bool steps_as_8bit(const std::string& moment, const Entry& e) {
          e.qmap == qmap_name(moment == kExpAvg ? QMap::kDynamicSigned : QMap::kDynamicUnsigned);
 }
 
-Result<Plan> plan_state_dict(const OptimizerState& state) {
+Result<Layout> written_layout(const WriteOptions& options) {
+  if (options.bitsandbytes_layout == "nested") return Layout::kNested;
+  if (options.bitsandbytes_layout == "flat") return Layout::kFlat;
+  if (!options.bitsandbytes_layout.empty())
+    return invalid_argument(fmt::format("bitsandbytes layout '{}': nested (bitsandbytes 0.49.2 and later) or flat "
+                                        "(every release)", printable(options.bitsandbytes_layout)));
+  if (options.source)
+    if (const auto nested = torchsave::bnb_nested(*options.source)) return *nested ? Layout::kNested : Layout::kFlat;
+  return Layout::kNested;
+}
+
+Result<Plan> plan_state_dict(const OptimizerState& state, Layout layout) {
   return torchsave::plan_of([&](pickle::Writer& w, const torchsave::SpecSink& add, const torchsave::FrameOptions& fo) {
-    return plan_frame(state, w, add, fo);
+    return plan_frame(state, w, add, fo, layout);
   });
 }
 
 Status plan_frame(const OptimizerState& state, pickle::Writer& w, const torchsave::SpecSink& add,
-                  const torchsave::FrameOptions& options) {
+                  const torchsave::FrameOptions& options, Layout layout) {
   OPTSTATE_RETURN_IF_ERROR(check_structure(state, false));
   const std::vector<std::string> order = torchsave::param_order(state);
   if (order.size() != state.params.size() || std::set(order.begin(), order.end()).size() != order.size())
@@ -70,9 +82,11 @@ Status plan_frame(const OptimizerState& state, pickle::Writer& w, const torchsav
             const std::string& fqn = order[i];
             w.str("step");
             w.integer(ps.step);  // a Python int, as bitsandbytes counts
-            w.str(dcp::kBnbQuantState);
-            w.empty_dict();
-            w.mark();
+            if (layout == Layout::kNested) {
+              w.str(dcp::kBnbQuantState);
+              w.empty_dict();
+              w.mark();
+            }
             // bitsandbytes' own order: state1, qmap1, state2, qmap2, absmax1, absmax2.
             const char* moments[2] = {kExpAvg, kExpAvgSq};
             bool eight[2];
@@ -97,7 +111,7 @@ Status plan_frame(const OptimizerState& state, pickle::Writer& w, const torchsav
               tensor(StorageSpec::of_component(fqn, moments[n], Component::kAbsmax), DType::kF32,
                      {(numel + kBlockSize - 1) / kBlockSize});
             }
-            w.setitems_from_mark();
+            if (layout == Layout::kNested) w.setitems_from_mark();
           },
       // The rest of bitsandbytes' group (0.50): AdEMAMix's fields, inert for AdamW.
       .group_fields =

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "optstate/checkpoint.h"
 #include "optstate/state.h"
 #include "torchsave/torchsave_layout.h"
 
@@ -23,16 +24,23 @@ bool steps_as_8bit(const std::string& moment, const Entry& e);
 using torchsave::Plan;
 using torchsave::StorageSpec;
 
-// data.pkl and its storages for `state`: the state_dict of bitsandbytes >= 0.45 (its tensors in
-// "__bnb_optimizer_quant_state__"; bitsandbytes' load_state_dict also takes the older flat form),
-// params numbered in group order with `param_names` unless every name is its number, and
+// Where a param's state tensors stand: nested in "__bnb_optimizer_quant_state__" (bitsandbytes
+// 0.49.2 and later, which load both forms) or beside "step" (earlier releases, which load only this).
+enum class Layout { kNested, kFlat };
+
+// The layout a write uses: WriteOptions::bitsandbytes_layout ("nested" or "flat"; anything else
+// refused), else the source's (a bitsandbytes file read by the torch.save driver), else nested.
+Result<Layout> written_layout(const WriteOptions& options);
+
+// data.pkl and its storages for `state`: bitsandbytes' state_dict in `layout`, params numbered in
+// group order with `param_names` unless every name is its number, and
 // {"model": {fqn: weight}, "optimizer": ...} when the state has weights. Refused: amsgrad and
 // maximize (bitsandbytes has neither), entries other than the two moments and the weights.
-Result<Plan> plan_state_dict(const OptimizerState& state);
+Result<Plan> plan_state_dict(const OptimizerState& state, Layout layout = Layout::kNested);
 // The same frame written into `w` with storages from `add` (plan_state_dict's, or the carrying
 // writer's: torchsave::write_carrying).
 Status plan_frame(const OptimizerState& state, pickle::Writer& w, const torchsave::SpecSink& add,
-                  const torchsave::FrameOptions& options);
+                  const torchsave::FrameOptions& options, Layout layout = Layout::kNested);
 
 // What a round trip gives back: entries bitsandbytes does not step as 8-bit become dense fp32
 // (dequantized, where `state` has the buffers), dense moments fp32.

@@ -5,7 +5,7 @@
 // or uint8 codes of that shape with "absmax1"/"absmax2" (fp32, one per block of the flattened
 // tensor: 256 elements, 2048 in older releases) and "qmap1"/"qmap2" (its dynamic signed / unsigned
 // maps, 256 fp32): value = qmap[code] * absmax[block], the canonical blockwise8 entry.
-// bitsandbytes >= 0.45 nests those tensors in "__bnb_optimizer_quant_state__" (hiding them from
+// bitsandbytes >= 0.49.2 nests those tensors in "__bnb_optimizer_quant_state__" (hiding them from
 // FSDP's gathering); older releases keep them beside "step".
 #include <cstdint>
 #include <optional>

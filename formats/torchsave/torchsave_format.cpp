@@ -208,6 +208,7 @@ class TorchSaveReader final : public CheckpointReader {
   const FsdpSet* fsdp() const { return fsdp_ ? &*fsdp_ : nullptr; }
   bool carries_rest() const { return carries_rest_; }
   std::string_view torchao_package() const override { return torchao_package_; }
+  std::optional<bool> bnb_nested() const { return bnb_nested_; }
 
   Status verify_shared_records() override {
     std::set<std::pair<size_t, uint64_t>> done;  // (file, record): each read once
@@ -384,8 +385,10 @@ class TorchSaveReader final : public CheckpointReader {
     bnb_ = sd0.bnb;
     std::error_code ec;
     torchao_ = sd0.torchao && !fs::is_directory(path_, ec);  // formats/torchao/ sniffs files, not sets
-    for (const StateDict& sd : sds)
+    for (const StateDict& sd : sds) {
       if (torchao_package_.empty()) torchao_package_ = sd.torchao_package;
+      if (!bnb_nested_) bnb_nested_ = sd.bnb_nested;
+    }
     std::vector<std::pair<ModelDict, size_t>> models;  // (dict, archive index)
     for (const fs::path& f : model_files) {
       OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(f));
@@ -1463,6 +1466,7 @@ class TorchSaveReader final : public CheckpointReader {
   bool bnb_ = false;       // bitsandbytes' state: formats/bitsandbytes/ writes it
   bool torchao_ = false;   // one file of torchao's state: formats/torchao/ writes it
   std::string_view torchao_package_;  // where its torchao subclasses were defined (a kTorchaoOptimPackages view)
+  std::optional<bool> bnb_nested_;    // bitsandbytes' state: nested in __bnb_optimizer_quant_state__ or not
   bool deepspeed_ = false; // a DeepSpeed ZeRO checkpoint: formats/deepspeed/ sniffs it
   bool shared_verified_ = false;  // verify_shared_records covered every record the pieces read
   std::vector<Archive> files_;
@@ -1698,6 +1702,11 @@ std::optional<RankName> rank_name(const std::string& filename) {
 const FsdpSet* fsdp_set(const CheckpointReader& reader) {
   const auto* r = dynamic_cast<const TorchSaveReader*>(&reader);
   return r ? r->fsdp() : nullptr;
+}
+
+std::optional<bool> bnb_nested(const CheckpointReader& reader) {
+  const auto* r = dynamic_cast<const TorchSaveReader*>(&reader);
+  return r ? r->bnb_nested() : std::nullopt;
 }
 
 bool carries_file(const CheckpointReader& reader) {

@@ -240,6 +240,7 @@ using dcp::kBnbQuantState;
 // A param's state fields in order, bitsandbytes' nested dict spliced in where it stands.
 struct ParamFields {
   std::vector<std::pair<std::string, Ref>> fields;
+  bool nested = false;  // some fields came from bitsandbytes' kBnbQuantState dict
   std::map<std::string, Ref, std::less<>> by_name;  // a hostile file may list many
   Ref get(std::string_view name) const {
     const auto it = by_name.find(name);
@@ -266,6 +267,7 @@ Result<ParamFields> param_fields(const Pickle& p, const std::vector<Ref>& items,
       const auto* inner = dict_items(p, items[f + 1]);
       if (!inner) return corrupt(fmt::format("{} '{}': not a dict", pw, kBnbQuantState));
       OPTSTATE_RETURN_IF_ERROR(add(*inner, true));
+      out.nested = true;
     }
   return out;
 }
@@ -1046,6 +1048,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
         OPTSTATE_RETURN_IF_ERROR(same_shape(shape, e.encoding == Encoding::kDense ? e.values.shape : e.codes.shape, ew));
         if (e.encoding == Encoding::kBlockwise8) out.eight = true;
         out.bnb = true;
+        if (!out.bnb_nested) out.bnb_nested = pf.nested;
         if (!spec.entries.emplace(*moment, std::move(e)).second)
           return corrupt(fmt::format("{}: '{}' twice (as '{}' and bitsandbytes' '{}')", pw, *moment, *moment, *name));
       } else if (const auto of = bnb_part_of(*name)) {

@@ -136,6 +136,8 @@ struct StateDict {
   std::vector<DeclaredCount> counts; // LibTorch archives: sizes to check against what is listed
   bool libtorch = false;             // a LibTorch optimizer archive (torch::save(optimizer, path))
   bool bnb = false;                  // bitsandbytes' state (state1/state2: dcp/bnb_state.h)
+  std::optional<bool> bnb_nested;    // bitsandbytes': its tensors nested in kBnbQuantState (0.49.2 and
+                                     // later) or beside 'step' (earlier), as the first param's were
   bool torchao = false;              // torchao's state: OptimState8bit/Fp8/4bit moments, or groups with
                                      // lr a tensor and no 'maximize' (_AdamBase's: torchao's AdamW*)
   std::string_view torchao_package;   // where its subclasses were defined (dcp::kTorchaoOptimPackages);

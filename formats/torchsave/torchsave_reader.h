@@ -47,6 +47,10 @@ const FsdpSet* fsdp_set(const CheckpointReader& reader);
 // ({"model", "optimizer", "epoch"}, Lightning's .ckpt) and holds nothing else beyond the state: a
 // torch.save write from it carries those entries into its own file.
 bool carries_file(const CheckpointReader& reader);
+// Of bitsandbytes' state read by `reader`: whether its tensors were nested in
+// __bnb_optimizer_quant_state__ (bitsandbytes 0.49.2 and later) or beside 'step' (earlier
+// releases); nullopt for another reader or state.
+std::optional<bool> bnb_nested(const CheckpointReader& reader);
 
 // A DeepSpeed ZeRO checkpoint (formats/deepspeed/): its tag folder (global_step500/, every rank's
 // zero_pp_rank_R_mp_rank_00_optim_states.pt and the model states file), or the folder above whose

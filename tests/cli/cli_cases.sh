@@ -201,6 +201,10 @@ assert j["params"]["head.bias"]["entries"]["exp_avg"]["encoding"] == "dense"
       "$OPTSTATE" convert "$work/c" "$work/y.safetensors" --torchao-package torchao.optim
     expect_error 2 "'torchao.prototype' defines no torchao optimizer state" -- \
       "$OPTSTATE" reshard "$work/c" "$work/y" --world-size 2 --format dcp --torchao-package torchao.prototype
+    expect_error 2 "--bitsandbytes-layout is for --format bitsandbytes" -- \
+      "$OPTSTATE" convert "$work/c" "$work/y.pt" --bitsandbytes-layout flat
+    expect_error 2 "--bitsandbytes-layout must be nested or flat, got 'old'" -- \
+      "$OPTSTATE" convert "$work/c" "$work/y.pt" --format bitsandbytes --bitsandbytes-layout old
     # one-file formats take no world size (they would say "2 ranks" and write one file)
     expect_error 2 "--world-size 2: safetensors is one file" -- "$OPTSTATE" convert "$work/c" "$work/y.safetensors" --world-size 2
     expect_error 2 "--world-size 3: a torch.save file is one state" -- "$OPTSTATE" reshard "$work/c" "$work/y.pt" --world-size 3

@@ -67,6 +67,8 @@ def test_a_checkpoint_of_another_release_reads_as_that_release_held_it(tmp_path,
         assert got[k].dtype == torch.float32 and torch.equal(got[k], v), k
     info = json.loads(optstate_cli("inspect", ck, "--json", "--no-stats").stdout)
     assert set(info["params"]) == set(meta)
+    packages = torchao_packages(ck)  # the torchao package its pickles name, if any: inspect says it
+    assert info.get("torchao_package") == (min(packages) if packages else None), packages
     for fqn, want in meta.items():
         p = info["params"][fqn]
         group = info["param_groups"][p["group"]]

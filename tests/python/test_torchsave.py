@@ -663,19 +663,24 @@ RESUME_BNB = textwrap.dedent("""
     torch.save(o.state_dict(), out + ".optimizer.pt")
     torch.save(m.state_dict(), out + ".model.pt")
     run(m, o, 3, 6)
-    # Through optstate's own format and back to bitsandbytes' layout, then resumed by bitsandbytes.
-    for args in (["convert", out + ".optimizer.pt", out + ".native"],
-                 ["convert", out + ".native", out + ".back.pt", "--format", "bitsandbytes"]):
-        subprocess.run([cli, *args], check=True, capture_output=True)
-    m2 = make()
-    m2.load_state_dict(torch.load(out + ".model.pt"))
-    o2 = bnb.optim.AdamW8bit(m2.parameters(), lr=1e-3)
-    o2.load_state_dict(torch.load(out + ".back.pt"))
-    run(m2, o2, 3, 6)
-    for a, b in zip(m.parameters(), m2.parameters()):
-        assert torch.equal(a, b)
-    for a, b in zip(o.state.values(), o2.state.values()):
-        assert a["step"] == b["step"] == 6 and torch.equal(a["state1"], b["state1"]) and torch.equal(a["state2"], b["state2"])
+    # Through optstate's own format and back to bitsandbytes' layout (nested, as this release saves
+    # it, and flat, as releases before 0.49.2 saved it), then resumed by bitsandbytes.
+    subprocess.run([cli, "convert", out + ".optimizer.pt", out + ".native"], check=True, capture_output=True)
+    for layout, back in (("nested", out + ".back.pt"), ("flat", out + ".flat.pt")):
+        subprocess.run([cli, "convert", out + ".native", back, "--format", "bitsandbytes",
+                        "--bitsandbytes-layout", layout], check=True, capture_output=True)
+        saved = torch.load(back)
+        assert ("__bnb_optimizer_quant_state__" in saved["state"][0]) == (layout == "nested"), layout
+        m2 = make()
+        m2.load_state_dict(torch.load(out + ".model.pt"))
+        o2 = bnb.optim.AdamW8bit(m2.parameters(), lr=1e-3)
+        o2.load_state_dict(saved)
+        run(m2, o2, 3, 6)
+        for a, b in zip(m.parameters(), m2.parameters()):
+            assert torch.equal(a, b), layout
+        for a, b in zip(o.state.values(), o2.state.values()):
+            assert a["step"] == b["step"] == 6 and torch.equal(a["state1"], b["state1"]) and \
+                torch.equal(a["state2"], b["state2"]), layout
     print("ok")
 """)
 
@@ -686,6 +691,52 @@ def test_bitsandbytes_resumes_bitwise_from_the_state_optstate_writes(tmp_path, o
     back, orig = tmp_path / "r.back.pt", tmp_path / "r.optimizer.pt"
     assert "(bitsandbytes)" in optstate_cli("inspect", back).stdout
     assert hashes(optstate_cli, back) == hashes(optstate_cli, orig)
+
+
+def test_bitsandbytes_files_keep_their_layout_flat_before_0_49_2_or_nested(tmp_path, optstate_cli):
+    """bitsandbytes 0.49.2 nests a param's state tensors in "__bnb_optimizer_quant_state__"; earlier
+    releases keep them beside "step" and load only that layout. A conversion of either kind of file
+    writes its layout (state unchanged), --bitsandbytes-layout the other; from another optimizer's
+    state the nested one, saying which releases load it."""
+    import bitsandbytes as bnb
+    torch.manual_seed(0)
+    model = torch.nn.Linear(100, 70)
+    opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 100)).square().sum().backward()
+    opt.step()
+    nested = opt.state_dict()
+    flat = {"state": {i: {"step": st["step"], **st["__bnb_optimizer_quant_state__"]} for i, st in nested["state"].items()},
+            "param_groups": nested["param_groups"]}  # what bitsandbytes 0.49.1 and earlier save
+    torch.save(nested, tmp_path / "nested.pt")
+    torch.save(flat, tmp_path / "flat.pt")
+
+    def layout(path):
+        return "nested" if "__bnb_optimizer_quant_state__" in torch.load(path)["state"][0] else "flat"
+
+    for src in ("nested", "flat"):
+        other = "flat" if src == "nested" else "nested"
+        kept, switched = tmp_path / f"{src}-kept.pt", tmp_path / f"{src}-switched.pt"
+        proc = optstate_cli("convert", tmp_path / f"{src}.pt", kept, "--format", "bitsandbytes")
+        assert layout(kept) == src and "__bnb_optimizer_quant_state__" not in proc.stderr, proc.stderr
+        optstate_cli("convert", tmp_path / f"{src}.pt", switched, "--format", "bitsandbytes", "--bitsandbytes-layout", other)
+        assert layout(switched) == other
+        for out in (kept, switched):
+            assert hashes(optstate_cli, out) == hashes(optstate_cli, tmp_path / "nested.pt"), out
+            state = torch.load(out)["state"][0]
+            state.update(state.pop("__bnb_optimizer_quant_state__", {}))
+            assert set(state) == set(flat["state"][0]), (out, set(state))
+            for k, v in flat["state"][0].items():
+                assert torch.equal(torch.as_tensor(state[k]), torch.as_tensor(v)), (out, k)
+    optstate_cli("convert", tmp_path / "nested.pt", tmp_path / "native")
+    proc = optstate_cli("convert", tmp_path / "native", tmp_path / "from-native.pt", "--format", "bitsandbytes")
+    assert layout(tmp_path / "from-native.pt") == "nested"
+    assert "as bitsandbytes 0.49.2 and later save and load them; for earlier releases: --bitsandbytes-layout flat" \
+        in proc.stderr, proc.stderr
+    err = run_err(optstate_cli, "convert", tmp_path / "native", tmp_path / "x.pt", "--format", "bitsandbytes",
+                  "--bitsandbytes-layout", "wrapped")
+    assert "--bitsandbytes-layout must be nested or flat, got 'wrapped'" in err, err
+    err = run_err(optstate_cli, "convert", tmp_path / "native", tmp_path / "x.pt", "--bitsandbytes-layout", "flat")
+    assert "--bitsandbytes-layout is for --format bitsandbytes" in err, err
 
 
 def test_torch_and_torchao_state_move_to_bitsandbytes_8bit(tmp_path, optstate_cli):

@@ -10,6 +10,7 @@
 #include <functional>
 
 #include "bitsandbytes/bnb_layout.h"
+#include "dcp/bnb_state.h"
 #include "dcp/dcp_layout.h"
 #include "dcp/pickle.h"
 #include "optstate/checkpoint.h"
@@ -180,6 +181,61 @@ TEST_CASE("bitsandbytes: the planned state_dict reads back through the interpret
   auto refused = bitsandbytes::plan_state_dict(ams);
   REQUIRE_FALSE(refused.ok());
   CHECK(refused.status().message().find("param group 1: amsgrad") != std::string::npos);
+}
+
+TEST_CASE("bitsandbytes: the flat layout (before 0.49.2) and the nested one hold the same state; a write keeps the source's") {
+  const OptimizerState s = *quantize_state(testing::sample_state(), {256, 4});
+  for (const auto layout : {bitsandbytes::Layout::kNested, bitsandbytes::Layout::kFlat}) {
+    const bool nested = layout == bitsandbytes::Layout::kNested;
+    CAPTURE(nested);
+    auto plan = bitsandbytes::plan_state_dict(s, layout);
+    REQUIRE(plan.ok());
+    // The nested dict's key is in the pickle only in the nested layout.
+    CHECK((plan->data_pkl.find(std::string(dcp::kBnbQuantState)) != std::string::npos) == nested);
+    auto p = pickle::unpickle(std::as_bytes(std::span(plan->data_pkl)), "test");
+    REQUIRE(p.ok());
+    auto sd = torchsave::interpret_state_dict(*p, "test");
+    REQUIRE_MESSAGE(sd.ok(), sd.status().message());
+    CHECK(sd->bnb);
+    REQUIRE(sd->bnb_nested.has_value());
+    CHECK(*sd->bnb_nested == nested);
+    CHECK(sd->params.at(0).entries.at(kExpAvg).encoding == Encoding::kBlockwise8);
+  }
+  // Written through the driver: the source's layout unless one is asked for; a bad name refused.
+  const FormatDriver* d = find_format("bitsandbytes");
+  REQUIRE(d != nullptr);
+  testing::TempDir dir;
+  WriteOptions flat;
+  flat.bitsandbytes_layout = "flat";
+  REQUIRE(d->write(s, dir.path / "flat.pt", flat).ok());
+  auto flat_r = open_checkpoint(dir.path / "flat.pt");
+  REQUIRE(flat_r.ok());
+  CHECK(torchsave::bnb_nested(**flat_r) == std::optional<bool>(false));
+  CHECK(d->write_notes(d->kept(s), flat).empty());
+  const auto note = d->write_notes(d->kept(s), {});  // nested, from no bitsandbytes file: which releases load it
+  REQUIRE(note.size() == 1);
+  CHECK(note[0].find("bitsandbytes 0.49.2 and later") != std::string::npos);
+  auto all = load_all(**flat_r);
+  REQUIRE(all.ok());
+  REQUIRE(d->write(*all, dir.path / "kept.pt", {.source = flat_r->get()}).ok());
+  WriteOptions nested{.source = flat_r->get()};
+  nested.bitsandbytes_layout = "nested";
+  REQUIRE(d->write(*all, dir.path / "nested.pt", nested).ok());
+  auto kept_r = open_checkpoint(dir.path / "kept.pt");
+  auto nested_r = open_checkpoint(dir.path / "nested.pt");
+  REQUIRE(kept_r.ok());
+  REQUIRE(nested_r.ok());
+  CHECK(torchsave::bnb_nested(**kept_r) == std::optional<bool>(false));
+  CHECK(torchsave::bnb_nested(**nested_r) == std::optional<bool>(true));
+  CHECK(hash_checkpoint(**kept_r)->root == hash_checkpoint(**flat_r)->root);
+  CHECK(hash_checkpoint(**nested_r)->root == hash_checkpoint(**flat_r)->root);
+  CHECK(d->write_notes(d->kept(*all), {.source = nested_r->get()}).empty());  // from a nested file: nothing to say
+  WriteOptions bad;
+  bad.bitsandbytes_layout = "wrapped";
+  const Status st = d->write(s, dir.path / "bad.pt", bad);
+  CHECK(st.code() == ErrorCode::kInvalidArgument);
+  CHECK(st.message().find("bitsandbytes layout 'wrapped'") != std::string::npos);
+  CHECK_FALSE(fs::exists(dir.path / "bad.pt"));
 }
 
 TEST_CASE("torchao: the planned state_dict reads back through the interpretation as torchao's state") {

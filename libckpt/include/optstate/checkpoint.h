@@ -126,6 +126,10 @@ struct WriteOptions {
   // torchao.prototype.low_bit_optim for torchao before 0.11, whose pickles name their defining
   // module); empty: the source's (CheckpointReader::torchao_package), else torchao.optim.
   std::string torchao_package = {};
+  // bitsandbytes' state_dict: its tensors "nested" in __bnb_optimizer_quant_state__ (as 0.49.2 and
+  // later save them; what FSDP's gathering needs) or "flat" beside 'step' (as earlier releases save
+  // them; every release loads it); empty: the source's (a bitsandbytes file), else nested.
+  std::string bitsandbytes_layout = {};
 };
 
 class FormatDriver {

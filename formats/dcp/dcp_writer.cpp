@@ -372,6 +372,9 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
   const std::string k = layout.optimizer_key();
   const std::vector<std::string>& kp = layout.optimizer_path;
   std::set<std::string> replaced;  // carried items written in another form (float_lr)
+  std::set<std::string> source_keys;  // a DCP source's items that this write carries
+  if (carry)
+    for (const CarriedItem& c : layout.carried) source_keys.insert(c.name.key);
   // `<K>.state.<fqn>.<entry>`: nested paths (K, "state", fqn, entry) or flattened (K, "state.<fqn>.<entry>").
   auto state_name = [&](const std::string& fqn, const std::string& entry) {
     return ItemName{fmt::format("{}.state.{}.{}", k, fqn, entry),
@@ -429,12 +432,13 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
       OPTSTATE_RETURN_IF_ERROR(num("weight_decay", h.weight_decay));
       OPTSTATE_RETURN_IF_ERROR(flag("amsgrad", h.amsgrad));
       OPTSTATE_RETURN_IF_ERROR(flag("maximize", h.maximize));
-      // The rest of torch.optim.AdamW's group (2.13), so dcp.load finds every key it asks for.
-      OPTSTATE_RETURN_IF_ERROR(flag("foreach", -1));
-      OPTSTATE_RETURN_IF_ERROR(flag("capturable", 0));
-      OPTSTATE_RETURN_IF_ERROR(flag("differentiable", 0));
-      OPTSTATE_RETURN_IF_ERROR(flag("fused", -1));
-      OPTSTATE_RETURN_IF_ERROR(flag("decoupled_weight_decay", 1));
+      // The rest of torch.optim.AdamW's group (2.13), so dcp.load finds every key it asks for; where
+      // a DCP source holds one of them, its own value, carried as it was (fused=True stays fused:
+      // torch's load_state_dict takes the group as saved).
+      for (const auto& [field, value] : {std::pair{"foreach", -1}, std::pair{"capturable", 0},
+                                         std::pair{"differentiable", 0}, std::pair{"fused", -1},
+                                         std::pair{"decoupled_weight_decay", 1}})
+        if (!source_keys.count(name(field).key)) OPTSTATE_RETURN_IF_ERROR(flag(field, value));
       if (layout.flattened) continue;
       pickle::Writer w;
       w.empty_list();

@@ -1177,3 +1177,67 @@ def test_accelerate_fsdp1_sharded_dcp_reads_as_the_state_torch_gathers(tmp_path,
     from torch.distributed.checkpoint import FileSystemReader
     keys = [set(FileSystemReader(str(d)).read_metadata().state_dict_metadata) for d in (ck, tmp_path / "again")]
     assert keys[0] == keys[1] and "optimizer.state.0.weight.exp_avg" in keys[0]
+
+
+KEEP_FLAGS = """
+import sys, torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+out, flat = sys.argv[1], sys.argv[2] == "flat"
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # torchtitan's default implementation
+model(torch.randn(8, 16)).square().sum().backward()
+opt.step()
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=flat))
+# A release before decoupled_weight_decay (torch 2.6) saved no such field.
+for k in [k for k in osd if k.endswith("decoupled_weight_decay")] if flat else []:
+    del osd[k]
+for g in [] if flat else osd["param_groups"]:
+    del g["decoupled_weight_decay"]
+dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
+"""
+
+
+@pytest.mark.parametrize("layout", ["nested", "flat"])
+def test_dcp_rewrite_keeps_the_sources_optimizer_flags(tmp_path, optstate_cli, layout):
+    """torch.optim.AdamW's groups hold implementation flags the state has no place for (fused, foreach,
+    capturable, differentiable; decoupled_weight_decay since torch 2.7), and its load_state_dict
+    takes a group as saved. A DCP -> DCP conversion or reshard keeps the source's values, so a fused
+    run resumes fused; a flag the source lacks (a release before decoupled_weight_decay) gets
+    torch.optim.AdamW's default, as a DCP from another source gets all of them, so that a strict
+    dcp.load of today's torch finds it."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    src = tmp_path / "src"
+    run_script(tmp_path, KEEP_FLAGS, "keep_flags.py", src, layout)
+
+    def groups(ck):
+        keys = set(FileSystemReader(str(ck)).read_metadata().state_dict_metadata)
+        dcp_to_torch_save(ck, tmp_path / (ck.name + ".pt"))
+        sd = torch.load(tmp_path / (ck.name + ".pt"), weights_only=False)["optim"]
+        fields = sd["param_groups"] if isinstance(sd.get("param_groups"), list) else \
+            [{k: v for k, v in sd.items() if k.startswith("param_groups.")}]  # flattened: per-param keys
+        return {k for k in keys if ".param_groups." in k}, fields
+
+    keys, fields = groups(src)
+    assert not any(k.endswith("decoupled_weight_decay") for k in keys) and any(k.endswith(".fused") for k in keys)
+    assert any(v is True for g in fields for k, v in g.items() if k.endswith("fused"))
+    for args in (("convert", src, tmp_path / "converted", "--format", "dcp", "--to", "fp32"),
+                 ("reshard", src, tmp_path / "resharded", "--format", "dcp", "--world-size", "2")):
+        optstate_cli(*args)
+        out_keys, out_fields = groups(args[2])
+        added = out_keys - keys
+        assert keys <= out_keys and added and all(k.endswith(".decoupled_weight_decay") for k in added), added
+        assert [{k: v for k, v in g.items() if not k.endswith("decoupled_weight_decay")} for g in out_fields] == \
+            fields, args[0]  # fused=True among them
+        assert all(v is True for g in out_fields for k, v in g.items() if k.endswith("decoupled_weight_decay"))
+        assert hashes(optstate_cli, args[2]) == hashes(optstate_cli, src)
+    # Through optstate's own format the source's flags are gone: torch.optim.AdamW's defaults.
+    optstate_cli("convert", src, tmp_path / "native")
+    optstate_cli("convert", tmp_path / "native", tmp_path / "fresh", "--format", "dcp")
+    fresh_keys, fresh_fields = groups(tmp_path / "fresh")
+    assert any(k.endswith("decoupled_weight_decay") for k in fresh_keys)
+    fused = [v for k, v in fresh_fields[0].items() if k.endswith("fused")]
+    assert fused and all(v is None for v in fused), fused

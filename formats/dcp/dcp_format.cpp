@@ -1109,7 +1109,7 @@ Result<ArchiveIndex> read_archive_index(const InputFile& file, const StorageLoc&
 Result<std::string_view> written_torchao_package(const WriteOptions& options) {
   if (!options.torchao_package.empty()) {
     for (std::string_view package : kTorchaoOptimPackages)
-      if (options.torchao_package == package) return package;
+      if (options.torchao_package == package) return package;  // the table's view: it outlives the options
     return invalid_argument(fmt::format("'{}' defines no torchao optimizer state: torchao.optim, or "
                                         "torchao.prototype.low_bit_optim before torchao 0.11",
                                         printable(options.torchao_package)));

@@ -389,11 +389,12 @@ Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& wh
     }
     // (func=_rebuild_wrapper_subclass, type=OptimState8bit, args=(cls, dtype, size, stride, ...), state);
     // OptimStateFp8 the same without a qmap (codes float8_e4m3fn).
-    std::string_view package;
-    const bool fp8 = a.size() >= 2 && !(package = torchao_subclass_package(p, a[1], "subclass_fp8", "OptimStateFp8")).empty();
-    const bool four =
-        a.size() >= 2 && !fp8 && !(package = torchao_subclass_package(p, a[1], "subclass_4bit", "OptimState4bit")).empty();
-    if (a.size() >= 2 && !fp8 && !four) package = torchao_subclass_package(p, a[1], "subclass_8bit", "OptimState8bit");
+    std::string_view package, cls;  // which subclass, and the package that defined it
+    if (a.size() >= 2)
+      for (const auto& [module, name] : {std::pair{"subclass_8bit", "OptimState8bit"}, std::pair{"subclass_fp8", "OptimStateFp8"},
+                                         std::pair{"subclass_4bit", "OptimState4bit"}})
+        if (package.empty() && !(package = torchao_subclass_package(p, a[1], module, name)).empty()) cls = name;
+    const bool fp8 = cls == "OptimStateFp8", four = cls == "OptimState4bit";
     if (a.size() < 4 || !p.is_global(a[0], "torch._utils", "_rebuild_wrapper_subclass") || package.empty())
       return corrupt(fmt::format("{}: a tensor subclass other than torchao's OptimState8bit, OptimState4bit and "
                                  "OptimStateFp8", where));

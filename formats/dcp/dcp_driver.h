@@ -105,9 +105,10 @@ bool writes_torchao_items(const WriteOptions& options, const SourceLayout* sourc
 // (refused unless one of kTorchaoOptimPackages), else the source's (CheckpointReader::torchao_package:
 // a reshard or conversion keeps what that torchao release loads), else torchao.optim.
 Result<std::string_view> written_torchao_package(const WriteOptions& options);
-// What convert says of 8-bit moments written as `package`'s subclasses: which torchao releases load
-// them, where that is not simply today's (the package is the older one, or the source's was); else "".
-std::string torchao_package_note(std::string_view package, const WriteOptions& options);
+// What convert says of `kept`'s 8-bit moments written as torchao's subclasses with `options`: which
+// torchao releases load them, where that is not simply today's (the package is the older one, or the
+// source's was); empty otherwise (no 8-bit moment, or nothing to say).
+std::vector<std::string> torchao_package_notes(const OptimizerState& kept, const WriteOptions& options);
 // Whether blockwise8 entry `e`, moment `moment` of a param of `shape`, is written as torchao's
 // items when laid out as `world` ranks' row shards: torchao steps it as 8-bit (whole blocks of its
 // map) and every rank's rows are whole blocks (torchao slices its state on block boundaries only).

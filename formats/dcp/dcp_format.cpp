@@ -1070,13 +1070,7 @@ class DcpDriver final : public FormatDriver {
     });
   }
   std::vector<std::string> write_notes(const OptimizerState& kept, const WriteOptions& options) const override {
-    const auto package = written_torchao_package(options);
-    bool eight = false;
-    for (const auto& [fqn, ps] : kept.params)
-      for (const auto& [name, e] : ps.entries) eight = eight || e.encoding == Encoding::kBlockwise8;
-    if (!package.ok() || !eight || !writes_blockwise8(options)) return {};
-    std::string note = torchao_package_note(*package, options);
-    return note.empty() ? std::vector<std::string>{} : std::vector<std::string>{std::move(note)};
+    return writes_blockwise8(options) ? torchao_package_notes(kept, options) : std::vector<std::string>{};
   }
   // --to 8bit quantizes as torchao steps 8-bit state: whole blocks only.
   QuantizeOptions quantize_rule(const QuantizeOptions& q) const override {
@@ -1118,16 +1112,22 @@ Result<std::string_view> written_torchao_package(const WriteOptions& options) {
   return kTorchaoDefaultPackage;
 }
 
-std::string torchao_package_note(std::string_view package, const WriteOptions& options) {
+std::vector<std::string> torchao_package_notes(const OptimizerState& kept, const WriteOptions& options) {
+  const auto written = written_torchao_package(options);
+  bool eight = false;
+  for (const auto& [fqn, ps] : kept.params)
+    for (const auto& [name, e] : ps.entries) eight = eight || e.encoding == Encoding::kBlockwise8;
+  if (!written.ok() || !eight) return {};
+  const std::string_view package = *written;
   const std::string_view source = options.source ? options.source->torchao_package() : std::string_view{};
   if (package != kTorchaoDefaultPackage)
-    return fmt::format("8-bit moments are {}'s OptimState8bit{}, which torchao before 0.11 loads; for torchao 0.11 "
+    return {fmt::format("8-bit moments are {}'s OptimState8bit{}, which torchao before 0.11 loads; for torchao 0.11 "
                        "and later: --torchao-package {}", package, source == package ? " (as the source's)" : "",
-                       kTorchaoDefaultPackage);
+                       kTorchaoDefaultPackage)};
   if (!source.empty() && source != package)
-    return fmt::format("8-bit moments are {}'s OptimState8bit, which torchao 0.11 and later loads (the source's "
-                       "were {}'s, torchao before 0.11: --torchao-package {} keeps them)", package, source, source);
-  return "";
+    return {fmt::format("8-bit moments are {}'s OptimState8bit, which torchao 0.11 and later loads (the source's "
+                        "were {}'s, torchao before 0.11: --torchao-package {} keeps them)", package, source, source)};
+  return {};
 }
 
 const SourceLayout* source_layout(const CheckpointReader& reader) {

@@ -44,13 +44,7 @@ class TorchaoDriver final : public FormatDriver {
   }
 
   std::vector<std::string> write_notes(const OptimizerState& kept, const WriteOptions& options) const override {
-    const auto package = dcp::written_torchao_package(options);
-    bool eight = false;
-    for (const auto& [fqn, ps] : kept.params)
-      for (const auto& [name, e] : ps.entries) eight = eight || e.encoding == Encoding::kBlockwise8;
-    if (!package.ok() || !eight) return {};
-    std::string note = dcp::torchao_package_note(*package, options);
-    return note.empty() ? std::vector<std::string>{} : std::vector<std::string>{std::move(note)};
+    return dcp::torchao_package_notes(kept, options);
   }
 
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {

@@ -47,10 +47,19 @@ int run_inspect(int argc, char** argv) {
   j["path"] = reader.path().string();
   j["format"] = std::string(reader.format());
   j["optimizer"] = meta.kind;
+  // torch.optim.AdamW's switches (fused, foreach, ...) as the file kept them: how the run stepped.
+  const std::span<const AdamWFlags> switches = reader.adamw_flags();
+  auto switch_text = [](FlagValue v) { return v == FlagValue::kNone ? "None" : v == FlagValue::kTrue ? "True" : "False"; };
   nlohmann::json groups = nlohmann::json::array();
-  for (const auto& g : meta.groups) {
-    nlohmann::json gj = param_group_to_json(g);
-    gj["params"] = g.params.size();  // inspect reports the count; the members are in the param table
+  for (size_t g = 0; g < meta.groups.size(); ++g) {
+    nlohmann::json gj = param_group_to_json(meta.groups[g]);
+    gj["params"] = meta.groups[g].params.size();  // inspect reports the count; the members are in the param table
+    if (switches.size() == meta.groups.size()) {
+      nlohmann::json sj = nlohmann::json::object();
+      for (const auto& [name, v] : switches[g])
+        sj[name] = v == FlagValue::kNone ? nlohmann::json(nullptr) : nlohmann::json(v == FlagValue::kTrue);
+      gj["adamw_switches"] = std::move(sj);
+    }
     groups.push_back(std::move(gj));
   }
   j["param_groups"] = groups;
@@ -129,9 +138,15 @@ int run_inspect(int argc, char** argv) {
                                 meta.params.size(), total_numel);
   for (size_t g = 0; g < meta.groups.size(); ++g) {
     const auto& h = meta.groups[g].hyper;
-    out += fmt::format("group {:<5} lr={:g} betas=({:g}, {:g}) eps={:g} weight_decay={:g} amsgrad={} maximize={} "
+    // Only the switches set otherwise than torch's defaults (fused=True), as in a constructor call.
+    std::string set;
+    if (switches.size() == meta.groups.size())
+      for (const auto& [name, fallback] : kAdamWFlagDefaults)
+        if (const auto it = switches[g].find(name); it != switches[g].end() && it->second != fallback)
+          set += fmt::format(" {}={}", name, switch_text(it->second));
+    out += fmt::format("group {:<5} lr={:g} betas=({:g}, {:g}) eps={:g} weight_decay={:g} amsgrad={} maximize={}{} "
                        "({} params)\n",
-                       g, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.amsgrad, h.maximize,
+                       g, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.amsgrad, h.maximize, set,
                        meta.groups[g].params.size());
   }
   // A pickle names the module that defined the class: each torchao loads only its own package's.

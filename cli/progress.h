@@ -49,6 +49,7 @@ class ProgressReader final : public CheckpointReader {
   const OptimizerState& meta() const override { return inner_->meta(); }
   std::vector<std::string> not_read() const override { return inner_->not_read(); }
   std::string_view torchao_package() const override { return inner_->torchao_package(); }
+  std::span<const AdamWFlags> adamw_flags() const override { return inner_->adamw_flags(); }
   bool checksummed() const override { return inner_->checksummed(); }
   Status verify_shared_records() override { return inner_->verify_shared_records(); }
   Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) override;

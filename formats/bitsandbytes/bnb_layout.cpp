@@ -115,7 +115,7 @@ Status plan_frame(const OptimizerState& state, pickle::Writer& w, const torchsav
           },
       // The rest of bitsandbytes' group (0.50): AdEMAMix's fields, inert for AdamW.
       .group_fields =
-          [&](const Hyperparameters&) {
+          [&](size_t, const Hyperparameters&) {
             w.str("alpha");
             w.real(0.0);
             w.str("t_alpha");

@@ -66,6 +66,11 @@ class DcpReader final : public CheckpointReader {
   const fs::path& path() const override { return dir_; }
   const OptimizerState& meta() const override { return meta_; }
   std::string_view torchao_package() const override { return layout_.torchao_package; }
+  std::span<const AdamWFlags> adamw_flags() const override {
+    const bool any = std::any_of(layout_.adamw_flags.begin(), layout_.adamw_flags.end(),
+                                 [](const AdamWFlags& f) { return !f.empty(); });
+    return any ? std::span<const AdamWFlags>(layout_.adamw_flags) : std::span<const AdamWFlags>{};
+  }
   // Whether every chunk read so far was checked against the CRC-32 torch.save stored for it (and at
   // least one was): true after a full read of a checkpoint torch saved with CRCs (its default).
   // A rank's share of a larger chunk is part of a record and cannot be checked.
@@ -442,6 +447,8 @@ class DcpReader final : public CheckpointReader {
         ParamGroup pg;
         Plain8 q;
         OPTSTATE_RETURN_IF_ERROR(parse_group(fields, gw, pg, q));
+        OPTSTATE_ASSIGN_OR_RETURN(AdamWFlags flags, group_flags(fields));
+        layout_.adamw_flags.push_back(std::move(flags));
         auto params = fields.find("params");
         if (params == fields.end()) return corrupt(gw + ": no params");
         OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(params->second, {}));
@@ -467,6 +474,8 @@ class DcpReader final : public CheckpointReader {
         if (g == meta_.groups.size()) {
           meta_.groups.push_back(std::move(pg));
           plain8_.push_back(q);
+          OPTSTATE_ASSIGN_OR_RETURN(AdamWFlags flags, group_flags(fields));  // its first param's
+          layout_.adamw_flags.push_back(std::move(flags));
         }
         meta_.groups[g].params.push_back(fqn);
       }
@@ -666,6 +675,18 @@ class DcpReader final : public CheckpointReader {
       *name = *v;
     }
     return Status::Ok();
+  }
+
+  // The group's torch.optim.AdamW switches that hold None or a bool.
+  Result<AdamWFlags> group_flags(const std::map<std::string, std::string>& fields) {
+    AdamWFlags out;
+    for (const auto& [name, fallback] : kAdamWFlagDefaults) {
+      const auto f = fields.find(std::string(name));
+      if (f == fields.end() || md_.items.at(f->second).is_tensor) continue;
+      OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * fi, item(f->second, {}));
+      if (const auto v = as_flag(fi->pickle, fi->pickle.root())) out.emplace(name, *v);
+    }
+    return out;
   }
 
   static std::vector<std::string> split_key(const std::string& key) {

@@ -218,6 +218,27 @@ std::optional<bool> as_bool(const Pickle& p, Ref r) {
 
 std::optional<std::string> as_string(const Pickle& p, Ref r) { return str(p, r); }
 
+std::optional<FlagValue> as_flag(const Pickle& p, Ref r) {
+  if (r == kNoRef) return std::nullopt;
+  if (p.at(r).kind == Kind::kNone) return FlagValue::kNone;
+  if (p.at(r).kind != Kind::kBool) return std::nullopt;
+  return p.at(r).i != 0 ? FlagValue::kTrue : FlagValue::kFalse;
+}
+
+FlagValue written_flag(std::span<const AdamWFlags> source, size_t groups, size_t g, std::string_view name,
+                       FlagValue fallback) {
+  if (source.size() != groups || g >= groups) return fallback;
+  const auto it = source[g].find(name);
+  return it == source[g].end() ? fallback : it->second;
+}
+
+void encode_flag(pickle::Writer& w, FlagValue v) {
+  if (v == FlagValue::kNone)
+    w.none();
+  else
+    w.boolean(v == FlagValue::kTrue);
+}
+
 std::optional<std::vector<std::string>> as_string_list(const Pickle& p, Ref r) {
   if (r == kNoRef || (p.at(r).kind != Kind::kList && p.at(r).kind != Kind::kTuple)) return std::nullopt;
   std::vector<std::string> out;

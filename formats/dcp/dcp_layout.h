@@ -14,6 +14,7 @@
 #include <string_view>
 #include <vector>
 
+#include "optstate/checkpoint.h"
 #include "optstate/dtype.h"
 #include "optstate/status.h"
 #include "pickle.h"
@@ -138,5 +139,13 @@ std::optional<double> as_number(const pickle::Pickle& p, pickle::Ref r);
 std::optional<bool> as_bool(const pickle::Pickle& p, pickle::Ref r);
 std::optional<std::vector<std::string>> as_string_list(const pickle::Pickle& p, pickle::Ref r);
 std::optional<std::string> as_string(const pickle::Pickle& p, pickle::Ref r);
+
+// ---- torch.optim.AdamW's implementation switches (CheckpointReader::adamw_flags) ----
+// A switch's value: None, False or True; nullopt for anything else (not kept: the writer's default).
+std::optional<FlagValue> as_flag(const pickle::Pickle& p, pickle::Ref r);
+// Group `g`'s `name` to write, of `groups` written: the source's where it kept one for each group, else `fallback`.
+FlagValue written_flag(std::span<const AdamWFlags> source, size_t groups, size_t g, std::string_view name,
+                       FlagValue fallback);
+void encode_flag(pickle::Writer& w, FlagValue v);
 
 }  // namespace optstate::dcp

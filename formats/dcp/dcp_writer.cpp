@@ -270,9 +270,11 @@ Status copy_carried(const SourceLayout& src, std::vector<OutputFile>& outs, cons
 }
 
 // Tensors are laid out as `world` ranks' row shards (torch.chunk of dim 0, as FSDP2), each rank's
-// chunks in its own file; bytes items and 0-d tensors go to rank 0's. The names follow `layout`.
+// chunks in its own file; bytes items and 0-d tensors go to rank 0's. The names follow `layout`;
+// `flags`: the source's AdamW switches by group (CheckpointReader::adamw_flags).
 Status write_into(StateSource& source, const fs::path& staging, int world, const SourceLayout& layout,
-                  bool carry, bool float_lr, bool torchao, std::string_view torchao_package) {
+                  bool carry, bool float_lr, bool torchao, std::string_view torchao_package,
+                  std::span<const AdamWFlags> flags) {
   const OptimizerState& state = source.meta();
   std::vector<OutputFile> outs;
   for (int r = 0; r < world; ++r) {
@@ -402,10 +404,9 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
         w.real(v);
         return value_item(name(field), w.finish());
       };
-      auto flag = [&](const char* field, int v) {  // v: 0/1, or -1 for None
+      auto flag = [&](const char* field, FlagValue v) {
         pickle::Writer w;
-        if (v < 0) w.none();
-        else w.boolean(v != 0);
+        encode_flag(w, v);
         return value_item(name(field), w.finish());
       };
       // lr as the source kept it: a 0-d tensor where torchao's groups (and torch's with a tensor lr) hold one.
@@ -430,15 +431,17 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
       }
       OPTSTATE_RETURN_IF_ERROR(num("eps", h.eps));
       OPTSTATE_RETURN_IF_ERROR(num("weight_decay", h.weight_decay));
-      OPTSTATE_RETURN_IF_ERROR(flag("amsgrad", h.amsgrad));
-      OPTSTATE_RETURN_IF_ERROR(flag("maximize", h.maximize));
-      // The rest of torch.optim.AdamW's group (2.13), so dcp.load finds every key it asks for; where
-      // a DCP source holds one of them, its own value, carried as it was (fused=True stays fused:
-      // torch's load_state_dict takes the group as saved).
-      for (const auto& [field, value] : {std::pair{"foreach", -1}, std::pair{"capturable", 0},
-                                         std::pair{"differentiable", 0}, std::pair{"fused", -1},
-                                         std::pair{"decoupled_weight_decay", 1}})
-        if (!source_keys.count(name(field).key)) OPTSTATE_RETURN_IF_ERROR(flag(field, value));
+      auto boolean = [](bool b) { return b ? FlagValue::kTrue : FlagValue::kFalse; };
+      OPTSTATE_RETURN_IF_ERROR(flag("amsgrad", boolean(h.amsgrad)));
+      OPTSTATE_RETURN_IF_ERROR(flag("maximize", boolean(h.maximize)));
+      // The rest of torch.optim.AdamW's group (2.13), so dcp.load finds every key it asks for; the
+      // source's switches where it kept them (a DCP source's items carried as they were; fused=True
+      // stays fused: torch's load_state_dict takes the group as saved), else torch's defaults.
+      for (const auto& [field, fallback] : kAdamWFlagDefaults) {
+        const std::string f(field);
+        if (!source_keys.count(name(f.c_str()).key))
+          OPTSTATE_RETURN_IF_ERROR(flag(f.c_str(), written_flag(flags, state.groups.size(), g, field, fallback)));
+      }
       if (layout.flattened) continue;
       pickle::Writer w;
       w.empty_list();
@@ -620,7 +623,8 @@ Status write_dcp(StateSource& state, const fs::path& path, const WriteOptions& o
   const SourceLayout get_state_dict_layout;  // {"model": ..., "optim": ...}, nested groups
   return staging.commit(write_into(state, staging.path(), options.world_size, source ? *source : get_state_dict_layout,
                                    source != nullptr, options.float_lr, writes_torchao_items(options, source),
-                                   torchao_package),
+                                   torchao_package,
+                                   options.source ? options.source->adamw_flags() : std::span<const AdamWFlags>{}),
                         options.overwrite);
 }
 

@@ -150,7 +150,7 @@ Status plan_frame(const OptimizerState& state, pickle::Writer& w, const torchsav
             }
           },
       .group_fields =
-          [&](const Hyperparameters& h) {
+          [&](size_t, const Hyperparameters& h) {
             w.str("amsgrad");
             w.boolean(h.amsgrad);
           },

@@ -208,6 +208,7 @@ class TorchSaveReader final : public CheckpointReader {
   const FsdpSet* fsdp() const { return fsdp_ ? &*fsdp_ : nullptr; }
   bool carries_rest() const { return carries_rest_; }
   std::string_view torchao_package() const override { return torchao_package_; }
+  std::span<const AdamWFlags> adamw_flags() const override { return adamw_flags_; }
   std::optional<bool> bnb_nested() const { return bnb_nested_; }
 
   Status verify_shared_records() override {
@@ -456,6 +457,8 @@ class TorchSaveReader final : public CheckpointReader {
       }
       meta_.groups.push_back(std::move(group));
     }
+    if (std::any_of(sd0.groups.begin(), sd0.groups.end(), [](const GroupSpec& g) { return !g.flags.empty(); }))
+      for (const GroupSpec& g : sd0.groups) adamw_flags_.push_back(g.flags);
     if (fsdp1) {
       OPTSTATE_ASSIGN_OR_RETURN(const size_t weights, init_fsdp1(sds, optim_files, models, model_files));
       return finish(models, model_files, weights);
@@ -1466,6 +1469,7 @@ class TorchSaveReader final : public CheckpointReader {
   bool bnb_ = false;       // bitsandbytes' state: formats/bitsandbytes/ writes it
   bool torchao_ = false;   // one file of torchao's state: formats/torchao/ writes it
   std::string_view torchao_package_;  // where its torchao subclasses were defined (a kTorchaoOptimPackages view)
+  std::vector<AdamWFlags> adamw_flags_;  // each group's AdamW switches, where the file keeps some
   std::optional<bool> bnb_nested_;    // bitsandbytes' state: nested in __bnb_optimizer_quant_state__ or not
   bool deepspeed_ = false; // a DeepSpeed ZeRO checkpoint: formats/deepspeed/ sniffs it
   bool shared_verified_ = false;  // verify_shared_records covered every record the pieces read
@@ -1857,7 +1861,9 @@ Status write_plan(StateSource& source, const fs::path& path, bool overwrite, con
 Status write_framed(StateSource& source, const fs::path& path, const WriteOptions& options, const PlanFrame& frame) {
   if (options.source && carries_file(*options.source))
     return write_carrying(source, *options.source, path, options.overwrite, frame);
-  OPTSTATE_ASSIGN_OR_RETURN(const Plan plan, plan_of(frame));
+  FrameOptions fo;
+  if (options.source) fo.adamw_flags = options.source->adamw_flags();
+  OPTSTATE_ASSIGN_OR_RETURN(const Plan plan, plan_of(frame, fo));
   return write_plan(source, path, options.overwrite, plan);
 }
 
@@ -1907,6 +1913,7 @@ Status write_carrying(StateSource& source, const CheckpointReader& from, const f
         Status carried = Status::Ok();
         FrameOptions fo;
         fo.optimizer_only = true;
+        fo.adamw_flags = from.adamw_flags();
         fo.group_extra = [&](size_t g) {
           const auto* items = dict_items(p, (*groups)[g]);
           for (size_t k = 0; items && k + 1 < items->size() && carried.ok(); k += 2) {

@@ -228,6 +228,8 @@ Result<GroupSpec> adamw_group(const Pickle& p, Ref fields, const std::string& gw
                                  gw, key, spec.hyper.weight_decay));
   if (const auto bc = dcp::as_bool(p, p.dict_get(fields, "bias_correction")); bc && !*bc)
     return corrupt(gw + ": bias_correction=False: not AdamW's update");  // apex's / DeepSpeed's FusedAdam
+  for (const auto& [name, fallback] : kAdamWFlagDefaults)
+    if (const auto v = dcp::as_flag(p, p.dict_get(fields, name)); v) spec.flags.emplace(name, *v);
   return spec;
 }
 
@@ -1480,7 +1482,7 @@ StorageSpec StorageSpec::of_scalar(float v) {
   return s;
 }
 
-Result<Plan> plan_of(const PlanFrame& frame) {
+Result<Plan> plan_of(const PlanFrame& frame, const FrameOptions& options) {
   Plan plan;
   pickle::Writer w;
   OPTSTATE_RETURN_IF_ERROR(frame(
@@ -1489,7 +1491,7 @@ Result<Plan> plan_of(const PlanFrame& frame) {
         plan.storages.push_back(std::move(s));
         return std::to_string(plan.storages.size() - 1);
       },
-      {}));
+      options));
   plan.data_pkl = w.finish();
   return plan;
 }
@@ -1568,7 +1570,7 @@ void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, con
     w.real(h.eps);
     w.str("weight_decay");
     w.real(h.weight_decay);
-    parts.group_fields(h);
+    parts.group_fields(static_cast<size_t>(&g - state.groups.data()), h);
     if (parts.group_extra) parts.group_extra(static_cast<size_t>(&g - state.groups.data()));
     w.str("params");
     w.empty_list();
@@ -1582,22 +1584,18 @@ void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, con
   if (weights) w.setitems_from_mark();
 }
 
-void adamw_group_fields(pickle::Writer& w, const Hyperparameters& h) {
+void adamw_group_fields(pickle::Writer& w, const Hyperparameters& h, const AdamWFlags* kept) {
   w.str("amsgrad");
   w.boolean(h.amsgrad);
   w.str("maximize");
   w.boolean(h.maximize);
-  // The rest of torch.optim.AdamW's group (2.13), as its state_dict() has it.
-  w.str("foreach");
-  w.none();
-  w.str("capturable");
-  w.boolean(false);
-  w.str("differentiable");
-  w.boolean(false);
-  w.str("fused");
-  w.none();
-  w.str("decoupled_weight_decay");
-  w.boolean(true);
+  // The rest of torch.optim.AdamW's group (2.13), as its state_dict() has it: the source's switches
+  // where it kept them (torch's load_state_dict takes the group as saved: fused=True stays fused).
+  for (const auto& [name, fallback] : kAdamWFlagDefaults) {
+    w.str(std::string(name));
+    const auto it = kept ? kept->find(name) : AdamWFlags::const_iterator{};
+    dcp::encode_flag(w, kept && it != kept->end() ? it->second : fallback);
+  }
 }
 
 namespace {
@@ -1641,7 +1639,10 @@ Status plan_adamw_frame(const OptimizerState& meta, pickle::Writer& w, const Spe
                 dcp::encode_tensor(w, DType::kF32, ps.shape, add(StorageSpec::of_f32_values(order[i], m)));
             }
           },
-      .group_fields = [&](const Hyperparameters& h) { adamw_group_fields(w, h); },
+      .group_fields =
+          [&](size_t g, const Hyperparameters& h) {
+            adamw_group_fields(w, h, options.adamw_flags.size() == meta.groups.size() ? &options.adamw_flags[g] : nullptr);
+          },
       .lr = {},
       .optimizer_only = options.optimizer_only,
       .group_extra = options.group_extra,

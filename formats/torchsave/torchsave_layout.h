@@ -110,6 +110,7 @@ struct ParamSpec {
 
 struct GroupSpec {
   Hyperparameters hyper;
+  AdamWFlags flags;  // torch.optim.AdamW's switches the group holds (CheckpointReader::adamw_flags)
   Scalar lr;
   std::vector<std::string> params;  // fqns, in the group's order (params without state left out)
 };
@@ -198,7 +199,7 @@ ModelNames names_from_model(const ModelDict& md, const std::vector<std::vector<i
 // key/value pairs of group `group` (what the source's group held beyond AdamW's fields).
 struct FrameParts {
   std::function<void(size_t id, const ParamState&)> weight, param_state;
-  std::function<void(const Hyperparameters&)> group_fields;
+  std::function<void(size_t group, const Hyperparameters&)> group_fields;
   std::function<void(size_t group, const Hyperparameters&)> lr;
   bool optimizer_only = false;
   std::function<void(size_t group)> group_extra;
@@ -208,8 +209,9 @@ struct FrameParts {
 bool known_group_key(std::string_view key);
 void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, const FrameParts& parts);
 // torch.optim.AdamW's group fields beyond lr, betas, eps and weight_decay (torch 2.13): amsgrad,
-// maximize, foreach, capturable, differentiable, fused, decoupled_weight_decay.
-void adamw_group_fields(pickle::Writer& w, const Hyperparameters& h);
+// maximize, foreach, capturable, differentiable, fused, decoupled_weight_decay (the switches: the
+// `kept` ones where given, else torch's defaults).
+void adamw_group_fields(pickle::Writer& w, const Hyperparameters& h, const AdamWFlags* kept = nullptr);
 
 // A dict's or OrderedDict's items (k0, v0, k1, v1, ...), a list's or tuple's; null for anything else.
 const std::vector<pickle::Ref>* dict_items(const pickle::Pickle& p, pickle::Ref r);
@@ -316,11 +318,14 @@ using SpecSink = std::function<std::string(StorageSpec)>;
 struct FrameOptions {
   bool optimizer_only = false;
   std::function<void(size_t group)> group_extra;
+  // The source's AdamW switches by group (CheckpointReader::adamw_flags), for torch.optim.AdamW's
+  // frame to keep; used where there is one per group.
+  std::span<const AdamWFlags> adamw_flags;
 };
 // A planner's frame: its checks (an error before anything is written), then its pickle into `w`.
 using PlanFrame = std::function<Status(pickle::Writer& w, const SpecSink& add, const FrameOptions& options)>;
 // The whole file's plan of a frame: data.pkl and its storages "0", "1", ...
-Result<Plan> plan_of(const PlanFrame& frame);
+Result<Plan> plan_of(const PlanFrame& frame, const FrameOptions& options = {});
 // torch.optim.AdamW's state_dict frame, params numbered in the groups' order: every entry as torch
 // keeps it (8-bit moments as fp32 values, each step a float32 tensor). With weights, the file is
 // {"model": {fqn: weight}, "optimizer": state_dict}. `param_names` are written unless every name is

@@ -1241,3 +1241,69 @@ def test_dcp_rewrite_keeps_the_sources_optimizer_flags(tmp_path, optstate_cli, l
     assert any(k.endswith("decoupled_weight_decay") for k in fresh_keys)
     fused = [v for k, v in fresh_fields[0].items() if k.endswith("fused")]
     assert fused and all(v is None for v in fused), fused
+
+
+ADAMW_SWITCHES = ("foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
+
+
+def test_torch_save_and_dcp_conversions_keep_a_fused_runs_switches(tmp_path, optstate_cli):
+    """A fused run's optimizer.pt (HF Trainer's adamw_torch_fused, a loop's {model, optimizer,
+    epoch}) converted to torch.save or DCP and back keeps each group's switches (fused=True, a
+    group's own foreach=False), so a fresh torch.optim.AdamW built without them resumes fused, step
+    for step as the original; through safetensors, which has no place for them, torch's defaults."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+    def groups_of(m, **switches):
+        return [{"params": list(m[0].parameters())},
+                {"params": list(m[2].parameters()), "weight_decay": 0.0, **switches}]
+
+    opt = torch.optim.AdamW(groups_of(model, foreach=False), lr=1e-3, fused=True)
+    batches = [torch.randn(8, 16) for _ in range(3)]
+    for x in batches[:2]:
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 2}, tmp_path / "loop.pt")
+
+    def switches(groups):
+        return [{k: g.get(k, "absent") for k in ADAMW_SWITCHES} for g in groups]
+
+    want = switches(opt.state_dict()["param_groups"])
+    assert [g["fused"] for g in want] == [True, True] and [g["foreach"] for g in want] == [None, False]
+    optstate_cli("convert", tmp_path / "optimizer.pt", tmp_path / "out.pt")
+    optstate_cli("convert", tmp_path / "loop.pt", tmp_path / "loop_out.pt")
+    optstate_cli("convert", tmp_path / "optimizer.pt", tmp_path / "dcp", "--format", "dcp")
+    optstate_cli("convert", tmp_path / "dcp", tmp_path / "back.pt")
+    for name in ("out.pt", "back.pt"):
+        assert switches(torch.load(tmp_path / name, weights_only=True)["param_groups"]) == want, name
+    loop = torch.load(tmp_path / "loop_out.pt", weights_only=True)
+    assert switches(loop["optimizer"]["param_groups"]) == want and loop["epoch"] == 2
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "dcp.pt")
+    assert switches(torch.load(tmp_path / "dcp.pt", weights_only=True)["optim"]["param_groups"]) == want
+    # inspect names them: in JSON each group's, as text those set otherwise than torch's defaults.
+    for path in (tmp_path / "optimizer.pt", tmp_path / "dcp"):
+        groups = json.loads(optstate_cli("inspect", path, "--json", "--no-stats").stdout)["param_groups"]
+        assert [g["adamw_switches"] for g in groups] == want, path
+    lines = [ln for ln in optstate_cli("inspect", tmp_path / "dcp", "--no-stats").stdout.splitlines()
+             if ln.startswith("group ")]
+    assert "fused=True" in lines[0] and "foreach" not in lines[0] and "foreach=False fused=True" in lines[1], lines
+
+    # Resumed from the DCP round trip by an optimizer built with torch's defaults: fused, as the original.
+    resumed_model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    resumed_model.load_state_dict(model.state_dict())
+    resumed = torch.optim.AdamW(groups_of(resumed_model), lr=1e-3)
+    resumed.load_state_dict(torch.load(tmp_path / "back.pt", weights_only=True))
+    assert [g["fused"] for g in resumed.param_groups] == [True, True]
+    for m, o in ((model, opt), (resumed_model, resumed)):
+        m(batches[2]).square().sum().backward()
+        o.step()
+    for a, b in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b)
+
+    optstate_cli("convert", tmp_path / "optimizer.pt", tmp_path / "plain.safetensors")
+    optstate_cli("convert", tmp_path / "plain.safetensors", tmp_path / "plain.pt")
+    plain = switches(torch.load(tmp_path / "plain.pt", weights_only=True)["param_groups"])
+    assert [g["fused"] for g in plain] == [None, None] and [g["foreach"] for g in plain] == [None, None]

@@ -412,6 +412,41 @@ TEST_CASE("torchsave: the written state_dict reads back through the interpretati
   CHECK(sd->not_read.empty());
 }
 
+TEST_CASE("torchsave: torch.optim.AdamW's switches (fused, foreach, ...) are written as the source kept them, else torch's defaults") {
+  const OptimizerState s = testing::sample_state();  // two groups
+  auto groups_of = [&](std::span<const AdamWFlags> kept) {
+    torchsave::FrameOptions options;
+    options.adamw_flags = kept;
+    auto plan = torchsave::plan_of(
+        [&](pickle::Writer& w, const torchsave::SpecSink& add, const torchsave::FrameOptions& fo) {
+          return torchsave::plan_adamw_frame(s, w, add, fo);
+        },
+        options);
+    REQUIRE(plan.ok());
+    auto p = pickle::unpickle(std::as_bytes(std::span(plan->data_pkl)), "test");
+    REQUIRE(p.ok());
+    auto sd = torchsave::interpret_state_dict(*p, "test");
+    REQUIRE_MESSAGE(sd.ok(), sd.status().message());
+    REQUIRE(sd->groups.size() == 2);
+    return std::vector<AdamWFlags>{sd->groups[0].flags, sd->groups[1].flags};
+  };
+  const AdamWFlags defaults = {{"foreach", FlagValue::kNone}, {"capturable", FlagValue::kFalse},
+                               {"differentiable", FlagValue::kFalse}, {"fused", FlagValue::kNone},
+                               {"decoupled_weight_decay", FlagValue::kTrue}};
+  CHECK(groups_of({}) == std::vector<AdamWFlags>{defaults, defaults});
+  // A fused run's groups (one with foreach=False of its own); a switch the source lacks is the default.
+  const std::vector<AdamWFlags> kept = {{{"fused", FlagValue::kTrue}},
+                                        {{"fused", FlagValue::kTrue}, {"foreach", FlagValue::kFalse}}};
+  const auto written = groups_of(kept);
+  AdamWFlags g0 = defaults, g1 = defaults;
+  g0["fused"] = g1["fused"] = FlagValue::kTrue;
+  g1["foreach"] = FlagValue::kFalse;
+  CHECK(written[0] == g0);
+  CHECK(written[1] == g1);
+  // Switches for another number of groups than the state's are not this state's: the defaults.
+  CHECK(groups_of(std::span(kept).first(1)) == std::vector<AdamWFlags>{defaults, defaults});
+}
+
 TEST_CASE("torchsave: damaged files are refused naming the file") {
   testing::TempDir dir;
   const std::string good = testing::read_file(kSeeds / "torch_adamw_amsgrad.pt");

@@ -6,10 +6,12 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "optstate/state.h"
@@ -45,6 +47,17 @@ inline Status sink_pieces(std::span<const std::byte> bytes, const ByteSink& sink
   return Status::Ok();
 }
 
+// torch.optim.AdamW's implementation switches of a param group as a torch state_dict kept them
+// (foreach, capturable, differentiable, fused: None, False or True; decoupled_weight_decay): how a
+// run stepped, not what it computes, so outside the state model and its hash. Writers of torch's
+// state_dicts keep the source's, so a fused run resumes fused; a switch absent here is torch's default.
+enum class FlagValue : int8_t { kNone, kFalse, kTrue };
+using AdamWFlags = std::map<std::string, FlagValue, std::less<>>;
+// The switches, in torch.optim.AdamW's state_dict order, with torch 2.13's defaults.
+inline constexpr std::pair<std::string_view, FlagValue> kAdamWFlagDefaults[] = {
+    {"foreach", FlagValue::kNone},  {"capturable", FlagValue::kFalse},           {"differentiable", FlagValue::kFalse},
+    {"fused", FlagValue::kNone},    {"decoupled_weight_decay", FlagValue::kTrue}};
+
 class CheckpointReader {
  public:
   virtual ~CheckpointReader() = default;
@@ -60,6 +73,9 @@ class CheckpointReader {
   // or torchao.prototype.low_bit_optim before torchao 0.11), for writers of torchao's state to name
   // the same by default (WriteOptions::torchao_package); empty where the file holds none.
   virtual std::string_view torchao_package() const { return {}; }
+  // Each param group's AdamW switches (meta().groups' order) as the file kept them; empty where
+  // it keeps none (optstate's own formats, torchao's and bitsandbytes' optimizers).
+  virtual std::span<const AdamWFlags> adamw_flags() const { return {}; }
   // Whether every chunk read is checked against a stored checksum (native: XXH3; optstate's HDF5:
   // fletcher32; DCP: torch.save's CRC-32 of each record, known once the chunks were streamed).
   // safetensors stores none: a reader can check sizes and coverage only.

@@ -447,8 +447,7 @@ class DcpReader final : public CheckpointReader {
         ParamGroup pg;
         Plain8 q;
         OPTSTATE_RETURN_IF_ERROR(parse_group(fields, gw, pg, q));
-        OPTSTATE_ASSIGN_OR_RETURN(AdamWFlags flags, group_flags(fields));
-        layout_.adamw_flags.push_back(std::move(flags));
+        layout_.adamw_flags.push_back(group_flags(fields));
         auto params = fields.find("params");
         if (params == fields.end()) return corrupt(gw + ": no params");
         OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(params->second, {}));
@@ -474,8 +473,7 @@ class DcpReader final : public CheckpointReader {
         if (g == meta_.groups.size()) {
           meta_.groups.push_back(std::move(pg));
           plain8_.push_back(q);
-          OPTSTATE_ASSIGN_OR_RETURN(AdamWFlags flags, group_flags(fields));  // its first param's
-          layout_.adamw_flags.push_back(std::move(flags));
+          layout_.adamw_flags.push_back(group_flags(fields));  // its first param's
         }
         meta_.groups[g].params.push_back(fqn);
       }
@@ -677,14 +675,17 @@ class DcpReader final : public CheckpointReader {
     return Status::Ok();
   }
 
-  // The group's torch.optim.AdamW switches that hold None or a bool.
-  Result<AdamWFlags> group_flags(const std::map<std::string, std::string>& fields) {
+  // The group's torch.optim.AdamW switches that hold None or a bool. One that does not (or whose
+  // item does not parse) is left out, as the switches are outside the state: the item is carried
+  // as it was where a DCP is written, and torch's default is written elsewhere.
+  AdamWFlags group_flags(const std::map<std::string, std::string>& fields) {
     AdamWFlags out;
     for (const auto& [name, fallback] : kAdamWFlagDefaults) {
       const auto f = fields.find(std::string(name));
       if (f == fields.end() || md_.items.at(f->second).is_tensor) continue;
-      OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * fi, item(f->second, {}));
-      if (const auto v = as_flag(fi->pickle, fi->pickle.root())) out.emplace(name, *v);
+      const Result<ParsedItem*> fi = item(f->second, {});
+      if (!fi.ok()) continue;
+      if (const auto v = as_flag((*fi)->pickle, (*fi)->pickle.root())) out.emplace(name, *v);
     }
     return out;
   }

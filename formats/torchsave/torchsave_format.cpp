@@ -426,10 +426,11 @@ class TorchSaveReader final : public CheckpointReader {
       not_read_.push_back(fmt::format("{} param{} without state or weights (never stepped: no shape in the file)",
                                       sd0.stateless, sd0.stateless == 1 ? "" : "s"));
     for (std::string& n : not_read) not_read_.push_back(std::move(n));
-    // One file whose optimizer sits beside other entries ({"model", "optimizer", "epoch"}): a
-    // torch.save write from it carries them, and its groups' other keys, when that is all it holds
+    // One file: a torch.save write from it carries its groups' other keys (a scheduler's
+    // 'initial_lr', which Hugging Face Trainer's optimizer.pt holds) and, where its optimizer sits
+    // beside other entries ({"model", "optimizer", "epoch"}), those, when that is all it holds
     // beyond the state (per-param fields and stateless params without weights it does not carry).
-    carries_rest_ = !set_ && !libtorch_ && !sd0.optimizer_path.empty();
+    carries_rest_ = !set_ && !libtorch_;
     for (const std::string& n : not_read_)
       carries_rest_ = carries_rest_ && (n.starts_with("[") || n.starts_with("param group "));
     if (fsdp1) {
@@ -1874,8 +1875,7 @@ Status write_carrying(StateSource& source, const CheckpointReader& from, const f
   OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(from.path()));
   const pickle::Pickle& p = ap.second;
   OPTSTATE_ASSIGN_OR_RETURN(const StateDict sd, interpret_state_dict(p, where));
-  if (sd.optimizer_ref == pickle::kNoRef || sd.optimizer_path.empty())
-    return internal_error(where + ": no optimizer dict beside other entries to replace");
+  if (sd.optimizer_ref == pickle::kNoRef) return internal_error(where + ": no optimizer dict to replace");
   // Each weight the state holds replaces the model's tensor of its name.
   std::map<pickle::Ref, std::string> weight_of;  // the model dict's value -> param fqn
   std::map<std::string, pickle::Ref, std::less<>> model_values;

@@ -1213,6 +1213,37 @@ def test_numbered_params_that_fit_the_model_more_than_one_way_keep_their_numbers
                             "tensors in more than one way") for s in insp["not_read"]), insp["not_read"]
 
 
+@pytest.mark.parametrize("dst", ["plain.pt", "torchao.pt", "bnb.pt"])
+def test_trainers_optimizer_pt_keeps_its_groups_initial_lr(tmp_path, optstate_cli, dst):
+    """Hugging Face Trainer's optimizer.pt is the optimizer's state_dict alone, its groups holding the
+    LR scheduler's 'initial_lr'. Converted (to torch.optim.AdamW's, torchao's or bitsandbytes' 8-bit
+    state), the groups keep it: a scheduler built to resume (last_epoch > -1, as a loop that rebuilds
+    it does) asks for it, and fails without it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    for _ in range(3):
+        model(torch.randn(4, 64)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
+    args = {"plain.pt": (), "torchao.pt": ("--format", "torchao", "--to", "8bit"),
+            "bnb.pt": ("--format", "bitsandbytes", "--to", "8bit")}[dst]
+    proc = optstate_cli("convert", tmp_path / "optimizer.pt", tmp_path / dst, *args)
+    assert "initial_lr" not in proc.stderr and "carried unchanged: param group 0 'initial_lr'" in proc.stdout, \
+        (proc.stdout, proc.stderr)
+    osd = torch.load(tmp_path / dst, weights_only=dst != "torchao.pt")
+    assert [g["initial_lr"] for g in osd["param_groups"]] == [1e-3]
+    if dst != "plain.pt":
+        return
+    resumed = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    resumed.load_state_dict(osd)
+    rebuilt = torch.optim.lr_scheduler.LambdaLR(resumed, lambda s: 1.0 / (s + 1), last_epoch=3)
+    assert rebuilt.base_lrs == [1e-3]
+
+
 @pytest.mark.parametrize("layout", ["nanogpt", "lightning"])
 def test_converted_training_checkpoint_keeps_its_other_entries_and_resumes(tmp_path, optstate_cli, layout):
     """torchao's AdamW8bit state in a training loop's own file (nanoGPT's {"model", "optimizer",

@@ -369,14 +369,20 @@ TEST_CASE("torchsave: written from a {model, optimizer, iter_num} file, the file
   const fs::path again = dir.path / "again.pt";
   REQUIRE(write_checkpoint(*ts, *load_all(**back), again, {.source = back->get()}).ok());
   CHECK(testing::read_file(again) == testing::read_file(out));
-  // Without the source (or from a plain optimizer file) the file is optimizer and weights only.
+  // Without the source the file is optimizer and weights only.
   const fs::path plain = dir.path / "plain.pt";
   REQUIRE(write_checkpoint(*ts, *load_all(**r), plain, {}).ok());
   auto p = open_checkpoint(plain);
   REQUIRE(p.ok());
   CHECK((*p)->not_read().empty());
+  // A plain optimizer file carries its groups' other keys (none here): written from it, the same
+  // bytes as written from its state alone.
   auto alone = open_seed("torch_adamw_amsgrad.pt");
-  CHECK_FALSE(ts->carries(*alone, plain));
+  CHECK(ts->carries(*alone, plain));
+  const fs::path from_file = dir.path / "from_file.pt", from_state = dir.path / "from_state.pt";
+  REQUIRE(write_checkpoint(*ts, *load_all(*alone), from_file, {.source = alone.get()}).ok());
+  REQUIRE(write_checkpoint(*ts, *load_all(*alone), from_state, {}).ok());
+  CHECK(testing::read_file(from_file) == testing::read_file(from_state));
 }
 
 TEST_CASE("torchsave: the written state_dict reads back through the interpretation") {

@@ -225,11 +225,14 @@ std::optional<FlagValue> as_flag(const Pickle& p, Ref r) {
   return p.at(r).i != 0 ? FlagValue::kTrue : FlagValue::kFalse;
 }
 
-FlagValue written_flag(std::span<const AdamWFlags> source, size_t groups, size_t g, std::string_view name,
-                       FlagValue fallback) {
-  if (source.size() != groups || g >= groups) return fallback;
-  const auto it = source[g].find(name);
-  return it == source[g].end() ? fallback : it->second;
+const AdamWFlags* source_flags(std::span<const AdamWFlags> source, size_t groups, size_t g) {
+  return source.size() == groups && g < groups ? &source[g] : nullptr;
+}
+
+FlagValue written_flag(const AdamWFlags* kept, std::string_view name, FlagValue fallback) {
+  if (!kept) return fallback;
+  const auto it = kept->find(name);
+  return it == kept->end() ? fallback : it->second;
 }
 
 void encode_flag(pickle::Writer& w, FlagValue v) {

@@ -143,9 +143,10 @@ std::optional<std::string> as_string(const pickle::Pickle& p, pickle::Ref r);
 // ---- torch.optim.AdamW's implementation switches (CheckpointReader::adamw_flags) ----
 // A switch's value: None, False or True; nullopt for anything else (not kept: the writer's default).
 std::optional<FlagValue> as_flag(const pickle::Pickle& p, pickle::Ref r);
-// Group `g`'s `name` to write, of `groups` written: the source's where it kept one for each group, else `fallback`.
-FlagValue written_flag(std::span<const AdamWFlags> source, size_t groups, size_t g, std::string_view name,
-                       FlagValue fallback);
+// Group `g`'s switches of a source's (kept for each of `groups` groups), or null: not this state's.
+const AdamWFlags* source_flags(std::span<const AdamWFlags> source, size_t groups, size_t g);
+// The switch `name` to write: the source's where it kept one (`kept` may be null), else `fallback`.
+FlagValue written_flag(const AdamWFlags* kept, std::string_view name, FlagValue fallback);
 void encode_flag(pickle::Writer& w, FlagValue v);
 
 }  // namespace optstate::dcp

@@ -437,10 +437,11 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
       // The rest of torch.optim.AdamW's group (2.13), so dcp.load finds every key it asks for; the
       // source's switches where it kept them (a DCP source's items carried as they were; fused=True
       // stays fused: torch's load_state_dict takes the group as saved), else torch's defaults.
+      const AdamWFlags* kept = source_flags(flags, state.groups.size(), g);
       for (const auto& [field, fallback] : kAdamWFlagDefaults) {
         const std::string f(field);
         if (!source_keys.count(name(f.c_str()).key))
-          OPTSTATE_RETURN_IF_ERROR(flag(f.c_str(), written_flag(flags, state.groups.size(), g, field, fallback)));
+          OPTSTATE_RETURN_IF_ERROR(flag(f.c_str(), written_flag(kept, field, fallback)));
       }
       if (layout.flattened) continue;
       pickle::Writer w;

@@ -1593,8 +1593,7 @@ void adamw_group_fields(pickle::Writer& w, const Hyperparameters& h, const AdamW
   // where it kept them (torch's load_state_dict takes the group as saved: fused=True stays fused).
   for (const auto& [name, fallback] : kAdamWFlagDefaults) {
     w.str(std::string(name));
-    const auto it = kept ? kept->find(name) : AdamWFlags::const_iterator{};
-    dcp::encode_flag(w, kept && it != kept->end() ? it->second : fallback);
+    dcp::encode_flag(w, dcp::written_flag(kept, name, fallback));
   }
 }
 
@@ -1641,7 +1640,7 @@ Status plan_adamw_frame(const OptimizerState& meta, pickle::Writer& w, const Spe
           },
       .group_fields =
           [&](size_t g, const Hyperparameters& h) {
-            adamw_group_fields(w, h, options.adamw_flags.size() == meta.groups.size() ? &options.adamw_flags[g] : nullptr);
+            adamw_group_fields(w, h, dcp::source_flags(options.adamw_flags, meta.groups.size(), g));
           },
       .lr = {},
       .optimizer_only = options.optimizer_only,

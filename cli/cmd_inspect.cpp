@@ -6,6 +6,7 @@
 
 #include "cli.h"
 #include "progress.h"
+#include "dcp/dcp_layout.h"
 #include "optstate/json_fields.h"
 #include "optstate/values.h"
 #include "registry.h"
@@ -152,7 +153,7 @@ int run_inspect(int argc, char** argv) {
   // A pickle names the module that defined the class: each torchao loads only its own package's.
   if (const std::string_view package = reader.torchao_package(); !package.empty())
     out += fmt::format("torchao     moments of {}'s classes: {}\n", package,
-                       package == "torchao.optim" ? "torchao 0.11 and later load them"
+                       package == dcp::kTorchaoDefaultPackage ? "torchao 0.11 and later load them"
                                                   : "torchao before 0.11 loads them (for later releases: convert "
                                                     "--torchao-package torchao.optim)");
   if (const auto rest = reader.not_read(); !rest.empty())

@@ -242,9 +242,19 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   // (unless the driver carried the rest through: DCP from DCP).
   const std::vector<std::string> rest = reader->not_read();
   const bool carried = driver->carries(*reader, dst);
-  if (!rest.empty() && !carried)
+  // The source's other group keys (a scheduler's initial_lr), which the writers of torch's
+  // state_dicts keep (by value where they do not carry the source's own bytes).
+  std::vector<std::string> extras;
+  const std::span<const GroupExtras> group_extras = reader->group_extras();
+  for (size_t g = 0; g < group_extras.size(); ++g)
+    for (const auto& [key, v] : group_extras[g]) extras.push_back(fmt::format("param group {} '{}'", g, key));
+  const bool extras_kept = carried || driver->keeps_group_extras();
+  std::vector<std::string> kept_rest = carried ? rest : std::vector<std::string>{};
+  std::vector<std::string> dropped = carried ? std::vector<std::string>{} : rest;
+  (extras_kept ? kept_rest : dropped).insert((extras_kept ? kept_rest : dropped).end(), extras.begin(), extras.end());
+  if (!dropped.empty())
     std::fprintf(stderr, "note: %s also holds %s: outside the state read, not in %s\n", src.c_str(),
-                 fmt::format("{}", fmt::join(rest, ", ")).c_str(), dst.c_str());
+                 fmt::format("{}", fmt::join(dropped, ", ")).c_str(), dst.c_str());
   // What DST keeps of the state (LibTorch's optimizer archive: numbered params, no weights).
   const OptimizerState kept = driver->kept_by_write(written, wo);
   size_t weights = 0, kept_weights = 0;
@@ -284,22 +294,23 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
     nlohmann::json j = {{"source", src.string()}, {"source_format", std::string(reader->format())},
                         {"destination", dst.string()}, {"format", format}, {"world_size", world},
                         {"params", kept.params.size()},
-                        {"carried", carried ? rest : std::vector<std::string>{}},
-                        {"not_carried", carried ? std::vector<std::string>{} : rest},
+                        {"carried", kept_rest},
+                        {"not_carried", dropped},
                         {"dense_entries", dense}, {"blockwise8_entries", eight}};
     print_json(j);
   } else {
+    std::string tail;
+    if (carried && !rest.empty())
+      tail += fmt::format("; carried {}: {}",
+                          wo.float_lr            ? "(tensor lrs as floats)"
+                          : format == "torchsave" && std::filesystem::is_directory(dst)
+                              ? "for each rank (rank r's from SRC's rank r mod its ranks)"
+                              : "unchanged",
+                          fmt::join(rest, ", "));
+    if (extras_kept && !extras.empty()) tail += fmt::format("; kept {}", fmt::join(extras, ", "));
     std::printf("wrote %s (%s, %d rank%s): %zu params, %lld dense and %lld 8-bit entries%s\n", dst.c_str(),
                 format.c_str(), world, world == 1 ? "" : "s", kept.params.size(), static_cast<long long>(dense),
-                static_cast<long long>(eight),
-                carried && !rest.empty()
-                    ? fmt::format("; carried {}: {}",
-                                  wo.float_lr            ? "(tensor lrs as floats)"
-                                  : format == "torchsave" && std::filesystem::is_directory(dst)
-                                      ? "for each rank (rank r's from SRC's rank r mod its ranks)"
-                                      : "unchanged",
-                                  fmt::join(rest, ", ")).c_str()
-                    : "");
+                static_cast<long long>(eight), tail.c_str());
   }
   return kExitOk;
 }

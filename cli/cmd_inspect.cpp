@@ -21,6 +21,19 @@ std::string encoding_text(const Entry& e) {
 
 }  // namespace
 
+// A group's plain key as JSON: its value; a one-element tensor as {"tensor": value, "shape": [...]}.
+nlohmann::json group_value_json(const GroupValue& v) {
+  switch (v.kind) {
+    case GroupValue::Kind::kNone: return nullptr;
+    case GroupValue::Kind::kBool: return v.i != 0;
+    case GroupValue::Kind::kInt: return v.i;
+    case GroupValue::Kind::kFloat: return v.f;
+    case GroupValue::Kind::kString: return v.s;
+    case GroupValue::Kind::kTensor: return {{"tensor", v.f}, {"shape", v.shape}};
+  }
+  return nullptr;
+}
+
 int run_inspect(int argc, char** argv) {
   const CommandSpec spec{"inspect",
                          "optstate inspect CKPT [--json] [--no-stats]",
@@ -50,6 +63,8 @@ int run_inspect(int argc, char** argv) {
   j["optimizer"] = meta.kind;
   // torch.optim.AdamW's switches (fused, foreach, ...) as the file kept them: how the run stepped.
   const std::span<const AdamWFlags> switches = reader.adamw_flags();
+  // The groups' other plain keys (a scheduler's initial_lr, a layer's lr_scale).
+  const std::span<const GroupExtras> extras = reader.group_extras();
   auto switch_text = [](FlagValue v) { return v == FlagValue::kNone ? "None" : v == FlagValue::kTrue ? "True" : "False"; };
   nlohmann::json groups = nlohmann::json::array();
   for (size_t g = 0; g < meta.groups.size(); ++g) {
@@ -60,6 +75,11 @@ int run_inspect(int argc, char** argv) {
       for (const auto& [name, v] : switches[g])
         sj[name] = v == FlagValue::kNone ? nlohmann::json(nullptr) : nlohmann::json(v == FlagValue::kTrue);
       gj["adamw_switches"] = std::move(sj);
+    }
+    if (extras.size() == meta.groups.size()) {
+      nlohmann::json ej = nlohmann::json::object();
+      for (const auto& [key, v] : extras[g]) ej[key] = group_value_json(v);
+      gj["extras"] = std::move(ej);
     }
     groups.push_back(std::move(gj));
   }
@@ -145,6 +165,8 @@ int run_inspect(int argc, char** argv) {
       for (const auto& [name, fallback] : kAdamWFlagDefaults)
         if (const auto it = switches[g].find(name); it != switches[g].end() && it->second != fallback)
           set += fmt::format(" {}={}", name, switch_text(it->second));
+    if (extras.size() == meta.groups.size())
+      for (const auto& [key, v] : extras[g]) set += fmt::format(" {}={}", key, dcp::group_value_text(v));
     out += fmt::format("group {:<5} lr={:g} betas=({:g}, {:g}) eps={:g} weight_decay={:g} amsgrad={} maximize={}{} "
                        "({} params)\n",
                        g, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.amsgrad, h.maximize, set,

@@ -50,6 +50,7 @@ class ProgressReader final : public CheckpointReader {
   std::vector<std::string> not_read() const override { return inner_->not_read(); }
   std::string_view torchao_package() const override { return inner_->torchao_package(); }
   std::span<const AdamWFlags> adamw_flags() const override { return inner_->adamw_flags(); }
+  std::span<const GroupExtras> group_extras() const override { return inner_->group_extras(); }
   bool checksummed() const override { return inner_->checksummed(); }
   Status verify_shared_records() override { return inner_->verify_shared_records(); }
   Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) override;

@@ -125,7 +125,7 @@ Status plan_frame(const OptimizerState& state, pickle::Writer& w, const torchsav
           },
       .lr = {},
       .optimizer_only = options.optimizer_only,
-      .group_extra = options.group_extra,
+      .group_extra = torchsave::group_extras_writer(w, add, options, state.groups.size(), /*tensor_lr=*/false),
   });
   return Status::Ok();
 }

@@ -52,6 +52,7 @@ struct SourceLayout {
   bool torchao_8bit = false;            // some moment was torchao's OptimState8bit (AdamW8bit's) items
   std::string_view torchao_package;     // where its torchao subclasses were defined (kTorchaoOptimPackages)
   std::vector<AdamWFlags> adamw_flags;  // each group's torch.optim.AdamW switches (CheckpointReader::adamw_flags)
+  std::vector<GroupExtras> group_extras;  // each group's other plain keys (CheckpointReader::group_extras)
   std::vector<CarriedItem> carried;     // everything else, in key order
   // The number a bytes item or a one-element tensor item of the source holds (for float_lr).
   std::function<Result<double>(const std::string& key)> number;

@@ -71,6 +71,11 @@ class DcpReader final : public CheckpointReader {
                                  [](const AdamWFlags& f) { return !f.empty(); });
     return any ? std::span<const AdamWFlags>(layout_.adamw_flags) : std::span<const AdamWFlags>{};
   }
+  std::span<const GroupExtras> group_extras() const override {
+    const bool any = std::any_of(layout_.group_extras.begin(), layout_.group_extras.end(),
+                                 [](const GroupExtras& e) { return !e.empty(); });
+    return any ? std::span<const GroupExtras>(layout_.group_extras) : std::span<const GroupExtras>{};
+  }
   // Whether every chunk read so far was checked against the CRC-32 torch.save stored for it (and at
   // least one was): true after a full read of a checkpoint torch saved with CRCs (its default).
   // A rank's share of a larger chunk is part of a record and cannot be checked.
@@ -448,6 +453,7 @@ class DcpReader final : public CheckpointReader {
         Plain8 q;
         OPTSTATE_RETURN_IF_ERROR(parse_group(fields, gw, pg, q));
         layout_.adamw_flags.push_back(group_flags(fields));
+        layout_.group_extras.push_back(group_extras_of(fields, dotted(opt_key)));
         auto params = fields.find("params");
         if (params == fields.end()) return corrupt(gw + ": no params");
         OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(params->second, {}));
@@ -459,21 +465,28 @@ class DcpReader final : public CheckpointReader {
         consume_fields(fields);
       }
     } else {
-      // Flattened: each param carries its group's fields; params with equal hyperparameters and
-      // 8-bit layout form one group (in fqn order), which is all the canonical state keeps.
+      // Flattened: each param carries its group's fields; params with equal fields (hyperparameters,
+      // 8-bit layout, switches and other plain keys, such as a layer's lr_scale) form one group, in
+      // fqn order: torch's groups as far as the file tells them apart.
+      std::set<std::string> unkept;  // extras named once each, not per param
       for (const auto& [fqn, fields] : flat_groups.at(opt_key)) {
         ParamGroup pg;
         Plain8 q;
         OPTSTATE_RETURN_IF_ERROR(parse_group(fields, fmt::format("{}: param_groups of '{}'", where, fqn), pg, q));
+        AdamWFlags flags = group_flags(fields);
+        GroupExtras extras = group_extras_of(fields, dotted(opt_key), &unkept);
         size_t g = 0;
         while (g < meta_.groups.size() && !(same_hyper(meta_.groups[g].hyper, pg.hyper) && plain8_[g].block == q.block &&
                                              plain8_[g].signed_map == q.signed_map &&
-                                             plain8_[g].unsigned_map == q.unsigned_map))
+                                             plain8_[g].unsigned_map == q.unsigned_map &&
+                                             layout_.adamw_flags[g] == flags &&
+                                             same_extras(layout_.group_extras[g], extras)))
           ++g;
         if (g == meta_.groups.size()) {
           meta_.groups.push_back(std::move(pg));
           plain8_.push_back(q);
-          layout_.adamw_flags.push_back(group_flags(fields));  // its first param's
+          layout_.adamw_flags.push_back(std::move(flags));
+          layout_.group_extras.push_back(std::move(extras));
         }
         meta_.groups[g].params.push_back(fqn);
       }
@@ -688,6 +701,46 @@ class DcpReader final : public CheckpointReader {
       if (const auto v = as_flag((*fi)->pickle, (*fi)->pickle.root())) out.emplace(name, *v);
     }
     return out;
+  }
+
+  // The group's other plain keys (GroupValue): bytes items holding None, a bool, an int, a float
+  // or a string, and one-element float32 tensor items. Any other (or one that does not read) is
+  // named as not read (`<optimizer>.param_groups.*.<key>`), once where `named` collects them.
+  GroupExtras group_extras_of(const std::map<std::string, std::string>& fields, const std::string& optimizer,
+                              std::set<std::string>* named = nullptr) {
+    GroupExtras out;
+    for (const auto& [field, key] : fields) {
+      if (known_group_key(field)) continue;
+      const ItemMeta& im = md_.items.at(key);
+      std::optional<GroupValue> v;
+      if (im.is_tensor) {
+        if (im.dtype == DType::kF32 && im.size.size() <= 1 && (im.size.empty() || im.size[0] == 1))
+          if (const Result<double> f = value_of(key, ""); f.ok()) {
+            v.emplace();
+            v->kind = GroupValue::Kind::kTensor;
+            v->f = *f;
+            v->shape = im.size;
+          }
+      } else if (const Result<ParsedItem*> fi = item(key, {}); fi.ok()) {
+        v = as_group_value((*fi)->pickle, (*fi)->pickle.root());
+      }
+      if (v) {
+        out.emplace_back(field, std::move(*v));
+      } else if (!named || named->insert(field).second) {
+        ++not_read_[fmt::format("{}.param_groups.*.{}", optimizer, field)];
+      }
+    }
+    return out;
+  }
+
+  static bool same_extras(const GroupExtras& a, const GroupExtras& b) {
+    auto same = [](const GroupValue& x, const GroupValue& y) {
+      return x.kind == y.kind && x.i == y.i && std::memcmp(&x.f, &y.f, sizeof x.f) == 0 && x.s == y.s &&
+             x.shape == y.shape;
+    };
+    return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [&](const auto& x, const auto& y) {
+             return x.first == y.first && same(x.second, y.second);
+           });
   }
 
   static std::vector<std::string> split_key(const std::string& key) {
@@ -1105,6 +1158,7 @@ class DcpDriver final : public FormatDriver {
     return write_dcp(source, path, options, options.source ? source_layout(*options.source) : nullptr);
   }
   bool carries(const CheckpointReader& source, const fs::path&) const override { return source_layout(source) != nullptr; }
+  bool keeps_group_extras() const override { return true; }
 };
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <set>
 
 #include "optstate/state.h"
 
@@ -240,6 +241,59 @@ void encode_flag(pickle::Writer& w, FlagValue v) {
     w.none();
   else
     w.boolean(v == FlagValue::kTrue);
+}
+
+namespace {
+const std::set<std::string, std::less<>> kKnownGroupKeys = {
+    "params", "param_names", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach",
+    "capturable", "differentiable", "fused", "decoupled_weight_decay", "block_size", "min_8bit_size",
+    "exp_avg_qmap", "exp_avg_sq_qmap", "bf16_stochastic_round", "is_adamw", "adam_w_mode", "adamw_mode",
+    "bias_correction",
+    // bitsandbytes' AdEMAMix fields, in every Optimizer2State's groups; inert for two betas (Adam).
+    "alpha", "t_alpha", "t_beta3"};
+}  // namespace
+
+bool known_group_key(std::string_view key) { return kKnownGroupKeys.count(key) > 0; }
+
+std::optional<GroupValue> as_group_value(const Pickle& p, Ref r) {
+  if (r == kNoRef) return std::nullopt;
+  const pickle::Value& v = p.at(r);
+  GroupValue out;
+  switch (v.kind) {
+    case Kind::kNone: out.kind = GroupValue::Kind::kNone; return out;
+    case Kind::kBool: out.kind = GroupValue::Kind::kBool; out.i = v.i != 0; return out;
+    case Kind::kInt: out.kind = GroupValue::Kind::kInt; out.i = v.i; return out;
+    case Kind::kFloat: out.kind = GroupValue::Kind::kFloat; out.f = v.f; return out;
+    case Kind::kStr: out.kind = GroupValue::Kind::kString; out.s = v.s; return out;
+    default: return std::nullopt;
+  }
+}
+
+void encode_group_value(pickle::Writer& w, const GroupValue& v) {
+  switch (v.kind) {
+    case GroupValue::Kind::kNone: w.none(); break;
+    case GroupValue::Kind::kBool: w.boolean(v.i != 0); break;
+    case GroupValue::Kind::kInt: w.integer(v.i); break;
+    case GroupValue::Kind::kString: w.str(v.s); break;
+    case GroupValue::Kind::kFloat:
+    case GroupValue::Kind::kTensor: w.real(v.f); break;
+  }
+}
+
+const GroupExtras* source_extras(std::span<const GroupExtras> source, size_t groups, size_t g) {
+  return source.size() == groups && g < groups ? &source[g] : nullptr;
+}
+
+std::string group_value_text(const GroupValue& v) {
+  switch (v.kind) {
+    case GroupValue::Kind::kNone: return "None";
+    case GroupValue::Kind::kBool: return v.i ? "True" : "False";
+    case GroupValue::Kind::kInt: return std::to_string(v.i);
+    case GroupValue::Kind::kFloat: return fmt::format("{:g}", v.f);
+    case GroupValue::Kind::kString: return fmt::format("'{}'", v.s);
+    case GroupValue::Kind::kTensor: return fmt::format("tensor({:g})", v.f);
+  }
+  return "?";
 }
 
 std::optional<std::vector<std::string>> as_string_list(const Pickle& p, Ref r) {

@@ -149,4 +149,18 @@ const AdamWFlags* source_flags(std::span<const AdamWFlags> source, size_t groups
 FlagValue written_flag(const AdamWFlags* kept, std::string_view name, FlagValue fallback);
 void encode_flag(pickle::Writer& w, FlagValue v);
 
+// ---- A param group's other keys (CheckpointReader::group_extras) ----
+// Whether a param group's key is one the readers take or know (AdamW's fields and switches, the
+// optimizers' own: optstate's 8-bit layout, torchao's, bitsandbytes', DeepSpeed's), not an extra.
+bool known_group_key(std::string_view key);
+// A plain value of a group (None, bool, int, float, str); nullopt for anything else (a tensor
+// is read by the caller, which has its bytes).
+std::optional<GroupValue> as_group_value(const pickle::Pickle& p, pickle::Ref r);
+// Writes a plain value (not a kTensor one: the caller writes a tensor or, as_float, a float).
+void encode_group_value(pickle::Writer& w, const GroupValue& v);
+// Group `g`'s extras of a source's (kept for each of `groups` groups), or null.
+const GroupExtras* source_extras(std::span<const GroupExtras> source, size_t groups, size_t g);
+// "initial_lr=0.001", "name='decay'", "initial_lr=tensor(0.001)": as inspect and convert show it.
+std::string group_value_text(const GroupValue& v);
+
 }  // namespace optstate::dcp

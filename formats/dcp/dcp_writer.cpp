@@ -271,10 +271,11 @@ Status copy_carried(const SourceLayout& src, std::vector<OutputFile>& outs, cons
 
 // Tensors are laid out as `world` ranks' row shards (torch.chunk of dim 0, as FSDP2), each rank's
 // chunks in its own file; bytes items and 0-d tensors go to rank 0's. The names follow `layout`;
-// `flags`: the source's AdamW switches by group (CheckpointReader::adamw_flags).
+// `flags`: the source's AdamW switches by group (CheckpointReader::adamw_flags); `extras` its other
+// plain group keys (CheckpointReader::group_extras).
 Status write_into(StateSource& source, const fs::path& staging, int world, const SourceLayout& layout,
                   bool carry, bool float_lr, bool torchao, std::string_view torchao_package,
-                  std::span<const AdamWFlags> flags) {
+                  std::span<const AdamWFlags> flags, std::span<const GroupExtras> extras) {
   const OptimizerState& state = source.meta();
   std::vector<OutputFile> outs;
   for (int r = 0; r < world; ++r) {
@@ -443,6 +444,22 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
         if (!source_keys.count(name(f.c_str()).key))
           OPTSTATE_RETURN_IF_ERROR(flag(f.c_str(), written_flag(kept, field, fallback)));
       }
+      // The source's other plain keys (a scheduler's initial_lr, a layer's lr_scale; a DCP source's
+      // items are carried as they were): a one-element tensor as a tensor where lr is one, else as
+      // a float, as lr is written.
+      if (const GroupExtras* more = source_extras(extras, state.groups.size(), g))
+        for (const auto& [field, v] : *more) {
+          const ItemName item = name(field.c_str());
+          if (source_keys.count(item.key)) continue;
+          if (v.kind == GroupValue::Kind::kTensor && lr_tensor) {
+            const float f = static_cast<float>(v.f);
+            OPTSTATE_RETURN_IF_ERROR(tensor_item(item, DType::kF32, v.shape, std::as_bytes(std::span(&f, 1))));
+          } else {
+            pickle::Writer w;
+            encode_group_value(w, v);
+            OPTSTATE_RETURN_IF_ERROR(value_item(item, w.finish()));
+          }
+        }
       if (layout.flattened) continue;
       pickle::Writer w;
       w.empty_list();
@@ -625,7 +642,8 @@ Status write_dcp(StateSource& state, const fs::path& path, const WriteOptions& o
   return staging.commit(write_into(state, staging.path(), options.world_size, source ? *source : get_state_dict_layout,
                                    source != nullptr, options.float_lr, writes_torchao_items(options, source),
                                    torchao_package,
-                                   options.source ? options.source->adamw_flags() : std::span<const AdamWFlags>{}),
+                                   options.source ? options.source->adamw_flags() : std::span<const AdamWFlags>{},
+                                   options.source ? options.source->group_extras() : std::span<const GroupExtras>{}),
                         options.overwrite);
 }
 

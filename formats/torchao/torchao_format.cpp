@@ -39,6 +39,7 @@ class TorchaoDriver final : public FormatDriver {
 
   // A training loop's own file ({"model", "optimizer", "epoch"}, Lightning's .ckpt): its other
   // entries go with the state (torchsave::write_carrying).
+  bool keeps_group_extras() const override { return true; }
   bool carries(const CheckpointReader& source, const fs::path&) const override {
     return torchsave::carries_file(source);
   }

@@ -160,7 +160,7 @@ Status plan_frame(const OptimizerState& state, pickle::Writer& w, const torchsav
                                add(StorageSpec::of_scalar(static_cast<float>(h.lr))));
           },
       .optimizer_only = options.optimizer_only,
-      .group_extra = options.group_extra,
+      .group_extra = torchsave::group_extras_writer(w, add, options, state.groups.size(), /*tensor_lr=*/true),
   });
   return Status::Ok();
 }

@@ -209,6 +209,7 @@ class TorchSaveReader final : public CheckpointReader {
   bool carries_rest() const { return carries_rest_; }
   std::string_view torchao_package() const override { return torchao_package_; }
   std::span<const AdamWFlags> adamw_flags() const override { return adamw_flags_; }
+  std::span<const GroupExtras> group_extras() const override { return group_extras_; }
   std::optional<bool> bnb_nested() const { return bnb_nested_; }
 
   Status verify_shared_records() override {
@@ -460,6 +461,22 @@ class TorchSaveReader final : public CheckpointReader {
     }
     if (std::any_of(sd0.groups.begin(), sd0.groups.end(), [](const GroupSpec& g) { return !g.flags.empty(); }))
       for (const GroupSpec& g : sd0.groups) adamw_flags_.push_back(g.flags);
+    if (std::any_of(sd0.groups.begin(), sd0.groups.end(), [](const GroupSpec& g) { return !g.extras.empty(); }))
+      for (size_t g = 0; g < sd0.groups.size(); ++g) {
+        GroupExtras& kept = group_extras_.emplace_back();
+        for (const GroupExtraSpec& x : sd0.groups[g].extras) {
+          GroupValue v = x.value;
+          if (x.tensor) {  // a tensor whose element does not read is named, not kept
+            const Result<double> f = value_of(0, Scalar{std::nullopt, x.tensor}, "");
+            if (!f.ok()) {
+              not_read_.push_back(fmt::format("param group {} '{}'", g, x.key));
+              continue;
+            }
+            v.f = *f;
+          }
+          kept.emplace_back(x.key, std::move(v));
+        }
+      }
     if (fsdp1) {
       OPTSTATE_ASSIGN_OR_RETURN(const size_t weights, init_fsdp1(sds, optim_files, models, model_files));
       return finish(models, model_files, weights);
@@ -1470,6 +1487,7 @@ class TorchSaveReader final : public CheckpointReader {
   bool bnb_ = false;       // bitsandbytes' state: formats/bitsandbytes/ writes it
   bool torchao_ = false;   // one file of torchao's state: formats/torchao/ writes it
   std::string_view torchao_package_;  // where its torchao subclasses were defined (a kTorchaoOptimPackages view)
+  std::vector<GroupExtras> group_extras_;  // each group's other keys, where the file keeps some
   std::vector<AdamWFlags> adamw_flags_;  // each group's AdamW switches, where the file keeps some
   std::optional<bool> bnb_nested_;    // bitsandbytes' state: nested in __bnb_optimizer_quant_state__ or not
   bool deepspeed_ = false; // a DeepSpeed ZeRO checkpoint: formats/deepspeed/ sniffs it
@@ -1629,6 +1647,7 @@ class TorchSaveDriver final : public FormatDriver {
   bool shards() const override { return true; }
   // Such a set's other files (extra_state_*, fsdp_config.json, huggingface/) go with it.
   // So does one file's {"model", "optimizer", "epoch", ...} (write_carrying).
+  bool keeps_group_extras() const override { return true; }
   bool carries(const CheckpointReader& source, const fs::path& path) const override {
     return fsdp_set(source) ? !is_single_file(path) : carries_file(source);
   }
@@ -1863,7 +1882,10 @@ Status write_framed(StateSource& source, const fs::path& path, const WriteOption
   if (options.source && carries_file(*options.source))
     return write_carrying(source, *options.source, path, options.overwrite, frame);
   FrameOptions fo;
-  if (options.source) fo.adamw_flags = options.source->adamw_flags();
+  if (options.source) {
+    fo.adamw_flags = options.source->adamw_flags();
+    fo.group_extras = options.source->group_extras();
+  }
   OPTSTATE_ASSIGN_OR_RETURN(const Plan plan, plan_of(frame, fo));
   return write_plan(source, path, options.overwrite, plan);
 }
@@ -1909,16 +1931,22 @@ Status write_carrying(StateSource& source, const CheckpointReader& from, const f
           return true;
         }
         if (r != sd.optimizer_ref) return false;
-        // The source's group keys that are no optimizer's field (a scheduler's 'initial_lr').
+        // The source's group keys that are no optimizer's field: plain ones (a scheduler's
+        // 'initial_lr') written by value as any write keeps them, the rest carried as they are.
         Status carried = Status::Ok();
         FrameOptions fo;
         fo.optimizer_only = true;
         fo.adamw_flags = from.adamw_flags();
+        fo.group_extras = from.group_extras();
         fo.group_extra = [&](size_t g) {
           const auto* items = dict_items(p, (*groups)[g]);
+          const GroupExtras* by_value = dcp::source_extras(fo.group_extras, groups->size(), g);
           for (size_t k = 0; items && k + 1 < items->size() && carried.ok(); k += 2) {
             const auto key = dcp::as_string(p, (*items)[k]);
-            if (key && known_group_key(*key)) continue;
+            if (key && dcp::known_group_key(*key)) continue;
+            if (key && by_value && std::any_of(by_value->begin(), by_value->end(),
+                                               [&](const auto& kv) { return kv.first == *key; }))
+              continue;
             carried = carry((*items)[k]);
             if (carried.ok()) carried = carry((*items)[k + 1]);
           }

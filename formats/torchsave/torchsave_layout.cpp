@@ -81,21 +81,6 @@ Result<bool> flag(const Pickle& p, Ref group, const char* key, const std::string
   return *b;
 }
 
-// Group fields that hold nothing the canonical state needs: torch.optim.AdamW's implementation
-// switches, torchao's and optstate's own settings (the 8-bit layout is read from the entries).
-const std::set<std::string, std::less<>> kIgnoredGroupKeys = {
-    "params", "param_names", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach",
-    "capturable", "differentiable", "fused", "decoupled_weight_decay", "block_size", "min_8bit_size",
-    "exp_avg_qmap", "exp_avg_sq_qmap", "bf16_stochastic_round", "is_adamw", "adam_w_mode", "adamw_mode",
-    "bias_correction",
-    // bitsandbytes' AdEMAMix fields, in every Optimizer2State's groups; inert for two betas (Adam).
-    "alpha", "t_alpha", "t_beta3"};
-
-}  // namespace
-
-bool known_group_key(std::string_view key) { return kIgnoredGroupKeys.count(key) > 0; }
-
-namespace {
 
 bool is_moment(const std::string& name) { return name == kExpAvg || name == kExpAvgSq || name == kMaxExpAvgSq; }
 
@@ -957,11 +942,27 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
       if (!names.insert(name).second) return corrupt(fmt::format("{}: param name '{}' is listed twice", gw, name));
       if (by_name) id_of_name.emplace(name, id);
     }
+    // Its other keys (a scheduler's initial_lr): plain values and one-element float32 tensors are
+    // kept (GroupSpec::extras), anything else is named as not read.
     const auto& gitems = *dict_items(p, gr);
     for (size_t k = 0; k + 1 < gitems.size(); k += 2) {
       const auto key = dcp::as_string(p, gitems[k]);
-      if (!key || !kIgnoredGroupKeys.count(*key))
-        out.not_read.push_back(fmt::format("param group {} '{}'", g, key ? *key : "?"));
+      if (key && dcp::known_group_key(*key)) continue;
+      if (key) {
+        if (auto v = dcp::as_group_value(p, gitems[k + 1])) {
+          spec.extras.push_back({*key, std::move(*v), std::nullopt});
+          continue;
+        }
+        const Result<Scalar> t = scalar(p, gitems[k + 1], gw);
+        if (t.ok() && t->tensor && t->tensor->dtype == DType::kF32 && t->tensor->shape.size() <= 1) {
+          GroupValue v;
+          v.kind = GroupValue::Kind::kTensor;
+          v.shape = t->tensor->shape;
+          spec.extras.push_back({*key, std::move(v), t->tensor});
+          continue;
+        }
+      }
+      out.not_read.push_back(fmt::format("param group {} '{}'", g, key ? *key : "?"));
     }
     out.groups.push_back(std::move(spec));
   }
@@ -1597,6 +1598,21 @@ void adamw_group_fields(pickle::Writer& w, const Hyperparameters& h, const AdamW
   }
 }
 
+std::function<void(size_t group)> group_extras_writer(pickle::Writer& w, const SpecSink& add,
+                                                      const FrameOptions& options, size_t groups, bool tensor_lr) {
+  return [&w, add, &options, groups, tensor_lr](size_t g) {
+    if (const GroupExtras* kept = dcp::source_extras(options.group_extras, groups, g))
+      for (const auto& [key, v] : *kept) {
+        w.str(key);
+        if (v.kind == GroupValue::Kind::kTensor && tensor_lr)
+          dcp::encode_tensor(w, DType::kF32, v.shape, add(StorageSpec::of_scalar(static_cast<float>(v.f))));
+        else
+          dcp::encode_group_value(w, v);
+      }
+    if (options.group_extra) options.group_extra(g);
+  };
+}
+
 namespace {
 
 // The state as torch.optim.AdamW holds it: every entry dense, 8-bit moments as fp32.
@@ -1644,7 +1660,7 @@ Status plan_adamw_frame(const OptimizerState& meta, pickle::Writer& w, const Spe
           },
       .lr = {},
       .optimizer_only = options.optimizer_only,
-      .group_extra = options.group_extra,
+      .group_extra = group_extras_writer(w, add, options, meta.groups.size(), /*tensor_lr=*/false),
   });
   return Status::Ok();
 }

@@ -108,9 +108,18 @@ struct ParamSpec {
   std::optional<DTensorSpec> weight_dtensor;
 };
 
+// A group's extra key (CheckpointReader::group_extras); a kTensor value's element is read by the
+// driver from `tensor`.
+struct GroupExtraSpec {
+  std::string key;
+  GroupValue value;
+  std::optional<dcp::TensorRef> tensor;
+};
+
 struct GroupSpec {
   Hyperparameters hyper;
   AdamWFlags flags;  // torch.optim.AdamW's switches the group holds (CheckpointReader::adamw_flags)
+  std::vector<GroupExtraSpec> extras;  // its other keys, in order
   Scalar lr;
   std::vector<std::string> params;  // fqns, in the group's order (params without state left out)
 };
@@ -204,9 +213,6 @@ struct FrameParts {
   bool optimizer_only = false;
   std::function<void(size_t group)> group_extra;
 };
-// Whether a param group's key is one the reader takes (AdamW's fields and the optimizers' own), not
-// a key it names as not read (a scheduler's 'initial_lr').
-bool known_group_key(std::string_view key);
 void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, const FrameParts& parts);
 // torch.optim.AdamW's group fields beyond lr, betas, eps and weight_decay (torch 2.13): amsgrad,
 // maximize, foreach, capturable, differentiable, fused, decoupled_weight_decay (the switches: the
@@ -321,7 +327,15 @@ struct FrameOptions {
   // The source's AdamW switches by group (CheckpointReader::adamw_flags), for torch.optim.AdamW's
   // frame to keep; used where there is one per group.
   std::span<const AdamWFlags> adamw_flags;
+  // The source's other group keys by group (CheckpointReader::group_extras), written by value
+  // before what group_extra carries; used where there is one per group.
+  std::span<const GroupExtras> group_extras;
 };
+// FrameParts::group_extra for a planner's frame: group g's keys of options.group_extras (a
+// one-element tensor as a float32 tensor where `tensor_lr`, the frame writing lr as a tensor,
+// else as a float, as the frame's lr), then what options.group_extra carries.
+std::function<void(size_t group)> group_extras_writer(pickle::Writer& w, const SpecSink& add,
+                                                      const FrameOptions& options, size_t groups, bool tensor_lr);
 // A planner's frame: its checks (an error before anything is written), then its pickle into `w`.
 using PlanFrame = std::function<Status(pickle::Writer& w, const SpecSink& add, const FrameOptions& options)>;
 // The whole file's plan of a frame: data.pkl and its storages "0", "1", ...

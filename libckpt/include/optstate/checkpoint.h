@@ -58,6 +58,23 @@ inline constexpr std::pair<std::string_view, FlagValue> kAdamWFlagDefaults[] = {
     {"foreach", FlagValue::kNone},  {"capturable", FlagValue::kFalse},           {"differentiable", FlagValue::kFalse},
     {"fused", FlagValue::kNone},    {"decoupled_weight_decay", FlagValue::kTrue}};
 
+// A param group's key that is neither an AdamW hyperparameter nor a switch nor an optimizer's own
+// field: an LR scheduler's `initial_lr`, a layer-wise `lr_scale`, a group's `name`. Outside the
+// state model and its hash; the writers of torch's state_dicts (torch.save, DCP) write it back, as
+// the loop that reads the file looks for it (a scheduler rebuilt to resume asks for initial_lr).
+// Plain values: None, a bool, an int, a float, a string, or a one-element float32 tensor (what a
+// scheduler keeps where lr is a tensor, as torchao's is); a reader names any other as not read.
+struct GroupValue {
+  enum class Kind : int8_t { kNone, kBool, kInt, kFloat, kString, kTensor };
+  Kind kind = Kind::kNone;
+  int64_t i = 0;               // kBool (0 or 1), kInt
+  double f = 0;                // kFloat; kTensor: its one element
+  std::string s;               // kString
+  std::vector<int64_t> shape;  // kTensor: [] or [1]
+};
+// A group's such keys, in the source's order.
+using GroupExtras = std::vector<std::pair<std::string, GroupValue>>;
+
 class CheckpointReader {
  public:
   virtual ~CheckpointReader() = default;
@@ -76,6 +93,9 @@ class CheckpointReader {
   // Each param group's AdamW switches (meta().groups' order) as the file kept them; empty where
   // it keeps none (optstate's own formats, torchao's and bitsandbytes' optimizers).
   virtual std::span<const AdamWFlags> adamw_flags() const { return {}; }
+  // Each param group's other plain keys (meta().groups' order; GroupValue), where some group has
+  // any; empty otherwise. Not in not_read(): convert says which a write keeps.
+  virtual std::span<const GroupExtras> group_extras() const { return {}; }
   // Whether every chunk read is checked against a stored checksum (native: XXH3; optstate's HDF5:
   // fletcher32; DCP: torch.save's CRC-32 of each record, known once the chunks were streamed).
   // safetensors stores none: a reader can check sizes and coverage only.
@@ -197,6 +217,9 @@ class FormatDriver {
   // Whether a write to `path` with WriteOptions::source = &source keeps what source.not_read() names
   // (a DCP written from a DCP carries its train_state, lr_scheduler, ... through, byte for byte).
   virtual bool carries(const CheckpointReader& source, const std::filesystem::path& path) const { return false; }
+  // Whether a write keeps the source's group extras (CheckpointReader::group_extras): the writers
+  // of torch's state_dicts do; the state-only formats do not.
+  virtual bool keeps_group_extras() const { return false; }
 };
 
 // Writes through a driver after the option-driven transforms every driver shares (dequantize-on-save).

@@ -1307,3 +1307,87 @@ def test_torch_save_and_dcp_conversions_keep_a_fused_runs_switches(tmp_path, opt
     optstate_cli("convert", tmp_path / "plain.safetensors", tmp_path / "plain.pt")
     plain = switches(torch.load(tmp_path / "plain.pt", weights_only=True)["param_groups"])
     assert [g["fused"] for g in plain] == [None, None] and [g["foreach"] for g in plain] == [None, None]
+
+
+def test_group_extras_survive_torch_save_dcp_conversions_and_tell_flattened_groups_apart(tmp_path, optstate_cli):
+    """A param group's own keys (a layer-wise `lr_scale`, a `name`, the LR scheduler's
+    `initial_lr`) are what the loop reads back: torch.save -> DCP -> torch.save keeps them, a
+    flattened DCP (torchtitan's layout) keeps its groups apart by them (two groups with one lr and
+    other lr_scales were one group before) and a scheduler rebuilt to resume takes the result;
+    torchao's tensor initial_lr stays a tensor where lr does (DCP of its 8-bit items) and becomes a
+    float where lr does (torch.optim.AdamW's .pt). Formats with no place for them name them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW([{"params": list(model[0].parameters()), "lr_scale": 0.5, "name": "body"},
+                             {"params": list(model[2].parameters()), "lr_scale": 1.0, "name": "head"}], lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
+    for _ in range(2):
+        model(torch.randn(8, 16)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    extras = ("lr_scale", "name", "initial_lr")
+
+    def extras_of(groups):
+        return [{k: g.get(k, "absent") for k in extras} for g in groups]
+
+    want = extras_of(opt.state_dict()["param_groups"])
+    assert want == [{"lr_scale": 0.5, "name": "body", "initial_lr": 1e-3},
+                    {"lr_scale": 1.0, "name": "head", "initial_lr": 1e-3}]
+    torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
+    proc = optstate_cli("convert", tmp_path / "optimizer.pt", tmp_path / "dcp", "--format", "dcp")
+    assert "kept param group 0 'lr_scale', param group 0 'name', param group 0 'initial_lr'" in proc.stdout, proc.stdout
+    assert "note" not in proc.stderr, proc.stderr
+    optstate_cli("convert", tmp_path / "dcp", tmp_path / "back.pt")
+    assert extras_of(torch.load(tmp_path / "back.pt", weights_only=True)["param_groups"]) == want
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "dcp.pt")
+    assert extras_of(torch.load(tmp_path / "dcp.pt", weights_only=True)["optim"]["param_groups"]) == want
+    groups = json.loads(optstate_cli("inspect", tmp_path / "dcp", "--json", "--no-stats").stdout)["param_groups"]
+    assert [g["extras"] for g in groups] == want
+    line = optstate_cli("inspect", tmp_path / "dcp", "--no-stats").stdout.splitlines()[2]
+    assert line.endswith("initial_lr=0.001 lr_scale=0.5 name='body' (2 params)"), line
+
+    # torchtitan's flattened layout: each param holds its group's fields. Read back as two groups.
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    dcp.save({"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict()}, checkpoint_id=tmp_path / "flat")
+    proc = optstate_cli("convert", tmp_path / "flat", tmp_path / "flat.pt")
+    assert "lr_scheduler (7 items)" in proc.stderr and "param group" not in proc.stderr, proc.stderr
+    flat = torch.load(tmp_path / "flat.pt", weights_only=True)
+    assert extras_of(flat["optimizer"]["param_groups"]) == want
+    assert [g["params"] for g in flat["optimizer"]["param_groups"]] == [[0, 1], [2, 3]]
+    resumed_model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    resumed = torch.optim.AdamW([{"params": list(resumed_model[0].parameters())},
+                                 {"params": list(resumed_model[2].parameters())}], lr=1e-3)
+    resumed.load_state_dict(flat["optimizer"])
+    rebuilt = torch.optim.lr_scheduler.LambdaLR(resumed, lambda s: 0.9 ** s, last_epoch=2)
+    assert rebuilt.base_lrs == [1e-3, 1e-3]
+    assert [g["lr_scale"] for g in resumed.param_groups] == [0.5, 1.0]
+
+    # Where the format has no place for them, convert names them.
+    proc = optstate_cli("convert", tmp_path / "dcp", tmp_path / "plain.safetensors", "--json")
+    assert "param group 1 'lr_scale'" in json.loads(proc.stdout)["not_carried"]
+    assert "param group 0 'initial_lr'" in proc.stderr and "not in" in proc.stderr, proc.stderr
+
+    # torchao keeps lr, and so its scheduler's initial_lr, as tensors.
+    pytest.importorskip("torchao")
+    from torchao.optim import AdamW8bit
+    big = torch.nn.Linear(128, 64)
+    ao = AdamW8bit(big.parameters(), lr=1e-3)
+    ao_sched = torch.optim.lr_scheduler.LambdaLR(ao, lambda s: 0.9 ** s)
+    big(torch.randn(4, 128)).square().sum().backward()
+    ao.step()
+    ao_sched.step()
+    assert isinstance(ao.state_dict()["param_groups"][0]["initial_lr"], torch.Tensor)
+    torch.save(ao.state_dict(), tmp_path / "ao.pt")
+    optstate_cli("convert", tmp_path / "ao.pt", tmp_path / "ao_plain.pt")
+    plain = torch.load(tmp_path / "ao_plain.pt", weights_only=True)["param_groups"][0]
+    assert type(plain["lr"]) is float and type(plain["initial_lr"]) is float
+    assert plain["initial_lr"] == float(torch.tensor(1e-3))
+    optstate_cli("convert", tmp_path / "ao.pt", tmp_path / "ao_dcp", "--format", "dcp", "--to", "8bit")
+    dcp_to_torch_save(tmp_path / "ao_dcp", tmp_path / "ao_dcp.pt")
+    group = torch.load(tmp_path / "ao_dcp.pt", weights_only=False)["optim"]["param_groups"][0]
+    assert isinstance(group["lr"], torch.Tensor) and isinstance(group["initial_lr"], torch.Tensor)
+    assert group["initial_lr"].dtype == torch.float32 and group["initial_lr"].item() == float(torch.tensor(1e-3))

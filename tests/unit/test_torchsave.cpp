@@ -453,6 +453,60 @@ TEST_CASE("torchsave: torch.optim.AdamW's switches (fused, foreach, ...) are wri
   CHECK(groups_of(std::span(kept).first(1)) == std::vector<AdamWFlags>{defaults, defaults});
 }
 
+TEST_CASE("torchsave: a group's other plain keys (initial_lr, lr_scale, a name) are written by value and read back") {
+  const OptimizerState s = testing::sample_state();  // two groups
+  auto value = [](GroupValue::Kind k, int64_t i = 0, double f = 0, std::string str = "") {
+    GroupValue v;
+    v.kind = k;
+    v.i = i;
+    v.f = f;
+    v.s = std::move(str);
+    return v;
+  };
+  using K = GroupValue::Kind;
+  std::vector<GroupExtras> extras(2);
+  extras[0] = {{"lr_scale", value(K::kFloat, 0, 0.5)}, {"name", value(K::kString, 0, 0, "body")},
+               {"layer", value(K::kInt, 7)}, {"frozen", value(K::kBool, 1)}, {"tag", value(K::kNone)}};
+  extras[1] = {{"initial_lr", value(K::kTensor, 0, 1e-3)}};  // a tensor: a float where lr is one
+  torchsave::FrameOptions options;
+  options.group_extras = extras;
+  auto plan = torchsave::plan_of(
+      [&](pickle::Writer& w, const torchsave::SpecSink& add, const torchsave::FrameOptions& fo) {
+        return torchsave::plan_adamw_frame(s, w, add, fo);
+      },
+      options);
+  REQUIRE(plan.ok());
+  auto p = pickle::unpickle(std::as_bytes(std::span(plan->data_pkl)), "test");
+  REQUIRE(p.ok());
+  auto sd = torchsave::interpret_state_dict(*p, "test");
+  REQUIRE_MESSAGE(sd.ok(), sd.status().message());
+  REQUIRE(sd->groups.size() == 2);
+  CHECK(sd->not_read.empty());
+  const auto& g0 = sd->groups[0].extras;
+  REQUIRE(g0.size() == 5);
+  CHECK((g0[0].key == "lr_scale" && g0[0].value.kind == K::kFloat && g0[0].value.f == 0.5));
+  CHECK((g0[1].key == "name" && g0[1].value.kind == K::kString && g0[1].value.s == "body"));
+  CHECK((g0[2].key == "layer" && g0[2].value.kind == K::kInt && g0[2].value.i == 7));
+  CHECK((g0[3].key == "frozen" && g0[3].value.kind == K::kBool && g0[3].value.i == 1));
+  CHECK((g0[4].key == "tag" && g0[4].value.kind == K::kNone));
+  const auto& g1 = sd->groups[1].extras;
+  REQUIRE(g1.size() == 1);
+  CHECK((g1[0].key == "initial_lr" && g1[0].value.kind == K::kFloat && g1[0].value.f == 1e-3 && !g1[0].tensor));
+  // Extras for another number of groups than the state's are not this state's: none written.
+  options.group_extras = std::span(extras).first(1);
+  auto one = torchsave::plan_of(
+      [&](pickle::Writer& w, const torchsave::SpecSink& add, const torchsave::FrameOptions& fo) {
+        return torchsave::plan_adamw_frame(s, w, add, fo);
+      },
+      options);
+  REQUIRE(one.ok());
+  auto p1 = pickle::unpickle(std::as_bytes(std::span(one->data_pkl)), "test");
+  REQUIRE(p1.ok());
+  auto sd1 = torchsave::interpret_state_dict(*p1, "test");
+  REQUIRE(sd1.ok());
+  CHECK((sd1->groups[0].extras.empty() && sd1->groups[1].extras.empty()));
+}
+
 TEST_CASE("torchsave: damaged files are refused naming the file") {
   testing::TempDir dir;
   const std::string good = testing::read_file(kSeeds / "torch_adamw_amsgrad.pt");

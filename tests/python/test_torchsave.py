@@ -1306,8 +1306,9 @@ def test_converted_training_checkpoint_keeps_its_other_entries_and_resumes(tmp_p
             for k in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(opt.state[p][k], ref[i][k]), (i, k)
             assert opt.state[p]["step"].item() == 3
-        # the scheduler's groups field came along; the scheduler resumes from its saved state
-        assert [g["initial_lr"] for g in opt.param_groups] == [1e-3, 1e-3]
+        # the scheduler's groups field came along, a float as the lr now is (torchao's tensor held
+        # 1e-3 rounded to float32); the scheduler resumes from its saved state
+        assert [g["initial_lr"] for g in opt.param_groups] == [float(torch.tensor(1e-3))] * 2
         sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5, last_epoch=2)
         if lightning:
             sched.load_state_dict(ck["lr_schedulers"][0])

@@ -418,23 +418,31 @@ TEST_CASE("torchsave: the written state_dict reads back through the interpretati
   CHECK(sd->not_read.empty());
 }
 
+namespace {
+// torch.optim.AdamW's frame of `s` written with `options`, read back through the interpretation.
+torchsave::StateDict framed_state_dict(const OptimizerState& s, const torchsave::FrameOptions& options) {
+  auto plan = torchsave::plan_of(
+      [&](pickle::Writer& w, const torchsave::SpecSink& add, const torchsave::FrameOptions& fo) {
+        return torchsave::plan_adamw_frame(s, w, add, fo);
+      },
+      options);
+  REQUIRE(plan.ok());
+  auto p = pickle::unpickle(std::as_bytes(std::span(plan->data_pkl)), "test");
+  REQUIRE(p.ok());
+  auto sd = torchsave::interpret_state_dict(*p, "test");
+  REQUIRE_MESSAGE(sd.ok(), sd.status().message());
+  REQUIRE(sd->groups.size() == s.groups.size());
+  return std::move(*sd);
+}
+}  // namespace
+
 TEST_CASE("torchsave: torch.optim.AdamW's switches (fused, foreach, ...) are written as the source kept them, else torch's defaults") {
   const OptimizerState s = testing::sample_state();  // two groups
   auto groups_of = [&](std::span<const AdamWFlags> kept) {
     torchsave::FrameOptions options;
     options.adamw_flags = kept;
-    auto plan = torchsave::plan_of(
-        [&](pickle::Writer& w, const torchsave::SpecSink& add, const torchsave::FrameOptions& fo) {
-          return torchsave::plan_adamw_frame(s, w, add, fo);
-        },
-        options);
-    REQUIRE(plan.ok());
-    auto p = pickle::unpickle(std::as_bytes(std::span(plan->data_pkl)), "test");
-    REQUIRE(p.ok());
-    auto sd = torchsave::interpret_state_dict(*p, "test");
-    REQUIRE_MESSAGE(sd.ok(), sd.status().message());
-    REQUIRE(sd->groups.size() == 2);
-    return std::vector<AdamWFlags>{sd->groups[0].flags, sd->groups[1].flags};
+    const torchsave::StateDict sd = framed_state_dict(s, options);
+    return std::vector<AdamWFlags>{sd.groups[0].flags, sd.groups[1].flags};
   };
   const AdamWFlags defaults = {{"foreach", FlagValue::kNone}, {"capturable", FlagValue::kFalse},
                                {"differentiable", FlagValue::kFalse}, {"fused", FlagValue::kNone},
@@ -470,41 +478,22 @@ TEST_CASE("torchsave: a group's other plain keys (initial_lr, lr_scale, a name) 
   extras[1] = {{"initial_lr", value(K::kTensor, 0, 1e-3)}};  // a tensor: a float where lr is one
   torchsave::FrameOptions options;
   options.group_extras = extras;
-  auto plan = torchsave::plan_of(
-      [&](pickle::Writer& w, const torchsave::SpecSink& add, const torchsave::FrameOptions& fo) {
-        return torchsave::plan_adamw_frame(s, w, add, fo);
-      },
-      options);
-  REQUIRE(plan.ok());
-  auto p = pickle::unpickle(std::as_bytes(std::span(plan->data_pkl)), "test");
-  REQUIRE(p.ok());
-  auto sd = torchsave::interpret_state_dict(*p, "test");
-  REQUIRE_MESSAGE(sd.ok(), sd.status().message());
-  REQUIRE(sd->groups.size() == 2);
-  CHECK(sd->not_read.empty());
-  const auto& g0 = sd->groups[0].extras;
+  const torchsave::StateDict sd = framed_state_dict(s, options);
+  CHECK(sd.not_read.empty());
+  const auto& g0 = sd.groups[0].extras;
   REQUIRE(g0.size() == 5);
   CHECK((g0[0].key == "lr_scale" && g0[0].value.kind == K::kFloat && g0[0].value.f == 0.5));
   CHECK((g0[1].key == "name" && g0[1].value.kind == K::kString && g0[1].value.s == "body"));
   CHECK((g0[2].key == "layer" && g0[2].value.kind == K::kInt && g0[2].value.i == 7));
   CHECK((g0[3].key == "frozen" && g0[3].value.kind == K::kBool && g0[3].value.i == 1));
   CHECK((g0[4].key == "tag" && g0[4].value.kind == K::kNone));
-  const auto& g1 = sd->groups[1].extras;
+  const auto& g1 = sd.groups[1].extras;
   REQUIRE(g1.size() == 1);
   CHECK((g1[0].key == "initial_lr" && g1[0].value.kind == K::kFloat && g1[0].value.f == 1e-3 && !g1[0].tensor));
   // Extras for another number of groups than the state's are not this state's: none written.
   options.group_extras = std::span(extras).first(1);
-  auto one = torchsave::plan_of(
-      [&](pickle::Writer& w, const torchsave::SpecSink& add, const torchsave::FrameOptions& fo) {
-        return torchsave::plan_adamw_frame(s, w, add, fo);
-      },
-      options);
-  REQUIRE(one.ok());
-  auto p1 = pickle::unpickle(std::as_bytes(std::span(one->data_pkl)), "test");
-  REQUIRE(p1.ok());
-  auto sd1 = torchsave::interpret_state_dict(*p1, "test");
-  REQUIRE(sd1.ok());
-  CHECK((sd1->groups[0].extras.empty() && sd1->groups[1].extras.empty()));
+  const torchsave::StateDict one = framed_state_dict(s, options);
+  CHECK((one.groups[0].extras.empty() && one.groups[1].extras.empty()));
 }
 
 TEST_CASE("torchsave: damaged files are refused naming the file") {

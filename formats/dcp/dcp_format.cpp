@@ -510,7 +510,17 @@ class DcpReader final : public CheckpointReader {
         for (const char* first : {"exp_avg", "exp_avg_codes", "state1"})
           if (!shape_src && st != state_items.end() && st->second.count(first)) shape_src = &md_.items.at(st->second.at(first));
         if (!shape_src && mo != weight_items.end()) shape_src = &md_.items.at(mo->second);
-        if (!shape_src) continue;  // no state and no weights: nothing to carry
+        if (!shape_src) {
+          // State without its first moment: refused, not passed over (its items would be carried
+          // by a DCP -> DCP write as the state of a param no group lists).
+          if (st != state_items.end() && !st->second.empty()) {
+            std::vector<std::string> names;
+            for (const auto& [ename, key] : st->second) names.push_back(ename);
+            return corrupt(fmt::format("{}: state ({}) without 'exp_avg' (AdamW keeps exp_avg and exp_avg_sq)", pw,
+                                       fmt::join(names, ", ")));
+          }
+          continue;  // no state and no weights: nothing to carry
+        }
         if (meta_.params.count(fqn)) return corrupt(pw + ": listed in two param groups");
         ParamState ps;
         ps.shape = shape_src->size;

@@ -796,6 +796,13 @@ def test_dcp_8bit_codes_without_their_layout_are_refused_by_name(tmp_path, optst
                                   "v": dict(step=torch.tensor(1.0), exp_avg=torch.zeros(4), exp_avg_sq=torch.zeros(4))},
                         "param_groups": [dict(lr=1e-3, betas=(0.9, 0.999), params=["w"])]}}, checkpoint_id=str(orphan))
     assert "param 'v' has state but no param group lists it" in run_err(optstate_cli, "inspect", orphan)
+    # State without exp_avg (a misnamed moment, a step alone) is refused, not passed over: a DCP -> DCP
+    # write carried such items as the state of a param its groups no longer listed (libFuzzer found it).
+    for name, state in (("no_first", {"exp_avg_sq": torch.zeros(512), "exp_avg_2": torch.zeros(512)}),
+                        ("step_only", {})):
+        err = run_err(optstate_cli, "convert", save(name, state, {}), tmp_path / (name + ".out"), "--format", "dcp")
+        assert "param 'w': state (" in err and "without 'exp_avg'" in err, err
+        assert not (tmp_path / (name + ".out")).exists()
 
 
 def test_chain_native_hdf5_safetensors_dcp_native_keeps_the_hash(tmp_path, optstate_cli):

@@ -251,7 +251,8 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   const bool extras_kept = carried || driver->keeps_group_extras();
   std::vector<std::string> kept_rest = carried ? rest : std::vector<std::string>{};
   std::vector<std::string> dropped = carried ? std::vector<std::string>{} : rest;
-  (extras_kept ? kept_rest : dropped).insert((extras_kept ? kept_rest : dropped).end(), extras.begin(), extras.end());
+  std::vector<std::string>& extras_to = extras_kept ? kept_rest : dropped;
+  extras_to.insert(extras_to.end(), extras.begin(), extras.end());
   if (!dropped.empty())
     std::fprintf(stderr, "note: %s also holds %s: outside the state read, not in %s\n", src.c_str(),
                  fmt::format("{}", fmt::join(dropped, ", ")).c_str(), dst.c_str());

@@ -485,7 +485,10 @@ class TorchSaveReader final : public CheckpointReader {
     if (dtensors && !models.empty()) fsdp_ = FsdpSet{path_, optim_files, model_files, {}, {}};
     for (size_t i = 0; i < sd0.params.size(); ++i) {
       const ParamSpec& spec = sd0.params[i];
-      const std::string fqn = rename.count(spec.id) ? rename.at(spec.id) : spec.fqn;
+      // The name in the files (param_names, the model's key), and the state's: torch's fqn.
+      const std::string source_fqn = rename.count(spec.id) ? rename.at(spec.id) : spec.fqn;
+      const std::string fqn = torch_param_fqn(source_fqn);
+      OPTSTATE_RETURN_IF_ERROR(one_name(fqn, source_fqn, w0));
       if (fsdp_) fsdp_->fqn_of_id[spec.id] = fqn;
       meta_.groups[static_cast<size_t>(spec.group)].params.push_back(fqn);
       const std::string pw = fmt::format("{} param '{}'", w0, fqn);
@@ -608,10 +611,10 @@ class TorchSaveReader final : public CheckpointReader {
           if (!x.weight) return corrupt(fmt::format("{}: ['model']['{}'] is missing; rank 0's file has it", optim_files[f].string(), fqn));
           wparts.push_back({f, *x.weight, &x.weight_dtensor});
         }
-        ww = fmt::format("{} ['model']['{}']", w0, fqn);
+        ww = fmt::format("{} ['model']['{}']", w0, source_fqn);
         OPTSTATE_RETURN_IF_ERROR(add_weights(fqn, ps, wparts, ww));
       } else if (!models.empty()) {
-        OPTSTATE_ASSIGN_OR_RETURN(const bool found, model_weights(fqn, ps, models, model_files));
+        OPTSTATE_ASSIGN_OR_RETURN(const bool found, model_weights(fqn, source_fqn, ps, models, model_files));
         weights += found;
       }
       meta_.params.emplace(fqn, std::move(ps));
@@ -619,19 +622,31 @@ class TorchSaveReader final : public CheckpointReader {
     return finish(models, model_files, weights);
   }
 
-  // The weights of `fqn` from the model's files (each rank's part), where rank 0's has it.
-  Result<bool> model_weights(const std::string& fqn, ParamState& ps, const std::vector<std::pair<ModelDict, size_t>>& models,
+  // Two params of the files whose names are one fqn once the wrappers' segments are dropped
+  // (torch_param_fqn) are not one state's: refused, naming both.
+  Status one_name(const std::string& fqn, const std::string& source_fqn, const std::string& where) {
+    const auto [it, added] = source_names_.emplace(fqn, source_fqn);
+    if (added) return Status::Ok();
+    return corrupt(fmt::format("{}: params '{}' and '{}' both have the name '{}' (torch.compile's, activation "
+                               "checkpointing's and FSDP's segments dropped, as torch's state dicts drop them)",
+                               where, it->second, source_fqn, fqn));
+  }
+
+  // The weights of `fqn` from the model's files (each rank's part, named `source_fqn` there), where
+  // rank 0's has it.
+  Result<bool> model_weights(const std::string& fqn, const std::string& source_fqn, ParamState& ps,
+                             const std::vector<std::pair<ModelDict, size_t>>& models,
                              const std::vector<fs::path>& model_files) {
     std::vector<Part> wparts;
     for (size_t m = 0; m < models.size(); ++m) {
-      const ModelTensor* t = models[m].first.find(fqn);
+      const ModelTensor* t = models[m].first.find(source_fqn);
       if (!t) {
         if (m == 0) return false;
-        return corrupt(fmt::format("{}: no '{}'; rank 0's model file has it", model_files[m].string(), fqn));
+        return corrupt(fmt::format("{}: no '{}'; rank 0's model file has it", model_files[m].string(), source_fqn));
       }
       wparts.push_back({models[m].second, t->tensor, &t->dtensor});
     }
-    OPTSTATE_RETURN_IF_ERROR(add_weights(fqn, ps, wparts, fmt::format("{} ['{}']", model_files[0].string(), fqn)));
+    OPTSTATE_RETURN_IF_ERROR(add_weights(fqn, ps, wparts, fmt::format("{} ['{}']", model_files[0].string(), source_fqn)));
     return true;
   }
 
@@ -1053,13 +1068,14 @@ class TorchSaveReader final : public CheckpointReader {
         for (size_t j = 0; j < params.size(); ++j) order.push_back({at[j], j});
         std::sort(order.begin(), order.end());
         for (const auto& [place, j] : order)
-          set.flat_units[static_cast<size_t>(place.first)].push_back({names[j], numels[j]});
+          set.flat_units[static_cast<size_t>(place.first)].push_back({torch_param_fqn(names[j]), numels[j]});
         fsdp_ = std::move(set);
       }
     }
     size_t weights = 0, groupless = 0;
     for (size_t j = 0; j < params.size(); ++j) {
-      const std::string& fqn = names[j];
+      const std::string fqn = torch_param_fqn(names[j]);
+      OPTSTATE_RETURN_IF_ERROR(one_name(fqn, names[j], where));
       const int64_t id = at[j].first, offset = at[j].second, numel = numels[j];
       const std::string pw = fmt::format("{} param '{}'", where, fqn);
       ParamState ps;
@@ -1143,7 +1159,7 @@ class TorchSaveReader final : public CheckpointReader {
         stored_[{fqn, name, Component::kValues}] = std::move(pieces);
         ps.entries.emplace(name, std::move(e));
       }
-      OPTSTATE_ASSIGN_OR_RETURN(const bool found, model_weights(fqn, ps, models, model_files));
+      OPTSTATE_ASSIGN_OR_RETURN(const bool found, model_weights(fqn, names[j], ps, models, model_files));
       weights += found;
       meta_.groups[static_cast<size_t>(ps.group)].params.push_back(fqn);
       meta_.params.emplace(fqn, std::move(ps));
@@ -1496,6 +1512,7 @@ class TorchSaveReader final : public CheckpointReader {
   OptimizerState meta_;
   std::vector<std::string> not_read_;
   std::map<Key, std::vector<Piece>> stored_;
+  std::map<std::string, std::string> source_names_;  // a param's fqn -> its name in the files (one_name)
   std::vector<std::string> dequantized_;      // 8-bit entries read as fp32 values
   std::vector<std::string> dequantized_fp8_;  // torchao's fp8 entries, read as fp32 values
   std::vector<std::string> dequantized_4bit_;  // torchao's 4-bit entries, read as fp32 values
@@ -1898,12 +1915,13 @@ Status write_carrying(StateSource& source, const CheckpointReader& from, const f
   const pickle::Pickle& p = ap.second;
   OPTSTATE_ASSIGN_OR_RETURN(const StateDict sd, interpret_state_dict(p, where));
   if (sd.optimizer_ref == pickle::kNoRef) return internal_error(where + ": no optimizer dict to replace");
-  // Each weight the state holds replaces the model's tensor of its name.
+  // Each weight the state holds replaces the model's tensor of its name (torch's fqn of the key:
+  // a compiled model's '_orig_mod.' keys stay the file's).
   std::map<pickle::Ref, std::string> weight_of;  // the model dict's value -> param fqn
   std::map<std::string, pickle::Ref, std::less<>> model_values;
   if (const auto* items = sd.model_ref == pickle::kNoRef ? nullptr : dict_items(p, sd.model_ref))
     for (size_t k = 0; k + 1 < items->size(); k += 2)
-      if (const auto name = dcp::as_string(p, (*items)[k])) model_values.emplace(*name, (*items)[k + 1]);
+      if (const auto name = dcp::as_string(p, (*items)[k])) model_values.emplace(torch_param_fqn(*name), (*items)[k + 1]);
   for (const auto& [fqn, ps] : meta.params) {
     if (!ps.entries.count(kParam)) continue;
     const auto it = model_values.find(fqn);

@@ -601,6 +601,22 @@ Result<FlatUnits> match_flat_units(const std::vector<std::string>& names, const 
   return out;
 }
 
+std::string torch_param_fqn(std::string_view name) {
+  std::string out;
+  bool kept = false;
+  for (size_t begin = 0; begin <= name.size();) {
+    const size_t dot = std::min(name.find('.', begin), name.size());
+    const std::string_view seg = name.substr(begin, dot - begin);
+    if (seg != "_orig_mod" && seg != "_checkpoint_wrapped_module" && seg != "_fsdp_wrapped_module") {
+      if (kept) out += '.';
+      out += seg;
+      kept = true;
+    }
+    begin = dot + 1;
+  }
+  return kept ? out : std::string(name);
+}
+
 ModelPlacement place_params_in_model(const std::vector<std::vector<std::optional<std::vector<int64_t>>>>& groups,
                                      const std::vector<std::vector<int64_t>>& tensors) {
   ModelPlacement out;

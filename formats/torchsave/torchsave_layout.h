@@ -66,6 +66,14 @@ struct FlatUnits {
 Result<FlatUnits> match_flat_units(const std::vector<std::string>& names, const std::vector<int64_t>& numels,
                                    const std::vector<int64_t>& shard, int64_t world, const std::string& where);
 
+// The name torch's distributed state dicts (get_state_dict, and so DCP) give a param that
+// named_parameters() or a model's state_dict names `name`: the segments wrappers insert dropped
+// (torch.compile's `_orig_mod`, activation checkpointing's `_checkpoint_wrapped_module`, FSDP1's
+// `_fsdp_wrapped_module`), as python/optstate/names.py drops them. nanoGPT saves its compiled
+// model's state_dict ('_orig_mod.transformer.wte.weight'); its state is 'transformer.wte.weight's.
+// DDP's leading `module.` stays: a file does not tell it from a submodule named `module`.
+std::string torch_param_fqn(std::string_view name);
+
 // A torch.save file of `{"model": model.state_dict(), "optimizer": optimizer.state_dict()}` numbers
 // the optimizer's params as torch does (group by group, each group's in the order it was given)
 // and names none; the model's dict beside it names its tensors in module order, params and buffers

@@ -151,9 +151,10 @@ class FsdpWriter {
     for (const ModelTensor& t : md.tensors) {
       if (!t.dtensor || !seen.insert(t.ref).second) continue;  // buffers are carried; a tied weight once
       const std::string tw = fmt::format("{} ['{}']", mw, t.name);
-      const auto ps = state.params.find(t.name);
+      const std::string fqn = torch_param_fqn(t.name);  // the state's name of it
+      const auto ps = state.params.find(fqn);
       const bool held = ps != state.params.end() && ps->second.entries.count(kParam);
-      OPTSTATE_RETURN_IF_ERROR(add_dtensor(model0.second, t.ref, *t.dtensor, t.tensor.dtype, held ? t.name : "",
+      OPTSTATE_RETURN_IF_ERROR(add_dtensor(model0.second, t.ref, *t.dtensor, t.tensor.dtype, held ? fqn : "",
                                            held ? kParam : "", t.name, tw, model_tables));
     }
     // Every entry of the state has its place.

@@ -39,8 +39,11 @@ FSDP_SCRIPT = textwrap.dedent("""
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     if kind == "frozen":  # a param the optimizer holds but never steps (LoRA's base weights)
         model[0].weight.requires_grad_(False)
+    if kind == "compiled":  # torchtitan's per-block torch.compile: keys '0._orig_mod.weight'
+        for i in (0, 2, 4):
+            model[i] = torch.compile(model[i], backend="eager")
     for m in model:
-        if isinstance(m, nn.Linear):
+        if isinstance(m, nn.Linear) or kind == "compiled" and not isinstance(m, nn.ReLU):
             fully_shard(m, mesh=mesh)
     fully_shard(model, mesh=mesh)
     if kind.startswith("torchao"):
@@ -87,7 +90,7 @@ FSDP_SCRIPT = textwrap.dedent("""
             full.update({f"{names[p]}.{k}": (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in st.items()})
         if rank == 0:
             torch.save(full, f"{out}.full")
-    if kind in ("adamw", "amsgrad", "frozen"):  # torch's own gather of the whole state, for a resume elsewhere
+    if kind in ("adamw", "amsgrad", "frozen", "compiled"):  # torch's own gather of the whole state, for a resume elsewhere
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
         o = StateDictOptions(full_state_dict=True, cpu_offload=True)
         whole = {"model": get_model_state_dict(model, options=o), "optim": get_optimizer_state_dict(model, opt, options=o)}
@@ -249,8 +252,11 @@ RESUME_SCRIPT = textwrap.dedent("""
         model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 33), nn.ReLU(), nn.Linear(33, 5))
         if kind == "frozen":
             model[0].weight.requires_grad_(False)
+        if kind == "compiled":
+            for i in (0, 2, 4):
+                model[i] = torch.compile(model[i], backend="eager")
         for m in model:
-            if isinstance(m, nn.Linear):
+            if isinstance(m, nn.Linear) or kind == "compiled" and not isinstance(m, nn.ReLU):
                 fully_shard(m)
         fully_shard(model)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, amsgrad=kind == "amsgrad")
@@ -300,13 +306,16 @@ def assert_same_state(a, b, what):
     assert plain(a["optim"]["param_groups"]) == plain(b["optim"]["param_groups"]), what
 
 
-@pytest.mark.parametrize("kind,n,m", [("adamw", 2, 3), ("frozen", 3, 2), ("amsgrad", 2, 1), ("adamw", 1, 2)])
+@pytest.mark.parametrize("kind,n,m", [("adamw", 2, 3), ("frozen", 3, 2), ("amsgrad", 2, 1), ("adamw", 1, 2),
+                                      ("compiled", 2, 3)])
 def test_fsdp2_rank_files_resharded_resume_in_fsdp2_on_another_world_size(tmp_path, optstate_cli, kind, n, m):
     """verl saves FSDP2's state per rank and loads it only on the world size it saved. reshard
     --format torchsave writes those files for m ranks: verl's own loading steps take them on m ranks
     and hold the saved state bit for bit (as torch's set_state_dict of the whole state gives it),
     and the next step is the same too. The other files go along: the extra_state ones for each new
-    rank, fsdp_config.json with the new world size, huggingface/ as it was."""
+    rank, fsdp_config.json with the new world size, huggingface/ as it was. compiled: blocks
+    compiled one by one as torchtitan does, the model files' keys '0._orig_mod.weight': the state
+    names them '0.weight' as torch's state dicts do, the files written keep their own keys."""
     out = fsdp_run(tmp_path, kind, n)
     (out / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": n}))
     (out / "huggingface").mkdir()
@@ -335,6 +344,9 @@ def test_fsdp2_rank_files_resharded_resume_in_fsdp2_on_another_world_size(tmp_pa
     assert_same_state(got["after"], got["ref_after"], "after a step")
     if kind == "frozen":  # held by the optimizer, never stepped: no state, weights carried
         assert "0.weight" not in saved["optim"]["state"] and "0.weight" in saved["model"]
+    if kind == "compiled":
+        assert "0.weight.exp_avg" in optstate_cli("hash", dst).stdout
+        assert "0._orig_mod.weight" in torch.load(dst / f"model_world_size_{m}_rank_0.pt", weights_only=False)
 
 
 def test_missing_or_lone_rank_files_are_refused_by_name(tmp_path, optstate_cli):

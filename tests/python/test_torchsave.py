@@ -1108,7 +1108,7 @@ MAKE_NUMBERED = GPT_MODEL + textwrap.dedent("""
     kind, out = sys.argv[1], sys.argv[2]
     torch.manual_seed(0)
 
-    if kind in ("nanogpt", "lightning"):
+    if kind in ("nanogpt", "lightning", "compiled", "compiled_named"):
         model = GPT()
         data = lambda g: (model, torch.randint(0, 40, (4, 8), generator=g))
     elif kind == "cnn":
@@ -1126,13 +1126,23 @@ MAKE_NUMBERED = GPT_MODEL + textwrap.dedent("""
         model[1].weight.requires_grad_(False)
         data = lambda g: (model, torch.randn(4, 8, generator=g))
 
+    if kind == "compiled_named":  # compiled first: named_parameters() says '_orig_mod.wte.weight'
+        model = torch.compile(model, backend="eager")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if kind in ("nanogpt", "lightning"):  # nanoGPT's configure_optimizers
+    if kind != "compiled_named":
+        assert not any("_orig_mod" in n for n, _ in named)
+    if kind in ("nanogpt", "lightning", "compiled", "compiled_named"):  # nanoGPT's configure_optimizers
         decay = [(n, p) for n, p in named if p.dim() >= 2]
         nodecay = [(n, p) for n, p in named if p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": [p for _, p in decay], "weight_decay": 0.1},
-                                 {"params": [p for _, p in nodecay], "weight_decay": 0.0}], lr=1e-3)
-        order = [[n for n, _ in decay], [n for n, _ in nodecay]]
+        if kind == "compiled_named":  # param_names, torch >= 2.6
+            opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                     {"params": nodecay, "weight_decay": 0.0}], lr=1e-3)
+        else:
+            opt = torch.optim.AdamW([{"params": [p for _, p in decay], "weight_decay": 0.1},
+                                     {"params": [p for _, p in nodecay], "weight_decay": 0.0}], lr=1e-3)
+        order = [[n.removeprefix("_orig_mod.") for n, _ in decay], [n.removeprefix("_orig_mod.") for n, _ in nodecay]]
+        if kind == "compiled":  # nanoGPT's train.py: the optimizer first, then torch.compile
+            model = torch.compile(model, backend="eager")
     else:
         opt = torch.optim.AdamW([p for _, p in named], lr=1e-3)
         order = [[n for n, _ in named]]
@@ -1161,8 +1171,12 @@ def make_numbered(tmp_path, kind):
     return f"{out}.pt", f"{out}.dcp", json.loads(open(f"{out}.order.json").read())
 
 
-@pytest.mark.parametrize("kind", ["nanogpt", "lightning", "cnn", "lora"])
+@pytest.mark.parametrize("kind", ["nanogpt", "lightning", "cnn", "lora", "compiled", "compiled_named"])
 def test_numbered_params_beside_their_model_are_named_after_it(tmp_path, optstate_cli, kind):
+    """compiled: nanoGPT's train.py with compile=True (its default) saves the compiled model's
+    state_dict, every key under '_orig_mod.'; compiled_named: an optimizer given the compiled
+    model's named_parameters() (param_names '_orig_mod.wte.weight'). The state is named as torch's
+    state dicts name it ('wte.weight'), as the same run's DCP is."""
     pt, ck, groups = make_numbered(tmp_path, kind)
     order = [n for g in groups for n in g]
     insp = json.loads(optstate_cli("inspect", pt, "--json").stdout)
@@ -1178,7 +1192,16 @@ def test_numbered_params_beside_their_model_are_named_after_it(tmp_path, optstat
     assert ours == {k: v for k, v in theirs.items() if k.rsplit(".", 1)[0] in order}
     # And converted to a DCP, torch's own set_state_dict takes it by name into a fresh model and AdamW.
     optstate_cli("convert", pt, tmp_path / "out.dcp", "--format", "dcp")
-    if kind in ("nanogpt", "lightning"):
+    if kind.startswith("compiled"):
+        # Written back as a torch.save file, the loop's own keys stay ('_orig_mod.' for nanoGPT's
+        # resume to strip), each holding its weights.
+        optstate_cli("convert", pt, tmp_path / "back.pt")
+        src, back = torch.load(pt, weights_only=True), torch.load(tmp_path / "back.pt", weights_only=True)
+        assert list(back["model"]) == list(src["model"]) and all(k.startswith("_orig_mod.") for k in src["model"])
+        assert all(torch.equal(back["model"][k], v) for k, v in src["model"].items())
+        names = [n for g in back["optimizer"]["param_groups"] for n in g["param_names"]]
+        assert names == order
+    if kind in ("nanogpt", "lightning", "compiled", "compiled_named"):
         run_script(tmp_path, GPT_MODEL + textwrap.dedent(f"""
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -1201,8 +1224,23 @@ def test_numbered_params_beside_their_model_are_named_after_it(tmp_path, optstat
                 for k in ("exp_avg", "exp_avg_sq", "step"):
                     assert torch.equal(got["state"][i][k], src["state"][i][k]), (i, k)
             saved = sd["state_dict"] if "state_dict" in sd else sd["model"]
+            saved = {{k.removeprefix("_orig_mod."): v for k, v in saved.items()}}
             assert all(torch.equal(p, saved[n]) for n, p in model.named_parameters())
         """), "load_numbered.py")
+
+
+def test_params_whose_names_are_one_once_wrappers_are_dropped_are_refused(tmp_path, optstate_cli):
+    """A module registered as '_orig_mod' beside '0' (what no torch.compile makes): its params and
+    the model's would share the names torch's state dicts give them; not one state's."""
+    clash = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    clash.register_module("_orig_mod", torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    opt = torch.optim.AdamW(clash.named_parameters())
+    clash(torch.randn(2, 4)).sum().backward()
+    clash._orig_mod(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    torch.save(opt.state_dict(), tmp_path / "clash.pt")
+    err = run_err(optstate_cli, "inspect", tmp_path / "clash.pt")
+    assert "clash.pt: params '0.weight' and '_orig_mod.0.weight' both have the name '0.weight'" in err, err
 
 
 def test_numbered_params_that_fit_the_model_more_than_one_way_keep_their_numbers(tmp_path, optstate_cli):

@@ -789,6 +789,24 @@ TEST_CASE("torchsave: FSDP1's flat parameters are split into the model's params 
   }
 }
 
+TEST_CASE("torchsave: a param's fqn drops the segments wrappers insert, as torch's state dicts do") {
+  CHECK(torchsave::torch_param_fqn("_orig_mod.transformer.wte.weight") == "transformer.wte.weight");  // nanoGPT
+  CHECK(torchsave::torch_param_fqn("layers.0._orig_mod.attention.wq.weight") == "layers.0.attention.wq.weight");
+  CHECK(torchsave::torch_param_fqn("0._orig_mod._checkpoint_wrapped_module.weight") == "0.weight");
+  CHECK(torchsave::torch_param_fqn("_fsdp_wrapped_module.layer._fsdp_wrapped_module.bias") == "layer.bias");
+  // What only looks like a wrapper's segment, DDP's 'module.' (a submodule may be named so) and
+  // empty segments stay.
+  CHECK(torchsave::torch_param_fqn("_orig_mod_x.weight") == "_orig_mod_x.weight");
+  CHECK(torchsave::torch_param_fqn("a._orig_modx") == "a._orig_modx");
+  CHECK(torchsave::torch_param_fqn("module.fc.weight") == "module.fc.weight");
+  CHECK(torchsave::torch_param_fqn(".a..b.") == ".a..b.");
+  CHECK(torchsave::torch_param_fqn("_orig_mod..w") == ".w");
+  CHECK(torchsave::torch_param_fqn("7") == "7");
+  // A name that is all wrapper (no module under it) is kept whole, never empty.
+  CHECK(torchsave::torch_param_fqn("_orig_mod") == "_orig_mod");
+  CHECK(torchsave::torch_param_fqn("") == "");
+}
+
 TEST_CASE("torchsave: numbered params placed among the model's tensors, each group in order") {
   using Shape = std::vector<int64_t>;
   using Groups = std::vector<std::vector<std::optional<Shape>>>;

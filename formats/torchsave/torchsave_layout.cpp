@@ -1122,9 +1122,19 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
   std::set<std::string> weights_read;
   if (model != kNoRef) {
     std::map<std::string, Ref, std::less<>> weights;  // by name, indexed once: a model has thousands
+    // ... and by torch's fqn of the name: a param named 'wte.weight' (param_names as this driver
+    // writes them) has its weights under a compiled model's key '_orig_mod.wte.weight'.
+    std::map<std::string, const std::string*, std::less<>> key_of_fqn;
     const auto& mitems = *dict_items(p, model);
     for (size_t k = 0; k + 1 < mitems.size(); k += 2)
       if (const auto name = dcp::as_string(p, mitems[k])) weights.emplace(*name, mitems[k + 1]);
+    for (const auto& [name, ref] : weights) key_of_fqn.emplace(torch_param_fqn(name), &name);
+    auto weight_of = [&](const std::string& name) {
+      auto it = weights.find(name);
+      if (it != weights.end()) return it;
+      const auto k = key_of_fqn.find(name);
+      return k == key_of_fqn.end() ? weights.end() : weights.find(*k->second);
+    };
     // Numbered params whose numbers the model does not name: named after the model's tensors.
     bool by_number = !keyed_by_name && !named_in_groups && !members.empty();
     for (const auto& [id, member] : members) by_number = by_number && !weights.count(member.second);
@@ -1143,7 +1153,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
       }
     }
     for (const auto& [id, member] : members)
-      if (!params.count(id) && weights.count(member.second)) {
+      if (!params.count(id) && weight_of(member.second) != weights.end()) {
         ParamSpec spec;
         spec.fqn = member.second;
         spec.id = id;
@@ -1152,10 +1162,10 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
         params.emplace(id, std::move(spec));
       }
     for (auto& [id, spec] : params) {
-      const auto found = weights.find(spec.fqn);
+      const auto found = weight_of(spec.fqn);
       if (found == weights.end()) continue;
       const Ref w = found->second;
-      const std::string ww = fmt::format("{} {}['{}']", where, model_key, spec.fqn);
+      const std::string ww = fmt::format("{} {}['{}']", where, model_key, found->first);
       OPTSTATE_ASSIGN_OR_RETURN(LocalValue lv, local_value(p, w, ww));
       const Payload& pl = lv.local;
       if (pl.kind != Payload::Kind::kTensor) return corrupt(ww + ": not a tensor");
@@ -1169,7 +1179,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
                                    dtype_name(pl.tensor.dtype)));
       spec.weight = pl.tensor;
       spec.weight_dtensor = lv.dtensor;
-      weights_read.insert(spec.fqn);
+      weights_read.insert(found->first);
     }
     const size_t others = mitems.size() / 2 - weights_read.size();
     if (others)

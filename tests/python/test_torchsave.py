@@ -1201,6 +1201,7 @@ def test_numbered_params_beside_their_model_are_named_after_it(tmp_path, optstat
         assert all(torch.equal(back["model"][k], v) for k, v in src["model"].items())
         names = [n for g in back["optimizer"]["param_groups"] for n in g["param_names"]]
         assert names == order
+        assert hashes(optstate_cli, tmp_path / "back.pt") == hashes(optstate_cli, pt)  # read again: the same
     if kind in ("nanogpt", "lightning", "compiled", "compiled_named"):
         run_script(tmp_path, GPT_MODEL + textwrap.dedent(f"""
             import torch.distributed.checkpoint as dcp

@@ -385,6 +385,36 @@ TEST_CASE("torchsave: written from a {model, optimizer, iter_num} file, the file
   CHECK(testing::read_file(from_file) == testing::read_file(from_state));
 }
 
+TEST_CASE("torchsave: a compiled model's file (keys under '_orig_mod.') names its params as torch's state dicts do") {
+  // nanoGPT with compile=True: the model's keys '_orig_mod.0.weight', ...; the head tied to the
+  // embedding; the optimizer's params numbered in two groups.
+  auto r = open_checkpoint(kSeeds / "torch_compiled_model_and_optimizer.pt");
+  REQUIRE_MESSAGE(r.ok(), r.status().message());
+  const OptimizerState& m = (*r)->meta();
+  std::vector<std::string> names;
+  for (const auto& [fqn, ps] : m.params) names.push_back(fqn);
+  CHECK(names == std::vector<std::string>{"0.weight", "1.bias", "1.weight"});
+  REQUIRE(m.groups.size() == 2);
+  CHECK(m.groups[0].params == std::vector<std::string>{"0.weight"});
+  CHECK(m.groups[1].params == std::vector<std::string>{"1.weight", "1.bias"});
+  for (const auto& [fqn, ps] : m.params) CHECK(ps.entries.count(kParam) == 1);  // weights from '_orig_mod.<fqn>'
+  // Written back into the file's layout, the model's keys stay the file's: read again, the same
+  // state and the same other entries (the tied head's '_orig_mod.2.weight').
+  const FormatDriver* ts = find_format("torchsave");
+  testing::TempDir dir;
+  const fs::path out = dir.path / "back.pt";
+  REQUIRE(ts->carries(**r, out));
+  const Status st = write_checkpoint(*ts, *load_all(**r), out, {.source = r->get()});
+  REQUIRE_MESSAGE(st.ok(), st.message());
+  auto back = open_checkpoint(out);
+  REQUIRE_MESSAGE(back.ok(), back.status().message());
+  CHECK(hash_checkpoint(**back)->root == hash_checkpoint(**r)->root);
+  CHECK((*back)->not_read() == (*r)->not_read());
+  const std::string pkl = testing::read_file(out);
+  CHECK(pkl.find("_orig_mod.0.weight") != std::string::npos);
+  CHECK(pkl.find("_orig_mod.2.weight") != std::string::npos);
+}
+
 TEST_CASE("torchsave: the written state_dict reads back through the interpretation") {
   OptimizerState s = testing::sample_state();
   const auto order = torchsave::param_order(s);

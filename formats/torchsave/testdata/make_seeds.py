@@ -8,7 +8,8 @@ torch.optim.AdamW's state keyed by fqn in two groups (get_optimizer_state_dict);
 AdamW8bit as 0.50 saves it and in its older layout (bnb); a {"model", "optimizer"} checkpoint of
 numbered params in decay / no-decay groups beside a model with a tied weight and BatchNorm buffers,
 named from the model (numbered); a {"model", "optimizer"} checkpoint of a channels_last conv model,
-its weights and moments stored permuted (channels_last).
+its weights and moments stored permuted (channels_last); nanoGPT's of a compiled model, every model
+key under '_orig_mod.' (compiled).
 
 FSDP2 (two CPU processes over gloo): fsdp2_world2/ holds what verl saves per rank
 (optim_world_size_2_rank_R.pt, model_world_size_2_rank_R.pt of DTensors, extra_state_...), and
@@ -22,7 +23,7 @@ parameter per unit), fsdp1_world2_orig/ with use_orig_params=True (one param eac
 nothing per rank); fsdp1_world2*_full.pt the same state put together from FSDP's own flat-parameter
 metadata (where each rank's run of each param starts), as one {"model", "optimizer"} file.
 
-    .venv/bin/python formats/torchsave/testdata/make_seeds.py [main|fqn|fsdp2|fsdp1|bnb|numbered|channels_last]"""
+    .venv/bin/python formats/torchsave/testdata/make_seeds.py [main|fqn|fsdp2|fsdp1|bnb|numbered|channels_last|compiled]"""
 import os
 import sys
 
@@ -79,6 +80,24 @@ def numbered():
         opt.zero_grad()
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "iter_num": 2},
                os.path.join(HERE, "torch_numbered_model_and_optimizer.pt"))
+
+
+def compiled():
+    """nanoGPT's train.py with compile=True: the optimizer built from the model, then the model
+    compiled, whose state_dict keys are all under '_orig_mod.' (the head tied to the embedding)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 10, bias=False))
+    model[2].weight = model[0].weight
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-3)
+    model = torch.compile(model, backend="eager")
+    for _ in range(2):
+        model(torch.randint(0, 10, (4,))).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "iter_num": 2},
+               os.path.join(HERE, "torch_compiled_model_and_optimizer.pt"))
 
 
 def fqn():
@@ -271,5 +290,5 @@ def bnb():
 
 
 if __name__ == "__main__":
-    for step in sys.argv[1:] or ["main", "fqn", "fsdp2", "fsdp1", "bnb", "numbered", "channels_last"]:
+    for step in sys.argv[1:] or ["main", "fqn", "fsdp2", "fsdp1", "bnb", "numbered", "channels_last", "compiled"]:
         globals()[step]()

@@ -1,6 +1,7 @@
 #include "cli.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <csignal>
@@ -122,6 +123,15 @@ std::string human_bytes(double b) {
     ++u;
   }
   return u == 0 ? fmt::format("{:.0f} B", b) : fmt::format("{:.1f} {}", b, units[u]);
+}
+
+std::string model_tensors_text(std::span<const ModelTensorInfo> tensors) {
+  constexpr size_t kNamed = 6;
+  std::vector<std::string> names;
+  for (size_t i = 0; i < tensors.size() && i < kNamed; ++i) names.push_back(tensors[i].name);
+  if (tensors.size() > kNamed) names.push_back(fmt::format("{} more", tensors.size() - kNamed));
+  return fmt::format("the model's {} other tensor{} ({})", tensors.size(), tensors.size() == 1 ? "" : "s",
+                     fmt::join(names, ", "));
 }
 
 void print_json(const nlohmann::json& j) {

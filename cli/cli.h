@@ -4,10 +4,12 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include <map>
+#include <span>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "optstate/checkpoint.h"
 #include "optstate/status.h"
 
 namespace optstate::cli {
@@ -45,6 +47,9 @@ Result<Args> parse_args(const CommandSpec& spec, int argc, char** argv);
 std::string help_text(const CommandSpec& spec);
 // "512 B", "1.5 KiB", "3.2 GiB".
 std::string human_bytes(double bytes);
+// "the model's 2 other tensors (lm_head.weight, bn.running_mean)": a reader's model_tensors(), the
+// first few named.
+std::string model_tensors_text(std::span<const ModelTensorInfo> tensors);
 // Prints "optstate <cmd>: <message>" on stderr and returns kExitError.
 int fail(const std::string& command, const Status& status);
 // Prints `j` on stdout, indented, one document. Bytes that are not UTF-8 (a path, or the name of an

@@ -253,6 +253,11 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   std::vector<std::string> dropped = carried ? std::vector<std::string>{} : rest;
   std::vector<std::string>& extras_to = extras_kept ? kept_rest : dropped;
   extras_to.insert(extras_to.end(), extras.begin(), extras.end());
+  // The model's other tensors beside the weights (buffers, tied names): in the file a torch.save
+  // write carries, written as model.<name> items by DCP, else not in DST.
+  const std::span<const ModelTensorInfo> model_tensors = reader->model_tensors();
+  const bool tensors_kept = carried || driver->keeps_model_tensors();
+  if (!model_tensors.empty()) (tensors_kept ? kept_rest : dropped).push_back(model_tensors_text(model_tensors));
   if (!dropped.empty())
     std::fprintf(stderr, "note: %s also holds %s: outside the state read, not in %s\n", src.c_str(),
                  fmt::format("{}", fmt::join(dropped, ", ")).c_str(), dst.c_str());
@@ -309,6 +314,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
                               : "unchanged",
                           fmt::join(rest, ", "));
     if (extras_kept && !extras.empty()) tail += fmt::format("; kept {}", fmt::join(extras, ", "));
+    if (!model_tensors.empty() && tensors_kept) tail += fmt::format("; kept {}", model_tensors_text(model_tensors));
     std::printf("wrote %s (%s, %d rank%s): %zu params, %lld dense and %lld 8-bit entries%s\n", dst.c_str(),
                 format.c_str(), world, world == 1 ? "" : "s", kept.params.size(), static_cast<long long>(dense),
                 static_cast<long long>(eight), tail.c_str());

@@ -142,6 +142,10 @@ int run_inspect(int argc, char** argv) {
   progress.finish();
   j["params"] = params;
   j["not_read"] = reader.not_read();
+  nlohmann::json model_tensors = nlohmann::json::array();
+  for (const ModelTensorInfo& t : reader.model_tensors())
+    model_tensors.push_back({{"name", t.name}, {"dtype", std::string(dtype_name(t.dtype))}, {"shape", t.shape}});
+  j["model_tensors"] = model_tensors;
   if (!reader.torchao_package().empty()) j["torchao_package"] = std::string(reader.torchao_package());
   const double per_param = total_numel ? static_cast<double>(total_state_bytes) / static_cast<double>(total_numel) : 0;
   j["totals"] = {{"params", meta.params.size()},
@@ -178,6 +182,9 @@ int run_inspect(int argc, char** argv) {
                        package == dcp::kTorchaoDefaultPackage ? "torchao 0.11 and later load them"
                                                   : "torchao before 0.11 loads them (for later releases: convert "
                                                     "--torchao-package torchao.optim)");
+  // Beside the weights: buffers, a tied weight's second name, frozen params (what a DCP write keeps).
+  if (const auto tensors = reader.model_tensors(); !tensors.empty())
+    out += fmt::format("model       {}: beside the params' weights, outside the state\n", model_tensors_text(tensors));
   if (const auto rest = reader.not_read(); !rest.empty())
     // Not optimizer state (train_state, a model's buffers), or an encoding read as fp32 values.
     out += fmt::format("other       {}: outside the state read\n", fmt::join(rest, ", "));

@@ -51,6 +51,10 @@ class ProgressReader final : public CheckpointReader {
   std::string_view torchao_package() const override { return inner_->torchao_package(); }
   std::span<const AdamWFlags> adamw_flags() const override { return inner_->adamw_flags(); }
   std::span<const GroupExtras> group_extras() const override { return inner_->group_extras(); }
+  std::span<const ModelTensorInfo> model_tensors() const override { return inner_->model_tensors(); }
+  Status stream_model_tensor(size_t index, const ByteSink& sink) const override {
+    return inner_->stream_model_tensor(index, sink);
+  }
   bool checksummed() const override { return inner_->checksummed(); }
   Status verify_shared_records() override { return inner_->verify_shared_records(); }
   Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) override;

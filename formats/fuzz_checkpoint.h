@@ -141,6 +141,19 @@ class CheckpointFixture {
     auto r = d->open(work);
     if (!r.ok()) return false;
     (void)hash_checkpoint(**r);
+    // The model's other tensors (a torch.save file's buffers) stream as many bytes as their shape
+    // says, or fail.
+    const auto tensors = (*r)->model_tensors();
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      uint64_t got = 0;
+      const Status st = (*r)->stream_model_tensor(i, [&](std::span<const std::byte> piece) {
+        got += piece.size();
+        return Status::Ok();
+      });
+      const auto numel = checked_numel(tensors[i].shape);
+      if (st.ok() && (!numel.ok() || got != static_cast<uint64_t>(*numel) * dtype_size(tensors[i].dtype)))
+        die("model tensor", "streamed another size than its shape's", tensors[i].name);
+    }
     auto state = load_all(**r);
     const bool float_lr = index.size() % 2 == 1;
     const bool wrote = state.ok() && check_written_back(*state, **r, float_lr);

@@ -1169,6 +1169,7 @@ class DcpDriver final : public FormatDriver {
   }
   bool carries(const CheckpointReader& source, const fs::path&) const override { return source_layout(source) != nullptr; }
   bool keeps_group_extras() const override { return true; }
+  bool keeps_model_tensors() const override { return true; }
 };
 
 }  // namespace

@@ -275,7 +275,8 @@ Status copy_carried(const SourceLayout& src, std::vector<OutputFile>& outs, cons
 // plain group keys (CheckpointReader::group_extras).
 Status write_into(StateSource& source, const fs::path& staging, int world, const SourceLayout& layout,
                   bool carry, bool float_lr, bool torchao, std::string_view torchao_package,
-                  std::span<const AdamWFlags> flags, std::span<const GroupExtras> extras) {
+                  std::span<const AdamWFlags> flags, std::span<const GroupExtras> extras,
+                  const CheckpointReader* model_from) {
   const OptimizerState& state = source.meta();
   std::vector<OutputFile> outs;
   for (int r = 0; r < world; ++r) {
@@ -510,6 +511,32 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
       OPTSTATE_RETURN_IF_ERROR(tensor_item(state_name(fqn, "step"), DType::kF32, {}, std::as_bytes(std::span(&step, 1))));
     }
   }
+  // The model's other tensors beside the optimizer (a torch.save file's buffers, tied names,
+  // frozen params: CheckpointReader::model_tensors) as `model.<name>` items beside the weights, as
+  // get_state_dict(model) saves them: a strict dcp.load of the model's state dict finds them all.
+  if (model_from) {
+    std::string model_key;
+    for (const std::string& part : layout.parent()) model_key += part + ".";
+    const std::span<const ModelTensorInfo> tensors = model_from->model_tensors();
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const ModelTensorInfo& t = tensors[i];
+      OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(t.shape));
+      const uint64_t want = static_cast<uint64_t>(numel) * dtype_size(t.dtype);
+      std::vector<std::byte> bytes;
+      bytes.reserve(static_cast<size_t>(want));
+      OPTSTATE_RETURN_IF_ERROR(model_from->stream_model_tensor(i, [&](std::span<const std::byte> piece) -> Status {
+        if (bytes.size() + piece.size() > want)
+          return internal_error(fmt::format("model tensor '{}': more than its {} bytes", t.name, want));
+        bytes.insert(bytes.end(), piece.begin(), piece.end());
+        return Status::Ok();
+      }));
+      if (bytes.size() != want)
+        return internal_error(fmt::format("model tensor '{}': {} bytes, not its {}", t.name, bytes.size(), want));
+      OPTSTATE_RETURN_IF_ERROR(tensor_item(ItemName{model_key + "model." + t.name,
+                                                    dict_path(joined(layout.parent(), {"model", t.name}))},
+                                           t.dtype, t.shape, bytes));
+    }
+  }
   if (carry && float_lr) {
     // What the source kept as 0-d tensors because its lr was one (torchao): the group fields
     // (initial_lr) become numbers, an LR scheduler's lists of them (base_lrs, _last_lr: items
@@ -643,7 +670,8 @@ Status write_dcp(StateSource& state, const fs::path& path, const WriteOptions& o
                                    source != nullptr, options.float_lr, writes_torchao_items(options, source),
                                    torchao_package,
                                    options.source ? options.source->adamw_flags() : std::span<const AdamWFlags>{},
-                                   options.source ? options.source->group_extras() : std::span<const GroupExtras>{}),
+                                   options.source ? options.source->group_extras() : std::span<const GroupExtras>{},
+                                   source ? nullptr : options.source),
                         options.overwrite);
 }
 

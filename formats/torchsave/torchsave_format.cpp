@@ -210,7 +210,63 @@ class TorchSaveReader final : public CheckpointReader {
   std::string_view torchao_package() const override { return torchao_package_; }
   std::span<const AdamWFlags> adamw_flags() const override { return adamw_flags_; }
   std::span<const GroupExtras> group_extras() const override { return group_extras_; }
+  std::span<const ModelTensorInfo> model_tensors() const override { return model_tensors_; }
   std::optional<bool> bnb_nested() const { return bnb_nested_; }
+
+  // Read with buffers of its own (const: a writer holds its source as const), the record's CRC-32
+  // checked as the state's runs are.
+  Status stream_model_tensor(size_t index, const ByteSink& sink) const override {
+    if (index >= model_stored_.size())
+      return not_found(fmt::format("{}: no model tensor {}", path_.string(), index));
+    const auto& [s, key] = model_stored_[index];
+    const Archive& a = files_[s.file];
+    const std::string where = fmt::format("{}: {}", a.path.string(), key);
+    std::vector<std::byte> buf;
+    auto read = [&](uint64_t at, uint64_t n) -> Result<std::span<const std::byte>> {
+      buf.resize(static_cast<size_t>(n));
+      OPTSTATE_RETURN_IF_ERROR(a.file.read_at(at, buf).with_context(where));
+      return std::span<const std::byte>(buf);
+    };
+    auto crc_of = [&](uint64_t from, uint64_t to, uint32_t crc) -> Result<uint32_t> {
+      for (uint64_t at = from; at < to;) {
+        const uint64_t n = std::min<uint64_t>(kStreamPieceBytes, to - at);
+        OPTSTATE_ASSIGN_OR_RETURN(const auto piece, read(at, n));
+        crc = zip::crc32(piece, crc);
+        at += n;
+      }
+      return crc;
+    };
+    auto check = [&](uint32_t crc) -> Status {
+      if (crc == s.crc) return Status::Ok();
+      return corrupt(fmt::format("{}: CRC-32 of its storage is {:08x}, the archive records {:08x}", where, crc, s.crc));
+    };
+    if (s.permuted) {  // stored permuted (channels_last): its record read whole, put in logical order
+      const dcp::TensorRef& t = *s.permuted;
+      if (s.record_bytes > kMaxPermutedBytes)
+        return corrupt(fmt::format("{}: a tensor stored permuted in a storage of {} bytes; up to {} are read", where,
+                                   s.record_bytes, kMaxPermutedBytes));
+      OPTSTATE_ASSIGN_OR_RETURN(const auto record, read(s.record_at, s.record_bytes));
+      if (s.crc != 0) OPTSTATE_RETURN_IF_ERROR(check(zip::crc32(record)));
+      std::vector<std::byte> logical(static_cast<size_t>(s.bytes));
+      dcp::to_logical_order(t, dtype_size(t.dtype), record.subspan(static_cast<size_t>(s.at - s.record_at),
+                                                                   static_cast<size_t>(s.bytes)), logical);
+      return sink_pieces(logical, sink);
+    }
+    uint32_t crc = 0;
+    if (s.checked()) {
+      OPTSTATE_ASSIGN_OR_RETURN(crc, crc_of(s.record_at, s.at, 0));
+    }
+    for (uint64_t done = 0; done < s.bytes;) {
+      const uint64_t n = std::min<uint64_t>(kStreamPieceBytes, s.bytes - done);
+      OPTSTATE_ASSIGN_OR_RETURN(const auto piece, read(s.at + done, n));
+      if (s.checked()) crc = zip::crc32(piece, crc);
+      OPTSTATE_RETURN_IF_ERROR(sink(piece));
+      done += n;
+    }
+    if (!s.checked()) return Status::Ok();
+    OPTSTATE_ASSIGN_OR_RETURN(crc, crc_of(s.at + s.bytes, s.record_at + s.record_bytes, crc));
+    return check(crc);
+  }
 
   Status verify_shared_records() override {
     std::set<std::pair<size_t, uint64_t>> done;  // (file, record): each read once
@@ -368,10 +424,14 @@ class TorchSaveReader final : public CheckpointReader {
               std::vector<std::string> not_read) {
     set_ = optim_files.size() > 1 || !model_files.empty();
     std::vector<StateDict> sds;
+    std::optional<ModelDict> own_model;  // one file's model dict beside its optimizer: model_tensors()
     for (const fs::path& f : optim_files) {
       OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(f));
       files_.push_back(std::move(ap.first));
       OPTSTATE_ASSIGN_OR_RETURN(StateDict sd, interpret_state_dict(ap.second, f.string()));
+      if (!set_ && !sd.libtorch && sd.model_ref != pickle::kNoRef)
+        if (auto md = interpret_model_dict(ap.second, sd.model_ref, f.string() + " " + sd.model_key); md.ok())
+          own_model = std::move(*md);
       sds.push_back(std::move(sd));
     }
     // A LibTorch archive's sizes (tensors) must say what it lists.
@@ -619,7 +679,35 @@ class TorchSaveReader final : public CheckpointReader {
       }
       meta_.params.emplace(fqn, std::move(ps));
     }
+    if (own_model) OPTSTATE_RETURN_IF_ERROR(expose_model_tensors(*own_model, sd0));
     return finish(models, model_files, weights);
+  }
+
+  // The model dict's tensors beside the optimizer that are no param's weights, for model_tensors():
+  // plain tensors whose storage resolves, each under torch's fqn of its key unless a param or
+  // another tensor has that name. What is left stays counted on not_read's line for the dict.
+  Status expose_model_tensors(const ModelDict& md, const StateDict& sd) {
+    std::set<std::string> taken;
+    for (const auto& [fqn, ps] : meta_.params) taken.insert(fqn);
+    for (const ModelTensor& t : md.tensors) {
+      if (t.dtensor || sd.model_weight_keys.count(t.name)) continue;
+      const auto numel = checked_numel(t.tensor.shape);
+      if (!numel.ok()) continue;
+      auto st = resolve(0, t.tensor, *numel, fmt::format("{} {}['{}']", path_.string(), sd.model_key, t.name),
+                        /*permuted_ok=*/true);
+      if (!st.ok()) continue;
+      const std::string name = torch_param_fqn(t.name);
+      if (!taken.insert(name).second) continue;
+      model_tensors_.push_back({name, t.tensor.dtype, t.tensor.shape});
+      model_stored_.push_back({std::move(*st), fmt::format("{}['{}']", sd.model_key, t.name)});
+    }
+    if (sd.model_others_line) {
+      const size_t left = sd.model_others - model_tensors_.size();
+      auto line = not_read_.begin() + static_cast<std::ptrdiff_t>(*sd.model_others_line);
+      if (left) *line = model_others_text(sd.model_key, left);
+      else not_read_.erase(line);
+    }
+    return Status::Ok();
   }
 
   // Two params of the files whose names are one fqn once the wrappers' segments are dropped
@@ -1513,6 +1601,8 @@ class TorchSaveReader final : public CheckpointReader {
   std::vector<std::string> not_read_;
   std::map<Key, std::vector<Piece>> stored_;
   std::map<std::string, std::string> source_names_;  // a param's fqn -> its name in the files (one_name)
+  std::vector<ModelTensorInfo> model_tensors_;        // expose_model_tensors
+  std::vector<std::pair<Stored, std::string>> model_stored_;  // each one's bytes, and its key for messages
   std::vector<std::string> dequantized_;      // 8-bit entries read as fp32 values
   std::vector<std::string> dequantized_fp8_;  // torchao's fp8 entries, read as fp32 values
   std::vector<std::string> dequantized_4bit_;  // torchao's 4-bit entries, read as fp32 values

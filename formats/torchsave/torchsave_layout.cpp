@@ -601,6 +601,10 @@ Result<FlatUnits> match_flat_units(const std::vector<std::string>& names, const 
   return out;
 }
 
+std::string model_others_text(std::string_view model_key, size_t others) {
+  return fmt::format("{} ({} entr{} besides the optimized params' weights)", model_key, others, others == 1 ? "y" : "ies");
+}
+
 std::string torch_param_fqn(std::string_view name) {
   std::string out;
   bool kept = false;
@@ -1182,9 +1186,13 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
       weights_read.insert(found->first);
     }
     const size_t others = mitems.size() / 2 - weights_read.size();
-    if (others)
-      out.not_read.push_back(fmt::format("{} ({} entr{} besides the optimized params' weights)", model_key, others,
-                                         others == 1 ? "y" : "ies"));
+    out.model_key = model_key;
+    out.model_weight_keys = weights_read;
+    out.model_others = others;
+    if (others) {
+      out.model_others_line = out.not_read.size();
+      out.not_read.push_back(model_others_text(model_key, others));
+    }
   }
 
   out.torchao = out.torchao || (torchao_groups && !out.bnb);

@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -150,6 +151,10 @@ struct StateDict {
   std::string optimizer_path;        // where the optimizer's dict is: "" (the file is one) or "['optimizer']"
   pickle::Ref optimizer_ref = pickle::kNoRef;  // the optimizer's dict
   pickle::Ref model_ref = pickle::kNoRef;      // the model's state_dict beside it, if any
+  std::string model_key;                       // where it is: "['model']", "['state_dict']"
+  std::set<std::string> model_weight_keys;     // its keys read as the params' weights
+  size_t model_others = 0;                     // its other entries, named in not_read ...
+  std::optional<size_t> model_others_line;     // ... on this line of it, where there are any
   std::vector<std::string> not_read; // what the file holds that the canonical state does not
   std::vector<DeclaredCount> counts; // LibTorch archives: sizes to check against what is listed
   bool libtorch = false;             // a LibTorch optimizer archive (torch::save(optimizer, path))
@@ -168,6 +173,8 @@ struct StateDict {
 // writes for torch::optim::AdamW (and optstate's FusedAdamW and AdamW8bit): a TorchScript module
 // whose attributes are the state (FORMAT.md). `where` names the file in errors.
 Result<StateDict> interpret_state_dict(const pickle::Pickle& p, const std::string& where);
+// not_read's line for the model dict's `others` entries beside the params' weights.
+std::string model_others_text(std::string_view model_key, size_t others);
 
 // A model's state_dict saved alone (FSDP2's model.state_dict() per rank, beside the optimizer's
 // files): its tensors in order, by name. Entries that are no tensor are counted.

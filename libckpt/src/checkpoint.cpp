@@ -42,6 +42,10 @@ std::unique_ptr<CheckpointReader> memory_reader(OptimizerState state, std::files
   return std::make_unique<MemoryReader>(std::move(state), std::move(label));
 }
 
+Status CheckpointReader::stream_model_tensor(size_t index, const ByteSink&) const {
+  return not_found(fmt::format("{}: no model tensor {}", path().string(), index));
+}
+
 Status CheckpointReader::read_range(const std::string& fqn, const std::string& entry, Component c, int64_t begin,
                                     int64_t end, std::span<std::byte> out) {
   auto p = meta().params.find(fqn);

@@ -1205,7 +1205,6 @@ def test_numbered_params_beside_their_model_are_named_after_it(tmp_path, optstat
     if kind in ("nanogpt", "lightning", "compiled", "compiled_named"):
         run_script(tmp_path, GPT_MODEL + textwrap.dedent(f"""
             import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
             sd = torch.load({pt!r}, weights_only=True)
             src = sd["optimizer_states"][0] if "optimizer_states" in sd else sd["optimizer"]
@@ -1215,10 +1214,9 @@ def test_numbered_params_beside_their_model_are_named_after_it(tmp_path, optstat
             nodecay = [p for n, p in named if p.dim() < 2]
             opt = torch.optim.AdamW([{{"params": decay, "weight_decay": 0.1}}, {{"params": nodecay, "weight_decay": 0.0}}])
             msd, osd = get_state_dict(model, opt)
-            # what convert carries: the optimized params' weights and state (the tied alias, named
-            # once, and buffers are named by convert as not carried)
-            dcp.load({{"model": msd, "optim": osd}}, checkpoint_id={str(tmp_path / "out.dcp")!r},
-                     planner=DefaultLoadPlanner(allow_partial_load=True))
+            # strict: every key of get_state_dict, the tied head's second name too (the model's
+            # other tensors, written beside the weights)
+            dcp.load({{"model": msd, "optim": osd}}, checkpoint_id={str(tmp_path / "out.dcp")!r})
             set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
             got = opt.state_dict()
             for i in range(len(decay) + len(nodecay)):
@@ -1227,7 +1225,48 @@ def test_numbered_params_beside_their_model_are_named_after_it(tmp_path, optstat
             saved = sd["state_dict"] if "state_dict" in sd else sd["model"]
             saved = {{k.removeprefix("_orig_mod."): v for k, v in saved.items()}}
             assert all(torch.equal(p, saved[n]) for n, p in model.named_parameters())
+            assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
         """), "load_numbered.py")
+    if kind == "cnn":  # BatchNorm's running stats and counts go along: a strict load gets them all
+        run_script(tmp_path, textwrap.dedent(f"""
+            import torch, torch.nn as nn, torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+            model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8),
+                                  nn.Flatten(), nn.Linear(8 * 4 * 4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            msd, osd = get_state_dict(model, opt)
+            dcp.load({{"model": msd, "optim": osd}}, checkpoint_id={str(tmp_path / "out.dcp")!r})
+            set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+            saved = torch.load({pt!r}, weights_only=True)["model"]
+            assert model.state_dict().keys() == saved.keys()
+            assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+            assert int(model[1].num_batches_tracked) == 3
+        """), "load_numbered.py")
+
+
+def test_a_damaged_model_buffer_fails_the_dcp_write_by_name_and_leaves_nothing(tmp_path, optstate_cli):
+    """The model's other tensors a DCP write carries are checked against torch.save's CRC-32 as the
+    state is: a flipped byte in a BatchNorm buffer fails the convert, naming the file and the key,
+    and no DST is left; formats that do not keep them still convert."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    pt = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, pt)
+    raw = bytearray(pt.read_bytes())
+    want = model[1].running_var.detach().numpy().tobytes()
+    with zipfile.ZipFile(pt) as z:
+        info = next(i for i in z.infolist() if "/data/" in i.filename and z.read(i) == want)
+    name_len, extra_len = int.from_bytes(raw[info.header_offset + 26:][:2], "little"), \
+        int.from_bytes(raw[info.header_offset + 28:][:2], "little")
+    raw[info.header_offset + 30 + name_len + extra_len + 5] ^= 0x40
+    pt.write_bytes(bytes(raw))
+    err = run_err(optstate_cli, "convert", pt, tmp_path / "out.dcp", "--format", "dcp")
+    assert "ckpt.pt: ['model']['1.running_var']: CRC-32 of its storage" in err, err
+    assert not (tmp_path / "out.dcp").exists() and [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+    optstate_cli("convert", pt, tmp_path / "out.safetensors")  # the state itself is whole
 
 
 def test_params_whose_names_are_one_once_wrappers_are_dropped_are_refused(tmp_path, optstate_cli):
@@ -1381,7 +1420,8 @@ def test_training_checkpoint_moves_to_an_8bit_optimizer_keeping_its_other_entrie
     block = ["--block-size", "64"] if target == "torchao" else []
     proc = optstate_cli("convert", tmp_path / "ckpt.pt", tmp_path / "eight.pt", "--format", target, "--to", "8bit",
                         *block)
-    assert "; carried unchanged: ['iter_num'], ['model_args'], ['model'] (1 entry" in proc.stdout, proc.stdout
+    assert "; carried unchanged: ['iter_num'], ['model_args']; kept the model's 1 other tensor (lm_head.weight)" \
+        in proc.stdout, proc.stdout
     run_script(tmp_path, GPT_MODEL + textwrap.dedent(f"""
         src = torch.load({str(tmp_path / "ckpt.pt")!r}, weights_only=True)
         if {target!r} == "torchao":

@@ -348,7 +348,41 @@ TEST_CASE("torchsave: numbered params beside their model are named after it (dec
   for (const auto& kv : m.params) CHECK_MESSAGE(kv.second.entries.count(kParam) == 1, kv.first);
   CHECK(m.params.at("0.weight").shape == std::vector<int64_t>{10, 8});
   // the head's tied weight (3.weight) and the three BatchNorm buffers are the model's other entries
-  CHECK(r->not_read() == std::vector<std::string>{"['iter_num']", "['model'] (4 entries besides the optimized params' weights)"});
+  CHECK(r->not_read() == std::vector<std::string>{"['iter_num']"});
+  // ... which it streams for a DCP write (model_tensors), named as torch's state dicts name them.
+  std::vector<std::string> others;
+  for (const ModelTensorInfo& t : r->model_tensors()) others.push_back(t.name);
+  CHECK(others == std::vector<std::string>{"2.running_mean", "2.running_var", "2.num_batches_tracked", "3.weight"});
+  auto bytes_of = [&](size_t i) {
+    std::string out;
+    const Status st = r->stream_model_tensor(i, [&](std::span<const std::byte> piece) {
+      out.append(reinterpret_cast<const char*>(piece.data()), piece.size());
+      return Status::Ok();
+    });
+    REQUIRE_MESSAGE(st.ok(), st.message());
+    return out;
+  };
+  CHECK(r->model_tensors()[2].dtype == DType::kI64);
+  CHECK(r->model_tensors()[2].shape.empty());
+  const std::string count = bytes_of(2);
+  REQUIRE(count.size() == 8);
+  int64_t batches = 0;
+  std::memcpy(&batches, count.data(), 8);
+  CHECK(batches == 2);  // two training steps
+  // The tied head's second name holds the embedding's weights.
+  auto all = load_all(*r);
+  REQUIRE(all.ok());
+  const Entry& emb = all->params.at("0.weight").entries.at(kParam);
+  CHECK(bytes_of(3) == std::string(reinterpret_cast<const char*>(emb.values.data), emb.values.size));
+  CHECK(!r->stream_model_tensor(4, [](std::span<const std::byte>) { return Status::Ok(); }).ok());
+  // A DCP written from it holds them as model.<name> items beside the weights.
+  testing::TempDir dir;
+  const Status st = write_checkpoint(*find_format("dcp"), *all, dir.path / "out.dcp", {.source = r.get()});
+  REQUIRE_MESSAGE(st.ok(), st.message());
+  auto back = open_checkpoint(dir.path / "out.dcp");
+  REQUIRE(back.ok());
+  CHECK((*back)->not_read() == std::vector<std::string>{"model (4 items)"});
+  CHECK(hash_checkpoint(**back)->root == hash_checkpoint(*r)->root);
 }
 
 TEST_CASE("torchsave: written from a {model, optimizer, iter_num} file, the file's other entries are carried") {

@@ -75,6 +75,16 @@ struct GroupValue {
 // A group's such keys, in the source's order.
 using GroupExtras = std::vector<std::pair<std::string, GroupValue>>;
 
+// A tensor of the model's state_dict saved beside the state that is no optimized param's weights:
+// a buffer (BatchNorm's running stats), a tied weight's second name (nanoGPT's lm_head.weight), a
+// frozen param's weights (a LoRA's base). Named as torch's state dicts name it (get_state_dict:
+// wrappers' segments dropped), as dcp.load of get_state_dict(model) looks for it.
+struct ModelTensorInfo {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+};
+
 class CheckpointReader {
  public:
   virtual ~CheckpointReader() = default;
@@ -96,6 +106,13 @@ class CheckpointReader {
   // Each param group's other plain keys (meta().groups' order; GroupValue), where some group has
   // any; empty otherwise. Not in not_read(): convert says which a write keeps.
   virtual std::span<const GroupExtras> group_extras() const { return {}; }
+  // The model's other tensors (ModelTensorInfo), where the file holds them beside the state and the
+  // reader can stream them; not in not_read(): convert says whether a write keeps them
+  // (FormatDriver::keeps_model_tensors). Empty for the formats that hold none.
+  virtual std::span<const ModelTensorInfo> model_tensors() const { return {}; }
+  // Model tensor `index`'s bytes (its dtype, C order), in pieces, checked against the file's
+  // checksums where it keeps them.
+  virtual Status stream_model_tensor(size_t index, const ByteSink& sink) const;
   // Whether every chunk read is checked against a stored checksum (native: XXH3; optstate's HDF5:
   // fletcher32; DCP: torch.save's CRC-32 of each record, known once the chunks were streamed).
   // safetensors stores none: a reader can check sizes and coverage only.
@@ -220,6 +237,9 @@ class FormatDriver {
   // Whether a write keeps the source's group extras (CheckpointReader::group_extras): the writers
   // of torch's state_dicts do; the state-only formats do not.
   virtual bool keeps_group_extras() const { return false; }
+  // Whether a write keeps the source's model tensors (CheckpointReader::model_tensors): DCP writes
+  // them as `model.<name>` items beside the weights.
+  virtual bool keeps_model_tensors() const { return false; }
 };
 
 // Writes through a driver after the option-driven transforms every driver shares (dequantize-on-save).

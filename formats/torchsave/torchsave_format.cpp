@@ -218,9 +218,9 @@ class TorchSaveReader final : public CheckpointReader {
   Status stream_model_tensor(size_t index, const ByteSink& sink) const override {
     if (index >= model_stored_.size())
       return not_found(fmt::format("{}: no model tensor {}", path_.string(), index));
-    const auto& [s, key] = model_stored_[index];
+    const Stored& s = model_stored_[index].first;  // not a structured binding: clang 14 cannot capture one
     const Archive& a = files_[s.file];
-    const std::string where = fmt::format("{}: {}", a.path.string(), key);
+    const std::string where = fmt::format("{}: {}", a.path.string(), model_stored_[index].second);
     std::vector<std::byte> buf;
     auto read = [&](uint64_t at, uint64_t n) -> Result<std::span<const std::byte>> {
       buf.resize(static_cast<size_t>(n));

@@ -702,7 +702,7 @@ class TorchSaveReader final : public CheckpointReader {
       model_stored_.push_back({std::move(*st), fmt::format("{}['{}']", sd.model_key, t.name)});
     }
     if (sd.model_others_line) {
-      const size_t left = sd.model_others - model_tensors_.size();
+      const size_t left = sd.model_others - std::min(sd.model_others, model_tensors_.size());
       auto line = not_read_.begin() + static_cast<std::ptrdiff_t>(*sd.model_others_line);
       if (left) *line = model_others_text(sd.model_key, left);
       else not_read_.erase(line);

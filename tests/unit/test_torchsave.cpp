@@ -385,23 +385,32 @@ TEST_CASE("torchsave: numbered params beside their model are named after it (dec
   CHECK(hash_checkpoint(**back)->root == hash_checkpoint(*r)->root);
 }
 
+// `r` written by the torch.save driver into its own file's layout at `out` (the file's other
+// entries carried), read again: the same state and the same entries beside it.
+std::unique_ptr<CheckpointReader> carried_back(CheckpointReader& r, const fs::path& out) {
+  const FormatDriver* ts = find_format("torchsave");
+  CHECK(ts->carries(r, out));
+  const Status st = write_checkpoint(*ts, *load_all(r), out, {.source = &r});
+  REQUIRE_MESSAGE(st.ok(), st.message());
+  auto back = open_checkpoint(out);
+  REQUIRE_MESSAGE(back.ok(), back.status().message());
+  CHECK(hash_checkpoint(**back)->root == hash_checkpoint(r)->root);
+  CHECK((*back)->not_read() == r.not_read());
+  CHECK((*back)->model_tensors().size() == r.model_tensors().size());
+  return std::move(*back);
+}
+
 TEST_CASE("torchsave: written from a {model, optimizer, iter_num} file, the file's other entries are carried") {
   auto r = open_checkpoint(kSeeds / "torch_numbered_model_and_optimizer.pt");
   REQUIRE(r.ok());
   const FormatDriver* ts = find_format("torchsave");
   testing::TempDir dir;
   const fs::path out = dir.path / "back.pt";
-  CHECK(ts->carries(**r, out));
-  const Status st = write_checkpoint(*ts, *load_all(**r), out, {.source = r->get()});
-  REQUIRE_MESSAGE(st.ok(), st.message());
-  auto back = open_checkpoint(out);
-  REQUIRE_MESSAGE(back.ok(), back.status().message());
-  CHECK(hash_checkpoint(**back)->root == hash_checkpoint(**r)->root);
   // the same entries beside the state: the model's tied head and BatchNorm buffers, 'iter_num'
-  CHECK((*back)->not_read() == (*r)->not_read());
+  auto back = carried_back(**r, out);
   // written again from the written file: the same bytes (nothing added or lost on the way)
   const fs::path again = dir.path / "again.pt";
-  REQUIRE(write_checkpoint(*ts, *load_all(**back), again, {.source = back->get()}).ok());
+  REQUIRE(write_checkpoint(*ts, *load_all(*back), again, {.source = back.get()}).ok());
   CHECK(testing::read_file(again) == testing::read_file(out));
   // Without the source the file is optimizer and weights only.
   const fs::path plain = dir.path / "plain.pt";
@@ -434,16 +443,9 @@ TEST_CASE("torchsave: a compiled model's file (keys under '_orig_mod.') names it
   for (const auto& [fqn, ps] : m.params) CHECK(ps.entries.count(kParam) == 1);  // weights from '_orig_mod.<fqn>'
   // Written back into the file's layout, the model's keys stay the file's: read again, the same
   // state and the same other entries (the tied head's '_orig_mod.2.weight').
-  const FormatDriver* ts = find_format("torchsave");
   testing::TempDir dir;
   const fs::path out = dir.path / "back.pt";
-  REQUIRE(ts->carries(**r, out));
-  const Status st = write_checkpoint(*ts, *load_all(**r), out, {.source = r->get()});
-  REQUIRE_MESSAGE(st.ok(), st.message());
-  auto back = open_checkpoint(out);
-  REQUIRE_MESSAGE(back.ok(), back.status().message());
-  CHECK(hash_checkpoint(**back)->root == hash_checkpoint(**r)->root);
-  CHECK((*back)->not_read() == (*r)->not_read());
+  carried_back(**r, out);
   const std::string pkl = testing::read_file(out);
   CHECK(pkl.find("_orig_mod.0.weight") != std::string::npos);
   CHECK(pkl.find("_orig_mod.2.weight") != std::string::npos);

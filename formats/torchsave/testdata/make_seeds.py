@@ -63,41 +63,39 @@ def main():
                os.path.join(HERE, "torch_model_and_optimizer.pt"))
 
 
+def nanogpt_file(model, name, compile=False):
+    """nanoGPT's loop: an AdamW built from the parameters in two groups (2-d weights decayed, the rest
+    not), the model compiled after it where asked (train.py's order), two steps, then
+    torch.save({"model", "optimizer", "iter_num"}) of what the loop holds."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-3)
+    if compile:
+        model = torch.compile(model, backend="eager")
+    for _ in range(2):
+        model(torch.randint(0, 10, (4,))).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "iter_num": 2}, os.path.join(HERE, name))
+
+
 def numbered():
-    """nanoGPT's way: torch.save({"model", "optimizer", "iter_num"}) of an AdamW built from parameters
-    in two groups (2-d weights decayed, the rest not); the model's head is tied to its embedding and
-    a BatchNorm's buffers sit between params of their shape."""
+    """nanoGPT's way, numbered params: the model's head is tied to its embedding and a BatchNorm's
+    buffers sit between params of their shape."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8),
                                 torch.nn.Linear(8, 10, bias=False))
     model[3].weight = model[0].weight
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-3)
-    for _ in range(2):
-        model(torch.randint(0, 10, (4,))).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "iter_num": 2},
-               os.path.join(HERE, "torch_numbered_model_and_optimizer.pt"))
+    nanogpt_file(model, "torch_numbered_model_and_optimizer.pt")
 
 
 def compiled():
-    """nanoGPT's train.py with compile=True: the optimizer built from the model, then the model
-    compiled, whose state_dict keys are all under '_orig_mod.' (the head tied to the embedding)."""
+    """nanoGPT's train.py with compile=True: the model compiled after its optimizer was built, its
+    state_dict keys all under '_orig_mod.' (the head tied to the embedding)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 10, bias=False))
     model[2].weight = model[0].weight
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-3)
-    model = torch.compile(model, backend="eager")
-    for _ in range(2):
-        model(torch.randint(0, 10, (4,))).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "iter_num": 2},
-               os.path.join(HERE, "torch_compiled_model_and_optimizer.pt"))
+    nanogpt_file(model, "torch_compiled_model_and_optimizer.pt", compile=True)
 
 
 def fqn():

@@ -124,7 +124,21 @@ class DcpReader final : public CheckpointReader {
     auto it = sources_.find({fqn, entry});
     if (it == sources_.end())
       return not_found(fmt::format("{}: no entry '{}'", dir_.string(), entry_key(fqn, entry)));
-    const Source& src = it->second;
+    return stream_source(it->second, c, sink);
+  }
+
+  std::span<const ModelTensorInfo> model_tensors() const override { return model_tensors_; }
+  Status stream_model_tensor(size_t index, const ByteSink& sink) const override {
+    if (index >= model_sources_.size())
+      return not_found(fmt::format("{}: no model tensor {}", dir_.string(), index));
+    // A writer holds its source as const; reading fills only the reader's caches (open files,
+    // parsed items, CRC-32 marks), as stream() does, never the state it read.
+    return const_cast<DcpReader*>(this)->stream_source(model_sources_[index], Component::kValues, sink);
+  }
+
+  // One component of a source (an entry's, or a model tensor's) in flattened order, each whole
+  // record checked against its CRC-32.
+  Status stream_source(const Source& src, Component c, const ByteSink& sink) {
     const auto& segs = c == Component::kAbsmax ? src.absmax : src.values;
     for (const Segment& s : segs) {
       OPTSTATE_ASSIGN_OR_RETURN(const bool dq, dequantized_segment(src, s, c, 0, s.count, sink));
@@ -604,13 +618,36 @@ class DcpReader final : public CheckpointReader {
       if (!listed.count(fqn))
         return corrupt(fmt::format("{}: param '{}' has state but no param group lists it", where, fqn));
     meta_.kind = any8 ? "adamw8bit" : "adamw";
+    // The model dict's other tensors beside the weights (buffers, a tied weight's second name,
+    // frozen params' weights), for model_tensors(): a torch.save write puts them in its model dict;
+    // a DCP -> DCP write carries them as items. Bytes items (a module's extra state) stay counted
+    // among what is not read; so do the top-level tensors beside torchtitan's weights, which may
+    // be anything the trainer saved.
+    std::set<std::string> exposed;
+    if (const auto mi = model_items.find(layout_.parent()); mi != model_items.end())
+      for (const auto& [name, key] : mi->second) {
+        const ItemMeta& im = md_.items.at(key);
+        if (carried_weights.count(key) || meta_.params.count(name) || !im.is_tensor || im.chunks.empty()) continue;
+        const std::string iw = fmt::format("{}: item '{}'", where, key);
+        const auto numel = checked_numel(im.size);
+        if (!numel.ok()) return corrupt(fmt::format("{}: {}", iw, numel.status().message()));
+        Source src;
+        src.key = key;
+        src.item = &im;
+        for (size_t k = 0; k < im.chunks.size(); ++k)
+          OPTSTATE_RETURN_IF_ERROR(chunk_segments(im.size, im.chunks[k], k, src.values, iw));
+        OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, *numel, iw));
+        model_tensors_.push_back({name, im.dtype, im.size});
+        model_sources_.push_back(std::move(src));
+        exposed.insert(key);
+      }
     // What the checkpoint holds beyond the optimizer and the weights it carries (torchtitan's
-    // train_state, lr_scheduler, dataloader; model buffers), by key: the top-level one, or for a
+    // train_state, lr_scheduler, dataloader; a module's extra state), by key: the top-level one, or for a
     // state nested under keys (prime-rl's "app"), the one beside the optimizer's ("app.scheduler").
     const size_t depth = opt_key.size();
     for (const auto& [key, path] : item_path) {
       const bool under_optimizer = path.size() > depth && std::equal(opt_key.begin(), opt_key.end(), path.begin());
-      if (under_optimizer || carried_weights.count(key)) continue;
+      if (under_optimizer || carried_weights.count(key) || exposed.count(key)) continue;
       ++not_read_[dotted(Path(path.begin(), path.begin() + static_cast<std::ptrdiff_t>(std::min(depth, path.size()))))];
     }
     for (const auto& [key, im] : md_.items) {
@@ -1068,6 +1105,8 @@ class DcpReader final : public CheckpointReader {
   std::map<std::string, InputFile> files_;
   std::map<std::pair<std::string, std::vector<int64_t>>, ParsedItem> items_;
   std::map<std::pair<std::string, std::string>, Source> sources_;
+  std::vector<ModelTensorInfo> model_tensors_;  // the model dict's other tensors, and where each is read
+  std::vector<Source> model_sources_;
   std::vector<Plain8> plain8_;  // per param group
   std::map<std::string, int64_t> not_read_;     // top-level key -> items not read
   SourceLayout layout_;

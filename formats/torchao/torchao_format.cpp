@@ -40,6 +40,8 @@ class TorchaoDriver final : public FormatDriver {
   // A training loop's own file ({"model", "optimizer", "epoch"}, Lightning's .ckpt): its other
   // entries go with the state (torchsave::write_carrying).
   bool keeps_group_extras() const override { return true; }
+  // A file written from a DCP holds its buffers and tied names in the model dict (torchsave::write_framed).
+  bool keeps_model_tensors() const override { return true; }
   bool carries(const CheckpointReader& source, const fs::path&) const override {
     return torchsave::carries_file(source);
   }

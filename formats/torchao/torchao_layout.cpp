@@ -161,6 +161,8 @@ Status plan_frame(const OptimizerState& state, pickle::Writer& w, const torchsav
           },
       .optimizer_only = options.optimizer_only,
       .group_extra = torchsave::group_extras_writer(w, add, options, state.groups.size(), /*tensor_lr=*/true),
+      .model_tensors = options.model_tensors,
+      .model_tensor = torchsave::model_tensor_writer(w, add),
   });
   return Status::Ok();
 }

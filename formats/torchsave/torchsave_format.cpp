@@ -1755,6 +1755,8 @@ class TorchSaveDriver final : public FormatDriver {
   // Such a set's other files (extra_state_*, fsdp_config.json, huggingface/) go with it.
   // So does one file's {"model", "optimizer", "epoch", ...} (write_carrying).
   bool keeps_group_extras() const override { return true; }
+  // A file written from a DCP holds its buffers and tied names in the model dict (write_framed).
+  bool keeps_model_tensors() const override { return true; }
   bool carries(const CheckpointReader& source, const fs::path& path) const override {
     return fsdp_set(source) ? !is_single_file(path) : carries_file(source);
   }
@@ -1939,10 +1941,12 @@ namespace {
 // a spec's components follow each other). write_carrying copies the source file's own records itself.
 class SpecWriter {
  public:
-  explicit SpecWriter(StateSource& source) : source_(source) {}
+  SpecWriter(StateSource& source, const CheckpointReader* model_from) : source_(source), model_from_(model_from) {}
 
   Status write(dcp::ArchiveWriter& archive, const std::string& key, const StorageSpec& s) {
     switch (s.what) {
+      case StorageSpec::What::kModelTensor:
+        return model_tensor(archive, key, s.index);
       case StorageSpec::What::kScalar:
         return archive.storage(key, std::as_bytes(std::span(&s.scalar, 1)));
       case StorageSpec::What::kQMap: {
@@ -1968,7 +1972,29 @@ class SpecWriter {
   }
 
  private:
+  // The source's model tensor `index`, streamed into its storage: exactly its bytes, or an error
+  // naming it (the staged file is then removed).
+  Status model_tensor(dcp::ArchiveWriter& archive, const std::string& key, size_t index) {
+    const std::span<const ModelTensorInfo> tensors =
+        model_from_ ? model_from_->model_tensors() : std::span<const ModelTensorInfo>{};
+    if (index >= tensors.size()) return internal_error(fmt::format("model tensor {}: no source holds it", index));
+    const ModelTensorInfo& t = tensors[index];
+    OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(t.shape));
+    const uint64_t want = static_cast<uint64_t>(numel) * dtype_size(t.dtype);
+    uint64_t got = 0;
+    OPTSTATE_RETURN_IF_ERROR(archive.begin_storage(key, want));
+    OPTSTATE_RETURN_IF_ERROR(model_from_->stream_model_tensor(index, [&](std::span<const std::byte> piece) -> Status {
+      if (piece.size() > want - got)
+        return internal_error(fmt::format("model tensor '{}': more than its {} bytes", t.name, want));
+      got += piece.size();
+      return archive.append(piece);
+    }));
+    if (got != want) return internal_error(fmt::format("model tensor '{}': {} bytes, not its {}", t.name, got, want));
+    return archive.end_storage();
+  }
+
   StateSource& source_;
+  const CheckpointReader* model_from_;
   std::string loaded_key_;
   Entry loaded_;
   std::vector<float> scratch_;  // its values widened or dequantized, where they are not fp32
@@ -1976,9 +2002,10 @@ class SpecWriter {
 
 }  // namespace
 
-Status write_plan(StateSource& source, const fs::path& path, bool overwrite, const Plan& plan) {
+Status write_plan(StateSource& source, const fs::path& path, bool overwrite, const Plan& plan,
+                  const CheckpointReader* model_from) {
   return write_file(path, overwrite, plan.data_pkl, [&](dcp::ArchiveWriter& archive) -> Status {
-    SpecWriter specs(source);
+    SpecWriter specs(source, model_from);
     for (size_t i = 0; i < plan.storages.size(); ++i)
       OPTSTATE_RETURN_IF_ERROR(specs.write(archive, std::to_string(i), plan.storages[i]));
     return Status::Ok();
@@ -1992,9 +2019,16 @@ Status write_framed(StateSource& source, const fs::path& path, const WriteOption
   if (options.source) {
     fo.adamw_flags = options.source->adamw_flags();
     fo.group_extras = options.source->group_extras();
+    // The model's other tensors (a DCP's buffers and tied names) go into the model dict beside the
+    // weights, so the file's strict model.load_state_dict finds every key.
+    fo.model_tensors = options.source->model_tensors();
+    for (const ModelTensorInfo& t : fo.model_tensors)
+      if (source.meta().params.count(t.name))
+        return invalid_argument(fmt::format("{}: '{}' is both a param of the state and another of the model's "
+                                            "tensors in {}", path.string(), t.name, options.source->path().string()));
   }
   OPTSTATE_ASSIGN_OR_RETURN(const Plan plan, plan_of(frame, fo));
-  return write_plan(source, path, options.overwrite, plan);
+  return write_plan(source, path, options.overwrite, plan, options.source);
 }
 
 Status write_carrying(StateSource& source, const CheckpointReader& from, const fs::path& path, bool overwrite,
@@ -2064,7 +2098,7 @@ Status write_carrying(StateSource& source, const CheckpointReader& from, const f
         return true;
       }));
   return write_file(path, overwrite, planned.pkl, [&](dcp::ArchiveWriter& archive) -> Status {
-    SpecWriter specs(source);
+    SpecWriter specs(source, &from);
     for (size_t k = 0; k < planned.storages.size(); ++k) {
       const std::string key = std::to_string(k);
       if (const auto* old_key = std::get_if<std::string>(&planned.storages[k])) {

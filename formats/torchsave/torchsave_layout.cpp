@@ -1517,6 +1517,19 @@ StorageSpec StorageSpec::of_scalar(float v) {
   return s;
 }
 
+StorageSpec StorageSpec::of_model_tensor(size_t index) {
+  StorageSpec s;
+  s.what = What::kModelTensor;
+  s.index = index;
+  return s;
+}
+
+std::function<void(size_t index, const ModelTensorInfo&)> model_tensor_writer(pickle::Writer& w, const SpecSink& add) {
+  return [&w, add](size_t index, const ModelTensorInfo& t) {
+    dcp::encode_tensor(w, t.dtype, t.shape, add(StorageSpec::of_model_tensor(index)));
+  };
+}
+
 Result<Plan> plan_of(const PlanFrame& frame, const FrameOptions& options) {
   Plan plan;
   pickle::Writer w;
@@ -1545,9 +1558,10 @@ void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, con
     numbered = numbered && order[i] == std::to_string(i);
     weights = weights || state.params.at(order[i]).entries.count(kParam);
   }
-  weights = weights && !parts.optimizer_only;
+  const bool others = parts.model_tensor && !parts.model_tensors.empty();
+  const bool model = (weights || others) && !parts.optimizer_only;
   w.empty_dict();
-  if (weights) {
+  if (model) {
     w.mark();
     w.str("model");
     w.empty_dict();
@@ -1558,6 +1572,11 @@ void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, con
       w.str(order[i]);
       parts.weight(i, ps);
     }
+    if (others)
+      for (size_t i = 0; i < parts.model_tensors.size(); ++i) {
+        w.str(parts.model_tensors[i].name);
+        parts.model_tensor(i, parts.model_tensors[i]);
+      }
     w.setitems_from_mark();
     w.str("optimizer");
     w.empty_dict();
@@ -1616,7 +1635,7 @@ void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, con
   }
   w.appends_from_mark();
   w.setitems_from_mark();
-  if (weights) w.setitems_from_mark();
+  if (model) w.setitems_from_mark();
 }
 
 void adamw_group_fields(pickle::Writer& w, const Hyperparameters& h, const AdamWFlags* kept) {
@@ -1695,6 +1714,8 @@ Status plan_adamw_frame(const OptimizerState& meta, pickle::Writer& w, const Spe
       .lr = {},
       .optimizer_only = options.optimizer_only,
       .group_extra = group_extras_writer(w, add, options, meta.groups.size(), /*tensor_lr=*/false),
+      .model_tensors = options.model_tensors,
+      .model_tensor = model_tensor_writer(w, add),
   });
   return Status::Ok();
 }

@@ -221,12 +221,16 @@ ModelNames names_from_model(const ModelDict& md, const std::vector<std::vector<i
 // `optimizer_only`: the optimizer's dict alone, without the {"model", "optimizer"} around it (the
 // writer that carries a file's other entries places it); `group_extra`, where set, writes more
 // key/value pairs of group `group` (what the source's group held beyond AdamW's fields).
+// `model_tensors`: the model's other tensors (the source's CheckpointReader::model_tensors), written
+// into the model dict after the weights by `model_tensor` (either makes the model dict).
 struct FrameParts {
   std::function<void(size_t id, const ParamState&)> weight, param_state;
   std::function<void(size_t group, const Hyperparameters&)> group_fields;
   std::function<void(size_t group, const Hyperparameters&)> lr;
   bool optimizer_only = false;
   std::function<void(size_t group)> group_extra;
+  std::span<const ModelTensorInfo> model_tensors;
+  std::function<void(size_t index, const ModelTensorInfo&)> model_tensor;
 };
 void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, const FrameParts& parts);
 // torch.optim.AdamW's group fields beyond lr, betas, eps and weight_decay (torch 2.13): amsgrad,
@@ -316,16 +320,19 @@ struct StorageSpec {
     kF32Values,  // entry (fqn, entry) as fp32 values: dense widened, 8-bit dequantized
     kQMap,       // the 256 floats of map `qmap`
     kScalar,     // a float32 0-d tensor holding `scalar` (torchao's step and lr)
+    kModelTensor,  // the source's model tensor `index` (CheckpointReader::stream_model_tensor)
   } what = What::kComponent;
   std::string fqn, entry;
   Component component = Component::kValues;
   std::string qmap;
   float scalar = 0;
+  size_t index = 0;
 
   static StorageSpec of_component(const std::string& fqn, const std::string& entry, Component c = Component::kValues);
   static StorageSpec of_f32_values(const std::string& fqn, const std::string& entry);
   static StorageSpec of_qmap(const std::string& name);
   static StorageSpec of_scalar(float v);
+  static StorageSpec of_model_tensor(size_t index);
 };
 struct Plan {
   std::string data_pkl;
@@ -345,12 +352,17 @@ struct FrameOptions {
   // The source's other group keys by group (CheckpointReader::group_extras), written by value
   // before what group_extra carries; used where there is one per group.
   std::span<const GroupExtras> group_extras;
+  // The source's model tensors (CheckpointReader::model_tensors), for the frame's model dict.
+  std::span<const ModelTensorInfo> model_tensors;
 };
 // FrameParts::group_extra for a planner's frame: group g's keys of options.group_extras (a
 // one-element tensor as a float32 tensor where `tensor_lr`, the frame writing lr as a tensor,
 // else as a float, as the frame's lr), then what options.group_extra carries.
 std::function<void(size_t group)> group_extras_writer(pickle::Writer& w, const SpecSink& add,
                                                       const FrameOptions& options, size_t groups, bool tensor_lr);
+// FrameParts::model_tensor for a planner's frame: the tensor, its bytes the source's, streamed as
+// the file is written (StorageSpec::of_model_tensor).
+std::function<void(size_t index, const ModelTensorInfo&)> model_tensor_writer(pickle::Writer& w, const SpecSink& add);
 // A planner's frame: its checks (an error before anything is written), then its pickle into `w`.
 using PlanFrame = std::function<Status(pickle::Writer& w, const SpecSink& add, const FrameOptions& options)>;
 // The whole file's plan of a frame: data.pkl and its storages "0", "1", ...

@@ -107,8 +107,10 @@ Status write_archive(const std::filesystem::path& path, std::string_view pkl,
                      const std::function<Status(dcp::ArchiveWriter&)>& storages);
 
 // write_file of a planned state_dict (the bitsandbytes and torchao writers): each storage as `plan`
-// lists it, every entry loaded from `source` once (its components are written in turn).
-Status write_plan(StateSource& source, const std::filesystem::path& path, bool overwrite, const Plan& plan);
+// lists it, every entry loaded from `source` once (its components are written in turn), the
+// model's other tensors streamed from `model_from` (StorageSpec::of_model_tensor).
+Status write_plan(StateSource& source, const std::filesystem::path& path, bool overwrite, const Plan& plan,
+                  const CheckpointReader* model_from = nullptr);
 
 // A state written into the pickle of the file `from` reads (carries_file): the optimizer's dict
 // replaced by `frame`'s (written optimizer_only, the source groups' other keys carried into its

@@ -1242,6 +1242,15 @@ def test_numbered_params_beside_their_model_are_named_after_it(tmp_path, optstat
             assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
             assert int(model[1].num_batches_tracked) == 3
         """), "load_numbered.py")
+    # The run's own DCP written as a torch.save file: its model dict is the model's whole state dict
+    # (BatchNorm's stats and counts, the tied head, LoRA's frozen base weights beside the params'),
+    # every key a strict load_state_dict asks for, each tensor as the run saved it.
+    optstate_cli("convert", ck, tmp_path / "from_dcp.pt", "--format", "torchsave")
+    got = torch.load(tmp_path / "from_dcp.pt", weights_only=True)["model"]
+    sd = torch.load(pt, weights_only=True)
+    saved = {k.removeprefix("_orig_mod."): v for k, v in sd["state_dict" if "state_dict" in sd else "model"].items()}
+    assert sorted(got) == sorted(saved)
+    assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in saved.items())
 
 
 def test_a_damaged_model_buffer_fails_the_dcp_write_by_name_and_leaves_nothing(tmp_path, optstate_cli):
@@ -1267,6 +1276,35 @@ def test_a_damaged_model_buffer_fails_the_dcp_write_by_name_and_leaves_nothing(t
     assert "ckpt.pt: ['model']['1.running_var']: CRC-32 of its storage" in err, err
     assert not (tmp_path / "out.dcp").exists() and [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
     optstate_cli("convert", pt, tmp_path / "out.safetensors")  # the state itself is whole
+
+
+def test_a_damaged_dcp_buffer_fails_the_torchsave_write_by_name_and_leaves_nothing(tmp_path, optstate_cli):
+    """A DCP's model buffers a torch.save write puts in its model dict are checked against the
+    CRC-32 torch.save stored for their item: a flipped byte fails the convert naming the item, and
+    no file is left; formats that do not keep them still convert."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(model, opt)
+    ck = tmp_path / "ckpt.dcp"
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ck)
+    good = optstate_cli("convert", ck, tmp_path / "good.pt", "--format", "torchsave").stdout
+    assert "kept the model's 3 other tensors (1.num_batches_tracked, 1.running_mean, 1.running_var)" in good, good
+    (tmp_path / "good.pt").unlink()
+    data = ck / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    want = model[1].running_var.detach().numpy().tobytes()
+    assert raw.count(want) == 1
+    raw[raw.find(want) + 5] ^= 0x40
+    data.write_bytes(bytes(raw))
+    err = run_err(optstate_cli, "convert", ck, tmp_path / "out.pt", "--format", "torchsave")
+    assert "item 'model.1.running_var'" in err and "fails the CRC-32 torch.save stored" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.dcp"]
+    optstate_cli("convert", ck, tmp_path / "out.safetensors")  # the state itself is whole
 
 
 def test_params_whose_names_are_one_once_wrappers_are_dropped_are_refused(tmp_path, optstate_cli):

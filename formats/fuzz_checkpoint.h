@@ -7,6 +7,7 @@
 
 #include <unistd.h>
 
+#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -58,6 +59,34 @@ inline OptimizerState sample_state() {
   return *quantize_state(st, q);
 }
 
+// sample_state() as a source whose model holds other tensors beside it (a BatchNorm's running mean
+// and int64 count, as a torch.save file of the model and optimizer gives them): a DCP written from
+// it holds them as model.<name> items, which its reader streams as the model's other tensors.
+class WithModelTensors final : public CheckpointReader {
+ public:
+  WithModelTensors() : inner_(memory_reader(sample_state(), "<sample with model tensors>")) {
+    for (size_t i = 0; i < mean_.size(); ++i) mean_[i] = 0.25f * static_cast<float>(i) - 3.0f;
+  }
+  std::string_view format() const override { return inner_->format(); }
+  const std::filesystem::path& path() const override { return inner_->path(); }
+  const OptimizerState& meta() const override { return inner_->meta(); }
+  Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) override {
+    return inner_->stream(fqn, entry, c, sink);
+  }
+  std::span<const ModelTensorInfo> model_tensors() const override { return tensors_; }
+  Status stream_model_tensor(size_t index, const ByteSink& sink) const override {
+    if (index == 0) return sink(std::as_bytes(std::span(mean_)));
+    if (index == 1) return sink(std::as_bytes(std::span(&count_, 1)));
+    return CheckpointReader::stream_model_tensor(index, sink);
+  }
+
+ private:
+  std::unique_ptr<CheckpointReader> inner_;
+  std::array<float, 24> mean_{};
+  int64_t count_ = 5;
+  std::vector<ModelTensorInfo> tensors_{{"a.running_mean", DType::kF32, {24}}, {"a.num_batches_tracked", DType::kI64, {}}};
+};
+
 inline std::string read_file(const std::filesystem::path& p) {
   std::ifstream f(p, std::ios::binary);
   return {std::istreambuf_iterator<char>(f), {}};
@@ -74,11 +103,13 @@ class CheckpointFixture {
   using IndexSize = std::function<size_t(std::string_view file)>;
 
   // Writes sample_state() as `format` with `world_size` ranks (`quantized`: as convert --to 8bit
-  // writes it: DCP with torchao's items); `index_name` is the file inputs replace.
-  CheckpointFixture(std::string_view format, int world_size, std::string index_name, bool quantized = false)
+  // writes it: DCP with torchao's items; `model_tensors`: with WithModelTensors' beside it, where
+  // the format keeps them); `index_name` is the file inputs replace.
+  CheckpointFixture(std::string_view format, int world_size, std::string index_name, bool quantized = false,
+                    bool model_tensors = false)
       : driver_(find_format(format)), index_name_(std::move(index_name)) {
     namespace fs = std::filesystem;
-    write_seed(format, world_size, quantized);
+    write_seed(format, world_size, quantized, model_tensors);
     index_ = read_file(base_ / "seed" / index_name_);
     for (const auto& e : fs::recursive_directory_iterator(base_ / "seed"))
       if (e.is_regular_file() && fs::relative(e.path(), base_ / "seed") != fs::path(index_name_))
@@ -276,7 +307,7 @@ class CheckpointFixture {
  private:
   bool single_file() const { return index_name_.empty(); }
 
-  void write_seed(std::string_view format, int world_size, bool quantized = false) {
+  void write_seed(std::string_view format, int world_size, bool quantized = false, bool model_tensors = false) {
     namespace fs = std::filesystem;
     base_ = fs::temp_directory_path() / fmt_name(format);
     fs::remove_all(base_);
@@ -284,6 +315,8 @@ class CheckpointFixture {
     WriteOptions wo;
     wo.world_size = world_size;
     wo.quantized = quantized;
+    const WithModelTensors with_model;
+    if (model_tensors) wo.source = &with_model;
     if (!driver_ || !driver_->write(sample_state(), base_ / "seed", wo).ok()) std::abort();
   }
 

@@ -1,6 +1,7 @@
 // Fuzz target for a whole DCP checkpoint (fuzz_checkpoint.h): the .metadata's promises against the
 // data files of a real 2-rank checkpoint written by optstate (storage offsets and lengths, item
-// paths, chunk shapes, the zip and torch.save payload of each item, 8-bit pairs). Inputs are
+// paths, chunk shapes, the zip and torch.save payload of each item, 8-bit pairs, a model's buffers
+// beside the state: model.<name> items streamed as its other tensors). Inputs are
 // .metadata pickles; the bounded run (CTest: fuzz.dcp_checkpoint) also damages data files.
 // `--print-seed` prints the seed .metadata (testdata/checkpoint/.metadata).
 // Built a second time with OPTSTATE_DCP_QUANTIZED (fuzz.dcp_torchao_checkpoint): the checkpoint
@@ -22,7 +23,7 @@ const fuzz::CheckpointFixture& fixture() {
 #ifdef OPTSTATE_DCP_QUANTIZED
   static const fuzz::CheckpointFixture f("dcp", 2, ".metadata", /*quantized=*/true);
 #else
-  static const fuzz::CheckpointFixture f("dcp", 2, ".metadata");
+  static const fuzz::CheckpointFixture f("dcp", 2, ".metadata", /*quantized=*/false, /*model_tensors=*/true);
 #endif
   return f;
 }

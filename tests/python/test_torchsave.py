@@ -1292,9 +1292,14 @@ def test_a_damaged_dcp_buffer_fails_the_torchsave_write_by_name_and_leaves_nothi
     msd, osd = get_state_dict(model, opt)
     ck = tmp_path / "ckpt.dcp"
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=ck)
-    good = optstate_cli("convert", ck, tmp_path / "good.pt", "--format", "torchsave").stdout
-    assert "kept the model's 3 other tensors (1.num_batches_tracked, 1.running_mean, 1.running_var)" in good, good
-    (tmp_path / "good.pt").unlink()
+    # Whole, they go into the model dict of every torch.save writer's file, as the model holds them.
+    for fmt in ("torchsave", "torchao", "bitsandbytes"):
+        good = optstate_cli("convert", ck, tmp_path / "good.pt", "--format", fmt).stdout
+        assert "kept the model's 3 other tensors (1.num_batches_tracked, 1.running_mean, 1.running_var)" in good, good
+        got = torch.load(tmp_path / "good.pt", weights_only=False)["model"]
+        assert sorted(got) == sorted(model.state_dict())
+        assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in model.state_dict().items()), fmt
+        (tmp_path / "good.pt").unlink()
     data = ck / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
     want = model[1].running_var.detach().numpy().tobytes()

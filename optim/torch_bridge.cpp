@@ -24,6 +24,10 @@ Result<DType> dtype_of(at::ScalarType t) {
     case at::kChar: return DType::kI8;
     case at::kInt: return DType::kI32;
     case at::kLong: return DType::kI64;
+    case at::kShort: return DType::kI16;
+    case at::kBool: return DType::kBool;
+    case at::kComplexFloat: return DType::kC64;
+    case at::kComplexDouble: return DType::kC128;
     default: return unsupported(fmt::format("dtype {} has no optstate equivalent", c10::toString(t)));
   }
 }
@@ -38,6 +42,10 @@ at::ScalarType scalar_type_of(DType d) {
     case DType::kI8: return at::kChar;
     case DType::kI32: return at::kInt;
     case DType::kI64: return at::kLong;
+    case DType::kI16: return at::kShort;
+    case DType::kBool: return at::kBool;
+    case DType::kC64: return at::kComplexFloat;
+    case DType::kC128: return at::kComplexDouble;
   }
   return at::kFloat;
 }

@@ -620,27 +620,37 @@ class DcpReader final : public CheckpointReader {
     meta_.kind = any8 ? "adamw8bit" : "adamw";
     // The model dict's other tensors beside the weights (buffers, a tied weight's second name,
     // frozen params' weights), for model_tensors(): a torch.save write puts them in its model dict;
-    // a DCP -> DCP write carries them as items. Bytes items (a module's extra state) stay counted
-    // among what is not read; so do the top-level tensors beside torchtitan's weights, which may
-    // be anything the trainer saved.
-    std::set<std::string> exposed;
+    // a DCP -> DCP write carries them as items. Where the weights are at the top level (torchtitan
+    // flattens the model's state dict there), the other top-level tensors are the model's too
+    // (torchtitan's llama keeps its complex64 rotary table `freqs_cis` as a persistent buffer).
+    // Bytes items (a module's extra state) stay counted among what is not read.
+    std::vector<std::pair<std::string, std::string>> candidates;  // name -> item key
     if (const auto mi = model_items.find(layout_.parent()); mi != model_items.end())
-      for (const auto& [name, key] : mi->second) {
-        const ItemMeta& im = md_.items.at(key);
-        if (carried_weights.count(key) || meta_.params.count(name) || !im.is_tensor || im.chunks.empty()) continue;
-        const std::string iw = fmt::format("{}: item '{}'", where, key);
-        const auto numel = checked_numel(im.size);
-        if (!numel.ok()) return corrupt(fmt::format("{}: {}", iw, numel.status().message()));
-        Source src;
-        src.key = key;
-        src.item = &im;
-        for (size_t k = 0; k < im.chunks.size(); ++k)
-          OPTSTATE_RETURN_IF_ERROR(chunk_segments(im.size, im.chunks[k], k, src.values, iw));
-        OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, *numel, iw));
-        model_tensors_.push_back({name, im.dtype, im.size});
-        model_sources_.push_back(std::move(src));
-        exposed.insert(key);
-      }
+      candidates.assign(mi->second.begin(), mi->second.end());
+    const bool weights_at_top = opt_key.size() == 1 && std::any_of(top_items.begin(), top_items.end(), [&](const auto& kv) {
+                                  return carried_weights.count(kv.second) > 0;
+                                });
+    if (weights_at_top) candidates.insert(candidates.end(), top_items.begin(), top_items.end());
+    std::set<std::string> exposed, exposed_names;
+    for (const auto& [name, key] : candidates) {
+      const ItemMeta& im = md_.items.at(key);
+      if (carried_weights.count(key) || consumed.count(key) || meta_.params.count(name) || exposed_names.count(name) ||
+          !im.is_tensor || im.chunks.empty())
+        continue;
+      const std::string iw = fmt::format("{}: item '{}'", where, key);
+      const auto numel = checked_numel(im.size);
+      if (!numel.ok()) return corrupt(fmt::format("{}: {}", iw, numel.status().message()));
+      Source src;
+      src.key = key;
+      src.item = &im;
+      for (size_t k = 0; k < im.chunks.size(); ++k)
+        OPTSTATE_RETURN_IF_ERROR(chunk_segments(im.size, im.chunks[k], k, src.values, iw));
+      OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, *numel, iw));
+      model_tensors_.push_back({name, im.dtype, im.size});
+      model_sources_.push_back(std::move(src));
+      exposed.insert(key);
+      exposed_names.insert(name);
+    }
     // What the checkpoint holds beyond the optimizer and the weights it carries (torchtitan's
     // train_state, lr_scheduler, dataloader; a module's extra state), by key: the top-level one, or for a
     // state nested under keys (prime-rl's "app"), the one beside the optimizer's ("app.scheduler").

@@ -111,6 +111,10 @@ hid_t file_type(DType d) {
     case DType::kI8: return H5T_STD_I8LE;
     case DType::kI32: return H5T_STD_I32LE;
     case DType::kI64: return H5T_STD_I64LE;
+    case DType::kI16: return H5T_STD_I16LE;
+    case DType::kBool: return H5T_STD_U8LE;
+    case DType::kC64:   // no entry is complex (check_structure: entries are float), nor written here
+    case DType::kC128: break;
   }
   return H5T_STD_U8LE;
 }
@@ -270,6 +274,10 @@ class Hdf5Reader final : public CheckpointReader {
       case DType::kI8: return H5T_NATIVE_INT8;
       case DType::kI32: return H5T_NATIVE_INT32;
       case DType::kI64: return H5T_NATIVE_INT64;
+      case DType::kI16: return H5T_NATIVE_INT16;
+      case DType::kBool: return H5T_NATIVE_UINT8;
+      case DType::kC64:  // no entry is complex (check_structure: entries are float)
+      case DType::kC128: break;
     }
     return H5T_NATIVE_UINT8;
   }

@@ -6,7 +6,7 @@
 
 namespace optstate {
 namespace {
-constexpr std::array<DTypeInfo, 8> kTable{{
+constexpr std::array<DTypeInfo, 12> kTable{{
     {DType::kF32, "f32", "F32", "float32", "FloatStorage", 4, true},
     {DType::kBF16, "bf16", "BF16", "bfloat16", "BFloat16Storage", 2, true},
     {DType::kF16, "f16", "F16", "float16", "HalfStorage", 2, true},
@@ -15,6 +15,10 @@ constexpr std::array<DTypeInfo, 8> kTable{{
     {DType::kI8, "i8", "I8", "int8", "CharStorage", 1, false},
     {DType::kI32, "i32", "I32", "int32", "IntStorage", 4, false},
     {DType::kI64, "i64", "I64", "int64", "LongStorage", 8, false},
+    {DType::kI16, "i16", "I16", "int16", "ShortStorage", 2, false},
+    {DType::kBool, "bool", "BOOL", "bool", "BoolStorage", 1, false},
+    {DType::kC64, "c64", "C64", "complex64", "ComplexFloatStorage", 8, false},
+    {DType::kC128, "c128", "", "complex128", "ComplexDoubleStorage", 16, false},
 }};
 }  // namespace
 
@@ -27,7 +31,7 @@ std::optional<DType> dtype_from_name(std::string_view name) {
 }
 std::optional<DType> dtype_from_safetensors(std::string_view name) {
   for (const auto& info : kTable)
-    if (info.safetensors_name == name) return info.dtype;
+    if (!info.safetensors_name.empty() && info.safetensors_name == name) return info.dtype;
   return std::nullopt;
 }
 std::optional<DType> dtype_from_torch_name(std::string_view name) {

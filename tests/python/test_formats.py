@@ -288,6 +288,102 @@ def test_torchtitan_layout_dcp_reads_as_the_same_state(tmp_path, optstate_cli, k
         f"param group 1: hyperparameters of 2 param(s) (first '0.bias') differ from {out}"]
 
 
+ROTARY_MODEL = textwrap.dedent("""
+    import io, sys, torch, torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+        get_optimizer_state_dict, get_state_dict, set_model_state_dict, set_optimizer_state_dict)
+    class Rotary(torch.nn.Module):
+        # torchtitan's llama keeps its rotary table as a persistent complex64 buffer (freqs_cis);
+        # beside it an int16 and a bool buffer, dtypes a model's state dict may hold too.
+        def __init__(self):
+            super().__init__()
+            self.tok = torch.nn.Embedding(32, 16)
+            self.out = torch.nn.Linear(16, 32, bias=False)
+            angles = torch.outer(torch.arange(8.0), 1.0 / 10000 ** (torch.arange(0, 8, 2.0) / 8))
+            self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=True)
+            self.register_buffer("positions", torch.arange(8, dtype=torch.int16))
+            self.register_buffer("keep", torch.tensor([True, False, True, True]))
+        def forward(self, x):
+            return self.out(self.tok(x) * self.freqs_cis.real.sum())
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    def torchtitan_states(model, opt):
+        states = dict(get_model_state_dict(model))
+        states["optimizer"] = get_optimizer_state_dict(model, opt, options=flat)
+        states["train_state"] = {"step": torch.tensor(0, dtype=torch.int32)}
+        return states
+""")
+
+MAKE_ROTARY = ROTARY_MODEL + textwrap.dedent("""
+    out = sys.argv[1]
+    torch.manual_seed(0)
+    model = Rotary()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(2):
+        model(torch.arange(8) % 32).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    states = torchtitan_states(model, opt)
+    states["train_state"]["step"] = torch.tensor(2, dtype=torch.int32)
+    dcp.save(states, checkpoint_id=out)
+    torch.save(model.state_dict(), out + ".model.pt")
+""")
+
+RESUME_ROTARY = ROTARY_MODEL + textwrap.dedent("""
+    # torchtitan's strict resume of a DCP (every key, the buffers in their dtypes), or a torch.save
+    # file's strict model.load_state_dict, then the same model as saved.
+    path, kind, saved = sys.argv[1:4]
+    model = Rotary()
+    for b in model.buffers():
+        b.zero_()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if kind == "dcp":
+        states = torchtitan_states(model, opt)
+        dcp.load(states, checkpoint_id=path)
+        set_model_state_dict(model, {k: v for k, v in states.items() if k not in ("optimizer", "train_state")})
+        set_optimizer_state_dict(model, opt, states["optimizer"], options=flat)
+        assert states["train_state"]["step"].item() == 2
+    else:
+        ck = torch.load(path, weights_only=True)
+        model.load_state_dict(ck["model"])  # strict
+        opt.load_state_dict(ck["optimizer"])
+    want = torch.load(saved, weights_only=True)
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    assert all(s["step"].item() == 2 for s in opt.state.values()) and len(opt.state) == 2
+""")
+
+
+def test_torchtitan_rotary_buffer_and_other_dtypes_go_with_the_model(tmp_path, optstate_cli):
+    """torchtitan's llama saves its complex64 rotary table (freqs_cis, a persistent buffer) at the
+    top level beside the weights: the checkpoint reads (it did not: complex64 was not in the dtype
+    table), the buffer is one of the model's other tensors, DCP -> DCP carries it for torchtitan's
+    strict resume on another world size, and a torch.save file written from the DCP holds it (with an
+    int16 and a bool buffer) in its model dict, which a strict load_state_dict takes; back to a DCP
+    the same."""
+    ck = tmp_path / "tt"
+    run_script(tmp_path, MAKE_ROTARY, "make_rotary.py", ck)
+    saved = f"{ck}.model.pt"
+    insp = json.loads(optstate_cli("inspect", ck, "--json").stdout)
+    assert sorted(insp["params"]) == ["out.weight", "tok.weight"]
+    assert {t["name"]: (t["dtype"], t["shape"]) for t in insp["model_tensors"]} == {
+        "freqs_cis": ("c64", [8, 4]), "positions": ("i16", [8]), "keep": ("bool", [4])}
+    assert insp["not_read"] == ["train_state (1 item)"]
+    optstate_cli("validate", ck)
+    optstate_cli("convert", ck, tmp_path / "tt2", "--format", "dcp", "--world-size", "2")
+    run_script(tmp_path, RESUME_ROTARY, "resume_rotary.py", tmp_path / "tt2", "dcp", saved)
+    out = optstate_cli("convert", ck, tmp_path / "tt.pt").stdout
+    assert "kept the model's 3 other tensors (freqs_cis, keep, positions)" in out, out
+    run_script(tmp_path, RESUME_ROTARY, "resume_rotary.py", tmp_path / "tt.pt", "torchsave", saved)
+    # and the file back to a DCP (get_state_dict's layout): model.<name> items in their dtypes
+    optstate_cli("convert", tmp_path / "tt.pt", tmp_path / "back", "--format", "dcp")
+    back = json.loads(optstate_cli("inspect", tmp_path / "back", "--json").stdout)
+    by_name = lambda tensors: sorted(tensors, key=lambda t: t["name"])
+    assert by_name(back["model_tensors"]) == by_name(insp["model_tensors"])
+    assert hashes(optstate_cli, tmp_path / "back") == hashes(optstate_cli, ck)
+
+
 MAKE_PRIME_RL_DCP = textwrap.dedent("""
     # prime-rl's trainer checkpoint: dcp.save({"app": AppState}) where AppState.state_dict() is
     # {"model", "optimizers" (get_state_dict(model, [optimizers]): nested layout), "scheduler",

@@ -34,12 +34,20 @@ TEST_CASE("Result carries a value or a failed status") {
 
 TEST_CASE("dtype table round-trips every name") {
   for (DType d : {DType::kF32, DType::kBF16, DType::kF16, DType::kF64, DType::kU8, DType::kI8, DType::kI32,
-                  DType::kI64}) {
+                  DType::kI64, DType::kI16, DType::kBool, DType::kC64, DType::kC128}) {
     const auto& info = dtype_info(d);
+    CHECK(info.dtype == d);
     CHECK(dtype_from_name(info.name) == d);
-    CHECK(dtype_from_safetensors(info.safetensors_name) == d);
+    if (!info.safetensors_name.empty()) CHECK(dtype_from_safetensors(info.safetensors_name) == d);
     CHECK(dtype_from_torch_name(std::string("torch.") + std::string(info.torch_name)) == d);
+    CHECK(dtype_from_torch_storage(info.torch_storage) == d);
   }
+  // Only the float dtypes are the state's; complex128 has no safetensors name, and an empty one
+  // names nothing.
+  CHECK(!dtype_info(DType::kC64).is_float);
+  CHECK(dtype_size(DType::kC64) == 8);
+  CHECK(dtype_size(DType::kC128) == 16);
+  CHECK(!dtype_from_safetensors("").has_value());
   CHECK(!dtype_from_name("f8").has_value());
 }
 

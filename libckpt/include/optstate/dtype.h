@@ -7,12 +7,15 @@
 
 namespace optstate {
 
-enum class DType : uint8_t { kF32, kBF16, kF16, kF64, kU8, kI8, kI32, kI64 };
+// The float dtypes are the state's (its entries and weights); the rest are what else a checkpoint
+// holds beside it (a step count, 8-bit codes, a model's buffers: BatchNorm's int64 count, a bool
+// mask, torchtitan's complex64 rotary table), read and written as they are.
+enum class DType : uint8_t { kF32, kBF16, kF16, kF64, kU8, kI8, kI32, kI64, kI16, kBool, kC64, kC128 };
 
 struct DTypeInfo {
   DType dtype;
   std::string_view name;              // canonical name in manifests and hashes ("f32")
-  std::string_view safetensors_name;  // "F32"
+  std::string_view safetensors_name;  // "F32"; empty where safetensors has none (complex128)
   std::string_view torch_name;        // "float32", as torch prints it without the "torch." prefix
   std::string_view torch_storage;     // "FloatStorage": the typed storage class torch.save pickles
   uint8_t size;                       // bytes per element

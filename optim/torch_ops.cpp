@@ -1,5 +1,7 @@
 // The torch ops behind the Python package (python/optstate): the fused AdamW step over lists of
 // tensors, and native checkpoint save/load. Python only gathers tensors; all math and I/O is here.
+#include <cstring>
+
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <torch/library.h>
@@ -290,6 +292,36 @@ load_native_shard(const std::string& path, const std::string& to, int64_t block_
   return {meta_json(*state, (*reader)->format()), pnames, enames, cnames, tensors};
 }
 
+// The model's other tensors a checkpoint holds beside the state (CheckpointReader::model_tensors:
+// a torch.save file's or a DCP's buffers, frozen params, a tied weight's second name), each read
+// whole (checked against the file's checksums) into a CPU tensor of its dtype: (names, tensors).
+std::tuple<std::vector<std::string>, std::vector<at::Tensor>> load_model_tensors(const std::string& path) {
+  auto reader = open_checkpoint(path);
+  if (!reader.ok()) raise(reader.status());
+  std::vector<std::string> names;
+  std::vector<at::Tensor> tensors;
+  const std::span<const ModelTensorInfo> infos = (*reader)->model_tensors();
+  for (size_t i = 0; i < infos.size(); ++i) {
+    const ModelTensorInfo& info = infos[i];
+    at::Tensor t = at::empty(info.shape, at::TensorOptions().dtype(scalar_type_of(info.dtype)));
+    auto* at_byte = static_cast<std::byte*>(t.data_ptr());
+    const size_t want = t.nbytes();
+    size_t got = 0;
+    const Status st = (*reader)->stream_model_tensor(i, [&](std::span<const std::byte> piece) -> Status {
+      if (piece.size() > want - got)
+        return corrupt(fmt::format("{}: model tensor '{}' holds more than its {} bytes", path, info.name, want));
+      std::memcpy(at_byte + got, piece.data(), piece.size());
+      got += piece.size();
+      return Status::Ok();
+    });
+    if (!st.ok()) raise(st);
+    if (got != want) raise(corrupt(fmt::format("{}: model tensor '{}' holds {} of its {} bytes", path, info.name, got, want)));
+    names.push_back(info.name);
+    tensors.push_back(std::move(t));
+  }
+  return {names, tensors};
+}
+
 // load_native_shard's reading, verifying and converting without keeping or placing any byte:
 // its metadata, or the error that load would raise. optstate.load runs this before a load that
 // reads into live tensors, so a bad checkpoint leaves them as they were.
@@ -434,6 +466,7 @@ TORCH_LIBRARY(optstate, m) {
         "Tensor[] tensors, bool overwrite, str host, int port, int world, int rank, str save_id, float timeout_s) -> ()");
   m.def("verify_native_shard(str path, str meta_json, str[] param_names, str[] entry_names, str[] components, "
         "Tensor[] tensors, int world, int rank, bool whole_params) -> str[]");
+  m.def("load_model_tensors(str path) -> (str[], Tensor[])");
   m.def("shard_range(int[] shape, int block_size, int world, int rank) -> int[]");
   m.def("cpu_isa() -> str");
   m.def("qmap(str name) -> Tensor");
@@ -454,6 +487,7 @@ TORCH_LIBRARY_IMPL(optstate, CompositeExplicitAutograd, m) {
   m.impl("check_native_shard", check_native_shard);
   m.impl("save_native_sharded", save_native_sharded);
   m.impl("verify_native_shard", verify_native_shard);
+  m.impl("load_model_tensors", load_model_tensors);
   m.impl("shard_range", shard_range_op);
   m.impl("cpu_isa", cpu_isa);
   m.impl("qmap", qmap_tensor);

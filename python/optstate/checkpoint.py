@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ._ops import ops
 from .optim import AdamW8bit, DTensor, FusedAdamW, _check_fsdp2_blocks, _fsdp2_absmax, _rows_layout
-from .names import named_parameters
+from .names import canonical_name, named_parameters
 from .sharded import ShardedParams, world_and_rank
 
 _HYPER = ("lr", "eps", "weight_decay", "amsgrad")
@@ -341,6 +341,35 @@ def _all_ranks_ok(group, err, failed_elsewhere):
         raise RuntimeError(failed_elsewhere)
 
 
+def _model_tensors(path, model, optimizer):
+    """The model's other tensors the checkpoint holds beside the state (a torch.save file's or a
+    DCP's buffers, such as BatchNorm's running stats; frozen params' weights), each paired with the
+    model's tensor of its name: [(live, read)], shapes checked before anything changes (as torch's
+    load_state_dict checks them; the copy casts). A name the model does not hold (a buffer it keeps
+    non-persistent) is passed over, so is the optimizer's params' (their weights are the state's: a
+    tied weight's second name is one of them), and a DTensor (FSDP2 shards frozen params: left as
+    they are)."""
+    if isinstance(model, ShardedParams):
+        return []
+    names, tensors = ops.load_model_tensors(str(path))
+    if not names:
+        return []
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    live = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        live.setdefault(canonical_name(model, name), t)
+    pairs = []
+    for name, read in zip(names, tensors):
+        t = live.get(name)
+        if t is None or id(t) in stepped or _is_dtensor(t):
+            continue
+        if t.shape != read.shape:
+            raise ValueError(f"optstate.load: {path} holds the model's '{name}' of shape {list(read.shape)}; the "
+                             f"model's is {list(t.shape)}")
+        pairs.append((t, read))
+    return pairs
+
+
 @torch.no_grad()
 def load(path, model, optimizer, transactional=True, by_position=False):
     """Restores model weights and optimizer state from a native optstate checkpoint.
@@ -359,6 +388,11 @@ def load(path, model, optimizer, transactional=True, by_position=False):
     checks (one all-reduce): if any rank fails, every rank raises and none changes anything.
     ``transactional=False`` reads once: faster for a checkpoint larger than memory, but a corrupt
     chunk found midway leaves the live tensors partly loaded.
+
+    The model's other tensors a torch.save file or a DCP holds beside the state (buffers such as
+    BatchNorm's running stats and counts, frozen params' weights) are copied into the model's
+    tensors of their names too, as ``model.load_state_dict`` would; optstate's own formats keep the
+    state alone, so a model's buffers stay as they are after loading one.
 
     Params are matched by name (a ``{"model": ..., "optimizer": ...}`` file of an optimizer built
     without names is named after the model beside it where its groups fit the model one way:
@@ -401,9 +435,11 @@ def load(path, model, optimizer, transactional=True, by_position=False):
                 dest.add(fqn, key, "values", t)
     # The check pass: before anything is read in place, and on every rank of a sharded load (ranks
     # read different ranges: a corrupt chunk may fail one of them, and then none may load).
+    others = None
     if transactional and (dest.tensor or world > 1):
         err = None
         try:
+            others = _model_tensors(path, model, optimizer)
             _load_plan(path, json.loads(ops.check_native_shard(str(path), to, block, min_size, world, rank,
                                                                not rows)), model, optimizer, by_position)
         except Exception as e:  # noqa: BLE001 - raised below, after every rank has had its say
@@ -413,6 +449,8 @@ def load(path, model, optimizer, transactional=True, by_position=False):
                                       f"log); nothing was changed on this rank")
         elif err is not None:
             raise err
+    if others is None:
+        others = _model_tensors(path, model, optimizer)
     meta_json, pnames, enames, cnames, tensors = ops.load_native_shard(str(path), to, block, min_size, world, rank,
                                                                        not rows, *dest.args())
     meta = json.loads(meta_json)
@@ -477,6 +515,8 @@ def load(path, model, optimizer, transactional=True, by_position=False):
         if "maximize" in group:
             group["maximize"] = gm["maximize"]
         group["betas"] = tuple(gm["betas"])
+    for live, read in others:
+        live.copy_(read)
 
 
 def verify(path, model, optimizer, by_position=False):

@@ -1551,3 +1551,43 @@ def test_channels_last_state_reads_in_logical_order(tmp_path, optstate_cli):
     bad = tmp_path / "bad.pt"
     bad.write_bytes(bytes(raw))
     assert "CRC-32" in run_err(optstate_cli, "hash", bad)
+
+
+def test_optstate_load_restores_the_models_buffers_and_frozen_weights(tmp_path):
+    """optstate.load of a {"model", "optimizer"} torch.save file or of a DCP restores what the
+    model's load_state_dict would beside the state: BatchNorm's running stats and count (left fresh
+    before) and a frozen layer's weights; a buffer of another shape is refused, nothing changed."""
+    import optstate
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    torch.manual_seed(0)
+
+    def make():
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+        m[2].requires_grad_(False)  # frozen: not the optimizer's
+        return m
+    model = make()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    for _ in range(3):
+        model(torch.randn(8, 4)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    pt, ck = tmp_path / "ck.pt", tmp_path / "ck.dcp"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, pt)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ck)
+    for path in (pt, ck):
+        fresh = make()
+        fused = optstate.FusedAdamW([p for p in fresh.parameters() if p.requires_grad])
+        optstate.load(path, fresh, fused)
+        got = fresh.state_dict()
+        for k, v in model.state_dict().items():
+            assert torch.equal(got[k], v), (path.name, k)
+        assert int(fresh[1].num_batches_tracked) == 3
+    other = make()
+    other[1].running_mean = torch.zeros(5)  # not the checkpoint's model
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    fused = optstate.FusedAdamW([p for p in other.parameters() if p.requires_grad])
+    with pytest.raises(ValueError, match=r"holds the model's '1.running_mean' of shape \[4\]; the model's is \[5\]"):
+        optstate.load(pt, other, fused)
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items()) and not fused.state

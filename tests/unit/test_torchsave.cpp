@@ -415,6 +415,68 @@ TEST_CASE("torchsave: numbered params beside their model are named after it (dec
   }
 }
 
+TEST_CASE("torchsave: buffers of complex64, int16 and bool go with the model through DCP and back") {
+  auto r = open_seed("torch_rotary_model_and_optimizer.pt");
+  auto bytes_of = [](const CheckpointReader& c, size_t i) {
+    std::string out;
+    const Status st = c.stream_model_tensor(i, [&](std::span<const std::byte> piece) {
+      out.append(reinterpret_cast<const char*>(piece.data()), piece.size());
+      return Status::Ok();
+    });
+    REQUIRE_MESSAGE(st.ok(), st.message());
+    return out;
+  };
+  const auto tensors = r->model_tensors();
+  REQUIRE(tensors.size() == 3);
+  CHECK(tensors[0].name == "freqs_cis");
+  CHECK(tensors[0].dtype == DType::kC64);
+  CHECK(tensors[0].shape == std::vector<int64_t>{4, 2});
+  CHECK(tensors[1].name == "positions");
+  CHECK(tensors[1].dtype == DType::kI16);
+  CHECK(tensors[2].name == "keep");
+  CHECK(tensors[2].dtype == DType::kBool);
+  // torch.polar(1, angle): (cos, sin) pairs of float32; angle[1][0] is 1.
+  const std::string freqs = bytes_of(*r, 0);
+  REQUIRE(freqs.size() == 4 * 2 * 8);
+  float pair[2];
+  std::memcpy(pair, freqs.data(), 8);
+  CHECK(pair[0] == 1.0f);
+  CHECK(pair[1] == 0.0f);
+  std::memcpy(pair, freqs.data() + 2 * 8, 8);
+  CHECK(pair[0] == doctest::Approx(std::cos(1.0)).epsilon(1e-6));
+  CHECK(pair[1] == doctest::Approx(std::sin(1.0)).epsilon(1e-6));
+  const std::string positions = bytes_of(*r, 1);
+  REQUIRE(positions.size() == 8);
+  int16_t pos[4];
+  std::memcpy(pos, positions.data(), 8);
+  CHECK((pos[0] == 0 && pos[1] == 1 && pos[2] == 2 && pos[3] == 3));
+  CHECK(bytes_of(*r, 2) == std::string("\x01\x00\x01", 3));
+  // Through a DCP (model.<name> items in their dtypes) and back into a torch.save file's model dict.
+  testing::TempDir dir;
+  auto all = load_all(*r);
+  REQUIRE(all.ok());
+  Status st = write_checkpoint(*find_format("dcp"), *all, dir.path / "out.dcp", {.source = r.get()});
+  REQUIRE_MESSAGE(st.ok(), st.message());
+  auto dcp = open_checkpoint(dir.path / "out.dcp");
+  REQUIRE_MESSAGE(dcp.ok(), dcp.status().message());
+  st = write_checkpoint(*find_format("torchsave"), *load_all(**dcp), dir.path / "back.pt", {.source = dcp->get()});
+  REQUIRE_MESSAGE(st.ok(), st.message());
+  auto back = open_checkpoint(dir.path / "back.pt");
+  REQUIRE_MESSAGE(back.ok(), back.status().message());
+  CHECK(hash_checkpoint(**back)->root == hash_checkpoint(*r)->root);
+  for (const auto* c : {dcp->get(), back->get()}) {
+    REQUIRE(c->model_tensors().size() == 3);
+    for (size_t i = 0; i < 3; ++i) {
+      const ModelTensorInfo& t = c->model_tensors()[i];
+      const auto from = std::find_if(tensors.begin(), tensors.end(), [&](const ModelTensorInfo& o) { return o.name == t.name; });
+      REQUIRE(from != tensors.end());
+      CHECK(t.dtype == from->dtype);
+      CHECK(t.shape == from->shape);
+      CHECK_MESSAGE(bytes_of(*c, i) == bytes_of(*r, static_cast<size_t>(from - tensors.begin())), t.name);
+    }
+  }
+}
+
 // `r` written by the torch.save driver into its own file's layout at `out` (the file's other
 // entries carried), read again: the same state and the same entries beside it.
 std::unique_ptr<CheckpointReader> carried_back(CheckpointReader& r, const fs::path& out) {

@@ -9,7 +9,8 @@ AdamW8bit as 0.50 saves it and in its older layout (bnb); a {"model", "optimizer
 numbered params in decay / no-decay groups beside a model with a tied weight and BatchNorm buffers,
 named from the model (numbered); a {"model", "optimizer"} checkpoint of a channels_last conv model,
 its weights and moments stored permuted (channels_last); nanoGPT's of a compiled model, every model
-key under '_orig_mod.' (compiled).
+key under '_orig_mod.' (compiled); buffers of complex64, int16 and bool beside a model's params
+(rotary).
 
 FSDP2 (two CPU processes over gloo): fsdp2_world2/ holds what verl saves per rank
 (optim_world_size_2_rank_R.pt, model_world_size_2_rank_R.pt of DTensors, extra_state_...), and
@@ -23,7 +24,7 @@ parameter per unit), fsdp1_world2_orig/ with use_orig_params=True (one param eac
 nothing per rank); fsdp1_world2*_full.pt the same state put together from FSDP's own flat-parameter
 metadata (where each rank's run of each param starts), as one {"model", "optimizer"} file.
 
-    .venv/bin/python formats/torchsave/testdata/make_seeds.py [main|fqn|fsdp2|fsdp1|bnb|numbered|channels_last|compiled]"""
+    .venv/bin/python formats/torchsave/testdata/make_seeds.py [main|fqn|fsdp2|fsdp1|bnb|numbered|channels_last|compiled|rotary]"""
 import os
 import sys
 
@@ -96,6 +97,25 @@ def compiled():
     model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 10, bias=False))
     model[2].weight = model[0].weight
     nanogpt_file(model, "torch_compiled_model_and_optimizer.pt", compile=True)
+
+
+def rotary():
+    """A model whose state_dict holds buffers of the other dtypes beside its params (torchtitan's
+    llama keeps its rotary table as a persistent complex64 buffer; an int16 and a bool buffer too),
+    saved as {"model", "optimizer"} by an AdamW built from named_parameters (param_names)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False))
+    angles = torch.outer(torch.arange(4.0), torch.tensor([1.0, 0.1]))
+    model.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=True)
+    model.register_buffer("positions", torch.arange(4, dtype=torch.int16))
+    model.register_buffer("keep", torch.tensor([True, False, True]))
+    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-3)
+    for _ in range(2):
+        model(torch.randint(0, 10, (4,))).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+               os.path.join(HERE, "torch_rotary_model_and_optimizer.pt"))
 
 
 def fqn():
@@ -288,5 +308,6 @@ def bnb():
 
 
 if __name__ == "__main__":
-    for step in sys.argv[1:] or ["main", "fqn", "fsdp2", "fsdp1", "bnb", "numbered", "channels_last", "compiled"]:
+    for step in sys.argv[1:] or ["main", "fqn", "fsdp2", "fsdp1", "bnb", "numbered", "channels_last", "compiled",
+                                  "rotary"]:
         globals()[step]()

@@ -451,6 +451,19 @@ Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& wh
     OPTSTATE_ASSIGN_OR_RETURN(out.tensor, tensor_ref(p, root, where));
     return out;
   }
+  // An nn.Parameter (a state_dict(keep_vars=True), a pickled module's params):
+  // _rebuild_parameter(data, requires_grad, backward_hooks) or _rebuild_parameter_with_state(...,
+  // state); its data is the tensor.
+  if ((is_instance(p, root, "torch._utils", "_rebuild_parameter") ||
+       is_instance(p, root, "torch._utils", "_rebuild_parameter_with_state")) &&
+      p.at(root).args != kNoRef && !p.at(p.at(root).args).items.empty()) {
+    const Ref data = p.at(p.at(root).args).items[0];
+    if (is_instance(p, data, "torch._utils", "_rebuild_tensor_v2") || is_instance(p, data, "torch._utils", "_rebuild_tensor_v3")) {
+      out.kind = Payload::Kind::kTensor;
+      OPTSTATE_ASSIGN_OR_RETURN(out.tensor, tensor_ref(p, data, where + " (an nn.Parameter)"));
+      return out;
+    }
+  }
   if (is_instance(p, root, "torch._tensor", "_rebuild_from_type_v2")) {
     const auto& a = p.at(p.at(root).args).items;
     // A plain torch.Tensor with Python attributes (FSDP1's state_dict tensors carry

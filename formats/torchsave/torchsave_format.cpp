@@ -1708,6 +1708,17 @@ bool is_zip(const fs::path& path) {
   return f.ok() && f->size() >= 30 && f->read_at(0, h).ok() && std::memcmp(h, "PK\x03\x04", 4) == 0;
 }
 
+// torch.save's legacy format (torch before 1.6, or _use_new_zipfile_serialization=False): not a zip
+// but pickles in a row, the first torch's magic number (0x1950a86a20f9469cfc6c as a LONG1), after
+// the protocol header.
+bool is_legacy_torch_save(const fs::path& path) {
+  static constexpr unsigned char kMagic[12] = {0x8a, 0x0a, 0x6c, 0xfc, 0x9c, 0x46, 0xf9, 0x20, 0x6a, 0xa8, 0x50, 0x19};
+  auto f = InputFile::open(path);
+  std::byte h[14];
+  return f.ok() && f->size() >= sizeof h && f->read_at(0, h).ok() && h[0] == std::byte{0x80} &&
+         std::memcmp(h + 2, kMagic, sizeof kMagic) == 0;
+}
+
 class TorchSaveDriver final : public FormatDriver {
  public:
   std::string_view name() const override { return "torchsave"; }
@@ -1726,12 +1737,17 @@ class TorchSaveDriver final : public FormatDriver {
       }
       return false;
     }
-    return is_torch_save_of(path, Family::kTorch);
+    return is_torch_save_of(path, Family::kTorch) || is_legacy_torch_save(path);
   }
 
   Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {
-    auto reader = std::make_unique<TorchSaveReader>(path);
     std::error_code ec;
+    if (!fs::is_directory(path, ec) && is_legacy_torch_save(path))
+      return unsupported(fmt::format(
+          "{}: a torch.save file in the legacy format (torch before 1.6, or _use_new_zipfile_serialization=False), "
+          "which optstate does not read; torch.load it and torch.save it again (the zip format, torch's default)",
+          path.string()));
+    auto reader = std::make_unique<TorchSaveReader>(path);
     if (fs::is_directory(path, ec)) {
       OPTSTATE_ASSIGN_OR_RETURN(RankSet set, rank_set(path));
       OPTSTATE_RETURN_IF_ERROR(reader->init(set.optim, set.model, std::move(set.others)));

@@ -1591,3 +1591,25 @@ def test_optstate_load_restores_the_models_buffers_and_frozen_weights(tmp_path):
     with pytest.raises(ValueError, match=r"holds the model's '1.running_mean' of shape \[4\]; the model's is \[5\]"):
         optstate.load(pt, other, fused)
     assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items()) and not fused.state
+
+
+def test_parameters_in_the_model_dict_and_the_legacy_format(tmp_path, optstate_cli):
+    """A model dict saved with keep_vars=True holds nn.Parameters (torch._utils._rebuild_parameter):
+    their data are the weights, so the numbered params are named after them as from a plain
+    state_dict. A file in torch.save's legacy (non-zip) format is named as such, exit 2."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(keep_vars=True), "optimizer": opt.state_dict()}, tmp_path / "kv.pt")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "plain.pt")
+    insp = json.loads(optstate_cli("inspect", tmp_path / "kv.pt", "--json").stdout)
+    assert sorted(insp["params"]) == ["0.bias", "0.weight", "1.bias", "1.weight"] and insp["not_read"] == []
+    assert [t["name"] for t in insp["model_tensors"]] == ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
+    assert hashes(optstate_cli, tmp_path / "kv.pt") == hashes(optstate_cli, tmp_path / "plain.pt")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "old.pt",
+               _use_new_zipfile_serialization=False)
+    err = run_err(optstate_cli, "inspect", tmp_path / "old.pt")
+    assert "old.pt: a torch.save file in the legacy format (torch before 1.6, or " \
+           "_use_new_zipfile_serialization=False), which optstate does not read" in err, err

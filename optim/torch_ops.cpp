@@ -293,9 +293,19 @@ load_native_shard(const std::string& path, const std::string& to, int64_t block_
 }
 
 // The model's other tensors a checkpoint holds beside the state (CheckpointReader::model_tensors:
-// a torch.save file's or a DCP's buffers, frozen params, a tied weight's second name), each read
-// whole (checked against the file's checksums) into a CPU tensor of its dtype: (names, tensors).
-std::tuple<std::vector<std::string>, std::vector<at::Tensor>> load_model_tensors(const std::string& path) {
+// a torch.save file's or a DCP's buffers, frozen params, a tied weight's second name): (names,
+// tensors). `mode` "meta": nothing read, each a meta-device tensor of its dtype and shape; "check":
+// the same after every byte was read and checked against the file's checksums (nothing kept);
+// "load": read, into the tensor of `dests` given under its name where that one is a contiguous
+// CPU tensor of its dtype and shape (a live buffer: nothing allocated), else into a new CPU tensor.
+std::tuple<std::vector<std::string>, std::vector<at::Tensor>> load_model_tensors(
+    const std::string& path, const std::string& mode, const std::vector<std::string>& dest_names,
+    const std::vector<at::Tensor>& dests) {
+  if (mode != "meta" && mode != "check" && mode != "load")
+    raise(invalid_argument(fmt::format("load_model_tensors: mode '{}' is none of meta, check, load", mode)));
+  if (dest_names.size() != dests.size()) raise(invalid_argument("load_model_tensors: names and tensors differ in count"));
+  std::map<std::string, at::Tensor> dest;
+  for (size_t i = 0; i < dests.size(); ++i) dest.emplace(dest_names[i], dests[i]);
   auto reader = open_checkpoint(path);
   if (!reader.ok()) raise(reader.status());
   std::vector<std::string> names;
@@ -303,19 +313,32 @@ std::tuple<std::vector<std::string>, std::vector<at::Tensor>> load_model_tensors
   const std::span<const ModelTensorInfo> infos = (*reader)->model_tensors();
   for (size_t i = 0; i < infos.size(); ++i) {
     const ModelTensorInfo& info = infos[i];
-    at::Tensor t = at::empty(info.shape, at::TensorOptions().dtype(scalar_type_of(info.dtype)));
-    auto* at_byte = static_cast<std::byte*>(t.data_ptr());
-    const size_t want = t.nbytes();
-    size_t got = 0;
-    const Status st = (*reader)->stream_model_tensor(i, [&](std::span<const std::byte> piece) -> Status {
-      if (piece.size() > want - got)
-        return corrupt(fmt::format("{}: model tensor '{}' holds more than its {} bytes", path, info.name, want));
-      std::memcpy(at_byte + got, piece.data(), piece.size());
-      got += piece.size();
-      return Status::Ok();
-    });
-    if (!st.ok()) raise(st);
-    if (got != want) raise(corrupt(fmt::format("{}: model tensor '{}' holds {} of its {} bytes", path, info.name, got, want)));
+    const auto options = at::TensorOptions().dtype(scalar_type_of(info.dtype));
+    at::Tensor t;
+    if (mode != "load") {
+      t = at::empty(info.shape, options.device(at::kMeta));
+    } else if (auto it = dest.find(info.name); it != dest.end() && it->second.is_cpu() && it->second.is_contiguous() &&
+                                                it->second.scalar_type() == options.dtype().toScalarType() &&
+                                                it->second.sizes().vec() == info.shape) {
+      t = it->second;
+    } else {
+      t = at::empty(info.shape, options);
+    }
+    const uint64_t want = static_cast<uint64_t>(*checked_numel(info.shape)) * dtype_size(info.dtype);
+    uint64_t got = 0;
+    auto* into = mode == "load" ? static_cast<std::byte*>(t.data_ptr()) : nullptr;
+    if (mode != "meta") {
+      const Status st = (*reader)->stream_model_tensor(i, [&](std::span<const std::byte> piece) -> Status {
+        if (piece.size() > want - got)
+          return corrupt(fmt::format("{}: model tensor '{}' holds more than its {} bytes", path, info.name, want));
+        if (into) std::memcpy(into + got, piece.data(), piece.size());
+        got += piece.size();
+        return Status::Ok();
+      });
+      if (!st.ok()) raise(st);
+      if (got != want)
+        raise(corrupt(fmt::format("{}: model tensor '{}' holds {} of its {} bytes", path, info.name, got, want)));
+    }
     names.push_back(info.name);
     tensors.push_back(std::move(t));
   }
@@ -466,7 +489,7 @@ TORCH_LIBRARY(optstate, m) {
         "Tensor[] tensors, bool overwrite, str host, int port, int world, int rank, str save_id, float timeout_s) -> ()");
   m.def("verify_native_shard(str path, str meta_json, str[] param_names, str[] entry_names, str[] components, "
         "Tensor[] tensors, int world, int rank, bool whole_params) -> str[]");
-  m.def("load_model_tensors(str path) -> (str[], Tensor[])");
+  m.def("load_model_tensors(str path, str mode, str[] dest_names, Tensor[] dests) -> (str[], Tensor[])");
   m.def("shard_range(int[] shape, int block_size, int world, int rank) -> int[]");
   m.def("cpu_isa() -> str");
   m.def("qmap(str name) -> Tensor");

@@ -341,33 +341,45 @@ def _all_ranks_ok(group, err, failed_elsewhere):
         raise RuntimeError(failed_elsewhere)
 
 
-def _model_tensors(path, model, optimizer):
-    """The model's other tensors the checkpoint holds beside the state (a torch.save file's or a
-    DCP's buffers, such as BatchNorm's running stats; frozen params' weights), each paired with the
-    model's tensor of its name: [(live, read)], shapes checked before anything changes (as torch's
-    load_state_dict checks them; the copy casts). A name the model does not hold (a buffer it keeps
-    non-persistent) is passed over, so is the optimizer's params' (their weights are the state's: a
-    tied weight's second name is one of them), and a DTensor (FSDP2 shards frozen params: left as
-    they are)."""
+def _model_targets(path, model, optimizer, mode):
+    """The model's tensors that the checkpoint's other tensors go into (a torch.save file's or a
+    DCP's buffers, such as BatchNorm's running stats; frozen params' weights), by name, shapes
+    checked before anything changes (as torch's load_state_dict checks them; the copy casts).
+    ``mode`` "check" reads and checks every byte of them first (the transactional pass), "meta"
+    only their metadata. A name the model does not hold (a buffer it keeps non-persistent) is
+    passed over, so is the optimizer's params' (their weights are the state's: a tied weight's
+    second name is one of them), and a DTensor (FSDP2 shards frozen params: left as they are)."""
     if isinstance(model, ShardedParams):
-        return []
-    names, tensors = ops.load_model_tensors(str(path))
+        return {}
+    names, metas = ops.load_model_tensors(str(path), mode, [], [])
     if not names:
-        return []
+        return {}
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     live = {}
     for name, t in model.state_dict(keep_vars=True).items():
         live.setdefault(canonical_name(model, name), t)
-    pairs = []
-    for name, read in zip(names, tensors):
+    targets = {}
+    for name, meta in zip(names, metas):
         t = live.get(name)
         if t is None or id(t) in stepped or _is_dtensor(t):
             continue
-        if t.shape != read.shape:
-            raise ValueError(f"optstate.load: {path} holds the model's '{name}' of shape {list(read.shape)}; the "
+        if t.shape != meta.shape:
+            raise ValueError(f"optstate.load: {path} holds the model's '{name}' of shape {list(meta.shape)}; the "
                              f"model's is {list(t.shape)}")
-        pairs.append((t, read))
-    return pairs
+        targets[name] = t
+    return targets
+
+
+def _load_model_tensors(path, targets):
+    """Reads the checkpoint's other tensors into their targets: in place where a target is a
+    contiguous CPU tensor of the same dtype (a live buffer: nothing allocated), else copied."""
+    if not targets:
+        return
+    names, tensors = ops.load_model_tensors(str(path), "load", list(targets), [t.detach() for t in targets.values()])
+    for name, t in zip(names, tensors):
+        live = targets.get(name)
+        if live is not None and t.data_ptr() != live.data_ptr():
+            live.copy_(t)
 
 
 @torch.no_grad()
@@ -439,7 +451,7 @@ def load(path, model, optimizer, transactional=True, by_position=False):
     if transactional and (dest.tensor or world > 1):
         err = None
         try:
-            others = _model_tensors(path, model, optimizer)
+            others = _model_targets(path, model, optimizer, "check")
             _load_plan(path, json.loads(ops.check_native_shard(str(path), to, block, min_size, world, rank,
                                                                not rows)), model, optimizer, by_position)
         except Exception as e:  # noqa: BLE001 - raised below, after every rank has had its say
@@ -450,7 +462,7 @@ def load(path, model, optimizer, transactional=True, by_position=False):
         elif err is not None:
             raise err
     if others is None:
-        others = _model_tensors(path, model, optimizer)
+        others = _model_targets(path, model, optimizer, "meta")
     meta_json, pnames, enames, cnames, tensors = ops.load_native_shard(str(path), to, block, min_size, world, rank,
                                                                        not rows, *dest.args())
     meta = json.loads(meta_json)
@@ -464,6 +476,8 @@ def load(path, model, optimizer, transactional=True, by_position=False):
             if comp == "codes" and t.numel() != local_numel:
                 raise ValueError(f"optstate.load: '{fqn}.{entry}' holds {t.numel()} codes for a "
                                  f"parameter range of {local_numel}")
+    # The model's other tensors, read in place (checked above where transactional, as the state).
+    _load_model_tensors(path, others)
     # Nothing below raises: the checkpoint is applied whole.
     for p, fqn, whole, pm in plan:
         e = found.get(fqn, {})
@@ -515,8 +529,6 @@ def load(path, model, optimizer, transactional=True, by_position=False):
         if "maximize" in group:
             group["maximize"] = gm["maximize"]
         group["betas"] = tuple(gm["betas"])
-    for live, read in others:
-        live.copy_(read)
 
 
 def verify(path, model, optimizer, by_position=False):

@@ -1576,14 +1576,16 @@ def test_optstate_load_restores_the_models_buffers_and_frozen_weights(tmp_path):
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, pt)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=ck)
-    for path in (pt, ck):
+    for path, transactional in ((pt, True), (ck, True), (ck, False)):
         fresh = make()
         fused = optstate.FusedAdamW([p for p in fresh.parameters() if p.requires_grad])
-        optstate.load(path, fresh, fused)
+        live = fresh[1].running_mean.data_ptr()
+        optstate.load(path, fresh, fused, transactional=transactional)
         got = fresh.state_dict()
         for k, v in model.state_dict().items():
             assert torch.equal(got[k], v), (path.name, k)
         assert int(fresh[1].num_batches_tracked) == 3
+        assert fresh[1].running_mean.data_ptr() == live  # read in place
     other = make()
     other[1].running_mean = torch.zeros(5)  # not the checkpoint's model
     before = {k: v.clone() for k, v in other.state_dict().items()}

@@ -443,6 +443,15 @@ bool is_torchao_package(std::string_view package) {
          std::end(kTorchaoOptimPackages);
 }
 
+// torchao float8 training's weight wrappers (torchao.float8.fsdp_utils; the module path may move
+// within torchao.float8).
+static bool is_float8_weight_wrapper(const Pickle& p, Ref cls) {
+  if (cls == kNoRef || p.at(cls).kind != Kind::kGlobal || p.at(cls).s.rfind("torchao.float8", 0) != 0) return false;
+  const std::string& name = p.at(cls).name;
+  return name == "WeightWithDynamicFloat8CastTensor" || name == "WeightWithDelayedFloat8CastTensor" ||
+         name == "WeightWithStaticFloat8CastTensor";
+}
+
 Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& where) {
   Payload out;
   if (is_instance(p, root, "torch._utils", "_rebuild_tensor_v2") ||
@@ -477,6 +486,24 @@ Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& wh
         OPTSTATE_ASSIGN_OR_RETURN(out.tensor, tensor_args(p, v3, a[2], where));
         return out;
       }
+    }
+    // torchao's float8 training keeps each weight in a wrapper subclass that FSDP2's all-gather
+    // casts to float8 (torchao.float8's WeightWithDynamicFloat8CastTensor, and the Delayed and
+    // Static ones before): (_rebuild_wrapper_subclass, cls, (cls, dtype, size, ...), {"_tensor":
+    // the weight in its own dtype, ...}). Its data is that tensor, of the dtype and size claimed.
+    if (a.size() >= 4 && p.is_global(a[0], "torch._utils", "_rebuild_wrapper_subclass") && is_float8_weight_wrapper(p, a[1])) {
+      const std::string fw = where + " (torchao's float8 training weight)";
+      const Ref inner = p.dict_get(a[3], "_tensor");
+      if (!is_instance(p, inner, "torch._utils", "_rebuild_tensor_v2") && !is_instance(p, inner, "torch._utils", "_rebuild_tensor_v3"))
+        return corrupt(fw + ": without its '_tensor'");
+      out.kind = Payload::Kind::kTensor;
+      OPTSTATE_ASSIGN_OR_RETURN(out.tensor, tensor_ref(p, inner, fw));
+      const auto& sub = p.at(a[2]);
+      const auto claimed_shape = sub.kind == Kind::kTuple && sub.items.size() >= 3 ? int_tuple(p, sub.items[2]) : std::nullopt;
+      const auto claimed_dtype = sub.kind == Kind::kTuple && sub.items.size() >= 3 ? torch_dtype(p, sub.items[1]) : std::nullopt;
+      if (!claimed_shape || !claimed_dtype || *claimed_shape != out.tensor.shape || *claimed_dtype != out.tensor.dtype)
+        return corrupt(fw + ": its '_tensor' is not of the dtype and size the subclass claims");
+      return out;
     }
     // (func=_rebuild_wrapper_subclass, type=OptimState8bit, args=(cls, dtype, size, stride, ...), state);
     // OptimStateFp8 the same without a qmap (codes float8_e4m3fn).

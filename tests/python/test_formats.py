@@ -384,6 +384,86 @@ def test_torchtitan_rotary_buffer_and_other_dtypes_go_with_the_model(tmp_path, o
     assert hashes(optstate_cli, tmp_path / "back") == hashes(optstate_cli, ck)
 
 
+FLOAT8_MODEL = textwrap.dedent("""
+    # torchao's float8 training (torchtitan's float8 converter) under FSDP2 with float8 all-gather:
+    # each weight a WeightWithDynamicFloat8CastTensor (inside the DTensor), which DCP and torch.save
+    # pickle as the subclass around the weight's own tensor. No forward: float8 matmuls need a GPU;
+    # the gradients are set, the optimizer steps the wrapped weights.
+    import os, sys, warnings, logging, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    dist.init_process_group("gloo")
+    def build(seed, steps):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 16))
+        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(steps):
+            g = torch.Generator().manual_seed(100 + step)
+            for p in model.parameters():
+                p.grad = torch.distributed.tensor.distribute_tensor(
+                    torch.randn(p.shape, generator=g), p.device_mesh, p.placements)
+            opt.step()
+        return model, opt
+    def plain(t):
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        return getattr(t, "_tensor", t).detach().clone()
+""")
+
+MAKE_FLOAT8 = FLOAT8_MODEL + textwrap.dedent("""
+    out = sys.argv[1]
+    model, opt = build(0, 2)
+    assert type(model[0].weight.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
+    ref = {}
+    for name, p in model.named_parameters():
+        ref[name + ".param"] = plain(p)
+        for k in ("exp_avg", "exp_avg_sq"):
+            ref[name + "." + k] = plain(opt.state[p][k])
+    if dist.get_rank() == 0:
+        torch.save(ref, out + ".ref.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+RESUME_FLOAT8 = FLOAT8_MODEL + textwrap.dedent("""
+    # the float8 model resumes from PATH (dcp.load + set_state_dict) with the state of REF
+    path, ref = sys.argv[1], torch.load(sys.argv[2])
+    model, opt = build(1, 1)
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    assert type(model[0].weight.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"
+    for name, p in model.named_parameters():
+        assert torch.equal(plain(p), ref[name + ".param"]), name
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(plain(opt.state[p][k]), ref[name + "." + k]), name + "." + k
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def test_torchao_float8_training_weights_read_as_their_own_tensor(tmp_path, optstate_cli):
+    """torchtitan's float8 training (torchao's convert_to_float8_training with FSDP2's float8
+    all-gather) keeps each weight in a WeightWithDynamicFloat8CastTensor: its DCP did not open
+    ("a tensor subclass other than torchao's OptimState8bit ..."). The wrapper's data is the weight
+    in its own dtype: read as such, bit for bit what torch holds, and a DCP written back (for another
+    world size) resumes the float8 model exactly."""
+    pytest.importorskip("torchao")
+    ck = tmp_path / "f8"
+    run_script(tmp_path, MAKE_FLOAT8, "make_float8.py", ck, ranks=2)
+    optstate_cli("validate", ck)
+    assert_converts_to_ref(optstate_cli, ck, tmp_path / "f8.safetensors")
+    optstate_cli("convert", ck, tmp_path / "f8-1", "--format", "dcp", "--world-size", "1")
+    assert hashes(optstate_cli, tmp_path / "f8-1") == hashes(optstate_cli, ck)
+    run_script(tmp_path, RESUME_FLOAT8, "resume_float8.py", tmp_path / "f8-1", f"{ck}.ref.pt", ranks=2)
+
+
 MAKE_PRIME_RL_DCP = textwrap.dedent("""
     # prime-rl's trainer checkpoint: dcp.save({"app": AppState}) where AppState.state_dict() is
     # {"model", "optimizers" (get_state_dict(model, [optimizers]): nested layout), "scheduler",

@@ -4,6 +4,9 @@
 #include <doctest/doctest.h>
 
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <numeric>
 #include <span>
 #include <string>
@@ -11,6 +14,7 @@
 
 #include "dcp/dcp_layout.h"
 #include "dcp/pickle.h"
+#include "dcp/zip.h"
 
 using namespace optstate;
 
@@ -80,4 +84,49 @@ TEST_CASE("dcp layout: tensors stored permuted are read in logical order; other 
   // where only C-contiguous data is read (8-bit codes, scales, maps), a permuted tensor is named
   const Status st = dcp::require_contiguous(cl->tensor, "x codes");
   CHECK(st.message().find("x codes: tensor of shape [2, 3, 2, 2] stored with strides [12, 1, 6, 3]") != std::string::npos);
+}
+
+TEST_CASE("dcp layout: torchao float8 training's weight wrapper reads as the weight it holds") {
+  // formats/dcp/testdata/item_float8_weight.zip: the DCP item of a 32x32 Linear weight under
+  // torchao's convert_to_float8_training with FSDP2's float8 all-gather (torchao 0.17, torch 2.13):
+  // _rebuild_from_type_v2(_rebuild_wrapper_subclass, WeightWithDynamicFloat8CastTensor, (cls,
+  // float32, (32, 32), ...), {"_tensor": <the weight>, "_linear_mm_config", "_dtype", ...}).
+  const auto path = std::filesystem::path(OPTSTATE_SOURCE_DIR) / "formats/dcp/testdata/item_float8_weight.zip";
+  std::ifstream f(path, std::ios::binary);
+  const std::string item{std::istreambuf_iterator<char>(f), {}};
+  REQUIRE(!item.empty());
+  const auto b = std::as_bytes(std::span(item));
+  auto cd = zip::find_central_directory(b, b.size(), "item");
+  REQUIRE(cd.ok());
+  auto entries = zip::parse_central_directory(b.subspan(cd->offset, cd->size), *cd, "item");
+  REQUIRE(entries.ok());
+  std::string pkl;
+  for (const zip::Entry& e : *entries)
+    if (e.name.ends_with("data.pkl")) {
+      auto at = zip::data_offset(b.subspan(e.local_header_offset, 30), e, cd->offset, "item");
+      REQUIRE(at.ok());
+      pkl = item.substr(static_cast<size_t>(*at), static_cast<size_t>(e.size));
+    }
+  REQUIRE(pkl.find("WeightWithDynamicFloat8CastTensor") != std::string::npos);
+  auto interpret = [](const std::string& bytes) -> Result<dcp::Payload> {
+    OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(std::as_bytes(std::span(bytes)), "item"));
+    return dcp::interpret_payload(p, "item");
+  };
+  auto payload = interpret(pkl);
+  REQUIRE_MESSAGE(payload.ok(), payload.status().message());
+  CHECK(payload->kind == dcp::Payload::Kind::kTensor);
+  CHECK(payload->tensor.dtype == DType::kF32);
+  CHECK(payload->tensor.shape == std::vector<int64_t>{32, 32});
+  CHECK(payload->tensor.storage_key == "0");
+  // A wrapper that claims another size than its tensor's is refused (the claimed (32, 32) is the
+  // first pair of BININT1 32s in the pickle; the tensor's own is the second).
+  std::string lying = pkl;
+  const std::string pair = std::string("K\x20K\x20\x86", 5);
+  const auto at = lying.find(pair);
+  REQUIRE(at != std::string::npos);
+  REQUIRE(lying.find(pair, at + 1) != std::string::npos);
+  lying[at + 1] = '\x21';
+  auto refused = interpret(lying);
+  REQUIRE(!refused.ok());
+  CHECK(refused.status().message().find("its '_tensor' is not of the dtype and size the subclass claims") != std::string::npos);
 }

@@ -637,6 +637,12 @@ class DcpReader final : public CheckpointReader {
       if (carried_weights.count(key) || consumed.count(key) || meta_.params.count(name) || exposed_names.count(name) ||
           !im.is_tensor || im.chunks.empty())
         continue;
+      // Only plain tensors of the item's dtype (its first chunk read to tell): a tensor subclass
+      // optstate does not read (QLoRA's NF4Tensor base weights), or an item that does not parse,
+      // stays among what is not read, carried by DCP -> DCP as it is.
+      const auto first = item(key, im.chunks[0].offsets);
+      if (!first.ok() || (*first)->payload.kind != Payload::Kind::kTensor || (*first)->payload.tensor.dtype != im.dtype)
+        continue;
       const std::string iw = fmt::format("{}: item '{}'", where, key);
       const auto numel = checked_numel(im.size);
       if (!numel.ok()) return corrupt(fmt::format("{}: {}", iw, numel.status().message()));

@@ -1615,3 +1615,40 @@ def test_parameters_in_the_model_dict_and_the_legacy_format(tmp_path, optstate_c
     err = run_err(optstate_cli, "inspect", tmp_path / "old.pt")
     assert "old.pt: a torch.save file in the legacy format (torch before 1.6, or " \
            "_use_new_zipfile_serialization=False), which optstate does not read" in err, err
+
+
+def test_a_frozen_weight_optstate_does_not_read_stays_outside_the_model_tensors(tmp_path, optstate_cli):
+    """QLoRA keeps its frozen base weights as torchao's NF4Tensor, a subclass optstate does not
+    read: in a {"model", "optimizer"} file and in a DCP it is named among what is not read, and a
+    DCP converts to a torch.save file without it (the write failed on it when the DCP's model
+    items were first taken as the model's other tensors)."""
+    import importlib
+    nf4 = None
+    for module in ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor"):
+        try:
+            nf4 = importlib.import_module(module).to_nf4
+            break
+        except ImportError:
+            continue
+    if nf4 is None:
+        pytest.skip("no torchao NF4Tensor")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 64, bias=False), torch.nn.Linear(64, 4))
+    model[0].weight = torch.nn.Parameter(nf4(model[0].weight.detach()), requires_grad=False)
+    opt = torch.optim.AdamW(model[1].parameters())
+    model[1](torch.randn(2, 64)).sum().backward()
+    opt.step()
+    pt, ck = tmp_path / "qlora.pt", tmp_path / "qlora.dcp"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, pt)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ck)
+    for path, line in ((pt, "['model'] (1 entry besides the optimized params' weights)"), (ck, "model (1 item)")):
+        insp = json.loads(optstate_cli("inspect", path, "--json").stdout)
+        assert insp["model_tensors"] == [] and insp["not_read"] == [line], insp["not_read"]
+        assert sorted(insp["params"]) == ["1.bias", "1.weight"]
+    err = optstate_cli("convert", ck, tmp_path / "out.pt").stderr
+    assert "also holds model (1 item): outside the state read, not in" in err, err
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert sorted(got["model"]) == ["1.bias", "1.weight"]

@@ -728,11 +728,14 @@ class DcpReader final : public CheckpointReader {
     const auto& bv = bi->pickle.at(bi->pickle.root());
     if ((bv.kind == pickle::Kind::kTuple || bv.kind == pickle::Kind::kList) && bv.items.size() == 3)
       return corrupt(gw + ": three betas (bitsandbytes' AdEMAMix, whose state1 holds two moments): not AdamW");
-    if ((bv.kind != pickle::Kind::kTuple && bv.kind != pickle::Kind::kList) || bv.items.size() != 2 ||
-        !as_number(bi->pickle, bv.items[0]) || !as_number(bi->pickle, bv.items[1]))
+    if ((bv.kind != pickle::Kind::kTuple && bv.kind != pickle::Kind::kList) || bv.items.size() != 2)
       return corrupt(gw + ": betas is not two numbers");
-    pg.hyper.beta1 = *as_number(bi->pickle, bv.items[0]);
-    pg.hyper.beta2 = *as_number(bi->pickle, bv.items[1]);
+    // numbers, or one-element tensors (torch's Tensor betas, pickled in the item with their storages)
+    const auto b1 = element_of(*bi, bv.items[0], gw + " betas[0]");
+    const auto b2 = element_of(*bi, bv.items[1], gw + " betas[1]");
+    if (!b1.ok() || !b2.ok()) return corrupt(gw + ": betas is not two numbers");
+    pg.hyper.beta1 = *b1;
+    pg.hyper.beta2 = *b2;
     // optstate's AdamW8bit keeps its 8-bit layout in the group: block_size and the two map names.
     if (fields.count("block_size")) {
       OPTSTATE_ASSIGN_OR_RETURN(const double b, number(fields, "block_size", gw, std::nullopt));
@@ -890,6 +893,18 @@ class DcpReader final : public CheckpointReader {
       OPTSTATE_ASSIGN_OR_RETURN(uint64_t at, locate(*e));
       pi.storages[t->storage_key] = {at, e->size, e->crc32, false};
     }
+    // A bytes item's value may hold a few tensors (torch's Tensor betas: a tuple of two): their
+    // storages, for element_of; not for a value of many (a dataloader's state, carried as it is).
+    if (pi.payload.kind == Payload::Kind::kValue) {
+      std::vector<const zip::Entry*> data;
+      for (const auto& e : entries)
+        if (e.name.rfind(prefix + "/data/", 0) == 0) data.push_back(&e);
+      if (data.size() <= 8)
+        for (const zip::Entry* e : data) {
+          OPTSTATE_ASSIGN_OR_RETURN(uint64_t at, locate(*e));
+          pi.storages[e->name.substr(prefix.size() + 6)] = {at, e->size, e->crc32, false};
+        }
+    }
     return &items_.emplace(std::pair{key, offsets}, std::move(pi)).first->second;
   }
 
@@ -913,6 +928,24 @@ class DcpReader final : public CheckpointReader {
     const uint64_t at = pi->storages.at(t.storage_key).at + static_cast<uint64_t>(t.offset * elem);
     OPTSTATE_RETURN_IF_ERROR(pi->file->read_at(at, std::span(raw, static_cast<size_t>(elem))));
     if (const auto v = scalar_value(t.dtype, raw)) return *v;
+    return corrupt(where + ": unsupported dtype for a scalar");
+  }
+
+  // A number in a parsed item's pickle, or a one-element tensor there read from the item's storage.
+  Result<double> element_of(const ParsedItem& pi, pickle::Ref r, const std::string& where) {
+    if (const auto v = as_number(pi.pickle, r)) return *v;
+    OPTSTATE_ASSIGN_OR_RETURN(const Payload v, interpret_value(pi.pickle, r, where));
+    if (v.kind != Payload::Kind::kTensor || *checked_numel(v.tensor.shape) != 1)
+      return corrupt(where + ": neither a number nor a one-element tensor");
+    const TensorRef& t = v.tensor;
+    const auto rec = pi.storages.find(t.storage_key);
+    const uint64_t elem = dtype_size(t.dtype);
+    if (rec == pi.storages.end() || t.offset < 0 || static_cast<uint64_t>(t.offset) >= rec->second.size / elem)
+      return corrupt(where + ": its storage does not hold it");
+    std::byte raw[16];
+    OPTSTATE_RETURN_IF_ERROR(pi.file->read_at(rec->second.at + static_cast<uint64_t>(t.offset) * elem,
+                                              std::span(raw, static_cast<size_t>(elem))));
+    if (const auto x = scalar_value(t.dtype, raw)) return *x;
     return corrupt(where + ": unsupported dtype for a scalar");
   }
 

@@ -516,6 +516,17 @@ class TorchSaveReader final : public CheckpointReader {
         if (lr != group.hyper.lr)
           return corrupt(fmt::format("{}: param group {} has lr {}, rank 0's file has {}", optim_files[f].string(), g, lr,
                                      group.hyper.lr));
+        // betas as tensors (torch's Tensor betas) are read as lr is
+        for (auto [beta, value] : {std::pair{&sds[f].groups[g].beta1, &group.hyper.beta1},
+                                   std::pair{&sds[f].groups[g].beta2, &group.hyper.beta2}}) {
+          if (!beta->tensor) continue;
+          OPTSTATE_ASSIGN_OR_RETURN(const double b, value_of(f, *beta, fmt::format("{} param group {} 'betas'",
+                                                                                   optim_files[f].string(), g)));
+          if (f == 0) *value = b;
+          if (b != *value)
+            return corrupt(fmt::format("{}: param group {} has a beta {}, rank 0's file has {}", optim_files[f].string(),
+                                       g, b, *value));
+        }
       }
       meta_.groups.push_back(std::move(group));
     }
@@ -1299,6 +1310,10 @@ class TorchSaveReader final : public CheckpointReader {
     return sig;
   }
 
+  // Betas as files hold them: NaN where a tensor's value is still to be read (adamw_group), which
+  // the read compares across the files then.
+  static bool same_beta(double a, double b) { return a == b || (std::isnan(a) && std::isnan(b)); }
+
   // FSDP1's ranks: the same groups (hyperparameters, member count) in every file; which params
   // have state differs between ranks under use_orig_params.
   static Status same_groups(const StateDict& a, const StateDict& b, const std::string& wa, const std::string& wb) {
@@ -1307,8 +1322,8 @@ class TorchSaveReader final : public CheckpointReader {
                                  b.groups.size(), b.members, wa, a.groups.size(), a.members));
     for (size_t g = 0; g < a.groups.size(); ++g) {
       const Hyperparameters &x = a.groups[g].hyper, &y = b.groups[g].hyper;
-      if (x.beta1 != y.beta1 || x.beta2 != y.beta2 || x.eps != y.eps || x.weight_decay != y.weight_decay ||
-          x.amsgrad != y.amsgrad || x.maximize != y.maximize)
+      if (!same_beta(x.beta1, y.beta1) || !same_beta(x.beta2, y.beta2) || x.eps != y.eps ||
+          x.weight_decay != y.weight_decay || x.amsgrad != y.amsgrad || x.maximize != y.maximize)
         return corrupt(fmt::format("{}: param group {}'s hyperparameters differ from {}'s", wb, g, wa));
     }
     return Status::Ok();
@@ -1321,8 +1336,8 @@ class TorchSaveReader final : public CheckpointReader {
                                  "ranks", wb, b.groups.size(), b.params.size(), wa, a.groups.size(), a.params.size()));
     for (size_t g = 0; g < a.groups.size(); ++g) {
       const Hyperparameters &x = a.groups[g].hyper, &y = b.groups[g].hyper;
-      if (a.groups[g].params != b.groups[g].params || x.beta1 != y.beta1 || x.beta2 != y.beta2 || x.eps != y.eps ||
-          x.weight_decay != y.weight_decay || x.amsgrad != y.amsgrad || x.maximize != y.maximize)
+      if (a.groups[g].params != b.groups[g].params || !same_beta(x.beta1, y.beta1) || !same_beta(x.beta2, y.beta2) ||
+          x.eps != y.eps || x.weight_decay != y.weight_decay || x.amsgrad != y.amsgrad || x.maximize != y.maximize)
         return corrupt(fmt::format("{}: param group {} differs from {}'s (members or hyperparameters)", wb, g, wa));
     }
     for (size_t i = 0; i < a.params.size(); ++i)

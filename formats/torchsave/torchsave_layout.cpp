@@ -6,6 +6,7 @@
 #include <cmath>
 #include <algorithm>
 #include <functional>
+#include <limits>
 #include <map>
 #include <set>
 #include <tuple>
@@ -188,8 +189,10 @@ Result<LocalValue> local_value(const Pickle& p, Ref r, const std::string& where)
 
 // An AdamW param group's fields (a state_dict's group dict, or a LibTorch archive's options): lr
 // (a number, or a one-element tensor the driver reads), betas, eps, weight_decay, amsgrad and
-// maximize (absent: false).
-Result<GroupSpec> adamw_group(const Pickle& p, Ref fields, const std::string& gw) {
+// maximize (absent: false). `tensor_betas`: betas may be one-element tensors too (torch.optim's
+// Tensor betas, which a compiled step keeps so a schedule of them does not recompile it); the
+// driver reads them into hyper (NaN until then).
+Result<GroupSpec> adamw_group(const Pickle& p, Ref fields, const std::string& gw, bool tensor_betas = false) {
   GroupSpec spec;
   const Ref lr = p.dict_get(fields, "lr");
   if (lr == kNoRef) return corrupt(gw + ": no 'lr' (not an AdamW param group)");
@@ -197,10 +200,13 @@ Result<GroupSpec> adamw_group(const Pickle& p, Ref fields, const std::string& gw
   const auto* betas = list_items(p, p.dict_get(fields, "betas"));
   if (betas && betas->size() == 3)
     return corrupt(gw + ": three 'betas' (bitsandbytes' AdEMAMix, whose state1 holds two moments): not AdamW");
-  if (!betas || betas->size() != 2 || !dcp::as_number(p, (*betas)[0]) || !dcp::as_number(p, (*betas)[1]))
+  const bool numbers = betas && betas->size() == 2 && dcp::as_number(p, (*betas)[0]) && dcp::as_number(p, (*betas)[1]);
+  if (!numbers && !(tensor_betas && betas && betas->size() == 2))
     return corrupt(gw + ": 'betas' is not a pair of numbers (not an AdamW param group)");
-  spec.hyper.beta1 = *dcp::as_number(p, (*betas)[0]);
-  spec.hyper.beta2 = *dcp::as_number(p, (*betas)[1]);
+  OPTSTATE_ASSIGN_OR_RETURN(spec.beta1, scalar(p, (*betas)[0], gw + " 'betas'[0]"));
+  OPTSTATE_ASSIGN_OR_RETURN(spec.beta2, scalar(p, (*betas)[1], gw + " 'betas'[1]"));
+  spec.hyper.beta1 = spec.beta1.number.value_or(std::numeric_limits<double>::quiet_NaN());
+  spec.hyper.beta2 = spec.beta2.number.value_or(std::numeric_limits<double>::quiet_NaN());
   OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.eps, number(p, fields, "eps", gw));
   OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.weight_decay, number(p, fields, "weight_decay", gw));
   OPTSTATE_ASSIGN_OR_RETURN(spec.hyper.amsgrad, flag(p, fields, "amsgrad", gw));
@@ -914,7 +920,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
     const Ref gr = (*groups)[g];
     const std::string gw = fmt::format("{} param group {}", ow, g);
     if (!dict_items(p, gr)) return corrupt(gw + ": not a dict");
-    OPTSTATE_ASSIGN_OR_RETURN(GroupSpec spec, adamw_group(p, gr, gw));
+    OPTSTATE_ASSIGN_OR_RETURN(GroupSpec spec, adamw_group(p, gr, gw, /*tensor_betas=*/true));
     // torchao's optimizers (_AdamBase) keep lr as a tensor and have no 'maximize', which every
     // torch.optim.AdamW state_dict since torch 1.11 has.
     torchao_groups = torchao_groups && spec.lr.tensor && p.dict_get(gr, "maximize") == kNoRef;

@@ -130,6 +130,7 @@ struct GroupSpec {
   AdamWFlags flags;  // torch.optim.AdamW's switches the group holds (CheckpointReader::adamw_flags)
   std::vector<GroupExtraSpec> extras;  // its other keys, in order
   Scalar lr;
+  Scalar beta1, beta2;  // numbers, or (adamw_group's tensor_betas) one-element tensors to read
   std::vector<std::string> params;  // fqns, in the group's order (params without state left out)
 };
 

@@ -1652,3 +1652,31 @@ def test_a_frozen_weight_optstate_does_not_read_stays_outside_the_model_tensors(
     assert "also holds model (1 item): outside the state read, not in" in err, err
     got = torch.load(tmp_path / "out.pt", weights_only=True)
     assert sorted(got["model"]) == ["1.bias", "1.weight"]
+
+
+def test_tensor_betas_are_read_as_their_values(tmp_path, optstate_cli):
+    """torch.optim.AdamW takes Tensor betas (a compiled step keeps them so a schedule of them does
+    not recompile it): a torch.save file of them was refused ("'betas' is not a pair of numbers"),
+    and so was a DCP (its betas a bytes item holding the two tensors). Both read the float32
+    values the step uses, as the same state; written back they are numbers torch's
+    load_state_dict takes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3), betas=(torch.tensor(0.9), torch.tensor(0.95)))
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    pt, ck = tmp_path / "tb.pt", tmp_path / "tb.dcp"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, pt)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ck)
+    for path in (pt, ck):
+        g = json.loads(optstate_cli("inspect", path, "--json").stdout)["param_groups"][0]
+        assert g["betas"] == [float(torch.tensor(0.9)), float(torch.tensor(0.95))], g
+    assert hashes(optstate_cli, pt) == hashes(optstate_cli, ck)
+    optstate_cli("convert", ck, tmp_path / "back.pt")
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    fresh = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters(), lr=1e-3)
+    fresh.load_state_dict(back["optimizer"])
+    assert fresh.param_groups[0]["betas"] == (float(torch.tensor(0.9)), float(torch.tensor(0.95)))

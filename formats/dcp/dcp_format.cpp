@@ -713,6 +713,11 @@ class DcpReader final : public CheckpointReader {
     OPTSTATE_ASSIGN_OR_RETURN(double maxi, number(fields, "maximize", gw, 0.0));
     pg.hyper.amsgrad = ams != 0;
     pg.hyper.maximize = maxi != 0;
+    OPTSTATE_RETURN_IF_ERROR(check_torch_adam_group([&](const char* key) { return fields.count(key) > 0; }, gw));
+    if (fields.count("correct_bias")) {
+      OPTSTATE_ASSIGN_OR_RETURN(const double cb, number(fields, "correct_bias", gw, 1.0));
+      if (cb == 0) return corrupt(gw + ": correct_bias=False (transformers' AdamW without bias correction): not AdamW's update");
+    }
     // torch.optim.Adam (decoupled_weight_decay False) decays by L2 in the gradient: AdamW's update
     // only without decay.
     for (const char* key : {"decoupled_weight_decay", "is_adamw"})

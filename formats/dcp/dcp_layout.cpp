@@ -255,6 +255,20 @@ const std::set<std::string, std::less<>> kKnownGroupKeys = {
 
 bool known_group_key(std::string_view key) { return kKnownGroupKeys.count(key) > 0; }
 
+Status check_torch_adam_group(const std::function<bool(const char*)>& has, const std::string& where) {
+  // torch.optim.NAdam's and RAdam's state has AdamW's keys (exp_avg, exp_avg_sq, step; NAdam's
+  // mu_product besides), and their updates are others. torch's Adam and AdamW groups always keep
+  // 'amsgrad' beside the keys every torch.optim group has; NAdam's and RAdam's never do.
+  if (has("momentum_decay"))
+    return corrupt(where + ": 'momentum_decay' is torch.optim.NAdam's group: its update is not AdamW's");
+  if (!has("amsgrad"))
+    for (const char* key : {"foreach", "capturable", "differentiable", "decoupled_weight_decay"})
+      if (has(key))
+        return corrupt(fmt::format("{}: a torch.optim group with '{}' and no 'amsgrad' (RAdam's or NAdam's, whose "
+                                   "updates are not AdamW's; torch's Adam and AdamW keep amsgrad)", where, key));
+  return Status::Ok();
+}
+
 std::optional<GroupValue> as_group_value(const Pickle& p, Ref r) {
   if (r == kNoRef) return std::nullopt;
   const pickle::Value& v = p.at(r);

@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <span>
@@ -153,6 +154,9 @@ void encode_flag(pickle::Writer& w, FlagValue v);
 // Whether a param group's key is one the readers take or know (AdamW's fields and switches, the
 // optimizers' own: optstate's 8-bit layout, torchao's, bitsandbytes', DeepSpeed's), not an extra.
 bool known_group_key(std::string_view key);
+// Refuses a param group (its keys as `has` tells them) that is torch.optim.NAdam's or RAdam's:
+// their state has AdamW's keys, their updates are others.
+Status check_torch_adam_group(const std::function<bool(const char*)>& has, const std::string& where);
 // A plain value of a group (None, bool, int, float, str); nullopt for anything else (a tensor
 // is read by the caller, which has its bytes).
 std::optional<GroupValue> as_group_value(const pickle::Pickle& p, pickle::Ref r);

@@ -1680,3 +1680,33 @@ def test_tensor_betas_are_read_as_their_values(tmp_path, optstate_cli):
     fresh = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters(), lr=1e-3)
     fresh.load_state_dict(back["optimizer"])
     assert fresh.param_groups[0]["betas"] == (float(torch.tensor(0.9)), float(torch.tensor(0.95)))
+
+
+@pytest.mark.parametrize("cls", ["RAdam", "NAdam"])
+def test_radam_and_nadam_state_is_not_taken_for_adamws(tmp_path, optstate_cli, cls):
+    """torch.optim.RAdam's state has AdamW's keys (step, exp_avg, exp_avg_sq) and NAdam's too (with
+    mu_product): both were read as AdamW's, and a convert handed them to torch.optim.AdamW, whose
+    update is another. Refused by their groups (NAdam's momentum_decay; no amsgrad beside torch's
+    keys), in a torch.save file and in a DCP."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = getattr(torch.optim, cls)(model.parameters(), lr=1e-3, decoupled_weight_decay=True, weight_decay=0.01)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "ck.pt")
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "ck.dcp")
+    why = "'momentum_decay' is torch.optim.NAdam's group" if cls == "NAdam" else \
+        "a torch.optim group with 'foreach' and no 'amsgrad' (RAdam's or NAdam's"
+    for path in (tmp_path / "ck.pt", tmp_path / "ck.dcp"):
+        err = run_err(optstate_cli, "convert", path, tmp_path / "out.dcp", "--format", "dcp")
+        assert "param group 0: " + why in err, err
+        assert not (tmp_path / "out.dcp").exists()
+    # torch's Adam (decoupled decay) and AdamW still read
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, decoupled_weight_decay=True, weight_decay=0.01)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    torch.save(opt.state_dict(), tmp_path / "adam.pt")
+    assert json.loads(optstate_cli("inspect", tmp_path / "adam.pt", "--json").stdout)["optimizer"] == "adamw"

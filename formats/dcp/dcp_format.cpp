@@ -714,6 +714,10 @@ class DcpReader final : public CheckpointReader {
     pg.hyper.amsgrad = ams != 0;
     pg.hyper.maximize = maxi != 0;
     OPTSTATE_RETURN_IF_ERROR(check_torch_adam_group([&](const char* key) { return fields.count(key) > 0; }, gw));
+    if (fields.count("caution")) {
+      OPTSTATE_ASSIGN_OR_RETURN(const double c, number(fields, "caution", gw, 0.0));
+      if (c != 0) return corrupt(gw + ": caution=True (timm's cautious AdamW masks the update): not AdamW's update");
+    }
     if (fields.count("correct_bias")) {
       OPTSTATE_ASSIGN_OR_RETURN(const double cb, number(fields, "correct_bias", gw, 1.0));
       if (cb == 0) return corrupt(gw + ": correct_bias=False (transformers' AdamW without bias correction): not AdamW's update");

@@ -261,6 +261,10 @@ Status check_torch_adam_group(const std::function<bool(const char*)>& has, const
   // 'amsgrad' beside the keys every torch.optim group has; NAdam's and RAdam's never do.
   if (has("momentum_decay"))
     return corrupt(where + ": 'momentum_decay' is torch.optim.NAdam's group: its update is not AdamW's");
+  // LAMB's (apex's FusedLAMB, timm's Lamb): AdamW's moments, a trust ratio on the update.
+  for (const char* key : {"grad_averaging", "max_grad_norm", "trust_clip", "always_adapt"})
+    if (has(key))
+      return corrupt(fmt::format("{}: '{}' is LAMB's group (a trust ratio scales its update): not AdamW's", where, key));
   if (!has("amsgrad"))
     for (const char* key : {"foreach", "capturable", "differentiable", "decoupled_weight_decay"})
       if (has(key))

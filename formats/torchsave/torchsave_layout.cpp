@@ -221,6 +221,8 @@ Result<GroupSpec> adamw_group(const Pickle& p, Ref fields, const std::string& gw
     return corrupt(gw + ": bias_correction=False: not AdamW's update");  // apex's / DeepSpeed's FusedAdam
   if (const auto cb = dcp::as_bool(p, p.dict_get(fields, "correct_bias")); cb && !*cb)
     return corrupt(gw + ": correct_bias=False (transformers' AdamW without bias correction): not AdamW's update");
+  if (const auto c = dcp::as_bool(p, p.dict_get(fields, "caution")); c && *c)
+    return corrupt(gw + ": caution=True (timm's cautious AdamW masks the update): not AdamW's update");
   auto has = [&](const char* key) { return p.dict_get(fields, key) != kNoRef; };
   OPTSTATE_RETURN_IF_ERROR(dcp::check_torch_adam_group(has, gw));
   for (const auto& [name, fallback] : kAdamWFlagDefaults)

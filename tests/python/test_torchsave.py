@@ -1710,3 +1710,28 @@ def test_radam_and_nadam_state_is_not_taken_for_adamws(tmp_path, optstate_cli, c
     opt.step()
     torch.save(opt.state_dict(), tmp_path / "adam.pt")
     assert json.loads(optstate_cli("inspect", tmp_path / "adam.pt", "--json").stdout)["optimizer"] == "adamw"
+
+
+@pytest.mark.parametrize("extra,why", [
+    ({"grad_averaging": True, "max_grad_norm": 1.0, "bias_correction": True},
+     "'grad_averaging' is LAMB's group (a trust ratio scales its update)"),
+    ({"caution": True}, "caution=True (timm's cautious AdamW masks the update)"),
+    ({"correct_bias": False}, "correct_bias=False (transformers' AdamW without bias correction)")])
+def test_adam_kin_whose_updates_are_not_adamws_are_refused(tmp_path, optstate_cli, extra, why):
+    """LAMB (apex's FusedLAMB, timm's Lamb), timm's cautious AdamW and transformers' AdamW without
+    bias correction keep AdamW's moments under their own group keys: named and refused; the same
+    group keys at their AdamW values read."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    sd["param_groups"][0].update(extra)
+    torch.save(sd, tmp_path / "kin.pt")
+    err = run_err(optstate_cli, "inspect", tmp_path / "kin.pt")
+    assert "param group 0: " + why in err, err
+    if "caution" in extra or "correct_bias" in extra:
+        sd["param_groups"][0].update({k: not v for k, v in extra.items()})
+        torch.save(sd, tmp_path / "fine.pt")
+        optstate_cli("inspect", tmp_path / "fine.pt")

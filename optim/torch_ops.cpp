@@ -324,20 +324,15 @@ std::tuple<std::vector<std::string>, std::vector<at::Tensor>> load_model_tensors
     } else {
       t = at::empty(info.shape, options);
     }
-    const uint64_t want = static_cast<uint64_t>(*checked_numel(info.shape)) * dtype_size(info.dtype);
-    uint64_t got = 0;
     auto* into = mode == "load" ? static_cast<std::byte*>(t.data_ptr()) : nullptr;
+    uint64_t got = 0;
     if (mode != "meta") {
-      const Status st = (*reader)->stream_model_tensor(i, [&](std::span<const std::byte> piece) -> Status {
-        if (piece.size() > want - got)
-          return corrupt(fmt::format("{}: model tensor '{}' holds more than its {} bytes", path, info.name, want));
+      const Status st = stream_model_tensor_exactly(**reader, i, [&](std::span<const std::byte> piece) {
         if (into) std::memcpy(into + got, piece.data(), piece.size());
         got += piece.size();
         return Status::Ok();
       });
       if (!st.ok()) raise(st);
-      if (got != want)
-        raise(corrupt(fmt::format("{}: model tensor '{}' holds {} of its {} bytes", path, info.name, got, want)));
     }
     names.push_back(info.name);
     tensors.push_back(std::move(t));

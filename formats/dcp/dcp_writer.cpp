@@ -521,17 +521,12 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
     for (size_t i = 0; i < tensors.size(); ++i) {
       const ModelTensorInfo& t = tensors[i];
       OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(t.shape));
-      const uint64_t want = static_cast<uint64_t>(numel) * dtype_size(t.dtype);
       std::vector<std::byte> bytes;
-      bytes.reserve(static_cast<size_t>(want));
-      OPTSTATE_RETURN_IF_ERROR(model_from->stream_model_tensor(i, [&](std::span<const std::byte> piece) -> Status {
-        if (bytes.size() + piece.size() > want)
-          return internal_error(fmt::format("model tensor '{}': more than its {} bytes", t.name, want));
+      bytes.reserve(static_cast<size_t>(numel) * dtype_size(t.dtype));
+      OPTSTATE_RETURN_IF_ERROR(stream_model_tensor_exactly(*model_from, i, [&](std::span<const std::byte> piece) {
         bytes.insert(bytes.end(), piece.begin(), piece.end());
         return Status::Ok();
       }));
-      if (bytes.size() != want)
-        return internal_error(fmt::format("model tensor '{}': {} bytes, not its {}", t.name, bytes.size(), want));
       OPTSTATE_RETURN_IF_ERROR(tensor_item(ItemName{model_key + "model." + t.name,
                                                     dict_path(joined(layout.parent(), {"model", t.name}))},
                                            t.dtype, t.shape, bytes));

@@ -2011,16 +2011,10 @@ class SpecWriter {
     if (index >= tensors.size()) return internal_error(fmt::format("model tensor {}: no source holds it", index));
     const ModelTensorInfo& t = tensors[index];
     OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(t.shape));
-    const uint64_t want = static_cast<uint64_t>(numel) * dtype_size(t.dtype);
-    uint64_t got = 0;
-    OPTSTATE_RETURN_IF_ERROR(archive.begin_storage(key, want));
-    OPTSTATE_RETURN_IF_ERROR(model_from_->stream_model_tensor(index, [&](std::span<const std::byte> piece) -> Status {
-      if (piece.size() > want - got)
-        return internal_error(fmt::format("model tensor '{}': more than its {} bytes", t.name, want));
-      got += piece.size();
+    OPTSTATE_RETURN_IF_ERROR(archive.begin_storage(key, static_cast<uint64_t>(numel) * dtype_size(t.dtype)));
+    OPTSTATE_RETURN_IF_ERROR(stream_model_tensor_exactly(*model_from_, index, [&](std::span<const std::byte> piece) {
       return archive.append(piece);
     }));
-    if (got != want) return internal_error(fmt::format("model tensor '{}': {} bytes, not its {}", t.name, got, want));
     return archive.end_storage();
   }
 

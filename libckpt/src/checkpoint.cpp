@@ -46,6 +46,26 @@ Status CheckpointReader::stream_model_tensor(size_t index, const ByteSink&) cons
   return not_found(fmt::format("{}: no model tensor {}", path().string(), index));
 }
 
+Status stream_model_tensor_exactly(const CheckpointReader& reader, size_t index, const ByteSink& sink) {
+  const std::span<const ModelTensorInfo> tensors = reader.model_tensors();
+  if (index >= tensors.size()) return not_found(fmt::format("{}: no model tensor {}", reader.path().string(), index));
+  const ModelTensorInfo& t = tensors[index];
+  OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(t.shape));
+  const uint64_t want = static_cast<uint64_t>(numel) * dtype_size(t.dtype);
+  uint64_t got = 0;
+  OPTSTATE_RETURN_IF_ERROR(reader.stream_model_tensor(index, [&](std::span<const std::byte> piece) -> Status {
+    if (piece.size() > want - got)
+      return corrupt(fmt::format("{}: model tensor '{}' holds more than its {} bytes", reader.path().string(), t.name,
+                                 want));
+    got += piece.size();
+    return sink(piece);
+  }));
+  if (got != want)
+    return corrupt(fmt::format("{}: model tensor '{}' holds {} of its {} bytes", reader.path().string(), t.name, got,
+                               want));
+  return Status::Ok();
+}
+
 Status CheckpointReader::read_range(const std::string& fqn, const std::string& entry, Component c, int64_t begin,
                                     int64_t end, std::span<std::byte> out) {
   auto p = meta().params.find(fqn);

@@ -242,6 +242,10 @@ class FormatDriver {
   virtual bool keeps_model_tensors() const { return false; }
 };
 
+// Model tensor `index` of `reader` through `sink`, exactly the bytes its dtype and shape make: a
+// reader that gives more or fewer fails, naming the tensor (writers and the Python face use this).
+Status stream_model_tensor_exactly(const CheckpointReader& reader, size_t index, const ByteSink& sink);
+
 // Writes through a driver after the option-driven transforms every driver shares (dequantize-on-save).
 Status write_checkpoint(const FormatDriver& driver, StateSource& source, const std::filesystem::path& path,
                         const WriteOptions& options);

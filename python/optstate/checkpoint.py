@@ -461,8 +461,8 @@ def load(path, model, optimizer, transactional=True, by_position=False):
                                       f"log); nothing was changed on this rank")
         elif err is not None:
             raise err
-    if others is None:
-        others = _model_targets(path, model, optimizer, "meta")
+    if others is None:  # no check pass above: the buffers, read in place, are checked first here
+        others = _model_targets(path, model, optimizer, "check" if transactional else "meta")
     meta_json, pnames, enames, cnames, tensors = ops.load_native_shard(str(path), to, block, min_size, world, rank,
                                                                        not rows, *dest.args())
     meta = json.loads(meta_json)

@@ -1586,6 +1586,18 @@ def test_optstate_load_restores_the_models_buffers_and_frozen_weights(tmp_path):
             assert torch.equal(got[k], v), (path.name, k)
         assert int(fresh[1].num_batches_tracked) == 3
         assert fresh[1].running_mean.data_ptr() == live  # read in place
+    # A damaged buffer fails the load before anything changes (its CRC-32 checked in the first pass).
+    raw = bytearray(pt.read_bytes())
+    want = model[1].running_var.detach().numpy().tobytes()
+    assert raw.count(want) == 1
+    raw[raw.find(want) + 5] ^= 0x40
+    (tmp_path / "damaged.pt").write_bytes(bytes(raw))
+    fresh = make()
+    fused = optstate.FusedAdamW([p for p in fresh.parameters() if p.requires_grad])
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"\['model'\]\['1.running_var'\]: CRC-32 of its storage"):
+        optstate.load(tmp_path / "damaged.pt", fresh, fused)
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items()) and not fused.state
     other = make()
     other[1].running_mean = torch.zeros(5)  # not the checkpoint's model
     before = {k: v.clone() for k, v in other.state_dict().items()}

@@ -1,6 +1,7 @@
 // The torch ops behind the Python package (python/optstate): the fused AdamW step over lists of
 // tensors, and native checkpoint save/load. Python only gathers tensors; all math and I/O is here.
 #include <cstring>
+#include <optional>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -340,6 +341,43 @@ std::tuple<std::vector<std::string>, std::vector<at::Tensor>> load_model_tensors
   return {names, tensors};
 }
 
+// optstate.verify's check of the model's other tensors: each of `live` (CPU, contiguous, in the
+// checkpoint tensor's dtype and shape) against the checkpoint tensor of its name, byte for byte:
+// one line per tensor that differs, naming its first differing element.
+std::vector<std::string> verify_model_tensors(const std::string& path, const std::vector<std::string>& names,
+                                              const std::vector<at::Tensor>& live) {
+  TORCH_CHECK(names.size() == live.size(), "optstate.verify: name and tensor lists differ in length");
+  std::map<std::string, at::Tensor> by_name;
+  for (size_t i = 0; i < names.size(); ++i) by_name.emplace(names[i], live[i]);
+  auto reader = open_checkpoint(path);
+  if (!reader.ok()) raise(reader.status());
+  std::vector<std::string> diffs;
+  const std::span<const ModelTensorInfo> infos = (*reader)->model_tensors();
+  for (size_t i = 0; i < infos.size(); ++i) {
+    const ModelTensorInfo& info = infos[i];
+    const auto it = by_name.find(info.name);
+    if (it == by_name.end()) continue;
+    const at::Tensor& t = it->second;
+    TORCH_CHECK(t.is_cpu() && t.is_contiguous() && t.scalar_type() == scalar_type_of(info.dtype) &&
+                    t.sizes().vec() == info.shape,
+                "optstate.verify: model tensor '", info.name, "' is not a contiguous CPU tensor of its dtype and shape");
+    const auto* have = static_cast<const std::byte*>(t.data_ptr());
+    const uint64_t elem = dtype_size(info.dtype);
+    uint64_t at = 0;
+    std::optional<uint64_t> first;
+    const Status st = stream_model_tensor_exactly(**reader, i, [&](std::span<const std::byte> piece) {
+      if (!first && std::memcmp(have + at, piece.data(), piece.size()) != 0)
+        for (size_t k = 0; k < piece.size() && !first; ++k)
+          if (have[at + k] != piece[k]) first = (at + k) / elem;
+      at += piece.size();
+      return Status::Ok();
+    });
+    if (!st.ok()) raise(st);
+    if (first) diffs.push_back(fmt::format("model tensor '{}': differs from {} first at element {}", info.name, path, *first));
+  }
+  return diffs;
+}
+
 // load_native_shard's reading, verifying and converting without keeping or placing any byte:
 // its metadata, or the error that load would raise. optstate.load runs this before a load that
 // reads into live tensors, so a bad checkpoint leaves them as they were.
@@ -485,6 +523,7 @@ TORCH_LIBRARY(optstate, m) {
   m.def("verify_native_shard(str path, str meta_json, str[] param_names, str[] entry_names, str[] components, "
         "Tensor[] tensors, int world, int rank, bool whole_params) -> str[]");
   m.def("load_model_tensors(str path, str mode, str[] dest_names, Tensor[] dests) -> (str[], Tensor[])");
+  m.def("verify_model_tensors(str path, str[] names, Tensor[] live) -> str[]");
   m.def("shard_range(int[] shape, int block_size, int world, int rank) -> int[]");
   m.def("cpu_isa() -> str");
   m.def("qmap(str name) -> Tensor");
@@ -506,6 +545,7 @@ TORCH_LIBRARY_IMPL(optstate, CompositeExplicitAutograd, m) {
   m.impl("save_native_sharded", save_native_sharded);
   m.impl("verify_native_shard", verify_native_shard);
   m.impl("load_model_tensors", load_model_tensors);
+  m.impl("verify_model_tensors", verify_model_tensors);
   m.impl("shard_range", shard_range_op);
   m.impl("cpu_isa", cpu_isa);
   m.impl("qmap", qmap_tensor);

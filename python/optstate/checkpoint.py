@@ -354,6 +354,11 @@ def _model_targets(path, model, optimizer, mode):
     names, metas = ops.load_model_tensors(str(path), mode, [], [])
     if not names:
         return {}
+    return {name: live for name, (live, _) in _model_pairs(path, model, optimizer, names, metas).items()}
+
+
+def _model_pairs(path, model, optimizer, names, metas):
+    """_model_targets' pairing: {name: (live tensor, the checkpoint's meta tensor)}."""
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     live = {}
     for name, t in model.state_dict(keep_vars=True).items():
@@ -366,7 +371,7 @@ def _model_targets(path, model, optimizer, mode):
         if t.shape != meta.shape:
             raise ValueError(f"optstate.load: {path} holds the model's '{name}' of shape {list(meta.shape)}; the "
                              f"model's is {list(t.shape)}")
-        targets[name] = t
+        targets[name] = (t, meta)
     return targets
 
 
@@ -531,15 +536,33 @@ def load(path, model, optimizer, transactional=True, by_position=False):
         group["betas"] = tuple(gm["betas"])
 
 
+def _verify_model_tensors(path, model, optimizer):
+    """verify's check of the model's other tensors that ``load`` copies in (buffers, frozen
+    weights): each against the checkpoint's, in the checkpoint's dtype."""
+    if isinstance(model, ShardedParams):
+        return []
+    names, metas = ops.load_model_tensors(str(path), "meta", [], [])
+    if not names:
+        return []
+    try:
+        pairs = _model_pairs(path, model, optimizer, names, metas)
+    except ValueError as e:
+        return [str(e).removeprefix("optstate.load: ")]
+    live = [t.detach().to(device="cpu", dtype=meta.dtype).contiguous() for t, meta in pairs.values()]
+    return list(ops.verify_model_tensors(str(path), list(pairs), live))
+
+
 def verify(path, model, optimizer, by_position=False):
     """Resume validation: right after ``load``, is the live state exactly the checkpoint's? Returns
     the list of differences (empty when it is), each naming the entry, the rank and the first
-    differing element. Every rank checks its own ranges and the whole weights. ``by_position`` as
-    for ``load``."""
+    differing element. Every rank checks its own ranges and the whole weights, and the model's
+    other tensors ``load`` copies in (buffers, frozen weights). ``by_position`` as for ``load``."""
     if _row_sharded(model):  # FSDP2/HSDP: every rank checks its rows, weights included
         world, rank, _ = _rows_group(model, optimizer)
         meta, lists = _state_lists(model, optimizer, world, rank, whole_param=False, by_position=by_position)
-        return list(ops.verify_native_shard(str(path), meta, *lists.args(), world, rank, False))
+        return list(ops.verify_native_shard(str(path), meta, *lists.args(), world, rank, False)) + \
+            _verify_model_tensors(path, model, optimizer)
     world, rank = (model.world, model.rank) if isinstance(model, ShardedParams) else (1, 0)
     meta, lists = _state_lists(model, optimizer, 1, 0, whole_param=True, by_position=by_position)
-    return list(ops.verify_native_shard(str(path), meta, *lists.args(), world, rank, True))
+    return list(ops.verify_native_shard(str(path), meta, *lists.args(), world, rank, True)) + \
+        _verify_model_tensors(path, model, optimizer)

@@ -1586,6 +1586,11 @@ def test_optstate_load_restores_the_models_buffers_and_frozen_weights(tmp_path):
             assert torch.equal(got[k], v), (path.name, k)
         assert int(fresh[1].num_batches_tracked) == 3
         assert fresh[1].running_mean.data_ptr() == live  # read in place
+        # verify checks them too
+        assert optstate.verify(path, fresh, fused) == []
+        fresh[1].running_mean[2] += 1
+        assert optstate.verify(path, fresh, fused) == [
+            f"model tensor '1.running_mean': differs from {path} first at element 2"]
     # A damaged buffer fails the load before anything changes (its CRC-32 checked in the first pass).
     raw = bytearray(pt.read_bytes())
     want = model[1].running_var.detach().numpy().tobytes()

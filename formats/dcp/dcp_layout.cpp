@@ -90,11 +90,15 @@ Result<TensorRef> tensor_args(const Pickle& p, bool v3, Ref args_ref, const std:
 
 // `fp8`: the tensor is float8_e4m3fn (torchao's OptimStateFp8 codes), returned as its bytes (kU8);
 // nowhere else is that dtype read.
+// Whether `r` rebuilds a plain tensor (torch._utils._rebuild_tensor_v2 or _v3).
+bool is_tensor_rebuild(const Pickle& p, Ref r) {
+  return is_instance(p, r, "torch._utils", "_rebuild_tensor_v2") || is_instance(p, r, "torch._utils", "_rebuild_tensor_v3");
+}
+
 Result<TensorRef> tensor_ref(const Pickle& p, Ref r, const std::string& where, bool fp8 = false) {
-  const bool v2 = is_instance(p, r, "torch._utils", "_rebuild_tensor_v2");
-  const bool v3 = is_instance(p, r, "torch._utils", "_rebuild_tensor_v3");
-  if (!v2 && !v3) return corrupt(fmt::format("{}: expected a tensor (torch._utils._rebuild_tensor_v2/_v3)", where));
-  return tensor_args(p, v3, p.at(r).args, where, fp8);
+  if (!is_tensor_rebuild(p, r))
+    return corrupt(fmt::format("{}: expected a tensor (torch._utils._rebuild_tensor_v2/_v3)", where));
+  return tensor_args(p, is_instance(p, r, "torch._utils", "_rebuild_tensor_v3"), p.at(r).args, where, fp8);
 }
 
 // The arguments of _rebuild_tensor_v2 (storage, offset, size, stride, ...) or _v3 (..., dtype).
@@ -472,8 +476,7 @@ static bool is_float8_weight_wrapper(const Pickle& p, Ref cls) {
 
 Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& where) {
   Payload out;
-  if (is_instance(p, root, "torch._utils", "_rebuild_tensor_v2") ||
-      is_instance(p, root, "torch._utils", "_rebuild_tensor_v3")) {
+  if (is_tensor_rebuild(p, root)) {
     out.kind = Payload::Kind::kTensor;
     OPTSTATE_ASSIGN_OR_RETURN(out.tensor, tensor_ref(p, root, where));
     return out;
@@ -485,7 +488,7 @@ Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& wh
        is_instance(p, root, "torch._utils", "_rebuild_parameter_with_state")) &&
       p.at(root).args != kNoRef && !p.at(p.at(root).args).items.empty()) {
     const Ref data = p.at(p.at(root).args).items[0];
-    if (is_instance(p, data, "torch._utils", "_rebuild_tensor_v2") || is_instance(p, data, "torch._utils", "_rebuild_tensor_v3")) {
+    if (is_tensor_rebuild(p, data)) {
       out.kind = Payload::Kind::kTensor;
       OPTSTATE_ASSIGN_OR_RETURN(out.tensor, tensor_ref(p, data, where + " (an nn.Parameter)"));
       return out;
@@ -512,8 +515,7 @@ Result<Payload> interpret_value(const Pickle& p, Ref root, const std::string& wh
     if (a.size() >= 4 && p.is_global(a[0], "torch._utils", "_rebuild_wrapper_subclass") && is_float8_weight_wrapper(p, a[1])) {
       const std::string fw = where + " (torchao's float8 training weight)";
       const Ref inner = p.dict_get(a[3], "_tensor");
-      if (!is_instance(p, inner, "torch._utils", "_rebuild_tensor_v2") && !is_instance(p, inner, "torch._utils", "_rebuild_tensor_v3"))
-        return corrupt(fw + ": without its '_tensor'");
+      if (!is_tensor_rebuild(p, inner)) return corrupt(fw + ": without its '_tensor'");
       out.kind = Payload::Kind::kTensor;
       OPTSTATE_ASSIGN_OR_RETURN(out.tensor, tensor_ref(p, inner, fw));
       const auto& sub = p.at(a[2]);

@@ -28,6 +28,14 @@ Result<DType> dtype_of(at::ScalarType t) {
     case at::kBool: return DType::kBool;
     case at::kComplexFloat: return DType::kC64;
     case at::kComplexDouble: return DType::kC128;
+    case at::kFloat8_e4m3fn: return DType::kF8E4M3FN;
+    case at::kFloat8_e5m2: return DType::kF8E5M2;
+    case at::kFloat8_e4m3fnuz: return DType::kF8E4M3FNUZ;
+    case at::kFloat8_e5m2fnuz: return DType::kF8E5M2FNUZ;
+    case at::kFloat8_e8m0fnu: return DType::kF8E8M0FNU;
+    case at::kUInt16: return DType::kU16;
+    case at::kUInt32: return DType::kU32;
+    case at::kUInt64: return DType::kU64;
     default: return unsupported(fmt::format("dtype {} has no optstate equivalent", c10::toString(t)));
   }
 }
@@ -46,6 +54,14 @@ at::ScalarType scalar_type_of(DType d) {
     case DType::kBool: return at::kBool;
     case DType::kC64: return at::kComplexFloat;
     case DType::kC128: return at::kComplexDouble;
+    case DType::kF8E4M3FN: return at::kFloat8_e4m3fn;
+    case DType::kF8E5M2: return at::kFloat8_e5m2;
+    case DType::kF8E4M3FNUZ: return at::kFloat8_e4m3fnuz;
+    case DType::kF8E5M2FNUZ: return at::kFloat8_e5m2fnuz;
+    case DType::kF8E8M0FNU: return at::kFloat8_e8m0fnu;
+    case DType::kU16: return at::kUInt16;
+    case DType::kU32: return at::kUInt32;
+    case DType::kU64: return at::kUInt64;
   }
   return at::kFloat;
 }

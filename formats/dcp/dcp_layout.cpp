@@ -88,12 +88,14 @@ constexpr const char* kMetaModule = "torch.distributed.checkpoint.metadata";
 
 Result<TensorRef> tensor_args(const Pickle& p, bool v3, Ref args_ref, const std::string& where, bool fp8 = false);
 
-// `fp8`: the tensor is float8_e4m3fn (torchao's OptimStateFp8 codes), returned as its bytes (kU8);
-// nowhere else is that dtype read.
 // Whether `r` rebuilds a plain tensor (torch._utils._rebuild_tensor_v2 or _v3).
 bool is_tensor_rebuild(const Pickle& p, Ref r) {
   return is_instance(p, r, "torch._utils", "_rebuild_tensor_v2") || is_instance(p, r, "torch._utils", "_rebuild_tensor_v3");
 }
+
+// `fp8`: the tensor must be float8_e4m3fn (torchao's OptimStateFp8 codes) and is returned as its
+// bytes (kU8), which the state dequantizes; any other float8 tensor (a frozen fp8 weight) keeps its
+// dtype and is carried as it is.
 
 Result<TensorRef> tensor_ref(const Pickle& p, Ref r, const std::string& where, bool fp8 = false) {
   if (!is_tensor_rebuild(p, r))
@@ -586,14 +588,22 @@ void encode_tensor_view(pickle::Writer& w, DType d, const std::vector<int64_t>& 
     for (int64_t x : v) w.integer(x);
     w.tuple_from_mark();
   };
-  w.global("torch._utils", "_rebuild_tensor_v2");
+  // A dtype with a typed storage class is pickled as torch does (_rebuild_tensor_v2, the storage's
+  // size in elements); one without (float8, uint16..64) as torch does those: _rebuild_tensor_v3, an
+  // UntypedStorage sized in bytes, the dtype last. The offset counts elements either way.
+  const auto& info = dtype_info(d);
+  const bool untyped = info.torch_storage.empty();
+  w.global("torch._utils", untyped ? "_rebuild_tensor_v3" : "_rebuild_tensor_v2");
   w.mark();
   w.mark();
   w.str("storage");
-  w.global("torch", dtype_info(d).torch_storage);
+  if (untyped)
+    w.global("torch.storage", "UntypedStorage");
+  else
+    w.global("torch", info.torch_storage);
   w.str(storage_key);
   w.str("cpu");
-  w.integer(storage_numel);
+  w.integer(untyped ? storage_numel * info.size : storage_numel);
   w.tuple_from_mark();
   w.binpersid();
   w.integer(offset);
@@ -603,6 +613,7 @@ void encode_tensor_view(pickle::Writer& w, DType d, const std::vector<int64_t>& 
   w.global("collections", "OrderedDict");
   w.empty_tuple();
   w.reduce();
+  if (untyped) w.global("torch", info.torch_name);
   w.tuple_from_mark();
   w.reduce();
 }

@@ -6,7 +6,7 @@
 
 namespace optstate {
 namespace {
-constexpr std::array<DTypeInfo, 12> kTable{{
+constexpr std::array<DTypeInfo, 20> kTable{{
     {DType::kF32, "f32", "F32", "float32", "FloatStorage", 4, true},
     {DType::kBF16, "bf16", "BF16", "bfloat16", "BFloat16Storage", 2, true},
     {DType::kF16, "f16", "F16", "float16", "HalfStorage", 2, true},
@@ -19,6 +19,14 @@ constexpr std::array<DTypeInfo, 12> kTable{{
     {DType::kBool, "bool", "BOOL", "bool", "BoolStorage", 1, false},
     {DType::kC64, "c64", "C64", "complex64", "ComplexFloatStorage", 8, false},
     {DType::kC128, "c128", "", "complex128", "ComplexDoubleStorage", 16, false},
+    {DType::kF8E4M3FN, "f8_e4m3fn", "F8_E4M3", "float8_e4m3fn", "", 1, false},
+    {DType::kF8E5M2, "f8_e5m2", "F8_E5M2", "float8_e5m2", "", 1, false},
+    {DType::kF8E4M3FNUZ, "f8_e4m3fnuz", "", "float8_e4m3fnuz", "", 1, false},
+    {DType::kF8E5M2FNUZ, "f8_e5m2fnuz", "", "float8_e5m2fnuz", "", 1, false},
+    {DType::kF8E8M0FNU, "f8_e8m0fnu", "F8_E8M0", "float8_e8m0fnu", "", 1, false},
+    {DType::kU16, "u16", "U16", "uint16", "", 2, false},
+    {DType::kU32, "u32", "U32", "uint32", "", 4, false},
+    {DType::kU64, "u64", "U64", "uint64", "", 8, false},
 }};
 }  // namespace
 
@@ -43,7 +51,7 @@ std::optional<DType> dtype_from_torch_name(std::string_view name) {
 
 std::optional<DType> dtype_from_torch_storage(std::string_view name) {
   for (const auto& info : kTable)
-    if (info.torch_storage == name) return info.dtype;
+    if (!info.torch_storage.empty() && info.torch_storage == name) return info.dtype;
   return std::nullopt;
 }
 

@@ -303,6 +303,11 @@ ROTARY_MODEL = textwrap.dedent("""
             self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=True)
             self.register_buffer("positions", torch.arange(8, dtype=torch.int16))
             self.register_buffer("keep", torch.tensor([True, False, True, True]))
+            # an fp8 base model's frozen weight with its e8m0 block scales (DeepSeek-V3's and MX's
+            # layouts), and a uint16 table: dtypes torch pickles as an UntypedStorage (_rebuild_tensor_v3)
+            self.register_buffer("base_fp8", torch.linspace(-3, 3, 24).reshape(4, 6).to(torch.float8_e4m3fn))
+            self.register_buffer("base_scale", torch.tensor([0.5, 2.0, 4.0, 1.0]).to(torch.float8_e8m0fnu))
+            self.register_buffer("vocab_ids", torch.tensor([1, 2, 60000], dtype=torch.int32).to(torch.uint16))
         def forward(self, x):
             return self.out(self.tok(x) * self.freqs_cis.real.sum())
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -349,8 +354,9 @@ RESUME_ROTARY = ROTARY_MODEL + textwrap.dedent("""
     want = torch.load(saved, weights_only=True)
     got = model.state_dict()
     assert got.keys() == want.keys()
-    for k, v in want.items():
-        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    for k, v in want.items():  # float8 has no torch.equal: its bytes
+        bits = lambda t: t.view(torch.uint8) if t.dtype.itemsize == 1 and t.is_floating_point() else t
+        assert got[k].dtype == v.dtype and torch.equal(bits(got[k]), bits(v)), k
     assert all(s["step"].item() == 2 for s in opt.state.values()) and len(opt.state) == 2
 """)
 
@@ -358,7 +364,8 @@ RESUME_ROTARY = ROTARY_MODEL + textwrap.dedent("""
 def test_torchtitan_rotary_buffer_and_other_dtypes_go_with_the_model(tmp_path, optstate_cli):
     """torchtitan's llama saves its complex64 rotary table (freqs_cis, a persistent buffer) at the
     top level beside the weights: the checkpoint reads (it did not: complex64 was not in the dtype
-    table), the buffer is one of the model's other tensors, DCP -> DCP carries it for torchtitan's
+    table, nor were float8 and uint16, which a frozen fp8 base weight and its scales are), the
+    buffer is one of the model's other tensors, DCP -> DCP carries it for torchtitan's
     strict resume on another world size, and a torch.save file written from the DCP holds it (with an
     int16 and a bool buffer) in its model dict, which a strict load_state_dict takes; back to a DCP
     the same."""
@@ -368,13 +375,15 @@ def test_torchtitan_rotary_buffer_and_other_dtypes_go_with_the_model(tmp_path, o
     insp = json.loads(optstate_cli("inspect", ck, "--json").stdout)
     assert sorted(insp["params"]) == ["out.weight", "tok.weight"]
     assert {t["name"]: (t["dtype"], t["shape"]) for t in insp["model_tensors"]} == {
-        "freqs_cis": ("c64", [8, 4]), "positions": ("i16", [8]), "keep": ("bool", [4])}
+        "freqs_cis": ("c64", [8, 4]), "positions": ("i16", [8]), "keep": ("bool", [4]),
+        "base_fp8": ("f8_e4m3fn", [4, 6]), "base_scale": ("f8_e8m0fnu", [4]), "vocab_ids": ("u16", [3])}
     assert insp["not_read"] == ["train_state (1 item)"]
     optstate_cli("validate", ck)
     optstate_cli("convert", ck, tmp_path / "tt2", "--format", "dcp", "--world-size", "2")
     run_script(tmp_path, RESUME_ROTARY, "resume_rotary.py", tmp_path / "tt2", "dcp", saved)
     out = optstate_cli("convert", ck, tmp_path / "tt.pt").stdout
-    assert "kept the model's 3 other tensors (freqs_cis, keep, positions)" in out, out
+    assert ("kept the model's 6 other tensors (base_fp8, base_scale, freqs_cis, keep, positions, "
+            "vocab_ids)") in out, out
     run_script(tmp_path, RESUME_ROTARY, "resume_rotary.py", tmp_path / "tt.pt", "torchsave", saved)
     # and the file back to a DCP (get_state_dict's layout): model.<name> items in their dtypes
     optstate_cli("convert", tmp_path / "tt.pt", tmp_path / "back", "--format", "dcp")

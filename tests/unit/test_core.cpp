@@ -34,14 +34,22 @@ TEST_CASE("Result carries a value or a failed status") {
 
 TEST_CASE("dtype table round-trips every name") {
   for (DType d : {DType::kF32, DType::kBF16, DType::kF16, DType::kF64, DType::kU8, DType::kI8, DType::kI32,
-                  DType::kI64, DType::kI16, DType::kBool, DType::kC64, DType::kC128}) {
+                  DType::kI64, DType::kI16, DType::kBool, DType::kC64, DType::kC128, DType::kF8E4M3FN,
+                  DType::kF8E5M2, DType::kF8E4M3FNUZ, DType::kF8E5M2FNUZ, DType::kF8E8M0FNU, DType::kU16,
+                  DType::kU32, DType::kU64}) {
     const auto& info = dtype_info(d);
     CHECK(info.dtype == d);
     CHECK(dtype_from_name(info.name) == d);
     if (!info.safetensors_name.empty()) CHECK(dtype_from_safetensors(info.safetensors_name) == d);
     CHECK(dtype_from_torch_name(std::string("torch.") + std::string(info.torch_name)) == d);
-    CHECK(dtype_from_torch_storage(info.torch_storage) == d);
+    if (!info.torch_storage.empty()) CHECK(dtype_from_torch_storage(info.torch_storage) == d);
   }
+  // float8 and uint16..64 have no legacy storage class: torch pickles them as UntypedStorage.
+  CHECK(dtype_info(DType::kF8E4M3FN).torch_storage.empty());
+  CHECK(!dtype_from_torch_storage("UntypedStorage").has_value());
+  CHECK(!dtype_info(DType::kF8E4M3FN).is_float);  // a frozen weight's dtype, never the state's
+  CHECK(dtype_from_safetensors("F8_E4M3") == DType::kF8E4M3FN);
+  CHECK(dtype_size(DType::kU64) == 8);
   // Only the float dtypes are the state's; complex128 has no safetensors name, and an empty one
   // names nothing.
   CHECK(!dtype_info(DType::kC64).is_float);

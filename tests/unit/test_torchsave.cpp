@@ -415,7 +415,7 @@ TEST_CASE("torchsave: numbered params beside their model are named after it (dec
   }
 }
 
-TEST_CASE("torchsave: buffers of complex64, int16 and bool go with the model through DCP and back") {
+TEST_CASE("torchsave: buffers of complex64, int16, bool, float8 and uint16 go with the model through DCP and back") {
   auto r = open_seed("torch_rotary_model_and_optimizer.pt");
   auto bytes_of = [](const CheckpointReader& c, size_t i) {
     std::string out;
@@ -427,7 +427,7 @@ TEST_CASE("torchsave: buffers of complex64, int16 and bool go with the model thr
     return out;
   };
   const auto tensors = r->model_tensors();
-  REQUIRE(tensors.size() == 3);
+  REQUIRE(tensors.size() == 6);
   CHECK(tensors[0].name == "freqs_cis");
   CHECK(tensors[0].dtype == DType::kC64);
   CHECK(tensors[0].shape == std::vector<int64_t>{4, 2});
@@ -451,6 +451,16 @@ TEST_CASE("torchsave: buffers of complex64, int16 and bool go with the model thr
   std::memcpy(pos, positions.data(), 8);
   CHECK((pos[0] == 0 && pos[1] == 1 && pos[2] == 2 && pos[3] == 3));
   CHECK(bytes_of(*r, 2) == std::string("\x01\x00\x01", 3));
+  // _rebuild_tensor_v3 over an UntypedStorage of bytes: float8_e4m3fn [[0.5, -1], [448, 0]], the
+  // e8m0 scales 0.5 and 4 (biased exponents), uint16 [1, 60000].
+  CHECK(tensors[3].name == "base_fp8");
+  CHECK(tensors[3].dtype == DType::kF8E4M3FN);
+  CHECK(tensors[3].shape == std::vector<int64_t>{2, 2});
+  CHECK(bytes_of(*r, 3) == std::string("\x30\xb8\x7e\x00", 4));
+  CHECK(tensors[4].dtype == DType::kF8E8M0FNU);
+  CHECK(bytes_of(*r, 4) == std::string("\x7e\x81", 2));
+  CHECK(tensors[5].dtype == DType::kU16);
+  CHECK(bytes_of(*r, 5) == std::string("\x01\x00\x60\xea", 4));
   // Through a DCP (model.<name> items in their dtypes) and back into a torch.save file's model dict.
   testing::TempDir dir;
   auto all = load_all(*r);
@@ -465,8 +475,8 @@ TEST_CASE("torchsave: buffers of complex64, int16 and bool go with the model thr
   REQUIRE_MESSAGE(back.ok(), back.status().message());
   CHECK(hash_checkpoint(**back)->root == hash_checkpoint(*r)->root);
   for (const auto* c : {dcp->get(), back->get()}) {
-    REQUIRE(c->model_tensors().size() == 3);
-    for (size_t i = 0; i < 3; ++i) {
+    REQUIRE(c->model_tensors().size() == tensors.size());
+    for (size_t i = 0; i < tensors.size(); ++i) {
       const ModelTensorInfo& t = c->model_tensors()[i];
       const auto from = std::find_if(tensors.begin(), tensors.end(), [&](const ModelTensorInfo& o) { return o.name == t.name; });
       REQUIRE(from != tensors.end());

@@ -101,7 +101,8 @@ def compiled():
 
 def rotary():
     """A model whose state_dict holds buffers of the other dtypes beside its params (torchtitan's
-    llama keeps its rotary table as a persistent complex64 buffer; an int16 and a bool buffer too),
+    llama keeps its rotary table as a persistent complex64 buffer; int16, bool, float8 and uint16
+    buffers too),
     saved as {"model", "optimizer"} by an AdamW built from named_parameters (param_names)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False))
@@ -109,6 +110,11 @@ def rotary():
     model.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=True)
     model.register_buffer("positions", torch.arange(4, dtype=torch.int16))
     model.register_buffer("keep", torch.tensor([True, False, True]))
+    # dtypes torch pickles as an UntypedStorage and the dtype (_rebuild_tensor_v3): an fp8 base
+    # model's frozen weight and its e8m0 scales, a uint16 table
+    model.register_buffer("base_fp8", torch.tensor([[0.5, -1.0], [448.0, 0.0]]).to(torch.float8_e4m3fn))
+    model.register_buffer("base_scale", torch.tensor([0.5, 4.0]).to(torch.float8_e8m0fnu))
+    model.register_buffer("vocab_ids", torch.tensor([1, 60000], dtype=torch.int32).to(torch.uint16))
     opt = torch.optim.AdamW(model.named_parameters(), lr=1e-3)
     for _ in range(2):
         model(torch.randint(0, 10, (4,))).square().sum().backward()

@@ -7,17 +7,24 @@
 
 namespace optstate {
 
-// The float dtypes are the state's (its entries and weights); the rest are what else a checkpoint
-// holds beside it (a step count, 8-bit codes, a model's buffers: BatchNorm's int64 count, a bool
-// mask, torchtitan's complex64 rotary table), read and written as they are.
-enum class DType : uint8_t { kF32, kBF16, kF16, kF64, kU8, kI8, kI32, kI64, kI16, kBool, kC64, kC128 };
+// The float dtypes (is_float) are the state's (its entries and weights); the rest are what else a
+// checkpoint holds beside it (a step count, 8-bit codes, a model's buffers: BatchNorm's int64 count,
+// a bool mask, torchtitan's complex64 rotary table, an fp8 base model's frozen float8 weights and
+// their e8m0 scales), read and written as they are, never converted.
+enum class DType : uint8_t {
+  kF32, kBF16, kF16, kF64, kU8, kI8, kI32, kI64, kI16, kBool, kC64, kC128,
+  kF8E4M3FN, kF8E5M2, kF8E4M3FNUZ, kF8E5M2FNUZ, kF8E8M0FNU, kU16, kU32, kU64
+};
 
 struct DTypeInfo {
   DType dtype;
   std::string_view name;              // canonical name in manifests and hashes ("f32")
   std::string_view safetensors_name;  // "F32"; empty where safetensors has none (complex128)
   std::string_view torch_name;        // "float32", as torch prints it without the "torch." prefix
-  std::string_view torch_storage;     // "FloatStorage": the typed storage class torch.save pickles
+  // "FloatStorage": the typed storage class torch.save pickles (_rebuild_tensor_v2); empty for the
+  // dtypes torch gave none (float8, uint16..64), which it pickles as an UntypedStorage of bytes and
+  // the dtype (_rebuild_tensor_v3)
+  std::string_view torch_storage;
   uint8_t size;                       // bytes per element
   bool is_float;
 };

@@ -36,6 +36,7 @@ Result<DType> dtype_of(at::ScalarType t) {
     case at::kUInt16: return DType::kU16;
     case at::kUInt32: return DType::kU32;
     case at::kUInt64: return DType::kU64;
+    case at::kFloat4_e2m1fn_x2: return DType::kF4E2M1FNX2;
     default: return unsupported(fmt::format("dtype {} has no optstate equivalent", c10::toString(t)));
   }
 }
@@ -62,6 +63,7 @@ at::ScalarType scalar_type_of(DType d) {
     case DType::kU16: return at::kUInt16;
     case DType::kU32: return at::kUInt32;
     case DType::kU64: return at::kUInt64;
+    case DType::kF4E2M1FNX2: return at::kFloat4_e2m1fn_x2;
   }
   return at::kFloat;
 }

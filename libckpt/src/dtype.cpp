@@ -6,7 +6,7 @@
 
 namespace optstate {
 namespace {
-constexpr std::array<DTypeInfo, 20> kTable{{
+constexpr std::array<DTypeInfo, 21> kTable{{
     {DType::kF32, "f32", "F32", "float32", "FloatStorage", 4, true},
     {DType::kBF16, "bf16", "BF16", "bfloat16", "BFloat16Storage", 2, true},
     {DType::kF16, "f16", "F16", "float16", "HalfStorage", 2, true},
@@ -27,6 +27,9 @@ constexpr std::array<DTypeInfo, 20> kTable{{
     {DType::kU16, "u16", "U16", "uint16", "", 2, false},
     {DType::kU32, "u32", "U32", "uint32", "", 4, false},
     {DType::kU64, "u64", "U64", "uint64", "", 8, false},
+    // one byte holds two float4s, and torch's shape counts the bytes; safetensors' F4 counts the
+    // float4s, so the two name different shapes: none here
+    {DType::kF4E2M1FNX2, "f4_e2m1fn_x2", "", "float4_e2m1fn_x2", "", 1, false},
 }};
 }  // namespace
 

@@ -308,6 +308,7 @@ ROTARY_MODEL = textwrap.dedent("""
             self.register_buffer("base_fp8", torch.linspace(-3, 3, 24).reshape(4, 6).to(torch.float8_e4m3fn))
             self.register_buffer("base_scale", torch.tensor([0.5, 2.0, 4.0, 1.0]).to(torch.float8_e8m0fnu))
             self.register_buffer("vocab_ids", torch.tensor([1, 2, 60000], dtype=torch.int32).to(torch.uint16))
+            self.register_buffer("base_fp4", torch.arange(12, dtype=torch.uint8).reshape(2, 6).view(torch.float4_e2m1fn_x2))
         def forward(self, x):
             return self.out(self.tok(x) * self.freqs_cis.real.sum())
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -355,7 +356,7 @@ RESUME_ROTARY = ROTARY_MODEL + textwrap.dedent("""
     got = model.state_dict()
     assert got.keys() == want.keys()
     for k, v in want.items():  # float8 has no torch.equal: its bytes
-        bits = lambda t: t.view(torch.uint8) if t.dtype.itemsize == 1 and t.is_floating_point() else t
+        bits = lambda t: t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
         assert got[k].dtype == v.dtype and torch.equal(bits(got[k]), bits(v)), k
     assert all(s["step"].item() == 2 for s in opt.state.values()) and len(opt.state) == 2
 """)
@@ -376,14 +377,15 @@ def test_torchtitan_rotary_buffer_and_other_dtypes_go_with_the_model(tmp_path, o
     assert sorted(insp["params"]) == ["out.weight", "tok.weight"]
     assert {t["name"]: (t["dtype"], t["shape"]) for t in insp["model_tensors"]} == {
         "freqs_cis": ("c64", [8, 4]), "positions": ("i16", [8]), "keep": ("bool", [4]),
-        "base_fp8": ("f8_e4m3fn", [4, 6]), "base_scale": ("f8_e8m0fnu", [4]), "vocab_ids": ("u16", [3])}
+        "base_fp8": ("f8_e4m3fn", [4, 6]), "base_scale": ("f8_e8m0fnu", [4]), "vocab_ids": ("u16", [3]),
+        "base_fp4": ("f4_e2m1fn_x2", [2, 6])}
     assert insp["not_read"] == ["train_state (1 item)"]
     optstate_cli("validate", ck)
     optstate_cli("convert", ck, tmp_path / "tt2", "--format", "dcp", "--world-size", "2")
     run_script(tmp_path, RESUME_ROTARY, "resume_rotary.py", tmp_path / "tt2", "dcp", saved)
     out = optstate_cli("convert", ck, tmp_path / "tt.pt").stdout
-    assert ("kept the model's 6 other tensors (base_fp8, base_scale, freqs_cis, keep, positions, "
-            "vocab_ids)") in out, out
+    assert ("kept the model's 7 other tensors (base_fp4, base_fp8, base_scale, freqs_cis, keep, "
+            "positions, 1 more)") in out, out
     run_script(tmp_path, RESUME_ROTARY, "resume_rotary.py", tmp_path / "tt.pt", "torchsave", saved)
     # and the file back to a DCP (get_state_dict's layout): model.<name> items in their dtypes
     optstate_cli("convert", tmp_path / "tt.pt", tmp_path / "back", "--format", "dcp")

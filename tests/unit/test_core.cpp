@@ -36,7 +36,7 @@ TEST_CASE("dtype table round-trips every name") {
   for (DType d : {DType::kF32, DType::kBF16, DType::kF16, DType::kF64, DType::kU8, DType::kI8, DType::kI32,
                   DType::kI64, DType::kI16, DType::kBool, DType::kC64, DType::kC128, DType::kF8E4M3FN,
                   DType::kF8E5M2, DType::kF8E4M3FNUZ, DType::kF8E5M2FNUZ, DType::kF8E8M0FNU, DType::kU16,
-                  DType::kU32, DType::kU64}) {
+                  DType::kU32, DType::kU64, DType::kF4E2M1FNX2}) {
     const auto& info = dtype_info(d);
     CHECK(info.dtype == d);
     CHECK(dtype_from_name(info.name) == d);

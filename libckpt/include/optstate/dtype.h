@@ -10,10 +10,10 @@ namespace optstate {
 // The float dtypes (is_float) are the state's (its entries and weights); the rest are what else a
 // checkpoint holds beside it (a step count, 8-bit codes, a model's buffers: BatchNorm's int64 count,
 // a bool mask, torchtitan's complex64 rotary table, an fp8 base model's frozen float8 weights and
-// their e8m0 scales), read and written as they are, never converted.
+// their e8m0 scales, NVFP4's packed pairs of float4), read and written as they are, never converted.
 enum class DType : uint8_t {
   kF32, kBF16, kF16, kF64, kU8, kI8, kI32, kI64, kI16, kBool, kC64, kC128,
-  kF8E4M3FN, kF8E5M2, kF8E4M3FNUZ, kF8E5M2FNUZ, kF8E8M0FNU, kU16, kU32, kU64
+  kF8E4M3FN, kF8E5M2, kF8E4M3FNUZ, kF8E5M2FNUZ, kF8E8M0FNU, kU16, kU32, kU64, kF4E2M1FNX2
 };
 
 struct DTypeInfo {

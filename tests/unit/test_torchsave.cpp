@@ -958,21 +958,21 @@ TEST_CASE("torchsave: FSDP1's flat parameters are split into the model's params 
 }
 
 TEST_CASE("torchsave: a param's fqn drops the segments wrappers insert, as torch's state dicts do") {
-  CHECK(torchsave::torch_param_fqn("_orig_mod.transformer.wte.weight") == "transformer.wte.weight");  // nanoGPT
-  CHECK(torchsave::torch_param_fqn("layers.0._orig_mod.attention.wq.weight") == "layers.0.attention.wq.weight");
-  CHECK(torchsave::torch_param_fqn("0._orig_mod._checkpoint_wrapped_module.weight") == "0.weight");
-  CHECK(torchsave::torch_param_fqn("_fsdp_wrapped_module.layer._fsdp_wrapped_module.bias") == "layer.bias");
+  CHECK(torch_param_fqn("_orig_mod.transformer.wte.weight") == "transformer.wte.weight");  // nanoGPT
+  CHECK(torch_param_fqn("layers.0._orig_mod.attention.wq.weight") == "layers.0.attention.wq.weight");
+  CHECK(torch_param_fqn("0._orig_mod._checkpoint_wrapped_module.weight") == "0.weight");
+  CHECK(torch_param_fqn("_fsdp_wrapped_module.layer._fsdp_wrapped_module.bias") == "layer.bias");
   // What only looks like a wrapper's segment, DDP's 'module.' (a submodule may be named so) and
   // empty segments stay.
-  CHECK(torchsave::torch_param_fqn("_orig_mod_x.weight") == "_orig_mod_x.weight");
-  CHECK(torchsave::torch_param_fqn("a._orig_modx") == "a._orig_modx");
-  CHECK(torchsave::torch_param_fqn("module.fc.weight") == "module.fc.weight");
-  CHECK(torchsave::torch_param_fqn(".a..b.") == ".a..b.");
-  CHECK(torchsave::torch_param_fqn("_orig_mod..w") == ".w");
-  CHECK(torchsave::torch_param_fqn("7") == "7");
+  CHECK(torch_param_fqn("_orig_mod_x.weight") == "_orig_mod_x.weight");
+  CHECK(torch_param_fqn("a._orig_modx") == "a._orig_modx");
+  CHECK(torch_param_fqn("module.fc.weight") == "module.fc.weight");
+  CHECK(torch_param_fqn(".a..b.") == ".a..b.");
+  CHECK(torch_param_fqn("_orig_mod..w") == ".w");
+  CHECK(torch_param_fqn("7") == "7");
   // A name that is all wrapper (no module under it) is kept whole, never empty.
-  CHECK(torchsave::torch_param_fqn("_orig_mod") == "_orig_mod");
-  CHECK(torchsave::torch_param_fqn("") == "");
+  CHECK(torch_param_fqn("_orig_mod") == "_orig_mod");
+  CHECK(torch_param_fqn("") == "");
 }
 
 TEST_CASE("torchsave: numbered params placed among the model's tensors, each group in order") {
@@ -980,7 +980,7 @@ TEST_CASE("torchsave: numbered params placed among the model's tensors, each gro
   using Groups = std::vector<std::vector<std::optional<Shape>>>;
   const Shape emb{50, 8}, pos{16, 8}, ln{8}, qkv{24, 8}, proj{8, 8}, up{32, 8}, down{8, 32};
   SUBCASE("one group of model.parameters(): the tensors in order") {
-    auto r = torchsave::place_params_in_model(Groups{{emb, ln, proj, ln}}, {emb, ln, proj, ln});
+    auto r = place_params_in_model(Groups{{emb, ln, proj, ln}}, {emb, ln, proj, ln});
     REQUIRE_MESSAGE(r.why.empty(), r.why);
     CHECK(r.tensor_of == std::vector<std::vector<size_t>>{{0, 1, 2, 3}});
   }
@@ -997,35 +997,35 @@ TEST_CASE("torchsave: numbered params placed among the model's tensors, each gro
     }
     model.push_back(ln);
     groups[1].push_back(ln);
-    auto r = torchsave::place_params_in_model(groups, model);
+    auto r = place_params_in_model(groups, model);
     REQUIRE_MESSAGE(r.why.empty(), r.why);
     CHECK(r.tensor_of[0] == std::vector<size_t>{0, 1, 3, 4, 6, 7, 9, 10, 12, 13, 15, 16, 18, 19});
     CHECK(r.tensor_of[1] == std::vector<size_t>{2, 5, 8, 11, 14, 17, 20});
   }
   SUBCASE("buffers and frozen params of other shapes are passed over (a LoRA's adapters alone)") {
     const Shape a{2, 8}, b{8, 2};
-    auto r = torchsave::place_params_in_model(Groups{{a, b, a, b}}, {emb, proj, a, b, proj, Shape{}, a, b, ln});
+    auto r = place_params_in_model(Groups{{a, b, a, b}}, {emb, proj, a, b, proj, Shape{}, a, b, ln});
     REQUIRE_MESSAGE(r.why.empty(), r.why);
     CHECK(r.tensor_of == std::vector<std::vector<size_t>>{{2, 3, 6, 7}});
   }
   SUBCASE("a param without state takes the shape of the one tensor left for it") {
-    auto r = torchsave::place_params_in_model(Groups{{emb, std::nullopt, proj}}, {emb, ln, proj});
+    auto r = place_params_in_model(Groups{{emb, std::nullopt, proj}}, {emb, ln, proj});
     REQUIRE_MESSAGE(r.why.empty(), r.why);
     CHECK(r.tensor_of == std::vector<std::vector<size_t>>{{0, 1, 2}});
   }
   SUBCASE("a spare tensor shaped like a param leaves more than one way: refused") {
     // weight, bias, and a buffer of their shape (what norm_buffer's names exist to take out)
-    auto r = torchsave::place_params_in_model(Groups{{proj, ln, ln}}, {proj, ln, ln, ln});
+    auto r = place_params_in_model(Groups{{proj, ln, ln}}, {proj, ln, ln, ln});
     CHECK(r.tensor_of.empty());
     CHECK(r.why.find("more than one way") != std::string::npos);
     // two groups whose next params have one shape: which group a tensor is cannot be told
-    auto two = torchsave::place_params_in_model(Groups{{ln}, {ln}}, {ln, ln});
+    auto two = place_params_in_model(Groups{{ln}, {ln}}, {ln, ln});
     CHECK(two.why.find("more than one way") != std::string::npos);
   }
   SUBCASE("shapes out of order, or fewer tensors than params: refused saying so") {
-    auto r = torchsave::place_params_in_model(Groups{{proj, emb}}, {emb, proj});
+    auto r = place_params_in_model(Groups{{proj, emb}}, {emb, proj});
     CHECK(r.why.find("not among its 2 tensors in order") != std::string::npos);
-    auto fewer = torchsave::place_params_in_model(Groups{{emb, proj}}, {emb});
+    auto fewer = place_params_in_model(Groups{{emb, proj}}, {emb});
     CHECK(fewer.why.find("fewer than the optimizer's 2 params") != std::string::npos);
   }
   SUBCASE("one group among many spare tensors (a large LoRA): found by two scans, unique or not") {
@@ -1043,28 +1043,28 @@ TEST_CASE("torchsave: numbered params placed among the model's tensors, each gro
           adapters.push_back(s);
         }
       }
-    auto r = torchsave::place_params_in_model(Groups{{}, adapters}, model);
+    auto r = place_params_in_model(Groups{{}, adapters}, model);
     REQUIRE_MESSAGE(r.why.empty(), r.why);
     CHECK(r.tensor_of[0].empty());
     CHECK(r.tensor_of[1] == where);
     // a frozen tensor shaped like an adapter, between two adapters: two ways
     model.insert(model.begin() + static_cast<std::ptrdiff_t>(where[1]), Shape{8, 64});
-    auto two = torchsave::place_params_in_model(Groups{adapters}, model);
+    auto two = place_params_in_model(Groups{adapters}, model);
     CHECK(two.why.find("more than one way") != std::string::npos);
   }
   SUBCASE("nothing to place, and nothing to place it in") {
-    auto r = torchsave::place_params_in_model(Groups{{}}, {});
+    auto r = place_params_in_model(Groups{{}}, {});
     CHECK(r.why.empty());
   }
   SUBCASE("a hostile file cannot make the search run long or large") {
     // 8 groups of 60 one-element params among 1200 one-element tensors: the ways grow past the bound.
     Groups groups(8, std::vector<std::optional<Shape>>(60, Shape{1}));
-    auto r = torchsave::place_params_in_model(groups, std::vector<Shape>(1200, Shape{1}));
+    auto r = place_params_in_model(groups, std::vector<Shape>(1200, Shape{1}));
     CHECK(r.tensor_of.empty());
     CHECK(r.why.find("too many ways") != std::string::npos);
     // 3000 groups of one param each: every state's key is long, and each tensor fits every group.
     Groups wide(3000, std::vector<std::optional<Shape>>(1, Shape{1}));
-    auto w = torchsave::place_params_in_model(wide, std::vector<Shape>(3000, Shape{1}));
+    auto w = place_params_in_model(wide, std::vector<Shape>(3000, Shape{1}));
     CHECK(w.why.find("too many ways") != std::string::npos);
   }
 }

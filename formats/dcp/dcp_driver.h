@@ -47,6 +47,12 @@ struct SourceLayout {
   std::string optimizer_key() const;                   // the path joined with '.'
   std::vector<std::string> parent() const { return {optimizer_path.begin(), optimizer_path.end() - 1}; }
   bool flattened = false;               // flatten_optimizer_state_dict=True: per-param param_groups fields
+  // The state keyed by param number as optimizer.state_dict() keys it (`<K>.state.<n>.<entry>`,
+  // `params` a list of ints): a DCP of {"model": model.state_dict(), "optimizer":
+  // optimizer.state_dict()}, or torch's own torch_save_to_dcp of such a file. Numbered the same
+  // way when written (group by group, as torch numbers).
+  bool numbered = false;
+  std::vector<std::string> item_order;  // the source's item keys in its metadata's order
   std::map<std::string, ItemName> weights;  // fqn -> where its weights were (model.<fqn>, or <fqn> in torchtitan)
   std::set<std::string> tensor_lr;      // fqns whose group's lr was a 0-d tensor (torchao keeps it so)
   bool torchao_8bit = false;            // some moment was torchao's OptimState8bit (AdamW8bit's) items

@@ -13,6 +13,7 @@
 #include "dcp_layout.h"
 #include "optstate/io.h"
 #include "optstate/quant8.h"
+#include "optstate/torch_names.h"
 #include "optstate/transform.h"
 #include "pickle.h"
 #include "torchao/torchao_layout.h"
@@ -83,6 +84,7 @@ class DcpReader final : public CheckpointReader {
   std::vector<std::string> not_read() const override {
     std::vector<std::string> out;
     for (const auto& [top, n] : not_read_) out.push_back(fmt::format("{} ({} item{})", top, n, n == 1 ? "" : "s"));
+    out.insert(out.end(), notes_.begin(), notes_.end());
     return out;
   }
 
@@ -434,7 +436,7 @@ class DcpReader final : public CheckpointReader {
     if (nested_groups.count(opt_key) && flat_groups.count(opt_key))
       return corrupt(fmt::format("{}: '{}' mixes numbered and flattened (per-param) param_groups items", where,
                                  dotted(opt_key)));
-    const auto& state_items = states[opt_key];
+    auto state_items = states[opt_key];  // a copy: numbered params are renamed below
     std::set<std::string> carried_weights;  // weight items of the params read
     // Items the canonical state holds (a DCP writer rewrites them); the rest is carried through by
     // convert DCP -> DCP (layout_.carried).
@@ -452,6 +454,7 @@ class DcpReader final : public CheckpointReader {
       return value_of(key, fmt::format("{}: item '{}'", dir_.string(), key));
     };
     layout_.optimizer_path = opt_key;
+    layout_.item_order = md_.order;
     layout_.flattened = !nested_groups.count(opt_key);
     std::map<std::string, std::string> weight_items = model_items[layout_.parent()];
     if (opt_key.size() == 1)
@@ -460,6 +463,7 @@ class DcpReader final : public CheckpointReader {
     // Param groups: hyperparameters and members.
     if (auto ng = nested_groups.find(opt_key); ng != nested_groups.end()) {
       int expect = 0;
+      bool any_named = false, any_numbered = false;
       for (const auto& [g, fields] : ng->second) {
         if (g != expect++) return corrupt(fmt::format("{}: param group {} is missing", where, expect - 1));
         const std::string gw = fmt::format("{}: param group {}", where, g);
@@ -472,7 +476,20 @@ class DcpReader final : public CheckpointReader {
         if (params == fields.end()) return corrupt(gw + ": no params");
         OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(params->second, {}));
         auto names = as_string_list(pi->pickle, pi->pickle.root());
-        if (!names) return corrupt(gw + ": params is not a list of names (get_state_dict's FQNs)");
+        if (auto numbers = names ? std::nullopt : as_int_list(pi->pickle, pi->pickle.root())) {
+          // optimizer.state_dict() saved as it is: params by number, the state keyed by them
+          names.emplace();
+          for (int64_t n : *numbers) {
+            if (n < 0) return corrupt(fmt::format("{}: param number {}", gw, n));
+            names->push_back(std::to_string(n));
+          }
+          any_numbered = true;
+        } else if (names && !names->empty()) {
+          any_named = true;
+        }
+        if (!names) return corrupt(gw + ": params is neither a list of names (get_state_dict's FQNs) nor of numbers");
+        if (any_named && any_numbered) return corrupt(gw + ": params named in one group and numbered in another");
+        layout_.numbered = any_numbered;
         pg.params = *names;
         meta_.groups.push_back(std::move(pg));
         plain8_.push_back(q);
@@ -509,9 +526,11 @@ class DcpReader final : public CheckpointReader {
           return corrupt(fmt::format("{}: param '{}' has state but no param_groups items", where, fqn));
     }
     if (meta_.groups.empty()) return corrupt(fmt::format("{}: no param_groups items", where));
+    if (layout_.numbered) OPTSTATE_RETURN_IF_ERROR(name_numbered(model_items[layout_.parent()], state_items, weight_items));
 
     // Params: shape, dtype, step and entries.
     bool any8 = false;
+    size_t shapeless = 0;  // listed params without state or weights
     std::set<std::string> listed;  // every param a group lists
     for (size_t g = 0; g < meta_.groups.size(); ++g) {
       std::vector<std::string> kept;
@@ -533,7 +552,8 @@ class DcpReader final : public CheckpointReader {
             return corrupt(fmt::format("{}: state ({}) without 'exp_avg' (AdamW keeps exp_avg and exp_avg_sq)", pw,
                                        fmt::join(names, ", ")));
           }
-          continue;  // no state and no weights: nothing to carry
+          ++shapeless;  // no state and no weights: nothing to carry, and no shape to give it
+          continue;
         }
         if (meta_.params.count(fqn)) return corrupt(pw + ": listed in two param groups");
         ParamState ps;
@@ -617,6 +637,9 @@ class DcpReader final : public CheckpointReader {
     for (const auto& [fqn, entries] : state_items)
       if (!listed.count(fqn))
         return corrupt(fmt::format("{}: param '{}' has state but no param group lists it", where, fqn));
+    if (shapeless > 0)
+      notes_.push_back(fmt::format("{} param{} without state or weights (never stepped: no shape in the checkpoint)",
+                                   shapeless, shapeless == 1 ? "" : "s"));
     meta_.kind = any8 ? "adamw8bit" : "adamw";
     // The model dict's other tensors beside the weights (buffers, a tied weight's second name,
     // frozen params' weights), for model_tensors(): a torch.save write puts them in its model dict;
@@ -968,6 +991,74 @@ class DcpReader final : public CheckpointReader {
     return value_of(it->second, fmt::format("{} '{}'", where, name));
   }
 
+  // Numbered params (layout_.numbered) named after the model's tensors beside them (`model`: name ->
+  // item key of <parent>.model.<name>), as the torch.save driver names a {"model", "optimizer"}
+  // file's: each group's params placed among the model's float tensors (norm buffers passed over)
+  // in the order the state dict held them (the metadata's), their shapes the state's. Exactly one
+  // placement must fit: then groups, state and weights are renamed (torch_param_fqn of the model's
+  // name); else the params keep their numbers, not_read() says why, and no weights are read.
+  Status name_numbered(const std::map<std::string, std::string>& model,
+                       std::map<std::string, std::map<std::string, std::string>>& state_items,
+                       std::map<std::string, std::string>& weight_items) {
+    weight_items.clear();  // by number, a model name ("0" of a ParameterList) is no param's
+    if (model.empty()) return Status::Ok();  // the optimizer alone: nothing to name them by
+    std::map<std::string, const std::string*> name_of_key;
+    for (const auto& [name, key] : model) name_of_key.emplace(key, &name);
+    std::vector<std::vector<int64_t>> shapes;
+    std::vector<std::pair<const std::string*, const std::string*>> tensors;  // (name, key), in order
+    for (const std::string& key : md_.order) {
+      const auto it = name_of_key.find(key);
+      if (it == name_of_key.end()) continue;
+      const ItemMeta& im = md_.items.at(key);
+      if (!im.is_tensor || !dtype_info(im.dtype).is_float || is_norm_buffer(*it->second)) continue;
+      shapes.push_back(im.size);
+      tensors.emplace_back(it->second, &it->first);
+    }
+    std::vector<std::vector<std::optional<std::vector<int64_t>>>> groups;
+    for (const ParamGroup& pg : meta_.groups) {
+      auto& shapes_of_group = groups.emplace_back();
+      for (const std::string& number : pg.params) {
+        std::optional<std::vector<int64_t>> shape;
+        if (const auto st = state_items.find(number); st != state_items.end())
+          for (const char* first : {"exp_avg", "exp_avg_codes", "state1"})
+            if (!shape && st->second.count(first)) shape = md_.items.at(st->second.at(first)).size;
+        shapes_of_group.push_back(std::move(shape));
+      }
+    }
+    std::vector<std::string> model_path = layout_.parent();
+    model_path.push_back("model");
+    std::string model_key;
+    for (const std::string& part : model_path) model_key += (model_key.empty() ? "" : ".") + part;
+    const ModelPlacement placed = place_params_in_model(groups, shapes);
+    if (!placed.why.empty()) {
+      notes_.push_back(fmt::format("{} (the model's tensors: {}, so params keep their numbers)", model_key, placed.why));
+      return Status::Ok();
+    }
+    std::map<std::string, std::string> fqn_of;  // number -> name
+    std::map<std::string, std::string> weights;  // name -> item key
+    for (size_t g = 0; g < meta_.groups.size(); ++g)
+      for (size_t i = 0; i < meta_.groups[g].params.size(); ++i) {
+        const auto& [name, key] = tensors[placed.tensor_of[g][i]];
+        const std::string fqn = torch_param_fqn(*name);
+        if (!weights.emplace(fqn, *key).second) {
+          notes_.push_back(fmt::format("{} (the model's tensors: two params would be named '{}', so params keep "
+                                       "their numbers)", model_key, fqn));
+          return Status::Ok();
+        }
+        fqn_of[meta_.groups[g].params[i]] = fqn;
+      }
+    for (ParamGroup& pg : meta_.groups)
+      for (std::string& p : pg.params) p = fqn_of.at(p);
+    std::map<std::string, std::map<std::string, std::string>> renamed;
+    for (auto& [number, entries] : state_items) {
+      const auto f = fqn_of.find(number);
+      renamed[f == fqn_of.end() ? number : f->second] = std::move(entries);  // unlisted: refused below, by number
+    }
+    state_items = std::move(renamed);
+    weight_items = std::move(weights);
+    return Status::Ok();
+  }
+
   Status add_entry(const std::string& fqn, const std::string& ename, const std::string& key, ParamState& ps, bool& any8,
                    bool torchao_lr = false) {
     const ItemMeta& im = md_.items.at(key);
@@ -1167,6 +1258,7 @@ class DcpReader final : public CheckpointReader {
   std::vector<Source> model_sources_;
   std::vector<Plain8> plain8_;  // per param group
   std::map<std::string, int64_t> not_read_;     // top-level key -> items not read
+  std::vector<std::string> notes_;  // more of what is not read: why numbered params keep their numbers, ...
   SourceLayout layout_;
   int64_t verified_ = 0, unverified_ = 0;       // chunks streamed with and without a CRC-32 check
   ReadBuffer piece_;                             // reused between streams

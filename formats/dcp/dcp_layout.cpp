@@ -331,6 +331,16 @@ std::optional<std::vector<std::string>> as_string_list(const Pickle& p, Ref r) {
   return out;
 }
 
+std::optional<std::vector<int64_t>> as_int_list(const Pickle& p, Ref r) {
+  if (r == kNoRef || (p.at(r).kind != Kind::kList && p.at(r).kind != Kind::kTuple)) return std::nullopt;
+  std::vector<int64_t> out;
+  for (Ref x : p.at(r).items) {
+    if (p.at(x).kind != Kind::kInt) return std::nullopt;
+    out.push_back(p.at(x).i);
+  }
+  return out;
+}
+
 Result<Metadata> interpret_metadata(const Pickle& p, const std::string& where) {
   const Ref root = p.root();
   if (!is_instance(p, root, kMetaModule, "Metadata"))
@@ -386,7 +396,7 @@ Result<Metadata> interpret_metadata(const Pickle& p, const std::string& where) {
     } else {
       return corrupt(iw + ": neither TensorStorageMetadata nor BytesStorageMetadata");
     }
-    m.items.emplace(*key, std::move(im));
+    if (m.items.emplace(*key, std::move(im)).second) m.order.push_back(*key);
   }
 
   const Ref sd = p.dict_get(f, "storage_data");

@@ -41,6 +41,7 @@ struct StorageLoc {
 
 struct Metadata {
   std::map<std::string, ItemMeta> items;                                   // flat key -> meta
+  std::vector<std::string> order;  // the keys as the state dict held them (module order for a model's)
   std::map<std::pair<std::string, std::vector<int64_t>>, StorageLoc> storage;  // (key, chunk offsets) -> where
   std::map<std::string, std::vector<std::string>> planner;                 // flat key -> path (ints as text)
   std::map<std::string, std::vector<bool>> planner_index;                  // which parts of that path are ints
@@ -139,6 +140,7 @@ std::optional<DType> torch_dtype(const pickle::Pickle& p, pickle::Ref r);
 std::optional<double> as_number(const pickle::Pickle& p, pickle::Ref r);
 std::optional<bool> as_bool(const pickle::Pickle& p, pickle::Ref r);
 std::optional<std::vector<std::string>> as_string_list(const pickle::Pickle& p, pickle::Ref r);
+std::optional<std::vector<int64_t>> as_int_list(const pickle::Pickle& p, pickle::Ref r);
 std::optional<std::string> as_string(const pickle::Pickle& p, pickle::Ref r);
 
 // ---- torch.optim.AdamW's implementation switches (CheckpointReader::adamw_flags) ----

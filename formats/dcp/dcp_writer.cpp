@@ -379,11 +379,31 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
   std::set<std::string> source_keys;  // a DCP source's items that this write carries
   if (carry)
     for (const CarriedItem& c : layout.carried) source_keys.insert(c.name.key);
-  // `<K>.state.<fqn>.<entry>`: nested paths (K, "state", fqn, entry) or flattened (K, "state.<fqn>.<entry>").
+  // A numbered source's state is written numbered again (SourceLayout::numbered): params that kept
+  // their numbers (no model named them) keep them, gaps and all (a param without state is in no
+  // group); named ones are numbered by their place in the groups' order, as
+  // optimizer.state_dict() numbers them (every param is listed: the model gave each its weights).
+  const bool numbered = layout.numbered && !layout.flattened;
+  std::map<std::string, int64_t> number_of;
+  if (numbered) {
+    bool kept_numbers = true;
+    for (const ParamGroup& pg : state.groups)
+      for (const std::string& fqn : pg.params) {
+        kept_numbers = kept_numbers && !fqn.empty() && fqn.size() < 10 &&
+                       std::all_of(fqn.begin(), fqn.end(), [](char c) { return c >= '0' && c <= '9'; });
+        number_of.emplace(fqn, static_cast<int64_t>(number_of.size()));
+      }
+    if (kept_numbers)
+      for (auto& [fqn, n] : number_of) n = std::stoll(fqn);
+  }
+  // `<K>.state.<fqn>.<entry>`: nested paths (K, "state", fqn, entry) or flattened (K, "state.<fqn>.<entry>");
+  // numbered, `<K>.state.<n>.<entry>`, n a string in the planner's path as torch's flattening keeps
+  // every dict key (list indices stay ints).
   auto state_name = [&](const std::string& fqn, const std::string& entry) {
-    return ItemName{fmt::format("{}.state.{}.{}", k, fqn, entry),
-                    layout.flattened ? dict_path(joined(kp, {fmt::format("state.{}.{}", fqn, entry)}))
-                                     : dict_path(joined(kp, {"state", fqn, entry}))};
+    const std::string n = numbered ? std::to_string(number_of.at(fqn)) : fqn;
+    return ItemName{fmt::format("{}.state.{}.{}", k, n, entry),
+                    layout.flattened ? dict_path(joined(kp, {fmt::format("state.{}.{}", n, entry)}))
+                                     : dict_path(joined(kp, {"state", n, entry}))};
   };
   // Bytes items first, as DCP writes them: the param groups' fields, per group (nested:
   // `<K>.param_groups.<i>.<field>` and the members in `params`) or per param (flattened:
@@ -465,7 +485,11 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
       pickle::Writer w;
       w.empty_list();
       w.mark();
-      for (const std::string& member : state.groups[g].params) w.str(member);
+      for (const std::string& member : state.groups[g].params)
+        if (numbered)
+          w.integer(number_of.at(member));
+        else
+          w.str(member);
       w.appends_from_mark();
       OPTSTATE_RETURN_IF_ERROR(value_item(name("params"), w.finish()));
     }
@@ -578,6 +602,17 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
     std::set<std::string> written = std::move(replaced);
     for (const Written& wr : done) written.insert(wr.key);
     OPTSTATE_RETURN_IF_ERROR(copy_carried(layout, outs, written, done));
+  }
+  if (numbered) {
+    // The metadata lists the items in the source's order, which names numbered params when it is
+    // read again: the model's tensors in module order (name_numbered places the params among them).
+    std::map<std::string_view, size_t> at;
+    for (const std::string& key : layout.item_order) at.emplace(key, at.size());
+    auto place = [&](const Written& w) {
+      const auto it = at.find(w.key);
+      return it == at.end() ? at.size() : it->second;
+    };
+    std::stable_sort(done.begin(), done.end(), [&](const Written& a, const Written& b) { return place(a) < place(b); });
   }
   for (OutputFile& f : outs) OPTSTATE_RETURN_IF_ERROR(f.sync_and_close());
   const std::string md = metadata_pickle(done);

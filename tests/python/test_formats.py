@@ -395,6 +395,115 @@ def test_torchtitan_rotary_buffer_and_other_dtypes_go_with_the_model(tmp_path, o
     assert hashes(optstate_cli, tmp_path / "back") == hashes(optstate_cli, ck)
 
 
+NUMBERED_MODEL = textwrap.dedent("""
+    import sys, torch, torch.distributed.checkpoint as dcp
+    def build():
+        torch.manual_seed(0)
+        # BatchNorm's buffers sit between params of the same shape; two groups as Hugging Face makes
+        # them (weights decayed, the rest not); the last bias gets no gradient (no state).
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 8),
+                                    torch.nn.Linear(8, 3))
+        decay = [p for p in model.parameters() if p.dim() > 1]
+        rest = [p for p in model.parameters() if p.dim() <= 1]
+        opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+        return model, opt
+    def state_of(sd):  # everything an optimizer.state_dict() holds, comparable
+        return ({k: {e: v.clone() for e, v in st.items()} for k, st in sd["state"].items()},
+                [{k: v for k, v in g.items()} for g in sd["param_groups"]])
+""")
+
+MAKE_NUMBERED = NUMBERED_MODEL + textwrap.dedent("""
+    from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    out = sys.argv[1]
+    model, opt = build()
+    for step in range(2):
+        model(torch.randn(4, 6)).square().mean().backward()
+        model[3].bias.grad = None
+        opt.step()
+        opt.zero_grad()
+    assert len(opt.state) == 7
+    # optimizer.state_dict() saved as it is (params and state by number), torch's own conversion of
+    # such a torch.save file, the optimizer alone, and get_state_dict's named form of the same run
+    dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=f"{out}/numbered")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f"{out}/ref.pt")
+    torch_save_to_dcp(f"{out}/ref.pt", f"{out}/from_torch")
+    dcp.save({"optimizer": opt.state_dict()}, checkpoint_id=f"{out}/alone")
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{out}/named")
+""")
+
+CHECK_NUMBERED = NUMBERED_MODEL + textwrap.dedent("""
+    # A DCP written by optstate, resumed as the loop that saved it resumes: a fresh model and AdamW
+    # (its state made by a step of zero gradients), dcp.load into {"model": model.state_dict(),
+    # "optimizer": opt.state_dict()}, then load_state_dict of both (strict): the saved state. The
+    # optimizer alone (no model: a param without state is left out) is read by torch's
+    # dcp_to_torch_save instead, whose state keys are the flattened path's strings.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    path, ref, has_model = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    want = torch.load(ref, weights_only=True)
+    ws, wg = state_of(want["optimizer"])
+    if has_model:
+        model, opt = build()
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        model[3].bias.grad = None
+        opt.step()
+        sd = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        dcp.load(sd, checkpoint_id=path)
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optimizer"])
+        gs, gg = state_of(opt.state_dict())
+        got_model = model.state_dict()
+        assert got_model.keys() == want["model"].keys()
+        assert all(torch.equal(got_model[k], v) for k, v in want["model"].items())
+        assert [g["params"] for g in gg] == [g["params"] for g in wg] == [[0, 1, 2], [3, 4, 5, 6, 7]]
+    else:
+        dcp_to_torch_save(path, path + ".pt")
+        got = torch.load(path + ".pt", weights_only=True)["optimizer"]
+        gs, gg = state_of(got)
+        gs = {int(k): v for k, v in gs.items()}
+        assert [g["params"] for g in gg] == [[0, 1, 2], [3, 4, 5, 6]]
+    assert sorted(gs) == sorted(ws) == [0, 1, 2, 3, 4, 5, 6], sorted(gs)
+    for k in ws:
+        assert gs[k].keys() == ws[k].keys() and all(torch.equal(gs[k][e], ws[k][e]) for e in ws[k]), k
+    for a, b in zip(gg, wg):
+        assert all(a[k] == b[k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad")), (a, b)
+""")
+
+
+
+def test_numbered_dcp_of_optimizer_state_dict(tmp_path, optstate_cli):
+    """dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}) keys the state by
+    param number (`optimizer.state.0.exp_avg`, `params` a list of ints), as does torch's own
+    torch_save_to_dcp of a torch.save file: such a DCP did not open ("params is not a list of
+    names"). Its params are named after the model's tensors beside them, as a torch.save file's
+    (BatchNorm's buffers passed over): it hashes like get_state_dict's DCP of the same run, and DCP
+    -> DCP (any world size) writes the numbered layout again, which torch's dcp_to_torch_save reads
+    back as the saved state_dict and model; the optimizer alone keeps its numbers (gaps too)."""
+    run_script(tmp_path, MAKE_NUMBERED, "make_numbered.py", tmp_path)
+    named = hashes(optstate_cli, tmp_path / "named")
+    for ck in ("numbered", "from_torch"):
+        insp = json.loads(optstate_cli("inspect", tmp_path / ck, "--json").stdout)
+        assert sorted(insp["params"]) == [f"{i}.{w}" for i in range(4) for w in ("bias", "weight")], insp["params"]
+        assert sorted(t["name"] for t in insp["model_tensors"]) == [
+            "1.num_batches_tracked", "1.running_mean", "1.running_var"]
+        assert hashes(optstate_cli, tmp_path / ck) == named
+        optstate_cli("validate", tmp_path / ck)
+        for world in ("1", "2"):
+            out = tmp_path / f"{ck}_w{world}"
+            optstate_cli("convert", tmp_path / ck, out, "--format", "dcp", "--world-size", world)
+            assert hashes(optstate_cli, out) == named
+            run_script(tmp_path, CHECK_NUMBERED, "check_numbered.py", out, tmp_path / "ref.pt", 1)
+    # The optimizer alone: nothing names the params, which keep their numbers through DCP -> DCP;
+    # param 7 (the bias without state) has no shape there and is left out, said so.
+    insp = json.loads(optstate_cli("inspect", tmp_path / "alone", "--json").stdout)
+    assert sorted(insp["params"]) == ["0", "1", "2", "3", "4", "5", "6"]
+    assert insp["not_read"] == ["1 param without state or weights (never stepped: no shape in the checkpoint)"]
+    optstate_cli("convert", tmp_path / "alone", tmp_path / "alone2", "--format", "dcp", "--world-size", "2")
+    run_script(tmp_path, CHECK_NUMBERED, "check_numbered.py", tmp_path / "alone2", tmp_path / "ref.pt", 0)
+
+
 FLOAT8_MODEL = textwrap.dedent("""
     # torchao's float8 training (torchtitan's float8 converter) under FSDP2 with float8 all-gather:
     # each weight a WeightWithDynamicFloat8CastTensor (inside the DTensor), which DCP and torch.save

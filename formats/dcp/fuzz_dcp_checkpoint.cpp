@@ -8,6 +8,10 @@
 // written as `convert --to 8bit --format dcp` writes it (each rank's rows of the 8-bit moments a
 // torchao OptimState8bit item, lr a tensor), written back DCP -> DCP keeping torchao's items; seed
 // testdata/checkpoint_torchao/.metadata.
+// Built a third time with OPTSTATE_DCP_NUMBERED_SEED (fuzz.dcp_numbered_checkpoint): over torch's own
+// DCP of an optimizer.state_dict() saved as it is (testdata/numbered/, make_numbered.py), the state
+// keyed by param number and named after the model's tensors beside it (name_numbered: the metadata's
+// order, the placement of each group's params), written back numbered.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -20,7 +24,9 @@ using namespace optstate;
 namespace {
 
 const fuzz::CheckpointFixture& fixture() {
-#ifdef OPTSTATE_DCP_QUANTIZED
+#if defined(OPTSTATE_DCP_NUMBERED_SEED)
+  static const fuzz::CheckpointFixture f("dcp", OPTSTATE_DCP_NUMBERED_SEED, ".metadata");
+#elif defined(OPTSTATE_DCP_QUANTIZED)
   static const fuzz::CheckpointFixture f("dcp", 2, ".metadata", /*quantized=*/true);
 #else
   static const fuzz::CheckpointFixture f("dcp", 2, ".metadata", /*quantized=*/false, /*model_tensors=*/true);
@@ -37,7 +43,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
 #ifndef OPTSTATE_LIBFUZZER
 int main(int argc, char** argv) {
-#ifdef OPTSTATE_DCP_QUANTIZED
+#if defined(OPTSTATE_DCP_NUMBERED_SEED)
+  const char* test = "fuzz.dcp_numbered_checkpoint";
+#elif defined(OPTSTATE_DCP_QUANTIZED)
   const char* test = "fuzz.dcp_torchao_checkpoint";
 #else
   const char* test = "fuzz.dcp_checkpoint";

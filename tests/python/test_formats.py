@@ -431,6 +431,15 @@ MAKE_NUMBERED = NUMBERED_MODEL + textwrap.dedent("""
     dcp.save({"optimizer": opt.state_dict()}, checkpoint_id=f"{out}/alone")
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{out}/named")
+    # A LoRA-like run: of three 8x8 weights only the first and last are trained; which two of the
+    # three the optimizer's params are cannot be told from shapes.
+    torch.manual_seed(0)
+    lora = torch.nn.Sequential(*[torch.nn.Linear(8, 8, bias=False) for _ in range(3)])
+    lora[1].weight.requires_grad_(False)
+    opt = torch.optim.AdamW([lora[0].weight, lora[2].weight], lr=1e-2)
+    lora(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    dcp.save({"model": lora.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=f"{out}/ambiguous")
 """)
 
 CHECK_NUMBERED = NUMBERED_MODEL + textwrap.dedent("""
@@ -495,6 +504,12 @@ def test_numbered_dcp_of_optimizer_state_dict(tmp_path, optstate_cli):
             optstate_cli("convert", tmp_path / ck, out, "--format", "dcp", "--world-size", world)
             assert hashes(optstate_cli, out) == named
             run_script(tmp_path, CHECK_NUMBERED, "check_numbered.py", out, tmp_path / "ref.pt", 1)
+    # Shapes that fit in more than one way: the params keep their numbers, and inspect says why.
+    insp = json.loads(optstate_cli("inspect", tmp_path / "ambiguous", "--json").stdout)
+    assert sorted(insp["params"]) == ["0", "1"]
+    assert insp["not_read"] == ["model (the model's tensors: the optimizer's 2 params (in 1 group) fit among its 3 "
+                                "tensors in more than one way (buffers or frozen params shaped like params); which is "
+                                "which cannot be told, so params keep their numbers)"], insp["not_read"]
     # The optimizer alone: nothing names the params, which keep their numbers through DCP -> DCP;
     # param 7 (the bias without state) has no shape there and is left out, said so.
     insp = json.loads(optstate_cli("inspect", tmp_path / "alone", "--json").stdout)

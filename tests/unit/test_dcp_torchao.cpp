@@ -1,5 +1,5 @@
-// The DCP driver against real torchao checkpoints of FSDP2 (formats/dcp/testdata/): items whose
-// chunks torchao quantized on some ranks only.
+// The DCP driver against real checkpoints (formats/dcp/testdata/): torchao's of FSDP2, items whose
+// chunks torchao quantized on some ranks only; an optimizer's numbered state_dict saved as it is.
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
@@ -193,3 +193,42 @@ TEST_CASE("torchao: 8-bit moments are the package's subclasses that was asked fo
     CHECK_FALSE(std::filesystem::exists(dir.path / (n + "-bad")));
   }
 }
+
+TEST_CASE("dcp: optimizer.state_dict() saved as it is (numbered) is named after the model and written numbered again") {
+  // formats/dcp/testdata/make_numbered.py: dcp.save({"model": model.state_dict(), "optimizer":
+  // opt.state_dict()}) of Linear(6, 8), BatchNorm1d(8), Linear(8, 3); weights in group 0, the rest
+  // in group 1 (numbered group by group: 0.weight 0, 2.weight 1, 0.bias 2, ...); 2.bias never stepped.
+  const std::filesystem::path data = std::filesystem::path(OPTSTATE_SOURCE_DIR) / "formats/dcp/testdata";
+  auto r = open_checkpoint(data / "numbered");
+  REQUIRE_MESSAGE(r.ok(), r.status().message());
+  const OptimizerState& m = (*r)->meta();
+  REQUIRE(m.groups.size() == 2);
+  CHECK(m.groups[0].params == std::vector<std::string>{"0.weight", "2.weight"});
+  CHECK(m.groups[1].params == std::vector<std::string>{"0.bias", "1.weight", "1.bias", "2.bias"});
+  CHECK(m.groups[1].hyper.weight_decay == 0.0);
+  CHECK(m.params.at("0.weight").step == 2);
+  CHECK(m.params.at("0.weight").entries.count(kParam) == 1);
+  // never stepped: listed, with its weights and no moments
+  CHECK(m.params.at("2.bias").entries.count(kExpAvg) == 0);
+  CHECK(m.params.at("2.bias").entries.count(kParam) == 1);
+  std::vector<std::string> others;
+  for (const ModelTensorInfo& t : (*r)->model_tensors()) others.push_back(t.name);
+  std::sort(others.begin(), others.end());
+  CHECK(others == std::vector<std::string>{"1.num_batches_tracked", "1.running_mean", "1.running_var"});
+  CHECK((*r)->not_read().empty());
+  // Written back on two ranks: keyed by number again (not by name), the same state and hash.
+  testing::TempDir dir;
+  auto all = load_all(**r);
+  REQUIRE(all.ok());
+  Status st = write_checkpoint(*find_format("dcp"), *all, dir.path / "out", {.world_size = 2, .source = r->get()});
+  REQUIRE_MESSAGE(st.ok(), st.message());
+  const std::string md = testing::read_file(dir.path / "out" / ".metadata");
+  CHECK(md.find("optimizer.state.0.exp_avg") != std::string::npos);
+  CHECK(md.find("optimizer.state.0.weight") == std::string::npos);
+  auto back = open_checkpoint(dir.path / "out");
+  REQUIRE_MESSAGE(back.ok(), back.status().message());
+  CHECK((*back)->meta().groups[1].params == m.groups[1].params);
+  CHECK(hash_checkpoint(**back)->root == hash_checkpoint(**r)->root);
+  CHECK((*back)->model_tensors().size() == 3);
+}
+

@@ -41,11 +41,17 @@ struct CarriedItem {
 struct SourceLayout {
   std::filesystem::path dir;
   // Where the optimizer state sits in the state dict: {"optim"} from get_state_dict, {"optimizer"}
-  // in torchtitan, {"app", "optimizers"} in prime-rl (a Stateful under "app"). The weights are
+  // in torchtitan, {"app", "optimizers"} in prime-rl (a Stateful under "app"), {} where it is the
+  // whole state dict. The weights are
   // <parent>.model.<fqn>, or <fqn> at the top level (torchtitan), parent = the path without its last key.
   std::vector<std::string> optimizer_path{"optim"};
   std::string optimizer_key() const;                   // the path joined with '.'
-  std::vector<std::string> parent() const { return {optimizer_path.begin(), optimizer_path.end() - 1}; }
+  // Empty for an optimizer saved as the whole state dict (dcp.save(opt.state_dict())), which has no
+  // weights beside it.
+  std::vector<std::string> parent() const {
+    return optimizer_path.empty() ? std::vector<std::string>{}
+                                  : std::vector<std::string>{optimizer_path.begin(), optimizer_path.end() - 1};
+  }
   bool flattened = false;               // flatten_optimizer_state_dict=True: per-param param_groups fields
   // The state keyed by param number as optimizer.state_dict() keys it (`<K>.state.<n>.<entry>`,
   // `params` a list of ints): a DCP of {"model": model.state_dict(), "optimizer":

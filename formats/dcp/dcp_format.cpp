@@ -367,40 +367,61 @@ class DcpReader final : public CheckpointReader {
       if (dot == std::string::npos || dot == 0 || dot + 1 == s.size()) return std::nullopt;
       return std::pair{s.substr(0, dot), s.substr(dot + 1)};
     };
-    for (const auto& [key, im] : md_.items) {
-      Path path;
-      if (auto pl = md_.planner.find(key); pl != md_.planner.end()) path = pl->second;
-      else path = split_key(key);
-      if (path.empty()) return corrupt(fmt::format("{}: item '{}' has an empty path", where, key));
-      item_path[key] = path;
-      const size_t n = path.size();
-      const Path head3(path.begin(), path.end() - std::min<size_t>(n, 3));  // K of K.<x>.<y>.<z>
-      const Path head1(path.begin(), path.end() - 1);                       // K of K.<x>
-      const std::string& last = path.back();
-      if (n >= 5 && path[n - 2] == kBnbQuantState && path[n - 4] == "state") {
-        // bitsandbytes' tensors nested one level down (K.state.<fqn>.__bnb_optimizer_quant_state__.state1):
-        // spliced into the param's entries below, as its own key path leaves them without the planner's.
-        states[Path(path.begin(), path.end() - 4)][path[n - 3] + "." + std::string(kBnbQuantState)][last] = key;
-      } else if (n >= 4 && path[n - 3] == "state") {
-        states[head3][path[n - 2]][last] = key;
-      } else if (n >= 4 && path[n - 3] == "param_groups") {
-        int g = -1;
-        try {
-          g = std::stoi(path[n - 2]);
-        } catch (...) {
+    // `top`: the optimizer's state dict saved as the whole state dict (dcp.save(opt.state_dict()),
+    // dcp.save(get_optimizer_state_dict(model, opt))): K is empty, tried only when no K was found
+    // (a top-level key named "state" is otherwise some Stateful's, {"state": {"model", "optimizer"}}).
+    auto classify = [&](bool top) -> Status {
+      const size_t k_min = top ? 0 : 1;  // K's least length
+      for (const auto& [key, im] : md_.items) {
+        Path path;
+        if (auto pl = md_.planner.find(key); pl != md_.planner.end()) path = pl->second;
+        else path = split_key(key);
+        if (path.empty()) return corrupt(fmt::format("{}: item '{}' has an empty path", where, key));
+        item_path[key] = path;
+        const size_t n = path.size();
+        if (top && !(path[0] == "state" || path[0] == "param_groups" || path[0].rfind("state.", 0) == 0 ||
+                     path[0].rfind("param_groups.", 0) == 0))
+          continue;
+        const Path head3(path.begin(), path.end() - std::min<size_t>(n, 3));  // K of K.<x>.<y>.<z>
+        const Path head1(path.begin(), path.end() - 1);                       // K of K.<x>
+        const std::string& last = path.back();
+        if (n >= 4 + k_min && path[n - 2] == kBnbQuantState && path[n - 4] == "state") {
+          // bitsandbytes' tensors nested one level down (K.state.<fqn>.__bnb_optimizer_quant_state__.state1):
+          // spliced into the param's entries below, as its own key path leaves them without the planner's.
+          states[Path(path.begin(), path.end() - 4)][path[n - 3] + "." + std::string(kBnbQuantState)][last] = key;
+        } else if (n >= 3 + k_min && path[n - 3] == "state") {
+          states[head3][path[n - 2]][last] = key;
+        } else if (n >= 3 + k_min && path[n - 3] == "param_groups") {
+          int g = -1;
+          try {
+            g = std::stoi(path[n - 2]);
+          } catch (...) {
+          }
+          if (g < 0 || g > 100000)
+            return corrupt(fmt::format("{}: item '{}' names param group '{}'", where, key, path[n - 2]));
+          nested_groups[head3][g][last] = key;
+        } else if (n >= 2 && path[n - 2] == "model") {  // before the flattened forms: a module may be named "state"
+          model_items[Path(path.begin(), path.end() - 2)][last] = key;
+        } else if (n >= 1 + k_min && last.rfind("state.", 0) == 0) {
+          if (auto fe = split_last(last.substr(6))) states[head1][fe->first][fe->second] = key;
+        } else if (n >= 1 + k_min && last.rfind("param_groups.", 0) == 0) {
+          if (auto ff = split_last(last.substr(13))) flat_groups[head1][ff->first][ff->second] = key;
+        } else if (n == 1 && im.is_tensor) {
+          top_items[path[0]] = key;
         }
-        if (g < 0 || g > 100000)
-          return corrupt(fmt::format("{}: item '{}' names param group '{}'", where, key, path[n - 2]));
-        nested_groups[head3][g][last] = key;
-      } else if (n >= 2 && path[n - 2] == "model") {  // before the flattened forms: a module may be named "state"
-        model_items[Path(path.begin(), path.end() - 2)][last] = key;
-      } else if (n >= 2 && last.rfind("state.", 0) == 0) {
-        if (auto fe = split_last(last.substr(6))) states[head1][fe->first][fe->second] = key;
-      } else if (n >= 2 && last.rfind("param_groups.", 0) == 0) {
-        if (auto ff = split_last(last.substr(13))) flat_groups[head1][ff->first][ff->second] = key;
-      } else if (n == 1 && im.is_tensor) {
-        top_items[path[0]] = key;
       }
+      return Status::Ok();
+    };
+    OPTSTATE_RETURN_IF_ERROR(classify(false));
+    if (nested_groups.empty() && flat_groups.empty() &&
+        std::any_of(item_path.begin(), item_path.end(), [](const auto& kv) {
+          const Path& p = kv.second;
+          return (p.size() == 3 && p[0] == "param_groups") || (p.size() == 1 && p[0].rfind("param_groups.", 0) == 0);
+        })) {
+      states.clear();
+      model_items.clear();
+      top_items.clear();
+      OPTSTATE_RETURN_IF_ERROR(classify(true));
     }
     const std::string bnb_suffix = "." + std::string(kBnbQuantState);
     for (auto& [k, fqns] : states)

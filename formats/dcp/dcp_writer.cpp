@@ -374,6 +374,7 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
         return invalid_argument(fmt::format("param group {}: maximize; torchao's AdamW8bit has none (write "
                                             "torch.optim.AdamW's state: --to fp32)", g));
   const std::string k = layout.optimizer_key();
+  const std::string kd = k.empty() ? "" : k + ".";  // item keys under K ("" where K is the whole state dict)
   const std::vector<std::string>& kp = layout.optimizer_path;
   std::set<std::string> replaced;  // carried items written in another form (float_lr)
   std::set<std::string> source_keys;  // a DCP source's items that this write carries
@@ -401,7 +402,7 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
   // every dict key (list indices stay ints).
   auto state_name = [&](const std::string& fqn, const std::string& entry) {
     const std::string n = numbered ? std::to_string(number_of.at(fqn)) : fqn;
-    return ItemName{fmt::format("{}.state.{}.{}", k, n, entry),
+    return ItemName{fmt::format("{}state.{}.{}", kd, n, entry),
                     layout.flattened ? dict_path(joined(kp, {fmt::format("state.{}.{}", n, entry)}))
                                      : dict_path(joined(kp, {"state", n, entry}))};
   };
@@ -415,11 +416,11 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
     for (const std::string& fqn : owners) {
       auto name = [&](const char* field) {
         if (layout.flattened)
-          return ItemName{fmt::format("{}.param_groups.{}.{}", k, fqn, field),
+          return ItemName{fmt::format("{}param_groups.{}.{}", kd, fqn, field),
                           dict_path(joined(kp, {fmt::format("param_groups.{}.{}", fqn, field)}))};
         PlannerPath p = dict_path(joined(kp, {"param_groups", std::to_string(g), field}));
         p.index[kp.size() + 1] = true;
-        return ItemName{fmt::format("{}.param_groups.{}.{}", k, g, field), std::move(p)};
+        return ItemName{fmt::format("{}param_groups.{}.{}", kd, g, field), std::move(p)};
       };
       auto num = [&](const char* field, double v) {
         pickle::Writer w;

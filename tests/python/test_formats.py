@@ -519,6 +519,64 @@ def test_numbered_dcp_of_optimizer_state_dict(tmp_path, optstate_cli):
     run_script(tmp_path, CHECK_NUMBERED, "check_numbered.py", tmp_path / "alone2", tmp_path / "ref.pt", 0)
 
 
+TOP_LEVEL_OPTIMIZER = textwrap.dedent("""
+    import sys, torch, torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    def build(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 3))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    def train(model, opt, steps):
+        for step in range(steps):
+            model(torch.randn(4, 6)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    kind, path = sys.argv[1], sys.argv[2]
+    if kind == "make":
+        # the optimizer's state dict as the whole DCP: as it is (numbered) and get_optimizer_state_dict's
+        model, opt = build(0)
+        train(model, opt, 2)
+        dcp.save(opt.state_dict(), checkpoint_id=f"{path}/numbered")
+        dcp.save(get_optimizer_state_dict(model, opt), checkpoint_id=f"{path}/named")
+        torch.save(opt.state_dict(), f"{path}/ref.pt")
+    else:
+        # resumed as each was saved, into a fresh model's AdamW: the saved state
+        model, opt = build(1)
+        train(model, opt, 1)
+        if kind == "numbered":
+            sd = opt.state_dict()
+            dcp.load(sd, checkpoint_id=path)
+            opt.load_state_dict(sd)
+        else:
+            osd = get_optimizer_state_dict(model, opt)
+            dcp.load(osd, checkpoint_id=path)
+            set_optimizer_state_dict(model, opt, osd)
+        got, want = opt.state_dict(), torch.load(sys.argv[3], weights_only=True)
+        assert sorted(got["state"]) == sorted(want["state"]) == [0, 1, 2, 3]
+        for k, st in want["state"].items():
+            assert all(torch.equal(got["state"][k][e], v) for e, v in st.items()), k
+""")
+
+
+def test_dcp_of_the_optimizer_alone_at_the_top_level(tmp_path, optstate_cli):
+    """dcp.save(opt.state_dict()) and dcp.save(get_optimizer_state_dict(model, opt)) save the
+    optimizer's state dict as the whole DCP (`state.<fqn>.exp_avg`, `param_groups.0.lr`, under no
+    key): such a DCP did not open ("a DCP checkpoint without optimizer state"). Read now, and DCP ->
+    DCP on two ranks writes it at the top level again, numbered or named as it was, which the loop's
+    own dcp.load takes back as the saved state."""
+    run_script(tmp_path, TOP_LEVEL_OPTIMIZER, "top.py", "make", tmp_path)
+    numbered = json.loads(optstate_cli("inspect", tmp_path / "numbered", "--json").stdout)
+    named = json.loads(optstate_cli("inspect", tmp_path / "named", "--json").stdout)
+    assert sorted(numbered["params"]) == ["0", "1", "2", "3"]
+    assert sorted(named["params"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert numbered["not_read"] == named["not_read"] == []
+    for kind in ("numbered", "named"):
+        out = tmp_path / f"{kind}_2"
+        optstate_cli("convert", tmp_path / kind, out, "--format", "dcp", "--world-size", "2")
+        assert hashes(optstate_cli, out) == hashes(optstate_cli, tmp_path / kind)
+        run_script(tmp_path, TOP_LEVEL_OPTIMIZER, "top.py", kind, out, tmp_path / "ref.pt")
+
+
 FLOAT8_MODEL = textwrap.dedent("""
     # torchao's float8 training (torchtitan's float8 converter) under FSDP2 with float8 all-gather:
     # each weight a WeightWithDynamicFloat8CastTensor (inside the DTensor), which DCP and torch.save

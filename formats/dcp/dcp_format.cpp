@@ -478,6 +478,7 @@ class DcpReader final : public CheckpointReader {
     layout_.item_order = md_.order;
     layout_.flattened = !nested_groups.count(opt_key);
     std::map<std::string, std::string> weight_items = model_items[layout_.parent()];
+    std::vector<std::optional<std::vector<std::string>>> param_names;  // numbered groups' param_names
     if (opt_key.size() == 1)
       for (const auto& [fqn, key] : top_items) weight_items.emplace(fqn, key);  // model.<fqn> first
 
@@ -511,6 +512,16 @@ class DcpReader final : public CheckpointReader {
         if (!names) return corrupt(gw + ": params is neither a list of names (get_state_dict's FQNs) nor of numbers");
         if (any_named && any_numbered) return corrupt(gw + ": params named in one group and numbered in another");
         layout_.numbered = any_numbered;
+        // An optimizer built from named_parameters() keeps its params' names beside their numbers.
+        std::optional<std::vector<std::string>> given;
+        if (auto pn = fields.find("param_names"); pn != fields.end() && any_numbered) {
+          OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pni, item(pn->second, {}));
+          given = as_string_list(pni->pickle, pni->pickle.root());
+          if (!given || given->size() != names->size())
+            return corrupt(fmt::format("{}: param_names is not a list of {} names", gw, names->size()));
+        }
+        if (names->empty()) given.emplace();  // nothing to name
+        param_names.push_back(std::move(given));
         pg.params = *names;
         meta_.groups.push_back(std::move(pg));
         plain8_.push_back(q);
@@ -547,7 +558,8 @@ class DcpReader final : public CheckpointReader {
           return corrupt(fmt::format("{}: param '{}' has state but no param_groups items", where, fqn));
     }
     if (meta_.groups.empty()) return corrupt(fmt::format("{}: no param_groups items", where));
-    if (layout_.numbered) OPTSTATE_RETURN_IF_ERROR(name_numbered(model_items[layout_.parent()], state_items, weight_items));
+    if (layout_.numbered)
+      OPTSTATE_RETURN_IF_ERROR(name_numbered(model_items[layout_.parent()], param_names, state_items, weight_items));
 
     // Params: shape, dtype, step and entries.
     bool any8 = false;
@@ -1019,9 +1031,41 @@ class DcpReader final : public CheckpointReader {
   // placement must fit: then groups, state and weights are renamed (torch_param_fqn of the model's
   // name); else the params keep their numbers, not_read() says why, and no weights are read.
   Status name_numbered(const std::map<std::string, std::string>& model,
+                       const std::vector<std::optional<std::vector<std::string>>>& param_names,
                        std::map<std::string, std::map<std::string, std::string>>& state_items,
                        std::map<std::string, std::string>& weight_items) {
     weight_items.clear();  // by number, a model name ("0" of a ParameterList) is no param's
+    std::map<std::string, std::string> fqn_of;   // number -> name
+    std::map<std::string, std::string> weights;  // name -> item key
+    auto rename = [&] {
+      for (ParamGroup& pg : meta_.groups)
+        for (std::string& p : pg.params) p = fqn_of.at(p);
+      std::map<std::string, std::map<std::string, std::string>> renamed;
+      for (auto& [number, entries] : state_items) {
+        const auto f = fqn_of.find(number);
+        renamed[f == fqn_of.end() ? number : f->second] = std::move(entries);  // unlisted: refused below, by number
+      }
+      state_items = std::move(renamed);
+      weight_items = std::move(weights);
+    };
+    // Every group's param_names (an optimizer built from named_parameters()): the names as given,
+    // the weights the model's tensors of those names.
+    if (!param_names.empty() && std::all_of(param_names.begin(), param_names.end(), [](const auto& n) { return n.has_value(); })) {
+      std::map<std::string, std::string> model_of;  // torch_param_fqn(model name) -> item key
+      for (const auto& [name, key] : model) model_of.emplace(torch_param_fqn(name), key);
+      std::set<std::string> seen;
+      for (size_t g = 0; g < meta_.groups.size(); ++g)
+        for (size_t i = 0; i < meta_.groups[g].params.size(); ++i) {
+          const std::string fqn = torch_param_fqn((*param_names[g])[i]);
+          if (fqn.empty() || !seen.insert(fqn).second)
+            return corrupt(fmt::format("{}: param group {}: param_names names '{}' twice (or not at all)", dir_.string(),
+                                       g, fqn));
+          fqn_of[meta_.groups[g].params[i]] = fqn;
+          if (const auto w = model_of.find(fqn); w != model_of.end()) weights.emplace(fqn, w->second);
+        }
+      rename();
+      return Status::Ok();
+    }
     if (model.empty()) return Status::Ok();  // the optimizer alone: nothing to name them by
     std::map<std::string, const std::string*> name_of_key;
     for (const auto& [name, key] : model) name_of_key.emplace(key, &name);
@@ -1055,8 +1099,6 @@ class DcpReader final : public CheckpointReader {
       notes_.push_back(fmt::format("{} (the model's tensors: {}, so params keep their numbers)", model_key, placed.why));
       return Status::Ok();
     }
-    std::map<std::string, std::string> fqn_of;  // number -> name
-    std::map<std::string, std::string> weights;  // name -> item key
     for (size_t g = 0; g < meta_.groups.size(); ++g)
       for (size_t i = 0; i < meta_.groups[g].params.size(); ++i) {
         const auto& [name, key] = tensors[placed.tensor_of[g][i]];
@@ -1068,15 +1110,7 @@ class DcpReader final : public CheckpointReader {
         }
         fqn_of[meta_.groups[g].params[i]] = fqn;
       }
-    for (ParamGroup& pg : meta_.groups)
-      for (std::string& p : pg.params) p = fqn_of.at(p);
-    std::map<std::string, std::map<std::string, std::string>> renamed;
-    for (auto& [number, entries] : state_items) {
-      const auto f = fqn_of.find(number);
-      renamed[f == fqn_of.end() ? number : f->second] = std::move(entries);  // unlisted: refused below, by number
-    }
-    state_items = std::move(renamed);
-    weight_items = std::move(weights);
+    rename();
     return Status::Ok();
   }
 

@@ -440,6 +440,11 @@ MAKE_NUMBERED = NUMBERED_MODEL + textwrap.dedent("""
     lora(torch.randn(2, 8)).sum().backward()
     opt.step()
     dcp.save({"model": lora.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=f"{out}/ambiguous")
+    # the same optimizer built from named_parameters(): its groups keep param_names beside the numbers
+    opt = torch.optim.AdamW([(n, p) for n, p in lora.named_parameters() if p.requires_grad], lr=1e-2)
+    lora(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    dcp.save({"model": lora.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=f"{out}/param_names")
 """)
 
 CHECK_NUMBERED = NUMBERED_MODEL + textwrap.dedent("""
@@ -510,6 +515,11 @@ def test_numbered_dcp_of_optimizer_state_dict(tmp_path, optstate_cli):
     assert insp["not_read"] == ["model (the model's tensors: the optimizer's 2 params (in 1 group) fit among its 3 "
                                 "tensors in more than one way (buffers or frozen params shaped like params); which is "
                                 "which cannot be told, so params keep their numbers)"], insp["not_read"]
+    # With param_names (an optimizer built from named_parameters()) those name them, and the weights.
+    insp = json.loads(optstate_cli("inspect", tmp_path / "param_names", "--json").stdout)
+    assert sorted(insp["params"]) == ["0.weight", "2.weight"] and insp["not_read"] == []
+    assert [t["name"] for t in insp["model_tensors"]] == ["1.weight"]
+    assert insp["params"]["0.weight"]["entries"].keys() >= {"exp_avg", "param"}, insp["params"]["0.weight"]
     # The optimizer alone: nothing names the params, which keep their numbers through DCP -> DCP;
     # param 7 (the bias without state) has no shape there and is left out, said so.
     insp = json.loads(optstate_cli("inspect", tmp_path / "alone", "--json").stdout)

@@ -42,6 +42,8 @@ Result<Args> parse_args(const CommandSpec& spec, int argc, char** argv) {
       args.options[name] = value;
       continue;
     }
+    if (a.empty())  // an unset shell variable: no path names nothing (and "" would resolve to the cwd)
+      return invalid_argument(fmt::format("an empty argument where a path goes (usage: {})", spec.usage));
     args.positional.push_back(a);
   }
   const int n = static_cast<int>(args.positional.size());

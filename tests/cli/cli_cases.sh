@@ -191,6 +191,9 @@ assert j["params"]["head.bias"]["entries"]["exp_avg"]["encoding"] == "dense"
     make_ckpt "$work/c"
     expect_error 2 "--to must be fp32 or 8bit" -- "$OPTSTATE" convert "$work/c" "$work/x" --to int4
     expect_error 2 "destination is the source" -- "$OPTSTATE" convert "$work/c" "$work/c"
+    # an unset variable's "" is no path (it resolved to the working directory, then failed obscurely)
+    expect_error 2 "an empty argument where a path goes" -- "$OPTSTATE" convert "$work/c" ""
+    expect_error 2 "an empty argument where a path goes" -- "$OPTSTATE" inspect ""
     mkdir "$work/exists"
     expect_error 2 "$work/exists: already exists" -- "$OPTSTATE" convert "$work/c" "$work/exists"
     expect_error 2 "unknown output format 'zip'" -- "$OPTSTATE" convert "$work/c" "$work/y" --format zip

@@ -558,8 +558,11 @@ class DcpReader final : public CheckpointReader {
           return corrupt(fmt::format("{}: param '{}' has state but no param_groups items", where, fqn));
     }
     if (meta_.groups.empty()) return corrupt(fmt::format("{}: no param_groups items", where));
-    if (layout_.numbered)
+    if (layout_.numbered) {
+      for (const ParamGroup& pg : meta_.groups) layout_.numbered_members.push_back(pg.params);
+      layout_.numbers_kept = true;  // until name_numbered renames them
       OPTSTATE_RETURN_IF_ERROR(name_numbered(model_items[layout_.parent()], param_names, state_items, weight_items));
+    }
 
     // Params: shape, dtype, step and entries.
     bool any8 = false;
@@ -1047,6 +1050,7 @@ class DcpReader final : public CheckpointReader {
       }
       state_items = std::move(renamed);
       weight_items = std::move(weights);
+      layout_.numbers_kept = false;
     };
     // Every group's param_names (an optimizer built from named_parameters()): the names as given,
     // the weights the model's tensors of those names.

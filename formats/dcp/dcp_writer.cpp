@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstring>
 #include <set>
 
@@ -386,16 +387,30 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
   // optimizer.state_dict() numbers them (every param is listed: the model gave each its weights).
   const bool numbered = layout.numbered && !layout.flattened;
   std::map<std::string, int64_t> number_of;
+  const std::vector<std::vector<std::string>>* members = nullptr;  // the source's groups, where written again
   if (numbered) {
-    bool kept_numbers = true;
+    bool kept_numbers = layout.numbers_kept;
+    std::map<std::string, int64_t> kept;  // each name's own number, where names are numbers
     for (const ParamGroup& pg : state.groups)
       for (const std::string& fqn : pg.params) {
-        kept_numbers = kept_numbers && !fqn.empty() && fqn.size() < 10 &&
-                       std::all_of(fqn.begin(), fqn.end(), [](char c) { return c >= '0' && c <= '9'; });
+        int64_t n = -1;
+        const auto [end, ec] = std::from_chars(fqn.data(), fqn.data() + fqn.size(), n);
+        kept_numbers = kept_numbers && ec == std::errc() && end == fqn.data() + fqn.size() && n >= 0;
+        kept.emplace(fqn, n);
         number_of.emplace(fqn, static_cast<int64_t>(number_of.size()));
       }
-    if (kept_numbers)
-      for (auto& [fqn, n] : number_of) n = std::stoll(fqn);
+    if (kept_numbers) number_of = std::move(kept);
+    // Kept numbers: each group lists the source's members again where it holds the same params
+    // (those without state included); not where the groups changed.
+    if (kept_numbers && layout.numbered_members.size() == state.groups.size()) {
+      bool same = true;
+      for (size_t g = 0; g < state.groups.size() && same; ++g) {
+        const auto& was = layout.numbered_members[g];
+        for (const std::string& fqn : state.groups[g].params)
+          same = same && std::find(was.begin(), was.end(), fqn) != was.end();
+      }
+      if (same) members = &layout.numbered_members;
+    }
   }
   // `<K>.state.<fqn>.<entry>`: nested paths (K, "state", fqn, entry) or flattened (K, "state.<fqn>.<entry>");
   // numbered, `<K>.state.<n>.<entry>`, n a string in the planner's path as torch's flattening keeps
@@ -486,11 +501,18 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
       pickle::Writer w;
       w.empty_list();
       w.mark();
-      for (const std::string& member : state.groups[g].params)
-        if (numbered)
-          w.integer(number_of.at(member));
-        else
-          w.str(member);
+      if (members)
+        for (const std::string& member : (*members)[g]) {
+          int64_t n = 0;
+          std::from_chars(member.data(), member.data() + member.size(), n);  // the reader's to_string of one
+          w.integer(n);
+        }
+      else
+        for (const std::string& member : state.groups[g].params)
+          if (numbered)
+            w.integer(number_of.at(member));
+          else
+            w.str(member);
       w.appends_from_mark();
       OPTSTATE_RETURN_IF_ERROR(value_item(name("params"), w.finish()));
     }

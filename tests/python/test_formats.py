@@ -450,40 +450,33 @@ MAKE_NUMBERED = NUMBERED_MODEL + textwrap.dedent("""
 CHECK_NUMBERED = NUMBERED_MODEL + textwrap.dedent("""
     # A DCP written by optstate, resumed as the loop that saved it resumes: a fresh model and AdamW
     # (its state made by a step of zero gradients), dcp.load into {"model": model.state_dict(),
-    # "optimizer": opt.state_dict()}, then load_state_dict of both (strict): the saved state. The
-    # optimizer alone (no model: a param without state is left out) is read by torch's
-    # dcp_to_torch_save instead, whose state keys are the flattened path's strings.
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    # "optimizer": opt.state_dict()} (the optimizer's alone where it was saved alone), then
+    # load_state_dict of both (strict): the saved state, its groups as the optimizer's.
     path, ref, has_model = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
     want = torch.load(ref, weights_only=True)
     ws, wg = state_of(want["optimizer"])
+    model, opt = build()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    model[3].bias.grad = None
+    opt.step()
+    sd = {"model": model.state_dict(), "optimizer": opt.state_dict()} if has_model else {"optimizer": opt.state_dict()}
+    dcp.load(sd, checkpoint_id=path)
     if has_model:
-        model, opt = build()
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        model[3].bias.grad = None
-        opt.step()
-        sd = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-        dcp.load(sd, checkpoint_id=path)
         model.load_state_dict(sd["model"])
-        opt.load_state_dict(sd["optimizer"])
-        gs, gg = state_of(opt.state_dict())
         got_model = model.state_dict()
         assert got_model.keys() == want["model"].keys()
         assert all(torch.equal(got_model[k], v) for k, v in want["model"].items())
-        assert [g["params"] for g in gg] == [g["params"] for g in wg] == [[0, 1, 2], [3, 4, 5, 6, 7]]
-    else:
-        dcp_to_torch_save(path, path + ".pt")
-        got = torch.load(path + ".pt", weights_only=True)["optimizer"]
-        gs, gg = state_of(got)
-        gs = {int(k): v for k, v in gs.items()}
-        assert [g["params"] for g in gg] == [[0, 1, 2], [3, 4, 5, 6]]
+    opt.load_state_dict(sd["optimizer"])
+    gs, gg = state_of(opt.state_dict())
+    assert [g["params"] for g in gg] == [g["params"] for g in wg] == [[0, 1, 2], [3, 4, 5, 6, 7]]
     assert sorted(gs) == sorted(ws) == [0, 1, 2, 3, 4, 5, 6], sorted(gs)
     for k in ws:
         assert gs[k].keys() == ws[k].keys() and all(torch.equal(gs[k][e], ws[k][e]) for e in ws[k]), k
     for a, b in zip(gg, wg):
         assert all(a[k] == b[k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad")), (a, b)
 """)
+
 
 
 
@@ -521,7 +514,8 @@ def test_numbered_dcp_of_optimizer_state_dict(tmp_path, optstate_cli):
     assert [t["name"] for t in insp["model_tensors"]] == ["1.weight"]
     assert insp["params"]["0.weight"]["entries"].keys() >= {"exp_avg", "param"}, insp["params"]["0.weight"]
     # The optimizer alone: nothing names the params, which keep their numbers through DCP -> DCP;
-    # param 7 (the bias without state) has no shape there and is left out, said so.
+    # param 7 (the bias without state) has no shape there: not read, said so, and listed in its
+    # group again when written, so the groups stay the optimizer's.
     insp = json.loads(optstate_cli("inspect", tmp_path / "alone", "--json").stdout)
     assert sorted(insp["params"]) == ["0", "1", "2", "3", "4", "5", "6"]
     assert insp["not_read"] == ["1 param without state or weights (never stepped: no shape in the checkpoint)"]

@@ -299,7 +299,8 @@ def _load_plan(path, meta, model, optimizer, by_position=False):
             names = meta["params"].keys()
             if names and all(n.isdigit() for n in names):
                 raise KeyError(f"optstate.load: {path} has no param '{fqn}': its params are numbered (0..), as "
-                               f"torch.save keeps an optimizer built without names; pass by_position=True to "
+                               f"an optimizer built without names keeps them (torch.save or dcp.save of its "
+                               f"state_dict); pass by_position=True to "
                                f"match them by position, as torch's optimizer.load_state_dict does")
             raise KeyError(f"optstate.load: {path} has no param '{fqn}'")
         pm = meta["params"][fqn]

@@ -502,6 +502,19 @@ def test_numbered_dcp_of_optimizer_state_dict(tmp_path, optstate_cli):
             optstate_cli("convert", tmp_path / ck, out, "--format", "dcp", "--world-size", world)
             assert hashes(optstate_cli, out) == named
             run_script(tmp_path, CHECK_NUMBERED, "check_numbered.py", out, tmp_path / "ref.pt", 1)
+    # optstate.load takes the named state and the model's buffers (BatchNorm's statistics) too.
+    import optstate
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 8),
+                                torch.nn.Linear(8, 3))
+    opt = optstate.FusedAdamW([{"params": [p for p in model.parameters() if p.dim() > 1]},
+                               {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}],
+                              lr=1e-2)
+    optstate.load(tmp_path / "numbered", model, opt)
+    ref = torch.load(tmp_path / "ref.pt", weights_only=True)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in ref["model"].items())
+    assert torch.equal(opt.state[model[2].weight]["exp_avg"], ref["optimizer"]["state"][1]["exp_avg"])
+    assert optstate.verify(tmp_path / "numbered", model, opt) == []
     # Shapes that fit in more than one way: the params keep their numbers, and inspect says why.
     insp = json.loads(optstate_cli("inspect", tmp_path / "ambiguous", "--json").stdout)
     assert sorted(insp["params"]) == ["0", "1"]

@@ -456,6 +456,12 @@ Result<Metadata> interpret_metadata(const Pickle& p, const std::string& where) {
         index.push_back(is_int);
       }
       if (!parts.empty()) {
+        // torch's flatten_state_dict keys each item by its path joined with '.' (and refuses two
+        // alike): a path that spells another key would file the item as another one's.
+        std::string joined;
+        for (const std::string& part : parts) joined += (joined.empty() ? "" : ".") + part;
+        if (joined != *key)
+          return corrupt(fmt::format("{}: item '{}' has the planner path '{}', which is another key", where, *key, joined));
         m.planner[*key] = std::move(parts);
         m.planner_index[*key] = std::move(index);
       }

@@ -538,7 +538,9 @@ def test_numbered_dcp_of_optimizer_state_dict(tmp_path, optstate_cli):
 
 TOP_LEVEL_OPTIMIZER = textwrap.dedent("""
     import sys, torch, torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+        set_optimizer_state_dict)
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
     def build(seed):
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 3))
@@ -555,6 +557,7 @@ TOP_LEVEL_OPTIMIZER = textwrap.dedent("""
         train(model, opt, 2)
         dcp.save(opt.state_dict(), checkpoint_id=f"{path}/numbered")
         dcp.save(get_optimizer_state_dict(model, opt), checkpoint_id=f"{path}/named")
+        dcp.save(get_optimizer_state_dict(model, opt, options=flat), checkpoint_id=f"{path}/flat")
         torch.save(opt.state_dict(), f"{path}/ref.pt")
     else:
         # resumed as each was saved, into a fresh model's AdamW: the saved state
@@ -565,9 +568,10 @@ TOP_LEVEL_OPTIMIZER = textwrap.dedent("""
             dcp.load(sd, checkpoint_id=path)
             opt.load_state_dict(sd)
         else:
-            osd = get_optimizer_state_dict(model, opt)
+            options = flat if kind == "flat" else None
+            osd = get_optimizer_state_dict(model, opt, options=options)
             dcp.load(osd, checkpoint_id=path)
-            set_optimizer_state_dict(model, opt, osd)
+            set_optimizer_state_dict(model, opt, osd, options=options)
         got, want = opt.state_dict(), torch.load(sys.argv[3], weights_only=True)
         assert sorted(got["state"]) == sorted(want["state"]) == [0, 1, 2, 3]
         for k, st in want["state"].items():
@@ -576,8 +580,8 @@ TOP_LEVEL_OPTIMIZER = textwrap.dedent("""
 
 
 def test_dcp_of_the_optimizer_alone_at_the_top_level(tmp_path, optstate_cli):
-    """dcp.save(opt.state_dict()) and dcp.save(get_optimizer_state_dict(model, opt)) save the
-    optimizer's state dict as the whole DCP (`state.<fqn>.exp_avg`, `param_groups.0.lr`, under no
+    """dcp.save(opt.state_dict()) and dcp.save(get_optimizer_state_dict(model, opt)) (flattened or
+    not) save the optimizer's state dict as the whole DCP (`state.<fqn>.exp_avg`, `param_groups.0.lr`, under no
     key): such a DCP did not open ("a DCP checkpoint without optimizer state"). Read now, and DCP ->
     DCP on two ranks writes it at the top level again, numbered or named as it was, which the loop's
     own dcp.load takes back as the saved state."""
@@ -587,7 +591,8 @@ def test_dcp_of_the_optimizer_alone_at_the_top_level(tmp_path, optstate_cli):
     assert sorted(numbered["params"]) == ["0", "1", "2", "3"]
     assert sorted(named["params"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
     assert numbered["not_read"] == named["not_read"] == []
-    for kind in ("numbered", "named"):
+    assert hashes(optstate_cli, tmp_path / "flat") == hashes(optstate_cli, tmp_path / "named")
+    for kind in ("numbered", "named", "flat"):
         out = tmp_path / f"{kind}_2"
         optstate_cli("convert", tmp_path / kind, out, "--format", "dcp", "--world-size", "2")
         assert hashes(optstate_cli, out) == hashes(optstate_cli, tmp_path / kind)

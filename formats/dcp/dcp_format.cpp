@@ -691,8 +691,11 @@ class DcpReader final : public CheckpointReader {
                                 });
     if (weights_at_top) candidates.insert(candidates.end(), top_items.begin(), top_items.end());
     std::set<std::string> exposed, exposed_names;
-    for (const auto& [name, key] : candidates) {
+    for (const auto& [item_name, key] : candidates) {
       const ItemMeta& im = md_.items.at(key);
+      // numbered (the model's own state_dict beside it): named as the params are (a DDP model's
+      // without 'module.', a compiled one's without '_orig_mod.')
+      const std::string name = layout_.numbered ? torch_param_fqn(item_name, model_ddp_prefix_) : item_name;
       if (carried_weights.count(key) || consumed.count(key) || meta_.params.count(name) || exposed_names.count(name) ||
           !im.is_tensor || im.chunks.empty())
         continue;
@@ -1038,6 +1041,10 @@ class DcpReader final : public CheckpointReader {
                        std::map<std::string, std::map<std::string, std::string>>& state_items,
                        std::map<std::string, std::string>& weight_items) {
     weight_items.clear();  // by number, a model name ("0" of a ParameterList) is no param's
+    std::vector<std::string_view> names;
+    for (const auto& [name, key] : model) names.push_back(name);
+    model_ddp_prefix_ = is_ddp_state_dict(names);  // a DDP model's state_dict: 'module.' on every key
+    const bool ddp = model_ddp_prefix_;
     std::map<std::string, std::string> fqn_of;   // number -> name
     std::map<std::string, std::string> weights;  // name -> item key
     auto rename = [&] {
@@ -1056,11 +1063,11 @@ class DcpReader final : public CheckpointReader {
     // the weights the model's tensors of those names.
     if (!param_names.empty() && std::all_of(param_names.begin(), param_names.end(), [](const auto& n) { return n.has_value(); })) {
       std::map<std::string, std::string> model_of;  // torch_param_fqn(model name) -> item key
-      for (const auto& [name, key] : model) model_of.emplace(torch_param_fqn(name), key);
+      for (const auto& [name, key] : model) model_of.emplace(torch_param_fqn(name, ddp), key);
       std::set<std::string> seen;
       for (size_t g = 0; g < meta_.groups.size(); ++g)
         for (size_t i = 0; i < meta_.groups[g].params.size(); ++i) {
-          const std::string fqn = torch_param_fqn((*param_names[g])[i]);
+          const std::string fqn = torch_param_fqn((*param_names[g])[i], ddp);
           if (fqn.empty() || !seen.insert(fqn).second)
             return corrupt(fmt::format("{}: param group {}: param_names names '{}' twice (or not at all)", dir_.string(),
                                        g, fqn));
@@ -1106,7 +1113,7 @@ class DcpReader final : public CheckpointReader {
     for (size_t g = 0; g < meta_.groups.size(); ++g)
       for (size_t i = 0; i < meta_.groups[g].params.size(); ++i) {
         const auto& [name, key] = tensors[placed.tensor_of[g][i]];
-        const std::string fqn = torch_param_fqn(*name);
+        const std::string fqn = torch_param_fqn(*name, ddp);
         if (!weights.emplace(fqn, *key).second) {
           notes_.push_back(fmt::format("{} (the model's tensors: two params would be named '{}', so params keep "
                                        "their numbers)", model_key, fqn));
@@ -1318,6 +1325,7 @@ class DcpReader final : public CheckpointReader {
   std::vector<Plain8> plain8_;  // per param group
   std::map<std::string, int64_t> not_read_;     // top-level key -> items not read
   std::vector<std::string> notes_;  // more of what is not read: why numbered params keep their numbers, ...
+  bool model_ddp_prefix_ = false;   // numbered: the model's state_dict is a DDP model's (is_ddp_state_dict)
   SourceLayout layout_;
   int64_t verified_ = 0, unverified_ = 0;       // chunks streamed with and without a CRC-32 check
   ReadBuffer piece_;                             // reused between streams

@@ -558,7 +558,7 @@ class TorchSaveReader final : public CheckpointReader {
       const ParamSpec& spec = sd0.params[i];
       // The name in the files (param_names, the model's key), and the state's: torch's fqn.
       const std::string source_fqn = rename.count(spec.id) ? rename.at(spec.id) : spec.fqn;
-      const std::string fqn = torch_param_fqn(source_fqn);
+      const std::string fqn = torch_param_fqn(source_fqn, sd0.ddp_prefix);
       OPTSTATE_RETURN_IF_ERROR(one_name(fqn, source_fqn, w0));
       if (fsdp_) fsdp_->fqn_of_id[spec.id] = fqn;
       meta_.groups[static_cast<size_t>(spec.group)].params.push_back(fqn);
@@ -707,7 +707,7 @@ class TorchSaveReader final : public CheckpointReader {
       auto st = resolve(0, t.tensor, *numel, fmt::format("{} {}['{}']", path_.string(), sd.model_key, t.name),
                         /*permuted_ok=*/true);
       if (!st.ok()) continue;
-      const std::string name = torch_param_fqn(t.name);
+      const std::string name = torch_param_fqn(t.name, sd.ddp_prefix);
       if (!taken.insert(name).second) continue;
       model_tensors_.push_back({name, t.tensor.dtype, t.tensor.shape});
       model_stored_.push_back({std::move(*st), fmt::format("{}['{}']", sd.model_key, t.name)});
@@ -2070,7 +2070,8 @@ Status write_carrying(StateSource& source, const CheckpointReader& from, const f
   std::map<std::string, pickle::Ref, std::less<>> model_values;
   if (const auto* items = sd.model_ref == pickle::kNoRef ? nullptr : dict_items(p, sd.model_ref))
     for (size_t k = 0; k + 1 < items->size(); k += 2)
-      if (const auto name = dcp::as_string(p, (*items)[k])) model_values.emplace(torch_param_fqn(*name), (*items)[k + 1]);
+      if (const auto name = dcp::as_string(p, (*items)[k]))
+        model_values.emplace(torch_param_fqn(*name, sd.ddp_prefix), (*items)[k + 1]);
   for (const auto& [fqn, ps] : meta.params) {
     if (!ps.entries.count(kParam)) continue;
     const auto it = model_values.find(fqn);

@@ -982,7 +982,10 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
     const auto& mitems = *dict_items(p, model);
     for (size_t k = 0; k + 1 < mitems.size(); k += 2)
       if (const auto name = dcp::as_string(p, mitems[k])) weights.emplace(*name, mitems[k + 1]);
-    for (const auto& [name, ref] : weights) key_of_fqn.emplace(torch_param_fqn(name), &name);
+    std::vector<std::string_view> keys;
+    for (const auto& [name, ref] : weights) keys.push_back(name);
+    out.ddp_prefix = is_ddp_state_dict(keys);  // ddp.state_dict() saved: 'module.' on every key
+    for (const auto& [name, ref] : weights) key_of_fqn.emplace(torch_param_fqn(name, out.ddp_prefix), &name);
     auto weight_of = [&](const std::string& name) {
       auto it = weights.find(name);
       if (it != weights.end()) return it;

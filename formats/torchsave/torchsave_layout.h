@@ -130,6 +130,7 @@ struct StateDict {
   pickle::Ref model_ref = pickle::kNoRef;      // the model's state_dict beside it, if any
   std::string model_key;                       // where it is: "['model']", "['state_dict']"
   std::set<std::string> model_weight_keys;     // its keys read as the params' weights
+  bool ddp_prefix = false;                     // its keys are a DDP model's (is_ddp_state_dict): names drop `module.`
   size_t model_others = 0;                     // its other entries, named in not_read ...
   std::optional<size_t> model_others_line;     // ... on this line of it, where there are any
   std::vector<std::string> not_read; // what the file holds that the canonical state does not

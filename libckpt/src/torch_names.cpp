@@ -7,7 +7,8 @@
 
 namespace optstate {
 
-std::string torch_param_fqn(std::string_view name) {
+std::string torch_param_fqn(std::string_view name, bool ddp_prefix) {
+  if (ddp_prefix && name.substr(0, 7) == "module." && name.size() > 7) name.remove_prefix(7);
   std::string out;
   bool kept = false;
   for (size_t begin = 0; begin <= name.size();) {

@@ -599,6 +599,60 @@ def test_dcp_of_the_optimizer_alone_at_the_top_level(tmp_path, optstate_cli):
         run_script(tmp_path, TOP_LEVEL_OPTIMIZER, "top.py", kind, out, tmp_path / "ref.pt")
 
 
+MAKE_DDP = textwrap.dedent("""
+    # A DDP run (one gloo rank) saved as many scripts save it: the wrapper's own state_dict, every
+    # key under 'module.'; as a torch.save file, as a DCP of the optimizer's state_dict as it is, and
+    # as get_state_dict's DCP (which drops 'module.').
+    import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    out = sys.argv[1]
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    for step in range(2):
+        ddp(torch.randn(4, 6)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save({"model": ddp.state_dict(), "optimizer": opt.state_dict()}, f"{out}/ddp.pt")
+    dcp.save({"model": ddp.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=f"{out}/ddp_numbered")
+    msd, osd = get_state_dict(ddp, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{out}/named")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f"{out}/ref.pt")
+    dist.destroy_process_group()
+""")
+
+
+def test_ddp_wrapped_state_dict_names_drop_module(tmp_path, optstate_cli):
+    """ddp.state_dict() puts every key under 'module.'. A torch.save file or a numbered DCP of it
+    named its params 'module.0.weight', so optstate.load found no param '0.weight' in the model,
+    wrapped or not, and it hashed unlike get_state_dict's DCP of the run. Where every key is under
+    'module.' (torch's consume_prefix_in_state_dict_if_present) the names drop it now: the same
+    hash as the named DCP, optstate.load into the bare model (buffers too), and a torch.save write
+    back into the file's own layout keeps the file's 'module.' keys."""
+    import optstate
+    run_script(tmp_path, MAKE_DDP, "make_ddp.py", tmp_path, distributed=True)
+    named = hashes(optstate_cli, tmp_path / "named")
+    for ck in ("ddp.pt", "ddp_numbered"):
+        insp = json.loads(optstate_cli("inspect", tmp_path / ck, "--json").stdout)
+        assert sorted(insp["params"]) == ["0.bias", "0.weight", "1.bias", "1.weight", "2.bias", "2.weight"], ck
+        assert sorted(t["name"] for t in insp["model_tensors"]) == [
+            "1.num_batches_tracked", "1.running_mean", "1.running_var"], ck
+        assert hashes(optstate_cli, tmp_path / ck) == named, ck
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+        opt = optstate.FusedAdamW(model.parameters(), lr=1e-2)
+        optstate.load(tmp_path / ck, model, opt)
+        ref = torch.load(tmp_path / "ref.pt", weights_only=True)
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in ref["model"].items()), ck
+        assert torch.equal(opt.state[model[2].weight]["exp_avg"], ref["optimizer"]["state"][4]["exp_avg"])
+    optstate_cli("convert", tmp_path / "ddp.pt", tmp_path / "back.pt")
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert list(back["model"]) == list(torch.load(tmp_path / "ddp.pt", weights_only=True)["model"])
+    assert hashes(optstate_cli, tmp_path / "back.pt") == named
+
+
 FLOAT8_MODEL = textwrap.dedent("""
     # torchao's float8 training (torchtitan's float8 converter) under FSDP2 with float8 all-gather:
     # each weight a WeightWithDynamicFloat8CastTensor (inside the DTensor), which DCP and torch.save

@@ -17,8 +17,23 @@ namespace optstate {
 // (torch.compile's `_orig_mod`, activation checkpointing's `_checkpoint_wrapped_module`, FSDP1's
 // `_fsdp_wrapped_module`), as python/optstate/names.py drops them. nanoGPT saves its compiled
 // model's state_dict ('_orig_mod.transformer.wte.weight'); its state is 'transformer.wte.weight's.
-// DDP's leading `module.` stays: a file does not tell it from a submodule named `module`.
-std::string torch_param_fqn(std::string_view name);
+// DDP's leading `module.` is dropped only where `ddp_prefix` says the whole state dict is under it
+// (is_ddp_state_dict): one name does not tell it from a submodule named `module`.
+std::string torch_param_fqn(std::string_view name, bool ddp_prefix = false);
+
+// Whether a model's state_dict keys (`names`) are a DistributedDataParallel's (or DataParallel's):
+// every one under `module.`, as torch's consume_prefix_in_state_dict_if_present takes it off and
+// get_state_dict drops it. A model's own submodule named `module` holding everything is told apart
+// by nothing; a state dict with any key outside it is not DDP's.
+template <class Names>
+bool is_ddp_state_dict(const Names& names) {
+  bool any = false;
+  for (const auto& name : names) {
+    if (std::string_view(name).substr(0, 7) != "module.") return false;
+    any = true;
+  }
+  return any;
+}
 
 // torch.nn's BatchNorm / InstanceNorm buffers (running_mean, running_var, num_batches_tracked),
 // which sit between params of the same shape in a model's state_dict and are never an optimizer's

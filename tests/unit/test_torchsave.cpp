@@ -553,6 +553,28 @@ TEST_CASE("torchsave: a compiled model's file (keys under '_orig_mod.') names it
   CHECK(pkl.find("_orig_mod.2.weight") != std::string::npos);
 }
 
+TEST_CASE("torchsave: a DDP model's state_dict (every key under 'module.') names params and buffers without it") {
+  // make_seeds.py ddp: nanoGPT's loop over DistributedDataParallel(Embedding, BatchNorm1d, Linear),
+  // torch.save of ddp.state_dict(): 'module.0.weight', ...; params numbered in two groups.
+  auto r = open_checkpoint(kSeeds / "torch_ddp_model_and_optimizer.pt");
+  REQUIRE_MESSAGE(r.ok(), r.status().message());
+  const OptimizerState& m = (*r)->meta();
+  REQUIRE(m.groups.size() == 2);
+  CHECK(m.groups[0].params == std::vector<std::string>{"0.weight", "2.weight"});
+  CHECK(m.groups[1].params == std::vector<std::string>{"1.weight", "1.bias", "2.bias"});
+  for (const auto& [fqn, ps] : m.params) CHECK(ps.entries.count(kParam) == 1);  // weights from 'module.<fqn>'
+  std::vector<std::string> others;
+  for (const ModelTensorInfo& t : (*r)->model_tensors()) others.push_back(t.name);
+  CHECK(others == std::vector<std::string>{"1.running_mean", "1.running_var", "1.num_batches_tracked"});
+  // Written back into the file's layout, the model's keys stay the file's.
+  testing::TempDir dir;
+  const fs::path out = dir.path / "back.pt";
+  carried_back(**r, out);
+  const std::string pkl = testing::read_file(out);
+  CHECK(pkl.find("module.0.weight") != std::string::npos);
+  CHECK(pkl.find("module.1.running_mean") != std::string::npos);
+}
+
 TEST_CASE("torchsave: the written state_dict reads back through the interpretation") {
   OptimizerState s = testing::sample_state();
   const auto order = torchsave::param_order(s);

@@ -9,8 +9,8 @@ AdamW8bit as 0.50 saves it and in its older layout (bnb); a {"model", "optimizer
 numbered params in decay / no-decay groups beside a model with a tied weight and BatchNorm buffers,
 named from the model (numbered); a {"model", "optimizer"} checkpoint of a channels_last conv model,
 its weights and moments stored permuted (channels_last); nanoGPT's of a compiled model, every model
-key under '_orig_mod.' (compiled); buffers of complex64, int16 and bool beside a model's params
-(rotary).
+key under '_orig_mod.' (compiled); buffers of complex64, int16, bool, float8 and uint16 beside a
+model's params (rotary); a DDP run's, every model key under 'module.' (ddp).
 
 FSDP2 (two CPU processes over gloo): fsdp2_world2/ holds what verl saves per rank
 (optim_world_size_2_rank_R.pt, model_world_size_2_rank_R.pt of DTensors, extra_state_...), and
@@ -24,7 +24,7 @@ parameter per unit), fsdp1_world2_orig/ with use_orig_params=True (one param eac
 nothing per rank); fsdp1_world2*_full.pt the same state put together from FSDP's own flat-parameter
 metadata (where each rank's run of each param starts), as one {"model", "optimizer"} file.
 
-    .venv/bin/python formats/torchsave/testdata/make_seeds.py [main|fqn|fsdp2|fsdp1|bnb|numbered|channels_last|compiled|rotary]"""
+    .venv/bin/python formats/torchsave/testdata/make_seeds.py [main|fqn|fsdp2|fsdp1|bnb|numbered|channels_last|compiled|rotary|ddp]"""
 import os
 import sys
 
@@ -97,6 +97,20 @@ def compiled():
     model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 10, bias=False))
     model[2].weight = model[0].weight
     nanogpt_file(model, "torch_compiled_model_and_optimizer.pt", compile=True)
+
+
+def ddp():
+    """A DistributedDataParallel run saved as many scripts save it: the wrapper's state_dict, every
+    key under 'module.' (a one-rank gloo group; nanoGPT's loop otherwise)."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29587")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 10))
+    nanogpt_file(torch.nn.parallel.DistributedDataParallel(model), "torch_ddp_model_and_optimizer.pt")
+    dist.destroy_process_group()
 
 
 def rotary():
@@ -315,5 +329,5 @@ def bnb():
 
 if __name__ == "__main__":
     for step in sys.argv[1:] or ["main", "fqn", "fsdp2", "fsdp1", "bnb", "numbered", "channels_last", "compiled",
-                                  "rotary"]:
+                                  "rotary", "ddp"]:
         globals()[step]()

@@ -382,9 +382,10 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
   if (carry)
     for (const CarriedItem& c : layout.carried) source_keys.insert(c.name.key);
   // A numbered source's state is written numbered again (SourceLayout::numbered): params that kept
-  // their numbers (no model named them) keep them, gaps and all (a param without state is in no
-  // group); named ones are numbered by their place in the groups' order, as
-  // optimizer.state_dict() numbers them (every param is listed: the model gave each its weights).
+  // their numbers (nothing named them) keep them, and each group lists the source's numbers again
+  // (a param without state, which the state cannot hold, too); named ones are numbered by their
+  // place in the groups' order, as optimizer.state_dict() numbers them (every param is listed: the
+  // model gave each its weights).
   const bool numbered = layout.numbered && !layout.flattened;
   std::map<std::string, int64_t> number_of;
   const std::vector<std::vector<std::string>>* members = nullptr;  // the source's groups, where written again

@@ -44,7 +44,8 @@ Result<CentralDirectory> find_central_directory(std::span<const std::byte> tail,
       if (at < 20 || le(tail, at - 20, 4) != kZip64Locator)
         return corrupt(fmt::format("{}: ZIP64 end record expected but no locator", where));
       const uint64_t rec = le(tail, at - 20 + 8, 8);
-      if (rec < tail_start || rec + 56 > tail_start + at - 20)
+      const uint64_t locator = tail_start + at - 20;  // the record's 56 bytes end before the locator
+      if (rec < tail_start || rec > locator || locator - rec < 56)  // (rec + 56 would wrap for a hostile rec)
         return corrupt(fmt::format("{}: ZIP64 end record at {} lies outside the archive's tail", where, rec));
       const size_t r = static_cast<size_t>(rec - tail_start);
       if (le(tail, r, 4) != kZip64Eocd) return corrupt(fmt::format("{}: bad ZIP64 end record signature", where));

@@ -1,5 +1,6 @@
 // The DCP driver's zip CRC-32: the carry-less-multiplication path (x86-64 PCLMULQDQ) and the
-// table-driven one give zip's CRC-32 for every length and alignment.
+// table-driven one give zip's CRC-32 for every length and alignment. The end records of a hostile
+// archive: offsets that wrap.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -34,4 +35,28 @@ TEST_CASE("zip crc32: the check value, and the folded path equal to the table fo
     pieces = zip::crc32(std::span(buf).subspan(at, std::min<size_t>(4099, buf.size() - at)), pieces);
   CHECK(pieces == zip::crc32_table(buf));
   CHECK(mismatches == 0);
+}
+
+TEST_CASE("zip: a ZIP64 locator whose end-record offset wraps past 2^64 is refused, not read before the buffer") {
+  // A ZIP64 locator (20 bytes) then an end record whose entry count says "see ZIP64": the locator
+  // names its record at 2^64 - 8, so `rec + 56` wraps to 48 and once passed the range check
+  // (libFuzzer, fuzz_torchsave_file: a read 8 bytes before the tail).
+  std::vector<std::byte> tail;
+  auto put = [&](uint64_t v, int n) {
+    for (int k = 0; k < n; ++k) tail.push_back(static_cast<std::byte>(v >> (8 * k) & 0xff));
+  };
+  put(0, 72);                                 // room where a record could be
+  put(0x07064b50, 4);                         // ZIP64 end-of-central-directory locator
+  put(0, 4);                                  // its disk
+  put(0xfffffffffffffff8ull, 8);              // the end record's offset
+  put(1, 4);                                  // disks
+  put(0x06054b50, 4);                         // end of central directory
+  put(0, 6);                                  // disks, entries on this disk
+  put(0xffff, 2);                             // entries: in the ZIP64 record
+  put(0, 4);                                  // directory size
+  put(0, 4);                                  // directory offset
+  put(0, 2);                                  // comment length
+  const auto cd = zip::find_central_directory(tail, tail.size(), "hostile.pt");
+  REQUIRE_FALSE(cd.ok());
+  CHECK(cd.status().message().find("ZIP64 end record at 18446744073709551608 lies outside") != std::string::npos);
 }

@@ -331,15 +331,7 @@ std::optional<std::vector<std::string>> as_string_list(const Pickle& p, Ref r) {
   return out;
 }
 
-std::optional<std::vector<int64_t>> as_int_list(const Pickle& p, Ref r) {
-  if (r == kNoRef || (p.at(r).kind != Kind::kList && p.at(r).kind != Kind::kTuple)) return std::nullopt;
-  std::vector<int64_t> out;
-  for (Ref x : p.at(r).items) {
-    if (p.at(x).kind != Kind::kInt) return std::nullopt;
-    out.push_back(p.at(x).i);
-  }
-  return out;
-}
+std::optional<std::vector<int64_t>> as_int_list(const Pickle& p, Ref r) { return int_tuple(p, r); }
 
 Result<Metadata> interpret_metadata(const Pickle& p, const std::string& where) {
   const Ref root = p.root();

@@ -61,7 +61,7 @@ struct SourceLayout {
   // Each group's params as the source numbered them, those without state or weights too (which the
   // state cannot hold: no shape): written again where the params kept their numbers, so the groups
   // stay the optimizer's (torch's load_state_dict matches their sizes).
-  std::vector<std::vector<std::string>> numbered_members;
+  std::vector<std::vector<int64_t>> numbered_members;
   bool numbers_kept = false;  // numbered and not named (no model or param_names named them)
   std::vector<std::string> item_order;  // the source's item keys in its metadata's order
   std::map<std::string, ItemName> weights;  // fqn -> where its weights were (model.<fqn>, or <fqn> in torchtitan)

@@ -436,11 +436,6 @@ class DcpReader final : public CheckpointReader {
             return corrupt(fmt::format("{}: item '{}': '{}' both in '{}' and beside it", where, key, ename, kBnbQuantState));
         it = fqns.erase(it);
       }
-    auto dotted = [](const Path& p) {
-      std::string s;
-      for (const auto& part : p) s += (s.empty() ? "" : ".") + part;
-      return s;
-    };
     std::set<Path> optimizer_keys;
     for (const auto& [k, v] : nested_groups) optimizer_keys.insert(k);
     for (const auto& [k, v] : flat_groups) optimizer_keys.insert(k);
@@ -505,6 +500,8 @@ class DcpReader final : public CheckpointReader {
             if (n < 0) return corrupt(fmt::format("{}: param number {}", gw, n));
             names->push_back(std::to_string(n));
           }
+          layout_.numbered_members.resize(static_cast<size_t>(g));  // earlier groups: empty
+          layout_.numbered_members.push_back(*numbers);
           any_numbered = true;
         } else if (names && !names->empty()) {
           any_named = true;
@@ -559,7 +556,7 @@ class DcpReader final : public CheckpointReader {
     }
     if (meta_.groups.empty()) return corrupt(fmt::format("{}: no param_groups items", where));
     if (layout_.numbered) {
-      for (const ParamGroup& pg : meta_.groups) layout_.numbered_members.push_back(pg.params);
+      layout_.numbered_members.resize(meta_.groups.size());  // later empty groups
       layout_.numbers_kept = true;  // until name_numbered renames them
       OPTSTATE_RETURN_IF_ERROR(name_numbered(model_items[layout_.parent()], param_names, state_items, weight_items));
     }
@@ -575,9 +572,7 @@ class DcpReader final : public CheckpointReader {
         const std::string pw = fmt::format("{}: param '{}'", where, fqn);
         auto st = state_items.find(fqn);
         auto mo = weight_items.find(fqn);
-        const ItemMeta* shape_src = nullptr;
-        for (const char* first : {"exp_avg", "exp_avg_codes", "state1"})
-          if (!shape_src && st != state_items.end() && st->second.count(first)) shape_src = &md_.items.at(st->second.at(first));
+        const ItemMeta* shape_src = st != state_items.end() ? first_moment(st->second) : nullptr;
         if (!shape_src && mo != weight_items.end()) shape_src = &md_.items.at(mo->second);
         if (!shape_src) {
           // State without its first moment: refused, not passed over (its items would be carried
@@ -880,6 +875,21 @@ class DcpReader final : public CheckpointReader {
            });
   }
 
+  // A key path as its item keys spell it ("app.optimizers").
+  static std::string dotted(const std::vector<std::string>& path) {
+    std::string s;
+    for (const auto& part : path) s += (s.empty() ? "" : ".") + part;
+    return s;
+  }
+
+  // The item that gives a param's shape from its state: its first moment, dense, torchao's codes or
+  // bitsandbytes' state1; none where the state has none.
+  const ItemMeta* first_moment(const std::map<std::string, std::string>& entries) const {
+    for (const char* first : {"exp_avg", "exp_avg_codes", "state1"})
+      if (const auto it = entries.find(first); it != entries.end()) return &md_.items.at(it->second);
+    return nullptr;
+  }
+
   static std::vector<std::string> split_key(const std::string& key) {
     // Without planner_data (the key's path), for the usual top-level names: "<K>.state.<fqn>.<entry>",
     // "<K>.param_groups.<i>.<field>" or flattened "<K>.param_groups.<fqn>.<field>" (K: optim,
@@ -1094,17 +1104,14 @@ class DcpReader final : public CheckpointReader {
     for (const ParamGroup& pg : meta_.groups) {
       auto& shapes_of_group = groups.emplace_back();
       for (const std::string& number : pg.params) {
-        std::optional<std::vector<int64_t>> shape;
-        if (const auto st = state_items.find(number); st != state_items.end())
-          for (const char* first : {"exp_avg", "exp_avg_codes", "state1"})
-            if (!shape && st->second.count(first)) shape = md_.items.at(st->second.at(first)).size;
-        shapes_of_group.push_back(std::move(shape));
+        const auto st = state_items.find(number);
+        const ItemMeta* first = st != state_items.end() ? first_moment(st->second) : nullptr;
+        shapes_of_group.push_back(first ? std::optional(first->size) : std::nullopt);
       }
     }
     std::vector<std::string> model_path = layout_.parent();
     model_path.push_back("model");
-    std::string model_key;
-    for (const std::string& part : model_path) model_key += (model_key.empty() ? "" : ".") + part;
+    const std::string model_key = dotted(model_path);
     const ModelPlacement placed = place_params_in_model(groups, shapes);
     if (!placed.why.empty()) {
       notes_.push_back(fmt::format("{} (the model's tensors: {}, so params keep their numbers)", model_key, placed.why));

@@ -388,7 +388,7 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
   // model gave each its weights).
   const bool numbered = layout.numbered && !layout.flattened;
   std::map<std::string, int64_t> number_of;
-  const std::vector<std::vector<std::string>>* members = nullptr;  // the source's groups, where written again
+  const std::vector<std::vector<int64_t>>* members = nullptr;  // the source's groups, where written again
   if (numbered) {
     bool kept_numbers = layout.numbers_kept;
     std::map<std::string, int64_t> kept;  // each name's own number, where names are numbers
@@ -408,7 +408,7 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
       for (size_t g = 0; g < state.groups.size() && same; ++g) {
         const auto& was = layout.numbered_members[g];
         for (const std::string& fqn : state.groups[g].params)
-          same = same && std::find(was.begin(), was.end(), fqn) != was.end();
+          same = same && std::find(was.begin(), was.end(), number_of.at(fqn)) != was.end();
       }
       if (same) members = &layout.numbered_members;
     }
@@ -503,11 +503,7 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
       w.empty_list();
       w.mark();
       if (members)
-        for (const std::string& member : (*members)[g]) {
-          int64_t n = 0;
-          std::from_chars(member.data(), member.data() + member.size(), n);  // the reader's to_string of one
-          w.integer(n);
-        }
+        for (int64_t member : (*members)[g]) w.integer(member);
       else
         for (const std::string& member : state.groups[g].params)
           if (numbered)

@@ -128,6 +128,7 @@ Status plan_frame(const OptimizerState& state, pickle::Writer& w, const torchsav
       .group_extra = torchsave::group_extras_writer(w, add, options, state.groups.size(), /*tensor_lr=*/false),
       .model_tensors = options.model_tensors,
       .model_tensor = torchsave::model_tensor_writer(w, add),
+      .per_param = options.per_param,
   });
   return Status::Ok();
 }

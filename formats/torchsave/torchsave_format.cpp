@@ -2080,10 +2080,25 @@ Status write_carrying(StateSource& source, const CheckpointReader& from, const f
                                           path.string(), fqn, where));
     weight_of.emplace(it->second, fqn);
   }
-  const auto* groups = list_items(p, p.dict_get(sd.optimizer_ref, "param_groups"));
-  if (!groups || groups->size() != meta.groups.size())
+  // The source's groups: its optimizer's, or each per-param optimizer's one.
+  std::vector<pickle::Ref> source_groups;
+  if (sd.per_param) {
+    const auto* items = dict_items(p, sd.optimizer_ref);
+    for (size_t k = 1; items && k < items->size(); k += 2)
+      if (const auto* gs = list_items(p, p.dict_get((*items)[k], "param_groups")); gs && !gs->empty())
+        source_groups.push_back((*gs)[0]);
+    for (const ParamGroup& g : meta.groups)
+      if (g.params.size() != 1)
+        return invalid_argument(fmt::format("{}: a param group of {} params; {} holds an optimizer per param "
+                                            "(torchtune's optimizer in backward), one param each", path.string(),
+                                            g.params.size(), where));
+  } else if (const auto* gs = list_items(p, p.dict_get(sd.optimizer_ref, "param_groups"))) {
+    source_groups = *gs;
+  }
+  const std::vector<pickle::Ref>* groups = &source_groups;
+  if (groups->size() != meta.groups.size())
     return invalid_argument(fmt::format("{}: {} param groups, {} has {}: not the state read from it", path.string(),
-                                        meta.groups.size(), where, groups ? groups->size() : 0));
+                                        meta.groups.size(), where, groups->size()));
   Planner<StorageSpec> planner(p, where);
   OPTSTATE_ASSIGN_OR_RETURN(
       const Planned<StorageSpec> planned,
@@ -2104,6 +2119,7 @@ Status write_carrying(StateSource& source, const CheckpointReader& from, const f
         Status carried = Status::Ok();
         FrameOptions fo;
         fo.optimizer_only = true;
+        fo.per_param = sd.per_param;
         fo.adamw_flags = from.adamw_flags();
         fo.group_extras = from.group_extras();
         fo.group_extra = [&](size_t g) {

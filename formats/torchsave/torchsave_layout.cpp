@@ -41,6 +41,24 @@ bool is_optimizer_dict(const Pickle& p, Ref r) {
   return dict_items(p, r) && p.dict_get(r, "state") != kNoRef && p.dict_get(r, "param_groups") != kNoRef;
 }
 
+// An optimizer per param, keyed by its fqn: what optimizer-in-backward loops save (torchtune's
+// OptimizerInBackwardWrapper.state_dict(): {fqn: optimizer.state_dict()}, each optimizer built over
+// [param]): a dict of at least `least` entries, every value an optimizer's state_dict of one group
+// listing one param.
+bool is_per_param_dict(const Pickle& p, Ref r, size_t least) {
+  const auto* items = dict_items(p, r);
+  if (!items || items->size() / 2 < least) return false;
+  for (size_t k = 0; k + 1 < items->size(); k += 2) {
+    const Ref v = (*items)[k + 1];
+    if (!dcp::as_string(p, (*items)[k]) || !is_optimizer_dict(p, v)) return false;
+    const auto* groups = list_items(p, p.dict_get(v, "param_groups"));
+    if (!groups || groups->size() != 1) return false;
+    const auto* ids = list_items(p, p.dict_get((*groups)[0], "params"));
+    if (!ids || ids->size() != 1) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 const std::vector<Ref>* list_items(const Pickle& p, Ref r) {
@@ -702,64 +720,30 @@ ModelNames names_from_model(const ModelDict& md, const std::vector<std::vector<i
   return out;
 }
 
-Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where) {
-  StateDict out;
-  const Ref root = p.root();
-  if (is_script_module(p, root)) return interpret_libtorch_archive(p, where);
-  Ref opt = kNoRef, model = kNoRef;
-  std::string model_key;  // where the model's state_dict is: "['model']", ...
-  if (is_optimizer_dict(p, root)) {
-    opt = root;
-  } else if (const auto* items = dict_items(p, root)) {
-    std::vector<std::string> found;
-    for (size_t k = 0; k + 1 < items->size(); k += 2) {
-      const auto key = dcp::as_string(p, (*items)[k]);
-      const Ref v = (*items)[k + 1];
-      const std::string name = key ? fmt::format("['{}']", *key) : "[?]";
-      if (is_optimizer_dict(p, v)) {
-        found.push_back(name);
-        opt = v;
-      } else if (const auto* list = list_items(p, v);
-                 list && !list->empty() && list->size() <= 64 && is_optimizer_dict(p, (*list)[0])) {
-        // Lightning's "optimizer_states": one per optimizer (a GAN's two are refused below, named)
-        for (size_t i = 0; i < list->size(); ++i)
-          if (is_optimizer_dict(p, (*list)[i])) {
-            found.push_back(fmt::format("{}[{}]", name, i));
-            opt = (*list)[i];
-          }
-      } else if (key && (*key == "model" || *key == "model_state_dict" || *key == "state_dict") && dict_items(p, v) &&
-                 model == kNoRef) {
-        model = v;  // "state_dict": Lightning's (the LightningModule's, beside "optimizer_states")
-        model_key = name;
-      } else {
-        out.not_read.push_back(name);
-      }
-    }
-    if (found.empty())
-      return corrupt(fmt::format("{}: no optimizer state_dict in it (a dict with 'state' and 'param_groups', at the "
-                                 "top or one level down)", where));
-    if (found.size() > 1)
-      return corrupt(fmt::format("{}: holds {} optimizer state_dicts ({}); optstate reads a file with one", where,
-                                 found.size(), fmt::join(found, ", ")));
-    out.optimizer_path = found[0];
-  } else {
-    return corrupt(fmt::format("{}: data.pkl is not a dict, so not an optimizer state_dict", where));
-  }
-  const std::string ow = where + (out.optimizer_path.empty() ? "" : " " + out.optimizer_path);
-  out.optimizer_ref = opt;
-  out.model_ref = model;
+namespace {
 
+// One optimizer state_dict's param groups and per-param state, as torch numbers them (ids 0.. in
+// group order, or names where the state is keyed by fqn); group indices are this dict's own.
+struct OptimizerPart {
+  std::map<int64_t, std::pair<int, std::string>> members;  // id -> (group, name)
+  std::map<int64_t, ParamSpec> params;                      // those with state
+  std::vector<std::vector<int64_t>> group_ids;              // each group's param ids, in its order
+  bool keyed_by_name = false;                               // params listed by fqn, not by number
+  bool named_in_groups = false;                             // some group has param_names
+  bool torchao_groups = true;                               // lr a tensor, no 'maximize': torchao's
+};
+
+// The dict at `opt` (`ow` names it in errors): its groups appended to out.groups, what it holds
+// beyond the state to out.not_read, the state's kinds (eight, torchao, bnb) to out's flags.
+Status interpret_optimizer(const Pickle& p, Ref opt, const std::string& ow, StateDict& out, OptimizerPart& part) {
   // Param groups: hyperparameters, member ids and (torch >= 2.6, params given by name) their names.
   const auto* groups = list_items(p, p.dict_get(opt, "param_groups"));
   if (!groups || groups->empty()) return corrupt(ow + ": 'param_groups' is not a non-empty list");
-  std::map<int64_t, std::pair<int, std::string>> members;  // id -> (group, name)
-  bool keyed_by_name = false;                               // params listed by fqn, not by number
-  std::map<std::string, int64_t, std::less<>> id_of_name;  // then: fqn -> its number
+  auto& [members, params, group_ids, keyed_by_name, named_in_groups, torchao_groups] = part;
+  std::map<std::string, int64_t, std::less<>> id_of_name;  // by name: fqn -> its number
   std::set<std::string> names;
   std::vector<GroupInfo> info(groups->size());
-  std::vector<std::vector<int64_t>> group_ids(groups->size());  // each group's param ids, in its order
-  bool named_in_groups = false;                                  // some group has param_names
-  bool torchao_groups = true;
+  group_ids.assign(groups->size(), {});
   for (size_t g = 0; g < groups->size(); ++g) {
     const Ref gr = (*groups)[g];
     const std::string gw = fmt::format("{} param group {}", ow, g);
@@ -841,7 +825,6 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
   const Ref state = p.dict_get(opt, "state");
   const auto* sitems = dict_items(p, state);
   if (!sitems) return corrupt(ow + ": 'state' is not a dict");
-  std::map<int64_t, ParamSpec> params;
   for (size_t k = 0; k + 1 < sitems->size(); k += 2) {
     const auto& key = p.at((*sitems)[k]);
     int64_t id = key.i;
@@ -969,6 +952,108 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
     spec.shape = *shape;
     if (!params.emplace(id, std::move(spec)).second) return corrupt(pw + ": listed twice");
   }
+
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where) {
+  StateDict out;
+  const Ref root = p.root();
+  if (is_script_module(p, root)) return interpret_libtorch_archive(p, where);
+  Ref opt = kNoRef, model = kNoRef;
+  std::string model_key;  // where the model's state_dict is: "['model']", ...
+  if (is_optimizer_dict(p, root)) {
+    opt = root;
+  } else if (is_per_param_dict(p, root, 2)) {
+    opt = root;  // {"w": sd} alone is more likely {"optimizer": sd} of a one-param model: not this
+    out.per_param = true;
+  } else if (const auto* items = dict_items(p, root)) {
+    std::vector<std::string> found;
+    for (size_t k = 0; k + 1 < items->size(); k += 2) {
+      const auto key = dcp::as_string(p, (*items)[k]);
+      const Ref v = (*items)[k + 1];
+      const std::string name = key ? fmt::format("['{}']", *key) : "[?]";
+      if (is_optimizer_dict(p, v)) {
+        found.push_back(name);
+        opt = v;
+      } else if (is_per_param_dict(p, v, 1)) {
+        found.push_back(name);  // torchtune's recipe_state.pt: {"optimizer": {fqn: sd}, "seed": ...}
+        opt = v;
+        out.per_param = true;
+      } else if (const auto* list = list_items(p, v);
+                 list && !list->empty() && list->size() <= 64 && is_optimizer_dict(p, (*list)[0])) {
+        // Lightning's "optimizer_states": one per optimizer (a GAN's two are refused below, named)
+        for (size_t i = 0; i < list->size(); ++i)
+          if (is_optimizer_dict(p, (*list)[i])) {
+            found.push_back(fmt::format("{}[{}]", name, i));
+            opt = (*list)[i];
+          }
+      } else if (key && (*key == "model" || *key == "model_state_dict" || *key == "state_dict") && dict_items(p, v) &&
+                 model == kNoRef) {
+        model = v;  // "state_dict": Lightning's (the LightningModule's, beside "optimizer_states")
+        model_key = name;
+      } else {
+        out.not_read.push_back(name);
+      }
+    }
+    if (found.empty())
+      return corrupt(fmt::format("{}: no optimizer state_dict in it (a dict with 'state' and 'param_groups', at the "
+                                 "top or one level down)", where));
+    if (found.size() > 1)
+      return corrupt(fmt::format("{}: holds {} optimizer state_dicts ({}); optstate reads a file with one", where,
+                                 found.size(), fmt::join(found, ", ")));
+    out.optimizer_path = found[0];
+  } else {
+    return corrupt(fmt::format("{}: data.pkl is not a dict, so not an optimizer state_dict", where));
+  }
+  const std::string ow = where + (out.optimizer_path.empty() ? "" : " " + out.optimizer_path);
+  out.optimizer_ref = opt;
+  out.model_ref = model;
+
+  OptimizerPart part;
+  if (!out.per_param) {
+    OPTSTATE_RETURN_IF_ERROR(interpret_optimizer(p, opt, ow, out, part));
+  } else {
+    // One optimizer per param: each one's group is a group of the state, its one param named by
+    // its key and numbered in the dict's order (as the wrapper lists model.named_parameters()).
+    const auto& items = *dict_items(p, opt);
+    std::set<std::string> fqns;
+    for (size_t k = 0; k + 1 < items.size(); k += 2) {
+      const std::string fqn = *dcp::as_string(p, items[k]);
+      const std::string sw = fmt::format("{}['{}']", ow, fqn);
+      if (fqn.empty()) return corrupt(sw + ": an empty param name");
+      const int gbase = static_cast<int>(out.groups.size());
+      const size_t noted = out.not_read.size();
+      OptimizerPart one;
+      OPTSTATE_RETURN_IF_ERROR(interpret_optimizer(p, items[k + 1], sw, out, one));
+      // Its lines as one group of the state: "param group 0 ..." is group gbase's; a state field
+      // not read says whose.
+      for (size_t i = noted; i < out.not_read.size(); ++i) {
+        std::string& line = out.not_read[i];
+        constexpr std::string_view kGroup0 = "param group 0 ";
+        line = line.starts_with(kGroup0) ? fmt::format("param group {} {}", gbase, line.substr(kGroup0.size()))
+                                         : fmt::format("{} (param '{}')", line, fqn);
+      }
+      const int64_t id = static_cast<int64_t>(part.members.size());
+      if (one.members.size() != 1 || out.groups.size() != static_cast<size_t>(gbase) + 1)
+        return internal_error(sw + ": not one param in one group");
+      if (!fqns.insert(fqn).second) return corrupt(fmt::format("{}: param '{}' is listed twice", ow, fqn));
+      part.members.emplace(id, std::pair{gbase, fqn});
+      part.group_ids.push_back({id});
+      if (!one.params.empty()) {
+        ParamSpec spec = std::move(one.params.begin()->second);
+        spec.id = id;
+        spec.fqn = fqn;
+        spec.group = gbase;
+        part.params.emplace(id, std::move(spec));
+      }
+      part.torchao_groups = part.torchao_groups && one.torchao_groups;
+    }
+    part.named_in_groups = true;  // named by their keys: a model beside them is looked up by name
+  }
+  auto& [members, params, group_ids, keyed_by_name, named_in_groups, torchao_groups] = part;
 
   // Weights beside the optimizer, by name; every other tensor there is named as not read. A param
   // the optimizer never stepped has no state, but its weights give it a shape: it is carried with
@@ -1413,8 +1498,8 @@ void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, con
   }
   const bool others = parts.model_tensor && !parts.model_tensors.empty();
   const bool model = (weights || others) && !parts.optimizer_only;
-  w.empty_dict();
   if (model) {
+    w.empty_dict();
     w.mark();
     w.str("model");
     w.empty_dict();
@@ -1432,62 +1517,79 @@ void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, con
       }
     w.setitems_from_mark();
     w.str("optimizer");
-    w.empty_dict();
   }
-  w.mark();
-  w.str("state");
-  w.empty_dict();
-  w.mark();
-  for (size_t i = 0; i < order.size(); ++i) {
-    const ParamState& ps = state.params.at(order[i]);
-    if (!ps.entries.count(kExpAvg)) continue;  // never stepped: no state, as torch keeps it
-    w.integer(static_cast<int64_t>(i));
+  // Params [first, last) of the order (global indices i for the parts) in an optimizer's dict whose
+  // ids start at 0, over groups [g0, g1).
+  auto optimizer = [&](size_t first, size_t last, size_t g0, size_t g1, bool names) {
     w.empty_dict();
     w.mark();
-    parts.param_state(i, ps);
-    w.setitems_from_mark();
-  }
-  w.setitems_from_mark();
-  w.str("param_groups");
-  w.empty_list();
-  w.mark();
-  size_t next = 0;
-  for (const ParamGroup& g : state.groups) {
-    const Hyperparameters& h = g.hyper;
+    w.str("state");
     w.empty_dict();
     w.mark();
-    if (!numbered) {
-      w.str("param_names");
-      w.empty_list();
+    for (size_t i = first; i < last; ++i) {
+      const ParamState& ps = state.params.at(order[i]);
+      if (!ps.entries.count(kExpAvg)) continue;  // never stepped: no state, as torch keeps it
+      w.integer(static_cast<int64_t>(i - first));
+      w.empty_dict();
       w.mark();
-      for (const std::string& fqn : g.params) w.str(fqn);
-      w.appends_from_mark();
+      parts.param_state(i, ps);
+      w.setitems_from_mark();
     }
-    w.str("lr");
-    if (parts.lr)
-      parts.lr(static_cast<size_t>(&g - state.groups.data()), h);
-    else
-      w.real(h.lr);
-    w.str("betas");
-    w.mark();
-    w.real(h.beta1);
-    w.real(h.beta2);
-    w.tuple_from_mark();
-    w.str("eps");
-    w.real(h.eps);
-    w.str("weight_decay");
-    w.real(h.weight_decay);
-    parts.group_fields(static_cast<size_t>(&g - state.groups.data()), h);
-    if (parts.group_extra) parts.group_extra(static_cast<size_t>(&g - state.groups.data()));
-    w.str("params");
+    w.setitems_from_mark();
+    w.str("param_groups");
     w.empty_list();
     w.mark();
-    for (size_t k = 0; k < g.params.size(); ++k) w.integer(static_cast<int64_t>(next++));
+    size_t next = 0;
+    for (size_t gi = g0; gi < g1; ++gi) {
+      const ParamGroup& g = state.groups[gi];
+      const Hyperparameters& h = g.hyper;
+      w.empty_dict();
+      w.mark();
+      if (names) {
+        w.str("param_names");
+        w.empty_list();
+        w.mark();
+        for (const std::string& fqn : g.params) w.str(fqn);
+        w.appends_from_mark();
+      }
+      w.str("lr");
+      if (parts.lr)
+        parts.lr(gi, h);
+      else
+        w.real(h.lr);
+      w.str("betas");
+      w.mark();
+      w.real(h.beta1);
+      w.real(h.beta2);
+      w.tuple_from_mark();
+      w.str("eps");
+      w.real(h.eps);
+      w.str("weight_decay");
+      w.real(h.weight_decay);
+      parts.group_fields(gi, h);
+      if (parts.group_extra) parts.group_extra(gi);
+      w.str("params");
+      w.empty_list();
+      w.mark();
+      for (size_t k = 0; k < g.params.size(); ++k) w.integer(static_cast<int64_t>(next++));
+      w.appends_from_mark();
+      w.setitems_from_mark();
+    }
     w.appends_from_mark();
     w.setitems_from_mark();
+  };
+  if (parts.per_param) {
+    // {fqn: one optimizer's state_dict over [param]}: each group holds one param (checked by the caller).
+    w.empty_dict();
+    w.mark();
+    for (size_t g = 0; g < state.groups.size(); ++g) {
+      w.str(order[g]);
+      optimizer(g, g + 1, g, g + 1, /*names=*/false);
+    }
+    w.setitems_from_mark();
+  } else {
+    optimizer(0, order.size(), 0, state.groups.size(), !numbered);
   }
-  w.appends_from_mark();
-  w.setitems_from_mark();
   if (model) w.setitems_from_mark();
 }
 
@@ -1569,6 +1671,7 @@ Status plan_adamw_frame(const OptimizerState& meta, pickle::Writer& w, const Spe
       .group_extra = group_extras_writer(w, add, options, meta.groups.size(), /*tensor_lr=*/false),
       .model_tensors = options.model_tensors,
       .model_tensor = model_tensor_writer(w, add),
+      .per_param = options.per_param,
   });
   return Status::Ok();
 }

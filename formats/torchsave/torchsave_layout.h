@@ -136,6 +136,8 @@ struct StateDict {
   std::vector<std::string> not_read; // what the file holds that the canonical state does not
   std::vector<DeclaredCount> counts; // LibTorch archives: sizes to check against what is listed
   bool libtorch = false;             // a LibTorch optimizer archive (torch::save(optimizer, path))
+  bool per_param = false;            // an optimizer per param, keyed by fqn (torchtune's optimizer in
+                                     // backward): each group is one of them, holding its one param
   bool bnb = false;                  // bitsandbytes' state (state1/state2: dcp/bnb_state.h)
   std::optional<bool> bnb_nested;    // bitsandbytes': its tensors nested in kBnbQuantState (0.49.2 and
                                      // later) or beside 'step' (earlier), as the first param's were
@@ -209,6 +211,9 @@ struct FrameParts {
   std::function<void(size_t group)> group_extra;
   std::span<const ModelTensorInfo> model_tensors;
   std::function<void(size_t index, const ModelTensorInfo&)> model_tensor;
+  // {fqn: state_dict} of an optimizer per param (StateDict::per_param), each group one param's
+  // optimizer, numbered from 0 in it; with optimizer_only (the writer that carries such a file).
+  bool per_param = false;
 };
 void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, const FrameParts& parts);
 // torch.optim.AdamW's group fields beyond lr, betas, eps and weight_decay (torch 2.13): amsgrad,
@@ -332,6 +337,8 @@ struct FrameOptions {
   std::span<const GroupExtras> group_extras;
   // The source's model tensors (CheckpointReader::model_tensors), for the frame's model dict.
   std::span<const ModelTensorInfo> model_tensors;
+  // FrameParts::per_param: the source's optimizers were one per param (write_carrying).
+  bool per_param = false;
 };
 // FrameParts::group_extra for a planner's frame: group g's keys of options.group_extras (a
 // one-element tensor as a float32 tensor where `tensor_lr`, the frame writing lr as a tensor,

@@ -1756,3 +1756,131 @@ def test_adam_kin_whose_updates_are_not_adamws_are_refused(tmp_path, optstate_cl
         sd["param_groups"][0].update({k: not v for k, v in extra.items()})
         torch.save(sd, tmp_path / "fine.pt")
         optstate_cli("inspect", tmp_path / "fine.pt")
+
+
+# torchtune's single-device recipes with optimizer_in_bwd: True: an optimizer per param, stepped in
+# a post-accumulate-grad hook, saved as OptimizerInBackwardWrapper.state_dict() ({fqn: its
+# optimizer's state_dict}) in recipe_state.pt beside the recipe's counters.
+MAKE_IN_BACKWARD = textwrap.dedent("""
+    import sys, torch
+    torch.set_num_threads(1)
+
+    def build(kind):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(128, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 128))
+        if kind == "torchao":
+            from torchao.optim import AdamW8bit
+            make = lambda p: AdamW8bit([p], lr=1e-2, block_size=64, weight_decay=0.0 if p.dim() == 1 else 0.1)
+        else:
+            make = lambda p: torch.optim.AdamW([p], lr=1e-2, weight_decay=0.0 if p.dim() == 1 else 0.1)
+        optims = {p: make(p) for p in model.parameters()}
+        scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 4)) for o in optims.values()]
+
+        def hook(p):
+            optims[p].step()
+            optims[p].zero_grad()
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+        return model, optims, scheds
+
+    def train(model, scheds, steps):
+        for step in steps:
+            g = torch.Generator().manual_seed(step)
+            model(torch.randint(0, 128, (4, 8), generator=g)).square().mean().backward()
+            for s in scheds:
+                s.step()
+
+    if __name__ == "__main__":
+        kind, out = sys.argv[1], sys.argv[2]
+        model, optims, scheds = build(kind)
+        train(model, scheds, range(3))
+        named = {n: optims[p] for n, p in model.named_parameters()}
+        torch.save({"optimizer": {n: o.state_dict() for n, o in named.items()}, "seed": 1234, "epochs_run": 0,
+                    "total_epochs": 1, "max_steps_per_epoch": None}, out + "/recipe_state.pt")
+        torch.save({"model": model.state_dict(),
+                    "state": {n: {k: (v.dequantize() if hasattr(v, "dequantize") else v).clone()
+                                  for k, v in o.state[p].items()} for (n, o), p in zip(named.items(), model.parameters())},
+                    "scheds": [s.state_dict() for s in scheds]}, out + "/ref.pt")
+        train(model, scheds, range(3, 5))  # the run unbroken
+        torch.save(model.state_dict(), out + "/after.pt")
+""")
+
+
+@pytest.mark.parametrize("kind", ["torch", "torchao"])
+def test_optimizer_in_backward_reads_by_param_name_and_resumes_from_the_written_file(tmp_path, optstate_cli, kind):
+    """Each param's optimizer is read as a group of one param named by its key; converted (and
+    torchao's 8-bit moments to torch.optim.AdamW's), the file keeps the wrapper's layout and the
+    recipe's counters, so torchtune's own loading resumes from it: each optimizer's state is the
+    one saved (dequantized, torchao's), and torch's per-param run continues bit for bit."""
+    run_script(tmp_path, MAKE_IN_BACKWARD, "make.py", kind, tmp_path)
+    ck = tmp_path / "recipe_state.pt"
+    info = json.loads(optstate_cli("inspect", ck, "--json").stdout)
+    names = ["0.weight", "1.weight", "1.bias", "2.weight", "2.bias"]
+    assert sorted(info["params"]) == sorted(names)
+    assert [g["params"] for g in info["param_groups"]] == [1] * 5
+    assert [info["params"][n]["group"] for n in names] == list(range(5))
+    assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0, 0.0, 0.1, 0.0]
+    if kind == "torchao":
+        assert info["params"]["0.weight"]["entries"]["exp_avg"]["encoding"] == "blockwise8"
+    proc = optstate_cli("convert", ck, tmp_path / "plain.pt", "--format", "torchsave")
+    assert "carried unchanged: ['seed'], ['epochs_run'], ['total_epochs'], ['max_steps_per_epoch']" in proc.stdout, \
+        proc.stdout
+    (tmp_path / "resume.py").write_text(textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(tmp_path)!r})
+        from make import train
+        torch.set_num_threads(1)
+        ck = torch.load({str(tmp_path / "plain.pt")!r}, weights_only=True)  # no torchao needed now
+        ref = torch.load({str(tmp_path / "ref.pt")!r}, weights_only=True)
+        assert [k for k in ck if k != "optimizer"] == ["seed", "epochs_run", "total_epochs", "max_steps_per_epoch"]
+        assert ck["seed"] == 1234 and ck["max_steps_per_epoch"] is None
+        assert list(ck["optimizer"]) == {names!r}, list(ck["optimizer"])
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(128, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 128))
+        model.load_state_dict(ref["model"])
+        optims = {{p: torch.optim.AdamW([p], lr=1e-2, weight_decay=0.0 if p.dim() == 1 else 0.1)
+                  for p in model.parameters()}}
+        for n, p in model.named_parameters():
+            optims[p].load_state_dict(ck["optimizer"][n])
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(optims[p].state[p][k], ref["state"][n][k]), (n, k)
+            assert optims[p].state[p]["step"].item() == 3
+            assert optims[p].param_groups[0]["initial_lr"] == 1e-2 or {kind!r} == "torchao"
+        # as torchtune rebuilds its scheduler: at the saved step, from each group's initial_lr
+        scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 4), last_epoch=2)
+                  for o in optims.values()]
+        assert all(s.state_dict()["last_epoch"] == saved["last_epoch"] for s, saved in zip(scheds, ref["scheds"]))
+
+        def hook(p):
+            optims[p].step()
+            optims[p].zero_grad()
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+        train(model, scheds, range(3, 5))
+        if {kind!r} == "torch":
+            after = torch.load({str(tmp_path / "after.pt")!r}, weights_only=True)
+            assert all(torch.equal(v, after[k]) for k, v in model.state_dict().items())
+    """))
+    run_script(tmp_path, (tmp_path / "resume.py").read_text(), "resume.py")
+    # The file written back in its own format (torchao's, from torchao's) is the one torch wrote, key
+    # for key.
+    optstate_cli("convert", ck, tmp_path / "back.pt", "--format", "torchao" if kind == "torchao" else "torchsave")
+    run_script(tmp_path, textwrap.dedent(f"""
+        import torch
+        a = torch.load({str(ck)!r}, weights_only=False)
+        b = torch.load({str(tmp_path / "back.pt")!r}, weights_only=False)
+        assert list(a) == list(b) and list(a["optimizer"]) == list(b["optimizer"])
+        for n, sd in a["optimizer"].items():
+            ga, gb = sd["param_groups"], b["optimizer"][n]["param_groups"]
+            assert [{{k: v for k, v in g.items() if k != "lr"}} for g in ga] == \
+                [{{k: v for k, v in g.items() if k != "lr"}} for g in gb], n
+            assert all(torch.equal(torch.as_tensor(x["lr"]), torch.as_tensor(y["lr"])) for x, y in zip(ga, gb)), n
+            for k, v in sd["state"][0].items():
+                w = b["optimizer"][n]["state"][0][k]
+                if hasattr(v, "codes"):
+                    assert torch.equal(v.codes, w.codes) and torch.equal(v.scale, w.scale), (n, k)
+                else:
+                    assert torch.equal(v, w), (n, k)
+    """), "back.py")

@@ -10,7 +10,9 @@ numbered params in decay / no-decay groups beside a model with a tied weight and
 named from the model (numbered); a {"model", "optimizer"} checkpoint of a channels_last conv model,
 its weights and moments stored permuted (channels_last); nanoGPT's of a compiled model, every model
 key under '_orig_mod.' (compiled); buffers of complex64, int16, bool, float8 and uint16 beside a
-model's params (rotary); a DDP run's, every model key under 'module.' (ddp).
+model's params (rotary); a DDP run's, every model key under 'module.' (ddp); torchtune's
+recipe_state.pt of a run with optimizer_in_bwd, an optimizer per param keyed by its name
+(in_backward).
 
 FSDP2 (two CPU processes over gloo): fsdp2_world2/ holds what verl saves per rank
 (optim_world_size_2_rank_R.pt, model_world_size_2_rank_R.pt of DTensors, extra_state_...), and
@@ -24,7 +26,7 @@ parameter per unit), fsdp1_world2_orig/ with use_orig_params=True (one param eac
 nothing per rank); fsdp1_world2*_full.pt the same state put together from FSDP's own flat-parameter
 metadata (where each rank's run of each param starts), as one {"model", "optimizer"} file.
 
-    .venv/bin/python formats/torchsave/testdata/make_seeds.py [main|fqn|fsdp2|fsdp1|bnb|numbered|channels_last|compiled|rotary|ddp]"""
+    .venv/bin/python formats/torchsave/testdata/make_seeds.py [main|fqn|fsdp2|fsdp1|bnb|numbered|channels_last|compiled|rotary|ddp|in_backward]"""
 import os
 import sys
 
@@ -111,6 +113,32 @@ def ddp():
     model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 10))
     nanogpt_file(torch.nn.parallel.DistributedDataParallel(model), "torch_ddp_model_and_optimizer.pt")
     dist.destroy_process_group()
+
+
+def in_backward():
+    """torchtune's full finetune with optimizer_in_bwd: True: an optimizer per param, stepped by a
+    post-accumulate-grad hook; recipe_state.pt holds OptimizerInBackwardWrapper.state_dict(), each
+    param's optimizer state_dict under its name, beside the recipe's counters. The norm's params
+    without decay, a warmup schedule per optimizer (initial_lr in each group)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 16))
+    optims = {p: torch.optim.AdamW([p], lr=1e-2, weight_decay=0.0 if p.dim() == 1 else 0.1)
+              for p in model.parameters()}
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: (s + 1) / 4) for o in optims.values()]
+
+    def step(p):
+        optims[p].step()
+        optims[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    for _ in range(2):
+        model(torch.randint(0, 16, (4, 3))).square().mean().backward()
+        for s in scheds:
+            s.step()
+    wrapper = {n: optims[p].state_dict() for n, p in model.named_parameters()}
+    torch.save({"optimizer": wrapper, "seed": 1234, "epochs_run": 1, "total_epochs": 3, "max_steps_per_epoch": None},
+               os.path.join(HERE, "torchtune_optimizer_in_backward.pt"))
 
 
 def rotary():
@@ -329,5 +357,5 @@ def bnb():
 
 if __name__ == "__main__":
     for step in sys.argv[1:] or ["main", "fqn", "fsdp2", "fsdp1", "bnb", "numbered", "channels_last", "compiled",
-                                  "rotary", "ddp"]:
+                                  "rotary", "ddp", "in_backward"]:
         globals()[step]()

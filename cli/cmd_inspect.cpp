@@ -161,6 +161,9 @@ int run_inspect(int argc, char** argv) {
   std::string out = fmt::format("checkpoint  {} ({})\noptimizer   {}, {} param group(s), {} params, {} elements\n",
                                 reader.path().string(), reader.format(), meta.kind, meta.groups.size(),
                                 meta.params.size(), total_numel);
+  // One line per group; a run of groups alike (an optimizer per param: torchtune's optimizer in
+  // backward has one group per param) one line for the run.
+  std::vector<std::string> group_lines;
   for (size_t g = 0; g < meta.groups.size(); ++g) {
     const auto& h = meta.groups[g].hyper;
     // Only the switches set otherwise than torch's defaults (fused=True), as in a constructor call.
@@ -171,10 +174,15 @@ int run_inspect(int argc, char** argv) {
           set += fmt::format(" {}={}", name, switch_text(it->second));
     if (extras.size() == meta.groups.size())
       for (const auto& [key, v] : extras[g]) set += fmt::format(" {}={}", key, dcp::group_value_text(v));
-    out += fmt::format("group {:<5} lr={:g} betas=({:g}, {:g}) eps={:g} weight_decay={:g} amsgrad={} maximize={}{} "
-                       "({} params)\n",
-                       g, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.amsgrad, h.maximize, set,
-                       meta.groups[g].params.size());
+    group_lines.push_back(fmt::format("lr={:g} betas=({:g}, {:g}) eps={:g} weight_decay={:g} amsgrad={} maximize={}{} "
+                                      "({} params",
+                                      h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.amsgrad, h.maximize, set,
+                                      meta.groups[g].params.size()));
+  }
+  for (size_t g = 0, end = 0; g < group_lines.size(); g = end) {
+    for (end = g + 1; end < group_lines.size() && group_lines[end] == group_lines[g];) ++end;
+    out += end - g == 1 ? fmt::format("group {:<5} {})\n", g, group_lines[g])
+                        : fmt::format("group {:<5} {} each)\n", fmt::format("{}-{}", g, end - 1), group_lines[g]);
   }
   // A pickle names the module that defined the class: each torchao loads only its own package's.
   if (const std::string_view package = reader.torchao_package(); !package.empty())

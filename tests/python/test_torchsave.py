@@ -1823,6 +1823,10 @@ def test_optimizer_in_backward_reads_by_param_name_and_resumes_from_the_written_
     assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0, 0.0, 0.1, 0.0]
     if kind == "torchao":
         assert info["params"]["0.weight"]["entries"]["exp_avg"]["encoding"] == "blockwise8"
+    # as text, a run of groups alike is one line
+    lines = [ln for ln in optstate_cli("inspect", ck, "--no-stats").stdout.splitlines() if ln.startswith("group ")]
+    assert [ln.split()[1] for ln in lines] == ["0", "1-2", "3", "4"], lines
+    assert lines[1].endswith("(1 params each)") and "weight_decay=0 " in lines[1], lines
     proc = optstate_cli("convert", ck, tmp_path / "plain.pt", "--format", "torchsave")
     assert "carried unchanged: ['seed'], ['epochs_run'], ['total_epochs'], ['max_steps_per_epoch']" in proc.stdout, \
         proc.stdout

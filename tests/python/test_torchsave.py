@@ -1771,6 +1771,9 @@ MAKE_IN_BACKWARD = textwrap.dedent("""
         if kind == "torchao":
             from torchao.optim import AdamW8bit
             make = lambda p: AdamW8bit([p], lr=1e-2, block_size=64, weight_decay=0.0 if p.dim() == 1 else 0.1)
+        elif kind == "bnb":  # torchtune's single-device configs: PagedAdamW8bit, optimizer_in_bwd
+            import bitsandbytes as bnb
+            make = lambda p: bnb.optim.PagedAdamW8bit([p], lr=1e-2, weight_decay=0.0 if p.dim() == 1 else 0.1)
         else:
             make = lambda p: torch.optim.AdamW([p], lr=1e-2, weight_decay=0.0 if p.dim() == 1 else 0.1)
         optims = {p: make(p) for p in model.parameters()}
@@ -1783,6 +1786,14 @@ MAKE_IN_BACKWARD = textwrap.dedent("""
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(hook)
         return model, optims, scheds
+
+    def moments(st):
+        if "state1" in st:  # bitsandbytes': its own dequantization
+            import bitsandbytes.functional as F
+            return {k: st["state" + n] if st["state" + n].dtype != torch.uint8 else F.dequantize_blockwise(
+                        st["state" + n], absmax=st["absmax" + n], code=st["qmap" + n], blocksize=256)
+                    for k, n in (("exp_avg", "1"), ("exp_avg_sq", "2"))}
+        return {k: (v.dequantize() if hasattr(v, "dequantize") else v).clone() for k, v in st.items() if k != "step"}
 
     def train(model, scheds, steps):
         for step in steps:
@@ -1799,20 +1810,20 @@ MAKE_IN_BACKWARD = textwrap.dedent("""
         torch.save({"optimizer": {n: o.state_dict() for n, o in named.items()}, "seed": 1234, "epochs_run": 0,
                     "total_epochs": 1, "max_steps_per_epoch": None}, out + "/recipe_state.pt")
         torch.save({"model": model.state_dict(),
-                    "state": {n: {k: (v.dequantize() if hasattr(v, "dequantize") else v).clone()
-                                  for k, v in o.state[p].items()} for (n, o), p in zip(named.items(), model.parameters())},
+                    "state": {n: moments(o.state[p]) for (n, o), p in zip(named.items(), model.parameters())},
                     "scheds": [s.state_dict() for s in scheds]}, out + "/ref.pt")
         train(model, scheds, range(3, 5))  # the run unbroken
         torch.save(model.state_dict(), out + "/after.pt")
 """)
 
 
-@pytest.mark.parametrize("kind", ["torch", "torchao"])
+@pytest.mark.parametrize("kind", ["torch", "torchao", "bnb"])
 def test_optimizer_in_backward_reads_by_param_name_and_resumes_from_the_written_file(tmp_path, optstate_cli, kind):
     """Each param's optimizer is read as a group of one param named by its key; converted (and
-    torchao's 8-bit moments to torch.optim.AdamW's), the file keeps the wrapper's layout and the
+    torchao's or bitsandbytes' 8-bit moments to torch.optim.AdamW's), the file keeps the wrapper's layout and the
     recipe's counters, so torchtune's own loading resumes from it: each optimizer's state is the
-    one saved (dequantized, torchao's), and torch's per-param run continues bit for bit."""
+    one saved (dequantized by torchao or bitsandbytes), and torch's per-param run continues bit for
+    bit."""
     run_script(tmp_path, MAKE_IN_BACKWARD, "make.py", kind, tmp_path)
     ck = tmp_path / "recipe_state.pt"
     info = json.loads(optstate_cli("inspect", ck, "--json").stdout)
@@ -1821,7 +1832,7 @@ def test_optimizer_in_backward_reads_by_param_name_and_resumes_from_the_written_
     assert [g["params"] for g in info["param_groups"]] == [1] * 5
     assert [info["params"][n]["group"] for n in names] == list(range(5))
     assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0, 0.0, 0.1, 0.0]
-    if kind == "torchao":
+    if kind != "torch":
         assert info["params"]["0.weight"]["entries"]["exp_avg"]["encoding"] == "blockwise8"
     # as text, a run of groups alike is one line
     lines = [ln for ln in optstate_cli("inspect", ck, "--no-stats").stdout.splitlines() if ln.startswith("group ")]
@@ -1868,23 +1879,31 @@ def test_optimizer_in_backward_reads_by_param_name_and_resumes_from_the_written_
             assert all(torch.equal(v, after[k]) for k, v in model.state_dict().items())
     """))
     run_script(tmp_path, (tmp_path / "resume.py").read_text(), "resume.py")
-    # The file written back in its own format (torchao's, from torchao's) is the one torch wrote, key
-    # for key.
-    optstate_cli("convert", ck, tmp_path / "back.pt", "--format", "torchao" if kind == "torchao" else "torchsave")
+    # The file written back in its own format (torchao's or bitsandbytes', from theirs) is the one
+    # torch wrote, key for key.
+    optstate_cli("convert", ck, tmp_path / "back.pt", "--format", {"torch": "torchsave", "bnb": "bitsandbytes"}.get(kind, kind))
     run_script(tmp_path, textwrap.dedent(f"""
         import torch
+
+        def same(v, w, where):
+            if isinstance(v, dict):
+                assert list(v) == list(w), where
+                for k in v:
+                    same(v[k], w[k], f"{{where}}.{{k}}")
+            elif hasattr(v, "codes"):  # torchao's OptimState8bit
+                assert torch.equal(v.codes, w.codes) and torch.equal(v.scale, w.scale), where
+            elif torch.is_tensor(v):
+                assert torch.equal(v, w), where
+            else:  # bitsandbytes' step: an int
+                assert v == w and type(v) is type(w), where
+
         a = torch.load({str(ck)!r}, weights_only=False)
         b = torch.load({str(tmp_path / "back.pt")!r}, weights_only=False)
         assert list(a) == list(b) and list(a["optimizer"]) == list(b["optimizer"])
         for n, sd in a["optimizer"].items():
             ga, gb = sd["param_groups"], b["optimizer"][n]["param_groups"]
-            assert [{{k: v for k, v in g.items() if k != "lr"}} for g in ga] == \
+            assert [{{k: v for k, v in g.items() if k != "lr"}} for g in ga] == \\
                 [{{k: v for k, v in g.items() if k != "lr"}} for g in gb], n
             assert all(torch.equal(torch.as_tensor(x["lr"]), torch.as_tensor(y["lr"])) for x, y in zip(ga, gb)), n
-            for k, v in sd["state"][0].items():
-                w = b["optimizer"][n]["state"][0][k]
-                if hasattr(v, "codes"):
-                    assert torch.equal(v.codes, w.codes) and torch.equal(v.scale, w.scale), (n, k)
-                else:
-                    assert torch.equal(v, w), (n, k)
+            same(sd["state"], b["optimizer"][n]["state"], n)
     """), "back.py")

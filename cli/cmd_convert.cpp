@@ -1,6 +1,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -14,6 +15,29 @@
 
 namespace optstate::cli {
 namespace {
+
+// Each group key once, in the order keys first appear, with the groups holding it: "param group 0
+// 'name'", "param groups 0-4 'initial_lr'", "param groups 0,2,5-9 'lr_scale'".
+std::vector<std::string> group_extras_brief(std::span<const GroupExtras> group_extras) {
+  std::vector<std::pair<std::string, std::vector<size_t>>> by_key;
+  for (size_t g = 0; g < group_extras.size(); ++g)
+    for (const auto& [key, v] : group_extras[g]) {
+      auto it = std::find_if(by_key.begin(), by_key.end(), [&](const auto& kv) { return kv.first == key; });
+      if (it == by_key.end()) it = by_key.insert(by_key.end(), {key, {}});
+      it->second.push_back(g);
+    }
+  std::vector<std::string> out;
+  for (const auto& [key, groups] : by_key) {
+    std::vector<std::string> runs;
+    for (size_t i = 0, j = 0; i < groups.size(); i = j) {
+      for (j = i + 1; j < groups.size() && groups[j] == groups[j - 1] + 1;) ++j;
+      runs.push_back(j - i == 1 ? fmt::format("{}", groups[i]) : fmt::format("{}-{}", groups[i], groups[j - 1]));
+    }
+    out.push_back(fmt::format("param group{} {} '{}'", groups.size() == 1 ? "" : "s", fmt::join(runs, ","), key));
+  }
+  return out;
+}
+
 
 Result<int64_t> parse_positive(const std::string& name, const std::string& text) {
   try {
@@ -248,6 +272,9 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   const std::span<const GroupExtras> group_extras = reader->group_extras();
   for (size_t g = 0; g < group_extras.size(); ++g)
     for (const auto& [key, v] : group_extras[g]) extras.push_back(fmt::format("param group {} '{}'", g, key));
+  // As text, each key once with the groups that hold it ("param groups 0-146 'initial_lr'": an
+  // optimizer per param has a group per param); JSON lists each group's.
+  const std::vector<std::string> extras_brief = group_extras_brief(group_extras);
   const bool extras_kept = carried || driver->keeps_group_extras();
   std::vector<std::string> kept_rest = carried ? rest : std::vector<std::string>{};
   std::vector<std::string> dropped = carried ? std::vector<std::string>{} : rest;
@@ -258,9 +285,12 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   const std::span<const ModelTensorInfo> model_tensors = reader->model_tensors();
   const bool tensors_kept = carried || driver->keeps_model_tensors();
   if (!model_tensors.empty()) (tensors_kept ? kept_rest : dropped).push_back(model_tensors_text(model_tensors));
-  if (!dropped.empty())
+  std::vector<std::string> dropped_text = carried ? std::vector<std::string>{} : rest;
+  if (!extras_kept) dropped_text.insert(dropped_text.end(), extras_brief.begin(), extras_brief.end());
+  if (!model_tensors.empty() && !tensors_kept) dropped_text.push_back(model_tensors_text(model_tensors));
+  if (!dropped_text.empty())
     std::fprintf(stderr, "note: %s also holds %s: outside the state read, not in %s\n", src.c_str(),
-                 fmt::format("{}", fmt::join(dropped, ", ")).c_str(), dst.c_str());
+                 fmt::format("{}", fmt::join(dropped_text, ", ")).c_str(), dst.c_str());
   // What DST keeps of the state (LibTorch's optimizer archive: numbered params, no weights).
   const OptimizerState kept = driver->kept_by_write(written, wo);
   size_t weights = 0, kept_weights = 0;
@@ -313,7 +343,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
                               ? "for each rank (rank r's from SRC's rank r mod its ranks)"
                               : "unchanged",
                           fmt::join(rest, ", "));
-    if (extras_kept && !extras.empty()) tail += fmt::format("; kept {}", fmt::join(extras, ", "));
+    if (extras_kept && !extras.empty()) tail += fmt::format("; kept {}", fmt::join(extras_brief, ", "));
     if (!model_tensors.empty() && tensors_kept) tail += fmt::format("; kept {}", model_tensors_text(model_tensors));
     std::printf("wrote %s (%s, %d rank%s): %zu params, %lld dense and %lld 8-bit entries%s\n", dst.c_str(),
                 format.c_str(), world, world == 1 ? "" : "s", kept.params.size(), static_cast<long long>(dense),

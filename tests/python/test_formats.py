@@ -268,7 +268,7 @@ def test_torchtitan_layout_dcp_reads_as_the_same_state(tmp_path, optstate_cli, k
     assert "also holds dataloader (1 item)" in note and "not in" in note, note
     # its groups' initial_lr (the scheduler's) only: optstate's own format keeps the state alone
     note = optstate_cli("convert", nested, tmp_path / "native2").stderr
-    assert note.startswith(f"note: {nested} also holds param group 0 'initial_lr', param group 1 'initial_lr': "
+    assert note.startswith(f"note: {nested} also holds param groups 0-1 'initial_lr': "
                            "outside the state read") and note.count("\n") == 1, note
     assert hashes(optstate_cli, tmp_path / "native") == hashes(optstate_cli, nested)
     if kind != "fp32":
@@ -1794,7 +1794,8 @@ def test_group_extras_survive_torch_save_dcp_conversions_and_tell_flattened_grou
                     {"lr_scale": 1.0, "name": "head", "initial_lr": 1e-3}]
     torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
     proc = optstate_cli("convert", tmp_path / "optimizer.pt", tmp_path / "dcp", "--format", "dcp")
-    assert "kept param group 0 'lr_scale', param group 0 'name', param group 0 'initial_lr'" in proc.stdout, proc.stdout
+    assert "kept param groups 0-1 'lr_scale', param groups 0-1 'name', param groups 0-1 'initial_lr'" in proc.stdout, \
+        proc.stdout
     assert "note" not in proc.stderr, proc.stderr
     optstate_cli("convert", tmp_path / "dcp", tmp_path / "back.pt")
     assert extras_of(torch.load(tmp_path / "back.pt", weights_only=True)["param_groups"]) == want
@@ -1824,7 +1825,7 @@ def test_group_extras_survive_torch_save_dcp_conversions_and_tell_flattened_grou
     # Where the format has no place for them, convert names them.
     proc = optstate_cli("convert", tmp_path / "dcp", tmp_path / "plain.safetensors", "--json")
     assert "param group 1 'lr_scale'" in json.loads(proc.stdout)["not_carried"]
-    assert "param group 0 'initial_lr'" in proc.stderr and "not in" in proc.stderr, proc.stderr
+    assert "param groups 0-1 'initial_lr'" in proc.stderr and "not in" in proc.stderr, proc.stderr
 
     # torchao keeps lr, and so its scheduler's initial_lr, as tensors.
     pytest.importorskip("torchao")

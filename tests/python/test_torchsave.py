@@ -1839,8 +1839,8 @@ def test_optimizer_in_backward_reads_by_param_name_and_resumes_from_the_written_
     assert [ln.split()[1] for ln in lines] == ["0", "1-2", "3", "4"], lines
     assert lines[1].endswith("(1 params each)") and "weight_decay=0 " in lines[1], lines
     proc = optstate_cli("convert", ck, tmp_path / "plain.pt", "--format", "torchsave")
-    assert "carried unchanged: ['seed'], ['epochs_run'], ['total_epochs'], ['max_steps_per_epoch']" in proc.stdout, \
-        proc.stdout
+    assert "carried unchanged: ['seed'], ['epochs_run'], ['total_epochs'], ['max_steps_per_epoch']; " \
+        "kept param groups 0-4 'initial_lr'" in proc.stdout, proc.stdout
     (tmp_path / "resume.py").write_text(textwrap.dedent(f"""
         import sys, torch
         sys.path.insert(0, {str(tmp_path)!r})

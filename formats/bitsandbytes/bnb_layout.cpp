@@ -129,6 +129,7 @@ Status plan_frame(const OptimizerState& state, pickle::Writer& w, const torchsav
       .model_tensors = options.model_tensors,
       .model_tensor = torchsave::model_tensor_writer(w, add),
       .per_param = options.per_param,
+      .stateless_optimizer = options.stateless_optimizer,
   });
   return Status::Ok();
 }

@@ -483,17 +483,22 @@ class TorchSaveReader final : public CheckpointReader {
     }
     not_read_ = sd0.not_read;
     // FSDP1's ranks hold no state for params with no part on them (use_orig_params): not unread.
-    if (sd0.stateless && !fsdp1)
+    std::optional<size_t> stateless_line;
+    if (sd0.stateless && !fsdp1) {
+      stateless_line = not_read_.size();
       not_read_.push_back(fmt::format("{} param{} without state or weights (never stepped: no shape in the file)",
                                       sd0.stateless, sd0.stateless == 1 ? "" : "s"));
+    }
     for (std::string& n : not_read) not_read_.push_back(std::move(n));
     // One file: a torch.save write from it carries its groups' other keys (a scheduler's
     // 'initial_lr', which Hugging Face Trainer's optimizer.pt holds) and, where its optimizer sits
     // beside other entries ({"model", "optimizer", "epoch"}), those, when that is all it holds
-    // beyond the state (per-param fields and stateless params without weights it does not carry).
+    // beyond the state (per-param fields and stateless params without weights it does not carry,
+    // but an optimizer per param that never stepped its param, which it carries as it is).
     carries_rest_ = !set_ && !libtorch_;
-    for (const std::string& n : not_read_)
-      carries_rest_ = carries_rest_ && (n.starts_with("[") || n.starts_with("param group "));
+    for (size_t i = 0; i < not_read_.size(); ++i)
+      carries_rest_ = carries_rest_ && (not_read_[i].starts_with("[") || not_read_[i].starts_with("param group ") ||
+                                        (sd0.per_param && i == stateless_line));
     if (fsdp1) {
       for (size_t f = 1; f < sds.size(); ++f) OPTSTATE_RETURN_IF_ERROR(same_groups(sd0, sds[f], w0, optim_files[f].string()));
     } else {
@@ -2082,16 +2087,14 @@ Status write_carrying(StateSource& source, const CheckpointReader& from, const f
   }
   // The source's groups: its optimizer's, or each per-param optimizer's one.
   std::vector<pickle::Ref> source_groups;
+  std::vector<std::pair<pickle::Ref, pickle::Ref>> source_optimizers;  // per param: (key, state_dict)
   if (sd.per_param) {
     const auto* items = dict_items(p, sd.optimizer_ref);
     for (size_t k = 1; items && k < items->size(); k += 2)
-      if (const auto* gs = list_items(p, p.dict_get((*items)[k], "param_groups")); gs && !gs->empty())
+      if (const auto* gs = list_items(p, p.dict_get((*items)[k], "param_groups")); gs && !gs->empty()) {
         source_groups.push_back((*gs)[0]);
-    for (const ParamGroup& g : meta.groups)
-      if (g.params.size() != 1)
-        return invalid_argument(fmt::format("{}: a param group of {} params; {} holds an optimizer per param "
-                                            "(torchtune's optimizer in backward), one param each", path.string(),
-                                            g.params.size(), where));
+        source_optimizers.emplace_back((*items)[k - 1], (*items)[k]);
+      }
   } else if (const auto* gs = list_items(p, p.dict_get(sd.optimizer_ref, "param_groups"))) {
     source_groups = *gs;
   }
@@ -2099,6 +2102,20 @@ Status write_carrying(StateSource& source, const CheckpointReader& from, const f
   if (groups->size() != meta.groups.size())
     return invalid_argument(fmt::format("{}: {} param groups, {} has {}: not the state read from it", path.string(),
                                         meta.groups.size(), where, groups->size()));
+  // An optimizer per param: each group the one param of the source's optimizer under its name, or
+  // none where that optimizer never stepped its param (carried as it is).
+  for (size_t g = 0; g < source_optimizers.size(); ++g) {
+    const std::vector<std::string>& params = meta.groups[g].params;
+    const auto name = dcp::as_string(p, source_optimizers[g].first);
+    const auto* state = dict_items(p, p.dict_get(source_optimizers[g].second, "state"));
+    if (params.size() > 1)
+      return invalid_argument(fmt::format("{}: a param group of {} params; {} holds an optimizer per param "
+                                          "(torchtune's optimizer in backward), one param each", path.string(),
+                                          params.size(), where));
+    if (params.empty() ? state && !state->empty() : !name || params[0] != *name)
+      return invalid_argument(fmt::format("{}: param group {} is not the optimizer of '{}' in {}: not the state "
+                                          "read from it", path.string(), g, name ? *name : "?", where));
+  }
   Planner<StorageSpec> planner(p, where);
   OPTSTATE_ASSIGN_OR_RETURN(
       const Planned<StorageSpec> planned,
@@ -2120,6 +2137,10 @@ Status write_carrying(StateSource& source, const CheckpointReader& from, const f
         FrameOptions fo;
         fo.optimizer_only = true;
         fo.per_param = sd.per_param;
+        fo.stateless_optimizer = [&](size_t g) {
+          if (carried.ok()) carried = carry(source_optimizers.at(g).first);
+          if (carried.ok()) carried = carry(source_optimizers.at(g).second);
+        };
         fo.adamw_flags = from.adamw_flags();
         fo.group_extras = from.group_extras();
         fo.group_extra = [&](size_t g) {

@@ -1579,12 +1579,18 @@ void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, con
     w.setitems_from_mark();
   };
   if (parts.per_param) {
-    // {fqn: one optimizer's state_dict over [param]}: each group holds one param (checked by the caller).
+    // {fqn: one optimizer's state_dict over [param]}: each group holds one param, or none where the
+    // source's optimizer never stepped its param (checked by the caller).
     w.empty_dict();
     w.mark();
-    for (size_t g = 0; g < state.groups.size(); ++g) {
-      w.str(order[g]);
-      optimizer(g, g + 1, g, g + 1, /*names=*/false);
+    for (size_t g = 0, i = 0; g < state.groups.size(); ++g) {
+      if (state.groups[g].params.empty()) {
+        parts.stateless_optimizer(g);
+        continue;
+      }
+      w.str(order[i]);
+      optimizer(i, i + 1, g, g + 1, /*names=*/false);
+      ++i;
     }
     w.setitems_from_mark();
   } else {
@@ -1672,6 +1678,7 @@ Status plan_adamw_frame(const OptimizerState& meta, pickle::Writer& w, const Spe
       .model_tensors = options.model_tensors,
       .model_tensor = model_tensor_writer(w, add),
       .per_param = options.per_param,
+      .stateless_optimizer = options.stateless_optimizer,
   });
   return Status::Ok();
 }

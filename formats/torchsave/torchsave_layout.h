@@ -213,7 +213,10 @@ struct FrameParts {
   std::function<void(size_t index, const ModelTensorInfo&)> model_tensor;
   // {fqn: state_dict} of an optimizer per param (StateDict::per_param), each group one param's
   // optimizer, numbered from 0 in it; with optimizer_only (the writer that carries such a file).
+  // A group without params is a param the source's optimizer never stepped (no shape, so not in
+  // the state): `stateless_optimizer` writes its key and the source's optimizer as they were.
   bool per_param = false;
+  std::function<void(size_t group)> stateless_optimizer;
 };
 void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, const FrameParts& parts);
 // torch.optim.AdamW's group fields beyond lr, betas, eps and weight_decay (torch 2.13): amsgrad,
@@ -337,8 +340,10 @@ struct FrameOptions {
   std::span<const GroupExtras> group_extras;
   // The source's model tensors (CheckpointReader::model_tensors), for the frame's model dict.
   std::span<const ModelTensorInfo> model_tensors;
-  // FrameParts::per_param: the source's optimizers were one per param (write_carrying).
+  // FrameParts::per_param and stateless_optimizer: the source's optimizers were one per param
+  // (write_carrying).
   bool per_param = false;
+  std::function<void(size_t group)> stateless_optimizer;
 };
 // FrameParts::group_extra for a planner's frame: group g's keys of options.group_extras (a
 // one-element tensor as a float32 tensor where `tensor_lr`, the frame writing lr as a tensor,

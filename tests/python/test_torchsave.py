@@ -1767,7 +1767,8 @@ MAKE_IN_BACKWARD = textwrap.dedent("""
 
     def build(kind):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Embedding(128, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 128))
+        model = torch.nn.Sequential(torch.nn.Embedding(128, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 128),
+                                    torch.nn.Linear(128, 2))
         if kind == "torchao":
             from torchao.optim import AdamW8bit
             make = lambda p: AdamW8bit([p], lr=1e-2, block_size=64, weight_decay=0.0 if p.dim() == 1 else 0.1)
@@ -1798,7 +1799,7 @@ MAKE_IN_BACKWARD = textwrap.dedent("""
     def train(model, scheds, steps):
         for step in steps:
             g = torch.Generator().manual_seed(step)
-            model(torch.randint(0, 128, (4, 8), generator=g)).square().mean().backward()
+            model[:3](torch.randint(0, 128, (4, 8), generator=g)).square().mean().backward()  # the head unused
             for s in scheds:
                 s.step()
 
@@ -1827,20 +1828,21 @@ def test_optimizer_in_backward_reads_by_param_name_and_resumes_from_the_written_
     run_script(tmp_path, MAKE_IN_BACKWARD, "make.py", kind, tmp_path)
     ck = tmp_path / "recipe_state.pt"
     info = json.loads(optstate_cli("inspect", ck, "--json").stdout)
-    names = ["0.weight", "1.weight", "1.bias", "2.weight", "2.bias"]
-    assert sorted(info["params"]) == sorted(names)
-    assert [g["params"] for g in info["param_groups"]] == [1] * 5
-    assert [info["params"][n]["group"] for n in names] == list(range(5))
-    assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0, 0.0, 0.1, 0.0]
+    names = ["0.weight", "1.weight", "1.bias", "2.weight", "2.bias", "3.weight", "3.bias"]
+    assert sorted(info["params"]) == sorted(names[:5])  # the unused head's optimizers never stepped
+    assert [g["params"] for g in info["param_groups"]] == [1] * 5 + [0] * 2
+    assert [info["params"][n]["group"] for n in names[:5]] == list(range(5))
+    assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0, 0.0, 0.1, 0.0, 0.1, 0.0]
     if kind != "torch":
         assert info["params"]["0.weight"]["entries"]["exp_avg"]["encoding"] == "blockwise8"
     # as text, a run of groups alike is one line
     lines = [ln for ln in optstate_cli("inspect", ck, "--no-stats").stdout.splitlines() if ln.startswith("group ")]
-    assert [ln.split()[1] for ln in lines] == ["0", "1-2", "3", "4"], lines
+    assert [ln.split()[1] for ln in lines] == ["0", "1-2", "3", "4", "5", "6"], lines
     assert lines[1].endswith("(1 params each)") and "weight_decay=0 " in lines[1], lines
     proc = optstate_cli("convert", ck, tmp_path / "plain.pt", "--format", "torchsave")
-    assert "carried unchanged: ['seed'], ['epochs_run'], ['total_epochs'], ['max_steps_per_epoch']; " \
-        "kept param groups 0-4 'initial_lr'" in proc.stdout, proc.stdout
+    assert "carried unchanged: ['seed'], ['epochs_run'], ['total_epochs'], ['max_steps_per_epoch'], 2 params " \
+        "without state or weights (never stepped: no shape in the file); kept param groups 0-6 'initial_lr'" \
+        in proc.stdout, proc.stdout
     (tmp_path / "resume.py").write_text(textwrap.dedent(f"""
         import sys, torch
         sys.path.insert(0, {str(tmp_path)!r})
@@ -1852,12 +1854,16 @@ def test_optimizer_in_backward_reads_by_param_name_and_resumes_from_the_written_
         assert ck["seed"] == 1234 and ck["max_steps_per_epoch"] is None
         assert list(ck["optimizer"]) == {names!r}, list(ck["optimizer"])
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Embedding(128, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 128))
+        model = torch.nn.Sequential(torch.nn.Embedding(128, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 128),
+                                    torch.nn.Linear(128, 2))
         model.load_state_dict(ref["model"])
         optims = {{p: torch.optim.AdamW([p], lr=1e-2, weight_decay=0.0 if p.dim() == 1 else 0.1)
                   for p in model.parameters()}}
         for n, p in model.named_parameters():
             optims[p].load_state_dict(ck["optimizer"][n])
+            if not ref["state"][n]:  # the unused head's: never stepped, and carried so
+                assert not optims[p].state[p] and n.startswith("3."), n
+                continue
             for k in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(optims[p].state[p][k], ref["state"][n][k]), (n, k)
             assert optims[p].state[p]["step"].item() == 3

@@ -578,42 +578,56 @@ TEST_CASE("torchsave: a DDP model's state_dict (every key under 'module.') names
 TEST_CASE("torchsave: an optimizer per param (torchtune's optimizer in backward) reads as one group each, named by its key") {
   // make_seeds.py in_backward: recipe_state.pt of a run with optimizer_in_bwd, {"optimizer": {fqn:
   // AdamW([p]).state_dict()}, "seed", "epochs_run", ...}; the norm and biases without decay, a
-  // scheduler's initial_lr in each group.
+  // scheduler's initial_lr in each group; the optimizers of an unused head ('3.weight', '3.bias')
+  // never stepped.
   auto r = open_checkpoint(kSeeds / "torchtune_optimizer_in_backward.pt");
   REQUIRE_MESSAGE(r.ok(), r.status().message());
   const OptimizerState& m = (*r)->meta();
   const std::vector<std::string> order{"0.weight", "1.weight", "1.bias", "2.weight", "2.bias"};
-  REQUIRE(m.groups.size() == order.size());
+  REQUIRE(m.groups.size() == order.size() + 2);
+  CHECK(m.params.size() == order.size());
+  CHECK(m.groups[5].params.empty());  // no state: no shape, not in the state
+  CHECK(m.groups[6].params.empty());
   for (size_t g = 0; g < order.size(); ++g) {
     CHECK(m.groups[g].params == std::vector<std::string>{order[g]});
     CHECK(m.groups[g].hyper.weight_decay == (m.params.at(order[g]).shape.size() == 1 ? 0.0 : 0.1));
     CHECK(m.params.at(order[g]).group == static_cast<int>(g));
     CHECK(m.params.at(order[g]).step == 2);
   }
-  REQUIRE((*r)->group_extras().size() == order.size());
+  REQUIRE((*r)->group_extras().size() == order.size() + 2);
   CHECK((*r)->group_extras()[4].at(0).first == "initial_lr");
-  CHECK((*r)->not_read() == std::vector<std::string>{"['seed']", "['epochs_run']", "['total_epochs']", "['max_steps_per_epoch']"});
-  // Written back into the file's layout: an optimizer per param again, under the same names, and
-  // written again from that, the same bytes.
+  CHECK((*r)->not_read() == std::vector<std::string>{"['seed']", "['epochs_run']", "['total_epochs']",
+                                                     "['max_steps_per_epoch']",
+                                                     "2 params without state or weights (never stepped: no shape in the file)"});
+  // Written back into the file's layout: an optimizer per param again, under the same names (the
+  // head's carried as they were), and written again from that, the same bytes.
   testing::TempDir dir;
   const fs::path out = dir.path / "back.pt";
   auto back = carried_back(**r, out);
   const std::string pkl = testing::read_file(out);
   CHECK(pkl.find("epochs_run") != std::string::npos);
-  CHECK(back->meta().groups.size() == order.size());
+  CHECK(pkl.find("3.bias") != std::string::npos);
+  CHECK(back->meta().groups.size() == order.size() + 2);
   const fs::path again = dir.path / "again.pt";
   const FormatDriver* ts = find_format("torchsave");
   REQUIRE(write_checkpoint(*ts, *load_all(*back), again, {.source = back.get()}).ok());
   CHECK(testing::read_file(again) == testing::read_file(out));
-  // A state whose groups hold several params has no such layout: refused, naming the file.
+  // A state whose groups hold several params has no such layout, nor one whose params sit in other
+  // groups than the file's optimizers: refused, naming the file.
   OptimizerState merged = *load_all(**r);
-  merged.groups[0].params.push_back(merged.groups[1].params[0]);
-  merged.params.at(merged.groups[1].params[0]).group = 0;
-  merged.groups.erase(merged.groups.begin() + 1);
-  for (auto& [fqn, ps] : merged.params)
-    if (ps.group > 1) --ps.group;
-  const Status st = write_checkpoint(*ts, merged, dir.path / "merged.pt", {.source = r->get()});
-  CHECK(st.message().find("an optimizer per param") != std::string::npos);
+  const std::string moved = merged.groups[1].params[0];
+  merged.groups[0].params.push_back(moved);
+  merged.groups[1].params.clear();
+  merged.params.at(moved).group = 0;
+  Status st = write_checkpoint(*ts, merged, dir.path / "merged.pt", {.source = r->get()});
+  CHECK(st.message().find("a param group of 2 params") != std::string::npos);
+  OptimizerState swapped = *load_all(**r);
+  std::swap(swapped.groups[0].params, swapped.groups[3].params);
+  std::swap(swapped.params.at("0.weight").group, swapped.params.at("2.weight").group);
+  st = write_checkpoint(*ts, swapped, dir.path / "swapped.pt", {.source = r->get()});
+  CHECK(st.message().find("param group 0 is not the optimizer of '0.weight'") != std::string::npos);
+  CHECK(!fs::exists(dir.path / "merged.pt"));
+  CHECK(!fs::exists(dir.path / "swapped.pt"));
 }
 
 TEST_CASE("torchsave: the written state_dict reads back through the interpretation") {

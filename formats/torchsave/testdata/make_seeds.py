@@ -119,9 +119,11 @@ def in_backward():
     """torchtune's full finetune with optimizer_in_bwd: True: an optimizer per param, stepped by a
     post-accumulate-grad hook; recipe_state.pt holds OptimizerInBackwardWrapper.state_dict(), each
     param's optimizer state_dict under its name, beside the recipe's counters. The norm's params
-    without decay, a warmup schedule per optimizer (initial_lr in each group)."""
+    without decay, a warmup schedule per optimizer (initial_lr in each group), and a head the
+    forward never uses: its optimizers never step (empty state)."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 16))
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 16),
+                                torch.nn.Linear(16, 2))
     optims = {p: torch.optim.AdamW([p], lr=1e-2, weight_decay=0.0 if p.dim() == 1 else 0.1)
               for p in model.parameters()}
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: (s + 1) / 4) for o in optims.values()]
@@ -133,7 +135,7 @@ def in_backward():
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(step)
     for _ in range(2):
-        model(torch.randint(0, 16, (4, 3))).square().mean().backward()
+        model[:3](torch.randint(0, 16, (4, 3))).square().mean().backward()
         for s in scheds:
             s.step()
     wrapper = {n: optims[p].state_dict() for n, p in model.named_parameters()}

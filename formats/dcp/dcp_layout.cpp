@@ -267,6 +267,12 @@ Status check_torch_adam_group(const std::function<bool(const char*)>& has, const
   // 'amsgrad' beside the keys every torch.optim group has; NAdam's and RAdam's never do.
   if (has("momentum_decay"))
     return corrupt(where + ": 'momentum_decay' is torch.optim.NAdam's group: its update is not AdamW's");
+  // GaLore's and APOLLO's (transformers' optim="galore_adamw", "apollo_adamw"): AdamW's keys, the
+  // moments of the gradient projected to `rank` (another shape than the param's), the update
+  // projected back.
+  if (has("update_proj_gap"))
+    return corrupt(where + ": 'update_proj_gap' is GaLore's or APOLLO's group (its moments are of the gradient "
+                           "projected to a low rank, in another shape than the param's): not AdamW's");
   // LAMB's (apex's FusedLAMB, timm's Lamb): AdamW's moments, a trust ratio on the update.
   for (const char* key : {"grad_averaging", "max_grad_norm", "trust_clip", "always_adapt"})
     if (has(key))

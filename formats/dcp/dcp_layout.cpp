@@ -273,6 +273,11 @@ Status check_torch_adam_group(const std::function<bool(const char*)>& has, const
   if (has("update_proj_gap"))
     return corrupt(where + ": 'update_proj_gap' is GaLore's or APOLLO's group (its moments are of the gradient "
                            "projected to a low rank, in another shape than the param's): not AdamW's");
+  // GrokAdamW's (transformers' optim="grokadamw"): AdamW's moments of the gradient amplified by
+  // its own EMA of it ('grok_ema' in the state).
+  if (has("alpha_init"))
+    return corrupt(where + ": 'alpha_init' is GrokAdamW's group (its moments are of the gradient amplified by an "
+                           "EMA of it): not AdamW's");
   // LAMB's (apex's FusedLAMB, timm's Lamb): AdamW's moments, a trust ratio on the update.
   for (const char* key : {"grad_averaging", "max_grad_norm", "trust_clip", "always_adapt"})
     if (has(key))

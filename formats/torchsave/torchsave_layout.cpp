@@ -217,7 +217,7 @@ Result<GroupSpec> adamw_group(const Pickle& p, Ref fields, const std::string& gw
   OPTSTATE_ASSIGN_OR_RETURN(spec.lr, scalar(p, lr, gw + " 'lr'"));
   const auto* betas = list_items(p, p.dict_get(fields, "betas"));
   if (betas && betas->size() == 3)
-    return corrupt(gw + ": three 'betas' (bitsandbytes' AdEMAMix, whose state1 holds two moments): not AdamW");
+    return corrupt(gw + ": three 'betas' (bitsandbytes' AdEMAMix, whose state1 holds two moments; Adan's): not AdamW");
   const bool numbers = betas && betas->size() == 2 && dcp::as_number(p, (*betas)[0]) && dcp::as_number(p, (*betas)[1]);
   if (!numbers && !(tensor_betas && betas && betas->size() == 2))
     return corrupt(gw + ": 'betas' is not a pair of numbers (not an AdamW param group)");

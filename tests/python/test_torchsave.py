@@ -1740,11 +1740,15 @@ def test_radam_and_nadam_state_is_not_taken_for_adamws(tmp_path, optstate_cli, c
     ({"correct_bias": False}, "correct_bias=False (transformers' AdamW without bias correction)"),
     # transformers' optim="galore_adamw": the group galore_torch.GaLoreAdamW is given
     ({"rank": 128, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"},
-     "'update_proj_gap' is GaLore's or APOLLO's group (its moments are of the gradient projected to a low rank")])
+     "'update_proj_gap' is GaLore's or APOLLO's group (its moments are of the gradient projected to a low rank"),
+    # optim="grokadamw": grokadamw.GrokAdamW's defaults
+    ({"alpha_init": 0.98, "lamb": 2.0, "gamma": 0.1, "grokking_signal_decay_rate": 0.1, "gradient_clipping": 1.0},
+     "'alpha_init' is GrokAdamW's group")])
 def test_adam_kin_whose_updates_are_not_adamws_are_refused(tmp_path, optstate_cli, extra, why):
     """LAMB (apex's FusedLAMB, timm's Lamb), timm's cautious AdamW, transformers' AdamW without
-    bias correction and GaLore's AdamW keep AdamW's moments (GaLore's of the projected gradient)
-    under their own group keys: named and refused; the same group keys at their AdamW values read."""
+    bias correction, GaLore's AdamW and GrokAdamW keep AdamW's moments (GaLore's of the projected
+    gradient, GrokAdamW's of an amplified one) under their own group keys: named and refused; the
+    same group keys at their AdamW values read."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())

@@ -276,8 +276,13 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   // optimizer per param has a group per param); JSON lists each group's.
   const std::vector<std::string> extras_brief = group_extras_brief(group_extras);
   const bool extras_kept = carried || driver->keeps_group_extras();
-  std::vector<std::string> kept_rest = carried ? rest : std::vector<std::string>{};
-  std::vector<std::string> dropped = carried ? std::vector<std::string>{} : rest;
+  // What the carrying write keeps of it, and what it does not (how an encoding was read).
+  const std::vector<std::string> kept_text = carried ? reader->carried_not_read() : std::vector<std::string>{};
+  std::vector<std::string> dropped_text;
+  for (const std::string& line : rest)
+    if (std::find(kept_text.begin(), kept_text.end(), line) == kept_text.end()) dropped_text.push_back(line);
+  // JSON's lists: each group's keys and the model's tensors join them.
+  std::vector<std::string> kept_rest = kept_text, dropped = dropped_text;
   std::vector<std::string>& extras_to = extras_kept ? kept_rest : dropped;
   extras_to.insert(extras_to.end(), extras.begin(), extras.end());
   // The model's other tensors beside the weights (buffers, tied names): in the file a torch.save
@@ -285,7 +290,6 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   const std::span<const ModelTensorInfo> model_tensors = reader->model_tensors();
   const bool tensors_kept = carried || driver->keeps_model_tensors();
   if (!model_tensors.empty()) (tensors_kept ? kept_rest : dropped).push_back(model_tensors_text(model_tensors));
-  std::vector<std::string> dropped_text = carried ? std::vector<std::string>{} : rest;
   if (!extras_kept) dropped_text.insert(dropped_text.end(), extras_brief.begin(), extras_brief.end());
   if (!model_tensors.empty() && !tensors_kept) dropped_text.push_back(model_tensors_text(model_tensors));
   if (!dropped_text.empty())
@@ -336,13 +340,13 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
     print_json(j);
   } else {
     std::string tail;
-    if (carried && !rest.empty())
+    if (carried && !kept_text.empty())
       tail += fmt::format("; carried {}: {}",
                           wo.float_lr            ? "(tensor lrs as floats)"
                           : format == "torchsave" && std::filesystem::is_directory(dst)
                               ? "for each rank (rank r's from SRC's rank r mod its ranks)"
                               : "unchanged",
-                          fmt::join(rest, ", "));
+                          fmt::join(kept_text, ", "));
     if (extras_kept && !extras.empty()) tail += fmt::format("; kept {}", fmt::join(extras_brief, ", "));
     if (!model_tensors.empty() && tensors_kept) tail += fmt::format("; kept {}", model_tensors_text(model_tensors));
     std::printf("wrote %s (%s, %d rank%s): %zu params, %lld dense and %lld 8-bit entries%s\n", dst.c_str(),

@@ -203,7 +203,12 @@ class TorchSaveReader final : public CheckpointReader {
   }
   const fs::path& path() const override { return path_; }
   const OptimizerState& meta() const override { return meta_; }
-  std::vector<std::string> not_read() const override { return not_read_; }
+  std::vector<std::string> not_read() const override {
+    std::vector<std::string> out = not_read_;
+    out.insert(out.end(), read_notes_.begin(), read_notes_.end());
+    return out;
+  }
+  std::vector<std::string> carried_not_read() const override { return not_read_; }
   bool checksummed() const override { return checksummed_ || shared_verified_; }
   const FsdpSet* fsdp() const { return fsdp_ ? &*fsdp_ : nullptr; }
   bool carries_rest() const { return carries_rest_; }
@@ -779,16 +784,16 @@ class TorchSaveReader final : public CheckpointReader {
                                         rank_pattern(model_files), others, others == 1 ? "y" : "ies"));
     }
     if (!dequantized_.empty())
-      not_read_.push_back(fmt::format("the 8-bit encoding of {} ({}): 8-bit on some ranks only, or in blocks that are "
+      read_notes_.push_back(fmt::format("the 8-bit encoding of {} ({}): 8-bit on some ranks only, or in blocks that are "
                                       "not the whole tensor's; read as fp32 values", fmt::join(dequantized_, ", "),
                                       dequantized_.size() == 1 ? "one entry" : fmt::format("{} entries", dequantized_.size())));
     if (!dequantized_4bit_.empty())
-      not_read_.push_back(fmt::format("torchao's 4-bit encoding of {} ({}, AdamW4bit): read as fp32 values",
+      read_notes_.push_back(fmt::format("torchao's 4-bit encoding of {} ({}, AdamW4bit): read as fp32 values",
                                       fmt::join(dequantized_4bit_, ", "),
                                       dequantized_4bit_.size() == 1 ? "one entry"
                                                                     : fmt::format("{} entries", dequantized_4bit_.size())));
     if (!dequantized_fp8_.empty())
-      not_read_.push_back(fmt::format("torchao's float8 encoding of {} ({}, AdamWFp8): read as fp32 values",
+      read_notes_.push_back(fmt::format("torchao's float8 encoding of {} ({}, AdamWFp8): read as fp32 values",
                                       fmt::join(dequantized_fp8_, ", "),
                                       dequantized_fp8_.size() == 1 ? "one entry"
                                                                    : fmt::format("{} entries", dequantized_fp8_.size())));
@@ -1619,6 +1624,7 @@ class TorchSaveReader final : public CheckpointReader {
   std::vector<Archive> files_;
   OptimizerState meta_;
   std::vector<std::string> not_read_;
+  std::vector<std::string> read_notes_;  // how entries were read (encodings read as fp32 values): not carried
   std::map<Key, std::vector<Piece>> stored_;
   std::map<std::string, std::string> source_names_;  // a param's fqn -> its name in the files (one_name)
   std::vector<ModelTensorInfo> model_tensors_;        // expose_model_tensors

@@ -1920,3 +1920,18 @@ def test_optimizer_in_backward_reads_by_param_name_and_resumes_from_the_written_
             assert all(torch.equal(torch.as_tensor(x["lr"]), torch.as_tensor(y["lr"])) for x, y in zip(ga, gb)), n
             same(sd["state"], b["optimizer"][n]["state"], n)
     """), "back.py")
+
+
+def test_a_carrying_write_says_what_it_carries_not_how_4bit_moments_were_read(tmp_path, optstate_cli):
+    """torchao's AdamW4bit moments are read as fp32 values (no canonical 4-bit form): a write that
+    carries the file's other entries carries those, and says the 4-bit encoding is not in DST."""
+    sd = torch.load(REPO / "formats/torchsave/testdata/torchao_adamw4bit.pt", weights_only=False)
+    torch.save({"optimizer": sd, "seed": 1}, tmp_path / "ck.pt")
+    info = json.loads(optstate_cli("inspect", tmp_path / "ck.pt", "--json", "--no-stats").stdout)
+    assert info["not_read"][0] == "['seed']" and "4-bit encoding of 0.exp_avg" in info["not_read"][1], info["not_read"]
+    proc = optstate_cli("convert", tmp_path / "ck.pt", tmp_path / "out.pt")
+    assert proc.stdout.rstrip().endswith("; carried unchanged: ['seed']"), proc.stdout
+    assert "also holds torchao's 4-bit encoding of 0.exp_avg" in proc.stderr and "not in" in proc.stderr, proc.stderr
+    doc = json.loads(optstate_cli("convert", tmp_path / "ck.pt", tmp_path / "out2.pt", "--json").stdout)
+    assert doc["carried"] == ["['seed']"] and "4-bit encoding" in doc["not_carried"][0], doc
+    assert torch.load(tmp_path / "out.pt", weights_only=True)["seed"] == 1

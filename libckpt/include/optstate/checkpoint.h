@@ -96,6 +96,10 @@ class CheckpointReader {
   // lr_scheduler, dataloader, model buffers): one short line each, for inspect and convert to say
   // so. Empty for formats that hold only optimizer state.
   virtual std::vector<std::string> not_read() const { return {}; }
+  // The lines of not_read() that a write carrying this checkpoint (FormatDriver::carries) keeps as
+  // they are: all of them by default; not those that say how an entry was read (torchao's 4-bit
+  // moments read as fp32 values), which a write from the state does not keep.
+  virtual std::vector<std::string> carried_not_read() const { return not_read(); }
   // The Python package whose torchao tensor subclasses the file's 8-bit moments are (torchao.optim,
   // or torchao.prototype.low_bit_optim before torchao 0.11), for writers of torchao's state to name
   // the same by default (WriteOptions::torchao_package); empty where the file holds none.

@@ -469,6 +469,7 @@ class Hdf5Driver final : public FormatDriver {
 
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
     OPTSTATE_RETURN_IF_ERROR(check_structure(source.meta(), false));
+    OPTSTATE_RETURN_IF_ERROR(check_json_numbers(source.meta()).with_context(path.string()));
     if (options.compression < 0 || options.compression > 9)
       return invalid_argument(fmt::format("gzip level {} out of range (0-9)", options.compression));
     OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));

@@ -13,6 +13,7 @@
 #include "optstate/checkpoint.h"
 #include "optstate/hash.h"
 #include "optstate/io.h"
+#include "optstate/state_json.h"
 #include "native_manifest.h"
 #include "registry.h"
 
@@ -267,6 +268,7 @@ class NativeDriver final : public FormatDriver {
 
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
     OPTSTATE_RETURN_IF_ERROR(check_structure(source.meta(), false));
+    OPTSTATE_RETURN_IF_ERROR(check_json_numbers(source.meta()).with_context(path.string()));
     OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
     if (options.world_size < 1 || options.world_size > 65536)
       return invalid_argument(fmt::format("world size {} out of range", options.world_size));

@@ -10,6 +10,7 @@
 
 #include "native_manifest.h"
 #include "registry.h"
+#include "optstate/state_json.h"
 #include "optstate/io.h"
 
 namespace optstate::native {
@@ -48,6 +49,8 @@ Status save_sharded(const OptimizerState& local, const std::filesystem::path& pa
   const int rank = coord.rank(), world = coord.world_size();
   const std::string id = "optstate/save/" + (options.save_id.empty() ? default_save_id(path) : options.save_id);
   OPTSTATE_RETURN_IF_ERROR(check_structure(local, false));
+  // Every rank holds the same groups, so every rank refuses alike, before anything is agreed.
+  OPTSTATE_RETURN_IF_ERROR(check_json_numbers(local).with_context(path.string()));
 
   // 1. Rank 0 makes the staging directory beside the destination and tells everyone its name. It owns
   // it: whatever ends this call on rank 0 without a commit (an error, an exception) removes it.

@@ -153,6 +153,7 @@ class SafetensorsDriver final : public FormatDriver {
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {
     const OptimizerState& meta = source.meta();
     OPTSTATE_RETURN_IF_ERROR(check_structure(meta, false));
+    OPTSTATE_RETURN_IF_ERROR(check_json_numbers(meta).with_context(path.string()));
     OPTSTATE_RETURN_IF_ERROR(check_destination(path, options.overwrite));
     // The header holds every offset, so it is laid out from the metadata before any data is read.
     std::vector<std::pair<std::string, TensorInfo>> tensors;

@@ -523,7 +523,7 @@ class TorchSaveReader final : public CheckpointReader {
         OPTSTATE_ASSIGN_OR_RETURN(const double lr, value_of(f, sds[f].groups[g].lr,
                                                             fmt::format("{} param group {} 'lr'", optim_files[f].string(), g)));
         if (f == 0) group.hyper.lr = lr;
-        if (lr != group.hyper.lr)
+        if (!same_number(lr, group.hyper.lr))
           return corrupt(fmt::format("{}: param group {} has lr {}, rank 0's file has {}", optim_files[f].string(), g, lr,
                                      group.hyper.lr));
         // betas as tensors (torch's Tensor betas) are read as lr is
@@ -533,7 +533,7 @@ class TorchSaveReader final : public CheckpointReader {
           OPTSTATE_ASSIGN_OR_RETURN(const double b, value_of(f, *beta, fmt::format("{} param group {} 'betas'",
                                                                                    optim_files[f].string(), g)));
           if (f == 0) *value = b;
-          if (b != *value)
+          if (!same_number(b, *value))
             return corrupt(fmt::format("{}: param group {} has a beta {}, rank 0's file has {}", optim_files[f].string(),
                                        g, b, *value));
         }
@@ -1322,8 +1322,6 @@ class TorchSaveReader final : public CheckpointReader {
 
   // Betas as files hold them: NaN where a tensor's value is still to be read (adamw_group), which
   // the read compares across the files then.
-  static bool same_beta(double a, double b) { return a == b || (std::isnan(a) && std::isnan(b)); }
-
   // FSDP1's ranks: the same groups (hyperparameters, member count) in every file; which params
   // have state differs between ranks under use_orig_params.
   static Status same_groups(const StateDict& a, const StateDict& b, const std::string& wa, const std::string& wb) {
@@ -1332,8 +1330,8 @@ class TorchSaveReader final : public CheckpointReader {
                                  b.groups.size(), b.members, wa, a.groups.size(), a.members));
     for (size_t g = 0; g < a.groups.size(); ++g) {
       const Hyperparameters &x = a.groups[g].hyper, &y = b.groups[g].hyper;
-      if (!same_beta(x.beta1, y.beta1) || !same_beta(x.beta2, y.beta2) || x.eps != y.eps ||
-          x.weight_decay != y.weight_decay || x.amsgrad != y.amsgrad || x.maximize != y.maximize)
+      if (!same_number(x.beta1, y.beta1) || !same_number(x.beta2, y.beta2) || !same_number(x.eps, y.eps) ||
+          !same_number(x.weight_decay, y.weight_decay) || x.amsgrad != y.amsgrad || x.maximize != y.maximize)
         return corrupt(fmt::format("{}: param group {}'s hyperparameters differ from {}'s", wb, g, wa));
     }
     return Status::Ok();
@@ -1346,8 +1344,9 @@ class TorchSaveReader final : public CheckpointReader {
                                  "ranks", wb, b.groups.size(), b.params.size(), wa, a.groups.size(), a.params.size()));
     for (size_t g = 0; g < a.groups.size(); ++g) {
       const Hyperparameters &x = a.groups[g].hyper, &y = b.groups[g].hyper;
-      if (a.groups[g].params != b.groups[g].params || !same_beta(x.beta1, y.beta1) || !same_beta(x.beta2, y.beta2) ||
-          x.eps != y.eps || x.weight_decay != y.weight_decay || x.amsgrad != y.amsgrad || x.maximize != y.maximize)
+      if (a.groups[g].params != b.groups[g].params || !same_number(x.beta1, y.beta1) || !same_number(x.beta2, y.beta2) ||
+          !same_number(x.eps, y.eps) || !same_number(x.weight_decay, y.weight_decay) || x.amsgrad != y.amsgrad ||
+          x.maximize != y.maximize)
         return corrupt(fmt::format("{}: param group {} differs from {}'s (members or hyperparameters)", wb, g, wa));
     }
     for (size_t i = 0; i < a.params.size(); ++i)

@@ -22,7 +22,7 @@ namespace {
 
 // Hyperparameters equal, numbers within rtol (relative to b's).
 bool same_hyper(const Hyperparameters& a, const Hyperparameters& b, double rtol) {
-  auto near = [rtol](double x, double y) { return x == y || std::fabs(x - y) <= rtol * std::fabs(y); };
+  auto near = [rtol](double x, double y) { return same_number(x, y) || std::fabs(x - y) <= rtol * std::fabs(y); };
   return near(a.lr, b.lr) && near(a.beta1, b.beta1) && near(a.beta2, b.beta2) && near(a.eps, b.eps) &&
          near(a.weight_decay, b.weight_decay) && a.amsgrad == b.amsgrad && a.maximize == b.maximize;
 }

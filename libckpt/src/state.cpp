@@ -5,6 +5,7 @@
 
 #include <sys/mman.h>
 
+#include <cmath>
 #include <cstring>
 #include <new>
 
@@ -187,6 +188,13 @@ Status check_names(const OptimizerState& state) {
   for (const auto& g : state.groups)
     for (const auto& fqn : g.params) OPTSTATE_RETURN_IF_ERROR(check(fqn));
   return Status::Ok();
+}
+
+std::optional<std::pair<const char*, double>> nonfinite_hyperparameter(const Hyperparameters& h) {
+  for (const auto& [name, v] : {std::pair{"lr", h.lr}, std::pair{"betas[0]", h.beta1}, std::pair{"betas[1]", h.beta2},
+                                std::pair{"eps", h.eps}, std::pair{"weight_decay", h.weight_decay}})
+    if (!std::isfinite(v)) return std::pair{name, v};
+  return std::nullopt;
 }
 
 Status check_structure(const OptimizerState& state, bool require_buffers) {

@@ -13,6 +13,14 @@ using json = nlohmann::json;
 
 }  // namespace
 
+Status check_json_numbers(const OptimizerState& state) {
+  for (size_t g = 0; g < state.groups.size(); ++g)
+    if (const auto bad = nonfinite_hyperparameter(state.groups[g].hyper))
+      return invalid_argument(fmt::format("param group {}: {} is {}: optstate's JSON metadata holds finite numbers "
+                                          "only, so this format cannot record it", g, bad->first, bad->second));
+  return Status::Ok();
+}
+
 std::string encode_state_meta(const OptimizerState& state) {
   json groups = json::array();
   for (const ParamGroup& g : state.groups) groups.push_back(param_group_to_json(g));

@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 
-#include <cmath>
 #include <cstring>
 
 #include "optstate/values.h"
@@ -94,6 +93,10 @@ Result<ValidationReport> validate_checkpoint(const std::filesystem::path& path, 
   const OptimizerState& meta = reader.meta();
   Status structure = check_structure(meta, false);
   if (!structure.ok()) r.findings.push_back({"", fmt::format("{}: {}", path.string(), structure.message())});
+  // A NaN or infinite hyperparameter (a diverged LR schedule) steps every param of its group to NaN.
+  for (size_t g = 0; g < meta.groups.size(); ++g)
+    if (const auto bad = nonfinite_hyperparameter(meta.groups[g].hyper))
+      r.findings.push_back({"", fmt::format("{}: param group {}: {} is {}", path.string(), g, bad->first, bad->second)});
   for (const auto& [fqn, ps] : meta.params) {
     const bool has_moments = ps.entries.count(kExpAvg) || ps.entries.count(kExpAvgSq);
     if (ps.entries.count(kExpAvg) != ps.entries.count(kExpAvgSq))

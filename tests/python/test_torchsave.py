@@ -3,6 +3,7 @@ AdamW8bit and optstate's optimizers write with torch.save (Hugging Face's `optim
 loop's `{"model": ..., "optimizer": ...}`), read by optstate with no Python in the loop, and what
 optstate writes, loaded back by torch.load + optimizer.load_state_dict."""
 import json
+import math
 import sys
 import textwrap
 import zipfile
@@ -1935,3 +1936,24 @@ def test_a_carrying_write_says_what_it_carries_not_how_4bit_moments_were_read(tm
     doc = json.loads(optstate_cli("convert", tmp_path / "ck.pt", tmp_path / "out2.pt", "--json").stdout)
     assert doc["carried"] == ["['seed']"] and "4-bit encoding" in doc["not_carried"][0], doc
     assert torch.load(tmp_path / "out.pt", weights_only=True)["seed"] == 1
+
+
+def test_a_nan_lr_is_a_finding_kept_where_the_format_holds_it_and_refused_where_not(tmp_path, optstate_cli):
+    """A diverged schedule leaves lr NaN: validate says so; torch.save and DCP hold it and read it
+    back, and a file equals itself; native, safetensors and HDF5 (JSON metadata: finite numbers
+    only) refuse it naming the group, and leave nothing."""
+    sd = torch.load(REPO / "formats/torchsave/testdata/torch_adamw_amsgrad.pt", weights_only=True)
+    sd["param_groups"][0]["lr"] = float("nan")
+    torch.save(sd, tmp_path / "nan.pt")
+    proc = optstate_cli("validate", tmp_path / "nan.pt", check=False)
+    assert proc.returncode == 1 and "param group 0: lr is nan" in proc.stdout, (proc.stdout, proc.stderr)
+    assert "equal within tolerance" in optstate_cli("diff", tmp_path / "nan.pt", tmp_path / "nan.pt").stdout
+    optstate_cli("convert", tmp_path / "nan.pt", tmp_path / "dcp", "--format", "dcp")
+    optstate_cli("convert", tmp_path / "dcp", tmp_path / "back.pt")
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert math.isnan(back["param_groups"][0]["lr"])
+    for dst in ("native", "st.safetensors", "h5.h5"):
+        err = run_err(optstate_cli, "convert", tmp_path / "nan.pt", tmp_path / dst)
+        assert "param group 0: lr is nan: optstate's JSON metadata holds finite numbers only" in err, err
+        assert not (tmp_path / dst).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["back.pt", "dcp", "nan.pt"]

@@ -6,6 +6,8 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <csignal>
 #include <filesystem>
 #include <iterator>
@@ -79,6 +81,32 @@ TEST_CASE("dcp: a step torch.optim.AdamW's float32 step cannot hold exactly is r
   CHECK(!std::filesystem::exists(dir.path / "c"));
   state.params.begin()->second.step = int64_t{1} << 24;  // the last exact one
   CHECK(dcp->write(state, dir.path / "c", {}).ok());
+}
+
+TEST_CASE("every format driver writes a NaN or infinite hyperparameter that reads back, or refuses it leaving nothing") {
+  // A diverged LR schedule's NaN lr: pickles (torch.save, DCP, LibTorch's archive) hold it; JSON
+  // metadata (native, safetensors, HDF5) cannot, and those writers refuse it by group.
+  for (const double bad : {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()})
+    for (const FormatDriver* d : format_drivers()) {
+      if (!d->writes()) continue;
+      CAPTURE(d->name());
+      CAPTURE(bad);
+      OptimizerState state = testing::sample_state();
+      state.groups.back().hyper.lr = bad;
+      testing::TempDir dir;
+      const auto path = dir.path / ("ckpt." + std::string(d->name()));
+      const Status st = d->write(state, path, {});
+      if (!st.ok()) {
+        CHECK(st.code() == ErrorCode::kInvalidArgument);
+        CHECK(st.message().find(fmt::format("param group {}: lr is", state.groups.size() - 1)) != std::string::npos);
+        CHECK(std::filesystem::is_empty(dir.path));
+        continue;
+      }
+      auto back = open_checkpoint(path);
+      REQUIRE_MESSAGE(back.ok(), back.status().message());
+      const double lr = (*back)->meta().groups.back().hyper.lr;
+      CHECK((std::isnan(bad) ? std::isnan(lr) : lr == bad));
+    }
 }
 
 TEST_CASE("every format driver stops a write when interrupted: kCancelled, nothing published, nothing left") {

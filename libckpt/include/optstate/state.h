@@ -77,11 +77,22 @@ struct ParamState {
   std::map<std::string, Entry> entries;
 };
 
+// The same number: equal, or both NaN (a group whose lr is NaN is still that group).
+inline bool same_number(double a, double b) { return a == b || (a != a && b != b); }
+
 struct Hyperparameters {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 1e-2;
   bool amsgrad = false, maximize = false;
-  bool operator==(const Hyperparameters&) const = default;
+  bool operator==(const Hyperparameters& o) const {
+    return same_number(lr, o.lr) && same_number(beta1, o.beta1) && same_number(beta2, o.beta2) &&
+           same_number(eps, o.eps) && same_number(weight_decay, o.weight_decay) && amsgrad == o.amsgrad &&
+           maximize == o.maximize;
+  }
 };
+
+// The first of a group's numbers (lr, betas[0], betas[1], eps, weight_decay) that is NaN or
+// infinite, by name and value; none where all are finite.
+std::optional<std::pair<const char*, double>> nonfinite_hyperparameter(const Hyperparameters& h);
 
 struct ParamGroup {
   Hyperparameters hyper;

@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <cstring>
+#include <string_view>
+#include <tuple>
 
 #include "optstate/values.h"
 
@@ -94,9 +96,22 @@ Result<ValidationReport> validate_checkpoint(const std::filesystem::path& path, 
   Status structure = check_structure(meta, false);
   if (!structure.ok()) r.findings.push_back({"", fmt::format("{}: {}", path.string(), structure.message())});
   // A NaN or infinite hyperparameter (a diverged LR schedule) steps every param of its group to NaN.
-  for (size_t g = 0; g < meta.groups.size(); ++g)
-    if (const auto bad = nonfinite_hyperparameter(meta.groups[g].hyper))
+  // Outside what torch.optim.AdamW takes (its constructor's checks): no run stepped with them.
+  for (size_t g = 0; g < meta.groups.size(); ++g) {
+    const Hyperparameters& h = meta.groups[g].hyper;
+    if (const auto bad = nonfinite_hyperparameter(h)) {
       r.findings.push_back({"", fmt::format("{}: param group {}: {} is {}", path.string(), g, bad->first, bad->second)});
+      continue;
+    }
+    for (const auto& [name, v, ok] : {std::tuple{"lr", h.lr, h.lr >= 0}, std::tuple{"eps", h.eps, h.eps >= 0},
+                                      std::tuple{"weight_decay", h.weight_decay, h.weight_decay >= 0},
+                                      std::tuple{"betas[0]", h.beta1, h.beta1 >= 0 && h.beta1 < 1},
+                                      std::tuple{"betas[1]", h.beta2, h.beta2 >= 0 && h.beta2 < 1}})
+      if (!ok)
+        r.findings.push_back({"", fmt::format("{}: param group {}: {} is {}, outside what torch.optim.AdamW takes "
+                                              "({})", path.string(), g, name, v,
+                                              std::string_view(name).starts_with("betas") ? "0 <= beta < 1" : ">= 0")});
+  }
   for (const auto& [fqn, ps] : meta.params) {
     const bool has_moments = ps.entries.count(kExpAvg) || ps.entries.count(kExpAvgSq);
     if (ps.entries.count(kExpAvg) != ps.entries.count(kExpAvgSq))

@@ -1957,3 +1957,9 @@ def test_a_nan_lr_is_a_finding_kept_where_the_format_holds_it_and_refused_where_
         assert "param group 0: lr is nan: optstate's JSON metadata holds finite numbers only" in err, err
         assert not (tmp_path / dst).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["back.pt", "dcp", "nan.pt"]
+    # outside what torch.optim.AdamW's constructor takes: findings too
+    sd["param_groups"][0].update(lr=1e-3, betas=(0.9, 1.5), weight_decay=-0.1)
+    torch.save(sd, tmp_path / "range.pt")
+    proc = optstate_cli("validate", tmp_path / "range.pt", check=False)
+    assert proc.returncode == 1 and "param group 0: betas[1] is 1.5, outside what torch.optim.AdamW takes " \
+        "(0 <= beta < 1)" in proc.stdout and "weight_decay is -0.1" in proc.stdout, proc.stdout

@@ -16,7 +16,8 @@ int run_validate(int argc, char** argv) {
                          "Checks a checkpoint: manifest and sizes, every chunk's checksum, coverage of every\n"
                          "element exactly once, and state sanity (finite values, exp_avg_sq >= 0, absmax finite\n"
                          "and >= 0 (0: a block of zeros, as bitsandbytes leaves it), steps consistent with the\n"
-                         "state). Exit 1 when anything is found, each finding named.",
+                         "state, hyperparameters finite and in what torch.optim.AdamW takes). Exit 1 when\n"
+                         "anything is found, each finding named.",
                          {{"--json", false, "print {\"ok\": bool, \"findings\": [...]}"}},
                          1,
                          1};

@@ -38,7 +38,6 @@ std::vector<std::string> group_extras_brief(std::span<const GroupExtras> group_e
   return out;
 }
 
-
 Result<int64_t> parse_positive(const std::string& name, const std::string& text) {
   try {
     size_t used = 0;

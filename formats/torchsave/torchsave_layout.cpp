@@ -734,8 +734,11 @@ struct OptimizerPart {
 };
 
 // The dict at `opt` (`ow` names it in errors): its groups appended to out.groups, what it holds
-// beyond the state to out.not_read, the state's kinds (eight, torchao, bnb) to out's flags.
-Status interpret_optimizer(const Pickle& p, Ref opt, const std::string& ow, StateDict& out, OptimizerPart& part) {
+// beyond the state to out.not_read, the state's kinds (eight, torchao, bnb) to out's flags. An
+// optimizer of one param among others (StateDict::per_param): `group_base` numbers its group as
+// the state's in not_read, and `of_param` names the param there.
+Status interpret_optimizer(const Pickle& p, Ref opt, const std::string& ow, StateDict& out, OptimizerPart& part,
+                           size_t group_base = 0, std::string_view of_param = {}) {
   // Param groups: hyperparameters, member ids and (torch >= 2.6, params given by name) their names.
   const auto* groups = list_items(p, p.dict_get(opt, "param_groups"));
   if (!groups || groups->empty()) return corrupt(ow + ": 'param_groups' is not a non-empty list");
@@ -816,7 +819,7 @@ Status interpret_optimizer(const Pickle& p, Ref opt, const std::string& ow, Stat
           continue;
         }
       }
-      out.not_read.push_back(fmt::format("param group {} '{}'", g, key ? *key : "?"));
+      out.not_read.push_back(fmt::format("param group {} '{}'", group_base + g, key ? *key : "?"));
     }
     out.groups.push_back(std::move(spec));
   }
@@ -938,7 +941,8 @@ Status interpret_optimizer(const Pickle& p, Ref opt, const std::string& ow, Stat
       } else if (const auto base = moment_of(*name, "_absmax")) {
         if (pf.get(*base + "_codes") == kNoRef) return corrupt(fmt::format("{}: without '{}_codes'", ew, *base));
       } else {
-        out.not_read.push_back(fmt::format("state[{}] '{}'", keyed_by_name ? "'" + fqn + "'" : std::to_string(id), *name));
+        out.not_read.push_back(fmt::format("state[{}] '{}'{}", keyed_by_name ? "'" + fqn + "'" : std::to_string(id), *name,
+                                           of_param.empty() ? "" : fmt::format(" (param '{}')", of_param)));
       }
     }
     if (spec.entries.empty()) continue;  // only a step: nothing to carry
@@ -1025,17 +1029,8 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
       const std::string sw = fmt::format("{}['{}']", ow, fqn);
       if (fqn.empty()) return corrupt(sw + ": an empty param name");
       const int gbase = static_cast<int>(out.groups.size());
-      const size_t noted = out.not_read.size();
       OptimizerPart one;
-      OPTSTATE_RETURN_IF_ERROR(interpret_optimizer(p, items[k + 1], sw, out, one));
-      // Its lines as one group of the state: "param group 0 ..." is group gbase's; a state field
-      // not read says whose.
-      for (size_t i = noted; i < out.not_read.size(); ++i) {
-        std::string& line = out.not_read[i];
-        constexpr std::string_view kGroup0 = "param group 0 ";
-        line = line.starts_with(kGroup0) ? fmt::format("param group {} {}", gbase, line.substr(kGroup0.size()))
-                                         : fmt::format("{} (param '{}')", line, fqn);
-      }
+      OPTSTATE_RETURN_IF_ERROR(interpret_optimizer(p, items[k + 1], sw, out, one, out.groups.size(), fqn));
       const int64_t id = static_cast<int64_t>(part.members.size());
       if (one.members.size() != 1 || out.groups.size() != static_cast<size_t>(gbase) + 1)
         return internal_error(sw + ": not one param in one group");

@@ -73,6 +73,7 @@ int run_diff(int argc, char** argv) {
     }
     nlohmann::json j = {{"ok", report->ok()}, {"rtol", options.rtol}, {"atol", options.atol},
                         {"metadata", report->metadata}, {"entries", entries}};
+    if (!report->hint.empty()) j["hint"] = report->hint;
     print_json(j);
   } else {
     for (const auto& m : report->metadata) std::printf("DIFF  %s\n", m.c_str());
@@ -84,6 +85,7 @@ int run_diff(int argc, char** argv) {
         std::printf("%-48s %12.4g %12.4g %10lld%s\n", e.key.c_str(), e.max_abs, e.max_rel,
                     static_cast<long long>(e.outside), e.ok() ? "" : "  <-");
     }
+    if (!report->hint.empty()) std::printf("hint: %s\n", report->hint.c_str());
     std::printf("%s\n", report->ok() ? "equal within tolerance" : "different");
   }
   return report->ok() ? kExitOk : kExitFindings;

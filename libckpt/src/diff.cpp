@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <set>
@@ -69,6 +70,20 @@ Result<DiffReport> diff_checkpoints(CheckpointReader& a, CheckpointReader& b, co
     for (const auto& [f, _] : mb.params) fqns.insert(f);
     for (const std::string& f : fqns)
       pairs.emplace_back(ma.params.count(f) ? f : "", mb.params.count(f) ? f : "");
+  }
+  if (!options.by_position && !ma.params.empty() && !mb.params.empty() &&
+      std::none_of(pairs.begin(), pairs.end(), [](const auto& p) { return !p.first.empty() && !p.second.empty(); })) {
+    const auto pa = positions(ma), pb = positions(mb);
+    auto numbered = [](const OptimizerState& s, const std::map<int64_t, std::string>& at) {
+      return !at.empty() && at.begin()->second == std::to_string(at.begin()->first) &&
+             at.rbegin()->second == std::to_string(at.rbegin()->first) && at.size() == s.params.size();
+    };
+    const bool na = numbered(ma, pa), nb = numbered(mb, pb);
+    r.hint = fmt::format("no param of A is named as one of B's{}; --by-position matches them in group order, as torch "
+                         "numbers them{}",
+                         na == nb ? "" : fmt::format(" ({}'s params are numbered, as a state_dict without names keeps them)",
+                                                     na ? "A" : "B"),
+                         pa.size() == pb.size() ? "" : fmt::format(" (A has {} params, B {})", pa.size(), pb.size()));
   }
   auto label = [&](const std::pair<std::string, std::string>& p) {
     return options.by_position && p.first != p.second ? p.first + "=" + p.second : p.first;

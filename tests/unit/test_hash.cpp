@@ -184,9 +184,16 @@ TEST_CASE("diff by position: the k-th param in group order, a numbered side by i
   auto by_name = diff_checkpoints(*a, *b, {});
   REQUIRE(by_name.ok());
   CHECK(!by_name->ok());
+  // no name in common: the report says which side is numbered and points at --by-position
+  CHECK(by_name->hint.find("B's params are numbered") != std::string::npos);
+  CHECK(by_name->hint.find("--by-position") != std::string::npos);
   auto by_position = diff_checkpoints(*a, *b, {.by_position = true, .no_weights = true});
   REQUIRE(by_position.ok());
   CHECK_MESSAGE(by_position->ok(), fmt::format("{}", fmt::join(by_position->metadata, "; ")));
+  CHECK(by_position->hint.empty());
+  auto self = diff_checkpoints(*a, *a, {});
+  REQUIRE(self.ok());
+  CHECK(self->hint.empty());
   std::vector<std::string> order;
   for (const ParamGroup& g : named.groups) order.insert(order.end(), g.params.begin(), g.params.end());
   CHECK(by_position->entries.front().key.rfind(order.front() + "=0.", 0) == 0);

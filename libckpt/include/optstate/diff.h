@@ -31,6 +31,9 @@ struct EntryDiff {
 struct DiffReport {
   std::vector<std::string> metadata;  // differences in kind, groups, hyperparameters, steps, dtypes
   std::vector<EntryDiff> entries;
+  // Not a finding: what to try when A and B name no param alike (numbered params against named
+  // ones, as a torch.save without names against the DCP of the same run): --by-position.
+  std::string hint;
   bool ok() const;
 };
 

@@ -419,7 +419,10 @@ Result<Metadata> interpret_metadata(const Pickle& p, const std::string& where) {
       if (!o) return corrupt(fmt::format("{}: MetadataIndex '{}' offset is not a torch.Size", where, *fqn));
       offsets = *o;
     }
-    if (!is_instance(p, info, "torch.distributed.checkpoint.filesystem", "_StorageInfo"))
+    // torch's FileSystemWriter (and FsspecWriter) pickle torch's dataclass; OLMo-core's
+    // RemoteFileSystemWriter its own copy of it, the same three fields.
+    if (!is_instance(p, info, "torch.distributed.checkpoint.filesystem", "_StorageInfo") &&
+        !is_instance(p, info, "olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"))
       return corrupt(fmt::format("{}: storage of '{}' is not a _StorageInfo", where, *fqn));
     const Ref sf = fields_of(p, info);
     StorageLoc loc;

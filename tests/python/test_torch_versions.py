@@ -57,6 +57,14 @@ def test_a_checkpoint_of_another_release_reads_as_that_release_held_it(tmp_path,
     hyperparameters are the release's; --values hashes the checkpoint as its fp32 conversion."""
     ck = CORPUS / release / name
     ref, meta, _ = ref_of(release, name)
+    info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta)
+    packages = torchao_packages(ck)  # the torchao package its pickles name, if any: inspect says it
+    assert info.get("torchao_package") == (min(packages) if packages else None), packages
+
+
+def reads_as_held(tmp_path, optstate_cli, ck, ref, meta):
+    """Checks checkpoint `ck` against what its writer held (`ref`, `meta`: a `.ref.safetensors` of
+    make.py's write_ref); returns inspect's JSON."""
     assert "every chunk checksum verified" in optstate_cli("validate", ck).stdout
     out = tmp_path / "fp32.safetensors"
     optstate_cli("convert", ck, out, "--to", "fp32")
@@ -67,8 +75,6 @@ def test_a_checkpoint_of_another_release_reads_as_that_release_held_it(tmp_path,
         assert got[k].dtype == torch.float32 and torch.equal(got[k], v), k
     info = json.loads(optstate_cli("inspect", ck, "--json", "--no-stats").stdout)
     assert set(info["params"]) == set(meta)
-    packages = torchao_packages(ck)  # the torchao package its pickles name, if any: inspect says it
-    assert info.get("torchao_package") == (min(packages) if packages else None), packages
     for fqn, want in meta.items():
         p = info["params"][fqn]
         group = info["param_groups"][p["group"]]
@@ -76,6 +82,7 @@ def test_a_checkpoint_of_another_release_reads_as_that_release_held_it(tmp_path,
         for field in ("lr", "betas", "eps", "weight_decay"):
             assert group[field] == pytest.approx(want[field], rel=1e-7), (fqn, field)
     assert hashes(optstate_cli, ck, values=True)["root"] == hashes(optstate_cli, out, values=True)["root"]
+    return info
 
 
 RESUME_TORCHAO = textwrap.dedent("""

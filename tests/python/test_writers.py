@@ -1,0 +1,105 @@
+"""Checkpoints that other training stacks' own writers produced (tests/data/writers/, each made by
+the make_*.py beside it where that stack imports): read as the stack held the state, and converted
+into what torch alone loads.
+
+OLMo-core (OLMo 2 / OLMo 3's trainer) saves `stepN/model_and_optim/` as a flattened DCP through its
+own storage writer, whose `.metadata` pickles OLMo-core's `_StorageInfo` class: without olmo_core
+installed, torch's own reader cannot even open it.
+"""
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_formats import run_script
+from test_torch_versions import reads_as_held
+
+CORPUS = Path(__file__).resolve().parents[1] / "data" / "writers"
+OLMO = CORPUS / "olmo-core-3.0.0_torch-2.13.0" / "model_and_optim"
+
+
+def ref_of(ck):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    path = Path(str(ck) + ".ref.safetensors")
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    return load_file(str(path)), json.loads(meta["ref"])
+
+
+def test_an_olmo_core_checkpoint_reads_as_olmo_core_held_it(tmp_path, optstate_cli):
+    """validate passes with every checksum checked; the fp32 conversion is, bit for bit, what
+    OLMo-core's SkipStepAdamW held (gathered by torch over the two FSDP2 ranks, a 33-row layer
+    sharded 17 + 16); steps and both groups' hyperparameters are its own."""
+    ref, meta = ref_of(OLMO)
+    info = reads_as_held(tmp_path, optstate_cli, OLMO, ref, meta)
+    assert info["format"] == "dcp" and len(info["param_groups"]) == 2, info["param_groups"]
+    assert sorted(g["weight_decay"] for g in info["param_groups"]) == [0.0, 0.1]
+
+
+TORCH_ALONE = textwrap.dedent("""
+    # What a user with torch alone (no olmo_core) does with a DCP: dcp.load into the state dicts of
+    # make_olmo_core.py's model and a torch.optim.AdamW of its groups, flattened as OLMo-core saves
+    # them, then set_state_dict and a step. Prints JSON: the load's error, if any, whether every
+    # moment and weight equals the reference, the groups' settings, and whether the step ran.
+    import json, sys, torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    path, ref_path = sys.argv[1:3]
+    assert "olmo_core" not in sys.modules
+    ref = load_file(ref_path)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5))
+    mats = [p for p in model.parameters() if p.dim() >= 2]
+    vecs = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": mats, "weight_decay": 0.5}, {"params": vecs, "weight_decay": 0.5}], lr=0.5)
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()  # state to load into
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    msd, osd = get_state_dict(model, opt, options=options)
+    states = {"model": msd, "optim": osd}
+    try:
+        dcp.load(states, checkpoint_id=path)
+    except BaseException as e:  # DCP's CheckpointException carries each rank's error
+        print(json.dumps({"error": f"{type(e).__name__}: {e}"[-400:]}))
+        sys.exit(0)
+    set_state_dict(model, opt, model_state_dict=states["model"], optim_state_dict=states["optim"], options=options)
+    equal = True
+    for name, p in model.named_parameters():
+        equal &= bool(torch.equal(p.detach(), ref[f"{name}.param"]))
+        for k in ("exp_avg", "exp_avg_sq"):
+            equal &= bool(torch.equal(opt.state[p][k], ref[f"{name}.{k}"]))
+    steps = sorted({float(opt.state[p]["step"]) for p in model.parameters()})
+    groups = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in opt.param_groups]
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    stepped = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    print(json.dumps({"error": None, "equal": equal, "steps": steps, "groups": groups, "stepped": stepped}))
+""")
+
+
+@pytest.mark.parametrize("args", [(), ("--world-size", "3")], ids=["dcp", "resharded"])
+def test_an_olmo_core_checkpoint_converts_to_a_dcp_torch_alone_resumes_from(tmp_path, optstate_cli, args):
+    """torch's reader cannot open OLMo-core's checkpoint without olmo_core (its `.metadata`
+    unpickles OLMo-core's class); optstate's DCP of it loads with dcp.load + set_state_dict into a
+    torch.optim.AdamW, each moment and weight what OLMo-core held, both groups' settings kept
+    (weight decay on the matrices only), and a step runs. (OLMo-core's own
+    load_model_and_optim_state takes the written DCP too, on 2 or 3 ranks: checked by hand where
+    olmo_core imports, as it is not in the suite's venv.)"""
+    ref_path = str(OLMO) + ".ref.safetensors"
+    ref, meta = ref_of(OLMO)
+    source = json.loads(run_script(tmp_path, TORCH_ALONE, "torch_alone.py", OLMO, ref_path).stdout)
+    assert source["error"] and "olmo_core" in source["error"], source
+    out = tmp_path / "model_and_optim"
+    optstate_cli("convert", OLMO, out, "--format", "dcp", *args)
+    got = json.loads(run_script(tmp_path, TORCH_ALONE, "torch_alone.py", out, ref_path).stdout)
+    assert got["error"] is None, got
+    assert got["equal"] and got["stepped"], got
+    assert got["steps"] == sorted({float(m["step"]) for m in meta.values()}), got
+    want = sorted((m["weight_decay"], m["lr"], tuple(m["betas"]), m["eps"]) for m in meta.values())
+    have = sorted((g["weight_decay"], g["lr"], tuple(g["betas"]), g["eps"]) for g in got["groups"])
+    assert sorted(set(have)) == sorted(set(want)), (have, want)

@@ -763,6 +763,8 @@ class DcpReader final : public CheckpointReader {
   // A param group's hyperparameters and optstate's 8-bit layout fields (not its members).
   Status parse_group(const std::map<std::string, std::string>& fields, const std::string& gw, ParamGroup& pg,
                      Plain8& q) {
+    // another optimizer's group (Adafactor's eps is a pair) is named before its fields are read
+    OPTSTATE_RETURN_IF_ERROR(check_torch_adam_group([&](const char* key) { return fields.count(key) > 0; }, gw));
     OPTSTATE_ASSIGN_OR_RETURN(pg.hyper.lr, number(fields, "lr", gw, std::nullopt));
     OPTSTATE_ASSIGN_OR_RETURN(pg.hyper.eps, number(fields, "eps", gw, 1e-8));
     OPTSTATE_ASSIGN_OR_RETURN(pg.hyper.weight_decay, number(fields, "weight_decay", gw, 1e-2));
@@ -770,7 +772,6 @@ class DcpReader final : public CheckpointReader {
     OPTSTATE_ASSIGN_OR_RETURN(double maxi, number(fields, "maximize", gw, 0.0));
     pg.hyper.amsgrad = ams != 0;
     pg.hyper.maximize = maxi != 0;
-    OPTSTATE_RETURN_IF_ERROR(check_torch_adam_group([&](const char* key) { return fields.count(key) > 0; }, gw));
     if (fields.count("caution")) {
       OPTSTATE_ASSIGN_OR_RETURN(const double c, number(fields, "caution", gw, 0.0));
       if (c != 0) return corrupt(gw + ": caution=True (timm's cautious AdamW masks the update): not AdamW's update");

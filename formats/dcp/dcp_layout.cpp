@@ -262,6 +262,23 @@ const std::set<std::string, std::less<>> kKnownGroupKeys = {
 bool known_group_key(std::string_view key) { return kKnownGroupKeys.count(key) > 0; }
 
 Status check_torch_adam_group(const std::function<bool(const char*)>& has, const std::string& where) {
+  // Other optimizers' groups (none keeps 'betas'), named by a key only they keep, so that their
+  // file is refused for what it is rather than for a missing 'betas'. An AdamW group with such a
+  // key of its own (a scheduler's 't0') has betas and reads.
+  static constexpr std::pair<const char*, const char*> kOtherOptimizers[] = {
+      {"ns_steps", "torch.optim.Muon's"},
+      {"dampening", "torch.optim.SGD's"},
+      {"initial_accumulator_value", "torch.optim.Adagrad's"},
+      {"centered", "torch.optim.RMSprop's"},
+      {"rho", "torch.optim.Adadelta's"},
+      {"beta2_decay", "torch.optim.Adafactor's"},
+      {"relative_step", "transformers' Adafactor's"},
+      {"etas", "torch.optim.Rprop's"},
+      {"t0", "torch.optim.ASGD's"},
+      {"tolerance_grad", "torch.optim.LBFGS's"},
+  };
+  for (const auto& [key, name] : kOtherOptimizers)
+    if (!has("betas") && has(key)) return corrupt(fmt::format("{}: '{}' is {} group: not AdamW's", where, key, name));
   // torch.optim.NAdam's and RAdam's state has AdamW's keys (exp_avg, exp_avg_sq, step; NAdam's
   // mu_product besides), and their updates are others. torch's Adam and AdamW groups always keep
   // 'amsgrad' beside the keys every torch.optim group has; NAdam's and RAdam's never do.
@@ -285,8 +302,8 @@ Status check_torch_adam_group(const std::function<bool(const char*)>& has, const
   if (!has("amsgrad"))
     for (const char* key : {"foreach", "capturable", "differentiable", "decoupled_weight_decay"})
       if (has(key))
-        return corrupt(fmt::format("{}: a torch.optim group with '{}' and no 'amsgrad' (RAdam's or NAdam's, whose "
-                                   "updates are not AdamW's; torch's Adam and AdamW keep amsgrad)", where, key));
+        return corrupt(fmt::format("{}: a torch.optim group with '{}' and no 'amsgrad' (RAdam's, NAdam's or Adamax's, "
+                                   "whose updates are not AdamW's; torch's Adam and AdamW keep amsgrad)", where, key));
   return Status::Ok();
 }
 

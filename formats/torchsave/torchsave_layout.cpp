@@ -215,6 +215,8 @@ Result<GroupSpec> adamw_group(const Pickle& p, Ref fields, const std::string& gw
   const Ref lr = p.dict_get(fields, "lr");
   if (lr == kNoRef) return corrupt(gw + ": no 'lr' (not an AdamW param group)");
   OPTSTATE_ASSIGN_OR_RETURN(spec.lr, scalar(p, lr, gw + " 'lr'"));
+  auto has = [&](const char* key) { return p.dict_get(fields, key) != kNoRef; };
+  OPTSTATE_RETURN_IF_ERROR(dcp::check_torch_adam_group(has, gw));  // another optimizer's group, named
   const auto* betas = list_items(p, p.dict_get(fields, "betas"));
   if (betas && betas->size() == 3)
     return corrupt(gw + ": three 'betas' (bitsandbytes' AdEMAMix, whose state1 holds two moments; Adan's): not AdamW");
@@ -241,8 +243,6 @@ Result<GroupSpec> adamw_group(const Pickle& p, Ref fields, const std::string& gw
     return corrupt(gw + ": correct_bias=False (transformers' AdamW without bias correction): not AdamW's update");
   if (const auto c = dcp::as_bool(p, p.dict_get(fields, "caution")); c && *c)
     return corrupt(gw + ": caution=True (timm's cautious AdamW masks the update): not AdamW's update");
-  auto has = [&](const char* key) { return p.dict_get(fields, key) != kNoRef; };
-  OPTSTATE_RETURN_IF_ERROR(dcp::check_torch_adam_group(has, gw));
   for (const auto& [name, fallback] : kAdamWFlagDefaults)
     if (const auto v = dcp::as_flag(p, p.dict_get(fields, name)); v) spec.flags.emplace(name, *v);
   return spec;

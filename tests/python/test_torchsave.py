@@ -1721,7 +1721,7 @@ def test_radam_and_nadam_state_is_not_taken_for_adamws(tmp_path, optstate_cli, c
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "ck.dcp")
     why = "'momentum_decay' is torch.optim.NAdam's group" if cls == "NAdam" else \
-        "a torch.optim group with 'foreach' and no 'amsgrad' (RAdam's or NAdam's"
+        "a torch.optim group with 'foreach' and no 'amsgrad' (RAdam's, NAdam's or Adamax's"
     for path in (tmp_path / "ck.pt", tmp_path / "ck.dcp"):
         err = run_err(optstate_cli, "convert", path, tmp_path / "out.dcp", "--format", "dcp")
         assert "param group 0: " + why in err, err
@@ -1732,6 +1732,38 @@ def test_radam_and_nadam_state_is_not_taken_for_adamws(tmp_path, optstate_cli, c
     opt.step()
     torch.save(opt.state_dict(), tmp_path / "adam.pt")
     assert json.loads(optstate_cli("inspect", tmp_path / "adam.pt", "--json").stdout)["optimizer"] == "adamw"
+
+
+@pytest.mark.parametrize("cls,why", [
+    ("Muon", "'ns_steps' is torch.optim.Muon's"), ("SGD", "'dampening' is torch.optim.SGD's"),
+    ("Adagrad", "'initial_accumulator_value' is torch.optim.Adagrad's"), ("RMSprop", "'centered' is torch.optim.RMSprop's"),
+    ("Adadelta", "'rho' is torch.optim.Adadelta's"), ("Adafactor", "'beta2_decay' is torch.optim.Adafactor's"),
+    ("Rprop", "'etas' is torch.optim.Rprop's"), ("ASGD", "'t0' is torch.optim.ASGD's")])
+def test_another_torch_optimizers_file_is_refused_naming_it(tmp_path, optstate_cli, cls, why):
+    """A file of torch's other optimizers (no betas: Muon beside an AdamW for the matrices, SGD, ...)
+    is refused naming that optimizer, in a torch.save file and in a DCP, not for a missing field."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4, bias=False)  # Muon takes matrices only
+    kwargs = {"momentum": 0.9} if cls == "SGD" else {}
+    opt = getattr(torch.optim, cls)(model.parameters(), lr=1e-3, **kwargs)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "ck.pt")
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "ck.dcp")
+    for path in (tmp_path / "ck.pt", tmp_path / "ck.dcp"):
+        err = run_err(optstate_cli, "inspect", path)
+        assert "param group 0: " + why + " group: not AdamW's" in err, err
+    # an AdamW group that keeps a key of the same name (its betas tell it) still reads
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.param_groups[0]["t0"] = 100
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    torch.save(opt.state_dict(), tmp_path / "adamw.pt")
+    info = json.loads(optstate_cli("inspect", tmp_path / "adamw.pt", "--json").stdout)
+    assert info["optimizer"] == "adamw"
 
 
 @pytest.mark.parametrize("extra,why", [

@@ -71,6 +71,10 @@ struct SourceLayout {
   std::vector<AdamWFlags> adamw_flags;  // each group's torch.optim.AdamW switches (CheckpointReader::adamw_flags)
   std::vector<GroupExtras> group_extras;  // each group's other plain keys (CheckpointReader::group_extras)
   std::vector<CarriedItem> carried;     // everything else, in key order
+  // Entries of `dir` that are none of the DCP's own (not .metadata, not a data file, not hidden):
+  // Lightning's meta.pt (its loops, callbacks and schedulers, without which Lightning does not take
+  // the folder for its checkpoint), a run's config. Copied as they are by DCP -> DCP.
+  std::vector<std::string> beside;
   // The number a bytes item or a one-element tensor item of the source holds (for float_lr).
   std::function<Result<double>(const std::string& key)> number;
 };

@@ -59,6 +59,8 @@ struct Source {
   std::vector<Segment> absmax;
 };
 
+bool is_accelerate_folder(const fs::path& path);
+
 class DcpReader final : public CheckpointReader {
  public:
   DcpReader(fs::path dir, Metadata md) : dir_(std::move(dir)), md_(std::move(md)) {}
@@ -732,12 +734,33 @@ class DcpReader final : public CheckpointReader {
         c.pieces.push_back(md_.storage.at({key, {}}));
       layout_.carried.push_back(std::move(c));
     }
+    OPTSTATE_RETURN_IF_ERROR(find_beside());
     return check_structure(meta_, false).with_context(where);
   }
 
   const SourceLayout& layout() const { return layout_; }
 
  private:
+  // What the folder holds beside the DCP (layout_.beside), named among what is not read. Not for
+  // Accelerate's folder, whose run state a DCP written from it is not.
+  Status find_beside() {
+    if (is_accelerate_folder(dir_)) return Status::Ok();
+    std::set<std::string> own{".metadata"};
+    for (const auto& [k, loc] : md_.storage) own.insert(loc.relative_path);
+    std::error_code ec;
+    for (fs::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      if (name.empty() || name[0] == '.' || own.count(name) || it->path().extension() == ".distcp") continue;
+      layout_.beside.push_back(name);
+    }
+    if (ec) return io_error(fmt::format("{}: {}", dir_.string(), ec.message()));
+    std::sort(layout_.beside.begin(), layout_.beside.end());
+    for (const std::string& name : layout_.beside)
+      notes_.push_back(fmt::format("{} (beside the DCP{})", name,
+                                   name == "meta.pt" ? ": Lightning's trainer state" : ""));
+    return Status::Ok();
+  }
+
   // The param group fields parse_group reads (and `params`); a DCP writer writes its own.
   static inline const std::set<std::string> kGroupFieldsRead = {
       "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "params",

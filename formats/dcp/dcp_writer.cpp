@@ -716,13 +716,23 @@ Status write_dcp(StateSource& state, const fs::path& path, const WriteOptions& o
   OPTSTATE_ASSIGN_OR_RETURN(const std::string_view torchao_package, written_torchao_package(options));
   OPTSTATE_ASSIGN_OR_RETURN(Staging staging, Staging::directory(path));
   const SourceLayout get_state_dict_layout;  // {"model": ..., "optim": ...}, nested groups
-  return staging.commit(write_into(state, staging.path(), options.world_size, source ? *source : get_state_dict_layout,
-                                   source != nullptr, options.float_lr, writes_torchao_items(options, source),
-                                   torchao_package,
-                                   options.source ? options.source->adamw_flags() : std::span<const AdamWFlags>{},
-                                   options.source ? options.source->group_extras() : std::span<const GroupExtras>{},
-                                   source ? nullptr : options.source),
-                        options.overwrite);
+  Status written = write_into(state, staging.path(), options.world_size, source ? *source : get_state_dict_layout,
+                              source != nullptr, options.float_lr, writes_torchao_items(options, source), torchao_package,
+                              options.source ? options.source->adamw_flags() : std::span<const AdamWFlags>{},
+                              options.source ? options.source->group_extras() : std::span<const GroupExtras>{},
+                              source ? nullptr : options.source);
+  // What the source's folder held beside the DCP (Lightning's meta.pt), as it was.
+  for (size_t i = 0; source && written.ok() && i < source->beside.size(); ++i) {
+    const fs::path from = source->dir / source->beside[i];
+    std::error_code ec;
+    if (fs::is_regular_file(from, ec)) {
+      written = copy_file_durably(from, staging.path() / source->beside[i]);
+    } else {
+      fs::copy(from, staging.path() / source->beside[i], fs::copy_options::recursive, ec);
+      if (ec) written = io_error(fmt::format("{}: cannot copy into {}: {}", from.string(), path.string(), ec.message()));
+    }
+  }
+  return staging.commit(written, options.overwrite);
 }
 
 }  // namespace optstate::dcp

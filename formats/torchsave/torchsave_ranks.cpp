@@ -647,7 +647,7 @@ class FsdpWriter {
         if (rn->rank != 0) continue;  // copied once per new rank, from rank 0's name
         for (int r = 0; r < world_; ++r) {
           const fs::path src = set_.dir / fmt::format("{}{}{}", rn->prefix, r % n_, rn->ext);
-          OPTSTATE_RETURN_IF_ERROR(copy_file(src, staging_ / fmt::format("{}{}{}", new_prefix(rn->prefix), r, rn->ext)));
+          OPTSTATE_RETURN_IF_ERROR(copy_file_durably(src, staging_ / fmt::format("{}{}{}", new_prefix(rn->prefix), r, rn->ext)));
         }
         continue;
       }
@@ -660,14 +660,6 @@ class FsdpWriter {
     }
     if (ec) return io_error(fmt::format("{}: {}", set_.dir.string(), ec.message()));
     return Status::Ok();
-  }
-
-  Status copy_file(const fs::path& from, const fs::path& to) {
-    OPTSTATE_ASSIGN_OR_RETURN(InputFile in, InputFile::open(from));
-    if (in.size() > (uint64_t{1} << 32)) return unsupported(from.string() + ": over 4 GiB, not copied");
-    std::vector<std::byte> bytes(static_cast<size_t>(in.size()));
-    OPTSTATE_RETURN_IF_ERROR(in.read_at(0, bytes).with_context(from.string()));
-    return write_small_file(to, bytes);
   }
 
   // verl's {"FSDP_version": 2, "world_size": N}: the new world size, the rest as it was.

@@ -336,6 +336,19 @@ Status write_small_file(const fs::path& path, std::span<const std::byte> bytes) 
   return f.sync_and_close();
 }
 
+Status copy_file_durably(const fs::path& from, const fs::path& to) {
+  OPTSTATE_ASSIGN_OR_RETURN(InputFile in, InputFile::open(from));
+  OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(to));
+  std::vector<std::byte> buf(static_cast<size_t>(std::min<uint64_t>(in.size(), uint64_t{8} << 20)));
+  for (uint64_t at = 0; at < in.size();) {
+    const auto piece = std::span(buf).first(static_cast<size_t>(std::min<uint64_t>(buf.size(), in.size() - at)));
+    OPTSTATE_RETURN_IF_ERROR(in.read_at(at, piece));
+    OPTSTATE_RETURN_IF_ERROR(out.write(piece));
+    at += piece.size();
+  }
+  return out.sync_and_close();
+}
+
 Status fsync_directory(const fs::path& dir) {
   int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return io_error(fmt::format("{}: cannot open directory: {}", dir.string(), errno_text()));

@@ -103,3 +103,76 @@ def test_an_olmo_core_checkpoint_converts_to_a_dcp_torch_alone_resumes_from(tmp_
     want = sorted((m["weight_decay"], m["lr"], tuple(m["betas"]), m["eps"]) for m in meta.values())
     have = sorted((g["weight_decay"], g["lr"], tuple(g["betas"]), g["eps"]) for g in got["groups"])
     assert sorted(set(have)) == sorted(set(want)), (have, want)
+
+
+LIGHTNING = CORPUS / "lightning-2.6.6_torch-2.13.0" / "epoch=0-step=3.ckpt"
+
+
+def test_a_lightning_fsdp_sharded_checkpoint_reads_as_torch_gathers_it(tmp_path, optstate_cli):
+    """Lightning's FSDP checkpoint folder (a DCP of "model" and "optimizer_0", keyed by fqn, beside
+    meta.pt) reads as torch itself reads it back (dcp_to_torch_save); inspect names meta.pt."""
+    ref, meta = ref_of(LIGHTNING)
+    reads_as_held(tmp_path, optstate_cli, LIGHTNING, ref, meta)
+    assert "meta.pt (beside the DCP: Lightning's trainer state)" in optstate_cli("inspect", LIGHTNING).stdout
+
+
+def test_a_dcp_written_from_a_lightning_folder_keeps_meta_pt(tmp_path, optstate_cli):
+    """Lightning takes a folder for its checkpoint only with meta.pt in it (its loops, callbacks,
+    LR schedulers): DCP -> DCP copies it byte for byte and says so; another format names it as not
+    in DST. (Trainer.fit(ckpt_path=...) resumes from the written folder as from the source, to the
+    same state two steps on: checked by hand with make_lightning.py's set-up, as lightning is not in
+    the suite's venv.)"""
+    out = tmp_path / "epoch=0-step=3.ckpt"
+    proc = optstate_cli("convert", LIGHTNING, out, "--format", "dcp")
+    assert "carried unchanged: meta.pt (beside the DCP: Lightning's trainer state)" in proc.stdout, proc.stdout
+    assert (out / "meta.pt").read_bytes() == (LIGHTNING / "meta.pt").read_bytes()
+    assert sorted(p.name for p in out.iterdir()) == [".metadata", "__0_0.distcp", "meta.pt"]
+    meta = torch.load(out / "meta.pt", weights_only=False)
+    assert meta["global_step"] == 3 and "loops" in meta, sorted(meta)
+    assert hashes_root(optstate_cli, out) == hashes_root(optstate_cli, LIGHTNING)
+    proc = optstate_cli("convert", LIGHTNING, tmp_path / "plain.safetensors")
+    assert "also holds meta.pt (beside the DCP: Lightning's trainer state)" in proc.stderr + proc.stdout
+
+
+def hashes_root(optstate_cli, path):
+    return json.loads(optstate_cli("hash", path, "--json").stdout)["root"]
+
+
+MAKE_FOLDER = textwrap.dedent("""
+    # A DCP saved into a folder that holds a run's other files: a config beside it, a folder of
+    # tokenizer files, and a hidden file (another writer's staging), as any loop may leave them.
+    import os, sys, torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    out = sys.argv[1]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        f.write('{"lr": 0.001}')
+    os.makedirs(os.path.join(out, "tokenizer"))
+    with open(os.path.join(out, "tokenizer", "vocab.txt"), "w") as f:
+        f.write("a b c")
+    with open(os.path.join(out, ".tmp-staging"), "w") as f:
+        f.write("x")
+""")
+
+
+def test_what_a_dcp_folder_holds_beside_the_dcp_is_carried_by_dcp_to_dcp(tmp_path, optstate_cli):
+    """Files and folders beside the DCP are named by inspect and copied by a DCP write from it
+    (resharded too); hidden names are neither; a failed write leaves nothing behind."""
+    src = tmp_path / "src"
+    run_script(tmp_path, MAKE_FOLDER, "make_folder.py", src)
+    text = optstate_cli("inspect", src).stdout
+    assert "config.json (beside the DCP)" in text and "tokenizer (beside the DCP)" in text
+    assert ".tmp-staging" not in text
+    out = tmp_path / "out"
+    optstate_cli("convert", src, out, "--format", "dcp", "--world-size", "3")
+    assert (out / "config.json").read_text() == '{"lr": 0.001}'
+    assert (out / "tokenizer" / "vocab.txt").read_text() == "a b c"
+    assert not (out / ".tmp-staging").exists()
+    assert hashes_root(optstate_cli, out) == hashes_root(optstate_cli, src)

@@ -114,6 +114,9 @@ class OutputFile {
 Result<std::vector<std::byte>> read_small_file(const fs::path& path, uint64_t max_bytes);
 // Writes a small file durably (create, write, fsync, close).
 Status write_small_file(const fs::path& path, std::span<const std::byte> bytes);
+// Copies a file byte for byte to a new file, durably, in pieces (a file beside a checkpoint that a
+// write carries over).
+Status copy_file_durably(const fs::path& from, const fs::path& to);
 Status fsync_directory(const fs::path& dir);
 
 // Joins a relative path read from a checkpoint onto its root, refusing anything that could leave the

@@ -142,6 +142,7 @@ int run_inspect(int argc, char** argv) {
   progress.finish();
   j["params"] = params;
   j["not_read"] = reader.not_read();
+  j["read_notes"] = reader.read_notes();
   nlohmann::json model_tensors = nlohmann::json::array();
   for (const ModelTensorInfo& t : reader.model_tensors())
     model_tensors.push_back({{"name", t.name}, {"dtype", std::string(dtype_name(t.dtype))}, {"shape", t.shape}});
@@ -196,6 +197,7 @@ int run_inspect(int argc, char** argv) {
   if (const auto rest = reader.not_read(); !rest.empty())
     // Not optimizer state (train_state, a model's buffers), or an encoding read as fp32 values.
     out += fmt::format("other       {}: outside the state read\n", fmt::join(rest, ", "));
+  for (const std::string& note : reader.read_notes()) out += fmt::format("note        {}\n", note);
   out += fmt::format("state       {} ({:.2f} bytes/param){}\n\n", human_bytes(static_cast<double>(total_state_bytes)),
                      per_param,
                      total_param_bytes ? fmt::format(", model weights {}", human_bytes(total_param_bytes)) : "");

@@ -48,6 +48,8 @@ class ProgressReader final : public CheckpointReader {
   const std::filesystem::path& path() const override { return inner_->path(); }
   const OptimizerState& meta() const override { return inner_->meta(); }
   std::vector<std::string> not_read() const override { return inner_->not_read(); }
+  std::vector<std::string> carried_not_read() const override { return inner_->carried_not_read(); }
+  std::vector<std::string> read_notes() const override { return inner_->read_notes(); }
   std::string_view torchao_package() const override { return inner_->torchao_package(); }
   std::span<const AdamWFlags> adamw_flags() const override { return inner_->adamw_flags(); }
   std::span<const GroupExtras> group_extras() const override { return inner_->group_extras(); }

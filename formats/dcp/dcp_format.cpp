@@ -734,6 +734,15 @@ class DcpReader final : public CheckpointReader {
         c.pieces.push_back(md_.storage.at({key, {}}));
       layout_.carried.push_back(std::move(c));
     }
+    // Composer's DecoupledAdamW (under state.optimizers.DecoupledAdamW, as Composer keys its
+    // optimizers by class) decays weights by weight_decay * lr / initial_lr: not AdamW's
+    // weight_decay. The torch.save reader reads it as AdamW's equivalent; a DCP of it is refused.
+    if (!opt_key.empty() && opt_key.back() == "DecoupledAdamW")
+      for (size_t g = 0; g < meta_.groups.size(); ++g)
+        if (meta_.groups[g].hyper.weight_decay != 0)
+          return corrupt(fmt::format("{}: param group {}: Composer's DecoupledAdamW (weight_decay {} not scaled by lr, "
+                                     "not AdamW's); optstate reads it from Composer's torch.save checkpoint, not from a DCP",
+                                     where, g, meta_.groups[g].hyper.weight_decay));
     OPTSTATE_RETURN_IF_ERROR(find_beside());
     return check_structure(meta_, false).with_context(where);
   }

@@ -212,6 +212,7 @@ class TorchSaveReader final : public CheckpointReader {
   bool checksummed() const override { return checksummed_ || shared_verified_; }
   const FsdpSet* fsdp() const { return fsdp_ ? &*fsdp_ : nullptr; }
   bool carries_rest() const { return carries_rest_; }
+  std::vector<std::string> read_notes() const override { return read_notes_of_values_; }
   std::string_view torchao_package() const override { return torchao_package_; }
   std::span<const AdamWFlags> adamw_flags() const override { return adamw_flags_; }
   std::span<const GroupExtras> group_extras() const override { return group_extras_; }
@@ -487,6 +488,7 @@ class TorchSaveReader final : public CheckpointReader {
                                  sds.size()));
     }
     not_read_ = sd0.not_read;
+    read_notes_of_values_ = sd0.read_notes;
     // FSDP1's ranks hold no state for params with no part on them (use_orig_params): not unread.
     std::optional<size_t> stateless_line;
     if (sd0.stateless && !fsdp1) {
@@ -500,7 +502,8 @@ class TorchSaveReader final : public CheckpointReader {
     // beside other entries ({"model", "optimizer", "epoch"}), those, when that is all it holds
     // beyond the state (per-param fields and stateless params without weights it does not carry,
     // but an optimizer per param that never stepped its param, which it carries as it is).
-    carries_rest_ = !set_ && !libtorch_;
+    // (Not Composer's DecoupledAdamW: its weight decay is read as AdamW's, which the file's is not.)
+    carries_rest_ = !set_ && !libtorch_ && !sd0.decoupled_decay;
     for (size_t i = 0; i < not_read_.size(); ++i)
       carries_rest_ = carries_rest_ && (not_read_[i].starts_with("[") || not_read_[i].starts_with("param group ") ||
                                         (sd0.per_param && i == stateless_line));
@@ -1610,6 +1613,7 @@ class TorchSaveReader final : public CheckpointReader {
   fs::path path_;
   bool set_ = false;       // a per-rank set (a directory), not one file
   bool carries_rest_ = false;  // one file whose other entries a torch.save write from it carries
+  std::vector<std::string> read_notes_of_values_;  // read_notes(): Composer's weight decay read as AdamW's
   std::optional<FsdpSet> fsdp_;  // FSDP2 (or FSDP1, flat parameters) set with the model's files: what a writer of it needs
   bool libtorch_ = false;  // a LibTorch optimizer archive
   bool bnb_ = false;       // bitsandbytes' state: formats/bitsandbytes/ writes it

@@ -960,6 +960,29 @@ Status interpret_optimizer(const Pickle& p, Ref opt, const std::string& ow, Stat
   return Status::Ok();
 }
 
+// Composer's DecoupledAdamW decays each weight by weight_decay * lr / initial_lr a step, where
+// AdamW decays it by weight_decay * lr: the same update as AdamW's with weight_decay / initial_lr,
+// at every lr a schedule gives. Its groups keep initial_lr (a number; without one, or 0, the decay
+// is weight_decay at any lr, which no AdamW weight decay is).
+Status read_decoupled_decay(std::vector<GroupSpec>& groups, const std::string& where, std::vector<std::string>& notes) {
+  for (size_t g = 0; g < groups.size(); ++g) {
+    double& wd = groups[g].hyper.weight_decay;
+    if (wd == 0) continue;
+    std::optional<double> initial;
+    for (const GroupExtraSpec& e : groups[g].extras)
+      if (e.key == "initial_lr" && (e.value.kind == GroupValue::Kind::kFloat || e.value.kind == GroupValue::Kind::kInt))
+        initial = e.value.kind == GroupValue::Kind::kFloat ? e.value.f : static_cast<double>(e.value.i);
+    if (!initial || !(*initial > 0) || !std::isfinite(*initial))
+      return corrupt(fmt::format("{} param group {}: Composer's DecoupledAdamW with weight_decay {} and no positive "
+                                 "'initial_lr': its decay is not scaled by lr, which no AdamW weight decay is",
+                                 where, g, wd));
+    notes.push_back(fmt::format("param group {}: weight_decay {} is Composer's DecoupledAdamW's (not scaled by lr), read "
+                                "as AdamW's {} (divided by initial_lr {})", g, wd, wd / *initial, *initial));
+    wd /= *initial;
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where) {
@@ -975,11 +998,39 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
     out.per_param = true;
   } else if (const auto* items = dict_items(p, root)) {
     std::vector<std::string> found;
+    // Composer's (MosaicML's) checkpoint: {"state": {"model": ..., "optimizers": {<its class name>:
+    // state_dict}, "schedulers", "timestamp", ...}, "rng": ...}. Its entries are looked at one
+    // level down, under "['state']".
+    const Ref composer = p.dict_get(root, "state");
+    const bool is_composer = dict_items(p, composer) && dict_items(p, p.dict_get(composer, "optimizers")) &&
+                             dict_items(p, p.dict_get(composer, "model"));
+    if (is_composer) {
+      for (size_t k = 0; k + 1 < items->size(); k += 2) {
+        const auto key = dcp::as_string(p, (*items)[k]);
+        if (!key || *key != "state") out.not_read.push_back(key ? fmt::format("['{}']", *key) : "[?]");
+      }
+      items = dict_items(p, composer);
+    }
+    const std::string prefix = is_composer ? "['state']" : "";
     for (size_t k = 0; k + 1 < items->size(); k += 2) {
       const auto key = dcp::as_string(p, (*items)[k]);
       const Ref v = (*items)[k + 1];
-      const std::string name = key ? fmt::format("['{}']", *key) : "[?]";
-      if (is_optimizer_dict(p, v)) {
+      const std::string name = prefix + (key ? fmt::format("['{}']", *key) : "[?]");
+      if (is_composer && key && *key == "optimizers") {
+        // {class name: state_dict}, one per optimizer
+        const auto& optimizers = *dict_items(p, v);
+        for (size_t j = 0; j + 1 < optimizers.size(); j += 2) {
+          const auto cls = dcp::as_string(p, optimizers[j]);
+          const std::string at = fmt::format("{}['{}']", name, cls ? *cls : "?");
+          if (!is_optimizer_dict(p, optimizers[j + 1])) return corrupt(fmt::format("{}: {} is no optimizer state_dict", where, at));
+          found.push_back(at);
+          opt = optimizers[j + 1];
+          out.decoupled_decay = cls && *cls == "DecoupledAdamW";
+        }
+      } else if (is_composer && key && *key == "model") {
+        model = v;
+        model_key = name;
+      } else if (is_optimizer_dict(p, v)) {
         found.push_back(name);
         opt = v;
       } else if (is_per_param_dict(p, v, 1)) {
@@ -1019,6 +1070,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
   OptimizerPart part;
   if (!out.per_param) {
     OPTSTATE_RETURN_IF_ERROR(interpret_optimizer(p, opt, ow, out, part));
+    if (out.decoupled_decay) OPTSTATE_RETURN_IF_ERROR(read_decoupled_decay(out.groups, ow, out.read_notes));
   } else {
     // One optimizer per param: each one's group is a group of the state, its one param named by
     // its key and numbered in the dict's order (as the wrapper lists model.named_parameters()).

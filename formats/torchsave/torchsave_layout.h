@@ -141,6 +141,11 @@ struct StateDict {
   bool bnb = false;                  // bitsandbytes' state (state1/state2: dcp/bnb_state.h)
   std::optional<bool> bnb_nested;    // bitsandbytes': its tensors nested in kBnbQuantState (0.49.2 and
                                      // later) or beside 'step' (earlier), as the first param's were
+  // Composer's (MosaicML's) DecoupledAdamW, whose weight decay is not scaled by lr: each group's
+  // weight_decay read as AdamW's equivalent, divided by its initial_lr (kept in extras). A write
+  // carrying the file would have to scale it back: such a file is not carried.
+  bool decoupled_decay = false;
+  std::vector<std::string> read_notes;  // CheckpointReader::read_notes
   bool torchao = false;              // torchao's state: OptimState8bit/Fp8/4bit moments, or groups with
                                      // lr a tensor and no 'maximize' (_AdamBase's: torchao's AdamW*)
   std::string_view torchao_package;   // where its subclasses were defined (dcp::kTorchaoOptimPackages);

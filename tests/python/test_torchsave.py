@@ -263,7 +263,7 @@ def test_damaged_or_foreign_torch_save_files_are_refused_by_name(tmp_path, optst
     m(torch.randn(2, 4)).sum().backward()
     sgd.step()
     torch.save(sgd.state_dict(), tmp_path / "sgd.pt")
-    refused(tmp_path / "sgd.pt", "sgd.pt", "betas")
+    refused(tmp_path / "sgd.pt", "sgd.pt", "param group 0: 'dampening' is torch.optim.SGD's group: not AdamW's")
     # Hugging Face's checkpoint folder is no checkpoint itself; the error names the file that is.
     hf = tmp_path / "checkpoint-500"
     hf.mkdir()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_formats import run_script
+from test_formats import run_err, run_script
 from test_torch_versions import reads_as_held
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "writers"
@@ -176,3 +176,65 @@ def test_what_a_dcp_folder_holds_beside_the_dcp_is_carried_by_dcp_to_dcp(tmp_pat
     assert (out / "tokenizer" / "vocab.txt").read_text() == "a b c"
     assert not (out / ".tmp-staging").exists()
     assert hashes_root(optstate_cli, out) == hashes_root(optstate_cli, src)
+
+
+COMPOSER = CORPUS / "mosaicml-0.32.1_torch-2.13.0" / "ep0-ba3-rank0.pt"
+
+
+def test_a_composer_checkpoint_reads_with_decoupled_adamws_weight_decay_as_adamws(tmp_path, optstate_cli):
+    """Composer's checkpoint ({"state": {"model", "optimizers": {"DecoupledAdamW": ...}}, "rng"})
+    reads as Composer held the state; DecoupledAdamW's weight decay (not scaled by lr) is read as the
+    AdamW weight decay of the same update, divided by the group's initial_lr, and inspect says so.
+    (A step of torch.optim.AdamW from the conversion below equals DecoupledAdamW's from the file,
+    to an ulp of the weights: checked by hand where composer imports, as it is not in the suite's
+    venv.)"""
+    ref, meta = ref_of(COMPOSER)
+    info = reads_as_held(tmp_path, optstate_cli, COMPOSER, ref, meta)
+    assert sorted(g["weight_decay"] for g in info["param_groups"]) == [0.0, pytest.approx(0.01, rel=1e-12)]
+    assert info["read_notes"] == ["param group 0: weight_decay 1e-05 is Composer's DecoupledAdamW's (not scaled by "
+                                  "lr), read as AdamW's 0.01 (divided by initial_lr 0.001)"], info["read_notes"]
+    assert "['state']['schedulers']" in info["not_read"] and "['rng']" in info["not_read"]
+    # Written as torch.save, it is torch.optim.AdamW's plain {"model", "optimizer"}, not Composer's
+    # file carried (whose DecoupledAdamW would take 0.01 for its own weight decay).
+    out = tmp_path / "plain.pt"
+    proc = optstate_cli("convert", COMPOSER, out)
+    assert "Composer's DecoupledAdamW's (not scaled by lr)" in proc.stderr, proc.stderr
+    sd = torch.load(out, weights_only=True)
+    assert sorted(sd) == ["model", "optimizer"]
+    model = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5))
+    model.load_state_dict(sd["model"])
+    mats = [p for p in model.parameters() if p.dim() >= 2]
+    vecs = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": mats}, {"params": vecs}], lr=1.0)
+    opt.load_state_dict(sd["optimizer"])
+    assert [g["weight_decay"] for g in opt.param_groups] == [pytest.approx(0.01, rel=1e-12), 0.0]
+    assert [g["initial_lr"] for g in opt.param_groups] == [0.001, 0.001]
+    for name, p in model.named_parameters():
+        assert torch.equal(opt.state[p]["exp_avg"], ref[f"{name}.exp_avg"]), name
+
+
+def test_composers_decoupled_adamw_without_initial_lr_or_in_a_dcp_is_refused(tmp_path, optstate_cli):
+    """Without a positive initial_lr DecoupledAdamW's decay is weight_decay at any lr, which no
+    AdamW weight decay is: refused naming the group. A DCP of it (Composer's sharded checkpoint
+    keys its optimizer by class too) is refused; a DCP of Composer's torch.optim.AdamW reads."""
+    import torch.distributed.checkpoint as dcp
+    ck = torch.load(COMPOSER, weights_only=False)
+    sd = ck["state"]["optimizers"]["DecoupledAdamW"]
+    for g in sd["param_groups"]:
+        del g["initial_lr"]
+    torch.save(ck, tmp_path / "no_initial_lr.pt")
+    err = run_err(optstate_cli, "inspect", tmp_path / "no_initial_lr.pt")
+    assert "param group 0: Composer's DecoupledAdamW with weight_decay 1e-05 and no positive 'initial_lr'" in err, err
+    model = {k: v for k, v in ck["state"]["model"].items()}
+    for cls, refused in (("DecoupledAdamW", True), ("AdamW", False)):
+        ck2 = torch.load(COMPOSER, weights_only=False)
+        state = {"model": model, "optimizers": {cls: ck2["state"]["optimizers"]["DecoupledAdamW"]}}
+        path = tmp_path / f"dcp_{cls}"
+        dcp.save({"state": state}, checkpoint_id=path)
+        if refused:
+            err = run_err(optstate_cli, "inspect", path)
+            assert "param group 0: Composer's DecoupledAdamW (weight_decay 1e-05 not scaled by lr" in err, err
+        else:
+            info = json.loads(optstate_cli("inspect", path, "--json").stdout)
+            assert sorted(g["weight_decay"] for g in info["param_groups"]) == [0.0, 1e-05]
+

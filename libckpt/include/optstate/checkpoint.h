@@ -100,6 +100,9 @@ class CheckpointReader {
   // they are: all of them by default; not those that say how an entry was read (torchao's 4-bit
   // moments read as fp32 values), which a write from the state does not keep.
   virtual std::vector<std::string> carried_not_read() const { return not_read(); }
+  // How the file's values were read where that is not as they stand (Composer's DecoupledAdamW
+  // weight decay read as AdamW's equivalent): one line each, said by inspect and convert.
+  virtual std::vector<std::string> read_notes() const { return {}; }
   // The Python package whose torchao tensor subclasses the file's 8-bit moments are (torchao.optim,
   // or torchao.prototype.low_bit_optim before torchao 0.11), for writers of torchao's state to name
   // the same by default (WriteOptions::torchao_package); empty where the file holds none.

@@ -76,7 +76,7 @@ int run_convert(int argc, char** argv) {
         "archive), bitsandbytes or torchao (their AdamW8bit's state_dict), deepspeed (from a DeepSpeed SRC: of "
         "ZeRO-1/2, a universal checkpoint, which DeepSpeed loads on any world size; of ZeRO-3, the same checkpoint for "
         "--world-size ranks) (default: from DST's extension, .safetensors / .h5 / "
-        ".hdf5 / .pt / .pth (torchsave), else native)"},
+        ".hdf5 / .pt / .pth / .bin (torchsave: Accelerate's optimizer.bin), else native)"},
        {"--block-size", true, "8-bit block size (default 256); given, 8-bit moments of another block size are "
                               "requantized in it (else they keep theirs)"},
        {"--min-8bit-size", true, "params with fewer elements stay dense (default 4096)"},
@@ -142,10 +142,10 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   std::string format = args->value("--format").value_or("");
   if (format.empty()) {
     const std::string ext = dst.extension().string();
-    format = ext == ".safetensors"               ? "safetensors"
-             : ext == ".h5" || ext == ".hdf5"    ? "hdf5"
-             : ext == ".pt" || ext == ".pth"     ? "torchsave"
-                                                 : "native";
+    format = ext == ".safetensors"                           ? "safetensors"
+             : ext == ".h5" || ext == ".hdf5"                ? "hdf5"
+             : ext == ".pt" || ext == ".pth" || ext == ".bin" ? "torchsave"
+                                                             : "native";
   }
   const FormatDriver* driver = find_format(format);
   if (!driver) return fail(command, invalid_argument(fmt::format("unknown output format '{}'", format)));

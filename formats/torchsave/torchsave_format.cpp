@@ -1807,7 +1807,7 @@ class TorchSaveDriver final : public FormatDriver {
   }
   static bool is_single_file(const fs::path& path) {
     const std::string ext = path.extension().string();
-    return ext == ".pt" || ext == ".pth";
+    return ext == ".pt" || ext == ".pth" || ext == ".bin";
   }
 
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {

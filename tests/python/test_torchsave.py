@@ -1995,3 +1995,23 @@ def test_a_nan_lr_is_a_finding_kept_where_the_format_holds_it_and_refused_where_
     proc = optstate_cli("validate", tmp_path / "range.pt", check=False)
     assert proc.returncode == 1 and "param group 0: betas[1] is 1.5, outside what torch.optim.AdamW takes " \
         "(0 <= beta < 1)" in proc.stdout and "weight_decay is -0.1" in proc.stdout, proc.stdout
+
+
+def test_accelerates_optimizer_bin_converts_to_a_bin_of_the_same_kind(tmp_path, optstate_cli):
+    """Accelerate's save_state writes torch.save(optimizer.state_dict()) as optimizer.bin: read as any
+    torch.save file, and a DST ending in .bin is written as one (not as optstate's folder), which
+    accelerator.load_state's torch.load + load_state_dict takes."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    torch.save(opt.state_dict(), tmp_path / "optimizer.bin")
+    out = tmp_path / "out" / "optimizer.bin"
+    out.parent.mkdir()
+    proc = optstate_cli("convert", tmp_path / "optimizer.bin", out)
+    assert "(torchsave, 1 rank)" in proc.stdout and out.is_file(), proc.stdout
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fresh.load_state_dict(torch.load(out, weights_only=True))
+    for p in model.parameters():
+        assert torch.equal(fresh.state[p]["exp_avg"], opt.state[p]["exp_avg"])

@@ -808,6 +808,11 @@ class DcpReader final : public CheckpointReader {
       OPTSTATE_ASSIGN_OR_RETURN(const double c, number(fields, "caution", gw, 0.0));
       if (c != 0) return corrupt(gw + ": caution=True (timm's cautious AdamW masks the update): not AdamW's update");
     }
+    if (fields.count("corrected_weight_decay")) {
+      OPTSTATE_ASSIGN_OR_RETURN(const double c, number(fields, "corrected_weight_decay", gw, 0.0));
+      if (c != 0 && pg.hyper.weight_decay != 0)
+        return corrupt(gw + ": corrected_weight_decay=True (timm's AdamW decays by lr^2 / max_lr, not lr): not AdamW's update");
+    }
     if (fields.count("correct_bias")) {
       OPTSTATE_ASSIGN_OR_RETURN(const double cb, number(fields, "correct_bias", gw, 1.0));
       if (cb == 0) return corrupt(gw + ": correct_bias=False (transformers' AdamW without bias correction): not AdamW's update");

@@ -295,6 +295,17 @@ Status check_torch_adam_group(const std::function<bool(const char*)>& has, const
   if (has("alpha_init"))
     return corrupt(where + ": 'alpha_init' is GrokAdamW's group (its moments are of the gradient amplified by an "
                            "EMA of it): not AdamW's");
+  // ADOPT's (its own package; timm's Adopt): AdamW's keys, the second moment updated before the
+  // first, the gradient normalized by the old one and clipped.
+  for (const char* key : {"clip_exp", "clip_lambda", "decouple"})
+    if (has(key))
+      return corrupt(fmt::format("{}: '{}' is ADOPT's group (the gradient normalized by the previous second moment): "
+                                 "not AdamW's", where, key));
+  // Schedule-free AdamW's (facebookresearch/schedule_free): its state z and exp_avg_sq, the
+  // weights an average of z's.
+  if (has("weight_lr_power"))
+    return corrupt(where + ": 'weight_lr_power' is schedule-free AdamW's group (its state z and an averaged "
+                           "iterate, no first moment): not AdamW's");
   // LAMB's (apex's FusedLAMB, timm's Lamb): AdamW's moments, a trust ratio on the update.
   for (const char* key : {"grad_averaging", "max_grad_norm", "trust_clip", "always_adapt"})
     if (has(key))

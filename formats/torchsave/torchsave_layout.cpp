@@ -243,6 +243,8 @@ Result<GroupSpec> adamw_group(const Pickle& p, Ref fields, const std::string& gw
     return corrupt(gw + ": correct_bias=False (transformers' AdamW without bias correction): not AdamW's update");
   if (const auto c = dcp::as_bool(p, p.dict_get(fields, "caution")); c && *c)
     return corrupt(gw + ": caution=True (timm's cautious AdamW masks the update): not AdamW's update");
+  if (const auto c = dcp::as_bool(p, p.dict_get(fields, "corrected_weight_decay")); c && *c && spec.hyper.weight_decay != 0)
+    return corrupt(gw + ": corrected_weight_decay=True (timm's AdamW decays by lr^2 / max_lr, not lr): not AdamW's update");
   for (const auto& [name, fallback] : kAdamWFlagDefaults)
     if (const auto v = dcp::as_flag(p, p.dict_get(fields, name)); v) spec.flags.emplace(name, *v);
   return spec;

@@ -1776,12 +1776,22 @@ def test_another_torch_optimizers_file_is_refused_naming_it(tmp_path, optstate_c
      "'update_proj_gap' is GaLore's or APOLLO's group (its moments are of the gradient projected to a low rank"),
     # optim="grokadamw": grokadamw.GrokAdamW's defaults
     ({"alpha_init": 0.98, "lamb": 2.0, "gamma": 0.1, "grokking_signal_decay_rate": 0.1, "gradient_clipping": 1.0},
-     "'alpha_init' is GrokAdamW's group")])
+     "'alpha_init' is GrokAdamW's group"),
+    # timm 1.0's AdamW: corrected weight decay decays by lr**2 / max_lr (its max_lr_snapshot)
+    ({"caution": False, "corrected_weight_decay": True, "max_lr_snapshot": 1e-3},
+     "corrected_weight_decay=True (timm's AdamW decays by lr^2 / max_lr, not lr)"),
+    # timm 1.0's Adopt (clip_exp, decoupled), as it saves its groups
+    ({"clip_exp": 0.333, "decoupled": False, "corrected_weight_decay": False, "max_lr_snapshot": 1e-3, "caution": False},
+     "'clip_exp' is ADOPT's group (the gradient normalized by the previous second moment)"),
+    # schedulefree 1.4's AdamWScheduleFree (whose state would be z and exp_avg_sq)
+    ({"r": 0.0, "k": 2, "warmup_steps": 0, "train_mode": True, "weight_sum": 0.0, "lr_max": 1e-3, "scheduled_lr": 1e-3,
+      "weight_lr_power": 2.0}, "'weight_lr_power' is schedule-free AdamW's group")])
 def test_adam_kin_whose_updates_are_not_adamws_are_refused(tmp_path, optstate_cli, extra, why):
-    """LAMB (apex's FusedLAMB, timm's Lamb), timm's cautious AdamW, transformers' AdamW without
-    bias correction, GaLore's AdamW and GrokAdamW keep AdamW's moments (GaLore's of the projected
-    gradient, GrokAdamW's of an amplified one) under their own group keys: named and refused; the
-    same group keys at their AdamW values read."""
+    """LAMB (apex's FusedLAMB, timm's Lamb), timm's cautious AdamW and its AdamW with corrected weight
+    decay, transformers' AdamW without bias correction, GaLore's AdamW, GrokAdamW, ADOPT and
+    schedule-free AdamW keep AdamW's moments (GaLore's of the projected gradient, GrokAdamW's of an
+    amplified one) or keys under their own group keys: named and refused; the same group keys at
+    their AdamW values read."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())
@@ -1792,7 +1802,13 @@ def test_adam_kin_whose_updates_are_not_adamws_are_refused(tmp_path, optstate_cl
     torch.save(sd, tmp_path / "kin.pt")
     err = run_err(optstate_cli, "inspect", tmp_path / "kin.pt")
     assert "param group 0: " + why in err, err
-    if "caution" in extra or "correct_bias" in extra:
+    if "clip_exp" in extra:
+        return
+    if "corrected_weight_decay" in extra:  # timm's AdamW as it is by default
+        sd["param_groups"][0]["corrected_weight_decay"] = False
+        torch.save(sd, tmp_path / "fine.pt")
+        optstate_cli("inspect", tmp_path / "fine.pt")
+    elif "caution" in extra or "correct_bias" in extra:
         sd["param_groups"][0].update({k: not v for k, v in extra.items()})
         torch.save(sd, tmp_path / "fine.pt")
         optstate_cli("inspect", tmp_path / "fine.pt")

@@ -130,3 +130,30 @@ TEST_CASE("dcp layout: torchao float8 training's weight wrapper reads as the wei
   REQUIRE(!refused.ok());
   CHECK(refused.status().message().find("its '_tensor' is not of the dtype and size the subclass claims") != std::string::npos);
 }
+
+TEST_CASE("dcp metadata: OLMo-core's own _StorageInfo class is read as torch's, another module's is refused") {
+  // OLMo-core's RemoteFileSystemWriter pickles olmo_core.distributed.checkpoint.filesystem._StorageInfo
+  // (the same three fields) for every item (tests/data/writers/make_olmo_core.py).
+  const auto path = std::filesystem::path(OPTSTATE_SOURCE_DIR) /
+                    "tests/data/writers/olmo-core-3.0.0_torch-2.13.0/model_and_optim/.metadata";
+  std::ifstream in(path, std::ios::binary);
+  REQUIRE(in);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto read = [](const std::string& b) -> Result<dcp::Metadata> {
+    OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(std::as_bytes(std::span(b)), ".metadata"));
+    return dcp::interpret_metadata(p, ".metadata");
+  };
+  auto md = read(bytes);
+  REQUIRE_MESSAGE(md.ok(), md.status().message());
+  CHECK(md->storage.size() > 20);
+  for (const auto& [key, loc] : md->storage) CHECK(loc.relative_path.starts_with("__"));
+  // the same class in another module (a name of the same length, so the pickle stays well formed)
+  const std::string olmo = "olmo_core.distributed.checkpoint.filesystem";
+  const auto at = bytes.find(olmo);
+  REQUIRE(at != std::string::npos);
+  std::string other = bytes;
+  other.replace(at, olmo.size(), std::string("xlmo") + olmo.substr(4));
+  auto refused = read(other);
+  REQUIRE(!refused.ok());
+  CHECK(refused.status().message().find("is not a _StorageInfo") != std::string::npos);
+}

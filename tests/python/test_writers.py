@@ -7,6 +7,7 @@ own storage writer, whose `.metadata` pickles OLMo-core's `_StorageInfo` class: 
 installed, torch's own reader cannot even open it.
 """
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -159,12 +160,13 @@ MAKE_FOLDER = textwrap.dedent("""
         f.write("a b c")
     with open(os.path.join(out, ".tmp-staging"), "w") as f:
         f.write("x")
+    os.symlink("/", os.path.join(out, "root_link"))  # a hostile folder's: never followed
 """)
 
 
 def test_what_a_dcp_folder_holds_beside_the_dcp_is_carried_by_dcp_to_dcp(tmp_path, optstate_cli):
     """Files and folders beside the DCP are named by inspect and copied by a DCP write from it
-    (resharded too); hidden names are neither; a failed write leaves nothing behind."""
+    (resharded too), links as links, never followed; hidden names are neither."""
     src = tmp_path / "src"
     run_script(tmp_path, MAKE_FOLDER, "make_folder.py", src)
     text = optstate_cli("inspect", src).stdout
@@ -175,6 +177,7 @@ def test_what_a_dcp_folder_holds_beside_the_dcp_is_carried_by_dcp_to_dcp(tmp_pat
     assert (out / "config.json").read_text() == '{"lr": 0.001}'
     assert (out / "tokenizer" / "vocab.txt").read_text() == "a b c"
     assert not (out / ".tmp-staging").exists()
+    assert (out / "root_link").is_symlink() and os.readlink(out / "root_link") == "/"  # copied as a link
     assert hashes_root(optstate_cli, out) == hashes_root(optstate_cli, src)
 
 

@@ -8,7 +8,6 @@ installed, torch's own reader cannot even open it.
 """
 import json
 import os
-import sys
 import textwrap
 from pathlib import Path
 

@@ -308,9 +308,13 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
                  written.params.size() - kept.params.size(), dst.c_str(), format.c_str());
   for (const std::string& note : driver->write_notes(kept, wo))
     std::fprintf(stderr, "note: %s: %s\n", dst.c_str(), note.c_str());
-  bool renamed = false;
-  for (const auto& [fqn, ps] : kept.params) renamed = renamed || !written.params.count(fqn);
-  if (renamed)
+  // LibTorch's archive numbers the params (a write that renames them otherwise says why in its notes).
+  bool renamed = false, numbered = true;
+  for (const auto& [fqn, ps] : kept.params) {
+    renamed = renamed || !written.params.count(fqn);
+    numbered = numbered && !fqn.empty() && fqn.find_first_not_of("0123456789") == std::string::npos;
+  }
+  if (renamed && numbered)
     std::fprintf(stderr, "note: %s numbers the params 0..%zu in group order (%s names none)\n", dst.c_str(),
                  kept.params.size() - 1, format.c_str());
   // bitsandbytes steps 8-bit state in blocks of 256 only, torchao in whole blocks only: others are

@@ -28,6 +28,9 @@ class BitsandbytesDriver final : public FormatDriver {
   }
 
   OptimizerState kept(const OptimizerState& state) const override { return kept_state(state); }
+  OptimizerState kept_by_write(const OptimizerState& state, const WriteOptions& options) const override {
+    return torchsave::framed_read_back(kept_state(state), options);
+  }
 
   // A training loop's own file ({"model", "optimizer", "epoch"}, Lightning's .ckpt): its other
   // entries go with the state (torchsave::write_carrying).
@@ -40,11 +43,13 @@ class BitsandbytesDriver final : public FormatDriver {
 
   // The nested form loads in bitsandbytes 0.49.2 and later only: said unless the source was such a file.
   std::vector<std::string> write_notes(const OptimizerState& kept, const WriteOptions& options) const override {
+    std::vector<std::string> notes = torchsave::framed_read_back_notes(kept, options);
     const auto layout = written_layout(options);
     const bool from_nested = options.source && torchsave::bnb_nested(*options.source).value_or(false);
-    if (!layout.ok() || *layout != Layout::kNested || from_nested || kept.params.empty()) return {};
-    return {"its state tensors are nested in '__bnb_optimizer_quant_state__', as bitsandbytes 0.49.2 and later save "
-            "and load them; for earlier releases: --bitsandbytes-layout flat"};
+    if (!layout.ok() || *layout != Layout::kNested || from_nested || kept.params.empty()) return notes;
+    notes.push_back("its state tensors are nested in '__bnb_optimizer_quant_state__', as bitsandbytes 0.49.2 and later "
+                    "save and load them; for earlier releases: --bitsandbytes-layout flat");
+    return notes;
   }
 
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {

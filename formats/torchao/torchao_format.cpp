@@ -29,6 +29,9 @@ class TorchaoDriver final : public FormatDriver {
   }
 
   OptimizerState kept(const OptimizerState& state) const override { return kept_state(state); }
+  OptimizerState kept_by_write(const OptimizerState& state, const WriteOptions& options) const override {
+    return torchsave::framed_read_back(kept_state(state), options);
+  }
 
   // torchao quantizes tensor.view(-1, block_size): a param of no whole number of blocks keeps fp32.
   QuantizeOptions quantize_rule(const QuantizeOptions& q) const override {
@@ -47,7 +50,9 @@ class TorchaoDriver final : public FormatDriver {
   }
 
   std::vector<std::string> write_notes(const OptimizerState& kept, const WriteOptions& options) const override {
-    return dcp::torchao_package_notes(kept, options);
+    std::vector<std::string> notes = dcp::torchao_package_notes(kept, options);
+    for (std::string& n : torchsave::framed_read_back_notes(kept, options)) notes.push_back(std::move(n));
+    return notes;
   }
 
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {

@@ -1751,6 +1751,14 @@ bool is_legacy_torch_save(const fs::path& path) {
 class TorchSaveDriver final : public FormatDriver {
  public:
   std::string_view name() const override { return "torchsave"; }
+  // A per-rank set is written with the source's model files; one file framed reads back as
+  // framed_read_back says.
+  OptimizerState kept_by_write(const OptimizerState& state, const WriteOptions& options) const override {
+    return options.source && fsdp_set(*options.source) ? state : framed_read_back(state, options);
+  }
+  std::vector<std::string> write_notes(const OptimizerState& kept, const WriteOptions& options) const override {
+    return options.source && fsdp_set(*options.source) ? std::vector<std::string>{} : framed_read_back_notes(kept, options);
+  }
 
   // A zip whose first record is <folder>/data.pkl: torch.save writes data.pkl first (LibTorch's
   // torch::save writes the storages first: formats/libtorch/ sniffs those, and opens them here).
@@ -2068,6 +2076,37 @@ Status write_framed(StateSource& source, const fs::path& path, const WriteOption
   }
   OPTSTATE_ASSIGN_OR_RETURN(const Plan plan, plan_of(frame, fo));
   return write_plan(source, path, options.overwrite, plan, options.source);
+}
+
+namespace {
+// Whether a framed write of `kept` holds a model dict of its own whose every key begins with
+// 'module.'.
+bool framed_ddp_keys(const OptimizerState& kept, const WriteOptions& options) {
+  if (options.source && carries_file(*options.source)) return false;  // the source's own keys
+  std::vector<std::string_view> keys;
+  for (const auto& [fqn, ps] : kept.params)
+    if (ps.entries.count(kParam)) keys.push_back(fqn);
+  if (options.source)
+    for (const ModelTensorInfo& t : options.source->model_tensors()) keys.push_back(t.name);
+  return is_ddp_state_dict(keys);
+}
+}  // namespace
+
+OptimizerState framed_read_back(OptimizerState kept, const WriteOptions& options) {
+  if (!framed_ddp_keys(kept, options)) return kept;
+  std::map<std::string, ParamState> params;
+  for (auto& [fqn, ps] : kept.params) params.emplace(torch_param_fqn(fqn, true), std::move(ps));
+  kept.params = std::move(params);
+  for (ParamGroup& g : kept.groups)
+    for (std::string& fqn : g.params) fqn = torch_param_fqn(fqn, true);
+  return kept;
+}
+
+std::vector<std::string> framed_read_back_notes(const OptimizerState& kept, const WriteOptions& options) {
+  // `kept` is named as it reads back: what was written is named as the source names it.
+  if (!framed_ddp_keys(options.source ? options.source->meta() : kept, options)) return {};
+  return {"every key of its model dict begins with 'module.', which reads as DDP's prefix (torch's "
+          "consume_prefix_in_state_dict_if_present, optstate): its params read back without it"};
 }
 
 Status write_carrying(StateSource& source, const CheckpointReader& from, const fs::path& path, bool overwrite,

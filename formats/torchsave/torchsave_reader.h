@@ -123,5 +123,11 @@ Status write_carrying(StateSource& source, const CheckpointReader& from, const s
 // options.source is a training loop's file (write_carrying), else as a file of its own (write_plan).
 Status write_framed(StateSource& source, const std::filesystem::path& path, const WriteOptions& options,
                     const PlanFrame& frame);
+// The names a file write_framed writes of `kept` reads back with: a model dict of its own whose every
+// key begins with 'module.' (the state's names kept that prefix: its source's model dict had other
+// keys, which the file does not hold) reads as DDP's, the prefix dropped (FormatDriver::kept_by_write).
+OptimizerState framed_read_back(OptimizerState kept, const WriteOptions& options);
+// What convert says of it (FormatDriver::write_notes), if anything.
+std::vector<std::string> framed_read_back_notes(const OptimizerState& kept, const WriteOptions& options);
 
 }  // namespace optstate::torchsave

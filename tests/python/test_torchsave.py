@@ -2031,3 +2031,42 @@ def test_accelerates_optimizer_bin_converts_to_a_bin_of_the_same_kind(tmp_path, 
     fresh.load_state_dict(torch.load(out, weights_only=True))
     for p in model.parameters():
         assert torch.equal(fresh.state[p]["exp_avg"], opt.state[p]["exp_avg"])
+
+
+MAKE_MODULE_DCP = textwrap.dedent("""
+    # A DCP of a model whose one top-level child is named `module` (Composer's ComposerClassifier
+    # wraps its network so): get_state_dict keeps the name, every key begins with 'module.'.
+    import sys, torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    class Wrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4))
+    torch.manual_seed(0)
+    model = Wrapper()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.module(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=sys.argv[1])
+""")
+
+
+def test_a_torch_save_file_whose_model_keys_all_begin_with_module_says_how_it_reads_back(tmp_path, optstate_cli):
+    """Written as torch.save, such a state's model dict has every key under 'module.', which reads
+    as DDP's prefix (torch's consume_prefix_in_state_dict_if_present; optstate drops it the same
+    way): convert says so, and the file reads back under the names without it, the same state."""
+    src = tmp_path / "src"
+    run_script(tmp_path, MAKE_MODULE_DCP, "make_module_dcp.py", src)
+    names = set(json.loads(optstate_cli("inspect", src, "--json", "--no-stats").stdout)["params"])
+    assert names == {"module.0.weight", "module.0.bias", "module.1.weight", "module.1.bias"}, names
+    out = tmp_path / "out.pt"
+    proc = optstate_cli("convert", src, out)
+    assert "every key of its model dict begins with 'module.', which reads as DDP's prefix" in proc.stderr, proc.stderr
+    back = set(json.loads(optstate_cli("inspect", out, "--json", "--no-stats").stdout)["params"])
+    assert back == {n[len("module."):] for n in names}, back
+    # the model dict loads into the model as it was saved (keys kept), and the values are the same
+    model_sd = torch.load(out, weights_only=True)["model"]
+    assert all(k.startswith("module.") for k in model_sd), sorted(model_sd)
+    assert "equal within tolerance" in optstate_cli("diff", src, out, "--by-position").stdout

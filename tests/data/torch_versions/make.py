@@ -249,15 +249,20 @@ def fsdp2_files(rank, world, out):
         write_ref(os.path.join(out, "torchao_dcp"), model, opt, gather=rank, weights=False)
 
 
-def main():
-    out = os.path.abspath(sys.argv[1])
-    os.makedirs(out, exist_ok=True)
-    one_process(out)
+def spawn_ranks(rank_main, out, world=2):
+    """Runs rank_main(rank, world, port, out) on `world` local processes (gloo over a free port)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     import torch.multiprocessing as mp
-    mp.spawn(rank_main, args=(2, port, out), nprocs=2)
+    mp.spawn(rank_main, args=(world, port, out), nprocs=world)
+
+
+def main():
+    out = os.path.abspath(sys.argv[1])
+    os.makedirs(out, exist_ok=True)
+    one_process(out)
+    spawn_ranks(rank_main, out)
 
 
 if __name__ == "__main__":

@@ -19,14 +19,13 @@ cannot unpickle it without olmo_core installed. Written into OUT:
   ranks, named and described as `tests/data/torch_versions/make.py` does it (`write_ref`).
 """
 import os
-import socket
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "torch_versions"))
-from make import small_model, train, write_ref  # noqa: E402
+from make import small_model, spawn_ranks, train, write_ref  # noqa: E402
 
 
 def rank_main(rank, world, port, out):
@@ -57,11 +56,7 @@ def rank_main(rank, world, port, out):
 def main():
     out = os.path.abspath(sys.argv[1])
     os.makedirs(out, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    import torch.multiprocessing as mp
-    mp.spawn(rank_main, args=(2, port, out), nprocs=2)
+    spawn_ranks(rank_main, out)
 
 
 if __name__ == "__main__":

@@ -755,7 +755,8 @@ class DcpReader final : public CheckpointReader {
   Status find_beside() {
     if (is_accelerate_folder(dir_)) return Status::Ok();
     std::set<std::string> own{".metadata"};
-    for (const auto& [k, loc] : md_.storage) own.insert(loc.relative_path);
+    for (const auto& [k, loc] : md_.storage)  // a data file, or the folder it lies in
+      own.insert(loc.relative_path.substr(0, loc.relative_path.find('/')));
     std::error_code ec;
     for (fs::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
       const std::string name = it->path().filename().string();

@@ -974,7 +974,7 @@ Status read_decoupled_decay(std::vector<GroupSpec>& groups, const std::string& w
     for (const GroupExtraSpec& e : groups[g].extras)
       if (e.key == "initial_lr" && (e.value.kind == GroupValue::Kind::kFloat || e.value.kind == GroupValue::Kind::kInt))
         initial = e.value.kind == GroupValue::Kind::kFloat ? e.value.f : static_cast<double>(e.value.i);
-    if (!initial || !(*initial > 0) || !std::isfinite(*initial))
+    if (!initial || !(*initial > 0) || !std::isfinite(*initial) || !std::isfinite(wd / *initial))
       return corrupt(fmt::format("{} param group {}: Composer's DecoupledAdamW with weight_decay {} and no positive "
                                  "'initial_lr': its decay is not scaled by lr, which no AdamW weight decay is",
                                  where, g, wd));

@@ -971,7 +971,19 @@ class DcpReader final : public CheckpointReader {
     const std::string iw = fmt::format("{}: item '{}'{}", dir_.string(), key,
                                        offsets.empty() ? "" : " chunk at " + format_shape(offsets));
     OPTSTATE_ASSIGN_OR_RETURN(const InputFile* f, file(loc.relative_path, iw));
-    OPTSTATE_ASSIGN_OR_RETURN(ArchiveIndex index, read_archive_index(*f, loc, iw));
+    auto read_index = read_archive_index(*f, loc, iw);
+    if (!read_index.ok()) {
+      // FileSystemWriter(serialization_format=SAFETENSORS) stores a rank's tensors as one
+      // safetensors blob (an 8-byte header length, then its JSON) where each item's torch.save
+      // archive would be: said as what it is.
+      std::byte head[9];
+      if (loc.length >= 9 && f->read_at(loc.offset, head).ok() && head[8] == std::byte{'{'})
+        return unsupported(fmt::format("{} is stored as safetensors (FileSystemWriter's serialization_format="
+                                       "SAFETENSORS), which optstate does not read (nor does torch's FileSystemReader)",
+                                       iw));
+      return read_index.status();
+    }
+    ArchiveIndex index = std::move(*read_index);
     const zip::CentralDirectory& cd = index.cd;
     const std::vector<zip::Entry>& entries = index.entries;
     auto locate = [&](const zip::Entry& e) -> Result<uint64_t> {

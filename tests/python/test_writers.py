@@ -240,3 +240,24 @@ def test_composers_decoupled_adamw_without_initial_lr_or_in_a_dcp_is_refused(tmp
             info = json.loads(optstate_cli("inspect", path, "--json").stdout)
             assert sorted(g["weight_decay"] for g in info["param_groups"]) == [0.0, 1e-05]
 
+
+
+def test_a_dcp_saved_as_safetensors_is_named_as_such(tmp_path, optstate_cli):
+    """FileSystemWriter(serialization_format=SAFETENSORS) stores each rank's tensors as one
+    safetensors blob where torch.save archives would be (which torch's own FileSystemReader does
+    not read back either): refused saying so, not as a truncated zip."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    path = tmp_path / "st"
+    dcp.save({"model": msd, "optim": osd},
+             storage_writer=FileSystemWriter(path, serialization_format=SerializationFormat.SAFETENSORS))
+    err = run_err(optstate_cli, "inspect", path)
+    assert "is stored as safetensors (FileSystemWriter's serialization_format=SAFETENSORS)" in err, err

@@ -722,19 +722,8 @@ Status write_dcp(StateSource& state, const fs::path& path, const WriteOptions& o
                               options.source ? options.source->group_extras() : std::span<const GroupExtras>{},
                               source ? nullptr : options.source);
   // What the source's folder held beside the DCP (Lightning's meta.pt), as it was.
-  for (size_t i = 0; source && written.ok() && i < source->beside.size(); ++i) {
-    const fs::path from = source->dir / source->beside[i];
-    std::error_code ec;
-    if (fs::is_symlink(from, ec)) {  // copied as a link (as a folder's links are), never followed
-      fs::copy_symlink(from, staging.path() / source->beside[i], ec);
-      if (ec) written = io_error(fmt::format("{}: cannot copy into {}: {}", from.string(), path.string(), ec.message()));
-    } else if (fs::is_regular_file(from, ec)) {
-      written = copy_file_durably(from, staging.path() / source->beside[i]);
-    } else {
-      fs::copy(from, staging.path() / source->beside[i], fs::copy_options::recursive | fs::copy_options::copy_symlinks, ec);
-      if (ec) written = io_error(fmt::format("{}: cannot copy into {}: {}", from.string(), path.string(), ec.message()));
-    }
-  }
+  for (size_t i = 0; source && written.ok() && i < source->beside.size(); ++i)
+    written = copy_entry_as_is(source->dir / source->beside[i], staging.path() / source->beside[i]);
   return staging.commit(written, options.overwrite);
 }
 

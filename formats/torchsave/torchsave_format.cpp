@@ -205,14 +205,14 @@ class TorchSaveReader final : public CheckpointReader {
   const OptimizerState& meta() const override { return meta_; }
   std::vector<std::string> not_read() const override {
     std::vector<std::string> out = not_read_;
-    out.insert(out.end(), read_notes_.begin(), read_notes_.end());
+    out.insert(out.end(), encoding_notes_.begin(), encoding_notes_.end());
     return out;
   }
   std::vector<std::string> carried_not_read() const override { return not_read_; }
   bool checksummed() const override { return checksummed_ || shared_verified_; }
   const FsdpSet* fsdp() const { return fsdp_ ? &*fsdp_ : nullptr; }
   bool carries_rest() const { return carries_rest_; }
-  std::vector<std::string> read_notes() const override { return read_notes_of_values_; }
+  std::vector<std::string> read_notes() const override { return value_notes_; }
   std::string_view torchao_package() const override { return torchao_package_; }
   std::span<const AdamWFlags> adamw_flags() const override { return adamw_flags_; }
   std::span<const GroupExtras> group_extras() const override { return group_extras_; }
@@ -488,7 +488,7 @@ class TorchSaveReader final : public CheckpointReader {
                                  sds.size()));
     }
     not_read_ = sd0.not_read;
-    read_notes_of_values_ = sd0.read_notes;
+    value_notes_ = sd0.read_notes;
     // FSDP1's ranks hold no state for params with no part on them (use_orig_params): not unread.
     std::optional<size_t> stateless_line;
     if (sd0.stateless && !fsdp1) {
@@ -787,16 +787,16 @@ class TorchSaveReader final : public CheckpointReader {
                                         rank_pattern(model_files), others, others == 1 ? "y" : "ies"));
     }
     if (!dequantized_.empty())
-      read_notes_.push_back(fmt::format("the 8-bit encoding of {} ({}): 8-bit on some ranks only, or in blocks that are "
+      encoding_notes_.push_back(fmt::format("the 8-bit encoding of {} ({}): 8-bit on some ranks only, or in blocks that are "
                                       "not the whole tensor's; read as fp32 values", fmt::join(dequantized_, ", "),
                                       dequantized_.size() == 1 ? "one entry" : fmt::format("{} entries", dequantized_.size())));
     if (!dequantized_4bit_.empty())
-      read_notes_.push_back(fmt::format("torchao's 4-bit encoding of {} ({}, AdamW4bit): read as fp32 values",
+      encoding_notes_.push_back(fmt::format("torchao's 4-bit encoding of {} ({}, AdamW4bit): read as fp32 values",
                                       fmt::join(dequantized_4bit_, ", "),
                                       dequantized_4bit_.size() == 1 ? "one entry"
                                                                     : fmt::format("{} entries", dequantized_4bit_.size())));
     if (!dequantized_fp8_.empty())
-      read_notes_.push_back(fmt::format("torchao's float8 encoding of {} ({}, AdamWFp8): read as fp32 values",
+      encoding_notes_.push_back(fmt::format("torchao's float8 encoding of {} ({}, AdamWFp8): read as fp32 values",
                                       fmt::join(dequantized_fp8_, ", "),
                                       dequantized_fp8_.size() == 1 ? "one entry"
                                                                    : fmt::format("{} entries", dequantized_fp8_.size())));
@@ -1613,7 +1613,7 @@ class TorchSaveReader final : public CheckpointReader {
   fs::path path_;
   bool set_ = false;       // a per-rank set (a directory), not one file
   bool carries_rest_ = false;  // one file whose other entries a torch.save write from it carries
-  std::vector<std::string> read_notes_of_values_;  // read_notes(): Composer's weight decay read as AdamW's
+  std::vector<std::string> value_notes_;  // read_notes(): values read as other than they stand (Composer's decay)
   std::optional<FsdpSet> fsdp_;  // FSDP2 (or FSDP1, flat parameters) set with the model's files: what a writer of it needs
   bool libtorch_ = false;  // a LibTorch optimizer archive
   bool bnb_ = false;       // bitsandbytes' state: formats/bitsandbytes/ writes it
@@ -1627,7 +1627,7 @@ class TorchSaveReader final : public CheckpointReader {
   std::vector<Archive> files_;
   OptimizerState meta_;
   std::vector<std::string> not_read_;
-  std::vector<std::string> read_notes_;  // how entries were read (encodings read as fp32 values): not carried
+  std::vector<std::string> encoding_notes_;  // encodings read as fp32 values: in not_read(), not carried
   std::map<Key, std::vector<Piece>> stored_;
   std::map<std::string, std::string> source_names_;  // a param's fqn -> its name in the files (one_name)
   std::vector<ModelTensorInfo> model_tensors_;        // expose_model_tensors

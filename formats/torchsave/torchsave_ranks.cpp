@@ -655,8 +655,7 @@ class FsdpWriter {
         OPTSTATE_RETURN_IF_ERROR(write_fsdp_config(from));
         continue;
       }
-      fs::copy(from, staging_ / name, fs::copy_options::recursive | fs::copy_options::copy_symlinks, ec);
-      if (ec) return io_error(fmt::format("{}: cannot copy into {}: {}", from.string(), staging_.string(), ec.message()));
+      OPTSTATE_RETURN_IF_ERROR(copy_entry_as_is(from, staging_ / name));
     }
     if (ec) return io_error(fmt::format("{}: {}", set_.dir.string(), ec.message()));
     return Status::Ok();

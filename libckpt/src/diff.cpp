@@ -28,15 +28,21 @@ bool same_hyper(const Hyperparameters& a, const Hyperparameters& b, double rtol)
          near(a.weight_decay, b.weight_decay) && a.amsgrad == b.amsgrad && a.maximize == b.maximize;
 }
 
-// Each param's position: its number where every param of the state is one ("0", "1", ...), else
-// its index in group order (as torch numbers params).
-std::map<int64_t, std::string> positions(const OptimizerState& s) {
-  std::map<int64_t, std::string> out;
+// Whether every param of the state is named by a number ("0", "1", ...), as a state_dict without
+// names (a LibTorch archive) numbers them.
+bool numbered_params(const OptimizerState& s) {
   bool numbered = !s.params.empty();
   for (const auto& [fqn, ps] : s.params)
     numbered = numbered && !fqn.empty() && fqn.size() <= 15 && fqn.find_first_not_of("0123456789") == std::string::npos &&
                (fqn == "0" || fqn[0] != '0');
-  if (numbered) {
+  return numbered;
+}
+
+// Each param's position: its number where every param of the state is one (numbered_params), else
+// its index in group order (as torch numbers params).
+std::map<int64_t, std::string> positions(const OptimizerState& s) {
+  std::map<int64_t, std::string> out;
+  if (numbered_params(s)) {
     for (const auto& [fqn, ps] : s.params) out.emplace(std::stoll(fqn), fqn);
     return out;
   }
@@ -74,11 +80,7 @@ Result<DiffReport> diff_checkpoints(CheckpointReader& a, CheckpointReader& b, co
   if (!options.by_position && !ma.params.empty() && !mb.params.empty() &&
       std::none_of(pairs.begin(), pairs.end(), [](const auto& p) { return !p.first.empty() && !p.second.empty(); })) {
     const auto pa = positions(ma), pb = positions(mb);
-    auto numbered = [](const OptimizerState& s, const std::map<int64_t, std::string>& at) {
-      return !at.empty() && at.begin()->second == std::to_string(at.begin()->first) &&
-             at.rbegin()->second == std::to_string(at.rbegin()->first) && at.size() == s.params.size();
-    };
-    const bool na = numbered(ma, pa), nb = numbered(mb, pb);
+    const bool na = numbered_params(ma), nb = numbered_params(mb);
     r.hint = fmt::format("no param of A is named as one of B's{}; --by-position matches them in group order, as torch "
                          "numbers them{}",
                          na == nb ? "" : fmt::format(" ({}'s params are numbered, as a state_dict without names keeps them)",

@@ -349,6 +349,18 @@ Status copy_file_durably(const fs::path& from, const fs::path& to) {
   return out.sync_and_close();
 }
 
+Status copy_entry_as_is(const fs::path& from, const fs::path& to) {
+  std::error_code ec;
+  const fs::file_status st = fs::symlink_status(from, ec);
+  if (!ec && fs::is_regular_file(st)) return copy_file_durably(from, to);
+  if (!ec && fs::is_symlink(st))
+    fs::copy_symlink(from, to, ec);
+  else if (!ec)
+    fs::copy(from, to, fs::copy_options::recursive | fs::copy_options::copy_symlinks, ec);
+  if (ec) return io_error(fmt::format("{}: cannot copy to {}: {}", from.string(), to.string(), ec.message()));
+  return Status::Ok();
+}
+
 Status fsync_directory(const fs::path& dir) {
   int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return io_error(fmt::format("{}: cannot open directory: {}", dir.string(), errno_text()));

@@ -117,6 +117,9 @@ Status write_small_file(const fs::path& path, std::span<const std::byte> bytes);
 // Copies a file byte for byte to a new file, durably, in pieces (a file beside a checkpoint that a
 // write carries over).
 Status copy_file_durably(const fs::path& from, const fs::path& to);
+// Copies what a checkpoint's folder holds beside it, as it is: a file durably, a folder whole, a
+// link as a link (never followed: a hostile folder's link to '/' stays a link). Errors name both.
+Status copy_entry_as_is(const fs::path& from, const fs::path& to);
 Status fsync_directory(const fs::path& dir);
 
 // Joins a relative path read from a checkpoint onto its root, refusing anything that could leave the

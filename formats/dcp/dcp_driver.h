@@ -75,6 +75,8 @@ struct SourceLayout {
   // Lightning's meta.pt (its loops, callbacks and schedulers, without which Lightning does not take
   // the folder for its checkpoint), a run's config. Copied as they are by DCP -> DCP.
   std::vector<std::string> beside;
+  // Megatron-Core's torch_dist checkpoint (megatron.h): read, never written back in its layout.
+  bool megatron = false;
   // The number a bytes item or a one-element tensor item of the source holds (for float_lr).
   std::function<Result<double>(const std::string& key)> number;
 };

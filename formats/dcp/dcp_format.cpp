@@ -17,6 +17,7 @@
 #include "optstate/transform.h"
 #include "pickle.h"
 #include "torchao/torchao_layout.h"
+#include "megatron.h"
 #include "zip.h"
 
 namespace optstate::dcp {
@@ -83,6 +84,7 @@ class DcpReader final : public CheckpointReader {
   // least one was): true after a full read of a checkpoint torch saved with CRCs (its default).
   // A rank's share of a larger chunk is part of a record and cannot be checked.
   bool checksummed() const override { return verified_ > 0 && unverified_ == 0; }
+  std::vector<std::string> read_notes() const override { return value_notes_; }
   std::vector<std::string> not_read() const override {
     std::vector<std::string> out;
     for (const auto& [top, n] : not_read_) out.push_back(fmt::format("{} ({} item{})", top, n, n == 1 ? "" : "s"));
@@ -350,6 +352,11 @@ class DcpReader final : public CheckpointReader {
       } else if (!md_.storage.count({key, {}})) {
         return corrupt(fmt::format("{}: item '{}' has no storage record", where, key));
       }
+    }
+    {
+      const ParsedItem* common = nullptr;
+      OPTSTATE_ASSIGN_OR_RETURN(auto megatron_common, read_megatron_common(common));
+      if (megatron_common) return init_megatron(*megatron_common, *common);
     }
     // Sort the items by their place in the state dict. The optimizer's state sits under one key
     // path K ("optim" from get_state_dict, "optimizer" in torchtitan, "app.optimizers" in prime-rl,
@@ -750,6 +757,159 @@ class DcpReader final : public CheckpointReader {
   const SourceLayout& layout() const { return layout_; }
 
  private:
+  static constexpr const char* kMegatronCommon = "common.pt";
+
+  // Megatron's common.pt, where the folder's metadata.json names its torch_dist backend
+  // (megatron.h); nullopt for any other DCP. `common`: the parsed common.pt (its step's storage).
+  Result<std::optional<megatron::Common>> read_megatron_common(const ParsedItem*& common) {
+    const std::string where = dir_.string();
+    std::error_code ec;
+    if (!fs::is_regular_file(dir_ / "metadata.json", ec)) return std::optional<megatron::Common>{};
+    OPTSTATE_ASSIGN_OR_RETURN(const InputFile* jf, file("metadata.json", where + ": metadata.json"));
+    if (jf->size() > (uint64_t{1} << 20)) return std::optional<megatron::Common>{};  // no backend's own
+    std::string text(jf->size(), '\0');
+    OPTSTATE_RETURN_IF_ERROR(
+        jf->read_at(0, std::as_writable_bytes(std::span(text.data(), text.size()))).with_context(where + "/metadata.json"));
+    if (!megatron::is_torch_dist(text)) return std::optional<megatron::Common>{};
+    if (!fs::is_regular_file(dir_ / kMegatronCommon, ec))
+      return corrupt(where + ": a Megatron checkpoint (metadata.json: torch_dist) without its common.pt");
+    if (md_.items.count(kMegatronCommon))
+      return corrupt(fmt::format("{}: an item named '{}' beside Megatron's common.pt", where, kMegatronCommon));
+    OPTSTATE_ASSIGN_OR_RETURN(const InputFile* cf, file(kMegatronCommon, where + ": common.pt"));
+    // read as a bytes item spanning the whole file (a torch.save archive, as DCP's bytes items are)
+    md_.storage[{kMegatronCommon, {}}] = StorageLoc{kMegatronCommon, 0, cf->size(), false};
+    OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(kMegatronCommon, {}, 64));
+    if (pi->payload.kind != Payload::Kind::kValue) return corrupt(where + "/common.pt: not a dict");
+    OPTSTATE_ASSIGN_OR_RETURN(megatron::Common c, megatron::interpret_common(pi->pickle, where + "/common.pt"));
+    common = pi;
+    return std::optional<megatron::Common>(std::move(c));
+  }
+
+  // Megatron's items (megatron.h): optimizer.state.<entry>.<key> per sharded key, the model's
+  // weights under <key>; the groups and the step from common.pt. Groups keep no members: one group
+  // takes every param, Megatron-Core's two standard ones (wd_mult 1 and 0, alike otherwise) take
+  // them by its rule (megatron::standard_no_decay); other groupings are refused.
+  Status init_megatron(const megatron::Common& c, const ParsedItem& common) {
+    const std::string where = dir_.string();
+    layout_.dir = dir_;
+    layout_.megatron = true;
+    layout_.optimizer_path = {"optimizer"};
+    layout_.item_order = md_.order;
+    int64_t step = 0;
+    if (c.group_step) {
+      step = static_cast<int64_t>(*c.group_step);
+    } else if (c.step_ref != pickle::kNoRef) {
+      OPTSTATE_ASSIGN_OR_RETURN(const double s, element_of(common, c.step_ref, where + "/common.pt: common_step"));
+      if (!(s >= 0 && s < 9.2e18)) return corrupt(where + "/common.pt: common_step out of range");
+      step = static_cast<int64_t>(s);
+    }
+    const size_t ng = c.groups.size();
+    size_t decay = 0, no_decay = 0;
+    if (ng == 2) {
+      no_decay = c.groups[0].wd_mult == 0 ? 0 : 1;
+      decay = 1 - no_decay;
+      auto without_wd_mult = [](const GroupExtras& e) {
+        GroupExtras out;
+        for (const auto& kv : e)
+          if (kv.first != "wd_mult") out.push_back(kv);
+        return out;
+      };
+      Hyperparameters a = c.groups[0].hyper, b = c.groups[1].hyper;
+      a.weight_decay = b.weight_decay = 0;
+      if (!(c.groups[no_decay].wd_mult == 0 && c.groups[decay].wd_mult != 0 && a == b &&
+            c.groups[0].flags == c.groups[1].flags &&
+            same_extras(without_wd_mult(c.groups[0].extras), without_wd_mult(c.groups[1].extras))))
+        return unsupported(where + ": Megatron's two param groups are not Megatron-Core's standard ones (wd_mult 1 "
+                                   "and 0, alike otherwise), and Megatron saves no group's members");
+    } else if (ng != 1) {
+      return unsupported(fmt::format("{}: Megatron's {} param groups (decoupled lr, per-layer overrides): Megatron "
+                                     "saves no group's members, which optstate tells only for one group or "
+                                     "Megatron-Core's two standard ones",
+                                     where, ng));
+    }
+    for (const megatron::Group& g : c.groups) {
+      ParamGroup pg;
+      pg.hyper = g.hyper;
+      meta_.groups.push_back(std::move(pg));
+      plain8_.push_back(Plain8{});
+      layout_.adamw_flags.push_back(g.flags);
+      layout_.group_extras.push_back(g.extras);
+    }
+    std::map<std::string, std::map<std::string, std::string>> states;  // sharded key -> entry -> item
+    std::map<std::string, int> weights_not_read;                         // "the model's <dtype> weights" -> count
+    for (const auto& [key, im] : md_.items) {
+      if (auto si = megatron::state_item(key)) {
+        states[si->second][si->first] = key;
+      } else if (!(im.is_tensor && md_.items.count("optimizer.state.exp_avg." + key))) {  // weights: below
+        const auto shard = key.find("/shard_");  // a ShardedObject's parts: one name
+        ++not_read_[shard == std::string::npos ? key : key.substr(0, shard)];
+      }
+    }
+    for (const auto& [key, entries] : states) {
+      const std::string pw = fmt::format("{}: param '{}'", where, key);
+      const auto first = entries.find(kExpAvg);
+      if (first == entries.end()) {
+        std::vector<std::string> names;
+        for (const auto& kv : entries) names.push_back(kv.first);
+        return corrupt(fmt::format("{}: state ({}) without 'exp_avg' (AdamW keeps exp_avg and exp_avg_sq)", pw,
+                                   fmt::join(names, ", ")));
+      }
+      const ItemMeta& shape_src = md_.items.at(first->second);
+      ParamState ps;
+      ps.shape = shape_src.size;
+      ps.step = step;
+      ps.group = static_cast<int>(ng == 1 ? 0 : megatron::standard_no_decay(key, shape_src) ? no_decay : decay);
+      bool any8 = false;
+      // The optimizer's fp32 main params where it keeps them (the distributed optimizer's 'param',
+      // the mixed-precision one's 'fp32_param'), else the model's weights.
+      std::string weight_key;
+      for (const char* main : {"param", "fp32_param"})
+        if (const auto m = entries.find(main); m != entries.end()) {
+          if (!weight_key.empty()) return corrupt(pw + ": both 'param' and 'fp32_param'");
+          weight_key = m->second;
+        }
+      if (const auto w = md_.items.find(key); w != md_.items.end() && w->second.is_tensor) {
+        if (w->second.size != ps.shape) return corrupt(pw + ": model weight's shape differs from its state's");
+        if (weight_key.empty())
+          weight_key = key;
+        else
+          ++not_read_[fmt::format("the model's {} weights (the optimizer's fp32 main params read)",
+                                  dtype_name(w->second.dtype))];
+      }
+      if (!weight_key.empty()) {
+        const ItemMeta& w = md_.items.at(weight_key);
+        if (!w.is_tensor || w.size != ps.shape) return corrupt(pw + ": its weights' shape differs from its state's");
+        ps.param_dtype = w.dtype;
+        OPTSTATE_RETURN_IF_ERROR(add_entry(key, kParam, weight_key, ps, any8));
+      }
+      for (const auto& [ename, item_key] : entries) {
+        if (ename == "param" || ename == "fp32_param") continue;
+        if (ename != kExpAvg && ename != kExpAvgSq && ename != kMaxExpAvgSq) {
+          ++not_read_[fmt::format("optimizer.state.{}.*", ename)];
+          continue;
+        }
+        if (md_.items.at(item_key).size != ps.shape)
+          return corrupt(fmt::format("{}: '{}' has another shape", pw, ename));
+        OPTSTATE_RETURN_IF_ERROR(add_entry(key, ename, item_key, ps, any8));
+      }
+      if (!ps.entries.count(kExpAvgSq)) return corrupt(fmt::format("{}: no '{}' (AdamW keeps exp_avg and exp_avg_sq)", pw, kExpAvgSq));
+      if (any8) return corrupt(pw + ": 8-bit state in a Megatron checkpoint");
+      meta_.groups[static_cast<size_t>(ps.group)].params.push_back(key);
+      meta_.params.emplace(key, std::move(ps));
+    }
+    if (meta_.params.empty()) return corrupt(where + ": a Megatron checkpoint without optimizer.state items");
+    meta_.kind = "adamw";
+    if (!c.other_keys.empty())
+      notes_.push_back(fmt::format("common.pt: {} (Megatron's trainer state)", fmt::join(c.other_keys, ", ")));
+    if (ng == 2)
+      value_notes_.push_back(fmt::format(
+          "Megatron saves no param group's members: assigned by Megatron-Core's standard groups, biases and "
+          "1-D params (their stacked layer axes left out) in group {} (wd_mult 0), the rest in group {}",
+          no_decay, decay));
+    OPTSTATE_RETURN_IF_ERROR(find_beside());
+    return check_structure(meta_, false).with_context(where);
+  }
+
   // What the folder holds beside the DCP (layout_.beside), named among what is not read. Not for
   // Accelerate's folder, whose run state a DCP written from it is not.
   Status find_beside() {
@@ -761,6 +921,7 @@ class DcpReader final : public CheckpointReader {
     for (fs::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
       const std::string name = it->path().filename().string();
       if (name.empty() || name[0] == '.' || own.count(name) || it->path().extension() == ".distcp") continue;
+      if (layout_.megatron && (name == kMegatronCommon || name == "metadata.json")) continue;  // its own
       layout_.beside.push_back(name);
     }
     if (ec) return io_error(fmt::format("{}: {}", dir_.string(), ec.message()));
@@ -964,7 +1125,9 @@ class DcpReader final : public CheckpointReader {
   }
 
   // Parses (once) the torch.save zip of one item: its data.pkl and where each storage's bytes lie.
-  Result<ParsedItem*> item(const std::string& key, const std::vector<int64_t>& offsets) {
+  // `max_value_storages`: how many storages of a bytes item's value are located (for element_of).
+  Result<ParsedItem*> item(const std::string& key, const std::vector<int64_t>& offsets,
+                           size_t max_value_storages = 8) {
     auto cached = items_.find({key, offsets});
     if (cached != items_.end()) return &cached->second;
     const StorageLoc& loc = md_.storage.at({key, offsets});
@@ -1031,7 +1194,7 @@ class DcpReader final : public CheckpointReader {
       std::vector<const zip::Entry*> data;
       for (const auto& e : entries)
         if (e.name.rfind(prefix + "/data/", 0) == 0) data.push_back(&e);
-      if (data.size() <= 8)
+      if (data.size() <= max_value_storages)
         for (const zip::Entry* e : data) {
           OPTSTATE_ASSIGN_OR_RETURN(uint64_t at, locate(*e));
           pi.storages[e->name.substr(prefix.size() + 6)] = {at, e->size, e->crc32, false};
@@ -1382,6 +1545,7 @@ class DcpReader final : public CheckpointReader {
   std::vector<Source> model_sources_;
   std::vector<Plain8> plain8_;  // per param group
   std::map<std::string, int64_t> not_read_;     // top-level key -> items not read
+  std::vector<std::string> value_notes_;  // read_notes(): values read as the file does not say (Megatron's groups)
   std::vector<std::string> notes_;  // more of what is not read: why numbered params keep their numbers, ...
   bool model_ddp_prefix_ = false;   // numbered: the model's state_dict is a DDP model's (is_ddp_state_dict)
   SourceLayout layout_;
@@ -1533,7 +1697,9 @@ std::vector<std::string> torchao_package_notes(const OptimizerState& kept, const
 
 const SourceLayout* source_layout(const CheckpointReader& reader) {
   const auto* dcp = dynamic_cast<const DcpReader*>(&reader);
-  return dcp ? &dcp->layout() : nullptr;
+  // Megatron's layout is not written back (its items are keyed by its own model's sharded keys):
+  // a DCP written from one is a plain one.
+  return dcp && !dcp->layout().megatron ? &dcp->layout() : nullptr;
 }
 
 const FormatDriver& driver() {

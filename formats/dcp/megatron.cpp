@@ -1,0 +1,160 @@
+#include "megatron.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <nlohmann/json.hpp>
+
+namespace optstate::dcp::megatron {
+
+using pickle::Kind;
+using pickle::kNoRef;
+using pickle::Pickle;
+using pickle::Ref;
+
+bool is_torch_dist(std::string_view metadata_json) {
+  const auto j = nlohmann::json::parse(metadata_json, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return false;
+  const auto backend = j.find("sharded_backend");
+  return backend != j.end() && backend->is_string() && backend->get<std::string>() == "torch_dist";
+}
+
+namespace {
+
+const std::vector<Ref>* list_of(const Pickle& p, Ref r) {
+  if (r == kNoRef) return nullptr;
+  const auto& v = p.at(r);
+  return v.kind == Kind::kList || v.kind == Kind::kTuple ? &v.items : nullptr;
+}
+
+Result<double> number_field(const Pickle& p, Ref group, const char* key, const std::string& gw,
+                            std::optional<double> fallback) {
+  const Ref r = p.dict_get(group, key);
+  if (r == kNoRef) {
+    if (fallback) return *fallback;
+    return corrupt(fmt::format("{}: no '{}'", gw, key));
+  }
+  if (const auto b = as_bool(p, r)) return *b ? 1.0 : 0.0;
+  const auto v = as_number(p, r);
+  if (!v) return corrupt(fmt::format("{}: '{}' is not a number", gw, key));
+  return *v;
+}
+
+// Keys a group's extras leave out: what is read into the state, and Megatron's step.
+bool read_key(std::string_view key) { return known_group_key(key) || key == "step"; }
+
+Result<Group> interpret_group(const Pickle& p, Ref g, const std::string& gw) {
+  if (g == kNoRef || p.at(g).kind != Kind::kDict) return corrupt(gw + ": not a dict");
+  auto has = [&](const char* key) { return p.dict_get(g, key) != kNoRef; };
+  OPTSTATE_RETURN_IF_ERROR(check_torch_adam_group(has, gw));
+  Group out;
+  Hyperparameters& h = out.hyper;
+  OPTSTATE_ASSIGN_OR_RETURN(h.lr, number_field(p, g, "lr", gw, std::nullopt));
+  OPTSTATE_ASSIGN_OR_RETURN(h.eps, number_field(p, g, "eps", gw, std::nullopt));
+  OPTSTATE_ASSIGN_OR_RETURN(h.weight_decay, number_field(p, g, "weight_decay", gw, std::nullopt));
+  OPTSTATE_ASSIGN_OR_RETURN(const double ams, number_field(p, g, "amsgrad", gw, 0.0));
+  OPTSTATE_ASSIGN_OR_RETURN(const double maxi, number_field(p, g, "maximize", gw, 0.0));
+  h.amsgrad = ams != 0;
+  h.maximize = maxi != 0;
+  const auto* betas = list_of(p, p.dict_get(g, "betas"));
+  if (!betas || betas->size() != 2) return corrupt(gw + ": 'betas' is not a pair of numbers (not an AdamW param group)");
+  const auto b1 = as_number(p, (*betas)[0]), b2 = as_number(p, (*betas)[1]);
+  if (!b1 || !b2) return corrupt(gw + ": 'betas' is not a pair of numbers (not an AdamW param group)");
+  h.beta1 = *b1;
+  h.beta2 = *b2;
+  // Megatron's Adam with --no-decoupled-weight-decay (torch.optim.Adam, or TE's/apex's FusedAdam
+  // out of AdamW mode): L2 decay in the gradient, another update than AdamW's where it decays.
+  for (const char* key : {"decoupled_weight_decay", "adam_w_mode"})
+    if (const auto d = as_bool(p, p.dict_get(g, key)); d && !*d && h.weight_decay != 0)
+      return corrupt(fmt::format("{}: {}=False with weight_decay {}: Adam's L2 decay, not AdamW's decoupled decay",
+                                 gw, key, h.weight_decay));
+  if (const auto bc = as_bool(p, p.dict_get(g, "bias_correction")); bc && !*bc)
+    return corrupt(gw + ": bias_correction=False: not AdamW's update");
+  for (const auto& [name, fallback] : kAdamWFlagDefaults)
+    if (const auto v = as_flag(p, p.dict_get(g, name))) out.flags.emplace(name, *v);
+  OPTSTATE_ASSIGN_OR_RETURN(out.wd_mult, number_field(p, g, "wd_mult", gw, 1.0));
+  const auto& items = p.at(g).items;
+  for (size_t i = 0; i + 1 < items.size(); i += 2) {
+    const auto key = as_string(p, items[i]);
+    if (!key || read_key(*key)) continue;
+    if (auto v = as_group_value(p, items[i + 1])) out.extras.emplace_back(*key, std::move(*v));
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<Common> interpret_common(const Pickle& p, const std::string& where) {
+  const Ref root = p.root();
+  if (root == kNoRef || p.at(root).kind != Kind::kDict) return corrupt(where + ": common.pt does not hold a dict");
+  Common out;
+  const auto& items = p.at(root).items;
+  for (size_t i = 0; i + 1 < items.size(); i += 2)
+    if (const auto key = as_string(p, items[i]); key && *key != "optimizer") out.other_keys.push_back(*key);
+  Ref opt = p.dict_get(root, "optimizer");
+  if (opt == kNoRef)
+    return corrupt(where + ": a Megatron checkpoint without optimizer state (common.pt has no 'optimizer': saved with "
+                           "--no-save-optim)");
+  if (p.at(opt).kind == Kind::kList || p.at(opt).kind == Kind::kTuple)
+    return unsupported(fmt::format("{}: Megatron's chain of {} optimizers (expert-parallel params' own, or "
+                                   "several model chunks'); optstate reads Megatron's single optimizer",
+                                   where, p.at(opt).items.size()));
+  if (p.at(opt).kind != Kind::kDict) return corrupt(where + ": common.pt's 'optimizer' is not a dict");
+  if (const Ref st = p.dict_get(opt, "param_state_sharding_type"); st != kNoRef) {
+    const auto sharding = as_string(p, st);
+    if (!sharding) return corrupt(where + ": param_state_sharding_type is not a string");
+    out.sharding = *sharding;
+    if (*sharding != "fully_reshardable")
+      return unsupported(fmt::format(
+          "{}: Megatron's distributed optimizer saved '{}' (its flat per-bucket buffers, whose param layout the "
+          "checkpoint does not hold); optstate reads it saved 'fully_reshardable' (Megatron-LM's "
+          "--dist-ckpt-optim-fully-reshardable): per-param items",
+          where, *sharding));
+    opt = p.dict_get(opt, "optimizer");
+    if (opt == kNoRef || p.at(opt).kind != Kind::kDict)
+      return corrupt(where + ": the distributed optimizer's common.pt has no 'optimizer' dict");
+  }
+  const auto* groups = list_of(p, p.dict_get(opt, "param_groups"));
+  if (!groups) return corrupt(where + ": common.pt has no optimizer param_groups list");
+  if (groups->empty()) return corrupt(where + ": common.pt's optimizer has no param groups");
+  for (size_t g = 0; g < groups->size(); ++g) {
+    const std::string gw = fmt::format("{}: common.pt param group {}", where, g);
+    OPTSTATE_ASSIGN_OR_RETURN(Group group, interpret_group(p, (*groups)[g], gw));
+    if (const Ref s = p.dict_get((*groups)[g], "step"); s != kNoRef) {
+      const auto step = as_number(p, s);
+      if (!step || !(*step >= 0 && *step < 9.2e18)) return corrupt(gw + ": 'step' is not a count");
+      if (out.group_step && *out.group_step != *step)
+        return corrupt(fmt::format("{}: step {} where group 0 has {}", gw, *step, *out.group_step));
+      out.group_step = *step;
+    }
+    out.groups.push_back(std::move(group));
+  }
+  if (const Ref state = p.dict_get(opt, "state"); state != kNoRef && p.at(state).kind == Kind::kDict)
+    out.step_ref = p.dict_get(state, "common_step");
+  return out;
+}
+
+std::optional<std::pair<std::string, std::string>> state_item(std::string_view item_key) {
+  constexpr std::string_view kPrefix = "optimizer.state.";
+  if (!item_key.starts_with(kPrefix)) return std::nullopt;
+  const std::string_view rest = item_key.substr(kPrefix.size());
+  const auto dot = rest.find('.');
+  if (dot == std::string_view::npos || dot == 0 || dot + 1 == rest.size()) return std::nullopt;
+  return std::pair{std::string(rest.substr(0, dot)), std::string(rest.substr(dot + 1))};
+}
+
+size_t stacked_axes(const ItemMeta& im) {
+  size_t n = 0;
+  while (n + 1 < im.size.size() && !im.chunks.empty() &&
+         std::all_of(im.chunks.begin(), im.chunks.end(),
+                     [&](const ChunkMeta& c) { return c.sizes.size() == im.size.size() && c.sizes[n] == 1; }))
+    ++n;
+  return n;
+}
+
+bool standard_no_decay(std::string_view key, const ItemMeta& im) {
+  return key.ends_with(".bias") || im.size.size() - stacked_axes(im) == 1;
+}
+
+}  // namespace optstate::dcp::megatron

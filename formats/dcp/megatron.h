@@ -1,0 +1,68 @@
+// Megatron-Core's distributed checkpoints (megatron.core.dist_checkpointing, Megatron-LM's default
+// `--ckpt-format torch_dist`): a DCP whose optimizer items are `optimizer.state.<entry>.<key>`
+// (key: the model's sharded key, transformer layers stacked along leading axes), beside
+// `common.pt` (torch.save: the param groups without their members, the step) and `metadata.json`.
+// Pure interpretation of those two files; the DCP reader reads the items (FORMAT.md, "Megatron").
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "dcp_layout.h"
+#include "optstate/checkpoint.h"
+#include "optstate/state.h"
+#include "optstate/status.h"
+#include "pickle.h"
+
+namespace optstate::dcp::megatron {
+
+// Whether `metadata_json` (a folder's metadata.json) names Megatron's torch_dist sharded backend.
+// A document that does not parse, or names another backend, is not (the folder is then read as a
+// plain DCP, or refused as one).
+bool is_torch_dist(std::string_view metadata_json);
+
+// A param group of Megatron's optimizer: AdamW's settings, torch.optim.AdamW's switches, the other
+// plain keys (Megatron's wd_mult, lr_mult, max_lr, ...), and its wd_mult (1 where absent).
+struct Group {
+  Hyperparameters hyper;
+  AdamWFlags flags;
+  GroupExtras extras;
+  double wd_mult = 1;
+};
+
+// What common.pt holds of the optimizer.
+struct Common {
+  // "" (Megatron's plain optimizer, or its mixed-precision one), or the distributed optimizer's
+  // param_state_sharding_type ("fully_reshardable": per-param items; others refused).
+  std::string sharding;
+  std::vector<Group> groups;
+  // The step: the plain optimizer's state.common_step (a number or a one-element tensor, read by
+  // the caller, which has its storages), or the distributed optimizer's groups' `step`.
+  pickle::Ref step_ref = pickle::kNoRef;
+  std::optional<double> group_step;
+  std::vector<std::string> other_keys;  // common.pt's top-level keys but 'optimizer' (the trainer's)
+};
+
+// common.pt's pickle (its root dict). Refuses, naming why: no optimizer (saved without one), the
+// distributed optimizer's dp_reshardable and other per-bucket forms (flat buffers whose param layout
+// the checkpoint does not hold), a chain of several optimizers (MoE's expert-parallel one), param
+// groups that are not AdamW's (another optimizer, Adam's L2 decay), groups that differ in their steps.
+Result<Common> interpret_common(const pickle::Pickle& p, const std::string& where);
+
+// "optimizer.state.<entry>.<key>" -> {entry, key}: entry one of the names Megatron gives a param's
+// state (no dots), key non-empty. nullopt for any other item key.
+std::optional<std::pair<std::string, std::string>> state_item(std::string_view item_key);
+
+// How many leading axes of item `im` stack a key's params (Megatron's prepended axes: a layer's, an
+// expert's): those where every chunk is one wide, the item wider than one there, or exactly one wide.
+size_t stacked_axes(const ItemMeta& im);
+
+// Megatron-Core's standard param groups (get_standard_config_overrides, no overrides given): no
+// weight decay (wd_mult 0) for a param whose name ends in ".bias" or that is one-dimensional (its
+// stacked axes left out); decay for the rest.
+bool standard_no_decay(std::string_view key, const ItemMeta& im);
+
+}  // namespace optstate::dcp::megatron

@@ -1,0 +1,236 @@
+"""Writes the checkpoints Megatron-LM's trainer saves (`--ckpt-format torch_dist`, its default),
+for the writers corpus: run it where `megatron.core` imports (megatron-core; no GPU needed: the
+CUDA calls Megatron-Core makes are pointed at the CPU by the shim below), e.g.
+
+    pip install --target /tmp/megatron --no-deps megatron-core==0.16.1
+    PYTHONPATH=/tmp/megatron python tests/data/writers/make_megatron.py \
+        tests/data/writers/megatron-core-0.16.1_torch-2.13.0
+
+Megatron-Core saves `iter_0000003/` through `megatron.core.dist_checkpointing.save`: a DCP whose
+items are keyed by the model's sharded keys (the transformer layers stacked along a leading axis,
+`decoder.layers.mlp.linear_fc1.weight` of shape [layers, ...], one chunk per layer and
+tensor-parallel rank), the optimizer's moments as `optimizer.state.<exp_avg|exp_avg_sq>.<key>`,
+beside `common.pt` (torch.save: the param groups, without their members, and the step) and
+`metadata.json` (`"sharded_backend": "torch_dist"`). Each run trains Megatron-Core's GPTModel
+(the local layer spec: 2 layers, hidden 8) for 3 steps over 2 CPU ranks (gloo) with Megatron's
+optimizer (torch's AdamW under it, as without TransformerEngine or apex), weight decay 0.1 on
+matrices and none on biases and 1-D params (Megatron's standard groups, `wd_mult` set by its
+OptimizerParamScheduler, as the trainer steps it). Written into OUT:
+
+- `tp2/`: tensor parallel 2, Megatron's plain optimizer (fp32);
+- `dp2_distopt/`: data parallel 2, the distributed optimizer (`--use-distributed-optimizer`) with
+  bf16 params and fp32 main params, saved `fully_reshardable`
+  (`--dist-ckpt-optim-fully-reshardable`): `optimizer.state.param.<key>` the fp32 main params;
+- `dp2_distopt_dp_reshardable/`: the same saved `dp_reshardable` (the trainer's default for the
+  distributed optimizer): flat per-bucket buffers whose param layout the checkpoint does not hold;
+- `<run>.ref.safetensors`: what the optimizer held, per sharded key (`<key>.param`: the fp32 main
+  param, or the fp32 weight; `<key>.exp_avg`, `<key>.exp_avg_sq`), gathered from every rank's
+  shards before the save, with each key's step and group settings as
+  `tests/data/torch_versions/make.py` records them.
+"""
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "torch_versions"))
+from make import save_ref, spawn_ranks  # noqa: E402
+
+RUNS = {
+    "tp2": dict(tp=2, dist_opt=False, bf16=False, sharding=None),
+    "dp2_distopt": dict(tp=1, dist_opt=True, bf16=True, sharding="fully_reshardable"),
+    "dp2_distopt_dp_reshardable": dict(tp=1, dist_opt=True, bf16=True, sharding="dp_reshardable"),
+}
+
+
+def cpu_shim():
+    """Megatron-Core places its buffers on torch.cuda.current_device() and some tensors on
+    device='cuda', and checks params' type() for torch.cuda.*Tensor: all of it on the CPU here."""
+    from torch.overrides import TorchFunctionMode
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.is_available = lambda: False
+    torch.cuda.synchronize = lambda *a, **k: None
+
+    def cpu(d):
+        if isinstance(d, torch.device) and d.type == "cuda":
+            return torch.device("cpu")
+        if isinstance(d, str) and d.startswith("cuda"):
+            return "cpu"
+        return d
+
+    class CpuMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if "device" in kwargs:
+                kwargs["device"] = cpu(kwargs["device"])
+            name = getattr(func, "__name__", "")
+            if name == "cuda":
+                return args[0]
+            if name == "type" and len(args) == 1 and not kwargs:
+                r = func(*args)
+                return r.replace("torch.", "torch.cuda.", 1) if r.startswith("torch.") and ".cuda." not in r else r
+            if name == "to" and len(args) > 1 and isinstance(args[1], (str, torch.device)):
+                args = (args[0], cpu(args[1])) + tuple(args[2:])
+            return func(*args, **kwargs)
+
+    CpuMode().__enter__()
+    from megatron.core.tensor_parallel import random as mrandom
+    mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+
+
+def gathered(sharded, rank):
+    """Each sharded key's whole tensor (fp32, on rank 0), from every rank's ShardedTensors (the
+    first replica of each shard)."""
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    mine = []
+    for st in sharded:
+        if not isinstance(st, ShardedTensor) or st.flattened_range is not None:
+            continue
+        replica = st.replica_id if isinstance(st.replica_id, tuple) else (st.replica_id,)
+        if any(replica):
+            continue
+        # a stacked layer's shard: its layer's axis (prepended) of length 1
+        local = st.data.detach().float().reshape((1,) * st.prepend_axis_num + tuple(st.local_shape))
+        mine.append((st.key, tuple(st.global_shape), tuple(st.global_offset), local))
+    pieces = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, mine)
+    whole = {}
+    for part in pieces:
+        for key, shape, offset, local in part:
+            t = whole.setdefault(key, torch.full(shape, float("nan")))
+            t[tuple(slice(o, o + n) for o, n in zip(offset, local.shape))] = local
+    for key, t in whole.items():
+        assert not t.isnan().any(), key
+    return whole
+
+
+def rank_main(rank, world, port, out):
+    cpu_shim()
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    for name, run in RUNS.items():
+        parallel_state.initialize_model_parallel(run["tp"], 1)
+        torch.manual_seed(0)
+        dtype = torch.bfloat16 if run["bf16"] else torch.float32
+        cfg = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True,
+                                hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=run["tp"],
+                                bf16=run["bf16"], params_dtype=dtype, pipeline_dtype=dtype)
+        model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=16,
+                         max_sequence_length=4)
+        if run["bf16"]:  # as Megatron-LM's get_model wraps it
+            from megatron.core.transformer.module import Float16Module
+            model = Float16Module(cfg, model)
+        ddp = DistributedDataParallel(config=cfg, module=model, ddp_config=DistributedDataParallelConfig(
+            use_distributed_optimizer=run["dist_opt"], grad_reduce_in_fp32=True))
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.1,
+                                                     adam_beta2=0.95, bf16=run["bf16"],
+                                                     use_distributed_optimizer=run["dist_opt"]), [ddp])
+        sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=1,
+                                        lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
+                                        wd_incr_steps=10, wd_incr_style="constant")
+        gen = torch.Generator().manual_seed(1 + parallel_state.get_data_parallel_rank())
+        for _ in range(3):
+            ids = torch.randint(0, 16, (2, 4), generator=gen)
+            pos = torch.arange(4).unsqueeze(0).expand(2, 4)
+            mask = torch.tril(torch.ones(4, 4, dtype=torch.bool)).logical_not().view(1, 1, 4, 4)
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            ddp(ids, pos, mask, labels=ids).float().mean().backward()
+            ddp.finish_grad_sync()
+            ok, _, _ = opt.step()
+            assert ok
+            sched.step(1)
+        metadata = {"distrib_optim_sharding_type": run["sharding"]} if run["dist_opt"] else None
+        state = {"model": ddp.module.sharded_state_dict()}
+        state["optimizer"] = opt.sharded_state_dict(state, metadata=metadata)
+        apply_factories(state)
+        whole = gathered(list(nested_values(state)), rank)
+        settings = {}
+        for part in all_ranks(key_settings(ddp.module, opt)):
+            for key, v in part.items():
+                assert settings.setdefault(key, v) == v, key
+        path = os.path.join(out, name)
+        if rank == 0 and os.path.isdir(path):
+            import shutil
+            shutil.rmtree(path)
+        if rank == 0:
+            os.makedirs(path)  # Megatron-LM's trainer makes iter_N/ before the save
+        dist.barrier()
+        dist_checkpointing.save(state, path, content_metadata=metadata)
+        if rank == 0 and run["sharding"] != "dp_reshardable":  # no per-key state in that one
+            write_ref(path, whole, settings)
+        dist.barrier()
+        parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def all_ranks(value):
+    import torch.distributed as dist
+    pieces = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, value)
+    return pieces
+
+
+def key_settings(module, opt):
+    """The step and group settings of each sharded key whose params this rank steps (a key's
+    params, one per layer, share a group): from torch's AdamW under Megatron's optimizer, through
+    Megatron's fp32 main params where it steps those."""
+    inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+    of_param = {}
+    for group in inner.optimizer.param_groups:
+        for p in group["params"]:
+            st = inner.optimizer.state.get(p, {})
+            if "step" in st:
+                of_param[id(p)] = {"step": int(float(st["step"])), "lr": float(group["lr"]),
+                                   "betas": list(group["betas"]), "eps": group["eps"],
+                                   "weight_decay": group["weight_decay"]}
+    for model_attr, main_attr in (("float16_groups", "fp32_from_float16_groups"),
+                                  ("model_float16_groups", "shard_fp32_from_float16_groups"),
+                                  ("model_fp32_groups", "shard_fp32_groups")):
+        for mg, fg in zip(getattr(inner, model_attr, None) or [], getattr(inner, main_attr, None) or []):
+            for model_param, main_param in zip(mg, fg):
+                if id(main_param) in of_param:
+                    of_param[id(model_param)] = of_param[id(main_param)]
+    out = {}
+    for st in module.sharded_state_dict().values():
+        if hasattr(st, "key") and getattr(st, "data", None) is not None and id(st.data) in of_param:
+            assert out.setdefault(st.key, of_param[id(st.data)]) == of_param[id(st.data)], st.key
+    return out
+
+
+def write_ref(path, whole, settings):
+    tensors, meta = {}, {}
+    for key in sorted(settings):
+        main = whole.get(f"optimizer.state.param.{key}", whole.get(f"optimizer.state.fp32_param.{key}"))
+        tensors[f"{key}.param"] = main if main is not None else whole[key]
+        for e in ("exp_avg", "exp_avg_sq"):
+            tensors[f"{key}.{e}"] = whole[f"optimizer.state.{e}.{key}"]
+        meta[key] = settings[key]
+    save_ref(path, tensors, meta)
+
+
+def main():
+    out = os.path.abspath(sys.argv[1])
+    os.makedirs(out, exist_ok=True)
+    spawn_ranks(rank_main, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -43,6 +43,12 @@ struct ParsedItem {
     uint64_t at = 0, size = 0;  // absolute file offset, bytes
     uint32_t crc = 0;           // 0: none stored (torch.serialization.config.save.compute_crc32 off)
     bool verified = false;
+    // Read so far in order from the record's start, and its CRC-32 (a chunk whose rows lie apart in
+    // the tensor, such as a tensor-parallel column shard, is read in pieces); kUnchecked once a read
+    // left that order.
+    uint64_t fed = 0;
+    uint32_t running = 0;
+    static constexpr uint64_t kUnchecked = ~uint64_t{0};
   };
   std::map<std::string, Record> storages;  // by storage key
   const InputFile* file = nullptr;
@@ -83,7 +89,7 @@ class DcpReader final : public CheckpointReader {
   // Whether every chunk read so far was checked against the CRC-32 torch.save stored for it (and at
   // least one was): true after a full read of a checkpoint torch saved with CRCs (its default).
   // A rank's share of a larger chunk is part of a record and cannot be checked.
-  bool checksummed() const override { return verified_ > 0 && unverified_ == 0; }
+  bool checksummed() const override { return verified_ > 0 && unverified_ == 0 && pending_ == 0; }
   std::vector<std::string> read_notes() const override { return value_notes_; }
   std::vector<std::string> not_read() const override {
     std::vector<std::string> out;
@@ -121,7 +127,8 @@ class DcpReader final : public CheckpointReader {
       const uint64_t from = at + static_cast<uint64_t>((a - s.begin) * elem);
       const auto dst = out.subspan(static_cast<size_t>((a - begin) * elem), static_cast<size_t>((b - a) * elem));
       OPTSTATE_RETURN_IF_ERROR(file->read_at(from, dst).with_context(fmt::format("item '{}'", src.key)));
-      if (crc_due(*record, from, dst.size())) OPTSTATE_RETURN_IF_ERROR(crc_result(src, s, c, *record, zip::crc32(dst)));
+      if (crc_due(*record, from, dst.size()))
+        OPTSTATE_RETURN_IF_ERROR(crc_result(src, s, c, *record, zip::crc32(dst, record->running), dst.size()));
     }
     return Status::Ok();
   }
@@ -155,8 +162,9 @@ class DcpReader final : public CheckpointReader {
       auto [file, at, elem, record] = loc;
       const std::string iw = fmt::format("{}: item '{}'", dir_.string(), item_key(src, c));
       uint64_t left = static_cast<uint64_t>(s.count * elem);
+      const uint64_t total = left;
       const bool check = crc_due(*record, at, left);
-      uint32_t crc = 0;
+      uint32_t crc = record->running;
       while (left > 0) {
         const uint64_t n = std::min<uint64_t>(left, kStreamPieceBytes);
         const std::span<std::byte> piece = piece_.for_read(at, n);
@@ -166,22 +174,46 @@ class DcpReader final : public CheckpointReader {
         at += n;
         left -= n;
       }
-      if (check) OPTSTATE_RETURN_IF_ERROR(crc_result(src, s, c, *record, crc));
+      if (check) OPTSTATE_RETURN_IF_ERROR(crc_result(src, s, c, *record, crc, total));
     }
     return Status::Ok();
   }
 
-  // Whether the bytes [at, at + bytes) just read are their storage's whole record (as DCP saves
-  // chunks) with a CRC-32 still to check; a part of a record (a rank's share of a larger chunk, a
-  // view) cannot be checked. Counts the reads checked and not, for checksummed().
+  // Whether the bytes [at, at + bytes) about to be read continue their storage's record in order
+  // from its start (the whole record, as DCP saves chunks, or the next piece of one read in pieces)
+  // with a CRC-32 still to check: the caller then folds their CRC-32 into rec.running and calls
+  // crc_result. A read out of that order (a rank's share of a larger chunk, a view) leaves the
+  // record unchecked. Counts records checked and reads not, for checksummed().
   bool crc_due(ParsedItem::Record& rec, uint64_t at, uint64_t bytes) {
-    const bool whole = at == rec.at && bytes == rec.size;
-    unverified_ += !whole || rec.crc == 0;
-    verified_ += whole && rec.crc != 0;
-    return whole && rec.crc != 0 && !rec.verified;
+    if (rec.verified) {
+      ++verified_;
+      return false;
+    }
+    if (at == rec.at && rec.crc != 0 && rec.fed != 0) {  // read again from its start: checked anew
+      if (rec.fed != ParsedItem::Record::kUnchecked) --pending_;
+      rec.fed = 0;
+      rec.running = 0;
+    }
+    if (rec.crc == 0 || rec.fed == ParsedItem::Record::kUnchecked || at != rec.at + rec.fed ||
+        bytes > rec.size - rec.fed) {
+      if (rec.fed > 0 && rec.fed != ParsedItem::Record::kUnchecked) --pending_;
+      rec.fed = ParsedItem::Record::kUnchecked;
+      ++unverified_;
+      return false;
+    }
+    return true;
   }
 
-  Status crc_result(const Source& src, const Segment& s, Component c, ParsedItem::Record& rec, uint32_t crc) {
+  // `crc`: the CRC-32 of the record's bytes read so far, the `bytes` just read included; checked
+  // once the record is read to its end.
+  Status crc_result(const Source& src, const Segment& s, Component c, ParsedItem::Record& rec, uint32_t crc,
+                    uint64_t bytes) {
+    if (rec.fed == 0 && bytes < rec.size) ++pending_;
+    rec.fed += bytes;
+    rec.running = crc;
+    if (rec.fed < rec.size) return Status::Ok();
+    if (bytes < rec.size) --pending_;
+    ++verified_;
     if (crc != rec.crc) {
       return corrupt(fmt::format("{}: item '{}' chunk at {}: its data fails the CRC-32 torch.save stored (stored "
                                  "{:08x}, read {:08x}): changed or damaged after it was written",
@@ -241,9 +273,9 @@ class DcpReader final : public CheckpointReader {
       return corrupt(fmt::format("{}: its scales lie past their storage", iw));
     OPTSTATE_RETURN_IF_ERROR(pi->file->read_at(scales_at, std::as_writable_bytes(std::span(scales))).with_context(iw));
     const auto scale_bytes = std::as_bytes(std::span(scales));
-    if (crc_due(sr, scales_at, scale_bytes.size()) && zip::crc32(scale_bytes) != sr.crc)
-      return corrupt(fmt::format("{} scales: their data fails the CRC-32 torch.save stored", iw));
-    sr.verified = sr.verified || (scales_at == sr.at && scale_bytes.size() == sr.size);
+    if (crc_due(sr, scales_at, scale_bytes.size()))
+      OPTSTATE_RETURN_IF_ERROR(
+          crc_result(src, s, Component::kAbsmax, sr, zip::crc32(scale_bytes, sr.running), scale_bytes.size()));
     ParsedItem::Record& cr = pi->storages.at(p.codes.storage_key);
     if (static_cast<uint64_t>(p.codes.offset + p.codes_numel()) > cr.size)
       return corrupt(fmt::format("{}: its codes lie past their storage", iw));
@@ -254,10 +286,10 @@ class DcpReader final : public CheckpointReader {
     const uint64_t byte_at = static_cast<uint64_t>(p.bits == 4 ? first / 2 : first);
     const uint64_t byte_count = static_cast<uint64_t>(p.bits == 4 ? (last - first) / 2 : last - first);
     const bool check = bytes_whole && crc_due(cr, codes_at + byte_at, byte_count);
-    uint32_t crc = 0;
+    uint32_t crc = cr.running;
     OPTSTATE_RETURN_IF_ERROR(stream_dequantized(*pi->file, codes_at, first, last, scales, codes / blocks, *table, sink,
                                                 check ? &crc : nullptr, iw, p.bits));
-    if (check) OPTSTATE_RETURN_IF_ERROR(crc_result(src, s, c, cr, crc));
+    if (check) OPTSTATE_RETURN_IF_ERROR(crc_result(src, s, c, cr, crc, byte_count));
     return true;
   }
 
@@ -279,7 +311,8 @@ class DcpReader final : public CheckpointReader {
                                    "read", iw, fmt::join(t->stride, ", "), rec.size, kMaxPermutedBytes));
       std::vector<std::byte> record(rec.size);
       OPTSTATE_RETURN_IF_ERROR(pi->file->read_at(rec.at, record).with_context(iw));
-      if (crc_due(rec, rec.at, rec.size)) OPTSTATE_RETURN_IF_ERROR(crc_result(src, s, c, rec, zip::crc32(record)));
+      if (crc_due(rec, rec.at, rec.size))
+        OPTSTATE_RETURN_IF_ERROR(crc_result(src, s, c, rec, zip::crc32(record, rec.running), rec.size));
       permuted_.bytes.resize(static_cast<size_t>(numel * elem));
       to_logical_order(*t, elem, std::span(record).subspan(static_cast<size_t>(t->offset * elem), permuted_.bytes.size()),
                        permuted_.bytes);
@@ -873,7 +906,7 @@ class DcpReader final : public CheckpointReader {
         if (weight_key.empty())
           weight_key = key;
         else
-          ++not_read_[fmt::format("the model's {} weights (the optimizer's fp32 main params read)",
+          ++not_read_[fmt::format("the model's {} weights, the optimizer's fp32 main params read instead",
                                   dtype_name(w->second.dtype))];
       }
       if (!weight_key.empty()) {
@@ -1549,7 +1582,8 @@ class DcpReader final : public CheckpointReader {
   std::vector<std::string> notes_;  // more of what is not read: why numbered params keep their numbers, ...
   bool model_ddp_prefix_ = false;   // numbered: the model's state_dict is a DDP model's (is_ddp_state_dict)
   SourceLayout layout_;
-  int64_t verified_ = 0, unverified_ = 0;       // chunks streamed with and without a CRC-32 check
+  int64_t verified_ = 0, unverified_ = 0;
+  int64_t pending_ = 0;  // records read in part, in order, not yet to their end (their CRC-32 unchecked)       // chunks streamed with and without a CRC-32 check
   ReadBuffer piece_;                             // reused between streams
   struct {
     const ParsedItem* pi = nullptr;

@@ -11,7 +11,9 @@ items are keyed by the model's sharded keys (the transformer layers stacked alon
 `decoder.layers.mlp.linear_fc1.weight` of shape [layers, ...], one chunk per layer and
 tensor-parallel rank), the optimizer's moments as `optimizer.state.<exp_avg|exp_avg_sq>.<key>`,
 beside `common.pt` (torch.save: the param groups, without their members, and the step) and
-`metadata.json` (`"sharded_backend": "torch_dist"`). Each run trains Megatron-Core's GPTModel
+`metadata.json` (`"sharded_backend": "torch_dist"`), saved as the trainer saves it: beside the
+model and optimizer its args, iteration, scheduler and RNG state, the writing shared among the
+data-parallel ranks (`--ckpt-fully-parallel-save`). Each run trains Megatron-Core's GPTModel
 (the local layer spec: 2 layers, hidden 8) for 3 steps over 2 CPU ranks (gloo) with Megatron's
 optimizer (torch's AdamW under it, as without TransformerEngine or apex), weight decay 0.1 on
 matrices and none on biases and 1-D params (Megatron's standard groups, `wd_mult` set by its
@@ -28,8 +30,10 @@ OptimizerParamScheduler, as the trainer steps it). Written into OUT:
   shards before the save, with each key's step and group settings as
   `tests/data/torch_versions/make.py` records them.
 """
+import argparse
 import contextlib
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -117,7 +121,9 @@ def rank_main(rank, world, port, out):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import apply_factories
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, apply_factories
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -158,8 +164,17 @@ def rank_main(rank, world, port, out):
             assert ok
             sched.step(1)
         metadata = {"distrib_optim_sharding_type": run["sharding"]} if run["dist_opt"] else None
-        state = {"model": ddp.module.sharded_state_dict()}
+        # What Megatron-LM's trainer saves (training/checkpointing.py, generate_state_dict)
+        state = {"args": argparse.Namespace(tensor_model_parallel_size=run["tp"], num_layers=2, hidden_size=8,
+                                            lr=1e-3, weight_decay=0.1, bf16=run["bf16"], params_dtype=dtype),
+                 "checkpoint_version": 3.0, "iteration": 3, "model": ddp.module.sharded_state_dict()}
         state["optimizer"] = opt.sharded_state_dict(state, metadata=metadata)
+        state["opt_param_scheduler"] = sched.state_dict()
+        state["num_floating_point_operations_so_far"] = 0
+        state["rng_state"] = ShardedObject(
+            "rng_state", [{"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state()}],
+            (1, run["tp"]), (0, parallel_state.get_tensor_model_parallel_rank()),
+            replica_id=parallel_state.get_data_parallel_rank())
         apply_factories(state)
         whole = gathered(list(nested_values(state)), rank)
         settings = {}
@@ -173,7 +188,11 @@ def rank_main(rank, world, port, out):
         if rank == 0:
             os.makedirs(path)  # Megatron-LM's trainer makes iter_N/ before the save
         dist.barrier()
-        dist_checkpointing.save(state, path, content_metadata=metadata)
+        # --ckpt-fully-parallel-save (Megatron-LM's default): the data-parallel ranks share the writing
+        strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"),
+                                                    parallel_state.get_data_parallel_group(with_context_parallel=True),
+                                                    True)
+        dist_checkpointing.save(state, path, strategy, content_metadata=metadata)
         if rank == 0 and run["sharding"] != "dp_reshardable":  # no per-key state in that one
             write_ref(path, whole, settings)
         dist.barrier()

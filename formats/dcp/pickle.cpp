@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <unordered_map>
 
 namespace optstate::pickle {
 namespace {
@@ -311,10 +312,34 @@ class Machine {
                           : (t.kind == Kind::kList || t.kind == Kind::kSet || t.kind == Kind::kObject);
     if (!ok) return fail("items added to a value that cannot hold them");
     if (t.items.size() + items.size() > limits_.max_values) return fail("container too large");
+    if (pairs) OPTSTATE_RETURN_IF_ERROR(check_new_keys(target, items));
     const uint16_t d = std::max(t.depth, depth_of(items));
     OPTSTATE_RETURN_IF_ERROR(check_depth(d));
     t.depth = d;
     t.items.insert(t.items.end(), items.begin(), items.end());
+    return Status::Ok();
+  }
+  // Python keeps one value per dict key, the last set; pickle.dumps never writes a key twice. A
+  // str or int key set twice in one dict (a handmade pickle showing readers that take the first
+  // another value than Python sees) is refused.
+  Status check_new_keys(Ref target, const std::vector<Ref>& items) {
+    auto& seen = dict_keys_[target];
+    for (size_t k = 0; k < items.size(); k += 2) {
+      const Value& key = values_[items[k]];
+      const bool text = key.kind == Kind::kStr;
+      if (!text && key.kind != Kind::kInt && key.kind != Kind::kBool) continue;  // other keys: not looked up
+      const uint64_t h = text ? std::hash<std::string>{}(key.s) : std::hash<int64_t>{}(key.i) ^ 0x9e3779b97f4a7c15ull;
+      const auto [lo, hi] = seen.equal_range(h);
+      for (auto it = lo; it != hi; ++it) {
+        const Value& other = values_[it->second];
+        const bool same = text ? other.kind == Kind::kStr && other.s == key.s
+                               : (other.kind == Kind::kInt || other.kind == Kind::kBool) && other.i == key.i;
+        if (same)
+          return fail(text ? fmt::format("a dict sets key '{}' twice", key.s.substr(0, 80))
+                           : fmt::format("a dict sets key {} twice", key.i));
+      }
+      seen.emplace(h, items[k]);
+    }
     return Status::Ok();
   }
   Result<Ref> pop() {
@@ -350,6 +375,7 @@ class Machine {
   Limits limits_;
   std::vector<Value>& values_;
   std::vector<Ref> stack_;
+  std::unordered_map<Ref, std::unordered_multimap<uint64_t, Ref>> dict_keys_;  // check_new_keys
   std::vector<size_t> marks_;
   std::vector<Ref> memo_;
   size_t pos_ = 0, op_at_ = 0;

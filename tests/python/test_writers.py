@@ -5,6 +5,10 @@ into what torch alone loads.
 OLMo-core (OLMo 2 / OLMo 3's trainer) saves `stepN/model_and_optim/` as a flattened DCP through its
 own storage writer, whose `.metadata` pickles OLMo-core's `_StorageInfo` class: without olmo_core
 installed, torch's own reader cannot even open it.
+
+Megatron-LM saves `iter_N/` through Megatron-Core's dist_checkpointing (torch_dist): a DCP keyed by
+its model's sharded keys (layers stacked), the optimizer's moments as `optimizer.state.<entry>.<key>`,
+its param groups (without members) and step in `common.pt`: torch alone sees no optimizer in it.
 """
 import json
 import os
@@ -19,6 +23,7 @@ from test_torch_versions import reads_as_held
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "writers"
 OLMO = CORPUS / "olmo-core-3.0.0_torch-2.13.0" / "model_and_optim"
+MEGATRON = CORPUS / "megatron-core-0.16.1_torch-2.13.0"
 
 
 def ref_of(ck):
@@ -261,3 +266,67 @@ def test_a_dcp_saved_as_safetensors_is_named_as_such(tmp_path, optstate_cli):
              storage_writer=FileSystemWriter(path, serialization_format=SerializationFormat.SAFETENSORS))
     err = run_err(optstate_cli, "inspect", path)
     assert "is stored as safetensors (FileSystemWriter's serialization_format=SAFETENSORS)" in err, err
+
+
+@pytest.mark.parametrize("run", ["tp2", "dp2_distopt"])
+def test_a_megatron_checkpoint_reads_as_megatron_held_it(tmp_path, optstate_cli, run):
+    """Megatron-LM's torch_dist checkpoint of Megatron-Core's GPTModel (layers stacked along a
+    leading axis), tensor parallel 2 with the plain optimizer, or data parallel 2 with the
+    distributed optimizer saved fully_reshardable (bf16 weights, fp32 main params): validate passes
+    with every checksum checked (column shards' chunks read in pieces too), the fp32 conversion is
+    bit for bit what Megatron's optimizer held (the main params as the params), and each key's group
+    is the one Megatron put its params in, though common.pt keeps no group's members: Megatron-Core's
+    standard groups, said as such."""
+    ck = MEGATRON / run
+    ref, meta = ref_of(ck)
+    info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta)
+    assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0]
+    assert any("Megatron saves no param group's members" in n for n in info["read_notes"]), info["read_notes"]
+    assert any("common.pt: args, checkpoint_version, iteration, opt_param_scheduler" in n for n in info["not_read"])
+    if run == "dp2_distopt":
+        assert any(n.startswith("the model's bf16 weights") for n in info["not_read"]), info["not_read"]
+    # plain DCP from it (Megatron's layout is not written back): the same state, nothing of Megatron's
+    out = tmp_path / "plain_dcp"
+    optstate_cli("convert", ck, out, "--format", "dcp")
+    assert not (out / "common.pt").exists() and not (out / "metadata.json").exists()
+    assert optstate_cli("diff", ck, out).returncode == 0
+
+
+def test_megatrons_dp_reshardable_checkpoint_is_refused_naming_the_flag_that_saves_it_readably(optstate_cli):
+    """The distributed optimizer's default dp_reshardable form holds flat per-bucket buffers whose
+    param layout the checkpoint does not hold: refused (exit 2), naming the form and the flag."""
+    err = run_err(optstate_cli, "inspect", MEGATRON / "dp2_distopt_dp_reshardable")
+    assert "'dp_reshardable'" in err and "--dist-ckpt-optim-fully-reshardable" in err, err
+
+
+def test_a_damaged_tensor_parallel_shard_of_a_megatron_checkpoint_fails_its_crc(tmp_path, optstate_cli):
+    """A row-parallel layer's chunk (its columns split over the two tensor-parallel ranks) is read
+    in pieces, row by row: a byte changed in the last of its rows is still caught by the chunk's
+    CRC-32 (validate names the item), not passed over as an unchecked part."""
+    import shutil
+    from torch.distributed.checkpoint import FileSystemReader
+    ck = tmp_path / "tp2"
+    shutil.copytree(MEGATRON / "tp2", ck)
+    key = "optimizer.state.exp_avg_sq.decoder.layers.self_attention.linear_proj.weight"
+    md = FileSystemReader(str(ck)).read_metadata()
+    chunks = md.state_dict_metadata[key].chunks
+    assert any(c.sizes[2] < md.state_dict_metadata[key].size[2] for c in chunks)  # columns split
+    index = next(i for i in md.storage_data if i.fqn == key and i.offset[2] > 0)
+    info = md.storage_data[index]
+    path = ck / info.relative_path
+    data = bytearray(path.read_bytes())
+    # the item is a torch.save archive: its storage record lies before the central directory;
+    # the last float of the record's data is 4 bytes before the first zip record after it
+    blob = bytes(data[info.offset:info.offset + info.length])
+    import io
+    import zipfile
+    z = zipfile.ZipFile(io.BytesIO(blob))
+    rec = next(e for e in z.infolist() if "/data/" in e.filename)
+    start = rec.header_offset + 30 + len(rec.filename) + len(rec.extra)
+    at = info.offset + start + rec.file_size - 2
+    data[at] ^= 0x40
+    path.write_bytes(bytes(data))
+    proc = optstate_cli("validate", ck, check=False)
+    assert proc.returncode != 0, proc.stdout
+    out = proc.stdout + proc.stderr
+    assert f"item '{key}'" in out and "fails the CRC-32 torch.save stored" in out, out

@@ -1,0 +1,40 @@
+// Fuzz target for Megatron-Core's torch_dist checkpoints (megatron.h), over the real one Megatron
+// saved under tensor parallelism 2 (tests/data/writers/megatron-core-0.16.1_torch-2.13.0/tp2/,
+// make_megatron.py). Built twice: the input is its common.pt (the param groups without members, the
+// step, the trainer's other state; each input also tried with data.pkl's CRC-32 re-signed, so
+// changes reach the interpretation: fuzz.dcp_megatron_common), or its .metadata (the sharded keys,
+// stacked chunks and storage records against the real data files: fuzz.dcp_megatron_metadata).
+// Every input must validate, open, hash, read whole and write back (a plain DCP), or give an error.
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "fuzz_checkpoint.h"
+#include "torchsave/torchsave_fuzz_sign.h"
+
+using namespace optstate;
+
+namespace {
+
+const fuzz::CheckpointFixture& fixture() {
+  static const fuzz::CheckpointFixture f("dcp", OPTSTATE_MEGATRON_SEED, OPTSTATE_MEGATRON_MEMBER);
+  return f;
+}
+
+std::optional<std::string> signed_input(const std::string& raw) {
+  if (std::string(OPTSTATE_MEGATRON_MEMBER) != "common.pt") return std::nullopt;
+  return torchsave::with_pickle_crc(raw);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::string raw(reinterpret_cast<const char*>(data), size);
+  const auto re_signed = signed_input(raw);
+  fixture().run(re_signed ? *re_signed : raw, fixture().data());
+  return 0;
+}
+
+#ifndef OPTSTATE_LIBFUZZER
+int main(int argc, char** argv) { return fixture().main(argc, argv, OPTSTATE_MEGATRON_TEST, "", signed_input); }
+#endif

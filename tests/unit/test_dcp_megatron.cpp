@@ -1,0 +1,204 @@
+// Megatron-Core's torch_dist checkpoints (formats/dcp/megatron.cpp): metadata.json's backend,
+// common.pt's optimizer (param groups without members, the step; the distributed optimizer's
+// forms), item keys and Megatron-Core's standard groups over stacked layer axes.
+#include <doctest/doctest.h>
+
+#include <functional>
+#include <span>
+#include <string>
+
+#include "dcp/megatron.h"
+#include "dcp/pickle.h"
+
+using namespace optstate;
+namespace mg = optstate::dcp::megatron;
+
+namespace {
+
+// A group dict as Megatron-Core's optimizer saves it (torch.optim.AdamW's fields and Megatron's).
+void group(pickle::Writer& w, double wd, double wd_mult, const std::function<void(pickle::Writer&)>& extra = {},
+           bool decoupled = true) {
+  w.empty_dict();
+  w.mark();
+  w.str("wd_mult"), w.real(wd_mult);
+  w.str("lr_mult"), w.real(1.0);
+  w.str("max_lr"), w.real(1e-3);
+  w.str("lr"), w.real(1e-3);
+  w.str("betas"), w.mark(), w.real(0.9), w.real(0.95), w.tuple_from_mark();
+  w.str("eps"), w.real(1e-8);
+  w.str("weight_decay"), w.real(wd);
+  w.str("amsgrad"), w.boolean(false);
+  w.str("foreach"), w.none();
+  w.str("decoupled_weight_decay"), w.boolean(decoupled);
+  if (extra) extra(w);
+  w.setitems_from_mark();
+}
+
+Result<mg::Common> common(const std::function<void(pickle::Writer&)>& optimizer, bool with_optimizer = true) {
+  pickle::Writer w;
+  w.empty_dict();
+  w.mark();
+  w.str("iteration"), w.integer(3);
+  if (with_optimizer) w.str("optimizer"), optimizer(w);
+  w.setitems_from_mark();
+  const std::string bytes = w.finish();
+  OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(std::as_bytes(std::span(bytes)), "common.pt"));
+  return mg::interpret_common(p, "ck");
+}
+
+// {"param_groups": [...], "state": {"common_step": 7}}: Megatron's plain optimizer.
+void plain(pickle::Writer& w, const std::function<void(pickle::Writer&)>& groups) {
+  w.empty_dict();
+  w.mark();
+  w.str("param_groups"), w.empty_list(), w.mark(), groups(w), w.appends_from_mark();
+  w.str("state"), w.empty_dict(), w.mark(), w.str("common_step"), w.integer(7), w.setitems_from_mark();
+  w.setitems_from_mark();
+}
+
+dcp::ItemMeta item(std::vector<int64_t> size, std::vector<std::vector<int64_t>> chunk_sizes) {
+  dcp::ItemMeta im;
+  im.is_tensor = true;
+  im.size = std::move(size);
+  for (auto& s : chunk_sizes) im.chunks.push_back({std::vector<int64_t>(s.size(), 0), std::move(s)});
+  return im;
+}
+
+}  // namespace
+
+TEST_CASE("megatron: metadata.json names the torch_dist backend, or the folder is no Megatron checkpoint") {
+  CHECK(mg::is_torch_dist(R"({"sharded_backend": "torch_dist", "sharded_backend_version": 1})"));
+  CHECK_FALSE(mg::is_torch_dist(R"({"sharded_backend": "zarr"})"));
+  CHECK_FALSE(mg::is_torch_dist(R"({"sharded_backend": 1})"));
+  CHECK_FALSE(mg::is_torch_dist(R"(["torch_dist"])"));
+  CHECK_FALSE(mg::is_torch_dist("{\"sharded_backend\": \"torch_dist\""));  // truncated
+  CHECK_FALSE(mg::is_torch_dist(""));
+}
+
+TEST_CASE("megatron: item keys optimizer.state.<entry>.<key>") {
+  const auto a = mg::state_item("optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight");
+  REQUIRE(a);
+  CHECK(a->first == "exp_avg");
+  CHECK(a->second == "decoder.layers.mlp.linear_fc1.weight");
+  CHECK_FALSE(mg::state_item("optimizer.state.exp_avg"));
+  CHECK_FALSE(mg::state_item("optimizer.state.exp_avg."));
+  CHECK_FALSE(mg::state_item("optimizer.state..w"));
+  CHECK_FALSE(mg::state_item("decoder.layers.mlp.linear_fc1.weight"));
+}
+
+TEST_CASE("megatron: stacked layer axes are left out of the standard groups' one-dimensional test") {
+  // a layer norm stacked over 2 layers: [2, 16] in chunks of [1, 16]
+  CHECK(mg::stacked_axes(item({2, 16}, {{1, 16}, {1, 16}})) == 1);
+  CHECK(mg::standard_no_decay("decoder.layers.input_layernorm.weight", item({2, 16}, {{1, 16}, {1, 16}})));
+  // a stacked matrix, split over tensor-parallel ranks too: decayed
+  CHECK_FALSE(mg::standard_no_decay("decoder.layers.mlp.linear_fc1.weight", item({2, 64, 16}, {{1, 32, 16}, {1, 32, 16}})));
+  // experts stacked under layers: two axes
+  CHECK(mg::stacked_axes(item({2, 4, 8, 8}, {{1, 1, 8, 8}})) == 2);
+  // unstacked: an embedding (rows split over ranks) decayed, the final norm not
+  CHECK_FALSE(mg::standard_no_decay("embedding.word_embeddings.weight", item({32, 16}, {{16, 16}, {16, 16}})));
+  CHECK(mg::standard_no_decay("decoder.final_layernorm.weight", item({16}, {{16}})));
+  // a bias by its name, whatever its shape; never every axis counted as stacked
+  CHECK(mg::standard_no_decay("output_layer.bias", item({1, 4}, {{1, 4}})));
+  CHECK(mg::stacked_axes(item({1}, {{1}})) == 0);
+  CHECK(mg::stacked_axes(item({2, 16}, {})) == 0);
+}
+
+TEST_CASE("megatron: common.pt's plain optimizer: groups and the common step") {
+  auto c = common([](pickle::Writer& w) {
+    plain(w, [](pickle::Writer& w) {
+      group(w, 0.1, 1.0);
+      group(w, 0.0, 0.0);
+    });
+  });
+  REQUIRE(c.ok());
+  REQUIRE(c->groups.size() == 2);
+  CHECK(c->sharding.empty());
+  CHECK(c->groups[0].hyper.weight_decay == 0.1);
+  CHECK(c->groups[0].hyper.beta2 == 0.95);
+  CHECK(c->groups[1].wd_mult == 0.0);
+  CHECK(c->step_ref != pickle::kNoRef);
+  CHECK_FALSE(c->group_step);
+  CHECK(c->other_keys == std::vector<std::string>{"iteration"});
+  bool has_wd_mult = false;
+  for (const auto& [k, v] : c->groups[1].extras) has_wd_mult |= k == "wd_mult";
+  CHECK(has_wd_mult);
+}
+
+TEST_CASE("megatron: the distributed optimizer fully_reshardable reads; its per-bucket forms are refused") {
+  auto dist = [](const char* sharding, double step1) {
+    return common([=](pickle::Writer& w) {
+      w.empty_dict();
+      w.mark();
+      w.str("optimizer"), w.empty_dict(), w.mark(), w.str("param_groups"), w.empty_list(), w.mark();
+      group(w, 0.1, 1.0, [](pickle::Writer& w) { w.str("step"), w.real(3.0); });
+      group(w, 0.0, 0.0, [=](pickle::Writer& w) { w.str("step"), w.real(step1); });
+      w.appends_from_mark(), w.setitems_from_mark();
+      w.str("param_state_sharding_type"), w.str(sharding);
+      w.setitems_from_mark();
+    });
+  };
+  auto ok = dist("fully_reshardable", 3.0);
+  REQUIRE(ok.ok());
+  CHECK(ok->group_step == 3.0);
+  bool step_extra = false;
+  for (const auto& [k, v] : ok->groups[0].extras) step_extra |= k == "step";
+  CHECK_FALSE(step_extra);
+  auto flat = dist("dp_reshardable", 3.0);
+  REQUIRE_FALSE(flat.ok());
+  CHECK(flat.status().message().find("--dist-ckpt-optim-fully-reshardable") != std::string::npos);
+  CHECK_FALSE(dist("dp_zero_gather_scatter", 3.0).ok());
+  auto steps = dist("fully_reshardable", 2.0);
+  REQUIRE_FALSE(steps.ok());
+  CHECK(steps.status().message().find("step 2") != std::string::npos);
+}
+
+TEST_CASE("megatron: what is not AdamW's, or not there, is refused by name") {
+  auto none = common([](pickle::Writer&) {}, false);
+  REQUIRE_FALSE(none.ok());
+  CHECK(none.status().message().find("--no-save-optim") != std::string::npos);
+  auto chain = common([](pickle::Writer& w) {
+    w.empty_list(), w.mark();
+    plain(w, [](pickle::Writer& w) { group(w, 0.1, 1.0); });
+    plain(w, [](pickle::Writer& w) { group(w, 0.1, 1.0); });
+    w.appends_from_mark();
+  });
+  REQUIRE_FALSE(chain.ok());
+  CHECK(chain.status().message().find("chain of 2 optimizers") != std::string::npos);
+  auto l2 = common([](pickle::Writer& w) {
+    plain(w, [](pickle::Writer& w) {
+      group(w, 0.1, 1.0, {}, /*decoupled=*/false);
+    });
+  });
+  REQUIRE_FALSE(l2.ok());
+  CHECK(l2.status().message().find("Adam's L2 decay") != std::string::npos);
+  auto sgd = common([](pickle::Writer& w) {
+    plain(w, [](pickle::Writer& w) {  // Megatron's --optimizer sgd: torch.optim.SGD's group
+      w.empty_dict(), w.mark();
+      w.str("lr"), w.real(0.1), w.str("momentum"), w.real(0.9), w.str("dampening"), w.real(0);
+      w.str("weight_decay"), w.real(0.1), w.str("nesterov"), w.boolean(false);
+      w.setitems_from_mark();
+    });
+  });
+  REQUIRE_FALSE(sgd.ok());
+  CHECK(sgd.status().message().find("SGD") != std::string::npos);
+  auto no_groups = common([](pickle::Writer& w) { plain(w, [](pickle::Writer&) {}); });
+  CHECK_FALSE(no_groups.ok());
+}
+
+TEST_CASE("pickle: a dict that sets a key twice is refused (Python keeps the last, a reader might take the first)") {
+  for (const bool text : {true, false}) {
+    pickle::Writer w;
+    w.empty_dict();
+    w.mark();
+    if (text) w.str("decoupled_weight_decay"), w.boolean(true), w.str("decoupled_weight_decay"), w.boolean(false);
+    else w.integer(1), w.str("a"), w.boolean(true), w.str("b");  // True == 1 as a key
+    w.setitems_from_mark();
+    const std::string bytes = w.finish();
+    auto p = pickle::unpickle(std::as_bytes(std::span(bytes)), "x.pkl");
+    REQUIRE_FALSE(p.ok());
+    CHECK(p.status().message().find("twice") != std::string::npos);
+  }
+  pickle::Writer ok;
+  ok.empty_dict(), ok.mark(), ok.str("a"), ok.integer(1), ok.str("b"), ok.integer(2), ok.setitems_from_mark();
+  const std::string bytes = ok.finish();
+  CHECK(pickle::unpickle(std::as_bytes(std::span(bytes)), "x.pkl").ok());
+}

@@ -115,6 +115,12 @@ Result<Common> interpret_common(const Pickle& p, const std::string& where) {
     if (opt == kNoRef || p.at(opt).kind != Kind::kDict)
       return corrupt(where + ": the distributed optimizer's common.pt has no 'optimizer' dict");
   }
+  // Megatron's mixed-precision optimizer (bf16/fp16 params: Float16OptimizerWithFloat16Params) saves
+  // its torch optimizer's state dict one level down, beside its own keys (a grad scaler's).
+  if (p.dict_get(opt, "param_groups") == kNoRef && out.sharding.empty()) {
+    const Ref inner = p.dict_get(opt, "optimizer");
+    if (inner != kNoRef && p.at(inner).kind == Kind::kDict) opt = inner;
+  }
   const auto* groups = list_of(p, p.dict_get(opt, "param_groups"));
   if (!groups) return corrupt(where + ": common.pt has no optimizer param_groups list");
   if (groups->empty()) return corrupt(where + ": common.pt's optimizer has no param groups");

@@ -271,8 +271,9 @@ def test_a_dcp_saved_as_safetensors_is_named_as_such(tmp_path, optstate_cli):
 @pytest.mark.parametrize("run", ["tp2", "dp2_distopt"])
 def test_a_megatron_checkpoint_reads_as_megatron_held_it(tmp_path, optstate_cli, run):
     """Megatron-LM's torch_dist checkpoint of Megatron-Core's GPTModel (layers stacked along a
-    leading axis), tensor parallel 2 with the plain optimizer, or data parallel 2 with the
-    distributed optimizer saved fully_reshardable (bf16 weights, fp32 main params): validate passes
+    leading axis, bf16 weights), tensor parallel 2 with the mixed-precision optimizer (its fp32
+    copies as `fp32_param`), or data parallel 2 with the distributed optimizer saved
+    fully_reshardable (its fp32 main params as `param`): validate passes
     with every checksum checked (column shards' chunks read in pieces too), the fp32 conversion is
     bit for bit what Megatron's optimizer held (the main params as the params), and each key's group
     is the one Megatron put its params in, though common.pt keeps no group's members: Megatron-Core's
@@ -283,8 +284,7 @@ def test_a_megatron_checkpoint_reads_as_megatron_held_it(tmp_path, optstate_cli,
     assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0]
     assert any("Megatron saves no param group's members" in n for n in info["read_notes"]), info["read_notes"]
     assert any("common.pt: args, checkpoint_version, iteration, opt_param_scheduler" in n for n in info["not_read"])
-    if run == "dp2_distopt":
-        assert any(n.startswith("the model's bf16 weights") for n in info["not_read"]), info["not_read"]
+    assert any(n.startswith("the model's bf16 weights") for n in info["not_read"]), info["not_read"]
     # plain DCP from it (Megatron's layout is not written back): the same state, nothing of Megatron's
     out = tmp_path / "plain_dcp"
     optstate_cli("convert", ck, out, "--format", "dcp")

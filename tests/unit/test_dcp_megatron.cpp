@@ -123,6 +123,18 @@ TEST_CASE("megatron: common.pt's plain optimizer: groups and the common step") {
   CHECK(has_wd_mult);
 }
 
+TEST_CASE("megatron: the mixed-precision optimizer's state dict one level down") {
+  auto c = common([](pickle::Writer& w) {
+    w.empty_dict(), w.mark();
+    w.str("optimizer"), plain(w, [](pickle::Writer& w) { group(w, 0.1, 1.0); });
+    w.str("grad_scaler"), w.none();
+    w.setitems_from_mark();
+  });
+  REQUIRE(c.ok());
+  CHECK(c->groups.size() == 1);
+  CHECK(c->step_ref != pickle::kNoRef);
+}
+
 TEST_CASE("megatron: the distributed optimizer fully_reshardable reads; its per-bucket forms are refused") {
   auto dist = [](const char* sharding, double step1) {
     return common([=](pickle::Writer& w) {

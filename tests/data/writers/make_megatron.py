@@ -19,7 +19,8 @@ optimizer (torch's AdamW under it, as without TransformerEngine or apex), weight
 matrices and none on biases and 1-D params (Megatron's standard groups, `wd_mult` set by its
 OptimizerParamScheduler, as the trainer steps it). Written into OUT:
 
-- `tp2/`: tensor parallel 2, Megatron's plain optimizer (fp32);
+- `tp2/`: tensor parallel 2, Megatron's mixed-precision optimizer (bf16 params, its fp32 copies
+  saved as `optimizer.state.fp32_param.<key>`);
 - `dp2_distopt/`: data parallel 2, the distributed optimizer (`--use-distributed-optimizer`) with
   bf16 params and fp32 main params, saved `fully_reshardable`
   (`--dist-ckpt-optim-fully-reshardable`): `optimizer.state.param.<key>` the fp32 main params;
@@ -43,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "torch_versions"
 from make import save_ref, spawn_ranks  # noqa: E402
 
 RUNS = {
-    "tp2": dict(tp=2, dist_opt=False, bf16=False, sharding=None),
+    "tp2": dict(tp=2, dist_opt=False, bf16=True, sharding=None),
     "dp2_distopt": dict(tp=1, dist_opt=True, bf16=True, sharding="fully_reshardable"),
     "dp2_distopt_dp_reshardable": dict(tp=1, dist_opt=True, bf16=True, sharding="dp_reshardable"),
 }

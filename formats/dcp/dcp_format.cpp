@@ -818,49 +818,50 @@ class DcpReader final : public CheckpointReader {
     return std::optional<megatron::Common>(std::move(c));
   }
 
-  // Megatron's items (megatron.h): optimizer.state.<entry>.<key> per sharded key, the model's
-  // weights under <key>; the groups and the step from common.pt. Groups keep no members: one group
-  // takes every param, Megatron-Core's two standard ones (wd_mult 1 and 0, alike otherwise) take
-  // them by its rule (megatron::standard_no_decay); other groupings are refused.
-  Status init_megatron(const megatron::Common& c, const ParsedItem& common) {
-    const std::string where = dir_.string();
-    layout_.dir = dir_;
-    layout_.megatron = true;
-    layout_.optimizer_path = {"optimizer"};
-    layout_.item_order = md_.order;
+  // Megatron's items (megatron.h): optimizer.state.<entry>.<key> per sharded key (prefixed
+  // chained_<i>. for the i-th of a chain of optimizers), the model's weights under <key>; the groups
+  // and the step from common.pt. Groups keep no members: one group takes every param of its
+  // optimizer, Megatron-Core's two standard ones (wd_mult 1 and 0, alike otherwise) take them by its
+  // rule (megatron::standard_no_decay); other groupings are refused.
+  struct MegatronPlace {
     int64_t step = 0;
-    if (c.group_step) {
-      step = static_cast<int64_t>(*c.group_step);
-    } else if (c.step_ref != pickle::kNoRef) {
-      OPTSTATE_ASSIGN_OR_RETURN(const double s, element_of(common, c.step_ref, where + "/common.pt: common_step"));
-      if (!(s >= 0 && s < 9.2e18)) return corrupt(where + "/common.pt: common_step out of range");
-      step = static_cast<int64_t>(s);
+    size_t first_group = 0, groups = 1, decay = 0, no_decay = 0;  // no_decay, decay: within its groups
+  };
+  Result<MegatronPlace> place_megatron_optimizer(const megatron::Optimizer& o, const ParsedItem& common,
+                                                 const std::string& ow) {
+    MegatronPlace out;
+    if (o.group_step) {
+      out.step = static_cast<int64_t>(*o.group_step);
+    } else if (o.step_ref != pickle::kNoRef) {
+      OPTSTATE_ASSIGN_OR_RETURN(const double s, element_of(common, o.step_ref, ow + ": common_step"));
+      if (!(s >= 0 && s < 9.2e18)) return corrupt(ow + ": common_step out of range");
+      out.step = static_cast<int64_t>(s);
     }
-    const size_t ng = c.groups.size();
-    size_t decay = 0, no_decay = 0;
-    if (ng == 2) {
-      no_decay = c.groups[0].wd_mult == 0 ? 0 : 1;
-      decay = 1 - no_decay;
+    out.groups = o.groups.size();
+    if (out.groups == 2) {
+      out.no_decay = o.groups[0].wd_mult == 0 ? 0 : 1;
+      out.decay = 1 - out.no_decay;
       auto without_wd_mult = [](const GroupExtras& e) {
-        GroupExtras out;
+        GroupExtras kept;
         for (const auto& kv : e)
-          if (kv.first != "wd_mult") out.push_back(kv);
-        return out;
+          if (kv.first != "wd_mult") kept.push_back(kv);
+        return kept;
       };
-      Hyperparameters a = c.groups[0].hyper, b = c.groups[1].hyper;
+      Hyperparameters a = o.groups[0].hyper, b = o.groups[1].hyper;
       a.weight_decay = b.weight_decay = 0;
-      if (!(c.groups[no_decay].wd_mult == 0 && c.groups[decay].wd_mult != 0 && a == b &&
-            c.groups[0].flags == c.groups[1].flags &&
-            same_extras(without_wd_mult(c.groups[0].extras), without_wd_mult(c.groups[1].extras))))
-        return unsupported(where + ": Megatron's two param groups are not Megatron-Core's standard ones (wd_mult 1 "
-                                   "and 0, alike otherwise), and Megatron saves no group's members");
-    } else if (ng != 1) {
+      if (!(o.groups[out.no_decay].wd_mult == 0 && o.groups[out.decay].wd_mult != 0 && a == b &&
+            o.groups[0].flags == o.groups[1].flags &&
+            same_extras(without_wd_mult(o.groups[0].extras), without_wd_mult(o.groups[1].extras))))
+        return unsupported(ow + ": Megatron's two param groups are not Megatron-Core's standard ones (wd_mult 1 "
+                                "and 0, alike otherwise), and Megatron saves no group's members");
+    } else if (out.groups != 1) {
       return unsupported(fmt::format("{}: Megatron's {} param groups (decoupled lr, per-layer overrides): Megatron "
                                      "saves no group's members, which optstate tells only for one group or "
                                      "Megatron-Core's two standard ones",
-                                     where, ng));
+                                     ow, out.groups));
     }
-    for (const megatron::Group& g : c.groups) {
+    out.first_group = meta_.groups.size();
+    for (const megatron::Group& g : o.groups) {
       ParamGroup pg;
       pg.hyper = g.hyper;
       meta_.groups.push_back(std::move(pg));
@@ -868,12 +869,40 @@ class DcpReader final : public CheckpointReader {
       layout_.adamw_flags.push_back(g.flags);
       layout_.group_extras.push_back(g.extras);
     }
+    return out;
+  }
+
+  Status init_megatron(const megatron::Common& c, const ParsedItem& common) {
+    const std::string where = dir_.string();
+    layout_.dir = dir_;
+    layout_.megatron = true;
+    layout_.optimizer_path = {"optimizer"};
+    layout_.item_order = md_.order;
+    std::vector<MegatronPlace> places;
+    for (size_t i = 0; i < c.optimizers.size(); ++i) {
+      const std::string ow = c.chained ? fmt::format("{}/common.pt (optimizer {})", where, i) : where + "/common.pt";
+      OPTSTATE_ASSIGN_OR_RETURN(MegatronPlace place, place_megatron_optimizer(c.optimizers[i], common, ow));
+      places.push_back(place);
+    }
     std::map<std::string, std::map<std::string, std::string>> states;  // sharded key -> entry -> item
-    std::map<std::string, int> weights_not_read;                         // "the model's <dtype> weights" -> count
+    std::map<std::string, size_t> chain_of;                              // sharded key -> its optimizer
+    std::set<std::string> with_state;                                    // sharded keys of state items
+    for (const auto& [key, im] : md_.items)
+      if (auto si = megatron::state_item(key)) with_state.insert(si->key);
     for (const auto& [key, im] : md_.items) {
       if (auto si = megatron::state_item(key)) {
-        states[si->second][si->first] = key;
-      } else if (!(im.is_tensor && md_.items.count("optimizer.state.exp_avg." + key))) {  // weights: below
+        const std::string iw = fmt::format("{}: item '{}'", where, key);
+        if (c.chained != (si->chain >= 0))
+          return corrupt(c.chained ? iw + ": without the chained_<i>. prefix of a chain of optimizers' items"
+                                   : iw + ": prefixed chained_<i>. but common.pt holds one optimizer");
+        const size_t chain = si->chain < 0 ? 0 : static_cast<size_t>(si->chain);
+        if (chain >= c.optimizers.size())
+          return corrupt(fmt::format("{}: optimizer {} of a chain of {}", iw, chain, c.optimizers.size()));
+        if (chain_of.emplace(si->key, chain).first->second != chain)
+          return corrupt(fmt::format("{}: param '{}' has state in two optimizers of the chain", iw, si->key));
+        if (!states[si->key].emplace(si->entry, key).second)
+          return corrupt(fmt::format("{}: '{}' of param '{}' twice", iw, si->entry, si->key));
+      } else if (!(im.is_tensor && with_state.count(key))) {  // weights: below
         const auto shard = key.find("/shard_");  // a ShardedObject's parts: one name
         ++not_read_[shard == std::string::npos ? key : key.substr(0, shard)];
       }
@@ -890,8 +919,11 @@ class DcpReader final : public CheckpointReader {
       const ItemMeta& shape_src = md_.items.at(first->second);
       ParamState ps;
       ps.shape = shape_src.size;
-      ps.step = step;
-      ps.group = static_cast<int>(ng == 1 ? 0 : megatron::standard_no_decay(key, shape_src) ? no_decay : decay);
+      const MegatronPlace& place = places.at(chain_of.at(key));
+      ps.step = place.step;
+      ps.group = static_cast<int>(place.first_group + (place.groups == 1                                ? 0
+                                                       : megatron::standard_no_decay(key, shape_src) ? place.no_decay
+                                                                                                      : place.decay));
       bool any8 = false;
       // The optimizer's fp32 main params where it keeps them (the distributed optimizer's 'param',
       // the mixed-precision one's 'fp32_param'), else the model's weights.
@@ -934,11 +966,12 @@ class DcpReader final : public CheckpointReader {
     meta_.kind = "adamw";
     if (!c.other_keys.empty())
       notes_.push_back(fmt::format("common.pt: {} (Megatron's trainer state)", fmt::join(c.other_keys, ", ")));
-    if (ng == 2)
-      value_notes_.push_back(fmt::format(
-          "Megatron saves no param group's members: assigned by Megatron-Core's standard groups, biases and "
-          "1-D params (their stacked layer axes left out) in group {} (wd_mult 0), the rest in group {}",
-          no_decay, decay));
+    for (const MegatronPlace& place : places)
+      if (place.groups == 2)
+        value_notes_.push_back(fmt::format(
+            "Megatron saves no param group's members: assigned by Megatron-Core's standard groups, biases and "
+            "1-D params (their stacked layer axes left out) in group {} (wd_mult 0), the rest in group {}",
+            place.first_group + place.no_decay, place.first_group + place.decay));
     OPTSTATE_RETURN_IF_ERROR(find_beside());
     return check_structure(meta_, false).with_context(where);
   }

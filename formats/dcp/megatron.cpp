@@ -12,6 +12,7 @@ using pickle::Kind;
 using pickle::kNoRef;
 using pickle::Pickle;
 using pickle::Ref;
+using pickle::Value;
 
 bool is_torch_dist(std::string_view metadata_json) {
   const auto j = nlohmann::json::parse(metadata_json, nullptr, /*allow_exceptions=*/false);
@@ -85,22 +86,12 @@ Result<Group> interpret_group(const Pickle& p, Ref g, const std::string& gw) {
 
 }  // namespace
 
-Result<Common> interpret_common(const Pickle& p, const std::string& where) {
-  const Ref root = p.root();
-  if (root == kNoRef || p.at(root).kind != Kind::kDict) return corrupt(where + ": common.pt does not hold a dict");
-  Common out;
-  const auto& items = p.at(root).items;
-  for (size_t i = 0; i + 1 < items.size(); i += 2)
-    if (const auto key = as_string(p, items[i]); key && *key != "optimizer") out.other_keys.push_back(*key);
-  Ref opt = p.dict_get(root, "optimizer");
-  if (opt == kNoRef)
-    return corrupt(where + ": a Megatron checkpoint without optimizer state (common.pt has no 'optimizer': saved with "
-                           "--no-save-optim)");
-  if (p.at(opt).kind == Kind::kList || p.at(opt).kind == Kind::kTuple)
-    return unsupported(fmt::format("{}: Megatron's chain of {} optimizers (expert-parallel params' own, or "
-                                   "several model chunks'); optstate reads Megatron's single optimizer",
-                                   where, p.at(opt).items.size()));
+namespace {
+
+// One optimizer's state dict as Megatron's sharded_state_dict leaves it in common.pt.
+Result<Optimizer> interpret_optimizer(const Pickle& p, Ref opt, const std::string& where) {
   if (p.at(opt).kind != Kind::kDict) return corrupt(where + ": common.pt's 'optimizer' is not a dict");
+  Optimizer out;
   if (const Ref st = p.dict_get(opt, "param_state_sharding_type"); st != kNoRef) {
     const auto sharding = as_string(p, st);
     if (!sharding) return corrupt(where + ": param_state_sharding_type is not a string");
@@ -141,13 +132,60 @@ Result<Common> interpret_common(const Pickle& p, const std::string& where) {
   return out;
 }
 
-std::optional<std::pair<std::string, std::string>> state_item(std::string_view item_key) {
+}  // namespace
+
+Result<Common> interpret_common(const Pickle& p, const std::string& where) {
+  const Ref root = p.root();
+  if (root == kNoRef || p.at(root).kind != Kind::kDict) return corrupt(where + ": common.pt does not hold a dict");
+  Common out;
+  const auto& items = p.at(root).items;
+  for (size_t i = 0; i + 1 < items.size(); i += 2)
+    if (const auto key = as_string(p, items[i]); key && *key != "optimizer") out.other_keys.push_back(*key);
+  const Ref opt = p.dict_get(root, "optimizer");
+  if (opt == kNoRef)
+    return corrupt(where + ": a Megatron checkpoint without optimizer state (common.pt has no 'optimizer': saved with "
+                           "--no-save-optim)");
+  const auto& ov = p.at(opt);
+  // A chain (ChainedOptimizer of several): {0: sd, 1: sd, ...}, the keys the optimizers' places.
+  const bool chain = ov.kind == Kind::kDict && !ov.items.empty() && p.at(ov.items[0]).kind == Kind::kInt;
+  if (!chain) {
+    OPTSTATE_ASSIGN_OR_RETURN(Optimizer one, interpret_optimizer(p, opt, where));
+    out.optimizers.push_back(std::move(one));
+    return out;
+  }
+  out.chained = true;
+  const size_t n = ov.items.size() / 2;
+  if (n > 64) return corrupt(fmt::format("{}: a chain of {} optimizers", where, n));
+  for (size_t i = 0; i < n; ++i) {
+    const Value& k = p.at(ov.items[2 * i]);
+    if (k.kind != Kind::kInt || k.i != static_cast<int64_t>(i))
+      return corrupt(fmt::format("{}: the chain of optimizers' key {} is not {}", where, 2 * i, i));
+    OPTSTATE_ASSIGN_OR_RETURN(Optimizer one,
+                              interpret_optimizer(p, ov.items[2 * i + 1], fmt::format("{} (optimizer {})", where, i)));
+    out.optimizers.push_back(std::move(one));
+  }
+  return out;
+}
+
+std::optional<StateItem> state_item(std::string_view item_key) {
+  StateItem out;
+  if (item_key.starts_with("chained_")) {
+    const std::string_view rest = item_key.substr(8);
+    const auto dot = rest.find('.');
+    if (dot == std::string_view::npos || dot == 0 || dot > 2 ||
+        rest.substr(0, dot).find_first_not_of("0123456789") != std::string_view::npos)
+      return std::nullopt;
+    out.chain = std::stoi(std::string(rest.substr(0, dot)));
+    item_key = rest.substr(dot + 1);
+  }
   constexpr std::string_view kPrefix = "optimizer.state.";
   if (!item_key.starts_with(kPrefix)) return std::nullopt;
   const std::string_view rest = item_key.substr(kPrefix.size());
   const auto dot = rest.find('.');
   if (dot == std::string_view::npos || dot == 0 || dot + 1 == rest.size()) return std::nullopt;
-  return std::pair{std::string(rest.substr(0, dot)), std::string(rest.substr(dot + 1))};
+  out.entry = std::string(rest.substr(0, dot));
+  out.key = std::string(rest.substr(dot + 1));
+  return out;
 }
 
 size_t stacked_axes(const ItemMeta& im) {

@@ -33,8 +33,8 @@ struct Group {
   double wd_mult = 1;
 };
 
-// What common.pt holds of the optimizer.
-struct Common {
+// One optimizer of what common.pt holds.
+struct Optimizer {
   // "" (Megatron's plain optimizer, or its mixed-precision one), or the distributed optimizer's
   // param_state_sharding_type ("fully_reshardable": per-param items; others refused).
   std::string sharding;
@@ -43,18 +43,31 @@ struct Common {
   // the caller, which has its storages), or the distributed optimizer's groups' `step`.
   pickle::Ref step_ref = pickle::kNoRef;
   std::optional<double> group_step;
+};
+
+// What common.pt holds of the optimizer: one, or Megatron's chain of them (MoE under expert
+// parallelism: the dense params' optimizer and the experts'), whose items are prefixed
+// `chained_<i>.`.
+struct Common {
+  std::vector<Optimizer> optimizers;
+  bool chained = false;
   std::vector<std::string> other_keys;  // common.pt's top-level keys but 'optimizer' (the trainer's)
 };
 
 // common.pt's pickle (its root dict). Refuses, naming why: no optimizer (saved without one), the
 // distributed optimizer's dp_reshardable and other per-bucket forms (flat buffers whose param layout
-// the checkpoint does not hold), a chain of several optimizers (MoE's expert-parallel one), param
-// groups that are not AdamW's (another optimizer, Adam's L2 decay), groups that differ in their steps.
+// the checkpoint does not hold), param groups that are not AdamW's (another optimizer, Adam's L2
+// decay), groups that differ in their steps.
 Result<Common> interpret_common(const pickle::Pickle& p, const std::string& where);
 
-// "optimizer.state.<entry>.<key>" -> {entry, key}: entry one of the names Megatron gives a param's
-// state (no dots), key non-empty. nullopt for any other item key.
-std::optional<std::pair<std::string, std::string>> state_item(std::string_view item_key);
+// An optimizer item's key: "[chained_<i>.]optimizer.state.<entry>.<key>" -> {i (-1 without the
+// prefix), entry, key}, entry one of the names Megatron gives a param's state (no dots), key
+// non-empty. nullopt for any other item key.
+struct StateItem {
+  int chain = -1;
+  std::string entry, key;
+};
+std::optional<StateItem> state_item(std::string_view item_key);
 
 // How many leading axes of item `im` stack a key's params (Megatron's prepended axes: a layer's, an
 // expert's): those where every chunk is one wide, the item wider than one there, or exactly one wide.

@@ -77,8 +77,16 @@ TEST_CASE("megatron: metadata.json names the torch_dist backend, or the folder i
 TEST_CASE("megatron: item keys optimizer.state.<entry>.<key>") {
   const auto a = mg::state_item("optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight");
   REQUIRE(a);
-  CHECK(a->first == "exp_avg");
-  CHECK(a->second == "decoder.layers.mlp.linear_fc1.weight");
+  CHECK(a->chain == -1);
+  CHECK(a->entry == "exp_avg");
+  CHECK(a->key == "decoder.layers.mlp.linear_fc1.weight");
+  const auto b = mg::state_item("chained_1.optimizer.state.exp_avg_sq.decoder.layers.mlp.experts.experts.linear_fc1.weight");
+  REQUIRE(b);
+  CHECK(b->chain == 1);
+  CHECK(b->entry == "exp_avg_sq");
+  CHECK_FALSE(mg::state_item("chained_.optimizer.state.exp_avg.w"));
+  CHECK_FALSE(mg::state_item("chained_x.optimizer.state.exp_avg.w"));
+  CHECK_FALSE(mg::state_item("chained_123.optimizer.state.exp_avg.w"));
   CHECK_FALSE(mg::state_item("optimizer.state.exp_avg"));
   CHECK_FALSE(mg::state_item("optimizer.state.exp_avg."));
   CHECK_FALSE(mg::state_item("optimizer.state..w"));
@@ -110,16 +118,16 @@ TEST_CASE("megatron: common.pt's plain optimizer: groups and the common step") {
     });
   });
   REQUIRE(c.ok());
-  REQUIRE(c->groups.size() == 2);
-  CHECK(c->sharding.empty());
-  CHECK(c->groups[0].hyper.weight_decay == 0.1);
-  CHECK(c->groups[0].hyper.beta2 == 0.95);
-  CHECK(c->groups[1].wd_mult == 0.0);
-  CHECK(c->step_ref != pickle::kNoRef);
-  CHECK_FALSE(c->group_step);
+  REQUIRE(c->optimizers[0].groups.size() == 2);
+  CHECK(c->optimizers[0].sharding.empty());
+  CHECK(c->optimizers[0].groups[0].hyper.weight_decay == 0.1);
+  CHECK(c->optimizers[0].groups[0].hyper.beta2 == 0.95);
+  CHECK(c->optimizers[0].groups[1].wd_mult == 0.0);
+  CHECK(c->optimizers[0].step_ref != pickle::kNoRef);
+  CHECK_FALSE(c->optimizers[0].group_step);
   CHECK(c->other_keys == std::vector<std::string>{"iteration"});
   bool has_wd_mult = false;
-  for (const auto& [k, v] : c->groups[1].extras) has_wd_mult |= k == "wd_mult";
+  for (const auto& [k, v] : c->optimizers[0].groups[1].extras) has_wd_mult |= k == "wd_mult";
   CHECK(has_wd_mult);
 }
 
@@ -131,8 +139,8 @@ TEST_CASE("megatron: the mixed-precision optimizer's state dict one level down")
     w.setitems_from_mark();
   });
   REQUIRE(c.ok());
-  CHECK(c->groups.size() == 1);
-  CHECK(c->step_ref != pickle::kNoRef);
+  CHECK(c->optimizers[0].groups.size() == 1);
+  CHECK(c->optimizers[0].step_ref != pickle::kNoRef);
 }
 
 TEST_CASE("megatron: the distributed optimizer fully_reshardable reads; its per-bucket forms are refused") {
@@ -150,9 +158,9 @@ TEST_CASE("megatron: the distributed optimizer fully_reshardable reads; its per-
   };
   auto ok = dist("fully_reshardable", 3.0);
   REQUIRE(ok.ok());
-  CHECK(ok->group_step == 3.0);
+  CHECK(ok->optimizers[0].group_step == 3.0);
   bool step_extra = false;
-  for (const auto& [k, v] : ok->groups[0].extras) step_extra |= k == "step";
+  for (const auto& [k, v] : ok->optimizers[0].groups[0].extras) step_extra |= k == "step";
   CHECK_FALSE(step_extra);
   auto flat = dist("dp_reshardable", 3.0);
   REQUIRE_FALSE(flat.ok());
@@ -167,14 +175,12 @@ TEST_CASE("megatron: what is not AdamW's, or not there, is refused by name") {
   auto none = common([](pickle::Writer&) {}, false);
   REQUIRE_FALSE(none.ok());
   CHECK(none.status().message().find("--no-save-optim") != std::string::npos);
-  auto chain = common([](pickle::Writer& w) {
+  auto listed = common([](pickle::Writer& w) {
     w.empty_list(), w.mark();
-    plain(w, [](pickle::Writer& w) { group(w, 0.1, 1.0); });
     plain(w, [](pickle::Writer& w) { group(w, 0.1, 1.0); });
     w.appends_from_mark();
   });
-  REQUIRE_FALSE(chain.ok());
-  CHECK(chain.status().message().find("chain of 2 optimizers") != std::string::npos);
+  CHECK_FALSE(listed.ok());
   auto l2 = common([](pickle::Writer& w) {
     plain(w, [](pickle::Writer& w) {
       group(w, 0.1, 1.0, {}, /*decoupled=*/false);
@@ -213,4 +219,27 @@ TEST_CASE("pickle: a dict that sets a key twice is refused (Python keeps the las
   ok.empty_dict(), ok.mark(), ok.str("a"), ok.integer(1), ok.str("b"), ok.integer(2), ok.setitems_from_mark();
   const std::string bytes = ok.finish();
   CHECK(pickle::unpickle(std::as_bytes(std::span(bytes)), "x.pkl").ok());
+}
+
+TEST_CASE("megatron: a chain of optimizers (MoE's experts under expert parallelism) by place") {
+  auto chain = [](int second) {
+    return common([=](pickle::Writer& w) {
+      w.empty_dict(), w.mark();
+      w.integer(0), plain(w, [](pickle::Writer& w) {
+        group(w, 0.1, 1.0);
+        group(w, 0.0, 0.0);
+      });
+      w.integer(second), plain(w, [](pickle::Writer& w) { group(w, 0.1, 1.0); });
+      w.setitems_from_mark();
+    });
+  };
+  auto ok = chain(1);
+  REQUIRE(ok.ok());
+  CHECK(ok->chained);
+  REQUIRE(ok->optimizers.size() == 2);
+  CHECK(ok->optimizers[0].groups.size() == 2);
+  CHECK(ok->optimizers[1].groups.size() == 1);
+  auto gap = chain(2);
+  REQUIRE_FALSE(gap.ok());
+  CHECK(gap.status().message().find("is not 1") != std::string::npos);
 }

@@ -26,6 +26,10 @@ OptimizerParamScheduler, as the trainer steps it). Written into OUT:
   (`--dist-ckpt-optim-fully-reshardable`): `optimizer.state.param.<key>` the fp32 main params;
 - `dp2_distopt_dp_reshardable/`: the same saved `dp_reshardable` (the trainer's default for the
   distributed optimizer): flat per-bucket buffers whose param layout the checkpoint does not hold;
+- `moe_ep2/`: a mixture of experts (2 experts a layer) under expert parallelism 2, the
+  distributed optimizer saved `fully_reshardable`: a chain of two optimizers (the dense params' in
+  Megatron's two standard groups, the experts' own), their items prefixed `chained_0.` and
+  `chained_1.`, the experts stacked along a second leading axis;
 - `<run>.ref.safetensors`: what the optimizer held, per sharded key (`<key>.param`: the fp32 main
   param, or the fp32 weight; `<key>.exp_avg`, `<key>.exp_avg_sq`), gathered from every rank's
   shards before the save, with each key's step and group settings as
@@ -47,6 +51,7 @@ RUNS = {
     "tp2": dict(tp=2, dist_opt=False, bf16=True, sharding=None),
     "dp2_distopt": dict(tp=1, dist_opt=True, bf16=True, sharding="fully_reshardable"),
     "dp2_distopt_dp_reshardable": dict(tp=1, dist_opt=True, bf16=True, sharding="dp_reshardable"),
+    "moe_ep2": dict(tp=1, ep=2, dist_opt=True, bf16=True, sharding="fully_reshardable"),
 }
 
 
@@ -84,6 +89,8 @@ def cpu_shim():
     CpuMode().__enter__()
     from megatron.core.tensor_parallel import random as mrandom
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    moe_utils.te_general_gemm = None  # referenced unguarded without TransformerEngine
 
 
 def gathered(sharded, rank):
@@ -133,13 +140,18 @@ def rank_main(rank, world, port, out):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     for name, run in RUNS.items():
-        parallel_state.initialize_model_parallel(run["tp"], 1)
+        ep = run.get("ep", 1)
+        parallel_state.initialize_model_parallel(run["tp"], 1, expert_model_parallel_size=ep)
         torch.manual_seed(0)
         dtype = torch.bfloat16 if run["bf16"] else torch.float32
         cfg = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True,
                                 hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=run["tp"],
-                                bf16=run["bf16"], params_dtype=dtype, pipeline_dtype=dtype)
-        model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=16,
+                                bf16=run["bf16"], params_dtype=dtype, pipeline_dtype=dtype,
+                                **(dict(num_moe_experts=2, moe_router_topk=1, moe_router_pre_softmax=True,
+                                        moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep,
+                                        add_bias_linear=False) if ep > 1 else {}))
+        spec = get_gpt_layer_local_spec(num_experts=2, moe_grouped_gemm=False) if ep > 1 else get_gpt_layer_local_spec()
+        model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=16,
                          max_sequence_length=4)
         if run["bf16"]:  # as Megatron-LM's get_model wraps it
             from megatron.core.transformer.module import Float16Module
@@ -212,22 +224,22 @@ def key_settings(module, opt):
     """The step and group settings of each sharded key whose params this rank steps (a key's
     params, one per layer, share a group): from torch's AdamW under Megatron's optimizer, through
     Megatron's fp32 main params where it steps those."""
-    inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
     of_param = {}
-    for group in inner.optimizer.param_groups:
-        for p in group["params"]:
-            st = inner.optimizer.state.get(p, {})
-            if "step" in st:
-                of_param[id(p)] = {"step": int(float(st["step"])), "lr": float(group["lr"]),
-                                   "betas": list(group["betas"]), "eps": group["eps"],
-                                   "weight_decay": group["weight_decay"]}
-    for model_attr, main_attr in (("float16_groups", "fp32_from_float16_groups"),
-                                  ("model_float16_groups", "shard_fp32_from_float16_groups"),
-                                  ("model_fp32_groups", "shard_fp32_groups")):
-        for mg, fg in zip(getattr(inner, model_attr, None) or [], getattr(inner, main_attr, None) or []):
-            for model_param, main_param in zip(mg, fg):
-                if id(main_param) in of_param:
-                    of_param[id(model_param)] = of_param[id(main_param)]
+    for inner in getattr(opt, "chained_optimizers", [opt]):  # MoE's experts: an optimizer of their own
+        for group in inner.optimizer.param_groups:
+            for p in group["params"]:
+                st = inner.optimizer.state.get(p, {})
+                if "step" in st:
+                    of_param[id(p)] = {"step": int(float(st["step"])), "lr": float(group["lr"]),
+                                       "betas": list(group["betas"]), "eps": group["eps"],
+                                       "weight_decay": group["weight_decay"]}
+        for model_attr, main_attr in (("float16_groups", "fp32_from_float16_groups"),
+                                      ("model_float16_groups", "shard_fp32_from_float16_groups"),
+                                      ("model_fp32_groups", "shard_fp32_groups")):
+            for mg, fg in zip(getattr(inner, model_attr, None) or [], getattr(inner, main_attr, None) or []):
+                for model_param, main_param in zip(mg, fg):
+                    if id(main_param) in of_param:
+                        of_param[id(model_param)] = of_param[id(main_param)]
     out = {}
     for st in module.sharded_state_dict().values():
         if hasattr(st, "key") and getattr(st, "data", None) is not None and id(st.data) in of_param:
@@ -238,10 +250,11 @@ def key_settings(module, opt):
 def write_ref(path, whole, settings):
     tensors, meta = {}, {}
     for key in sorted(settings):
-        main = whole.get(f"optimizer.state.param.{key}", whole.get(f"optimizer.state.fp32_param.{key}"))
+        prefix = next(p for p in ["", "chained_0.", "chained_1."] if f"{p}optimizer.state.exp_avg.{key}" in whole)
+        main = whole.get(f"{prefix}optimizer.state.param.{key}", whole.get(f"{prefix}optimizer.state.fp32_param.{key}"))
         tensors[f"{key}.param"] = main if main is not None else whole[key]
         for e in ("exp_avg", "exp_avg_sq"):
-            tensors[f"{key}.{e}"] = whole[f"optimizer.state.{e}.{key}"]
+            tensors[f"{key}.{e}"] = whole[f"{prefix}optimizer.state.{e}.{key}"]
         meta[key] = settings[key]
     save_ref(path, tensors, meta)
 

@@ -887,15 +887,23 @@ class DcpReader final : public CheckpointReader {
     std::map<std::string, std::map<std::string, std::string>> states;  // sharded key -> entry -> item
     std::map<std::string, size_t> chain_of;                              // sharded key -> its optimizer
     std::set<std::string> with_state;                                    // sharded keys of state items
+    bool any_unprefixed = false;  // a chain's item without its chained_<i>. prefix
     for (const auto& [key, im] : md_.items)
       if (auto si = megatron::state_item(key)) with_state.insert(si->key);
     for (const auto& [key, im] : md_.items) {
       if (auto si = megatron::state_item(key)) {
         const std::string iw = fmt::format("{}: item '{}'", where, key);
-        if (c.chained != (si->chain >= 0))
-          return corrupt(c.chained ? iw + ": without the chained_<i>. prefix of a chain of optimizers' items"
-                                   : iw + ": prefixed chained_<i>. but common.pt holds one optimizer");
-        const size_t chain = si->chain < 0 ? 0 : static_cast<size_t>(si->chain);
+        if (!c.chained && si->chain >= 0) return corrupt(iw + ": prefixed chained_<i>. but common.pt holds one optimizer");
+        std::optional<size_t> unprefixed;
+        if (c.chained && si->chain < 0) {
+          if (c.avoid_prefix) unprefixed = megatron::unprefixed_chain(c, si->key);
+          any_unprefixed = true;
+          if (!unprefixed)
+            return unsupported(iw + ": a chain of optimizers' item without the chained_<i>. prefix (saved with "
+                                    "chained_optim_avoid_prefix) where the chain is not one dense optimizer and "
+                                    "one of MoE experts: which optimizer holds it is not in the checkpoint");
+        }
+        const size_t chain = unprefixed ? *unprefixed : si->chain < 0 ? 0 : static_cast<size_t>(si->chain);
         if (chain >= c.optimizers.size())
           return corrupt(fmt::format("{}: optimizer {} of a chain of {}", iw, chain, c.optimizers.size()));
         if (chain_of.emplace(si->key, chain).first->second != chain)
@@ -966,6 +974,11 @@ class DcpReader final : public CheckpointReader {
     meta_.kind = "adamw";
     if (!c.other_keys.empty())
       notes_.push_back(fmt::format("common.pt: {} (Megatron's trainer state)", fmt::join(c.other_keys, ", ")));
+    if (any_unprefixed)
+      value_notes_.push_back(
+          "Megatron's chain of optimizers saved its items unprefixed (chained_optim_avoid_prefix): keys under MoE "
+          "experts ('.experts.') assigned to the experts' optimizer (is_expert_parallel groups), the rest to the "
+          "dense one");
     for (const MegatronPlace& place : places)
       if (place.groups == 2)
         value_notes_.push_back(fmt::format(

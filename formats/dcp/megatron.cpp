@@ -75,6 +75,8 @@ Result<Group> interpret_group(const Pickle& p, Ref g, const std::string& gw) {
   for (const auto& [name, fallback] : kAdamWFlagDefaults)
     if (const auto v = as_flag(p, p.dict_get(g, name))) out.flags.emplace(name, *v);
   OPTSTATE_ASSIGN_OR_RETURN(out.wd_mult, number_field(p, g, "wd_mult", gw, 1.0));
+  OPTSTATE_ASSIGN_OR_RETURN(const double ep, number_field(p, g, "is_expert_parallel", gw, 0.0));
+  out.expert_parallel = ep != 0;
   const auto& items = p.at(g).items;
   for (size_t i = 0; i + 1 < items.size(); i += 2) {
     const auto key = as_string(p, items[i]);
@@ -141,6 +143,8 @@ Result<Common> interpret_common(const Pickle& p, const std::string& where) {
   const auto& items = p.at(root).items;
   for (size_t i = 0; i + 1 < items.size(); i += 2)
     if (const auto key = as_string(p, items[i]); key && *key != "optimizer") out.other_keys.push_back(*key);
+  if (const Ref cm = p.dict_get(root, "content_metadata"); cm != kNoRef)
+    out.avoid_prefix = as_bool(p, p.dict_get(cm, "chained_optim_avoid_prefix")).value_or(false);
   const Ref opt = p.dict_get(root, "optimizer");
   if (opt == kNoRef)
     return corrupt(where + ": a Megatron checkpoint without optimizer state (common.pt has no 'optimizer': saved with "
@@ -186,6 +190,23 @@ std::optional<StateItem> state_item(std::string_view item_key) {
   out.entry = std::string(rest.substr(0, dot));
   out.key = std::string(rest.substr(dot + 1));
   return out;
+}
+
+std::optional<size_t> unprefixed_chain(const Common& c, std::string_view key) {
+  if (!c.chained || c.optimizers.size() != 2) return std::nullopt;
+  auto experts = [](const Optimizer& o) {
+    return std::all_of(o.groups.begin(), o.groups.end(), [](const Group& g) { return g.expert_parallel; });
+  };
+  auto dense = [](const Optimizer& o) {
+    return std::none_of(o.groups.begin(), o.groups.end(), [](const Group& g) { return g.expert_parallel; });
+  };
+  size_t expert_opt = 0;
+  if (experts(c.optimizers[1]) && dense(c.optimizers[0]))
+    expert_opt = 1;
+  else if (!(experts(c.optimizers[0]) && dense(c.optimizers[1])))
+    return std::nullopt;
+  const bool expert_key = key.find(".experts.") != std::string_view::npos;
+  return expert_key ? expert_opt : 1 - expert_opt;
 }
 
 size_t stacked_axes(const ItemMeta& im) {

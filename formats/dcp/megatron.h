@@ -31,6 +31,7 @@ struct Group {
   AdamWFlags flags;
   GroupExtras extras;
   double wd_mult = 1;
+  bool expert_parallel = false;  // is_expert_parallel: MoE experts' params (an optimizer of their own)
 };
 
 // One optimizer of what common.pt holds.
@@ -51,6 +52,9 @@ struct Optimizer {
 struct Common {
   std::vector<Optimizer> optimizers;
   bool chained = false;
+  // content_metadata's chained_optim_avoid_prefix (Megatron-LM's and verl's default since
+  // Megatron-Core 0.14): a chain's items then carry no chained_<i>. prefix.
+  bool avoid_prefix = false;
   std::vector<std::string> other_keys;  // common.pt's top-level keys but 'optimizer' (the trainer's)
 };
 
@@ -68,6 +72,12 @@ struct StateItem {
   std::string entry, key;
 };
 std::optional<StateItem> state_item(std::string_view item_key);
+
+// Which optimizer of an unprefixed chain (Common::avoid_prefix) holds sharded key `key`: the
+// experts' (the one whose groups are is_expert_parallel) for a key under an MoE layer's experts
+// (".experts."), the other for the rest. nullopt where the chain is not one dense optimizer and one
+// of experts.
+std::optional<size_t> unprefixed_chain(const Common& c, std::string_view key);
 
 // How many leading axes of item `im` stack a key's params (Megatron's prepended axes: a layer's, an
 // expert's): those where every chunk is one wide, the item wider than one there, or exactly one wide.

@@ -268,14 +268,15 @@ def test_a_dcp_saved_as_safetensors_is_named_as_such(tmp_path, optstate_cli):
     assert "is stored as safetensors (FileSystemWriter's serialization_format=SAFETENSORS)" in err, err
 
 
-@pytest.mark.parametrize("run", ["tp2", "dp2_distopt", "moe_ep2"])
+@pytest.mark.parametrize("run", ["tp2", "dp2_distopt", "moe_ep2", "moe_ep2_plain"])
 def test_a_megatron_checkpoint_reads_as_megatron_held_it(tmp_path, optstate_cli, run):
     """Megatron-LM's torch_dist checkpoint of Megatron-Core's GPTModel (layers stacked along a
     leading axis, bf16 weights), tensor parallel 2 with the mixed-precision optimizer (its fp32
     copies as `fp32_param`), or data parallel 2 with the distributed optimizer saved
     fully_reshardable (its fp32 main params as `param`), or a mixture of experts under expert
-    parallelism 2 (a chain of two optimizers, the experts' its second, their items prefixed
-    `chained_<i>.`, the experts stacked along a second axis): validate passes
+    parallelism 2 (a chain of two optimizers, the experts' its second, the experts stacked along a
+    second axis; the distributed optimizer's items unprefixed as Megatron-LM saves them, the
+    mixed-precision one's prefixed `chained_<i>.`): validate passes
     with every checksum checked (column shards' chunks read in pieces too), the fp32 conversion is
     bit for bit what Megatron's optimizer held (the main params as the params), and each key's group
     is the one Megatron put its params in, though common.pt keeps no group's members: Megatron-Core's
@@ -283,11 +284,13 @@ def test_a_megatron_checkpoint_reads_as_megatron_held_it(tmp_path, optstate_cli,
     ck = MEGATRON / run
     ref, meta = ref_of(ck)
     info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta)
-    decays = [0.1, 0.0] + ([0.1] if run == "moe_ep2" else [])  # the experts' optimizer: one group
+    decays = [0.1, 0.0] + ([0.1] if run.startswith("moe") else [])  # the experts' optimizer: one group
     assert [g["weight_decay"] for g in info["param_groups"]] == decays
     assert any("Megatron saves no param group's members" in n for n in info["read_notes"]), info["read_notes"]
     assert any("common.pt: args, checkpoint_version, iteration, opt_param_scheduler" in n for n in info["not_read"])
     assert any(n.startswith("the model's bf16 weights") for n in info["not_read"]), info["not_read"]
+    unprefixed = any("saved its items unprefixed" in n for n in info["read_notes"])
+    assert unprefixed == (run == "moe_ep2"), info["read_notes"]
     # plain DCP from it (Megatron's layout is not written back): the same state, nothing of Megatron's
     out = tmp_path / "plain_dcp"
     optstate_cli("convert", ck, out, "--format", "dcp")

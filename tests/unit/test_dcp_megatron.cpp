@@ -239,6 +239,15 @@ TEST_CASE("megatron: a chain of optimizers (MoE's experts under expert paralleli
   REQUIRE(ok->optimizers.size() == 2);
   CHECK(ok->optimizers[0].groups.size() == 2);
   CHECK(ok->optimizers[1].groups.size() == 1);
+  CHECK_FALSE(ok->avoid_prefix);
+  // unprefixed items: the experts' optimizer is the one whose groups are is_expert_parallel
+  ok->optimizers[1].groups[0].expert_parallel = true;
+  CHECK_FALSE(mg::unprefixed_chain(*ok, "decoder.layers.mlp.linear_fc1.weight").value_or(9) == 9);
+  CHECK(mg::unprefixed_chain(*ok, "decoder.layers.mlp.experts.experts.linear_fc1.weight") == 1u);
+  CHECK(mg::unprefixed_chain(*ok, "decoder.layers.mlp.shared_experts.linear_fc1.weight") == 0u);
+  CHECK(mg::unprefixed_chain(*ok, "decoder.layers.mlp.router.weight") == 0u);
+  ok->optimizers[0].groups[0].expert_parallel = true;  // no dense optimizer: not told
+  CHECK_FALSE(mg::unprefixed_chain(*ok, "decoder.layers.mlp.router.weight"));
   auto gap = chain(2);
   REQUIRE_FALSE(gap.ok());
   CHECK(gap.status().message().find("is not 1") != std::string::npos);

@@ -28,8 +28,10 @@ OptimizerParamScheduler, as the trainer steps it). Written into OUT:
   distributed optimizer): flat per-bucket buffers whose param layout the checkpoint does not hold;
 - `moe_ep2/`: a mixture of experts (2 experts a layer) under expert parallelism 2, the
   distributed optimizer saved `fully_reshardable`: a chain of two optimizers (the dense params' in
-  Megatron's two standard groups, the experts' own), their items prefixed `chained_0.` and
-  `chained_1.`, the experts stacked along a second leading axis;
+  Megatron's two standard groups, the experts' own), their items unprefixed
+  (`chained_optim_avoid_prefix`, as Megatron-LM saves it), the experts stacked along a second axis;
+- `moe_ep2_plain/`: the same with Megatron's mixed-precision optimizer, whose chain's items are
+  prefixed `chained_0.` and `chained_1.`;
 - `<run>.ref.safetensors`: what the optimizer held, per sharded key (`<key>.param`: the fp32 main
   param, or the fp32 weight; `<key>.exp_avg`, `<key>.exp_avg_sq`), gathered from every rank's
   shards before the save, with each key's step and group settings as
@@ -52,6 +54,7 @@ RUNS = {
     "dp2_distopt": dict(tp=1, dist_opt=True, bf16=True, sharding="fully_reshardable"),
     "dp2_distopt_dp_reshardable": dict(tp=1, dist_opt=True, bf16=True, sharding="dp_reshardable"),
     "moe_ep2": dict(tp=1, ep=2, dist_opt=True, bf16=True, sharding="fully_reshardable"),
+    "moe_ep2_plain": dict(tp=1, ep=2, dist_opt=False, bf16=True, sharding=None),
 }
 
 
@@ -176,11 +179,15 @@ def rank_main(rank, world, port, out):
             ok, _, _ = opt.step()
             assert ok
             sched.step(1)
-        metadata = {"distrib_optim_sharding_type": run["sharding"]} if run["dist_opt"] else None
+        # Megatron-LM's sharded-state-dict metadata (_build_sharded_state_dict_metadata, Megatron-Core
+        # >= 0.14): dp_reshardable unless --dist-ckpt-optim-fully-reshardable; a chain of optimizers'
+        # items unprefixed only where the distributed optimizer saves fully_reshardable
+        metadata = {"distrib_optim_sharding_type": run["sharding"] or "dp_reshardable",
+                    "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
         # What Megatron-LM's trainer saves (training/checkpointing.py, generate_state_dict)
         state = {"args": argparse.Namespace(tensor_model_parallel_size=run["tp"], num_layers=2, hidden_size=8,
                                             lr=1e-3, weight_decay=0.1, bf16=run["bf16"], params_dtype=dtype),
-                 "checkpoint_version": 3.0, "iteration": 3, "model": ddp.module.sharded_state_dict()}
+                 "checkpoint_version": 3.0, "iteration": 3, "model": ddp.module.sharded_state_dict(metadata=metadata)}
         state["optimizer"] = opt.sharded_state_dict(state, metadata=metadata)
         state["opt_param_scheduler"] = sched.state_dict()
         state["num_floating_point_operations_so_far"] = 0
@@ -189,7 +196,8 @@ def rank_main(rank, world, port, out):
             (1, run["tp"]), (0, parallel_state.get_tensor_model_parallel_rank()),
             replica_id=parallel_state.get_data_parallel_rank())
         apply_factories(state)
-        whole = gathered(list(nested_values(state)), rank)
+        refd = run["sharding"] != "dp_reshardable"  # no per-key state in that one
+        whole = gathered(list(nested_values(state)), rank) if refd else None
         settings = {}
         for part in all_ranks(key_settings(ddp.module, opt)):
             for key, v in part.items():
@@ -206,7 +214,7 @@ def rank_main(rank, world, port, out):
                                                     parallel_state.get_data_parallel_group(with_context_parallel=True),
                                                     True)
         dist_checkpointing.save(state, path, strategy, content_metadata=metadata)
-        if rank == 0 and run["sharding"] != "dp_reshardable":  # no per-key state in that one
+        if rank == 0 and refd:
             write_ref(path, whole, settings)
         dist.barrier()
         parallel_state.destroy_model_parallel()
@@ -251,6 +259,7 @@ def write_ref(path, whole, settings):
     tensors, meta = {}, {}
     for key in sorted(settings):
         prefix = next(p for p in ["", "chained_0.", "chained_1."] if f"{p}optimizer.state.exp_avg.{key}" in whole)
+
         main = whole.get(f"{prefix}optimizer.state.param.{key}", whole.get(f"{prefix}optimizer.state.fp32_param.{key}"))
         tensors[f"{key}.param"] = main if main is not None else whole[key]
         for e in ("exp_avg", "exp_avg_sq"):

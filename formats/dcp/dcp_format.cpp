@@ -813,6 +813,15 @@ class DcpReader final : public CheckpointReader {
     md_.storage[{kMegatronCommon, {}}] = StorageLoc{kMegatronCommon, 0, cf->size(), false};
     OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(kMegatronCommon, {}, 64));
     if (pi->payload.kind != Payload::Kind::kValue) return corrupt(where + "/common.pt: not a dict");
+    if (pi->pickle.dict_get(pi->pickle.root(), "optimizer") == pickle::kNoRef) {
+      // verl's Megatron checkpoints keep the model, the optimizer and the RNG state in three of
+      // these: global_step_N/actor/{model,optimizer,extra}/dist_ckpt/
+      const fs::path verl_optimizer = dir_.parent_path().parent_path() / "optimizer" / "dist_ckpt";
+      if (dir_.parent_path().filename() == "model" && fs::is_directory(verl_optimizer, ec))
+        return corrupt(fmt::format("{}: a Megatron checkpoint of the model alone (verl's model/dist_ckpt/); its "
+                                   "optimizer state is in {}: pass that directory",
+                                   where, verl_optimizer.string()));
+    }
     OPTSTATE_ASSIGN_OR_RETURN(megatron::Common c, megatron::interpret_common(pi->pickle, where + "/common.pt"));
     common = pi;
     return std::optional<megatron::Common>(std::move(c));

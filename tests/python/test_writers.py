@@ -336,3 +336,21 @@ def test_a_damaged_tensor_parallel_shard_of_a_megatron_checkpoint_fails_its_crc(
     assert proc.returncode != 0, proc.stdout
     out = proc.stdout + proc.stderr
     assert f"item '{key}'" in out and "fails the CRC-32 torch.save stored" in out, out
+
+
+def test_verls_megatron_model_folder_points_at_its_optimizer_folder(tmp_path, optstate_cli):
+    """verl's Megatron backend saves global_step_N/actor/{model,optimizer,extra}/dist_ckpt/, each a
+    torch_dist checkpoint: the model's holds no optimizer, and optstate names the folder that does
+    (which reads as Megatron held it)."""
+    import shutil
+    actor = tmp_path / "global_step_3" / "actor"
+    for part in ("model", "optimizer"):
+        (actor / part).mkdir(parents=True)
+        shutil.copytree(MEGATRON / "tp2", actor / part / "dist_ckpt")
+    common = actor / "model" / "dist_ckpt" / "common.pt"
+    c = torch.load(common, weights_only=False)
+    del c["optimizer"]
+    torch.save(c, common)
+    err = run_err(optstate_cli, "inspect", actor / "model" / "dist_ckpt")
+    assert "model alone" in err and str(actor / "optimizer" / "dist_ckpt") in err, err
+    assert optstate_cli("diff", actor / "optimizer" / "dist_ckpt", MEGATRON / "tp2").returncode == 0

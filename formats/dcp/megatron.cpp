@@ -98,12 +98,16 @@ Result<Optimizer> interpret_optimizer(const Pickle& p, Ref opt, const std::strin
     const auto sharding = as_string(p, st);
     if (!sharding) return corrupt(where + ": param_state_sharding_type is not a string");
     out.sharding = *sharding;
-    if (*sharding != "fully_reshardable")
-      return unsupported(fmt::format(
-          "{}: Megatron's distributed optimizer saved '{}' (its flat per-bucket buffers, whose param layout the "
-          "checkpoint does not hold); optstate reads it saved 'fully_reshardable' (Megatron-LM's "
-          "--dist-ckpt-optim-fully-reshardable): per-param items",
-          where, *sharding));
+    if (*sharding != "fully_reshardable") {
+      const char* what = *sharding == "fully_sharded_model_space"
+                             ? "each rank's flattened range of each param, as Megatron-Core up to 0.13 saved it, "
+                               "which optstate does not read"
+                             : "its flat per-bucket buffers, whose param layout the checkpoint does not hold";
+      return unsupported(fmt::format("{}: Megatron's distributed optimizer saved '{}' ({}); optstate reads it saved "
+                                     "'fully_reshardable' (Megatron-LM's --dist-ckpt-optim-fully-reshardable): "
+                                     "per-param items",
+                                     where, *sharding, what));
+    }
     opt = p.dict_get(opt, "optimizer");
     if (opt == kNoRef || p.at(opt).kind != Kind::kDict)
       return corrupt(where + ": the distributed optimizer's common.pt has no 'optimizer' dict");

@@ -149,10 +149,18 @@ Result<Common> interpret_common(const Pickle& p, const std::string& where) {
     if (const auto key = as_string(p, items[i]); key && *key != "optimizer") out.other_keys.push_back(*key);
   if (const Ref cm = p.dict_get(root, "content_metadata"); cm != kNoRef)
     out.avoid_prefix = as_bool(p, p.dict_get(cm, "chained_optim_avoid_prefix")).value_or(false);
-  const Ref opt = p.dict_get(root, "optimizer");
+  Ref opt = p.dict_get(root, "optimizer");
   if (opt == kNoRef)
     return corrupt(where + ": a Megatron checkpoint without optimizer state (common.pt has no 'optimizer': saved with "
                            "--no-save-optim)");
+  // NeMo 2 (its MegatronStrategy) saves Lightning's optimizers as a list: [sharded_state_dict].
+  if (const auto* listed = list_of(p, opt)) {
+    if (listed->size() != 1)
+      return unsupported(fmt::format("{}: a list of {} optimizers in common.pt (NeMo's Lightning optimizers); "
+                                     "optstate reads one",
+                                     where, listed->size()));
+    opt = (*listed)[0];
+  }
   const auto& ov = p.at(opt);
   // A chain (ChainedOptimizer of several): {0: sd, 1: sd, ...}, the keys the optimizers' places.
   const bool chain = ov.kind == Kind::kDict && !ov.items.empty() && p.at(ov.items[0]).kind == Kind::kInt;

@@ -354,3 +354,21 @@ def test_verls_megatron_model_folder_points_at_its_optimizer_folder(tmp_path, op
     err = run_err(optstate_cli, "inspect", actor / "model" / "dist_ckpt")
     assert "model alone" in err and str(actor / "optimizer" / "dist_ckpt") in err, err
     assert optstate_cli("diff", actor / "optimizer" / "dist_ckpt", MEGATRON / "tp2").returncode == 0
+
+
+def test_nemo2s_list_of_one_optimizer_in_common_pt_reads_as_megatrons(tmp_path, optstate_cli):
+    """NeMo 2's MegatronStrategy saves the same torch_dist checkpoint with common.pt's optimizer a
+    list of Lightning's optimizers (`checkpoint["optimizer"] = [sharded_state_dict]`) beside
+    Lightning's trainer state: one reads as Megatron's own; two are refused."""
+    import shutil
+    ck = tmp_path / "weights"
+    shutil.copytree(MEGATRON / "tp2", ck)
+    c = torch.load(ck / "common.pt", weights_only=False)
+    c = {"state_dict": {}, "optimizer": [c["optimizer"]], "lr_schedulers": [c["opt_param_scheduler"]],
+         "epoch": 0, "global_step": 3, "pytorch-lightning_version": "2.5.0", "content_metadata": c["content_metadata"]}
+    torch.save(c, ck / "common.pt")
+    assert optstate_cli("diff", ck, MEGATRON / "tp2").returncode == 0
+    assert "common.pt: state_dict, lr_schedulers, epoch, global_step" in optstate_cli("inspect", ck, "--no-stats").stdout
+    c["optimizer"] = c["optimizer"] * 2
+    torch.save(c, ck / "common.pt")
+    assert "a list of 2 optimizers" in run_err(optstate_cli, "inspect", ck)

@@ -175,12 +175,20 @@ TEST_CASE("megatron: what is not AdamW's, or not there, is refused by name") {
   auto none = common([](pickle::Writer&) {}, false);
   REQUIRE_FALSE(none.ok());
   CHECK(none.status().message().find("--no-save-optim") != std::string::npos);
-  auto listed = common([](pickle::Writer& w) {
-    w.empty_list(), w.mark();
-    plain(w, [](pickle::Writer& w) { group(w, 0.1, 1.0); });
-    w.appends_from_mark();
-  });
-  CHECK_FALSE(listed.ok());
+  // NeMo 2's list of Lightning's optimizers: one read, more refused
+  auto nemo = [](int n) {
+    return common([=](pickle::Writer& w) {
+      w.empty_list(), w.mark();
+      for (int i = 0; i < n; ++i) plain(w, [](pickle::Writer& w) { group(w, 0.1, 1.0); });
+      w.appends_from_mark();
+    });
+  };
+  REQUIRE(nemo(1).ok());
+  CHECK(nemo(1)->optimizers.size() == 1);
+  auto two = nemo(2);
+  REQUIRE_FALSE(two.ok());
+  CHECK(two.status().message().find("a list of 2 optimizers") != std::string::npos);
+  CHECK_FALSE(nemo(0).ok());
   auto l2 = common([](pickle::Writer& w) {
     plain(w, [](pickle::Writer& w) {
       group(w, 0.1, 1.0, {}, /*decoupled=*/false);

@@ -16,8 +16,8 @@
 #include "optstate/torch_names.h"
 #include "optstate/transform.h"
 #include "pickle.h"
-#include "torchao/torchao_layout.h"
 #include "megatron.h"
+#include "torchao/torchao_layout.h"
 #include "zip.h"
 
 namespace optstate::dcp {
@@ -185,6 +185,7 @@ class DcpReader final : public CheckpointReader {
   // crc_result. A read out of that order (a rank's share of a larger chunk, a view) leaves the
   // record unchecked. Counts records checked and reads not, for checksummed().
   bool crc_due(ParsedItem::Record& rec, uint64_t at, uint64_t bytes) {
+    if (bytes == 0) return false;  // nothing read: nothing to fold in or count
     if (rec.verified) {
       ++verified_;
       return false;
@@ -1637,8 +1638,8 @@ class DcpReader final : public CheckpointReader {
   std::vector<std::string> notes_;  // more of what is not read: why numbered params keep their numbers, ...
   bool model_ddp_prefix_ = false;   // numbered: the model's state_dict is a DDP model's (is_ddp_state_dict)
   SourceLayout layout_;
-  int64_t verified_ = 0, unverified_ = 0;
-  int64_t pending_ = 0;  // records read in part, in order, not yet to their end (their CRC-32 unchecked)       // chunks streamed with and without a CRC-32 check
+  int64_t verified_ = 0, unverified_ = 0;  // records checked against their CRC-32; reads not checked
+  int64_t pending_ = 0;  // records read in part, in order, not yet to their end (their CRC-32 unchecked)
   ReadBuffer piece_;                             // reused between streams
   struct {
     const ParsedItem* pi = nullptr;

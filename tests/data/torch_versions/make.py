@@ -258,6 +258,13 @@ def spawn_ranks(rank_main, out, world=2):
     mp.spawn(rank_main, args=(world, port, out), nprocs=world)
 
 
+def spawn_main(rank_main):
+    """A writer script's main: rank_main(rank, world, port, out) on two ranks, out = argv[1]."""
+    out = os.path.abspath(sys.argv[1])
+    os.makedirs(out, exist_ok=True)
+    spawn_ranks(rank_main, out)
+
+
 def main():
     out = os.path.abspath(sys.argv[1])
     os.makedirs(out, exist_ok=True)

@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "torch_versions"))
-from make import save_ref, spawn_ranks  # noqa: E402
+from make import save_ref, spawn_main  # noqa: E402
 
 RUNS = {
     "tp2": dict(tp=2, dist_opt=False, bf16=True, sharding=None),
@@ -268,11 +268,5 @@ def write_ref(path, whole, settings):
     save_ref(path, tensors, meta)
 
 
-def main():
-    out = os.path.abspath(sys.argv[1])
-    os.makedirs(out, exist_ok=True)
-    spawn_ranks(rank_main, out)
-
-
 if __name__ == "__main__":
-    main()
+    spawn_main(rank_main)

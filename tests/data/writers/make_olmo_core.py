@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "torch_versions"))
-from make import small_model, spawn_ranks, train, write_ref  # noqa: E402
+from make import small_model, spawn_main, train, write_ref  # noqa: E402
 
 
 def rank_main(rank, world, port, out):
@@ -53,11 +53,5 @@ def rank_main(rank, world, port, out):
     dist.destroy_process_group()
 
 
-def main():
-    out = os.path.abspath(sys.argv[1])
-    os.makedirs(out, exist_ok=True)
-    spawn_ranks(rank_main, out)
-
-
 if __name__ == "__main__":
-    main()
+    spawn_main(rank_main)

@@ -49,6 +49,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "torch_versions"))
 from make import save_ref, spawn_main  # noqa: E402
 
+# bench/bench_megatron.py's larger model: MEGATRON_SIZE="layers,hidden,vocab", MEGATRON_RUNS a
+# comma-separated subset of RUNS, MEGATRON_REF=0 (no .ref.safetensors: nothing gathered).
+LAYERS, HIDDEN, VOCAB = map(int, os.environ.get("MEGATRON_SIZE", "2,8,16").split(","))
 RUNS = {
     "tp2": dict(tp=2, dist_opt=False, bf16=True, sharding=None),
     "dp2_distopt": dict(tp=1, dist_opt=True, bf16=True, sharding="fully_reshardable"),
@@ -142,19 +145,22 @@ def rank_main(rank, world, port, out):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    chosen = os.environ.get("MEGATRON_RUNS")
     for name, run in RUNS.items():
+        if chosen and name not in chosen.split(","):
+            continue
         ep = run.get("ep", 1)
         parallel_state.initialize_model_parallel(run["tp"], 1, expert_model_parallel_size=ep)
         torch.manual_seed(0)
         dtype = torch.bfloat16 if run["bf16"] else torch.float32
-        cfg = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True,
+        cfg = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=2, use_cpu_initialization=True,
                                 hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=run["tp"],
                                 bf16=run["bf16"], params_dtype=dtype, pipeline_dtype=dtype,
                                 **(dict(num_moe_experts=2, moe_router_topk=1, moe_router_pre_softmax=True,
                                         moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep,
                                         add_bias_linear=False) if ep > 1 else {}))
         spec = get_gpt_layer_local_spec(num_experts=2, moe_grouped_gemm=False) if ep > 1 else get_gpt_layer_local_spec()
-        model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=16,
+        model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB,
                          max_sequence_length=4)
         if run["bf16"]:  # as Megatron-LM's get_model wraps it
             from megatron.core.transformer.module import Float16Module
@@ -169,7 +175,7 @@ def rank_main(rank, world, port, out):
                                         wd_incr_steps=10, wd_incr_style="constant")
         gen = torch.Generator().manual_seed(1 + parallel_state.get_data_parallel_rank())
         for _ in range(3):
-            ids = torch.randint(0, 16, (2, 4), generator=gen)
+            ids = torch.randint(0, VOCAB, (2, 4), generator=gen)
             pos = torch.arange(4).unsqueeze(0).expand(2, 4)
             mask = torch.tril(torch.ones(4, 4, dtype=torch.bool)).logical_not().view(1, 1, 4, 4)
             ddp.zero_grad_buffer()
@@ -185,7 +191,7 @@ def rank_main(rank, world, port, out):
         metadata = {"distrib_optim_sharding_type": run["sharding"] or "dp_reshardable",
                     "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
         # What Megatron-LM's trainer saves (training/checkpointing.py, generate_state_dict)
-        state = {"args": argparse.Namespace(tensor_model_parallel_size=run["tp"], num_layers=2, hidden_size=8,
+        state = {"args": argparse.Namespace(tensor_model_parallel_size=run["tp"], num_layers=LAYERS, hidden_size=HIDDEN,
                                             lr=1e-3, weight_decay=0.1, bf16=run["bf16"], params_dtype=dtype),
                  "checkpoint_version": 3.0, "iteration": 3, "model": ddp.module.sharded_state_dict(metadata=metadata)}
         state["optimizer"] = opt.sharded_state_dict(state, metadata=metadata)
@@ -196,7 +202,7 @@ def rank_main(rank, world, port, out):
             (1, run["tp"]), (0, parallel_state.get_tensor_model_parallel_rank()),
             replica_id=parallel_state.get_data_parallel_rank())
         apply_factories(state)
-        refd = run["sharding"] != "dp_reshardable"  # no per-key state in that one
+        refd = run["sharding"] != "dp_reshardable" and os.environ.get("MEGATRON_REF", "1") != "0"
         whole = gathered(list(nested_values(state)), rank) if refd else None
         settings = {}
         for part in all_ranks(key_settings(ddp.module, opt)):

@@ -1,0 +1,106 @@
+"""Reading Megatron-LM's torch_dist checkpoint of its distributed optimizer (fully_reshardable) into
+plain fp32 per-param state: `optstate convert iter_N plain.safetensors --to fp32` next to torch's own
+DCP reader loading the same optimizer items (no Megatron: `dcp.load` of every `optimizer.state.*`
+tensor, `no_dist`, then safetensors' `save_file`), side by side in one run on the same checkpoint
+and disk, cold page cache, each a fresh process; wall time and peak RSS of each, and the raw copy as
+the floor. torch's side reads tensors only: it knows no param groups, steps or Megatron's layout,
+which optstate reads besides (`inspect`).
+
+- The checkpoint: Megatron-Core's GPTModel (--layers, --hidden, --vocab; bf16 weights, fp32 main
+  params) trained 3 steps on 2 CPU ranks (gloo) with the distributed optimizer and saved as
+  Megatron-LM saves it (`tests/data/writers/make_megatron.py`, run `dp2_distopt`).
+- Megatron-Core must import: --megatron PATH (a `pip install --target PATH --no-deps
+  megatron-core==0.16.1`), used for making the checkpoint only.
+The two outputs must hold the same fp32 tensors, bit for bit (main params, exp_avg, exp_avg_sq).
+
+    .venv/bin/python bench/bench_megatron.py --megatron /tmp/megatron [--layers 4] [--hidden 1024]
+        [--vocab 32768] [--reps 2] [--dir /tmp] [--json bench/results/megatron.json]
+"""
+import os
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+from bench_ckpt import checkpoint_args, dir_bytes, raw_read, raw_write  # noqa: E402
+from bench_dcp_convert import prepare, report, run, time_cases  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+# torch alone: every optimizer.state.* tensor item of the DCP, loaded by torch's DCP reader in one
+# process, saved as <key>.<entry> (Megatron's `param` named as optstate names the weights: param).
+READ_WITH_TORCH = textwrap.dedent("""
+    import sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from safetensors.torch import save_file
+    src, out = sys.argv[1:3]
+    md = dcp.FileSystemReader(src).read_metadata()
+    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
+             if k.startswith("optimizer.state.") and isinstance(v, TensorStorageMetadata)}
+    dcp.load(state, checkpoint_id=src, no_dist=True)
+    named = {}
+    for k, t in state.items():
+        entry, key = k[len("optimizer.state."):].split(".", 1)
+        named[f"{key}.{entry}"] = t.float()
+    save_file(named, out)
+""")
+
+
+def main():
+    ap = checkpoint_args(layers=4, reps=2)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--megatron", required=True, help="where megatron-core is installed (pip --target)")
+    args = ap.parse_args()
+    sys.path.insert(0, args.megatron)
+    cli, work, env, scripts = prepare("megatron", args.dir, "", READ_WITH_TORCH, needs="megatron.core")
+    env["PYTHONPATH"] = args.megatron
+    make_env = dict(env, MEGATRON_SIZE=f"{args.layers},{args.hidden},{args.vocab}", MEGATRON_RUNS="dp2_distopt",
+                    MEGATRON_REF="0")
+    import subprocess
+    import time
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, str(BENCH.parent / "tests/data/writers/make_megatron.py"), work / "made"],
+                   check=True, env=make_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    src = work / "made" / "dp2_distopt"
+    src_bytes = dir_bytes(src)
+    info = subprocess.run([cli, "inspect", src, "--no-stats"], capture_output=True, text=True, check=True).stdout
+    params = info.splitlines()[1]
+    print(f"source: {src_bytes / 1e9:.2f} GB Megatron torch_dist checkpoint ({args.layers} layers, hidden "
+          f"{args.hidden}, vocab {args.vocab}: {params.split(',', 2)[-1].strip()}; made in "
+          f"{time.perf_counter() - t0:.0f} s); {os.cpu_count()} cpus, torch {torch.__version__}")
+
+    dst = {"optstate": work / "optstate.safetensors", "torch DCP": work / "torch.safetensors"}
+    cases = {
+        "optstate": lambda out: [cli, "convert", src, out, "--to", "fp32"],
+        "torch DCP": lambda out: [sys.executable, scripts["convert_reference.py"], src, out],
+    }
+    times, peak = time_cases(cases, dst, src, args.reps, env)
+    dst_bytes = os.path.getsize(dst["optstate"])
+    buf = bytearray(max(src_bytes, dst_bytes))
+    files = [os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs]
+    for rep in range(args.reps):
+        t = 0.0
+        for f in files:
+            t += raw_read(f, memoryview(buf)[:os.path.getsize(f)])
+        t += raw_write(work / "raw_copy", memoryview(buf)[:dst_bytes])
+        times["floor (raw copy)"].append(t)
+
+    from safetensors.torch import load_file
+    a, b = load_file(dst["optstate"]), load_file(dst["torch DCP"])
+    bad = [k for k in b if k not in a or not torch.equal(a[k], b[k])]
+    assert not bad, f"outputs differ: {bad[:8]}"
+    print(f"outputs: {dst_bytes / 1e9:.2f} GB; {len(b)} tensors equal bit for bit (fp32 main params, exp_avg, "
+          f"exp_avg_sq)")
+    report(args, work, times, peak, src_bytes, dst_bytes, reference="torch DCP")
+
+
+if __name__ == "__main__":
+    main()

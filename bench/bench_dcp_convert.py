@@ -174,6 +174,19 @@ def time_cases(cases, dst, src, reps, env):
     return times, peak
 
 
+def time_floor(times, src, work, src_bytes, dst_bytes, reps):
+    """The floor of a convert benchmark, `reps` times into times["floor (raw copy)"]: SRC's files read
+    cold, DST's byte count written and fsynced."""
+    buf = bytearray(max(src_bytes, dst_bytes))
+    files = [os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs]
+    for rep in range(reps):
+        t = 0.0
+        for f in files:
+            t += raw_read(f, memoryview(buf)[:os.path.getsize(f)])
+        t += raw_write(work / "raw_copy", memoryview(buf)[:dst_bytes])
+        times["floor (raw copy)"].append(t)
+
+
 def report(args, work, times, peak, src_bytes, dst_bytes, reference="torch + torchao"):
     """The end of a convert benchmark: its table, the work folder removed, the JSON written."""
     rows = convert_table(times, peak, src_bytes, dst_bytes, reference)
@@ -221,14 +234,7 @@ def main():
     }
     times, peak = time_cases(cases, dst, src, args.reps, env)
     dst_bytes = dir_bytes(dst["optstate"])
-    buf = bytearray(max(src_bytes, dst_bytes))
-    files = [os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs]
-    for rep in range(args.reps):
-        t = 0.0
-        for f in files:
-            t += raw_read(f, memoryview(buf)[:os.path.getsize(f)])
-        t += raw_write(work / "raw_copy", memoryview(buf)[:dst_bytes])
-        times["floor (raw copy)"].append(t)
+    time_floor(times, src, work, src_bytes, dst_bytes, args.reps)
 
     # Both outputs hold the same state, read by torch's own DCP reader.
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

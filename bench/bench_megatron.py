@@ -26,8 +26,8 @@ import torch
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from bench_ckpt import checkpoint_args, dir_bytes, raw_read, raw_write  # noqa: E402
-from bench_dcp_convert import prepare, report, run, time_cases  # noqa: E402
+from bench_ckpt import checkpoint_args, dir_bytes  # noqa: E402
+from bench_dcp_convert import prepare, report, time_cases, time_floor  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -84,14 +84,7 @@ def main():
     }
     times, peak = time_cases(cases, dst, src, args.reps, env)
     dst_bytes = os.path.getsize(dst["optstate"])
-    buf = bytearray(max(src_bytes, dst_bytes))
-    files = [os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs]
-    for rep in range(args.reps):
-        t = 0.0
-        for f in files:
-            t += raw_read(f, memoryview(buf)[:os.path.getsize(f)])
-        t += raw_write(work / "raw_copy", memoryview(buf)[:dst_bytes])
-        times["floor (raw copy)"].append(t)
+    time_floor(times, src, work, src_bytes, dst_bytes, args.reps)
 
     from safetensors.torch import load_file
     a, b = load_file(dst["optstate"]), load_file(dst["torch DCP"])

@@ -199,7 +199,12 @@ class TorchSaveReader final : public CheckpointReader {
   // A LibTorch archive is read here (the same zip, pickle and tensors) for formats/libtorch/,
   // bitsandbytes' state_dict for formats/bitsandbytes/ and one file of torchao's for formats/torchao/.
   std::string_view format() const override {
-    return libtorch_ ? "libtorch" : bnb_ ? "bitsandbytes" : torchao_ ? "torchao" : deepspeed_ ? "deepspeed" : "torchsave";
+    return libtorch_     ? "libtorch"
+           : bnb_        ? "bitsandbytes"
+           : torchao_    ? "torchao"
+           : deepspeed_  ? "deepspeed"
+           : nanotron_   ? "nanotron"
+                         : "torchsave";
   }
   const fs::path& path() const override { return path_; }
   const OptimizerState& meta() const override { return meta_; }
@@ -503,7 +508,7 @@ class TorchSaveReader final : public CheckpointReader {
     // beyond the state (per-param fields and stateless params without weights it does not carry,
     // but an optimizer per param that never stepped its param, which it carries as it is).
     // (Not Composer's DecoupledAdamW: its weight decay is read as AdamW's, which the file's is not.)
-    carries_rest_ = !set_ && !libtorch_ && !sd0.decoupled_decay;
+    carries_rest_ = !set_ && !libtorch_ && !sd0.decoupled_decay && !sd0.nanotron;
     for (size_t i = 0; i < not_read_.size(); ++i)
       carries_rest_ = carries_rest_ && (not_read_[i].starts_with("[") || not_read_[i].starts_with("param group ") ||
                                         (sd0.per_param && i == stateless_line));
@@ -979,6 +984,187 @@ class TorchSaveReader final : public CheckpointReader {
     if (bnb_partitions)
       not_read_.push_back("bitsandbytes' 8-bit encoding of the moments (its AdamW8bit under ZeRO: blocks of each rank's "
                           "flat partition, not of each param): read as fp32 values");
+    return finish({}, {}, 0);
+  }
+
+  // nanotron's optimizer files: each stage's params from its files, their groups the stage's (its
+  // first file's; every data-parallel rank's file has the same groups, holding the params with a
+  // run there), each param's runs put together where ZeRO-1 split it.
+  Status init_nanotron(const NanotronParts& np) {
+    nanotron_ = true;
+    set_ = true;
+    const std::string dir = np.dir.string();
+    std::vector<StateDict> sds;
+    std::set<std::string> unread;
+    for (const NanotronParts::File& f : np.files) {
+      const std::string fw = f.path.string();
+      OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(f.path));
+      files_.push_back(std::move(ap.first));
+      OPTSTATE_ASSIGN_OR_RETURN(StateDict sd, interpret_state_dict(ap.second, fw));
+      if (!sd.nanotron || !sd.optimizer_path.empty() || sd.per_param || sd.libtorch)
+        return corrupt(fmt::format("{}: not nanotron's optimizer state_dict (its params named by 'names' beside "
+                                   "'state' and 'param_groups')", fw));
+      if (sd.eight || sd.bnb || sd.torchao)
+        return corrupt(fmt::format("{}: 8-bit or torchao state; nanotron's AdamW is torch's", fw));
+      for (const std::string& n : sd.not_read)
+        if (unread.insert(n).second) not_read_.push_back(n);
+      sds.push_back(std::move(sd));
+    }
+    for (const std::string& n : np.not_read) not_read_.push_back(n);
+    meta_.kind = "adamw";
+    // Groups: each stage's own, its files' alike but for members.
+    std::map<int64_t, size_t> base;  // stage -> its first group
+    std::map<int64_t, size_t> first_file;  // stage -> its data-parallel rank 0's file
+    for (size_t f = 0; f < np.files.size(); ++f) {
+      const int64_t pp = np.files[f].pp;
+      const std::string fw = np.files[f].path.string();
+      const StateDict& sd = sds[f];
+      if (!first_file.count(pp)) {
+        first_file[pp] = f;
+        base[pp] = meta_.groups.size();
+        for (size_t g = 0; g < sd.groups.size(); ++g) {
+          ParamGroup group;
+          group.hyper = sd.groups[g].hyper;
+          OPTSTATE_ASSIGN_OR_RETURN(group.hyper.lr, value_of(f, sd.groups[g].lr, fmt::format("{} param group {} 'lr'", fw, g)));
+          meta_.groups.push_back(std::move(group));
+          adamw_flags_.push_back(sd.groups[g].flags);
+          GroupExtras& kept = group_extras_.emplace_back();
+          for (const GroupExtraSpec& x : sd.groups[g].extras)
+            if (!x.tensor) kept.emplace_back(x.key, x.value);
+        }
+        continue;
+      }
+      const StateDict& s0 = sds[first_file[pp]];
+      const std::string w0 = np.files[first_file[pp]].path.string();
+      if (sd.groups.size() != s0.groups.size())
+        return corrupt(fmt::format("{}: {} param groups; {} (the same pipeline stage) has {}", fw, sd.groups.size(), w0,
+                                   s0.groups.size()));
+      for (size_t g = 0; g < sd.groups.size(); ++g) {
+        const Hyperparameters &x = s0.groups[g].hyper, &y = sd.groups[g].hyper;
+        OPTSTATE_ASSIGN_OR_RETURN(const double lr, value_of(f, sd.groups[g].lr, fmt::format("{} param group {} 'lr'", fw, g)));
+        if (!same_number(lr, meta_.groups[base[pp] + g].hyper.lr) || !same_number(x.beta1, y.beta1) ||
+            !same_number(x.beta2, y.beta2) || !same_number(x.eps, y.eps) || !same_number(x.weight_decay, y.weight_decay) ||
+            x.amsgrad != y.amsgrad || x.maximize != y.maximize)
+          return corrupt(fmt::format("{}: param group {}'s hyperparameters differ from {}'s", fw, g, w0));
+      }
+    }
+    // Each param: its specs in the files that hold it, in file order.
+    std::vector<std::string> order;
+    std::map<std::string, std::vector<std::pair<size_t, const ParamSpec*>>> held;
+    size_t never_stepped = 0;
+    for (size_t f = 0; f < sds.size(); ++f)
+      for (const ParamSpec& spec : sds[f].params) {
+        if (spec.entries.empty()) {  // weights without state: never stepped
+          never_stepped += np.files[f].dp == 0;
+          continue;
+        }
+        auto& specs = held[spec.fqn];
+        if (specs.empty()) order.push_back(spec.fqn);
+        if (!specs.empty() && np.files[specs[0].first].pp != np.files[f].pp)
+          return corrupt(fmt::format("{}: param '{}' is also in {}, another pipeline stage's", np.files[f].path.string(),
+                                     spec.fqn, np.files[specs[0].first].path.string()));
+        specs.emplace_back(f, &spec);
+      }
+    if (never_stepped)
+      not_read_.push_back(fmt::format("{} param{} with fp32 weights and no state (never stepped)", never_stepped,
+                                      never_stepped == 1 ? "" : "s"));
+    for (const std::string& name : order) {
+      const auto& specs = held[name];
+      const auto& [f0, s0] = specs[0];
+      const std::string pw = fmt::format("{} param '{}'", dir, name);
+      ParamState ps;
+      ps.group = static_cast<int>(base[np.files[f0].pp] + static_cast<size_t>(s0->group));
+      // Where each file's tensors go: (file, spec, first flat element, count).
+      std::vector<std::tuple<size_t, const ParamSpec*, int64_t, int64_t>> runs;
+      if (!np.zero) {
+        if (specs.size() != 1)
+          return corrupt(fmt::format("{}: in {} and {}; without ZeRO a stage's state is in one file", pw,
+                                     np.files[f0].path.string(), np.files[specs[1].first].path.string()));
+        ps.shape = s0->shape;
+        OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps.shape));
+        runs.emplace_back(f0, s0, 0, numel);
+      } else {
+        const auto z = np.zero->find(name);
+        if (z == np.zero->end())
+          return corrupt(fmt::format("{}/optimizer_config.json: no param_name_to_dp_rank_offsets of '{}', which {} holds",
+                                     dir, name, np.files[f0].path.string()));
+        ps.shape = z->second.shape;
+        OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps.shape));
+        std::set<int64_t> seen;
+        for (const auto& [f, spec] : specs) {
+          const int64_t dp = np.files[f].dp;
+          const std::string fw = fmt::format("{} param '{}'", np.files[f].path.string(), name);
+          const auto r = z->second.runs.find(dp);
+          if (r == z->second.runs.end())
+            return corrupt(fmt::format("{}: held, but optimizer_config.json gives data-parallel rank {} no run of it", fw, dp));
+          const auto [start, end] = r->second;
+          if (spec->shape != std::vector<int64_t>{end - start})
+            return corrupt(fmt::format("{}: shape {}, its run [{}, {}) of optimizer_config.json has {} elements", fw,
+                                       format_shape(spec->shape), start, end, end - start));
+          runs.emplace_back(f, spec, start, end - start);
+          seen.insert(dp);
+        }
+        for (const auto& [dp, run] : z->second.runs)
+          if (!seen.count(dp) && run.second > run.first)
+            return corrupt(fmt::format("{}: optimizer_config.json places [{}, {}) of it on data-parallel rank {}, whose "
+                                       "file does not hold it", pw, run.first, run.second, dp));
+        std::sort(runs.begin(), runs.end(), [](const auto& a, const auto& b) { return std::get<2>(a) < std::get<2>(b); });
+        int64_t at = 0;
+        for (const auto& [f, spec, start, count] : runs) {
+          if (start != at)
+            return corrupt(fmt::format("{}: its runs in optimizer_config.json leave a hole or overlap at element {} "
+                                       "(the next starts at {})", pw, at, start));
+          at += count;
+        }
+        if (at != numel)
+          return corrupt(fmt::format("{}: its runs in optimizer_config.json cover {} of its {} elements", pw, at, numel));
+      }
+      std::optional<int64_t> step;
+      for (const auto& [f, spec, start, count] : runs) {
+        const std::string fw = fmt::format("{} param '{}'", np.files[f].path.string(), name);
+        if (base[np.files[f].pp] + static_cast<size_t>(spec->group) != static_cast<size_t>(ps.group))
+          return corrupt(fmt::format("{}: in param group {}, {} has it in group {}", fw, spec->group,
+                                     np.files[f0].path.string(), s0->group));
+        OPTSTATE_ASSIGN_OR_RETURN(const double st, value_of(f, spec->step, fw + " 'step'"));
+        if (!(st >= 0 && st < 9.2e18) || st != std::floor(st)) return corrupt(fmt::format("{}: step {} is not a count", fw, st));
+        if (step && *step != static_cast<int64_t>(st))
+          return corrupt(fmt::format("{}: step {}, another rank's file has {}", fw, st, *step));
+        step = static_cast<int64_t>(st);
+        if (spec->entries.size() != s0->entries.size() || spec->weight.has_value() != s0->weight.has_value())
+          return corrupt(fmt::format("{}: other entries than {} has", fw, np.files[f0].path.string()));
+      }
+      ps.step = *step;
+      std::vector<std::string> entries;
+      for (const auto& [entry, es] : s0->entries) entries.push_back(entry);
+      if (s0->weight) entries.push_back(kParam);  // the fp32 weights (gradient_accumulator)
+      for (const std::string& entry : entries) {
+        std::vector<Piece> pieces;
+        Entry e;
+        for (const auto& [f, spec, start, count] : runs) {
+          const std::string ew = fmt::format("{} param '{}' '{}'", np.files[f].path.string(), name, entry);
+          const dcp::TensorRef* t = nullptr;
+          if (entry == kParam) {
+            t = &*spec->weight;
+          } else {
+            const auto it = spec->entries.find(entry);
+            if (it == spec->entries.end()) return corrupt(ew + ": missing");
+            if (it->second.encoding != Encoding::kDense || it->second.dtensor) return corrupt(ew + ": not a plain tensor");
+            t = &it->second.values;
+          }
+          if (pieces.empty()) e.dtype = t->dtype;
+          if (t->dtype != e.dtype || (e.dtype != DType::kF32 && e.dtype != DType::kBF16 && e.dtype != DType::kF16))
+            return corrupt(fmt::format("{}: {}; optstate reads fp32, bf16 or fp16 of one dtype", ew, dtype_name(t->dtype)));
+          OPTSTATE_ASSIGN_OR_RETURN(const Stored whole, resolve(f, *t, count, ew));
+          pieces.push_back(Piece{start, count, whole, std::nullopt});
+        }
+        stored_[{name, entry, Component::kValues}] = std::move(pieces);
+        if (entry == kParam) ps.param_dtype = e.dtype;
+        ps.entries.emplace(entry, std::move(e));
+      }
+      OPTSTATE_RETURN_IF_ERROR(one_name(name, name, dir));
+      meta_.groups[static_cast<size_t>(ps.group)].params.push_back(name);
+      meta_.params.emplace(name, std::move(ps));
+    }
     return finish({}, {}, 0);
   }
 
@@ -1623,6 +1809,7 @@ class TorchSaveReader final : public CheckpointReader {
   std::vector<AdamWFlags> adamw_flags_;  // each group's AdamW switches, where the file keeps some
   std::optional<bool> bnb_nested_;    // bitsandbytes' state: nested in __bnb_optimizer_quant_state__ or not
   bool deepspeed_ = false; // a DeepSpeed ZeRO checkpoint: formats/deepspeed/ sniffs it
+  bool nanotron_ = false;  // a nanotron checkpoint's optimizer files: formats/nanotron/ sniffs them
   bool shared_verified_ = false;  // verify_shared_records covered every record the pieces read
   std::vector<Archive> files_;
   OptimizerState meta_;
@@ -2429,6 +2616,13 @@ Result<std::unique_ptr<CheckpointReader>> open_deepspeed(const fs::path& path) {
   if (!z) return invalid_argument(path.string() + ": no DeepSpeed ZeRO optimizer files (zero_pp_rank_*_optim_states.pt)");
   auto reader = std::make_unique<TorchSaveReader>(path);
   OPTSTATE_RETURN_IF_ERROR(reader->init_zero(*z));
+  return std::unique_ptr<CheckpointReader>(std::move(reader));
+}
+
+Result<std::unique_ptr<CheckpointReader>> open_nanotron(const NanotronParts& parts) {
+  if (parts.files.empty()) return invalid_argument(parts.dir.string() + ": no nanotron optimizer files");
+  auto reader = std::make_unique<TorchSaveReader>(parts.path);
+  OPTSTATE_RETURN_IF_ERROR(reader->init_nanotron(parts));
   return std::unique_ptr<CheckpointReader>(std::move(reader));
 }
 

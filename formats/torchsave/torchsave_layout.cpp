@@ -962,6 +962,56 @@ Status interpret_optimizer(const Pickle& p, Ref opt, const std::string& ow, Stat
   return Status::Ok();
 }
 
+// The optimizer dict's keys beside 'state' and 'param_groups'. nanotron's NamedOptimizer adds
+// 'names' ({id: fqn} for the ids with state) and its OptimizerFromGradientAccumulator
+// 'gradient_accumulator' ({fqn: the fp32 weights the optimizer steps}, taken as the model dict:
+// `model`, `model_key`); any other key is named as not read.
+Status read_optimizer_extras(const Pickle& p, Ref opt, const std::string& ow, StateDict& out, OptimizerPart& part,
+                             Ref& model, std::string& model_key) {
+  const auto& items = *dict_items(p, opt);
+  for (size_t k = 0; k + 1 < items.size(); k += 2) {
+    const auto key = dcp::as_string(p, items[k]);
+    const Ref v = items[k + 1];
+    if (key && (*key == "state" || *key == "param_groups")) continue;
+    if (key && *key == "names") {
+      const auto* names = dict_items(p, v);
+      if (!names) return corrupt(ow + ": 'names' is not a dict");
+      if (part.keyed_by_name) return corrupt(ow + ": 'names' beside params listed by name");
+      std::set<std::string> seen;
+      for (size_t j = 0; j + 1 < names->size(); j += 2) {
+        const auto& id = p.at((*names)[j]);
+        const auto name = dcp::as_string(p, (*names)[j + 1]);
+        if (id.kind != Kind::kInt) return corrupt(ow + ": a 'names' key is not a param id");
+        const auto member = part.members.find(id.i);
+        if (member == part.members.end())
+          return corrupt(fmt::format("{}: 'names' names param id {}, which no param group lists", ow, id.i));
+        if (!name || name->empty()) return corrupt(fmt::format("{}: 'names' of param id {} is not a name", ow, id.i));
+        if (!seen.insert(*name).second) return corrupt(fmt::format("{}: 'names' gives '{}' twice", ow, *name));
+        std::string& current = member->second.second;
+        if (part.named_in_groups && current != *name)
+          return corrupt(fmt::format("{}: 'names' names param id {} '{}', its group's param_names '{}'", ow, id.i, *name,
+                                     current));
+        current = *name;
+        if (auto it = part.params.find(id.i); it != part.params.end()) it->second.fqn = *name;
+      }
+      part.named_in_groups = true;  // a model dict beside them is looked up by name
+      out.nanotron = true;
+      continue;
+    }
+    if (key && *key == "gradient_accumulator" && dict_items(p, v)) {
+      if (model != kNoRef)
+        return corrupt(fmt::format("{}: 'gradient_accumulator' (nanotron's fp32 weights) beside the model dict {}", ow,
+                                   model_key));
+      model = v;
+      model_key = out.optimizer_path + "['gradient_accumulator']";
+      out.nanotron = true;
+      continue;
+    }
+    out.not_read.push_back(fmt::format("the optimizer dict's '{}'", key ? *key : "?"));
+  }
+  return Status::Ok();
+}
+
 // Composer's DecoupledAdamW decays each weight by weight_decay * lr / initial_lr a step, where
 // AdamW decays it by weight_decay * lr: the same update as AdamW's with weight_decay / initial_lr,
 // at every lr a schedule gives. Its groups keep initial_lr (a number; without one, or 0, the decay
@@ -1067,12 +1117,12 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
   }
   const std::string ow = where + (out.optimizer_path.empty() ? "" : " " + out.optimizer_path);
   out.optimizer_ref = opt;
-  out.model_ref = model;
 
   OptimizerPart part;
   if (!out.per_param) {
     OPTSTATE_RETURN_IF_ERROR(interpret_optimizer(p, opt, ow, out, part));
     if (out.decoupled_decay) OPTSTATE_RETURN_IF_ERROR(read_decoupled_decay(out.groups, ow, out.read_notes));
+    OPTSTATE_RETURN_IF_ERROR(read_optimizer_extras(p, opt, ow, out, part, model, model_key));
   } else {
     // One optimizer per param: each one's group is a group of the state, its one param named by
     // its key and numbered in the dict's order (as the wrapper lists model.named_parameters()).
@@ -1103,6 +1153,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
     part.named_in_groups = true;  // named by their keys: a model beside them is looked up by name
   }
   auto& [members, params, group_ids, keyed_by_name, named_in_groups, torchao_groups] = part;
+  out.model_ref = model;
 
   // Weights beside the optimizer, by name; every other tensor there is named as not read. A param
   // the optimizer never stepped has no state, but its weights give it a shape: it is carried with

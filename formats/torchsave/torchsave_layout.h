@@ -145,6 +145,11 @@ struct StateDict {
   // weight_decay read as AdamW's equivalent, divided by its initial_lr (kept in extras). A write
   // carrying the file would have to scale it back: such a file is not carried.
   bool decoupled_decay = false;
+  // nanotron's optimizer (NamedOptimizer, OptimizerFromGradientAccumulator): its params named by the
+  // optimizer dict's 'names', its fp32 weights in its 'gradient_accumulator' (read as the model dict,
+  // model_key naming it). A write carrying the file would drop both with the optimizer dict it
+  // replaces: such a file is not carried.
+  bool nanotron = false;
   std::vector<std::string> read_notes;  // CheckpointReader::read_notes
   bool torchao = false;              // torchao's state: OptimState8bit/Fp8/4bit moments, or groups with
                                      // lr a tensor and no 'maximize' (_AdamBase's: torchao's AdamW*)

@@ -58,6 +58,28 @@ std::optional<bool> bnb_nested(const CheckpointReader& reader);
 bool is_deepspeed_checkpoint(const std::filesystem::path& path);
 Result<std::unique_ptr<CheckpointReader>> open_deepspeed(const std::filesystem::path& path);
 
+// A nanotron checkpoint's optimizer folder (formats/nanotron/ finds the files and reads
+// optimizer_config.json): a file per pipeline stage (and, under ZeRO-1, data-parallel rank), each
+// torch.save of its NamedOptimizer's state_dict, params named by its 'names', their fp32 weights
+// under 'gradient_accumulator' where it accumulates in fp32. Under ZeRO-1 (`zero`) each file's
+// tensors are 1-D runs [start, end) of its params' flat tensors, as the config places them.
+struct NanotronParts {
+  std::filesystem::path path;  // what was opened: the checkpoint's folder or its optimizer/
+  std::filesystem::path dir;   // the optimizer folder
+  struct File {
+    std::filesystem::path path;
+    int64_t pp = 0, dp = 0;
+  };
+  std::vector<File> files;  // every (pp, dp) once, in that order
+  struct ZeroParam {
+    std::map<int64_t, std::pair<int64_t, int64_t>> runs;  // dp rank -> [start, end) of the flat param
+    std::vector<int64_t> shape;
+  };
+  std::optional<std::map<std::string, ZeroParam>> zero;  // ZeroDistributedOptimizer's, by param name
+  std::vector<std::string> not_read;
+};
+Result<std::unique_ptr<CheckpointReader>> open_nanotron(const NanotronParts& parts);
+
 // What a DeepSpeed universal checkpoint written from a ZeRO-1/2 checkpoint carries of it
 // (formats/deepspeed/): the model states file, copied as it is, and zero/optimizer_state.pt's pickle,
 // as ds_to_universal makes it: rank 0's optimizer_state_dict without its partitions

@@ -9,6 +9,11 @@ installed, torch's own reader cannot even open it.
 Megatron-LM saves `iter_N/` through Megatron-Core's dist_checkpointing (torch_dist): a DCP keyed by
 its model's sharded keys (layers stacked), the optimizer's moments as `optimizer.state.<entry>.<key>`,
 its param groups (without members) and step in `common.pt`: torch alone sees no optimizer in it.
+
+nanotron saves `checkpoints/<step>/optimizer/` as torch.save of each pipeline stage's (under ZeRO-1,
+each data-parallel rank's) NamedOptimizer state_dict: params numbered per file and named by an added
+'names' dict, their fp32 weights under 'gradient_accumulator', ZeRO-1's 1-D runs placed by
+`optimizer_config.json`.
 """
 import json
 import os
@@ -24,6 +29,7 @@ from test_torch_versions import reads_as_held
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "writers"
 OLMO = CORPUS / "olmo-core-3.0.0_torch-2.13.0" / "model_and_optim"
 MEGATRON = CORPUS / "megatron-core-0.16.1_torch-2.13.0"
+NANOTRON = CORPUS / "nanotron-2411b02_torch-2.13.0"
 
 
 def ref_of(ck):
@@ -372,3 +378,87 @@ def test_nemo2s_list_of_one_optimizer_in_common_pt_reads_as_megatrons(tmp_path, 
     c["optimizer"] = c["optimizer"] * 2
     torch.save(c, ck / "common.pt")
     assert "a list of 2 optimizers" in run_err(optstate_cli, "inspect", ck)
+
+
+@pytest.mark.parametrize("run", ["dp2", "dp2_zero1", "pp2"])
+def test_nanotron_checkpoints_read_as_nanotron_held_them(tmp_path, optstate_cli, run):
+    """nanotron's LlamaForTraining trained 3 steps and saved by nanotron itself (make_nanotron.py):
+    data parallel without ZeRO (one file), ZeRO-1 over 2 ranks (each param split in two runs,
+    placed by optimizer_config.json), pipeline parallel 2 (a file per stage, each numbering its own
+    params from 0): validate passes with every checksum checked, the fp32 conversion is bit for bit
+    what the live optimizers held (the fp32 weights of its gradient accumulator as the params),
+    params named as nanotron names them, steps and each of nanotron's per-param groups its own. The
+    checkpoint's folder and its optimizer/ read alike; a DCP written from it holds the same state."""
+    ck = NANOTRON / run
+    ref, meta = ref_of(ck)
+    info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta)
+    assert info["format"] == "nanotron" and len(info["param_groups"]) == 15, info["param_groups"]
+    assert all(len(g["params"]) == 1 if isinstance(g["params"], list) else g["params"] == 1
+               for g in info["param_groups"])
+    assert any(n.startswith("model/ (the model's weights") for n in info["not_read"]), info["not_read"]
+    assert optstate_cli("diff", ck, ck / "optimizer").returncode == 0
+    out = tmp_path / "dcp"
+    optstate_cli("convert", ck, out, "--format", "dcp")
+    assert optstate_cli("diff", ck, out).returncode == 0
+
+
+def test_one_nanotron_optimizer_file_names_its_params_and_reads_its_fp32_weights(optstate_cli):
+    """A stage's file alone (torch.save of NamedOptimizer's state_dict): its params take the names
+    of its 'names' dict, not torch's numbers, and its 'gradient_accumulator' is their fp32 weights;
+    nothing of it is left unread."""
+    ck = NANOTRON / "dp2"
+    one = ck / "optimizer" / "optimizer_pp-0-of-1_tp-0-of-1_exp-0-of-1.pt"
+    info = json.loads(optstate_cli("inspect", one, "--json", "--no-stats").stdout)
+    _, meta = ref_of(ck)
+    assert info["format"] == "torchsave" and set(info["params"]) == set(meta), sorted(info["params"])[:3]
+    assert all("param" in p["entries"] for p in info["params"].values())
+    assert info["not_read"] == [], info["not_read"]
+    assert optstate_cli("diff", one, ck).returncode == 0
+
+
+def test_an_optimizer_dicts_keys_beside_its_state_are_named_as_not_read(tmp_path, optstate_cli):
+    """Keys of the optimizer state_dict other than 'state' and 'param_groups' (a wrapper's own) are
+    named, not dropped without a word; a torch.save write does not claim to carry them."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p])
+    p.grad = torch.ones(3)
+    opt.step()
+    sd = opt.state_dict()
+    sd["wrapper_counter"] = 7
+    torch.save(sd, tmp_path / "opt.pt")
+    info = json.loads(optstate_cli("inspect", tmp_path / "opt.pt", "--json", "--no-stats").stdout)
+    assert info["not_read"] == ["the optimizer dict's 'wrapper_counter'"], info["not_read"]
+    proc = optstate_cli("convert", tmp_path / "opt.pt", tmp_path / "out.pt")
+    assert "wrapper_counter" in proc.stdout + proc.stderr
+
+
+def test_nanotron_checkpoints_optstate_cannot_place_are_refused_by_name(tmp_path, optstate_cli):
+    """Tensor parallelism (each rank's shards placed as the model folder's metadata says) is refused
+    naming tp_size; a missing rank's file, a config whose run of a param disagrees with the rank's
+    tensor of it, and a file holding a param the config gives its rank no run of are refused naming
+    the file and the param (validate: a finding); nothing is written as nanotron's."""
+    import shutil
+    assert "tensor parallel (tp_size 2)" in run_err(optstate_cli, "inspect", NANOTRON / "tp2")
+    ck = tmp_path / "zero"
+    shutil.copytree(NANOTRON / "dp2_zero1", ck)
+    rank1 = ck / "optimizer" / "optimizer_pp-0-of-1_dp-1-of-2_tp-0-of-1_exp-0-of-1.pt"
+    saved = rank1.read_bytes()
+    rank1.unlink()
+    assert "pipeline stage 0, data-parallel rank 1, has no optimizer file" in run_err(optstate_cli, "inspect", ck)
+    rank1.write_bytes(saved)
+    config_path = ck / "optimizer" / "optimizer_config.json"
+    config = json.loads(config_path.read_text())
+    name = "model.decoder.0.pp_block.attn.o_proj.weight"
+    runs = config["configs"]["param_name_to_dp_rank_offsets"][name]
+    runs["1"] = [str(int(runs["1"][0]) + 1), runs["1"][1]]
+    config_path.write_text(json.dumps(config))
+    err = run_err(optstate_cli, "inspect", ck)
+    assert f"{rank1} param '{name}'" in err and "[129, 256) of optimizer_config.json has 127 elements" in err, err
+    proc = optstate_cli("validate", ck, check=False)
+    assert proc.returncode == 1 and name in proc.stdout, proc.stdout
+    del config["configs"]["param_name_to_dp_rank_offsets"][name]["1"]
+    config_path.write_text(json.dumps(config))
+    err = run_err(optstate_cli, "inspect", ck)
+    assert str(rank1) in err and name in err and "no run of it" in err, err
+    err = run_err(optstate_cli, "convert", NANOTRON / "dp2", tmp_path / "back", "--format", "nanotron")
+    assert "not as nanotron's" in err and not (tmp_path / "back").exists(), err

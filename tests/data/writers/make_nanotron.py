@@ -1,0 +1,208 @@
+"""Writes the checkpoints nanotron's trainer saves (huggingface/nanotron, which trains SmolLM),
+for the writers corpus: run it where `nanotron` imports (its source tree's src/ on PYTHONPATH, with
+dacite, pyyaml and tqdm; no GPU, flash-attn, transformers or datasets needed: the shim below stubs
+the modules nanotron imports but saving never runs, and points its CUDA devices at the CPU), e.g.
+
+    git clone https://github.com/huggingface/nanotron /tmp/nanotron
+    pip install --target /tmp/ntdeps --no-deps dacite pyyaml tqdm
+    PYTHONPATH=/tmp/nanotron/src:/tmp/ntdeps python tests/data/writers/make_nanotron.py \\
+        tests/data/writers/nanotron-2411b02_torch-2.13.0
+
+nanotron saves `checkpoints/<step>/` through `nanotron.serialize`: `model/` (a safetensors file per
+param and tensor-parallel rank), `optimizer/` (torch.save of each pipeline stage's NamedOptimizer
+state_dict: torch.optim.AdamW's, its params named by an added 'names' dict and, with fp32 gradient
+accumulation, their fp32 weights under 'gradient_accumulator'; under ZeRO-1 a file per data-parallel
+rank holding 1-D runs of each param, placed by `optimizer_config.json`). Each run builds nanotron's
+LlamaForTraining (2 layers, hidden 16, grouped-query attention) in bf16 with nanotron's own
+build_model and tied-parameter marking, its optimizer by nanotron's init_optimizer_and_grad_accumulator
+(a param group per param, as nanotron makes them; fp32 gradient accumulation, weight decay 0.1), and
+steps it 3 times on seeded gradients put through the accumulator as its backward does (nanotron's
+forward needs flash-attn); then saves the model and optimizer with nanotron's save_weights and
+save_optimizer, over 2 CPU ranks (gloo). Written into OUT:
+
+- `dp2/`: data parallel 2 without ZeRO (rank 0 saves the one optimizer file);
+- `dp2_zero1/`: ZeRO-1 over 2 data-parallel ranks (each saves its runs);
+- `pp2/`: pipeline parallel 2 (a file per stage, each naming its own params);
+- `tp2/`: tensor parallel 2 (each rank's shards; refused: the placement is in the model folder);
+- `<run>.ref.safetensors`: what the optimizer held, per param (`<name>.param`: the fp32 weights,
+  `<name>.exp_avg`, `<name>.exp_avg_sq`), gathered from every rank's live optimizer (ZeRO-1's runs
+  placed by its own param_name_to_dp_rank_offsets, shapes the model's), with each param's step and
+  group settings as `tests/data/torch_versions/make.py` records them.
+"""
+import importlib.abc
+import importlib.machinery
+import os
+import pathlib
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "torch_versions"))
+from make import hyperparameters, save_ref, spawn_main  # noqa: E402
+
+RUNS = {
+    "dp2": dict(tp=1, pp=1, dp=2, zero=0),
+    "dp2_zero1": dict(tp=1, pp=1, dp=2, zero=1),
+    "pp2": dict(tp=1, pp=2, dp=1, zero=0),
+    "tp2": dict(tp=2, pp=1, dp=1, zero=0),
+}
+# Imported by nanotron's modules, never run by a save.
+STUBS = ("flash_attn", "transformers", "datasets", "triton", "wandb", "grouped_gemm", "transformer_engine")
+
+
+class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in STUBS:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+    def create_module(self, spec):
+        m = types.ModuleType(spec.name)
+        m.__path__ = []
+
+        def __getattr__(attr):
+            if attr == "__version__":
+                return "0.0"
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            if attr == "xPath":  # datasets' path type, used as a path
+                return pathlib.Path
+            return type(attr, (), {"__init__": lambda self, *a, **k: None})
+        m.__getattr__ = __getattr__
+        return m
+
+    def exec_module(self, m):
+        pass
+
+
+def cpu_shim():
+    """nanotron places tensors on device='cuda' and sets each rank's CUDA device: the CPU here."""
+    from torch.overrides import TorchFunctionMode
+    sys.meta_path.insert(0, _Stubs())
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+
+    def cpu(d):
+        if isinstance(d, torch.device) and d.type == "cuda":
+            return torch.device("cpu")
+        if isinstance(d, str) and d.startswith("cuda"):
+            return "cpu"
+        return d
+
+    class CpuMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if "device" in kwargs:
+                kwargs["device"] = cpu(kwargs["device"])
+            if getattr(func, "__name__", "") == "cuda":
+                return args[0]
+            return func(*args, **kwargs)
+    CpuMode().__enter__()
+    from nanotron.parallel.context import ParallelContext
+    ParallelContext.set_device = lambda self: None
+
+
+def rank_main(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), CUDA_DEVICE_MAX_CONNECTIONS="1")
+    cpu_shim()
+    import torch.distributed as tdist
+    tdist.init_process_group("gloo", rank=rank, world_size=world)
+    from nanotron import distributed as dist
+    from nanotron.config import AdamWOptimizerArgs, LRSchedulerArgs, OptimizerArgs, ParallelismArgs
+    from nanotron.config.models_config import LlamaConfig
+    from nanotron.helpers import init_optimizer_and_grad_accumulator
+    from nanotron.models.base import build_model
+    from nanotron.models.llama import LlamaForTraining
+    from nanotron.optim.zero import ZeroDistributedOptimizer
+    from nanotron.parallel.context import ParallelContext
+    from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode
+    from nanotron.scaling.parametrization import ParametrizationMethod
+    from nanotron.serialize.optimizer import save_optimizer
+    from nanotron.serialize.weights import save_weights
+    from nanotron.trainer import mark_tied_parameters
+
+    for run, cfg in RUNS.items():
+        pc = ParallelContext(tensor_parallel_size=cfg["tp"], pipeline_parallel_size=cfg["pp"],
+                             data_parallel_size=cfg["dp"])
+        par = ParallelismArgs(dp=cfg["dp"], pp=cfg["pp"], tp=cfg["tp"], tp_mode=TensorParallelLinearMode.ALL_REDUCE,
+                              tp_linear_async_communication=False)
+        config = LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+                             num_hidden_layers=2, vocab_size=64, max_position_embeddings=32)
+        model = build_model(lambda: LlamaForTraining(config=config, parallel_context=pc, parallel_config=par),
+                            parallel_context=pc, dtype=torch.bfloat16, device=torch.device("cpu"))
+        mark_tied_parameters(model=model, parallel_context=pc, parallel_config=par)
+        tp_rank = dist.get_rank(pc.tp_pg)
+        g = torch.Generator().manual_seed(tp_rank)  # the same weights on every data-parallel rank
+        with torch.no_grad():
+            for _, p in model.named_parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        opt_args = OptimizerArgs(
+            optimizer_factory=AdamWOptimizerArgs(adam_eps=1e-8, adam_beta1=0.9, adam_beta2=0.95,
+                                                 torch_adam_is_fused=False),
+            zero_stage=cfg["zero"], weight_decay=0.1, clip_grad=1.0, accumulate_grad_in_fp32=True,
+            learning_rate_scheduler=LRSchedulerArgs(learning_rate=3e-4, lr_warmup_steps=2, lr_warmup_style="linear",
+                                                    lr_decay_style="cosine", min_decay_lr=3e-5))
+        optimizer, accumulator = init_optimizer_and_grad_accumulator(
+            parametrization_method=ParametrizationMethod.STANDARD, model=model, optimizer_args=opt_args,
+            parallel_context=pc)
+        for step in range(3):
+            gs = torch.Generator().manual_seed(100 + step + 1000 * tp_rank)
+            for _, p in model.named_parameters():
+                p.grad = torch.randn(p.shape, generator=gs).to(p.dtype)
+            for name, elt in accumulator.fp32_grad_buffers.items():  # what its backward does after autograd
+                accumulator._accumulate_grad(name=name, half_param=elt["half"])
+            optimizer.step()
+            optimizer.zero_grad()
+        root = Path(out) / run
+        save_weights(model=model, parallel_context=pc, root_folder=root)
+        save_optimizer(optimizer=optimizer, parallel_context=pc, root_folder=root)
+        if cfg["tp"] == 1:
+            zero = optimizer.param_name_to_dp_rank_offsets if isinstance(optimizer, ZeroDistributedOptimizer) else None
+            write_ref(str(root), optimizer.state_dict(), model, zero, dist.get_rank(pc.dp_pg), rank)
+        tdist.barrier()
+
+
+def write_ref(path, sd, model, zero, dp_rank, rank):
+    """Each param whole: every rank's live state (ZeRO-1: its runs at their offsets), gathered."""
+    import torch.distributed as tdist
+    shapes = {}
+    for name, p in model.named_parameters():
+        full = p.get_tied_info().get_full_name_from_module_id_to_prefix(
+            module_id_to_prefix={id(m): f"{n}." for n, m in model.named_modules()} | {id(model): ""}) \
+            if p.is_tied else name
+        shapes[full] = tuple(p.shape)
+    mine = []
+    for index, name in sd["names"].items():
+        st = sd["state"][index]
+        group = next(g for g in sd["param_groups"] if index in g["params"])
+        run = tuple(int(x) for x in zero[name][dp_rank]) if zero is not None else None
+        parts = {"param": sd["gradient_accumulator"][name], "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"]}
+        mine.append((name, shapes[name], run, {k: v.detach().float().reshape(-1).clone() for k, v in parts.items()},
+                     hyperparameters(st, group)))
+    gathered = [None] * tdist.get_world_size()
+    tdist.all_gather_object(gathered, mine)
+    if rank != 0:
+        return
+    tensors, meta = {}, {}
+    for part in gathered:
+        for name, shape, run, parts, settings in part:
+            for k, v in parts.items():
+                t = tensors.setdefault(f"{name}.{k}", torch.full((torch.Size(shape).numel(),), float("nan")))
+                start, end = run if run is not None else (0, t.numel())
+                t[start:end] = v
+            assert meta.setdefault(name, settings) == settings, name
+    for k, t in tensors.items():
+        assert not t.isnan().any(), k
+        tensors[k] = t.reshape(shapes_of(k, gathered)).contiguous()
+    save_ref(path, tensors, meta)
+
+
+def shapes_of(key, gathered):
+    name = key.rsplit(".", 1)[0]
+    return next(shape for part in gathered for n, shape, *_ in part if n == name)
+
+
+if __name__ == "__main__":
+    spawn_main(rank_main)

@@ -46,6 +46,47 @@ struct Config {
 // `where` names the file in errors.
 Result<Config> parse_config(std::string_view json, const std::string& where);
 
+// A file under the checkpoint's model/ (nanotron's get_path): <module path>/model_<tensor>.safetensors
+// for a param no rank shards, or model_<tensor>_pp-rank-<p>-of-<P>_tp-rank-<t>-of-<T>[_exp-rank-<e>-
+// of-<E>].safetensors for a NanotronParameter sharded over tensor-parallel ranks (every such param,
+// tp_size 1 too). `components`: the path's parts below model/.
+struct ModelFile {
+  std::string name;  // the param's, as the optimizer's 'names' give it
+  bool sharded = false;
+  int64_t pp = 0, pp_size = 1, tp = 0, tp_size = 1;
+};
+std::optional<ModelFile> parse_model_path(const std::vector<std::string>& components);
+
+// One slice of nanotron's SlicesPair ("start,stop,step", each "None" or an integer).
+struct Slice {
+  std::optional<int64_t> start, stop, step;
+};
+// A sharded param's TensorMetadata, from its safetensors __metadata__: its whole shape
+// (unsharded_shape, "(64, 16)"; numpy's "np.int64(64)" taken for 64, as numpy 2 prints nanotron's
+// sizes) and how the local tensor's boxes lie in it (local_global_slices_pairs:
+// "<local dims>#<global dims>" pairs joined by ';', dims by '|'; fused q/k/v and gate/up give
+// several pairs).
+struct SlicePair {
+  std::vector<Slice> local, global;
+};
+struct ShardMeta {
+  std::vector<int64_t> unsharded;
+  std::vector<SlicePair> pairs;
+};
+Result<ShardMeta> parse_shard_metadata(const std::map<std::string, std::string>& metadata, const std::string& where);
+
+// Where a local tensor's elements lie in the whole tensor: runs of `count` consecutive elements
+// from flat index `local` of the local tensor to flat index `global` of the whole one, in local
+// order, merged where both continue. Each pair's boxes must lie inside their tensors (step 1,
+// `None` the whole dim), be of one size, and the local boxes must cover the local tensor exactly
+// once; at most `max_runs` runs.
+struct Run {
+  int64_t local = 0, global = 0, count = 0;
+  bool operator==(const Run&) const = default;
+};
+Result<std::vector<Run>> shard_runs(const std::vector<int64_t>& local_shape, const ShardMeta& meta, size_t max_runs,
+                                    const std::string& where);
+
 // nanotron's ZeRO-1 split of a param of `numel` elements over `dp` ranks
 // (ZeroDistributedOptimizer._partition_parameters): ceil(numel / dp) each, the last ranks one
 // fewer until they add up; empty runs left out.

@@ -1055,7 +1055,7 @@ class TorchSaveReader final : public CheckpointReader {
     for (size_t f = 0; f < sds.size(); ++f)
       for (const ParamSpec& spec : sds[f].params) {
         if (spec.entries.empty()) {  // weights without state: never stepped
-          never_stepped += np.files[f].dp == 0;
+          never_stepped += np.files[f].dp == 0 && np.files[f].tp == 0;
           continue;
         }
         auto& specs = held[spec.fqn];
@@ -1072,55 +1072,83 @@ class TorchSaveReader final : public CheckpointReader {
       const auto& specs = held[name];
       const auto& [f0, s0] = specs[0];
       const std::string pw = fmt::format("{} param '{}'", dir, name);
+      const auto sh = np.sharded.find(name);
+      const NanotronParts::Sharded* sharded = sh == np.sharded.end() ? nullptr : &sh->second;
       ParamState ps;
       ps.group = static_cast<int>(base[np.files[f0].pp] + static_cast<size_t>(s0->group));
-      // Where each file's tensors go: (file, spec, first flat element, count).
-      std::vector<std::tuple<size_t, const ParamSpec*, int64_t, int64_t>> runs;
-      if (!np.zero) {
-        if (specs.size() != 1)
-          return corrupt(fmt::format("{}: in {} and {}; without ZeRO a stage's state is in one file", pw,
-                                     np.files[f0].path.string(), np.files[specs[1].first].path.string()));
-        ps.shape = s0->shape;
-        OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps.shape));
-        runs.emplace_back(f0, s0, 0, numel);
-      } else {
-        const auto z = np.zero->find(name);
-        if (z == np.zero->end())
-          return corrupt(fmt::format("{}/optimizer_config.json: no param_name_to_dp_rank_offsets of '{}', which {} holds",
-                                     dir, name, np.files[f0].path.string()));
-        ps.shape = z->second.shape;
-        OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps.shape));
-        std::set<int64_t> seen;
-        for (const auto& [f, spec] : specs) {
-          const int64_t dp = np.files[f].dp;
-          const std::string fw = fmt::format("{} param '{}'", np.files[f].path.string(), name);
-          const auto r = z->second.runs.find(dp);
-          if (r == z->second.runs.end())
-            return corrupt(fmt::format("{}: held, but optimizer_config.json gives data-parallel rank {} no run of it", fw, dp));
-          const auto [start, end] = r->second;
+      // A piece of a file's tensor: (file, spec, its first element in the tensor, in the whole, count).
+      std::vector<std::tuple<size_t, const ParamSpec*, int64_t, int64_t, int64_t>> pieces;
+      for (const auto& [f, spec] : specs) {
+        const NanotronParts::File& file = np.files[f];
+        const std::string fw = fmt::format("{} param '{}'", file.path.string(), name);
+        if (!sharded && file.tp != 0) continue;  // a replica of tensor-parallel rank 0's
+        // The rank's local tensor: its shape and where its elements go.
+        std::vector<int64_t> local_shape;
+        std::vector<NanotronParts::Run> runs;
+        if (sharded) {
+          const auto it = sharded->by_tp.find(file.tp);
+          if (it == sharded->by_tp.end())
+            return corrupt(fmt::format("{}: the model folder has no shard of it for tensor-parallel rank {}", fw, file.tp));
+          local_shape = it->second.first;
+          runs = it->second.second;
+        } else if (np.zero) {
+          const auto z = np.zero->find(name);
+          const auto m = np.shapes.find(name);
+          if (z != np.zero->end()) {
+            local_shape = z->second.shape;
+          } else if (m != np.shapes.end()) {
+            local_shape = m->second;
+          } else {
+            return corrupt(fmt::format("{}: optimizer_config.json places no run of it (it holds rank 0's pipeline "
+                                       "stage only), and the model folder has no file of it to shape it", fw));
+          }
+        } else {
+          local_shape = spec->shape;
+        }
+        OPTSTATE_ASSIGN_OR_RETURN(const int64_t local_numel, checked_numel(local_shape));
+        if (!sharded) runs = {{0, 0, local_numel}};
+        // Its part of that tensor: all of it, or ZeRO-1's run of it for the file's data-parallel rank.
+        int64_t start = 0, end = local_numel;
+        if (np.zero) {
+          const auto z = np.zero->find(name);
+          const auto split = z != np.zero->end() && !sharded ? z->second.runs : np.zero_rule(local_numel);
+          const auto r = split.find(file.dp);
+          if (r == split.end())
+            return corrupt(fmt::format("{}: held, but {} gives data-parallel rank {} no run of it", fw,
+                                       z != np.zero->end() && !sharded ? "optimizer_config.json" : "nanotron's ZeRO-1 split",
+                                       file.dp));
+          std::tie(start, end) = r->second;
+          if (start < 0 || end > local_numel || start > end)
+            return corrupt(fmt::format("{}: run [{}, {}) outside its {} elements", fw, start, end, local_numel));
           if (spec->shape != std::vector<int64_t>{end - start})
-            return corrupt(fmt::format("{}: shape {}, its run [{}, {}) of optimizer_config.json has {} elements", fw,
-                                       format_shape(spec->shape), start, end, end - start));
-          runs.emplace_back(f, spec, start, end - start);
-          seen.insert(dp);
+            return corrupt(fmt::format("{}: shape {}, its run [{}, {}) of {} has {} elements", fw,
+                                       format_shape(spec->shape), start, end,
+                                       z != np.zero->end() && !sharded ? "optimizer_config.json" : "nanotron's ZeRO-1 split",
+                                       end - start));
+        } else if (spec->shape != local_shape) {
+          return corrupt(fmt::format("{}: shape {}, its shard's is {}", fw, format_shape(spec->shape),
+                                     format_shape(local_shape)));
         }
-        for (const auto& [dp, run] : z->second.runs)
-          if (!seen.count(dp) && run.second > run.first)
-            return corrupt(fmt::format("{}: optimizer_config.json places [{}, {}) of it on data-parallel rank {}, whose "
-                                       "file does not hold it", pw, run.first, run.second, dp));
-        std::sort(runs.begin(), runs.end(), [](const auto& a, const auto& b) { return std::get<2>(a) < std::get<2>(b); });
-        int64_t at = 0;
-        for (const auto& [f, spec, start, count] : runs) {
-          if (start != at)
-            return corrupt(fmt::format("{}: its runs in optimizer_config.json leave a hole or overlap at element {} "
-                                       "(the next starts at {})", pw, at, start));
-          at += count;
+        for (const NanotronParts::Run& r : runs) {
+          const int64_t lo = std::max(r.local, start), hi = std::min(r.local + r.count, end);
+          if (lo < hi) pieces.emplace_back(f, spec, lo - start, r.global + (lo - r.local), hi - lo);
         }
-        if (at != numel)
-          return corrupt(fmt::format("{}: its runs in optimizer_config.json cover {} of its {} elements", pw, at, numel));
+        if (!sharded && ps.shape.empty()) ps.shape = local_shape;
       }
+      if (sharded) ps.shape = sharded->shape;
+      OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(ps.shape));
+      std::sort(pieces.begin(), pieces.end(), [](const auto& a, const auto& b) { return std::get<3>(a) < std::get<3>(b); });
+      int64_t at = 0;
+      for (const auto& [f, spec, local, global, count] : pieces) {
+        if (global != at)
+          return corrupt(fmt::format("{}: its ranks' files {} element {} of it", pw, global < at ? "hold twice" : "leave out",
+                                     std::min(global, at)));
+        at += count;
+      }
+      if (at != numel)
+        return corrupt(fmt::format("{}: its ranks' files hold {} of its {} elements", pw, at, numel));
       std::optional<int64_t> step;
-      for (const auto& [f, spec, start, count] : runs) {
+      for (const auto& [f, spec] : specs) {
         const std::string fw = fmt::format("{} param '{}'", np.files[f].path.string(), name);
         if (base[np.files[f].pp] + static_cast<size_t>(spec->group) != static_cast<size_t>(ps.group))
           return corrupt(fmt::format("{}: in param group {}, {} has it in group {}", fw, spec->group,
@@ -1138,9 +1166,9 @@ class TorchSaveReader final : public CheckpointReader {
       for (const auto& [entry, es] : s0->entries) entries.push_back(entry);
       if (s0->weight) entries.push_back(kParam);  // the fp32 weights (gradient_accumulator)
       for (const std::string& entry : entries) {
-        std::vector<Piece> pieces;
+        std::vector<Piece> stored;
         Entry e;
-        for (const auto& [f, spec, start, count] : runs) {
+        for (const auto& [f, spec, local, global, count] : pieces) {
           const std::string ew = fmt::format("{} param '{}' '{}'", np.files[f].path.string(), name, entry);
           const dcp::TensorRef* t = nullptr;
           if (entry == kParam) {
@@ -1151,13 +1179,20 @@ class TorchSaveReader final : public CheckpointReader {
             if (it->second.encoding != Encoding::kDense || it->second.dtensor) return corrupt(ew + ": not a plain tensor");
             t = &it->second.values;
           }
-          if (pieces.empty()) e.dtype = t->dtype;
+          if (stored.empty()) e.dtype = t->dtype;
           if (t->dtype != e.dtype || (e.dtype != DType::kF32 && e.dtype != DType::kBF16 && e.dtype != DType::kF16))
             return corrupt(fmt::format("{}: {}; optstate reads fp32, bf16 or fp16 of one dtype", ew, dtype_name(t->dtype)));
-          OPTSTATE_ASSIGN_OR_RETURN(const Stored whole, resolve(f, *t, count, ew));
-          pieces.push_back(Piece{start, count, whole, std::nullopt});
+          if (t->shape != spec->shape)
+            return corrupt(fmt::format("{}: shape {}, its state's is {}", ew, format_shape(t->shape), format_shape(spec->shape)));
+          OPTSTATE_ASSIGN_OR_RETURN(const Stored whole, resolve(f, *t, *checked_numel(t->shape), ew));
+          const auto elem = static_cast<uint64_t>(dtype_size(t->dtype));
+          Piece pc{global, count, whole, std::nullopt};
+          pc.stored.at += static_cast<uint64_t>(local) * elem;
+          pc.stored.bytes = static_cast<uint64_t>(count) * elem;
+          pc.stored.whole = whole.whole && pc.stored.bytes == whole.bytes;
+          stored.push_back(pc);
         }
-        stored_[{name, entry, Component::kValues}] = std::move(pieces);
+        stored_[{name, entry, Component::kValues}] = std::move(stored);
         if (entry == kParam) ps.param_dtype = e.dtype;
         ps.entries.emplace(entry, std::move(e));
       }

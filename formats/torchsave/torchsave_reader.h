@@ -59,23 +59,39 @@ bool is_deepspeed_checkpoint(const std::filesystem::path& path);
 Result<std::unique_ptr<CheckpointReader>> open_deepspeed(const std::filesystem::path& path);
 
 // A nanotron checkpoint's optimizer folder (formats/nanotron/ finds the files and reads
-// optimizer_config.json): a file per pipeline stage (and, under ZeRO-1, data-parallel rank), each
-// torch.save of its NamedOptimizer's state_dict, params named by its 'names', their fp32 weights
-// under 'gradient_accumulator' where it accumulates in fp32. Under ZeRO-1 (`zero`) each file's
-// tensors are 1-D runs [start, end) of its params' flat tensors, as the config places them.
+// optimizer_config.json and, where needed, the model folder's shard metadata): a file per pipeline
+// stage and tensor-parallel rank (and, under ZeRO-1, data-parallel rank), each torch.save of its
+// NamedOptimizer's state_dict, params named by its 'names', their fp32 weights under
+// 'gradient_accumulator' where it accumulates in fp32. A tensor-parallel rank's tensor of a param
+// tensor parallelism shards is its local shard (`sharded`: where its elements lie in the whole);
+// of any other param, tensor-parallel rank 0's is read. Under ZeRO-1 (`zero`) each file's tensors
+// are 1-D runs [start, end) of its (local) tensors, flattened.
 struct NanotronParts {
   std::filesystem::path path;  // what was opened: the checkpoint's folder or its optimizer/
   std::filesystem::path dir;   // the optimizer folder
   struct File {
     std::filesystem::path path;
-    int64_t pp = 0, dp = 0;
+    int64_t pp = 0, dp = 0, tp = 0;
   };
-  std::vector<File> files;  // every (pp, dp) once, in that order
+  std::vector<File> files;  // every (pp, tp, dp) once, in that order
+  int64_t dp_size = 1;
+  struct Run {  // `count` elements from flat index `local` of a local shard to `global` of the whole
+    int64_t local = 0, global = 0, count = 0;
+  };
+  struct Sharded {
+    std::vector<int64_t> shape;  // the whole param's
+    std::map<int64_t, std::pair<std::vector<int64_t>, std::vector<Run>>> by_tp;  // local shape, runs
+  };
+  std::map<std::string, Sharded> sharded;  // tp_size > 1: the params it shards, from model/
   struct ZeroParam {
     std::map<int64_t, std::pair<int64_t, int64_t>> runs;  // dp rank -> [start, end) of the flat param
-    std::vector<int64_t> shape;
+    std::vector<int64_t> shape;                           // its (local) shape
   };
-  std::optional<std::map<std::string, ZeroParam>> zero;  // ZeroDistributedOptimizer's, by param name
+  // ZeroDistributedOptimizer's, by param name: optimizer_config.json's (rank 0's stage); a param of
+  // another stage is split by nanotron's rule over its shape in `shapes`.
+  std::optional<std::map<std::string, ZeroParam>> zero;
+  std::map<std::string, std::vector<int64_t>> shapes;  // model/'s (tensor-parallel rank 0's) shapes
+  std::function<std::map<int64_t, std::pair<int64_t, int64_t>>(int64_t numel)> zero_rule;
   std::vector<std::string> not_read;
 };
 Result<std::unique_ptr<CheckpointReader>> open_nanotron(const NanotronParts& parts);

@@ -380,15 +380,19 @@ def test_nemo2s_list_of_one_optimizer_in_common_pt_reads_as_megatrons(tmp_path, 
     assert "a list of 2 optimizers" in run_err(optstate_cli, "inspect", ck)
 
 
-@pytest.mark.parametrize("run", ["dp2", "dp2_zero1", "pp2"])
+@pytest.mark.parametrize("run", ["dp2", "dp2_zero1", "pp2", "tp2", "pp2_dp2_zero1", "tp2_dp2_zero1"])
 def test_nanotron_checkpoints_read_as_nanotron_held_them(tmp_path, optstate_cli, run):
     """nanotron's LlamaForTraining trained 3 steps and saved by nanotron itself (make_nanotron.py):
     data parallel without ZeRO (one file), ZeRO-1 over 2 ranks (each param split in two runs,
     placed by optimizer_config.json), pipeline parallel 2 (a file per stage, each numbering its own
-    params from 0): validate passes with every checksum checked, the fp32 conversion is bit for bit
-    what the live optimizers held (the fp32 weights of its gradient accumulator as the params),
-    params named as nanotron names them, steps and each of nanotron's per-param groups its own. The
-    checkpoint's folder and its optimizer/ read alike; a DCP written from it holds the same state."""
+    params from 0), tensor parallel 2 (each rank's shards, fused q/k/v and gate/up split part by
+    part, placed by the model folder's shard metadata), and ZeRO-1 under pipeline parallelism
+    (optimizer_config.json holds stage 0's runs only: stage 1's split by nanotron's rule over the
+    model folder's shapes) and under tensor parallelism (runs of each shard): validate passes with
+    every checksum checked, the fp32 conversion is bit for bit what the live optimizers held (the
+    fp32 weights of its gradient accumulator as the params), params named as nanotron names them,
+    steps and each of nanotron's per-param groups its own. The checkpoint's folder and its
+    optimizer/ read alike; a DCP written from it holds the same state."""
     ck = NANOTRON / run
     ref, meta = ref_of(ck)
     info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta)
@@ -433,12 +437,24 @@ def test_an_optimizer_dicts_keys_beside_its_state_are_named_as_not_read(tmp_path
 
 
 def test_nanotron_checkpoints_optstate_cannot_place_are_refused_by_name(tmp_path, optstate_cli):
-    """Tensor parallelism (each rank's shards placed as the model folder's metadata says) is refused
-    naming tp_size; a missing rank's file, a config whose run of a param disagrees with the rank's
-    tensor of it, and a file holding a param the config gives its rank no run of are refused naming
+    """A missing rank's file, a config whose run of a param disagrees with the rank's tensor of it,
+    a file holding a param the config gives its rank no run of, a tensor-parallel checkpoint without
+    its model folder or with a shard's metadata that places its elements twice are refused naming
     the file and the param (validate: a finding); nothing is written as nanotron's."""
     import shutil
-    assert "tensor parallel (tp_size 2)" in run_err(optstate_cli, "inspect", NANOTRON / "tp2")
+    tp = tmp_path / "tp"
+    shutil.copytree(NANOTRON / "tp2" / "optimizer", tp / "optimizer")
+    assert "read with its model folder" in run_err(optstate_cli, "inspect", tp)
+    shutil.copytree(NANOTRON / "tp2" / "model", tp / "model")
+    shard = next((tp / "model").rglob("model_weight_pp-rank-0-of-1_tp-rank-1-of-2.safetensors"))
+    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+    with safe_open(str(shard), "pt") as f:
+        md = f.metadata()
+    md["local_global_slices_pairs"] = md["local_global_slices_pairs"] + ";" + md["local_global_slices_pairs"]
+    save_file(load_file(str(shard)), str(shard), metadata=md)
+    err = run_err(optstate_cli, "inspect", tp)
+    assert str(shard) in err and "twice" in err, err
     ck = tmp_path / "zero"
     shutil.copytree(NANOTRON / "dp2_zero1", ck)
     rank1 = ck / "optimizer" / "optimizer_pp-0-of-1_dp-1-of-2_tp-0-of-1_exp-0-of-1.pt"

@@ -98,3 +98,78 @@ TEST_CASE("nanotron: ZeRO-1 splits a param in runs of ceil(numel / dp), the last
   CHECK(nt::zero_runs(1024, 2).at(1) == std::pair<int64_t, int64_t>{512, 1024});
   CHECK(nt::zero_runs(0, 2).empty());
 }
+
+TEST_CASE("nanotron: the model folder's file names give the param's name and its shard's ranks") {
+  const auto plain = nt::parse_model_path({"model", "decoder", "0", "pp_block", "input_layernorm", "model_weight.safetensors"});
+  REQUIRE(plain);
+  CHECK(plain->name == "model.decoder.0.pp_block.input_layernorm.weight");
+  CHECK(!plain->sharded);
+  const auto shard = nt::parse_model_path({"model", "lm_head", "pp_block", "model_weight_pp-rank-1-of-2_tp-rank-3-of-4.safetensors"});
+  REQUIRE(shard);
+  CHECK(shard->name == "model.lm_head.pp_block.weight");
+  CHECK(shard->sharded);
+  CHECK(shard->pp == 1);
+  CHECK(shard->tp == 3);
+  CHECK(shard->tp_size == 4);
+  CHECK(nt::parse_model_path({"model", "x", "model_bias_pp-rank-0-of-1_tp-rank-0-of-1_exp-rank-1-of-2.safetensors"}));
+  for (const auto& bad : std::vector<std::vector<std::string>>{
+           {"model_weight.safetensors"}, {"model", "weight.safetensors"}, {"model", "model_.safetensors"},
+           {"model", "model_weight_pp-rank-0-of-1.safetensors"}, {"a.b", "model_weight.safetensors"},
+           {"model", "model_weight_pp-rank-0-of-1_tp-rank-2-of-2.safetensors"}})
+    CHECK(!nt::parse_model_path(bad));
+}
+
+TEST_CASE("nanotron: a shard's TensorMetadata places its boxes in the whole tensor, row runs merged") {
+  // a column shard of [64, 16]: rows 32..64, whole rows: one run
+  auto meta = nt::parse_shard_metadata({{"version", "1.5"}, {"unsharded_shape", "(64, 16)"},
+                                        {"local_global_slices_pairs", "None,None,None|None,None,None#32,64,None|None,None,None"}},
+                                       "f");
+  REQUIRE(meta.ok());
+  auto runs = nt::shard_runs({32, 16}, *meta, 1000, "f");
+  REQUIRE(runs.ok());
+  CHECK(*runs == std::vector<nt::Run>{{0, 512, 512}});
+  // a row shard of [16, 16] (columns 8..16): a run per row
+  meta = nt::parse_shard_metadata({{"unsharded_shape", "(16, 16)"},
+                                   {"local_global_slices_pairs", "None,None,None|None,None,None#None,None,None|8,16,None"}},
+                                  "f");
+  REQUIRE(meta.ok());
+  runs = nt::shard_runs({16, 8}, *meta, 1000, "f");
+  REQUIRE(runs.ok());
+  REQUIRE(runs->size() == 16);
+  CHECK((*runs)[1] == nt::Run{8, 24, 8});
+  // fused q/k/v of GQA, tensor-parallel rank 1 of 2, as numpy 2 prints nanotron's sizes: q rows 8..16,
+  // k rows 20..24, v rows 28..32 of [32, 16]
+  meta = nt::parse_shard_metadata(
+      {{"unsharded_shape", "(np.int64(32), 16)"},
+       {"local_global_slices_pairs", "0,8,None|None,None,None#8,16,None|None,None,None;8,12,None|None,None,None#20,24,None|"
+                                     "None,None,None;12,16,None|None,None,None#28,32,None|None,None,None"}},
+      "f");
+  REQUIRE(meta.ok());
+  CHECK(meta->unsharded == std::vector<int64_t>{32, 16});
+  runs = nt::shard_runs({16, 16}, *meta, 1000, "f");
+  REQUIRE(runs.ok());
+  CHECK(*runs == std::vector<nt::Run>{{0, 128, 128}, {128, 320, 64}, {192, 448, 64}});
+  CHECK(!nt::shard_runs({16, 16}, *meta, 2, "f").ok());  // more runs than allowed
+  // lies: a box past the tensor, boxes of two sizes, a step, the local tensor placed twice or in part
+  auto error_of = [](const std::string& pairs, const std::vector<int64_t>& local) {
+    auto m = nt::parse_shard_metadata({{"unsharded_shape", "(8, 4)"}, {"local_global_slices_pairs", pairs}}, "f");
+    if (!m.ok()) return m.status().message();
+    auto r = nt::shard_runs(local, *m, 1000, "f");
+    REQUIRE(!r.ok());
+    return r.status().message();
+  };
+  CHECK(error_of("0,4,None|None,None,None#6,10,None|None,None,None", {4, 4}).find("not one box") != std::string::npos);
+  CHECK(error_of("0,4,None|None,None,None#0,3,None|None,None,None", {4, 4}).find("not one box") != std::string::npos);
+  CHECK(error_of("0,4,2|None,None,None#0,4,2|None,None,None", {4, 4}).find("not one box") != std::string::npos);
+  CHECK(error_of("0,4,None|None,None,None#0,4,None|None,None,None;0,4,None|None,None,None#4,8,None|None,None,None",
+                 {4, 4}).find("twice") != std::string::npos);
+  CHECK(error_of("0,2,None|None,None,None#0,2,None|None,None,None", {4, 4}).find("8 of the local tensor's 16") !=
+        std::string::npos);
+  CHECK(error_of("-1,4,None|None,None,None#0,5,None|None,None,None", {4, 4}).find("not one box") != std::string::npos);
+  CHECK(error_of("0,4|None,None,None#0,4,None|None,None,None", {4, 4}).find("not pairs") != std::string::npos);
+  CHECK(error_of("0,4,None#0,4,None", {4, 4}).find("a slice pair of 1 and 1 dims") != std::string::npos);
+  CHECK(error_of("0,4,None|None,None,None#0,4,None|None,None,None", {4}).find("1 dims, unsharded_shape of 2") !=
+        std::string::npos);
+  CHECK(!nt::parse_shard_metadata({{"unsharded_shape", "(8, 4)"}}, "f").ok());
+  CHECK(!nt::parse_shard_metadata({{"unsharded_shape", "8, 4"}, {"local_global_slices_pairs", "x"}}, "f").ok());
+}

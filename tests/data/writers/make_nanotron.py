@@ -18,16 +18,19 @@ build_model and tied-parameter marking, its optimizer by nanotron's init_optimiz
 (a param group per param, as nanotron makes them; fp32 gradient accumulation, weight decay 0.1), and
 steps it 3 times on seeded gradients put through the accumulator as its backward does (nanotron's
 forward needs flash-attn); then saves the model and optimizer with nanotron's save_weights and
-save_optimizer, over 2 CPU ranks (gloo). Written into OUT:
+save_optimizer, over 2 or 4 CPU ranks (gloo). Written into OUT:
 
 - `dp2/`: data parallel 2 without ZeRO (rank 0 saves the one optimizer file);
 - `dp2_zero1/`: ZeRO-1 over 2 data-parallel ranks (each saves its runs);
 - `pp2/`: pipeline parallel 2 (a file per stage, each naming its own params);
-- `tp2/`: tensor parallel 2 (each rank's shards; refused: the placement is in the model folder);
+- `tp2/`: tensor parallel 2 (each rank's shards, placed by the model folder's shard metadata);
+- `pp2_dp2_zero1/`, `tp2_dp2_zero1/` (4 ranks): ZeRO-1 under pipeline parallelism (the config
+  holds stage 0's runs only) and under tensor parallelism (runs of each shard);
 - `<run>.ref.safetensors`: what the optimizer held, per param (`<name>.param`: the fp32 weights,
   `<name>.exp_avg`, `<name>.exp_avg_sq`), gathered from every rank's live optimizer (ZeRO-1's runs
-  placed by its own param_name_to_dp_rank_offsets, shapes the model's), with each param's step and
-  group settings as `tests/data/torch_versions/make.py` records them.
+  placed by its own param_name_to_dp_rank_offsets, tensor-parallel shards by Python's slicing of
+  the live params' ShardedInfo), with each param's step and group settings as
+  `tests/data/torch_versions/make.py` records them.
 """
 import importlib.abc
 import importlib.machinery
@@ -40,13 +43,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "torch_versions"))
-from make import hyperparameters, save_ref, spawn_main  # noqa: E402
+from make import hyperparameters, save_ref, spawn_ranks  # noqa: E402
 
-RUNS = {
+RUNS = {  # each over tp * pp * dp ranks
     "dp2": dict(tp=1, pp=1, dp=2, zero=0),
     "dp2_zero1": dict(tp=1, pp=1, dp=2, zero=1),
     "pp2": dict(tp=1, pp=2, dp=1, zero=0),
     "tp2": dict(tp=2, pp=1, dp=1, zero=0),
+    "pp2_dp2_zero1": dict(tp=1, pp=2, dp=2, zero=1),
+    "tp2_dp2_zero1": dict(tp=2, pp=1, dp=2, zero=1),
 }
 # Imported by nanotron's modules, never run by a save.
 STUBS = ("flash_attn", "transformers", "datasets", "triton", "wandb", "grouped_gemm", "transformer_engine")
@@ -124,6 +129,8 @@ def rank_main(rank, world, port, out):
     from nanotron.trainer import mark_tied_parameters
 
     for run, cfg in RUNS.items():
+        if cfg["tp"] * cfg["pp"] * cfg["dp"] != world:
+            continue
         pc = ParallelContext(tensor_parallel_size=cfg["tp"], pipeline_parallel_size=cfg["pp"],
                              data_parallel_size=cfg["dp"])
         par = ParallelismArgs(dp=cfg["dp"], pp=cfg["pp"], tp=cfg["tp"], tp_mode=TensorParallelLinearMode.ALL_REDUCE,
@@ -158,51 +165,70 @@ def rank_main(rank, world, port, out):
         root = Path(out) / run
         save_weights(model=model, parallel_context=pc, root_folder=root)
         save_optimizer(optimizer=optimizer, parallel_context=pc, root_folder=root)
-        if cfg["tp"] == 1:
-            zero = optimizer.param_name_to_dp_rank_offsets if isinstance(optimizer, ZeroDistributedOptimizer) else None
-            write_ref(str(root), optimizer.state_dict(), model, zero, dist.get_rank(pc.dp_pg), rank)
+        zero = optimizer.param_name_to_dp_rank_offsets if isinstance(optimizer, ZeroDistributedOptimizer) else None
+        write_ref(str(root), optimizer.state_dict(), model, zero, dist.get_rank(pc.dp_pg), tp_rank, rank)
         tdist.barrier()
 
 
-def write_ref(path, sd, model, zero, dp_rank, rank):
-    """Each param whole: every rank's live state (ZeRO-1: its runs at their offsets), gathered."""
+def write_ref(path, sd, model, zero, dp_rank, tp_rank, rank):
+    """Each param whole, from every rank's live state: ZeRO-1's runs at their offsets in the rank's
+    local tensor, tensor-parallel shards put in the whole tensor by Python's own slicing of the live
+    params' ShardedInfo (tensor-parallel rank 0's copy of a param no rank shards)."""
     import torch.distributed as tdist
-    shapes = {}
+    prefixes = {id(m): f"{n}." for n, m in model.named_modules()} | {id(model): ""}
+    params = {}
     for name, p in model.named_parameters():
-        full = p.get_tied_info().get_full_name_from_module_id_to_prefix(
-            module_id_to_prefix={id(m): f"{n}." for n, m in model.named_modules()} | {id(model): ""}) \
+        full = p.get_tied_info().get_full_name_from_module_id_to_prefix(module_id_to_prefix=prefixes) \
             if p.is_tied else name
-        shapes[full] = tuple(p.shape)
+        params[full] = p
     mine = []
     for index, name in sd["names"].items():
-        st = sd["state"][index]
+        st, p = sd["state"][index], params[name]
         group = next(g for g in sd["param_groups"] if index in g["params"])
         run = tuple(int(x) for x in zero[name][dp_rank]) if zero is not None else None
+        sharded = p.is_sharded and p.get_sharded_info().global_ranks != (rank,)
+        if not sharded and tp_rank != 0:
+            continue
+        layout = (p.get_sharded_info().local_global_slices_pairs, tuple(p.get_sharded_info().unsharded_shape)) \
+            if sharded else None
         parts = {"param": sd["gradient_accumulator"][name], "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"]}
-        mine.append((name, shapes[name], run, {k: v.detach().float().reshape(-1).clone() for k, v in parts.items()},
-                     hyperparameters(st, group)))
+        mine.append((name, tp_rank, tuple(p.shape), run, layout,
+                     {k: v.detach().float().reshape(-1).clone() for k, v in parts.items()}, hyperparameters(st, group)))
     gathered = [None] * tdist.get_world_size()
     tdist.all_gather_object(gathered, mine)
     if rank != 0:
         return
-    tensors, meta = {}, {}
+    local, layouts, meta = {}, {}, {}  # (name, tp, shape) -> {key: flat local tensor}; (name, tp) -> layout
     for part in gathered:
-        for name, shape, run, parts, settings in part:
+        for name, tp, shape, run, layout, parts, settings in part:
             for k, v in parts.items():
-                t = tensors.setdefault(f"{name}.{k}", torch.full((torch.Size(shape).numel(),), float("nan")))
+                t = local.setdefault((name, tp, shape), {}).setdefault(k, torch.full((torch.Size(shape).numel(),), float("nan")))
                 start, end = run if run is not None else (0, t.numel())
                 t[start:end] = v
+            layouts[name, tp] = layout
             assert meta.setdefault(name, settings) == settings, name
+    tensors = {}
+    for (name, tp, shape), parts in local.items():
+        for k, flat in parts.items():
+            assert not flat.isnan().any(), (name, tp, k)
+            if layouts[name, tp] is None:
+                tensors[f"{name}.{k}"] = flat.reshape(shape).contiguous()
+                continue
+            pairs, whole = layouts[name, tp]
+            t = tensors.setdefault(f"{name}.{k}", torch.full(whole, float("nan")))
+            for pair in pairs:
+                t[pair.global_slices] = flat.reshape(shape)[pair.local_slices]
     for k, t in tensors.items():
         assert not t.isnan().any(), k
-        tensors[k] = t.reshape(shapes_of(k, gathered)).contiguous()
     save_ref(path, tensors, meta)
 
 
-def shapes_of(key, gathered):
-    name = key.rsplit(".", 1)[0]
-    return next(shape for part in gathered for n, shape, *_ in part if n == name)
+def main():
+    out = os.path.abspath(sys.argv[1])
+    os.makedirs(out, exist_ok=True)
+    for world in sorted({c["tp"] * c["pp"] * c["dp"] for c in RUNS.values()}):
+        spawn_ranks(rank_main, out, world=world)
 
 
 if __name__ == "__main__":
-    spawn_main(rank_main)
+    main()

@@ -397,9 +397,10 @@ def test_nanotron_checkpoints_read_as_nanotron_held_them(tmp_path, optstate_cli,
     ref, meta = ref_of(ck)
     info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta)
     assert info["format"] == "nanotron" and len(info["param_groups"]) == 15, info["param_groups"]
-    assert all(len(g["params"]) == 1 if isinstance(g["params"], list) else g["params"] == 1
-               for g in info["param_groups"])
+    assert all(g["params"] == 1 for g in info["param_groups"])  # nanotron's group per param
+    assert {"checkpoint_metadata.json", "lr_scheduler/"} <= set(info["not_read"]), info["not_read"]
     assert any(n.startswith("model/ (the model's weights") for n in info["not_read"]), info["not_read"]
+    assert all(g["extras"]["initial_lr"] == 3e-4 for g in info["param_groups"])  # the schedule's, kept
     assert optstate_cli("diff", ck, ck / "optimizer").returncode == 0
     out = tmp_path / "dcp"
     optstate_cli("convert", ck, out, "--format", "dcp")

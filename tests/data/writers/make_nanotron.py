@@ -17,8 +17,9 @@ LlamaForTraining (2 layers, hidden 16, grouped-query attention) in bf16 with nan
 build_model and tied-parameter marking, its optimizer by nanotron's init_optimizer_and_grad_accumulator
 (a param group per param, as nanotron makes them; fp32 gradient accumulation, weight decay 0.1), and
 steps it 3 times on seeded gradients put through the accumulator as its backward does (nanotron's
-forward needs flash-attn); then saves the model and optimizer with nanotron's save_weights and
-save_optimizer, over 2 or 4 CPU ranks (gloo). Written into OUT:
+forward needs flash-attn), its learning-rate schedule (linear warmup, cosine decay) with it; then
+saves the model, optimizer, schedule and checkpoint metadata with nanotron's save_weights,
+save_optimizer, save_lr_scheduler and save_meta, over 2 or 4 CPU ranks (gloo). Written into OUT:
 
 - `dp2/`: data parallel 2 without ZeRO (rank 0 saves the one optimizer file);
 - `dp2_zero1/`: ZeRO-1 over 2 data-parallel ranks (each saves its runs);
@@ -117,14 +118,15 @@ def rank_main(rank, world, port, out):
     from nanotron import distributed as dist
     from nanotron.config import AdamWOptimizerArgs, LRSchedulerArgs, OptimizerArgs, ParallelismArgs
     from nanotron.config.models_config import LlamaConfig
-    from nanotron.helpers import init_optimizer_and_grad_accumulator
+    from nanotron.helpers import init_optimizer_and_grad_accumulator, lr_scheduler_builder
     from nanotron.models.base import build_model
     from nanotron.models.llama import LlamaForTraining
     from nanotron.optim.zero import ZeroDistributedOptimizer
     from nanotron.parallel.context import ParallelContext
     from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode
     from nanotron.scaling.parametrization import ParametrizationMethod
-    from nanotron.serialize.optimizer import save_optimizer
+    from nanotron.serialize.metadata import DataStageMetadata, TrainingMetadata, save_meta
+    from nanotron.serialize.optimizer import save_lr_scheduler, save_optimizer
     from nanotron.serialize.weights import save_weights
     from nanotron.trainer import mark_tied_parameters
 
@@ -154,6 +156,8 @@ def rank_main(rank, world, port, out):
         optimizer, accumulator = init_optimizer_and_grad_accumulator(
             parametrization_method=ParametrizationMethod.STANDARD, model=model, optimizer_args=opt_args,
             parallel_context=pc)
+        lr_scheduler = lr_scheduler_builder(optimizer=optimizer, lr_scheduler_args=opt_args.learning_rate_scheduler,
+                                            total_training_steps=10)
         for step in range(3):
             gs = torch.Generator().manual_seed(100 + step + 1000 * tp_rank)
             for _, p in model.named_parameters():
@@ -162,9 +166,14 @@ def rank_main(rank, world, port, out):
                 accumulator._accumulate_grad(name=name, half_param=elt["half"])
             optimizer.step()
             optimizer.zero_grad()
+            lr_scheduler.step()
         root = Path(out) / run
         save_weights(model=model, parallel_context=pc, root_folder=root)
         save_optimizer(optimizer=optimizer, parallel_context=pc, root_folder=root)
+        save_lr_scheduler(lr_scheduler=lr_scheduler, is_zero=cfg["zero"] > 0, parallel_context=pc, root_folder=root)
+        save_meta(parallel_context=pc, root_folder=root, training_metadata=TrainingMetadata(
+            consumed_train_samples=12, last_train_step=3, last_stage_idx=0,
+            data_stages=[DataStageMetadata(name="stable", start_training_step=1, consumed_train_samples=12)]))
         zero = optimizer.param_name_to_dp_rank_offsets if isinstance(optimizer, ZeroDistributedOptimizer) else None
         write_ref(str(root), optimizer.state_dict(), model, zero, dist.get_rank(pc.dp_pg), tp_rank, rank)
         tdist.barrier()

@@ -73,6 +73,7 @@ Status read_model_folder(const fs::path& model, int64_t tp_size, torchsave::Nano
     if (data == h.tensors.end() || h.tensors.size() != 1)
       return corrupt(where + ": not nanotron's one tensor 'data'");
     const std::vector<int64_t>& shape = data->second.shape;
+    if (!mf->sharded) parts.replicated.insert(mf->name);
     if (!mf->sharded || mf->tp == 0) {
       if (!parts.shapes.emplace(mf->name, shape).second && parts.shapes[mf->name] != shape)
         return corrupt(fmt::format("{}: '{}' of shape {}, another file of it {}", where, mf->name, format_shape(shape),
@@ -109,6 +110,7 @@ Result<torchsave::NanotronParts> find_parts(const fs::path& root, const fs::path
   parts.path = root;
   parts.dir = dir;
   parts.dp_size = config.dp_size;
+  parts.tp_size = config.tp_size;
   parts.zero_rule = [dp = config.dp_size](int64_t numel) { return zero_runs(numel, dp); };
   std::map<std::tuple<int64_t, int64_t, int64_t>, fs::path> by_rank;  // (pp, tp, dp) -> file
   std::error_code ec;

@@ -1029,8 +1029,10 @@ class TorchSaveReader final : public CheckpointReader {
           meta_.groups.push_back(std::move(group));
           adamw_flags_.push_back(sd.groups[g].flags);
           GroupExtras& kept = group_extras_.emplace_back();
-          for (const GroupExtraSpec& x : sd.groups[g].extras)
+          for (const GroupExtraSpec& x : sd.groups[g].extras) {
             if (!x.tensor) kept.emplace_back(x.key, x.value);
+            else not_read_.push_back(fmt::format("{} param group {} '{}'", fw, g, x.key));
+          }
         }
         continue;
       }
@@ -1074,6 +1076,9 @@ class TorchSaveReader final : public CheckpointReader {
       const std::string pw = fmt::format("{} param '{}'", dir, name);
       const auto sh = np.sharded.find(name);
       const NanotronParts::Sharded* sharded = sh == np.sharded.end() ? nullptr : &sh->second;
+      if (np.tp_size > 1 && !sharded && !np.replicated.count(name))
+        return corrupt(fmt::format("{}: the model folder has no file of it, so whether tensor parallelism shards it "
+                                   "(and where) is not known", pw));
       ParamState ps;
       ps.group = static_cast<int>(base[np.files[f0].pp] + static_cast<size_t>(s0->group));
       // A piece of a file's tensor: (file, spec, its first element in the tensor, in the whole, count).

@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -83,6 +84,8 @@ struct NanotronParts {
     std::map<int64_t, std::pair<std::vector<int64_t>, std::vector<Run>>> by_tp;  // local shape, runs
   };
   std::map<std::string, Sharded> sharded;  // tp_size > 1: the params it shards, from model/
+  std::set<std::string> replicated;        // tp_size > 1: the params model/ holds unsharded
+  int64_t tp_size = 1;
   struct ZeroParam {
     std::map<int64_t, std::pair<int64_t, int64_t>> runs;  // dp rank -> [start, end) of the flat param
     std::vector<int64_t> shape;                           // its (local) shape

@@ -440,13 +440,20 @@ def test_an_optimizer_dicts_keys_beside_its_state_are_named_as_not_read(tmp_path
 def test_nanotron_checkpoints_optstate_cannot_place_are_refused_by_name(tmp_path, optstate_cli):
     """A missing rank's file, a config whose run of a param disagrees with the rank's tensor of it,
     a file holding a param the config gives its rank no run of, a tensor-parallel checkpoint without
-    its model folder or with a shard's metadata that places its elements twice are refused naming
+    its model folder, without a param's file in it, or with a shard's metadata that places its
+    elements twice are refused naming
     the file and the param (validate: a finding); nothing is written as nanotron's."""
     import shutil
     tp = tmp_path / "tp"
     shutil.copytree(NANOTRON / "tp2" / "optimizer", tp / "optimizer")
     assert "read with its model folder" in run_err(optstate_cli, "inspect", tp)
     shutil.copytree(NANOTRON / "tp2" / "model", tp / "model")
+    norm = tp / "model" / "model" / "final_layer_norm" / "pp_block" / "model_weight.safetensors"
+    saved_norm = norm.read_bytes()
+    norm.unlink()  # then whether a rank's tensor of it is a shard or a copy is unknown
+    err = run_err(optstate_cli, "inspect", tp)
+    assert "'model.final_layer_norm.pp_block.weight': the model folder has no file of it" in err, err
+    norm.write_bytes(saved_norm)
     shard = next((tp / "model").rglob("model_weight_pp-rank-0-of-1_tp-rank-1-of-2.safetensors"))
     from safetensors.torch import load_file, save_file
     from safetensors import safe_open

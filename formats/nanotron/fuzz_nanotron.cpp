@@ -1,10 +1,11 @@
-// Fuzz target for nanotron checkpoints (nanotron_layout.h, torchsave::open_nanotron), over the real
-// ZeRO-1 one nanotron saved (tests/data/writers/nanotron-2411b02_torch-2.13.0/dp2_zero1/,
-// make_nanotron.py). Built twice: the input is its optimizer_config.json (the runs and shapes that
-// place each rank's flat runs: fuzz.nanotron_config), or data-parallel rank 1's optimizer file
-// (torch.save; each input also tried with data.pkl's CRC-32 re-signed, so changes reach the
-// interpretation: fuzz.nanotron_file). Every input must validate, open, hash, read whole and
-// write back (native), or give an error.
+// Fuzz target for nanotron checkpoints (nanotron_layout.h, torchsave::open_nanotron), over real ones
+// nanotron saved (tests/data/writers/nanotron-2411b02_torch-2.13.0/, make_nanotron.py). Built three
+// times: the input is the ZeRO-1 one's optimizer_config.json (the runs and shapes that place each
+// rank's flat runs: fuzz.nanotron_config), or its data-parallel rank 1's optimizer file (torch.save;
+// each input also tried with data.pkl's CRC-32 re-signed, so changes reach the interpretation:
+// fuzz.nanotron_file), or the tensor-parallel one's shard of a fused q/k/v projection under model/
+// (safetensors: its TensorMetadata places the shard: fuzz.nanotron_shard). Every input must
+// validate, open, hash, read whole and write back (native), or give an error.
 #include <cstdint>
 #include <optional>
 #include <string>

@@ -43,7 +43,7 @@ TEST_CASE("zip: a ZIP64 locator whose end-record offset wraps past 2^64 is refus
   // (libFuzzer, fuzz_torchsave_file: a read 8 bytes before the tail).
   std::vector<std::byte> tail;
   auto put = [&](uint64_t v, int n) {
-    for (int k = 0; k < n; ++k) tail.push_back(static_cast<std::byte>(v >> (8 * k) & 0xff));
+    for (int k = 0; k < n; ++k) tail.push_back(static_cast<std::byte>(k < 8 ? v >> (8 * k) & 0xff : 0));
   };
   put(0, 72);                                 // room where a record could be
   put(0x07064b50, 4);                         // ZIP64 end-of-central-directory locator

@@ -410,7 +410,8 @@ def test_nanotron_checkpoints_read_as_nanotron_held_them(tmp_path, optstate_cli,
 def test_one_nanotron_optimizer_file_names_its_params_and_reads_its_fp32_weights(optstate_cli):
     """A stage's file alone (torch.save of NamedOptimizer's state_dict): its params take the names
     of its 'names' dict, not torch's numbers, and its 'gradient_accumulator' is their fp32 weights;
-    nothing of it is left unread."""
+    nothing of it is left unread. A ZeRO-1 rank's or tensor-parallel rank's file alone holds runs or
+    shards, not params: refused, naming the checkpoint's folder to read instead."""
     ck = NANOTRON / "dp2"
     one = ck / "optimizer" / "optimizer_pp-0-of-1_tp-0-of-1_exp-0-of-1.pt"
     info = json.loads(optstate_cli("inspect", one, "--json", "--no-stats").stdout)
@@ -419,6 +420,11 @@ def test_one_nanotron_optimizer_file_names_its_params_and_reads_its_fp32_weights
     assert all("param" in p["entries"] for p in info["params"].values())
     assert info["not_read"] == [], info["not_read"]
     assert optstate_cli("diff", one, ck).returncode == 0
+    # one rank's part alone (ZeRO-1's runs, a tensor-parallel shard) is no param's state: refused
+    for run, name in [("dp2_zero1", "optimizer_pp-0-of-1_dp-1-of-2_tp-0-of-1_exp-0-of-1.pt"),
+                      ("tp2", "optimizer_pp-0-of-1_tp-1-of-2_exp-0-of-1.pt")]:
+        err = run_err(optstate_cli, "inspect", NANOTRON / run / "optimizer" / name)
+        assert "one rank's file of a nanotron checkpoint" in err and str(NANOTRON / run) in err, err
 
 
 def test_an_optimizer_dicts_keys_beside_its_state_are_named_as_not_read(tmp_path, optstate_cli):

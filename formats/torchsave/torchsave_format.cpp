@@ -1065,6 +1065,8 @@ class TorchSaveReader final : public CheckpointReader {
     // Each param: its specs in the files that hold it, in file order.
     std::vector<std::string> order;
     std::map<std::string, std::vector<std::pair<size_t, const ParamSpec*>>> held;
+    std::map<std::string, std::set<int64_t>> tied_stages;  // a param's other stages
+    std::set<size_t> tied_groups;                           // the groups of those copies
     size_t never_stepped = 0;
     for (size_t f = 0; f < sds.size(); ++f)
       for (const ParamSpec& spec : sds[f].params) {
@@ -1074,11 +1076,21 @@ class TorchSaveReader final : public CheckpointReader {
         }
         auto& specs = held[spec.fqn];
         if (specs.empty()) order.push_back(spec.fqn);
-        if (!specs.empty() && np.files[specs[0].first].pp != np.files[f].pp)
-          return corrupt(fmt::format("{}: param '{}' is also in {}, another pipeline stage's", np.files[f].path.string(),
-                                     spec.fqn, np.files[specs[0].first].path.string()));
+        // A param tied across stages (SmolLM's embeddings: the input embedding on the first, the
+        // output head on the last) is stepped on each, its gradients summed over the tie, so its
+        // copies are equal: the first stage's is read.
+        if (!specs.empty() && np.files[specs[0].first].pp != np.files[f].pp) {
+          tied_stages[spec.fqn].insert(np.files[f].pp);
+          tied_groups.insert(base[np.files[f].pp] + static_cast<size_t>(spec.group));
+          continue;
+        }
         specs.emplace_back(f, &spec);
       }
+    for (const auto& [name, stages] : tied_stages)
+      value_notes_.push_back(fmt::format("'{}' is in the files of pipeline stages {} and {} (tied across them: "
+                                         "nanotron steps each copy alike): stage {}'s read", name,
+                                         np.files[held[name][0].first].pp, fmt::join(stages, ", "),
+                                         np.files[held[name][0].first].pp));
     if (never_stepped)
       not_read_.push_back(fmt::format("{} param{} with fp32 weights and no state (never stepped)", never_stepped,
                                       never_stepped == 1 ? "" : "s"));
@@ -1217,6 +1229,23 @@ class TorchSaveReader final : public CheckpointReader {
       meta_.groups[static_cast<size_t>(ps.group)].params.push_back(name);
       meta_.params.emplace(name, std::move(ps));
     }
+    // A group that held only tied copies (nanotron's group per param) is left out, the others renumbered.
+    std::vector<int> renumber(meta_.groups.size());
+    size_t kept = 0;
+    for (size_t g = 0; g < meta_.groups.size(); ++g) {
+      renumber[g] = static_cast<int>(kept);
+      if (tied_groups.count(g) && meta_.groups[g].params.empty()) continue;
+      if (kept != g) {
+        meta_.groups[kept] = std::move(meta_.groups[g]);
+        adamw_flags_[kept] = std::move(adamw_flags_[g]);
+        group_extras_[kept] = std::move(group_extras_[g]);
+      }
+      ++kept;
+    }
+    meta_.groups.resize(kept);
+    adamw_flags_.resize(kept);
+    group_extras_.resize(kept);
+    for (auto& [name, ps] : meta_.params) ps.group = renumber[static_cast<size_t>(ps.group)];
     return finish({}, {}, 0);
   }
 

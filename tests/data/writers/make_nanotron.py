@@ -27,6 +27,9 @@ save_optimizer, save_lr_scheduler and save_meta, over 2 or 4 CPU ranks (gloo). W
 - `tp2/`: tensor parallel 2 (each rank's shards, placed by the model folder's shard metadata);
 - `pp2_dp2_zero1/`, `tp2_dp2_zero1/` (4 ranks): ZeRO-1 under pipeline parallelism (the config
   holds stage 0's runs only) and under tensor parallelism (runs of each shard);
+- `pp2_tied/`: pipeline parallel 2 with tied word embeddings (SmolLM's): the embedding and the
+  output head are one param, stepped on both stages (its gradients summed over the tie), each
+  stage's file holding its state;
 - `<run>.ref.safetensors`: what the optimizer held, per param (`<name>.param`: the fp32 weights,
   `<name>.exp_avg`, `<name>.exp_avg_sq`), gathered from every rank's live optimizer (ZeRO-1's runs
   placed by its own param_name_to_dp_rank_offsets, tensor-parallel shards by Python's slicing of
@@ -39,6 +42,7 @@ import os
 import pathlib
 import sys
 import types
+import zlib
 from pathlib import Path
 
 import torch
@@ -53,6 +57,8 @@ RUNS = {  # each over tp * pp * dp ranks
     "tp2": dict(tp=2, pp=1, dp=1, zero=0),
     "pp2_dp2_zero1": dict(tp=1, pp=2, dp=2, zero=1),
     "tp2_dp2_zero1": dict(tp=2, pp=1, dp=2, zero=1),
+    # SmolLM's tied embeddings: the input embedding and the output head one param, on both stages
+    "pp2_tied": dict(tp=1, pp=2, dp=1, zero=0, tied=True),
 }
 # Imported by nanotron's modules, never run by a save.
 STUBS = ("flash_attn", "transformers", "datasets", "triton", "wandb", "grouped_gemm", "transformer_engine")
@@ -124,6 +130,7 @@ def rank_main(rank, world, port, out):
     from nanotron.optim.zero import ZeroDistributedOptimizer
     from nanotron.parallel.context import ParallelContext
     from nanotron.parallel.tensor_parallel.nn import TensorParallelLinearMode
+    from nanotron.parallel.tied_parameters import sync_tied_weights_gradients
     from nanotron.scaling.parametrization import ParametrizationMethod
     from nanotron.serialize.metadata import DataStageMetadata, TrainingMetadata, save_meta
     from nanotron.serialize.optimizer import save_lr_scheduler, save_optimizer
@@ -138,14 +145,16 @@ def rank_main(rank, world, port, out):
         par = ParallelismArgs(dp=cfg["dp"], pp=cfg["pp"], tp=cfg["tp"], tp_mode=TensorParallelLinearMode.ALL_REDUCE,
                               tp_linear_async_communication=False)
         config = LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
-                             num_hidden_layers=2, vocab_size=64, max_position_embeddings=32)
+                             num_hidden_layers=2, vocab_size=64, max_position_embeddings=32,
+                             tie_word_embeddings=cfg.get("tied", False))
         model = build_model(lambda: LlamaForTraining(config=config, parallel_context=pc, parallel_config=par),
                             parallel_context=pc, dtype=torch.bfloat16, device=torch.device("cpu"))
         mark_tied_parameters(model=model, parallel_context=pc, parallel_config=par)
         tp_rank = dist.get_rank(pc.tp_pg)
-        g = torch.Generator().manual_seed(tp_rank)  # the same weights on every data-parallel rank
-        with torch.no_grad():
-            for _, p in model.named_parameters():
+        with torch.no_grad():  # seeded by name (and shard): a param's copies and replicas alike
+            for name, p in full_names(model).items():
+                shard = tp_rank if p.is_sharded and cfg["tp"] > 1 else 0
+                g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 7919 * shard)
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
         opt_args = OptimizerArgs(
             optimizer_factory=AdamWOptimizerArgs(adam_eps=1e-8, adam_beta1=0.9, adam_beta2=0.95,
@@ -164,6 +173,9 @@ def rank_main(rank, world, port, out):
                 p.grad = torch.randn(p.shape, generator=gs).to(p.dtype)
             for name, elt in accumulator.fp32_grad_buffers.items():  # what its backward does after autograd
                 accumulator._accumulate_grad(name=name, half_param=elt["half"])
+            # as the trainer does: a tied param's gradients (copies across tensor-parallel ranks,
+            # embeddings tied across pipeline stages) summed over its ties
+            sync_tied_weights_gradients(module=model, parallel_context=pc, grad_accumulator=accumulator)
             optimizer.step()
             optimizer.zero_grad()
             lr_scheduler.step()
@@ -179,17 +191,19 @@ def rank_main(rank, world, port, out):
         tdist.barrier()
 
 
+def full_names(model):
+    """The model's params by the names nanotron's optimizer gives them (a tied param's full name)."""
+    prefixes = {id(m): f"{n}." for n, m in model.named_modules()} | {id(model): ""}
+    return {p.get_tied_info().get_full_name_from_module_id_to_prefix(module_id_to_prefix=prefixes)
+            if p.is_tied else name: p for name, p in model.named_parameters()}
+
+
 def write_ref(path, sd, model, zero, dp_rank, tp_rank, rank):
     """Each param whole, from every rank's live state: ZeRO-1's runs at their offsets in the rank's
     local tensor, tensor-parallel shards put in the whole tensor by Python's own slicing of the live
     params' ShardedInfo (tensor-parallel rank 0's copy of a param no rank shards)."""
     import torch.distributed as tdist
-    prefixes = {id(m): f"{n}." for n, m in model.named_modules()} | {id(model): ""}
-    params = {}
-    for name, p in model.named_parameters():
-        full = p.get_tied_info().get_full_name_from_module_id_to_prefix(module_id_to_prefix=prefixes) \
-            if p.is_tied else name
-        params[full] = p
+    params = full_names(model)
     mine = []
     for index, name in sd["names"].items():
         st, p = sd["state"][index], params[name]
@@ -213,6 +227,8 @@ def write_ref(path, sd, model, zero, dp_rank, tp_rank, rank):
             for k, v in parts.items():
                 t = local.setdefault((name, tp, shape), {}).setdefault(k, torch.full((torch.Size(shape).numel(),), float("nan")))
                 start, end = run if run is not None else (0, t.numel())
+                # a copy held twice (a replica, a param tied across stages) must be the same
+                assert t[start:end].isnan().all() or torch.equal(t[start:end], v), (name, tp, k)
                 t[start:end] = v
             layouts[name, tp] = layout
             assert meta.setdefault(name, settings) == settings, name

@@ -60,6 +60,11 @@ RUNS = {  # each over tp * pp * dp ranks
     # SmolLM's tied embeddings: the input embedding and the output head one param, on both stages
     "pp2_tied": dict(tp=1, pp=2, dp=1, zero=0, tied=True),
 }
+# bench/bench_nanotron.py's larger model: NANOTRON_SIZE="layers,hidden,vocab", NANOTRON_RUNS a
+# comma-separated subset of RUNS, NANOTRON_REF=0 (no .ref.safetensors: nothing gathered).
+LAYERS, HIDDEN, VOCAB = map(int, os.environ.get("NANOTRON_SIZE", "2,16,64").split(","))
+if os.environ.get("NANOTRON_RUNS"):
+    RUNS = {k: RUNS[k] for k in os.environ["NANOTRON_RUNS"].split(",")}
 # Imported by nanotron's modules, never run by a save.
 STUBS = ("flash_attn", "transformers", "datasets", "triton", "wandb", "grouped_gemm", "transformer_engine")
 
@@ -144,8 +149,8 @@ def rank_main(rank, world, port, out):
                              data_parallel_size=cfg["dp"])
         par = ParallelismArgs(dp=cfg["dp"], pp=cfg["pp"], tp=cfg["tp"], tp_mode=TensorParallelLinearMode.ALL_REDUCE,
                               tp_linear_async_communication=False)
-        config = LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
-                             num_hidden_layers=2, vocab_size=64, max_position_embeddings=32,
+        config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_attention_heads=4,
+                             num_key_value_heads=2, num_hidden_layers=LAYERS, vocab_size=VOCAB, max_position_embeddings=32,
                              tie_word_embeddings=cfg.get("tied", False))
         model = build_model(lambda: LlamaForTraining(config=config, parallel_context=pc, parallel_config=par),
                             parallel_context=pc, dtype=torch.bfloat16, device=torch.device("cpu"))
@@ -187,7 +192,8 @@ def rank_main(rank, world, port, out):
             consumed_train_samples=12, last_train_step=3, last_stage_idx=0,
             data_stages=[DataStageMetadata(name="stable", start_training_step=1, consumed_train_samples=12)]))
         zero = optimizer.param_name_to_dp_rank_offsets if isinstance(optimizer, ZeroDistributedOptimizer) else None
-        write_ref(str(root), optimizer.state_dict(), model, zero, dist.get_rank(pc.dp_pg), tp_rank, rank)
+        if os.environ.get("NANOTRON_REF") != "0":
+                write_ref(str(root), optimizer.state_dict(), model, zero, dist.get_rank(pc.dp_pg), tp_rank, rank)
         tdist.barrier()
 
 

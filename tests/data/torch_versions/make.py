@@ -258,6 +258,41 @@ def spawn_ranks(rank_main, out, world=2):
     mp.spawn(rank_main, args=(world, port, out), nprocs=world)
 
 
+def enter_cpu_mode(cuda_types=False):
+    """For a writer script whose stack places tensors on CUDA: from here on in this process, every
+    torch call's device='cuda...' (and .to('cuda...')) is the CPU, .cuda() a no-op,
+    torch.cuda.current_device() 'cpu'; with `cuda_types`, a tensor's type() names torch.cuda's
+    class (Megatron-Core checks it)."""
+    from torch.overrides import TorchFunctionMode
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+
+    def cpu(d):
+        if isinstance(d, torch.device) and d.type == "cuda":
+            return torch.device("cpu")
+        if isinstance(d, str) and d.startswith("cuda"):
+            return "cpu"
+        return d
+
+    class CpuMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if "device" in kwargs:
+                kwargs["device"] = cpu(kwargs["device"])
+            name = getattr(func, "__name__", "")
+            if name == "cuda":
+                return args[0]
+            if cuda_types and name == "type" and len(args) == 1 and not kwargs:
+                r = func(*args)
+                return r.replace("torch.", "torch.cuda.", 1) if r.startswith("torch.") and ".cuda." not in r else r
+            if name == "to" and len(args) > 1 and isinstance(args[1], (str, torch.device)):
+                args = (args[0], cpu(args[1])) + tuple(args[2:])
+            return func(*args, **kwargs)
+
+    CpuMode().__enter__()
+
+
 def spawn_main(rank_main):
     """A writer script's main: rank_main(rank, world, port, out) on two ranks, out = argv[1]."""
     out = os.path.abspath(sys.argv[1])

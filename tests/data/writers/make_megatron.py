@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "torch_versions"))
-from make import save_ref, spawn_main  # noqa: E402
+from make import enter_cpu_mode, save_ref, spawn_main  # noqa: E402
 
 # bench/bench_megatron.py's larger model: MEGATRON_SIZE="layers,hidden,vocab", MEGATRON_RUNS a
 # comma-separated subset of RUNS, MEGATRON_REF=0 (no .ref.safetensors: nothing gathered).
@@ -64,35 +64,8 @@ RUNS = {
 def cpu_shim():
     """Megatron-Core places its buffers on torch.cuda.current_device() and some tensors on
     device='cuda', and checks params' type() for torch.cuda.*Tensor: all of it on the CPU here."""
-    from torch.overrides import TorchFunctionMode
-
-    torch.cuda.current_device = lambda: "cpu"
     torch.cuda.is_available = lambda: False
-    torch.cuda.synchronize = lambda *a, **k: None
-
-    def cpu(d):
-        if isinstance(d, torch.device) and d.type == "cuda":
-            return torch.device("cpu")
-        if isinstance(d, str) and d.startswith("cuda"):
-            return "cpu"
-        return d
-
-    class CpuMode(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = dict(kwargs or {})
-            if "device" in kwargs:
-                kwargs["device"] = cpu(kwargs["device"])
-            name = getattr(func, "__name__", "")
-            if name == "cuda":
-                return args[0]
-            if name == "type" and len(args) == 1 and not kwargs:
-                r = func(*args)
-                return r.replace("torch.", "torch.cuda.", 1) if r.startswith("torch.") and ".cuda." not in r else r
-            if name == "to" and len(args) > 1 and isinstance(args[1], (str, torch.device)):
-                args = (args[0], cpu(args[1])) + tuple(args[2:])
-            return func(*args, **kwargs)
-
-    CpuMode().__enter__()
+    enter_cpu_mode(cuda_types=True)
     from megatron.core.tensor_parallel import random as mrandom
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     import megatron.core.transformer.moe.moe_utils as moe_utils

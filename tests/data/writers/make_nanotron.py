@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "torch_versions"))
-from make import hyperparameters, save_ref, spawn_ranks  # noqa: E402
+from make import enter_cpu_mode, hyperparameters, save_ref, spawn_ranks  # noqa: E402
 
 RUNS = {  # each over tp * pp * dp ranks
     "dp2": dict(tp=1, pp=1, dp=2, zero=0),
@@ -95,27 +95,8 @@ class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def cpu_shim():
     """nanotron places tensors on device='cuda' and sets each rank's CUDA device: the CPU here."""
-    from torch.overrides import TorchFunctionMode
     sys.meta_path.insert(0, _Stubs())
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *a, **k: None
-
-    def cpu(d):
-        if isinstance(d, torch.device) and d.type == "cuda":
-            return torch.device("cpu")
-        if isinstance(d, str) and d.startswith("cuda"):
-            return "cpu"
-        return d
-
-    class CpuMode(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = dict(kwargs or {})
-            if "device" in kwargs:
-                kwargs["device"] = cpu(kwargs["device"])
-            if getattr(func, "__name__", "") == "cuda":
-                return args[0]
-            return func(*args, **kwargs)
-    CpuMode().__enter__()
+    enter_cpu_mode()
     from nanotron.parallel.context import ParallelContext
     ParallelContext.set_device = lambda self: None
 

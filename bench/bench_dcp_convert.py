@@ -187,6 +187,42 @@ def time_floor(times, src, work, src_bytes, dst_bytes, reps):
         times["floor (raw copy)"].append(t)
 
 
+def writer_fp32_bench(args, cli, work, env, scripts, make, src, what, reference, contents, read=None):
+    """The run a training stack's convert benchmark shares (bench_megatron.py, bench_nanotron.py):
+    `make` (a command that writes the stack's checkpoint SRC, timed), the source line, then
+    `optstate convert SRC --to fp32` and the reference script (scripts["convert_reference.py"]) side
+    by side, the floor reading `read` (what of SRC the conversion reads; SRC by default), both
+    outputs compared bit for bit (`contents` says what they hold), the table and the JSON."""
+    import subprocess
+    import time
+
+    import torch
+    from bench_ckpt import dir_bytes
+    from safetensors.torch import load_file
+    t0 = time.perf_counter()
+    subprocess.run(make, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    made = time.perf_counter() - t0
+    read = read or src
+    src_bytes = dir_bytes(read)
+    info = subprocess.run([cli, "inspect", src, "--no-stats"], capture_output=True, text=True, check=True).stdout
+    params = info.splitlines()[1].split(",", 2)[-1].strip()
+    print(f"source: {src_bytes / 1e9:.2f} GB {what} ({args.layers} layers, hidden {args.hidden}, vocab {args.vocab}: "
+          f"{params}; made in {made:.0f} s); {os.cpu_count()} cpus, torch {torch.__version__}")
+    dst = {"optstate": work / "optstate.safetensors", reference: work / "reference.safetensors"}
+    cases = {
+        "optstate": lambda out: [cli, "convert", src, out, "--to", "fp32"],
+        reference: lambda out: [sys.executable, scripts["convert_reference.py"], src, out],
+    }
+    times, peak = time_cases(cases, dst, src, args.reps, env)
+    dst_bytes = os.path.getsize(dst["optstate"])
+    time_floor(times, read, work, src_bytes, dst_bytes, args.reps)
+    a, b = load_file(dst["optstate"]), load_file(dst[reference])
+    bad = [k for k in b if k not in a or not torch.equal(a[k], b[k])]
+    assert not bad, f"outputs differ: {bad[:8]}"
+    print(f"outputs: {dst_bytes / 1e9:.2f} GB; {len(b)} tensors equal bit for bit ({contents})")
+    report(args, work, times, peak, src_bytes, dst_bytes, reference=reference)
+
+
 def report(args, work, times, peak, src_bytes, dst_bytes, reference="torch + torchao"):
     """The end of a convert benchmark: its table, the work folder removed, the JSON written."""
     rows = convert_table(times, peak, src_bytes, dst_bytes, reference)

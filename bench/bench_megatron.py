@@ -16,18 +16,15 @@ The two outputs must hold the same fp32 tensors, bit for bit (main params, exp_a
     .venv/bin/python bench/bench_megatron.py --megatron /tmp/megatron [--layers 4] [--hidden 1024]
         [--vocab 32768] [--reps 2] [--dir /tmp] [--json bench/results/megatron.json]
 """
-import os
 import sys
 import textwrap
 import warnings
 from pathlib import Path
 
-import torch
-
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from bench_ckpt import checkpoint_args, dir_bytes  # noqa: E402
-from bench_dcp_convert import prepare, report, time_cases, time_floor  # noqa: E402
+from bench_ckpt import checkpoint_args  # noqa: E402
+from bench_dcp_convert import prepare, writer_fp32_bench  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -64,36 +61,9 @@ def main():
     env["PYTHONPATH"] = args.megatron
     make_env = dict(env, MEGATRON_SIZE=f"{args.layers},{args.hidden},{args.vocab}", MEGATRON_RUNS="dp2_distopt",
                     MEGATRON_REF="0")
-    import subprocess
-    import time
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, str(BENCH.parent / "tests/data/writers/make_megatron.py"), work / "made"],
-                   check=True, env=make_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    src = work / "made" / "dp2_distopt"
-    src_bytes = dir_bytes(src)
-    info = subprocess.run([cli, "inspect", src, "--no-stats"], capture_output=True, text=True, check=True).stdout
-    params = info.splitlines()[1]
-    print(f"source: {src_bytes / 1e9:.2f} GB Megatron torch_dist checkpoint ({args.layers} layers, hidden "
-          f"{args.hidden}, vocab {args.vocab}: {params.split(',', 2)[-1].strip()}; made in "
-          f"{time.perf_counter() - t0:.0f} s); {os.cpu_count()} cpus, torch {torch.__version__}")
-
-    dst = {"optstate": work / "optstate.safetensors", "torch DCP": work / "torch.safetensors"}
-    cases = {
-        "optstate": lambda out: [cli, "convert", src, out, "--to", "fp32"],
-        "torch DCP": lambda out: [sys.executable, scripts["convert_reference.py"], src, out],
-    }
-    times, peak = time_cases(cases, dst, src, args.reps, env)
-    dst_bytes = os.path.getsize(dst["optstate"])
-    time_floor(times, src, work, src_bytes, dst_bytes, args.reps)
-
-    from safetensors.torch import load_file
-    a, b = load_file(dst["optstate"]), load_file(dst["torch DCP"])
-    bad = [k for k in b if k not in a or not torch.equal(a[k], b[k])]
-    assert not bad, f"outputs differ: {bad[:8]}"
-    print(f"outputs: {dst_bytes / 1e9:.2f} GB; {len(b)} tensors equal bit for bit (fp32 main params, exp_avg, "
-          f"exp_avg_sq)")
-    report(args, work, times, peak, src_bytes, dst_bytes, reference="torch DCP")
-
+    make = [sys.executable, str(BENCH.parent / "tests/data/writers/make_megatron.py"), work / "made"]
+    writer_fp32_bench(args, cli, work, make_env, scripts, make, work / "made" / "dp2_distopt",
+                      "Megatron torch_dist checkpoint", "torch DCP", "fp32 main params, exp_avg, exp_avg_sq")
 
 if __name__ == "__main__":
     main()

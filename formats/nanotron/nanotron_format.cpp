@@ -164,13 +164,25 @@ Result<torchsave::NanotronParts> find_parts(const fs::path& root, const fs::path
   return parts;
 }
 
+// One ZeRO-1 rank's or tensor-parallel rank's optimizer file (`_dp-` in its name, or `_tp-<t>-of-<T>`
+// with T > 1): its tensors are flat runs or shards of its params, so alone it is no param's state.
+// Claimed here so that it is refused rather than read by the torch.save driver as whole params.
+std::optional<FileRanks> rank_part(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) return std::nullopt;
+  const auto r = parse_file_name(path.filename().string());
+  if (!r || (!r->dp && r->tp_size == 1)) return std::nullopt;
+  return r;
+}
+
 class NanotronDriver final : public FormatDriver {
  public:
   std::string_view name() const override { return "nanotron"; }
 
   // A folder with optimizer_config.json (or optimizer/optimizer_config.json) beside a file named as
-  // nanotron names its optimizer files.
+  // nanotron names its optimizer files; or one rank's part alone (rank_part), to refuse it.
   bool sniff(const fs::path& path) const override {
+    if (rank_part(path)) return true;
     const auto dir = optimizer_dir(path);
     if (!dir) return false;
     std::error_code ec;
@@ -181,6 +193,11 @@ class NanotronDriver final : public FormatDriver {
   }
 
   Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {
+    if (const auto r = rank_part(path))
+      return unsupported(fmt::format("{}: one rank's file of a nanotron checkpoint {}: its tensors are {} of its "
+                                     "params; read the checkpoint's folder ({})", path.string(),
+                                     r->dp ? "under ZeRO-1" : "under tensor parallelism",
+                                     r->dp ? "flat runs" : "shards", path.parent_path().parent_path().string()));
     const auto dir = optimizer_dir(path);
     if (!dir) return invalid_argument(path.string() + ": no optimizer_config.json (nor optimizer/optimizer_config.json)");
     OPTSTATE_ASSIGN_OR_RETURN(const torchsave::NanotronParts parts, find_parts(path, *dir));

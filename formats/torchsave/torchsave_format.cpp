@@ -11,7 +11,6 @@
 #include <deque>
 #include <fstream>
 #include <memory>
-#include <regex>
 #include <set>
 
 #include "dcp/bnb_state.h"
@@ -492,17 +491,6 @@ class TorchSaveReader final : public CheckpointReader {
       return corrupt(fmt::format("{}: {} holds {} files of whole optimizer state_dicts (no DTensors), not one "
                                  "state's ranks; pass one file", path_.string(), rank_pattern(optim_files),
                                  sds.size()));
-    }
-    // One rank's part of a nanotron checkpoint, alone: its tensors are runs or shards of its params.
-    if (!set_ && sd0.nanotron) {
-      static const std::regex part(R"(optimizer_pp-\d+-of-\d+(_dp-\d+-of-\d+)?_tp-\d+-of-(\d+)(_exp-\d+-of-\d+)?\.pt)");
-      std::smatch m;
-      const std::string name = path_.filename().string();
-      if (std::regex_match(name, m, part) && (m[1].matched || m[2].str() != "1"))
-        return unsupported(fmt::format("{}: one rank's file of a nanotron checkpoint {}: its tensors are {} of its "
-                                       "params; read the checkpoint's folder ({})", path_.string(),
-                                       m[1].matched ? "under ZeRO-1" : "under tensor parallelism",
-                                       m[1].matched ? "flat runs" : "shards", path_.parent_path().parent_path().string()));
     }
     not_read_ = sd0.not_read;
     value_notes_ = sd0.read_notes;

@@ -42,6 +42,50 @@ Status chunk_segments(const std::vector<int64_t>& g, const ChunkMeta& c, size_t 
   }
 }
 
+Status item_segments(const ItemMeta& im, size_t chunk, std::vector<Segment>& out, const std::string& where) {
+  const ChunkMeta& c = im.chunks.at(chunk);
+  if (im.nd_shape.empty()) return chunk_segments(im.size, c, chunk, out, where);
+  const std::vector<int64_t>& g = im.nd_shape;
+  const size_t n = g.size();
+  const int64_t start = c.offsets[n], count = c.sizes[n];
+  if (count == 0) return Status::Ok();
+  if (n == 0) {  // a scalar: its one element
+    out.push_back({0, 1, chunk, 0});
+    return Status::Ok();
+  }
+  std::vector<int64_t> box(n), stride(n, 1);
+  for (size_t d = 0; d < n; ++d) box[d] = g[d] / im.size[d];
+  for (size_t d = n - 1; d > 0; --d) stride[d - 1] = stride[d] * g[d];
+  const int64_t row = box[n - 1];  // a box row: consecutive in the tensor
+  // Start at element `start` of the box (C order over `box`), then walk row by row.
+  std::vector<int64_t> idx(n);
+  int64_t rest = start / row;
+  for (size_t d = n - 1; d-- > 0;) {
+    idx[d] = rest % box[d];
+    rest /= box[d];
+  }
+  idx[n - 1] = start % row;
+  int64_t local = 0;
+  while (local < count) {
+    int64_t begin = 0;
+    for (size_t d = 0; d < n; ++d) begin += (c.offsets[d] * box[d] + idx[d]) * stride[d];
+    const int64_t run = std::min(row - idx[n - 1], count - local);
+    if (!out.empty() && out.back().chunk == chunk && out.back().begin + out.back().count == begin &&
+        out.back().local + out.back().count == local) {
+      out.back().count += run;  // the box spans whole rows of the tensor
+    } else {
+      if (out.size() >= kMaxSegments) return corrupt(where + ": too many pieces (column-sharded beyond the cap)");
+      out.push_back({begin, run, chunk, local});
+    }
+    local += run;
+    idx[n - 1] = 0;
+    for (size_t d = n - 1; d-- > 0;)
+      if (++idx[d] < box[d]) break;
+      else idx[d] = 0;
+  }
+  return Status::Ok();
+}
+
 Status check_coverage(std::vector<Segment>& segs, int64_t count, const std::string& where) {
   std::sort(segs.begin(), segs.end(), [](const Segment& a, const Segment& b) { return a.begin < b.begin; });
   int64_t at = 0;

@@ -31,6 +31,12 @@ struct Segment {
 Status chunk_segments(const std::vector<int64_t>& g, const ChunkMeta& c, size_t chunk, std::vector<Segment>& out,
                       const std::string& where);
 
+// Chunk `chunk` of item `im` as runs of the flat elements of the tensor it holds: chunk_segments
+// over its size, or for Megatron-Core's N-D flattened item (ItemMeta::nd_shape; check_nd_flattened
+// has passed) the runs of its chunk box that the chunk's element range covers, consecutive runs
+// merged.
+Status item_segments(const ItemMeta& im, size_t chunk, std::vector<Segment>& out, const std::string& where);
+
 // Sorts `segs` by position and checks they cover [0, count) once: no holes, no overlaps.
 Status check_coverage(std::vector<Segment>& segs, int64_t count, const std::string& where);
 

@@ -631,11 +631,11 @@ class DcpReader final : public CheckpointReader {
         }
         if (meta_.params.count(fqn)) return corrupt(pw + ": listed in two param groups");
         ParamState ps;
-        ps.shape = shape_src->size;
+        ps.shape = tensor_shape(*shape_src);
         ps.group = static_cast<int>(g);
         if (mo != weight_items.end()) {
           const ItemMeta& w = md_.items.at(mo->second);
-          if (!w.is_tensor || w.size != ps.shape) return corrupt(pw + ": model weight's shape differs from its state's");
+          if (!w.is_tensor || tensor_shape(w) != ps.shape) return corrupt(pw + ": model weight's shape differs from its state's");
           ps.param_dtype = w.dtype;
           OPTSTATE_RETURN_IF_ERROR(add_entry(fqn, kParam, mo->second, ps, any8));
           carried_weights.insert(mo->second);
@@ -659,7 +659,7 @@ class DcpReader final : public CheckpointReader {
               auto absmax = st->second.find(*base + "_absmax");
               if (absmax == st->second.end())
                 return corrupt(fmt::format("{}: '{}' without '{}_absmax'", pw, ename, *base));
-              if (md_.items.at(key).size != ps.shape)
+              if (tensor_shape(md_.items.at(key)) != ps.shape)
                 return corrupt(fmt::format("{}: '{}' has another shape", pw, ename));
               OPTSTATE_RETURN_IF_ERROR(add_plain8(fqn, *base, key, absmax->second, plain8_[g], ps, any8));
               consumed.insert(key);
@@ -674,7 +674,7 @@ class DcpReader final : public CheckpointReader {
             if (const auto moment = bnb_moment(ename)) {
               if (st->second.count(*moment))
                 return corrupt(fmt::format("{}: '{}' twice (as '{}' and bitsandbytes' '{}')", pw, *moment, *moment, ename));
-              if (md_.items.at(key).size != ps.shape) return corrupt(fmt::format("{}: '{}' has another shape", pw, ename));
+              if (tensor_shape(md_.items.at(key)) != ps.shape) return corrupt(fmt::format("{}: '{}' has another shape", pw, ename));
               OPTSTATE_RETURN_IF_ERROR(add_bnb(fqn, ename, st->second, ps, any8, consumed));
               continue;
             }
@@ -688,7 +688,7 @@ class DcpReader final : public CheckpointReader {
               ++not_read_[fmt::format("{}.state.*.{}", dotted(opt_key), ename)];
               continue;
             }
-            if (md_.items.at(key).size != ps.shape) return corrupt(fmt::format("{}: '{}' has another shape", pw, ename));
+            if (tensor_shape(md_.items.at(key)) != ps.shape) return corrupt(fmt::format("{}: '{}' has another shape", pw, ename));
             OPTSTATE_RETURN_IF_ERROR(add_entry(fqn, ename, key, ps, any8, lr_tensor));
             consumed.insert(key);
           }
@@ -744,15 +744,15 @@ class DcpReader final : public CheckpointReader {
       if (!first.ok() || (*first)->payload.kind != Payload::Kind::kTensor || (*first)->payload.tensor.dtype != im.dtype)
         continue;
       const std::string iw = fmt::format("{}: item '{}'", where, key);
-      const auto numel = checked_numel(im.size);
+      const auto numel = checked_numel(tensor_shape(im));
       if (!numel.ok()) return corrupt(fmt::format("{}: {}", iw, numel.status().message()));
       Source src;
       src.key = key;
       src.item = &im;
       for (size_t k = 0; k < im.chunks.size(); ++k)
-        OPTSTATE_RETURN_IF_ERROR(chunk_segments(im.size, im.chunks[k], k, src.values, iw));
+        OPTSTATE_RETURN_IF_ERROR(item_segments(im, k, src.values, iw));
       OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, *numel, iw));
-      model_tensors_.push_back({name, im.dtype, im.size});
+      model_tensors_.push_back({name, im.dtype, tensor_shape(im)});
       model_sources_.push_back(std::move(src));
       exposed.insert(key);
       exposed_names.insert(name);
@@ -936,7 +936,7 @@ class DcpReader final : public CheckpointReader {
       }
       const ItemMeta& shape_src = md_.items.at(first->second);
       ParamState ps;
-      ps.shape = shape_src.size;
+      ps.shape = tensor_shape(shape_src);
       const MegatronPlace& place = places.at(chain_of.at(key));
       ps.step = place.step;
       ps.group = static_cast<int>(place.first_group + (place.groups == 1                                ? 0
@@ -952,7 +952,7 @@ class DcpReader final : public CheckpointReader {
           weight_key = m->second;
         }
       if (const auto w = md_.items.find(key); w != md_.items.end() && w->second.is_tensor) {
-        if (w->second.size != ps.shape) return corrupt(pw + ": model weight's shape differs from its state's");
+        if (tensor_shape(w->second) != ps.shape) return corrupt(pw + ": model weight's shape differs from its state's");
         if (weight_key.empty())
           weight_key = key;
         else
@@ -961,7 +961,7 @@ class DcpReader final : public CheckpointReader {
       }
       if (!weight_key.empty()) {
         const ItemMeta& w = md_.items.at(weight_key);
-        if (!w.is_tensor || w.size != ps.shape) return corrupt(pw + ": its weights' shape differs from its state's");
+        if (!w.is_tensor || tensor_shape(w) != ps.shape) return corrupt(pw + ": its weights' shape differs from its state's");
         ps.param_dtype = w.dtype;
         OPTSTATE_RETURN_IF_ERROR(add_entry(key, kParam, weight_key, ps, any8));
       }
@@ -971,7 +971,7 @@ class DcpReader final : public CheckpointReader {
           ++not_read_[fmt::format("optimizer.state.{}.*", ename)];
           continue;
         }
-        if (md_.items.at(item_key).size != ps.shape)
+        if (tensor_shape(md_.items.at(item_key)) != ps.shape)
           return corrupt(fmt::format("{}: '{}' has another shape", pw, ename));
         OPTSTATE_RETURN_IF_ERROR(add_entry(key, ename, item_key, ps, any8));
       }
@@ -1400,7 +1400,7 @@ class DcpReader final : public CheckpointReader {
       if (it == name_of_key.end()) continue;
       const ItemMeta& im = md_.items.at(key);
       if (!im.is_tensor || !dtype_info(im.dtype).is_float || is_norm_buffer(*it->second)) continue;
-      shapes.push_back(im.size);
+      shapes.push_back(tensor_shape(im));
       tensors.emplace_back(it->second, &it->first);
     }
     std::vector<std::vector<std::optional<std::vector<int64_t>>>> groups;
@@ -1440,7 +1440,7 @@ class DcpReader final : public CheckpointReader {
     const ItemMeta& im = md_.items.at(key);
     const std::string ew = fmt::format("{}: item '{}'", dir_.string(), key);
     if (!im.is_tensor || im.chunks.empty()) return corrupt(ew + ": not a tensor with chunks");
-    OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(im.size));
+    OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(tensor_shape(im)));
     Source src;
     src.key = key;
     src.item = &im;
@@ -1468,7 +1468,7 @@ class DcpReader final : public CheckpointReader {
       for (size_t k = 0; k < im.chunks.size() && blockwise; ++k) {
         OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pk, item(key, im.chunks[k].offsets));
         std::vector<Segment> segs;
-        OPTSTATE_RETURN_IF_ERROR(chunk_segments(im.size, im.chunks[k], k, segs, ew));
+        OPTSTATE_RETURN_IF_ERROR(item_segments(im, k, segs, ew));
         blockwise = pk->payload.kind == Payload::Kind::kOptimState8bit && !pk->payload.fp8 && pk->payload.bits == 8 &&
                     segs.size() <= 1;
         for (const Segment& s : segs) {
@@ -1497,7 +1497,7 @@ class DcpReader final : public CheckpointReader {
           return corrupt(fmt::format("{}: 8-bit chunks, and the metadata says {}; torchao's says float32", ew,
                                      dtype_name(im.dtype)));
         for (size_t k = 0; k < im.chunks.size(); ++k)
-          OPTSTATE_RETURN_IF_ERROR(chunk_segments(im.size, im.chunks[k], k, src.values, ew));
+          OPTSTATE_RETURN_IF_ERROR(item_segments(im, k, src.values, ew));
         OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, numel, ew));
         e.dtype = DType::kF32;
       }
@@ -1508,7 +1508,7 @@ class DcpReader final : public CheckpointReader {
       e.encoding = Encoding::kDense;
       e.dtype = im.dtype;
       for (size_t k = 0; k < im.chunks.size(); ++k)
-        OPTSTATE_RETURN_IF_ERROR(chunk_segments(im.size, im.chunks[k], k, src.values, ew));
+        OPTSTATE_RETURN_IF_ERROR(item_segments(im, k, src.values, ew));
       OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, numel, ew));
       // torchao's state (its groups keep lr as a tensor) may be 8-bit on later ranks only: such a
       // moment reads dequantized (dequantized_segment), and the state is 8-bit AdamW's, as the
@@ -1556,9 +1556,9 @@ class DcpReader final : public CheckpointReader {
     src.absmax_item = &ai;
     src.eight = any8 = true;
     for (size_t k = 0; k < ci.chunks.size(); ++k)
-      OPTSTATE_RETURN_IF_ERROR(chunk_segments(ci.size, ci.chunks[k], k, src.values, ew));
+      OPTSTATE_RETURN_IF_ERROR(item_segments(ci, k, src.values, ew));
     for (size_t k = 0; k < ai.chunks.size(); ++k)
-      OPTSTATE_RETURN_IF_ERROR(chunk_segments(ai.size, ai.chunks[k], k, src.absmax, aw));
+      OPTSTATE_RETURN_IF_ERROR(item_segments(ai, k, src.absmax, aw));
     OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, numel, ew));
     OPTSTATE_RETURN_IF_ERROR(check_coverage(src.absmax, blocks, aw));
     Entry e;

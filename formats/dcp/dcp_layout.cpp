@@ -501,7 +501,48 @@ Result<Metadata> interpret_metadata(const Pickle& p, const std::string& where) {
       }
     }
   }
+
+  // Megatron-Core's MCoreSavePlanner adds mcore_data: {key: {} or {'nd_reformulated_orig_global_shape': shape}}.
+  const Ref mc = p.dict_get(f, "mcore_data");
+  if (mc != kNoRef && p.at(mc).kind == Kind::kDict) {
+    const auto& mitems = p.at(mc).items;
+    for (size_t k = 0; k + 1 < mitems.size(); k += 2) {
+      auto key = str(p, mitems[k]);
+      if (!key || p.at(mitems[k + 1]).kind != Kind::kDict)
+        return corrupt(fmt::format("{}: mcore_data holds an entry that is not a key and a dict", where));
+      const Ref shape = p.dict_get(mitems[k + 1], "nd_reformulated_orig_global_shape");
+      if (shape == kNoRef) continue;
+      const std::string iw = fmt::format("{}: item '{}'", where, *key);
+      const auto it = m.items.find(*key);
+      if (it == m.items.end() || !it->second.is_tensor)
+        return corrupt(iw + ": mcore_data gives its N-D shape, and the metadata holds no such tensor");
+      auto nd = int_tuple(p, shape);
+      if (!nd || nd->size() > static_cast<size_t>(kMaxRank))
+        return corrupt(iw + ": mcore_data's nd_reformulated_orig_global_shape is not a shape");
+      OPTSTATE_RETURN_IF_ERROR(check_nd_flattened(it->second, *nd, iw));
+      it->second.nd_shape = std::move(*nd);
+    }
+  }
   return m;
+}
+
+Status check_nd_flattened(const ItemMeta& im, const std::vector<int64_t>& nd, const std::string& where) {
+  const auto bad = [&](const std::string& why) {
+    return corrupt(fmt::format("{}: an N-D flattened item of size {} for a tensor of shape {}: {}", where,
+                               format_shape(im.size), format_shape(nd), why));
+  };
+  if (im.size.size() != nd.size() + 1) return bad("not one axis more than the tensor");
+  if (const auto n = checked_numel(nd); !n.ok() || *n == 0) return bad("an empty or oversized tensor");
+  int64_t box = 1;
+  for (size_t d = 0; d < nd.size(); ++d) {
+    if (nd[d] < 0 || im.size[d] <= 0 || nd[d] % im.size[d] != 0) return bad(fmt::format("axis {} is not cut in equal chunks", d));
+    box *= nd[d] / im.size[d];  // no overflow: at most the tensor's numel
+  }
+  if (box != im.size.back()) return bad(fmt::format("a chunk of that shape holds {} elements", box));
+  for (const ChunkMeta& c : im.chunks)
+    for (size_t d = 0; d < nd.size(); ++d)
+      if (c.sizes[d] != 1) return bad(fmt::format("a chunk at {} spans several chunk boxes", format_shape(c.offsets)));
+  return Status::Ok();
 }
 
 Result<Payload> interpret_payload(const Pickle& p, const std::string& where) { return interpret_value(p, p.root(), where); }

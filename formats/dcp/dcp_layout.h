@@ -31,7 +31,16 @@ struct ItemMeta {
   DType dtype = DType::kF32;
   std::vector<int64_t> size;
   std::vector<ChunkMeta> chunks;
+  // Megatron-Core's N-D flattened item (its distributed optimizer saved fully_sharded_model_space):
+  // the tensor's own shape (mcore_data's nd_reformulated_orig_global_shape). The item's `size` is
+  // then [*chunks per axis, elements per chunk]: each chunk box of the tensor (the shape divided by
+  // the chunk counts, at chunk index * box) one row, and each DCP chunk (i..., start) of sizes
+  // (1..., n) elements [start, start + n) of that box in C order. Empty for any other item.
+  std::vector<int64_t> nd_shape;
 };
+
+// The shape of the tensor an item holds: its nd_shape where it has one, else its size.
+inline const std::vector<int64_t>& tensor_shape(const ItemMeta& im) { return im.nd_shape.empty() ? im.size : im.nd_shape; }
 
 struct StorageLoc {
   std::string relative_path;
@@ -48,6 +57,11 @@ struct Metadata {
 };
 
 Result<Metadata> interpret_metadata(const pickle::Pickle& p, const std::string& where);
+
+// Whether item `im` can be Megatron-Core's N-D flattened form of a tensor of shape `nd` (ItemMeta::
+// nd_shape): one axis more, each of the tensor's axes cut in `size[d]` equal chunks, the last axis a
+// chunk box's elements, every DCP chunk inside one box. The error names `where` and both shapes.
+Status check_nd_flattened(const ItemMeta& im, const std::vector<int64_t>& nd, const std::string& where);
 
 struct TensorRef {
   std::string storage_key;  // the zip entry "<archive>/data/<key>"

@@ -1,9 +1,11 @@
-// Fuzz target for Megatron-Core's torch_dist checkpoints (megatron.h), over the real one Megatron
-// saved under tensor parallelism 2 (tests/data/writers/megatron-core-0.16.1_torch-2.13.0/tp2/,
-// make_megatron.py). Built twice: the input is its common.pt (the param groups without members, the
-// step, the trainer's other state; each input also tried with data.pkl's CRC-32 re-signed, so
-// changes reach the interpretation: fuzz.dcp_megatron_common), or its .metadata (the sharded keys,
-// stacked chunks and storage records against the real data files: fuzz.dcp_megatron_metadata).
+// Fuzz target for Megatron-Core's torch_dist checkpoints (megatron.h), over real ones Megatron saved
+// (tests/data/writers/, make_megatron.py). Built three times: the input is the common.pt of 0.16's
+// under tensor parallelism 2 (the param groups without members, the step, the trainer's other state;
+// each input also tried with data.pkl's CRC-32 re-signed, so changes reach the interpretation:
+// fuzz.dcp_megatron_common), or its .metadata (the sharded keys, stacked chunks and storage records
+// against the real data files: fuzz.dcp_megatron_metadata), or the .metadata of 0.13's distributed
+// optimizer (N-D flattened items: mcore_data's shapes, chunk boxes and element ranges split between
+// ranks: fuzz.dcp_megatron_nd_metadata).
 // Every input must validate, open, hash, read whole and write back (a plain DCP), or give an error.
 #include <cstdint>
 #include <optional>

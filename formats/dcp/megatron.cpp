@@ -98,16 +98,14 @@ Result<Optimizer> interpret_optimizer(const Pickle& p, Ref opt, const std::strin
     const auto sharding = as_string(p, st);
     if (!sharding) return corrupt(where + ": param_state_sharding_type is not a string");
     out.sharding = *sharding;
-    if (*sharding != "fully_reshardable") {
-      const char* what = *sharding == "fully_sharded_model_space"
-                             ? "each rank's flattened range of each param, as Megatron-Core up to 0.13 saved it, "
-                               "which optstate does not read"
-                             : "its flat per-bucket buffers, whose param layout the checkpoint does not hold";
-      return unsupported(fmt::format("{}: Megatron's distributed optimizer saved '{}' ({}); optstate reads it saved "
-                                     "'fully_reshardable' (Megatron-LM's --dist-ckpt-optim-fully-reshardable): "
-                                     "per-param items",
-                                     where, *sharding, what));
-    }
+    // Per-key items: fully_reshardable's whole tensors, fully_sharded_model_space's N-D flattened
+    // ranges (ItemMeta::nd_shape). The per-bucket forms hold flat buffers of the DDP buckets.
+    if (*sharding != "fully_reshardable" && *sharding != "fully_sharded_model_space")
+      return unsupported(fmt::format("{}: Megatron's distributed optimizer saved '{}' (its flat per-bucket buffers, "
+                                     "whose param layout the checkpoint does not hold); optstate reads it saved "
+                                     "'fully_reshardable' (Megatron-LM's --dist-ckpt-optim-fully-reshardable) or "
+                                     "'fully_sharded_model_space' (Megatron-Core up to 0.13): per-param items",
+                                     where, *sharding));
     opt = p.dict_get(opt, "optimizer");
     if (opt == kNoRef || p.at(opt).kind != Kind::kDict)
       return corrupt(where + ": the distributed optimizer's common.pt has no 'optimizer' dict");
@@ -223,6 +221,10 @@ std::optional<size_t> unprefixed_chain(const Common& c, std::string_view key) {
 
 size_t stacked_axes(const ItemMeta& im) {
   size_t n = 0;
+  if (!im.nd_shape.empty()) {  // N-D flattened: where a chunk box is one wide
+    while (n + 1 < im.nd_shape.size() && im.size[n] == im.nd_shape[n]) ++n;
+    return n;
+  }
   while (n + 1 < im.size.size() && !im.chunks.empty() &&
          std::all_of(im.chunks.begin(), im.chunks.end(),
                      [&](const ChunkMeta& c) { return c.sizes.size() == im.size.size() && c.sizes[n] == 1; }))
@@ -231,7 +233,7 @@ size_t stacked_axes(const ItemMeta& im) {
 }
 
 bool standard_no_decay(std::string_view key, const ItemMeta& im) {
-  return key.ends_with(".bias") || im.size.size() - stacked_axes(im) == 1;
+  return key.ends_with(".bias") || tensor_shape(im).size() - stacked_axes(im) == 1;
 }
 
 }  // namespace optstate::dcp::megatron

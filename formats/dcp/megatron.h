@@ -37,7 +37,8 @@ struct Group {
 // One optimizer of what common.pt holds.
 struct Optimizer {
   // "" (Megatron's plain optimizer, or its mixed-precision one), or the distributed optimizer's
-  // param_state_sharding_type ("fully_reshardable": per-param items; others refused).
+  // param_state_sharding_type ("fully_reshardable", "fully_sharded_model_space": per-param items;
+  // the per-bucket forms refused).
   std::string sharding;
   std::vector<Group> groups;
   // The step: the plain optimizer's state.common_step (a number or a one-element tensor, read by

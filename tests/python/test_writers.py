@@ -29,6 +29,7 @@ from test_torch_versions import reads_as_held
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "writers"
 OLMO = CORPUS / "olmo-core-3.0.0_torch-2.13.0" / "model_and_optim"
 MEGATRON = CORPUS / "megatron-core-0.16.1_torch-2.13.0"
+MEGATRON_013 = CORPUS / "megatron-core-0.13.1_torch-2.13.0"
 NANOTRON = CORPUS / "nanotron-2411b02_torch-2.13.0"
 
 
@@ -302,6 +303,32 @@ def test_a_megatron_checkpoint_reads_as_megatron_held_it(tmp_path, optstate_cli,
     optstate_cli("convert", ck, out, "--format", "dcp")
     assert not (out / "common.pt").exists() and not (out / "metadata.json").exists()
     assert optstate_cli("diff", ck, out).returncode == 0
+
+
+@pytest.mark.parametrize("run", ["dp2_distopt", "tp2_dp2_distopt"])
+def test_megatron_core_0_13s_distributed_optimizer_checkpoint_reads_as_megatron_held_it(tmp_path, optstate_cli, run):
+    """Megatron-Core up to 0.13 saved the distributed optimizer `fully_sharded_model_space` (its
+    default; Megatron-LM's with --ckpt-fully-parallel-save, NeMo's with parallel_save_optim): per
+    key, each data-parallel rank's flattened range of its tensor-parallel chunk, in an item of shape
+    [*chunks, chunk numel] whose real shape only .metadata's `mcore_data` holds (torch cannot even
+    unpickle that .metadata without megatron installed). Data parallel 2 (3 layers: the ranks'
+    halves of the buffer split a layer's linear_fc1 weight in two ranges), and tensor parallel 2 x
+    data parallel 2 (column- and row-parallel chunks): bit for bit what Megatron's optimizer held,
+    the fp32 main params as the params, in Megatron-Core's standard groups."""
+    from torch.distributed.checkpoint import FileSystemReader
+    ck = MEGATRON_013 / run
+    with pytest.raises(ModuleNotFoundError, match="megatron"):
+        FileSystemReader(str(ck)).read_metadata()
+    ref, meta = ref_of(ck)
+    info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta)
+    assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0]
+    assert info["params"]["decoder.layers.mlp.linear_fc1.weight"]["shape"] == (
+        [3, 64, 16] if run == "dp2_distopt" else [2, 32, 8])
+    assert any(n.startswith("the model's bf16 weights, the optimizer's fp32 main params") for n in info["not_read"])
+    out = tmp_path / "plain_dcp"
+    optstate_cli("convert", ck, out, "--format", "dcp")
+    assert optstate_cli("diff", ck, out).returncode == 0
+    assert FileSystemReader(str(out)).read_metadata() is not None  # torch alone reads optstate's
 
 
 def test_megatrons_dp_reshardable_checkpoint_is_refused_naming_the_flag_that_saves_it_readably(optstate_cli):

@@ -157,3 +157,41 @@ TEST_CASE("dcp metadata: OLMo-core's own _StorageInfo class is read as torch's, 
   REQUIRE(!refused.ok());
   CHECK(refused.status().message().find("is not a _StorageInfo") != std::string::npos);
 }
+
+TEST_CASE("dcp metadata: Megatron-Core 0.13's mcore_data gives its N-D flattened items their tensors' shapes") {
+  // MCoreSavePlanner's Metadata.mcore_data: {key: {'nd_reformulated_orig_global_shape': shape}}
+  // for the distributed optimizer's fully_sharded_model_space items (make_megatron.py).
+  const auto path = std::filesystem::path(OPTSTATE_SOURCE_DIR) /
+                    "tests/data/writers/megatron-core-0.13.1_torch-2.13.0/dp2_distopt/.metadata";
+  std::ifstream in(path, std::ios::binary);
+  REQUIRE(in);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto read = [](const std::string& b) -> Result<dcp::Metadata> {
+    OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(std::as_bytes(std::span(b)), ".metadata"));
+    return dcp::interpret_metadata(p, ".metadata");
+  };
+  auto md = read(bytes);
+  REQUIRE_MESSAGE(md.ok(), md.status().message());
+  const auto& state = md->items.at("optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight");
+  CHECK(state.size == std::vector<int64_t>{3, 1, 1, 1024});
+  CHECK(state.nd_shape == std::vector<int64_t>{3, 64, 16});
+  CHECK(dcp::tensor_shape(state) == std::vector<int64_t>{3, 64, 16});
+  const auto& weight = md->items.at("decoder.layers.mlp.linear_fc1.weight");  // the model's: plain
+  CHECK(weight.nd_shape.empty());
+  CHECK(dcp::tensor_shape(weight) == std::vector<int64_t>{3, 64, 16});
+  size_t nd_count = 0;
+  for (const auto& [k, im] : md->items) nd_count += !im.nd_shape.empty();
+  CHECK(nd_count == 51);  // 17 params x (fp32_param, exp_avg, exp_avg_sq)
+  // mcore_data's entry (its key's last spelling in the pickle, after the items' and storage
+  // records') renamed to a key of no item: refused by name.
+  const std::string fc1 = "optimizer.state.fp32_param.decoder.layers.mlp.linear_fc1.weight";
+  std::string renamed = bytes;
+  const size_t at = renamed.rfind(fc1);
+  REQUIRE(at != std::string::npos);
+  REQUIRE(renamed.find(fc1) < at);
+  renamed[at + fc1.size() - 6] = 'W';  // "weight" -> "Weight"
+  auto missing = read(renamed);
+  REQUIRE_FALSE(missing.ok());
+  CHECK(missing.status().message().find("linear_fc1.Weight': mcore_data gives its N-D shape, and the metadata holds "
+                                        "no such tensor") != std::string::npos);
+}

@@ -3,10 +3,14 @@
 // forms), item keys and Megatron-Core's standard groups over stacked layer axes.
 #include <doctest/doctest.h>
 
+#include <array>
 #include <functional>
 #include <span>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "dcp/chunks.h"
 #include "dcp/megatron.h"
 #include "dcp/pickle.h"
 
@@ -162,6 +166,10 @@ TEST_CASE("megatron: the distributed optimizer fully_reshardable reads; its per-
   bool step_extra = false;
   for (const auto& [k, v] : ok->optimizers[0].groups[0].extras) step_extra |= k == "step";
   CHECK_FALSE(step_extra);
+  // Megatron-Core up to 0.13: per-key items too (N-D flattened, ItemMeta::nd_shape)
+  auto model_space = dist("fully_sharded_model_space", 3.0);
+  REQUIRE_MESSAGE(model_space.ok(), model_space.status().message());
+  CHECK(model_space->optimizers[0].sharding == "fully_sharded_model_space");
   auto flat = dist("dp_reshardable", 3.0);
   REQUIRE_FALSE(flat.ok());
   CHECK(flat.status().message().find("--dist-ckpt-optim-fully-reshardable") != std::string::npos);
@@ -259,4 +267,93 @@ TEST_CASE("megatron: a chain of optimizers (MoE's experts under expert paralleli
   auto gap = chain(2);
   REQUIRE_FALSE(gap.ok());
   CHECK(gap.status().message().find("is not 1") != std::string::npos);
+}
+
+namespace {
+
+// An N-D flattened item (Megatron-Core <= 0.13's fully_sharded_model_space) of a tensor of shape
+// `nd`, cut in `cuts` chunks per axis, with DCP chunks (box index..., start) of (1..., count).
+dcp::ItemMeta nd_item(std::vector<int64_t> nd, std::vector<int64_t> cuts,
+                      std::vector<std::pair<std::vector<int64_t>, int64_t>> chunks) {
+  dcp::ItemMeta im;
+  im.is_tensor = true;
+  im.size = cuts;
+  int64_t box = 1;
+  for (size_t d = 0; d < nd.size(); ++d) box *= nd[d] / cuts[d];
+  im.size.push_back(box);
+  for (auto& [offsets, count] : chunks) {
+    std::vector<int64_t> sizes(nd.size(), 1);
+    sizes.push_back(count);
+    im.chunks.push_back({offsets, sizes});
+  }
+  im.nd_shape = std::move(nd);
+  return im;
+}
+
+std::vector<std::array<int64_t, 3>> segments_of(const dcp::ItemMeta& im, size_t chunk) {
+  std::vector<dcp::Segment> segs;
+  REQUIRE(dcp::item_segments(im, chunk, segs, "item").ok());
+  std::vector<std::array<int64_t, 3>> out;
+  for (const auto& s : segs) {
+    CHECK(s.chunk == chunk);
+    out.push_back({s.begin, s.count, s.local});
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("megatron: an N-D flattened item's chunks are runs of its tensor's elements") {
+  using Runs = std::vector<std::array<int64_t, 3>>;  // {begin, count, local}
+  // 3 stacked layers of [64, 16], not tensor-parallel: layer 1's box split between two
+  // data-parallel ranks at element 640; a box spans whole rows, so each range is one run
+  const auto dp = nd_item({3, 64, 16}, {3, 1, 1}, {{{1, 0, 0, 0}, 640}, {{1, 0, 0, 640}, 384}, {{0, 0, 0, 0}, 1024}});
+  CHECK(segments_of(dp, 0) == Runs{{1024, 640, 0}});
+  CHECK(segments_of(dp, 1) == Runs{{1024 + 640, 384, 0}});
+  CHECK(segments_of(dp, 2) == Runs{{0, 1024, 0}});
+  // row-parallel [2, 32, 8] (columns cut in two: boxes of [1, 32, 4]): layer 0's second box,
+  // elements [8, 18) = rows 2, 3 and half of row 4, at columns 4.. of the tensor
+  const auto tp = nd_item({2, 32, 8}, {2, 1, 2}, {{{0, 0, 1, 8}, 10}, {{1, 0, 0, 0}, 128}});
+  CHECK(segments_of(tp, 0) == Runs{{2 * 8 + 4, 4, 0}, {3 * 8 + 4, 4, 4}, {4 * 8 + 4, 2, 8}});
+  const auto whole = segments_of(tp, 1);  // layer 1's first box: 32 rows of 4
+  REQUIRE(whole.size() == 32);
+  CHECK(whole[0] == std::array<int64_t, 3>{256, 4, 0});
+  CHECK(whole[31] == std::array<int64_t, 3>{256 + 31 * 8, 4, 124});
+  // column-parallel [2, 32, 8] (rows cut in two): a box of [1, 16, 8] is consecutive
+  const auto col = nd_item({2, 32, 8}, {2, 2, 1}, {{{1, 1, 0, 5}, 100}});
+  CHECK(segments_of(col, 0) == Runs{{256 + 128 + 5, 100, 0}});
+  // a scalar, and a range that is empty
+  CHECK(segments_of(nd_item({}, {}, {{{0}, 1}}), 0) == Runs{{0, 1, 0}});
+  CHECK(segments_of(nd_item({4, 4}, {1, 1}, {{{0, 0, 3}, 0}}), 0).empty());
+}
+
+TEST_CASE("megatron: an N-D flattened item that cannot be its tensor's is refused, naming both shapes") {
+  auto refused = [](const dcp::ItemMeta& im, const std::vector<int64_t>& nd, const char* why) {
+    const auto st = dcp::check_nd_flattened(im, nd, "ck: item 'k'");
+    REQUIRE_FALSE(st.ok());
+    CHECK_MESSAGE(st.message().find(why) != std::string::npos, st.message());
+    CHECK(st.message().find("ck: item 'k'") != std::string::npos);
+  };
+  const auto good = nd_item({3, 64, 16}, {3, 1, 1}, {{{1, 0, 0, 640}, 384}});
+  CHECK(dcp::check_nd_flattened(good, {3, 64, 16}, "k").ok());
+  refused(good, {3, 64}, "not one axis more");
+  refused(good, {3, 64, 15}, "a chunk of that shape holds 960 elements");
+  refused(good, {4, 64, 16}, "axis 0 is not cut in equal chunks");
+  refused(good, {3, 0, 16}, "an empty or oversized tensor");
+  refused(good, {3, int64_t{1} << 40, int64_t{1} << 40}, "an empty or oversized tensor");
+  auto spanning = good;
+  spanning.chunks[0].sizes = {2, 1, 1, 384};
+  refused(spanning, {3, 64, 16}, "spans several chunk boxes");
+  auto zero_cut = good;
+  zero_cut.size[1] = 0;
+  refused(zero_cut, {3, 64, 16}, "axis 1 is not cut in equal chunks");
+}
+
+TEST_CASE("megatron: stacked axes of an N-D flattened item are those its chunk boxes are one wide on") {
+  CHECK(mg::stacked_axes(nd_item({3, 64, 16}, {3, 1, 1}, {{{0, 0, 0, 0}, 1024}})) == 1);
+  CHECK(mg::standard_no_decay("decoder.layers.mlp.linear_fc1.layer_norm_weight",
+                              nd_item({3, 16}, {3, 1}, {{{0, 0, 0}, 16}})));
+  CHECK_FALSE(mg::standard_no_decay("decoder.layers.mlp.linear_fc1.weight",
+                                    nd_item({3, 64, 16}, {3, 2, 1}, {{{0, 0, 0, 0}, 512}})));
+  CHECK_FALSE(mg::standard_no_decay("embedding.word_embeddings.weight", nd_item({16, 16}, {2, 1}, {{{0, 0, 0}, 128}})));
 }

@@ -32,6 +32,14 @@ OptimizerParamScheduler, as the trainer steps it). Written into OUT:
   (`chained_optim_avoid_prefix`, as Megatron-LM saves it), the experts stacked along a second axis;
 - `moe_ep2_plain/`: the same with Megatron's mixed-precision optimizer, whose chain's items are
   prefixed `chained_0.` and `chained_1.`;
+Under Megatron-Core 0.13.1 (`pip install --target /tmp/mc013 --no-deps megatron-core==0.13.1`,
+OUT `tests/data/writers/megatron-core-0.13.1_torch-2.13.0`) the runs are its distributed optimizer
+saved `fully_sharded_model_space`, its default (N-D flattened items, `mcore_data` in `.metadata`):
+
+- `dp2_distopt/`: data parallel 2, bf16, 3 layers of hidden 16 (the ranks' halves of the buffer
+  split a layer's `linear_fc1.weight`);
+- `tp2_dp2_distopt/`: tensor parallel 2 x data parallel 2 (4 ranks), bf16;
+
 - `<run>.ref.safetensors`: what the optimizer held, per sharded key (`<key>.param`: the fp32 main
   param, or the fp32 weight; `<key>.exp_avg`, `<key>.exp_avg_sq`), gathered from every rank's
   shards before the save, with each key's step and group settings as
@@ -47,18 +55,36 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "torch_versions"))
-from make import enter_cpu_mode, save_ref, spawn_main  # noqa: E402
+from make import enter_cpu_mode, save_ref, spawn_ranks  # noqa: E402
 
 # bench/bench_megatron.py's larger model: MEGATRON_SIZE="layers,hidden,vocab", MEGATRON_RUNS a
 # comma-separated subset of RUNS, MEGATRON_REF=0 (no .ref.safetensors: nothing gathered).
-LAYERS, HIDDEN, VOCAB = map(int, os.environ.get("MEGATRON_SIZE", "2,8,16").split(","))
-RUNS = {
+SIZE = os.environ.get("MEGATRON_SIZE")  # else each run's own ("size", default 2 layers, hidden 8, vocab 16)
+RUNS_016 = {
     "tp2": dict(tp=2, dist_opt=False, bf16=True, sharding=None),
     "dp2_distopt": dict(tp=1, dist_opt=True, bf16=True, sharding="fully_reshardable"),
     "dp2_distopt_dp_reshardable": dict(tp=1, dist_opt=True, bf16=True, sharding="dp_reshardable"),
     "moe_ep2": dict(tp=1, ep=2, dist_opt=True, bf16=True, sharding="fully_reshardable"),
     "moe_ep2_plain": dict(tp=1, ep=2, dist_opt=False, bf16=True, sharding=None),
 }
+# Megatron-Core up to 0.13 saves the distributed optimizer `fully_sharded_model_space` (its default,
+# and Megatron-LM's with --ckpt-fully-parallel-save, NeMo's with parallel_save_optim): per key, each
+# data-parallel rank's flattened range of its tensor-parallel chunk, in an item reshaped to
+# [*chunks, chunk numel] (`nd_reformulated_orig_global_shape` in .metadata's mcore_data). 3 layers of
+# hidden 16: the data-parallel ranks' halves of the buffer split a param (a layer's linear_fc2).
+RUNS_013 = {
+    "dp2_distopt": dict(tp=1, dist_opt=True, bf16=True, sharding="fully_sharded_model_space", size="3,16,16"),
+    "tp2_dp2_distopt": dict(tp=2, dist_opt=True, bf16=True, sharding="fully_sharded_model_space", world=4),
+}
+
+
+def mcore_version():
+    from megatron.core import package_info
+    return tuple(int(x) for x in package_info.__version__.split(".")[:2])
+
+
+def runs():
+    return RUNS_013 if mcore_version() < (0, 14) else RUNS_016
 
 
 def cpu_shim():
@@ -70,6 +96,9 @@ def cpu_shim():
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     import megatron.core.transformer.moe.moe_utils as moe_utils
     moe_utils.te_general_gemm = None  # referenced unguarded without TransformerEngine
+    import numpy
+    if not hasattr(numpy, "product"):  # Megatron-Core 0.13's validation calls it; numpy 2 dropped it
+        numpy.product = numpy.prod
 
 
 def gathered(sharded, rank):
@@ -80,21 +109,31 @@ def gathered(sharded, rank):
 
     mine = []
     for st in sharded:
-        if not isinstance(st, ShardedTensor) or st.flattened_range is not None:
+        if not isinstance(st, ShardedTensor):
             continue
         replica = st.replica_id if isinstance(st.replica_id, tuple) else (st.replica_id,)
         if any(replica):
             continue
-        # a stacked layer's shard: its layer's axis (prepended) of length 1
-        local = st.data.detach().float().reshape((1,) * st.prepend_axis_num + tuple(st.local_shape))
-        mine.append((st.key, tuple(st.global_shape), tuple(st.global_offset), local))
+        # a stacked layer's shard: its layer's axis (prepended) of length 1; the distributed
+        # optimizer's fully_sharded_model_space state: a flat range of that box (flattened_range)
+        box = (1,) * st.prepend_axis_num + tuple(st.local_shape)
+        flat = st.flattened_range
+        local = st.data.detach().float()
+        mine.append((st.key, tuple(st.global_shape), tuple(st.global_offset), box,
+                     None if flat is None else flat.start, local if flat is not None else local.reshape(box)))
     pieces = [None] * dist.get_world_size()
     dist.all_gather_object(pieces, mine)
-    whole = {}
+    whole, boxes = {}, {}
     for part in pieces:
-        for key, shape, offset, local in part:
-            t = whole.setdefault(key, torch.full(shape, float("nan")))
-            t[tuple(slice(o, o + n) for o, n in zip(offset, local.shape))] = local
+        for key, shape, offset, box, start, local in part:
+            whole.setdefault(key, torch.full(shape, float("nan")))
+            b = boxes.setdefault((key, offset), torch.full(box, float("nan")))
+            if start is None:
+                b.copy_(local)
+            else:
+                b.view(-1)[start:start + local.numel()] = local
+    for (key, offset), b in boxes.items():
+        whole[key][tuple(slice(o, o + n) for o, n in zip(offset, b.shape))] = b
     for key, t in whole.items():
         assert not t.isnan().any(), key
     return whole
@@ -119,10 +158,11 @@ def rank_main(rank, world, port, out):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     chosen = os.environ.get("MEGATRON_RUNS")
-    for name, run in RUNS.items():
-        if chosen and name not in chosen.split(","):
+    for name, run in runs().items():
+        if (chosen and name not in chosen.split(",")) or run.get("world", 2) != world:
             continue
         ep = run.get("ep", 1)
+        LAYERS, HIDDEN, VOCAB = map(int, (SIZE or run.get("size", "2,8,16")).split(","))
         parallel_state.initialize_model_parallel(run["tp"], 1, expert_model_parallel_size=ep)
         torch.manual_seed(0)
         dtype = torch.bfloat16 if run["bf16"] else torch.float32
@@ -163,6 +203,8 @@ def rank_main(rank, world, port, out):
         # items unprefixed only where the distributed optimizer saves fully_reshardable
         metadata = {"distrib_optim_sharding_type": run["sharding"] or "dp_reshardable",
                     "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+        if mcore_version() < (0, 14):  # Megatron-LM then passed the sharding type alone
+            metadata = {"distrib_optim_sharding_type": run["sharding"] or "fully_sharded_model_space"}
         # What Megatron-LM's trainer saves (training/checkpointing.py, generate_state_dict)
         state = {"args": argparse.Namespace(tensor_model_parallel_size=run["tp"], num_layers=LAYERS, hidden_size=HIDDEN,
                                             lr=1e-3, weight_decay=0.1, bf16=run["bf16"], params_dtype=dtype),
@@ -247,5 +289,12 @@ def write_ref(path, whole, settings):
     save_ref(path, tensors, meta)
 
 
+def main():
+    out = os.path.abspath(sys.argv[1])
+    os.makedirs(out, exist_ok=True)
+    for world in sorted({run.get("world", 2) for run in runs().values()}):
+        spawn_ranks(rank_main, out, world=world)
+
+
 if __name__ == "__main__":
-    spawn_main(rank_main)
+    main()

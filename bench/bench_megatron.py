@@ -10,7 +10,10 @@ which optstate reads besides (`inspect`).
   params) trained 3 steps on 2 CPU ranks (gloo) with the distributed optimizer and saved as
   Megatron-LM saves it (`tests/data/writers/make_megatron.py`, run `dp2_distopt`).
 - Megatron-Core must import: --megatron PATH (a `pip install --target PATH --no-deps
-  megatron-core==0.16.1`), used for making the checkpoint only.
+  megatron-core==0.16.1`), used for making the checkpoint only; or 0.13.1, whose distributed
+  optimizer saves `fully_sharded_model_space` (N-D flattened items): torch's side then needs
+  megatron on its path too (the `.metadata` pickles Megatron's MCoreSavePlan) and puts each item
+  back together from `mcore_data`'s shapes.
 The two outputs must hold the same fp32 tensors, bit for bit (main params, exp_avg, exp_avg_sq).
 
     .venv/bin/python bench/bench_megatron.py --megatron /tmp/megatron [--layers 4] [--hidden 1024]
@@ -29,7 +32,8 @@ from bench_dcp_convert import prepare, writer_fp32_bench  # noqa: E402
 warnings.filterwarnings("ignore")
 
 # torch alone: every optimizer.state.* tensor item of the DCP, loaded by torch's DCP reader in one
-# process, saved as <key>.<entry> (Megatron's `param` named as optstate names the weights: param).
+# process, saved as <key>.<entry> (Megatron's main params, `param` or 0.13's `fp32_param`, named as
+# optstate names the weights: param).
 READ_WITH_TORCH = textwrap.dedent("""
     import sys, warnings
     warnings.filterwarnings("ignore")
@@ -42,10 +46,18 @@ READ_WITH_TORCH = textwrap.dedent("""
     state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
              if k.startswith("optimizer.state.") and isinstance(v, TensorStorageMetadata)}
     dcp.load(state, checkpoint_id=src, no_dist=True)
+    nd = getattr(md, "mcore_data", None) or {}
     named = {}
     for k, t in state.items():
         entry, key = k[len("optimizer.state."):].split(".", 1)
-        named[f"{key}.{entry}"] = t.float()
+        shape = nd.get(k, {}).get("nd_reformulated_orig_global_shape")
+        if shape is not None:  # [*chunks, chunk numel]: each chunk box back in its place
+            cuts, n = t.shape[:-1], len(shape)
+            box = [s // c for s, c in zip(shape, cuts)]
+            order = [i for d in range(n) for i in (d, n + d)]
+            t = t.reshape(*cuts, *box).permute(*order).reshape(shape)
+        entry = "param" if entry == "fp32_param" else entry  # 0.13's name of the main params
+        named[f"{key}.{entry}"] = t.float().contiguous()
     save_file(named, out)
 """)
 

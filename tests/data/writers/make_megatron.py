@@ -39,6 +39,8 @@ saved `fully_sharded_model_space`, its default (N-D flattened items, `mcore_data
 - `dp2_distopt/`: data parallel 2, bf16, 3 layers of hidden 16 (the ranks' halves of the buffer
   split a layer's `linear_fc1.weight`);
 - `tp2_dp2_distopt/`: tensor parallel 2 x data parallel 2 (4 ranks), bf16;
+- `moe_ep2/`: the mixture of experts under expert parallelism 2, its chain's items prefixed
+  `chained_<i>.` (0.13 has no chained_optim_avoid_prefix);
 
 - `<run>.ref.safetensors`: what the optimizer held, per sharded key (`<key>.param`: the fp32 main
   param, or the fp32 weight; `<key>.exp_avg`, `<key>.exp_avg_sq`), gathered from every rank's
@@ -75,6 +77,7 @@ RUNS_016 = {
 RUNS_013 = {
     "dp2_distopt": dict(tp=1, dist_opt=True, bf16=True, sharding="fully_sharded_model_space", size="3,16,16"),
     "tp2_dp2_distopt": dict(tp=2, dist_opt=True, bf16=True, sharding="fully_sharded_model_space", world=4),
+    "moe_ep2": dict(tp=1, ep=2, dist_opt=True, bf16=True, sharding="fully_sharded_model_space"),
 }
 
 

@@ -39,6 +39,18 @@ std::vector<int32_t> logical(const dcp::TensorRef& t) {
   return out;
 }
 
+// A writers-corpus file's bytes (tests/data/writers/<rel>).
+std::string corpus_file(const char* rel) {
+  std::ifstream in(std::filesystem::path(OPTSTATE_SOURCE_DIR) / "tests/data/writers" / rel, std::ios::binary);
+  REQUIRE(in);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+Result<dcp::Metadata> read_metadata(const std::string& b) {
+  OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(std::as_bytes(std::span(b)), ".metadata"));
+  return dcp::interpret_metadata(p, ".metadata");
+}
+
 }  // namespace
 
 TEST_CASE("dcp layout: tensors stored permuted are read in logical order; other strides are refused") {
@@ -134,16 +146,8 @@ TEST_CASE("dcp layout: torchao float8 training's weight wrapper reads as the wei
 TEST_CASE("dcp metadata: OLMo-core's own _StorageInfo class is read as torch's, another module's is refused") {
   // OLMo-core's RemoteFileSystemWriter pickles olmo_core.distributed.checkpoint.filesystem._StorageInfo
   // (the same three fields) for every item (tests/data/writers/make_olmo_core.py).
-  const auto path = std::filesystem::path(OPTSTATE_SOURCE_DIR) /
-                    "tests/data/writers/olmo-core-3.0.0_torch-2.13.0/model_and_optim/.metadata";
-  std::ifstream in(path, std::ios::binary);
-  REQUIRE(in);
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  auto read = [](const std::string& b) -> Result<dcp::Metadata> {
-    OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(std::as_bytes(std::span(b)), ".metadata"));
-    return dcp::interpret_metadata(p, ".metadata");
-  };
-  auto md = read(bytes);
+  const std::string bytes = corpus_file("olmo-core-3.0.0_torch-2.13.0/model_and_optim/.metadata");
+  auto md = read_metadata(bytes);
   REQUIRE_MESSAGE(md.ok(), md.status().message());
   CHECK(md->storage.size() > 20);
   for (const auto& [key, loc] : md->storage) CHECK(loc.relative_path.starts_with("__"));
@@ -153,7 +157,7 @@ TEST_CASE("dcp metadata: OLMo-core's own _StorageInfo class is read as torch's, 
   REQUIRE(at != std::string::npos);
   std::string other = bytes;
   other.replace(at, olmo.size(), std::string("xlmo") + olmo.substr(4));
-  auto refused = read(other);
+  auto refused = read_metadata(other);
   REQUIRE(!refused.ok());
   CHECK(refused.status().message().find("is not a _StorageInfo") != std::string::npos);
 }
@@ -161,16 +165,8 @@ TEST_CASE("dcp metadata: OLMo-core's own _StorageInfo class is read as torch's, 
 TEST_CASE("dcp metadata: Megatron-Core 0.13's mcore_data gives its N-D flattened items their tensors' shapes") {
   // MCoreSavePlanner's Metadata.mcore_data: {key: {'nd_reformulated_orig_global_shape': shape}}
   // for the distributed optimizer's fully_sharded_model_space items (make_megatron.py).
-  const auto path = std::filesystem::path(OPTSTATE_SOURCE_DIR) /
-                    "tests/data/writers/megatron-core-0.13.1_torch-2.13.0/dp2_distopt/.metadata";
-  std::ifstream in(path, std::ios::binary);
-  REQUIRE(in);
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  auto read = [](const std::string& b) -> Result<dcp::Metadata> {
-    OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(std::as_bytes(std::span(b)), ".metadata"));
-    return dcp::interpret_metadata(p, ".metadata");
-  };
-  auto md = read(bytes);
+  const std::string bytes = corpus_file("megatron-core-0.13.1_torch-2.13.0/dp2_distopt/.metadata");
+  auto md = read_metadata(bytes);
   REQUIRE_MESSAGE(md.ok(), md.status().message());
   const auto& state = md->items.at("optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight");
   CHECK(state.size == std::vector<int64_t>{3, 1, 1, 1024});
@@ -190,7 +186,7 @@ TEST_CASE("dcp metadata: Megatron-Core 0.13's mcore_data gives its N-D flattened
   REQUIRE(at != std::string::npos);
   REQUIRE(renamed.find(fc1) < at);
   renamed[at + fc1.size() - 6] = 'W';  // "weight" -> "Weight"
-  auto missing = read(renamed);
+  auto missing = read_metadata(renamed);
   REQUIRE_FALSE(missing.ok());
   CHECK(missing.status().message().find("linear_fc1.Weight': mcore_data gives its N-D shape, and the metadata holds "
                                         "no such tensor") != std::string::npos);

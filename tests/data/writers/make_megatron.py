@@ -41,6 +41,8 @@ saved `fully_sharded_model_space`, its default (N-D flattened items, `mcore_data
 - `tp2_dp2_distopt/`: tensor parallel 2 x data parallel 2 (4 ranks), bf16;
 - `moe_ep2/`: the mixture of experts under expert parallelism 2, its chain's items prefixed
   `chained_<i>.` (0.13 has no chained_optim_avoid_prefix);
+- `tp2_dp2_distopt_optim_only/`: `tp2_dp2_distopt` without the model's items, as verl's Megatron
+  backend saves its `optimizer/dist_ckpt/` (the main params the only weights);
 
 - `<run>.ref.safetensors`: what the optimizer held, per sharded key (`<key>.param`: the fp32 main
   param, or the fp32 weight; `<key>.exp_avg`, `<key>.exp_avg_sq`), gathered from every rank's
@@ -78,6 +80,8 @@ RUNS_013 = {
     "dp2_distopt": dict(tp=1, dist_opt=True, bf16=True, sharding="fully_sharded_model_space", size="3,16,16"),
     "tp2_dp2_distopt": dict(tp=2, dist_opt=True, bf16=True, sharding="fully_sharded_model_space", world=4),
     "moe_ep2": dict(tp=1, ep=2, dist_opt=True, bf16=True, sharding="fully_sharded_model_space"),
+    "tp2_dp2_distopt_optim_only": dict(tp=2, dist_opt=True, bf16=True, sharding="fully_sharded_model_space",
+                                       world=4, model=False),
 }
 
 
@@ -213,6 +217,8 @@ def rank_main(rank, world, port, out):
                                             lr=1e-3, weight_decay=0.1, bf16=run["bf16"], params_dtype=dtype),
                  "checkpoint_version": 3.0, "iteration": 3, "model": ddp.module.sharded_state_dict(metadata=metadata)}
         state["optimizer"] = opt.sharded_state_dict(state, metadata=metadata)
+        if not run.get("model", True):  # verl's optimizer/dist_ckpt/: no model weights beside
+            del state["model"]
         state["opt_param_scheduler"] = sched.state_dict()
         state["num_floating_point_operations_so_far"] = 0
         state["rng_state"] = ShardedObject(

@@ -374,7 +374,9 @@ std::optional<std::vector<int64_t>> as_int_list(const Pickle& p, Ref r) { return
 
 Result<Metadata> interpret_metadata(const Pickle& p, const std::string& where) {
   const Ref root = p.root();
-  if (!is_instance(p, root, kMetaModule, "Metadata"))
+  // Megatron-Core 0.15's planner saves its own subclass, the same fields and `mcore_data`.
+  if (!is_instance(p, root, kMetaModule, "Metadata") &&
+      !is_instance(p, root, "megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"))
     return corrupt(fmt::format("{}: not a DCP Metadata object", where));
   const Ref f = fields_of(p, root);
   const Ref sdm = p.dict_get(f, "state_dict_metadata");

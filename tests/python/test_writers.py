@@ -30,6 +30,7 @@ CORPUS = Path(__file__).resolve().parents[1] / "data" / "writers"
 OLMO = CORPUS / "olmo-core-3.0.0_torch-2.13.0" / "model_and_optim"
 MEGATRON = CORPUS / "megatron-core-0.16.1_torch-2.13.0"
 MEGATRON_013 = CORPUS / "megatron-core-0.13.1_torch-2.13.0"
+MEGATRON_015 = CORPUS / "megatron-core-0.15.3_torch-2.13.0"
 NANOTRON = CORPUS / "nanotron-2411b02_torch-2.13.0"
 
 
@@ -336,6 +337,22 @@ def test_megatron_core_0_13s_distributed_optimizer_checkpoint_reads_as_megatron_
     optstate_cli("convert", ck, out, "--format", "dcp")
     assert optstate_cli("diff", ck, out).returncode == 0
     assert FileSystemReader(str(out)).read_metadata() is not None  # torch alone reads optstate's
+
+
+@pytest.mark.parametrize("run", ["dp2_distopt", "dp2_distopt_pre_mcore_014"])
+def test_megatron_core_0_15s_checkpoints_read_though_their_metadata_is_megatrons_own_class(tmp_path, optstate_cli, run):
+    """Megatron-Core 0.15's planner saves `.metadata` as its own MCoreMetadata (torch's Metadata
+    with `mcore_data`), every checkpoint of it: the distributed optimizer saved fully_reshardable,
+    and fully_sharded_model_space as Megatron-LM's --dist-ckpt-save-pre-mcore-014 saves it. Both
+    read bit for bit as Megatron held them (torch alone cannot unpickle that .metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    ck = MEGATRON_015 / run
+    assert b"MCoreMetadata" in (ck / ".metadata").read_bytes()[:200]
+    with pytest.raises(ModuleNotFoundError, match="megatron"):
+        FileSystemReader(str(ck)).read_metadata()
+    ref, meta = ref_of(ck)
+    info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta)
+    assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0]
 
 
 def test_megatrons_dp_reshardable_checkpoint_is_refused_naming_the_flag_that_saves_it_readably(optstate_cli):

@@ -191,3 +191,20 @@ TEST_CASE("dcp metadata: Megatron-Core 0.13's mcore_data gives its N-D flattened
   CHECK(missing.status().message().find("linear_fc1.Weight': mcore_data gives its N-D shape, and the metadata holds "
                                         "no such tensor") != std::string::npos);
 }
+
+TEST_CASE("dcp metadata: Megatron-Core 0.15's MCoreMetadata is read as torch's Metadata, another class is not") {
+  const std::string bytes = corpus_file("megatron-core-0.15.3_torch-2.13.0/dp2_distopt_pre_mcore_014/.metadata");
+  auto md = read_metadata(bytes);
+  REQUIRE_MESSAGE(md.ok(), md.status().message());
+  CHECK(md->items.at("optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight").nd_shape ==
+        std::vector<int64_t>{2, 32, 8});
+  // the same class name in another module (same length: the pickle stays well formed)
+  const std::string module = "megatron.core.dist_checkpointing.strategies.torch";
+  const auto at = bytes.find(module);
+  REQUIRE(at != std::string::npos);
+  std::string other = bytes;
+  other[at] = 'n';  // "negatron..."
+  auto refused = read_metadata(other);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().message().find("not a DCP Metadata object") != std::string::npos);
+}

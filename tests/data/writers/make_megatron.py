@@ -32,6 +32,10 @@ OptimizerParamScheduler, as the trainer steps it). Written into OUT:
   (`chained_optim_avoid_prefix`, as Megatron-LM saves it), the experts stacked along a second axis;
 - `moe_ep2_plain/`: the same with Megatron's mixed-precision optimizer, whose chain's items are
   prefixed `chained_0.` and `chained_1.`;
+- `dp2_distopt_pre_mcore_014/` (0.14 and 0.15 only): `dp2_distopt` saved as Megatron-LM's
+  `--dist-ckpt-save-pre-mcore-014` saves it, `fully_sharded_model_space` (below); under 0.15
+  (`tests/data/writers/megatron-core-0.15.3_torch-2.13.0`, MEGATRON_RUNS=dp2_distopt,
+  dp2_distopt_pre_mcore_014) the `.metadata` is Megatron's own `MCoreMetadata` class;
 Under Megatron-Core 0.13.1 (`pip install --target /tmp/mc013 --no-deps megatron-core==0.13.1`,
 OUT `tests/data/writers/megatron-core-0.13.1_torch-2.13.0`) the runs are its distributed optimizer
 saved `fully_sharded_model_space`, its default (N-D flattened items, `mcore_data` in `.metadata`):
@@ -70,6 +74,10 @@ RUNS_016 = {
     "dp2_distopt_dp_reshardable": dict(tp=1, dist_opt=True, bf16=True, sharding="dp_reshardable"),
     "moe_ep2": dict(tp=1, ep=2, dist_opt=True, bf16=True, sharding="fully_reshardable"),
     "moe_ep2_plain": dict(tp=1, ep=2, dist_opt=False, bf16=True, sharding=None),
+    # Megatron-LM 0.14-0.15 with --dist-ckpt-save-pre-mcore-014 (or torch < 2.6): the form up to
+    # 0.13 (N-D flattened items; 0.15's .metadata Megatron's own MCoreMetadata). 0.16 refuses it.
+    "dp2_distopt_pre_mcore_014": dict(tp=1, dist_opt=True, bf16=True, sharding="fully_sharded_model_space",
+                                      upto=(0, 15)),
 }
 # Megatron-Core up to 0.13 saves the distributed optimizer `fully_sharded_model_space` (its default,
 # and Megatron-LM's with --ckpt-fully-parallel-save, NeMo's with parallel_save_optim): per key, each
@@ -167,6 +175,8 @@ def rank_main(rank, world, port, out):
     chosen = os.environ.get("MEGATRON_RUNS")
     for name, run in runs().items():
         if (chosen and name not in chosen.split(",")) or run.get("world", 2) != world:
+            continue
+        if mcore_version() > run.get("upto", mcore_version()):
             continue
         ep = run.get("ep", 1)
         LAYERS, HIDDEN, VOCAB = map(int, (SIZE or run.get("size", "2,8,16")).split(","))

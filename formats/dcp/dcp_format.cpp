@@ -111,7 +111,12 @@ class DcpReader final : public CheckpointReader {
     if (static_cast<int64_t>(out.size()) != (end - begin) * size || begin < 0 || end > count)
       return invalid_argument(fmt::format("{}: range [{}, {}) of entry '{}' does not fit", dir_.string(), begin, end,
                                           entry_key(fqn, entry)));
-    for (const Segment& s : segs) {
+    // Segments are sorted and tile the entry (check_coverage): start at the first that reaches
+    // `begin` (a row-parallel item holds one per row of each chunk: millions in a large model).
+    const auto first = std::partition_point(segs.begin(), segs.end(),
+                                            [&](const Segment& s) { return s.begin + s.count <= begin; });
+    for (auto si = first; si != segs.end() && si->begin < end; ++si) {
+      const Segment& s = *si;
       const int64_t a = std::max(begin, s.begin), b = std::min(end, s.begin + s.count);
       if (a >= b) continue;
       const auto part = out.subspan(static_cast<size_t>((a - begin) * size), static_cast<size_t>((b - a) * size));

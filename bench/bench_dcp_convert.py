@@ -187,6 +187,17 @@ def time_floor(times, src, work, src_bytes, dst_bytes, reps):
         times["floor (raw copy)"].append(t)
 
 
+def writer_args(layers, stack, help):
+    """The command line of a training stack's convert benchmark: the checkpoint's size (--layers,
+    --hidden, --vocab, with bench_ckpt's --reps, --dir, --json) and --<stack>, where it imports."""
+    from bench_ckpt import checkpoint_args
+    ap = checkpoint_args(layers=layers, reps=2)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument(f"--{stack}", required=True, help=help)
+    return ap.parse_args()
+
+
 def writer_fp32_bench(args, cli, work, env, scripts, make, src, what, reference, contents, read=None):
     """The run a training stack's convert benchmark shares (bench_megatron.py, bench_nanotron.py):
     `make` (a command that writes the stack's checkpoint SRC, timed), the source line, then

@@ -26,8 +26,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from bench_ckpt import checkpoint_args  # noqa: E402
-from bench_dcp_convert import prepare, writer_fp32_bench  # noqa: E402
+from bench_dcp_convert import prepare, writer_args, writer_fp32_bench  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -63,11 +62,7 @@ READ_WITH_TORCH = textwrap.dedent("""
 
 
 def main():
-    ap = checkpoint_args(layers=4, reps=2)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--vocab", type=int, default=32768)
-    ap.add_argument("--megatron", required=True, help="where megatron-core is installed (pip --target)")
-    args = ap.parse_args()
+    args = writer_args(4, "megatron", "where megatron-core is installed (pip --target)")
     sys.path.insert(0, args.megatron)
     cli, work, env, scripts = prepare("megatron", args.dir, "", READ_WITH_TORCH, needs="megatron.core")
     env["PYTHONPATH"] = args.megatron

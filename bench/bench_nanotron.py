@@ -23,8 +23,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from bench_ckpt import checkpoint_args  # noqa: E402
-from bench_dcp_convert import prepare, writer_fp32_bench  # noqa: E402
+from bench_dcp_convert import prepare, writer_args, writer_fp32_bench  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -57,11 +56,7 @@ READ_WITH_TORCH = textwrap.dedent("""
 
 
 def main():
-    ap = checkpoint_args(layers=8, reps=2)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--vocab", type=int, default=32768)
-    ap.add_argument("--nanotron", required=True, help="PYTHONPATH where nanotron imports (its src/ and deps)")
-    args = ap.parse_args()
+    args = writer_args(8, "nanotron", "PYTHONPATH where nanotron imports (its src/ and deps)")
     cli, work, env, scripts = prepare("nanotron", args.dir, "", READ_WITH_TORCH, needs="safetensors")
     make_env = dict(env, PYTHONPATH=args.nanotron, NANOTRON_SIZE=f"{args.layers},{args.hidden},{args.vocab}",
                     NANOTRON_RUNS="dp2_zero1", NANOTRON_REF="0")

@@ -17,6 +17,7 @@
 #include "optstate/transform.h"
 #include "pickle.h"
 #include "megatron.h"
+#include "megatron_buckets.h"
 #include "torchao/torchao_layout.h"
 #include "zip.h"
 
@@ -887,25 +888,29 @@ class DcpReader final : public CheckpointReader {
     return out;
   }
 
-  Status init_megatron(const megatron::Common& c, const ParsedItem& common) {
+  Status init_megatron(megatron::Common c, const ParsedItem& common) {
     const std::string where = dir_.string();
     layout_.dir = dir_;
     layout_.megatron = true;
     layout_.optimizer_path = {"optimizer"};
     layout_.item_order = md_.order;
+    std::map<std::string, std::map<std::string, std::string>> states;  // sharded key -> entry -> item
+    std::map<std::string, size_t> chain_of;                              // sharded key -> its optimizer
+    std::set<std::string> with_state;                                    // sharded keys of state items
+    std::set<std::string> dp_items;  // dp_reshardable's own items (its buckets, groups), read through states
+    OPTSTATE_RETURN_IF_ERROR(init_dp_reshardable(c, states, chain_of, dp_items));
+    for (const auto& kv : states) with_state.insert(kv.first);
     std::vector<MegatronPlace> places;
     for (size_t i = 0; i < c.optimizers.size(); ++i) {
       const std::string ow = c.chained ? fmt::format("{}/common.pt (optimizer {})", where, i) : where + "/common.pt";
       OPTSTATE_ASSIGN_OR_RETURN(MegatronPlace place, place_megatron_optimizer(c.optimizers[i], common, ow));
       places.push_back(place);
     }
-    std::map<std::string, std::map<std::string, std::string>> states;  // sharded key -> entry -> item
-    std::map<std::string, size_t> chain_of;                              // sharded key -> its optimizer
-    std::set<std::string> with_state;                                    // sharded keys of state items
     bool any_unprefixed = false;  // a chain's item without its chained_<i>. prefix
     for (const auto& [key, im] : md_.items)
       if (auto si = megatron::state_item(key)) with_state.insert(si->key);
     for (const auto& [key, im] : md_.items) {
+      if (dp_items.count(key)) continue;
       if (auto si = megatron::state_item(key)) {
         const std::string iw = fmt::format("{}: item '{}'", where, key);
         if (!c.chained && si->chain >= 0) return corrupt(iw + ": prefixed chained_<i>. but common.pt holds one optimizer");
@@ -1002,6 +1007,263 @@ class DcpReader final : public CheckpointReader {
             place.first_group + place.no_decay, place.first_group + place.decay));
     OPTSTATE_RETURN_IF_ERROR(find_beside());
     return check_structure(meta_, false).with_context(where);
+  }
+
+  // Megatron's distributed optimizer saved dp_reshardable (megatron_buckets.h): each data-parallel
+  // group's param groups from its own item; each bucket's flat entries (main params, moments) placed
+  // on the model's weights by their values, each param's runs made an N-D flattened item of its own
+  // (ItemMeta::nd_shape) over the bucket chunks' storage, and entered in `states` as the per-key
+  // items of the other forms are. `dp_items`: every item of that form, read through those.
+  Status init_dp_reshardable(megatron::Common& c, std::map<std::string, std::map<std::string, std::string>>& states,
+                             std::map<std::string, size_t>& chain_of, std::set<std::string>& dp_items) {
+    const std::string where = dir_.string();
+    auto opt_of = [&](int chain) -> std::optional<size_t> {
+      const size_t i = chain < 0 ? 0 : static_cast<size_t>(chain);
+      if ((chain < 0) == c.chained || i >= c.optimizers.size()) return std::nullopt;
+      return i;
+    };
+    bool any = false;
+    for (const auto& o : c.optimizers) any = any || o.sharding == "dp_reshardable";
+    if (!any) return Status::Ok();
+    // (optimizer, group, gbuf, bucket) -> entry -> item key
+    std::map<std::tuple<size_t, int64_t, int64_t, int64_t>, std::map<std::string, std::string>> bucket_items;
+    std::map<size_t, std::set<int64_t>> groups_read;
+    for (const auto& [key, im] : md_.items) {
+      const auto slash = key.find("/shard_");
+      const std::string base = slash == std::string::npos ? key : key.substr(0, slash);
+      const std::string iw = fmt::format("{}: item '{}'", where, key);
+      if (auto bk = megatron::bucket_key(key)) {
+        const auto o = opt_of(bk->chain);
+        if (!o || c.optimizers[*o].sharding != "dp_reshardable")
+          return corrupt(iw + ": a dp_reshardable bucket of no optimizer saved so in common.pt");
+        if (!im.is_tensor || im.size.size() != 1 || im.dtype != DType::kF32)
+          return corrupt(iw + ": a bucket's entry that is not a flat float32 tensor");
+        if (!bucket_items[{*o, bk->group, bk->gbuf, bk->bucket}].emplace(bk->entry, key).second)
+          return corrupt(iw + ": a bucket's entry twice (two dtypes)");
+        dp_items.insert(key);
+      } else if (auto go = megatron::group_optimizer_key(base)) {
+        const auto o = opt_of(go->first);
+        if (!o || c.optimizers[*o].sharding != "dp_reshardable")
+          return corrupt(iw + ": a dp_reshardable optimizer of no optimizer saved so in common.pt");
+        if (im.is_tensor) return corrupt(iw + ": a tensor where the optimizer's state dict is saved");
+        OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(key, {}, 64));
+        if (pi->payload.kind != Payload::Kind::kValue) return corrupt(iw + ": not the optimizer's state dict");
+        OPTSTATE_ASSIGN_OR_RETURN(megatron::Optimizer g, megatron::interpret_group_optimizer(pi->pickle, iw));
+        megatron::Optimizer& mine = c.optimizers[*o];
+        if (mine.groups.empty()) {
+          mine = std::move(g);
+        } else {
+          bool same = mine.groups.size() == g.groups.size() && mine.group_step == g.group_step;
+          for (size_t k = 0; same && k < g.groups.size(); ++k)
+            same = mine.groups[k].hyper == g.groups[k].hyper && mine.groups[k].wd_mult == g.groups[k].wd_mult;
+          if (!same) return corrupt(iw + ": param groups that differ from another data-parallel group's");
+        }
+        groups_read[*o].insert(go->second);
+        dp_items.insert(key);
+      } else if (base.find("optimizer.distributed.dp_group_idx_") != std::string::npos) {
+        dp_items.insert(key);  // per_bucket_numel(_unpadded), grad scaler: what the layout checks on load
+      }
+    }
+    for (size_t i = 0; i < c.optimizers.size(); ++i)
+      if (c.optimizers[i].sharding == "dp_reshardable" && c.optimizers[i].groups.empty())
+        return corrupt(fmt::format("{}: Megatron's distributed optimizer{} saved dp_reshardable without its param "
+                                   "groups (no optimizer.distributed.dp_group_idx_<G>.optimizer item)",
+                                   where, c.chained ? fmt::format(" {}", i) : ""));
+    // The buckets, in each domain (optimizer, data-parallel group) Megatron's order.
+    std::vector<megatron::Bucket> buckets;
+    std::vector<const std::map<std::string, std::string>*> bucket_entries;
+    std::vector<std::pair<size_t, int64_t>> domains;
+    std::vector<Source> bucket_main;  // each bucket's main params, for placing
+    for (const auto& [id, entries] : bucket_items) {
+      const auto& [o, group, gbuf, bucket] = id;
+      const auto param = entries.find("param");
+      const std::string bw = fmt::format("{}: optimizer.distributed.dp_group_idx_{}.gbuf_idx_{}...bucket_idx_{}", where,
+                                         group, gbuf, bucket);
+      if (param == entries.end() || !entries.count(kExpAvg) || !entries.count(kExpAvgSq))
+        return corrupt(bw + ": a bucket without 'param', 'exp_avg' and 'exp_avg_sq'");
+      const ItemMeta& pm = md_.items.at(param->second);
+      for (const auto& [e, k] : entries) {
+        const ItemMeta& em = md_.items.at(k);
+        bool same = em.size == pm.size && em.chunks.size() == pm.chunks.size();
+        for (size_t j = 0; same && j < em.chunks.size(); ++j)
+          same = em.chunks[j].offsets == pm.chunks[j].offsets && em.chunks[j].sizes == pm.chunks[j].sizes;
+        if (!same) return corrupt(fmt::format("{}: its '{}' is chunked unlike its 'param'", bw, e));
+      }
+      if (domains.empty() || domains.back() != std::pair{o, group}) domains.emplace_back(o, group);
+      megatron::Bucket b;
+      b.name = param->second.substr(0, param->second.size() - 6);  // without ".param"
+      b.domain = domains.size() - 1;
+      b.numel = pm.size[0];
+      Source src;
+      src.key = param->second;
+      src.item = &pm;
+      for (size_t k = 0; k < pm.chunks.size(); ++k) {
+        OPTSTATE_RETURN_IF_ERROR(item_segments(pm, k, src.values, bw));
+        b.starts.push_back(pm.chunks[k].offsets[0]);
+      }
+      OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, b.numel, bw));
+      std::sort(b.starts.begin(), b.starts.end());
+      buckets.push_back(std::move(b));
+      bucket_entries.push_back(&entries);
+      bucket_main.push_back(std::move(src));
+    }
+    if (buckets.empty()) return corrupt(where + ": Megatron's distributed optimizer saved dp_reshardable without buckets");
+    // The model's weights: candidate params, a box per chunk.
+    std::vector<std::string> names;
+    std::vector<megatron::Box> boxes;
+    std::vector<Source> weight_src;
+    for (const auto& [key, im] : md_.items) {
+      if (!im.is_tensor || dp_items.count(key) || megatron::state_item(key) || !im.nd_shape.empty()) continue;
+      if (im.dtype != DType::kF32 && im.dtype != DType::kBF16 && im.dtype != DType::kF16) continue;
+      Source src;
+      src.key = key;
+      src.item = &im;
+      for (size_t k = 0; k < im.chunks.size(); ++k) {
+        const auto n = checked_numel(im.chunks[k].sizes);
+        if (!n.ok()) return corrupt(fmt::format("{}: item '{}': a chunk of no size", where, key));
+        boxes.push_back(megatron::Box{names.size(), im.chunks[k].offsets, *n, im.dtype});
+        weight_src.push_back(src);
+      }
+      names.push_back(key);
+    }
+    std::vector<size_t> box_chunk;
+    {
+      std::vector<size_t> seen(names.size(), 0);
+      for (const auto& b : boxes) box_chunk.push_back(seen[b.key]++);
+    }
+    megatron::BucketValues values;
+    values.bucket = [&](size_t b, int64_t begin, std::span<const int64_t> at, DType d) -> Result<std::vector<uint32_t>> {
+      std::vector<uint32_t> out(at.size());
+      std::vector<float> run;
+      for (size_t i = 0; i < at.size();) {
+        size_t j = i + 1;
+        while (j < at.size() && at[j] == at[j - 1] + 1) ++j;
+        run.resize(j - i);
+        OPTSTATE_RETURN_IF_ERROR(read_plain(bucket_main[b], begin + at[i], begin + at[i] + static_cast<int64_t>(j - i),
+                                            std::as_writable_bytes(std::span(run))));
+        for (size_t k = i; k < j; ++k) {
+          const float v = run[k - i];
+          uint32_t bits;
+          std::memcpy(&bits, &v, 4);
+          out[k] = d == DType::kBF16 ? f32_to_bf16(v) : d == DType::kF16 ? f32_to_f16(v) : bits;
+        }
+        i = j;
+      }
+      return out;
+    };
+    values.box = [&](size_t bi, std::span<const int64_t> at) -> Result<std::vector<uint32_t>> {
+      const int64_t elem = dtype_size(boxes[bi].dtype);
+      std::vector<uint32_t> out(at.size());
+      std::vector<std::byte> run;
+      for (size_t i = 0; i < at.size();) {
+        size_t j = i + 1;
+        while (j < at.size() && at[j] == at[j - 1] + 1) ++j;
+        run.resize((j - i) * static_cast<size_t>(elem));
+        const Segment seg{0, static_cast<int64_t>(j - i), box_chunk[bi], at[i]};
+        OPTSTATE_ASSIGN_OR_RETURN(auto loc, segment_source(weight_src[bi], seg, Component::kValues));
+        const auto [file, from, esize, record] = loc;
+        if (esize != elem) return corrupt(fmt::format("{}: item '{}' holds elements of another size", where,
+                                                      weight_src[bi].key));
+        OPTSTATE_RETURN_IF_ERROR(file->read_at(from, run).with_context(fmt::format("item '{}'", weight_src[bi].key)));
+        for (size_t k = i; k < j; ++k) {
+          uint32_t bits = 0;
+          std::memcpy(&bits, run.data() + (k - i) * static_cast<size_t>(elem), static_cast<size_t>(elem));
+          out[k] = bits;
+        }
+        i = j;
+      }
+      return out;
+    };
+    OPTSTATE_ASSIGN_OR_RETURN(auto placed, megatron::place_boxes(buckets, boxes, names, values, where));
+    // Each placed weight's entries: N-D flattened items over the bucket chunks' storage.
+    std::map<size_t, std::vector<size_t>> placed_of;  // weight -> its boxes
+    for (size_t i = 0; i < boxes.size(); ++i)
+      if (placed[i]) placed_of[boxes[i].key].push_back(i);
+    for (const auto& [w, bis] : placed_of) {
+      const std::string& key = names[w];
+      const ItemMeta& wm = md_.items.at(key);
+      const std::string pw = fmt::format("{}: param '{}'", where, key);
+      const std::vector<int64_t>& box = wm.chunks[0].sizes;
+      std::vector<int64_t> grid;
+      for (size_t d = 0; d < box.size(); ++d) {
+        if (box[d] <= 0 || wm.size[d] % box[d]) return unsupported(pw + ": its weight's chunks are not an even grid");
+        grid.push_back(wm.size[d] / box[d]);
+      }
+      const size_t o = domains[buckets[placed[bis[0]]->bucket].domain].first;
+      for (const size_t i : bis)
+        if (domains[buckets[placed[i]->bucket].domain].first != o)
+          return corrupt(pw + ": its parts lie in the buffers of two optimizers of the chain");
+      for (const auto& [e, first_key] : *bucket_entries[placed[bis[0]]->bucket]) {
+        ItemMeta syn;
+        syn.is_tensor = true;
+        syn.dtype = md_.items.at(first_key).dtype;
+        syn.size = grid;
+        syn.size.push_back(boxes[bis[0]].numel);
+        syn.nd_shape = wm.size;
+        const std::string syn_key = fmt::format("{} (dp_reshardable {})", key, e);
+        for (const size_t i : bis) {
+          const megatron::Box& bx = boxes[i];
+          if (wm.chunks[box_chunk[i]].sizes != box)
+            return unsupported(pw + ": its weight's chunks are not an even grid");
+          const auto found = bucket_entries[placed[i]->bucket]->find(e);
+          if (found == bucket_entries[placed[i]->bucket]->end())
+            return corrupt(fmt::format("{}: its buckets differ in their entries ('{}')", pw, e));
+          const ItemMeta& bm = md_.items.at(found->second);
+          const int64_t begin = placed[i]->begin, end = begin + bx.numel;
+          for (const ChunkMeta& ch : bm.chunks) {
+            const int64_t cs = ch.offsets[0], ce = cs + ch.sizes[0];
+            if (ce <= begin || cs >= end) continue;
+            if (cs < begin || ce > end) return corrupt(fmt::format("{}: a chunk of '{}' across its bounds", pw, found->second));
+            ChunkMeta sc;
+            for (size_t d = 0; d < box.size(); ++d) {
+              if (bx.offsets[d] % box[d]) return unsupported(pw + ": its weight's chunks are not an even grid");
+              sc.offsets.push_back(bx.offsets[d] / box[d]);
+              sc.sizes.push_back(1);
+            }
+            sc.offsets.push_back(cs - begin);
+            sc.sizes.push_back(ch.sizes[0]);
+            md_.storage[{syn_key, sc.offsets}] = md_.storage.at({found->second, ch.offsets});
+            syn.chunks.push_back(std::move(sc));
+          }
+        }
+        OPTSTATE_RETURN_IF_ERROR(check_nd_flattened(syn, syn.nd_shape, pw));
+        if (!md_.items.emplace(syn_key, std::move(syn)).second)
+          return corrupt(fmt::format("{}: an item named '{}' beside its buckets", where, syn_key));
+        dp_items.insert(syn_key);
+        states[key][e] = syn_key;
+      }
+      chain_of[key] = o;
+    }
+    if (placed_of.empty())
+      return unsupported(where + ": Megatron's distributed optimizer saved dp_reshardable (flat per-bucket buffers), "
+                                 "and none of the model's weights is saved beside to place its params by (verl's "
+                                 "optimizer/dist_ckpt/ alone); save it with --dist-ckpt-optim-fully-reshardable");
+    value_notes_.push_back(
+        "Megatron's distributed optimizer saved dp_reshardable (flat per-bucket buffers, whose param layout the "
+        "checkpoint does not hold): each param placed where its fp32 main params round to the model's weights");
+    return Status::Ok();
+  }
+
+  // Elements [begin, end) of a plain (dense, C-contiguous) source, read as they lie: no CRC
+  // bookkeeping (the reads that place Megatron's buckets are out of order).
+  Status read_plain(const Source& src, int64_t begin, int64_t end, std::span<std::byte> out) {
+    const int64_t size = dtype_size(src.item->dtype);
+    const auto first = std::partition_point(src.values.begin(), src.values.end(),
+                                            [&](const Segment& s) { return s.begin + s.count <= begin; });
+    int64_t done = begin;
+    for (auto si = first; si != src.values.end() && si->begin < end; ++si) {
+      const Segment& s = *si;
+      const int64_t a = std::max(begin, s.begin), b = std::min(end, s.begin + s.count);
+      OPTSTATE_ASSIGN_OR_RETURN(auto loc, segment_source(src, s, Component::kValues));
+      const auto [file, at, elem, record] = loc;
+      if (elem != size) return corrupt(fmt::format("{}: item '{}' holds elements of another size", dir_.string(), src.key));
+      const auto dst = out.subspan(static_cast<size_t>((a - begin) * size), static_cast<size_t>((b - a) * size));
+      OPTSTATE_RETURN_IF_ERROR(file->read_at(at + static_cast<uint64_t>((a - s.begin) * elem), dst)
+                                   .with_context(fmt::format("item '{}'", src.key)));
+      done = b;
+    }
+    if (done != end) return corrupt(fmt::format("{}: item '{}' does not cover [{}, {})", dir_.string(), src.key, begin, end));
+    return Status::Ok();
   }
 
   // What the folder holds beside the DCP (layout_.beside), named among what is not read. Not for

@@ -99,12 +99,15 @@ Result<Optimizer> interpret_optimizer(const Pickle& p, Ref opt, const std::strin
     if (!sharding) return corrupt(where + ": param_state_sharding_type is not a string");
     out.sharding = *sharding;
     // Per-key items: fully_reshardable's whole tensors, fully_sharded_model_space's N-D flattened
-    // ranges (ItemMeta::nd_shape). The per-bucket forms hold flat buffers of the DDP buckets.
+    // ranges (ItemMeta::nd_shape). dp_reshardable: flat buffers of the DDP buckets, the param
+    // groups in each data-parallel group's own item (megatron_buckets.h), read by the caller.
+    if (*sharding == "dp_reshardable") return out;
     if (*sharding != "fully_reshardable" && *sharding != "fully_sharded_model_space")
-      return unsupported(fmt::format("{}: Megatron's distributed optimizer saved '{}' (its flat per-bucket buffers, "
-                                     "whose param layout the checkpoint does not hold); optstate reads it saved "
-                                     "'fully_reshardable' (Megatron-LM's --dist-ckpt-optim-fully-reshardable) or "
-                                     "'fully_sharded_model_space' (Megatron-Core up to 0.13): per-param items",
+      return unsupported(fmt::format("{}: Megatron's distributed optimizer saved '{}' (a gathered buffer of the "
+                                     "whole data-parallel group), which optstate does not read; it reads it saved "
+                                     "'dp_reshardable' (the default since Megatron-Core 0.14), 'fully_reshardable' "
+                                     "(Megatron-LM's --dist-ckpt-optim-fully-reshardable) or "
+                                     "'fully_sharded_model_space' (Megatron-Core up to 0.13)",
                                      where, *sharding));
     opt = p.dict_get(opt, "optimizer");
     if (opt == kNoRef || p.at(opt).kind != Kind::kDict)
@@ -137,6 +140,17 @@ Result<Optimizer> interpret_optimizer(const Pickle& p, Ref opt, const std::strin
 }
 
 }  // namespace
+
+Result<Optimizer> interpret_group_optimizer(const Pickle& p, const std::string& where) {
+  Ref root = p.root();
+  // saved as a ShardedObject: its one-element list
+  if (const auto* listed = list_of(p, root); listed && listed->size() == 1) root = (*listed)[0];
+  if (root == kNoRef || p.at(root).kind != Kind::kDict || p.dict_get(root, "param_groups") == kNoRef)
+    return corrupt(where + ": not the distributed optimizer's state dict (no param_groups)");
+  OPTSTATE_ASSIGN_OR_RETURN(Optimizer out, interpret_optimizer(p, root, where));
+  out.sharding = "dp_reshardable";
+  return out;
+}
 
 Result<Common> interpret_common(const Pickle& p, const std::string& where) {
   const Ref root = p.root();

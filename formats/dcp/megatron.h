@@ -38,7 +38,7 @@ struct Group {
 struct Optimizer {
   // "" (Megatron's plain optimizer, or its mixed-precision one), or the distributed optimizer's
   // param_state_sharding_type ("fully_reshardable", "fully_sharded_model_space": per-param items;
-  // the per-bucket forms refused).
+  // "dp_reshardable": flat per-bucket buffers, megatron_buckets.h).
   std::string sharding;
   std::vector<Group> groups;
   // The step: the plain optimizer's state.common_step (a number or a one-element tensor, read by
@@ -60,10 +60,16 @@ struct Common {
 };
 
 // common.pt's pickle (its root dict). Refuses, naming why: no optimizer (saved without one), the
-// distributed optimizer's dp_reshardable and other per-bucket forms (flat buffers whose param layout
-// the checkpoint does not hold), param groups that are not AdamW's (another optimizer, Adam's L2
-// decay), groups that differ in their steps.
+// distributed optimizer's dp_zero_gather_scatter (one gathered buffer per data-parallel group),
+// param groups that are not AdamW's (another optimizer, Adam's L2 decay), groups that differ in
+// their steps. A dp_reshardable optimizer comes without groups: they are in each data-parallel
+// group's own item (interpret_group_optimizer).
 Result<Common> interpret_common(const pickle::Pickle& p, const std::string& where);
+
+// The distributed optimizer's state dict that dp_reshardable saves per data-parallel group
+// ("[chained_<i>.]optimizer.distributed.dp_group_idx_<G>.optimizer": its param groups, members
+// left out, each with the step).
+Result<Optimizer> interpret_group_optimizer(const pickle::Pickle& p, const std::string& where);
 
 // An optimizer item's key: "[chained_<i>.]optimizer.state.<entry>.<key>" -> {i (-1 without the
 // prefix), entry, key}, entry one of the names Megatron gives a param's state (no dots), key

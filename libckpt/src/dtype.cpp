@@ -86,6 +86,23 @@ uint16_t f32_to_bf16(float value) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+uint16_t f32_to_f16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  const auto sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  if (std::isnan(value)) return sign | 0x7e00;
+  const float a = std::fabs(value);
+  if (a >= 65520.0f) return sign | 0x7c00;  // past the largest half (65504) by half an ulp or more
+  if (a < 0x1p-14f) {  // a multiple of 2^-24 or between two: round the count (to even)
+    return static_cast<uint16_t>(sign | static_cast<uint16_t>(std::nearbyint(a * 0x1p24f)));
+  }
+  const uint32_t mag = bits & 0x7fffffffu, mant = mag & 0x7fffffu;
+  uint32_t h = (((mag >> 23) - 112u) << 10) | (mant >> 13);  // rebias 127 -> 15
+  const uint32_t rest = mant & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;  // a carry moves into the exponent, as it should
+  return static_cast<uint16_t>(sign | h);
+}
+
 std::optional<double> scalar_value(DType d, const std::byte* raw) {
   switch (d) {
     case DType::kF32: { float f; std::memcpy(&f, raw, 4); return static_cast<double>(f); }

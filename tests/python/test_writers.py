@@ -17,6 +17,7 @@ each data-parallel rank's) NamedOptimizer state_dict: params numbered per file a
 """
 import json
 import os
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -355,11 +356,50 @@ def test_megatron_core_0_15s_checkpoints_read_though_their_metadata_is_megatrons
     assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0]
 
 
-def test_megatrons_dp_reshardable_checkpoint_is_refused_naming_the_flag_that_saves_it_readably(optstate_cli):
-    """The distributed optimizer's default dp_reshardable form holds flat per-bucket buffers whose
-    param layout the checkpoint does not hold: refused (exit 2), naming the form and the flag."""
-    err = run_err(optstate_cli, "inspect", MEGATRON / "dp2_distopt_dp_reshardable")
-    assert "'dp_reshardable'" in err and "--dist-ckpt-optim-fully-reshardable" in err, err
+@pytest.mark.parametrize("run", ["dp2_distopt_dp_reshardable", "tp2_dp2_distopt_dp_reshardable",
+                                 "moe_ep2_dp_reshardable"])
+def test_megatrons_default_dp_reshardable_checkpoint_reads_as_megatron_held_it(tmp_path, optstate_cli, run):
+    """The distributed optimizer's default form since Megatron-Core 0.14, dp_reshardable: each
+    model-parallel rank's DDP buckets as flat items (main params, moments), each param's part on
+    each data-parallel rank a chunk of its own, which param lies where not saved. Placed by value
+    on the model's weights beside (the main params round to them): data parallel 2 over 3 layers
+    (a param split between the ranks' halves of a bucket), tensor parallel 2 x data parallel 2
+    (column- and row-parallel parts in each rank's buckets, layer norms replicated in both), and
+    the mixture of experts (a chain of two distributed optimizers, prefixed): bit for bit what
+    Megatron's optimizer held (its fully_reshardable form of the same state), in Megatron-Core's
+    standard groups, said as placed by value."""
+    ck = MEGATRON / run
+    ref, meta = ref_of(ck)
+    info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta)
+    assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0] + ([0.1] if run.startswith("moe") else [])
+    assert any("saved dp_reshardable" in n and "round to the model's weights" in n for n in info["read_notes"])
+    assert not any("optimizer.distributed" in n for n in info["not_read"]), info["not_read"]
+    assert any(n.startswith("the model's bf16 weights, the optimizer's fp32 main params") for n in info["not_read"])
+    out = tmp_path / "plain_dcp"
+    optstate_cli("convert", ck, out, "--format", "dcp")
+    assert optstate_cli("diff", ck, out).returncode == 0
+
+
+def test_a_dp_reshardable_checkpoint_whose_weights_do_not_match_its_buckets_is_refused(tmp_path, optstate_cli):
+    """dp_reshardable's params are placed by the model's weights: a weight changed after the step
+    (here one element of the final layer norm's, in its storage) leaves its state in the buckets
+    matched by none, which is refused (exit 2) naming the bucket's elements, not read misplaced."""
+    import io
+    from torch.distributed.checkpoint import FileSystemReader
+    ck = tmp_path / "ck"
+    shutil.copytree(MEGATRON / "dp2_distopt_dp_reshardable", ck)
+    md = FileSystemReader(str(ck)).read_metadata()
+    (index, info), = [(i, v) for i, v in md.storage_data.items() if i.fqn == "decoder.final_layernorm.weight"]
+    path = ck / info.relative_path
+    raw = bytearray(path.read_bytes())
+    region = bytes(raw[info.offset:info.offset + info.length])
+    weight = torch.load(io.BytesIO(region), weights_only=True)
+    at = region.index(weight.contiguous().view(torch.uint8).numpy().tobytes())
+    raw[info.offset + at + 1] ^= 0x40  # the first element's high byte
+    path.write_bytes(bytes(raw))
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "hold the state of a param none of the model's weights in the checkpoint matches" in err, err
+    assert "of optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32).bucket_idx_0" in err, err
 
 
 def test_a_damaged_tensor_parallel_shard_of_a_megatron_checkpoint_fails_its_crc(tmp_path, optstate_cli):

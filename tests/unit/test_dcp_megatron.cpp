@@ -170,10 +170,14 @@ TEST_CASE("megatron: the distributed optimizer fully_reshardable reads; its per-
   auto model_space = dist("fully_sharded_model_space", 3.0);
   REQUIRE_MESSAGE(model_space.ok(), model_space.status().message());
   CHECK(model_space->optimizers[0].sharding == "fully_sharded_model_space");
+  // dp_reshardable: its groups are in each data-parallel group's own item (interpret_group_optimizer)
   auto flat = dist("dp_reshardable", 3.0);
-  REQUIRE_FALSE(flat.ok());
-  CHECK(flat.status().message().find("--dist-ckpt-optim-fully-reshardable") != std::string::npos);
-  CHECK_FALSE(dist("dp_zero_gather_scatter", 3.0).ok());
+  REQUIRE_MESSAGE(flat.ok(), flat.status().message());
+  CHECK(flat->optimizers[0].sharding == "dp_reshardable");
+  CHECK(flat->optimizers[0].groups.empty());
+  auto gathered = dist("dp_zero_gather_scatter", 3.0);
+  REQUIRE_FALSE(gathered.ok());
+  CHECK(gathered.status().message().find("'dp_zero_gather_scatter'") != std::string::npos);
   auto steps = dist("fully_reshardable", 2.0);
   REQUIRE_FALSE(steps.ok());
   CHECK(steps.status().message().find("step 2") != std::string::npos);

@@ -42,6 +42,7 @@ float bf16_to_f32(uint16_t bits);
 float f16_to_f32(uint16_t bits);
 // Round-to-nearest-even narrowing, NaN kept quiet; the same rounding as torch's c10::BFloat16.
 uint16_t f32_to_bf16(float value);
+uint16_t f32_to_f16(float value);  // the same for IEEE half, as torch's c10::Half
 // One element of `d` at `raw` (dtype_size(d) bytes, little-endian) as a double: what a 0-d tensor
 // holding a Python number (a step, an lr) means. Nothing for the dtypes a number is not kept in.
 std::optional<double> scalar_value(DType d, const std::byte* raw);

@@ -24,8 +24,14 @@ OptimizerParamScheduler, as the trainer steps it). Written into OUT:
 - `dp2_distopt/`: data parallel 2, the distributed optimizer (`--use-distributed-optimizer`) with
   bf16 params and fp32 main params, saved `fully_reshardable`
   (`--dist-ckpt-optim-fully-reshardable`): `optimizer.state.param.<key>` the fp32 main params;
-- `dp2_distopt_dp_reshardable/`: the same saved `dp_reshardable` (the trainer's default for the
-  distributed optimizer): flat per-bucket buffers whose param layout the checkpoint does not hold;
+- `dp2_distopt_dp_reshardable/`: the distributed optimizer saved `dp_reshardable` (the trainer's
+  default for it): flat per-bucket buffers whose param layout the checkpoint does not hold (3
+  layers of hidden 16, lr 1e-2: see RUNS_016), its reference from the optimizer's
+  `fully_reshardable` form, not saved;
+- `tp2_dp2_distopt_dp_reshardable/`: the same under tensor parallel 2 x data parallel 2 (4
+  ranks): each tensor-parallel rank's buckets, layer norms replicated in both;
+- `moe_ep2_dp_reshardable/`: the mixture of experts saved `dp_reshardable`: a chain of two
+  distributed optimizers, each its own data-parallel groups' buckets, prefixed `chained_<i>.`;
 - `moe_ep2/`: a mixture of experts (2 experts a layer) under expert parallelism 2, the
   distributed optimizer saved `fully_reshardable`: a chain of two optimizers (the dense params' in
   Megatron's two standard groups, the experts' own), their items unprefixed
@@ -71,7 +77,15 @@ SIZE = os.environ.get("MEGATRON_SIZE")  # else each run's own ("size", default 2
 RUNS_016 = {
     "tp2": dict(tp=2, dist_opt=False, bf16=True, sharding=None),
     "dp2_distopt": dict(tp=1, dist_opt=True, bf16=True, sharding="fully_reshardable"),
-    "dp2_distopt_dp_reshardable": dict(tp=1, dist_opt=True, bf16=True, sharding="dp_reshardable"),
+    # dp_reshardable (the default): lr 1e-2, so that the layer norms' weights leave their initial
+    # 1.0 in bf16 within the 3 steps, as in any checkpoint past its first steps (params of equal
+    # values under different keys cannot be placed: megatron_buckets.h); 3 layers of hidden 16 so
+    # that the data-parallel ranks' halves of a bucket split a param.
+    "dp2_distopt_dp_reshardable": dict(tp=1, dist_opt=True, bf16=True, sharding="dp_reshardable", lr=1e-2,
+                                       size="3,16,16"),
+    "tp2_dp2_distopt_dp_reshardable": dict(tp=2, dist_opt=True, bf16=True, sharding="dp_reshardable", lr=1e-2,
+                                           size="3,16,16", world=4),
+    "moe_ep2_dp_reshardable": dict(tp=1, ep=2, dist_opt=True, bf16=True, sharding="dp_reshardable", lr=1e-2),
     "moe_ep2": dict(tp=1, ep=2, dist_opt=True, bf16=True, sharding="fully_reshardable"),
     "moe_ep2_plain": dict(tp=1, ep=2, dist_opt=False, bf16=True, sharding=None),
     # Megatron-LM 0.14-0.15 with --dist-ckpt-save-pre-mcore-014 (or torch < 2.6): the form up to
@@ -197,10 +211,11 @@ def rank_main(rank, world, port, out):
             model = Float16Module(cfg, model)
         ddp = DistributedDataParallel(config=cfg, module=model, ddp_config=DistributedDataParallelConfig(
             use_distributed_optimizer=run["dist_opt"], grad_reduce_in_fp32=True))
-        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.1,
+        lr = run.get("lr", 1e-3)
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr / 10, weight_decay=0.1,
                                                      adam_beta2=0.95, bf16=run["bf16"],
                                                      use_distributed_optimizer=run["dist_opt"]), [ddp])
-        sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=1,
+        sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=1,
                                         lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
                                         wd_incr_steps=10, wd_incr_style="constant")
         gen = torch.Generator().manual_seed(1 + parallel_state.get_data_parallel_rank())
@@ -236,8 +251,15 @@ def rank_main(rank, world, port, out):
             (1, run["tp"]), (0, parallel_state.get_tensor_model_parallel_rank()),
             replica_id=parallel_state.get_data_parallel_rank())
         apply_factories(state)
-        refd = run["sharding"] != "dp_reshardable" and os.environ.get("MEGATRON_REF", "1") != "0"
-        whole = gathered(list(nested_values(state)), rank) if refd else None
+        refd = os.environ.get("MEGATRON_REF", "1") != "0"
+        ref_state = state
+        if run["sharding"] == "dp_reshardable" and refd:
+            # the reference from the same optimizer's per-param form (not saved)
+            ref_meta = dict(metadata, distrib_optim_sharding_type="fully_reshardable")
+            ref_state = {"model": ddp.module.sharded_state_dict(metadata=ref_meta)}
+            ref_state["optimizer"] = opt.sharded_state_dict(ref_state, metadata=ref_meta)
+            apply_factories(ref_state)
+        whole = gathered(list(nested_values(ref_state)), rank) if refd else None
         settings = {}
         for part in all_ranks(key_settings(ddp.module, opt)):
             for key, v in part.items():

@@ -187,23 +187,28 @@ def time_floor(times, src, work, src_bytes, dst_bytes, reps):
         times["floor (raw copy)"].append(t)
 
 
-def writer_args(layers, stack, help):
+def writer_args(layers, stack, help, extra=None):
     """The command line of a training stack's convert benchmark: the checkpoint's size (--layers,
-    --hidden, --vocab, with bench_ckpt's --reps, --dir, --json) and --<stack>, where it imports."""
+    --hidden, --vocab, with bench_ckpt's --reps, --dir, --json) and --<stack>, where it imports;
+    `extra(parser)` adds a benchmark's own."""
     from bench_ckpt import checkpoint_args
     ap = checkpoint_args(layers=layers, reps=2)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument(f"--{stack}", required=True, help=help)
+    if extra:
+        extra(ap)
     return ap.parse_args()
 
 
-def writer_fp32_bench(args, cli, work, env, scripts, make, src, what, reference, contents, read=None):
+def writer_fp32_bench(args, cli, work, env, scripts, make, src, what, reference, contents, read=None, expected=None):
     """The run a training stack's convert benchmark shares (bench_megatron.py, bench_nanotron.py):
     `make` (a command that writes the stack's checkpoint SRC, timed), the source line, then
     `optstate convert SRC --to fp32` and the reference script (scripts["convert_reference.py"]) side
     by side, the floor reading `read` (what of SRC the conversion reads; SRC by default), both
-    outputs compared bit for bit (`contents` says what they hold), the table and the JSON."""
+    outputs compared bit for bit (`contents` says what they hold), the table and the JSON. With
+    `expected` (a safetensors file the writer made), optstate's output is compared with that
+    instead (a reference that cannot give per-param tensors is only timed)."""
     import subprocess
     import time
 
@@ -227,10 +232,11 @@ def writer_fp32_bench(args, cli, work, env, scripts, make, src, what, reference,
     times, peak = time_cases(cases, dst, src, args.reps, env)
     dst_bytes = os.path.getsize(dst["optstate"])
     time_floor(times, read, work, src_bytes, dst_bytes, args.reps)
-    a, b = load_file(dst["optstate"]), load_file(dst[reference])
+    a, b = load_file(dst["optstate"]), load_file(expected or dst[reference])
     bad = [k for k in b if k not in a or not torch.equal(a[k], b[k])]
     assert not bad, f"outputs differ: {bad[:8]}"
-    print(f"outputs: {dst_bytes / 1e9:.2f} GB; {len(b)} tensors equal bit for bit ({contents})")
+    against = f"the writer's own {Path(expected).name}" if expected else reference + "'s"
+    print(f"outputs: {dst_bytes / 1e9:.2f} GB; {len(b)} tensors equal bit for bit to {against} ({contents})")
     report(args, work, times, peak, src_bytes, dst_bytes, reference=reference)
 
 

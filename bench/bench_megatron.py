@@ -16,6 +16,14 @@ which optstate reads besides (`inspect`).
   back together from `mcore_data`'s shapes.
 The two outputs must hold the same fp32 tensors, bit for bit (main params, exp_avg, exp_avg_sq).
 
+--sharding dp_reshardable (the distributed optimizer's default since Megatron-Core 0.14, run
+`dp2_distopt_dp_reshardable`): flat per-bucket items whose param layout is not saved; optstate
+places each param by value (formats/dcp/megatron_buckets.h). torch alone can only load the flat
+buckets (`dcp.load` of every `optimizer.distributed.*` tensor, saved as they are, unplaced): its
+side is timed as what reading those bytes costs, and optstate's output is compared bit for bit with
+the writer's own reference instead (make_megatron.py gathers it from the live optimizer's
+fully_reshardable form).
+
     .venv/bin/python bench/bench_megatron.py --megatron /tmp/megatron [--layers 4] [--hidden 1024]
         [--vocab 32768] [--reps 2] [--dir /tmp] [--json bench/results/megatron.json]
 """
@@ -60,17 +68,42 @@ READ_WITH_TORCH = textwrap.dedent("""
     save_file(named, out)
 """)
 
+# torch alone on dp_reshardable: the flat bucket items as they are (no param layout to place them by).
+READ_BUCKETS_WITH_TORCH = textwrap.dedent("""
+    import sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from safetensors.torch import save_file
+    src, out = sys.argv[1:3]
+    md = dcp.FileSystemReader(src).read_metadata()
+    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
+             if k.startswith("optimizer.distributed.") and isinstance(v, TensorStorageMetadata)}
+    dcp.load(state, checkpoint_id=src, no_dist=True)
+    save_file(state, out)
+""")
+
 
 def main():
-    args = writer_args(4, "megatron", "where megatron-core is installed (pip --target)")
+    args = writer_args(4, "megatron", "where megatron-core is installed (pip --target)",
+                       lambda ap: ap.add_argument("--sharding", choices=["fully_reshardable", "dp_reshardable"],
+                                                  default="fully_reshardable",
+                                                  help="the distributed optimizer's form (Megatron-Core >= 0.14)"))
     sys.path.insert(0, args.megatron)
-    cli, work, env, scripts = prepare("megatron", args.dir, "", READ_WITH_TORCH, needs="megatron.core")
+    buckets = args.sharding == "dp_reshardable"
+    cli, work, env, scripts = prepare("megatron", args.dir, "", READ_BUCKETS_WITH_TORCH if buckets else READ_WITH_TORCH,
+                                      needs="megatron.core")
     env["PYTHONPATH"] = args.megatron
-    make_env = dict(env, MEGATRON_SIZE=f"{args.layers},{args.hidden},{args.vocab}", MEGATRON_RUNS="dp2_distopt",
-                    MEGATRON_REF="0")
+    run = "dp2_distopt_dp_reshardable" if buckets else "dp2_distopt"
+    make_env = dict(env, MEGATRON_SIZE=f"{args.layers},{args.hidden},{args.vocab}", MEGATRON_RUNS=run,
+                    MEGATRON_REF="1" if buckets else "0")
     make = [sys.executable, str(BENCH.parent / "tests/data/writers/make_megatron.py"), work / "made"]
-    writer_fp32_bench(args, cli, work, make_env, scripts, make, work / "made" / "dp2_distopt",
-                      "Megatron torch_dist checkpoint", "torch DCP", "fp32 main params, exp_avg, exp_avg_sq")
+    writer_fp32_bench(args, cli, work, make_env, scripts, make, work / "made" / run,
+                      f"Megatron torch_dist checkpoint ({args.sharding})",
+                      "torch DCP (flat buckets, unplaced)" if buckets else "torch DCP",
+                      "fp32 main params, exp_avg, exp_avg_sq",
+                      expected=work / "made" / f"{run}.ref.safetensors" if buckets else None)
 
 if __name__ == "__main__":
     main()

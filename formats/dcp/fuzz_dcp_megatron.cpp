@@ -1,11 +1,13 @@
 // Fuzz target for Megatron-Core's torch_dist checkpoints (megatron.h), over real ones Megatron saved
-// (tests/data/writers/, make_megatron.py). Built three times: the input is the common.pt of 0.16's
+// (tests/data/writers/, make_megatron.py). Built five times: the input is the common.pt of 0.16's
 // under tensor parallelism 2 (the param groups without members, the step, the trainer's other state;
 // each input also tried with data.pkl's CRC-32 re-signed, so changes reach the interpretation:
 // fuzz.dcp_megatron_common), or its .metadata (the sharded keys, stacked chunks and storage records
 // against the real data files: fuzz.dcp_megatron_metadata), or the .metadata of 0.13's distributed
 // optimizer (N-D flattened items: mcore_data's shapes, chunk boxes and element ranges split between
-// ranks: fuzz.dcp_megatron_nd_metadata).
+// ranks: fuzz.dcp_megatron_nd_metadata), or the .metadata or first data file of 0.16's distributed
+// optimizer saved dp_reshardable (bucket items, their chunks and values, placed on the weights by
+// value: fuzz.dcp_megatron_dp_metadata, fuzz.dcp_megatron_dp_data).
 // Every input must validate, open, hash, read whole and write back (a plain DCP), or give an error.
 #include <cstdint>
 #include <optional>

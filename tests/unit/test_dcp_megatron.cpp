@@ -183,6 +183,37 @@ TEST_CASE("megatron: the distributed optimizer fully_reshardable reads; its per-
   CHECK(steps.status().message().find("step 2") != std::string::npos);
 }
 
+TEST_CASE("megatron: dp_reshardable's per-group optimizer item: its groups and step, in a ShardedObject's list") {
+  auto parse = [](bool listed, bool groups) -> Result<mg::Optimizer> {
+    pickle::Writer w;
+    if (listed) w.empty_list(), w.mark();
+    w.empty_dict();
+    w.mark();
+    if (groups) {
+      w.str("param_groups"), w.empty_list(), w.mark();
+      group(w, 0.1, 1.0, [](pickle::Writer& w) { w.str("step"), w.real(5.0); });
+      group(w, 0.0, 0.0, [](pickle::Writer& w) { w.str("step"), w.real(5.0); });
+      w.appends_from_mark();
+    }
+    w.setitems_from_mark();
+    if (listed) w.appends_from_mark();
+    const std::string bytes = w.finish();
+    OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(std::as_bytes(std::span(bytes)), "item"));
+    return mg::interpret_group_optimizer(p, "ck: item 'optimizer.distributed.dp_group_idx_0.optimizer'");
+  };
+  for (const bool listed : {true, false}) {
+    auto o = parse(listed, true);
+    REQUIRE_MESSAGE(o.ok(), o.status().message());
+    CHECK(o->sharding == "dp_reshardable");
+    CHECK(o->groups.size() == 2);
+    CHECK(o->group_step == 5.0);
+    CHECK(o->groups[1].wd_mult == 0);
+  }
+  auto none = parse(true, false);
+  REQUIRE_FALSE(none.ok());
+  CHECK(none.status().message().find("dp_group_idx_0.optimizer'") != std::string::npos);
+}
+
 TEST_CASE("megatron: what is not AdamW's, or not there, is refused by name") {
   auto none = common([](pickle::Writer&) {}, false);
   REQUIRE_FALSE(none.ok());

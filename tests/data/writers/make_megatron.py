@@ -131,8 +131,8 @@ def cpu_shim():
 
 
 def gathered(sharded, rank):
-    """Each sharded key's whole tensor (fp32, on rank 0), from every rank's ShardedTensors (the
-    first replica of each shard)."""
+    """Each sharded key's whole tensor (fp32, on rank 0; None on the others), from every rank's
+    ShardedTensors (the first replica of each shard)."""
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -150,8 +150,10 @@ def gathered(sharded, rank):
         local = st.data.detach().float()
         mine.append((st.key, tuple(st.global_shape), tuple(st.global_offset), box,
                      None if flat is None else flat.start, local if flat is not None else local.reshape(box)))
-    pieces = [None] * dist.get_world_size()
-    dist.all_gather_object(pieces, mine)
+    pieces = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, pieces, dst=0)  # on rank 0 only: a large model's state once
+    if rank != 0:
+        return None
     whole, boxes = {}, {}
     for part in pieces:
         for key, shape, offset, box, start, local in part:

@@ -1093,6 +1093,7 @@ class DcpReader final : public CheckpointReader {
       megatron::Bucket b;
       b.name = param->second.substr(0, param->second.size() - 6);  // without ".param"
       b.domain = domains.size() - 1;
+      b.buffer = gbuf;
       b.numel = pm.size[0];
       Source src;
       src.key = param->second;

@@ -252,13 +252,18 @@ class Placer {
     for (const auto& [dc, rs] : classes) {
       const auto& [domain, ids] = dc;
       std::vector<size_t> order = ids;
-      if (ids.size() != rs.size() || (ids.size() > 1 && !one_key(ids))) {
+      const bool one_buffer = std::all_of(rs.begin(), rs.end(), [&](size_t r) {
+        return buckets_[runs_[r].bucket].buffer == buckets_[runs_[rs[0]].bucket].buffer;
+      });
+      if (ids.size() != rs.size() || (ids.size() > 1 && !(one_key(ids) && one_buffer))) {
         std::vector<std::string> which;
         for (const size_t i : ids) which.push_back(box_name(i));
         return unsupported(fmt::format("{}: {} run{} of the buffers of one rank hold the values of {} ({}), equal "
                                        "everywhere: which param's state each is, is not in the checkpoint",
                                        where_, rs.size(), rs.size() == 1 ? "" : "s", fmt::join(which, ", "),
-                                       ids.size() == 1 ? "one weight" : "weights of different keys or counts"));
+                                       ids.size() == 1 ? "one weight"
+                                       : one_key(ids)  ? "one key's, in different buffers"
+                                                       : "weights of different keys or counts"));
       }
       // One key's equal boxes (layer norms still at their initial values): Megatron lays a
       // buffer's params out in reverse order of the model's, so its later layers come first.

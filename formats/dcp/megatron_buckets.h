@@ -50,6 +50,9 @@ struct Box {
 struct Bucket {
   std::string name;  // for errors: its items' key without the entry
   size_t domain = 0;
+  // Megatron's buffer (gbuf_idx: one per model chunk under virtual pipeline parallelism, and
+  // dtype): the reverse layout orders a key's layers only within one.
+  int64_t buffer = 0;
   int64_t numel = 0;
   std::vector<int64_t> starts;
 };
@@ -74,7 +77,8 @@ struct Placement {
 // two boxes compete). Every box of a weight is placed or none; a bucket's elements no box takes
 // are padding (runs shorter than Megatron's 64-element param alignment); boxes of equal values are
 // told apart by Megatron's layout (a stacked key's later layers first in a buffer: it lays params
-// out in reverse order) where they are one key's, and refused otherwise; a box found in several
+// out in reverse order) where they are one key's and their runs lie in one buffer, and refused
+// otherwise; a box found in several
 // domains (a param replicated over tensor-parallel ranks) is read from the first. `names`: the
 // weights' keys, for errors.
 Result<std::vector<std::optional<Placement>>> place_boxes(const std::vector<Bucket>& buckets,

@@ -86,7 +86,7 @@ struct Fixture {
   // A bucket of domain `domain` holding boxes' values (main params: the weights slightly moved,
   // so that only rounding gives the weights back) at 64-aligned starts, each its own chunk, with
   // extra chunk bounds at `splits` (a param split between data-parallel ranks).
-  size_t bucket(size_t domain, const std::vector<size_t>& ids, std::vector<int64_t> splits = {}) {
+  size_t bucket(size_t domain, const std::vector<size_t>& ids, std::vector<int64_t> splits = {}, int64_t buffer = 0) {
     std::vector<float> m;
     std::vector<int64_t> starts;
     for (const size_t i : ids) {
@@ -100,7 +100,8 @@ struct Fixture {
     for (int64_t s : splits) starts.push_back(s);
     std::sort(starts.begin(), starts.end());
     starts.erase(std::unique(starts.begin(), starts.end()), starts.end());
-    buckets.push_back(mg::Bucket{"bucket " + std::to_string(buckets.size()), domain, static_cast<int64_t>(m.size()), starts});
+    buckets.push_back(
+        mg::Bucket{"bucket " + std::to_string(buckets.size()), domain, buffer, static_cast<int64_t>(m.size()), starts});
     main.push_back(std::move(m));
     return buckets.size() - 1;
   }
@@ -164,6 +165,16 @@ TEST_CASE("megatron buckets: one key's equal layers by Megatron's reverse layout
   REQUIRE_MESSAGE(placed.ok(), placed.status().message());
   CHECK((*placed)[ln1]->begin == 0);   // the later layer first
   CHECK((*placed)[ln0]->begin == 128);
+  // one key's equal layers in two buffers (model chunks under virtual pipeline parallelism, whose
+  // buffers Megatron orders first to last): not told apart
+  Fixture v;
+  const size_t v1 = v.box("decoder.layers.input_layernorm.weight", {1, 0}, std::vector<float>(16, 1.f));
+  const size_t v0 = v.box("decoder.layers.input_layernorm.weight", {0, 0}, std::vector<float>(16, 1.f));
+  v.bucket(0, {v0}, {}, 0);
+  v.bucket(0, {v1}, {}, 1);
+  auto chunks = v.place();
+  REQUIRE_FALSE(chunks.ok());
+  CHECK(chunks.status().message().find("one key's, in different buffers") != std::string::npos);
   // the same values under another key too: not told apart
   Fixture g;
   const size_t a = g.box("decoder.layers.input_layernorm.weight", {0, 0}, std::vector<float>(16, 1.f));

@@ -1175,6 +1175,11 @@ class DcpReader final : public CheckpointReader {
       }
       return out;
     };
+    if (boxes.empty())
+      return unsupported(where + ": Megatron's distributed optimizer saved dp_reshardable (flat per-bucket buffers, "
+                                 "whose param layout is not saved), and no model weights beside to place its params "
+                                 "by (verl's optimizer/dist_ckpt/ alone); save it with "
+                                 "--dist-ckpt-optim-fully-reshardable");
     OPTSTATE_ASSIGN_OR_RETURN(auto placed, megatron::place_boxes(buckets, boxes, names, values, where));
     // Each placed weight's entries: N-D flattened items over the bucket chunks' storage.
     std::map<size_t, std::vector<size_t>> placed_of;  // weight -> its boxes
@@ -1235,10 +1240,7 @@ class DcpReader final : public CheckpointReader {
       }
       chain_of[key] = o;
     }
-    if (placed_of.empty())
-      return unsupported(where + ": Megatron's distributed optimizer saved dp_reshardable (flat per-bucket buffers), "
-                                 "and none of the model's weights is saved beside to place its params by (verl's "
-                                 "optimizer/dist_ckpt/ alone); save it with --dist-ckpt-optim-fully-reshardable");
+    if (placed_of.empty()) return corrupt(where + ": dp_reshardable buckets of no param");  // check_padding refuses first
     value_notes_.push_back(
         "Megatron's distributed optimizer saved dp_reshardable (flat per-bucket buffers, whose param layout the "
         "checkpoint does not hold): each param placed where its fp32 main params round to the model's weights");

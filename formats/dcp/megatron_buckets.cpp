@@ -252,9 +252,9 @@ class Placer {
     for (const auto& [dc, rs] : classes) {
       const auto& [domain, ids] = dc;
       std::vector<size_t> order = ids;
-      const bool one_buffer = std::all_of(rs.begin(), rs.end(), [&](size_t r) {
-        return buckets_[runs_[r].bucket].buffer == buckets_[runs_[rs[0]].bucket].buffer;
-      });
+      const int64_t buffer0 = buckets_[runs_[rs[0]].bucket].buffer;
+      const bool one_buffer = std::all_of(rs.begin(), rs.end(),
+                                          [&](size_t r) { return buckets_[runs_[r].bucket].buffer == buffer0; });
       if (ids.size() != rs.size() || (ids.size() > 1 && !(one_key(ids) && one_buffer))) {
         std::vector<std::string> which;
         for (const size_t i : ids) which.push_back(box_name(i));

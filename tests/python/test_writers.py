@@ -402,6 +402,26 @@ def test_a_dp_reshardable_checkpoint_whose_weights_do_not_match_its_buckets_is_r
     assert "of optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32).bucket_idx_0" in err, err
 
 
+def test_a_dp_reshardable_checkpoint_without_the_models_weights_is_refused_naming_the_flag(tmp_path, optstate_cli):
+    """Without the model's weights beside (verl's Megatron backend saves its optimizer's dist_ckpt/
+    apart from the model's), nothing places dp_reshardable's flat buckets: refused, naming the flag
+    that saves the per-param form."""
+    import pickle
+    from torch.distributed.checkpoint import FileSystemReader
+    ck = tmp_path / "ck"
+    shutil.copytree(MEGATRON / "dp2_distopt_dp_reshardable", ck)
+    md = FileSystemReader(str(ck)).read_metadata()
+    model = {k for k in md.state_dict_metadata if not k.startswith(("optimizer.", "rng_state"))}
+    assert "decoder.layers.mlp.linear_fc1.weight" in model
+    for k in model:
+        del md.state_dict_metadata[k]
+    md.storage_data = {i: v for i, v in md.storage_data.items() if i.fqn not in model}
+    with open(ck / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "no model weights beside" in err and "--dist-ckpt-optim-fully-reshardable" in err, err
+
+
 def test_a_damaged_tensor_parallel_shard_of_a_megatron_checkpoint_fails_its_crc(tmp_path, optstate_cli):
     """A row-parallel layer's chunk (its columns split over the two tensor-parallel ranks) is read
     in pieces, row by row: a byte changed in the last of its rows is still caught by the chunk's

@@ -147,7 +147,7 @@ def gathered(sharded, rank):
         # optimizer's fully_sharded_model_space state: a flat range of that box (flattened_range)
         box = (1,) * st.prepend_axis_num + tuple(st.local_shape)
         flat = st.flattened_range
-        local = st.data.detach().float()
+        local = st.data.detach().float().clone()  # its own storage: a view would pickle its whole buffer
         mine.append((st.key, tuple(st.global_shape), tuple(st.global_offset), box,
                      None if flat is None else flat.start, local if flat is not None else local.reshape(box)))
     pieces = [None] * dist.get_world_size() if rank == 0 else None

@@ -201,14 +201,16 @@ def writer_args(layers, stack, help, extra=None):
     return ap.parse_args()
 
 
-def writer_fp32_bench(args, cli, work, env, scripts, make, src, what, reference, contents, read=None, expected=None):
+def writer_fp32_bench(args, cli, work, env, scripts, make, src, what, reference, contents, read=None, expected=None,
+                      reference_args=()):
     """The run a training stack's convert benchmark shares (bench_megatron.py, bench_nanotron.py):
     `make` (a command that writes the stack's checkpoint SRC, timed), the source line, then
     `optstate convert SRC --to fp32` and the reference script (scripts["convert_reference.py"]) side
     by side, the floor reading `read` (what of SRC the conversion reads; SRC by default), both
     outputs compared bit for bit (`contents` says what they hold), the table and the JSON. With
     `expected` (a safetensors file the writer made), optstate's output is compared with that
-    instead (a reference that cannot give per-param tensors is only timed)."""
+    instead (a reference that cannot give per-param tensors is only timed); `reference_args` follow
+    the reference script's SRC and DST."""
     import subprocess
     import time
 
@@ -227,7 +229,7 @@ def writer_fp32_bench(args, cli, work, env, scripts, make, src, what, reference,
     dst = {"optstate": work / "optstate.safetensors", reference: work / "reference.safetensors"}
     cases = {
         "optstate": lambda out: [cli, "convert", src, out, "--to", "fp32"],
-        reference: lambda out: [sys.executable, scripts["convert_reference.py"], src, out],
+        reference: lambda out: [sys.executable, scripts["convert_reference.py"], src, out, *reference_args],
     }
     times, peak = time_cases(cases, dst, src, args.reps, env)
     dst_bytes = os.path.getsize(dst["optstate"])

@@ -40,7 +40,8 @@ warnings.filterwarnings("ignore")
 
 # torch alone: every optimizer.state.* tensor item of the DCP, loaded by torch's DCP reader in one
 # process, saved as <key>.<entry> (Megatron's main params, `param` or 0.13's `fp32_param`, named as
-# optstate names the weights: param).
+# optstate names the weights: param). On dp_reshardable (a third argument, "buckets"): the flat
+# optimizer.distributed.* bucket items, saved as they are (no param layout to place them by).
 READ_WITH_TORCH = textwrap.dedent("""
     import sys, warnings
     warnings.filterwarnings("ignore")
@@ -49,14 +50,19 @@ READ_WITH_TORCH = textwrap.dedent("""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from safetensors.torch import save_file
     src, out = sys.argv[1:3]
+    buckets = sys.argv[3:] == ["buckets"]
+    prefix = "optimizer.distributed." if buckets else "optimizer.state."
     md = dcp.FileSystemReader(src).read_metadata()
     state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
-             if k.startswith("optimizer.state.") and isinstance(v, TensorStorageMetadata)}
+             if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
     dcp.load(state, checkpoint_id=src, no_dist=True)
+    if buckets:
+        save_file(state, out)
+        sys.exit(0)
     nd = getattr(md, "mcore_data", None) or {}
     named = {}
     for k, t in state.items():
-        entry, key = k[len("optimizer.state."):].split(".", 1)
+        entry, key = k[len(prefix):].split(".", 1)
         shape = nd.get(k, {}).get("nd_reformulated_orig_global_shape")
         if shape is not None:  # [*chunks, chunk numel]: each chunk box back in its place
             cuts, n = t.shape[:-1], len(shape)
@@ -68,22 +74,6 @@ READ_WITH_TORCH = textwrap.dedent("""
     save_file(named, out)
 """)
 
-# torch alone on dp_reshardable: the flat bucket items as they are (no param layout to place them by).
-READ_BUCKETS_WITH_TORCH = textwrap.dedent("""
-    import sys, warnings
-    warnings.filterwarnings("ignore")
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from safetensors.torch import save_file
-    src, out = sys.argv[1:3]
-    md = dcp.FileSystemReader(src).read_metadata()
-    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
-             if k.startswith("optimizer.distributed.") and isinstance(v, TensorStorageMetadata)}
-    dcp.load(state, checkpoint_id=src, no_dist=True)
-    save_file(state, out)
-""")
-
 
 def main():
     args = writer_args(4, "megatron", "where megatron-core is installed (pip --target)",
@@ -92,8 +82,7 @@ def main():
                                                   help="the distributed optimizer's form (Megatron-Core >= 0.14)"))
     sys.path.insert(0, args.megatron)
     buckets = args.sharding == "dp_reshardable"
-    cli, work, env, scripts = prepare("megatron", args.dir, "", READ_BUCKETS_WITH_TORCH if buckets else READ_WITH_TORCH,
-                                      needs="megatron.core")
+    cli, work, env, scripts = prepare("megatron", args.dir, "", READ_WITH_TORCH, needs="megatron.core")
     env["PYTHONPATH"] = args.megatron
     run = "dp2_distopt_dp_reshardable" if buckets else "dp2_distopt"
     make_env = dict(env, MEGATRON_SIZE=f"{args.layers},{args.hidden},{args.vocab}", MEGATRON_RUNS=run,
@@ -103,7 +92,8 @@ def main():
                       f"Megatron torch_dist checkpoint ({args.sharding})",
                       "torch DCP (flat buckets, unplaced)" if buckets else "torch DCP",
                       "fp32 main params, exp_avg, exp_avg_sq",
-                      expected=work / "made" / f"{run}.ref.safetensors" if buckets else None)
+                      expected=work / "made" / f"{run}.ref.safetensors" if buckets else None,
+                      reference_args=["buckets"] if buckets else [])
 
 if __name__ == "__main__":
     main()

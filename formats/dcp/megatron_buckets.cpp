@@ -111,6 +111,15 @@ class Placer {
       if (b.numel > 0) by_numel_[b.numel].push_back(i);
     }
     samples_.resize(boxes_.size());
+    // Work caps: a bucket's chunk bounds admit one or a few sizes at each start, and boxes compete
+    // (compared everywhere) only where their values are equal; a file that makes far more is refused.
+    uint64_t starts = 0, elements = 0;
+    for (const Bucket& b : buckets_) {
+      starts += b.starts.size();
+      elements += static_cast<uint64_t>(std::max<int64_t>(b.numel, 0));
+    }
+    sample_budget_ = 64 * starts + (uint64_t{1} << 20);
+    compare_budget_ = 8 * elements + (uint64_t{1} << 24);
     for (size_t b = 0; b < buckets_.size(); ++b) OPTSTATE_RETURN_IF_ERROR(find_runs(b));
     OPTSTATE_RETURN_IF_ERROR(settle_shared_boxes());
     for (size_t b = 0; b < buckets_.size(); ++b) OPTSTATE_RETURN_IF_ERROR(check_padding(b));
@@ -136,6 +145,11 @@ class Placer {
   // Whether bucket b's main params at [begin, begin + numel) round to box i's weights everywhere.
   Result<bool> equal_everywhere(size_t b, int64_t begin, size_t i) {
     const Box& box = boxes_[i];
+    if (static_cast<uint64_t>(box.numel) > compare_budget_)
+      return corrupt(fmt::format("{}: placing the buckets' params compares more elements than the buckets hold "
+                                 "several times over (chunks and weights made to match everywhere)",
+                                 where_));
+    compare_budget_ -= static_cast<uint64_t>(box.numel);
     std::vector<int64_t> at;
     for (int64_t from = 0; from < box.numel; from += kComparePiece) {
       const int64_t n = std::min(kComparePiece, box.numel - from);
@@ -170,6 +184,8 @@ class Placer {
         for (const size_t i : ids) {
           auto m = mine.find(boxes_[i].dtype);
           if (m == mine.end()) {
+            if (sample_budget_-- == 0)
+              return corrupt(fmt::format("{}: {}'s chunk bounds admit too many runs to compare", where_, bucket_name(b)));
             OPTSTATE_ASSIGN_OR_RETURN(auto v, values_.bucket(b, s, at, boxes_[i].dtype));
             m = mine.emplace(boxes_[i].dtype, std::move(v)).first;
           }
@@ -308,6 +324,7 @@ class Placer {
   std::map<int64_t, std::vector<size_t>> by_numel_;
   std::vector<std::optional<std::vector<uint32_t>>> samples_;
   std::vector<Run> runs_;
+  uint64_t sample_budget_ = 0, compare_budget_ = 0;
 };
 
 }  // namespace

@@ -21,8 +21,8 @@ The two outputs must hold the same fp32 tensors, bit for bit (main params, exp_a
 places each param by value (formats/dcp/megatron_buckets.h). torch alone can only load the flat
 buckets (`dcp.load` of every `optimizer.distributed.*` tensor, saved as they are, unplaced): its
 side is timed as what reading those bytes costs, and optstate's output is compared bit for bit with
-the writer's own reference instead (make_megatron.py gathers it from the live optimizer's
-fully_reshardable form).
+the writer's own reference instead (make_megatron.py gathers it from the live optimizer: each
+rank's main params and moments over its range of each param).
 
     .venv/bin/python bench/bench_megatron.py --megatron /tmp/megatron [--layers 4] [--hidden 1024]
         [--vocab 32768] [--reps 2] [--dir /tmp] [--json bench/results/megatron.json]

@@ -366,7 +366,8 @@ def test_megatrons_default_dp_reshardable_checkpoint_reads_as_megatron_held_it(t
     (a param split between the ranks' halves of a bucket), tensor parallel 2 x data parallel 2
     (column- and row-parallel parts in each rank's buckets, layer norms replicated in both), and
     the mixture of experts (a chain of two distributed optimizers, prefixed): bit for bit what
-    Megatron's optimizer held (its fully_reshardable form of the same state), in Megatron-Core's
+    Megatron's optimizer held (each rank's main params and moments over its range of each param,
+    read from the live optimizer), in Megatron-Core's
     standard groups, said as placed by value."""
     ck = MEGATRON / run
     ref, meta = ref_of(ck)

@@ -26,10 +26,12 @@ OptimizerParamScheduler, as the trainer steps it). Written into OUT:
   (`--dist-ckpt-optim-fully-reshardable`): `optimizer.state.param.<key>` the fp32 main params;
 - `dp2_distopt_dp_reshardable/`: the distributed optimizer saved `dp_reshardable` (the trainer's
   default for it): flat per-bucket buffers whose param layout the checkpoint does not hold (3
-  layers of hidden 16, lr 1e-2: see RUNS_016), its reference from the optimizer's
-  `fully_reshardable` form, not saved;
+  layers of hidden 16, lr 1e-2: see RUNS_016), its reference read from the live optimizer (each
+  rank's main params and moments over its range of each param: `live_rows`; Megatron's own
+  `fully_reshardable` gather of the same state misplaced params across several buckets here);
 - `tp2_dp2_distopt_dp_reshardable/`: the same under tensor parallel 2 x data parallel 2 (4
-  ranks): each tensor-parallel rank's buckets, layer norms replicated in both;
+  ranks) with DDP buckets of ~1500 elements: each tensor-parallel rank's several buckets, layer
+  norms replicated in both;
 - `moe_ep2_dp_reshardable/`: the mixture of experts saved `dp_reshardable`: a chain of two
   distributed optimizers, each its own data-parallel groups' buckets, prefixed `chained_<i>.`;
 - `moe_ep2/`: a mixture of experts (2 experts a layer) under expert parallelism 2, the
@@ -83,8 +85,9 @@ RUNS_016 = {
     # that the data-parallel ranks' halves of a bucket split a param.
     "dp2_distopt_dp_reshardable": dict(tp=1, dist_opt=True, bf16=True, sharding="dp_reshardable", lr=1e-2,
                                        size="3,16,16"),
+    # ... and under tensor parallel 2 with DDP buckets of ~1500 elements: several a rank
     "tp2_dp2_distopt_dp_reshardable": dict(tp=2, dist_opt=True, bf16=True, sharding="dp_reshardable", lr=1e-2,
-                                           size="3,16,16", world=4),
+                                           size="3,16,16", world=4, bucket_size=1500),
     "moe_ep2_dp_reshardable": dict(tp=1, ep=2, dist_opt=True, bf16=True, sharding="dp_reshardable", lr=1e-2),
     "moe_ep2": dict(tp=1, ep=2, dist_opt=True, bf16=True, sharding="fully_reshardable"),
     "moe_ep2_plain": dict(tp=1, ep=2, dist_opt=False, bf16=True, sharding=None),
@@ -130,13 +133,12 @@ def cpu_shim():
         numpy.product = numpy.prod
 
 
-def gathered(sharded, rank):
-    """Each sharded key's whole tensor (fp32, on rank 0; None on the others), from every rank's
-    ShardedTensors (the first replica of each shard)."""
-    import torch.distributed as dist
+def sharded_rows(sharded):
+    """This rank's part of each sharded key, from its ShardedTensors (the first replica of each
+    shard): (key, global shape, global offset, box, flat start or None, fp32 values) for gathered()."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    mine = []
+    rows = []
     for st in sharded:
         if not isinstance(st, ShardedTensor):
             continue
@@ -148,8 +150,43 @@ def gathered(sharded, rank):
         box = (1,) * st.prepend_axis_num + tuple(st.local_shape)
         flat = st.flattened_range
         local = st.data.detach().float().clone()  # its own storage: a view would pickle its whole buffer
-        mine.append((st.key, tuple(st.global_shape), tuple(st.global_offset), box,
+        rows.append((st.key, tuple(st.global_shape), tuple(st.global_offset), box,
                      None if flat is None else flat.start, local if flat is not None else local.reshape(box)))
+    return rows
+
+
+def live_rows(module, opt):
+    """The distributed optimizer's state as it holds it: for each param this rank steps, its range
+    of the param (this rank's share of the buffer) with the main params and moments over it, keyed
+    `optimizer.state.<entry>.<key>` as the per-param forms save them; a param replicated over
+    tensor-parallel ranks from the first of them (its ShardedTensor's replica id, the data-parallel
+    part left out)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    rows = []
+    for st in module.sharded_state_dict().values():
+        if not isinstance(st, ShardedTensor) or st.data is None:
+            continue
+        replica = st.replica_id if isinstance(st.replica_id, tuple) else (st.replica_id,)
+        if any(replica[:-1]):
+            continue
+        for inner in getattr(opt, "chained_optimizers", [opt]):
+            if st.data not in inner.model_param_gbuf_map:
+                continue
+            part = inner._get_model_param_range_map(st.data)["param"]
+            box = (1,) * st.prepend_axis_num + tuple(st.local_shape)
+            for entry, t in inner._get_main_param_and_optimizer_states(st.data).items():
+                if entry != "step":
+                    rows.append((f"optimizer.state.{entry}.{st.key}", tuple(st.global_shape), tuple(st.global_offset),
+                                 box, part.start, t.detach().float().clone()))
+    return rows
+
+
+def gathered(mine, rank):
+    """Each key's whole tensor (fp32, on rank 0; None on the others), from every rank's rows
+    (sharded_rows, live_rows)."""
+    import torch.distributed as dist
+
     pieces = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(mine, pieces, dst=0)  # on rank 0 only: a large model's state once
     if rank != 0:
@@ -212,7 +249,8 @@ def rank_main(rank, world, port, out):
             from megatron.core.transformer.module import Float16Module
             model = Float16Module(cfg, model)
         ddp = DistributedDataParallel(config=cfg, module=model, ddp_config=DistributedDataParallelConfig(
-            use_distributed_optimizer=run["dist_opt"], grad_reduce_in_fp32=True))
+            use_distributed_optimizer=run["dist_opt"], grad_reduce_in_fp32=True, bucket_size=run.get("bucket_size"),
+            overlap_grad_reduce="bucket_size" in run))  # Megatron makes buckets only to overlap their reduction
         lr = run.get("lr", 1e-3)
         opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr / 10, weight_decay=0.1,
                                                      adam_beta2=0.95, bf16=run["bf16"],
@@ -254,14 +292,10 @@ def rank_main(rank, world, port, out):
             replica_id=parallel_state.get_data_parallel_rank())
         apply_factories(state)
         refd = os.environ.get("MEGATRON_REF", "1") != "0"
-        ref_state = state
-        if run["sharding"] == "dp_reshardable" and refd:
-            # the reference from the same optimizer's per-param form (not saved)
-            ref_meta = dict(metadata, distrib_optim_sharding_type="fully_reshardable")
-            ref_state = {"model": ddp.module.sharded_state_dict(metadata=ref_meta)}
-            ref_state["optimizer"] = opt.sharded_state_dict(ref_state, metadata=ref_meta)
-            apply_factories(ref_state)
-        whole = gathered(list(nested_values(ref_state)), rank) if refd else None
+        rows = sharded_rows(nested_values(state)) if refd else None
+        if refd and run["sharding"] == "dp_reshardable":  # the buckets' params, from the optimizer itself
+            rows = sharded_rows(nested_values(state["model"])) + live_rows(ddp.module, opt)
+        whole = gathered(rows, rank) if refd else None
         settings = {}
         for part in all_ranks(key_settings(ddp.module, opt)):
             for key, v in part.items():

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <set>
 
@@ -907,6 +908,7 @@ class DcpReader final : public CheckpointReader {
       places.push_back(place);
     }
     bool any_unprefixed = false;  // a chain's item without its chained_<i>. prefix
+    std::vector<std::pair<std::string, std::string>> beside_main;  // (param, its model weight item) with main params
     for (const auto& [key, im] : md_.items)
       if (auto si = megatron::state_item(key)) with_state.insert(si->key);
     for (const auto& [key, im] : md_.items) {
@@ -963,11 +965,13 @@ class DcpReader final : public CheckpointReader {
         }
       if (const auto w = md_.items.find(key); w != md_.items.end() && w->second.is_tensor) {
         if (tensor_shape(w->second) != ps.shape) return corrupt(pw + ": model weight's shape differs from its state's");
-        if (weight_key.empty())
+        if (weight_key.empty()) {
           weight_key = key;
-        else
+        } else {
           ++not_read_[fmt::format("the model's {} weights, the optimizer's fp32 main params read instead",
                                   dtype_name(w->second.dtype))];
+          if (!dp_items.count(weight_key)) beside_main.emplace_back(key, key);  // dp_reshardable's: placed so
+        }
       }
       if (!weight_key.empty()) {
         const ItemMeta& w = md_.items.at(weight_key);
@@ -991,6 +995,7 @@ class DcpReader final : public CheckpointReader {
       meta_.params.emplace(key, std::move(ps));
     }
     if (meta_.params.empty()) return corrupt(where + ": a Megatron checkpoint without optimizer.state items");
+    for (const auto& [key, wkey] : beside_main) OPTSTATE_RETURN_IF_ERROR(check_main_params(key, wkey));
     meta_.kind = "adamw";
     if (!c.other_keys.empty())
       notes_.push_back(fmt::format("common.pt: {} (Megatron's trainer state)", fmt::join(c.other_keys, ", ")));
@@ -1244,6 +1249,50 @@ class DcpReader final : public CheckpointReader {
     value_notes_.push_back(
         "Megatron's distributed optimizer saved dp_reshardable (flat per-bucket buffers, whose param layout the "
         "checkpoint does not hold): each param placed where its fp32 main params round to the model's weights");
+    return Status::Ok();
+  }
+
+  // The fp32 main params of `key` against the model's weights saved beside (item `wkey`): Megatron
+  // copies the main params into the weights after each step (rounded to their dtype), so they
+  // must agree, here at megatron::sample_places. They do not where the state is misplaced, as
+  // Megatron-Core up to 0.16 saved fully_reshardable with several DDP buckets (its gather stripped
+  // the padding between buckets but sliced params at their padded offsets), or where the weights
+  // were not synced before the save: refused rather than read as the param's state.
+  Status check_main_params(const std::string& key, const std::string& wkey) {
+    const Source& main = sources_.at({key, std::string(kParam)});
+    const ItemMeta& wm = md_.items.at(wkey);
+    if (main.eight || main.item->dtype != DType::kF32 ||
+        (wm.dtype != DType::kBF16 && wm.dtype != DType::kF16 && wm.dtype != DType::kF32))
+      return Status::Ok();
+    const std::string pw = fmt::format("{}: param '{}'", dir_.string(), key);
+    Source weights;
+    weights.key = wkey;
+    weights.item = &wm;
+    for (size_t k = 0; k < wm.chunks.size(); ++k) OPTSTATE_RETURN_IF_ERROR(item_segments(wm, k, weights.values, pw));
+    OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(tensor_shape(wm)));
+    OPTSTATE_RETURN_IF_ERROR(check_coverage(weights.values, numel, pw));
+    const int64_t elem = dtype_size(wm.dtype);
+    for (const int64_t at : megatron::sample_places(numel)) {
+      float m = 0;
+      uint32_t w = 0;
+      OPTSTATE_RETURN_IF_ERROR(read_plain(main, at, at + 1, std::as_writable_bytes(std::span(&m, 1))));
+      OPTSTATE_RETURN_IF_ERROR(
+          read_plain(weights, at, at + 1, std::as_writable_bytes(std::span(&w, 1)).first(static_cast<size_t>(elem))));
+      uint32_t mine;
+      std::memcpy(&mine, &m, 4);
+      if (wm.dtype == DType::kBF16) mine = f32_to_bf16(m);
+      if (wm.dtype == DType::kF16) mine = f32_to_f16(m);
+      if (mine != w)
+        return corrupt(fmt::format(
+            "{}: its fp32 main params do not round to the model's {} weights saved beside (element {}: {} where the "
+            "weight is {}): the optimizer's state is misplaced, as Megatron-Core up to 0.16 saved "
+            "fully_reshardable with several DDP buckets (fixed in later Megatron-Core), or the weights were not "
+            "synced from the main params before the save",
+            pw, dtype_name(wm.dtype), at, m,
+            wm.dtype == DType::kBF16 ? bf16_to_f32(static_cast<uint16_t>(w))
+            : wm.dtype == DType::kF16 ? f16_to_f32(static_cast<uint16_t>(w))
+                                      : std::bit_cast<float>(w)));
+    }
     return Status::Ok();
   }
 

@@ -1255,7 +1255,7 @@ class DcpReader final : public CheckpointReader {
   // The fp32 main params of `key` against the model's weights saved beside (item `wkey`): Megatron
   // copies the main params into the weights after each step (rounded to their dtype), so they
   // must agree, here at megatron::sample_places. They do not where the state is misplaced, as
-  // Megatron-Core up to 0.16 saved fully_reshardable with several DDP buckets (its gather stripped
+  // Megatron-Core 0.15 and 0.16 saved fully_reshardable with several DDP buckets (its gather stripped
   // the padding between buckets but sliced params at their padded offsets), or where the weights
   // were not synced before the save: refused rather than read as the param's state.
   Status check_main_params(const std::string& key, const std::string& wkey) {
@@ -1285,9 +1285,9 @@ class DcpReader final : public CheckpointReader {
       if (mine != w)
         return corrupt(fmt::format(
             "{}: its fp32 main params do not round to the model's {} weights saved beside (element {}: {} where the "
-            "weight is {}): the optimizer's state is misplaced, as Megatron-Core up to 0.16 saved "
-            "fully_reshardable with several DDP buckets (fixed in later Megatron-Core), or the weights were not "
-            "synced from the main params before the save",
+            "weight is {}): the optimizer's state is misplaced, as Megatron-Core 0.15 and 0.16 saved "
+            "fully_reshardable with several DDP buckets (fixed after 0.16.1), or the weights were not synced from "
+            "the main params before the save",
             pw, dtype_name(wm.dtype), at, m,
             wm.dtype == DType::kBF16 ? bf16_to_f32(static_cast<uint16_t>(w))
             : wm.dtype == DType::kF16 ? f16_to_f32(static_cast<uint16_t>(w))

@@ -404,15 +404,15 @@ def test_a_dp_reshardable_checkpoint_whose_weights_do_not_match_its_buckets_is_r
 
 
 def test_megatrons_fully_reshardable_save_with_several_buckets_misplaced_its_state_and_is_refused(optstate_cli):
-    """Megatron-Core up to 0.16 saved the distributed optimizer fully_reshardable with its params'
-    state misplaced wherever its DDP buffer had several buckets (its gather strips the padding
+    """Megatron-Core 0.15 and 0.16 (every release with the form, up to 0.16.1) saved the distributed
+    optimizer fully_reshardable with its params' state misplaced wherever its DDP buffer had several buckets (its gather strips the padding
     between buckets, then slices each param at its padded offset): `optimizer.state.*.<key>` hold
     another param's values, and Megatron's own load takes them as they are. The fp32 main params
     then do not round to the model's weights saved beside: refused (exit 2) naming the param and
     the cause, not converted into state that looks valid."""
     err = run_err(optstate_cli, "inspect", MEGATRON / "dp2_distopt_buckets_misplaced")
     assert "its fp32 main params do not round to the model's bf16 weights saved beside" in err, err
-    assert "Megatron-Core up to 0.16 saved fully_reshardable with several DDP buckets" in err, err
+    assert "Megatron-Core 0.15 and 0.16 saved fully_reshardable with several DDP buckets" in err, err
 
 
 def test_a_dp_reshardable_checkpoint_without_the_models_weights_is_refused_naming_the_flag(tmp_path, optstate_cli):

@@ -41,8 +41,8 @@ OptimizerParamScheduler, as the trainer steps it). Written into OUT:
 - `moe_ep2_plain/`: the same with Megatron's mixed-precision optimizer, whose chain's items are
   prefixed `chained_0.` and `chained_1.`;
 - `dp2_distopt_buckets_misplaced/` (up to 0.16): `dp2_distopt` with DDP buckets of ~300
-  elements, which Megatron-Core up to 0.16 saves `fully_reshardable` with its params' state
-  misplaced (fixed in later Megatron-Core); no reference;
+  elements, which Megatron-Core 0.15 and 0.16 save `fully_reshardable` with its params' state
+  misplaced (fixed after 0.16.1); no reference;
 - `dp2_distopt_pre_mcore_014/` (0.14 and 0.15 only): `dp2_distopt` saved as Megatron-LM's
   `--dist-ckpt-save-pre-mcore-014` saves it, `fully_sharded_model_space` (below); under 0.15
   (`tests/data/writers/megatron-core-0.15.3_torch-2.13.0`, MEGATRON_RUNS=dp2_distopt,
@@ -92,7 +92,7 @@ RUNS_016 = {
     "tp2_dp2_distopt_dp_reshardable": dict(tp=2, dist_opt=True, bf16=True, sharding="dp_reshardable", lr=1e-2,
                                            size="3,16,16", world=4, bucket_size=1500),
     "moe_ep2_dp_reshardable": dict(tp=1, ep=2, dist_opt=True, bf16=True, sharding="dp_reshardable", lr=1e-2),
-    # fully_reshardable with several DDP buckets: Megatron-Core up to 0.16 saves it misplaced (its
+    # fully_reshardable with several DDP buckets: Megatron-Core 0.15 and 0.16 save it misplaced (its
     # gather strips the padding between buckets, then slices params at their padded offsets); no
     # reference: optstate refuses it, the main params not rounding to the weights beside
     "dp2_distopt_buckets_misplaced": dict(tp=1, dist_opt=True, bf16=True, sharding="fully_reshardable",

@@ -103,8 +103,9 @@ Result<Optimizer> interpret_optimizer(const Pickle& p, Ref opt, const std::strin
     // groups in each data-parallel group's own item (megatron_buckets.h), read by the caller.
     if (*sharding == "dp_reshardable") return out;
     if (*sharding != "fully_reshardable" && *sharding != "fully_sharded_model_space")
-      return unsupported(fmt::format("{}: Megatron's distributed optimizer saved '{}' (a gathered buffer of the "
-                                     "whole data-parallel group), which optstate does not read; it reads it saved "
+      return unsupported(fmt::format("{}: Megatron's distributed optimizer saved '{}' (dp_zero_gather_scatter: "
+                                     "one buffer gathered per data-parallel group; fsdp_dtensor: Megatron-FSDP's), "
+                                     "which optstate does not read; it reads it saved "
                                      "'dp_reshardable' (the default since Megatron-Core 0.14), 'fully_reshardable' "
                                      "(Megatron-LM's --dist-ckpt-optim-fully-reshardable) or "
                                      "'fully_sharded_model_space' (Megatron-Core up to 0.13)",

@@ -1,6 +1,7 @@
 // Megatron-Core's torch_dist checkpoints (formats/dcp/megatron.cpp): metadata.json's backend,
 // common.pt's optimizer (param groups without members, the step; the distributed optimizer's
-// forms), item keys and Megatron-Core's standard groups over stacked layer axes.
+// forms, dp_reshardable's per-group optimizer item), item keys and Megatron-Core's standard groups
+// over stacked layer axes.
 #include <doctest/doctest.h>
 
 #include <array>
@@ -147,7 +148,7 @@ TEST_CASE("megatron: the mixed-precision optimizer's state dict one level down")
   CHECK(c->optimizers[0].step_ref != pickle::kNoRef);
 }
 
-TEST_CASE("megatron: the distributed optimizer fully_reshardable reads; its per-bucket forms are refused") {
+TEST_CASE("megatron: the distributed optimizer's per-param and per-bucket forms read; dp_zero_gather_scatter refused") {
   auto dist = [](const char* sharding, double step1) {
     return common([=](pickle::Writer& w) {
       w.empty_dict();

@@ -33,6 +33,13 @@ HALF = {"bf16": torch.bfloat16, "bf16-offload": torch.bfloat16, "fp16": torch.fl
 # optimizer; it keeps each step as a Python int), given the client's groups.
 def initialize(model, opt, cfg, half):
     cfg["bf16"] = {"enabled": half.startswith("bf16")}
+    if half.startswith("fp16"):
+        # DeepSpeed's CPU accelerator takes fp16 only where oneDNN has fp16 kernels (AVX512-FP16,
+        # AMX); torch's fp16 math runs on any CPU, slower, and DeepSpeed's fp16 engine and checkpoint
+        # are the same: allowed here on a CPU without them.
+        from deepspeed.accelerator import get_accelerator
+        if not get_accelerator().is_fp16_supported():
+            type(get_accelerator()).is_fp16_supported = lambda self: True
     if half == "bf16-offload":
         zero = cfg["zero_optimization"]
         zero["offload_optimizer"] = {"device": "cpu"}

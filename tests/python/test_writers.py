@@ -408,11 +408,46 @@ def test_megatrons_fully_reshardable_save_with_several_buckets_misplaced_its_sta
     optimizer fully_reshardable with its params' state misplaced wherever its DDP buffer had several buckets (its gather strips the padding
     between buckets, then slices each param at its padded offset): `optimizer.state.*.<key>` hold
     another param's values, and Megatron's own load takes them as they are. The fp32 main params
-    then do not round to the model's weights saved beside: refused (exit 2) naming the param and
-    the cause, not converted into state that looks valid."""
+    are then far from the model's weights saved beside (which Megatron copies from them, rounded or
+    fp8-quantized): refused (exit 2) naming the param and the cause, not converted into state that
+    looks valid."""
     err = run_err(optstate_cli, "inspect", MEGATRON / "dp2_distopt_buckets_misplaced")
-    assert "its fp32 main params do not round to the model's bf16 weights saved beside" in err, err
+    assert "its fp32 main params are not the model's bf16 weights saved beside" in err, err
     assert "Megatron-Core 0.15 and 0.16 saved fully_reshardable with several DDP buckets" in err, err
+
+
+def rewrite_weight(ck, key, change):
+    """The model weight `key` of the Megatron checkpoint `ck` changed in its storage, `change` given
+    and returning its values (same dtype and shape)."""
+    import io
+    from torch.distributed.checkpoint import FileSystemReader
+    md = FileSystemReader(str(ck)).read_metadata()
+    for index, info in md.storage_data.items():
+        if index.fqn != key:
+            continue
+        path = ck / info.relative_path
+        raw = bytearray(path.read_bytes())
+        region = bytes(raw[info.offset:info.offset + info.length])
+        weight = torch.load(io.BytesIO(region), weights_only=True)
+        old = weight.contiguous().view(torch.uint8).numpy().tobytes()
+        new = change(weight).contiguous().view(torch.uint8).numpy().tobytes()
+        at = info.offset + region.index(old)
+        raw[at:at + len(new)] = new
+        path.write_bytes(bytes(raw))
+
+
+def test_megatron_main_params_are_checked_against_the_weights_beside_within_fp8_rounding(tmp_path, optstate_cli):
+    """The weights Megatron saves beside fp32 main params are those main params rounded to bf16,
+    or with --fp8-param-gather quantized to fp8 (e4m3: within 1/16): weights off by 1/32 still read;
+    weights unrelated to the main params (another param's) are refused, naming the param."""
+    ck = tmp_path / "ck"
+    shutil.copytree(MEGATRON / "dp2_distopt", ck)
+    key = "decoder.layers.mlp.linear_fc1.weight"
+    rewrite_weight(ck, key, lambda w: (w.float() * (1 + 1 / 32)).to(w.dtype))
+    assert optstate_cli("inspect", ck, "--no-stats").returncode == 0
+    rewrite_weight(ck, key, lambda w: torch.randn(w.shape, generator=torch.Generator().manual_seed(0)).to(w.dtype))
+    err = run_err(optstate_cli, "inspect", ck)
+    assert f"param '{key}': its fp32 main params are not the model's bf16 weights saved beside" in err, err
 
 
 def test_a_dp_reshardable_checkpoint_without_the_models_weights_is_refused_naming_the_flag(tmp_path, optstate_cli):

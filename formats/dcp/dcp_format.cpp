@@ -1103,14 +1103,8 @@ class DcpReader final : public CheckpointReader {
       b.domain = domains.size() - 1;
       b.buffer = gbuf;
       b.numel = pm.size[0];
-      Source src;
-      src.key = param->second;
-      src.item = &pm;
-      for (size_t k = 0; k < pm.chunks.size(); ++k) {
-        OPTSTATE_RETURN_IF_ERROR(item_segments(pm, k, src.values, bw));
-        b.starts.push_back(pm.chunks[k].offsets[0]);
-      }
-      OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, b.numel, bw));
+      OPTSTATE_ASSIGN_OR_RETURN(Source src, plain_source(param->second, bw));
+      for (const ChunkMeta& ch : pm.chunks) b.starts.push_back(ch.offsets[0]);
       std::sort(b.starts.begin(), b.starts.end());
       buckets.push_back(std::move(b));
       bucket_entries.push_back(&entries);
@@ -1120,19 +1114,19 @@ class DcpReader final : public CheckpointReader {
     // The model's weights: candidate params, a box per chunk.
     std::vector<std::string> names;
     std::vector<megatron::Box> boxes;
-    std::vector<Source> weight_src;
+    std::vector<Source> weight_src;  // per weight (names), its chunks read by box
     for (const auto& [key, im] : md_.items) {
       if (!im.is_tensor || dp_items.count(key) || megatron::state_item(key) || !im.nd_shape.empty()) continue;
       if (im.dtype != DType::kF32 && im.dtype != DType::kBF16 && im.dtype != DType::kF16) continue;
-      Source src;
-      src.key = key;
-      src.item = &im;
       for (size_t k = 0; k < im.chunks.size(); ++k) {
         const auto n = checked_numel(im.chunks[k].sizes);
         if (!n.ok()) return corrupt(fmt::format("{}: item '{}': a chunk of no size", where, key));
         boxes.push_back(megatron::Box{names.size(), im.chunks[k].offsets, *n, im.dtype});
-        weight_src.push_back(src);
       }
+      Source src;
+      src.key = key;
+      src.item = &im;
+      weight_src.push_back(std::move(src));
       names.push_back(key);
     }
     std::vector<size_t> box_chunk;
@@ -1169,11 +1163,11 @@ class DcpReader final : public CheckpointReader {
         while (j < at.size() && at[j] == at[j - 1] + 1) ++j;
         run.resize((j - i) * static_cast<size_t>(elem));
         const Segment seg{0, static_cast<int64_t>(j - i), box_chunk[bi], at[i]};
-        OPTSTATE_ASSIGN_OR_RETURN(auto loc, segment_source(weight_src[bi], seg, Component::kValues));
+        const Source& ws = weight_src[boxes[bi].key];
+        OPTSTATE_ASSIGN_OR_RETURN(auto loc, segment_source(ws, seg, Component::kValues));
         const auto [file, from, esize, record] = loc;
-        if (esize != elem) return corrupt(fmt::format("{}: item '{}' holds elements of another size", where,
-                                                      weight_src[bi].key));
-        OPTSTATE_RETURN_IF_ERROR(file->read_at(from, run).with_context(fmt::format("item '{}'", weight_src[bi].key)));
+        if (esize != elem) return corrupt(fmt::format("{}: item '{}' holds elements of another size", where, ws.key));
+        OPTSTATE_RETURN_IF_ERROR(file->read_at(from, run).with_context(fmt::format("item '{}'", ws.key)));
         for (size_t k = i; k < j; ++k) {
           uint32_t bits = 0;
           std::memcpy(&bits, run.data() + (k - i) * static_cast<size_t>(elem), static_cast<size_t>(elem));
@@ -1269,12 +1263,8 @@ class DcpReader final : public CheckpointReader {
         (wm.dtype != DType::kBF16 && wm.dtype != DType::kF16 && wm.dtype != DType::kF32))
       return Status::Ok();
     const std::string pw = fmt::format("{}: param '{}'", dir_.string(), key);
-    Source weights;
-    weights.key = wkey;
-    weights.item = &wm;
-    for (size_t k = 0; k < wm.chunks.size(); ++k) OPTSTATE_RETURN_IF_ERROR(item_segments(wm, k, weights.values, pw));
+    OPTSTATE_ASSIGN_OR_RETURN(const Source weights, plain_source(wkey, pw));
     OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(tensor_shape(wm)));
-    OPTSTATE_RETURN_IF_ERROR(check_coverage(weights.values, numel, pw));
     const int64_t elem = dtype_size(wm.dtype);
     const auto places = megatron::sample_places(numel);
     size_t far = 0;
@@ -1303,6 +1293,18 @@ class DcpReader final : public CheckpointReader {
           pw, dtype_name(wm.dtype), far, places.size(), at, m, w));
     }
     return Status::Ok();
+  }
+
+  // Item `key` as a source of its flat elements: every chunk's runs, covering it once.
+  Result<Source> plain_source(const std::string& key, const std::string& where) {
+    const ItemMeta& im = md_.items.at(key);
+    Source src;
+    src.key = key;
+    src.item = &im;
+    for (size_t k = 0; k < im.chunks.size(); ++k) OPTSTATE_RETURN_IF_ERROR(item_segments(im, k, src.values, where));
+    OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(tensor_shape(im)));
+    OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, numel, where));
+    return src;
   }
 
   // Elements [begin, end) of a plain (dense, C-contiguous) source, read as they lie: no CRC

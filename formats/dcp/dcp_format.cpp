@@ -67,8 +67,8 @@ struct Source {
   // rather than one OptimState8bit item: the absmax item; its segments index its own chunks.
   std::string absmax_key;
   const ItemMeta* absmax_item = nullptr;
-  std::vector<Segment> values;  // dense values or 8-bit codes
-  std::vector<Segment> absmax;
+  RunList values;  // dense values or 8-bit codes
+  RunList absmax;
 };
 
 bool is_accelerate_folder(const fs::path& path);
@@ -110,25 +110,30 @@ class DcpReader final : public CheckpointReader {
     if (it == sources_.end())
       return not_found(fmt::format("{}: no entry '{}'", dir_.string(), entry_key(fqn, entry)));
     const Source& src = it->second;
-    const auto& segs = c == Component::kAbsmax ? src.absmax : src.values;
-    const int64_t count = segs.empty() ? 0 : segs.back().begin + segs.back().count;
+    const RunList& segs = c == Component::kAbsmax ? src.absmax : src.values;
+    const int64_t count = segs.count();
     const int64_t size = component_elem_size(meta_.params.at(fqn).entries.at(entry), c);
     if (static_cast<int64_t>(out.size()) != (end - begin) * size || begin < 0 || end > count)
       return invalid_argument(fmt::format("{}: range [{}, {}) of entry '{}' does not fit", dir_.string(), begin, end,
                                           entry_key(fqn, entry)));
-    // Segments are sorted and tile the entry (check_coverage): start at the first that reaches
-    // `begin` (a row-parallel item holds one per row of each chunk: millions in a large model).
-    const auto first = std::partition_point(segs.begin(), segs.end(),
-                                            [&](const Segment& s) { return s.begin + s.count <= begin; });
-    for (auto si = first; si != segs.end() && si->begin < end; ++si) {
-      const Segment& s = *si;
+    return read_into(src, c, size, begin, end, out);
+  }
+
+  // Elements [begin, end) of one component of a source (`size` bytes an element) into `out`. The
+  // rows of a column shard that fall in the range lie one after another in its chunk: they are
+  // read with one pread a batch and put in place, not one a row (a row can be a few hundred
+  // bytes). Other runs one by one: 8-bit chunks read as values, tensors stored permuted.
+  Status read_into(const Source& src, Component c, int64_t size, int64_t begin, int64_t end,
+                   std::span<std::byte> out) {
+    const RunList& segs = c == Component::kAbsmax ? src.absmax : src.values;
+    auto one_run = [&](const Segment& s) -> Status {
       const int64_t a = std::max(begin, s.begin), b = std::min(end, s.begin + s.count);
-      if (a >= b) continue;
+      if (a >= b) return Status::Ok();
       const auto part = out.subspan(static_cast<size_t>((a - begin) * size), static_cast<size_t>((b - a) * size));
       OPTSTATE_ASSIGN_OR_RETURN(const bool dq, dequantized_segment(src, s, c, a - s.begin, b - s.begin, filling(part)));
-      if (dq) continue;
+      if (dq) return Status::Ok();
       OPTSTATE_ASSIGN_OR_RETURN(const bool pm, permuted_segment(src, s, c, a - s.begin, b - s.begin, filling(part)));
-      if (pm) continue;
+      if (pm) return Status::Ok();
       OPTSTATE_ASSIGN_OR_RETURN(auto loc, segment_source(src, s, c));
       const auto [file, at, elem, record] = loc;
       if (elem != size)
@@ -139,15 +144,62 @@ class DcpReader final : public CheckpointReader {
       OPTSTATE_RETURN_IF_ERROR(file->read_at(from, dst).with_context(fmt::format("item '{}'", src.key)));
       if (crc_due(*record, from, dst.size()))
         OPTSTATE_RETURN_IF_ERROR(crc_result(src, s, c, *record, zip::crc32(dst, record->running), dst.size()));
+      return Status::Ok();
+    };
+    return segs.for_each_group(begin, end, [&](const Runs& g, int64_t r0, int64_t r1) -> Status {
+      bool rows = r1 - r0 > 1;
+      if (rows) {
+        OPTSTATE_ASSIGN_OR_RETURN(rows, plain_chunk(src, c, g));
+      }
+      if (!rows) {
+        for (int64_t r = r0; r < r1; ++r) OPTSTATE_RETURN_IF_ERROR(one_run(g.run(r)));
+        return Status::Ok();
+      }
+      const int64_t per = std::max<int64_t>(1, static_cast<int64_t>(kStreamPieceBytes) / (g.count * size));
+      for (int64_t b0 = r0; b0 < r1; b0 += per) {
+        const int64_t b1 = std::min(r1, b0 + per);
+        const Segment first = g.run(b0), last = g.run(b1 - 1);
+        // Chunk elements [lo, hi): from the first row's part in the range to the last row's.
+        const int64_t lo = first.local + (std::max(begin, first.begin) - first.begin);
+        const int64_t hi = last.local + (std::min(end, last.begin + last.count) - last.begin);
+        const Segment span{first.begin, hi - lo, g.chunk, lo};
+        OPTSTATE_ASSIGN_OR_RETURN(auto loc, segment_source(src, span, c));
+        const auto [file, at, elem, record] = loc;
+        if (elem != size)
+          return corrupt(fmt::format("{}: item '{}' holds {}-byte elements where {} are needed", dir_.string(),
+                                     item_key(src, c), elem, size));
+        const auto bytes = static_cast<size_t>((hi - lo) * elem);
+        const std::span<std::byte> buf = rows_.for_read(at, bytes);
+        OPTSTATE_RETURN_IF_ERROR(file->read_at(at, buf).with_context(fmt::format("item '{}'", item_key(src, c))));
+        if (crc_due(*record, at, bytes))
+          OPTSTATE_RETURN_IF_ERROR(crc_result(src, span, c, *record, zip::crc32(buf, record->running), bytes));
+        for (int64_t r = b0; r < b1; ++r) {
+          const Segment s = g.run(r);
+          const int64_t a = std::max(begin, s.begin), b = std::min(end, s.begin + s.count);
+          std::memcpy(out.data() + (a - begin) * size, buf.data() + (s.local + (a - s.begin) - lo) * elem,
+                      static_cast<size_t>((b - a) * elem));
+        }
+      }
+      return Status::Ok();
+    });
+  }
+
+  // Whether a group's chunk is a plain tensor stored in C order, whose rows read as bytes.
+  Result<bool> plain_chunk(const Source& src, Component c, const Runs& g) {
+    const Segment s0 = g.run(0);
+    if (!src.eight && src.absmax_item == nullptr && c == Component::kValues) {
+      OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(src.key, item_chunk(src, s0, c).offsets));
+      if (pi->payload.kind != Payload::Kind::kTensor) return false;  // 8-bit, read as values
     }
-    return Status::Ok();
+    OPTSTATE_ASSIGN_OR_RETURN(auto found, segment_tensor(src, s0, c));
+    return !std::get<1>(found)->permuted();
   }
 
   Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) override {
     auto it = sources_.find({fqn, entry});
     if (it == sources_.end())
       return not_found(fmt::format("{}: no entry '{}'", dir_.string(), entry_key(fqn, entry)));
-    return stream_source(it->second, c, sink);
+    return stream_source(it->second, c, component_elem_size(meta_.params.at(fqn).entries.at(entry), c), sink);
   }
 
   std::span<const ModelTensorInfo> model_tensors() const override { return model_tensors_; }
@@ -156,18 +208,30 @@ class DcpReader final : public CheckpointReader {
       return not_found(fmt::format("{}: no model tensor {}", dir_.string(), index));
     // A writer holds its source as const; reading fills only the reader's caches (open files,
     // parsed items, CRC-32 marks), as stream() does, never the state it read.
-    return const_cast<DcpReader*>(this)->stream_source(model_sources_[index], Component::kValues, sink);
+    return const_cast<DcpReader*>(this)->stream_source(model_sources_[index], Component::kValues,
+                                                       dtype_size(model_tensors_[index].dtype), sink);
   }
 
-  // One component of a source (an entry's, or a model tensor's) in flattened order, each whole
-  // record checked against its CRC-32.
-  Status stream_source(const Source& src, Component c, const ByteSink& sink) {
-    const auto& segs = c == Component::kAbsmax ? src.absmax : src.values;
-    for (const Segment& s : segs) {
+  // One component of a source (an entry's, or a model tensor's; `size` bytes an element) in
+  // flattened order, each whole record checked against its CRC-32. Where chunks interleave
+  // (column shards), a window of the tensor at a time, each chunk's rows in it read at once.
+  Status stream_source(const Source& src, Component c, int64_t size, const ByteSink& sink) {
+    const RunList& segs = c == Component::kAbsmax ? src.absmax : src.values;
+    if (segs.interleaved()) {
+      const int64_t per = std::max<int64_t>(1, static_cast<int64_t>(kStreamPieceBytes) / size);
+      for (int64_t w = 0; w < segs.count(); w += per) {
+        const int64_t n = std::min(per, segs.count() - w);
+        window_.resize(static_cast<size_t>(n * size));
+        OPTSTATE_RETURN_IF_ERROR(read_into(src, c, size, w, w + n, window_));
+        OPTSTATE_RETURN_IF_ERROR(sink(window_));
+      }
+      return Status::Ok();
+    }
+    return segs.for_each(0, segs.count(), [&](const Segment& s) -> Status {
       OPTSTATE_ASSIGN_OR_RETURN(const bool dq, dequantized_segment(src, s, c, 0, s.count, sink));
-      if (dq) continue;
+      if (dq) return Status::Ok();
       OPTSTATE_ASSIGN_OR_RETURN(const bool pm, permuted_segment(src, s, c, 0, s.count, sink));
-      if (pm) continue;
+      if (pm) return Status::Ok();
       OPTSTATE_ASSIGN_OR_RETURN(auto loc, segment_source(src, s, c));
       auto [file, at, elem, record] = loc;
       const std::string iw = fmt::format("{}: item '{}'", dir_.string(), item_key(src, c));
@@ -185,8 +249,8 @@ class DcpReader final : public CheckpointReader {
         left -= n;
       }
       if (check) OPTSTATE_RETURN_IF_ERROR(crc_result(src, s, c, *record, crc, total));
-    }
-    return Status::Ok();
+      return Status::Ok();
+    });
   }
 
   // Whether the bytes [at, at + bytes) about to be read continue their storage's record in order
@@ -761,7 +825,7 @@ class DcpReader final : public CheckpointReader {
       src.item = &im;
       for (size_t k = 0; k < im.chunks.size(); ++k)
         OPTSTATE_RETURN_IF_ERROR(item_segments(im, k, src.values, iw));
-      OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, *numel, iw));
+      OPTSTATE_RETURN_IF_ERROR(src.values.seal(*numel, iw));
       model_tensors_.push_back({name, im.dtype, tensor_shape(im)});
       model_sources_.push_back(std::move(src));
       exposed.insert(key);
@@ -1303,7 +1367,7 @@ class DcpReader final : public CheckpointReader {
     src.item = &im;
     for (size_t k = 0; k < im.chunks.size(); ++k) OPTSTATE_RETURN_IF_ERROR(item_segments(im, k, src.values, where));
     OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(tensor_shape(im)));
-    OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, numel, where));
+    OPTSTATE_RETURN_IF_ERROR(src.values.seal(numel, where));
     return src;
   }
 
@@ -1311,11 +1375,8 @@ class DcpReader final : public CheckpointReader {
   // bookkeeping (the reads that place Megatron's buckets are out of order).
   Status read_plain(const Source& src, int64_t begin, int64_t end, std::span<std::byte> out) {
     const int64_t size = dtype_size(src.item->dtype);
-    const auto first = std::partition_point(src.values.begin(), src.values.end(),
-                                            [&](const Segment& s) { return s.begin + s.count <= begin; });
     int64_t done = begin;
-    for (auto si = first; si != src.values.end() && si->begin < end; ++si) {
-      const Segment& s = *si;
+    OPTSTATE_RETURN_IF_ERROR(src.values.for_each(begin, end, [&](const Segment& s) -> Status {
       const int64_t a = std::max(begin, s.begin), b = std::min(end, s.begin + s.count);
       OPTSTATE_ASSIGN_OR_RETURN(auto loc, segment_source(src, s, Component::kValues));
       const auto [file, at, elem, record] = loc;
@@ -1324,7 +1385,8 @@ class DcpReader final : public CheckpointReader {
       OPTSTATE_RETURN_IF_ERROR(file->read_at(at + static_cast<uint64_t>((a - s.begin) * elem), dst)
                                    .with_context(fmt::format("item '{}'", src.key)));
       done = b;
-    }
+      return Status::Ok();
+    }));
     if (done != end) return corrupt(fmt::format("{}: item '{}' does not cover [{}, {})", dir_.string(), src.key, begin, end));
     return Status::Ok();
   }
@@ -1797,17 +1859,18 @@ class DcpReader final : public CheckpointReader {
       }
       for (size_t k = 0; k < im.chunks.size() && blockwise; ++k) {
         OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pk, item(key, im.chunks[k].offsets));
-        std::vector<Segment> segs;
-        OPTSTATE_RETURN_IF_ERROR(item_segments(im, k, segs, ew));
+        RunList runs;
+        OPTSTATE_RETURN_IF_ERROR(item_segments(im, k, runs, ew));
         blockwise = pk->payload.kind == Payload::Kind::kOptimState8bit && !pk->payload.fp8 && pk->payload.bits == 8 &&
-                    segs.size() <= 1;
-        for (const Segment& s : segs) {
-          if (!blockwise) break;
+                    runs.groups().size() <= 1 && (runs.empty() || runs.groups()[0].rows == 1);
+        if (blockwise && !runs.empty()) {  // one run: the chunk is consecutive in the tensor
+          const Segment s = runs.groups()[0].run(0);
           const int64_t kb = *checked_numel(pk->payload.scale.shape);
           blockwise = kb > 0 && *checked_numel(pk->payload.codes.shape) == kb * e.block_size &&
                       s.begin % e.block_size == 0 && (s.count % e.block_size == 0 || s.begin + s.count == numel);
-          src.values.push_back(s);
-          src.absmax.push_back({s.begin / e.block_size, (s.count + e.block_size - 1) / e.block_size, k, 0});
+          OPTSTATE_RETURN_IF_ERROR(src.values.add(s, ew));
+          OPTSTATE_RETURN_IF_ERROR(
+              src.absmax.add(Segment{s.begin / e.block_size, (s.count + e.block_size - 1) / e.block_size, k, 0}, ew));
         }
       }
       layout_.torchao_8bit = layout_.torchao_8bit || !dequant_only;
@@ -1816,8 +1879,8 @@ class DcpReader final : public CheckpointReader {
         e.encoding = Encoding::kBlockwise8;
         e.dtype = DType::kU8;
         src.eight = any8 = true;
-        OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, numel, ew));
-        OPTSTATE_RETURN_IF_ERROR(check_coverage(src.absmax, (numel + e.block_size - 1) / e.block_size, ew + " blocks"));
+        OPTSTATE_RETURN_IF_ERROR(src.values.seal(numel, ew));
+        OPTSTATE_RETURN_IF_ERROR(src.absmax.seal((numel + e.block_size - 1) / e.block_size, ew + " blocks"));
       } else {
         any8 = any8 || !dequant_only;
         e = Entry{};
@@ -1828,7 +1891,7 @@ class DcpReader final : public CheckpointReader {
                                      dtype_name(im.dtype)));
         for (size_t k = 0; k < im.chunks.size(); ++k)
           OPTSTATE_RETURN_IF_ERROR(item_segments(im, k, src.values, ew));
-        OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, numel, ew));
+        OPTSTATE_RETURN_IF_ERROR(src.values.seal(numel, ew));
         e.dtype = DType::kF32;
       }
     } else if (first->payload.kind == Payload::Kind::kTensor) {
@@ -1839,7 +1902,7 @@ class DcpReader final : public CheckpointReader {
       e.dtype = im.dtype;
       for (size_t k = 0; k < im.chunks.size(); ++k)
         OPTSTATE_RETURN_IF_ERROR(item_segments(im, k, src.values, ew));
-      OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, numel, ew));
+      OPTSTATE_RETURN_IF_ERROR(src.values.seal(numel, ew));
       // torchao's state (its groups keep lr as a tensor) may be 8-bit on later ranks only: such a
       // moment reads dequantized (dequantized_segment), and the state is 8-bit AdamW's, as the
       // same state read from per-rank torch.save files is. Other checkpoints are not scanned here.
@@ -1889,8 +1952,8 @@ class DcpReader final : public CheckpointReader {
       OPTSTATE_RETURN_IF_ERROR(item_segments(ci, k, src.values, ew));
     for (size_t k = 0; k < ai.chunks.size(); ++k)
       OPTSTATE_RETURN_IF_ERROR(item_segments(ai, k, src.absmax, aw));
-    OPTSTATE_RETURN_IF_ERROR(check_coverage(src.values, numel, ew));
-    OPTSTATE_RETURN_IF_ERROR(check_coverage(src.absmax, blocks, aw));
+    OPTSTATE_RETURN_IF_ERROR(src.values.seal(numel, ew));
+    OPTSTATE_RETURN_IF_ERROR(src.absmax.seal(blocks, aw));
     Entry e;
     e.encoding = Encoding::kBlockwise8;
     e.dtype = DType::kU8;
@@ -1971,6 +2034,8 @@ class DcpReader final : public CheckpointReader {
   int64_t verified_ = 0, unverified_ = 0;  // records checked against their CRC-32; reads not checked
   int64_t pending_ = 0;  // records read in part, in order, not yet to their end (their CRC-32 unchecked)
   ReadBuffer piece_;                             // reused between streams
+  ReadBuffer rows_;                              // a column shard's rows read at once (read_into)
+  std::vector<std::byte> window_;                // a window of an interleaved tensor (stream_source)
   struct {
     const ParsedItem* pi = nullptr;
     std::string key;

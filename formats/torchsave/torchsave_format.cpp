@@ -1712,7 +1712,7 @@ class TorchSaveReader final : public CheckpointReader {
     if (positions != static_cast<int64_t>(parts.size()))
       return corrupt(fmt::format("{}: the ranks' files hold {} of the {} positions of a mesh of {}", where, parts.size(),
                                  positions, format_shape(mesh)));
-    std::vector<dcp::Segment> segs;
+    dcp::RunList segs;
     std::vector<std::pair<Stored, Stored>> stored(parts.size());
     for (size_t k = 0; k < parts.size(); ++k) {
       const Part& part = parts[k];
@@ -1727,8 +1727,10 @@ class TorchSaveReader final : public CheckpointReader {
       OPTSTATE_ASSIGN_OR_RETURN(stored[k], resolve_part(part, *checked_numel(box.sizes), rw));
       OPTSTATE_RETURN_IF_ERROR(dcp::chunk_segments(shape, {box.offsets, box.sizes}, k, segs, rw));
     }
-    OPTSTATE_RETURN_IF_ERROR(dcp::check_coverage(segs, numel, where));
-    for (const dcp::Segment& sg : segs) OPTSTATE_RETURN_IF_ERROR(piece(sg.chunk, sg.begin, sg.count, sg.local, stored[sg.chunk]));
+    OPTSTATE_RETURN_IF_ERROR(segs.seal(numel, where));
+    OPTSTATE_RETURN_IF_ERROR(segs.for_each(0, numel, [&](const dcp::Segment& sg) {
+      return piece(sg.chunk, sg.begin, sg.count, sg.local, stored[sg.chunk]);
+    }));
     return out;
   }
 

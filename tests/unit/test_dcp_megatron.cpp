@@ -327,13 +327,15 @@ dcp::ItemMeta nd_item(std::vector<int64_t> nd, std::vector<int64_t> cuts,
 }
 
 std::vector<std::array<int64_t, 3>> segments_of(const dcp::ItemMeta& im, size_t chunk) {
-  std::vector<dcp::Segment> segs;
-  REQUIRE(dcp::item_segments(im, chunk, segs, "item").ok());
+  dcp::RunList runs;
+  REQUIRE(dcp::item_segments(im, chunk, runs, "item").ok());
   std::vector<std::array<int64_t, 3>> out;
-  for (const auto& s : segs) {
-    CHECK(s.chunk == chunk);
-    out.push_back({s.begin, s.count, s.local});
-  }
+  for (const dcp::Runs& g : runs.groups())
+    for (int64_t r = 0; r < g.rows; ++r) {
+      const dcp::Segment s = g.run(r);
+      CHECK(s.chunk == chunk);
+      out.push_back({s.begin, s.count, s.local});
+    }
   return out;
 }
 

@@ -1137,6 +1137,8 @@ MAKE_TP_DCP = textwrap.dedent("""
     # torchtitan's 2-D layout on 4 ranks, FSDP2 (fully_shard) over dp=2 on top of TP over tp=2:
     # the colwise weight's rows are then _StridedShard(0, sf=2) over dp and Shard(0) over tp (each
     # rank's rows are not where a plain Shard(0) would put them), the rowwise one Shard(0) x Shard(1).
+    # "tp-big": "tp" with a rowwise weight of [20000, 300] (24 MB a tensor), whose column shards'
+    # rows take more than one window of a stream and more than one batch of a whole-tensor read.
     import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -1146,7 +1148,8 @@ MAKE_TP_DCP = textwrap.dedent("""
     mesh = init_device_mesh("cpu", (2, 2) if layout == "fsdp-tp" else (2,),
                             mesh_dim_names=("dp", "tp") if layout == "fsdp-tp" else ("tp",))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.GELU(), torch.nn.Linear(40, 6))
+    hidden, out_features = (300, 20000) if layout == "tp-big" else (40, 6)
+    model = torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, out_features))
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     if layout == "fsdp-tp":
         from torch.distributed.fsdp import fully_shard
@@ -1177,17 +1180,29 @@ MAKE_TP_DCP = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("layout", ["tp", "fsdp-tp"])
+@pytest.mark.parametrize("layout", ["tp", "fsdp-tp", "tp-big"])
 def test_dcp_of_tensor_parallel_ranks_reads_column_shards_exactly(tmp_path, optstate_cli, layout):
     """Column shards (RowwiseParallel's Shard(1)) are n-d chunks whose flat elements are one run per
-    row: read without torch, they give torch's own full tensors bit for bit. So do torchtitan's 2-D
-    (FSDP2 x TP) ones, _StridedShard rows included: DCP records each rank's chunks where they lie."""
+    row (a strided group of runs a chunk): read without torch, they give torch's own full tensors
+    bit for bit. So do torchtitan's 2-D (FSDP2 x TP) ones, _StridedShard rows included: DCP records
+    each rank's chunks where they lie. "tp-big": streams in windows that end mid-row, and a
+    whole-tensor read (optstate.load) of rows in more than one batch."""
     ck = tmp_path / "tp"
-    run_script(tmp_path, MAKE_TP_DCP, "make_tp.py", ck, layout, ranks=2 if layout == "tp" else 4)
+    run_script(tmp_path, MAKE_TP_DCP, "make_tp.py", ck, layout, ranks=4 if layout == "fsdp-tp" else 2)
     optstate_cli("validate", ck)
     assert_converts_to_ref(optstate_cli, ck, tmp_path / "tp.safetensors")
     optstate_cli("convert", ck, tmp_path / "native", "--world-size", "2")
     assert hashes(optstate_cli, ck) == hashes(optstate_cli, tmp_path / "native")
+    if layout == "tp-big":
+        import optstate
+        ref = torch.load(str(ck) + ".ref.pt")
+        model = torch.nn.Sequential(torch.nn.Linear(16, 300), torch.nn.GELU(), torch.nn.Linear(300, 20000))
+        opt = optstate.FusedAdamW(model.parameters())
+        optstate.load(ck, model, opt)
+        for name, p in model.named_parameters():
+            assert torch.equal(p.detach(), ref[name + ".param"]), name
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(opt.state[p][k], ref[name + "." + k]), (name, k)
 
 
 def test_dcp_of_optstate_adamw8bit_is_read_as_its_8bit_state(tmp_path, optstate_cli):

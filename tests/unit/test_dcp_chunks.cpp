@@ -135,6 +135,19 @@ TEST_CASE("chunks: random grids of boxes read element for element as the brute-f
       const int64_t b = a + 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(numel - a));
       const auto part = walk(runs, a, b);
       CHECK(std::equal(part.begin(), part.end(), expect.begin() + a, expect.begin() + b));
+      // for_each_group: each group's rows [r0, r1) are exactly its runs that overlap [a, b)
+      int64_t seen = 0;
+      REQUIRE(runs.for_each_group(a, b, [&](const dcp::Runs& g, int64_t r0, int64_t r1) {
+                    REQUIRE(r0 < r1);
+                    for (int64_t r = 0; r < g.rows; ++r) {
+                      const dcp::Segment s = g.run(r);
+                      const bool overlaps = s.begin < b && s.begin + s.count > a;
+                      CHECK(overlaps == (r >= r0 && r < r1));
+                      if (overlaps) seen += std::min(b, s.begin + s.count) - std::max(a, s.begin);
+                    }
+                    return Status::Ok();
+                  }).ok());
+      CHECK(seen == b - a);
     }
   }
 }

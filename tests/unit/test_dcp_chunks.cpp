@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "dcp/chunks.h"
 
 using namespace optstate;
@@ -188,4 +190,42 @@ TEST_CASE("chunks: single runs join the runs they continue; hostile chunking mee
   const Status st = dcp::chunk_segments({rows, 2}, {{0, 1}, {rows, 1}}, 0, many, "t");
   REQUIRE_FALSE(st.ok());
   CHECK(st.message().find("too many pieces") != std::string::npos);
+}
+
+TEST_CASE("chunks: random boxes that overlap or leave holes are refused exactly where a brute-force count says") {
+  std::mt19937_64 rng(46);
+  int refused = 0;
+  for (int trial = 0; trial < 2000; ++trial) {
+    const size_t n = 1 + rng() % 3;
+    std::vector<int64_t> g(n);
+    for (auto& d : g) d = 1 + static_cast<int64_t>(rng() % 6);
+    const int64_t numel = std::accumulate(g.begin(), g.end(), int64_t{1}, std::multiplies<>());
+    std::vector<dcp::ChunkMeta> chunks(1 + rng() % 4);
+    for (auto& c : chunks)
+      for (size_t d = 0; d < n; ++d) {
+        c.offsets.push_back(static_cast<int64_t>(rng() % static_cast<uint64_t>(g[d])));
+        c.sizes.push_back(1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(g[d] - c.offsets[d])));
+      }
+    // How many chunks hold each element, and the first element held by none or by two.
+    std::vector<int> held(static_cast<size_t>(numel));
+    for (const auto& c : chunks) {
+      dcp::RunList one;
+      REQUIRE(dcp::chunk_segments(g, c, 0, one, "t").ok());
+      for (const auto& grp : one.groups())
+        for (int64_t r = 0; r < grp.rows; ++r)
+          for (int64_t e = 0; e < grp.count; ++e) ++held[static_cast<size_t>(grp.run(r).begin + e)];
+    }
+    const auto bad = std::find_if(held.begin(), held.end(), [](int h) { return h != 1; });
+    Status st;
+    sealed(g, chunks, &st);
+    CHECK_MESSAGE(st.ok() == (bad == held.end()), st.message());
+    if (bad != held.end() && !st.ok()) {
+      ++refused;
+      const auto at = bad - held.begin();
+      const std::string why = *bad == 0 ? "are in no chunk" : "are in two chunks";
+      CHECK_MESSAGE(st.message().find(fmt::format("elements [{}, ", at)) != std::string::npos, st.message());
+      CHECK_MESSAGE(st.message().find(why) != std::string::npos, st.message());
+    }
+  }
+  CHECK(refused > 1000);
 }

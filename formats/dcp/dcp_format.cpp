@@ -1655,6 +1655,9 @@ class DcpReader final : public CheckpointReader {
     OPTSTATE_RETURN_IF_ERROR(zip::check_record_crc(pb, *pkl, iw));  // what it holds (lr, ...) has no other check
     OPTSTATE_ASSIGN_OR_RETURN(pi.pickle, pickle::unpickle(pb, iw + " data.pkl"));
     OPTSTATE_ASSIGN_OR_RETURN(pi.payload, interpret_payload(pi.pickle, iw));
+    // A tensor's pickle is done with once interpreted: kept only for bytes items' values (a DCP of
+    // a large run caches a parsed item per chunk, hundreds of thousands).
+    if (pi.payload.kind != Payload::Kind::kValue) pi.pickle = pickle::Pickle{};
     std::vector<const TensorRef*> refs;
     if (pi.payload.kind == Payload::Kind::kTensor) refs = {&pi.payload.tensor};
     if (pi.payload.kind == Payload::Kind::kOptimState8bit) refs = {&pi.payload.codes, &pi.payload.scale};

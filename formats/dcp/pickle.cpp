@@ -11,8 +11,11 @@ namespace {
 
 class Machine {
  public:
-  Machine(std::span<const std::byte> b, const std::string& where, const Limits& l, std::vector<Value>& values)
-      : b_(b), where_(where), limits_(l), values_(values) {}
+  Machine(std::span<const std::byte> b, const std::string& where, const Limits& l, ValueArena& values,
+          std::deque<std::string>& texts)
+      : b_(b), where_(where), limits_(l), values_(values), texts_(texts) {
+    limits_.max_values = static_cast<uint32_t>(std::min<uint64_t>(limits_.max_values, b.size()));
+  }
 
   Result<Ref> run() {
     while (true) {
@@ -265,13 +268,17 @@ class Machine {
     OPTSTATE_ASSIGN_OR_RETURN(uint64_t n, uint(len_bytes));
     OPTSTATE_ASSIGN_OR_RETURN(auto raw, take(n));  // checked against what remains before allocating
     OPTSTATE_ASSIGN_OR_RETURN(Ref r, make(k));
-    values_[r].s.assign(reinterpret_cast<const char*>(raw.data()), raw.size());
+    values_[r].s = keep(std::string(reinterpret_cast<const char*>(raw.data()), raw.size()));
     return push(r);
+  }
+  Text keep(std::string s) {
+    texts_.push_back(std::move(s));
+    return Text(texts_.back());
   }
   Status push_global(std::string module, std::string name) {
     OPTSTATE_ASSIGN_OR_RETURN(Ref r, make(Kind::kGlobal));
-    values_[r].s = std::move(module);
-    values_[r].name = std::move(name);
+    values_[r].s = keep(std::move(module));
+    values_[r].name = keep(std::move(name));
     return push(r);
   }
   uint16_t depth_of(const std::vector<Ref>& items) const {
@@ -328,7 +335,7 @@ class Machine {
       const Value& key = values_[items[k]];
       const bool text = key.kind == Kind::kStr;
       if (!text && key.kind != Kind::kInt && key.kind != Kind::kBool) continue;  // other keys: not looked up
-      const uint64_t h = text ? std::hash<std::string>{}(key.s) : std::hash<int64_t>{}(key.i) ^ 0x9e3779b97f4a7c15ull;
+      const uint64_t h = text ? std::hash<std::string_view>{}(key.s) : std::hash<int64_t>{}(key.i) ^ 0x9e3779b97f4a7c15ull;
       const auto [lo, hi] = seen.equal_range(h);
       for (auto it = lo; it != hi; ++it) {
         const Value& other = values_[it->second];
@@ -373,7 +380,8 @@ class Machine {
   std::span<const std::byte> b_;
   const std::string& where_;
   Limits limits_;
-  std::vector<Value>& values_;
+  ValueArena& values_;
+  std::deque<std::string>& texts_;
   std::vector<Ref> stack_;
   std::unordered_map<Ref, std::unordered_multimap<uint64_t, Ref>> dict_keys_;  // check_new_keys
   std::vector<size_t> marks_;
@@ -384,18 +392,20 @@ class Machine {
 
 }  // namespace
 
+const Value Pickle::kNothing{};
+
 bool Pickle::is_global(Ref r, std::string_view module, std::string_view name) const {
-  if (r == kNoRef || r >= values_.size()) return false;
-  const Value& v = values_[r];
+  if (r == kNoRef || r >= size()) return false;
+  const Value& v = at(r);
   return v.kind == Kind::kGlobal && v.s == module && v.name == name;
 }
 
 Ref Pickle::dict_get(Ref r, std::string_view key) const {
-  if (r == kNoRef || r >= values_.size()) return kNoRef;
-  const Value& d = values_[r];
+  if (r == kNoRef || r >= size()) return kNoRef;
+  const Value& d = at(r);
   if (d.kind != Kind::kDict && d.kind != Kind::kObject) return kNoRef;
   for (size_t k = 0; k + 1 < d.items.size(); k += 2) {
-    const Value& kv = values_[d.items[k]];
+    const Value& kv = at(d.items[k]);
     if (kv.kind == Kind::kStr && kv.s == key) return d.items[k + 1];
   }
   return kNoRef;
@@ -403,7 +413,8 @@ Ref Pickle::dict_get(Ref r, std::string_view key) const {
 
 Result<Pickle> unpickle(std::span<const std::byte> bytes, const std::string& where, const Limits& limits) {
   Pickle p;
-  Machine m(bytes, where, limits, p.values_);
+  p.store_ = std::make_unique<Pickle::Store>();
+  Machine m(bytes, where, limits, p.store_->values, p.store_->texts);
   OPTSTATE_ASSIGN_OR_RETURN(p.root_, m.run());
   return p;
 }

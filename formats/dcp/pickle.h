@@ -8,6 +8,9 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
+#include <memory>
+#include <string_view>
 #include <functional>
 #include <span>
 #include <string>
@@ -22,31 +25,52 @@ enum class Kind : uint8_t { kNone, kBool, kInt, kFloat, kStr, kBytes, kTuple, kL
 using Ref = uint32_t;
 inline constexpr Ref kNoRef = 0xffffffffu;
 
+// A string a Pickle holds (its own copy, valid as long as the Pickle): read and compared as a
+// std::string_view, converted to a std::string where one is needed. 16 bytes, no allocation of its
+// own: a DCP .metadata of a large run holds tens of millions of values.
+struct Text : std::string_view {
+  constexpr Text() = default;
+  constexpr Text(std::string_view v) : std::string_view(v) {}
+  operator std::string() const { return std::string(data(), size()); }
+};
+
 struct Value {
   Kind kind = Kind::kNone;
   bool newobj = false;       // kObject: made by NEWOBJ (cls.__new__) rather than REDUCE (callable(*args))
   uint16_t depth = 1;        // nesting depth of the value (capped)
-  int64_t i = 0;             // kBool, kInt
-  double f = 0;              // kFloat
-  std::string s;             // kStr, kBytes; kGlobal: module
-  std::string name;          // kGlobal: qualified name
-  std::vector<Ref> items;    // kTuple/kList/kSet: elements; kDict and dict-like objects: k0, v0, k1, v1, ...
   Ref callable = kNoRef;     // kObject: the Global (or other value) called
   Ref args = kNoRef;         // kObject: the argument tuple
   Ref state = kNoRef;        // kObject: BUILD's argument
   Ref pid = kNoRef;          // kPersId: the persistent id
+  int64_t i = 0;             // kBool, kInt
+  double f = 0;              // kFloat
+  Text s;                    // kStr, kBytes; kGlobal: module
+  Text name;                 // kGlobal: qualified name
+  std::vector<Ref> items;    // kTuple/kList/kSet: elements; kDict and dict-like objects: k0, v0, k1, v1, ...
 };
 
+// The values of a pickle: a deque, whose blocks never move as it grows (no copy of all of them)
+// and stay small for the many small pickles (each DCP item's data.pkl).
+using ValueArena = std::deque<Value>;
+
 struct Limits {
-  uint32_t max_values = 1u << 24;
+  // Values beyond this are refused; no input makes more values than it has bytes (each is made by
+  // an opcode), so the input's size caps them too. 2^28: the .metadata of a run on thousands of
+  // GPUs (about 30 values a chunk, a chunk per rank per tensor) fits.
+  uint32_t max_values = 1u << 28;
   uint16_t max_depth = 256;
 };
 
 class Pickle {
  public:
-  const Value& at(Ref r) const { return values_[r]; }
+  Pickle() = default;
+  Pickle(Pickle&&) = default;
+  Pickle& operator=(Pickle&&) = default;
+
+  // A value, or (a ref past the values, or an empty Pickle) a value of kind kNone.
+  const Value& at(Ref r) const { return r < size() ? store_->values[r] : kNothing; }
   Ref root() const { return root_; }
-  size_t size() const { return values_.size(); }
+  size_t size() const { return store_ ? store_->values.size() : 0; }
 
   // Conveniences for the interpretation layers: checked access that names what was expected.
   bool is_global(Ref r, std::string_view module, std::string_view name) const;
@@ -55,7 +79,12 @@ class Pickle {
 
  private:
   friend Result<Pickle> unpickle(std::span<const std::byte> bytes, const std::string& where, const Limits& limits);
-  std::vector<Value> values_;
+  struct Store {
+    ValueArena values;
+    std::deque<std::string> texts;  // what the values' Text point into (a deque: never moved)
+  };
+  static const Value kNothing;
+  std::unique_ptr<Store> store_;  // none until unpickled: an empty Pickle holds no memory
   Ref root_ = kNoRef;
 };
 

@@ -123,3 +123,41 @@ TEST_CASE("pickle emit: a value that contains itself, a tensor, too many values 
   Writer w3;
   CHECK(emit(w3, *d, d->root(), "test", 1000).message().find("too many values") != std::string::npos);
 }
+
+TEST_CASE("pickle: strings stay with the Pickle as it moves; refs past its values read as None; the values cap") {
+  // ("a string longer than any small-string buffer", "short", torch.float32's GLOBAL)
+  Writer w;
+  w.mark();
+  w.str("optimizer.state.layers.0.attention.wq.weight.exp_avg");
+  w.str("short");
+  w.global("torch", "float32");
+  w.tuple_from_mark();
+  auto parsed = parse(w.finish());
+  REQUIRE(parsed.ok());
+  Pickle moved = std::move(*parsed);
+  Pickle again;
+  again = std::move(moved);
+  const Value& t = again.at(again.root());
+  REQUIRE(t.items.size() == 3);
+  CHECK(again.at(t.items[0]).s == "optimizer.state.layers.0.attention.wq.weight.exp_avg");
+  CHECK(again.at(t.items[1]).s == "short");
+  CHECK(again.is_global(t.items[2], "torch", "float32"));
+  const std::string copy = again.at(t.items[0]).s;  // a Text converts to a std::string of its own
+  CHECK(copy.size() == 52);
+  CHECK(again.at(kNoRef).kind == Kind::kNone);
+  CHECK(again.at(static_cast<Ref>(again.size())).kind == Kind::kNone);
+  CHECK(Pickle{}.at(0).kind == Kind::kNone);
+  CHECK(Pickle{}.size() == 0);
+  // more values than the limit: refused by count, not by memory
+  Writer many;
+  many.mark();
+  for (int k = 0; k < 100; ++k) many.integer(k);
+  many.tuple_from_mark();
+  const std::string bytes = many.finish();
+  Limits small;
+  small.max_values = 50;
+  const auto refused = unpickle(std::as_bytes(std::span(bytes)), "test", small);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().message().find("more than 50 values") != std::string::npos);
+  CHECK(unpickle(std::as_bytes(std::span(bytes)), "test").ok());
+}

@@ -29,6 +29,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from bench_ckpt import checkpoint_args, dir_bytes  # noqa: E402
 from bench_dcp_convert import prepare, report, run, time_cases, time_floor  # noqa: E402
+from bench_dcp_wide import CONVERT_WITH_TORCH, optstate_matches  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -58,34 +59,17 @@ MAKE = textwrap.dedent("""
     dist.destroy_process_group()
 """)
 
-CONVERT_WITH_TORCH = textwrap.dedent("""
-    import sys, warnings
-    warnings.filterwarnings("ignore")
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    dcp_to_torch_save(sys.argv[1], sys.argv[2])
-""")
-
-
 def run_count(layers, rows, tp):
     return layers * rows * tp
 
 
-def same_state(torch_out, optstate_out, layers):
+def same_state(torch_out, optstate_out):
     """torch's file holds the DCP's state dict as it was saved (weights by fqn, the flattened
-    optimizer's items, "state.<fqn>.<entry>"); optstate's holds {"model": ..., "optimizer": state_dict}, the params named
-    by param_names. Weights and moments must be equal, bit for bit."""
+    optimizer's items as "state.<fqn>.<entry>"); optstate's must hold the same weights and state."""
     a = torch.load(torch_out, weights_only=False)
-    b = torch.load(optstate_out, weights_only=False)
-    names = b["optimizer"]["param_groups"][0]["param_names"]
-    for i in range(layers):
-        fqn = f"{i}.weight"
-        k = names.index(fqn)
-        if not torch.equal(a[fqn], b["model"][fqn]):
-            return f"{fqn}: weights differ"
-        for e in ("exp_avg", "exp_avg_sq", "step"):
-            if not torch.equal(torch.as_tensor(a["optimizer"][f"state.{fqn}.{e}"]), b["optimizer"]["state"][k][e]):
-                return f"{fqn}: {e} differs"
-    return None
+    flat = {k: v for k, v in a.items() if k != "optimizer"}
+    flat.update({"optimizer." + k: torch.as_tensor(v) for k, v in a["optimizer"].items() if k.startswith("state.")})
+    return optstate_matches(optstate_out, flat, ("exp_avg", "exp_avg_sq", "step"))
 
 
 def main():
@@ -109,7 +93,7 @@ def main():
     cases = {"optstate": lambda d: [cli, "convert", src, d, "--format", "torchsave"],
              "torch": lambda d: [sys.executable, scripts["convert_reference.py"], src, d]}
     times, peak = time_cases(cases, dst, src, args.reps, env)
-    diff = same_state(dst["torch"], dst["optstate"], args.layers)
+    diff = same_state(dst["torch"], dst["optstate"])
     if diff:
         sys.exit(f"outputs differ: {diff}")
     print("outputs equal: weights, exp_avg, exp_avg_sq and step of every param, bit for bit")

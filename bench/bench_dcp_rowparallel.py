@@ -28,8 +28,8 @@ import torch
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from bench_ckpt import checkpoint_args, dir_bytes  # noqa: E402
-from bench_dcp_convert import prepare, report, run, time_cases, time_floor  # noqa: E402
-from bench_dcp_wide import CONVERT_WITH_TORCH, optstate_matches  # noqa: E402
+from bench_dcp_convert import prepare, run  # noqa: E402
+from bench_dcp_wide import CONVERT_WITH_TORCH, against_torch, optstate_matches  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -89,18 +89,9 @@ def main():
     print(f"SRC: {src_bytes / 1e9:.2f} GB, {args.layers} x [{args.rows}, {args.cols}] weights column-sharded over "
           f"{args.tp} ranks: {runs:,} runs of {args.cols // args.tp} floats per state tensor kind "
           f"({3 * runs:,} in weights, exp_avg and exp_avg_sq); {os.cpu_count()} cpus, torch {torch.__version__}")
-    dst = {"optstate": work / "optstate.pt", "torch": work / "torch.pt"}
-    cases = {"optstate": lambda d: [cli, "convert", src, d, "--format", "torchsave"],
-             "torch": lambda d: [sys.executable, scripts["convert_reference.py"], src, d]}
-    times, peak = time_cases(cases, dst, src, args.reps, env)
-    diff = same_state(dst["torch"], dst["optstate"])
-    if diff:
-        sys.exit(f"outputs differ: {diff}")
-    print("outputs equal: weights, exp_avg, exp_avg_sq and step of every param, bit for bit")
-    dst_bytes = os.path.getsize(dst["optstate"])
-    time_floor(times, src, work, src_bytes, dst_bytes, args.reps)
-    report(args, work, times, peak, src_bytes, dst_bytes, reference="torch")
-
+    against_torch(args, cli, work, env, scripts, src, src_bytes,
+                  lambda dst: same_state(dst["torch"], dst["optstate"]),
+                  "outputs equal: weights, exp_avg, exp_avg_sq and step of every param, bit for bit")
 
 if __name__ == "__main__":
     main()

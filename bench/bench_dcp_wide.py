@@ -130,6 +130,23 @@ def optstate_matches(path, values, entries=("exp_avg", "exp_avg_sq")):
     return None
 
 
+def against_torch(args, cli, work, env, scripts, src, src_bytes, check, equal):
+    """`optstate convert SRC x.pt` and torch's dcp_to_torch_save (scripts["convert_reference.py"]),
+    timed side by side; `check(dst)` compares the outputs (None, or what differs), `equal` says what
+    agreed; the floor, the table and the JSON."""
+    dst = {"optstate": work / "optstate.pt", "torch": work / "torch.pt"}
+    cases = {"optstate": lambda d: [cli, "convert", src, d, "--format", "torchsave"],
+             "torch": lambda d: [sys.executable, scripts["convert_reference.py"], src, d]}
+    times, peak = time_cases(cases, dst, src, args.reps, env)
+    diff = check(dst)
+    if diff:
+        sys.exit(f"outputs differ: {diff}")
+    print(equal)
+    dst_bytes = os.path.getsize(dst["optstate"])
+    time_floor(times, src, work, src_bytes, dst_bytes, args.reps)
+    report(args, work, times, peak, src_bytes, dst_bytes, reference="torch")
+
+
 def main():
     ap = checkpoint_args(layers=32, reps=1)
     ap.add_argument("--ranks", type=int, default=256)
@@ -146,17 +163,9 @@ def main():
     src_bytes = dir_bytes(src)
     print(f"SRC: {src_bytes / 1e9:.2f} GB, {len(names)} params on {args.ranks} ranks: {chunks:,} chunks, "
           f".metadata {os.path.getsize(src / '.metadata') / 1e6:.1f} MB; {os.cpu_count()} cpus, torch {torch.__version__}")
-    dst = {"optstate": work / "optstate.pt", "torch": work / "torch.pt"}
-    cases = {"optstate": lambda d: [cli, "convert", src, d, "--format", "torchsave"],
-             "torch": lambda d: [sys.executable, scripts["convert_reference.py"], src, d]}
-    times, peak = time_cases(cases, dst, src, args.reps, env)
-    diff = check_torch(dst["torch"], values) or optstate_matches(dst["optstate"], values)
-    if diff:
-        sys.exit(f"outputs differ: {diff}")
-    print("outputs equal to the values the checkpoint was made from: weights, exp_avg, exp_avg_sq, bit for bit")
-    dst_bytes = os.path.getsize(dst["optstate"])
-    time_floor(times, src, work, src_bytes, dst_bytes, args.reps)
-    report(args, work, times, peak, src_bytes, dst_bytes, reference="torch")
+    against_torch(args, cli, work, env, scripts, src, src_bytes,
+                  lambda dst: check_torch(dst["torch"], values) or optstate_matches(dst["optstate"], values),
+                  "outputs equal to the values the checkpoint was made from: weights, exp_avg, exp_avg_sq, bit for bit")
 
 
 if __name__ == "__main__":

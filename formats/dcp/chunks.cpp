@@ -31,7 +31,7 @@ Status RunList::add(const Runs& in, const std::string& where) {
       }
     }
   }
-  if (groups_.size() >= kMaxSegments) return corrupt(where + ": too many pieces (column-sharded beyond the cap)");
+  if (groups_.size() >= kMaxRunGroups) return corrupt(where + ": too many pieces (column-sharded beyond the cap)");
   groups_.push_back(r);
   return Status::Ok();
 }

@@ -21,7 +21,7 @@ namespace optstate::dcp {
 
 // Caps against hostile chunking, per tensor: groups of runs kept, and runs looked at when a
 // tensor's chunks interleave (column shards) and their coverage is walked run by run.
-inline constexpr uint64_t kMaxSegments = uint64_t{1} << 24;
+inline constexpr uint64_t kMaxRunGroups = uint64_t{1} << 24;
 inline constexpr uint64_t kMaxRuns = uint64_t{1} << 28;
 
 // One run: consecutive flat elements of the global tensor that lie consecutively in one chunk.
@@ -48,7 +48,7 @@ struct Runs {
 class RunList {
  public:
   // Appends runs of a chunk, a single run joined to the last runs it continues (the next
-  // consecutive elements, or the next row at a fixed stride); capped at kMaxSegments groups and
+  // consecutive elements, or the next row at a fixed stride); capped at kMaxRunGroups groups and
   // kMaxRuns runs.
   Status add(const Runs& r, const std::string& where);
   Status add(const Segment& s, const std::string& where) { return add(Runs{s.begin, s.count, 1, 0, s.chunk, s.local}, where); }

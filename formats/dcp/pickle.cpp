@@ -330,21 +330,45 @@ class Machine {
   // str or int key set twice in one dict (a handmade pickle showing readers that take the first
   // another value than Python sees) is refused.
   Status check_new_keys(Ref target, const std::vector<Ref>& items) {
-    auto& seen = dict_keys_[target];
+    auto keyed = [&](const Value& v) { return v.kind == Kind::kStr || v.kind == Kind::kInt || v.kind == Kind::kBool; };
+    auto same = [](const Value& a, const Value& b) {
+      return a.kind == Kind::kStr ? b.kind == Kind::kStr && a.s == b.s
+                                  : b.kind != Kind::kStr && (b.kind == Kind::kInt || b.kind == Kind::kBool) && a.i == b.i;
+    };
+    auto twice = [&](const Value& key) {
+      return fail(key.kind == Kind::kStr ? fmt::format("a dict sets key '{}' twice", key.s.substr(0, 80))
+                                         : fmt::format("a dict sets key {} twice", key.i));
+    };
+    const std::vector<Ref>& had = values_[target].items;  // k0, v0, k1, v1, ...: the keys set so far
+    // A small dict (a dataclass's state: most of a DCP .metadata's hundreds of thousands) is checked
+    // by a scan, with no allocation; a larger one keeps a hash of its keys from then on.
+    constexpr size_t kScanKeys = 16;
+    if (had.size() / 2 + items.size() / 2 <= kScanKeys && !dict_keys_.count(target)) {
+      for (size_t k = 0; k < items.size(); k += 2) {
+        const Value& key = values_[items[k]];
+        if (!keyed(key)) continue;  // other keys: not looked up
+        for (size_t j = 0; j < had.size(); j += 2)
+          if (same(key, values_[had[j]])) return twice(key);
+        for (size_t j = 0; j < k; j += 2)
+          if (same(key, values_[items[j]])) return twice(key);
+      }
+      return Status::Ok();
+    }
+    auto hash = [](const Value& v) {
+      return v.kind == Kind::kStr ? std::hash<std::string_view>{}(v.s) : std::hash<int64_t>{}(v.i) ^ 0x9e3779b97f4a7c15ull;
+    };
+    auto [at, fresh] = dict_keys_.try_emplace(target);
+    auto& seen = at->second;
+    if (fresh)  // the keys it took while small
+      for (size_t j = 0; j < had.size(); j += 2)
+        if (keyed(values_[had[j]])) seen.emplace(hash(values_[had[j]]), had[j]);
     for (size_t k = 0; k < items.size(); k += 2) {
       const Value& key = values_[items[k]];
-      const bool text = key.kind == Kind::kStr;
-      if (!text && key.kind != Kind::kInt && key.kind != Kind::kBool) continue;  // other keys: not looked up
-      const uint64_t h = text ? std::hash<std::string_view>{}(key.s) : std::hash<int64_t>{}(key.i) ^ 0x9e3779b97f4a7c15ull;
+      if (!keyed(key)) continue;
+      const uint64_t h = hash(key);
       const auto [lo, hi] = seen.equal_range(h);
-      for (auto it = lo; it != hi; ++it) {
-        const Value& other = values_[it->second];
-        const bool same = text ? other.kind == Kind::kStr && other.s == key.s
-                               : (other.kind == Kind::kInt || other.kind == Kind::kBool) && other.i == key.i;
-        if (same)
-          return fail(text ? fmt::format("a dict sets key '{}' twice", key.s.substr(0, 80))
-                           : fmt::format("a dict sets key {} twice", key.i));
-      }
+      for (auto it = lo; it != hi; ++it)
+        if (same(key, values_[it->second])) return twice(key);
       seen.emplace(h, items[k]);
     }
     return Status::Ok();

@@ -271,6 +271,30 @@ TEST_CASE("pickle: a dict that sets a key twice is refused (Python keeps the las
   ok.empty_dict(), ok.mark(), ok.str("a"), ok.integer(1), ok.str("b"), ok.integer(2), ok.setitems_from_mark();
   const std::string bytes = ok.finish();
   CHECK(pickle::unpickle(std::as_bytes(std::span(bytes)), "x.pkl").ok());
+  // Across SETITEMS, small (scanned) and large (hashed, its earlier keys taken in when it grows):
+  // `first` keys in one SETITEMS, `second` in the next, the last of them again key 0 if `dup`.
+  auto built = [](int first, int second, bool dup) {
+    pickle::Writer w;
+    w.empty_dict();
+    w.mark();
+    for (int k = 0; k < first; ++k) w.str("key" + std::to_string(k)), w.integer(k);
+    w.setitems_from_mark();
+    w.mark();
+    for (int k = first; k < first + second; ++k) w.str("key" + std::to_string(dup && k == first + second - 1 ? 0 : k)), w.integer(k);
+    w.setitems_from_mark();
+    const std::string b = w.finish();
+    return pickle::unpickle(std::as_bytes(std::span(b)), "x.pkl");
+  };
+  for (const auto& [first, second] : std::vector<std::pair<int, int>>{{3, 2}, {10, 10}, {20, 5}, {2, 40}}) {
+    CAPTURE(first);
+    CAPTURE(second);
+    const auto good = built(first, second, false);
+    REQUIRE_MESSAGE(good.ok(), good.status().message());
+    CHECK(good->at(good->root()).items.size() == static_cast<size_t>(2 * (first + second)));
+    const auto bad = built(first, second, true);
+    REQUIRE_FALSE(bad.ok());
+    CHECK(bad.status().message().find("sets key 'key0' twice") != std::string::npos);
+  }
 }
 
 TEST_CASE("megatron: a chain of optimizers (MoE's experts under expert parallelism) by place") {

@@ -83,12 +83,26 @@ struct SourceLayout {
 
 // The index of the torch.save archive an item's bytes hold: its end records (from the last bytes)
 // and its central directory, read and parsed (entries stored, named once, inside the archive).
+// The bytes read to find them are kept: the last ones (all of a record of up to 64 KiB, as most
+// of a wide DCP's chunks are) and, once read_archive_head, the first, where data.pkl and the local
+// headers lie. read_archive_bytes serves reads from them: one pread a small record, not one for
+// each of its end records, directory, headers and pickle (six a chunk, most of the time a DCP of
+// hundreds of ranks took to read).
 struct ArchiveIndex {
   zip::CentralDirectory cd;
   std::vector<zip::Entry> entries;
+  std::vector<std::byte> tail;  // the archive's last tail.size() bytes
+  std::vector<std::byte> head;  // its first head.size() bytes (none where the tail holds them)
 };
 Result<ArchiveIndex> read_archive_index(const InputFile& file, const StorageLoc& loc, const std::string& where,
                                         bool allow_compressed = false);
+// Reads the first `bytes` of the archive into index.head, unless the tail already holds them.
+Status read_archive_head(const InputFile& file, const StorageLoc& loc, ArchiveIndex& index, uint64_t bytes,
+                         const std::string& where);
+// `out.size()` bytes at archive offset `at` (checked to lie inside it): from the kept bytes where
+// they hold them, else read.
+Status read_archive_bytes(const InputFile& file, const StorageLoc& loc, const ArchiveIndex& index, uint64_t at,
+                          std::span<std::byte> out, const std::string& where);
 
 // One torch.save archive written to `out` from its current offset, laid out as torch.save lays it
 // out (folder "archive"): begin() writes data.pkl and the small records, storage() each

@@ -30,6 +30,9 @@ namespace {
 
 constexpr uint64_t kMaxMetadataBytes = uint64_t{1} << 30;
 constexpr uint64_t kMaxPickleBytes = uint64_t{64} << 20;
+// The first bytes of a large item's archive read at once: its data.pkl (a few hundred bytes for a
+// tensor) and the local headers that follow it.
+constexpr uint64_t kArchiveHeadBytes = uint64_t{16} << 10;
 // A tensor stored permuted (channels_last, transposed) is put in logical order in memory: its
 // storage record is read whole, up to this size (conv weights are far smaller).
 constexpr uint64_t kMaxPermutedBytes = uint64_t{1} << 30;
@@ -1630,9 +1633,12 @@ class DcpReader final : public CheckpointReader {
     ArchiveIndex index = std::move(*read_index);
     const zip::CentralDirectory& cd = index.cd;
     const std::vector<zip::Entry>& entries = index.entries;
+    // torch.save puts data.pkl and the small records first, each storage's local header after
+    // them: all in the first few KiB of an archive too large for the tail to hold.
+    OPTSTATE_RETURN_IF_ERROR(read_archive_head(*f, loc, index, kArchiveHeadBytes, iw));
     auto locate = [&](const zip::Entry& e) -> Result<uint64_t> {
       std::byte h[30];
-      OPTSTATE_RETURN_IF_ERROR(f->read_at(loc.offset + e.local_header_offset, h).with_context(iw));
+      OPTSTATE_RETURN_IF_ERROR(read_archive_bytes(*f, loc, index, e.local_header_offset, h, iw));
       OPTSTATE_ASSIGN_OR_RETURN(uint64_t off, zip::data_offset(h, e, cd.offset, iw));
       return loc.offset + off;
     };
@@ -1649,7 +1655,7 @@ class DcpReader final : public CheckpointReader {
     if (pkl->size > kMaxPickleBytes) return corrupt(iw + ": data.pkl too large");
     OPTSTATE_ASSIGN_OR_RETURN(uint64_t pkl_at, locate(*pkl));
     std::vector<std::byte> pb(pkl->size);
-    OPTSTATE_RETURN_IF_ERROR(f->read_at(pkl_at, pb).with_context(iw));
+    OPTSTATE_RETURN_IF_ERROR(read_archive_bytes(*f, loc, index, pkl_at - loc.offset, pb, iw));
     ParsedItem pi;
     pi.file = f;
     OPTSTATE_RETURN_IF_ERROR(zip::check_record_crc(pb, *pkl, iw));  // what it holds (lr, ...) has no other check
@@ -2142,15 +2148,40 @@ class DcpDriver final : public FormatDriver {
 
 Result<ArchiveIndex> read_archive_index(const InputFile& file, const StorageLoc& loc, const std::string& where,
                                         bool allow_compressed) {
-  std::vector<std::byte> tail(std::min<uint64_t>(loc.length, zip::kMaxTailBytes));
-  OPTSTATE_RETURN_IF_ERROR(file.read_at(loc.offset + loc.length - tail.size(), tail).with_context(where));
   ArchiveIndex index;
-  OPTSTATE_ASSIGN_OR_RETURN(index.cd, zip::find_central_directory(tail, loc.length, where));
+  index.tail.resize(std::min<uint64_t>(loc.length, zip::kMaxTailBytes));
+  OPTSTATE_RETURN_IF_ERROR(
+      file.read_at(loc.offset + loc.length - index.tail.size(), index.tail).with_context(where));
+  OPTSTATE_ASSIGN_OR_RETURN(index.cd, zip::find_central_directory(index.tail, loc.length, where));
   if (index.cd.size > kMaxPickleBytes) return corrupt(where + ": zip central directory too large");
   std::vector<std::byte> cdb(index.cd.size);
-  OPTSTATE_RETURN_IF_ERROR(file.read_at(loc.offset + index.cd.offset, cdb).with_context(where));
+  OPTSTATE_RETURN_IF_ERROR(read_archive_bytes(file, loc, index, index.cd.offset, cdb, where));
   OPTSTATE_ASSIGN_OR_RETURN(index.entries, zip::parse_central_directory(cdb, index.cd, where, allow_compressed));
   return index;
+}
+
+Status read_archive_head(const InputFile& file, const StorageLoc& loc, ArchiveIndex& index, uint64_t bytes,
+                         const std::string& where) {
+  const uint64_t tail_at = loc.length - index.tail.size();
+  if (tail_at == 0) return Status::Ok();
+  index.head.resize(std::min(bytes, tail_at));
+  return file.read_at(loc.offset, index.head).with_context(where);
+}
+
+Status read_archive_bytes(const InputFile& file, const StorageLoc& loc, const ArchiveIndex& index, uint64_t at,
+                          std::span<std::byte> out, const std::string& where) {
+  if (at > loc.length || out.size() > loc.length - at)
+    return corrupt(fmt::format("{}: {} bytes at offset {} run past the archive's {} bytes", where, out.size(), at,
+                               loc.length));
+  const uint64_t tail_at = loc.length - index.tail.size();
+  if (at >= tail_at) {
+    std::memcpy(out.data(), index.tail.data() + (at - tail_at), out.size());
+  } else if (at + out.size() <= index.head.size()) {
+    std::memcpy(out.data(), index.head.data() + at, out.size());
+  } else {
+    return file.read_at(loc.offset + at, out).with_context(where);
+  }
+  return Status::Ok();
 }
 
 Result<std::string_view> written_torchao_package(const WriteOptions& options) {

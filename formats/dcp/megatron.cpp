@@ -12,6 +12,7 @@ using pickle::Kind;
 using pickle::kNoRef;
 using pickle::Pickle;
 using pickle::Ref;
+using pickle::Refs;
 using pickle::Value;
 
 bool is_torch_dist(std::string_view metadata_json) {
@@ -23,7 +24,7 @@ bool is_torch_dist(std::string_view metadata_json) {
 
 namespace {
 
-const std::vector<Ref>* list_of(const Pickle& p, Ref r) {
+const Refs* list_of(const Pickle& p, Ref r) {
   if (r == kNoRef) return nullptr;
   const auto& v = p.at(r);
   return v.kind == Kind::kList || v.kind == Kind::kTuple ? &v.items : nullptr;

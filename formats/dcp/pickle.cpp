@@ -3,6 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
+#include <new>
+#include <stdexcept>
 #include <cstring>
 #include <unordered_map>
 
@@ -12,7 +15,7 @@ namespace {
 class Machine {
  public:
   Machine(std::span<const std::byte> b, const std::string& where, const Limits& l, ValueArena& values,
-          std::deque<std::string>& texts)
+          TextArena& texts)
       : b_(b), where_(where), limits_(l), values_(values), texts_(texts) {
     limits_.max_values = static_cast<uint32_t>(std::min<uint64_t>(limits_.max_values, b.size()));
   }
@@ -100,9 +103,7 @@ class Machine {
         case 0x87: {  // TUPLE1..3
           const size_t n = static_cast<size_t>(op_ - 0x84);
           if (stack_.size() < n + floor()) return fail("stack underflow");
-          std::vector<Ref> items(stack_.end() - static_cast<long>(n), stack_.end());
-          stack_.resize(stack_.size() - n);
-          OPTSTATE_RETURN_IF_ERROR(push_container(Kind::kTuple, std::move(items)));
+          OPTSTATE_RETURN_IF_ERROR(push_container(Kind::kTuple, stack_.size() - n));
           break;
         }
         case ']': OPTSTATE_RETURN_IF_ERROR(push_new(Kind::kList)); break;
@@ -111,38 +112,31 @@ class Machine {
         case 'd': {  // DICT
           OPTSTATE_ASSIGN_OR_RETURN(size_t m, pop_mark());
           if ((stack_.size() - m) % 2) return fail("DICT with an odd number of items");
-          std::vector<Ref> items(stack_.begin() + static_cast<long>(m), stack_.end());
-          stack_.resize(m);
-          OPTSTATE_RETURN_IF_ERROR(push_container(Kind::kDict, std::move(items)));
+          OPTSTATE_RETURN_IF_ERROR(push_container(Kind::kDict, m));
           break;
         }
         case 0x8f: OPTSTATE_RETURN_IF_ERROR(push_new(Kind::kSet)); break;  // EMPTY_SET
         case 0x91: OPTSTATE_RETURN_IF_ERROR(collect(Kind::kSet)); break;   // FROZENSET
         case 'a': {  // APPEND
-          OPTSTATE_ASSIGN_OR_RETURN(Ref v, pop());
-          OPTSTATE_RETURN_IF_ERROR(extend({v}, false));
+          if (stack_.size() <= floor()) return fail("stack underflow");
+          OPTSTATE_RETURN_IF_ERROR(extend(stack_.size() - 1, false));
           break;
         }
         case 'e':      // APPENDS
         case 0x90: {   // ADDITEMS
           OPTSTATE_ASSIGN_OR_RETURN(size_t m, pop_mark());
-          std::vector<Ref> items(stack_.begin() + static_cast<long>(m), stack_.end());
-          stack_.resize(m);
-          OPTSTATE_RETURN_IF_ERROR(extend(std::move(items), false));
+          OPTSTATE_RETURN_IF_ERROR(extend(m, false));
           break;
         }
         case 's': {  // SETITEM
-          OPTSTATE_ASSIGN_OR_RETURN(Ref v, pop());
-          OPTSTATE_ASSIGN_OR_RETURN(Ref k, pop());
-          OPTSTATE_RETURN_IF_ERROR(extend({k, v}, true));
+          if (stack_.size() < floor() + 2) return fail("stack underflow");
+          OPTSTATE_RETURN_IF_ERROR(extend(stack_.size() - 2, true));
           break;
         }
         case 'u': {  // SETITEMS
           OPTSTATE_ASSIGN_OR_RETURN(size_t m, pop_mark());
           if ((stack_.size() - m) % 2) return fail("SETITEMS with an odd number of items");
-          std::vector<Ref> items(stack_.begin() + static_cast<long>(m), stack_.end());
-          stack_.resize(m);
-          OPTSTATE_RETURN_IF_ERROR(extend(std::move(items), true));
+          OPTSTATE_RETURN_IF_ERROR(extend(m, true));
           break;
         }
         case 'c': {  // GLOBAL "module\nname\n"
@@ -268,37 +262,34 @@ class Machine {
     OPTSTATE_ASSIGN_OR_RETURN(uint64_t n, uint(len_bytes));
     OPTSTATE_ASSIGN_OR_RETURN(auto raw, take(n));  // checked against what remains before allocating
     OPTSTATE_ASSIGN_OR_RETURN(Ref r, make(k));
-    values_[r].s = keep(std::string(reinterpret_cast<const char*>(raw.data()), raw.size()));
+    values_[r].s = texts_.keep(std::string_view(reinterpret_cast<const char*>(raw.data()), raw.size()));
     return push(r);
   }
-  Text keep(std::string s) {
-    texts_.push_back(std::move(s));
-    return Text(texts_.back());
-  }
-  Status push_global(std::string module, std::string name) {
+  Status push_global(std::string_view module, std::string_view name) {
     OPTSTATE_ASSIGN_OR_RETURN(Ref r, make(Kind::kGlobal));
-    values_[r].s = keep(std::move(module));
-    values_[r].name = keep(std::move(name));
+    values_[r].s = texts_.keep(module);
+    values_[r].name = texts_.keep(name);
     return push(r);
   }
-  uint16_t depth_of(const std::vector<Ref>& items) const {
+  uint16_t depth_of(std::span<const Ref> items) const {
     uint16_t d = 0;
     for (Ref x : items) d = std::max(d, values_[x].depth);
     return static_cast<uint16_t>(d + 1);
   }
-  Status push_container(Kind k, std::vector<Ref> items) {
+  // The stack's values from `from` up (above the floor) as a new container, in their place.
+  Status push_container(Kind k, size_t from) {
+    const std::span<const Ref> items(stack_.data() + from, stack_.size() - from);
     const uint16_t d = depth_of(items);
     OPTSTATE_RETURN_IF_ERROR(check_depth(d));
     OPTSTATE_ASSIGN_OR_RETURN(Ref r, make(k));
-    values_[r].items = std::move(items);
+    values_[r].items = Refs(items);
     values_[r].depth = d;
+    stack_.resize(from);
     return push(r);
   }
   Status collect(Kind k) {
     OPTSTATE_ASSIGN_OR_RETURN(size_t m, pop_mark());
-    std::vector<Ref> items(stack_.begin() + static_cast<long>(m), stack_.end());
-    stack_.resize(m);
-    return push_container(k, std::move(items));
+    return push_container(k, m);
   }
   Status push_object(Ref callable, Ref args, bool newobj) {
     const uint16_t d = static_cast<uint16_t>(std::max(values_[callable].depth, values_[args].depth) + 1);
@@ -310,10 +301,13 @@ class Machine {
     values_[r].depth = d;
     return push(r);
   }
-  // APPEND(S)/SETITEM(S)/ADDITEMS onto the value below: lists, dicts, sets, and objects that are
-  // dict- or list-like (OrderedDict, ...), recorded in their items.
-  Status extend(std::vector<Ref> items, bool pairs) {
-    OPTSTATE_ASSIGN_OR_RETURN(Ref target, top());
+  // APPEND(S)/SETITEM(S)/ADDITEMS of the stack's values from `from` up onto the value below them:
+  // lists, dicts, sets, and objects that are dict- or list-like (OrderedDict, ...), recorded in
+  // their items. The values leave the stack.
+  Status extend(size_t from, bool pairs) {
+    if (from <= floor()) return fail("stack underflow");
+    const std::span<const Ref> items(stack_.data() + from, stack_.size() - from);
+    const Ref target = stack_[from - 1];
     Value& t = values_[target];
     const bool ok = pairs ? (t.kind == Kind::kDict || t.kind == Kind::kObject)
                           : (t.kind == Kind::kList || t.kind == Kind::kSet || t.kind == Kind::kObject);
@@ -323,13 +317,14 @@ class Machine {
     const uint16_t d = std::max(t.depth, depth_of(items));
     OPTSTATE_RETURN_IF_ERROR(check_depth(d));
     t.depth = d;
-    t.items.insert(t.items.end(), items.begin(), items.end());
+    t.items.append(items);
+    stack_.resize(from);
     return Status::Ok();
   }
   // Python keeps one value per dict key, the last set; pickle.dumps never writes a key twice. A
   // str or int key set twice in one dict (a handmade pickle showing readers that take the first
   // another value than Python sees) is refused.
-  Status check_new_keys(Ref target, const std::vector<Ref>& items) {
+  Status check_new_keys(Ref target, std::span<const Ref> items) {
     auto keyed = [&](const Value& v) { return v.kind == Kind::kStr || v.kind == Kind::kInt || v.kind == Kind::kBool; };
     auto same = [](const Value& a, const Value& b) {
       return a.kind == Kind::kStr ? b.kind == Kind::kStr && a.s == b.s
@@ -339,7 +334,7 @@ class Machine {
       return fail(key.kind == Kind::kStr ? fmt::format("a dict sets key '{}' twice", key.s.substr(0, 80))
                                          : fmt::format("a dict sets key {} twice", key.i));
     };
-    const std::vector<Ref>& had = values_[target].items;  // k0, v0, k1, v1, ...: the keys set so far
+    const std::span<const Ref> had = values_[target].items;  // k0, v0, k1, v1, ...: the keys set so far
     // A small dict (a dataclass's state: most of a DCP .metadata's hundreds of thousands) is checked
     // by a scan, with no allocation; a larger one keeps a hash of its keys from then on.
     constexpr size_t kScanKeys = 16;
@@ -405,7 +400,7 @@ class Machine {
   const std::string& where_;
   Limits limits_;
   ValueArena& values_;
-  std::deque<std::string>& texts_;
+  TextArena& texts_;
   std::vector<Ref> stack_;
   std::unordered_map<Ref, std::unordered_multimap<uint64_t, Ref>> dict_keys_;  // check_new_keys
   std::vector<size_t> marks_;
@@ -417,6 +412,71 @@ class Machine {
 }  // namespace
 
 const Value Pickle::kNothing{};
+
+const Ref& Refs::at(size_t i) const {
+  if (i >= size_) throw std::out_of_range(fmt::format("pickle::Refs::at: {} >= size {}", i, size_));
+  return data()[i];
+}
+
+void Refs::append(std::span<const Ref> more) {
+  // Callers cap a container's items far below 2^32 (Limits::max_values).
+  const size_t need = size_ + more.size();
+  if (need > cap_) {
+    uint32_t cap = cap_;
+    while (cap < need) cap = cap * 2;
+    Ref* grown = new Ref[cap];
+    std::copy(data(), data() + size_, grown);
+    if (on_heap()) delete[] heap_;
+    heap_ = grown;
+    cap_ = cap;
+  }
+  std::copy(more.begin(), more.end(), (on_heap() ? heap_ : in_) + size_);
+  size_ = static_cast<uint32_t>(need);
+}
+
+ValueArena::~ValueArena() {
+  for (size_t i = 0; i < size_; ++i) slot(i)->~Value();
+  for (size_t b = 0; b < blocks_.size(); ++b)
+    ::operator delete(blocks_[b], block_size(b) * sizeof(Value), std::align_val_t{alignof(Value)});
+}
+
+Value* ValueArena::slot(size_t i) {
+  if (i < kGrowing) {
+    const size_t j = i + (size_t{1} << kFirstBits);
+    const size_t b = static_cast<size_t>(std::bit_width(j)) - 1 - kFirstBits;
+    return blocks_[b] + (j - (size_t{1} << (b + kFirstBits)));
+  }
+  const size_t k = i - kGrowing;
+  return blocks_[kLastBits - kFirstBits + 1 + (k >> kLastBits)] + (k & ((size_t{1} << kLastBits) - 1));
+}
+
+Value& ValueArena::emplace_back() {
+  if (size_ == capacity_) {  // a new block, of the size slot() maps the next values to
+    const size_t n = block_size(blocks_.size());
+    blocks_.push_back(static_cast<Value*>(::operator new(n * sizeof(Value), std::align_val_t{alignof(Value)})));
+    capacity_ += n;
+  }
+  Value* v = new (slot(size_)) Value();
+  ++size_;
+  return *v;
+}
+
+Text TextArena::keep(std::string_view s) {
+  if (s.empty()) return Text();
+  if (s.size() > room_) {
+    // A new block: twice the last (to 1 MiB), or the string's own size where larger.
+    const size_t n = std::max(next_, s.size());
+    next_ = std::min<size_t>(next_ * 2, size_t{1} << 20);
+    blocks_.push_back(std::unique_ptr<char[]>(new char[n]));
+    used_ = 0;
+    room_ = n;
+  }
+  char* at = blocks_.back().get() + used_;
+  std::memcpy(at, s.data(), s.size());
+  used_ += s.size();
+  room_ -= s.size();
+  return Text(std::string_view(at, s.size()));
+}
 
 bool Pickle::is_global(Ref r, std::string_view module, std::string_view name) const {
   if (r == kNoRef || r >= size()) return false;
@@ -517,7 +577,7 @@ struct Emitter {
   std::vector<bool> open;  // values being written: reaching one again is a cycle
   const EmitHook* hook = nullptr;
 
-  Status pairs(const std::vector<Ref>& items) {
+  Status pairs(std::span<const Ref> items) {
     if (items.size() % 2) return corrupt(where + ": a mapping with an odd number of items");
     if (items.empty()) return Status::Ok();
     w.mark();
@@ -525,7 +585,7 @@ struct Emitter {
     w.setitems_from_mark();
     return Status::Ok();
   }
-  Status sequence(const std::vector<Ref>& items) {
+  Status sequence(std::span<const Ref> items) {
     for (Ref x : items) OPTSTATE_RETURN_IF_ERROR(value(x));
     return Status::Ok();
   }

@@ -8,7 +8,6 @@
 #pragma once
 
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <string_view>
 #include <functional>
@@ -34,6 +33,68 @@ struct Text : std::string_view {
   operator std::string() const { return std::string(data(), size()); }
 };
 
+// A value's items: up to four held in place (most of a DCP .metadata's tuples, sizes and small
+// dataclass states), more on the heap. Read as a contiguous array of refs. 24 bytes.
+class Refs {
+ public:
+  Refs() {}
+  explicit Refs(std::span<const Ref> r) { append(r); }
+  Refs(const Refs& o) { append(o); }
+  Refs(Refs&& o) noexcept { take(o); }
+  Refs& operator=(const Refs& o) {
+    if (this != &o) {
+      clear();
+      append(o);
+    }
+    return *this;
+  }
+  Refs& operator=(Refs&& o) noexcept {
+    if (this != &o) {
+      release();
+      take(o);
+    }
+    return *this;
+  }
+  ~Refs() { release(); }
+
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  const Ref* data() const { return on_heap() ? heap_ : in_; }
+  const Ref* begin() const { return data(); }
+  const Ref* end() const { return data() + size_; }
+  const Ref& operator[](size_t i) const { return data()[i]; }
+  const Ref& at(size_t i) const;  // checked: std::out_of_range past the end, as std::vector's
+  const Ref& back() const { return data()[size_ - 1]; }
+  operator std::span<const Ref>() const { return {data(), size_}; }
+  void append(std::span<const Ref> more);
+  void clear() { size_ = 0; }
+
+ private:
+  static constexpr uint32_t kInline = 4;
+  bool on_heap() const { return cap_ > kInline; }
+  void release() {
+    if (on_heap()) delete[] heap_;
+    size_ = 0;
+    cap_ = kInline;
+  }
+  void take(Refs& o) {
+    size_ = o.size_;
+    cap_ = o.cap_;
+    if (o.on_heap()) {
+      heap_ = o.heap_;
+    } else {
+      for (uint32_t k = 0; k < size_; ++k) in_[k] = o.in_[k];
+    }
+    o.size_ = 0;
+    o.cap_ = kInline;
+  }
+  uint32_t size_ = 0, cap_ = kInline;
+  union {
+    Ref in_[kInline];
+    Ref* heap_;
+  };
+};
+
 struct Value {
   Kind kind = Kind::kNone;
   bool newobj = false;       // kObject: made by NEWOBJ (cls.__new__) rather than REDUCE (callable(*args))
@@ -46,12 +107,48 @@ struct Value {
   double f = 0;              // kFloat
   Text s;                    // kStr, kBytes; kGlobal: module
   Text name;                 // kGlobal: qualified name
-  std::vector<Ref> items;    // kTuple/kList/kSet: elements; kDict and dict-like objects: k0, v0, k1, v1, ...
+  Refs items;                // kTuple/kList/kSet: elements; kDict and dict-like objects: k0, v0, k1, v1, ...
 };
 
-// The values of a pickle: a deque, whose blocks never move as it grows (no copy of all of them)
-// and stay small for the many small pickles (each DCP item's data.pkl).
-using ValueArena = std::deque<Value>;
+// The values of a pickle, by index: blocks that double in size (32 values, 64, ... up to 2^20,
+// then 2^20 each), never moved as it grows, values made in place only as they are added. A
+// pickle of millions of values takes few allocations, a small one (each DCP item's data.pkl) one.
+class ValueArena {
+ public:
+  ValueArena() = default;
+  ValueArena(const ValueArena&) = delete;
+  ValueArena& operator=(const ValueArena&) = delete;
+  ~ValueArena();
+  size_t size() const { return size_; }
+  Value& operator[](size_t i) { return *slot(i); }
+  const Value& operator[](size_t i) const { return *const_cast<ValueArena*>(this)->slot(i); }
+  Value& emplace_back();
+  Value& back() { return (*this)[size_ - 1]; }
+
+ private:
+  static constexpr unsigned kFirstBits = 5, kLastBits = 20;
+  static constexpr size_t kGrowing = (size_t{1} << (kLastBits + 1)) - (size_t{1} << kFirstBits);  // in blocks 0..15
+  static size_t block_size(size_t b) {
+    return b <= kLastBits - kFirstBits ? size_t{1} << (b + kFirstBits) : size_t{1} << kLastBits;
+  }
+  Value* slot(size_t i);
+  std::vector<Value*> blocks_;
+  size_t size_ = 0, capacity_ = 0;
+};
+
+// The strings a pickle holds, copied into blocks that are never moved (the Text values point into
+// them): a few allocations for millions of keys and names, not one each.
+class TextArena {
+ public:
+  TextArena() = default;
+  TextArena(const TextArena&) = delete;
+  TextArena& operator=(const TextArena&) = delete;
+  Text keep(std::string_view s);
+
+ private:
+  std::vector<std::unique_ptr<char[]>> blocks_;
+  size_t used_ = 0, room_ = 0, next_ = 256;
+};
 
 struct Limits {
   // Values beyond this are refused; no input makes more values than it has bytes (each is made by
@@ -81,7 +178,7 @@ class Pickle {
   friend Result<Pickle> unpickle(std::span<const std::byte> bytes, const std::string& where, const Limits& limits);
   struct Store {
     ValueArena values;
-    std::deque<std::string> texts;  // what the values' Text point into (a deque: never moved)
+    TextArena texts;  // what the values' Text point into
   };
   static const Value kNothing;
   std::unique_ptr<Store> store_;  // none until unpickled: an empty Pickle holds no memory

@@ -2402,7 +2402,7 @@ Status write_carrying(StateSource& source, const CheckpointReader& from, const f
         source_optimizers.emplace_back((*items)[k - 1], (*items)[k]);
       }
   } else if (const auto* gs = list_items(p, p.dict_get(sd.optimizer_ref, "param_groups"))) {
-    source_groups = *gs;
+    source_groups.assign(gs->begin(), gs->end());
   }
   const std::vector<pickle::Ref>* groups = &source_groups;
   if (groups->size() != meta.groups.size())
@@ -2634,7 +2634,7 @@ Result<ZeroUniversalParts> zero_universal_parts(const fs::path& path) {
   pickle::Writer w;
   w.empty_dict();
   w.mark();
-  const std::vector<pickle::Ref>& items = p.at(osd).items;
+  const pickle::Refs& items = p.at(osd).items;
   for (size_t k = 0; k + 1 < items.size(); k += 2) {
     const pickle::Value& key = p.at(items[k]);
     if (key.kind == pickle::Kind::kStr && (key.s == "base_optimizer_state" || key.s == "param_slice_mappings" ||

@@ -24,10 +24,11 @@ using pickle::Kind;
 using pickle::kNoRef;
 using pickle::Pickle;
 using pickle::Ref;
+using pickle::Refs;
 
 }  // namespace
 
-const std::vector<Ref>* dict_items(const Pickle& p, Ref r) {
+const Refs* dict_items(const Pickle& p, Ref r) {
   if (r == kNoRef) return nullptr;
   const auto& v = p.at(r);
   if (v.kind == Kind::kDict) return &v.items;
@@ -61,7 +62,7 @@ bool is_per_param_dict(const Pickle& p, Ref r, size_t least) {
 
 }  // namespace
 
-const std::vector<Ref>* list_items(const Pickle& p, Ref r) {
+const Refs* list_items(const Pickle& p, Ref r) {
   if (r == kNoRef) return nullptr;
   const auto& v = p.at(r);
   return v.kind == Kind::kList || v.kind == Kind::kTuple ? &v.items : nullptr;
@@ -267,9 +268,9 @@ struct ParamFields {
   }
 };
 
-Result<ParamFields> param_fields(const Pickle& p, const std::vector<Ref>& items, const std::string& pw) {
+Result<ParamFields> param_fields(const Pickle& p, std::span<const Ref> items, const std::string& pw) {
   ParamFields out;
-  auto add = [&](const std::vector<Ref>& kv, bool nested) -> Status {
+  auto add = [&](std::span<const Ref> kv, bool nested) -> Status {
     for (size_t f = 0; f + 1 < kv.size(); f += 2) {
       const auto name = dcp::as_string(p, kv[f]);
       if (!name) return corrupt(pw + ": a key is not a string");
@@ -344,7 +345,7 @@ bool is_script_module(const Pickle& p, Ref r) {
 }
 
 // A module's attributes, in order (k0, v0, k1, v1, ...); nullptr when `r` is no module.
-const std::vector<Ref>* module_attrs(const Pickle& p, Ref r) {
+const Refs* module_attrs(const Pickle& p, Ref r) {
   if (!is_script_module(p, r)) return nullptr;
   return dict_items(p, dcp::fields_of(p, r));
 }
@@ -1313,7 +1314,7 @@ Result<ZeroRank> interpret_zero_optim(const Pickle& p, const std::string& where)
   const Ref state = p.dict_get(base, "state");
   const auto* sitems = dict_items(p, state);
   if (!sitems) return corrupt(where + ": 'state' is not a dict");
-  const std::vector<Ref>* mappings = nullptr;
+  const Refs* mappings = nullptr;
   if (out.stage != 3) {
     mappings = list_items(p, p.dict_get(osd, "param_slice_mappings"));
     if (!mappings || mappings->size() != groups->size())

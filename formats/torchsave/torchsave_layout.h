@@ -235,8 +235,8 @@ void encode_state_dict_frame(const OptimizerState& state, pickle::Writer& w, con
 void adamw_group_fields(pickle::Writer& w, const Hyperparameters& h, const AdamWFlags* kept = nullptr);
 
 // A dict's or OrderedDict's items (k0, v0, k1, v1, ...), a list's or tuple's; null for anything else.
-const std::vector<pickle::Ref>* dict_items(const pickle::Pickle& p, pickle::Ref r);
-const std::vector<pickle::Ref>* list_items(const pickle::Pickle& p, pickle::Ref r);
+const pickle::Refs* dict_items(const pickle::Pickle& p, pickle::Ref r);
+const pickle::Refs* list_items(const pickle::Pickle& p, pickle::Ref r);
 
 // ---- DeepSpeed ZeRO (stages 1, 2 and 3), read for formats/deepspeed/ ----
 // One rank's optimizer file (global_stepN/zero_pp_rank_R_mp_rank_00_optim_states.pt, "bf16_"

@@ -3,7 +3,11 @@
 // as the same values; cycles, tensors and runaway sharing are refused.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <stdexcept>
+#include <utility>
+#include <vector>
 #include <functional>
 #include <span>
 #include <string>
@@ -160,4 +164,68 @@ TEST_CASE("pickle: strings stay with the Pickle as it moves; refs past its value
   REQUIRE_FALSE(refused.ok());
   CHECK(refused.status().message().find("more than 50 values") != std::string::npos);
   CHECK(unpickle(std::as_bytes(std::span(bytes)), "test").ok());
+}
+
+TEST_CASE("pickle: Refs in place and on the heap; ValueArena across its growing and its fixed blocks; TextArena") {
+  // Refs: four in place, more moved to the heap, copies and moves keep them
+  Refs r;
+  CHECK(r.empty());
+  std::vector<Ref> want;
+  for (Ref k = 0; k < 41; ++k) {
+    const Ref one[1] = {k * 7};
+    r.append(one);
+    want.push_back(k * 7);
+    REQUIRE(r.size() == want.size());
+    CHECK(std::equal(r.begin(), r.end(), want.begin()));
+    Refs copy = r;
+    CHECK(std::equal(copy.begin(), copy.end(), want.begin(), want.end()));
+    Refs moved = std::move(copy);
+    CHECK(copy.empty());
+    CHECK(std::equal(moved.begin(), moved.end(), want.begin(), want.end()));
+    copy = moved;  // assignment over an emptied one
+    CHECK(copy.size() == want.size());
+    moved = Refs(std::span<const Ref>(want.data(), 2));  // a heap one assigned an inline one
+    CHECK(moved.size() == 2);
+    CHECK(moved.back() == want[1]);
+  }
+  CHECK(r.at(40) == 280);
+  CHECK_THROWS_AS((void)r.at(41), std::out_of_range);
+  const std::span<const Ref> view = r;
+  CHECK(view.size() == 41);
+
+  // ValueArena: every index past the growing blocks (2^21 - 32 values) into the fixed ones keeps
+  // its own value, none moved as it grows
+  ValueArena arena;
+  const size_t n = (size_t{1} << 21) + 70000;
+  const Value* first = nullptr;
+  for (size_t i = 0; i < n; ++i) {
+    Value& v = arena.emplace_back();
+    v.i = static_cast<int64_t>(i);
+    if (i % 3 == 0) {
+      const Ref items[5] = {1, 2, 3, 4, static_cast<Ref>(i)};
+      v.items.append(items);
+    }
+    if (i == 0) first = &v;
+  }
+  REQUIRE(arena.size() == n);
+  CHECK(&arena[0] == first);
+  bool all = true;
+  for (size_t i = 0; i < n; ++i) {
+    const Value& v = std::as_const(arena)[i];
+    all = all && v.i == static_cast<int64_t>(i) && v.items.size() == (i % 3 == 0 ? 5u : 0u) &&
+          (i % 3 != 0 || v.items[4] == static_cast<Ref>(i));
+  }
+  CHECK(all);
+
+  // TextArena: empty, small, a block's worth and beyond, each kept as given
+  TextArena texts;
+  std::vector<std::pair<Text, std::string>> kept;
+  for (size_t len : {size_t{0}, size_t{1}, size_t{15}, size_t{255}, size_t{256}, size_t{3000}, size_t{1} << 20,
+                     (size_t{1} << 20) + 3, size_t{7}}) {
+    std::string s(len, 'a');
+    for (size_t k = 0; k < len; ++k) s[k] = static_cast<char>('a' + (k * 31 + len) % 26);
+    kept.emplace_back(texts.keep(s), s);
+  }
+  for (int k = 0; k < 5000; ++k) kept.emplace_back(texts.keep(std::to_string(k)), std::to_string(k));
+  for (const auto& [t, s] : kept) CHECK(std::string_view(t) == s);
 }

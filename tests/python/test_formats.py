@@ -142,6 +142,39 @@ def test_dcp_fp32_reads_exactly_what_torch_holds(tmp_path, optstate_cli, kind):
         assert "max_exp_avg_sq" in info
 
 
+LARGE_CARRIED_DCP = textwrap.dedent("""
+    # A DCP whose carried values have pickles larger than optstate reads with an archive's first
+    # bytes (16 KiB) in archives larger than the last bytes it reads (64 KiB): a run's loss history
+    # and a long string.
+    import sys, torch, torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 64)).square().sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    extra = {"history": [i / 3 for i in range(30000)], "note": "x" * 70000 + "end", "small": 5}
+    dcp.save({"model": msd, "optim": osd, "extra": extra}, checkpoint_id=sys.argv[1])
+""")
+
+
+def test_dcp_carried_values_of_large_pickles_read_and_convert_unchanged(tmp_path, optstate_cli):
+    """Values whose archives pass the bytes read at their ends and whose data.pkl passes the bytes
+    read at their start are read where they lie: inspected, hashed, carried DCP -> DCP unchanged."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    run_script(tmp_path, LARGE_CARRIED_DCP, "make_large.py", src)
+    out = optstate_cli("convert", src, dst, "--format", "dcp")
+    assert out.stderr == "" and "extra (3 items)" in out.stdout, out.stdout
+    assert hashes(optstate_cli, dst, values=True) == hashes(optstate_cli, src, values=True)
+    dcp_to_torch_save(src, tmp_path / "src.pt")
+    dcp_to_torch_save(dst, tmp_path / "dst.pt")
+    a, b = torch.load(tmp_path / "src.pt", weights_only=False), torch.load(tmp_path / "dst.pt", weights_only=False)
+    assert a["extra"]["history"][29999] == 29999 / 3 and a["extra"]["note"].endswith("end")
+    assert deep_equal(a, b)
+
+
 def test_dcp_of_two_fsdp2_ranks_equals_the_single_process_state(tmp_path, optstate_cli):
     one = make_dcp(tmp_path, "fp32", 1)
     two = make_dcp(tmp_path, "fp32", 2)

@@ -10,6 +10,7 @@
 #include <optional>
 #include <set>
 #include <tuple>
+#include <unordered_map>
 
 #include "dcp_driver.h"
 #include "bnb_state.h"
@@ -1612,9 +1613,12 @@ class DcpReader final : public CheckpointReader {
   // `max_value_storages`: how many storages of a bytes item's value are located (for element_of).
   Result<ParsedItem*> item(const std::string& key, const std::vector<int64_t>& offsets,
                            size_t max_value_storages = 8) {
-    auto cached = items_.find({key, offsets});
+    auto cached = items_.find(ChunkView{key, offsets});
     if (cached != items_.end()) return &cached->second;
-    const StorageLoc& loc = md_.storage.at({key, offsets});
+    const auto stored = md_.storage.find(ChunkView{key, offsets});
+    if (stored == md_.storage.end())
+      return corrupt(fmt::format("{}: item '{}' has no storage entry", dir_.string(), key));
+    const StorageLoc& loc = stored->second;
     const std::string iw = fmt::format("{}: item '{}'{}", dir_.string(), key,
                                        offsets.empty() ? "" : " chunk at " + format_shape(offsets));
     OPTSTATE_ASSIGN_OR_RETURN(const InputFile* f, file(loc.relative_path, iw));
@@ -2030,7 +2034,27 @@ class DcpReader final : public CheckpointReader {
   Metadata md_;
   OptimizerState meta_;
   std::map<std::string, InputFile> files_;
-  std::map<std::pair<std::string, std::vector<int64_t>>, ParsedItem> items_;
+  // By (key, chunk offsets), looked up without a copy of either: each chunk's is found once per
+  // window of its tensor read, hundreds of thousands of times in a DCP of hundreds of ranks.
+  struct ChunkHash {
+    using is_transparent = void;
+    template <class K>
+    size_t operator()(const K& k) const {
+      const ChunkView c = chunk_view(k);
+      size_t h = std::hash<std::string_view>{}(c.key);
+      for (int64_t o : c.offsets) h = (h ^ std::hash<int64_t>{}(o)) * 0x100000001b3ull;
+      return h;
+    }
+  };
+  struct ChunkEq {
+    using is_transparent = void;
+    template <class A, class B>
+    bool operator()(const A& a, const B& b) const {
+      const ChunkView x = chunk_view(a), y = chunk_view(b);
+      return x.key == y.key && std::ranges::equal(x.offsets, y.offsets);
+    }
+  };
+  std::unordered_map<ChunkKey, ParsedItem, ChunkHash, ChunkEq> items_;
   std::map<std::pair<std::string, std::string>, Source> sources_;
   std::vector<ModelTensorInfo> model_tensors_;  // the model dict's other tensors, and where each is read
   std::vector<Source> model_sources_;

@@ -5,6 +5,7 @@
 // _rebuild_from_type_v2 + _rebuild_wrapper_subclass, or a plain Python value).
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <functional>
@@ -48,10 +49,30 @@ struct StorageLoc {
   bool transformed = false;  // transform_descriptors (e.g. stream.zstd) present
 };
 
+// An item's chunk by (key, chunk offsets), as a view: looked up in the maps keyed by copies of
+// them without making one (a DCP of hundreds of ranks looks up hundreds of thousands).
+struct ChunkView {
+  std::string_view key;
+  std::span<const int64_t> offsets;
+};
+using ChunkKey = std::pair<std::string, std::vector<int64_t>>;
+inline ChunkView chunk_view(const ChunkView& c) { return c; }
+inline ChunkView chunk_view(const ChunkKey& k) { return {k.first, k.second}; }
+// Orders chunk keys and views alike: by key, then offsets.
+struct ChunkLess {
+  using is_transparent = void;
+  template <class A, class B>
+  bool operator()(const A& a, const B& b) const {
+    const ChunkView x = chunk_view(a), y = chunk_view(b);
+    if (const int c = x.key.compare(y.key); c != 0) return c < 0;
+    return std::lexicographical_compare(x.offsets.begin(), x.offsets.end(), y.offsets.begin(), y.offsets.end());
+  }
+};
+
 struct Metadata {
   std::map<std::string, ItemMeta> items;                                   // flat key -> meta
   std::vector<std::string> order;  // the keys as the state dict held them (module order for a model's)
-  std::map<std::pair<std::string, std::vector<int64_t>>, StorageLoc> storage;  // (key, chunk offsets) -> where
+  std::map<ChunkKey, StorageLoc, ChunkLess> storage;  // (key, chunk offsets) -> where
   std::map<std::string, std::vector<std::string>> planner;                 // flat key -> path (ints as text)
   std::map<std::string, std::vector<bool>> planner_index;                  // which parts of that path are ints
 };

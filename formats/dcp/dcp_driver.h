@@ -52,6 +52,11 @@ struct SourceLayout {
     return optimizer_path.empty() ? std::vector<std::string>{}
                                   : std::vector<std::string>{optimizer_path.begin(), optimizer_path.end() - 1};
   }
+  // Where the model's dict lies (<this>.model.<fqn>): the parent, or where the parent holds none, the
+  // nearest ancestor that does. Composer nests its optimizers by class name under its state
+  // ({"state": {"model": ..., "optimizers": {"DecoupledAdamW": ...}}}).
+  std::optional<std::vector<std::string>> model_path;
+  std::vector<std::string> model_parent() const { return model_path ? *model_path : parent(); }
   bool flattened = false;               // flatten_optimizer_state_dict=True: per-param param_groups fields
   // The state keyed by param number as optimizer.state_dict() keys it (`<K>.state.<n>.<entry>`,
   // `params` a list of ints): a DCP of {"model": model.state_dict(), "optimizer":
@@ -70,6 +75,14 @@ struct SourceLayout {
   std::string_view torchao_package;     // where its torchao subclasses were defined (kTorchaoOptimPackages)
   std::vector<AdamWFlags> adamw_flags;  // each group's torch.optim.AdamW switches (CheckpointReader::adamw_flags)
   std::vector<GroupExtras> group_extras;  // each group's other plain keys (CheckpointReader::group_extras)
+  // Composer's DecoupledAdamW (its optimizer under <...>.optimizers.DecoupledAdamW), per group: the
+  // weight_decay the file holds (a step decays by weight_decay * lr / initial_lr), as read
+  // (AdamW's: divided by initial_lr), and initial_lr. A DCP write in this layout writes the file's
+  // back where the group's is the one read, else AdamW's times initial_lr. Empty for any other.
+  struct DecoupledDecay {
+    double saved = 0, read = 0, initial_lr = 0;
+  };
+  std::vector<DecoupledDecay> decoupled_decay;
   std::vector<CarriedItem> carried;     // everything else, in key order
   // Entries of `dir` that are none of the DCP's own (not .metadata, not a data file, not hidden):
   // Lightning's meta.pt (its loops, callbacks and schedulers, without which Lightning does not take

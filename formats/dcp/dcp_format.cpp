@@ -593,7 +593,11 @@ class DcpReader final : public CheckpointReader {
     layout_.optimizer_path = opt_key;
     layout_.item_order = md_.order;
     layout_.flattened = !nested_groups.count(opt_key);
-    std::map<std::string, std::string> weight_items = model_items[layout_.parent()];
+    for (Path p = layout_.parent(); !model_items.count(layout_.model_parent()) && !p.empty();) {
+      p.pop_back();
+      if (model_items.count(p)) layout_.model_path = p;
+    }
+    std::map<std::string, std::string> weight_items = model_items[layout_.model_parent()];
     std::vector<std::optional<std::vector<std::string>>> param_names;  // numbered groups' param_names
     if (opt_key.size() == 1)
       for (const auto& [fqn, key] : top_items) weight_items.emplace(fqn, key);  // model.<fqn> first
@@ -679,7 +683,7 @@ class DcpReader final : public CheckpointReader {
     if (layout_.numbered) {
       layout_.numbered_members.resize(meta_.groups.size());  // later empty groups
       layout_.numbers_kept = true;  // until name_numbered renames them
-      OPTSTATE_RETURN_IF_ERROR(name_numbered(model_items[layout_.parent()], param_names, state_items, weight_items));
+      OPTSTATE_RETURN_IF_ERROR(name_numbered(model_items[layout_.model_parent()], param_names, state_items, weight_items));
     }
 
     // Params: shape, dtype, step and entries.
@@ -800,7 +804,7 @@ class DcpReader final : public CheckpointReader {
     // (torchtitan's llama keeps its complex64 rotary table `freqs_cis` as a persistent buffer).
     // Bytes items (a module's extra state) stay counted among what is not read.
     std::vector<std::pair<std::string, std::string>> candidates;  // name -> item key
-    if (const auto mi = model_items.find(layout_.parent()); mi != model_items.end())
+    if (const auto mi = model_items.find(layout_.model_parent()); mi != model_items.end())
       candidates.assign(mi->second.begin(), mi->second.end());
     const bool weights_at_top = opt_key.size() == 1 && std::any_of(top_items.begin(), top_items.end(), [&](const auto& kv) {
                                   return carried_weights.count(kv.second) > 0;
@@ -854,14 +858,36 @@ class DcpReader final : public CheckpointReader {
       layout_.carried.push_back(std::move(c));
     }
     // Composer's DecoupledAdamW (under state.optimizers.DecoupledAdamW, as Composer keys its
-    // optimizers by class) decays weights by weight_decay * lr / initial_lr: not AdamW's
-    // weight_decay. The torch.save reader reads it as AdamW's equivalent; a DCP of it is refused.
-    if (!opt_key.empty() && opt_key.back() == "DecoupledAdamW")
-      for (size_t g = 0; g < meta_.groups.size(); ++g)
-        if (meta_.groups[g].hyper.weight_decay != 0)
-          return corrupt(fmt::format("{}: param group {}: Composer's DecoupledAdamW (weight_decay {} not scaled by lr, "
-                                     "not AdamW's); optstate reads it from Composer's torch.save checkpoint, not from a DCP",
-                                     where, g, meta_.groups[g].hyper.weight_decay));
+    // optimizers by class) decays each weight by weight_decay * lr / initial_lr a step, AdamW by
+    // weight_decay * lr: the same update as AdamW's with weight_decay / initial_lr at every lr,
+    // read so (as the torch.save reader reads Composer's file); a DCP write in this layout writes
+    // DecoupledAdamW's back (layout_.decoupled_decay).
+    if (opt_key.size() >= 2 && opt_key[opt_key.size() - 2] == "optimizers" && opt_key.back() == "DecoupledAdamW") {
+      if (layout_.group_extras.size() != meta_.groups.size())
+        return corrupt(fmt::format("{}: '{}': {} param groups, {} groups' fields", where, dotted(opt_key),
+                                   meta_.groups.size(), layout_.group_extras.size()));
+      for (size_t g = 0; g < meta_.groups.size(); ++g) {
+        double& wd = meta_.groups[g].hyper.weight_decay;
+        SourceLayout::DecoupledDecay d{wd, wd, 0};
+        for (const auto& [field, v] : layout_.group_extras[g])
+          if (field == "initial_lr" && (v.kind == GroupValue::Kind::kFloat || v.kind == GroupValue::Kind::kTensor))
+            d.initial_lr = v.f;
+          else if (field == "initial_lr" && v.kind == GroupValue::Kind::kInt)
+            d.initial_lr = static_cast<double>(v.i);
+        if (wd != 0) {
+          if (!(d.initial_lr > 0) || !std::isfinite(d.initial_lr) || !std::isfinite(wd / d.initial_lr))
+            return corrupt(fmt::format("{}: param group {}: Composer's DecoupledAdamW with weight_decay {} and no "
+                                       "positive 'initial_lr': its decay is not scaled by lr, which no AdamW weight "
+                                       "decay is", where, g, wd));
+          d.read = wd / d.initial_lr;
+          value_notes_.push_back(fmt::format("param group {}: weight_decay {} is Composer's DecoupledAdamW's (not "
+                                             "scaled by lr), read as AdamW's {} (divided by initial_lr {})",
+                                             g, wd, d.read, d.initial_lr));
+          wd = d.read;
+        }
+        layout_.decoupled_decay.push_back(d);
+      }
+    }
     OPTSTATE_RETURN_IF_ERROR(find_beside());
     return check_structure(meta_, false).with_context(where);
   }
@@ -1817,7 +1843,7 @@ class DcpReader final : public CheckpointReader {
         shapes_of_group.push_back(first ? std::optional(first->size) : std::nullopt);
       }
     }
-    std::vector<std::string> model_path = layout_.parent();
+    std::vector<std::string> model_path = layout_.model_parent();
     model_path.push_back("model");
     const std::string model_key = dotted(model_path);
     const ModelPlacement placed = place_params_in_model(groups, shapes);

@@ -469,7 +469,20 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
         OPTSTATE_RETURN_IF_ERROR(value_item(name("betas"), w.finish()));
       }
       OPTSTATE_RETURN_IF_ERROR(num("eps", h.eps));
-      OPTSTATE_RETURN_IF_ERROR(num("weight_decay", h.weight_decay));
+      if (layout.decoupled_decay.empty()) {
+        OPTSTATE_RETURN_IF_ERROR(num("weight_decay", h.weight_decay));
+      } else {
+        // Composer's DecoupledAdamW's own, in its layout: the file's where the group's is the one
+        // read from it, else AdamW's times initial_lr.
+        if (layout.decoupled_decay.size() != state.groups.size())
+          return invalid_argument(fmt::format("{} param groups to write as Composer's DecoupledAdamW's, whose {} "
+                                              "groups were read", state.groups.size(), layout.decoupled_decay.size()));
+        const SourceLayout::DecoupledDecay& d = layout.decoupled_decay[g];
+        if (h.weight_decay != d.read && !(d.initial_lr > 0))
+          return invalid_argument(fmt::format("param group {}: weight_decay {} cannot be Composer's DecoupledAdamW's: "
+                                              "the group has no positive initial_lr", g, h.weight_decay));
+        OPTSTATE_RETURN_IF_ERROR(num("weight_decay", h.weight_decay == d.read ? d.saved : h.weight_decay * d.initial_lr));
+      }
       auto boolean = [](bool b) { return b ? FlagValue::kTrue : FlagValue::kFalse; };
       OPTSTATE_RETURN_IF_ERROR(flag("amsgrad", boolean(h.amsgrad)));
       OPTSTATE_RETURN_IF_ERROR(flag("maximize", boolean(h.maximize)));
@@ -536,10 +549,10 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
       if (name == kParam) {
         auto w = layout.weights.find(fqn);
         std::string model_key;
-        for (const std::string& part : layout.parent()) model_key += part + ".";
+        for (const std::string& part : layout.model_parent()) model_key += part + ".";
         ItemName where = w != layout.weights.end()
                              ? w->second
-                             : ItemName{model_key + "model." + fqn, dict_path(joined(layout.parent(), {"model", fqn}))};
+                             : ItemName{model_key + "model." + fqn, dict_path(joined(layout.model_parent(), {"model", fqn}))};
         OPTSTATE_RETURN_IF_ERROR(tensor_item(std::move(where), d, ps.shape, bytes));
       } else {
         OPTSTATE_RETURN_IF_ERROR(tensor_item(state_name(fqn, name), d, ps.shape, bytes));
@@ -560,7 +573,7 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
   // get_state_dict(model) saves them: a strict dcp.load of the model's state dict finds them all.
   if (model_from) {
     std::string model_key;
-    for (const std::string& part : layout.parent()) model_key += part + ".";
+    for (const std::string& part : layout.model_parent()) model_key += part + ".";
     const std::span<const ModelTensorInfo> tensors = model_from->model_tensors();
     for (size_t i = 0; i < tensors.size(); ++i) {
       const ModelTensorInfo& t = tensors[i];
@@ -572,7 +585,7 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
         return Status::Ok();
       }));
       OPTSTATE_RETURN_IF_ERROR(tensor_item(ItemName{model_key + "model." + t.name,
-                                                    dict_path(joined(layout.parent(), {"model", t.name}))},
+                                                    dict_path(joined(layout.model_parent(), {"model", t.name}))},
                                            t.dtype, t.shape, bytes));
     }
   }

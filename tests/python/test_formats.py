@@ -886,6 +886,91 @@ def test_prime_rl_dcp_reads_converts_and_resumes(tmp_path, optstate_cli, ranks):
         assert torch.equal(opt.state[p]["exp_avg"], ref[f"{name}.exp_avg"]), name
 
 
+MAKE_COMPOSER_DCP = textwrap.dedent("""
+    # A checkpoint laid out as Composer's sharded one (state_dict_type="sharded"; Composer itself pins
+    # older torch): dcp.save({"state": State.state_dict(), "rng": [...]}), the model's dict under
+    # state.model (a ComposerModel keeps the wrapped model as .model), each optimizer under
+    # state.optimizers.<its class name>, as get_optimizer_state_dict gives it. The optimizer is
+    # Composer's DecoupledAdamW: torch's AdamW with initial_lr in every group and the decay scaled by
+    # lr / initial_lr. Saves what it holds as <out>.ref.pt, and torchtitan's nesting of the same
+    # state ({"model", "optim"}), with torch.optim.AdamW's equivalent weight decay, as <out>.plain.
+    import random, sys, torch, torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    out = sys.argv[1]
+    class DecoupledAdamW(torch.optim.AdamW):
+        def __init__(self, params, lr, weight_decay):
+            super().__init__(params, lr=lr, weight_decay=weight_decay)
+            for group in self.param_groups:
+                group["initial_lr"] = group["lr"]
+        @torch.no_grad()
+        def step(self):
+            for group in self.param_groups:
+                decay, wd = group["lr"] / group["initial_lr"], group["weight_decay"]
+                for p in group["params"]:
+                    p.mul_(1 - decay * wd)
+                group["weight_decay"] = 0.0
+            super().step()
+            for group in self.param_groups:
+                group["weight_decay"] = wd
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.GELU(), torch.nn.Linear(48, 4))
+        def forward(self, x):
+            return self.model(x)
+    torch.manual_seed(0)
+    model = Wrapped()
+    opt = DecoupledAdamW(model.parameters(), lr=6e-4, weight_decay=1e-5)
+    for step in range(3):
+        model(torch.randn(8, 16)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_model_state_dict(model), get_optimizer_state_dict(model, opt)
+    state = {"model": msd, "optimizers": {"DecoupledAdamW": osd}, "timestamp": {"epoch": 0, "batch": 3},
+             "run_name": "run-1", "rank_zero_seed": 17, "schedulers": {"LambdaLR": {"last_epoch": 3}},
+             "algorithms": [], "integrations": {}, "metadata": {"composer_env_info": {"composer_version": "0.32.0"}}}
+    dcp.save({"state": state, "rng": [{"python": random.getstate(), "torch": torch.get_rng_state()}]}, checkpoint_id=out)
+    plain = {**osd, "param_groups": [{**g, "weight_decay": g["weight_decay"] / g["initial_lr"]} for g in osd["param_groups"]]}
+    dcp.save({"model": msd, "optim": plain}, checkpoint_id=out + ".plain")
+    ref = {}
+    for name, p in model.named_parameters():
+        ref[name + ".param"] = p.detach().clone()
+        for k in ("exp_avg", "exp_avg_sq"):
+            ref[name + "." + k] = opt.state[p][k].clone()
+    torch.save(ref, out + ".ref.pt")
+""")
+
+
+def test_composer_sharded_dcp_reads_its_weights_and_converts_both_ways(tmp_path, optstate_cli):
+    """Composer nests its optimizers by class name under its state (state.optimizers.DecoupledAdamW),
+    the model beside them (state.model): the weights are found there, not at
+    state.optimizers.model. DecoupledAdamW's weight decay is read as torch.optim.AdamW's equivalent
+    (divided by initial_lr, as from Composer's torch.save file), so the state reads as the same as a
+    plain nesting of it with that decay (same hash), converts to the values it holds and to a
+    torch.save file with AdamW's decay, and DCP -> DCP keeps Composer's layout item for item, its
+    own decay included."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    src = tmp_path / "composer"
+    run_script(tmp_path, MAKE_COMPOSER_DCP, "make_composer.py", src)
+    info = optstate_cli("inspect", src).stdout
+    assert "1 param group(s), 4 params" in info and "model weights" in info, info
+    assert "state.model" not in info and "other       rng.0.python (1 item)" in info, info
+    assert "weight_decay 1e-05 is Composer's DecoupledAdamW's (not scaled by lr), read as AdamW's 0.01666" in info, info
+    assert hashes(optstate_cli, src) == hashes(optstate_cli, str(src) + ".plain")
+    assert_converts_to_ref(optstate_cli, src, tmp_path / "state.safetensors")
+    optstate_cli("convert", src, tmp_path / "adamw.pt")
+    groups = torch.load(tmp_path / "adamw.pt", weights_only=False)["optimizer"]["param_groups"]
+    assert groups[0]["weight_decay"] == 1e-5 / 6e-4 and groups[0]["initial_lr"] == 6e-4, groups
+    out = optstate_cli("convert", src, tmp_path / "copy", "--format", "dcp")
+    assert "Composer's DecoupledAdamW's" in out.stderr, out.stderr
+    assert "carried unchanged: rng.0.python (1 item)" in out.stdout and "state.run_name" in out.stdout, out.stdout
+    dcp_to_torch_save(src, tmp_path / "src.pt")
+    dcp_to_torch_save(tmp_path / "copy", tmp_path / "copy.pt")
+    a, b = torch.load(tmp_path / "src.pt", weights_only=False), torch.load(tmp_path / "copy.pt", weights_only=False)
+    assert set(a["state"]["model"]) == {"model.0.weight", "model.0.bias", "model.2.weight", "model.2.bias"}
+    assert deep_equal(a, b)
+
+
 RESUME_TORCHTITAN = textwrap.dedent("""
     # torchtitan's resume: the state dict it builds (weights at the top level, the flattened
     # optimizer, lr_scheduler, train_state, dataloader), a strict dcp.load, and torch.optim.AdamW --

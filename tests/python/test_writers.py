@@ -229,10 +229,13 @@ def test_a_composer_checkpoint_reads_with_decoupled_adamws_weight_decay_as_adamw
         assert torch.equal(opt.state[p]["exp_avg"], ref[f"{name}.exp_avg"]), name
 
 
-def test_composers_decoupled_adamw_without_initial_lr_or_in_a_dcp_is_refused(tmp_path, optstate_cli):
+def test_composers_decoupled_adamw_without_initial_lr_is_refused_and_in_a_dcp_reads_as_from_its_file(
+        tmp_path, optstate_cli):
     """Without a positive initial_lr DecoupledAdamW's decay is weight_decay at any lr, which no
     AdamW weight decay is: refused naming the group. A DCP of it (Composer's sharded checkpoint
-    keys its optimizer by class too) is refused; a DCP of Composer's torch.optim.AdamW reads."""
+    keys its optimizer by class too) reads as its torch.save file does, the decay AdamW's
+    equivalent, and DCP -> DCP writes DecoupledAdamW's own back; a DCP of Composer's
+    torch.optim.AdamW reads its decay as it is."""
     import torch.distributed.checkpoint as dcp
     ck = torch.load(COMPOSER, weights_only=False)
     sd = ck["state"]["optimizers"]["DecoupledAdamW"]
@@ -242,17 +245,22 @@ def test_composers_decoupled_adamw_without_initial_lr_or_in_a_dcp_is_refused(tmp
     err = run_err(optstate_cli, "inspect", tmp_path / "no_initial_lr.pt")
     assert "param group 0: Composer's DecoupledAdamW with weight_decay 1e-05 and no positive 'initial_lr'" in err, err
     model = {k: v for k, v in ck["state"]["model"].items()}
-    for cls, refused in (("DecoupledAdamW", True), ("AdamW", False)):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    for cls, decay in (("DecoupledAdamW", pytest.approx(0.01, rel=1e-12)), ("AdamW", 1e-05)):
         ck2 = torch.load(COMPOSER, weights_only=False)
         state = {"model": model, "optimizers": {cls: ck2["state"]["optimizers"]["DecoupledAdamW"]}}
         path = tmp_path / f"dcp_{cls}"
         dcp.save({"state": state}, checkpoint_id=path)
-        if refused:
-            err = run_err(optstate_cli, "inspect", path)
-            assert "param group 0: Composer's DecoupledAdamW (weight_decay 1e-05 not scaled by lr" in err, err
-        else:
-            info = json.loads(optstate_cli("inspect", path, "--json").stdout)
-            assert sorted(g["weight_decay"] for g in info["param_groups"]) == [0.0, 1e-05]
+        info = json.loads(optstate_cli("inspect", path, "--json").stdout)
+        assert sorted(g["weight_decay"] for g in info["param_groups"]) == [0.0, decay]
+        assert info["params"] and all("param" in p["entries"] for p in info["params"].values()), info["params"]
+        if cls == "DecoupledAdamW":
+            assert info["read_notes"] == ["param group 0: weight_decay 1e-05 is Composer's DecoupledAdamW's (not "
+                                          "scaled by lr), read as AdamW's 0.01 (divided by initial_lr 0.001)"]
+            optstate_cli("convert", path, tmp_path / "copy", "--format", "dcp")
+            dcp_to_torch_save(tmp_path / "copy", tmp_path / "copy.pt")
+            groups = torch.load(tmp_path / "copy.pt", weights_only=False)["state"]["optimizers"][cls]["param_groups"]
+            assert sorted(g["weight_decay"] for g in groups) == [0.0, 1e-05], groups
 
 
 

@@ -2119,7 +2119,9 @@ bool is_accelerate_folder(const fs::path& path) {
 Result<Metadata> read_metadata(const fs::path& dir) {
   const std::string where = (dir / ".metadata").string();
   OPTSTATE_ASSIGN_OR_RETURN(auto bytes, read_small_file(dir / ".metadata", kMaxMetadataBytes));
-  OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(bytes, where));
+  pickle::Limits limits;
+  limits.share_immutables = true;  // read, never emitted again
+  OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(bytes, where, limits));
   return interpret_metadata(p, where);
 }
 

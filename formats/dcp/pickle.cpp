@@ -48,7 +48,7 @@ class Machine {
           OPTSTATE_RETURN_IF_ERROR(push(r));
           break;
         }
-        case 'N': OPTSTATE_RETURN_IF_ERROR(push_new(Kind::kNone)); break;
+        case 'N': OPTSTATE_RETURN_IF_ERROR(push_shared(none_, Kind::kNone)); break;
         case 0x88:
         case 0x89: {  // NEWTRUE, NEWFALSE
           OPTSTATE_ASSIGN_OR_RETURN(Ref r, make(Kind::kBool));
@@ -96,7 +96,7 @@ class Machine {
         case 'B': OPTSTATE_RETURN_IF_ERROR(push_string(Kind::kBytes, 4)); break;  // BINBYTES
         case 0x8e: OPTSTATE_RETURN_IF_ERROR(push_string(Kind::kBytes, 8)); break;  // BINBYTES8
         case 0x96: OPTSTATE_RETURN_IF_ERROR(push_string(Kind::kBytes, 8)); break;  // BYTEARRAY8
-        case ')': OPTSTATE_RETURN_IF_ERROR(push_new(Kind::kTuple)); break;
+        case ')': OPTSTATE_RETURN_IF_ERROR(push_shared(empty_tuple_, Kind::kTuple)); break;
         case 't': OPTSTATE_RETURN_IF_ERROR(collect(Kind::kTuple)); break;
         case 0x85:
         case 0x86:
@@ -253,9 +253,23 @@ class Machine {
     OPTSTATE_ASSIGN_OR_RETURN(Ref r, make(k));
     return push(r);
   }
+  // Limits::share_immutables: None, (), and small ints made once (only lists, dicts, sets and
+  // objects take items or a state once made).
+  Status push_shared(Ref& shared, Kind k) {
+    if (!limits_.share_immutables) return push_new(k);
+    if (shared == kNoRef) {
+      OPTSTATE_ASSIGN_OR_RETURN(shared, make(k));
+    }
+    return push(shared);
+  }
   Status push_int(int64_t v) {
+    constexpr int64_t kShared = int64_t{1} << 16;
+    const bool shared = limits_.share_immutables && v > -kShared && v < kShared;
+    if (shared)
+      if (auto it = small_ints_.find(v); it != small_ints_.end()) return push(it->second);
     OPTSTATE_ASSIGN_OR_RETURN(Ref r, make(Kind::kInt));
     values_[r].i = v;
+    if (shared) small_ints_.emplace(v, r);
     return push(r);
   }
   Status push_string(Kind k, int len_bytes) {
@@ -405,6 +419,8 @@ class Machine {
   std::unordered_map<Ref, std::unordered_multimap<uint64_t, Ref>> dict_keys_;  // check_new_keys
   std::vector<size_t> marks_;
   std::vector<Ref> memo_;
+  Ref none_ = kNoRef, empty_tuple_ = kNoRef;   // push_shared
+  std::unordered_map<int64_t, Ref> small_ints_;  // push_int
   size_t pos_ = 0, op_at_ = 0;
   uint8_t op_ = 0;
 };

@@ -156,6 +156,11 @@ struct Limits {
   // GPUs (about 30 values a chunk, a chunk per rank per tensor) fits.
   uint32_t max_values = 1u << 28;
   uint16_t max_depth = 256;
+  // None, () and ints of magnitude below 2^16 made once and shared, as Python shares them: a third
+  // fewer values in a DCP .metadata (each chunk's offsets, sizes and indices). Nothing changes them
+  // once made; but a caller that tells values apart by Ref (emit's hooks replace one value, say a
+  // world size, by its Ref) must not share them: off unless asked for.
+  bool share_immutables = false;
 };
 
 class Pickle {

@@ -229,3 +229,38 @@ TEST_CASE("pickle: Refs in place and on the heap; ValueArena across its growing 
   for (int k = 0; k < 5000; ++k) kept.emplace_back(texts.keep(std::to_string(k)), std::to_string(k));
   for (const auto& [t, s] : kept) CHECK(std::string_view(t) == s);
 }
+
+TEST_CASE("pickle: share_immutables makes None, () and small ints once; values read the same; off by default") {
+  // [None, None, (), (), 7, 7, 70000, 70000, -3, -3, [], []] : the lists stay two (they take items)
+  Writer w;
+  w.empty_list();
+  w.mark();
+  for (int k = 0; k < 2; ++k) w.none();
+  for (int k = 0; k < 2; ++k) w.empty_tuple();
+  for (int k = 0; k < 2; ++k) w.integer(7);
+  for (int k = 0; k < 2; ++k) w.integer(70000);
+  for (int k = 0; k < 2; ++k) w.integer(-3);
+  for (int k = 0; k < 2; ++k) w.empty_list();
+  w.appends_from_mark();
+  const std::string bytes = w.finish();
+  Limits shared;
+  shared.share_immutables = true;
+  auto on = unpickle(std::as_bytes(std::span(bytes)), "test", shared);
+  auto off = unpickle(std::as_bytes(std::span(bytes)), "test");
+  REQUIRE(on.ok());
+  REQUIRE(off.ok());
+  const Refs& a = on->at(on->root()).items;
+  const Refs& b = off->at(off->root()).items;
+  REQUIRE(a.size() == 12);
+  REQUIRE(b.size() == 12);
+  CHECK(same(*on, on->root(), *off, off->root()));
+  CHECK(a[0] == a[1]);    // None
+  CHECK(a[2] == a[3]);    // ()
+  CHECK(a[4] == a[5]);    // 7
+  CHECK(a[6] != a[7]);    // 70000: past the shared ints
+  CHECK(a[8] == a[9]);    // -3
+  CHECK(a[10] != a[11]);  // lists are never shared
+  CHECK(on->at(a[8]).i == -3);
+  CHECK(on->size() < off->size());
+  for (size_t k = 0; k < 12; k += 2) CHECK(b[k] != b[k + 1]);
+}

@@ -21,7 +21,8 @@ namespace {
 std::vector<std::string> group_extras_brief(std::span<const GroupExtras> group_extras) {
   std::vector<std::pair<std::string, std::vector<size_t>>> by_key;
   for (size_t g = 0; g < group_extras.size(); ++g)
-    for (const auto& [key, v] : group_extras[g]) {
+    for (const auto& extra : group_extras[g]) {
+      const std::string& key = extra.first;
       auto it = std::find_if(by_key.begin(), by_key.end(), [&](const auto& kv) { return kv.first == key; });
       if (it == by_key.end()) it = by_key.insert(by_key.end(), {key, {}});
       it->second.push_back(g);

@@ -452,8 +452,7 @@ void Refs::append(std::span<const Ref> more) {
 
 ValueArena::~ValueArena() {
   for (size_t i = 0; i < size_; ++i) slot(i)->~Value();
-  for (size_t b = 0; b < blocks_.size(); ++b)
-    ::operator delete(blocks_[b], block_size(b) * sizeof(Value), std::align_val_t{alignof(Value)});
+  for (Value* block : blocks_) ::operator delete(block);
 }
 
 Value* ValueArena::slot(size_t i) {
@@ -469,7 +468,9 @@ Value* ValueArena::slot(size_t i) {
 Value& ValueArena::emplace_back() {
   if (size_ == capacity_) {  // a new block, of the size slot() maps the next values to
     const size_t n = block_size(blocks_.size());
-    blocks_.push_back(static_cast<Value*>(::operator new(n * sizeof(Value), std::align_val_t{alignof(Value)})));
+    // (Value's alignment is within operator new's.)
+    static_assert(alignof(Value) <= __STDCPP_DEFAULT_NEW_ALIGNMENT__);
+    blocks_.push_back(static_cast<Value*>(::operator new(n * sizeof(Value))));
     capacity_ += n;
   }
   Value* v = new (slot(size_)) Value();

@@ -50,6 +50,7 @@ Result<std::pair<Archive, pickle::Pickle>> open_archive(const fs::path& path) {
   // LibTorch's TorchScript archives deflate their code/ records (never read here); the records
   // that are read, data.pkl and the storages, must be stored.
   OPTSTATE_ASSIGN_OR_RETURN(a.index, dcp::read_archive_index(a.file, whole, where, /*allow_compressed=*/true));
+  a.index.tail = {};  // the bytes read to find the directory: not needed again (a reader of many ranks keeps an archive each)
   // data.pkl names the archive's folder; every storage is <folder>/data/<key>.
   const zip::Entry* pkl = nullptr;
   for (const zip::Entry& e : a.index.entries) {

@@ -285,7 +285,8 @@ TEST_CASE("pickle: a dict that sets a key twice is refused (Python keeps the las
     const std::string b = w.finish();
     return pickle::unpickle(std::as_bytes(std::span(b)), "x.pkl");
   };
-  for (const auto& [first, second] : std::vector<std::pair<int, int>>{{3, 2}, {10, 10}, {20, 5}, {2, 40}}) {
+  for (const auto& sizes : std::vector<std::pair<int, int>>{{3, 2}, {10, 10}, {20, 5}, {2, 40}}) {
+    const int first = sizes.first, second = sizes.second;  // copies: clang 14 cannot CAPTURE a binding
     CAPTURE(first);
     CAPTURE(second);
     const auto good = built(first, second, false);

@@ -894,9 +894,12 @@ MAKE_COMPOSER_DCP = textwrap.dedent("""
     # Composer's DecoupledAdamW: torch's AdamW with initial_lr in every group and the decay scaled by
     # lr / initial_lr. Saves what it holds as <out>.ref.pt, and torchtitan's nesting of the same
     # state ({"model", "optim"}), with torch.optim.AdamW's equivalent weight decay, as <out>.plain.
-    import random, sys, torch, torch.distributed.checkpoint as dcp
+    import os, random, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     out = sys.argv[1]
+    dist_run = "RANK" in os.environ  # Composer's FSDP: each rank saves its shards
+    if dist_run:
+        dist.init_process_group("gloo")
     class DecoupledAdamW(torch.optim.AdamW):
         def __init__(self, params, lr, weight_decay):
             super().__init__(params, lr=lr, weight_decay=weight_decay)
@@ -920,6 +923,9 @@ MAKE_COMPOSER_DCP = textwrap.dedent("""
             return self.model(x)
     torch.manual_seed(0)
     model = Wrapped()
+    if dist_run:
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(model)
     opt = DecoupledAdamW(model.parameters(), lr=6e-4, weight_decay=1e-5)
     for step in range(3):
         model(torch.randn(8, 16)).square().sum().backward()
@@ -932,16 +938,22 @@ MAKE_COMPOSER_DCP = textwrap.dedent("""
     dcp.save({"state": state, "rng": [{"python": random.getstate(), "torch": torch.get_rng_state()}]}, checkpoint_id=out)
     plain = {**osd, "param_groups": [{**g, "weight_decay": g["weight_decay"] / g["initial_lr"]} for g in osd["param_groups"]]}
     dcp.save({"model": msd, "optim": plain}, checkpoint_id=out + ".plain")
+    full = lambda t: (t.full_tensor() if dist_run else t).detach().clone()
     ref = {}
     for name, p in model.named_parameters():
-        ref[name + ".param"] = p.detach().clone()
+        ref[name + ".param"] = full(p)
         for k in ("exp_avg", "exp_avg_sq"):
-            ref[name + "." + k] = opt.state[p][k].clone()
-    torch.save(ref, out + ".ref.pt")
+            ref[name + "." + k] = full(opt.state[p][k])
+    if not dist_run or dist.get_rank() == 0:
+        torch.save(ref, out + ".ref.pt")
+    if dist_run:
+        dist.barrier()
+        dist.destroy_process_group()
 """)
 
 
-def test_composer_sharded_dcp_reads_its_weights_and_converts_both_ways(tmp_path, optstate_cli):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_composer_sharded_dcp_reads_its_weights_and_converts_both_ways(tmp_path, optstate_cli, ranks):
     """Composer nests its optimizers by class name under its state (state.optimizers.DecoupledAdamW),
     the model beside them (state.model): the weights are found there, not at
     state.optimizers.model. DecoupledAdamW's weight decay is read as torch.optim.AdamW's equivalent
@@ -951,7 +963,7 @@ def test_composer_sharded_dcp_reads_its_weights_and_converts_both_ways(tmp_path,
     own decay included."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     src = tmp_path / "composer"
-    run_script(tmp_path, MAKE_COMPOSER_DCP, "make_composer.py", src)
+    run_script(tmp_path, MAKE_COMPOSER_DCP, "make_composer.py", src, ranks=ranks)
     info = optstate_cli("inspect", src).stdout
     assert "1 param group(s), 4 params" in info and "model weights" in info, info
     assert "state.model" not in info and "other       rng.0.python (1 item)" in info, info

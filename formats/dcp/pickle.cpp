@@ -342,7 +342,7 @@ class Machine {
     auto keyed = [&](const Value& v) { return v.kind == Kind::kStr || v.kind == Kind::kInt || v.kind == Kind::kBool; };
     auto same = [](const Value& a, const Value& b) {
       return a.kind == Kind::kStr ? b.kind == Kind::kStr && a.s == b.s
-                                  : b.kind != Kind::kStr && (b.kind == Kind::kInt || b.kind == Kind::kBool) && a.i == b.i;
+                                  : (b.kind == Kind::kInt || b.kind == Kind::kBool) && a.i == b.i;
     };
     auto twice = [&](const Value& key) {
       return fail(key.kind == Kind::kStr ? fmt::format("a dict sets key '{}' twice", key.s.substr(0, 80))

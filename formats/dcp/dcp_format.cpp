@@ -868,23 +868,16 @@ class DcpReader final : public CheckpointReader {
                                    meta_.groups.size(), layout_.group_extras.size()));
       for (size_t g = 0; g < meta_.groups.size(); ++g) {
         double& wd = meta_.groups[g].hyper.weight_decay;
-        SourceLayout::DecoupledDecay d{wd, wd, 0};
+        std::optional<double> initial;
         for (const auto& [field, v] : layout_.group_extras[g])
           if (field == "initial_lr" && (v.kind == GroupValue::Kind::kFloat || v.kind == GroupValue::Kind::kTensor))
-            d.initial_lr = v.f;
+            initial = v.f;
           else if (field == "initial_lr" && v.kind == GroupValue::Kind::kInt)
-            d.initial_lr = static_cast<double>(v.i);
-        if (wd != 0) {
-          if (!(d.initial_lr > 0) || !std::isfinite(d.initial_lr) || !std::isfinite(wd / d.initial_lr))
-            return corrupt(fmt::format("{}: param group {}: Composer's DecoupledAdamW with weight_decay {} and no "
-                                       "positive 'initial_lr': its decay is not scaled by lr, which no AdamW weight "
-                                       "decay is", where, g, wd));
-          d.read = wd / d.initial_lr;
-          value_notes_.push_back(fmt::format("param group {}: weight_decay {} is Composer's DecoupledAdamW's (not "
-                                             "scaled by lr), read as AdamW's {} (divided by initial_lr {})",
-                                             g, wd, d.read, d.initial_lr));
-          wd = d.read;
-        }
+            initial = static_cast<double>(v.i);
+        SourceLayout::DecoupledDecay d{wd, wd, initial.value_or(0)};
+        OPTSTATE_ASSIGN_OR_RETURN(d.read, adamw_decay_of_decoupled(wd, initial, g, fmt::format("{}: param group {}", where, g),
+                                                                   value_notes_));
+        wd = d.read;
         layout_.decoupled_decay.push_back(d);
       }
     }

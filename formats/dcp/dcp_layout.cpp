@@ -549,6 +549,19 @@ Status check_nd_flattened(const ItemMeta& im, const std::vector<int64_t>& nd, co
 
 Result<Payload> interpret_payload(const Pickle& p, const std::string& where) { return interpret_value(p, p.root(), where); }
 
+Result<double> adamw_decay_of_decoupled(double weight_decay, std::optional<double> initial_lr, size_t group,
+                                        const std::string& group_where, std::vector<std::string>& notes) {
+  if (weight_decay == 0) return 0.0;
+  if (!initial_lr || !(*initial_lr > 0) || !std::isfinite(*initial_lr) || !std::isfinite(weight_decay / *initial_lr))
+    return corrupt(fmt::format("{}: Composer's DecoupledAdamW with weight_decay {} and no positive 'initial_lr': its "
+                               "decay is not scaled by lr, which no AdamW weight decay is",
+                               group_where, weight_decay));
+  const double adamw = weight_decay / *initial_lr;
+  notes.push_back(fmt::format("param group {}: weight_decay {} is Composer's DecoupledAdamW's (not scaled by lr), read "
+                              "as AdamW's {} (divided by initial_lr {})", group, weight_decay, adamw, *initial_lr));
+  return adamw;
+}
+
 std::string_view torchao_subclass_package(const Pickle& p, Ref r, std::string_view module, std::string_view name) {
   for (std::string_view package : kTorchaoOptimPackages)
     if (p.is_global(r, std::string(package) + "." + std::string(module), name)) return package;

@@ -134,6 +134,14 @@ const std::array<float, 256>& float8_e4m3fn_values();
 // a permutation of a dense layout (TensorRef::stride).
 Result<Payload> interpret_payload(const pickle::Pickle& p, const std::string& where);
 
+// Composer's DecoupledAdamW decays each weight by weight_decay * lr / initial_lr a step, where
+// AdamW decays it by weight_decay * lr: the same update as AdamW's with weight_decay / initial_lr,
+// at every lr a schedule gives. Returns that AdamW weight decay of group `group` (named
+// `group_where` in errors) and adds a note saying so; without a positive initial_lr (the decay is
+// then weight_decay at any lr, which no AdamW weight decay is) it is refused. 0 stays 0, unnoted.
+Result<double> adamw_decay_of_decoupled(double weight_decay, std::optional<double> initial_lr, size_t group,
+                                        const std::string& group_where, std::vector<std::string>& notes);
+
 // Where torchao defines its optimizer-state subclasses (OptimState8bit in `<package>.subclass_8bit`):
 // torchao.optim since torchao 0.11, torchao.prototype.low_bit_optim before. A pickle names the
 // defining module, so checkpoints of older torchao name the second; both are read alike.

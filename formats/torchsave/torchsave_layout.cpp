@@ -1013,25 +1013,16 @@ Status read_optimizer_extras(const Pickle& p, Ref opt, const std::string& ow, St
   return Status::Ok();
 }
 
-// Composer's DecoupledAdamW decays each weight by weight_decay * lr / initial_lr a step, where
-// AdamW decays it by weight_decay * lr: the same update as AdamW's with weight_decay / initial_lr,
-// at every lr a schedule gives. Its groups keep initial_lr (a number; without one, or 0, the decay
-// is weight_decay at any lr, which no AdamW weight decay is).
+// Composer's DecoupledAdamW's groups, each decay read as AdamW's (dcp::adamw_decay_of_decoupled).
 Status read_decoupled_decay(std::vector<GroupSpec>& groups, const std::string& where, std::vector<std::string>& notes) {
   for (size_t g = 0; g < groups.size(); ++g) {
     double& wd = groups[g].hyper.weight_decay;
-    if (wd == 0) continue;
     std::optional<double> initial;
     for (const GroupExtraSpec& e : groups[g].extras)
       if (e.key == "initial_lr" && (e.value.kind == GroupValue::Kind::kFloat || e.value.kind == GroupValue::Kind::kInt))
         initial = e.value.kind == GroupValue::Kind::kFloat ? e.value.f : static_cast<double>(e.value.i);
-    if (!initial || !(*initial > 0) || !std::isfinite(*initial) || !std::isfinite(wd / *initial))
-      return corrupt(fmt::format("{} param group {}: Composer's DecoupledAdamW with weight_decay {} and no positive "
-                                 "'initial_lr': its decay is not scaled by lr, which no AdamW weight decay is",
-                                 where, g, wd));
-    notes.push_back(fmt::format("param group {}: weight_decay {} is Composer's DecoupledAdamW's (not scaled by lr), read "
-                                "as AdamW's {} (divided by initial_lr {})", g, wd, wd / *initial, *initial));
-    wd /= *initial;
+    OPTSTATE_ASSIGN_OR_RETURN(wd, dcp::adamw_decay_of_decoupled(wd, initial, g, fmt::format("{} param group {}", where, g),
+                                                                notes));
   }
   return Status::Ok();
 }

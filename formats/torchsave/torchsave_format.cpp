@@ -204,6 +204,7 @@ class TorchSaveReader final : public CheckpointReader {
            : bnb_        ? "bitsandbytes"
            : torchao_    ? "torchao"
            : deepspeed_  ? "deepspeed"
+           : megatron_   ? "megatron"
            : nanotron_   ? "nanotron"
                          : "torchsave";
   }
@@ -509,7 +510,7 @@ class TorchSaveReader final : public CheckpointReader {
     // beyond the state (per-param fields and stateless params without weights it does not carry,
     // but an optimizer per param that never stepped its param, which it carries as it is).
     // (Not Composer's DecoupledAdamW: its weight decay is read as AdamW's, which the file's is not.)
-    carries_rest_ = !set_ && !libtorch_ && !sd0.decoupled_decay && !sd0.nanotron;
+    carries_rest_ = !set_ && !libtorch_ && !sd0.decoupled_decay && !sd0.nanotron && !sd0.megatron;
     for (size_t i = 0; i < not_read_.size(); ++i)
       carries_rest_ = carries_rest_ && (not_read_[i].starts_with("[") || not_read_[i].starts_with("param group ") ||
                                         (sd0.per_param && i == stateless_line));
@@ -992,7 +993,8 @@ class TorchSaveReader final : public CheckpointReader {
   // first file's; every data-parallel rank's file has the same groups, holding the params with a
   // run there), each param's runs put together where ZeRO-1 split it.
   Status init_nanotron(const NanotronParts& np) {
-    nanotron_ = true;
+    nanotron_ = !np.megatron;
+    megatron_ = np.megatron;
     set_ = true;
     const std::string dir = np.dir.string();
     std::vector<StateDict> sds;
@@ -1002,13 +1004,38 @@ class TorchSaveReader final : public CheckpointReader {
       OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(f.path));
       files_.push_back(std::move(ap.first));
       OPTSTATE_ASSIGN_OR_RETURN(StateDict sd, interpret_state_dict(ap.second, fw));
-      if (!sd.nanotron || !sd.optimizer_path.empty() || sd.per_param || sd.libtorch)
+      if (np.megatron) {
+        // Megatron's trainer dict: the optimizer's at ['optimizer'] (its plain optimizer) or
+        // ['optimizer']['optimizer'] (mixed precision), every stepped param named by the model dict
+        if (sd.optimizer_path.empty() || sd.per_param || sd.libtorch || sd.nanotron || sd.model_ref == pickle::kNoRef)
+          return corrupt(fmt::format("{}: not Megatron's model_optim_rng.pt (the optimizer's state_dict beside the "
+                                     "model's)", fw));
+        if (sd.megatron_args) {
+          const auto& a = *sd.megatron_args;
+          if (a.tp_size && *a.tp_size != np.tp_size)
+            return corrupt(fmt::format("{}: its args say tensor_model_parallel_size {}; {} holds {} tensor-parallel "
+                                       "rank{}", fw, *a.tp_size, dir, np.tp_size, np.tp_size == 1 ? "" : "s"));
+          if ((a.pp_size && *a.pp_size != 1) || (a.ep_size && *a.ep_size != 1))
+            return unsupported(fmt::format("{}: its args say pipeline_model_parallel_size {}, "
+                                           "expert_model_parallel_size {}; optstate reads Megatron's legacy "
+                                           "checkpoints of tensor parallelism alone", fw, a.pp_size.value_or(1),
+                                           a.ep_size.value_or(1)));
+        }
+        for (const ParamSpec& spec : sd.params)
+          if (!spec.entries.empty() && !sd.model_weight_keys.count(spec.fqn))
+            return corrupt(fmt::format("{}: param {} of the optimizer is not placed among the model's tensors{}", fw,
+                                       spec.fqn, sd.not_read.empty() ? "" : " (" + sd.not_read.back() + ")"));
+      } else if (!sd.nanotron || !sd.optimizer_path.empty() || sd.per_param || sd.libtorch) {
         return corrupt(fmt::format("{}: not nanotron's optimizer state_dict (its params named by 'names' beside "
                                    "'state' and 'param_groups')", fw));
+      }
       if (sd.eight || sd.bnb || sd.torchao)
-        return corrupt(fmt::format("{}: 8-bit or torchao state; nanotron's AdamW is torch's", fw));
+        return corrupt(fmt::format("{}: 8-bit or torchao state; {}'s AdamW is torch's", fw,
+                                   np.megatron ? "Megatron" : "nanotron"));
       for (const std::string& n : sd.not_read)
         if (unread.insert(n).second) not_read_.push_back(n);
+      for (const std::string& n : sd.read_notes)
+        if (std::find(value_notes_.begin(), value_notes_.end(), n) == value_notes_.end()) value_notes_.push_back(n);
       sds.push_back(std::move(sd));
     }
     for (const std::string& n : np.not_read) not_read_.push_back(n);
@@ -1882,6 +1909,7 @@ class TorchSaveReader final : public CheckpointReader {
   std::optional<bool> bnb_nested_;    // bitsandbytes' state: nested in __bnb_optimizer_quant_state__ or not
   bool deepspeed_ = false; // a DeepSpeed ZeRO checkpoint: formats/deepspeed/ sniffs it
   bool nanotron_ = false;  // a nanotron checkpoint's optimizer files: formats/nanotron/ sniffs them
+  bool megatron_ = false;  // a Megatron-LM legacy checkpoint's rank files: formats/megatron/ sniffs them
   bool shared_verified_ = false;  // verify_shared_records covered every record the pieces read
   std::vector<Archive> files_;
   OptimizerState meta_;

@@ -1034,6 +1034,8 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
   const Ref root = p.root();
   if (is_script_module(p, root)) return interpret_libtorch_archive(p, where);
   Ref opt = kNoRef, model = kNoRef;
+  Ref megatron_main = kNoRef;  // Megatron's fp32_from_fp16_params, if any ...
+  std::string megatron_at;     // ... and where its wrapper dict is
   std::string model_key;  // where the model's state_dict is: "['model']", ...
   if (is_optimizer_dict(p, root)) {
     opt = root;
@@ -1054,6 +1056,22 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
         if (!key || *key != "state") out.not_read.push_back(key ? fmt::format("['{}']", *key) : "[?]");
       }
       items = dict_items(p, composer);
+    }
+    // Megatron-LM's trainer dict: its args' parallel sizes, which the rank folders must agree with
+    if (const Ref args = p.dict_get(root, "args");
+        !is_composer && args != kNoRef && p.dict_get(root, "checkpoint_version") != kNoRef &&
+        p.at(args).kind == Kind::kObject && dict_items(p, p.at(args).state)) {
+      const Ref st = p.at(args).state;
+      auto int_of = [&](const char* k) -> std::optional<int64_t> {
+        const Ref v = p.dict_get(st, k);
+        if (v == kNoRef || p.at(v).kind != Kind::kInt) return std::nullopt;
+        return p.at(v).i;
+      };
+      StateDict::MegatronArgs ma{int_of("tensor_model_parallel_size"), int_of("pipeline_model_parallel_size"),
+                                 int_of("expert_model_parallel_size"), std::nullopt};
+      if (const Ref d = p.dict_get(st, "use_distributed_optimizer"); d != kNoRef && p.at(d).kind == Kind::kBool)
+        ma.distributed_optimizer = p.at(d).i != 0;
+      out.megatron_args = ma;
     }
     const std::string prefix = is_composer ? "['state']" : "";
     for (size_t k = 0; k + 1 < items->size(); k += 2) {
@@ -1077,6 +1095,22 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
       } else if (is_optimizer_dict(p, v)) {
         found.push_back(name);
         opt = v;
+      } else if (const Ref inner = p.dict_get(v, "optimizer"); dict_items(p, v) && is_optimizer_dict(p, inner) &&
+                 list_items(p, p.dict_get(v, "fp32_from_fp16_params"))) {
+        // Megatron's mixed-precision optimizer (Float16OptimizerWithFloat16Params) in its legacy
+        // checkpoint (model_optim_rng.pt): {"optimizer": torch's state_dict, "fp32_from_fp16_params":
+        // per group, its params' fp32 main copies, "grad_scaler": ...}
+        found.push_back(name + "['optimizer']");
+        opt = inner;
+        megatron_main = p.dict_get(v, "fp32_from_fp16_params");
+        megatron_at = name;
+        const auto& wrapper = *dict_items(p, v);
+        for (size_t j = 0; j + 1 < wrapper.size(); j += 2) {
+          const auto wkey = dcp::as_string(p, wrapper[j]);
+          if (!wkey || (*wkey != "optimizer" && *wkey != "fp32_from_fp16_params"))
+            out.not_read.push_back(fmt::format("{}['{}']", name, wkey ? *wkey : "?"));
+        }
+        out.megatron = true;
       } else if (is_per_param_dict(p, v, 1)) {
         found.push_back(name);  // torchtune's recipe_state.pt: {"optimizer": {fqn: sd}, "seed": ...}
         opt = v;
@@ -1223,6 +1257,38 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
       out.model_others_line = out.not_read.size();
       out.not_read.push_back(model_others_text(model_key, others));
     }
+  }
+
+  // Megatron's fp32 main params: the weights it steps, group by group in its members' order (the
+  // model dict's are their bf16/fp16 copies).
+  if (megatron_main != kNoRef) {
+    const std::string mw = fmt::format("{} {}", where, megatron_at);
+    const auto& main_groups = *list_items(p, megatron_main);
+    if (main_groups.size() != group_ids.size())
+      return corrupt(fmt::format("{}['fp32_from_fp16_params']: {} groups, the optimizer has {}", mw, main_groups.size(),
+                                 group_ids.size()));
+    for (size_t g = 0; g < group_ids.size(); ++g) {
+      const auto* mains = list_items(p, main_groups[g]);
+      const std::string gw = fmt::format("{}['fp32_from_fp16_params'][{}]", mw, g);
+      if (!mains || mains->size() != group_ids[g].size())
+        return corrupt(fmt::format("{}: not a list of the group's {} params", gw, group_ids[g].size()));
+      for (size_t i = 0; i < mains->size(); ++i) {
+        const auto it = params.find(group_ids[g][i]);
+        if (it == params.end()) continue;  // never stepped: its weights, if any, are the model's
+        const std::string tw = fmt::format("{}[{}] (param '{}')", gw, i, it->second.fqn);
+        OPTSTATE_ASSIGN_OR_RETURN(LocalValue lv, local_value(p, (*mains)[i], tw));
+        if (lv.local.kind != Payload::Kind::kTensor || lv.dtensor) return corrupt(tw + ": not a tensor");
+        if (lv.local.tensor.dtype != DType::kF32) return corrupt(fmt::format("{}: {}, not float32", tw, dtype_name(lv.local.tensor.dtype)));
+        if (lv.local.tensor.shape != it->second.shape)
+          return corrupt(fmt::format("{}: shape {}, its optimizer state's is {}", tw, format_shape(lv.local.tensor.shape),
+                                     format_shape(it->second.shape)));
+        it->second.weight = lv.local.tensor;
+        it->second.weight_dtensor.reset();
+      }
+    }
+    out.read_notes.push_back(fmt::format("Megatron's fp32 main params ({}['fp32_from_fp16_params']) read as the params' "
+                                         "weights; the model dict's {} copies name them", megatron_at,
+                                         model != kNoRef ? "bf16/fp16" : "(absent)"));
   }
 
   out.torchao = out.torchao || (torchao_groups && !out.bnb);

@@ -150,6 +150,18 @@ struct StateDict {
   // model_key naming it). A write carrying the file would drop both with the optimizer dict it
   // replaces: such a file is not carried.
   bool nanotron = false;
+  // Megatron's mixed-precision optimizer in its legacy checkpoint (model_optim_rng.pt): the
+  // optimizer's dict at ['optimizer']['optimizer'], its fp32 main params (fp32_from_fp16_params)
+  // read as the weights, the model dict's bf16/fp16 copies only naming the params. A write carrying
+  // the file would leave the main params as they were: such a file is not carried.
+  bool megatron = false;
+  // Megatron's trainer dict (['args'] beside ['checkpoint_version']): what its args (an
+  // argparse.Namespace) say of the parallelism, where they say it.
+  struct MegatronArgs {
+    std::optional<int64_t> tp_size, pp_size, ep_size;
+    std::optional<bool> distributed_optimizer;
+  };
+  std::optional<MegatronArgs> megatron_args;
   std::vector<std::string> read_notes;  // CheckpointReader::read_notes
   bool torchao = false;              // torchao's state: OptimState8bit/Fp8/4bit moments, or groups with
                                      // lr a tensor and no 'maximize' (_AdamBase's: torchao's AdamW*)

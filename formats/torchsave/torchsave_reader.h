@@ -96,6 +96,11 @@ struct NanotronParts {
   std::map<std::string, std::vector<int64_t>> shapes;  // model/'s (tensor-parallel rank 0's) shapes
   std::function<std::map<int64_t, std::pair<int64_t, int64_t>>(int64_t numel)> zero_rule;
   std::vector<std::string> not_read;
+  // Megatron-LM's legacy checkpoint (formats/megatron/) read alike: a model_optim_rng.pt per
+  // tensor-parallel rank (pp 0, dp 0), each the trainer's dict with the optimizer's state_dict and
+  // the model's beside it, params named by their place among the model's tensors; `sharded` and
+  // `replicated` from Megatron's layer names.
+  bool megatron = false;
 };
 Result<std::unique_ptr<CheckpointReader>> open_nanotron(const NanotronParts& parts);
 

@@ -663,3 +663,60 @@ def test_nanotron_checkpoints_optstate_cannot_place_are_refused_by_name(tmp_path
     assert str(rank1) in err and name in err and "no run of it" in err, err
     err = run_err(optstate_cli, "convert", NANOTRON / "dp2", tmp_path / "back", "--format", "nanotron")
     assert "not as nanotron's" in err and not (tmp_path / "back").exists(), err
+
+
+@pytest.mark.parametrize("run", ["legacy_dp2", "legacy_fp32_dp2", "legacy_tp2", "legacy_tp2_swiglu"])
+def test_a_megatron_legacy_checkpoint_reads_as_megatron_held_it(tmp_path, optstate_cli, run):
+    """Megatron-LM's legacy checkpoint (`--ckpt-format torch`: iter_N/mp_rank_<tp>/model_optim_rng.pt,
+    torch.save of the trainer's dict, the optimizer's params numbered, the model's state_dict
+    beside): Megatron's mixed-precision optimizer (its fp32 main params in fp32_from_fp16_params) or
+    its plain fp32 one, on one tensor-parallel rank or two (column- and row-parallel shards put
+    together by Megatron's layer names; SwiGLU's fc1 shards each a rank's gate above its up): bit
+    for bit what Megatron's optimizer held, the params named by their place among the model's
+    tensors, in Megatron's two groups. The checkpoints folder (its tracker file), the iteration
+    folder and, on one rank, the rank's folder and file read alike; one rank's file of two is
+    refused, naming the folder to read."""
+    ck = MEGATRON / run
+    ref, meta = ref_of(ck)
+    info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta)
+    assert info["format"] == "megatron"
+    assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0]
+    mixed = run != "legacy_fp32_dp2"
+    assert any("fp32 main params" in n for n in info["read_notes"]) == mixed, info["read_notes"]
+    root = hashes_root(optstate_cli, ck)
+    rank0 = ck / "iter_0000003" / "mp_rank_00"
+    assert hashes_root(optstate_cli, ck / "iter_0000003") == root
+    if "tp2" in run:
+        err = run_err(optstate_cli, "inspect", rank0 / "model_optim_rng.pt")
+        assert "one tensor-parallel rank's part of a Megatron-LM checkpoint of 2 ranks" in err, err
+        assert str(ck / "iter_0000003") in err
+    else:
+        assert hashes_root(optstate_cli, rank0) == root
+        assert hashes_root(optstate_cli, rank0 / "model_optim_rng.pt") == root
+    # written as a DCP torch reads; read back the same
+    out = tmp_path / "dcp"
+    optstate_cli("convert", ck, out, "--format", "dcp")
+    assert optstate_cli("diff", ck, out).returncode == 0
+
+
+def test_a_megatron_legacy_checkpoint_missing_a_rank_or_splitting_an_unknown_layer_is_refused(tmp_path, optstate_cli):
+    """A legacy checkpoint whose rank folders disagree with its args (a tensor-parallel rank's
+    folder missing), or whose param tensor parallelism splits under a name Megatron's layers do not
+    have (its weights differ between the ranks' files), is refused by name: neither reads shards
+    as whole params."""
+    ck = tmp_path / "ck"
+    shutil.copytree(MEGATRON / "legacy_tp2", ck)
+    shutil.rmtree(ck / "iter_0000003" / "mp_rank_01")
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "its args say tensor_model_parallel_size 2" in err and "holds 1 tensor-parallel rank" in err, err
+    ck = tmp_path / "renamed"
+    shutil.copytree(MEGATRON / "legacy_tp2", ck)
+    run_script(tmp_path, textwrap.dedent("""
+        import sys, torch
+        for f in sys.argv[1:]:
+            d = torch.load(f, weights_only=False)
+            d["model"] = {k.replace("linear_proj", "my_out"): v for k, v in d["model"].items()}
+            torch.save(d, f)
+    """), "rename.py", *sorted((ck / "iter_0000003").glob("mp_rank_*/model_optim_rng.pt")))
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "decoder.layers.0.self_attention.my_out.weight': its weights differ from tensor-parallel rank 0's" in err, err

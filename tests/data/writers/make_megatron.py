@@ -47,6 +47,15 @@ OptimizerParamScheduler, as the trainer steps it). Written into OUT:
   `--dist-ckpt-save-pre-mcore-014` saves it, `fully_sharded_model_space` (below); under 0.15
   (`tests/data/writers/megatron-core-0.15.3_torch-2.13.0`, MEGATRON_RUNS=dp2_distopt,
   dp2_distopt_pre_mcore_014) the `.metadata` is Megatron's own `MCoreMetadata` class;
+- `legacy_*` (Megatron-LM's `--ckpt-format torch`, formats/megatron/FORMAT.md): the trainer's
+  dict torch.saved per tensor-parallel rank as `iter_0000003/mp_rank_<tp>/model_optim_rng.pt`
+  (data-parallel rank 0's), beside `latest_checkpointed_iteration.txt`; the distributed optimizer's
+  state in `distrib_optim.pt` beside it (save_parameter_state: each DDP buffer's params, main params
+  and moments gathered flat). `legacy_dp2` (bf16, mixed precision), `legacy_fp32_dp2` (fp32, the
+  plain optimizer), `legacy_tp2` and `legacy_tp2_swiglu` (tensor parallel 2, SwiGLU's gated MLP),
+  `legacy_dp2_distopt` and `legacy_tp2_dp2_distopt` (the distributed optimizer; 3 layers of hidden
+  16, the second with DDP buckets of ~1500 elements); their references named as the state_dict
+  names the params (a layer each);
 Under Megatron-Core 0.13.1 (`pip install --target /tmp/mc013 --no-deps megatron-core==0.13.1`,
 OUT `tests/data/writers/megatron-core-0.13.1_torch-2.13.0`) the runs are its distributed optimizer
 saved `fully_sharded_model_space`, its default (N-D flattened items, `mcore_data` in `.metadata`):
@@ -103,6 +112,19 @@ RUNS_016 = {
     # 0.13 (N-D flattened items; 0.15's .metadata Megatron's own MCoreMetadata). 0.16 refuses it.
     "dp2_distopt_pre_mcore_014": dict(tp=1, dist_opt=True, bf16=True, sharding="fully_sharded_model_space",
                                       upto=(0, 15)),
+    # Megatron-LM's legacy `--ckpt-format torch`: iter_N/mp_rank_<tp>/model_optim_rng.pt per
+    # model-parallel rank (torch.save of the trainer's dict: the model's state_dict, the optimizer's
+    # own state_dict), the distributed optimizer's state beside it in distrib_optim.pt (its
+    # data-parallel rank 0 gathers each DDP buffer's flat param and moments)
+    "legacy_tp2": dict(tp=2, dist_opt=False, bf16=True, sharding=None, legacy=True),
+    "legacy_dp2": dict(tp=1, dist_opt=False, bf16=True, sharding=None, legacy=True),
+    # SwiGLU (--swiglu): each tensor-parallel rank's linear_fc1 its part of the gate above its part of up
+    "legacy_tp2_swiglu": dict(tp=2, dist_opt=False, bf16=True, sharding=None, legacy=True, glu=True),
+    "legacy_fp32_dp2": dict(tp=1, dist_opt=False, bf16=False, sharding=None, legacy=True),
+    "legacy_dp2_distopt": dict(tp=1, dist_opt=True, bf16=True, sharding=None, legacy=True, lr=1e-2,
+                               size="3,16,16"),
+    "legacy_tp2_dp2_distopt": dict(tp=2, dist_opt=True, bf16=True, sharding=None, legacy=True, lr=1e-2,
+                                   size="3,16,16", world=4, bucket_size=1500),
 }
 # Megatron-Core up to 0.13 saves the distributed optimizer `fully_sharded_model_space` (its default,
 # and Megatron-LM's with --ckpt-fully-parallel-save, NeMo's with parallel_save_optim): per key, each
@@ -249,7 +271,9 @@ def rank_main(rank, world, port, out):
                                 bf16=run["bf16"], params_dtype=dtype, pipeline_dtype=dtype,
                                 **(dict(num_moe_experts=2, moe_router_topk=1, moe_router_pre_softmax=True,
                                         moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep,
-                                        add_bias_linear=False) if ep > 1 else {}))
+                                        add_bias_linear=False) if ep > 1 else {}),
+                                **(dict(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
+                                   if run.get("glu") else {}))
         spec = get_gpt_layer_local_spec(num_experts=2, moe_grouped_gemm=False) if ep > 1 else get_gpt_layer_local_spec()
         model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB,
                          max_sequence_length=4)
@@ -278,6 +302,10 @@ def rank_main(rank, world, port, out):
             ok, _, _ = opt.step()
             assert ok
             sched.step(1)
+        if run.get("legacy"):
+            save_legacy(name, run, out, ddp, opt, sched, rank, LAYERS, HIDDEN)
+            parallel_state.destroy_model_parallel()
+            continue
         # Megatron-LM's sharded-state-dict metadata (_build_sharded_state_dict_metadata, Megatron-Core
         # >= 0.14): dp_reshardable unless --dist-ckpt-optim-fully-reshardable; a chain of optimizers'
         # items unprefixed only where the distributed optimizer saves fully_reshardable
@@ -327,6 +355,69 @@ def rank_main(rank, world, port, out):
     dist.destroy_process_group()
 
 
+def save_legacy(name, run, out, ddp, opt, sched, rank, layers, hidden):
+    """Megatron-LM's save_checkpoint under `--ckpt-format torch` (training/checkpointing.py): the
+    distributed optimizer's save_parameter_state on every rank (its data-parallel rank 0 writes
+    distrib_optim.pt), then generate_state_dict's dict torch.saved by data-parallel rank 0 of each
+    model-parallel rank, and the tracker file. The reference: the sharded keys' whole state, as for
+    the torch_dist runs, each stacked key unstacked into the state_dict's per-layer names."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    path = os.path.join(out, name)
+    if rank == 0 and os.path.isdir(path):
+        import shutil
+        shutil.rmtree(path)
+    dist.barrier()
+    rank_dir = os.path.join(path, "iter_0000003", f"mp_rank_{tp_rank:02d}")
+    os.makedirs(rank_dir, exist_ok=True)
+    if run["dist_opt"]:
+        opt.save_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
+    state = {"args": argparse.Namespace(tensor_model_parallel_size=run["tp"], pipeline_model_parallel_size=1,
+                                        num_layers=layers, hidden_size=hidden, lr=1e-3, weight_decay=0.1,
+                                        bf16=run["bf16"], params_dtype=torch.bfloat16 if run["bf16"] else torch.float32,
+                                        use_distributed_optimizer=run["dist_opt"], ckpt_format="torch"),
+             "checkpoint_version": 3.0, "iteration": 3, "model": ddp.state_dict_for_save_checkpoint(),
+             "optimizer": opt.state_dict(), "opt_param_scheduler": sched.state_dict(),
+             "num_floating_point_operations_so_far": 0,
+             "rng_state": [{"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state()}]}
+    if parallel_state.get_data_parallel_rank() == 0:
+        torch.save(state, os.path.join(rank_dir, "model_optim_rng.pt"))
+    if rank == 0:
+        with open(os.path.join(path, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("3")
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
+                "chained_optim_avoid_prefix": True}
+    model_sharded = ddp.module.sharded_state_dict(metadata=metadata)
+    built = ddp.module.sharded_state_dict(metadata=metadata)
+    apply_factories(built)  # SwiGLU's linear_fc1: two ShardedTensors (gate, up) of one key
+    # the state_dict's name of each (sharded key, layer): the local spec renames its layer norms'
+    # sharded keys (input_layernorm.weight -> self_attention.linear_qkv.layer_norm_weight)
+    names = {}
+    for k, st in built.items():
+        st = st[0] if isinstance(st, list) else st
+        if hasattr(st, "prepend_axis_num"):
+            names[(st.key, tuple(st.global_offset[:st.prepend_axis_num]))] = k
+    if run["dist_opt"]:
+        rows = sharded_rows(nested_values(model_sharded)) + live_rows(ddp.module, opt)
+    else:
+        sharded = {"model": model_sharded}
+        sharded["optimizer"] = opt.sharded_state_dict(sharded, metadata=metadata)
+        apply_factories(sharded)
+        rows = sharded_rows(nested_values(sharded))
+    whole = gathered(rows, rank)
+    settings = {}
+    for part in all_ranks(key_settings(ddp.module, opt)):
+        for key, v in part.items():
+            assert settings.setdefault(key, v) == v, key
+    if rank == 0:
+        write_ref(path, whole, settings, names=names)
+    dist.barrier()
+
+
 def all_ranks(value):
     import torch.distributed as dist
     pieces = [None] * dist.get_world_size()
@@ -361,16 +452,28 @@ def key_settings(module, opt):
     return out
 
 
-def write_ref(path, whole, settings):
+def write_ref(path, whole, settings, names=None):
+    """`names`: a legacy checkpoint's names, the state_dict's, by (sharded key, its offsets along the
+    stacked axes): a stacked key's layers each under their own name."""
     tensors, meta = {}, {}
     for key in sorted(settings):
         prefix = next(p for p in ["", "chained_0.", "chained_1."] if f"{p}optimizer.state.exp_avg.{key}" in whole)
 
         main = whole.get(f"{prefix}optimizer.state.param.{key}", whole.get(f"{prefix}optimizer.state.fp32_param.{key}"))
-        tensors[f"{key}.param"] = main if main is not None else whole[key]
+        entries = {"param": main if main is not None else whole[key]}
         for e in ("exp_avg", "exp_avg_sq"):
-            tensors[f"{key}.{e}"] = whole[f"{prefix}optimizer.state.{e}.{key}"]
-        meta[key] = settings[key]
+            entries[e] = whole[f"{prefix}optimizer.state.{e}.{key}"]
+        if names is not None:
+            for (k, offsets), name in names.items():
+                if k != key:
+                    continue
+                for e, t in entries.items():
+                    tensors[f"{name}.{e}"] = t[offsets].contiguous() if offsets else t
+                meta[name] = settings[key]
+        else:
+            for e, t in entries.items():
+                tensors[f"{key}.{e}"] = t
+            meta[key] = settings[key]
     save_ref(path, tensors, meta)
 
 

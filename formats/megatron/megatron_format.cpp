@@ -1,0 +1,227 @@
+// The megatron driver: Megatron-LM's legacy checkpoint (`--ckpt-format torch`): iter_<N>/ with a
+// folder per model-parallel rank, mp_rank_<tp>/model_optim_rng.pt, each torch.save of the trainer's
+// dict (the model's state_dict, the optimizer's). The files are read through the torch.save
+// driver's reader (torchsave/: open_nanotron, Megatron's kind), each tensor-parallel rank's shards
+// put together where Megatron's layer names split them (megatron_layout.h). Read only; Megatron's
+// torch_dist checkpoints are DCPs (formats/dcp/). Layout: FORMAT.md.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include "megatron_layout.h"
+#include "optstate/checkpoint.h"
+#include "optstate/io.h"
+#include "torchsave/torchsave_reader.h"
+
+namespace optstate::megatron {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kRankFile = "model_optim_rng.pt";
+constexpr const char* kDistribFile = "distrib_optim.pt";
+constexpr const char* kTracker = "latest_checkpointed_iteration.txt";
+constexpr size_t kMaxRanks = 4096;
+
+bool is_file(const fs::path& p) {
+  std::error_code ec;
+  return fs::is_regular_file(p, ec);
+}
+bool is_dir(const fs::path& p) {
+  std::error_code ec;
+  return fs::is_directory(p, ec);
+}
+
+// The iteration folder's rank folders (those holding model_optim_rng.pt), by name.
+std::map<std::string, RankDir> rank_dirs(const fs::path& iteration) {
+  std::map<std::string, RankDir> out;
+  std::error_code ec;
+  size_t seen = 0;
+  for (fs::directory_iterator it(iteration, ec), end; !ec && it != end && ++seen <= 4 * kMaxRanks; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (const auto r = parse_rank_dir(name); r && is_file(it->path() / kRankFile)) out.emplace(name, *r);
+  }
+  return out;
+}
+
+// The tracker's iteration folder, if the file names one that exists.
+std::optional<fs::path> tracked_iteration(const fs::path& root) {
+  if (!is_file(root / kTracker)) return std::nullopt;
+  auto f = InputFile::open(root / kTracker);
+  if (!f.ok() || f->size() > 64) return std::nullopt;
+  std::string text(static_cast<size_t>(f->size()), '\0');
+  if (!f->read_at(0, std::as_writable_bytes(std::span(text.data(), text.size()))).ok()) return std::nullopt;
+  const auto dir = iteration_dir_of_tracker(text);
+  if (!dir || !is_dir(root / *dir)) return std::nullopt;
+  return root / *dir;
+}
+
+// What `path` is of a legacy checkpoint: its iteration folder, and the one rank's file or folder
+// given, if that is what was given.
+struct Located {
+  fs::path iteration;
+  std::optional<fs::path> one_rank;
+};
+std::optional<Located> locate(const fs::path& path) {
+  if (is_file(path)) {
+    const std::string name = path.filename().string();
+    if ((name != kRankFile && name != kDistribFile) || !parse_rank_dir(path.parent_path().filename().string()))
+      return std::nullopt;
+    return Located{path.parent_path().parent_path(), path.parent_path()};
+  }
+  if (!is_dir(path)) return std::nullopt;
+  if (parse_rank_dir(path.filename().string()) && is_file(path / kRankFile)) return Located{path.parent_path(), path};
+  if (!rank_dirs(path).empty()) return Located{path, std::nullopt};
+  if (const auto it = tracked_iteration(path); it && !rank_dirs(*it).empty()) return Located{*it, std::nullopt};
+  return std::nullopt;
+}
+
+// Every tensor-parallel rank's file, checked: ranks 0..T-1 once each, no pipeline or expert rank.
+Result<std::vector<fs::path>> rank_files(const fs::path& iteration) {
+  const auto dirs = rank_dirs(iteration);
+  std::map<int64_t, fs::path> by_tp;
+  for (const auto& [name, r] : dirs) {
+    if (!r.more.empty())
+      return unsupported(fmt::format("{}: a rank of pipeline or expert parallelism ({}); optstate reads Megatron's "
+                                     "legacy checkpoints of tensor parallelism alone", (iteration / name).string(), name));
+    by_tp.emplace(r.tp, iteration / name / kRankFile);
+  }
+  if (by_tp.empty()) return corrupt(fmt::format("{}: no mp_rank_<tp>/{}", iteration.string(), kRankFile));
+  if (by_tp.size() > kMaxRanks) return corrupt(fmt::format("{}: more than {} ranks", iteration.string(), kMaxRanks));
+  std::vector<fs::path> files;
+  for (int64_t tp = 0; tp < static_cast<int64_t>(by_tp.size()); ++tp) {
+    const auto f = by_tp.find(tp);
+    if (f == by_tp.end())
+      return corrupt(fmt::format("{}: tensor-parallel rank {} has no mp_rank_{:02d}/{} (ranks {} of {} found)",
+                                 iteration.string(), tp, tp, kRankFile, by_tp.size(), by_tp.rbegin()->first + 1));
+    files.push_back(f->second);
+  }
+  return files;
+}
+
+Result<std::vector<std::byte>> values_of(CheckpointReader& r, const std::string& name, const std::string& entry) {
+  std::vector<std::byte> out;
+  OPTSTATE_RETURN_IF_ERROR(r.stream(name, entry, Component::kValues, [&](std::span<const std::byte> b) {
+    out.insert(out.end(), b.begin(), b.end());
+    return Status::Ok();
+  }));
+  return out;
+}
+
+// Each param's place over the tensor-parallel ranks, from their files: split along Megatron's dim
+// for its name, or replicated (its weights then equal in every rank's file, checked: a param
+// Megatron splits that its names do not say would differ).
+Result<torchsave::NanotronParts> find_parts(const fs::path& iteration, const std::vector<fs::path>& files) {
+  torchsave::NanotronParts parts;
+  parts.megatron = true;
+  parts.path = iteration;
+  parts.dir = iteration;
+  parts.tp_size = static_cast<int64_t>(files.size());
+  parts.zero_rule = [](int64_t numel) { return std::map<int64_t, std::pair<int64_t, int64_t>>{{0, {0, numel}}}; };
+  std::vector<std::unique_ptr<CheckpointReader>> readers;
+  for (size_t tp = 0; tp < files.size(); ++tp) {
+    parts.files.push_back({files[tp], 0, 0, static_cast<int64_t>(tp)});
+    if (files.size() == 1) break;
+    OPTSTATE_ASSIGN_OR_RETURN(auto r, torchsave::open_file(files[tp]));
+    readers.push_back(std::move(r));
+  }
+  if (files.size() == 1) return parts;
+  const OptimizerState& m0 = readers[0]->meta();
+  for (const auto& [name, ps0] : m0.params) {
+    const std::string pw = fmt::format("{} param '{}'", iteration.string(), name);
+    const auto dim = tensor_parallel_dim(name);
+    // SwiGLU's first projection: twice the rows of its layer's second projection's columns
+    bool glu = false;
+    if (const auto fc2 = second_projection_of(name); dim && fc2) {
+      const auto f2 = m0.params.find(*fc2);
+      if (f2 == m0.params.end() || f2->second.shape.size() != 2 || ps0.shape.empty())
+        return unsupported(fmt::format("{}: whether it is a gated MLP's (SwiGLU: each rank's shard its part of the "
+                                       "gate above its part of the up projection) is told by its layer's '{}', which "
+                                       "the checkpoint does not hold as a matrix", pw, *fc2));
+      glu = ps0.shape[0] == 2 * f2->second.shape[1];
+      if (!glu && ps0.shape[0] != f2->second.shape[1])
+        return corrupt(fmt::format("{}: {} rows, its layer's '{}' has {} columns (the MLP's width, or half a gated "
+                                   "one's)", pw, ps0.shape[0], *fc2, f2->second.shape[1]));
+    }
+    std::optional<std::vector<std::byte>> w0;
+    for (size_t tp = 0; tp < readers.size(); ++tp) {
+      const auto& mt = readers[tp]->meta();
+      const auto it = mt.params.find(name);
+      const std::string fw = fmt::format("{} param '{}'", files[tp].string(), name);
+      if (it == mt.params.end()) return corrupt(fmt::format("{}: missing; {} has it", fw, files[0].string()));
+      if (it->second.shape != ps0.shape)
+        return corrupt(fmt::format("{}: shape {}; {} has {}", fw, format_shape(it->second.shape), files[0].string(),
+                                   format_shape(ps0.shape)));
+      if (dim) {
+        const auto split = shard_runs(it->second.shape, *dim, glu, static_cast<int64_t>(tp), parts.tp_size);
+        if (!split) return corrupt(fmt::format("{}: shape {} is no shard along dim {}", fw, format_shape(it->second.shape), *dim));
+        auto& sh = parts.sharded[name];
+        sh.shape = split->whole;
+        std::vector<torchsave::NanotronParts::Run> runs;
+        for (const Run& r : split->runs) runs.push_back({r.local, r.global, r.count});
+        sh.by_tp.emplace(static_cast<int64_t>(tp), std::pair{it->second.shape, std::move(runs)});
+        continue;
+      }
+      if (!it->second.entries.count(kParam)) continue;
+      OPTSTATE_ASSIGN_OR_RETURN(auto w, values_of(*readers[tp], name, kParam));
+      if (!w0) {
+        w0 = std::move(w);
+      } else if (w != *w0) {
+        return unsupported(fmt::format("{}: its weights differ from tensor-parallel rank 0's, so tensor parallelism "
+                                       "splits it, along a dim Megatron's layer names do not say", fw));
+      }
+    }
+    if (!dim) parts.replicated.insert(name);
+  }
+  for (size_t tp = 1; tp < readers.size(); ++tp)
+    for (const auto& [name, ps] : readers[tp]->meta().params)
+      if (!m0.params.count(name))
+        return corrupt(fmt::format("{} param '{}': missing; {} has it", files[0].string(), name, files[tp].string()));
+  return parts;
+}
+
+class MegatronDriver final : public FormatDriver {
+ public:
+  std::string_view name() const override { return "megatron"; }
+
+  // A rank's model_optim_rng.pt (or distrib_optim.pt) in its mp_rank_<tp> folder, that folder, an
+  // iteration folder holding such folders, or the checkpoints folder whose tracker names one.
+  bool sniff(const fs::path& path) const override { return locate(path).has_value(); }
+
+  Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {
+    const auto at = locate(path);
+    if (!at) return invalid_argument(path.string() + ": not a Megatron-LM legacy checkpoint (iter_<N>/mp_rank_<tp>/" +
+                                     kRankFile + ")");
+    OPTSTATE_ASSIGN_OR_RETURN(const std::vector<fs::path> files, rank_files(at->iteration));
+    if (at->one_rank && files.size() > 1)
+      return unsupported(fmt::format("{}: one tensor-parallel rank's part of a Megatron-LM checkpoint of {} ranks: its "
+                                     "tensors are shards of its params; read the iteration folder ({})", path.string(),
+                                     files.size(), at->iteration.string()));
+    for (const fs::path& f : files)
+      if (is_file(f.parent_path() / kDistribFile))
+        return unsupported(fmt::format("{}: Megatron's distributed optimizer's state; optstate reads its legacy "
+                                       "checkpoints (distrib_optim.pt) not yet", (f.parent_path() / kDistribFile).string()));
+    OPTSTATE_ASSIGN_OR_RETURN(const torchsave::NanotronParts parts, find_parts(at->iteration, files));
+    return torchsave::open_nanotron(parts);
+  }
+
+  // A training run's folder: never replaced, never written.
+  bool replaceable(const fs::path&) const override { return false; }
+  bool writes() const override { return false; }
+  Status write(StateSource&, const fs::path& path, const WriteOptions&) const override {
+    return unsupported(fmt::format("{}: optstate reads Megatron-LM's legacy checkpoints and writes them as other "
+                                   "formats (dcp, torchsave, safetensors, ...), not as Megatron's", path.string()));
+  }
+};
+
+}  // namespace
+
+const FormatDriver& driver() {
+  static const MegatronDriver d;
+  return d;
+}
+
+}  // namespace optstate::megatron

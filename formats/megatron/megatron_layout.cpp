@@ -1,0 +1,115 @@
+#include "megatron_layout.h"
+
+#include <fmt/format.h>
+
+#include <charconv>
+
+namespace optstate::megatron {
+
+namespace {
+
+std::optional<int64_t> digits(std::string_view s, size_t min_width) {
+  if (s.size() < min_width || s.size() > 9) return std::nullopt;
+  int64_t v = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc() || end != s.data() + s.size() || s.find_first_not_of("0123456789") != std::string_view::npos)
+    return std::nullopt;
+  return v;
+}
+
+// The name's last two segments: its module's and its own (linear_fc1, weight).
+std::pair<std::string_view, std::string_view> last_two(std::string_view name) {
+  const size_t dot = name.rfind('.');
+  if (dot == std::string_view::npos) return {{}, name};
+  const std::string_view leaf = name.substr(dot + 1), rest = name.substr(0, dot);
+  const size_t dot2 = rest.rfind('.');
+  return {dot2 == std::string_view::npos ? rest : rest.substr(dot2 + 1), leaf};
+}
+
+// weight, or TEGroupedMLP's weight<k> (one per local expert)
+bool is_weight(std::string_view leaf) {
+  if (!leaf.starts_with("weight")) return false;
+  return leaf.size() == 6 || digits(leaf.substr(6), 1).has_value();
+}
+bool is_bias(std::string_view leaf) {
+  if (!leaf.starts_with("bias")) return false;
+  return leaf.size() == 4 || digits(leaf.substr(4), 1).has_value();
+}
+
+}  // namespace
+
+std::optional<RankDir> parse_rank_dir(std::string_view name) {
+  if (!name.starts_with("mp_rank_")) return std::nullopt;
+  std::string_view rest = name.substr(8);
+  RankDir r;
+  for (size_t part = 0;; ++part) {
+    const size_t us = rest.find('_');
+    const auto v = digits(rest.substr(0, us), part == 0 ? 2 : 3);
+    if (!v || part > 2) return std::nullopt;
+    (part == 0 ? r.tp : r.more.emplace_back()) = *v;
+    if (us == std::string_view::npos) return r;
+    rest = rest.substr(us + 1);
+  }
+}
+
+bool is_iteration_dir(std::string_view name) {
+  return name == "release" || (name.starts_with("iter_") && digits(name.substr(5), 7).has_value());
+}
+
+std::optional<std::string> iteration_dir_of_tracker(std::string_view text) {
+  while (!text.empty() && (text.back() == '\n' || text.back() == '\r' || text.back() == ' ')) text.remove_suffix(1);
+  while (!text.empty() && text.front() == ' ') text.remove_prefix(1);
+  if (text == "release") return std::string("release");
+  const auto n = digits(text, 1);
+  if (!n) return std::nullopt;
+  std::string s = std::to_string(*n);
+  if (s.size() < 7) s.insert(0, 7 - s.size(), '0');
+  return "iter_" + s;
+}
+
+std::optional<int> tensor_parallel_dim(std::string_view name) {
+  const auto [module, leaf] = last_two(name);
+  const bool column = module == "linear_qkv" || module == "linear_fc1" || module == "query_key_value" ||
+                      module == "dense_h_to_4h" || module == "word_embeddings" || module == "output_layer" ||
+                      module == "linear_q_proj" || module == "linear_q_up_proj" || module == "linear_kv_up_proj";
+  const bool row = module == "linear_proj" || module == "linear_fc2" || module == "dense" || module == "dense_4h_to_h";
+  if (column && (is_weight(leaf) || is_bias(leaf))) return 0;
+  if (row && is_weight(leaf)) return 1;
+  return std::nullopt;
+}
+
+std::optional<std::string> second_projection_of(std::string_view name) {
+  const auto [module, leaf] = last_two(name);
+  if ((module != "linear_fc1" && module != "dense_h_to_4h") || !(is_weight(leaf) || is_bias(leaf))) return std::nullopt;
+  const std::string_view above = name.substr(0, name.size() - leaf.size() - 1 - module.size());
+  const std::string_view k = leaf.substr(leaf.starts_with("weight") ? 6 : 4);
+  return fmt::format("{}{}.weight{}", above, module == "linear_fc1" ? "linear_fc2" : "dense_4h_to_h", k);
+}
+
+std::optional<Split> shard_runs(const std::vector<int64_t>& local_shape, int dim, bool glu, int64_t tp, int64_t tp_size) {
+  if (dim < 0 || static_cast<size_t>(dim) >= local_shape.size() || tp < 0 || tp >= tp_size || tp_size < 1) return std::nullopt;
+  if (glu && (dim != 0 || local_shape[0] % 2 != 0)) return std::nullopt;
+  for (int64_t s : local_shape)
+    if (s < 0 || s > (int64_t{1} << 40) / tp_size) return std::nullopt;
+  Split out;
+  out.whole = local_shape;
+  out.whole[static_cast<size_t>(dim)] *= tp_size;
+  // Elements per index of `dim` and below it (an "inner" block), and the blocks above it.
+  int64_t inner = 1, outer = 1;
+  for (size_t d = static_cast<size_t>(dim) + 1; d < local_shape.size(); ++d) inner *= local_shape[d];
+  for (size_t d = 0; d < static_cast<size_t>(dim); ++d) outer *= local_shape[d];
+  const int64_t local_dim = local_shape[static_cast<size_t>(dim)];
+  const int64_t whole_dim = local_dim * tp_size;
+  if (inner == 0 || local_dim == 0 || outer == 0) return out;
+  if (glu) {  // two halves: the rank's rows of the gate, then of the up projection
+    const int64_t half = local_dim / 2;
+    for (int64_t h = 0; h < 2; ++h)
+      out.runs.push_back({h * half * inner, (h * half * tp_size + tp * half) * inner, half * inner});
+    return out;
+  }
+  for (int64_t o = 0; o < outer; ++o)
+    out.runs.push_back({o * local_dim * inner, (o * whole_dim + tp * local_dim) * inner, local_dim * inner});
+  return out;
+}
+
+}  // namespace optstate::megatron

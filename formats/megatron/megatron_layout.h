@@ -1,0 +1,59 @@
+// Megatron-LM's legacy checkpoints (`--ckpt-format torch`): iter_<N>/mp_rank_<tp>[_<pp>][_<ep>]/
+// model_optim_rng.pt per model-parallel rank, the distributed optimizer's distrib_optim.pt beside it.
+// What their names say and how tensor parallelism splits a param, as pure functions; the torch.save
+// driver's reader reads the files (torchsave/: open_megatron). Layout: FORMAT.md.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace optstate::megatron {
+
+// A model-parallel rank's folder, mp_rank_<tp:02d>[_<pp:03d>][_<ep:03d>] (get_checkpoint_name: the
+// pipeline rank where pipeline parallelism is on, the expert rank where expert parallelism is).
+struct RankDir {
+  int64_t tp = 0;
+  std::vector<int64_t> more;  // the pipeline and/or expert ranks, as the name gives them
+  bool operator==(const RankDir&) const = default;
+};
+std::optional<RankDir> parse_rank_dir(std::string_view name);
+
+// An iteration's folder name: iter_<N:07d> or release.
+bool is_iteration_dir(std::string_view name);
+
+// latest_checkpointed_iteration.txt: an iteration number, or "release" -> the folder's name
+// (iter_0000100, release); nullopt for anything else.
+std::optional<std::string> iteration_dir_of_tracker(std::string_view text);
+
+// How tensor parallelism splits a param of Megatron's layers, from its name: the dim its ranks'
+// shards are concatenated along (column-parallel and vocab-parallel weights and their biases: 0;
+// row-parallel weights: 1), or nullopt (replicated: layer norms, row-parallel biases, position
+// embeddings, routers). Megatron-Core's names (linear_qkv, linear_proj, linear_fc1, linear_fc2,
+// word_embeddings, output_layer; TEGroupedMLP's weight<k>) and the legacy model's (query_key_value,
+// dense, dense_h_to_4h, dense_4h_to_h).
+std::optional<int> tensor_parallel_dim(std::string_view name);
+
+// For an MLP's first projection (linear_fc1, dense_h_to_4h; weight or bias, TEGroupedMLP's <k>-th),
+// the name of its layer's second projection's weight (linear_fc2, dense_4h_to_h): a gated MLP's
+// (SwiGLU's) first has twice the rows of the second's columns, and each tensor-parallel rank's
+// shard of it is its part of the gate above its part of the up projection. nullopt for any other.
+std::optional<std::string> second_projection_of(std::string_view name);
+
+// Where a tensor-parallel rank's shard lies in the whole param: runs of `count` consecutive
+// elements from flat index `local` of the shard to `global` of the whole, in local order. `dim`:
+// the split dim; `glu`: the shard is two halves along dim 0 (gate, up), each the rank's part of
+// the whole's half. Shapes checked (dim in range, halves even).
+struct Run {
+  int64_t local = 0, global = 0, count = 0;
+  bool operator==(const Run&) const = default;
+};
+struct Split {
+  std::vector<int64_t> whole;
+  std::vector<Run> runs;
+};
+std::optional<Split> shard_runs(const std::vector<int64_t>& local_shape, int dim, bool glu, int64_t tp, int64_t tp_size);
+
+}  // namespace optstate::megatron

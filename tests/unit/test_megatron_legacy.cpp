@@ -1,0 +1,95 @@
+// Megatron-LM's legacy checkpoints (formats/megatron/megatron_layout.cpp): the rank folders' and
+// tracker's names, and where tensor parallelism puts each rank's shard of a param.
+#include <doctest/doctest.h>
+
+#include <string>
+#include <vector>
+
+#include "megatron/megatron_layout.h"
+
+namespace mg = optstate::megatron;
+
+TEST_CASE("megatron legacy: rank folders, iteration folders and the tracker file") {
+  CHECK(mg::parse_rank_dir("mp_rank_00") == mg::RankDir{0, {}});
+  CHECK(mg::parse_rank_dir("mp_rank_03_001") == mg::RankDir{3, {1}});
+  CHECK(mg::parse_rank_dir("mp_rank_01_002_003") == mg::RankDir{1, {2, 3}});
+  CHECK(mg::parse_rank_dir("mp_rank_128") == mg::RankDir{128, {}});
+  for (const char* bad : {"mp_rank_", "mp_rank_0", "mp_rank_00_01", "mp_rank_00_", "mp_rank_00_001_002_003",
+                          "mp_rank_0a", "mp_rank_-1", "rank_00", "mp_rank_00_0x1", "mp_rank_ 00"})
+    CHECK_MESSAGE(!mg::parse_rank_dir(bad), bad);
+  CHECK(mg::is_iteration_dir("iter_0000003"));
+  CHECK(mg::is_iteration_dir("iter_12345678"));
+  CHECK(mg::is_iteration_dir("release"));
+  CHECK(!mg::is_iteration_dir("iter_3"));
+  CHECK(!mg::is_iteration_dir("iter_00000x3"));
+  CHECK(mg::iteration_dir_of_tracker("3") == "iter_0000003");
+  CHECK(mg::iteration_dir_of_tracker("1000\n") == "iter_0001000");
+  CHECK(mg::iteration_dir_of_tracker("12345678") == "iter_12345678");
+  CHECK(mg::iteration_dir_of_tracker("release") == "release");
+  CHECK(!mg::iteration_dir_of_tracker(""));
+  CHECK(!mg::iteration_dir_of_tracker("-1"));
+  CHECK(!mg::iteration_dir_of_tracker("3 4"));
+  CHECK(!mg::iteration_dir_of_tracker("../x"));
+}
+
+TEST_CASE("megatron legacy: the dim tensor parallelism splits, by Megatron's layer names") {
+  // Megatron-Core's
+  CHECK(mg::tensor_parallel_dim("decoder.layers.0.self_attention.linear_qkv.weight") == 0);
+  CHECK(mg::tensor_parallel_dim("decoder.layers.0.self_attention.linear_qkv.bias") == 0);
+  CHECK(mg::tensor_parallel_dim("decoder.layers.0.self_attention.linear_proj.weight") == 1);
+  CHECK(!mg::tensor_parallel_dim("decoder.layers.0.self_attention.linear_proj.bias"));
+  CHECK(!mg::tensor_parallel_dim("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"));
+  CHECK(mg::tensor_parallel_dim("decoder.layers.1.mlp.linear_fc1.weight") == 0);
+  CHECK(mg::tensor_parallel_dim("decoder.layers.1.mlp.linear_fc2.weight") == 1);
+  CHECK(mg::tensor_parallel_dim("decoder.layers.1.mlp.experts.linear_fc1.weight3") == 0);
+  CHECK(mg::tensor_parallel_dim("decoder.layers.1.mlp.experts.linear_fc2.weight12") == 1);
+  CHECK(mg::tensor_parallel_dim("embedding.word_embeddings.weight") == 0);
+  CHECK(!mg::tensor_parallel_dim("embedding.position_embeddings.weight"));
+  CHECK(mg::tensor_parallel_dim("output_layer.weight") == 0);
+  CHECK(!mg::tensor_parallel_dim("decoder.final_layernorm.weight"));
+  CHECK(!mg::tensor_parallel_dim("decoder.layers.1.mlp.router.weight"));
+  CHECK(!mg::tensor_parallel_dim("decoder.layers.1.mlp.linear_fc1.weightx"));
+  // the legacy model's
+  CHECK(mg::tensor_parallel_dim("language_model.encoder.layers.0.self_attention.query_key_value.weight") == 0);
+  CHECK(mg::tensor_parallel_dim("language_model.encoder.layers.0.self_attention.dense.weight") == 1);
+  CHECK(mg::tensor_parallel_dim("language_model.encoder.layers.0.mlp.dense_h_to_4h.bias") == 0);
+  CHECK(mg::tensor_parallel_dim("language_model.encoder.layers.0.mlp.dense_4h_to_h.weight") == 1);
+  CHECK(!mg::tensor_parallel_dim("weight"));
+
+  CHECK(mg::second_projection_of("decoder.layers.1.mlp.linear_fc1.weight") == "decoder.layers.1.mlp.linear_fc2.weight");
+  CHECK(mg::second_projection_of("decoder.layers.1.mlp.linear_fc1.bias") == "decoder.layers.1.mlp.linear_fc2.weight");
+  CHECK(mg::second_projection_of("decoder.layers.1.mlp.experts.linear_fc1.weight7") ==
+        "decoder.layers.1.mlp.experts.linear_fc2.weight7");
+  CHECK(mg::second_projection_of("l.0.mlp.dense_h_to_4h.weight") == "l.0.mlp.dense_4h_to_h.weight");
+  CHECK(!mg::second_projection_of("decoder.layers.1.mlp.linear_fc2.weight"));
+  CHECK(!mg::second_projection_of("decoder.layers.1.self_attention.linear_qkv.weight"));
+}
+
+TEST_CASE("megatron legacy: a tensor-parallel rank's shard placed in the whole param") {
+  using Runs = std::vector<mg::Run>;
+  // column-parallel [6, 4] of rank 1 of 2: rows 6..11 of [12, 4], one run
+  auto s = mg::shard_runs({6, 4}, 0, false, 1, 2);
+  REQUIRE(s);
+  CHECK(s->whole == std::vector<int64_t>{12, 4});
+  CHECK(s->runs == Runs{{0, 24, 24}});
+  // row-parallel [3, 2] of rank 2 of 3: columns 4..5 of [3, 6], a run per row
+  s = mg::shard_runs({3, 2}, 1, false, 2, 3);
+  REQUIRE(s);
+  CHECK(s->whole == std::vector<int64_t>{3, 6});
+  CHECK(s->runs == Runs{{0, 4, 2}, {2, 10, 2}, {4, 16, 2}});
+  // SwiGLU's fc1 [4, 3] of rank 1 of 2 (gate rows 0..1, up rows 2..3): whole [8, 3] is the gate's 4
+  // rows above up's 4; the rank's gate rows are 2..3, its up rows 6..7
+  s = mg::shard_runs({4, 3}, 0, true, 1, 2);
+  REQUIRE(s);
+  CHECK(s->whole == std::vector<int64_t>{8, 3});
+  CHECK(s->runs == Runs{{0, 6, 6}, {6, 18, 6}});
+  // ... and its bias [4]
+  s = mg::shard_runs({4}, 0, true, 0, 2);
+  REQUIRE(s);
+  CHECK(s->runs == Runs{{0, 0, 2}, {2, 4, 2}});
+  CHECK(!mg::shard_runs({4, 3}, 2, false, 0, 2));   // no such dim
+  CHECK(!mg::shard_runs({3, 3}, 0, true, 0, 2));    // odd halves
+  CHECK(!mg::shard_runs({4, 3}, 1, true, 0, 2));    // a gated shard splits rows
+  CHECK(!mg::shard_runs({4, 3}, 0, false, 2, 2));   // no such rank
+  CHECK(!mg::shard_runs({int64_t{1} << 40, 3}, 0, false, 0, 2));
+}

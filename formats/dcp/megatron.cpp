@@ -92,8 +92,9 @@ Result<Group> interpret_group(const Pickle& p, Ref g, const std::string& gw) {
 namespace {
 
 // One optimizer's state dict as Megatron's sharded_state_dict leaves it in common.pt.
-Result<Optimizer> interpret_optimizer(const Pickle& p, Ref opt, const std::string& where) {
-  if (p.at(opt).kind != Kind::kDict) return corrupt(where + ": common.pt's 'optimizer' is not a dict");
+Result<Optimizer> interpret_optimizer(const Pickle& p, Ref opt, const std::string& where,
+                                      std::string_view file = "common.pt") {
+  if (p.at(opt).kind != Kind::kDict) return corrupt(fmt::format("{}: {}'s 'optimizer' is not a dict", where, file));
   Optimizer out;
   if (const Ref st = p.dict_get(opt, "param_state_sharding_type"); st != kNoRef) {
     const auto sharding = as_string(p, st);
@@ -113,7 +114,7 @@ Result<Optimizer> interpret_optimizer(const Pickle& p, Ref opt, const std::strin
                                      where, *sharding));
     opt = p.dict_get(opt, "optimizer");
     if (opt == kNoRef || p.at(opt).kind != Kind::kDict)
-      return corrupt(where + ": the distributed optimizer's common.pt has no 'optimizer' dict");
+      return corrupt(fmt::format("{}: the distributed optimizer's {} has no 'optimizer' dict", where, file));
   }
   // Megatron's mixed-precision optimizer (bf16/fp16 params: Float16OptimizerWithFloat16Params) saves
   // its torch optimizer's state dict one level down, beside its own keys (a grad scaler's).
@@ -122,10 +123,10 @@ Result<Optimizer> interpret_optimizer(const Pickle& p, Ref opt, const std::strin
     if (inner != kNoRef && p.at(inner).kind == Kind::kDict) opt = inner;
   }
   const auto* groups = list_of(p, p.dict_get(opt, "param_groups"));
-  if (!groups) return corrupt(where + ": common.pt has no optimizer param_groups list");
-  if (groups->empty()) return corrupt(where + ": common.pt's optimizer has no param groups");
+  if (!groups) return corrupt(fmt::format("{}: {} has no optimizer param_groups list", where, file));
+  if (groups->empty()) return corrupt(fmt::format("{}: {}'s optimizer has no param groups", where, file));
   for (size_t g = 0; g < groups->size(); ++g) {
-    const std::string gw = fmt::format("{}: common.pt param group {}", where, g);
+    const std::string gw = fmt::format("{}: {} param group {}", where, file, g);
     OPTSTATE_ASSIGN_OR_RETURN(Group group, interpret_group(p, (*groups)[g], gw));
     if (const Ref s = p.dict_get((*groups)[g], "step"); s != kNoRef) {
       const auto step = as_number(p, s);
@@ -142,6 +143,11 @@ Result<Optimizer> interpret_optimizer(const Pickle& p, Ref opt, const std::strin
 }
 
 }  // namespace
+
+Result<Optimizer> interpret_legacy_optimizer(const Pickle& p, Ref opt, const std::string& where) {
+  if (opt == kNoRef) return corrupt(where + ": no 'optimizer' (saved with --no-save-optim)");
+  return interpret_optimizer(p, opt, where, "model_optim_rng.pt");
+}
 
 Result<Optimizer> interpret_group_optimizer(const Pickle& p, const std::string& where) {
   Ref root = p.root();

@@ -71,6 +71,11 @@ Result<Common> interpret_common(const pickle::Pickle& p, const std::string& wher
 // left out, each with the step).
 Result<Optimizer> interpret_group_optimizer(const pickle::Pickle& p, const std::string& where);
 
+// The optimizer's dict of Megatron-LM's legacy checkpoint (model_optim_rng.pt's ['optimizer']):
+// its param groups as interpret_common reads them, the distributed optimizer's without members,
+// each with the step (formats/megatron/).
+Result<Optimizer> interpret_legacy_optimizer(const pickle::Pickle& p, pickle::Ref opt, const std::string& where);
+
 // An optimizer item's key: "[chained_<i>.]optimizer.state.<entry>.<key>" -> {i (-1 without the
 // prefix), entry, key}, entry one of the names Megatron gives a param's state (no dots), key
 // non-empty. nullopt for any other item key.

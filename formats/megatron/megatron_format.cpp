@@ -121,11 +121,18 @@ Result<torchsave::NanotronParts> find_parts(const fs::path& iteration, const std
   parts.dir = iteration;
   parts.tp_size = static_cast<int64_t>(files.size());
   parts.zero_rule = [](int64_t numel) { return std::map<int64_t, std::pair<int64_t, int64_t>>{{0, {0, numel}}}; };
+  parts.megatron_ranks = static_cast<int64_t>(files.size());
+  // Each rank's file read alone first: its params' names and local shapes, its replicated weights.
   std::vector<std::unique_ptr<CheckpointReader>> readers;
   for (size_t tp = 0; tp < files.size(); ++tp) {
-    parts.files.push_back({files[tp], 0, 0, static_cast<int64_t>(tp)});
+    const fs::path distrib = files[tp].parent_path() / kDistribFile;
+    parts.files.push_back({files[tp], 0, 0, static_cast<int64_t>(tp), is_file(distrib) ? distrib : fs::path()});
     if (files.size() == 1) break;
-    OPTSTATE_ASSIGN_OR_RETURN(auto r, torchsave::open_file(files[tp]));
+    torchsave::NanotronParts one = parts;
+    one.files = {parts.files.back()};
+    one.files[0].tp = 0;
+    one.tp_size = 1;
+    OPTSTATE_ASSIGN_OR_RETURN(auto r, torchsave::open_nanotron(one));
     readers.push_back(std::move(r));
   }
   if (files.size() == 1) return parts;
@@ -200,10 +207,6 @@ class MegatronDriver final : public FormatDriver {
       return unsupported(fmt::format("{}: one tensor-parallel rank's part of a Megatron-LM checkpoint of {} ranks: its "
                                      "tensors are shards of its params; read the iteration folder ({})", path.string(),
                                      files.size(), at->iteration.string()));
-    for (const fs::path& f : files)
-      if (is_file(f.parent_path() / kDistribFile))
-        return unsupported(fmt::format("{}: Megatron's distributed optimizer's state; optstate reads its legacy "
-                                       "checkpoints (distrib_optim.pt) not yet", (f.parent_path() / kDistribFile).string()));
     OPTSTATE_ASSIGN_OR_RETURN(const torchsave::NanotronParts parts, find_parts(at->iteration, files));
     return torchsave::open_nanotron(parts);
   }

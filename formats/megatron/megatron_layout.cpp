@@ -4,6 +4,8 @@
 
 #include <charconv>
 
+#include "dcp/megatron_buckets.h"  // sample_places
+
 namespace optstate::megatron {
 
 namespace {
@@ -109,6 +111,74 @@ std::optional<Split> shard_runs(const std::vector<int64_t>& local_shape, int dim
   }
   for (int64_t o = 0; o < outer; ++o)
     out.runs.push_back({o * local_dim * inner, (o * whole_dim + tp * local_dim) * inner, local_dim * inner});
+  return out;
+}
+
+namespace {
+
+constexpr int64_t kParamAlignment = 64;  // Megatron's _pad_start_of_param_if_needed
+constexpr int64_t kDenseSample = 4096;   // places compared where two starts both fit the first sample
+
+std::vector<int64_t> dense_places(int64_t numel) {
+  std::vector<int64_t> at;
+  const int64_t n = std::min(numel, kDenseSample);
+  for (int64_t i = 0; i < n; ++i) at.push_back(numel <= kDenseSample ? i : i * (numel - 1) / (n - 1));
+  return at;
+}
+
+}  // namespace
+
+Result<std::vector<std::optional<int64_t>>> place_in_buffer(int64_t numel_unpadded, const std::vector<int64_t>& numels,
+                                                            const std::vector<std::string>& names,
+                                                            const BufferValues& values, const std::string& where) {
+  std::vector<std::optional<int64_t>> out(numels.size());
+  auto fits = [&](size_t t, int64_t start, const std::vector<int64_t>& places) -> Result<bool> {
+    if (start > numel_unpadded || numels[t] > numel_unpadded - start) return false;
+    std::vector<int64_t> at(places.size());
+    for (size_t i = 0; i < places.size(); ++i) at[i] = start + places[i];
+    OPTSTATE_ASSIGN_OR_RETURN(const auto b, values.buffer(at));
+    OPTSTATE_ASSIGN_OR_RETURN(const auto w, values.tensor(t, places));
+    if (b.size() != places.size() || w.size() != places.size()) return internal_error(where + ": a sample of another size");
+    return b == w;
+  };
+  int64_t pos = 0, bucket = 0;  // where the last param ended; where its bucket began
+  std::optional<size_t> first_unplaced;  // since the last param placed
+  for (size_t k = numels.size(); k-- > 0;) {  // reverse module order
+    if (numels[k] < 0) return internal_error(where + ": a negative size");
+    if (numels[k] == 0) continue;
+    const int64_t into = pos - bucket;
+    const int64_t aligned = bucket + (into + kParamAlignment - 1) / kParamAlignment * kParamAlignment;
+    const auto sample = dcp::megatron::sample_places(numels[k]);
+    OPTSTATE_ASSIGN_OR_RETURN(bool at_aligned, fits(k, aligned, sample));
+    bool at_new = false;
+    if (aligned != pos) {
+      OPTSTATE_ASSIGN_OR_RETURN(at_new, fits(k, pos, sample));
+    }
+    if (at_aligned && at_new) {
+      const auto dense = dense_places(numels[k]);
+      OPTSTATE_ASSIGN_OR_RETURN(at_aligned, fits(k, aligned, dense));
+      OPTSTATE_ASSIGN_OR_RETURN(at_new, fits(k, pos, dense));
+      if (at_aligned && at_new)
+        return unsupported(fmt::format("{}: '{}' fits the buffer both at element {} and at {} (its weights and the "
+                                       "padding alike: all zeros?), so where Megatron put it is not known",
+                                       where, names[k], pos, aligned));
+    }
+    if (!at_aligned && !at_new) {
+      if (!first_unplaced) first_unplaced = k;
+      continue;
+    }
+    const int64_t start = at_aligned ? aligned : pos;
+    if (!at_aligned) bucket = pos;
+    out[k] = start;
+    pos = start + numels[k];
+    first_unplaced.reset();
+  }
+  if (pos != numel_unpadded)
+    return corrupt(fmt::format("{}: its params fill {} of the buffer's {} elements; {}", where, pos, numel_unpadded,
+                               first_unplaced ? fmt::format("the main params after element {} do not round to the "
+                                                            "weights of '{}' (nor of any param after it) where Megatron "
+                                                            "lays it out", pos, names[*first_unplaced])
+                                              : std::string("the rest is no param's")));
   return out;
 }
 

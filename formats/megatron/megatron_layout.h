@@ -5,10 +5,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "optstate/status.h"
 
 namespace optstate::megatron {
 
@@ -55,5 +59,24 @@ struct Split {
   std::vector<Run> runs;
 };
 std::optional<Split> shard_runs(const std::vector<int64_t>& local_shape, int dim, bool glu, int64_t tp, int64_t tp_size);
+
+// The distributed optimizer's distrib_optim.pt (save_parameter_state, `buckets_coalesced`): per
+// DDP buffer, flat fp32 tensors of its params' main params and moments, each bucket's
+// [0, numel_unpadded) one after another (the padding after each bucket's last param left out).
+// Megatron lays a buffer's params out in reverse module order, each starting at a multiple of 64
+// elements from its bucket's start; a bucket ends after the param that fills it to the bucket
+// size (not saved), so the next param starts where that one ended. Each tensor of the model's
+// (module order, `numels`) is placed here from the values: at its aligned start, or where the last
+// one ended (a new bucket), where the buffer's main params round to its weights (sample_places, more
+// where both fit); a tensor that fits at neither is no param of the buffer (a frozen one). The
+// placed params must fill the buffer to `numel_unpadded` exactly; values come through callbacks
+// as bit patterns of the weights' dtype (the main params rounded to it).
+struct BufferValues {
+  std::function<Result<std::vector<uint32_t>>(std::span<const int64_t> at)> buffer;
+  std::function<Result<std::vector<uint32_t>>(size_t tensor, std::span<const int64_t> at)> tensor;
+};
+Result<std::vector<std::optional<int64_t>>> place_in_buffer(int64_t numel_unpadded, const std::vector<int64_t>& numels,
+                                                            const std::vector<std::string>& names,
+                                                            const BufferValues& values, const std::string& where);
 
 }  // namespace optstate::megatron

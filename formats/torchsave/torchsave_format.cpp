@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <deque>
@@ -16,7 +17,9 @@
 #include "dcp/bnb_state.h"
 #include "dcp/chunks.h"
 #include "dcp/dcp_driver.h"
+#include "dcp/megatron.h"
 #include "dcp/zip.h"
+#include "megatron/megatron_layout.h"
 #include "optstate/checkpoint.h"
 #include "optstate/io.h"
 #include "torchsave_archive.h"
@@ -989,6 +992,207 @@ class TorchSaveReader final : public CheckpointReader {
     return finish({}, {}, 0);
   }
 
+  // Megatron's distributed optimizer in its legacy checkpoint: `f.path` (model_optim_rng.pt) holds
+  // the model's state_dict, which names the params, and the param groups (no members) with the
+  // step; `f.distrib` (distrib_optim.pt, kept as this file's archive) each DDP buffer's main params
+  // and moments, flat, each param where megatron::place_in_buffer finds it. Read as the StateDict
+  // of a torch.save file: entries and weights are views of the buffers.
+  Result<StateDict> megatron_distributed_state(const NanotronParts::File& f) {
+    const std::string mw = f.path.string(), dw = f.distrib.string();
+    OPTSTATE_ASSIGN_OR_RETURN(auto model_ap, open_archive(f.path));
+    OPTSTATE_ASSIGN_OR_RETURN(auto distrib_ap, open_archive(f.distrib));
+    const pickle::Pickle& mp = model_ap.second;
+    const pickle::Pickle& dp = distrib_ap.second;
+    const Archive& model_archive = model_ap.first;
+    StateDict sd;
+    sd.megatron = true;
+    sd.megatron_args = megatron_args_of(mp);
+    sd.optimizer_path = "['optimizer']";
+    const auto* root_items = mp.at(mp.root()).kind == pickle::Kind::kDict ? &mp.at(mp.root()).items : nullptr;
+    if (!root_items) return corrupt(mw + ": data.pkl is not Megatron's trainer dict");
+    for (size_t k = 0; k + 1 < root_items->size(); k += 2) {
+      const auto key = dcp::as_string(mp, (*root_items)[k]);
+      if (!key || (*key != "model" && *key != "optimizer")) sd.not_read.push_back(fmt::format("['{}']", key ? *key : "?"));
+    }
+    OPTSTATE_ASSIGN_OR_RETURN(const dcp::megatron::Optimizer opt,
+                              dcp::megatron::interpret_legacy_optimizer(mp, mp.dict_get(mp.root(), "optimizer"),
+                                                                        mw + " ['optimizer']"));
+    if (!opt.group_step)
+      return corrupt(mw + " ['optimizer']: the distributed optimizer's param groups hold no 'step'");
+    size_t decay = opt.groups.size(), no_decay = opt.groups.size();
+    for (size_t g = 0; g < opt.groups.size(); ++g) {
+      const dcp::megatron::Group& mg = opt.groups[g];
+      for (const auto& [key, v] : mg.extras)
+        if ((key == "is_decoupled_lr" && v.kind == GroupValue::Kind::kBool && v.i != 0) ||
+            (key == "lr_mult" && ((v.kind == GroupValue::Kind::kFloat && v.f != 1) || (v.kind == GroupValue::Kind::kInt && v.i != 1))))
+          return unsupported(fmt::format("{} ['optimizer'] param group {}: {} (a group of its own lr); Megatron keeps "
+                                         "no group's members, and optstate places params by Megatron-Core's standard "
+                                         "groups only (weight decay or none)", mw, g, key));
+      if (mg.expert_parallel)
+        return unsupported(fmt::format("{} ['optimizer'] param group {}: expert parallel; optstate reads Megatron's "
+                                       "legacy checkpoints without experts' groups", mw, g));
+      size_t& slot = mg.wd_mult == 0 ? no_decay : decay;
+      if (slot != opt.groups.size())
+        return unsupported(fmt::format("{} ['optimizer']: param groups {} and {} are both {}; optstate places params by "
+                                       "Megatron-Core's standard groups only (weight decay or none)", mw, slot, g,
+                                       mg.wd_mult == 0 ? "without weight decay" : "with weight decay"));
+      slot = g;
+      GroupSpec gs;
+      gs.hyper = mg.hyper;
+      gs.flags = mg.flags;
+      gs.lr.number = mg.hyper.lr;
+      gs.beta1.number = mg.hyper.beta1;
+      gs.beta2.number = mg.hyper.beta2;
+      for (const auto& [key, v] : mg.extras) gs.extras.push_back({key, v, std::nullopt});
+      sd.groups.push_back(std::move(gs));
+    }
+    const pickle::Ref model = mp.dict_get(mp.root(), "model");
+    if (model == pickle::kNoRef) return corrupt(mw + ": no ['model'], whose weights place the params in the buffers");
+    OPTSTATE_ASSIGN_OR_RETURN(const ModelDict md, interpret_model_dict(mp, model, mw + " ['model']"));
+    sd.model_ref = model;
+    sd.model_key = "['model']";
+
+    // distrib_optim.pt: {"buckets_coalesced": True, <buffer>: {(param dtype, grad dtype): {"param",
+    // "exp_avg", "exp_avg_sq": flat fp32, "numel_unpadded": int}}}
+    const pickle::Ref droot = dp.root();
+    if (dp.at(droot).kind == pickle::Kind::kList)
+      return unsupported(dw + ": a list of optimizers' states (Megatron's chain of optimizers: a mixture of experts); "
+                              "optstate reads one distributed optimizer's");
+    if (dp.at(droot).kind != pickle::Kind::kDict) return corrupt(dw + ": data.pkl is not a dict of buffers");
+    const pickle::Ref coalesced = dp.dict_get(droot, "buckets_coalesced");
+    if (coalesced == pickle::kNoRef || dp.at(coalesced).kind != pickle::Kind::kBool || !dp.at(coalesced).i)
+      return unsupported(dw + ": not 'buckets_coalesced' (a Megatron-Core before 0.7 saved each bucket apart); "
+                              "optstate reads distrib_optim.pt as Megatron-Core 0.7 and later save it");
+    files_.push_back(std::move(distrib_ap.first));
+    const size_t fi = files_.size() - 1;
+    std::vector<bool> taken(md.tensors.size(), false);
+    int64_t id = 0;
+    size_t frozen = 0;
+    const auto& ditems = dp.at(droot).items;
+    for (size_t k = 0; k + 1 < ditems.size(); k += 2) {
+      if (dp.at(ditems[k]).kind != pickle::Kind::kInt) continue;  // buckets_coalesced
+      const int64_t buffer = dp.at(ditems[k]).i;
+      const std::string bw = fmt::format("{} [{}]", dw, buffer);
+      const auto* by_dtype = dp.at(ditems[k + 1]).kind == pickle::Kind::kDict ? &dp.at(ditems[k + 1]).items : nullptr;
+      if (!by_dtype || by_dtype->size() != 2) return corrupt(bw + ": not one dtype's state (Megatron's buffer holds one)");
+      // the key: (param dtype, grad dtype), torch's dtype globals
+      const auto* dtypes = dp.at((*by_dtype)[0]).kind == pickle::Kind::kTuple ? &dp.at((*by_dtype)[0]).items : nullptr;
+      if (!dtypes || dtypes->size() != 2 || dp.at((*dtypes)[0]).kind != pickle::Kind::kGlobal ||
+          static_cast<std::string_view>(dp.at((*dtypes)[0]).s) != "torch")
+        return corrupt(bw + ": its key is not (param dtype, grad dtype)");
+      const std::string_view dname = dp.at((*dtypes)[0]).name;
+      const DType param_dtype = dname == "bfloat16" ? DType::kBF16 : dname == "float16" ? DType::kF16 : DType::kF32;
+      if (dname != "bfloat16" && dname != "float16" && dname != "float32")
+        return unsupported(fmt::format("{}: params of torch.{}; optstate reads bf16, fp16 and fp32 params", bw, dname));
+      const pickle::Ref st = (*by_dtype)[1];
+      const pickle::Ref n = dp.dict_get(st, "numel_unpadded");
+      if (n == pickle::kNoRef || dp.at(n).kind != pickle::Kind::kInt || dp.at(n).i < 0)
+        return corrupt(bw + ": no 'numel_unpadded' count");
+      const int64_t numel = dp.at(n).i;
+      std::map<std::string, dcp::TensorRef> flat;
+      for (const char* e : {kParam, kExpAvg, kExpAvgSq}) {
+        const std::string ew = fmt::format("{} '{}'", bw, e);
+        const pickle::Ref r = dp.dict_get(st, e);
+        if (r == pickle::kNoRef) return corrupt(ew + ": missing");
+        OPTSTATE_ASSIGN_OR_RETURN(const dcp::Payload v, dcp::interpret_value(dp, r, ew));
+        if (v.kind != dcp::Payload::Kind::kTensor || v.tensor.dtype != DType::kF32 || v.tensor.shape != std::vector<int64_t>{numel})
+          return corrupt(fmt::format("{}: not a float32 tensor of its numel_unpadded {} elements", ew, numel));
+        OPTSTATE_RETURN_IF_ERROR(resolve(fi, v.tensor, numel, ew).status());
+        flat.emplace(e, v.tensor);
+      }
+      // the model's tensors of the buffer's dtype, in module order (a param is in one buffer)
+      std::vector<size_t> cand;
+      std::vector<int64_t> numels;
+      std::vector<std::string> names;
+      for (size_t t = 0; t < md.tensors.size(); ++t) {
+        const ModelTensor& mt = md.tensors[t];
+        if (taken[t] || mt.tensor.dtype != param_dtype || mt.dtensor) continue;
+        OPTSTATE_ASSIGN_OR_RETURN(const int64_t tn, checked_numel(mt.tensor.shape));
+        cand.push_back(t);
+        numels.push_back(tn);
+        names.push_back(mt.name);
+      }
+      auto read_elems = [&](const Archive& a, size_t file, const dcp::TensorRef& t, int64_t count,
+                            std::span<const int64_t> at, const std::string& where) -> Result<std::vector<uint32_t>> {
+        OPTSTATE_ASSIGN_OR_RETURN(const Stored s, resolve_in(a, file, t, count, where));
+        const int64_t elem = dtype_size(t.dtype);
+        std::vector<uint32_t> out(at.size());
+        for (size_t i = 0; i < at.size(); ++i) {
+          if (at[i] < 0 || at[i] >= count) return internal_error(where + ": a sample outside the tensor");
+          std::array<std::byte, 4> b{};
+          OPTSTATE_RETURN_IF_ERROR(a.file.read_at(s.at + static_cast<uint64_t>(at[i] * elem),
+                                                  std::span(b.data(), static_cast<size_t>(elem))));
+          std::memcpy(&out[i], b.data(), static_cast<size_t>(elem));
+        }
+        return out;
+      };
+      megatron::BufferValues values;
+      values.buffer = [&](std::span<const int64_t> at) -> Result<std::vector<uint32_t>> {
+        OPTSTATE_ASSIGN_OR_RETURN(auto bits, read_elems(files_[fi], fi, flat.at(kParam), numel, at, bw + " 'param'"));
+        for (uint32_t& b : bits) {
+          float v;
+          std::memcpy(&v, &b, 4);
+          b = param_dtype == DType::kBF16 ? f32_to_bf16(v) : param_dtype == DType::kF16 ? f32_to_f16(v) : b;
+        }
+        return bits;
+      };
+      values.tensor = [&](size_t c, std::span<const int64_t> at) -> Result<std::vector<uint32_t>> {
+        const ModelTensor& mt = md.tensors[cand[c]];
+        return read_elems(model_archive, 0, mt.tensor, numels[c], at, fmt::format("{} ['model']['{}']", mw, mt.name));
+      };
+      OPTSTATE_ASSIGN_OR_RETURN(const auto placed, megatron::place_in_buffer(numel, numels, names, values, bw));
+      for (size_t c = 0; c < cand.size(); ++c) {
+        if (!placed[c]) {
+          ++frozen;
+          continue;
+        }
+        const ModelTensor& mt = md.tensors[cand[c]];
+        taken[cand[c]] = true;
+        ParamSpec spec;
+        spec.fqn = mt.name;
+        spec.id = id++;
+        const bool no_wd = mt.name.ends_with(".bias") || mt.tensor.shape.size() == 1;
+        const size_t g = no_wd ? no_decay : decay;
+        if (g == opt.groups.size())
+          return corrupt(fmt::format("{}: '{}' takes a param group {} weight decay by Megatron-Core's rule, and the "
+                                     "optimizer has none", mw, mt.name, no_wd ? "without" : "with"));
+        spec.group = static_cast<int>(g);
+        spec.shape = mt.tensor.shape;
+        spec.step.number = *opt.group_step;
+        auto view = [&](const char* e) {
+          dcp::TensorRef t = flat.at(e);
+          t.offset += *placed[c];
+          t.shape = mt.tensor.shape;
+          t.stride.clear();
+          return t;
+        };
+        for (const char* e : {kExpAvg, kExpAvgSq}) {
+          EntrySpec es;
+          es.values = view(e);
+          spec.entries.emplace(e, std::move(es));
+        }
+        spec.weight = view(kParam);
+        sd.groups[g].params.push_back(spec.fqn);
+        sd.model_weight_keys.insert(mt.name);
+        sd.params.push_back(std::move(spec));
+      }
+    }
+    if (sd.params.empty()) return corrupt(dw + ": no buffer holds a param of the model's");
+    std::sort(sd.params.begin(), sd.params.end(), [](const ParamSpec& a, const ParamSpec& b) { return a.id < b.id; });
+    sd.members = sd.params.size();
+    const size_t others = md.tensors.size() + md.others - sd.params.size();
+    if (others) sd.not_read.push_back(model_others_text("['model']", others));
+    if (frozen)
+      sd.not_read.push_back(fmt::format("{} model tensor{} in no buffer of the distributed optimizer (frozen params)",
+                                        frozen, frozen == 1 ? "" : "s"));
+    sd.read_notes.push_back("Megatron's distributed optimizer keeps no param's place: each param found in its DDP "
+                            "buffer (distrib_optim.pt) where its fp32 main params round to the model's weights, read "
+                            "as the weights");
+    sd.read_notes.push_back("Megatron saves no param group's members; its standard groups take them by Megatron-Core's "
+                            "rule (no weight decay for biases and 1-D params)");
+    return sd;
+  }
+
   // nanotron's optimizer files: each stage's params from its files, their groups the stage's (its
   // first file's; every data-parallel rank's file has the same groups, holding the params with a
   // run there), each param's runs put together where ZeRO-1 split it.
@@ -1001,9 +1205,17 @@ class TorchSaveReader final : public CheckpointReader {
     std::set<std::string> unread;
     for (const NanotronParts::File& f : np.files) {
       const std::string fw = f.path.string();
-      OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(f.path));
-      files_.push_back(std::move(ap.first));
-      OPTSTATE_ASSIGN_OR_RETURN(StateDict sd, interpret_state_dict(ap.second, fw));
+      StateDict sd;
+      if (!f.distrib.empty()) {
+        OPTSTATE_ASSIGN_OR_RETURN(sd, megatron_distributed_state(f));
+      } else {
+        OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(f.path));
+        if (const auto a = np.megatron ? megatron_args_of(ap.second) : std::nullopt; a && a->distributed_optimizer.value_or(false))
+          return corrupt(fmt::format("{}: its args say use_distributed_optimizer True, and no distrib_optim.pt (the "
+                                     "distributed optimizer's state) is beside it", fw));
+        files_.push_back(std::move(ap.first));
+        OPTSTATE_ASSIGN_OR_RETURN(sd, interpret_state_dict(ap.second, fw));
+      }
       if (np.megatron) {
         // Megatron's trainer dict: the optimizer's at ['optimizer'] (its plain optimizer) or
         // ['optimizer']['optimizer'] (mixed precision), every stepped param named by the model dict
@@ -1012,9 +1224,13 @@ class TorchSaveReader final : public CheckpointReader {
                                      "model's)", fw));
         if (sd.megatron_args) {
           const auto& a = *sd.megatron_args;
-          if (a.tp_size && *a.tp_size != np.tp_size)
+          if (a.tp_size && *a.tp_size != np.megatron_ranks)
             return corrupt(fmt::format("{}: its args say tensor_model_parallel_size {}; {} holds {} tensor-parallel "
-                                       "rank{}", fw, *a.tp_size, dir, np.tp_size, np.tp_size == 1 ? "" : "s"));
+                                       "rank{}", fw, *a.tp_size, dir, np.megatron_ranks,
+                                       np.megatron_ranks == 1 ? "" : "s"));
+          if (a.distributed_optimizer && !*a.distributed_optimizer && !f.distrib.empty())
+            return corrupt(fmt::format("{}: its args say use_distributed_optimizer False, and a distrib_optim.pt is "
+                                       "beside it", fw));
           if ((a.pp_size && *a.pp_size != 1) || (a.ep_size && *a.ep_size != 1))
             return unsupported(fmt::format("{}: its args say pipeline_model_parallel_size {}, "
                                            "expert_model_parallel_size {}; optstate reads Megatron's legacy "
@@ -1787,8 +2003,12 @@ class TorchSaveReader final : public CheckpointReader {
   // `permuted_ok`: a dense tensor stored permuted is read (Stored::permuted); elsewhere refused.
   Result<Stored> resolve(size_t file, const dcp::TensorRef& t, int64_t count, const std::string& where,
                          bool permuted_ok = false) const {
+    return resolve_in(files_[file], file, t, count, where, permuted_ok);
+  }
+  // The same in archive `a` (a file outside files_ too: `file` names it in the Stored).
+  static Result<Stored> resolve_in(const Archive& a, size_t file, const dcp::TensorRef& t, int64_t count,
+                                   const std::string& where, bool permuted_ok = false) {
     if (!permuted_ok) OPTSTATE_RETURN_IF_ERROR(dcp::require_contiguous(t, where));
-    const Archive& a = files_[file];
     OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(t.shape));
     if (numel != count)
       return corrupt(fmt::format("{}: {} elements where {} are needed", where, numel, count));

@@ -1029,6 +1029,25 @@ Status read_decoupled_decay(std::vector<GroupSpec>& groups, const std::string& w
 
 }  // namespace
 
+std::optional<StateDict::MegatronArgs> megatron_args_of(const Pickle& p) {
+  const Ref root = p.root();
+  const Ref args = p.dict_get(root, "args");
+  if (args == kNoRef || p.dict_get(root, "checkpoint_version") == kNoRef || p.at(args).kind != Kind::kObject ||
+      !dict_items(p, p.at(args).state))
+    return std::nullopt;
+  const Ref st = p.at(args).state;
+  auto int_of = [&](const char* k) -> std::optional<int64_t> {
+    const Ref v = p.dict_get(st, k);
+    if (v == kNoRef || p.at(v).kind != Kind::kInt) return std::nullopt;
+    return p.at(v).i;
+  };
+  StateDict::MegatronArgs ma{int_of("tensor_model_parallel_size"), int_of("pipeline_model_parallel_size"),
+                             int_of("expert_model_parallel_size"), std::nullopt};
+  if (const Ref d = p.dict_get(st, "use_distributed_optimizer"); d != kNoRef && p.at(d).kind == Kind::kBool)
+    ma.distributed_optimizer = p.at(d).i != 0;
+  return ma;
+}
+
 Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where) {
   StateDict out;
   const Ref root = p.root();
@@ -1058,21 +1077,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
       items = dict_items(p, composer);
     }
     // Megatron-LM's trainer dict: its args' parallel sizes, which the rank folders must agree with
-    if (const Ref args = p.dict_get(root, "args");
-        !is_composer && args != kNoRef && p.dict_get(root, "checkpoint_version") != kNoRef &&
-        p.at(args).kind == Kind::kObject && dict_items(p, p.at(args).state)) {
-      const Ref st = p.at(args).state;
-      auto int_of = [&](const char* k) -> std::optional<int64_t> {
-        const Ref v = p.dict_get(st, k);
-        if (v == kNoRef || p.at(v).kind != Kind::kInt) return std::nullopt;
-        return p.at(v).i;
-      };
-      StateDict::MegatronArgs ma{int_of("tensor_model_parallel_size"), int_of("pipeline_model_parallel_size"),
-                                 int_of("expert_model_parallel_size"), std::nullopt};
-      if (const Ref d = p.dict_get(st, "use_distributed_optimizer"); d != kNoRef && p.at(d).kind == Kind::kBool)
-        ma.distributed_optimizer = p.at(d).i != 0;
-      out.megatron_args = ma;
-    }
+    if (!is_composer) out.megatron_args = megatron_args_of(p);
     const std::string prefix = is_composer ? "['state']" : "";
     for (size_t k = 0; k + 1 < items->size(); k += 2) {
       const auto key = dcp::as_string(p, (*items)[k]);

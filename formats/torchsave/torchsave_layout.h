@@ -175,6 +175,9 @@ struct StateDict {
 // writes for torch::optim::AdamW (and optstate's FusedAdamW and AdamW8bit): a TorchScript module
 // whose attributes are the state (FORMAT.md). `where` names the file in errors.
 Result<StateDict> interpret_state_dict(const pickle::Pickle& p, const std::string& where);
+// Megatron-LM's trainer dict at the pickle's root (['args'], an argparse.Namespace, beside
+// ['checkpoint_version']): what its args say of the parallelism; nullopt for another pickle.
+std::optional<StateDict::MegatronArgs> megatron_args_of(const pickle::Pickle& p);
 // not_read's line for the model dict's `others` entries beside the params' weights.
 std::string model_others_text(std::string_view model_key, size_t others);
 

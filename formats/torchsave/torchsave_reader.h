@@ -73,6 +73,7 @@ struct NanotronParts {
   struct File {
     std::filesystem::path path;
     int64_t pp = 0, dp = 0, tp = 0;
+    std::filesystem::path distrib;  // Megatron's distributed optimizer: the rank's distrib_optim.pt
   };
   std::vector<File> files;  // every (pp, tp, dp) once, in that order
   int64_t dp_size = 1;
@@ -101,6 +102,7 @@ struct NanotronParts {
   // the model's beside it, params named by their place among the model's tensors; `sharded` and
   // `replicated` from Megatron's layer names.
   bool megatron = false;
+  int64_t megatron_ranks = 1;  // the checkpoint's tensor-parallel ranks (its args must say as many)
 };
 Result<std::unique_ptr<CheckpointReader>> open_nanotron(const NanotronParts& parts);
 

@@ -665,24 +665,30 @@ def test_nanotron_checkpoints_optstate_cannot_place_are_refused_by_name(tmp_path
     assert "not as nanotron's" in err and not (tmp_path / "back").exists(), err
 
 
-@pytest.mark.parametrize("run", ["legacy_dp2", "legacy_fp32_dp2", "legacy_tp2", "legacy_tp2_swiglu"])
+@pytest.mark.parametrize("run", ["legacy_dp2", "legacy_fp32_dp2", "legacy_tp2", "legacy_tp2_swiglu",
+                                 "legacy_dp2_distopt", "legacy_tp2_dp2_distopt"])
 def test_a_megatron_legacy_checkpoint_reads_as_megatron_held_it(tmp_path, optstate_cli, run):
     """Megatron-LM's legacy checkpoint (`--ckpt-format torch`: iter_N/mp_rank_<tp>/model_optim_rng.pt,
     torch.save of the trainer's dict, the optimizer's params numbered, the model's state_dict
     beside): Megatron's mixed-precision optimizer (its fp32 main params in fp32_from_fp16_params) or
     its plain fp32 one, on one tensor-parallel rank or two (column- and row-parallel shards put
-    together by Megatron's layer names; SwiGLU's fc1 shards each a rank's gate above its up): bit
-    for bit what Megatron's optimizer held, the params named by their place among the model's
-    tensors, in Megatron's two groups. The checkpoints folder (its tracker file), the iteration
-    folder and, on one rank, the rank's folder and file read alike; one rank's file of two is
-    refused, naming the folder to read."""
+    together by Megatron's layer names; SwiGLU's fc1 shards each a rank's gate above its up), or
+    its distributed optimizer (distrib_optim.pt: each DDP buffer's main params and moments, flat,
+    the params found where their main params round to the model's weights; over several buckets
+    under tensor parallel 2): bit for bit what Megatron's optimizer held, the params named as the
+    model names them, in Megatron's two groups. The checkpoints folder (its tracker file), the
+    iteration folder and, on one rank, the rank's folder and files read alike; one rank's file of
+    two is refused, naming the folder to read."""
     ck = MEGATRON / run
     ref, meta = ref_of(ck)
     info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta)
     assert info["format"] == "megatron"
     assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0]
-    mixed = run != "legacy_fp32_dp2"
+    mixed = run not in ("legacy_fp32_dp2",)
     assert any("fp32 main params" in n for n in info["read_notes"]) == mixed, info["read_notes"]
+    distributed = run.endswith("distopt")
+    assert any("Megatron's distributed optimizer keeps no param's place" in n
+               for n in info["read_notes"]) == distributed, info["read_notes"]
     root = hashes_root(optstate_cli, ck)
     rank0 = ck / "iter_0000003" / "mp_rank_00"
     assert hashes_root(optstate_cli, ck / "iter_0000003") == root
@@ -693,6 +699,8 @@ def test_a_megatron_legacy_checkpoint_reads_as_megatron_held_it(tmp_path, optsta
     else:
         assert hashes_root(optstate_cli, rank0) == root
         assert hashes_root(optstate_cli, rank0 / "model_optim_rng.pt") == root
+        if distributed:
+            assert hashes_root(optstate_cli, rank0 / "distrib_optim.pt") == root
     # written as a DCP torch reads; read back the same
     out = tmp_path / "dcp"
     optstate_cli("convert", ck, out, "--format", "dcp")
@@ -720,3 +728,26 @@ def test_a_megatron_legacy_checkpoint_missing_a_rank_or_splitting_an_unknown_lay
     """), "rename.py", *sorted((ck / "iter_0000003").glob("mp_rank_*/model_optim_rng.pt")))
     err = run_err(optstate_cli, "inspect", ck)
     assert "decoder.layers.0.self_attention.my_out.weight': its weights differ from tensor-parallel rank 0's" in err, err
+
+
+def test_a_megatron_legacy_distributed_optimizer_whose_weights_or_state_are_missing_is_refused(tmp_path, optstate_cli):
+    """The distributed optimizer's legacy checkpoint keeps no param's place in its buffers: where the
+    model's weights do not match the main params where Megatron lays a param out, the read is
+    refused naming the param (never a param read from another's place); without distrib_optim.pt
+    beside model_optim_rng.pt, the args' use_distributed_optimizer names what is missing."""
+    ck = tmp_path / "ck"
+    shutil.copytree(MEGATRON / "legacy_dp2_distopt", ck)
+    rank0 = ck / "iter_0000003" / "mp_rank_00"
+    run_script(tmp_path, textwrap.dedent("""
+        import sys, torch
+        d = torch.load(sys.argv[1], weights_only=False)
+        w = d["model"]["decoder.layers.1.mlp.linear_fc1.weight"]
+        w.view(-1)[0] += 1.0
+        torch.save(d, sys.argv[1])
+    """), "change.py", rank0 / "model_optim_rng.pt")
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "do not round to the weights of 'decoder.layers.1.mlp.linear_fc1.weight'" in err, err
+    shutil.copytree(MEGATRON / "legacy_dp2_distopt", tmp_path / "nostate")
+    (tmp_path / "nostate" / "iter_0000003" / "mp_rank_00" / "distrib_optim.pt").unlink()
+    err = run_err(optstate_cli, "inspect", tmp_path / "nostate")
+    assert "its args say use_distributed_optimizer True, and no distrib_optim.pt" in err, err

@@ -93,3 +93,76 @@ TEST_CASE("megatron legacy: a tensor-parallel rank's shard placed in the whole p
   CHECK(!mg::shard_runs({4, 3}, 0, false, 2, 2));   // no such rank
   CHECK(!mg::shard_runs({int64_t{1} << 40, 3}, 0, false, 0, 2));
 }
+
+namespace {
+
+// A buffer laid out as Megatron lays one: `starts` per tensor (module order), each tensor's values
+// distinct, the padding zeros; the main params are the weights widened exactly (bf16 patterns).
+struct FakeBuffer {
+  std::vector<std::vector<uint32_t>> weights;
+  std::vector<uint32_t> buffer;
+  mg::BufferValues values() const {
+    mg::BufferValues v;
+    v.buffer = [this](std::span<const int64_t> at) -> optstate::Result<std::vector<uint32_t>> {
+      std::vector<uint32_t> out;
+      for (int64_t i : at) out.push_back(buffer.at(static_cast<size_t>(i)));
+      return out;
+    };
+    v.tensor = [this](size_t t, std::span<const int64_t> at) -> optstate::Result<std::vector<uint32_t>> {
+      std::vector<uint32_t> out;
+      for (int64_t i : at) out.push_back(weights.at(t).at(static_cast<size_t>(i)));
+      return out;
+    };
+    return v;
+  }
+};
+
+FakeBuffer fake(const std::vector<int64_t>& numels, const std::vector<int64_t>& starts, int64_t total) {
+  FakeBuffer f;
+  f.buffer.assign(static_cast<size_t>(total), 0);
+  uint32_t next = 1;
+  for (size_t t = 0; t < numels.size(); ++t) {
+    auto& w = f.weights.emplace_back();
+    for (int64_t i = 0; i < numels[t]; ++i) {
+      w.push_back(next++);
+      if (starts[t] >= 0) f.buffer.at(static_cast<size_t>(starts[t] + i)) = w.back();
+    }
+  }
+  return f;
+}
+
+}  // namespace
+
+TEST_CASE("megatron legacy: the distributed optimizer's params found in its coalesced buffer") {
+  const std::vector<std::string> names{"a", "b", "c", "d"};
+  // module order a, b, c, d; laid out d, c, b, a: d at 0 (5), c at 64 (aligned, 70 elements, the
+  // bucket full), b at 134 (a new bucket: right where c ended), a at 198 (aligned from b's bucket's
+  // start, 134 + 64)
+  const std::vector<int64_t> numels{3, 10, 70, 5};
+  FakeBuffer f = fake(numels, {198, 134, 64, 0}, 201);
+  auto placed = mg::place_in_buffer(201, numels, names, f.values(), "buf");
+  REQUIRE(placed.ok());
+  CHECK(*placed == std::vector<std::optional<int64_t>>{198, 134, 64, 0});
+  // a frozen param (in no buffer) between them: left out, the rest placed
+  f = fake({3, 7, 10, 70, 5}, {198, -1, 134, 64, 0}, 201);
+  placed = mg::place_in_buffer(201, {3, 7, 10, 70, 5}, {"a", "frozen", "b", "c", "d"}, f.values(), "buf");
+  REQUIRE(placed.ok());
+  CHECK(*placed == std::vector<std::optional<int64_t>>{198, std::nullopt, 134, 64, 0});
+  // weights that do not match the main params where Megatron put them: refused, naming the param
+  f = fake(numels, {198, 134, 64, 0}, 201);
+  f.weights[2][0] ^= 1;  // c's (a sampled place: the first)
+  placed = mg::place_in_buffer(201, numels, names, f.values(), "buf");
+  REQUIRE(!placed.ok());
+  CHECK(placed.status().message().find("fill 5 of the buffer's 201 elements") != std::string::npos);
+  CHECK(placed.status().message().find("weights of 'c'") != std::string::npos);
+  // a buffer longer than its params: refused
+  f = fake(numels, {198, 134, 64, 0}, 206);
+  CHECK(!mg::place_in_buffer(206, numels, names, f.values(), "buf").ok());
+  // an all-zero param that fits both at its aligned start and where the last one ended: refused
+  f = fake(numels, {198, 134, 64, 0}, 201);
+  std::fill(f.weights[2].begin(), f.weights[2].end(), 0);
+  for (int i = 64; i < 134; ++i) f.buffer[static_cast<size_t>(i)] = 0;
+  placed = mg::place_in_buffer(201, numels, names, f.values(), "buf");
+  REQUIRE(!placed.ok());
+  CHECK(placed.status().message().find("'c' fits the buffer both at element 5 and at 64") != std::string::npos);
+}

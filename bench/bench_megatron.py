@@ -24,6 +24,13 @@ side is timed as what reading those bytes costs, and optstate's output is compar
 the writer's own reference instead (make_megatron.py gathers it from the live optimizer: each
 rank's main params and moments over its range of each param).
 
+--sharding legacy: Megatron-LM's legacy `--ckpt-format torch` checkpoint of the distributed
+optimizer (run `legacy_dp2_distopt`: `iter_N/mp_rank_00/model_optim_rng.pt` and
+`distrib_optim.pt`, the DDP buffer's main params and moments flat, the param layout not saved);
+optstate places each param by value (formats/megatron/FORMAT.md). torch alone can only
+`torch.load` the flat buffers: its side is timed as that load and save, unplaced, and optstate's
+output compared with the writer's own reference, as for dp_reshardable.
+
     .venv/bin/python bench/bench_megatron.py --megatron /tmp/megatron [--layers 4] [--hidden 1024]
         [--vocab 32768] [--reps 2] [--dir /tmp] [--json bench/results/megatron.json]
 """
@@ -50,6 +57,13 @@ READ_WITH_TORCH = textwrap.dedent("""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from safetensors.torch import save_file
     src, out = sys.argv[1:3]
+    if sys.argv[3:] == ["legacy"]:  # distrib_optim.pt's flat buffers, each saved as it is
+        from pathlib import Path
+        path, = Path(src).glob("iter_*/mp_rank_00/distrib_optim.pt")
+        state = torch.load(path, weights_only=False)
+        save_file({f"{b}.{e}": t for b, by_dtype in state.items() if isinstance(b, int)
+                   for d in by_dtype.values() for e, t in d.items() if isinstance(t, torch.Tensor)}, out)
+        sys.exit(0)
     buckets = sys.argv[3:] == ["buckets"]
     prefix = "optimizer.distributed." if buckets else "optimizer.state."
     md = dcp.FileSystemReader(src).read_metadata()
@@ -77,23 +91,27 @@ READ_WITH_TORCH = textwrap.dedent("""
 
 def main():
     args = writer_args(4, "megatron", "where megatron-core is installed (pip --target)",
-                       lambda ap: ap.add_argument("--sharding", choices=["fully_reshardable", "dp_reshardable"],
+                       lambda ap: ap.add_argument("--sharding", choices=["fully_reshardable", "dp_reshardable", "legacy"],
                                                   default="fully_reshardable",
-                                                  help="the distributed optimizer's form (Megatron-Core >= 0.14)"))
+                                                  help="the distributed optimizer's form (Megatron-Core >= 0.14), or "
+                                                       "the legacy --ckpt-format torch"))
     sys.path.insert(0, args.megatron)
-    buckets = args.sharding == "dp_reshardable"
+    legacy = args.sharding == "legacy"
+    buckets = args.sharding == "dp_reshardable" or legacy
     cli, work, env, scripts = prepare("megatron", args.dir, "", READ_WITH_TORCH, needs="megatron.core")
     env["PYTHONPATH"] = args.megatron
-    run = "dp2_distopt_dp_reshardable" if buckets else "dp2_distopt"
+    run = "legacy_dp2_distopt" if legacy else "dp2_distopt_dp_reshardable" if buckets else "dp2_distopt"
     make_env = dict(env, MEGATRON_SIZE=f"{args.layers},{args.hidden},{args.vocab}", MEGATRON_RUNS=run,
                     MEGATRON_REF="1" if buckets else "0")
     make = [sys.executable, str(BENCH.parent / "tests/data/writers/make_megatron.py"), work / "made"]
     writer_fp32_bench(args, cli, work, make_env, scripts, make, work / "made" / run,
-                      f"Megatron torch_dist checkpoint ({args.sharding})",
-                      "torch DCP (flat buckets, unplaced)" if buckets else "torch DCP",
+                      "Megatron legacy checkpoint (distributed optimizer)" if legacy
+                      else f"Megatron torch_dist checkpoint ({args.sharding})",
+                      "torch.load (flat buffers, unplaced)" if legacy
+                      else "torch DCP (flat buckets, unplaced)" if buckets else "torch DCP",
                       "fp32 main params, exp_avg, exp_avg_sq",
                       expected=work / "made" / f"{run}.ref.safetensors" if buckets else None,
-                      reference_args=["buckets"] if buckets else [])
+                      reference_args=["legacy"] if legacy else ["buckets"] if buckets else [])
 
 if __name__ == "__main__":
     main()

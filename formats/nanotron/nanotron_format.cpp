@@ -139,7 +139,7 @@ Result<torchsave::NanotronParts> find_parts(const fs::path& root, const fs::path
           return corrupt(fmt::format("{}: pipeline stage {}{}{} has no optimizer file", dir.string(), pp,
                                      config.tp_size > 1 ? fmt::format(", tensor-parallel rank {},", tp) : "",
                                      config.is_zero() ? fmt::format(", data-parallel rank {},", dp) : ""));
-        parts.files.push_back({f->second, pp, dp, tp});
+        parts.files.push_back({f->second, pp, dp, tp, {}});
       }
   if (config.is_zero()) {
     std::map<std::string, torchsave::NanotronParts::ZeroParam> zero;

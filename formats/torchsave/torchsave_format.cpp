@@ -1067,7 +1067,7 @@ class TorchSaveReader final : public CheckpointReader {
     const size_t fi = files_.size() - 1;
     std::vector<bool> taken(md.tensors.size(), false);
     int64_t id = 0;
-    size_t frozen = 0;
+    std::set<size_t> unplaced;  // model tensors of a buffer's dtype that no buffer holds
     const auto& ditems = dp.at(droot).items;
     for (size_t k = 0; k + 1 < ditems.size(); k += 2) {
       if (dp.at(ditems[k]).kind != pickle::Kind::kInt) continue;  // buckets_coalesced
@@ -1143,11 +1143,12 @@ class TorchSaveReader final : public CheckpointReader {
       OPTSTATE_ASSIGN_OR_RETURN(const auto placed, megatron::place_in_buffer(numel, numels, names, values, bw));
       for (size_t c = 0; c < cand.size(); ++c) {
         if (!placed[c]) {
-          ++frozen;
+          unplaced.insert(cand[c]);
           continue;
         }
         const ModelTensor& mt = md.tensors[cand[c]];
         taken[cand[c]] = true;
+        unplaced.erase(cand[c]);
         ParamSpec spec;
         spec.fqn = mt.name;
         spec.id = id++;
@@ -1182,7 +1183,7 @@ class TorchSaveReader final : public CheckpointReader {
     sd.members = sd.params.size();
     const size_t others = md.tensors.size() + md.others - sd.params.size();
     if (others) sd.not_read.push_back(model_others_text("['model']", others));
-    if (frozen)
+    if (const size_t frozen = unplaced.size())
       sd.not_read.push_back(fmt::format("{} model tensor{} in no buffer of the distributed optimizer (frozen params)",
                                         frozen, frozen == 1 ? "" : "s"));
     sd.read_notes.push_back("Megatron's distributed optimizer keeps no param's place: each param found in its DDP "

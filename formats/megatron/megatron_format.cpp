@@ -79,26 +79,44 @@ std::optional<Located> locate(const fs::path& path) {
   return std::nullopt;
 }
 
-// Every tensor-parallel rank's file, checked: ranks 0..T-1 once each, no pipeline or expert rank.
-Result<std::vector<fs::path>> rank_files(const fs::path& iteration) {
+// Every model-parallel rank's file, by (pipeline stage, tensor-parallel rank), checked: a full
+// grid, stages 0..P-1 by ranks 0..T-1. A folder name's one number after the tensor-parallel rank is
+// the pipeline stage (an expert rank instead where the args say so: refused by the reader); two
+// are pipeline and expert ranks, refused here.
+struct RankFile {
+  int64_t pp = 0, tp = 0;
+  fs::path path;
+};
+Result<std::vector<RankFile>> rank_files(const fs::path& iteration) {
   const auto dirs = rank_dirs(iteration);
-  std::map<int64_t, fs::path> by_tp;
+  std::map<std::pair<int64_t, int64_t>, fs::path> grid;  // (pp, tp) -> file
+  std::optional<size_t> parts;
   for (const auto& [name, r] : dirs) {
-    if (!r.more.empty())
-      return unsupported(fmt::format("{}: a rank of pipeline or expert parallelism ({}); optstate reads Megatron's "
-                                     "legacy checkpoints of tensor parallelism alone", (iteration / name).string(), name));
-    by_tp.emplace(r.tp, iteration / name / kRankFile);
+    if (r.more.size() > 1)
+      return unsupported(fmt::format("{}: a rank of expert parallelism ({}); optstate reads Megatron's legacy "
+                                     "checkpoints of tensor and pipeline parallelism", (iteration / name).string(), name));
+    if (parts && *parts != r.more.size())
+      return corrupt(fmt::format("{}: rank folders named with and without a pipeline rank ({})", iteration.string(), name));
+    parts = r.more.size();
+    grid.emplace(std::pair{r.more.empty() ? 0 : r.more[0], r.tp}, iteration / name / kRankFile);
   }
-  if (by_tp.empty()) return corrupt(fmt::format("{}: no mp_rank_<tp>/{}", iteration.string(), kRankFile));
-  if (by_tp.size() > kMaxRanks) return corrupt(fmt::format("{}: more than {} ranks", iteration.string(), kMaxRanks));
-  std::vector<fs::path> files;
-  for (int64_t tp = 0; tp < static_cast<int64_t>(by_tp.size()); ++tp) {
-    const auto f = by_tp.find(tp);
-    if (f == by_tp.end())
-      return corrupt(fmt::format("{}: tensor-parallel rank {} has no mp_rank_{:02d}/{} (ranks {} of {} found)",
-                                 iteration.string(), tp, tp, kRankFile, by_tp.size(), by_tp.rbegin()->first + 1));
-    files.push_back(f->second);
+  if (grid.empty()) return corrupt(fmt::format("{}: no mp_rank_<tp>/{}", iteration.string(), kRankFile));
+  if (grid.size() > kMaxRanks) return corrupt(fmt::format("{}: more than {} ranks", iteration.string(), kMaxRanks));
+  int64_t stages = 0, ranks = 0;
+  for (const auto& [at, path] : grid) {
+    stages = std::max(stages, at.first + 1);
+    ranks = std::max(ranks, at.second + 1);
   }
+  std::vector<RankFile> files;
+  for (int64_t pp = 0; pp < stages; ++pp)
+    for (int64_t tp = 0; tp < ranks; ++tp) {
+      const auto f = grid.find({pp, tp});
+      if (f == grid.end())
+        return corrupt(fmt::format("{}: {} has no {} ({} stage{} of {} tensor-parallel rank{} found)", iteration.string(),
+                                   *parts ? fmt::format("mp_rank_{:02d}_{:03d}", tp, pp) : fmt::format("mp_rank_{:02d}", tp),
+                                   kRankFile, stages, stages == 1 ? "" : "s", ranks, ranks == 1 ? "" : "s"));
+      files.push_back({pp, tp, f->second});
+    }
   return files;
 }
 
@@ -111,82 +129,134 @@ Result<std::vector<std::byte>> values_of(CheckpointReader& r, const std::string&
   return out;
 }
 
-// Each param's place over the tensor-parallel ranks, from their files: split along Megatron's dim
-// for its name, or replicated (its weights then equal in every rank's file, checked: a param
-// Megatron splits that its names do not say would differ).
-Result<torchsave::NanotronParts> find_parts(const fs::path& iteration, const std::vector<fs::path>& files) {
+// Each param's place over the model-parallel ranks, from their files: a pipeline stage's layers
+// numbered on from the stages before it; within a stage, split along Megatron's dim for its name, or
+// replicated (its weights then equal in every rank's file, checked: a param Megatron splits that its
+// names do not say would differ); the last stage's output_layer.weight, where it is the first
+// stage's embedding tied to it (equal weights and moments: Megatron sums their gradients), read once.
+Result<torchsave::NanotronParts> find_parts(const fs::path& iteration, const std::vector<RankFile>& files) {
   torchsave::NanotronParts parts;
   parts.megatron = true;
   parts.path = iteration;
   parts.dir = iteration;
-  parts.tp_size = static_cast<int64_t>(files.size());
   parts.zero_rule = [](int64_t numel) { return std::map<int64_t, std::pair<int64_t, int64_t>>{{0, {0, numel}}}; };
-  parts.megatron_ranks = static_cast<int64_t>(files.size());
-  // Each rank's file read alone first: its params' names and local shapes, its replicated weights.
+  parts.megatron_ranks = files.back().tp + 1;
+  parts.megatron_stages = files.back().pp + 1;
+  parts.tp_size = parts.megatron_ranks;
+  const size_t ranks = static_cast<size_t>(parts.megatron_ranks);
+  // Each rank's file read alone first: its params' local names and shapes, its weights.
   std::vector<std::unique_ptr<CheckpointReader>> readers;
-  for (size_t tp = 0; tp < files.size(); ++tp) {
-    const fs::path distrib = files[tp].parent_path() / kDistribFile;
-    parts.files.push_back({files[tp], 0, 0, static_cast<int64_t>(tp), is_file(distrib) ? distrib : fs::path()});
+  for (const RankFile& rf : files) {
+    const fs::path distrib = rf.path.parent_path() / kDistribFile;
+    parts.files.push_back({rf.path, rf.pp, 0, rf.tp, is_file(distrib) ? distrib : fs::path()});
     if (files.size() == 1) break;
     torchsave::NanotronParts one = parts;
     one.files = {parts.files.back()};
     one.files[0].tp = 0;
+    one.files[0].pp = 0;
     one.tp_size = 1;
     OPTSTATE_ASSIGN_OR_RETURN(auto r, torchsave::open_nanotron(one));
     readers.push_back(std::move(r));
   }
   if (files.size() == 1) return parts;
-  const OptimizerState& m0 = readers[0]->meta();
-  for (const auto& [name, ps0] : m0.params) {
-    const std::string pw = fmt::format("{} param '{}'", iteration.string(), name);
-    const auto dim = tensor_parallel_dim(name);
-    // SwiGLU's first projection: twice the rows of its layer's second projection's columns
-    bool glu = false;
-    if (const auto fc2 = second_projection_of(name); dim && fc2) {
-      const auto f2 = m0.params.find(*fc2);
-      if (f2 == m0.params.end() || f2->second.shape.size() != 2 || ps0.shape.empty())
-        return unsupported(fmt::format("{}: whether it is a gated MLP's (SwiGLU: each rank's shard its part of the "
-                                       "gate above its part of the up projection) is told by its layer's '{}', which "
-                                       "the checkpoint does not hold as a matrix", pw, *fc2));
-      glu = ps0.shape[0] == 2 * f2->second.shape[1];
-      if (!glu && ps0.shape[0] != f2->second.shape[1])
-        return corrupt(fmt::format("{}: {} rows, its layer's '{}' has {} columns (the MLP's width, or half a gated "
-                                   "one's)", pw, ps0.shape[0], *fc2, f2->second.shape[1]));
+  auto reader_of = [&](int64_t pp, size_t tp) -> CheckpointReader& { return *readers[static_cast<size_t>(pp) * ranks + tp]; };
+  // the stages' layer offsets, per stack of layers
+  std::map<std::string, int64_t> next;
+  for (int64_t pp = 0; pp < parts.megatron_stages; ++pp) {
+    std::map<std::string, int64_t> count;
+    for (const auto& [name, ps] : reader_of(pp, 0).meta().params)
+      if (const auto l = layer_of(name)) count[l->stack] = std::max(count[l->stack], l->index + 1);
+    for (const auto& [stack, n] : count) {
+      parts.layer_offsets[pp][stack] = next[stack];
+      next[stack] += n;
     }
-    std::optional<std::vector<std::byte>> w0;
-    for (size_t tp = 0; tp < readers.size(); ++tp) {
-      const auto& mt = readers[tp]->meta();
-      const auto it = mt.params.find(name);
-      const std::string fw = fmt::format("{} param '{}'", files[tp].string(), name);
-      if (it == mt.params.end()) return corrupt(fmt::format("{}: missing; {} has it", fw, files[0].string()));
-      if (it->second.shape != ps0.shape)
-        return corrupt(fmt::format("{}: shape {}; {} has {}", fw, format_shape(it->second.shape), files[0].string(),
-                                   format_shape(ps0.shape)));
-      if (dim) {
-        const auto split = shard_runs(it->second.shape, *dim, glu, static_cast<int64_t>(tp), parts.tp_size);
-        if (!split) return corrupt(fmt::format("{}: shape {} is no shard along dim {}", fw, format_shape(it->second.shape), *dim));
-        auto& sh = parts.sharded[name];
-        sh.shape = split->whole;
-        std::vector<torchsave::NanotronParts::Run> runs;
-        for (const Run& r : split->runs) runs.push_back({r.local, r.global, r.count});
-        sh.by_tp.emplace(static_cast<int64_t>(tp), std::pair{it->second.shape, std::move(runs)});
-        continue;
-      }
-      if (!it->second.entries.count(kParam)) continue;
-      OPTSTATE_ASSIGN_OR_RETURN(auto w, values_of(*readers[tp], name, kParam));
-      if (!w0) {
-        w0 = std::move(w);
-      } else if (w != *w0) {
-        return unsupported(fmt::format("{}: its weights differ from tensor-parallel rank 0's, so tensor parallelism "
-                                       "splits it, along a dim Megatron's layer names do not say", fw));
-      }
-    }
-    if (!dim) parts.replicated.insert(name);
   }
-  for (size_t tp = 1; tp < readers.size(); ++tp)
-    for (const auto& [name, ps] : readers[tp]->meta().params)
-      if (!m0.params.count(name))
-        return corrupt(fmt::format("{} param '{}': missing; {} has it", files[0].string(), name, files[tp].string()));
+  auto global = [&](int64_t pp, const std::string& name) {
+    const auto l = layer_of(name);
+    const auto& offsets = parts.layer_offsets[pp];
+    const auto o = l ? offsets.find(l->stack) : offsets.end();
+    return o == offsets.end() ? name : renumber_layer(name, o->second);
+  };
+  // a tied embedding's copy on the last stage
+  const int64_t last = parts.megatron_stages - 1;
+  if (last > 0) {
+    const std::string out = "output_layer.weight", emb = "embedding.word_embeddings.weight";
+    bool tied = true;
+    for (size_t tp = 0; tp < ranks && tied; ++tp) {
+      auto& a = reader_of(last, tp);
+      auto& b = reader_of(0, tp);
+      const auto pa = a.meta().params.find(out), pb = b.meta().params.find(emb);
+      tied = pa != a.meta().params.end() && pb != b.meta().params.end() && pa->second.shape == pb->second.shape &&
+             pa->second.entries.count(kParam) && pb->second.entries.count(kParam);
+      for (const char* e : {kParam, kExpAvg, kExpAvgSq}) {
+        if (!tied) break;
+        OPTSTATE_ASSIGN_OR_RETURN(auto va, values_of(a, out, e));
+        OPTSTATE_ASSIGN_OR_RETURN(auto vb, values_of(b, emb, e));
+        tied = va == vb;
+      }
+    }
+    if (tied) parts.tied_copies.insert({last, out});
+  }
+  for (int64_t pp = 0; pp < parts.megatron_stages; ++pp) {
+    const OptimizerState& m0 = reader_of(pp, 0).meta();
+    const std::string& f0 = files[static_cast<size_t>(pp) * ranks].path.string();
+    for (const auto& [name, ps0] : m0.params) {
+      const std::string gname = global(pp, name);
+      const std::string pw = fmt::format("{} param '{}'", f0, name);
+      const auto dim = tensor_parallel_dim(name);
+      // SwiGLU's first projection: twice the rows of its layer's second projection's columns
+      bool glu = false;
+      if (const auto fc2 = second_projection_of(name); dim && fc2) {
+        const auto f2 = m0.params.find(*fc2);
+        if (f2 == m0.params.end() || f2->second.shape.size() != 2 || ps0.shape.empty())
+          return unsupported(fmt::format("{}: whether it is a gated MLP's (SwiGLU: each rank's shard its part of the "
+                                         "gate above its part of the up projection) is told by its layer's '{}', which "
+                                         "the checkpoint does not hold as a matrix", pw, *fc2));
+        glu = ps0.shape[0] == 2 * f2->second.shape[1];
+        if (!glu && ps0.shape[0] != f2->second.shape[1])
+          return corrupt(fmt::format("{}: {} rows, its layer's '{}' has {} columns (the MLP's width, or half a gated "
+                                     "one's)", pw, ps0.shape[0], *fc2, f2->second.shape[1]));
+      }
+      std::optional<std::vector<std::byte>> w0;
+      for (size_t tp = 0; tp < ranks; ++tp) {
+        auto& r = reader_of(pp, tp);
+        const auto& mt = r.meta();
+        const auto it = mt.params.find(name);
+        const std::string& ft = files[static_cast<size_t>(pp) * ranks + tp].path.string();
+        const std::string fw = fmt::format("{} param '{}'", ft, name);
+        if (it == mt.params.end()) return corrupt(fmt::format("{}: missing; {} has it", fw, f0));
+        if (it->second.shape != ps0.shape)
+          return corrupt(fmt::format("{}: shape {}; {} has {}", fw, format_shape(it->second.shape), f0,
+                                     format_shape(ps0.shape)));
+        if (ranks == 1) continue;
+        if (dim) {
+          const auto split = shard_runs(it->second.shape, *dim, glu, static_cast<int64_t>(tp), parts.tp_size);
+          if (!split)
+            return corrupt(fmt::format("{}: shape {} is no shard along dim {}", fw, format_shape(it->second.shape), *dim));
+          auto& sh = parts.sharded[gname];
+          sh.shape = split->whole;
+          std::vector<torchsave::NanotronParts::Run> runs;
+          for (const Run& rn : split->runs) runs.push_back({rn.local, rn.global, rn.count});
+          sh.by_tp.emplace(static_cast<int64_t>(tp), std::pair{it->second.shape, std::move(runs)});
+          continue;
+        }
+        if (!it->second.entries.count(kParam)) continue;
+        OPTSTATE_ASSIGN_OR_RETURN(auto w, values_of(r, name, kParam));
+        if (!w0) {
+          w0 = std::move(w);
+        } else if (w != *w0) {
+          return unsupported(fmt::format("{}: its weights differ from tensor-parallel rank 0's, so tensor parallelism "
+                                         "splits it, along a dim Megatron's layer names do not say", fw));
+        }
+      }
+      if (!dim || ranks == 1) parts.replicated.insert(gname);
+    }
+    for (size_t tp = 1; tp < ranks; ++tp)
+      for (const auto& [name, ps] : reader_of(pp, tp).meta().params)
+        if (!m0.params.count(name))
+          return corrupt(fmt::format("{} param '{}': missing; {} has it", f0, name,
+                                     files[static_cast<size_t>(pp) * ranks + tp].path.string()));
+  }
   return parts;
 }
 
@@ -202,11 +272,12 @@ class MegatronDriver final : public FormatDriver {
     const auto at = locate(path);
     if (!at) return invalid_argument(path.string() + ": not a Megatron-LM legacy checkpoint (iter_<N>/mp_rank_<tp>/" +
                                      kRankFile + ")");
-    OPTSTATE_ASSIGN_OR_RETURN(const std::vector<fs::path> files, rank_files(at->iteration));
+    OPTSTATE_ASSIGN_OR_RETURN(const std::vector<RankFile> files, rank_files(at->iteration));
     if (at->one_rank && files.size() > 1)
-      return unsupported(fmt::format("{}: one tensor-parallel rank's part of a Megatron-LM checkpoint of {} ranks: its "
-                                     "tensors are shards of its params; read the iteration folder ({})", path.string(),
-                                     files.size(), at->iteration.string()));
+      return unsupported(fmt::format("{}: one model-parallel rank's part of a Megatron-LM checkpoint of {} ranks: its "
+                                     "tensors are {}; read the iteration folder ({})", path.string(), files.size(),
+                                     files.back().tp > 0 ? "shards of its params" : "one pipeline stage's params",
+                                     at->iteration.string()));
     OPTSTATE_ASSIGN_OR_RETURN(const torchsave::NanotronParts parts, find_parts(at->iteration, files));
     return torchsave::open_nanotron(parts);
   }

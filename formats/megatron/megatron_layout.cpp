@@ -116,6 +116,35 @@ std::optional<Split> shard_runs(const std::vector<int64_t>& local_shape, int dim
 
 namespace {
 
+// Where a name's layer index lies: [begin, end) of its digits, the stack before them.
+std::optional<std::pair<size_t, size_t>> layer_digits(std::string_view name) {
+  for (size_t at = 0; (at = name.find("layers.", at)) != std::string_view::npos; at += 7) {
+    if (at != 0 && name[at - 1] != '.') continue;
+    const size_t begin = at + 7;
+    size_t end = begin;
+    while (end < name.size() && name[end] >= '0' && name[end] <= '9') ++end;
+    if (end > begin && end - begin <= 9 && end < name.size() && name[end] == '.') return std::pair{begin, end};
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<LayerOf> layer_of(std::string_view name) {
+  const auto d = layer_digits(name);
+  if (!d) return std::nullopt;
+  return LayerOf{std::string(name.substr(0, d->first)), *digits(name.substr(d->first, d->second - d->first), 1)};
+}
+
+std::string renumber_layer(std::string_view name, int64_t offset) {
+  const auto d = layer_digits(name);
+  if (!d || offset == 0) return std::string(name);
+  const int64_t i = *digits(name.substr(d->first, d->second - d->first), 1);
+  return fmt::format("{}{}{}", name.substr(0, d->first), i + offset, name.substr(d->second));
+}
+
+namespace {
+
 constexpr int64_t kParamAlignment = 64;  // Megatron's _pad_start_of_param_if_needed
 constexpr int64_t kDenseSample = 4096;   // places compared where two starts both fit the first sample
 

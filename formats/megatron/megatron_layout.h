@@ -60,6 +60,17 @@ struct Split {
 };
 std::optional<Split> shard_runs(const std::vector<int64_t>& local_shape, int dim, bool glu, int64_t tp, int64_t tp_size);
 
+// Under pipeline parallelism each stage's model numbers its transformer layers from 0: a name's
+// layer, "<stack>layers.<i>.<rest>" (the first such segment: decoder.layers.3.mlp...,
+// language_model.encoder.layers.3...), as {stack through "layers.", i}; nullopt for a name of no
+// layer. renumber_layer gives the name with the layer's index moved by `offset`.
+struct LayerOf {
+  std::string stack;
+  int64_t index = 0;
+};
+std::optional<LayerOf> layer_of(std::string_view name);
+std::string renumber_layer(std::string_view name, int64_t offset);
+
 // The distributed optimizer's distrib_optim.pt (save_parameter_state, `buckets_coalesced`): per
 // DDP buffer, flat fp32 tensors of its params' main params and moments, each bucket's
 // [0, numel_unpadded) one after another (the padding after each bucket's last param left out).

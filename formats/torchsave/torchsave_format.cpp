@@ -1232,16 +1232,29 @@ class TorchSaveReader final : public CheckpointReader {
           if (a.distributed_optimizer && !*a.distributed_optimizer && !f.distrib.empty())
             return corrupt(fmt::format("{}: its args say use_distributed_optimizer False, and a distrib_optim.pt is "
                                        "beside it", fw));
-          if ((a.pp_size && *a.pp_size != 1) || (a.ep_size && *a.ep_size != 1))
-            return unsupported(fmt::format("{}: its args say pipeline_model_parallel_size {}, "
-                                           "expert_model_parallel_size {}; optstate reads Megatron's legacy "
-                                           "checkpoints of tensor parallelism alone", fw, a.pp_size.value_or(1),
-                                           a.ep_size.value_or(1)));
+          if (a.ep_size && *a.ep_size != 1)
+            return unsupported(fmt::format("{}: its args say expert_model_parallel_size {}; optstate reads Megatron's "
+                                           "legacy checkpoints of tensor and pipeline parallelism", fw, *a.ep_size));
+          if (a.pp_size && *a.pp_size != np.megatron_stages)
+            return corrupt(fmt::format("{}: its args say pipeline_model_parallel_size {}; {} holds {} pipeline "
+                                       "stage{}", fw, *a.pp_size, dir, np.megatron_stages,
+                                       np.megatron_stages == 1 ? "" : "s"));
         }
         for (const ParamSpec& spec : sd.params)
           if (!spec.entries.empty() && !sd.model_weight_keys.count(spec.fqn))
             return corrupt(fmt::format("{}: param {} of the optimizer is not placed among the model's tensors{}", fw,
                                        spec.fqn, sd.not_read.empty() ? "" : " (" + sd.not_read.back() + ")"));
+        // a pipeline stage's layers numbered on from the stages before it
+        if (const auto off = np.layer_offsets.find(f.pp); off != np.layer_offsets.end()) {
+          auto global = [&](const std::string& name) {
+            const auto l = megatron::layer_of(name);
+            const auto o = l ? off->second.find(l->stack) : off->second.end();
+            return o == off->second.end() ? name : megatron::renumber_layer(name, o->second);
+          };
+          for (ParamSpec& spec : sd.params) spec.fqn = global(spec.fqn);
+          for (GroupSpec& g : sd.groups)
+            for (std::string& n : g.params) n = global(n);
+        }
       } else if (!sd.nanotron || !sd.optimizer_path.empty() || sd.per_param || sd.libtorch) {
         return corrupt(fmt::format("{}: not nanotron's optimizer state_dict (its params named by 'names' beside "
                                    "'state' and 'param_groups')", fw));
@@ -1264,6 +1277,24 @@ class TorchSaveReader final : public CheckpointReader {
       const int64_t pp = np.files[f].pp;
       const std::string fw = np.files[f].path.string();
       const StateDict& sd = sds[f];
+      // Megatron's stages each hold the optimizer's same groups: read as one set (the first stage's)
+      if (!first_file.count(pp) && np.megatron && pp > 0 && first_file.count(0) &&
+          sds[first_file[0]].groups.size() == sd.groups.size()) {
+        bool same = true;
+        const StateDict& s0 = sds[first_file[0]];
+        for (size_t g = 0; g < sd.groups.size() && same; ++g) {
+          const Hyperparameters &x = s0.groups[g].hyper, &y = sd.groups[g].hyper;
+          same = same_number(x.beta1, y.beta1) && same_number(x.beta2, y.beta2) && same_number(x.eps, y.eps) &&
+                 same_number(x.weight_decay, y.weight_decay) && x.amsgrad == y.amsgrad && x.maximize == y.maximize &&
+                 s0.groups[g].extras.size() == sd.groups[g].extras.size();
+          for (size_t k = 0; same && k < sd.groups[g].extras.size(); ++k)
+            same = s0.groups[g].extras[k].key == sd.groups[g].extras[k].key;
+        }
+        if (same) {
+          first_file[pp] = f;
+          base[pp] = base[0];
+        }
+      }
       if (!first_file.count(pp)) {
         first_file[pp] = f;
         base[pp] = meta_.groups.size();
@@ -1303,6 +1334,14 @@ class TorchSaveReader final : public CheckpointReader {
     size_t never_stepped = 0;
     for (size_t f = 0; f < sds.size(); ++f)
       for (const ParamSpec& spec : sds[f].params) {
+        if (np.tied_copies.count({np.files[f].pp, spec.fqn})) {
+          if (np.files[f].tp == 0)
+            value_notes_.push_back(fmt::format("'{}' of pipeline stage {} is the first stage's "
+                                               "embedding.word_embeddings.weight tied to it (equal weights and "
+                                               "moments: Megatron sums their gradients): read once, as the embedding",
+                                               spec.fqn, np.files[f].pp));
+          continue;
+        }
         if (spec.entries.empty()) {  // weights without state: never stepped
           never_stepped += np.files[f].dp == 0 && np.files[f].tp == 0;
           continue;

@@ -102,7 +102,13 @@ struct NanotronParts {
   // the model's beside it, params named by their place among the model's tensors; `sharded` and
   // `replicated` from Megatron's layer names.
   bool megatron = false;
-  int64_t megatron_ranks = 1;  // the checkpoint's tensor-parallel ranks (its args must say as many)
+  int64_t megatron_ranks = 1;   // the checkpoint's tensor-parallel ranks (its args must say as many)
+  int64_t megatron_stages = 1;  // ... and pipeline stages
+  // Each stage's offset of its layers' numbers (a stage numbers its own from 0), per stack of
+  // layers ("decoder.layers."): names are renumbered by megatron::renumber_layer before use.
+  std::map<int64_t, std::map<std::string, int64_t>> layer_offsets;
+  // (stage, name): a param another stage holds (the last stage's copy of a tied embedding), not read.
+  std::set<std::pair<int64_t, std::string>> tied_copies;
 };
 Result<std::unique_ptr<CheckpointReader>> open_nanotron(const NanotronParts& parts);
 

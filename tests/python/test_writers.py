@@ -666,7 +666,8 @@ def test_nanotron_checkpoints_optstate_cannot_place_are_refused_by_name(tmp_path
 
 
 @pytest.mark.parametrize("run", ["legacy_dp2", "legacy_fp32_dp2", "legacy_tp2", "legacy_tp2_swiglu",
-                                 "legacy_dp2_distopt", "legacy_tp2_dp2_distopt"])
+                                 "legacy_dp2_distopt", "legacy_tp2_dp2_distopt", "legacy_pp2",
+                                 "legacy_tp2_pp2_dp2_distopt"])
 def test_a_megatron_legacy_checkpoint_reads_as_megatron_held_it(tmp_path, optstate_cli, run):
     """Megatron-LM's legacy checkpoint (`--ckpt-format torch`: iter_N/mp_rank_<tp>/model_optim_rng.pt,
     torch.save of the trainer's dict, the optimizer's params numbered, the model's state_dict
@@ -675,10 +676,12 @@ def test_a_megatron_legacy_checkpoint_reads_as_megatron_held_it(tmp_path, optsta
     together by Megatron's layer names; SwiGLU's fc1 shards each a rank's gate above its up), or
     its distributed optimizer (distrib_optim.pt: each DDP buffer's main params and moments, flat,
     the params found where their main params round to the model's weights; over several buckets
-    under tensor parallel 2): bit for bit what Megatron's optimizer held, the params named as the
-    model names them, in Megatron's two groups. The checkpoints folder (its tracker file), the
-    iteration folder and, on one rank, the rank's folder and files read alike; one rank's file of
-    two is refused, naming the folder to read."""
+    under tensor parallel 2), over pipeline stages too (each stage's layers numbered on from the
+    stages before it, 1 and 2 layers of 3 under tensor parallel 2 x data parallel 2; the last
+    stage's copy of a tied embedding read once): bit for bit what Megatron's optimizer held, the
+    params named as the model names them, in Megatron's two groups. The checkpoints folder (its
+    tracker file), the iteration folder and, on one rank, the rank's folder and files read alike;
+    one rank's file of several is refused, naming the folder to read."""
     ck = MEGATRON / run
     ref, meta = ref_of(ck)
     info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta)
@@ -692,9 +695,12 @@ def test_a_megatron_legacy_checkpoint_reads_as_megatron_held_it(tmp_path, optsta
     root = hashes_root(optstate_cli, ck)
     rank0 = ck / "iter_0000003" / "mp_rank_00"
     assert hashes_root(optstate_cli, ck / "iter_0000003") == root
-    if "tp2" in run:
+    assert any("tied to it" in n for n in info["read_notes"]) == (run == "legacy_pp2"), info["read_notes"]
+    if "pp2" in run:
+        rank0 = ck / "iter_0000003" / "mp_rank_00_000"
+    if "tp2" in run or "pp2" in run:
         err = run_err(optstate_cli, "inspect", rank0 / "model_optim_rng.pt")
-        assert "one tensor-parallel rank's part of a Megatron-LM checkpoint of 2 ranks" in err, err
+        assert "one model-parallel rank's part of a Megatron-LM checkpoint of" in err, err
         assert str(ck / "iter_0000003") in err
     else:
         assert hashes_root(optstate_cli, rank0) == root
@@ -708,8 +714,8 @@ def test_a_megatron_legacy_checkpoint_reads_as_megatron_held_it(tmp_path, optsta
 
 
 def test_a_megatron_legacy_checkpoint_missing_a_rank_or_splitting_an_unknown_layer_is_refused(tmp_path, optstate_cli):
-    """A legacy checkpoint whose rank folders disagree with its args (a tensor-parallel rank's
-    folder missing), or whose param tensor parallelism splits under a name Megatron's layers do not
+    """A legacy checkpoint whose rank folders disagree with its args (a tensor-parallel rank's or a
+    pipeline stage's folder missing), or whose param tensor parallelism splits under a name Megatron's layers do not
     have (its weights differ between the ranks' files), is refused by name: neither reads shards
     as whole params."""
     ck = tmp_path / "ck"
@@ -717,6 +723,11 @@ def test_a_megatron_legacy_checkpoint_missing_a_rank_or_splitting_an_unknown_lay
     shutil.rmtree(ck / "iter_0000003" / "mp_rank_01")
     err = run_err(optstate_cli, "inspect", ck)
     assert "its args say tensor_model_parallel_size 2" in err and "holds 1 tensor-parallel rank" in err, err
+    ck = tmp_path / "stage"
+    shutil.copytree(MEGATRON / "legacy_pp2", ck)
+    shutil.rmtree(ck / "iter_0000003" / "mp_rank_00_001")
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "its args say pipeline_model_parallel_size 2" in err and "holds 1 pipeline stage" in err, err
     ck = tmp_path / "renamed"
     shutil.copytree(MEGATRON / "legacy_tp2", ck)
     run_script(tmp_path, textwrap.dedent("""

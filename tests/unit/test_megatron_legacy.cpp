@@ -166,3 +166,20 @@ TEST_CASE("megatron legacy: the distributed optimizer's params found in its coal
   REQUIRE(!placed.ok());
   CHECK(placed.status().message().find("'c' fits the buffer both at element 5 and at 64") != std::string::npos);
 }
+
+TEST_CASE("megatron legacy: a pipeline stage's layers numbered again from its offset") {
+  const auto l = mg::layer_of("decoder.layers.3.mlp.linear_fc1.weight");
+  REQUIRE(l);
+  CHECK(l->stack == "decoder.layers.");
+  CHECK(l->index == 3);
+  CHECK(mg::layer_of("language_model.encoder.layers.12.self_attention.dense.weight")->stack ==
+        "language_model.encoder.layers.");
+  CHECK(!mg::layer_of("embedding.word_embeddings.weight"));
+  CHECK(!mg::layer_of("decoder.final_layernorm.weight"));
+  CHECK(!mg::layer_of("decoder.mylayers.3.w"));
+  CHECK(!mg::layer_of("decoder.layers.x.w"));
+  CHECK(mg::renumber_layer("decoder.layers.3.mlp.linear_fc1.weight", 4) == "decoder.layers.7.mlp.linear_fc1.weight");
+  CHECK(mg::renumber_layer("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", 2) ==
+        "decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight");
+  CHECK(mg::renumber_layer("output_layer.weight", 4) == "output_layer.weight");
+}

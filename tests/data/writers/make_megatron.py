@@ -54,8 +54,10 @@ OptimizerParamScheduler, as the trainer steps it). Written into OUT:
   and moments gathered flat). `legacy_dp2` (bf16, mixed precision), `legacy_fp32_dp2` (fp32, the
   plain optimizer), `legacy_tp2` and `legacy_tp2_swiglu` (tensor parallel 2, SwiGLU's gated MLP),
   `legacy_dp2_distopt` and `legacy_tp2_dp2_distopt` (the distributed optimizer; 3 layers of hidden
-  16, the second with DDP buckets of ~1500 elements); their references named as the state_dict
-  names the params (a layer each);
+  16, the second with DDP buckets of ~1500 elements), `legacy_pp2` (pipeline parallel 2 through
+  Megatron's pipeline schedule over gloo, the embedding tied to the output layer) and
+  `legacy_tp2_pp2_dp2_distopt` (8 ranks, stages of 1 and 2 layers, untied); their references
+  named as the state_dict names the params (a layer each, numbered over the whole model);
 Under Megatron-Core 0.13.1 (`pip install --target /tmp/mc013 --no-deps megatron-core==0.13.1`,
 OUT `tests/data/writers/megatron-core-0.13.1_torch-2.13.0`) the runs are its distributed optimizer
 saved `fully_sharded_model_space`, its default (N-D flattened items, `mcore_data` in `.metadata`):
@@ -118,6 +120,13 @@ RUNS_016 = {
     # data-parallel rank 0 gathers each DDP buffer's flat param and moments)
     "legacy_tp2": dict(tp=2, dist_opt=False, bf16=True, sharding=None, legacy=True),
     "legacy_dp2": dict(tp=1, dist_opt=False, bf16=True, sharding=None, legacy=True),
+    # pipeline parallel 2 (mp_rank_00_000, mp_rank_00_001: each stage's layers numbered from 0), the
+    # embedding tied to the output layer (the last stage's copy of it, output_layer.weight)
+    "legacy_pp2": dict(tp=1, pp=2, dist_opt=False, bf16=True, sharding=None, legacy=True, tied=True, size="4,8,16"),
+    # ... and tensor parallel 2 x pipeline parallel 2 x data parallel 2 with the distributed optimizer,
+    # the embedding and output layer untied, the first stage holding 1 layer of 3
+    "legacy_tp2_pp2_dp2_distopt": dict(tp=2, pp=2, dist_opt=True, bf16=True, sharding=None, legacy=True, lr=1e-2,
+                                       size="3,16,16", world=8, first_stage_layers=1),
     # SwiGLU (--swiglu): each tensor-parallel rank's linear_fc1 its part of the gate above its part of up
     "legacy_tp2_swiglu": dict(tp=2, dist_opt=False, bf16=True, sharding=None, legacy=True, glu=True),
     "legacy_fp32_dp2": dict(tp=1, dist_opt=False, bf16=False, sharding=None, legacy=True),
@@ -263,7 +272,8 @@ def rank_main(rank, world, port, out):
             continue
         ep = run.get("ep", 1)
         LAYERS, HIDDEN, VOCAB = map(int, (SIZE or run.get("size", "2,8,16")).split(","))
-        parallel_state.initialize_model_parallel(run["tp"], 1, expert_model_parallel_size=ep)
+        pp = run.get("pp", 1)
+        parallel_state.initialize_model_parallel(run["tp"], pp, expert_model_parallel_size=ep)
         torch.manual_seed(0)
         dtype = torch.bfloat16 if run["bf16"] else torch.float32
         cfg = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=2, use_cpu_initialization=True,
@@ -273,10 +283,15 @@ def rank_main(rank, world, port, out):
                                         moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep,
                                         add_bias_linear=False) if ep > 1 else {}),
                                 **(dict(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
-                                   if run.get("glu") else {}))
+                                   if run.get("glu") else {}),
+                                **(dict(pipeline_model_parallel_size=pp) if pp > 1 else {}),
+                                **(dict(num_layers_in_first_pipeline_stage=run["first_stage_layers"])
+                                   if "first_stage_layers" in run else {}))
         spec = get_gpt_layer_local_spec(num_experts=2, moe_grouped_gemm=False) if ep > 1 else get_gpt_layer_local_spec()
-        model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB,
-                         max_sequence_length=4)
+        model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=4,
+                         pre_process=parallel_state.is_pipeline_first_stage(),
+                         post_process=parallel_state.is_pipeline_last_stage(),
+                         share_embeddings_and_output_weights=run.get("tied", False))
         if run["bf16"]:  # as Megatron-LM's get_model wraps it
             from megatron.core.transformer.module import Float16Module
             model = Float16Module(cfg, model)
@@ -297,6 +312,12 @@ def rank_main(rank, world, port, out):
             mask = torch.tril(torch.ones(4, 4, dtype=torch.bool)).logical_not().view(1, 1, 4, 4)
             ddp.zero_grad_buffer()
             opt.zero_grad()
+            if pp > 1:  # Megatron's pipeline schedule: activations sent between the stages (gloo)
+                pipeline_step(cfg, ddp, ids, pos, mask)
+                ok, _, _ = opt.step()
+                assert ok
+                sched.step(1)
+                continue
             ddp(ids, pos, mask, labels=ids).float().mean().backward()
             ddp.finish_grad_sync()
             ok, _, _ = opt.step()
@@ -355,6 +376,29 @@ def rank_main(rank, world, port, out):
     dist.destroy_process_group()
 
 
+def pipeline_step(cfg, ddp, ids, pos, mask):
+    """One step's forward and backward through Megatron's pipeline schedule (one micro-batch), the
+    gradients then finished as Megatron-LM's trainer does (finalize_model_grads: data-parallel
+    reduction, the tied embedding's gradients summed over its first and last stages' copies)."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    cfg.finalize_model_grads_func = finalize_model_grads
+    cfg.no_sync_func = ddp.no_sync
+    cfg.grad_sync_func = None
+
+    def forward_step(data, model):
+        out = model(*next(data), labels=ids)
+
+        def loss_func(output):
+            loss = output.float().sum()
+            return loss, torch.tensor(output.numel()), {"loss": loss.detach()}
+        return out, loss_func
+
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([(ids, pos, mask)]), model=[ddp],
+                                num_microbatches=1, seq_length=4, micro_batch_size=ids.shape[0], forward_only=False)
+
+
 def save_legacy(name, run, out, ddp, opt, sched, rank, layers, hidden):
     """Megatron-LM's save_checkpoint under `--ckpt-format torch` (training/checkpointing.py): the
     distributed optimizer's save_parameter_state on every rank (its data-parallel rank 0 writes
@@ -372,11 +416,14 @@ def save_legacy(name, run, out, ddp, opt, sched, rank, layers, hidden):
         import shutil
         shutil.rmtree(path)
     dist.barrier()
-    rank_dir = os.path.join(path, "iter_0000003", f"mp_rank_{tp_rank:02d}")
+    pp = run.get("pp", 1)
+    rank_dir = os.path.join(path, "iter_0000003", f"mp_rank_{tp_rank:02d}" +
+                            (f"_{parallel_state.get_pipeline_model_parallel_rank():03d}" if pp > 1 else ""))
     os.makedirs(rank_dir, exist_ok=True)
     if run["dist_opt"]:
         opt.save_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
-    state = {"args": argparse.Namespace(tensor_model_parallel_size=run["tp"], pipeline_model_parallel_size=1,
+    state = {"args": argparse.Namespace(tensor_model_parallel_size=run["tp"], pipeline_model_parallel_size=pp,
+                                        untie_embeddings_and_output_weights=not run.get("tied", False),
                                         num_layers=layers, hidden_size=hidden, lr=1e-3, weight_decay=0.1,
                                         bf16=run["bf16"], params_dtype=torch.bfloat16 if run["bf16"] else torch.float32,
                                         use_distributed_optimizer=run["dist_opt"], ckpt_format="torch"),
@@ -396,11 +443,21 @@ def save_legacy(name, run, out, ddp, opt, sched, rank, layers, hidden):
     apply_factories(built)  # SwiGLU's linear_fc1: two ShardedTensors (gate, up) of one key
     # the state_dict's name of each (sharded key, layer): the local spec renames its layer norms'
     # sharded keys (input_layernorm.weight -> self_attention.linear_qkv.layer_norm_weight)
+    # (under pipeline parallelism each stage numbers its layers from 0: named by the global layer;
+    # the last stage's copy of a tied embedding is the first stage's param)
     names = {}
     for k, st in built.items():
         st = st[0] if isinstance(st, list) else st
         if hasattr(st, "prepend_axis_num"):
-            names[(st.key, tuple(st.global_offset[:st.prepend_axis_num]))] = k
+            offsets = tuple(st.global_offset[:st.prepend_axis_num])
+            if offsets and k.startswith("decoder.layers."):
+                k = "decoder.layers.{}.{}".format(offsets[0], k.split(".", 3)[3])
+            names.setdefault((st.key, offsets), k)
+    merged = {}
+    for part in all_ranks(names):
+        for key, k in part.items():
+            merged.setdefault(key, k)
+    names = merged
     if run["dist_opt"]:
         rows = sharded_rows(nested_values(model_sharded)) + live_rows(ddp.module, opt)
     else:

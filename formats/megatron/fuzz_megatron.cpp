@@ -1,4 +1,4 @@
-// Fuzz target for Megatron-LM's legacy checkpoints (megatron_layout.h, torchsave::open_nanotron in
+// Fuzz target for Megatron-LM's legacy checkpoints (megatron_layout.h, torchsave::open_rank_files in
 // Megatron's kind), over real ones Megatron-Core's optimizer saved
 // (tests/data/writers/megatron-core-0.16.1_torch-2.13.0/legacy_*, make_megatron.py). Built twice:
 // the input is tensor-parallel rank 1's model_optim_rng.pt of the tensor-parallel one (its args,
@@ -8,11 +8,8 @@
 // CRC-32 re-signed, so changes reach the interpretation. Every input must validate, open, hash,
 // read whole and write back (native), or give an error.
 #include <cstdint>
-#include <optional>
-#include <string>
 
-#include "fuzz_checkpoint.h"
-#include "torchsave/torchsave_fuzz_sign.h"
+#include "torchsave/torchsave_fuzz_target.h"
 
 using namespace optstate;
 
@@ -23,17 +20,12 @@ const fuzz::CheckpointFixture& fixture() {
   return f;
 }
 
-std::optional<std::string> signed_input(const std::string& raw) { return torchsave::with_pickle_crc(raw); }
-
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const std::string raw(reinterpret_cast<const char*>(data), size);
-  const auto re_signed = signed_input(raw);
-  fixture().run(re_signed ? *re_signed : raw, fixture().data());
-  return 0;
+  return torchsave::fuzz_member_input(fixture(), data, size);
 }
 
 #ifndef OPTSTATE_LIBFUZZER
-int main(int argc, char** argv) { return fixture().main(argc, argv, OPTSTATE_MEGATRON_TEST, "", signed_input); }
+int main(int argc, char** argv) { return torchsave::fuzz_member_main(fixture(), OPTSTATE_MEGATRON_TEST, argc, argv); }
 #endif

@@ -1,7 +1,7 @@
 // The megatron driver: Megatron-LM's legacy checkpoint (`--ckpt-format torch`): iter_<N>/ with a
 // folder per model-parallel rank, mp_rank_<tp>/model_optim_rng.pt, each torch.save of the trainer's
 // dict (the model's state_dict, the optimizer's). The files are read through the torch.save
-// driver's reader (torchsave/: open_nanotron, Megatron's kind), each tensor-parallel rank's shards
+// driver's reader (torchsave/: open_rank_files, Megatron's kind), each tensor-parallel rank's shards
 // put together where Megatron's layer names split them (megatron_layout.h). Read only; Megatron's
 // torch_dist checkpoints are DCPs (formats/dcp/). Layout: FORMAT.md.
 #include <fmt/format.h>
@@ -134,8 +134,8 @@ Result<std::vector<std::byte>> values_of(CheckpointReader& r, const std::string&
 // replicated (its weights then equal in every rank's file, checked: a param Megatron splits that its
 // names do not say would differ); the last stage's output_layer.weight, where it is the first
 // stage's embedding tied to it (equal weights and moments: Megatron sums their gradients), read once.
-Result<torchsave::NanotronParts> find_parts(const fs::path& iteration, const std::vector<RankFile>& files) {
-  torchsave::NanotronParts parts;
+Result<torchsave::RankFileSet> find_parts(const fs::path& iteration, const std::vector<RankFile>& files) {
+  torchsave::RankFileSet parts;
   parts.megatron = true;
   parts.path = iteration;
   parts.dir = iteration;
@@ -150,12 +150,12 @@ Result<torchsave::NanotronParts> find_parts(const fs::path& iteration, const std
     const fs::path distrib = rf.path.parent_path() / kDistribFile;
     parts.files.push_back({rf.path, rf.pp, 0, rf.tp, is_file(distrib) ? distrib : fs::path()});
     if (files.size() == 1) break;
-    torchsave::NanotronParts one = parts;
+    torchsave::RankFileSet one = parts;
     one.files = {parts.files.back()};
     one.files[0].tp = 0;
     one.files[0].pp = 0;
     one.tp_size = 1;
-    OPTSTATE_ASSIGN_OR_RETURN(auto r, torchsave::open_nanotron(one));
+    OPTSTATE_ASSIGN_OR_RETURN(auto r, torchsave::open_rank_files(one));
     readers.push_back(std::move(r));
   }
   if (files.size() == 1) return parts;
@@ -235,7 +235,7 @@ Result<torchsave::NanotronParts> find_parts(const fs::path& iteration, const std
             return corrupt(fmt::format("{}: shape {} is no shard along dim {}", fw, format_shape(it->second.shape), *dim));
           auto& sh = parts.sharded[gname];
           sh.shape = split->whole;
-          std::vector<torchsave::NanotronParts::Run> runs;
+          std::vector<torchsave::RankFileSet::Run> runs;
           for (const Run& rn : split->runs) runs.push_back({rn.local, rn.global, rn.count});
           sh.by_tp.emplace(static_cast<int64_t>(tp), std::pair{it->second.shape, std::move(runs)});
           continue;
@@ -278,8 +278,8 @@ class MegatronDriver final : public FormatDriver {
                                      "tensors are {}; read the iteration folder ({})", path.string(), files.size(),
                                      files.back().tp > 0 ? "shards of its params" : "one pipeline stage's params",
                                      at->iteration.string()));
-    OPTSTATE_ASSIGN_OR_RETURN(const torchsave::NanotronParts parts, find_parts(at->iteration, files));
-    return torchsave::open_nanotron(parts);
+    OPTSTATE_ASSIGN_OR_RETURN(const torchsave::RankFileSet parts, find_parts(at->iteration, files));
+    return torchsave::open_rank_files(parts);
   }
 
   // A training run's folder: never replaced, never written.

@@ -1,7 +1,7 @@
 // Megatron-LM's legacy checkpoints (`--ckpt-format torch`): iter_<N>/mp_rank_<tp>[_<pp>][_<ep>]/
 // model_optim_rng.pt per model-parallel rank, the distributed optimizer's distrib_optim.pt beside it.
 // What their names say and how tensor parallelism splits a param, as pure functions; the torch.save
-// driver's reader reads the files (torchsave/: open_megatron). Layout: FORMAT.md.
+// driver's reader reads the files (torchsave/: open_rank_files). Layout: FORMAT.md.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// Fuzz target for nanotron checkpoints (nanotron_layout.h, torchsave::open_nanotron), over real ones
+// Fuzz target for nanotron checkpoints (nanotron_layout.h, torchsave::open_rank_files), over real ones
 // nanotron saved (tests/data/writers/nanotron-2411b02_torch-2.13.0/, make_nanotron.py). Built three
 // times: the input is the ZeRO-1 one's optimizer_config.json (the runs and shapes that place each
 // rank's flat runs: fuzz.nanotron_config), or its data-parallel rank 1's optimizer file (torch.save;

@@ -1,7 +1,7 @@
 // The nanotron driver: a nanotron checkpoint (huggingface/nanotron's `checkpoints/<step>/`, or its
 // optimizer/ folder): each pipeline stage's (and, under ZeRO-1, each data-parallel rank's) torch.save
 // of nanotron's NamedOptimizer state_dict, read through the torch.save driver's reader (torchsave/:
-// open_nanotron), which puts ZeRO-1's flat runs together where optimizer_config.json places them.
+// open_rank_files), which puts ZeRO-1's flat runs together where optimizer_config.json places them.
 // Read only: a nanotron checkpoint is converted into the other formats. Layout: FORMAT.md.
 #include <fmt/format.h>
 
@@ -46,7 +46,7 @@ constexpr size_t kMaxRuns = size_t{1} << 26;  // row runs between shards and who
 
 // The model folder's shard files (tensor parallelism: where each rank's shard of a param lies) and
 // shapes (params of pipeline stages optimizer_config.json leaves out under ZeRO-1).
-Status read_model_folder(const fs::path& model, int64_t tp_size, torchsave::NanotronParts& parts) {
+Status read_model_folder(const fs::path& model, int64_t tp_size, torchsave::RankFileSet& parts) {
   std::error_code ec;
   if (!fs::is_directory(model, ec))
     return corrupt(fmt::format("{}: missing; a nanotron checkpoint of tensor parallelism or of pipeline stages "
@@ -90,7 +90,7 @@ Status read_model_folder(const fs::path& model, int64_t tp_size, torchsave::Nano
     if (sh.shape != meta.unsharded)
       return corrupt(fmt::format("{}: unsharded_shape {}, another shard of '{}' says {}", where,
                                  format_shape(meta.unsharded), mf->name, format_shape(sh.shape)));
-    std::vector<torchsave::NanotronParts::Run> placed;
+    std::vector<torchsave::RankFileSet::Run> placed;
     for (const Run& r : shard) placed.push_back({r.local, r.global, r.count});
     if (!sh.by_tp.emplace(mf->tp, std::pair{shape, std::move(placed)}).second)
       return corrupt(fmt::format("{}: a second shard of '{}' for tensor-parallel rank {}", where, mf->name, mf->tp));
@@ -99,14 +99,14 @@ Status read_model_folder(const fs::path& model, int64_t tp_size, torchsave::Nano
   return Status::Ok();
 }
 
-Result<torchsave::NanotronParts> find_parts(const fs::path& root, const fs::path& dir) {
+Result<torchsave::RankFileSet> find_parts(const fs::path& root, const fs::path& dir) {
   const std::string where = (dir / "optimizer_config.json").string();
   OPTSTATE_ASSIGN_OR_RETURN(const std::string text, read_text(dir / "optimizer_config.json"));
   OPTSTATE_ASSIGN_OR_RETURN(const Config config, parse_config(text, where));
   if (config.exp_size > 1)
     return unsupported(fmt::format("{}: expert parallel (expert_parallel_size {}); optstate reads nanotron "
                                    "checkpoints of expert_parallel_size 1", where, config.exp_size));
-  torchsave::NanotronParts parts;
+  torchsave::RankFileSet parts;
   parts.path = root;
   parts.dir = dir;
   parts.dp_size = config.dp_size;
@@ -142,7 +142,7 @@ Result<torchsave::NanotronParts> find_parts(const fs::path& root, const fs::path
         parts.files.push_back({f->second, pp, dp, tp, {}});
       }
   if (config.is_zero()) {
-    std::map<std::string, torchsave::NanotronParts::ZeroParam> zero;
+    std::map<std::string, torchsave::RankFileSet::ZeroParam> zero;
     for (const auto& [name, zp] : config.zero) zero[name] = {zp.runs, zp.shape};
     parts.zero = std::move(zero);
   }
@@ -200,8 +200,8 @@ class NanotronDriver final : public FormatDriver {
                                      r->dp ? "flat runs" : "shards", path.parent_path().parent_path().string()));
     const auto dir = optimizer_dir(path);
     if (!dir) return invalid_argument(path.string() + ": no optimizer_config.json (nor optimizer/optimizer_config.json)");
-    OPTSTATE_ASSIGN_OR_RETURN(const torchsave::NanotronParts parts, find_parts(path, *dir));
-    return torchsave::open_nanotron(parts);
+    OPTSTATE_ASSIGN_OR_RETURN(const torchsave::RankFileSet parts, find_parts(path, *dir));
+    return torchsave::open_rank_files(parts);
   }
 
   // A training run's folder: never replaced, never written.

@@ -1,7 +1,7 @@
 // nanotron's checkpoints (huggingface/nanotron: `checkpoints/<step>/` with model/, optimizer/,
 // lr_scheduler/, random/, checkpoint_metadata.json, config.yaml): what its optimizer folder's file
 // names and optimizer_config.json say, parsed as pure functions. The torch.save driver's reader reads
-// the files (torchsave/: open_nanotron). Layout: FORMAT.md.
+// the files (torchsave/: open_rank_files). Layout: FORMAT.md.
 #pragma once
 
 #include <cstdint>

@@ -997,7 +997,7 @@ class TorchSaveReader final : public CheckpointReader {
   // step; `f.distrib` (distrib_optim.pt, kept as this file's archive) each DDP buffer's main params
   // and moments, flat, each param where megatron::place_in_buffer finds it. Read as the StateDict
   // of a torch.save file: entries and weights are views of the buffers.
-  Result<StateDict> megatron_distributed_state(const NanotronParts::File& f) {
+  Result<StateDict> megatron_distributed_state(const RankFileSet::File& f) {
     const std::string mw = f.path.string(), dw = f.distrib.string();
     OPTSTATE_ASSIGN_OR_RETURN(auto model_ap, open_archive(f.path));
     OPTSTATE_ASSIGN_OR_RETURN(auto distrib_ap, open_archive(f.distrib));
@@ -1197,14 +1197,14 @@ class TorchSaveReader final : public CheckpointReader {
   // nanotron's optimizer files: each stage's params from its files, their groups the stage's (its
   // first file's; every data-parallel rank's file has the same groups, holding the params with a
   // run there), each param's runs put together where ZeRO-1 split it.
-  Status init_nanotron(const NanotronParts& np) {
+  Status init_rank_files(const RankFileSet& np) {
     nanotron_ = !np.megatron;
     megatron_ = np.megatron;
     set_ = true;
     const std::string dir = np.dir.string();
     std::vector<StateDict> sds;
     std::set<std::string> unread;
-    for (const NanotronParts::File& f : np.files) {
+    for (const RankFileSet::File& f : np.files) {
       const std::string fw = f.path.string();
       StateDict sd;
       if (!f.distrib.empty()) {
@@ -1371,7 +1371,7 @@ class TorchSaveReader final : public CheckpointReader {
       const auto& [f0, s0] = specs[0];
       const std::string pw = fmt::format("{} param '{}'", dir, name);
       const auto sh = np.sharded.find(name);
-      const NanotronParts::Sharded* sharded = sh == np.sharded.end() ? nullptr : &sh->second;
+      const RankFileSet::Sharded* sharded = sh == np.sharded.end() ? nullptr : &sh->second;
       if (np.tp_size > 1 && !sharded && !np.replicated.count(name))
         return corrupt(fmt::format("{}: the model folder has no file of it, so whether tensor parallelism shards it "
                                    "(and where) is not known", pw));
@@ -1380,12 +1380,12 @@ class TorchSaveReader final : public CheckpointReader {
       // A piece of a file's tensor: (file, spec, its first element in the tensor, in the whole, count).
       std::vector<std::tuple<size_t, const ParamSpec*, int64_t, int64_t, int64_t>> pieces;
       for (const auto& [f, spec] : specs) {
-        const NanotronParts::File& file = np.files[f];
+        const RankFileSet::File& file = np.files[f];
         const std::string fw = fmt::format("{} param '{}'", file.path.string(), name);
         if (!sharded && file.tp != 0) continue;  // a replica of tensor-parallel rank 0's
         // The rank's local tensor: its shape and where its elements go.
         std::vector<int64_t> local_shape;
-        std::vector<NanotronParts::Run> runs;
+        std::vector<RankFileSet::Run> runs;
         if (sharded) {
           const auto it = sharded->by_tp.find(file.tp);
           if (it == sharded->by_tp.end())
@@ -1430,7 +1430,7 @@ class TorchSaveReader final : public CheckpointReader {
           return corrupt(fmt::format("{}: shape {}, its shard's is {}", fw, format_shape(spec->shape),
                                      format_shape(local_shape)));
         }
-        for (const NanotronParts::Run& r : runs) {
+        for (const RankFileSet::Run& r : runs) {
           const int64_t lo = std::max(r.local, start), hi = std::min(r.local + r.count, end);
           if (lo < hi) pieces.emplace_back(f, spec, lo - start, r.global + (lo - r.local), hi - lo);
         }
@@ -2979,10 +2979,10 @@ Result<std::unique_ptr<CheckpointReader>> open_deepspeed(const fs::path& path) {
   return std::unique_ptr<CheckpointReader>(std::move(reader));
 }
 
-Result<std::unique_ptr<CheckpointReader>> open_nanotron(const NanotronParts& parts) {
+Result<std::unique_ptr<CheckpointReader>> open_rank_files(const RankFileSet& parts) {
   if (parts.files.empty()) return invalid_argument(parts.dir.string() + ": no nanotron optimizer files");
   auto reader = std::make_unique<TorchSaveReader>(parts.path);
-  OPTSTATE_RETURN_IF_ERROR(reader->init_nanotron(parts));
+  OPTSTATE_RETURN_IF_ERROR(reader->init_rank_files(parts));
   return std::unique_ptr<CheckpointReader>(std::move(reader));
 }
 

@@ -59,15 +59,16 @@ std::optional<bool> bnb_nested(const CheckpointReader& reader);
 bool is_deepspeed_checkpoint(const std::filesystem::path& path);
 Result<std::unique_ptr<CheckpointReader>> open_deepspeed(const std::filesystem::path& path);
 
-// A nanotron checkpoint's optimizer folder (formats/nanotron/ finds the files and reads
-// optimizer_config.json and, where needed, the model folder's shard metadata): a file per pipeline
+// A training run's set of per-rank torch.save files, read as one state: nanotron's optimizer folder
+// or Megatron-LM's legacy checkpoint (`megatron`, below). For nanotron (formats/nanotron/ finds the
+// files and reads optimizer_config.json and, where needed, the model folder's shard metadata): a file per pipeline
 // stage and tensor-parallel rank (and, under ZeRO-1, data-parallel rank), each torch.save of its
 // NamedOptimizer's state_dict, params named by its 'names', their fp32 weights under
 // 'gradient_accumulator' where it accumulates in fp32. A tensor-parallel rank's tensor of a param
 // tensor parallelism shards is its local shard (`sharded`: where its elements lie in the whole);
 // of any other param, tensor-parallel rank 0's is read. Under ZeRO-1 (`zero`) each file's tensors
 // are 1-D runs [start, end) of its (local) tensors, flattened.
-struct NanotronParts {
+struct RankFileSet {
   std::filesystem::path path;  // what was opened: the checkpoint's folder or its optimizer/
   std::filesystem::path dir;   // the optimizer folder
   struct File {
@@ -110,7 +111,7 @@ struct NanotronParts {
   // (stage, name): a param another stage holds (the last stage's copy of a tied embedding), not read.
   std::set<std::pair<int64_t, std::string>> tied_copies;
 };
-Result<std::unique_ptr<CheckpointReader>> open_nanotron(const NanotronParts& parts);
+Result<std::unique_ptr<CheckpointReader>> open_rank_files(const RankFileSet& parts);
 
 // What a DeepSpeed universal checkpoint written from a ZeRO-1/2 checkpoint carries of it
 // (formats/deepspeed/): the model states file, copied as it is, and zero/optimizer_state.pt's pickle,

@@ -1211,6 +1211,9 @@ class TorchSaveReader final : public CheckpointReader {
         OPTSTATE_ASSIGN_OR_RETURN(sd, megatron_distributed_state(f));
       } else {
         OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(f.path));
+        if (np.megatron && ap.second.dict_get(ap.second.root(), "optimizer") == pickle::kNoRef)
+          return corrupt(fw + ": Megatron's trainer dict without 'optimizer' (saved with --no-save-optim, or a "
+                              "release of the weights alone): no optimizer state to read");
         if (const auto a = np.megatron ? megatron_args_of(ap.second) : std::nullopt; a && a->distributed_optimizer.value_or(false))
           return corrupt(fmt::format("{}: its args say use_distributed_optimizer True, and no distrib_optim.pt (the "
                                      "distributed optimizer's state) is beside it", fw));

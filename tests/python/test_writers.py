@@ -714,8 +714,8 @@ def test_a_megatron_legacy_checkpoint_reads_as_megatron_held_it(tmp_path, optsta
 
 
 def test_a_megatron_legacy_checkpoint_missing_a_rank_or_splitting_an_unknown_layer_is_refused(tmp_path, optstate_cli):
-    """A legacy checkpoint whose rank folders disagree with its args (a tensor-parallel rank's or a
-    pipeline stage's folder missing), or whose param tensor parallelism splits under a name Megatron's layers do not
+    """A legacy checkpoint saved without the optimizer (--no-save-optim), or one whose rank folders
+    disagree with its args (a tensor-parallel rank's or a pipeline stage's folder missing), or whose param tensor parallelism splits under a name Megatron's layers do not
     have (its weights differ between the ranks' files), is refused by name: neither reads shards
     as whole params."""
     ck = tmp_path / "ck"
@@ -728,6 +728,16 @@ def test_a_megatron_legacy_checkpoint_missing_a_rank_or_splitting_an_unknown_lay
     shutil.rmtree(ck / "iter_0000003" / "mp_rank_00_001")
     err = run_err(optstate_cli, "inspect", ck)
     assert "its args say pipeline_model_parallel_size 2" in err and "holds 1 pipeline stage" in err, err
+    ck = tmp_path / "weights_only"  # --no-save-optim
+    shutil.copytree(MEGATRON / "legacy_dp2", ck)
+    run_script(tmp_path, textwrap.dedent("""
+        import sys, torch
+        d = torch.load(sys.argv[1], weights_only=False)
+        del d["optimizer"], d["opt_param_scheduler"]
+        torch.save(d, sys.argv[1])
+    """), "no_optim.py", ck / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "Megatron's trainer dict without 'optimizer' (saved with --no-save-optim" in err, err
     ck = tmp_path / "renamed"
     shutil.copytree(MEGATRON / "legacy_tp2", ck)
     run_script(tmp_path, textwrap.dedent("""

@@ -497,6 +497,15 @@ class TorchSaveReader final : public CheckpointReader {
                                  "state's ranks; pass one file", path_.string(), rank_pattern(optim_files),
                                  sds.size()));
     }
+    // One model-parallel rank's file of Megatron-LM's legacy checkpoint, taken out of its folder
+    // (formats/megatron/ reads the folder): its tensors are shards or one stage's params.
+    if (const auto& a = sd0.megatron_args; a && sds.size() == 1 &&
+        (a->tp_size.value_or(1) > 1 || a->pp_size.value_or(1) > 1 || a->ep_size.value_or(1) > 1))
+      return unsupported(fmt::format("{}: one model-parallel rank's file of a Megatron-LM checkpoint (its args say "
+                                     "tensor_model_parallel_size {}, pipeline_model_parallel_size {}): its tensors "
+                                     "are shards or one stage's params; read the iteration folder it came from "
+                                     "(iter_<N>/ with its mp_rank_* folders)", path_.string(), a->tp_size.value_or(1),
+                                     a->pp_size.value_or(1)));
     not_read_ = sd0.not_read;
     value_notes_ = sd0.read_notes;
     // FSDP1's ranks hold no state for params with no part on them (use_orig_params): not unread.

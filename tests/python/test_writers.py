@@ -702,6 +702,10 @@ def test_a_megatron_legacy_checkpoint_reads_as_megatron_held_it(tmp_path, optsta
         err = run_err(optstate_cli, "inspect", rank0 / "model_optim_rng.pt")
         assert "one model-parallel rank's part of a Megatron-LM checkpoint of" in err, err
         assert str(ck / "iter_0000003") in err
+        if not distributed:  # ... also out of its folder, read by the torch.save driver
+            shutil.copy(rank0 / "model_optim_rng.pt", tmp_path / "rank0.pt")
+            err = run_err(optstate_cli, "inspect", tmp_path / "rank0.pt")
+            assert "one model-parallel rank's file of a Megatron-LM checkpoint" in err, err
     else:
         assert hashes_root(optstate_cli, rank0) == root
         assert hashes_root(optstate_cli, rank0 / "model_optim_rng.pt") == root

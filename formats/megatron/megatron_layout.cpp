@@ -145,6 +145,58 @@ std::string renumber_layer(std::string_view name, int64_t offset) {
 
 namespace {
 
+constexpr std::string_view kExperts = ".mlp.experts.";
+constexpr std::string_view kLocalExperts = "local_experts.";
+
+// Where a name's local expert index lies: [begin, end) of its digits.
+std::optional<std::pair<size_t, size_t>> expert_digits(std::string_view name) {
+  const size_t at = name.find(kExperts);
+  if (at == std::string_view::npos) return std::nullopt;
+  const size_t after = at + kExperts.size();
+  std::string_view rest = name.substr(after);
+  if (rest.starts_with(kLocalExperts)) {  // SequentialMLP: local_experts.<i>.<module>.<leaf>
+    const size_t begin = after + kLocalExperts.size();
+    size_t end = begin;
+    while (end < name.size() && name[end] >= '0' && name[end] <= '9') ++end;
+    if (end > begin && end - begin <= 9 && end < name.size() && name[end] == '.') return std::pair{begin, end};
+    return std::nullopt;
+  }
+  // TEGroupedMLP: <linear_fc1|linear_fc2>.<weight|bias><i>, the name's end
+  const auto [module, leaf] = last_two(name);
+  if ((module != "linear_fc1" && module != "linear_fc2") || rest != fmt::format("{}.{}", module, leaf)) return std::nullopt;
+  const size_t k = leaf.starts_with("weight") ? 6 : leaf.starts_with("bias") ? 4 : leaf.size();
+  if (k >= leaf.size() || !digits(leaf.substr(k), 1)) return std::nullopt;
+  return std::pair{name.size() - (leaf.size() - k), name.size()};
+}
+
+}  // namespace
+
+bool is_expert_param(std::string_view name) { return name.find(kExperts) != std::string_view::npos; }
+
+std::optional<int64_t> expert_of(std::string_view name) {
+  const auto d = expert_digits(name);
+  if (!d) return std::nullopt;
+  return digits(name.substr(d->first, d->second - d->first), 1);
+}
+
+std::string renumber_expert(std::string_view name, int64_t offset) {
+  const auto d = expert_digits(name);
+  if (!d || offset == 0) return std::string(name);
+  const int64_t i = *digits(name.substr(d->first, d->second - d->first), 1);
+  return fmt::format("{}{}{}", name.substr(0, d->first), i + offset, name.substr(d->second));
+}
+
+std::string global_name(std::string_view local, const std::map<std::string, int64_t>* layer_offsets,
+                        int64_t expert_offset) {
+  std::string name(local);
+  if (layer_offsets)
+    if (const auto l = layer_of(name))
+      if (const auto o = layer_offsets->find(l->stack); o != layer_offsets->end()) name = renumber_layer(name, o->second);
+  return expert_offset ? renumber_expert(name, expert_offset) : name;
+}
+
+namespace {
+
 constexpr int64_t kParamAlignment = 64;  // Megatron's _pad_start_of_param_if_needed
 constexpr int64_t kDenseSample = 4096;   // places compared where two starts both fit the first sample
 

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <span>
 #include <string>
@@ -70,6 +71,23 @@ struct LayerOf {
 };
 std::optional<LayerOf> layer_of(std::string_view name);
 std::string renumber_layer(std::string_view name, int64_t offset);
+
+// A mixture of experts (Megatron-Core's MoE layer, `.mlp.experts.`; its shared experts are dense):
+// the experts' params are stepped by an optimizer of their own (Megatron's chain), and under
+// expert parallelism each expert rank holds its local experts, numbered from 0: SequentialMLP's
+// "...mlp.experts.local_experts.<i>.linear_fc1.weight", TEGroupedMLP's
+// "...mlp.experts.linear_fc1.weight<i>". expert_of: a name's local expert index (nullopt for a name
+// of no single expert, such as the legacy GroupedMLP's weight1 holding every local expert);
+// renumber_expert: the name with it moved by `offset` (the rank's first expert).
+bool is_expert_param(std::string_view name);
+std::optional<int64_t> expert_of(std::string_view name);
+std::string renumber_expert(std::string_view name, int64_t offset);
+
+// A rank's param name in the whole model: its layer numbered on by its pipeline stage's offset for
+// its stack of layers (`layer_offsets`: stack -> offset; none for a stage's own numbering), then its
+// expert by its expert rank's first expert.
+std::string global_name(std::string_view local, const std::map<std::string, int64_t>* layer_offsets,
+                        int64_t expert_offset);
 
 // The distributed optimizer's distrib_optim.pt (save_parameter_state, `buckets_coalesced`): per
 // DDP buffer, flat fp32 tensors of its params' main params and moments, each bucket's

@@ -183,3 +183,35 @@ TEST_CASE("megatron legacy: a pipeline stage's layers numbered again from its of
         "decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight");
   CHECK(mg::renumber_layer("output_layer.weight", 4) == "output_layer.weight");
 }
+
+TEST_CASE("megatron legacy: an expert rank's experts numbered on from its first") {
+  CHECK(mg::is_expert_param("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"));
+  CHECK(mg::is_expert_param("decoder.layers.0.mlp.experts.linear_fc2.weight3"));
+  CHECK(!mg::is_expert_param("decoder.layers.0.mlp.shared_experts.linear_fc1.weight"));
+  CHECK(!mg::is_expert_param("decoder.layers.0.mlp.router.weight"));
+  CHECK(!mg::is_expert_param("decoder.layers.0.mlp.linear_fc1.weight"));
+
+  CHECK(mg::expert_of("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight") == 1);
+  CHECK(mg::expert_of("decoder.layers.0.mlp.experts.local_experts.12.linear_fc2.bias") == 12);
+  CHECK(mg::expert_of("decoder.layers.0.mlp.experts.linear_fc1.weight3") == 3);
+  CHECK(mg::expert_of("decoder.layers.0.mlp.experts.linear_fc2.bias10") == 10);
+  // the legacy GroupedMLP's weight1 holds every local expert: no one expert's
+  CHECK(!mg::expert_of("decoder.layers.0.mlp.experts.weight1"));
+  CHECK(!mg::expert_of("decoder.layers.0.mlp.experts.linear_fc1.weight"));
+  CHECK(!mg::expert_of("decoder.layers.0.mlp.experts.local_experts.x.linear_fc1.weight"));
+  CHECK(!mg::expert_of("decoder.layers.0.mlp.experts.local_experts.1"));
+  CHECK(!mg::expert_of("decoder.layers.0.mlp.linear_fc1.weight"));
+
+  CHECK(mg::renumber_expert("decoder.layers.3.mlp.experts.local_experts.1.linear_fc1.weight", 4) ==
+        "decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight");
+  CHECK(mg::renumber_expert("decoder.layers.3.mlp.experts.linear_fc2.weight1", 8) ==
+        "decoder.layers.3.mlp.experts.linear_fc2.weight9");
+  CHECK(mg::renumber_expert("decoder.layers.3.mlp.router.weight", 8) == "decoder.layers.3.mlp.router.weight");
+
+  // a stage's layer and an expert rank's experts at once
+  const std::map<std::string, int64_t> offsets{{"decoder.layers.", 2}};
+  CHECK(mg::global_name("decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight", &offsets, 2) ==
+        "decoder.layers.3.mlp.experts.local_experts.2.linear_fc1.weight");
+  CHECK(mg::global_name("decoder.layers.1.mlp.router.weight", &offsets, 2) == "decoder.layers.3.mlp.router.weight");
+  CHECK(mg::global_name("embedding.word_embeddings.weight", nullptr, 0) == "embedding.word_embeddings.weight");
+}

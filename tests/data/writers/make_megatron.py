@@ -134,6 +134,15 @@ RUNS_016 = {
                                size="3,16,16"),
     "legacy_tp2_dp2_distopt": dict(tp=2, dist_opt=True, bf16=True, sharding=None, legacy=True, lr=1e-2,
                                    size="3,16,16", world=4, bucket_size=1500),
+    # a mixture of experts (2 a layer): its experts' params an optimizer of their own (Megatron's
+    # chain: the optimizer's state_dict a list of two); under expert parallelism 2 each expert rank's
+    # folder mp_rank_<tp>_<ep> holds its experts (numbered locally) and the dense params
+    "legacy_moe_dp2": dict(tp=1, moe=True, dist_opt=False, bf16=True, sharding=None, legacy=True),
+    "legacy_moe_ep2": dict(tp=1, ep=2, dist_opt=False, bf16=True, sharding=None, legacy=True),
+    "legacy_moe_ep2_distopt": dict(tp=1, ep=2, dist_opt=True, bf16=True, sharding=None, legacy=True, lr=1e-2,
+                                   size="3,16,16"),
+    "legacy_moe_tp2_ep2_dp2_distopt": dict(tp=2, ep=2, dist_opt=True, bf16=True, sharding=None, legacy=True,
+                                           lr=1e-2, size="3,16,16", world=8),
 }
 # Megatron-Core up to 0.13 saves the distributed optimizer `fully_sharded_model_space` (its default,
 # and Megatron-LM's with --ckpt-fully-parallel-save, NeMo's with parallel_save_optim): per key, each
@@ -271,6 +280,7 @@ def rank_main(rank, world, port, out):
         if mcore_version() > run.get("upto", mcore_version()):
             continue
         ep = run.get("ep", 1)
+        moe = run.get("moe", ep > 1)
         LAYERS, HIDDEN, VOCAB = map(int, (SIZE or run.get("size", "2,8,16")).split(","))
         pp = run.get("pp", 1)
         parallel_state.initialize_model_parallel(run["tp"], pp, expert_model_parallel_size=ep)
@@ -281,13 +291,15 @@ def rank_main(rank, world, port, out):
                                 bf16=run["bf16"], params_dtype=dtype, pipeline_dtype=dtype,
                                 **(dict(num_moe_experts=2, moe_router_topk=1, moe_router_pre_softmax=True,
                                         moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep,
-                                        add_bias_linear=False) if ep > 1 else {}),
+                                        add_bias_linear=False) if moe else {}),
+                                # Megatron requires sequence parallelism for MoE under tensor parallelism
+                                **(dict(sequence_parallel=True) if moe and run["tp"] > 1 else {}),
                                 **(dict(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
                                    if run.get("glu") else {}),
                                 **(dict(pipeline_model_parallel_size=pp) if pp > 1 else {}),
                                 **(dict(num_layers_in_first_pipeline_stage=run["first_stage_layers"])
                                    if "first_stage_layers" in run else {}))
-        spec = get_gpt_layer_local_spec(num_experts=2, moe_grouped_gemm=False) if ep > 1 else get_gpt_layer_local_spec()
+        spec = get_gpt_layer_local_spec(num_experts=2, moe_grouped_gemm=False) if moe else get_gpt_layer_local_spec()
         model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=4,
                          pre_process=parallel_state.is_pipeline_first_stage(),
                          post_process=parallel_state.is_pipeline_last_stage(),
@@ -416,13 +428,16 @@ def save_legacy(name, run, out, ddp, opt, sched, rank, layers, hidden):
         import shutil
         shutil.rmtree(path)
     dist.barrier()
-    pp = run.get("pp", 1)
+    pp, ep = run.get("pp", 1), run.get("ep", 1)
     rank_dir = os.path.join(path, "iter_0000003", f"mp_rank_{tp_rank:02d}" +
-                            (f"_{parallel_state.get_pipeline_model_parallel_rank():03d}" if pp > 1 else ""))
+                            (f"_{parallel_state.get_pipeline_model_parallel_rank():03d}" if pp > 1 else "") +
+                            (f"_{parallel_state.get_expert_model_parallel_rank():03d}" if ep > 1 else ""))
     os.makedirs(rank_dir, exist_ok=True)
     if run["dist_opt"]:
         opt.save_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
     state = {"args": argparse.Namespace(tensor_model_parallel_size=run["tp"], pipeline_model_parallel_size=pp,
+                                        expert_model_parallel_size=ep,
+                                        num_experts=2 if run.get("moe", ep > 1) else None,
                                         untie_embeddings_and_output_weights=not run.get("tied", False),
                                         num_layers=layers, hidden_size=hidden, lr=1e-3, weight_decay=0.1,
                                         bf16=run["bf16"], params_dtype=torch.bfloat16 if run["bf16"] else torch.float32,
@@ -431,7 +446,9 @@ def save_legacy(name, run, out, ddp, opt, sched, rank, layers, hidden):
              "optimizer": opt.state_dict(), "opt_param_scheduler": sched.state_dict(),
              "num_floating_point_operations_so_far": 0,
              "rng_state": [{"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state()}]}
-    if parallel_state.get_data_parallel_rank() == 0:
+    # every (tp, pp, ep) folder written once: data-parallel rank 0 writes the dense ranks', expert
+    # data-parallel rank 0 the expert ranks' (the trainer's "dp_rank == 0 or expt_dp_rank == 0")
+    if parallel_state.get_data_parallel_rank() == 0 or parallel_state.get_expert_data_parallel_rank() == 0:
         torch.save(state, os.path.join(rank_dir, "model_optim_rng.pt"))
     if rank == 0:
         with open(os.path.join(path, "latest_checkpointed_iteration.txt"), "w") as f:
@@ -452,6 +469,9 @@ def save_legacy(name, run, out, ddp, opt, sched, rank, layers, hidden):
             offsets = tuple(st.global_offset[:st.prepend_axis_num])
             if offsets and k.startswith("decoder.layers."):
                 k = "decoder.layers.{}.{}".format(offsets[0], k.split(".", 3)[3])
+            if len(offsets) > 1 and ".local_experts." in k:  # an expert rank's experts numbered from 0
+                head, rest = k.split(".local_experts.", 1)
+                k = "{}.local_experts.{}.{}".format(head, offsets[1], rest.split(".", 1)[1])
             names.setdefault((st.key, offsets), k)
     merged = {}
     for part in all_ranks(names):

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include "megatron_layout.h"
 #include "optstate/checkpoint.h"
@@ -80,44 +81,62 @@ std::optional<Located> locate(const fs::path& path) {
   return std::nullopt;
 }
 
-// Every model-parallel rank's file, by (pipeline stage, tensor-parallel rank), checked: a full
-// grid, stages 0..P-1 by ranks 0..T-1. A folder name's one number after the tensor-parallel rank is
-// the pipeline stage (an expert rank instead where the args say so: refused by the reader); two
-// are pipeline and expert ranks, refused here.
+// Every model-parallel rank's file, by (pipeline stage, expert rank, tensor-parallel rank), checked:
+// a full grid, stages 0..P-1 by expert ranks 0..E-1 by tensor-parallel ranks 0..T-1. A folder
+// name's two numbers after the tensor-parallel rank are the pipeline stage and the expert rank;
+// one is the pipeline stage, or the expert rank where the args say expert parallelism without
+// pipeline parallelism (Megatron's get_checkpoint_name names only the parallelisms in use).
 struct RankFile {
-  int64_t pp = 0, tp = 0;
+  int64_t pp = 0, ep = 0, tp = 0;
   fs::path path;
 };
 Result<std::vector<RankFile>> rank_files(const fs::path& iteration) {
   const auto dirs = rank_dirs(iteration);
-  std::map<std::pair<int64_t, int64_t>, fs::path> grid;  // (pp, tp) -> file
   std::optional<size_t> parts;
   for (const auto& [name, r] : dirs) {
-    if (r.more.size() > 1)
-      return unsupported(fmt::format("{}: a rank of expert parallelism ({}); optstate reads Megatron's legacy "
-                                     "checkpoints of tensor and pipeline parallelism", (iteration / name).string(), name));
     if (parts && *parts != r.more.size())
-      return corrupt(fmt::format("{}: rank folders named with and without a pipeline rank ({})", iteration.string(), name));
+      return corrupt(fmt::format("{}: rank folders named with {} and {} numbers after the tensor-parallel rank ({})",
+                                 iteration.string(), *parts, r.more.size(), name));
     parts = r.more.size();
-    grid.emplace(std::pair{r.more.empty() ? 0 : r.more[0], r.tp}, iteration / name / kRankFile);
   }
-  if (grid.empty()) return corrupt(fmt::format("{}: no mp_rank_<tp>/{}", iteration.string(), kRankFile));
-  if (grid.size() > kMaxRanks) return corrupt(fmt::format("{}: more than {} ranks", iteration.string(), kMaxRanks));
-  int64_t stages = 0, ranks = 0;
-  for (const auto& [at, path] : grid) {
-    stages = std::max(stages, at.first + 1);
-    ranks = std::max(ranks, at.second + 1);
+  if (!parts) return corrupt(fmt::format("{}: no mp_rank_<tp>/{}", iteration.string(), kRankFile));
+  if (dirs.size() > kMaxRanks) return corrupt(fmt::format("{}: more than {} ranks", iteration.string(), kMaxRanks));
+  bool one_is_expert = false;
+  if (*parts == 1) {
+    const fs::path first = iteration / dirs.begin()->first / kRankFile;
+    OPTSTATE_ASSIGN_OR_RETURN(const torchsave::MegatronSizes sizes, torchsave::read_megatron_sizes(first));
+    one_is_expert = sizes.ep.value_or(1) > 1 && sizes.pp.value_or(1) == 1;
+    if (sizes.ep.value_or(1) > 1 && sizes.pp.value_or(1) > 1)
+      return corrupt(fmt::format("{}: its args say pipeline_model_parallel_size {} and expert_model_parallel_size {}, "
+                                 "and its folder names one rank after the tensor-parallel rank, not both",
+                                 first.string(), *sizes.pp, *sizes.ep));
   }
+  const bool pp_named = *parts == 2 || (*parts == 1 && !one_is_expert);
+  const bool ep_named = *parts == 2 || one_is_expert;
+  std::map<std::tuple<int64_t, int64_t, int64_t>, fs::path> grid;  // (pp, ep, tp) -> file
+  int64_t stages = 0, experts = 0, ranks = 0;
+  for (const auto& [name, r] : dirs) {
+    const int64_t pp = pp_named ? r.more[0] : 0;
+    const int64_t ep = ep_named ? r.more.back() : 0;
+    grid.emplace(std::tuple{pp, ep, r.tp}, iteration / name / kRankFile);
+    stages = std::max(stages, pp + 1);
+    experts = std::max(experts, ep + 1);
+    ranks = std::max(ranks, r.tp + 1);
+  }
+  auto plural = [](int64_t n, const char* what) { return fmt::format("{} {}{}", n, what, n == 1 ? "" : "s"); };
   std::vector<RankFile> files;
   for (int64_t pp = 0; pp < stages; ++pp)
-    for (int64_t tp = 0; tp < ranks; ++tp) {
-      const auto f = grid.find({pp, tp});
-      if (f == grid.end())
-        return corrupt(fmt::format("{}: {} has no {} ({} stage{} of {} tensor-parallel rank{} found)", iteration.string(),
-                                   *parts ? fmt::format("mp_rank_{:02d}_{:03d}", tp, pp) : fmt::format("mp_rank_{:02d}", tp),
-                                   kRankFile, stages, stages == 1 ? "" : "s", ranks, ranks == 1 ? "" : "s"));
-      files.push_back({pp, tp, f->second});
-    }
+    for (int64_t ep = 0; ep < experts; ++ep)
+      for (int64_t tp = 0; tp < ranks; ++tp) {
+        const auto f = grid.find({pp, ep, tp});
+        if (f == grid.end())
+          return corrupt(fmt::format("{}: {} has no {} ({} of {}{} found)", iteration.string(),
+                                     fmt::format("mp_rank_{:02d}{}{}", tp, pp_named ? fmt::format("_{:03d}", pp) : "",
+                                                 ep_named ? fmt::format("_{:03d}", ep) : ""),
+                                     kRankFile, plural(stages, "stage"), plural(ranks, "tensor-parallel rank"),
+                                     ep_named ? " by " + plural(experts, "expert rank") : ""));
+        files.push_back({pp, ep, tp, f->second});
+      }
   return files;
 }
 
@@ -131,10 +150,13 @@ Result<std::vector<std::byte>> values_of(CheckpointReader& r, const std::string&
 }
 
 // Each param's place over the model-parallel ranks, from their files: a pipeline stage's layers
-// numbered on from the stages before it; within a stage, split along Megatron's dim for its name, or
+// numbered on from the stages before it, an expert rank's experts from its first (its local experts
+// times its rank); within a stage and expert rank, split along Megatron's dim for its name, or
 // replicated (its weights then equal in every rank's file, checked: a param Megatron splits that its
-// names do not say would differ); the last stage's output_layer.weight, where it is the first
-// stage's embedding tied to it (equal weights and moments: Megatron sums their gradients), read once.
+// names do not say would differ); an expert rank's dense params are expert rank 0's (their shapes
+// checked alike, and a 1-D param's weights: a folder of another iteration differs there); the last
+// stage's output_layer.weight, where it is the first stage's embedding tied to it (equal weights and
+// moments: Megatron sums their gradients), read once.
 Result<torchsave::RankFileSet> find_parts(const fs::path& iteration, const std::vector<RankFile>& files) {
   torchsave::RankFileSet parts;
   parts.megatron = true;
@@ -142,17 +164,20 @@ Result<torchsave::RankFileSet> find_parts(const fs::path& iteration, const std::
   parts.dir = iteration;
   parts.zero_rule = [](int64_t numel) { return std::map<int64_t, std::pair<int64_t, int64_t>>{{0, {0, numel}}}; };
   parts.megatron_ranks = files.back().tp + 1;
+  parts.megatron_experts = files.back().ep + 1;
   parts.megatron_stages = files.back().pp + 1;
   parts.tp_size = parts.megatron_ranks;
-  const size_t ranks = static_cast<size_t>(parts.megatron_ranks);
+  const size_t ranks = static_cast<size_t>(parts.megatron_ranks), experts = static_cast<size_t>(parts.megatron_experts);
   // Each rank's file read alone first: its params' local names and shapes, its weights.
   std::vector<std::unique_ptr<CheckpointReader>> readers;
   for (const RankFile& rf : files) {
     const fs::path distrib = rf.path.parent_path() / kDistribFile;
-    parts.files.push_back({rf.path, rf.pp, 0, rf.tp, is_file(distrib) ? distrib : fs::path()});
+    torchsave::RankFileSet::File file{rf.path, rf.pp, 0, rf.tp, is_file(distrib) ? distrib : fs::path()};
+    file.ep = rf.ep;
+    parts.files.push_back(file);
     if (files.size() == 1) break;
     torchsave::RankFileSet one = parts;
-    one.files = {parts.files.back()};
+    one.files = {file};
     one.files[0].tp = 0;
     one.files[0].pp = 0;
     one.tp_size = 1;
@@ -160,23 +185,47 @@ Result<torchsave::RankFileSet> find_parts(const fs::path& iteration, const std::
     readers.push_back(std::move(r));
   }
   if (files.size() == 1) return parts;
-  auto reader_of = [&](int64_t pp, size_t tp) -> CheckpointReader& { return *readers[static_cast<size_t>(pp) * ranks + tp]; };
-  // the stages' layer offsets, per stack of layers
+  auto index_of = [&](int64_t pp, size_t ep, size_t tp) { return (static_cast<size_t>(pp) * experts + ep) * ranks + tp; };
+  auto reader_of = [&](int64_t pp, size_t ep, size_t tp) -> CheckpointReader& { return *readers[index_of(pp, ep, tp)]; };
+  auto file_of = [&](int64_t pp, size_t ep, size_t tp) { return files[index_of(pp, ep, tp)].path.string(); };
+  // the stages' layer offsets, per stack of layers (expert rank 0 holds every layer's params)
   std::map<std::string, int64_t> next;
   for (int64_t pp = 0; pp < parts.megatron_stages; ++pp) {
     std::map<std::string, int64_t> count;
-    for (const auto& [name, ps] : reader_of(pp, 0).meta().params)
+    for (const auto& [name, ps] : reader_of(pp, 0, 0).meta().params)
       if (const auto l = layer_of(name)) count[l->stack] = std::max(count[l->stack], l->index + 1);
     for (const auto& [stack, n] : count) {
       parts.layer_offsets[pp][stack] = next[stack];
       next[stack] += n;
     }
   }
-  auto global = [&](int64_t pp, const std::string& name) {
-    const auto l = layer_of(name);
+  // each stage's local experts (a layer's experts over its expert ranks, numbered from 0 on each)
+  std::map<int64_t, int64_t> local_experts;
+  if (experts > 1)
+    for (int64_t pp = 0; pp < parts.megatron_stages; ++pp)
+      for (size_t ep = 0; ep < experts; ++ep) {
+        int64_t n = 0;
+        for (const auto& [name, ps] : reader_of(pp, ep, 0).meta().params) {
+          if (!is_expert_param(name)) continue;
+          const auto e = expert_of(name);
+          if (!e)
+            return unsupported(fmt::format("{} param '{}': an MoE experts' param of no one expert (the legacy "
+                                           "GroupedMLP's weights hold every local expert), whose place among the "
+                                           "expert ranks optstate does not know", file_of(pp, ep, 0), name));
+          n = std::max(n, *e + 1);
+        }
+        if (ep == 0) local_experts[pp] = n;
+        if (n > local_experts[pp])
+          return corrupt(fmt::format("{}: experts numbered to {}; expert rank 0's file {} has {} a layer",
+                                     file_of(pp, ep, 0), n - 1, file_of(pp, 0, 0), local_experts[pp]));
+      }
+  for (size_t i = 0; i < files.size(); ++i) {
+    parts.files[i].expert_offset = files[i].ep * local_experts[files[i].pp];
+    parts.files[i].dense_elsewhere = files[i].ep != 0;
+  }
+  auto global = [&](int64_t pp, size_t ep, const std::string& name) {
     const auto& offsets = parts.layer_offsets[pp];
-    const auto o = l ? offsets.find(l->stack) : offsets.end();
-    return o == offsets.end() ? name : renumber_layer(name, o->second);
+    return global_name(name, &offsets, static_cast<int64_t>(ep) * local_experts[pp]);
   };
   // a tied embedding's copy on the last stage
   const int64_t last = parts.megatron_stages - 1;
@@ -184,8 +233,8 @@ Result<torchsave::RankFileSet> find_parts(const fs::path& iteration, const std::
     const std::string out = "output_layer.weight", emb = "embedding.word_embeddings.weight";
     bool tied = true;
     for (size_t tp = 0; tp < ranks && tied; ++tp) {
-      auto& a = reader_of(last, tp);
-      auto& b = reader_of(0, tp);
+      auto& a = reader_of(last, 0, tp);
+      auto& b = reader_of(0, 0, tp);
       const auto pa = a.meta().params.find(out), pb = b.meta().params.find(emb);
       tied = pa != a.meta().params.end() && pb != b.meta().params.end() && pa->second.shape == pb->second.shape &&
              pa->second.entries.count(kParam) && pb->second.entries.count(kParam);
@@ -198,66 +247,90 @@ Result<torchsave::RankFileSet> find_parts(const fs::path& iteration, const std::
     }
     if (tied) parts.tied_copies.insert({last, out});
   }
-  for (int64_t pp = 0; pp < parts.megatron_stages; ++pp) {
-    const OptimizerState& m0 = reader_of(pp, 0).meta();
-    const std::string& f0 = files[static_cast<size_t>(pp) * ranks].path.string();
-    for (const auto& [name, ps0] : m0.params) {
-      const std::string gname = global(pp, name);
-      const std::string pw = fmt::format("{} param '{}'", f0, name);
-      const auto dim = tensor_parallel_dim(name);
-      // SwiGLU's first projection: twice the rows of its layer's second projection's columns
-      bool glu = false;
-      if (const auto fc2 = second_projection_of(name); dim && fc2) {
-        const auto f2 = m0.params.find(*fc2);
-        if (f2 == m0.params.end() || f2->second.shape.size() != 2 || ps0.shape.empty())
-          return unsupported(fmt::format("{}: whether it is a gated MLP's (SwiGLU: each rank's shard its part of the "
-                                         "gate above its part of the up projection) is told by its layer's '{}', which "
-                                         "the checkpoint does not hold as a matrix", pw, *fc2));
-        glu = ps0.shape[0] == 2 * f2->second.shape[1];
-        if (!glu && ps0.shape[0] != f2->second.shape[1])
-          return corrupt(fmt::format("{}: {} rows, its layer's '{}' has {} columns (the MLP's width, or half a gated "
-                                     "one's)", pw, ps0.shape[0], *fc2, f2->second.shape[1]));
-      }
-      std::optional<std::vector<std::byte>> w0;
-      for (size_t tp = 0; tp < ranks; ++tp) {
-        auto& r = reader_of(pp, tp);
-        const auto& mt = r.meta();
-        const auto it = mt.params.find(name);
-        const std::string& ft = files[static_cast<size_t>(pp) * ranks + tp].path.string();
-        const std::string fw = fmt::format("{} param '{}'", ft, name);
-        if (it == mt.params.end()) return corrupt(fmt::format("{}: missing; {} has it", fw, f0));
-        if (it->second.shape != ps0.shape)
-          return corrupt(fmt::format("{}: shape {}; {} has {}", fw, format_shape(it->second.shape), f0,
-                                     format_shape(ps0.shape)));
-        if (ranks == 1) continue;
-        if (dim) {
-          const auto split = shard_runs(it->second.shape, *dim, glu, static_cast<int64_t>(tp), parts.tp_size);
-          if (!split)
-            return corrupt(fmt::format("{}: shape {} is no shard along dim {}", fw, format_shape(it->second.shape), *dim));
-          auto& sh = parts.sharded[gname];
-          sh.shape = split->whole;
-          std::vector<torchsave::RankFileSet::Run> runs;
-          for (const Run& rn : split->runs) runs.push_back({rn.local, rn.global, rn.count});
-          sh.by_tp.emplace(static_cast<int64_t>(tp), std::pair{it->second.shape, std::move(runs)});
+  for (int64_t pp = 0; pp < parts.megatron_stages; ++pp)
+    for (size_t ep = 0; ep < experts; ++ep) {
+      const OptimizerState& m0 = reader_of(pp, ep, 0).meta();
+      const std::string f0 = file_of(pp, ep, 0);
+      for (const auto& [name, ps0] : m0.params) {
+        if (ep > 0 && !is_expert_param(name)) {
+          // a dense param: expert rank 0's
+          for (size_t tp = 0; tp < ranks; ++tp) {
+            auto& r = reader_of(pp, ep, tp);
+            auto& r0 = reader_of(pp, 0, tp);
+            const std::string fw = fmt::format("{} param '{}'", file_of(pp, ep, tp), name);
+            const auto it = r.meta().params.find(name), it0 = r0.meta().params.find(name);
+            if (it == r.meta().params.end()) continue;
+            if (it0 == r0.meta().params.end())
+              return corrupt(fmt::format("{}: a dense param (not an expert's) that expert rank 0's {} lacks", fw,
+                                         file_of(pp, 0, tp)));
+            if (it->second.shape != it0->second.shape)
+              return corrupt(fmt::format("{}: shape {}; expert rank 0's {} has {}", fw, format_shape(it->second.shape),
+                                         file_of(pp, 0, tp), format_shape(it0->second.shape)));
+            if (it->second.shape.size() != 1 || !it->second.entries.count(kParam) || !it0->second.entries.count(kParam))
+              continue;
+            OPTSTATE_ASSIGN_OR_RETURN(auto w, values_of(r, name, kParam));
+            OPTSTATE_ASSIGN_OR_RETURN(auto w0, values_of(r0, name, kParam));
+            if (w != w0)
+              return corrupt(fmt::format("{}: a dense param whose weights differ from expert rank 0's ({}): the "
+                                         "folders are not of one checkpoint", fw, file_of(pp, 0, tp)));
+          }
           continue;
         }
-        if (!it->second.entries.count(kParam)) continue;
-        OPTSTATE_ASSIGN_OR_RETURN(auto w, values_of(r, name, kParam));
-        if (!w0) {
-          w0 = std::move(w);
-        } else if (w != *w0) {
-          return unsupported(fmt::format("{}: its weights differ from tensor-parallel rank 0's, so tensor parallelism "
-                                         "splits it, along a dim Megatron's layer names do not say", fw));
+        const std::string gname = global(pp, ep, name);
+        const std::string pw = fmt::format("{} param '{}'", f0, name);
+        const auto dim = tensor_parallel_dim(name);
+        // SwiGLU's first projection: twice the rows of its layer's second projection's columns
+        bool glu = false;
+        if (const auto fc2 = second_projection_of(name); dim && fc2) {
+          const auto f2 = m0.params.find(*fc2);
+          if (f2 == m0.params.end() || f2->second.shape.size() != 2 || ps0.shape.empty())
+            return unsupported(fmt::format("{}: whether it is a gated MLP's (SwiGLU: each rank's shard its part of "
+                                           "the gate above its part of the up projection) is told by its layer's "
+                                           "'{}', which the checkpoint does not hold as a matrix", pw, *fc2));
+          glu = ps0.shape[0] == 2 * f2->second.shape[1];
+          if (!glu && ps0.shape[0] != f2->second.shape[1])
+            return corrupt(fmt::format("{}: {} rows, its layer's '{}' has {} columns (the MLP's width, or half a "
+                                       "gated one's)", pw, ps0.shape[0], *fc2, f2->second.shape[1]));
         }
+        std::optional<std::vector<std::byte>> w0;
+        for (size_t tp = 0; tp < ranks; ++tp) {
+          auto& r = reader_of(pp, ep, tp);
+          const auto& mt = r.meta();
+          const auto it = mt.params.find(name);
+          const std::string fw = fmt::format("{} param '{}'", file_of(pp, ep, tp), name);
+          if (it == mt.params.end()) return corrupt(fmt::format("{}: missing; {} has it", fw, f0));
+          if (it->second.shape != ps0.shape)
+            return corrupt(fmt::format("{}: shape {}; {} has {}", fw, format_shape(it->second.shape), f0,
+                                       format_shape(ps0.shape)));
+          if (ranks == 1) continue;
+          if (dim) {
+            const auto split = shard_runs(it->second.shape, *dim, glu, static_cast<int64_t>(tp), parts.tp_size);
+            if (!split)
+              return corrupt(fmt::format("{}: shape {} is no shard along dim {}", fw, format_shape(it->second.shape),
+                                         *dim));
+            auto& sh = parts.sharded[gname];
+            sh.shape = split->whole;
+            std::vector<torchsave::RankFileSet::Run> runs;
+            for (const Run& rn : split->runs) runs.push_back({rn.local, rn.global, rn.count});
+            sh.by_tp.emplace(static_cast<int64_t>(tp), std::pair{it->second.shape, std::move(runs)});
+            continue;
+          }
+          if (!it->second.entries.count(kParam)) continue;
+          OPTSTATE_ASSIGN_OR_RETURN(auto w, values_of(r, name, kParam));
+          if (!w0) {
+            w0 = std::move(w);
+          } else if (w != *w0) {
+            return unsupported(fmt::format("{}: its weights differ from tensor-parallel rank 0's, so tensor "
+                                           "parallelism splits it, along a dim Megatron's layer names do not say", fw));
+          }
+        }
+        if (!dim || ranks == 1) parts.replicated.insert(gname);
       }
-      if (!dim || ranks == 1) parts.replicated.insert(gname);
+      for (size_t tp = 1; tp < ranks; ++tp)
+        for (const auto& [name, ps] : reader_of(pp, ep, tp).meta().params)
+          if (!m0.params.count(name))
+            return corrupt(fmt::format("{} param '{}': missing; {} has it", f0, name, file_of(pp, ep, tp)));
     }
-    for (size_t tp = 1; tp < ranks; ++tp)
-      for (const auto& [name, ps] : reader_of(pp, tp).meta().params)
-        if (!m0.params.count(name))
-          return corrupt(fmt::format("{} param '{}': missing; {} has it", f0, name,
-                                     files[static_cast<size_t>(pp) * ranks + tp].path.string()));
-  }
   return parts;
 }
 
@@ -277,7 +350,9 @@ class MegatronDriver final : public FormatDriver {
     if (at->one_rank && files.size() > 1)
       return unsupported(fmt::format("{}: one model-parallel rank's part of a Megatron-LM checkpoint of {} ranks: its "
                                      "tensors are {}; read the iteration folder ({})", path.string(), files.size(),
-                                     files.back().tp > 0 ? "shards of its params" : "one pipeline stage's params",
+                                     files.back().tp > 0   ? "shards of its params"
+                                     : files.back().ep > 0 ? "one expert rank's experts (and the dense params)"
+                                                           : "one pipeline stage's params",
                                      at->iteration.string()));
     OPTSTATE_ASSIGN_OR_RETURN(const torchsave::RankFileSet parts, find_parts(at->iteration, files));
     return torchsave::open_rank_files(parts);

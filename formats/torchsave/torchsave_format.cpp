@@ -502,10 +502,11 @@ class TorchSaveReader final : public CheckpointReader {
     if (const auto& a = sd0.megatron_args; a && sds.size() == 1 &&
         (a->tp_size.value_or(1) > 1 || a->pp_size.value_or(1) > 1 || a->ep_size.value_or(1) > 1))
       return unsupported(fmt::format("{}: one model-parallel rank's file of a Megatron-LM checkpoint (its args say "
-                                     "tensor_model_parallel_size {}, pipeline_model_parallel_size {}): its tensors "
-                                     "are shards or one stage's params; read the iteration folder it came from "
-                                     "(iter_<N>/ with its mp_rank_* folders)", path_.string(), a->tp_size.value_or(1),
-                                     a->pp_size.value_or(1)));
+                                     "tensor_model_parallel_size {}, pipeline_model_parallel_size {}, "
+                                     "expert_model_parallel_size {}): its tensors are shards, one stage's params or "
+                                     "one expert rank's experts; read the iteration folder it came from (iter_<N>/ "
+                                     "with its mp_rank_* folders)", path_.string(), a->tp_size.value_or(1),
+                                     a->pp_size.value_or(1), a->ep_size.value_or(1)));
     not_read_ = sd0.not_read;
     value_notes_ = sd0.read_notes;
     // FSDP1's ranks hold no state for params with no part on them (use_orig_params): not unread.
@@ -1023,37 +1024,69 @@ class TorchSaveReader final : public CheckpointReader {
       const auto key = dcp::as_string(mp, (*root_items)[k]);
       if (!key || (*key != "model" && *key != "optimizer")) sd.not_read.push_back(fmt::format("['{}']", key ? *key : "?"));
     }
-    OPTSTATE_ASSIGN_OR_RETURN(const dcp::megatron::Optimizer opt,
-                              dcp::megatron::interpret_legacy_optimizer(mp, mp.dict_get(mp.root(), "optimizer"),
-                                                                        mw + " ['optimizer']"));
-    if (!opt.group_step)
-      return corrupt(mw + " ['optimizer']: the distributed optimizer's param groups hold no 'step'");
-    size_t decay = opt.groups.size(), no_decay = opt.groups.size();
-    for (size_t g = 0; g < opt.groups.size(); ++g) {
-      const dcp::megatron::Group& mg = opt.groups[g];
-      for (const auto& [key, v] : mg.extras)
-        if ((key == "is_decoupled_lr" && v.kind == GroupValue::Kind::kBool && v.i != 0) ||
-            (key == "lr_mult" && ((v.kind == GroupValue::Kind::kFloat && v.f != 1) || (v.kind == GroupValue::Kind::kInt && v.i != 1))))
-          return unsupported(fmt::format("{} ['optimizer'] param group {}: {} (a group of its own lr); Megatron keeps "
-                                         "no group's members, and optstate places params by Megatron-Core's standard "
-                                         "groups only (weight decay or none)", mw, g, key));
-      if (mg.expert_parallel)
-        return unsupported(fmt::format("{} ['optimizer'] param group {}: expert parallel; optstate reads Megatron's "
-                                       "legacy checkpoints without experts' groups", mw, g));
-      size_t& slot = mg.wd_mult == 0 ? no_decay : decay;
-      if (slot != opt.groups.size())
-        return unsupported(fmt::format("{} ['optimizer']: param groups {} and {} are both {}; optstate places params by "
-                                       "Megatron-Core's standard groups only (weight decay or none)", mw, slot, g,
-                                       mg.wd_mult == 0 ? "without weight decay" : "with weight decay"));
-      slot = g;
-      GroupSpec gs;
-      gs.hyper = mg.hyper;
-      gs.flags = mg.flags;
-      gs.lr.number = mg.hyper.lr;
-      gs.beta1.number = mg.hyper.beta1;
-      gs.beta2.number = mg.hyper.beta2;
-      for (const auto& [key, v] : mg.extras) gs.extras.push_back({key, v, std::nullopt});
-      sd.groups.push_back(std::move(gs));
+    // The optimizer's groups (no members) and step; under a mixture of experts Megatron's chain of
+    // optimizers, a list: the dense params' and the experts', each with its own groups and buffers.
+    const pickle::Ref opt_ref = mp.dict_get(mp.root(), "optimizer");
+    std::vector<pickle::Ref> opt_refs{opt_ref};
+    if (opt_ref != pickle::kNoRef && mp.at(opt_ref).kind == pickle::Kind::kList)
+      opt_refs.assign(mp.at(opt_ref).items.begin(), mp.at(opt_ref).items.end());
+    const bool chain = opt_refs.size() != 1 || (opt_ref != pickle::kNoRef && mp.at(opt_ref).kind == pickle::Kind::kList);
+    if (opt_refs.empty() || opt_refs.size() > 16)
+      return corrupt(fmt::format("{} ['optimizer']: a chain of {} optimizers", mw, opt_refs.size()));
+    struct Part {
+      dcp::megatron::Optimizer opt;
+      std::string where;
+      bool experts = false;             // the experts' optimizer of the chain
+      size_t decay = 0, no_decay = 0;   // its groups among sd.groups (sd.groups.size(): none)
+    };
+    std::vector<Part> opts;
+    std::set<bool> kinds;
+    for (size_t i = 0; i < opt_refs.size(); ++i) {
+      Part part;
+      part.where = chain ? fmt::format("{} ['optimizer'][{}]", mw, i) : mw + " ['optimizer']";
+      OPTSTATE_ASSIGN_OR_RETURN(part.opt, dcp::megatron::interpret_legacy_optimizer(mp, opt_refs[i], part.where));
+      if (!part.opt.group_step)
+        return corrupt(part.where + ": the distributed optimizer's param groups hold no 'step'");
+      const auto& groups = part.opt.groups;
+      for (size_t g = 0; g < groups.size(); ++g)
+        if (groups[g].expert_parallel != groups[0].expert_parallel)
+          return corrupt(fmt::format("{}: param groups of the experts (is_expert_parallel) beside groups of dense "
+                                     "params; Megatron's chain gives each its own optimizer", part.where));
+      part.experts = !groups.empty() && groups[0].expert_parallel;
+      if (part.experts && !chain)
+        return corrupt(part.where + ": the experts' param groups (is_expert_parallel) alone, without the chain of "
+                                    "the dense params' optimizer and the experts'");
+      if (!kinds.insert(part.experts).second)
+        return unsupported(fmt::format("{}: a second optimizer of {} in Megatron's chain; optstate reads a chain of the "
+                                       "dense params' optimizer and the experts'", part.where,
+                                       part.experts ? "experts' params" : "dense params"));
+      const size_t none = std::numeric_limits<size_t>::max(), base = sd.groups.size();
+      part.decay = part.no_decay = none;
+      for (size_t g = 0; g < groups.size(); ++g) {
+        const dcp::megatron::Group& mg = groups[g];
+        for (const auto& [key, v] : mg.extras)
+          if ((key == "is_decoupled_lr" && v.kind == GroupValue::Kind::kBool && v.i != 0) ||
+              (key == "lr_mult" && ((v.kind == GroupValue::Kind::kFloat && v.f != 1) || (v.kind == GroupValue::Kind::kInt && v.i != 1))))
+            return unsupported(fmt::format("{} param group {}: {} (a group of its own lr); Megatron keeps no group's "
+                                           "members, and optstate places params by Megatron-Core's standard groups "
+                                           "only (weight decay or none)", part.where, g, key));
+        size_t& slot = mg.wd_mult == 0 ? part.no_decay : part.decay;
+        if (slot != none)
+          return unsupported(fmt::format("{}: param groups {} and {} are both {}; optstate places params by "
+                                         "Megatron-Core's standard groups only (weight decay or none)", part.where,
+                                         slot - base, g,
+                                         mg.wd_mult == 0 ? "without weight decay" : "with weight decay"));
+        slot = sd.groups.size();
+        GroupSpec gs;
+        gs.hyper = mg.hyper;
+        gs.flags = mg.flags;
+        gs.lr.number = mg.hyper.lr;
+        gs.beta1.number = mg.hyper.beta1;
+        gs.beta2.number = mg.hyper.beta2;
+        for (const auto& [key, v] : mg.extras) gs.extras.push_back({key, v, std::nullopt});
+        sd.groups.push_back(std::move(gs));
+      }
+      opts.push_back(std::move(part));
     }
     const pickle::Ref model = mp.dict_get(mp.root(), "model");
     if (model == pickle::kNoRef) return corrupt(mw + ": no ['model'], whose weights place the params in the buffers");
@@ -1063,128 +1096,147 @@ class TorchSaveReader final : public CheckpointReader {
 
     // distrib_optim.pt: {"buckets_coalesced": True, <buffer>: {(param dtype, grad dtype): {"param",
     // "exp_avg", "exp_avg_sq": flat fp32, "numel_unpadded": int}}}
-    const pickle::Ref droot = dp.root();
-    if (dp.at(droot).kind == pickle::Kind::kList)
-      return unsupported(dw + ": a list of optimizers' states (Megatron's chain of optimizers: a mixture of experts); "
-                              "optstate reads one distributed optimizer's");
-    if (dp.at(droot).kind != pickle::Kind::kDict) return corrupt(dw + ": data.pkl is not a dict of buffers");
-    const pickle::Ref coalesced = dp.dict_get(droot, "buckets_coalesced");
-    if (coalesced == pickle::kNoRef || dp.at(coalesced).kind != pickle::Kind::kBool || !dp.at(coalesced).i)
-      return unsupported(dw + ": not 'buckets_coalesced' (a Megatron-Core before 0.7 saved each bucket apart); "
-                              "optstate reads distrib_optim.pt as Megatron-Core 0.7 and later save it");
+    const pickle::Ref dtop = dp.root();
+    const bool listed = dp.at(dtop).kind == pickle::Kind::kList;
+    std::vector<pickle::Ref> states{dtop};
+    if (listed) states.assign(dp.at(dtop).items.begin(), dp.at(dtop).items.end());
+    if (listed != chain || states.size() != opts.size())
+      return corrupt(fmt::format("{}: {} optimizer{}' state{}; {} ['optimizer'] holds {} optimizer{}", dw,
+                                 listed ? fmt::format("a list of {}", states.size()) : "one",
+                                 listed ? "s" : "'s", listed ? "s" : "", mw,
+                                 chain ? fmt::format("a chain of {}", opts.size()) : "one", chain ? "s" : ""));
     files_.push_back(std::move(distrib_ap.first));
     const size_t fi = files_.size() - 1;
     std::vector<bool> taken(md.tensors.size(), false);
     int64_t id = 0;
     std::set<size_t> unplaced;  // model tensors of a buffer's dtype that no buffer holds
-    const auto& ditems = dp.at(droot).items;
-    for (size_t k = 0; k + 1 < ditems.size(); k += 2) {
-      if (dp.at(ditems[k]).kind != pickle::Kind::kInt) continue;  // buckets_coalesced
-      const int64_t buffer = dp.at(ditems[k]).i;
-      const std::string bw = fmt::format("{} [{}]", dw, buffer);
-      const auto* by_dtype = dp.at(ditems[k + 1]).kind == pickle::Kind::kDict ? &dp.at(ditems[k + 1]).items : nullptr;
-      if (!by_dtype || by_dtype->size() != 2) return corrupt(bw + ": not one dtype's state (Megatron's buffer holds one)");
-      // the key: (param dtype, grad dtype), torch's dtype globals
-      const auto* dtypes = dp.at((*by_dtype)[0]).kind == pickle::Kind::kTuple ? &dp.at((*by_dtype)[0]).items : nullptr;
-      if (!dtypes || dtypes->size() != 2 || dp.at((*dtypes)[0]).kind != pickle::Kind::kGlobal ||
-          static_cast<std::string_view>(dp.at((*dtypes)[0]).s) != "torch")
-        return corrupt(bw + ": its key is not (param dtype, grad dtype)");
-      const std::string_view dname = dp.at((*dtypes)[0]).name;
-      const DType param_dtype = dname == "bfloat16" ? DType::kBF16 : dname == "float16" ? DType::kF16 : DType::kF32;
-      if (dname != "bfloat16" && dname != "float16" && dname != "float32")
-        return unsupported(fmt::format("{}: params of torch.{}; optstate reads bf16, fp16 and fp32 params", bw, dname));
-      const pickle::Ref st = (*by_dtype)[1];
-      const pickle::Ref n = dp.dict_get(st, "numel_unpadded");
-      if (n == pickle::kNoRef || dp.at(n).kind != pickle::Kind::kInt || dp.at(n).i < 0)
-        return corrupt(bw + ": no 'numel_unpadded' count");
-      const int64_t numel = dp.at(n).i;
-      std::map<std::string, dcp::TensorRef> flat;
-      for (const char* e : {kParam, kExpAvg, kExpAvgSq}) {
-        const std::string ew = fmt::format("{} '{}'", bw, e);
-        const pickle::Ref r = dp.dict_get(st, e);
-        if (r == pickle::kNoRef) return corrupt(ew + ": missing");
-        OPTSTATE_ASSIGN_OR_RETURN(const dcp::Payload v, dcp::interpret_value(dp, r, ew));
-        if (v.kind != dcp::Payload::Kind::kTensor || v.tensor.dtype != DType::kF32 || v.tensor.shape != std::vector<int64_t>{numel})
-          return corrupt(fmt::format("{}: not a float32 tensor of its numel_unpadded {} elements", ew, numel));
-        OPTSTATE_RETURN_IF_ERROR(resolve(fi, v.tensor, numel, ew).status());
-        flat.emplace(e, v.tensor);
+    for (size_t oi = 0; oi < opts.size(); ++oi) {
+      const Part& part = opts[oi];
+      const pickle::Ref droot = states[oi];
+      const std::string sw = chain ? fmt::format("{} [{}]", dw, oi) : dw;
+      if (dp.at(droot).kind == pickle::Kind::kNone) {
+        // the dense params' state saved by data-parallel rank 0, in expert rank 0's folder
+        if (part.experts || f.ep == 0)
+          return corrupt(fmt::format("{}: None, where the {}' state belongs (each expert rank's folder holds its "
+                                     "experts', expert rank 0's the dense params')", sw,
+                                     part.experts ? "experts" : "dense params"));
+        continue;
       }
-      // the model's tensors of the buffer's dtype, in module order (a param is in one buffer)
-      std::vector<size_t> cand;
-      std::vector<int64_t> numels;
-      std::vector<std::string> names;
-      for (size_t t = 0; t < md.tensors.size(); ++t) {
-        const ModelTensor& mt = md.tensors[t];
-        if (taken[t] || mt.tensor.dtype != param_dtype || mt.dtensor) continue;
-        OPTSTATE_ASSIGN_OR_RETURN(const int64_t tn, checked_numel(mt.tensor.shape));
-        cand.push_back(t);
-        numels.push_back(tn);
-        names.push_back(mt.name);
-      }
-      auto read_elems = [&](const Archive& a, size_t file, const dcp::TensorRef& t, int64_t count,
-                            std::span<const int64_t> at, const std::string& where) -> Result<std::vector<uint32_t>> {
-        OPTSTATE_ASSIGN_OR_RETURN(const Stored s, resolve_in(a, file, t, count, where));
-        const int64_t elem = dtype_size(t.dtype);
-        std::vector<uint32_t> out(at.size());
-        for (size_t i = 0; i < at.size(); ++i) {
-          if (at[i] < 0 || at[i] >= count) return internal_error(where + ": a sample outside the tensor");
-          std::array<std::byte, 4> b{};
-          OPTSTATE_RETURN_IF_ERROR(a.file.read_at(s.at + static_cast<uint64_t>(at[i] * elem),
-                                                  std::span(b.data(), static_cast<size_t>(elem))));
-          std::memcpy(&out[i], b.data(), static_cast<size_t>(elem));
+      if (dp.at(droot).kind != pickle::Kind::kDict) return corrupt(sw + ": not a dict of buffers");
+      const pickle::Ref coalesced = dp.dict_get(droot, "buckets_coalesced");
+      if (coalesced == pickle::kNoRef || dp.at(coalesced).kind != pickle::Kind::kBool || !dp.at(coalesced).i)
+        return unsupported(sw + ": not 'buckets_coalesced' (a Megatron-Core before 0.7 saved each bucket apart); "
+                                "optstate reads distrib_optim.pt as Megatron-Core 0.7 and later save it");
+      const auto& ditems = dp.at(droot).items;
+      for (size_t k = 0; k + 1 < ditems.size(); k += 2) {
+        if (dp.at(ditems[k]).kind != pickle::Kind::kInt) continue;  // buckets_coalesced
+        const int64_t buffer = dp.at(ditems[k]).i;
+        const std::string bw = fmt::format("{} [{}]", sw, buffer);
+        const auto* by_dtype = dp.at(ditems[k + 1]).kind == pickle::Kind::kDict ? &dp.at(ditems[k + 1]).items : nullptr;
+        if (!by_dtype || by_dtype->size() != 2) return corrupt(bw + ": not one dtype's state (Megatron's buffer holds one)");
+        // the key: (param dtype, grad dtype), torch's dtype globals
+        const auto* dtypes = dp.at((*by_dtype)[0]).kind == pickle::Kind::kTuple ? &dp.at((*by_dtype)[0]).items : nullptr;
+        if (!dtypes || dtypes->size() != 2 || dp.at((*dtypes)[0]).kind != pickle::Kind::kGlobal ||
+            static_cast<std::string_view>(dp.at((*dtypes)[0]).s) != "torch")
+          return corrupt(bw + ": its key is not (param dtype, grad dtype)");
+        const std::string_view dname = dp.at((*dtypes)[0]).name;
+        const DType param_dtype = dname == "bfloat16" ? DType::kBF16 : dname == "float16" ? DType::kF16 : DType::kF32;
+        if (dname != "bfloat16" && dname != "float16" && dname != "float32")
+          return unsupported(fmt::format("{}: params of torch.{}; optstate reads bf16, fp16 and fp32 params", bw, dname));
+        const pickle::Ref st = (*by_dtype)[1];
+        const pickle::Ref n = dp.dict_get(st, "numel_unpadded");
+        if (n == pickle::kNoRef || dp.at(n).kind != pickle::Kind::kInt || dp.at(n).i < 0)
+          return corrupt(bw + ": no 'numel_unpadded' count");
+        const int64_t numel = dp.at(n).i;
+        std::map<std::string, dcp::TensorRef> flat;
+        for (const char* e : {kParam, kExpAvg, kExpAvgSq}) {
+          const std::string ew = fmt::format("{} '{}'", bw, e);
+          const pickle::Ref r = dp.dict_get(st, e);
+          if (r == pickle::kNoRef) return corrupt(ew + ": missing");
+          OPTSTATE_ASSIGN_OR_RETURN(const dcp::Payload v, dcp::interpret_value(dp, r, ew));
+          if (v.kind != dcp::Payload::Kind::kTensor || v.tensor.dtype != DType::kF32 || v.tensor.shape != std::vector<int64_t>{numel})
+            return corrupt(fmt::format("{}: not a float32 tensor of its numel_unpadded {} elements", ew, numel));
+          OPTSTATE_RETURN_IF_ERROR(resolve(fi, v.tensor, numel, ew).status());
+          flat.emplace(e, v.tensor);
         }
-        return out;
-      };
-      megatron::BufferValues values;
-      values.buffer = [&](std::span<const int64_t> at) -> Result<std::vector<uint32_t>> {
-        OPTSTATE_ASSIGN_OR_RETURN(auto bits, read_elems(files_[fi], fi, flat.at(kParam), numel, at, bw + " 'param'"));
-        for (uint32_t& b : bits) {
-          float v;
-          std::memcpy(&v, &b, 4);
-          b = param_dtype == DType::kBF16 ? f32_to_bf16(v) : param_dtype == DType::kF16 ? f32_to_f16(v) : b;
+        // the model's tensors of the buffer's dtype, in module order (a param is in one buffer)
+        std::vector<size_t> cand;
+        std::vector<int64_t> numels;
+        std::vector<std::string> names;
+        for (size_t t = 0; t < md.tensors.size(); ++t) {
+          const ModelTensor& mt = md.tensors[t];
+          if (taken[t] || mt.tensor.dtype != param_dtype || mt.dtensor) continue;
+          if (chain && megatron::is_expert_param(mt.name) != part.experts) continue;  // the chain's other optimizer's
+          OPTSTATE_ASSIGN_OR_RETURN(const int64_t tn, checked_numel(mt.tensor.shape));
+          cand.push_back(t);
+          numels.push_back(tn);
+          names.push_back(mt.name);
         }
-        return bits;
-      };
-      values.tensor = [&](size_t c, std::span<const int64_t> at) -> Result<std::vector<uint32_t>> {
-        const ModelTensor& mt = md.tensors[cand[c]];
-        return read_elems(model_archive, 0, mt.tensor, numels[c], at, fmt::format("{} ['model']['{}']", mw, mt.name));
-      };
-      OPTSTATE_ASSIGN_OR_RETURN(const auto placed, megatron::place_in_buffer(numel, numels, names, values, bw));
-      for (size_t c = 0; c < cand.size(); ++c) {
-        if (!placed[c]) {
-          unplaced.insert(cand[c]);
-          continue;
-        }
-        const ModelTensor& mt = md.tensors[cand[c]];
-        taken[cand[c]] = true;
-        unplaced.erase(cand[c]);
-        ParamSpec spec;
-        spec.fqn = mt.name;
-        spec.id = id++;
-        const bool no_wd = mt.name.ends_with(".bias") || mt.tensor.shape.size() == 1;
-        const size_t g = no_wd ? no_decay : decay;
-        if (g == opt.groups.size())
-          return corrupt(fmt::format("{}: '{}' takes a param group {} weight decay by Megatron-Core's rule, and the "
-                                     "optimizer has none", mw, mt.name, no_wd ? "without" : "with"));
-        spec.group = static_cast<int>(g);
-        spec.shape = mt.tensor.shape;
-        spec.step.number = *opt.group_step;
-        auto view = [&](const char* e) {
-          dcp::TensorRef t = flat.at(e);
-          t.offset += *placed[c];
-          t.shape = mt.tensor.shape;
-          t.stride.clear();
-          return t;
+        auto read_elems = [&](const Archive& a, size_t file, const dcp::TensorRef& t, int64_t count,
+                              std::span<const int64_t> at, const std::string& where) -> Result<std::vector<uint32_t>> {
+          OPTSTATE_ASSIGN_OR_RETURN(const Stored s, resolve_in(a, file, t, count, where));
+          const int64_t elem = dtype_size(t.dtype);
+          std::vector<uint32_t> out(at.size());
+          for (size_t i = 0; i < at.size(); ++i) {
+            if (at[i] < 0 || at[i] >= count) return internal_error(where + ": a sample outside the tensor");
+            std::array<std::byte, 4> b{};
+            OPTSTATE_RETURN_IF_ERROR(a.file.read_at(s.at + static_cast<uint64_t>(at[i] * elem),
+                                                    std::span(b.data(), static_cast<size_t>(elem))));
+            std::memcpy(&out[i], b.data(), static_cast<size_t>(elem));
+          }
+          return out;
         };
-        for (const char* e : {kExpAvg, kExpAvgSq}) {
-          EntrySpec es;
-          es.values = view(e);
-          spec.entries.emplace(e, std::move(es));
+        megatron::BufferValues values;
+        values.buffer = [&](std::span<const int64_t> at) -> Result<std::vector<uint32_t>> {
+          OPTSTATE_ASSIGN_OR_RETURN(auto bits, read_elems(files_[fi], fi, flat.at(kParam), numel, at, bw + " 'param'"));
+          for (uint32_t& b : bits) {
+            float v;
+            std::memcpy(&v, &b, 4);
+            b = param_dtype == DType::kBF16 ? f32_to_bf16(v) : param_dtype == DType::kF16 ? f32_to_f16(v) : b;
+          }
+          return bits;
+        };
+        values.tensor = [&](size_t c, std::span<const int64_t> at) -> Result<std::vector<uint32_t>> {
+          const ModelTensor& mt = md.tensors[cand[c]];
+          return read_elems(model_archive, 0, mt.tensor, numels[c], at, fmt::format("{} ['model']['{}']", mw, mt.name));
+        };
+        OPTSTATE_ASSIGN_OR_RETURN(const auto placed, megatron::place_in_buffer(numel, numels, names, values, bw));
+        for (size_t c = 0; c < cand.size(); ++c) {
+          if (!placed[c]) {
+            unplaced.insert(cand[c]);
+            continue;
+          }
+          const ModelTensor& mt = md.tensors[cand[c]];
+          taken[cand[c]] = true;
+          unplaced.erase(cand[c]);
+          ParamSpec spec;
+          spec.fqn = mt.name;
+          spec.id = id++;
+          const bool no_wd = mt.name.ends_with(".bias") || mt.tensor.shape.size() == 1;
+          const size_t g = no_wd ? part.no_decay : part.decay;
+          if (g == std::numeric_limits<size_t>::max())
+            return corrupt(fmt::format("{}: '{}' takes a param group {} weight decay by Megatron-Core's rule, and the "
+                                       "optimizer has none", part.where, mt.name, no_wd ? "without" : "with"));
+          spec.group = static_cast<int>(g);
+          spec.shape = mt.tensor.shape;
+          spec.step.number = *part.opt.group_step;
+          auto view = [&](const char* e) {
+            dcp::TensorRef t = flat.at(e);
+            t.offset += *placed[c];
+            t.shape = mt.tensor.shape;
+            t.stride.clear();
+            return t;
+          };
+          for (const char* e : {kExpAvg, kExpAvgSq}) {
+            EntrySpec es;
+            es.values = view(e);
+            spec.entries.emplace(e, std::move(es));
+          }
+          spec.weight = view(kParam);
+          sd.groups[g].params.push_back(spec.fqn);
+          sd.model_weight_keys.insert(mt.name);
+          sd.params.push_back(std::move(spec));
         }
-        spec.weight = view(kParam);
-        sd.groups[g].params.push_back(spec.fqn);
-        sd.model_weight_keys.insert(mt.name);
-        sd.params.push_back(std::move(spec));
       }
     }
     if (sd.params.empty()) return corrupt(dw + ": no buffer holds a param of the model's");
@@ -1200,6 +1252,10 @@ class TorchSaveReader final : public CheckpointReader {
                             "as the weights");
     sd.read_notes.push_back("Megatron saves no param group's members; its standard groups take them by Megatron-Core's "
                             "rule (no weight decay for biases and 1-D params)");
+    if (chain)
+      sd.read_notes.push_back(fmt::format("Megatron's chain of {} optimizers (['optimizer']: the dense params' and the "
+                                          "MoE experts', each with its own buffers) read as one state, their param "
+                                          "groups one after another", opts.size()));
     return sd;
   }
 
@@ -1244,9 +1300,15 @@ class TorchSaveReader final : public CheckpointReader {
           if (a.distributed_optimizer && !*a.distributed_optimizer && !f.distrib.empty())
             return corrupt(fmt::format("{}: its args say use_distributed_optimizer False, and a distrib_optim.pt is "
                                        "beside it", fw));
-          if (a.ep_size && *a.ep_size != 1)
-            return unsupported(fmt::format("{}: its args say expert_model_parallel_size {}; optstate reads Megatron's "
-                                           "legacy checkpoints of tensor and pipeline parallelism", fw, *a.ep_size));
+          if (a.ep_size && *a.ep_size != np.megatron_experts)
+            return corrupt(fmt::format("{}: its args say expert_model_parallel_size {}; {} holds {} expert-parallel "
+                                       "rank{}", fw, *a.ep_size, dir, np.megatron_experts,
+                                       np.megatron_experts == 1 ? "" : "s"));
+          if (a.etp_size && *a.etp_size != a.tp_size.value_or(1) && a.num_experts.value_or(0) > 0)
+            return unsupported(fmt::format("{}: its args say expert_tensor_parallel_size {} beside "
+                                           "tensor_model_parallel_size {}: the experts split over other ranks than "
+                                           "the dense layers, which optstate does not read", fw, *a.etp_size,
+                                           a.tp_size.value_or(1)));
           if (a.pp_size && *a.pp_size != np.megatron_stages)
             return corrupt(fmt::format("{}: its args say pipeline_model_parallel_size {}; {} holds {} pipeline "
                                        "stage{}", fw, *a.pp_size, dir, np.megatron_stages,
@@ -1256,12 +1318,12 @@ class TorchSaveReader final : public CheckpointReader {
           if (!spec.entries.empty() && !sd.model_weight_keys.count(spec.fqn))
             return corrupt(fmt::format("{}: param {} of the optimizer is not placed among the model's tensors{}", fw,
                                        spec.fqn, sd.not_read.empty() ? "" : " (" + sd.not_read.back() + ")"));
-        // a pipeline stage's layers numbered on from the stages before it
-        if (const auto off = np.layer_offsets.find(f.pp); off != np.layer_offsets.end()) {
+        // a pipeline stage's layers numbered on from the stages before it, an expert rank's experts
+        // from its first
+        const auto off = np.layer_offsets.find(f.pp);
+        if (off != np.layer_offsets.end() || f.expert_offset) {
           auto global = [&](const std::string& name) {
-            const auto l = megatron::layer_of(name);
-            const auto o = l ? off->second.find(l->stack) : off->second.end();
-            return o == off->second.end() ? name : megatron::renumber_layer(name, o->second);
+            return megatron::global_name(name, off == np.layer_offsets.end() ? nullptr : &off->second, f.expert_offset);
           };
           for (ParamSpec& spec : sd.params) spec.fqn = global(spec.fqn);
           for (GroupSpec& g : sd.groups)
@@ -1274,8 +1336,9 @@ class TorchSaveReader final : public CheckpointReader {
       if (sd.eight || sd.bnb || sd.torchao)
         return corrupt(fmt::format("{}: 8-bit or torchao state; {}'s AdamW is torch's", fw,
                                    np.megatron ? "Megatron" : "nanotron"));
+      // (an expert rank's dense params and what is beside them are expert rank 0's)
       for (const std::string& n : sd.not_read)
-        if (unread.insert(n).second) not_read_.push_back(n);
+        if (!f.dense_elsewhere && unread.insert(n).second) not_read_.push_back(n);
       for (const std::string& n : sd.read_notes)
         if (std::find(value_notes_.begin(), value_notes_.end(), n) == value_notes_.end()) value_notes_.push_back(n);
       sds.push_back(std::move(sd));
@@ -1354,6 +1417,8 @@ class TorchSaveReader final : public CheckpointReader {
                                                spec.fqn, np.files[f].pp));
           continue;
         }
+        // an expert rank's dense params: expert rank 0's (the driver checked them alike)
+        if (np.files[f].dense_elsewhere && !megatron::is_expert_param(spec.fqn)) continue;
         if (spec.entries.empty()) {  // weights without state: never stepped
           never_stepped += np.files[f].dp == 0 && np.files[f].tp == 0;
           continue;
@@ -2996,6 +3061,13 @@ Result<std::unique_ptr<CheckpointReader>> open_rank_files(const RankFileSet& par
   auto reader = std::make_unique<TorchSaveReader>(parts.path);
   OPTSTATE_RETURN_IF_ERROR(reader->init_rank_files(parts));
   return std::unique_ptr<CheckpointReader>(std::move(reader));
+}
+
+Result<MegatronSizes> read_megatron_sizes(const fs::path& file) {
+  OPTSTATE_ASSIGN_OR_RETURN(const auto ap, open_archive(file));
+  const auto a = megatron_args_of(ap.second);
+  if (!a) return MegatronSizes{};
+  return MegatronSizes{a->tp_size, a->pp_size, a->ep_size, a->etp_size, a->num_experts};
 }
 
 Result<std::unique_ptr<CheckpointReader>> open_file(const fs::path& path) {

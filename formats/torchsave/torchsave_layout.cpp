@@ -13,6 +13,7 @@
 #include <unordered_map>
 
 #include "dcp/bnb_state.h"
+#include "megatron/megatron_layout.h"
 #include "optstate/quant8.h"
 
 namespace optstate::torchsave {
@@ -1042,112 +1043,24 @@ std::optional<StateDict::MegatronArgs> megatron_args_of(const Pickle& p) {
     return p.at(v).i;
   };
   StateDict::MegatronArgs ma{int_of("tensor_model_parallel_size"), int_of("pipeline_model_parallel_size"),
-                             int_of("expert_model_parallel_size"), std::nullopt};
+                             int_of("expert_model_parallel_size"), int_of("expert_tensor_parallel_size"),
+                             int_of("num_experts"), std::nullopt};
   if (const Ref d = p.dict_get(st, "use_distributed_optimizer"); d != kNoRef && p.at(d).kind == Kind::kBool)
     ma.distributed_optimizer = p.at(d).i != 0;
   return ma;
 }
 
-Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where) {
-  StateDict out;
-  const Ref root = p.root();
-  if (is_script_module(p, root)) return interpret_libtorch_archive(p, where);
-  Ref opt = kNoRef, model = kNoRef;
-  Ref megatron_main = kNoRef;  // Megatron's fp32_from_fp16_params, if any ...
-  std::string megatron_at;     // ... and where its wrapper dict is
-  std::string model_key;  // where the model's state_dict is: "['model']", ...
-  if (is_optimizer_dict(p, root)) {
-    opt = root;
-  } else if (is_per_param_dict(p, root, 2)) {
-    opt = root;  // {"w": sd} alone is more likely {"optimizer": sd} of a one-param model: not this
-    out.per_param = true;
-  } else if (const auto* items = dict_items(p, root)) {
-    std::vector<std::string> found;
-    // Composer's (MosaicML's) checkpoint: {"state": {"model": ..., "optimizers": {<its class name>:
-    // state_dict}, "schedulers", "timestamp", ...}, "rng": ...}. Its entries are looked at one
-    // level down, under "['state']".
-    const Ref composer = p.dict_get(root, "state");
-    const bool is_composer = dict_items(p, composer) && dict_items(p, p.dict_get(composer, "optimizers")) &&
-                             dict_items(p, p.dict_get(composer, "model"));
-    if (is_composer) {
-      for (size_t k = 0; k + 1 < items->size(); k += 2) {
-        const auto key = dcp::as_string(p, (*items)[k]);
-        if (!key || *key != "state") out.not_read.push_back(key ? fmt::format("['{}']", *key) : "[?]");
-      }
-      items = dict_items(p, composer);
-    }
-    // Megatron-LM's trainer dict: its args' parallel sizes, which the rank folders must agree with
-    if (!is_composer) out.megatron_args = megatron_args_of(p);
-    const std::string prefix = is_composer ? "['state']" : "";
-    for (size_t k = 0; k + 1 < items->size(); k += 2) {
-      const auto key = dcp::as_string(p, (*items)[k]);
-      const Ref v = (*items)[k + 1];
-      const std::string name = prefix + (key ? fmt::format("['{}']", *key) : "[?]");
-      if (is_composer && key && *key == "optimizers") {
-        // {class name: state_dict}, one per optimizer
-        const auto& optimizers = *dict_items(p, v);
-        for (size_t j = 0; j + 1 < optimizers.size(); j += 2) {
-          const auto cls = dcp::as_string(p, optimizers[j]);
-          const std::string at = fmt::format("{}['{}']", name, cls ? *cls : "?");
-          if (!is_optimizer_dict(p, optimizers[j + 1])) return corrupt(fmt::format("{}: {} is no optimizer state_dict", where, at));
-          found.push_back(at);
-          opt = optimizers[j + 1];
-          out.decoupled_decay = cls && *cls == "DecoupledAdamW";
-        }
-      } else if (is_composer && key && *key == "model") {
-        model = v;
-        model_key = name;
-      } else if (is_optimizer_dict(p, v)) {
-        found.push_back(name);
-        opt = v;
-      } else if (const Ref inner = p.dict_get(v, "optimizer"); dict_items(p, v) && is_optimizer_dict(p, inner) &&
-                 list_items(p, p.dict_get(v, "fp32_from_fp16_params"))) {
-        // Megatron's mixed-precision optimizer (Float16OptimizerWithFloat16Params) in its legacy
-        // checkpoint (model_optim_rng.pt): {"optimizer": torch's state_dict, "fp32_from_fp16_params":
-        // per group, its params' fp32 main copies, "grad_scaler": ...}
-        found.push_back(name + "['optimizer']");
-        opt = inner;
-        megatron_main = p.dict_get(v, "fp32_from_fp16_params");
-        megatron_at = name;
-        const auto& wrapper = *dict_items(p, v);
-        for (size_t j = 0; j + 1 < wrapper.size(); j += 2) {
-          const auto wkey = dcp::as_string(p, wrapper[j]);
-          if (!wkey || (*wkey != "optimizer" && *wkey != "fp32_from_fp16_params"))
-            out.not_read.push_back(fmt::format("{}['{}']", name, wkey ? *wkey : "?"));
-        }
-        out.megatron = true;
-      } else if (is_per_param_dict(p, v, 1)) {
-        found.push_back(name);  // torchtune's recipe_state.pt: {"optimizer": {fqn: sd}, "seed": ...}
-        opt = v;
-        out.per_param = true;
-      } else if (const auto* list = list_items(p, v);
-                 list && !list->empty() && list->size() <= 64 && is_optimizer_dict(p, (*list)[0])) {
-        // Lightning's "optimizer_states": one per optimizer (a GAN's two are refused below, named)
-        for (size_t i = 0; i < list->size(); ++i)
-          if (is_optimizer_dict(p, (*list)[i])) {
-            found.push_back(fmt::format("{}[{}]", name, i));
-            opt = (*list)[i];
-          }
-      } else if (key && (*key == "model" || *key == "model_state_dict" || *key == "state_dict") && dict_items(p, v) &&
-                 model == kNoRef) {
-        model = v;  // "state_dict": Lightning's (the LightningModule's, beside "optimizer_states")
-        model_key = name;
-      } else {
-        out.not_read.push_back(name);
-      }
-    }
-    if (found.empty())
-      return corrupt(fmt::format("{}: no optimizer state_dict in it (a dict with 'state' and 'param_groups', at the "
-                                 "top or one level down)", where));
-    if (found.size() > 1)
-      return corrupt(fmt::format("{}: holds {} optimizer state_dicts ({}); optstate reads a file with one", where,
-                                 found.size(), fmt::join(found, ", ")));
-    out.optimizer_path = found[0];
-  } else {
-    return corrupt(fmt::format("{}: data.pkl is not a dict, so not an optimizer state_dict", where));
-  }
+namespace {
+
+// The optimizer state_dict at `opt` read into `out` (its groups appended, numbered from 0: `out`
+// holds no other optimizer's), its numbered params named by the model dict at `model` where that
+// holds their weights. Megatron's mixed-precision optimizer: its fp32 main params at
+// `megatron_main` (`megatron_at` names its wrapper dict). `experts`: one optimizer of Megatron's
+// chain, which takes only the model's experts' tensors (true) or only the others (false).
+Status read_optimizer_state(const Pickle& p, const std::string& where, StateDict& out, Ref opt, Ref model,
+                            std::string model_key, Ref megatron_main, const std::string& megatron_at,
+                            std::optional<bool> experts) {
   const std::string ow = where + (out.optimizer_path.empty() ? "" : " " + out.optimizer_path);
-  out.optimizer_ref = opt;
 
   OptimizerPart part;
   if (!out.per_param) {
@@ -1215,6 +1128,15 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
       std::map<int64_t, std::vector<int64_t>> shape_of;
       for (const auto& [id, spec] : params) shape_of.emplace(id, spec.shape);
       auto md = interpret_model_dict(p, model, where + " " + model_key);
+      if (md.ok() && experts) {  // one optimizer of Megatron's chain: its experts' tensors, or the rest
+        ModelDict taken;
+        for (const ModelTensor& t : md->tensors)
+          if (megatron::is_expert_param(t.name) == *experts) {
+            taken.by_name.emplace(t.name, taken.tensors.size());
+            taken.tensors.push_back(t);
+          }
+        *md = std::move(taken);
+      }
       const ModelNames names = md.ok() ? names_from_model(*md, group_ids, shape_of) : ModelNames{{}, md.status().message()};
       if (!names.why.empty()) {
         out.not_read.push_back(fmt::format("{} (the model's tensors: {}, so params keep their numbers)", model_key, names.why));
@@ -1304,7 +1226,229 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
   // Each group keeps its members in its own order (params were visited by id; torch numbers them
   // in group order, so the two agree for files torch wrote).
   for (auto& [id, spec] : params) out.params.push_back(std::move(spec));
+  return Status::Ok();
+}
+
+}  // namespace
+
+namespace {
+
+// One optimizer of Megatron's chain in its trainer dict's ['optimizer'] list: its state_dict (`opt`)
+// and, under mixed precision, its fp32 main params (`main`) in its wrapper dict (`at`).
+struct ChainPart {
+  Ref opt = kNoRef, main = kNoRef;
+  std::string at;
+};
+
+// Megatron's chain of optimizers (ChainedOptimizer under a mixture of experts: the dense params'
+// optimizer, then the experts', each a state_dict of its own with params numbered from 0): each
+// read alone, naming its params among the model's experts' tensors or among the others as its
+// groups' is_expert_parallel says, then put together as one state: groups one after another,
+// params numbered on.
+Result<StateDict> merge_megatron_chain(const Pickle& p, const std::string& where, StateDict out,
+                                       const std::vector<ChainPart>& chain, Ref model, const std::string& model_key) {
+  std::set<std::string> weights_read, unread;
+  std::set<bool> kinds;
+  int64_t next_id = 0;
+  for (size_t i = 0; i < chain.size(); ++i) {
+    StateDict sub;
+    sub.optimizer_path = chain[i].main != kNoRef ? chain[i].at + "['optimizer']" : chain[i].at;
+    const std::string ow = where + " " + sub.optimizer_path;
+    const auto* groups = list_items(p, p.dict_get(chain[i].opt, "param_groups"));
+    if (!groups || groups->empty()) return corrupt(ow + ": 'param_groups' is not a non-empty list");
+    std::optional<bool> experts;
+    for (size_t g = 0; g < groups->size(); ++g) {
+      const Ref e = p.dict_get((*groups)[g], "is_expert_parallel");
+      const bool v = e != kNoRef && dcp::as_bool(p, e).value_or(false);
+      if (experts && *experts != v)
+        return corrupt(fmt::format("{}: param groups of the experts (is_expert_parallel) beside groups of dense params; "
+                                   "Megatron's chain gives each its own optimizer", ow));
+      experts = v;
+    }
+    if (!kinds.insert(*experts).second)
+      return unsupported(fmt::format("{}: a second optimizer of {} in Megatron's chain; optstate reads a chain of the "
+                                     "dense params' optimizer and the experts'", ow,
+                                     *experts ? "experts' params" : "dense params"));
+    OPTSTATE_RETURN_IF_ERROR(
+        read_optimizer_state(p, where, sub, chain[i].opt, model, model_key, chain[i].main, chain[i].at, experts));
+    if (sub.eight || sub.bnb || sub.torchao || sub.per_param || sub.nanotron || sub.libtorch)
+      return corrupt(ow + ": not torch's AdamW state_dict, which Megatron's optimizers hold");
+    const int base_group = static_cast<int>(out.groups.size());
+    int64_t top = next_id;
+    for (const auto& ids : sub.member_ids) {
+      auto& shifted = out.member_ids.emplace_back();
+      for (int64_t id : ids) {
+        shifted.push_back(id + next_id);
+        top = std::max(top, id + next_id + 1);
+      }
+    }
+    for (ParamSpec& spec : sub.params) {
+      spec.id += next_id;
+      spec.group += base_group;
+      out.params.push_back(std::move(spec));
+    }
+    next_id = top;
+    for (GroupSpec& g : sub.groups) out.groups.push_back(std::move(g));
+    out.members += sub.members;
+    out.stateless += sub.stateless;
+    for (size_t n = 0; n < sub.not_read.size(); ++n)
+      if (n != sub.model_others_line && unread.insert(sub.not_read[n]).second) out.not_read.push_back(sub.not_read[n]);
+    for (std::string& n : sub.read_notes)
+      if (std::find(out.read_notes.begin(), out.read_notes.end(), n) == out.read_notes.end())
+        out.read_notes.push_back(std::move(n));
+    weights_read.insert(sub.model_weight_keys.begin(), sub.model_weight_keys.end());
+  }
+  out.megatron = true;  // a write carrying the file would keep the chain as it was: not carried
+  out.model_ref = model;
+  if (model != kNoRef) {
+    out.model_key = model_key;
+    out.model_weight_keys = weights_read;
+    out.model_others = dict_items(p, model)->size() / 2 - weights_read.size();
+    if (out.model_others) {
+      out.model_others_line = out.not_read.size();
+      out.not_read.push_back(model_others_text(model_key, out.model_others));
+    }
+  }
+  out.read_notes.push_back(fmt::format("Megatron's chain of {} optimizers ({}: the dense params' and the MoE "
+                                       "experts') read as one state, their param groups one after another",
+                                       chain.size(), out.optimizer_path));
   return out;
+}
+
+}  // namespace
+
+Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where) {
+  StateDict out;
+  const Ref root = p.root();
+  if (is_script_module(p, root)) return interpret_libtorch_archive(p, where);
+  Ref opt = kNoRef, model = kNoRef;
+  Ref megatron_main = kNoRef;  // Megatron's fp32_from_fp16_params, if any ...
+  std::string megatron_at;     // ... and where its wrapper dict is
+  std::string model_key;  // where the model's state_dict is: "['model']", ...
+  std::vector<ChainPart> chain;  // Megatron's chain of optimizers, if ['optimizer'] is one
+  if (is_optimizer_dict(p, root)) {
+    opt = root;
+  } else if (is_per_param_dict(p, root, 2)) {
+    opt = root;  // {"w": sd} alone is more likely {"optimizer": sd} of a one-param model: not this
+    out.per_param = true;
+  } else if (const auto* items = dict_items(p, root)) {
+    std::vector<std::string> found;
+    // Composer's (MosaicML's) checkpoint: {"state": {"model": ..., "optimizers": {<its class name>:
+    // state_dict}, "schedulers", "timestamp", ...}, "rng": ...}. Its entries are looked at one
+    // level down, under "['state']".
+    const Ref composer = p.dict_get(root, "state");
+    const bool is_composer = dict_items(p, composer) && dict_items(p, p.dict_get(composer, "optimizers")) &&
+                             dict_items(p, p.dict_get(composer, "model"));
+    if (is_composer) {
+      for (size_t k = 0; k + 1 < items->size(); k += 2) {
+        const auto key = dcp::as_string(p, (*items)[k]);
+        if (!key || *key != "state") out.not_read.push_back(key ? fmt::format("['{}']", *key) : "[?]");
+      }
+      items = dict_items(p, composer);
+    }
+    // Megatron-LM's trainer dict: its args' parallel sizes, which the rank folders must agree with
+    if (!is_composer) out.megatron_args = megatron_args_of(p);
+    const std::string prefix = is_composer ? "['state']" : "";
+    for (size_t k = 0; k + 1 < items->size(); k += 2) {
+      const auto key = dcp::as_string(p, (*items)[k]);
+      const Ref v = (*items)[k + 1];
+      const std::string name = prefix + (key ? fmt::format("['{}']", *key) : "[?]");
+      if (is_composer && key && *key == "optimizers") {
+        // {class name: state_dict}, one per optimizer
+        const auto& optimizers = *dict_items(p, v);
+        for (size_t j = 0; j + 1 < optimizers.size(); j += 2) {
+          const auto cls = dcp::as_string(p, optimizers[j]);
+          const std::string at = fmt::format("{}['{}']", name, cls ? *cls : "?");
+          if (!is_optimizer_dict(p, optimizers[j + 1])) return corrupt(fmt::format("{}: {} is no optimizer state_dict", where, at));
+          found.push_back(at);
+          opt = optimizers[j + 1];
+          out.decoupled_decay = cls && *cls == "DecoupledAdamW";
+        }
+      } else if (is_composer && key && *key == "model") {
+        model = v;
+        model_key = name;
+      } else if (is_optimizer_dict(p, v)) {
+        found.push_back(name);
+        opt = v;
+      } else if (const Ref inner = p.dict_get(v, "optimizer"); dict_items(p, v) && is_optimizer_dict(p, inner) &&
+                 list_items(p, p.dict_get(v, "fp32_from_fp16_params"))) {
+        // Megatron's mixed-precision optimizer (Float16OptimizerWithFloat16Params) in its legacy
+        // checkpoint (model_optim_rng.pt): {"optimizer": torch's state_dict, "fp32_from_fp16_params":
+        // per group, its params' fp32 main copies, "grad_scaler": ...}
+        found.push_back(name + "['optimizer']");
+        opt = inner;
+        megatron_main = p.dict_get(v, "fp32_from_fp16_params");
+        megatron_at = name;
+        const auto& wrapper = *dict_items(p, v);
+        for (size_t j = 0; j + 1 < wrapper.size(); j += 2) {
+          const auto wkey = dcp::as_string(p, wrapper[j]);
+          if (!wkey || (*wkey != "optimizer" && *wkey != "fp32_from_fp16_params"))
+            out.not_read.push_back(fmt::format("{}['{}']", name, wkey ? *wkey : "?"));
+        }
+        out.megatron = true;
+      } else if (const auto* list = list_items(p, v); list && key && *key == "optimizer" && out.megatron_args &&
+                 !list->empty() && list->size() <= 16) {
+        // Megatron's chain of optimizers (ChainedOptimizer.state_dict under a mixture of experts): a
+        // list of its optimizers' state_dicts, each plain or mixed precision's wrapper
+        for (size_t i = 0; i < list->size(); ++i) {
+          const Ref item = (*list)[i];
+          const std::string at = fmt::format("{}[{}]", name, i);
+          const Ref inner = p.dict_get(item, "optimizer");
+          if (is_optimizer_dict(p, item)) {
+            chain.push_back({item, kNoRef, at});
+          } else if (dict_items(p, item) && is_optimizer_dict(p, inner) &&
+                     list_items(p, p.dict_get(item, "fp32_from_fp16_params"))) {
+            chain.push_back({inner, p.dict_get(item, "fp32_from_fp16_params"), at});
+            const auto& wrapper = *dict_items(p, item);
+            for (size_t j = 0; j + 1 < wrapper.size(); j += 2) {
+              const auto wkey = dcp::as_string(p, wrapper[j]);
+              if (!wkey || (*wkey != "optimizer" && *wkey != "fp32_from_fp16_params"))
+                out.not_read.push_back(fmt::format("{}['{}']", at, wkey ? *wkey : "?"));
+            }
+          } else {
+            return corrupt(fmt::format("{} {}: neither an optimizer state_dict nor Megatron's mixed-precision "
+                                       "optimizer's dict (Megatron's chain of optimizers holds one of either)", where, at));
+          }
+        }
+        found.push_back(name);
+        opt = v;
+      } else if (is_per_param_dict(p, v, 1)) {
+        found.push_back(name);  // torchtune's recipe_state.pt: {"optimizer": {fqn: sd}, "seed": ...}
+        opt = v;
+        out.per_param = true;
+      } else if (const auto* list = list_items(p, v);
+                 list && !list->empty() && list->size() <= 64 && is_optimizer_dict(p, (*list)[0])) {
+        // Lightning's "optimizer_states": one per optimizer (a GAN's two are refused below, named)
+        for (size_t i = 0; i < list->size(); ++i)
+          if (is_optimizer_dict(p, (*list)[i])) {
+            found.push_back(fmt::format("{}[{}]", name, i));
+            opt = (*list)[i];
+          }
+      } else if (key && (*key == "model" || *key == "model_state_dict" || *key == "state_dict") && dict_items(p, v) &&
+                 model == kNoRef) {
+        model = v;  // "state_dict": Lightning's (the LightningModule's, beside "optimizer_states")
+        model_key = name;
+      } else {
+        out.not_read.push_back(name);
+      }
+    }
+    if (found.empty())
+      return corrupt(fmt::format("{}: no optimizer state_dict in it (a dict with 'state' and 'param_groups', at the "
+                                 "top or one level down)", where));
+    if (found.size() > 1)
+      return corrupt(fmt::format("{}: holds {} optimizer state_dicts ({}); optstate reads a file with one", where,
+                                 found.size(), fmt::join(found, ", ")));
+    out.optimizer_path = found[0];
+  } else {
+    return corrupt(fmt::format("{}: data.pkl is not a dict, so not an optimizer state_dict", where));
+  }
+  out.optimizer_ref = opt;
+  if (chain.empty()) {
+    OPTSTATE_RETURN_IF_ERROR(read_optimizer_state(p, where, out, opt, model, model_key, megatron_main, megatron_at,
+                                                  std::nullopt));
+    return out;
+  }
+  return merge_megatron_chain(p, where, std::move(out), chain, model, model_key);
 }
 
 // ---- DeepSpeed ZeRO ----

@@ -159,6 +159,8 @@ struct StateDict {
   // argparse.Namespace) say of the parallelism, where they say it.
   struct MegatronArgs {
     std::optional<int64_t> tp_size, pp_size, ep_size;
+    std::optional<int64_t> etp_size;     // expert_tensor_parallel_size (None: tp_size)
+    std::optional<int64_t> num_experts;  // a mixture of experts' experts a layer
     std::optional<bool> distributed_optimizer;
   };
   std::optional<MegatronArgs> megatron_args;

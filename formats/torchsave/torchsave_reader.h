@@ -75,8 +75,12 @@ struct RankFileSet {
     std::filesystem::path path;
     int64_t pp = 0, dp = 0, tp = 0;
     std::filesystem::path distrib;  // Megatron's distributed optimizer: the rank's distrib_optim.pt
+    // Megatron's expert parallelism: the file's expert rank and its first expert (its local experts
+    // numbered from 0); its dense params are expert rank 0's, not read from it
+    int64_t ep = 0, expert_offset = 0;
+    bool dense_elsewhere = false;  // ep > 0 in the whole set: its dense params read from expert rank 0's
   };
-  std::vector<File> files;  // every (pp, tp, dp) once, in that order
+  std::vector<File> files;  // every (pp, tp, dp) once, in that order (Megatron's: (pp, ep, tp))
   int64_t dp_size = 1;
   struct Run {  // `count` elements from flat index `local` of a local shard to `global` of the whole
     int64_t local = 0, global = 0, count = 0;
@@ -105,6 +109,7 @@ struct RankFileSet {
   bool megatron = false;
   int64_t megatron_ranks = 1;   // the checkpoint's tensor-parallel ranks (its args must say as many)
   int64_t megatron_stages = 1;  // ... and pipeline stages
+  int64_t megatron_experts = 1; // ... and expert-parallel ranks
   // Each stage's offset of its layers' numbers (a stage numbers its own from 0), per stack of
   // layers ("decoder.layers."): names are renumbered by megatron::renumber_layer before use.
   std::map<int64_t, std::map<std::string, int64_t>> layer_offsets;
@@ -112,6 +117,14 @@ struct RankFileSet {
   std::set<std::pair<int64_t, std::string>> tied_copies;
 };
 Result<std::unique_ptr<CheckpointReader>> open_rank_files(const RankFileSet& parts);
+
+// What a Megatron-LM model_optim_rng.pt's args say of the parallelism (each where they say it):
+// formats/megatron/ tells a rank folder's one number after the tensor-parallel rank (a pipeline
+// stage's or an expert rank's) by them.
+struct MegatronSizes {
+  std::optional<int64_t> tp, pp, ep, etp, num_experts;
+};
+Result<MegatronSizes> read_megatron_sizes(const std::filesystem::path& file);
 
 // What a DeepSpeed universal checkpoint written from a ZeRO-1/2 checkpoint carries of it
 // (formats/deepspeed/): the model states file, copied as it is, and zero/optimizer_state.pt's pickle,

@@ -717,6 +717,45 @@ def test_a_megatron_legacy_checkpoint_reads_as_megatron_held_it(tmp_path, optsta
     assert optstate_cli("diff", ck, out).returncode == 0
 
 
+@pytest.mark.parametrize("run", ["legacy_moe_dp2", "legacy_moe_ep2", "legacy_moe_ep2_distopt",
+                                 "legacy_moe_tp2_ep2_dp2_distopt"])
+def test_a_megatron_legacy_mixture_of_experts_reads_as_megatron_held_it(tmp_path, optstate_cli, run):
+    """A mixture of experts (2 a layer) in Megatron-LM's legacy checkpoint: without expert parallelism
+    its experts are the dense optimizer's params; under expert parallelism 2 the experts' params are
+    an optimizer of their own (Megatron's chain: the trainer dict's 'optimizer' a list of two
+    state_dicts, each numbering its params from 0; distrib_optim.pt a list of two states, the dense
+    one None in expert rank 1's folder), and each expert rank's folder mp_rank_<tp>_<ep> holds its
+    experts numbered from 0 beside the dense params. Read bit for bit as Megatron held it, the
+    experts numbered over the whole layer (local_experts.1 from expert rank 1), the experts' group
+    after the dense params' two, also under tensor parallel 2 (the experts split as the dense
+    layers). One expert rank's folder is refused, naming the iteration folder."""
+    ck = MEGATRON / run
+    ref, meta = ref_of(ck)
+    info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta)
+    assert info["format"] == "megatron"
+    chain = "ep2" in run
+    groups = info["param_groups"]
+    assert [g["weight_decay"] for g in groups] == ([0.1, 0.0, 0.1] if chain else [0.1, 0.0])
+    experts = {n for n in info["params"] if ".mlp.experts." in n}
+    assert {n.split(".local_experts.")[1].split(".")[0] for n in experts} == {"0", "1"}
+    if chain:
+        assert {info["params"][n]["group"] for n in experts} == {2}
+        assert {info["params"][n]["group"] for n in info["params"] if n not in experts} == {0, 1}
+    assert any("chain of 2 optimizers" in n for n in info["read_notes"]) == chain, info["read_notes"]
+    assert hashes_root(optstate_cli, ck / "iter_0000003") == hashes_root(optstate_cli, ck)
+    if chain:
+        rank = ck / "iter_0000003" / ("mp_rank_00_001" if "tp2" not in run else "mp_rank_01_001")
+        err = run_err(optstate_cli, "inspect", rank)
+        assert "one model-parallel rank's part of a Megatron-LM checkpoint of" in err, err
+        if "distopt" not in run:  # ... also out of its folder, read by the torch.save driver
+            shutil.copy(rank / "model_optim_rng.pt", tmp_path / "rank.pt")
+            err = run_err(optstate_cli, "inspect", tmp_path / "rank.pt")
+            assert "expert_model_parallel_size 2" in err, err
+    out = tmp_path / "dcp"
+    optstate_cli("convert", ck, out, "--format", "dcp")
+    assert optstate_cli("diff", ck, out).returncode == 0
+
+
 def test_a_megatron_legacy_checkpoint_missing_a_rank_or_splitting_an_unknown_layer_is_refused(tmp_path, optstate_cli):
     """A legacy checkpoint saved without the optimizer (--no-save-optim), or one whose rank folders
     disagree with its args (a tensor-parallel rank's or a pipeline stage's folder missing), or whose param tensor parallelism splits under a name Megatron's layers do not

@@ -167,6 +167,28 @@ def runs():
     return RUNS_013 if mcore_version() < (0, 14) else RUNS_016
 
 
+def torch_norm_under_sequence_parallel():
+    """Megatron-Core's torch LayerNorm (the local spec's, without apex or TransformerEngine) refuses
+    sequence parallelism, which a mixture of experts under tensor parallelism requires; the norm
+    itself is the same either way: built as without it, its params marked `sequence_parallel` as
+    apex's are, so that finalize_model_grads sums their gradients over the tensor-parallel ranks."""
+    from megatron.core.transformer import torch_norm
+
+    made = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, *args, **kwargs):
+        sp = config.sequence_parallel
+        config.sequence_parallel = False
+        try:
+            norm = made(cls, config, hidden_size, *args, **kwargs)
+        finally:
+            config.sequence_parallel = sp
+        for p in norm.parameters():
+            p.sequence_parallel = sp
+        return norm
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
+
+
 def cpu_shim():
     """Megatron-Core places its buffers on torch.cuda.current_device() and some tensors on
     device='cuda', and checks params' type() for torch.cuda.*Tensor: all of it on the CPU here."""
@@ -299,6 +321,8 @@ def rank_main(rank, world, port, out):
                                 **(dict(pipeline_model_parallel_size=pp) if pp > 1 else {}),
                                 **(dict(num_layers_in_first_pipeline_stage=run["first_stage_layers"])
                                    if "first_stage_layers" in run else {}))
+        if moe and run["tp"] > 1:
+            torch_norm_under_sequence_parallel()
         spec = get_gpt_layer_local_spec(num_experts=2, moe_grouped_gemm=False) if moe else get_gpt_layer_local_spec()
         model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=4,
                          pre_process=parallel_state.is_pipeline_first_stage(),
@@ -331,7 +355,11 @@ def rank_main(rank, world, port, out):
                 sched.step(1)
                 continue
             ddp(ids, pos, mask, labels=ids).float().mean().backward()
-            ddp.finish_grad_sync()
+            if cfg.sequence_parallel:  # as the trainer: the layer norms' gradients summed over the tp ranks too
+                from megatron.core.distributed import finalize_model_grads
+                finalize_model_grads([ddp])
+            else:
+                ddp.finish_grad_sync()
             ok, _, _ = opt.step()
             assert ok
             sched.step(1)

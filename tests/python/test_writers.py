@@ -794,6 +794,47 @@ def test_a_megatron_legacy_checkpoint_missing_a_rank_or_splitting_an_unknown_lay
     assert "decoder.layers.0.self_attention.my_out.weight': its weights differ from tensor-parallel rank 0's" in err, err
 
 
+def test_a_megatron_legacy_mixture_of_experts_whose_expert_ranks_disagree_is_refused(tmp_path, optstate_cli):
+    """Under expert parallelism each expert rank's folder holds its experts and a copy of the dense
+    params: a missing expert rank's folder, an expert rank's file of another checkpoint (its dense
+    layer norms' weights differ from expert rank 0's), a distrib_optim.pt without the dense state
+    where expert rank 0's folder must hold it, and experts split over other tensor-parallel ranks
+    than the dense layers (expert_tensor_parallel_size) are each refused by name, never read as
+    another rank's experts."""
+    iteration = "iter_0000003"
+    ck = tmp_path / "missing"
+    shutil.copytree(MEGATRON / "legacy_moe_ep2", ck)
+    shutil.rmtree(ck / iteration / "mp_rank_00_001")
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "its args say expert_model_parallel_size 2" in err and "holds 1 expert-parallel rank" in err, err
+    ck = tmp_path / "other"
+    shutil.copytree(MEGATRON / "legacy_moe_ep2", ck)
+    run_script(tmp_path, textwrap.dedent("""
+        import sys, torch
+        d = torch.load(sys.argv[1], weights_only=False)
+        d["optimizer"][0]["fp32_from_fp16_params"][1][0].add_(1.0)  # a dense layer norm's main params
+        torch.save(d, sys.argv[1])
+    """), "other.py", ck / iteration / "mp_rank_00_001" / "model_optim_rng.pt")
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "a dense param whose weights differ from expert rank 0's" in err and "mp_rank_00_001" in err, err
+    ck = tmp_path / "dense_state"
+    shutil.copytree(MEGATRON / "legacy_moe_ep2_distopt", ck)
+    shutil.copy(ck / iteration / "mp_rank_00_001" / "distrib_optim.pt", ck / iteration / "mp_rank_00_000")
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "mp_rank_00_000/distrib_optim.pt [0]: None, where the dense params' state belongs" in err, err
+    ck = tmp_path / "etp"
+    shutil.copytree(MEGATRON / "legacy_moe_tp2_ep2_dp2_distopt", ck)
+    run_script(tmp_path, textwrap.dedent("""
+        import sys, torch
+        for f in sys.argv[1:]:
+            d = torch.load(f, weights_only=False)
+            d["args"].expert_tensor_parallel_size = 1
+            torch.save(d, f)
+    """), "etp.py", *sorted((ck / iteration).glob("mp_rank_*/model_optim_rng.pt")))
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "expert_tensor_parallel_size 1 beside tensor_model_parallel_size 2" in err, err
+
+
 def test_a_megatron_legacy_distributed_optimizer_whose_weights_or_state_are_missing_is_refused(tmp_path, optstate_cli):
     """The distributed optimizer's legacy checkpoint keeps no param's place in its buffers: where the
     model's weights do not match the main params where Megatron lays a param out, the read is

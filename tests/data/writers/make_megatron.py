@@ -56,7 +56,13 @@ OptimizerParamScheduler, as the trainer steps it). Written into OUT:
   `legacy_dp2_distopt` and `legacy_tp2_dp2_distopt` (the distributed optimizer; 3 layers of hidden
   16, the second with DDP buckets of ~1500 elements), `legacy_pp2` (pipeline parallel 2 through
   Megatron's pipeline schedule over gloo, the embedding tied to the output layer) and
-  `legacy_tp2_pp2_dp2_distopt` (8 ranks, stages of 1 and 2 layers, untied); their references
+  `legacy_tp2_pp2_dp2_distopt` (8 ranks, stages of 1 and 2 layers, untied), and mixtures of
+  experts (2 a layer): `legacy_moe_dp2` (no expert parallelism: the experts in the dense
+  optimizer), `legacy_moe_ep2` (expert parallel 2: folders mp_rank_00_<ep>, Megatron's chain of
+  the dense params' and the experts' optimizers), `legacy_moe_ep2_distopt` and
+  `legacy_moe_tp2_ep2_dp2_distopt` (8 ranks; sequence parallelism, which MoE under tensor
+  parallelism requires, with the torch norms marked as apex's: torch_norm_under_sequence_parallel);
+  their references
   named as the state_dict names the params (a layer each, numbered over the whole model);
 Under Megatron-Core 0.13.1 (`pip install --target /tmp/mc013 --no-deps megatron-core==0.13.1`,
 OUT `tests/data/writers/megatron-core-0.13.1_torch-2.13.0`) the runs are its distributed optimizer

@@ -1101,10 +1101,10 @@ class TorchSaveReader final : public CheckpointReader {
     std::vector<pickle::Ref> states{dtop};
     if (listed) states.assign(dp.at(dtop).items.begin(), dp.at(dtop).items.end());
     if (listed != chain || states.size() != opts.size())
-      return corrupt(fmt::format("{}: {} optimizer{}' state{}; {} ['optimizer'] holds {} optimizer{}", dw,
-                                 listed ? fmt::format("a list of {}", states.size()) : "one",
-                                 listed ? "s" : "'s", listed ? "s" : "", mw,
-                                 chain ? fmt::format("a chain of {}", opts.size()) : "one", chain ? "s" : ""));
+      return corrupt(fmt::format("{}: {}; {} ['optimizer'] holds {}", dw,
+                                 listed ? fmt::format("a list of {} optimizers' states", states.size())
+                                        : "one optimizer's state",
+                                 mw, chain ? fmt::format("a chain of {} optimizers", opts.size()) : "one optimizer"));
     files_.push_back(std::move(distrib_ap.first));
     const size_t fi = files_.size() - 1;
     std::vector<bool> taken(md.tensors.size(), false);

@@ -147,6 +147,9 @@ RUNS_016 = {
     "legacy_moe_ep2": dict(tp=1, ep=2, dist_opt=False, bf16=True, sharding=None, legacy=True),
     "legacy_moe_ep2_distopt": dict(tp=1, ep=2, dist_opt=True, bf16=True, sharding=None, legacy=True, lr=1e-2,
                                    size="3,16,16"),
+    # ... and over pipeline stages (folders mp_rank_00_<pp>_<ep>)
+    "legacy_moe_pp2_ep2": dict(tp=1, pp=2, ep=2, dist_opt=False, bf16=True, sharding=None, legacy=True,
+                               size="4,8,16", world=4),
     "legacy_moe_tp2_ep2_dp2_distopt": dict(tp=2, ep=2, dist_opt=True, bf16=True, sharding=None, legacy=True,
                                            lr=1e-2, size="3,16,16", world=8),
 }

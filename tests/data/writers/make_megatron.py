@@ -59,7 +59,8 @@ OptimizerParamScheduler, as the trainer steps it). Written into OUT:
   `legacy_tp2_pp2_dp2_distopt` (8 ranks, stages of 1 and 2 layers, untied), and mixtures of
   experts (2 a layer): `legacy_moe_dp2` (no expert parallelism: the experts in the dense
   optimizer), `legacy_moe_ep2` (expert parallel 2: folders mp_rank_00_<ep>, Megatron's chain of
-  the dense params' and the experts' optimizers), `legacy_moe_ep2_distopt` and
+  the dense params' and the experts' optimizers), `legacy_moe_pp2_ep2` (mp_rank_00_<pp>_<ep>),
+  `legacy_moe_ep2_distopt` and
   `legacy_moe_tp2_ep2_dp2_distopt` (8 ranks; sequence parallelism, which MoE under tensor
   parallelism requires, with the torch norms marked as apex's: torch_norm_under_sequence_parallel);
   their references

@@ -121,6 +121,11 @@ RUNS_016 = {
     # 0.13 (N-D flattened items; 0.15's .metadata Megatron's own MCoreMetadata). 0.16 refuses it.
     "dp2_distopt_pre_mcore_014": dict(tp=1, dist_opt=True, bf16=True, sharding="fully_sharded_model_space",
                                       upto=(0, 15)),
+    # pipeline parallel 2 (Megatron's schedule over gloo; the embedding tied to the last stage's output
+    # layer) x data parallel 2, the distributed optimizer saved dp_reshardable (the trainer's default):
+    # each stage's buckets its own data-parallel group's items
+    "pp2_dp2_distopt_dp_reshardable": dict(tp=1, pp=2, dist_opt=True, bf16=True, sharding="dp_reshardable",
+                                           lr=1e-2, size="4,16,16", world=4, tied=True),
     # Megatron-LM's legacy `--ckpt-format torch`: iter_N/mp_rank_<tp>/model_optim_rng.pt per
     # model-parallel rank (torch.save of the trainer's dict: the model's state_dict, the optimizer's
     # own state_dict), the distributed optimizer's state beside it in distrib_optim.pt (its
@@ -395,7 +400,8 @@ def rank_main(rank, world, port, out):
         state["num_floating_point_operations_so_far"] = 0
         state["rng_state"] = ShardedObject(
             "rng_state", [{"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state()}],
-            (1, run["tp"]), (0, parallel_state.get_tensor_model_parallel_rank()),
+            (pp, run["tp"]), (parallel_state.get_pipeline_model_parallel_rank(),
+                              parallel_state.get_tensor_model_parallel_rank()),
             replica_id=parallel_state.get_data_parallel_rank())
         apply_factories(state)
         refd = os.environ.get("MEGATRON_REF", "1") != "0" and run.get("ref", True)

@@ -32,6 +32,9 @@ OptimizerParamScheduler, as the trainer steps it). Written into OUT:
 - `tp2_dp2_distopt_dp_reshardable/`: the same under tensor parallel 2 x data parallel 2 (4
   ranks) with DDP buckets of ~1500 elements: each tensor-parallel rank's several buckets, layer
   norms replicated in both;
+- `pp2_dp2_distopt_dp_reshardable/`: pipeline parallel 2 (Megatron's schedule over gloo, 4 layers
+  of hidden 16, the embedding tied to the last stage's output layer) x data parallel 2, saved
+  `dp_reshardable`: each stage's data-parallel group's buckets;
 - `moe_ep2_dp_reshardable/`: the mixture of experts saved `dp_reshardable`: a chain of two
   distributed optimizers, each its own data-parallel groups' buckets, prefixed `chained_<i>.`;
 - `moe_ep2/`: a mixture of experts (2 experts a layer) under expert parallelism 2, the

@@ -365,7 +365,8 @@ def test_megatron_core_0_15s_checkpoints_read_though_their_metadata_is_megatrons
 
 
 @pytest.mark.parametrize("run", ["dp2_distopt_dp_reshardable", "tp2_dp2_distopt_dp_reshardable",
-                                 "moe_ep2_dp_reshardable", "pp2_dp2_distopt_dp_reshardable"])
+                                 "moe_ep2_dp_reshardable", "pp2_dp2_distopt_dp_reshardable",
+                                 "pp2_vp2_dp2_distopt_dp_reshardable"])
 def test_megatrons_default_dp_reshardable_checkpoint_reads_as_megatron_held_it(tmp_path, optstate_cli, run):
     """The distributed optimizer's default form since Megatron-Core 0.14, dp_reshardable: each
     model-parallel rank's DDP buckets as flat items (main params, moments), each param's part on
@@ -375,7 +376,8 @@ def test_megatrons_default_dp_reshardable_checkpoint_reads_as_megatron_held_it(t
     (column- and row-parallel parts in each rank's buckets, layer norms replicated in both), the
     mixture of experts (a chain of two distributed optimizers, prefixed), and pipeline parallel 2
     (each stage's data-parallel group's buckets; the last stage's copy of the tied embedding in
-    its buckets, a replica of the first stage's): bit for bit what
+    its buckets, a replica of the first stage's), also under a virtual pipeline (two model chunks
+    a stage through the interleaved schedule, each chunk's buffers its own): bit for bit what
     Megatron's optimizer held (each rank's main params and moments over its range of each param,
     read from the live optimizer), in Megatron-Core's
     standard groups, said as placed by value."""

@@ -35,6 +35,9 @@ OptimizerParamScheduler, as the trainer steps it). Written into OUT:
 - `pp2_dp2_distopt_dp_reshardable/`: pipeline parallel 2 (Megatron's schedule over gloo, 4 layers
   of hidden 16, the embedding tied to the last stage's output layer) x data parallel 2, saved
   `dp_reshardable`: each stage's data-parallel group's buckets;
+- `pp2_vp2_dp2_distopt_dp_reshardable/`: the same under a virtual pipeline of 2 chunks a stage (the
+  interleaved schedule, 2 micro-batches; `model0`/`model1` in the state dict, each chunk's DDP
+  buffers its own);
 - `moe_ep2_dp_reshardable/`: the mixture of experts saved `dp_reshardable`: a chain of two
   distributed optimizers, each its own data-parallel groups' buckets, prefixed `chained_<i>.`;
 - `moe_ep2/`: a mixture of experts (2 experts a layer) under expert parallelism 2, the
@@ -129,6 +132,11 @@ RUNS_016 = {
     # each stage's buckets its own data-parallel group's items
     "pp2_dp2_distopt_dp_reshardable": dict(tp=1, pp=2, dist_opt=True, bf16=True, sharding="dp_reshardable",
                                            lr=1e-2, size="4,16,16", world=4, tied=True),
+    # ... under a virtual pipeline of 2 chunks a stage (--num-layers-per-virtual-pipeline-stage 1: the
+    # interleaved schedule; model0/model1 in the state dict, each chunk's buffers its own)
+    "pp2_vp2_dp2_distopt_dp_reshardable": dict(tp=1, pp=2, vp=2, dist_opt=True, bf16=True,
+                                               sharding="dp_reshardable", lr=1e-2, size="4,16,16", world=4,
+                                               tied=True),
     # Megatron-LM's legacy `--ckpt-format torch`: iter_N/mp_rank_<tp>/model_optim_rng.pt per
     # model-parallel rank (torch.save of the trainer's dict: the model's state_dict, the optimizer's
     # own state_dict), the distributed optimizer's state beside it in distrib_optim.pt (its
@@ -322,8 +330,9 @@ def rank_main(rank, world, port, out):
         ep = run.get("ep", 1)
         moe = run.get("moe", ep > 1)
         LAYERS, HIDDEN, VOCAB = map(int, (SIZE or run.get("size", "2,8,16")).split(","))
-        pp = run.get("pp", 1)
-        parallel_state.initialize_model_parallel(run["tp"], pp, expert_model_parallel_size=ep)
+        pp, vp = run.get("pp", 1), run.get("vp")
+        parallel_state.initialize_model_parallel(run["tp"], pp, virtual_pipeline_model_parallel_size=vp,
+                                                 expert_model_parallel_size=ep)
         torch.manual_seed(0)
         dtype = torch.bfloat16 if run["bf16"] else torch.float32
         cfg = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=2, use_cpu_initialization=True,
@@ -337,25 +346,34 @@ def rank_main(rank, world, port, out):
                                 **(dict(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
                                    if run.get("glu") else {}),
                                 **(dict(pipeline_model_parallel_size=pp) if pp > 1 else {}),
+                                **(dict(virtual_pipeline_model_parallel_size=vp) if vp else {}),
                                 **(dict(num_layers_in_first_pipeline_stage=run["first_stage_layers"])
                                    if "first_stage_layers" in run else {}))
         if moe and run["tp"] > 1:
             torch_norm_under_sequence_parallel()
         spec = get_gpt_layer_local_spec(num_experts=2, moe_grouped_gemm=False) if moe else get_gpt_layer_local_spec()
-        model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=4,
-                         pre_process=parallel_state.is_pipeline_first_stage(),
-                         post_process=parallel_state.is_pipeline_last_stage(),
-                         share_embeddings_and_output_weights=run.get("tied", False))
-        if run["bf16"]:  # as Megatron-LM's get_model wraps it
-            from megatron.core.transformer.module import Float16Module
-            model = Float16Module(cfg, model)
-        ddp = DistributedDataParallel(config=cfg, module=model, ddp_config=DistributedDataParallelConfig(
-            use_distributed_optimizer=run["dist_opt"], grad_reduce_in_fp32=True, bucket_size=run.get("bucket_size"),
-            overlap_grad_reduce="bucket_size" in run))  # Megatron makes buckets only to overlap their reduction
+        # the model, or under a virtual pipeline each of its chunks (Megatron-LM's get_model: chunk i
+        # holds this stage's i-th share of the layers, each chunk a DDP of its own, bucketed the first only)
+        ddps = []
+        for vp_stage in range(vp) if vp else [None]:
+            model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=4,
+                             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=not vp, vp_stage=vp_stage),
+                             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=not vp, vp_stage=vp_stage),
+                             share_embeddings_and_output_weights=run.get("tied", False),
+                             **(dict(vp_stage=vp_stage) if vp else {}))
+            if run["bf16"]:  # as Megatron-LM's get_model wraps it
+                from megatron.core.transformer.module import Float16Module
+                model = Float16Module(cfg, model)
+            ddps.append(DistributedDataParallel(
+                config=cfg, module=model, disable_bucketing=bool(vp_stage), ddp_config=DistributedDataParallelConfig(
+                    use_distributed_optimizer=run["dist_opt"], grad_reduce_in_fp32=True,
+                    bucket_size=run.get("bucket_size"),
+                    overlap_grad_reduce="bucket_size" in run)))  # Megatron makes buckets only to overlap their reduction
+        ddp = ddps[0]
         lr = run.get("lr", 1e-3)
         opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr / 10, weight_decay=0.1,
                                                      adam_beta2=0.95, bf16=run["bf16"],
-                                                     use_distributed_optimizer=run["dist_opt"]), [ddp])
+                                                     use_distributed_optimizer=run["dist_opt"]), ddps)
         sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=1,
                                         lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
                                         wd_incr_steps=10, wd_incr_style="constant")
@@ -364,10 +382,11 @@ def rank_main(rank, world, port, out):
             ids = torch.randint(0, VOCAB, (2, 4), generator=gen)
             pos = torch.arange(4).unsqueeze(0).expand(2, 4)
             mask = torch.tril(torch.ones(4, 4, dtype=torch.bool)).logical_not().view(1, 1, 4, 4)
-            ddp.zero_grad_buffer()
+            for d in ddps:
+                d.zero_grad_buffer()
             opt.zero_grad()
             if pp > 1:  # Megatron's pipeline schedule: activations sent between the stages (gloo)
-                pipeline_step(cfg, ddp, ids, pos, mask)
+                pipeline_step(cfg, ddps, ids, pos, mask)
                 ok, _, _ = opt.step()
                 assert ok
                 sched.step(1)
@@ -395,10 +414,14 @@ def rank_main(rank, world, port, out):
         # What Megatron-LM's trainer saves (training/checkpointing.py, generate_state_dict)
         state = {"args": argparse.Namespace(tensor_model_parallel_size=run["tp"], num_layers=LAYERS, hidden_size=HIDDEN,
                                             lr=1e-3, weight_decay=0.1, bf16=run["bf16"], params_dtype=dtype),
-                 "checkpoint_version": 3.0, "iteration": 3, "model": ddp.module.sharded_state_dict(metadata=metadata)}
+                 "checkpoint_version": 3.0, "iteration": 3}
+        models = {("model" if len(ddps) == 1 else f"model{i}"): d.module.sharded_state_dict(metadata=metadata)
+                  for i, d in enumerate(ddps)}
+        state.update(models)
         state["optimizer"] = opt.sharded_state_dict(state, metadata=metadata)
         if not run.get("model", True):  # verl's optimizer/dist_ckpt/: no model weights beside
-            del state["model"]
+            for key in models:
+                del state[key]
         state["opt_param_scheduler"] = sched.state_dict()
         state["num_floating_point_operations_so_far"] = 0
         state["rng_state"] = ShardedObject(
@@ -410,10 +433,10 @@ def rank_main(rank, world, port, out):
         refd = os.environ.get("MEGATRON_REF", "1") != "0" and run.get("ref", True)
         rows = sharded_rows(nested_values(state)) if refd else None
         if refd and run["sharding"] == "dp_reshardable":  # the buckets' params, from the optimizer itself
-            rows = sharded_rows(nested_values(state["model"])) + live_rows(ddp.module, opt)
+            rows = sharded_rows(nested_values(models)) + [r for d in ddps for r in live_rows(d.module, opt)]
         whole = gathered(rows, rank) if refd else None
         settings = {}
-        for part in all_ranks(key_settings(ddp.module, opt)):
+        for part in all_ranks({k: v for d in ddps for k, v in key_settings(d.module, opt).items()}):
             for key, v in part.items():
                 assert settings.setdefault(key, v) == v, key
         path = os.path.join(out, name)
@@ -435,15 +458,16 @@ def rank_main(rank, world, port, out):
     dist.destroy_process_group()
 
 
-def pipeline_step(cfg, ddp, ids, pos, mask):
-    """One step's forward and backward through Megatron's pipeline schedule (one micro-batch), the
+def pipeline_step(cfg, ddps, ids, pos, mask):
+    """One step's forward and backward through Megatron's pipeline schedule (one micro-batch; under a
+    virtual pipeline the interleaved schedule over the model's chunks, a micro-batch per stage), the
     gradients then finished as Megatron-LM's trainer does (finalize_model_grads: data-parallel
     reduction, the tied embedding's gradients summed over its first and last stages' copies)."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     cfg.finalize_model_grads_func = finalize_model_grads
-    cfg.no_sync_func = ddp.no_sync
+    cfg.no_sync_func = [d.no_sync for d in ddps] if len(ddps) > 1 else ddps[0].no_sync
     cfg.grad_sync_func = None
 
     def forward_step(data, model):
@@ -454,8 +478,12 @@ def pipeline_step(cfg, ddp, ids, pos, mask):
             return loss, torch.tensor(output.numel()), {"loss": loss.detach()}
         return out, loss_func
 
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([(ids, pos, mask)]), model=[ddp],
-                                num_microbatches=1, seq_length=4, micro_batch_size=ids.shape[0], forward_only=False)
+    from megatron.core import parallel_state
+    micro = parallel_state.get_pipeline_model_parallel_world_size() if len(ddps) > 1 else 1
+    data = [iter([(ids, pos, mask)] * micro) for _ in ddps]
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data if len(ddps) > 1 else data[0],
+                                model=ddps, num_microbatches=micro, seq_length=4, micro_batch_size=ids.shape[0],
+                                forward_only=False)
 
 
 def save_legacy(name, run, out, ddp, opt, sched, rank, layers, hidden):

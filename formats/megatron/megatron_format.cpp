@@ -188,17 +188,34 @@ Result<torchsave::RankFileSet> find_parts(const fs::path& iteration, const std::
   auto index_of = [&](int64_t pp, size_t ep, size_t tp) { return (static_cast<size_t>(pp) * experts + ep) * ranks + tp; };
   auto reader_of = [&](int64_t pp, size_t ep, size_t tp) -> CheckpointReader& { return *readers[index_of(pp, ep, tp)]; };
   auto file_of = [&](int64_t pp, size_t ep, size_t tp) { return files[index_of(pp, ep, tp)].path.string(); };
-  // the stages' layer offsets, per stack of layers (expert rank 0 holds every layer's params)
-  std::map<std::string, int64_t> next;
-  for (int64_t pp = 0; pp < parts.megatron_stages; ++pp) {
-    std::map<std::string, int64_t> count;
+  // a virtual pipeline: each stage's file holds model chunks, named "model<c>." by the reader
+  const auto& names0 = reader_of(0, 0, 0).meta().params;
+  parts.megatron_chunked = !names0.empty() && chunk_of(names0.begin()->first).has_value();
+  for (const auto& reader : readers)
+    for (const auto& [name, ps] : reader->meta().params)
+      if (chunk_of(name).has_value() != parts.megatron_chunked)
+        return corrupt(fmt::format("{}: stages' files with model chunks (a virtual pipeline: model0, model1, ...) and "
+                                   "without ('{}')", iteration.string(), name));
+  // the stages' layer offsets, per stack of layers (expert rank 0 holds every layer's params): the
+  // layers of stage 0, then of stage 1, ...; under a virtual pipeline chunk 0's of every stage, then
+  // chunk 1's, ... (Megatron's interleaved layout), each stack with its chunk's prefix
+  std::map<int64_t, std::map<int64_t, std::map<std::string, int64_t>>> count;  // chunk -> stage -> stack -> layers
+  for (int64_t pp = 0; pp < parts.megatron_stages; ++pp)
     for (const auto& [name, ps] : reader_of(pp, 0, 0).meta().params)
-      if (const auto l = layer_of(name)) count[l->stack] = std::max(count[l->stack], l->index + 1);
-    for (const auto& [stack, n] : count) {
-      parts.layer_offsets[pp][stack] = next[stack];
-      next[stack] += n;
-    }
-  }
+      if (const auto l = layer_of(name)) {
+        const auto c = parts.megatron_chunked ? chunk_of(name) : std::nullopt;
+        int64_t& n = count[c ? c->chunk : 0][pp][l->stack];
+        n = std::max(n, l->index + 1);
+      }
+  std::map<std::string, int64_t> next;  // per stack without its chunk's prefix
+  for (const auto& [chunk, stages] : count)
+    for (const auto& [pp, stacks] : stages)
+      for (const auto& [stack, n] : stacks) {
+        const auto c = parts.megatron_chunked ? chunk_of(stack) : std::nullopt;
+        const std::string base(c ? c->rest : std::string_view(stack));
+        parts.layer_offsets[pp][stack] = next[base];
+        next[base] += n;
+      }
   // each stage's local experts (a layer's experts over its expert ranks, numbered from 0 on each)
   std::map<int64_t, int64_t> local_experts;
   if (experts > 1)
@@ -225,12 +242,21 @@ Result<torchsave::RankFileSet> find_parts(const fs::path& iteration, const std::
   }
   auto global = [&](int64_t pp, size_t ep, const std::string& name) {
     const auto& offsets = parts.layer_offsets[pp];
-    return global_name(name, &offsets, static_cast<int64_t>(ep) * local_experts[pp]);
+    return global_name(name, &offsets, static_cast<int64_t>(ep) * local_experts[pp], parts.megatron_chunked);
   };
-  // a tied embedding's copy on the last stage
+  // a tied embedding's copy on the last stage (under a virtual pipeline the first chunk's
+  // embedding, the last chunk's output layer)
   const int64_t last = parts.megatron_stages - 1;
   if (last > 0) {
-    const std::string out = "output_layer.weight", emb = "embedding.word_embeddings.weight";
+    const std::string global_out = "output_layer.weight";
+    std::string out = global_out, emb = "embedding.word_embeddings.weight";
+    if (parts.megatron_chunked) {
+      int64_t chunks = 0;
+      for (const auto& [name, ps] : reader_of(last, 0, 0).meta().params)
+        if (const auto c = chunk_of(name)) chunks = std::max(chunks, c->chunk + 1);
+      out = fmt::format("model{}.{}", chunks - 1, out);
+      emb = "model0." + emb;
+    }
     bool tied = true;
     for (size_t tp = 0; tp < ranks && tied; ++tp) {
       auto& a = reader_of(last, 0, tp);
@@ -245,7 +271,7 @@ Result<torchsave::RankFileSet> find_parts(const fs::path& iteration, const std::
         tied = va == vb;
       }
     }
-    if (tied) parts.tied_copies.insert({last, out});
+    if (tied) parts.tied_copies.insert({last, global_out});
   }
   for (int64_t pp = 0; pp < parts.megatron_stages; ++pp)
     for (size_t ep = 0; ep < experts; ++ep) {

@@ -186,13 +186,25 @@ std::string renumber_expert(std::string_view name, int64_t offset) {
   return fmt::format("{}{}{}", name.substr(0, d->first), i + offset, name.substr(d->second));
 }
 
+std::optional<ChunkOf> chunk_of(std::string_view name) {
+  if (!name.starts_with("model")) return std::nullopt;
+  const size_t dot = name.find('.');
+  if (dot == std::string_view::npos || dot == 5) return std::nullopt;
+  const auto c = digits(name.substr(5, dot - 5), 1);
+  if (!c) return std::nullopt;
+  return ChunkOf{*c, name.substr(dot + 1)};
+}
+
 std::string global_name(std::string_view local, const std::map<std::string, int64_t>* layer_offsets,
-                        int64_t expert_offset) {
+                        int64_t expert_offset, bool chunked) {
   std::string name(local);
   if (layer_offsets)
     if (const auto l = layer_of(name))
       if (const auto o = layer_offsets->find(l->stack); o != layer_offsets->end()) name = renumber_layer(name, o->second);
-  return expert_offset ? renumber_expert(name, expert_offset) : name;
+  if (expert_offset) name = renumber_expert(name, expert_offset);
+  if (chunked)
+    if (const auto c = chunk_of(name)) name = std::string(c->rest);
+  return name;
 }
 
 namespace {

@@ -83,11 +83,21 @@ bool is_expert_param(std::string_view name);
 std::optional<int64_t> expert_of(std::string_view name);
 std::string renumber_expert(std::string_view name, int64_t offset);
 
-// A rank's param name in the whole model: its layer numbered on by its pipeline stage's offset for
-// its stack of layers (`layer_offsets`: stack -> offset; none for a stage's own numbering), then its
-// expert by its expert rank's first expert.
+// Under a virtual pipeline a stage's file holds each model chunk's state_dict (['model0'],
+// ['model1'], ...), each numbering its layers from 0; the torch.save reader names a chunk's tensors
+// "model<c>.<name>" (torchsave::ModelSource). chunk_of: {c, name} of such a name.
+struct ChunkOf {
+  int64_t chunk = 0;
+  std::string_view rest;
+};
+std::optional<ChunkOf> chunk_of(std::string_view name);
+
+// A rank's param name in the whole model: its layer numbered on by its pipeline stage's (and model
+// chunk's) offset for its stack of layers (`layer_offsets`: stack -> offset, the stack with its
+// chunk's prefix; none for a stage's own numbering), then its expert by its expert rank's first
+// expert; `chunked`: the name's chunk prefix then left out.
 std::string global_name(std::string_view local, const std::map<std::string, int64_t>* layer_offsets,
-                        int64_t expert_offset);
+                        int64_t expert_offset, bool chunked = false);
 
 // The distributed optimizer's distrib_optim.pt (save_parameter_state, `buckets_coalesced`): per
 // DDP buffer, flat fp32 tensors of its params' main params and moments, each bucket's

@@ -1088,11 +1088,21 @@ class TorchSaveReader final : public CheckpointReader {
       }
       opts.push_back(std::move(part));
     }
-    const pickle::Ref model = mp.dict_get(mp.root(), "model");
-    if (model == pickle::kNoRef) return corrupt(mw + ": no ['model'], whose weights place the params in the buffers");
-    OPTSTATE_ASSIGN_OR_RETURN(const ModelDict md, interpret_model_dict(mp, model, mw + " ['model']"));
-    sd.model_ref = model;
-    sd.model_key = "['model']";
+    // the model, or under a virtual pipeline its chunks (the buffers of all of them, in chunk order)
+    ModelSource models;
+    if (const pickle::Ref model = mp.dict_get(mp.root(), "model"); model != pickle::kNoRef) {
+      models.parts.push_back({model, "['model']", ""});
+    } else {
+      OPTSTATE_ASSIGN_OR_RETURN(const auto chunks, megatron_model_chunks(mp, mw));
+      if (!chunks) return corrupt(mw + ": no ['model'], whose weights place the params in the buffers");
+      models = *chunks;
+      std::erase_if(sd.not_read, [&](const std::string& n) {
+        return std::any_of(models.parts.begin(), models.parts.end(), [&](const auto& part) { return part.key == n; });
+      });
+    }
+    OPTSTATE_ASSIGN_OR_RETURN(const ModelDict md, interpret_model_source(mp, models, mw));
+    sd.model_ref = models.parts[0].dict;
+    sd.model_key = models.key();
 
     // distrib_optim.pt: {"buckets_coalesced": True, <buffer>: {(param dtype, grad dtype): {"param",
     // "exp_avg", "exp_avg_sq": flat fp32, "numel_unpadded": int}}}
@@ -1198,7 +1208,10 @@ class TorchSaveReader final : public CheckpointReader {
         };
         values.tensor = [&](size_t c, std::span<const int64_t> at) -> Result<std::vector<uint32_t>> {
           const ModelTensor& mt = md.tensors[cand[c]];
-          return read_elems(model_archive, 0, mt.tensor, numels[c], at, fmt::format("{} ['model']['{}']", mw, mt.name));
+          const auto chunk = models.parts.size() > 1 ? megatron::chunk_of(mt.name) : std::nullopt;
+          return read_elems(model_archive, 0, mt.tensor, numels[c], at,
+                            chunk ? fmt::format("{} ['model{}']['{}']", mw, chunk->chunk, chunk->rest)
+                                  : fmt::format("{} ['model']['{}']", mw, mt.name));
         };
         OPTSTATE_ASSIGN_OR_RETURN(const auto placed, megatron::place_in_buffer(numel, numels, names, values, bw));
         for (size_t c = 0; c < cand.size(); ++c) {
@@ -1243,7 +1256,11 @@ class TorchSaveReader final : public CheckpointReader {
     std::sort(sd.params.begin(), sd.params.end(), [](const ParamSpec& a, const ParamSpec& b) { return a.id < b.id; });
     sd.members = sd.params.size();
     const size_t others = md.tensors.size() + md.others - sd.params.size();
-    if (others) sd.not_read.push_back(model_others_text("['model']", others));
+    sd.model_others = others;
+    if (others) {
+      sd.model_others_line = sd.not_read.size();
+      sd.not_read.push_back(model_others_text(sd.model_key, others));
+    }
     if (const size_t frozen = unplaced.size())
       sd.not_read.push_back(fmt::format("{} model tensor{} in no buffer of the distributed optimizer (frozen params)",
                                         frozen, frozen == 1 ? "" : "s"));
@@ -1269,6 +1286,8 @@ class TorchSaveReader final : public CheckpointReader {
     const std::string dir = np.dir.string();
     std::vector<StateDict> sds;
     std::set<std::string> unread;
+    size_t megatron_others = 0;      // Megatron's model dicts' entries beside the weights read, every stage's
+    std::string megatron_others_key;  // ... and where they are ("['model']")
     for (const RankFileSet::File& f : np.files) {
       const std::string fw = f.path.string();
       StateDict sd;
@@ -1321,9 +1340,10 @@ class TorchSaveReader final : public CheckpointReader {
         // a pipeline stage's layers numbered on from the stages before it, an expert rank's experts
         // from its first
         const auto off = np.layer_offsets.find(f.pp);
-        if (off != np.layer_offsets.end() || f.expert_offset) {
+        if (off != np.layer_offsets.end() || f.expert_offset || np.megatron_chunked) {
           auto global = [&](const std::string& name) {
-            return megatron::global_name(name, off == np.layer_offsets.end() ? nullptr : &off->second, f.expert_offset);
+            return megatron::global_name(name, off == np.layer_offsets.end() ? nullptr : &off->second, f.expert_offset,
+                                         np.megatron_chunked);
           };
           for (ParamSpec& spec : sd.params) spec.fqn = global(spec.fqn);
           for (GroupSpec& g : sd.groups)
@@ -1336,13 +1356,21 @@ class TorchSaveReader final : public CheckpointReader {
       if (sd.eight || sd.bnb || sd.torchao)
         return corrupt(fmt::format("{}: 8-bit or torchao state; {}'s AdamW is torch's", fw,
                                    np.megatron ? "Megatron" : "nanotron"));
-      // (an expert rank's dense params and what is beside them are expert rank 0's)
-      for (const std::string& n : sd.not_read)
-        if (!f.dense_elsewhere && unread.insert(n).second) not_read_.push_back(n);
+      // (an expert rank's dense params and what is beside them are expert rank 0's; Megatron's
+      // model dicts' other entries counted over the stages, in one line)
+      for (size_t i = 0; i < sd.not_read.size(); ++i) {
+        if (np.megatron && sd.model_others_line == i) {
+          if (!f.dense_elsewhere && f.tp == 0) megatron_others += sd.model_others;
+          if (megatron_others_key.empty()) megatron_others_key = sd.model_key;
+          continue;
+        }
+        if (!f.dense_elsewhere && unread.insert(sd.not_read[i]).second) not_read_.push_back(sd.not_read[i]);
+      }
       for (const std::string& n : sd.read_notes)
         if (std::find(value_notes_.begin(), value_notes_.end(), n) == value_notes_.end()) value_notes_.push_back(n);
       sds.push_back(std::move(sd));
     }
+    if (megatron_others) not_read_.push_back(model_others_text(megatron_others_key, megatron_others));
     for (const std::string& n : np.not_read) not_read_.push_back(n);
     meta_.kind = "adamw";
     // Groups: each stage's own, its files' alike but for members.

@@ -692,6 +692,52 @@ Result<ModelDict> interpret_model_dict(const Pickle& p, Ref dict, const std::str
   return out;
 }
 
+std::string ModelSource::key() const {
+  std::vector<std::string> keys;
+  for (const Part& part : parts) keys.push_back(part.key);
+  return fmt::format("{}", fmt::join(keys, ", "));
+}
+
+Result<std::optional<ModelSource>> megatron_model_chunks(const Pickle& p, const std::string& where) {
+  const auto* items = dict_items(p, p.root());
+  if (!items || p.dict_get(p.root(), "model") != kNoRef) return std::optional<ModelSource>();
+  std::map<int64_t, Ref> chunks;
+  for (size_t k = 0; k + 1 < items->size(); k += 2) {
+    const auto key = dcp::as_string(p, (*items)[k]);
+    if (!key || !key->starts_with("model") || key->size() < 6 || key->size() > 9 ||
+        key->find_first_not_of("0123456789", 5) != std::string::npos)
+      continue;
+    if (!dict_items(p, (*items)[k + 1]))
+      return corrupt(fmt::format("{} ['{}']: not a dict (a model chunk's state_dict)", where, *key));
+    chunks.emplace(std::stoll(key->substr(5)), (*items)[k + 1]);
+  }
+  if (chunks.empty()) return std::optional<ModelSource>();
+  ModelSource out;
+  for (const auto& [i, ref] : chunks) {
+    if (i != static_cast<int64_t>(out.parts.size()))
+      return corrupt(fmt::format("{}: model chunks {} without ['model{}'] (a virtual pipeline's chunks are "
+                                 "model0, model1, ...)", where, out.parts.size() ? "after earlier ones" : "",
+                                 out.parts.size()));
+    out.parts.push_back({ref, fmt::format("['model{}']", i), fmt::format("model{}.", i)});
+  }
+  return std::optional<ModelSource>(std::move(out));
+}
+
+Result<ModelDict> interpret_model_source(const Pickle& p, const ModelSource& models, const std::string& where) {
+  ModelDict out;
+  for (const ModelSource::Part& part : models.parts) {
+    OPTSTATE_ASSIGN_OR_RETURN(ModelDict md, interpret_model_dict(p, part.dict, where + " " + part.key));
+    for (ModelTensor& t : md.tensors) {
+      t.name = part.prefix + t.name;
+      if (!out.by_name.emplace(t.name, out.tensors.size()).second)
+        return corrupt(fmt::format("{} {}: '{}' is listed twice", where, part.key, t.name));
+      out.tensors.push_back(std::move(t));
+    }
+    out.others += md.others;
+  }
+  return out;
+}
+
 ModelNames names_from_model(const ModelDict& md, const std::vector<std::vector<int64_t>>& member_ids,
                             const std::map<int64_t, std::vector<int64_t>>& shape_of) {
   size_t members = 0;
@@ -1057,16 +1103,19 @@ namespace {
 // holds their weights. Megatron's mixed-precision optimizer: its fp32 main params at
 // `megatron_main` (`megatron_at` names its wrapper dict). `experts`: one optimizer of Megatron's
 // chain, which takes only the model's experts' tensors (true) or only the others (false).
-Status read_optimizer_state(const Pickle& p, const std::string& where, StateDict& out, Ref opt, Ref model,
-                            std::string model_key, Ref megatron_main, const std::string& megatron_at,
-                            std::optional<bool> experts) {
+Status read_optimizer_state(const Pickle& p, const std::string& where, StateDict& out, Ref opt, ModelSource models,
+                            Ref megatron_main, const std::string& megatron_at, std::optional<bool> experts) {
   const std::string ow = where + (out.optimizer_path.empty() ? "" : " " + out.optimizer_path);
 
   OptimizerPart part;
   if (!out.per_param) {
     OPTSTATE_RETURN_IF_ERROR(interpret_optimizer(p, opt, ow, out, part));
     if (out.decoupled_decay) OPTSTATE_RETURN_IF_ERROR(read_decoupled_decay(out.groups, ow, out.read_notes));
+    Ref model = models.empty() ? kNoRef : models.parts[0].dict;
+    std::string model_key = models.empty() ? std::string() : models.parts[0].key;
     OPTSTATE_RETURN_IF_ERROR(read_optimizer_extras(p, opt, ow, out, part, model, model_key));
+    if (model != (models.empty() ? kNoRef : models.parts[0].dict))  // nanotron's gradient_accumulator
+      models.parts = {{model, model_key, ""}};
   } else {
     // One optimizer per param: each one's group is a group of the state, its one param named by
     // its key and numbered in the dict's order (as the wrapper lists model.named_parameters()).
@@ -1097,20 +1146,29 @@ Status read_optimizer_state(const Pickle& p, const std::string& where, StateDict
     part.named_in_groups = true;  // named by their keys: a model beside them is looked up by name
   }
   auto& [members, params, group_ids, keyed_by_name, named_in_groups, torchao_groups] = part;
-  out.model_ref = model;
+  out.model_ref = models.empty() ? kNoRef : models.parts[0].dict;
+  const std::string model_key = models.key();
 
   // Weights beside the optimizer, by name; every other tensor there is named as not read. A param
   // the optimizer never stepped has no state, but its weights give it a shape: it is carried with
   // no moments and step 0, as the DCP reader carries it.
   std::set<std::string> weights_read;
-  if (model != kNoRef) {
+  if (!models.empty()) {
     std::map<std::string, Ref, std::less<>> weights;  // by name, indexed once: a model has thousands
     // ... and by torch's fqn of the name: a param named 'wte.weight' (param_names as this driver
     // writes them) has its weights under a compiled model's key '_orig_mod.wte.weight'.
     std::map<std::string, const std::string*, std::less<>> key_of_fqn;
-    const auto& mitems = *dict_items(p, model);
-    for (size_t k = 0; k + 1 < mitems.size(); k += 2)
-      if (const auto name = dcp::as_string(p, mitems[k])) weights.emplace(*name, mitems[k + 1]);
+    std::map<std::string, const ModelSource::Part*, std::less<>> part_of;  // (a name's dict)
+    size_t entries = 0;
+    for (const ModelSource::Part& mpart : models.parts) {
+      const auto& mitems = *dict_items(p, mpart.dict);
+      entries += mitems.size() / 2;
+      for (size_t k = 0; k + 1 < mitems.size(); k += 2)
+        if (const auto name = dcp::as_string(p, mitems[k])) {
+          weights.emplace(mpart.prefix + *name, mitems[k + 1]);
+          part_of.emplace(mpart.prefix + *name, &mpart);
+        }
+    }
     std::vector<std::string_view> keys;
     for (const auto& [name, ref] : weights) keys.push_back(name);
     out.ddp_prefix = is_ddp_state_dict(keys);  // ddp.state_dict() saved: 'module.' on every key
@@ -1127,7 +1185,7 @@ Status read_optimizer_state(const Pickle& p, const std::string& where, StateDict
     if (by_number) {
       std::map<int64_t, std::vector<int64_t>> shape_of;
       for (const auto& [id, spec] : params) shape_of.emplace(id, spec.shape);
-      auto md = interpret_model_dict(p, model, where + " " + model_key);
+      auto md = interpret_model_source(p, models, where);
       if (md.ok() && experts) {  // one optimizer of Megatron's chain: its experts' tensors, or the rest
         ModelDict taken;
         for (const ModelTensor& t : md->tensors)
@@ -1160,7 +1218,8 @@ Status read_optimizer_state(const Pickle& p, const std::string& where, StateDict
       const auto found = weight_of(spec.fqn);
       if (found == weights.end()) continue;
       const Ref w = found->second;
-      const std::string ww = fmt::format("{} {}['{}']", where, model_key, found->first);
+      const ModelSource::Part& in = *part_of.at(found->first);
+      const std::string ww = fmt::format("{} {}['{}']", where, in.key, found->first.substr(in.prefix.size()));
       OPTSTATE_ASSIGN_OR_RETURN(LocalValue lv, local_value(p, w, ww));
       const Payload& pl = lv.local;
       if (pl.kind != Payload::Kind::kTensor) return corrupt(ww + ": not a tensor");
@@ -1176,7 +1235,7 @@ Status read_optimizer_state(const Pickle& p, const std::string& where, StateDict
       spec.weight_dtensor = lv.dtensor;
       weights_read.insert(found->first);
     }
-    const size_t others = mitems.size() / 2 - weights_read.size();
+    const size_t others = entries - weights_read.size();
     out.model_key = model_key;
     out.model_weight_keys = weights_read;
     out.model_others = others;
@@ -1215,7 +1274,7 @@ Status read_optimizer_state(const Pickle& p, const std::string& where, StateDict
     }
     out.read_notes.push_back(fmt::format("Megatron's fp32 main params ({}['fp32_from_fp16_params']) read as the params' "
                                          "weights; the model dict's {} copies name them", megatron_at,
-                                         model != kNoRef ? "bf16/fp16" : "(absent)"));
+                                         !models.empty() ? "bf16/fp16" : "(absent)"));
   }
 
   out.torchao = out.torchao || (torchao_groups && !out.bnb);
@@ -1246,7 +1305,7 @@ struct ChainPart {
 // groups' is_expert_parallel says, then put together as one state: groups one after another,
 // params numbered on.
 Result<StateDict> merge_megatron_chain(const Pickle& p, const std::string& where, StateDict out,
-                                       const std::vector<ChainPart>& chain, Ref model, const std::string& model_key) {
+                                       const std::vector<ChainPart>& chain, const ModelSource& models) {
   std::set<std::string> weights_read, unread;
   std::set<bool> kinds;
   int64_t next_id = 0;
@@ -1270,7 +1329,7 @@ Result<StateDict> merge_megatron_chain(const Pickle& p, const std::string& where
                                      "dense params' optimizer and the experts'", ow,
                                      *experts ? "experts' params" : "dense params"));
     OPTSTATE_RETURN_IF_ERROR(
-        read_optimizer_state(p, where, sub, chain[i].opt, model, model_key, chain[i].main, chain[i].at, experts));
+        read_optimizer_state(p, where, sub, chain[i].opt, models, chain[i].main, chain[i].at, experts));
     if (sub.eight || sub.bnb || sub.torchao || sub.per_param || sub.nanotron || sub.libtorch)
       return corrupt(ow + ": not torch's AdamW state_dict, which Megatron's optimizers hold");
     const int base_group = static_cast<int>(out.groups.size());
@@ -1299,14 +1358,16 @@ Result<StateDict> merge_megatron_chain(const Pickle& p, const std::string& where
     weights_read.insert(sub.model_weight_keys.begin(), sub.model_weight_keys.end());
   }
   out.megatron = true;  // a write carrying the file would keep the chain as it was: not carried
-  out.model_ref = model;
-  if (model != kNoRef) {
-    out.model_key = model_key;
+  out.model_ref = models.empty() ? kNoRef : models.parts[0].dict;
+  if (!models.empty()) {
+    out.model_key = models.key();
     out.model_weight_keys = weights_read;
-    out.model_others = dict_items(p, model)->size() / 2 - weights_read.size();
+    size_t entries = 0;
+    for (const ModelSource::Part& part : models.parts) entries += dict_items(p, part.dict)->size() / 2;
+    out.model_others = entries - weights_read.size();
     if (out.model_others) {
       out.model_others_line = out.not_read.size();
-      out.not_read.push_back(model_others_text(model_key, out.model_others));
+      out.not_read.push_back(model_others_text(out.model_key, out.model_others));
     }
   }
   out.read_notes.push_back(fmt::format("Megatron's chain of {} optimizers ({}: the dense params' and the MoE "
@@ -1443,12 +1504,23 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
     return corrupt(fmt::format("{}: data.pkl is not a dict, so not an optimizer state_dict", where));
   }
   out.optimizer_ref = opt;
+  ModelSource models;
+  if (model != kNoRef) models.parts.push_back({model, model_key, ""});
+  if (out.megatron_args && model == kNoRef) {  // Megatron's virtual pipeline: its model chunks
+    OPTSTATE_ASSIGN_OR_RETURN(const auto chunks, megatron_model_chunks(p, where));
+    if (chunks) {
+      models = *chunks;
+      std::erase_if(out.not_read, [&](const std::string& n) {
+        return std::any_of(models.parts.begin(), models.parts.end(), [&](const auto& part) { return part.key == n; });
+      });
+    }
+  }
   if (chain.empty()) {
-    OPTSTATE_RETURN_IF_ERROR(read_optimizer_state(p, where, out, opt, model, model_key, megatron_main, megatron_at,
-                                                  std::nullopt));
+    OPTSTATE_RETURN_IF_ERROR(
+        read_optimizer_state(p, where, out, opt, std::move(models), megatron_main, megatron_at, std::nullopt));
     return out;
   }
-  return merge_megatron_chain(p, where, std::move(out), chain, model, model_key);
+  return merge_megatron_chain(p, where, std::move(out), chain, models);
 }
 
 // ---- DeepSpeed ZeRO ----

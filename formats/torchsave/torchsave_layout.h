@@ -183,6 +183,7 @@ std::optional<StateDict::MegatronArgs> megatron_args_of(const pickle::Pickle& p)
 // not_read's line for the model dict's `others` entries beside the params' weights.
 std::string model_others_text(std::string_view model_key, size_t others);
 
+
 // A model's state_dict saved alone (FSDP2's model.state_dict() per rank, beside the optimizer's
 // files): its tensors in order, by name. Entries that are no tensor are counted.
 struct ModelTensor {
@@ -200,6 +201,26 @@ struct ModelDict {
     return it == by_name.end() ? nullptr : &tensors[it->second];
   }
 };
+
+// The model's state_dict(s) beside an optimizer: one dict, or under Megatron's virtual pipeline its
+// model chunks' (the trainer dict's ['model0'], ['model1'], ...: each chunk numbers its layers from
+// 0), whose entries are named "model<i>.<name>" here (megatron::chunk_of), so that the chunks' names
+// stay apart and their tensors in order (the optimizer's params are chunk 0's, then chunk 1's, ...).
+struct ModelSource {
+  struct Part {
+    pickle::Ref dict = pickle::kNoRef;
+    std::string key;     // where it is: "['model']", "['model1']"
+    std::string prefix;  // its entries' names' prefix: "", "model1."
+  };
+  std::vector<Part> parts;
+  bool empty() const { return parts.empty(); }
+  std::string key() const;  // "['model']", "['model0'], ['model1']"
+};
+// Megatron's trainer dict's model chunks (['model0'], ['model1'], ... in order, without ['model']),
+// or nullopt where it has none; corrupt where they are not 0..N-1 dicts.
+Result<std::optional<ModelSource>> megatron_model_chunks(const pickle::Pickle& p, const std::string& where);
+// The source's dicts as one model dict, each entry named with its part's prefix.
+Result<ModelDict> interpret_model_source(const pickle::Pickle& p, const ModelSource& models, const std::string& where);
 Result<ModelDict> interpret_model_dict(const pickle::Pickle& p, const std::string& where);
 // The same of the dict at `dict` (DeepSpeed's model states keep it under 'module').
 Result<ModelDict> interpret_model_dict(const pickle::Pickle& p, pickle::Ref dict, const std::string& where);

@@ -110,6 +110,7 @@ struct RankFileSet {
   int64_t megatron_ranks = 1;   // the checkpoint's tensor-parallel ranks (its args must say as many)
   int64_t megatron_stages = 1;  // ... and pipeline stages
   int64_t megatron_experts = 1; // ... and expert-parallel ranks
+  bool megatron_chunked = false; // a virtual pipeline: names "model<c>.<name>", the prefix left out when renamed
   // Each stage's offset of its layers' numbers (a stage numbers its own from 0), per stack of
   // layers ("decoder.layers."): names are renumbered by megatron::renumber_layer before use.
   std::map<int64_t, std::map<std::string, int64_t>> layer_offsets;

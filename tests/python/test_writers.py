@@ -671,7 +671,7 @@ def test_nanotron_checkpoints_optstate_cannot_place_are_refused_by_name(tmp_path
 
 @pytest.mark.parametrize("run", ["legacy_dp2", "legacy_fp32_dp2", "legacy_tp2", "legacy_tp2_swiglu",
                                  "legacy_dp2_distopt", "legacy_tp2_dp2_distopt", "legacy_pp2",
-                                 "legacy_tp2_pp2_dp2_distopt"])
+                                 "legacy_tp2_pp2_dp2_distopt", "legacy_pp2_vp2", "legacy_pp2_vp2_dp2_distopt"])
 def test_a_megatron_legacy_checkpoint_reads_as_megatron_held_it(tmp_path, optstate_cli, run):
     """Megatron-LM's legacy checkpoint (`--ckpt-format torch`: iter_N/mp_rank_<tp>/model_optim_rng.pt,
     torch.save of the trainer's dict, the optimizer's params numbered, the model's state_dict
@@ -682,7 +682,9 @@ def test_a_megatron_legacy_checkpoint_reads_as_megatron_held_it(tmp_path, optsta
     the params found where their main params round to the model's weights; over several buckets
     under tensor parallel 2), over pipeline stages too (each stage's layers numbered on from the
     stages before it, 1 and 2 layers of 3 under tensor parallel 2 x data parallel 2; the last
-    stage's copy of a tied embedding read once): bit for bit what Megatron's optimizer held, the
+    stage's copy of a tied embedding read once), also under a virtual pipeline (each stage's
+    file holds model0 and model1, each numbering its layers from 0: chunk 0's layers of every
+    stage, then chunk 1's, as Megatron interleaves them): bit for bit what Megatron's optimizer held, the
     params named as the model names them, in Megatron's two groups. The checkpoints folder (its
     tracker file), the iteration folder and, on one rank, the rank's folder and files read alike;
     one rank's file of several is refused, naming the folder to read."""
@@ -699,7 +701,8 @@ def test_a_megatron_legacy_checkpoint_reads_as_megatron_held_it(tmp_path, optsta
     root = hashes_root(optstate_cli, ck)
     rank0 = ck / "iter_0000003" / "mp_rank_00"
     assert hashes_root(optstate_cli, ck / "iter_0000003") == root
-    assert any("tied to it" in n for n in info["read_notes"]) == (run == "legacy_pp2"), info["read_notes"]
+    assert any("tied to it" in n for n in info["read_notes"]) == (run in ("legacy_pp2", "legacy_pp2_vp2",
+                                                                         "legacy_pp2_vp2_dp2_distopt")), info["read_notes"]
     if "pp2" in run:
         rank0 = ck / "iter_0000003" / "mp_rank_00_000"
     if "tp2" in run or "pp2" in run:

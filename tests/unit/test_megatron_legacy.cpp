@@ -215,3 +215,26 @@ TEST_CASE("megatron legacy: an expert rank's experts numbered on from its first"
   CHECK(mg::global_name("decoder.layers.1.mlp.router.weight", &offsets, 2) == "decoder.layers.3.mlp.router.weight");
   CHECK(mg::global_name("embedding.word_embeddings.weight", nullptr, 0) == "embedding.word_embeddings.weight");
 }
+
+TEST_CASE("megatron legacy: a virtual pipeline's model chunks named apart, then numbered over the model") {
+  const auto c = mg::chunk_of("model1.decoder.layers.0.mlp.linear_fc1.weight");
+  REQUIRE(c);
+  CHECK(c->chunk == 1);
+  CHECK(c->rest == "decoder.layers.0.mlp.linear_fc1.weight");
+  CHECK(mg::chunk_of("model12.output_layer.weight")->chunk == 12);
+  CHECK(!mg::chunk_of("model.decoder.layers.0.w"));
+  CHECK(!mg::chunk_of("modelx.w"));
+  CHECK(!mg::chunk_of("decoder.layers.0.w"));
+  CHECK(!mg::chunk_of("model1"));
+  // a chunk's stack of layers carries its prefix: chunk 1 of stage 0 after chunk 0 of both stages
+  const auto l = mg::layer_of("model1.decoder.layers.0.mlp.linear_fc1.weight");
+  REQUIRE(l);
+  CHECK(l->stack == "model1.decoder.layers.");
+  const std::map<std::string, int64_t> offsets{{"model0.decoder.layers.", 0}, {"model1.decoder.layers.", 2}};
+  CHECK(mg::global_name("model1.decoder.layers.0.mlp.linear_fc1.weight", &offsets, 0, true) ==
+        "decoder.layers.2.mlp.linear_fc1.weight");
+  CHECK(mg::global_name("model0.embedding.word_embeddings.weight", &offsets, 0, true) ==
+        "embedding.word_embeddings.weight");
+  CHECK(mg::global_name("model1.decoder.layers.0.mlp.linear_fc1.weight", &offsets, 0, false) ==
+        "model1.decoder.layers.2.mlp.linear_fc1.weight");
+}

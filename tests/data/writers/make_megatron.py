@@ -62,7 +62,9 @@ OptimizerParamScheduler, as the trainer steps it). Written into OUT:
   `legacy_dp2_distopt` and `legacy_tp2_dp2_distopt` (the distributed optimizer; 3 layers of hidden
   16, the second with DDP buckets of ~1500 elements), `legacy_pp2` (pipeline parallel 2 through
   Megatron's pipeline schedule over gloo, the embedding tied to the output layer) and
-  `legacy_tp2_pp2_dp2_distopt` (8 ranks, stages of 1 and 2 layers, untied), and mixtures of
+  `legacy_tp2_pp2_dp2_distopt` (8 ranks, stages of 1 and 2 layers, untied), `legacy_pp2_vp2` and
+  `legacy_pp2_vp2_dp2_distopt` (a virtual pipeline of 2 chunks a stage: model0, model1 in each
+  stage's file), and mixtures of
   experts (2 a layer): `legacy_moe_dp2` (no expert parallelism: the experts in the dense
   optimizer), `legacy_moe_ep2` (expert parallel 2: folders mp_rank_00_<ep>, Megatron's chain of
   the dense params' and the experts' optimizers), `legacy_moe_pp2_ep2` (mp_rank_00_<pp>_<ep>),
@@ -151,6 +153,11 @@ RUNS_016 = {
     "legacy_tp2_pp2_dp2_distopt": dict(tp=2, pp=2, dist_opt=True, bf16=True, sharding=None, legacy=True, lr=1e-2,
                                        size="3,16,16", world=8, first_stage_layers=1),
     # SwiGLU (--swiglu): each tensor-parallel rank's linear_fc1 its part of the gate above its part of up
+    # ... under a virtual pipeline of 2 chunks a stage (model0, model1 in each stage's file)
+    "legacy_pp2_vp2": dict(tp=1, pp=2, vp=2, dist_opt=False, bf16=True, sharding=None, legacy=True, tied=True,
+                           size="4,8,16"),
+    "legacy_pp2_vp2_dp2_distopt": dict(tp=1, pp=2, vp=2, dist_opt=True, bf16=True, sharding=None, legacy=True,
+                                       lr=1e-2, size="4,16,16", world=4, tied=True),
     "legacy_tp2_swiglu": dict(tp=2, dist_opt=False, bf16=True, sharding=None, legacy=True, glu=True),
     "legacy_fp32_dp2": dict(tp=1, dist_opt=False, bf16=False, sharding=None, legacy=True),
     "legacy_dp2_distopt": dict(tp=1, dist_opt=True, bf16=True, sharding=None, legacy=True, lr=1e-2,
@@ -401,7 +408,7 @@ def rank_main(rank, world, port, out):
             assert ok
             sched.step(1)
         if run.get("legacy"):
-            save_legacy(name, run, out, ddp, opt, sched, rank, LAYERS, HIDDEN)
+            save_legacy(name, run, out, ddps, opt, sched, rank, LAYERS, HIDDEN)
             parallel_state.destroy_model_parallel()
             continue
         # Megatron-LM's sharded-state-dict metadata (_build_sharded_state_dict_metadata, Megatron-Core
@@ -486,12 +493,13 @@ def pipeline_step(cfg, ddps, ids, pos, mask):
                                 forward_only=False)
 
 
-def save_legacy(name, run, out, ddp, opt, sched, rank, layers, hidden):
+def save_legacy(name, run, out, ddps, opt, sched, rank, layers, hidden):
     """Megatron-LM's save_checkpoint under `--ckpt-format torch` (training/checkpointing.py): the
     distributed optimizer's save_parameter_state on every rank (its data-parallel rank 0 writes
     distrib_optim.pt), then generate_state_dict's dict torch.saved by data-parallel rank 0 of each
-    model-parallel rank, and the tracker file. The reference: the sharded keys' whole state, as for
-    the torch_dist runs, each stacked key unstacked into the state_dict's per-layer names."""
+    model-parallel rank (under a virtual pipeline each model chunk's state_dict as model<i>), and
+    the tracker file. The reference: the sharded keys' whole state, as for the torch_dist runs, each
+    stacked key unstacked into the state_dict's per-layer names."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -516,8 +524,11 @@ def save_legacy(name, run, out, ddp, opt, sched, rank, layers, hidden):
                                         untie_embeddings_and_output_weights=not run.get("tied", False),
                                         num_layers=layers, hidden_size=hidden, lr=1e-3, weight_decay=0.1,
                                         bf16=run["bf16"], params_dtype=torch.bfloat16 if run["bf16"] else torch.float32,
-                                        use_distributed_optimizer=run["dist_opt"], ckpt_format="torch"),
-             "checkpoint_version": 3.0, "iteration": 3, "model": ddp.state_dict_for_save_checkpoint(),
+                                        use_distributed_optimizer=run["dist_opt"], ckpt_format="torch",
+                                        virtual_pipeline_model_parallel_size=run.get("vp")),
+             "checkpoint_version": 3.0, "iteration": 3,
+             **{("model" if len(ddps) == 1 else f"model{i}"): d.state_dict_for_save_checkpoint()
+                for i, d in enumerate(ddps)},
              "optimizer": opt.state_dict(), "opt_param_scheduler": sched.state_dict(),
              "num_floating_point_operations_so_far": 0,
              "rng_state": [{"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state()}]}
@@ -530,15 +541,18 @@ def save_legacy(name, run, out, ddp, opt, sched, rank, layers, hidden):
             f.write("3")
     metadata = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
                 "chained_optim_avoid_prefix": True}
-    model_sharded = ddp.module.sharded_state_dict(metadata=metadata)
-    built = ddp.module.sharded_state_dict(metadata=metadata)
-    apply_factories(built)  # SwiGLU's linear_fc1: two ShardedTensors (gate, up) of one key
+    model_sharded = {f"model{i}": d.module.sharded_state_dict(metadata=metadata) for i, d in enumerate(ddps)}
+    built = {}
+    for d in ddps:  # (a chunk's keys are its layers' local names: named below by their global layer)
+        chunk = d.module.sharded_state_dict(metadata=metadata)
+        apply_factories(chunk)  # SwiGLU's linear_fc1: two ShardedTensors (gate, up) of one key
+        built.update({(id(d), k): st for k, st in chunk.items()})
     # the state_dict's name of each (sharded key, layer): the local spec renames its layer norms'
     # sharded keys (input_layernorm.weight -> self_attention.linear_qkv.layer_norm_weight)
     # (under pipeline parallelism each stage numbers its layers from 0: named by the global layer;
     # the last stage's copy of a tied embedding is the first stage's param)
     names = {}
-    for k, st in built.items():
+    for (_, k), st in built.items():
         st = st[0] if isinstance(st, list) else st
         if hasattr(st, "prepend_axis_num"):
             offsets = tuple(st.global_offset[:st.prepend_axis_num])
@@ -554,15 +568,15 @@ def save_legacy(name, run, out, ddp, opt, sched, rank, layers, hidden):
             merged.setdefault(key, k)
     names = merged
     if run["dist_opt"]:
-        rows = sharded_rows(nested_values(model_sharded)) + live_rows(ddp.module, opt)
+        rows = sharded_rows(nested_values(model_sharded)) + [r for d in ddps for r in live_rows(d.module, opt)]
     else:
-        sharded = {"model": model_sharded}
+        sharded = dict(model_sharded)
         sharded["optimizer"] = opt.sharded_state_dict(sharded, metadata=metadata)
         apply_factories(sharded)
         rows = sharded_rows(nested_values(sharded))
     whole = gathered(rows, rank)
     settings = {}
-    for part in all_ranks(key_settings(ddp.module, opt)):
+    for part in all_ranks({k: v for d in ddps for k, v in key_settings(d.module, opt).items()}):
         for key, v in part.items():
             assert settings.setdefault(key, v) == v, key
     if rank == 0:

@@ -1,10 +1,12 @@
 // The megatron driver: Megatron-LM's legacy checkpoint (`--ckpt-format torch`): iter_<N>/ with a
-// folder per model-parallel rank, mp_rank_<tp>[_<pp>]/model_optim_rng.pt, each torch.save of the
-// trainer's dict (the model's state_dict, the optimizer's; the distributed optimizer's state in
-// distrib_optim.pt beside). The files are read through the torch.save driver's set reader
-// (torchsave/: open_rank_files, Megatron's kind): tensor-parallel shards put together where
-// Megatron's layer names split them, each pipeline stage's layers numbered on (megatron_layout.h).
-// Read only; Megatron's torch_dist checkpoints are DCPs (formats/dcp/). Layout: FORMAT.md.
+// folder per model-parallel rank, mp_rank_<tp>[_<pp>][_<ep>]/model_optim_rng.pt, each torch.save of
+// the trainer's dict (the model's state_dict, or its virtual pipeline chunks'; the optimizer's, or
+// its MoE chain's; the distributed optimizer's state in distrib_optim.pt beside). The files are read
+// through the torch.save driver's set reader (torchsave/: open_rank_files, Megatron's kind):
+// tensor-parallel shards put together where Megatron's layer names split them, each pipeline stage's
+// (and model chunk's) layers numbered on, each expert rank's experts numbered on
+// (megatron_layout.h). Read only; Megatron's torch_dist checkpoints are DCPs (formats/dcp/).
+// Layout: FORMAT.md.
 #include <fmt/format.h>
 
 #include <algorithm>

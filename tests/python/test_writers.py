@@ -669,6 +669,17 @@ def test_nanotron_checkpoints_optstate_cannot_place_are_refused_by_name(tmp_path
     assert "not as nanotron's" in err and not (tmp_path / "back").exists(), err
 
 
+def edit_rank_files(tmp_path, edit, *files):
+    """Runs the Python statement `edit` on each torch.save file's loaded dict `d`, saving it back."""
+    run_script(tmp_path, textwrap.dedent("""
+        import sys, torch
+        for f in sys.argv[1:]:
+            d = torch.load(f, weights_only=False)
+            {}
+            torch.save(d, f)
+    """).format(edit), "edit.py", *files)
+
+
 @pytest.mark.parametrize("run", ["legacy_dp2", "legacy_fp32_dp2", "legacy_tp2", "legacy_tp2_swiglu",
                                  "legacy_dp2_distopt", "legacy_tp2_dp2_distopt", "legacy_pp2",
                                  "legacy_tp2_pp2_dp2_distopt", "legacy_pp2_vp2", "legacy_pp2_vp2_dp2_distopt"])
@@ -782,23 +793,14 @@ def test_a_megatron_legacy_checkpoint_missing_a_rank_or_splitting_an_unknown_lay
     assert "its args say pipeline_model_parallel_size 2" in err and "holds 1 pipeline stage" in err, err
     ck = tmp_path / "weights_only"  # --no-save-optim
     shutil.copytree(MEGATRON / "legacy_dp2", ck)
-    run_script(tmp_path, textwrap.dedent("""
-        import sys, torch
-        d = torch.load(sys.argv[1], weights_only=False)
-        del d["optimizer"], d["opt_param_scheduler"]
-        torch.save(d, sys.argv[1])
-    """), "no_optim.py", ck / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")
+    edit_rank_files(tmp_path, 'del d["optimizer"], d["opt_param_scheduler"]',
+                    ck / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")
     err = run_err(optstate_cli, "inspect", ck)
     assert "Megatron's trainer dict without 'optimizer' (saved with --no-save-optim" in err, err
     ck = tmp_path / "renamed"
     shutil.copytree(MEGATRON / "legacy_tp2", ck)
-    run_script(tmp_path, textwrap.dedent("""
-        import sys, torch
-        for f in sys.argv[1:]:
-            d = torch.load(f, weights_only=False)
-            d["model"] = {k.replace("linear_proj", "my_out"): v for k, v in d["model"].items()}
-            torch.save(d, f)
-    """), "rename.py", *sorted((ck / "iter_0000003").glob("mp_rank_*/model_optim_rng.pt")))
+    edit_rank_files(tmp_path, 'd["model"] = {k.replace("linear_proj", "my_out"): v for k, v in d["model"].items()}',
+                    *sorted((ck / "iter_0000003").glob("mp_rank_*/model_optim_rng.pt")))
     err = run_err(optstate_cli, "inspect", ck)
     assert "decoder.layers.0.self_attention.my_out.weight': its weights differ from tensor-parallel rank 0's" in err, err
 
@@ -818,12 +820,9 @@ def test_a_megatron_legacy_mixture_of_experts_whose_expert_ranks_disagree_is_ref
     assert "its args say expert_model_parallel_size 2" in err and "holds 1 expert-parallel rank" in err, err
     ck = tmp_path / "other"
     shutil.copytree(MEGATRON / "legacy_moe_ep2", ck)
-    run_script(tmp_path, textwrap.dedent("""
-        import sys, torch
-        d = torch.load(sys.argv[1], weights_only=False)
-        d["optimizer"][0]["fp32_from_fp16_params"][1][0].add_(1.0)  # a dense layer norm's main params
-        torch.save(d, sys.argv[1])
-    """), "other.py", ck / iteration / "mp_rank_00_001" / "model_optim_rng.pt")
+    # a dense layer norm's main params
+    edit_rank_files(tmp_path, 'd["optimizer"][0]["fp32_from_fp16_params"][1][0].add_(1.0)',
+                    ck / iteration / "mp_rank_00_001" / "model_optim_rng.pt")
     err = run_err(optstate_cli, "inspect", ck)
     assert "a dense param whose weights differ from expert rank 0's" in err and "mp_rank_00_001" in err, err
     ck = tmp_path / "dense_state"
@@ -833,13 +832,8 @@ def test_a_megatron_legacy_mixture_of_experts_whose_expert_ranks_disagree_is_ref
     assert "mp_rank_00_000/distrib_optim.pt [0]: None, where the dense params' state belongs" in err, err
     ck = tmp_path / "etp"
     shutil.copytree(MEGATRON / "legacy_moe_tp2_ep2_dp2_distopt", ck)
-    run_script(tmp_path, textwrap.dedent("""
-        import sys, torch
-        for f in sys.argv[1:]:
-            d = torch.load(f, weights_only=False)
-            d["args"].expert_tensor_parallel_size = 1
-            torch.save(d, f)
-    """), "etp.py", *sorted((ck / iteration).glob("mp_rank_*/model_optim_rng.pt")))
+    edit_rank_files(tmp_path, 'd["args"].expert_tensor_parallel_size = 1',
+                    *sorted((ck / iteration).glob("mp_rank_*/model_optim_rng.pt")))
     err = run_err(optstate_cli, "inspect", ck)
     assert "expert_tensor_parallel_size 1 beside tensor_model_parallel_size 2" in err, err
 
@@ -852,13 +846,8 @@ def test_a_megatron_legacy_distributed_optimizer_whose_weights_or_state_are_miss
     ck = tmp_path / "ck"
     shutil.copytree(MEGATRON / "legacy_dp2_distopt", ck)
     rank0 = ck / "iter_0000003" / "mp_rank_00"
-    run_script(tmp_path, textwrap.dedent("""
-        import sys, torch
-        d = torch.load(sys.argv[1], weights_only=False)
-        w = d["model"]["decoder.layers.1.mlp.linear_fc1.weight"]
-        w.view(-1)[0] += 1.0
-        torch.save(d, sys.argv[1])
-    """), "change.py", rank0 / "model_optim_rng.pt")
+    edit_rank_files(tmp_path, 'd["model"]["decoder.layers.1.mlp.linear_fc1.weight"].view(-1)[0] += 1.0',
+                    rank0 / "model_optim_rng.pt")
     err = run_err(optstate_cli, "inspect", ck)
     assert "do not round to the weights of 'decoder.layers.1.mlp.linear_fc1.weight'" in err, err
     shutil.copytree(MEGATRON / "legacy_dp2_distopt", tmp_path / "nostate")

@@ -1096,6 +1096,7 @@ class TorchSaveReader final : public CheckpointReader {
       OPTSTATE_ASSIGN_OR_RETURN(const auto chunks, megatron_model_chunks(mp, mw));
       if (!chunks) return corrupt(mw + ": no ['model'], whose weights place the params in the buffers");
       models = *chunks;
+      sd.megatron_chunks = models.parts.size();
       std::erase_if(sd.not_read, [&](const std::string& n) {
         return std::any_of(models.parts.begin(), models.parts.end(), [&](const auto& part) { return part.key == n; });
       });
@@ -1328,6 +1329,10 @@ class TorchSaveReader final : public CheckpointReader {
                                            "tensor_model_parallel_size {}: the experts split over other ranks than "
                                            "the dense layers, which optstate does not read", fw, *a.etp_size,
                                            a.tp_size.value_or(1)));
+          if (a.vp_size.value_or(1) > 1 && sd.megatron_chunks != static_cast<size_t>(*a.vp_size))
+            return corrupt(fmt::format("{}: its args say virtual_pipeline_model_parallel_size {}, and it holds {} model "
+                                       "chunk{} (model0, model1, ...)", fw, *a.vp_size, sd.megatron_chunks,
+                                       sd.megatron_chunks == 1 ? "" : "s"));
           if (a.pp_size && *a.pp_size != np.megatron_stages)
             return corrupt(fmt::format("{}: its args say pipeline_model_parallel_size {}; {} holds {} pipeline "
                                        "stage{}", fw, *a.pp_size, dir, np.megatron_stages,

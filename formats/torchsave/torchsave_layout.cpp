@@ -1090,7 +1090,7 @@ std::optional<StateDict::MegatronArgs> megatron_args_of(const Pickle& p) {
   };
   StateDict::MegatronArgs ma{int_of("tensor_model_parallel_size"), int_of("pipeline_model_parallel_size"),
                              int_of("expert_model_parallel_size"), int_of("expert_tensor_parallel_size"),
-                             int_of("num_experts"), std::nullopt};
+                             int_of("num_experts"), int_of("virtual_pipeline_model_parallel_size"), std::nullopt};
   if (const Ref d = p.dict_get(st, "use_distributed_optimizer"); d != kNoRef && p.at(d).kind == Kind::kBool)
     ma.distributed_optimizer = p.at(d).i != 0;
   return ma;
@@ -1510,6 +1510,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
     OPTSTATE_ASSIGN_OR_RETURN(const auto chunks, megatron_model_chunks(p, where));
     if (chunks) {
       models = *chunks;
+      out.megatron_chunks = models.parts.size();
       std::erase_if(out.not_read, [&](const std::string& n) {
         return std::any_of(models.parts.begin(), models.parts.end(), [&](const auto& part) { return part.key == n; });
       });

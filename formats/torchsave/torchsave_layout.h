@@ -161,9 +161,11 @@ struct StateDict {
     std::optional<int64_t> tp_size, pp_size, ep_size;
     std::optional<int64_t> etp_size;     // expert_tensor_parallel_size (None: tp_size)
     std::optional<int64_t> num_experts;  // a mixture of experts' experts a layer
+    std::optional<int64_t> vp_size;      // virtual_pipeline_model_parallel_size: model chunks a stage
     std::optional<bool> distributed_optimizer;
   };
   std::optional<MegatronArgs> megatron_args;
+  size_t megatron_chunks = 0;  // the trainer dict's model chunks (model0, model1, ...), if any
   std::vector<std::string> read_notes;  // CheckpointReader::read_notes
   bool torchao = false;              // torchao's state: OptimState8bit/Fp8/4bit moments, or groups with
                                      // lr a tensor and no 'maximize' (_AdamBase's: torchao's AdamW*)

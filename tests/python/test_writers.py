@@ -778,7 +778,8 @@ def test_a_megatron_legacy_mixture_of_experts_reads_as_megatron_held_it(tmp_path
 
 def test_a_megatron_legacy_checkpoint_missing_a_rank_or_splitting_an_unknown_layer_is_refused(tmp_path, optstate_cli):
     """A legacy checkpoint saved without the optimizer (--no-save-optim), or one whose rank folders
-    disagree with its args (a tensor-parallel rank's or a pipeline stage's folder missing), or whose param tensor parallelism splits under a name Megatron's layers do not
+    disagree with its args (a tensor-parallel rank's or a pipeline stage's folder missing, a
+    virtual pipeline stage's file without one of its model chunks), or whose param tensor parallelism splits under a name Megatron's layers do not
     have (its weights differ between the ranks' files), is refused by name: neither reads shards
     as whole params."""
     ck = tmp_path / "ck"
@@ -797,6 +798,11 @@ def test_a_megatron_legacy_checkpoint_missing_a_rank_or_splitting_an_unknown_lay
                     ck / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")
     err = run_err(optstate_cli, "inspect", ck)
     assert "Megatron's trainer dict without 'optimizer' (saved with --no-save-optim" in err, err
+    ck = tmp_path / "chunk"  # a virtual pipeline stage's file without its second model chunk
+    shutil.copytree(MEGATRON / "legacy_pp2_vp2", ck)
+    edit_rank_files(tmp_path, 'del d["model1"]', ck / "iter_0000003" / "mp_rank_00_001" / "model_optim_rng.pt")
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "its args say virtual_pipeline_model_parallel_size 2, and it holds 1 model chunk" in err, err
     ck = tmp_path / "renamed"
     shutil.copytree(MEGATRON / "legacy_tp2", ck)
     edit_rank_files(tmp_path, 'd["model"] = {k.replace("linear_proj", "my_out"): v for k, v in d["model"].items()}',

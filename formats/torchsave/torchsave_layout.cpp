@@ -715,9 +715,8 @@ Result<std::optional<ModelSource>> megatron_model_chunks(const Pickle& p, const 
   ModelSource out;
   for (const auto& [i, ref] : chunks) {
     if (i != static_cast<int64_t>(out.parts.size()))
-      return corrupt(fmt::format("{}: model chunks {} without ['model{}'] (a virtual pipeline's chunks are "
-                                 "model0, model1, ...)", where, out.parts.size() ? "after earlier ones" : "",
-                                 out.parts.size()));
+      return corrupt(fmt::format("{}: ['model{}'] without ['model{}'] (a virtual pipeline's chunks are model0, "
+                                 "model1, ...)", where, i, out.parts.size()));
     out.parts.push_back({ref, fmt::format("['model{}']", i), fmt::format("model{}.", i)});
   }
   return std::optional<ModelSource>(std::move(out));

@@ -24,6 +24,7 @@
 #include "megatron.h"
 #include "megatron_buckets.h"
 #include "torchao/torchao_layout.h"
+#include "zarr.h"
 #include "zip.h"
 
 namespace optstate::dcp {
@@ -79,7 +80,8 @@ bool is_accelerate_folder(const fs::path& path);
 
 class DcpReader final : public CheckpointReader {
  public:
-  DcpReader(fs::path dir, Metadata md) : dir_(std::move(dir)), md_(std::move(md)) {}
+  // `zarr`: the folder is Megatron's zarr backend, its Metadata read from the arrays (zarr.h).
+  DcpReader(fs::path dir, Metadata md, bool zarr = false) : dir_(std::move(dir)), md_(std::move(md)), zarr_(zarr) {}
 
   std::string_view format() const override { return "dcp"; }
   const fs::path& path() const override { return dir_; }
@@ -469,6 +471,7 @@ class DcpReader final : public CheckpointReader {
       const ParsedItem* common = nullptr;
       OPTSTATE_ASSIGN_OR_RETURN(auto megatron_common, read_megatron_common(common));
       if (megatron_common) return init_megatron(*megatron_common, *common);
+      if (zarr_) return corrupt(where + ": zarr arrays without Megatron's metadata.json (sharded_backend zarr)");
     }
     // Sort the items by their place in the state dict. The optimizer's state sits under one key
     // path K ("optim" from get_state_dict, "optimizer" in torchtitan, "app.optimizers" in prime-rl,
@@ -901,14 +904,19 @@ class DcpReader final : public CheckpointReader {
     std::string text(jf->size(), '\0');
     OPTSTATE_RETURN_IF_ERROR(
         jf->read_at(0, std::as_writable_bytes(std::span(text.data(), text.size()))).with_context(where + "/metadata.json"));
-    if (!megatron::is_torch_dist(text)) return std::optional<megatron::Common>{};
+    const std::string backend = megatron::sharded_backend(text);
+    if (!(backend == (zarr_ ? "zarr" : "torch_dist"))) {
+      if (!zarr_ && backend != "zarr") return std::optional<megatron::Common>{};  // a plain DCP beside some JSON
+      return corrupt(fmt::format("{}: metadata.json names Megatron's '{}' backend, but the folder holds {}", where,
+                                 printable(backend), zarr_ ? "zarr arrays" : "a DCP (.metadata)"));
+    }
     if (!fs::is_regular_file(dir_ / kMegatronCommon, ec))
-      return corrupt(where + ": a Megatron checkpoint (metadata.json: torch_dist) without its common.pt");
+      return corrupt(fmt::format("{}: a Megatron checkpoint (metadata.json: {}) without its common.pt", where, backend));
     if (md_.items.count(kMegatronCommon))
       return corrupt(fmt::format("{}: an item named '{}' beside Megatron's common.pt", where, kMegatronCommon));
     OPTSTATE_ASSIGN_OR_RETURN(const InputFile* cf, file(kMegatronCommon, where + ": common.pt"));
     // read as a bytes item spanning the whole file (a torch.save archive, as DCP's bytes items are)
-    md_.storage[{kMegatronCommon, {}}] = StorageLoc{kMegatronCommon, 0, cf->size(), false};
+    md_.storage[{kMegatronCommon, {}}] = StorageLoc{kMegatronCommon, 0, cf->size(), false, std::nullopt};
     OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(kMegatronCommon, {}, 64));
     if (pi->payload.kind != Payload::Kind::kValue) return corrupt(where + "/common.pt: not a dict");
     if (pi->pickle.dict_get(pi->pickle.root(), "optimizer") == pickle::kNoRef) {
@@ -1426,6 +1434,9 @@ class DcpReader final : public CheckpointReader {
       const std::string name = it->path().filename().string();
       if (name.empty() || name[0] == '.' || own.count(name) || it->path().extension() == ".distcp") continue;
       if (layout_.megatron && (name == kMegatronCommon || name == "metadata.json")) continue;  // its own
+      // zarr's lock folders (zarr.h): nothing in them
+      if (zarr_ && name.ends_with(".sync") && md_.items.count(name.substr(0, name.size() - 5)) && it->is_directory(ec))
+        continue;
       layout_.beside.push_back(name);
     }
     if (ec) return io_error(fmt::format("{}: {}", dir_.string(), ec.message()));
@@ -1641,6 +1652,7 @@ class DcpReader final : public CheckpointReader {
     const std::string iw = fmt::format("{}: item '{}'{}", dir_.string(), key,
                                        offsets.empty() ? "" : " chunk at " + format_shape(offsets));
     OPTSTATE_ASSIGN_OR_RETURN(const InputFile* f, file(loc.relative_path, iw));
+    if (loc.raw_shape) return raw_item(key, offsets, loc, f, iw);
     auto read_index = read_archive_index(*f, loc, iw);
     if (!read_index.ok()) {
       // FileSystemWriter(serialization_format=SAFETENSORS) stores a rank's tensors as one
@@ -1713,6 +1725,30 @@ class DcpReader final : public CheckpointReader {
           pi.storages[e->name.substr(prefix.size() + 6)] = {at, e->size, e->crc32, false};
         }
     }
+    return &items_.emplace(std::pair{key, offsets}, std::move(pi)).first->second;
+  }
+
+  // A chunk stored as its elements alone (zarr.h): a contiguous tensor of the chunk's shape at the
+  // start of its storage, which holds at least that many (zarr's edge chunks hold more).
+  Result<ParsedItem*> raw_item(const std::string& key, const std::vector<int64_t>& offsets, const StorageLoc& loc,
+                               const InputFile* f, const std::string& iw) {
+    const auto im = md_.items.find(key);
+    if (im == md_.items.end() || !im->second.is_tensor) return corrupt(iw + ": raw storage for an item without a tensor");
+    const auto checked = checked_numel(*loc.raw_shape);
+    if (!checked.ok()) return corrupt(fmt::format("{}: {}", iw, checked.status().message()));
+    const int64_t numel = *checked;
+    const uint64_t bytes = static_cast<uint64_t>(numel) * dtype_size(im->second.dtype);
+    if (bytes > loc.length)
+      return corrupt(fmt::format("{}: holds {} bytes, its {} elements need {}", iw, loc.length, numel, bytes));
+    ParsedItem pi;
+    pi.file = f;
+    pi.payload.kind = Payload::Kind::kTensor;
+    TensorRef& t = pi.payload.tensor;
+    t.storage_key = "raw";
+    t.dtype = im->second.dtype;
+    t.storage_numel = numel;
+    t.shape = *loc.raw_shape;
+    pi.storages[t.storage_key] = {loc.offset, bytes, 0, false};
     return &items_.emplace(std::pair{key, offsets}, std::move(pi)).first->second;
   }
 
@@ -2083,6 +2119,7 @@ class DcpReader final : public CheckpointReader {
   std::vector<std::string> notes_;  // more of what is not read: why numbered params keep their numbers, ...
   bool model_ddp_prefix_ = false;   // numbered: the model's state_dict is a DDP model's (is_ddp_state_dict)
   SourceLayout layout_;
+  bool zarr_ = false;
   int64_t verified_ = 0, unverified_ = 0;  // records checked against their CRC-32; reads not checked
   int64_t pending_ = 0;  // records read in part, in order, not yet to their end (their CRC-32 unchecked)
   ReadBuffer piece_;                             // reused between streams
@@ -2107,6 +2144,15 @@ bool is_accelerate_folder(const fs::path& path) {
   for (const char* part : kAccelerateParts)
     if (!fs::is_regular_file(path / part / ".metadata", ec)) return false;
   return true;
+}
+
+// Megatron's zarr backend (zarr.h): a folder without .metadata whose metadata.json names it.
+bool is_megatron_zarr(const fs::path& path) {
+  std::error_code ec;
+  if (fs::exists(path / ".metadata", ec) || !fs::is_regular_file(path / "metadata.json", ec)) return false;
+  const auto bytes = read_small_file(path / "metadata.json", uint64_t{1} << 20);
+  return bytes.ok() &&
+         megatron::sharded_backend(std::string_view(reinterpret_cast<const char*>(bytes->data()), bytes->size())) == "zarr";
 }
 
 Result<Metadata> read_metadata(const fs::path& dir) {
@@ -2145,14 +2191,18 @@ class DcpDriver final : public FormatDriver {
 
   bool sniff(const fs::path& path) const override {
     std::error_code ec;
-    return fs::is_directory(path, ec) && (fs::is_regular_file(path / ".metadata", ec) || is_accelerate_folder(path));
+    return fs::is_directory(path, ec) &&
+           (fs::is_regular_file(path / ".metadata", ec) || is_accelerate_folder(path) || is_megatron_zarr(path));
   }
 
   Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {
     std::error_code ec;
     if (!fs::is_directory(path, ec)) return not_found(fmt::format("{}: not a directory", path.string()));
-    OPTSTATE_ASSIGN_OR_RETURN(Metadata md, is_accelerate_folder(path) ? accelerate_metadata(path) : read_metadata(path));
-    auto reader = std::make_unique<DcpReader>(path, std::move(md));
+    const bool zarr = !fs::exists(path / ".metadata", ec) && is_megatron_zarr(path);
+    OPTSTATE_ASSIGN_OR_RETURN(Metadata md, zarr                        ? zarr::read_zarr_folder(path)
+                                           : is_accelerate_folder(path) ? accelerate_metadata(path)
+                                                                        : read_metadata(path));
+    auto reader = std::make_unique<DcpReader>(path, std::move(md), zarr);
     OPTSTATE_RETURN_IF_ERROR(reader->init());
     return std::unique_ptr<CheckpointReader>(std::move(reader));
   }

@@ -47,6 +47,9 @@ struct StorageLoc {
   std::string relative_path;
   uint64_t offset = 0, length = 0;
   bool transformed = false;  // transform_descriptors (e.g. stream.zstd) present
+  // Megatron's zarr backend (zarr.h): the bytes are the chunk's elements themselves, in C order, of
+  // the item's dtype and this shape (no torch.save archive around them, no CRC).
+  std::optional<std::vector<int64_t>> raw_shape;
 };
 
 // An item's chunk by (key, chunk offsets), as a view: looked up in the maps keyed by copies of

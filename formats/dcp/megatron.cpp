@@ -15,11 +15,11 @@ using pickle::Ref;
 using pickle::Refs;
 using pickle::Value;
 
-bool is_torch_dist(std::string_view metadata_json) {
+std::string sharded_backend(std::string_view metadata_json) {
   const auto j = nlohmann::json::parse(metadata_json, nullptr, /*allow_exceptions=*/false);
-  if (!j.is_object()) return false;
+  if (!j.is_object()) return "";
   const auto backend = j.find("sharded_backend");
-  return backend != j.end() && backend->is_string() && backend->get<std::string>() == "torch_dist";
+  return backend != j.end() && backend->is_string() ? backend->get<std::string>() : "";
 }
 
 namespace {

@@ -19,10 +19,10 @@
 
 namespace optstate::dcp::megatron {
 
-// Whether `metadata_json` (a folder's metadata.json) names Megatron's torch_dist sharded backend.
-// A document that does not parse, or names another backend, is not (the folder is then read as a
-// plain DCP, or refused as one).
-bool is_torch_dist(std::string_view metadata_json);
+// The sharded backend `metadata_json` (a folder's metadata.json) names: "torch_dist" (a DCP beside
+// it), "zarr" (zarr.h), another; empty for a document that does not parse or names none (the folder
+// is then read as a plain DCP, or refused as one).
+std::string sharded_backend(std::string_view metadata_json);
 
 // A param group of Megatron's optimizer: AdamW's settings, torch.optim.AdamW's switches, the other
 // plain keys (Megatron's wd_mult, lr_mult, max_lr, ...), and its wd_mult (1 where absent).

@@ -32,6 +32,7 @@ OLMO = CORPUS / "olmo-core-3.0.0_torch-2.13.0" / "model_and_optim"
 MEGATRON = CORPUS / "megatron-core-0.16.1_torch-2.13.0"
 MEGATRON_013 = CORPUS / "megatron-core-0.13.1_torch-2.13.0"
 MEGATRON_015 = CORPUS / "megatron-core-0.15.3_torch-2.13.0"
+MEGATRON_09 = CORPUS / "megatron-core-0.9.0_torch-2.13.0"
 NANOTRON = CORPUS / "nanotron-2411b02_torch-2.13.0"
 
 
@@ -346,6 +347,75 @@ def test_megatron_core_0_13s_distributed_optimizer_checkpoint_reads_as_megatron_
     optstate_cli("convert", ck, out, "--format", "dcp")
     assert optstate_cli("diff", ck, out).returncode == 0
     assert FileSystemReader(str(out)).read_metadata() is not None  # torch alone reads optstate's
+
+
+@pytest.mark.parametrize("run", ["zarr_tp2", "zarr_fp32_dp2", "zarr_dp2_distopt", "zarr_tp2_dp2_distopt", "zarr_moe_ep2"])
+def test_megatrons_zarr_backend_checkpoint_reads_as_megatron_held_it(tmp_path, optstate_cli, run):
+    """Megatron-Core's zarr backend (`--ckpt-format zarr`, NeMo 1.x's default dist_ckpt_format),
+    saved by Megatron-Core 0.9 over apex's FusedAdam (the step in each param group): each sharded
+    key a zarr array of its whole tensor (bf16 as tensorstore's numpy bfloat16), one raw file per
+    tensor-parallel/layer chunk; the distributed optimizer's fully_sharded_model_space ranges
+    written into those arrays (zarr's `.sync` lock folders beside them). Tensor parallel 2 with the
+    mixed-precision optimizer, fp32 data parallel 2 with the plain one, the distributed optimizer
+    under data parallel 2 (3 layers: a rank's range splits a layer's weight) and tensor x data
+    parallel 2, and a mixture of experts under expert parallelism 2 (a chain of two optimizers,
+    prefixed): validate passes (no checksums: zarr keeps none), and the fp32 conversion is bit for
+    bit what Megatron's optimizer held, in Megatron-Core's standard groups."""
+    from torch.distributed.checkpoint import FileSystemReader
+    ck = MEGATRON_09 / run
+    assert json.loads((ck / "metadata.json").read_text())["sharded_backend"] == "zarr"
+    assert not (ck / ".metadata").exists()
+    bf16 = run != "zarr_fp32_dp2"
+    qkv = json.loads((ck / "decoder.layers.self_attention.linear_qkv.weight" / ".zarray").read_text())
+    assert (qkv["dtype"] == "bfloat16") == bf16
+    assert any(p.name.endswith(".sync") for p in ck.iterdir()) == ("distopt" in run or "moe" in run)
+    ref, meta = ref_of(ck)
+    info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta, checksums=False)
+    assert info["format"] == "dcp"
+    assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0] + ([0.1] if "moe" in run else [])
+    assert any(n.startswith("the model's bf16 weights, the optimizer's fp32 main params") for n in info["not_read"]) == bf16
+    assert not any(".sync" in n for n in info["not_read"]), info["not_read"]
+    out = tmp_path / "plain_dcp"
+    optstate_cli("convert", ck, out, "--format", "dcp")
+    assert optstate_cli("diff", ck, out).returncode == 0
+    assert FileSystemReader(str(out)).read_metadata() is not None  # torch alone reads optstate's
+
+
+def test_a_damaged_megatron_zarr_checkpoint_is_refused_naming_the_chunk(tmp_path, optstate_cli):
+    """A zarr array's chunk file missing (zarr would read fill_value, which Megatron leaves
+    undefined) or cut short, a compressed array, common.pt gone, or metadata.json naming another
+    backend: each refused naming the file and the array, nothing read from it."""
+    def fresh():
+        ck = tmp_path / "ck"
+        if ck.exists():
+            shutil.rmtree(ck)
+        shutil.copytree(MEGATRON_09 / "zarr_tp2", ck)
+        return ck
+    key = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"
+    ck = fresh()
+    (ck / key / "1.1.0").unlink()
+    err = run_err(optstate_cli, "inspect", ck)
+    assert f"{ck}/{key}/1.1.0: chunk [1, 1, 0] of zarr array '{key}': missing" in err, err
+    ck = fresh()
+    data = (ck / key / "0.1.0").read_bytes()
+    (ck / key / "0.1.0").write_bytes(data[:-4])
+    err = run_err(optstate_cli, "inspect", ck)
+    assert f"{key}/0.1.0: chunk [0, 1, 0] of zarr array '{key}': holds {len(data) - 4} bytes; an uncompressed chunk" in err, err
+    validated = optstate_cli("validate", ck, check=False)
+    assert validated.returncode == 1 and "FINDING" in validated.stdout and "holds 508 bytes" in validated.stdout
+    ck = fresh()
+    za = ck / key / ".zarray"
+    za.write_text(za.read_text().replace('"compressor": null', '"compressor": {"id": "zstd", "level": 1}'))
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "chunks compressed with" in err and "zstd" in err and str(za) in err, err
+    ck = fresh()
+    (ck / "common.pt").unlink()
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "a Megatron checkpoint" in err and "without its common.pt" in err, err
+    ck = fresh()
+    (ck / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "not a checkpoint in any known format" in err, err
 
 
 @pytest.mark.parametrize("run", ["dp2_distopt", "dp2_distopt_pre_mcore_014"])

@@ -70,13 +70,13 @@ dcp::ItemMeta item(std::vector<int64_t> size, std::vector<std::vector<int64_t>> 
 
 }  // namespace
 
-TEST_CASE("megatron: metadata.json names the torch_dist backend, or the folder is no Megatron checkpoint") {
-  CHECK(mg::is_torch_dist(R"({"sharded_backend": "torch_dist", "sharded_backend_version": 1})"));
-  CHECK_FALSE(mg::is_torch_dist(R"({"sharded_backend": "zarr"})"));
-  CHECK_FALSE(mg::is_torch_dist(R"({"sharded_backend": 1})"));
-  CHECK_FALSE(mg::is_torch_dist(R"(["torch_dist"])"));
-  CHECK_FALSE(mg::is_torch_dist("{\"sharded_backend\": \"torch_dist\""));  // truncated
-  CHECK_FALSE(mg::is_torch_dist(""));
+TEST_CASE("megatron: metadata.json names the sharded backend (torch_dist, zarr), or the folder is no Megatron checkpoint") {
+  CHECK(mg::sharded_backend(R"({"sharded_backend": "torch_dist", "sharded_backend_version": 1})") == "torch_dist");
+  CHECK(mg::sharded_backend(R"({"sharded_backend": "zarr", "sharded_backend_version": 1})") == "zarr");
+  CHECK(mg::sharded_backend(R"({"sharded_backend": 1})").empty());
+  CHECK(mg::sharded_backend(R"(["torch_dist"])").empty());
+  CHECK(mg::sharded_backend("{\"sharded_backend\": \"torch_dist\"").empty());  // truncated
+  CHECK(mg::sharded_backend("").empty());
 }
 
 TEST_CASE("megatron: item keys optimizer.state.<entry>.<key>") {

@@ -191,13 +191,30 @@ RUNS_013 = {
 }
 
 
+# Megatron-Core 0.9 (the zarr backend's last releases: NeMo 1.x saved with it, `dist_ckpt_format:
+# zarr`, before torch_dist became its default) with zarr 2 and tensorstore (numpy's bfloat16):
+# `--ckpt-format zarr`, each sharded key a zarr array of its whole tensor. Its distributed optimizer
+# saved fully_sharded_model_space, as with --ckpt-fully-parallel-save.
+RUNS_09 = {
+    "zarr_tp2": dict(tp=2, dist_opt=False, bf16=True, sharding=None, backend="zarr"),
+    "zarr_fp32_dp2": dict(tp=1, dist_opt=False, bf16=False, sharding=None, backend="zarr"),
+    "zarr_dp2_distopt": dict(tp=1, dist_opt=True, bf16=True, sharding="fully_sharded_model_space", size="3,16,16",
+                             backend="zarr"),
+    "zarr_tp2_dp2_distopt": dict(tp=2, dist_opt=True, bf16=True, sharding="fully_sharded_model_space", world=4,
+                                 backend="zarr"),
+    "zarr_moe_ep2": dict(tp=1, ep=2, dist_opt=True, bf16=True, sharding="fully_sharded_model_space",
+                         backend="zarr"),
+}
+
+
 def mcore_version():
     from megatron.core import package_info
     return tuple(int(x) for x in package_info.__version__.split(".")[:2])
 
 
 def runs():
-    return RUNS_013 if mcore_version() < (0, 14) else RUNS_016
+    v = mcore_version()
+    return RUNS_09 if v < (0, 10) else RUNS_013 if v < (0, 14) else RUNS_016
 
 
 def torch_norm_under_sequence_parallel():
@@ -231,9 +248,57 @@ def cpu_shim():
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     import megatron.core.transformer.moe.moe_utils as moe_utils
     moe_utils.te_general_gemm = None  # referenced unguarded without TransformerEngine
+    if mcore_version() < (0, 10):
+        apex_fused_adam()
+        # 0.9's router and dispatchers count tokens per expert with torch.histc over the expert
+        # indices, which CUDA takes as integers and the CPU only as floats: counted as floats there
+        histc = torch.histc
+        torch.histc = lambda t, *a, **k: (histc(t.float(), *a, **k).to(t.dtype) if not t.is_floating_point()
+                                          else histc(t, *a, **k))
     import numpy
     if not hasattr(numpy, "product"):  # Megatron-Core 0.13's validation calls it; numpy 2 dropped it
         numpy.product = numpy.prod
+
+
+class ApexFusedAdam(torch.optim.Optimizer):
+    """apex.optimizers.FusedAdam as Megatron-Core 0.9 builds it (adam_w_mode, bias correction) on the
+    CPU: each param group's `step` counted in the group, the state exp_avg and exp_avg_sq alone, and
+    apex's update (multi_tensor_adam, ADAM_MODE_1): p -= lr * (m/bc1 / (sqrt(v/bc2) + eps) + wd * p).
+    0.9's distributed optimizer is built only over apex's or TransformerEngine's FusedAdam (which
+    NeMo 1.x and Megatron-LM ran with), neither of which runs here."""
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
+                 weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                                      weight_decay=weight_decay))
+        assert adam_w_mode
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group["step"] + 1 if "step" in group else 1
+            (b1, b2), t = group["betas"], group["step"]
+            bc1, bc2 = (1 - b1 ** t, 1 - b2 ** t) if group["bias_correction"] else (1.0, 1.0)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
+                m.mul_(b1).add_(g, alpha=1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                update = (m / bc1) / ((v / bc2).sqrt() + group["eps"]) + group["weight_decay"] * p
+                p.sub_(group["lr"] * update)
+
+
+def apex_fused_adam():
+    """Megatron-Core 0.9's optimizers over ApexFusedAdam, as where apex is installed."""
+    import megatron.core.optimizer as mo
+    from megatron.core.optimizer import distrib_optimizer as do
+    mo.Adam = do.Adam = ApexFusedAdam
+    do.HAVE_APEX_OR_TE = True
 
 
 def sharded_rows(sharded):
@@ -363,9 +428,10 @@ def rank_main(rank, world, port, out):
         # holds this stage's i-th share of the layers, each chunk a DDP of its own, bucketed the first only)
         ddps = []
         for vp_stage in range(vp) if vp else [None]:
+            stage = dict(ignore_virtual=not vp, **(dict(vp_stage=vp_stage) if vp else {}))
             model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=4,
-                             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=not vp, vp_stage=vp_stage),
-                             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=not vp, vp_stage=vp_stage),
+                             pre_process=parallel_state.is_pipeline_first_stage(**stage),
+                             post_process=parallel_state.is_pipeline_last_stage(**stage),
                              share_embeddings_and_output_weights=run.get("tied", False),
                              **(dict(vp_stage=vp_stage) if vp else {}))
             if run["bf16"]:  # as Megatron-LM's get_model wraps it
@@ -425,7 +491,11 @@ def rank_main(rank, world, port, out):
         models = {("model" if len(ddps) == 1 else f"model{i}"): d.module.sharded_state_dict(metadata=metadata)
                   for i, d in enumerate(ddps)}
         state.update(models)
-        state["optimizer"] = opt.sharded_state_dict(state, metadata=metadata)
+        if mcore_version() < (0, 10):  # the sharding type its own argument, the distributed optimizer's alone
+            state["optimizer"] = opt.sharded_state_dict(
+                state, **(dict(sharding_type=run["sharding"]) if run["dist_opt"] else {}))
+        else:
+            state["optimizer"] = opt.sharded_state_dict(state, metadata=metadata)
         if not run.get("model", True):  # verl's optimizer/dist_ckpt/: no model weights beside
             for key in models:
                 del state[key]
@@ -454,10 +524,13 @@ def rank_main(rank, world, port, out):
             os.makedirs(path)  # Megatron-LM's trainer makes iter_N/ before the save
         dist.barrier()
         # --ckpt-fully-parallel-save (Megatron-LM's default): the data-parallel ranks share the writing
-        strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"),
+        strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(run.get("backend", "torch_dist")),
                                                     parallel_state.get_data_parallel_group(with_context_parallel=True),
                                                     True)
-        dist_checkpointing.save(state, path, strategy, content_metadata=metadata)
+        if mcore_version() < (0, 10):
+            dist_checkpointing.save(state, path, strategy)
+        else:
+            dist_checkpointing.save(state, path, strategy, content_metadata=metadata)
         if rank == 0 and refd:
             write_ref(path, whole, settings)
         dist.barrier()
@@ -593,15 +666,16 @@ def all_ranks(value):
 
 def key_settings(module, opt):
     """The step and group settings of each sharded key whose params this rank steps (a key's
-    params, one per layer, share a group): from torch's AdamW under Megatron's optimizer, through
+    params, one per layer, share a group): from torch's AdamW (or apex's FusedAdam) under Megatron's optimizer, through
     Megatron's fp32 main params where it steps those."""
     of_param = {}
     for inner in getattr(opt, "chained_optimizers", [opt]):  # MoE's experts: an optimizer of their own
         for group in inner.optimizer.param_groups:
             for p in group["params"]:
                 st = inner.optimizer.state.get(p, {})
-                if "step" in st:
-                    of_param[id(p)] = {"step": int(float(st["step"])), "lr": float(group["lr"]),
+                if "step" in st or (st and "step" in group):  # apex's FusedAdam: the group's step
+                    of_param[id(p)] = {"step": int(float(st["step"] if "step" in st else group["step"])),
+                                       "lr": float(group["lr"]),
                                        "betas": list(group["betas"]), "eps": group["eps"],
                                        "weight_decay": group["weight_decay"]}
         for model_attr, main_attr in (("float16_groups", "fp32_from_float16_groups"),

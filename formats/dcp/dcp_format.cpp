@@ -1096,7 +1096,8 @@ class DcpReader final : public CheckpointReader {
     for (const auto& [key, wkey] : beside_main) OPTSTATE_RETURN_IF_ERROR(check_main_params(key, wkey));
     meta_.kind = "adamw";
     if (!c.other_keys.empty())
-      notes_.push_back(fmt::format("common.pt: {} (Megatron's trainer state)", fmt::join(c.other_keys, ", ")));
+      notes_.push_back(fmt::format("common.pt: {} ({})", fmt::join(c.other_keys, ", "),
+                                   c.lightning ? "NeMo's Lightning checkpoint" : "Megatron's trainer state"));
     if (any_unprefixed)
       value_notes_.push_back(
           "Megatron's chain of optimizers saved its items unprefixed (chained_optim_avoid_prefix): keys under MoE "

@@ -165,15 +165,24 @@ Result<Common> interpret_common(const Pickle& p, const std::string& where) {
   if (root == kNoRef || p.at(root).kind != Kind::kDict) return corrupt(where + ": common.pt does not hold a dict");
   Common out;
   const auto& items = p.at(root).items;
+  Ref opt = p.dict_get(root, "optimizer");
+  // NeMo 1.x (its NLPDDPStrategy) saves Lightning's checkpoint dict: the optimizers' sharded state
+  // dicts as `optimizer_states`, a list, the model's as `sharded_state_dict`.
+  const char* opt_key = "optimizer";
+  if (opt == kNoRef && (opt = p.dict_get(root, "optimizer_states")) != kNoRef) {
+    opt_key = "optimizer_states";
+    out.lightning = true;
+    if (!list_of(p, opt)) return corrupt(where + ": common.pt's 'optimizer_states' (NeMo's) is not a list");
+  }
   for (size_t i = 0; i + 1 < items.size(); i += 2)
-    if (const auto key = as_string(p, items[i]); key && *key != "optimizer") out.other_keys.push_back(*key);
+    if (const auto key = as_string(p, items[i]); key && *key != opt_key) out.other_keys.push_back(*key);
   if (const Ref cm = p.dict_get(root, "content_metadata"); cm != kNoRef)
     out.avoid_prefix = as_bool(p, p.dict_get(cm, "chained_optim_avoid_prefix")).value_or(false);
-  Ref opt = p.dict_get(root, "optimizer");
   if (opt == kNoRef)
-    return corrupt(where + ": a Megatron checkpoint without optimizer state (common.pt has no 'optimizer': saved with "
-                           "--no-save-optim)");
-  // NeMo 2 (its MegatronStrategy) saves Lightning's optimizers as a list: [sharded_state_dict].
+    return corrupt(where + ": a Megatron checkpoint without optimizer state (common.pt has no 'optimizer', nor NeMo's "
+                           "'optimizer_states': saved with --no-save-optim, or weights only)");
+  // NeMo (1.x's NLPDDPStrategy, 2's MegatronStrategy) saves Lightning's optimizers as a list:
+  // [sharded_state_dict].
   if (const auto* listed = list_of(p, opt)) {
     if (listed->size() != 1)
       return unsupported(fmt::format("{}: a list of {} optimizers in common.pt (NeMo's Lightning optimizers); "

@@ -57,6 +57,7 @@ struct Common {
   // Megatron-Core 0.14): a chain's items then carry no chained_<i>. prefix.
   bool avoid_prefix = false;
   std::vector<std::string> other_keys;  // common.pt's top-level keys but 'optimizer' (the trainer's)
+  bool lightning = false;  // NeMo 1.x's Lightning checkpoint dict (the optimizer under 'optimizer_states')
 };
 
 // common.pt's pickle (its root dict). Refuses, naming why: no optimizer (saved without one), the

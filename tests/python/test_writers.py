@@ -349,7 +349,8 @@ def test_megatron_core_0_13s_distributed_optimizer_checkpoint_reads_as_megatron_
     assert FileSystemReader(str(out)).read_metadata() is not None  # torch alone reads optstate's
 
 
-@pytest.mark.parametrize("run", ["zarr_tp2", "zarr_fp32_dp2", "zarr_dp2_distopt", "zarr_tp2_dp2_distopt", "zarr_moe_ep2"])
+@pytest.mark.parametrize("run", ["zarr_tp2", "zarr_fp32_dp2", "zarr_dp2_distopt", "zarr_tp2_dp2_distopt", "zarr_moe_ep2",
+                                 "nemo1_zarr_tp2", "nemo1_zarr_tp2_dp2_distopt"])
 def test_megatrons_zarr_backend_checkpoint_reads_as_megatron_held_it(tmp_path, optstate_cli, run):
     """Megatron-Core's zarr backend (`--ckpt-format zarr`, NeMo 1.x's default dist_ckpt_format),
     saved by Megatron-Core 0.9 over apex's FusedAdam (the step in each param group): each sharded
@@ -359,14 +360,17 @@ def test_megatrons_zarr_backend_checkpoint_reads_as_megatron_held_it(tmp_path, o
     mixed-precision optimizer, fp32 data parallel 2 with the plain one, the distributed optimizer
     under data parallel 2 (3 layers: a rank's range splits a layer's weight) and tensor x data
     parallel 2, and a mixture of experts under expert parallelism 2 (a chain of two optimizers,
-    prefixed): validate passes (no checksums: zarr keeps none), and the fp32 conversion is bit for
-    bit what Megatron's optimizer held, in Megatron-Core's standard groups."""
+    prefixed), and NeMo 1.x's checkpoint dict (the optimizer under `optimizer_states`, a list, the
+    model's keys under `model.`) of the first and the tensor x data parallel one: validate passes
+    (no checksums: zarr keeps none), and the fp32 conversion is bit for bit what Megatron's
+    optimizer held, in Megatron-Core's standard groups."""
     from torch.distributed.checkpoint import FileSystemReader
     ck = MEGATRON_09 / run
     assert json.loads((ck / "metadata.json").read_text())["sharded_backend"] == "zarr"
     assert not (ck / ".metadata").exists()
     bf16 = run != "zarr_fp32_dp2"
-    qkv = json.loads((ck / "decoder.layers.self_attention.linear_qkv.weight" / ".zarray").read_text())
+    nemo = run.startswith("nemo1")
+    qkv = json.loads((ck / f"{'model.' if nemo else ''}decoder.layers.self_attention.linear_qkv.weight" / ".zarray").read_text())
     assert (qkv["dtype"] == "bfloat16") == bf16
     assert any(p.name.endswith(".sync") for p in ck.iterdir()) == ("distopt" in run or "moe" in run)
     ref, meta = ref_of(ck)
@@ -375,6 +379,11 @@ def test_megatrons_zarr_backend_checkpoint_reads_as_megatron_held_it(tmp_path, o
     assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0] + ([0.1] if "moe" in run else [])
     assert any(n.startswith("the model's bf16 weights, the optimizer's fp32 main params") for n in info["not_read"]) == bf16
     assert not any(".sync" in n for n in info["not_read"]), info["not_read"]
+    trainer = [n for n in info["not_read"] if n.startswith("common.pt: ")]
+    assert trainer == [f"common.pt: epoch, global_step, pytorch-lightning_version, state_dict, loops, callbacks, "
+                       f"lr_schedulers, hparams_name, hyper_parameters (NeMo's Lightning checkpoint)"] if nemo else \
+        trainer[0].endswith("(Megatron's trainer state)"), trainer
+    assert all(name.startswith("model.") for name in info["params"]) == nemo
     out = tmp_path / "plain_dcp"
     optstate_cli("convert", ck, out, "--format", "dcp")
     assert optstate_cli("diff", ck, out).returncode == 0

@@ -85,6 +85,16 @@ saved `fully_sharded_model_space`, its default (N-D flattened items, `mcore_data
 - `tp2_dp2_distopt_optim_only/`: `tp2_dp2_distopt` without the model's items, as verl's Megatron
   backend saves its `optimizer/dist_ckpt/` (the main params the only weights);
 
+Under Megatron-Core 0.9.0 with zarr 2 and tensorstore (`pip install --target /tmp/mc09 --no-deps
+megatron-core==0.9.0 zarr==2.18.7 numcodecs==0.15.2 asciitree fasteners tensorstore ml_dtypes`,
+OUT `tests/data/writers/megatron-core-0.9.0_torch-2.13.0`) the runs are saved with its zarr backend
+(`--ckpt-format zarr`, NeMo 1.x's default `dist_ckpt_format`), its optimizers over ApexFusedAdam
+(0.9's distributed optimizer requires apex's or TransformerEngine's FusedAdam; the step then in each
+param group): `zarr_tp2`, `zarr_fp32_dp2` (fp32, the plain optimizer), `zarr_dp2_distopt` (3
+layers of hidden 16) and `zarr_tp2_dp2_distopt` (the distributed optimizer saved
+`fully_sharded_model_space`: its ranges written into each key's whole array), `zarr_moe_ep2`, and
+NeMo 1.x's checkpoint dict (nemo1_checkpoint) of `nemo1_zarr_tp2` and `nemo1_zarr_tp2_dp2_distopt`.
+
 - `<run>.ref.safetensors`: what the optimizer held, per sharded key (`<key>.param`: the fp32 main
   param, or the fp32 weight; `<key>.exp_avg`, `<key>.exp_avg_sq`), gathered from every rank's
   shards before the save, with each key's step and group settings as
@@ -204,6 +214,10 @@ RUNS_09 = {
                                  backend="zarr"),
     "zarr_moe_ep2": dict(tp=1, ep=2, dist_opt=True, bf16=True, sharding="fully_sharded_model_space",
                          backend="zarr"),
+    # NeMo 1.x's checkpoint of its GPT model (nemo1_checkpoint; 0.9's torch_dist strategy does not run on torch 2.13)
+    "nemo1_zarr_tp2_dp2_distopt": dict(tp=2, dist_opt=True, bf16=True, sharding="fully_sharded_model_space",
+                                       world=4, backend="zarr", nemo1=True),
+    "nemo1_zarr_tp2": dict(tp=2, dist_opt=False, bf16=True, sharding=None, backend="zarr", nemo1=True),
 }
 
 
@@ -488,10 +502,14 @@ def rank_main(rank, world, port, out):
         state = {"args": argparse.Namespace(tensor_model_parallel_size=run["tp"], num_layers=LAYERS, hidden_size=HIDDEN,
                                             lr=1e-3, weight_decay=0.1, bf16=run["bf16"], params_dtype=dtype),
                  "checkpoint_version": 3.0, "iteration": 3}
-        models = {("model" if len(ddps) == 1 else f"model{i}"): d.module.sharded_state_dict(metadata=metadata)
+        prefix = "model." if run.get("nemo1") else ""  # NeMo's GPT model: its module's keys under model.
+        models = {("model" if len(ddps) == 1 else f"model{i}"): d.module.sharded_state_dict(prefix=prefix,
+                                                                                             metadata=metadata)
                   for i, d in enumerate(ddps)}
         state.update(models)
-        if mcore_version() < (0, 10):  # the sharding type its own argument, the distributed optimizer's alone
+        if run.get("nemo1"):
+            state = nemo1_checkpoint(run, models["model"], opt, sched, LAYERS, HIDDEN)
+        elif mcore_version() < (0, 10):  # the sharding type its own argument, the distributed optimizer's alone
             state["optimizer"] = opt.sharded_state_dict(
                 state, **(dict(sharding_type=run["sharding"]) if run["dist_opt"] else {}))
         else:
@@ -499,13 +517,14 @@ def rank_main(rank, world, port, out):
         if not run.get("model", True):  # verl's optimizer/dist_ckpt/: no model weights beside
             for key in models:
                 del state[key]
-        state["opt_param_scheduler"] = sched.state_dict()
-        state["num_floating_point_operations_so_far"] = 0
-        state["rng_state"] = ShardedObject(
-            "rng_state", [{"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state()}],
-            (pp, run["tp"]), (parallel_state.get_pipeline_model_parallel_rank(),
-                              parallel_state.get_tensor_model_parallel_rank()),
-            replica_id=parallel_state.get_data_parallel_rank())
+        if not run.get("nemo1"):
+            state["opt_param_scheduler"] = sched.state_dict()
+            state["num_floating_point_operations_so_far"] = 0
+            state["rng_state"] = ShardedObject(
+                "rng_state", [{"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state()}],
+                (pp, run["tp"]), (parallel_state.get_pipeline_model_parallel_rank(),
+                                  parallel_state.get_tensor_model_parallel_rank()),
+                replica_id=parallel_state.get_data_parallel_rank())
         apply_factories(state)
         refd = os.environ.get("MEGATRON_REF", "1") != "0" and run.get("ref", True)
         rows = sharded_rows(nested_values(state)) if refd else None
@@ -513,7 +532,7 @@ def rank_main(rank, world, port, out):
             rows = sharded_rows(nested_values(models)) + [r for d in ddps for r in live_rows(d.module, opt)]
         whole = gathered(rows, rank) if refd else None
         settings = {}
-        for part in all_ranks({k: v for d in ddps for k, v in key_settings(d.module, opt).items()}):
+        for part in all_ranks({k: v for d in ddps for k, v in key_settings(d.module, opt, prefix).items()}):
             for key, v in part.items():
                 assert settings.setdefault(key, v) == v, key
         path = os.path.join(out, name)
@@ -536,6 +555,23 @@ def rank_main(rank, world, port, out):
         dist.barrier()
         parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+def nemo1_checkpoint(run, model_sd, opt, sched, layers, hidden):
+    """What NeMo 1.x's NLPDDPStrategy saves through dist_checkpointing (its `save_checkpoint` with
+    distributed checkpointing): Lightning's checkpoint dict, the model's sharded state dict under
+    `sharded_state_dict` (MegatronGPTModel.on_save_checkpoint; its keys prefixed `model.`), the
+    optimizer's as a list under `optimizer_states` (optimizer_sharded_state_dict: built over the
+    model's without `_extra_state`; mcore's distributed optimizer `fully_sharded_model_space` as
+    with `dist_ckpt_parallel_save`), `state_dict` emptied, beside Lightning's own keys."""
+    without_extra = {k: v for k, v in model_sd.items() if not k.endswith("_extra_state")}
+    optim = opt.sharded_state_dict(without_extra, **(dict(sharding_type=run["sharding"]) if run["dist_opt"] else {}))
+    return {"epoch": 0, "global_step": 3, "pytorch-lightning_version": "2.4.0", "state_dict": {},
+            "sharded_state_dict": model_sd, "optimizer_states": [optim],
+            "loops": {"fit_loop": {"epoch_progress": {"total": {"completed": 0}}}}, "callbacks": {},
+            "lr_schedulers": [sched.state_dict()], "hparams_name": "cfg",
+            "hyper_parameters": {"cfg": {"tensor_model_parallel_size": run["tp"], "num_layers": layers,
+                                         "hidden_size": hidden, "mcore_gpt": True}}}
 
 
 def pipeline_step(cfg, ddps, ids, pos, mask):
@@ -664,7 +700,7 @@ def all_ranks(value):
     return pieces
 
 
-def key_settings(module, opt):
+def key_settings(module, opt, prefix=""):
     """The step and group settings of each sharded key whose params this rank steps (a key's
     params, one per layer, share a group): from torch's AdamW (or apex's FusedAdam) under Megatron's optimizer, through
     Megatron's fp32 main params where it steps those."""
@@ -686,7 +722,7 @@ def key_settings(module, opt):
                     if id(main_param) in of_param:
                         of_param[id(model_param)] = of_param[id(main_param)]
     out = {}
-    for st in module.sharded_state_dict().values():
+    for st in module.sharded_state_dict(prefix=prefix).values():
         if hasattr(st, "key") and getattr(st, "data", None) is not None and id(st.data) in of_param:
             assert out.setdefault(st.key, of_param[id(st.data)]) == of_param[id(st.data)], st.key
     return out

@@ -7,7 +7,10 @@
 // optimizer (N-D flattened items: mcore_data's shapes, chunk boxes and element ranges split between
 // ranks: fuzz.dcp_megatron_nd_metadata), or the .metadata or first data file of 0.16's distributed
 // optimizer saved dp_reshardable (bucket items, their chunks and values, placed on the weights by
-// value: fuzz.dcp_megatron_dp_metadata, fuzz.dcp_megatron_dp_data).
+// value: fuzz.dcp_megatron_dp_metadata, fuzz.dcp_megatron_dp_data), or, of 0.9's zarr backend
+// (zarr.h), an array's .zarray against its chunk files (fuzz.dcp_megatron_zarr_zarray), one of those
+// chunk files (fuzz.dcp_megatron_zarr_chunk), or the common.pt of NeMo 1.x's checkpoint dict
+// (optimizer_states, re-signed: fuzz.dcp_megatron_nemo1_common).
 // Every input must validate, open, hash, read whole and write back (a plain DCP), or give an error.
 #include <cstdint>
 #include <optional>

@@ -74,6 +74,92 @@ std::optional<std::pair<int, int64_t>> group_optimizer_key(std::string_view key)
   return std::pair{*chain, *group};
 }
 
+std::optional<std::pair<int, int64_t>> param_state_key(std::string_view key) {
+  const auto chain = chain_prefix(key);
+  if (!chain || !key.starts_with(kDistributed)) return std::nullopt;
+  key = key.substr(kDistributed.size());
+  const auto group = number_then(key, ".");
+  if (!group || !key.starts_with("param_state/shard_")) return std::nullopt;
+  return std::pair{*chain, *group};
+}
+
+Result<std::vector<int64_t>> flat_buffer_bounds(size_t bucket, int64_t numel, DType dtype,
+                                               const std::vector<Box>& boxes, const BucketValues& values,
+                                               const std::string& where) {
+  constexpr int64_t kPrefix = 4;         // elements a box is looked up by
+  constexpr size_t kMaxSameFirst = 4096;  // boxes compared at one start (equal first elements)
+  // the boxes of the buffer's dtype by their first elements (fewer for a box that short)
+  std::map<std::vector<uint32_t>, std::vector<size_t>> by_first;
+  std::vector<std::optional<std::vector<uint32_t>>> samples(boxes.size());
+  for (size_t i = 0; i < boxes.size(); ++i) {
+    if (boxes[i].dtype != dtype || boxes[i].numel <= 0 || boxes[i].numel > numel) continue;
+    std::vector<int64_t> at;
+    for (int64_t k = 0; k < std::min(kPrefix, boxes[i].numel); ++k) at.push_back(k);
+    OPTSTATE_ASSIGN_OR_RETURN(auto first, values.box(i, at));
+    by_first[std::move(first)].push_back(i);
+  }
+  auto fits = [&](size_t i, int64_t start) -> Result<bool> {
+    if (!samples[i]) {
+      OPTSTATE_ASSIGN_OR_RETURN(auto v, values.box(i, sample_places(boxes[i].numel)));
+      samples[i] = std::move(v);
+    }
+    OPTSTATE_ASSIGN_OR_RETURN(const auto got, values.bucket(bucket, start, sample_places(boxes[i].numel), dtype));
+    return got == *samples[i];
+  };
+  std::vector<int64_t> bounds{0};
+  int64_t at = 0, bucket_start = 0;
+  while (at < numel) {
+    const int64_t aligned = bucket_start + (at - bucket_start + kParamAlignment - 1) / kParamAlignment * kParamAlignment;
+    std::vector<std::pair<int64_t, size_t>> found;  // (start, box)
+    std::vector<int64_t> starts{at};
+    if (aligned != at && aligned < numel) starts.push_back(aligned);
+    for (const int64_t start : starts) {
+      std::vector<int64_t> head;
+      for (int64_t k = 0; k < std::min(kPrefix, numel - start); ++k) head.push_back(k);
+      OPTSTATE_ASSIGN_OR_RETURN(const auto first, values.bucket(bucket, start, head, dtype));
+      for (size_t len = 1; len <= first.size(); ++len) {
+        const auto same = by_first.find(std::vector<uint32_t>(first.begin(), first.begin() + static_cast<ptrdiff_t>(len)));
+        if (same == by_first.end()) continue;
+        size_t tried = 0;
+        for (const size_t i : same->second) {
+          if (boxes[i].numel > numel - start) continue;
+          if (boxes[i].numel < kPrefix && static_cast<size_t>(boxes[i].numel) != len) continue;
+          if (boxes[i].numel >= kPrefix && len != static_cast<size_t>(kPrefix)) continue;
+          if (++tried > kMaxSameFirst)
+            return unsupported(fmt::format("{}: more than {} weights begin as the buffer does at element {}", where,
+                                           kMaxSameFirst, start));
+          OPTSTATE_ASSIGN_OR_RETURN(const bool ok, fits(i, start));
+          if (ok) found.emplace_back(start, i);
+        }
+      }
+    }
+    if (found.empty())
+      return unsupported(fmt::format("{}: no model weight's values lie at element {} (nor at its 64-aligned start {}) "
+                                     "of the flat buffer of {} elements: a param whose weights are not saved beside "
+                                     "(or stale ones)",
+                                     where, at, aligned, numel));
+    const int64_t start = found[0].first;
+    const int64_t n = boxes[found[0].second].numel;
+    for (const auto& [s, i] : found) {
+      if (s != start)
+        return unsupported(fmt::format("{}: weights fit both where the last param ended (element {}) and at its "
+                                       "64-aligned start {}: where the next param begins is not in the checkpoint",
+                                       where, at, aligned));
+      if (boxes[i].numel != n)
+        return unsupported(fmt::format("{}: weights of {} and of {} elements both fit at element {}: where the next "
+                                       "param ends is not in the checkpoint",
+                                       where, n, boxes[i].numel, start));
+    }
+    if (start == at && at != aligned) bucket_start = start;  // a new bucket (its predecessor cut at its last param)
+    if (start != 0) bounds.push_back(start);
+    at = start + n;
+    if (at < numel) bounds.push_back(at);
+  }
+  std::sort(bounds.begin(), bounds.end());
+  bounds.erase(std::unique(bounds.begin(), bounds.end()), bounds.end());
+  return bounds;
+}
+
 std::vector<int64_t> sample_places(int64_t numel) {
   std::vector<int64_t> at;
   if (numel <= 32) {

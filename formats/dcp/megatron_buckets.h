@@ -35,6 +35,10 @@ std::optional<BucketKey> bucket_key(std::string_view item_key);
 // "[chained_<i>.]optimizer.distributed.dp_group_idx_<G>.optimizer" -> {chain, G}.
 std::optional<std::pair<int, int64_t>> group_optimizer_key(std::string_view item_key);
 
+// The ShardedObject item of a data-parallel group's state gathered flat (dp_zero_gather_scatter):
+// "[chained_<i>.]optimizer.distributed.dp_group_idx_<G>.param_state/shard_<...>" -> {chain, G}.
+std::optional<std::pair<int, int64_t>> param_state_key(std::string_view item_key);
+
 // Params a chunk box of one model weight (one rank's part of it): a candidate for a run of a
 // bucket. `offsets` order a stacked key's boxes (layers, experts).
 struct Box {
@@ -85,6 +89,22 @@ Result<std::vector<std::optional<Placement>>> place_boxes(const std::vector<Buck
                                                           const std::vector<Box>& boxes,
                                                           const std::vector<std::string>& names,
                                                           const BucketValues& values, const std::string& where);
+
+// Megatron's distributed optimizer saved dp_zero_gather_scatter (Megatron-LM's without
+// --ckpt-fully-parallel-save up to 0.13, NeMo 1.x's without dist_ckpt_parallel_save): each DDP
+// buffer of a data-parallel group gathered into flat tensors (`param`, `exp_avg`, `exp_avg_sq`), its
+// buckets one after another, each cut at its last param's end; within a bucket the params lie in
+// reverse module order, each starting at a multiple of 64 elements from the bucket's start. The
+// module order is not in a distributed checkpoint, so the params' bounds are walked from the
+// values: from the buffer's start, each next param starts where the last ended (a new bucket) or
+// at its 64-aligned start, and is a box (of the buffer's `dtype`) whose weights the main params
+// there round to (its first elements looked up, then sample_places). Returns the bounds found (each
+// param's start and end, sorted, 0 first, `numel` left out): the chunk starts place_boxes then
+// places the boxes by. Refused, naming the element: no box fits at either start, boxes fit at both,
+// or boxes of different sizes fit at one (equal weights of different lengths).
+Result<std::vector<int64_t>> flat_buffer_bounds(size_t bucket, int64_t numel, DType dtype,
+                                               const std::vector<Box>& boxes, const BucketValues& values,
+                                               const std::string& where);
 
 // The sample of a run of `numel` elements compared first: all of it up to 32, else its first 8,
 // its last 8 and 16 spread between.

@@ -124,6 +124,26 @@ struct Fixture {
     };
     return v;
   }
+  // dp_zero_gather_scatter's flat buffer: each bucket's boxes at 64-aligned starts from the
+  // bucket's (zeros between, as Megatron's gather leaves them), each bucket cut at its last param's
+  // end, the buckets one after another; its chunk starts left to flat_buffer_bounds.
+  size_t flat(size_t domain, const std::vector<std::vector<size_t>>& bucket_ids) {
+    std::vector<float> m;
+    for (const auto& ids : bucket_ids) {
+      const size_t bucket_start = m.size();
+      for (const size_t i : ids) {
+        while ((m.size() - bucket_start) % 64) m.push_back(0.f);
+        for (const float w : weights[i]) m.push_back(w);
+      }
+    }
+    buckets.push_back(mg::Bucket{"flat " + std::to_string(buckets.size()), domain, 0, static_cast<int64_t>(m.size()), {}});
+    main.push_back(std::move(m));
+    return buckets.size() - 1;
+  }
+  Result<std::vector<int64_t>> bounds(size_t b, DType d = DType::kBF16) {
+    const auto v = values();
+    return mg::flat_buffer_bounds(b, buckets[b].numel, d, boxes, v, "flat");
+  }
   Result<std::vector<std::optional<mg::Placement>>> place() {
     const auto v = values();
     return mg::place_boxes(buckets, boxes, names, v, "ckpt");
@@ -254,4 +274,54 @@ TEST_CASE("dtype: f32 to f16 rounds to nearest even, as torch's Half") {
   CHECK(f32_to_f16(0x1.8p-25f) == 1);
   CHECK(f32_to_f16(-0x1p-14f) == 0x8400);
   CHECK(f32_to_f16(std::nanf("")) == 0x7e00);
+}
+
+TEST_CASE("megatron buckets: dp_zero_gather_scatter's flat buffer walked by value, then placed") {
+  CHECK(mg::param_state_key("optimizer.distributed.dp_group_idx_3.param_state/shard_0_1") == std::pair{-1, int64_t{3}});
+  CHECK(mg::param_state_key("chained_1.optimizer.distributed.dp_group_idx_0.param_state/shard_0_1") ==
+        std::pair{1, int64_t{0}});
+  CHECK_FALSE(mg::param_state_key("optimizer.distributed.dp_group_idx_3.param_state"));
+  CHECK_FALSE(mg::param_state_key("optimizer.distributed.dp_group_idx_3.optimizer/shard_0_1"));
+  Fixture f;
+  const size_t out = f.box("output_layer.weight", {0, 0}, f.random(100));
+  const size_t l1 = f.box("decoder.layers.mlp.linear_fc1.weight", {1, 0, 0}, f.random(40));
+  const size_t ln1 = f.box("decoder.layers.input_layernorm.weight", {1, 0}, std::vector<float>(16, 1.f));
+  const size_t ln0 = f.box("decoder.layers.input_layernorm.weight", {0, 0}, std::vector<float>(16, 1.f));
+  const size_t l0 = f.box("decoder.layers.mlp.linear_fc1.weight", {0, 0, 0}, f.random(40));
+  const size_t other = f.box("decoder.layers.mlp.linear_fc2.weight", {0, 0, 0}, f.random(40), DType::kF32);  // not bf16
+  const size_t b = f.flat(0, {{out, l1, ln1}, {ln0, l0}});
+  // bucket 0: out [0, 100), l1 [128, 168), ln1 [192, 208); bucket 1 from 208: ln0 [208, 224), l0 [272, 312)
+  REQUIRE(f.buckets[b].numel == 312);
+  auto bounds = f.bounds(b);
+  REQUIRE_MESSAGE(bounds.ok(), bounds.status().message());
+  CHECK(*bounds == std::vector<int64_t>{0, 100, 128, 168, 192, 208, 224, 272});
+  f.buckets[b].starts = *bounds;
+  auto placed = f.place();
+  REQUIRE_MESSAGE(placed.ok(), placed.status().message());
+  CHECK((*placed)[out]->begin == 0);
+  CHECK((*placed)[l1]->begin == 128);
+  CHECK((*placed)[ln1]->begin == 192);  // equal layer norms: the later layer first
+  CHECK((*placed)[ln0]->begin == 208);
+  CHECK((*placed)[l0]->begin == 272);
+  CHECK_FALSE((*placed)[other]);
+}
+
+TEST_CASE("megatron buckets: a flat buffer whose params no weight matches, or that fit two ways, is refused") {
+  Fixture f;
+  const size_t a = f.box("a.weight", {0, 0}, f.random(10));
+  const size_t gone = f.box("b.weight", {0, 0}, f.random(30));
+  const size_t b = f.flat(0, {{a, gone}});
+  f.weights[gone] = f.random(30);  // stale weights beside the optimizer's state
+  auto stale = f.bounds(b);
+  REQUIRE_FALSE(stale.ok());
+  CHECK(stale.status().message().find("no model weight's values lie at element 10 (nor at its 64-aligned start 64)") !=
+        std::string::npos);
+  Fixture z;
+  const size_t x = z.box("x.weight", {0, 0}, z.random(10));
+  const size_t zero = z.box("zero.bias", {0}, std::vector<float>(16, 0.f));  // as the padding before it
+  const size_t zb = z.flat(0, {{x, zero}});
+  auto both = z.bounds(zb);
+  REQUIRE_FALSE(both.ok());
+  CHECK(both.status().message().find("both where the last param ended (element 10) and at its 64-aligned start 64") !=
+        std::string::npos);
 }

@@ -1126,12 +1126,16 @@ class DcpReader final : public CheckpointReader {
       if ((chain < 0) == c.chained || i >= c.optimizers.size()) return std::nullopt;
       return i;
     };
-    bool any = false;
-    for (const auto& o : c.optimizers) any = any || o.sharding == "dp_reshardable";
-    if (!any) return Status::Ok();
+    // dp_reshardable's per-bucket items, or dp_zero_gather_scatter's gathered buffers (flat_buffer_bounds
+    // makes them bucket items: their chunks each param's part and the padding between)
+    auto flat = [](const megatron::Optimizer& o) {
+      return o.sharding == "dp_reshardable" || o.sharding == "dp_zero_gather_scatter";
+    };
+    if (std::none_of(c.optimizers.begin(), c.optimizers.end(), flat)) return Status::Ok();
     // (optimizer, group, gbuf, bucket) -> entry -> item key
-    std::map<std::tuple<size_t, int64_t, int64_t, int64_t>, std::map<std::string, std::string>> bucket_items;
+    BucketItems bucket_items;
     std::map<size_t, std::set<int64_t>> groups_read;
+    std::map<std::pair<size_t, int64_t>, std::string> param_states;  // (optimizer, group) -> its gathered state
     for (const auto& [key, im] : md_.items) {
       const auto slash = key.find("/shard_");
       const std::string base = slash == std::string::npos ? key : key.substr(0, slash);
@@ -1145,16 +1149,25 @@ class DcpReader final : public CheckpointReader {
         if (!bucket_items[{*o, bk->group, bk->gbuf, bk->bucket}].emplace(bk->entry, key).second)
           return corrupt(iw + ": a bucket's entry twice (two dtypes)");
         dp_items.insert(key);
+      } else if (auto ps = megatron::param_state_key(key)) {
+        const auto o = opt_of(ps->first);
+        if (!o || c.optimizers[*o].sharding != "dp_zero_gather_scatter")
+          return corrupt(iw + ": a dp_zero_gather_scatter state of no optimizer saved so in common.pt");
+        if (im.is_tensor) return corrupt(iw + ": a tensor where the gathered state is saved");
+        if (!param_states.emplace(std::pair{*o, ps->second}, key).second)
+          return corrupt(iw + ": a data-parallel group's gathered state twice");
+        dp_items.insert(key);
       } else if (auto go = megatron::group_optimizer_key(base)) {
         const auto o = opt_of(go->first);
-        if (!o || c.optimizers[*o].sharding != "dp_reshardable")
-          return corrupt(iw + ": a dp_reshardable optimizer of no optimizer saved so in common.pt");
+        if (!o || !flat(c.optimizers[*o]))
+          return corrupt(iw + ": a data-parallel group's optimizer of no optimizer saved so in common.pt");
         if (im.is_tensor) return corrupt(iw + ": a tensor where the optimizer's state dict is saved");
         OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(key, {}, 64));
         if (pi->payload.kind != Payload::Kind::kValue) return corrupt(iw + ": not the optimizer's state dict");
         OPTSTATE_ASSIGN_OR_RETURN(megatron::Optimizer g, megatron::interpret_group_optimizer(pi->pickle, iw));
         megatron::Optimizer& mine = c.optimizers[*o];
         if (mine.groups.empty()) {
+          g.sharding = mine.sharding;  // dp_reshardable or dp_zero_gather_scatter, as common.pt says
           mine = std::move(g);
         } else {
           bool same = mine.groups.size() == g.groups.size() && mine.group_step == g.group_step;
@@ -1169,10 +1182,63 @@ class DcpReader final : public CheckpointReader {
       }
     }
     for (size_t i = 0; i < c.optimizers.size(); ++i)
-      if (c.optimizers[i].sharding == "dp_reshardable" && c.optimizers[i].groups.empty())
-        return corrupt(fmt::format("{}: Megatron's distributed optimizer{} saved dp_reshardable without its param "
+      if (flat(c.optimizers[i]) && c.optimizers[i].groups.empty())
+        return corrupt(fmt::format("{}: Megatron's distributed optimizer{} saved {} without its param "
                                    "groups (no optimizer.distributed.dp_group_idx_<G>.optimizer item)",
-                                   where, c.chained ? fmt::format(" {}", i) : ""));
+                                   where, c.chained ? fmt::format(" {}", i) : "", c.optimizers[i].sharding));
+    // The model's weights: candidate params, a box per chunk.
+    std::vector<std::string> names;
+    std::vector<megatron::Box> boxes;
+    std::vector<Source> weight_src;  // per weight (names), its chunks read by box
+    for (const auto& [key, im] : md_.items) {
+      if (!im.is_tensor || dp_items.count(key) || megatron::state_item(key) || !im.nd_shape.empty()) continue;
+      if (im.dtype != DType::kF32 && im.dtype != DType::kBF16 && im.dtype != DType::kF16) continue;
+      for (size_t k = 0; k < im.chunks.size(); ++k) {
+        const auto n = checked_numel(im.chunks[k].sizes);
+        if (!n.ok()) return corrupt(fmt::format("{}: item '{}': a chunk of no size", where, key));
+        boxes.push_back(megatron::Box{names.size(), im.chunks[k].offsets, *n, im.dtype});
+      }
+      Source src;
+      src.key = key;
+      src.item = &im;
+      weight_src.push_back(std::move(src));
+      names.push_back(key);
+    }
+    std::vector<size_t> box_chunk;
+    {
+      std::vector<size_t> seen(names.size(), 0);
+      for (const auto& b : boxes) box_chunk.push_back(seen[b.key]++);
+    }
+    megatron::BucketValues values;
+    values.box = [&](size_t bi, std::span<const int64_t> at) -> Result<std::vector<uint32_t>> {
+      const int64_t elem = dtype_size(boxes[bi].dtype);
+      std::vector<uint32_t> out(at.size());
+      std::vector<std::byte> run;
+      for (size_t i = 0; i < at.size();) {
+        size_t j = i + 1;
+        while (j < at.size() && at[j] == at[j - 1] + 1) ++j;
+        run.resize((j - i) * static_cast<size_t>(elem));
+        const Segment seg{0, static_cast<int64_t>(j - i), box_chunk[bi], at[i]};
+        const Source& ws = weight_src[boxes[bi].key];
+        OPTSTATE_ASSIGN_OR_RETURN(auto loc, segment_source(ws, seg, Component::kValues));
+        const auto [file, from, esize, record] = loc;
+        if (esize != elem) return corrupt(fmt::format("{}: item '{}' holds elements of another size", where, ws.key));
+        OPTSTATE_RETURN_IF_ERROR(file->read_at(from, run).with_context(fmt::format("item '{}'", ws.key)));
+        for (size_t k = i; k < j; ++k) {
+          uint32_t bits = 0;
+          std::memcpy(&bits, run.data() + (k - i) * static_cast<size_t>(elem), static_cast<size_t>(elem));
+          out[k] = bits;
+        }
+        i = j;
+      }
+      return out;
+    };
+    if (boxes.empty())
+      return unsupported(where + ": Megatron's distributed optimizer saved its state flat (dp_reshardable's buckets, "
+                                 "dp_zero_gather_scatter's gathered buffers: their param layout is not saved), and no "
+                                 "model weights beside to place its params by (verl's optimizer/dist_ckpt/ alone); "
+                                 "save it with --dist-ckpt-optim-fully-reshardable");
+    OPTSTATE_RETURN_IF_ERROR(flat_buffers_as_buckets(param_states, boxes, values, bucket_items, dp_items));
     // The buckets, in each domain (optimizer, data-parallel group) Megatron's order.
     std::vector<megatron::Bucket> buckets;
     std::vector<const std::map<std::string, std::string>*> bucket_entries;
@@ -1207,30 +1273,6 @@ class DcpReader final : public CheckpointReader {
       bucket_main.push_back(std::move(src));
     }
     if (buckets.empty()) return corrupt(where + ": Megatron's distributed optimizer saved dp_reshardable without buckets");
-    // The model's weights: candidate params, a box per chunk.
-    std::vector<std::string> names;
-    std::vector<megatron::Box> boxes;
-    std::vector<Source> weight_src;  // per weight (names), its chunks read by box
-    for (const auto& [key, im] : md_.items) {
-      if (!im.is_tensor || dp_items.count(key) || megatron::state_item(key) || !im.nd_shape.empty()) continue;
-      if (im.dtype != DType::kF32 && im.dtype != DType::kBF16 && im.dtype != DType::kF16) continue;
-      for (size_t k = 0; k < im.chunks.size(); ++k) {
-        const auto n = checked_numel(im.chunks[k].sizes);
-        if (!n.ok()) return corrupt(fmt::format("{}: item '{}': a chunk of no size", where, key));
-        boxes.push_back(megatron::Box{names.size(), im.chunks[k].offsets, *n, im.dtype});
-      }
-      Source src;
-      src.key = key;
-      src.item = &im;
-      weight_src.push_back(std::move(src));
-      names.push_back(key);
-    }
-    std::vector<size_t> box_chunk;
-    {
-      std::vector<size_t> seen(names.size(), 0);
-      for (const auto& b : boxes) box_chunk.push_back(seen[b.key]++);
-    }
-    megatron::BucketValues values;
     values.bucket = [&](size_t b, int64_t begin, std::span<const int64_t> at, DType d) -> Result<std::vector<uint32_t>> {
       std::vector<uint32_t> out(at.size());
       std::vector<float> run;
@@ -1250,34 +1292,6 @@ class DcpReader final : public CheckpointReader {
       }
       return out;
     };
-    values.box = [&](size_t bi, std::span<const int64_t> at) -> Result<std::vector<uint32_t>> {
-      const int64_t elem = dtype_size(boxes[bi].dtype);
-      std::vector<uint32_t> out(at.size());
-      std::vector<std::byte> run;
-      for (size_t i = 0; i < at.size();) {
-        size_t j = i + 1;
-        while (j < at.size() && at[j] == at[j - 1] + 1) ++j;
-        run.resize((j - i) * static_cast<size_t>(elem));
-        const Segment seg{0, static_cast<int64_t>(j - i), box_chunk[bi], at[i]};
-        const Source& ws = weight_src[boxes[bi].key];
-        OPTSTATE_ASSIGN_OR_RETURN(auto loc, segment_source(ws, seg, Component::kValues));
-        const auto [file, from, esize, record] = loc;
-        if (esize != elem) return corrupt(fmt::format("{}: item '{}' holds elements of another size", where, ws.key));
-        OPTSTATE_RETURN_IF_ERROR(file->read_at(from, run).with_context(fmt::format("item '{}'", ws.key)));
-        for (size_t k = i; k < j; ++k) {
-          uint32_t bits = 0;
-          std::memcpy(&bits, run.data() + (k - i) * static_cast<size_t>(elem), static_cast<size_t>(elem));
-          out[k] = bits;
-        }
-        i = j;
-      }
-      return out;
-    };
-    if (boxes.empty())
-      return unsupported(where + ": Megatron's distributed optimizer saved dp_reshardable (flat per-bucket buffers, "
-                                 "whose param layout is not saved), and no model weights beside to place its params "
-                                 "by (verl's optimizer/dist_ckpt/ alone); save it with "
-                                 "--dist-ckpt-optim-fully-reshardable");
     OPTSTATE_ASSIGN_OR_RETURN(auto placed, megatron::place_boxes(buckets, boxes, names, values, where));
     // Each placed weight's entries: N-D flattened items over the bucket chunks' storage.
     std::map<size_t, std::vector<size_t>> placed_of;  // weight -> its boxes
@@ -1340,8 +1354,95 @@ class DcpReader final : public CheckpointReader {
     }
     if (placed_of.empty()) return corrupt(where + ": dp_reshardable buckets of no param");  // check_padding refuses first
     value_notes_.push_back(
-        "Megatron's distributed optimizer saved dp_reshardable (flat per-bucket buffers, whose param layout the "
-        "checkpoint does not hold): each param placed where its fp32 main params round to the model's weights");
+        param_states.empty()
+            ? "Megatron's distributed optimizer saved dp_reshardable (flat per-bucket buffers, whose param layout the "
+              "checkpoint does not hold): each param placed where its fp32 main params round to the model's weights"
+            : "Megatron's distributed optimizer saved dp_zero_gather_scatter (each data-parallel group's buffers "
+              "gathered flat, whose param layout the checkpoint does not hold): each param placed where its fp32 main "
+              "params round to the model's weights");
+    return Status::Ok();
+  }
+
+  // dp_zero_gather_scatter (megatron::interpret_param_state): each data-parallel group's gathered
+  // buffers, a flat float32 tensor per entry inside the group's ShardedObject, walked by value
+  // (megatron::flat_buffer_bounds) and entered as one bucket each: an item per entry whose chunks are
+  // each param's run and the padding between, stored raw where they lie in the object's archive (a
+  // part of a record: its CRC-32 unchecked).
+  using BucketItems = std::map<std::tuple<size_t, int64_t, int64_t, int64_t>, std::map<std::string, std::string>>;
+  Status flat_buffers_as_buckets(const std::map<std::pair<size_t, int64_t>, std::string>& param_states,
+                                 const std::vector<megatron::Box>& boxes, const megatron::BucketValues& values,
+                                 BucketItems& bucket_items, std::set<std::string>& dp_items) {
+    const std::string where = dir_.string();
+    for (const auto& [og, key] : param_states) {
+      const auto& [o, group] = og;
+      const std::string iw = fmt::format("{}: item '{}'", where, key);
+      OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(key, {}, 256));
+      if (pi->payload.kind != Payload::Kind::kValue) return corrupt(iw + ": not the gathered state's dict");
+      OPTSTATE_ASSIGN_OR_RETURN(const auto buffers, megatron::interpret_param_state(pi->pickle, iw));
+      const std::string relative_path = md_.storage.at({key, {}}).relative_path;
+      const std::string prefix = key.substr(0, key.find("optimizer.distributed."));  // chained_<i>.
+      const InputFile* file = pi->file;
+      for (const megatron::FlatBuffer& fb : buffers) {
+        const std::string bw = fmt::format("{} [{}]", iw, fb.gbuf);
+        const uint64_t bytes = static_cast<uint64_t>(fb.numel) * 4;
+        std::map<std::string, uint64_t> first;  // entry -> its first element's file offset
+        for (const auto& [e, t] : fb.entries) {
+          const auto rec = pi->storages.find(t.storage_key);
+          if (rec == pi->storages.end()) return corrupt(fmt::format("{} '{}': its storage is not in the archive", bw, e));
+          const uint64_t at = rec->second.at + static_cast<uint64_t>(t.offset) * 4;
+          if (static_cast<uint64_t>(t.offset) * 4 + bytes > rec->second.size || at + bytes > file->size())
+            return corrupt(fmt::format("{} '{}': its storage holds fewer than its {} elements", bw, e, fb.numel));
+          first[e] = at;
+        }
+        const uint64_t main_at = first.at("param");
+        megatron::BucketValues walk;
+        walk.box = values.box;
+        walk.bucket = [&](size_t, int64_t begin, std::span<const int64_t> idx, DType d) -> Result<std::vector<uint32_t>> {
+          std::vector<uint32_t> out(idx.size());
+          std::vector<float> run;
+          for (size_t i = 0; i < idx.size();) {
+            size_t j = i + 1;
+            while (j < idx.size() && idx[j] == idx[j - 1] + 1) ++j;
+            run.resize(j - i);
+            OPTSTATE_RETURN_IF_ERROR(file->read_at(main_at + static_cast<uint64_t>(begin + idx[i]) * 4,
+                                                   std::as_writable_bytes(std::span(run)))
+                                         .with_context(bw));
+            for (size_t k = i; k < j; ++k) {
+              const float v = run[k - i];
+              uint32_t bits;
+              std::memcpy(&bits, &v, 4);
+              out[k] = d == DType::kBF16 ? f32_to_bf16(v) : d == DType::kF16 ? f32_to_f16(v) : bits;
+            }
+            i = j;
+          }
+          return out;
+        };
+        OPTSTATE_ASSIGN_OR_RETURN(const auto bounds,
+                                  megatron::flat_buffer_bounds(0, fb.numel, fb.param_dtype, boxes, walk, bw));
+        for (const auto& [e, at] : first) {
+          ItemMeta im;
+          im.is_tensor = true;
+          im.dtype = DType::kF32;
+          im.size = {fb.numel};
+          const std::string syn = fmt::format("{}optimizer.distributed.dp_group_idx_{}.gbuf_idx_{} (dp_zero_gather_scatter).{}",
+                                              prefix, group, fb.gbuf, e);
+          for (size_t k = 0; k < bounds.size(); ++k) {
+            const int64_t cs = bounds[k], ce = k + 1 < bounds.size() ? bounds[k + 1] : fb.numel;
+            im.chunks.push_back(ChunkMeta{{cs}, {ce - cs}});
+            StorageLoc sl;
+            sl.relative_path = relative_path;
+            sl.offset = at + static_cast<uint64_t>(cs) * 4;
+            sl.length = static_cast<uint64_t>(ce - cs) * 4;
+            sl.raw_shape = std::vector<int64_t>{ce - cs};
+            md_.storage[{syn, {cs}}] = std::move(sl);
+          }
+          if (!md_.items.emplace(syn, std::move(im)).second)
+            return corrupt(fmt::format("{}: an item named '{}' beside its gathered state", where, syn));
+          dp_items.insert(syn);
+          bucket_items[{o, group, fb.gbuf, 0}][e] = syn;
+        }
+      }
+    }
     return Status::Ok();
   }
 

@@ -103,14 +103,17 @@ Result<Optimizer> interpret_optimizer(const Pickle& p, Ref opt, const std::strin
     // Per-key items: fully_reshardable's whole tensors, fully_sharded_model_space's N-D flattened
     // ranges (ItemMeta::nd_shape). dp_reshardable: flat buffers of the DDP buckets, the param
     // groups in each data-parallel group's own item (megatron_buckets.h), read by the caller.
-    if (*sharding == "dp_reshardable") return out;
+    // dp_zero_gather_scatter: each data-parallel group's buffers gathered flat into one object,
+    // its param groups in another, as dp_reshardable's (read by the caller too).
+    if (*sharding == "dp_reshardable" || *sharding == "dp_zero_gather_scatter") return out;
     if (*sharding != "fully_reshardable" && *sharding != "fully_sharded_model_space")
-      return unsupported(fmt::format("{}: Megatron's distributed optimizer saved '{}' (dp_zero_gather_scatter: "
-                                     "one buffer gathered per data-parallel group; fsdp_dtensor: Megatron-FSDP's), "
-                                     "which optstate does not read; it reads it saved "
+      return unsupported(fmt::format("{}: Megatron's distributed optimizer saved '{}' (fsdp_dtensor: "
+                                     "Megatron-FSDP's; fully_sharded_bucket_space: Megatron-Core 0.7's, "
+                                     "deprecated), which optstate does not read; it reads it saved "
                                      "'dp_reshardable' (the default since Megatron-Core 0.14), 'fully_reshardable' "
-                                     "(Megatron-LM's --dist-ckpt-optim-fully-reshardable) or "
-                                     "'fully_sharded_model_space' (Megatron-Core up to 0.13)",
+                                     "(Megatron-LM's --dist-ckpt-optim-fully-reshardable), "
+                                     "'fully_sharded_model_space' (Megatron-Core up to 0.13) or "
+                                     "'dp_zero_gather_scatter'",
                                      where, *sharding));
     opt = p.dict_get(opt, "optimizer");
     if (opt == kNoRef || p.at(opt).kind != Kind::kDict)
@@ -147,6 +150,56 @@ Result<Optimizer> interpret_optimizer(const Pickle& p, Ref opt, const std::strin
 Result<Optimizer> interpret_legacy_optimizer(const Pickle& p, Ref opt, const std::string& where) {
   if (opt == kNoRef) return corrupt(where + ": no 'optimizer' (saved with --no-save-optim)");
   return interpret_optimizer(p, opt, where, "model_optim_rng.pt");
+}
+
+Result<std::vector<FlatBuffer>> interpret_param_state(const Pickle& p, const std::string& where) {
+  Ref root = p.root();
+  // saved as a ShardedObject: its one-element list (torch_dist)
+  if (const auto* listed = list_of(p, root); listed && listed->size() == 1) root = (*listed)[0];
+  if (root == kNoRef || p.at(root).kind != Kind::kDict) return corrupt(where + ": not a dict of buffers");
+  const Ref coalesced = p.dict_get(root, "buckets_coalesced");
+  if (coalesced == kNoRef || p.at(coalesced).kind != Kind::kBool || !p.at(coalesced).i)
+    return unsupported(where + ": not 'buckets_coalesced' (a Megatron-Core before 0.7 saved each bucket apart)");
+  std::vector<FlatBuffer> out;
+  const auto& items = p.at(root).items;
+  for (size_t k = 0; k + 1 < items.size(); k += 2) {
+    if (p.at(items[k]).kind != Kind::kInt) {
+      if (as_string(p, items[k]) == std::optional<std::string>("buckets_coalesced")) continue;
+      return corrupt(where + ": a key that is neither a buffer's number nor 'buckets_coalesced'");
+    }
+    FlatBuffer fb;
+    fb.gbuf = p.at(items[k]).i;
+    const std::string bw = fmt::format("{} [{}]", where, fb.gbuf);
+    if (!out.empty() && fb.gbuf <= out.back().gbuf) return corrupt(bw + ": buffers out of order");
+    const auto* by_dtype = p.at(items[k + 1]).kind == Kind::kDict ? &p.at(items[k + 1]).items : nullptr;
+    if (!by_dtype || by_dtype->size() != 2) return corrupt(bw + ": not one dtype's state (Megatron's buffer holds one)");
+    const auto* dtypes = p.at((*by_dtype)[0]).kind == Kind::kTuple ? &p.at((*by_dtype)[0]).items : nullptr;
+    if (!dtypes || dtypes->size() != 2 || p.at((*dtypes)[0]).kind != Kind::kGlobal ||
+        static_cast<std::string_view>(p.at((*dtypes)[0]).s) != "torch")
+      return corrupt(bw + ": its key is not (param dtype, grad dtype)");
+    const std::string_view dname = p.at((*dtypes)[0]).name;
+    if (dname != "bfloat16" && dname != "float16" && dname != "float32")
+      return unsupported(fmt::format("{}: params of torch.{}; optstate reads bf16, fp16 and fp32 params", bw, dname));
+    fb.param_dtype = dname == "bfloat16" ? DType::kBF16 : dname == "float16" ? DType::kF16 : DType::kF32;
+    const Ref st = (*by_dtype)[1];
+    const Ref n = p.dict_get(st, "numel_unpadded");
+    if (n == kNoRef || p.at(n).kind != Kind::kInt || p.at(n).i <= 0) return corrupt(bw + ": no 'numel_unpadded' count");
+    fb.numel = p.at(n).i;
+    for (const char* e : {"param", "exp_avg", "exp_avg_sq"}) {
+      const std::string ew = fmt::format("{} '{}'", bw, e);
+      const Ref r = p.dict_get(st, e);
+      if (r == kNoRef) return corrupt(ew + ": missing");
+      OPTSTATE_ASSIGN_OR_RETURN(const Payload v, interpret_value(p, r, ew));
+      if (v.kind != Payload::Kind::kTensor || v.tensor.dtype != DType::kF32 ||
+          v.tensor.shape != std::vector<int64_t>{fb.numel} || v.tensor.permuted() || v.tensor.offset < 0 ||
+          v.tensor.offset > v.tensor.storage_numel - fb.numel)
+        return corrupt(fmt::format("{}: not a float32 tensor of its numel_unpadded {} elements", ew, fb.numel));
+      fb.entries.emplace(e, v.tensor);
+    }
+    out.push_back(std::move(fb));
+  }
+  if (out.empty()) return corrupt(where + ": no buffer");
+  return out;
 }
 
 Result<Optimizer> interpret_group_optimizer(const Pickle& p, const std::string& where) {

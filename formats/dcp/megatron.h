@@ -5,6 +5,7 @@
 // Pure interpretation of those two files; the DCP reader reads the items (FORMAT.md, "Megatron").
 #pragma once
 
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -71,6 +72,19 @@ Result<Common> interpret_common(const pickle::Pickle& p, const std::string& wher
 // ("[chained_<i>.]optimizer.distributed.dp_group_idx_<G>.optimizer": its param groups, members
 // left out, each with the step).
 Result<Optimizer> interpret_group_optimizer(const pickle::Pickle& p, const std::string& where);
+
+// dp_zero_gather_scatter's ShardedObject `optimizer.distributed.dp_group_idx_<G>.param_state`: what
+// Megatron-LM's legacy distrib_optim.pt holds (get_parameter_state_dp_zero): {"buckets_coalesced":
+// True, <gbuf>: {(param dtype, grad dtype): {"param", "exp_avg", "exp_avg_sq": flat float32 of
+// "numel_unpadded" elements}}}. A buffer each, in gbuf order; refused, naming why: not coalesced,
+// a buffer of several dtypes, params of another dtype than bf16/f16/f32, a tensor of another size.
+struct FlatBuffer {
+  int64_t gbuf = 0;
+  DType param_dtype = DType::kF32;
+  int64_t numel = 0;
+  std::map<std::string, TensorRef> entries;  // param, exp_avg, exp_avg_sq
+};
+Result<std::vector<FlatBuffer>> interpret_param_state(const pickle::Pickle& p, const std::string& where);
 
 // The optimizer's dict of Megatron-LM's legacy checkpoint (model_optim_rng.pt's ['optimizer']):
 // its param groups as interpret_common reads them, the distributed optimizer's without members,

@@ -472,6 +472,52 @@ def test_megatrons_default_dp_reshardable_checkpoint_reads_as_megatron_held_it(t
     assert optstate_cli("diff", ck, out).returncode == 0
 
 
+@pytest.mark.parametrize("corpus,run", [(MEGATRON, "tp2_dp2_distopt_dp_zero"),
+                                        (MEGATRON_09, "zarr_dp2_distopt_dp_zero"),
+                                        (MEGATRON_09, "zarr_tp2_dp2_distopt_dp_zero")])
+def test_megatrons_dp_zero_gather_scatter_checkpoint_reads_as_megatron_held_it(tmp_path, optstate_cli, corpus, run):
+    """The distributed optimizer saved dp_zero_gather_scatter (Megatron-LM's without
+    --ckpt-fully-parallel-save up to 0.13, NeMo 1.x's without dist_ckpt_parallel_save; still saved
+    by 0.16): each data-parallel group's DDP buffers gathered on its rank 0 into one ShardedObject,
+    flat main params and moments, its buckets one after another, whose layout is not saved.
+    Each param's bounds walked by value (where the last param ended or at its 64-aligned start, the
+    weights beside rounding from the main params there), then placed as dp_reshardable's:
+    Megatron-Core 0.16's torch_dist under tensor x data parallel 2 with several buckets, and 0.9's
+    zarr under data parallel 2 and tensor x data parallel 2 (several buckets): bit for bit what
+    Megatron's optimizer held (read from the live optimizer), in Megatron-Core's standard groups,
+    said as placed by value. The gathered state is read in runs: validate checks no checksum."""
+    ck = corpus / run
+    ref, meta = ref_of(ck)
+    info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta, checksums=False)
+    assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0]
+    assert any("saved dp_zero_gather_scatter" in n and "round to the model's weights" in n for n in info["read_notes"])
+    assert not any("optimizer.distributed" in n for n in info["not_read"]), info["not_read"]
+    out = tmp_path / "plain_dcp"
+    optstate_cli("convert", ck, out, "--format", "dcp")
+    assert optstate_cli("diff", ck, out).returncode == 0
+
+
+def test_a_dp_zero_gather_scatter_checkpoint_whose_weights_are_stale_is_refused(tmp_path, optstate_cli):
+    """A param's weights beside that are not what its main params round to (here a chunk of the
+    final layer norm's overwritten with other values): the walk finds no weight at that place of
+    the gathered buffer, refused naming the element, not read misplaced; without the model's
+    weights at all, refused saying what places the params."""
+    ck = tmp_path / "ck"
+    shutil.copytree(MEGATRON_09 / "zarr_dp2_distopt_dp_zero", ck)
+    chunk = ck / "decoder.final_layernorm.weight" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[0:2] = bytes([0x80, 0x3f])  # bf16 1.0 where the weight is not quite one
+    raw[2:4] = bytes([0x00, 0x40])  # 2.0
+    chunk.write_bytes(bytes(raw))
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "optimizer.distributed.dp_group_idx_0.param_state/shard_0_1' [0]: no model weight's values lie at element" in err, err
+    for p in list(ck.iterdir()):
+        if p.is_dir() and not p.name.startswith("optimizer.") and p.name != "rng_state":
+            shutil.rmtree(p)
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "no model weights beside to place its params by" in err, err
+
+
 def test_a_dp_reshardable_checkpoint_whose_weights_do_not_match_its_buckets_is_refused(tmp_path, optstate_cli):
     """dp_reshardable's params are placed by the model's weights: a weight changed after the step
     (here one element of the final layer norm's, in its storage) leaves its state in the buckets

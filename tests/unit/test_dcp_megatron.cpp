@@ -148,7 +148,7 @@ TEST_CASE("megatron: the mixed-precision optimizer's state dict one level down")
   CHECK(c->optimizers[0].step_ref != pickle::kNoRef);
 }
 
-TEST_CASE("megatron: the distributed optimizer's per-param and per-bucket forms read; dp_zero_gather_scatter refused") {
+TEST_CASE("megatron: the distributed optimizer's per-param, per-bucket and gathered forms read; Megatron-FSDP's refused") {
   auto dist = [](const char* sharding, double step1) {
     return common([=](pickle::Writer& w) {
       w.empty_dict();
@@ -176,9 +176,14 @@ TEST_CASE("megatron: the distributed optimizer's per-param and per-bucket forms 
   REQUIRE_MESSAGE(flat.ok(), flat.status().message());
   CHECK(flat->optimizers[0].sharding == "dp_reshardable");
   CHECK(flat->optimizers[0].groups.empty());
+  // dp_zero_gather_scatter: the same, its buffers gathered flat per data-parallel group
   auto gathered = dist("dp_zero_gather_scatter", 3.0);
-  REQUIRE_FALSE(gathered.ok());
-  CHECK(gathered.status().message().find("'dp_zero_gather_scatter'") != std::string::npos);
+  REQUIRE_MESSAGE(gathered.ok(), gathered.status().message());
+  CHECK(gathered->optimizers[0].sharding == "dp_zero_gather_scatter");
+  CHECK(gathered->optimizers[0].groups.empty());
+  auto fsdp = dist("fsdp_dtensor", 3.0);
+  REQUIRE_FALSE(fsdp.ok());
+  CHECK(fsdp.status().message().find("saved 'fsdp_dtensor'") != std::string::npos);
   auto steps = dist("fully_reshardable", 2.0);
   REQUIRE_FALSE(steps.ok());
   CHECK(steps.status().message().find("step 2") != std::string::npos);

@@ -128,6 +128,10 @@ RUNS_016 = {
     "tp2_dp2_distopt_dp_reshardable": dict(tp=2, dist_opt=True, bf16=True, sharding="dp_reshardable", lr=1e-2,
                                            size="3,16,16", world=4, bucket_size=1500),
     "moe_ep2_dp_reshardable": dict(tp=1, ep=2, dist_opt=True, bf16=True, sharding="dp_reshardable", lr=1e-2),
+    # dp_zero_gather_scatter (deprecated, still saved): each data-parallel group's buffers gathered flat
+    # into one ShardedObject, as Megatron-LM's legacy distrib_optim.pt; its param groups in another
+    "tp2_dp2_distopt_dp_zero": dict(tp=2, dist_opt=True, bf16=True, sharding="dp_zero_gather_scatter", lr=1e-2,
+                                    size="3,16,16", world=4, bucket_size=1500),
     # fully_reshardable with several DDP buckets: Megatron-Core 0.15 and 0.16 save it misplaced (its
     # gather strips the padding between buckets, then slices params at their padded offsets); no
     # reference: optstate refuses it, the main params not rounding to the weights beside
@@ -214,6 +218,14 @@ RUNS_09 = {
                                  backend="zarr"),
     "zarr_moe_ep2": dict(tp=1, ep=2, dist_opt=True, bf16=True, sharding="fully_sharded_model_space",
                          backend="zarr"),
+    # the distributed optimizer saved dp_zero_gather_scatter (Megatron-LM's without
+    # --ckpt-fully-parallel-save, NeMo 1.x's without dist_ckpt_parallel_save): each data-parallel
+    # group's buffers gathered flat into one ShardedObject; lr 1e-2 so the layer norms leave 1.0 in
+    # bf16 (the params are placed by value), DDP buckets of ~1500 elements under tensor parallelism
+    "zarr_dp2_distopt_dp_zero": dict(tp=1, dist_opt=True, bf16=True, sharding="dp_zero_gather_scatter",
+                                     size="3,16,16", lr=1e-2, backend="zarr"),
+    "zarr_tp2_dp2_distopt_dp_zero": dict(tp=2, dist_opt=True, bf16=True, sharding="dp_zero_gather_scatter",
+                                         size="3,16,16", lr=1e-2, world=4, bucket_size=1500, backend="zarr"),
     # NeMo 1.x's checkpoint of its GPT model (nemo1_checkpoint; 0.9's torch_dist strategy does not run on torch 2.13)
     "nemo1_zarr_tp2_dp2_distopt": dict(tp=2, dist_opt=True, bf16=True, sharding="fully_sharded_model_space",
                                        world=4, backend="zarr", nemo1=True),
@@ -337,6 +349,16 @@ def sharded_rows(sharded):
     return rows
 
 
+def main_param_and_states(inner, model_param):
+    """The distributed optimizer's fp32 main param of `model_param` (this rank's range) and its
+    moments (Megatron-Core 0.9 has no _get_main_param_and_optimizer_states: as that does)."""
+    if hasattr(inner, "_get_main_param_and_optimizer_states"):
+        return inner._get_main_param_and_optimizer_states(model_param)
+    group_index, group_order = inner.model_param_group_index_map[model_param]
+    main = inner.optimizer.param_groups[group_index]["params"][group_order]
+    return {"param": main, **inner.optimizer.state[main]}
+
+
 def live_rows(module, opt):
     """The distributed optimizer's state as it holds it: for each param this rank steps, its range
     of the param (this rank's share of the buffer) with the main params and moments over it, keyed
@@ -357,7 +379,7 @@ def live_rows(module, opt):
                 continue
             part = inner._get_model_param_range_map(st.data)["param"]
             box = (1,) * st.prepend_axis_num + tuple(st.local_shape)
-            for entry, t in inner._get_main_param_and_optimizer_states(st.data).items():
+            for entry, t in main_param_and_states(inner, st.data).items():
                 if entry != "step":
                     rows.append((f"optimizer.state.{entry}.{st.key}", tuple(st.global_shape), tuple(st.global_offset),
                                  box, part.start, t.detach().float().clone()))
@@ -528,7 +550,7 @@ def rank_main(rank, world, port, out):
         apply_factories(state)
         refd = os.environ.get("MEGATRON_REF", "1") != "0" and run.get("ref", True)
         rows = sharded_rows(nested_values(state)) if refd else None
-        if refd and run["sharding"] == "dp_reshardable":  # the buckets' params, from the optimizer itself
+        if refd and run["sharding"] in ("dp_reshardable", "dp_zero_gather_scatter"):  # from the optimizer itself
             rows = sharded_rows(nested_values(models)) + [r for d in ddps for r in live_rows(d.module, opt)]
         whole = gathered(rows, rank) if refd else None
         settings = {}

@@ -10,11 +10,14 @@
 // value: fuzz.dcp_megatron_dp_metadata, fuzz.dcp_megatron_dp_data), or, of 0.9's zarr backend
 // (zarr.h), an array's .zarray against its chunk files (fuzz.dcp_megatron_zarr_zarray), one of those
 // chunk files (fuzz.dcp_megatron_zarr_chunk), or the common.pt of NeMo 1.x's checkpoint dict
-// (optimizer_states, re-signed: fuzz.dcp_megatron_nemo1_common).
+// (optimizer_states, re-signed: fuzz.dcp_megatron_nemo1_common), or the distributed optimizer's
+// gathered state saved dp_zero_gather_scatter (its buffers' dict and flat tensors, re-signed, walked
+// by value against the weights beside: fuzz.dcp_megatron_dp_zero_state).
 // Every input must validate, open, hash, read whole and write back (a plain DCP), or give an error.
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "fuzz_checkpoint.h"
 #include "torchsave/torchsave_fuzz_sign.h"
@@ -29,7 +32,7 @@ const fuzz::CheckpointFixture& fixture() {
 }
 
 std::optional<std::string> signed_input(const std::string& raw) {
-  if (std::string(OPTSTATE_MEGATRON_MEMBER) != "common.pt") return std::nullopt;
+  if (!std::string_view(OPTSTATE_MEGATRON_MEMBER).ends_with(".pt")) return std::nullopt;  // a torch.save file
   return torchsave::with_pickle_crc(raw);
 }
 

@@ -38,6 +38,9 @@ OptimizerParamScheduler, as the trainer steps it). Written into OUT:
 - `pp2_vp2_dp2_distopt_dp_reshardable/`: the same under a virtual pipeline of 2 chunks a stage (the
   interleaved schedule, 2 micro-batches; `model0`/`model1` in the state dict, each chunk's DDP
   buffers its own);
+- `tp2_dp2_distopt_dp_zero/`: the same saved `dp_zero_gather_scatter` (Megatron-LM's without
+  --ckpt-fully-parallel-save up to 0.13): each data-parallel group's buffers gathered into one
+  ShardedObject, as the legacy distrib_optim.pt holds them;
 - `moe_ep2_dp_reshardable/`: the mixture of experts saved `dp_reshardable`: a chain of two
   distributed optimizers, each its own data-parallel groups' buckets, prefixed `chained_<i>.`;
 - `moe_ep2/`: a mixture of experts (2 experts a layer) under expert parallelism 2, the
@@ -92,8 +95,10 @@ OUT `tests/data/writers/megatron-core-0.9.0_torch-2.13.0`) the runs are saved wi
 (0.9's distributed optimizer requires apex's or TransformerEngine's FusedAdam; the step then in each
 param group): `zarr_tp2`, `zarr_fp32_dp2` (fp32, the plain optimizer), `zarr_dp2_distopt` (3
 layers of hidden 16) and `zarr_tp2_dp2_distopt` (the distributed optimizer saved
-`fully_sharded_model_space`: its ranges written into each key's whole array), `zarr_moe_ep2`, and
-NeMo 1.x's checkpoint dict (nemo1_checkpoint) of `nemo1_zarr_tp2` and `nemo1_zarr_tp2_dp2_distopt`.
+`fully_sharded_model_space`: its ranges written into each key's whole array), `zarr_moe_ep2`,
+NeMo 1.x's checkpoint dict (nemo1_checkpoint) of `nemo1_zarr_tp2` and `nemo1_zarr_tp2_dp2_distopt`,
+and `zarr_dp2_distopt_dp_zero`, `zarr_tp2_dp2_distopt_dp_zero` (saved `dp_zero_gather_scatter`, lr
+1e-2, the latter with DDP buckets of ~1500 elements).
 
 - `<run>.ref.safetensors`: what the optimizer held, per sharded key (`<key>.param`: the fp32 main
   param, or the fp32 weight; `<key>.exp_avg`, `<key>.exp_avg_sq`), gathered from every rank's

@@ -518,6 +518,34 @@ def test_a_dp_zero_gather_scatter_checkpoint_whose_weights_are_stale_is_refused(
     assert "no model weights beside to place its params by" in err, err
 
 
+def test_a_dp_zero_gather_scatter_state_of_another_form_is_refused_naming_it(tmp_path, optstate_cli):
+    """The gathered state as older or other Megatron-Cores saved it, or damaged: buckets saved apart
+    (before 0.7: not buckets_coalesced), a buffer's params of another dtype, a flat tensor shorter
+    than numel_unpadded, an entry missing: each refused naming the object and the buffer."""
+    src = MEGATRON_09 / "zarr_dp2_distopt_dp_zero"
+    shard = "optimizer.distributed.dp_group_idx_0.param_state/shard_0_1.pt"
+    state = torch.load(src / shard, weights_only=False)
+    (dtypes, buf), = state[0].items()
+
+    def refused(edit, expect):
+        ck = tmp_path / "ck"
+        if ck.exists():
+            shutil.rmtree(ck)
+        shutil.copytree(src, ck)
+        d = {"buckets_coalesced": True, 0: {dtypes: dict(buf)}}
+        edit(d)
+        torch.save(d, ck / shard)
+        err = run_err(optstate_cli, "inspect", ck)
+        assert shard.removesuffix(".pt") in err and expect in err, err
+
+    refused(lambda d: d.update(buckets_coalesced=False), "not 'buckets_coalesced'")
+    refused(lambda d: d.update({0: {(torch.float64, torch.float32): dict(buf)}}), "[0]: params of torch.float64")
+    refused(lambda d: d[0][dtypes].update(exp_avg=buf["exp_avg"][:-1].clone()),
+            f"[0] 'exp_avg': not a float32 tensor of its numel_unpadded {buf['numel_unpadded']} elements")
+    refused(lambda d: d[0][dtypes].pop("exp_avg_sq"), "[0] 'exp_avg_sq': missing")
+    refused(lambda d: d[0].update({(torch.bfloat16, torch.bfloat16): dict(buf)}), "not one dtype's state")
+
+
 def test_a_dp_reshardable_checkpoint_whose_weights_do_not_match_its_buckets_is_refused(tmp_path, optstate_cli):
     """dp_reshardable's params are placed by the model's weights: a weight changed after the step
     (here one element of the final layer norm's, in its storage) leaves its state in the buckets

@@ -1378,7 +1378,7 @@ class DcpReader final : public CheckpointReader {
       const std::string iw = fmt::format("{}: item '{}'", where, key);
       OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(key, {}, 256));
       if (pi->payload.kind != Payload::Kind::kValue) return corrupt(iw + ": not the gathered state's dict");
-      OPTSTATE_ASSIGN_OR_RETURN(const auto buffers, megatron::interpret_param_state(pi->pickle, iw));
+      OPTSTATE_ASSIGN_OR_RETURN(const auto buffers, megatron::interpret_param_state(pi->pickle, pi->pickle.root(), iw));
       const std::string relative_path = md_.storage.at({key, {}}).relative_path;
       const std::string prefix = key.substr(0, key.find("optimizer.distributed."));  // chained_<i>.
       const InputFile* file = pi->file;

@@ -152,14 +152,14 @@ Result<Optimizer> interpret_legacy_optimizer(const Pickle& p, Ref opt, const std
   return interpret_optimizer(p, opt, where, "model_optim_rng.pt");
 }
 
-Result<std::vector<FlatBuffer>> interpret_param_state(const Pickle& p, const std::string& where) {
-  Ref root = p.root();
+Result<std::vector<FlatBuffer>> interpret_param_state(const Pickle& p, Ref root, const std::string& where) {
   // saved as a ShardedObject: its one-element list (torch_dist)
   if (const auto* listed = list_of(p, root); listed && listed->size() == 1) root = (*listed)[0];
   if (root == kNoRef || p.at(root).kind != Kind::kDict) return corrupt(where + ": not a dict of buffers");
   const Ref coalesced = p.dict_get(root, "buckets_coalesced");
   if (coalesced == kNoRef || p.at(coalesced).kind != Kind::kBool || !p.at(coalesced).i)
-    return unsupported(where + ": not 'buckets_coalesced' (a Megatron-Core before 0.7 saved each bucket apart)");
+    return unsupported(where + ": not 'buckets_coalesced' (a Megatron-Core before 0.7 saved each bucket apart); "
+                               "optstate reads the state as Megatron-Core 0.7 and later save it");
   std::vector<FlatBuffer> out;
   const auto& items = p.at(root).items;
   for (size_t k = 0; k + 1 < items.size(); k += 2) {

@@ -73,8 +73,8 @@ Result<Common> interpret_common(const pickle::Pickle& p, const std::string& wher
 // left out, each with the step).
 Result<Optimizer> interpret_group_optimizer(const pickle::Pickle& p, const std::string& where);
 
-// dp_zero_gather_scatter's ShardedObject `optimizer.distributed.dp_group_idx_<G>.param_state`: what
-// Megatron-LM's legacy distrib_optim.pt holds (get_parameter_state_dp_zero): {"buckets_coalesced":
+// dp_zero_gather_scatter's ShardedObject `optimizer.distributed.dp_group_idx_<G>.param_state`, and
+// Megatron-LM's legacy distrib_optim.pt (formats/megatron/), which hold the same (get_parameter_state_dp_zero): {"buckets_coalesced":
 // True, <gbuf>: {(param dtype, grad dtype): {"param", "exp_avg", "exp_avg_sq": flat float32 of
 // "numel_unpadded" elements}}}. A buffer each, in gbuf order; refused, naming why: not coalesced,
 // a buffer of several dtypes, params of another dtype than bf16/f16/f32, a tensor of another size.
@@ -84,7 +84,10 @@ struct FlatBuffer {
   int64_t numel = 0;
   std::map<std::string, TensorRef> entries;  // param, exp_avg, exp_avg_sq
 };
-Result<std::vector<FlatBuffer>> interpret_param_state(const pickle::Pickle& p, const std::string& where);
+// `state`: the dict (Megatron-LM's distrib_optim.pt: the root, or an element of its chain's list), or
+// the ShardedObject's one-element list around it.
+Result<std::vector<FlatBuffer>> interpret_param_state(const pickle::Pickle& p, pickle::Ref state,
+                                                      const std::string& where);
 
 // The optimizer's dict of Megatron-LM's legacy checkpoint (model_optim_rng.pt's ['optimizer']):
 // its param groups as interpret_common reads them, the distributed optimizer's without members,

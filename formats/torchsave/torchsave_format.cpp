@@ -1133,42 +1133,15 @@ class TorchSaveReader final : public CheckpointReader {
                                      part.experts ? "experts" : "dense params"));
         continue;
       }
-      if (dp.at(droot).kind != pickle::Kind::kDict) return corrupt(sw + ": not a dict of buffers");
-      const pickle::Ref coalesced = dp.dict_get(droot, "buckets_coalesced");
-      if (coalesced == pickle::kNoRef || dp.at(coalesced).kind != pickle::Kind::kBool || !dp.at(coalesced).i)
-        return unsupported(sw + ": not 'buckets_coalesced' (a Megatron-Core before 0.7 saved each bucket apart); "
-                                "optstate reads distrib_optim.pt as Megatron-Core 0.7 and later save it");
-      const auto& ditems = dp.at(droot).items;
-      for (size_t k = 0; k + 1 < ditems.size(); k += 2) {
-        if (dp.at(ditems[k]).kind != pickle::Kind::kInt) continue;  // buckets_coalesced
-        const int64_t buffer = dp.at(ditems[k]).i;
-        const std::string bw = fmt::format("{} [{}]", sw, buffer);
-        const auto* by_dtype = dp.at(ditems[k + 1]).kind == pickle::Kind::kDict ? &dp.at(ditems[k + 1]).items : nullptr;
-        if (!by_dtype || by_dtype->size() != 2) return corrupt(bw + ": not one dtype's state (Megatron's buffer holds one)");
-        // the key: (param dtype, grad dtype), torch's dtype globals
-        const auto* dtypes = dp.at((*by_dtype)[0]).kind == pickle::Kind::kTuple ? &dp.at((*by_dtype)[0]).items : nullptr;
-        if (!dtypes || dtypes->size() != 2 || dp.at((*dtypes)[0]).kind != pickle::Kind::kGlobal ||
-            static_cast<std::string_view>(dp.at((*dtypes)[0]).s) != "torch")
-          return corrupt(bw + ": its key is not (param dtype, grad dtype)");
-        const std::string_view dname = dp.at((*dtypes)[0]).name;
-        const DType param_dtype = dname == "bfloat16" ? DType::kBF16 : dname == "float16" ? DType::kF16 : DType::kF32;
-        if (dname != "bfloat16" && dname != "float16" && dname != "float32")
-          return unsupported(fmt::format("{}: params of torch.{}; optstate reads bf16, fp16 and fp32 params", bw, dname));
-        const pickle::Ref st = (*by_dtype)[1];
-        const pickle::Ref n = dp.dict_get(st, "numel_unpadded");
-        if (n == pickle::kNoRef || dp.at(n).kind != pickle::Kind::kInt || dp.at(n).i < 0)
-          return corrupt(bw + ": no 'numel_unpadded' count");
-        const int64_t numel = dp.at(n).i;
+      OPTSTATE_ASSIGN_OR_RETURN(const auto buffers, dcp::megatron::interpret_param_state(dp, droot, sw));
+      for (const dcp::megatron::FlatBuffer& fb : buffers) {
+        const std::string bw = fmt::format("{} [{}]", sw, fb.gbuf);
+        const DType param_dtype = fb.param_dtype;
+        const int64_t numel = fb.numel;
         std::map<std::string, dcp::TensorRef> flat;
-        for (const char* e : {kParam, kExpAvg, kExpAvgSq}) {
-          const std::string ew = fmt::format("{} '{}'", bw, e);
-          const pickle::Ref r = dp.dict_get(st, e);
-          if (r == pickle::kNoRef) return corrupt(ew + ": missing");
-          OPTSTATE_ASSIGN_OR_RETURN(const dcp::Payload v, dcp::interpret_value(dp, r, ew));
-          if (v.kind != dcp::Payload::Kind::kTensor || v.tensor.dtype != DType::kF32 || v.tensor.shape != std::vector<int64_t>{numel})
-            return corrupt(fmt::format("{}: not a float32 tensor of its numel_unpadded {} elements", ew, numel));
-          OPTSTATE_RETURN_IF_ERROR(resolve(fi, v.tensor, numel, ew).status());
-          flat.emplace(e, v.tensor);
+        for (const auto& [e, t] : fb.entries) {
+          OPTSTATE_RETURN_IF_ERROR(resolve(fi, t, numel, fmt::format("{} '{}'", bw, e)).status());
+          flat.emplace(e, t);
         }
         // the model's tensors of the buffer's dtype, in module order (a param is in one buffer)
         std::vector<size_t> cand;

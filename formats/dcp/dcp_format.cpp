@@ -7,6 +7,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <set>
 #include <tuple>
@@ -75,6 +76,29 @@ struct Source {
   RunList values;  // dense values or 8-bit codes
   RunList absmax;
 };
+
+// fp32 main params at sorted places `at` as bit patterns of `d` (rounded to nearest even, as
+// Megatron copies them into the weights): each run of consecutive places read at once by
+// read_run(first place, out).
+Result<std::vector<uint32_t>> main_params_as(DType d, std::span<const int64_t> at,
+                                             const std::function<Status(int64_t, std::span<float>)>& read_run) {
+  std::vector<uint32_t> out(at.size());
+  std::vector<float> run;
+  for (size_t i = 0; i < at.size();) {
+    size_t j = i + 1;
+    while (j < at.size() && at[j] == at[j - 1] + 1) ++j;
+    run.resize(j - i);
+    OPTSTATE_RETURN_IF_ERROR(read_run(at[i], run));
+    for (size_t k = i; k < j; ++k) {
+      const float v = run[k - i];
+      uint32_t bits;
+      std::memcpy(&bits, &v, 4);
+      out[k] = d == DType::kBF16 ? f32_to_bf16(v) : d == DType::kF16 ? f32_to_f16(v) : bits;
+    }
+    i = j;
+  }
+  return out;
+}
 
 bool is_accelerate_folder(const fs::path& path);
 
@@ -1274,23 +1298,10 @@ class DcpReader final : public CheckpointReader {
     }
     if (buckets.empty()) return corrupt(where + ": Megatron's distributed optimizer saved dp_reshardable without buckets");
     values.bucket = [&](size_t b, int64_t begin, std::span<const int64_t> at, DType d) -> Result<std::vector<uint32_t>> {
-      std::vector<uint32_t> out(at.size());
-      std::vector<float> run;
-      for (size_t i = 0; i < at.size();) {
-        size_t j = i + 1;
-        while (j < at.size() && at[j] == at[j - 1] + 1) ++j;
-        run.resize(j - i);
-        OPTSTATE_RETURN_IF_ERROR(read_plain(bucket_main[b], begin + at[i], begin + at[i] + static_cast<int64_t>(j - i),
-                                            std::as_writable_bytes(std::span(run))));
-        for (size_t k = i; k < j; ++k) {
-          const float v = run[k - i];
-          uint32_t bits;
-          std::memcpy(&bits, &v, 4);
-          out[k] = d == DType::kBF16 ? f32_to_bf16(v) : d == DType::kF16 ? f32_to_f16(v) : bits;
-        }
-        i = j;
-      }
-      return out;
+      return main_params_as(d, at, [&](int64_t from, std::span<float> run) {
+        return read_plain(bucket_main[b], begin + from, begin + from + static_cast<int64_t>(run.size()),
+                          std::as_writable_bytes(run));
+      });
     };
     OPTSTATE_ASSIGN_OR_RETURN(auto placed, megatron::place_boxes(buckets, boxes, names, values, where));
     // Each placed weight's entries: N-D flattened items over the bucket chunks' storage.
@@ -1397,25 +1408,11 @@ class DcpReader final : public CheckpointReader {
         const uint64_t main_at = first.at("param");
         megatron::BucketValues walk;
         walk.box = values.box;
-        walk.bucket = [&](size_t, int64_t begin, std::span<const int64_t> idx, DType d) -> Result<std::vector<uint32_t>> {
-          std::vector<uint32_t> out(idx.size());
-          std::vector<float> run;
-          for (size_t i = 0; i < idx.size();) {
-            size_t j = i + 1;
-            while (j < idx.size() && idx[j] == idx[j - 1] + 1) ++j;
-            run.resize(j - i);
-            OPTSTATE_RETURN_IF_ERROR(file->read_at(main_at + static_cast<uint64_t>(begin + idx[i]) * 4,
-                                                   std::as_writable_bytes(std::span(run)))
-                                         .with_context(bw));
-            for (size_t k = i; k < j; ++k) {
-              const float v = run[k - i];
-              uint32_t bits;
-              std::memcpy(&bits, &v, 4);
-              out[k] = d == DType::kBF16 ? f32_to_bf16(v) : d == DType::kF16 ? f32_to_f16(v) : bits;
-            }
-            i = j;
-          }
-          return out;
+        walk.bucket = [&](size_t, int64_t begin, std::span<const int64_t> at, DType d) -> Result<std::vector<uint32_t>> {
+          return main_params_as(d, at, [&](int64_t from, std::span<float> run) {
+            return file->read_at(main_at + static_cast<uint64_t>(begin + from) * 4, std::as_writable_bytes(run))
+                .with_context(bw);
+          });
         };
         OPTSTATE_ASSIGN_OR_RETURN(const auto bounds,
                                   megatron::flat_buffer_bounds(0, fb.numel, fb.param_dtype, boxes, walk, bw));

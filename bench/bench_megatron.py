@@ -31,6 +31,13 @@ optstate places each param by value (formats/megatron/FORMAT.md). torch alone ca
 `torch.load` the flat buffers: its side is timed as that load and save, unplaced, and optstate's
 output compared with the writer's own reference, as for dp_reshardable.
 
+--sharding zarr: Megatron-Core's zarr backend (`--ckpt-format zarr`, NeMo 1.x's default; run
+`zarr_dp2_distopt` of Megatron-Core 0.9, its distributed optimizer's ranges written into each key's
+whole array): --megatron then names megatron-core 0.9.0 with zarr 2 and tensorstore, colon-joined
+(make_megatron.py's docstring). The reference reads what Megatron's own zarr load reads: every
+`optimizer.state.*` array whole with zarr-python (`zarr.open(...)[...]`, bf16 through tensorstore's
+numpy dtype), then safetensors' `save_file`; both outputs equal bit for bit.
+
     .venv/bin/python bench/bench_megatron.py --megatron /tmp/megatron [--layers 4] [--hidden 1024]
         [--vocab 32768] [--reps 2] [--dir /tmp] [--json bench/results/megatron.json]
 """
@@ -57,6 +64,17 @@ READ_WITH_TORCH = textwrap.dedent("""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from safetensors.torch import save_file
     src, out = sys.argv[1:3]
+    if sys.argv[3:] == ["zarr"]:  # every optimizer.state.* zarr array whole, as Megatron's zarr load reads it
+        import os
+        import zarr
+        named = {}
+        for name in sorted(os.listdir(src)):
+            if (name.startswith("optimizer.state.") and not name.endswith(".sync")  # zarr's lock folders
+                    and os.path.isfile(os.path.join(src, name, ".zarray"))):
+                entry, key = name[len("optimizer.state."):].split(".", 1)
+                named[f"{key}.{entry}"] = torch.from_numpy(zarr.open(os.path.join(src, name), "r")[...]).float()
+        save_file(named, out)
+        sys.exit(0)
     if sys.argv[3:] == ["legacy"]:  # distrib_optim.pt's flat buffers, each saved as it is
         from pathlib import Path
         path, = Path(src).glob("iter_*/mp_rank_00/distrib_optim.pt")
@@ -91,27 +109,32 @@ READ_WITH_TORCH = textwrap.dedent("""
 
 def main():
     args = writer_args(4, "megatron", "where megatron-core is installed (pip --target)",
-                       lambda ap: ap.add_argument("--sharding", choices=["fully_reshardable", "dp_reshardable", "legacy"],
+                       lambda ap: ap.add_argument("--sharding", choices=["fully_reshardable", "dp_reshardable", "legacy",
+                                                                           "zarr"],
                                                   default="fully_reshardable",
                                                   help="the distributed optimizer's form (Megatron-Core >= 0.14), or "
                                                        "the legacy --ckpt-format torch"))
-    sys.path.insert(0, args.megatron)
+    sys.path[:0] = args.megatron.split(":")
     legacy = args.sharding == "legacy"
+    zarr = args.sharding == "zarr"
     buckets = args.sharding == "dp_reshardable" or legacy
     cli, work, env, scripts = prepare("megatron", args.dir, "", READ_WITH_TORCH, needs="megatron.core")
     env["PYTHONPATH"] = args.megatron
-    run = "legacy_dp2_distopt" if legacy else "dp2_distopt_dp_reshardable" if buckets else "dp2_distopt"
+    run = ("legacy_dp2_distopt" if legacy else "dp2_distopt_dp_reshardable" if buckets
+           else "zarr_dp2_distopt" if zarr else "dp2_distopt")
     make_env = dict(env, MEGATRON_SIZE=f"{args.layers},{args.hidden},{args.vocab}", MEGATRON_RUNS=run,
                     MEGATRON_REF="1" if buckets else "0")
     make = [sys.executable, str(BENCH.parent / "tests/data/writers/make_megatron.py"), work / "made"]
     writer_fp32_bench(args, cli, work, make_env, scripts, make, work / "made" / run,
                       "Megatron legacy checkpoint (distributed optimizer)" if legacy
+                      else "Megatron zarr checkpoint (Megatron-Core 0.9, distributed optimizer)" if zarr
                       else f"Megatron torch_dist checkpoint ({args.sharding})",
                       "torch.load (flat buffers, unplaced)" if legacy
-                      else "torch DCP (flat buckets, unplaced)" if buckets else "torch DCP",
+                      else "torch DCP (flat buckets, unplaced)" if buckets
+                      else "zarr-python (every optimizer.state.* array)" if zarr else "torch DCP",
                       "fp32 main params, exp_avg, exp_avg_sq",
                       expected=work / "made" / f"{run}.ref.safetensors" if buckets else None,
-                      reference_args=["legacy"] if legacy else ["buckets"] if buckets else [])
+                      reference_args=["legacy"] if legacy else ["buckets"] if buckets else ["zarr"] if zarr else [])
 
 if __name__ == "__main__":
     main()

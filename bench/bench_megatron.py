@@ -72,6 +72,7 @@ READ_WITH_TORCH = textwrap.dedent("""
             if (name.startswith("optimizer.state.") and not name.endswith(".sync")  # zarr's lock folders
                     and os.path.isfile(os.path.join(src, name, ".zarray"))):
                 entry, key = name[len("optimizer.state."):].split(".", 1)
+                entry = "param" if entry == "fp32_param" else entry  # the main params, named as optstate names them
                 named[f"{key}.{entry}"] = torch.from_numpy(zarr.open(os.path.join(src, name), "r")[...]).float()
         save_file(named, out)
         sys.exit(0)

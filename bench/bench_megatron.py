@@ -31,6 +31,13 @@ optstate places each param by value (formats/megatron/FORMAT.md). torch alone ca
 `torch.load` the flat buffers: its side is timed as that load and save, unplaced, and optstate's
 output compared with the writer's own reference, as for dp_reshardable.
 
+--sharding dp_zero_gather_scatter (Megatron-LM's without --ckpt-fully-parallel-save up to 0.13; run
+`dp2_distopt_dp_zero`): each data-parallel group's buffers gathered flat into one ShardedObject,
+whose param layout is not saved; optstate walks and places each param by value. torch alone can
+only load that object (`dcp.load` of its bytes item, the flat tensors unplaced): timed doing so and
+saving them, and optstate's output compared with the writer's own per-param state, as for
+dp_reshardable.
+
 --sharding zarr: Megatron-Core's zarr backend (`--ckpt-format zarr`, NeMo 1.x's default; run
 `zarr_dp2_distopt` of Megatron-Core 0.9, its distributed optimizer's ranges written into each key's
 whole array): --megatron then names megatron-core 0.9.0 with zarr 2 and tensorstore, colon-joined
@@ -76,6 +83,24 @@ READ_WITH_TORCH = textwrap.dedent("""
                 named[f"{key}.{entry}"] = torch.from_numpy(zarr.open(os.path.join(src, name), "r")[...]).float()
         save_file(named, out)
         sys.exit(0)
+    if sys.argv[3:] == ["gathered"]:  # the ShardedObject of the gathered buffers, its flat tensors saved as they are
+        import io
+        md = dcp.FileSystemReader(src).read_metadata()
+        keys = [k for k in md.state_dict_metadata if ".param_state" in k]
+        state = {k: io.BytesIO() for k in keys}
+        dcp.load(state, checkpoint_id=src, no_dist=True)
+        flat = {}
+        for k, got in state.items():  # DCP's planner puts the unpickled object in place of the BytesIO
+            if isinstance(got, io.BytesIO):
+                got.seek(0)
+                got = torch.load(got, weights_only=False)
+            got = got[0] if isinstance(got, list) else got
+            for g, by_dtype in got.items():
+                if isinstance(g, int):
+                    for d in by_dtype.values():
+                        flat.update({f"{k}.{g}.{e}": t for e, t in d.items() if isinstance(t, torch.Tensor)})
+        save_file(flat, out)
+        sys.exit(0)
     if sys.argv[3:] == ["legacy"]:  # distrib_optim.pt's flat buffers, each saved as it is
         from pathlib import Path
         path, = Path(src).glob("iter_*/mp_rank_00/distrib_optim.pt")
@@ -111,18 +136,19 @@ READ_WITH_TORCH = textwrap.dedent("""
 def main():
     args = writer_args(4, "megatron", "where megatron-core is installed (pip --target)",
                        lambda ap: ap.add_argument("--sharding", choices=["fully_reshardable", "dp_reshardable", "legacy",
-                                                                           "zarr"],
+                                                                           "zarr", "dp_zero_gather_scatter"],
                                                   default="fully_reshardable",
                                                   help="the distributed optimizer's form (Megatron-Core >= 0.14), or "
                                                        "the legacy --ckpt-format torch"))
     sys.path[:0] = args.megatron.split(":")
     legacy = args.sharding == "legacy"
     zarr = args.sharding == "zarr"
-    buckets = args.sharding == "dp_reshardable" or legacy
+    gathered = args.sharding == "dp_zero_gather_scatter"
+    buckets = args.sharding == "dp_reshardable" or legacy or gathered
     cli, work, env, scripts = prepare("megatron", args.dir, "", READ_WITH_TORCH, needs="megatron.core")
     env["PYTHONPATH"] = args.megatron
-    run = ("legacy_dp2_distopt" if legacy else "dp2_distopt_dp_reshardable" if buckets
-           else "zarr_dp2_distopt" if zarr else "dp2_distopt")
+    run = ("legacy_dp2_distopt" if legacy else "dp2_distopt_dp_zero" if gathered
+           else "dp2_distopt_dp_reshardable" if buckets else "zarr_dp2_distopt" if zarr else "dp2_distopt")
     make_env = dict(env, MEGATRON_SIZE=f"{args.layers},{args.hidden},{args.vocab}", MEGATRON_RUNS=run,
                     MEGATRON_REF="1" if buckets else "0")
     make = [sys.executable, str(BENCH.parent / "tests/data/writers/make_megatron.py"), work / "made"]
@@ -131,11 +157,13 @@ def main():
                       else "Megatron zarr checkpoint (Megatron-Core 0.9, distributed optimizer)" if zarr
                       else f"Megatron torch_dist checkpoint ({args.sharding})",
                       "torch.load (flat buffers, unplaced)" if legacy
+                      else "torch DCP (gathered buffers, unplaced)" if gathered
                       else "torch DCP (flat buckets, unplaced)" if buckets
                       else "zarr-python (every optimizer.state.* array)" if zarr else "torch DCP",
                       "fp32 main params, exp_avg, exp_avg_sq",
                       expected=work / "made" / f"{run}.ref.safetensors" if buckets else None,
-                      reference_args=["legacy"] if legacy else ["buckets"] if buckets else ["zarr"] if zarr else [])
+                      reference_args=["legacy"] if legacy else ["gathered"] if gathered else ["buckets"] if buckets
+                      else ["zarr"] if zarr else [])
 
 if __name__ == "__main__":
     main()

@@ -472,7 +472,7 @@ def test_megatrons_default_dp_reshardable_checkpoint_reads_as_megatron_held_it(t
     assert optstate_cli("diff", ck, out).returncode == 0
 
 
-@pytest.mark.parametrize("corpus,run", [(MEGATRON, "tp2_dp2_distopt_dp_zero"),
+@pytest.mark.parametrize("corpus,run", [(MEGATRON, "dp2_distopt_dp_zero"), (MEGATRON, "tp2_dp2_distopt_dp_zero"),
                                         (MEGATRON_09, "zarr_dp2_distopt_dp_zero"),
                                         (MEGATRON_09, "zarr_tp2_dp2_distopt_dp_zero")])
 def test_megatrons_dp_zero_gather_scatter_checkpoint_reads_as_megatron_held_it(tmp_path, optstate_cli, corpus, run):
@@ -482,7 +482,8 @@ def test_megatrons_dp_zero_gather_scatter_checkpoint_reads_as_megatron_held_it(t
     flat main params and moments, its buckets one after another, whose layout is not saved.
     Each param's bounds walked by value (where the last param ended or at its 64-aligned start, the
     weights beside rounding from the main params there), then placed as dp_reshardable's:
-    Megatron-Core 0.16's torch_dist under tensor x data parallel 2 with several buckets, and 0.9's
+    Megatron-Core 0.16's torch_dist under data parallel 2 (3 layers: a param split between the
+    ranks' halves of the buffer) and tensor x data parallel 2 with several buckets, and 0.9's
     zarr under data parallel 2 and tensor x data parallel 2 (several buckets): bit for bit what
     Megatron's optimizer held (read from the live optimizer), in Megatron-Core's standard groups,
     said as placed by value. The gathered state is read in runs: validate checks no checksum."""

@@ -135,6 +135,8 @@ RUNS_016 = {
     "moe_ep2_dp_reshardable": dict(tp=1, ep=2, dist_opt=True, bf16=True, sharding="dp_reshardable", lr=1e-2),
     # dp_zero_gather_scatter (deprecated, still saved): each data-parallel group's buffers gathered flat
     # into one ShardedObject, as Megatron-LM's legacy distrib_optim.pt; its param groups in another
+    "dp2_distopt_dp_zero": dict(tp=1, dist_opt=True, bf16=True, sharding="dp_zero_gather_scatter", lr=1e-2,
+                                size="3,16,16"),  # also bench_megatron.py --sharding dp_zero_gather_scatter
     "tp2_dp2_distopt_dp_zero": dict(tp=2, dist_opt=True, bf16=True, sharding="dp_zero_gather_scatter", lr=1e-2,
                                     size="3,16,16", world=4, bucket_size=1500),
     # fully_reshardable with several DDP buckets: Megatron-Core 0.15 and 0.16 save it misplaced (its

@@ -1015,6 +1015,9 @@ class DcpReader final : public CheckpointReader {
     const std::string where = dir_.string();
     layout_.dir = dir_;
     layout_.megatron = true;
+    if (zarr_)
+      value_notes_.push_back("Megatron-Core's zarr backend (metadata.json: sharded_backend zarr): each sharded key a "
+                             "zarr array of its whole tensor, its chunks read raw (zarr keeps no checksums)");
     layout_.optimizer_path = {"optimizer"};
     layout_.item_order = md_.order;
     std::map<std::string, std::map<std::string, std::string>> states;  // sharded key -> entry -> item

@@ -379,6 +379,7 @@ def test_megatrons_zarr_backend_checkpoint_reads_as_megatron_held_it(tmp_path, o
     assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0] + ([0.1] if "moe" in run else [])
     assert any(n.startswith("the model's bf16 weights, the optimizer's fp32 main params") for n in info["not_read"]) == bf16
     assert not any(".sync" in n for n in info["not_read"]), info["not_read"]
+    assert any(n.startswith("Megatron-Core's zarr backend") for n in info["read_notes"]), info["read_notes"]
     trainer = [n for n in info["not_read"] if n.startswith("common.pt: ")]
     assert trainer == [f"common.pt: epoch, global_step, pytorch-lightning_version, state_dict, loops, callbacks, "
                        f"lr_schedulers, hparams_name, hyper_parameters (NeMo's Lightning checkpoint)"] if nemo else \

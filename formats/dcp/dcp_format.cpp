@@ -1299,7 +1299,15 @@ class DcpReader final : public CheckpointReader {
       bucket_entries.push_back(&entries);
       bucket_main.push_back(std::move(src));
     }
-    if (buckets.empty()) return corrupt(where + ": Megatron's distributed optimizer saved dp_reshardable without buckets");
+    if (buckets.empty()) {
+      const bool gathered = std::any_of(c.optimizers.begin(), c.optimizers.end(), [](const megatron::Optimizer& o) {
+        return o.sharding == "dp_zero_gather_scatter";
+      });
+      return corrupt(fmt::format("{}: Megatron's distributed optimizer saved {} without its state's items (no {})",
+                                 where, gathered ? "dp_zero_gather_scatter" : "dp_reshardable",
+                                 gathered ? "optimizer.distributed.dp_group_idx_<G>.param_state object"
+                                          : "optimizer.distributed.dp_group_idx_<G>...bucket_idx_<K> items"));
+    }
     values.bucket = [&](size_t b, int64_t begin, std::span<const int64_t> at, DType d) -> Result<std::vector<uint32_t>> {
       return main_params_as(d, at, [&](int64_t from, std::span<float> run) {
         return read_plain(bucket_main[b], begin + from, begin + from + static_cast<int64_t>(run.size()),
@@ -1366,7 +1374,7 @@ class DcpReader final : public CheckpointReader {
       }
       chain_of[key] = o;
     }
-    if (placed_of.empty()) return corrupt(where + ": dp_reshardable buckets of no param");  // check_padding refuses first
+    if (placed_of.empty()) return corrupt(where + ": the optimizer's flat buffers hold no param");  // check_padding refuses first
     value_notes_.push_back(
         param_states.empty()
             ? "Megatron's distributed optimizer saved dp_reshardable (flat per-bucket buffers, whose param layout the "

@@ -502,8 +502,8 @@ def test_megatrons_dp_zero_gather_scatter_checkpoint_reads_as_megatron_held_it(t
 def test_a_dp_zero_gather_scatter_checkpoint_whose_weights_are_stale_is_refused(tmp_path, optstate_cli):
     """A param's weights beside that are not what its main params round to (here a chunk of the
     final layer norm's overwritten with other values): the walk finds no weight at that place of
-    the gathered buffer, refused naming the element, not read misplaced; without the model's
-    weights at all, refused saying what places the params."""
+    the gathered buffer, refused naming the element, not read misplaced; without the gathered
+    state, or without the model's weights at all, refused saying what is missing."""
     ck = tmp_path / "ck"
     shutil.copytree(MEGATRON_09 / "zarr_dp2_distopt_dp_zero", ck)
     chunk = ck / "decoder.final_layernorm.weight" / "0"
@@ -513,6 +513,11 @@ def test_a_dp_zero_gather_scatter_checkpoint_whose_weights_are_stale_is_refused(
     chunk.write_bytes(bytes(raw))
     err = run_err(optstate_cli, "inspect", ck)
     assert "optimizer.distributed.dp_group_idx_0.param_state/shard_0_1' [0]: no model weight's values lie at element" in err, err
+    missing = tmp_path / "missing"
+    shutil.copytree(MEGATRON_09 / "zarr_dp2_distopt_dp_zero", missing)
+    shutil.rmtree(missing / "optimizer.distributed.dp_group_idx_0.param_state")
+    err = run_err(optstate_cli, "inspect", missing)
+    assert "saved dp_zero_gather_scatter without its state's items (no optimizer.distributed" in err, err
     for p in list(ck.iterdir()):
         if p.is_dir() and not p.name.startswith("optimizer.") and p.name != "rng_state":
             shutil.rmtree(p)

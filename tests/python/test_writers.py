@@ -896,7 +896,7 @@ def test_a_megatron_legacy_checkpoint_reads_as_megatron_held_it(tmp_path, optsta
 
 
 @pytest.mark.parametrize("run", ["legacy_moe_dp2", "legacy_moe_ep2", "legacy_moe_ep2_distopt",
-                                 "legacy_moe_tp2_ep2_dp2_distopt", "legacy_moe_pp2_ep2"])
+                                 "legacy_moe_tp2_ep2_dp2_distopt", "legacy_moe_pp2_ep2", "legacy_moe_pp2_vp2_ep2"])
 def test_a_megatron_legacy_mixture_of_experts_reads_as_megatron_held_it(tmp_path, optstate_cli, run):
     """A mixture of experts (2 a layer) in Megatron-LM's legacy checkpoint: without expert parallelism
     its experts are the dense optimizer's params; under expert parallelism 2 the experts' params are
@@ -906,8 +906,9 @@ def test_a_megatron_legacy_mixture_of_experts_reads_as_megatron_held_it(tmp_path
     experts numbered from 0 beside the dense params. Read bit for bit as Megatron held it, the
     experts numbered over the whole layer (local_experts.1 from expert rank 1), the experts' group
     after the dense params' two, also under tensor parallel 2 (the experts split as the dense
-    layers) and over pipeline stages (mp_rank_00_<pp>_<ep>: layers numbered on, then experts). One
-    expert rank's folder is refused, naming the iteration folder."""
+    layers) and over pipeline stages (mp_rank_00_<pp>_<ep>: layers numbered on, then experts), also
+    under a virtual pipeline (each stage's model0, model1 chunks: layers interleaved over the chunks,
+    then experts). One expert rank's folder is refused, naming the iteration folder."""
     ck = MEGATRON / run
     ref, meta = ref_of(ck)
     info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta)
@@ -924,7 +925,8 @@ def test_a_megatron_legacy_mixture_of_experts_reads_as_megatron_held_it(tmp_path
     assert hashes_root(optstate_cli, ck / "iter_0000003") == hashes_root(optstate_cli, ck)
     if chain:
         rank = ck / "iter_0000003" / {"legacy_moe_tp2_ep2_dp2_distopt": "mp_rank_01_001",
-                                      "legacy_moe_pp2_ep2": "mp_rank_00_001_001"}.get(run, "mp_rank_00_001")
+                                      "legacy_moe_pp2_ep2": "mp_rank_00_001_001",
+                                      "legacy_moe_pp2_vp2_ep2": "mp_rank_00_001_001"}.get(run, "mp_rank_00_001")
         err = run_err(optstate_cli, "inspect", rank)
         assert "one model-parallel rank's part of a Megatron-LM checkpoint of" in err, err
         if "distopt" not in run:  # ... also out of its folder, read by the torch.save driver

@@ -70,7 +70,8 @@ OptimizerParamScheduler, as the trainer steps it). Written into OUT:
   stage's file), and mixtures of
   experts (2 a layer): `legacy_moe_dp2` (no expert parallelism: the experts in the dense
   optimizer), `legacy_moe_ep2` (expert parallel 2: folders mp_rank_00_<ep>, Megatron's chain of
-  the dense params' and the experts' optimizers), `legacy_moe_pp2_ep2` (mp_rank_00_<pp>_<ep>),
+  the dense params' and the experts' optimizers), `legacy_moe_pp2_ep2` (mp_rank_00_<pp>_<ep>), `legacy_moe_pp2_vp2_ep2` (the same under a
+  virtual pipeline of 2 chunks a stage),
   `legacy_moe_ep2_distopt` and
   `legacy_moe_tp2_ep2_dp2_distopt` (8 ranks; sequence parallelism, which MoE under tensor
   parallelism requires, with the torch norms marked as apex's: torch_norm_under_sequence_parallel);
@@ -195,6 +196,8 @@ RUNS_016 = {
     # ... and over pipeline stages (folders mp_rank_00_<pp>_<ep>)
     "legacy_moe_pp2_ep2": dict(tp=1, pp=2, ep=2, dist_opt=False, bf16=True, sharding=None, legacy=True,
                                size="4,8,16", world=4),
+    "legacy_moe_pp2_vp2_ep2": dict(tp=1, pp=2, vp=2, ep=2, dist_opt=False, bf16=True, sharding=None, legacy=True,
+                                   size="4,8,16", world=4),
     "legacy_moe_tp2_ep2_dp2_distopt": dict(tp=2, ep=2, dist_opt=True, bf16=True, sharding=None, legacy=True,
                                            lr=1e-2, size="3,16,16", world=8),
 }

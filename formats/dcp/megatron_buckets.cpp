@@ -117,14 +117,13 @@ Result<std::vector<int64_t>> flat_buffer_bounds(size_t bucket, int64_t numel, DT
       std::vector<int64_t> head;
       for (int64_t k = 0; k < std::min(kPrefix, numel - start); ++k) head.push_back(k);
       OPTSTATE_ASSIGN_OR_RETURN(const auto first, values.bucket(bucket, start, head, dtype));
+      // a box is keyed by its first min(4, numel) elements: each prefix length finds those of that key
       for (size_t len = 1; len <= first.size(); ++len) {
         const auto same = by_first.find(std::vector<uint32_t>(first.begin(), first.begin() + static_cast<ptrdiff_t>(len)));
         if (same == by_first.end()) continue;
         size_t tried = 0;
         for (const size_t i : same->second) {
           if (boxes[i].numel > numel - start) continue;
-          if (boxes[i].numel < kPrefix && static_cast<size_t>(boxes[i].numel) != len) continue;
-          if (boxes[i].numel >= kPrefix && len != static_cast<size_t>(kPrefix)) continue;
           if (++tried > kMaxSameFirst)
             return unsupported(fmt::format("{}: more than {} weights begin as the buffer does at element {}", where,
                                            kMaxSameFirst, start));

@@ -45,11 +45,19 @@ Result<std::pair<Archive, pickle::Pickle>> open_archive(const fs::path& path);
 Result<std::vector<std::byte>> read_storage(const Archive& a, const std::string& key);
 
 // A DeepSpeed ZeRO checkpoint's tag folder (global_step500/): each data-parallel rank's optimizer
-// file, in rank order, and the model states file that names the params.
-struct ZeroFiles {
-  fs::path dir;
+// file, in rank order, and the model states file that names the params; under pipeline
+// parallelism (DeepSpeed's PipelineModule) one such set per stage, its model-parallel rank
+// (zero_pp_rank_R_mp_rank_SS_optim_states.pt, mp_rank_SS_model_states.pt).
+struct ZeroStage {
   std::vector<fs::path> optim;
   fs::path model;
+};
+struct ZeroFiles {
+  fs::path dir;
+  std::vector<fs::path> optim;  // stage 0's (the only stage without pipeline parallelism)
+  fs::path model;
+  std::vector<ZeroStage> stages;  // every stage's, in stage order
+  size_t layer_files = 0;         // layer_*-model_states.pt: a pipeline's module weights, per layer
 };
 
 // The ZeRO files of the tag folder at (or named by `latest` in) `path`; nullopt where it holds none.

@@ -287,8 +287,11 @@ class TorchSaveReader final : public CheckpointReader {
   Status verify_shared_records() override {
     std::set<std::pair<size_t, uint64_t>> done;  // (file, record): each read once
     bool all = true;
-    for (const auto& [key, pieces] : stored_)
-      for (const Piece& pc : pieces) {
+    std::vector<std::pair<Key, const std::vector<Piece>*>> runs;
+    for (const auto& [key, pieces] : stored_) runs.emplace_back(key, &pieces);
+    for (const ZeroTiedCopy& copy : zero_tied_) runs.emplace_back(Key{copy.fqn, copy.entry, Component::kValues}, &copy.pieces);
+    for (const auto& [key, pieces] : runs)
+      for (const Piece& pc : *pieces) {
         const Stored& s = pc.stored;
         if (s.checked()) continue;
         if (s.crc == 0) {  // none recorded (compute_crc32 off)
@@ -304,6 +307,35 @@ class TorchSaveReader final : public CheckpointReader {
                                      files_[s.file].path.string(), name_of(fqn, entry, c), crc, s.crc));
       }
     shared_verified_ = all;
+    return compare_tied_copies();
+  }
+
+  // A pipeline's tied module held by several stages (DeepSpeed's TiedLayerSpec): each later
+  // stage's copy of each entry against the copy read, window by window.
+  Status compare_tied_copies() {
+    constexpr int64_t kWindow = int64_t{1} << 20;  // elements
+    std::vector<std::byte> a, b;
+    for (const ZeroTiedCopy& copy : zero_tied_) {
+      OPTSTATE_ASSIGN_OR_RETURN(const std::vector<Piece>* read, find(copy.fqn, copy.entry, Component::kValues));
+      const int64_t count = read->empty() ? 0 : read->back().begin + read->back().count;
+      for (int64_t at = 0; at < count; at += kWindow) {
+        const int64_t to = std::min(count, at + kWindow);
+        a.resize(static_cast<size_t>((to - at) * 4));
+        b.resize(a.size());
+        OPTSTATE_RETURN_IF_ERROR(read_pieces(*read, 4, copy.fqn, copy.entry, Component::kValues, at, to, a));
+        OPTSTATE_RETURN_IF_ERROR(read_pieces(copy.pieces, 4, copy.fqn, copy.entry, Component::kValues, at, to, b));
+        if (a == b) continue;
+        size_t i = 0;
+        while (std::memcmp(&a[i * 4], &b[i * 4], 4) == 0) ++i;
+        float x, y;
+        std::memcpy(&x, &a[i * 4], 4);
+        std::memcpy(&y, &b[i * 4], 4);
+        return corrupt(fmt::format("'{}' {}: pipeline stage {}'s copy of the tied module differs from the copy read at "
+                                   "element {} ({} and {}, {})", copy.fqn, copy.entry, copy.stage,
+                                   at + static_cast<int64_t>(i), y, x,
+                                   files_[copy.pieces.front().stored.file].path.string()));
+      }
+    }
     return Status::Ok();
   }
 
@@ -343,7 +375,13 @@ class TorchSaveReader final : public CheckpointReader {
     if (begin < 0 || end < begin || end > count || static_cast<int64_t>(out.size()) != (end - begin) * elem)
       return invalid_argument(fmt::format("{}: range [{}, {}) of {} is outside [0, {}) or does not fit", path_.string(),
                                           begin, end, name_of(fqn, entry, c), count));
-    for (const Piece& pc : *pieces) {
+    return read_pieces(*pieces, elem, fqn, entry, c, begin, end, out);
+  }
+
+  // Elements [begin, end) of the run `pieces` (in range) into `out`.
+  Status read_pieces(const std::vector<Piece>& pieces, int64_t elem, const std::string& fqn, const std::string& entry,
+                     Component c, int64_t begin, int64_t end, std::span<std::byte> out) {
+    for (const Piece& pc : pieces) {
       const int64_t a = std::max(begin, pc.begin), b = std::min(end, pc.begin + pc.count);
       if (a >= b) continue;
       const Stored& s = pc.stored;
@@ -831,13 +869,46 @@ class TorchSaveReader final : public CheckpointReader {
   // the model states file. Each param is put together from its runs in the ranks' flat partitions,
   // in rank order: stages 1 and 2 flatten each group's params in order and split the flat group in
   // equal parts (param_slice_mappings says where each rank's runs lie); stage 3 splits every param
-  // in parts of ceil(numel / world), each rank's flat group their concatenation in order.
+  // in parts of ceil(numel / world), each rank's flat group their concatenation in order. Under
+  // pipeline parallelism each stage is such a set of its own, with its own optimizer and groups:
+  // read as one state, each stage's groups joined to the earlier stages' of the same settings.
   Status init_zero(const ZeroFiles& z) {
     deepspeed_ = true;
     set_ = true;
-    const size_t world = z.optim.size();
+    meta_.kind = "adamw";
+    std::vector<int64_t> group_steps;  // each joined group's step, as its first stage had it
+    std::map<std::string, size_t> stage_of;  // each param: the stage it is read from
+    for (size_t st = 0; st < z.stages.size(); ++st)
+      OPTSTATE_RETURN_IF_ERROR(add_zero_stage(z, st, group_steps, stage_of));
+    if (z.layer_files)
+      not_read_.push_back(fmt::format("layer_*-model_states.pt ({} file{}: the pipeline's module weights per layer, in "
+                                      "their training dtype; the optimizer's fp32 weights are read)", z.layer_files,
+                                      z.layer_files == 1 ? "" : "s"));
+    std::map<std::string, std::set<size_t>> tied;
+    for (const ZeroTiedCopy& c : zero_tied_) tied[c.fqn].insert(c.stage);
+    for (const auto& [name, stages] : tied)
+      value_notes_.push_back(fmt::format("'{}' is held by pipeline stages {} and {} (a tied module: DeepSpeed sums its "
+                                         "gradients over the tie, so its copies are equal): stage {}'s read; validate "
+                                         "compares the copies", name, stage_of.at(name), fmt::join(stages, ", "),
+                                         stage_of.at(name)));
+    return finish({}, {}, 0);
+  }
+
+  // A tied module's copy in a later pipeline stage (DeepSpeed's TiedLayerSpec): the same name,
+  // stepped alike; validate compares it with the copy read.
+  struct ZeroTiedCopy {
+    std::string fqn, entry;
+    size_t stage = 0;
+    std::vector<Piece> pieces;
+  };
+
+  Status add_zero_stage(const ZeroFiles& z, size_t st, std::vector<int64_t>& group_steps,
+                        std::map<std::string, size_t>& stage_of) {
+    const ZeroStage& zs = z.stages[st];
+    const bool pipeline = z.stages.size() > 1 || z.layer_files > 0;
+    const size_t world = zs.optim.size(), base = files_.size();
     std::vector<ZeroRank> ranks;
-    for (const fs::path& f : z.optim) {
+    for (const fs::path& f : zs.optim) {
       OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(f));
       files_.push_back(std::move(ap.first));
       OPTSTATE_ASSIGN_OR_RETURN(ZeroRank zr, interpret_zero_optim(ap.second, f.string()));
@@ -845,12 +916,15 @@ class TorchSaveReader final : public CheckpointReader {
     }
     const ZeroRank& r0 = ranks[0];
     const bool stage3 = r0.stage == 3;
+    if (pipeline && stage3)
+      return corrupt(zs.optim[0].string() + ": ZeRO stage 3 beside pipeline layer files (DeepSpeed's pipeline takes "
+                                            "stages 0 and 1)");
     for (size_t f = 0; f < world; ++f) {
       const ZeroRank& zr = ranks[f];
-      const std::string wf = z.optim[f].string();
+      const std::string wf = zs.optim[f].string();
       if (zr.partitions != static_cast<int64_t>(world))
-        return corrupt(fmt::format("{}: partition_count {}, but {} holds {} ranks' optimizer files", wf, zr.partitions,
-                                   z.dir.string(), world));
+        return corrupt(fmt::format("{}: partition_count {}, but {} holds {} ranks' optimizer files{}", wf, zr.partitions,
+                                   z.dir.string(), world, pipeline ? fmt::format(" of pipeline stage {}", st) : ""));
       if ((zr.stage == 3) != stage3 || zr.param_groups != r0.param_groups || zr.groups.size() != r0.groups.size())
         return corrupt(fmt::format("{}: ZeRO stage {} with {} param groups ({} flat params), rank 0's file stage {} with "
                                    "{} ({})", wf, zr.stage, zr.param_groups, zr.groups.size(), r0.stage,
@@ -865,44 +939,89 @@ class TorchSaveReader final : public CheckpointReader {
           return corrupt(fmt::format("{} flat param {}: group, moments or hyperparameters other than rank 0's file's", wf, g));
       }
     }
-    OPTSTATE_ASSIGN_OR_RETURN(auto model, open_archive(z.model));
-    OPTSTATE_ASSIGN_OR_RETURN(const ZeroShapes shapes, interpret_zero_model(model.second, z.model.string()));
+    OPTSTATE_ASSIGN_OR_RETURN(auto model, open_archive(zs.model));
+    const std::string mw = zs.model.string();
+    OPTSTATE_ASSIGN_OR_RETURN(const ZeroShapes shapes, interpret_zero_model(model.second, mw));
     if (shapes.groups.size() != r0.groups.size())
-      return corrupt(fmt::format("{}: {} flat params in param_shapes, {} in the optimizer's files", z.model.string(),
+      return corrupt(fmt::format("{}: {} flat params in param_shapes, {} in the optimizer's files", mw,
                                  shapes.groups.size(), r0.groups.size()));
+    // What DeepSpeed 0.15+ records of the grid (older ones record only mp_world_size: pp x tp).
+    const auto stages = static_cast<int64_t>(z.stages.size());
+    if (shapes.tp_degree && *shapes.tp_degree != 1)
+      return corrupt(fmt::format("{}: tp_degree {}: tensor-parallel ZeRO checkpoints are not read (a pipeline's "
+                                 "stages are)", mw, *shapes.tp_degree));
+    if ((shapes.pp_degree && *shapes.pp_degree != (pipeline ? stages : 1)) ||
+        (shapes.mp_world_size && *shapes.mp_world_size != stages))
+      return corrupt(fmt::format("{}: {} model-parallel ranks (pp_degree {}), but {} holds {} stages' files", mw,
+                                 shapes.mp_world_size.value_or(-1), shapes.pp_degree.value_or(-1), z.dir.string(),
+                                 stages));
     std::vector<double> decay(r0.param_groups);
     for (const ZeroGroup& zg : r0.groups) decay[zg.param_group] = zg.group.hyper.weight_decay;
-    OPTSTATE_RETURN_IF_ERROR(check_zero_decay(shapes, decay, z.model.string()));
-    not_read_ = shapes.not_read;
-    not_read_.insert(not_read_.end(), r0.not_read.begin(), r0.not_read.end());
-    meta_.kind = "adamw";
+    OPTSTATE_RETURN_IF_ERROR(check_zero_decay(shapes, decay, mw));
+    for (const auto& lines : {shapes.not_read, r0.not_read})
+      for (const std::string& n : lines)
+        if (std::find(not_read_.begin(), not_read_.end(), n) == not_read_.end()) not_read_.push_back(n);
     bool bnb_partitions = false;  // some moments are bitsandbytes' 8-bit codes
+    // This stage's param groups: the joined group each goes to (joined on its first param read),
+    // its lr and step as read.
+    std::vector<std::optional<size_t>> joined(r0.param_groups);
+    std::vector<double> stage_lr(r0.param_groups, 0.0);
+    std::vector<std::optional<int64_t>> stage_step(r0.param_groups);
+    std::set<size_t> taken;  // joined groups this stage's groups took
+    auto join = [&](size_t pg, const std::string& gw) -> Result<size_t> {
+      if (joined[pg]) return *joined[pg];
+      Hyperparameters h = r0.groups[0].group.hyper;
+      for (const ZeroGroup& zg : r0.groups)
+        if (zg.param_group == pg) h = zg.group.hyper;
+      h.lr = stage_lr[pg];
+      // Stage 0's groups in order; a later stage's group joins the first of the same settings not
+      // taken by another of its groups, or is a group of its own.
+      size_t j = meta_.groups.size();
+      if (st > 0)
+        for (size_t k = 0; k < meta_.groups.size(); ++k)
+          if (!taken.count(k) && meta_.groups[k].hyper == h) {
+            j = k;
+            break;
+          }
+      if (j == meta_.groups.size()) {
+        ParamGroup group;
+        group.hyper = h;
+        meta_.groups.push_back(std::move(group));
+        group_steps.push_back(*stage_step[pg]);
+      } else if (group_steps[j] != *stage_step[pg]) {
+        return corrupt(fmt::format("{}: step {}, and the group of the same settings of an earlier pipeline stage step {}",
+                                   gw, *stage_step[pg], group_steps[j]));
+      }
+      taken.insert(j);
+      joined[pg] = j;
+      return j;
+    };
     // Each flat param (g): a param group's, or under ZeRO-3 one of its sub-groups, in group order.
     for (size_t g = 0; g < r0.groups.size(); ++g) {
       const size_t pg = r0.groups[g].param_group;
-      const std::string gw = fmt::format("{} param group {}", z.dir.string(), pg);
-      const bool first = pg == meta_.groups.size();  // the group's first flat param
-      if (first) {
-        ParamGroup group;
-        group.hyper = r0.groups[g].group.hyper;
-        meta_.groups.push_back(std::move(group));
-      }
-      double& group_lr = meta_.groups[pg].hyper.lr;
-      std::optional<int64_t> step;
+      const std::string gw = pipeline ? fmt::format("{} stage {} param group {}", z.dir.string(), st, pg)
+                                      : fmt::format("{} param group {}", z.dir.string(), pg);
+      std::optional<int64_t> step;  // this flat param's
       for (size_t f = 0; f < world; ++f) {
         const ZeroGroup& zg = ranks[f].groups[g];
-        const std::string fw = fmt::format("{} param group {}{}", z.optim[f].string(), pg,
+        const std::string fw = fmt::format("{} param group {}{}", zs.optim[f].string(), pg,
                                            r0.groups.size() == r0.param_groups ? "" : fmt::format(" flat param {}", g));
-        OPTSTATE_ASSIGN_OR_RETURN(const double lr, value_of(f, zg.group.lr, fw + " 'lr'"));
-        OPTSTATE_ASSIGN_OR_RETURN(const double st, value_of(f, zg.step, fw + " 'step'"));
-        if (!(st >= 0 && st < 9.2e18) || st != std::floor(st)) return corrupt(fmt::format("{}: step {} is not a count", fw, st));
+        OPTSTATE_ASSIGN_OR_RETURN(const double lr, value_of(base + f, zg.group.lr, fw + " 'lr'"));
+        OPTSTATE_ASSIGN_OR_RETURN(const double sv, value_of(base + f, zg.step, fw + " 'step'"));
+        if (!(sv >= 0 && sv < 9.2e18) || sv != std::floor(sv)) return corrupt(fmt::format("{}: step {} is not a count", fw, sv));
         if (f == 0) {
-          if (first) group_lr = lr;
-          step = static_cast<int64_t>(st);
+          if (!stage_step[pg]) {  // the group's first flat param
+            stage_lr[pg] = lr;
+            stage_step[pg] = static_cast<int64_t>(sv);
+          }
+          step = static_cast<int64_t>(sv);
         }
-        if (lr != group_lr || static_cast<int64_t>(st) != *step)
-          return corrupt(fmt::format("{}: lr {} and step {}, rank 0's file {} and {}", fw, lr, st, group_lr, *step));
+        if (lr != stage_lr[pg] || static_cast<int64_t>(sv) != *step)
+          return corrupt(fmt::format("{}: lr {} and step {}, rank 0's file {} and {}", fw, lr, sv, stage_lr[pg], *step));
       }
+      // Stage 0's groups are made in order, whatever they hold; a later stage's join on their
+      // first param that is not a tied copy.
+      if (st == 0) OPTSTATE_RETURN_IF_ERROR(join(pg, gw).status());
       // Every rank's runs of each param: (rank, first element in the rank's partition, count).
       const auto& params = shapes.groups[g];
       std::map<std::string, std::vector<std::tuple<size_t, int64_t, int64_t>>> runs;
@@ -919,7 +1038,7 @@ class TorchSaveReader final : public CheckpointReader {
           for (size_t f = 0; f < world; ++f)
             if (part > partition[f] - offset)
               return corrupt(fmt::format("{}: '{}' ends past element {} of the flat partition, which holds {}",
-                                         z.optim[f].string(), name, offset, partition[f]));
+                                         zs.optim[f].string(), name, offset, partition[f]));
           for (size_t f = 0; f < world; ++f) {
             const int64_t count = std::clamp<int64_t>(numel - static_cast<int64_t>(f) * part, 0, part);
             if (count > 0) runs[name].emplace_back(f, offset, count);
@@ -932,7 +1051,7 @@ class TorchSaveReader final : public CheckpointReader {
           std::sort(frags.begin(), frags.end(), [](const auto& a, const auto& b) { return a.start < b.start; });
           int64_t end = 0;
           for (const ZeroFragment& fr : frags) {
-            const std::string fw = fmt::format("{} param group {} '{}'", z.optim[f].string(), g, fr.name);
+            const std::string fw = fmt::format("{} param group {} '{}'", zs.optim[f].string(), g, fr.name);
             if (!names.count(fr.name)) return corrupt(fw + ": mapped, but the model states' param_shapes do not list it");
             if (fr.start < end || fr.numel > partition[f] - fr.start)
               return corrupt(fmt::format("{}: run [{}, {}) overlaps another or leaves the partition of {}", fw, fr.start,
@@ -947,10 +1066,10 @@ class TorchSaveReader final : public CheckpointReader {
       std::map<std::pair<size_t, std::string>, Dequant> dequant;  // (rank, entry)
       for (size_t f = 0; f < world; ++f)
         for (const auto& [entry, q] : ranks[f].groups[g].quant) {
-          const std::string qw = fmt::format("{} flat param {} '{}' in {}", gw, g, entry, z.optim[f].string());
-          OPTSTATE_ASSIGN_OR_RETURN(const std::string map, map_name(f, q.qmap, qw + " map"));
+          const std::string qw = fmt::format("{} flat param {} '{}' in {}", gw, g, entry, zs.optim[f].string());
+          OPTSTATE_ASSIGN_OR_RETURN(const std::string map, map_name(base + f, q.qmap, qw + " map"));
           OPTSTATE_ASSIGN_OR_RETURN(const QMap m, qmap_from_name(map));
-          OPTSTATE_ASSIGN_OR_RETURN(const Stored scales, resolve(f, q.absmax, q.absmax.shape[0], qw + " absmax"));
+          OPTSTATE_ASSIGN_OR_RETURN(const Stored scales, resolve(base + f, q.absmax, q.absmax.shape[0], qw + " absmax"));
           dequant[{f, entry}] = Dequant{scales, 0, q.block, &qmap_table(m)};
         }
       if (!dequant.empty()) bnb_partitions = true;
@@ -961,21 +1080,31 @@ class TorchSaveReader final : public CheckpointReader {
         for (const auto& [f, local, count] : runs[name]) covered += count;
         if (covered != numel)
           return corrupt(fmt::format("{}: the ranks' partitions hold {} of its {} elements", pw, covered, numel));
-        ParamState ps;
-        ps.shape = shape;
-        ps.group = static_cast<int>(pg);
-        ps.step = *step;
+        // A name an earlier stage holds: a tied module's copy (TiedLayerSpec), the same tensor.
+        const auto earlier = meta_.params.find(name);
+        const bool copy = earlier != meta_.params.end();
+        if (copy && (stage_of.at(name) == st || earlier->second.shape != shape))
+          return corrupt(fmt::format("{}: shape [{}], and '{}' of {} has shape [{}]", pw, fmt::join(shape, ", "), name,
+                                     stage_of.at(name) == st ? "another group" : fmt::format("stage {}", stage_of.at(name)),
+                                     fmt::join(earlier->second.shape, ", ")));
         std::vector<std::string> entries;
         for (const auto& [n, t] : r0.groups[g].moments) entries.push_back(n);
         entries.push_back(kParam);  // the fp32 master weights
+        if (copy && earlier->second.entries.size() != entries.size())
+          return corrupt(fmt::format("{}: {} entries, its copy in stage {} {}", pw, entries.size(), stage_of.at(name),
+                                     earlier->second.entries.size()));
+        std::map<std::string, std::vector<Piece>> stored;
         for (const std::string& entry : entries) {
+          if (copy && !earlier->second.entries.count(entry))
+            return corrupt(fmt::format("{}: '{}', which its copy in stage {} has not", pw, entry, stage_of.at(name)));
           std::vector<Piece> pieces;
           int64_t begin = 0;
           for (const auto& [f, local, count] : runs[name]) {
             const ZeroGroup& zg = ranks[f].groups[g];
             const dcp::TensorRef& t = entry == kParam ? zg.master : zg.moments.at(entry);
-            OPTSTATE_ASSIGN_OR_RETURN(const Stored whole, resolve(f, t, t.shape[0], fmt::format("{} '{}' in {}", pw, entry,
-                                                                                                z.optim[f].string())));
+            OPTSTATE_ASSIGN_OR_RETURN(const Stored whole, resolve(base + f, t, t.shape[0],
+                                                                  fmt::format("{} '{}' in {}", pw, entry,
+                                                                              zs.optim[f].string())));
             const auto dq = dequant.find({f, entry});
             const uint64_t elem = dq == dequant.end() ? 4 : 1;  // fp32 values, or 8-bit codes
             Piece pc{begin, count, whole, std::nullopt};
@@ -989,17 +1118,34 @@ class TorchSaveReader final : public CheckpointReader {
             pieces.push_back(pc);
             begin += count;
           }
+          stored[entry] = std::move(pieces);
+        }
+        if (copy) {
+          if (earlier->second.step != *step)
+            return corrupt(fmt::format("{}: step {}, its copy in stage {} step {}", pw, *step,
+                                       stage_of.at(name), earlier->second.step));
+          for (auto& [entry, pieces] : stored) zero_tied_.push_back({name, entry, st, std::move(pieces)});
+          continue;
+        }
+        OPTSTATE_ASSIGN_OR_RETURN(const size_t j, join(pg, gw));
+        ParamState ps;
+        ps.shape = shape;
+        ps.group = static_cast<int>(j);
+        ps.step = *step;
+        for (auto& [entry, pieces] : stored) {
           stored_[{name, entry, Component::kValues}] = std::move(pieces);
           ps.entries.emplace(entry, Entry{});  // fp32 values
         }
-        meta_.groups[pg].params.push_back(name);
+        meta_.groups[j].params.push_back(name);
         meta_.params.emplace(name, std::move(ps));
+        stage_of[name] = st;
       }
     }
-    if (bnb_partitions)
-      not_read_.push_back("bitsandbytes' 8-bit encoding of the moments (its AdamW8bit under ZeRO: blocks of each rank's "
-                          "flat partition, not of each param): read as fp32 values");
-    return finish({}, {}, 0);
+    const std::string bnb_line = "bitsandbytes' 8-bit encoding of the moments (its AdamW8bit under ZeRO: blocks of each "
+                                 "rank's flat partition, not of each param): read as fp32 values";
+    if (bnb_partitions && std::find(not_read_.begin(), not_read_.end(), bnb_line) == not_read_.end())
+      not_read_.push_back(bnb_line);
+    return Status::Ok();
   }
 
   // Megatron's distributed optimizer in its legacy checkpoint: `f.path` (model_optim_rng.pt) holds
@@ -1626,23 +1772,60 @@ class TorchSaveReader final : public CheckpointReader {
     for (const GroupSpec& g : groups) decay.push_back(g.hyper.weight_decay);
     OPTSTATE_RETURN_IF_ERROR(check_zero_decay(shapes, decay, model.string()));
     not_read_ = shapes.not_read;
-    meta_.kind = "adamw";
+    // A pipeline's stages (ds_to_universal copies each stage's mp_rank_SS_model_states.pt): their
+    // params, in stage order, in the groups of stage 0's settings (optimizer_state.pt holds stage
+    // 0's; DeepSpeed gives each stage's group g those).
     std::error_code ec;
+    std::vector<ZeroShapes> stage_shapes;
+    std::vector<fs::path> stage_models{model};
+    stage_shapes.push_back(shapes);
+    for (int s = 1; model.filename() == "mp_rank_00_model_states.pt" && s < (1 << 16); ++s) {
+      const fs::path next = dir / fmt::format("mp_rank_{:02d}_model_states.pt", s);
+      if (!fs::is_regular_file(next, ec)) break;
+      OPTSTATE_ASSIGN_OR_RETURN(auto ns, open_archive(next));
+      OPTSTATE_ASSIGN_OR_RETURN(ZeroShapes more, interpret_zero_model(ns.second, next.string()));
+      if (more.groups.size() != flats)
+        return corrupt(fmt::format("{}: {} param groups in param_shapes, {} in {}", next.string(), more.groups.size(),
+                                   flats, opt_file.string()));
+      if (more.tp_degree && *more.tp_degree != 1)
+        return corrupt(fmt::format("{}: tp_degree {}: tensor-parallel checkpoints are not read (a pipeline's stages "
+                                   "are)", next.string(), *more.tp_degree));
+      OPTSTATE_RETURN_IF_ERROR(check_zero_decay(more, decay, next.string()));
+      for (const std::string& n : more.not_read)
+        if (std::find(not_read_.begin(), not_read_.end(), n) == not_read_.end()) not_read_.push_back(n);
+      stage_shapes.push_back(std::move(more));
+      stage_models.push_back(next);
+    }
+    if (shapes.tp_degree && *shapes.tp_degree != 1)
+      return corrupt(fmt::format("{}: tp_degree {}: tensor-parallel checkpoints are not read (a pipeline's stages are)",
+                                 model.string(), *shapes.tp_degree));
+    std::map<std::string, size_t> stage_of;
+    std::map<std::string, std::set<size_t>> tied;
+    meta_.kind = "adamw";
     for (const GroupSpec& spec : groups) {
       ParamGroup group;
       group.hyper = spec.hyper;
       group.hyper.lr = *spec.lr.number;
       meta_.groups.push_back(group);
     }
+    for (size_t stage = 0; stage < stage_shapes.size(); ++stage)
     for (size_t flat = 0; flat < flats; ++flat) {
       const size_t g = uo.group_of_flat.empty() ? flat : uo.group_of_flat[flat];
       const ParamGroup& group = meta_.groups[g];
-      for (const auto& [name, shape] : shapes.groups[flat]) {
+      const std::string mw = stage_models[stage].string();
+      for (const auto& [name, shape] : stage_shapes[stage].groups[flat]) {
         const fs::path pdir = dir / "zero" / name;
         const std::string pw = fmt::format("{} '{}'", (dir / "zero").string(), name);
         if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
-          return corrupt(fmt::format("{}: param name '{}' is no folder name", model.string(), name));
-        if (meta_.params.count(name)) return corrupt(fmt::format("{}: param '{}' is listed twice", model.string(), name));
+          return corrupt(fmt::format("{}: param name '{}' is no folder name", mw, name));
+        if (const auto earlier = meta_.params.find(name); earlier != meta_.params.end()) {
+          // a tied module's copy in a later stage: one param of the universal checkpoint
+          if (stage_of.at(name) == stage || earlier->second.shape != shape || earlier->second.group != static_cast<int>(g))
+            return corrupt(fmt::format("{}: param '{}' is listed twice", mw, name));
+          tied[name].insert(stage);
+          continue;
+        }
+        stage_of[name] = stage;
         OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(shape));
         ParamState ps;
         ps.shape = shape;
@@ -1684,6 +1867,9 @@ class TorchSaveReader final : public CheckpointReader {
         meta_.params.emplace(name, std::move(ps));
       }
     }
+    for (const auto& [name, stages] : tied)
+      value_notes_.push_back(fmt::format("'{}' is in the param_shapes of pipeline stages {} and {} (a tied module): "
+                                         "one param", name, stage_of.at(name), fmt::join(stages, ", ")));
     return finish({}, {}, 0);
   }
 
@@ -2251,6 +2437,7 @@ class TorchSaveReader final : public CheckpointReader {
   std::vector<AdamWFlags> adamw_flags_;  // each group's AdamW switches, where the file keeps some
   std::optional<bool> bnb_nested_;    // bitsandbytes' state: nested in __bnb_optimizer_quant_state__ or not
   bool deepspeed_ = false; // a DeepSpeed ZeRO checkpoint: formats/deepspeed/ sniffs it
+  std::vector<ZeroTiedCopy> zero_tied_;  // a pipeline's tied modules' later copies
   bool nanotron_ = false;  // a nanotron checkpoint's optimizer files: formats/nanotron/ sniffs them
   bool megatron_ = false;  // a Megatron-LM legacy checkpoint's rank files: formats/megatron/ sniffs them
   bool shared_verified_ = false;  // verify_shared_records covered every record the pieces read
@@ -2888,6 +3075,23 @@ fs::path zero_tag_dir(const fs::path& path) {
   return fs::is_directory(path / tag, ec) ? path / tag : path;
 }
 
+// "layer_XX-model_states.pt" (a pipeline's layer, no tensor parallelism): -1;
+// "layer_XX-model_YY-model_states.pt" (Megatron-DeepSpeed's, tensor-parallel rank YY): YY; else nullopt.
+std::optional<int64_t> zero_layer_name(const std::string& name) {
+  constexpr std::string_view head = "layer_", tail = "-model_states.pt", mid = "-model_";
+  if (name.rfind(head, 0) != 0 || !name.ends_with(tail) || name.size() <= head.size() + tail.size()) return std::nullopt;
+  const std::string body = name.substr(head.size(), name.size() - head.size() - tail.size());
+  auto digits = [](std::string_view d) {
+    return !d.empty() && d.size() <= 7 && std::all_of(d.begin(), d.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  if (digits(body)) return -1;
+  const auto m = body.find(mid);
+  if (m == std::string::npos || !digits(std::string_view(body).substr(0, m)) ||
+      !digits(std::string_view(body).substr(m + mid.size())))
+    return std::nullopt;
+  return std::stoll(body.substr(m + mid.size()));
+}
+
 }  // namespace
 
 // The ZeRO files of the tag folder at (or named by `latest` in) `path`; nullopt where it holds none.
@@ -2896,25 +3100,26 @@ Result<std::optional<ZeroFiles>> zero_files(const fs::path& path) {
   if (!fs::is_directory(path, ec)) return std::optional<ZeroFiles>{};
   ZeroFiles z;
   z.dir = zero_tag_dir(path);
-  std::map<int64_t, fs::path> ranks;
+  std::map<int64_t, std::map<int64_t, fs::path>> files;  // mp rank -> dp rank -> file
   std::set<bool> kinds;
-  std::set<int64_t> mp;
-  bool pipeline = false;
+  std::set<int64_t> layer_tp;  // the tensor-parallel ranks layer files name (-1: none)
   size_t seen = 0;
   for (fs::directory_iterator it(z.dir, ec), end; !ec && it != end; it.increment(ec)) {
     if (++seen > (size_t{1} << 20)) return corrupt(z.dir.string() + ": more than 2^20 entries");
     const std::string name = it->path().filename().string();
-    pipeline = pipeline || (name.rfind("layer_", 0) == 0 && name.ends_with("-model_states.pt"));
+    if (const auto tp = zero_layer_name(name)) {
+      layer_tp.insert(*tp);
+      ++z.layer_files;
+    }
     const auto parsed = zero_optim_name(name);
     if (!parsed) continue;
     const auto [bf16, rank, mprank] = *parsed;
     kinds.insert(bf16);
-    mp.insert(mprank);
-    if (mprank == 0 && !ranks.emplace(rank, it->path()).second)
-      return corrupt(fmt::format("{}: two optimizer files of rank {}", z.dir.string(), rank));
+    if (!files[mprank].emplace(rank, it->path()).second)
+      return corrupt(fmt::format("{}: two optimizer files of rank {} (mp_rank_{:02d})", z.dir.string(), rank, mprank));
   }
   if (ec) return io_error(fmt::format("{}: {}", z.dir.string(), ec.message()));
-  if (ranks.empty() && mp.empty()) {
+  if (files.empty()) {
     if (fs::is_regular_file(z.dir / "mp_rank_00_model_states.pt", ec))
       return corrupt(z.dir.string() + ": a DeepSpeed checkpoint without ZeRO partitions (stage 0: the optimizer's "
                                       "state sits in mp_rank_00_model_states.pt): not read");
@@ -2922,24 +3127,40 @@ Result<std::optional<ZeroFiles>> zero_files(const fs::path& path) {
   }
   if (kinds.size() > 1)
     return corrupt(z.dir.string() + ": optimizer files with and without the bf16_ prefix; one run's are alike");
-  if (mp.size() > 1 || !mp.count(0))
-    return corrupt(fmt::format("{}: model-parallel ranks (mp_rank_{:02d}): tensor-parallel ZeRO checkpoints are not read",
-                               z.dir.string(), *mp.rbegin()));
-  if (pipeline) return corrupt(z.dir.string() + ": layer_*-model_states.pt: pipeline-parallel checkpoints are not read");
-  for (int64_t r = 0; r < static_cast<int64_t>(ranks.size()); ++r) {
-    if (!ranks.count(r))
-      return corrupt(fmt::format("{}: no optimizer file of rank {} (zero_pp_rank_{}_mp_rank_00_optim_states.pt) among {} "
-                                 "ranks' files", z.dir.string(), r, r, ranks.size()));
-    z.optim.push_back(ranks.at(r));
-  }
-  for (const char* model : {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"})
-    if (fs::is_regular_file(z.dir / model, ec)) {
-      z.model = z.dir / model;
-      break;
+  // Several model-parallel ranks are a pipeline's stages where layer files say so (a PipelineModule
+  // saves each layer's weights apart) and none names a tensor-parallel rank; otherwise tensor
+  // parallelism (Megatron-DeepSpeed's, DeepSpeed's AutoTP), whose params are split by rules the
+  // files do not hold.
+  const int64_t last_mp = files.rbegin()->first;
+  if (layer_tp.size() > 1 || (!layer_tp.empty() && *layer_tp.begin() >= 0) || (layer_tp.empty() && last_mp > 0))
+    return corrupt(fmt::format("{}: model-parallel ranks (mp_rank_{:02d}{}): tensor-parallel ZeRO checkpoints are not "
+                               "read (a pipeline's stages are)", z.dir.string(), last_mp,
+                               layer_tp.empty() ? "" : ", layer files of tensor-parallel ranks"));
+  const size_t world = files.begin()->second.size();
+  for (int64_t s = 0; s <= last_mp; ++s) {
+    const auto stage = files.find(s);
+    if (stage == files.end())
+      return corrupt(fmt::format("{}: no optimizer files of pipeline stage {} (zero_pp_rank_*_mp_rank_{:02d}_optim_states.pt) "
+                                 "among {} stages' files", z.dir.string(), s, s, last_mp + 1));
+    const auto& ranks = stage->second;
+    ZeroStage zs;
+    for (int64_t r = 0; r < static_cast<int64_t>(std::max(world, ranks.size())); ++r) {
+      if (!ranks.count(r))
+        return corrupt(fmt::format("{}: no optimizer file of rank {} (zero_pp_rank_{}_mp_rank_{:02d}_optim_states.pt) "
+                                   "among {} ranks' files", z.dir.string(), r, r, s, std::max(world, ranks.size())));
+      zs.optim.push_back(ranks.at(r));
     }
-  if (z.model.empty())
-    return corrupt(z.dir.string() + ": no model states file (mp_rank_00_model_states.pt, or ZeRO-3's "
-                                    "zero_pp_rank_0_mp_rank_00_model_states.pt), which names the params");
+    const std::string model = fmt::format("mp_rank_{:02d}_model_states.pt", s);
+    if (fs::is_regular_file(z.dir / model, ec)) zs.model = z.dir / model;
+    else if (s == 0 && fs::is_regular_file(z.dir / "zero_pp_rank_0_mp_rank_00_model_states.pt", ec))
+      zs.model = z.dir / "zero_pp_rank_0_mp_rank_00_model_states.pt";
+    if (zs.model.empty())
+      return corrupt(fmt::format("{}: no model states file ({}{}), which names the params", z.dir.string(), model,
+                                 s == 0 ? ", or ZeRO-3's zero_pp_rank_0_mp_rank_00_model_states.pt" : ""));
+    z.stages.push_back(std::move(zs));
+  }
+  z.optim = z.stages[0].optim;
+  z.model = z.stages[0].model;
   return std::optional<ZeroFiles>{std::move(z)};
 }
 
@@ -2984,6 +3205,10 @@ Result<ZeroUniversalParts> zero_universal_parts(const fs::path& path) {
     return invalid_argument(path.string() + ": already a universal checkpoint (DeepSpeed loads it on any world size)");
   OPTSTATE_ASSIGN_OR_RETURN(const auto z, zero_files(path));
   if (!z) return invalid_argument(path.string() + ": no DeepSpeed ZeRO optimizer files (zero_pp_rank_*_optim_states.pt)");
+  if (z->stages.size() > 1 || z->layer_files)
+    return invalid_argument(fmt::format("{}: a pipeline's checkpoint ({} stage{}, layer files); optstate writes the "
+                                        "universal checkpoint of one without pipeline stages: convert it to another "
+                                        "format", z->dir.string(), z->stages.size(), z->stages.size() == 1 ? "" : "s"));
   const fs::path& file = z->optim.at(0);
   const std::string where = file.string();
   OPTSTATE_ASSIGN_OR_RETURN(auto opened, open_archive(file));

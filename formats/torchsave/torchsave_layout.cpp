@@ -1780,6 +1780,17 @@ Result<ZeroShapes> interpret_zero_model(const Pickle& p, const std::string& wher
   for (const char* key : {"lr_scheduler", "data_sampler", "random_ltd"})
     if (const Ref r = p.dict_get(p.root(), key); r != kNoRef && p.at(r).kind != Kind::kNone)
       out.not_read.push_back(fmt::format("['{}']", key));
+  auto count = [&](Ref r, const char* what) -> Result<std::optional<int64_t>> {
+    if (r == kNoRef || p.at(r).kind == Kind::kNone) return std::optional<int64_t>{};
+    const std::optional<int64_t> n = p.at(r).kind == Kind::kInt ? std::optional<int64_t>(p.at(r).i) : std::nullopt;
+    if (!n || *n < 1 || *n > (int64_t{1} << 24)) return corrupt(fmt::format("{}: {} is not a count of ranks", where, what));
+    return std::optional<int64_t>{*n};
+  };
+  OPTSTATE_ASSIGN_OR_RETURN(out.mp_world_size, count(p.dict_get(p.root(), "mp_world_size"), "mp_world_size"));
+  if (const Ref dims = p.dict_get(p.root(), "checkpoint_parallel_dimensions"); dict_items(p, dims)) {
+    OPTSTATE_ASSIGN_OR_RETURN(out.pp_degree, count(p.dict_get(dims, "pp_degree"), "pp_degree"));
+    OPTSTATE_ASSIGN_OR_RETURN(out.tp_degree, count(p.dict_get(dims, "tp_degree"), "tp_degree"));
+  }
   const Ref config = p.dict_get(p.root(), "ds_config");
   const Ref opt = dict_items(p, config) ? p.dict_get(config, "optimizer") : kNoRef;
   if (dict_items(p, opt)) {

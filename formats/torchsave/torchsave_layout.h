@@ -323,6 +323,8 @@ struct ZeroShapes {
   // ds_config's optimizer is "Adam" with adam_w_mode false: DeepSpeed's FusedAdam / CPUAdam in Adam's
   // L2 mode, which they keep outside their param groups (the readers refuse it with weight decay).
   bool l2_decay = false;
+  // The grid DeepSpeed saved it on: checkpoint_parallel_dimensions (0.15+), mp_world_size (pp x tp).
+  std::optional<int64_t> pp_degree, tp_degree, mp_world_size;
 };
 // The model states' ds_config names the optimizer DeepSpeed built (none: the client's own, whose
 // param groups tell); any but Adam or AdamW is refused, naming it.

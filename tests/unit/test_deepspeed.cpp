@@ -1,6 +1,7 @@
 // deepspeed driver: real DeepSpeed ZeRO checkpoints (formats/deepspeed/testdata/make_seeds.py:
 // ZeRO-2 and ZeRO-3 of one run (ZeRO-3 with and without sub-groups), ZeRO-1 under bf16 with and
-// without frozen params, Adam in L2 mode, ZeRO-3 under fp16 with skipped steps; 2 ranks each) read as their canonical state;
+// without frozen params, Adam in L2 mode, ZeRO-3 under fp16 with skipped steps; 2 ranks each; a
+// pipeline of 2 stages on 4 ranks) read as their canonical state;
 // damaged and unsupported variants are refused with the file named.
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -391,5 +392,87 @@ TEST_CASE("deepspeed: a missing rank, model-parallel files, no model states or a
     copy_tag("zero2_world2", dir);
     testing::write_file(dir.path / "latest", "../global_step3\n");
     CHECK(!find_format("deepspeed")->sniff(dir.path));
+  }
+}
+
+TEST_CASE("deepspeed: a pipeline's stages (PipelineModule, ZeRO-1) read as one state; a tied module read once") {
+  // pipe2_zero1_world4: 2 stages of 2 data-parallel ranks; each stage's optimizer files are its
+  // model-parallel rank's, its groups Hugging Face's two; the tied embedding is in both stages.
+  auto r = open_seed(kSeeds / "pipe2_zero1_world4");
+  const OptimizerState& m = r->meta();
+  REQUIRE(m.groups.size() == 2);
+  CHECK(m.groups[0].hyper.weight_decay == 0.05);
+  CHECK(m.groups[1].hyper.weight_decay == 0.0);
+  // stage 0's params, then stage 1's; the tied copy of stage 1 not again
+  CHECK(m.groups[0].params == std::vector<std::string>{"tied_modules.embed.weight", "1.weight", "3.weight", "5.weight"});
+  CHECK(m.groups[1].params == std::vector<std::string>{"1.bias", "3.bias", "4.weight", "4.bias", "5.bias"});
+  CHECK(m.params.at("tied_modules.embed.weight").shape == std::vector<int64_t>{12, 8});
+  CHECK(m.params.at("5.weight").shape == std::vector<int64_t>{12, 10});
+  for (const auto& [fqn, ps] : m.params) {
+    CHECK(ps.step == 3);
+    CHECK(ps.entries.size() == 3);
+  }
+  const auto notes = r->read_notes();
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].starts_with("'tied_modules.embed.weight' is held by pipeline stages 0 and 1"));
+  const auto nr = r->not_read();
+  CHECK(std::any_of(nr.begin(), nr.end(), [](const std::string& s) { return s.starts_with("layer_*-model_states.pt (6 files"); }));
+  auto v = validate_checkpoint(kSeeds / "pipe2_zero1_world4", [](const fs::path& p) { return open_checkpoint(p); });
+  REQUIRE(v.ok());
+  CHECK(v->findings.empty());
+  CHECK(v->checksums_verified);
+  // it converts, and the universal checkpoint (written without the pipeline's layer files) is refused
+  testing::TempDir dir;
+  REQUIRE(write_checkpoint(*find_format("native"), *load_all(*r), dir.path / "native", {}).ok());
+  CHECK(hash_checkpoint(*open_checkpoint(dir.path / "native").value())->root == hash_checkpoint(*r)->root);
+  const auto uni = write_checkpoint(*find_format("deepspeed"), *load_all(*r), dir.path / "uni", {.source = r.get()});
+  REQUIRE_FALSE(uni.ok());
+  CHECK(uni.message().find("a pipeline's checkpoint (2 stages, layer files)") != std::string::npos);
+  CHECK(!fs::exists(dir.path / "uni"));
+}
+
+TEST_CASE("deepspeed: a pipeline's missing stage or rank, tensor-parallel layer files and a stage of another grid are refused") {
+  {
+    testing::TempDir dir;
+    const fs::path tag = copy_tag("pipe2_zero1_world4", dir);
+    fs::remove(tag / "zero_pp_rank_1_mp_rank_01_optim_states.pt");
+    CHECK(error_of(tag).find("no optimizer file of rank 1 (zero_pp_rank_1_mp_rank_01_optim_states.pt) among 2") !=
+          std::string::npos);
+  }
+  {
+    testing::TempDir dir;
+    const fs::path tag = copy_tag("pipe2_zero1_world4", dir);
+    for (int rank : {0, 1}) fs::remove(tag / fmt::format("zero_pp_rank_{}_mp_rank_00_optim_states.pt", rank));
+    CHECK(error_of(tag).find("no optimizer files of pipeline stage 0") != std::string::npos);
+  }
+  {
+    testing::TempDir dir;
+    const fs::path tag = copy_tag("pipe2_zero1_world4", dir);
+    fs::remove(tag / "mp_rank_01_model_states.pt");
+    CHECK(error_of(tag).find("no model states file (mp_rank_01_model_states.pt)") != std::string::npos);
+  }
+  {
+    // Megatron-DeepSpeed's layer files name a tensor-parallel rank: its params are split by rules
+    // no file holds
+    testing::TempDir dir;
+    const fs::path tag = copy_tag("pipe2_zero1_world4", dir);
+    fs::rename(tag / "layer_01-model_states.pt", tag / "layer_01-model_01-model_states.pt");
+    CHECK(error_of(tag).find("tensor-parallel ZeRO checkpoints are not read") != std::string::npos);
+  }
+  {
+    // no layer files: the model-parallel ranks are tensor-parallel ones
+    testing::TempDir dir;
+    const fs::path tag = copy_tag("pipe2_zero1_world4", dir);
+    for (int l = 0; l < 6; ++l) fs::remove(tag / fmt::format("layer_{:02d}-model_states.pt", l));
+    CHECK(error_of(tag).find("model-parallel ranks (mp_rank_01): tensor-parallel") != std::string::npos);
+  }
+  {
+    // a stage of a 1-stage run's files beside (its model states say pp_degree 1): refused
+    testing::TempDir dir;
+    const fs::path tag = copy_tag("pipe2_zero1_world4", dir);
+    fs::copy(kSeeds / "zero2_world2/global_step3/mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt",
+             fs::copy_options::overwrite_existing);
+    CHECK(error_of(tag).find("mp_rank_01_model_states.pt: 1 model-parallel ranks (pp_degree 1), but") !=
+          std::string::npos);
   }
 }

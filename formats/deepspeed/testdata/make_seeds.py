@@ -18,6 +18,11 @@ with engine.save_checkpoint (global_step3/ and `latest`):
                       1 and 2 overflow and are skipped, so the optimizer has stepped once (global_steps 3)
   fp16_unstepped_zero2_world2/  ZeRO-2 under fp16 from a loss scale of 2^40: all 3 steps overflow, the
                       optimizer has never stepped and holds no state (the fp32 weights are the initial ones)
+  pipe2_zero1_world4/  a PipelineModule of 2 stages on 4 ranks (2 data-parallel ranks a stage), ZeRO-1,
+                      fp32: an embedding tied to the output (TiedLayerSpec: held by both stages), Linear(12, 20),
+                      GELU, Linear(20, 10), LayerNorm(10), Linear(10, 12); 3 steps of 2 micro-batches. Each
+                      stage's files are its model-parallel rank's (zero_pp_rank_R_mp_rank_SS_optim_states.pt,
+                      mp_rank_SS_model_states.pt), each layer's weights a layer_XX-model_states.pt
   bnb_zero2_world2/   ZeRO-2 under bf16 wrapping bitsandbytes' AdamW8bit (Hugging Face's adamw_bnb_8bit under
                       DeepSpeed), Linear(64, 128), GELU, Linear(128, 3): the weights' partitions (4288 elements
                       each) as 8-bit codes in blocks of 256 of the partition, the biases' (66) as 32-bit state
@@ -33,9 +38,44 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+def train_pipe(out):
+    import deepspeed
+    import torch
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+
+    class Embed(torch.nn.Module):  # x @ W.T in, W out: the tied input embedding and output head
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(12, 8) * 0.1)
+
+        def forward(self, x):
+            return x @ self.weight.t()
+
+    layers = [TiedLayerSpec("embed", Embed, tied_weight_attr="weight"), LayerSpec(torch.nn.Linear, 12, 20),
+              torch.nn.GELU(), LayerSpec(torch.nn.Linear, 20, 10), LayerSpec(torch.nn.LayerNorm, 10),
+              LayerSpec(torch.nn.Linear, 10, 12),
+              TiedLayerSpec("embed", Embed, forward_fn=lambda embed, x: x @ embed.weight, tied_weight_attr="weight")]
+    model = PipelineModule(layers=layers, num_stages=2, partition_method="uniform",
+                           loss_fn=lambda y, t: (y - t).square().mean())
+    groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05},
+              {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+           "zero_optimization": {"stage": 1}}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3), config=cfg)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        engine.train_batch(data_iter=iter([(torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g))] * 2))
+    engine.save_checkpoint(out)
+    torch.distributed.barrier()
+
+
 def train(stage, half, out, variant):
     import deepspeed
     import torch
+    if variant == "pipe":
+        return train_pipe(out)
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     if variant == "frozen":
@@ -93,12 +133,14 @@ def main():
                                        ("zero3_subgroups_world2", 3, "fp32", "subgroups"),
                                        ("fp16_zero3_world2", 3, "fp16", "-"),
                                        ("fp16_unstepped_zero2_world2", 2, "fp16", "unstepped"),
-                                       ("bnb_zero2_world2", 2, "bf16", "bnb")):
+                                       ("bnb_zero2_world2", 2, "bf16", "bnb"),
+                                       ("pipe2_zero1_world4", 1, "fp32", "pipe")):
         if wanted and name not in wanted:
             continue
         out = HERE / name
         shutil.rmtree(out, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+        ranks = 4 if variant == "pipe" else 2
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", __file__,
                         str(stage), half, str(out), variant], check=True, env=env)
         for extra in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's recovery scripts: not state
             (out / extra).unlink(missing_ok=True)

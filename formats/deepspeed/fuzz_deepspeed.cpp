@@ -14,8 +14,13 @@
 // Built a fourth time over the sub-grouped ZeRO-3 checkpoint (testdata/zero3_subgroups_world2/),
 // written back by DeepSpeed's own ZeRO-3 writer for 3 ranks (fuzz.deepspeed_zero3_write): the input
 // is rank 0's optimizer file, whose pickle the writer emits again with its partitions replaced.
+// Built twice over a pipeline's checkpoint (testdata/pipe2_zero1_world4/: 2 stages of 2 ranks): the
+// input is stage 1's rank 0 optimizer file (fuzz.deepspeed_pipe: its runs of the tied module's copy,
+// which validate compares with stage 0's) or stage 1's model states file (fuzz.deepspeed_pipe_model:
+// its params, groups and grid).
 // CTest: fuzz.deepspeed_zero2, fuzz.deepspeed_zero3, fuzz.deepspeed_universal,
-// fuzz.deepspeed_zero3_write (bounded mutation runs); with OPTSTATE_LIBFUZZER, coverage-guided.
+// fuzz.deepspeed_zero3_write, fuzz.deepspeed_bnb_zero2, fuzz.deepspeed_pipe, fuzz.deepspeed_pipe_model
+// (bounded mutation runs); with OPTSTATE_LIBFUZZER, coverage-guided.
 #include <cstdint>
 
 #include "torchsave/torchsave_fuzz_target.h"

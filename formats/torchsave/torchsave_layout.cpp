@@ -1753,7 +1753,12 @@ Result<Scalar> interpret_universal_step(const Pickle& p, const std::string& wher
 }
 
 Result<ZeroShapes> interpret_zero_model(const Pickle& p, const std::string& where) {
-  const auto* groups = list_items(p, p.dict_get(p.root(), "param_shapes"));
+  const Ref shapes_ref = p.dict_get(p.root(), "param_shapes");
+  if (shapes_ref != kNoRef && p.at(shapes_ref).kind == Kind::kNone && dict_items(p, p.dict_get(p.root(), "optimizer")))
+    return corrupt(where + ": param_shapes is None and the optimizer's state_dict is beside it: DeepSpeed without "
+                           "ZeRO (stage 0; under bf16 its BF16_Optimizer, whose bf16_zero_pp_rank_* files name no "
+                           "param's shape): not read");
+  const auto* groups = list_items(p, shapes_ref);
   if (!groups || groups->empty())
     return corrupt(where + ": no 'param_shapes' list (not DeepSpeed's model states file)");
   ZeroShapes out;

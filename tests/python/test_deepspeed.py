@@ -474,3 +474,125 @@ def test_bitsandbytes_adamw8bit_under_zero_reads_as_its_dequantized_partitions(t
     else:
         err = run_err(optstate_cli, "convert", ck, tmp_path / "u", "--format", "deepspeed")
         assert "a universal checkpoint holds fp32 exp_avg/exp_avg_sq" in err and not (tmp_path / "u").exists()
+
+
+# DeepSpeed's pipeline (PipelineModule): `stages` stages over the ranks (the rest data-parallel), ZeRO-1;
+# an embedding tied to the output head (TiedLayerSpec: held by the first and the last stage), Hugging
+# Face's two groups (biases at another lr), 2 micro-batches a step; every data-parallel rank the same batch.
+PIPE_TRAIN = """
+import sys, torch, deepspeed
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+half, out, stages, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+zero = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+deepspeed.init_distributed(dist_backend="gloo")
+if half == "fp16":
+    from deepspeed.accelerator import get_accelerator
+    if not get_accelerator().is_fp16_supported():  # as in FP16 above
+        type(get_accelerator()).is_fp16_supported = lambda self: True
+torch.manual_seed(0)
+class Embed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(40, 64) * 0.1)
+    def forward(self, x):
+        return x @ self.weight.t()
+layers = [TiedLayerSpec("embed", Embed, tied_weight_attr="weight"), LayerSpec(torch.nn.Linear, 40, 96), torch.nn.GELU(),
+          LayerSpec(torch.nn.Linear, 96, 50), LayerSpec(torch.nn.LayerNorm, 50), LayerSpec(torch.nn.Linear, 50, 40),
+          TiedLayerSpec("embed", Embed, forward_fn=lambda embed, x: x @ embed.weight, tied_weight_attr="weight")]
+model = PipelineModule(layers=layers, num_stages=stages, partition_method="uniform",
+                       loss_fn=lambda y, t: (y.float() * 1e-1 - t).square().mean())
+groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05},
+          {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "lr": 2e-3}]
+cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+       "zero_optimization": {"stage": zero}, "bf16": {"enabled": half == "bf16"},
+       "fp16": {"enabled": half == "fp16", "initial_scale_power": 8}}
+engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3), config=cfg)
+dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(half, torch.float32)
+for s in range(steps):
+    g = torch.Generator().manual_seed(s)
+    batches = [(torch.randn(4, 64, generator=g).to(dtype), torch.randn(4, 64, generator=g)) for _ in range(2)]
+    engine.train_batch(data_iter=iter(batches))
+engine.save_checkpoint(out)
+torch.distributed.barrier()
+"""
+
+PIPE_NAMES = ["tied_modules.embed.weight", "1.weight", "3.weight", "5.weight", "1.bias", "3.bias", "4.weight",
+              "4.bias", "5.bias"]
+
+
+def pipe_run(tmp_path, half, stages, ranks, zero=1):
+    out = tmp_path / f"pipe{stages}_{half}_{ranks}_zero{zero}"
+    run_script(tmp_path, PIPE_TRAIN, "pipe_train.py", half, out, stages, 3, zero, ranks=ranks)
+    return out
+
+
+@pytest.mark.parametrize("half,stages,ranks", [("fp32", 2, 4), ("bf16", 2, 4), ("fp16", 3, 3)])
+def test_pipeline_checkpoint_reads_as_deepspeeds_own_reassembly(tmp_path, optstate_cli, half, stages, ranks):
+    """A PipelineModule's checkpoint (GPT-NeoX's and Megatron-DeepSpeed's engine, without tensor
+    parallelism): each stage's ZeRO-1 files are its model-parallel rank's. optstate reads them as one
+    state, bit for bit what DeepSpeed's ds_to_universal reassembles (which optstate reads as the same
+    state), the tied embedding once (validate compares its copies)."""
+    ck = pipe_run(tmp_path, half, stages, ranks)
+    tag = ck / "global_step3"
+    assert len(list(tag.glob("*mp_rank_*_optim_states.pt"))) == ranks
+    out = optstate_cli("convert", ck, tmp_path / "plain.pt")
+    assert "layer_*-model_states.pt (6 files" in out.stderr, out.stderr
+    assert f"'tied_modules.embed.weight' is held by pipeline stages 0 and {stages - 1}" in out.stderr, out.stderr
+    sd = torch.load(tmp_path / "plain.pt")
+    ref = universal(tmp_path, ck, "global_step3")
+    assert hashes(optstate_cli, ref) == hashes(optstate_cli, ck)
+    groups = sd["optimizer"]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.05, 0.0] and [g["lr"] for g in groups] == [1e-3, 2e-3]
+    names = [n for g in groups for n in g["param_names"]]
+    assert sorted(names) == sorted(PIPE_NAMES)
+    for i, n in enumerate(names):
+        st = sd["optimizer"]["state"][i]
+        assert st["step"].item() == 3 == universal_tensor(ref / "zero" / n / "step.pt")
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[k], universal_tensor(ref / "zero" / n / f"{k}.pt").view_as(st[k])), (n, k)
+        assert torch.equal(sd["model"][n], universal_tensor(ref / "zero" / n / "fp32.pt").view_as(sd["model"][n])), n
+    assert "every chunk checksum verified" in optstate_cli("validate", ck).stdout
+    # DeepSpeed's universal layout of it is not written (its pipeline loads each layer's file)
+    err = run_err(optstate_cli, "convert", ck, tmp_path / "u", "--format", "deepspeed")
+    assert "a pipeline's checkpoint" in err and not (tmp_path / "u").exists()
+
+
+def test_pipeline_tied_copies_that_differ_are_a_validate_finding(tmp_path, optstate_cli):
+    """The tied module's copy in the last stage is stepped alike (DeepSpeed sums the tie's gradients);
+    stage 0's is read. A copy that differs (files of two runs, a damaged resave) is named by validate,
+    with its stage and element; other damage to the stages' agreement is refused on open."""
+    import shutil
+    ck = tmp_path / "ck"
+    shutil.copytree(SEEDS / "pipe2_zero1_world4", ck)
+    f = ck / "global_step3" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    sd = torch.load(f, weights_only=False)
+    osd = sd["optimizer_state_dict"]
+    a = osd["param_slice_mappings"][0]["tied_modules.embed.weight"]
+    osd["base_optimizer_state"]["state"][0]["exp_avg"][a.start + 5] += 1e-3
+    torch.save(sd, f)
+    optstate_cli("inspect", ck)  # reads: stage 0's copy
+    proc = optstate_cli("validate", ck, check=False)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert "'tied_modules.embed.weight' exp_avg: pipeline stage 1's copy of the tied module differs from the copy " \
+           "read at element 5" in proc.stdout, proc.stdout
+    # stage 1's step other than stage 0's (its files from another iteration): refused
+    shutil.rmtree(ck)
+    shutil.copytree(SEEDS / "pipe2_zero1_world4", ck)
+    for rank in (0, 1):
+        f = ck / "global_step3" / f"zero_pp_rank_{rank}_mp_rank_01_optim_states.pt"
+        sd = torch.load(f, weights_only=False)
+        for st in sd["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
+            st["step"] += 1
+        torch.save(sd, f)
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "step 4, its copy in stage 0 step 3" in err or "an earlier pipeline stage step 3" in err, err
+
+
+def test_pipeline_under_bf16_without_zero_is_refused_naming_why(tmp_path, optstate_cli):
+    """bf16 without ZeRO (Megatron-DeepSpeed's default under bf16): DeepSpeed's BF16_Optimizer saves
+    bf16_zero_pp_rank_* files, but the model states hold no param_shapes (DeepSpeed 0.19.8's own
+    ds_to_universal fails on them too): refused, saying so."""
+    ck = pipe_run(tmp_path, "bf16", 2, 2, zero=0)
+    assert len(list((ck / "global_step3").glob("bf16_zero_pp_rank_*"))) == 2
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "mp_rank_00_model_states.pt: param_shapes is None" in err and "BF16_Optimizer" in err, err

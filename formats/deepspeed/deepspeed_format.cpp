@@ -84,7 +84,8 @@ Status make_folder(const fs::path& dir) {
 Status write_universal(StateSource& source, const fs::path& staging, const torchsave::ZeroUniversalParts& parts) {
   const OptimizerState& state = source.meta();
   std::vector<float> scratch;  // 8-bit or half-precision entries widened (fp32 ones are written as loaded)
-  OPTSTATE_RETURN_IF_ERROR(copy_durably(parts.model_states, staging / parts.model_states.filename()));
+  for (const fs::path& model_states : parts.stage_model_states)
+    OPTSTATE_RETURN_IF_ERROR(copy_durably(model_states, staging / model_states.filename()));
   OPTSTATE_RETURN_IF_ERROR(make_folder(staging / "zero"));
   OPTSTATE_RETURN_IF_ERROR(torchsave::write_archive(staging / "zero" / "optimizer_state.pt", parts.optimizer_state_pkl,
                                          [](dcp::ArchiveWriter&) { return Status::Ok(); }));

@@ -216,6 +216,7 @@ class TorchSaveReader final : public CheckpointReader {
   std::vector<std::string> not_read() const override {
     std::vector<std::string> out = not_read_;
     out.insert(out.end(), encoding_notes_.begin(), encoding_notes_.end());
+    out.insert(out.end(), uncarried_notes_.begin(), uncarried_notes_.end());
     return out;
   }
   std::vector<std::string> carried_not_read() const override { return not_read_; }
@@ -880,8 +881,8 @@ class TorchSaveReader final : public CheckpointReader {
     std::map<std::string, size_t> stage_of;  // each param: the stage it is read from
     for (size_t st = 0; st < z.stages.size(); ++st)
       OPTSTATE_RETURN_IF_ERROR(add_zero_stage(z, st, group_steps, stage_of));
-    if (z.layer_files)
-      not_read_.push_back(fmt::format("layer_*-model_states.pt ({} file{}: the pipeline's module weights per layer, in "
+    if (z.layer_files)  // not in a universal checkpoint either (DeepSpeed loads its weights from zero/)
+      uncarried_notes_.push_back(fmt::format("layer_*-model_states.pt ({} file{}: the pipeline's module weights per layer, in "
                                       "their training dtype; the optimizer's fp32 weights are read)", z.layer_files,
                                       z.layer_files == 1 ? "" : "s"));
     std::map<std::string, std::set<size_t>> tied;
@@ -2445,6 +2446,7 @@ class TorchSaveReader final : public CheckpointReader {
   OptimizerState meta_;
   std::vector<std::string> not_read_;
   std::vector<std::string> encoding_notes_;  // encodings read as fp32 values: in not_read(), not carried
+  std::vector<std::string> uncarried_notes_;  // files beside that a carrying write leaves (a pipeline's layer files)
   std::map<Key, std::vector<Piece>> stored_;
   std::map<std::string, std::string> source_names_;  // a param's fqn -> its name in the files (one_name)
   std::vector<ModelTensorInfo> model_tensors_;        // expose_model_tensors
@@ -3205,10 +3207,6 @@ Result<ZeroUniversalParts> zero_universal_parts(const fs::path& path) {
     return invalid_argument(path.string() + ": already a universal checkpoint (DeepSpeed loads it on any world size)");
   OPTSTATE_ASSIGN_OR_RETURN(const auto z, zero_files(path));
   if (!z) return invalid_argument(path.string() + ": no DeepSpeed ZeRO optimizer files (zero_pp_rank_*_optim_states.pt)");
-  if (z->stages.size() > 1 || z->layer_files)
-    return invalid_argument(fmt::format("{}: a pipeline's checkpoint ({} stage{}, layer files); optstate writes the "
-                                        "universal checkpoint of one without pipeline stages: convert it to another "
-                                        "format", z->dir.string(), z->stages.size(), z->stages.size() == 1 ? "" : "s"));
   const fs::path& file = z->optim.at(0);
   const std::string where = file.string();
   OPTSTATE_ASSIGN_OR_RETURN(auto opened, open_archive(file));
@@ -3243,7 +3241,8 @@ Result<ZeroUniversalParts> zero_universal_parts(const fs::path& path) {
   w.str("param_groups");
   OPTSTATE_RETURN_IF_ERROR(pickle::emit(w, p, groups, where + " param_groups"));
   w.setitems_from_mark();
-  ZeroUniversalParts parts{z->dir, z->model, w.finish(), {}, {}};
+  ZeroUniversalParts parts{z->dir, z->model, {}, w.finish(), {}, {}};
+  for (const ZeroStage& st : z->stages) parts.stage_model_states.push_back(st.model);
   // A step kept as a number (DeepSpeed's CPU Adam: an int); the reader gives a never-stepped flat
   // param the number 0, but then no step.pt is written.
   parts.int_step = !zr.groups.empty() && zr.groups[0].step.number.has_value();

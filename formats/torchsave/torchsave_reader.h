@@ -134,6 +134,10 @@ Result<MegatronSizes> read_megatron_sizes(const std::filesystem::path& file);
 // optimizer's param_groups. ZeRO-3 checkpoints are refused, naming the stage.
 struct ZeroUniversalParts {
   std::filesystem::path tag_dir, model_states;
+  // Every pipeline stage's model states file (mp_rank_SS_model_states.pt), model_states first;
+  // ds_to_universal copies each (DeepSpeed reads a stage's from the universal checkpoint).
+  std::vector<std::filesystem::path> stage_model_states;
+  // Stage 0's rank 0's optimizer_state_dict, without its partitions (ds_to_universal's too).
   std::string optimizer_state_pkl;
   // The model states' 'module' tensors that no param group holds (frozen params, buffers, a tied
   // weight's second name), which ds_to_universal writes too, as zero/<name>/fp32.pt of

@@ -479,50 +479,88 @@ def test_bitsandbytes_adamw8bit_under_zero_reads_as_its_dequantized_partitions(t
 # DeepSpeed's pipeline (PipelineModule): `stages` stages over the ranks (the rest data-parallel), ZeRO-1;
 # an embedding tied to the output head (TiedLayerSpec: held by the first and the last stage), Hugging
 # Face's two groups (biases at another lr), 2 micro-batches a step; every data-parallel rank the same batch.
-PIPE_TRAIN = """
+PIPE_BUILD = """
 import sys, torch, deepspeed
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-half, out, stages, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-zero = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 deepspeed.init_distributed(dist_backend="gloo")
-if half == "fp16":
-    from deepspeed.accelerator import get_accelerator
-    if not get_accelerator().is_fp16_supported():  # as in FP16 above
-        type(get_accelerator()).is_fp16_supported = lambda self: True
-torch.manual_seed(0)
 class Embed(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.randn(40, 64) * 0.1)
     def forward(self, x):
         return x @ self.weight.t()
-layers = [TiedLayerSpec("embed", Embed, tied_weight_attr="weight"), LayerSpec(torch.nn.Linear, 40, 96), torch.nn.GELU(),
-          LayerSpec(torch.nn.Linear, 96, 50), LayerSpec(torch.nn.LayerNorm, 50), LayerSpec(torch.nn.Linear, 50, 40),
-          TiedLayerSpec("embed", Embed, forward_fn=lambda embed, x: x @ embed.weight, tied_weight_attr="weight")]
-model = PipelineModule(layers=layers, num_stages=stages, partition_method="uniform",
-                       loss_fn=lambda y, t: (y.float() * 1e-1 - t).square().mean())
-groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05},
-          {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "lr": 2e-3}]
-cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
-       "zero_optimization": {"stage": zero}, "bf16": {"enabled": half == "bf16"},
-       "fp16": {"enabled": half == "fp16", "initial_scale_power": 8}}
-engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3), config=cfg)
-dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(half, torch.float32)
-for s in range(steps):
+def build(stages, seed):
+    torch.manual_seed(seed)
+    layers = [TiedLayerSpec("embed", Embed, tied_weight_attr="weight"), LayerSpec(torch.nn.Linear, 40, 96),
+              torch.nn.GELU(), LayerSpec(torch.nn.Linear, 96, 50), LayerSpec(torch.nn.LayerNorm, 50),
+              LayerSpec(torch.nn.Linear, 50, 40),
+              TiedLayerSpec("embed", Embed, forward_fn=lambda embed, x: x @ embed.weight, tied_weight_attr="weight")]
+    model = PipelineModule(layers=layers, num_stages=stages, partition_method="uniform",
+                           loss_fn=lambda y, t: (y.float() * 1e-1 - t).square().mean())
+    groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05},
+              {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "lr": 2e-3}]
+    return model, torch.optim.AdamW(groups, lr=1e-3)
+def config(half, zero, universal=False):
+    if half == "fp16":
+        from deepspeed.accelerator import get_accelerator
+        if not get_accelerator().is_fp16_supported():  # as in FP16 above
+            type(get_accelerator()).is_fp16_supported = lambda self: True
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": zero}, "bf16": {"enabled": half == "bf16"},
+            "fp16": {"enabled": half == "fp16", "initial_scale_power": 8},
+            "checkpoint": {"load_universal": universal}}
+def step(engine, s, half):
     g = torch.Generator().manual_seed(s)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(half, torch.float32)
     batches = [(torch.randn(4, 64, generator=g).to(dtype), torch.randn(4, 64, generator=g)) for _ in range(2)]
     engine.train_batch(data_iter=iter(batches))
-engine.save_checkpoint(out)
-torch.distributed.barrier()
+def dump(engine, model, out):  # each stage's fp32 weights, from its first data-parallel rank
+    full = {n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()}
+    if engine.grid.get_data_parallel_rank() == 0:
+        torch.save(full, f"{out}.stage{engine.grid.get_stage_id()}.pt")
+    torch.distributed.barrier()
 """
+
+PIPE_TRAIN = PIPE_BUILD + """
+half, out, stages, steps, zero, more = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+model, opt = build(stages, 0)
+engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config(half, zero))
+for s in range(steps):
+    step(engine, s, half)
+engine.save_checkpoint(out)
+for s in range(steps, steps + more):  # the run continues: each stage's fp32 weights at the end
+    step(engine, s, half)
+if more:
+    dump(engine, model, out + ".continued")
+"""
+
+# A universal checkpoint loaded into a fresh pipeline of `stages` stages (its own init), two more steps.
+PIPE_RESUME = PIPE_BUILD + """
+load_dir, tag, out, stages = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+model, opt = build(stages, 1)
+engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config("fp32", 1, universal=True))
+engine.load_checkpoint(load_dir, tag=tag)
+assert engine.global_steps == 3
+for s in range(3, 5):
+    step(engine, s, "fp32")
+dump(engine, model, out)
+"""
+
+
+def stage_weights(out, stages):
+    full = {}
+    for s in range(stages):
+        full.update(torch.load(f"{out}.stage{s}.pt"))
+    return full
+
 
 PIPE_NAMES = ["tied_modules.embed.weight", "1.weight", "3.weight", "5.weight", "1.bias", "3.bias", "4.weight",
               "4.bias", "5.bias"]
 
 
-def pipe_run(tmp_path, half, stages, ranks, zero=1):
+def pipe_run(tmp_path, half, stages, ranks, zero=1, more=0):
     out = tmp_path / f"pipe{stages}_{half}_{ranks}_zero{zero}"
-    run_script(tmp_path, PIPE_TRAIN, "pipe_train.py", half, out, stages, 3, zero, ranks=ranks)
+    run_script(tmp_path, PIPE_TRAIN, "pipe_train.py", half, out, stages, 3, zero, more, ranks=ranks)
     return out
 
 
@@ -552,9 +590,36 @@ def test_pipeline_checkpoint_reads_as_deepspeeds_own_reassembly(tmp_path, optsta
             assert torch.equal(st[k], universal_tensor(ref / "zero" / n / f"{k}.pt").view_as(st[k])), (n, k)
         assert torch.equal(sd["model"][n], universal_tensor(ref / "zero" / n / "fp32.pt").view_as(sd["model"][n])), n
     assert "every chunk checksum verified" in optstate_cli("validate", ck).stdout
-    # DeepSpeed's universal layout of it is not written (its pipeline loads each layer's file)
-    err = run_err(optstate_cli, "convert", ck, tmp_path / "u", "--format", "deepspeed")
-    assert "a pipeline's checkpoint" in err and not (tmp_path / "u").exists()
+
+
+def test_pipeline_universal_checkpoint_is_ds_to_universals_and_deepspeed_resumes_it_on_other_grids(
+        tmp_path, optstate_cli):
+    """`convert --format deepspeed` of a pipeline's checkpoint (2 stages on 4 ranks) writes what
+    ds_to_universal writes: every stage's model states file as it was, one zero/<param>/ of each
+    param (the tied module's once), stage 0's settings. DeepSpeed's pipeline (which takes the
+    weights from zero/ under "load_universal", not from the layer files) resumes from it on 2 stages
+    of 1 rank and on 3 stages, to the uninterrupted run's fp32 weights bit for bit, as from
+    ds_to_universal's own."""
+    ck = pipe_run(tmp_path, "fp32", 2, 4, more=2)
+    ref = universal(tmp_path, ck, "global_step3")
+    ours = tmp_path / "ours_universal"
+    out = optstate_cli("convert", ck, ours, "--format", "deepspeed")
+    assert "layer_*-model_states.pt (6 files" in out.stderr and "not in" in out.stderr, out.stderr
+    assert hashes(optstate_cli, ours) == hashes(optstate_cli, ck) == hashes(optstate_cli, ref)
+    assert sorted(same_param_files(ref, ours)) == sorted(PIPE_NAMES)
+    for s in (0, 1):
+        name = f"mp_rank_{s:02d}_model_states.pt"
+        assert (ours / name).read_bytes() == (ref / name).read_bytes()
+    a = torch.load(ref / "zero" / "optimizer_state.pt", weights_only=False)
+    b = torch.load(ours / "zero" / "optimizer_state.pt", weights_only=False)
+    assert list(a) == list(b) and a["param_groups"] == b["param_groups"]
+    continued = stage_weights(str(ck) + ".continued", 2)
+    for stages, tag in ((2, ours.name), (3, ours.name), (2, ref.name)):
+        res = tmp_path / f"resumed_{stages}_{tag}"
+        run_script(tmp_path, PIPE_RESUME, "pipe_resume.py", tmp_path, tag, res, stages, ranks=stages)
+        got = stage_weights(res, stages)
+        assert sorted(got) == sorted(continued)
+        assert all(torch.equal(got[n], continued[n]) for n in got), (stages, tag)
 
 
 def test_pipeline_tied_copies_that_differ_are_a_validate_finding(tmp_path, optstate_cli):

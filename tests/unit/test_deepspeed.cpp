@@ -395,7 +395,7 @@ TEST_CASE("deepspeed: a missing rank, model-parallel files, no model states or a
   }
 }
 
-TEST_CASE("deepspeed: a pipeline's stages (PipelineModule, ZeRO-1) read as one state; a tied module read once") {
+TEST_CASE("deepspeed: a pipeline's stages (PipelineModule, ZeRO-1) read as one state, a tied module once; its universal checkpoint") {
   // pipe2_zero1_world4: 2 stages of 2 data-parallel ranks; each stage's optimizer files are its
   // model-parallel rank's, its groups Hugging Face's two; the tied embedding is in both stages.
   auto r = open_seed(kSeeds / "pipe2_zero1_world4");
@@ -421,14 +421,21 @@ TEST_CASE("deepspeed: a pipeline's stages (PipelineModule, ZeRO-1) read as one s
   REQUIRE(v.ok());
   CHECK(v->findings.empty());
   CHECK(v->checksums_verified);
-  // it converts, and the universal checkpoint (written without the pipeline's layer files) is refused
+  // it converts; its universal checkpoint holds every stage's model states file and each param once
   testing::TempDir dir;
   REQUIRE(write_checkpoint(*find_format("native"), *load_all(*r), dir.path / "native", {}).ok());
   CHECK(hash_checkpoint(*open_checkpoint(dir.path / "native").value())->root == hash_checkpoint(*r)->root);
-  const auto uni = write_checkpoint(*find_format("deepspeed"), *load_all(*r), dir.path / "uni", {.source = r.get()});
-  REQUIRE_FALSE(uni.ok());
-  CHECK(uni.message().find("a pipeline's checkpoint (2 stages, layer files)") != std::string::npos);
-  CHECK(!fs::exists(dir.path / "uni"));
+  REQUIRE(write_checkpoint(*find_format("deepspeed"), *load_all(*r), dir.path / "uni", {.source = r.get()}).ok());
+  for (const char* f : {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"})
+    CHECK(testing::read_file(dir.path / "uni" / f) ==
+          testing::read_file(kSeeds / "pipe2_zero1_world4/global_step3" / f));
+  CHECK(fs::is_regular_file(dir.path / "uni/zero/tied_modules.embed.weight/exp_avg.pt"));
+  CHECK(!fs::exists(dir.path / "uni/layer_00-model_states.pt"));  // DeepSpeed loads the weights from zero/
+  auto uni = open_seed(dir.path / "uni");
+  CHECK(hash_checkpoint(*uni)->root == hash_checkpoint(*r)->root);
+  const auto unotes = uni->read_notes();
+  REQUIRE(unotes.size() == 1);
+  CHECK(unotes[0] == "'tied_modules.embed.weight' is in the param_shapes of pipeline stages 0 and 1 (a tied module): one param");
 }
 
 TEST_CASE("deepspeed: a pipeline's missing stage or rank, tensor-parallel layer files and a stage of another grid are refused") {

@@ -97,7 +97,8 @@ Status write_universal(StateSource& source, const fs::path& staging, const torch
     // A param the optimizer never stepped has no state to merge: ds_to_universal writes its fp32.pt
     // as a module tensor's, without cat_dim (the values are the same: the fp32 weights are still the
     // half-precision ones widened).
-    const FileForm form = ps.entries.count(kExpAvg) ? FileForm::kCatDim : FileForm::kParamOnly;
+    const FileForm form =
+        ps.entries.count(kExpAvg) && !parts.affine_params.count(fqn) ? FileForm::kCatDim : FileForm::kParamOnly;
     for (const auto& [name, meta] : ps.entries) {
       OPTSTATE_ASSIGN_OR_RETURN(const Entry e, source.load(fqn, name));
       // fp32 values: DeepSpeed's master weights and moments are float32 (8-bit ones dequantized)

@@ -58,6 +58,9 @@ struct ZeroFiles {
   fs::path model;
   std::vector<ZeroStage> stages;  // every stage's, in stage order
   size_t layer_files = 0;         // layer_*-model_states.pt: a pipeline's module weights, per layer
+  // Several model-parallel ranks and no layer files: tensor-parallel ranks (DeepSpeed's AutoTP),
+  // each "stage" a rank's shards.
+  bool tensor_parallel = false;
 };
 
 // The ZeRO files of the tag folder at (or named by `latest` in) `path`; nullopt where it holds none.

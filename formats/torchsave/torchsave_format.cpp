@@ -877,36 +877,64 @@ class TorchSaveReader final : public CheckpointReader {
     deepspeed_ = true;
     set_ = true;
     meta_.kind = "adamw";
-    std::vector<int64_t> group_steps;  // each joined group's step, as its first stage had it
-    std::map<std::string, size_t> stage_of;  // each param: the stage it is read from
-    for (size_t st = 0; st < z.stages.size(); ++st)
-      OPTSTATE_RETURN_IF_ERROR(add_zero_stage(z, st, group_steps, stage_of));
+    std::vector<ZeroSlice> slices;
+    for (size_t st = 0; st < z.stages.size(); ++st) {
+      OPTSTATE_ASSIGN_OR_RETURN(ZeroSlice slice, read_zero_slice(z, st));
+      slices.push_back(std::move(slice));
+    }
+    if (z.tensor_parallel) {
+      OPTSTATE_RETURN_IF_ERROR(join_tensor_parallel(z, slices));
+    } else {
+      std::vector<int64_t> group_steps;        // each joined group's step, as its first stage had it
+      std::map<std::string, size_t> stage_of;  // each param: the stage it is read from
+      for (size_t st = 0; st < slices.size(); ++st)
+        OPTSTATE_RETURN_IF_ERROR(join_pipeline_stage(z, st, std::move(slices[st]), group_steps, stage_of));
+      std::map<std::string, std::set<size_t>> tied;
+      for (const ZeroTiedCopy& c : zero_tied_) tied[c.fqn].insert(c.stage);
+      for (const auto& [name, stages] : tied)
+        value_notes_.push_back(fmt::format("'{}' is held by pipeline stages {} and {} (a tied module: DeepSpeed sums "
+                                           "its gradients over the tie, so its copies are equal): stage {}'s read; "
+                                           "validate compares the copies", name, stage_of.at(name),
+                                           fmt::join(stages, ", "), stage_of.at(name)));
+    }
     if (z.layer_files)  // not in a universal checkpoint either (DeepSpeed loads its weights from zero/)
-      uncarried_notes_.push_back(fmt::format("layer_*-model_states.pt ({} file{}: the pipeline's module weights per layer, in "
-                                      "their training dtype; the optimizer's fp32 weights are read)", z.layer_files,
-                                      z.layer_files == 1 ? "" : "s"));
-    std::map<std::string, std::set<size_t>> tied;
-    for (const ZeroTiedCopy& c : zero_tied_) tied[c.fqn].insert(c.stage);
-    for (const auto& [name, stages] : tied)
-      value_notes_.push_back(fmt::format("'{}' is held by pipeline stages {} and {} (a tied module: DeepSpeed sums its "
-                                         "gradients over the tie, so its copies are equal): stage {}'s read; validate "
-                                         "compares the copies", name, stage_of.at(name), fmt::join(stages, ", "),
-                                         stage_of.at(name)));
+      uncarried_notes_.push_back(fmt::format("layer_*-model_states.pt ({} file{}: the pipeline's module weights per "
+                                             "layer, in their training dtype; the optimizer's fp32 weights are read)",
+                                             z.layer_files, z.layer_files == 1 ? "" : "s"));
     return finish({}, {}, 0);
   }
 
-  // A tied module's copy in a later pipeline stage (DeepSpeed's TiedLayerSpec): the same name,
-  // stepped alike; validate compares it with the copy read.
+  // Another copy of elements read elsewhere: a tied module's copy in a later pipeline stage
+  // (DeepSpeed's TiedLayerSpec: the same name, stepped alike), or a tensor-parallel rank's copy
+  // of a block every rank holds (AutoTP: a replicated param, stepped alike on each). `pieces` are
+  // runs of the entry's elements in its order; validate compares them with what is read there.
   struct ZeroTiedCopy {
     std::string fqn, entry;
     size_t stage = 0;
     std::vector<Piece> pieces;
   };
 
-  Status add_zero_stage(const ZeroFiles& z, size_t st, std::vector<int64_t>& group_steps,
-                        std::map<std::string, size_t>& stage_of) {
+  // One model-parallel rank's ZeRO set (a pipeline stage, or a tensor-parallel rank) as read:
+  // its groups (settings with the lr read; the step of each group's first flat param) and its
+  // params in order, each entry's runs in the rank's own (local) element order.
+  struct ZeroSliceParam {
+    std::string name;
+    std::vector<int64_t> shape;
+    size_t group = 0;
+    int64_t step = 0;
+    std::map<std::string, std::vector<Piece>> entries;
+  };
+  struct ZeroSlice {
+    std::vector<Hyperparameters> hyper;            // by param group
+    std::vector<std::optional<int64_t>> step;      // by param group
+    std::vector<ZeroSliceParam> params;
+    ZeroShapes shapes;
+  };
+
+  Result<ZeroSlice> read_zero_slice(const ZeroFiles& z, size_t st) {
     const ZeroStage& zs = z.stages[st];
-    const bool pipeline = z.stages.size() > 1 || z.layer_files > 0;
+    const bool pipeline = (z.stages.size() > 1 || z.layer_files > 0) && !z.tensor_parallel;
+    const std::string slice_name = z.tensor_parallel ? "tensor-parallel rank" : "pipeline stage";
     const size_t world = zs.optim.size(), base = files_.size();
     std::vector<ZeroRank> ranks;
     for (const fs::path& f : zs.optim) {
@@ -925,7 +953,8 @@ class TorchSaveReader final : public CheckpointReader {
       const std::string wf = zs.optim[f].string();
       if (zr.partitions != static_cast<int64_t>(world))
         return corrupt(fmt::format("{}: partition_count {}, but {} holds {} ranks' optimizer files{}", wf, zr.partitions,
-                                   z.dir.string(), world, pipeline ? fmt::format(" of pipeline stage {}", st) : ""));
+                                   z.dir.string(), world,
+                                   z.stages.size() > 1 ? fmt::format(" of {} {}", slice_name, st) : ""));
       if ((zr.stage == 3) != stage3 || zr.param_groups != r0.param_groups || zr.groups.size() != r0.groups.size())
         return corrupt(fmt::format("{}: ZeRO stage {} with {} param groups ({} flat params), rank 0's file stage {} with "
                                    "{} ({})", wf, zr.stage, zr.param_groups, zr.groups.size(), r0.stage,
@@ -942,20 +971,23 @@ class TorchSaveReader final : public CheckpointReader {
     }
     OPTSTATE_ASSIGN_OR_RETURN(auto model, open_archive(zs.model));
     const std::string mw = zs.model.string();
-    OPTSTATE_ASSIGN_OR_RETURN(const ZeroShapes shapes, interpret_zero_model(model.second, mw));
+    ZeroSlice out;
+    OPTSTATE_ASSIGN_OR_RETURN(out.shapes, interpret_zero_model(model.second, mw));
+    const ZeroShapes& shapes = out.shapes;
     if (shapes.groups.size() != r0.groups.size())
       return corrupt(fmt::format("{}: {} flat params in param_shapes, {} in the optimizer's files", mw,
                                  shapes.groups.size(), r0.groups.size()));
     // What DeepSpeed 0.15+ records of the grid (older ones record only mp_world_size: pp x tp).
-    const auto stages = static_cast<int64_t>(z.stages.size());
-    if (shapes.tp_degree && *shapes.tp_degree != 1)
-      return corrupt(fmt::format("{}: tp_degree {}: tensor-parallel ZeRO checkpoints are not read (a pipeline's "
-                                 "stages are)", mw, *shapes.tp_degree));
-    if ((shapes.pp_degree && *shapes.pp_degree != (pipeline ? stages : 1)) ||
-        (shapes.mp_world_size && *shapes.mp_world_size != stages))
-      return corrupt(fmt::format("{}: {} model-parallel ranks (pp_degree {}), but {} holds {} stages' files", mw,
+    const auto slices = static_cast<int64_t>(z.stages.size());
+    const int64_t want_tp = z.tensor_parallel ? slices : 1, want_pp = pipeline ? slices : 1;
+    if (shapes.tp_degree && *shapes.tp_degree != want_tp)
+      return corrupt(fmt::format("{}: tp_degree {}, but {} holds {} model-parallel ranks' files{}", mw,
+                                 *shapes.tp_degree, z.dir.string(), slices,
+                                 z.layer_files ? " and a pipeline's layer files" : ""));
+    if ((shapes.pp_degree && *shapes.pp_degree != want_pp) || (shapes.mp_world_size && *shapes.mp_world_size != slices))
+      return corrupt(fmt::format("{}: {} model-parallel ranks (pp_degree {}), but {} holds {} {}s' files", mw,
                                  shapes.mp_world_size.value_or(-1), shapes.pp_degree.value_or(-1), z.dir.string(),
-                                 stages));
+                                 slices, pipeline ? "stage" : "rank"));
     std::vector<double> decay(r0.param_groups);
     for (const ZeroGroup& zg : r0.groups) decay[zg.param_group] = zg.group.hyper.weight_decay;
     OPTSTATE_RETURN_IF_ERROR(check_zero_decay(shapes, decay, mw));
@@ -963,45 +995,15 @@ class TorchSaveReader final : public CheckpointReader {
       for (const std::string& n : lines)
         if (std::find(not_read_.begin(), not_read_.end(), n) == not_read_.end()) not_read_.push_back(n);
     bool bnb_partitions = false;  // some moments are bitsandbytes' 8-bit codes
-    // This stage's param groups: the joined group each goes to (joined on its first param read),
-    // its lr and step as read.
-    std::vector<std::optional<size_t>> joined(r0.param_groups);
-    std::vector<double> stage_lr(r0.param_groups, 0.0);
-    std::vector<std::optional<int64_t>> stage_step(r0.param_groups);
-    std::set<size_t> taken;  // joined groups this stage's groups took
-    auto join = [&](size_t pg, const std::string& gw) -> Result<size_t> {
-      if (joined[pg]) return *joined[pg];
-      Hyperparameters h = r0.groups[0].group.hyper;
-      for (const ZeroGroup& zg : r0.groups)
-        if (zg.param_group == pg) h = zg.group.hyper;
-      h.lr = stage_lr[pg];
-      // Stage 0's groups in order; a later stage's group joins the first of the same settings not
-      // taken by another of its groups, or is a group of its own.
-      size_t j = meta_.groups.size();
-      if (st > 0)
-        for (size_t k = 0; k < meta_.groups.size(); ++k)
-          if (!taken.count(k) && meta_.groups[k].hyper == h) {
-            j = k;
-            break;
-          }
-      if (j == meta_.groups.size()) {
-        ParamGroup group;
-        group.hyper = h;
-        meta_.groups.push_back(std::move(group));
-        group_steps.push_back(*stage_step[pg]);
-      } else if (group_steps[j] != *stage_step[pg]) {
-        return corrupt(fmt::format("{}: step {}, and the group of the same settings of an earlier pipeline stage step {}",
-                                   gw, *stage_step[pg], group_steps[j]));
-      }
-      taken.insert(j);
-      joined[pg] = j;
-      return j;
-    };
+    out.hyper.resize(r0.param_groups);
+    out.step.resize(r0.param_groups);
+    for (const ZeroGroup& zg : r0.groups) out.hyper[zg.param_group] = zg.group.hyper;
+    std::vector<double> lr_of(r0.param_groups, 0.0);
     // Each flat param (g): a param group's, or under ZeRO-3 one of its sub-groups, in group order.
     for (size_t g = 0; g < r0.groups.size(); ++g) {
       const size_t pg = r0.groups[g].param_group;
-      const std::string gw = pipeline ? fmt::format("{} stage {} param group {}", z.dir.string(), st, pg)
-                                      : fmt::format("{} param group {}", z.dir.string(), pg);
+      const std::string gw = z.stages.size() > 1 ? fmt::format("{} {} {} param group {}", z.dir.string(), slice_name, st, pg)
+                                                 : fmt::format("{} param group {}", z.dir.string(), pg);
       std::optional<int64_t> step;  // this flat param's
       for (size_t f = 0; f < world; ++f) {
         const ZeroGroup& zg = ranks[f].groups[g];
@@ -1011,18 +1013,16 @@ class TorchSaveReader final : public CheckpointReader {
         OPTSTATE_ASSIGN_OR_RETURN(const double sv, value_of(base + f, zg.step, fw + " 'step'"));
         if (!(sv >= 0 && sv < 9.2e18) || sv != std::floor(sv)) return corrupt(fmt::format("{}: step {} is not a count", fw, sv));
         if (f == 0) {
-          if (!stage_step[pg]) {  // the group's first flat param
-            stage_lr[pg] = lr;
-            stage_step[pg] = static_cast<int64_t>(sv);
+          if (!out.step[pg]) {  // the group's first flat param
+            lr_of[pg] = lr;
+            out.step[pg] = static_cast<int64_t>(sv);
           }
           step = static_cast<int64_t>(sv);
         }
-        if (lr != stage_lr[pg] || static_cast<int64_t>(sv) != *step)
-          return corrupt(fmt::format("{}: lr {} and step {}, rank 0's file {} and {}", fw, lr, sv, stage_lr[pg], *step));
+        if (lr != lr_of[pg] || static_cast<int64_t>(sv) != *step)
+          return corrupt(fmt::format("{}: lr {} and step {}, rank 0's file {} and {}", fw, lr, sv, lr_of[pg], *step));
       }
-      // Stage 0's groups are made in order, whatever they hold; a later stage's join on their
-      // first param that is not a tied copy.
-      if (st == 0) OPTSTATE_RETURN_IF_ERROR(join(pg, gw).status());
+      out.hyper[pg].lr = lr_of[pg];
       // Every rank's runs of each param: (rank, first element in the rank's partition, count).
       const auto& params = shapes.groups[g];
       std::map<std::string, std::vector<std::tuple<size_t, int64_t, int64_t>>> runs;
@@ -1081,23 +1081,11 @@ class TorchSaveReader final : public CheckpointReader {
         for (const auto& [f, local, count] : runs[name]) covered += count;
         if (covered != numel)
           return corrupt(fmt::format("{}: the ranks' partitions hold {} of its {} elements", pw, covered, numel));
-        // A name an earlier stage holds: a tied module's copy (TiedLayerSpec), the same tensor.
-        const auto earlier = meta_.params.find(name);
-        const bool copy = earlier != meta_.params.end();
-        if (copy && (stage_of.at(name) == st || earlier->second.shape != shape))
-          return corrupt(fmt::format("{}: shape [{}], and '{}' of {} has shape [{}]", pw, fmt::join(shape, ", "), name,
-                                     stage_of.at(name) == st ? "another group" : fmt::format("stage {}", stage_of.at(name)),
-                                     fmt::join(earlier->second.shape, ", ")));
+        ZeroSliceParam sp{name, shape, pg, *step, {}};
         std::vector<std::string> entries;
         for (const auto& [n, t] : r0.groups[g].moments) entries.push_back(n);
         entries.push_back(kParam);  // the fp32 master weights
-        if (copy && earlier->second.entries.size() != entries.size())
-          return corrupt(fmt::format("{}: {} entries, its copy in stage {} {}", pw, entries.size(), stage_of.at(name),
-                                     earlier->second.entries.size()));
-        std::map<std::string, std::vector<Piece>> stored;
         for (const std::string& entry : entries) {
-          if (copy && !earlier->second.entries.count(entry))
-            return corrupt(fmt::format("{}: '{}', which its copy in stage {} has not", pw, entry, stage_of.at(name)));
           std::vector<Piece> pieces;
           int64_t begin = 0;
           for (const auto& [f, local, count] : runs[name]) {
@@ -1119,33 +1107,282 @@ class TorchSaveReader final : public CheckpointReader {
             pieces.push_back(pc);
             begin += count;
           }
-          stored[entry] = std::move(pieces);
+          sp.entries[entry] = std::move(pieces);
         }
-        if (copy) {
-          if (earlier->second.step != *step)
-            return corrupt(fmt::format("{}: step {}, its copy in stage {} step {}", pw, *step,
-                                       stage_of.at(name), earlier->second.step));
-          for (auto& [entry, pieces] : stored) zero_tied_.push_back({name, entry, st, std::move(pieces)});
-          continue;
-        }
-        OPTSTATE_ASSIGN_OR_RETURN(const size_t j, join(pg, gw));
-        ParamState ps;
-        ps.shape = shape;
-        ps.group = static_cast<int>(j);
-        ps.step = *step;
-        for (auto& [entry, pieces] : stored) {
-          stored_[{name, entry, Component::kValues}] = std::move(pieces);
-          ps.entries.emplace(entry, Entry{});  // fp32 values
-        }
-        meta_.groups[j].params.push_back(name);
-        meta_.params.emplace(name, std::move(ps));
-        stage_of[name] = st;
+        out.params.push_back(std::move(sp));
       }
     }
     const std::string bnb_line = "bitsandbytes' 8-bit encoding of the moments (its AdamW8bit under ZeRO: blocks of each "
                                  "rank's flat partition, not of each param): read as fp32 values";
     if (bnb_partitions && std::find(not_read_.begin(), not_read_.end(), bnb_line) == not_read_.end())
       not_read_.push_back(bnb_line);
+    return out;
+  }
+
+  // A pipeline stage's slice joined to the state: stage 0's groups in order, whatever they hold; a
+  // later stage's group joins the first of the same settings not taken by another of its groups
+  // (on its first param that is not a tied copy), or is a group of its own.
+  Status join_pipeline_stage(const ZeroFiles& z, size_t st, ZeroSlice slice, std::vector<int64_t>& group_steps,
+                             std::map<std::string, size_t>& stage_of) {
+    const bool pipeline = z.stages.size() > 1 || z.layer_files > 0;
+    std::vector<std::optional<size_t>> joined(slice.hyper.size());
+    std::set<size_t> taken;  // joined groups this stage's groups took
+    auto gw_of = [&](size_t pg) {
+      return pipeline ? fmt::format("{} stage {} param group {}", z.dir.string(), st, pg)
+                      : fmt::format("{} param group {}", z.dir.string(), pg);
+    };
+    auto join = [&](size_t pg) -> Result<size_t> {
+      if (joined[pg]) return *joined[pg];
+      const Hyperparameters& h = slice.hyper[pg];
+      size_t j = meta_.groups.size();
+      if (st > 0)
+        for (size_t k = 0; k < meta_.groups.size(); ++k)
+          if (!taken.count(k) && meta_.groups[k].hyper == h) {
+            j = k;
+            break;
+          }
+      const int64_t step = slice.step[pg].value_or(0);
+      if (j == meta_.groups.size()) {
+        ParamGroup group;
+        group.hyper = h;
+        meta_.groups.push_back(std::move(group));
+        group_steps.push_back(step);
+      } else if (group_steps[j] != step) {
+        return corrupt(fmt::format("{}: step {}, and the group of the same settings of an earlier pipeline stage step {}",
+                                   gw_of(pg), step, group_steps[j]));
+      }
+      taken.insert(j);
+      joined[pg] = j;
+      return j;
+    };
+    if (st == 0)
+      for (size_t pg = 0; pg < slice.hyper.size(); ++pg)
+        if (slice.step[pg]) OPTSTATE_RETURN_IF_ERROR(join(pg).status());
+    for (ZeroSliceParam& sp : slice.params) {
+      const std::string pw = fmt::format("{} '{}'", gw_of(sp.group), sp.name);
+      // A name an earlier stage holds: a tied module's copy (TiedLayerSpec), the same tensor.
+      const auto earlier = meta_.params.find(sp.name);
+      if (earlier != meta_.params.end()) {
+        const size_t other = stage_of.at(sp.name);
+        if (other == st || earlier->second.shape != sp.shape)
+          return corrupt(fmt::format("{}: shape [{}], and '{}' of {} has shape [{}]", pw, fmt::join(sp.shape, ", "),
+                                     sp.name, other == st ? "another group" : fmt::format("stage {}", other),
+                                     fmt::join(earlier->second.shape, ", ")));
+        if (earlier->second.entries.size() != sp.entries.size())
+          return corrupt(fmt::format("{}: {} entries, its copy in stage {} {}", pw, sp.entries.size(), other,
+                                     earlier->second.entries.size()));
+        for (const auto& [entry, pieces] : sp.entries)
+          if (!earlier->second.entries.count(entry))
+            return corrupt(fmt::format("{}: '{}', which its copy in stage {} has not", pw, entry, other));
+        if (earlier->second.step != sp.step)
+          return corrupt(fmt::format("{}: step {}, its copy in stage {} step {}", pw, sp.step, other, earlier->second.step));
+        for (auto& [entry, pieces] : sp.entries) zero_tied_.push_back({sp.name, entry, st, std::move(pieces)});
+        continue;
+      }
+      OPTSTATE_ASSIGN_OR_RETURN(const size_t j, join(sp.group));
+      ParamState ps;
+      ps.shape = sp.shape;
+      ps.group = static_cast<int>(j);
+      ps.step = sp.step;
+      for (auto& [entry, pieces] : sp.entries) {
+        stored_[{sp.name, entry, Component::kValues}] = std::move(pieces);
+        ps.entries.emplace(entry, Entry{});  // fp32 values
+      }
+      meta_.groups[j].params.push_back(sp.name);
+      meta_.params.emplace(sp.name, std::move(ps));
+      stage_of[sp.name] = st;
+    }
+    return Status::Ok();
+  }
+
+  // DeepSpeed's AutoTP: every tensor-parallel rank's slice holds every param (its shard), in the
+  // same groups; each param's shards put together where rank 0's model states' affine map places
+  // them (a block held by several ranks read from the first, the others' copies compared by
+  // validate).
+  Status join_tensor_parallel(const ZeroFiles& z, std::vector<ZeroSlice>& slices) {
+    const size_t tp = slices.size();
+    const std::string mw = z.stages[0].model.string();
+    const ZeroShapes& s0 = slices[0].shapes;
+    if (!s0.autotp)
+      return corrupt(fmt::format("{}: {} tensor-parallel ranks' files, and no affine_map in universal_checkpoint_info "
+                                 "(DeepSpeed's AutoTP records one; {}): the shards' layout is in no file, not read",
+                                 mw, tp, s0.uc_info ? "Megatron-DeepSpeed's patterns say which dim a param is split "
+                                                      "along by its name, not where each rank's shard lies"
+                                                    : "none here"));
+    const AutoTpMaps& maps = *s0.autotp;
+    for (size_t r = 1; r < tp; ++r) {
+      const ZeroSlice& sr = slices[r];
+      const std::string rw = z.stages[r].model.string();
+      if (sr.hyper.size() != slices[0].hyper.size() || sr.params.size() != slices[0].params.size())
+        return corrupt(fmt::format("{}: {} param groups and {} params, tensor-parallel rank 0's {} and {}", rw,
+                                   sr.hyper.size(), sr.params.size(), slices[0].hyper.size(), slices[0].params.size()));
+      for (size_t g = 0; g < sr.hyper.size(); ++g)
+        if (!(sr.hyper[g] == slices[0].hyper[g]) || sr.step[g] != slices[0].step[g])
+          return corrupt(fmt::format("{}: param group {}'s settings or step differ from tensor-parallel rank 0's", rw, g));
+    }
+    for (size_t g = 0; g < slices[0].hyper.size(); ++g) {
+      ParamGroup group;
+      group.hyper = slices[0].hyper[g];
+      meta_.groups.push_back(std::move(group));
+    }
+    constexpr int64_t kMaxRuns = int64_t{1} << 24;  // runs of one entry
+    for (size_t i = 0; i < slices[0].params.size(); ++i) {
+      const ZeroSliceParam& p0 = slices[0].params[i];
+      const std::string pw = fmt::format("{} '{}'", z.dir.string(), p0.name);
+      if (const auto un = maps.unsupported.find(p0.name); un != maps.unsupported.end())
+        return corrupt(fmt::format("{}: DeepSpeed's AutoTP could not describe its shards ({}): not read", pw, un->second));
+      const auto mi = maps.params.find(p0.name);
+      if (mi == maps.params.end()) return corrupt(fmt::format("{}: no affine map in {}", pw, mw));
+      const AffineMap& m = mi->second;
+      OPTSTATE_ASSIGN_OR_RETURN(const int64_t numel, checked_numel(m.logical_shape));
+      // Each rank's runs: (first element in the whole tensor, first in the rank's shard, count).
+      struct Run {
+        int64_t whole, shard, count;
+        size_t rank;
+        bool copy;  // a block an earlier rank of its locations holds too
+      };
+      std::vector<Run> runs;
+      for (size_t r = 0; r < tp; ++r) {
+        const ZeroSliceParam& pr = slices[r].params[i];
+        const std::string rw = fmt::format("{} (tensor-parallel rank {})", pw, r);
+        if (pr.name != p0.name || pr.group != p0.group || pr.step != p0.step || pr.entries.size() != p0.entries.size())
+          return corrupt(fmt::format("{}: '{}' of group {} at step {} where rank 0 has this param of group {} at step {}",
+                                     rw, pr.name, pr.group, pr.step, p0.group, p0.step));
+        const auto ar = m.ranks.find(static_cast<int64_t>(r));
+        if (ar == m.ranks.end() || ar->second.shard_shape != pr.shape)
+          return corrupt(fmt::format("{}: shard [{}] in param_shapes, the affine map's [{}]", rw, fmt::join(pr.shape, ", "),
+                                     ar == m.ranks.end() ? "no entry" : fmt::format("{}", fmt::join(ar->second.shard_shape, ", "))));
+        const int64_t shard_numel = *checked_numel(pr.shape);
+        for (const AffinePiece& pc : ar->second.pieces) {
+          if (pc.scale != 1.0)
+            return corrupt(fmt::format("{}: a piece held times {} (DeepSpeed's scaled pieces, whose moments and settings "
+                                       "would need rescaling, which DeepSpeed itself refuses): not read", rw, pc.scale));
+          if (std::find(pc.locations.begin(), pc.locations.end(), static_cast<int64_t>(r)) == pc.locations.end())
+            return corrupt(fmt::format("{}: a piece of rank {}'s map whose locations do not name it", rw, r));
+          const bool copy = *std::min_element(pc.locations.begin(), pc.locations.end()) != static_cast<int64_t>(r);
+          OPTSTATE_RETURN_IF_ERROR(affine_runs(pc, m.logical_shape, numel, shard_numel, rw,
+                                               [&](int64_t whole, int64_t shard, int64_t count) -> Status {
+            if (!runs.empty()) {
+              Run& last = runs.back();
+              if (last.rank == r && last.copy == copy && last.whole + last.count == whole &&
+                  last.shard + last.count == shard) {
+                last.count += count;
+                return Status::Ok();
+              }
+            }
+            if (static_cast<int64_t>(runs.size()) >= kMaxRuns)
+              return corrupt(fmt::format("{}: more than 2^24 runs", rw));
+            runs.push_back({whole, shard, count, r, copy});
+            return Status::Ok();
+          }));
+        }
+      }
+      // The blocks read cover the whole tensor once.
+      std::vector<size_t> order;
+      for (size_t k = 0; k < runs.size(); ++k)
+        if (!runs[k].copy) order.push_back(k);
+      std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return runs[a].whole < runs[b].whole; });
+      int64_t end = 0;
+      for (size_t k : order) {
+        if (runs[k].whole != end)
+          return corrupt(fmt::format("{}: the affine map's pieces {} element {} of the whole tensor", pw,
+                                     runs[k].whole < end ? "cover twice" : "leave out", std::min(end, runs[k].whole)));
+        end += runs[k].count;
+      }
+      if (end != numel)
+        return corrupt(fmt::format("{}: the affine map's pieces cover {} of its {} elements", pw, end, numel));
+      ParamState ps;
+      ps.shape = m.logical_shape;
+      ps.group = static_cast<int>(p0.group);
+      ps.step = p0.step;
+      for (const auto& [entry, local0] : p0.entries) {
+        // A run of shard elements [shard, shard + count) of rank r, as the pieces of its slice.
+        auto place = [&](const Run& run, std::vector<Piece>& out) -> Status {
+          const std::vector<Piece>& local = slices[run.rank].params[i].entries.at(entry);
+          auto it = std::upper_bound(local.begin(), local.end(), run.shard,
+                                     [](int64_t at, const Piece& pc) { return at < pc.begin; });
+          if (it == local.begin()) return internal_error(pw + ": a run before the shard's first piece");
+          --it;
+          for (int64_t at = run.shard; at < run.shard + run.count; ++it) {
+            if (it == local.end() || at < it->begin || at >= it->begin + it->count)
+              return corrupt(fmt::format("{} '{}': tensor-parallel rank {}'s shard holds no element {}", pw, entry,
+                                         run.rank, at));
+            if (it->dq || it->stored.permuted)
+              return corrupt(fmt::format("{} '{}': 8-bit moments under AutoTP are not read", pw, entry));
+            const int64_t n = std::min(run.shard + run.count, it->begin + it->count) - at;
+            Piece pc{run.whole + (at - run.shard), n, it->stored, std::nullopt};
+            pc.stored.at += static_cast<uint64_t>(at - it->begin) * 4;
+            pc.stored.bytes = static_cast<uint64_t>(n) * 4;
+            pc.stored.whole = it->stored.whole && pc.stored.bytes == it->stored.bytes;
+            out.push_back(pc);
+            at += n;
+          }
+          return Status::Ok();
+        };
+        std::vector<Piece> pieces;
+        for (size_t k : order) OPTSTATE_RETURN_IF_ERROR(place(runs[k], pieces));
+        for (size_t r = 1; r < tp; ++r) {
+          std::vector<Piece> copies;
+          for (const Run& run : runs)
+            if (run.copy && run.rank == r) OPTSTATE_RETURN_IF_ERROR(place(run, copies));
+          if (!copies.empty()) zero_tied_.push_back({p0.name, entry, r, std::move(copies)});
+        }
+        stored_[{p0.name, entry, Component::kValues}] = std::move(pieces);
+        ps.entries.emplace(entry, Entry{});  // fp32 values
+      }
+      meta_.groups[p0.group].params.push_back(p0.name);
+      meta_.params.emplace(p0.name, std::move(ps));
+    }
+    value_notes_.push_back(fmt::format("{} tensor-parallel ranks (DeepSpeed's AutoTP): each param's shards put together "
+                                       "where the affine map of {} places them; the blocks several ranks hold are read "
+                                       "from the first, and validate compares the others' copies", tp, mw));
+    return Status::Ok();
+  }
+
+  // The contiguous runs of an affine piece: emit(first element in the whole tensor, first element
+  // in the shard, count), each checked to lie in both. A piece's rows are runs where its innermost
+  // strides are 1 on both sides, else single elements.
+  template <typename Emit>
+  static Status affine_runs(const AffinePiece& pc, const std::vector<int64_t>& logical, int64_t numel,
+                            int64_t shard_numel, const std::string& where, Emit&& emit) {
+    const size_t n = pc.shape.size();
+    int64_t total = 1;
+    for (int64_t d : pc.shape) {
+      if (d < 0) return corrupt(where + ": a piece of negative size");
+      if (d == 0) return Status::Ok();
+      if (total > (int64_t{1} << 40) / d) return corrupt(where + ": a piece past 2^40 elements");
+      total *= d;
+    }
+    // Bounds: the extremes of each side's offsets (strides may be negative) within the tensor.
+    auto check_side = [&](int64_t offset, const std::vector<int64_t>& strides, int64_t limit, const char* side) -> Status {
+      __int128 lo = offset, hi = offset;
+      for (size_t k = 0; k < n; ++k) {
+        const __int128 span = static_cast<__int128>(strides[k]) * (pc.shape[k] - 1);
+        (span < 0 ? lo : hi) += span;
+      }
+      if (lo < 0 || hi >= limit)
+        return corrupt(fmt::format("{}: a piece reaching past the {} tensor's {} elements", where, side, limit));
+      return Status::Ok();
+    };
+    OPTSTATE_RETURN_IF_ERROR(check_side(pc.source_offset, pc.source_strides, numel, "whole"));
+    OPTSTATE_RETURN_IF_ERROR(check_side(pc.dest_offset, pc.dest_strides, shard_numel, "shard"));
+    (void)logical;
+    const bool rows = n > 0 && pc.source_strides[n - 1] == 1 && pc.dest_strides[n - 1] == 1;
+    const int64_t run = rows ? pc.shape[n - 1] : 1;
+    const size_t outer = rows ? n - 1 : n;
+    std::vector<int64_t> idx(outer, 0);
+    for (int64_t emitted = 0; emitted < total; emitted += run) {
+      int64_t src = pc.source_offset, dst = pc.dest_offset;
+      for (size_t k = 0; k < outer; ++k) {
+        src += idx[k] * pc.source_strides[k];
+        dst += idx[k] * pc.dest_strides[k];
+      }
+      OPTSTATE_RETURN_IF_ERROR(emit(src, dst, run));
+      for (size_t k = outer; k-- > 0;) {
+        if (++idx[k] < pc.shape[k]) break;
+        idx[k] = 0;
+      }
+    }
     return Status::Ok();
   }
 
@@ -1780,7 +2017,13 @@ class TorchSaveReader final : public CheckpointReader {
     std::vector<ZeroShapes> stage_shapes;
     std::vector<fs::path> stage_models{model};
     stage_shapes.push_back(shapes);
-    for (int s = 1; model.filename() == "mp_rank_00_model_states.pt" && s < (1 << 16); ++s) {
+    // Under tensor parallelism (AutoTP) the files are its ranks': rank 0's names every param, and
+    // its affine map their whole shapes (its param_shapes are its shards').
+    const bool tensor_parallel = shapes.tp_degree.value_or(1) > 1;
+    if (tensor_parallel && !shapes.autotp)
+      return corrupt(fmt::format("{}: tp_degree {} and no affine_map: the params' whole shapes are in no file",
+                                 model.string(), *shapes.tp_degree));
+    for (int s = 1; !tensor_parallel && model.filename() == "mp_rank_00_model_states.pt" && s < (1 << 16); ++s) {
       const fs::path next = dir / fmt::format("mp_rank_{:02d}_model_states.pt", s);
       if (!fs::is_regular_file(next, ec)) break;
       OPTSTATE_ASSIGN_OR_RETURN(auto ns, open_archive(next));
@@ -1797,9 +2040,6 @@ class TorchSaveReader final : public CheckpointReader {
       stage_shapes.push_back(std::move(more));
       stage_models.push_back(next);
     }
-    if (shapes.tp_degree && *shapes.tp_degree != 1)
-      return corrupt(fmt::format("{}: tp_degree {}: tensor-parallel checkpoints are not read (a pipeline's stages are)",
-                                 model.string(), *shapes.tp_degree));
     std::map<std::string, size_t> stage_of;
     std::map<std::string, std::set<size_t>> tied;
     meta_.kind = "adamw";
@@ -1814,7 +2054,13 @@ class TorchSaveReader final : public CheckpointReader {
       const size_t g = uo.group_of_flat.empty() ? flat : uo.group_of_flat[flat];
       const ParamGroup& group = meta_.groups[g];
       const std::string mw = stage_models[stage].string();
-      for (const auto& [name, shape] : stage_shapes[stage].groups[flat]) {
+      for (auto [name, shape] : stage_shapes[stage].groups[flat]) {
+        if (tensor_parallel) {
+          const auto m = shapes.autotp->params.find(name);
+          if (m == shapes.autotp->params.end())
+            return corrupt(fmt::format("{}: '{}' has no affine map (its whole shape)", mw, name));
+          shape = m->second.logical_shape;
+        }
         const fs::path pdir = dir / "zero" / name;
         const std::string pw = fmt::format("{} '{}'", (dir / "zero").string(), name);
         if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
@@ -3134,10 +3380,11 @@ Result<std::optional<ZeroFiles>> zero_files(const fs::path& path) {
   // parallelism (Megatron-DeepSpeed's, DeepSpeed's AutoTP), whose params are split by rules the
   // files do not hold.
   const int64_t last_mp = files.rbegin()->first;
-  if (layer_tp.size() > 1 || (!layer_tp.empty() && *layer_tp.begin() >= 0) || (layer_tp.empty() && last_mp > 0))
-    return corrupt(fmt::format("{}: model-parallel ranks (mp_rank_{:02d}{}): tensor-parallel ZeRO checkpoints are not "
-                               "read (a pipeline's stages are)", z.dir.string(), last_mp,
-                               layer_tp.empty() ? "" : ", layer files of tensor-parallel ranks"));
+  if (layer_tp.size() > 1 || (!layer_tp.empty() && *layer_tp.begin() >= 0))
+    return corrupt(fmt::format("{}: model-parallel ranks (mp_rank_{:02d}, layer files of tensor-parallel ranks): "
+                               "Megatron-DeepSpeed's tensor-parallel ZeRO checkpoints are not read (a pipeline's "
+                               "stages are, and DeepSpeed's AutoTP ranks)", z.dir.string(), last_mp));
+  z.tensor_parallel = layer_tp.empty() && last_mp > 0;
   const size_t world = files.begin()->second.size();
   for (int64_t s = 0; s <= last_mp; ++s) {
     const auto stage = files.find(s);
@@ -3251,6 +3498,8 @@ Result<ZeroUniversalParts> zero_universal_parts(const fs::path& path) {
   const std::string mw = z->model.string();
   OPTSTATE_ASSIGN_OR_RETURN(auto model, open_archive(z->model));
   OPTSTATE_ASSIGN_OR_RETURN(const ZeroShapes shapes, interpret_zero_model(model.second, mw));
+  if (shapes.autotp)  // ds_to_universal writes these whole, with no cat_dim
+    for (const auto& [name, m] : shapes.autotp->params) parts.affine_params.insert(name);
   std::set<std::string> grouped;
   for (const auto& group : shapes.groups)
     for (const auto& [name, shape] : group) grouped.insert(name);

@@ -1752,6 +1752,105 @@ Result<Scalar> interpret_universal_step(const Pickle& p, const std::string& wher
   return scalar(p, t, where);
 }
 
+std::optional<std::string> exact_name_of_pattern(std::string_view pattern) {
+  if (pattern.size() < 2 || pattern.front() != '^' || pattern.back() != '$') return std::nullopt;
+  pattern = pattern.substr(1, pattern.size() - 2);
+  std::string name;
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    const char c = pattern[i];
+    if (c == '\\') {
+      if (++i == pattern.size()) return std::nullopt;  // the final $ was escaped
+      const char e = pattern[i];
+      // re.escape puts a backslash before each special character; an escaped letter or digit is a
+      // class (\d, \w) or a backreference, not the character
+      if (std::isalnum(static_cast<unsigned char>(e))) return std::nullopt;
+      name.push_back(e);
+      continue;
+    }
+    if (std::string_view(".^$*+?{}[]|()").find(c) != std::string_view::npos) return std::nullopt;
+    name.push_back(c);
+  }
+  if (name.empty()) return std::nullopt;
+  return name;
+}
+
+Result<AutoTpMaps> interpret_autotp_maps(const Pickle& p, Ref info, const std::string& where) {
+  AutoTpMaps out;
+  const std::string mw = where + " universal_checkpoint_info";
+  const Ref am = p.dict_get(info, "affine_map");
+  const auto version = dcp::as_number(p, p.dict_get(am, "version"));
+  if (!dict_items(p, am) || !version)
+    return corrupt(mw + ": no affine_map with a version (the maps of DeepSpeed's AutoTP)");
+  if (*version != 1)
+    return corrupt(fmt::format("{}: affine_map version {}; optstate reads version 1", mw, *version));
+  const auto* params = dict_items(p, p.dict_get(am, "params"));
+  if (!params) return corrupt(mw + ": affine_map without a 'params' dict");
+  if (params->size() / 2 > (size_t{1} << 16)) return corrupt(mw + ": more than 2^16 params in affine_map");
+  auto dims = [&](Ref r, const std::string& what) -> Result<std::vector<int64_t>> {
+    const auto v = dcp::as_int_list(p, r);
+    if (!v || v->size() > 16) return corrupt(fmt::format("{}: {} is not a list of up to 16 ints", mw, what));
+    return *v;
+  };
+  for (size_t k = 0; k + 1 < params->size(); k += 2) {
+    const auto pattern = dcp::as_string(p, (*params)[k]);
+    if (!pattern) return corrupt(mw + ": a key of affine_map.params is not a string");
+    const auto name = exact_name_of_pattern(*pattern);
+    if (!name)
+      return corrupt(fmt::format("{}: affine_map pattern '{}' names no one param (DeepSpeed writes ^<name>$)", mw,
+                                 *pattern));
+    const std::string pw = fmt::format("{}: '{}'", mw, *name);
+    const Ref entry = (*params)[k + 1];
+    AffineMap m;
+    OPTSTATE_ASSIGN_OR_RETURN(m.logical_shape, dims(p.dict_get(entry, "logical_shape"), "'" + *name + "' logical_shape"));
+    OPTSTATE_RETURN_IF_ERROR(checked_numel(m.logical_shape).status().with_context(pw));
+    const auto* ranks = dict_items(p, p.dict_get(entry, "ranks"));
+    if (!ranks || ranks->empty() || ranks->size() / 2 > 4096) return corrupt(pw + ": 'ranks' is not a dict of 1 to 4096 ranks");
+    for (size_t j = 0; j + 1 < ranks->size(); j += 2) {
+      const Ref rank_ref = (*ranks)[j];
+      if (p.at(rank_ref).kind != Kind::kInt || p.at(rank_ref).i < 0 || p.at(rank_ref).i >= 4096)
+        return corrupt(pw + ": a rank of 'ranks' is not an int in [0, 4096)");
+      const int64_t rank = p.at(rank_ref).i;
+      const std::string rw = fmt::format("{} rank {}", pw, rank);
+      AffineRank ar;
+      OPTSTATE_ASSIGN_OR_RETURN(ar.shard_shape, dims(p.dict_get((*ranks)[j + 1], "shard_shape"), rw + " shard_shape"));
+      OPTSTATE_RETURN_IF_ERROR(checked_numel(ar.shard_shape).status().with_context(rw));
+      const auto* pieces = list_items(p, p.dict_get((*ranks)[j + 1], "pieces"));
+      if (!pieces || pieces->size() > 4096) return corrupt(rw + ": 'pieces' is not a list of up to 4096");
+      for (const Ref pr : *pieces) {
+        AffinePiece pc;
+        OPTSTATE_ASSIGN_OR_RETURN(pc.shape, dims(p.dict_get(pr, "shape"), rw + " piece shape"));
+        for (const char* side : {"source", "dest"}) {
+          const auto* sd = list_items(p, p.dict_get(pr, side));
+          if (!sd || sd->size() != 2 || p.at((*sd)[0]).kind != Kind::kInt)
+            return corrupt(fmt::format("{}: a piece's '{}' is not [offset, strides]", rw, side));
+          OPTSTATE_ASSIGN_OR_RETURN(auto strides, dims((*sd)[1], fmt::format("{} piece {} strides", rw, side)));
+          if (strides.size() != pc.shape.size())
+            return corrupt(fmt::format("{}: a piece of {} axes with {} {} strides", rw, pc.shape.size(), strides.size(), side));
+          (std::string_view(side) == "source" ? pc.source_offset : pc.dest_offset) = p.at((*sd)[0]).i;
+          (std::string_view(side) == "source" ? pc.source_strides : pc.dest_strides) = std::move(strides);
+        }
+        OPTSTATE_ASSIGN_OR_RETURN(pc.locations, dims(p.dict_get(pr, "locations"), rw + " piece locations"));
+        if (const Ref sc = p.dict_get(pr, "scale"); sc != kNoRef) {
+          const auto v = dcp::as_number(p, sc);
+          if (!v || !std::isfinite(*v) || *v == 0) return corrupt(rw + ": a piece's scale is no finite nonzero number");
+          pc.scale = *v;
+        }
+        ar.pieces.push_back(std::move(pc));
+      }
+      if (!m.ranks.emplace(rank, std::move(ar)).second) return corrupt(fmt::format("{}: rank {} twice", pw, rank));
+    }
+    if (!out.params.emplace(*name, std::move(m)).second) return corrupt(fmt::format("{}: two maps", pw));
+  }
+  if (const auto* un = dict_items(p, p.dict_get(info, "autotp_unsupported_parameter_patterns")))
+    for (size_t k = 0; k + 1 < un->size(); k += 2) {
+      const auto pattern = dcp::as_string(p, (*un)[k]);
+      const auto why = dcp::as_string(p, (*un)[k + 1]);
+      const auto name = pattern ? exact_name_of_pattern(*pattern) : std::nullopt;
+      out.unsupported[name ? *name : pattern.value_or("?")] = why.value_or("no reason given");
+    }
+  return out;
+}
+
 Result<ZeroShapes> interpret_zero_model(const Pickle& p, const std::string& where) {
   const Ref shapes_ref = p.dict_get(p.root(), "param_shapes");
   if (shapes_ref != kNoRef && p.at(shapes_ref).kind == Kind::kNone && dict_items(p, p.dict_get(p.root(), "optimizer")))
@@ -1792,6 +1891,12 @@ Result<ZeroShapes> interpret_zero_model(const Pickle& p, const std::string& wher
     return std::optional<int64_t>{*n};
   };
   OPTSTATE_ASSIGN_OR_RETURN(out.mp_world_size, count(p.dict_get(p.root(), "mp_world_size"), "mp_world_size"));
+  if (const Ref uc = p.dict_get(p.root(), "universal_checkpoint_info"); dict_items(p, uc)) {
+    out.uc_info = true;
+    if (p.dict_get(uc, "affine_map") != kNoRef) {
+      OPTSTATE_ASSIGN_OR_RETURN(out.autotp, interpret_autotp_maps(p, uc, where));
+    }
+  }
   if (const Ref dims = p.dict_get(p.root(), "checkpoint_parallel_dimensions"); dict_items(p, dims)) {
     OPTSTATE_ASSIGN_OR_RETURN(out.pp_degree, count(p.dict_get(dims, "pp_degree"), "pp_degree"));
     OPTSTATE_ASSIGN_OR_RETURN(out.tp_degree, count(p.dict_get(dims, "tp_degree"), "tp_degree"));

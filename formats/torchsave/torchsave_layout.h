@@ -315,6 +315,37 @@ struct ZeroRank {
 };
 Result<ZeroRank> interpret_zero_optim(const pickle::Pickle& p, const std::string& where);
 
+// DeepSpeed's AutoTP (its tensor-parallel training, 0.19+) records in each model states file how
+// every param's tensor-parallel shards lie in the whole tensor: universal_checkpoint_info's
+// affine_map (version 1), per param a list of pieces per rank. A piece is a block of `shape` that is
+// torch.as_strided(whole, shape, source_strides, source_offset) in the whole tensor and
+// as_strided(shard, shape, dest_strides, dest_offset) in the rank's shard, held by every rank of
+// `locations`, the shard holding it times `scale`.
+struct AffinePiece {
+  std::vector<int64_t> shape, source_strides, dest_strides;
+  int64_t source_offset = 0, dest_offset = 0;
+  std::vector<int64_t> locations;
+  double scale = 1.0;
+};
+struct AffineRank {
+  std::vector<int64_t> shard_shape;
+  std::vector<AffinePiece> pieces;
+};
+struct AffineMap {
+  std::vector<int64_t> logical_shape;
+  std::map<int64_t, AffineRank> ranks;
+};
+struct AutoTpMaps {
+  std::map<std::string, AffineMap> params;       // by param name
+  std::map<std::string, std::string> unsupported;  // param name -> why DeepSpeed could not describe it
+};
+// The maps of universal_checkpoint_info (`info`), keyed by the param each pattern names: DeepSpeed
+// writes a pattern as ^<re.escape(name)>$, which is unescaped; any other is refused. Caps: 2^16
+// params, 4096 pieces a rank, 16 axes.
+Result<AutoTpMaps> interpret_autotp_maps(const pickle::Pickle& p, pickle::Ref info, const std::string& where);
+// The name a pattern ^<re.escape(name)>$ matches; nullopt for any other pattern.
+std::optional<std::string> exact_name_of_pattern(std::string_view pattern);
+
 // The model states file (mp_rank_00_model_states.pt; stage 3: zero_pp_rank_0_mp_rank_00_model_states.pt):
 // each group's params in flattening order with their shapes, and what else it holds.
 struct ZeroShapes {
@@ -325,6 +356,10 @@ struct ZeroShapes {
   bool l2_decay = false;
   // The grid DeepSpeed saved it on: checkpoint_parallel_dimensions (0.15+), mp_world_size (pp x tp).
   std::optional<int64_t> pp_degree, tp_degree, mp_world_size;
+  // AutoTP's maps of the params' shards (universal_checkpoint_info.affine_map); `uc_info`: the file
+  // holds a universal_checkpoint_info at all (Megatron-DeepSpeed's patterns without maps, too).
+  std::optional<AutoTpMaps> autotp;
+  bool uc_info = false;
 };
 // The model states' ds_config names the optimizer DeepSpeed built (none: the client's own, whose
 // param groups tell); any but Adam or AdamW is refused, naming it.

@@ -152,6 +152,9 @@ struct ZeroUniversalParts {
   // The wrapped optimizer keeps each param's step as a Python int (DeepSpeed's own CPU Adam, under
   // ZeRO-Offload), not a 0-d float32 tensor (torch's): ds_to_universal saves step.pt as it was.
   bool int_step = false;
+  // Params AutoTP's affine map places (a tensor-parallel checkpoint's): ds_to_universal writes
+  // their files as {"param": tensor}, without cat_dim.
+  std::set<std::string> affine_params;
 };
 Result<ZeroUniversalParts> zero_universal_parts(const std::filesystem::path& path);
 

@@ -12,6 +12,7 @@
 #include "optstate/validate.h"
 #include "registry.h"
 #include "test_helpers.h"
+#include "torchsave/torchsave_layout.h"
 #include "torchsave/torchsave_reader.h"
 
 using namespace optstate;
@@ -328,8 +329,14 @@ TEST_CASE("deepspeed: a missing rank, model-parallel files, no model states or a
   {
     testing::TempDir dir;
     const fs::path tag = copy_tag("zero2_world2", dir);
+    // a second model-parallel rank (a tensor-parallel one: no pipeline layer files) must have every
+    // rank's files, and its grid must be the one the model states record
     fs::copy(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt", tag / "zero_pp_rank_0_mp_rank_01_optim_states.pt");
-    CHECK(error_of(tag).find("tensor-parallel ZeRO checkpoints are not read") != std::string::npos);
+    CHECK(error_of(tag).find("no optimizer file of rank 1 (zero_pp_rank_1_mp_rank_01_optim_states.pt)") !=
+          std::string::npos);
+    fs::copy(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt", tag / "zero_pp_rank_1_mp_rank_01_optim_states.pt");
+    fs::copy(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt");
+    CHECK(error_of(tag).find("mp_rank_00_model_states.pt: tp_degree 1, but") != std::string::npos);
   }
   {
     testing::TempDir dir;
@@ -464,14 +471,15 @@ TEST_CASE("deepspeed: a pipeline's missing stage or rank, tensor-parallel layer 
     testing::TempDir dir;
     const fs::path tag = copy_tag("pipe2_zero1_world4", dir);
     fs::rename(tag / "layer_01-model_states.pt", tag / "layer_01-model_01-model_states.pt");
-    CHECK(error_of(tag).find("tensor-parallel ZeRO checkpoints are not read") != std::string::npos);
+    CHECK(error_of(tag).find("Megatron-DeepSpeed's tensor-parallel ZeRO checkpoints are not read") != std::string::npos);
   }
   {
-    // no layer files: the model-parallel ranks are tensor-parallel ones
+    // no layer files: the model-parallel ranks would be tensor-parallel ones, which the model
+    // states (pp_degree 2, tp_degree 1) say they are not
     testing::TempDir dir;
     const fs::path tag = copy_tag("pipe2_zero1_world4", dir);
     for (int l = 0; l < 6; ++l) fs::remove(tag / fmt::format("layer_{:02d}-model_states.pt", l));
-    CHECK(error_of(tag).find("model-parallel ranks (mp_rank_01): tensor-parallel") != std::string::npos);
+    CHECK(error_of(tag).find("tp_degree 1, but") != std::string::npos);
   }
   {
     // a stage of a 1-stage run's files beside (its model states say pp_degree 1): refused
@@ -482,4 +490,58 @@ TEST_CASE("deepspeed: a pipeline's missing stage or rank, tensor-parallel layer 
     CHECK(error_of(tag).find("mp_rank_01_model_states.pt: 1 model-parallel ranks (pp_degree 1), but") !=
           std::string::npos);
   }
+}
+
+TEST_CASE("deepspeed: AutoTP's tensor-parallel ranks put together where the affine maps place their shards") {
+  // autotp2_zero1_world2: 2 tensor-parallel ranks; q/k/v split by rows, o_proj and down_proj by
+  // columns, gate_up_proj's two halves each split by rows; norms, embedding and head on both.
+  auto r = open_seed(kSeeds / "autotp2_zero1_world2");
+  const OptimizerState& m = r->meta();
+  REQUIRE(m.groups.size() == 2);
+  CHECK(m.groups[0].params == std::vector<std::string>{"embed_tokens.weight", "layers.0.q_proj.weight",
+                                                        "layers.0.k_proj.weight", "layers.0.v_proj.weight",
+                                                        "layers.0.o_proj.weight", "layers.0.gate_up_proj.weight",
+                                                        "layers.0.down_proj.weight", "lm_head.weight"});
+  CHECK(m.params.at("layers.0.q_proj.weight").shape == std::vector<int64_t>{16, 16});     // the whole tensors
+  CHECK(m.params.at("layers.0.gate_up_proj.weight").shape == std::vector<int64_t>{48, 16});
+  CHECK(m.params.at("layers.0.down_proj.weight").shape == std::vector<int64_t>{16, 24});
+  CHECK(m.params.at("norm.weight").shape == std::vector<int64_t>{16});
+  for (const auto& [fqn, ps] : m.params) CHECK(ps.step == 3);
+  const auto notes = r->read_notes();
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].starts_with("2 tensor-parallel ranks (DeepSpeed's AutoTP)"));
+  auto v = validate_checkpoint(kSeeds / "autotp2_zero1_world2", [](const fs::path& p) { return open_checkpoint(p); });
+  REQUIRE(v.ok());
+  CHECK(v->findings.empty());  // the replicated params' copies on rank 1 equal rank 0's
+  // down_proj (split by columns): row i of the whole is rank 0's row i, then rank 1's
+  std::vector<float> whole(16 * 24);
+  REQUIRE(r->read_range("layers.0.down_proj.weight", kParam, Component::kValues, 0, 16 * 24,
+                        std::as_writable_bytes(std::span(whole))).ok());
+  CHECK(r->locate("layers.0.down_proj.weight", kParam, Component::kValues, 12).find("mp_rank_01") != std::string::npos);
+  CHECK(r->locate("layers.0.down_proj.weight", kParam, Component::kValues, 11).find("mp_rank_00") != std::string::npos);
+  CHECK(r->locate("layers.0.down_proj.weight", kParam, Component::kValues, 24).find("mp_rank_00") != std::string::npos);
+  // gate_up_proj: rows [0, 12) rank 0's, [12, 24) rank 1's, [24, 36) rank 0's, [36, 48) rank 1's
+  for (const auto& [row, rank] : std::vector<std::pair<int, const char*>>{{0, "mp_rank_00"}, {12, "mp_rank_01"},
+                                                                          {24, "mp_rank_00"}, {36, "mp_rank_01"}})
+    CHECK(r->locate("layers.0.gate_up_proj.weight", kExpAvg, Component::kValues, row * 16).find(rank) != std::string::npos);
+  // any format takes it; its universal checkpoint reads as the same state
+  testing::TempDir dir;
+  REQUIRE(write_checkpoint(*find_format("native"), *load_all(*r), dir.path / "native", {}).ok());
+  CHECK(hash_checkpoint(*open_checkpoint(dir.path / "native").value())->root == hash_checkpoint(*r)->root);
+  REQUIRE(write_checkpoint(*find_format("deepspeed"), *load_all(*r), dir.path / "uni", {.source = r.get()}).ok());
+  CHECK(fs::is_regular_file(dir.path / "uni/mp_rank_01_model_states.pt"));
+  CHECK(hash_checkpoint(*open_seed(dir.path / "uni"))->root == hash_checkpoint(*r)->root);
+}
+
+TEST_CASE("deepspeed: AutoTP's patterns name one param each") {
+  using torchsave::exact_name_of_pattern;
+  CHECK(exact_name_of_pattern(R"(^layers\.0\.q_proj\.weight$)") == std::optional<std::string>("layers.0.q_proj.weight"));
+  CHECK(exact_name_of_pattern(R"(^a\-b\ c$)") == std::optional<std::string>("a-b c"));
+  CHECK(exact_name_of_pattern("^lm_head$") == std::optional<std::string>("lm_head"));
+  CHECK(!exact_name_of_pattern(R"(^layers\.\d+\.q_proj\.weight$)"));  // a class: many params
+  CHECK(!exact_name_of_pattern(R"(.*\.o_proj\.weight$)"));
+  CHECK(!exact_name_of_pattern(R"(^layers.0$)"));                      // '.' unescaped
+  CHECK(!exact_name_of_pattern(R"(^name\$)"));                         // the end escaped
+  CHECK(!exact_name_of_pattern("^$"));
+  CHECK(!exact_name_of_pattern("name"));
 }

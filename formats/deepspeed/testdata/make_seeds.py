@@ -23,6 +23,12 @@ with engine.save_checkpoint (global_step3/ and `latest`):
                       GELU, Linear(20, 10), LayerNorm(10), Linear(10, 12); 3 steps of 2 micro-batches. Each
                       stage's files are its model-parallel rank's (zero_pp_rank_R_mp_rank_SS_optim_states.pt,
                       mp_rank_SS_model_states.pt), each layer's weights a layer_XX-model_states.pt
+  autotp2_zero1_world2/  DeepSpeed's AutoTP (tensor_parallel.autotp_size 2, its partition_config's layer specs:
+                      q/k/v column-parallel, o_proj and down_proj row-parallel, gate_up_proj column-parallel in two
+                      sub-params) on 2 ranks, ZeRO-1, fp32: a LLaMA-like block (Embedding(32, 16), LayerNorm, q/k/v/o
+                      Linear(16, 16), gate_up Linear(16, 2 x 24), down Linear(24, 16) with biases on o and down,
+                      final LayerNorm, lm_head Linear(16, 32)); each rank's files its tensor-parallel rank's
+                      (mp_rank_TT), the model states' universal_checkpoint_info holding the affine maps
   bnb_zero2_world2/   ZeRO-2 under bf16 wrapping bitsandbytes' AdamW8bit (Hugging Face's adamw_bnb_8bit under
                       DeepSpeed), Linear(64, 128), GELU, Linear(128, 3): the weights' partitions (4288 elements
                       each) as 8-bit codes in blocks of 256 of the partition, the biases' (66) as 32-bit state
@@ -71,11 +77,71 @@ def train_pipe(out):
     torch.distributed.barrier()
 
 
+AUTOTP_SPECS = [{"patterns": [r".*\.o_proj\.weight$", r".*\.down_proj\.weight$"], "partition_type": "row"},
+                {"patterns": [r".*\.[qkv]_proj\.weight$"], "partition_type": "column"},
+                {"patterns": [r".*\.gate_up_proj\.weight$"], "partition_type": "column", "shape": [2, -1],
+                 "partition_dim": 0}]
+
+
+def train_autotp(out):
+    import deepspeed
+    import torch
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+
+    class Block(torch.nn.Module):
+        def __init__(self, h=16, f=24):
+            super().__init__()
+            self.input_layernorm = torch.nn.LayerNorm(h)
+            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(h, h, bias=False) for _ in range(3))
+            self.o_proj = torch.nn.Linear(h, h)
+            self.gate_up_proj = torch.nn.Linear(h, 2 * f, bias=False)
+            self.down_proj = torch.nn.Linear(f, h)
+
+        def forward(self, x):
+            y = self.input_layernorm(x)
+            a = torch.softmax(self.q_proj(y) @ self.k_proj(y).transpose(-1, -2) / 4.0, -1) @ self.v_proj(y)
+            x = x + self.o_proj(a)
+            g, u = self.gate_up_proj(x).chunk(2, -1)
+            return x + self.down_proj(torch.nn.functional.silu(g) * u)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(32, 16)
+            self.layers = torch.nn.ModuleList([Block()])
+            self.norm = torch.nn.LayerNorm(16)
+            self.lm_head = torch.nn.Linear(16, 32, bias=False)
+
+        def forward(self, ids):
+            x = self.embed_tokens(ids)
+            for layer in self.layers:
+                x = layer(x)
+            return self.lm_head(self.norm(x))
+
+    model = Model()
+    groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05},
+              {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+           "zero_optimization": {"stage": 1},
+           "tensor_parallel": {"autotp_size": 2, "partition_config": {"use_default_specs": False,
+                                                                      "layer_specs": AUTOTP_SPECS}}}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3), config=cfg)
+    for step in range(3):
+        ids = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(step))
+        engine.backward(torch.nn.functional.cross_entropy(engine(ids).flatten(0, 1), ids.flatten()))
+        engine.step()
+    engine.save_checkpoint(out)
+    torch.distributed.barrier()
+
+
 def train(stage, half, out, variant):
     import deepspeed
     import torch
     if variant == "pipe":
         return train_pipe(out)
+    if variant == "autotp":
+        return train_autotp(out)
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     if variant == "frozen":
@@ -134,7 +200,8 @@ def main():
                                        ("fp16_zero3_world2", 3, "fp16", "-"),
                                        ("fp16_unstepped_zero2_world2", 2, "fp16", "unstepped"),
                                        ("bnb_zero2_world2", 2, "bf16", "bnb"),
-                                       ("pipe2_zero1_world4", 1, "fp32", "pipe")):
+                                       ("pipe2_zero1_world4", 1, "fp32", "pipe"),
+                                       ("autotp2_zero1_world2", 1, "fp32", "autotp")):
         if wanted and name not in wanted:
             continue
         out = HERE / name

@@ -18,8 +18,12 @@
 // input is stage 1's rank 0 optimizer file (fuzz.deepspeed_pipe: its runs of the tied module's copy,
 // which validate compares with stage 0's) or stage 1's model states file (fuzz.deepspeed_pipe_model:
 // its params, groups and grid).
+// Built over AutoTP's tensor-parallel checkpoint (testdata/autotp2_zero1_world2/: 2 ranks): the input
+// is rank 0's model states file (fuzz.deepspeed_autotp: the affine maps that place every rank's
+// shards, the replicated blocks validate compares).
 // CTest: fuzz.deepspeed_zero2, fuzz.deepspeed_zero3, fuzz.deepspeed_universal,
-// fuzz.deepspeed_zero3_write, fuzz.deepspeed_bnb_zero2, fuzz.deepspeed_pipe, fuzz.deepspeed_pipe_model
+// fuzz.deepspeed_zero3_write, fuzz.deepspeed_bnb_zero2, fuzz.deepspeed_pipe, fuzz.deepspeed_pipe_model,
+// fuzz.deepspeed_autotp
 // (bounded mutation runs); with OPTSTATE_LIBFUZZER, coverage-guided.
 #include <cstdint>
 

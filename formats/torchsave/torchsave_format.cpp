@@ -311,31 +311,31 @@ class TorchSaveReader final : public CheckpointReader {
     return compare_tied_copies();
   }
 
-  // A pipeline's tied module held by several stages (DeepSpeed's TiedLayerSpec): each later
-  // stage's copy of each entry against the copy read, window by window.
+  // Elements held twice (ZeroTiedCopy: a pipeline's tied module in a later stage, a block several
+  // tensor-parallel ranks hold): each copy's runs against the elements read there, window by window.
   Status compare_tied_copies() {
     constexpr int64_t kWindow = int64_t{1} << 20;  // elements
     std::vector<std::byte> a, b;
     for (const ZeroTiedCopy& copy : zero_tied_) {
       OPTSTATE_ASSIGN_OR_RETURN(const std::vector<Piece>* read, find(copy.fqn, copy.entry, Component::kValues));
-      const int64_t count = read->empty() ? 0 : read->back().begin + read->back().count;
-      for (int64_t at = 0; at < count; at += kWindow) {
-        const int64_t to = std::min(count, at + kWindow);
-        a.resize(static_cast<size_t>((to - at) * 4));
-        b.resize(a.size());
-        OPTSTATE_RETURN_IF_ERROR(read_pieces(*read, 4, copy.fqn, copy.entry, Component::kValues, at, to, a));
-        OPTSTATE_RETURN_IF_ERROR(read_pieces(copy.pieces, 4, copy.fqn, copy.entry, Component::kValues, at, to, b));
-        if (a == b) continue;
-        size_t i = 0;
-        while (std::memcmp(&a[i * 4], &b[i * 4], 4) == 0) ++i;
-        float x, y;
-        std::memcpy(&x, &a[i * 4], 4);
-        std::memcpy(&y, &b[i * 4], 4);
-        return corrupt(fmt::format("'{}' {}: pipeline stage {}'s copy of the tied module differs from the copy read at "
-                                   "element {} ({} and {}, {})", copy.fqn, copy.entry, copy.stage,
-                                   at + static_cast<int64_t>(i), y, x,
-                                   files_[copy.pieces.front().stored.file].path.string()));
-      }
+      for (const Piece& pc : copy.pieces)
+        for (int64_t at = pc.begin; at < pc.begin + pc.count; at += kWindow) {
+          const int64_t to = std::min(pc.begin + pc.count, at + kWindow);
+          a.resize(static_cast<size_t>((to - at) * 4));
+          b.resize(a.size());
+          OPTSTATE_RETURN_IF_ERROR(read_pieces(*read, 4, copy.fqn, copy.entry, Component::kValues, at, to, a));
+          OPTSTATE_RETURN_IF_ERROR(read_pieces({pc}, 4, copy.fqn, copy.entry, Component::kValues, at, to, b));
+          if (a == b) continue;
+          size_t i = 0;
+          while (std::memcmp(&a[i * 4], &b[i * 4], 4) == 0) ++i;
+          float x, y;
+          std::memcpy(&x, &a[i * 4], 4);
+          std::memcpy(&y, &b[i * 4], 4);
+          return corrupt(fmt::format("'{}' {}: {} {}'s copy differs from the copy read at element {} ({} and {}, {})",
+                                     copy.fqn, copy.entry, tensor_parallel_ ? "tensor-parallel rank" : "pipeline stage",
+                                     copy.stage, at + static_cast<int64_t>(i), y, x,
+                                     files_[pc.stored.file].path.string()));
+        }
     }
     return Status::Ok();
   }
@@ -883,6 +883,7 @@ class TorchSaveReader final : public CheckpointReader {
       slices.push_back(std::move(slice));
     }
     if (z.tensor_parallel) {
+      tensor_parallel_ = true;
       OPTSTATE_RETURN_IF_ERROR(join_tensor_parallel(z, slices));
     } else {
       std::vector<int64_t> group_steps;        // each joined group's step, as its first stage had it
@@ -2684,7 +2685,8 @@ class TorchSaveReader final : public CheckpointReader {
   std::vector<AdamWFlags> adamw_flags_;  // each group's AdamW switches, where the file keeps some
   std::optional<bool> bnb_nested_;    // bitsandbytes' state: nested in __bnb_optimizer_quant_state__ or not
   bool deepspeed_ = false; // a DeepSpeed ZeRO checkpoint: formats/deepspeed/ sniffs it
-  std::vector<ZeroTiedCopy> zero_tied_;  // a pipeline's tied modules' later copies
+  std::vector<ZeroTiedCopy> zero_tied_;  // a pipeline's tied modules' later copies, AutoTP's replicas
+  bool tensor_parallel_ = false;         // zero_tied_ holds tensor-parallel ranks' copies
   bool nanotron_ = false;  // a nanotron checkpoint's optimizer files: formats/nanotron/ sniffs them
   bool megatron_ = false;  // a Megatron-LM legacy checkpoint's rank files: formats/megatron/ sniffs them
   bool shared_verified_ = false;  // verify_shared_records covered every record the pieces read

@@ -638,8 +638,8 @@ def test_pipeline_tied_copies_that_differ_are_a_validate_finding(tmp_path, optst
     optstate_cli("inspect", ck)  # reads: stage 0's copy
     proc = optstate_cli("validate", ck, check=False)
     assert proc.returncode == 1, (proc.stdout, proc.stderr)
-    assert "'tied_modules.embed.weight' exp_avg: pipeline stage 1's copy of the tied module differs from the copy " \
-           "read at element 5" in proc.stdout, proc.stdout
+    assert "'tied_modules.embed.weight' exp_avg: pipeline stage 1's copy differs from the copy read at element 5" \
+        in proc.stdout, proc.stdout
     # stage 1's step other than stage 0's (its files from another iteration): refused
     shutil.rmtree(ck)
     shutil.copytree(SEEDS / "pipe2_zero1_world4", ck)
@@ -661,3 +661,175 @@ def test_pipeline_under_bf16_without_zero_is_refused_naming_why(tmp_path, optsta
     assert len(list((ck / "global_step3").glob("bf16_zero_pp_rank_*"))) == 2
     err = run_err(optstate_cli, "inspect", ck)
     assert "mp_rank_00_model_states.pt: param_shapes is None" in err and "BF16_Optimizer" in err, err
+
+
+# DeepSpeed's AutoTP (tensor_parallel.autotp_size; its partition_config's layer specs): a LLaMA-like
+# model whose q/k/v are split by rows, o_proj and down_proj by columns, gate_up_proj's two halves each
+# by rows, the rest replicated; ZeRO-1 over the data-parallel ranks; every rank the same batch.
+TP_BUILD = """
+import sys, torch, deepspeed
+deepspeed.init_distributed(dist_backend="gloo")
+class Block(torch.nn.Module):
+    def __init__(self, h=32, f=48):
+        super().__init__()
+        self.input_layernorm = torch.nn.LayerNorm(h)
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(h, h, bias=False) for _ in range(3))
+        self.o_proj = torch.nn.Linear(h, h)
+        self.gate_up_proj = torch.nn.Linear(h, 2 * f, bias=False)
+        self.down_proj = torch.nn.Linear(f, h)
+    def forward(self, x):
+        y = self.input_layernorm(x)
+        a = torch.softmax(self.q_proj(y) @ self.k_proj(y).transpose(-1, -2) / 5.0, -1) @ self.v_proj(y)
+        x = x + self.o_proj(a)
+        g, u = self.gate_up_proj(x).chunk(2, -1)
+        return x + self.down_proj(torch.nn.functional.silu(g) * u)
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(64, 32)
+        self.layers = torch.nn.ModuleList([Block(), Block()])
+        self.norm = torch.nn.LayerNorm(32)
+        self.lm_head = torch.nn.Linear(32, 64, bias=False)
+    def forward(self, ids):
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+SPECS = [{"patterns": [r".*\\.o_proj\\.weight$", r".*\\.down_proj\\.weight$"], "partition_type": "row"},
+         {"patterns": [r".*\\.[qkv]_proj\\.weight$"], "partition_type": "column"},
+         {"patterns": [r".*\\.gate_up_proj\\.weight$"], "partition_type": "column", "shape": [2, -1], "partition_dim": 0}]
+def engine_of(tp, seed, universal=False):
+    torch.manual_seed(seed)
+    model = Model()
+    groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05},
+              {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "lr": 2e-3}]
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+           "zero_optimization": {"stage": 1}, "checkpoint": {"load_universal": universal},
+           "tensor_parallel": {"autotp_size": tp, "partition_config": {"use_default_specs": False, "layer_specs": SPECS}}}
+    return deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3), config=cfg)[0], model
+def step(engine, s):
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(s))
+    engine.backward(torch.nn.functional.cross_entropy(engine(ids).float().flatten(0, 1), ids.flatten()))
+    engine.step()
+def dump(model, out, tp):  # each tensor-parallel rank's fp32 shards, from its first data-parallel rank
+    shards = {n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()}
+    if torch.distributed.get_rank() < tp:
+        torch.save(shards, f"{out}.tp{torch.distributed.get_rank()}.pt")
+    torch.distributed.barrier()
+"""
+
+TP_TRAIN = TP_BUILD + """
+out, tp = sys.argv[1], int(sys.argv[2])
+engine, model = engine_of(tp, 0)
+for s in range(3):
+    step(engine, s)
+engine.save_checkpoint(out)
+for s in range(3, 5):
+    step(engine, s)
+dump(model, out + ".continued", tp)
+"""
+
+TP_RESUME = TP_BUILD + """
+load_dir, tag, out, tp = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+engine, model = engine_of(tp, 1, universal=True)
+engine.load_checkpoint(load_dir, tag=tag)
+assert engine.global_steps == 3
+for s in range(3, 5):
+    step(engine, s)
+dump(model, out, tp)
+"""
+
+
+def test_autotp_checkpoint_reads_as_ds_to_universal_and_deepspeed_resumes_its_universal_checkpoint(tmp_path, optstate_cli):
+    """DeepSpeed's AutoTP on 4 ranks (2 tensor-parallel x 2 data-parallel, ZeRO-1): each tensor-parallel
+    rank's files hold its shards, the model states the affine maps of where they lie. optstate puts
+    each param together, bit for bit what ds_to_universal reassembles (which reads as the same state);
+    `convert --format deepspeed` writes ds_to_universal's files, from which DeepSpeed resumes on 2 ranks
+    (2 x 1) to the uninterrupted run's shards bit for bit, and on 4 tensor-parallel ranks as from
+    ds_to_universal's own."""
+    from safetensors.torch import load_file
+    ck = tmp_path / "autotp"
+    run_script(tmp_path, TP_TRAIN, "tp_train.py", ck, 2, ranks=4)
+    assert len(list((ck / "global_step3").glob("zero_pp_rank_*_mp_rank_0[01]_optim_states.pt"))) == 4
+    out = optstate_cli("convert", ck, tmp_path / "whole.safetensors")
+    assert "2 tensor-parallel ranks (DeepSpeed's AutoTP)" in out.stderr, out.stderr
+    got = load_file(tmp_path / "whole.safetensors")
+    ref = universal(tmp_path, ck, "global_step3")
+    names = sorted(p.name for p in (ref / "zero").iterdir() if p.is_dir())
+    assert len(names) == 24 and len(got) == 72
+    for n in names:
+        for f, k in (("fp32", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+            assert torch.equal(got[f"{n}.{k}"], universal_tensor(ref / "zero" / n / f"{f}.pt")), (n, f)
+    assert got["layers.0.gate_up_proj.weight.param"].shape == (96, 32)
+    assert hashes(optstate_cli, ref) == hashes(optstate_cli, ck)
+    assert "every chunk checksum verified" in optstate_cli("validate", ck).stdout
+    ours = tmp_path / "ours_universal"
+    optstate_cli("convert", ck, ours, "--format", "deepspeed")
+    assert sorted(same_param_files(ref, ours)) == names
+    for t in (0, 1):
+        name = f"mp_rank_{t:02d}_model_states.pt"
+        assert (ours / name).read_bytes() == (ref / name).read_bytes()
+    continued = [torch.load(f"{ck}.continued.tp{t}.pt") for t in (0, 1)]
+    res = tmp_path / "resumed2"
+    run_script(tmp_path, TP_RESUME, "tp_resume.py", tmp_path, ours.name, res, 2, ranks=2)
+    for t in (0, 1):
+        shards = torch.load(f"{res}.tp{t}.pt")
+        assert all(torch.equal(shards[n], continued[t][n]) for n in shards), t
+    for tag in (ours.name, ref.name):
+        run_script(tmp_path, TP_RESUME, "tp_resume.py", tmp_path, tag, tmp_path / f"tp4_{tag}", 4, ranks=4)
+    for t in range(4):
+        a, b = (torch.load(tmp_path / f"tp4_{tag}.tp{t}.pt") for tag in (ours.name, ref.name))
+        assert a["layers.1.q_proj.weight"].shape == (8, 32) and all(torch.equal(a[n], b[n]) for n in a), t
+
+
+def test_autotp_damaged_maps_and_differing_replicas_are_named(tmp_path, optstate_cli):
+    """The affine maps are checked: blocks that overlap or leave a hole, a pattern that names no one
+    param, a scaled piece (DeepSpeed refuses converting its moments too), no maps at all. A replicated
+    param's copy on rank 1 that differs from rank 0's is validate's finding."""
+    import shutil
+    seed = SEEDS / "autotp2_zero1_world2"
+
+    def damaged(name, edit, file="mp_rank_00_model_states.pt"):
+        ck = tmp_path / name
+        shutil.copytree(seed, ck)
+        f = ck / "global_step3" / file
+        sd = torch.load(f, weights_only=False)
+        edit(sd)
+        torch.save(sd, f)
+        return ck
+
+    def maps(sd):
+        return sd["universal_checkpoint_info"]["affine_map"]["params"]
+
+    def overlap(sd):
+        maps(sd)[r"^layers\.0\.q_proj\.weight$"]["ranks"][1]["pieces"][0]["source"][0] = 0
+    err = run_err(optstate_cli, "inspect", damaged("overlap", overlap))
+    assert "'layers.0.q_proj.weight': the affine map's pieces cover twice element 0" in err, err
+
+    def pattern(sd):
+        m = maps(sd)
+        m[r"^layers\.\d+\.q_proj\.weight$"] = m.pop(r"^layers\.0\.q_proj\.weight$")
+    err = run_err(optstate_cli, "inspect", damaged("pattern", pattern))
+    assert "names no one param" in err, err
+
+    def scaled(sd):
+        for rank in maps(sd)[r"^norm\.weight$"]["ranks"].values():
+            rank["pieces"][0]["scale"] = 0.5
+    err = run_err(optstate_cli, "inspect", damaged("scaled", scaled))
+    assert "a piece held times 0.5" in err and "DeepSpeed itself refuses" in err, err
+
+    def no_maps(sd):
+        del sd["universal_checkpoint_info"]["affine_map"]
+    err = run_err(optstate_cli, "inspect", damaged("no_maps", no_maps))
+    assert "no affine_map in universal_checkpoint_info" in err and "Megatron-DeepSpeed's patterns" in err, err
+
+    def replica(sd):
+        osd = sd["optimizer_state_dict"]
+        a = osd["param_slice_mappings"][1]["norm.weight"]
+        osd["base_optimizer_state"]["state"][1]["exp_avg"][a.start + 3] += 1e-3
+    ck = damaged("replica", replica, "zero_pp_rank_0_mp_rank_01_optim_states.pt")
+    optstate_cli("inspect", ck)  # reads: rank 0's copy
+    proc = optstate_cli("validate", ck, check=False)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert "'norm.weight' exp_avg: tensor-parallel rank 1's copy differs from the copy read at element 3" in proc.stdout, \
+        proc.stdout

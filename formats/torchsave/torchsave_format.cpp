@@ -1296,7 +1296,8 @@ class TorchSaveReader final : public CheckpointReader {
       ps.shape = m.logical_shape;
       ps.group = static_cast<int>(p0.group);
       ps.step = p0.step;
-      for (const auto& [entry, local0] : p0.entries) {
+      for (const auto& entry_pieces : p0.entries) {
+        const std::string& entry = entry_pieces.first;  // not a structured binding: clang 14 cannot capture one
         // A run of shard elements [shard, shard + count) of rank r, as the pieces of its slice.
         auto place = [&](const Run& run, std::vector<Piece>& out) -> Status {
           const std::vector<Piece>& local = slices[run.rank].params[i].entries.at(entry);
@@ -3490,7 +3491,7 @@ Result<ZeroUniversalParts> zero_universal_parts(const fs::path& path) {
   w.str("param_groups");
   OPTSTATE_RETURN_IF_ERROR(pickle::emit(w, p, groups, where + " param_groups"));
   w.setitems_from_mark();
-  ZeroUniversalParts parts{z->dir, z->model, {}, w.finish(), {}, {}};
+  ZeroUniversalParts parts{z->dir, z->model, {}, w.finish(), {}, {}, false, {}};
   for (const ZeroStage& st : z->stages) parts.stage_model_states.push_back(st.model);
   // A step kept as a number (DeepSpeed's CPU Adam: an int); the reader gives a never-stepped flat
   // param the number 0, but then no step.pt is written.

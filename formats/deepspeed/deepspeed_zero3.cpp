@@ -86,6 +86,11 @@ std::vector<Flat> sub_groups(size_t group, const std::vector<std::pair<std::stri
 Status write_zero3(StateSource& source, const fs::path& source_path, const fs::path& staging, int world) {
   OPTSTATE_ASSIGN_OR_RETURN(const auto z, torchsave::zero_files(source_path));
   if (!z) return invalid_argument(source_path.string() + ": no DeepSpeed ZeRO optimizer files");
+  if (z->stages.size() > 1)
+    return invalid_argument(fmt::format("{}: a ZeRO-3 checkpoint of {} tensor-parallel ranks (AutoTP); optstate writes "
+                                        "a ZeRO-3 checkpoint for another world size from one without tensor "
+                                        "parallelism: convert it to another format", z->dir.string(),
+                                        z->stages.size()));
   const std::string ow = z->optim[0].string(), mw = z->model.string();
   OPTSTATE_ASSIGN_OR_RETURN(auto opt, torchsave::open_archive(z->optim[0]));
   OPTSTATE_ASSIGN_OR_RETURN(const torchsave::ZeroRank zr, torchsave::interpret_zero_optim(opt.second, ow));

@@ -3403,12 +3403,12 @@ Result<std::optional<ZeroFiles>> zero_files(const fs::path& path) {
       zs.optim.push_back(ranks.at(r));
     }
     const std::string model = fmt::format("mp_rank_{:02d}_model_states.pt", s);
+    const std::string zero3 = fmt::format("zero_pp_rank_0_mp_rank_{:02d}_model_states.pt", s);  // ZeRO-3's, per rank
     if (fs::is_regular_file(z.dir / model, ec)) zs.model = z.dir / model;
-    else if (s == 0 && fs::is_regular_file(z.dir / "zero_pp_rank_0_mp_rank_00_model_states.pt", ec))
-      zs.model = z.dir / "zero_pp_rank_0_mp_rank_00_model_states.pt";
+    else if (fs::is_regular_file(z.dir / zero3, ec)) zs.model = z.dir / zero3;
     if (zs.model.empty())
-      return corrupt(fmt::format("{}: no model states file ({}{}), which names the params", z.dir.string(), model,
-                                 s == 0 ? ", or ZeRO-3's zero_pp_rank_0_mp_rank_00_model_states.pt" : ""));
+      return corrupt(fmt::format("{}: no model states file ({}, or ZeRO-3's {}), which names the params",
+                                 z.dir.string(), model, zero3));
     z.stages.push_back(std::move(zs));
   }
   z.optim = z.stages[0].optim;

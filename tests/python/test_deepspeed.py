@@ -698,13 +698,13 @@ class Model(torch.nn.Module):
 SPECS = [{"patterns": [r".*\\.o_proj\\.weight$", r".*\\.down_proj\\.weight$"], "partition_type": "row"},
          {"patterns": [r".*\\.[qkv]_proj\\.weight$"], "partition_type": "column"},
          {"patterns": [r".*\\.gate_up_proj\\.weight$"], "partition_type": "column", "shape": [2, -1], "partition_dim": 0}]
-def engine_of(tp, seed, universal=False):
+def engine_of(tp, seed, universal=False, zero=1):
     torch.manual_seed(seed)
     model = Model()
     groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05},
               {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "lr": 2e-3}]
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-           "zero_optimization": {"stage": 1}, "checkpoint": {"load_universal": universal},
+           "zero_optimization": {"stage": zero}, "checkpoint": {"load_universal": universal},
            "tensor_parallel": {"autotp_size": tp, "partition_config": {"use_default_specs": False, "layer_specs": SPECS}}}
     return deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3), config=cfg)[0], model
 def step(engine, s):
@@ -719,8 +719,8 @@ def dump(model, out, tp):  # each tensor-parallel rank's fp32 shards, from its f
 """
 
 TP_TRAIN = TP_BUILD + """
-out, tp = sys.argv[1], int(sys.argv[2])
-engine, model = engine_of(tp, 0)
+out, tp, zero = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 1
+engine, model = engine_of(tp, 0, zero=zero)
 for s in range(3):
     step(engine, s)
 engine.save_checkpoint(out)
@@ -740,20 +740,14 @@ dump(model, out, tp)
 """
 
 
-def test_autotp_checkpoint_reads_as_ds_to_universal_and_deepspeed_resumes_its_universal_checkpoint(tmp_path, optstate_cli):
-    """DeepSpeed's AutoTP on 4 ranks (2 tensor-parallel x 2 data-parallel, ZeRO-1): each tensor-parallel
-    rank's files hold its shards, the model states the affine maps of where they lie. optstate puts
-    each param together, bit for bit what ds_to_universal reassembles (which reads as the same state);
-    `convert --format deepspeed` writes ds_to_universal's files, from which DeepSpeed resumes on 2 ranks
-    (2 x 1) to the uninterrupted run's shards bit for bit, and on 4 tensor-parallel ranks as from
-    ds_to_universal's own."""
+def autotp_reads_as_ds_to_universal(tmp_path, optstate_cli, ck):
+    """Asserts that optstate reads the AutoTP checkpoint `ck` (2 tensor-parallel ranks) as DeepSpeed's
+    ds_to_universal reassembles it, tensor for tensor, and its output as the same state; returns the
+    universal checkpoint and the param names."""
     from safetensors.torch import load_file
-    ck = tmp_path / "autotp"
-    run_script(tmp_path, TP_TRAIN, "tp_train.py", ck, 2, ranks=4)
-    assert len(list((ck / "global_step3").glob("zero_pp_rank_*_mp_rank_0[01]_optim_states.pt"))) == 4
-    out = optstate_cli("convert", ck, tmp_path / "whole.safetensors")
+    out = optstate_cli("convert", ck, tmp_path / f"{ck.name}.safetensors")
     assert "2 tensor-parallel ranks (DeepSpeed's AutoTP)" in out.stderr, out.stderr
-    got = load_file(tmp_path / "whole.safetensors")
+    got = load_file(tmp_path / f"{ck.name}.safetensors")
     ref = universal(tmp_path, ck, "global_step3")
     names = sorted(p.name for p in (ref / "zero").iterdir() if p.is_dir())
     assert len(names) == 24 and len(got) == 72
@@ -763,6 +757,20 @@ def test_autotp_checkpoint_reads_as_ds_to_universal_and_deepspeed_resumes_its_un
     assert got["layers.0.gate_up_proj.weight.param"].shape == (96, 32)
     assert hashes(optstate_cli, ref) == hashes(optstate_cli, ck)
     assert "every chunk checksum verified" in optstate_cli("validate", ck).stdout
+    return ref, names
+
+
+def test_autotp_checkpoint_reads_as_ds_to_universal_and_deepspeed_resumes_its_universal_checkpoint(tmp_path, optstate_cli):
+    """DeepSpeed's AutoTP on 4 ranks (2 tensor-parallel x 2 data-parallel, ZeRO-1): each tensor-parallel
+    rank's files hold its shards, the model states the affine maps of where they lie. optstate puts
+    each param together, bit for bit what ds_to_universal reassembles (which reads as the same state);
+    `convert --format deepspeed` writes ds_to_universal's files, from which DeepSpeed resumes on 2 ranks
+    (2 x 1) to the uninterrupted run's shards bit for bit, and on 4 tensor-parallel ranks as from
+    ds_to_universal's own."""
+    ck = tmp_path / "autotp"
+    run_script(tmp_path, TP_TRAIN, "tp_train.py", ck, 2, ranks=4)
+    assert len(list((ck / "global_step3").glob("zero_pp_rank_*_mp_rank_0[01]_optim_states.pt"))) == 4
+    ref, names = autotp_reads_as_ds_to_universal(tmp_path, optstate_cli, ck)
     ours = tmp_path / "ours_universal"
     optstate_cli("convert", ck, ours, "--format", "deepspeed")
     assert sorted(same_param_files(ref, ours)) == names
@@ -833,3 +841,16 @@ def test_autotp_damaged_maps_and_differing_replicas_are_named(tmp_path, optstate
     assert proc.returncode == 1, (proc.stdout, proc.stderr)
     assert "'norm.weight' exp_avg: tensor-parallel rank 1's copy differs from the copy read at element 3" in proc.stdout, \
         proc.stdout
+
+
+def test_autotp_under_zero3_reads_as_ds_to_universal(tmp_path, optstate_cli):
+    """AutoTP under ZeRO-3 (2 x 2 ranks): each tensor-parallel rank's shards split again over its
+    data-parallel ranks, a model states file per rank (zero_pp_rank_D_mp_rank_TT_model_states.pt).
+    Read bit for bit as ds_to_universal reassembles it; written for another world size it is refused
+    by name (the ZeRO-3 writer lays out a checkpoint without tensor parallelism)."""
+    ck = tmp_path / "autotp_zero3"
+    run_script(tmp_path, TP_TRAIN, "tp_train.py", ck, 2, 3, ranks=4)
+    assert len(list((ck / "global_step3").glob("zero_pp_rank_*_mp_rank_0[01]_model_states.pt"))) == 4
+    autotp_reads_as_ds_to_universal(tmp_path, optstate_cli, ck)
+    err = run_err(optstate_cli, "convert", ck, tmp_path / "w4", "--format", "deepspeed", "--world-size", "4")
+    assert "a ZeRO-3 checkpoint of 2 tensor-parallel ranks (AutoTP)" in err and not (tmp_path / "w4").exists(), err

@@ -463,7 +463,8 @@ TEST_CASE("deepspeed: a pipeline's missing stage or rank, tensor-parallel layer 
     testing::TempDir dir;
     const fs::path tag = copy_tag("pipe2_zero1_world4", dir);
     fs::remove(tag / "mp_rank_01_model_states.pt");
-    CHECK(error_of(tag).find("no model states file (mp_rank_01_model_states.pt)") != std::string::npos);
+    CHECK(error_of(tag).find("no model states file (mp_rank_01_model_states.pt, or ZeRO-3's "
+                             "zero_pp_rank_0_mp_rank_01_model_states.pt)") != std::string::npos);
   }
   {
     // Megatron-DeepSpeed's layer files name a tensor-parallel rank: its params are split by rules

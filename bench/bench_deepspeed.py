@@ -11,13 +11,17 @@ fresh process; wall time and peak RSS of each, and the raw copy as the floor.
   --format deepspeed --world-size 4`; DeepSpeed loads its universal one with group 0's
   hyperparameters in every group), timed beside the same ds_to_universal; it must read back as the
   source's state (optstate hash).
+- --autotp: ZeRO-1 under DeepSpeed's AutoTP on the 2 ranks (tensor_parallel.autotp_size 2: the
+  2048x4096 Linears split by rows, the 4096x2048 ones by columns, so each rank's shard of the latter
+  is 2048 runs of 2048 elements in the whole tensor), put together by the affine maps its model states
+  record; optstate's universal checkpoint beside ds_to_universal's.
 - DeepSpeed: `python -m deepspeed.checkpoint.ds_to_universal` with 2 extract and 2 merge workers
   (this machine's cores).
 - optstate: the CLI, no Python, no DeepSpeed.
 The outputs are read back and must hold the same fp32 weights and moments per param, bit for bit
 (the two universal checkpoints: every file's tensors).
 
-    .venv/bin/python bench/bench_deepspeed.py [--layers 2] [--reps 2] [--stage 2|3] [--dir /tmp] [--json bench/results/deepspeed.json]
+    .venv/bin/python bench/bench_deepspeed.py [--layers 2] [--reps 2] [--stage 2|3 | --autotp] [--dir /tmp] [--json bench/results/deepspeed.json]
 """
 import os
 import sys
@@ -37,11 +41,11 @@ warnings.filterwarnings("ignore")
 MAKE = textwrap.dedent("""
     import os, subprocess, sys, warnings
     warnings.filterwarnings("ignore")
-    out, layers, stage = sys.argv[1], sys.argv[2], sys.argv[3]
-    if len(sys.argv) == 4:  # the launcher: 2 ranks under torchrun
+    out, layers, stage, autotp = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+    if len(sys.argv) == 5:  # the launcher: 2 ranks under torchrun
         env = dict(os.environ, DS_ACCELERATOR="cpu")
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-                        out, layers, stage, "rank"], check=True, env=env, stdout=subprocess.DEVNULL,
+                        out, layers, stage, sys.argv[4], "rank"], check=True, env=env, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
         sys.exit(0)
     import torch, deepspeed
@@ -51,6 +55,10 @@ MAKE = textwrap.dedent("""
     model = make_model(int(layers))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": int(stage)}}
+    if autotp:  # even Linears (2048 -> 4096) split by rows, odd ones (4096 -> 2048) by columns
+        cfg["tensor_parallel"] = {"autotp_size": 2, "partition_config": {"use_default_specs": False, "layer_specs": [
+            {"patterns": [r"^[0-9]*[02468]\.weight$"], "partition_type": "column"},
+            {"patterns": [r"^[0-9]*[13579]\.weight$"], "partition_type": "row"}]}}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     engine.backward(engine(torch.randn(1, 2048)).square().mean())
     engine.step()
@@ -77,15 +85,19 @@ def universal_tensor(path):
 def main():
     ap = checkpoint_args(layers=2, reps=2)
     ap.add_argument("--stage", type=int, choices=(2, 3), default=2)
+    ap.add_argument("--autotp", action="store_true", help="ZeRO-1 under AutoTP on the 2 ranks (2 tensor-parallel ranks)")
     args = ap.parse_args()
+    if args.autotp:
+        args.stage = 1
     cli, work, env, scripts = prepare("deepspeed", args.dir, MAKE, UNIVERSAL, needs="deepspeed")
     src = work / "ckpt"
-    t_make = run([sys.executable, scripts["make.py"], src, args.layers, args.stage])
+    t_make = run([sys.executable, scripts["make.py"], src, args.layers, args.stage, int(args.autotp)])
     src_bytes = dir_bytes(src)
-    print(f"source: {src_bytes / 1e9:.2f} GB DeepSpeed ZeRO-{args.stage} checkpoint, 2 ranks ({args.layers} layer "
+    kind = "ZeRO-1 under AutoTP, 2 tensor-parallel ranks" if args.autotp else f"ZeRO-{args.stage}, 2 ranks"
+    print(f"source: {src_bytes / 1e9:.2f} GB DeepSpeed {kind} checkpoint ({args.layers} layer "
           f"pairs, made in {t_make:.0f} s); {os.cpu_count()} cpus, torch {torch.__version__}")
     reference = "DeepSpeed ds_to_universal"
-    ours = "optstate universal" if args.stage == 2 else "optstate ZeRO-3, 4 ranks"
+    ours = "optstate universal" if args.stage != 3 else "optstate ZeRO-3, 4 ranks"
     dst = {"optstate": work / "plain.pt", ours: work / "ours_deepspeed", reference: work / "universal"}
     cases = {
         "optstate": lambda out: [cli, "convert", src, out],
@@ -104,7 +116,7 @@ def main():
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(st[k], universal_tensor(ref / f"{k}.pt").view_as(st[k])), (n, k)
         assert torch.equal(sd["model"][n], universal_tensor(ref / "fp32.pt").view_as(sd["model"][n])), n
-    if args.stage == 2:
+    if args.stage != 3:
         mine, theirs = dst[ours] / "zero", dst[reference] / "zero"
         for n in names:
             for f in ("fp32", "exp_avg", "exp_avg_sq", "step"):

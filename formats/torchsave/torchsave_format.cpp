@@ -1205,11 +1205,13 @@ class TorchSaveReader final : public CheckpointReader {
     const std::string mw = z.stages[0].model.string();
     const ZeroShapes& s0 = slices[0].shapes;
     if (!s0.autotp)
-      return corrupt(fmt::format("{}: {} tensor-parallel ranks' files, and no affine_map in universal_checkpoint_info "
-                                 "(DeepSpeed's AutoTP records one; {}): the shards' layout is in no file, not read",
-                                 mw, tp, s0.uc_info ? "Megatron-DeepSpeed's patterns say which dim a param is split "
-                                                      "along by its name, not where each rank's shard lies"
-                                                    : "none here"));
+      return corrupt(fmt::format(
+          "{}: {} tensor-parallel ranks' files, and no affine_map in universal_checkpoint_info ({}): the shards' "
+          "layout is in no file, not read", mw, tp,
+          s0.uc_info ? "its name patterns, Megatron-DeepSpeed's or AutoTP's before DeepSpeed recorded affine maps, say "
+                       "along which dim some params are split, not where each rank's shard lies nor which params "
+                       "every rank holds whole"
+                     : "DeepSpeed's AutoTP records one, which says where each rank's shard lies; there is none"));
     const AutoTpMaps& maps = *s0.autotp;
     for (size_t r = 1; r < tp; ++r) {
       const ZeroSlice& sr = slices[r];
@@ -3354,10 +3356,14 @@ Result<std::optional<ZeroFiles>> zero_files(const fs::path& path) {
   std::map<int64_t, std::map<int64_t, fs::path>> files;  // mp rank -> dp rank -> file
   std::set<bool> kinds;
   std::set<int64_t> layer_tp;  // the tensor-parallel ranks layer files name (-1: none)
+  std::string moe;             // a file of DeepSpeed's MoE (expert parallelism)
   size_t seen = 0;
   for (fs::directory_iterator it(z.dir, ec), end; !ec && it != end; it.increment(ec)) {
     if (++seen > (size_t{1} << 20)) return corrupt(z.dir.string() + ": more than 2^20 entries");
     const std::string name = it->path().filename().string();
+    if ((name.rfind("expp_rank_", 0) == 0 && name.ends_with("_optim_states.pt")) ||
+        (name.rfind("layer_", 0) == 0 && name.find("_expert_") != std::string::npos && name.ends_with("_model_states.pt")))
+      moe = name;
     if (const auto tp = zero_layer_name(name)) {
       layer_tp.insert(*tp);
       ++z.layer_files;
@@ -3370,6 +3376,11 @@ Result<std::optional<ZeroFiles>> zero_files(const fs::path& path) {
       return corrupt(fmt::format("{}: two optimizer files of rank {} (mp_rank_{:02d})", z.dir.string(), rank, mprank));
   }
   if (ec) return io_error(fmt::format("{}: {}", z.dir.string(), ec.message()));
+  // Experts' files (layer_L_expert_E_mp_rank_MM_model_states.pt, expp_rank_R_..._optim_states.pt):
+  // each expert-parallel rank's experts under names its own, which no file here places.
+  if (!moe.empty())
+    return corrupt(fmt::format("{}: {}: DeepSpeed's mixture-of-experts checkpoints (expert parallelism) are not read",
+                               z.dir.string(), moe));
   if (files.empty()) {
     if (fs::is_regular_file(z.dir / "mp_rank_00_model_states.pt", ec))
       return corrupt(z.dir.string() + ": a DeepSpeed checkpoint without ZeRO partitions (stage 0: the optimizer's "

@@ -129,20 +129,17 @@ def universal_tensor(path):
     return t["param"] if isinstance(t, dict) else t
 
 
-@pytest.mark.parametrize("stage,dtype,ranks", [(1, "bf16", 2), (2, "fp32", 3), (3, "fp32", 3), (2, "fp16", 2)])
-def test_zero_checkpoint_reads_as_deepspeeds_own_reassembly(tmp_path, optstate_cli, stage, dtype, ranks):
-    ck = ds_run(tmp_path, stage, dtype, ranks)
-    assert "(deepspeed)" in optstate_cli("inspect", ck).stdout
-    done = optstate_cli("convert", ck, tmp_path / "plain.pt")  # HF's checkpoint-N/ layout: `latest` names the tag
-    assert "['module']" in done.stderr  # the model's own weights: named as not read (the fp32 copies are)
+def plain_is_ds_to_universal(tmp_path, optstate_cli, ck):
+    """Asserts that tmp_path/plain.pt (optstate's convert of `ck` to a torch.optim.AdamW state_dict:
+    every param at step 3, weights under "model", Hugging Face's two groups at lr 1e-3 and 2e-3) holds
+    per param, bit for bit, what DeepSpeed's ds_to_universal makes of `ck`, which reads as the same
+    state; returns the params' names in order."""
     sd = torch.load(tmp_path / "plain.pt")
     ref = universal(tmp_path, ck, "global_step3")
-    # DeepSpeed's universal checkpoint reads as the same state (optstate's own: the next test)
     assert hashes(optstate_cli, ref) == hashes(optstate_cli, ck)
     groups = sd["optimizer"]["param_groups"]
     assert [g["weight_decay"] for g in groups] == [0.05, 0.0] and [g["lr"] for g in groups] == [1e-3, 2e-3]
     names = [n for g in groups for n in g["param_names"]]
-    assert names == ["0.weight", "2.weight", "4.weight", "0.bias", "2.bias", "4.bias"]
     for i, n in enumerate(names):
         st = sd["optimizer"]["state"][i]
         assert st["step"].item() == 3
@@ -151,6 +148,18 @@ def test_zero_checkpoint_reads_as_deepspeeds_own_reassembly(tmp_path, optstate_c
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(st[k], universal_tensor(ref / "zero" / n / f"{k}.pt").view_as(st[k])), (n, k)
         assert torch.equal(sd["model"][n], universal_tensor(ref / "zero" / n / "fp32.pt").view_as(sd["model"][n])), n
+    return names
+
+
+@pytest.mark.parametrize("stage,dtype,ranks", [(1, "bf16", 2), (2, "fp32", 3), (3, "fp32", 3), (2, "fp16", 2)])
+def test_zero_checkpoint_reads_as_deepspeeds_own_reassembly(tmp_path, optstate_cli, stage, dtype, ranks):
+    ck = ds_run(tmp_path, stage, dtype, ranks)
+    assert "(deepspeed)" in optstate_cli("inspect", ck).stdout
+    done = optstate_cli("convert", ck, tmp_path / "plain.pt")  # HF's checkpoint-N/ layout: `latest` names the tag
+    assert "['module']" in done.stderr  # the model's own weights: named as not read (the fp32 copies are)
+    # DeepSpeed's universal checkpoint reads as the same state (optstate's own: the next test)
+    names = plain_is_ds_to_universal(tmp_path, optstate_cli, ck)
+    assert names == ["0.weight", "2.weight", "4.weight", "0.bias", "2.bias", "4.bias"]
     # DeepSpeed's format is written only from a DeepSpeed checkpoint (a universal one: the next test)
     err = run_err(optstate_cli, "convert", tmp_path / "plain.pt", tmp_path / "back", "--format", "deepspeed")
     assert "written from a DeepSpeed ZeRO checkpoint" in err and not (tmp_path / "back").exists()
@@ -576,19 +585,7 @@ def test_pipeline_checkpoint_reads_as_deepspeeds_own_reassembly(tmp_path, optsta
     out = optstate_cli("convert", ck, tmp_path / "plain.pt")
     assert "layer_*-model_states.pt (6 files" in out.stderr, out.stderr
     assert f"'tied_modules.embed.weight' is held by pipeline stages 0 and {stages - 1}" in out.stderr, out.stderr
-    sd = torch.load(tmp_path / "plain.pt")
-    ref = universal(tmp_path, ck, "global_step3")
-    assert hashes(optstate_cli, ref) == hashes(optstate_cli, ck)
-    groups = sd["optimizer"]["param_groups"]
-    assert [g["weight_decay"] for g in groups] == [0.05, 0.0] and [g["lr"] for g in groups] == [1e-3, 2e-3]
-    names = [n for g in groups for n in g["param_names"]]
-    assert sorted(names) == sorted(PIPE_NAMES)
-    for i, n in enumerate(names):
-        st = sd["optimizer"]["state"][i]
-        assert st["step"].item() == 3 == universal_tensor(ref / "zero" / n / "step.pt")
-        for k in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(st[k], universal_tensor(ref / "zero" / n / f"{k}.pt").view_as(st[k])), (n, k)
-        assert torch.equal(sd["model"][n], universal_tensor(ref / "zero" / n / "fp32.pt").view_as(sd["model"][n])), n
+    assert sorted(plain_is_ds_to_universal(tmp_path, optstate_cli, ck)) == sorted(PIPE_NAMES)
     assert "every chunk checksum verified" in optstate_cli("validate", ck).stdout
 
 
@@ -666,46 +663,21 @@ def test_pipeline_under_bf16_without_zero_is_refused_naming_why(tmp_path, optsta
 # DeepSpeed's AutoTP (tensor_parallel.autotp_size; its partition_config's layer specs): a LLaMA-like
 # model whose q/k/v are split by rows, o_proj and down_proj by columns, gate_up_proj's two halves each
 # by rows, the rest replicated; ZeRO-1 over the data-parallel ranks; every rank the same batch.
-TP_BUILD = """
+TP_BUILD = f"""
 import sys, torch, deepspeed
+sys.path.insert(0, {str(SEEDS)!r})
+from make_seeds import AUTOTP_SPECS, llama_like
 deepspeed.init_distributed(dist_backend="gloo")
-class Block(torch.nn.Module):
-    def __init__(self, h=32, f=48):
-        super().__init__()
-        self.input_layernorm = torch.nn.LayerNorm(h)
-        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(h, h, bias=False) for _ in range(3))
-        self.o_proj = torch.nn.Linear(h, h)
-        self.gate_up_proj = torch.nn.Linear(h, 2 * f, bias=False)
-        self.down_proj = torch.nn.Linear(f, h)
-    def forward(self, x):
-        y = self.input_layernorm(x)
-        a = torch.softmax(self.q_proj(y) @ self.k_proj(y).transpose(-1, -2) / 5.0, -1) @ self.v_proj(y)
-        x = x + self.o_proj(a)
-        g, u = self.gate_up_proj(x).chunk(2, -1)
-        return x + self.down_proj(torch.nn.functional.silu(g) * u)
-class Model(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed_tokens = torch.nn.Embedding(64, 32)
-        self.layers = torch.nn.ModuleList([Block(), Block()])
-        self.norm = torch.nn.LayerNorm(32)
-        self.lm_head = torch.nn.Linear(32, 64, bias=False)
-    def forward(self, ids):
-        x = self.embed_tokens(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.lm_head(self.norm(x))
-SPECS = [{"patterns": [r".*\\.o_proj\\.weight$", r".*\\.down_proj\\.weight$"], "partition_type": "row"},
-         {"patterns": [r".*\\.[qkv]_proj\\.weight$"], "partition_type": "column"},
-         {"patterns": [r".*\\.gate_up_proj\\.weight$"], "partition_type": "column", "shape": [2, -1], "partition_dim": 0}]
+""" + """
 def engine_of(tp, seed, universal=False, zero=1):
     torch.manual_seed(seed)
-    model = Model()
+    model = llama_like(32, 48, 64, 2, 5.0)
     groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05},
               {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "lr": 2e-3}]
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
            "zero_optimization": {"stage": zero}, "checkpoint": {"load_universal": universal},
-           "tensor_parallel": {"autotp_size": tp, "partition_config": {"use_default_specs": False, "layer_specs": SPECS}}}
+           "tensor_parallel": {"autotp_size": tp, "partition_config": {"use_default_specs": False,
+                                                                       "layer_specs": AUTOTP_SPECS}}}
     return deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3), config=cfg)[0], model
 def step(engine, s):
     ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(s))

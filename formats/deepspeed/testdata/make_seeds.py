@@ -83,24 +83,23 @@ AUTOTP_SPECS = [{"patterns": [r".*\.o_proj\.weight$", r".*\.down_proj\.weight$"]
                  "partition_dim": 0}]
 
 
-def train_autotp(out):
-    import deepspeed
+def llama_like(hidden, ffn, vocab, layers, temperature):
+    """A LLaMA-like model whose Linears AUTOTP_SPECS splits: the seed's, and tests/python/test_deepspeed.py's
+    AutoTP runs (a larger one)."""
     import torch
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch.manual_seed(0)
 
     class Block(torch.nn.Module):
-        def __init__(self, h=16, f=24):
+        def __init__(self):
             super().__init__()
-            self.input_layernorm = torch.nn.LayerNorm(h)
-            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(h, h, bias=False) for _ in range(3))
-            self.o_proj = torch.nn.Linear(h, h)
-            self.gate_up_proj = torch.nn.Linear(h, 2 * f, bias=False)
-            self.down_proj = torch.nn.Linear(f, h)
+            self.input_layernorm = torch.nn.LayerNorm(hidden)
+            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(hidden, hidden, bias=False) for _ in range(3))
+            self.o_proj = torch.nn.Linear(hidden, hidden)
+            self.gate_up_proj = torch.nn.Linear(hidden, 2 * ffn, bias=False)
+            self.down_proj = torch.nn.Linear(ffn, hidden)
 
         def forward(self, x):
             y = self.input_layernorm(x)
-            a = torch.softmax(self.q_proj(y) @ self.k_proj(y).transpose(-1, -2) / 4.0, -1) @ self.v_proj(y)
+            a = torch.softmax(self.q_proj(y) @ self.k_proj(y).transpose(-1, -2) / temperature, -1) @ self.v_proj(y)
             x = x + self.o_proj(a)
             g, u = self.gate_up_proj(x).chunk(2, -1)
             return x + self.down_proj(torch.nn.functional.silu(g) * u)
@@ -108,10 +107,10 @@ def train_autotp(out):
     class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.embed_tokens = torch.nn.Embedding(32, 16)
-            self.layers = torch.nn.ModuleList([Block()])
-            self.norm = torch.nn.LayerNorm(16)
-            self.lm_head = torch.nn.Linear(16, 32, bias=False)
+            self.embed_tokens = torch.nn.Embedding(vocab, hidden)
+            self.layers = torch.nn.ModuleList([Block() for _ in range(layers)])
+            self.norm = torch.nn.LayerNorm(hidden)
+            self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
 
         def forward(self, ids):
             x = self.embed_tokens(ids)
@@ -119,7 +118,15 @@ def train_autotp(out):
                 x = layer(x)
             return self.lm_head(self.norm(x))
 
-    model = Model()
+    return Model()
+
+
+def train_autotp(out):
+    import deepspeed
+    import torch
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = llama_like(16, 24, 32, 1, 4.0)
     groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05},
               {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,

@@ -9,6 +9,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <deque>
 #include <fstream>
 #include <memory>
@@ -1294,6 +1295,25 @@ class TorchSaveReader final : public CheckpointReader {
       }
       if (end != numel)
         return corrupt(fmt::format("{}: the affine map's pieces cover {} of its {} elements", pw, end, numel));
+      // and each rank's pieces its shard once: no shard element read for two places
+      std::vector<size_t> by_shard(runs.size());
+      std::iota(by_shard.begin(), by_shard.end(), size_t{0});
+      std::sort(by_shard.begin(), by_shard.end(), [&](size_t a, size_t b) {
+        return std::pair(runs[a].rank, runs[a].shard) < std::pair(runs[b].rank, runs[b].shard);
+      });
+      std::vector<int64_t> read_of(tp, 0);  // each rank's shard elements read, in order
+      for (size_t k : by_shard) {
+        const Run& run = runs[k];
+        if (run.shard != read_of[run.rank])
+          return corrupt(fmt::format("{} (tensor-parallel rank {}): the affine map's pieces {} element {} of its shard",
+                                     pw, run.rank, run.shard < read_of[run.rank] ? "read twice" : "leave out",
+                                     std::min(read_of[run.rank], run.shard)));
+        read_of[run.rank] += run.count;
+      }
+      for (size_t r = 0; r < tp; ++r)
+        if (read_of[r] != *checked_numel(slices[r].params[i].shape))
+          return corrupt(fmt::format("{} (tensor-parallel rank {}): the affine map's pieces read {} of its shard's {} "
+                                     "elements", pw, r, read_of[r], *checked_numel(slices[r].params[i].shape)));
       ParamState ps;
       ps.shape = m.logical_shape;
       ps.group = static_cast<int>(p0.group);

@@ -763,7 +763,8 @@ def test_autotp_checkpoint_reads_as_ds_to_universal_and_deepspeed_resumes_its_un
 
 
 def test_autotp_damaged_maps_and_differing_replicas_are_named(tmp_path, optstate_cli):
-    """The affine maps are checked: blocks that overlap or leave a hole, a pattern that names no one
+    """The affine maps are checked: blocks that overlap or leave a hole (in the whole tensor or a
+    rank's shard), a pattern that names no one
     param, a scaled piece (DeepSpeed refuses converting its moments too), no maps at all. A replicated
     param's copy on rank 1 that differs from rank 0's is validate's finding."""
     import shutil
@@ -785,6 +786,12 @@ def test_autotp_damaged_maps_and_differing_replicas_are_named(tmp_path, optstate
         maps(sd)[r"^layers\.0\.q_proj\.weight$"]["ranks"][1]["pieces"][0]["source"][0] = 0
     err = run_err(optstate_cli, "inspect", damaged("overlap", overlap))
     assert "'layers.0.q_proj.weight': the affine map's pieces cover twice element 0" in err, err
+
+    def shard_twice(sd):  # gate_up_proj's second half read from the shard's first half again
+        maps(sd)[r"^layers\.0\.gate_up_proj\.weight$"]["ranks"][0]["pieces"][1]["dest"][0] = 0
+    err = run_err(optstate_cli, "inspect", damaged("shard_twice", shard_twice))
+    assert "'layers.0.gate_up_proj.weight' (tensor-parallel rank 0): the affine map's pieces read twice element 0 " \
+           "of its shard" in err, err
 
     def pattern(sd):
         m = maps(sd)

@@ -9,10 +9,10 @@
 #include <array>
 #include <cmath>
 #include <cstring>
-#include <numeric>
 #include <deque>
 #include <fstream>
 #include <memory>
+#include <numeric>
 #include <set>
 
 #include "dcp/bnb_state.h"
@@ -291,7 +291,7 @@ class TorchSaveReader final : public CheckpointReader {
     bool all = true;
     std::vector<std::pair<Key, const std::vector<Piece>*>> runs;
     for (const auto& [key, pieces] : stored_) runs.emplace_back(key, &pieces);
-    for (const ZeroTiedCopy& copy : zero_tied_) runs.emplace_back(Key{copy.fqn, copy.entry, Component::kValues}, &copy.pieces);
+    for (const ZeroCopy& copy : zero_copies_) runs.emplace_back(Key{copy.fqn, copy.entry, Component::kValues}, &copy.pieces);
     for (const auto& [key, pieces] : runs)
       for (const Piece& pc : *pieces) {
         const Stored& s = pc.stored;
@@ -312,12 +312,12 @@ class TorchSaveReader final : public CheckpointReader {
     return compare_tied_copies();
   }
 
-  // Elements held twice (ZeroTiedCopy: a pipeline's tied module in a later stage, a block several
+  // Elements held twice (ZeroCopy: a pipeline's tied module in a later stage, a block several
   // tensor-parallel ranks hold): each copy's runs against the elements read there, window by window.
   Status compare_tied_copies() {
     constexpr int64_t kWindow = int64_t{1} << 20;  // elements
     std::vector<std::byte> a, b;
-    for (const ZeroTiedCopy& copy : zero_tied_) {
+    for (const ZeroCopy& copy : zero_copies_) {
       OPTSTATE_ASSIGN_OR_RETURN(const std::vector<Piece>* read, find(copy.fqn, copy.entry, Component::kValues));
       for (const Piece& pc : copy.pieces)
         for (int64_t at = pc.begin; at < pc.begin + pc.count; at += kWindow) {
@@ -874,6 +874,8 @@ class TorchSaveReader final : public CheckpointReader {
   // in parts of ceil(numel / world), each rank's flat group their concatenation in order. Under
   // pipeline parallelism each stage is such a set of its own, with its own optimizer and groups:
   // read as one state, each stage's groups joined to the earlier stages' of the same settings.
+  // Under AutoTP each tensor-parallel rank is such a set, holding its shards of every param:
+  // put together where the model states' affine maps place them.
   Status init_zero(const ZeroFiles& z) {
     deepspeed_ = true;
     set_ = true;
@@ -892,7 +894,7 @@ class TorchSaveReader final : public CheckpointReader {
       for (size_t st = 0; st < slices.size(); ++st)
         OPTSTATE_RETURN_IF_ERROR(join_pipeline_stage(z, st, std::move(slices[st]), group_steps, stage_of));
       std::map<std::string, std::set<size_t>> tied;
-      for (const ZeroTiedCopy& c : zero_tied_) tied[c.fqn].insert(c.stage);
+      for (const ZeroCopy& c : zero_copies_) tied[c.fqn].insert(c.stage);
       for (const auto& [name, stages] : tied)
         value_notes_.push_back(fmt::format("'{}' is held by pipeline stages {} and {} (a tied module: DeepSpeed sums "
                                            "its gradients over the tie, so its copies are equal): stage {}'s read; "
@@ -910,7 +912,7 @@ class TorchSaveReader final : public CheckpointReader {
   // (DeepSpeed's TiedLayerSpec: the same name, stepped alike), or a tensor-parallel rank's copy
   // of a block every rank holds (AutoTP: a replicated param, stepped alike on each). `pieces` are
   // runs of the entry's elements in its order; validate compares them with what is read there.
-  struct ZeroTiedCopy {
+  struct ZeroCopy {
     std::string fqn, entry;
     size_t stage = 0;
     std::vector<Piece> pieces;
@@ -1178,7 +1180,7 @@ class TorchSaveReader final : public CheckpointReader {
             return corrupt(fmt::format("{}: '{}', which its copy in stage {} has not", pw, entry, other));
         if (earlier->second.step != sp.step)
           return corrupt(fmt::format("{}: step {}, its copy in stage {} step {}", pw, sp.step, other, earlier->second.step));
-        for (auto& [entry, pieces] : sp.entries) zero_tied_.push_back({sp.name, entry, st, std::move(pieces)});
+        for (auto& [entry, pieces] : sp.entries) zero_copies_.push_back({sp.name, entry, st, std::move(pieces)});
         continue;
       }
       OPTSTATE_ASSIGN_OR_RETURN(const size_t j, join(sp.group));
@@ -1264,7 +1266,7 @@ class TorchSaveReader final : public CheckpointReader {
           if (std::find(pc.locations.begin(), pc.locations.end(), static_cast<int64_t>(r)) == pc.locations.end())
             return corrupt(fmt::format("{}: a piece of rank {}'s map whose locations do not name it", rw, r));
           const bool copy = *std::min_element(pc.locations.begin(), pc.locations.end()) != static_cast<int64_t>(r);
-          OPTSTATE_RETURN_IF_ERROR(affine_runs(pc, m.logical_shape, numel, shard_numel, rw,
+          OPTSTATE_RETURN_IF_ERROR(affine_runs(pc, numel, shard_numel, rw,
                                                [&](int64_t whole, int64_t shard, int64_t count) -> Status {
             if (!runs.empty()) {
               Run& last = runs.back();
@@ -1349,7 +1351,7 @@ class TorchSaveReader final : public CheckpointReader {
           std::vector<Piece> copies;
           for (const Run& run : runs)
             if (run.copy && run.rank == r) OPTSTATE_RETURN_IF_ERROR(place(run, copies));
-          if (!copies.empty()) zero_tied_.push_back({p0.name, entry, r, std::move(copies)});
+          if (!copies.empty()) zero_copies_.push_back({p0.name, entry, r, std::move(copies)});
         }
         stored_[{p0.name, entry, Component::kValues}] = std::move(pieces);
         ps.entries.emplace(entry, Entry{});  // fp32 values
@@ -1367,8 +1369,8 @@ class TorchSaveReader final : public CheckpointReader {
   // in the shard, count), each checked to lie in both. A piece's rows are runs where its innermost
   // strides are 1 on both sides, else single elements.
   template <typename Emit>
-  static Status affine_runs(const AffinePiece& pc, const std::vector<int64_t>& logical, int64_t numel,
-                            int64_t shard_numel, const std::string& where, Emit&& emit) {
+  static Status affine_runs(const AffinePiece& pc, int64_t numel, int64_t shard_numel, const std::string& where,
+                            Emit&& emit) {
     const size_t n = pc.shape.size();
     int64_t total = 1;
     for (int64_t d : pc.shape) {
@@ -1390,7 +1392,6 @@ class TorchSaveReader final : public CheckpointReader {
     };
     OPTSTATE_RETURN_IF_ERROR(check_side(pc.source_offset, pc.source_strides, numel, "whole"));
     OPTSTATE_RETURN_IF_ERROR(check_side(pc.dest_offset, pc.dest_strides, shard_numel, "shard"));
-    (void)logical;
     const bool rows = n > 0 && pc.source_strides[n - 1] == 1 && pc.dest_strides[n - 1] == 1;
     const int64_t run = rows ? pc.shape[n - 1] : 1;
     const size_t outer = rows ? n - 1 : n;
@@ -2708,8 +2709,8 @@ class TorchSaveReader final : public CheckpointReader {
   std::vector<AdamWFlags> adamw_flags_;  // each group's AdamW switches, where the file keeps some
   std::optional<bool> bnb_nested_;    // bitsandbytes' state: nested in __bnb_optimizer_quant_state__ or not
   bool deepspeed_ = false; // a DeepSpeed ZeRO checkpoint: formats/deepspeed/ sniffs it
-  std::vector<ZeroTiedCopy> zero_tied_;  // a pipeline's tied modules' later copies, AutoTP's replicas
-  bool tensor_parallel_ = false;         // zero_tied_ holds tensor-parallel ranks' copies
+  std::vector<ZeroCopy> zero_copies_;  // a pipeline's tied modules' later copies, AutoTP's replicas
+  bool tensor_parallel_ = false;         // zero_copies_ holds tensor-parallel ranks' copies
   bool nanotron_ = false;  // a nanotron checkpoint's optimizer files: formats/nanotron/ sniffs them
   bool megatron_ = false;  // a Megatron-LM legacy checkpoint's rank files: formats/megatron/ sniffs them
   bool shared_verified_ = false;  // verify_shared_records covered every record the pieces read

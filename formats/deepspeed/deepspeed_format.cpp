@@ -142,9 +142,9 @@ Result<int> zero_stage(const fs::path& path) {
   const auto z = torchsave::zero_files(path);
   if (!z.ok() || !*z) return 2;  // no ZeRO files (a universal checkpoint): zero_universal_parts names why
   const auto& files = **z;
-  OPTSTATE_ASSIGN_OR_RETURN(auto opened, torchsave::open_archive(files.optim.at(0)));
+  OPTSTATE_ASSIGN_OR_RETURN(auto opened, torchsave::open_archive(files.optim().at(0)));
   OPTSTATE_ASSIGN_OR_RETURN(const torchsave::ZeroRank zr,
-                            torchsave::interpret_zero_optim(opened.second, files.optim[0].string()));
+                            torchsave::interpret_zero_optim(opened.second, files.optim()[0].string()));
   return zr.stage;
 }
 

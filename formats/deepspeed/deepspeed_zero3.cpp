@@ -91,8 +91,8 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
                                         "a ZeRO-3 checkpoint for another world size from one without tensor "
                                         "parallelism: convert it to another format", z->dir.string(),
                                         z->stages.size()));
-  const std::string ow = z->optim[0].string(), mw = z->model.string();
-  OPTSTATE_ASSIGN_OR_RETURN(auto opt, torchsave::open_archive(z->optim[0]));
+  const std::string ow = z->optim()[0].string(), mw = z->model().string();
+  OPTSTATE_ASSIGN_OR_RETURN(auto opt, torchsave::open_archive(z->optim()[0]));
   OPTSTATE_ASSIGN_OR_RETURN(const torchsave::ZeroRank zr, torchsave::interpret_zero_optim(opt.second, ow));
   if (zr.stage != 3) return internal_error(ow + ": not a ZeRO-3 checkpoint");
   if (zr.bnb)
@@ -100,7 +100,7 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
                                  "blocks of each rank's partition, which another world size cuts differently); "
                                  "optstate reads it, as fp32 moments, but does not lay it out for other ranks: "
                                  "convert it to another format");
-  OPTSTATE_ASSIGN_OR_RETURN(auto model, torchsave::open_archive(z->model));
+  OPTSTATE_ASSIGN_OR_RETURN(auto model, torchsave::open_archive(z->model()));
   OPTSTATE_ASSIGN_OR_RETURN(const torchsave::ZeroShapes shapes, torchsave::interpret_zero_model(model.second, mw));
   if (shapes.groups.size() != zr.groups.size())
     return corrupt(fmt::format("{}: {} flat params in param_shapes, {} in {}", mw, shapes.groups.size(), zr.groups.size(), ow));
@@ -123,8 +123,8 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
                               torchsave::interpret_model_dict(mp, fragments, mw + " frozen_param_fragments"));
     std::vector<torchsave::ModelDict> parts = {parts0};
     std::vector<torchsave::Archive> archives;
-    for (size_t f = 1; f < z->optim.size(); ++f) {
-      const fs::path mf = z->dir / rank_file(z->model.filename().string(), static_cast<int>(f));
+    for (size_t f = 1; f < z->optim().size(); ++f) {
+      const fs::path mf = z->dir / rank_file(z->model().filename().string(), static_cast<int>(f));
       OPTSTATE_ASSIGN_OR_RETURN(auto opened, torchsave::open_archive(mf));
       const Ref fr = opened.second.dict_get(opened.second.root(), "frozen_param_fragments");
       if (fr == pickle::kNoRef) return corrupt(mf.string() + ": no frozen_param_fragments; rank 0's file has them");
@@ -133,7 +133,7 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
       parts.push_back(std::move(md));
       archives.push_back(std::move(opened.first));
     }
-    const auto source_world = static_cast<int64_t>(z->optim.size());
+    const auto source_world = static_cast<int64_t>(z->optim().size());
     for (const torchsave::ModelTensor& t : parts0.tensors) {
       const std::string fw = fmt::format("{} frozen param '{}'", mw, t.name);
       const Ref size = frozen_shapes == pickle::kNoRef ? pickle::kNoRef : mp.dict_get(frozen_shapes, t.name);
@@ -331,7 +331,7 @@ Status write_zero3(StateSource& source, const fs::path& source_path, const fs::p
         return true;
       }));
 
-  const std::string optim_name = z->optim[0].filename().string(), model_name = z->model.filename().string();
+  const std::string optim_name = z->optim()[0].filename().string(), model_name = z->model().filename().string();
   if (model_name.find("zero_pp_rank_0_") == std::string::npos)
     return corrupt(mw + ": not a ZeRO-3 model states file name (zero_pp_rank_0_mp_rank_00_model_states.pt)");
   // The storages carried from rank 0's files (the same in every rank's), read and checked once.

@@ -54,13 +54,14 @@ struct ZeroStage {
 };
 struct ZeroFiles {
   fs::path dir;
-  std::vector<fs::path> optim;  // stage 0's (the only stage without pipeline parallelism)
-  fs::path model;
-  std::vector<ZeroStage> stages;  // every stage's, in stage order
+  std::vector<ZeroStage> stages;  // every stage's, in stage order (one without model parallelism)
   size_t layer_files = 0;         // layer_*-model_states.pt: a pipeline's module weights, per layer
   // Several model-parallel ranks and no layer files: tensor-parallel ranks (DeepSpeed's AutoTP),
   // each "stage" a rank's shards.
   bool tensor_parallel = false;
+  // Stage 0's files (the only stage's without model parallelism).
+  const std::vector<fs::path>& optim() const { return stages.front().optim; }
+  const fs::path& model() const { return stages.front().model; }
 };
 
 // The ZeRO files of the tag folder at (or named by `latest` in) `path`; nullopt where it holds none.

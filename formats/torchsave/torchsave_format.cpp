@@ -3443,8 +3443,6 @@ Result<std::optional<ZeroFiles>> zero_files(const fs::path& path) {
                                  z.dir.string(), model, zero3));
     z.stages.push_back(std::move(zs));
   }
-  z.optim = z.stages[0].optim;
-  z.model = z.stages[0].model;
   return std::optional<ZeroFiles>{std::move(z)};
 }
 
@@ -3489,7 +3487,7 @@ Result<ZeroUniversalParts> zero_universal_parts(const fs::path& path) {
     return invalid_argument(path.string() + ": already a universal checkpoint (DeepSpeed loads it on any world size)");
   OPTSTATE_ASSIGN_OR_RETURN(const auto z, zero_files(path));
   if (!z) return invalid_argument(path.string() + ": no DeepSpeed ZeRO optimizer files (zero_pp_rank_*_optim_states.pt)");
-  const fs::path& file = z->optim.at(0);
+  const fs::path& file = z->optim().at(0);
   const std::string where = file.string();
   OPTSTATE_ASSIGN_OR_RETURN(auto opened, open_archive(file));
   const pickle::Pickle& p = opened.second;
@@ -3523,15 +3521,15 @@ Result<ZeroUniversalParts> zero_universal_parts(const fs::path& path) {
   w.str("param_groups");
   OPTSTATE_RETURN_IF_ERROR(pickle::emit(w, p, groups, where + " param_groups"));
   w.setitems_from_mark();
-  ZeroUniversalParts parts{z->dir, z->model, {}, w.finish(), {}, {}, false, {}};
+  ZeroUniversalParts parts{z->dir, z->model(), {}, w.finish(), {}, {}, false, {}};
   for (const ZeroStage& st : z->stages) parts.stage_model_states.push_back(st.model);
   // A step kept as a number (DeepSpeed's CPU Adam: an int); the reader gives a never-stepped flat
   // param the number 0, but then no step.pt is written.
   parts.int_step = !zr.groups.empty() && zr.groups[0].step.number.has_value();
 
   // The module's tensors that no param group holds: ds_to_universal writes them as fp32.pt too.
-  const std::string mw = z->model.string();
-  OPTSTATE_ASSIGN_OR_RETURN(auto model, open_archive(z->model));
+  const std::string mw = z->model().string();
+  OPTSTATE_ASSIGN_OR_RETURN(auto model, open_archive(z->model()));
   OPTSTATE_ASSIGN_OR_RETURN(const ZeroShapes shapes, interpret_zero_model(model.second, mw));
   if (shapes.autotp)  // ds_to_universal writes these whole, with no cat_dim
     for (const auto& [name, m] : shapes.autotp->params) parts.affine_params.insert(name);

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -59,6 +60,11 @@ struct ZeroFiles {
   // Several model-parallel ranks and no layer files: tensor-parallel ranks (DeepSpeed's AutoTP),
   // each "stage" a rank's shards.
   bool tensor_parallel = false;
+  // DeepSpeed MoE: each MoE layer's experts' weight files (layer_L_expert_E_mp_rank_00_model_states.pt,
+  // E the expert's global number), by layer; and expp_rank_*_optim_states.pt, which hold no state
+  // under ZeRO.
+  std::map<int64_t, std::set<int64_t>> expert_files;
+  size_t expert_optim_files = 0;
   // Stage 0's files (the only stage's without model parallelism).
   const std::vector<fs::path>& optim() const { return stages.front().optim; }
   const fs::path& model() const { return stages.front().model; }

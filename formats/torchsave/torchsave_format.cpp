@@ -901,6 +901,20 @@ class TorchSaveReader final : public CheckpointReader {
                                            "validate compares the copies", name, stage_of.at(name),
                                            fmt::join(stages, ", "), stage_of.at(name)));
     }
+    if (!z.expert_files.empty()) {
+      size_t files = 0;
+      for (const auto& [l, es] : z.expert_files) files += es.size();
+      value_notes_.push_back(fmt::format("DeepSpeed MoE: {} MoE layer{} experts read under their global numbers (expert-"
+                                         "parallel rank e's local expert i is expert e*n+i, n experts a rank), each "
+                                         "from its expert-data-parallel ranks' partitions",
+                                         z.expert_files.size(), z.expert_files.size() == 1 ? "'s" : "s'"));
+      uncarried_notes_.push_back(fmt::format("layer_*_expert_*_model_states.pt ({} file{}: the experts' weights in "
+                                             "their training dtype; the optimizer's fp32 weights are read)", files,
+                                             files == 1 ? "" : "s"));
+    }
+    if (z.expert_optim_files)
+      uncarried_notes_.push_back(fmt::format("expp_rank_*_optim_states.pt ({} file{}: under ZeRO they hold no state)",
+                                             z.expert_optim_files, z.expert_optim_files == 1 ? "" : "s"));
     if (z.layer_files)  // not in a universal checkpoint either (DeepSpeed loads its weights from zero/)
       uncarried_notes_.push_back(fmt::format("layer_*-model_states.pt ({} file{}: the pipeline's module weights per "
                                              "layer, in their training dtype; the optimizer's fp32 weights are read)",
@@ -934,6 +948,95 @@ class TorchSaveReader final : public CheckpointReader {
     std::vector<ZeroSliceParam> params;
     ZeroShapes shapes;
   };
+
+  // DeepSpeed MoE's experts as its ZeRO files hold them: each MoE group ('moe', "ep_size_E") lists
+  // one expert-parallel rank's local experts, <prefix>deepspeed_moe.experts.deepspeed_experts.<i>.<rest>
+  // with i < n; every expert-parallel rank e holds its own under the same names, and DeepSpeed
+  // numbers them e*n+i (its layer_L_expert_<e*n+i> files). Each layer (prefix): its E and n (its
+  // experts may sit in several groups: one per client group, all of one E),
+  // checked against num_experts (n*E by layer) and the experts' files.
+  struct ZeroExperts {
+    struct Layer {
+      std::string prefix;
+      int64_t ep_size = 0, local_experts = 0;
+    };
+    std::vector<Layer> layers;  // by the groups' order
+    std::map<std::string, std::pair<std::string, std::pair<int64_t, std::string>>> local;  // name -> prefix, (i, rest)
+    int64_t experts = 0;                                                                     // all layers'
+  };
+  static Result<ZeroExperts> zero_experts(const ZeroFiles& z, const ZeroRank& r0, const ZeroShapes& shapes,
+                                          const std::string& mw) {
+    ZeroExperts out;
+    const bool moe = std::any_of(r0.groups.begin(), r0.groups.end(), [](const ZeroGroup& zg) { return zg.ep_size; });
+    if (!moe) {
+      if (!z.expert_files.empty() || !shapes.num_experts.empty())
+        return corrupt(fmt::format("{}: MoE layers (num_experts, layer_*_expert_* files), but no param group of experts "
+                                   "('moe', as DeepSpeed's split_params_into_different_moe_groups_for_optimizer makes "
+                                   "them), which DeepSpeed's ZeRO requires", mw));
+      return out;
+    }
+    if (shapes.autoep)
+      return corrupt(mw + ": DeepSpeed AutoEP's expert layers (ds_autoep_layers: fused experts.w1/w2/w3 split by its "
+                          "affine maps): not read; DeepSpeed MoE layers (deepspeed.moe.layer.MoE) are");
+    if (shapes.num_experts.empty())
+      return corrupt(mw + ": param groups of experts ('moe'), but no 'num_experts' list of the MoE layers");
+    constexpr std::string_view marker = "deepspeed_moe.experts.deepspeed_experts.";
+    std::map<std::string, size_t> layer_of;  // prefix -> layers
+    std::map<std::string, std::set<int64_t>> ids;
+    for (size_t g = 0; g < r0.groups.size(); ++g) {
+      if (!r0.groups[g].ep_size) continue;
+      for (const auto& [name, shape] : shapes.groups[g]) {
+        const auto m = name.find(marker);
+        const size_t digits = m == std::string::npos ? 0 : m + marker.size();
+        size_t end = digits;
+        while (end < name.size() && end - digits < 7 && name[end] >= '0' && name[end] <= '9') ++end;
+        if (m == std::string::npos || end == digits || end >= name.size() || name[end] != '.')
+          return corrupt(fmt::format("{} param group {}: '{}' in a group of experts ('moe'), but not an expert of a "
+                                     "DeepSpeed MoE layer (<layer>.{}<i>.<param>)", mw, r0.groups[g].param_group, name,
+                                     marker));
+        const std::string prefix = name.substr(0, digits);
+        const int64_t i = std::stoll(name.substr(digits, end - digits));
+        const int64_t ep = *r0.groups[g].ep_size;
+        auto [at, fresh] = layer_of.emplace(prefix, out.layers.size());
+        if (fresh) out.layers.push_back({prefix, ep, 0});
+        if (out.layers[at->second].ep_size != ep)
+          return corrupt(fmt::format("{}: MoE layer '{}' has experts in groups of expert-parallel sizes {} and {}", mw,
+                                     prefix, out.layers[at->second].ep_size, ep));
+        ids[prefix].insert(i);
+        out.local[name] = {prefix, {i, name.substr(end)}};
+      }
+    }
+    std::vector<int64_t> held, want = shapes.num_experts;
+    for (ZeroExperts::Layer& layer : out.layers) {
+      const auto& local = ids[layer.prefix];
+      layer.local_experts = static_cast<int64_t>(local.size());
+      if (*local.rbegin() != layer.local_experts - 1)
+        return corrupt(fmt::format("{}: MoE layer '{}' lists local experts {}, not 0 to {}", mw, layer.prefix,
+                                   fmt::join(local, ", "), layer.local_experts - 1));
+      held.push_back(layer.local_experts * layer.ep_size);
+    }
+    std::sort(held.begin(), held.end());
+    std::sort(want.begin(), want.end());
+    if (held != want)
+      return corrupt(fmt::format("{}: num_experts [{}] by MoE layer, but the groups of experts hold layers of [{}] "
+                                 "experts (local experts times expert-parallel size)", mw,
+                                 fmt::join(shapes.num_experts, ", "), fmt::join(held, ", ")));
+    // Every layer's expert files, and no others: a checkpoint DeepSpeed would resume from.
+    for (size_t l = 0; l < shapes.num_experts.size(); ++l) {
+      const auto files = z.expert_files.find(static_cast<int64_t>(l));
+      for (int64_t e = 0; e < shapes.num_experts[l]; ++e)
+        if (files == z.expert_files.end() || !files->second.count(e))
+          return corrupt(fmt::format("{}: no layer_{}_expert_{}_mp_rank_00_model_states.pt (MoE layer {} of {} "
+                                     "experts, num_experts in {})", z.dir.string(), l, e, l, shapes.num_experts[l], mw));
+      out.experts += shapes.num_experts[l];
+    }
+    for (const auto& [l, es] : z.expert_files)
+      if (l < 0 || static_cast<size_t>(l) >= shapes.num_experts.size() || *es.rbegin() >= shapes.num_experts[l])
+        return corrupt(fmt::format("{}: layer_{}_expert_{}_mp_rank_00_model_states.pt, past the {} MoE layers' experts "
+                                   "num_experts [{}] in {} lists", z.dir.string(), l, *es.rbegin(),
+                                   shapes.num_experts.size(), fmt::join(shapes.num_experts, ", "), mw));
+    return out;
+  }
 
   Result<ZeroSlice> read_zero_slice(const ZeroFiles& z, size_t st) {
     const ZeroStage& zs = z.stages[st];
@@ -969,7 +1072,8 @@ class TorchSaveReader final : public CheckpointReader {
         for (const auto& [n, t] : r0.groups[g].moments) b.insert(n);
         Hyperparameters x = zr.groups[g].group.hyper, y = r0.groups[g].group.hyper;
         x.lr = y.lr = 0;  // compared below, as read
-        if (a != b || !(x == y) || zr.groups[g].param_group != r0.groups[g].param_group)
+        if (a != b || !(x == y) || zr.groups[g].param_group != r0.groups[g].param_group ||
+            zr.groups[g].ep_size != r0.groups[g].ep_size)
           return corrupt(fmt::format("{} flat param {}: group, moments or hyperparameters other than rank 0's file's", wf, g));
       }
     }
@@ -995,6 +1099,7 @@ class TorchSaveReader final : public CheckpointReader {
     std::vector<double> decay(r0.param_groups);
     for (const ZeroGroup& zg : r0.groups) decay[zg.param_group] = zg.group.hyper.weight_decay;
     OPTSTATE_RETURN_IF_ERROR(check_zero_decay(shapes, decay, mw));
+    OPTSTATE_ASSIGN_OR_RETURN(const ZeroExperts experts, zero_experts(z, r0, shapes, mw));
     for (const auto& lines : {shapes.not_read, r0.not_read})
       for (const std::string& n : lines)
         if (std::find(not_read_.begin(), not_read_.end(), n) == not_read_.end()) not_read_.push_back(n);
@@ -1028,10 +1133,39 @@ class TorchSaveReader final : public CheckpointReader {
       }
       out.hyper[pg].lr = lr_of[pg];
       // Every rank's runs of each param: (rank, first element in the rank's partition, count).
-      const auto& params = shapes.groups[g];
+      // An MoE group's params are each expert-parallel rank's own experts, named as its local ones:
+      // read per expert-parallel rank from its expert-data-parallel ranks, under global names.
+      const auto& local_params = shapes.groups[g];
+      const std::optional<int64_t> ep = r0.groups[g].ep_size;
+      std::vector<std::pair<std::string, std::vector<int64_t>>> params;  // as read: global names
+      std::vector<std::pair<std::vector<size_t>, std::map<std::string, std::string>>> shares;  // holders, local -> read
+      if (!ep) {
+        params = local_params;
+        std::vector<size_t> all(world);
+        std::iota(all.begin(), all.end(), size_t{0});
+        std::map<std::string, std::string> same;
+        for (const auto& [name, shape] : local_params) same[name] = name;
+        shares.emplace_back(std::move(all), std::move(same));
+      } else {
+        const auto e_size = static_cast<size_t>(*ep), edp = world / e_size;
+        for (size_t e = 0; e < e_size; ++e) {
+          std::vector<size_t> holders;
+          for (size_t k = 0; k < edp; ++k) holders.push_back(shapes.data_before_expert ? e * edp + k : e + k * e_size);
+          shares.emplace_back(std::move(holders), std::map<std::string, std::string>{});
+        }
+        // Layer by layer (in the group's order), each expert-parallel rank's experts in turn.
+        for (const ZeroExperts::Layer& layer : experts.layers)
+          for (size_t e = 0; e < e_size; ++e)
+            for (const auto& [name, shape] : local_params) {
+              const auto at = experts.local.find(name);
+              if (at == experts.local.end() || at->second.first != layer.prefix) continue;
+              const std::string global = layer.prefix + std::to_string(static_cast<int64_t>(e) * layer.local_experts +
+                                                                       at->second.second.first) + at->second.second.second;
+              shares[e].second[name] = global;
+              params.emplace_back(global, shape);
+            }
+      }
       std::map<std::string, std::vector<std::tuple<size_t, int64_t, int64_t>>> runs;
-      std::set<std::string> names;
-      for (const auto& [name, shape] : params) names.insert(name);
       std::vector<int64_t> partition(world);
       for (size_t f = 0; f < world; ++f) partition[f] = ranks[f].groups[g].master.shape[0];
       if (stage3) {
@@ -1051,20 +1185,22 @@ class TorchSaveReader final : public CheckpointReader {
           offset += part;
         }
       } else {
-        for (size_t f = 0; f < world; ++f) {
-          std::vector<ZeroFragment> frags = ranks[f].groups[g].fragments;
-          std::sort(frags.begin(), frags.end(), [](const auto& a, const auto& b) { return a.start < b.start; });
-          int64_t end = 0;
-          for (const ZeroFragment& fr : frags) {
-            const std::string fw = fmt::format("{} param group {} '{}'", zs.optim[f].string(), g, fr.name);
-            if (!names.count(fr.name)) return corrupt(fw + ": mapped, but the model states' param_shapes do not list it");
-            if (fr.start < end || fr.numel > partition[f] - fr.start)
-              return corrupt(fmt::format("{}: run [{}, {}) overlaps another or leaves the partition of {}", fw, fr.start,
-                                         fr.start + fr.numel, partition[f]));
-            end = fr.start + fr.numel;
-            if (fr.numel > 0) runs[fr.name].emplace_back(f, fr.start, fr.numel);
+        for (const auto& [holders, named] : shares)
+          for (const size_t f : holders) {
+            std::vector<ZeroFragment> frags = ranks[f].groups[g].fragments;
+            std::sort(frags.begin(), frags.end(), [](const auto& a, const auto& b) { return a.start < b.start; });
+            int64_t end = 0;
+            for (const ZeroFragment& fr : frags) {
+              const std::string fw = fmt::format("{} param group {} '{}'", zs.optim[f].string(), g, fr.name);
+              const auto read_as = named.find(fr.name);
+              if (read_as == named.end()) return corrupt(fw + ": mapped, but the model states' param_shapes do not list it");
+              if (fr.start < end || fr.numel > partition[f] - fr.start)
+                return corrupt(fmt::format("{}: run [{}, {}) overlaps another or leaves the partition of {}", fw,
+                                           fr.start, fr.start + fr.numel, partition[f]));
+              end = fr.start + fr.numel;
+              if (fr.numel > 0) runs[read_as->second].emplace_back(f, fr.start, fr.numel);
+            }
           }
-        }
       }
       // bitsandbytes' 8-bit moments of this flat param (codes whose blocks count from each rank's
       // partition start): each rank's scales and map, found once for all its params.
@@ -3366,6 +3502,26 @@ std::optional<int64_t> zero_layer_name(const std::string& name) {
   return std::stoll(body.substr(m + mid.size()));
 }
 
+// "layer_L_expert_E_mp_rank_MM_model_states.pt" (DeepSpeed MoE: one expert's weights, its global
+// number E in MoE layer L): {L, E, MM}; else nullopt.
+std::optional<std::array<int64_t, 3>> zero_expert_name(const std::string& name) {
+  constexpr std::string_view head = "layer_", mid = "_expert_", mp = "_mp_rank_", tail = "_model_states.pt";
+  if (name.rfind(head, 0) != 0 || !name.ends_with(tail)) return std::nullopt;
+  const std::string_view body = std::string_view(name).substr(head.size(), name.size() - head.size() - tail.size());
+  const auto a = body.find(mid), b = body.find(mp);
+  if (a == std::string_view::npos || b == std::string_view::npos || b < a + mid.size()) return std::nullopt;
+  const std::string_view parts[] = {body.substr(0, a), body.substr(a + mid.size(), b - a - mid.size()),
+                                    body.substr(b + mp.size())};
+  std::array<int64_t, 3> out{};
+  for (size_t i = 0; i < 3; ++i) {
+    if (parts[i].empty() || parts[i].size() > 7 ||
+        !std::all_of(parts[i].begin(), parts[i].end(), [](char c) { return c >= '0' && c <= '9'; }))
+      return std::nullopt;
+    out[i] = std::stoll(std::string(parts[i]));
+  }
+  return out;
+}
+
 }  // namespace
 
 // The ZeRO files of the tag folder at (or named by `latest` in) `path`; nullopt where it holds none.
@@ -3377,14 +3533,18 @@ Result<std::optional<ZeroFiles>> zero_files(const fs::path& path) {
   std::map<int64_t, std::map<int64_t, fs::path>> files;  // mp rank -> dp rank -> file
   std::set<bool> kinds;
   std::set<int64_t> layer_tp;  // the tensor-parallel ranks layer files name (-1: none)
-  std::string moe;             // a file of DeepSpeed's MoE (expert parallelism)
+  std::string expert_mp;       // an expert file of a model-parallel rank other than 0
   size_t seen = 0;
   for (fs::directory_iterator it(z.dir, ec), end; !ec && it != end; it.increment(ec)) {
     if (++seen > (size_t{1} << 20)) return corrupt(z.dir.string() + ": more than 2^20 entries");
     const std::string name = it->path().filename().string();
-    if ((name.rfind("expp_rank_", 0) == 0 && name.ends_with("_optim_states.pt")) ||
-        (name.rfind("layer_", 0) == 0 && name.find("_expert_") != std::string::npos && name.ends_with("_model_states.pt")))
-      moe = name;
+    if (name.rfind("expp_rank_", 0) == 0 && name.ends_with("_optim_states.pt")) ++z.expert_optim_files;
+    if (const auto e = zero_expert_name(name)) {
+      if ((*e)[2] != 0) expert_mp = name;
+      if (!z.expert_files[(*e)[0]].insert((*e)[1]).second)
+        return corrupt(fmt::format("{}: two files of MoE layer {}'s expert {}", z.dir.string(), (*e)[0], (*e)[1]));
+      continue;
+    }
     if (const auto tp = zero_layer_name(name)) {
       layer_tp.insert(*tp);
       ++z.layer_files;
@@ -3397,11 +3557,14 @@ Result<std::optional<ZeroFiles>> zero_files(const fs::path& path) {
       return corrupt(fmt::format("{}: two optimizer files of rank {} (mp_rank_{:02d})", z.dir.string(), rank, mprank));
   }
   if (ec) return io_error(fmt::format("{}: {}", z.dir.string(), ec.message()));
-  // Experts' files (layer_L_expert_E_mp_rank_MM_model_states.pt, expp_rank_R_..._optim_states.pt):
-  // each expert-parallel rank's experts under names its own, which no file here places.
-  if (!moe.empty())
-    return corrupt(fmt::format("{}: {}: DeepSpeed's mixture-of-experts checkpoints (expert parallelism) are not read",
-                               z.dir.string(), moe));
+  if (files.empty() && (!z.expert_files.empty() || z.expert_optim_files))
+    return corrupt(z.dir.string() + ": DeepSpeed MoE experts' files (layer_*_expert_*, expp_rank_*) without ZeRO "
+                                    "partitions (stage 0: the optimizer's state sits in expp_rank_*_optim_states.pt): "
+                                    "not read");
+  if (!expert_mp.empty() || (!z.expert_files.empty() && !files.empty() && files.rbegin()->first > 0))
+    return corrupt(fmt::format("{}: {}: DeepSpeed MoE beside model parallelism (a pipeline's stages or tensor-parallel "
+                               "ranks, whose experts split other ways): not read", z.dir.string(),
+                               expert_mp.empty() ? "experts' files beside mp_rank_01 files" : expert_mp));
   if (files.empty()) {
     if (fs::is_regular_file(z.dir / "mp_rank_00_model_states.pt", ec))
       return corrupt(z.dir.string() + ": a DeepSpeed checkpoint without ZeRO partitions (stage 0: the optimizer's "
@@ -3495,6 +3658,11 @@ Result<ZeroUniversalParts> zero_universal_parts(const fs::path& path) {
   OPTSTATE_ASSIGN_OR_RETURN(const ZeroRank zr, interpret_zero_optim(p, where));
   if (zr.stage == 3)
     return invalid_argument(where + ": a ZeRO-3 checkpoint; optstate writes universal checkpoints of ZeRO-1/2 ones");
+  // DeepSpeed MoE layers take their experts from layer_*_expert_* files, which a universal
+  // checkpoint has none of (ds_to_universal converts AutoEP's experts only).
+  if (!z->expert_files.empty())
+    return invalid_argument(z->dir.string() + ": DeepSpeed MoE layers' experts, which DeepSpeed does not load from a "
+                                              "universal checkpoint; optstate reads them: convert to another format");
   // bitsandbytes' optimizer wrapped by ZeRO: a universal checkpoint would hold fp32 moments, which
   // it does not load (ds_to_universal does not convert its state either).
   if (zr.bnb)

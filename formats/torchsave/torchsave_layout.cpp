@@ -1552,6 +1552,7 @@ Result<ZeroRank> interpret_zero_optim(const Pickle& p, const std::string& where)
   const Ref osd = p.dict_get(p.root(), "optimizer_state_dict");
   if (!dict_items(p, osd)) return corrupt(where + ": no 'optimizer_state_dict' dict (not a DeepSpeed ZeRO optimizer file)");
   ZeroRank out;
+  std::vector<int64_t> group_counts;  // stages 1 and 2: partition_count by param group
   const auto stage = int_or_enum(p, p.dict_get(osd, "zero_stage"));
   Ref base = kNoRef, masters = kNoRef;
   if (stage && *stage == 3) {
@@ -1569,10 +1570,11 @@ Result<ZeroRank> interpret_zero_optim(const Pickle& p, const std::string& where)
     if (!counts || counts->empty()) return corrupt(where + ": 'partition_count' is not a list");
     for (Ref c : *counts) {
       const auto n = int_or_enum(p, c);
-      if (!n || (out.partitions && *n != out.partitions))
-        return corrupt(where + ": 'partition_count' differs between param groups (not one data-parallel world)");
-      out.partitions = *n;
+      if (!n || *n < 1 || *n > (int64_t{1} << 20))
+        return corrupt(where + ": a 'partition_count' that is not a world size");
+      group_counts.push_back(*n);
     }
+    out.partitions = group_counts[0];  // the dense groups', checked with the groups below
   } else {
     return corrupt(fmt::format("{}: ZeRO stage {}", where, *stage));
   }
@@ -1589,6 +1591,47 @@ Result<ZeroRank> interpret_zero_optim(const Pickle& p, const std::string& where)
   if (!groups || groups->empty() || !flat || flat->size() < groups->size())
     return corrupt(where + ": param groups and fp32 partitions do not pair up");
   out.param_groups = groups->size();
+  if (out.stage != 3 && group_counts.size() != groups->size())
+    return corrupt(fmt::format("{}: 'partition_count' lists {} param groups, the optimizer {}", where,
+                               group_counts.size(), groups->size()));
+  // MoE groups (DeepSpeed's split_params_into_different_moe_groups_for_optimizer: 'moe' true, named
+  // "ep_size_E") are split over the expert-data-parallel group, W/E ranks; dense groups over all W.
+  std::vector<std::optional<int64_t>> group_ep(groups->size());
+  for (size_t g = 0; g < groups->size(); ++g) {
+    const Ref moe = p.dict_get((*groups)[g], "moe");
+    if (moe == kNoRef || !dcp::as_bool(p, moe).value_or(false)) continue;
+    const std::string gw = fmt::format("{} param group {}", where, g);
+    if (out.stage == 3)
+      return corrupt(gw + ": a mixture of experts' group ('moe') under ZeRO stage 3, which DeepSpeed's MoE does not "
+                          "run on");
+    const auto name = dcp::as_string(p, p.dict_get((*groups)[g], "name"));
+    constexpr std::string_view head = "ep_size_";
+    int64_t ep = 0;
+    if (name && name->rfind(head, 0) == 0 && name->size() > head.size() && name->size() <= head.size() + 7 &&
+        std::all_of(name->begin() + head.size(), name->end(), [](char c) { return c >= '0' && c <= '9'; }))
+      ep = std::stoll(name->substr(head.size()));
+    if (ep < 1)
+      return corrupt(fmt::format("{}: a mixture of experts' group ('moe') named {}, not ep_size_<expert-parallel "
+                                 "size>", gw, name ? "'" + *name + "'" : "nothing"));
+    group_ep[g] = ep;
+  }
+  if (out.stage != 3) {
+    std::optional<int64_t> world;  // the dense groups' count; else an MoE group's count times its size
+    for (size_t g = 0; g < groups->size(); ++g)
+      if (!group_ep[g]) world = group_counts[g];
+    if (!world) world = group_counts[0] * *group_ep[0];
+    for (size_t g = 0; g < groups->size(); ++g) {
+      const int64_t want = group_ep[g] ? *world / *group_ep[g] : *world;
+      if (group_counts[g] != want || (group_ep[g] && *world % *group_ep[g] != 0))
+        return corrupt(group_ep[g]
+                           ? fmt::format("{} param group {}: partition_count {} for experts of expert-parallel size {} "
+                                         "(ep_size_{}) in a world of {} ranks (expected {})", where, g, group_counts[g],
+                                         *group_ep[g], *group_ep[g], *world, want)
+                           : fmt::format("{}: 'partition_count' differs between param groups (not one data-parallel "
+                                         "world): {} and {}", where, group_counts[g], *world));
+    }
+    out.partitions = *world;
+  }
   const Ref state = p.dict_get(base, "state");
   const auto* sitems = dict_items(p, state);
   if (!sitems) return corrupt(where + ": 'state' is not a dict");
@@ -1618,6 +1661,8 @@ Result<ZeroRank> interpret_zero_optim(const Pickle& p, const std::string& where)
       ZeroGroup zg;
       zg.param_group = g;
       zg.group = spec;
+      zg.ep_size = group_ep[g];
+      zg.partitions = out.stage == 3 ? out.partitions : group_counts[g];
       const auto id = static_cast<int64_t>(fi);
       Ref st = kNoRef;
       for (size_t k = 0; k + 1 < sitems->size(); k += 2)
@@ -1901,7 +1946,24 @@ Result<ZeroShapes> interpret_zero_model(const Pickle& p, const std::string& wher
     OPTSTATE_ASSIGN_OR_RETURN(out.pp_degree, count(p.dict_get(dims, "pp_degree"), "pp_degree"));
     OPTSTATE_ASSIGN_OR_RETURN(out.tp_degree, count(p.dict_get(dims, "tp_degree"), "tp_degree"));
   }
+  // DeepSpeed MoE: 'num_experts' lists each MoE layer's experts (saved by MoE models only).
+  if (const Ref ne = p.dict_get(p.root(), "num_experts"); ne != kNoRef && p.at(ne).kind != Kind::kNone) {
+    if (p.at(ne).kind == Kind::kInt)  // DeepSpeed's first MoE checkpoints: expert_<E>_mp_rank_* files, no layers
+      return corrupt(where + ": 'num_experts' is one number: an MoE checkpoint of DeepSpeed before its per-layer "
+                             "expert files (layer_<L>_expert_<E>_*), which is not read");
+    const auto* items = list_items(p, ne);
+    if (!items || items->size() > 4096) return corrupt(where + ": 'num_experts' is not a list of expert counts");
+    for (const Ref r : *items) {
+      if (p.at(r).kind != Kind::kInt || p.at(r).i < 1 || p.at(r).i > (int64_t{1} << 20))
+        return corrupt(where + ": 'num_experts' is not a list of expert counts");
+      out.num_experts.push_back(p.at(r).i);
+    }
+  }
+  if (const Ref ae = p.dict_get(p.root(), "ds_autoep_layers"); ae != kNoRef && p.at(ae).kind != Kind::kNone)
+    out.autoep = true;
   const Ref config = p.dict_get(p.root(), "ds_config");
+  if (dict_items(p, config))
+    out.data_before_expert = dcp::as_bool(p, p.dict_get(config, "use_data_before_expert_parallelism")).value_or(false);
   const Ref opt = dict_items(p, config) ? p.dict_get(config, "optimizer") : kNoRef;
   if (dict_items(p, opt)) {
     const auto type = dcp::as_string(p, p.dict_get(opt, "type"));

@@ -304,10 +304,15 @@ struct ZeroGroup {
   std::map<std::string, ZeroQuant> quant;         // moments kept as bitsandbytes' 8-bit codes (uint8)
   dcp::TensorRef master;                          // the fp32 weights' partition, 1-D
   std::vector<ZeroFragment> fragments;            // stages 1 and 2: param_slice_mappings, this rank's runs
+  // A mixture of experts' group (DeepSpeed MoE: 'moe' true, named "ep_size_E"): its params are the
+  // experts local to this rank's expert-parallel rank, split over its expert-data-parallel group
+  // (partition_count: the world over E). nullopt: a dense group, split over the whole world.
+  std::optional<int64_t> ep_size;
+  int64_t partitions = 0;  // this group's partition_count
 };
 struct ZeroRank {
   int stage = 0;            // 1 or 2 (one layout), 3
-  int64_t partitions = 0;   // partition_count: the data-parallel world size
+  int64_t partitions = 0;   // partition_count: the data-parallel world size (the dense groups')
   size_t param_groups = 0;
   std::vector<ZeroGroup> groups;  // the flat params, in order (param_shapes lists one dict each)
   std::vector<std::string> not_read;
@@ -360,6 +365,13 @@ struct ZeroShapes {
   // holds a universal_checkpoint_info at all (Megatron-DeepSpeed's patterns without maps, too).
   std::optional<AutoTpMaps> autotp;
   bool uc_info = false;
+  // DeepSpeed MoE: each MoE layer's expert count, in module order ('num_experts'; [] without MoE),
+  // whether AutoEP's layers are recorded (ds_autoep_layers), and how expert parallelism laid out
+  // the ranks (ds_config's use_data_before_expert_parallelism: an expert-parallel group is ranks
+  // W/E apart, not consecutive).
+  std::vector<int64_t> num_experts;
+  bool autoep = false;
+  bool data_before_expert = false;
 };
 // The model states' ds_config names the optimizer DeepSpeed built (none: the client's own, whose
 // param groups tell); any but Adam or AdamW is refused, naming it.

@@ -835,39 +835,132 @@ def test_autotp_under_zero3_reads_as_ds_to_universal(tmp_path, optstate_cli):
     assert "a ZeRO-3 checkpoint of 2 tensor-parallel ranks (AutoTP)" in err and not (tmp_path / "w4").exists(), err
 
 
+# DeepSpeed's MoE layers (deepspeed.moe.layer.MoE) under expert parallelism on 4 ranks: one of 4
+# two-layer experts over ep_size 2 (2 experts a rank, each split over 2 expert-data-parallel ranks),
+# one of 8 linear experts over ep_size 4 (2 a rank, 1 expert-data-parallel rank), ZeRO-1/2, the
+# param groups split as DeepSpeed requires (split_params_into_different_moe_groups_for_optimizer).
+# "de": use_data_before_expert_parallelism (expert-parallel groups of ranks 2 apart, not consecutive).
+# After the save each rank dumps what DeepSpeed holds of its params (safe_get_full_fp32_param /
+# safe_get_full_optimizer_state), experts under their global numbers.
 MOE_TRAIN = """
-import sys, torch, deepspeed
+import sys, re, torch, deepspeed
 from deepspeed.moe.layer import MoE
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-out = sys.argv[1]
+from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state
+out, stage, half, layout = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 deepspeed.init_distributed(dist_backend="gloo")
 torch.manual_seed(0)
 class Model(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.inp = torch.nn.Linear(16, 16)
-        self.moe = MoE(hidden_size=16, expert=torch.nn.Linear(16, 16), num_experts=4, ep_size=2, k=1)
-        self.out = torch.nn.Linear(16, 3)
+        self.inp = torch.nn.Linear(16, 24)
+        expert = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 24))
+        self.moe1 = MoE(hidden_size=24, expert=expert, num_experts=4, ep_size=2, k=1)
+        self.moe2 = MoE(hidden_size=24, expert=torch.nn.Linear(24, 24), num_experts=8, ep_size=4, k=2)
+        self.out = torch.nn.Linear(24, 3)
     def forward(self, x):
-        return self.out(self.moe(self.inp(x))[0])
+        return self.out(self.moe2(self.moe1(self.inp(x))[0])[0])
 model = Model()
-groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
-engine = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3),
-                              config={"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}})[0]
-for s in range(2):
-    engine.backward(engine(torch.randn(4, 16, generator=torch.Generator().manual_seed(s))).square().sum())
+groups_ = split_params_into_different_moe_groups_for_optimizer(
+    [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05, "name": "w"},
+     {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "lr": 2e-3, "name": "b"}])
+cfg = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": stage}, "bf16": {"enabled": half == "bf16"},
+       "use_data_before_expert_parallelism": layout == "de"}
+engine = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups_, lr=1e-3), config=cfg)[0]
+dtype = torch.bfloat16 if half == "bf16" else torch.float32
+for s in range(3):
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * s + torch.distributed.get_rank()))
+    engine.backward(engine(x.to(dtype)).float().square().sum())
     engine.step()
 engine.save_checkpoint(out)
+local = {n: m.num_local_experts for n, m in model.named_modules() if isinstance(m, MoE)}
+# DeepSpeed links its params to their optimizer state after the first group's first step only (it
+# steps group by group), so the later groups' state is not found by safe_get_full_optimizer_state
+# until linked again.
+engine.optimizer._hp_optimizer_states_linked = False
+engine.optimizer._lazy_init_hp_params_optimizer_state()
+ref = {}
+for n, p in model.named_parameters():
+    m = re.match(r"(.*)\\.deepspeed_moe\\.experts\\.deepspeed_experts\\.(\\d+)(\\..*)", n)
+    if m:
+        e = groups._get_expert_parallel_rank(p.group_name)
+        n = f"{m[1]}.deepspeed_moe.experts.deepspeed_experts.{e * local[m[1]] + int(m[2])}{m[3]}"
+    ref[n] = {"param": safe_get_full_fp32_param(p).clone()}
+    for k in ("exp_avg", "exp_avg_sq"):
+        ref[n][k] = safe_get_full_optimizer_state(p, k).clone()
+torch.save(ref, f"{out}.ref{torch.distributed.get_rank()}.pt")
 torch.distributed.barrier()
 """
 
 
-def test_mixture_of_experts_checkpoint_is_refused_by_name(tmp_path, optstate_cli):
-    """DeepSpeed's MoE layer under expert parallelism (4 experts over 2 ranks, ZeRO-1): the experts'
-    weights go to layer_L_expert_E_*_model_states.pt, each rank's ZeRO partitions hold its own experts
-    under the same local names. Not read: refused naming an expert file, not read as something else."""
-    ck = tmp_path / "moe"
-    run_script(tmp_path, MOE_TRAIN, "moe_train.py", ck, ranks=2)
-    assert len(list((ck / "global_step2").glob("layer_0_expert_*_mp_rank_00_model_states.pt"))) == 4
-    err = run_err(optstate_cli, "inspect", ck)
-    assert "_model_states.pt: DeepSpeed's mixture-of-experts checkpoints (expert parallelism) are not read" in err, err
+def moe_run(tmp_path, stage, half, layout):
+    ck = tmp_path / f"moe_zero{stage}_{half}_{layout}"
+    run_script(tmp_path, MOE_TRAIN, "moe_train.py", ck, stage, half, layout, ranks=4)
+    ref = {}
+    for r in range(4):  # each rank's: the dense params and its experts (an expert's copies agree)
+        for n, entries in torch.load(f"{ck}.ref{r}.pt").items():
+            if n in ref:
+                assert all(torch.equal(ref[n][k], entries[k]) for k in entries), (n, r)
+            ref[n] = entries
+    return ck, ref
+
+
+@pytest.mark.parametrize("stage,half,layout", [(1, "fp32", "ed"), (2, "bf16", "de")])
+def test_mixture_of_experts_checkpoint_reads_as_deepspeed_holds_it(tmp_path, optstate_cli, stage, half, layout):
+    """DeepSpeed MoE (which its zero_to_fp32 and ds_to_universal do not convert): every expert-
+    parallel rank's ZeRO partitions hold its own experts under local names (deepspeed_experts.0, .1);
+    optstate reads each from its expert-data-parallel ranks under the global number DeepSpeed gives
+    its layer_L_expert_E files, and the state is, bit for bit, what DeepSpeed's engine held of every
+    param (fp32 weights, exp_avg, exp_avg_sq) when it saved."""
+    ck, ref = moe_run(tmp_path, stage, half, layout)
+    assert len(ref) == 4 + 4 * 4 + 8 * 2 + 2  # inp, out; 4 experts of 2 Linears; 8 Linears; 2 gates
+    done = optstate_cli("convert", ck, tmp_path / "plain.pt")
+    assert "layer_*_expert_*_model_states.pt (12 files" in done.stderr, done.stderr
+    assert "DeepSpeed MoE: 2 MoE layers' experts read under their global numbers" in done.stderr, done.stderr
+    sd = torch.load(tmp_path / "plain.pt")
+    groups = sd["optimizer"]["param_groups"]
+    names = [n for g in groups for n in g["param_names"]]
+    assert sorted(names) == sorted(ref)
+    for g in groups:  # each of the client's groups and its MoE twin ("w", "ep_size_2_w", ...)
+        assert g["weight_decay"] == (0.05 if g["param_names"][0].endswith("weight") else 0.0)
+    for i, n in enumerate(names):
+        st = sd["optimizer"]["state"][i]
+        assert st["step"].item() == 3
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[k], ref[n][k].view_as(st[k])), (n, k)
+        assert torch.equal(sd["model"][n], ref[n]["param"].view_as(sd["model"][n])), n
+    assert "every chunk checksum verified" in optstate_cli("validate", ck).stdout
+    err = run_err(optstate_cli, "convert", ck, tmp_path / "u", "--format", "deepspeed")
+    assert "DeepSpeed MoE layers' experts, which DeepSpeed does not load from a universal" in err
+    assert not (tmp_path / "u").exists()
+
+
+def test_mixture_of_experts_files_missing_or_miscounted_are_named(tmp_path, optstate_cli):
+    """An expert's weight file missing, num_experts that the groups' experts do not add up to, an
+    expert group whose partition_count is not the world over its expert-parallel size: each named."""
+    import shutil
+    ck, _ = moe_run(tmp_path, 1, "fp32", "ed")
+    tag = ck / "global_step3"
+
+    def damaged(name, edit):
+        bad = tmp_path / name
+        shutil.copytree(tag, bad)
+        edit(bad)
+        return run_err(optstate_cli, "inspect", bad)
+
+    def edit_file(file, change):
+        def edit(bad):
+            sd = torch.load(bad / file, weights_only=False)
+            change(sd)
+            torch.save(sd, bad / file)
+        return edit
+
+    err = damaged("gone", lambda bad: (bad / "layer_1_expert_5_mp_rank_00_model_states.pt").unlink())
+    assert "no layer_1_expert_5_mp_rank_00_model_states.pt (MoE layer 1 of 8 experts" in err, err
+    err = damaged("count", edit_file("mp_rank_00_model_states.pt", lambda sd: sd.update(num_experts=[4, 16])))
+    assert "num_experts [4, 16] by MoE layer, but the groups of experts hold layers of [4, 8]" in err, err
+
+    def partitions(sd):
+        sd["optimizer_state_dict"]["partition_count"][3] = 4  # groups w, b, ep_size_4, ep_size_2, ...
+    err = damaged("parts", edit_file("zero_pp_rank_2_mp_rank_00_optim_states.pt", partitions))
+    assert "partition_count 4 for experts of expert-parallel size 2 (ep_size_2) in a world of 4 ranks (expected 2)" in err, err

@@ -21,9 +21,12 @@
 // Built over AutoTP's tensor-parallel checkpoint (testdata/autotp2_zero1_world2/: 2 ranks): the input
 // is rank 0's model states file (fuzz.deepspeed_autotp: the affine maps that place every rank's
 // shards, the replicated blocks validate compares).
+// Built over DeepSpeed MoE's checkpoint (testdata/moe_zero1_world4/: 4 experts over ep_size 2 on 4
+// ranks): the input is rank 1's optimizer file (fuzz.deepspeed_moe: the groups' partition counts and
+// expert-parallel sizes, the placement of each expert-parallel rank's experts under global numbers).
 // CTest: fuzz.deepspeed_zero2, fuzz.deepspeed_zero3, fuzz.deepspeed_universal,
 // fuzz.deepspeed_zero3_write, fuzz.deepspeed_bnb_zero2, fuzz.deepspeed_pipe, fuzz.deepspeed_pipe_model,
-// fuzz.deepspeed_autotp
+// fuzz.deepspeed_autotp, fuzz.deepspeed_moe
 // (bounded mutation runs); with OPTSTATE_LIBFUZZER, coverage-guided.
 #include <cstdint>
 

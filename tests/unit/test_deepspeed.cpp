@@ -534,6 +534,87 @@ TEST_CASE("deepspeed: AutoTP's tensor-parallel ranks put together where the affi
   CHECK(hash_checkpoint(*open_seed(dir.path / "uni"))->root == hash_checkpoint(*r)->root);
 }
 
+TEST_CASE("deepspeed: MoE experts read from their expert-data-parallel ranks under their global numbers") {
+  // moe_zero1_world4: 4 experts over ep_size 2 on 4 ranks; expert-parallel rank e is ranks e and e+2
+  // (their partitions of its experts, in order), its local experts 0 and 1 are experts 2e and 2e+1.
+  auto r = open_seed(kSeeds / "moe_zero1_world4");
+  const OptimizerState& m = r->meta();
+  REQUIRE(m.groups.size() == 4);  // weights, biases, and each one's experts (ep_size_2)
+  const std::string ex = "moe.deepspeed_moe.experts.deepspeed_experts.";
+  CHECK(m.groups[0].params == std::vector<std::string>{"inp.weight", "moe.deepspeed_moe.gate.wg.weight", "out.weight"});
+  CHECK(m.groups[2].params == std::vector<std::string>{ex + "0.weight", ex + "1.weight", ex + "2.weight", ex + "3.weight"});
+  CHECK(m.groups[3].params == std::vector<std::string>{ex + "0.bias", ex + "1.bias", ex + "2.bias", ex + "3.bias"});
+  CHECK(m.groups[2].hyper.weight_decay == 0.05);
+  for (const auto& [fqn, ps] : m.params) CHECK(ps.step == 3);
+  // each local expert's weight (144 elements) is one half of its rank pair's 288: ranks 0 and 2
+  // hold experts 0 and 1, ranks 1 and 3 experts 2 and 3
+  for (const auto& [expert, rank] : std::vector<std::pair<int, int>>{{0, 0}, {1, 2}, {2, 1}, {3, 3}})
+    CHECK(r->locate(ex + std::to_string(expert) + ".weight", kExpAvg, Component::kValues, 7)
+              .find(fmt::format("zero_pp_rank_{}_", rank)) != std::string::npos);
+  const auto notes = r->read_notes();
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].starts_with("DeepSpeed MoE: 1 MoE layer's experts read under their global numbers"));
+  const auto nr = r->not_read();
+  CHECK(std::any_of(nr.begin(), nr.end(), [](const std::string& s) {
+    return s.starts_with("layer_*_expert_*_model_states.pt (4 files");
+  }));
+  auto v = validate_checkpoint(kSeeds / "moe_zero1_world4", [](const fs::path& p) { return open_checkpoint(p); });
+  REQUIRE(v.ok());
+  CHECK(v->findings.empty());
+  testing::TempDir dir;
+  REQUIRE(write_checkpoint(*find_format("native"), *load_all(*r), dir.path / "native", {}).ok());
+  CHECK(hash_checkpoint(*open_checkpoint(dir.path / "native").value())->root == hash_checkpoint(*r)->root);
+  // DeepSpeed takes MoE experts from layer_*_expert_* files, which a universal checkpoint has none of
+  const auto st = write_checkpoint(*find_format("deepspeed"), *load_all(*r), dir.path / "uni", {.source = r.get()});
+  REQUIRE_FALSE(st.ok());
+  CHECK(st.message().find("DeepSpeed MoE layers' experts, which DeepSpeed does not load from a universal") !=
+        std::string::npos);
+  CHECK(!fs::exists(dir.path / "uni"));
+}
+
+TEST_CASE("deepspeed: MoE's missing or extra expert files, a missing rank and model parallelism are refused") {
+  {
+    testing::TempDir dir;
+    const fs::path tag = copy_tag("moe_zero1_world4", dir);
+    fs::remove(tag / "layer_0_expert_3_mp_rank_00_model_states.pt");
+    CHECK(error_of(tag).find("no layer_0_expert_3_mp_rank_00_model_states.pt (MoE layer 0 of 4 experts") !=
+          std::string::npos);
+  }
+  {
+    testing::TempDir dir;
+    const fs::path tag = copy_tag("moe_zero1_world4", dir);
+    fs::copy(tag / "layer_0_expert_3_mp_rank_00_model_states.pt", tag / "layer_1_expert_0_mp_rank_00_model_states.pt");
+    CHECK(error_of(tag).find("layer_1_expert_0_mp_rank_00_model_states.pt, past the 1 MoE layers' experts") !=
+          std::string::npos);
+  }
+  {
+    testing::TempDir dir;
+    const fs::path tag = copy_tag("moe_zero1_world4", dir);
+    fs::remove(tag / "zero_pp_rank_3_mp_rank_00_optim_states.pt");
+    CHECK(error_of(tag).find("zero_pp_rank_0_mp_rank_00_optim_states.pt: partition_count 4, but") != std::string::npos);
+  }
+  {
+    testing::TempDir dir;
+    const fs::path tag = copy_tag("moe_zero1_world4", dir);
+    fs::rename(tag / "layer_0_expert_3_mp_rank_00_model_states.pt", tag / "layer_0_expert_3_mp_rank_01_model_states.pt");
+    CHECK(error_of(tag).find("DeepSpeed MoE beside model parallelism") != std::string::npos);
+  }
+  {
+    // stage 0 (no ZeRO): the state in expp_rank_* files
+    testing::TempDir dir;
+    const fs::path tag = copy_tag("moe_zero1_world4", dir);
+    for (int rank = 0; rank < 4; ++rank) fs::remove(tag / fmt::format("zero_pp_rank_{}_mp_rank_00_optim_states.pt", rank));
+    CHECK(error_of(tag).find("without ZeRO partitions") != std::string::npos);
+  }
+  {
+    // the experts' files of an MoE run beside a dense run's ZeRO files
+    testing::TempDir dir;
+    const fs::path tag = copy_tag("zero2_world2", dir);
+    fs::copy(kSeeds / "moe_zero1_world4/global_step3/layer_0_expert_0_mp_rank_00_model_states.pt", tag);
+    CHECK(error_of(tag).find("but no param group of experts ('moe'") != std::string::npos);
+  }
+}
+
 TEST_CASE("deepspeed: AutoTP's patterns name one param each") {
   using torchsave::exact_name_of_pattern;
   CHECK(exact_name_of_pattern(R"(^layers\.0\.q_proj\.weight$)") == std::optional<std::string>("layers.0.q_proj.weight"));

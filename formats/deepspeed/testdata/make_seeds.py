@@ -29,6 +29,11 @@ with engine.save_checkpoint (global_step3/ and `latest`):
                       Linear(16, 16), gate_up Linear(16, 2 x 24), down Linear(24, 16) with biases on o and down,
                       final LayerNorm, lm_head Linear(16, 32)); each rank's files its tensor-parallel rank's
                       (mp_rank_TT), the model states' universal_checkpoint_info holding the affine maps
+  moe_zero1_world4/   DeepSpeed MoE (deepspeed.moe.layer.MoE) on 4 ranks, ZeRO-1, fp32: Linear(8, 12), an MoE layer
+                      of 4 experts Linear(12, 12) over ep_size 2 (2 experts a rank, each split over 2
+                      expert-data-parallel ranks), Linear(12, 3); the groups split as DeepSpeed requires
+                      (split_params_into_different_moe_groups_for_optimizer: weights, biases, and each one's
+                      experts as "ep_size_2"); each expert's weights a layer_0_expert_E_mp_rank_00_model_states.pt
   bnb_zero2_world2/   ZeRO-2 under bf16 wrapping bitsandbytes' AdamW8bit (Hugging Face's adamw_bnb_8bit under
                       DeepSpeed), Linear(64, 128), GELU, Linear(128, 3): the weights' partitions (4288 elements
                       each) as 8-bit codes in blocks of 256 of the partition, the biases' (66) as 32-bit state
@@ -142,11 +147,45 @@ def train_autotp(out):
     torch.distributed.barrier()
 
 
+def train_moe(out):
+    import deepspeed
+    import torch
+    from deepspeed.moe.layer import MoE
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = torch.nn.Linear(8, 12)
+            self.moe = MoE(hidden_size=12, expert=torch.nn.Linear(12, 12), num_experts=4, ep_size=2, k=1)
+            self.out = torch.nn.Linear(12, 3)
+
+        def forward(self, x):
+            return self.out(self.moe(self.inp(x))[0])
+
+    model = Model()
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05, "name": "w"},
+         {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "name": "b"}])
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": 1}}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3), config=cfg)
+    for step in range(3):  # each rank its own batch: every expert gets tokens somewhere
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + torch.distributed.get_rank()))
+        engine.backward(engine(x).square().sum())
+        engine.step()
+    engine.save_checkpoint(out)
+    torch.distributed.barrier()
+
+
 def train(stage, half, out, variant):
     import deepspeed
     import torch
     if variant == "pipe":
         return train_pipe(out)
+    if variant == "moe":
+        return train_moe(out)
     if variant == "autotp":
         return train_autotp(out)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -208,12 +247,13 @@ def main():
                                        ("fp16_unstepped_zero2_world2", 2, "fp16", "unstepped"),
                                        ("bnb_zero2_world2", 2, "bf16", "bnb"),
                                        ("pipe2_zero1_world4", 1, "fp32", "pipe"),
-                                       ("autotp2_zero1_world2", 1, "fp32", "autotp")):
+                                       ("autotp2_zero1_world2", 1, "fp32", "autotp"),
+                                       ("moe_zero1_world4", 1, "fp32", "moe")):
         if wanted and name not in wanted:
             continue
         out = HERE / name
         shutil.rmtree(out, ignore_errors=True)
-        ranks = 4 if variant == "pipe" else 2
+        ranks = 4 if variant in ("pipe", "moe") else 2
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", __file__,
                         str(stage), half, str(out), variant], check=True, env=env)
         for extra in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's recovery scripts: not state

@@ -1139,6 +1139,7 @@ class TorchSaveReader final : public CheckpointReader {
       const std::optional<int64_t> ep = r0.groups[g].ep_size;
       std::vector<std::pair<std::string, std::vector<int64_t>>> params;  // as read: global names
       std::vector<std::pair<std::vector<size_t>, std::map<std::string, std::string>>> shares;  // holders, local -> read
+      std::map<std::string, size_t> share_of;  // an expert's global name -> its expert-parallel rank
       if (!ep) {
         params = local_params;
         std::vector<size_t> all(world);
@@ -1162,6 +1163,7 @@ class TorchSaveReader final : public CheckpointReader {
               const std::string global = layer.prefix + std::to_string(static_cast<int64_t>(e) * layer.local_experts +
                                                                        at->second.second.first) + at->second.second.second;
               shares[e].second[name] = global;
+              share_of[global] = e;
               params.emplace_back(global, shape);
             }
       }
@@ -1220,7 +1222,13 @@ class TorchSaveReader final : public CheckpointReader {
         int64_t covered = 0;
         for (const auto& [f, local, count] : runs[name]) covered += count;
         if (covered != numel)
-          return corrupt(fmt::format("{}: the ranks' partitions hold {} of its {} elements", pw, covered, numel));
+          return corrupt(fmt::format("{}: the ranks' partitions hold {} of its {} elements{}", pw, covered, numel,
+                                     share_of.count(name)
+                                         ? fmt::format(" (expert-parallel rank {}: ranks {}, as ds_config's "
+                                                       "use_data_before_expert_parallelism {} lays them out)",
+                                                       share_of.at(name), fmt::join(shares[share_of.at(name)].first, ", "),
+                                                       shapes.data_before_expert)
+                                         : ""));
         ZeroSliceParam sp{name, shape, pg, *step, {}};
         std::vector<std::string> entries;
         for (const auto& [n, t] : r0.groups[g].moments) entries.push_back(n);

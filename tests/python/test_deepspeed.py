@@ -905,7 +905,7 @@ def moe_run(tmp_path, stage, half, layout):
     return ck, ref
 
 
-@pytest.mark.parametrize("stage,half,layout", [(1, "fp32", "ed"), (2, "bf16", "de")])
+@pytest.mark.parametrize("stage,half,layout", [(1, "fp32", "ed"), (1, "bf16", "de"), (2, "bf16", "ed")])
 def test_mixture_of_experts_checkpoint_reads_as_deepspeed_holds_it(tmp_path, optstate_cli, stage, half, layout):
     """DeepSpeed MoE (which its zero_to_fp32 and ds_to_universal do not convert): every expert-
     parallel rank's ZeRO partitions hold its own experts under local names (deepspeed_experts.0, .1);
@@ -936,8 +936,9 @@ def test_mixture_of_experts_checkpoint_reads_as_deepspeed_holds_it(tmp_path, opt
 
 
 def test_mixture_of_experts_files_missing_or_miscounted_are_named(tmp_path, optstate_cli):
-    """An expert's weight file missing, num_experts that the groups' experts do not add up to, an
-    expert group whose partition_count is not the world over its expert-parallel size: each named."""
+    """An expert's weight file missing, num_experts that the groups' experts do not add up to, the
+    other rank layout claimed, an expert group whose partition_count is not the world over its
+    expert-parallel size: each named."""
     import shutil
     ck, _ = moe_run(tmp_path, 1, "fp32", "ed")
     tag = ck / "global_step3"
@@ -960,7 +961,15 @@ def test_mixture_of_experts_files_missing_or_miscounted_are_named(tmp_path, opts
     err = damaged("count", edit_file("mp_rank_00_model_states.pt", lambda sd: sd.update(num_experts=[4, 16])))
     assert "num_experts [4, 16] by MoE layer, but the groups of experts hold layers of [4, 8]" in err, err
 
-    def partitions(sd):
-        sd["optimizer_state_dict"]["partition_count"][3] = 4  # groups w, b, ep_size_4, ep_size_2, ...
+    # the other rank layout claimed: expert-parallel rank 0 would be ranks 0 and 1, each holding the
+    # first half of its experts' partitions
+    err = damaged("layout", edit_file("mp_rank_00_model_states.pt",
+                                      lambda sd: sd["ds_config"].update(use_data_before_expert_parallelism=True)))
+    assert "(expert-parallel rank 0: ranks 0, 1, as ds_config's use_data_before_expert_parallelism true" in err, err
+
+    def partitions(sd):  # an ep_size_2 group's (DeepSpeed orders the MoE groups by a set's order)
+        osd = sd["optimizer_state_dict"]
+        names = [g["name"] for g in osd["base_optimizer_state"]["param_groups"]]
+        osd["partition_count"][names.index("ep_size_2")] = 4
     err = damaged("parts", edit_file("zero_pp_rank_2_mp_rank_00_optim_states.pt", partitions))
     assert "partition_count 4 for experts of expert-parallel size 2 (ep_size_2) in a world of 4 ranks (expected 2)" in err, err

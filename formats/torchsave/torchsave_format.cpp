@@ -1038,6 +1038,69 @@ class TorchSaveReader final : public CheckpointReader {
     return out;
   }
 
+  // DeepSpeed orders the MoE groups by a set of their names (split_params_into_different_moe_groups_
+  // for_optimizer), so ranks run with other hash seeds (torchrun's processes) save them in other
+  // orders: `zr`'s MoE groups are put in rank 0's order. Each is rank 0's group of its expert-parallel
+  // size and settings whose params (param_shapes, rank 0's) hold all of its runs; candidates are
+  // taken by elimination, any still open (no runs to tell) in order. Dense groups keep their place.
+  static Status align_moe_groups(ZeroRank& zr, const ZeroRank& r0, const ZeroShapes& shapes, const std::string& wf) {
+    const size_t n = r0.groups.size();
+    if (zr.stage == 3 || zr.groups.size() != n || shapes.groups.size() != n) return Status::Ok();  // refused after
+    if (std::none_of(zr.groups.begin(), zr.groups.end(), [](const ZeroGroup& zg) { return zg.ep_size; }))
+      return Status::Ok();
+    std::vector<std::set<size_t>> candidates(n);
+    std::set<size_t> taken;
+    for (size_t j = 0; j < n; ++j) {
+      const ZeroGroup& zg = zr.groups[j];
+      if (!zg.ep_size) {
+        candidates[j] = {j};
+        continue;
+      }
+      for (size_t g = 0; g < n; ++g) {
+        if (r0.groups[g].ep_size != zg.ep_size) continue;
+        Hyperparameters x = zg.group.hyper, y = r0.groups[g].group.hyper;
+        x.lr = y.lr = 0;  // compared once aligned, as read
+        if (!(x == y)) continue;
+        std::set<std::string> names;
+        for (const auto& [name, shape] : shapes.groups[g]) names.insert(name);
+        if (std::all_of(zg.fragments.begin(), zg.fragments.end(), [&](const ZeroFragment& fr) {
+              return names.count(fr.name) > 0;
+            }))
+          candidates[j].insert(g);
+      }
+    }
+    std::vector<std::optional<size_t>> to(n);
+    for (bool progress = true; progress;) {
+      progress = false;
+      for (size_t j = 0; j < n; ++j) {
+        if (to[j]) continue;
+        for (const size_t t : taken) candidates[j].erase(t);
+        if (candidates[j].size() == 1) {
+          to[j] = *candidates[j].begin();
+          taken.insert(*to[j]);
+          progress = true;
+        }
+      }
+    }
+    for (size_t j = 0; j < n; ++j) {
+      if (to[j]) continue;
+      for (const size_t t : taken) candidates[j].erase(t);
+      if (candidates[j].empty())
+        return corrupt(fmt::format("{} flat param {}: a group of experts (ep_size_{}) that is none of rank 0's file's "
+                                   "of its expert-parallel size, settings and params", wf, j,
+                                   zr.groups[j].ep_size.value_or(0)));
+      to[j] = *candidates[j].begin();
+      taken.insert(*to[j]);
+    }
+    std::vector<ZeroGroup> groups(n);
+    for (size_t j = 0; j < n; ++j) {
+      groups[*to[j]] = std::move(zr.groups[j]);
+      groups[*to[j]].param_group = r0.groups[*to[j]].param_group;
+    }
+    zr.groups = std::move(groups);
+    return Status::Ok();
+  }
+
   Result<ZeroSlice> read_zero_slice(const ZeroFiles& z, size_t st) {
     const ZeroStage& zs = z.stages[st];
     const bool pipeline = (z.stages.size() > 1 || z.layer_files > 0) && !z.tensor_parallel;
@@ -1055,6 +1118,16 @@ class TorchSaveReader final : public CheckpointReader {
     if (pipeline && stage3)
       return corrupt(zs.optim[0].string() + ": ZeRO stage 3 beside pipeline layer files (DeepSpeed's pipeline takes "
                                             "stages 0 and 1)");
+    OPTSTATE_ASSIGN_OR_RETURN(auto model, open_archive(zs.model));
+    const std::string mw = zs.model.string();
+    ZeroSlice out;
+    OPTSTATE_ASSIGN_OR_RETURN(out.shapes, interpret_zero_model(model.second, mw));
+    const ZeroShapes& shapes = out.shapes;
+    if (shapes.groups.size() != r0.groups.size())
+      return corrupt(fmt::format("{}: {} flat params in param_shapes, {} in the optimizer's files", mw,
+                                 shapes.groups.size(), r0.groups.size()));
+    for (size_t f = 1; f < world; ++f)
+      OPTSTATE_RETURN_IF_ERROR(align_moe_groups(ranks[f], r0, shapes, zs.optim[f].string()));
     for (size_t f = 0; f < world; ++f) {
       const ZeroRank& zr = ranks[f];
       const std::string wf = zs.optim[f].string();
@@ -1077,14 +1150,6 @@ class TorchSaveReader final : public CheckpointReader {
           return corrupt(fmt::format("{} flat param {}: group, moments or hyperparameters other than rank 0's file's", wf, g));
       }
     }
-    OPTSTATE_ASSIGN_OR_RETURN(auto model, open_archive(zs.model));
-    const std::string mw = zs.model.string();
-    ZeroSlice out;
-    OPTSTATE_ASSIGN_OR_RETURN(out.shapes, interpret_zero_model(model.second, mw));
-    const ZeroShapes& shapes = out.shapes;
-    if (shapes.groups.size() != r0.groups.size())
-      return corrupt(fmt::format("{}: {} flat params in param_shapes, {} in the optimizer's files", mw,
-                                 shapes.groups.size(), r0.groups.size()));
     // What DeepSpeed 0.15+ records of the grid (older ones record only mp_world_size: pp x tp).
     const auto slices = static_cast<int64_t>(z.stages.size());
     const int64_t want_tp = z.tensor_parallel ? slices : 1, want_pp = pipeline ? slices : 1;

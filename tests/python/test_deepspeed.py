@@ -864,6 +864,11 @@ model = Model()
 groups_ = split_params_into_different_moe_groups_for_optimizer(
     [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05, "name": "w"},
      {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "lr": 2e-3, "name": "b"}])
+# DeepSpeed orders each client group's MoE groups by a set of their names (ep_size_2, ep_size_4), so
+# ranks with other hash seeds (torchrun's processes) hold them in other orders; here the odd ranks'
+# swapped, every run.
+if torch.distributed.get_rank() % 2:
+    groups_ = groups_[:2] + [groups_[3], groups_[2], groups_[5], groups_[4]]
 cfg = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": stage}, "bf16": {"enabled": half == "bf16"},
        "use_data_before_expert_parallelism": layout == "de"}
 engine = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups_, lr=1e-3), config=cfg)[0]
@@ -911,8 +916,14 @@ def test_mixture_of_experts_checkpoint_reads_as_deepspeed_holds_it(tmp_path, opt
     parallel rank's ZeRO partitions hold its own experts under local names (deepspeed_experts.0, .1);
     optstate reads each from its expert-data-parallel ranks under the global number DeepSpeed gives
     its layer_L_expert_E files, and the state is, bit for bit, what DeepSpeed's engine held of every
-    param (fp32 weights, exp_avg, exp_avg_sq) when it saved."""
+    param (fp32 weights, exp_avg, exp_avg_sq) when it saved. The ranks' files list the MoE groups in
+    different orders (as ranks with other hash seeds save them): matched to rank 0's."""
     ck, ref = moe_run(tmp_path, stage, half, layout)
+    prefix = "bf16_" if half == "bf16" else ""
+    order = [[(g["name"], g["weight_decay"]) for g in torch.load(
+        ck / "global_step3" / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+        weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]] for r in (0, 1)]
+    assert order[1] == order[0][:2] + [order[0][3], order[0][2], order[0][5], order[0][4]] != order[0]
     assert len(ref) == 4 + 4 * 4 + 8 * 2 + 2  # inp, out; 4 experts of 2 Linears; 8 Linears; 2 gates
     done = optstate_cli("convert", ck, tmp_path / "plain.pt")
     assert "layer_*_expert_*_model_states.pt (12 files" in done.stderr, done.stderr

@@ -885,6 +885,7 @@ class TorchSaveReader final : public CheckpointReader {
       OPTSTATE_ASSIGN_OR_RETURN(ZeroSlice slice, read_zero_slice(z, st));
       slices.push_back(std::move(slice));
     }
+    const size_t autoep_layers = slices.front().shapes.autoep_layers.size();
     if (z.tensor_parallel) {
       tensor_parallel_ = true;
       OPTSTATE_RETURN_IF_ERROR(join_tensor_parallel(z, slices));
@@ -904,10 +905,17 @@ class TorchSaveReader final : public CheckpointReader {
     if (!z.expert_files.empty()) {
       size_t files = 0;
       for (const auto& [l, es] : z.expert_files) files += es.size();
-      value_notes_.push_back(fmt::format("DeepSpeed MoE: {} MoE layer{} experts read under their global numbers (expert-"
-                                         "parallel rank e's local expert i is expert e*n+i, n experts a rank), each "
-                                         "from its expert-data-parallel ranks' partitions",
-                                         z.expert_files.size(), z.expert_files.size() == 1 ? "'s" : "s'"));
+      const size_t native = z.expert_files.size() - std::min(z.expert_files.size(), autoep_layers);
+      if (native)
+        value_notes_.push_back(fmt::format("DeepSpeed MoE: {} MoE layer{} experts read under their global numbers "
+                                           "(expert-parallel rank e's local expert i is expert e*n+i, n experts a "
+                                           "rank), each from its expert-data-parallel ranks' partitions", native,
+                                           native == 1 ? "'s" : "s'"));
+      if (autoep_layers)
+        value_notes_.push_back(fmt::format("DeepSpeed AutoEP: {} MoE layer{} fused experts (w1, w2, w3) read whole, "
+                                           "[experts, ...]: expert-parallel rank e's shard as experts e*n.. (its "
+                                           "affine map), each from its expert-data-parallel ranks' partitions",
+                                           autoep_layers, autoep_layers == 1 ? "'s" : "s'"));
       uncarried_notes_.push_back(fmt::format("layer_*_expert_*_model_states.pt ({} file{}: the experts' weights in "
                                              "their training dtype; the optimizer's fp32 weights are read)", files,
                                              files == 1 ? "" : "s"));
@@ -963,7 +971,44 @@ class TorchSaveReader final : public CheckpointReader {
     std::vector<Layer> layers;  // by the groups' order
     std::map<std::string, std::pair<std::string, std::pair<int64_t, std::string>>> local;  // name -> prefix, (i, rest)
     int64_t experts = 0;                                                                     // all layers'
+    // AutoEP's fused expert params: name -> the whole tensor's shape ([experts, ...]); each
+    // expert-parallel rank e's shard is its experts e*n .. e*n+n-1, one block, as its map says.
+    std::map<std::string, std::vector<int64_t>> autoep;
   };
+  // An AutoEP param's map as DeepSpeed 0.19 writes it without folding (expert_tensor_parallel_size
+  // 1): every expert-parallel rank e one piece, its whole shard (the param's shape in param_shapes),
+  // at experts e*n.. of the whole; anything else (folded AutoEP+AutoTP) is refused.
+  static Result<std::vector<int64_t>> autoep_whole_shape(const std::string& name, const std::vector<int64_t>& shard,
+                                                         int64_t ep, const ZeroShapes::AutoEpLayer& layer,
+                                                         const AffineMap& m, const std::string& mw) {
+    auto contiguous = [](const std::vector<int64_t>& shape) {
+      std::vector<int64_t> strides(shape.size(), 1);
+      for (size_t d = shape.size(); d-- > 1;) strides[d - 1] = strides[d] * shape[d];
+      return strides;
+    };
+    const std::string pw = fmt::format("{}: AutoEP's '{}'", mw, name);
+    if (layer.ep_size != ep)
+      return corrupt(fmt::format("{}: in a group of expert-parallel size {}, its layer's ep_size {}", pw, ep, layer.ep_size));
+    const std::vector<int64_t>& whole = m.logical_shape;
+    if (shard.empty() || whole.size() != shard.size() || shard[0] != layer.num_local_experts ||
+        whole[0] != layer.num_experts || !std::equal(shard.begin() + 1, shard.end(), whole.begin() + 1))
+      return corrupt(fmt::format("{}: shape [{}] of {} local experts, whole [{}] of {}", pw, fmt::join(shard, ", "),
+                                 layer.num_local_experts, fmt::join(whole, ", "), layer.num_experts));
+    const int64_t numel = *checked_numel(shard);
+    if (m.ranks.size() != static_cast<size_t>(ep) || m.ranks.rbegin()->first != ep - 1)
+      return corrupt(fmt::format("{}: a map of {} ranks for {} expert-parallel ranks", pw, m.ranks.size(), ep));
+    for (const auto& [e, ar] : m.ranks) {
+      const bool one_block = ar.shard_shape == shard && ar.pieces.size() == 1 && ar.pieces[0].shape == shard &&
+                             ar.pieces[0].locations == std::vector<int64_t>{e} && ar.pieces[0].scale == 1.0 &&
+                             ar.pieces[0].dest_offset == 0 && ar.pieces[0].dest_strides == contiguous(shard) &&
+                             ar.pieces[0].source_strides == contiguous(whole) && ar.pieces[0].source_offset == e * numel;
+      if (!one_block)
+        return corrupt(fmt::format("{}: expert-parallel rank {}'s map is not its shard whole as experts {} to {} "
+                                   "(AutoEP folded with AutoTP?): not read", pw, e, e * layer.num_local_experts,
+                                   (e + 1) * layer.num_local_experts - 1));
+    }
+    return whole;
+  }
   static Result<ZeroExperts> zero_experts(const ZeroFiles& z, const ZeroRank& r0, const ZeroShapes& shapes,
                                           const std::string& mw) {
     ZeroExperts out;
@@ -975,9 +1020,6 @@ class TorchSaveReader final : public CheckpointReader {
                                    "them), which DeepSpeed's ZeRO requires", mw));
       return out;
     }
-    if (shapes.autoep)
-      return corrupt(mw + ": DeepSpeed AutoEP's expert layers (ds_autoep_layers: fused experts.w1/w2/w3 split by its "
-                          "affine maps): not read; DeepSpeed MoE layers (deepspeed.moe.layer.MoE) are");
     if (shapes.num_experts.empty())
       return corrupt(mw + ": param groups of experts ('moe'), but no 'num_experts' list of the MoE layers");
     constexpr std::string_view marker = "deepspeed_moe.experts.deepspeed_experts.";
@@ -986,6 +1028,16 @@ class TorchSaveReader final : public CheckpointReader {
     for (size_t g = 0; g < r0.groups.size(); ++g) {
       if (!r0.groups[g].ep_size) continue;
       for (const auto& [name, shape] : shapes.groups[g]) {
+        if (const auto am = shapes.autoep_maps.params.find(name); am != shapes.autoep_maps.params.end()) {
+          const auto layer = std::find_if(shapes.autoep_layers.begin(), shapes.autoep_layers.end(), [&](const auto& l) {
+            return name.rfind(l.prefix + ".", 0) == 0 && name.find('.', l.prefix.size() + 1) == std::string::npos;
+          });
+          if (layer == shapes.autoep_layers.end())
+            return corrupt(fmt::format("{}: AutoEP's map of '{}', which is under no layer's expert_key_prefix", mw, name));
+          OPTSTATE_ASSIGN_OR_RETURN(out.autoep[name],
+                                    autoep_whole_shape(name, shape, *r0.groups[g].ep_size, *layer, am->second, mw));
+          continue;
+        }
         const auto m = name.find(marker);
         const size_t digits = m == std::string::npos ? 0 : m + marker.size();
         size_t end = digits;
@@ -1007,6 +1059,7 @@ class TorchSaveReader final : public CheckpointReader {
       }
     }
     std::vector<int64_t> held, want = shapes.num_experts;
+    for (const ZeroShapes::AutoEpLayer& layer : shapes.autoep_layers) held.push_back(layer.num_experts);
     for (ZeroExperts::Layer& layer : out.layers) {
       const auto& local = ids[layer.prefix];
       layer.local_experts = static_cast<int64_t>(local.size());
@@ -1019,7 +1072,7 @@ class TorchSaveReader final : public CheckpointReader {
     std::sort(want.begin(), want.end());
     if (held != want)
       return corrupt(fmt::format("{}: num_experts [{}] by MoE layer, but the groups of experts hold layers of [{}] "
-                                 "experts (local experts times expert-parallel size)", mw,
+                                 "experts (local experts times expert-parallel size; AutoEP's num_experts)", mw,
                                  fmt::join(shapes.num_experts, ", "), fmt::join(held, ", ")));
     // Every layer's expert files, and no others: a checkpoint DeepSpeed would resume from.
     for (size_t l = 0; l < shapes.num_experts.size(); ++l) {
@@ -1218,6 +1271,13 @@ class TorchSaveReader final : public CheckpointReader {
           std::vector<size_t> holders;
           for (size_t k = 0; k < edp; ++k) holders.push_back(shapes.data_before_expert ? e * edp + k : e + k * e_size);
           shares.emplace_back(std::move(holders), std::map<std::string, std::string>{});
+        }
+        // AutoEP's fused experts: each expert-parallel rank's shard is the next block of the whole.
+        for (const auto& [name, shape] : local_params) {
+          const auto whole = experts.autoep.find(name);
+          if (whole == experts.autoep.end()) continue;
+          for (size_t e = 0; e < e_size; ++e) shares[e].second[name] = name;
+          params.emplace_back(name, whole->second);
         }
         // Layer by layer (in the group's order), each expert-parallel rank's experts in turn.
         for (const ZeroExperts::Layer& layer : experts.layers)
@@ -2294,6 +2354,14 @@ class TorchSaveReader final : public CheckpointReader {
           if (m == shapes.autotp->params.end())
             return corrupt(fmt::format("{}: '{}' has no affine map (its whole shape)", mw, name));
           shape = m->second.logical_shape;
+        } else if (const auto e = stage_shapes[stage].autoep_maps.params.find(name);
+                   e != stage_shapes[stage].autoep_maps.params.end()) {
+          // AutoEP's fused experts: param_shapes holds rank 0's [local experts, ...]; its map the whole
+          const auto& whole = e->second.logical_shape;
+          if (whole.size() != shape.size() || shape.empty() || !std::equal(shape.begin() + 1, shape.end(), whole.begin() + 1))
+            return corrupt(fmt::format("{}: AutoEP's '{}' of shape [{}], whole [{}] in its map", mw, name,
+                                       fmt::join(shape, ", "), fmt::join(whole, ", ")));
+          shape = whole;
         }
         const fs::path pdir = dir / "zero" / name;
         const std::string pw = fmt::format("{} '{}'", (dir / "zero").string(), name);
@@ -3731,11 +3799,6 @@ Result<ZeroUniversalParts> zero_universal_parts(const fs::path& path) {
   OPTSTATE_ASSIGN_OR_RETURN(const ZeroRank zr, interpret_zero_optim(p, where));
   if (zr.stage == 3)
     return invalid_argument(where + ": a ZeRO-3 checkpoint; optstate writes universal checkpoints of ZeRO-1/2 ones");
-  // DeepSpeed MoE layers take their experts from layer_*_expert_* files, which a universal
-  // checkpoint has none of (ds_to_universal converts AutoEP's experts only).
-  if (!z->expert_files.empty())
-    return invalid_argument(z->dir.string() + ": DeepSpeed MoE layers' experts, which DeepSpeed does not load from a "
-                                              "universal checkpoint; optstate reads them: convert to another format");
   // bitsandbytes' optimizer wrapped by ZeRO: a universal checkpoint would hold fp32 moments, which
   // it does not load (ds_to_universal does not convert its state either).
   if (zr.bnb)
@@ -3772,6 +3835,16 @@ Result<ZeroUniversalParts> zero_universal_parts(const fs::path& path) {
   const std::string mw = z->model().string();
   OPTSTATE_ASSIGN_OR_RETURN(auto model, open_archive(z->model()));
   OPTSTATE_ASSIGN_OR_RETURN(const ZeroShapes shapes, interpret_zero_model(model.second, mw));
+  // DeepSpeed MoE layers take their experts from layer_*_expert_* files, which a universal
+  // checkpoint has none of; AutoEP's universal checkpoint (ds_to_universal's: expert tensors whole,
+  // the model states rewritten with the layers' metadata) is read, not written.
+  if (!shapes.autoep_layers.empty())
+    return invalid_argument(z->dir.string() + ": DeepSpeed AutoEP's experts: its universal checkpoint is "
+                                              "ds_to_universal's (which optstate reads), not written by optstate; "
+                                              "convert to another format");
+  if (!z->expert_files.empty())
+    return invalid_argument(z->dir.string() + ": DeepSpeed MoE layers' experts, which DeepSpeed does not load from a "
+                                              "universal checkpoint; optstate reads them: convert to another format");
   if (shapes.autotp)  // ds_to_universal writes these whole, with no cat_dim
     for (const auto& [name, m] : shapes.autotp->params) parts.affine_params.insert(name);
   std::set<std::string> grouped;

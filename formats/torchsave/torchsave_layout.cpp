@@ -1819,13 +1819,15 @@ std::optional<std::string> exact_name_of_pattern(std::string_view pattern) {
   return name;
 }
 
-Result<AutoTpMaps> interpret_autotp_maps(const Pickle& p, Ref info, const std::string& where) {
+namespace {
+
+// An affine map dict ({version, params: {key: {logical_shape, ranks}}}) whose keys are AutoTP's
+// patterns (`patterns`) or AutoEP's param names.
+Result<AutoTpMaps> affine_maps_of(const Pickle& p, Ref am, const std::string& mw, bool patterns) {
   AutoTpMaps out;
-  const std::string mw = where + " universal_checkpoint_info";
-  const Ref am = p.dict_get(info, "affine_map");
   const auto version = dcp::as_number(p, p.dict_get(am, "version"));
   if (!dict_items(p, am) || !version)
-    return corrupt(mw + ": no affine_map with a version (the maps of DeepSpeed's AutoTP)");
+    return corrupt(mw + ": no affine map with a version");
   if (*version != 1)
     return corrupt(fmt::format("{}: affine_map version {}; optstate reads version 1", mw, *version));
   const auto* params = dict_items(p, p.dict_get(am, "params"));
@@ -1839,7 +1841,7 @@ Result<AutoTpMaps> interpret_autotp_maps(const Pickle& p, Ref info, const std::s
   for (size_t k = 0; k + 1 < params->size(); k += 2) {
     const auto pattern = dcp::as_string(p, (*params)[k]);
     if (!pattern) return corrupt(mw + ": a key of affine_map.params is not a string");
-    const auto name = exact_name_of_pattern(*pattern);
+    const auto name = patterns ? exact_name_of_pattern(*pattern) : pattern;
     if (!name)
       return corrupt(fmt::format("{}: affine_map pattern '{}' names no one param (DeepSpeed writes ^<name>$)", mw,
                                  *pattern));
@@ -1886,6 +1888,16 @@ Result<AutoTpMaps> interpret_autotp_maps(const Pickle& p, Ref info, const std::s
     }
     if (!out.params.emplace(*name, std::move(m)).second) return corrupt(fmt::format("{}: two maps", pw));
   }
+  return out;
+}
+
+}  // namespace
+
+Result<AutoTpMaps> interpret_autotp_maps(const Pickle& p, Ref info, const std::string& where) {
+  const std::string mw = where + " universal_checkpoint_info";
+  const Ref am = p.dict_get(info, "affine_map");
+  if (!dict_items(p, am)) return corrupt(mw + ": no affine_map (the maps of DeepSpeed's AutoTP)");
+  OPTSTATE_ASSIGN_OR_RETURN(AutoTpMaps out, affine_maps_of(p, am, mw, true));
   if (const auto* un = dict_items(p, p.dict_get(info, "autotp_unsupported_parameter_patterns")))
     for (size_t k = 0; k + 1 < un->size(); k += 2) {
       const auto pattern = dcp::as_string(p, (*un)[k]);
@@ -1959,8 +1971,34 @@ Result<ZeroShapes> interpret_zero_model(const Pickle& p, const std::string& wher
       out.num_experts.push_back(p.at(r).i);
     }
   }
-  if (const Ref ae = p.dict_get(p.root(), "ds_autoep_layers"); ae != kNoRef && p.at(ae).kind != Kind::kNone)
-    out.autoep = true;
+  if (const Ref ae = p.dict_get(p.root(), "ds_autoep_layers"); ae != kNoRef && p.at(ae).kind != Kind::kNone) {
+    const auto* layers = list_items(p, ae);
+    if (!layers || layers->size() > 4096) return corrupt(where + ": 'ds_autoep_layers' is not a list of AutoEP layers");
+    for (size_t l = 0; l < layers->size(); ++l) {
+      const Ref lr = (*layers)[l];
+      const std::string lw = fmt::format("{}: ds_autoep_layers[{}]", where, l);
+      ZeroShapes::AutoEpLayer layer;
+      const auto prefix = dcp::as_string(p, p.dict_get(lr, "expert_key_prefix"));
+      const auto format = dcp::as_string(p, p.dict_get(lr, "checkpoint_format"));
+      auto count = [&](const char* key) -> std::optional<int64_t> {
+        const Ref r = p.dict_get(lr, key);
+        if (r == kNoRef || p.at(r).kind != Kind::kInt || p.at(r).i < 1 || p.at(r).i > (int64_t{1} << 20)) return std::nullopt;
+        return p.at(r).i;
+      };
+      const auto n = count("num_experts"), local = count("num_local_experts"), ep = count("ep_size");
+      if (!prefix || !n || !local || !ep || *local * *ep != *n)
+        return corrupt(lw + ": no expert_key_prefix, or num_experts, num_local_experts and ep_size that do not agree");
+      if (format && *format != "per_expert_files")
+        return corrupt(fmt::format("{}: checkpoint_format '{}' (AutoEP under ZeRO-3, its experts partitioned anew): "
+                                   "not read; AutoEP under ZeRO-1/2 (per_expert_files) is", lw, *format));
+      layer = {*prefix, *n, *local, *ep};
+      OPTSTATE_ASSIGN_OR_RETURN(AutoTpMaps maps, affine_maps_of(p, p.dict_get(lr, "affine_maps"), lw + " affine_maps", false));
+      for (auto& [name, m] : maps.params)
+        if (!out.autoep_maps.params.emplace(name, std::move(m)).second)
+          return corrupt(fmt::format("{}: '{}' mapped by two AutoEP layers", lw, name));
+      out.autoep_layers.push_back(std::move(layer));
+    }
+  }
   const Ref config = p.dict_get(p.root(), "ds_config");
   if (dict_items(p, config))
     out.data_before_expert = dcp::as_bool(p, p.dict_get(config, "use_data_before_expert_parallelism")).value_or(false);

@@ -370,8 +370,16 @@ struct ZeroShapes {
   // the ranks (ds_config's use_data_before_expert_parallelism: an expert-parallel group is ranks
   // W/E apart, not consecutive).
   std::vector<int64_t> num_experts;
-  bool autoep = false;
   bool data_before_expert = false;
+  // AutoEP's MoE layers (ds_autoep_layers, DeepSpeed 0.19+): each layer's experts module holds fused
+  // w1, w2, w3 of its expert-parallel rank's experts, [local experts, ...]; their maps (by param
+  // name, the ranks being expert-parallel ranks) place each rank's in the whole [experts, ...].
+  struct AutoEpLayer {
+    std::string prefix;  // expert_key_prefix: <module>.experts
+    int64_t num_experts = 0, num_local_experts = 0, ep_size = 0;
+  };
+  std::vector<AutoEpLayer> autoep_layers;
+  AutoTpMaps autoep_maps;
 };
 // The model states' ds_config names the optimizer DeepSpeed built (none: the client's own, whose
 // param groups tell); any but Adam or AdamW is refused, naming it.

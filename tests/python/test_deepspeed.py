@@ -984,3 +984,100 @@ def test_mixture_of_experts_files_missing_or_miscounted_are_named(tmp_path, opts
         osd["partition_count"][names.index("ep_size_2")] = 4
     err = damaged("parts", edit_file("zero_pp_rank_2_mp_rank_00_optim_states.pt", partitions))
     assert "partition_count 4 for experts of expert-parallel size 2 (ep_size_2) in a world of 4 ranks (expected 2)" in err, err
+
+
+# DeepSpeed AutoEP (its expert parallelism for Hugging Face MoE models, 0.19+): a Mixtral-shaped model
+# (a model.layers.N.mlp with a router `gate` and fused experts `gate_up_proj` [E, 2F, H], `down_proj`
+# [E, H, F]) that AutoEP's "mixtral" preset finds, 2 MoE layers of 4 experts over autoep_size 2 on 4
+# ranks (each expert-parallel rank's experts split over 2 expert-data-parallel ranks), DeepSpeed's
+# own AdamW from the config (AutoEP replaces the experts' params, and DeepSpeed then puts them in
+# groups of their own), Hugging Face's two client groups.
+AUTOEP_TRAIN = """
+import sys, types, torch, deepspeed
+out, stage, half = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+H, F, E = 16, 24, 4
+class Experts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * F, H) * 0.1)
+        self.down_proj = torch.nn.Parameter(torch.randn(E, H, F) * 0.1)
+class SparseMoeBlock(torch.nn.Module):  # replaced whole by AutoEP's layer
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(H, E, bias=False)
+        self.experts = Experts()
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(H)
+        self.mlp = SparseMoeBlock()
+    def forward(self, x):
+        y = self.mlp(self.norm(x))
+        return x + (y[0] if isinstance(y, tuple) else y)
+class Inner(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, H)
+        self.layers = torch.nn.ModuleList([Layer(), Layer()])
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(model_type="custom_moe", num_local_experts=E, num_experts_per_tok=2,
+                                            hidden_size=H)
+        self.model = Inner()
+        self.head = torch.nn.Linear(H, 3)
+    def forward(self, x):
+        return self.head(self.model(x))
+model = Model()
+groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05, "name": "w"},
+          {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "name": "b"}]
+cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage}, "bf16": {"enabled": half == "bf16"},
+       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+       "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "mixtral", "use_grouped_mm": False}}
+engine = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)[0]
+dtype = torch.bfloat16 if half == "bf16" else torch.float32
+for s in range(3):
+    x = torch.randn(4, 5, 8, generator=torch.Generator().manual_seed(10 * s + torch.distributed.get_rank()))
+    engine.backward(engine(x.to(dtype)).float().square().sum())
+    engine.step()
+engine.save_checkpoint(out)
+torch.distributed.barrier()
+"""
+
+
+@pytest.mark.parametrize("stage,half", [(1, "fp32"), (2, "bf16")])
+def test_autoep_checkpoint_reads_as_ds_to_universal(tmp_path, optstate_cli, stage, half):
+    """AutoEP's experts: each expert-parallel rank's params hold its experts fused ([local experts,
+    ...], under the same names on every rank), split over its expert-data-parallel ranks; optstate
+    reads each whole ([experts, ...]) where the affine map DeepSpeed saves places each rank's shard,
+    bit for bit what DeepSpeed's ds_to_universal consolidates (which optstate reads as the same
+    state); its universal layout is not written by optstate (refused, naming it)."""
+    ck = tmp_path / f"autoep_zero{stage}_{half}"
+    run_script(tmp_path, AUTOEP_TRAIN, "autoep_train.py", ck, stage, half, ranks=4)
+    done = optstate_cli("convert", ck, tmp_path / "plain.pt")
+    assert "DeepSpeed AutoEP: 2 MoE layers' fused experts (w1, w2, w3) read whole" in done.stderr, done.stderr
+    assert "layer_*_expert_*_model_states.pt (8 files" in done.stderr, done.stderr
+    ref = universal(tmp_path, ck, "global_step3")
+    assert hashes(optstate_cli, ref) == hashes(optstate_cli, ck)
+    sd = torch.load(tmp_path / "plain.pt")
+    names = [n for g in sd["optimizer"]["param_groups"] for n in g["param_names"]]
+    experts = [n for n in names if ".experts.w" in n]
+    assert sorted(experts) == sorted(f"model.layers.{i}.mlp.experts.w{k}" for i in range(2) for k in (1, 2, 3))
+    for i, n in enumerate(names):
+        st = sd["optimizer"]["state"][i]
+        assert st["step"].item() == 3 == universal_tensor(ref / "zero" / n / "step.pt")
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[k], universal_tensor(ref / "zero" / n / f"{k}.pt")), (n, k)
+        assert torch.equal(sd["model"][n], universal_tensor(ref / "zero" / n / "fp32.pt")), n
+    assert sd["model"]["model.layers.0.mlp.experts.w1"].shape == (4, 24, 16)  # 2 ranks' 2 experts
+    assert "every chunk checksum verified" in optstate_cli("validate", ck).stdout
+    err = run_err(optstate_cli, "convert", ck, tmp_path / "u", "--format", "deepspeed")
+    assert "DeepSpeed AutoEP's experts: its universal checkpoint is ds_to_universal's" in err
+    assert not (tmp_path / "u").exists()

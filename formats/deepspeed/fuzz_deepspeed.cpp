@@ -24,9 +24,11 @@
 // Built over DeepSpeed MoE's checkpoint (testdata/moe_zero1_world4/: 4 experts over ep_size 2 on 4
 // ranks): the input is rank 1's optimizer file (fuzz.deepspeed_moe: the groups' partition counts and
 // expert-parallel sizes, the placement of each expert-parallel rank's experts under global numbers).
+// And over AutoEP's (testdata/autoep_zero1_world4/): the input is the model states file
+// (fuzz.deepspeed_autoep: ds_autoep_layers, the experts' affine maps, param_shapes).
 // CTest: fuzz.deepspeed_zero2, fuzz.deepspeed_zero3, fuzz.deepspeed_universal,
 // fuzz.deepspeed_zero3_write, fuzz.deepspeed_bnb_zero2, fuzz.deepspeed_pipe, fuzz.deepspeed_pipe_model,
-// fuzz.deepspeed_autotp, fuzz.deepspeed_moe
+// fuzz.deepspeed_autotp, fuzz.deepspeed_moe, fuzz.deepspeed_autoep
 // (bounded mutation runs); with OPTSTATE_LIBFUZZER, coverage-guided.
 #include <cstdint>
 

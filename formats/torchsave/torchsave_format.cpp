@@ -1027,7 +1027,9 @@ class TorchSaveReader final : public CheckpointReader {
     std::map<std::string, std::set<int64_t>> ids;
     for (size_t g = 0; g < r0.groups.size(); ++g) {
       if (!r0.groups[g].ep_size) continue;
-      for (const auto& [name, shape] : shapes.groups[g]) {
+      for (const auto& param : shapes.groups[g]) {
+        const std::string& name = param.first;  // not a structured binding: the lambda below takes it
+        const std::vector<int64_t>& shape = param.second;
         if (const auto am = shapes.autoep_maps.params.find(name); am != shapes.autoep_maps.params.end()) {
           const auto layer = std::find_if(shapes.autoep_layers.begin(), shapes.autoep_layers.end(), [&](const auto& l) {
             return name.rfind(l.prefix + ".", 0) == 0 && name.find('.', l.prefix.size() + 1) == std::string::npos;

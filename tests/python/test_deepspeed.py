@@ -1081,3 +1081,26 @@ def test_autoep_checkpoint_reads_as_ds_to_universal(tmp_path, optstate_cli, stag
     err = run_err(optstate_cli, "convert", ck, tmp_path / "u", "--format", "deepspeed")
     assert "DeepSpeed AutoEP's experts: its universal checkpoint is ds_to_universal's" in err
     assert not (tmp_path / "u").exists()
+
+
+def test_autoep_maps_other_than_one_block_a_rank_are_refused(tmp_path, optstate_cli):
+    """An AutoEP map that does not place expert-parallel rank e's shard whole as experts e*n.. (here
+    rank 1's at rank 0's place, as a damaged or folded AutoEP+AutoTP map would) is refused, naming
+    the param and rank; so is an AutoEP layer whose num_experts disagrees with its local experts."""
+    import shutil
+    tag = tmp_path / "global_step3"
+    shutil.copytree(SEEDS / "autoep_zero1_world4" / "global_step3", tag)
+    model = tag / "mp_rank_00_model_states.pt"
+    sd = torch.load(model, weights_only=False)
+    sd["ds_autoep_layers"][0]["affine_maps"]["params"]["model.layers.0.mlp.experts.w2"]["ranks"][1]["pieces"][0][
+        "source"][0] = 0
+    torch.save(sd, model)
+    err = run_err(optstate_cli, "inspect", tag)
+    assert ("AutoEP's 'model.layers.0.mlp.experts.w2': expert-parallel rank 1's map is not its shard whole as "
+            "experts 2 to 3") in err, err
+    sd["ds_autoep_layers"][0]["affine_maps"]["params"]["model.layers.0.mlp.experts.w2"]["ranks"][1]["pieces"][0][
+        "source"][0] = 192
+    sd["ds_autoep_layers"][0]["num_experts"] = 6
+    torch.save(sd, model)
+    err = run_err(optstate_cli, "inspect", tag)
+    assert "num_experts, num_local_experts and ep_size that do not agree" in err, err

@@ -615,6 +615,43 @@ TEST_CASE("deepspeed: MoE's missing or extra expert files, a missing rank and mo
   }
 }
 
+TEST_CASE("deepspeed: AutoEP's fused experts read whole where its affine maps place each expert-parallel rank's") {
+  // autoep_zero1_world4: one MoE layer of 4 experts over autoep_size 2 on 4 ranks; expert-parallel
+  // rank e is ranks e and e+2, its fused w1 [2, 8, 12], w2 [2, 12, 8], w3 [2, 8, 12] (AutoEP splits
+  // gate_up_proj into w1 and w3) one flat run of 576 elements split 288/288 over them.
+  auto r = open_seed(kSeeds / "autoep_zero1_world4");
+  const OptimizerState& m = r->meta();
+  REQUIRE(m.groups.size() == 3);  // weights, biases, the experts (ep_size_2)
+  const std::string ex = "model.layers.0.mlp.experts.";
+  CHECK(m.groups[2].params == std::vector<std::string>{ex + "w1", ex + "w2", ex + "w3"});
+  CHECK(m.params.at(ex + "w1").shape == std::vector<int64_t>{4, 8, 12});  // whole: both ranks' 2 experts
+  CHECK(m.params.at(ex + "w2").shape == std::vector<int64_t>{4, 12, 8});
+  for (const auto& [fqn, ps] : m.params) CHECK(ps.step == 3);
+  for (const auto& [param, element, rank] : std::vector<std::tuple<std::string, int64_t, int>>{
+           {"w1", 0, 0}, {"w1", 191, 0}, {"w1", 192, 1}, {"w2", 95, 0}, {"w2", 96, 2}, {"w2", 192, 1}, {"w2", 288, 3},
+           {"w3", 0, 2}, {"w3", 192, 3}})
+    CHECK_MESSAGE(r->locate(ex + param, kExpAvg, Component::kValues, element)
+                          .find(fmt::format("zero_pp_rank_{}_", rank)) != std::string::npos,
+                  param, " ", element);
+  const auto notes = r->read_notes();
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].starts_with("DeepSpeed AutoEP: 1 MoE layer's fused experts (w1, w2, w3) read whole"));
+  auto v = validate_checkpoint(kSeeds / "autoep_zero1_world4", [](const fs::path& p) { return open_checkpoint(p); });
+  REQUIRE(v.ok());
+  CHECK(v->findings.empty());
+  testing::TempDir dir;
+  REQUIRE(write_checkpoint(*find_format("native"), *load_all(*r), dir.path / "native", {}).ok());
+  CHECK(hash_checkpoint(*open_checkpoint(dir.path / "native").value())->root == hash_checkpoint(*r)->root);
+  const auto st = write_checkpoint(*find_format("deepspeed"), *load_all(*r), dir.path / "uni", {.source = r.get()});
+  REQUIRE_FALSE(st.ok());
+  CHECK(st.message().find("AutoEP's experts: its universal checkpoint is ds_to_universal's") != std::string::npos);
+  {  // an expert file missing
+    const fs::path tag = copy_tag("autoep_zero1_world4", dir);
+    fs::remove(tag / "layer_0_expert_2_mp_rank_00_model_states.pt");
+    CHECK(error_of(tag).find("no layer_0_expert_2_mp_rank_00_model_states.pt") != std::string::npos);
+  }
+}
+
 TEST_CASE("deepspeed: AutoTP's patterns name one param each") {
   using torchsave::exact_name_of_pattern;
   CHECK(exact_name_of_pattern(R"(^layers\.0\.q_proj\.weight$)") == std::optional<std::string>("layers.0.q_proj.weight"));

@@ -34,6 +34,11 @@ with engine.save_checkpoint (global_step3/ and `latest`):
                       expert-data-parallel ranks), Linear(12, 3); the groups split as DeepSpeed requires
                       (split_params_into_different_moe_groups_for_optimizer: weights, biases, and each one's
                       experts as "ep_size_2"); each expert's weights a layer_0_expert_E_mp_rank_00_model_states.pt
+  autoep_zero1_world4/  DeepSpeed AutoEP ("expert_parallel": autoep_size 2, its "mixtral" preset) on 4 ranks, ZeRO-1,
+                      fp32, DeepSpeed's AdamW from the config: Linear(8, 12), LayerNorm(12), a Mixtral-shaped MoE
+                      block (router Linear(12, 4), fused experts gate_up_proj [4, 16, 12], down_proj [4, 12, 8]),
+                      Linear(12, 3); AutoEP's experts.w1/w2/w3 hold each expert-parallel rank's 2 experts, the
+                      model states' ds_autoep_layers their affine maps
   bnb_zero2_world2/   ZeRO-2 under bf16 wrapping bitsandbytes' AdamW8bit (Hugging Face's adamw_bnb_8bit under
                       DeepSpeed), Linear(64, 128), GELU, Linear(128, 3): the weights' partitions (4288 elements
                       each) as 8-bit codes in blocks of 256 of the partition, the biases' (66) as 32-bit state
@@ -179,6 +184,64 @@ def train_moe(out):
     torch.distributed.barrier()
 
 
+def train_autoep(out):
+    import types
+    import deepspeed
+    import torch
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    hidden, ffn, experts = 12, 8, 4
+
+    class Experts(torch.nn.Module):  # Hugging Face's fused layout, which the preset finds
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * ffn, hidden) * 0.1)
+            self.down_proj = torch.nn.Parameter(torch.randn(experts, hidden, ffn) * 0.1)
+
+    class SparseMoeBlock(torch.nn.Module):  # replaced whole by AutoEP's layer
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(hidden, experts, bias=False)
+            self.experts = Experts()
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(hidden)
+            self.mlp = SparseMoeBlock()
+
+        def forward(self, x):
+            y = self.mlp(self.norm(x))
+            return x + (y[0] if isinstance(y, tuple) else y)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = types.SimpleNamespace(model_type="custom_moe", num_local_experts=experts,
+                                                num_experts_per_tok=2, hidden_size=hidden)
+            self.model = torch.nn.Module()
+            self.model.embed = torch.nn.Linear(8, hidden)
+            self.model.layers = torch.nn.ModuleList([Layer()])
+            self.head = torch.nn.Linear(hidden, 3)
+
+        def forward(self, x):
+            return self.head(self.model.layers[0](self.model.embed(x)))
+
+    model = Model()
+    groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05, "name": "w"},
+              {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "name": "b"}]
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": 1},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "mixtral", "use_grouped_mm": False}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+    for step in range(3):
+        x = torch.randn(4, 5, 8, generator=torch.Generator().manual_seed(10 * step + torch.distributed.get_rank()))
+        engine.backward(engine(x).square().sum())
+        engine.step()
+    engine.save_checkpoint(out)
+    torch.distributed.barrier()
+
+
 def train(stage, half, out, variant):
     import deepspeed
     import torch
@@ -186,6 +249,8 @@ def train(stage, half, out, variant):
         return train_pipe(out)
     if variant == "moe":
         return train_moe(out)
+    if variant == "autoep":
+        return train_autoep(out)
     if variant == "autotp":
         return train_autotp(out)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -248,12 +313,13 @@ def main():
                                        ("bnb_zero2_world2", 2, "bf16", "bnb"),
                                        ("pipe2_zero1_world4", 1, "fp32", "pipe"),
                                        ("autotp2_zero1_world2", 1, "fp32", "autotp"),
-                                       ("moe_zero1_world4", 1, "fp32", "moe")):
+                                       ("moe_zero1_world4", 1, "fp32", "moe"),
+                                       ("autoep_zero1_world4", 1, "fp32", "autoep")):
         if wanted and name not in wanted:
             continue
         out = HERE / name
         shutil.rmtree(out, ignore_errors=True)
-        ranks = 4 if variant in ("pipe", "moe") else 2
+        ranks = 4 if variant in ("pipe", "moe", "autoep") else 2
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", __file__,
                         str(stage), half, str(out), variant], check=True, env=env)
         for extra in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's recovery scripts: not state

@@ -15,13 +15,19 @@ fresh process; wall time and peak RSS of each, and the raw copy as the floor.
   2048x4096 Linears split by rows, the 4096x2048 ones by columns, so each rank's shard of the latter
   is 2048 runs of 2048 elements in the whole tensor), put together by the affine maps its model states
   record; optstate's universal checkpoint beside ds_to_universal's.
+- --autoep: ZeRO-1 under DeepSpeed's AutoEP on the 2 ranks (expert_parallel.autoep_size 2, its
+  "mixtral" preset): --layers Mixtral-shaped MoE blocks of 8 experts (hidden 1024, ffn 1024: fused
+  gate_up_proj [8, 2048, 1024], down_proj [8, 1024, 1024]), each rank's 4 experts fused in its
+  experts.w1/w2/w3, put together whole ([8, ...]) by the affine maps its model states record;
+  optstate's read (no universal checkpoint: DeepSpeed's for AutoEP is ds_to_universal's) beside
+  ds_to_universal's consolidation.
 - DeepSpeed: `python -m deepspeed.checkpoint.ds_to_universal` with 2 extract and 2 merge workers
   (this machine's cores).
 - optstate: the CLI, no Python, no DeepSpeed.
 The outputs are read back and must hold the same fp32 weights and moments per param, bit for bit
 (the two universal checkpoints: every file's tensors).
 
-    .venv/bin/python bench/bench_deepspeed.py [--layers 2] [--reps 2] [--stage 2|3 | --autotp] [--dir /tmp] [--json bench/results/deepspeed.json]
+    .venv/bin/python bench/bench_deepspeed.py [--layers 2] [--reps 2] [--stage 2|3 | --autotp | --autoep] [--dir /tmp] [--json bench/results/deepspeed.json]
 """
 import os
 import sys
@@ -41,7 +47,7 @@ warnings.filterwarnings("ignore")
 MAKE = textwrap.dedent("""
     import os, subprocess, sys, warnings
     warnings.filterwarnings("ignore")
-    out, layers, stage, autotp = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+    out, layers, stage, mode = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]  # mode 1: AutoTP, 2: AutoEP
     if len(sys.argv) == 5:  # the launcher: 2 ranks under torchrun
         env = dict(os.environ, DS_ACCELERATOR="cpu")
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
@@ -52,10 +58,52 @@ MAKE = textwrap.dedent("""
     sys.path.insert(0, BENCH)
     from bench_ckpt import make_model
     deepspeed.init_distributed(dist_backend="gloo")
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": int(stage)}}
+    if mode == "2":  # AutoEP: Mixtral-shaped MoE blocks its "mixtral" preset finds
+        import types
+        torch.manual_seed(0)
+        H, F, E = 1024, 1024, 8
+        class Experts(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * F, H) * 0.02)
+                self.down_proj = torch.nn.Parameter(torch.randn(E, H, F) * 0.02)
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gate = torch.nn.Linear(H, E, bias=False)
+                self.experts = Experts()
+        class Layer(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.mlp = Block()
+            def forward(self, x):
+                y = self.mlp(x)
+                return x + (y[0] if isinstance(y, tuple) else y)
+        class Model(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.config = types.SimpleNamespace(model_type="custom_moe", num_local_experts=E,
+                                                    num_experts_per_tok=2, hidden_size=H)
+                self.model = torch.nn.Module()
+                self.model.layers = torch.nn.ModuleList([Layer() for _ in range(int(layers))])
+            def forward(self, x):
+                for layer in self.model.layers:
+                    x = layer(x)
+                return x
+        model = Model()
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+        cfg["expert_parallel"] = {"enabled": True, "autoep_size": 2, "preset_model": "mixtral", "use_grouped_mm": False}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[{"params": list(model.parameters()),
+                                                                               "name": "all"}], config=cfg)
+        engine.backward(engine(torch.randn(1, 4, H)).square().mean())
+        engine.step()
+        engine.save_checkpoint(out)
+        torch.distributed.barrier()
+        sys.exit(0)
     model = make_model(int(layers))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": int(stage)}}
-    if autotp:  # even Linears (2048 -> 4096) split by rows, odd ones (4096 -> 2048) by columns
+    if mode == "1":  # even Linears (2048 -> 4096) split by rows, odd ones (4096 -> 2048) by columns
         cfg["tensor_parallel"] = {"autotp_size": 2, "partition_config": {"use_default_specs": False, "layer_specs": [
             {"patterns": [r"^[0-9]*[02468]\.weight$"], "partition_type": "column"},
             {"patterns": [r"^[0-9]*[13579]\.weight$"], "partition_type": "row"}]}}
@@ -86,16 +134,20 @@ def main():
     ap = checkpoint_args(layers=2, reps=2)
     ap.add_argument("--stage", type=int, choices=(2, 3), default=2)
     ap.add_argument("--autotp", action="store_true", help="ZeRO-1 under AutoTP on the 2 ranks (2 tensor-parallel ranks)")
+    ap.add_argument("--autoep", action="store_true", help="ZeRO-1 under AutoEP on the 2 ranks (2 expert-parallel ranks)")
     args = ap.parse_args()
-    if args.autotp:
+    if args.autotp or args.autoep:
         args.stage = 1
     cli, work, env, scripts = prepare("deepspeed", args.dir, MAKE, UNIVERSAL, needs="deepspeed")
     src = work / "ckpt"
-    t_make = run([sys.executable, scripts["make.py"], src, args.layers, args.stage, int(args.autotp)])
+    mode = 2 if args.autoep else int(args.autotp)
+    t_make = run([sys.executable, scripts["make.py"], src, args.layers, args.stage, mode])
     src_bytes = dir_bytes(src)
-    kind = "ZeRO-1 under AutoTP, 2 tensor-parallel ranks" if args.autotp else f"ZeRO-{args.stage}, 2 ranks"
-    print(f"source: {src_bytes / 1e9:.2f} GB DeepSpeed {kind} checkpoint ({args.layers} layer "
-          f"pairs, made in {t_make:.0f} s); {os.cpu_count()} cpus, torch {torch.__version__}")
+    kind = {0: f"ZeRO-{args.stage}, 2 ranks", 1: "ZeRO-1 under AutoTP, 2 tensor-parallel ranks",
+            2: "ZeRO-1 under AutoEP, 2 expert-parallel ranks"}[mode]
+    layers = "MoE blocks of 8 experts" if args.autoep else "layer pairs"
+    print(f"source: {src_bytes / 1e9:.2f} GB DeepSpeed {kind} checkpoint ({args.layers} {layers}, made in "
+          f"{t_make:.0f} s); {os.cpu_count()} cpus, torch {torch.__version__}")
     reference = "DeepSpeed ds_to_universal"
     ours = "optstate universal" if args.stage != 3 else "optstate ZeRO-3, 4 ranks"
     dst = {"optstate": work / "plain.pt", ours: work / "ours_deepspeed", reference: work / "universal"}
@@ -104,6 +156,8 @@ def main():
         ours: lambda out: [cli, "convert", src, out, "--format", "deepspeed"] + (["--world-size", 4] if args.stage == 3 else []),
         reference: lambda out: [sys.executable, scripts["convert_reference.py"], src, out],
     }
+    if args.autoep:  # DeepSpeed's universal checkpoint of AutoEP is ds_to_universal's alone
+        del cases[ours], dst[ours]
     times, peak = time_cases(cases, dst, src, args.reps, env)
     dst_bytes = os.path.getsize(dst["optstate"])
     buf = bytearray(max(src_bytes, dst_bytes))
@@ -116,7 +170,9 @@ def main():
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(st[k], universal_tensor(ref / f"{k}.pt").view_as(st[k])), (n, k)
         assert torch.equal(sd["model"][n], universal_tensor(ref / "fp32.pt").view_as(sd["model"][n])), n
-    if args.stage != 3:
+    if args.autoep:
+        what = "ds_to_universal's, the experts whole"
+    elif args.stage != 3:
         mine, theirs = dst[ours] / "zero", dst[reference] / "zero"
         for n in names:
             for f in ("fp32", "exp_avg", "exp_avg_sq", "step"):

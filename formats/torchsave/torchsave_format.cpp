@@ -1348,6 +1348,17 @@ class TorchSaveReader final : public CheckpointReader {
         const std::string pw = fmt::format("{} '{}'", gw, name);
         int64_t covered = 0;
         for (const auto& [f, local, count] : runs[name]) covered += count;
+        if (experts.autoep.count(name)) {  // each expert-parallel rank's runs must be its whole shard
+          for (size_t e = 0; e < shares.size(); ++e) {
+            int64_t held = 0;
+            for (const auto& [f, local, count] : runs[name])
+              if (std::count(shares[e].first.begin(), shares[e].first.end(), f)) held += count;
+            if (held * static_cast<int64_t>(shares.size()) != numel)
+              return corrupt(fmt::format("{}: expert-parallel rank {}'s ranks ({}) hold {} elements of its shard of {}",
+                                         pw, e, fmt::join(shares[e].first, ", "), held,
+                                         numel / static_cast<int64_t>(shares.size())));
+          }
+        }
         if (covered != numel)
           return corrupt(fmt::format("{}: the ranks' partitions hold {} of its {} elements{}", pw, covered, numel,
                                      share_of.count(name)

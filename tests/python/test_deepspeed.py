@@ -1086,7 +1086,8 @@ def test_autoep_checkpoint_reads_as_ds_to_universal(tmp_path, optstate_cli, stag
 def test_autoep_maps_other_than_one_block_a_rank_are_refused(tmp_path, optstate_cli):
     """An AutoEP map that does not place expert-parallel rank e's shard whole as experts e*n.. (here
     rank 1's at rank 0's place, as a damaged or folded AutoEP+AutoTP map would) is refused, naming
-    the param and rank; so is an AutoEP layer whose num_experts disagrees with its local experts."""
+    the param and rank; so is an AutoEP layer whose num_experts disagrees with its local experts, and
+    runs that cover the whole tensor but not each rank's shard."""
     import shutil
     tag = tmp_path / "global_step3"
     shutil.copytree(SEEDS / "autoep_zero1_world4" / "global_step3", tag)
@@ -1104,3 +1105,18 @@ def test_autoep_maps_other_than_one_block_a_rank_are_refused(tmp_path, optstate_
     torch.save(sd, model)
     err = run_err(optstate_cli, "inspect", tag)
     assert "num_experts, num_local_experts and ep_size that do not agree" in err, err
+    sd["ds_autoep_layers"][0]["num_experts"] = 4
+    torch.save(sd, model)
+    # expert-parallel rank 0's runs of w1 one element short, rank 1's one long: the whole is covered,
+    # but each rank's shard is not its own
+    for rank, change in ((0, -1), (1, 1)):
+        f = tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        osd = torch.load(f, weights_only=False)
+        runs = osd["optimizer_state_dict"]["param_slice_mappings"][2]
+        w1, w2 = "model.layers.0.mlp.experts.w1", "model.layers.0.mlp.experts.w2"
+        runs[w1].numel += change  # DeepSpeed's fragment_address, a dataclass
+        runs[w2].start += change
+        runs[w2].numel -= change
+        torch.save(osd, f)
+    err = run_err(optstate_cli, "inspect", tag)
+    assert "'model.layers.0.mlp.experts.w1': expert-parallel rank 0's ranks (0, 2) hold 191 elements of its shard of 192" in err, err

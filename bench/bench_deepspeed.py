@@ -16,8 +16,8 @@ fresh process; wall time and peak RSS of each, and the raw copy as the floor.
   is 2048 runs of 2048 elements in the whole tensor), put together by the affine maps its model states
   record; optstate's universal checkpoint beside ds_to_universal's.
 - --autoep: ZeRO-1 under DeepSpeed's AutoEP on the 2 ranks (expert_parallel.autoep_size 2, its
-  "mixtral" preset): --layers Mixtral-shaped MoE blocks of 8 experts (hidden 1024, ffn 1024: fused
-  gate_up_proj [8, 2048, 1024], down_proj [8, 1024, 1024]), each rank's 4 experts fused in its
+  "mixtral" preset): --layers Mixtral-shaped MoE blocks of 8 experts (make_seeds.mixtral_like, hidden
+  1024, ffn 1024: fused gate_up_proj [8, 2048, 1024], down_proj [8, 1024, 1024]), each rank's 4 experts fused in its
   experts.w1/w2/w3, put together whole ([8, ...]) by the affine maps its model states record;
   optstate's read (no universal checkpoint: DeepSpeed's for AutoEP is ds_to_universal's) beside
   ds_to_universal's consolidation.
@@ -59,44 +59,16 @@ MAKE = textwrap.dedent("""
     from bench_ckpt import make_model
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": int(stage)}}
-    if mode == "2":  # AutoEP: Mixtral-shaped MoE blocks its "mixtral" preset finds
-        import types
+    if mode == "2":  # AutoEP: Mixtral-shaped MoE blocks its "mixtral" preset finds (the seeds' model)
+        sys.path.insert(0, os.path.join(os.path.dirname(BENCH), "formats", "deepspeed", "testdata"))
+        from make_seeds import AUTOEP_CONFIG, mixtral_like
         torch.manual_seed(0)
-        H, F, E = 1024, 1024, 8
-        class Experts(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * F, H) * 0.02)
-                self.down_proj = torch.nn.Parameter(torch.randn(E, H, F) * 0.02)
-        class Block(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.gate = torch.nn.Linear(H, E, bias=False)
-                self.experts = Experts()
-        class Layer(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.mlp = Block()
-            def forward(self, x):
-                y = self.mlp(x)
-                return x + (y[0] if isinstance(y, tuple) else y)
-        class Model(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.config = types.SimpleNamespace(model_type="custom_moe", num_local_experts=E,
-                                                    num_experts_per_tok=2, hidden_size=H)
-                self.model = torch.nn.Module()
-                self.model.layers = torch.nn.ModuleList([Layer() for _ in range(int(layers))])
-            def forward(self, x):
-                for layer in self.model.layers:
-                    x = layer(x)
-                return x
-        model = Model()
+        model = mixtral_like(1024, 1024, 8, int(layers), std=0.02)
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
-        cfg["expert_parallel"] = {"enabled": True, "autoep_size": 2, "preset_model": "mixtral", "use_grouped_mm": False}
+        cfg["expert_parallel"] = AUTOEP_CONFIG
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[{"params": list(model.parameters()),
                                                                                "name": "all"}], config=cfg)
-        engine.backward(engine(torch.randn(1, 4, H)).square().mean())
+        engine.backward(engine(torch.randn(1, 4, 8)).square().mean())
         engine.step()
         engine.save_checkpoint(out)
         torch.distributed.barrier()

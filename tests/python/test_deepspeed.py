@@ -992,55 +992,19 @@ def test_mixture_of_experts_files_missing_or_miscounted_are_named(tmp_path, opts
 # ranks (each expert-parallel rank's experts split over 2 expert-data-parallel ranks), DeepSpeed's
 # own AdamW from the config (AutoEP replaces the experts' params, and DeepSpeed then puts them in
 # groups of their own), Hugging Face's two client groups.
-AUTOEP_TRAIN = """
-import sys, types, torch, deepspeed
+AUTOEP_TRAIN = f"""
+import sys, torch, deepspeed
+sys.path.insert(0, {str(SEEDS)!r})
+from make_seeds import AUTOEP_CONFIG, mixtral_like
+""" + """
 out, stage, half = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 deepspeed.init_distributed(dist_backend="gloo")
 torch.manual_seed(0)
-H, F, E = 16, 24, 4
-class Experts(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * F, H) * 0.1)
-        self.down_proj = torch.nn.Parameter(torch.randn(E, H, F) * 0.1)
-class SparseMoeBlock(torch.nn.Module):  # replaced whole by AutoEP's layer
-    def __init__(self):
-        super().__init__()
-        self.gate = torch.nn.Linear(H, E, bias=False)
-        self.experts = Experts()
-class Layer(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(H)
-        self.mlp = SparseMoeBlock()
-    def forward(self, x):
-        y = self.mlp(self.norm(x))
-        return x + (y[0] if isinstance(y, tuple) else y)
-class Inner(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Linear(8, H)
-        self.layers = torch.nn.ModuleList([Layer(), Layer()])
-    def forward(self, x):
-        x = self.embed(x)
-        for layer in self.layers:
-            x = layer(x)
-        return x
-class Model(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.config = types.SimpleNamespace(model_type="custom_moe", num_local_experts=E, num_experts_per_tok=2,
-                                            hidden_size=H)
-        self.model = Inner()
-        self.head = torch.nn.Linear(H, 3)
-    def forward(self, x):
-        return self.head(self.model(x))
-model = Model()
+model = mixtral_like(16, 24, 4, 2)
 groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05, "name": "w"},
           {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "name": "b"}]
 cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage}, "bf16": {"enabled": half == "bf16"},
-       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-       "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "mixtral", "use_grouped_mm": False}}
+       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "expert_parallel": AUTOEP_CONFIG}
 engine = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)[0]
 dtype = torch.bfloat16 if half == "bf16" else torch.float32
 for s in range(3):

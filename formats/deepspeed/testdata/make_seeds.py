@@ -184,21 +184,22 @@ def train_moe(out):
     torch.distributed.barrier()
 
 
-def train_autoep(out):
+def mixtral_like(hidden, ffn, experts, layers, std=0.1):
+    """A Mixtral-shaped model that DeepSpeed AutoEP's "mixtral" preset finds without transformers:
+    model.embed Linear(8, hidden), model.layers.N (a LayerNorm, then an mlp block with a router `gate`
+    and fused experts gate_up_proj [experts, 2 ffn, hidden], down_proj [experts, hidden, ffn], which
+    AutoEP replaces whole), head Linear(hidden, 3); a config naming the expert count and top 2. The
+    seed's, tests/python/test_deepspeed.py's AutoEP runs and bench/bench_deepspeed.py --autoep."""
     import types
-    import deepspeed
     import torch
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch.manual_seed(0)
-    hidden, ffn, experts = 12, 8, 4
 
-    class Experts(torch.nn.Module):  # Hugging Face's fused layout, which the preset finds
+    class Experts(torch.nn.Module):  # Hugging Face's fused layout
         def __init__(self):
             super().__init__()
-            self.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * ffn, hidden) * 0.1)
-            self.down_proj = torch.nn.Parameter(torch.randn(experts, hidden, ffn) * 0.1)
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * ffn, hidden) * std)
+            self.down_proj = torch.nn.Parameter(torch.randn(experts, hidden, ffn) * std)
 
-    class SparseMoeBlock(torch.nn.Module):  # replaced whole by AutoEP's layer
+    class SparseMoeBlock(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.gate = torch.nn.Linear(hidden, experts, bias=False)
@@ -221,18 +222,33 @@ def train_autoep(out):
                                                 num_experts_per_tok=2, hidden_size=hidden)
             self.model = torch.nn.Module()
             self.model.embed = torch.nn.Linear(8, hidden)
-            self.model.layers = torch.nn.ModuleList([Layer()])
+            self.model.layers = torch.nn.ModuleList([Layer() for _ in range(layers)])
             self.head = torch.nn.Linear(hidden, 3)
 
         def forward(self, x):
-            return self.head(self.model.layers[0](self.model.embed(x)))
+            x = self.model.embed(x)
+            for layer in self.model.layers:
+                x = layer(x)
+            return self.head(x)
 
-    model = Model()
+    return Model()
+
+
+# AutoEP's config: expert parallelism over 2 ranks by the "mixtral" preset, without grouped GEMMs
+# (torch._grouped_mm is CUDA's).
+AUTOEP_CONFIG = {"enabled": True, "autoep_size": 2, "preset_model": "mixtral", "use_grouped_mm": False}
+
+
+def train_autoep(out):
+    import deepspeed
+    import torch
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = mixtral_like(12, 8, 4, 1)
     groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05, "name": "w"},
               {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "name": "b"}]
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": 1},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "mixtral", "use_grouped_mm": False}}
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "expert_parallel": AUTOEP_CONFIG}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
     for step in range(3):
         x = torch.randn(4, 5, 8, generator=torch.Generator().manual_seed(10 * step + torch.distributed.get_rank()))

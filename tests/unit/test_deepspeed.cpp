@@ -6,6 +6,8 @@
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
+#include <functional>
+
 #include "optstate/checkpoint.h"
 #include "optstate/hash.h"
 #include "optstate/io.h"
@@ -573,45 +575,43 @@ TEST_CASE("deepspeed: MoE experts read from their expert-data-parallel ranks und
 }
 
 TEST_CASE("deepspeed: MoE's missing or extra expert files, a missing rank and model parallelism are refused") {
-  {
+  const fs::path moe = "moe_zero1_world4/global_step3";
+  struct Damage {
+    const char* seed;
+    std::function<void(const fs::path&)> edit;  // of the copied tag folder
+    std::string error;
+  };
+  const std::vector<Damage> cases = {
+      {"moe_zero1_world4", [](const fs::path& tag) { fs::remove(tag / "layer_0_expert_3_mp_rank_00_model_states.pt"); },
+       "no layer_0_expert_3_mp_rank_00_model_states.pt (MoE layer 0 of 4 experts"},
+      {"moe_zero1_world4",
+       [](const fs::path& tag) {
+         fs::copy(tag / "layer_0_expert_3_mp_rank_00_model_states.pt", tag / "layer_1_expert_0_mp_rank_00_model_states.pt");
+       },
+       "layer_1_expert_0_mp_rank_00_model_states.pt, past the 1 MoE layers' experts"},
+      {"moe_zero1_world4", [](const fs::path& tag) { fs::remove(tag / "zero_pp_rank_3_mp_rank_00_optim_states.pt"); },
+       "zero_pp_rank_0_mp_rank_00_optim_states.pt: partition_count 4, but"},
+      {"moe_zero1_world4",
+       [](const fs::path& tag) {
+         fs::rename(tag / "layer_0_expert_3_mp_rank_00_model_states.pt", tag / "layer_0_expert_3_mp_rank_01_model_states.pt");
+       },
+       "DeepSpeed MoE beside model parallelism"},
+      // stage 0 (no ZeRO): the state in expp_rank_* files
+      {"moe_zero1_world4",
+       [](const fs::path& tag) {
+         for (int rank = 0; rank < 4; ++rank) fs::remove(tag / fmt::format("zero_pp_rank_{}_mp_rank_00_optim_states.pt", rank));
+       },
+       "without ZeRO partitions"},
+      // the experts' files of an MoE run beside a dense run's ZeRO files
+      {"zero2_world2",
+       [&](const fs::path& tag) { fs::copy(kSeeds / moe / "layer_0_expert_0_mp_rank_00_model_states.pt", tag); },
+       "but no param group of experts ('moe'"},
+  };
+  for (const Damage& d : cases) {
     testing::TempDir dir;
-    const fs::path tag = copy_tag("moe_zero1_world4", dir);
-    fs::remove(tag / "layer_0_expert_3_mp_rank_00_model_states.pt");
-    CHECK(error_of(tag).find("no layer_0_expert_3_mp_rank_00_model_states.pt (MoE layer 0 of 4 experts") !=
-          std::string::npos);
-  }
-  {
-    testing::TempDir dir;
-    const fs::path tag = copy_tag("moe_zero1_world4", dir);
-    fs::copy(tag / "layer_0_expert_3_mp_rank_00_model_states.pt", tag / "layer_1_expert_0_mp_rank_00_model_states.pt");
-    CHECK(error_of(tag).find("layer_1_expert_0_mp_rank_00_model_states.pt, past the 1 MoE layers' experts") !=
-          std::string::npos);
-  }
-  {
-    testing::TempDir dir;
-    const fs::path tag = copy_tag("moe_zero1_world4", dir);
-    fs::remove(tag / "zero_pp_rank_3_mp_rank_00_optim_states.pt");
-    CHECK(error_of(tag).find("zero_pp_rank_0_mp_rank_00_optim_states.pt: partition_count 4, but") != std::string::npos);
-  }
-  {
-    testing::TempDir dir;
-    const fs::path tag = copy_tag("moe_zero1_world4", dir);
-    fs::rename(tag / "layer_0_expert_3_mp_rank_00_model_states.pt", tag / "layer_0_expert_3_mp_rank_01_model_states.pt");
-    CHECK(error_of(tag).find("DeepSpeed MoE beside model parallelism") != std::string::npos);
-  }
-  {
-    // stage 0 (no ZeRO): the state in expp_rank_* files
-    testing::TempDir dir;
-    const fs::path tag = copy_tag("moe_zero1_world4", dir);
-    for (int rank = 0; rank < 4; ++rank) fs::remove(tag / fmt::format("zero_pp_rank_{}_mp_rank_00_optim_states.pt", rank));
-    CHECK(error_of(tag).find("without ZeRO partitions") != std::string::npos);
-  }
-  {
-    // the experts' files of an MoE run beside a dense run's ZeRO files
-    testing::TempDir dir;
-    const fs::path tag = copy_tag("zero2_world2", dir);
-    fs::copy(kSeeds / "moe_zero1_world4/global_step3/layer_0_expert_0_mp_rank_00_model_states.pt", tag);
-    CHECK(error_of(tag).find("but no param group of experts ('moe'") != std::string::npos);
+    const fs::path tag = copy_tag(d.seed, dir);
+    d.edit(tag);
+    CHECK_MESSAGE(error_of(tag).find(d.error) != std::string::npos, d.error);
   }
 }
 

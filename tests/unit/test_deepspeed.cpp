@@ -1,7 +1,7 @@
 // deepspeed driver: real DeepSpeed ZeRO checkpoints (formats/deepspeed/testdata/make_seeds.py:
 // ZeRO-2 and ZeRO-3 of one run (ZeRO-3 with and without sub-groups), ZeRO-1 under bf16 with and
 // without frozen params, Adam in L2 mode, ZeRO-3 under fp16 with skipped steps; 2 ranks each; a
-// pipeline of 2 stages on 4 ranks) read as their canonical state;
+// pipeline of 2 stages on 4 ranks; DeepSpeed MoE and AutoEP on 4 ranks) read as their canonical state;
 // damaged and unsupported variants are refused with the file named.
 #include <doctest/doctest.h>
 #include <fmt/format.h>

@@ -536,6 +536,21 @@ TEST_CASE("deepspeed: AutoTP's tensor-parallel ranks put together where the affi
   CHECK(hash_checkpoint(*open_seed(dir.path / "uni"))->root == hash_checkpoint(*r)->root);
 }
 
+// An MoE seed (read as `r`): validate finds nothing, the native format takes it and hashes alike,
+// and DeepSpeed's universal layout is refused with `refusal`, nothing written.
+static void experts_validate_convert_and_refuse_universal(const char* seed, CheckpointReader& r,
+                                                          const testing::TempDir& dir, const std::string& refusal) {
+  auto v = validate_checkpoint(kSeeds / seed, [](const fs::path& p) { return open_checkpoint(p); });
+  REQUIRE(v.ok());
+  CHECK(v->findings.empty());
+  REQUIRE(write_checkpoint(*find_format("native"), *load_all(r), dir.path / "native", {}).ok());
+  CHECK(hash_checkpoint(*open_checkpoint(dir.path / "native").value())->root == hash_checkpoint(r)->root);
+  const auto st = write_checkpoint(*find_format("deepspeed"), *load_all(r), dir.path / "uni", {.source = &r});
+  REQUIRE_FALSE(st.ok());
+  CHECK(st.message().find(refusal) != std::string::npos);
+  CHECK(!fs::exists(dir.path / "uni"));
+}
+
 TEST_CASE("deepspeed: MoE experts read from their expert-data-parallel ranks under their global numbers") {
   // moe_zero1_world4: 4 experts over ep_size 2 on 4 ranks; expert-parallel rank e is ranks e and e+2
   // (their partitions of its experts, in order), its local experts 0 and 1 are experts 2e and 2e+1.
@@ -560,18 +575,10 @@ TEST_CASE("deepspeed: MoE experts read from their expert-data-parallel ranks und
   CHECK(std::any_of(nr.begin(), nr.end(), [](const std::string& s) {
     return s.starts_with("layer_*_expert_*_model_states.pt (4 files");
   }));
-  auto v = validate_checkpoint(kSeeds / "moe_zero1_world4", [](const fs::path& p) { return open_checkpoint(p); });
-  REQUIRE(v.ok());
-  CHECK(v->findings.empty());
-  testing::TempDir dir;
-  REQUIRE(write_checkpoint(*find_format("native"), *load_all(*r), dir.path / "native", {}).ok());
-  CHECK(hash_checkpoint(*open_checkpoint(dir.path / "native").value())->root == hash_checkpoint(*r)->root);
   // DeepSpeed takes MoE experts from layer_*_expert_* files, which a universal checkpoint has none of
-  const auto st = write_checkpoint(*find_format("deepspeed"), *load_all(*r), dir.path / "uni", {.source = r.get()});
-  REQUIRE_FALSE(st.ok());
-  CHECK(st.message().find("DeepSpeed MoE layers' experts, which DeepSpeed does not load from a universal") !=
-        std::string::npos);
-  CHECK(!fs::exists(dir.path / "uni"));
+  testing::TempDir dir;
+  experts_validate_convert_and_refuse_universal(
+      "moe_zero1_world4", *r, dir, "DeepSpeed MoE layers' experts, which DeepSpeed does not load from a universal");
 }
 
 TEST_CASE("deepspeed: MoE's missing or extra expert files, a missing rank and model parallelism are refused") {
@@ -636,15 +643,9 @@ TEST_CASE("deepspeed: AutoEP's fused experts read whole where its affine maps pl
   const auto notes = r->read_notes();
   REQUIRE(notes.size() == 1);
   CHECK(notes[0].starts_with("DeepSpeed AutoEP: 1 MoE layer's fused experts (w1, w2, w3) read whole"));
-  auto v = validate_checkpoint(kSeeds / "autoep_zero1_world4", [](const fs::path& p) { return open_checkpoint(p); });
-  REQUIRE(v.ok());
-  CHECK(v->findings.empty());
   testing::TempDir dir;
-  REQUIRE(write_checkpoint(*find_format("native"), *load_all(*r), dir.path / "native", {}).ok());
-  CHECK(hash_checkpoint(*open_checkpoint(dir.path / "native").value())->root == hash_checkpoint(*r)->root);
-  const auto st = write_checkpoint(*find_format("deepspeed"), *load_all(*r), dir.path / "uni", {.source = r.get()});
-  REQUIRE_FALSE(st.ok());
-  CHECK(st.message().find("AutoEP's experts: its universal checkpoint is ds_to_universal's") != std::string::npos);
+  experts_validate_convert_and_refuse_universal("autoep_zero1_world4", *r, dir,
+                                                "AutoEP's experts: its universal checkpoint is ds_to_universal's");
   {  // an expert file missing
     const fs::path tag = copy_tag("autoep_zero1_world4", dir);
     fs::remove(tag / "layer_0_expert_2_mp_rank_00_model_states.pt");

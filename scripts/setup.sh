@@ -5,7 +5,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
-apt_pkgs=(build-essential cmake ninja-build ccache pkg-config python3-venv python3-dev libhdf5-dev libxxhash-dev libfmt-dev
+apt_pkgs=(build-essential cmake ninja-build ccache pkg-config python3-venv python3-dev libhdf5-dev libxxhash-dev libzstd-dev libfmt-dev
           doctest-dev nlohmann-json3-dev)
 missing=()
 for p in "${apt_pkgs[@]}"; do

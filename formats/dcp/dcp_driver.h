@@ -117,6 +117,17 @@ Status read_archive_head(const InputFile& file, const StorageLoc& loc, ArchiveIn
 Status read_archive_bytes(const InputFile& file, const StorageLoc& loc, const ArchiveIndex& index, uint64_t at,
                           std::span<std::byte> out, const std::string& where);
 
+// Items stored through torch's stream transforms (FileSystemWriter(_extensions=[ZStandard()])):
+// each descriptor must be one optstate decodes ("stream.zstd/1"; torch takes any 1.x), else an
+// error naming it and the item.
+Status check_transforms(const StorageLoc& loc, const std::string& where);
+// The most bytes an item's stored archive may decode to: its chunk's elements (of the item's
+// dtype) twice over and 16 MiB more for the archive around them; for a bytes item (no chunk), 1 GiB.
+uint64_t stored_bytes_cap(const ItemMeta& im, const ChunkMeta* chunk);
+// A transformed item's bytes decoded, as a file of their own (InputFile::made: let go under memory
+// pressure and decoded again when read).
+Result<InputFile> decoded_item(const InputFile& file, const StorageLoc& loc, uint64_t max_out, const std::string& where);
+
 // One torch.save archive written to `out` from its current offset, laid out as torch.save lays it
 // out (folder "archive"): begin() writes data.pkl and the small records, storage() each
 // data/<key> (64-byte aligned, with its CRC-32), finish() the version record and the central

@@ -21,6 +21,7 @@
 #include "optstate/quant8.h"
 #include "optstate/torch_names.h"
 #include "optstate/transform.h"
+#include "optstate/zstd.h"
 #include "pickle.h"
 #include "megatron.h"
 #include "megatron_buckets.h"
@@ -474,8 +475,7 @@ class DcpReader final : public CheckpointReader {
     // Storage locations: inside the directory and inside their files, before anything is read.
     for (const auto& [k, loc] : md_.storage) {
       const std::string iw = fmt::format("{}: item '{}'", where, k.first);
-      if (loc.transformed)
-        return corrupt(iw + " is stored through a transform (e.g. stream.zstd); only plain items are read");
+      OPTSTATE_RETURN_IF_ERROR(check_transforms(loc, iw));
       OPTSTATE_ASSIGN_OR_RETURN(const InputFile* f, file(loc.relative_path, iw));
       if (loc.offset > f->size() || loc.length > f->size() - loc.offset)
         return corrupt(fmt::format("{}: bytes [{}, {}) lie beyond the end of {} ({} bytes)", iw, loc.offset,
@@ -940,7 +940,7 @@ class DcpReader final : public CheckpointReader {
       return corrupt(fmt::format("{}: an item named '{}' beside Megatron's common.pt", where, kMegatronCommon));
     OPTSTATE_ASSIGN_OR_RETURN(const InputFile* cf, file(kMegatronCommon, where + ": common.pt"));
     // read as a bytes item spanning the whole file (a torch.save archive, as DCP's bytes items are)
-    md_.storage[{kMegatronCommon, {}}] = StorageLoc{kMegatronCommon, 0, cf->size(), false, std::nullopt};
+    md_.storage[{kMegatronCommon, {}}] = StorageLoc{kMegatronCommon, 0, cf->size(), {}, std::nullopt};
     OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(kMegatronCommon, {}, 64));
     if (pi->payload.kind != Payload::Kind::kValue) return corrupt(where + "/common.pt: not a dict");
     if (pi->pickle.dict_get(pi->pickle.root(), "optimizer") == pickle::kNoRef) {
@@ -1758,11 +1758,23 @@ class DcpReader final : public CheckpointReader {
     const auto stored = md_.storage.find(ChunkView{key, offsets});
     if (stored == md_.storage.end())
       return corrupt(fmt::format("{}: item '{}' has no storage entry", dir_.string(), key));
-    const StorageLoc& loc = stored->second;
     const std::string iw = fmt::format("{}: item '{}'{}", dir_.string(), key,
                                        offsets.empty() ? "" : " chunk at " + format_shape(offsets));
-    OPTSTATE_ASSIGN_OR_RETURN(const InputFile* f, file(loc.relative_path, iw));
-    if (loc.raw_shape) return raw_item(key, offsets, loc, f, iw);
+    OPTSTATE_ASSIGN_OR_RETURN(const InputFile* f, file(stored->second.relative_path, iw));
+    if (stored->second.raw_shape) return raw_item(key, offsets, stored->second, f, iw);
+    StorageLoc loc = stored->second;
+    if (!loc.transforms.empty()) {
+      // Its decoded bytes are the archive, a file of their own.
+      const auto im = md_.items.find(key);
+      const ChunkMeta* chunk = nullptr;
+      if (im != md_.items.end() && im->second.is_tensor)
+        for (const ChunkMeta& ch : im->second.chunks)
+          if (ch.offsets == offsets) chunk = &ch;
+      const uint64_t cap = chunk ? stored_bytes_cap(im->second, chunk) : stored_bytes_cap(ItemMeta{}, nullptr);
+      OPTSTATE_ASSIGN_OR_RETURN(InputFile decoded, decoded_item(*f, loc, cap, iw));
+      f = &decoded_.emplace(ChunkKey{key, offsets}, std::move(decoded)).first->second;
+      loc = StorageLoc{loc.relative_path, 0, f->size(), {}, std::nullopt};
+    }
     auto read_index = read_archive_index(*f, loc, iw);
     if (!read_index.ok()) {
       // FileSystemWriter(serialization_format=SAFETENSORS) stores a rank's tensors as one
@@ -2199,6 +2211,7 @@ class DcpReader final : public CheckpointReader {
   Metadata md_;
   OptimizerState meta_;
   std::map<std::string, InputFile> files_;
+  std::map<ChunkKey, InputFile, ChunkLess> decoded_;  // transformed items' decoded bytes
   // By (key, chunk offsets), looked up without a copy of either: each chunk's is found once per
   // window of its tensor read, hundreds of thousands of times in a DCP of hundreds of ranks.
   struct ChunkHash {
@@ -2350,6 +2363,52 @@ class DcpDriver final : public FormatDriver {
 };
 
 }  // namespace
+
+Status check_transforms(const StorageLoc& loc, const std::string& where) {
+  for (const std::string& d : loc.transforms) {
+    const auto slash = d.find('/');
+    const std::string_view name = std::string_view(d).substr(0, slash);
+    const std::string_view version = slash == std::string::npos ? std::string_view{} : std::string_view(d).substr(slash + 1);
+    if (name != "stream.zstd" || version.substr(0, version.find('.')) != "1")
+      return unsupported(fmt::format("{} is stored through the transform '{}', which optstate does not decode (it "
+                                     "decodes torch's stream.zstd/1)", where, printable(d)));
+    if (!zstd_available())
+      return unsupported(fmt::format("{} is zstd-compressed (stream.zstd), and this optstate was built without libzstd "
+                                     "(OPTSTATE_WITH_ZSTD)", where));
+  }
+  return Status::Ok();
+}
+
+uint64_t stored_bytes_cap(const ItemMeta& im, const ChunkMeta* chunk) {
+  constexpr uint64_t kArchiveSlack = uint64_t{16} << 20;
+  constexpr uint64_t kBytesItemCap = uint64_t{1} << 30;
+  if (!chunk) return kBytesItemCap;
+  uint64_t bytes = static_cast<uint64_t>(dtype_size(im.dtype));
+  for (int64_t n : chunk->sizes) {
+    if (n < 0 || (n > 0 && bytes > (uint64_t{1} << 62) / static_cast<uint64_t>(n))) return uint64_t{1} << 62;
+    bytes *= static_cast<uint64_t>(n);
+  }
+  return 2 * bytes + kArchiveSlack;
+}
+
+Result<InputFile> decoded_item(const InputFile& file, const StorageLoc& loc, uint64_t max_out, const std::string& where) {
+  OPTSTATE_RETURN_IF_ERROR(check_transforms(loc, where));
+  // Each descriptor a zstd layer: decoded once per layer (torch writes one).
+  const size_t layers = loc.transforms.size();
+  const InputFile* src = &file;
+  const uint64_t offset = loc.offset, length = loc.length;
+  return InputFile::made(fmt::format("{} (decoded)", where),
+                         [src, offset, length, max_out, layers, where]() -> Result<std::vector<std::byte>> {
+                           OPTSTATE_ASSIGN_OR_RETURN(std::vector<std::byte> bytes,
+                                                     zstd_decode_range(*src, offset, length, max_out, where));
+                           for (size_t k = 1; k < layers; ++k) {
+                             ZstdDecoder dec(max_out, where);
+                             OPTSTATE_RETURN_IF_ERROR(dec.feed(bytes));
+                             OPTSTATE_ASSIGN_OR_RETURN(bytes, dec.finish());
+                           }
+                           return bytes;
+                         });
+}
 
 Result<ArchiveIndex> read_archive_index(const InputFile& file, const StorageLoc& loc, const std::string& where,
                                         bool allow_compressed) {

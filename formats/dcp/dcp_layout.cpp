@@ -466,9 +466,15 @@ Result<Metadata> interpret_metadata(const Pickle& p, const std::string& where) {
     loc.relative_path = *rel;
     loc.offset = static_cast<uint64_t>(p.at(o).i);
     loc.length = static_cast<uint64_t>(p.at(l).i);
-    const Ref td = p.dict_get(sf, "transform_descriptors");
-    loc.transformed = td != kNoRef && (p.at(td).kind == Kind::kList || p.at(td).kind == Kind::kTuple) &&
-                      !p.at(td).items.empty();
+    if (const Ref td = p.dict_get(sf, "transform_descriptors"); td != kNoRef && p.at(td).kind != Kind::kNone) {
+      if (p.at(td).kind != Kind::kList && p.at(td).kind != Kind::kTuple)
+        return corrupt(fmt::format("{}: storage of '{}' has transform_descriptors that are not a list", where, *fqn));
+      for (Ref d : p.at(td).items) {
+        auto desc = str(p, d);
+        if (!desc) return corrupt(fmt::format("{}: storage of '{}' has a transform descriptor that is not a string", where, *fqn));
+        loc.transforms.push_back(*desc);
+      }
+    }
     if (!m.storage.emplace(std::pair{*fqn, offsets}, loc).second)
       return corrupt(fmt::format("{}: storage of '{}' at {} is listed twice", where, *fqn, format_shape(offsets)));
   }

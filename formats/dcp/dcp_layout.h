@@ -46,7 +46,9 @@ inline const std::vector<int64_t>& tensor_shape(const ItemMeta& im) { return im.
 struct StorageLoc {
   std::string relative_path;
   uint64_t offset = 0, length = 0;
-  bool transformed = false;  // transform_descriptors (e.g. stream.zstd) present
+  // transform_descriptors: what the stored bytes went through ("stream.zstd/1": torch's ZStandard
+  // extension), as listed; empty for plain bytes.
+  std::vector<std::string> transforms;
   // Megatron's zarr backend (zarr.h): the bytes are the chunk's elements themselves, in C order, of
   // the item's dtype and this shape (no torch.save archive around them, no CRC).
   std::optional<std::vector<int64_t>> raw_shape;

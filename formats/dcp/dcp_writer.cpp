@@ -68,6 +68,7 @@ struct Piece {
   std::vector<int64_t> offsets, sizes;  // the chunk's box (empty for bytes items)
   int file = 0;                         // rank: __<file>_0.distcp
   uint64_t offset = 0, length = 0;
+  std::vector<std::string> transforms;  // a carried piece's, kept with its bytes as stored
 };
 
 struct Written {
@@ -182,7 +183,14 @@ std::string metadata_pickle(const std::vector<Written>& items) {
       w.str("length");
       w.integer(static_cast<int64_t>(pc.length));
       w.str("transform_descriptors");
-      w.none();
+      if (pc.transforms.empty()) {
+        w.none();
+      } else {
+        w.empty_list();
+        w.mark();
+        for (const std::string& t : pc.transforms) w.str(t);
+        w.appends_from_mark();
+      }
       w.setitems_from_mark();
       w.build();
     }
@@ -247,9 +255,19 @@ Status copy_carried(const SourceLayout& src, std::vector<OutputFile>& outs, cons
       if (loc.offset > in.size() || loc.length > in.size() - loc.offset)
         return corrupt(fmt::format("{}: bytes [{}, {}) lie beyond the end of {}", iw, loc.offset,
                                    loc.offset + loc.length, in.path().string()));
-      OPTSTATE_RETURN_IF_ERROR(read_archive_index(in, loc, iw).status());
+      if (loc.transforms.empty()) {
+        OPTSTATE_RETURN_IF_ERROR(read_archive_index(in, loc, iw).status());
+      } else {
+        // Checked decoded, then copied as stored (still compressed), its descriptors with it.
+        OPTSTATE_ASSIGN_OR_RETURN(
+            InputFile decoded,
+            decoded_item(in, loc, stored_bytes_cap(c.meta, c.meta.is_tensor ? &c.meta.chunks[k] : nullptr), iw));
+        OPTSTATE_RETURN_IF_ERROR(
+            read_archive_index(decoded, StorageLoc{loc.relative_path, 0, decoded.size(), {}, std::nullopt}, iw).status());
+      }
       OutputFile& out = outs[out_of.at(loc.relative_path)];
       Piece pc;
+      pc.transforms = loc.transforms;
       pc.file = static_cast<int>(out_of.at(loc.relative_path));
       pc.offset = out.offset();
       pc.length = loc.length;

@@ -245,7 +245,7 @@ Result<Metadata> read_zarr_folder(const fs::path& dir) {
       ItemMeta im;
       md.items.emplace(item, im);
       md.order.push_back(item);
-      md.storage.emplace(ChunkKey{item, {}}, StorageLoc{rel, 0, size, false, std::nullopt});
+      md.storage.emplace(ChunkKey{item, {}}, StorageLoc{rel, 0, size, {}, std::nullopt});
     }
   }
   return md;

@@ -48,8 +48,13 @@ struct InputFile::State {
   dev_t dev = 0;
   ino_t ino = 0;
   int fd = -1;    // -1 while closed for another file
-  int pins = 0;   // reads in progress: not closed under them
-  std::list<State*>::iterator lru;  // valid while fd >= 0
+  int pins = 0;   // reads in progress: not closed (nor let go) under them
+  std::list<State*>::iterator lru;  // valid while fd >= 0, or while a made file holds its bytes
+  // A made file (InputFile::made): no descriptor; its bytes, held while `held`.
+  InputFile::Maker make;
+  std::vector<std::byte> bytes;
+  bool held = false;
+  std::mutex making;  // one make() at a time for this file
 };
 
 namespace {
@@ -58,7 +63,10 @@ namespace {
 struct InputPool {
   std::mutex mu;
   std::list<InputFile::State*> open;
+  std::list<InputFile::State*> held;  // made files holding their bytes, most recently read first
+  uint64_t held_bytes = 0;
 };
+std::atomic<uint64_t> g_made_input_budget{uint64_t{1} << 30};
 InputPool& pool() {
   static InputPool* p = new InputPool;  // never destroyed: InputFiles may outlive static destruction
   return *p;
@@ -127,11 +135,38 @@ Status open_listed(InputPool& p, InputFile::State& s, bool first) {
   return Status::Ok();
 }
 
+// Lets go of the least recently read made files' bytes, unpinned ones, until the held ones fit the
+// budget. Holds mu.
+void let_go_made(InputPool& p) {
+  for (auto it = p.held.end(); p.held_bytes > g_made_input_budget.load(std::memory_order_relaxed) && it != p.held.begin();) {
+    InputFile::State* s = *--it;
+    if (s->pins > 0) continue;
+    p.held_bytes -= s->bytes.size();
+    std::vector<std::byte>().swap(s->bytes);
+    s->held = false;
+    it = p.held.erase(it);
+  }
+}
+
+// Holds a made file's new bytes, most recently read first. Holds mu.
+void hold_made(InputPool& p, InputFile::State& s, std::vector<std::byte> bytes) {
+  s.bytes = std::move(bytes);
+  s.held = true;
+  p.held.push_front(&s);
+  s.lru = p.held.begin();
+  p.held_bytes += s.bytes.size();
+}
+
 // Closes a file's descriptor, if open, and takes it off the pool (before its State is freed).
 void close_listed(InputFile::State* s) {
   if (!s) return;
   InputPool& p = pool();
   std::lock_guard<std::mutex> lock(p.mu);
+  if (s->held) {
+    p.held_bytes -= s->bytes.size();
+    p.held.erase(s->lru);
+    s->held = false;
+  }
   if (s->fd >= 0) {
     ::close(s->fd);
     p.open.erase(s->lru);
@@ -139,6 +174,9 @@ void close_listed(InputFile::State* s) {
 }
 
 }  // namespace
+
+uint64_t made_input_budget() { return g_made_input_budget.load(std::memory_order_relaxed); }
+uint64_t set_made_input_budget(uint64_t bytes) { return g_made_input_budget.exchange(bytes); }
 
 size_t max_open_inputs() { return std::max<size_t>(8, static_cast<size_t>(soft_open_limit() / 2)); }
 
@@ -160,6 +198,20 @@ Result<InputFile> InputFile::open(const fs::path& path) {
   InputPool& p = pool();
   std::lock_guard<std::mutex> lock(p.mu);
   OPTSTATE_RETURN_IF_ERROR(open_listed(p, *f.s_, /*first=*/true));
+  return f;
+}
+
+Result<InputFile> InputFile::made(const fs::path& name, Maker make) {
+  InputFile f;
+  f.s_ = std::make_unique<State>();
+  f.s_->path = name;
+  OPTSTATE_ASSIGN_OR_RETURN(std::vector<std::byte> bytes, make());
+  f.s_->make = std::move(make);
+  f.s_->size = bytes.size();
+  InputPool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mu);
+  hold_made(p, *f.s_, std::move(bytes));
+  let_go_made(p);
   return f;
 }
 
@@ -195,6 +247,31 @@ Status InputFile::read_at(uint64_t offset, std::span<std::byte> out) const {
     return corrupt(fmt::format("{}: truncated: need bytes [{}, {}) but the file has {}", s.path.string(), offset,
                                offset + out.size(), s.size));
   InputPool& p = pool();
+  if (s.make) {
+    std::unique_lock<std::mutex> lock(p.mu);
+    if (!s.held) {
+      lock.unlock();
+      std::lock_guard<std::mutex> one_maker(s.making);
+      lock.lock();
+      if (!s.held) {
+        lock.unlock();
+        auto bytes = s.make();
+        if (!bytes.ok()) return bytes.status();
+        if (bytes->size() != s.size)
+          return corrupt(fmt::format("{}: made again as {} bytes, {} before", s.path.string(), bytes->size(), s.size));
+        lock.lock();
+        hold_made(p, s, std::move(*bytes));
+      }
+    }
+    if (s.lru != p.held.begin()) p.held.splice(p.held.begin(), p.held, s.lru);
+    ++s.pins;  // before letting others go: this one stays held while read
+    let_go_made(p);
+    lock.unlock();
+    if (!out.empty()) std::memcpy(out.data(), s.bytes.data() + offset, out.size());
+    lock.lock();
+    --s.pins;
+    return Status::Ok();
+  }
   int fd;
   {
     std::lock_guard<std::mutex> lock(p.mu);

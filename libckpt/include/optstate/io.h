@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -59,6 +60,12 @@ class ReadBuffer {
 class InputFile {
  public:
   static Result<InputFile> open(const fs::path& path);
+  // A file held in memory whose bytes are made from elsewhere (a compressed item's, decoded):
+  // `make` gives them all, and is called once here. They are let go when other made files'
+  // bytes pass a process-wide budget (made_input_budget()), least recently read first, and made
+  // again when read after that (a different size then is an error). `name` names it in errors.
+  using Maker = std::function<Result<std::vector<std::byte>>()>;
+  static Result<InputFile> made(const fs::path& name, Maker make);
   InputFile(InputFile&& other) noexcept;
   InputFile& operator=(InputFile&& other) noexcept;
   InputFile(const InputFile&) = delete;
@@ -77,6 +84,10 @@ class InputFile {
   InputFile() = default;
   std::unique_ptr<State> s_;
 };
+// How many bytes made InputFiles hold at once (those being read stay held regardless): 1 GiB
+// unless set (tests set less); set_made_input_budget returns the budget it replaced.
+uint64_t made_input_budget();
+uint64_t set_made_input_budget(uint64_t bytes);
 // How many InputFile descriptors may be open at once: half the soft limit on open files (the rest
 // is left for outputs), at least 8.
 size_t max_open_inputs();

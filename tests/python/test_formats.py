@@ -175,6 +175,128 @@ def test_dcp_carried_values_of_large_pickles_read_and_convert_unchanged(tmp_path
     assert deep_equal(a, b)
 
 
+ZSTD_DCP = textwrap.dedent("""
+    # The same training saved twice: as torch writes a DCP by default, and through torch's
+    # ZStandard extension (each item's bytes one zstd stream); a run's values beside the state.
+    import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._extension import ZStandard
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    kind, out = sys.argv[1], sys.argv[2]
+    dist_run = "RANK" in os.environ
+    if dist_run:
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 4))
+    if dist_run:
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(model)
+    if kind == "ao":
+        from torchao.optim import AdamW8bit
+        opt = AdamW8bit(model.parameters(), lr=1e-3, block_size=64)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        model(torch.randn(8, 64, generator=g)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd, "extra": {"history": [i / 3 for i in range(3000)], "step": 3}}
+    dcp.save(sd, checkpoint_id=out + "/plain")
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(out + "/zstd", _extensions=[ZStandard()]))
+    if dist_run:
+        dist.barrier()
+        dist.destroy_process_group()
+""")
+
+
+def make_zstd_dcp(tmp_path, kind, ranks):
+    out = tmp_path / f"zstd_{kind}_{ranks}"
+    run_script(tmp_path, ZSTD_DCP, "make_zstd.py", kind, out, ranks=ranks)
+    return out / "plain", out / "zstd"
+
+
+@pytest.mark.parametrize("kind,ranks", [("fp32", 1), ("ao", 2)])
+def test_zstd_compressed_dcp_reads_as_the_same_dcp_written_plain(tmp_path, optstate_cli, kind, ranks):
+    """torch's ZStandard extension (FileSystemWriter(_extensions=[ZStandard()])) stores each item's
+    bytes as a zstd stream: read as the same DCP written plain (state, hash, conversions); DCP -> DCP
+    carries the items it does not rewrite as they were stored, compressed, and torch reads it back."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    plain, z = make_zstd_dcp(tmp_path, kind, ranks)
+    md = FileSystemReader(str(z)).read_metadata()
+    assert {tuple(s.transform_descriptors) for s in md.storage_data.values()} == {("stream.zstd/1",)}
+    assert len(list(z.glob("*.distcp"))) == ranks
+    assert "every chunk checksum verified" in optstate_cli("validate", z).stdout
+    assert hashes(optstate_cli, z, values=True) == hashes(optstate_cli, plain, values=True)
+    info = optstate_cli("inspect", z).stdout
+    assert info.split("\n", 1)[1] == optstate_cli("inspect", plain).stdout.split("\n", 1)[1]
+    assert "extra (2 items)" in info, info
+    for src, dst in [(z, "z.safetensors"), (plain, "p.safetensors")]:
+        optstate_cli("convert", src, tmp_path / dst)
+    assert (tmp_path / "z.safetensors").read_bytes() == (tmp_path / "p.safetensors").read_bytes()
+    # DCP -> DCP, both ways of storing: what optstate writes is plain; the items it carries (the
+    # run's values, the groups' switches) stay as stored, compressed, their descriptors kept, and
+    # torch reads the result as the source.
+    out = tmp_path / "zz"
+    optstate_cli("convert", z, out, "--format", "dcp", "--to", "fp32")
+    md2 = FileSystemReader(str(out)).read_metadata()
+    compressed = {i.fqn for i, s in md2.storage_data.items() if s.transform_descriptors}
+    assert {"extra.history", "extra.step"} <= compressed, compressed  # and the groups' carried switches
+    assert not [k for k in compressed if k.startswith(("optim.state.", "model."))], compressed
+    assert hashes(optstate_cli, out) == hashes(optstate_cli, tmp_path / "p.safetensors") or kind == "ao"
+    dcp_to_torch_save(str(out), str(tmp_path / "zz.pt"))
+    got = torch.load(tmp_path / "zz.pt", weights_only=False)
+    assert got["extra"]["history"][2999] == 2999 / 3 and got["extra"]["step"] == 3
+    if kind == "fp32":
+        dcp_to_torch_save(str(z), str(tmp_path / "z.pt"))
+        assert deep_equal(torch.load(tmp_path / "z.pt", weights_only=False), got)
+
+
+def test_damaged_or_unknown_zstd_items_are_refused_naming_the_item(tmp_path, optstate_cli):
+    import shutil
+    _, z = make_zstd_dcp(tmp_path, "fp32", 1)
+    meta, data = (z / ".metadata").read_bytes(), (z / "__0_0.distcp").read_bytes()
+    md = pickle.loads(meta)
+    idx = next(i for i in md.storage_data if i.fqn == "optim.state.0.weight.exp_avg")
+    loc = md.storage_data[idx]
+    bad = tmp_path / "bad"
+    shutil.copytree(z, bad)
+
+    def refused(change_md=None, change_data=None, cmd="hash"):
+        m = pickle.loads(meta)
+        if change_md:
+            change_md(m.storage_data[idx])
+        d = bytearray(data)
+        if change_data:
+            change_data(d)
+        (bad / ".metadata").write_bytes(pickle.dumps(m))
+        (bad / "__0_0.distcp").write_bytes(bytes(d))
+        return run_err(optstate_cli, cmd, bad)
+
+    # garbled bytes inside the stream: libzstd's error, or bytes whose torch.save CRC-32 differs
+    def garble(d):
+        mid = loc.offset + loc.length // 2
+        d[mid:mid + 8] = bytes(b ^ 0x5A for b in d[mid:mid + 8])
+    err = refused(change_data=garble)
+    assert "optim.state.0.weight.exp_avg" in err and ("zstd" in err or "CRC" in err), err
+    # a stored length that cuts the stream short: inside a frame
+    err = refused(change_md=lambda s: setattr(s, "length", s.length - 7))
+    assert "optim.state.0.weight.exp_avg" in err and "ends inside a frame" in err, err
+    # one that takes in the first bytes of the next item's: a second frame, cut short
+    err = refused(change_md=lambda s: setattr(s, "length", s.length + 40))
+    assert "optim.state.0.weight.exp_avg" in err and "ends inside a frame" in err, err
+    # transforms optstate does not know, or a version of zstd's it does not: named, before any data
+    for desc in ["stream.lz4/1", "stream.zstd/2", "encrypt.aes@corp/1"]:
+        err = refused(change_md=lambda s: setattr(s, "transform_descriptors", [desc]), cmd="inspect")
+        assert "optim.state.0.weight.exp_avg" in err and f"'{desc}'" in err, err
+    # the archive inside in good order but not zstd-stored, while the metadata says so
+    def plain_bytes(d):
+        d[loc.offset:loc.offset + 4] = b"PK\x03\x04"
+    err = refused(change_data=plain_bytes)
+    assert "optim.state.0.weight.exp_avg" in err and "zstd" in err, err
+
+
 def test_dcp_of_two_fsdp2_ranks_equals_the_single_process_state(tmp_path, optstate_cli):
     one = make_dcp(tmp_path, "fp32", 1)
     two = make_dcp(tmp_path, "fp32", 2)

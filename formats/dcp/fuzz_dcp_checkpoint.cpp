@@ -12,6 +12,10 @@
 // DCP of an optimizer.state_dict() saved as it is (testdata/numbered/, make_numbered.py), the state
 // keyed by param number and named after the model's tensors beside it (name_numbered: the metadata's
 // order, the placement of each group's params), written back numbered.
+// Built a fourth time with OPTSTATE_DCP_ZSTD_SEED (fuzz.dcp_zstd_checkpoint): over torch's DCP
+// saved through its ZStandard extension (testdata/zstd/, make_zstd.py), the input replacing the data
+// file, so the zstd streams themselves (libzstd's decoder behind the output cap, then the archives
+// they decode to); written back DCP -> DCP, carrying the run's values still compressed.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -24,7 +28,9 @@ using namespace optstate;
 namespace {
 
 const fuzz::CheckpointFixture& fixture() {
-#if defined(OPTSTATE_DCP_NUMBERED_SEED)
+#if defined(OPTSTATE_DCP_ZSTD_SEED)
+  static const fuzz::CheckpointFixture f("dcp", OPTSTATE_DCP_ZSTD_SEED, "__0_0.distcp");
+#elif defined(OPTSTATE_DCP_NUMBERED_SEED)
   static const fuzz::CheckpointFixture f("dcp", OPTSTATE_DCP_NUMBERED_SEED, ".metadata");
 #elif defined(OPTSTATE_DCP_QUANTIZED)
   static const fuzz::CheckpointFixture f("dcp", 2, ".metadata", /*quantized=*/true);
@@ -43,7 +49,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
 #ifndef OPTSTATE_LIBFUZZER
 int main(int argc, char** argv) {
-#if defined(OPTSTATE_DCP_NUMBERED_SEED)
+#if defined(OPTSTATE_DCP_ZSTD_SEED)
+  const char* test = "fuzz.dcp_zstd_checkpoint";
+#elif defined(OPTSTATE_DCP_NUMBERED_SEED)
   const char* test = "fuzz.dcp_numbered_checkpoint";
 #elif defined(OPTSTATE_DCP_QUANTIZED)
   const char* test = "fuzz.dcp_torchao_checkpoint";

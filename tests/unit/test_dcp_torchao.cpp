@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -13,6 +14,9 @@
 #include "optstate/hash.h"
 #include "optstate/transform.h"
 #include "optstate/validate.h"
+#include "optstate/zstd.h"
+#include "dcp/dcp_layout.h"
+#include "dcp/pickle.h"
 #include "registry.h"
 #include "test_helpers.h"
 
@@ -232,3 +236,66 @@ TEST_CASE("dcp: optimizer.state_dict() saved as it is (numbered) is named after 
   CHECK((*back)->model_tensors().size() == 3);
 }
 
+
+TEST_CASE("dcp: items stored zstd-compressed (torch's ZStandard extension) read, and carry DCP -> DCP as stored") {
+  // formats/dcp/testdata/make_zstd.py: get_state_dict's model and AdamW state of Linear(6, 8),
+  // Linear(8, 3) after a step, and "extra" values, every item's archive one zstd stream.
+  const std::filesystem::path data = std::filesystem::path(OPTSTATE_SOURCE_DIR) / "formats/dcp/testdata";
+  const std::string md_bytes = testing::read_file(data / "zstd" / ".metadata");
+  CHECK(md_bytes.find("stream.zstd/1") != std::string::npos);
+  auto r = open_checkpoint(data / "zstd");
+  if (!zstd_available()) {
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.status().message().find("without libzstd") != std::string::npos);
+    return;
+  }
+  REQUIRE_MESSAGE(r.ok(), r.status().message());
+  const OptimizerState& m = (*r)->meta();
+  REQUIRE(m.groups.size() == 1);
+  CHECK(m.params.size() == 4);
+  CHECK(m.params.at("0.weight").step == 1);
+  auto all = load_all(**r);
+  REQUIRE(all.ok());
+  // Moments as torch computed them after one step from zero: |exp_avg| = 0.1 |g|, exp_avg_sq = 0.001 g^2.
+  const auto& ea = all->params.at("1.bias").entries.at(kExpAvg);
+  const auto& eq = all->params.at("1.bias").entries.at(kExpAvgSq);
+  for (int64_t i = 0; i < 3; ++i) {
+    float a, q;
+    std::memcpy(&a, ea.values.data + 4 * i, 4);
+    std::memcpy(&q, eq.values.data + 4 * i, 4);
+    CHECK(q == doctest::Approx(a * a / 10.0).epsilon(1e-5));
+  }
+  // DCP -> DCP: the values it carries stay compressed (their descriptors with them), the state it
+  // writes is plain; read back as the same state.
+  testing::TempDir dir;
+  Status st = write_checkpoint(*find_format("dcp"), *all, dir.path / "out", {.world_size = 2, .source = r->get()});
+  REQUIRE_MESSAGE(st.ok(), st.message());
+  auto back = open_checkpoint(dir.path / "out");
+  REQUIRE_MESSAGE(back.ok(), back.status().message());
+  CHECK(hash_checkpoint(**back, {.values = true})->root == hash_checkpoint(**r, {.values = true})->root);
+  const std::string out_md = testing::read_file(dir.path / "out" / ".metadata");
+  auto p = pickle::unpickle(std::as_bytes(std::span(out_md)), "out");
+  REQUIRE(p.ok());
+  auto md = dcp::interpret_metadata(*p, "out");
+  REQUIRE_MESSAGE(md.ok(), md.status().message());
+  std::set<std::string> compressed;
+  for (const auto& [k, loc] : md->storage)
+    if (!loc.transforms.empty()) {
+      CHECK(loc.transforms == std::vector<std::string>{"stream.zstd/1"});
+      compressed.insert(k.first);
+    }
+  CHECK(compressed.count("extra.history") == 1);
+  CHECK(compressed.count("extra.step") == 1);
+  for (const std::string& k : compressed) CHECK(k.rfind("optim.state.", 0) != 0);
+  // A damaged stream names its item.
+  testing::TempDir bad;
+  std::filesystem::copy(data / "zstd", bad.path / "ck");
+  std::string bytes = testing::read_file(bad.path / "ck" / "__0_0.distcp");
+  for (char& c : bytes) c = static_cast<char>(c == '\x28' ? '\x29' : c);  // every frame's magic (28 b5 2f fd) broken
+  testing::write_file(bad.path / "ck" / "__0_0.distcp", bytes);
+  auto broken = open_checkpoint(bad.path / "ck");
+  Status seen = broken.ok() ? hash_checkpoint(**broken).status() : broken.status();
+  REQUIRE_FALSE(seen.ok());
+  CHECK(seen.message().find("item '") != std::string::npos);
+  CHECK(seen.message().find("zstd") != std::string::npos);
+}

@@ -9,8 +9,11 @@ and optimizer with the same bytes, cold page cache each time (posix_fadvise DONT
   tensors in place (ops.load_native_shard with destinations), which parses .metadata with its own
   pickle interpreter and each item's zip, then preads the storages.
 Median of --reps, round-robin.
+--zstd saves the checkpoint through torch's ZStandard extension (FileSystemWriter(_extensions=
+[ZStandard()]): each item's archive one zstd stream), which both readers decode: optstate with
+libzstd, dcp.load with the zstandard package; "raw read" is then the compressed bytes' read.
 
-    .venv/bin/python bench/bench_dcp_read.py [--layers 8] [--reps 3] [--dir /tmp] [--json bench/results/dcp_read.json]
+    .venv/bin/python bench/bench_dcp_read.py [--layers 8] [--reps 3] [--dir /tmp] [--zstd] [--json bench/results/dcp_read.json]
 """
 import os
 import shutil
@@ -43,15 +46,22 @@ def stepped(layers):
 
 
 def main():
-    args = checkpoint_args().parse_args()
+    ap = checkpoint_args()
+    ap.add_argument("--zstd", action="store_true", help="save through torch's ZStandard extension")
+    args = ap.parse_args()
     torch.set_num_threads(2)
     work = Path(tempfile.mkdtemp(prefix="optstate-bench-dcp-", dir=args.dir))
     ck = work / "dcp"
     model, opt = stepped(args.layers)
     msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(ck))
+    if args.zstd:
+        from torch.distributed.checkpoint._extension import ZStandard
+        dcp.save({"model": msd, "optim": osd}, storage_writer=dcp.FileSystemWriter(str(ck), _extensions=[ZStandard()]))
+    else:
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(ck))
     total = sum(os.path.getsize(ck / f) for f in os.listdir(ck))
-    print(f"DCP checkpoint: {total / 1e9:.2f} GB in {ck}; {os.cpu_count()} cpus, torch {torch.__version__}")
+    print(f"DCP checkpoint{' (zstd)' if args.zstd else ''}: {total / 1e9:.2f} GB in {ck}; {os.cpu_count()} cpus, "
+          f"torch {torch.__version__}")
 
     # Live targets, as a resuming job has them.
     m_t, o_t = stepped(args.layers)
@@ -118,7 +128,7 @@ def main():
         print(f"{k:<16}{med[k]:>10.3f}{min(times[k]):>10.3f}{r['gb_per_s']:>8.2f}{r['pct_raw']:>7.0f}%"
               f"{r['speedup_vs_dcp_load']:>12.2f}x")
     shutil.rmtree(work, ignore_errors=True)
-    write_json(args.json, {"bytes": total, "reps": args.reps, "results": rows})
+    write_json(args.json, {"bytes": total, "zstd": args.zstd, "reps": args.reps, "results": rows})
 
 
 if __name__ == "__main__":

@@ -124,9 +124,13 @@ Status check_transforms(const StorageLoc& loc, const std::string& where);
 // The most bytes an item's stored archive may decode to: its chunk's elements (of the item's
 // dtype) twice over and 16 MiB more for the archive around them; for a bytes item (no chunk), 1 GiB.
 uint64_t stored_bytes_cap(const ItemMeta& im, const ChunkMeta* chunk);
+// What it is expected to decode to: its chunk's bytes and 64 KiB for the archive around them (0:
+// not known, a bytes item).
+uint64_t stored_bytes_hint(const ItemMeta& im, const ChunkMeta* chunk);
 // A transformed item's bytes decoded, as a file of their own (InputFile::made: let go under memory
 // pressure and decoded again when read).
-Result<InputFile> decoded_item(const InputFile& file, const StorageLoc& loc, uint64_t max_out, const std::string& where);
+Result<InputFile> decoded_item(const InputFile& file, const StorageLoc& loc, uint64_t max_out, uint64_t size_hint,
+                               const std::string& where);
 
 // One torch.save archive written to `out` from its current offset, laid out as torch.save lays it
 // out (folder "archive"): begin() writes data.pkl and the small records, storage() each

@@ -4,12 +4,14 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <optional>
 #include <set>
+#include <thread>
 #include <tuple>
 #include <unordered_map>
 
@@ -491,6 +493,7 @@ class DcpReader final : public CheckpointReader {
         return corrupt(fmt::format("{}: item '{}' has no storage record", where, key));
       }
     }
+    predecode();
     {
       const ParsedItem* common = nullptr;
       OPTSTATE_ASSIGN_OR_RETURN(auto megatron_common, read_megatron_common(common));
@@ -1749,6 +1752,63 @@ class DcpReader final : public CheckpointReader {
     return &files_.emplace(rel, std::move(*f)).first->second;
   }
 
+  // The name of an item's chunk in errors.
+  std::string item_where(std::string_view key, std::span<const int64_t> offsets) const {
+    return fmt::format("{}: item '{}'{}", dir_.string(), key,
+                       offsets.empty() ? "" : " chunk at " + format_shape({offsets.begin(), offsets.end()}));
+  }
+
+  // zstd-stored items' first chunks (what opening parses) decoded on every core (up to 8) before
+  // they are parsed in order: decoding is most of what reading such a checkpoint costs. Up to half
+  // the made files' budget; an item that fails is left to item(), which decodes it again and
+  // reports the error in its turn.
+  void predecode() {
+    struct Job {
+      ChunkKey key;
+      const StorageLoc* loc;
+      const InputFile* file;
+      uint64_t cap, hint;
+      std::string where;
+      std::optional<InputFile> out;
+    };
+    std::vector<Job> jobs;
+    uint64_t planned = 0;
+    const uint64_t budget = made_input_budget() / 2;
+    for (const auto& [key, im] : md_.items) {
+      if (im.is_tensor && im.chunks.empty()) continue;
+      const ChunkMeta* chunk = im.is_tensor ? &im.chunks[0] : nullptr;
+      const std::vector<int64_t> offsets = chunk ? chunk->offsets : std::vector<int64_t>{};
+      const auto stored = md_.storage.find(ChunkView{key, offsets});
+      if (stored == md_.storage.end() || stored->second.transforms.empty() || stored->second.raw_shape) continue;
+      const uint64_t hint = stored_bytes_hint(im, chunk);
+      planned += std::max<uint64_t>(hint, stored->second.length);
+      if (planned > budget) break;
+      std::string where = item_where(key, offsets);
+      auto f = file(stored->second.relative_path, where);
+      if (!f.ok()) continue;
+      jobs.push_back(Job{{key, offsets}, &stored->second, *f, stored_bytes_cap(im, chunk), hint, std::move(where), {}});
+    }
+    const size_t threads = std::min<size_t>({std::max(1u, std::thread::hardware_concurrency()), 8, jobs.size()});
+    if (threads < 2) return;
+    std::atomic<size_t> next{0};
+    auto work = [&] {
+      for (size_t i; (i = next.fetch_add(1)) < jobs.size();) {
+        Job& j = jobs[i];
+        try {
+          auto d = decoded_item(*j.file, *j.loc, j.cap, j.hint, j.where);
+          if (d.ok()) j.out.emplace(std::move(*d));
+        } catch (const std::bad_alloc&) {  // left to item(), where it fails as anywhere else
+        }
+      }
+    };
+    std::vector<std::thread> pool;
+    for (size_t t = 1; t < threads; ++t) pool.emplace_back(work);
+    work();
+    for (std::thread& t : pool) t.join();
+    for (Job& j : jobs)
+      if (j.out) decoded_.emplace(std::move(j.key), std::move(*j.out));
+  }
+
   // Parses (once) the torch.save zip of one item: its data.pkl and where each storage's bytes lie.
   // `max_value_storages`: how many storages of a bytes item's value are located (for element_of).
   Result<ParsedItem*> item(const std::string& key, const std::vector<int64_t>& offsets,
@@ -1763,15 +1823,20 @@ class DcpReader final : public CheckpointReader {
     OPTSTATE_ASSIGN_OR_RETURN(const InputFile* f, file(stored->second.relative_path, iw));
     if (stored->second.raw_shape) return raw_item(key, offsets, stored->second, f, iw);
     StorageLoc loc = stored->second;
-    if (!loc.transforms.empty()) {
+    if (const auto pre = decoded_.find(ChunkView{key, offsets}); pre != decoded_.end()) {
+      f = &pre->second;  // decoded already (predecode)
+      loc = StorageLoc{loc.relative_path, 0, f->size(), {}, std::nullopt};
+    } else if (!loc.transforms.empty()) {
       // Its decoded bytes are the archive, a file of their own.
       const auto im = md_.items.find(key);
       const ChunkMeta* chunk = nullptr;
       if (im != md_.items.end() && im->second.is_tensor)
         for (const ChunkMeta& ch : im->second.chunks)
           if (ch.offsets == offsets) chunk = &ch;
-      const uint64_t cap = chunk ? stored_bytes_cap(im->second, chunk) : stored_bytes_cap(ItemMeta{}, nullptr);
-      OPTSTATE_ASSIGN_OR_RETURN(InputFile decoded, decoded_item(*f, loc, cap, iw));
+      const ItemMeta& meta = chunk ? im->second : ItemMeta{};
+      OPTSTATE_ASSIGN_OR_RETURN(
+          InputFile decoded,
+          decoded_item(*f, loc, stored_bytes_cap(meta, chunk), stored_bytes_hint(meta, chunk), iw));
       f = &decoded_.emplace(ChunkKey{key, offsets}, std::move(decoded)).first->second;
       loc = StorageLoc{loc.relative_path, 0, f->size(), {}, std::nullopt};
     }
@@ -2391,16 +2456,23 @@ uint64_t stored_bytes_cap(const ItemMeta& im, const ChunkMeta* chunk) {
   return 2 * bytes + kArchiveSlack;
 }
 
-Result<InputFile> decoded_item(const InputFile& file, const StorageLoc& loc, uint64_t max_out, const std::string& where) {
+uint64_t stored_bytes_hint(const ItemMeta& im, const ChunkMeta* chunk) {
+  if (!chunk) return 0;
+  const uint64_t cap = stored_bytes_cap(im, chunk);
+  return cap >= (uint64_t{1} << 62) ? 0 : (cap - (uint64_t{16} << 20)) / 2 + (uint64_t{64} << 10);
+}
+
+Result<InputFile> decoded_item(const InputFile& file, const StorageLoc& loc, uint64_t max_out, uint64_t size_hint,
+                               const std::string& where) {
   OPTSTATE_RETURN_IF_ERROR(check_transforms(loc, where));
   // Each descriptor a zstd layer: decoded once per layer (torch writes one).
   const size_t layers = loc.transforms.size();
   const InputFile* src = &file;
   const uint64_t offset = loc.offset, length = loc.length;
   return InputFile::made(fmt::format("{} (decoded)", where),
-                         [src, offset, length, max_out, layers, where]() -> Result<std::vector<std::byte>> {
-                           OPTSTATE_ASSIGN_OR_RETURN(std::vector<std::byte> bytes,
-                                                     zstd_decode_range(*src, offset, length, max_out, where));
+                         [src, offset, length, max_out, size_hint, layers, where]() -> Result<ByteVector> {
+                           OPTSTATE_ASSIGN_OR_RETURN(ByteVector bytes,
+                                                     zstd_decode_range(*src, offset, length, max_out, where, size_hint));
                            for (size_t k = 1; k < layers; ++k) {
                              ZstdDecoder dec(max_out, where);
                              OPTSTATE_RETURN_IF_ERROR(dec.feed(bytes));

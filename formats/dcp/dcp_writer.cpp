@@ -259,9 +259,9 @@ Status copy_carried(const SourceLayout& src, std::vector<OutputFile>& outs, cons
         OPTSTATE_RETURN_IF_ERROR(read_archive_index(in, loc, iw).status());
       } else {
         // Checked decoded, then copied as stored (still compressed), its descriptors with it.
-        OPTSTATE_ASSIGN_OR_RETURN(
-            InputFile decoded,
-            decoded_item(in, loc, stored_bytes_cap(c.meta, c.meta.is_tensor ? &c.meta.chunks[k] : nullptr), iw));
+        const ChunkMeta* chunk = c.meta.is_tensor ? &c.meta.chunks[k] : nullptr;
+        OPTSTATE_ASSIGN_OR_RETURN(InputFile decoded, decoded_item(in, loc, stored_bytes_cap(c.meta, chunk),
+                                                                  stored_bytes_hint(c.meta, chunk), iw));
         OPTSTATE_RETURN_IF_ERROR(
             read_archive_index(decoded, StorageLoc{loc.relative_path, 0, decoded.size(), {}, std::nullopt}, iw).status());
       }

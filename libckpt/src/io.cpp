@@ -52,7 +52,7 @@ struct InputFile::State {
   std::list<State*>::iterator lru;  // valid while fd >= 0, or while a made file holds its bytes
   // A made file (InputFile::made): no descriptor; its bytes, held while `held`.
   InputFile::Maker make;
-  std::vector<std::byte> bytes;
+  ByteVector bytes;
   bool held = false;
   std::mutex making;  // one make() at a time for this file
 };
@@ -66,7 +66,15 @@ struct InputPool {
   std::list<InputFile::State*> held;  // made files holding their bytes, most recently read first
   uint64_t held_bytes = 0;
 };
-std::atomic<uint64_t> g_made_input_budget{uint64_t{1} << 30};
+// A quarter of the machine's memory, within [1 GiB, 64 GiB]: a checkpoint's first read (open) and
+// its later one decode each item once while what they decode fits (a DCP opens by parsing every
+// item, and reads them again in another order).
+uint64_t default_made_input_budget() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  const uint64_t quarter = pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 4 : 0;
+  return std::clamp(quarter, uint64_t{1} << 30, uint64_t{64} << 30);
+}
+std::atomic<uint64_t> g_made_input_budget{default_made_input_budget()};
 InputPool& pool() {
   static InputPool* p = new InputPool;  // never destroyed: InputFiles may outlive static destruction
   return *p;
@@ -142,14 +150,14 @@ void let_go_made(InputPool& p) {
     InputFile::State* s = *--it;
     if (s->pins > 0) continue;
     p.held_bytes -= s->bytes.size();
-    std::vector<std::byte>().swap(s->bytes);
+    ByteVector().swap(s->bytes);
     s->held = false;
     it = p.held.erase(it);
   }
 }
 
 // Holds a made file's new bytes, most recently read first. Holds mu.
-void hold_made(InputPool& p, InputFile::State& s, std::vector<std::byte> bytes) {
+void hold_made(InputPool& p, InputFile::State& s, ByteVector bytes) {
   s.bytes = std::move(bytes);
   s.held = true;
   p.held.push_front(&s);
@@ -205,7 +213,7 @@ Result<InputFile> InputFile::made(const fs::path& name, Maker make) {
   InputFile f;
   f.s_ = std::make_unique<State>();
   f.s_->path = name;
-  OPTSTATE_ASSIGN_OR_RETURN(std::vector<std::byte> bytes, make());
+  OPTSTATE_ASSIGN_OR_RETURN(ByteVector bytes, make());
   f.s_->make = std::move(make);
   f.s_->size = bytes.size();
   InputPool& p = pool();

@@ -23,16 +23,18 @@ struct ZstdDecoder::Impl {
   ZSTD_DCtx* ctx = nullptr;
   uint64_t max_out = 0;
   std::string where;
-  std::vector<std::byte> out;
+  ByteVector out;
   size_t used = 0;        // bytes of `out` decoded so far
   size_t last_hint = 0;   // ZSTD_decompressStream's last return: 0 once a frame is whole and flushed
   bool any_input = false;
   Status failed;
 };
 
-ZstdDecoder::ZstdDecoder(uint64_t max_out, std::string where) : impl_(std::make_unique<Impl>()) {
+ZstdDecoder::ZstdDecoder(uint64_t max_out, std::string where, uint64_t size_hint) : impl_(std::make_unique<Impl>()) {
   impl_->max_out = max_out;
   impl_->where = std::move(where);
+  // Room for the expected bytes and one more, so a stream of exactly that size ends without a regrow.
+  impl_->out.resize(static_cast<size_t>(std::min(max_out, size_hint + 1)));
   impl_->ctx = ZSTD_createDCtx();
   if (!impl_->ctx) impl_->failed = io_error(impl_->where + ": zstd: out of memory for a decoder");
 }
@@ -77,13 +79,15 @@ Status ZstdDecoder::feed(std::span<const std::byte> in) {
   return Status::Ok();
 }
 
-Result<std::vector<std::byte>> ZstdDecoder::finish() {
+Result<ByteVector> ZstdDecoder::finish() {
   Impl& d = *impl_;
   if (!d.failed.ok()) return d.failed;
   if (!d.any_input) return corrupt(d.where + ": empty where a zstd stream should be");
   if (d.last_hint != 0) return corrupt(d.where + ": the zstd stream ends inside a frame (truncated)");
+  // Given back only where much is unused (a copy of every byte): not after a good size hint.
+  const bool shrink = d.out.size() - d.used > d.used / 4 + (size_t{1} << 20);
   d.out.resize(d.used);
-  d.out.shrink_to_fit();
+  if (shrink) d.out.shrink_to_fit();
   return std::move(d.out);
 }
 
@@ -94,7 +98,7 @@ bool zstd_available() { return false; }
 struct ZstdDecoder::Impl {
   std::string where;
 };
-ZstdDecoder::ZstdDecoder(uint64_t, std::string where) : impl_(std::make_unique<Impl>()) {
+ZstdDecoder::ZstdDecoder(uint64_t, std::string where, uint64_t) : impl_(std::make_unique<Impl>()) {
   impl_->where = std::move(where);
 }
 ZstdDecoder::~ZstdDecoder() = default;
@@ -102,16 +106,19 @@ Status ZstdDecoder::feed(std::span<const std::byte>) {
   return unsupported(impl_->where + ": zstd-compressed, and this optstate was built without zstd (OPTSTATE_WITH_ZSTD "
                                     "found no libzstd)");
 }
-Result<std::vector<std::byte>> ZstdDecoder::finish() { return feed({}); }
+Result<ByteVector> ZstdDecoder::finish() {
+  OPTSTATE_RETURN_IF_ERROR(feed({}));
+  return ByteVector{};
+}
 
 #endif
 
-Result<std::vector<std::byte>> zstd_decode_range(const InputFile& file, uint64_t offset, uint64_t length,
-                                                 uint64_t max_out, const std::string& where) {
+Result<ByteVector> zstd_decode_range(const InputFile& file, uint64_t offset, uint64_t length, uint64_t max_out,
+                                     const std::string& where, uint64_t size_hint) {
   if (offset > file.size() || length > file.size() - offset)
     return corrupt(fmt::format("{}: bytes [{}, {}) lie beyond the end of {} ({} bytes)", where, offset,
                                offset + length, file.path().string(), file.size()));
-  ZstdDecoder dec(max_out, where);
+  ZstdDecoder dec(max_out, where, size_hint);
   std::vector<std::byte> piece(static_cast<size_t>(std::min<uint64_t>(length, kInputPieceBytes)));
   for (uint64_t at = 0; at < length;) {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(length - at, piece.size()));

@@ -634,12 +634,16 @@ TEST_CASE("deepspeed: AutoEP's fused experts read whole where its affine maps pl
   CHECK(m.params.at(ex + "w1").shape == std::vector<int64_t>{4, 8, 12});  // whole: both ranks' 2 experts
   CHECK(m.params.at(ex + "w2").shape == std::vector<int64_t>{4, 12, 8});
   for (const auto& [fqn, ps] : m.params) CHECK(ps.step == 3);
-  for (const auto& [param, element, rank] : std::vector<std::tuple<std::string, int64_t, int>>{
+  // (a tuple, not a structured binding: clang 14 cannot capture one in CHECK_MESSAGE's lambda)
+  for (const auto& t : std::vector<std::tuple<std::string, int64_t, int>>{
            {"w1", 0, 0}, {"w1", 191, 0}, {"w1", 192, 1}, {"w2", 95, 0}, {"w2", 96, 2}, {"w2", 192, 1}, {"w2", 288, 3},
-           {"w3", 0, 2}, {"w3", 192, 3}})
+           {"w3", 0, 2}, {"w3", 192, 3}}) {
+    const std::string param = std::get<0>(t);
+    const int64_t element = std::get<1>(t);
     CHECK_MESSAGE(r->locate(ex + param, kExpAvg, Component::kValues, element)
-                          .find(fmt::format("zero_pp_rank_{}_", rank)) != std::string::npos,
+                          .find(fmt::format("zero_pp_rank_{}_", std::get<2>(t))) != std::string::npos,
                   param, " ", element);
+  }
   const auto notes = r->read_notes();
   REQUIRE(notes.size() == 1);
   CHECK(notes[0].starts_with("DeepSpeed AutoEP: 1 MoE layer's fused experts (w1, w2, w3) read whole"));

@@ -63,7 +63,7 @@ std::string compress_streamed(const std::string& in) {
   return out;
 }
 
-Result<std::vector<std::byte>> decode(const std::string& in, uint64_t cap, size_t piece) {
+Result<ByteVector> decode(const std::string& in, uint64_t cap, size_t piece) {
   ZstdDecoder d(cap, "item 'x'");
   for (size_t at = 0; at < in.size(); at += piece) {
     const auto part = as_bytes(in.substr(at, piece));
@@ -72,7 +72,7 @@ Result<std::vector<std::byte>> decode(const std::string& in, uint64_t cap, size_
   return d.finish();
 }
 
-std::string text_of(const std::vector<std::byte>& b) { return std::string(reinterpret_cast<const char*>(b.data()), b.size()); }
+std::string text_of(const ByteVector& b) { return std::string(reinterpret_cast<const char*>(b.data()), b.size()); }
 
 }  // namespace
 
@@ -86,6 +86,14 @@ TEST_CASE("zstd: frames decode to what was encoded, whatever the pieces they arr
       REQUIRE(got.ok());
       CHECK(text_of(*got) == text);
     }
+  }
+  // A size hint only sizes the first buffer: short of, exactly at or past the output, the same bytes.
+  for (uint64_t hint : {uint64_t{0}, uint64_t{1000}, uint64_t{text.size()}, uint64_t{text.size() * 3}}) {
+    ZstdDecoder d(1 << 20, "item 'x'", hint);
+    REQUIRE(d.feed(as_bytes(compress_streamed(text))).ok());
+    auto got = d.finish();
+    REQUIRE(got.ok());
+    CHECK(text_of(*got) == text);
   }
   // One byte at a time through a small frame, and an empty frame (a zero-byte item's).
   auto small = decode(compress("hello"), 100, 1);
@@ -182,9 +190,10 @@ TEST_CASE("zstd: a build without libzstd refuses, saying so") {
 TEST_CASE("made InputFiles: read like files, let go under the budget and made again") {
   int made_a = 0, made_b = 0;
   auto maker = [](int& count, std::string text) {
-    return [&count, text]() -> Result<std::vector<std::byte>> {
+    return [&count, text]() -> Result<ByteVector> {
       ++count;
-      return as_bytes(text);
+      const auto b = as_bytes(text);
+      return ByteVector(b.begin(), b.end());
     };
   };
   const std::string ta(3000, 'a'), tb(2000, 'b');
@@ -212,9 +221,9 @@ TEST_CASE("made InputFiles: read like files, let go under the budget and made ag
   {
     // Made again at another size: an error, not other bytes.
     int calls = 0;
-    auto shrinking = [&calls]() -> Result<std::vector<std::byte>> {
+    auto shrinking = [&calls]() -> Result<ByteVector> {
       ++calls;
-      return std::vector<std::byte>(calls == 1 ? 3000 : 10);
+      return ByteVector(calls == 1 ? 3000 : 10);
     };
     auto c = InputFile::made("c (decoded)", shrinking);
     REQUIRE(c.ok());
@@ -229,7 +238,7 @@ TEST_CASE("made InputFiles: read like files, let go under the budget and made ag
   }
   {
     // A maker's error is the file's.
-    auto e = InputFile::made("e", []() -> Result<std::vector<std::byte>> { return corrupt("e: broken"); });
+    auto e = InputFile::made("e", []() -> Result<ByteVector> { return corrupt("e: broken"); });
     REQUIRE_FALSE(e.ok());
     CHECK(e.status().message() == "e: broken");
   }

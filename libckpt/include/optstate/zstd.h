@@ -22,15 +22,17 @@ bool zstd_available();
 // Decodes one or more concatenated zstd frames (skippable frames skipped), fed in pieces.
 class ZstdDecoder {
  public:
-  // `max_out`: the most bytes the stream may decode to; `where` names it in errors.
-  ZstdDecoder(uint64_t max_out, std::string where);
+  // `max_out`: the most bytes the stream may decode to; `size_hint`: how many it is expected to
+  // (room for them is taken at once, so a stream that size is decoded without regrowing);
+  // `where` names it in errors.
+  ZstdDecoder(uint64_t max_out, std::string where, uint64_t size_hint = 0);
   ~ZstdDecoder();
   ZstdDecoder(const ZstdDecoder&) = delete;
   ZstdDecoder& operator=(const ZstdDecoder&) = delete;
 
   Status feed(std::span<const std::byte> in);
   // The decoded bytes; an error where the input stopped inside a frame or held none.
-  Result<std::vector<std::byte>> finish();
+  Result<ByteVector> finish();
 
  private:
   struct Impl;
@@ -38,7 +40,7 @@ class ZstdDecoder {
 };
 
 // Decodes `length` bytes of `file` at `offset` (a stored item) in pieces.
-Result<std::vector<std::byte>> zstd_decode_range(const InputFile& file, uint64_t offset, uint64_t length,
-                                                 uint64_t max_out, const std::string& where);
+Result<ByteVector> zstd_decode_range(const InputFile& file, uint64_t offset, uint64_t length, uint64_t max_out,
+                                     const std::string& where, uint64_t size_hint = 0);
 
 }  // namespace optstate

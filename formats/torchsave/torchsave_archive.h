@@ -72,5 +72,10 @@ struct ZeroFiles {
 
 // The ZeRO files of the tag folder at (or named by `latest` in) `path`; nullopt where it holds none.
 Result<std::optional<ZeroFiles>> zero_files(const fs::path& path);
+// DeepSpeed without ZeRO (stage 0): the tag folder's mp_rank_00_model_states.pt, which holds the
+// optimizer (torch's state_dict, or its mixed-precision wrapper's: FP16_UnfusedOptimizer); nullopt
+// where the folder holds ZeRO files (zero_files) or no model states; an error beside model-parallel
+// ranks' files.
+Result<std::optional<fs::path>> zero_stage0_file(const fs::path& path);
 
 }  // namespace optstate::torchsave

@@ -563,7 +563,7 @@ class TorchSaveReader final : public CheckpointReader {
     // beyond the state (per-param fields and stateless params without weights it does not carry,
     // but an optimizer per param that never stepped its param, which it carries as it is).
     // (Not Composer's DecoupledAdamW: its weight decay is read as AdamW's, which the file's is not.)
-    carries_rest_ = !set_ && !libtorch_ && !sd0.decoupled_decay && !sd0.nanotron && !sd0.megatron;
+    carries_rest_ = !set_ && !libtorch_ && !sd0.decoupled_decay && !sd0.nanotron && !sd0.megatron && !sd0.deepspeed_fp16;
     for (size_t i = 0; i < not_read_.size(); ++i)
       carries_rest_ = carries_rest_ && (not_read_[i].starts_with("[") || not_read_[i].starts_with("param group ") ||
                                         (sd0.per_param && i == stateless_line));
@@ -3721,8 +3721,8 @@ Result<std::optional<ZeroFiles>> zero_files(const fs::path& path) {
                                expert_mp.empty() ? "experts' files beside mp_rank_01 files" : expert_mp));
   if (files.empty()) {
     if (fs::is_regular_file(z.dir / "mp_rank_00_model_states.pt", ec))
-      return corrupt(z.dir.string() + ": a DeepSpeed checkpoint without ZeRO partitions (stage 0: the optimizer's "
-                                      "state sits in mp_rank_00_model_states.pt): not read");
+      return invalid_argument(z.dir.string() + ": a DeepSpeed checkpoint without ZeRO (stage 0: the optimizer's "
+                                               "state sits in mp_rank_00_model_states.pt, no ZeRO partitions)");
     return std::optional<ZeroFiles>{};
   }
   if (kinds.size() > 1)
@@ -3795,7 +3795,7 @@ bool is_deepspeed_checkpoint(const fs::path& path) {
   size_t seen = 0;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end && ++seen <= 4096; it.increment(ec))
     if (zero_optim_name(it->path().filename().string())) return true;
-  // Stage 0's tag folder (the optimizer inside the model states file): sniffed, to be named as not read.
+  // Stage 0's tag folder (the optimizer inside the model states file: zero_stage0_file).
   return fs::is_regular_file(dir / "mp_rank_00_model_states.pt", ec);
 }
 
@@ -3882,12 +3882,44 @@ Result<ZeroUniversalParts> zero_universal_parts(const fs::path& path) {
   return parts;
 }
 
+Result<std::optional<fs::path>> zero_stage0_file(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) return std::optional<fs::path>{};
+  const fs::path dir = zero_tag_dir(path);
+  std::vector<std::string> model_parallel;  // mp_rank_NN (NN > 0) model states, a pipeline's layer files
+  size_t seen = 0;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (++seen > (size_t{1} << 20)) return corrupt(dir.string() + ": more than 2^20 entries");
+    const std::string name = it->path().filename().string();
+    // ZeRO's partitions, or MoE's files: zero_files' (which reads or refuses them)
+    if (zero_optim_name(name) || zero_expert_name(name) || name.rfind("expp_rank_", 0) == 0)
+      return std::optional<fs::path>{};
+    if (zero_layer_name(name) ||
+        (name.rfind("mp_rank_", 0) == 0 && name.ends_with("_model_states.pt") && name != "mp_rank_00_model_states.pt"))
+      model_parallel.push_back(name);
+  }
+  if (ec) return io_error(fmt::format("{}: {}", dir.string(), ec.message()));
+  const fs::path file = dir / "mp_rank_00_model_states.pt";
+  if (!fs::is_regular_file(file, ec)) return std::optional<fs::path>{};
+  if (!model_parallel.empty()) {
+    std::sort(model_parallel.begin(), model_parallel.end());
+    return corrupt(fmt::format("{}: a DeepSpeed checkpoint without ZeRO beside model-parallel ranks' files ({}): not "
+                               "read (each rank's optimizer sits in its model states file, split by rules no file "
+                               "holds)", dir.string(), model_parallel.front()));
+  }
+  return std::optional<fs::path>{file};
+}
+
 Result<std::unique_ptr<CheckpointReader>> open_deepspeed(const fs::path& path) {
   if (const auto u = universal_dir(path)) {
     auto reader = std::make_unique<TorchSaveReader>(path);
     OPTSTATE_RETURN_IF_ERROR(reader->init_universal(u->first, u->second));
     return std::unique_ptr<CheckpointReader>(std::move(reader));
   }
+  // Without ZeRO (stage 0): the optimizer in the model states file, which every data-parallel rank
+  // holds whole (rank 0 saves it): read as that torch.save file.
+  OPTSTATE_ASSIGN_OR_RETURN(const auto stage0, zero_stage0_file(path));
+  if (stage0) return open_file(*stage0);
   OPTSTATE_ASSIGN_OR_RETURN(const auto z, zero_files(path));
   if (!z) return invalid_argument(path.string() + ": no DeepSpeed ZeRO optimizer files (zero_pp_rank_*_optim_states.pt)");
   auto reader = std::make_unique<TorchSaveReader>(path);

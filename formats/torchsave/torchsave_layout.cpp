@@ -1099,11 +1099,13 @@ namespace {
 
 // The optimizer state_dict at `opt` read into `out` (its groups appended, numbered from 0: `out`
 // holds no other optimizer's), its numbered params named by the model dict at `model` where that
-// holds their weights. Megatron's mixed-precision optimizer: its fp32 main params at
-// `megatron_main` (`megatron_at` names its wrapper dict). `experts`: one optimizer of Megatron's
-// chain, which takes only the model's experts' tensors (true) or only the others (false).
+// holds their weights. A mixed-precision optimizer's wrapper (Megatron's; DeepSpeed's without
+// ZeRO): its fp32 main params at `megatron_main`, a list per group (`megatron_at` names the wrapper
+// dict, `main_key` the list's key there). `experts`: one optimizer of Megatron's chain, which takes
+// only the model's experts' tensors (true) or only the others (false).
 Status read_optimizer_state(const Pickle& p, const std::string& where, StateDict& out, Ref opt, ModelSource models,
-                            Ref megatron_main, const std::string& megatron_at, std::optional<bool> experts) {
+                            Ref megatron_main, const std::string& megatron_at, std::optional<bool> experts,
+                            std::string_view main_key = "fp32_from_fp16_params") {
   const std::string ow = where + (out.optimizer_path.empty() ? "" : " " + out.optimizer_path);
 
   OptimizerPart part;
@@ -1244,17 +1246,17 @@ Status read_optimizer_state(const Pickle& p, const std::string& where, StateDict
     }
   }
 
-  // Megatron's fp32 main params: the weights it steps, group by group in its members' order (the
+  // The wrapper's fp32 main params: the weights it steps, group by group in its members' order (the
   // model dict's are their bf16/fp16 copies).
   if (megatron_main != kNoRef) {
     const std::string mw = fmt::format("{} {}", where, megatron_at);
     const auto& main_groups = *list_items(p, megatron_main);
     if (main_groups.size() != group_ids.size())
-      return corrupt(fmt::format("{}['fp32_from_fp16_params']: {} groups, the optimizer has {}", mw, main_groups.size(),
+      return corrupt(fmt::format("{}['{}']: {} groups, the optimizer has {}", mw, main_key, main_groups.size(),
                                  group_ids.size()));
     for (size_t g = 0; g < group_ids.size(); ++g) {
       const auto* mains = list_items(p, main_groups[g]);
-      const std::string gw = fmt::format("{}['fp32_from_fp16_params'][{}]", mw, g);
+      const std::string gw = fmt::format("{}['{}'][{}]", mw, main_key, g);
       if (!mains || mains->size() != group_ids[g].size())
         return corrupt(fmt::format("{}: not a list of the group's {} params", gw, group_ids[g].size()));
       for (size_t i = 0; i < mains->size(); ++i) {
@@ -1271,9 +1273,9 @@ Status read_optimizer_state(const Pickle& p, const std::string& where, StateDict
         it->second.weight_dtensor.reset();
       }
     }
-    out.read_notes.push_back(fmt::format("Megatron's fp32 main params ({}['fp32_from_fp16_params']) read as the params' "
-                                         "weights; the model dict's {} copies name them", megatron_at,
-                                         !models.empty() ? "bf16/fp16" : "(absent)"));
+    out.read_notes.push_back(fmt::format("{}'s fp32 main params ({}['{}']) read as the params' weights; the model "
+                                         "dict's {} copies name them", out.deepspeed_fp16 ? "DeepSpeed" : "Megatron",
+                                         megatron_at, main_key, !models.empty() ? "bf16/fp16" : "(absent)"));
   }
 
   out.torchao = out.torchao || (torchao_groups && !out.bnb);
@@ -1384,6 +1386,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
   Ref opt = kNoRef, model = kNoRef;
   Ref megatron_main = kNoRef;  // Megatron's fp32_from_fp16_params, if any ...
   std::string megatron_at;     // ... and where its wrapper dict is
+  std::string main_key = "fp32_from_fp16_params";  // ... and the main params' key there
   std::string model_key;  // where the model's state_dict is: "['model']", ...
   std::vector<ChainPart> chain;  // Megatron's chain of optimizers, if ['optimizer'] is one
   if (is_optimizer_dict(p, root)) {
@@ -1408,6 +1411,11 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
     }
     // Megatron-LM's trainer dict: its args' parallel sizes, which the rank folders must agree with
     if (!is_composer) out.megatron_args = megatron_args_of(p);
+    // DeepSpeed's model states file (mp_rank_00_model_states.pt) without ZeRO: the model under
+    // ['module'] beside ['ds_version'], the optimizer under ['optimizer'] (torch's state_dict, or
+    // its mixed-precision wrapper's dict).
+    const bool deepspeed = !is_composer && p.dict_get(root, "ds_version") != kNoRef &&
+                           dict_items(p, p.dict_get(root, "module"));
     const std::string prefix = is_composer ? "['state']" : "";
     for (size_t k = 0; k + 1 < items->size(); k += 2) {
       const auto key = dcp::as_string(p, (*items)[k]);
@@ -1430,6 +1438,30 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
       } else if (is_optimizer_dict(p, v)) {
         found.push_back(name);
         opt = v;
+      } else if (const Ref inner = p.dict_get(v, "optimizer_state_dict");
+                 deepspeed && key && *key == "optimizer" && dict_items(p, v) && is_optimizer_dict(p, inner)) {
+        // DeepSpeed's mixed-precision optimizer without ZeRO (bf16 or fp16: FP16_UnfusedOptimizer,
+        // as for a client's torch optimizer): {"optimizer_state_dict": torch's state_dict,
+        // "fp32_groups": per group, its params' fp32 master copies, "cur_scale", ...}. Its fused
+        // form (FP16_Optimizer, DeepSpeed's FusedAdam) keeps one flat master per group instead.
+        if (p.dict_get(v, "fp32_groups_flat") != kNoRef || !list_items(p, p.dict_get(v, "fp32_groups")))
+          return corrupt(fmt::format("{} {}: DeepSpeed's FP16_Optimizer (its fused form: fp32_groups_flat, one flat "
+                                     "master per group) is not read; its unfused form (fp32_groups) is", where, name));
+        found.push_back(name + "['optimizer_state_dict']");
+        opt = inner;
+        megatron_main = p.dict_get(v, "fp32_groups");
+        megatron_at = name;
+        main_key = "fp32_groups";
+        const auto& wrapper = *dict_items(p, v);
+        for (size_t j = 0; j + 1 < wrapper.size(); j += 2) {
+          const auto wkey = dcp::as_string(p, wrapper[j]);
+          if (!wkey || (*wkey != "optimizer_state_dict" && *wkey != "fp32_groups"))
+            out.not_read.push_back(fmt::format("{}['{}']", name, wkey ? *wkey : "?"));
+        }
+        out.deepspeed_fp16 = true;
+      } else if (deepspeed && key && *key == "module" && model == kNoRef) {
+        model = v;
+        model_key = name;
       } else if (const Ref inner = p.dict_get(v, "optimizer"); dict_items(p, v) && is_optimizer_dict(p, inner) &&
                  list_items(p, p.dict_get(v, "fp32_from_fp16_params"))) {
         // Megatron's mixed-precision optimizer (Float16OptimizerWithFloat16Params) in its legacy
@@ -1492,6 +1524,14 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
         out.not_read.push_back(name);
       }
     }
+    if (found.empty() && deepspeed) {
+      // A ZeRO run's model states file keeps no optimizer (its partitions are in the
+      // zero_pp_rank_* files beside it) but the params' shapes.
+      const Ref shapes = p.dict_get(root, "param_shapes");
+      if (shapes != kNoRef && p.at(shapes).kind != Kind::kNone)
+        return corrupt(fmt::format("{}: DeepSpeed's model states of a ZeRO run (['optimizer'] is None, ['param_shapes'] "
+                                   "set): its optimizer files (zero_pp_rank_*_optim_states.pt) are missing", where));
+    }
     if (found.empty())
       return corrupt(fmt::format("{}: no optimizer state_dict in it (a dict with 'state' and 'param_groups', at the "
                                  "top or one level down)", where));
@@ -1517,7 +1557,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
   }
   if (chain.empty()) {
     OPTSTATE_RETURN_IF_ERROR(
-        read_optimizer_state(p, where, out, opt, std::move(models), megatron_main, megatron_at, std::nullopt));
+        read_optimizer_state(p, where, out, opt, std::move(models), megatron_main, megatron_at, std::nullopt, main_key));
     return out;
   }
   return merge_megatron_chain(p, where, std::move(out), chain, models);

@@ -155,6 +155,10 @@ struct StateDict {
   // read as the weights, the model dict's bf16/fp16 copies only naming the params. A write carrying
   // the file would leave the main params as they were: such a file is not carried.
   bool megatron = false;
+  // DeepSpeed's mixed-precision optimizer without ZeRO (FP16_UnfusedOptimizer in
+  // mp_rank_00_model_states.pt): its fp32 master params (['optimizer']['fp32_groups']) read as the
+  // weights, as Megatron's; a write carrying the file would leave them as they were: not carried.
+  bool deepspeed_fp16 = false;
   // Megatron's trainer dict (['args'] beside ['checkpoint_version']): what its args (an
   // argparse.Namespace) say of the parallelism, where they say it.
   struct MegatronArgs {

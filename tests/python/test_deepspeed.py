@@ -91,7 +91,10 @@ engine.save_checkpoint(out)
 for s in range(steps, steps + more):  # the run continues: its fp32 weights at the end, for the resume test
     step(s)
 if more:
-    full = {n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters() if p.requires_grad}
+    def fp32(p):  # without ZeRO (stage 0, fp32) the param is its own fp32 copy; DeepSpeed gives None
+        full = deepspeed.utils.safe_get_full_fp32_param(p)
+        return (p.detach() if full is None else full).clone()
+    full = {n: fp32(p) for n, p in model.named_parameters() if p.requires_grad}
     full["skipped steps"] = torch.tensor(engine.skipped_steps)
     if frozen:  # the frozen params' values, gathered from every rank's partition
         with deepspeed.zero.GatheredParameters(list(model.parameters())):
@@ -373,6 +376,113 @@ def test_converted_zero_state_resumes_in_torch_adamw_where_deepspeed_continues(t
     continued = torch.load(str(ck) + ".continued.pt")
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), continued[n]), n
+
+
+STAGE0_RESUME = """
+import sys, torch, deepspeed
+load_dir, out = sys.argv[1], sys.argv[2]
+deepspeed.init_distributed(dist_backend="gloo")
+""" + BUILD + FP16 + """
+model, opt = build(1)  # other initial weights: all of them must come from the checkpoint
+cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+       "zero_optimization": {"stage": 0}, "fp16": fp16("fp32")}
+engine = initialize(model, opt, cfg, "fp32")
+engine.load_checkpoint(load_dir, tag="global_step3")
+assert engine.global_steps == 3
+for s in range(3, 5):
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))
+    engine.backward((engine(x) * 1e-2).square().sum())
+    engine.step()
+if torch.distributed.get_rank() == 0:
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out)
+torch.distributed.barrier()
+"""
+
+
+@pytest.mark.parametrize("half", ["fp32", "bf16", "fp16"])
+def test_checkpoint_without_zero_reads_its_model_states_file(tmp_path, optstate_cli, half):
+    """Without ZeRO (stage 0) every rank holds the whole optimizer, and rank 0 saves it inside
+    mp_rank_00_model_states.pt: torch's state_dict (fp32), or under bf16/fp16 the dict of DeepSpeed's
+    FP16_UnfusedOptimizer (torch's state_dict within, each group's fp32 master params beside). Read
+    with the params named after ['module'] (the state is numbered group by group), the masters as
+    the weights, bit for bit what the file holds."""
+    ck = ds_run(tmp_path, 0, half, 2)
+    assert sorted(p.name for p in (ck / "global_step3").iterdir()) == ["mp_rank_00_model_states.pt"]
+    info = optstate_cli("inspect", ck)
+    assert "6 params" in info.stdout, info.stdout
+    assert ("DeepSpeed's fp32 main params (['optimizer']['fp32_groups'])" in info.stdout) == (half != "fp32")
+    assert "every chunk checksum verified" in optstate_cli("validate", ck).stdout
+    optstate_cli("convert", ck, tmp_path / "plain.safetensors")
+    from safetensors.torch import load_file
+    got = load_file(tmp_path / "plain.safetensors")
+    raw = torch.load(ck / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)
+    inner = raw["optimizer"] if half == "fp32" else raw["optimizer"]["optimizer_state_dict"]
+    names = ["0.weight", "2.weight", "4.weight", "0.bias", "2.bias", "4.bias"]  # numbered group by group
+    masters = ([raw["module"][n] for n in names] if half == "fp32"
+               else [t for g in raw["optimizer"]["fp32_groups"] for t in g])
+    for i, n in enumerate(names):
+        st = inner["state"][i]
+        assert st["exp_avg"].shape == raw["module"][n].shape
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[f"{n}.{k}"], st[k]), (n, k)
+        assert torch.equal(got[f"{n}.param"], masters[i].float()), n
+    if half != "fp32":
+        assert raw["module"]["0.weight"].dtype == HALF_DTYPES[half]  # the copies that only name them
+        # A write carrying the file would keep the masters as they were: torch.save output is plain.
+        done = optstate_cli("convert", ck, tmp_path / "plain.pt")
+        assert set(torch.load(tmp_path / "plain.pt", weights_only=False)) == {"model", "optimizer"}, done.stdout
+
+
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def test_checkpoint_without_zero_converted_resumes_in_torch_and_deepspeed(tmp_path, optstate_cli):
+    """fp32 without ZeRO on 2 ranks, every rank the same batch: torch.optim.AdamW from the converted
+    state ends where DeepSpeed's run continues to, bit for bit; and the model states file written
+    back by optstate (its other entries carried, the optimizer rewritten) resumes in DeepSpeed."""
+    ck = ds_run(tmp_path, 0, "fp32", 2, steps=3, more=2)
+    continued = torch.load(str(ck) + ".continued.pt")
+    # A torch.save: the file's layout kept (the model under ['module'], DeepSpeed's other entries
+    # carried), the optimizer torch's state_dict, its groups naming their params.
+    optstate_cli("convert", ck, tmp_path / "plain.pt")
+    sd = torch.load(tmp_path / "plain.pt", weights_only=False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 50), torch.nn.GELU(),
+                                torch.nn.Linear(50, 3))
+    model.load_state_dict(sd["module"])
+    named = dict(model.named_parameters())
+    opt = torch.optim.AdamW([{"params": [named[n] for n in g["param_names"]]} for g in sd["optimizer"]["param_groups"]],
+                            lr=1.0)
+    opt.load_state_dict(sd["optimizer"])
+    for s in range(3, 5):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))
+        (model(x) * 1e-2).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), continued[n]), n
+    # DeepSpeed's own tag folder, written back through optstate
+    back = tmp_path / "back"
+    (back / "global_step3").mkdir(parents=True)
+    done = optstate_cli("convert", ck, back / "global_step3" / "mp_rank_00_model_states.pt")
+    assert "['ds_config']" in done.stdout and "carried unchanged" in done.stdout, done.stdout
+    run_script(tmp_path, STAGE0_RESUME, "stage0_resume.py", back, tmp_path / "resumed.pt", ranks=2)
+    resumed = torch.load(tmp_path / "resumed.pt")
+    for n in resumed:
+        assert torch.equal(resumed[n], continued[n]), n
+
+
+def test_checkpoint_without_zero_beside_model_parallel_files_is_refused(tmp_path, optstate_cli):
+    ck = ds_run(tmp_path, 0, "fp32", 2)
+    import shutil
+    tag = ck / "global_step3"
+    shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt")
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "without ZeRO beside model-parallel ranks' files (mp_rank_01_model_states.pt)" in err, err
+    (tag / "mp_rank_01_model_states.pt").unlink()
+    # a universal checkpoint is written from ZeRO-1/2 ones only
+    err = run_err(optstate_cli, "convert", ck, tmp_path / "u", "--format", "deepspeed")
+    assert not (tmp_path / "u").exists(), err
 
 
 def test_optimizer_state_on_some_flat_params_or_ranks_only_is_refused(tmp_path, optstate_cli):

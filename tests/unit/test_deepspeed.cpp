@@ -381,11 +381,14 @@ TEST_CASE("deepspeed: a missing rank, model-parallel files, no model states or a
     CHECK(v->findings[0].message.find(f.string() + ": CRC-32 of the storage holding") != std::string::npos);
   }
   {
-    // No ZeRO partitions, only the model states file (stage 0 keeps the optimizer in it): named.
+    // A ZeRO run's model states file alone (its partitions gone): read as stage 0's would be (the
+    // optimizer inside it), it holds none but the params' shapes: the missing files named.
     testing::TempDir dir;
     const fs::path tag = copy_tag("zero2_world2", dir);
     for (int r : {0, 1}) fs::remove(tag / fmt::format("zero_pp_rank_{}_mp_rank_00_optim_states.pt", r));
-    CHECK(error_of(tag).find("without ZeRO partitions (stage 0") != std::string::npos);
+    CHECK(error_of(tag).find("mp_rank_00_model_states.pt: DeepSpeed's model states of a ZeRO run (['optimizer'] is "
+                             "None, ['param_shapes'] set): its optimizer files (zero_pp_rank_*_optim_states.pt) are "
+                             "missing") != std::string::npos);
   }
   {
     // DeepSpeed's own Adam from its config in L2 mode (adam_w_mode false), which only ds_config tells:

@@ -672,3 +672,40 @@ TEST_CASE("deepspeed: AutoTP's patterns name one param each") {
   CHECK(!exact_name_of_pattern("^$"));
   CHECK(!exact_name_of_pattern("name"));
 }
+
+TEST_CASE("deepspeed: without ZeRO (stage 0) the optimizer in the model states file is read, named after the module") {
+  // bf16_zero0_world2 (make_seeds.py): Linear(16, 24), GELU, Linear(24, 3) under bf16 without ZeRO:
+  // DeepSpeed's FP16_UnfusedOptimizer dict (torch's state_dict numbered group by group: weights 0-1,
+  // biases 2-3; each group's fp32 masters), the module's bf16 copies naming them.
+  auto r = open_checkpoint(kSeeds / "bf16_zero0_world2");
+  REQUIRE_MESSAGE(r.ok(), r.status().message());
+  const OptimizerState& m = (*r)->meta();
+  REQUIRE(m.groups.size() == 2);
+  CHECK(m.groups[0].params == std::vector<std::string>{"0.weight", "2.weight"});
+  CHECK(m.groups[1].params == std::vector<std::string>{"0.bias", "2.bias"});
+  CHECK(m.groups[0].hyper.weight_decay == 0.05);
+  for (const auto& [fqn, ps] : m.params) CHECK(ps.step == 4);  // the wrapper's zero-gradient first step, then 3
+  CHECK(m.params.at("2.weight").shape == std::vector<int64_t>{3, 24});
+  const auto notes = (*r)->read_notes();
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].starts_with("DeepSpeed's fp32 main params (['optimizer']['fp32_groups'])"));
+  // The weights are the fp32 masters, not the module's bf16 copies (which they round to).
+  auto all = load_all(**r);
+  REQUIRE(all.ok());
+  const Entry& w = all->params.at("0.weight").entries.at(kParam);
+  REQUIRE(w.dtype == DType::kF32);
+  bool finer = false;  // some master carries bits a bf16 value cannot
+  for (size_t i = 0; i < w.values.size / 4; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, w.values.data + 4 * i, 4);
+    finer = finer || (bits & 0xffffu) != 0;
+  }
+  CHECK(finer);
+  auto v = validate_checkpoint(kSeeds / "bf16_zero0_world2", [](const fs::path& p) { return open_checkpoint(p); });
+  REQUIRE(v.ok());
+  CHECK(v->findings.empty());
+  // No universal checkpoint from it (DeepSpeed loads those into ZeRO-1/2 runs).
+  testing::TempDir dir;
+  CHECK_FALSE(write_checkpoint(*find_format("deepspeed"), *all, dir.path / "u", {.source = r->get()}).ok());
+  CHECK_FALSE(fs::exists(dir.path / "u"));
+}

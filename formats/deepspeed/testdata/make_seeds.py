@@ -6,6 +6,8 @@ with engine.save_checkpoint (global_step3/ and `latest`):
   zero2_world2/       ZeRO-2, fp32
   zero3_world2/       ZeRO-3, fp32 (the same run: it hashes like zero2_world2/)
   bf16_zero1_world2/  ZeRO-1 under bf16 (bf16_zero_pp_rank_*: fp32 master weights and moments)
+  bf16_zero0_world2/  without ZeRO (stage 0) under bf16: the optimizer inside mp_rank_00_model_states.pt,
+                      DeepSpeed's FP16_UnfusedOptimizer dict (torch's state_dict, the groups' fp32 masters)
   zero3_world2_universal/  DeepSpeed's universal checkpoint of zero3_world2/ (its ds_to_universal)
   frozen_bf16_zero1_world2/  ZeRO-1 under bf16 of Linear(16, 24) frozen, LayerNorm(24), GELU, Linear(24, 3),
                       a float buffer and an int64 one: module tensors that no param group holds
@@ -321,6 +323,7 @@ def main():
     wanted = set(sys.argv[1:])
     for name, stage, half, variant in (("zero2_world2", 2, "fp32", "-"), ("zero3_world2", 3, "fp32", "-"),
                                        ("bf16_zero1_world2", 1, "bf16", "-"),
+                                       ("bf16_zero0_world2", 0, "bf16", "-"),
                                        ("frozen_bf16_zero1_world2", 1, "bf16", "frozen"),
                                        ("adam_l2_zero2_world2", 2, "fp32", "adam_l2"),
                                        ("zero3_subgroups_world2", 3, "fp32", "subgroups"),

@@ -1006,6 +1006,28 @@ Status interpret_optimizer(const Pickle& p, Ref opt, const std::string& ow, Stat
     if (!params.emplace(id, std::move(spec)).second) return corrupt(pw + ": listed twice");
   }
 
+  // DeepSpeed's FusedAdam (its groups hold 'bias_correction' and a 'step' that stays as it was
+  // made) counts a group's steps on the state of the last param it steps and steps all of them with
+  // that count (fused_adam.py: `state['step'] += 1` after its loop over the group's params, on the
+  // loop's last state); the others keep the count they were made with. Where a group's steps
+  // differ, its params are read at its last param's, the count its next step goes on from.
+  for (size_t g = 0; g < groups->size(); ++g) {
+    const Ref gr = (*groups)[g];
+    if (p.dict_get(gr, "bias_correction") == kNoRef || p.dict_get(gr, "step") == kNoRef) continue;
+    std::vector<ParamSpec*> stepped;
+    for (int64_t id : group_ids[g])
+      if (auto it = params.find(id); it != params.end()) stepped.push_back(&it->second);
+    if (stepped.size() < 2 || !std::all_of(stepped.begin(), stepped.end(), [](const ParamSpec* s) { return s->step.number.has_value(); }))
+      continue;
+    const double last = *stepped.back()->step.number;
+    std::set<double> own;
+    for (const ParamSpec* s : stepped) own.insert(*s->step.number);
+    if (own.size() < 2) continue;
+    for (ParamSpec* s : stepped) s->step.number = last;
+    out.read_notes.push_back(fmt::format("DeepSpeed's FusedAdam counts param group {}'s steps on its last param only "
+                                         "(its params held {}): all {} read at step {}", group_base + g,
+                                         fmt::join(own, ", "), stepped.size(), static_cast<int64_t>(last)));
+  }
   return Status::Ok();
 }
 

@@ -472,6 +472,66 @@ def test_checkpoint_without_zero_converted_resumes_in_torch_and_deepspeed(tmp_pa
         assert torch.equal(resumed[n], continued[n]), n
 
 
+STAGE0_FUSED = """
+import sys, torch, deepspeed
+out = sys.argv[1]
+deepspeed.init_distributed(dist_backend="gloo")
+""" + BUILD + """
+model, opt = build(0)
+groups = [{"params": g["params"], "weight_decay": g["weight_decay"], "lr": g["lr"]} for g in opt.param_groups]
+cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+       "zero_optimization": {"stage": 0}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+engine = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)[0]
+assert type(engine.optimizer).__name__ == "FusedAdam", type(engine.optimizer)
+def step(s):
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))
+    engine.backward((engine(x) * 1e-2).square().sum())
+    engine.step()
+for s in range(3):
+    step(s)
+engine.save_checkpoint(out)
+for s in range(3, 5):
+    step(s)
+if torch.distributed.get_rank() == 0:
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out + ".continued.pt")
+torch.distributed.barrier()
+"""
+
+
+def test_deepspeed_fused_adam_without_zero_reads_each_group_at_its_last_params_step(tmp_path, optstate_cli):
+    """DeepSpeed's FusedAdam (the ds_config's "optimizer", here without ZeRO and in fp32, so its
+    state is saved per param) counts a group's steps on its last param's state only: the others
+    keep step 0. Read at the group's count, the converted state resumes in torch.optim.AdamW where
+    DeepSpeed's run continues to (within float rounding of the two kernels; the per-param counts as
+    saved would take a first step's bias correction and land 3e-3 away: measured)."""
+    ck = tmp_path / "fused"
+    run_script(tmp_path, STAGE0_FUSED, "stage0_fused.py", ck, ranks=2)
+    raw = torch.load(ck / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)["optimizer"]
+    assert sorted(st["step"] for st in raw["state"].values()) == [0, 0, 0, 0, 3, 3]  # the quirk, as saved
+    notes = [l for l in optstate_cli("inspect", ck).stdout.splitlines() if "DeepSpeed's FusedAdam counts" in l]
+    assert len(notes) == 2 and all("(its params held 0, 3): all 3 read at step 3" in l for l in notes), notes
+    optstate_cli("convert", ck, tmp_path / "plain.pt")
+    sd = torch.load(tmp_path / "plain.pt", weights_only=False)
+    assert sorted(int(st["step"]) for st in sd["optimizer"]["state"].values()) == [3] * 6
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 50), torch.nn.GELU(),
+                                torch.nn.Linear(50, 3))
+    model.load_state_dict(sd["module"])
+    named = dict(model.named_parameters())
+    opt = torch.optim.AdamW([{"params": [named[n] for n in g["param_names"]]} for g in sd["optimizer"]["param_groups"]],
+                            lr=1.0)
+    opt.load_state_dict(sd["optimizer"])
+    assert [g["lr"] for g in opt.param_groups] == [1e-3, 2e-3]
+    for s in range(3, 5):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))
+        (model(x) * 1e-2).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    continued = torch.load(str(ck) + ".continued.pt")
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), continued[n], rtol=0, atol=1e-6, msg=n)
+
+
 def test_checkpoint_without_zero_beside_model_parallel_files_is_refused(tmp_path, optstate_cli):
     ck = ds_run(tmp_path, 0, "fp32", 2)
     import shutil

@@ -1444,3 +1444,31 @@ TEST_CASE("torchsave: params listed by number and by name in one state_dict are 
   REQUIRE(!sd.ok());
   CHECK(sd.status().message().find("mixed.pt param group 1: params listed by number and by name") != std::string::npos);
 }
+
+TEST_CASE("torchsave: DeepSpeed's FusedAdam group is read at its last param's step, the only one it counts on") {
+  // deepspeed_fused_adam.pt (make_seeds.py): FusedAdam over Linear(64, 64), 3 steps: the weight's
+  // state says step 0, the bias's (the group's last) 3, and the group 'step' 0.
+  auto r = open_checkpoint(kSeeds / "deepspeed_fused_adam.pt");
+  REQUIRE_MESSAGE(r.ok(), r.status().message());
+  const OptimizerState& m = (*r)->meta();
+  CHECK(m.params.at("weight").step == 3);
+  CHECK(m.params.at("bias").step == 3);
+  const auto notes = (*r)->read_notes();
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0] == "DeepSpeed's FusedAdam counts param group 0's steps on its last param only (its params held 0, 3): "
+                    "all 2 read at step 3");
+  // torch's own AdamW keeps a step per param, as do groups without FusedAdam's keys: not touched
+  // (torch_model_and_optimizer.pt: both at 2, no note).
+  auto plain = open_checkpoint(kSeeds / "torch_model_and_optimizer.pt");
+  REQUIRE(plain.ok());
+  CHECK((*plain)->read_notes().empty());
+  // Written as torch's AdamW (a step per param, no FusedAdam keys) and read back: both at 3.
+  testing::TempDir dir;
+  auto all = load_all(**r);
+  REQUIRE(all.ok());
+  REQUIRE(write_checkpoint(*find_format("torchsave"), *all, dir.path / "out.pt", {}).ok());
+  auto back = open_checkpoint(dir.path / "out.pt");
+  REQUIRE(back.ok());
+  CHECK((*back)->meta().params.at("weight").step == 3);
+  CHECK(hash_checkpoint(**back)->root == hash_checkpoint(**r)->root);
+}

@@ -12,7 +12,8 @@ its weights and moments stored permuted (channels_last); nanoGPT's of a compiled
 key under '_orig_mod.' (compiled); buffers of complex64, int16, bool, float8 and uint16 beside a
 model's params (rotary); a DDP run's, every model key under 'module.' (ddp); torchtune's
 recipe_state.pt of a run with optimizer_in_bwd, an optimizer per param keyed by its name
-(in_backward).
+(in_backward); DeepSpeed's FusedAdam's {"model", "optimizer"}, its group's step count on the last
+param's state only (deepspeed_fused_adam).
 
 FSDP2 (two CPU processes over gloo): fsdp2_world2/ holds what verl saves per rank
 (optim_world_size_2_rank_R.pt, model_world_size_2_rank_R.pt of DTensors, extra_state_...), and
@@ -26,7 +27,7 @@ parameter per unit), fsdp1_world2_orig/ with use_orig_params=True (one param eac
 nothing per rank); fsdp1_world2*_full.pt the same state put together from FSDP's own flat-parameter
 metadata (where each rank's run of each param starts), as one {"model", "optimizer"} file.
 
-    .venv/bin/python formats/torchsave/testdata/make_seeds.py [main|fqn|fsdp2|fsdp1|bnb|numbered|channels_last|compiled|rotary|ddp|in_backward]"""
+    .venv/bin/python formats/torchsave/testdata/make_seeds.py [main|fqn|fsdp2|fsdp1|bnb|numbered|channels_last|compiled|rotary|ddp|in_backward|deepspeed_fused_adam]"""
 import os
 import sys
 
@@ -357,7 +358,25 @@ def bnb():
     torch.save(old, os.path.join(HERE, "bnb_adamw8bit_2048.pt"))
 
 
+def deepspeed_fused_adam():
+    """DeepSpeed's FusedAdam (its CPU build: DS_ACCELERATOR=cpu) stepping Linear(64, 64) three times,
+    saved as {"model", "optimizer"}: the group keeps 'bias_correction' and a 'step' of its own (0),
+    and the count lives on the last param's state only (the weight's stays 0)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.ops.adam import FusedAdam
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01)
+    for _ in range(3):
+        model(torch.randn(4, 64)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    assert [st["step"] for st in sd["state"].values()] == [0, 3], sd["state"]
+    torch.save({"model": model.state_dict(), "optimizer": sd}, os.path.join(HERE, "deepspeed_fused_adam.pt"))
+
+
 if __name__ == "__main__":
     for step in sys.argv[1:] or ["main", "fqn", "fsdp2", "fsdp1", "bnb", "numbered", "channels_last", "compiled",
-                                  "rotary", "ddp", "in_backward"]:
+                                  "rotary", "ddp", "in_backward", "deepspeed_fused_adam"]:
         globals()[step]()

@@ -57,6 +57,9 @@ struct ParsedItem {
     uint64_t at = 0, size = 0;  // absolute file offset, bytes
     uint32_t crc = 0;           // 0: none stored (torch.serialization.config.save.compute_crc32 off)
     bool verified = false;
+    // A part of a record whose CRC-32 covers more than the part (dp_zero_gather_scatter's buffers):
+    // checked by verify_shared_records, whole, rather than as it is read.
+    bool shared = false;
     // Read so far in order from the record's start, and its CRC-32 (a chunk whose rows lie apart in
     // the tensor, such as a tensor-parallel column shard, is read in pieces); kUnchecked once a read
     // left that order.
@@ -127,7 +130,34 @@ class DcpReader final : public CheckpointReader {
   // Whether every chunk read so far was checked against the CRC-32 torch.save stored for it (and at
   // least one was): true after a full read of a checkpoint torch saved with CRCs (its default).
   // A rank's share of a larger chunk is part of a record and cannot be checked.
-  bool checksummed() const override { return verified_ > 0 && unverified_ == 0 && pending_ == 0; }
+  bool checksummed() const override {
+    return verified_ > 0 && unverified_ == 0 && pending_ == 0 && (shared_reads_ == 0 || shared_verified_);
+  }
+  // dp_zero_gather_scatter's gathered buffers are read as parts of their storages' records: each
+  // such record read whole here, once, against the CRC-32 torch.save stored for it.
+  Status verify_shared_records() override {
+    std::vector<std::byte> buf;
+    bool all = !shared_records_.empty();
+    for (const SharedRecord& r : shared_records_) {
+      if (r.crc == 0) {  // none stored (compute_crc32 off)
+        all = false;
+        continue;
+      }
+      uint32_t crc = 0;
+      for (uint64_t at = 0; at < r.size;) {
+        buf.resize(static_cast<size_t>(std::min<uint64_t>(r.size - at, uint64_t{8} << 20)));
+        OPTSTATE_RETURN_IF_ERROR(r.file->read_at(r.at + at, buf).with_context(r.where));
+        crc = zip::crc32(buf, crc);
+        at += buf.size();
+      }
+      if (crc != r.crc)
+        return corrupt(fmt::format("{}: its data fails the CRC-32 torch.save stored (stored {:08x}, read {:08x}): "
+                                   "changed or damaged after it was written", r.where, r.crc, crc));
+      ++verified_;
+    }
+    shared_verified_ = all;
+    return Status::Ok();
+  }
   std::vector<std::string> read_notes() const override { return value_notes_; }
   std::vector<std::string> not_read() const override {
     std::vector<std::string> out;
@@ -301,6 +331,10 @@ class DcpReader final : public CheckpointReader {
       if (rec.fed != ParsedItem::Record::kUnchecked) --pending_;
       rec.fed = 0;
       rec.running = 0;
+    }
+    if (rec.shared) {  // its whole record is verify_shared_records'
+      ++shared_reads_;
+      return false;
     }
     if (rec.crc == 0 || rec.fed == ParsedItem::Record::kUnchecked || at != rec.at + rec.fed ||
         bytes > rec.size - rec.fed) {
@@ -1366,6 +1400,7 @@ class DcpReader final : public CheckpointReader {
             sc.offsets.push_back(cs - begin);
             sc.sizes.push_back(ch.sizes[0]);
             md_.storage[{syn_key, sc.offsets}] = md_.storage.at({found->second, ch.offsets});
+            if (shared_items_.count(found->second)) shared_items_.insert(syn_key);  // a part of a shared record
             syn.chunks.push_back(std::move(sc));
           }
         }
@@ -1392,7 +1427,7 @@ class DcpReader final : public CheckpointReader {
   // buffers, a flat float32 tensor per entry inside the group's ShardedObject, walked by value
   // (megatron::flat_buffer_bounds) and entered as one bucket each: an item per entry whose chunks are
   // each param's run and the padding between, stored raw where they lie in the object's archive (a
-  // part of a record: its CRC-32 unchecked).
+  // part of a record: its CRC-32 checked by verify_shared_records, the record read whole).
   using BucketItems = std::map<std::tuple<size_t, int64_t, int64_t, int64_t>, std::map<std::string, std::string>>;
   Status flat_buffers_as_buckets(const std::map<std::pair<size_t, int64_t>, std::string>& param_states,
                                  const std::vector<megatron::Box>& boxes, const megatron::BucketValues& values,
@@ -1414,6 +1449,8 @@ class DcpReader final : public CheckpointReader {
         for (const auto& [e, t] : fb.entries) {
           const auto rec = pi->storages.find(t.storage_key);
           if (rec == pi->storages.end()) return corrupt(fmt::format("{} '{}': its storage is not in the archive", bw, e));
+          shared_records_.push_back({file, rec->second.at, rec->second.size, rec->second.crc,
+                                     fmt::format("{} '{}' (storage {})", bw, e, t.storage_key)});
           const uint64_t at = rec->second.at + static_cast<uint64_t>(t.offset) * 4;
           if (static_cast<uint64_t>(t.offset) * 4 + bytes > rec->second.size || at + bytes > file->size())
             return corrupt(fmt::format("{} '{}': its storage holds fewer than its {} elements", bw, e, fb.numel));
@@ -1449,6 +1486,7 @@ class DcpReader final : public CheckpointReader {
           }
           if (!md_.items.emplace(syn, std::move(im)).second)
             return corrupt(fmt::format("{}: an item named '{}' beside its gathered state", where, syn));
+          shared_items_.insert(syn);
           dp_items.insert(syn);
           bucket_items[{o, group, fb.gbuf, 0}][e] = syn;
         }
@@ -1936,6 +1974,7 @@ class DcpReader final : public CheckpointReader {
     t.storage_numel = numel;
     t.shape = *loc.raw_shape;
     pi.storages[t.storage_key] = {loc.offset, bytes, 0, false};
+    pi.storages[t.storage_key].shared = shared_items_.count(key) > 0;
     return &items_.emplace(std::pair{key, offsets}, std::move(pi)).first->second;
   }
 
@@ -2309,6 +2348,18 @@ class DcpReader final : public CheckpointReader {
   SourceLayout layout_;
   bool zarr_ = false;
   int64_t verified_ = 0, unverified_ = 0;  // records checked against their CRC-32; reads not checked
+  // Reads of parts of shared records (ParsedItem::Record::shared), and whether verify_shared_records
+  // checked every such record.
+  int64_t shared_reads_ = 0;
+  bool shared_verified_ = false;
+  struct SharedRecord {
+    const InputFile* file = nullptr;
+    uint64_t at = 0, size = 0;
+    uint32_t crc = 0;
+    std::string where;  // the item and its storage
+  };
+  std::vector<SharedRecord> shared_records_;
+  std::set<std::string> shared_items_;  // raw items that are parts of them
   int64_t pending_ = 0;  // records read in part, in order, not yet to their end (their CRC-32 unchecked)
   ReadBuffer piece_;                             // reused between streams
   ReadBuffer rows_;                              // a column shard's rows read at once (read_into)

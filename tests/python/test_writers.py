@@ -487,16 +487,37 @@ def test_megatrons_dp_zero_gather_scatter_checkpoint_reads_as_megatron_held_it(t
     ranks' halves of the buffer) and tensor x data parallel 2 with several buckets, and 0.9's
     zarr under data parallel 2 and tensor x data parallel 2 (several buckets): bit for bit what
     Megatron's optimizer held (read from the live optimizer), in Megatron-Core's standard groups,
-    said as placed by value. The gathered state is read in runs: validate checks no checksum."""
+    said as placed by value. The gathered state is read in runs, parts of its storages' records:
+    validate checks each record whole against the CRC-32 torch.save stored (the zarr arrays beside,
+    which keep none, only place the params: every byte of the state is covered)."""
     ck = corpus / run
     ref, meta = ref_of(ck)
-    info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta, checksums=False)
+    info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta, checksums=True)
     assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0]
     assert any("saved dp_zero_gather_scatter" in n and "round to the model's weights" in n for n in info["read_notes"])
     assert not any("optimizer.distributed" in n for n in info["not_read"]), info["not_read"]
     out = tmp_path / "plain_dcp"
     optstate_cli("convert", ck, out, "--format", "dcp")
     assert optstate_cli("diff", ck, out).returncode == 0
+
+
+def test_a_flipped_bit_in_dp_zero_gather_scatters_gathered_buffers_is_a_validate_finding(tmp_path, optstate_cli):
+    """One bit of a gathered moment flipped (a finite value, still in place): reading cannot tell,
+    but torch.save stored the CRC-32 of the record it lies in, which validate reads whole: a
+    finding naming the item, the entry and its storage (exit 1)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    ck = tmp_path / "ck"
+    shutil.copytree(MEGATRON / "dp2_distopt_dp_zero", ck)
+    md = FileSystemReader(str(ck)).read_metadata()
+    loc = next(v for k, v in md.storage_data.items() if k.fqn.endswith("param_state/shard_0_1"))
+    data = bytearray((ck / loc.relative_path).read_bytes())
+    data[loc.offset + loc.length // 2] ^= 0x01
+    (ck / loc.relative_path).write_bytes(bytes(data))
+    assert optstate_cli("hash", ck).returncode == 0  # read in runs: nothing to check a run against
+    proc = optstate_cli("validate", ck, check=False)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert ("item 'optimizer.distributed.dp_group_idx_0.param_state/shard_0_1' [0] '" in proc.stdout
+            and "fails the CRC-32 torch.save stored" in proc.stdout), proc.stdout
 
 
 def test_a_dp_zero_gather_scatter_checkpoint_whose_weights_are_stale_is_refused(tmp_path, optstate_cli):

@@ -353,26 +353,33 @@ def test_zero2_and_zero3_of_one_run_hold_the_same_state(tmp_path, optstate_cli):
     assert hashes(optstate_cli, tmp_path / "native3") == hashes(optstate_cli, a)
 
 
-def test_converted_zero_state_resumes_in_torch_adamw_where_deepspeed_continues(tmp_path, optstate_cli):
-    """ZeRO-2 on 2 ranks, every rank the same batch: DeepSpeed's averaged gradient is the
-    one-process gradient exactly, so torch.optim.AdamW from the converted state, stepping on the
-    same batches, must end on DeepSpeed's fp32 weights bit for bit."""
-    ck = ds_run(tmp_path, 2, "fp32", 2, steps=3, more=2)
-    optstate_cli("convert", ck, tmp_path / "plain.pt")
-    sd = torch.load(tmp_path / "plain.pt")
+def continued_in_torch(sd, model_key="model"):
+    """torch.optim.AdamW over BUILD's model from a converted state_dict (the weights at
+    sd[model_key], the optimizer at sd["optimizer"], its groups naming their params), stepped twice
+    more on the batches the DeepSpeed runs take at steps 3 and 4; returns (model, optimizer)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 50), torch.nn.GELU(),
                                 torch.nn.Linear(50, 3))
-    model.load_state_dict(sd["model"])
+    model.load_state_dict(sd[model_key])
     named = dict(model.named_parameters())
-    groups = [{"params": [named[n] for n in g["param_names"]]} for g in sd["optimizer"]["param_groups"]]
-    opt = torch.optim.AdamW(groups, lr=1.0)
+    opt = torch.optim.AdamW([{"params": [named[n] for n in g["param_names"]]} for g in sd["optimizer"]["param_groups"]],
+                            lr=1.0)
     opt.load_state_dict(sd["optimizer"])
     for s in range(3, 5):
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))
         (model(x) * 1e-2).square().sum().backward()
         opt.step()
         opt.zero_grad()
+    return model, opt
+
+
+def test_converted_zero_state_resumes_in_torch_adamw_where_deepspeed_continues(tmp_path, optstate_cli):
+    """ZeRO-2 on 2 ranks, every rank the same batch: DeepSpeed's averaged gradient is the
+    one-process gradient exactly, so torch.optim.AdamW from the converted state, stepping on the
+    same batches, must end on DeepSpeed's fp32 weights bit for bit."""
+    ck = ds_run(tmp_path, 2, "fp32", 2, steps=3, more=2)
+    optstate_cli("convert", ck, tmp_path / "plain.pt")
+    model, _ = continued_in_torch(torch.load(tmp_path / "plain.pt"))
     continued = torch.load(str(ck) + ".continued.pt")
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), continued[n]), n
@@ -445,20 +452,7 @@ def test_checkpoint_without_zero_converted_resumes_in_torch_and_deepspeed(tmp_pa
     # A torch.save: the file's layout kept (the model under ['module'], DeepSpeed's other entries
     # carried), the optimizer torch's state_dict, its groups naming their params.
     optstate_cli("convert", ck, tmp_path / "plain.pt")
-    sd = torch.load(tmp_path / "plain.pt", weights_only=False)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 50), torch.nn.GELU(),
-                                torch.nn.Linear(50, 3))
-    model.load_state_dict(sd["module"])
-    named = dict(model.named_parameters())
-    opt = torch.optim.AdamW([{"params": [named[n] for n in g["param_names"]]} for g in sd["optimizer"]["param_groups"]],
-                            lr=1.0)
-    opt.load_state_dict(sd["optimizer"])
-    for s in range(3, 5):
-        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))
-        (model(x) * 1e-2).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
+    model, _ = continued_in_torch(torch.load(tmp_path / "plain.pt", weights_only=False), "module")
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), continued[n]), n
     # DeepSpeed's own tag folder, written back through optstate
@@ -513,20 +507,8 @@ def test_deepspeed_fused_adam_without_zero_reads_each_group_at_its_last_params_s
     optstate_cli("convert", ck, tmp_path / "plain.pt")
     sd = torch.load(tmp_path / "plain.pt", weights_only=False)
     assert sorted(int(st["step"]) for st in sd["optimizer"]["state"].values()) == [3] * 6
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 50), torch.nn.GELU(),
-                                torch.nn.Linear(50, 3))
-    model.load_state_dict(sd["module"])
-    named = dict(model.named_parameters())
-    opt = torch.optim.AdamW([{"params": [named[n] for n in g["param_names"]]} for g in sd["optimizer"]["param_groups"]],
-                            lr=1.0)
-    opt.load_state_dict(sd["optimizer"])
+    model, opt = continued_in_torch(sd, "module")
     assert [g["lr"] for g in opt.param_groups] == [1e-3, 2e-3]
-    for s in range(3, 5):
-        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))
-        (model(x) * 1e-2).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
     continued = torch.load(str(ck) + ".continued.pt")
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), continued[n], rtol=0, atol=1e-6, msg=n)

@@ -1401,6 +1401,21 @@ Result<StateDict> merge_megatron_chain(const Pickle& p, const std::string& where
 
 }  // namespace
 
+namespace {
+
+// A mixed-precision optimizer's wrapper dict at `wrapper` (`at` names it): its keys other than the
+// optimizer's (`opt_key`) and the main params' (`main_key`) named as not read.
+void name_wrapper_rest(const Pickle& p, Ref wrapper, const std::string& at, std::string_view opt_key,
+                       std::string_view main_key, std::vector<std::string>& not_read) {
+  const auto& items = *dict_items(p, wrapper);
+  for (size_t j = 0; j + 1 < items.size(); j += 2) {
+    const auto key = dcp::as_string(p, items[j]);
+    if (!key || (*key != opt_key && *key != main_key)) not_read.push_back(fmt::format("{}['{}']", at, key ? *key : "?"));
+  }
+}
+
+}  // namespace
+
 Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where) {
   StateDict out;
   const Ref root = p.root();
@@ -1474,12 +1489,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
         megatron_main = p.dict_get(v, "fp32_groups");
         megatron_at = name;
         main_key = "fp32_groups";
-        const auto& wrapper = *dict_items(p, v);
-        for (size_t j = 0; j + 1 < wrapper.size(); j += 2) {
-          const auto wkey = dcp::as_string(p, wrapper[j]);
-          if (!wkey || (*wkey != "optimizer_state_dict" && *wkey != "fp32_groups"))
-            out.not_read.push_back(fmt::format("{}['{}']", name, wkey ? *wkey : "?"));
-        }
+        name_wrapper_rest(p, v, name, "optimizer_state_dict", "fp32_groups", out.not_read);
         out.deepspeed_fp16 = true;
       } else if (deepspeed && key && *key == "module" && model == kNoRef) {
         model = v;
@@ -1493,12 +1503,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
         opt = inner;
         megatron_main = p.dict_get(v, "fp32_from_fp16_params");
         megatron_at = name;
-        const auto& wrapper = *dict_items(p, v);
-        for (size_t j = 0; j + 1 < wrapper.size(); j += 2) {
-          const auto wkey = dcp::as_string(p, wrapper[j]);
-          if (!wkey || (*wkey != "optimizer" && *wkey != "fp32_from_fp16_params"))
-            out.not_read.push_back(fmt::format("{}['{}']", name, wkey ? *wkey : "?"));
-        }
+        name_wrapper_rest(p, v, name, "optimizer", "fp32_from_fp16_params", out.not_read);
         out.megatron = true;
       } else if (const auto* list = list_items(p, v); list && key && *key == "optimizer" && out.megatron_args &&
                  !list->empty() && list->size() <= 16) {
@@ -1513,12 +1518,7 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
           } else if (dict_items(p, item) && is_optimizer_dict(p, inner) &&
                      list_items(p, p.dict_get(item, "fp32_from_fp16_params"))) {
             chain.push_back({inner, p.dict_get(item, "fp32_from_fp16_params"), at});
-            const auto& wrapper = *dict_items(p, item);
-            for (size_t j = 0; j + 1 < wrapper.size(); j += 2) {
-              const auto wkey = dcp::as_string(p, wrapper[j]);
-              if (!wkey || (*wkey != "optimizer" && *wkey != "fp32_from_fp16_params"))
-                out.not_read.push_back(fmt::format("{}['{}']", at, wkey ? *wkey : "?"));
-            }
+            name_wrapper_rest(p, item, at, "optimizer", "fp32_from_fp16_params", out.not_read);
           } else {
             return corrupt(fmt::format("{} {}: neither an optimizer state_dict nor Megatron's mixed-precision "
                                        "optimizer's dict (Megatron's chain of optimizers holds one of either)", where, at));

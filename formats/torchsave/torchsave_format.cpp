@@ -20,6 +20,7 @@
 #include "dcp/dcp_driver.h"
 #include "dcp/megatron.h"
 #include "dcp/zip.h"
+#include "deepspeed/deepspeed_flat.h"
 #include "megatron/megatron_layout.h"
 #include "optstate/checkpoint.h"
 #include "optstate/io.h"
@@ -485,6 +486,7 @@ class TorchSaveReader final : public CheckpointReader {
       OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(f));
       files_.push_back(std::move(ap.first));
       OPTSTATE_ASSIGN_OR_RETURN(StateDict sd, interpret_state_dict(ap.second, f.string()));
+      if (sd.deepspeed_flat) OPTSTATE_RETURN_IF_ERROR(place_deepspeed_flat(ap.second, files_.size() - 1, sd, f.string()));
       if (!set_ && !sd.libtorch && sd.model_ref != pickle::kNoRef)
         if (auto md = interpret_model_dict(ap.second, sd.model_ref, f.string() + " " + sd.model_key); md.ok())
           own_model = std::move(*md);
@@ -1690,6 +1692,160 @@ class TorchSaveReader final : public CheckpointReader {
         idx[k] = 0;
       }
     }
+    return Status::Ok();
+  }
+
+  // DeepSpeed's FP16_Optimizer (its fused form, without ZeRO) in the torch.save file `where`
+  // (archive `fi`, pickle `p`): the inner optimizer's one flat param a group and the flat fp32
+  // masters split into the model's params where deepspeed::place_in_flat_groups finds them; their
+  // entries and weights become views of the flat tensors, numbered group by group as torch numbers
+  // a group's params.
+  Status place_deepspeed_flat(const pickle::Pickle& p, size_t fi, StateDict& sd, const std::string& where) {
+    const std::string ow = fmt::format("{} {}", where, sd.deepspeed_flat_at);
+    const size_t groups = sd.groups.size();
+    if (sd.deepspeed_flat_masters.size() != groups || sd.member_ids.size() != groups)
+      return corrupt(fmt::format("{}['fp32_groups_flat']: {} flat masters, the optimizer has {} param groups", ow,
+                                 sd.deepspeed_flat_masters.size(), groups));
+    std::vector<int64_t> group_numels(groups);
+    std::vector<const ParamSpec*> flat_of(groups, nullptr);
+    for (size_t g = 0; g < groups; ++g) {
+      const std::string mw = fmt::format("{}['fp32_groups_flat'][{}]", ow, g);
+      if (sd.member_ids[g].size() != 1)
+        return corrupt(fmt::format("{}['optimizer_state_dict'] param group {}: {} params; FP16_Optimizer gives its "
+                                   "optimizer one flat param a group", ow, g, sd.member_ids[g].size()));
+      OPTSTATE_ASSIGN_OR_RETURN(group_numels[g], checked_numel(sd.deepspeed_flat_masters[g].shape));
+      OPTSTATE_RETURN_IF_ERROR(resolve(fi, sd.deepspeed_flat_masters[g], group_numels[g], mw).status());
+    }
+    for (const ParamSpec& ps : sd.params) {
+      const size_t g = static_cast<size_t>(ps.group);
+      const std::string pw = fmt::format("{}['optimizer_state_dict'] param group {}'s flat param", ow, g);
+      if (g >= groups || flat_of[g]) return internal_error(pw + ": listed twice");
+      if (ps.shape != std::vector<int64_t>{group_numels[g]})
+        return corrupt(fmt::format("{}: state of shape {}, its flat master's is [{}]", pw, format_shape(ps.shape),
+                                   group_numels[g]));
+      for (const auto& [name, es] : ps.entries)
+        if (es.encoding != Encoding::kDense || es.dtensor)
+          return corrupt(fmt::format("{}: '{}' is not a plain tensor (FP16_Optimizer's fused optimizers keep dense "
+                                     "fp32 moments)", pw, name));
+      flat_of[g] = &ps;
+    }
+    if (sd.model_ref == pickle::kNoRef)
+      return corrupt(ow + ": DeepSpeed's FP16_Optimizer without the model beside it (['module']), whose weights place "
+                          "the params in its flat masters");
+    const std::string model_at = fmt::format("{} {}", where, sd.model_key);
+    OPTSTATE_ASSIGN_OR_RETURN(const ModelDict md, interpret_model_dict(p, sd.model_ref, model_at));
+    std::set<std::string, std::less<>> buffers;  // DeepSpeed's ['buffer_names']: the module's buffers
+    if (const pickle::Ref b = p.dict_get(p.root(), "buffer_names"); b != pickle::kNoRef && p.at(b).kind != pickle::Kind::kNone) {
+      const auto names = dcp::as_string_list(p, b);
+      if (!names) return corrupt(where + " ['buffer_names']: not a list of strings");
+      buffers.insert(names->begin(), names->end());
+    }
+    // The candidates: the module's float tensors that are no buffer, a tied weight once.
+    std::vector<size_t> cand;
+    std::vector<int64_t> numels;
+    std::vector<std::string> names;
+    std::set<pickle::Ref> objects;
+    std::set<std::tuple<std::string, int64_t, std::vector<int64_t>>> storages;
+    for (size_t t = 0; t < md.tensors.size(); ++t) {
+      const ModelTensor& mt = md.tensors[t];
+      if (mt.dtensor || buffers.count(mt.name) || is_norm_buffer(mt.name)) continue;
+      if (mt.tensor.dtype != DType::kF16 && mt.tensor.dtype != DType::kBF16 && mt.tensor.dtype != DType::kF32) continue;
+      if (!objects.insert(mt.ref).second ||
+          !storages.emplace(mt.tensor.storage_key, mt.tensor.offset, mt.tensor.shape).second)
+        continue;
+      OPTSTATE_ASSIGN_OR_RETURN(const int64_t n, checked_numel(mt.tensor.shape));
+      cand.push_back(t);
+      numels.push_back(n);
+      names.push_back(mt.name);
+    }
+    auto read_bits = [&](const dcp::TensorRef& t, int64_t count, std::span<const int64_t> at,
+                         const std::string& w) -> Result<std::vector<uint32_t>> {
+      OPTSTATE_ASSIGN_OR_RETURN(const Stored s, resolve(fi, t, count, w));
+      const int64_t elem = dtype_size(t.dtype);
+      std::vector<uint32_t> out(at.size());
+      for (size_t i = 0; i < at.size(); ++i) {
+        if (at[i] < 0 || at[i] >= count) return internal_error(w + ": a sample outside the tensor");
+        std::array<std::byte, 4> b{};
+        OPTSTATE_RETURN_IF_ERROR(files_[fi].file.read_at(s.at + static_cast<uint64_t>(at[i] * elem),
+                                                         std::span(b.data(), static_cast<size_t>(elem))));
+        std::memcpy(&out[i], b.data(), static_cast<size_t>(elem));
+      }
+      return out;
+    };
+    deepspeed::FlatValues values;
+    values.flat = [&](size_t g, int64_t begin, std::span<const int64_t> at, size_t c) -> Result<std::vector<uint32_t>> {
+      std::vector<int64_t> shifted(at.begin(), at.end());
+      for (int64_t& i : shifted) i += begin;
+      OPTSTATE_ASSIGN_OR_RETURN(auto bits, read_bits(sd.deepspeed_flat_masters[g], group_numels[g], shifted,
+                                                     fmt::format("{}['fp32_groups_flat'][{}]", ow, g)));
+      const DType to = md.tensors[cand[c]].tensor.dtype;
+      for (uint32_t& b : bits) {
+        float v;
+        std::memcpy(&v, &b, 4);
+        b = to == DType::kBF16 ? f32_to_bf16(v) : to == DType::kF16 ? f32_to_f16(v) : b;
+      }
+      return bits;
+    };
+    values.tensor = [&](size_t c, std::span<const int64_t> at) -> Result<std::vector<uint32_t>> {
+      return read_bits(md.tensors[cand[c]].tensor, numels[c], at, fmt::format("{}['{}']", model_at, names[c]));
+    };
+    OPTSTATE_ASSIGN_OR_RETURN(const auto placed,
+                              deepspeed::place_in_flat_groups(group_numels, numels, names, values, ow + "['fp32_groups_flat']"));
+    std::vector<ParamSpec> params;
+    std::vector<std::vector<int64_t>> member_ids(groups);
+    std::set<std::string> weights_read;
+    size_t frozen = 0;
+    for (size_t g = 0; g < groups; ++g) sd.groups[g].params.clear();
+    for (size_t g = 0; g < groups; ++g)
+      for (size_t c = 0; c < cand.size(); ++c) {
+        if (!placed[c] || placed[c]->group != g) continue;
+        const ModelTensor& mt = md.tensors[cand[c]];
+        auto view = [&](dcp::TensorRef t) {
+          t.offset += placed[c]->begin;
+          t.shape = mt.tensor.shape;
+          t.stride.clear();
+          return t;
+        };
+        ParamSpec spec;
+        spec.fqn = mt.name;
+        spec.id = static_cast<int64_t>(params.size());
+        spec.group = static_cast<int>(g);
+        spec.shape = mt.tensor.shape;
+        if (const ParamSpec* flat = flat_of[g]) {
+          spec.step = flat->step;
+          for (const auto& [name, es] : flat->entries) {
+            EntrySpec part = es;
+            part.values = view(es.values);
+            spec.entries.emplace(name, std::move(part));
+          }
+        } else {
+          spec.step.number = 0;  // the group never stepped: no moments, the master as its weights
+        }
+        spec.weight = view(sd.deepspeed_flat_masters[g]);
+        member_ids[g].push_back(spec.id);
+        sd.groups[g].params.push_back(spec.fqn);
+        weights_read.insert(mt.name);
+        params.push_back(std::move(spec));
+      }
+    for (size_t c = 0; c < cand.size(); ++c) frozen += placed[c] ? 0 : 1;
+    sd.stateless = 0;
+    for (size_t g = 0; g < groups; ++g) sd.stateless += flat_of[g] ? 0 : member_ids[g].size();
+    sd.params = std::move(params);
+    sd.member_ids = std::move(member_ids);
+    sd.members = sd.params.size();
+    sd.model_weight_keys = weights_read;
+    sd.model_others = md.tensors.size() + md.others - weights_read.size();
+    if (sd.model_others) {
+      sd.model_others_line = sd.not_read.size();
+      sd.not_read.push_back(model_others_text(sd.model_key, sd.model_others));
+    }
+    if (frozen)
+      sd.not_read.push_back(fmt::format("{} model tensor{} in no param group's flat master (frozen params, or params "
+                                        "not given to the optimizer)", frozen, frozen == 1 ? "" : "s"));
+    sd.read_notes.push_back(fmt::format(
+        "DeepSpeed's FP16_Optimizer keeps each param group flat ({}['fp32_groups_flat'], no param's place): each "
+        "param found in module order where its fp32 master rounds to the module's weights ({}), read as the weights",
+        sd.deepspeed_flat_at, sd.model_key));
     return Status::Ok();
   }
 

@@ -1176,7 +1176,8 @@ Status read_optimizer_state(const Pickle& p, const std::string& where, StateDict
   // the optimizer never stepped has no state, but its weights give it a shape: it is carried with
   // no moments and step 0, as the DCP reader carries it.
   std::set<std::string> weights_read;
-  if (!models.empty()) {
+  if (out.deepspeed_flat) out.model_key = model_key;  // its tensors placed by the format (deepspeed_flat.h)
+  if (!models.empty() && !out.deepspeed_flat) {
     std::map<std::string, Ref, std::less<>> weights;  // by name, indexed once: a model has thousands
     // ... and by torch's fqn of the name: a param named 'wte.weight' (param_names as this driver
     // writes them) has its weights under a compiled model's key '_orig_mod.wte.weight'.
@@ -1480,16 +1481,36 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
         // DeepSpeed's mixed-precision optimizer without ZeRO (bf16 or fp16: FP16_UnfusedOptimizer,
         // as for a client's torch optimizer): {"optimizer_state_dict": torch's state_dict,
         // "fp32_groups": per group, its params' fp32 master copies, "cur_scale", ...}. Its fused
-        // form (FP16_Optimizer, DeepSpeed's FusedAdam) keeps one flat master per group instead.
-        if (p.dict_get(v, "fp32_groups_flat") != kNoRef || !list_items(p, p.dict_get(v, "fp32_groups")))
-          return corrupt(fmt::format("{} {}: DeepSpeed's FP16_Optimizer (its fused form: fp32_groups_flat, one flat "
-                                     "master per group) is not read; its unfused form (fp32_groups) is", where, name));
+        // form (FP16_Optimizer, around DeepSpeed's FusedAdam) keeps one flat master per group
+        // ("fp32_groups_flat"), the inner optimizer's one param per group: the format places the
+        // params in it (deepspeed/deepspeed_flat.h).
+        const Ref flat = p.dict_get(v, "fp32_groups_flat");
+        const bool fused = flat != kNoRef;
+        if (fused == (p.dict_get(v, "fp32_groups") != kNoRef) || !list_items(p, fused ? flat : p.dict_get(v, "fp32_groups")))
+          return corrupt(fmt::format("{} {}: DeepSpeed's mixed-precision optimizer holds neither a list 'fp32_groups' "
+                                     "(FP16_UnfusedOptimizer) nor a list 'fp32_groups_flat' (FP16_Optimizer), or both",
+                                     where, name));
         found.push_back(name + "['optimizer_state_dict']");
         opt = inner;
-        megatron_main = p.dict_get(v, "fp32_groups");
         megatron_at = name;
-        main_key = "fp32_groups";
-        name_wrapper_rest(p, v, name, "optimizer_state_dict", "fp32_groups", out.not_read);
+        if (fused) {
+          const auto& masters = *list_items(p, flat);
+          for (size_t g = 0; g < masters.size(); ++g) {
+            const std::string mw = fmt::format("{} {}['fp32_groups_flat'][{}]", where, name, g);
+            OPTSTATE_ASSIGN_OR_RETURN(LocalValue lv, local_value(p, masters[g], mw));
+            if (lv.local.kind != Payload::Kind::kTensor || lv.dtensor) return corrupt(mw + ": not a tensor");
+            if (lv.local.tensor.dtype != DType::kF32 || lv.local.tensor.shape.size() != 1)
+              return corrupt(fmt::format("{}: a {} tensor of shape {}, not a flat float32 one", mw,
+                                         dtype_name(lv.local.tensor.dtype), format_shape(lv.local.tensor.shape)));
+            out.deepspeed_flat_masters.push_back(lv.local.tensor);
+          }
+          out.deepspeed_flat_at = name;
+          out.deepspeed_flat = true;
+        } else {
+          megatron_main = p.dict_get(v, "fp32_groups");
+          main_key = "fp32_groups";
+        }
+        name_wrapper_rest(p, v, name, "optimizer_state_dict", fused ? "fp32_groups_flat" : "fp32_groups", out.not_read);
         out.deepspeed_fp16 = true;
       } else if (deepspeed && key && *key == "module" && model == kNoRef) {
         model = v;

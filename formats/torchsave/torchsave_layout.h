@@ -159,6 +159,13 @@ struct StateDict {
   // mp_rank_00_model_states.pt): its fp32 master params (['optimizer']['fp32_groups']) read as the
   // weights, as Megatron's; a write carrying the file would leave them as they were: not carried.
   bool deepspeed_fp16 = false;
+  // ... its fused form (FP16_Optimizer): one flat fp32 master per group (['optimizer']
+  // ['fp32_groups_flat'], `deepspeed_flat_at` naming the wrapper dict), the inner optimizer's params
+  // (one per group) flat too; the params are placed in them by the format, from the model's
+  // weights (deepspeed/deepspeed_flat.h), and the state split into views.
+  bool deepspeed_flat = false;
+  std::vector<dcp::TensorRef> deepspeed_flat_masters;
+  std::string deepspeed_flat_at;
   // Megatron's trainer dict (['args'] beside ['checkpoint_version']): what its args (an
   // argparse.Namespace) say of the parallelism, where they say it.
   struct MegatronArgs {

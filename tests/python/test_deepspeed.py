@@ -466,20 +466,30 @@ def test_checkpoint_without_zero_converted_resumes_in_torch_and_deepspeed(tmp_pa
         assert torch.equal(resumed[n], continued[n]), n
 
 
+# DeepSpeed's FusedAdam from the ds_config without ZeRO: in fp32 the engine steps it as it is; under
+# fp16/bf16 inside FP16_Optimizer, which keeps each group flat (fp32_groups_flat). Args: out, half
+# ("fp32", "fp16", "bf16"), "frozen" (model[0] frozen) or "-".
 STAGE0_FUSED = """
 import sys, torch, deepspeed
-out = sys.argv[1]
+out, half, frozen = sys.argv[1], sys.argv[2], sys.argv[3] == "frozen"
 deepspeed.init_distributed(dist_backend="gloo")
-""" + BUILD + """
-model, opt = build(0)
+""" + BUILD + FP16 + """
+model, opt = build(0, frozen)
 groups = [{"params": g["params"], "weight_decay": g["weight_decay"], "lr": g["lr"]} for g in opt.param_groups]
 cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-       "zero_optimization": {"stage": 0}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+       "zero_optimization": {"stage": 0}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+       "fp16": fp16(half), "bf16": {"enabled": half == "bf16"}}
+if half.startswith("fp16"):
+    from deepspeed.accelerator import get_accelerator
+    if not get_accelerator().is_fp16_supported():  # as in initialize(): the same engine, slower
+        type(get_accelerator()).is_fp16_supported = lambda self: True
 engine = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)[0]
-assert type(engine.optimizer).__name__ == "FusedAdam", type(engine.optimizer)
+kind = "FusedAdam" if half == "fp32" else "FP16_Optimizer"
+assert type(engine.optimizer).__name__ == kind, type(engine.optimizer)
+dtype = HALF.get(half, torch.float32)
 def step(s):
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))
-    engine.backward((engine(x) * 1e-2).square().sum())
+    engine.backward((engine(x.to(dtype)).float() * 1e-2).square().sum())
     engine.step()
 for s in range(3):
     step(s)
@@ -499,7 +509,7 @@ def test_deepspeed_fused_adam_without_zero_reads_each_group_at_its_last_params_s
     DeepSpeed's run continues to (within float rounding of the two kernels; the per-param counts as
     saved would take a first step's bias correction and land 3e-3 away: measured)."""
     ck = tmp_path / "fused"
-    run_script(tmp_path, STAGE0_FUSED, "stage0_fused.py", ck, ranks=2)
+    run_script(tmp_path, STAGE0_FUSED, "stage0_fused.py", ck, "fp32", "-", ranks=2)
     raw = torch.load(ck / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)["optimizer"]
     assert sorted(st["step"] for st in raw["state"].values()) == [0, 0, 0, 0, 3, 3]  # the quirk, as saved
     notes = [l for l in optstate_cli("inspect", ck).stdout.splitlines() if "DeepSpeed's FusedAdam counts" in l]
@@ -512,6 +522,56 @@ def test_deepspeed_fused_adam_without_zero_reads_each_group_at_its_last_params_s
     continued = torch.load(str(ck) + ".continued.pt")
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), continued[n], rtol=0, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("half,frozen", [("fp16", False), ("bf16", False), ("fp16", True)])
+def test_fp16_optimizer_flat_groups_are_split_into_the_models_params(tmp_path, optstate_cli, half, frozen):
+    """fp16/bf16 without ZeRO around DeepSpeed's FusedAdam: FP16_Optimizer flattens each param group
+    into one fp32 master (fp32_groups_flat) and its FusedAdam steps that one flat param, so the file
+    names no param's place. Each param is found where its master rounds to the module's weights:
+    the state read is the flat moments and masters cut at the group's params' bounds (the groups as
+    BUILD gives them: weights, then biases, each in module order), bit for bit; a frozen layer is in
+    no group. Weights that no longer match (another step's) are refused, naming the group and
+    element."""
+    ck = tmp_path / "fused16"
+    run_script(tmp_path, STAGE0_FUSED, "stage0_fused.py", ck, half, "frozen" if frozen else "-", ranks=2)
+    raw = torch.load(ck / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)
+    wrapper = raw["optimizer"]
+    assert "fp32_groups_flat" in wrapper and "fp32_groups" not in wrapper, list(wrapper)
+    names = [["2.weight", "4.weight"], ["2.bias", "4.bias"]] if frozen else \
+        [["0.weight", "2.weight", "4.weight"], ["0.bias", "2.bias", "4.bias"]]
+    info = optstate_cli("inspect", ck).stdout
+    assert f"{sum(map(len, names))} params" in info, info
+    assert "each param found in module order where its fp32 master rounds to the module's weights" in info, info
+    assert ("2 model tensors in no param group's flat master" in info) == frozen, info
+    assert "every chunk checksum verified" in optstate_cli("validate", ck).stdout
+    optstate_cli("convert", ck, tmp_path / "plain.safetensors")
+    from safetensors.torch import load_file
+    got = load_file(tmp_path / "plain.safetensors")
+    inner = wrapper["optimizer_state_dict"]
+    for g, group in enumerate(names):
+        numels = [raw["module"][n].numel() for n in group]
+        assert sum(numels) == wrapper["fp32_groups_flat"][g].numel()
+        cut = lambda flat: dict(zip(group, torch.split(flat, numels)))
+        masters = cut(wrapper["fp32_groups_flat"][g])
+        moments = {k: cut(inner["state"][g][k]) for k in ("exp_avg", "exp_avg_sq")}
+        for n in group:
+            shape = raw["module"][n].shape
+            assert torch.equal(masters[n].to(HALF_DTYPES[half]).view(shape), raw["module"][n]), n  # DeepSpeed's
+            assert torch.equal(got[f"{n}.param"], masters[n].view(shape)), n
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(got[f"{n}.{k}"], moments[k][n].view(shape)), (n, k)
+            # the step as the file holds it: FP16_Optimizer's first (zero-gradient) step, then 3
+            assert int(inner["state"][g]["step"]) == 4
+    if frozen:
+        return
+    # the module's weights of another step: no placement
+    raw["module"]["2.weight"] = (raw["module"]["2.weight"].float() * 1.5).to(HALF_DTYPES[half])
+    bad = tmp_path / "bad" / "global_step3"
+    bad.mkdir(parents=True)
+    torch.save(raw, bad / "mp_rank_00_model_states.pt")
+    err = run_err(optstate_cli, "inspect", bad)
+    assert "param group 0's flat master (11094 elements) holds no model tensor at element 6144" in err, err
 
 
 def test_checkpoint_without_zero_beside_model_parallel_files_is_refused(tmp_path, optstate_cli):

@@ -28,11 +28,14 @@
 // (fuzz.deepspeed_autoep: ds_autoep_layers, the experts' affine maps, param_shapes).
 // And over bf16 without ZeRO (testdata/bf16_zero0_world2/): the input is the model states file, the
 // optimizer inside it (fuzz.deepspeed_zero0: FP16_UnfusedOptimizer's dict, the fp32 masters by group,
-// the params named after ['module'] by order and shape).
+// the params named after ['module'] by order and shape). And over fp16 without ZeRO around DeepSpeed's
+// FusedAdam (testdata/fp16_fused_zero0_world2/): the input is the model states file
+// (fuzz.deepspeed_zero0_fused: FP16_Optimizer's flat masters and moments, the params placed in them
+// where the masters round to ['module']'s weights).
 // CTest: fuzz.deepspeed_zero2, fuzz.deepspeed_zero3, fuzz.deepspeed_universal,
 // fuzz.deepspeed_zero3_write, fuzz.deepspeed_bnb_zero2, fuzz.deepspeed_pipe, fuzz.deepspeed_pipe_model,
-// fuzz.deepspeed_autotp, fuzz.deepspeed_moe, fuzz.deepspeed_autoep, fuzz.deepspeed_zero0
-// (bounded mutation runs); with OPTSTATE_LIBFUZZER, coverage-guided.
+// fuzz.deepspeed_autotp, fuzz.deepspeed_moe, fuzz.deepspeed_autoep, fuzz.deepspeed_zero0,
+// fuzz.deepspeed_zero0_fused (bounded mutation runs); with OPTSTATE_LIBFUZZER, coverage-guided.
 #include <cstdint>
 
 #include "torchsave/torchsave_fuzz_target.h"

@@ -709,3 +709,44 @@ TEST_CASE("deepspeed: without ZeRO (stage 0) the optimizer in the model states f
   CHECK_FALSE(write_checkpoint(*find_format("deepspeed"), *all, dir.path / "u", {.source = r->get()}).ok());
   CHECK_FALSE(fs::exists(dir.path / "u"));
 }
+
+TEST_CASE("deepspeed: FP16_Optimizer's flat groups without ZeRO are split into the module's params") {
+  // fp16_fused_zero0_world2 (make_seeds.py): the same model under fp16 with DeepSpeed's FusedAdam
+  // from its config, which FP16_Optimizer wraps: each group's params one flat fp32 master
+  // (fp32_groups_flat: weights 24*16 + 3*24, biases 24 + 3), FusedAdam's state of the flat params.
+  auto r = open_checkpoint(kSeeds / "fp16_fused_zero0_world2");
+  REQUIRE_MESSAGE(r.ok(), r.status().message());
+  const OptimizerState& m = (*r)->meta();
+  REQUIRE(m.groups.size() == 2);
+  CHECK(m.groups[0].params == std::vector<std::string>{"0.weight", "2.weight"});
+  CHECK(m.groups[1].params == std::vector<std::string>{"0.bias", "2.bias"});
+  for (const auto& [fqn, ps] : m.params) CHECK(ps.step == 4);  // the wrapper's zero-gradient first step, then 3
+  CHECK(m.params.at("2.weight").shape == std::vector<int64_t>{3, 24});
+  const auto notes = (*r)->read_notes();
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].starts_with("DeepSpeed's FP16_Optimizer keeps each param group flat"));
+  // Each param's entries are its slice of the flat ones (pytest compares them with the flat
+  // tensors cut by torch, bit for bit): here their sizes, and two slices apart.
+  auto all = load_all(**r);
+  REQUIRE(all.ok());
+  const Entry& w = all->params.at("2.weight").entries.at(kParam);
+  REQUIRE(w.dtype == DType::kF32);
+  REQUIRE(w.values.size == 72 * 4);
+  const Entry& m0 = all->params.at("0.weight").entries.at(kExpAvg);
+  const Entry& m1 = all->params.at("2.weight").entries.at(kExpAvg);
+  CHECK(m0.values.size == 384 * 4);
+  CHECK(std::memcmp(m0.values.data, m1.values.data, 16) != 0);  // not the same slice
+  auto v = validate_checkpoint(kSeeds / "fp16_fused_zero0_world2", [](const fs::path& p) { return open_checkpoint(p); });
+  REQUIRE(v.ok());
+  CHECK(v->findings.empty());
+  // A write from it is a plain state (nothing of the file carried: its flat masters would be stale).
+  testing::TempDir dir;
+  REQUIRE(write_checkpoint(*find_format("torchsave"), *all, dir.path / "plain.pt", {.source = r->get()}).ok());
+  auto back = open_checkpoint(dir.path / "plain.pt");
+  REQUIRE_MESSAGE(back.ok(), back.status().message());
+  auto again = load_all(**back);
+  REQUIRE(again.ok());
+  const Entry& w2 = again->params.at("2.weight").entries.at(kParam);
+  REQUIRE(w2.values.size == w.values.size);
+  CHECK(std::memcmp(w2.values.data, w.values.data, w.values.size) == 0);
+}

@@ -8,6 +8,9 @@ with engine.save_checkpoint (global_step3/ and `latest`):
   bf16_zero1_world2/  ZeRO-1 under bf16 (bf16_zero_pp_rank_*: fp32 master weights and moments)
   bf16_zero0_world2/  without ZeRO (stage 0) under bf16: the optimizer inside mp_rank_00_model_states.pt,
                       DeepSpeed's FP16_UnfusedOptimizer dict (torch's state_dict, the groups' fp32 masters)
+  fp16_fused_zero0_world2/  without ZeRO under fp16, DeepSpeed's FusedAdam from its config: FP16_Optimizer's dict
+                      (each group's params one flat fp32 master, fp32_groups_flat; FusedAdam's state of the
+                      flat params), the module's fp16 weights beside it
   zero3_world2_universal/  DeepSpeed's universal checkpoint of zero3_world2/ (its ds_to_universal)
   frozen_bf16_zero1_world2/  ZeRO-1 under bf16 of Linear(16, 24) frozen, LayerNorm(24), GELU, Linear(24, 3),
                       a float buffer and an int64 one: module tensors that no param group holds
@@ -300,6 +303,15 @@ def train(stage, half, out, variant):
         cfg["zero_allow_untested_optimizer"] = True
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=bnb.optim.AdamW8bit(groups, lr=1e-3), config=cfg)
         in_features = 64
+    elif variant == "fused":
+        # DeepSpeed's FusedAdam from the config, which fp16 without ZeRO wraps in FP16_Optimizer
+        # (each group flat). DeepSpeed's CPU accelerator takes fp16 only with oneDNN's fp16 kernels;
+        # the engine and checkpoint are the same without them.
+        from deepspeed.accelerator import get_accelerator
+        type(get_accelerator()).is_fp16_supported = lambda self: True
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+        assert type(engine.optimizer).__name__ == "FP16_Optimizer", type(engine.optimizer)
     elif variant == "adam_l2":
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.01, "adam_w_mode": False}}
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
@@ -324,6 +336,7 @@ def main():
     for name, stage, half, variant in (("zero2_world2", 2, "fp32", "-"), ("zero3_world2", 3, "fp32", "-"),
                                        ("bf16_zero1_world2", 1, "bf16", "-"),
                                        ("bf16_zero0_world2", 0, "bf16", "-"),
+                                       ("fp16_fused_zero0_world2", 0, "fp16", "fused"),
                                        ("frozen_bf16_zero1_world2", 1, "bf16", "frozen"),
                                        ("adam_l2_zero2_world2", 2, "fp32", "adam_l2"),
                                        ("zero3_subgroups_world2", 3, "fp32", "subgroups"),

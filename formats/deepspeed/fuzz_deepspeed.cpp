@@ -31,11 +31,13 @@
 // the params named after ['module'] by order and shape). And over fp16 without ZeRO around DeepSpeed's
 // FusedAdam (testdata/fp16_fused_zero0_world2/): the input is the model states file
 // (fuzz.deepspeed_zero0_fused: FP16_Optimizer's flat masters and moments, the params placed in them
-// where the masters round to ['module']'s weights).
+// where the masters round to ['module']'s weights). And over a pipeline under bf16 without ZeRO
+// (testdata/bf16_pipe2_zero0_world4/): the input is layer 3's weights file (fuzz.deepspeed_pipe_bf16_layer:
+// BF16_Optimizer's model states name no shape; the layer files' tensors give them).
 // CTest: fuzz.deepspeed_zero2, fuzz.deepspeed_zero3, fuzz.deepspeed_universal,
 // fuzz.deepspeed_zero3_write, fuzz.deepspeed_bnb_zero2, fuzz.deepspeed_pipe, fuzz.deepspeed_pipe_model,
 // fuzz.deepspeed_autotp, fuzz.deepspeed_moe, fuzz.deepspeed_autoep, fuzz.deepspeed_zero0,
-// fuzz.deepspeed_zero0_fused (bounded mutation runs); with OPTSTATE_LIBFUZZER, coverage-guided.
+// fuzz.deepspeed_zero0_fused, fuzz.deepspeed_pipe_bf16_layer (bounded mutation runs); with OPTSTATE_LIBFUZZER, coverage-guided.
 #include <cstdint>
 
 #include "torchsave/torchsave_fuzz_target.h"

@@ -41,6 +41,7 @@ constexpr uint64_t kMaxPickleBytes = uint64_t{64} << 20;
 // storage record is read whole, up to this size (conv weights are far smaller).
 constexpr uint64_t kMaxPermutedBytes = uint64_t{1} << 30;
 
+std::optional<int64_t> zero_layer_name(const std::string& name);  // below, with the ZeRO file names
 
 }  // namespace
 
@@ -1158,6 +1159,107 @@ class TorchSaveReader final : public CheckpointReader {
     return Status::Ok();
   }
 
+  // DeepSpeed's pipeline under bf16 without ZeRO (BF16_Optimizer): the model states name no param's
+  // shape (param_shapes None). Each flat param's params are its ranks' fragments (named; in flat
+  // order: rank by rank, each from its start), their shapes the pipeline's layer files' tensors:
+  // '<L>.<key>' is layer_<L>-model_states.pt's <key>; a tied module's 'tied_modules.<name>.<key>'
+  // the <key> of the layer files that hold one of its element count (all of one shape).
+  Status shapes_from_layer_files(const ZeroFiles& z, const std::vector<ZeroRank>& ranks, ZeroShapes& shapes,
+                                 const std::string& mw, bool pipeline) {
+    if (!pipeline || z.layer_files == 0)
+      return corrupt(mw + ": param_shapes is None and the optimizer's state_dict is beside it: DeepSpeed without ZeRO "
+                          "whose bf16_zero_pp_rank_* files name no param's shape, and no pipeline layer files "
+                          "(layer_*-model_states.pt) to take the shapes from: not read");
+    std::map<int64_t, std::map<std::string, std::vector<int64_t>>> layers;  // layer -> key -> shape
+    std::error_code ec;
+    size_t seen = 0;
+    for (fs::directory_iterator it(z.dir, ec), end; !ec && it != end; it.increment(ec)) {
+      if (++seen > (size_t{1} << 20)) return corrupt(z.dir.string() + ": more than 2^20 entries");
+      const std::string name = it->path().filename().string();
+      const auto tp = zero_layer_name(name);
+      if (!tp) continue;
+      if (*tp != -1)
+        return unsupported(fmt::format("{}: a tensor-parallel rank's layer file beside a pipeline under bf16 without "
+                                       "ZeRO (Megatron-DeepSpeed's tensor parallelism): not read", it->path().string()));
+      const int64_t layer = std::stoll(name.substr(6, name.size() - 6 - 16));  // layer_<L>-model_states.pt
+      OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(it->path()));
+      OPTSTATE_ASSIGN_OR_RETURN(const ModelDict md, interpret_model_dict(ap.second, it->path().string()));
+      auto& keys = layers[layer];
+      for (const ModelTensor& t : md.tensors) keys[t.name] = t.dtensor ? t.dtensor->global_shape : t.tensor.shape;
+    }
+    if (ec) return io_error(fmt::format("{}: {}", z.dir.string(), ec.message()));
+    auto layer_file = [](int64_t layer) { return fmt::format("layer_{:02d}-model_states.pt", layer); };
+    auto shape_of = [&](const std::string& name, int64_t numel) -> Result<std::vector<int64_t>> {
+      const std::string pw = fmt::format("{}: '{}' (param_shapes is None)", mw, name);
+      constexpr std::string_view tied = "tied_modules.";
+      if (name.starts_with(tied)) {
+        const size_t dot = name.find('.', tied.size());
+        if (dot == std::string::npos || dot + 1 >= name.size())
+          return corrupt(pw + ": a tied module's param is named 'tied_modules.<name>.<key>'");
+        const std::string key = name.substr(dot + 1);
+        std::map<std::vector<int64_t>, int64_t> found;  // shape -> a layer holding it
+        for (const auto& [layer, keys] : layers) {
+          const auto k = keys.find(key);
+          if (k == keys.end()) continue;
+          const auto n = checked_numel(k->second);
+          if (n.ok() && *n == numel) found.emplace(k->second, layer);
+        }
+        if (found.empty())
+          return corrupt(fmt::format("{}: no pipeline layer file holds a '{}' of its {} elements", pw, key, numel));
+        if (found.size() > 1)
+          return corrupt(fmt::format("{}: {} and {} hold a '{}' of its {} elements, shaped {} and {}: which is the tied "
+                                     "module's cannot be told", pw, layer_file(found.begin()->second),
+                                     layer_file(std::next(found.begin())->second), key, numel,
+                                     format_shape(found.begin()->first), format_shape(std::next(found.begin())->first)));
+        return found.begin()->first;
+      }
+      const size_t dot = name.find('.');
+      const std::string digits = dot == std::string::npos ? "" : name.substr(0, dot);
+      if (digits.empty() || digits.size() > 7 || !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
+        return unsupported(pw + ": not a pipeline layer's param ('<layer>.<key>' or 'tied_modules.<name>.<key>'), "
+                                "whose shape a layer file would give");
+      const int64_t layer = std::stoll(digits);
+      const std::string key = name.substr(dot + 1);
+      const auto l = layers.find(layer);
+      if (l == layers.end()) return corrupt(fmt::format("{}: no {} in {}", pw, layer_file(layer), z.dir.string()));
+      const auto k = l->second.find(key);
+      if (k == l->second.end()) return corrupt(fmt::format("{}: {} holds no '{}'", pw, layer_file(layer), key));
+      return k->second;
+    };
+    constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+    shapes.groups.clear();
+    for (size_t g = 0; g < ranks[0].groups.size(); ++g) {
+      std::map<std::string, std::pair<int64_t, int64_t>> runs;  // name -> (first element in the group, elements)
+      int64_t offset = 0;
+      for (const ZeroRank& zr : ranks) {
+        const ZeroGroup& zg = zr.groups.at(g);
+        for (const ZeroFragment& fr : zg.fragments) {
+          if (fr.start < 0 || fr.numel < 0 || fr.start > kMax - offset) return corrupt(mw + ": a fragment past any file");
+          auto [it, fresh] = runs.try_emplace(fr.name, offset + fr.start, 0);
+          it->second.first = std::min(it->second.first, offset + fr.start);
+          if (fr.numel > kMax - it->second.second) return corrupt(mw + ": a fragment past any file");
+          it->second.second += fr.numel;
+        }
+        const int64_t part = zg.master.shape.empty() ? 0 : zg.master.shape[0];
+        if (part < 0 || part > kMax - offset) return corrupt(mw + ": a partition past any file");
+        offset += part;
+      }
+      std::vector<std::tuple<int64_t, std::string, int64_t>> order;
+      for (const auto& [name, run] : runs) order.emplace_back(run.first, name, run.second);
+      std::sort(order.begin(), order.end());
+      auto& params = shapes.groups.emplace_back();
+      for (const auto& [at, name, numel] : order) {
+        OPTSTATE_ASSIGN_OR_RETURN(auto shape, shape_of(name, numel));
+        params.emplace_back(name, std::move(shape));
+      }
+    }
+    const std::string note = "DeepSpeed's pipeline without ZeRO (BF16_Optimizer) saves no param_shapes: each param's "
+                             "shape read from the pipeline's layer files (layer_<L>-model_states.pt; a tied module's "
+                             "from the layer files holding a tensor of its name and size)";
+    if (std::find(value_notes_.begin(), value_notes_.end(), note) == value_notes_.end()) value_notes_.push_back(note);
+    return Status::Ok();
+  }
+
   Result<ZeroSlice> read_zero_slice(const ZeroFiles& z, size_t st) {
     const ZeroStage& zs = z.stages[st];
     const bool pipeline = (z.stages.size() > 1 || z.layer_files > 0) && !z.tensor_parallel;
@@ -1179,6 +1281,7 @@ class TorchSaveReader final : public CheckpointReader {
     const std::string mw = zs.model.string();
     ZeroSlice out;
     OPTSTATE_ASSIGN_OR_RETURN(out.shapes, interpret_zero_model(model.second, mw));
+    if (out.shapes.without_zero) OPTSTATE_RETURN_IF_ERROR(shapes_from_layer_files(z, ranks, out.shapes, mw, pipeline));
     const ZeroShapes& shapes = out.shapes;
     if (shapes.groups.size() != r0.groups.size())
       return corrupt(fmt::format("{}: {} flat params in param_shapes, {} in the optimizer's files", mw,
@@ -4004,6 +4107,13 @@ Result<ZeroUniversalParts> zero_universal_parts(const fs::path& path) {
   const std::string mw = z->model().string();
   OPTSTATE_ASSIGN_OR_RETURN(auto model, open_archive(z->model()));
   OPTSTATE_ASSIGN_OR_RETURN(const ZeroShapes shapes, interpret_zero_model(model.second, mw));
+  // A pipeline's BF16_Optimizer without ZeRO: DeepSpeed (0.19.8) resumes neither its own checkpoint
+  // of it nor a universal one (stage 0's load hands the optimizer one dict where it wants a list
+  // per rank: KeyError), so none is written.
+  if (shapes.without_zero)
+    return invalid_argument(mw + ": a pipeline under bf16 without ZeRO (BF16_Optimizer, param_shapes None): DeepSpeed "
+                                 "loads no universal checkpoint into it (nor its own checkpoint: its stage-0 load fails); "
+                                 "optstate reads the state: convert it to another format");
   // DeepSpeed MoE layers take their experts from layer_*_expert_* files, which a universal
   // checkpoint has none of; AutoEP's universal checkpoint (ds_to_universal's: expert tensors whole,
   // the model states rewritten with the layers' metadata) is read, not written.

@@ -1993,16 +1993,20 @@ Result<AutoTpMaps> interpret_autotp_maps(const Pickle& p, Ref info, const std::s
 
 Result<ZeroShapes> interpret_zero_model(const Pickle& p, const std::string& where) {
   const Ref shapes_ref = p.dict_get(p.root(), "param_shapes");
-  if (shapes_ref != kNoRef && p.at(shapes_ref).kind == Kind::kNone && dict_items(p, p.dict_get(p.root(), "optimizer")))
-    return corrupt(where + ": param_shapes is None and the optimizer's state_dict is beside it: DeepSpeed without "
-                           "ZeRO (stage 0; under bf16 its BF16_Optimizer, whose bf16_zero_pp_rank_* files name no "
-                           "param's shape): not read");
-  const auto* groups = list_items(p, shapes_ref);
-  if (!groups || groups->empty())
-    return corrupt(where + ": no 'param_shapes' list (not DeepSpeed's model states file)");
   ZeroShapes out;
+  // DeepSpeed without ZeRO (stage 0) whose optimizer still saves bf16_zero_pp_rank_* files: a
+  // pipeline's BF16_Optimizer. Its model states hold no param_shapes, and its state dict again
+  // (data-parallel rank 0's); the caller finds the shapes elsewhere (the pipeline's layer files).
+  out.without_zero = shapes_ref != kNoRef && p.at(shapes_ref).kind == Kind::kNone &&
+                     dict_items(p, p.dict_get(p.root(), "optimizer"));
+  const auto* groups = out.without_zero ? nullptr : list_items(p, shapes_ref);
+  if (!out.without_zero && (!groups || groups->empty()))
+    return corrupt(where + ": no 'param_shapes' list (not DeepSpeed's model states file)");
+  if (out.without_zero)
+    out.not_read.push_back("['optimizer'] (stage 0's optimizer state beside the model: data-parallel rank 0's, "
+                           "as its optimizer file holds it)");
   std::set<std::string> names;
-  for (size_t g = 0; g < groups->size(); ++g) {
+  for (size_t g = 0; groups && g < groups->size(); ++g) {
     const auto* items = dict_items(p, (*groups)[g]);
     if (!items) return corrupt(fmt::format("{}: param_shapes[{}] is not a dict", where, g));
     auto& params = out.groups.emplace_back();

@@ -366,6 +366,9 @@ std::optional<std::string> exact_name_of_pattern(std::string_view pattern);
 // each group's params in flattening order with their shapes, and what else it holds.
 struct ZeroShapes {
   std::vector<std::vector<std::pair<std::string, std::vector<int64_t>>>> groups;
+  // param_shapes None beside an optimizer state dict: DeepSpeed without ZeRO whose optimizer saves
+  // bf16_zero_pp_rank_* files all the same (a pipeline's BF16_Optimizer); `groups` empty.
+  bool without_zero = false;
   std::vector<std::string> not_read;
   // ds_config's optimizer is "Adam" with adam_w_mode false: DeepSpeed's FusedAdam / CPUAdam in Adam's
   // L2 mode, which they keep outside their param groups (the readers refuse it with weight decay).

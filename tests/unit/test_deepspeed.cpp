@@ -750,3 +750,47 @@ TEST_CASE("deepspeed: FP16_Optimizer's flat groups without ZeRO are split into t
   REQUIRE(w2.values.size == w.values.size);
   CHECK(std::memcmp(w2.values.data, w.values.data, w.values.size) == 0);
 }
+
+TEST_CASE("deepspeed: a pipeline under bf16 without ZeRO takes its params' shapes from the layer files") {
+  // bf16_pipe2_zero0_world4: the pipeline of pipe2_zero1_world4 under bf16 without ZeRO: DeepSpeed's
+  // BF16_Optimizer files name each rank's runs, the model states no shape (param_shapes None).
+  auto r = open_seed(kSeeds / "bf16_pipe2_zero0_world4");
+  const OptimizerState& m = r->meta();
+  REQUIRE(m.groups.size() == 2);
+  CHECK(m.groups[0].params == std::vector<std::string>{"tied_modules.embed.weight", "1.weight", "3.weight", "5.weight"});
+  CHECK(m.groups[1].params == std::vector<std::string>{"1.bias", "3.bias", "4.weight", "4.bias", "5.bias"});
+  CHECK(m.params.at("tied_modules.embed.weight").shape == std::vector<int64_t>{12, 8});  // layer_00's 'weight'
+  CHECK(m.params.at("1.weight").shape == std::vector<int64_t>{20, 12});
+  CHECK(m.params.at("4.weight").shape == std::vector<int64_t>{10});  // the LayerNorm's
+  for (const auto& [fqn, ps] : m.params) CHECK(ps.step == 3);
+  const auto notes = r->read_notes();
+  REQUIRE(notes.size() == 2);
+  CHECK(notes[0].starts_with("DeepSpeed's pipeline without ZeRO (BF16_Optimizer) saves no param_shapes"));
+  auto v = validate_checkpoint(kSeeds / "bf16_pipe2_zero0_world4", [](const fs::path& p) { return open_checkpoint(p); });
+  REQUIRE(v.ok());
+  CHECK(v->findings.empty());
+  CHECK(v->checksums_verified);
+  // no universal checkpoint: DeepSpeed loads none into this setup
+  testing::TempDir dir;
+  CHECK_FALSE(write_checkpoint(*find_format("deepspeed"), *load_all(*r), dir.path / "uni", {.source = r.get()}).ok());
+  CHECK_FALSE(fs::exists(dir.path / "uni"));
+  {  // a layer file gone: its params' shapes are nowhere
+    testing::TempDir d;
+    const fs::path tag = copy_tag("bf16_pipe2_zero0_world4", d);
+    fs::remove(tag / "layer_05-model_states.pt");
+    CHECK(error_of(tag).find("(param_shapes is None): no layer_05-model_states.pt in") != std::string::npos);
+  }
+  {  // a layer file without the key
+    testing::TempDir d;
+    const fs::path tag = copy_tag("bf16_pipe2_zero0_world4", d);
+    fs::copy(tag / "layer_02-model_states.pt", tag / "layer_03-model_states.pt", fs::copy_options::overwrite_existing);
+    CHECK(error_of(tag).find("layer_03-model_states.pt holds no 'weight'") != std::string::npos);
+  }
+  {  // no layer files at all: the shapes are nowhere
+    testing::TempDir d;
+    const fs::path tag = copy_tag("bf16_pipe2_zero0_world4", d);
+    for (int l = 0; l < 6; ++l) fs::remove(tag / fmt::format("layer_{:02d}-model_states.pt", l));
+    CHECK(error_of(tag).find("no pipeline layer files (layer_*-model_states.pt) to take the shapes from") !=
+          std::string::npos);
+  }
+}

@@ -28,6 +28,9 @@ with engine.save_checkpoint (global_step3/ and `latest`):
                       GELU, Linear(20, 10), LayerNorm(10), Linear(10, 12); 3 steps of 2 micro-batches. Each
                       stage's files are its model-parallel rank's (zero_pp_rank_R_mp_rank_SS_optim_states.pt,
                       mp_rank_SS_model_states.pt), each layer's weights a layer_XX-model_states.pt
+  bf16_pipe2_zero0_world4/  the same pipeline under bf16 without ZeRO (Megatron-DeepSpeed's default under bf16):
+                      DeepSpeed's BF16_Optimizer saves bf16_zero_pp_rank_R_mp_rank_SS files (each rank's runs named
+                      by param_slice_mappings), the model states no param_shapes: the shapes are the layer files'
   autotp2_zero1_world2/  DeepSpeed's AutoTP (tensor_parallel.autotp_size 2, its partition_config's layer specs:
                       q/k/v column-parallel, o_proj and down_proj row-parallel, gate_up_proj column-parallel in two
                       sub-params) on 2 ranks, ZeRO-1, fp32: a LLaMA-like block (Embedding(32, 16), LayerNorm, q/k/v/o
@@ -59,7 +62,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def train_pipe(out):
+def train_pipe(out, bf16=False):
     import deepspeed
     import torch
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -79,15 +82,18 @@ def train_pipe(out):
               LayerSpec(torch.nn.Linear, 10, 12),
               TiedLayerSpec("embed", Embed, forward_fn=lambda embed, x: x @ embed.weight, tied_weight_attr="weight")]
     model = PipelineModule(layers=layers, num_stages=2, partition_method="uniform",
-                           loss_fn=lambda y, t: (y - t).square().mean())
+                           loss_fn=lambda y, t: (y.float() - t).square().mean())
     groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05},
               {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
+    # bf16: without ZeRO, as Megatron-DeepSpeed runs it (DeepSpeed's BF16_Optimizer)
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
-           "zero_optimization": {"stage": 1}}
+           "zero_optimization": {"stage": 0 if bf16 else 1}, "bf16": {"enabled": bf16}}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3), config=cfg)
+    dtype = torch.bfloat16 if bf16 else torch.float32
     for step in range(3):
         g = torch.Generator().manual_seed(step)
-        engine.train_batch(data_iter=iter([(torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g))] * 2))
+        batch = (torch.randn(4, 8, generator=g).to(dtype), torch.randn(4, 8, generator=g))
+        engine.train_batch(data_iter=iter([batch] * 2))
     engine.save_checkpoint(out)
     torch.distributed.barrier()
 
@@ -266,8 +272,8 @@ def train_autoep(out):
 def train(stage, half, out, variant):
     import deepspeed
     import torch
-    if variant == "pipe":
-        return train_pipe(out)
+    if variant in ("pipe", "pipe_bf16"):
+        return train_pipe(out, bf16=variant == "pipe_bf16")
     if variant == "moe":
         return train_moe(out)
     if variant == "autoep":
@@ -344,6 +350,7 @@ def main():
                                        ("fp16_unstepped_zero2_world2", 2, "fp16", "unstepped"),
                                        ("bnb_zero2_world2", 2, "bf16", "bnb"),
                                        ("pipe2_zero1_world4", 1, "fp32", "pipe"),
+                                       ("bf16_pipe2_zero0_world4", 0, "bf16", "pipe_bf16"),
                                        ("autotp2_zero1_world2", 1, "fp32", "autotp"),
                                        ("moe_zero1_world4", 1, "fp32", "moe"),
                                        ("autoep_zero1_world4", 1, "fp32", "autoep")):
@@ -351,7 +358,7 @@ def main():
             continue
         out = HERE / name
         shutil.rmtree(out, ignore_errors=True)
-        ranks = 4 if variant in ("pipe", "moe", "autoep") else 2
+        ranks = 4 if variant in ("pipe", "pipe_bf16", "moe", "autoep") else 2
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", __file__,
                         str(stage), half, str(out), variant], check=True, env=env)
         for extra in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's recovery scripts: not state

@@ -15,9 +15,10 @@ Result<std::vector<std::optional<FlatPlace>>> place_in_flat_groups(const std::ve
                                                                    const std::vector<int64_t>& numels,
                                                                    const std::vector<std::string>& names,
                                                                    const FlatValues& values, const std::string& where,
-                                                                   int64_t max_visits) {
+                                                                   const std::vector<int>& classes, int64_t max_visits) {
   const size_t groups = group_numels.size(), tensors = numels.size();
-  if (names.size() != tensors) return internal_error(where + ": a name per tensor is needed");
+  if (names.size() != tensors || (!classes.empty() && classes.size() != tensors))
+    return internal_error(where + ": a name (and class) per tensor is needed");
   constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
   int64_t total = 0;
   for (size_t g = 0; g < groups; ++g) {
@@ -42,6 +43,38 @@ Result<std::vector<std::optional<FlatPlace>>> place_in_flat_groups(const std::ve
     const bool same = master == weights;
     compared.emplace(key, same);
     return same;
+  };
+  // The tensors by class and first element; per (group, element) the tensors that fit there.
+  std::map<int, size_t> first_of_class;                           // class -> a tensor of it
+  std::map<std::pair<int, uint32_t>, std::vector<size_t>> by_first;  // (class, first element) -> tensors, ascending
+  for (size_t t = 0; t < tensors; ++t) {
+    if (numels[t] == 0) continue;
+    const int c = classes.empty() ? 0 : classes[t];
+    first_of_class.try_emplace(c, t);
+    const int64_t zero = 0;
+    OPTSTATE_ASSIGN_OR_RETURN(const auto first, values.tensor(t, std::span(&zero, 1)));
+    if (first.size() != 1) return internal_error(where + ": one value asked, another count given");
+    by_first[{c, first[0]}].push_back(t);
+  }
+  std::map<std::pair<size_t, int64_t>, std::vector<size_t>> fitting;  // (group, element) -> tensors, ascending
+  auto fit_at = [&](size_t g, int64_t begin) -> Result<const std::vector<size_t>*> {
+    const auto key = std::pair{g, begin};
+    if (auto it = fitting.find(key); it != fitting.end()) return &it->second;
+    std::vector<size_t> out;
+    const int64_t zero = 0;
+    for (const auto& [c, rep] : first_of_class) {
+      OPTSTATE_ASSIGN_OR_RETURN(const auto master, values.flat(g, begin, std::span(&zero, 1), rep));
+      if (master.size() != 1) return internal_error(where + ": one value asked, another count given");
+      const auto cands = by_first.find({c, master[0]});
+      if (cands == by_first.end()) continue;
+      for (const size_t t : cands->second) {
+        if (numels[t] > group_numels[g] - begin) continue;
+        OPTSTATE_ASSIGN_OR_RETURN(const bool yes, fits(g, begin, t));
+        if (yes) out.push_back(t);
+      }
+    }
+    std::sort(out.begin(), out.end());
+    return &fitting.emplace(key, std::move(out)).first->second;
   };
 
   // A backtracking walk over the tensors in module order: each placed at its group's fill (where it
@@ -82,6 +115,15 @@ Result<std::vector<std::optional<FlatPlace>>> place_in_flat_groups(const std::ve
         if (it->second && ++found == 2) second = assignment(t);
         back = true;
       } else {
+        // a group whose next element no tensor left fits at: no way on from here
+        for (size_t g = 0; g < groups && !back; ++g) {
+          if (fill[g] == group_numels[g]) continue;
+          OPTSTATE_ASSIGN_OR_RETURN(const auto* here, fit_at(g, fill[g]));
+          back = std::lower_bound(here->begin(), here->end(), t) == here->end();
+        }
+        if (back) seen[{t, fill}] = false;
+      }
+      if (!back) {
         if (++visits > max_visits)
           return corrupt(fmt::format("{}: no placement of the model's tensors in the flat masters found after {} "
                                      "steps (too many tensors of equal weights)", where, max_visits));
@@ -124,8 +166,15 @@ Result<std::vector<std::optional<FlatPlace>>> place_in_flat_groups(const std::ve
   }
 
   if (found == 0) {
-    size_t g = 0;
-    while (g < groups && fullest[g] == group_numels[g]) ++g;
+    // the fullest state's group whose next element no tensor fits at, else its first unfilled one
+    size_t g = groups;
+    for (size_t h = 0; h < groups && g == groups; ++h) {
+      if (fullest[h] == group_numels[h]) continue;
+      OPTSTATE_ASSIGN_OR_RETURN(const auto* here, fit_at(h, fullest[h]));
+      if (here->empty()) g = h;
+    }
+    for (size_t h = 0; h < groups && g == groups; ++h)
+      if (fullest[h] != group_numels[h]) g = h;
     if (g == groups) return internal_error(where + ": no placement, every group filled");
     return corrupt(fmt::format(
         "{}: param group {}'s flat master ({} elements) holds no model tensor at element {} (the group's params are "

@@ -40,11 +40,16 @@ struct FlatPlace {
 // dcp::megatron::sample_places). Exactly one such placement must fill every group; none, or two
 // (equal weights that could change places: a check before any step), are refused naming the group
 // and element, or the two tensors. Tensors of no elements are never placed. The search visits each
-// (tensor, groups' fill) state once, and gives up after `max_visits` of them.
+// (tensor, groups' fill) state once, and gives up after `max_visits` of them; a state is given up
+// at once where some group's next element is the first of no tensor left that fits there (found
+// through the tensors' first elements, indexed once), so leaving out a tensor that fits ends its
+// branch there, and the walk stays about as long as the model. `classes`: tensors of one class
+// round alike (their dtype; empty: all one).
 Result<std::vector<std::optional<FlatPlace>>> place_in_flat_groups(const std::vector<int64_t>& group_numels,
                                                                    const std::vector<int64_t>& numels,
                                                                    const std::vector<std::string>& names,
                                                                    const FlatValues& values, const std::string& where,
+                                                                   const std::vector<int>& classes = {},
                                                                    int64_t max_visits = int64_t{1} << 20);
 
 }  // namespace optstate::deepspeed

@@ -1892,8 +1892,10 @@ class TorchSaveReader final : public CheckpointReader {
     values.tensor = [&](size_t c, std::span<const int64_t> at) -> Result<std::vector<uint32_t>> {
       return read_bits(md.tensors[cand[c]].tensor, numels[c], at, fmt::format("{}['{}']", model_at, names[c]));
     };
-    OPTSTATE_ASSIGN_OR_RETURN(const auto placed,
-                              deepspeed::place_in_flat_groups(group_numels, numels, names, values, ow + "['fp32_groups_flat']"));
+    std::vector<int> classes;  // tensors of one dtype round alike
+    for (const size_t t : cand) classes.push_back(static_cast<int>(md.tensors[t].tensor.dtype));
+    OPTSTATE_ASSIGN_OR_RETURN(const auto placed, deepspeed::place_in_flat_groups(group_numels, numels, names, values,
+                                                                                 ow + "['fp32_groups_flat']", classes));
     std::vector<ParamSpec> params;
     std::vector<std::vector<int64_t>> member_ids(groups);
     std::set<std::string> weights_read;

@@ -574,6 +574,61 @@ def test_fp16_optimizer_flat_groups_are_split_into_the_models_params(tmp_path, o
     assert "param group 0's flat master (11094 elements) holds no model tensor at element 6144" in err, err
 
 
+# 48 pre-norm blocks under bf16 without ZeRO around DeepSpeed's FusedAdam (FP16_Optimizer), lr 1e-5:
+# after 3 steps every LayerNorm weight is still exactly 1.0 in bf16, 96 tensors of equal weights.
+STAGE0_FUSED_BLOCKS = """
+import sys, torch, deepspeed
+out = sys.argv[1]
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+class Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln1, self.fc1 = torch.nn.LayerNorm(d), torch.nn.Linear(d, 2 * d)
+        self.fc2, self.ln2 = torch.nn.Linear(2 * d, d), torch.nn.LayerNorm(d)
+    def forward(self, x):
+        return x + self.ln2(self.fc2(torch.nn.functional.gelu(self.fc1(self.ln1(x)))))
+model = torch.nn.Sequential(*[Block(64) for _ in range(48)], torch.nn.Linear(64, 8))
+groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05},
+          {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
+cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+       "zero_optimization": {"stage": 0}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
+       "bf16": {"enabled": True}}
+engine = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)[0]
+assert type(engine.optimizer).__name__ == "FP16_Optimizer", type(engine.optimizer)
+for s in range(3):
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))
+    engine.backward(engine(x.bfloat16()).float().square().mean())
+    engine.step()
+engine.save_checkpoint(out)
+"""
+
+
+def test_fp16_optimizer_flat_groups_of_many_equal_layernorm_weights(tmp_path, optstate_cli):
+    """386 tensors, 96 of them LayerNorm weights all exactly 1.0 in bf16 (so each fits every
+    LayerNorm's place in the no-decay group's master): placed by module order, every param's
+    master and moments the flat tensors cut by torch at the groups' params (as named_parameters
+    lists them), bit for bit."""
+    ck = tmp_path / "blocks"
+    run_script(tmp_path, STAGE0_FUSED_BLOCKS, "stage0_blocks.py", ck, distributed=True)
+    raw = torch.load(ck / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)
+    module, wrapper = raw["module"], raw["optimizer"]
+    assert sum(bool((v == 1).all()) for k, v in module.items() if ".ln" in k and k.endswith("weight")) == 96
+    optstate_cli("convert", ck, tmp_path / "plain.safetensors")
+    from safetensors.torch import load_file
+    got = load_file(tmp_path / "plain.safetensors")
+    assert len(got) == 3 * len(module) == 3 * 386
+    groups = [[n for n in module if module[n].dim() > 1], [n for n in module if module[n].dim() <= 1]]
+    for g, names in enumerate(groups):
+        numels = [module[n].numel() for n in names]
+        cuts = {"param": torch.split(wrapper["fp32_groups_flat"][g], numels)}
+        for k in ("exp_avg", "exp_avg_sq"):
+            cuts[k] = torch.split(wrapper["optimizer_state_dict"]["state"][g][k], numels)
+        for i, n in enumerate(names):
+            for k, parts in cuts.items():
+                assert torch.equal(got[f"{n}.{k}"], parts[i].view(module[n].shape)), (n, k)
+
+
 def test_checkpoint_without_zero_beside_model_parallel_files_is_refused(tmp_path, optstate_cli):
     ck = ds_run(tmp_path, 0, "fp32", 2)
     import shutil

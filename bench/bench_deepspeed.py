@@ -21,13 +21,19 @@ fresh process; wall time and peak RSS of each, and the raw copy as the floor.
   experts.w1/w2/w3, put together whole ([8, ...]) by the affine maps its model states record;
   optstate's read (no universal checkpoint: DeepSpeed's for AutoEP is ds_to_universal's) beside
   ds_to_universal's consolidation.
+- --stage0-fp16: fp16 without ZeRO, DeepSpeed's FusedAdam from the config, so FP16_Optimizer keeps
+  each param group one flat fp32 master (fp32_groups_flat) and no param's place, which optstate finds
+  from the module's fp16 weights; DeepSpeed has no tool for it (ds_to_universal takes ZeRO
+  checkpoints), so the reference is what a user who knows the model writes: torch.load, the flat
+  tensors cut with torch.split at the params' sizes in model.parameters() order, torch.save of the
+  same torch.optim.AdamW state_dict.
 - DeepSpeed: `python -m deepspeed.checkpoint.ds_to_universal` with 2 extract and 2 merge workers
   (this machine's cores).
 - optstate: the CLI, no Python, no DeepSpeed.
 The outputs are read back and must hold the same fp32 weights and moments per param, bit for bit
 (the two universal checkpoints: every file's tensors).
 
-    .venv/bin/python bench/bench_deepspeed.py [--layers 2] [--reps 2] [--stage 2|3 | --autotp | --autoep] [--dir /tmp] [--json bench/results/deepspeed.json]
+    .venv/bin/python bench/bench_deepspeed.py [--layers 2] [--reps 2] [--stage 2|3 | --autotp | --autoep | --stage0-fp16] [--dir /tmp] [--json bench/results/deepspeed.json]
 """
 import os
 import sys
@@ -47,7 +53,7 @@ warnings.filterwarnings("ignore")
 MAKE = textwrap.dedent("""
     import os, subprocess, sys, warnings
     warnings.filterwarnings("ignore")
-    out, layers, stage, mode = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]  # mode 1: AutoTP, 2: AutoEP
+    out, layers, stage, mode = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]  # mode 1: AutoTP, 2: AutoEP, 3: fp16 stage 0
     if len(sys.argv) == 5:  # the launcher: 2 ranks under torchrun
         env = dict(os.environ, DS_ACCELERATOR="cpu")
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
@@ -74,6 +80,18 @@ MAKE = textwrap.dedent("""
         torch.distributed.barrier()
         sys.exit(0)
     model = make_model(int(layers))
+    if mode == "3":  # fp16 without ZeRO around DeepSpeed's FusedAdam: FP16_Optimizer
+        from deepspeed.accelerator import get_accelerator
+        type(get_accelerator()).is_fp16_supported = lambda self: True  # fp16 math runs on any CPU
+        cfg.update({"zero_optimization": {"stage": 0}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                    "fp16": {"enabled": True, "initial_scale_power": 8}})
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        assert type(engine.optimizer).__name__ == "FP16_Optimizer", type(engine.optimizer)
+        engine.backward(engine(torch.randn(1, 2048).half()).float().square().mean())
+        engine.step()
+        engine.save_checkpoint(out)
+        torch.distributed.barrier()
+        sys.exit(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if mode == "1":  # even Linears (2048 -> 4096) split by rows, odd ones (4096 -> 2048) by columns
         cfg["tensor_parallel"] = {"autotp_size": 2, "partition_config": {"use_default_specs": False, "layer_specs": [
@@ -97,6 +115,32 @@ UNIVERSAL = textwrap.dedent("""
 """)
 
 
+# The reference of --stage0-fp16: the flat masters and moments cut at the params' sizes, in the order
+# FP16_Optimizer flattened them (model.parameters(): the module's tensors, one group), saved as
+# torch.optim.AdamW's state_dict with the fp32 weights beside it.
+STAGE0_SPLIT = textwrap.dedent("""
+    import os, sys, torch
+    src, dst = sys.argv[1], sys.argv[2]
+    tag = open(os.path.join(src, "latest")).read().strip()
+    sd = torch.load(os.path.join(src, tag, "mp_rank_00_model_states.pt"), weights_only=False)
+    module, wrapper = sd["module"], sd["optimizer"]
+    names = list(module)
+    shapes = [module[n].shape for n in names]
+    numels = [module[n].numel() for n in names]
+    inner = wrapper["optimizer_state_dict"]
+    cut = lambda flat: [t.view(s) for t, s in zip(torch.split(flat, numels), shapes)]
+    weights = cut(wrapper["fp32_groups_flat"][0])
+    moments = {k: cut(inner["state"][0][k]) for k in ("exp_avg", "exp_avg_sq")}
+    step = torch.tensor(float(inner["state"][0]["step"]))
+    group = {k: v for k, v in inner["param_groups"][0].items() if k not in ("params", "bias_correction", "step")}
+    group.update(params=list(range(len(names))), param_names=names)
+    torch.save({"model": dict(zip(names, weights)),
+                "optimizer": {"state": {i: {"step": step, "exp_avg": moments["exp_avg"][i],
+                                            "exp_avg_sq": moments["exp_avg_sq"][i]} for i in range(len(names))},
+                              "param_groups": [group]}}, dst)
+""")
+
+
 def universal_tensor(path):
     t = torch.load(path, weights_only=False)
     return t["param"] if isinstance(t, dict) else t
@@ -107,20 +151,25 @@ def main():
     ap.add_argument("--stage", type=int, choices=(2, 3), default=2)
     ap.add_argument("--autotp", action="store_true", help="ZeRO-1 under AutoTP on the 2 ranks (2 tensor-parallel ranks)")
     ap.add_argument("--autoep", action="store_true", help="ZeRO-1 under AutoEP on the 2 ranks (2 expert-parallel ranks)")
+    ap.add_argument("--stage0-fp16", action="store_true", help="fp16 without ZeRO, FusedAdam (FP16_Optimizer's flat groups)")
     args = ap.parse_args()
     if args.autotp or args.autoep:
         args.stage = 1
-    cli, work, env, scripts = prepare("deepspeed", args.dir, MAKE, UNIVERSAL, needs="deepspeed")
+    if args.stage0_fp16:
+        args.stage = 0
+    cli, work, env, scripts = prepare("deepspeed", args.dir, MAKE, STAGE0_SPLIT if args.stage0_fp16 else UNIVERSAL,
+                                      needs="deepspeed")
     src = work / "ckpt"
-    mode = 2 if args.autoep else int(args.autotp)
+    mode = 3 if args.stage0_fp16 else 2 if args.autoep else int(args.autotp)
     t_make = run([sys.executable, scripts["make.py"], src, args.layers, args.stage, mode])
     src_bytes = dir_bytes(src)
     kind = {0: f"ZeRO-{args.stage}, 2 ranks", 1: "ZeRO-1 under AutoTP, 2 tensor-parallel ranks",
-            2: "ZeRO-1 under AutoEP, 2 expert-parallel ranks"}[mode]
+            2: "ZeRO-1 under AutoEP, 2 expert-parallel ranks",
+            3: "fp16 without ZeRO (FP16_Optimizer's flat groups), 2 ranks"}[mode]
     layers = "MoE blocks of 8 experts" if args.autoep else "layer pairs"
     print(f"source: {src_bytes / 1e9:.2f} GB DeepSpeed {kind} checkpoint ({args.layers} {layers}, made in "
           f"{t_make:.0f} s); {os.cpu_count()} cpus, torch {torch.__version__}")
-    reference = "DeepSpeed ds_to_universal"
+    reference = "torch.load + torch.split" if args.stage0_fp16 else "DeepSpeed ds_to_universal"
     ours = "optstate universal" if args.stage != 3 else "optstate ZeRO-3, 4 ranks"
     dst = {"optstate": work / "plain.pt", ours: work / "ours_deepspeed", reference: work / "universal"}
     cases = {
@@ -128,7 +177,7 @@ def main():
         ours: lambda out: [cli, "convert", src, out, "--format", "deepspeed"] + (["--world-size", 4] if args.stage == 3 else []),
         reference: lambda out: [sys.executable, scripts["convert_reference.py"], src, out],
     }
-    if args.autoep:  # DeepSpeed's universal checkpoint of AutoEP is ds_to_universal's alone
+    if args.autoep or args.stage0_fp16:  # AutoEP's universal checkpoint is ds_to_universal's alone; stage 0 has none
         del cases[ours], dst[ours]
     times, peak = time_cases(cases, dst, src, args.reps, env)
     dst_bytes = os.path.getsize(dst["optstate"])
@@ -137,6 +186,17 @@ def main():
         times["floor (raw copy)"].append(raw_copy(src, buf, work, dst_bytes))
     sd = torch.load(dst["optstate"], weights_only=True)
     names = [n for g in sd["optimizer"]["param_groups"] for n in g["param_names"]]
+    if args.stage0_fp16:
+        theirs = torch.load(dst[reference], weights_only=True)
+        assert names == [n for g in theirs["optimizer"]["param_groups"] for n in g["param_names"]]
+        for i, n in enumerate(names):
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(sd["optimizer"]["state"][i][k], theirs["optimizer"]["state"][i][k]), (n, k)
+            assert torch.equal(sd["model"][n], theirs["model"][n]), n
+        print(f"outputs: {dst_bytes / 1e9:.2f} GB / {os.path.getsize(dst[reference]) / 1e9:.2f} GB torch.optim.AdamW "
+              f"state_dicts; {len(names)} params' fp32 weights, exp_avg and exp_avg_sq equal bit for bit")
+        report(args, work, times, peak, src_bytes, dst_bytes, reference=reference)
+        return
     for i, n in enumerate(names):
         st, ref = sd["optimizer"]["state"][i], dst[reference] / "zero" / n
         for k in ("exp_avg", "exp_avg_sq"):

@@ -1798,6 +1798,33 @@ class TorchSaveReader final : public CheckpointReader {
     return Status::Ok();
   }
 
+  // Elements `at` of tensor `t` (of `count` elements) in archive `a` (file `file`), as bit patterns
+  // (2 or 4 bytes, widened): the samples the placements by value compare.
+  static Result<std::vector<uint32_t>> read_samples(const Archive& a, size_t file, const dcp::TensorRef& t, int64_t count,
+                                                    std::span<const int64_t> at, const std::string& where) {
+    OPTSTATE_ASSIGN_OR_RETURN(const Stored s, resolve_in(a, file, t, count, where));
+    const int64_t elem = dtype_size(t.dtype);
+    if (elem > 4) return internal_error(where + ": samples of more than 4 bytes");
+    std::vector<uint32_t> out(at.size());
+    for (size_t i = 0; i < at.size(); ++i) {
+      if (at[i] < 0 || at[i] >= count) return internal_error(where + ": a sample outside the tensor");
+      std::array<std::byte, 4> b{};
+      OPTSTATE_RETURN_IF_ERROR(a.file.read_at(s.at + static_cast<uint64_t>(at[i] * elem),
+                                              std::span(b.data(), static_cast<size_t>(elem))));
+      std::memcpy(&out[i], b.data(), static_cast<size_t>(elem));
+    }
+    return out;
+  }
+  // fp32 bit patterns rounded to `to` (bf16, f16: round to nearest even; f32 kept), as the model's
+  // weights are its fp32 main params rounded.
+  static void round_samples(std::vector<uint32_t>& bits, DType to) {
+    for (uint32_t& b : bits) {
+      float v;
+      std::memcpy(&v, &b, 4);
+      b = to == DType::kBF16 ? f32_to_bf16(v) : to == DType::kF16 ? f32_to_f16(v) : b;
+    }
+  }
+
   // DeepSpeed's FP16_Optimizer (its fused form, without ZeRO) in the torch.save file `where`
   // (archive `fi`, pickle `p`): the inner optimizer's one flat param a group and the flat fp32
   // masters split into the model's params where deepspeed::place_in_flat_groups finds them; their
@@ -1861,36 +1888,18 @@ class TorchSaveReader final : public CheckpointReader {
       numels.push_back(n);
       names.push_back(mt.name);
     }
-    auto read_bits = [&](const dcp::TensorRef& t, int64_t count, std::span<const int64_t> at,
-                         const std::string& w) -> Result<std::vector<uint32_t>> {
-      OPTSTATE_ASSIGN_OR_RETURN(const Stored s, resolve(fi, t, count, w));
-      const int64_t elem = dtype_size(t.dtype);
-      std::vector<uint32_t> out(at.size());
-      for (size_t i = 0; i < at.size(); ++i) {
-        if (at[i] < 0 || at[i] >= count) return internal_error(w + ": a sample outside the tensor");
-        std::array<std::byte, 4> b{};
-        OPTSTATE_RETURN_IF_ERROR(files_[fi].file.read_at(s.at + static_cast<uint64_t>(at[i] * elem),
-                                                         std::span(b.data(), static_cast<size_t>(elem))));
-        std::memcpy(&out[i], b.data(), static_cast<size_t>(elem));
-      }
-      return out;
-    };
     deepspeed::FlatValues values;
     values.flat = [&](size_t g, int64_t begin, std::span<const int64_t> at, size_t c) -> Result<std::vector<uint32_t>> {
       std::vector<int64_t> shifted(at.begin(), at.end());
       for (int64_t& i : shifted) i += begin;
-      OPTSTATE_ASSIGN_OR_RETURN(auto bits, read_bits(sd.deepspeed_flat_masters[g], group_numels[g], shifted,
-                                                     fmt::format("{}['fp32_groups_flat'][{}]", ow, g)));
-      const DType to = md.tensors[cand[c]].tensor.dtype;
-      for (uint32_t& b : bits) {
-        float v;
-        std::memcpy(&v, &b, 4);
-        b = to == DType::kBF16 ? f32_to_bf16(v) : to == DType::kF16 ? f32_to_f16(v) : b;
-      }
+      OPTSTATE_ASSIGN_OR_RETURN(auto bits, read_samples(files_[fi], fi, sd.deepspeed_flat_masters[g], group_numels[g],
+                                                        shifted, fmt::format("{}['fp32_groups_flat'][{}]", ow, g)));
+      round_samples(bits, md.tensors[cand[c]].tensor.dtype);
       return bits;
     };
     values.tensor = [&](size_t c, std::span<const int64_t> at) -> Result<std::vector<uint32_t>> {
-      return read_bits(md.tensors[cand[c]].tensor, numels[c], at, fmt::format("{}['{}']", model_at, names[c]));
+      return read_samples(files_[fi], fi, md.tensors[cand[c]].tensor, numels[c], at,
+                          fmt::format("{}['{}']", model_at, names[c]));
     };
     std::vector<int> classes;  // tensors of one dtype round alike
     for (const size_t t : cand) classes.push_back(static_cast<int>(md.tensors[t].tensor.dtype));
@@ -2108,36 +2117,18 @@ class TorchSaveReader final : public CheckpointReader {
           numels.push_back(tn);
           names.push_back(mt.name);
         }
-        auto read_elems = [&](const Archive& a, size_t file, const dcp::TensorRef& t, int64_t count,
-                              std::span<const int64_t> at, const std::string& where) -> Result<std::vector<uint32_t>> {
-          OPTSTATE_ASSIGN_OR_RETURN(const Stored s, resolve_in(a, file, t, count, where));
-          const int64_t elem = dtype_size(t.dtype);
-          std::vector<uint32_t> out(at.size());
-          for (size_t i = 0; i < at.size(); ++i) {
-            if (at[i] < 0 || at[i] >= count) return internal_error(where + ": a sample outside the tensor");
-            std::array<std::byte, 4> b{};
-            OPTSTATE_RETURN_IF_ERROR(a.file.read_at(s.at + static_cast<uint64_t>(at[i] * elem),
-                                                    std::span(b.data(), static_cast<size_t>(elem))));
-            std::memcpy(&out[i], b.data(), static_cast<size_t>(elem));
-          }
-          return out;
-        };
         megatron::BufferValues values;
         values.buffer = [&](std::span<const int64_t> at) -> Result<std::vector<uint32_t>> {
-          OPTSTATE_ASSIGN_OR_RETURN(auto bits, read_elems(files_[fi], fi, flat.at(kParam), numel, at, bw + " 'param'"));
-          for (uint32_t& b : bits) {
-            float v;
-            std::memcpy(&v, &b, 4);
-            b = param_dtype == DType::kBF16 ? f32_to_bf16(v) : param_dtype == DType::kF16 ? f32_to_f16(v) : b;
-          }
+          OPTSTATE_ASSIGN_OR_RETURN(auto bits, read_samples(files_[fi], fi, flat.at(kParam), numel, at, bw + " 'param'"));
+          round_samples(bits, param_dtype);
           return bits;
         };
         values.tensor = [&](size_t c, std::span<const int64_t> at) -> Result<std::vector<uint32_t>> {
           const ModelTensor& mt = md.tensors[cand[c]];
           const auto chunk = models.parts.size() > 1 ? megatron::chunk_of(mt.name) : std::nullopt;
-          return read_elems(model_archive, 0, mt.tensor, numels[c], at,
-                            chunk ? fmt::format("{} ['model{}']['{}']", mw, chunk->chunk, chunk->rest)
-                                  : fmt::format("{} ['model']['{}']", mw, mt.name));
+          return read_samples(model_archive, 0, mt.tensor, numels[c], at,
+                              chunk ? fmt::format("{} ['model{}']['{}']", mw, chunk->chunk, chunk->rest)
+                                    : fmt::format("{} ['model']['{}']", mw, mt.name));
         };
         OPTSTATE_ASSIGN_OR_RETURN(const auto placed, megatron::place_in_buffer(numel, numels, names, values, bw));
         for (size_t c = 0; c < cand.size(); ++c) {

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <limits>
 #include <map>
 #include <tuple>
@@ -80,6 +81,10 @@ Result<std::vector<std::optional<FlatPlace>>> place_in_flat_groups(const std::ve
   // A backtracking walk over the tensors in module order: each placed at its group's fill (where it
   // fits) or left out, group by group first; a (tensor, fill) state is walked once (`seen`: whether
   // it led to a placement), so a second path into a state that led to one is a second placement.
+  // Each state kept holds a fill per group: the states walked are capped so that they hold at most
+  // 2^26 fills (a hostile file may list thousands of groups).
+  const int64_t state_cap = std::min<int64_t>(max_visits, std::max<int64_t>(1, (int64_t{1} << 26) /
+                                                                                std::max<int64_t>(1, static_cast<int64_t>(groups))));
   const int skip = static_cast<int>(groups);
   std::vector<int64_t> fill(groups, 0);
   int64_t room = total;
@@ -124,9 +129,10 @@ Result<std::vector<std::optional<FlatPlace>>> place_in_flat_groups(const std::ve
         if (back) seen[{t, fill}] = false;
       }
       if (!back) {
-        if (++visits > max_visits)
+        if (++visits > state_cap)
           return corrupt(fmt::format("{}: no placement of the model's tensors in the flat masters found after {} "
-                                     "steps (too many tensors of equal weights)", where, max_visits));
+                                     "steps (too many tensors of equal weights, or {} param groups)", where, state_cap,
+                                     groups));
         found_before[t] = found;
         option[t] = -1;
       }

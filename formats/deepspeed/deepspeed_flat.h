@@ -40,7 +40,8 @@ struct FlatPlace {
 // dcp::megatron::sample_places). Exactly one such placement must fill every group; none, or two
 // (equal weights that could change places: a check before any step), are refused naming the group
 // and element, or the two tensors. Tensors of no elements are never placed. The search visits each
-// (tensor, groups' fill) state once, and gives up after `max_visits` of them; a state is given up
+// (tensor, groups' fill) state once, and gives up after `max_visits` of them (fewer where the groups
+// are so many that the states kept would hold over 2^26 fills); a state is given up
 // at once where some group's next element is the first of no tensor left that fits there (found
 // through the tensors' first elements, indexed once), so leaving out a tensor that fits ends its
 // branch there, and the walk stays about as long as the model. `classes`: tensors of one class

@@ -1870,19 +1870,14 @@ class TorchSaveReader final : public CheckpointReader {
       if (!names) return corrupt(where + " ['buffer_names']: not a list of strings");
       buffers.insert(names->begin(), names->end());
     }
-    // The candidates: the module's float tensors that are no buffer, a tied weight once.
+    // The candidates: the module's fp32/bf16/fp16 tensors that may be params and are no buffer.
     std::vector<size_t> cand;
     std::vector<int64_t> numels;
     std::vector<std::string> names;
-    std::set<pickle::Ref> objects;
-    std::set<std::tuple<std::string, int64_t, std::vector<int64_t>>> storages;
-    for (size_t t = 0; t < md.tensors.size(); ++t) {
+    for (const size_t t : param_candidates(md)) {
       const ModelTensor& mt = md.tensors[t];
-      if (mt.dtensor || buffers.count(mt.name) || is_norm_buffer(mt.name)) continue;
+      if (mt.dtensor || buffers.count(mt.name)) continue;
       if (mt.tensor.dtype != DType::kF16 && mt.tensor.dtype != DType::kBF16 && mt.tensor.dtype != DType::kF32) continue;
-      if (!objects.insert(mt.ref).second ||
-          !storages.emplace(mt.tensor.storage_key, mt.tensor.offset, mt.tensor.shape).second)
-        continue;
       OPTSTATE_ASSIGN_OR_RETURN(const int64_t n, checked_numel(mt.tensor.shape));
       cand.push_back(t);
       numels.push_back(n);

@@ -737,21 +737,31 @@ Result<ModelDict> interpret_model_source(const Pickle& p, const ModelSource& mod
   return out;
 }
 
+std::vector<size_t> param_candidates(const ModelDict& md) {
+  bool dtensors = false;
+  for (const ModelTensor& t : md.tensors) dtensors = dtensors || t.dtensor.has_value();
+  std::vector<size_t> out;
+  std::set<std::tuple<std::string, int64_t, std::vector<int64_t>>> storages;
+  std::set<Ref> objects;
+  for (size_t i = 0; i < md.tensors.size(); ++i) {
+    const ModelTensor& t = md.tensors[i];
+    if (dtensors ? !t.dtensor : !dtype_info(t.tensor.dtype).is_float || is_norm_buffer(t.name)) continue;
+    if (!objects.insert(t.ref).second) continue;  // tied: one object under two names
+    if (!t.dtensor && !storages.emplace(t.tensor.storage_key, t.tensor.offset, t.tensor.shape).second) continue;
+    out.push_back(i);
+  }
+  return out;
+}
+
 ModelNames names_from_model(const ModelDict& md, const std::vector<std::vector<int64_t>>& member_ids,
                             const std::map<int64_t, std::vector<int64_t>>& shape_of) {
   size_t members = 0;
   for (const auto& ids : member_ids) members += ids.size();
   if (members == 0) return {{}, "the optimizer lists no params"};
-  bool dtensors = false;
-  for (const ModelTensor& t : md.tensors) dtensors = dtensors || t.dtensor.has_value();
   std::vector<std::vector<int64_t>> shapes;
   std::vector<const std::string*> names;
-  std::set<std::tuple<std::string, int64_t, std::vector<int64_t>>> storages;
-  std::set<Ref> objects;
-  for (const ModelTensor& t : md.tensors) {
-    if (dtensors ? !t.dtensor : !dtype_info(t.tensor.dtype).is_float || is_norm_buffer(t.name)) continue;
-    if (!objects.insert(t.ref).second) continue;  // tied: one object under two names
-    if (!t.dtensor && !storages.emplace(t.tensor.storage_key, t.tensor.offset, t.tensor.shape).second) continue;
+  for (const size_t i : param_candidates(md)) {
+    const ModelTensor& t = md.tensors[i];
     shapes.push_back(t.dtensor ? t.dtensor->global_shape : t.tensor.shape);
     names.push_back(&t.name);
   }

@@ -250,6 +250,10 @@ struct ModelNames {
 };
 ModelNames names_from_model(const ModelDict& md, const std::vector<std::vector<int64_t>>& member_ids,
                             const std::map<int64_t, std::vector<int64_t>>& shape_of);
+// The model dict's tensors that may be an optimizer's params, in order (indices into md.tensors):
+// float tensors (only its DTensors, where it holds any), no BatchNorm buffer, a tied weight (one
+// object, or one storage view, under two names) once.
+std::vector<size_t> param_candidates(const ModelDict& md);
 
 
 // The frame every optimizer state_dict torch.save keeps shares, params numbered in the groups' order

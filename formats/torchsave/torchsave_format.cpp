@@ -4157,6 +4157,12 @@ Result<std::optional<fs::path>> zero_stage0_file(const fs::path& path) {
   if (!fs::is_regular_file(file, ec)) return std::optional<fs::path>{};
   if (!model_parallel.empty()) {
     std::sort(model_parallel.begin(), model_parallel.end());
+    if (zero_layer_name(model_parallel.front()))  // "layer_*" sorts before "mp_rank_*"
+      return unsupported(fmt::format("{}: a DeepSpeed pipeline without ZeRO in fp32 or fp16 (its layer files, {}, and "
+                                     "each stage's optimizer inside its mp_rank_*_model_states.pt, its params numbered: "
+                                     "which layers each stage holds is in no file): not read; under bf16 (its "
+                                     "BF16_Optimizer's bf16_zero_pp_rank_* files) it is", dir.string(),
+                                     model_parallel.front()));
     return corrupt(fmt::format("{}: a DeepSpeed checkpoint without ZeRO beside model-parallel ranks' files ({}): not "
                                "read (each rank's optimizer sits in its model states file, split by rules no file "
                                "holds)", dir.string(), model_parallel.front()));

@@ -975,6 +975,16 @@ def test_pipeline_under_bf16_without_zero_reads_its_shapes_from_the_layer_files(
     assert "DeepSpeed loads no universal checkpoint into it" in err and not (tmp_path / "u").exists(), err
 
 
+def test_pipeline_without_zero_in_fp32_is_refused_naming_why(tmp_path, optstate_cli):
+    """fp32 (or fp16) without ZeRO: each stage's optimizer inside its model states file, its params
+    numbered, no file saying which layers a stage holds: refused, naming the bf16 form that is read."""
+    ck = pipe_run(tmp_path, "fp32", 2, 2, zero=0)
+    assert not list((ck / "global_step3").glob("*optim_states.pt"))
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "a DeepSpeed pipeline without ZeRO in fp32 or fp16 (its layer files, layer_00-model_states.pt" in err, err
+    assert "under bf16 (its BF16_Optimizer's bf16_zero_pp_rank_* files) it is" in err, err
+
+
 # DeepSpeed's AutoTP (tensor_parallel.autotp_size; its partition_config's layer specs): a LLaMA-like
 # model whose q/k/v are split by rows, o_proj and down_proj by columns, gate_up_proj's two halves each
 # by rows, the rest replicated; ZeRO-1 over the data-parallel ranks; every rank the same batch.

@@ -1159,18 +1159,10 @@ class TorchSaveReader final : public CheckpointReader {
     return Status::Ok();
   }
 
-  // DeepSpeed's pipeline under bf16 without ZeRO (BF16_Optimizer): the model states name no param's
-  // shape (param_shapes None). Each flat param's params are its ranks' fragments (named; in flat
-  // order: rank by rank, each from its start), their shapes the pipeline's layer files' tensors:
-  // '<L>.<key>' is layer_<L>-model_states.pt's <key>; a tied module's 'tied_modules.<name>.<key>'
-  // the <key> of the layer files that hold one of its element count (all of one shape).
-  Status shapes_from_layer_files(const ZeroFiles& z, const std::vector<ZeroRank>& ranks, ZeroShapes& shapes,
-                                 const std::string& mw, bool pipeline) {
-    if (!pipeline || z.layer_files == 0)
-      return corrupt(mw + ": param_shapes is None and the optimizer's state_dict is beside it: DeepSpeed without ZeRO "
-                          "whose bf16_zero_pp_rank_* files name no param's shape, and no pipeline layer files "
-                          "(layer_*-model_states.pt) to take the shapes from: not read");
-    std::map<int64_t, std::map<std::string, std::vector<int64_t>>> layers;  // layer -> key -> shape
+  // A pipeline's layer files (layer_<L>-model_states.pt in z.dir): layer -> key -> shape.
+  using LayerShapes = std::map<int64_t, std::map<std::string, std::vector<int64_t>>>;
+  static Result<LayerShapes> read_layer_shapes(const ZeroFiles& z) {
+    LayerShapes layers;
     std::error_code ec;
     size_t seen = 0;
     for (fs::directory_iterator it(z.dir, ec), end; !ec && it != end; it.increment(ec)) {
@@ -1188,6 +1180,25 @@ class TorchSaveReader final : public CheckpointReader {
       for (const ModelTensor& t : md.tensors) keys[t.name] = t.dtensor ? t.dtensor->global_shape : t.tensor.shape;
     }
     if (ec) return io_error(fmt::format("{}: {}", z.dir.string(), ec.message()));
+    return layers;
+  }
+
+  // DeepSpeed's pipeline under bf16 without ZeRO (BF16_Optimizer): the model states name no param's
+  // shape (param_shapes None). Each flat param's params are its ranks' fragments (named; in flat
+  // order: rank by rank, each from its start), their shapes the pipeline's layer files' tensors:
+  // '<L>.<key>' is layer_<L>-model_states.pt's <key>; a tied module's 'tied_modules.<name>.<key>'
+  // the <key> of the layer files that hold one of its element count (all of one shape).
+  Status shapes_from_layer_files(const ZeroFiles& z, const std::vector<ZeroRank>& ranks, ZeroShapes& shapes,
+                                 const std::string& mw, bool pipeline) {
+    if (!pipeline || z.layer_files == 0)
+      return corrupt(mw + ": param_shapes is None and the optimizer's state_dict is beside it: DeepSpeed without ZeRO "
+                          "whose bf16_zero_pp_rank_* files name no param's shape, and no pipeline layer files "
+                          "(layer_*-model_states.pt) to take the shapes from: not read");
+    // The layer files are read once for every stage (each stage's slice calls this).
+    if (!layer_shapes_) {
+      OPTSTATE_ASSIGN_OR_RETURN(layer_shapes_, read_layer_shapes(z));
+    }
+    const auto& layers = *layer_shapes_;
     auto layer_file = [](int64_t layer) { return fmt::format("layer_{:02d}-model_states.pt", layer); };
     auto shape_of = [&](const std::string& name, int64_t numel) -> Result<std::vector<int64_t>> {
       const std::string pw = fmt::format("{}: '{}' (param_shapes is None)", mw, name);
@@ -3237,6 +3248,8 @@ class TorchSaveReader final : public CheckpointReader {
   bool set_ = false;       // a per-rank set (a directory), not one file
   bool carries_rest_ = false;  // one file whose other entries a torch.save write from it carries
   std::vector<std::string> value_notes_;  // read_notes(): values read as other than they stand (Composer's decay)
+  // A bf16 pipeline without ZeRO: its layer files' shapes (shapes_from_layer_files), read once.
+  std::optional<LayerShapes> layer_shapes_;
   std::optional<FsdpSet> fsdp_;  // FSDP2 (or FSDP1, flat parameters) set with the model's files: what a writer of it needs
   bool libtorch_ = false;  // a LibTorch optimizer archive
   bool bnb_ = false;       // bitsandbytes' state: formats/bitsandbytes/ writes it

@@ -78,4 +78,16 @@ Result<std::optional<ZeroFiles>> zero_files(const fs::path& path);
 // ranks' files.
 Result<std::optional<fs::path>> zero_stage0_file(const fs::path& path);
 
+// DeepSpeed MoE without ZeRO (stage 0): each expert-parallel rank's whole optimizer (its dense
+// params and its local experts, numbered) in expp_rank_E_mp_rank_00_optim_states.pt (E a rank of
+// the largest expert-parallel group), the dense weights in mp_rank_00_model_states.pt's ['module'],
+// each expert's in layer_L_expert_G_mp_rank_00_model_states.pt (G its global number). nullopt
+// where the tag folder holds ZeRO files or no expp_rank_* files.
+struct MoeStage0Files {
+  fs::path dir, model;
+  std::vector<fs::path> optim;                              // by expert-parallel rank
+  std::map<int64_t, std::map<int64_t, fs::path>> experts;  // layer -> global expert -> file
+};
+Result<std::optional<MoeStage0Files>> moe_stage0_files(const fs::path& path);
+
 }  // namespace optstate::torchsave

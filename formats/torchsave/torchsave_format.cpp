@@ -933,6 +933,407 @@ class TorchSaveReader final : public CheckpointReader {
     return finish({}, {}, 0);
   }
 
+  // DeepSpeed MoE without ZeRO (stage 0; deepspeed/FORMAT.md): each expert-parallel rank's file
+  // (expp_rank_E, E a rank of the largest expert-parallel group) holds its whole optimizer,
+  // numbered: the dense params (alike on every rank) and its local experts, in groups of their own
+  // ('moe', "ep_size_<size>"). Nothing names the numbers; each group's params are placed in order
+  // and by shape (place_params_in_model, as names_from_model does for one model): a dense group's
+  // among ['module']'s params, an MoE group's among the experts the rank holds of the layers of its
+  // expert-parallel size, layer by layer and expert by expert in module order, named by their
+  // layer_L_expert_G files (G the global number). Which size each MoE layer has is in no file: the
+  // one assignment whose placements all fit is taken.
+  Status init_moe_stage0(const MoeStage0Files& m) {
+    deepspeed_ = true;
+    set_ = true;
+    meta_.kind = "adamw";
+    const std::string mw = m.model.string();
+    OPTSTATE_ASSIGN_OR_RETURN(auto model, open_archive(m.model));
+    files_.push_back(std::move(model.first));
+    const size_t model_file = files_.size() - 1;
+    const pickle::Pickle& mp = model.second;
+    OPTSTATE_ASSIGN_OR_RETURN(const ZeroShapes shapes, interpret_zero_model(mp, mw));
+    if (!shapes.without_zero)
+      return corrupt(mw + ": param_shapes set (a ZeRO run's model states) beside expp_rank_* files and no ZeRO "
+                          "partitions (zero_pp_rank_*_optim_states.pt)");
+    if (!shapes.autoep_layers.empty())
+      return unsupported(mw + ": DeepSpeed AutoEP without ZeRO (ds_autoep_layers beside expp_rank_* files): not read; "
+                              "AutoEP under ZeRO-1/2 is");
+    const std::vector<int64_t>& num_experts = shapes.num_experts;
+    if (num_experts.empty()) return corrupt(mw + ": no 'num_experts' list (the MoE layers' expert counts)");
+    const pickle::Ref dpw = mp.dict_get(mp.root(), "dp_world_size");
+    if (dpw == pickle::kNoRef || mp.at(dpw).kind != pickle::Kind::kInt || mp.at(dpw).i < 1 ||
+        mp.at(dpw).i > (int64_t{1} << 24))
+      return corrupt(mw + ": 'dp_world_size' is not a count of ranks");
+    const int64_t world = mp.at(dpw).i;
+    OPTSTATE_ASSIGN_OR_RETURN(const ModelDict dense, interpret_model_dict(mp, mp.dict_get(mp.root(), "module"),
+                                                                          mw + " ['module']"));
+
+    // Every layer's expert files, and no others; each expert's tensors that may be params (in its
+    // state_dict's order: the expert module's) by name, shape and where they are.
+    struct ExpertTensor {
+      std::string name;
+      std::vector<int64_t> shape;
+      dcp::TensorRef tensor;
+      size_t file = 0;
+    };
+    std::map<std::pair<size_t, int64_t>, std::vector<ExpertTensor>> expert;  // (layer, global number)
+    size_t expert_files = 0, expert_others = 0;
+    for (size_t l = 0; l < num_experts.size(); ++l) {
+      const auto files = m.experts.find(static_cast<int64_t>(l));
+      for (int64_t g = 0; g < num_experts[l]; ++g) {
+        if (files == m.experts.end() || !files->second.count(g))
+          return corrupt(fmt::format("{}: no layer_{}_expert_{}_mp_rank_00_model_states.pt (MoE layer {} of {} "
+                                     "experts, num_experts in {})", m.dir.string(), l, g, l, num_experts[l], mw));
+        const fs::path& f = files->second.at(g);
+        OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(f));
+        files_.push_back(std::move(ap.first));
+        OPTSTATE_ASSIGN_OR_RETURN(const ModelDict md, interpret_model_dict(ap.second, f.string()));
+        const std::string mark = fmt::format("deepspeed_moe.experts.deepspeed_experts.{}.", g);
+        auto& tensors = expert[{l, g}];
+        for (const size_t i : param_candidates(md)) {
+          const ModelTensor& t = md.tensors[i];
+          if (t.name.find(mark) == std::string::npos)
+            return corrupt(fmt::format("{}: '{}' is not a tensor of expert {} (<layer>.{}<param>)", f.string(), t.name, g,
+                                       mark));
+          tensors.push_back({t.name, t.tensor.shape, t.tensor, files_.size() - 1});
+        }
+        expert_others += md.tensors.size() + md.others - tensors.size();
+        ++expert_files;
+      }
+    }
+    for (const auto& [l, es] : m.experts)
+      if (l < 0 || static_cast<size_t>(l) >= num_experts.size() || es.rbegin()->first >= num_experts[static_cast<size_t>(l)])
+        return corrupt(fmt::format("{}: layer_{}_expert_{}_mp_rank_00_model_states.pt, past the {} MoE layers' experts "
+                                   "num_experts [{}] in {} lists", m.dir.string(), l, es.rbegin()->first,
+                                   num_experts.size(), fmt::join(num_experts, ", "), mw));
+
+    // Each expert-parallel rank's optimizer, its groups' expert-parallel sizes (0: dense).
+    struct RankFile {
+      StateDict sd;
+      std::vector<int64_t> ep;  // by group
+      size_t file = 0;
+    };
+    std::vector<RankFile> ranks;
+    for (const fs::path& f : m.optim) {
+      const std::string fw = f.string();
+      OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(f));
+      files_.push_back(std::move(ap.first));
+      RankFile r;
+      r.file = files_.size() - 1;
+      OPTSTATE_ASSIGN_OR_RETURN(r.sd, interpret_state_dict(ap.second, fw));
+      if (r.sd.optimizer_path.rfind("['optimizer']", 0) != 0 || r.sd.per_param || r.sd.libtorch || r.sd.nanotron ||
+          r.sd.megatron || r.sd.decoupled_decay)
+        return corrupt(fw + ": not DeepSpeed's expert-parallel optimizer file ({'optimizer': its numbered state_dict})");
+      for (const ParamSpec& spec : r.sd.params)
+        if (spec.fqn != std::to_string(spec.id))
+          return corrupt(fmt::format("{}: param '{}' is named in the file; DeepSpeed's optimizer numbers its params",
+                                     fw, spec.fqn));
+      if (r.sd.deepspeed_flat)
+        return unsupported(fw + ": DeepSpeed MoE under FP16_Optimizer (each param group flat, DeepSpeed's FusedAdam): "
+                                "not read; its unfused form (a client torch optimizer) is");
+      if (r.sd.eight || r.sd.bnb || r.sd.torchao)
+        return corrupt(fw + ": 8-bit or torchao state; DeepSpeed MoE without ZeRO is read with AdamW's fp32 state");
+      for (size_t g = 0; g < r.sd.groups.size(); ++g) {
+        bool moe = false;
+        std::string name;
+        for (const GroupExtraSpec& x : r.sd.groups[g].extras) {
+          if (x.key == "moe") moe = x.value.kind == GroupValue::Kind::kBool && x.value.i;
+          if (x.key == "name" && x.value.kind == GroupValue::Kind::kString) name = x.value.s;
+        }
+        int64_t ep = 0;
+        constexpr std::string_view head = "ep_size_";
+        if (moe && name.rfind(head, 0) == 0 && name.size() > head.size() && name.size() <= head.size() + 7 &&
+            std::all_of(name.begin() + head.size(), name.end(), [](char c) { return c >= '0' && c <= '9'; }))
+          ep = std::stoll(name.substr(head.size()));
+        if (moe && (ep < 1 || world % ep))
+          return corrupt(fmt::format("{} param group {}: a mixture of experts' group ('moe') named '{}', not "
+                                     "ep_size_<a divisor of the {} ranks>", fw, g, name, world));
+        r.ep.push_back(ep);
+      }
+      ranks.push_back(std::move(r));
+    }
+    const int64_t ep_max = *std::max_element(ranks[0].ep.begin(), ranks[0].ep.end());
+    if (ep_max == 0)
+      return corrupt(m.optim[0].string() + ": no param group of experts ('moe', as DeepSpeed's "
+                                           "split_params_into_different_moe_groups_for_optimizer makes them)");
+    if (static_cast<int64_t>(ranks.size()) != ep_max)
+      return corrupt(fmt::format("{}: {} expp_rank_* files, and the largest expert-parallel group has {} ranks "
+                                 "(ep_size_{})", m.dir.string(), ranks.size(), ep_max, ep_max));
+    // The global rank that wrote expp_rank_e (its expert-data-parallel rank 0), and its rank in an
+    // expert-parallel group of `ep` ranks: consecutive ranks a group, or W/ep apart
+    // (use_data_before_expert_parallelism).
+    auto ep_rank = [&](size_t e, int64_t ep) {
+      const int64_t r = shapes.data_before_expert ? static_cast<int64_t>(e) * (world / ep_max) : static_cast<int64_t>(e);
+      return shapes.data_before_expert ? r / (world / ep) : r % ep;
+    };
+
+    // Placement of one rank's groups of one kind (ep 0: dense) among `cands` (names and shapes).
+    struct Cand {
+      const std::string* name;
+      const std::vector<int64_t>* shape;
+    };
+    auto place_groups = [](const RankFile& r, int64_t ep, const std::vector<Cand>& cands,
+                           std::map<int64_t, size_t>& at) -> std::string {
+      std::vector<std::vector<std::optional<std::vector<int64_t>>>> groups;
+      std::vector<const std::vector<int64_t>*> ids;
+      std::map<int64_t, const ParamSpec*> spec_of;
+      for (const ParamSpec& s : r.sd.params) spec_of[s.id] = &s;
+      for (size_t g = 0; g < r.sd.groups.size(); ++g) {
+        if (r.ep[g] != ep) continue;
+        ids.push_back(&r.sd.member_ids[g]);
+        auto& shapes_of = groups.emplace_back();
+        for (const int64_t id : r.sd.member_ids[g]) {
+          const auto it = spec_of.find(id);
+          shapes_of.push_back(it == spec_of.end() ? std::nullopt : std::optional(it->second->shape));
+        }
+      }
+      std::vector<std::vector<int64_t>> tensors;
+      for (const Cand& c : cands) tensors.push_back(*c.shape);
+      const ModelPlacement placed = place_params_in_model(groups, tensors);
+      if (!placed.why.empty()) return placed.why;
+      for (size_t g = 0; g < ids.size(); ++g)
+        for (size_t i = 0; i < ids[g]->size(); ++i) at[(*ids[g])[i]] = placed.tensor_of[g][i];
+      return {};
+    };
+    std::set<int64_t> sizes;
+    for (const int64_t ep : ranks[0].ep)
+      if (ep) sizes.insert(ep);
+    // The experts rank e holds of the layers of size `ep` (layer_ep: each layer's size).
+    auto expert_cands = [&](size_t e, int64_t ep, const std::vector<int64_t>& layer_ep, std::vector<const ExpertTensor*>& out) {
+      out.clear();
+      for (size_t l = 0; l < num_experts.size(); ++l) {
+        if (layer_ep[l] != ep) continue;
+        const int64_t n = num_experts[l] / ep, q = ep_rank(e, ep);
+        for (int64_t i = 0; i < n; ++i)
+          for (const ExpertTensor& t : expert.at({l, q * n + i})) out.push_back(&t);
+      }
+    };
+    auto cands_of = [](const std::vector<const ExpertTensor*>& ts) {
+      std::vector<Cand> out;
+      for (const ExpertTensor* t : ts) out.push_back({&t->name, &t->shape});
+      return out;
+    };
+    // Each layer's expert-parallel size: every assignment of the groups' sizes that divide its
+    // expert count, tried on rank 0's file (at most 4096).
+    std::vector<std::vector<int64_t>> choices(num_experts.size());
+    size_t assignments = 1;
+    for (size_t l = 0; l < num_experts.size(); ++l) {
+      for (const int64_t ep : sizes)
+        if (num_experts[l] % ep == 0) choices[l].push_back(ep);
+      if (choices[l].empty())
+        return corrupt(fmt::format("{}: MoE layer {} has {} experts (num_experts), which no expert-parallel size of "
+                                   "the groups ({}) divides", mw, l, num_experts[l], fmt::join(sizes, ", ")));
+      assignments *= choices[l].size();
+      if (assignments > 4096)
+        return unsupported(fmt::format("{}: more than 4096 ways to give the {} MoE layers the groups' expert-parallel "
+                                       "sizes ({}): not tried", mw, num_experts.size(), fmt::join(sizes, ", ")));
+    }
+    std::vector<std::vector<int64_t>> fits;
+    std::string why;
+    std::vector<const ExpertTensor*> ts;
+    for (size_t a = 0; a < assignments; ++a) {
+      std::vector<int64_t> layer_ep(num_experts.size());
+      for (size_t l = 0, k = a; l < num_experts.size(); k /= choices[l].size(), ++l) layer_ep[l] = choices[l][k % choices[l].size()];
+      bool ok = true;
+      for (const int64_t ep : sizes) {
+        expert_cands(0, ep, layer_ep, ts);
+        std::map<int64_t, size_t> at;
+        const std::string w = place_groups(ranks[0], ep, cands_of(ts), at);
+        if (!w.empty()) {
+          if (why.empty()) why = fmt::format("the groups of ep_size_{}: {}", ep, w);
+          ok = false;
+          break;
+        }
+      }
+      if (ok) fits.push_back(layer_ep);
+    }
+    if (fits.size() != 1)
+      return corrupt(fmt::format("{}: {} of the MoE layers' expert-parallel sizes fits the param groups of experts "
+                                 "(placed in order and by shape among the experts' files){}", m.optim[0].string(),
+                                 fits.empty() ? "no assignment" : "more than one assignment",
+                                 fits.empty() ? " (" + why + ")" : fmt::format(" ([{}] and [{}])",
+                                                                              fmt::join(fits[0], ", "),
+                                                                              fmt::join(fits[1], ", "))));
+    const std::vector<int64_t>& layer_ep = fits[0];
+
+    // Groups: rank 0's; another rank's matched by name and settings (DeepSpeed orders the MoE
+    // groups by a set of their names, so ranks may list them in other orders), the k-th alike of
+    // each to the k-th.
+    auto settings = [](const GroupSpec& g, int64_t ep) {
+      std::vector<std::string> keys;
+      for (const GroupExtraSpec& x : g.extras) keys.push_back(x.key);
+      return fmt::format("{} {} {} {} {} {} {} [{}]", ep, g.hyper.beta1, g.hyper.beta2, g.hyper.eps,
+                         g.hyper.weight_decay, g.hyper.amsgrad, g.hyper.maximize, fmt::join(keys, ","));
+    };
+    std::vector<std::vector<size_t>> group_of(ranks.size());  // rank's group -> rank 0's
+    for (size_t e = 0; e < ranks.size(); ++e) {
+      const RankFile& r = ranks[e];
+      const std::string fw = m.optim[e].string();
+      if (r.sd.groups.size() != ranks[0].sd.groups.size())
+        return corrupt(fmt::format("{}: {} param groups; {} has {}", fw, r.sd.groups.size(), m.optim[0].string(),
+                                   ranks[0].sd.groups.size()));
+      std::map<std::string, std::vector<size_t>> free;
+      for (size_t g = ranks[0].sd.groups.size(); g-- > 0;)
+        free[settings(ranks[0].sd.groups[g], ranks[0].ep[g])].push_back(g);
+      for (size_t g = 0; g < r.sd.groups.size(); ++g) {
+        auto& left = free[settings(r.sd.groups[g], r.ep[g])];
+        if (left.empty())
+          return corrupt(fmt::format("{} param group {}: no group of {} has its settings", fw, g, m.optim[0].string()));
+        group_of[e].push_back(left.back());
+        left.pop_back();
+      }
+    }
+    std::vector<double> decays;
+    for (size_t g = 0; g < ranks[0].sd.groups.size(); ++g) {
+      const GroupSpec& gs = ranks[0].sd.groups[g];
+      ParamGroup group;
+      group.hyper = gs.hyper;
+      OPTSTATE_ASSIGN_OR_RETURN(group.hyper.lr, value_of(ranks[0].file, gs.lr, fmt::format("{} param group {} 'lr'",
+                                                                                         m.optim[0].string(), g)));
+      decays.push_back(group.hyper.weight_decay);
+      meta_.groups.push_back(std::move(group));
+      adamw_flags_.push_back(gs.flags);
+      GroupExtras& kept = group_extras_.emplace_back();
+      for (const GroupExtraSpec& x : gs.extras) {
+        if (!x.tensor) kept.emplace_back(x.key, x.value);
+        else not_read_.push_back(fmt::format("{} param group {} '{}'", m.optim[0].string(), g, x.key));
+      }
+    }
+    OPTSTATE_RETURN_IF_ERROR(check_zero_decay(shapes, decays, mw));
+    for (size_t e = 1; e < ranks.size(); ++e)
+      for (size_t g = 0; g < ranks[e].sd.groups.size(); ++g) {
+        const size_t g0 = group_of[e][g];
+        OPTSTATE_ASSIGN_OR_RETURN(const double lr, value_of(ranks[e].file, ranks[e].sd.groups[g].lr,
+                                                            fmt::format("{} param group {} 'lr'", m.optim[e].string(), g)));
+        if (!same_number(lr, meta_.groups[g0].hyper.lr))
+          return corrupt(fmt::format("{} param group {}: lr {}, its group in {} has {}", m.optim[e].string(), g, lr,
+                                     m.optim[0].string(), meta_.groups[g0].hyper.lr));
+      }
+
+    // Each rank's params: rank 0's dense ones and every rank's experts, named and read.
+    std::vector<Cand> dense_cands;
+    const std::vector<size_t> dense_idx = param_candidates(dense);
+    for (const size_t i : dense_idx) dense_cands.push_back({&dense.tensors[i].name, &dense.tensors[i].tensor.shape});
+    const bool masters = ranks[0].sd.deepspeed_fp16;
+    size_t stateless = 0, dense_weights = 0, expert_copies = 0;
+    for (size_t e = 0; e < ranks.size(); ++e) {
+      const RankFile& r = ranks[e];
+      const std::string fw = m.optim[e].string();
+      if (r.sd.deepspeed_fp16 != masters)
+        return corrupt(fmt::format("{}: {} DeepSpeed's mixed-precision wrapper; {} {}", fw, masters ? "without" : "with",
+                                   m.optim[0].string(), masters ? "has it" : "not"));
+      std::map<int64_t, std::pair<const std::string*, const ExpertTensor*>> named;  // id -> name, expert tensor
+      if (e == 0) {
+        std::map<int64_t, size_t> at;
+        if (const std::string w = place_groups(r, 0, dense_cands, at); !w.empty())
+          return corrupt(fmt::format("{}: its dense param groups placed among {} ['module']'s params: {}", fw, mw, w));
+        for (const auto& [id, i] : at) named[id] = {dense_cands[i].name, nullptr};
+      }
+      for (const int64_t ep : sizes) {
+        expert_cands(e, ep, layer_ep, ts);
+        std::map<int64_t, size_t> at;
+        if (const std::string w = place_groups(r, ep, cands_of(ts), at); !w.empty())
+          return corrupt(fmt::format("{}: its groups of ep_size_{} placed among its experts (MoE layers' sizes [{}]): {}",
+                                     fw, ep, fmt::join(layer_ep, ", "), w));
+        for (const auto& [id, i] : at) named[id] = {&ts[i]->name, ts[i]};
+      }
+      std::map<int64_t, const ParamSpec*> spec_of;
+      for (const ParamSpec& s : r.sd.params) spec_of[s.id] = &s;
+      for (size_t g = 0; g < r.sd.groups.size(); ++g)
+        for (const int64_t id : r.sd.member_ids[g]) {
+          const auto nm = named.find(id);
+          if (nm == named.end()) continue;  // a dense param of a rank other than 0: rank 0's read
+          const auto sp = spec_of.find(id);
+          if (sp == spec_of.end()) {
+            ++stateless;
+            continue;
+          }
+          const ParamSpec& spec = *sp->second;
+          const std::string& fqn = *nm->second.first;
+          // an expert of a layer of a smaller expert-parallel size than the largest: rank e's copy
+          // of what an earlier rank of its expert-data-parallel group holds (stepped alike)
+          if (nm->second.second && meta_.params.count(fqn)) {
+            ++expert_copies;
+            continue;
+          }
+          OPTSTATE_RETURN_IF_ERROR(one_name(fqn, fqn, fw));
+          const std::string pw = fmt::format("{} param {} ('{}')", fw, id, fqn);
+          ParamState ps;
+          ps.shape = spec.shape;
+          ps.group = static_cast<int>(group_of[e][g]);
+          OPTSTATE_ASSIGN_OR_RETURN(const double step, value_of(r.file, spec.step, pw + " 'step'"));
+          if (!(step >= 0 && step < 9.2e18) || step != std::floor(step))
+            return corrupt(fmt::format("{}: step {} is not a count", pw, step));
+          ps.step = static_cast<int64_t>(step);
+          for (const auto& [name, es] : spec.entries) {
+            if (es.encoding != Encoding::kDense || es.dtensor)
+              return corrupt(fmt::format("{} '{}': not a plain tensor", pw, name));
+            OPTSTATE_ASSIGN_OR_RETURN(Placed v, place(ps.shape, {Part(r.file, es.values, &es.dtensor)},
+                                                      fmt::format("{} '{}'", pw, name), /*dense=*/true));
+            stored_[{fqn, name, Component::kValues}] = std::move(v.pieces);
+            Entry en;
+            en.dtype = es.values.dtype;
+            ps.entries.emplace(name, std::move(en));
+          }
+          // Weights: the wrapper's fp32 masters; else the module's (dense) or the expert file's.
+          static const std::optional<DTensorSpec> plain;
+          if (masters) {
+            if (!spec.weight) return corrupt(pw + ": no fp32 master in ['optimizer']['fp32_groups']");
+            OPTSTATE_RETURN_IF_ERROR(add_weights(fqn, ps, {Part(r.file, *spec.weight, &plain)},
+                                                 fmt::format("{} ['optimizer']['fp32_groups'] ('{}')", fw, fqn)));
+          } else if (const ExpertTensor* t = nm->second.second) {
+            OPTSTATE_RETURN_IF_ERROR(add_weights(fqn, ps, {Part(t->file, t->tensor, &plain)},
+                                                 fmt::format("{} ['{}']", files_[t->file].path.string(), fqn)));
+          } else {
+            const ModelTensor* d = dense.find(fqn);
+            OPTSTATE_RETURN_IF_ERROR(add_weights(fqn, ps, {Part(model_file, d->tensor, &plain)},
+                                                 fmt::format("{} ['module']['{}']", mw, fqn)));
+            ++dense_weights;
+          }
+          meta_.groups[ps.group].params.push_back(fqn);
+          meta_.params.emplace(fqn, std::move(ps));
+        }
+    }
+
+    // What is not read, and how the state was read.
+    for (const std::string& n : shapes.not_read) {
+      if (n.rfind("['module']", 0) == 0) continue;  // below
+      not_read_.push_back(mw + " " + n);
+    }
+    const size_t module_entries = dense.tensors.size() + dense.others;
+    if (masters) {
+      not_read_.push_back(fmt::format("{} ['module'] ({} entries: the dense params' weights and buffers in their "
+                                      "training dtype; the fp32 masters are read)", mw, module_entries));
+    } else if (module_entries > dense_weights) {
+      not_read_.push_back(fmt::format("{} ['module'] ({} entr{} besides the optimized params' weights)", mw,
+                                      module_entries - dense_weights, module_entries - dense_weights == 1 ? "y" : "ies"));
+    }
+    for (const std::string& n : ranks[0].sd.not_read) not_read_.push_back(m.optim[0].string() + " " + n);
+    if (stateless)
+      not_read_.push_back(fmt::format("{} param{} without state (never stepped: no shape in the files)", stateless,
+                                      stateless == 1 ? "" : "s"));
+    if (masters && expert_files)
+      uncarried_notes_.push_back(fmt::format("layer_*_expert_*_model_states.pt ({} file{}: the experts' weights in "
+                                             "their training dtype; the fp32 masters are read)", expert_files,
+                                             expert_files == 1 ? "" : "s"));
+    else if (expert_others)
+      uncarried_notes_.push_back(fmt::format("layer_*_expert_*_model_states.pt ({} entr{} besides the experts' params)",
+                                             expert_others, expert_others == 1 ? "y" : "ies"));
+    if (ranks.size() > 1)
+      uncarried_notes_.push_back(fmt::format("expp_rank_1.._{}: their dense params (copies of expp_rank_0's: every "
+                                             "rank steps them alike){}", ranks.size() - 1,
+                                             expert_copies ? fmt::format(", and {} params of experts an earlier file "
+                                                                         "holds too (layers of a smaller expert-"
+                                                                         "parallel size)", expert_copies) : ""));
+    value_notes_.push_back(fmt::format(
+        "DeepSpeed MoE without ZeRO: each expert-parallel rank's numbered params named by order and shape after "
+        "['module'] (dense) and its experts' layer_L_expert_G files (MoE layers' expert-parallel sizes [{}]); "
+        "experts under their global numbers (rank e's local expert i is e*n+i), the dense params from expp_rank_0{}",
+        fmt::join(layer_ep, ", "), masters ? "; the wrapper's fp32 masters (['optimizer']['fp32_groups']) read as the "
+                                            "weights" : ""));
+    return finish({}, {}, 0);
+  }
+
   // Another copy of elements read elsewhere: a tied module's copy in a later pipeline stage
   // (DeepSpeed's TiedLayerSpec: the same name, stepped alike), or a tensor-parallel rank's copy
   // of a block every rank holds (AutoTP: a replicated param, stepped alike on each). `pieces` are
@@ -3971,10 +4372,13 @@ Result<std::optional<ZeroFiles>> zero_files(const fs::path& path) {
       return corrupt(fmt::format("{}: two optimizer files of rank {} (mp_rank_{:02d})", z.dir.string(), rank, mprank));
   }
   if (ec) return io_error(fmt::format("{}: {}", z.dir.string(), ec.message()));
-  if (files.empty() && (!z.expert_files.empty() || z.expert_optim_files))
-    return corrupt(z.dir.string() + ": DeepSpeed MoE experts' files (layer_*_expert_*, expp_rank_*) without ZeRO "
-                                    "partitions (stage 0: the optimizer's state sits in expp_rank_*_optim_states.pt): "
-                                    "not read");
+  if (files.empty() && z.expert_optim_files)
+    return invalid_argument(z.dir.string() + ": DeepSpeed MoE without ZeRO (stage 0: each expert-parallel rank's "
+                                             "optimizer in expp_rank_*_optim_states.pt), not ZeRO partitions");
+  if (files.empty() && !z.expert_files.empty())
+    return corrupt(z.dir.string() + ": DeepSpeed MoE experts' files (layer_*_expert_*) without ZeRO partitions or "
+                                    "expp_rank_*_optim_states.pt files (stage 0's optimizer): the optimizer's files are "
+                                    "missing");
   if (!expert_mp.empty() || (!z.expert_files.empty() && !files.empty() && files.rbegin()->first > 0))
     return corrupt(fmt::format("{}: {}: DeepSpeed MoE beside model parallelism (a pipeline's stages or tensor-parallel "
                                "ranks, whose experts split other ways): not read", z.dir.string(),
@@ -4183,6 +4587,62 @@ Result<std::optional<fs::path>> zero_stage0_file(const fs::path& path) {
   return std::optional<fs::path>{file};
 }
 
+Result<std::optional<MoeStage0Files>> moe_stage0_files(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) return std::optional<MoeStage0Files>{};
+  MoeStage0Files out;
+  out.dir = zero_tag_dir(path);
+  std::map<int64_t, fs::path> optim;
+  std::string other_mp;  // a file of a model-parallel rank other than 0, or a pipeline's layer file
+  size_t seen = 0;
+  for (fs::directory_iterator it(out.dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (++seen > (size_t{1} << 20)) return corrupt(out.dir.string() + ": more than 2^20 entries");
+    const std::string name = it->path().filename().string();
+    if (zero_optim_name(name)) return std::optional<MoeStage0Files>{};  // ZeRO's: zero_files reads them
+    if (const auto e = zero_expert_name(name)) {
+      if ((*e)[2] != 0) other_mp = name;
+      out.experts[(*e)[0]][(*e)[1]] = it->path();
+      continue;
+    }
+    constexpr std::string_view head = "expp_rank_", mid = "_mp_rank_", tail = "_optim_states.pt";
+    if (name.rfind(head, 0) == 0 && name.ends_with(tail)) {
+      const std::string body = name.substr(head.size(), name.size() - head.size() - tail.size());
+      const auto m = body.find(mid);
+      auto number = [](const std::string& d) -> std::optional<int64_t> {
+        if (d.empty() || d.size() > 7 || !std::all_of(d.begin(), d.end(), [](char c) { return c >= '0' && c <= '9'; }))
+          return std::nullopt;
+        return std::stoll(d);
+      };
+      const auto e = m == std::string::npos ? std::nullopt : number(body.substr(0, m));
+      const auto mp = m == std::string::npos ? std::nullopt : number(body.substr(m + mid.size()));
+      if (!e || !mp) return corrupt(fmt::format("{}: {} is not expp_rank_<E>_mp_rank_<MM>_optim_states.pt", out.dir.string(), name));
+      if (*mp != 0) other_mp = name;
+      if (!optim.emplace(*e, it->path()).second)
+        return corrupt(fmt::format("{}: two optimizer files of expert-parallel rank {}", out.dir.string(), *e));
+      continue;
+    }
+    if (zero_layer_name(name) ||
+        (name.rfind("mp_rank_", 0) == 0 && name.ends_with("_model_states.pt") && name != "mp_rank_00_model_states.pt"))
+      other_mp = name;
+  }
+  if (ec) return io_error(fmt::format("{}: {}", out.dir.string(), ec.message()));
+  if (optim.empty()) return std::optional<MoeStage0Files>{};
+  if (!other_mp.empty())
+    return corrupt(fmt::format("{}: {}: DeepSpeed MoE beside model parallelism (a pipeline's stages or tensor-parallel "
+                               "ranks, whose experts split other ways): not read", out.dir.string(), other_mp));
+  for (const auto& [e, file] : optim) {
+    if (e != static_cast<int64_t>(out.optim.size()))
+      return corrupt(fmt::format("{}: no expp_rank_{}_mp_rank_00_optim_states.pt (expert-parallel rank {}'s optimizer) "
+                                 "beside expp_rank_{}'s", out.dir.string(), out.optim.size(), out.optim.size(), e));
+    out.optim.push_back(file);
+  }
+  out.model = out.dir / "mp_rank_00_model_states.pt";
+  if (!fs::is_regular_file(out.model, ec))
+    return corrupt(fmt::format("{}: no mp_rank_00_model_states.pt (the dense params' weights and the MoE layers' "
+                               "expert counts) beside the expp_rank_*_optim_states.pt files", out.dir.string()));
+  return std::optional<MoeStage0Files>(std::move(out));
+}
+
 Result<std::unique_ptr<CheckpointReader>> open_deepspeed(const fs::path& path) {
   if (const auto u = universal_dir(path)) {
     auto reader = std::make_unique<TorchSaveReader>(path);
@@ -4193,6 +4653,12 @@ Result<std::unique_ptr<CheckpointReader>> open_deepspeed(const fs::path& path) {
   // holds whole (rank 0 saves it): read as that torch.save file.
   OPTSTATE_ASSIGN_OR_RETURN(const auto stage0, zero_stage0_file(path));
   if (stage0) return open_file(*stage0);
+  OPTSTATE_ASSIGN_OR_RETURN(const auto moe0, moe_stage0_files(path));
+  if (moe0) {
+    auto reader = std::make_unique<TorchSaveReader>(path);
+    OPTSTATE_RETURN_IF_ERROR(reader->init_moe_stage0(*moe0));
+    return std::unique_ptr<CheckpointReader>(std::move(reader));
+  }
   OPTSTATE_ASSIGN_OR_RETURN(const auto z, zero_files(path));
   if (!z) return invalid_argument(path.string() + ": no DeepSpeed ZeRO optimizer files (zero_pp_rank_*_optim_states.pt)");
   auto reader = std::make_unique<TorchSaveReader>(path);

@@ -1462,8 +1462,11 @@ Result<StateDict> interpret_state_dict(const Pickle& p, const std::string& where
     // DeepSpeed's model states file (mp_rank_00_model_states.pt) without ZeRO: the model under
     // ['module'] beside ['ds_version'], the optimizer under ['optimizer'] (torch's state_dict, or
     // its mixed-precision wrapper's dict).
-    const bool deepspeed = !is_composer && p.dict_get(root, "ds_version") != kNoRef &&
-                           dict_items(p, p.dict_get(root, "module"));
+    // ... or an expert-parallel rank's optimizer file of DeepSpeed MoE without ZeRO
+    // (expp_rank_E_mp_rank_00_optim_states.pt): {"optimizer": the same}, alone.
+    const bool deepspeed = !is_composer && ((p.dict_get(root, "ds_version") != kNoRef &&
+                                             dict_items(p, p.dict_get(root, "module"))) ||
+                                            (items->size() == 2 && p.dict_get(root, "optimizer") != kNoRef));
     const std::string prefix = is_composer ? "['state']" : "";
     for (size_t k = 0; k + 1 < items->size(); k += 2) {
       const auto key = dcp::as_string(p, (*items)[k]);

@@ -4374,7 +4374,9 @@ Result<std::optional<ZeroFiles>> zero_files(const fs::path& path) {
   if (ec) return io_error(fmt::format("{}: {}", z.dir.string(), ec.message()));
   if (files.empty() && z.expert_optim_files)
     return invalid_argument(z.dir.string() + ": DeepSpeed MoE without ZeRO (stage 0: each expert-parallel rank's "
-                                             "optimizer in expp_rank_*_optim_states.pt), not ZeRO partitions");
+                                             "optimizer in expp_rank_*_optim_states.pt), not ZeRO-1/2 partitions: a universal "
+                                             "checkpoint is written from those only (DeepSpeed loads no other); "
+                                             "optstate reads this one: convert it to another format");
   if (files.empty() && !z.expert_files.empty())
     return corrupt(z.dir.string() + ": DeepSpeed MoE experts' files (layer_*_expert_*) without ZeRO partitions or "
                                     "expp_rank_*_optim_states.pt files (stage 0's optimizer): the optimizer's files are "

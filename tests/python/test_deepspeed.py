@@ -1204,20 +1204,28 @@ for s in range(3):
     engine.step()
 engine.save_checkpoint(out)
 local = {n: m.num_local_experts for n, m in model.named_modules() if isinstance(m, MoE)}
-# DeepSpeed links its params to their optimizer state after the first group's first step only (it
-# steps group by group), so the later groups' state is not found by safe_get_full_optimizer_state
-# until linked again.
-engine.optimizer._hp_optimizer_states_linked = False
-engine.optimizer._lazy_init_hp_params_optimizer_state()
+opt = engine.optimizer
+if stage > 0:
+    # DeepSpeed links its params to their optimizer state after the first group's first step only
+    # (it steps group by group), so the later groups' state is not found by
+    # safe_get_full_optimizer_state until linked again.
+    opt._hp_optimizer_states_linked = False
+    opt._lazy_init_hp_params_optimizer_state()
+    held = lambda p: (safe_get_full_fp32_param(p), safe_get_full_optimizer_state(p, "exp_avg"),
+                      safe_get_full_optimizer_state(p, "exp_avg_sq"))
+elif half == "fp32":  # without ZeRO: the client optimizer steps the params themselves
+    held = lambda p: (p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])
+else:  # ... or, under bf16, their fp32 masters (the wrapper's fp32_groups)
+    master = {id(p): q for g16, g32 in zip(opt.fp16_groups, opt.fp32_groups) for p, q in zip(g16, g32)}
+    held = lambda p: (master[id(p)], opt.optimizer.state[master[id(p)]]["exp_avg"],
+                      opt.optimizer.state[master[id(p)]]["exp_avg_sq"])
 ref = {}
 for n, p in model.named_parameters():
     m = re.match(r"(.*)\\.deepspeed_moe\\.experts\\.deepspeed_experts\\.(\\d+)(\\..*)", n)
     if m:
         e = groups._get_expert_parallel_rank(p.group_name)
         n = f"{m[1]}.deepspeed_moe.experts.deepspeed_experts.{e * local[m[1]] + int(m[2])}{m[3]}"
-    ref[n] = {"param": safe_get_full_fp32_param(p).clone()}
-    for k in ("exp_avg", "exp_avg_sq"):
-        ref[n][k] = safe_get_full_optimizer_state(p, k).clone()
+    ref[n] = {k: v.clone() for k, v in zip(("param", "exp_avg", "exp_avg_sq"), held(p))}
 torch.save(ref, f"{out}.ref{torch.distributed.get_rank()}.pt")
 torch.distributed.barrier()
 """
@@ -1269,6 +1277,63 @@ def test_mixture_of_experts_checkpoint_reads_as_deepspeed_holds_it(tmp_path, opt
     err = run_err(optstate_cli, "convert", ck, tmp_path / "u", "--format", "deepspeed")
     assert "DeepSpeed MoE layers' experts, which DeepSpeed does not load from a universal" in err
     assert not (tmp_path / "u").exists()
+
+
+@pytest.mark.parametrize("half,layout", [("fp32", "ed"), ("bf16", "de")])
+def test_mixture_of_experts_without_zero_reads_as_deepspeed_holds_it(tmp_path, optstate_cli, half, layout):
+    """DeepSpeed MoE without ZeRO (stage 0): each expert-parallel rank of the largest group (4)
+    saves its whole optimizer, numbered, in expp_rank_E_mp_rank_00_optim_states.pt; no file names
+    the numbers, nor which MoE layer has which expert-parallel size. optstate places each group's
+    params by order and shape among ['module'] (dense) and the rank's experts (layer_L_expert_G
+    files), finds the layers' sizes (2 and 4) as the one assignment that fits, and the state is, bit
+    for bit, what each rank's engine held (fp32: the params and torch's AdamW state; bf16: the
+    wrapper's fp32 masters and their state, a step ahead as for FP16_UnfusedOptimizer)."""
+    ck = tmp_path / f"moe_zero0_{half}_{layout}"
+    run_script(tmp_path, MOE_TRAIN, "moe_train.py", ck, 0, half, layout, ranks=4)
+    ref = {}
+    for r in range(4):  # each rank's: the dense params and its experts (an expert's copies agree)
+        for n, entries in torch.load(f"{ck}.ref{r}.pt").items():
+            if n in ref:
+                assert all(torch.equal(ref[n][k], entries[k]) for k in entries), (n, r)
+            ref[n] = entries
+    tag = ck / "global_step3"
+    assert sorted(p.name for p in tag.glob("expp_rank_*")) == [f"expp_rank_{e}_mp_rank_00_optim_states.pt" for e in range(4)]
+    done = optstate_cli("convert", ck, tmp_path / "plain.pt")
+    assert "DeepSpeed MoE without ZeRO" in done.stderr and "expert-parallel sizes [2, 4]" in done.stderr, done.stderr
+    assert "16 params of experts an earlier file holds too" in done.stderr, done.stderr
+    sd = torch.load(tmp_path / "plain.pt")
+    names = [n for g in sd["optimizer"]["param_groups"] for n in g["param_names"]]
+    assert sorted(names) == sorted(ref) and len(names) == 4 + 4 * 4 + 8 * 2 + 2
+    for i, n in enumerate(names):
+        st = sd["optimizer"]["state"][i]
+        assert st["step"].item() == (3 if half == "fp32" else 4), n
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[k], ref[n][k]), (n, k)
+        assert torch.equal(sd["model"][n], ref[n]["param"]), n
+    for g in sd["optimizer"]["param_groups"]:
+        assert (g["weight_decay"], g["lr"]) == ((0.05, 1e-3) if g["param_names"][0].endswith("weight") else (0.0, 2e-3))
+    assert "every chunk checksum verified" in optstate_cli("validate", ck).stdout
+    err = run_err(optstate_cli, "convert", ck, tmp_path / "u", "--format", "deepspeed")
+    assert "DeepSpeed MoE without ZeRO" in err and "convert it to another format" in err and not (tmp_path / "u").exists()
+    # damaged: a rank's file gone, an expert's file gone, a layer's experts miscounted
+    import shutil
+
+    def damaged(name, edit):
+        bad = tmp_path / name
+        shutil.copytree(tag, bad)
+        edit(bad)
+        return run_err(optstate_cli, "inspect", bad)
+    err = damaged("rank", lambda bad: (bad / "expp_rank_3_mp_rank_00_optim_states.pt").unlink())
+    assert "3 expp_rank_* files, and the largest expert-parallel group has 4 ranks (ep_size_4)" in err, err
+    err = damaged("expert", lambda bad: (bad / "layer_1_expert_5_mp_rank_00_model_states.pt").unlink())
+    assert "no layer_1_expert_5_mp_rank_00_model_states.pt (MoE layer 1 of 8 experts" in err, err
+
+    def count(bad):
+        m = torch.load(bad / "mp_rank_00_model_states.pt", weights_only=False)
+        m["num_experts"] = [4, 4]
+        torch.save(m, bad / "mp_rank_00_model_states.pt")
+    err = damaged("count", count)
+    assert "layer_1_expert_7_mp_rank_00_model_states.pt, past the 2 MoE layers' experts" in err, err
 
 
 def test_mixture_of_experts_files_missing_or_miscounted_are_named(tmp_path, optstate_cli):

@@ -4459,8 +4459,11 @@ bool is_deepspeed_checkpoint(const fs::path& path) {
   if (universal_dir(path)) return true;
   const fs::path dir = zero_tag_dir(path);
   size_t seen = 0;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end && ++seen <= 4096; it.increment(ec))
-    if (zero_optim_name(it->path().filename().string())) return true;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end && ++seen <= 4096; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    // ZeRO's partitions, or MoE's expert-parallel optimizers without ZeRO (moe_stage0_files)
+    if (zero_optim_name(name) || (name.rfind("expp_rank_", 0) == 0 && name.ends_with("_optim_states.pt"))) return true;
+  }
   // Stage 0's tag folder (the optimizer inside the model states file: zero_stage0_file).
   return fs::is_regular_file(dir / "mp_rank_00_model_states.pt", ec);
 }

@@ -584,6 +584,37 @@ TEST_CASE("deepspeed: MoE experts read from their expert-data-parallel ranks und
       "moe_zero1_world4", *r, dir, "DeepSpeed MoE layers' experts, which DeepSpeed does not load from a universal");
 }
 
+TEST_CASE("deepspeed: MoE without ZeRO: each expert-parallel rank's numbered params placed among the module's and its experts'") {
+  // moe_zero0_world4: the same run without ZeRO; expp_rank_e holds the dense params and expert-
+  // parallel rank e's local experts 0 and 1 (experts 2e and 2e+1), numbered group by group.
+  auto r = open_seed(kSeeds / "moe_zero0_world4");
+  const OptimizerState& m = r->meta();
+  REQUIRE(m.groups.size() == 4);
+  const std::string ex = "moe.deepspeed_moe.experts.deepspeed_experts.";
+  CHECK(m.groups[0].params == std::vector<std::string>{"inp.weight", "moe.deepspeed_moe.gate.wg.weight", "out.weight"});
+  CHECK(m.groups[1].params == std::vector<std::string>{"inp.bias", "out.bias"});
+  CHECK(m.groups[2].params == std::vector<std::string>{ex + "0.weight", ex + "1.weight", ex + "2.weight", ex + "3.weight"});
+  CHECK(m.groups[3].params == std::vector<std::string>{ex + "0.bias", ex + "1.bias", ex + "2.bias", ex + "3.bias"});
+  CHECK(m.groups[2].hyper.weight_decay == 0.05);
+  for (const auto& [fqn, ps] : m.params) CHECK(ps.step == 3);
+  for (const auto& [expert, rank] : std::vector<std::pair<int, int>>{{0, 0}, {1, 0}, {2, 1}, {3, 1}}) {
+    CHECK(r->locate(ex + std::to_string(expert) + ".weight", kExpAvg, Component::kValues, 7)
+              .find(fmt::format("expp_rank_{}_", rank)) != std::string::npos);
+    CHECK(r->locate(ex + std::to_string(expert) + ".weight", kParam, Component::kValues, 7)
+              .find(fmt::format("layer_0_expert_{}_", expert)) != std::string::npos);
+  }
+  CHECK(r->locate("inp.weight", kParam, Component::kValues, 0).find("mp_rank_00_model_states.pt") != std::string::npos);
+  CHECK(r->locate("out.bias", kExpAvgSq, Component::kValues, 0).find("expp_rank_0_") != std::string::npos);
+  const auto notes = r->read_notes();
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].starts_with("DeepSpeed MoE without ZeRO: each expert-parallel rank's numbered params named"));
+  const auto nr = r->not_read();
+  CHECK(std::any_of(nr.begin(), nr.end(), [](const std::string& s) { return s.starts_with("expp_rank_1.._1: their dense"); }));
+  testing::TempDir dir;
+  experts_validate_convert_and_refuse_universal("moe_zero0_world4", *r, dir,
+                                                "DeepSpeed MoE without ZeRO (stage 0: each expert-parallel rank's");
+}
+
 TEST_CASE("deepspeed: MoE's missing or extra expert files, a missing rank and model parallelism are refused") {
   const fs::path moe = "moe_zero1_world4/global_step3";
   struct Damage {
@@ -611,7 +642,19 @@ TEST_CASE("deepspeed: MoE's missing or extra expert files, a missing rank and mo
        [](const fs::path& tag) {
          for (int rank = 0; rank < 4; ++rank) fs::remove(tag / fmt::format("zero_pp_rank_{}_mp_rank_00_optim_states.pt", rank));
        },
-       "without ZeRO partitions"},
+       "without ZeRO partitions or expp_rank_*_optim_states.pt files (stage 0's optimizer)"},
+      // without ZeRO: a rank's optimizer file gone, or another's number skipped; the model states gone
+      {"moe_zero0_world4", [](const fs::path& tag) { fs::remove(tag / "expp_rank_1_mp_rank_00_optim_states.pt"); },
+       "1 expp_rank_* files, and the largest expert-parallel group has 2 ranks (ep_size_2)"},
+      {"moe_zero0_world4",
+       [](const fs::path& tag) {
+         fs::rename(tag / "expp_rank_1_mp_rank_00_optim_states.pt", tag / "expp_rank_2_mp_rank_00_optim_states.pt");
+       },
+       "no expp_rank_1_mp_rank_00_optim_states.pt (expert-parallel rank 1's optimizer) beside expp_rank_2's"},
+      {"moe_zero0_world4", [](const fs::path& tag) { fs::remove(tag / "mp_rank_00_model_states.pt"); },
+       "no mp_rank_00_model_states.pt (the dense params' weights"},
+      {"moe_zero0_world4", [](const fs::path& tag) { fs::remove(tag / "layer_0_expert_2_mp_rank_00_model_states.pt"); },
+       "no layer_0_expert_2_mp_rank_00_model_states.pt (MoE layer 0 of 4 experts"},
       // the experts' files of an MoE run beside a dense run's ZeRO files
       {"zero2_world2",
        [&](const fs::path& tag) { fs::copy(kSeeds / moe / "layer_0_expert_0_mp_rank_00_model_states.pt", tag); },

@@ -42,6 +42,9 @@ with engine.save_checkpoint (global_step3/ and `latest`):
                       expert-data-parallel ranks), Linear(12, 3); the groups split as DeepSpeed requires
                       (split_params_into_different_moe_groups_for_optimizer: weights, biases, and each one's
                       experts as "ep_size_2"); each expert's weights a layer_0_expert_E_mp_rank_00_model_states.pt
+  moe_zero0_world4/   the same model and run without ZeRO (stage 0): each expert-parallel rank's whole optimizer
+                      (torch's AdamW state_dict, numbered: the dense params and its 2 local experts) in
+                      expp_rank_E_mp_rank_00_optim_states.pt, the dense weights in mp_rank_00's ['module']
   autoep_zero1_world4/  DeepSpeed AutoEP ("expert_parallel": autoep_size 2, its "mixtral" preset) on 4 ranks, ZeRO-1,
                       fp32, DeepSpeed's AdamW from the config: Linear(8, 12), LayerNorm(12), a Mixtral-shaped MoE
                       block (router Linear(12, 4), fused experts gate_up_proj [4, 16, 12], down_proj [4, 12, 8]),
@@ -163,7 +166,7 @@ def train_autotp(out):
     torch.distributed.barrier()
 
 
-def train_moe(out):
+def train_moe(out, stage):
     import deepspeed
     import torch
     from deepspeed.moe.layer import MoE
@@ -185,7 +188,7 @@ def train_moe(out):
     groups = split_params_into_different_moe_groups_for_optimizer(
         [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05, "name": "w"},
          {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "name": "b"}])
-    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": 1}}
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3), config=cfg)
     for step in range(3):  # each rank its own batch: every expert gets tokens somewhere
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + torch.distributed.get_rank()))
@@ -275,7 +278,7 @@ def train(stage, half, out, variant):
     if variant in ("pipe", "pipe_bf16"):
         return train_pipe(out, bf16=variant == "pipe_bf16")
     if variant == "moe":
-        return train_moe(out)
+        return train_moe(out, stage)
     if variant == "autoep":
         return train_autoep(out)
     if variant == "autotp":
@@ -353,6 +356,7 @@ def main():
                                        ("bf16_pipe2_zero0_world4", 0, "bf16", "pipe_bf16"),
                                        ("autotp2_zero1_world2", 1, "fp32", "autotp"),
                                        ("moe_zero1_world4", 1, "fp32", "moe"),
+                                       ("moe_zero0_world4", 0, "fp32", "moe"),
                                        ("autoep_zero1_world4", 1, "fp32", "autoep")):
         if wanted and name not in wanted:
             continue

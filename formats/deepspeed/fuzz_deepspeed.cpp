@@ -33,11 +33,14 @@
 // (fuzz.deepspeed_zero0_fused: FP16_Optimizer's flat masters and moments, the params placed in them
 // where the masters round to ['module']'s weights). And over a pipeline under bf16 without ZeRO
 // (testdata/bf16_pipe2_zero0_world4/): the input is layer 3's weights file (fuzz.deepspeed_pipe_bf16_layer:
-// BF16_Optimizer's model states name no shape; the layer files' tensors give them).
+// BF16_Optimizer's model states name no shape; the layer files' tensors give them). And over MoE
+// without ZeRO (testdata/moe_zero0_world4/): the input is expert-parallel rank 1's optimizer file
+// (fuzz.deepspeed_moe_zero0: its groups matched to rank 0's, its numbered params placed among its
+// experts' files' tensors).
 // CTest: fuzz.deepspeed_zero2, fuzz.deepspeed_zero3, fuzz.deepspeed_universal,
 // fuzz.deepspeed_zero3_write, fuzz.deepspeed_bnb_zero2, fuzz.deepspeed_pipe, fuzz.deepspeed_pipe_model,
 // fuzz.deepspeed_autotp, fuzz.deepspeed_moe, fuzz.deepspeed_autoep, fuzz.deepspeed_zero0,
-// fuzz.deepspeed_zero0_fused, fuzz.deepspeed_pipe_bf16_layer (bounded mutation runs); with OPTSTATE_LIBFUZZER, coverage-guided.
+// fuzz.deepspeed_zero0_fused, fuzz.deepspeed_pipe_bf16_layer, fuzz.deepspeed_moe_zero0 (bounded mutation runs); with OPTSTATE_LIBFUZZER, coverage-guided.
 #include <cstdint>
 
 #include "torchsave/torchsave_fuzz_target.h"

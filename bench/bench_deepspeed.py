@@ -27,13 +27,21 @@ fresh process; wall time and peak RSS of each, and the raw copy as the floor.
   checkpoints), so the reference is what a user who knows the model writes: torch.load, the flat
   tensors cut with torch.split at the params' sizes in model.parameters() order, torch.save of the
   same torch.optim.AdamW state_dict.
+- --moe-stage0: DeepSpeed MoE layers (deepspeed.moe.layer.MoE: --layers blocks of 8 two-Linear
+  experts 1024 -> 2048 -> 1024 over ep_size 2, a dense Linear(1024, 1024) before each) without ZeRO
+  on 2 ranks, the groups split as DeepSpeed requires: each expert-parallel rank's whole optimizer
+  numbered in its expp_rank_E file, no file naming the numbers, which optstate places by order and
+  shape among the module's and the rank's experts' files. DeepSpeed has no tool for it; the
+  reference is what a user who knows DeepSpeed's layout writes: torch.load of every file, the dense
+  numbers named after ['module']'s keys, each rank's experts' after its layer_L_expert_G files, and
+  torch.save of the same torch.optim.AdamW state_dict.
 - DeepSpeed: `python -m deepspeed.checkpoint.ds_to_universal` with 2 extract and 2 merge workers
   (this machine's cores).
 - optstate: the CLI, no Python, no DeepSpeed.
 The outputs are read back and must hold the same fp32 weights and moments per param, bit for bit
 (the two universal checkpoints: every file's tensors).
 
-    .venv/bin/python bench/bench_deepspeed.py [--layers 2] [--reps 2] [--stage 2|3 | --autotp | --autoep | --stage0-fp16] [--dir /tmp] [--json bench/results/deepspeed.json]
+    .venv/bin/python bench/bench_deepspeed.py [--layers 2] [--reps 2] [--stage 2|3 | --autotp | --autoep | --stage0-fp16 | --moe-stage0] [--dir /tmp] [--json bench/results/deepspeed.json]
 """
 import os
 import sys
@@ -53,7 +61,7 @@ warnings.filterwarnings("ignore")
 MAKE = textwrap.dedent("""
     import os, subprocess, sys, warnings
     warnings.filterwarnings("ignore")
-    out, layers, stage, mode = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]  # mode 1: AutoTP, 2: AutoEP, 3: fp16 stage 0
+    out, layers, stage, mode = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]  # mode 1: AutoTP, 2: AutoEP, 3: fp16 stage 0, 4: MoE stage 0
     if len(sys.argv) == 5:  # the launcher: 2 ranks under torchrun
         env = dict(os.environ, DS_ACCELERATOR="cpu")
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
@@ -75,6 +83,32 @@ MAKE = textwrap.dedent("""
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[{"params": list(model.parameters()),
                                                                                "name": "all"}], config=cfg)
         engine.backward(engine(torch.randn(1, 4, 8)).square().mean())
+        engine.step()
+        engine.save_checkpoint(out)
+        torch.distributed.barrier()
+        sys.exit(0)
+    if mode == "4":  # DeepSpeed MoE without ZeRO
+        from deepspeed.moe.layer import MoE
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+        torch.manual_seed(0)
+        blocks = []
+        for _ in range(int(layers)):
+            expert = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 1024))
+            blocks += [torch.nn.Linear(1024, 1024), MoE(hidden_size=1024, expert=expert, num_experts=8, ep_size=2, k=1)]
+        class Stack(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = torch.nn.ModuleList(blocks)
+            def forward(self, x):
+                for b in self.blocks:
+                    x = b(x)[0] if isinstance(b, MoE) else b(x)
+                return x
+        model = Stack()
+        groups = split_params_into_different_moe_groups_for_optimizer([{"params": list(model.parameters()), "name": "all"}])
+        cfg["zero_optimization"] = {"stage": 0}
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3), config=cfg)
+        x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
+        engine.backward(engine(x).square().mean())
         engine.step()
         engine.save_checkpoint(out)
         torch.distributed.barrier()
@@ -141,6 +175,38 @@ STAGE0_SPLIT = textwrap.dedent("""
 """)
 
 
+# The reference of --moe-stage0: each expert-parallel rank's numbered state named as DeepSpeed laid it
+# out for this model (one client group split into the dense group and the experts' "ep_size_2"):
+# the dense numbers ['module']'s keys in order, the experts' numbers the rank's experts' keys (local
+# expert i of rank e is global expert 4e+i of each layer) in module order.
+MOE_NAME = textwrap.dedent("""
+    import glob, os, re, sys, torch
+    src, dst = sys.argv[1], sys.argv[2]
+    tag = os.path.join(src, open(os.path.join(src, "latest")).read().strip())
+    module = torch.load(os.path.join(tag, "mp_rank_00_model_states.pt"), weights_only=False)["module"]
+    layers = len(glob.glob(os.path.join(tag, "layer_*_expert_0_mp_rank_00_model_states.pt")))
+    names, state, weights, group = [], {}, {}, None
+    for e in range(2):
+        opt = torch.load(os.path.join(tag, f"expp_rank_{e}_mp_rank_00_optim_states.pt"), weights_only=False)["optimizer"]
+        experts = {}
+        for l in range(layers):
+            for i in range(4):
+                experts.update(torch.load(os.path.join(tag, f"layer_{l}_expert_{4 * e + i}_mp_rank_00_model_states.pt")))
+        for g in opt["param_groups"]:
+            dense = not g.get("moe", False)
+            if dense and e > 0:
+                continue
+            keys = list(module) if dense else list(experts)
+            group = group or {k: v for k, v in g.items() if k not in ("params", "name", "moe")}
+            for i, k in zip(g["params"], keys):
+                names.append(k)
+                state[len(names) - 1] = opt["state"][i]
+                weights[k] = (module if dense else experts)[k]
+    group.update(params=list(range(len(names))), param_names=names)
+    torch.save({"model": weights, "optimizer": {"state": state, "param_groups": [group]}}, dst)
+""")
+
+
 def universal_tensor(path):
     t = torch.load(path, weights_only=False)
     return t["param"] if isinstance(t, dict) else t
@@ -152,24 +218,28 @@ def main():
     ap.add_argument("--autotp", action="store_true", help="ZeRO-1 under AutoTP on the 2 ranks (2 tensor-parallel ranks)")
     ap.add_argument("--autoep", action="store_true", help="ZeRO-1 under AutoEP on the 2 ranks (2 expert-parallel ranks)")
     ap.add_argument("--stage0-fp16", action="store_true", help="fp16 without ZeRO, FusedAdam (FP16_Optimizer's flat groups)")
+    ap.add_argument("--moe-stage0", action="store_true", help="DeepSpeed MoE without ZeRO (expp_rank_* files)")
     args = ap.parse_args()
     if args.autotp or args.autoep:
         args.stage = 1
-    if args.stage0_fp16:
+    by_hand = args.stage0_fp16 or args.moe_stage0  # no DeepSpeed tool: the reference a user writes
+    if by_hand:
         args.stage = 0
-    cli, work, env, scripts = prepare("deepspeed", args.dir, MAKE, STAGE0_SPLIT if args.stage0_fp16 else UNIVERSAL,
-                                      needs="deepspeed")
+    cli, work, env, scripts = prepare("deepspeed", args.dir, MAKE, STAGE0_SPLIT if args.stage0_fp16 else
+                                      MOE_NAME if args.moe_stage0 else UNIVERSAL, needs="deepspeed")
     src = work / "ckpt"
-    mode = 3 if args.stage0_fp16 else 2 if args.autoep else int(args.autotp)
+    mode = 4 if args.moe_stage0 else 3 if args.stage0_fp16 else 2 if args.autoep else int(args.autotp)
     t_make = run([sys.executable, scripts["make.py"], src, args.layers, args.stage, mode])
     src_bytes = dir_bytes(src)
     kind = {0: f"ZeRO-{args.stage}, 2 ranks", 1: "ZeRO-1 under AutoTP, 2 tensor-parallel ranks",
             2: "ZeRO-1 under AutoEP, 2 expert-parallel ranks",
-            3: "fp16 without ZeRO (FP16_Optimizer's flat groups), 2 ranks"}[mode]
-    layers = "MoE blocks of 8 experts" if args.autoep else "layer pairs"
+            3: "fp16 without ZeRO (FP16_Optimizer's flat groups), 2 ranks",
+            4: "MoE without ZeRO (expp_rank_* files), 2 expert-parallel ranks"}[mode]
+    layers = "MoE blocks of 8 experts" if args.autoep or args.moe_stage0 else "layer pairs"
     print(f"source: {src_bytes / 1e9:.2f} GB DeepSpeed {kind} checkpoint ({args.layers} {layers}, made in "
           f"{t_make:.0f} s); {os.cpu_count()} cpus, torch {torch.__version__}")
-    reference = "torch.load + torch.split" if args.stage0_fp16 else "DeepSpeed ds_to_universal"
+    reference = ("torch.load + torch.split" if args.stage0_fp16 else "torch.load + naming by hand" if args.moe_stage0
+                 else "DeepSpeed ds_to_universal")
     ours = "optstate universal" if args.stage != 3 else "optstate ZeRO-3, 4 ranks"
     dst = {"optstate": work / "plain.pt", ours: work / "ours_deepspeed", reference: work / "universal"}
     cases = {
@@ -177,7 +247,7 @@ def main():
         ours: lambda out: [cli, "convert", src, out, "--format", "deepspeed"] + (["--world-size", 4] if args.stage == 3 else []),
         reference: lambda out: [sys.executable, scripts["convert_reference.py"], src, out],
     }
-    if args.autoep or args.stage0_fp16:  # AutoEP's universal checkpoint is ds_to_universal's alone; stage 0 has none
+    if args.autoep or by_hand:  # AutoEP's universal checkpoint is ds_to_universal's alone; stage 0 has none
         del cases[ours], dst[ours]
     times, peak = time_cases(cases, dst, src, args.reps, env)
     dst_bytes = os.path.getsize(dst["optstate"])
@@ -186,12 +256,14 @@ def main():
         times["floor (raw copy)"].append(raw_copy(src, buf, work, dst_bytes))
     sd = torch.load(dst["optstate"], weights_only=True)
     names = [n for g in sd["optimizer"]["param_groups"] for n in g["param_names"]]
-    if args.stage0_fp16:
+    if by_hand:
         theirs = torch.load(dst[reference], weights_only=True)
-        assert names == [n for g in theirs["optimizer"]["param_groups"] for n in g["param_names"]]
+        their_names = [n for g in theirs["optimizer"]["param_groups"] for n in g["param_names"]]
+        assert sorted(names) == sorted(their_names)
+        at = {n: i for i, n in enumerate(their_names)}
         for i, n in enumerate(names):
             for k in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(sd["optimizer"]["state"][i][k], theirs["optimizer"]["state"][i][k]), (n, k)
+                assert torch.equal(sd["optimizer"]["state"][i][k], theirs["optimizer"]["state"][at[n]][k]), (n, k)
             assert torch.equal(sd["model"][n], theirs["model"][n]), n
         print(f"outputs: {dst_bytes / 1e9:.2f} GB / {os.path.getsize(dst[reference]) / 1e9:.2f} GB torch.optim.AdamW "
               f"state_dicts; {len(names)} params' fp32 weights, exp_avg and exp_avg_sq equal bit for bit")

@@ -967,16 +967,37 @@ class TorchSaveReader final : public CheckpointReader {
     const int64_t world = mp.at(dpw).i;
     OPTSTATE_ASSIGN_OR_RETURN(const ModelDict dense, interpret_model_dict(mp, mp.dict_get(mp.root(), "module"),
                                                                           mw + " ['module']"));
-
-    // Every layer's expert files, and no others; each expert's tensors that may be params (in its
-    // state_dict's order: the expert module's) by name, shape and where they are.
-    struct ExpertTensor {
+    // The tensors that may be params: name, shape, where (module order).
+    struct Cand {
       std::string name;
       std::vector<int64_t> shape;
       dcp::TensorRef tensor;
       size_t file = 0;
+      int64_t numel = 0;
     };
-    std::map<std::pair<size_t, int64_t>, std::vector<ExpertTensor>> expert;  // (layer, global number)
+    auto candidates = [](const ModelDict& md, size_t file, const std::set<std::string, std::less<>>& buffers)
+        -> Result<std::vector<Cand>> {
+      std::vector<Cand> out;
+      for (const size_t i : param_candidates(md)) {
+        const ModelTensor& t = md.tensors[i];
+        if (t.dtensor || buffers.count(t.name)) continue;
+        if (t.tensor.dtype != DType::kF32 && t.tensor.dtype != DType::kBF16 && t.tensor.dtype != DType::kF16) continue;
+        OPTSTATE_ASSIGN_OR_RETURN(const int64_t n, checked_numel(t.tensor.shape));
+        out.push_back({t.name, t.tensor.shape, t.tensor, file, n});
+      }
+      return out;
+    };
+    std::set<std::string, std::less<>> buffers;  // DeepSpeed's ['buffer_names']: the module's buffers
+    if (const pickle::Ref b = mp.dict_get(mp.root(), "buffer_names"); b != pickle::kNoRef && mp.at(b).kind != pickle::Kind::kNone) {
+      const auto names = dcp::as_string_list(mp, b);
+      if (!names) return corrupt(mw + " ['buffer_names']: not a list of strings");
+      buffers.insert(names->begin(), names->end());
+    }
+    OPTSTATE_ASSIGN_OR_RETURN(const std::vector<Cand> dense_cands, candidates(dense, model_file, buffers));
+
+    // Every layer's expert files, and no others; each expert's tensors that may be params (in its
+    // state_dict's order: the expert module's).
+    std::map<std::pair<size_t, int64_t>, std::vector<Cand>> expert;  // (layer, global number)
     size_t expert_files = 0, expert_others = 0;
     for (size_t l = 0; l < num_experts.size(); ++l) {
       const auto files = m.experts.find(static_cast<int64_t>(l));
@@ -990,13 +1011,11 @@ class TorchSaveReader final : public CheckpointReader {
         OPTSTATE_ASSIGN_OR_RETURN(const ModelDict md, interpret_model_dict(ap.second, f.string()));
         const std::string mark = fmt::format("deepspeed_moe.experts.deepspeed_experts.{}.", g);
         auto& tensors = expert[{l, g}];
-        for (const size_t i : param_candidates(md)) {
-          const ModelTensor& t = md.tensors[i];
+        OPTSTATE_ASSIGN_OR_RETURN(tensors, candidates(md, files_.size() - 1, {}));
+        for (const Cand& t : tensors)
           if (t.name.find(mark) == std::string::npos)
             return corrupt(fmt::format("{}: '{}' is not a tensor of expert {} (<layer>.{}<param>)", f.string(), t.name, g,
                                        mark));
-          tensors.push_back({t.name, t.tensor.shape, t.tensor, files_.size() - 1});
-        }
         expert_others += md.tensors.size() + md.others - tensors.size();
         ++expert_files;
       }
@@ -1012,6 +1031,10 @@ class TorchSaveReader final : public CheckpointReader {
       StateDict sd;
       std::vector<int64_t> ep;  // by group
       size_t file = 0;
+      // FP16_Optimizer (each group one flat fp32 master, its optimizer one flat param a group): the
+      // masters' lengths and each group's flat param (nullptr: never stepped)
+      std::vector<int64_t> numel;
+      std::vector<const ParamSpec*> flat_of;
     };
     std::vector<RankFile> ranks;
     for (const fs::path& f : m.optim) {
@@ -1028,9 +1051,6 @@ class TorchSaveReader final : public CheckpointReader {
         if (spec.fqn != std::to_string(spec.id))
           return corrupt(fmt::format("{}: param '{}' is named in the file; DeepSpeed's optimizer numbers its params",
                                      fw, spec.fqn));
-      if (r.sd.deepspeed_flat)
-        return unsupported(fw + ": DeepSpeed MoE under FP16_Optimizer (each param group flat, DeepSpeed's FusedAdam): "
-                                "not read; its unfused form (a client torch optimizer) is");
       if (r.sd.eight || r.sd.bnb || r.sd.torchao)
         return corrupt(fw + ": 8-bit or torchao state; DeepSpeed MoE without ZeRO is read with AdamW's fp32 state");
       for (size_t g = 0; g < r.sd.groups.size(); ++g) {
@@ -1051,6 +1071,35 @@ class TorchSaveReader final : public CheckpointReader {
         r.ep.push_back(ep);
       }
       ranks.push_back(std::move(r));
+      RankFile& rf = ranks.back();  // (its flat params point into its own StateDict: placed first)
+      if (!rf.sd.deepspeed_flat) continue;
+      const std::string ow = fmt::format("{} {}", fw, rf.sd.deepspeed_flat_at);
+      const size_t groups = rf.sd.groups.size();
+      if (rf.sd.deepspeed_flat_masters.size() != groups)
+        return corrupt(fmt::format("{}['fp32_groups_flat']: {} flat masters, the optimizer has {} param groups", ow,
+                                   rf.sd.deepspeed_flat_masters.size(), groups));
+      rf.numel.resize(groups);
+      rf.flat_of.assign(groups, nullptr);
+      for (size_t g = 0; g < groups; ++g) {
+        if (rf.sd.member_ids[g].size() != 1)
+          return corrupt(fmt::format("{}['optimizer_state_dict'] param group {}: {} params; FP16_Optimizer gives its "
+                                     "optimizer one flat param a group", ow, g, rf.sd.member_ids[g].size()));
+        OPTSTATE_ASSIGN_OR_RETURN(rf.numel[g], checked_numel(rf.sd.deepspeed_flat_masters[g].shape));
+        OPTSTATE_RETURN_IF_ERROR(resolve(rf.file, rf.sd.deepspeed_flat_masters[g], rf.numel[g],
+                                         fmt::format("{}['fp32_groups_flat'][{}]", ow, g)).status());
+      }
+      for (const ParamSpec& ps : rf.sd.params) {
+        const size_t g = static_cast<size_t>(ps.group);
+        const std::string pw = fmt::format("{}['optimizer_state_dict'] param group {}'s flat param", ow, g);
+        if (g >= groups || rf.flat_of[g]) return internal_error(pw + ": listed twice");
+        if (ps.shape != std::vector<int64_t>{rf.numel[g]})
+          return corrupt(fmt::format("{}: state of shape {}, its flat master's is [{}]", pw, format_shape(ps.shape),
+                                     rf.numel[g]));
+        for (const auto& [name, es] : ps.entries)
+          if (es.encoding != Encoding::kDense || es.dtensor)
+            return corrupt(fmt::format("{}: '{}' is not a plain tensor", pw, name));
+        rf.flat_of[g] = &ps;
+      }
     }
     const int64_t ep_max = *std::max_element(ranks[0].ep.begin(), ranks[0].ep.end());
     if (ep_max == 0)
@@ -1067,51 +1116,90 @@ class TorchSaveReader final : public CheckpointReader {
       return shapes.data_before_expert ? r / (world / ep) : r % ep;
     };
 
-    // Placement of one rank's groups of one kind (ep 0: dense) among `cands` (names and shapes).
-    struct Cand {
-      const std::string* name;
-      const std::vector<int64_t>* shape;
+    // Placement of one rank's groups of one kind (ep 0: dense) among `cands`: each placed tensor's
+    // group and its id (numbered params: by order and shape, place_params_in_model) or where its
+    // elements start in the group's flat master (FP16_Optimizer: by value, place_in_flat_groups).
+    // `why` says why none fits; an error is one of reading.
+    struct Spot {
+      size_t cand = 0, group = 0;
+      int64_t id = 0, begin = 0;
     };
-    auto place_groups = [](const RankFile& r, int64_t ep, const std::vector<Cand>& cands,
-                           std::map<int64_t, size_t>& at) -> std::string {
-      std::vector<std::vector<std::optional<std::vector<int64_t>>>> groups;
-      std::vector<const std::vector<int64_t>*> ids;
-      std::map<int64_t, const ParamSpec*> spec_of;
-      for (const ParamSpec& s : r.sd.params) spec_of[s.id] = &s;
-      for (size_t g = 0; g < r.sd.groups.size(); ++g) {
-        if (r.ep[g] != ep) continue;
-        ids.push_back(&r.sd.member_ids[g]);
-        auto& shapes_of = groups.emplace_back();
-        for (const int64_t id : r.sd.member_ids[g]) {
-          const auto it = spec_of.find(id);
-          shapes_of.push_back(it == spec_of.end() ? std::nullopt : std::optional(it->second->shape));
+    struct Placement {
+      std::vector<Spot> placed;
+      std::string why;
+    };
+    auto place_kind = [&](const RankFile& r, int64_t ep, const std::vector<const Cand*>& cands,
+                          const std::string& fw) -> Result<Placement> {
+      Placement out;
+      std::vector<size_t> gk;  // the kind's groups
+      for (size_t g = 0; g < r.sd.groups.size(); ++g)
+        if (r.ep[g] == ep) gk.push_back(g);
+      if (!r.sd.deepspeed_flat) {
+        std::map<int64_t, const ParamSpec*> spec_of;
+        for (const ParamSpec& s : r.sd.params) spec_of[s.id] = &s;
+        std::vector<std::vector<std::optional<std::vector<int64_t>>>> groups;
+        for (const size_t g : gk) {
+          auto& shapes_of = groups.emplace_back();
+          for (const int64_t id : r.sd.member_ids[g]) {
+            const auto it = spec_of.find(id);
+            shapes_of.push_back(it == spec_of.end() ? std::nullopt : std::optional(it->second->shape));
+          }
         }
+        std::vector<std::vector<int64_t>> tensors;
+        for (const Cand* c : cands) tensors.push_back(c->shape);
+        const ModelPlacement placed = place_params_in_model(groups, tensors);
+        out.why = placed.why;
+        if (out.why.empty())
+          for (size_t k = 0; k < gk.size(); ++k)
+            for (size_t i = 0; i < r.sd.member_ids[gk[k]].size(); ++i)
+              out.placed.push_back({placed.tensor_of[k][i], gk[k], r.sd.member_ids[gk[k]][i], 0});
+        return out;
       }
-      std::vector<std::vector<int64_t>> tensors;
-      for (const Cand& c : cands) tensors.push_back(*c.shape);
-      const ModelPlacement placed = place_params_in_model(groups, tensors);
-      if (!placed.why.empty()) return placed.why;
-      for (size_t g = 0; g < ids.size(); ++g)
-        for (size_t i = 0; i < ids[g]->size(); ++i) at[(*ids[g])[i]] = placed.tensor_of[g][i];
-      return {};
+      std::vector<int64_t> group_numels, numels;
+      std::vector<std::string> names;
+      std::vector<int> classes;  // tensors of one dtype round alike
+      for (const size_t g : gk) group_numels.push_back(r.numel[g]);
+      for (const Cand* c : cands) {
+        numels.push_back(c->numel);
+        names.push_back(c->name);
+        classes.push_back(static_cast<int>(c->tensor.dtype));
+      }
+      const std::string ow = fmt::format("{} {}['fp32_groups_flat']", fw, r.sd.deepspeed_flat_at);
+      deepspeed::FlatValues values;
+      values.flat = [&](size_t k, int64_t begin, std::span<const int64_t> at, size_t c) -> Result<std::vector<uint32_t>> {
+        std::vector<int64_t> shifted(at.begin(), at.end());
+        for (int64_t& i : shifted) i += begin;
+        OPTSTATE_ASSIGN_OR_RETURN(auto bits, read_samples(files_[r.file], r.file, r.sd.deepspeed_flat_masters[gk[k]],
+                                                          r.numel[gk[k]], shifted, fmt::format("{}[{}]", ow, gk[k])));
+        round_samples(bits, cands[c]->tensor.dtype);
+        return bits;
+      };
+      values.tensor = [&](size_t c, std::span<const int64_t> at) -> Result<std::vector<uint32_t>> {
+        return read_samples(files_[cands[c]->file], cands[c]->file, cands[c]->tensor, cands[c]->numel, at,
+                            fmt::format("{} ['{}']", files_[cands[c]->file].path.string(), cands[c]->name));
+      };
+      auto placed = deepspeed::place_in_flat_groups(group_numels, numels, names, values, ow, classes);
+      if (!placed.ok()) {
+        if (placed.status().code() != ErrorCode::kCorrupt) return placed.status();
+        out.why = placed.status().message();
+        return out;
+      }
+      for (size_t c = 0; c < cands.size(); ++c)
+        if ((*placed)[c]) out.placed.push_back({c, gk[(*placed)[c]->group], 0, (*placed)[c]->begin});
+      return out;
     };
     std::set<int64_t> sizes;
     for (const int64_t ep : ranks[0].ep)
       if (ep) sizes.insert(ep);
     // The experts rank e holds of the layers of size `ep` (layer_ep: each layer's size).
-    auto expert_cands = [&](size_t e, int64_t ep, const std::vector<int64_t>& layer_ep, std::vector<const ExpertTensor*>& out) {
+    auto expert_cands = [&](size_t e, int64_t ep, const std::vector<int64_t>& layer_ep, std::vector<const Cand*>& out) {
       out.clear();
       for (size_t l = 0; l < num_experts.size(); ++l) {
         if (layer_ep[l] != ep) continue;
         const int64_t n = num_experts[l] / ep, q = ep_rank(e, ep);
         for (int64_t i = 0; i < n; ++i)
-          for (const ExpertTensor& t : expert.at({l, q * n + i})) out.push_back(&t);
+          for (const Cand& t : expert.at({l, q * n + i})) out.push_back(&t);
       }
-    };
-    auto cands_of = [](const std::vector<const ExpertTensor*>& ts) {
-      std::vector<Cand> out;
-      for (const ExpertTensor* t : ts) out.push_back({&t->name, &t->shape});
-      return out;
     };
     // Each layer's expert-parallel size: every assignment of the groups' sizes that divide its
     // expert count, tried on rank 0's file (at most 4096).
@@ -1130,17 +1218,16 @@ class TorchSaveReader final : public CheckpointReader {
     }
     std::vector<std::vector<int64_t>> fits;
     std::string why;
-    std::vector<const ExpertTensor*> ts;
+    std::vector<const Cand*> ts;
     for (size_t a = 0; a < assignments; ++a) {
       std::vector<int64_t> layer_ep(num_experts.size());
       for (size_t l = 0, k = a; l < num_experts.size(); k /= choices[l].size(), ++l) layer_ep[l] = choices[l][k % choices[l].size()];
       bool ok = true;
       for (const int64_t ep : sizes) {
         expert_cands(0, ep, layer_ep, ts);
-        std::map<int64_t, size_t> at;
-        const std::string w = place_groups(ranks[0], ep, cands_of(ts), at);
-        if (!w.empty()) {
-          if (why.empty()) why = fmt::format("the groups of ep_size_{}: {}", ep, w);
+        OPTSTATE_ASSIGN_OR_RETURN(const Placement pl, place_kind(ranks[0], ep, ts, m.optim[0].string()));
+        if (!pl.why.empty()) {
+          if (why.empty()) why = fmt::format("the groups of ep_size_{}: {}", ep, pl.why);
           ok = false;
           break;
         }
@@ -1211,88 +1298,105 @@ class TorchSaveReader final : public CheckpointReader {
       }
 
     // Each rank's params: rank 0's dense ones and every rank's experts, named and read.
-    std::vector<Cand> dense_cands;
-    const std::vector<size_t> dense_idx = param_candidates(dense);
-    for (const size_t i : dense_idx) dense_cands.push_back({&dense.tensors[i].name, &dense.tensors[i].tensor.shape});
-    const bool masters = ranks[0].sd.deepspeed_fp16;
+    std::vector<const Cand*> dense_ptrs;
+    for (const Cand& c : dense_cands) dense_ptrs.push_back(&c);
+    const bool masters = ranks[0].sd.deepspeed_fp16, flat = ranks[0].sd.deepspeed_flat;
     size_t stateless = 0, dense_weights = 0, expert_copies = 0;
+    static const std::optional<DTensorSpec> plain;
     for (size_t e = 0; e < ranks.size(); ++e) {
       const RankFile& r = ranks[e];
       const std::string fw = m.optim[e].string();
-      if (r.sd.deepspeed_fp16 != masters)
-        return corrupt(fmt::format("{}: {} DeepSpeed's mixed-precision wrapper; {} {}", fw, masters ? "without" : "with",
-                                   m.optim[0].string(), masters ? "has it" : "not"));
-      std::map<int64_t, std::pair<const std::string*, const ExpertTensor*>> named;  // id -> name, expert tensor
+      if (r.sd.deepspeed_fp16 != masters || r.sd.deepspeed_flat != flat)
+        return corrupt(fmt::format("{}: another optimizer wrapper than {}'s ({})", fw, m.optim[0].string(),
+                                   flat ? "FP16_Optimizer's flat groups" : masters ? "FP16_UnfusedOptimizer's" : "none"));
+      std::vector<std::pair<Spot, const Cand*>> all;  // (placement, its tensor), dense ones first
       if (e == 0) {
-        std::map<int64_t, size_t> at;
-        if (const std::string w = place_groups(r, 0, dense_cands, at); !w.empty())
-          return corrupt(fmt::format("{}: its dense param groups placed among {} ['module']'s params: {}", fw, mw, w));
-        for (const auto& [id, i] : at) named[id] = {dense_cands[i].name, nullptr};
+        OPTSTATE_ASSIGN_OR_RETURN(const Placement pl, place_kind(r, 0, dense_ptrs, fw));
+        if (!pl.why.empty())
+          return corrupt(fmt::format("{}: its dense param groups placed among {} ['module']'s params: {}", fw, mw, pl.why));
+        for (const Spot& x : pl.placed) all.emplace_back(x, dense_ptrs[x.cand]);
       }
       for (const int64_t ep : sizes) {
         expert_cands(e, ep, layer_ep, ts);
-        std::map<int64_t, size_t> at;
-        if (const std::string w = place_groups(r, ep, cands_of(ts), at); !w.empty())
+        OPTSTATE_ASSIGN_OR_RETURN(const Placement pl, place_kind(r, ep, ts, fw));
+        if (!pl.why.empty())
           return corrupt(fmt::format("{}: its groups of ep_size_{} placed among its experts (MoE layers' sizes [{}]): {}",
-                                     fw, ep, fmt::join(layer_ep, ", "), w));
-        for (const auto& [id, i] : at) named[id] = {&ts[i]->name, ts[i]};
+                                     fw, ep, fmt::join(layer_ep, ", "), pl.why));
+        for (const Spot& x : pl.placed) all.emplace_back(x, ts[x.cand]);
       }
+      // in each group's order (torch numbers a group's params in its order; a flat master packs them)
+      std::stable_sort(all.begin(), all.end(), [](const auto& a, const auto& b) {
+        return std::tie(a.first.group, a.first.id, a.first.begin) < std::tie(b.first.group, b.first.id, b.first.begin);
+      });
       std::map<int64_t, const ParamSpec*> spec_of;
       for (const ParamSpec& s : r.sd.params) spec_of[s.id] = &s;
-      for (size_t g = 0; g < r.sd.groups.size(); ++g)
-        for (const int64_t id : r.sd.member_ids[g]) {
-          const auto nm = named.find(id);
-          if (nm == named.end()) continue;  // a dense param of a rank other than 0: rank 0's read
-          const auto sp = spec_of.find(id);
+      for (const auto& [x, cand] : all) {
+        const std::string& fqn = cand->name;
+        const bool is_expert = r.ep[x.group] != 0;
+        // an expert of a layer of a smaller expert-parallel size than the largest: rank e's copy
+        // of what an earlier rank of its expert-data-parallel group holds (stepped alike)
+        if (is_expert && meta_.params.count(fqn)) {
+          ++expert_copies;
+          continue;
+        }
+        // the state: the param's own (numbered), or its run of its group's flat param
+        const ParamSpec* spec = nullptr;
+        if (!flat) {
+          const auto sp = spec_of.find(x.id);
           if (sp == spec_of.end()) {
             ++stateless;
             continue;
           }
-          const ParamSpec& spec = *sp->second;
-          const std::string& fqn = *nm->second.first;
-          // an expert of a layer of a smaller expert-parallel size than the largest: rank e's copy
-          // of what an earlier rank of its expert-data-parallel group holds (stepped alike)
-          if (nm->second.second && meta_.params.count(fqn)) {
-            ++expert_copies;
-            continue;
-          }
-          OPTSTATE_RETURN_IF_ERROR(one_name(fqn, fqn, fw));
-          const std::string pw = fmt::format("{} param {} ('{}')", fw, id, fqn);
-          ParamState ps;
-          ps.shape = spec.shape;
-          ps.group = static_cast<int>(group_of[e][g]);
-          OPTSTATE_ASSIGN_OR_RETURN(const double step, value_of(r.file, spec.step, pw + " 'step'"));
+          spec = sp->second;
+        }
+        OPTSTATE_RETURN_IF_ERROR(one_name(fqn, fqn, fw));
+        const std::string pw = flat ? fmt::format("{} param group {} elements {}.. ('{}')", fw, x.group, x.begin, fqn)
+                                    : fmt::format("{} param {} ('{}')", fw, x.id, fqn);
+        auto view = [&](dcp::TensorRef t) {  // the param's run of a flat tensor
+          if (!flat) return t;
+          t.offset += x.begin;
+          t.shape = cand->shape;
+          t.stride.clear();
+          return t;
+        };
+        const ParamSpec* state = flat ? r.flat_of[x.group] : spec;
+        ParamState ps;
+        ps.shape = cand->shape;
+        ps.group = static_cast<int>(group_of[e][x.group]);
+        if (state) {
+          if (!flat && state->shape != cand->shape) return internal_error(pw + ": placed at another shape");
+          OPTSTATE_ASSIGN_OR_RETURN(const double step, value_of(r.file, state->step, pw + " 'step'"));
           if (!(step >= 0 && step < 9.2e18) || step != std::floor(step))
             return corrupt(fmt::format("{}: step {} is not a count", pw, step));
           ps.step = static_cast<int64_t>(step);
-          for (const auto& [name, es] : spec.entries) {
+          for (const auto& [name, es] : state->entries) {
             if (es.encoding != Encoding::kDense || es.dtensor)
               return corrupt(fmt::format("{} '{}': not a plain tensor", pw, name));
-            OPTSTATE_ASSIGN_OR_RETURN(Placed v, place(ps.shape, {Part(r.file, es.values, &es.dtensor)},
+            OPTSTATE_ASSIGN_OR_RETURN(Placed v, place(ps.shape, {Part(r.file, view(es.values), &es.dtensor)},
                                                       fmt::format("{} '{}'", pw, name), /*dense=*/true));
             stored_[{fqn, name, Component::kValues}] = std::move(v.pieces);
             Entry en;
             en.dtype = es.values.dtype;
             ps.entries.emplace(name, std::move(en));
           }
-          // Weights: the wrapper's fp32 masters; else the module's (dense) or the expert file's.
-          static const std::optional<DTensorSpec> plain;
-          if (masters) {
-            if (!spec.weight) return corrupt(pw + ": no fp32 master in ['optimizer']['fp32_groups']");
-            OPTSTATE_RETURN_IF_ERROR(add_weights(fqn, ps, {Part(r.file, *spec.weight, &plain)},
-                                                 fmt::format("{} ['optimizer']['fp32_groups'] ('{}')", fw, fqn)));
-          } else if (const ExpertTensor* t = nm->second.second) {
-            OPTSTATE_RETURN_IF_ERROR(add_weights(fqn, ps, {Part(t->file, t->tensor, &plain)},
-                                                 fmt::format("{} ['{}']", files_[t->file].path.string(), fqn)));
-          } else {
-            const ModelTensor* d = dense.find(fqn);
-            OPTSTATE_RETURN_IF_ERROR(add_weights(fqn, ps, {Part(model_file, d->tensor, &plain)},
-                                                 fmt::format("{} ['module']['{}']", mw, fqn)));
-            ++dense_weights;
-          }
-          meta_.groups[ps.group].params.push_back(fqn);
-          meta_.params.emplace(fqn, std::move(ps));
         }
+        // Weights: the wrapper's fp32 masters; else the module's (dense) or the expert file's.
+        if (flat) {
+          OPTSTATE_RETURN_IF_ERROR(add_weights(fqn, ps, {Part(r.file, view(r.sd.deepspeed_flat_masters[x.group]), &plain)},
+                                               fmt::format("{} {}['fp32_groups_flat'][{}] ('{}')", fw,
+                                                           r.sd.deepspeed_flat_at, x.group, fqn)));
+        } else if (masters) {
+          if (!spec->weight) return corrupt(pw + ": no fp32 master in ['optimizer']['fp32_groups']");
+          OPTSTATE_RETURN_IF_ERROR(add_weights(fqn, ps, {Part(r.file, *spec->weight, &plain)},
+                                               fmt::format("{} ['optimizer']['fp32_groups'] ('{}')", fw, fqn)));
+        } else {
+          OPTSTATE_RETURN_IF_ERROR(add_weights(fqn, ps, {Part(cand->file, cand->tensor, &plain)},
+                                               fmt::format("{} ['{}']", files_[cand->file].path.string(), fqn)));
+          dense_weights += !is_expert;
+        }
+        meta_.groups[ps.group].params.push_back(fqn);
+        meta_.params.emplace(fqn, std::move(ps));
+      }
     }
 
     // What is not read, and how the state was read.
@@ -1301,7 +1405,7 @@ class TorchSaveReader final : public CheckpointReader {
       not_read_.push_back(mw + " " + n);
     }
     const size_t module_entries = dense.tensors.size() + dense.others;
-    if (masters) {
+    if (masters || flat) {
       not_read_.push_back(fmt::format("{} ['module'] ({} entries: the dense params' weights and buffers in their "
                                       "training dtype; the fp32 masters are read)", mw, module_entries));
     } else if (module_entries > dense_weights) {
@@ -1312,7 +1416,7 @@ class TorchSaveReader final : public CheckpointReader {
     if (stateless)
       not_read_.push_back(fmt::format("{} param{} without state (never stepped: no shape in the files)", stateless,
                                       stateless == 1 ? "" : "s"));
-    if (masters && expert_files)
+    if ((masters || flat) && expert_files)
       uncarried_notes_.push_back(fmt::format("layer_*_expert_*_model_states.pt ({} file{}: the experts' weights in "
                                              "their training dtype; the fp32 masters are read)", expert_files,
                                              expert_files == 1 ? "" : "s"));
@@ -1329,8 +1433,10 @@ class TorchSaveReader final : public CheckpointReader {
         "DeepSpeed MoE without ZeRO: each expert-parallel rank's numbered params named by order and shape after "
         "['module'] (dense) and its experts' layer_L_expert_G files (MoE layers' expert-parallel sizes [{}]); "
         "experts under their global numbers (rank e's local expert i is e*n+i), the dense params from expp_rank_0{}",
-        fmt::join(layer_ep, ", "), masters ? "; the wrapper's fp32 masters (['optimizer']['fp32_groups']) read as the "
-                                            "weights" : ""));
+        fmt::join(layer_ep, ", "),
+        flat ? "; FP16_Optimizer's flat groups: each param placed in its group's fp32 master where the master rounds "
+               "to its weights (the module's, the experts' files'), its moments and master the flat tensors' run there"
+        : masters ? "; the wrapper's fp32 masters (['optimizer']['fp32_groups']) read as the weights" : ""));
     return finish({}, {}, 0);
   }
 

@@ -1336,6 +1336,102 @@ def test_mixture_of_experts_without_zero_reads_as_deepspeed_holds_it(tmp_path, o
     assert "layer_1_expert_7_mp_rank_00_model_states.pt, past the 2 MoE layers' experts" in err, err
 
 
+# DeepSpeed MoE without ZeRO under bf16 with DeepSpeed's own AdamW from the config (FusedAdam):
+# FP16_Optimizer flattens each param group, MoE groups too, into one fp32 master per group. Two MoE
+# layers of one expert-parallel size (2) on 4 ranks (DeepSpeed 0.19.8's FP16_Optimizer hangs on
+# this CPU build with layers of two sizes). Each rank dumps its groups' flat masters and moments cut
+# at its params (fp16_groups' order), experts under their global numbers.
+MOE_FUSED_TRAIN = """
+import sys, re, torch, deepspeed
+from deepspeed.moe.layer import MoE
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from deepspeed.utils import groups
+out = sys.argv[1]
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 12)
+        expert = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.GELU(), torch.nn.Linear(20, 12))
+        self.moe1 = MoE(hidden_size=12, expert=expert, num_experts=4, ep_size=2, k=1)
+        self.moe2 = MoE(hidden_size=12, expert=torch.nn.Linear(12, 12), num_experts=8, ep_size=2, k=2)
+        self.out = torch.nn.Linear(12, 3)
+    def forward(self, x):
+        return self.out(self.moe2(self.moe1(self.inp(x))[0])[0])
+model = Model()
+gs = split_params_into_different_moe_groups_for_optimizer(
+    [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05, "name": "w"},
+     {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "name": "b"}])
+cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": 0},
+       "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+engine = deepspeed.initialize(model=model, model_parameters=gs, config=cfg)[0]
+assert type(engine.optimizer).__name__ == "FP16_Optimizer", type(engine.optimizer)
+for step in range(3):
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + torch.distributed.get_rank()))
+    engine.backward(engine(x.bfloat16()).float().square().sum())
+    engine.step()
+engine.save_checkpoint(out)
+local = {n: m.num_local_experts for n, m in model.named_modules() if isinstance(m, MoE)}
+opt = engine.optimizer
+names = {id(p): n for n, p in model.named_parameters()}
+ref = {}
+for ps, flat in zip(opt.fp16_groups, opt.fp32_groups_flat):
+    st, at = opt.optimizer.state[flat], 0
+    for p in ps:
+        n = names[id(p)]
+        m = re.match(r"(.*)\\.deepspeed_moe\\.experts\\.deepspeed_experts\\.(\\d+)(\\..*)", n)
+        if m:
+            e = groups._get_expert_parallel_rank(p.group_name)
+            n = f"{m[1]}.deepspeed_moe.experts.deepspeed_experts.{e * local[m[1]] + int(m[2])}{m[3]}"
+        k = p.numel()
+        ref[n] = {key: t[at:at + k].view(p.shape).clone()
+                  for key, t in (("param", flat), ("exp_avg", st["exp_avg"]), ("exp_avg_sq", st["exp_avg_sq"]))}
+        at += k
+    assert at == flat.numel()
+torch.save(ref, f"{out}.ref{torch.distributed.get_rank()}.pt")
+torch.distributed.barrier()
+"""
+
+
+def test_mixture_of_experts_without_zero_under_fp16_optimizer_reads_its_flat_groups(tmp_path, optstate_cli):
+    """DeepSpeed MoE without ZeRO, bf16, DeepSpeed's FusedAdam: FP16_Optimizer keeps each group (the
+    experts' too) one flat fp32 master, its optimizer one flat param a group, and nothing says which
+    params a group holds or where. optstate places each rank's dense groups among ['module']'s
+    bf16 weights and its expert groups among its experts' files' weights, where the master rounds
+    to them, and every param's master and moments are, bit for bit, the flat tensors' runs the
+    engine held at them."""
+    ck = tmp_path / "moe_fused_zero0"
+    run_script(tmp_path, MOE_FUSED_TRAIN, "moe_fused_train.py", ck, ranks=4)
+    ref = {}
+    for r in range(4):
+        for n, entries in torch.load(f"{ck}.ref{r}.pt").items():
+            if n in ref:
+                assert all(torch.equal(ref[n][k], entries[k]) for k in entries), (n, r)
+            ref[n] = entries
+    done = optstate_cli("convert", ck, tmp_path / "plain.pt")
+    assert "FP16_Optimizer's flat groups: each param placed" in done.stderr, done.stderr
+    sd = torch.load(tmp_path / "plain.pt")
+    names = [n for g in sd["optimizer"]["param_groups"] for n in g["param_names"]]
+    assert sorted(names) == sorted(ref) and len(names) == 4 + 4 * 4 + 8 * 2 + 2
+    for i, n in enumerate(names):
+        st = sd["optimizer"]["state"][i]
+        assert st["step"].item() == 4, n  # FP16_Optimizer's first zero-gradient step counts
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[k], ref[n][k]), (n, k)
+        assert torch.equal(sd["model"][n], ref[n]["param"]), n
+    assert "every chunk checksum verified" in optstate_cli("validate", ck).stdout
+    # an expert's weights of another step: its master no longer rounds to them, so no placement fits
+    tag = ck / "global_step3"
+    f = tag / "layer_1_expert_5_mp_rank_00_model_states.pt"
+    w = torch.load(f)
+    key = next(k for k in w if k.endswith("weight"))
+    w[key] = w[key] + 0.5
+    torch.save(w, f)
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "expp_rank_1_mp_rank_00_optim_states.pt: its groups of ep_size_2 placed among its experts" in err, err
+
+
 def test_mixture_of_experts_files_missing_or_miscounted_are_named(tmp_path, optstate_cli):
     """An expert's weight file missing, num_experts that the groups' experts do not add up to, the
     other rank layout claimed, an expert group whose partition_count is not the world over its

@@ -1190,10 +1190,12 @@ groups_ = split_params_into_different_moe_groups_for_optimizer(
     [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05, "name": "w"},
      {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "lr": 2e-3, "name": "b"}])
 # DeepSpeed orders each client group's MoE groups by a set of their names (ep_size_2, ep_size_4), so
-# ranks with other hash seeds (torchrun's processes) hold them in other orders; here the odd ranks'
-# swapped, every run.
+# ranks with other hash seeds (torchrun's processes) hold them in other orders; here each pair put in
+# name order on every rank (whatever this process's hash seed), then the odd ranks' swapped.
+pairs = [sorted(groups_[i:i + 2], key=lambda g: g["name"]) for i in (2, 4)]
 if torch.distributed.get_rank() % 2:
-    groups_ = groups_[:2] + [groups_[3], groups_[2], groups_[5], groups_[4]]
+    pairs = [pair[::-1] for pair in pairs]
+groups_ = groups_[:2] + pairs[0] + pairs[1]
 cfg = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": stage}, "bf16": {"enabled": half == "bf16"},
        "use_data_before_expert_parallelism": layout == "de"}
 engine = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups_, lr=1e-3), config=cfg)[0]

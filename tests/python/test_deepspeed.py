@@ -1338,7 +1338,7 @@ def test_mixture_of_experts_without_zero_reads_as_deepspeed_holds_it(tmp_path, o
     assert "layer_1_expert_7_mp_rank_00_model_states.pt, past the 2 MoE layers' experts" in err, err
 
 
-# DeepSpeed MoE without ZeRO under bf16 with DeepSpeed's own AdamW from the config (FusedAdam):
+# DeepSpeed MoE without ZeRO under bf16 or fp16 with DeepSpeed's own AdamW from the config (FusedAdam):
 # FP16_Optimizer flattens each param group, MoE groups too, into one fp32 master per group. Two MoE
 # layers of one expert-parallel size (2) on 4 ranks (DeepSpeed 0.19.8's FP16_Optimizer hangs on
 # this CPU build with layers of two sizes). Each rank dumps its groups' flat masters and moments cut
@@ -1348,7 +1348,7 @@ import sys, re, torch, deepspeed
 from deepspeed.moe.layer import MoE
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from deepspeed.utils import groups
-out = sys.argv[1]
+out, half = sys.argv[1], sys.argv[2]
 deepspeed.init_distributed(dist_backend="gloo")
 torch.manual_seed(0)
 class Model(torch.nn.Module):
@@ -1366,12 +1366,16 @@ gs = split_params_into_different_moe_groups_for_optimizer(
     [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05, "name": "w"},
      {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "name": "b"}])
 cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": 0},
-       "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+       "bf16": {"enabled": half == "bf16"}, "fp16": {"enabled": half == "fp16", "initial_scale_power": 8},
+       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+if half == "fp16":  # DeepSpeed's CPU accelerator claims fp16 only with oneDNN's fp16 kernels; torch's run anywhere
+    from deepspeed.accelerator import get_accelerator
+    type(get_accelerator()).is_fp16_supported = lambda self: True
 engine = deepspeed.initialize(model=model, model_parameters=gs, config=cfg)[0]
 assert type(engine.optimizer).__name__ == "FP16_Optimizer", type(engine.optimizer)
 for step in range(3):
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + torch.distributed.get_rank()))
-    engine.backward(engine(x.bfloat16()).float().square().sum())
+    engine.backward(engine(x.to(torch.bfloat16 if half == "bf16" else torch.float16)).float().square().sum())
     engine.step()
 engine.save_checkpoint(out)
 local = {n: m.num_local_experts for n, m in model.named_modules() if isinstance(m, MoE)}
@@ -1396,15 +1400,16 @@ torch.distributed.barrier()
 """
 
 
-def test_mixture_of_experts_without_zero_under_fp16_optimizer_reads_its_flat_groups(tmp_path, optstate_cli):
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+def test_mixture_of_experts_without_zero_under_fp16_optimizer_reads_its_flat_groups(tmp_path, optstate_cli, half):
     """DeepSpeed MoE without ZeRO, bf16, DeepSpeed's FusedAdam: FP16_Optimizer keeps each group (the
     experts' too) one flat fp32 master, its optimizer one flat param a group, and nothing says which
     params a group holds or where. optstate places each rank's dense groups among ['module']'s
     bf16 weights and its expert groups among its experts' files' weights, where the master rounds
     to them, and every param's master and moments are, bit for bit, the flat tensors' runs the
     engine held at them."""
-    ck = tmp_path / "moe_fused_zero0"
-    run_script(tmp_path, MOE_FUSED_TRAIN, "moe_fused_train.py", ck, ranks=4)
+    ck = tmp_path / f"moe_fused_zero0_{half}"
+    run_script(tmp_path, MOE_FUSED_TRAIN, "moe_fused_train.py", ck, half, ranks=4)
     ref = {}
     for r in range(4):
         for n, entries in torch.load(f"{ck}.ref{r}.pt").items():

@@ -36,11 +36,13 @@
 // BF16_Optimizer's model states name no shape; the layer files' tensors give them). And over MoE
 // without ZeRO (testdata/moe_zero0_world4/): the input is expert-parallel rank 1's optimizer file
 // (fuzz.deepspeed_moe_zero0: its groups matched to rank 0's, its numbered params placed among its
-// experts' files' tensors).
+// experts' files' tensors), and over its FP16_Optimizer form (testdata/moe_bf16_fused_zero0_world4/:
+// fuzz.deepspeed_moe_fused_zero0, rank 1's flat groups, its params found in them by value).
 // CTest: fuzz.deepspeed_zero2, fuzz.deepspeed_zero3, fuzz.deepspeed_universal,
 // fuzz.deepspeed_zero3_write, fuzz.deepspeed_bnb_zero2, fuzz.deepspeed_pipe, fuzz.deepspeed_pipe_model,
 // fuzz.deepspeed_autotp, fuzz.deepspeed_moe, fuzz.deepspeed_autoep, fuzz.deepspeed_zero0,
-// fuzz.deepspeed_zero0_fused, fuzz.deepspeed_pipe_bf16_layer, fuzz.deepspeed_moe_zero0 (bounded mutation runs); with OPTSTATE_LIBFUZZER, coverage-guided.
+// fuzz.deepspeed_zero0_fused, fuzz.deepspeed_pipe_bf16_layer, fuzz.deepspeed_moe_zero0,
+// fuzz.deepspeed_moe_fused_zero0 (bounded mutation runs); with OPTSTATE_LIBFUZZER, coverage-guided.
 #include <cstdint>
 
 #include "torchsave/torchsave_fuzz_target.h"

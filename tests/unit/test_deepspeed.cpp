@@ -615,6 +615,38 @@ TEST_CASE("deepspeed: MoE without ZeRO: each expert-parallel rank's numbered par
                                                 "DeepSpeed MoE without ZeRO (stage 0: each expert-parallel rank's");
 }
 
+TEST_CASE("deepspeed: MoE without ZeRO under FP16_Optimizer: each rank's params placed by value in its flat groups") {
+  // moe_bf16_fused_zero0_world4: the same run under bf16 with DeepSpeed's AdamW (FP16_Optimizer):
+  // each expp file's groups are one flat master each, the experts' too; the params are found where
+  // the master rounds to the module's and the expert files' bf16 weights.
+  auto r = open_seed(kSeeds / "moe_bf16_fused_zero0_world4");
+  const OptimizerState& m = r->meta();
+  REQUIRE(m.groups.size() == 4);
+  const std::string ex = "moe.deepspeed_moe.experts.deepspeed_experts.";
+  CHECK(m.groups[0].params == std::vector<std::string>{"inp.weight", "moe.deepspeed_moe.gate.wg.weight", "out.weight"});
+  CHECK(m.groups[2].params == std::vector<std::string>{ex + "0.weight", ex + "1.weight", ex + "2.weight", ex + "3.weight"});
+  CHECK(m.groups[3].params == std::vector<std::string>{ex + "0.bias", ex + "1.bias", ex + "2.bias", ex + "3.bias"});
+  for (const auto& [fqn, ps] : m.params) {
+    CHECK(ps.step == 4);  // FP16_Optimizer's zero-gradient first step counts
+    CHECK(ps.param_dtype == DType::kF32);  // the fp32 masters
+  }
+  for (const auto& [expert, rank] : std::vector<std::pair<int, int>>{{0, 0}, {1, 0}, {2, 1}, {3, 1}})
+    for (const char* entry : {kExpAvg, kParam})
+      CHECK(r->locate(ex + std::to_string(expert) + ".weight", entry, Component::kValues, 7)
+                .find(fmt::format("expp_rank_{}_", rank)) != std::string::npos);
+  // expert 1's weight: the second of rank 0's local experts, right after expert 0's 144 elements
+  std::vector<float> a(144), b(144);
+  REQUIRE(r->read_range(ex + "1.weight", kParam, Component::kValues, 0, 144, std::as_writable_bytes(std::span(a))).ok());
+  REQUIRE(r->read_range(ex + "0.weight", kParam, Component::kValues, 0, 144, std::as_writable_bytes(std::span(b))).ok());
+  CHECK(a != b);
+  const auto notes = r->read_notes();
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].find("FP16_Optimizer's flat groups: each param placed") != std::string::npos);
+  testing::TempDir dir;
+  experts_validate_convert_and_refuse_universal("moe_bf16_fused_zero0_world4", *r, dir,
+                                                "DeepSpeed MoE without ZeRO (stage 0: each expert-parallel rank's");
+}
+
 TEST_CASE("deepspeed: MoE's missing or extra expert files, a missing rank and model parallelism are refused") {
   const fs::path moe = "moe_zero1_world4/global_step3";
   struct Damage {

@@ -45,6 +45,9 @@ with engine.save_checkpoint (global_step3/ and `latest`):
   moe_zero0_world4/   the same model and run without ZeRO (stage 0): each expert-parallel rank's whole optimizer
                       (torch's AdamW state_dict, numbered: the dense params and its 2 local experts) in
                       expp_rank_E_mp_rank_00_optim_states.pt, the dense weights in mp_rank_00's ['module']
+  moe_bf16_fused_zero0_world4/  the same run without ZeRO under bf16 with DeepSpeed's AdamW from the config:
+                      FP16_Optimizer keeps each param group (the experts' too) one flat fp32 master, its
+                      optimizer one flat param a group, in each expert-parallel rank's expp_rank_E file
   autoep_zero1_world4/  DeepSpeed AutoEP ("expert_parallel": autoep_size 2, its "mixtral" preset) on 4 ranks, ZeRO-1,
                       fp32, DeepSpeed's AdamW from the config: Linear(8, 12), LayerNorm(12), a Mixtral-shaped MoE
                       block (router Linear(12, 4), fused experts gate_up_proj [4, 16, 12], down_proj [4, 12, 8]),
@@ -166,7 +169,7 @@ def train_autotp(out):
     torch.distributed.barrier()
 
 
-def train_moe(out, stage):
+def train_moe(out, stage, fused=False):
     import deepspeed
     import torch
     from deepspeed.moe.layer import MoE
@@ -189,10 +192,15 @@ def train_moe(out, stage):
         [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05, "name": "w"},
          {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "name": "b"}])
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3), config=cfg)
+    if fused:  # bf16, DeepSpeed's AdamW from the config: FP16_Optimizer, each group flat
+        cfg.update({"bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+        assert type(engine.optimizer).__name__ == "FP16_Optimizer", type(engine.optimizer)
+    else:
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3), config=cfg)
     for step in range(3):  # each rank its own batch: every expert gets tokens somewhere
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + torch.distributed.get_rank()))
-        engine.backward(engine(x).square().sum())
+        engine.backward(engine(x.bfloat16() if fused else x).float().square().sum())
         engine.step()
     engine.save_checkpoint(out)
     torch.distributed.barrier()
@@ -278,7 +286,7 @@ def train(stage, half, out, variant):
     if variant in ("pipe", "pipe_bf16"):
         return train_pipe(out, bf16=variant == "pipe_bf16")
     if variant == "moe":
-        return train_moe(out, stage)
+        return train_moe(out, stage, fused=half == "bf16")
     if variant == "autoep":
         return train_autoep(out)
     if variant == "autotp":
@@ -357,6 +365,7 @@ def main():
                                        ("autotp2_zero1_world2", 1, "fp32", "autotp"),
                                        ("moe_zero1_world4", 1, "fp32", "moe"),
                                        ("moe_zero0_world4", 0, "fp32", "moe"),
+                                       ("moe_bf16_fused_zero0_world4", 0, "bf16", "moe"),
                                        ("autoep_zero1_world4", 1, "fp32", "autoep")):
         if wanted and name not in wanted:
             continue

@@ -1330,7 +1330,9 @@ class TorchSaveReader final : public CheckpointReader {
       });
       std::map<int64_t, const ParamSpec*> spec_of;
       for (const ParamSpec& s : r.sd.params) spec_of[s.id] = &s;
-      for (const auto& [x, cand] : all) {
+      for (const auto& item : all) {
+        const Spot& x = item.first;  // not structured bindings: clang 14 cannot capture them (view)
+        const Cand* cand = item.second;
         const std::string& fqn = cand->name;
         const bool is_expert = r.ep[x.group] != 0;
         // an expert of a layer of a smaller expert-parallel size than the largest: rank e's copy

@@ -1172,7 +1172,7 @@ import sys, re, torch, deepspeed
 from deepspeed.moe.layer import MoE
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state
-out, stage, half, layout = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+out, stage, half, layout, fused = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5] == "fused"
 deepspeed.init_distributed(dist_backend="gloo")
 torch.manual_seed(0)
 class Model(torch.nn.Module):
@@ -1181,7 +1181,8 @@ class Model(torch.nn.Module):
         self.inp = torch.nn.Linear(16, 24)
         expert = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 24))
         self.moe1 = MoE(hidden_size=24, expert=expert, num_experts=4, ep_size=2, k=1)
-        self.moe2 = MoE(hidden_size=24, expert=torch.nn.Linear(24, 24), num_experts=8, ep_size=4, k=2)
+        # (DeepSpeed 0.19.8's FP16_Optimizer hangs on this CPU build with MoE layers of two sizes)
+        self.moe2 = MoE(hidden_size=24, expert=torch.nn.Linear(24, 24), num_experts=8, ep_size=2 if fused else 4, k=2)
         self.out = torch.nn.Linear(24, 3)
     def forward(self, x):
         return self.out(self.moe2(self.moe1(self.inp(x))[0])[0])
@@ -1192,14 +1193,23 @@ groups_ = split_params_into_different_moe_groups_for_optimizer(
 # DeepSpeed orders each client group's MoE groups by a set of their names (ep_size_2, ep_size_4), so
 # ranks with other hash seeds (torchrun's processes) hold them in other orders; here each pair put in
 # name order on every rank (whatever this process's hash seed), then the odd ranks' swapped.
-pairs = [sorted(groups_[i:i + 2], key=lambda g: g["name"]) for i in (2, 4)]
-if torch.distributed.get_rank() % 2:
-    pairs = [pair[::-1] for pair in pairs]
-groups_ = groups_[:2] + pairs[0] + pairs[1]
+if len(groups_) == 6:
+    pairs = [sorted(groups_[i:i + 2], key=lambda g: g["name"]) for i in (2, 4)]
+    if torch.distributed.get_rank() % 2:
+        pairs = [pair[::-1] for pair in pairs]
+    groups_ = groups_[:2] + pairs[0] + pairs[1]
 cfg = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": stage}, "bf16": {"enabled": half == "bf16"},
-       "use_data_before_expert_parallelism": layout == "de"}
-engine = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups_, lr=1e-3), config=cfg)[0]
-dtype = torch.bfloat16 if half == "bf16" else torch.float32
+       "fp16": {"enabled": half == "fp16", "initial_scale_power": 8}, "use_data_before_expert_parallelism": layout == "de"}
+if fused:  # DeepSpeed's AdamW from the config (FusedAdam): under bf16/fp16 FP16_Optimizer, each group flat
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    if half == "fp16":  # DeepSpeed's CPU accelerator claims fp16 only with oneDNN's fp16 kernels; torch's run anywhere
+        from deepspeed.accelerator import get_accelerator
+        type(get_accelerator()).is_fp16_supported = lambda self: True
+    engine = deepspeed.initialize(model=model, model_parameters=groups_, config=cfg)[0]
+    assert type(engine.optimizer).__name__ == "FP16_Optimizer", type(engine.optimizer)
+else:
+    engine = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups_, lr=1e-3), config=cfg)[0]
+dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(half, torch.float32)
 for s in range(3):
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * s + torch.distributed.get_rank()))
     engine.backward(engine(x.to(dtype)).float().square().sum())
@@ -1215,6 +1225,15 @@ if stage > 0:
     opt._lazy_init_hp_params_optimizer_state()
     held = lambda p: (safe_get_full_fp32_param(p), safe_get_full_optimizer_state(p, "exp_avg"),
                       safe_get_full_optimizer_state(p, "exp_avg_sq"))
+elif fused:  # FP16_Optimizer: each group's params are runs of its flat master and moments, in order
+    runs = {}
+    for ps, flat in zip(opt.fp16_groups, opt.fp32_groups_flat):
+        st, at = opt.optimizer.state[flat], 0
+        for p in ps:
+            runs[id(p)] = tuple(t[at:at + p.numel()].view(p.shape) for t in (flat, st["exp_avg"], st["exp_avg_sq"]))
+            at += p.numel()
+        assert at == flat.numel()
+    held = lambda p: runs[id(p)]
 elif half == "fp32":  # without ZeRO: the client optimizer steps the params themselves
     held = lambda p: (p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])
 else:  # ... or, under bf16, their fp32 masters (the wrapper's fp32_groups)
@@ -1233,9 +1252,9 @@ torch.distributed.barrier()
 """
 
 
-def moe_run(tmp_path, stage, half, layout):
-    ck = tmp_path / f"moe_zero{stage}_{half}_{layout}"
-    run_script(tmp_path, MOE_TRAIN, "moe_train.py", ck, stage, half, layout, ranks=4)
+def moe_run(tmp_path, stage, half, layout, fused=False):
+    ck = tmp_path / f"moe_zero{stage}_{half}_{layout}{'_fused' if fused else ''}"
+    run_script(tmp_path, MOE_TRAIN, "moe_train.py", ck, stage, half, layout, "fused" if fused else "client", ranks=4)
     ref = {}
     for r in range(4):  # each rank's: the dense params and its experts (an expert's copies agree)
         for n, entries in torch.load(f"{ck}.ref{r}.pt").items():
@@ -1290,14 +1309,7 @@ def test_mixture_of_experts_without_zero_reads_as_deepspeed_holds_it(tmp_path, o
     files), finds the layers' sizes (2 and 4) as the one assignment that fits, and the state is, bit
     for bit, what each rank's engine held (fp32: the params and torch's AdamW state; bf16: the
     wrapper's fp32 masters and their state, a step ahead as for FP16_UnfusedOptimizer)."""
-    ck = tmp_path / f"moe_zero0_{half}_{layout}"
-    run_script(tmp_path, MOE_TRAIN, "moe_train.py", ck, 0, half, layout, ranks=4)
-    ref = {}
-    for r in range(4):  # each rank's: the dense params and its experts (an expert's copies agree)
-        for n, entries in torch.load(f"{ck}.ref{r}.pt").items():
-            if n in ref:
-                assert all(torch.equal(ref[n][k], entries[k]) for k in entries), (n, r)
-            ref[n] = entries
+    ck, ref = moe_run(tmp_path, 0, half, layout)
     tag = ck / "global_step3"
     assert sorted(p.name for p in tag.glob("expp_rank_*")) == [f"expp_rank_{e}_mp_rank_00_optim_states.pt" for e in range(4)]
     done = optstate_cli("convert", ck, tmp_path / "plain.pt")
@@ -1338,84 +1350,15 @@ def test_mixture_of_experts_without_zero_reads_as_deepspeed_holds_it(tmp_path, o
     assert "layer_1_expert_7_mp_rank_00_model_states.pt, past the 2 MoE layers' experts" in err, err
 
 
-# DeepSpeed MoE without ZeRO under bf16 or fp16 with DeepSpeed's own AdamW from the config (FusedAdam):
-# FP16_Optimizer flattens each param group, MoE groups too, into one fp32 master per group. Two MoE
-# layers of one expert-parallel size (2) on 4 ranks (DeepSpeed 0.19.8's FP16_Optimizer hangs on
-# this CPU build with layers of two sizes). Each rank dumps its groups' flat masters and moments cut
-# at its params (fp16_groups' order), experts under their global numbers.
-MOE_FUSED_TRAIN = """
-import sys, re, torch, deepspeed
-from deepspeed.moe.layer import MoE
-from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-from deepspeed.utils import groups
-out, half = sys.argv[1], sys.argv[2]
-deepspeed.init_distributed(dist_backend="gloo")
-torch.manual_seed(0)
-class Model(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = torch.nn.Linear(8, 12)
-        expert = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.GELU(), torch.nn.Linear(20, 12))
-        self.moe1 = MoE(hidden_size=12, expert=expert, num_experts=4, ep_size=2, k=1)
-        self.moe2 = MoE(hidden_size=12, expert=torch.nn.Linear(12, 12), num_experts=8, ep_size=2, k=2)
-        self.out = torch.nn.Linear(12, 3)
-    def forward(self, x):
-        return self.out(self.moe2(self.moe1(self.inp(x))[0])[0])
-model = Model()
-gs = split_params_into_different_moe_groups_for_optimizer(
-    [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.05, "name": "w"},
-     {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0, "name": "b"}])
-cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": 0},
-       "bf16": {"enabled": half == "bf16"}, "fp16": {"enabled": half == "fp16", "initial_scale_power": 8},
-       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
-if half == "fp16":  # DeepSpeed's CPU accelerator claims fp16 only with oneDNN's fp16 kernels; torch's run anywhere
-    from deepspeed.accelerator import get_accelerator
-    type(get_accelerator()).is_fp16_supported = lambda self: True
-engine = deepspeed.initialize(model=model, model_parameters=gs, config=cfg)[0]
-assert type(engine.optimizer).__name__ == "FP16_Optimizer", type(engine.optimizer)
-for step in range(3):
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + torch.distributed.get_rank()))
-    engine.backward(engine(x.to(torch.bfloat16 if half == "bf16" else torch.float16)).float().square().sum())
-    engine.step()
-engine.save_checkpoint(out)
-local = {n: m.num_local_experts for n, m in model.named_modules() if isinstance(m, MoE)}
-opt = engine.optimizer
-names = {id(p): n for n, p in model.named_parameters()}
-ref = {}
-for ps, flat in zip(opt.fp16_groups, opt.fp32_groups_flat):
-    st, at = opt.optimizer.state[flat], 0
-    for p in ps:
-        n = names[id(p)]
-        m = re.match(r"(.*)\\.deepspeed_moe\\.experts\\.deepspeed_experts\\.(\\d+)(\\..*)", n)
-        if m:
-            e = groups._get_expert_parallel_rank(p.group_name)
-            n = f"{m[1]}.deepspeed_moe.experts.deepspeed_experts.{e * local[m[1]] + int(m[2])}{m[3]}"
-        k = p.numel()
-        ref[n] = {key: t[at:at + k].view(p.shape).clone()
-                  for key, t in (("param", flat), ("exp_avg", st["exp_avg"]), ("exp_avg_sq", st["exp_avg_sq"]))}
-        at += k
-    assert at == flat.numel()
-torch.save(ref, f"{out}.ref{torch.distributed.get_rank()}.pt")
-torch.distributed.barrier()
-"""
-
-
 @pytest.mark.parametrize("half", ["bf16", "fp16"])
 def test_mixture_of_experts_without_zero_under_fp16_optimizer_reads_its_flat_groups(tmp_path, optstate_cli, half):
-    """DeepSpeed MoE without ZeRO, bf16, DeepSpeed's FusedAdam: FP16_Optimizer keeps each group (the
+    """DeepSpeed MoE without ZeRO, bf16 or fp16, DeepSpeed's FusedAdam: FP16_Optimizer keeps each group (the
     experts' too) one flat fp32 master, its optimizer one flat param a group, and nothing says which
     params a group holds or where. optstate places each rank's dense groups among ['module']'s
     bf16 weights and its expert groups among its experts' files' weights, where the master rounds
     to them, and every param's master and moments are, bit for bit, the flat tensors' runs the
     engine held at them."""
-    ck = tmp_path / f"moe_fused_zero0_{half}"
-    run_script(tmp_path, MOE_FUSED_TRAIN, "moe_fused_train.py", ck, half, ranks=4)
-    ref = {}
-    for r in range(4):
-        for n, entries in torch.load(f"{ck}.ref{r}.pt").items():
-            if n in ref:
-                assert all(torch.equal(ref[n][k], entries[k]) for k in entries), (n, r)
-            ref[n] = entries
+    ck, ref = moe_run(tmp_path, 0, half, "ed", fused=True)
     done = optstate_cli("convert", ck, tmp_path / "plain.pt")
     assert "FP16_Optimizer's flat groups: each param placed" in done.stderr, done.stderr
     sd = torch.load(tmp_path / "plain.pt")

@@ -1264,6 +1264,22 @@ def moe_run(tmp_path, stage, half, layout, fused=False):
     return ck, ref
 
 
+def assert_moe_state(path, ref, step):
+    """The torch.save file optstate wrote (`path`) holds every param of `ref` (moe_run's), each one's
+    fp32 weights and moments equal bit for bit, its step `step`; its groups, as a list."""
+    sd = torch.load(path)
+    groups = sd["optimizer"]["param_groups"]
+    names = [n for g in groups for n in g["param_names"]]
+    assert sorted(names) == sorted(ref) and len(names) == 4 + 4 * 4 + 8 * 2 + 2  # inp, out, 2 gates, the experts
+    for i, n in enumerate(names):
+        st = sd["optimizer"]["state"][i]
+        assert st["step"].item() == step, n
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[k], ref[n][k].view_as(st[k])), (n, k)
+        assert torch.equal(sd["model"][n], ref[n]["param"].view_as(sd["model"][n])), n
+    return groups
+
+
 @pytest.mark.parametrize("stage,half,layout", [(1, "fp32", "ed"), (1, "bf16", "de"), (2, "bf16", "ed")])
 def test_mixture_of_experts_checkpoint_reads_as_deepspeed_holds_it(tmp_path, optstate_cli, stage, half, layout):
     """DeepSpeed MoE (which its zero_to_fp32 and ds_to_universal do not convert): every expert-
@@ -1278,22 +1294,12 @@ def test_mixture_of_experts_checkpoint_reads_as_deepspeed_holds_it(tmp_path, opt
         ck / "global_step3" / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
         weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]] for r in (0, 1)]
     assert order[1] == order[0][:2] + [order[0][3], order[0][2], order[0][5], order[0][4]] != order[0]
-    assert len(ref) == 4 + 4 * 4 + 8 * 2 + 2  # inp, out; 4 experts of 2 Linears; 8 Linears; 2 gates
     done = optstate_cli("convert", ck, tmp_path / "plain.pt")
     assert "layer_*_expert_*_model_states.pt (12 files" in done.stderr, done.stderr
     assert "DeepSpeed MoE: 2 MoE layers' experts read under their global numbers" in done.stderr, done.stderr
-    sd = torch.load(tmp_path / "plain.pt")
-    groups = sd["optimizer"]["param_groups"]
-    names = [n for g in groups for n in g["param_names"]]
-    assert sorted(names) == sorted(ref)
-    for g in groups:  # each of the client's groups and its MoE twin ("w", "ep_size_2_w", ...)
+    # each client group and its MoE twin ("w", "ep_size_2_w", ...)
+    for g in assert_moe_state(tmp_path / "plain.pt", ref, 3):
         assert g["weight_decay"] == (0.05 if g["param_names"][0].endswith("weight") else 0.0)
-    for i, n in enumerate(names):
-        st = sd["optimizer"]["state"][i]
-        assert st["step"].item() == 3
-        for k in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(st[k], ref[n][k].view_as(st[k])), (n, k)
-        assert torch.equal(sd["model"][n], ref[n]["param"].view_as(sd["model"][n])), n
     assert "every chunk checksum verified" in optstate_cli("validate", ck).stdout
     err = run_err(optstate_cli, "convert", ck, tmp_path / "u", "--format", "deepspeed")
     assert "DeepSpeed MoE layers' experts, which DeepSpeed does not load from a universal" in err
@@ -1315,16 +1321,7 @@ def test_mixture_of_experts_without_zero_reads_as_deepspeed_holds_it(tmp_path, o
     done = optstate_cli("convert", ck, tmp_path / "plain.pt")
     assert "DeepSpeed MoE without ZeRO" in done.stderr and "expert-parallel sizes [2, 4]" in done.stderr, done.stderr
     assert "16 params of experts an earlier file holds too" in done.stderr, done.stderr
-    sd = torch.load(tmp_path / "plain.pt")
-    names = [n for g in sd["optimizer"]["param_groups"] for n in g["param_names"]]
-    assert sorted(names) == sorted(ref) and len(names) == 4 + 4 * 4 + 8 * 2 + 2
-    for i, n in enumerate(names):
-        st = sd["optimizer"]["state"][i]
-        assert st["step"].item() == (3 if half == "fp32" else 4), n
-        for k in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(st[k], ref[n][k]), (n, k)
-        assert torch.equal(sd["model"][n], ref[n]["param"]), n
-    for g in sd["optimizer"]["param_groups"]:
+    for g in assert_moe_state(tmp_path / "plain.pt", ref, 3 if half == "fp32" else 4):
         assert (g["weight_decay"], g["lr"]) == ((0.05, 1e-3) if g["param_names"][0].endswith("weight") else (0.0, 2e-3))
     assert "every chunk checksum verified" in optstate_cli("validate", ck).stdout
     err = run_err(optstate_cli, "convert", ck, tmp_path / "u", "--format", "deepspeed")
@@ -1361,15 +1358,7 @@ def test_mixture_of_experts_without_zero_under_fp16_optimizer_reads_its_flat_gro
     ck, ref = moe_run(tmp_path, 0, half, "ed", fused=True)
     done = optstate_cli("convert", ck, tmp_path / "plain.pt")
     assert "FP16_Optimizer's flat groups: each param placed" in done.stderr, done.stderr
-    sd = torch.load(tmp_path / "plain.pt")
-    names = [n for g in sd["optimizer"]["param_groups"] for n in g["param_names"]]
-    assert sorted(names) == sorted(ref) and len(names) == 4 + 4 * 4 + 8 * 2 + 2
-    for i, n in enumerate(names):
-        st = sd["optimizer"]["state"][i]
-        assert st["step"].item() == 4, n  # FP16_Optimizer's first zero-gradient step counts
-        for k in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(st[k], ref[n][k]), (n, k)
-        assert torch.equal(sd["model"][n], ref[n]["param"]), n
+    assert_moe_state(tmp_path / "plain.pt", ref, 4)  # FP16_Optimizer's first zero-gradient step counts
     assert "every chunk checksum verified" in optstate_cli("validate", ck).stdout
     # an expert's weights of another step: its master no longer rounds to them, so no placement fits
     tag = ck / "global_step3"

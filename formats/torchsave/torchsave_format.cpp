@@ -933,6 +933,177 @@ class TorchSaveReader final : public CheckpointReader {
     return finish({}, {}, 0);
   }
 
+  // DeepSpeed MoE without ZeRO (init_moe_stage0): a tensor that may be a param (module order), one
+  // expert-parallel rank's optimizer file, and where a kind of its groups' params were placed.
+  struct MoeCand {
+    std::string name;
+    std::vector<int64_t> shape;
+    dcp::TensorRef tensor;
+    size_t file = 0;
+    int64_t numel = 0;
+  };
+  struct MoeRank {
+    StateDict sd;
+    std::vector<int64_t> ep;  // by group: its expert-parallel size (0: dense)
+    size_t file = 0;
+    // FP16_Optimizer (each group one flat fp32 master, its optimizer one flat param a group): the
+    // masters' lengths and each group's flat param in sd.params (none: never stepped)
+    std::vector<int64_t> numel;
+    std::vector<std::optional<size_t>> flat_of;
+  };
+  struct MoeSpot {   // a placed tensor: its group, and its id (numbered params) or where its
+    size_t cand = 0, group = 0;  // elements start in the group's flat master (FP16_Optimizer)
+    int64_t id = 0, begin = 0;
+  };
+  struct MoePlacement {
+    std::vector<MoeSpot> placed;
+    std::string why;  // why none fits (an error is one of reading)
+  };
+
+  // The model dict's tensors that may be params (fp32/bf16/fp16, no buffer), in its order.
+  static Result<std::vector<MoeCand>> moe_candidates(const ModelDict& md, size_t file,
+                                                     const std::set<std::string, std::less<>>& buffers) {
+    std::vector<MoeCand> out;
+    for (const size_t i : param_candidates(md)) {
+      const ModelTensor& t = md.tensors[i];
+      if (t.dtensor || buffers.count(t.name)) continue;
+      if (t.tensor.dtype != DType::kF32 && t.tensor.dtype != DType::kBF16 && t.tensor.dtype != DType::kF16) continue;
+      OPTSTATE_ASSIGN_OR_RETURN(const int64_t n, checked_numel(t.tensor.shape));
+      out.push_back({t.name, t.tensor.shape, t.tensor, file, n});
+    }
+    return out;
+  }
+
+  // One expert-parallel rank's optimizer file (`world` ranks): its state_dict, each group's
+  // expert-parallel size, and under FP16_Optimizer its flat groups checked.
+  Result<MoeRank> read_moe_rank(const fs::path& f, int64_t world) {
+    const std::string fw = f.string();
+    OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(f));
+    files_.push_back(std::move(ap.first));
+    MoeRank r;
+    r.file = files_.size() - 1;
+    OPTSTATE_ASSIGN_OR_RETURN(r.sd, interpret_state_dict(ap.second, fw));
+    if (r.sd.optimizer_path.rfind("['optimizer']", 0) != 0 || r.sd.per_param || r.sd.libtorch || r.sd.nanotron ||
+        r.sd.megatron || r.sd.decoupled_decay)
+      return corrupt(fw + ": not DeepSpeed's expert-parallel optimizer file ({'optimizer': its numbered state_dict})");
+    for (const ParamSpec& spec : r.sd.params)
+      if (spec.fqn != std::to_string(spec.id))
+        return corrupt(fmt::format("{}: param '{}' is named in the file; DeepSpeed's optimizer numbers its params",
+                                   fw, spec.fqn));
+    if (r.sd.eight || r.sd.bnb || r.sd.torchao)
+      return corrupt(fw + ": 8-bit or torchao state; DeepSpeed MoE without ZeRO is read with AdamW's fp32 state");
+    for (size_t g = 0; g < r.sd.groups.size(); ++g) {
+      bool moe = false;
+      std::string name;
+      for (const GroupExtraSpec& x : r.sd.groups[g].extras) {
+        if (x.key == "moe") moe = x.value.kind == GroupValue::Kind::kBool && x.value.i;
+        if (x.key == "name" && x.value.kind == GroupValue::Kind::kString) name = x.value.s;
+      }
+      int64_t ep = 0;
+      constexpr std::string_view head = "ep_size_";
+      if (moe && name.rfind(head, 0) == 0 && name.size() > head.size() && name.size() <= head.size() + 7 &&
+          std::all_of(name.begin() + head.size(), name.end(), [](char c) { return c >= '0' && c <= '9'; }))
+        ep = std::stoll(name.substr(head.size()));
+      if (moe && (ep < 1 || world % ep))
+        return corrupt(fmt::format("{} param group {}: a mixture of experts' group ('moe') named '{}', not "
+                                   "ep_size_<a divisor of the {} ranks>", fw, g, name, world));
+      r.ep.push_back(ep);
+    }
+    if (!r.sd.deepspeed_flat) return r;
+    const std::string ow = fmt::format("{} {}", fw, r.sd.deepspeed_flat_at);
+    const size_t groups = r.sd.groups.size();
+    if (r.sd.deepspeed_flat_masters.size() != groups)
+      return corrupt(fmt::format("{}['fp32_groups_flat']: {} flat masters, the optimizer has {} param groups", ow,
+                                 r.sd.deepspeed_flat_masters.size(), groups));
+    r.numel.resize(groups);
+    r.flat_of.assign(groups, std::nullopt);
+    for (size_t g = 0; g < groups; ++g) {
+      if (r.sd.member_ids[g].size() != 1)
+        return corrupt(fmt::format("{}['optimizer_state_dict'] param group {}: {} params; FP16_Optimizer gives its "
+                                   "optimizer one flat param a group", ow, g, r.sd.member_ids[g].size()));
+      OPTSTATE_ASSIGN_OR_RETURN(r.numel[g], checked_numel(r.sd.deepspeed_flat_masters[g].shape));
+      OPTSTATE_RETURN_IF_ERROR(resolve(r.file, r.sd.deepspeed_flat_masters[g], r.numel[g],
+                                       fmt::format("{}['fp32_groups_flat'][{}]", ow, g)).status());
+    }
+    for (size_t k = 0; k < r.sd.params.size(); ++k) {
+      const ParamSpec& ps = r.sd.params[k];
+      const size_t g = static_cast<size_t>(ps.group);
+      const std::string pw = fmt::format("{}['optimizer_state_dict'] param group {}'s flat param", ow, g);
+      if (g >= groups || r.flat_of[g]) return internal_error(pw + ": listed twice");
+      if (ps.shape != std::vector<int64_t>{r.numel[g]})
+        return corrupt(fmt::format("{}: state of shape {}, its flat master's is [{}]", pw, format_shape(ps.shape),
+                                   r.numel[g]));
+      for (const auto& [name, es] : ps.entries)
+        if (es.encoding != Encoding::kDense || es.dtensor)
+          return corrupt(fmt::format("{}: '{}' is not a plain tensor", pw, name));
+      r.flat_of[g] = k;
+    }
+    return r;
+  }
+
+  // Places one rank's groups of one kind (`ep`; 0: dense) among `cands`: numbered params by order
+  // and shape (place_params_in_model), FP16_Optimizer's flat groups by value (place_in_flat_groups).
+  Result<MoePlacement> place_moe_groups(const MoeRank& r, int64_t ep, const std::vector<const MoeCand*>& cands,
+                                        const std::string& fw) {
+    MoePlacement out;
+    std::vector<size_t> gk;  // the kind's groups
+    for (size_t g = 0; g < r.sd.groups.size(); ++g)
+      if (r.ep[g] == ep) gk.push_back(g);
+    if (!r.sd.deepspeed_flat) {
+      std::map<int64_t, const ParamSpec*> spec_of;
+      for (const ParamSpec& s : r.sd.params) spec_of[s.id] = &s;
+      std::vector<std::vector<std::optional<std::vector<int64_t>>>> groups;
+      for (const size_t g : gk) {
+        auto& shapes_of = groups.emplace_back();
+        for (const int64_t id : r.sd.member_ids[g]) {
+          const auto it = spec_of.find(id);
+          shapes_of.push_back(it == spec_of.end() ? std::nullopt : std::optional(it->second->shape));
+        }
+      }
+      std::vector<std::vector<int64_t>> tensors;
+      for (const MoeCand* c : cands) tensors.push_back(c->shape);
+      const ModelPlacement placed = place_params_in_model(groups, tensors);
+      out.why = placed.why;
+      if (out.why.empty())
+        for (size_t k = 0; k < gk.size(); ++k)
+          for (size_t i = 0; i < r.sd.member_ids[gk[k]].size(); ++i)
+            out.placed.push_back({placed.tensor_of[k][i], gk[k], r.sd.member_ids[gk[k]][i], 0});
+      return out;
+    }
+    std::vector<int64_t> group_numels, numels;
+    std::vector<std::string> names;
+    std::vector<int> classes;  // tensors of one dtype round alike
+    for (const size_t g : gk) group_numels.push_back(r.numel[g]);
+    for (const MoeCand* c : cands) {
+      numels.push_back(c->numel);
+      names.push_back(c->name);
+      classes.push_back(static_cast<int>(c->tensor.dtype));
+    }
+    const std::string ow = fmt::format("{} {}['fp32_groups_flat']", fw, r.sd.deepspeed_flat_at);
+    deepspeed::FlatValues values;
+    values.flat = [&](size_t k, int64_t begin, std::span<const int64_t> at, size_t c) -> Result<std::vector<uint32_t>> {
+      std::vector<int64_t> shifted(at.begin(), at.end());
+      for (int64_t& i : shifted) i += begin;
+      OPTSTATE_ASSIGN_OR_RETURN(auto bits, read_samples(files_[r.file], r.file, r.sd.deepspeed_flat_masters[gk[k]],
+                                                        r.numel[gk[k]], shifted, fmt::format("{}[{}]", ow, gk[k])));
+      round_samples(bits, cands[c]->tensor.dtype);
+      return bits;
+    };
+    values.tensor = [&](size_t c, std::span<const int64_t> at) -> Result<std::vector<uint32_t>> {
+      return read_samples(files_[cands[c]->file], cands[c]->file, cands[c]->tensor, cands[c]->numel, at,
+                          fmt::format("{} ['{}']", files_[cands[c]->file].path.string(), cands[c]->name));
+    };
+    auto placed = deepspeed::place_in_flat_groups(group_numels, numels, names, values, ow, classes);
+    if (!placed.ok()) {
+      if (placed.status().code() != ErrorCode::kCorrupt) return placed.status();
+      out.why = placed.status().message();
+      return out;
+    }
+    for (size_t c = 0; c < cands.size(); ++c)
+      if ((*placed)[c]) out.placed.push_back({c, gk[(*placed)[c]->group], 0, (*placed)[c]->begin});
+    return out;
+  }
+
   // DeepSpeed MoE without ZeRO (stage 0; deepspeed/FORMAT.md): each expert-parallel rank's file
   // (expp_rank_E, E a rank of the largest expert-parallel group) holds its whole optimizer,
   // numbered: the dense params (alike on every rank) and its local experts, in groups of their own
@@ -940,8 +1111,9 @@ class TorchSaveReader final : public CheckpointReader {
   // and by shape (place_params_in_model, as names_from_model does for one model): a dense group's
   // among ['module']'s params, an MoE group's among the experts the rank holds of the layers of its
   // expert-parallel size, layer by layer and expert by expert in module order, named by their
-  // layer_L_expert_G files (G the global number). Which size each MoE layer has is in no file: the
-  // one assignment whose placements all fit is taken.
+  // layer_L_expert_G files (G the global number); under FP16_Optimizer (each group flat) by value
+  // instead (place_moe_groups). Which size each MoE layer has is in no file: the one assignment
+  // whose placements all fit is taken.
   Status init_moe_stage0(const MoeStage0Files& m) {
     deepspeed_ = true;
     set_ = true;
@@ -967,37 +1139,17 @@ class TorchSaveReader final : public CheckpointReader {
     const int64_t world = mp.at(dpw).i;
     OPTSTATE_ASSIGN_OR_RETURN(const ModelDict dense, interpret_model_dict(mp, mp.dict_get(mp.root(), "module"),
                                                                           mw + " ['module']"));
-    // The tensors that may be params: name, shape, where (module order).
-    struct Cand {
-      std::string name;
-      std::vector<int64_t> shape;
-      dcp::TensorRef tensor;
-      size_t file = 0;
-      int64_t numel = 0;
-    };
-    auto candidates = [](const ModelDict& md, size_t file, const std::set<std::string, std::less<>>& buffers)
-        -> Result<std::vector<Cand>> {
-      std::vector<Cand> out;
-      for (const size_t i : param_candidates(md)) {
-        const ModelTensor& t = md.tensors[i];
-        if (t.dtensor || buffers.count(t.name)) continue;
-        if (t.tensor.dtype != DType::kF32 && t.tensor.dtype != DType::kBF16 && t.tensor.dtype != DType::kF16) continue;
-        OPTSTATE_ASSIGN_OR_RETURN(const int64_t n, checked_numel(t.tensor.shape));
-        out.push_back({t.name, t.tensor.shape, t.tensor, file, n});
-      }
-      return out;
-    };
     std::set<std::string, std::less<>> buffers;  // DeepSpeed's ['buffer_names']: the module's buffers
     if (const pickle::Ref b = mp.dict_get(mp.root(), "buffer_names"); b != pickle::kNoRef && mp.at(b).kind != pickle::Kind::kNone) {
       const auto names = dcp::as_string_list(mp, b);
       if (!names) return corrupt(mw + " ['buffer_names']: not a list of strings");
       buffers.insert(names->begin(), names->end());
     }
-    OPTSTATE_ASSIGN_OR_RETURN(const std::vector<Cand> dense_cands, candidates(dense, model_file, buffers));
+    OPTSTATE_ASSIGN_OR_RETURN(const std::vector<MoeCand> dense_cands, moe_candidates(dense, model_file, buffers));
 
     // Every layer's expert files, and no others; each expert's tensors that may be params (in its
     // state_dict's order: the expert module's).
-    std::map<std::pair<size_t, int64_t>, std::vector<Cand>> expert;  // (layer, global number)
+    std::map<std::pair<size_t, int64_t>, std::vector<MoeCand>> expert;  // (layer, global number)
     size_t expert_files = 0, expert_others = 0;
     for (size_t l = 0; l < num_experts.size(); ++l) {
       const auto files = m.experts.find(static_cast<int64_t>(l));
@@ -1011,8 +1163,8 @@ class TorchSaveReader final : public CheckpointReader {
         OPTSTATE_ASSIGN_OR_RETURN(const ModelDict md, interpret_model_dict(ap.second, f.string()));
         const std::string mark = fmt::format("deepspeed_moe.experts.deepspeed_experts.{}.", g);
         auto& tensors = expert[{l, g}];
-        OPTSTATE_ASSIGN_OR_RETURN(tensors, candidates(md, files_.size() - 1, {}));
-        for (const Cand& t : tensors)
+        OPTSTATE_ASSIGN_OR_RETURN(tensors, moe_candidates(md, files_.size() - 1, {}));
+        for (const MoeCand& t : tensors)
           if (t.name.find(mark) == std::string::npos)
             return corrupt(fmt::format("{}: '{}' is not a tensor of expert {} (<layer>.{}<param>)", f.string(), t.name, g,
                                        mark));
@@ -1027,79 +1179,10 @@ class TorchSaveReader final : public CheckpointReader {
                                    num_experts.size(), fmt::join(num_experts, ", "), mw));
 
     // Each expert-parallel rank's optimizer, its groups' expert-parallel sizes (0: dense).
-    struct RankFile {
-      StateDict sd;
-      std::vector<int64_t> ep;  // by group
-      size_t file = 0;
-      // FP16_Optimizer (each group one flat fp32 master, its optimizer one flat param a group): the
-      // masters' lengths and each group's flat param (nullptr: never stepped)
-      std::vector<int64_t> numel;
-      std::vector<const ParamSpec*> flat_of;
-    };
-    std::vector<RankFile> ranks;
+    std::vector<MoeRank> ranks;
     for (const fs::path& f : m.optim) {
-      const std::string fw = f.string();
-      OPTSTATE_ASSIGN_OR_RETURN(auto ap, open_archive(f));
-      files_.push_back(std::move(ap.first));
-      RankFile r;
-      r.file = files_.size() - 1;
-      OPTSTATE_ASSIGN_OR_RETURN(r.sd, interpret_state_dict(ap.second, fw));
-      if (r.sd.optimizer_path.rfind("['optimizer']", 0) != 0 || r.sd.per_param || r.sd.libtorch || r.sd.nanotron ||
-          r.sd.megatron || r.sd.decoupled_decay)
-        return corrupt(fw + ": not DeepSpeed's expert-parallel optimizer file ({'optimizer': its numbered state_dict})");
-      for (const ParamSpec& spec : r.sd.params)
-        if (spec.fqn != std::to_string(spec.id))
-          return corrupt(fmt::format("{}: param '{}' is named in the file; DeepSpeed's optimizer numbers its params",
-                                     fw, spec.fqn));
-      if (r.sd.eight || r.sd.bnb || r.sd.torchao)
-        return corrupt(fw + ": 8-bit or torchao state; DeepSpeed MoE without ZeRO is read with AdamW's fp32 state");
-      for (size_t g = 0; g < r.sd.groups.size(); ++g) {
-        bool moe = false;
-        std::string name;
-        for (const GroupExtraSpec& x : r.sd.groups[g].extras) {
-          if (x.key == "moe") moe = x.value.kind == GroupValue::Kind::kBool && x.value.i;
-          if (x.key == "name" && x.value.kind == GroupValue::Kind::kString) name = x.value.s;
-        }
-        int64_t ep = 0;
-        constexpr std::string_view head = "ep_size_";
-        if (moe && name.rfind(head, 0) == 0 && name.size() > head.size() && name.size() <= head.size() + 7 &&
-            std::all_of(name.begin() + head.size(), name.end(), [](char c) { return c >= '0' && c <= '9'; }))
-          ep = std::stoll(name.substr(head.size()));
-        if (moe && (ep < 1 || world % ep))
-          return corrupt(fmt::format("{} param group {}: a mixture of experts' group ('moe') named '{}', not "
-                                     "ep_size_<a divisor of the {} ranks>", fw, g, name, world));
-        r.ep.push_back(ep);
-      }
+      OPTSTATE_ASSIGN_OR_RETURN(MoeRank r, read_moe_rank(f, world));
       ranks.push_back(std::move(r));
-      RankFile& rf = ranks.back();  // (its flat params point into its own StateDict: placed first)
-      if (!rf.sd.deepspeed_flat) continue;
-      const std::string ow = fmt::format("{} {}", fw, rf.sd.deepspeed_flat_at);
-      const size_t groups = rf.sd.groups.size();
-      if (rf.sd.deepspeed_flat_masters.size() != groups)
-        return corrupt(fmt::format("{}['fp32_groups_flat']: {} flat masters, the optimizer has {} param groups", ow,
-                                   rf.sd.deepspeed_flat_masters.size(), groups));
-      rf.numel.resize(groups);
-      rf.flat_of.assign(groups, nullptr);
-      for (size_t g = 0; g < groups; ++g) {
-        if (rf.sd.member_ids[g].size() != 1)
-          return corrupt(fmt::format("{}['optimizer_state_dict'] param group {}: {} params; FP16_Optimizer gives its "
-                                     "optimizer one flat param a group", ow, g, rf.sd.member_ids[g].size()));
-        OPTSTATE_ASSIGN_OR_RETURN(rf.numel[g], checked_numel(rf.sd.deepspeed_flat_masters[g].shape));
-        OPTSTATE_RETURN_IF_ERROR(resolve(rf.file, rf.sd.deepspeed_flat_masters[g], rf.numel[g],
-                                         fmt::format("{}['fp32_groups_flat'][{}]", ow, g)).status());
-      }
-      for (const ParamSpec& ps : rf.sd.params) {
-        const size_t g = static_cast<size_t>(ps.group);
-        const std::string pw = fmt::format("{}['optimizer_state_dict'] param group {}'s flat param", ow, g);
-        if (g >= groups || rf.flat_of[g]) return internal_error(pw + ": listed twice");
-        if (ps.shape != std::vector<int64_t>{rf.numel[g]})
-          return corrupt(fmt::format("{}: state of shape {}, its flat master's is [{}]", pw, format_shape(ps.shape),
-                                     rf.numel[g]));
-        for (const auto& [name, es] : ps.entries)
-          if (es.encoding != Encoding::kDense || es.dtensor)
-            return corrupt(fmt::format("{}: '{}' is not a plain tensor", pw, name));
-        rf.flat_of[g] = &ps;
-      }
     }
     const int64_t ep_max = *std::max_element(ranks[0].ep.begin(), ranks[0].ep.end());
     if (ep_max == 0)
@@ -1116,89 +1199,17 @@ class TorchSaveReader final : public CheckpointReader {
       return shapes.data_before_expert ? r / (world / ep) : r % ep;
     };
 
-    // Placement of one rank's groups of one kind (ep 0: dense) among `cands`: each placed tensor's
-    // group and its id (numbered params: by order and shape, place_params_in_model) or where its
-    // elements start in the group's flat master (FP16_Optimizer: by value, place_in_flat_groups).
-    // `why` says why none fits; an error is one of reading.
-    struct Spot {
-      size_t cand = 0, group = 0;
-      int64_t id = 0, begin = 0;
-    };
-    struct Placement {
-      std::vector<Spot> placed;
-      std::string why;
-    };
-    auto place_kind = [&](const RankFile& r, int64_t ep, const std::vector<const Cand*>& cands,
-                          const std::string& fw) -> Result<Placement> {
-      Placement out;
-      std::vector<size_t> gk;  // the kind's groups
-      for (size_t g = 0; g < r.sd.groups.size(); ++g)
-        if (r.ep[g] == ep) gk.push_back(g);
-      if (!r.sd.deepspeed_flat) {
-        std::map<int64_t, const ParamSpec*> spec_of;
-        for (const ParamSpec& s : r.sd.params) spec_of[s.id] = &s;
-        std::vector<std::vector<std::optional<std::vector<int64_t>>>> groups;
-        for (const size_t g : gk) {
-          auto& shapes_of = groups.emplace_back();
-          for (const int64_t id : r.sd.member_ids[g]) {
-            const auto it = spec_of.find(id);
-            shapes_of.push_back(it == spec_of.end() ? std::nullopt : std::optional(it->second->shape));
-          }
-        }
-        std::vector<std::vector<int64_t>> tensors;
-        for (const Cand* c : cands) tensors.push_back(c->shape);
-        const ModelPlacement placed = place_params_in_model(groups, tensors);
-        out.why = placed.why;
-        if (out.why.empty())
-          for (size_t k = 0; k < gk.size(); ++k)
-            for (size_t i = 0; i < r.sd.member_ids[gk[k]].size(); ++i)
-              out.placed.push_back({placed.tensor_of[k][i], gk[k], r.sd.member_ids[gk[k]][i], 0});
-        return out;
-      }
-      std::vector<int64_t> group_numels, numels;
-      std::vector<std::string> names;
-      std::vector<int> classes;  // tensors of one dtype round alike
-      for (const size_t g : gk) group_numels.push_back(r.numel[g]);
-      for (const Cand* c : cands) {
-        numels.push_back(c->numel);
-        names.push_back(c->name);
-        classes.push_back(static_cast<int>(c->tensor.dtype));
-      }
-      const std::string ow = fmt::format("{} {}['fp32_groups_flat']", fw, r.sd.deepspeed_flat_at);
-      deepspeed::FlatValues values;
-      values.flat = [&](size_t k, int64_t begin, std::span<const int64_t> at, size_t c) -> Result<std::vector<uint32_t>> {
-        std::vector<int64_t> shifted(at.begin(), at.end());
-        for (int64_t& i : shifted) i += begin;
-        OPTSTATE_ASSIGN_OR_RETURN(auto bits, read_samples(files_[r.file], r.file, r.sd.deepspeed_flat_masters[gk[k]],
-                                                          r.numel[gk[k]], shifted, fmt::format("{}[{}]", ow, gk[k])));
-        round_samples(bits, cands[c]->tensor.dtype);
-        return bits;
-      };
-      values.tensor = [&](size_t c, std::span<const int64_t> at) -> Result<std::vector<uint32_t>> {
-        return read_samples(files_[cands[c]->file], cands[c]->file, cands[c]->tensor, cands[c]->numel, at,
-                            fmt::format("{} ['{}']", files_[cands[c]->file].path.string(), cands[c]->name));
-      };
-      auto placed = deepspeed::place_in_flat_groups(group_numels, numels, names, values, ow, classes);
-      if (!placed.ok()) {
-        if (placed.status().code() != ErrorCode::kCorrupt) return placed.status();
-        out.why = placed.status().message();
-        return out;
-      }
-      for (size_t c = 0; c < cands.size(); ++c)
-        if ((*placed)[c]) out.placed.push_back({c, gk[(*placed)[c]->group], 0, (*placed)[c]->begin});
-      return out;
-    };
     std::set<int64_t> sizes;
     for (const int64_t ep : ranks[0].ep)
       if (ep) sizes.insert(ep);
     // The experts rank e holds of the layers of size `ep` (layer_ep: each layer's size).
-    auto expert_cands = [&](size_t e, int64_t ep, const std::vector<int64_t>& layer_ep, std::vector<const Cand*>& out) {
+    auto expert_cands = [&](size_t e, int64_t ep, const std::vector<int64_t>& layer_ep, std::vector<const MoeCand*>& out) {
       out.clear();
       for (size_t l = 0; l < num_experts.size(); ++l) {
         if (layer_ep[l] != ep) continue;
         const int64_t n = num_experts[l] / ep, q = ep_rank(e, ep);
         for (int64_t i = 0; i < n; ++i)
-          for (const Cand& t : expert.at({l, q * n + i})) out.push_back(&t);
+          for (const MoeCand& t : expert.at({l, q * n + i})) out.push_back(&t);
       }
     };
     // Each layer's expert-parallel size: every assignment of the groups' sizes that divide its
@@ -1218,14 +1229,14 @@ class TorchSaveReader final : public CheckpointReader {
     }
     std::vector<std::vector<int64_t>> fits;
     std::string why;
-    std::vector<const Cand*> ts;
+    std::vector<const MoeCand*> ts;
     for (size_t a = 0; a < assignments; ++a) {
       std::vector<int64_t> layer_ep(num_experts.size());
       for (size_t l = 0, k = a; l < num_experts.size(); k /= choices[l].size(), ++l) layer_ep[l] = choices[l][k % choices[l].size()];
       bool ok = true;
       for (const int64_t ep : sizes) {
         expert_cands(0, ep, layer_ep, ts);
-        OPTSTATE_ASSIGN_OR_RETURN(const Placement pl, place_kind(ranks[0], ep, ts, m.optim[0].string()));
+        OPTSTATE_ASSIGN_OR_RETURN(const MoePlacement pl, place_moe_groups(ranks[0], ep, ts, m.optim[0].string()));
         if (!pl.why.empty()) {
           if (why.empty()) why = fmt::format("the groups of ep_size_{}: {}", ep, pl.why);
           ok = false;
@@ -1254,7 +1265,7 @@ class TorchSaveReader final : public CheckpointReader {
     };
     std::vector<std::vector<size_t>> group_of(ranks.size());  // rank's group -> rank 0's
     for (size_t e = 0; e < ranks.size(); ++e) {
-      const RankFile& r = ranks[e];
+      const MoeRank& r = ranks[e];
       const std::string fw = m.optim[e].string();
       if (r.sd.groups.size() != ranks[0].sd.groups.size())
         return corrupt(fmt::format("{}: {} param groups; {} has {}", fw, r.sd.groups.size(), m.optim[0].string(),
@@ -1298,31 +1309,31 @@ class TorchSaveReader final : public CheckpointReader {
       }
 
     // Each rank's params: rank 0's dense ones and every rank's experts, named and read.
-    std::vector<const Cand*> dense_ptrs;
-    for (const Cand& c : dense_cands) dense_ptrs.push_back(&c);
+    std::vector<const MoeCand*> dense_ptrs;
+    for (const MoeCand& c : dense_cands) dense_ptrs.push_back(&c);
     const bool masters = ranks[0].sd.deepspeed_fp16, flat = ranks[0].sd.deepspeed_flat;
     size_t stateless = 0, dense_weights = 0, expert_copies = 0;
     static const std::optional<DTensorSpec> plain;
     for (size_t e = 0; e < ranks.size(); ++e) {
-      const RankFile& r = ranks[e];
+      const MoeRank& r = ranks[e];
       const std::string fw = m.optim[e].string();
       if (r.sd.deepspeed_fp16 != masters || r.sd.deepspeed_flat != flat)
         return corrupt(fmt::format("{}: another optimizer wrapper than {}'s ({})", fw, m.optim[0].string(),
                                    flat ? "FP16_Optimizer's flat groups" : masters ? "FP16_UnfusedOptimizer's" : "none"));
-      std::vector<std::pair<Spot, const Cand*>> all;  // (placement, its tensor), dense ones first
+      std::vector<std::pair<MoeSpot, const MoeCand*>> all;  // (placement, its tensor), dense ones first
       if (e == 0) {
-        OPTSTATE_ASSIGN_OR_RETURN(const Placement pl, place_kind(r, 0, dense_ptrs, fw));
+        OPTSTATE_ASSIGN_OR_RETURN(const MoePlacement pl, place_moe_groups(r, 0, dense_ptrs, fw));
         if (!pl.why.empty())
           return corrupt(fmt::format("{}: its dense param groups placed among {} ['module']'s params: {}", fw, mw, pl.why));
-        for (const Spot& x : pl.placed) all.emplace_back(x, dense_ptrs[x.cand]);
+        for (const MoeSpot& x : pl.placed) all.emplace_back(x, dense_ptrs[x.cand]);
       }
       for (const int64_t ep : sizes) {
         expert_cands(e, ep, layer_ep, ts);
-        OPTSTATE_ASSIGN_OR_RETURN(const Placement pl, place_kind(r, ep, ts, fw));
+        OPTSTATE_ASSIGN_OR_RETURN(const MoePlacement pl, place_moe_groups(r, ep, ts, fw));
         if (!pl.why.empty())
           return corrupt(fmt::format("{}: its groups of ep_size_{} placed among its experts (MoE layers' sizes [{}]): {}",
                                      fw, ep, fmt::join(layer_ep, ", "), pl.why));
-        for (const Spot& x : pl.placed) all.emplace_back(x, ts[x.cand]);
+        for (const MoeSpot& x : pl.placed) all.emplace_back(x, ts[x.cand]);
       }
       // in each group's order (torch numbers a group's params in its order; a flat master packs them)
       std::stable_sort(all.begin(), all.end(), [](const auto& a, const auto& b) {
@@ -1331,8 +1342,8 @@ class TorchSaveReader final : public CheckpointReader {
       std::map<int64_t, const ParamSpec*> spec_of;
       for (const ParamSpec& s : r.sd.params) spec_of[s.id] = &s;
       for (const auto& item : all) {
-        const Spot& x = item.first;  // not structured bindings: clang 14 cannot capture them (view)
-        const Cand* cand = item.second;
+        const MoeSpot& x = item.first;  // not structured bindings: clang 14 cannot capture them (view)
+        const MoeCand* cand = item.second;
         const std::string& fqn = cand->name;
         const bool is_expert = r.ep[x.group] != 0;
         // an expert of a layer of a smaller expert-parallel size than the largest: rank e's copy
@@ -1361,7 +1372,7 @@ class TorchSaveReader final : public CheckpointReader {
           t.stride.clear();
           return t;
         };
-        const ParamSpec* state = flat ? r.flat_of[x.group] : spec;
+        const ParamSpec* state = !flat ? spec : r.flat_of[x.group] ? &r.sd.params[*r.flat_of[x.group]] : nullptr;
         ParamState ps;
         ps.shape = cand->shape;
         ps.group = static_cast<int>(group_of[e][x.group]);

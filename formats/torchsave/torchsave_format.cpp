@@ -999,45 +999,16 @@ class TorchSaveReader final : public CheckpointReader {
         if (x.key == "moe") moe = x.value.kind == GroupValue::Kind::kBool && x.value.i;
         if (x.key == "name" && x.value.kind == GroupValue::Kind::kString) name = x.value.s;
       }
-      int64_t ep = 0;
-      constexpr std::string_view head = "ep_size_";
-      if (moe && name.rfind(head, 0) == 0 && name.size() > head.size() && name.size() <= head.size() + 7 &&
-          std::all_of(name.begin() + head.size(), name.end(), [](char c) { return c >= '0' && c <= '9'; }))
-        ep = std::stoll(name.substr(head.size()));
+      const int64_t ep = moe ? moe_group_ep_size(name).value_or(0) : 0;
       if (moe && (ep < 1 || world % ep))
         return corrupt(fmt::format("{} param group {}: a mixture of experts' group ('moe') named '{}', not "
                                    "ep_size_<a divisor of the {} ranks>", fw, g, name, world));
       r.ep.push_back(ep);
     }
     if (!r.sd.deepspeed_flat) return r;
-    const std::string ow = fmt::format("{} {}", fw, r.sd.deepspeed_flat_at);
-    const size_t groups = r.sd.groups.size();
-    if (r.sd.deepspeed_flat_masters.size() != groups)
-      return corrupt(fmt::format("{}['fp32_groups_flat']: {} flat masters, the optimizer has {} param groups", ow,
-                                 r.sd.deepspeed_flat_masters.size(), groups));
-    r.numel.resize(groups);
-    r.flat_of.assign(groups, std::nullopt);
-    for (size_t g = 0; g < groups; ++g) {
-      if (r.sd.member_ids[g].size() != 1)
-        return corrupt(fmt::format("{}['optimizer_state_dict'] param group {}: {} params; FP16_Optimizer gives its "
-                                   "optimizer one flat param a group", ow, g, r.sd.member_ids[g].size()));
-      OPTSTATE_ASSIGN_OR_RETURN(r.numel[g], checked_numel(r.sd.deepspeed_flat_masters[g].shape));
-      OPTSTATE_RETURN_IF_ERROR(resolve(r.file, r.sd.deepspeed_flat_masters[g], r.numel[g],
-                                       fmt::format("{}['fp32_groups_flat'][{}]", ow, g)).status());
-    }
-    for (size_t k = 0; k < r.sd.params.size(); ++k) {
-      const ParamSpec& ps = r.sd.params[k];
-      const size_t g = static_cast<size_t>(ps.group);
-      const std::string pw = fmt::format("{}['optimizer_state_dict'] param group {}'s flat param", ow, g);
-      if (g >= groups || r.flat_of[g]) return internal_error(pw + ": listed twice");
-      if (ps.shape != std::vector<int64_t>{r.numel[g]})
-        return corrupt(fmt::format("{}: state of shape {}, its flat master's is [{}]", pw, format_shape(ps.shape),
-                                   r.numel[g]));
-      for (const auto& [name, es] : ps.entries)
-        if (es.encoding != Encoding::kDense || es.dtensor)
-          return corrupt(fmt::format("{}: '{}' is not a plain tensor", pw, name));
-      r.flat_of[g] = k;
-    }
+    OPTSTATE_ASSIGN_OR_RETURN(FlatGroups fg, flat_groups(r.sd, r.file, fw));
+    r.numel = std::move(fg.numel);
+    r.flat_of = std::move(fg.flat_of);
     return r;
   }
 
@@ -2361,35 +2332,55 @@ class TorchSaveReader final : public CheckpointReader {
   // masters split into the model's params where deepspeed::place_in_flat_groups finds them; their
   // entries and weights become views of the flat tensors, numbered group by group as torch numbers
   // a group's params.
-  Status place_deepspeed_flat(const pickle::Pickle& p, size_t fi, StateDict& sd, const std::string& where) {
+  // FP16_Optimizer's flat groups in the state_dict of archive `fi` (`where` names it): each group
+  // one flat fp32 master (its length) and at most one flat param of that length with dense state
+  // (its index in sd.params; none: the group never stepped).
+  struct FlatGroups {
+    std::vector<int64_t> numel;
+    std::vector<std::optional<size_t>> flat_of;
+  };
+  Result<FlatGroups> flat_groups(const StateDict& sd, size_t fi, const std::string& where) {
     const std::string ow = fmt::format("{} {}", where, sd.deepspeed_flat_at);
     const size_t groups = sd.groups.size();
     if (sd.deepspeed_flat_masters.size() != groups || sd.member_ids.size() != groups)
       return corrupt(fmt::format("{}['fp32_groups_flat']: {} flat masters, the optimizer has {} param groups", ow,
                                  sd.deepspeed_flat_masters.size(), groups));
-    std::vector<int64_t> group_numels(groups);
-    std::vector<const ParamSpec*> flat_of(groups, nullptr);
+    FlatGroups out;
+    out.numel.resize(groups);
+    out.flat_of.assign(groups, std::nullopt);
     for (size_t g = 0; g < groups; ++g) {
       const std::string mw = fmt::format("{}['fp32_groups_flat'][{}]", ow, g);
       if (sd.member_ids[g].size() != 1)
         return corrupt(fmt::format("{}['optimizer_state_dict'] param group {}: {} params; FP16_Optimizer gives its "
                                    "optimizer one flat param a group", ow, g, sd.member_ids[g].size()));
-      OPTSTATE_ASSIGN_OR_RETURN(group_numels[g], checked_numel(sd.deepspeed_flat_masters[g].shape));
-      OPTSTATE_RETURN_IF_ERROR(resolve(fi, sd.deepspeed_flat_masters[g], group_numels[g], mw).status());
+      OPTSTATE_ASSIGN_OR_RETURN(out.numel[g], checked_numel(sd.deepspeed_flat_masters[g].shape));
+      OPTSTATE_RETURN_IF_ERROR(resolve(fi, sd.deepspeed_flat_masters[g], out.numel[g], mw).status());
     }
-    for (const ParamSpec& ps : sd.params) {
+    for (size_t k = 0; k < sd.params.size(); ++k) {
+      const ParamSpec& ps = sd.params[k];
       const size_t g = static_cast<size_t>(ps.group);
       const std::string pw = fmt::format("{}['optimizer_state_dict'] param group {}'s flat param", ow, g);
-      if (g >= groups || flat_of[g]) return internal_error(pw + ": listed twice");
-      if (ps.shape != std::vector<int64_t>{group_numels[g]})
+      if (g >= groups || out.flat_of[g]) return internal_error(pw + ": listed twice");
+      if (ps.shape != std::vector<int64_t>{out.numel[g]})
         return corrupt(fmt::format("{}: state of shape {}, its flat master's is [{}]", pw, format_shape(ps.shape),
-                                   group_numels[g]));
+                                   out.numel[g]));
       for (const auto& [name, es] : ps.entries)
         if (es.encoding != Encoding::kDense || es.dtensor)
           return corrupt(fmt::format("{}: '{}' is not a plain tensor (FP16_Optimizer's fused optimizers keep dense "
                                      "fp32 moments)", pw, name));
-      flat_of[g] = &ps;
+      out.flat_of[g] = k;
     }
+    return out;
+  }
+
+  Status place_deepspeed_flat(const pickle::Pickle& p, size_t fi, StateDict& sd, const std::string& where) {
+    const std::string ow = fmt::format("{} {}", where, sd.deepspeed_flat_at);
+    const size_t groups = sd.groups.size();
+    OPTSTATE_ASSIGN_OR_RETURN(const FlatGroups fg, flat_groups(sd, fi, where));
+    const std::vector<int64_t>& group_numels = fg.numel;
+    std::vector<const ParamSpec*> flat_of(groups, nullptr);
+    for (size_t g = 0; g < groups; ++g)
+      if (fg.flat_of[g]) flat_of[g] = &sd.params[*fg.flat_of[g]];
     if (sd.model_ref == pickle::kNoRef)
       return corrupt(ow + ": DeepSpeed's FP16_Optimizer without the model beside it (['module']), whose weights place "
                           "the params in its flat masters");
@@ -4386,6 +4377,13 @@ Status write_carrying(StateSource& source, const CheckpointReader& from, const f
 
 namespace {
 
+// A file name's number field: 1 to 7 decimal digits.
+std::optional<int64_t> name_number(std::string_view d) {
+  if (d.empty() || d.size() > 7 || !std::all_of(d.begin(), d.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return std::nullopt;
+  return std::stoll(std::string(d));
+}
+
 // "zero_pp_rank_R_mp_rank_MM_optim_states.pt" ("bf16_" before it under bf16): (bf16, R, MM).
 std::optional<std::tuple<bool, int64_t, int64_t>> zero_optim_name(std::string name) {
   const bool bf16 = name.rfind("bf16_", 0) == 0;
@@ -4395,12 +4393,7 @@ std::optional<std::tuple<bool, int64_t, int64_t>> zero_optim_name(std::string na
   name = name.substr(head.size(), name.size() - head.size() - tail.size());
   const auto m = name.find(mid);
   if (m == std::string::npos) return std::nullopt;
-  auto number = [](const std::string& d) -> std::optional<int64_t> {
-    if (d.empty() || d.size() > 7 || !std::all_of(d.begin(), d.end(), [](char c) { return c >= '0' && c <= '9'; }))
-      return std::nullopt;
-    return std::stoll(d);
-  };
-  const auto r = number(name.substr(0, m)), mp = number(name.substr(m + mid.size()));
+  const auto r = name_number(name.substr(0, m)), mp = name_number(name.substr(m + mid.size()));
   if (!r || !mp) return std::nullopt;
   return std::tuple{bf16, *r, *mp};
 }
@@ -4732,13 +4725,8 @@ Result<std::optional<MoeStage0Files>> moe_stage0_files(const fs::path& path) {
     if (name.rfind(head, 0) == 0 && name.ends_with(tail)) {
       const std::string body = name.substr(head.size(), name.size() - head.size() - tail.size());
       const auto m = body.find(mid);
-      auto number = [](const std::string& d) -> std::optional<int64_t> {
-        if (d.empty() || d.size() > 7 || !std::all_of(d.begin(), d.end(), [](char c) { return c >= '0' && c <= '9'; }))
-          return std::nullopt;
-        return std::stoll(d);
-      };
-      const auto e = m == std::string::npos ? std::nullopt : number(body.substr(0, m));
-      const auto mp = m == std::string::npos ? std::nullopt : number(body.substr(m + mid.size()));
+      const auto e = m == std::string::npos ? std::nullopt : name_number(body.substr(0, m));
+      const auto mp = m == std::string::npos ? std::nullopt : name_number(body.substr(m + mid.size()));
       if (!e || !mp) return corrupt(fmt::format("{}: {} is not expp_rank_<E>_mp_rank_<MM>_optim_states.pt", out.dir.string(), name));
       if (*mp != 0) other_mp = name;
       if (!optim.emplace(*e, it->path()).second)

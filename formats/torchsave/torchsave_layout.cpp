@@ -1701,11 +1701,7 @@ Result<ZeroRank> interpret_zero_optim(const Pickle& p, const std::string& where)
       return corrupt(gw + ": a mixture of experts' group ('moe') under ZeRO stage 3, which DeepSpeed's MoE does not "
                           "run on");
     const auto name = dcp::as_string(p, p.dict_get((*groups)[g], "name"));
-    constexpr std::string_view head = "ep_size_";
-    int64_t ep = 0;
-    if (name && name->rfind(head, 0) == 0 && name->size() > head.size() && name->size() <= head.size() + 7 &&
-        std::all_of(name->begin() + head.size(), name->end(), [](char c) { return c >= '0' && c <= '9'; }))
-      ep = std::stoll(name->substr(head.size()));
+    const int64_t ep = name ? moe_group_ep_size(*name).value_or(0) : 0;
     if (ep < 1)
       return corrupt(fmt::format("{}: a mixture of experts' group ('moe') named {}, not ep_size_<expert-parallel "
                                  "size>", gw, name ? "'" + *name + "'" : "nothing"));
@@ -2002,6 +1998,14 @@ Result<AutoTpMaps> interpret_autotp_maps(const Pickle& p, Ref info, const std::s
       out.unsupported[name ? *name : pattern.value_or("?")] = why.value_or("no reason given");
     }
   return out;
+}
+
+std::optional<int64_t> moe_group_ep_size(std::string_view name) {
+  constexpr std::string_view head = "ep_size_";
+  if (name.rfind(head, 0) != 0 || name.size() <= head.size() || name.size() > head.size() + 7 ||
+      !std::all_of(name.begin() + head.size(), name.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return std::nullopt;
+  return std::stoll(std::string(name.substr(head.size())));
 }
 
 Result<ZeroShapes> interpret_zero_model(const Pickle& p, const std::string& where) {

@@ -366,6 +366,10 @@ Result<AutoTpMaps> interpret_autotp_maps(const pickle::Pickle& p, pickle::Ref in
 // The name a pattern ^<re.escape(name)>$ matches; nullopt for any other pattern.
 std::optional<std::string> exact_name_of_pattern(std::string_view pattern);
 
+// A DeepSpeed MoE param group's expert-parallel size from its name ("ep_size_<E>", as
+// split_params_into_different_moe_groups_for_optimizer names it); nullopt for another name.
+std::optional<int64_t> moe_group_ep_size(std::string_view name);
+
 // The model states file (mp_rank_00_model_states.pt; stage 3: zero_pp_rank_0_mp_rank_00_model_states.pt):
 // each group's params in flattening order with their shapes, and what else it holds.
 struct ZeroShapes {

@@ -1,0 +1,144 @@
+"""optstate.read_state_dict: any checkpoint optstate reads, returned as the state dicts PyTorch's own
+APIs take (get_state_dict's form; torch's optimizer.state_dict() form for numbered params), checked
+against what torch, torchao and DeepSpeed held, and by resuming from them with plain torch."""
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import set_state_dict
+
+import optstate
+from test_formats import make_dcp, st_load
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCHSAVE = ROOT / "formats" / "torchsave" / "testdata"
+DEEPSPEED = ROOT / "formats" / "deepspeed" / "testdata"
+
+
+def _model():
+    torch.manual_seed(5)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 4))
+
+
+def _adamw(model):
+    return torch.optim.AdamW([{"params": [model[0].weight, model[2].weight]},
+                              {"params": [model[0].bias, model[2].bias, model[1].weight, model[1].bias],
+                               "weight_decay": 0.0, "lr": 3e-3}], lr=1e-3, amsgrad=True)
+
+
+def _steps(model, opt, seeds):
+    for s in seeds:
+        g = torch.Generator().manual_seed(s)
+        model(torch.randn(8, 16, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_dcp_reads_as_get_state_dict_gave_it_and_plain_torch_resumes_bitwise(tmp_path):
+    """A DCP of torch.optim.AdamW (two groups, amsgrad, BatchNorm buffers beside the weights):
+    read_state_dict gives back get_state_dict's two dicts, tensor for tensor, and set_state_dict of
+    them into a fresh model and AdamW continues bit for bit as the run that saved it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model = _model()
+    opt = _adamw(model)
+    _steps(model, opt, range(3))
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "ck"))
+
+    weights, optim = optstate.read_state_dict(tmp_path / "ck")
+    assert weights.keys() == msd.keys()
+    assert all(torch.equal(weights[k], v) and weights[k].dtype == v.dtype for k, v in msd.items())
+    assert optim["state"].keys() == osd["state"].keys()
+    for fqn, st in osd["state"].items():
+        assert optim["state"][fqn].keys() == st.keys(), fqn
+        for k, v in st.items():
+            assert torch.equal(optim["state"][fqn][k], v) and optim["state"][fqn][k].dtype == v.dtype, (fqn, k)
+    assert [g["params"] for g in optim["param_groups"]] == [g["params"] for g in osd["param_groups"]]
+    for got, want in zip(optim["param_groups"], osd["param_groups"]):
+        assert got == {k: v for k, v in want.items() if k != "params"} | {"params": got["params"]}
+
+    fresh = _model()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.mul_(0.5)  # other weights than the run's: the read must replace them
+    fresh_opt = _adamw(fresh)
+    set_state_dict(fresh, fresh_opt, model_state_dict=weights, optim_state_dict=optim)
+    _steps(model, opt, range(3, 5))
+    _steps(fresh, fresh_opt, range(3, 5))
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_torchaos_8bit_moments_come_back_as_torchaos_own_dequantize(tmp_path):
+    """torchao's AdamW8bit in a DCP (tensor subclasses that only torchao rebuilds): the moments come
+    back as plain fp32 tensors, bit for bit what torchao's OptimState8bit.dequantize() gave in the
+    run that saved them; the weights as the model held them."""
+    ck = make_dcp(tmp_path, "ao")
+    ref = torch.load(str(ck) + ".ref.pt")
+    weights, optim = optstate.read_state_dict(ck)
+    names = {k.rsplit(".", 1)[0] for k in ref}
+    assert set(optim["state"]) == names
+    for k, v in ref.items():
+        fqn, entry = k.rsplit(".", 1)
+        got = weights[fqn] if entry == "param" else optim["state"][fqn][entry]
+        assert got.dtype == torch.float32 and torch.equal(got, v.float()), k
+    assert all(float(st["step"]) == 3.0 and st["step"].dtype == torch.float32 for st in optim["state"].values())
+    plain = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    assert set(optim["param_groups"][0]) == set(plain.state_dict()["param_groups"][0])
+
+
+def test_a_numbered_optimizer_pt_reads_in_torchs_own_form_and_loads_into_adamw():
+    """A state_dict saved as torch.optim.AdamW gives it (params numbered, as Hugging Face's Trainer
+    keeps optimizer.pt): read_state_dict keeps the numbers (ints), so optimizer.load_state_dict
+    takes it; state and groups are the file's, as torch.load reads them."""
+    src = TORCHSAVE / "torch_adamw_amsgrad.pt"
+    want = torch.load(src)
+    weights, optim = optstate.read_state_dict(src)
+    assert weights == {}
+    assert set(optim["state"]) == set(want["state"]) and all(isinstance(k, int) for k in optim["state"])
+    for i, st in want["state"].items():
+        for k, v in st.items():
+            assert torch.equal(optim["state"][i][k], v), (i, k)
+    assert [g["params"] for g in optim["param_groups"]] == [g["params"] for g in want["param_groups"]]
+    for got, g in zip(optim["param_groups"], want["param_groups"]):
+        for k in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
+            assert got[k] == (tuple(g[k]) if k == "betas" else g[k]), k
+    shapes = {i: st["exp_avg"].shape for i, st in want["state"].items()}
+    params = [[torch.nn.Parameter(torch.zeros(shapes[i])) for i in g["params"]] for g in want["param_groups"]]
+    opt = torch.optim.AdamW([{"params": ps} for ps in params])
+    opt.load_state_dict(optim)
+    for i, st in want["state"].items():
+        assert torch.equal(opt.state_dict()["state"][i]["exp_avg_sq"], st["exp_avg_sq"]), i
+
+
+def test_a_deepspeed_zero_checkpoint_reads_as_its_conversion(tmp_path, optstate_cli):
+    """DeepSpeed ZeRO-2 over 2 ranks (each rank's partition of the flat fp32 groups): read with no
+    DeepSpeed, by param name, the same values `optstate convert` writes (the fp32 masters as the
+    weights)."""
+    ck = DEEPSPEED / "zero2_world2"
+    weights, optim = optstate.read_state_dict(ck)
+    optstate_cli("convert", ck, tmp_path / "z.safetensors")
+    conv = st_load(tmp_path / "z.safetensors")
+    assert optim["state"] and {f"{fqn}.{k}" for fqn, st in optim["state"].items() for k in st if k != "step"} | \
+        {f"{fqn}.param" for fqn in weights} == set(conv)
+    for key, v in conv.items():
+        fqn, entry = key.rsplit(".", 1)
+        got = weights[fqn] if entry == "param" else optim["state"][fqn][entry]
+        assert torch.equal(got, v), key
+    assert {float(st["step"]) for st in optim["state"].values()} == {3.0}  # global_step3
+
+
+def test_a_damaged_checkpoint_raises_naming_the_file(tmp_path):
+    """A truncated optimizer.pt: RuntimeError naming the file, nothing returned."""
+    bad = tmp_path / "optimizer.pt"
+    data = (TORCHSAVE / "torch_adamw_amsgrad.pt").read_bytes()
+    bad.write_bytes(data[: len(data) // 2])
+    with pytest.raises(RuntimeError, match="optimizer.pt"):
+        optstate.read_state_dict(bad)
+    gone = tmp_path / "gone"
+    shutil.copytree(DEEPSPEED / "zero2_world2", gone)
+    (gone / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(RuntimeError, match="zero_pp_rank"):
+        optstate.read_state_dict(gone)

@@ -142,3 +142,46 @@ def test_a_damaged_checkpoint_raises_naming_the_file(tmp_path):
     (gone / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     with pytest.raises(RuntimeError, match="zero_pp_rank"):
         optstate.read_state_dict(gone)
+
+
+# Every checkpoint of tests/data/ that a framework or another torch release wrote, with what it held
+# beside it (<ck>.ref.safetensors: "<fqn>.<entry>" tensors, fp32; its "ref" metadata each param's
+# step and group settings): Megatron-LM (torch_dist, zarr, legacy), NeMo 1, nanotron, OLMo-core,
+# Composer, Lightning, and torch 2.4-2.14 / torchao 0.5-0.18 (optimizer.pt, DCP, FSDP1 and FSDP2
+# per-rank files, torchao's AdamW8bit).
+CORPORA = [ROOT / "tests" / "data" / "writers", ROOT / "tests" / "data" / "torch_versions"]
+HELD = sorted(str(ref.relative_to(ROOT))[:-len(".ref.safetensors")]
+              for corpus in CORPORA for ref in corpus.glob("*/*.ref.safetensors"))
+
+
+@pytest.mark.parametrize("ck", HELD)
+def test_every_corpus_checkpoint_reads_as_its_writer_held_it(ck):
+    """read_state_dict of each gives what its writer held, bit for bit: every moment (torchao's as
+    its dequantize() gives them) and every weight the reference keeps (the fp32 main params where
+    the optimizer kept them, widened as the reference is), each param's step, its group's lr,
+    betas, eps and weight decay."""
+    import json
+    from safetensors import safe_open
+    ref_path = ROOT / (ck + ".ref.safetensors")
+    with safe_open(str(ref_path), "pt") as f:
+        meta = json.loads(f.metadata()["ref"])
+    ref = st_load(ref_path)
+    weights, optim = optstate.read_state_dict(ROOT / ck)
+    state = {str(k): v for k, v in optim["state"].items()}
+    moments = {f"{fqn}.{e}" for fqn, st in state.items() for e in st if e != "step"}
+    assert moments == {k for k in ref if not k.endswith(".param")}
+    for key, want in ref.items():
+        fqn, entry = key.rsplit(".", 1)
+        got = weights[fqn] if entry == "param" else state[fqn][entry]
+        assert torch.equal(got.float(), want), key
+        if entry != "param":
+            assert got.dtype == torch.float32, key
+    group_of = {str(n): g for g in optim["param_groups"] for n in g["params"]}
+    assert set(meta) == set(group_of)
+    for fqn, want in meta.items():
+        if fqn in state:
+            assert float(state[fqn]["step"]) == want["step"], fqn
+        g = group_of[fqn]
+        for field in ("lr", "betas", "eps", "weight_decay"):
+            assert g[field] == pytest.approx(tuple(want[field]) if field == "betas" else want[field], rel=1e-7), \
+                (fqn, field)

@@ -185,3 +185,52 @@ def test_every_corpus_checkpoint_reads_as_its_writer_held_it(ck):
         for field in ("lr", "betas", "eps", "weight_decay"):
             assert g[field] == pytest.approx(tuple(want[field]) if field == "betas" else want[field], rel=1e-7), \
                 (fqn, field)
+
+
+FSDP2_RESUME = """
+import sys, torch, torch.distributed as dist
+import optstate
+import torch.distributed.checkpoint as dcp
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+dist.init_process_group("gloo")
+def build():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 4))
+    fully_shard(m)
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.05)
+def steps(m, o, seeds):
+    for s in seeds:
+        g = torch.Generator().manual_seed(s)
+        m(torch.randn(8, 16, generator=g)).square().mean().backward()
+        o.step()
+        o.zero_grad()
+m, o = build()
+steps(m, o, range(3))
+msd, osd = get_state_dict(m, o)
+dcp.save({"model": msd, "optim": osd}, checkpoint_id=sys.argv[1])
+fresh, fresh_opt = build()
+with torch.no_grad():
+    for p in fresh.parameters():
+        p.mul_(0.5)  # other weights than the run's: the read must replace them
+weights, optim = optstate.read_state_dict(sys.argv[1])  # whole, on every rank
+set_state_dict(fresh, fresh_opt, model_state_dict=weights, optim_state_dict=optim,
+               options=StateDictOptions(full_state_dict=True))
+steps(m, o, range(3, 5))
+steps(fresh, fresh_opt, range(3, 5))
+same = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(m.parameters(), fresh.parameters()))
+print(f"rank {dist.get_rank()}: {'resumed bitwise' if same else 'DIFFERS'}")
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_ranks_resume_from_it_through_set_state_dict(tmp_path):
+    """FSDP2 over 2 gloo ranks (a 33-row layer: shards of 17 and 16 rows): each rank reads the DCP
+    whole with read_state_dict and hands it to set_state_dict as a full state dict, which shards
+    it; two more steps are bit for bit those of the run that saved it. (torch's
+    broadcast_from_rank0, with rank 0 alone reading, hangs on gloo in torch 2.13 with torch's own
+    full state dicts too, so it is not used here.)"""
+    from test_formats import run_script
+    proc = run_script(tmp_path, FSDP2_RESUME, "fsdp2_resume.py", tmp_path / "ck", ranks=2)
+    assert proc.stdout.count("resumed bitwise") == 2, proc.stdout + proc.stderr[-2000:]

@@ -46,24 +46,33 @@ std::span<const T> as(const Buffer& v) {
   return {reinterpret_cast<const T*>(v.data), v.size / sizeof(T)};
 }
 
-// Range [r.begin, r.end) of a stored entry as fp32 values.
-Result<std::vector<float>> read_f32(CheckpointReader& reader, const std::string& fqn, const std::string& name,
-                                    const Entry& stored, int64_t numel, FlatRange r) {
+// Range [r.begin, r.end) of a stored entry as fp32 values, into `out` (r.size() floats): written
+// there directly (a whole entry's dequantized blocks, a dense entry widened), not through a copy.
+Status read_f32_into(CheckpointReader& reader, const std::string& fqn, const std::string& name, const Entry& stored,
+                     int64_t numel, FlatRange r, std::span<float> out) {
   const std::string key = entry_key(fqn, name);
+  if (out.size() != static_cast<size_t>(r.size()))
+    return internal_error(fmt::format("{}: {} floats for a range of {}", key, out.size(), r.size()));
   if (stored.encoding == Encoding::kDense) {
     OPTSTATE_ASSIGN_OR_RETURN(auto bytes, read_bytes(reader, fqn, name, stored, Component::kValues, r.begin, r.end));
-    return dense_to_f32(bytes.span(), stored.dtype, key);
+    return dense_to_f32_into(bytes.span(), stored.dtype, out, key);
   }
-  // The blocks covering the range, dequantized, then cut to it.
+  // The blocks covering the range, dequantized; where the range starts or ends inside a block,
+  // through a buffer of those blocks, cut to it.
   const int64_t bs = stored.block_size;
   const int64_t b0 = r.begin / bs, b1 = (r.end + bs - 1) / bs;
   const int64_t e0 = b0 * bs, e1 = std::min(numel, b1 * bs);
   OPTSTATE_ASSIGN_OR_RETURN(QMap m, qmap_from_name(stored.qmap));
   OPTSTATE_ASSIGN_OR_RETURN(auto codes, read_bytes(reader, fqn, name, stored, Component::kCodes, e0, e1));
   OPTSTATE_ASSIGN_OR_RETURN(auto absmax, read_bytes(reader, fqn, name, stored, Component::kAbsmax, b0, b1));
+  if (e0 == r.begin && e1 == r.end) {
+    dequantize_blockwise(as<uint8_t>(codes), as<float>(absmax), bs, m, out);
+    return Status::Ok();
+  }
   std::vector<float> values(static_cast<size_t>(e1 - e0));
   dequantize_blockwise(as<uint8_t>(codes), as<float>(absmax), bs, m, values);
-  return std::vector<float>(values.begin() + (r.begin - e0), values.begin() + (r.end - e0));
+  std::copy(values.begin() + (r.begin - e0), values.begin() + (r.end - e0), out.begin());
+  return Status::Ok();
 }
 
 // Fills the buffers of `target` with range r (elements) of the stored entry.
@@ -87,14 +96,19 @@ Status read_into(CheckpointReader& reader, const std::string& fqn, const std::st
     target.absmax = std::move(a);
     return Status::Ok();
   }
-  OPTSTATE_ASSIGN_OR_RETURN(std::vector<float> values, read_f32(reader, fqn, name, stored, numel, r));
   if (target.encoding == Encoding::kDense) {
     if (target.dtype != DType::kF32)
       return invalid_argument(fmt::format("entry '{}': cannot convert {} to dense {}", entry_key(fqn, name),
                                           encoding_name(stored.encoding), dtype_name(target.dtype)));
-    target.values = Buffer::copy_of(std::as_bytes(std::span(values)));
+    std::span<std::byte> out;
+    Buffer values = Buffer::allocate(static_cast<size_t>(r.size()) * sizeof(float), &out);
+    OPTSTATE_RETURN_IF_ERROR(read_f32_into(reader, fqn, name, stored, numel, r,
+                                           {reinterpret_cast<float*>(out.data()), static_cast<size_t>(r.size())}));
+    target.values = std::move(values);
     return Status::Ok();
   }
+  std::vector<float> values(static_cast<size_t>(r.size()));
+  OPTSTATE_RETURN_IF_ERROR(read_f32_into(reader, fqn, name, stored, numel, r, values));
   OPTSTATE_ASSIGN_OR_RETURN(QMap m, qmap_from_name(target.qmap));
   std::vector<uint8_t> codes(values.size());
   std::vector<float> absmax(static_cast<size_t>((r.size() + target.block_size - 1) / target.block_size));

@@ -47,6 +47,14 @@ Status check_blockwise(const Entry& e, int64_t numel, const std::string& key) {
 
 }  // namespace
 
+Status dense_to_f32_into(std::span<const std::byte> bytes, DType dtype, std::span<float> out, const std::string& key) {
+  const int64_t elem = dtype_size(dtype);
+  if (elem <= 0 || bytes.size() != out.size() * static_cast<size_t>(elem))
+    return internal_error(fmt::format("entry '{}': {} bytes of {} for {} values", key, bytes.size(), dtype_name(dtype),
+                                      out.size()));
+  return widen_to_f32(bytes, dtype, out, key);
+}
+
 Result<std::vector<float>> dense_to_f32(std::span<const std::byte> bytes, DType dtype, const std::string& key) {
   const int64_t elem = dtype_size(dtype);
   const int64_t numel = elem > 0 ? static_cast<int64_t>(bytes.size()) / elem : 0;

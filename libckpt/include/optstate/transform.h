@@ -49,6 +49,8 @@ Status check_quantize_options(const QuantizeOptions& q);
 
 // Dense values of a float dtype widened (or narrowed, f64) to fp32; `key` names the entry in errors.
 Result<std::vector<float>> dense_to_f32(std::span<const std::byte> bytes, DType dtype, const std::string& key);
+// The same into `out`, which must hold exactly as many floats as `bytes` holds values of `dtype`.
+Status dense_to_f32_into(std::span<const std::byte> bytes, DType dtype, std::span<float> out, const std::string& key);
 // The fp32 values of entry `e` (buffers filled) of a param of `numel` elements: dense values
 // widened, blockwise8 ones dequantized (map[code] * absmax[block]). The writers of formats that keep
 // some entries as fp32 values (torch.save, bitsandbytes' and torchao's 32-bit state).

@@ -43,9 +43,10 @@ def read_state_dict(path):
       where it kept them, in their stored dtype; a torch.save file's or a DCP's buffers and frozen
       params), by name; empty for a checkpoint of the optimizer alone.
 
-    Group keys the canonical state does not carry (``initial_lr`` of an LR scheduler, ``fused``)
-    are not returned. A checkpoint optstate cannot read raises ``RuntimeError`` naming the file
-    and what is wrong, as ``optstate inspect`` reports it.
+    What the canonical state does not carry is not returned: a group's other keys (an LR
+    scheduler's ``initial_lr``), and the source's own ``fused``/``foreach``/``capturable`` switches,
+    which come back at torch's defaults. A checkpoint optstate cannot read raises ``RuntimeError``
+    naming the file and what is wrong, as ``optstate inspect`` reports it.
     """
     meta_json, pnames, enames, cnames, tensors = ops.load_native(str(path), _TO, _BLOCK, _MIN_8BIT)
     meta = json.loads(meta_json)

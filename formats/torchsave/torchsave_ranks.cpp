@@ -63,7 +63,7 @@ struct NewPart {
 };
 using Plan = Planned<NewPart>;
 
-// A DeviceMesh's pickled state (its __dict__, in the fields of torch 2.4 to 2.14: FORMAT.md), found
+// A DeviceMesh's pickled state (its __dict__, in the fields of torch 2.4 to 2.15: FORMAT.md), found
 // in rank 0's file and written anew for each rank: the whole dict, since the values that depend on
 // the rank or the world size (_rank, _coordinate_on_dim, _flatten_rank_map, _layout, _rank_map;
 // before torch 2.10 mesh, _flatten_mesh_list, _dim_group_infos) may be objects the pickle shares
@@ -258,6 +258,8 @@ class FsdpWriter {
         if (p.at(val).kind != Kind::kNone) return unsupported(fmt::format("{}: a sub-mesh of a larger mesh ({})", mw, *key));
       } else if (*key == "_flatten_mapping") {
         if (!p.at(val).items.empty()) return unsupported(mw + ": flattened sub-meshes (_flatten_mapping)");
+      } else if (*key == "_preserve_rank_order") {  // torch 2.15 on: how groups are made, not which ranks
+        if (p.at(val).kind != Kind::kBool) return unsupported(mw + ": a '_preserve_rank_order' that is not a bool");
       } else if (*key == "_rank") {
         if (p.at(val).kind != Kind::kInt || p.at(val).i != 0) return corrupt(mw + ": '_rank' is not rank 0's");
       } else if (*key == "_coordinate_on_dim") {
@@ -313,7 +315,7 @@ class FsdpWriter {
         out.group_name = *name;
       } else {
         return unsupported(fmt::format("{}: field '{}', which optstate does not know; a DeviceMesh pickled by another "
-                                       "torch than the ones optstate writes for (2.4 to 2.14)", mw, *key));
+                                       "torch than the ones optstate writes for (2.4 to 2.15)", mw, *key));
       }
     }
     if (!needed.empty())

@@ -1,6 +1,6 @@
 """Checkpoints that other torch and torchao releases wrote (tests/data/torch_versions/<release>/,
 made by its make.py in a venv of each release: torch 2.4 with torchao 0.5, 2.6 with 0.9, 2.8 with
-0.13, 2.10 alone, 2.11 with 0.16, 2.14 with 0.18) read as each release held the state: torch.save'd
+0.13, 2.10 alone, 2.11 with 0.16, 2.14 and 2.15 with 0.18) read as each release held the state: torch.save'd
 optimizers, DCP, verl's per-rank FSDP1 and FSDP2 files, torchao AdamW8bit's state_dict and DCP;
 verl's files reshard in the source release's DeviceMesh form. The rest of the suite writes with the
 one torch in .venv; these pickles (DCP's Metadata and storage records, DTensor and DeviceMesh,
@@ -233,7 +233,7 @@ def test_verls_files_of_another_release_reshard_in_that_releases_mesh_form(tmp_p
     (one rank: an empty shape), 2.10-2.12 `_MeshLayout{shape, stride}` (one rank: (1,)), before 2.10
     the ranks as the tensor `mesh` and the tuple `_flatten_mesh_list` (and `_dim_group_infos`' ranks,
     before 2.8). FSDP1's files for one rank hold plain tensors. The files read back as the same
-    state. (That torch 2.6 (FSDP1), 2.8, 2.9, 2.10, 2.11 and 2.14 (FSDP1 and FSDP2) themselves load
+    state. (That torch 2.6 (FSDP1), 2.8, 2.9, 2.10, 2.11, 2.14 and 2.15 (FSDP1 and FSDP2) themselves load
     such files on 1 and 3 ranks and step on with the same state was checked with those releases when
     this was written.)"""
     src = CORPUS / release / name

@@ -76,7 +76,9 @@ def main():
                      "state_bytes_per_param": state_bytes(opt) / numel})
     ref = {r["name"]: r["ms_median"] for r in rows}
     print(f"8-bit AdamW on CPU: {numel / 1e6:.1f}M fp32 params, {len(shapes)} tensors, {torch.get_num_threads()} "
-          f"threads; copy {copy_bw / 1e9:.2f} GB/s, in-place rmw {rmw_bw / 1e9:.2f} GB/s")
+          f"threads; copy {copy_bw / 1e9:.2f} GB/s, in-place rmw {rmw_bw / 1e9:.2f} GB/s; optstate kernels: "
+          f"fp32 {optstate.ops.cpu_isa()}, 8-bit {optstate.ops.cpu_isa_8bit()} (OPTSTATE_CPU_ISA=avx2 or generic "
+          f"picks a narrower one)")
     print(f"{'optimizer':<22} {'ms/step':>9} {'vs ours fp32':>13} {'ours 8bit is':>13} {'% copy BW':>10} "
           f"{'% rmw BW':>9} {'state B/param':>14} {'first step s':>13}")
     for r in rows:
@@ -86,7 +88,7 @@ def main():
               f"{r['pct_copy_bw']:9.0f}% {r['pct_rmw_bw']:8.0f}% {r['state_bytes_per_param']:14.3f} "
               f"{r['first_step_s']:13.1f}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"params": numel, "copy_bw_GBps": copy_bw / 1e9,
+    Path(args.json).write_text(json.dumps({"params": numel, "isa_8bit": optstate.ops.cpu_isa_8bit(), "copy_bw_GBps": copy_bw / 1e9,
                                            "rmw_bw_GBps": rmw_bw / 1e9, "rows": rows}, indent=2))
     print(f"results: {args.json}")
 

@@ -1,6 +1,6 @@
 // CPU optimizer kernels side by side in one process, interleaved round by round so a noisy machine
 // (a shared VM whose speed drifts over seconds) hits every candidate alike: optstate's FusedAdamW
-// and AdamW8bit kernels (AVX2 and generic paths) and torch's own fused CPU AdamW
+// and AdamW8bit kernels (their AVX-512 (8-bit only), AVX2 and generic paths) and torch's own fused CPU AdamW
 // (at::_fused_adamw_, what torch.optim.AdamW(fused=True) runs), on the same fp32 tensor. Prints the
 // best and median ms per step, ns per element per thread, and GB/s at the bytes each must move (28
 // per param for fp32 state, 16 for 8-bit), next to the copy bandwidth measured in the same run.
@@ -90,7 +90,7 @@ int main(int argc, char** argv) {
     quantize_blockwise({v.data_ptr<float>(), static_cast<size_t>(n)}, block, QMap::kDynamicUnsigned, q.vc, q.va);
     return q;
   };
-  Quant q_avx2 = quant(), q_generic = quant();
+  Quant q_avx512 = quant(), q_avx2 = quant(), q_generic = quant();
   auto item8 = [&](Quant& q) {
     AdamW8bitTensor t{};
     t.param = q.p.data_ptr();
@@ -106,23 +106,24 @@ int main(int argc, char** argv) {
     return t;
   };
 
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   std::vector<Candidate> cands;
   cands.push_back({"copy (reference bandwidth)", 8, [&, dst = at::empty({n})]() mutable { dst.copy_(p0); }, {}});
   cands.push_back({"torch _fused_adamw_", 28, [&] {
                      at::_fused_adamw_({torch_fused.p}, {g}, {torch_fused.m}, {torch_fused.v}, {}, {torch_step}, h.lr,
                                        h.beta1, h.beta2, h.weight_decay, h.eps, false, false);
                    }, {}});
-  std::vector<std::pair<CpuIsa, const char*>> isas{{CpuIsa::kGeneric, "generic"}};
-  if (avx2) isas.insert(isas.begin(), {CpuIsa::kAvx2, "avx2"});
+  std::vector<std::pair<CpuIsa, const char*>> isas;
+  if (cpu_has(CpuIsa::kAvx512)) isas.push_back({CpuIsa::kAvx512, "avx512"});
+  if (cpu_has(CpuIsa::kAvx2)) isas.push_back({CpuIsa::kAvx2, "avx2"});
+  isas.push_back({CpuIsa::kGeneric, "generic"});
   for (const auto& [isa, tag] : isas) {
     Dense& d = isa == CpuIsa::kAvx2 ? ours_avx2 : ours_generic;
-    Quant& q = isa == CpuIsa::kAvx2 ? q_avx2 : q_generic;
-    cands.push_back({std::string("optstate FusedAdamW ") + tag, 28, [&, isa = isa, dp = &d] {
-                       const AdamWTensor t = adamw_item(*dp);
-                       adamw_cpu({&t, 1}, isa);
-                     }, {}});
+    Quant& q = isa == CpuIsa::kAvx512 ? q_avx512 : isa == CpuIsa::kAvx2 ? q_avx2 : q_generic;
+    if (isa != CpuIsa::kAvx512)  // the fp32 kernel has no AVX-512 path of its own
+      cands.push_back({std::string("optstate FusedAdamW ") + tag, 28, [&, isa = isa, dp = &d] {
+                         const AdamWTensor t = adamw_item(*dp);
+                         adamw_cpu({&t, 1}, isa);
+                       }, {}});
     cands.push_back({std::string("optstate AdamW8bit ") + tag, 16, [&, isa = isa, qp = &q] {
                        const AdamW8bitTensor t = item8(*qp);
                        adamw8bit_cpu({&t, 1}, isa);

@@ -4,23 +4,44 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string_view>
 #include <vector>
 
 namespace optstate::optim {
 namespace avx2 {
 void update8(const AdamW8bitTensor& t, int64_t begin, int64_t end);
-void quantize_scaled(const float* x, int64_t n, QMap m, uint8_t* codes);
+void quantize_scaled(const float* x, int64_t n, QMap m, uint8_t* codes, float scale);
+void divide_by_scalar(const float* a, int64_t n, float b, float* out);
+}
+namespace avx512 {
+void update8(const AdamW8bitTensor& t, int64_t begin, int64_t end);
+void quantize_scaled(const float* x, int64_t n, QMap m, uint8_t* codes, float scale);
+void divide_by_scalar(const float* a, int64_t n, float b, float* out);
 }
 namespace generic {
 void update8(const AdamW8bitTensor& t, int64_t begin, int64_t end);
-void quantize_scaled(const float* x, int64_t n, QMap m, uint8_t* codes);
+void quantize_scaled(const float* x, int64_t n, QMap m, uint8_t* codes, float scale);
+void divide_by_scalar(const float* a, int64_t n, float b, float* out);
 }
 
 namespace {
-bool has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+// The widest path this CPU runs, or a narrower one named by OPTSTATE_CPU_ISA (generic, avx2, avx512;
+// as ATEN_CPU_CAPABILITY does for ATen): for benchmarks that compare the paths in one program, and
+// for a machine where a wide path is slower. A name wider than the CPU runs, or unknown, is ignored.
+CpuIsa best_isa() {
+  static const CpuIsa kBest = [] {
+    CpuIsa best = cpu_has(CpuIsa::kAvx512) ? CpuIsa::kAvx512 : cpu_has(CpuIsa::kAvx2) ? CpuIsa::kAvx2 : CpuIsa::kGeneric;
+    const char* want = std::getenv("OPTSTATE_CPU_ISA");
+    const std::string_view w = want ? want : "";
+    if (w == "generic") best = CpuIsa::kGeneric;
+    if (w == "avx2" && best == CpuIsa::kAvx512) best = CpuIsa::kAvx2;
+    return best;
+  }();
+  return kBest;
 }
+
+CpuIsa resolve(CpuIsa isa) { return isa == CpuIsa::kAuto ? best_isa() : isa; }
 
 // beta^step in fp32 as the double power rounded once: the correctly rounded powf (barring a double
 // rounding, which no step of the usual betas meets), and what the CUDA kernels compute. Not
@@ -48,8 +69,8 @@ AdamW8bitScalars adamw8bit_step_scalars(const AdamWHyper& h, float step) {
 
 void adamw8bit_cpu(std::span<const AdamW8bitTensor> items, CpuIsa isa) {
   using Fn = void (*)(const AdamW8bitTensor&, int64_t, int64_t);
-  static const Fn kAuto = has_avx2() ? Fn{avx2::update8} : Fn{generic::update8};
-  const Fn fn = isa == CpuIsa::kAuto ? kAuto : isa == CpuIsa::kAvx2 ? avx2::update8 : generic::update8;
+  const CpuIsa use = resolve(isa);
+  const Fn fn = use == CpuIsa::kAvx512 ? avx512::update8 : use == CpuIsa::kAvx2 ? avx2::update8 : generic::update8;
   // Work list of block-aligned chunks of about 16 Ki elements over all tensors; one parallel region.
   struct Work {
     size_t t;
@@ -67,9 +88,23 @@ void adamw8bit_cpu(std::span<const AdamW8bitTensor> items, CpuIsa isa) {
   });
 }
 
-void quantize_scaled_cpu(std::span<const float> x, QMap m, std::span<uint8_t> codes, CpuIsa isa) {
-  const bool avx2 = isa == CpuIsa::kAvx2 || (isa == CpuIsa::kAuto && has_avx2());
-  (avx2 ? avx2::quantize_scaled : generic::quantize_scaled)(x.data(), static_cast<int64_t>(x.size()), m, codes.data());
+void quantize_scaled_cpu(std::span<const float> x, QMap m, std::span<uint8_t> codes, CpuIsa isa, float scale) {
+  const CpuIsa use = resolve(isa);
+  (use == CpuIsa::kAvx512 ? avx512::quantize_scaled
+   : use == CpuIsa::kAvx2 ? avx2::quantize_scaled
+                          : generic::quantize_scaled)(x.data(), static_cast<int64_t>(x.size()), m, codes.data(), scale);
+}
+
+void divide_by_scalar_cpu(std::span<const float> a, float b, std::span<float> out, CpuIsa isa) {
+  const CpuIsa use = resolve(isa);
+  (use == CpuIsa::kAvx512 ? avx512::divide_by_scalar
+   : use == CpuIsa::kAvx2 ? avx2::divide_by_scalar
+                          : generic::divide_by_scalar)(a.data(), static_cast<int64_t>(a.size()), b, out.data());
+}
+
+const char* adamw8bit_cpu_isa() {
+  const CpuIsa use = best_isa();
+  return use == CpuIsa::kAvx512 ? "avx512" : use == CpuIsa::kAvx2 ? "avx2+fma" : "generic";
 }
 
 }  // namespace optstate::optim

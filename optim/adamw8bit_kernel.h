@@ -40,8 +40,17 @@ struct AdamW8bitTensor {
 
 void adamw8bit_cpu(std::span<const AdamW8bitTensor> items, CpuIsa isa = CpuIsa::kAuto);
 
-// codes[i] = the code of x[i] (already divided by its block scale) with the kernel's own quantizer:
-// the step's requantization, exposed so tests can hold each ISA's path to the reference.
-void quantize_scaled_cpu(std::span<const float> x, QMap m, std::span<uint8_t> codes, CpuIsa isa = CpuIsa::kAuto);
+// out[i] = a[i] / b, torch's correctly rounded division, as the step divides by its bias corrections
+// (on AVX-512 without the divider where it can: adamw8bit_kernel_impl.inc), exposed for the tests.
+void divide_by_scalar_cpu(std::span<const float> a, float b, std::span<float> out, CpuIsa isa = CpuIsa::kAuto);
+
+// The path kAuto takes here: "avx512", "avx2+fma" or "generic" (all give the same bits).
+const char* adamw8bit_cpu_isa();
+
+// codes[i] = the code of x[i] / scale with the kernel's own division and quantizer: the step's
+// requantization (whose scale is its block's max |x|, clipped to 1e-12), exposed so tests can hold
+// each ISA's path to the reference.
+void quantize_scaled_cpu(std::span<const float> x, QMap m, std::span<uint8_t> codes, CpuIsa isa = CpuIsa::kAuto,
+                         float scale = 1.0f);
 
 }  // namespace optstate::optim

@@ -19,13 +19,24 @@ constexpr int64_t kChunk = 16384;
 
 using UpdateFn = void (*)(const AdamWTensor&, int64_t, int64_t);
 
-UpdateFn pick_update() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2::update;
-  return generic::update;
-}
+UpdateFn pick_update() { return cpu_has(CpuIsa::kAvx2) ? avx2::update : generic::update; }
 const UpdateFn kUpdate = pick_update();
 }  // namespace
+
+bool cpu_has(CpuIsa isa) {
+  __builtin_cpu_init();  // the CPUID and XGETBV probe: a feature counts only where the OS saves its registers
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  switch (isa) {
+    case CpuIsa::kAvx2:
+      return avx2;
+    case CpuIsa::kAvx512:
+      return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512vbmi");
+    default:
+      return true;
+  }
+}
 
 const char* adamw_cpu_isa() { return kUpdate == avx2::update ? "avx2+fma" : "generic"; }
 
@@ -47,7 +58,9 @@ AdamWStepScalars adamw_step_scalars(const AdamWHyper& h, int64_t step) {
 }
 
 void adamw_cpu(std::span<const AdamWTensor> items, CpuIsa isa) {
-  const UpdateFn update = isa == CpuIsa::kAuto ? kUpdate : isa == CpuIsa::kAvx2 ? avx2::update : generic::update;
+  const UpdateFn update = isa == CpuIsa::kAuto                              ? kUpdate
+                         : isa == CpuIsa::kAvx2 || isa == CpuIsa::kAvx512 ? avx2::update
+                                                                          : generic::update;
   // Work list over all tensors: (tensor, first chunk). One parallel region for the whole step.
   std::vector<int64_t> first_chunk(items.size() + 1, 0);
   for (size_t i = 0; i < items.size(); ++i)

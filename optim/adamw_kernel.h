@@ -41,13 +41,19 @@ struct AdamWTensor {
   AdamWStepScalars s;
 };
 
-enum class CpuIsa : uint8_t { kAuto, kGeneric, kAvx2 };
+// kAvx512 (F, BW, DQ, VL, VBMI, with AVX2+FMA) has its own path in the 8-bit kernel only; the fp32 kernel,
+// bound by memory, runs its AVX2 path for it.
+enum class CpuIsa : uint8_t { kAuto, kGeneric, kAvx2, kAvx512 };
+
+// Whether this CPU (and its OS) runs the code paths of `isa` (kAuto and kGeneric: always).
+bool cpu_has(CpuIsa isa);
 
 // Updates every tensor in `items` (one parallel region over fixed-size chunks of all of them).
-// `isa` forces a code path (tests check that both give the same bits); kAvx2 needs a CPU with it.
+// `isa` forces a code path (tests check that all give the same bits); the CPU must have it.
 void adamw_cpu(std::span<const AdamWTensor> items, CpuIsa isa = CpuIsa::kAuto);
 
-// Which ISA the CPU kernel dispatched to ("avx2+fma" or "generic").
+// Which ISA the CPU kernels dispatch to: "avx2+fma" or "generic" for the fp32 kernel; the 8-bit
+// kernel's (adamw8bit_cpu_isa, adamw8bit_kernel.h) may be "avx512" where this is "avx2+fma".
 const char* adamw_cpu_isa();
 
 }  // namespace optstate::optim

@@ -450,6 +450,7 @@ std::vector<int64_t> shard_range_op(std::vector<int64_t> shape, int64_t block_si
 }
 
 std::string cpu_isa() { return adamw_cpu_isa(); }
+std::string cpu_isa_8bit() { return adamw8bit_cpu_isa(); }
 
 QMap qmap_arg(const std::string& name) {
   auto m = qmap_from_name(name);
@@ -526,6 +527,7 @@ TORCH_LIBRARY(optstate, m) {
   m.def("verify_model_tensors(str path, str[] names, Tensor[] live) -> str[]");
   m.def("shard_range(int[] shape, int block_size, int world, int rank) -> int[]");
   m.def("cpu_isa() -> str");
+  m.def("cpu_isa_8bit() -> str");
   m.def("qmap(str name) -> Tensor");
   m.def("quantize_blockwise(Tensor x, int block_size, str qmap) -> (Tensor, Tensor)");
   m.def("dequantize_blockwise(Tensor codes, Tensor absmax, int block_size, str qmap) -> Tensor");
@@ -548,6 +550,7 @@ TORCH_LIBRARY_IMPL(optstate, CompositeExplicitAutograd, m) {
   m.impl("verify_model_tensors", verify_model_tensors);
   m.impl("shard_range", shard_range_op);
   m.impl("cpu_isa", cpu_isa);
+  m.impl("cpu_isa_8bit", cpu_isa_8bit);
   m.impl("qmap", qmap_tensor);
   m.impl("quantize_blockwise", quantize_blockwise_op);
   m.impl("dequantize_blockwise", dequantize_blockwise_op);

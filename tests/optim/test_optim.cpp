@@ -4,6 +4,9 @@
 #include <doctest/doctest.h>
 #include <torch/optim/schedulers/step_lr.h>
 
+#include <cmath>
+#include <random>
+
 #include "adamw8bit.h"
 #include "adamw8bit_kernel.h"
 #include "adamw_kernel.h"
@@ -101,10 +104,16 @@ TEST_CASE("the multi-tensor launch equals per-tensor updates, and both ISAs give
   }
 }
 
-TEST_CASE("the step's requantization equals the reference quantizer on thresholds and every exponent") {
-  __builtin_cpu_init();
+// The ISAs whose paths this CPU runs, generic first.
+std::vector<CpuIsa> cpu_isas() {
   std::vector<CpuIsa> isas{CpuIsa::kGeneric};
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isas.push_back(CpuIsa::kAvx2);
+  for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512})
+    if (cpu_has(isa)) isas.push_back(isa);
+  return isas;
+}
+
+TEST_CASE("the step's requantization equals the reference quantizer on thresholds and every exponent") {
+  const std::vector<CpuIsa> isas = cpu_isas();
   const float inf = std::numeric_limits<float>::infinity();
   for (QMap m : {QMap::kDynamicSigned, QMap::kDynamicUnsigned}) {
     const Quantizer& q = Quantizer::get(m);
@@ -135,17 +144,107 @@ TEST_CASE("the step's requantization equals the reference quantizer on threshold
   }
 }
 
-TEST_CASE("AdamW8bit: the AVX2 kernel gives the generic kernel's bits, hostile values included") {
-  __builtin_cpu_init();
-  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
+// The step divides the moments by the bias corrections; the AVX-512 path does it without the
+// divider where the result is the same (adamw8bit_kernel_impl.inc: div_by16). A sample of every
+// float (and the edges of where the corrected quotient is used) against the divider, bit for bit;
+// tests/optim/check_division_exhaustive.cpp runs every float.
+TEST_CASE("the step's divisions by its bias corrections are torch's, bit for bit, for every kind of value") {
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> a{0.0f, -0.0f, inf, -inf, std::numeric_limits<float>::quiet_NaN(), 0x1p-100f, -0x1p-100f,
+                       std::nextafter(0x1p-100f, 0.0f), 0x1p100f, std::nextafter(0x1p100f, inf), 0x1.8p-125f};
+  for (uint64_t u = 0; u < (uint64_t{1} << 32); u += 4099) {
+    const uint32_t bits = static_cast<uint32_t>(u);
+    float f;
+    std::memcpy(&f, &bits, 4);
+    a.push_back(f);
+  }
+  // 1 - 0.9^t and sqrt(1 - 0.999^t) for a few steps, divisors near powers of two, and ones whose
+  // reciprocal is not normal (the divider then does all of it)
+  std::vector<float> divisors{0x1.000002p0f, 0x1.fffffep-1f, 3.0f, 0x1p127f, 1e-39f, 0.0f, -0.5f};
+  for (int t : {1, 2, 10, 1000}) {
+    divisors.push_back(1.0f - static_cast<float>(std::pow(0.9, t)));
+    divisors.push_back(std::sqrt(1.0f - static_cast<float>(std::pow(0.999, t))));
+  }
+  std::vector<float> ref(a.size()), got(a.size());
+  for (float b : divisors) {
+    CAPTURE(b);
+    divide_by_scalar_cpu(a, b, ref, CpuIsa::kGeneric);
+    size_t wrong = 0;  // the generic path is the divider itself
+    for (size_t i = 0; i < a.size(); ++i) {
+      const float want = a[i] / b;
+      wrong += std::memcmp(&ref[i], &want, 4) != 0;
+    }
+    REQUIRE(wrong == 0);
+    for (CpuIsa isa : cpu_isas()) {
+      CAPTURE(static_cast<int>(isa));
+      divide_by_scalar_cpu(a, b, got, isa);
+      CHECK(std::memcmp(got.data(), ref.data(), 4 * a.size()) == 0);
+    }
+  }
+}
+
+// The step divides each moment by its block's scale before the lookup; the AVX-512 path does it
+// without the divider (Markstein's correction, adamw8bit_kernel_impl.inc), which must give the
+// code of the correctly rounded quotient for every value: here x = t * s and its neighbours for each
+// threshold t, values near the underflow of x and of x / s, and a sweep over every exponent.
+TEST_CASE("the step's requantization divides by the block scale as torch does, for scales near every edge") {
+  const std::vector<CpuIsa> isas = cpu_isas();
+  const float inf = std::numeric_limits<float>::infinity();
+  // the usual range of absmax, divisors whose reciprocal is inexact or has every bit set, the clip
+  // (1e-12), and the edges of the corrected division's range ([2^-64, 2^126]) and just past them
+  const std::vector<float> scales{0.1f, 3e-5f, 0x1.fffffep-1f, 0x1.000002p0f, 0x1.7ffffep-3f, 1e-12f, 7.0f,
+                                  0x1p-64f, 0x1.fffffep-65f, 0x1p126f, 0x1.000002p126f, 3e38f, 1.0f / 3.0f};
+  std::mt19937 rng(7);
+  for (QMap m : {QMap::kDynamicSigned, QMap::kDynamicUnsigned}) {
+    const Quantizer& q = Quantizer::get(m);
+    for (float s : scales) {
+      CAPTURE(s);
+      std::vector<float> xs{0.0f, -0.0f, s, -s, inf, -inf, std::numeric_limits<float>::quiet_NaN(), 1e-45f, -1e-45f};
+      for (int c = 0; c < 255; ++c) {
+        float up = q.thresholds()[c] * s, down = up;
+        for (int k = 0; k < 3; ++k) {
+          xs.insert(xs.end(), {up, down, -up, -down});
+          up = std::nextafter(up, inf);
+          down = std::nextafter(down, -inf);
+        }
+      }
+      for (uint32_t bits = 0; bits < 0xffffffffu - 65537; bits += 65537) {  // every exponent and sign
+        float f;
+        std::memcpy(&f, &bits, 4);
+        xs.push_back(f);
+      }
+      for (int k = 0; k < 4096; ++k) {  // |x / s| near 2^-24 (the first bucket's edge) and 2^-100
+        const int e = k % 2 ? -24 : -100;
+        xs.push_back(std::ldexp(std::uniform_real_distribution<float>(0.5f, 2.0f)(rng), e) * s * (k % 4 < 2 ? 1 : -1));
+      }
+      for (CpuIsa isa : isas) {
+        CAPTURE(static_cast<int>(isa));
+        std::vector<uint8_t> codes(xs.size());
+        quantize_scaled_cpu(xs, m, codes, isa, s);
+        size_t wrong = 0;
+        for (size_t i = 0; i < xs.size(); ++i) wrong += codes[i] != quantize_scaled_reference(xs[i] / s, q.map());
+        CHECK(wrong == 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("AdamW8bit: the AVX2 and AVX-512 kernels give the generic kernel's bits, hostile values included") {
+  const std::vector<CpuIsa> isas = cpu_isas();
+  if (isas.size() == 1) {
     WARN_MESSAGE(false, "no AVX2+FMA on this CPU: only the generic kernel exists here");
     return;
   }
-  // Block sizes that are and are not multiples of the 8- and 32-wide loops; partial last blocks.
-  const std::vector<std::pair<int64_t, int64_t>> shapes{{5000, 256}, {4099, 64}, {1003, 100}, {300, 7}, {4096, 256}};
+  if (!cpu_has(CpuIsa::kAvx512)) WARN_MESSAGE(false, "no AVX-512 (F, BW, DQ, VL, VBMI) on this CPU: its path is not run");
+  // Block sizes that are and are not multiples of the 8-, 16-, 32- and 64-wide loops; partial last blocks.
+  const std::vector<std::pair<int64_t, int64_t>> shapes{{5000, 256}, {4099, 64}, {1003, 100}, {300, 7},
+                                                        {4096, 256}, {2100, 2048}, {999, 128}};
+  for (CpuIsa isa : isas)
   for (const auto& [n, block] : shapes)
     for (int kind = 0; kind < 2; ++kind)
       for (int ams = 0; ams < 2; ++ams) {
+        if (isa == CpuIsa::kGeneric) continue;
+        CAPTURE(static_cast<int>(isa));
         CAPTURE(n);
         CAPTURE(block);
         CAPTURE(kind);
@@ -156,6 +255,11 @@ TEST_CASE("AdamW8bit: the AVX2 kernel gives the generic kernel's bits, hostile v
         std::vector<float> m0v(m0.data_ptr<float>(), m0.data_ptr<float>() + n);
         std::vector<float> v0v(v0.data_ptr<float>(), v0.data_ptr<float>() + n);
         std::fill(m0v.begin(), m0v.begin() + std::min<int64_t>(n, block), 0.0f);  // an all-zero block
+        // Elements whose param and moments start at 0 and whose gradient is tiny: the param then moves
+        // by lr * (m / bc1) / eps, which shows any error in a quotient near underflow in its bits.
+        std::vector<int64_t> tiny;
+        for (int64_t k = 7; k < n && tiny.size() < 16; k += 13) tiny.push_back(k);
+        for (int64_t k : tiny) m0v[k] = v0v[k] = 0.0f;
         struct State {
           at::Tensor p;
           std::vector<uint8_t> mc, vc, xc;
@@ -164,6 +268,7 @@ TEST_CASE("AdamW8bit: the AVX2 kernel gives the generic kernel's bits, hostile v
         auto make = [&] {
           State st{randn({n}, 3), std::vector<uint8_t>(n), std::vector<uint8_t>(n), std::vector<uint8_t>(n),
                    std::vector<float>(nb), std::vector<float>(nb), std::vector<float>(nb)};
+          for (int64_t k : tiny) st.p.data_ptr<float>()[k] = 0.0f;
           if (kind == 1) st.p = st.p.to(at::kBFloat16);
           quantize_blockwise(m0v, block, QMap::kDynamicSigned, st.mc, st.ma);
           quantize_blockwise(v0v, block, QMap::kDynamicUnsigned, st.vc, st.va);
@@ -171,15 +276,23 @@ TEST_CASE("AdamW8bit: the AVX2 kernel gives the generic kernel's bits, hostile v
           return st;
         };
         State a = make(), b = make();
-        for (int step = 1; step <= 3; ++step) {
+        for (int step = 1; step <= 4; ++step) {
           at::Tensor g = randn({n}, 10 + step) * 0.1;
           float* gp = g.data_ptr<float>();
-          // Values that stress the quantizer and the scale: huge, tiny, denormal, exact zero, NaN.
+          // Values that stress the quantizer, the scale and the divisions by the bias corrections:
+          // huge, tiny (moments near 2^-100, where the AVX-512 path's corrected division hands over
+          // to the divider), denormal, exact zero, NaN, infinite.
           gp[n - 1] = 1e30f;
           gp[n / 2] = 1e-40f;
           gp[n / 3] = -3e-20f;
+          gp[n / 5] = 0x1p-97f;
+          gp[n / 6] = -0x1p-99f;
+          gp[n / 7] = 0x1p-120f;
           gp[1] = 0.0f;
+          for (size_t j = 0; j < tiny.size(); ++j)
+            gp[tiny[j]] = std::ldexp((j % 2 ? -1.0f : 1.0f) * (1.0f + static_cast<float>(j) / 16.0f), -104 - 2 * static_cast<int>(j));
           if (step == 3) gp[n / 4] = std::numeric_limits<float>::quiet_NaN();
+          if (step == 4 && n > 900) gp[n - 900] = -std::numeric_limits<float>::infinity();
           if (kind == 1) g = g.to(at::kBFloat16);
           auto run = [&](State& st, CpuIsa isa) {
             AdamW8bitTensor t{};
@@ -197,7 +310,7 @@ TEST_CASE("AdamW8bit: the AVX2 kernel gives the generic kernel's bits, hostile v
             t.s = adamw8bit_step_scalars(h, static_cast<float>(step));
             adamw8bit_cpu(std::span(&t, 1), isa);
           };
-          run(a, CpuIsa::kAvx2);
+          run(a, isa);
           run(b, CpuIsa::kGeneric);
         }
         const auto bits = kind == 1 ? at::kShort : at::kInt;  // bit patterns: NaN compares unequal as floats

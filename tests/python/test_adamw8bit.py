@@ -13,6 +13,8 @@ What is asserted:
     reported and bounded;
   * vs torchao's torch.compile'd step (as users run it): inductor's generated code differs in
     rounding details; reported and bounded.
+- the kernel's CPU paths (AVX-512, AVX2, generic, picked by OPTSTATE_CPU_ISA) give the same params
+  and state bit for bit through the Python optimizer.
 """
 import contextlib
 import json
@@ -371,3 +373,51 @@ def test_state_dict_round_trip_keeps_codes_and_continues_bitwise(dtype):
         for k in oa.state[x]:
             assert torch.equal(oa.state[x][k], ob.state[y][k]), k
     assert copy.deepcopy(oa.state_dict())["param_groups"][0]["block_size"] == 256
+
+
+ISA_SCRIPT = """
+import sys, torch, optstate
+torch.manual_seed(0)
+out = {"isa": optstate.ops.cpu_isa_8bit()}
+for dtype in (torch.float32, torch.bfloat16):
+    # a 64-multiple block, a partial last block and a tensor below min_8bit_size
+    ps = [torch.randn(s).to(dtype).requires_grad_(True) for s in ((300, 64), (5000,), (100,))]
+    opt = optstate.AdamW8bit(ps, lr=1e-2, weight_decay=0.1, amsgrad=len(sys.argv) > 2)
+    for step in range(4):
+        for p in ps:
+            p.grad = (torch.randn(p.shape) * 10.0 ** -step).to(dtype)
+            p.grad.view(-1)[0] = 0.0
+        opt.step()
+    for i, p in enumerate(ps):
+        out[f"{dtype}.{i}.param"] = p.detach().clone()
+        out.update({f"{dtype}.{i}.{k}": v.clone() for k, v in opt.state[p].items()})
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_cpu_paths_give_the_same_bits(tmp_path, amsgrad):
+    """The 8-bit kernel's CPU paths (AVX-512, AVX2, generic: whichever this CPU runs, narrowed by
+    OPTSTATE_CPU_ISA) give the same params and state, bit for bit, through the Python optimizer."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "isa.py"
+    script.write_text(ISA_SCRIPT)
+    results = {}
+    for isa in ("", "avx2", "generic"):
+        out = tmp_path / f"{isa or 'default'}.pt"
+        env = dict(os.environ, OPTSTATE_CPU_ISA=isa)
+        args = [sys.executable, str(script), str(out)] + (["amsgrad"] if amsgrad else [])
+        subprocess.run(args, check=True, env=env)
+        results[isa] = torch.load(out)
+    assert results["generic"]["isa"] == "generic"
+    assert results[""]["isa"] in ("avx512", "avx2+fma", "generic")
+    ref = results["generic"]
+    for isa in ("", "avx2"):
+        got = results[isa]
+        assert got.keys() == ref.keys()
+        for k, v in ref.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(got[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), (isa, k)

@@ -90,7 +90,7 @@ int main(int argc, char** argv) {
     quantize_blockwise({v.data_ptr<float>(), static_cast<size_t>(n)}, block, QMap::kDynamicUnsigned, q.vc, q.va);
     return q;
   };
-  Quant q_avx512 = quant(), q_avx2 = quant(), q_generic = quant();
+  Quant q_avx512 = quant(), q_avx512_gather = quant(), q_avx2 = quant(), q_generic = quant();
   auto item8 = [&](Quant& q) {
     AdamW8bitTensor t{};
     t.param = q.p.data_ptr();
@@ -114,12 +114,16 @@ int main(int argc, char** argv) {
                    }, {}});
   std::vector<std::pair<CpuIsa, const char*>> isas;
   if (cpu_has(CpuIsa::kAvx512)) isas.push_back({CpuIsa::kAvx512, "avx512"});
+  if (cpu_has(CpuIsa::kAvx512Gather)) isas.push_back({CpuIsa::kAvx512Gather, "avx512-gather"});
   if (cpu_has(CpuIsa::kAvx2)) isas.push_back({CpuIsa::kAvx2, "avx2"});
   isas.push_back({CpuIsa::kGeneric, "generic"});
   for (const auto& [isa, tag] : isas) {
     Dense& d = isa == CpuIsa::kAvx2 ? ours_avx2 : ours_generic;
-    Quant& q = isa == CpuIsa::kAvx512 ? q_avx512 : isa == CpuIsa::kAvx2 ? q_avx2 : q_generic;
-    if (isa != CpuIsa::kAvx512)  // the fp32 kernel has no AVX-512 path of its own
+    Quant& q = isa == CpuIsa::kAvx512         ? q_avx512
+               : isa == CpuIsa::kAvx512Gather ? q_avx512_gather
+               : isa == CpuIsa::kAvx2         ? q_avx2
+                                              : q_generic;
+    if (isa == CpuIsa::kAvx2 || isa == CpuIsa::kGeneric)  // the fp32 kernel has no AVX-512 path of its own
       cands.push_back({std::string("optstate FusedAdamW ") + tag, 28, [&, isa = isa, dp = &d] {
                          const AdamWTensor t = adamw_item(*dp);
                          adamw_cpu({&t, 1}, isa);
@@ -139,7 +143,7 @@ int main(int argc, char** argv) {
     for (auto& c : cands) c.ms.push_back(time_ms(c.step));
 
   std::printf("%lld fp32 params, %d thread(s), %d interleaved rounds\n", static_cast<long long>(n), threads, rounds);
-  std::printf("%-30s %9s %9s %12s %8s %10s\n", "kernel", "best ms", "median ms", "ns/elem/thr", "GB/s", "vs torch");
+  std::printf("%-33s %9s %9s %12s %8s %10s\n", "kernel", "best ms", "median ms", "ns/elem/thr", "GB/s", "vs torch");
   double torch_best = 0;
   for (auto& c : cands) {
     std::sort(c.ms.begin(), c.ms.end());
@@ -148,7 +152,7 @@ int main(int argc, char** argv) {
   for (const auto& c : cands) {
     const double best = c.ms.front(), median = c.ms[c.ms.size() / 2];
     const double gbps = c.bytes_per_param * static_cast<double>(n) / (best * 1e6);
-    std::printf("%-30s %9.2f %9.2f %12.2f %8.1f %9.2fx\n", c.name.c_str(), best, median,
+    std::printf("%-33s %9.2f %9.2f %12.2f %8.1f %9.2fx\n", c.name.c_str(), best, median,
                 best * 1e6 / static_cast<double>(n) * threads, gbps, best / torch_best);
   }
   return 0;

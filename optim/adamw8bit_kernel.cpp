@@ -16,7 +16,9 @@ void divide_by_scalar(const float* a, int64_t n, float b, float* out);
 }
 namespace avx512 {
 void update8(const AdamW8bitTensor& t, int64_t begin, int64_t end);
+void update8_gather(const AdamW8bitTensor& t, int64_t begin, int64_t end);
 void quantize_scaled(const float* x, int64_t n, QMap m, uint8_t* codes, float scale);
+void quantize_scaled_gather(const float* x, int64_t n, QMap m, uint8_t* codes, float scale);
 void divide_by_scalar(const float* a, int64_t n, float b, float* out);
 }
 namespace generic {
@@ -26,16 +28,32 @@ void divide_by_scalar(const float* a, int64_t n, float b, float* out);
 }
 
 namespace {
-// The widest path this CPU runs, or a narrower one named by OPTSTATE_CPU_ISA (generic, avx2, avx512;
-// as ATEN_CPU_CAPABILITY does for ATen): for benchmarks that compare the paths in one program, and
-// for a machine where a wide path is slower. A name wider than the CPU runs, or unknown, is ignored.
+// OPTSTATE_CPU_ISA's names
+const char* isa_name(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAvx512: return "avx512";
+    case CpuIsa::kAvx512Gather: return "avx512-gather";
+    case CpuIsa::kAvx2: return "avx2";
+    default: return "generic";
+  }
+}
+
+// The widest path this CPU runs, or one named by OPTSTATE_CPU_ISA (generic, avx2, avx512,
+// avx512-gather; as ATEN_CPU_CAPABILITY does for ATen): for benchmarks that compare the paths in one
+// program, and for a machine where a wide path is slower. A path the CPU lacks, or an unknown name,
+// is ignored. Of the two AVX-512 paths, AMD CPUs get the byte-permute quantizer (on Zen 4 a 16-lane
+// gather is slow: docs/cpu.md) and others the gathers (measured faster than AVX2 on an Intel Xeon;
+// the permute one was not measured there).
 CpuIsa best_isa() {
   static const CpuIsa kBest = [] {
-    CpuIsa best = cpu_has(CpuIsa::kAvx512) ? CpuIsa::kAvx512 : cpu_has(CpuIsa::kAvx2) ? CpuIsa::kAvx2 : CpuIsa::kGeneric;
+    __builtin_cpu_init();
+    CpuIsa best = !cpu_has(CpuIsa::kAvx512)     ? (cpu_has(CpuIsa::kAvx2) ? CpuIsa::kAvx2 : CpuIsa::kGeneric)
+                  : __builtin_cpu_is("amd") ? CpuIsa::kAvx512
+                                            : CpuIsa::kAvx512Gather;
     const char* want = std::getenv("OPTSTATE_CPU_ISA");
     const std::string_view w = want ? want : "";
-    if (w == "generic") best = CpuIsa::kGeneric;
-    if (w == "avx2" && best == CpuIsa::kAvx512) best = CpuIsa::kAvx2;
+    for (CpuIsa isa : {CpuIsa::kGeneric, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Gather})
+      if (w == isa_name(isa) && cpu_has(isa)) best = isa;
     return best;
   }();
   return kBest;
@@ -70,7 +88,10 @@ AdamW8bitScalars adamw8bit_step_scalars(const AdamWHyper& h, float step) {
 void adamw8bit_cpu(std::span<const AdamW8bitTensor> items, CpuIsa isa) {
   using Fn = void (*)(const AdamW8bitTensor&, int64_t, int64_t);
   const CpuIsa use = resolve(isa);
-  const Fn fn = use == CpuIsa::kAvx512 ? avx512::update8 : use == CpuIsa::kAvx2 ? avx2::update8 : generic::update8;
+  const Fn fn = use == CpuIsa::kAvx512         ? avx512::update8
+                : use == CpuIsa::kAvx512Gather ? avx512::update8_gather
+                : use == CpuIsa::kAvx2         ? avx2::update8
+                                               : generic::update8;
   // Work list of block-aligned chunks of about 16 Ki elements over all tensors; one parallel region.
   struct Work {
     size_t t;
@@ -90,21 +111,19 @@ void adamw8bit_cpu(std::span<const AdamW8bitTensor> items, CpuIsa isa) {
 
 void quantize_scaled_cpu(std::span<const float> x, QMap m, std::span<uint8_t> codes, CpuIsa isa, float scale) {
   const CpuIsa use = resolve(isa);
-  (use == CpuIsa::kAvx512 ? avx512::quantize_scaled
-   : use == CpuIsa::kAvx2 ? avx2::quantize_scaled
+  (use == CpuIsa::kAvx512         ? avx512::quantize_scaled
+   : use == CpuIsa::kAvx512Gather ? avx512::quantize_scaled_gather
+   : use == CpuIsa::kAvx2         ? avx2::quantize_scaled
                           : generic::quantize_scaled)(x.data(), static_cast<int64_t>(x.size()), m, codes.data(), scale);
 }
 
 void divide_by_scalar_cpu(std::span<const float> a, float b, std::span<float> out, CpuIsa isa) {
   const CpuIsa use = resolve(isa);
-  (use == CpuIsa::kAvx512 ? avx512::divide_by_scalar
+  (use == CpuIsa::kAvx512 || use == CpuIsa::kAvx512Gather ? avx512::divide_by_scalar
    : use == CpuIsa::kAvx2 ? avx2::divide_by_scalar
                           : generic::divide_by_scalar)(a.data(), static_cast<int64_t>(a.size()), b, out.data());
 }
 
-const char* adamw8bit_cpu_isa() {
-  const CpuIsa use = best_isa();
-  return use == CpuIsa::kAvx512 ? "avx512" : use == CpuIsa::kAvx2 ? "avx2+fma" : "generic";
-}
+const char* adamw8bit_cpu_isa() { return best_isa() == CpuIsa::kAvx2 ? "avx2+fma" : isa_name(best_isa()); }
 
 }  // namespace optstate::optim

@@ -44,7 +44,7 @@ void adamw8bit_cpu(std::span<const AdamW8bitTensor> items, CpuIsa isa = CpuIsa::
 // (on AVX-512 without the divider where it can: adamw8bit_kernel_impl.inc), exposed for the tests.
 void divide_by_scalar_cpu(std::span<const float> a, float b, std::span<float> out, CpuIsa isa = CpuIsa::kAuto);
 
-// The path kAuto takes here: "avx512", "avx2+fma" or "generic" (all give the same bits).
+// The path kAuto takes here: "avx512", "avx512-gather", "avx2+fma" or "generic" (all give the same bits).
 const char* adamw8bit_cpu_isa();
 
 // codes[i] = the code of x[i] / scale with the kernel's own division and quantizer: the step's

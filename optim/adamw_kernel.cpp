@@ -30,6 +30,7 @@ bool cpu_has(CpuIsa isa) {
     case CpuIsa::kAvx2:
       return avx2;
     case CpuIsa::kAvx512:
+    case CpuIsa::kAvx512Gather:
       return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
              __builtin_cpu_supports("avx512vbmi");
@@ -59,8 +60,8 @@ AdamWStepScalars adamw_step_scalars(const AdamWHyper& h, int64_t step) {
 
 void adamw_cpu(std::span<const AdamWTensor> items, CpuIsa isa) {
   const UpdateFn update = isa == CpuIsa::kAuto                              ? kUpdate
-                         : isa == CpuIsa::kAvx2 || isa == CpuIsa::kAvx512 ? avx2::update
-                                                                          : generic::update;
+                         : isa != CpuIsa::kGeneric ? avx2::update  // the AVX-512 ones included
+                                                   : generic::update;
   // Work list over all tensors: (tensor, first chunk). One parallel region for the whole step.
   std::vector<int64_t> first_chunk(items.size() + 1, 0);
   for (size_t i = 0; i < items.size(); ++i)

@@ -41,9 +41,10 @@ struct AdamWTensor {
   AdamWStepScalars s;
 };
 
-// kAvx512 (F, BW, DQ, VL, VBMI, with AVX2+FMA) has its own path in the 8-bit kernel only; the fp32 kernel,
-// bound by memory, runs its AVX2 path for it.
-enum class CpuIsa : uint8_t { kAuto, kGeneric, kAvx2, kAvx512 };
+// kAvx512 (F, BW, DQ, VL, VBMI, with AVX2+FMA) has its own paths in the 8-bit kernel only: kAvx512
+// quantizes with byte permutes, kAvx512Gather with gathers (same ISA, same bits; which is faster
+// depends on the CPU's gathers). The fp32 kernel, bound by memory, runs its AVX2 path for both.
+enum class CpuIsa : uint8_t { kAuto, kGeneric, kAvx2, kAvx512, kAvx512Gather };
 
 // Whether this CPU (and its OS) runs the code paths of `isa` (kAuto and kGeneric: always).
 bool cpu_has(CpuIsa isa);

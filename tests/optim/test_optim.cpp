@@ -107,12 +107,12 @@ TEST_CASE("the multi-tensor launch equals per-tensor updates, and both ISAs give
 // The ISAs whose paths this CPU runs, generic first.
 std::vector<CpuIsa> cpu_isas() {
   std::vector<CpuIsa> isas{CpuIsa::kGeneric};
-  for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512})
+  for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Gather})
     if (cpu_has(isa)) isas.push_back(isa);
   return isas;
 }
 
-TEST_CASE("the step's requantization equals the reference quantizer on thresholds and every exponent") {
+TEST_CASE("the step's requantization equals the reference quantizer on thresholds, bucket edges and every exponent") {
   const std::vector<CpuIsa> isas = cpu_isas();
   const float inf = std::numeric_limits<float>::infinity();
   for (QMap m : {QMap::kDynamicSigned, QMap::kDynamicUnsigned}) {
@@ -131,6 +131,18 @@ TEST_CASE("the step's requantization equals the reference quantizer on threshold
       float f;
       std::memcpy(&f, &bits, 4);
       xs.push_back(f);
+    }
+    // the edges of the AVX-512 quantizer's buckets (at most 2^8 per binade) and the floats below
+    // them, both signs, 2^-27 to 4
+    for (uint32_t e = 100; e <= 129; ++e) {
+      for (uint32_t k = 0; k < 256; ++k) {
+        const uint32_t bits = e << 23 | k << 15;
+        for (uint32_t b : {bits, bits - 1, bits | 0x80000000u, (bits - 1) | 0x80000000u}) {
+          float f;
+          std::memcpy(&f, &b, 4);
+          xs.push_back(f);
+        }
+      }
     }
     xs.push_back(0.5f);  // a length that leaves a scalar tail after the 8-wide loop
     for (CpuIsa isa : isas) {

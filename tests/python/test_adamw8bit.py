@@ -397,8 +397,9 @@ torch.save(out, sys.argv[1])
 
 @pytest.mark.parametrize("amsgrad", [False, True])
 def test_cpu_paths_give_the_same_bits(tmp_path, amsgrad):
-    """The 8-bit kernel's CPU paths (AVX-512, AVX2, generic: whichever this CPU runs, narrowed by
-    OPTSTATE_CPU_ISA) give the same params and state, bit for bit, through the Python optimizer."""
+    """The 8-bit kernel's CPU paths (AVX-512 with either quantizer, AVX2, generic: whichever this CPU
+    runs, picked by OPTSTATE_CPU_ISA) give the same params and state, bit for bit, through the Python
+    optimizer."""
     import os
     import subprocess
     import sys
@@ -406,16 +407,18 @@ def test_cpu_paths_give_the_same_bits(tmp_path, amsgrad):
     script = tmp_path / "isa.py"
     script.write_text(ISA_SCRIPT)
     results = {}
-    for isa in ("", "avx2", "generic"):
+    for isa in ("", "avx512", "avx512-gather", "avx2", "generic"):
         out = tmp_path / f"{isa or 'default'}.pt"
         env = dict(os.environ, OPTSTATE_CPU_ISA=isa)
         args = [sys.executable, str(script), str(out)] + (["amsgrad"] if amsgrad else [])
         subprocess.run(args, check=True, env=env)
         results[isa] = torch.load(out)
     assert results["generic"]["isa"] == "generic"
-    assert results[""]["isa"] in ("avx512", "avx2+fma", "generic")
+    assert results[""]["isa"] in ("avx512", "avx512-gather", "avx2+fma", "generic")
+    if results[""]["isa"].startswith("avx512"):
+        assert results["avx512"]["isa"] == "avx512" and results["avx512-gather"]["isa"] == "avx512-gather"
     ref = results["generic"]
-    for isa in ("", "avx2"):
+    for isa in ("", "avx512", "avx512-gather", "avx2"):
         got = results[isa]
         assert got.keys() == ref.keys()
         for k, v in ref.items():

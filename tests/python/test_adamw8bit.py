@@ -13,7 +13,7 @@ What is asserted:
     reported and bounded;
   * vs torchao's torch.compile'd step (as users run it): inductor's generated code differs in
     rounding details; reported and bounded.
-- the kernel's CPU paths (AVX-512, AVX2, generic, picked by OPTSTATE_CPU_ISA) give the same params
+- the kernel's CPU paths (AVX-512 with either quantizer, AVX2, generic, picked by OPTSTATE_CPU_ISA) give the same params
   and state bit for bit through the Python optimizer.
 """
 import contextlib

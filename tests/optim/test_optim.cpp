@@ -112,6 +112,25 @@ std::vector<CpuIsa> cpu_isas() {
   return isas;
 }
 
+// Appends each threshold of q times s and two neighbours on each side, both signs, and a float of
+// every exponent and sign.
+static void append_quantizer_probes(std::vector<float>& xs, const Quantizer& q, float s) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int c = 0; c < 255; ++c) {
+    float up = q.thresholds()[c] * s, down = up;
+    for (int k = 0; k < 3; ++k) {
+      xs.insert(xs.end(), {up, down, -up, -down});
+      up = std::nextafter(up, inf);
+      down = std::nextafter(down, -inf);
+    }
+  }
+  for (uint32_t bits = 0; bits < 0xffffffffu - 65537; bits += 65537) {
+    float f;
+    std::memcpy(&f, &bits, 4);
+    xs.push_back(f);
+  }
+}
+
 TEST_CASE("the step's requantization equals the reference quantizer on thresholds, bucket edges and every exponent") {
   const std::vector<CpuIsa> isas = cpu_isas();
   const float inf = std::numeric_limits<float>::infinity();
@@ -119,19 +138,7 @@ TEST_CASE("the step's requantization equals the reference quantizer on threshold
     const Quantizer& q = Quantizer::get(m);
     std::vector<float> xs{0.0f, -0.0f, 1.0f, -1.0f, 2.0f, -2.0f, inf, -inf, 1e-45f, -1e-45f, 1e-40f, -1e-40f,
                           std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN()};
-    for (int c = 0; c < 255; ++c) {  // each threshold, and two neighbours on each side
-      float up = q.thresholds()[c], down = up;
-      for (int k = 0; k < 3; ++k) {
-        xs.insert(xs.end(), {up, down, -up, -down});
-        up = std::nextafter(up, inf);
-        down = std::nextafter(down, -inf);
-      }
-    }
-    for (uint32_t bits = 0; bits < 0xffffffffu - 65537; bits += 65537) {  // every exponent and sign
-      float f;
-      std::memcpy(&f, &bits, 4);
-      xs.push_back(f);
-    }
+    append_quantizer_probes(xs, q, 1.0f);
     // the edges of the AVX-512 quantizer's buckets (at most 2^8 per binade) and the floats below
     // them, both signs, 2^-27 to 4
     for (uint32_t e = 100; e <= 129; ++e) {
@@ -212,19 +219,7 @@ TEST_CASE("the step's requantization divides by the block scale as torch does, f
     for (float s : scales) {
       CAPTURE(s);
       std::vector<float> xs{0.0f, -0.0f, s, -s, inf, -inf, std::numeric_limits<float>::quiet_NaN(), 1e-45f, -1e-45f};
-      for (int c = 0; c < 255; ++c) {
-        float up = q.thresholds()[c] * s, down = up;
-        for (int k = 0; k < 3; ++k) {
-          xs.insert(xs.end(), {up, down, -up, -down});
-          up = std::nextafter(up, inf);
-          down = std::nextafter(down, -inf);
-        }
-      }
-      for (uint32_t bits = 0; bits < 0xffffffffu - 65537; bits += 65537) {  // every exponent and sign
-        float f;
-        std::memcpy(&f, &bits, 4);
-        xs.push_back(f);
-      }
+      append_quantizer_probes(xs, q, s);
       for (int k = 0; k < 4096; ++k) {  // |x / s| near 2^-24 (the first bucket's edge) and 2^-100
         const int e = k % 2 ? -24 : -100;
         xs.push_back(std::ldexp(std::uniform_real_distribution<float>(0.5f, 2.0f)(rng), e) * s * (k % 4 < 2 ? 1 : -1));

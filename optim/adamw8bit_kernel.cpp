@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <iterator>
 #include <string_view>
 #include <vector>
 
@@ -28,14 +29,30 @@ void divide_by_scalar(const float* a, int64_t n, float b, float* out);
 }
 
 namespace {
-// OPTSTATE_CPU_ISA's names
-const char* isa_name(CpuIsa isa) {
-  switch (isa) {
-    case CpuIsa::kAvx512: return "avx512";
-    case CpuIsa::kAvx512Gather: return "avx512-gather";
-    case CpuIsa::kAvx2: return "avx2";
-    default: return "generic";
-  }
+// One code path of the 8-bit kernel: its functions, the name OPTSTATE_CPU_ISA gives it, and the
+// name adamw8bit_cpu_isa shows for it.
+struct Path {
+  CpuIsa isa;
+  const char* env_name;
+  const char* shown;
+  void (*update8)(const AdamW8bitTensor& t, int64_t begin, int64_t end);
+  void (*quantize_scaled)(const float* x, int64_t n, QMap m, uint8_t* codes, float scale);
+  void (*divide_by_scalar)(const float* a, int64_t n, float b, float* out);
+};
+
+// The gather quantizer and the permute one share the AVX-512 division.
+constexpr Path kPaths[] = {
+    {CpuIsa::kAvx512, "avx512", "avx512", avx512::update8, avx512::quantize_scaled, avx512::divide_by_scalar},
+    {CpuIsa::kAvx512Gather, "avx512-gather", "avx512-gather", avx512::update8_gather, avx512::quantize_scaled_gather,
+     avx512::divide_by_scalar},
+    {CpuIsa::kAvx2, "avx2", "avx2+fma", avx2::update8, avx2::quantize_scaled, avx2::divide_by_scalar},
+    {CpuIsa::kGeneric, "generic", "generic", generic::update8, generic::quantize_scaled, generic::divide_by_scalar},
+};
+
+const Path& path_of(CpuIsa isa) {
+  for (const Path& p : kPaths)
+    if (p.isa == isa) return p;
+  return kPaths[std::size(kPaths) - 1];  // kAuto never gets here (resolve)
 }
 
 // The widest path this CPU runs, or one named by OPTSTATE_CPU_ISA (generic, avx2, avx512,
@@ -52,14 +69,14 @@ CpuIsa best_isa() {
                                             : CpuIsa::kAvx512Gather;
     const char* want = std::getenv("OPTSTATE_CPU_ISA");
     const std::string_view w = want ? want : "";
-    for (CpuIsa isa : {CpuIsa::kGeneric, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Gather})
-      if (w == isa_name(isa) && cpu_has(isa)) best = isa;
+    for (const Path& p : kPaths)
+      if (w == p.env_name && cpu_has(p.isa)) best = p.isa;
     return best;
   }();
   return kBest;
 }
 
-CpuIsa resolve(CpuIsa isa) { return isa == CpuIsa::kAuto ? best_isa() : isa; }
+const Path& resolve(CpuIsa isa) { return path_of(isa == CpuIsa::kAuto ? best_isa() : isa); }
 
 // beta^step in fp32 as the double power rounded once: the correctly rounded powf (barring a double
 // rounding, which no step of the usual betas meets), and what the CUDA kernels compute. Not
@@ -86,12 +103,7 @@ AdamW8bitScalars adamw8bit_step_scalars(const AdamWHyper& h, float step) {
 }
 
 void adamw8bit_cpu(std::span<const AdamW8bitTensor> items, CpuIsa isa) {
-  using Fn = void (*)(const AdamW8bitTensor&, int64_t, int64_t);
-  const CpuIsa use = resolve(isa);
-  const Fn fn = use == CpuIsa::kAvx512         ? avx512::update8
-                : use == CpuIsa::kAvx512Gather ? avx512::update8_gather
-                : use == CpuIsa::kAvx2         ? avx2::update8
-                                               : generic::update8;
+  const auto fn = resolve(isa).update8;
   // Work list of block-aligned chunks of about 16 Ki elements over all tensors; one parallel region.
   struct Work {
     size_t t;
@@ -110,20 +122,13 @@ void adamw8bit_cpu(std::span<const AdamW8bitTensor> items, CpuIsa isa) {
 }
 
 void quantize_scaled_cpu(std::span<const float> x, QMap m, std::span<uint8_t> codes, CpuIsa isa, float scale) {
-  const CpuIsa use = resolve(isa);
-  (use == CpuIsa::kAvx512         ? avx512::quantize_scaled
-   : use == CpuIsa::kAvx512Gather ? avx512::quantize_scaled_gather
-   : use == CpuIsa::kAvx2         ? avx2::quantize_scaled
-                          : generic::quantize_scaled)(x.data(), static_cast<int64_t>(x.size()), m, codes.data(), scale);
+  resolve(isa).quantize_scaled(x.data(), static_cast<int64_t>(x.size()), m, codes.data(), scale);
 }
 
 void divide_by_scalar_cpu(std::span<const float> a, float b, std::span<float> out, CpuIsa isa) {
-  const CpuIsa use = resolve(isa);
-  (use == CpuIsa::kAvx512 || use == CpuIsa::kAvx512Gather ? avx512::divide_by_scalar
-   : use == CpuIsa::kAvx2 ? avx2::divide_by_scalar
-                          : generic::divide_by_scalar)(a.data(), static_cast<int64_t>(a.size()), b, out.data());
+  resolve(isa).divide_by_scalar(a.data(), static_cast<int64_t>(a.size()), b, out.data());
 }
 
-const char* adamw8bit_cpu_isa() { return best_isa() == CpuIsa::kAvx2 ? "avx2+fma" : isa_name(best_isa()); }
+const char* adamw8bit_cpu_isa() { return path_of(best_isa()).shown; }
 
 }  // namespace optstate::optim

@@ -4,6 +4,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <unordered_set>
+
 #include "json_strict.h"
 #include "optstate/hash.h"
 #include "optstate/io.h"
@@ -27,7 +29,9 @@ Result<uint64_t> parse_hex64(const std::string& s, const std::string& where) {
   return v;
 }
 
-std::string body_checksum(json body) {
+// The checksum of the manifest's text without its "manifest_xxh3" key (removed from `body` here:
+// every caller sets or has read it, and a copy of a large manifest costs more than its parse).
+std::string body_checksum(json& body) {
   body.erase("manifest_xxh3");
   const std::string text = body.dump();
   return xxh3_64_hex(std::as_bytes(std::span(text)));
@@ -49,6 +53,7 @@ Result<Manifest> parse_body(const json& root, const std::filesystem::path& dir, 
 
   OPTSTATE_ASSIGN_OR_RETURN(const json* files, top.get("files", json::value_t::array));
   if (files->size() > 1000000) return corrupt(mpath + ": too many data files");
+  std::unordered_set<std::string> listed;
   for (size_t i = 0; i < files->size(); ++i) {
     Fields ff{(*files)[i], fmt::format("{}: files[{}]", mpath, i)};
     DataFile df;
@@ -57,8 +62,8 @@ Result<Manifest> parse_body(const json& root, const std::filesystem::path& dir, 
     auto full = contained_path(dir, df.rel_path);
     if (!full.ok()) return corrupt(fmt::format("{}: {}", ff.where, full.status().message()));
     df.full_path = *full;
-    for (const DataFile& other : m.files)
-      if (other.rel_path == df.rel_path) return corrupt(fmt::format("{}: '{}' listed twice", ff.where, df.rel_path));
+    if (!listed.insert(df.rel_path).second)
+      return corrupt(fmt::format("{}: '{}' listed twice", ff.where, df.rel_path));
     m.files.push_back(std::move(df));
   }
 

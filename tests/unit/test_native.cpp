@@ -5,6 +5,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "json_strict.h"
 #include "native/native_manifest.h"
 #include "optstate/hash.h"
 #include "optstate/io.h"
@@ -160,6 +161,12 @@ TEST_CASE("hostile native checkpoints give errors that name the file, never a cr
     CHECK(st.code() == ErrorCode::kCorrupt);
     CHECK(st.message().find("leaves the checkpoint") != std::string::npos);
   }
+  SUBCASE("a data file listed twice") {
+    rewrite_manifest(p, [](nlohmann::json& j) { j["files"].push_back(j["files"][0]); });
+    const Status st = open_and_read_all(p);
+    CHECK(st.code() == ErrorCode::kCorrupt);
+    CHECK(st.message() == manifest.string() + ": files[1]: 'data/rank-00000.bin' listed twice");
+  }
   SUBCASE("declared file size lies") {
     rewrite_manifest(p, [](nlohmann::json& j) { j["files"][0]["size"] = uint64_t{1} << 50; });
     CHECK(open_and_read_all(p).code() == ErrorCode::kCorrupt);
@@ -211,6 +218,42 @@ TEST_CASE("manifest parsing is a pure function of bytes") {
   const std::string apart = R"({"x": {"a": 1}, "y": {"a": 2}, "z": [{"a": 1}, {"a": 2}]})";
   m = native::parse_manifest(std::as_bytes(std::span(apart)), "/x");
   CHECK(m.status().message().find("twice") == std::string::npos);
+}
+
+TEST_CASE("parse_json_strict reads what nlohmann's parser reads, and finds a key given twice") {
+  // Every kind of value, nesting, escapes, numbers of each kind, and an object of 3,000 keys (the
+  // shape of a manifest's params: the document must come back whole, in order of keys).
+  std::string many = "{";
+  for (int i = 0; i < 3000; ++i) many += fmt::format("{}\"p{}\": {{\"step\": {}, \"e\": [1, 2.5, -3]}}", i ? ", " : "", i, i);
+  many += "}";
+  const std::vector<std::string> docs = {
+      R"({"a": null, "b": true, "c": false, "d": -12, "e": 18446744073709551615, "f": 1.5e-300, "g": "x\"\u00e9"})",
+      R"([[], {}, [{}], {"a": [[{"b": []}]]}, "s", 0])", R"("just a string")", "42", many};
+  for (const std::string& doc : docs) {
+    std::optional<std::string> twice;
+    const nlohmann::json strict = parse_json_strict(doc.data(), doc.data() + doc.size(), twice);
+    CHECK(!twice);
+    CHECK(strict == nlohmann::json::parse(doc));
+    CHECK(strict.dump() == nlohmann::json::parse(doc).dump());
+  }
+  // Not one JSON document: discarded, as nlohmann's parser discards it.
+  for (const std::string bad : {"", "{", "{\"a\": 1,}", "[1 2]", "{\"a\": 1} x", "{\"a\" 1}", "nul", "\"\\x\""}) {
+    std::optional<std::string> twice;
+    CHECK_MESSAGE(parse_json_strict(bad.data(), bad.data() + bad.size(), twice).is_discarded(), bad);
+  }
+  // The first key given twice in one object, at any depth; the same key in other objects is none.
+  auto duplicate = [](const std::string& doc) {
+    std::optional<std::string> twice;
+    parse_json_strict(doc.data(), doc.data() + doc.size(), twice);
+    return twice.value_or("");
+  };
+  CHECK(duplicate(R"({"a": 1, "a": 2})") == "a");
+  CHECK(duplicate(R"([{"x": {"y": [{"k": 1, "j": 2, "k": 3}]}}])") == "k");
+  CHECK(duplicate(R"({"b": {"a": 1, "a": 2}, "b": 3})") == "a");
+  CHECK(duplicate(R"({"a": {"a": {"a": 1}}, "b": [{"a": 1}, {"a": 2}]})") == "");
+  CHECK(duplicate(many + "") == "");
+  many.back() = ',';
+  CHECK(duplicate(many + R"( "p1234": 0})") == "p1234");
 }
 
 TEST_CASE("shard ranges split rows like torch.chunk and 8-bit entries by whole blocks") {

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <unordered_set>
 
 #include "optstate/checkpoint.h"
 #include "optstate/io.h"
@@ -124,7 +125,7 @@ class SafetensorsDriver final : public FormatDriver {
                                  where, kMetaKey, h.tensors.size()));
     OPTSTATE_ASSIGN_OR_RETURN(OptimizerState meta, decode_state_meta(meta_text->second, where));
     // Every component the metadata names is a tensor of the right dtype and shape; nothing else is.
-    size_t described = 0;
+    std::unordered_set<std::string> described;
     for (const auto& [fqn, ps] : meta.params)
       for (const auto& [name, e] : ps.entries)
         for (Component c : e.components()) {
@@ -137,16 +138,12 @@ class SafetensorsDriver final : public FormatDriver {
             return corrupt(fmt::format("{}: tensor '{}' is {} {}, the metadata says {} {}", where, tn,
                                        dtype_name(it->second.dtype), format_shape(it->second.shape), dtype_name(want),
                                        format_shape(shape)));
-          ++described;
+          described.insert(tn);
         }
-    if (described != h.tensors.size())
-      for (const auto& [tn, t] : h.tensors) {
-        bool known = false;
-        for (const auto& [fqn, ps] : meta.params)
-          for (const auto& [name, e] : ps.entries)
-            for (Component c : e.components()) known = known || tensor_name(fqn, name, e, c) == tn;
-        if (!known) return corrupt(fmt::format("{}: tensor '{}' is not described by the optstate metadata", where, tn));
-      }
+    if (described.size() != h.tensors.size())
+      for (const auto& [tn, t] : h.tensors)
+        if (!described.contains(tn))
+          return corrupt(fmt::format("{}: tensor '{}' is not described by the optstate metadata", where, tn));
     return std::unique_ptr<CheckpointReader>(new SafetensorsReader(path, std::move(f), std::move(h), std::move(meta)));
   }
 

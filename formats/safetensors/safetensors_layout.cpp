@@ -98,12 +98,26 @@ Result<Header> parse_header(std::span<const std::byte> json_bytes, uint64_t data
 
 std::string encode_header(const std::vector<std::pair<std::string, TensorInfo>>& tensors,
                           const std::map<std::string, std::string>& metadata) {
-  // nlohmann's ordered_json keeps insertion order, so the header lists tensors in file order.
-  nlohmann::ordered_json root = nlohmann::ordered_json::object();
-  if (!metadata.empty()) root["__metadata__"] = metadata;
-  for (const auto& [name, t] : tensors)
-    root[name] = {{"dtype", dtype_info(t.dtype).safetensors_name}, {"shape", t.shape}, {"data_offsets", {t.begin, t.end}}};
-  std::string text = root.dump();
+  // The object is written key by key so that the header lists tensors in file order (nlohmann's
+  // ordered_json would keep that order too, but finds each key by a linear scan: quadratic in the
+  // tensors, 12 s for 90,000 of them).
+  using json = nlohmann::json;
+  std::string text = "{";
+  auto key = [&](const std::string& k) {
+    if (text.size() > 1) text += ',';
+    text += json(k).dump();
+    text += ':';
+  };
+  if (!metadata.empty()) {
+    key("__metadata__");
+    text += json(metadata).dump();
+  }
+  for (const auto& [name, t] : tensors) {  // each tensor's keys in the order safetensors writes them
+    key(name);
+    text += R"({"dtype":)" + json(dtype_info(t.dtype).safetensors_name).dump() + R"(,"shape":)" + json(t.shape).dump() +
+            R"(,"data_offsets":)" + json({t.begin, t.end}).dump() + "}";
+  }
+  text += '}';
   text.append((8 - text.size() % 8) % 8, ' ');
   std::string out(8, '\0');
   uint64_t n = text.size();

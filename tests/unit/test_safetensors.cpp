@@ -1,6 +1,7 @@
 // safetensors driver: hostile files give errors naming the file and tensor; never a crash.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <fstream>
 
 #include "optstate/checkpoint.h"
@@ -72,6 +73,19 @@ TEST_CASE("safetensors: lying, truncated and foreign files are refused with the 
     const std::string err = open_error(bad);
     CHECK(err.find("layers.0.bias.exp_avg") != std::string::npos);
     CHECK(err.find("bad.safetensors") != std::string::npos);
+  }
+  SUBCASE("a tensor the metadata does not describe") {
+    auto h = safetensors::parse_header(std::as_bytes(std::span(header)), bytes.size() - 8 - hlen, "x");
+    REQUIRE(h.ok());
+    std::vector<std::pair<std::string, safetensors::TensorInfo>> tensors(h->tensors.begin(), h->tensors.end());
+    std::sort(tensors.begin(), tensors.end(), [](const auto& a, const auto& b) { return a.second.begin < b.second.begin; });
+    safetensors::TensorInfo stray;
+    stray.shape = {1};
+    stray.begin = bytes.size() - 8 - hlen;
+    stray.end = stray.begin + 4;
+    tensors.emplace_back("layers.0.stray", stray);
+    write_file(bad, safetensors::encode_header(tensors, h->metadata) + bytes.substr(8 + hlen) + std::string(4, '\0'));
+    CHECK(open_error(bad) == bad.string() + ": tensor 'layers.0.stray' is not described by the optstate metadata");
   }
   SUBCASE("no optstate metadata") {
     safetensors::TensorInfo t;

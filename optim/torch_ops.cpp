@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <nlohmann/json.hpp>
@@ -230,12 +231,20 @@ std::string meta_json(const OptimizerState& state, std::string_view format) {
 // One rank's ranges of a checkpoint (world 1: the whole state) in the encoding the optimizer keeps:
 // dense fp32, or 8-bit for its eligible params. A tensor holding a whole entry has the param's shape;
 // a partial range is 1-d.
-std::tuple<std::string, std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
-           std::vector<at::Tensor>>
-load_native_shard(const std::string& path, const std::string& to, int64_t block_size, int64_t min_8bit_size,
-                  int64_t world, int64_t rank, bool whole_params, const std::vector<std::string>& dest_params,
-                  const std::vector<std::string>& dest_entries, const std::vector<std::string>& dest_components,
-                  at::TensorList dests) {
+using LoadedLists = std::tuple<std::string, std::vector<std::string>, std::vector<std::string>,
+                               std::vector<std::string>, std::vector<at::Tensor>>;
+
+std::unique_ptr<CheckpointReader> open_or_raise(const std::string& path) {
+  auto reader = open_checkpoint(path);
+  if (!reader.ok()) raise(reader.status());
+  return std::move(*reader);
+}
+
+LoadedLists load_native_shard_from(CheckpointReader& reader, const std::string& to, int64_t block_size,
+                                   int64_t min_8bit_size, int64_t world, int64_t rank, bool whole_params,
+                                   const std::vector<std::string>& dest_params,
+                                   const std::vector<std::string>& dest_entries,
+                                   const std::vector<std::string>& dest_components, at::TensorList dests) {
   ShardLoadOptions o = shard_options(to, block_size, min_8bit_size, world, rank, whole_params);
   TORCH_CHECK(dest_params.size() == dests.size() && dest_entries.size() == dests.size() &&
                   dest_components.size() == dests.size(),
@@ -258,9 +267,7 @@ load_native_shard(const std::string& path, const std::string& to, int64_t block_
       placed[p] = t;
       return {p, bytes};
     };
-  auto reader = open_checkpoint(path);
-  if (!reader.ok()) raise(reader.status());
-  auto state = load_shard(**reader, o);
+  auto state = load_shard(reader, o);
   if (!state.ok()) raise(state.status());
   std::vector<std::string> pnames, enames, cnames;
   std::vector<at::Tensor> tensors;
@@ -290,7 +297,15 @@ load_native_shard(const std::string& path, const std::string& to, int64_t block_
       }
     }
   }
-  return {meta_json(*state, (*reader)->format()), pnames, enames, cnames, tensors};
+  return {meta_json(*state, reader.format()), pnames, enames, cnames, tensors};
+}
+
+LoadedLists load_native_shard(const std::string& path, const std::string& to, int64_t block_size,
+                              int64_t min_8bit_size, int64_t world, int64_t rank, bool whole_params,
+                              const std::vector<std::string>& dest_params, const std::vector<std::string>& dest_entries,
+                              const std::vector<std::string>& dest_components, at::TensorList dests) {
+  return load_native_shard_from(*open_or_raise(path), to, block_size, min_8bit_size, world, rank, whole_params,
+                                dest_params, dest_entries, dest_components, dests);
 }
 
 // The model's other tensors a checkpoint holds beside the state (CheckpointReader::model_tensors:
@@ -299,19 +314,17 @@ load_native_shard(const std::string& path, const std::string& to, int64_t block_
 // the same after every byte was read and checked against the file's checksums (nothing kept);
 // "load": read, into the tensor of `dests` given under its name where that one is a contiguous
 // CPU tensor of its dtype and shape (a live buffer: nothing allocated), else into a new CPU tensor.
-std::tuple<std::vector<std::string>, std::vector<at::Tensor>> load_model_tensors(
-    const std::string& path, const std::string& mode, const std::vector<std::string>& dest_names,
+std::tuple<std::vector<std::string>, std::vector<at::Tensor>> load_model_tensors_from(
+    CheckpointReader& reader, const std::string& mode, const std::vector<std::string>& dest_names,
     const std::vector<at::Tensor>& dests) {
   if (mode != "meta" && mode != "check" && mode != "load")
     raise(invalid_argument(fmt::format("load_model_tensors: mode '{}' is none of meta, check, load", mode)));
   if (dest_names.size() != dests.size()) raise(invalid_argument("load_model_tensors: names and tensors differ in count"));
   std::map<std::string, at::Tensor> dest;
   for (size_t i = 0; i < dests.size(); ++i) dest.emplace(dest_names[i], dests[i]);
-  auto reader = open_checkpoint(path);
-  if (!reader.ok()) raise(reader.status());
   std::vector<std::string> names;
   std::vector<at::Tensor> tensors;
-  const std::span<const ModelTensorInfo> infos = (*reader)->model_tensors();
+  const std::span<const ModelTensorInfo> infos = reader.model_tensors();
   for (size_t i = 0; i < infos.size(); ++i) {
     const ModelTensorInfo& info = infos[i];
     const auto options = at::TensorOptions().dtype(scalar_type_of(info.dtype));
@@ -328,7 +341,7 @@ std::tuple<std::vector<std::string>, std::vector<at::Tensor>> load_model_tensors
     auto* into = mode == "load" ? static_cast<std::byte*>(t.data_ptr()) : nullptr;
     uint64_t got = 0;
     if (mode != "meta") {
-      const Status st = stream_model_tensor_exactly(**reader, i, [&](std::span<const std::byte> piece) {
+      const Status st = stream_model_tensor_exactly(reader, i, [&](std::span<const std::byte> piece) {
         if (into) std::memcpy(into + got, piece.data(), piece.size());
         got += piece.size();
         return Status::Ok();
@@ -341,18 +354,22 @@ std::tuple<std::vector<std::string>, std::vector<at::Tensor>> load_model_tensors
   return {names, tensors};
 }
 
+std::tuple<std::vector<std::string>, std::vector<at::Tensor>> load_model_tensors(
+    const std::string& path, const std::string& mode, const std::vector<std::string>& dest_names,
+    const std::vector<at::Tensor>& dests) {
+  return load_model_tensors_from(*open_or_raise(path), mode, dest_names, dests);
+}
+
 // optstate.verify's check of the model's other tensors: each of `live` (CPU, contiguous, in the
 // checkpoint tensor's dtype and shape) against the checkpoint tensor of its name, byte for byte:
 // one line per tensor that differs, naming its first differing element.
-std::vector<std::string> verify_model_tensors(const std::string& path, const std::vector<std::string>& names,
-                                              const std::vector<at::Tensor>& live) {
+std::vector<std::string> verify_model_tensors_from(CheckpointReader& reader, const std::vector<std::string>& names,
+                                                   const std::vector<at::Tensor>& live) {
   TORCH_CHECK(names.size() == live.size(), "optstate.verify: name and tensor lists differ in length");
   std::map<std::string, at::Tensor> by_name;
   for (size_t i = 0; i < names.size(); ++i) by_name.emplace(names[i], live[i]);
-  auto reader = open_checkpoint(path);
-  if (!reader.ok()) raise(reader.status());
   std::vector<std::string> diffs;
-  const std::span<const ModelTensorInfo> infos = (*reader)->model_tensors();
+  const std::span<const ModelTensorInfo> infos = reader.model_tensors();
   for (size_t i = 0; i < infos.size(); ++i) {
     const ModelTensorInfo& info = infos[i];
     const auto it = by_name.find(info.name);
@@ -365,7 +382,7 @@ std::vector<std::string> verify_model_tensors(const std::string& path, const std
     const uint64_t elem = dtype_size(info.dtype);
     uint64_t at = 0;
     std::optional<uint64_t> first;
-    const Status st = stream_model_tensor_exactly(**reader, i, [&](std::span<const std::byte> piece) {
+    const Status st = stream_model_tensor_exactly(reader, i, [&](std::span<const std::byte> piece) {
       if (!first && std::memcmp(have + at, piece.data(), piece.size()) != 0)
         for (size_t k = 0; k < piece.size() && !first; ++k)
           if (have[at + k] != piece[k]) first = (at + k) / elem;
@@ -373,23 +390,33 @@ std::vector<std::string> verify_model_tensors(const std::string& path, const std
       return Status::Ok();
     });
     if (!st.ok()) raise(st);
-    if (first) diffs.push_back(fmt::format("model tensor '{}': differs from {} first at element {}", info.name, path, *first));
+    if (first)
+      diffs.push_back(fmt::format("model tensor '{}': differs from {} first at element {}", info.name,
+                                  reader.path().string(), *first));
   }
   return diffs;
+}
+
+std::vector<std::string> verify_model_tensors(const std::string& path, const std::vector<std::string>& names,
+                                              const std::vector<at::Tensor>& live) {
+  return verify_model_tensors_from(*open_or_raise(path), names, live);
 }
 
 // load_native_shard's reading, verifying and converting without keeping or placing any byte:
 // its metadata, or the error that load would raise. optstate.load runs this before a load that
 // reads into live tensors, so a bad checkpoint leaves them as they were.
-std::string check_native_shard(const std::string& path, const std::string& to, int64_t block_size,
-                               int64_t min_8bit_size, int64_t world, int64_t rank, bool whole_params) {
+std::string check_native_shard_from(CheckpointReader& reader, const std::string& to, int64_t block_size,
+                                    int64_t min_8bit_size, int64_t world, int64_t rank, bool whole_params) {
   ShardLoadOptions o = shard_options(to, block_size, min_8bit_size, world, rank, whole_params);
   o.check_only = true;
-  auto reader = open_checkpoint(path);
-  if (!reader.ok()) raise(reader.status());
-  auto state = load_shard(**reader, o);
+  auto state = load_shard(reader, o);
   if (!state.ok()) raise(state.status());
-  return meta_json(*state, (*reader)->format());
+  return meta_json(*state, reader.format());
+}
+
+std::string check_native_shard(const std::string& path, const std::string& to, int64_t block_size,
+                               int64_t min_8bit_size, int64_t world, int64_t rank, bool whole_params) {
+  return check_native_shard_from(*open_or_raise(path), to, block_size, min_8bit_size, world, rank, whole_params);
 }
 
 std::tuple<std::string, std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
@@ -420,17 +447,24 @@ void save_native_sharded(const std::string& path, const std::string& meta_json, 
 
 // Resume validation of one rank's live state (the lists as save_native_sharded takes them, "param"
 // entries whole): the differences from the checkpoint, empty when the live shard is the checkpoint's.
+std::vector<std::string> verify_native_shard_from(CheckpointReader& reader, const std::string& meta_json,
+                                                  const std::vector<std::string>& param_names,
+                                                  const std::vector<std::string>& entry_names,
+                                                  const std::vector<std::string>& components, at::TensorList tensors,
+                                                  int64_t world, int64_t rank, bool whole_params) {
+  const ShardLoadOptions layout = shard_options("", 0, 0, world, rank, whole_params);
+  OptimizerState live = state_from_lists(meta_json, param_names, entry_names, components, tensors, &layout);
+  auto diffs = verify_resume_shard(live, reader, layout);
+  if (!diffs.ok()) raise(diffs.status());
+  return *diffs;
+}
+
 std::vector<std::string> verify_native_shard(const std::string& path, const std::string& meta_json,
                                              std::vector<std::string> param_names, std::vector<std::string> entry_names,
                                              std::vector<std::string> components, at::TensorList tensors,
                                              int64_t world, int64_t rank, bool whole_params) {
-  const ShardLoadOptions layout = shard_options("", 0, 0, world, rank, whole_params);
-  OptimizerState live = state_from_lists(meta_json, param_names, entry_names, components, tensors, &layout);
-  auto reader = open_checkpoint(path);
-  if (!reader.ok()) raise(reader.status());
-  auto diffs = verify_resume_shard(live, **reader, layout);
-  if (!diffs.ok()) raise(diffs.status());
-  return *diffs;
+  return verify_native_shard_from(*open_or_raise(path), meta_json, param_names, entry_names, components, tensors,
+                                  world, rank, whole_params);
 }
 
 // The element range [begin, end) of a param's entries that `rank` of `world` owns: whole rows of dim 0
@@ -490,9 +524,54 @@ at::Tensor dequantize_blockwise_op(const at::Tensor& codes, const at::Tensor& ab
   return out;
 }
 
+// A checkpoint opened once for several reads: torch.classes.optstate.Checkpoint(path), whose methods
+// are the path-taking ops above less their path. Opening parses every piece of metadata (a DCP's
+// .metadata or a native manifest of 30,000 params: 1-3 s), which each path-taking op repeats;
+// optstate.load's check pass, its load and the model's buffers, and read_state_dict's two reads,
+// go through one of these instead.
+struct OpenedCheckpoint : torch::CustomClassHolder {
+  explicit OpenedCheckpoint(const std::string& path) : reader(open_or_raise(path)) {}
+  std::unique_ptr<CheckpointReader> reader;
+};
+
 }  // namespace
 
 TORCH_LIBRARY(optstate, m) {
+  using Self = c10::intrusive_ptr<OpenedCheckpoint>;
+  m.class_<OpenedCheckpoint>("Checkpoint")
+      .def(torch::init<std::string>())
+      .def("path", [](const Self& self) { return self->reader->path().string(); })
+      .def("format", [](const Self& self) { return std::string(self->reader->format()); })
+      .def("load_native_shard",
+           [](const Self& self, const std::string& to, int64_t block_size, int64_t min_8bit_size, int64_t world,
+              int64_t rank, bool whole_params, const std::vector<std::string>& dest_params,
+              const std::vector<std::string>& dest_entries, const std::vector<std::string>& dest_components,
+              const std::vector<at::Tensor>& dests) {
+             return load_native_shard_from(*self->reader, to, block_size, min_8bit_size, world, rank, whole_params,
+                                           dest_params, dest_entries, dest_components, dests);
+           })
+      .def("check_native_shard",
+           [](const Self& self, const std::string& to, int64_t block_size, int64_t min_8bit_size, int64_t world,
+              int64_t rank, bool whole_params) {
+             return check_native_shard_from(*self->reader, to, block_size, min_8bit_size, world, rank, whole_params);
+           })
+      .def("verify_native_shard",
+           [](const Self& self, const std::string& meta_json, const std::vector<std::string>& param_names,
+              const std::vector<std::string>& entry_names, const std::vector<std::string>& components,
+              const std::vector<at::Tensor>& tensors, int64_t world, int64_t rank, bool whole_params) {
+             return verify_native_shard_from(*self->reader, meta_json, param_names, entry_names, components, tensors,
+                                             world, rank, whole_params);
+           })
+      .def("load_model_tensors",
+           [](const Self& self, const std::string& mode, const std::vector<std::string>& dest_names,
+              const std::vector<at::Tensor>& dests) {
+             return load_model_tensors_from(*self->reader, mode, dest_names, dests);
+           })
+      .def("verify_model_tensors",
+           [](const Self& self, const std::vector<std::string>& names, const std::vector<at::Tensor>& live) {
+             return verify_model_tensors_from(*self->reader, names, live);
+           });
+
   m.def(
       "fused_adamw_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] steps, float lr, float beta1, float beta2, float eps, "

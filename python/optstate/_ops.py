@@ -27,3 +27,11 @@ def load() -> None:
 
 load()
 ops = torch.ops.optstate
+
+
+def open_checkpoint(path):
+    """The checkpoint at ``path``, opened once (its metadata parsed) for several reads: an object
+    with the methods load_native_shard, check_native_shard, verify_native_shard, load_model_tensors
+    and verify_model_tensors, which take the arguments of the ops of those names less the path.
+    Raises RuntimeError naming the file when it cannot be read as a checkpoint."""
+    return torch.classes.optstate.Checkpoint(str(path))

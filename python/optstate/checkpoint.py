@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ._ops import ops
+from ._ops import open_checkpoint, ops
 from .optim import AdamW8bit, DTensor, FusedAdamW, _check_fsdp2_blocks, _fsdp2_absmax, _rows_layout
 from .names import canonical_name, named_parameters
 from .sharded import ShardedParams, world_and_rank
@@ -342,7 +342,7 @@ def _all_ranks_ok(group, err, failed_elsewhere):
         raise RuntimeError(failed_elsewhere)
 
 
-def _model_targets(path, model, optimizer, mode):
+def _model_targets(path, ck, model, optimizer, mode):
     """The model's tensors that the checkpoint's other tensors go into (a torch.save file's or a
     DCP's buffers, such as BatchNorm's running stats; frozen params' weights), by name, shapes
     checked before anything changes (as torch's load_state_dict checks them; the copy casts).
@@ -352,7 +352,7 @@ def _model_targets(path, model, optimizer, mode):
     second name is one of them), and a DTensor (FSDP2 shards frozen params: left as they are)."""
     if isinstance(model, ShardedParams):
         return {}
-    names, metas = ops.load_model_tensors(str(path), mode, [], [])
+    names, metas = ck.load_model_tensors(mode, [], [])
     if not names:
         return {}
     return {name: live for name, (live, _) in _model_pairs(path, model, optimizer, names, metas).items()}
@@ -376,12 +376,12 @@ def _model_pairs(path, model, optimizer, names, metas):
     return targets
 
 
-def _load_model_tensors(path, targets):
+def _load_model_tensors(ck, targets):
     """Reads the checkpoint's other tensors into their targets: in place where a target is a
     contiguous CPU tensor of the same dtype (a live buffer: nothing allocated), else copied."""
     if not targets:
         return
-    names, tensors = ops.load_model_tensors(str(path), "load", list(targets), [t.detach() for t in targets.values()])
+    names, tensors = ck.load_model_tensors("load", list(targets), [t.detach() for t in targets.values()])
     for name, t in zip(names, tensors):
         live = targets.get(name)
         if live is not None and t.data_ptr() != live.data_ptr():
@@ -453,13 +453,15 @@ def load(path, model, optimizer, transactional=True, by_position=False):
                 dest.add(fqn, key, "values", t)
     # The check pass: before anything is read in place, and on every rank of a sharded load (ranks
     # read different ranges: a corrupt chunk may fail one of them, and then none may load).
-    others = None
+    # One open for every read below: opening parses all the checkpoint's metadata.
+    others = ck = None
     if transactional and (dest.tensor or world > 1):
         err = None
         try:
-            others = _model_targets(path, model, optimizer, "check")
-            _load_plan(path, json.loads(ops.check_native_shard(str(path), to, block, min_size, world, rank,
-                                                               not rows)), model, optimizer, by_position)
+            ck = open_checkpoint(path)
+            others = _model_targets(path, ck, model, optimizer, "check")
+            _load_plan(path, json.loads(ck.check_native_shard(to, block, min_size, world, rank, not rows)), model,
+                       optimizer, by_position)
         except Exception as e:  # noqa: BLE001 - raised below, after every rank has had its say
             err = e
         if world > 1:
@@ -467,10 +469,12 @@ def load(path, model, optimizer, transactional=True, by_position=False):
                                       f"log); nothing was changed on this rank")
         elif err is not None:
             raise err
+    if ck is None:
+        ck = open_checkpoint(path)
     if others is None:  # no check pass above: the buffers, read in place, are checked first here
-        others = _model_targets(path, model, optimizer, "check" if transactional else "meta")
-    meta_json, pnames, enames, cnames, tensors = ops.load_native_shard(str(path), to, block, min_size, world, rank,
-                                                                       not rows, *dest.args())
+        others = _model_targets(path, ck, model, optimizer, "check" if transactional else "meta")
+    meta_json, pnames, enames, cnames, tensors = ck.load_native_shard(to, block, min_size, world, rank, not rows,
+                                                                      *dest.args())
     meta = json.loads(meta_json)
     plan, hypers = _load_plan(path, meta, model, optimizer, by_position)
     found = {}
@@ -483,7 +487,7 @@ def load(path, model, optimizer, transactional=True, by_position=False):
                 raise ValueError(f"optstate.load: '{fqn}.{entry}' holds {t.numel()} codes for a "
                                  f"parameter range of {local_numel}")
     # The model's other tensors, read in place (checked above where transactional, as the state).
-    _load_model_tensors(path, others)
+    _load_model_tensors(ck, others)
     # Nothing below raises: the checkpoint is applied whole.
     for p, fqn, whole, pm in plan:
         e = found.get(fqn, {})
@@ -537,12 +541,12 @@ def load(path, model, optimizer, transactional=True, by_position=False):
         group["betas"] = tuple(gm["betas"])
 
 
-def _verify_model_tensors(path, model, optimizer):
+def _verify_model_tensors(path, ck, model, optimizer):
     """verify's check of the model's other tensors that ``load`` copies in (buffers, frozen
     weights): each against the checkpoint's, in the checkpoint's dtype."""
     if isinstance(model, ShardedParams):
         return []
-    names, metas = ops.load_model_tensors(str(path), "meta", [], [])
+    names, metas = ck.load_model_tensors("meta", [], [])
     if not names:
         return []
     try:
@@ -550,7 +554,7 @@ def _verify_model_tensors(path, model, optimizer):
     except ValueError as e:
         return [str(e).removeprefix("optstate.load: ")]
     live = [t.detach().to(device="cpu", dtype=meta.dtype).contiguous() for t, meta in pairs.values()]
-    return list(ops.verify_model_tensors(str(path), list(pairs), live))
+    return list(ck.verify_model_tensors(list(pairs), live))
 
 
 def verify(path, model, optimizer, by_position=False):
@@ -558,12 +562,13 @@ def verify(path, model, optimizer, by_position=False):
     the list of differences (empty when it is), each naming the entry, the rank and the first
     differing element. Every rank checks its own ranges and the whole weights, and the model's
     other tensors ``load`` copies in (buffers, frozen weights). ``by_position`` as for ``load``."""
+    ck = open_checkpoint(path)
     if _row_sharded(model):  # FSDP2/HSDP: every rank checks its rows, weights included
         world, rank, _ = _rows_group(model, optimizer)
         meta, lists = _state_lists(model, optimizer, world, rank, whole_param=False, by_position=by_position)
-        return list(ops.verify_native_shard(str(path), meta, *lists.args(), world, rank, False)) + \
-            _verify_model_tensors(path, model, optimizer)
+        return list(ck.verify_native_shard(meta, *lists.args(), world, rank, False)) + \
+            _verify_model_tensors(path, ck, model, optimizer)
     world, rank = (model.world, model.rank) if isinstance(model, ShardedParams) else (1, 0)
     meta, lists = _state_lists(model, optimizer, 1, 0, whole_param=True, by_position=by_position)
-    return list(ops.verify_native_shard(str(path), meta, *lists.args(), world, rank, True)) + \
-        _verify_model_tensors(path, model, optimizer)
+    return list(ck.verify_native_shard(meta, *lists.args(), world, rank, True)) + \
+        _verify_model_tensors(path, ck, model, optimizer)

@@ -10,7 +10,7 @@ import json
 
 import torch
 
-from ._ops import ops
+from ._ops import open_checkpoint
 
 # Dense fp32 moments whatever the checkpoint holds; the two numbers are the 8-bit layout's, unused here.
 _TO, _BLOCK, _MIN_8BIT = "fp32", 256, 4096
@@ -48,7 +48,9 @@ def read_state_dict(path):
     which come back at torch's defaults. A checkpoint optstate cannot read raises ``RuntimeError``
     naming the file and what is wrong, as ``optstate inspect`` reports it.
     """
-    meta_json, pnames, enames, cnames, tensors = ops.load_native(str(path), _TO, _BLOCK, _MIN_8BIT)
+    ck = open_checkpoint(path)  # once for both reads below: opening parses all the metadata
+    meta_json, pnames, enames, cnames, tensors = ck.load_native_shard(_TO, _BLOCK, _MIN_8BIT, 1, 0, False,
+                                                                      [], [], [], [])
     meta = json.loads(meta_json)
     numbered = bool(meta["params"]) and all(n.isdigit() for n in meta["params"])
     key = int if numbered else str
@@ -75,7 +77,7 @@ def read_state_dict(path):
         groups.append({"lr": g["lr"], "betas": (beta1, beta2), "eps": g["eps"], "weight_decay": g["weight_decay"],
                        "amsgrad": g["amsgrad"], "maximize": g["maximize"], **defaults,
                        "params": [key(n) for n in g["params"]]})
-    names, others = ops.load_model_tensors(str(path), "load", [], [])
+    names, others = ck.load_model_tensors("load", [], [])
     for name, t in zip(names, others):
         weights.setdefault(name, t)
     return weights, {"state": state, "param_groups": groups}

@@ -33,7 +33,7 @@ Result<Header> parse_header(std::span<const std::byte> json_bytes, uint64_t data
   if (twice) return corrupt(fmt::format("{}: header names '{}' twice", where, printable(*twice)));
   Header h;
   h.data_start = 8 + json_bytes.size();
-  std::vector<std::pair<uint64_t, std::string>> order;
+  std::vector<const std::pair<const std::string, TensorInfo>*> order;  // into h.tensors (a map: they stay put)
   for (const auto& [name, tj] : root.items()) {
     const std::string tw = fmt::format("{}: tensor '{}'", where, name);
     if (name == "__metadata__") {
@@ -74,18 +74,16 @@ Result<Header> parse_header(std::span<const std::byte> json_bytes, uint64_t data
     if (t.end - t.begin != want)
       return corrupt(fmt::format("{}: holds {} bytes, its dtype and shape {} need {}", tw, t.end - t.begin,
                                  format_shape(t.shape), want));
-    order.emplace_back(t.begin, name);
-    h.tensors.emplace(name, std::move(t));
+    order.push_back(&*h.tensors.emplace(name, std::move(t)).first);
   }
   // Coverage: sorted by offset, each tensor starts where the previous ended, and the last ends the
   // file (zero-size tensors may share an offset).
-  std::sort(order.begin(), order.end(), [&](const auto& a, const auto& b) {
-    const TensorInfo &x = h.tensors.at(a.second), &y = h.tensors.at(b.second);
-    return std::tie(x.begin, x.end) < std::tie(y.begin, y.end);
+  std::sort(order.begin(), order.end(), [](const auto* a, const auto* b) {
+    return std::tie(a->second.begin, a->second.end) < std::tie(b->second.begin, b->second.end);
   });
   uint64_t at = 0;
-  for (const auto& [begin, name] : order) {
-    const TensorInfo& t = h.tensors.at(name);
+  for (const auto* tensor : order) {
+    const auto& [name, t] = *tensor;
     if (t.begin != at)
       return corrupt(fmt::format("{}: tensor '{}' starts at byte {} of the data buffer, expected {} ({})", where, name,
                                  t.begin, at, t.begin > at ? "a hole" : "an overlap"));

@@ -168,7 +168,7 @@ std::string serialize_manifest(const Manifest& m) {
   root["optimizer"] = {{"kind", m.state.kind}, {"state_version", m.state.format_version}, {"param_groups", groups}};
   json files = json::array();
   for (const DataFile& f : m.files) files.push_back({{"path", f.rel_path}, {"size", f.size}});
-  root["files"] = files;
+  root["files"] = std::move(files);
   json params = json::object();
   for (const auto& [fqn, ps] : m.state.params) {
     json entries = json::object();
@@ -185,14 +185,14 @@ std::string serialize_manifest(const Manifest& m) {
                             {"begin", ch.begin},
                             {"end", ch.end},
                             {"xxh3", u64_hex(ch.xxh3)}});
-        comps[std::string(component_name(c))] = list;
+        comps[std::string(component_name(c))] = std::move(list);
       }
-      ej["components"] = comps;
-      entries[name] = ej;
+      ej["components"] = std::move(comps);
+      entries[name] = std::move(ej);
     }
     params[fqn] = param_header_to_json(ps, std::move(entries));
   }
-  root["params"] = params;
+  root["params"] = std::move(params);  // moved, not copied: the tree is most of the manifest
   root["manifest_xxh3"] = body_checksum(root);
   return root.dump(1) + "\n";
 }

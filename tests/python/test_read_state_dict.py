@@ -130,6 +130,50 @@ def test_a_deepspeed_zero_checkpoint_reads_as_its_conversion(tmp_path, optstate_
     assert {float(st["step"]) for st in optim["state"].values()} == {3.0}  # global_step3
 
 
+def test_a_checkpoint_opened_once_reads_as_the_path_taking_ops_read_it(tmp_path):
+    """optstate.load, verify and read_state_dict open a checkpoint once (torch.classes.optstate.
+    Checkpoint) and read it several times: every method gives what its path-taking op gives, and
+    again on a second call; a missing or damaged checkpoint raises at open, naming the file."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from optstate._ops import open_checkpoint
+    model = _model()
+    opt = _adamw(model)
+    _steps(model, opt, range(2))
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "ck"))
+    path = str(tmp_path / "ck")
+    ops = optstate.ops
+
+    def same(a, b):
+        if isinstance(a, torch.Tensor):
+            return a.dtype == b.dtype and a.shape == b.shape and (a.is_meta or torch.equal(a, b))
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b
+
+    ck = open_checkpoint(path)
+    assert ck.path() == path and ck.format() == "dcp"
+    for _ in range(2):
+        for world, rank in ((1, 0), (2, 1)):
+            assert same(ck.check_native_shard("fp32", 256, 4096, world, rank, True),
+                        ops.check_native_shard(path, "fp32", 256, 4096, world, rank, True))
+            assert same(ck.load_native_shard("8bit", 256, 16, world, rank, True, [], [], [], []),
+                        ops.load_native_shard(path, "8bit", 256, 16, world, rank, True, [], [], [], []))
+        for mode in ("meta", "check", "load"):
+            got = ck.load_model_tensors(mode, [], [])
+            assert got[0] and same(got, ops.load_model_tensors(path, mode, [], []))
+        live = [msd[n].clone() for n in got[0]]
+        changed = next(i for i, t in enumerate(live) if t.numel() > 1)  # a running mean, not the count
+        live[changed].view(-1)[1] += 1
+        assert ck.verify_model_tensors(got[0], live) == ops.verify_model_tensors(path, got[0], live) != []
+    with pytest.raises(RuntimeError, match="no such file"):
+        open_checkpoint(tmp_path / "gone")
+    (tmp_path / "ck" / ".metadata").write_bytes(b"\x80\x02junk")
+    with pytest.raises(RuntimeError, match=".metadata"):
+        open_checkpoint(path)
+
+
 def test_a_damaged_checkpoint_raises_naming_the_file(tmp_path):
     """A truncated optimizer.pt: RuntimeError naming the file, nothing returned."""
     bad = tmp_path / "optimizer.pt"

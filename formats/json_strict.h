@@ -7,51 +7,58 @@
 
 #include <optional>
 #include <string>
-#include <unordered_set>
+#include <utility>
 #include <vector>
 
 namespace optstate {
 
 // Parses [begin, end) as one JSON document (discarded when it is not one), setting `duplicate` to
-// the first key that appears twice in one object. A SAX handler that builds the document as
-// nlohmann's own parser does and sees each key on the way: nlohmann's callback parser, the other
-// way to see keys, scans an object's parent at the end of each object (quadratic: a manifest of
-// 3,000 params spent a third of its parse there).
+// the first key that appears twice in one object. A SAX handler that builds the document itself:
+// a key is inserted into its object's map as it is read, and the insertion says whether the object
+// held it already, so the check costs no lookup of its own. (nlohmann's callback parser, the other
+// way to see keys, scans an object's parent at the end of each object: quadratic; a set of each
+// object's keys beside nlohmann's DOM builder copied every key twice more.)
 inline nlohmann::json parse_json_strict(const char* begin, const char* end, std::optional<std::string>& duplicate) {
   using json = nlohmann::json;
   struct StrictDom {
-    nlohmann::detail::json_sax_dom_parser<json> dom;
-    std::vector<std::unordered_set<std::string>> open_objects;
+    json& root;
     std::optional<std::string>& duplicate;
+    std::vector<json*> open;   // the arrays and objects being filled, innermost last
+    json* member = nullptr;    // the slot the last key made in the innermost object
 
-    bool null() { return dom.null(); }
-    bool boolean(bool v) { return dom.boolean(v); }
-    bool number_integer(json::number_integer_t v) { return dom.number_integer(v); }
-    bool number_unsigned(json::number_unsigned_t v) { return dom.number_unsigned(v); }
-    bool number_float(json::number_float_t v, const json::string_t& s) { return dom.number_float(v, s); }
-    bool string(json::string_t& v) { return dom.string(v); }
-    bool binary(json::binary_t& v) { return dom.binary(v); }
-    bool start_object(std::size_t n) {
-      open_objects.emplace_back();
-      return dom.start_object(n);
+    // Where the next value goes: the root, the end of the innermost array, or the object's slot.
+    json* place(json&& v) {
+      if (open.empty()) {
+        root = std::move(v);
+        return &root;
+      }
+      json& top = *open.back();
+      if (top.is_array()) return &top.get_ref<json::array_t&>().emplace_back(std::move(v));
+      *member = std::move(v);
+      return member;
     }
+    bool null() { return place(json(nullptr)), true; }
+    bool boolean(bool v) { return place(json(v)), true; }
+    bool number_integer(json::number_integer_t v) { return place(json(v)), true; }
+    bool number_unsigned(json::number_unsigned_t v) { return place(json(v)), true; }
+    bool number_float(json::number_float_t v, const json::string_t&) { return place(json(v)), true; }
+    bool string(json::string_t& v) { return place(json(v)), true; }
+    bool binary(json::binary_t& v) { return place(json(json::binary_t(v))), true; }
+    bool start_object(std::size_t) { return open.push_back(place(json(json::value_t::object))), true; }
     bool key(json::string_t& k) {
-      if (!duplicate && !open_objects.empty() && !open_objects.back().insert(k).second) duplicate = k;
-      return dom.key(k);
+      auto [it, inserted] = open.back()->get_ref<json::object_t&>().try_emplace(k);
+      if (!inserted && !duplicate) duplicate = k;
+      member = &it->second;
+      return true;
     }
-    bool end_object() {
-      if (!open_objects.empty()) open_objects.pop_back();
-      return dom.end_object();
-    }
-    bool start_array(std::size_t n) { return dom.start_array(n); }
-    bool end_array() { return dom.end_array(); }
-    bool parse_error(std::size_t pos, const std::string& token, const nlohmann::detail::exception& e) {
-      return dom.parse_error(pos, token, e);
-    }
+    bool end_object() { return open.pop_back(), true; }
+    bool start_array(std::size_t) { return open.push_back(place(json(json::value_t::array))), true; }
+    bool end_array() { return open.pop_back(), true; }
+    bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) { return false; }
   };
   json root;
-  StrictDom sax{nlohmann::detail::json_sax_dom_parser<json>(root, /*allow_exceptions=*/false), {}, duplicate};
-  if (!json::sax_parse(begin, end, &sax) || sax.dom.is_errored()) return json(json::value_t::discarded);
+  StrictDom sax{root, duplicate, {}, nullptr};
+  if (!json::sax_parse(begin, end, &sax)) return json(json::value_t::discarded);
   return root;
 }
 

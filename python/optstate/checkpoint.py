@@ -19,6 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ._gc import gc_paused
 from ._ops import open_checkpoint, ops
 from .optim import AdamW8bit, DTensor, FusedAdamW, _check_fsdp2_blocks, _fsdp2_absmax, _rows_layout
 from .names import canonical_name, named_parameters
@@ -205,6 +206,7 @@ def _state_lists(model, optimizer, slice_world, slice_rank, whole_param, by_posi
     return json.dumps(meta), lists
 
 
+@gc_paused
 def save(path, model, optimizer, overwrite=True, dequantize=False, timeout=600.0):
     """Writes model weights and optimizer state as a native optstate checkpoint, atomically.
 
@@ -273,12 +275,11 @@ def _target(optimizer):
     return "fp32", 0, 0
 
 
-def _load_plan(path, meta, model, optimizer, by_position=False):
+def _load_plan(path, meta, params, optimizer, by_position=False):
     """The checks a load makes on a checkpoint's metadata before it changes anything live: one entry
-    (param, fqn, whole, param meta) per optimized param and each live group's hyperparameters, or an
-    error naming the file and param."""
+    (param, fqn, whole, param meta) per optimized param (``params``: _params' list) and each live
+    group's hyperparameters, or an error naming the file and param."""
     plan = []
-    params = _params(model, optimizer, by_position)
     if by_position:
         # As torch's load_state_dict: the same groups, param i of the file in the group of param i.
         if len(meta["param_groups"]) != len(optimizer.param_groups):
@@ -389,6 +390,7 @@ def _load_model_tensors(ck, targets):
 
 
 @torch.no_grad()
+@gc_paused
 def load(path, model, optimizer, transactional=True, by_position=False):
     """Restores model weights and optimizer state from a native optstate checkpoint.
 
@@ -435,7 +437,8 @@ def load(path, model, optimizer, transactional=True, by_position=False):
     # Tensors that already exist (the live weights, state of a matching layout) are read into in
     # place: a resume neither allocates nor copies them again.
     dest = _Lists()
-    for _, p, fqn, whole in _params(model, optimizer, by_position):
+    params = _params(model, optimizer, by_position)
+    for _, p, fqn, whole in params:
         live = _local_rows(whole, fqn, "the parameter") if _is_dtensor(whole) else whole
         if live.is_contiguous() and live.device.type == "cpu":
             dest.add(fqn, "param", "values", live)
@@ -460,7 +463,7 @@ def load(path, model, optimizer, transactional=True, by_position=False):
         try:
             ck = open_checkpoint(path)
             others = _model_targets(path, ck, model, optimizer, "check")
-            _load_plan(path, json.loads(ck.check_native_shard(to, block, min_size, world, rank, not rows)), model,
+            _load_plan(path, json.loads(ck.check_native_shard(to, block, min_size, world, rank, not rows)), params,
                        optimizer, by_position)
         except Exception as e:  # noqa: BLE001 - raised below, after every rank has had its say
             err = e
@@ -476,7 +479,7 @@ def load(path, model, optimizer, transactional=True, by_position=False):
     meta_json, pnames, enames, cnames, tensors = ck.load_native_shard(to, block, min_size, world, rank, not rows,
                                                                       *dest.args())
     meta = json.loads(meta_json)
-    plan, hypers = _load_plan(path, meta, model, optimizer, by_position)
+    plan, hypers = _load_plan(path, meta, params, optimizer, by_position)
     found = {}
     for fqn, entry, comp, t in zip(pnames, enames, cnames, tensors):
         found.setdefault(fqn, {})[(entry, comp)] = t
@@ -557,6 +560,7 @@ def _verify_model_tensors(path, ck, model, optimizer):
     return list(ck.verify_model_tensors(list(pairs), live))
 
 
+@gc_paused
 def verify(path, model, optimizer, by_position=False):
     """Resume validation: right after ``load``, is the live state exactly the checkpoint's? Returns
     the list of differences (empty when it is), each naming the entry, the rank and the first

@@ -10,6 +10,7 @@ import json
 
 import torch
 
+from ._gc import gc_paused
 from ._ops import open_checkpoint
 
 # Dense fp32 moments whatever the checkpoint holds; the two numbers are the 8-bit layout's, unused here.
@@ -24,6 +25,7 @@ def _group_defaults():
                                                          "maximize")}
 
 
+@gc_paused
 def read_state_dict(path):
     """Reads the checkpoint at ``path`` and returns ``(model_state_dict, optim_state_dict)``, as
     ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` gives them, so that

@@ -247,3 +247,39 @@ def test_wrapped_models_use_torchs_names_and_resume_from_their_dcp(tmp_path, opt
     with pytest.raises(ValueError, match="'0.weight' and '_orig_mod.0.weight' both have the name '0.weight'"):
         optstate.save(tmp_path / "clash", clash, optstate.FusedAdamW(clash.parameters()))
     assert not (tmp_path / "clash").exists()
+
+
+def test_collector_paused_only_while_saving_loading_and_reading(tmp_path, monkeypatch):
+    """save, load, verify and read_state_dict run with Python's cyclic collector off (optstate/_gc.py)
+    and leave it as they found it: on again after returning or raising, still off where the caller
+    had turned it off."""
+    import gc
+
+    model = _model()
+    opt = optstate.FusedAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    seen = []
+    real_params = optstate.checkpoint._params
+
+    def watching(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real_params(*args, **kwargs)
+
+    monkeypatch.setattr(optstate.checkpoint, "_params", watching)
+    assert gc.isenabled()
+    calls = [lambda: optstate.save(tmp_path / "ck", model, opt), lambda: optstate.load(tmp_path / "ck", model, opt),
+             lambda: optstate.verify(tmp_path / "ck", model, opt), lambda: optstate.read_state_dict(tmp_path / "ck")]
+    for call in calls:
+        call()
+        assert gc.isenabled()
+    assert seen and not any(seen)
+    with pytest.raises(RuntimeError):
+        optstate.load(tmp_path / "missing", model, opt)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        for call in calls:
+            call()
+            assert not gc.isenabled()
+    finally:
+        gc.enable()

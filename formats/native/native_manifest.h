@@ -69,7 +69,7 @@ Result<RankFile> decode_rank_file(const std::string& text);
 Result<Manifest> parse_manifest(std::span<const std::byte> bytes, const std::filesystem::path& dir);
 std::string serialize_manifest(const Manifest& m);
 // For tests and the fuzz driver: the text with its manifest_xxh3 replaced by the value that matches
-// its content, or nullopt when it is not a JSON object.
+// its content, or nullopt when it is not a JSON object (or nests deeper than kMaxJsonDepth).
 std::optional<std::string> resign_manifest_for_tests(const std::string& text);
 
 }  // namespace optstate::native

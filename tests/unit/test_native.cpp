@@ -231,20 +231,25 @@ TEST_CASE("parse_json_strict reads what nlohmann's parser reads, and finds a key
       R"([[], {}, [{}], {"a": [[{"b": []}]]}, "s", 0])", R"("just a string")", "42", many};
   for (const std::string& doc : docs) {
     std::optional<std::string> twice;
-    const nlohmann::json strict = parse_json_strict(doc.data(), doc.data() + doc.size(), twice);
+    bool too_deep = true;
+    const nlohmann::json strict = parse_json_strict(doc.data(), doc.data() + doc.size(), twice, too_deep);
     CHECK(!twice);
+    CHECK(!too_deep);
     CHECK(strict == nlohmann::json::parse(doc));
     CHECK(strict.dump() == nlohmann::json::parse(doc).dump());
   }
   // Not one JSON document: discarded, as nlohmann's parser discards it.
   for (const std::string bad : {"", "{", "{\"a\": 1,}", "[1 2]", "{\"a\": 1} x", "{\"a\" 1}", "nul", "\"\\x\""}) {
     std::optional<std::string> twice;
-    CHECK_MESSAGE(parse_json_strict(bad.data(), bad.data() + bad.size(), twice).is_discarded(), bad);
+    bool too_deep = true;
+    CHECK_MESSAGE(parse_json_strict(bad.data(), bad.data() + bad.size(), twice, too_deep).is_discarded(), bad);
+    CHECK(!too_deep);
   }
   // The first key given twice in one object, at any depth; the same key in other objects is none.
   auto duplicate = [](const std::string& doc) {
     std::optional<std::string> twice;
-    parse_json_strict(doc.data(), doc.data() + doc.size(), twice);
+    bool too_deep = false;
+    parse_json_strict(doc.data(), doc.data() + doc.size(), twice, too_deep);
     return twice.value_or("");
   };
   CHECK(duplicate(R"({"a": 1, "a": 2})") == "a");
@@ -254,6 +259,33 @@ TEST_CASE("parse_json_strict reads what nlohmann's parser reads, and finds a key
   CHECK(duplicate(many + "") == "");
   many.back() = ',';
   CHECK(duplicate(many + R"( "p1234": 0})") == "p1234");
+  // Nesting: kMaxJsonDepth levels of arrays and objects are read, one more is refused (nlohmann's
+  // dump and copies recurse per level: a manifest of millions of brackets overflowed the stack).
+  auto nested = [](size_t levels, bool objects) {
+    std::string doc;
+    for (size_t k = 0; k < levels; ++k) doc += objects ? "{\"a\": " : "[";
+    doc += "1";
+    for (size_t k = 0; k < levels; ++k) doc += objects ? "}" : "]";
+    return doc;
+  };
+  for (bool objects : {false, true}) {
+    std::optional<std::string> twice;
+    bool too_deep = true;
+    const std::string at_cap = nested(kMaxJsonDepth, objects);
+    const nlohmann::json doc = parse_json_strict(at_cap.data(), at_cap.data() + at_cap.size(), twice, too_deep);
+    CHECK(!too_deep);
+    CHECK(doc == nlohmann::json::parse(at_cap));
+    for (size_t levels : {kMaxJsonDepth + 1, size_t{3'000'000}}) {
+      const std::string deep = nested(levels, objects);
+      CHECK(parse_json_strict(deep.data(), deep.data() + deep.size(), twice, too_deep).is_discarded());
+      CHECK(too_deep);
+    }
+  }
+  // The manifest whose checksum took the whole stack: an error naming the file now.
+  const std::string brackets = R"({"format": "optstate-native", "version": 1, "manifest_xxh3": "0000000000000000", "x": )" +
+                               nested(3'000'000, false) + "}";
+  const auto m = native::parse_manifest(std::as_bytes(std::span(brackets)), "/x");
+  CHECK(m.status().message() == fmt::format("/x/manifest.json: JSON nested deeper than {} levels", kMaxJsonDepth));
 }
 
 TEST_CASE("shard ranges split rows like torch.chunk and 8-bit entries by whole blocks") {

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <system_error>
 
-#include "../json_strict.h"
+#include "optstate/json_strict.h"
 #include "optstate/io.h"
 #include "optstate/state.h"
 

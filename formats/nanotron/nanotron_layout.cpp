@@ -6,7 +6,7 @@
 #include <charconv>
 #include <limits>
 
-#include "json_strict.h"
+#include "optstate/json_strict.h"
 #include "optstate/state.h"  // checked_numel
 
 namespace optstate::nanotron {

@@ -6,7 +6,7 @@
 
 #include <unordered_set>
 
-#include "json_strict.h"
+#include "optstate/json_strict.h"
 #include "optstate/hash.h"
 #include "optstate/io.h"
 #include "optstate/json_fields.h"

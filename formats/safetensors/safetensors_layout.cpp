@@ -6,7 +6,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
-#include "json_strict.h"
+#include "optstate/json_strict.h"
 #include "optstate/state.h"
 
 namespace optstate::safetensors {

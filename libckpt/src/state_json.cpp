@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "optstate/json_fields.h"
+#include "optstate/json_strict.h"
 
 namespace optstate {
 namespace {
@@ -39,8 +40,13 @@ std::string encode_state_meta(const OptimizerState& state) {
 }
 
 Result<OptimizerState> decode_state_meta(std::string_view text, const std::string& where) {
-  json root = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  std::optional<std::string> twice;
+  bool too_deep = false;
+  json root = parse_json_strict(text.data(), text.data() + text.size(), twice, too_deep);
+  if (too_deep)
+    return corrupt(fmt::format("{}: optstate metadata nested deeper than {} levels", where, kMaxJsonDepth));
   if (root.is_discarded()) return corrupt(fmt::format("{}: optstate metadata is not valid JSON", where));
+  if (twice) return corrupt(fmt::format("{}: optstate metadata names '{}' twice in one object", where, printable(*twice)));
   using V = json::value_t;
   const JsonFields top{root, where};
   OPTSTATE_ASSIGN_OR_RETURN(int64_t version, top.i64("optstate_state"));

@@ -5,7 +5,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "json_strict.h"
+#include "optstate/json_strict.h"
 #include "native/native_manifest.h"
 #include "optstate/hash.h"
 #include "optstate/io.h"

@@ -87,6 +87,25 @@ TEST_CASE("safetensors: lying, truncated and foreign files are refused with the 
     write_file(bad, safetensors::encode_header(tensors, h->metadata) + bytes.substr(8 + hlen) + std::string(4, '\0'));
     CHECK(open_error(bad) == bad.string() + ": tensor 'layers.0.stray' is not described by the optstate metadata");
   }
+  SUBCASE("optstate metadata read as strictly as the header: no key twice, at most 100 levels deep") {
+    auto h = safetensors::parse_header(std::as_bytes(std::span(header)), bytes.size() - 8 - hlen, "x");
+    REQUIRE(h.ok());
+    std::vector<std::pair<std::string, safetensors::TensorInfo>> tensors(h->tensors.begin(), h->tensors.end());
+    std::sort(tensors.begin(), tensors.end(), [](const auto& a, const auto& b) { return a.second.begin < b.second.begin; });
+    const std::string text = h->metadata.at("optstate");
+    REQUIRE(text.front() == '{');
+    auto open_with = [&](const std::string& meta) {
+      auto m = h->metadata;
+      m["optstate"] = meta;
+      write_file(bad, safetensors::encode_header(tensors, m) + bytes.substr(8 + hlen));
+      return open_error(bad);
+    };
+    REQUIRE(open_with(text).empty());  // re-encoded as it was: opens
+    CHECK(open_with(R"({"kind": "adamw8bit", )" + text.substr(1)) ==
+          bad.string() + ": optstate metadata names 'kind' twice in one object");
+    CHECK(open_with(R"({"x": )" + std::string(200, '[') + std::string(200, ']') + ", " + text.substr(1)) ==
+          bad.string() + ": optstate metadata nested deeper than 100 levels");
+  }
   SUBCASE("no optstate metadata") {
     safetensors::TensorInfo t;
     t.shape = {1};

@@ -56,6 +56,9 @@ int run_inspect(int argc, char** argv) {
   CheckpointReader& reader = **opened;
   const OptimizerState& meta = reader.meta();
   const bool stats = !args->has("--no-stats");
+  // One of the two faces is built: at hundreds of thousands of params the JSON document alone
+  // took longer than reading every value.
+  const bool as_json = args->has("--json");
 
   nlohmann::json j;
   j["path"] = reader.path().string();
@@ -67,7 +70,7 @@ int run_inspect(int argc, char** argv) {
   const std::span<const GroupExtras> extras = reader.group_extras();
   auto switch_text = [](FlagValue v) { return v == FlagValue::kNone ? "None" : v == FlagValue::kTrue ? "True" : "False"; };
   nlohmann::json groups = nlohmann::json::array();
-  for (size_t g = 0; g < meta.groups.size(); ++g) {
+  for (size_t g = 0; as_json && g < meta.groups.size(); ++g) {
     nlohmann::json gj = param_group_to_json(meta.groups[g]);
     gj["params"] = meta.groups[g].params.size();  // inspect reports the count; the members are in the param table
     if (switches.size() == meta.groups.size()) {
@@ -88,16 +91,20 @@ int run_inspect(int argc, char** argv) {
   int64_t total_numel = 0, total_state_bytes = 0, total_param_bytes = 0;
   nlohmann::json params = nlohmann::json::object();
   std::string table;
-  table += fmt::format("{:<36} {:<16} {:<5} {:>7} {:>7}  {:<15} {:<26} {:>10}", "PARAM", "SHAPE", "DTYPE", "STEP",
-                       "B/PARAM", "ENTRY", "ENCODING", "BYTES");
-  if (stats) table += fmt::format(" {:>12} {:>12} {:>12} {:>6}", "MIN", "MAX", "MEAN", "NONFIN");
-  table += "\n";
+  if (!as_json) {
+    table += fmt::format("{:<36} {:<16} {:<5} {:>7} {:>7}  {:<15} {:<26} {:>10}", "PARAM", "SHAPE", "DTYPE", "STEP",
+                         "B/PARAM", "ENTRY", "ENCODING", "BYTES");
+    if (stats) table += fmt::format(" {:>12} {:>12} {:>12} {:>6}", "MIN", "MAX", "MEAN", "NONFIN");
+    table += "\n";
+  }
   for (const auto& [fqn, ps] : meta.params) {
     auto numel = checked_numel(ps.shape);
     if (!numel.ok()) return fail("inspect", numel.status());
     total_numel += *numel;
-    nlohmann::json pj = {{"shape", ps.shape}, {"dtype", dtype_name(ps.param_dtype)}, {"step", ps.step},
-                         {"group", ps.group}, {"numel", *numel}};
+    nlohmann::json pj;
+    if (as_json)
+      pj = {{"shape", ps.shape}, {"dtype", dtype_name(ps.param_dtype)}, {"step", ps.step}, {"group", ps.group},
+            {"numel", *numel}};
     nlohmann::json entries = nlohmann::json::object();
     bool first = true;
     int64_t param_state_bytes = 0;  // optimizer state of this param (weights excluded)
@@ -105,7 +112,7 @@ int run_inspect(int argc, char** argv) {
       if (name != kParam)
         for (Component c : e.components()) param_state_bytes += component_bytes(e, c, *numel);
     const double bpp = *numel ? static_cast<double>(param_state_bytes) / static_cast<double>(*numel) : 0.0;
-    pj["state_bytes_per_param"] = bpp;
+    if (as_json) pj["state_bytes_per_param"] = bpp;
     for (const auto& [name, e] : ps.entries) {
       int64_t bytes = 0;
       for (Component c : e.components()) bytes += component_bytes(e, c, *numel);
@@ -113,34 +120,41 @@ int run_inspect(int argc, char** argv) {
         total_param_bytes += bytes;
       else
         total_state_bytes += bytes;
-      nlohmann::json ej = {{"encoding", encoding_name(e.encoding)}, {"bytes", bytes}};
-      if (e.encoding == Encoding::kDense) ej["dtype"] = dtype_name(e.dtype);
-      else {
-        ej["block_size"] = e.block_size;
-        ej["qmap"] = e.qmap;
-      }
-      table += fmt::format("{:<36} {:<16} {:<5} {:>7} {:>7}  {:<15} {:<26} {:>10}", first ? fqn : "",
+      nlohmann::json ej;
+      if (as_json) {
+        ej = {{"encoding", encoding_name(e.encoding)}, {"bytes", bytes}};
+        if (e.encoding == Encoding::kDense) ej["dtype"] = dtype_name(e.dtype);
+        else {
+          ej["block_size"] = e.block_size;
+          ej["qmap"] = e.qmap;
+        }
+      } else
+        table += fmt::format("{:<36} {:<16} {:<5} {:>7} {:>7}  {:<15} {:<26} {:>10}", first ? fqn : "",
                            first ? format_shape(ps.shape) : "", first ? std::string(dtype_name(ps.param_dtype)) : "",
                            first ? std::to_string(ps.step) : "", first ? fmt::format("{:.3f}", bpp) : "", name,
                            encoding_text(e), human_bytes(bytes));
       if (stats) {
         auto s = entry_stats(reader, fqn, name);
         if (!s.ok()) return fail("inspect", s.status());
-        ej["stats"] = {{"min", s->min}, {"max", s->max}, {"mean", s->mean()}, {"nonfinite", s->nonfinite}};
-        table += fmt::format(" {:>12.4g} {:>12.4g} {:>12.4g} {:>6}", s->min, s->max, s->mean(), s->nonfinite);
+        if (as_json)
+          ej["stats"] = {{"min", s->min}, {"max", s->max}, {"mean", s->mean()}, {"nonfinite", s->nonfinite}};
+        else
+          table += fmt::format(" {:>12.4g} {:>12.4g} {:>12.4g} {:>6}", s->min, s->max, s->mean(), s->nonfinite);
       }
-      table += "\n";
-      entries[name] = ej;
+      if (as_json) entries[name] = std::move(ej);
+      else table += "\n";
       first = false;
     }
-    if (ps.entries.empty())
+    if (!as_json && ps.entries.empty())
       table += fmt::format("{:<36} {:<16} {:<5} {:>7} {:>7}  (no state yet)\n", fqn, format_shape(ps.shape),
                            dtype_name(ps.param_dtype), ps.step, "-");
-    pj["entries"] = entries;
-    params[fqn] = pj;
+    if (as_json) {
+      pj["entries"] = std::move(entries);
+      params[fqn] = std::move(pj);
+    }
   }
   progress.finish();
-  j["params"] = params;
+  j["params"] = std::move(params);
   j["not_read"] = reader.not_read();
   j["read_notes"] = reader.read_notes();
   nlohmann::json model_tensors = nlohmann::json::array();
@@ -155,7 +169,7 @@ int run_inspect(int argc, char** argv) {
                  {"param_bytes", total_param_bytes},
                  {"state_bytes_per_param", per_param}};
 
-  if (args->has("--json")) {
+  if (as_json) {
     print_json(j);
     return kExitOk;
   }

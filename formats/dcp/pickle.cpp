@@ -1,5 +1,7 @@
 #include "pickle.h"
 
+#include "optstate/io.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -18,6 +20,9 @@ class Machine {
           TextArena& texts)
       : b_(b), where_(where), limits_(l), values_(values), texts_(texts) {
     limits_.max_values = static_cast<uint32_t>(std::min<uint64_t>(limits_.max_values, b.size()));
+    memory_by_machine_ = !limits_.max_memory;
+    if (memory_by_machine_) limits_.max_memory = machine_memory_bytes() / 4;
+    memory_values_ = limits_.max_memory / kBytesPerValue;
   }
 
   Result<Ref> run() {
@@ -240,6 +245,10 @@ class Machine {
   }
   Result<Ref> make(Kind k) {
     if (values_.size() >= limits_.max_values) return fail(fmt::format("more than {} values", limits_.max_values));
+    if (values_.size() >= memory_values_)
+      return fail(fmt::format("more than {} values, which would take more than {:.3g} GiB of memory{}", memory_values_,
+                              static_cast<double>(limits_.max_memory) / double(1 << 30),
+                              memory_by_machine_ ? " (a quarter of this machine's)" : ""));
     values_.emplace_back();
     values_.back().kind = k;
     return static_cast<Ref>(values_.size() - 1);
@@ -413,6 +422,10 @@ class Machine {
   std::span<const std::byte> b_;
   const std::string& where_;
   Limits limits_;
+  // A value and its place on the stack: what each opcode that makes one costs at most.
+  static constexpr uint64_t kBytesPerValue = sizeof(Value) + sizeof(Ref);
+  uint64_t memory_values_ = 0;
+  bool memory_by_machine_ = false;
   ValueArena& values_;
   TextArena& texts_;
   std::vector<Ref> stack_;
@@ -551,10 +564,39 @@ void Writer::real(double v) {
   std::memcpy(&bits, &v, 8);
   for (int k = 7; k >= 0; --k) out_.push_back(static_cast<char>((bits >> (8 * k)) & 0xff));
 }
+bool Writer::recall(const std::string& key) {
+  const auto it = memo_.find(key);
+  if (it == memo_.end()) return false;
+  if (it->second < 256) {
+    out_.push_back('h');  // BINGET
+    put_le(out_, it->second, 1);
+  } else {
+    out_.push_back('j');  // LONG_BINGET
+    put_le(out_, it->second, 4);
+  }
+  return true;
+}
+void Writer::remember(std::string key) {
+  const auto index = static_cast<uint32_t>(memo_.size());  // sequential, as LibTorch's unpickler requires
+  if (index < 256) {
+    out_.push_back('q');  // BINPUT
+    put_le(out_, index, 1);
+  } else {
+    out_.push_back('r');  // LONG_BINPUT
+    put_le(out_, index, 4);
+  }
+  memo_.emplace(std::move(key), index);
+}
 void Writer::str(std::string_view v) {
+  std::string key;
+  key.reserve(v.size() + 1);
+  key.push_back('s');
+  key.append(v);
+  if (recall(key)) return;
   out_.push_back('X');
   put_le(out_, v.size(), 4);
   out_.append(v);
+  remember(std::move(key));
 }
 void Writer::bytes(std::string_view v) {
   out_.push_back('B');
@@ -562,11 +604,17 @@ void Writer::bytes(std::string_view v) {
   out_.append(v);
 }
 void Writer::global(std::string_view module, std::string_view name) {
+  std::string key;
+  key.reserve(module.size() + name.size() + 2);
+  key.push_back('g');
+  key.append(module);
+  key.push_back('\n');
+  key.append(name);
+  if (recall(key)) return;
   out_.push_back('c');
-  out_.append(module);
+  out_.append(key, 1);
   out_.push_back('\n');
-  out_.append(name);
-  out_.push_back('\n');
+  remember(std::move(key));
 }
 void Writer::mark() { out_.push_back('('); }
 void Writer::tuple_from_mark() { out_.push_back('t'); }

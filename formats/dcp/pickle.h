@@ -13,6 +13,7 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "optstate/status.h"
@@ -156,6 +157,11 @@ struct Limits {
   // GPUs (about 30 values a chunk, a chunk per rank per tensor) fits.
   uint32_t max_values = 1u << 28;
   uint16_t max_depth = 256;
+  // The values' memory: a pickle that would need more is refused before the machine runs out (a
+  // few hundred MB of EMPTY_LIST opcodes make tens of GB of values). 0: a quarter of the memory
+  // this process may use (machine_memory_bytes). A real DCP .metadata takes about 10 times its
+  // size, a torch.save data.pkl less.
+  uint64_t max_memory = 0;
   // None, () and ints of magnitude below 2^16 made once and shared, as Python shares them: a third
   // fewer values in a DCP .metadata (each chunk's offsets, sizes and indices). Nothing changes them
   // once made; but a caller that tells values apart by Ref (emit's hooks replace one value, say a
@@ -194,6 +200,9 @@ class Pickle {
 Result<Pickle> unpickle(std::span<const std::byte> bytes, const std::string& where, const Limits& limits = {});
 
 // ---- writing (the DCP writer): a minimal protocol-2 encoder of the same value model ----
+// Globals and strings are memoized as Python's pickler does (the first use BINPUT, each later one
+// BINGET): both are immutable, and a DCP `.metadata` names the same few classes and field names
+// for every item (without the memo it was 5x the size of torch's own for the same state).
 class Writer {
  public:
   Writer();
@@ -218,7 +227,13 @@ class Writer {
   std::string finish();  // STOP; the pickle bytes
 
  private:
+  // Pushes memo entry `key`'s value if it has one; otherwise the caller writes the value and
+  // remember() stores it under `key`.
+  bool recall(const std::string& key);
+  void remember(std::string key);
+
   std::string out_;
+  std::unordered_map<std::string, uint32_t> memo_;  // 'g' + module + '\n' + name, or 's' + text
 };
 
 // Writes value `r` of `p` again with `w` (what a writer carries from a file it read: DeepSpeed's

@@ -37,7 +37,10 @@
 namespace optstate::torchsave {
 namespace {
 
-constexpr uint64_t kMaxPickleBytes = uint64_t{64} << 20;
+// As a DCP's .metadata: torch pickles about 230 bytes per param of an AdamW state (64 MiB, the
+// cap before, was 290,000 params; optstate's own writer made 450 bytes a param then). The values
+// it makes are capped by memory (pickle::Limits::max_memory).
+constexpr uint64_t kMaxPickleBytes = uint64_t{1} << 30;
 // A dense tensor stored permuted (channels_last, transposed) is put in logical order in memory: its
 // storage record is read whole, up to this size (conv weights are far smaller).
 constexpr uint64_t kMaxPermutedBytes = uint64_t{1} << 30;

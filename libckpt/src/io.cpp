@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <list>
@@ -70,9 +71,22 @@ struct InputPool {
 // its later one decode each item once while what they decode fits (a DCP opens by parsing every
 // item, and reads them again in another order).
 uint64_t default_made_input_budget() {
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
-  const uint64_t quarter = pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 4 : 0;
-  return std::clamp(quarter, uint64_t{1} << 30, uint64_t{64} << 30);
+  return std::clamp(machine_memory_bytes() / 4, uint64_t{1} << 30, uint64_t{64} << 30);
+}
+
+// A cgroup's memory limit: cgroup v2's memory.max, v1's memory.limit_in_bytes; 0 when none is set
+// ("max", or v1's huge "unlimited").
+uint64_t cgroup_memory_limit() {
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::FILE* f = std::fopen(path, "re");
+    if (!f) continue;
+    char text[32] = {};
+    const size_t n = std::fread(text, 1, sizeof text - 1, f);
+    std::fclose(f);
+    unsigned long long v = 0;
+    if (n > 0 && std::sscanf(text, "%llu", &v) == 1 && v > 0 && v < (uint64_t{1} << 60)) return v;
+  }
+  return 0;
 }
 std::atomic<uint64_t> g_made_input_budget{default_made_input_budget()};
 InputPool& pool() {
@@ -182,6 +196,13 @@ void close_listed(InputFile::State* s) {
 }
 
 }  // namespace
+
+uint64_t machine_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  uint64_t bytes = pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : 0;
+  if (const uint64_t limit = cgroup_memory_limit(); limit && (!bytes || limit < bytes)) bytes = limit;
+  return bytes ? bytes : uint64_t{4} << 30;  // neither known: assume a small machine
+}
 
 uint64_t made_input_budget() { return g_made_input_budget.load(std::memory_order_relaxed); }
 uint64_t set_made_input_budget(uint64_t bytes) { return g_made_input_budget.exchange(bytes); }

@@ -265,3 +265,54 @@ TEST_CASE("pickle: share_immutables makes None, () and small ints once; values r
   CHECK(on->size() < off->size());
   for (size_t k = 0; k < 12; k += 2) CHECK(b[k] != b[k + 1]);
 }
+
+TEST_CASE("pickle: the writer memoizes globals and strings (BINPUT once, BINGET after); values come back equal") {
+  Writer w;
+  w.mark();
+  for (int k = 0; k < 300; ++k) {  // past 256 memo entries: LONG_BINPUT / LONG_BINGET
+    w.global("torch", "Size");
+    w.str("offsets");
+    w.str("item." + std::to_string(k));
+  }
+  w.tuple_from_mark();
+  const std::string bytes = w.finish();
+  // The GLOBAL and the repeated string written once; each later use a BINGET of 2 or 5 bytes
+  // (written out each time, they alone took 300 * (12 + 12) bytes).
+  CHECK(bytes.find("torch\nSize\n") == bytes.rfind("torch\nSize\n"));
+  CHECK(bytes.find("offsets") == bytes.rfind("offsets"));
+  CHECK(bytes.size() < 300 * 20);
+  auto parsed = parse(bytes);
+  REQUIRE(parsed.ok());
+  const Value& t = parsed->at(parsed->root());
+  REQUIRE(t.items.size() == 900);
+  for (int k = 0; k < 300; ++k) {
+    CHECK(parsed->is_global(t.items[3 * k], "torch", "Size"));
+    CHECK(parsed->at(t.items[3 * k + 1]).s == "offsets");
+    CHECK(parsed->at(t.items[3 * k + 2]).s == "item." + std::to_string(k));
+  }
+}
+
+TEST_CASE("pickle: a pickle whose values would take more memory than allowed is refused, naming the cap") {
+  // A few hundred MB of EMPTY_LIST opcodes made tens of GB of values (the process was killed);
+  // each opcode makes a value, so the cap is reached early.
+  const std::string lists = std::string("\x80\x02", 2) + std::string(100000, ']');
+  Limits small;
+  small.max_memory = 1 << 20;
+  const auto refused = unpickle(std::as_bytes(std::span(lists)), "x/.metadata", small);
+  REQUIRE_FALSE(refused.ok());
+  const std::string msg = refused.status().message();
+  CHECK(msg.find("x/.metadata") != std::string::npos);
+  CHECK(msg.find("GiB of memory") != std::string::npos);
+  CHECK(msg.find("quarter") == std::string::npos);  // the caller's cap, not the machine's
+  // The default cap is a quarter of the machine's memory: far above this pickle (it only lacks STOP).
+  const auto by_machine = unpickle(std::as_bytes(std::span(lists)), "x/.metadata");
+  REQUIRE_FALSE(by_machine.ok());
+  CHECK(by_machine.status().message().find("ends without STOP") != std::string::npos);
+  // A real pickle under the cap reads.
+  Writer w;
+  w.mark();
+  for (int k = 0; k < 100; ++k) w.empty_list();
+  w.tuple_from_mark();
+  const std::string ok = w.finish();
+  CHECK(unpickle(std::as_bytes(std::span(ok)), "y", small).ok());
+}

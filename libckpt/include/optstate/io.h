@@ -105,6 +105,9 @@ class InputFile {
   InputFile() = default;
   std::unique_ptr<State> s_;
 };
+// The memory this process may use: the machine's, or its cgroup's limit where that is lower (a
+// container's). What memory-bound readers size their caps by.
+uint64_t machine_memory_bytes();
 // How many bytes made InputFiles hold at once (those being read stay held regardless): a quarter
 // of the machine's memory, within [1 GiB, 64 GiB], unless set (tests set less);
 // set_made_input_budget returns the budget it replaced.

@@ -52,9 +52,9 @@ bool is_null_or_empty(const json& doc, const char* key) {
 Result<Array> parse_zarray(std::string_view text, const std::string& where) {
   if (text.size() > kMaxZarrayBytes) return corrupt(fmt::format("{}: {} bytes; up to {} are read", where, text.size(), kMaxZarrayBytes));
   std::optional<std::string> duplicate;
-  bool too_deep = false;
-  const json doc = parse_json_strict(text.data(), text.data() + text.size(), duplicate, too_deep);
-  if (too_deep) return corrupt(fmt::format("{}: JSON nested deeper than {} levels", where, kMaxJsonDepth));
+  std::string refused;
+  const json doc = parse_json_strict(text.data(), text.data() + text.size(), duplicate, refused);
+  if (!refused.empty()) return corrupt(fmt::format("{}: JSON {}", where, refused));
   if (doc.is_discarded() || !doc.is_object()) return corrupt(where + ": not a JSON object");
   if (duplicate) return corrupt(fmt::format("{}: key '{}' twice", where, *duplicate));
   const auto format = doc.find("zarr_format");

@@ -85,9 +85,9 @@ std::optional<FileRanks> parse_file_name(std::string_view name) {
 
 Result<Config> parse_config(std::string_view json, const std::string& where) {
   std::optional<std::string> duplicate;
-  bool too_deep = false;
-  const nlohmann::json j = parse_json_strict(json.data(), json.data() + json.size(), duplicate, too_deep);
-  if (too_deep) return corrupt(fmt::format("{}: JSON nested deeper than {} levels", where, kMaxJsonDepth));
+  std::string refused;
+  const nlohmann::json j = parse_json_strict(json.data(), json.data() + json.size(), duplicate, refused);
+  if (!refused.empty()) return corrupt(fmt::format("{}: JSON {}", where, refused));
   if (j.is_discarded() || !j.is_object()) return corrupt(where + ": not a JSON object");
   if (duplicate) return corrupt(fmt::format("{}: key '{}' twice in one object", where, *duplicate));
   Config c;

@@ -135,10 +135,10 @@ Result<Manifest> parse_body(const json& root, const std::filesystem::path& dir, 
 Result<Manifest> parse_manifest(std::span<const std::byte> bytes, const std::filesystem::path& dir) {
   const std::string mpath = (dir / kManifestName).string();
   std::optional<std::string> twice;
-  bool too_deep = false;
+  std::string refused;
   json root = parse_json_strict(reinterpret_cast<const char*>(bytes.data()),
-                                reinterpret_cast<const char*>(bytes.data()) + bytes.size(), twice, too_deep);
-  if (too_deep) return corrupt(fmt::format("{}: JSON nested deeper than {} levels", mpath, kMaxJsonDepth));
+                                reinterpret_cast<const char*>(bytes.data()) + bytes.size(), twice, refused);
+  if (!refused.empty()) return corrupt(fmt::format("{}: JSON {}", mpath, refused));
   if (root.is_discarded() || !root.is_object()) return corrupt(mpath + ": not a valid JSON manifest");
   if (twice) return corrupt(fmt::format("{}: an object names '{}' twice", mpath, printable(*twice)));
   // Format and version first: a newer manifest may compute its checksum differently.
@@ -234,8 +234,8 @@ Result<RankFile> decode_rank_file(const std::string& text) {
 
 std::optional<std::string> resign_manifest_for_tests(const std::string& text) {
   std::optional<std::string> twice;
-  bool too_deep = false;  // (the checksum's dump recurses per level: as deep as the reader reads)
-  json j = parse_json_strict(text.data(), text.data() + text.size(), twice, too_deep);
+  std::string refused;  // (the checksum's dump recurses per level: as deep as the reader reads)
+  json j = parse_json_strict(text.data(), text.data() + text.size(), twice, refused);
   if (j.is_discarded() || !j.is_object()) return std::nullopt;
   j["manifest_xxh3"] = body_checksum(j);
   return j.dump(1);

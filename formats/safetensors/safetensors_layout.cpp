@@ -28,9 +28,9 @@ Result<Header> parse_header(std::span<const std::byte> json_bytes, uint64_t data
   const char* text = reinterpret_cast<const char*>(json_bytes.data());
   if (json_bytes.empty() || text[0] != '{') return corrupt(fmt::format("{}: header does not start with '{{'", where));
   std::optional<std::string> twice;
-  bool too_deep = false;
-  json root = parse_json_strict(text, text + json_bytes.size(), twice, too_deep);
-  if (too_deep) return corrupt(fmt::format("{}: header nested deeper than {} levels", where, kMaxJsonDepth));
+  std::string refused;
+  json root = parse_json_strict(text, text + json_bytes.size(), twice, refused);
+  if (!refused.empty()) return corrupt(fmt::format("{}: header {}", where, refused));
   if (root.is_discarded() || !root.is_object()) return corrupt(fmt::format("{}: header is not a JSON object", where));
   if (twice) return corrupt(fmt::format("{}: header names '{}' twice", where, printable(*twice)));
   Header h;

@@ -41,10 +41,9 @@ std::string encode_state_meta(const OptimizerState& state) {
 
 Result<OptimizerState> decode_state_meta(std::string_view text, const std::string& where) {
   std::optional<std::string> twice;
-  bool too_deep = false;
-  json root = parse_json_strict(text.data(), text.data() + text.size(), twice, too_deep);
-  if (too_deep)
-    return corrupt(fmt::format("{}: optstate metadata nested deeper than {} levels", where, kMaxJsonDepth));
+  std::string refused;
+  json root = parse_json_strict(text.data(), text.data() + text.size(), twice, refused);
+  if (!refused.empty()) return corrupt(fmt::format("{}: optstate metadata {}", where, refused));
   if (root.is_discarded()) return corrupt(fmt::format("{}: optstate metadata is not valid JSON", where));
   if (twice) return corrupt(fmt::format("{}: optstate metadata names '{}' twice in one object", where, printable(*twice)));
   using V = json::value_t;

@@ -231,25 +231,25 @@ TEST_CASE("parse_json_strict reads what nlohmann's parser reads, and finds a key
       R"([[], {}, [{}], {"a": [[{"b": []}]]}, "s", 0])", R"("just a string")", "42", many};
   for (const std::string& doc : docs) {
     std::optional<std::string> twice;
-    bool too_deep = true;
-    const nlohmann::json strict = parse_json_strict(doc.data(), doc.data() + doc.size(), twice, too_deep);
+    std::string refused = "stale";
+    const nlohmann::json strict = parse_json_strict(doc.data(), doc.data() + doc.size(), twice, refused);
     CHECK(!twice);
-    CHECK(!too_deep);
+    CHECK(refused.empty());
     CHECK(strict == nlohmann::json::parse(doc));
     CHECK(strict.dump() == nlohmann::json::parse(doc).dump());
   }
   // Not one JSON document: discarded, as nlohmann's parser discards it.
   for (const std::string bad : {"", "{", "{\"a\": 1,}", "[1 2]", "{\"a\": 1} x", "{\"a\" 1}", "nul", "\"\\x\""}) {
     std::optional<std::string> twice;
-    bool too_deep = true;
-    CHECK_MESSAGE(parse_json_strict(bad.data(), bad.data() + bad.size(), twice, too_deep).is_discarded(), bad);
-    CHECK(!too_deep);
+    std::string refused = "stale";
+    CHECK_MESSAGE(parse_json_strict(bad.data(), bad.data() + bad.size(), twice, refused).is_discarded(), bad);
+    CHECK(refused.empty());
   }
   // The first key given twice in one object, at any depth; the same key in other objects is none.
   auto duplicate = [](const std::string& doc) {
     std::optional<std::string> twice;
-    bool too_deep = false;
-    parse_json_strict(doc.data(), doc.data() + doc.size(), twice, too_deep);
+    std::string refused;
+    parse_json_strict(doc.data(), doc.data() + doc.size(), twice, refused);
     return twice.value_or("");
   };
   CHECK(duplicate(R"({"a": 1, "a": 2})") == "a");
@@ -270,16 +270,35 @@ TEST_CASE("parse_json_strict reads what nlohmann's parser reads, and finds a key
   };
   for (bool objects : {false, true}) {
     std::optional<std::string> twice;
-    bool too_deep = true;
+    std::string refused = "stale";
     const std::string at_cap = nested(kMaxJsonDepth, objects);
-    const nlohmann::json doc = parse_json_strict(at_cap.data(), at_cap.data() + at_cap.size(), twice, too_deep);
-    CHECK(!too_deep);
+    const nlohmann::json doc = parse_json_strict(at_cap.data(), at_cap.data() + at_cap.size(), twice, refused);
+    CHECK(refused.empty());
     CHECK(doc == nlohmann::json::parse(at_cap));
     for (size_t levels : {kMaxJsonDepth + 1, size_t{3'000'000}}) {
       const std::string deep = nested(levels, objects);
-      CHECK(parse_json_strict(deep.data(), deep.data() + deep.size(), twice, too_deep).is_discarded());
-      CHECK(too_deep);
+      CHECK(parse_json_strict(deep.data(), deep.data() + deep.size(), twice, refused).is_discarded());
+      CHECK(refused == fmt::format("nested deeper than {} levels", kMaxJsonDepth));
     }
+  }
+  // Values: capped (by default at a quarter of the machine's memory, kJsonBytesPerValue each; a
+  // 256 MB manifest of `{},` took 9.2 GB). A document of exactly the cap reads, one more is refused.
+  {
+    std::optional<std::string> twice;
+    std::string refused;
+    const std::string five = R"([{}, [], 1, "s"])";  // 5 values with the array
+    CHECK(!parse_json_strict(five.data(), five.data() + five.size(), twice, refused, 5).is_discarded());
+    CHECK(refused.empty());
+    CHECK(parse_json_strict(five.data(), five.data() + five.size(), twice, refused, 4).is_discarded());
+    CHECK(refused.find("of more than 4 values, which would take more than") == 0);
+    CHECK(refused.find("quarter") == std::string::npos);
+    std::string objects = "[{}";
+    for (int k = 1; k < 3000; ++k) objects += ",{}";
+    objects += "]";
+    CHECK(parse_json_strict(objects.data(), objects.data() + objects.size(), twice, refused, 1000).is_discarded());
+    CHECK(refused.find("of more than 1000 values") == 0);
+    CHECK(!parse_json_strict(objects.data(), objects.data() + objects.size(), twice, refused).is_discarded());
+    CHECK(refused.empty());
   }
   // The manifest whose checksum took the whole stack: an error naming the file now.
   const std::string brackets = R"({"format": "optstate-native", "version": 1, "manifest_xxh3": "0000000000000000", "x": )" +

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <nlohmann/json.hpp>
 
+#include "optstate/json_strict.h"
+
 namespace optstate::dcp::megatron {
 
 using pickle::Kind;
@@ -16,8 +18,10 @@ using pickle::Refs;
 using pickle::Value;
 
 std::string sharded_backend(std::string_view metadata_json) {
-  const auto j = nlohmann::json::parse(metadata_json, nullptr, /*allow_exceptions=*/false);
-  if (!j.is_object()) return "";
+  std::optional<std::string> twice;
+  std::string refused;
+  const auto j = parse_json_strict(metadata_json.data(), metadata_json.data() + metadata_json.size(), twice, refused);
+  if (!j.is_object() || twice) return "";  // a backend named twice could be read either way
   const auto backend = j.find("sharded_backend");
   return backend != j.end() && backend->is_string() ? backend->get<std::string>() : "";
 }

@@ -21,8 +21,8 @@
 namespace optstate::dcp::megatron {
 
 // The sharded backend `metadata_json` (a folder's metadata.json) names: "torch_dist" (a DCP beside
-// it), "zarr" (zarr.h), another; empty for a document that does not parse or names none (the folder
-// is then read as a plain DCP, or refused as one).
+// it), "zarr" (zarr.h), another; empty for a document that does not parse, names a key twice in one
+// object or names no backend (the folder is then read as a plain DCP, or refused as one).
 std::string sharded_backend(std::string_view metadata_json);
 
 // A param group of Megatron's optimizer: AdamW's settings, torch.optim.AdamW's switches, the other

@@ -76,6 +76,8 @@ TEST_CASE("megatron: metadata.json names the sharded backend (torch_dist, zarr),
   CHECK(mg::sharded_backend(R"({"sharded_backend": 1})").empty());
   CHECK(mg::sharded_backend(R"(["torch_dist"])").empty());
   CHECK(mg::sharded_backend("{\"sharded_backend\": \"torch_dist\"").empty());  // truncated
+  // named twice: either could be meant (nlohmann's plain parser kept the last)
+  CHECK(mg::sharded_backend(R"({"sharded_backend": "zarr", "sharded_backend": "torch_dist"})").empty());
   CHECK(mg::sharded_backend("").empty());
 }
 

@@ -198,10 +198,14 @@ void close_listed(InputFile::State* s) {
 }  // namespace
 
 uint64_t machine_memory_bytes() {
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
-  uint64_t bytes = pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : 0;
-  if (const uint64_t limit = cgroup_memory_limit(); limit && (!bytes || limit < bytes)) bytes = limit;
-  return bytes ? bytes : uint64_t{4} << 30;  // neither known: assume a small machine
+  // Read once: every pickle and JSON document sizes its cap by it (a DCP unpickles each item).
+  static const uint64_t known = [] {
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+    uint64_t bytes = pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : 0;
+    if (const uint64_t limit = cgroup_memory_limit(); limit && (!bytes || limit < bytes)) bytes = limit;
+    return bytes ? bytes : uint64_t{4} << 30;  // neither known: assume a small machine
+  }();
+  return known;
 }
 
 uint64_t made_input_budget() { return g_made_input_budget.load(std::memory_order_relaxed); }

@@ -425,7 +425,18 @@ class Hdf5Driver final : public FormatDriver {
     std::error_code ec;
     if (!fs::is_regular_file(path, ec)) return not_found(fmt::format("{}: no such file", where));
     if (!has_signature(path)) return corrupt(fmt::format("{}: not an HDF5 file (no signature)", where));
-    Id file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+    Id fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
+    {
+      H5AC_cache_config_t mdc{};
+      mdc.version = H5AC__CURR_CACHE_CONFIG_VERSION;
+      if (H5Pget_mdc_config(fapl.get(), &mdc) >= 0) {
+        mdc.set_initial_size = true;
+        mdc.initial_size = 64 << 20;
+        mdc.max_size = std::max<size_t>(mdc.max_size, 256 << 20);
+        H5Pset_mdc_config(fapl.get(), &mdc);
+      }
+    }
+    Id file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.get()), H5Fclose);
     if (!file.ok()) return corrupt(fmt::format("{}: HDF5 cannot open the file (damaged or truncated)", where));
     OPTSTATE_ASSIGN_OR_RETURN(std::string tag, get_string_attr(file.get(), "format", where));
     if (tag != kFormatTag)
@@ -434,17 +445,22 @@ class Hdf5Driver final : public FormatDriver {
     OPTSTATE_ASSIGN_OR_RETURN(OptimizerState meta, decode_state_meta(text, where));
     // Every component the metadata names is a dataset of the right type and shape.
     bool checksummed = true;  // every dataset has fletcher32 (optstate writes it; an edited file may not)
-    for (const auto& [fqn, ps] : meta.params)
+    for (const auto& [fqn, ps] : meta.params) {
+      // The param's group is looked up once, its datasets by names relative to it: each lookup
+      // from the root searches a group of every param (at 50,000 params, a third of validate).
+      Id group;
+      if (fqn.find('/') == std::string::npos && H5Lexists(file.get(), fqn.c_str(), H5P_DEFAULT) > 0)
+        group = Id(H5Gopen2(file.get(), fqn.c_str(), H5P_DEFAULT), H5Gclose);
       for (const auto& [name, e] : ps.entries)
         for (Component c : e.components()) {
           const std::string dpath = component_path(fqn, name, e, c);
-          if (fqn.find('/') != std::string::npos || name.find('/') != std::string::npos ||
-              H5Lexists(file.get(), ("/" + fqn).c_str(), H5P_DEFAULT) <= 0 ||
-              (e.encoding != Encoding::kDense &&
-               H5Lexists(file.get(), ("/" + fqn + "/" + name).c_str(), H5P_DEFAULT) <= 0) ||
-              H5Lexists(file.get(), dpath.c_str(), H5P_DEFAULT) <= 0)
+          const std::string rel =
+              e.encoding == Encoding::kDense ? name : name + "/" + std::string(component_name(c));
+          if (!group.ok() || name.find('/') != std::string::npos ||
+              (e.encoding != Encoding::kDense && H5Lexists(group.get(), name.c_str(), H5P_DEFAULT) <= 0) ||
+              H5Lexists(group.get(), rel.c_str(), H5P_DEFAULT) <= 0)
             return corrupt(fmt::format("{}: dataset '{}' is missing", where, dpath));
-          Id ds(H5Dopen2(file.get(), dpath.c_str(), H5P_DEFAULT), H5Dclose);
+          Id ds(H5Dopen2(group.get(), rel.c_str(), H5P_DEFAULT), H5Dclose);
           if (!ds.ok()) return corrupt(fmt::format("{}: '{}' is not a dataset", where, dpath));
           Id type(H5Dget_type(ds.get()), H5Tclose);
           Id space(H5Dget_space(ds.get()), H5Sclose);
@@ -464,6 +480,7 @@ class Hdf5Driver final : public FormatDriver {
             return corrupt(fmt::format("{}: dataset '{}' does not have the type {} and shape {} the metadata says",
                                        where, dpath, dtype_name(d), format_shape(ps.shape)));
         }
+    }
     return std::unique_ptr<CheckpointReader>(new Hdf5Reader(path, std::move(file), std::move(meta), checksummed));
   }
 

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import pickle
+import shutil
 import sys
 import textwrap
 
@@ -1595,6 +1596,31 @@ def test_h5py_and_safetensors_read_ours_and_see_what_it_holds(tmp_path, optstate
         assert '"kind":"adamw8bit"' in meta["optstate"]
         assert f.get_tensor("0.weight.exp_avg.codes").dtype == torch.uint8
         assert f.get_tensor("0.weight.exp_avg.absmax").shape == (97,)
+
+
+def test_hdf5_edited_with_h5py_names_the_missing_dataset(tmp_path, optstate_cli):
+    """The reader looks each param's group up once and its datasets relative to it: a dataset, an
+    8-bit component or a whole param's group taken away, or a group where a dataset goes, is an
+    error naming the dataset."""
+    h5py = pytest.importorskip("h5py")
+    ao = make_dcp(tmp_path, "ao")
+    optstate_cli("convert", ao, tmp_path / "s.h5")
+    edits = {
+        "dense": (lambda f: f["0.bias"].__delitem__("exp_avg"), "dataset '/0.bias/exp_avg' is missing"),
+        "codes": (lambda f: f["0.weight"]["exp_avg"].__delitem__("codes"), "dataset '/0.weight/exp_avg/codes' is missing"),
+        "8-bit group": (lambda f: f["0.weight"].__delitem__("exp_avg_sq"), "dataset '/0.weight/exp_avg_sq/codes' is missing"),
+        "param": (lambda f: f.__delitem__("0.bias"), "dataset '/0.bias/"),
+        "group for dataset": (lambda f: (f["0.bias"].__delitem__("exp_avg"), f["0.bias"].create_group("exp_avg")),
+                              "'/0.bias/exp_avg' is not a dataset"),
+    }
+    for name, (edit, want) in edits.items():
+        bad = tmp_path / f"{name.replace(' ', '_')}.h5"
+        shutil.copy(tmp_path / "s.h5", bad)
+        with h5py.File(bad, "r+") as f:
+            edit(f)
+        err = run_err(optstate_cli, "inspect", bad)
+        assert want in err and str(bad) in err, (name, err)
+        assert optstate_cli("validate", bad, check=False).returncode in (1, 2)
 
 
 # ---- hostile inputs ----

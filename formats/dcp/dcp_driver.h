@@ -132,6 +132,12 @@ uint64_t stored_bytes_hint(const ItemMeta& im, const ChunkMeta* chunk);
 Result<InputFile> decoded_item(const InputFile& file, const StorageLoc& loc, uint64_t max_out, uint64_t size_hint,
                                const std::string& where);
 
+// What the readers take: a DCP's `.metadata`, and a torch.save archive's data.pkl (torchsave/'s
+// reader: torch pickles about 230 bytes a param of AdamW state). The writers check what they
+// write against them: a file its own reader refuses is no checkpoint.
+inline constexpr uint64_t kMaxMetadataBytes = uint64_t{1} << 30;
+inline constexpr uint64_t kMaxArchivePickleBytes = uint64_t{1} << 30;
+
 // One torch.save archive written to `out` from its current offset, laid out as torch.save lays it
 // out (folder "archive"): begin() writes data.pkl and the small records, storage() each
 // data/<key> (64-byte aligned, with its CRC-32), finish() the version record and the central

@@ -34,7 +34,6 @@
 namespace optstate::dcp {
 namespace {
 
-constexpr uint64_t kMaxMetadataBytes = uint64_t{1} << 30;
 constexpr uint64_t kMaxPickleBytes = uint64_t{64} << 20;
 // The first bytes of a large item's archive read at once: its data.pkl (a few hundred bytes for a
 // tensor) and the local headers that follow it.

@@ -667,6 +667,9 @@ Status write_into(StateSource& source, const fs::path& staging, int world, const
   }
   for (OutputFile& f : outs) OPTSTATE_RETURN_IF_ERROR(f.sync_and_close());
   const std::string md = metadata_pickle(done);
+  if (md.size() > kMaxMetadataBytes)
+    return invalid_argument(fmt::format(".metadata of {} items would be {} bytes, over the {} GiB it is read up to",
+                                        done.size(), md.size(), kMaxMetadataBytes >> 30));
   return write_small_file(staging / ".metadata", std::as_bytes(std::span(md)));
 }
 
@@ -696,6 +699,9 @@ Status ArchiveWriter::put(const std::string& name, std::span<const std::byte> da
 
 Status ArchiveWriter::begin(std::span<const std::byte> pkl) {
   auto text = [](const char* s) { return std::as_bytes(std::span(s, std::strlen(s))); };
+  if (pkl.size() > kMaxArchivePickleBytes)
+    return invalid_argument(fmt::format("a torch.save data.pkl of {} bytes, over the {} GiB it is read up to",
+                                        pkl.size(), kMaxArchivePickleBytes >> 30));
   OPTSTATE_RETURN_IF_ERROR(put("data.pkl", pkl));
   OPTSTATE_RETURN_IF_ERROR(put(".format_version", text("1")));
   OPTSTATE_RETURN_IF_ERROR(put(".storage_alignment", text("64")));

@@ -313,6 +313,7 @@ class NativeDriver final : public FormatDriver {
     }
     OPTSTATE_RETURN_IF_ERROR(fsync_directory(staging / "data"));
     const std::string text = serialize_manifest(m);
+    OPTSTATE_RETURN_IF_ERROR(check_manifest_size(text.size(), m.state.params.size(), kManifestName));
     return write_small_file(staging / kManifestName, std::as_bytes(std::span(text)));
   }
 };

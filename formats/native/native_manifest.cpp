@@ -161,6 +161,13 @@ Result<Manifest> parse_manifest(std::span<const std::byte> bytes, const std::fil
   }
 }
 
+Status check_manifest_size(uint64_t bytes, size_t params, const std::string& where) {
+  if (bytes <= kMaxManifestBytes) return Status::Ok();
+  return invalid_argument(fmt::format("{}: the manifest of {} params would be {} bytes, over the {} MiB the reader "
+                                      "takes; write this state as dcp or hdf5",
+                                      where, params, bytes, kMaxManifestBytes >> 20));
+}
+
 std::string serialize_manifest(const Manifest& m) {
   json root = json::object();
   root["format"] = kFormatTag;

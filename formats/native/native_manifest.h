@@ -67,6 +67,10 @@ Result<RankFile> decode_rank_file(const std::string& text);
 // own checksum, structure, paths contained in `dir`, chunk ranges inside their files and covering
 // every element exactly once. Errors name the manifest and the offending entry.
 Result<Manifest> parse_manifest(std::span<const std::byte> bytes, const std::filesystem::path& dir);
+// Whether a manifest of `bytes` stays within what the reader takes (kMaxManifestBytes); the error
+// names the checkpoint and its size. A writer checks before committing: a checkpoint its own
+// reader refuses is no checkpoint.
+Status check_manifest_size(uint64_t bytes, size_t params, const std::string& where);
 std::string serialize_manifest(const Manifest& m);
 // For tests and the fuzz driver: the text with its manifest_xxh3 replaced by the value that matches
 // its content, or nullopt when it is not a JSON object (or nests deeper than kMaxJsonDepth).

@@ -100,8 +100,11 @@ Status save_sharded(const OptimizerState& local, const std::filesystem::path& pa
       for (auto& [key, list] : m.chunks)
         std::sort(list.begin(), list.end(), [](const Chunk& a, const Chunk& b) { return a.begin < b.begin; });
       const std::string text = serialize_manifest(m);
-      auto check = parse_manifest(std::as_bytes(std::span(text)), staging);
-      st = check.ok() ? Status::Ok() : check.status().with_context("assembled manifest");
+      st = check_manifest_size(text.size(), m.state.params.size(), kManifestName);
+      if (st.ok()) {
+        auto check = parse_manifest(std::as_bytes(std::span(text)), staging);
+        st = check.ok() ? Status::Ok() : check.status().with_context("assembled manifest");
+      }
       if (st.ok()) st = fsync_directory(std::filesystem::path(staging) / "data");
       if (st.ok()) st = write_small_file(std::filesystem::path(staging) / kManifestName, std::as_bytes(std::span(text)));
     }

@@ -105,7 +105,9 @@ class SafetensorsDriver final : public FormatDriver {
     if (!f.ok() || f->size() < 9) return false;
     std::byte head[9];
     if (!f->read_at(0, head).ok()) return false;
-    return parse_header_length(std::span(head, 8), f->size(), path.string()).ok() && head[8] == std::byte{'{'};
+    // Any length that fits the file: one over the cap is a safetensors file open() refuses by name.
+    const uint64_t n = declared_header_length(std::span<const std::byte, 8>(head, 8));
+    return n >= 2 && n <= f->size() - 8 && head[8] == std::byte{'{'};
   }
 
   Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {
@@ -168,6 +170,8 @@ class SafetensorsDriver final : public FormatDriver {
         }
     }
     const std::string header = encode_header(tensors, {{kMetaKey, encode_state_meta(meta)}, {"format", "pt"}});
+    // Refused before anything is written: a file no safetensors reader opens is no checkpoint.
+    OPTSTATE_RETURN_IF_ERROR(check_header_size(header.size() - 8, tensors.size(), meta.params.size(), path.string()));
     OPTSTATE_ASSIGN_OR_RETURN(Staging staging, Staging::file(path));
     Status st = [&]() -> Status {
       OPTSTATE_ASSIGN_OR_RETURN(OutputFile out, OutputFile::create(staging.path()));

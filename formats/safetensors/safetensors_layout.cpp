@@ -13,15 +13,31 @@ namespace optstate::safetensors {
 
 using json = nlohmann::json;
 
-Result<uint64_t> parse_header_length(std::span<const std::byte> first8, uint64_t file_size, const std::string& where) {
-  if (first8.size() < 8 || file_size < 8) return corrupt(fmt::format("{}: too short for a safetensors file", where));
+uint64_t declared_header_length(std::span<const std::byte, 8> first8) {
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = n << 8 | static_cast<uint8_t>(first8[static_cast<size_t>(i)]);
-  if (n < 2 || n > kMaxHeaderBytes)
-    return corrupt(fmt::format("{}: header length {} out of range (2..{})", where, n, kMaxHeaderBytes));
+  return n;
+}
+
+Result<uint64_t> parse_header_length(std::span<const std::byte> first8, uint64_t file_size, const std::string& where) {
+  if (first8.size() < 8 || file_size < 8) return corrupt(fmt::format("{}: too short for a safetensors file", where));
+  const uint64_t n = declared_header_length(first8.first<8>());
+  if (n < 2) return corrupt(fmt::format("{}: header length {} out of range (2..{})", where, n, kMaxHeaderBytes));
   if (n > file_size - 8)
     return corrupt(fmt::format("{}: header of {} bytes does not fit in a file of {} bytes", where, n, file_size));
+  if (n > kMaxHeaderBytes)
+    return corrupt(fmt::format("{}: header of {} bytes, over the {} MiB every safetensors reader accepts (the "
+                               "safetensors library's limit)",
+                               where, n, kMaxHeaderBytes >> 20));
   return n;
+}
+
+Status check_header_size(uint64_t json_bytes, size_t tensors, size_t params, const std::string& where) {
+  if (json_bytes <= kMaxHeaderBytes) return Status::Ok();
+  return invalid_argument(fmt::format(
+      "{}: the safetensors header of {} params ({} tensors) would be {} bytes, over the {} MiB every safetensors "
+      "reader accepts (the safetensors library's limit, and optstate's); write this state as native, dcp or hdf5",
+      where, params, tensors, json_bytes, kMaxHeaderBytes >> 20));
 }
 
 Result<Header> parse_header(std::span<const std::byte> json_bytes, uint64_t data_size, const std::string& where) {

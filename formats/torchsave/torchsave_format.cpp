@@ -37,10 +37,9 @@
 namespace optstate::torchsave {
 namespace {
 
-// As a DCP's .metadata: torch pickles about 230 bytes per param of an AdamW state (64 MiB, the
-// cap before, was 290,000 params; optstate's own writer made 450 bytes a param then). The values
-// it makes are capped by memory (pickle::Limits::max_memory).
-constexpr uint64_t kMaxPickleBytes = uint64_t{1} << 30;
+// dcp::kMaxArchivePickleBytes, as a DCP's .metadata (64 MiB, the cap before, refused torch's own
+// files past 290,000 params). The values it makes are capped by memory (pickle::Limits::max_memory).
+constexpr uint64_t kMaxPickleBytes = dcp::kMaxArchivePickleBytes;
 // A dense tensor stored permuted (channels_last, transposed) is put in logical order in memory: its
 // storage record is read whole, up to this size (conv weights are far smaller).
 constexpr uint64_t kMaxPermutedBytes = uint64_t{1} << 30;

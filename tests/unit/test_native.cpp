@@ -408,3 +408,12 @@ TEST_CASE("a rank reads exactly its range of a checkpoint written by another wor
   CHECK(!(*r)->read_range("big.weight", kExpAvg, Component::kValues, 0, 3, std::as_writable_bytes(std::span(small)))
              .ok());
 }
+
+TEST_CASE("the native writer refuses a manifest over the reader's cap") {
+  CHECK(native::check_manifest_size(native::kMaxManifestBytes, 10, "manifest.json").ok());
+  const Status over = native::check_manifest_size(native::kMaxManifestBytes + 1, 400000, "manifest.json");
+  REQUIRE_FALSE(over.ok());
+  CHECK(over.message() == fmt::format("manifest.json: the manifest of 400000 params would be {} bytes, over the 256 "
+                                      "MiB the reader takes; write this state as dcp or hdf5",
+                                      native::kMaxManifestBytes + 1));
+}

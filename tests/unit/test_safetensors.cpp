@@ -1,5 +1,6 @@
 // safetensors driver: hostile files give errors naming the file and tensor; never a crash.
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <fstream>
@@ -41,11 +42,26 @@ TEST_CASE("safetensors: lying, truncated and foreign files are refused with the 
     write_file(bad, bytes.substr(0, 20));
     CHECK(open_error(bad).find("does not fit") != std::string::npos);
   }
-  SUBCASE("header length beyond the cap") {
+  SUBCASE("header length beyond the file") {
     std::string s = bytes;
     s[6] = '\x7f';
     write_file(bad, s);
-    CHECK(open_error(bad).find("out of range") != std::string::npos);
+    CHECK(open_error(bad).find("does not fit in a file of") != std::string::npos);
+  }
+  SUBCASE("a header over the 100 MiB cap, in a file that holds it: named as such, not 'no known format'") {
+    // (a sparse file: the cap is checked before the header is read)
+    const uint64_t n = safetensors::kMaxHeaderBytes + 8;
+    std::string s(9, '{');
+    for (int i = 0; i < 8; ++i) s[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+    write_file(bad, s);
+    fs::resize_file(bad, 8 + n + 64);
+    CHECK(find_format("safetensors")->sniff(bad));
+    CHECK(open_error(bad) == fmt::format("{}: header of {} bytes, over the 100 MiB every safetensors reader accepts "
+                                         "(the safetensors library's limit)",
+                                         bad.string(), n));
+    s[0] = '\x01';  // a length of 1 (under the minimum) or past the file is no safetensors file
+    write_file(bad, s);
+    CHECK_FALSE(find_format("safetensors")->sniff(bad));
   }
   SUBCASE("a tensor named twice (nlohmann would keep the second; which is meant is not guessed)") {
     const auto at = header.find("\"layers.0.bias.exp_avg\"");
@@ -127,4 +143,14 @@ TEST_CASE("safetensors: lying, truncated and foreign files are refused with the 
     write_file(bad, safetensors::encode_header({{"a", a}, {"b", b}}, {}) + std::string(6, '\0'));
     CHECK(open_error(bad).find("an overlap") != std::string::npos);
   }
+}
+
+TEST_CASE("safetensors: the writer refuses a header over the cap every reader keeps, before writing anything") {
+  CHECK(safetensors::check_header_size(safetensors::kMaxHeaderBytes, 10, 5, "/x.safetensors").ok());
+  const Status over = safetensors::check_header_size(safetensors::kMaxHeaderBytes + 1, 600000, 300000, "/x.safetensors");
+  REQUIRE_FALSE(over.ok());
+  CHECK(over.message() == fmt::format("/x.safetensors: the safetensors header of 300000 params (600000 tensors) would be "
+                                      "{} bytes, over the 100 MiB every safetensors reader accepts (the safetensors "
+                                      "library's limit, and optstate's); write this state as native, dcp or hdf5",
+                                      safetensors::kMaxHeaderBytes + 1));
 }

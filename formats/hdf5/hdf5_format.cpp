@@ -171,8 +171,11 @@ Result<std::string> get_string_attr(hid_t obj, const char* name, const std::stri
     char* s = nullptr;
     if (H5Aread(attr.get(), mem.get(), &s) < 0 || !s)
       return corrupt(fmt::format("{}: cannot read attribute '{}'", where, name));
-    std::string out(s, strnlen(s, kMaxMetaBytes));
+    const size_t n = strnlen(s, kMaxMetaBytes + 1);
+    std::string out(s, std::min<size_t>(n, kMaxMetaBytes));
     H5free_memory(s);
+    if (n > kMaxMetaBytes)  // not cut short and read as something else
+      return corrupt(fmt::format("{}: attribute '{}' is over {} MiB", where, name, kMaxMetaBytes >> 20));
     return out;
   }
   const size_t size = H5Tget_size(type.get());
@@ -351,6 +354,11 @@ Status write_component(hid_t parent, const char* name, const ParamState& ps, con
 
 Status write_file(StateSource& source, const fs::path& file_path, int compression) {
   const OptimizerState& state = source.meta();
+  const std::string meta_text = encode_state_meta(state);
+  if (meta_text.size() > kMaxMetaBytes)  // what the reader takes: a file it refuses is no checkpoint
+    return invalid_argument(fmt::format("the optstate metadata of {} params would be {} bytes, over the {} MiB the "
+                                        "reader takes; write this state as dcp",
+                                        state.params.size(), meta_text.size(), kMaxMetaBytes >> 20));
   Id fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
   H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V18, H5F_LIBVER_LATEST);  // readable by h5py's HDF5 1.10+
   Id file(H5Fcreate(file_path.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, fapl.get()), H5Fclose);
@@ -358,7 +366,7 @@ Status write_file(StateSource& source, const fs::path& file_path, int compressio
   OPTSTATE_RETURN_IF_ERROR(set_string_attr(file.get(), "format", kFormatTag));
   OPTSTATE_RETURN_IF_ERROR(set_i64_attr(file.get(), "layout_version", kLayoutVersion));
   OPTSTATE_RETURN_IF_ERROR(set_string_attr(file.get(), "optimizer", state.kind));
-  OPTSTATE_RETURN_IF_ERROR(set_string_attr(file.get(), "optstate", encode_state_meta(state)));
+  OPTSTATE_RETURN_IF_ERROR(set_string_attr(file.get(), "optstate", meta_text));
   Id gcpl(H5Pcreate(H5P_GROUP_CREATE), H5Pclose);
   for (const auto& [fqn, ps] : state.params) {
     const std::string where = fmt::format("{}: param '{}'", file_path.string(), fqn);

@@ -204,6 +204,26 @@ def test_torchao_8bit_optimizer_pt_converts_to_plain_adamw_state_without_torchao
     assert len(ref) == 8
 
 
+def test_a_data_pkl_over_64_mib_reads(tmp_path, optstate_cli):
+    """data.pkl was capped at 64 MiB, which refused torch's own optimizer.pt past ~290,000 params
+    (torch pickles ~230 bytes a param); the cap is 1 GiB now, as for a DCP .metadata. A group key
+    holding a 65 MiB string makes such a data.pkl in a second."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    sd["param_groups"][0]["note"] = "x" * (65 << 20)
+    path = tmp_path / "optimizer.pt"
+    torch.save(sd, path)
+    with zipfile.ZipFile(path) as z:
+        pkl = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
+        assert pkl.file_size > 64 << 20
+    out = optstate_cli("validate", path).stdout
+    assert "ok:" in out and "4 entries" in out, out
+    assert optstate_cli("hash", path).returncode == 0
+
+
 def test_damaged_or_foreign_torch_save_files_are_refused_by_name(tmp_path, optstate_cli):
     out = make_pt(tmp_path, "fp32", "named")
     pt = f"{out}.optimizer.pt"

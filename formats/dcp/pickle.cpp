@@ -21,7 +21,7 @@ class Machine {
       : b_(b), where_(where), limits_(l), values_(values), texts_(texts) {
     limits_.max_values = static_cast<uint32_t>(std::min<uint64_t>(limits_.max_values, b.size()));
     memory_by_machine_ = !limits_.max_memory;
-    if (memory_by_machine_) limits_.max_memory = machine_memory_bytes() / 4;
+    if (memory_by_machine_) limits_.max_memory = parser_memory_budget();
     memory_values_ = limits_.max_memory / kBytesPerValue;
   }
 
@@ -564,9 +564,9 @@ void Writer::real(double v) {
   std::memcpy(&bits, &v, 8);
   for (int k = 7; k >= 0; --k) out_.push_back(static_cast<char>((bits >> (8 * k)) & 0xff));
 }
-bool Writer::recall(const std::string& key) {
-  const auto it = memo_.find(key);
-  if (it == memo_.end()) return false;
+bool Writer::recall(const Memo& memo, std::string_view key) {
+  const auto it = memo.find(key);
+  if (it == memo.end()) return false;
   if (it->second < 256) {
     out_.push_back('h');  // BINGET
     put_le(out_, it->second, 1);
@@ -576,8 +576,8 @@ bool Writer::recall(const std::string& key) {
   }
   return true;
 }
-void Writer::remember(std::string key) {
-  const auto index = static_cast<uint32_t>(memo_.size());  // sequential, as LibTorch's unpickler requires
+void Writer::remember(Memo& memo, std::string_view key) {
+  const uint32_t index = memo_size_++;
   if (index < 256) {
     out_.push_back('q');  // BINPUT
     put_le(out_, index, 1);
@@ -585,18 +585,14 @@ void Writer::remember(std::string key) {
     out_.push_back('r');  // LONG_BINPUT
     put_le(out_, index, 4);
   }
-  memo_.emplace(std::move(key), index);
+  memo.emplace(std::string(key), index);
 }
 void Writer::str(std::string_view v) {
-  std::string key;
-  key.reserve(v.size() + 1);
-  key.push_back('s');
-  key.append(v);
-  if (recall(key)) return;
+  if (recall(strings_, v)) return;
   out_.push_back('X');
   put_le(out_, v.size(), 4);
   out_.append(v);
-  remember(std::move(key));
+  remember(strings_, v);
 }
 void Writer::bytes(std::string_view v) {
   out_.push_back('B');
@@ -604,17 +600,16 @@ void Writer::bytes(std::string_view v) {
   out_.append(v);
 }
 void Writer::global(std::string_view module, std::string_view name) {
-  std::string key;
-  key.reserve(module.size() + name.size() + 2);
-  key.push_back('g');
+  std::string key;  // the GLOBAL's text: "module\nname"
+  key.reserve(module.size() + name.size() + 1);
   key.append(module);
   key.push_back('\n');
   key.append(name);
-  if (recall(key)) return;
+  if (recall(globals_, key)) return;
   out_.push_back('c');
-  out_.append(key, 1);
+  out_.append(key);
   out_.push_back('\n');
-  remember(std::move(key));
+  remember(globals_, key);
 }
 void Writer::mark() { out_.push_back('('); }
 void Writer::tuple_from_mark() { out_.push_back('t'); }

@@ -158,8 +158,8 @@ struct Limits {
   uint32_t max_values = 1u << 28;
   uint16_t max_depth = 256;
   // The values' memory: a pickle that would need more is refused before the machine runs out (a
-  // few hundred MB of EMPTY_LIST opcodes make tens of GB of values). 0: a quarter of the memory
-  // this process may use (machine_memory_bytes). A real DCP .metadata takes about 10 times its
+  // few hundred MB of EMPTY_LIST opcodes make tens of GB of values). 0: parser_memory_budget (a
+  // quarter of the memory this process may use). A real DCP .metadata takes about 10 times its
   // size, a torch.save data.pkl less.
   uint64_t max_memory = 0;
   // None, () and ints of magnitude below 2^16 made once and shared, as Python shares them: a third
@@ -227,13 +227,20 @@ class Writer {
   std::string finish();  // STOP; the pickle bytes
 
  private:
-  // Pushes memo entry `key`'s value if it has one; otherwise the caller writes the value and
+  // Looked up by view (C++20 heterogeneous lookup): a name used again costs no allocation.
+  struct ViewHash {
+    using is_transparent = void;
+    size_t operator()(std::string_view v) const { return std::hash<std::string_view>{}(v); }
+  };
+  using Memo = std::unordered_map<std::string, uint32_t, ViewHash, std::equal_to<>>;
+  // Pushes `key`'s memo entry if `memo` has one; otherwise the caller writes the value and
   // remember() stores it under `key`.
-  bool recall(const std::string& key);
-  void remember(std::string key);
+  bool recall(const Memo& memo, std::string_view key);
+  void remember(Memo& memo, std::string_view key);
 
   std::string out_;
-  std::unordered_map<std::string, uint32_t> memo_;  // 'g' + module + '\n' + name, or 's' + text
+  uint32_t memo_size_ = 0;  // memo ids given, in order (LibTorch's unpickler requires them sequential)
+  Memo strings_, globals_;  // a string's text; a global's module + '\n' + name
 };
 
 // Writes value `r` of `p` again with `w` (what a writer carries from a file it read: DeepSpeed's

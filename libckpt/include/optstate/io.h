@@ -108,6 +108,10 @@ class InputFile {
 // The memory this process may use: the machine's, or its cgroup's limit where that is lower (a
 // container's). What memory-bound readers size their caps by.
 uint64_t machine_memory_bytes();
+// What one hostile-input parser may hold in memory (a pickle's values, a JSON document): a quarter
+// of machine_memory_bytes. Past it the parser refuses the file, naming it, before the machine runs
+// out.
+inline uint64_t parser_memory_budget() { return machine_memory_bytes() / 4; }
 // How many bytes made InputFiles hold at once (those being read stay held regardless): a quarter
 // of the machine's memory, within [1 GiB, 64 GiB], unless set (tests set less);
 // set_made_input_budget returns the budget it replaced.

@@ -22,9 +22,9 @@ namespace optstate {
 inline constexpr std::size_t kMaxJsonDepth = 100;
 
 // What one value of the document costs at most, its slot and its container's share (a 256 MB
-// manifest of `{},` took 9.2 GB: 105 bytes a value). The values are capped at a quarter of the
-// memory this process may use: a real manifest holds a value per 13 bytes or more, so even the
-// largest one read (256 MB) stays under the cap of a 16 GB machine.
+// manifest of `{},` took 9.2 GB: 105 bytes a value). The values are capped at parser_memory_budget
+// (a quarter of the memory this process may use): a real manifest holds a value per 13 bytes or
+// more, so even the largest one read (256 MB) stays under the cap of a 16 GB machine.
 inline constexpr std::size_t kJsonBytesPerValue = 128;
 
 // Parses [begin, end) as one JSON document (discarded when it is not one, or when it nests deeper
@@ -39,7 +39,7 @@ inline nlohmann::json parse_json_strict(const char* begin, const char* end, std:
                                         std::string& refused, std::size_t max_values = 0) {
   using json = nlohmann::json;
   const bool by_machine = max_values == 0;
-  if (by_machine) max_values = static_cast<std::size_t>(machine_memory_bytes() / 4 / kJsonBytesPerValue);
+  if (by_machine) max_values = static_cast<std::size_t>(parser_memory_budget() / kJsonBytesPerValue);
   struct StrictDom {
     json& root;
     std::optional<std::string>& duplicate;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 #include <nlohmann/json.hpp>
 
 #include "optstate/json_strict.h"
@@ -40,60 +41,91 @@ Status check_header_size(uint64_t json_bytes, size_t tensors, size_t params, con
       where, params, tensors, json_bytes, kMaxHeaderBytes >> 20));
 }
 
+namespace {
+
+// One tensor's entry of the header, {"dtype", "shape", "data_offsets"}, checked against the data buffer.
+Status parse_tensor(const json& tj, uint64_t data_size, const std::string& tw, TensorInfo& t) {
+  if (!tj.is_object()) return corrupt(tw + ": not an object");
+  auto dt = tj.find("dtype");
+  auto sh = tj.find("shape");
+  auto off = tj.find("data_offsets");
+  if (dt == tj.end() || !dt->is_string() || sh == tj.end() || !sh->is_array() || off == tj.end() ||
+      !off->is_array() || off->size() != 2)
+    return corrupt(tw + ": needs string 'dtype', array 'shape' and two 'data_offsets'");
+  auto d = dtype_from_safetensors(dt->get<std::string>());
+  if (!d) return corrupt(fmt::format("{}: dtype '{}' is not supported", tw, dt->get<std::string>()));
+  t.dtype = *d;
+  if (sh->size() > static_cast<size_t>(kMaxRank)) return corrupt(tw + ": too many dimensions");
+  for (const json& dim : *sh) {
+    if (!dim.is_number_unsigned()) return corrupt(tw + ": shape must hold non-negative integers");
+    if (dim.get<uint64_t>() > static_cast<uint64_t>(kMaxNumel)) return corrupt(tw + ": dimension too large");
+    t.shape.push_back(static_cast<int64_t>(dim.get<uint64_t>()));
+  }
+  auto numel = checked_numel(t.shape);
+  if (!numel.ok()) return numel.status().with_context(tw);
+  if (!(*off)[0].is_number_unsigned() || !(*off)[1].is_number_unsigned())
+    return corrupt(tw + ": data_offsets must be non-negative integers");
+  t.begin = (*off)[0].get<uint64_t>();
+  t.end = (*off)[1].get<uint64_t>();
+  if (t.begin > t.end || t.end > data_size)
+    return corrupt(fmt::format("{}: bytes [{}, {}) lie outside the data buffer of {} bytes", tw, t.begin, t.end,
+                               data_size));
+  const uint64_t want = static_cast<uint64_t>(*numel) * dtype_size(t.dtype);
+  if (t.end - t.begin != want)
+    return corrupt(fmt::format("{}: holds {} bytes, its dtype and shape {} need {}", tw, t.end - t.begin,
+                               format_shape(t.shape), want));
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<Header> parse_header(std::span<const std::byte> json_bytes, uint64_t data_size, const std::string& where) {
   const char* text = reinterpret_cast<const char*>(json_bytes.data());
   if (json_bytes.empty() || text[0] != '{') return corrupt(fmt::format("{}: header does not start with '{{'", where));
   std::optional<std::string> twice;
   std::string refused;
-  json root = parse_json_strict(text, text + json_bytes.size(), twice, refused);
+  Header h;
+  h.data_start = 8 + json_bytes.size();
+  // Each of the root's members as it is read (a tensor, or __metadata__); the first problem is kept
+  // and reported after the checks of the whole text (a syntax error, a key twice), which come first.
+  Status first_error = Status::Ok();
+  bool metadata_seen = false;
+  auto on_member = [&](std::string& name, json&& value) {
+    if (name == "__metadata__") {
+      if (std::exchange(metadata_seen, true)) {
+        if (!twice) twice = name;
+        return;
+      }
+      if (!first_error.ok()) return;
+      if (!value.is_object()) {
+        first_error = corrupt(where + ": __metadata__ is not an object");
+        return;
+      }
+      for (auto& [k, v] : value.items()) {
+        if (!v.is_string()) {
+          first_error = corrupt(fmt::format("{}: __metadata__ '{}' is not a string", where, k));
+          return;
+        }
+        h.metadata[k] = std::move(v.get_ref<std::string&>());
+      }
+      return;
+    }
+    auto [it, inserted] = h.tensors.try_emplace(std::move(name));
+    if (!inserted) {
+      if (!twice) twice = it->first;
+      return;
+    }
+    if (first_error.ok())
+      first_error = parse_tensor(value, data_size, fmt::format("{}: tensor '{}'", where, it->first), it->second);
+  };
+  const json root = parse_json_strict_members(text, text + json_bytes.size(), {}, on_member, twice, refused);
   if (!refused.empty()) return corrupt(fmt::format("{}: header {}", where, refused));
   if (root.is_discarded() || !root.is_object()) return corrupt(fmt::format("{}: header is not a JSON object", where));
   if (twice) return corrupt(fmt::format("{}: header names '{}' twice", where, printable(*twice)));
-  Header h;
-  h.data_start = 8 + json_bytes.size();
+  OPTSTATE_RETURN_IF_ERROR(first_error);
   std::vector<const std::pair<const std::string, TensorInfo>*> order;  // into h.tensors (a map: they stay put)
-  for (const auto& [name, tj] : root.items()) {
-    const std::string tw = fmt::format("{}: tensor '{}'", where, name);
-    if (name == "__metadata__") {
-      if (!tj.is_object()) return corrupt(where + ": __metadata__ is not an object");
-      for (const auto& [k, v] : tj.items()) {
-        if (!v.is_string()) return corrupt(fmt::format("{}: __metadata__ '{}' is not a string", where, k));
-        h.metadata[k] = v.get<std::string>();
-      }
-      continue;
-    }
-    if (!tj.is_object()) return corrupt(tw + ": not an object");
-    auto dt = tj.find("dtype");
-    auto sh = tj.find("shape");
-    auto off = tj.find("data_offsets");
-    if (dt == tj.end() || !dt->is_string() || sh == tj.end() || !sh->is_array() || off == tj.end() ||
-        !off->is_array() || off->size() != 2)
-      return corrupt(tw + ": needs string 'dtype', array 'shape' and two 'data_offsets'");
-    TensorInfo t;
-    auto d = dtype_from_safetensors(dt->get<std::string>());
-    if (!d) return corrupt(fmt::format("{}: dtype '{}' is not supported", tw, dt->get<std::string>()));
-    t.dtype = *d;
-    if (sh->size() > static_cast<size_t>(kMaxRank)) return corrupt(tw + ": too many dimensions");
-    for (const json& dim : *sh) {
-      if (!dim.is_number_unsigned()) return corrupt(tw + ": shape must hold non-negative integers");
-      if (dim.get<uint64_t>() > static_cast<uint64_t>(kMaxNumel)) return corrupt(tw + ": dimension too large");
-      t.shape.push_back(static_cast<int64_t>(dim.get<uint64_t>()));
-    }
-    auto numel = checked_numel(t.shape);
-    if (!numel.ok()) return numel.status().with_context(tw);
-    if (!(*off)[0].is_number_unsigned() || !(*off)[1].is_number_unsigned())
-      return corrupt(tw + ": data_offsets must be non-negative integers");
-    t.begin = (*off)[0].get<uint64_t>();
-    t.end = (*off)[1].get<uint64_t>();
-    if (t.begin > t.end || t.end > data_size)
-      return corrupt(fmt::format("{}: bytes [{}, {}) lie outside the data buffer of {} bytes", tw, t.begin, t.end,
-                                 data_size));
-    const uint64_t want = static_cast<uint64_t>(*numel) * dtype_size(t.dtype);
-    if (t.end - t.begin != want)
-      return corrupt(fmt::format("{}: holds {} bytes, its dtype and shape {} need {}", tw, t.end - t.begin,
-                                 format_shape(t.shape), want));
-    order.push_back(&*h.tensors.emplace(name, std::move(t)).first);
-  }
+  order.reserve(h.tensors.size());
+  for (const auto& tensor : h.tensors) order.push_back(&tensor);
   // Coverage: sorted by offset, each tensor starts where the previous ended, and the last ends the
   // file (zero-size tensors may share an offset).
   std::sort(order.begin(), order.end(), [](const auto* a, const auto* b) {

@@ -12,6 +12,10 @@ namespace {
 
 using json = nlohmann::json;
 
+// More than any real state holds; param_header_from_json checks a param's group against it, as the
+// groups may not have been read yet.
+constexpr size_t kMaxParamGroups = 100000;
+
 }  // namespace
 
 Status check_json_numbers(const OptimizerState& state) {
@@ -42,40 +46,56 @@ std::string encode_state_meta(const OptimizerState& state) {
 Result<OptimizerState> decode_state_meta(std::string_view text, const std::string& where) {
   std::optional<std::string> twice;
   std::string refused;
-  json root = parse_json_strict(text.data(), text.data() + text.size(), twice, refused);
+  using V = json::value_t;
+  OptimizerState st;
+  // Each param as it is read (its group checked by check_structure, once the groups are known: JSON
+  // leaves the order of keys to the writer); the first problem is kept and reported after those of
+  // the whole document and of its top-level fields, which come first.
+  Status first_error = Status::Ok();
+  auto on_param = [&](std::string& fqn, json&& pj) {
+    auto [it, inserted] = st.params.try_emplace(std::move(fqn));
+    if (!inserted) {
+      if (!twice) twice = it->first;
+      return;
+    }
+    if (!first_error.ok()) return;
+    first_error = [&]() -> Status {
+      const std::string& name = it->first;
+      const JsonFields fp{pj, fmt::format("{}: param '{}'", where, name)};
+      OPTSTATE_ASSIGN_OR_RETURN(ParamState ps, param_header_from_json(fp, kMaxParamGroups));
+      OPTSTATE_ASSIGN_OR_RETURN(const json* entries, fp.get("entries", V::object));
+      for (const auto& [entry, ej] : entries->items()) {
+        OPTSTATE_ASSIGN_OR_RETURN(Entry e, entry_meta_from_json(JsonFields{
+                                               ej, fmt::format("{}: entry '{}'", where, entry_key(name, entry))}));
+        ps.entries.emplace(entry, std::move(e));
+      }
+      it->second = std::move(ps);
+      return Status::Ok();
+    }();
+  };
+  static const std::vector<std::string_view> kParamsPath{"params"};
+  const json root =
+      parse_json_strict_members(text.data(), text.data() + text.size(), kParamsPath, on_param, twice, refused);
   if (!refused.empty()) return corrupt(fmt::format("{}: optstate metadata {}", where, refused));
   if (root.is_discarded()) return corrupt(fmt::format("{}: optstate metadata is not valid JSON", where));
   if (twice) return corrupt(fmt::format("{}: optstate metadata names '{}' twice in one object", where, printable(*twice)));
-  using V = json::value_t;
   const JsonFields top{root, where};
   OPTSTATE_ASSIGN_OR_RETURN(int64_t version, top.i64("optstate_state"));
   if (version > kStateJsonVersion || version < 1)
     return corrupt(fmt::format("{}: optstate metadata version {} (this build reads up to {})", where, version,
                                kStateJsonVersion));
-  OptimizerState st;
   OPTSTATE_ASSIGN_OR_RETURN(int64_t sv, top.i64("state_version"));
   st.format_version = static_cast<int>(sv);
   OPTSTATE_ASSIGN_OR_RETURN(st.kind, top.str("kind"));
   OPTSTATE_ASSIGN_OR_RETURN(const json* groups, top.get("param_groups", V::array));
-  if (groups->size() > 100000) return corrupt(where + ": too many param groups");
+  if (groups->size() > kMaxParamGroups) return corrupt(where + ": too many param groups");
   for (size_t g = 0; g < groups->size(); ++g) {
     OPTSTATE_ASSIGN_OR_RETURN(ParamGroup pg,
                               param_group_from_json(JsonFields::of((*groups)[g], fmt::format("{}: param_groups[{}]", where, g))));
     st.groups.push_back(std::move(pg));
   }
-  OPTSTATE_ASSIGN_OR_RETURN(const json* params, top.get("params", V::object));
-  for (const auto& [fqn, pj] : params->items()) {
-    const std::string pw = fmt::format("{}: param '{}'", where, fqn);
-    const JsonFields fp{pj, pw};
-    OPTSTATE_ASSIGN_OR_RETURN(ParamState ps, param_header_from_json(fp, st.groups.size()));
-    OPTSTATE_ASSIGN_OR_RETURN(const json* entries, fp.get("entries", V::object));
-    for (const auto& [name, ej] : entries->items()) {
-      OPTSTATE_ASSIGN_OR_RETURN(Entry e, entry_meta_from_json(
-                                             JsonFields{ej, fmt::format("{}: entry '{}'", where, entry_key(fqn, name))}));
-      ps.entries.emplace(name, std::move(e));
-    }
-    st.params.emplace(fqn, std::move(ps));
-  }
+  OPTSTATE_RETURN_IF_ERROR(top.get("params", V::object).status());  // its members were read as the text was
+  OPTSTATE_RETURN_IF_ERROR(first_error);
   OPTSTATE_RETURN_IF_ERROR(check_structure(st, false).with_context(where));
   return st;
 }

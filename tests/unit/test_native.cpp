@@ -307,6 +307,103 @@ TEST_CASE("parse_json_strict reads what nlohmann's parser reads, and finds a key
   CHECK(m.status().message() == fmt::format("/x/manifest.json: JSON nested deeper than {} levels", kMaxJsonDepth));
 }
 
+TEST_CASE("parse_json_strict_members hands over the members of one object as each is read, keeping the rest") {
+  using json = nlohmann::json;
+  const std::string doc =
+      R"({"a": 1, "params": {"x": {"params": {"y": 1}}, "z": [1, {"k": 2}], "w": 3, "v": {}, "u": "s"},)"
+      R"( "b": {"params": {"q": [true, null]}}, "c": [{"params": {"r": 1}}]})";
+  auto members_of = [&](const std::vector<std::string_view>& path, std::vector<std::pair<std::string, json>>& got,
+                        const std::string& text) {
+    std::optional<std::string> twice;
+    std::string refused = "stale";
+    json rest = parse_json_strict_members(
+        text.data(), text.data() + text.size(), path,
+        [&](std::string& key, json&& value) { got.emplace_back(key, std::move(value)); }, twice, refused);
+    CHECK(refused.empty());
+    CHECK(!twice);
+    return rest;
+  };
+  const json whole = json::parse(doc);
+  {
+    std::vector<std::pair<std::string, json>> got;
+    const json rest = members_of({"params"}, got, doc);
+    // In the order of the text (not of keys), each whole; the object stays in the document, empty.
+    REQUIRE(got.size() == 5);
+    const std::vector<std::string> keys = {"x", "z", "w", "v", "u"};
+    for (size_t k = 0; k < got.size(); ++k) {
+      CHECK(got[k].first == keys[k]);
+      CHECK(got[k].second == whole["params"][keys[k]]);
+    }
+    json expect = whole;
+    expect["params"] = json::object();
+    CHECK(rest == expect);  // "params" deeper down (in b, in c's array, in x) is kept whole
+  }
+  {
+    std::vector<std::pair<std::string, json>> got;
+    CHECK(members_of({}, got, doc) == json::object());  // the root's own members
+    REQUIRE(got.size() == 4);
+    CHECK(got[1].first == "params");
+    CHECK(got[1].second == whole["params"]);
+    CHECK(got[3].second == whole["c"]);
+  }
+  {
+    std::vector<std::pair<std::string, json>> got;
+    const json rest = members_of({"b", "params"}, got, doc);
+    REQUIRE(got.size() == 1);
+    CHECK(got[0].first == "q");
+    CHECK(got[0].second == json::parse("[true, null]"));
+    CHECK(rest["b"] == json::parse(R"({"params": {}})"));
+    CHECK(rest["params"] == whole["params"]);
+  }
+  for (const std::vector<std::string_view>& path :  // no such object: the document whole, nothing handed over
+       std::vector<std::vector<std::string_view>>{{"nope"}, {"a"}, {"c", "params"}, {"params", "z"}}) {
+    std::vector<std::pair<std::string, json>> got;
+    CHECK(members_of(path, got, doc) == whole);
+    CHECK(got.empty());
+  }
+  // Keys twice inside a member are found; the streamed object's own keys are the receiver's to check.
+  auto twice_in = [](const std::string& text, size_t& delivered) {
+    std::optional<std::string> twice;
+    std::string refused;
+    delivered = 0;
+    parse_json_strict_members(text.data(), text.data() + text.size(), {"params"},
+                              [&](std::string&, json&&) { ++delivered; }, twice, refused);
+    return twice.value_or("");
+  };
+  size_t delivered = 0;
+  CHECK(twice_in(R"({"params": {"x": {"k": 1, "k": 2}}})", delivered) == "k");
+  CHECK(twice_in(R"({"params": {"x": 1, "x": 2}})", delivered).empty());
+  CHECK(delivered == 2);
+  CHECK(twice_in(R"({"params": {}, "params": {"x": 1}})", delivered) == "params");
+  // The caps hold inside the members: values (the root, the object and its members count) and depth.
+  {
+    std::optional<std::string> twice;
+    std::string refused;
+    const std::string three = R"({"params": {"a": 1, "b": [], "c": {}}})";
+    auto ignore = [](std::string&, json&&) {};
+    CHECK(!parse_json_strict_members(three.data(), three.data() + three.size(), {"params"}, ignore, twice, refused, 5)
+               .is_discarded());
+    CHECK(parse_json_strict_members(three.data(), three.data() + three.size(), {"params"}, ignore, twice, refused, 4)
+              .is_discarded());
+    CHECK(refused.find("of more than 4 values") == 0);
+    const std::string deep = R"({"params": {"a": )" + std::string(150, '[') + std::string(150, ']') + "}}";
+    CHECK(parse_json_strict_members(deep.data(), deep.data() + deep.size(), {"params"}, ignore, twice, refused)
+              .is_discarded());
+    CHECK(refused == fmt::format("nested deeper than {} levels", kMaxJsonDepth));
+  }
+  // A text that breaks off: discarded, the members read before the break handed over already.
+  {
+    std::optional<std::string> twice;
+    std::string refused;
+    std::vector<std::string> keys;
+    const std::string cut = R"({"params": {"a": 1, "b": {"c": 2}, "d": )";
+    CHECK(parse_json_strict_members(cut.data(), cut.data() + cut.size(), {"params"},
+                                    [&](std::string& k, json&&) { keys.push_back(k); }, twice, refused)
+              .is_discarded());
+    CHECK(keys == std::vector<std::string>{"a", "b"});
+  }
+}
+
 TEST_CASE("shard ranges split rows like torch.chunk and 8-bit entries by whole blocks") {
   Entry dense;
   std::vector<FlatRange> got;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "optstate/checkpoint.h"
 #include "registry.h"
@@ -121,6 +122,22 @@ TEST_CASE("safetensors: lying, truncated and foreign files are refused with the 
           bad.string() + ": optstate metadata names 'kind' twice in one object");
     CHECK(open_with(R"({"x": )" + std::string(200, '[') + std::string(200, ']') + ", " + text.substr(1)) ==
           bad.string() + ": optstate metadata nested deeper than 100 levels");
+    // Its params are read as the text is (the groups may come after them: JSON leaves the order to
+    // the writer): a param's group is checked once the groups are known, a param named twice found.
+    const nlohmann::json meta = nlohmann::json::parse(text);
+    const std::string first = meta["params"].begin().key();
+    nlohmann::json rest = meta;
+    rest.erase("params");
+    CHECK(open_with(R"({"params": )" + meta["params"].dump() + ", " + rest.dump().substr(1)).empty());
+    nlohmann::json regrouped = meta;
+    regrouped["params"][first]["group"] = 7;
+    CHECK(open_with(R"({"params": )" + regrouped["params"].dump() + ", " + rest.dump().substr(1)) ==
+          fmt::format("{}: param '{}' refers to group 7 of 2", bad.string(), first));
+    CHECK(open_with(regrouped.dump()) == fmt::format("{}: param '{}' refers to group 7 of 2", bad.string(), first));
+    std::string params_twice = meta["params"].dump();
+    params_twice.insert(1, nlohmann::json(first).dump() + ": " + meta["params"][first].dump() + ", ");
+    CHECK(open_with(R"({"params": )" + params_twice + ", " + rest.dump().substr(1)) ==
+          fmt::format("{}: optstate metadata names '{}' twice in one object", bad.string(), first));
   }
   SUBCASE("no optstate metadata") {
     safetensors::TensorInfo t;

@@ -53,8 +53,9 @@ Result<OptimizerState> decode_state_meta(std::string_view text, const std::strin
   // the whole document and of its top-level fields, which come first.
   Status first_error = Status::Ok();
   auto on_param = [&](std::string& fqn, json&& pj) {
-    auto [it, inserted] = st.params.try_emplace(std::move(fqn));
-    if (!inserted) {
+    const auto emplaced = st.params.try_emplace(std::move(fqn));
+    const auto it = emplaced.first;  // not a structured binding: the lambda below captures it (clang < 16 cannot)
+    if (!emplaced.second) {
       if (!twice) twice = it->first;
       return;
     }

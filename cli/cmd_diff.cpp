@@ -24,7 +24,7 @@ Result<double> parse_tolerance(const std::string& name, const std::string& text)
 
 int run_diff(int argc, char** argv) {
   const CommandSpec spec{"diff",
-                         "optstate diff A B [--rtol R] [--atol A] [--by-position] [--no-weights] [--json]",
+                         "optstate diff A B [--rtol R] [--atol A] [--params GLOB] [--by-position] [--no-weights] [--json]",
                          "Compares two checkpoints entry by entry on their (dequantized) fp32 values: max abs and\n"
                          "relative difference, and how many elements lie outside |a - b| <= atol + rtol * |b|\n"
                          "(default 0 and 0: exact). Metadata must match: kind, steps, and each param's\n"
@@ -33,6 +33,8 @@ int run_diff(int argc, char** argv) {
                          "Exit 1 when anything differs beyond tolerance.",
                          {{"--rtol", true, "relative tolerance (default 0)"},
                           {"--atol", true, "absolute tolerance (default 0)"},
+                          {"--params", true, "compare only the params whose name matches this shell pattern (* ? [...]; "
+                           "e.g. 'layers.3.*'), on either side"},
                           {"--by-position", false, "match params by position in group order, as torch numbers them (a "
                            "side with numbered params, such as a LibTorch archive, by its numbers), not by name"},
                           {"--no-weights", false, "compare optimizer state only: weights ('param' entries) and "
@@ -55,6 +57,8 @@ int run_diff(int argc, char** argv) {
     }
   options.by_position = args->has("--by-position");
   options.no_weights = args->has("--no-weights");
+  options.params = args->value("--params").value_or("");
+  if (args->has("--params") && options.params.empty()) return fail("diff", invalid_argument("--params needs a pattern"));
   Progress progress("diff");
   auto a = open_with_progress(args->positional[0], progress);
   if (!a.ok()) return fail("diff", a.status());

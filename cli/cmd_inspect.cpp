@@ -1,6 +1,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <fnmatch.h>
+
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
@@ -36,12 +38,15 @@ nlohmann::json group_value_json(const GroupValue& v) {
 
 int run_inspect(int argc, char** argv) {
   const CommandSpec spec{"inspect",
-                         "optstate inspect CKPT [--json] [--no-stats]",
+                         "optstate inspect CKPT [--json] [--no-stats] [--params GLOB]",
                          "Shows the optimizer, its param groups and every param's entries: shape, encoding,\n"
                          "bytes, step and value statistics (min/max/mean/non-finite; reading them verifies\n"
-                         "every chunk checksum).",
+                         "every chunk checksum). With --params, only the params whose name matches are shown\n"
+                         "and read (the totals stay the checkpoint's).",
                          {{"--json", false, "print one JSON document"},
-                          {"--no-stats", false, "metadata only: do not read the values"}},
+                          {"--no-stats", false, "metadata only: do not read the values"},
+                          {"--params", true, "show only the params whose name matches this shell pattern (* ? [...]; "
+                           "e.g. 'layers.3.*')"}},
                          1,
                          1};
   auto args = parse_args(spec, argc, argv);
@@ -59,6 +64,14 @@ int run_inspect(int argc, char** argv) {
   // One of the two faces is built: at hundreds of thousands of params the JSON document alone
   // took longer than reading every value.
   const bool as_json = args->has("--json");
+  const std::string pattern = args->value("--params").value_or("");
+  if (args->has("--params") && pattern.empty()) return fail("inspect", invalid_argument("--params needs a pattern"));
+  auto shown = [&](const std::string& fqn) { return pattern.empty() || fnmatch(pattern.c_str(), fqn.c_str(), 0) == 0; };
+  size_t shown_params = 0;
+  for (const auto& [fqn, ps] : meta.params) shown_params += shown(fqn);
+  if (shown_params == 0 && !meta.params.empty() && !pattern.empty())
+    return fail("inspect", invalid_argument(fmt::format("{}: no param matches '{}' (of {} params)",
+                                                        reader.path().string(), pattern, meta.params.size())));
 
   nlohmann::json j;
   j["path"] = reader.path().string();
@@ -120,6 +133,11 @@ int run_inspect(int argc, char** argv) {
         total_param_bytes += bytes;
       else
         total_state_bytes += bytes;
+    }
+    if (!shown(fqn)) continue;
+    for (const auto& [name, e] : ps.entries) {
+      int64_t bytes = 0;
+      for (Component c : e.components()) bytes += component_bytes(e, c, *numel);
       nlohmann::json ej;
       if (as_json) {
         ej = {{"encoding", encoding_name(e.encoding)}, {"bytes", bytes}};
@@ -163,6 +181,7 @@ int run_inspect(int argc, char** argv) {
   j["model_tensors"] = model_tensors;
   if (!reader.torchao_package().empty()) j["torchao_package"] = std::string(reader.torchao_package());
   const double per_param = total_numel ? static_cast<double>(total_state_bytes) / static_cast<double>(total_numel) : 0;
+  if (!pattern.empty()) j["selected"] = {{"pattern", pattern}, {"params", shown_params}};
   j["totals"] = {{"params", meta.params.size()},
                  {"numel", total_numel},
                  {"state_bytes", total_state_bytes},
@@ -212,6 +231,8 @@ int run_inspect(int argc, char** argv) {
     // Not optimizer state (train_state, a model's buffers), or an encoding read as fp32 values.
     out += fmt::format("other       {}: outside the state read\n", fmt::join(rest, ", "));
   for (const std::string& note : reader.read_notes()) out += fmt::format("note        {}\n", note);
+  if (!pattern.empty())
+    out += fmt::format("shown       {} of {} params, those matching '{}'\n", shown_params, meta.params.size(), pattern);
   out += fmt::format("state       {} ({:.2f} bytes/param){}\n\n", human_bytes(static_cast<double>(total_state_bytes)),
                      per_param,
                      total_param_bytes ? fmt::format(", model weights {}", human_bytes(total_param_bytes)) : "");

@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <fnmatch.h>
+
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -76,6 +78,13 @@ Result<DiffReport> diff_checkpoints(CheckpointReader& a, CheckpointReader& b, co
     for (const auto& [f, _] : mb.params) fqns.insert(f);
     for (const std::string& f : fqns)
       pairs.emplace_back(ma.params.count(f) ? f : "", mb.params.count(f) ? f : "");
+  }
+  if (!options.params.empty()) {
+    auto matches = [&](const std::string& fqn) { return !fqn.empty() && fnmatch(options.params.c_str(), fqn.c_str(), 0) == 0; };
+    std::erase_if(pairs, [&](const auto& p) { return !matches(p.first) && !matches(p.second); });
+    if (pairs.empty())
+      return invalid_argument(fmt::format("no param of A ({}) or B ({}) matches '{}'", a.path().string(),
+                                          b.path().string(), options.params));
   }
   if (!options.by_position && !ma.params.empty() && !mb.params.empty() &&
       std::none_of(pairs.begin(), pairs.end(), [](const auto& p) { return !p.first.empty() && !p.second.empty(); })) {

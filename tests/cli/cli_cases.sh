@@ -80,6 +80,32 @@ assert j["params"]["layers.0.weight"]["step"] == 3
 assert j["params"]["layers.0.weight"]["entries"]["exp_avg_sq"]["stats"]["min"] >= 0
 assert j["param_groups"][0]["weight_decay"] == 0.1
 ' || fail "inspect --json content"
+    # --params: only the matching params are shown and read (a damaged chunk of another param goes
+    # unread: the whole inspect fails on it, this one does not); the totals stay the checkpoint's
+    out=$("$OPTSTATE" inspect "$work/c" --params 'layers.0.*') || fail "inspect --params failed"
+    printf '%s\n' "$out" | matches -x "shown       2 of 6 params, those matching 'layers.0.\*'" || fail "shown line: $out"
+    printf '%s\n' "$out" | matches "^layers.0.weight " || fail "layers.0.weight not shown: $out"
+    printf '%s\n' "$out" | matches "^layers.1" && fail "layers.1 shown: $out"
+    "$PY" - "$work/c" <<'PY' || fail "could not damage a chunk"
+import json, pathlib, sys
+root = pathlib.Path(sys.argv[1])
+j = json.load(open(root / "manifest.json"))
+chunk = j["params"]["layers.1.weight"]["entries"]["exp_avg"]["components"]["values"][0]
+data = root / j["files"][chunk["file"]]["path"]
+b = bytearray(data.read_bytes())
+b[chunk["offset"]] ^= 0xFF
+data.write_bytes(bytes(b))
+PY
+    expect_error 2 "checksum mismatch .* 'layers.1.weight.exp_avg'" -- "$OPTSTATE" inspect "$work/c"
+    "$OPTSTATE" inspect "$work/c" --params 'layers.0.*' >/dev/null || fail "inspect --params read a param it does not show"
+    "$OPTSTATE" inspect --json --no-stats "$work/c" --params '*.bias' | "$PY" -c '
+import json, sys
+j = json.load(sys.stdin)
+assert sorted(j["params"]) == ["head.bias", "layers.0.bias", "layers.1.bias"], sorted(j["params"])
+assert j["selected"] == {"pattern": "*.bias", "params": 3}, j["selected"]
+assert j["totals"]["params"] == 6, j["totals"]
+' || fail "inspect --json --params"
+    expect_error 2 "no param matches 'layers.9.\*' \(of 6 params\)" -- "$OPTSTATE" inspect "$work/c" --params 'layers.9.*'
     ;;
   missing-path)
     expect_error 2 "$work/nope: no such file" -- "$OPTSTATE" inspect "$work/nope"
@@ -371,6 +397,14 @@ assert j["entries"]["layers.1.weight.exp_avg"]["max_abs"] > 0
     out=$("$OPTSTATE" diff "$work/a" "$work/c.pt" --by-position --no-weights); rc=$?
     [ $rc -eq 1 ] || fail "by-position diff of different steps exited $rc"
     printf '%s\n' "$out" | matches "param 'layers.0.weight=0' step: 3 vs 4" || fail "step difference by position: $out"
+    # --params: only the matching params are compared (on either side)
+    out=$("$OPTSTATE" diff "$work/a" "$work/c" --params 'head.*'); rc=$?
+    [ $rc -eq 1 ] || fail "diff --params of different steps exited $rc"
+    printf '%s\n' "$out" | matches "param 'head.weight' step: 3 vs 4" || fail "head.weight not compared: $out"
+    printf '%s\n' "$out" | matches "layers" && fail "diff --params compared layers: $out"
+    "$OPTSTATE" diff "$work/q" "$work/qf" --params 'layers.0.*' | matches "equal within tolerance" \
+      || fail "layers.0 of an 8-bit state differs from its fp32 conversion"
+    expect_error 2 "no param of A .* or B .* matches 'nothing\*'" -- "$OPTSTATE" diff "$work/a" "$work/b" --params 'nothing*'
     ;;
   progress)
     # Progress goes to stderr, only when asked (OPTSTATE_PROGRESS=1) or stderr is a terminal (not here);

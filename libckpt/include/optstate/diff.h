@@ -18,6 +18,10 @@ struct DiffOptions {
   // Optimizer state only: weights ("param" entries) and param dtypes are not compared (a format
   // such as LibTorch's optimizer archive holds none).
   bool no_weights = false;
+  // Only the params whose name (on either side) matches this shell pattern (fnmatch: `*`, `?`,
+  // `[...]`; `.` is no separator): "layers.3.*". Empty: every param. A pattern no param matches
+  // is an error, not an empty, equal diff.
+  std::string params = {};
 };
 
 struct EntryDiff {

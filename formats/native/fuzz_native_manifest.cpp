@@ -19,6 +19,8 @@ bool check(std::string_view bytes) {
   auto m = optstate::native::parse_manifest(std::as_bytes(std::span(bytes)), "/fuzz");
   if (!m.ok()) return false;
   const std::string again = optstate::native::serialize_manifest(*m);
+  // Written a param at a time, byte for byte the whole document's text.
+  if (again != optstate::native::serialize_manifest_as_one_document(*m)) __builtin_trap();
   auto m2 = optstate::native::parse_manifest(std::as_bytes(std::span(again)), "/fuzz");
   if (!m2.ok() || m2->chunks.size() != m->chunks.size()) __builtin_trap();
   return true;

@@ -71,7 +71,12 @@ Result<Manifest> parse_manifest(std::span<const std::byte> bytes, const std::fil
 // names the checkpoint and its size. A writer checks before committing: a checkpoint its own
 // reader refuses is no checkpoint.
 Status check_manifest_size(uint64_t bytes, size_t params, const std::string& where);
+// The manifest's text: nlohmann's dump(1) of it, sorted keys, its manifest_xxh3 the XXH3 of the
+// compact dump() of the rest (DESIGN: the checksum a reader recomputes from the document it parsed).
 std::string serialize_manifest(const Manifest& m);
+// The same text made as one document and printed twice, the reference serialize_manifest equals byte
+// for byte (tests and the fuzz driver hold it to that).
+std::string serialize_manifest_as_one_document(const Manifest& m);
 // For tests and the fuzz driver: the text with its manifest_xxh3 replaced by the value that matches
 // its content, or nullopt when it is not a JSON object (or nests deeper than kMaxJsonDepth).
 std::optional<std::string> resign_manifest_for_tests(const std::string& text);

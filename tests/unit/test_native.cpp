@@ -442,6 +442,46 @@ TEST_CASE("shard ranges split rows like torch.chunk and 8-bit entries by whole b
   CHECK(shard_range(q, Component::kCodes, {97, 100}, 2, 0).end == 4864);
 }
 
+TEST_CASE("the manifest is written a param at a time, byte for byte the text of the whole document") {
+  // Dense and 8-bit states, one to three data files, names that JSON escapes (quote, backslash,
+  // non-ASCII), a param without state, no params at all: the text equals nlohmann's dump(1) of one
+  // document (whose compact dump is what the checksum covers, as a reader recomputes it), and a
+  // checkpoint's own manifest.json is what serialize_manifest gives of it.
+  testing::TempDir dir;
+  OptimizerState dense = testing::sample_state();
+  OptimizerState odd = dense;
+  auto rename = [&](const std::string from, const std::string& to) {  // a copy: the node's key changes
+    auto node = odd.params.extract(from);
+    node.key() = to;
+    odd.params.insert(std::move(node));
+    for (ParamGroup& g : odd.groups) std::replace(g.params.begin(), g.params.end(), from, to);
+  };
+  REQUIRE(odd.params.size() >= 2);
+  rename(odd.params.begin()->first, "blocks.\"q\\k\".w\u00e9ight");
+  ParamState bare = odd.params.begin()->second;
+  bare.entries.clear();
+  bare.step = 0;
+  odd.params.emplace("z.no_state_yet", bare);
+  odd.groups[static_cast<size_t>(bare.group)].params.push_back("z.no_state_yet");
+  OptimizerState none;
+  none.kind = dense.kind;
+  none.groups = {ParamGroup{}};
+  const OptimizerState eight = *quantize_state(dense, {4, 1});
+  int written = 0;
+  for (const OptimizerState* s : std::initializer_list<const OptimizerState*>{&dense, &eight, &odd, &none})
+    for (int world : {1, 3}) {
+      const fs::path path = dir.path / fmt::format("c{}", written++);
+      CAPTURE(path);
+      const Status st = native_driver().write(*s, path, {.world_size = world});
+      REQUIRE_MESSAGE(st.ok(), st.message());
+      const std::string text = read_file(path / "manifest.json");
+      auto m = native::parse_manifest(std::as_bytes(std::span(text)), path);
+      REQUIRE(m.ok());
+      CHECK(native::serialize_manifest(*m) == text);
+      CHECK(native::serialize_manifest_as_one_document(*m) == text);
+    }
+}
+
 TEST_CASE("the hash does not depend on the world size the checkpoint was written with") {
   testing::TempDir dir;
   OptimizerState dense = testing::sample_state();

@@ -356,7 +356,7 @@ Result<OutputFile> OutputFile::create(const fs::path& path) {
 }
 
 OutputFile::OutputFile(OutputFile&& o) noexcept
-    : fd_(o.fd_), offset_(o.offset_), kicked_(o.kicked_), path_(std::move(o.path_)) {
+    : fd_(o.fd_), offset_(o.offset_), kicked_(o.kicked_), gathered_(std::move(o.gathered_)), path_(std::move(o.path_)) {
   o.fd_ = -1;
 }
 OutputFile& OutputFile::operator=(OutputFile&& o) noexcept {
@@ -365,6 +365,7 @@ OutputFile& OutputFile::operator=(OutputFile&& o) noexcept {
     fd_ = o.fd_;
     offset_ = o.offset_;
     kicked_ = o.kicked_;
+    gathered_ = std::move(o.gathered_);
     path_ = std::move(o.path_);
     o.fd_ = -1;
   }
@@ -374,24 +375,49 @@ OutputFile::~OutputFile() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-Status OutputFile::write(std::span<const std::byte> bytes) {
+namespace {
+
+Status write_all(int fd, std::span<const std::byte> bytes, const fs::path& path) {
   size_t done = 0;
   while (done < bytes.size()) {
-    OPTSTATE_RETURN_IF_ERROR(check_interrupt(path_));
-    ssize_t n = ::write(fd_, bytes.data() + done, std::min(bytes.size() - done, kWritePiece));
+    OPTSTATE_RETURN_IF_ERROR(check_interrupt(path));
+    ssize_t n = ::write(fd, bytes.data() + done, std::min(bytes.size() - done, kWritePiece));
     if (n < 0) {
       if (errno == EINTR) continue;
-      return io_error(fmt::format("{}: write failed: {}", path_.string(), errno_text()));
+      return io_error(fmt::format("{}: write failed: {}", path.string(), errno_text()));
     }
     done += static_cast<size_t>(n);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status OutputFile::flush() {
+  if (gathered_.empty()) return Status::Ok();
+  Status st = write_all(fd_, gathered_, path_);
+  gathered_.clear();
+  return st;
+}
+
+Status OutputFile::write(std::span<const std::byte> bytes) {
+  if (fd_ < 0) return internal_error(fmt::format("{}: already closed", path_.string()));
+  if (bytes.size() < kBufferBytes) {
+    if (gathered_.size() + bytes.size() > kBufferBytes) OPTSTATE_RETURN_IF_ERROR(flush());
+    if (gathered_.capacity() < kBufferBytes) gathered_.reserve(kBufferBytes);
+    gathered_.insert(gathered_.end(), bytes.begin(), bytes.end());
+  } else {
+    OPTSTATE_RETURN_IF_ERROR(flush());
+    OPTSTATE_RETURN_IF_ERROR(write_all(fd_, bytes, path_));
   }
   offset_ += bytes.size();
   // Start writeback of what is complete now rather than leaving it all to the final fsync, so the
   // disk works while later chunks are produced (a hint: errors surface at fsync).
-  if (offset_ - kicked_ >= kWritebackKickBytes) {
-    (void)::sync_file_range(fd_, static_cast<off_t>(kicked_), static_cast<off_t>(offset_ - kicked_),
+  const uint64_t handed = offset_ - gathered_.size();
+  if (handed - kicked_ >= kWritebackKickBytes) {
+    (void)::sync_file_range(fd_, static_cast<off_t>(kicked_), static_cast<off_t>(handed - kicked_),
                             SYNC_FILE_RANGE_WRITE);
-    kicked_ = offset_;
+    kicked_ = handed;
   }
   return Status::Ok();
 }
@@ -400,6 +426,12 @@ Status OutputFile::patch(uint64_t at, std::span<const std::byte> bytes) {
   if (at > offset_ || bytes.size() > offset_ - at)
     return internal_error(fmt::format("{}: patch of {} bytes at {} beyond the {} written", path_.string(), bytes.size(),
                                       at, offset_));
+  const uint64_t gathered_from = offset_ - gathered_.size();
+  if (at >= gathered_from) {  // still here: changed in place
+    std::memcpy(gathered_.data() + (at - gathered_from), bytes.data(), bytes.size());
+    return Status::Ok();
+  }
+  if (at + bytes.size() > gathered_from) OPTSTATE_RETURN_IF_ERROR(flush());
   size_t done = 0;
   while (done < bytes.size()) {
     ssize_t n = ::pwrite(fd_, bytes.data() + done, bytes.size() - done, static_cast<off_t>(at + done));
@@ -424,6 +456,7 @@ Status OutputFile::write_zeros(uint64_t count) {
 
 Status OutputFile::sync_and_close() {
   if (fd_ < 0) return internal_error(fmt::format("{}: already closed", path_.string()));
+  OPTSTATE_RETURN_IF_ERROR(flush());
   if (::fsync(fd_) != 0) return io_error(fmt::format("{}: fsync failed: {}", path_.string(), errno_text()));
   int fd = fd_;
   fd_ = -1;

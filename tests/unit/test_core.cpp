@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -158,6 +159,43 @@ TEST_CASE("InputFile reports truncation with the file name") {
   CHECK(st.message().find((dir.path / "f").string()) != std::string::npos);
   CHECK(InputFile::open(dir.path / "missing").status().code() == ErrorCode::kNotFound);
   CHECK(!read_small_file(dir.path / "f", 3).ok());  // over the cap: refused before allocating
+}
+
+TEST_CASE("OutputFile gathers small writes: the file holds every byte in order, patches land wherever the bytes are") {
+  // Writes of every size around the gathering buffer (1 byte to 200 KiB), patches of bytes still
+  // gathered, already handed to the kernel, and straddling both, zeros; the file equals the same
+  // bytes built in memory, and offset() counts what was written, gathered or not.
+  testing::TempDir dir;
+  std::vector<std::byte> want;
+  auto f = OutputFile::create(dir.path / "out");
+  REQUIRE(f.ok());
+  uint64_t seed = 7;
+  auto next = [&] { return seed = seed * 6364136223846793005ULL + 1442695040888963407ULL; };
+  const std::vector<size_t> sizes = {1, 30, 4096, 65535, 65536, 65537, 3, 200 << 10, 17, 100, 70000, 1, 0, 9};
+  for (size_t round = 0; round < 3; ++round)
+    for (size_t n : sizes) {
+      std::vector<std::byte> bytes(n);
+      for (auto& b : bytes) b = static_cast<std::byte>(next() >> 56);
+      REQUIRE(f->write(bytes).ok());
+      want.insert(want.end(), bytes.begin(), bytes.end());
+      CHECK(f->offset() == want.size());
+      // A patch of 8 bytes at a random place already written: gathered, handed over, or across.
+      if (want.size() >= 8) {
+        const uint64_t at = next() % (want.size() - 7);
+        std::array<std::byte, 8> p{};
+        for (auto& b : p) b = static_cast<std::byte>(next() >> 56);
+        REQUIRE(f->patch(at, p).ok());
+        std::copy(p.begin(), p.end(), want.begin() + static_cast<std::ptrdiff_t>(at));
+      }
+    }
+  REQUIRE(f->write_zeros(5000).ok());
+  want.resize(want.size() + 5000);
+  CHECK(!f->patch(want.size() - 2, std::array<std::byte, 4>{}).ok());  // beyond what was written
+  REQUIRE(f->sync_and_close().ok());
+  auto got = read_small_file(dir.path / "out", want.size());
+  REQUIRE(got.ok());
+  CHECK(*got == want);
+  CHECK(!f->write(std::array<std::byte, 1>{}).ok());  // closed
 }
 
 TEST_CASE("InputFile refuses a FIFO or a device where a file should be, without waiting on it") {

@@ -114,27 +114,22 @@ int run_inspect(int argc, char** argv) {
     auto numel = checked_numel(ps.shape);
     if (!numel.ok()) return fail("inspect", numel.status());
     total_numel += *numel;
+    int64_t param_state_bytes = 0;  // optimizer state of this param (weights excluded)
+    for (const auto& [name, e] : ps.entries) {
+      int64_t bytes = 0;
+      for (Component c : e.components()) bytes += component_bytes(e, c, *numel);
+      (name == kParam ? total_param_bytes : param_state_bytes) += bytes;
+    }
+    total_state_bytes += param_state_bytes;  // the totals are the checkpoint's, shown or not
+    if (!shown(fqn)) continue;
     nlohmann::json pj;
     if (as_json)
       pj = {{"shape", ps.shape}, {"dtype", dtype_name(ps.param_dtype)}, {"step", ps.step}, {"group", ps.group},
             {"numel", *numel}};
     nlohmann::json entries = nlohmann::json::object();
     bool first = true;
-    int64_t param_state_bytes = 0;  // optimizer state of this param (weights excluded)
-    for (const auto& [name, e] : ps.entries)
-      if (name != kParam)
-        for (Component c : e.components()) param_state_bytes += component_bytes(e, c, *numel);
     const double bpp = *numel ? static_cast<double>(param_state_bytes) / static_cast<double>(*numel) : 0.0;
     if (as_json) pj["state_bytes_per_param"] = bpp;
-    for (const auto& [name, e] : ps.entries) {
-      int64_t bytes = 0;
-      for (Component c : e.components()) bytes += component_bytes(e, c, *numel);
-      if (name == kParam)
-        total_param_bytes += bytes;
-      else
-        total_state_bytes += bytes;
-    }
-    if (!shown(fqn)) continue;
     for (const auto& [name, e] : ps.entries) {
       int64_t bytes = 0;
       for (Component c : e.components()) bytes += component_bytes(e, c, *numel);

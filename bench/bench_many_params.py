@@ -34,7 +34,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent / "python"))
 sys.path.insert(0, str(BENCH))
 import optstate  # noqa: E402
-from bench_ckpt import write_json  # noqa: E402
+from bench_ckpt import dir_bytes, write_json  # noqa: E402
 
 warnings.filterwarnings("ignore")
 CLI = BENCH.parent / "build" / "optstate"
@@ -104,7 +104,13 @@ def measure(params, reps, work):
     for _ in range(reps):
         for what, who, fn in cases:
             times[(what, who)].append(fn())
-    return {k: statistics.median(v) for k, v in times.items()}
+
+    def size(path):
+        return dir_bytes(path) if path.is_dir() else path.stat().st_size
+
+    sizes = {"optstate.save (native)": size(native), "dcp.save": size(tdcp), "torch.save": size(tsave)}
+    sizes.update({f"optstate convert -> {fmt}": size(work / f"out_{name}") for fmt, name in FORMATS})
+    return {k: statistics.median(v) for k, v in times.items()}, sizes
 
 
 def main():
@@ -117,11 +123,11 @@ def main():
     if not CLI.exists():
         sys.exit(f"{CLI} is missing: build first (scripts/setup.sh)")
     sizes = (max(2, args.params // 10 // 2 * 2), args.params // 2 * 2)
-    results = {}
+    results, on_disk = {}, {}
     for n in sizes:
         work = Path(tempfile.mkdtemp(prefix="optstate-many-", dir=args.dir))
         try:
-            results[n] = measure(n, args.reps, work)
+            results[n], on_disk[n] = measure(n, args.reps, work)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     small, large = sizes
@@ -136,9 +142,14 @@ def main():
             vs = f"{results[large][(what, ref)] / t:5.1f}x faster"
         print(f"{what:24} {who:26} {results[small][(what, who)]:8.3f}s {t:8.3f}s {t / results[small][(what, who)]:6.1f}x"
               f"  {vs}")
+    print(f"\nbytes on disk ({large:,} params; the state itself is {large // 2 * 20 * 3 * 4:,} bytes of fp32: "
+          f"weights and two moments)")
+    for who, b in on_disk[large].items():
+        print(f"{who:34} {b:>14,} B  {b / (large):8.0f} B/param")
     write_json(args.json, {"params": list(sizes), "torch": torch.__version__, "reps": args.reps,
                            "seconds": {str(n): {f"{w} | {who}": t for (w, who), t in r.items()} for n, r in
-                                       results.items()}})
+                                       results.items()},
+                           "bytes": {str(n): b for n, b in on_disk.items()}})
 
 
 if __name__ == "__main__":

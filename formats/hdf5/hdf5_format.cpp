@@ -371,7 +371,10 @@ Status write_file(StateSource& source, const fs::path& file_path, int compressio
                                         "reader takes; write this state as dcp",
                                         state.params.size(), meta_text.size(), kMaxMetaBytes >> 20));
   Id fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
-  H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V18, H5F_LIBVER_LATEST);  // readable by h5py's HDF5 1.10+
+  // The 1.10 file format (read by HDF5 1.10 and later: Debian 12's, every h5py wheel since 2.10):
+  // a single-chunk dataset keeps its chunk's address in its header where the 1.8 format allocates
+  // a whole v1 B-tree node (~2.5 KiB), which made a file of small params 4.5x its size.
+  H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V110, H5F_LIBVER_LATEST);
   Id file(H5Fcreate(file_path.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, fapl.get()), H5Fclose);
   if (!file.ok()) return hdf5_failure(file_path.string(), "cannot create HDF5 file");
   OPTSTATE_RETURN_IF_ERROR(set_string_attr(file.get(), "format", kFormatTag));

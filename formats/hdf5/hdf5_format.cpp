@@ -330,6 +330,7 @@ Status write_component(hid_t parent, const char* name, const ParamState& ps, con
   const int rank = static_cast<int>(dims.size());
   Id space(rank ? H5Screate_simple(rank, dims.data(), nullptr) : H5Screate(H5S_SCALAR), H5Sclose);
   Id dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+  H5Pset_obj_track_times(dcpl.get(), false);  // no clock in the file: the same state, the same bytes
   bool empty = false;
   for (hsize_t x : dims) empty = empty || x == 0;
   if (rank > 0 && !empty) {
@@ -375,13 +376,16 @@ Status write_file(StateSource& source, const fs::path& file_path, int compressio
   // a single-chunk dataset keeps its chunk's address in its header where the 1.8 format allocates
   // a whole v1 B-tree node (~2.5 KiB), which made a file of small params 4.5x its size.
   H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V110, H5F_LIBVER_LATEST);
-  Id file(H5Fcreate(file_path.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, fapl.get()), H5Fclose);
+  Id fcpl(H5Pcreate(H5P_FILE_CREATE), H5Pclose);
+  H5Pset_obj_track_times(fcpl.get(), false);  // the root group's header
+  Id file(H5Fcreate(file_path.c_str(), H5F_ACC_EXCL, fcpl.get(), fapl.get()), H5Fclose);
   if (!file.ok()) return hdf5_failure(file_path.string(), "cannot create HDF5 file");
   OPTSTATE_RETURN_IF_ERROR(set_string_attr(file.get(), "format", kFormatTag));
   OPTSTATE_RETURN_IF_ERROR(set_i64_attr(file.get(), "layout_version", kLayoutVersion));
   OPTSTATE_RETURN_IF_ERROR(set_string_attr(file.get(), "optimizer", state.kind));
   OPTSTATE_RETURN_IF_ERROR(set_string_attr(file.get(), "optstate", meta_text));
   Id gcpl(H5Pcreate(H5P_GROUP_CREATE), H5Pclose);
+  H5Pset_obj_track_times(gcpl.get(), false);
   for (const auto& [fqn, ps] : state.params) {
     const std::string where = fmt::format("{}: param '{}'", file_path.string(), fqn);
     if (fqn.empty() || fqn.find('/') != std::string::npos || fqn == "." )

@@ -1589,6 +1589,10 @@ def test_h5py_and_safetensors_read_ours_and_see_what_it_holds(tmp_path, optstate
         assert codes.shape == (97, 64) and codes.dtype.name == "uint8" and codes.fletcher32 and codes.compression == "gzip"
         assert g["exp_avg"]["absmax"].shape == (97,)
         assert f["0.bias"]["exp_avg"].dtype.name == "float32"
+        # No clock in the file (the same state writes the same bytes): HDF5 records an object's
+        # times unless told not to, and h5py reads them as 0 when absent.
+        for obj in (f, g, g["exp_avg"], codes, f["0.bias"]["exp_avg"]):
+            assert h5py.h5g.get_objinfo(obj.id).mtime == 0, obj.name
     optstate_cli("convert", ao, tmp_path / "s.safetensors")
     from safetensors import safe_open
     with safe_open(str(tmp_path / "s.safetensors"), "pt") as f:

@@ -90,3 +90,28 @@ TEST_CASE("hdf5: small params cost about a kilobyte each, not a B-tree per datas
               .ok());
   CHECK(got[3] == 999.0f * 999.0f);
 }
+
+// Files optstate wrote before it moved to the 1.10 file format (bounds v18..latest, object times
+// recorded) still read: testdata/adamw8bit_v18.h5 is safetensors/testdata/adamw8bit.safetensors
+// converted by that writer, and holds the same state, checksums and all.
+TEST_CASE("hdf5: a file in the 1.8 file format, as optstate wrote it before, reads as the same state") {
+  const FormatDriver* d = find_format("hdf5");
+  const FormatDriver* st = find_format("safetensors");
+  if (!d) return;
+  REQUIRE(st);
+  const fs::path root(OPTSTATE_SOURCE_DIR);
+  auto old_file = d->open(root / "formats/hdf5/testdata/adamw8bit_v18.h5");
+  REQUIRE(old_file.ok());
+  CHECK((*old_file)->checksummed());
+  auto source = st->open(root / "formats/safetensors/testdata/adamw8bit.safetensors");
+  REQUIRE(source.ok());
+  for (bool values : {false, true}) {
+    HashOptions o;
+    o.values = values;
+    auto a = hash_checkpoint(**old_file, o);
+    auto b = hash_checkpoint(**source, o);
+    REQUIRE(a.ok());
+    REQUIRE(b.ok());
+    CHECK(a->root == b->root);
+  }
+}

@@ -468,16 +468,6 @@ ValueArena::~ValueArena() {
   for (Value* block : blocks_) ::operator delete(block);
 }
 
-Value* ValueArena::slot(size_t i) {
-  if (i < kGrowing) {
-    const size_t j = i + (size_t{1} << kFirstBits);
-    const size_t b = static_cast<size_t>(std::bit_width(j)) - 1 - kFirstBits;
-    return blocks_[b] + (j - (size_t{1} << (b + kFirstBits)));
-  }
-  const size_t k = i - kGrowing;
-  return blocks_[kLastBits - kFirstBits + 1 + (k >> kLastBits)] + (k & ((size_t{1} << kLastBits) - 1));
-}
-
 Value& ValueArena::emplace_back() {
   if (size_ == capacity_) {  // a new block, of the size slot() maps the next values to
     const size_t n = block_size(blocks_.size());

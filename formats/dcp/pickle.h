@@ -7,6 +7,7 @@
 // length are capped and checked before anything is allocated.
 #pragma once
 
+#include <bit>
 #include <cstdint>
 #include <memory>
 #include <string_view>
@@ -132,7 +133,16 @@ class ValueArena {
   static size_t block_size(size_t b) {
     return b <= kLastBits - kFirstBits ? size_t{1} << (b + kFirstBits) : size_t{1} << kLastBits;
   }
-  Value* slot(size_t i);
+  // Inline: every value read goes through it (a DCP .metadata of a large run reads millions).
+  Value* slot(size_t i) {
+    if (i < kGrowing) {
+      const size_t j = i + (size_t{1} << kFirstBits);
+      const size_t b = static_cast<size_t>(std::bit_width(j)) - 1 - kFirstBits;
+      return blocks_[b] + (j - (size_t{1} << (b + kFirstBits)));
+    }
+    const size_t k = i - kGrowing;
+    return blocks_[kLastBits - kFirstBits + 1 + (k >> kLastBits)] + (k & ((size_t{1} << kLastBits) - 1));
+  }
   std::vector<Value*> blocks_;
   size_t size_ = 0, capacity_ = 0;
 };

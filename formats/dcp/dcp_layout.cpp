@@ -73,7 +73,7 @@ const std::array<float, 256>& float8_e4m3fn_values() {
 
 std::optional<DType> torch_dtype(const Pickle& p, Ref r) {
   if (r == kNoRef || p.at(r).kind != Kind::kGlobal || p.at(r).s != "torch") return std::nullopt;
-  return dtype_from_torch_name(p.at(r).name);
+  return dtype_from_torch_name(p.at(r).name());
 }
 
 
@@ -124,18 +124,18 @@ Result<TensorRef> tensor_args(const Pickle& p, bool v3, Ref args_ref, const std:
   if (v3) {
     auto d = torch_dtype(p, args[6]);
     if (fp8) {
-      if (p.at(args[6]).kind != Kind::kGlobal || p.at(args[6]).s != "torch" || p.at(args[6]).name != "float8_e4m3fn")
+      if (p.at(args[6]).kind != Kind::kGlobal || p.at(args[6]).s != "torch" || p.at(args[6]).name() != "float8_e4m3fn")
         return corrupt(fmt::format("{}: not a float8_e4m3fn tensor", where));
       d = DType::kU8;  // its bit patterns
     }
     if (!d) return corrupt(fmt::format("{}: unsupported tensor dtype", where));
     t.dtype = *d;
-    if (cls.name != "UntypedStorage") return corrupt(fmt::format("{}: _rebuild_tensor_v3 without UntypedStorage", where));
+    if (cls.name() != "UntypedStorage") return corrupt(fmt::format("{}: _rebuild_tensor_v3 without UntypedStorage", where));
     if (numel % dtype_size(t.dtype)) return corrupt(fmt::format("{}: storage bytes not a multiple of the dtype", where));
     numel /= dtype_size(t.dtype);
   } else {
-    auto d = cls.s == "torch" ? dtype_from_torch_storage(cls.name) : std::nullopt;
-    if (!d) return corrupt(fmt::format("{}: unsupported storage class {}.{}", where, cls.s, cls.name));
+    auto d = cls.s == "torch" ? dtype_from_torch_storage(cls.name()) : std::nullopt;
+    if (!d) return corrupt(fmt::format("{}: unsupported storage class {}.{}", where, cls.s, cls.name()));
     t.dtype = *d;
   }
   if (numel < 0 || numel > kMaxNumel) return corrupt(fmt::format("{}: storage of {} elements", where, numel));
@@ -583,7 +583,7 @@ bool is_torchao_package(std::string_view package) {
 // within torchao.float8).
 static bool is_float8_weight_wrapper(const Pickle& p, Ref cls) {
   if (cls == kNoRef || p.at(cls).kind != Kind::kGlobal || p.at(cls).s.rfind("torchao.float8", 0) != 0) return false;
-  const std::string& name = p.at(cls).name;
+  const std::string& name = p.at(cls).name();
   return name == "WeightWithDynamicFloat8CastTensor" || name == "WeightWithDelayedFloat8CastTensor" ||
          name == "WeightWithStaticFloat8CastTensor";
 }

@@ -181,7 +181,7 @@ Result<std::vector<FlatBuffer>> interpret_param_state(const Pickle& p, Ref root,
     if (!dtypes || dtypes->size() != 2 || p.at((*dtypes)[0]).kind != Kind::kGlobal ||
         static_cast<std::string_view>(p.at((*dtypes)[0]).s) != "torch")
       return corrupt(bw + ": its key is not (param dtype, grad dtype)");
-    const std::string_view dname = p.at((*dtypes)[0]).name;
+    const std::string_view dname = p.at((*dtypes)[0]).name();
     if (dname != "bfloat16" && dname != "float16" && dname != "float32")
       return unsupported(fmt::format("{}: params of torch.{}; optstate reads bf16, fp16 and fp32 params", bw, dname));
     fb.param_dtype = dname == "bfloat16" ? DType::kBF16 : dname == "float16" ? DType::kF16 : DType::kF32;

@@ -290,8 +290,14 @@ class Machine {
   }
   Status push_global(std::string_view module, std::string_view name) {
     OPTSTATE_ASSIGN_OR_RETURN(Ref r, make(Kind::kGlobal));
-    values_[r].s = texts_.keep(module);
-    values_[r].name = texts_.keep(name);
+    // One text "<module>\0<name>" (never empty): name() finds the name after the module.
+    std::string both;
+    both.reserve(module.size() + 1 + name.size());
+    both.append(module).push_back('\0');
+    both.append(name);
+    const Text kept = texts_.keep(both);
+    values_[r].s = Text(std::string_view(kept.data(), module.size()));
+    values_[r].i = static_cast<int64_t>(name.size());
     return push(r);
   }
   uint16_t depth_of(std::span<const Ref> items) const {
@@ -501,7 +507,7 @@ Text TextArena::keep(std::string_view s) {
 bool Pickle::is_global(Ref r, std::string_view module, std::string_view name) const {
   if (r == kNoRef || r >= size()) return false;
   const Value& v = at(r);
-  return v.kind == Kind::kGlobal && v.s == module && v.name == name;
+  return v.kind == Kind::kGlobal && v.s == module && v.name() == name;
 }
 
 Ref Pickle::dict_get(Ref r, std::string_view key) const {
@@ -686,10 +692,10 @@ struct Emitter {
         OPTSTATE_RETURN_IF_ERROR(pairs(v.items));
         break;
       case Kind::kGlobal:
-        if (v.s.find('\n') != std::string::npos || v.name.find('\n') != std::string::npos || v.s.empty() ||
-            v.name.empty())
+        if (v.s.find('\n') != std::string::npos || v.name().find('\n') != std::string::npos || v.s.empty() ||
+            v.name().empty())
           return corrupt(where + ": a global with an unusable name");
-        w.global(v.s, v.name);
+        w.global(v.s, v.name());
         break;
       case Kind::kObject: {
         if (v.callable == kNoRef || v.args == kNoRef) return corrupt(where + ": an object without its constructor");

@@ -105,12 +105,19 @@ struct Value {
   Ref args = kNoRef;         // kObject: the argument tuple
   Ref state = kNoRef;        // kObject: BUILD's argument
   Ref pid = kNoRef;          // kPersId: the persistent id
-  int64_t i = 0;             // kBool, kInt
+  int64_t i = 0;             // kBool, kInt; kGlobal: the length of name()
   double f = 0;              // kFloat
   Text s;                    // kStr, kBytes; kGlobal: module
-  Text name;                 // kGlobal: qualified name
   Refs items;                // kTuple/kList/kSet: elements; kDict and dict-like objects: k0, v0, k1, v1, ...
+
+  // kGlobal: the qualified name, kept in the pickle's texts right after the module's (one byte
+  // apart): a second Text in every value would be a sixth of a large DCP .metadata's memory.
+  Text name() const {
+    return kind == Kind::kGlobal && s.data() ? Text(std::string_view(s.data() + s.size() + 1, static_cast<size_t>(i)))
+                                             : Text();
+  }
 };
+static_assert(sizeof(Value) <= 80, "a DCP .metadata of a large run holds tens of millions of values");
 
 // The values of a pickle, by index: blocks that double in size (32 values, 64, ... up to 2^20,
 // then 2^20 each), never moved as it grows, values made in place only as they are added. A

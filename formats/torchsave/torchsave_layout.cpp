@@ -128,7 +128,7 @@ Status same_shape(std::optional<std::vector<int64_t>>& shape, const std::vector<
 bool is_dtensor_class(const Pickle& p, Ref cls) {
   if (cls == kNoRef || p.at(cls).kind != Kind::kGlobal) return false;
   const auto& v = p.at(cls);
-  return v.name == "DTensor" && v.s.starts_with("torch.distributed.");  // .tensor, ._tensor.api, .tensor._api
+  return v.name() == "DTensor" && v.s.starts_with("torch.distributed.");  // .tensor, ._tensor.api, .tensor._api
 }
 
 // A placement object: Shard(dim) or Replicate(); anything else is refused by name.
@@ -137,7 +137,7 @@ Result<Placement> placement(const Pickle& p, Ref r, size_t ndim, const std::stri
   if (v.kind != Kind::kObject || v.callable == kNoRef || p.at(v.callable).kind != Kind::kGlobal ||
       !p.at(v.callable).s.ends_with("placement_types"))
     return corrupt(where + ": a placement that is not one of torch.distributed.tensor's");
-  const std::string& cls = p.at(v.callable).name;
+  const std::string& cls = p.at(v.callable).name();
   Placement out;
   if (cls == "Replicate") return out;
   if (cls != "Shard")
@@ -342,7 +342,7 @@ bool is_script_module(const Pickle& p, Ref r) {
   const auto& v = p.at(r);
   if (v.kind != Kind::kObject || !v.newobj || v.callable == kNoRef) return false;
   const auto& c = p.at(v.callable);
-  return c.kind == Kind::kGlobal && (c.s == "__torch__" || c.s.starts_with("__torch__.")) && c.name == "Module";
+  return c.kind == Kind::kGlobal && (c.s == "__torch__" || c.s.starts_with("__torch__.")) && c.name() == "Module";
 }
 
 // A module's attributes, in order (k0, v0, k1, v1, ...); nullptr when `r` is no module.

@@ -27,7 +27,7 @@ bool same(const Pickle& a, Ref x, const Pickle& b, Ref y) {
   if (x == kNoRef) return true;
   const Value& u = a.at(x);
   const Value& v = b.at(y);
-  if (u.kind != v.kind || u.i != v.i || u.s != v.s || u.name != v.name || u.newobj != v.newobj ||
+  if (u.kind != v.kind || u.i != v.i || u.s != v.s || u.name() != v.name() || u.newobj != v.newobj ||
       std::memcmp(&u.f, &v.f, sizeof u.f) != 0 || u.items.size() != v.items.size())
     return false;
   for (size_t k = 0; k < u.items.size(); ++k)

@@ -316,3 +316,42 @@ TEST_CASE("pickle: a pickle whose values would take more memory than allowed is 
   const std::string ok = w.finish();
   CHECK(unpickle(std::as_bytes(std::span(ok)), "y", small).ok());
 }
+
+TEST_CASE("pickle: a Global's module and name (one text, the name after the module) for every length, empty too") {
+  // STACK_GLOBAL of two strings, each of a length that walks the texts' blocks (256 bytes first,
+  // then doubling), with empty modules and names and NUL bytes, then GLOBAL's text form.
+  std::string b("\x80\x04(", 3);
+  std::vector<std::pair<std::string, std::string>> want;
+  auto short_str = [&](const std::string& s) {
+    b += '\x8c';
+    b += static_cast<char>(s.size());
+    b += s;
+  };
+  for (int k = 0; k < 200; ++k) {
+    std::string module = k % 7 == 0 ? "" : "mod" + std::string(static_cast<size_t>(k % 50), 'm');
+    std::string name = k % 11 == 0 ? "" : "N" + std::to_string(k) + std::string(static_cast<size_t>(k % 90), 'n');
+    if (k % 13 == 5) name += std::string("\0z", 2);
+    short_str(module);
+    short_str(name);
+    b += '\x93';
+    want.emplace_back(module, name);
+  }
+  b += "ctorch\nfloat32\n";
+  want.emplace_back("torch", "float32");
+  b += "t.";
+  auto p = unpickle(std::as_bytes(std::span(b)), "test");
+  REQUIRE(p.ok());
+  const Value& t = p->at(p->root());
+  REQUIRE(t.items.size() == want.size());
+  for (size_t k = 0; k < want.size(); ++k) {
+    const Value& g = p->at(t.items[k]);
+    REQUIRE(g.kind == Kind::kGlobal);
+    CHECK(std::string(g.s) == want[k].first);
+    CHECK(std::string(g.name()) == want[k].second);
+    CHECK(p->is_global(t.items[k], want[k].first, want[k].second));
+  }
+  CHECK(p->at(t.items[0]).name() != p->at(t.items[1]).name());
+  // Values of other kinds have no name.
+  CHECK(p->at(p->root()).name().empty());
+  CHECK(p->at(kNoRef).name().empty());
+}

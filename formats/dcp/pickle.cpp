@@ -290,12 +290,8 @@ class Machine {
   }
   Status push_global(std::string_view module, std::string_view name) {
     OPTSTATE_ASSIGN_OR_RETURN(Ref r, make(Kind::kGlobal));
-    // One text "<module>\0<name>" (never empty): name() finds the name after the module.
-    std::string both;
-    both.reserve(module.size() + 1 + name.size());
-    both.append(module).push_back('\0');
-    both.append(name);
-    const Text kept = texts_.keep(both);
+    // One text "<module>\0<name>": name() finds the name after the module.
+    const Text kept = texts_.keep_joined(module, name);
     values_[r].s = Text(std::string_view(kept.data(), module.size()));
     values_[r].i = static_cast<int64_t>(name.size());
     return push(r);
@@ -487,21 +483,35 @@ Value& ValueArena::emplace_back() {
   return *v;
 }
 
-Text TextArena::keep(std::string_view s) {
-  if (s.empty()) return Text();
-  if (s.size() > room_) {
-    // A new block: twice the last (to 1 MiB), or the string's own size where larger.
-    const size_t n = std::max(next_, s.size());
+char* TextArena::place(size_t n) {
+  if (n > room_) {
+    // A new block: twice the last (to 1 MiB), or the text's own size where larger.
+    const size_t block = std::max(next_, n);
     next_ = std::min<size_t>(next_ * 2, size_t{1} << 20);
-    blocks_.push_back(std::unique_ptr<char[]>(new char[n]));
+    blocks_.push_back(std::unique_ptr<char[]>(new char[block]));
     used_ = 0;
-    room_ = n;
+    room_ = block;
   }
   char* at = blocks_.back().get() + used_;
+  used_ += n;
+  room_ -= n;
+  return at;
+}
+
+Text TextArena::keep(std::string_view s) {
+  if (s.empty()) return Text();
+  char* at = place(s.size());
   std::memcpy(at, s.data(), s.size());
-  used_ += s.size();
-  room_ -= s.size();
   return Text(std::string_view(at, s.size()));
+}
+
+Text TextArena::keep_joined(std::string_view a, std::string_view b) {
+  const size_t n = a.size() + 1 + b.size();
+  char* at = place(n);  // (a and b may lie in earlier blocks, which stay where they are)
+  if (!a.empty()) std::memcpy(at, a.data(), a.size());
+  at[a.size()] = '\0';
+  if (!b.empty()) std::memcpy(at + a.size() + 1, b.data(), b.size());
+  return Text(std::string_view(at, n));
 }
 
 bool Pickle::is_global(Ref r, std::string_view module, std::string_view name) const {

@@ -162,8 +162,11 @@ class TextArena {
   TextArena(const TextArena&) = delete;
   TextArena& operator=(const TextArena&) = delete;
   Text keep(std::string_view s);
+  // `a`, a NUL, then `b`, in one place (a Global's module and name): the text of all three.
+  Text keep_joined(std::string_view a, std::string_view b);
 
  private:
+  char* place(size_t n);  // n > 0 bytes, in the last block or a new one
   std::vector<std::unique_ptr<char[]>> blocks_;
   size_t used_ = 0, room_ = 0, next_ = 256;
 };

@@ -583,7 +583,7 @@ bool is_torchao_package(std::string_view package) {
 // within torchao.float8).
 static bool is_float8_weight_wrapper(const Pickle& p, Ref cls) {
   if (cls == kNoRef || p.at(cls).kind != Kind::kGlobal || p.at(cls).s.rfind("torchao.float8", 0) != 0) return false;
-  const std::string& name = p.at(cls).name();
+  const std::string_view name = p.at(cls).name();
   return name == "WeightWithDynamicFloat8CastTensor" || name == "WeightWithDelayedFloat8CastTensor" ||
          name == "WeightWithStaticFloat8CastTensor";
 }

@@ -137,7 +137,7 @@ Result<Placement> placement(const Pickle& p, Ref r, size_t ndim, const std::stri
   if (v.kind != Kind::kObject || v.callable == kNoRef || p.at(v.callable).kind != Kind::kGlobal ||
       !p.at(v.callable).s.ends_with("placement_types"))
     return corrupt(where + ": a placement that is not one of torch.distributed.tensor's");
-  const std::string& cls = p.at(v.callable).name();
+  const std::string_view cls = p.at(v.callable).name();
   Placement out;
   if (cls == "Replicate") return out;
   if (cls != "Shard")

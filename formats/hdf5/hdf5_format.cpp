@@ -165,9 +165,15 @@ Result<std::string> get_string_attr(hid_t obj, const char* name, const std::stri
   Id space(H5Aget_space(attr.get()), H5Sclose);
   if (H5Sget_simple_extent_type(space.get()) != H5S_SCALAR)
     return corrupt(fmt::format("{}: attribute '{}' is not a scalar", where, name));
+  // The memory type takes the stored character set: libhdf5 converts no string between ASCII and
+  // UTF-8, and h5py stores a Python str as a variable-length UTF-8 string.
+  const H5T_cset_t cset = H5Tget_cset(type.get());
+  if (cset != H5T_CSET_ASCII && cset != H5T_CSET_UTF8)
+    return corrupt(fmt::format("{}: attribute '{}' has an unknown character set", where, name));
   if (H5Tis_variable_str(type.get()) > 0) {
     Id mem(H5Tcopy(H5T_C_S1), H5Tclose);
     H5Tset_size(mem.get(), H5T_VARIABLE);
+    H5Tset_cset(mem.get(), cset);
     char* s = nullptr;
     if (H5Aread(attr.get(), mem.get(), &s) < 0 || !s)
       return corrupt(fmt::format("{}: cannot read attribute '{}'", where, name));
@@ -185,6 +191,7 @@ Result<std::string> get_string_attr(hid_t obj, const char* name, const std::stri
   Id mem(H5Tcopy(H5T_C_S1), H5Tclose);
   H5Tset_size(mem.get(), size);
   H5Tset_strpad(mem.get(), H5T_STR_NULLPAD);
+  H5Tset_cset(mem.get(), cset);
   if (H5Aread(attr.get(), mem.get(), out.data()) < 0)
     return corrupt(fmt::format("{}: cannot read attribute '{}'", where, name));
   out.resize(strnlen(out.data(), out.size()));

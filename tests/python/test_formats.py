@@ -1627,6 +1627,44 @@ def test_hdf5_edited_with_h5py_names_the_missing_dataset(tmp_path, optstate_cli)
         assert optstate_cli("validate", bad, check=False).returncode in (1, 2)
 
 
+def test_hdf5_metadata_rewritten_by_h5py_reads_as_written(tmp_path, optstate_cli):
+    """h5py stores a Python str attribute as a variable-length UTF-8 string (optstate writes fixed-
+    length ASCII; libhdf5 converts no string between the two character sets): a learning rate
+    edited through h5py is read, hashed and carried on; the same text rewritten as fixed-length
+    UTF-8 and the format tag as variable-length read as the file did before."""
+    h5py = pytest.importorskip("h5py")
+    ao = make_dcp(tmp_path, "ao")
+    optstate_cli("convert", ao, tmp_path / "s.h5")
+    before = json.loads(optstate_cli("hash", "--json", tmp_path / "s.h5").stdout)
+
+    edited = tmp_path / "lr.h5"
+    shutil.copy(tmp_path / "s.h5", edited)
+    with h5py.File(edited, "r+") as f:
+        meta = json.loads(f.attrs["optstate"])
+        meta["param_groups"][0]["lr"] = 0.5
+        f.attrs["optstate"] = json.dumps(meta)
+        t = f.attrs.get_id("optstate").get_type()
+        assert t.is_variable_str() and t.get_cset() == h5py.h5t.CSET_UTF8
+    assert "lr=0.5 " in optstate_cli("inspect", edited).stdout
+    optstate_cli("validate", edited)
+    after = json.loads(optstate_cli("hash", "--json", edited).stdout)
+    # an entry's hash takes its group's hyperparameters (docs/hash.md); the file has one group
+    assert after["root"] != before["root"] and after["entries"].keys() == before["entries"].keys()
+    assert all(after["entries"][k] != v for k, v in before["entries"].items())
+    optstate_cli("convert", edited, tmp_path / "lr.pt", "--format", "torchsave")
+    assert torch.load(tmp_path / "lr.pt", weights_only=True)["optimizer"]["param_groups"][0]["lr"] == 0.5
+
+    retyped = tmp_path / "retyped.h5"
+    shutil.copy(tmp_path / "s.h5", retyped)
+    with h5py.File(retyped, "r+") as f:
+        text = f.attrs["optstate"]
+        f.attrs.create("optstate", text, dtype=h5py.string_dtype("utf-8", len(text)))
+        f.attrs["format"] = "optstate-hdf5"
+        assert not f.attrs.get_id("optstate").get_type().is_variable_str()
+        assert f.attrs.get_id("format").get_type().is_variable_str()
+    assert json.loads(optstate_cli("hash", "--json", retyped).stdout) == before
+
+
 # ---- hostile inputs ----
 
 def run_err(optstate_cli, *args):

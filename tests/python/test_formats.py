@@ -176,6 +176,43 @@ def test_dcp_carried_values_of_large_pickles_read_and_convert_unchanged(tmp_path
     assert deep_equal(a, b)
 
 
+KIN_GROUP_DCP = textwrap.dedent("""
+    # torch.optim.AdamW's state saved by dcp.save with extra param-group keys (json in argv[2]), as
+    # timm's and transformers' AdamW variants keep them in their groups.
+    import json, sys, torch, torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.param_groups[0].update(json.loads(sys.argv[2]))
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=sys.argv[1])
+""")
+
+
+@pytest.mark.parametrize("extra,why", [
+    ({"caution": True}, "caution=True (timm's cautious AdamW masks the update)"),
+    ({"correct_bias": False}, "correct_bias=False (transformers' AdamW without bias correction)"),
+    ({"caution": False, "corrected_weight_decay": True, "max_lr_snapshot": 1e-3},
+     "corrected_weight_decay=True (timm's AdamW decays by lr^2 / max_lr, not lr)"),
+    ({"decoupled_weight_decay": False}, "decoupled_weight_decay=False with weight_decay 0.01: Adam's L2 decay")])
+def test_dcp_groups_of_adamw_variants_whose_update_differs_are_refused(tmp_path, optstate_cli, extra, why):
+    """The DCP reader reads a group's flags as the torch.save reader does: timm's cautious AdamW and
+    its corrected weight decay, transformers' AdamW without bias correction and Adam's L2 decay
+    are named and refused; the same keys at AdamW's values read, with the group's lr."""
+    run_script(tmp_path, KIN_GROUP_DCP, "make_kin.py", tmp_path / "kin", json.dumps(extra))
+    err = run_err(optstate_cli, "inspect", tmp_path / "kin")
+    assert "param group 0: " + why in err and str(tmp_path / "kin") in err, err
+    assert optstate_cli("validate", tmp_path / "kin", check=False).returncode in (1, 2)
+    flag = why.split("=")[0]  # the refused flag at AdamW's value, the other keys kept
+    fine = {**extra, flag: not extra[flag]}
+    run_script(tmp_path, KIN_GROUP_DCP, "make_kin.py", tmp_path / "fine", json.dumps(fine))
+    assert "lr=0.001 " in optstate_cli("inspect", tmp_path / "fine").stdout
+    optstate_cli("validate", tmp_path / "fine")
+
+
 ZSTD_DCP = textwrap.dedent("""
     # The same training saved twice: as torch writes a DCP by default, and through torch's
     # ZStandard extension (each item's bytes one zstd stream); a run's values beside the state.

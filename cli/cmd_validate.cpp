@@ -40,13 +40,15 @@ int run_validate(int argc, char** argv) {
                         {"entries_checked", report->entries_checked},
                         {"values_checked", report->values_checked},
                         {"checksums_verified", report->checksums_verified},
+                        {"unchecked", report->checksums_verified ? nlohmann::json()  // null
+                                                                 : nlohmann::json(report->unchecked)},
                         {"findings", findings}};
     print_json(j);
   } else if (report->ok()) {
     std::printf("ok: %s: %lld entries, %lld values, %s\n", path.c_str(),
                 static_cast<long long>(report->entries_checked), static_cast<long long>(report->values_checked),
                 report->checksums_verified ? "every chunk checksum verified"
-                                           : "no checksums in this format (sizes, coverage and values checked)");
+                                           : (report->unchecked + " (sizes, coverage and values checked)").c_str());
   } else {
     for (const auto& f : report->findings) std::printf("FINDING  %s\n", f.message.c_str());
     std::printf("%s: %zu finding(s)\n", path.c_str(), report->findings.size());

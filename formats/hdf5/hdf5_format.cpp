@@ -200,11 +200,21 @@ Result<std::string> get_string_attr(hid_t obj, const char* name, const std::stri
 
 class Hdf5Reader final : public CheckpointReader {
  public:
-  Hdf5Reader(fs::path path, Id file, OptimizerState meta, bool checksummed)
-      : path_(std::move(path)), file_(std::move(file)), meta_(std::move(meta)), checksummed_(checksummed) {}
+  // Datasets without fletcher32 (optstate writes it on every one; a dataset rewritten by another
+  // tool, h5py's default, has none): how many of how many, and the first.
+  struct Unchecked {
+    int64_t count = 0, of = 0;
+    std::string first;
+  };
+  Hdf5Reader(fs::path path, Id file, OptimizerState meta, Unchecked unchecked)
+      : path_(std::move(path)), file_(std::move(file)), meta_(std::move(meta)), unchecked_(std::move(unchecked)) {}
 
   std::string_view format() const override { return "hdf5"; }
-  bool checksummed() const override { return checksummed_; }
+  bool checksummed() const override { return unchecked_.count == 0; }
+  std::string unchecked() const override {
+    return fmt::format("{} of {} datasets {} no fletcher32 checksum, the first '{}'", unchecked_.count, unchecked_.of,
+                       unchecked_.count == 1 ? "has" : "have", unchecked_.first);
+  }
   const fs::path& path() const override { return path_; }
   const OptimizerState& meta() const override { return meta_; }
 
@@ -325,7 +335,7 @@ class Hdf5Reader final : public CheckpointReader {
   fs::path path_;
   Id file_;
   OptimizerState meta_;
-  bool checksummed_ = false;
+  Unchecked unchecked_;
   std::string group_fqn_;  // the param whose group group_ is (read_range, under hdf5_mutex)
   Id group_;               // closed before file_
 };
@@ -477,7 +487,7 @@ class Hdf5Driver final : public FormatDriver {
     OPTSTATE_ASSIGN_OR_RETURN(std::string text, get_string_attr(file.get(), "optstate", where));
     OPTSTATE_ASSIGN_OR_RETURN(OptimizerState meta, decode_state_meta(text, where));
     // Every component the metadata names is a dataset of the right type and shape.
-    bool checksummed = true;  // every dataset has fletcher32 (optstate writes it; an edited file may not)
+    Hdf5Reader::Unchecked unchecked;
     for (const auto& [fqn, ps] : meta.params) {
       // The param's group is looked up once, its datasets by names relative to it: each lookup
       // from the root searches a group of every param (at 50,000 params, a third of validate).
@@ -501,9 +511,11 @@ class Hdf5Driver final : public FormatDriver {
           unsigned flags = 0;
           size_t nvalues = 0;
           unsigned filter_config = 0;
-          if (!dcpl.ok() || H5Pget_filter_by_id2(dcpl.get(), H5Z_FILTER_FLETCHER32, &flags, &nvalues, nullptr, 0,
-                                                 nullptr, &filter_config) < 0)
-            checksummed = false;
+          ++unchecked.of;
+          if ((!dcpl.ok() || H5Pget_filter_by_id2(dcpl.get(), H5Z_FILTER_FLETCHER32, &flags, &nvalues, nullptr, 0,
+                                                  nullptr, &filter_config) < 0) &&
+              unchecked.count++ == 0)
+            unchecked.first = dpath;
           const DType d = component_dtype(e, c);
           const auto want = component_dims(ps, e, c);
           const int rank = H5Sget_simple_extent_ndims(space.get());
@@ -514,7 +526,8 @@ class Hdf5Driver final : public FormatDriver {
                                        where, dpath, dtype_name(d), format_shape(ps.shape)));
         }
     }
-    return std::unique_ptr<CheckpointReader>(new Hdf5Reader(path, std::move(file), std::move(meta), checksummed));
+    return std::unique_ptr<CheckpointReader>(
+        new Hdf5Reader(path, std::move(file), std::move(meta), std::move(unchecked)));
   }
 
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {

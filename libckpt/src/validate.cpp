@@ -132,6 +132,7 @@ Result<ValidationReport> validate_checkpoint(const std::filesystem::path& path, 
   if (Status shared = reader.verify_shared_records(); !shared.ok()) r.findings.push_back({"", shared.message()});
   // Asked after every chunk was read: DCP knows only then whether each had a CRC-32 to check.
   r.checksums_verified = reader.checksummed();
+  if (!r.checksums_verified) r.unchecked = reader.unchecked();
   return r;
 }
 

@@ -1702,6 +1702,37 @@ def test_hdf5_metadata_rewritten_by_h5py_reads_as_written(tmp_path, optstate_cli
     assert json.loads(optstate_cli("hash", "--json", retyped).stdout) == before
 
 
+def test_hdf5_dataset_rewritten_without_fletcher32_is_read_and_validate_says_so(tmp_path, optstate_cli):
+    """A dataset h5py writes anew is contiguous with no checksum: the file still reads as the same
+    state, and validate, which verified every other dataset's fletcher32, names how many datasets
+    have none and the first, instead of claiming every chunk checked."""
+    h5py = pytest.importorskip("h5py")
+    ao = make_dcp(tmp_path, "ao")
+    optstate_cli("convert", ao, tmp_path / "s.h5")
+    report = json.loads(optstate_cli("validate", "--json", tmp_path / "s.h5").stdout)
+    assert report["checksums_verified"] is True and report["unchecked"] is None
+    edited = tmp_path / "rewritten.h5"
+    shutil.copy(tmp_path / "s.h5", edited)
+    with h5py.File(edited, "r+") as f:
+        values = f["0.bias/exp_avg"][...]
+        del f["0.bias/exp_avg"]
+        f["0.bias/exp_avg"] = values
+        assert f["0.bias/exp_avg"].fletcher32 is False
+        total = sum(isinstance(o, h5py.Dataset) for o in iter_objects(f))
+    assert hashes(optstate_cli, edited) == hashes(optstate_cli, tmp_path / "s.h5")
+    out = optstate_cli("validate", edited).stdout
+    assert f"1 of {total} datasets has no fletcher32 checksum, the first '/0.bias/exp_avg' (sizes," in out, out
+    report = json.loads(optstate_cli("validate", "--json", edited).stdout)
+    assert report["ok"] and report["checksums_verified"] is False and "'/0.bias/exp_avg'" in report["unchecked"]
+
+
+def iter_objects(group):
+    for obj in group.values():
+        yield obj
+        if hasattr(obj, "keys"):  # a group
+            yield from iter_objects(obj)
+
+
 # ---- hostile inputs ----
 
 def run_err(optstate_cli, *args):

@@ -124,6 +124,10 @@ class CheckpointReader {
   // fletcher32; DCP: torch.save's CRC-32 of each record, known once the chunks were streamed).
   // safetensors stores none: a reader can check sizes and coverage only.
   virtual bool checksummed() const { return false; }
+  // Where checksummed() is false, what the stored checksums leave unchecked, one phrase for validate
+  // ("no checksums in this format"; an HDF5 file some of whose datasets another tool rewrote
+  // without fletcher32 names how many and the first).
+  virtual std::string unchecked() const { return "no checksums in this format"; }
   // validate's check of the stored checksums that reading entry by entry cannot check: a record
   // several entries share (torch.save's CRC-32 of a flat partition that ZeRO or FSDP1 split among
   // many params), read whole once each. An error names the file and record; afterwards

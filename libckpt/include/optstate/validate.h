@@ -24,6 +24,7 @@ struct ValidationReport {
   int64_t entries_checked = 0;
   int64_t values_checked = 0;
   bool checksums_verified = false;  // the format stores checksums and every chunk matched (CheckpointReader::checksummed)
+  std::string unchecked;            // otherwise what they leave unchecked (CheckpointReader::unchecked)
   bool ok() const { return findings.empty(); }
 };
 

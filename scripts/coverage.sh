@@ -21,11 +21,12 @@ cov=$root/build-cov
 export CCACHE_BASEDIR="$root" CCACHE_NOHASHDIR=1
 jobs=$(nproc)
 if [ ! -f "$cov/build.ninja" ]; then
+  mkdir -p "$cov"
   flags="--coverage -fprofile-update=atomic -O1"
   cmake -S . -B "$cov" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DOPTSTATE_WITH_TORCH=OFF -DOPTSTATE_WITH_CUDA=OFF \
     -DCMAKE_CXX_FLAGS="$flags" -DCMAKE_C_FLAGS="$flags" -DCMAKE_EXE_LINKER_FLAGS=--coverage \
-    -DCMAKE_SHARED_LINKER_FLAGS=--coverage -DPython3_EXECUTABLE="$root/.venv/bin/python" > "$cov.log" 2>&1 ||
-    { tail -30 "$cov.log"; exit 1; }
+    -DCMAKE_SHARED_LINKER_FLAGS=--coverage -DPython3_EXECUTABLE="$root/.venv/bin/python" > "$cov/configure.log" 2>&1 ||
+    { tail -30 "$cov/configure.log"; exit 1; }
 fi
 ninja -C "$cov"
 find "$cov" -name '*.gcda' -delete  # counts of this run only

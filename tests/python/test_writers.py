@@ -916,6 +916,37 @@ def test_a_megatron_legacy_checkpoint_reads_as_megatron_held_it(tmp_path, optsta
     assert optstate_cli("diff", ck, out).returncode == 0
 
 
+@pytest.mark.parametrize("run,remove,why", [
+    ("legacy_tp2", "mp_rank_00", "mp_rank_00 has no model_optim_rng.pt (1 stage of 2 tensor-parallel ranks found)"),
+    # the last rank's folder leaves no hole in the grid: the args of the rank left say how many there were
+    ("legacy_tp2", "mp_rank_01", "its args say tensor_model_parallel_size 2; {iter} holds 1 tensor-parallel rank"),
+    ("legacy_tp2_pp2_dp2_distopt", "mp_rank_01_000",
+     "mp_rank_01_000 has no model_optim_rng.pt (2 stages of 2 tensor-parallel ranks found)"),
+    ("legacy_tp2_pp2_dp2_distopt", "mp_rank_00_001 mp_rank_01_001",  # the last stage
+     "its args say pipeline_model_parallel_size 2; {iter} holds 1 pipeline stage"),
+    ("legacy_tp2_pp2_dp2_distopt", "mp_rank_01_001/distrib_optim.pt",
+     "its args say use_distributed_optimizer True, and no distrib_optim.pt (the distributed optimizer's state) is "
+     "beside it")])
+def test_a_megatron_legacy_checkpoint_missing_a_ranks_file_is_refused_naming_it(tmp_path, optstate_cli, run, remove,
+                                                                          why):
+    """A model-parallel rank's folder or its distributed optimizer's file missing from a legacy
+    Megatron-LM checkpoint is an error naming what is missing (a hole in the grid of rank folders,
+    or fewer ranks than the args saved in each rank's file say), never the ranks that are there
+    read as the whole model."""
+    ck = tmp_path / run
+    shutil.copytree(MEGATRON / run, ck)
+    iteration = ck / "iter_0000003"
+    for name in remove.split():
+        gone = iteration / name
+        shutil.rmtree(gone) if gone.is_dir() else gone.unlink()
+    want = why.format(iter=iteration)
+    for command in ("inspect", "hash"):
+        err = run_err(optstate_cli, command, ck)
+        assert want in err, (command, err)
+    validated = optstate_cli("validate", ck, check=False)  # a checkpoint that cannot be read: a finding
+    assert validated.returncode == 1 and "FINDING" in validated.stdout and want in validated.stdout, validated
+
+
 @pytest.mark.parametrize("run", ["legacy_moe_dp2", "legacy_moe_ep2", "legacy_moe_ep2_distopt",
                                  "legacy_moe_tp2_ep2_dp2_distopt", "legacy_moe_pp2_ep2", "legacy_moe_pp2_vp2_ep2"])
 def test_a_megatron_legacy_mixture_of_experts_reads_as_megatron_held_it(tmp_path, optstate_cli, run):

@@ -184,7 +184,10 @@ Result<std::optional<ZeroFiles>> zero_files(const fs::path& path) {
 namespace {
 
 // A DeepSpeed universal checkpoint's folder and its model states file: `path` itself, or the folder
-// its `latest_universal` names (ds_to_universal writes that file beside its output).
+// its `latest_universal` names (ds_to_universal writes that file beside its output) where no
+// `latest` names a tag folder: DeepSpeed's load_checkpoint follows `latest` unless configured to
+// load a universal checkpoint, and a run that went on after a conversion has a newer `latest`
+// beside the `latest_universal` of the step converted.
 std::optional<std::pair<fs::path, fs::path>> universal_dir(const fs::path& path) {
   std::error_code ec;
   auto at = [&](const fs::path& dir) -> std::optional<std::pair<fs::path, fs::path>> {
@@ -194,6 +197,7 @@ std::optional<std::pair<fs::path, fs::path>> universal_dir(const fs::path& path)
     return std::nullopt;
   };
   if (auto u = at(path)) return u;
+  if (zero_tag_dir(path) != path) return std::nullopt;
   if (!fs::is_regular_file(path / "latest_universal", ec) || fs::file_size(path / "latest_universal", ec) > 4096)
     return std::nullopt;
   std::ifstream f(path / "latest_universal");

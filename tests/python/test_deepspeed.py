@@ -3,6 +3,7 @@
 reassembly of the same checkpoint (its ds_to_universal: per-param fp32 weights, moments and step)
 bit for bit, and the converted state, loaded into plain torch.optim.AdamW in one process, ends
 where DeepSpeed's own run continues to, bit for bit."""
+import shutil
 import sys
 from pathlib import Path
 
@@ -244,6 +245,37 @@ def test_universal_checkpoint_is_ds_to_universals_and_deepspeed_resumes_it_on_ot
                    stage, dtype, ranks=world, distributed=True)
         theirs, mine = torch.load(res)
         assert all(torch.equal(theirs[n], mine[n]) for n in theirs), world
+
+
+def test_the_checkpoints_folder_names_its_universal_checkpoint_by_latest_universal(tmp_path, optstate_cli):
+    """ds_to_universal writes `latest_universal` beside its output folder, naming it, as DeepSpeed's
+    `latest` names a ZeRO tag: the folder that holds it reads as that universal checkpoint. Beside
+    a `latest` (in the checkpoints folder of the run converted) the tag `latest` names is read, as
+    DeepSpeed's load_checkpoint does by default: a run that went on after its conversion has a
+    newer one. A name that leaves the folder is not followed."""
+    ck = ds_run(tmp_path, 2, "fp32", 2)
+    ref = universal(tmp_path, ck, "global_step3")  # tmp_path/<ck>_universal, tmp_path/latest_universal
+    assert (tmp_path / "latest_universal").read_text() == ref.name
+    want = hashes(optstate_cli, ref)
+    assert want == hashes(optstate_cli, ck)
+    assert hashes(optstate_cli, tmp_path) == want
+    assert "(deepspeed)" in optstate_cli("inspect", tmp_path).stdout
+    # in the checkpoints folder beside `latest`: read through either name, `latest` first
+    shutil.move(ref, ck / "global_step3_universal")
+    (ck / "latest_universal").write_text("global_step3_universal")
+    assert hashes(optstate_cli, ck) == want
+    (ck / "latest").rename(ck / "latest.aside")
+    assert hashes(optstate_cli, ck) == want
+    (ck / "latest.aside").rename(ck / "latest")
+    moment = ck / "global_step3_universal" / "zero" / "0.weight" / "exp_avg.pt"
+    moment.unlink()  # the universal checkpoint damaged: the ZeRO one is what reads
+    assert hashes(optstate_cli, ck) == want
+    (ck / "latest").unlink()
+    err = run_err(optstate_cli, "inspect", ck)
+    assert "global_step3_universal" in err and "0.weight" in err, err
+    for bad in ("..", "../" + ck.name, "/etc", ""):
+        (ck / "latest_universal").write_text(bad)
+        assert optstate_cli("inspect", ck, check=False).returncode == 2, bad
 
 
 def test_universal_checkpoint_holds_frozen_params_and_buffers_as_ds_to_universal_writes_them(tmp_path, optstate_cli):

@@ -545,14 +545,27 @@ std::string staging_stem(const fs::path& final_path) {
   return fmt::format("{}~{:016x}", name.substr(0, 180), h);
 }
 
+fs::path staging_parent(const fs::path& final_path) {
+  fs::path parent = final_path.parent_path();
+  return parent.empty() ? fs::path(".") : parent;
+}
+
+// The output's folder must exist: writers make no folders above it (a mistyped path fails rather
+// than growing a tree). A file in its place is named as such, not as a missing folder.
+Status check_parent(const fs::path& final_path, const fs::path& parent) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(parent, ec);
+  if (fs::is_directory(st)) return Status::Ok();
+  if (fs::exists(st))
+    return invalid_argument(fmt::format("{}: '{}' is not a directory", final_path.string(), parent.string()));
+  return not_found(fmt::format("{}: parent directory does not exist", final_path.string()));
+}
+
 }  // namespace
 
 Result<fs::path> make_staging_dir(const fs::path& final_dir) {
-  fs::path parent = final_dir.parent_path();
-  if (parent.empty()) parent = ".";
-  std::error_code ec;
-  if (!fs::is_directory(parent, ec))
-    return not_found(fmt::format("{}: parent directory does not exist", final_dir.string()));
+  const fs::path parent = staging_parent(final_dir);
+  OPTSTATE_RETURN_IF_ERROR(check_parent(final_dir, parent));
   std::random_device rd;
   for (int attempt = 0; attempt < 16; ++attempt) {
     fs::path staging = parent / fmt::format(".{}.partial-{}-{:08x}", staging_stem(final_dir), ::getpid(), rd());
@@ -599,11 +612,9 @@ Status publish_directory(const fs::path& staging, const fs::path& final_dir, boo
 }
 
 Result<fs::path> make_staging_path(const fs::path& final_file) {
-  fs::path parent = final_file.parent_path();
-  if (parent.empty()) parent = ".";
+  const fs::path parent = staging_parent(final_file);
+  OPTSTATE_RETURN_IF_ERROR(check_parent(final_file, parent));
   std::error_code ec;
-  if (!fs::is_directory(parent, ec))
-    return not_found(fmt::format("{}: parent directory does not exist", final_file.string()));
   std::random_device rd;
   for (int attempt = 0; attempt < 16; ++attempt) {
     fs::path p = parent / fmt::format(".{}.partial-{}-{:08x}", staging_stem(final_file), ::getpid(), rd());

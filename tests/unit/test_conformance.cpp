@@ -10,6 +10,7 @@
 #include <limits>
 #include <csignal>
 #include <filesystem>
+#include <fstream>
 #include <iterator>
 
 #include "optstate/hash.h"
@@ -231,4 +232,29 @@ TEST_CASE("a DST name of NAME_MAX bytes is written, replaced and its leftovers f
   REQUIRE(found.size() == 1);
   CHECK(found[0].path == dir.path / killed);
   CHECK(find_leftovers(dir.path / (std::string(254, 'x') + "y")).empty());
+}
+
+TEST_CASE("a DST whose folder is missing or is a file is refused, naming which, and nothing is written") {
+  const OptimizerState state = testing::sample_state();
+  testing::TempDir dir;
+  {
+    std::ofstream(dir.path / "afile") << "kept";
+  }
+  for (const FormatDriver* d : format_drivers()) {
+    if (!d->writes()) continue;
+    CAPTURE(d->name());
+    const Status under_file = d->write(state, dir.path / "afile" / "out", {});
+    REQUIRE_FALSE(under_file.ok());
+    CHECK(under_file.message().find("'" + (dir.path / "afile").string() + "' is not a directory") !=
+          std::string::npos);
+    const Status under_missing = d->write(state, dir.path / "missing" / "out", {});
+    REQUIRE_FALSE(under_missing.ok());
+    CHECK(under_missing.code() == ErrorCode::kNotFound);
+    CHECK(under_missing.message().find("parent directory does not exist") != std::string::npos);
+  }
+  CHECK(std::distance(std::filesystem::directory_iterator(dir.path), {}) == 1);  // only afile
+  std::ifstream in(dir.path / "afile");
+  std::string kept;
+  in >> kept;
+  CHECK(kept == "kept");
 }

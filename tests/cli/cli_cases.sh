@@ -50,6 +50,19 @@ case "$case_name" in
     expect_error 2 "unknown command" -- "$OPTSTATE" frobnicate
     expect_error 2 "unknown option '--bogus'" -- "$OPTSTATE" hash --bogus x
     expect_error 2 "usage: optstate hash" -- "$OPTSTATE" hash
+    "$OPTSTATE" --version | matches -E "^optstate [0-9]+\.[0-9]+\.[0-9]+$" || fail "--version"
+    "$OPTSTATE" >/dev/null 2>"$work/err" && fail "no command exited 0"
+    matches "inspect" "$work/err" || fail "no command list on stderr without a command"
+    # --name=value is --name value; a flag given a value, or an option none, is a usage error.
+    make_ckpt "$work/c"
+    inline=$("$OPTSTATE" inspect --params='layers.0.*' "$work/c") || fail "--params=X failed"
+    printf '%s\n' "$inline" | matches "^layers.0.weight " || fail "--params=X: $inline"
+    [ "$inline" = "$("$OPTSTATE" inspect --params 'layers.0.*' "$work/c")" ] || fail "--params=X differs from --params X"
+    "$OPTSTATE" reshard "$work/c" "$work/r" --world-size=3 >/dev/null || fail "--world-size=3"
+    [ "$(ls "$work/r/data")" = "$(printf 'rank-%05d.bin\n' 0 1 2)" ] || fail "--world-size=3 did not give 3 ranks"
+    expect_error 2 "option '--json' takes no value" -- "$OPTSTATE" hash --json=1 "$work/c"
+    expect_error 2 "option '--params' needs a value" -- "$OPTSTATE" inspect "$work/c" --params
+    expect_error 2 "--rtol needs a non-negative number, got ''" -- "$OPTSTATE" diff "$work/c" "$work/r" --rtol=
     ;;
   hash-output)
     make_ckpt "$work/c"

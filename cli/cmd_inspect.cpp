@@ -39,10 +39,12 @@ nlohmann::json group_value_json(const GroupValue& v) {
 int run_inspect(int argc, char** argv) {
   const CommandSpec spec{"inspect",
                          "optstate inspect CKPT [--json] [--no-stats] [--params GLOB]",
-                         "Shows the optimizer, its param groups and every param's entries: shape, encoding,\n"
-                         "bytes, step and value statistics (min/max/mean/non-finite; reading them verifies\n"
-                         "every chunk checksum). With --params, only the params whose name matches are shown\n"
-                         "and read (the totals stay the checkpoint's).",
+                         "Shows the format, how many ranks' files it holds where they are named by rank\n"
+                         "(native, DCP, FSDP's, DeepSpeed's, Megatron's and nanotron's per-rank files), the\n"
+                         "optimizer, its param groups and every param's entries: shape, encoding, bytes, step\n"
+                         "and value statistics (min/max/mean/non-finite; reading them verifies every chunk\n"
+                         "checksum). With --params, only the params whose name matches are shown and read\n"
+                         "(the totals stay the checkpoint's).",
                          {{"--json", false, "print one JSON document"},
                           {"--no-stats", false, "metadata only: do not read the values"},
                           {"--params", true, "show only the params whose name matches this shell pattern (* ? [...]; "
@@ -76,6 +78,8 @@ int run_inspect(int argc, char** argv) {
   nlohmann::json j;
   j["path"] = reader.path().string();
   j["format"] = std::string(reader.format());
+  const std::optional<int64_t> ranks = reader.ranks();
+  j["ranks"] = ranks ? nlohmann::json(*ranks) : nlohmann::json();  // null: not saved per rank
   j["optimizer"] = meta.kind;
   // torch.optim.AdamW's switches (fused, foreach, ...) as the file kept them: how the run stepped.
   const std::span<const AdamWFlags> switches = reader.adamw_flags();
@@ -187,8 +191,10 @@ int run_inspect(int argc, char** argv) {
     print_json(j);
     return kExitOk;
   }
-  std::string out = fmt::format("checkpoint  {} ({})\noptimizer   {}, {} param group(s), {} params, {} elements\n",
-                                reader.path().string(), reader.format(), meta.kind, meta.groups.size(),
+  std::string out = fmt::format("checkpoint  {} ({}{})\noptimizer   {}, {} param group(s), {} params, {} elements\n",
+                                reader.path().string(), reader.format(),
+                                ranks ? fmt::format(", files of {} rank{}", *ranks, *ranks == 1 ? "" : "s") : "",
+                                meta.kind, meta.groups.size(),
                                 meta.params.size(), total_numel);
   // One line per group; a run of groups alike (an optimizer per param: torchtune's optimizer in
   // backward has one group per param) one line for the run.

@@ -58,6 +58,7 @@ class ProgressReader final : public CheckpointReader {
     return inner_->stream_model_tensor(index, sink);
   }
   bool checksummed() const override { return inner_->checksummed(); }
+  std::optional<int64_t> ranks() const override { return inner_->ranks(); }
   std::string unchecked() const override { return inner_->unchecked(); }
   Status verify_shared_records() override { return inner_->verify_shared_records(); }
   Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) override;

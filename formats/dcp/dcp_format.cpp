@@ -107,6 +107,23 @@ Result<std::vector<uint32_t>> main_params_as(DType d, std::span<const int64_t> a
 
 bool is_accelerate_folder(const fs::path& path);
 
+// The rank R of torch's FileSystemWriter's data file name __R_I.distcp (I: the rank's file number,
+// one per writer thread); nullopt for any other name.
+std::optional<int64_t> distcp_rank(std::string_view path) {
+  const std::string_view name = path.substr(path.rfind('/') == std::string_view::npos ? 0 : path.rfind('/') + 1);
+  constexpr std::string_view head = "__", tail = ".distcp";
+  if (!name.starts_with(head) || !name.ends_with(tail)) return std::nullopt;
+  const std::string_view body = name.substr(head.size(), name.size() - head.size() - tail.size());
+  const size_t sep = body.find('_');
+  if (sep == std::string_view::npos) return std::nullopt;
+  const std::string_view rank = body.substr(0, sep), number = body.substr(sep + 1);
+  auto digits = [](std::string_view t) {
+    return !t.empty() && t.size() <= 9 && std::all_of(t.begin(), t.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  if (!digits(rank) || !digits(number)) return std::nullopt;
+  return std::stoll(std::string(rank));
+}
+
 class DcpReader final : public CheckpointReader {
  public:
   // `zarr`: the folder is Megatron's zarr backend, its Metadata read from the arrays (zarr.h).
@@ -115,6 +132,23 @@ class DcpReader final : public CheckpointReader {
   std::string_view format() const override { return "dcp"; }
   const fs::path& path() const override { return dir_; }
   const OptimizerState& meta() const override { return meta_; }
+  // The ranks whose data files hold the items (each rank writes __R_I.distcp). torch writes an
+  // item several ranks hold (DDP's replicated state) from one of them, so a run's other ranks may
+  // have no file: this counts the ranks that wrote data. nullopt where a data file is otherwise named.
+  std::optional<int64_t> ranks() const override {
+    if (zarr_) return std::nullopt;
+    std::set<int64_t> seen;
+    std::string_view last;
+    for (const auto& [key, loc] : md_.storage) {
+      if (loc.relative_path == last || loc.relative_path == kMegatronCommon) continue;
+      last = loc.relative_path;
+      const std::optional<int64_t> r = distcp_rank(loc.relative_path);
+      if (!r) return std::nullopt;
+      seen.insert(*r);
+    }
+    if (seen.empty()) return std::nullopt;
+    return static_cast<int64_t>(seen.size());
+  }
   std::string_view torchao_package() const override { return layout_.torchao_package; }
   std::span<const AdamWFlags> adamw_flags() const override {
     const bool any = std::any_of(layout_.adamw_flags.begin(), layout_.adamw_flags.end(),

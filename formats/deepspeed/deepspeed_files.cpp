@@ -419,6 +419,9 @@ Result<std::unique_ptr<CheckpointReader>> open_deepspeed(const fs::path& path) {
   if (!z) return invalid_argument(path.string() + ": no DeepSpeed ZeRO optimizer files (zero_pp_rank_*_optim_states.pt)");
   auto reader = std::make_unique<TorchSaveReader>(path);
   OPTSTATE_RETURN_IF_ERROR(reader->init_zero(*z));
+  size_t rank_files = 0;  // each data-parallel rank's file of each model-parallel rank (stage)
+  for (const ZeroStage& st : z->stages) rank_files += st.optim.size();
+  reader->set_ranks(rank_files);
   return std::unique_ptr<CheckpointReader>(std::move(reader));
 }
 

@@ -31,6 +31,7 @@ class NativeReader final : public CheckpointReader {
   bool checksummed() const override { return true; }
   const fs::path& path() const override { return dir_; }
   const OptimizerState& meta() const override { return m_.state; }
+  std::optional<int64_t> ranks() const override { return static_cast<int64_t>(m_.files.size()); }
 
   std::string locate(const std::string& fqn, const std::string& entry, Component c, int64_t index) const override {
     auto it = m_.chunks.find(ChunkKey{fqn, entry, c});

@@ -1178,6 +1178,7 @@ class TorchSaveDriver final : public FormatDriver {
     if (fs::is_directory(path, ec)) {
       OPTSTATE_ASSIGN_OR_RETURN(RankSet set, rank_set(path));
       OPTSTATE_RETURN_IF_ERROR(reader->init(set.optim, set.model, std::move(set.others)));
+      reader->set_ranks(set.optim.size());
     } else {
       OPTSTATE_RETURN_IF_ERROR(reader->init({path}, {}, {}));
     }
@@ -1617,6 +1618,7 @@ Result<std::unique_ptr<CheckpointReader>> open_rank_files(const RankFileSet& par
   if (parts.files.empty()) return invalid_argument(parts.dir.string() + ": no nanotron optimizer files");
   auto reader = std::make_unique<TorchSaveReader>(parts.path);
   OPTSTATE_RETURN_IF_ERROR(reader->init_rank_files(parts));
+  reader->set_ranks(parts.files.size());
   return std::unique_ptr<CheckpointReader>(std::move(reader));
 }
 

@@ -139,6 +139,9 @@ class TorchSaveReader final : public CheckpointReader {
   std::span<const GroupExtras> group_extras() const override { return group_extras_; }
   std::span<const ModelTensorInfo> model_tensors() const override { return model_tensors_; }
   std::optional<bool> bnb_nested() const { return bnb_nested_; }
+  // Per-rank files (FSDP's, DeepSpeed ZeRO's, Megatron's and nanotron's ranks): how many ranks' files.
+  std::optional<int64_t> ranks() const override { return ranks_; }
+  void set_ranks(size_t n) { ranks_ = static_cast<int64_t>(n); }
 
   // Read with buffers of its own (const: a writer holds its source as const), the record's CRC-32
   // checked as the state's runs are.
@@ -537,6 +540,7 @@ class TorchSaveReader final : public CheckpointReader {
   std::string_view torchao_package_;  // where its torchao subclasses were defined (a kTorchaoOptimPackages view)
   std::vector<GroupExtras> group_extras_;  // each group's other keys, where the file keeps some
   std::vector<AdamWFlags> adamw_flags_;  // each group's AdamW switches, where the file keeps some
+  std::optional<int64_t> ranks_;      // set_ranks
   std::optional<bool> bnb_nested_;    // bitsandbytes' state: nested in __bnb_optimizer_quant_state__ or not
   bool deepspeed_ = false; // a DeepSpeed ZeRO checkpoint: formats/deepspeed/ sniffs it
   std::vector<ZeroCopy> zero_copies_;  // a pipeline's tied modules' later copies, AutoTP's replicas

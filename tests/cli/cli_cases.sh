@@ -60,6 +60,7 @@ case "$case_name" in
     [ "$inline" = "$("$OPTSTATE" inspect --params 'layers.0.*' "$work/c")" ] || fail "--params=X differs from --params X"
     "$OPTSTATE" reshard "$work/c" "$work/r" --world-size=3 >/dev/null || fail "--world-size=3"
     [ "$(ls "$work/r/data")" = "$(printf 'rank-%05d.bin\n' 0 1 2)" ] || fail "--world-size=3 did not give 3 ranks"
+    "$OPTSTATE" inspect --no-stats "$work/r" | matches "^checkpoint  .* (native, files of 3 ranks)$" || fail "inspect: ranks"
     expect_error 2 "option '--json' takes no value" -- "$OPTSTATE" hash --json=1 "$work/c"
     expect_error 2 "option '--params' needs a value" -- "$OPTSTATE" inspect "$work/c" --params
     expect_error 2 "--rtol needs a non-negative number, got ''" -- "$OPTSTATE" diff "$work/c" "$work/r" --rtol=
@@ -88,6 +89,7 @@ case "$case_name" in
 import json, sys
 j = json.load(sys.stdin)
 assert j["optimizer"] == "adamw", j
+assert j["ranks"] == 1, j["ranks"]
 assert j["params"]["layers.0.weight"]["shape"] == [128, 32]
 assert j["params"]["layers.0.weight"]["step"] == 3
 assert j["params"]["layers.0.weight"]["entries"]["exp_avg_sq"]["stats"]["min"] >= 0
@@ -685,7 +687,7 @@ PY
     # ZeRO-1/2 one; a ZeRO-3 one for another world size), and a refused convert to it leaves nothing.
     data="$(cd "$(dirname "$0")/../.." && pwd)/formats/deepspeed/testdata"
     cp -r "$data/zero2_world2" "$work/z2"
-    "$OPTSTATE" inspect "$work/z2" | matches "(deepspeed)" || fail "inspect says deepspeed"
+    "$OPTSTATE" inspect "$work/z2" | matches "(deepspeed, files of 2 ranks)" || fail "inspect says deepspeed, 2 ranks"
     "$OPTSTATE" validate "$work/z2" >/dev/null || fail "validate"
     [ "$("$OPTSTATE" hash "$work/z2")" = "$("$OPTSTATE" hash "$work/z2/global_step3")" ] || fail "latest and tag differ"
     "$OPTSTATE" convert "$work/z2" "$work/z2.safetensors" >/dev/null || fail "convert to safetensors"

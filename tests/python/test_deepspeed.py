@@ -158,7 +158,7 @@ def plain_is_ds_to_universal(tmp_path, optstate_cli, ck):
 @pytest.mark.parametrize("stage,dtype,ranks", [(1, "bf16", 2), (2, "fp32", 3), (3, "fp32", 3), (2, "fp16", 2)])
 def test_zero_checkpoint_reads_as_deepspeeds_own_reassembly(tmp_path, optstate_cli, stage, dtype, ranks):
     ck = ds_run(tmp_path, stage, dtype, ranks)
-    assert "(deepspeed)" in optstate_cli("inspect", ck).stdout
+    assert f"(deepspeed, files of {ranks} ranks)" in optstate_cli("inspect", ck).stdout
     done = optstate_cli("convert", ck, tmp_path / "plain.pt")  # HF's checkpoint-N/ layout: `latest` names the tag
     assert "['module']" in done.stderr  # the model's own weights: named as not read (the fp32 copies are)
     # DeepSpeed's universal checkpoint reads as the same state (optstate's own: the next test)

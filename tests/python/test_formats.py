@@ -2012,6 +2012,7 @@ def test_accelerate_fsdp1_sharded_dcp_reads_as_the_state_torch_gathers(tmp_path,
     ck = out / "optimizer_0"
     doc = json.loads(optstate_cli("inspect", ck, "--json").stdout)
     assert doc["format"] == "dcp" and sorted(doc["params"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert doc["ranks"] == 2  # the two ranks' __R_0.distcp
     optstate_cli("validate", ck)
     optstate_cli("convert", ck, tmp_path / "plain.safetensors")
     got = st_load(tmp_path / "plain.safetensors")

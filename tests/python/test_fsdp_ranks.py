@@ -132,7 +132,9 @@ def test_fsdp2_rank_files_read_as_one_state_by_name(tmp_path, optstate_cli, kind
     full = torch.load(f"{out}.full") if kind == "hsdp" else reference(out, world)
     inspect = optstate_cli("inspect", out, "--json")
     doc = json.loads(inspect.stdout)
-    assert doc["format"] == "torchsave"
+    assert doc["format"] == "torchsave" and doc["ranks"] == world, doc["ranks"]
+    header = optstate_cli("inspect", out, "--no-stats").stdout.splitlines()[0]
+    assert header.endswith(f"(torchsave, files of {world} rank{'s' if world > 1 else ''})"), header
     # Names from the model's files (the optimizer's own state has only numbers), or the state's own
     # keys (get_optimizer_state_dict); weights carried.
     assert sorted(doc["params"]) == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"]

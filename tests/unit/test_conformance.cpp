@@ -258,3 +258,22 @@ TEST_CASE("a DST whose folder is missing or is a file is refused, naming which, 
   in >> kept;
   CHECK(kept == "kept");
 }
+
+TEST_CASE("ranks(): the ranks whose files native and DCP checkpoints hold; none for one-file formats") {
+  const OptimizerState state = testing::sample_state();
+  testing::TempDir dir;
+  for (const FormatDriver* d : format_drivers()) {
+    if (!d->writes()) continue;
+    CAPTURE(d->name());
+    const bool by_rank = d->name() == "native" || d->name() == "dcp";  // files named by rank
+    for (int world : {1, 3}) {
+      if (world > 1 && !by_rank) continue;
+      CAPTURE(world);
+      const auto path = dir.path / fmt::format("{}-{}", d->name(), world);
+      REQUIRE(d->write(state, path, {.world_size = world}).ok());
+      auto reader = open_checkpoint(path);
+      REQUIRE(reader.ok());
+      CHECK((*reader)->ranks() == (by_rank ? std::optional<int64_t>(world) : std::nullopt));
+    }
+  }
+}

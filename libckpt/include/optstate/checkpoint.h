@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -92,6 +93,10 @@ class CheckpointReader {
   virtual const std::filesystem::path& path() const = 0;
   // The state's metadata: every ParamState and Entry, with empty buffers.
   virtual const OptimizerState& meta() const = 0;
+  // How many ranks saved it (the world size of the run, as the files are laid out: a native
+  // checkpoint's rank files, a DCP's __R_I.distcp, FSDP's or DeepSpeed's per-rank files), for
+  // inspect; nullopt where the format does not say (one file, or files not named by rank).
+  virtual std::optional<int64_t> ranks() const { return std::nullopt; }
   // What the file holds that the canonical state does not carry (a DCP's train_state,
   // lr_scheduler, dataloader, model buffers): one short line each, for inspect and convert to say
   // so. Empty for formats that hold only optimizer state.

@@ -93,9 +93,10 @@ class CheckpointReader {
   virtual const std::filesystem::path& path() const = 0;
   // The state's metadata: every ParamState and Entry, with empty buffers.
   virtual const OptimizerState& meta() const = 0;
-  // How many ranks saved it (the world size of the run, as the files are laid out: a native
-  // checkpoint's rank files, a DCP's __R_I.distcp, FSDP's or DeepSpeed's per-rank files), for
-  // inspect; nullopt where the format does not say (one file, or files not named by rank).
+  // How many ranks' files hold it, where files are named by rank (a native checkpoint's rank
+  // files, a DCP's __R_I.distcp, FSDP's, DeepSpeed's, Megatron's or nanotron's per-rank files): a
+  // sharded run's world size (ranks holding only copies may save none). For inspect; nullopt for
+  // one file, or files not named by rank.
   virtual std::optional<int64_t> ranks() const { return std::nullopt; }
   // What the file holds that the canonical state does not carry (a DCP's train_state,
   // lr_scheduler, dataloader, model buffers): one short line each, for inspect and convert to say

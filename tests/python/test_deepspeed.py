@@ -311,7 +311,7 @@ def test_optimizer_deepspeed_built_is_read_only_as_adamw(tmp_path, optstate_cli)
     with_optimizer({"type": "Lamb", "params": {"lr": 1e-3, "weight_decay": 0.01}})  # its state: exp_avg, exp_avg_sq too
     assert "ds_config's optimizer is 'Lamb', not Adam or AdamW" in run_err(optstate_cli, "inspect", ck)
     with_optimizer({"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "adam_w_mode": False}})
-    assert "(deepspeed)" in optstate_cli("inspect", ck).stdout  # "AdamW" forces AdamW's update
+    assert "(deepspeed, files of 2 ranks)" in optstate_cli("inspect", ck).stdout  # "AdamW" forces AdamW's update
 
 
 RESUME_ZERO3 = """

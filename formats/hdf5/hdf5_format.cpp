@@ -8,11 +8,14 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <mutex>
+#include <optional>
 
 #include "optstate/checkpoint.h"
 #include "optstate/io.h"
 #include "optstate/state_json.h"
+#include "hdf5_layout.h"
 #include "registry.h"
 
 namespace optstate::hdf5 {
@@ -155,8 +158,10 @@ Status set_shape_attr(hid_t obj, const char* name, const std::vector<int64_t>& s
   return Status::Ok();
 }
 
-// A fixed- or variable-length string attribute, read with a size cap.
-Result<std::string> get_string_attr(hid_t obj, const char* name, const std::string& where) {
+// A fixed- or variable-length string attribute, read with a size cap; `before_vlen_read` runs before
+// libhdf5 reads a variable-length one.
+Result<std::string> get_string_attr(hid_t obj, const char* name, const std::string& where,
+                                    const std::function<Status()>& before_vlen_read) {
   if (H5Aexists(obj, name) <= 0) return corrupt(fmt::format("{}: attribute '{}' is missing", where, name));
   Id attr(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
   Id type(H5Aget_type(attr.get()), H5Tclose);
@@ -174,6 +179,7 @@ Result<std::string> get_string_attr(hid_t obj, const char* name, const std::stri
     Id mem(H5Tcopy(H5T_C_S1), H5Tclose);
     H5Tset_size(mem.get(), H5T_VARIABLE);
     H5Tset_cset(mem.get(), cset);
+    OPTSTATE_RETURN_IF_ERROR(before_vlen_read());
     char* s = nullptr;
     if (H5Aread(attr.get(), mem.get(), &s) < 0 || !s)
       return corrupt(fmt::format("{}: cannot read attribute '{}'", where, name));
@@ -438,17 +444,54 @@ Status write_file(StateSource& source, const fs::path& file_path, int compressio
   return Status::Ok();
 }
 
+// Where the superblock starts (the base address libhdf5 takes): at 0 or after a user block of 512,
+// 1024, 2048, ... bytes; nullopt without a signature.
+std::optional<uint64_t> superblock_offset(const InputFile& f) {
+  static constexpr unsigned char kSig[8] = {0x89, 'H', 'D', 'F', '\r', '\n', 0x1a, '\n'};
+  for (uint64_t at = 0; at + 8 <= f.size() && at <= (uint64_t{1} << 20); at = at ? at * 2 : 512) {
+    std::byte head[8];
+    if (!f.read_at(at, head).ok()) return std::nullopt;
+    if (std::memcmp(head, kSig, 8) == 0) return at;
+  }
+  return std::nullopt;
+}
+
 bool has_signature(const fs::path& path) {
   auto f = InputFile::open(path);
-  if (!f.ok()) return false;
-  static constexpr unsigned char kSig[8] = {0x89, 'H', 'D', 'F', '\r', '\n', 0x1a, '\n'};
-  // The superblock sits at 0 or after a user block of 512, 1024, 2048, ... bytes.
-  for (uint64_t at = 0; at + 8 <= f->size() && at <= (uint64_t{1} << 20); at = at ? at * 2 : 512) {
-    std::byte head[8];
-    if (!f->read_at(at, head).ok()) return false;
-    if (std::memcmp(head, kSig, 8) == 0) return true;
+  return f.ok() && superblock_offset(*f).has_value();
+}
+
+// Before libhdf5 reads the variable-length string attribute `name` of the root group: the global
+// heap collection it is stored in walks as libhdf5's loader will walk it (hdf5_layout.h), which
+// loops without end on a damaged one. An attribute not held in the root's object header (dense
+// storage, past 8 attributes) is not checked here (FORMAT.md).
+Status check_root_vlen_attribute(const fs::path& path, const char* name, const std::string& where) {
+  const std::string what = fmt::format("{}: attribute '{}'", where, name);
+  OPTSTATE_ASSIGN_OR_RETURN(InputFile f, InputFile::open(path));
+  const auto base = superblock_offset(f);
+  if (!base) return corrupt(fmt::format("{}: not an HDF5 file (no signature)", where));
+  std::vector<std::byte> head(static_cast<size_t>(std::min<uint64_t>(256, f.size() - *base)));
+  OPTSTATE_RETURN_IF_ERROR(f.read_at(*base, head));
+  OPTSTATE_ASSIGN_OR_RETURN(const Superblock sb, parse_superblock(head, where));
+  const ReadAt read = [&](uint64_t address, std::span<std::byte> out) -> Status {
+    if (address > f.size() - *base || out.size() > f.size() - *base - address)
+      return corrupt(fmt::format("{} bytes at address {} lie past the file's end", out.size(), address));
+    return f.read_at(*base + address, out);
+  };
+  OPTSTATE_ASSIGN_OR_RETURN(const auto refs, find_vlen_string_attribute(read, sb, sb.root_header, name, what));
+  for (const VlenRef& ref : refs) {
+    if (ref.collection == 0) continue;  // nothing stored (libhdf5 reads no collection)
+    const std::string at = fmt::format("{}: its global heap collection at {}", what, ref.collection);
+    std::byte collection_head[16];
+    OPTSTATE_RETURN_IF_ERROR(read(ref.collection, collection_head).with_context(at));
+    OPTSTATE_ASSIGN_OR_RETURN(const uint64_t size, parse_collection_size(collection_head, sb.length_size, at));
+    if (size > f.size() - *base - ref.collection)  // read() found its first 16 bytes in the file
+      return corrupt(fmt::format("{}: a collection of {} bytes runs past the file's end", at, size));
+    std::vector<std::byte> collection(static_cast<size_t>(size));
+    OPTSTATE_RETURN_IF_ERROR(read(ref.collection, collection).with_context(at));
+    OPTSTATE_RETURN_IF_ERROR(check_collection(collection, sb.length_size, ref, at));
   }
-  return false;
+  return Status::Ok();
 }
 
 class Hdf5Driver final : public FormatDriver {
@@ -481,10 +524,13 @@ class Hdf5Driver final : public FormatDriver {
     }
     Id file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.get()), H5Fclose);
     if (!file.ok()) return corrupt(fmt::format("{}: HDF5 cannot open the file (damaged or truncated)", where));
-    OPTSTATE_ASSIGN_OR_RETURN(std::string tag, get_string_attr(file.get(), "format", where));
+    const auto check_heap = [&](const char* name) {
+      return [&path, &where, name] { return check_root_vlen_attribute(path, name, where); };
+    };
+    OPTSTATE_ASSIGN_OR_RETURN(std::string tag, get_string_attr(file.get(), "format", where, check_heap("format")));
     if (tag != kFormatTag)
       return corrupt(fmt::format("{}: an HDF5 file, but not an optstate checkpoint (format '{}')", where, tag));
-    OPTSTATE_ASSIGN_OR_RETURN(std::string text, get_string_attr(file.get(), "optstate", where));
+    OPTSTATE_ASSIGN_OR_RETURN(std::string text, get_string_attr(file.get(), "optstate", where, check_heap("optstate")));
     OPTSTATE_ASSIGN_OR_RETURN(OptimizerState meta, decode_state_meta(text, where));
     // Every component the metadata names is a dataset of the right type and shape.
     Hdf5Reader::Unchecked unchecked;
@@ -504,7 +550,19 @@ class Hdf5Driver final : public FormatDriver {
               H5Lexists(group.get(), rel.c_str(), H5P_DEFAULT) <= 0)
             return corrupt(fmt::format("{}: dataset '{}' is missing", where, dpath));
           Id ds(H5Dopen2(group.get(), rel.c_str(), H5P_DEFAULT), H5Dclose);
-          if (!ds.ok()) return corrupt(fmt::format("{}: '{}' is not a dataset", where, dpath));
+          if (!ds.ok()) {
+            // A dataset in a newer HDF5's file format is one too (h5py under HDF5 2.0 with
+            // libver='latest' writes layout messages 1.10 does not know): say so.
+            const std::string cause = hdf5_cause();
+            unsigned major = 0, minor = 0, release = 0;
+            H5get_libversion(&major, &minor, &release);
+            return corrupt(fmt::format("{}: '{}' is not a dataset libhdf5 {}.{}.{} can open ({}){}", where, dpath, major,
+                                       minor, release, cause,
+                                       cause.find("version") != std::string::npos
+                                           ? "; a newer HDF5's file format (as h5py under HDF5 2.0 writes with "
+                                             "libver='latest') is read by that HDF5 only"
+                                           : ""));
+          }
           Id type(H5Dget_type(ds.get()), H5Tclose);
           Id space(H5Dget_space(ds.get()), H5Sclose);
           Id dcpl(H5Dget_create_plist(ds.get()), H5Pclose);

@@ -1,11 +1,18 @@
 // HDF5 driver: damaged files give errors naming the file and dataset; never a crash.
 #include <doctest/doctest.h>
 
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <future>
+#include <memory>
+#include <thread>
 
 #include "optstate/checkpoint.h"
 #include "optstate/hash.h"
+#include "hdf5/hdf5_layout.h"
 #include "registry.h"
 #include "test_helpers.h"
 
@@ -136,4 +143,213 @@ TEST_CASE("hdf5: a file in the 1.8 file format, as optstate wrote it before, rea
   REQUIRE(old_file.ok());
   CHECK((*old_file)->checksummed());
   check_same_state_as_safetensors_fixture(**old_file);
+}
+
+// testdata/h5py_earliest.h5: safetensors/testdata/adamw8bit.safetensors converted to HDF5, then
+// copied by h5py (HDF5 2.0.0) into a file made with libver='earliest' (superblock 0, version 1
+// object headers), str attributes as h5py stores them (variable-length UTF-8), datasets chunked
+// with fletcher32 as they were.
+TEST_CASE("hdf5: a file h5py wrote in the earliest file format (superblock 0, v1 headers) reads the same") {
+  const FormatDriver* d = find_format("hdf5");
+  if (!d) return;
+  auto r = d->open(fs::path(OPTSTATE_SOURCE_DIR) / "formats/hdf5/testdata/h5py_earliest.h5");
+  REQUIRE(r.ok());
+  CHECK((*r)->checksummed());
+  check_same_state_as_safetensors_fixture(**r);
+}
+
+namespace {
+std::vector<std::byte> file_bytes(const std::string& name) {
+  const std::string s = testing::read_file(fs::path(OPTSTATE_SOURCE_DIR) / "formats/hdf5/testdata" / name);
+  const auto* p = reinterpret_cast<const std::byte*>(s.data());
+  return std::vector<std::byte>(p, p + s.size());
+}
+hdf5::ReadAt read_from(const std::vector<std::byte>& b) {
+  return [&b](uint64_t at, std::span<std::byte> out) -> Status {
+    if (at > b.size() || out.size() > b.size() - at) return corrupt("past the end");
+    std::memcpy(out.data(), b.data() + at, out.size());
+    return Status::Ok();
+  };
+}
+void put(std::vector<std::byte>& b, size_t at, uint64_t v, int n) {
+  for (int i = 0; i < n; ++i) b[at + static_cast<size_t>(i)] = static_cast<std::byte>((v >> (8 * i)) & 0xff);
+}
+// A 4096-byte collection: object 1 ("hello", 5 bytes padded to 8) at 16, then free space (index 0)
+// to the end.
+std::vector<std::byte> small_collection() {
+  std::vector<std::byte> c(4096);
+  std::memcpy(c.data(), "GCOL\x01\0\0\0", 8);
+  put(c, 8, 4096, 8);
+  put(c, 16, 1, 2);
+  put(c, 18, 1, 2);
+  put(c, 24, 5, 8);
+  std::memcpy(c.data() + 32, "hello", 5);
+  put(c, 40, 0, 2);
+  put(c, 48, 4096 - 40, 8);
+  return c;
+}
+std::string error_of(const Status& s) { return s.ok() ? "ok" : s.message(); }
+}  // namespace
+
+TEST_CASE("hdf5 layout: the root's variable-length string attributes and their collection, as h5py stores them") {
+  struct Case {
+    const char* file;
+    int superblock;
+    uint64_t root;
+  };
+  // h5py_edited: superblock 3, a version 2 object header holding version 1 attribute messages;
+  // h5py_earliest: superblock 0 (the root's symbol table entry), a version 1 object header.
+  for (const Case& k : {Case{"h5py_edited.h5", 3, 48}, Case{"h5py_earliest.h5", 0, 96}}) {
+    CAPTURE(k.file);
+    const auto b = file_bytes(k.file);
+    auto sb = hdf5::parse_superblock(b, k.file);
+    REQUIRE(sb.ok());
+    CHECK(sb->version == k.superblock);
+    CHECK(sb->offset_size == 8);
+    CHECK(sb->length_size == 8);
+    CHECK(sb->root_header == k.root);
+    for (auto [name, length] : {std::pair{"optstate", uint64_t{679}}, std::pair{"format", uint64_t{13}}}) {
+      auto refs = hdf5::find_vlen_string_attribute(read_from(b), *sb, sb->root_header, name, k.file);
+      REQUIRE(refs.ok());
+      REQUIRE(refs->size() == 1);
+      const hdf5::VlenRef ref = refs->front();
+      CHECK(ref.length == length);
+      auto size = hdf5::parse_collection_size(std::span(b).subspan(ref.collection, 16), 8, k.file);
+      REQUIRE(size.ok());
+      CHECK(error_of(hdf5::check_collection(std::span(b).subspan(ref.collection, *size), 8, ref, k.file)) == "ok");
+      // The string the collection holds is the attribute's: the format tag.
+      if (std::string_view(name) == "format") {
+        const auto* text = reinterpret_cast<const char*>(b.data() + ref.collection + 16);
+        bool seen = false;
+        for (size_t at = 0; at + 13 <= *size - 16 && !seen; ++at) seen = std::string_view(text + at, 13) == "optstate-hdf5";
+        CHECK(seen);
+      }
+    }
+    auto absent = hdf5::find_vlen_string_attribute(read_from(b), *sb, sb->root_header, "no_such", k.file);
+    REQUIRE(absent.ok());
+    CHECK(absent->empty());
+  }
+  // optstate writes fixed-length strings: no variable-length one is found.
+  const auto b = file_bytes("adamw8bit_v18.h5");
+  auto sb = hdf5::parse_superblock(b, "v18");
+  REQUIRE(sb.ok());
+  auto refs = hdf5::find_vlen_string_attribute(read_from(b), *sb, sb->root_header, "optstate", "v18");
+  REQUIRE(refs.ok());
+  CHECK(refs->empty());
+}
+
+TEST_CASE("hdf5 layout: a collection libhdf5's loader would loop on or read past is refused") {
+  const hdf5::VlenRef hello{5, 1, 1};
+  CHECK(error_of(hdf5::check_collection(small_collection(), 8, hello, "c")) == "ok");
+  auto c = small_collection();
+  SUBCASE("free space of size 0: libhdf5 steps by 0 forever") {
+    put(c, 48, 0, 8);
+    CHECK(error_of(hdf5::check_collection(c, 8, hello, "c")).find("(index 0, free space) has size 0") !=
+          std::string::npos);
+  }
+  SUBCASE("an object past the end") {
+    put(c, 24, 5000, 8);
+    CHECK(error_of(hdf5::check_collection(c, 8, {5000, 1, 1}, "c")).find("runs past") != std::string::npos);
+    put(c, 24, ~uint64_t{0}, 8);  // a size that overflows the step
+    CHECK(error_of(hdf5::check_collection(c, 8, hello, "c")).find("runs past") != std::string::npos);
+  }
+  SUBCASE("free space running past the end") {
+    put(c, 48, 4096, 8);
+    CHECK(error_of(hdf5::check_collection(c, 8, hello, "c")).find("runs past") != std::string::npos);
+  }
+  SUBCASE("an index twice") {
+    put(c, 40, 1, 2);
+    put(c, 48, 8, 8);
+    CHECK(error_of(hdf5::check_collection(c, 8, hello, "c")).find("object 1 twice") != std::string::npos);
+  }
+  SUBCASE("no such object, or not of the value's length") {
+    CHECK(error_of(hdf5::check_collection(c, 8, {5, 1, 2}, "c")).find("holds no object 2") != std::string::npos);
+    CHECK(error_of(hdf5::check_collection(c, 8, {6, 1, 1}, "c")).find("holds 5 bytes, the value says 6") !=
+          std::string::npos);
+  }
+  SUBCASE("a tail too small for an object header is free space, as libhdf5 takes it") {
+    put(c, 48, 4096 - 40 - 8, 8);
+    CHECK(error_of(hdf5::check_collection(c, 8, hello, "c")) == "ok");
+  }
+  SUBCASE("header: signature, version, size") {
+    c[0] = std::byte{'X'};
+    CHECK(error_of(hdf5::check_collection(c, 8, hello, "c")).find("no \"GCOL\"") != std::string::npos);
+    c[0] = std::byte{'G'};
+    c[4] = std::byte{2};
+    CHECK(error_of(hdf5::check_collection(c, 8, hello, "c")).find("version 2") != std::string::npos);
+    c[4] = std::byte{1};
+    put(c, 8, 100, 8);
+    CHECK(error_of(hdf5::check_collection(c, 8, hello, "c")).find("outside [4096") != std::string::npos);
+    put(c, 8, 8192, 8);
+    CHECK(error_of(hdf5::check_collection(c, 8, hello, "c")).find("says 8192 bytes, 4096 given") !=
+          std::string::npos);
+  }
+}
+
+TEST_CASE("hdf5 layout: hostile superblocks and object headers give errors") {
+  auto b = file_bytes("h5py_edited.h5");
+  SUBCASE("superblock") {
+    b[8] = std::byte{4};
+    CHECK(error_of(hdf5::parse_superblock(b, "f").status()).find("version 4") != std::string::npos);
+    b[8] = std::byte{3};
+    b[9] = std::byte{3};
+    CHECK(error_of(hdf5::parse_superblock(b, "f").status()).find("addresses of 3 bytes") != std::string::npos);
+    CHECK_FALSE(hdf5::parse_superblock(std::span(b).first(20), "f").ok());
+    CHECK_FALSE(hdf5::parse_superblock(std::span(b).subspan(1), "f").ok());
+  }
+  hdf5::Superblock sb;
+  SUBCASE("a continuation chunk named twice (a loop)") {
+    // A version 1 header at 0 whose one message continues the header at its own first chunk.
+    std::vector<std::byte> h(64);
+    put(h, 0, 1, 1);
+    put(h, 8, 24, 4);
+    put(h, 16, 0x10, 2);  // continuation message: 16 bytes
+    put(h, 18, 16, 2);
+    put(h, 24, 16, 8);  // at 16, 24 bytes: this chunk again
+    put(h, 32, 24, 8);
+    CHECK(error_of(hdf5::find_vlen_string_attribute(read_from(h), sb, 0, "optstate", "f").status())
+              .find("continuation chunk at 16 is named twice") != std::string::npos);
+    put(h, 18, 40, 2);  // a message running past its chunk
+    CHECK(error_of(hdf5::find_vlen_string_attribute(read_from(h), sb, 0, "optstate", "f").status())
+              .find("runs past its chunk's end") != std::string::npos);
+    put(h, 0, 7, 1);
+    CHECK(error_of(hdf5::find_vlen_string_attribute(read_from(h), sb, 0, "optstate", "f").status())
+              .find("not an object header") != std::string::npos);
+  }
+  SUBCASE("a chunk over the cap, or past the file's end") {
+    // h5py_edited's root header at 48: "OHDR", version 2, flags 0x01 (the first chunk's size in 2
+    // bytes, at 54).
+    REQUIRE(b[53] == std::byte{0x01});
+    put(b, 54, 0xffff, 2);
+    auto s = hdf5::parse_superblock(b, "f");
+    REQUIRE(s.ok());
+    CHECK(error_of(hdf5::find_vlen_string_attribute(read_from(b), *s, 48, "optstate", "f").status()) ==
+          "f: the object header at 48: past the end");
+    std::vector<std::byte> h(64);  // version 1: the size is 4 bytes
+    put(h, 0, 1, 1);
+    put(h, 8, 0xffffffff, 4);
+    CHECK(error_of(hdf5::find_vlen_string_attribute(read_from(h), sb, 0, "optstate", "f").status())
+              .find("a chunk of 4294967295 bytes is over the 16 MiB") != std::string::npos);
+  }
+}
+
+TEST_CASE("hdf5: a global heap collection libhdf5 would loop on is refused before libhdf5 reads it") {
+  // testdata/hang_global_heap.h5: h5py_edited.h5 with 4 bytes of the collection changed (object 2,
+  // the format tag, claims 118 bytes, so the walk lands on zeros: free space of size 0). libhdf5
+  // 1.10.8's H5Aread of the attribute never returned; a watchdog ends the run if the check is gone.
+  const FormatDriver* d = find_format("hdf5");
+  if (!d) return;
+  const fs::path path = fs::path(OPTSTATE_SOURCE_DIR) / "formats/hdf5/testdata/hang_global_heap.h5";
+  auto done = std::make_shared<std::promise<Status>>();
+  auto result = done->get_future();
+  std::thread([d, path, done] { done->set_value(d->open(path).status()); }).detach();
+  if (result.wait_for(std::chrono::seconds(120)) != std::future_status::ready) {
+    std::fprintf(stderr, "hdf5: opening %s did not return in 120 s (libhdf5's loop)\n", path.c_str());
+    std::_Exit(1);
+  }
+  const Status st = result.get();
+  CHECK(st.code() == ErrorCode::kCorrupt);
+  CHECK(st.message().find(path.string()) != std::string::npos);
+  CHECK(st.message().find("attribute 'format': its global heap collection at 6829: global heap object 2 holds "
+                          "118 bytes, the value says 13") != std::string::npos);
 }

@@ -1,0 +1,276 @@
+#include "hdf5_layout.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <optional>
+#include <set>
+
+namespace optstate::hdf5 {
+
+namespace {
+
+// Little-endian unsigned of `n` bytes (1-8) at `at`; the caller has checked the range.
+uint64_t le(std::span<const std::byte> b, size_t at, int n) {
+  uint64_t v = 0;
+  for (int i = n - 1; i >= 0; --i) v = (v << 8) | std::to_integer<uint64_t>(b[at + static_cast<size_t>(i)]);
+  return v;
+}
+
+bool has(std::span<const std::byte> b, size_t at, uint64_t n) { return at <= b.size() && n <= b.size() - at; }
+
+bool starts_with(std::span<const std::byte> b, size_t at, std::string_view sig) {
+  return has(b, at, sig.size()) && std::memcmp(b.data() + at, sig.data(), sig.size()) == 0;
+}
+
+uint64_t align8(uint64_t x) { return (x + 7) / 8 * 8; }
+
+bool valid_size(uint64_t n) { return n == 2 || n == 4 || n == 8; }
+
+// Message types (the specification's IV.A.2).
+constexpr unsigned kAttributeMessage = 0x000C;
+constexpr unsigned kContinuationMessage = 0x0010;
+constexpr unsigned kSharedMessageFlag = 0x02;  // the message is stored elsewhere (a shared message)
+
+struct Chunk {
+  uint64_t address = 0, size = 0;  // where the messages lie (and, for OCHK, signature + checksum)
+  bool continuation = false;
+};
+
+// One message as the walk gives it.
+struct Message {
+  unsigned type = 0, flags = 0;
+  std::span<const std::byte> data;
+};
+
+// The messages of one chunk's message area: version 1 headers have 8-byte message headers (type u16,
+// size u16, flags, 3 reserved); version 2 ones 4 (type u8, size u16, flags) plus a creation order
+// (u16) when the header tracks it. Bytes too few for a message header at the end are a gap.
+Status walk_messages(std::span<const std::byte> area, int version, bool creation_order,
+                     const std::function<Status(const Message&)>& visit, const std::string& where) {
+  const size_t head = version == 1 ? 8 : 4 + (creation_order ? 2 : 0);
+  size_t p = 0;
+  while (has(area, p, head)) {
+    Message m;
+    uint64_t size = 0;
+    if (version == 1) {
+      m.type = static_cast<unsigned>(le(area, p, 2));
+      size = le(area, p + 2, 2);
+      m.flags = static_cast<unsigned>(le(area, p + 4, 1));
+    } else {
+      m.type = static_cast<unsigned>(le(area, p, 1));
+      size = le(area, p + 1, 2);
+      m.flags = static_cast<unsigned>(le(area, p + 3, 1));
+    }
+    if (!has(area, p + head, size))
+      return corrupt(fmt::format("{}: an object header message of {} bytes runs past its chunk's end", where, size));
+    m.data = area.subspan(p + head, size);
+    OPTSTATE_RETURN_IF_ERROR(visit(m));
+    p += head + size;
+  }
+  return Status::Ok();
+}
+
+// An attribute message (versions 1-3): its name, and where its datatype and data lie. Version 1 pads
+// the name, datatype and dataspace to 8 bytes each; version 3 has a name character set byte.
+struct Attribute {
+  std::string_view name;
+  std::span<const std::byte> datatype;  // empty when the datatype is a shared (committed) one
+  std::span<const std::byte> data;
+};
+std::optional<Attribute> parse_attribute(std::span<const std::byte> m) {
+  if (!has(m, 0, 8)) return std::nullopt;
+  const int version = static_cast<int>(le(m, 0, 1));
+  if (version < 1 || version > 3) return std::nullopt;
+  const unsigned flags = version == 1 ? 0 : static_cast<unsigned>(le(m, 1, 1));
+  const uint64_t name_size = le(m, 2, 2), type_size = le(m, 4, 2), space_size = le(m, 6, 2);
+  const auto pad = [&](uint64_t n) { return version == 1 ? align8(n) : n; };
+  size_t p = version == 3 ? 9 : 8;
+  if (name_size == 0 || !has(m, p, pad(name_size))) return std::nullopt;
+  Attribute a;
+  const char* name = reinterpret_cast<const char*>(m.data() + p);
+  a.name = std::string_view(name, strnlen(name, static_cast<size_t>(name_size)));
+  p += pad(name_size);
+  if (!has(m, p, pad(type_size))) return std::nullopt;
+  if (!(flags & 0x01)) a.datatype = m.subspan(p, type_size);
+  p += pad(type_size);
+  if (!has(m, p, pad(space_size))) return std::nullopt;
+  p += pad(space_size);
+  a.data = m.subspan(p);
+  return a;
+}
+
+}  // namespace
+
+Result<Superblock> parse_superblock(std::span<const std::byte> b, const std::string& where) {
+  static constexpr unsigned char kSig[8] = {0x89, 'H', 'D', 'F', '\r', '\n', 0x1a, '\n'};
+  if (!has(b, 0, 9) || std::memcmp(b.data(), kSig, 8) != 0)
+    return corrupt(fmt::format("{}: no HDF5 superblock", where));
+  Superblock sb;
+  sb.version = static_cast<int>(le(b, 8, 1));
+  size_t p = 0;
+  if (sb.version == 0 || sb.version == 1) {
+    if (!has(b, 0, 24)) return corrupt(fmt::format("{}: the HDF5 superblock is cut short", where));
+    sb.offset_size = static_cast<int>(le(b, 13, 1));
+    sb.length_size = static_cast<int>(le(b, 14, 1));
+    // 16: leaf/internal node K (2 + 2), consistency flags (4), version 1's indexed storage K (2 + 2);
+    // then base, free-space, end-of-file and driver addresses; then the root's symbol table entry
+    // (link name offset, object header address, ...).
+    p = 24 + (sb.version == 1 ? 4 : 0) + 4 * static_cast<size_t>(sb.offset_size) + sb.offset_size;
+  } else if (sb.version == 2 || sb.version == 3) {
+    if (!has(b, 0, 12)) return corrupt(fmt::format("{}: the HDF5 superblock is cut short", where));
+    sb.offset_size = static_cast<int>(le(b, 9, 1));
+    sb.length_size = static_cast<int>(le(b, 10, 1));
+    // 12: flags (1); base, superblock extension, end-of-file addresses; root object header address.
+    p = 12 + 3 * static_cast<size_t>(sb.offset_size);
+  } else {
+    return corrupt(fmt::format("{}: HDF5 superblock version {} is not one this reader knows (0-3)", where, sb.version));
+  }
+  if (!valid_size(sb.offset_size) || !valid_size(sb.length_size))
+    return corrupt(fmt::format("{}: HDF5 addresses of {} bytes and lengths of {} bytes are not supported (2, 4 or 8)",
+                               where, sb.offset_size, sb.length_size));
+  if (!has(b, p, sb.offset_size)) return corrupt(fmt::format("{}: the HDF5 superblock is cut short", where));
+  sb.root_header = le(b, p, sb.offset_size);
+  return sb;
+}
+
+Result<std::vector<VlenRef>> find_vlen_string_attribute(const ReadAt& read, const Superblock& sb, uint64_t header,
+                                                        std::string_view name, const std::string& where) {
+  const std::string at = fmt::format("{}: the object header at {}", where, header);
+  // The prefix: version 1 is 16 bytes (version, reserved, message count u16, reference count u32,
+  // header size u32, 4 padding); version 2 starts "OHDR", version 2, flags, then optional times
+  // (flags & 0x20: 4 x u32) and attribute phase change values (flags & 0x10: 2 x u16), then the
+  // first chunk's size in 1 << (flags & 3) bytes.
+  std::byte prefix[40] = {};
+  OPTSTATE_RETURN_IF_ERROR(read(header, std::span(prefix, 16)).with_context(at));
+  const std::span<const std::byte> pre(prefix);
+  int version = 0;
+  bool creation_order = false;
+  std::deque<Chunk> chunks;
+  if (starts_with(pre, 0, "OHDR")) {
+    version = static_cast<int>(le(pre, 4, 1));
+    if (version != 2) return corrupt(fmt::format("{}: version {} (\"OHDR\" is version 2)", at, version));
+    const unsigned flags = static_cast<unsigned>(le(pre, 5, 1));
+    creation_order = flags & 0x04;
+    const size_t size_at = 6 + ((flags & 0x20) ? 16 : 0) + ((flags & 0x10) ? 4 : 0);
+    const int size_bytes = 1 << (flags & 3);
+    if (size_at + static_cast<size_t>(size_bytes) > 16)  // at most 34 bytes
+      OPTSTATE_RETURN_IF_ERROR(
+          read(header + 16, std::span(prefix + 16, size_at + static_cast<size_t>(size_bytes) - 16)).with_context(at));
+    const uint64_t size = le(pre, size_at, size_bytes);
+    chunks.push_back({header + size_at + static_cast<uint64_t>(size_bytes), size, false});
+  } else if (le(pre, 0, 1) == 1) {
+    version = 1;
+    chunks.push_back({header + 16, le(pre, 8, 4), false});
+  } else {
+    return corrupt(fmt::format("{}: not an object header (no \"OHDR\", version {})", at, le(pre, 0, 1)));
+  }
+  std::vector<VlenRef> found;
+  std::set<uint64_t> seen;
+  std::vector<std::byte> bytes;
+  int count = 0;
+  while (!chunks.empty()) {
+    const Chunk c = chunks.front();
+    chunks.pop_front();
+    if (++count > kMaxHeaderChunks)
+      return corrupt(fmt::format("{}: over {} continuation chunks", at, kMaxHeaderChunks));
+    if (!seen.insert(c.address).second)
+      return corrupt(fmt::format("{}: continuation chunk at {} is named twice", at, c.address));
+    if (c.size > kMaxHeaderChunkBytes)
+      return corrupt(fmt::format("{}: a chunk of {} bytes is over the {} MiB this reader takes", at, c.size,
+                                 kMaxHeaderChunkBytes >> 20));
+    bytes.resize(static_cast<size_t>(c.size));
+    OPTSTATE_RETURN_IF_ERROR(read(c.address, bytes).with_context(at));
+    std::span<const std::byte> area(bytes);
+    if (version == 2 && c.continuation) {  // "OCHK", the messages, a checksum (u32)
+      if (!starts_with(area, 0, "OCHK") || area.size() < 8)
+        return corrupt(fmt::format("{}: continuation chunk at {} does not start \"OCHK\"", at, c.address));
+      area = area.subspan(4, area.size() - 8);
+    }
+    const auto visit = [&](const Message& m) -> Status {
+      if (m.type == kContinuationMessage) {
+        const size_t o = static_cast<size_t>(sb.offset_size), l = static_cast<size_t>(sb.length_size);
+        if (!has(m.data, 0, o + l))
+          return corrupt(fmt::format("{}: a continuation message of {} bytes is cut short", at, m.data.size()));
+        chunks.push_back({le(m.data, 0, sb.offset_size), le(m.data, o, sb.length_size), true});
+        return Status::Ok();
+      }
+      if (m.type != kAttributeMessage || (m.flags & kSharedMessageFlag)) return Status::Ok();
+      const auto a = parse_attribute(m.data);
+      if (!a || a->name != name) return Status::Ok();
+      // A variable-length (class 9) string (type 1 in the low bits of the class bit field).
+      if (!a->datatype.empty() &&
+          (a->datatype.size() < 2 || (le(a->datatype, 0, 1) & 0x0f) != 9 || (le(a->datatype, 1, 1) & 0x0f) != 1))
+        return Status::Ok();
+      const size_t need = 8 + static_cast<size_t>(sb.offset_size);
+      if (!has(a->data, 0, need))
+        return corrupt(fmt::format("{}: attribute '{}' holds {} bytes, not a variable-length value", at, name,
+                                   a->data.size()));
+      found.push_back({le(a->data, 0, 4), le(a->data, 4, sb.offset_size),
+                       static_cast<uint32_t>(le(a->data, 4 + static_cast<size_t>(sb.offset_size), 4))});
+      return Status::Ok();
+    };
+    OPTSTATE_RETURN_IF_ERROR(walk_messages(area, version, creation_order, visit, at));
+  }
+  return found;
+}
+
+Result<uint64_t> parse_collection_size(std::span<const std::byte> head, int length_size, const std::string& where) {
+  if (!valid_size(static_cast<uint64_t>(length_size)) || !has(head, 0, 8 + static_cast<uint64_t>(length_size)))
+    return corrupt(fmt::format("{}: a global heap collection's header is cut short", where));
+  if (!starts_with(head, 0, "GCOL"))
+    return corrupt(fmt::format("{}: no global heap collection there (no \"GCOL\")", where));
+  if (le(head, 4, 1) != 1)
+    return corrupt(fmt::format("{}: global heap collection version {} (1 is known)", where, le(head, 4, 1)));
+  const uint64_t size = le(head, 8, length_size);
+  if (size < kMinCollectionBytes || size > kMaxCollectionBytes)
+    return corrupt(fmt::format("{}: a global heap collection of {} bytes is outside [{}, {} MiB]", where, size,
+                               kMinCollectionBytes, kMaxCollectionBytes >> 20));
+  return size;
+}
+
+Status check_collection(std::span<const std::byte> c, int length_size, const VlenRef& ref, const std::string& where) {
+  OPTSTATE_ASSIGN_OR_RETURN(const uint64_t size, parse_collection_size(c, length_size, where));
+  if (size != c.size())
+    return corrupt(fmt::format("{}: the global heap collection says {} bytes, {} given", where, size, c.size()));
+  const uint64_t L = static_cast<uint64_t>(length_size);
+  const uint64_t object_header = 8 + L;  // index u16, reference count u16, 4 reserved, size
+  uint64_t p = align8(8 + L);            // "GCOL", version, 3 reserved, size
+  std::vector<bool> seen(65536, false);
+  bool found = false;
+  while (p < size) {
+    if (size - p < object_header) break;  // too small for an object: free space, as libhdf5 takes it
+    const auto index = static_cast<unsigned>(le(c, static_cast<size_t>(p), 2));
+    const uint64_t object_size = le(c, static_cast<size_t>(p + 8), length_size);
+    // A stored object takes its header and its bytes padded to 8; the free-space object (index 0)
+    // takes its size, which counts its header.
+    uint64_t need = object_size;
+    if (index > 0) need = object_size > size ? size + 1 : object_header + align8(object_size);
+    if (need == 0)
+      return corrupt(fmt::format("{}: the global heap collection's object at offset {} (index 0, free space) has size "
+                                 "0, on which libhdf5's loader would loop without end",
+                                 where, p));
+    if (need > size - p)
+      return corrupt(fmt::format("{}: the global heap collection's object {} at offset {} of {} bytes runs past the "
+                                 "collection's {} bytes",
+                                 where, index, p, object_size, size));
+    if (index > 0) {
+      if (seen[index]) return corrupt(fmt::format("{}: the global heap collection holds object {} twice", where, index));
+      seen[index] = true;
+      if (index == ref.index) {
+        if (object_size != ref.length)
+          return corrupt(fmt::format("{}: global heap object {} holds {} bytes, the value says {}", where, index,
+                                     object_size, ref.length));
+        found = true;
+      }
+    }
+    p += need;
+  }
+  if (!found)
+    return corrupt(fmt::format("{}: the global heap collection holds no object {}", where, ref.index));
+  return Status::Ok();
+}
+
+}  // namespace optstate::hdf5

@@ -1,0 +1,66 @@
+// The few HDF5 structures the driver reads itself, parsed as pure functions over bytes (reads go
+// through a ReadAt the caller gives). libhdf5 parses the file; but it loops without end on a global
+// heap collection whose object sizes walk onto a free-space object of size 0, so before libhdf5
+// reads a variable-length string attribute the driver finds where the string is stored (the
+// superblock, the object header and its continuation chunks, the attribute message) and walks the
+// collection it lies in as libhdf5 will. Byte layouts: FORMAT.md ("What the driver parses itself").
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "optstate/status.h"
+
+namespace optstate::hdf5 {
+
+// Caps on what a hostile file can make this parser read.
+inline constexpr uint64_t kMaxHeaderChunkBytes = uint64_t{16} << 20;  // one object header chunk
+inline constexpr int kMaxHeaderChunks = 4096;                          // chunks of one object header
+inline constexpr uint64_t kMaxCollectionBytes = uint64_t{512} << 20;   // one global heap collection
+inline constexpr uint64_t kMinCollectionBytes = 4096;                  // libhdf5's H5HG_MINSIZE
+
+struct Superblock {
+  int version = 0;
+  int offset_size = 8;       // bytes of a file address
+  int length_size = 8;       // bytes of a length
+  uint64_t root_header = 0;  // the root group's object header, relative to the base address
+};
+// The superblock from its signature on (`bytes`: at least up to its end; 256 bytes hold every
+// version's). Versions 0-3; addresses and lengths of 2, 4 or 8 bytes.
+Result<Superblock> parse_superblock(std::span<const std::byte> bytes, const std::string& where);
+
+// Reads exactly out.size() bytes at `address` (relative to the base address), or an error.
+using ReadAt = std::function<Status(uint64_t address, std::span<std::byte> out)>;
+
+// A variable-length value as stored: `length` elements (a string's bytes) in object `index` of the
+// global heap collection at `collection` (0: nothing stored, libhdf5 reads nothing).
+struct VlenRef {
+  uint64_t length = 0;
+  uint64_t collection = 0;
+  uint32_t index = 0;
+};
+
+// The stored values of the attributes named `name` whose type is a variable-length string, held as
+// attribute messages in the object header at `header` (version 1, or 2 with "OHDR") and its
+// continuation chunks, in the order they are found. An attribute kept in dense storage (a fractal
+// heap, past 8 attributes) or as a shared message is not in the header: not found.
+Result<std::vector<VlenRef>> find_vlen_string_attribute(const ReadAt& read, const Superblock& sb, uint64_t header,
+                                                        std::string_view name, const std::string& where);
+
+// A collection's size from its first 16 bytes ("GCOL", version 1, the size as a length), checked
+// against kMinCollectionBytes and kMaxCollectionBytes.
+Result<uint64_t> parse_collection_size(std::span<const std::byte> head, int length_size, const std::string& where);
+
+// Walks the objects of `collection` (all its bytes) as libhdf5's loader does, and refuses what that
+// loader would loop on or read past: a step of 0 bytes, an object running past the collection's end,
+// an index twice. Then object `ref.index` must be there, holding exactly `ref.length` bytes (libhdf5
+// copies the object's bytes into a buffer of the length's size).
+Status check_collection(std::span<const std::byte> collection, int length_size, const VlenRef& ref,
+                        const std::string& where);
+
+}  // namespace optstate::hdf5

@@ -7,8 +7,10 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -1724,6 +1726,98 @@ def test_hdf5_dataset_rewritten_without_fletcher32_is_read_and_validate_says_so(
     assert f"1 of {total} datasets has no fletcher32 checksum, the first '/0.bias/exp_avg' (sizes," in out, out
     report = json.loads(optstate_cli("validate", "--json", edited).stdout)
     assert report["ok"] and report["checksums_verified"] is False and "'/0.bias/exp_avg'" in report["unchecked"]
+
+
+def rebuild_with_h5py(h5py, src, dst, libver, extra_root_attrs=0):
+    """What a user's h5py script makes of an optstate HDF5 file: every group, dataset (chunks and
+    fletcher32 kept) and attribute copied into a new file of `libver`, str attributes stored as h5py
+    stores them (variable-length UTF-8 in the file's global heap)."""
+    with h5py.File(src, "r") as s, h5py.File(dst, "w", libver=libver) as d:
+        def copy_attrs(a, b):
+            for k, v in a.attrs.items():
+                b.attrs[k] = v.decode() if isinstance(v, bytes) else v
+
+        def visit(name, obj):
+            if isinstance(obj, h5py.Group):
+                copy_attrs(obj, d.require_group(name))
+            else:
+                copy_attrs(obj, d.create_dataset(name, data=obj[...], chunks=obj.chunks, fletcher32=obj.fletcher32))
+        copy_attrs(s, d)
+        s.visititems(visit)
+        for i in range(extra_root_attrs):
+            d.attrs[f"note{i}"] = f"a note {i}"
+        assert d.attrs.get_id("optstate").get_type().is_variable_str()
+
+
+def test_hdf5_rebuilt_by_h5py_in_its_file_formats(tmp_path, optstate_cli):
+    """h5py's default libver='earliest' (superblock 0, version 1 object headers) reads as the same
+    state, the global heap walk before each variable-length attribute read included; so does a root
+    with more attributes than compact storage holds (libver='v110': libhdf5 moves them into a fractal
+    heap, where the walk does not look: read as libhdf5 reads it). libver='latest' under HDF5 2.0 writes layout
+    messages libhdf5 1.10 does not know: refused naming the dataset and libhdf5's cause."""
+    h5py = pytest.importorskip("h5py")
+    ao = make_dcp(tmp_path, "ao")
+    optstate_cli("convert", ao, tmp_path / "s.h5")
+    want = hashes(optstate_cli, tmp_path / "s.h5", values=True)
+    rebuild_with_h5py(h5py, tmp_path / "s.h5", tmp_path / "earliest.h5", "earliest")
+    assert open(tmp_path / "earliest.h5", "rb").read(9)[8] == 0  # superblock version 0
+    assert hashes(optstate_cli, tmp_path / "earliest.h5", values=True) == want
+    optstate_cli("validate", tmp_path / "earliest.h5")
+    rebuild_with_h5py(h5py, tmp_path / "s.h5", tmp_path / "dense.h5", "v110", extra_root_attrs=12)
+    assert b"FRHP" in (tmp_path / "dense.h5").read_bytes()  # the attributes' fractal heap
+    assert hashes(optstate_cli, tmp_path / "dense.h5", values=True) == want
+    rebuild_with_h5py(h5py, tmp_path / "s.h5", tmp_path / "latest.h5", "latest")
+    if h5py.version.hdf5_version_tuple >= (2, 0, 0):
+        err = run_err(optstate_cli, "inspect", tmp_path / "latest.h5")
+        assert "is not a dataset libhdf5" in err and "bad version number for layout message" in err, err
+        assert "a newer HDF5's file format" in err and str(tmp_path / "latest.h5") in err
+    else:
+        assert hashes(optstate_cli, tmp_path / "latest.h5", values=True) == want
+
+
+def global_heap_objects(data, at):
+    """(offset, index, size) of each object of the global heap collection at `at` (lengths of 8
+    bytes), as libhdf5 walks it."""
+    assert data[at:at + 5] == b"GCOL\x01"
+    size = int.from_bytes(data[at + 8:at + 16], "little")
+    p, objects = at + 16, []
+    while p + 16 <= at + size:
+        index, obj_size = int.from_bytes(data[p:p + 2], "little"), int.from_bytes(data[p + 8:p + 16], "little")
+        objects.append((p, index, obj_size))
+        p += 16 + (obj_size + 7) // 8 * 8 if index else obj_size
+    return objects
+
+
+def test_hdf5_damaged_global_heap_is_refused_not_a_hang(tmp_path, optstate_cli):
+    """libhdf5 (1.10.8, and HDF5 2.0 under h5py) loops without end loading a global heap collection
+    whose walk meets a free-space object of size 0. Two such damages of the collection h5py stored the
+    root's str attributes in: the free space's own size zeroed, and the format tag's object made to
+    claim more bytes (the walk lands on zeros inside the free space). optstate refuses each, naming
+    the attribute and the collection, within the time limit instead of never returning."""
+    h5py = pytest.importorskip("h5py")
+    ao = make_dcp(tmp_path, "ao")
+    optstate_cli("convert", ao, tmp_path / "s.h5")
+    rebuild_with_h5py(h5py, tmp_path / "s.h5", tmp_path / "h.h5", "earliest")
+    data = (tmp_path / "h.h5").read_bytes()
+    at = data.index(b"GCOL")
+    objects = global_heap_objects(data, at)
+    free = [o for o in objects if o[1] == 0]
+    tag = [o for o in objects if data[o[0] + 16:o[0] + 16 + o[2]] == b"optstate-hdf5"]
+    assert len(free) == 1 and len(tag) == 1, objects
+    damages = {
+        "free space of size 0": (free[0][0] + 8, 0, "(index 0, free space) has size 0"),
+        "tag claims 120 bytes": (tag[0][0] + 8, 120, f"global heap object {tag[0][1]} holds 120 bytes, the value says 13"),
+    }
+    exe = Path(os.environ.get("OPTSTATE_BUILD_DIR", Path(__file__).resolve().parents[2] / "build")) / "optstate"
+    for name, (offset, value, want) in damages.items():
+        bad = bytearray(data)
+        bad[offset:offset + 8] = value.to_bytes(8, "little")
+        path = tmp_path / f"{name.replace(' ', '_')}.h5"
+        path.write_bytes(bad)
+        proc = subprocess.run([str(exe), "inspect", str(path)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, (name, proc.returncode, proc.stdout)
+        assert f"attribute 'format': its global heap collection at {at}: " in proc.stderr, (name, proc.stderr)
+        assert want in proc.stderr and str(path) in proc.stderr, (name, proc.stderr)
 
 
 def iter_objects(group):

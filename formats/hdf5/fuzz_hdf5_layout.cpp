@@ -62,20 +62,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::memcpy(out.data(), data + address, out.size());
     return Status::Ok();
   };
-  for (const char* name : {"format", "optstate"}) {
-    auto refs = find_vlen_string_attribute(read, *sb, sb->root_header, name, "/fuzz");
-    if (!refs.ok()) continue;
-    for (const VlenRef& ref : *refs) {
-      std::byte head[16];
-      if (!read(ref.collection, head).ok()) continue;
-      auto n = parse_collection_size(head, sb->length_size, "/fuzz");
-      if (!n.ok() || *n > size - ref.collection) continue;  // read() checked ref.collection + 16 <= size
-      std::vector<std::byte> c(static_cast<size_t>(*n));
-      if (!read(ref.collection, c).ok()) continue;
-      if (!check_collection(c, sb->length_size, ref, "/fuzz").ok()) continue;
-      ++parsed;
-      if (!loader_walk_ends(c, sb->length_size, ref.index)) __builtin_trap();
-    }
+  auto attributes = find_vlen_string_attributes(read, *sb, sb->root_header, "/fuzz");
+  if (!attributes.ok()) return 0;
+  for (const auto& [name, ref] : *attributes) {
+    std::byte head[16];
+    if (!read(ref.collection, head).ok()) continue;
+    auto n = parse_collection_size(head, sb->length_size, "/fuzz");
+    if (!n.ok() || *n > size - ref.collection) continue;  // read() checked ref.collection + 16 <= size
+    std::vector<std::byte> c(static_cast<size_t>(*n));
+    if (!read(ref.collection, c).ok()) continue;
+    if (!check_collection(c, sb->length_size, ref, "/fuzz").ok()) continue;
+    ++parsed;
+    if (!loader_walk_ends(c, sb->length_size, ref.index)) __builtin_trap();
   }
   return 0;
 }

@@ -158,10 +158,8 @@ Status set_shape_attr(hid_t obj, const char* name, const std::vector<int64_t>& s
   return Status::Ok();
 }
 
-// A fixed- or variable-length string attribute, read with a size cap; `before_vlen_read` runs before
-// libhdf5 reads a variable-length one.
-Result<std::string> get_string_attr(hid_t obj, const char* name, const std::string& where,
-                                    const std::function<Status()>& before_vlen_read) {
+// A fixed- or variable-length string attribute, read with a size cap.
+Result<std::string> get_string_attr(hid_t obj, const char* name, const std::string& where) {
   if (H5Aexists(obj, name) <= 0) return corrupt(fmt::format("{}: attribute '{}' is missing", where, name));
   Id attr(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
   Id type(H5Aget_type(attr.get()), H5Tclose);
@@ -179,7 +177,6 @@ Result<std::string> get_string_attr(hid_t obj, const char* name, const std::stri
     Id mem(H5Tcopy(H5T_C_S1), H5Tclose);
     H5Tset_size(mem.get(), H5T_VARIABLE);
     H5Tset_cset(mem.get(), cset);
-    OPTSTATE_RETURN_IF_ERROR(before_vlen_read());
     char* s = nullptr;
     if (H5Aread(attr.get(), mem.get(), &s) < 0 || !s)
       return corrupt(fmt::format("{}: cannot read attribute '{}'", where, name));
@@ -461,12 +458,12 @@ bool has_signature(const fs::path& path) {
   return f.ok() && superblock_offset(*f).has_value();
 }
 
-// Before libhdf5 reads the variable-length string attribute `name` of the root group: the global
-// heap collection it is stored in walks as libhdf5's loader will walk it (hdf5_layout.h), which
-// loops without end on a damaged one. An attribute not held in the root's object header (dense
-// storage, past 8 attributes) is not checked here (FORMAT.md).
-Status check_root_vlen_attribute(const fs::path& path, const char* name, const std::string& where) {
-  const std::string what = fmt::format("{}: attribute '{}'", where, name);
+// Before libhdf5 reads the root group's attributes: every attribute message in the root's object
+// header lies inside itself (libhdf5 1.10 decodes them all on a lookup, trusting their sizes), and
+// the global heap collection a variable-length `format` or `optstate` lies in walks as libhdf5's
+// loader will walk it (it loops without end on a damaged one). hdf5_layout.h; attributes not held
+// in the root's object header (dense storage, past 8 attributes) are not checked here (FORMAT.md).
+Status check_root_attributes(const fs::path& path, const std::string& where) {
   OPTSTATE_ASSIGN_OR_RETURN(InputFile f, InputFile::open(path));
   const auto base = superblock_offset(f);
   if (!base) return corrupt(fmt::format("{}: not an HDF5 file (no signature)", where));
@@ -478,9 +475,11 @@ Status check_root_vlen_attribute(const fs::path& path, const char* name, const s
       return corrupt(fmt::format("{} bytes at address {} lie past the file's end", out.size(), address));
     return f.read_at(*base + address, out);
   };
-  OPTSTATE_ASSIGN_OR_RETURN(const auto refs, find_vlen_string_attribute(read, sb, sb.root_header, name, what));
-  for (const VlenRef& ref : refs) {
-    if (ref.collection == 0) continue;  // nothing stored (libhdf5 reads no collection)
+  OPTSTATE_ASSIGN_OR_RETURN(const auto attributes, find_vlen_string_attributes(read, sb, sb.root_header, where));
+  for (const auto& [name, ref] : attributes) {
+    // The two libhdf5 reads; nothing stored: no collection read.
+    if ((name != "format" && name != "optstate") || ref.collection == 0) continue;
+    const std::string what = fmt::format("{}: attribute '{}'", where, name);
     const std::string at = fmt::format("{}: its global heap collection at {}", what, ref.collection);
     std::byte collection_head[16];
     OPTSTATE_RETURN_IF_ERROR(read(ref.collection, collection_head).with_context(at));
@@ -524,13 +523,12 @@ class Hdf5Driver final : public FormatDriver {
     }
     Id file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.get()), H5Fclose);
     if (!file.ok()) return corrupt(fmt::format("{}: HDF5 cannot open the file (damaged or truncated)", where));
-    const auto check_heap = [&](const char* name) {
-      return [&path, &where, name] { return check_root_vlen_attribute(path, name, where); };
-    };
-    OPTSTATE_ASSIGN_OR_RETURN(std::string tag, get_string_attr(file.get(), "format", where, check_heap("format")));
+    // Before libhdf5 looks at the root's attributes (check_root_attributes).
+    OPTSTATE_RETURN_IF_ERROR(check_root_attributes(path, where));
+    OPTSTATE_ASSIGN_OR_RETURN(std::string tag, get_string_attr(file.get(), "format", where));
     if (tag != kFormatTag)
       return corrupt(fmt::format("{}: an HDF5 file, but not an optstate checkpoint (format '{}')", where, tag));
-    OPTSTATE_ASSIGN_OR_RETURN(std::string text, get_string_attr(file.get(), "optstate", where, check_heap("optstate")));
+    OPTSTATE_ASSIGN_OR_RETURN(std::string text, get_string_attr(file.get(), "optstate", where));
     OPTSTATE_ASSIGN_OR_RETURN(OptimizerState meta, decode_state_meta(text, where));
     // Every component the metadata names is a dataset of the right type and shape.
     Hdf5Reader::Unchecked unchecked;

@@ -75,31 +75,66 @@ Status walk_messages(std::span<const std::byte> area, int version, bool creation
 
 // An attribute message (versions 1-3): its name, and where its datatype and data lie. Version 1 pads
 // the name, datatype and dataspace to 8 bytes each; version 3 has a name character set byte.
+// libhdf5 1.10 decodes every attribute message of a header when it looks one up (H5Aexists) and
+// trusts the sizes inside (the name up to its NUL, the dataspace's dimensions, the data's
+// elements x element size): each must lie inside the message, or the message is refused before
+// libhdf5 reads past it. nullopt: a version libhdf5 refuses itself.
 struct Attribute {
   std::string_view name;
   std::span<const std::byte> datatype;  // empty when the datatype is a shared (committed) one
   std::span<const std::byte> data;
 };
-std::optional<Attribute> parse_attribute(std::span<const std::byte> m) {
-  if (!has(m, 0, 8)) return std::nullopt;
+Result<std::optional<Attribute>> parse_attribute(std::span<const std::byte> m, int length_size,
+                                                 const std::string& where) {
+  const auto refuse = [&](std::string_view what) {
+    return corrupt(fmt::format("{}: an attribute message of {} bytes {}", where, m.size(), what));
+  };
+  if (!has(m, 0, 8)) return refuse("is cut short");
   const int version = static_cast<int>(le(m, 0, 1));
-  if (version < 1 || version > 3) return std::nullopt;
+  if (version < 1 || version > 3) return std::optional<Attribute>();
   const unsigned flags = version == 1 ? 0 : static_cast<unsigned>(le(m, 1, 1));
   const uint64_t name_size = le(m, 2, 2), type_size = le(m, 4, 2), space_size = le(m, 6, 2);
   const auto pad = [&](uint64_t n) { return version == 1 ? align8(n) : n; };
   size_t p = version == 3 ? 9 : 8;
-  if (name_size == 0 || !has(m, p, pad(name_size))) return std::nullopt;
+  if (!has(m, p, pad(name_size)) || !has(m, p + pad(name_size), pad(type_size)) ||
+      !has(m, p + pad(name_size) + pad(type_size), pad(space_size)))
+    return refuse(fmt::format("has a name, datatype and dataspace of {}, {} and {} bytes, past its end", name_size,
+                              type_size, space_size));
   Attribute a;
   const char* name = reinterpret_cast<const char*>(m.data() + p);
   a.name = std::string_view(name, strnlen(name, static_cast<size_t>(name_size)));
+  if (a.name.size() + 1 != name_size) return refuse("has a name that does not end in its one NUL");
   p += pad(name_size);
-  if (!has(m, p, pad(type_size))) return std::nullopt;
   if (!(flags & 0x01)) a.datatype = m.subspan(p, type_size);
   p += pad(type_size);
-  if (!has(m, p, pad(space_size))) return std::nullopt;
+  const std::span<const std::byte> space = m.subspan(p, space_size);
   p += pad(space_size);
   a.data = m.subspan(p);
-  return a;
+  if (flags & 0x02) return std::optional<Attribute>(a);  // a shared dataspace: its sizes are elsewhere
+  // The dataspace: version 1 (version, rank, flags, 5 reserved) or 2 (version, rank, flags, type),
+  // then rank dimensions and, with flags & 1, as many maxima (lengths). Rank 0: one element
+  // (scalar), unless version 2 says null (type 2: none).
+  if (!has(space, 0, 4)) return refuse("has a dataspace cut short");
+  const int space_version = static_cast<int>(le(space, 0, 1));
+  const uint64_t rank = le(space, 1, 1), space_flags = le(space, 2, 1);
+  if (space_version != 1 && space_version != 2) return std::optional<Attribute>();
+  const size_t dims_at = space_version == 1 ? 8 : 4;
+  const uint64_t L = static_cast<uint64_t>(length_size);
+  if (rank > 32 || !has(space, dims_at, rank * L * ((space_flags & 1) ? 2 : 1)))
+    return refuse(fmt::format("has a dataspace of rank {} that its {} bytes do not hold", rank, space.size()));
+  uint64_t elements = space_version == 2 && le(space, 3, 1) == 2 ? 0 : 1;
+  for (uint64_t d = 0; d < rank; ++d) {
+    const uint64_t n = le(space, dims_at + static_cast<size_t>(d * L), length_size);
+    if (n != 0 && elements > UINT64_MAX / n) return refuse("has a dataspace of more elements than 2^64");
+    elements *= n;
+  }
+  if (a.datatype.empty()) return std::optional<Attribute>(a);
+  // The datatype's element size (a u32 after the class and bit field) times the elements.
+  if (!has(a.datatype, 0, 8)) return refuse("has a datatype cut short");
+  const uint64_t element_size = le(a.datatype, 4, 4);
+  if (element_size != 0 && elements > a.data.size() / element_size)
+    return refuse(fmt::format("holds {} elements of {} bytes in {} bytes", elements, element_size, a.data.size()));
+  return std::optional<Attribute>(a);
 }
 
 }  // namespace
@@ -136,8 +171,8 @@ Result<Superblock> parse_superblock(std::span<const std::byte> b, const std::str
   return sb;
 }
 
-Result<std::vector<VlenRef>> find_vlen_string_attribute(const ReadAt& read, const Superblock& sb, uint64_t header,
-                                                        std::string_view name, const std::string& where) {
+Result<std::vector<NamedVlenRef>> find_vlen_string_attributes(const ReadAt& read, const Superblock& sb,
+                                                              uint64_t header, const std::string& where) {
   const std::string at = fmt::format("{}: the object header at {}", where, header);
   // The prefix: version 1 is 16 bytes (version, reserved, message count u16, reference count u32,
   // header size u32, 4 padding); version 2 starts "OHDR", version 2, flags, then optional times
@@ -167,7 +202,7 @@ Result<std::vector<VlenRef>> find_vlen_string_attribute(const ReadAt& read, cons
   } else {
     return corrupt(fmt::format("{}: not an object header (no \"OHDR\", version {})", at, le(pre, 0, 1)));
   }
-  std::vector<VlenRef> found;
+  std::vector<NamedVlenRef> found;
   std::set<uint64_t> seen;
   std::vector<std::byte> bytes;
   int count = 0;
@@ -198,18 +233,19 @@ Result<std::vector<VlenRef>> find_vlen_string_attribute(const ReadAt& read, cons
         return Status::Ok();
       }
       if (m.type != kAttributeMessage || (m.flags & kSharedMessageFlag)) return Status::Ok();
-      const auto a = parse_attribute(m.data);
-      if (!a || a->name != name) return Status::Ok();
+      OPTSTATE_ASSIGN_OR_RETURN(const auto a, parse_attribute(m.data, sb.length_size, at));
+      if (!a) return Status::Ok();
       // A variable-length (class 9) string (type 1 in the low bits of the class bit field).
       if (!a->datatype.empty() &&
           (a->datatype.size() < 2 || (le(a->datatype, 0, 1) & 0x0f) != 9 || (le(a->datatype, 1, 1) & 0x0f) != 1))
         return Status::Ok();
       const size_t need = 8 + static_cast<size_t>(sb.offset_size);
       if (!has(a->data, 0, need))
-        return corrupt(fmt::format("{}: attribute '{}' holds {} bytes, not a variable-length value", at, name,
+        return corrupt(fmt::format("{}: attribute '{}' holds {} bytes, not a variable-length value", at, a->name,
                                    a->data.size()));
-      found.push_back({le(a->data, 0, 4), le(a->data, 4, sb.offset_size),
-                       static_cast<uint32_t>(le(a->data, 4 + static_cast<size_t>(sb.offset_size), 4))});
+      found.push_back({std::string(a->name),
+                       {le(a->data, 0, 4), le(a->data, 4, sb.offset_size),
+                        static_cast<uint32_t>(le(a->data, 4 + static_cast<size_t>(sb.offset_size), 4))}});
       return Status::Ok();
     };
     OPTSTATE_RETURN_IF_ERROR(walk_messages(area, version, creation_order, visit, at));

@@ -45,12 +45,17 @@ struct VlenRef {
   uint32_t index = 0;
 };
 
-// The stored values of the attributes named `name` whose type is a variable-length string, held as
-// attribute messages in the object header at `header` (version 1, or 2 with "OHDR") and its
-// continuation chunks, in the order they are found. An attribute kept in dense storage (a fractal
-// heap, past 8 attributes) or as a shared message is not in the header: not found.
-Result<std::vector<VlenRef>> find_vlen_string_attribute(const ReadAt& read, const Superblock& sb, uint64_t header,
-                                                        std::string_view name, const std::string& where);
+// Every attribute held as an attribute message in the object header at `header` (version 1, or 2
+// with "OHDR") and its continuation chunks is checked to lie inside its message (parse sizes libhdf5
+// 1.10 trusts); those whose type is a variable-length string come back with their stored values, in
+// the order found. An attribute kept in dense storage (a fractal heap, past 8 attributes) or as a
+// shared message is not in the header: not found.
+struct NamedVlenRef {
+  std::string name;
+  VlenRef ref;
+};
+Result<std::vector<NamedVlenRef>> find_vlen_string_attributes(const ReadAt& read, const Superblock& sb,
+                                                              uint64_t header, const std::string& where);
 
 // A collection's size from its first 16 bytes ("GCOL", version 1, the size as a length), checked
 // against kMinCollectionBytes and kMaxCollectionBytes.

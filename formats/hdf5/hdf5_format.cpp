@@ -4,6 +4,7 @@
 // holds the canonical metadata (JSON) the reader trusts after checking it against the datasets.
 // Layout: FORMAT.md.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <hdf5.h>
 
 #include <algorithm>
@@ -575,11 +576,24 @@ class Hdf5Driver final : public FormatDriver {
           const DType d = component_dtype(e, c);
           const auto want = component_dims(ps, e, c);
           const int rank = H5Sget_simple_extent_ndims(space.get());
-          std::vector<hsize_t> dims(static_cast<size_t>(std::max(rank, 0)));
-          if (rank > 0) H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
+          std::vector<hsize_t> dims(static_cast<size_t>(std::max(rank, 0))), max_dims = dims;
+          if (rank > 0) H5Sget_simple_extent_dims(space.get(), dims.data(), max_dims.data());
           if (rank < 0 || dims != want || H5Tequal(type.get(), file_type(d)) <= 0)
             return corrupt(fmt::format("{}: dataset '{}' does not have the type {} and shape {} the metadata says",
                                        where, dpath, dtype_name(d), format_shape(ps.shape)));
+          // libhdf5 1.10 checks a chunk's shape against the dataset's when it creates one, not when
+          // it reads one: a chunk larger than a fixed dimension (a damaged layout message) made
+          // its H5Dread read freed memory (fuzz_hdf5_file, under ASan).
+          if (rank > 0 && dcpl.ok() && H5Pget_layout(dcpl.get()) == H5D_CHUNKED) {
+            std::vector<hsize_t> chunk(dims.size(), 0);
+            bool fits = H5Pget_chunk(dcpl.get(), rank, chunk.data()) == rank;
+            for (int i = 0; i < rank && fits; ++i)
+              fits = chunk[i] > 0 && (max_dims[i] == H5S_UNLIMITED || chunk[i] <= std::max<hsize_t>(max_dims[i], 1));
+            if (!fits)
+              return corrupt(fmt::format("{}: dataset '{}' of shape [{}] has chunks of [{}], larger than the dataset can "
+                                         "be",
+                                         where, dpath, fmt::join(dims, ", "), fmt::join(chunk, ", ")));
+          }
         }
     }
     return std::unique_ptr<CheckpointReader>(

@@ -384,3 +384,21 @@ TEST_CASE("hdf5: a global heap collection libhdf5 would loop on is refused befor
   CHECK(st.message().find("attribute 'optstate': its global heap collection at 6829: the global heap collection's "
                           "object at offset 848 (index 0, free space) has size 0") != std::string::npos);
 }
+
+TEST_CASE("hdf5: a chunk larger than its dataset's fixed shape is refused before libhdf5 reads it") {
+  // h5py_earliest.h5 with one byte of /weight/exp_avg/codes' layout message changed (at 21184: its
+  // chunk's second dimension 3 -> 16387), as fuzz_hdf5_file found it: libhdf5 1.10.8 opened the
+  // dataset and its H5Dread read freed memory (under ASan).
+  const FormatDriver* d = find_format("hdf5");
+  if (!d) return;
+  testing::TempDir dir;
+  std::string bytes = testing::read_file(fs::path(OPTSTATE_SOURCE_DIR) / "formats/hdf5/testdata/h5py_earliest.h5");
+  REQUIRE(bytes.substr(21179, 8) == std::string("\x02\0\0\0\x03\0\0\0", 8));  // chunk dims 2, 3 (u32)
+  bytes[21184] = '\x40';
+  const auto bad = dir.path / "chunk.h5";
+  std::ofstream(bad, std::ios::binary) << bytes;
+  auto r = d->open(bad);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.status().message() == bad.string() + ": dataset '/weight/exp_avg/codes' of shape [2, 3] has chunks of [2, "
+                                               "16387], larger than the dataset can be");
+}

@@ -459,39 +459,81 @@ bool has_signature(const fs::path& path) {
   return f.ok() && superblock_offset(*f).has_value();
 }
 
+// The file's bytes as the checks below read them (hdf5_layout.h): the superblock, and reads at
+// addresses relative to its base.
+class RawFile {
+ public:
+  static Result<std::unique_ptr<RawFile>> open(const fs::path& path, const std::string& where) {
+    OPTSTATE_ASSIGN_OR_RETURN(InputFile f, InputFile::open(path));
+    const auto base = superblock_offset(f);
+    if (!base) return corrupt(fmt::format("{}: not an HDF5 file (no signature)", where));
+    std::vector<std::byte> head(static_cast<size_t>(std::min<uint64_t>(256, f.size() - *base)));
+    OPTSTATE_RETURN_IF_ERROR(f.read_at(*base, head));
+    OPTSTATE_ASSIGN_OR_RETURN(const Superblock sb, parse_superblock(head, where));
+    return std::unique_ptr<RawFile>(new RawFile(std::move(f), *base, sb));
+  }
+  const Superblock& superblock() const { return sb_; }
+  uint64_t size() const { return file_.size() - base_; }  // bytes from the base on
+  Status read(uint64_t address, std::span<std::byte> out) const {
+    if (address > size() || out.size() > size() - address)
+      return corrupt(fmt::format("{} bytes at address {} lie past the file's end", out.size(), address));
+    return file_.read_at(base_ + address, out);
+  }
+  ReadAt reader() const {
+    return [this](uint64_t address, std::span<std::byte> out) { return read(address, out); };
+  }
+
+ private:
+  RawFile(InputFile f, uint64_t base, Superblock sb) : file_(std::move(f)), base_(base), sb_(sb) {}
+  InputFile file_;
+  uint64_t base_;
+  Superblock sb_;
+};
+
 // Before libhdf5 reads the root group's attributes: every attribute message in the root's object
 // header lies inside itself (libhdf5 1.10 decodes them all on a lookup, trusting their sizes), and
 // the global heap collection a variable-length `format` or `optstate` lies in walks as libhdf5's
 // loader will walk it (it loops without end on a damaged one). hdf5_layout.h; attributes not held
 // in the root's object header (dense storage, past 8 attributes) are not checked here (FORMAT.md).
-Status check_root_attributes(const fs::path& path, const std::string& where) {
-  OPTSTATE_ASSIGN_OR_RETURN(InputFile f, InputFile::open(path));
-  const auto base = superblock_offset(f);
-  if (!base) return corrupt(fmt::format("{}: not an HDF5 file (no signature)", where));
-  std::vector<std::byte> head(static_cast<size_t>(std::min<uint64_t>(256, f.size() - *base)));
-  OPTSTATE_RETURN_IF_ERROR(f.read_at(*base, head));
-  OPTSTATE_ASSIGN_OR_RETURN(const Superblock sb, parse_superblock(head, where));
-  const ReadAt read = [&](uint64_t address, std::span<std::byte> out) -> Status {
-    if (address > f.size() - *base || out.size() > f.size() - *base - address)
-      return corrupt(fmt::format("{} bytes at address {} lie past the file's end", out.size(), address));
-    return f.read_at(*base + address, out);
-  };
-  OPTSTATE_ASSIGN_OR_RETURN(const auto attributes, find_vlen_string_attributes(read, sb, sb.root_header, where));
+Status check_root_attributes(const RawFile& raw, const std::string& where) {
+  const Superblock& sb = raw.superblock();
+  OPTSTATE_ASSIGN_OR_RETURN(const auto attributes,
+                            find_vlen_string_attributes(raw.reader(), sb, sb.root_header, where));
   for (const auto& [name, ref] : attributes) {
     // The two libhdf5 reads; nothing stored: no collection read.
     if ((name != "format" && name != "optstate") || ref.collection == 0) continue;
     const std::string what = fmt::format("{}: attribute '{}'", where, name);
     const std::string at = fmt::format("{}: its global heap collection at {}", what, ref.collection);
     std::byte collection_head[16];
-    OPTSTATE_RETURN_IF_ERROR(read(ref.collection, collection_head).with_context(at));
+    OPTSTATE_RETURN_IF_ERROR(raw.read(ref.collection, collection_head).with_context(at));
     OPTSTATE_ASSIGN_OR_RETURN(const uint64_t size, parse_collection_size(collection_head, sb.length_size, at));
-    if (size > f.size() - *base - ref.collection)  // read() found its first 16 bytes in the file
+    if (size > raw.size() - ref.collection)  // read() found its first 16 bytes in the file
       return corrupt(fmt::format("{}: a collection of {} bytes runs past the file's end", at, size));
     std::vector<std::byte> collection(static_cast<size_t>(size));
-    OPTSTATE_RETURN_IF_ERROR(read(ref.collection, collection).with_context(at));
+    OPTSTATE_RETURN_IF_ERROR(raw.read(ref.collection, collection).with_context(at));
     OPTSTATE_RETURN_IF_ERROR(check_collection(collection, sb.length_size, ref, at));
   }
   return Status::Ok();
+}
+
+// Before libhdf5 opens the dataset `name` under `group`: its data layout message (libhdf5 1.10.8
+// divides by its chunk dimensions as it opens it). Something that is not a dataset passes (the
+// caller's H5Dopen2 says what it is).
+Status check_dataset_layout_before_open(const RawFile& raw, hid_t group, const std::string& name,
+                                        const std::string& where) {
+  haddr_t address = HADDR_UNDEF;
+#if H5_VERSION_GE(1, 12, 0)
+  H5O_info2_t info{};
+  if (H5Oget_info_by_name3(group, name.c_str(), &info, H5O_INFO_BASIC, H5P_DEFAULT) < 0 ||
+      H5VLnative_token_to_addr(group, info.token, &address) < 0)
+    return Status::Ok();
+#else
+  H5O_info_t info{};
+  if (H5Oget_info_by_name2(group, name.c_str(), &info, H5O_INFO_BASIC, H5P_DEFAULT) < 0) return Status::Ok();
+  address = info.addr;
+#endif
+  if (info.type != H5O_TYPE_DATASET || address == HADDR_UNDEF) return Status::Ok();
+  return check_dataset_layout(raw.reader(), raw.superblock(), address, where).status();
 }
 
 class Hdf5Driver final : public FormatDriver {
@@ -524,8 +566,10 @@ class Hdf5Driver final : public FormatDriver {
     }
     Id file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.get()), H5Fclose);
     if (!file.ok()) return corrupt(fmt::format("{}: HDF5 cannot open the file (damaged or truncated)", where));
-    // Before libhdf5 looks at the root's attributes (check_root_attributes).
-    OPTSTATE_RETURN_IF_ERROR(check_root_attributes(path, where));
+    // What libhdf5 1.10.8 trusts and fails on in ways other than an error (hdf5_layout.h): the
+    // root's attributes before it looks at them, each dataset's layout before it opens it.
+    OPTSTATE_ASSIGN_OR_RETURN(const auto raw, RawFile::open(path, where));
+    OPTSTATE_RETURN_IF_ERROR(check_root_attributes(*raw, where));
     OPTSTATE_ASSIGN_OR_RETURN(std::string tag, get_string_attr(file.get(), "format", where));
     if (tag != kFormatTag)
       return corrupt(fmt::format("{}: an HDF5 file, but not an optstate checkpoint (format '{}')", where, tag));
@@ -548,6 +592,8 @@ class Hdf5Driver final : public FormatDriver {
               (e.encoding != Encoding::kDense && H5Lexists(group.get(), name.c_str(), H5P_DEFAULT) <= 0) ||
               H5Lexists(group.get(), rel.c_str(), H5P_DEFAULT) <= 0)
             return corrupt(fmt::format("{}: dataset '{}' is missing", where, dpath));
+          OPTSTATE_RETURN_IF_ERROR(
+              check_dataset_layout_before_open(*raw, group.get(), rel, fmt::format("{}: dataset '{}'", where, dpath)));
           Id ds(H5Dopen2(group.get(), rel.c_str(), H5P_DEFAULT), H5Dclose);
           if (!ds.ok()) {
             // A dataset in a newer HDF5's file format is one too (h5py under HDF5 2.0 with

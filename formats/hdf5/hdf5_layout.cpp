@@ -32,6 +32,7 @@ bool valid_size(uint64_t n) { return n == 2 || n == 4 || n == 8; }
 // Message types (the specification's IV.A.2).
 constexpr unsigned kAttributeMessage = 0x000C;
 constexpr unsigned kContinuationMessage = 0x0010;
+constexpr unsigned kLayoutMessage = 0x0008;
 constexpr unsigned kSharedMessageFlag = 0x02;  // the message is stored elsewhere (a shared message)
 
 struct Chunk {
@@ -171,9 +172,12 @@ Result<Superblock> parse_superblock(std::span<const std::byte> b, const std::str
   return sb;
 }
 
-Result<std::vector<NamedVlenRef>> find_vlen_string_attributes(const ReadAt& read, const Superblock& sb,
-                                                              uint64_t header, const std::string& where) {
-  const std::string at = fmt::format("{}: the object header at {}", where, header);
+namespace {
+
+// Every message of the object header at `header` (version 1, or 2 with "OHDR") and its continuation
+// chunks, in order, to `visit` (continuation messages are followed, not visited).
+Status walk_object_header(const ReadAt& read, const Superblock& sb, uint64_t header,
+                          const std::function<Status(const Message&)>& visit, const std::string& at) {
   // The prefix: version 1 is 16 bytes (version, reserved, message count u16, reference count u32,
   // header size u32, 4 padding); version 2 starts "OHDR", version 2, flags, then optional times
   // (flags & 0x20: 4 x u32) and attribute phase change values (flags & 0x10: 2 x u16), then the
@@ -202,7 +206,6 @@ Result<std::vector<NamedVlenRef>> find_vlen_string_attributes(const ReadAt& read
   } else {
     return corrupt(fmt::format("{}: not an object header (no \"OHDR\", version {})", at, le(pre, 0, 1)));
   }
-  std::vector<NamedVlenRef> found;
   std::set<uint64_t> seen;
   std::vector<std::byte> bytes;
   int count = 0;
@@ -224,33 +227,101 @@ Result<std::vector<NamedVlenRef>> find_vlen_string_attributes(const ReadAt& read
         return corrupt(fmt::format("{}: continuation chunk at {} does not start \"OCHK\"", at, c.address));
       area = area.subspan(4, area.size() - 8);
     }
-    const auto visit = [&](const Message& m) -> Status {
-      if (m.type == kContinuationMessage) {
-        const size_t o = static_cast<size_t>(sb.offset_size), l = static_cast<size_t>(sb.length_size);
-        if (!has(m.data, 0, o + l))
-          return corrupt(fmt::format("{}: a continuation message of {} bytes is cut short", at, m.data.size()));
-        chunks.push_back({le(m.data, 0, sb.offset_size), le(m.data, o, sb.length_size), true});
-        return Status::Ok();
-      }
-      if (m.type != kAttributeMessage || (m.flags & kSharedMessageFlag)) return Status::Ok();
-      OPTSTATE_ASSIGN_OR_RETURN(const auto a, parse_attribute(m.data, sb.length_size, at));
-      if (!a) return Status::Ok();
-      // A variable-length (class 9) string (type 1 in the low bits of the class bit field).
-      if (!a->datatype.empty() &&
-          (a->datatype.size() < 2 || (le(a->datatype, 0, 1) & 0x0f) != 9 || (le(a->datatype, 1, 1) & 0x0f) != 1))
-        return Status::Ok();
-      const size_t need = 8 + static_cast<size_t>(sb.offset_size);
-      if (!has(a->data, 0, need))
-        return corrupt(fmt::format("{}: attribute '{}' holds {} bytes, not a variable-length value", at, a->name,
-                                   a->data.size()));
-      found.push_back({std::string(a->name),
-                       {le(a->data, 0, 4), le(a->data, 4, sb.offset_size),
-                        static_cast<uint32_t>(le(a->data, 4 + static_cast<size_t>(sb.offset_size), 4))}});
+    const auto each = [&](const Message& m) -> Status {
+      if (m.type != kContinuationMessage) return visit(m);
+      const size_t o = static_cast<size_t>(sb.offset_size), l = static_cast<size_t>(sb.length_size);
+      if (!has(m.data, 0, o + l))
+        return corrupt(fmt::format("{}: a continuation message of {} bytes is cut short", at, m.data.size()));
+      chunks.push_back({le(m.data, 0, sb.offset_size), le(m.data, o, sb.length_size), true});
       return Status::Ok();
     };
-    OPTSTATE_RETURN_IF_ERROR(walk_messages(area, version, creation_order, visit, at));
+    OPTSTATE_RETURN_IF_ERROR(walk_messages(area, version, creation_order, each, at));
   }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::vector<NamedVlenRef>> find_vlen_string_attributes(const ReadAt& read, const Superblock& sb,
+                                                              uint64_t header, const std::string& where) {
+  const std::string at = fmt::format("{}: the object header at {}", where, header);
+  std::vector<NamedVlenRef> found;
+  const auto visit = [&](const Message& m) -> Status {
+    if (m.type != kAttributeMessage || (m.flags & kSharedMessageFlag)) return Status::Ok();
+    OPTSTATE_ASSIGN_OR_RETURN(const auto a, parse_attribute(m.data, sb.length_size, at));
+    if (!a) return Status::Ok();
+    // A variable-length (class 9) string (type 1 in the low bits of the class bit field).
+    if (!a->datatype.empty() &&
+        (a->datatype.size() < 2 || (le(a->datatype, 0, 1) & 0x0f) != 9 || (le(a->datatype, 1, 1) & 0x0f) != 1))
+      return Status::Ok();
+    const size_t need = 8 + static_cast<size_t>(sb.offset_size);
+    if (!has(a->data, 0, need))
+      return corrupt(fmt::format("{}: attribute '{}' holds {} bytes, not a variable-length value", at, a->name,
+                                 a->data.size()));
+    found.push_back({std::string(a->name),
+                     {le(a->data, 0, 4), le(a->data, 4, sb.offset_size),
+                      static_cast<uint32_t>(le(a->data, 4 + static_cast<size_t>(sb.offset_size), 4))}});
+    return Status::Ok();
+  };
+  OPTSTATE_RETURN_IF_ERROR(walk_object_header(read, sb, header, visit, at));
   return found;
+}
+
+Result<int> check_dataset_layout(const ReadAt& read, const Superblock& sb, uint64_t header, const std::string& where) {
+  const std::string at = fmt::format("{}: the object header at {}", where, header);
+  int checked = 0;
+  const auto visit = [&](const Message& m) -> Status {
+    if (m.type != kLayoutMessage || (m.flags & kSharedMessageFlag)) return Status::Ok();
+    ++checked;
+    return check_layout_message(m.data, sb, at);
+  };
+  OPTSTATE_RETURN_IF_ERROR(walk_object_header(read, sb, header, visit, at));
+  return checked;
+}
+
+Status check_layout_message(std::span<const std::byte> m, const Superblock& sb, const std::string& where) {
+  const auto refuse = [&](std::string_view what) {
+    return corrupt(fmt::format("{}: a data layout message of {} bytes {}", where, m.size(), what));
+  };
+  if (!has(m, 0, 2)) return refuse("is cut short");
+  const int version = static_cast<int>(le(m, 0, 1));
+  const size_t O = static_cast<size_t>(sb.offset_size);
+  // Where a chunked layout's dimensions are: (count, at, bytes each). Versions 1-2: version,
+  // dimensionality, class, 5 reserved, an address (not compact), dimensions (u32); 3: version,
+  // class, then chunked: dimensionality, address, dimensions (u32); 4: version, class, then
+  // chunked: flags, dimensionality, bytes per dimension (1-8), dimensions. Chunked dimensions count
+  // the element size last.
+  uint64_t count = 0, bytes = 4;
+  size_t dims_at = 0;
+  if (version == 1 || version == 2) {
+    if (!has(m, 0, 8)) return refuse("is cut short");
+    if (le(m, 2, 1) != 2) return Status::Ok();
+    count = le(m, 1, 1);
+    dims_at = 8 + O;
+  } else if (version == 3) {
+    if (le(m, 1, 1) != 2) return Status::Ok();
+    if (!has(m, 0, 3)) return refuse("is cut short");
+    count = le(m, 2, 1);
+    dims_at = 3 + O;
+  } else if (version == 4) {
+    if (le(m, 1, 1) != 2) return Status::Ok();
+    if (!has(m, 0, 5)) return refuse("is cut short");
+    count = le(m, 3, 1);
+    bytes = le(m, 4, 1);
+    if (bytes < 1 || bytes > 8) return refuse(fmt::format("has chunk dimensions of {} bytes (1-8)", bytes));
+    dims_at = 5;
+  } else {
+    return Status::Ok();  // a version libhdf5 refuses itself
+  }
+  // libhdf5 1.10.8 divides by each chunk dimension when it opens the dataset (H5D__chunk_set_info):
+  // a 0 there is SIGFPE, not an error.
+  if (count < 2 || count > 33)
+    return refuse(fmt::format("has {} chunk dimensions (2-33: the rank, then the element size)", count));
+  if (!has(m, dims_at, count * bytes)) return refuse(fmt::format("holds {} chunk dimensions past its end", count));
+  for (uint64_t d = 0; d < count; ++d)
+    if (le(m, dims_at + static_cast<size_t>(d * bytes), static_cast<int>(bytes)) == 0)
+      return refuse(fmt::format("has a chunk dimension {} of 0", d));
+  return Status::Ok();
 }
 
 Result<uint64_t> parse_collection_size(std::span<const std::byte> head, int length_size, const std::string& where) {

@@ -57,6 +57,14 @@ struct NamedVlenRef {
 Result<std::vector<NamedVlenRef>> find_vlen_string_attributes(const ReadAt& read, const Superblock& sb,
                                                               uint64_t header, const std::string& where);
 
+// The data layout messages of the object header at `header` (a dataset's has one), each checked by
+// check_layout_message: how many.
+Result<int> check_dataset_layout(const ReadAt& read, const Superblock& sb, uint64_t header, const std::string& where);
+// A data layout message (versions 1-4): a chunked layout's dimensions lie inside it, number 2-33
+// (the rank, then the element size) and are none of them 0 (libhdf5 1.10.8 divides by each when
+// it opens the dataset: SIGFPE). Other layouts and versions pass (libhdf5 checks those itself).
+Status check_layout_message(std::span<const std::byte> message, const Superblock& sb, const std::string& where);
+
 // A collection's size from its first 16 bytes ("GCOL", version 1, the size as a length), checked
 // against kMinCollectionBytes and kMaxCollectionBytes.
 Result<uint64_t> parse_collection_size(std::span<const std::byte> head, int length_size, const std::string& where);

@@ -402,3 +402,80 @@ TEST_CASE("hdf5: a chunk larger than its dataset's fixed shape is refused before
   CHECK(r.status().message() == bad.string() + ": dataset '/weight/exp_avg/codes' of shape [2, 3] has chunks of [2, "
                                                "16387], larger than the dataset can be");
 }
+
+TEST_CASE("hdf5 layout: data layout messages of every version as written; a chunk dimension of 0 is refused") {
+  // Every object header of each file: its datasets' layout messages (h5py's earliest format and
+  // optstate's 1.8-format file: version 3; optstate's 1.10 format: version 4) pass, one per dataset.
+  std::vector<std::pair<std::string, std::vector<std::byte>>> files = {
+      {"h5py_earliest.h5", file_bytes("h5py_earliest.h5")}, {"adamw8bit_v18.h5", file_bytes("adamw8bit_v18.h5")}};
+  if (const FormatDriver* d = find_format("hdf5")) {
+    testing::TempDir dir;
+    auto src = find_format("safetensors")->open(fs::path(OPTSTATE_SOURCE_DIR) /
+                                                "formats/safetensors/testdata/adamw8bit.safetensors");
+    REQUIRE(src.ok());
+    auto source = reader_source(**src);
+    REQUIRE(d->write(*source, dir.path / "v110.h5", {}).ok());
+    const std::string s = testing::read_file(dir.path / "v110.h5");
+    const auto* p = reinterpret_cast<const std::byte*>(s.data());
+    files.emplace_back("v110.h5", std::vector<std::byte>(p, p + s.size()));
+  }
+  for (const auto& [name, b] : files) {
+    CAPTURE(name);
+    auto sb = hdf5::parse_superblock(b, name);
+    REQUIRE(sb.ok());
+    int layouts = 0;
+    // v2 headers start "OHDR"; v1 headers are found from the superblock's root and the links only
+    // libhdf5 follows, so for h5py_earliest the headers are the ones at the known addresses.
+    std::vector<uint64_t> headers;
+    for (size_t at = 0; at + 4 <= b.size(); ++at)
+      if (std::memcmp(b.data() + at, "OHDR", 4) == 0) headers.push_back(at);
+    if (headers.empty()) headers = {13680};  // h5py_earliest's /bias/param
+    for (uint64_t h : headers) {
+      auto n = hdf5::check_dataset_layout(read_from(b), *sb, h, name);
+      REQUIRE_MESSAGE(n.ok(), n.status().message());
+      layouts += *n;
+    }
+    CHECK(layouts == (headers.size() == 1 ? 1 : 8));  // 8 datasets: 4 dense, 2 x (codes, absmax)
+  }
+  // The fuzzer's input: h5py_earliest's /bias/param layout message (version 3 at 13824) read as
+  // version 2, whose fields then put a 0 among the chunk dimensions: libhdf5 1.10.8 died of SIGFPE.
+  auto b = file_bytes("h5py_earliest.h5");
+  REQUIRE(b[13824] == std::byte{3});
+  b[13824] = std::byte{2};
+  auto sb = hdf5::parse_superblock(b, "f");
+  REQUIRE(sb.ok());
+  CHECK(error_of(hdf5::check_dataset_layout(read_from(b), *sb, 13680, "f").status()) ==
+        "f: the object header at 13680: a data layout message of 24 bytes has a chunk dimension 0 of 0");
+  // The message alone, each version: (version 4) flags, 3 dimensions of 2 bytes: 0 in the second.
+  const auto msg = [](std::initializer_list<int> v) {
+    std::vector<std::byte> m;
+    for (int x : v) m.push_back(static_cast<std::byte>(x));
+    return m;
+  };
+  CHECK(error_of(hdf5::check_layout_message(msg({4, 2, 0, 3, 2, 5, 0, 0, 0, 1, 0}), *sb, "m")) ==
+        "m: a data layout message of 11 bytes has a chunk dimension 1 of 0");
+  CHECK(error_of(hdf5::check_layout_message(msg({4, 2, 0, 3, 2, 5, 0, 3, 0, 1, 0}), *sb, "m")) == "ok");
+  CHECK(error_of(hdf5::check_layout_message(msg({4, 2, 0, 3, 9}), *sb, "m")).find("of 9 bytes (1-8)") !=
+        std::string::npos);
+  CHECK(error_of(hdf5::check_layout_message(msg({4, 2, 0, 40, 1}), *sb, "m")).find("has 40 chunk dimensions") !=
+        std::string::npos);
+  CHECK(error_of(hdf5::check_layout_message(msg({4, 2, 0, 3, 4, 5, 0}), *sb, "m")).find("past its end") !=
+        std::string::npos);
+  CHECK(error_of(hdf5::check_layout_message(msg({3, 1}), *sb, "m")) == "ok");  // contiguous: libhdf5's
+  CHECK(error_of(hdf5::check_layout_message(msg({5, 2}), *sb, "m")) == "ok");  // a version 1.10 refuses
+}
+
+TEST_CASE("hdf5: a chunk dimension of 0 is refused before libhdf5 opens the dataset (it died of SIGFPE)") {
+  const FormatDriver* d = find_format("hdf5");
+  if (!d) return;
+  testing::TempDir dir;
+  std::string bytes = testing::read_file(fs::path(OPTSTATE_SOURCE_DIR) / "formats/hdf5/testdata/h5py_earliest.h5");
+  REQUIRE(bytes[13824] == '\x03');
+  bytes[13824] = '\x02';  // /bias/param's layout message read as version 2 (fuzz_hdf5_file's input)
+  const auto bad = dir.path / "fpe.h5";
+  std::ofstream(bad, std::ios::binary) << bytes;
+  auto r = d->open(bad);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.status().message() == bad.string() + ": dataset '/bias/param': the object header at 13680: a data layout "
+                                               "message of 24 bytes has a chunk dimension 0 of 0");
+}

@@ -12,6 +12,7 @@
 #include <functional>
 #include <mutex>
 #include <optional>
+#include <unordered_map>
 
 #include "optstate/checkpoint.h"
 #include "optstate/io.h"
@@ -210,8 +211,19 @@ class Hdf5Reader final : public CheckpointReader {
     int64_t count = 0, of = 0;
     std::string first;
   };
-  Hdf5Reader(fs::path path, Id file, OptimizerState meta, Unchecked unchecked)
-      : path_(std::move(path)), file_(std::move(file)), meta_(std::move(meta)), unchecked_(std::move(unchecked)) {}
+  // A chunked dataset with fletcher32: where the filter is in its pipeline (a chunk's filter mask
+  // bit says it was skipped) and its chunk's shape.
+  struct Fletcher32 {
+    unsigned filter_index = 0;
+    std::vector<hsize_t> chunk;
+  };
+  using Fletcher32Datasets = std::unordered_map<std::string, Fletcher32>;
+  Hdf5Reader(fs::path path, Id file, OptimizerState meta, Unchecked unchecked, Fletcher32Datasets fletcher32)
+      : path_(std::move(path)),
+        file_(std::move(file)),
+        meta_(std::move(meta)),
+        unchecked_(std::move(unchecked)),
+        fletcher32_(std::move(fletcher32)) {}
 
   std::string_view format() const override { return "hdf5"; }
   bool checksummed() const override { return unchecked_.count == 0; }
@@ -281,6 +293,8 @@ class Hdf5Reader final : public CheckpointReader {
     } else {
       mspace = Id(H5Screate(H5S_SCALAR), H5Sclose);
     }
+    if (auto f = fletcher32_.find(dpath); f != fletcher32_.end())
+      OPTSTATE_RETURN_IF_ERROR(check_chunk_sizes(ds.get(), dims, f->second, r0, r1, dpath));
     const DType d = dtype_of_component(fqn, entry, c);
     if (H5Dread(ds.get(), native_type(d), mspace.get(), fspace.get(), H5P_DEFAULT, dst.data()) < 0)
       return corrupt(fmt::format("{}: cannot read dataset '{}' rows [{}, {}) (a chunk failed its fletcher32 "
@@ -289,6 +303,34 @@ class Hdf5Reader final : public CheckpointReader {
     if (!exact)
       std::memcpy(out.data(), rows.data() + (begin - r0 * row) * elem, out.size());
     return Status::Ok();
+  }
+
+  // libhdf5 1.10.8's fletcher32 filter takes its 4 bytes off a chunk's stored size without checking
+  // there are 4: a chunk stored in fewer (a damaged chunk index) made H5Dread read far past its
+  // buffer (SIGSEGV; fuzz_hdf5_file). Each chunk rows [r0, r1) lie in is looked up first.
+  Status check_chunk_sizes(hid_t ds, const std::vector<hsize_t>& dims, const Fletcher32& f, int64_t r0, int64_t r1,
+                           const std::string& dpath) const {
+    if (dims.empty() || f.chunk.size() != dims.size()) return Status::Ok();
+    std::vector<hsize_t> at(dims.size(), 0);
+    at[0] = static_cast<hsize_t>(r0) / f.chunk[0] * f.chunk[0];
+    while (true) {
+      unsigned mask = 0;
+      haddr_t address = HADDR_UNDEF;
+      hsize_t stored = 0;
+      // An error here is the chunk index's: H5Dread meets it too and says so.
+      if (H5Dget_chunk_info_by_coord(ds, at.data(), &mask, &address, &stored) >= 0 && address != HADDR_UNDEF &&
+          !((mask >> f.filter_index) & 1) && stored < 4)
+        return corrupt(fmt::format("{}: dataset '{}': the chunk at [{}] is stored in {} bytes, fewer than its "
+                                   "fletcher32 checksum's 4",
+                                   path_.string(), dpath, fmt::join(at, ", "), stored));
+      size_t i = dims.size();  // the next chunk: the last dimension first; rows up to r1
+      while (i-- > 0) {
+        at[i] += f.chunk[i];
+        if (at[i] < (i == 0 ? static_cast<hsize_t>(r1) : dims[i])) break;
+        if (i == 0) return Status::Ok();
+        at[i] = 0;
+      }
+    }
   }
 
   std::string locate(const std::string& fqn, const std::string& entry, Component c, int64_t index) const override {
@@ -340,6 +382,7 @@ class Hdf5Reader final : public CheckpointReader {
   Id file_;
   OptimizerState meta_;
   Unchecked unchecked_;
+  Fletcher32Datasets fletcher32_;
   std::string group_fqn_;  // the param whose group group_ is (read_range, under hdf5_mutex)
   Id group_;               // closed before file_
 };
@@ -580,6 +623,7 @@ class Hdf5Driver final : public FormatDriver {
     OPTSTATE_ASSIGN_OR_RETURN(OptimizerState meta, decode_state_meta(text, where));
     // Every component the metadata names is a dataset of the right type and shape.
     Hdf5Reader::Unchecked unchecked;
+    Hdf5Reader::Fletcher32Datasets fletcher32;
     for (const auto& [fqn, ps] : meta.params) {
       // The param's group is looked up once, its datasets by names relative to it: each lookup
       // from the root searches a group of every param (at 50,000 params, a third of validate).
@@ -622,14 +666,18 @@ class Hdf5Driver final : public FormatDriver {
           Id type(H5Dget_type(ds.get()), H5Tclose);
           Id space(H5Dget_space(ds.get()), H5Sclose);
           Id dcpl(H5Dget_create_plist(ds.get()), H5Pclose);
-          unsigned flags = 0;
-          size_t nvalues = 0;
-          unsigned filter_config = 0;
+          // Where fletcher32 is in the pipeline, if it is.
+          std::optional<unsigned> fletcher32_index;
+          const int filters = dcpl.ok() ? H5Pget_nfilters(dcpl.get()) : 0;
+          for (int i = 0; i < filters && !fletcher32_index; ++i) {
+            unsigned flags = 0, filter_config = 0;
+            size_t nvalues = 0;
+            if (H5Pget_filter2(dcpl.get(), static_cast<unsigned>(i), &flags, &nvalues, nullptr, 0, nullptr,
+                               &filter_config) == H5Z_FILTER_FLETCHER32)
+              fletcher32_index = static_cast<unsigned>(i);
+          }
           ++unchecked.of;
-          if ((!dcpl.ok() || H5Pget_filter_by_id2(dcpl.get(), H5Z_FILTER_FLETCHER32, &flags, &nvalues, nullptr, 0,
-                                                  nullptr, &filter_config) < 0) &&
-              unchecked.count++ == 0)
-            unchecked.first = dpath;
+          if (!fletcher32_index && unchecked.count++ == 0) unchecked.first = dpath;
           const DType d = component_dtype(e, c);
           const auto want = component_dims(ps, e, c);
           const int rank = H5Sget_simple_extent_ndims(space.get());
@@ -650,11 +698,12 @@ class Hdf5Driver final : public FormatDriver {
               return corrupt(fmt::format("{}: dataset '{}' of shape [{}] has chunks of [{}], larger than the dataset can "
                                          "be",
                                          where, dpath, fmt::join(dims, ", "), fmt::join(chunk, ", ")));
+            if (fletcher32_index) fletcher32.emplace(dpath, Hdf5Reader::Fletcher32{*fletcher32_index, std::move(chunk)});
           }
         }
     }
     return std::unique_ptr<CheckpointReader>(
-        new Hdf5Reader(path, std::move(file), std::move(meta), std::move(unchecked)));
+        new Hdf5Reader(path, std::move(file), std::move(meta), std::move(unchecked), std::move(fletcher32)));
   }
 
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {

@@ -1728,10 +1728,10 @@ def test_hdf5_dataset_rewritten_without_fletcher32_is_read_and_validate_says_so(
     assert report["ok"] and report["checksums_verified"] is False and "'/0.bias/exp_avg'" in report["unchecked"]
 
 
-def rebuild_with_h5py(h5py, src, dst, libver, extra_root_attrs=0):
+def rebuild_with_h5py(h5py, src, dst, libver, extra_root_attrs=0, unit_chunks=False):
     """What a user's h5py script makes of an optstate HDF5 file: every group, dataset (chunks and
-    fletcher32 kept) and attribute copied into a new file of `libver`, str attributes stored as h5py
-    stores them (variable-length UTF-8 in the file's global heap)."""
+    fletcher32 kept, or chunks of one element) and attribute copied into a new file of `libver`, str
+    attributes stored as h5py stores them (variable-length UTF-8 in the file's global heap)."""
     with h5py.File(src, "r") as s, h5py.File(dst, "w", libver=libver) as d:
         def copy_attrs(a, b):
             for k, v in a.attrs.items():
@@ -1741,7 +1741,8 @@ def rebuild_with_h5py(h5py, src, dst, libver, extra_root_attrs=0):
             if isinstance(obj, h5py.Group):
                 copy_attrs(obj, d.require_group(name))
             else:
-                copy_attrs(obj, d.create_dataset(name, data=obj[...], chunks=obj.chunks, fletcher32=obj.fletcher32))
+                chunks = (1,) * obj.ndim if unit_chunks and obj.ndim else obj.chunks
+                copy_attrs(obj, d.create_dataset(name, data=obj[...], chunks=chunks, fletcher32=obj.fletcher32))
         copy_attrs(s, d)
         s.visititems(visit)
         for i in range(extra_root_attrs):
@@ -1766,6 +1767,13 @@ def test_hdf5_rebuilt_by_h5py_in_its_file_formats(tmp_path, optstate_cli):
     rebuild_with_h5py(h5py, tmp_path / "s.h5", tmp_path / "dense.h5", "v110", extra_root_attrs=12)
     assert b"FRHP" in (tmp_path / "dense.h5").read_bytes()  # the attributes' fractal heap
     assert hashes(optstate_cli, tmp_path / "dense.h5", values=True) == want
+    # Chunks of one element: every read looks up each chunk it covers (a chunk stored in fewer bytes
+    # than its fletcher32 checksum is refused before libhdf5 reads it).
+    rebuild_with_h5py(h5py, tmp_path / "s.h5", tmp_path / "unit_chunks.h5", "earliest", unit_chunks=True)
+    with h5py.File(tmp_path / "unit_chunks.h5", "r") as f:
+        assert f["0.weight/exp_avg/codes"].chunks == (1, 1) and f["0.weight/exp_avg/codes"].id.get_num_chunks() > 100
+    assert hashes(optstate_cli, tmp_path / "unit_chunks.h5", values=True) == want
+    optstate_cli("validate", tmp_path / "unit_chunks.h5")
     rebuild_with_h5py(h5py, tmp_path / "s.h5", tmp_path / "latest.h5", "latest")
     if h5py.version.hdf5_version_tuple >= (2, 0, 0):
         err = run_err(optstate_cli, "inspect", tmp_path / "latest.h5")

@@ -479,3 +479,23 @@ TEST_CASE("hdf5: a chunk dimension of 0 is refused before libhdf5 opens the data
   CHECK(r.status().message() == bad.string() + ": dataset '/bias/param': the object header at 13680: a data layout "
                                                "message of 24 bytes has a chunk dimension 0 of 0");
 }
+
+TEST_CASE("hdf5: a chunk stored in fewer bytes than its fletcher32 checksum is refused before libhdf5 reads it") {
+  // adamw8bit_v18.h5 with /weight/exp_avg/codes' chunk size in its B-tree record (at 11686) 10 -> 2,
+  // as fuzz_hdf5_file found it: libhdf5 1.10.8's fletcher32 filter took 4 off 2 and read on (SIGSEGV).
+  const FormatDriver* d = find_format("hdf5");
+  if (!d) return;
+  testing::TempDir dir;
+  std::string bytes = testing::read_file(fs::path(OPTSTATE_SOURCE_DIR) / "formats/hdf5/testdata/adamw8bit_v18.h5");
+  REQUIRE(bytes[11686] == '\x0a');
+  bytes[11686] = '\x02';
+  const auto bad = dir.path / "short_chunk.h5";
+  std::ofstream(bad, std::ios::binary) << bytes;
+  auto r = d->open(bad);  // opening reads no chunk
+  REQUIRE(r.ok());
+  std::vector<std::byte> out(6);
+  const Status st = (*r)->read_range("weight", "exp_avg", Component::kCodes, 0, 6, out);
+  CHECK(st.message() == bad.string() + ": dataset '/weight/exp_avg/codes': the chunk at [0, 0] is stored in 2 bytes, "
+                                       "fewer than its fletcher32 checksum's 4");
+  CHECK((*r)->read_range("weight", "exp_avg", Component::kAbsmax, 0, 1, std::span(out).first(4)).ok());
+}

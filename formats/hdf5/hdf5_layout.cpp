@@ -74,6 +74,85 @@ Status walk_messages(std::span<const std::byte> area, int version, bool creation
   return Status::Ok();
 }
 
+// A NUL-terminated name at `at` inside `b`: its length with the NUL, padded to 8 when `pad8`;
+// nullopt when no NUL is inside (libhdf5 1.10 copies such names with strdup).
+std::optional<size_t> name_field(std::span<const std::byte> b, size_t at, bool pad8) {
+  if (at >= b.size()) return std::nullopt;
+  const void* nul = std::memchr(b.data() + at, 0, b.size() - at);
+  if (!nul) return std::nullopt;
+  const size_t n = static_cast<size_t>(static_cast<const std::byte*>(nul) - (b.data() + at)) + 1;
+  const size_t padded = pad8 ? static_cast<size_t>(align8(n)) : n;
+  return has(b, at, padded) ? std::optional<size_t>(padded) : std::nullopt;
+}
+
+// How many bytes of `b` the datatype message at its start takes, every nested type, member name and
+// dimension inside `b`; nullopt when something runs past it (libhdf5 1.10.8 decodes datatypes
+// without bounds: an enumeration's names past the message were read by strdup, under ASan). The
+// classes: 0 integer, 1 float, 2 time, 3 string, 4 bitfield, 5 opaque (a tag), 6 compound
+// (members: a name, an offset, [v1: dimensions], a type), 7 reference, 8 enumeration (a base type,
+// names, values), 9 variable-length (a base type), 10 array (dimensions, a base type).
+std::optional<size_t> datatype_bytes(std::span<const std::byte> b, int depth) {
+  if (depth > 16 || !has(b, 0, 8)) return std::nullopt;
+  const unsigned cls = static_cast<unsigned>(le(b, 0, 1) & 0x0f), version = static_cast<unsigned>(le(b, 0, 1) >> 4);
+  const uint64_t bits = le(b, 1, 3), size = le(b, 4, 4);
+  size_t p = 8;
+  const auto nested = [&](size_t at) -> bool {
+    const auto n = at <= b.size() ? datatype_bytes(b.subspan(at), depth + 1) : std::nullopt;
+    if (!n) return false;
+    p = at + *n;
+    return true;
+  };
+  switch (cls) {
+    case 0: case 4: p += 4; break;
+    case 1: p += 12; break;
+    case 2: p += 2; break;
+    case 3: case 7: break;
+    case 5: p += bits & 0xff; break;  // the tag, padded to 8
+    case 6: {
+      const uint64_t members = bits & 0xffff;
+      for (uint64_t m = 0; m < members; ++m) {
+        const auto name = name_field(b, p, version < 3);
+        if (!name) return std::nullopt;
+        p += *name;
+        if (version < 3) {
+          p += 4 + 1 + 3 + 4 + 4 + (version == 1 ? 16 : 0);  // offset, rank, reserved, permutation, reserved, dims
+        } else {
+          int offset_bytes = 1;  // as few as hold the compound's size
+          while (offset_bytes < 4 && (size >> (8 * offset_bytes)) != 0) ++offset_bytes;
+          p += static_cast<size_t>(offset_bytes);
+        }
+        if (!nested(p)) return std::nullopt;
+      }
+      break;
+    }
+    case 8: {
+      if (!nested(p)) return std::nullopt;
+      const uint64_t base_size = le(b, 8 + 4, 4), members = bits & 0xffff;
+      for (uint64_t m = 0; m < members; ++m) {
+        const auto name = name_field(b, p, version < 3);
+        if (!name) return std::nullopt;
+        p += *name;
+      }
+      if (base_size != 0 && members > (b.size() - std::min(p, b.size())) / base_size) return std::nullopt;
+      p += static_cast<size_t>(members * base_size);
+      break;
+    }
+    case 9:
+      if (!nested(p)) return std::nullopt;
+      break;
+    case 10: {
+      if (!has(b, p, 1)) return std::nullopt;
+      const uint64_t rank = le(b, p, 1);
+      if (rank == 0 || rank > 32) return std::nullopt;
+      p += (version < 3 ? 4 : 1) + static_cast<size_t>(rank) * (version < 3 ? 8 : 4);  // dims (+ permutation)
+      if (!nested(p)) return std::nullopt;
+      break;
+    }
+    default: return std::nullopt;
+  }
+  return p <= b.size() ? std::optional<size_t>(p) : std::nullopt;
+}
+
 // An attribute message (versions 1-3): its name, and where its datatype and data lie. Version 1 pads
 // the name, datatype and dataspace to 8 bytes each; version 3 has a name character set byte.
 // libhdf5 1.10 decodes every attribute message of a header when it looks one up (H5Aexists) and
@@ -106,7 +185,12 @@ Result<std::optional<Attribute>> parse_attribute(std::span<const std::byte> m, i
   a.name = std::string_view(name, strnlen(name, static_cast<size_t>(name_size)));
   if (a.name.size() + 1 != name_size) return refuse("has a name that does not end in its one NUL");
   p += pad(name_size);
-  if (!(flags & 0x01)) a.datatype = m.subspan(p, type_size);
+  if (!(flags & 0x01)) {
+    a.datatype = m.subspan(p, type_size);
+    if (!datatype_bytes(a.datatype, 0))
+      return refuse(fmt::format("has a datatype (class {}) whose parts run past its {} bytes",
+                                a.datatype.empty() ? 0 : le(a.datatype, 0, 1) & 0x0f, type_size));
+  }
   p += pad(type_size);
   const std::span<const std::byte> space = m.subspan(p, space_size);
   p += pad(space_size);

@@ -1754,8 +1754,10 @@ def test_hdf5_rebuilt_by_h5py_in_its_file_formats(tmp_path, optstate_cli):
     """h5py's default libver='earliest' (superblock 0, version 1 object headers) reads as the same
     state, the global heap walk before each variable-length attribute read included; so does a root
     with more attributes than compact storage holds (libver='v110': libhdf5 moves them into a fractal
-    heap, where the walk does not look: read as libhdf5 reads it). libver='latest' under HDF5 2.0 writes layout
-    messages libhdf5 1.10 does not know: refused naming the dataset and libhdf5's cause."""
+    heap, where the walk does not look: read as libhdf5 reads it), one rechunked into one-element
+    chunks, and roots given attributes of every datatype class h5py writes. libver='latest' under
+    HDF5 2.0 writes layout messages libhdf5 1.10 does not know: refused naming the dataset and
+    libhdf5's cause."""
     h5py = pytest.importorskip("h5py")
     ao = make_dcp(tmp_path, "ao")
     optstate_cli("convert", ao, tmp_path / "s.h5")
@@ -1774,6 +1776,25 @@ def test_hdf5_rebuilt_by_h5py_in_its_file_formats(tmp_path, optstate_cli):
         assert f["0.weight/exp_avg/codes"].chunks == (1, 1) and f["0.weight/exp_avg/codes"].id.get_num_chunks() > 100
     assert hashes(optstate_cli, tmp_path / "unit_chunks.h5", values=True) == want
     optstate_cli("validate", tmp_path / "unit_chunks.h5")
+    # Root attributes of every datatype class h5py writes (a bool is an enumeration, a complex
+    # number a compound): each one's datatype is checked to lie inside its message before libhdf5
+    # decodes it; four at a time, so that a v110 root keeps them in its header (compact storage).
+    import numpy as np
+    nested = np.dtype([("x", "<i2"), ("y", [("p", "<f4"), ("q", "u1")])])
+    typed = [{"flag": np.bool_(True), "pair": np.array((1, 2.5), dtype=[("a", "<i4"), ("b", "<f8")]),
+              "nested": np.zeros((), dtype=nested), "blob": np.void(b"\x01\x02\x03")},
+             {"cells": np.ones((1,), dtype="(2,3)f4"), "cplx": np.complex64(1 + 2j),
+              "colour": np.array(1, dtype=h5py.enum_dtype({"RED": 0, "GREEN": 1, "BLUE": 42}, basetype="u1")),
+              "ragged": np.array([np.arange(3, dtype=np.int32), np.arange(2, dtype=np.int32)],
+                                 dtype=h5py.vlen_dtype(np.int32))}]
+    for libver in ("earliest", "v110"):
+        for i, attrs in enumerate(typed):
+            path = tmp_path / f"typed_{libver}_{i}.h5"
+            rebuild_with_h5py(h5py, tmp_path / "s.h5", path, libver)
+            with h5py.File(path, "r+") as f:
+                f.attrs.update(attrs)
+            assert b"FRHP" not in path.read_bytes(), libver  # compact: the check reads them
+            assert hashes(optstate_cli, path, values=True) == want
     rebuild_with_h5py(h5py, tmp_path / "s.h5", tmp_path / "latest.h5", "latest")
     if h5py.version.hdf5_version_tuple >= (2, 0, 0):
         err = run_err(optstate_cli, "inspect", tmp_path / "latest.h5")

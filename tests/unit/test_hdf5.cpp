@@ -499,3 +499,21 @@ TEST_CASE("hdf5: a chunk stored in fewer bytes than its fletcher32 checksum is r
                                        "fewer than its fletcher32 checksum's 4");
   CHECK((*r)->read_range("weight", "exp_avg", Component::kAbsmax, 0, 1, std::span(out).first(4)).ok());
 }
+
+TEST_CASE("hdf5: a root attribute's datatype whose parts run past its message is refused before libhdf5 decodes it") {
+  // h5py_earliest.h5 with the `format` attribute's datatype class byte (at 992) 0x19 -> 0x18: a
+  // variable-length string read as an enumeration, whose member names libhdf5 1.10.8 copied with
+  // strdup past the message (fuzz_hdf5_file, under ASan).
+  const FormatDriver* d = find_format("hdf5");
+  if (!d) return;
+  testing::TempDir dir;
+  std::string bytes = testing::read_file(fs::path(OPTSTATE_SOURCE_DIR) / "formats/hdf5/testdata/h5py_earliest.h5");
+  REQUIRE(bytes[992] == '\x19');
+  bytes[992] = '\x18';
+  const auto bad = dir.path / "enum.h5";
+  std::ofstream(bad, std::ios::binary) << bytes;
+  auto r = d->open(bad);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.status().message() == bad.string() + ": the object header at 96: an attribute message of 72 bytes has a "
+                                               "datatype (class 8) whose parts run past its 20 bytes");
+}

@@ -1795,6 +1795,17 @@ def test_hdf5_rebuilt_by_h5py_in_its_file_formats(tmp_path, optstate_cli):
                 f.attrs.update(attrs)
             assert b"FRHP" not in path.read_bytes(), libver  # compact: the check reads them
             assert hashes(optstate_cli, path, values=True) == want
+    # Datasets h5py rewrites compact (their bytes in their headers) read the same.
+    compact = tmp_path / "compact.h5"
+    shutil.copy(tmp_path / "s.h5", compact)
+    with h5py.File(compact, "r+") as f:
+        values = f["0.bias/exp_avg"][...]
+        del f["0.bias/exp_avg"]
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_layout(h5py.h5d.COMPACT)
+        f.create_dataset("0.bias/exp_avg", data=values, dcpl=dcpl)
+        assert f["0.bias/exp_avg"].id.get_create_plist().get_layout() == h5py.h5d.COMPACT
+    assert hashes(optstate_cli, compact, values=True) == want
     rebuild_with_h5py(h5py, tmp_path / "s.h5", tmp_path / "latest.h5", "latest")
     if h5py.version.hdf5_version_tuple >= (2, 0, 0):
         err = run_err(optstate_cli, "inspect", tmp_path / "latest.h5")

@@ -517,3 +517,21 @@ TEST_CASE("hdf5: a root attribute's datatype whose parts run past its message is
   CHECK(r.status().message() == bad.string() + ": the object header at 96: an attribute message of 72 bytes has a "
                                                "datatype (class 8) whose parts run past its 20 bytes");
 }
+
+TEST_CASE("hdf5: a compact or contiguous dataset stored in other than its elements' bytes is refused at open") {
+  // h5py_edited.h5's /bias/exp_avg (contiguous, 8 bytes; its layout message, version 3, at 11029)
+  // made compact in 0 bytes, as fuzz_hdf5_file found it: libhdf5 1.10.8 read 8 bytes from a null
+  // pointer (SIGSEGV in H5Dread).
+  const FormatDriver* d = find_format("hdf5");
+  if (!d) return;
+  testing::TempDir dir;
+  std::string bytes = testing::read_file(fs::path(OPTSTATE_SOURCE_DIR) / "formats/hdf5/testdata/h5py_edited.h5");
+  REQUIRE(bytes.substr(11029, 3) == std::string("\x03\x01\x00", 3));
+  bytes[11030] = '\0';  // class compact; the next 2 bytes (its size): 0
+  bytes[11032] = '\0';
+  const auto bad = dir.path / "compact.h5";
+  std::ofstream(bad, std::ios::binary) << bytes;
+  auto r = d->open(bad);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.status().message() == bad.string() + ": dataset '/bias/exp_avg' of 8 bytes is stored compact in 0 bytes");
+}

@@ -9,6 +9,7 @@
 #include <future>
 #include <memory>
 #include <thread>
+#include <tuple>
 
 #include "optstate/checkpoint.h"
 #include "optstate/hash.h"
@@ -385,6 +386,22 @@ TEST_CASE("hdf5: a global heap collection libhdf5 would loop on is refused befor
                           "object at offset 848 (index 0, free space) has size 0") != std::string::npos);
 }
 
+namespace {
+// formats/hdf5/testdata/`fixture` with bytes changed (offset, the byte there, the byte written),
+// written under `dir`: the file a test opens.
+fs::path write_changed(const testing::TempDir& dir, const std::string& fixture,
+                       std::initializer_list<std::tuple<size_t, char, char>> changes) {
+  std::string bytes = testing::read_file(fs::path(OPTSTATE_SOURCE_DIR) / "formats/hdf5/testdata" / fixture);
+  for (const auto& [at, was, now] : changes) {
+    REQUIRE(bytes.at(at) == was);
+    bytes[at] = now;
+  }
+  const fs::path path = dir.path / ("changed_" + fixture);
+  std::ofstream(path, std::ios::binary) << bytes;
+  return path;
+}
+}  // namespace
+
 TEST_CASE("hdf5: a chunk larger than its dataset's fixed shape is refused before libhdf5 reads it") {
   // h5py_earliest.h5 with one byte of /weight/exp_avg/codes' layout message changed (at 21184: its
   // chunk's second dimension 3 -> 16387), as fuzz_hdf5_file found it: libhdf5 1.10.8 opened the
@@ -392,11 +409,8 @@ TEST_CASE("hdf5: a chunk larger than its dataset's fixed shape is refused before
   const FormatDriver* d = find_format("hdf5");
   if (!d) return;
   testing::TempDir dir;
-  std::string bytes = testing::read_file(fs::path(OPTSTATE_SOURCE_DIR) / "formats/hdf5/testdata/h5py_earliest.h5");
-  REQUIRE(bytes.substr(21179, 8) == std::string("\x02\0\0\0\x03\0\0\0", 8));  // chunk dims 2, 3 (u32)
-  bytes[21184] = '\x40';
-  const auto bad = dir.path / "chunk.h5";
-  std::ofstream(bad, std::ios::binary) << bytes;
+  // The chunk's dimensions 2, 3 (u32) at 21179 and 21183.
+  const auto bad = write_changed(dir, "h5py_earliest.h5", {{21183, '\x03', '\x03'}, {21184, '\0', '\x40'}});
   auto r = d->open(bad);
   REQUIRE_FALSE(r.ok());
   CHECK(r.status().message() == bad.string() + ": dataset '/weight/exp_avg/codes' of shape [2, 3] has chunks of [2, "
@@ -469,11 +483,8 @@ TEST_CASE("hdf5: a chunk dimension of 0 is refused before libhdf5 opens the data
   const FormatDriver* d = find_format("hdf5");
   if (!d) return;
   testing::TempDir dir;
-  std::string bytes = testing::read_file(fs::path(OPTSTATE_SOURCE_DIR) / "formats/hdf5/testdata/h5py_earliest.h5");
-  REQUIRE(bytes[13824] == '\x03');
-  bytes[13824] = '\x02';  // /bias/param's layout message read as version 2 (fuzz_hdf5_file's input)
-  const auto bad = dir.path / "fpe.h5";
-  std::ofstream(bad, std::ios::binary) << bytes;
+  // /bias/param's layout message read as version 2 (fuzz_hdf5_file's input).
+  const auto bad = write_changed(dir, "h5py_earliest.h5", {{13824, '\x03', '\x02'}});
   auto r = d->open(bad);
   REQUIRE_FALSE(r.ok());
   CHECK(r.status().message() == bad.string() + ": dataset '/bias/param': the object header at 13680: a data layout "
@@ -486,11 +497,7 @@ TEST_CASE("hdf5: a chunk stored in fewer bytes than its fletcher32 checksum is r
   const FormatDriver* d = find_format("hdf5");
   if (!d) return;
   testing::TempDir dir;
-  std::string bytes = testing::read_file(fs::path(OPTSTATE_SOURCE_DIR) / "formats/hdf5/testdata/adamw8bit_v18.h5");
-  REQUIRE(bytes[11686] == '\x0a');
-  bytes[11686] = '\x02';
-  const auto bad = dir.path / "short_chunk.h5";
-  std::ofstream(bad, std::ios::binary) << bytes;
+  const auto bad = write_changed(dir, "adamw8bit_v18.h5", {{11686, '\x0a', '\x02'}});
   auto r = d->open(bad);  // opening reads no chunk
   REQUIRE(r.ok());
   std::vector<std::byte> out(6);
@@ -507,11 +514,7 @@ TEST_CASE("hdf5: a root attribute's datatype whose parts run past its message is
   const FormatDriver* d = find_format("hdf5");
   if (!d) return;
   testing::TempDir dir;
-  std::string bytes = testing::read_file(fs::path(OPTSTATE_SOURCE_DIR) / "formats/hdf5/testdata/h5py_earliest.h5");
-  REQUIRE(bytes[992] == '\x19');
-  bytes[992] = '\x18';
-  const auto bad = dir.path / "enum.h5";
-  std::ofstream(bad, std::ios::binary) << bytes;
+  const auto bad = write_changed(dir, "h5py_earliest.h5", {{992, '\x19', '\x18'}});
   auto r = d->open(bad);
   REQUIRE_FALSE(r.ok());
   CHECK(r.status().message() == bad.string() + ": the object header at 96: an attribute message of 72 bytes has a "
@@ -525,12 +528,8 @@ TEST_CASE("hdf5: a compact or contiguous dataset stored in other than its elemen
   const FormatDriver* d = find_format("hdf5");
   if (!d) return;
   testing::TempDir dir;
-  std::string bytes = testing::read_file(fs::path(OPTSTATE_SOURCE_DIR) / "formats/hdf5/testdata/h5py_edited.h5");
-  REQUIRE(bytes.substr(11029, 3) == std::string("\x03\x01\x00", 3));
-  bytes[11030] = '\0';  // class compact; the next 2 bytes (its size): 0
-  bytes[11032] = '\0';
-  const auto bad = dir.path / "compact.h5";
-  std::ofstream(bad, std::ios::binary) << bytes;
+  // Version 3 at 11029; class compact, and the next 2 bytes (its size) 0.
+  const auto bad = write_changed(dir, "h5py_edited.h5", {{11029, '\x03', '\x03'}, {11030, '\x01', '\0'}, {11032, '\x10', '\0'}});
   auto r = d->open(bad);
   REQUIRE_FALSE(r.ok());
   CHECK(r.status().message() == bad.string() + ": dataset '/bias/exp_avg' of 8 bytes is stored compact in 0 bytes");

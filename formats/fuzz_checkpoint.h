@@ -8,15 +8,19 @@
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <random>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -288,7 +292,15 @@ class CheckpointFixture {
       }
     }
     long opened = 0;
+    const auto current = std::make_shared<std::atomic<long>>(0);
+    watch_for_hangs(test, current);
+    const auto started = std::chrono::steady_clock::now();
+    const long report_every = iterations >= 20000 ? iterations / 10 : 0;
     for (long i = 0; i < iterations; ++i) {
+      current->store(i + 1);  // 1-based: 0 is "not started"
+      if (report_every && i && i % report_every == 0)
+        std::fprintf(stderr, "%s: %ld of %ld inputs, %ld opened, %.0f s\n", test, i, iterations, opened,
+                     std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
       std::string index = starts[static_cast<size_t>(i) % starts.size()];
       Files data = data_;
       const size_t damaged = rng() % data.size();
@@ -300,8 +312,36 @@ class CheckpointFixture {
       }
       opened += run(index, data);
     }
+    current->store(-1);  // done: the watchdog stands down
     std::printf("%s: %ld inputs, %ld opened, no crash\n", test, iterations, opened);
     return 0;
+  }
+
+  // A run that never finishes is a hang the loop cannot report itself: a thread watches the input
+  // number and, when one input has run longer than OPTSTATE_FUZZ_HANG_SECONDS (default 120; ASan
+  // builds are slow), names it, keeps its bytes (the fixture's `work`, left in place) and ends the
+  // process with status 3.
+  void watch_for_hangs(const char* test, std::shared_ptr<std::atomic<long>> current) const {
+    const char* env = std::getenv("OPTSTATE_FUZZ_HANG_SECONDS");
+    const long limit = env && std::atol(env) > 0 ? std::atol(env) : 120;
+    const std::string work = (base_ / "work").string();
+    std::thread([test, current, limit, work] {
+      long seen = 0, since = 0;
+      for (;;) {
+        std::this_thread::sleep_for(std::chrono::seconds(1));
+        const long now = current->load();
+        if (now < 0) return;
+        if (now != seen) {
+          seen = now;
+          since = 0;
+        } else if (++since >= limit && now > 0) {
+          std::fprintf(stderr, "%s: input %ld has run for %ld s: a hang; its bytes are in %s\n", test, now - 1,
+                       since, work.c_str());
+          std::fflush(stderr);
+          std::_Exit(3);
+        }
+      }
+    }).detach();
   }
 
  private:

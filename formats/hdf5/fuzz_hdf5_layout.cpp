@@ -67,8 +67,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // (the version 1 root too).
   int headers = 0;
   for (size_t at = 0; at + 4 <= size && headers < 64; ++at)
-    if (std::memcmp(data + at, "OHDR", 4) == 0 && ++headers) (void)check_dataset_layout(read, *sb, at, "/fuzz");
-  (void)check_dataset_layout(read, *sb, sb->root_header, "/fuzz");
+    if (std::memcmp(data + at, "OHDR", 4) == 0 && ++headers) (void)check_dataset_header(read, *sb, at, "/fuzz");
+  (void)check_dataset_header(read, *sb, sb->root_header, "/fuzz");
   auto attributes = find_vlen_string_attributes(read, *sb, sb->root_header, "/fuzz");
   if (!attributes.ok()) return 0;
   for (const auto& [name, ref] : *attributes) {

@@ -646,7 +646,7 @@ class Hdf5Driver final : public FormatDriver {
                           H5Lexists(group.get(), rel.c_str(), H5P_DEFAULT) <= 0))
             return corrupt(fmt::format("{}: dataset '{}' is missing", where, dpath));
           if (object && object->dataset && object->address != HADDR_UNDEF)
-            OPTSTATE_RETURN_IF_ERROR(check_dataset_layout(raw->reader(), raw->superblock(), object->address,
+            OPTSTATE_RETURN_IF_ERROR(check_dataset_header(raw->reader(), raw->superblock(), object->address,
                                                           fmt::format("{}: dataset '{}'", where, dpath))
                                          .status());
           Id ds(H5Dopen2(group.get(), rel.c_str(), H5P_DEFAULT), H5Dclose);

@@ -57,13 +57,25 @@ struct NamedVlenRef {
 Result<std::vector<NamedVlenRef>> find_vlen_string_attributes(const ReadAt& read, const Superblock& sb,
                                                               uint64_t header, const std::string& where);
 
-// The data layout messages of the object header at `header` (a dataset's has one), each checked by
-// check_layout_message: how many.
-Result<int> check_dataset_layout(const ReadAt& read, const Superblock& sb, uint64_t header, const std::string& where);
-// A data layout message (versions 1-4): a chunked layout's dimensions lie inside it, number 2-33
-// (the rank, then the element size) and are none of them 0 (libhdf5 1.10.8 divides by each when
-// it opens the dataset: SIGFPE). Other layouts and versions pass (libhdf5 checks those itself).
+// The messages libhdf5 1.10.8 decodes when it opens the dataset whose object header is at `header`
+// (and its continuation chunks), each checked to lie inside itself: the dataspace, the datatype,
+// fill values (and, where a value is given, of the datatype's element size), the data layout and the
+// filter pipeline. Data stored outside the file (an external file list, a virtual dataset) is
+// refused: the reader reads only what the file holds. How many layout messages (a dataset has one).
+Result<int> check_dataset_header(const ReadAt& read, const Superblock& sb, uint64_t header, const std::string& where);
+// A data layout message (versions 1-4): its fields lie inside it (a compact layout's data by the size
+// it states); a chunked layout's dimensions number 2-33 (the rank, then the element size) and are
+// none of them 0 (libhdf5 1.10.8 divides by each when it opens the dataset: SIGFPE); a virtual
+// layout is refused. Versions and classes libhdf5 1.10 does not know pass (it refuses them itself).
 Status check_layout_message(std::span<const std::byte> message, const Superblock& sb, const std::string& where);
+// A datatype message: every nested type, member name and dimension inside it.
+Status check_datatype_message(std::span<const std::byte> message, const std::string& where);
+// A fill value message (`old`: type 0x0004; else 0x0005, versions 1-3): the value lies inside it.
+// Its size; -1 when it gives no value.
+Result<int64_t> fill_value_size(std::span<const std::byte> message, bool old, const std::string& where);
+// A filter pipeline message (versions 1-2): at most 32 filters, each one's name (with its NUL) and
+// values inside it.
+Status check_filter_pipeline_message(std::span<const std::byte> message, const std::string& where);
 
 // A collection's size from its first 16 bytes ("GCOL", version 1, the size as a length), checked
 // against kMinCollectionBytes and kMaxCollectionBytes.

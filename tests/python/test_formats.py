@@ -1728,9 +1728,10 @@ def test_hdf5_dataset_rewritten_without_fletcher32_is_read_and_validate_says_so(
     assert report["ok"] and report["checksums_verified"] is False and "'/0.bias/exp_avg'" in report["unchecked"]
 
 
-def rebuild_with_h5py(h5py, src, dst, libver, extra_root_attrs=0, unit_chunks=False):
+def rebuild_with_h5py(h5py, src, dst, libver, extra_root_attrs=0, unit_chunks=False, filters=False):
     """What a user's h5py script makes of an optstate HDF5 file: every group, dataset (chunks and
-    fletcher32 kept, or chunks of one element) and attribute copied into a new file of `libver`, str
+    fletcher32 kept, or chunks of one element, or with `filters` resizable, shuffled and
+    gzip-compressed with a fill value) and attribute copied into a new file of `libver`, str
     attributes stored as h5py stores them (variable-length UTF-8 in the file's global heap)."""
     with h5py.File(src, "r") as s, h5py.File(dst, "w", libver=libver) as d:
         def copy_attrs(a, b):
@@ -1742,7 +1743,14 @@ def rebuild_with_h5py(h5py, src, dst, libver, extra_root_attrs=0, unit_chunks=Fa
                 copy_attrs(obj, d.require_group(name))
             else:
                 chunks = (1,) * obj.ndim if unit_chunks and obj.ndim else obj.chunks
-                copy_attrs(obj, d.create_dataset(name, data=obj[...], chunks=chunks, fletcher32=obj.fletcher32))
+                extra = {}
+                if filters and obj.ndim:
+                    # One unlimited dimension or all: under v110 an extensible array or a B-tree v2 indexes the chunks.
+                    extra = dict(maxshape=(None,) * obj.ndim if obj.ndim > 1 and name.endswith("codes")
+                                 else (None,) + obj.shape[1:], compression="gzip", shuffle=True,
+                                 fillvalue=obj.dtype.type(0))
+                copy_attrs(obj, d.create_dataset(name, data=obj[...], chunks=chunks, fletcher32=obj.fletcher32,
+                                                 **extra))
         copy_attrs(s, d)
         s.visititems(visit)
         for i in range(extra_root_attrs):
@@ -1795,6 +1803,16 @@ def test_hdf5_rebuilt_by_h5py_in_its_file_formats(tmp_path, optstate_cli):
                 f.attrs.update(attrs)
             assert b"FRHP" not in path.read_bytes(), libver  # compact: the check reads them
             assert hashes(optstate_cli, path, values=True) == want
+    # Datasets that h5py's users compress: filter pipelines (versions 1 and 2) with gzip and shuffle,
+    # fill values, chunk indexes of each kind v110 writes; their header messages are checked before
+    # libhdf5 decodes them.
+    for libver in ("earliest", "v110"):
+        path = tmp_path / f"gzip_{libver}.h5"
+        rebuild_with_h5py(h5py, tmp_path / "s.h5", path, libver, filters=True)
+        with h5py.File(path, "r") as f:
+            assert f["0.weight/exp_avg/codes"].compression == "gzip" and f["0.weight/exp_avg/codes"].shuffle
+        assert hashes(optstate_cli, path, values=True) == want
+        optstate_cli("validate", path)
     # Datasets h5py rewrites compact (their bytes in their headers) read the same.
     compact = tmp_path / "compact.h5"
     shutil.copy(tmp_path / "s.h5", compact)

@@ -445,7 +445,7 @@ TEST_CASE("hdf5 layout: data layout messages of every version as written; a chun
       if (std::memcmp(b.data() + at, "OHDR", 4) == 0) headers.push_back(at);
     if (headers.empty()) headers = {13680};  // h5py_earliest's /bias/param
     for (uint64_t h : headers) {
-      auto n = hdf5::check_dataset_layout(read_from(b), *sb, h, name);
+      auto n = hdf5::check_dataset_header(read_from(b), *sb, h, name);
       REQUIRE_MESSAGE(n.ok(), n.status().message());
       layouts += *n;
     }
@@ -458,7 +458,7 @@ TEST_CASE("hdf5 layout: data layout messages of every version as written; a chun
   b[13824] = std::byte{2};
   auto sb = hdf5::parse_superblock(b, "f");
   REQUIRE(sb.ok());
-  CHECK(error_of(hdf5::check_dataset_layout(read_from(b), *sb, 13680, "f").status()) ==
+  CHECK(error_of(hdf5::check_dataset_header(read_from(b), *sb, 13680, "f").status()) ==
         "f: the object header at 13680: a data layout message of 24 bytes has a chunk dimension 0 of 0");
   // The message alone, each version: (version 4) flags, 3 dimensions of 2 bytes: 0 in the second.
   const auto msg = [](std::initializer_list<int> v) {
@@ -466,16 +466,40 @@ TEST_CASE("hdf5 layout: data layout messages of every version as written; a chun
     for (int x : v) m.push_back(static_cast<std::byte>(x));
     return m;
   };
-  CHECK(error_of(hdf5::check_layout_message(msg({4, 2, 0, 3, 2, 5, 0, 0, 0, 1, 0}), *sb, "m")) ==
-        "m: a data layout message of 11 bytes has a chunk dimension 1 of 0");
-  CHECK(error_of(hdf5::check_layout_message(msg({4, 2, 0, 3, 2, 5, 0, 3, 0, 1, 0}), *sb, "m")) == "ok");
+  // (then index type 2, implicit, and the index's 8-byte address)
+  CHECK(error_of(hdf5::check_layout_message(msg({4, 2, 0, 3, 2, 5, 0, 0, 0, 1, 0, 2, 9, 9, 9, 9, 9, 9, 9, 9}), *sb,
+                                            "m")) == "m: a data layout message of 20 bytes has a chunk dimension 1 of 0");
+  CHECK(error_of(hdf5::check_layout_message(msg({4, 2, 0, 3, 2, 5, 0, 3, 0, 1, 0, 2, 9, 9, 9, 9, 9, 9, 9, 9}), *sb,
+                                            "m")) == "ok");
+  CHECK(error_of(hdf5::check_layout_message(msg({4, 2, 0, 3, 2, 5, 0, 3, 0, 1, 0, 2, 9, 9, 9}), *sb, "m")) ==
+        "m: a data layout message of 15 bytes is cut short of its chunk index's address");
+  // version 4, index type 5 (a version 2 B-tree): 6 bytes of parameters before the address
+  CHECK(error_of(hdf5::check_layout_message(msg({4, 2, 0, 3, 1, 5, 3, 1, 5, 1, 1, 1, 1, 1, 9, 9, 9, 9, 9, 9, 9}),
+                                            *sb, "m")) == "m: a data layout message of 21 bytes is cut short of its "
+                                                          "chunk index's address");
   CHECK(error_of(hdf5::check_layout_message(msg({4, 2, 0, 3, 9}), *sb, "m")).find("of 9 bytes (1-8)") !=
         std::string::npos);
   CHECK(error_of(hdf5::check_layout_message(msg({4, 2, 0, 40, 1}), *sb, "m")).find("has 40 chunk dimensions") !=
         std::string::npos);
   CHECK(error_of(hdf5::check_layout_message(msg({4, 2, 0, 3, 4, 5, 0}), *sb, "m")).find("past its end") !=
         std::string::npos);
-  CHECK(error_of(hdf5::check_layout_message(msg({3, 1}), *sb, "m")) == "ok");  // contiguous: libhdf5's
+  // contiguous (version 3): an address and a size, 8 bytes each
+  CHECK(error_of(hdf5::check_layout_message(msg({3, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}), *sb,
+                                            "m")) == "ok");
+  CHECK(error_of(hdf5::check_layout_message(msg({3, 1}), *sb, "m")) == "m: a data layout message of 2 bytes is cut short");
+  // compact: the data by the size stated (version 3: u16; version 1: u32 after the dimensions)
+  CHECK(error_of(hdf5::check_layout_message(msg({3, 0, 2, 0, 7, 7}), *sb, "m")) == "ok");
+  CHECK(error_of(hdf5::check_layout_message(msg({3, 0, 3, 0, 7, 7}), *sb, "m")) ==
+        "m: a data layout message of 6 bytes holds 3 bytes of compact data past its end");
+  CHECK(error_of(hdf5::check_layout_message(msg({1, 1, 0, 0, 0, 0, 0, 0, 6, 0, 0, 0, 1, 0, 0, 0, 7}), *sb, "m")) ==
+        "ok");
+  CHECK(error_of(hdf5::check_layout_message(msg({1, 1, 0, 0, 0, 0, 0, 0, 6, 0, 0, 0, 2, 0, 0, 0, 7}), *sb, "m")) ==
+        "m: a data layout message of 17 bytes holds 2 bytes of compact data past its end");
+  CHECK(error_of(hdf5::check_layout_message(msg({1, 40, 0, 0, 0, 0, 0, 0}), *sb, "m")) ==
+        "m: a data layout message of 8 bytes has 40 dimensions (at most 33)");
+  // virtual: the data lies in other files
+  CHECK(error_of(hdf5::check_layout_message(msg({4, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}), *sb, "m"))
+            .find("is a virtual dataset's (its data lies in other files)") != std::string::npos);
   CHECK(error_of(hdf5::check_layout_message(msg({5, 2}), *sb, "m")) == "ok");  // a version 1.10 refuses
 }
 
@@ -533,4 +557,127 @@ TEST_CASE("hdf5: a compact or contiguous dataset stored in other than its elemen
   auto r = d->open(bad);
   REQUIRE_FALSE(r.ok());
   CHECK(r.status().message() == bad.string() + ": dataset '/bias/exp_avg' of 8 bytes is stored compact in 0 bytes");
+}
+
+TEST_CASE("hdf5 layout: filter pipeline, fill value and datatype messages libhdf5 would read past are refused") {
+  const auto msg = [](std::initializer_list<int> v) {
+    std::vector<std::byte> m;
+    for (int x : v) m.push_back(static_cast<std::byte>(x));
+    return m;
+  };
+  const auto pline = [](const std::vector<std::byte>& m) { return error_of(hdf5::check_filter_pipeline_message(m, "m")); };
+  // Version 1, as h5py_earliest.h5 holds it: fletcher32 (id 3), a name of 16 bytes, no values.
+  const auto fletcher = [&](int filters, int name_length, int values) {
+    auto m = msg({1, filters, 0, 0, 0, 0, 0, 0, 3, 0, name_length, 0, 0, 0, values, 0});
+    for (char c : std::string_view("fletcher32\0\0\0\0\0\0", 16)) m.push_back(static_cast<std::byte>(c));
+    return m;
+  };
+  CHECK(pline(fletcher(1, 16, 0)) == "ok");
+  CHECK(pline(fletcher(0x11, 16, 0)) == "m: a filter pipeline message of 32 bytes has filter 1 past its end");
+  CHECK(pline(fletcher(33, 16, 0)) == "m: a filter pipeline message of 32 bytes has 33 filters (at most 32)");
+  CHECK(pline(fletcher(1, 12, 0)) == "m: a filter pipeline message of 32 bytes has filter 0 with a name of 12 bytes "
+                                     "(a multiple of 8)");
+  CHECK(pline(fletcher(1, 24, 0)) == "m: a filter pipeline message of 32 bytes has filter 0's name past its end");
+  CHECK(pline(fletcher(1, 16, 1)) == "m: a filter pipeline message of 32 bytes has filter 0's 1 values past its end");
+  auto unterminated = fletcher(1, 8, 0);  // "fletcher" with no NUL in its 8 bytes
+  unterminated.resize(24);
+  CHECK(pline(unterminated) == "m: a filter pipeline message of 24 bytes has filter 0 whose name of 8 bytes has no NUL");
+  // Version 2: a predefined filter (id < 256) has no name length; deflate with its one value.
+  CHECK(pline(msg({2, 1, 1, 0, 0, 0, 1, 0, 4, 0, 0, 0})) == "ok");
+  CHECK(pline(msg({2, 1, 1, 0, 0, 0, 2, 0, 4, 0, 0, 0})) ==
+        "m: a filter pipeline message of 12 bytes has filter 0's 2 values past its end");
+  CHECK(pline(msg({3, 1})) == "ok");  // a version libhdf5 refuses itself
+
+  const auto fill = [](const std::vector<std::byte>& m, bool old = false) {
+    auto r = hdf5::fill_value_size(m, old, "m");
+    return r.ok() ? std::to_string(*r) : r.status().message();
+  };
+  CHECK(fill(msg({2, 2, 2, 1, 4, 0, 0, 0, 0, 0, 0, 0})) == "4");      // version 2, defined: 4 bytes
+  CHECK(fill(msg({2, 2, 2, 0})) == "-1");                            // not defined: no size
+  CHECK(fill(msg({2, 2, 2, 1, 8, 0, 0, 0, 0, 0, 0, 0})) == "m: a fill value message of 12 bytes holds a value of 8 "
+                                                                 "bytes past its end");
+  CHECK(fill(msg({1, 2, 2, 0, 0, 0, 0, 0})) == "0");                 // version 1 always has a size
+  CHECK(fill(msg({1, 2, 2, 0})) == "m: a fill value message of 4 bytes is cut short");
+  CHECK(fill(msg({3, 0x20, 4, 0, 0, 0, 1, 2, 3, 4})) == "4");
+  CHECK(fill(msg({3, 0x20, 5, 0, 0, 0, 1, 2, 3, 4})) ==
+        "m: a fill value message of 10 bytes holds a value of 5 bytes past its end");
+  CHECK(fill(msg({3, 0x0a})) == "-1");
+  CHECK(fill(msg({8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}), true) == "8");  // the old message: size, value
+  CHECK(fill(msg({9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}), true) ==
+        "m: a fill value message of 12 bytes holds a value of 9 bytes past its end");
+
+  // A float32 datatype (class 1, version 1: 8 bytes, then 12 of properties), and cut short.
+  const auto f32 = msg({0x11, 0x20, 0x1f, 0, 4, 0, 0, 0, 0, 0, 0x20, 0, 0x17, 8, 0, 0x17, 0x7f, 0, 0, 0});
+  CHECK(error_of(hdf5::check_datatype_message(f32, "m")) == "ok");
+  CHECK(error_of(hdf5::check_datatype_message(std::span(f32).first(12), "m")) ==
+        "m: a datatype message of 12 bytes (class 1) has parts that run past its end");
+}
+
+namespace {
+// A version 1 object header holding `messages` (type, bytes), at address 0 of its own bytes.
+std::vector<std::byte> v1_header(const std::vector<std::pair<int, std::vector<std::byte>>>& messages) {
+  std::vector<std::byte> area;
+  for (const auto& [type, body] : messages) {
+    const size_t size = (body.size() + 7) / 8 * 8;
+    for (int x : {type & 0xff, type >> 8, static_cast<int>(size & 0xff), static_cast<int>(size >> 8), 0, 0, 0, 0})
+      area.push_back(static_cast<std::byte>(x));
+    area.insert(area.end(), body.begin(), body.end());
+    area.resize(area.size() + size - body.size());
+  }
+  std::vector<std::byte> h(16);
+  h[0] = std::byte{1};
+  h[2] = static_cast<std::byte>(messages.size());
+  h[4] = std::byte{1};
+  h[8] = static_cast<std::byte>(area.size() & 0xff);
+  h[9] = static_cast<std::byte>(area.size() >> 8);
+  h.insert(h.end(), area.begin(), area.end());
+  return h;
+}
+}  // namespace
+
+TEST_CASE("hdf5 layout: a dataset header: its messages are checked; data kept in other files is refused") {
+  const auto msg = [](std::initializer_list<int> v) {
+    std::vector<std::byte> m;
+    for (int x : v) m.push_back(static_cast<std::byte>(x));
+    return m;
+  };
+  hdf5::Superblock sb;
+  const auto space = msg({1, 1, 0, 0, 0, 0, 0, 0, 6, 0, 0, 0, 0, 0, 0, 0});  // [6]
+  const auto f32 = msg({0x11, 0x20, 0x1f, 0, 4, 0, 0, 0, 0, 0, 0x20, 0, 0x17, 8, 0, 0x17, 0x7f, 0, 0, 0});
+  const auto contiguous = msg({3, 1, 0, 8, 0, 0, 0, 0, 0, 0, 24, 0, 0, 0, 0, 0, 0, 0});
+  const auto check = [&](const std::vector<std::pair<int, std::vector<std::byte>>>& messages) {
+    const auto h = v1_header(messages);
+    auto r = hdf5::check_dataset_header(read_from(h), sb, 0, "d");
+    return r.ok() ? std::to_string(*r) : r.status().message();
+  };
+  CHECK(check({{1, space}, {3, f32}, {5, msg({2, 2, 2, 1, 4, 0, 0, 0, 0, 0, 0, 0})}, {8, contiguous}}) == "1");
+  // A fill value of other than the element's size (libhdf5 fills unwritten elements from it).
+  CHECK(check({{1, space}, {3, f32}, {5, msg({2, 2, 2, 1, 2, 0, 0, 0, 0, 0})}, {8, contiguous}}) ==
+        "d: the object header at 0: a fill value of 2 bytes for elements of 4 bytes");
+  // An external file list (a local heap of file names, offsets and sizes): another file's bytes.
+  CHECK(check({{1, space}, {3, f32}, {7, msg({1, 0, 0, 0, 1, 0, 1, 0, 9, 0, 0, 0, 0, 0, 0, 0})}, {8, contiguous}})
+            .find("d: the object header at 0: the dataset's data is stored in external files") == 0);
+  // A dataspace of rank 2 in 16 bytes (its second dimension past the end).
+  CHECK(check({{1, msg({1, 2, 0, 0, 0, 0, 0, 0, 6, 0, 0, 0, 0, 0, 0, 0})}, {8, contiguous}}) ==
+        "d: the object header at 0: a dataspace message of 16 bytes has a dataspace of rank 2 that its 16 bytes do "
+        "not hold");
+  // Version 1 with permutation indices (flags & 2): a third list of dimensions.
+  CHECK(check({{1, msg({1, 1, 2, 0, 0, 0, 0, 0, 6, 0, 0, 0, 0, 0, 0, 0})}, {8, contiguous}}).find("rank 1") !=
+        std::string::npos);
+  CHECK(check({{3, std::vector<std::byte>(f32.begin(), f32.begin() + 8)}}) ==
+        "d: the object header at 0: a datatype message of 8 bytes (class 1) has parts that run past its end");
+}
+
+TEST_CASE("hdf5: a filter pipeline message naming more filters than it holds is refused before libhdf5 decodes it") {
+  // h5py_earliest.h5 with /weight/exp_avg/absmax's filter count (at 18425) 1 -> 17, as
+  // fuzz_hdf5_file found it: libhdf5 1.10.8 decoded 16 more filters past the message and took a
+  // "name" with strlen past its buffer (H5Dopen2, under ASan).
+  const FormatDriver* d = find_format("hdf5");
+  if (!d) return;
+  testing::TempDir dir;
+  const auto bad = write_changed(dir, "h5py_earliest.h5", {{18425, '\x01', '\x11'}});
+  auto r = d->open(bad);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.status().message() == bad.string() + ": dataset '/weight/exp_avg/absmax': the object header at 18320: a "
+                                               "filter pipeline message of 32 bytes has filter 1 past its end");
 }

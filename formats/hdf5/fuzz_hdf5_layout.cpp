@@ -1,11 +1,10 @@
 // Fuzz target for the HDF5 structures the driver parses itself (hdf5_layout.h): a whole file in
 // memory, damaged, must give the root's variable-length string attributes' heap references and
-// checked collections, and each object header's layout check, or an error; never a crash, a hang
-// or an unbounded allocation. And a
-// collection the check passes must be one libhdf5's loader walks to its end: a model of that loop
-// (each step as H5HG__cache_heap_deserialize takes it, bounded) ends exactly at the collection's end
-// and meets the referenced object. libFuzzer entry point plus a bounded mutation run of the testdata
-// files (CTest: fuzz.hdf5_layout).
+// checked collections, and each object header's dataset header check, or an error; never a crash,
+// a hang or an unbounded allocation. And a collection the check passes must be one libhdf5's
+// loader walks to its end: a model of that loop (each step as H5HG__cache_heap_deserialize takes
+// it, bounded) ends exactly at the collection's end and meets the referenced object. libFuzzer
+// entry point plus a bounded mutation run of the testdata files (CTest: fuzz.hdf5_layout).
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -63,8 +62,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::memcpy(out.data(), data + address, out.size());
     return Status::Ok();
   };
-  // Every version 2 object header the bytes hold, as the layout check before H5Dopen2 walks them
-  // (the version 1 root too).
+  // Every version 2 object header the bytes hold, as the dataset header check before H5Dopen2
+  // walks them (the version 1 root too).
   int headers = 0;
   for (size_t at = 0; at + 4 <= size && headers < 64; ++at)
     if (std::memcmp(data + at, "OHDR", 4) == 0 && ++headers) (void)check_dataset_header(read, *sb, at, "/fuzz");

@@ -559,27 +559,26 @@ Status check_root_attributes(const RawFile& raw, const std::string& where) {
   return Status::Ok();
 }
 
-// The object `name` under `loc` resolves to, from its header (nothing decoded but which messages it
-// holds): where that header is, and whether it is a dataset's. nullopt where the name does not
-// resolve.
-struct ObjectAddress {
+// Where the link `name` under `loc` leads, looked at before libhdf5 follows it (the link's own
+// message, not its target's header): nullopt where there is no such link; a hard link's object
+// header address; HADDR_UNDEF for a soft link (a path libhdf5 resolves inside the file). A link to
+// another file (external, or user-defined) is refused: a checkpoint reads only its own bytes.
+Result<std::optional<haddr_t>> link_target(hid_t loc, const std::string& name, const std::string& what) {
   haddr_t address = HADDR_UNDEF;
-  bool dataset = false;
-};
-std::optional<ObjectAddress> object_address(hid_t loc, const std::string& name) {
-  ObjectAddress o;
 #if H5_VERSION_GE(1, 12, 0)
-  H5O_info2_t info{};
-  if (H5Oget_info_by_name3(loc, name.c_str(), &info, H5O_INFO_BASIC, H5P_DEFAULT) < 0 ||
-      H5VLnative_token_to_addr(loc, info.token, &o.address) < 0)
-    return std::nullopt;
+  H5L_info2_t info{};
+  if (H5Lget_info2(loc, name.c_str(), &info, H5P_DEFAULT) < 0) return std::optional<haddr_t>();
+  if (info.type == H5L_TYPE_HARD && H5VLnative_token_to_addr(loc, info.u.token, &address) < 0)
+    return std::optional<haddr_t>();
 #else
-  H5O_info_t info{};
-  if (H5Oget_info_by_name2(loc, name.c_str(), &info, H5O_INFO_BASIC, H5P_DEFAULT) < 0) return std::nullopt;
-  o.address = info.addr;
+  H5L_info_t info{};
+  if (H5Lget_info(loc, name.c_str(), &info, H5P_DEFAULT) < 0) return std::optional<haddr_t>();
+  if (info.type == H5L_TYPE_HARD) address = info.u.address;
 #endif
-  o.dataset = info.type == H5O_TYPE_DATASET;
-  return o;
+  if (info.type != H5L_TYPE_HARD && info.type != H5L_TYPE_SOFT)
+    return corrupt(fmt::format("{} is {} link (to another file): this reader reads only what the file holds itself",
+                               what, info.type == H5L_TYPE_EXTERNAL ? "an external" : "a user-defined"));
+  return std::optional<haddr_t>(address);
 }
 
 class Hdf5Driver final : public FormatDriver {
@@ -613,9 +612,12 @@ class Hdf5Driver final : public FormatDriver {
     Id file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.get()), H5Fclose);
     if (!file.ok()) return corrupt(fmt::format("{}: HDF5 cannot open the file (damaged or truncated)", where));
     // What libhdf5 1.10.8 trusts and fails on in ways other than an error (hdf5_layout.h): the
-    // root's attributes before it looks at them, each dataset's layout before it opens it.
+    // root's attributes and links before it looks at them, each group's links before it looks a
+    // name up there, each dataset's header before it opens it.
     OPTSTATE_ASSIGN_OR_RETURN(const auto raw, RawFile::open(path, where));
     OPTSTATE_RETURN_IF_ERROR(check_root_attributes(*raw, where));
+    OPTSTATE_RETURN_IF_ERROR(
+        check_group_header(raw->reader(), raw->superblock(), raw->superblock().root_header, where).status());
     OPTSTATE_ASSIGN_OR_RETURN(std::string tag, get_string_attr(file.get(), "format", where));
     if (tag != kFormatTag)
       return corrupt(fmt::format("{}: an HDF5 file, but not an optstate checkpoint (format '{}')", where, tag));
@@ -627,26 +629,43 @@ class Hdf5Driver final : public FormatDriver {
     for (const auto& [fqn, ps] : meta.params) {
       // The param's group is looked up once, its datasets by names relative to it: each lookup
       // from the root searches a group of every param (at 50,000 params, a third of validate).
+      // Each group's header is checked before libhdf5 looks a name up in it (it decodes every
+      // link message there), each dataset's before libhdf5 opens it (hdf5_layout.h); each link is
+      // looked at before libhdf5 follows it.
+      const auto check_group = [&](const std::optional<haddr_t>& at, const std::string& gpath) -> Status {
+        if (!at || *at == HADDR_UNDEF) return Status::Ok();
+        return check_group_header(raw->reader(), raw->superblock(), *at, fmt::format("{}: group '{}'", where, gpath))
+            .status();
+      };
       Id group;
-      if (fqn.find('/') == std::string::npos && H5Lexists(file.get(), fqn.c_str(), H5P_DEFAULT) > 0)
-        group = Id(H5Gopen2(file.get(), fqn.c_str(), H5P_DEFAULT), H5Gclose);
-      for (const auto& [name, e] : ps.entries)
+      if (fqn.find('/') == std::string::npos) {
+        OPTSTATE_ASSIGN_OR_RETURN(const auto target,
+                                  link_target(file.get(), fqn, fmt::format("{}: '/{}'", where, fqn)));
+        OPTSTATE_RETURN_IF_ERROR(check_group(target, "/" + fqn));
+        if (target) group = Id(H5Gopen2(file.get(), fqn.c_str(), H5P_DEFAULT), H5Gclose);
+      }
+      for (const auto& [name, e] : ps.entries) {
+        bool looked_up = group.ok() && name.find('/') == std::string::npos;
+        if (looked_up && e.encoding != Encoding::kDense) {  // the entry's group of components
+          const std::string gpath = fmt::format("/{}/{}", fqn, name);
+          OPTSTATE_ASSIGN_OR_RETURN(const auto target,
+                                    link_target(group.get(), name, fmt::format("{}: '{}'", where, gpath)));
+          OPTSTATE_RETURN_IF_ERROR(check_group(target, gpath));
+          looked_up = target.has_value();  // else its first dataset is missing
+        }
         for (Component c : e.components()) {
           const std::string dpath = component_path(fqn, name, e, c);
           const std::string rel =
               e.encoding == Encoding::kDense ? name : name + "/" + std::string(component_name(c));
-          // One name lookup gives the dataset's header, whose layout libhdf5 1.10.8 trusts as it opens
-          // the dataset (a chunk dimension of 0: SIGFPE): checked first. A name that does not
-          // resolve is looked at link by link to say so.
-          const auto object = group.ok() && name.find('/') == std::string::npos
-                                  ? object_address(group.get(), rel)
-                                  : std::nullopt;
-          if (!object && (!group.ok() || name.find('/') != std::string::npos ||
-                          (e.encoding != Encoding::kDense && H5Lexists(group.get(), name.c_str(), H5P_DEFAULT) <= 0) ||
-                          H5Lexists(group.get(), rel.c_str(), H5P_DEFAULT) <= 0))
-            return corrupt(fmt::format("{}: dataset '{}' is missing", where, dpath));
-          if (object && object->dataset && object->address != HADDR_UNDEF)
-            OPTSTATE_RETURN_IF_ERROR(check_dataset_header(raw->reader(), raw->superblock(), object->address,
+          // The link gives the dataset's header, whose messages libhdf5 1.10.8 trusts as it opens
+          // the dataset (a chunk dimension of 0: SIGFPE): checked first.
+          std::optional<haddr_t> object;
+          if (looked_up) {
+            OPTSTATE_ASSIGN_OR_RETURN(object, link_target(group.get(), rel, fmt::format("{}: '{}'", where, dpath)));
+          }
+          if (!object) return corrupt(fmt::format("{}: dataset '{}' is missing", where, dpath));
+          if (*object != HADDR_UNDEF)
+            OPTSTATE_RETURN_IF_ERROR(check_dataset_header(raw->reader(), raw->superblock(), *object,
                                                           fmt::format("{}: dataset '{}'", where, dpath))
                                          .status());
           Id ds(H5Dopen2(group.get(), rel.c_str(), H5P_DEFAULT), H5Dclose);
@@ -713,6 +732,7 @@ class Hdf5Driver final : public FormatDriver {
                                          layout == H5D_COMPACT ? "compact" : "contiguous", stored));
           }
         }
+      }
     }
     return std::unique_ptr<CheckpointReader>(
         new Hdf5Reader(path, std::move(file), std::move(meta), std::move(unchecked), std::move(fletcher32)));

@@ -31,12 +31,16 @@ bool valid_size(uint64_t n) { return n == 2 || n == 4 || n == 8; }
 
 // Message types (the specification's IV.A.2).
 constexpr unsigned kDataspaceMessage = 0x0001;
+constexpr unsigned kLinkInfoMessage = 0x0002;
 constexpr unsigned kDatatypeMessage = 0x0003;
 constexpr unsigned kOldFillValueMessage = 0x0004;
 constexpr unsigned kFillValueMessage = 0x0005;
 constexpr unsigned kExternalFilesMessage = 0x0007;
 constexpr unsigned kLayoutMessage = 0x0008;
+constexpr unsigned kGroupInfoMessage = 0x000A;
 constexpr unsigned kFilterPipelineMessage = 0x000B;
+constexpr unsigned kLinkMessage = 0x0006;
+constexpr unsigned kSymbolTableMessage = 0x0011;
 constexpr unsigned kAttributeMessage = 0x000C;
 constexpr unsigned kContinuationMessage = 0x0010;
 constexpr unsigned kSharedMessageFlag = 0x02;  // the message is stored elsewhere (a shared message)
@@ -412,6 +416,90 @@ Result<int> check_dataset_header(const ReadAt& read, const Superblock& sb, uint6
     if (size > 0 && element_size && static_cast<uint64_t>(size) != *element_size)
       return corrupt(fmt::format("{}: a fill value of {} bytes for elements of {} bytes", at, size, *element_size));
   return layouts;
+}
+
+Result<std::vector<Link>> check_group_header(const ReadAt& read, const Superblock& sb, uint64_t header,
+                                             const std::string& where) {
+  const std::string at = fmt::format("{}: the object header at {}", where, header);
+  const size_t O = static_cast<size_t>(sb.offset_size);
+  std::vector<Link> links;
+  const auto visit = [&](const Message& m) -> Status {
+    if (m.flags & kSharedMessageFlag) return Status::Ok();
+    const auto cut_short = [&](std::string_view what) {
+      return corrupt(fmt::format("{}: a {} message of {} bytes is cut short", at, what, m.data.size()));
+    };
+    switch (m.type) {
+      case kLinkMessage: {
+        OPTSTATE_ASSIGN_OR_RETURN(auto link, parse_link_message(m.data, sb, at));
+        if (link) links.push_back(std::move(*link));
+        return Status::Ok();
+      }
+      case kLinkInfoMessage: {
+        // version(0) flags [flags&1: the largest creation index (8)] the fractal heap's address,
+        // the name index's [flags&2: the creation order index's]
+        if (!has(m.data, 0, 2)) return cut_short("link info");
+        const uint64_t flags = le(m.data, 1, 1);
+        if (!has(m.data, 0, 2 + ((flags & 1) ? 8 : 0) + O * ((flags & 2) ? 3 : 2))) return cut_short("link info");
+        return Status::Ok();
+      }
+      case kGroupInfoMessage: {
+        // version(0) flags [flags&1: link phase change values (2 x 2)] [flags&2: estimates (2 x 2)]
+        if (!has(m.data, 0, 2)) return cut_short("group info");
+        const uint64_t flags = le(m.data, 1, 1);
+        if (!has(m.data, 0, 2 + ((flags & 1) ? 4 : 0) + ((flags & 2) ? 4 : 0))) return cut_short("group info");
+        return Status::Ok();
+      }
+      case kSymbolTableMessage:  // the v1 B-tree's address, the local heap's
+        return has(m.data, 0, 2 * O) ? Status::Ok() : cut_short("symbol table");
+      default:
+        return Status::Ok();
+    }
+  };
+  OPTSTATE_RETURN_IF_ERROR(walk_object_header(read, sb, header, visit, at));
+  return links;
+}
+
+Result<std::optional<Link>> parse_link_message(std::span<const std::byte> m, const Superblock& sb,
+                                               const std::string& where) {
+  const auto refuse = [&](std::string_view what) {
+    return corrupt(fmt::format("{}: a link message of {} bytes {}", where, m.size(), what));
+  };
+  // version(1) flags [flags&8: type] [flags&4: creation order (8)] [flags&0x10: charset] the
+  // name's length in 1 << (flags&3) bytes, the name (no NUL); then a hard link's address (O), or a
+  // soft, external or user-defined link's value: length(2) bytes. libhdf5 1.10.8 copies the name
+  // and the value by the lengths stated, without a bound.
+  if (!has(m, 0, 2)) return refuse("is cut short");
+  const uint64_t flags = le(m, 1, 1);
+  if (le(m, 0, 1) != 1 || (flags & ~uint64_t{0x1f})) return std::optional<Link>();  // libhdf5 refuses these
+  Link link;
+  size_t p = 2;
+  if (flags & 0x08) {
+    if (!has(m, p, 1)) return refuse("is cut short");
+    link.type = static_cast<unsigned>(le(m, p, 1));
+    ++p;
+  }
+  if (link.type > kSoftLink && link.type < kExternalLink) return std::optional<Link>();  // refused by libhdf5
+  p += (flags & 0x04) ? 8 : 0;
+  p += (flags & 0x10) ? 1 : 0;
+  const int length_bytes = 1 << (flags & 3);
+  if (!has(m, p, static_cast<uint64_t>(length_bytes))) return refuse("is cut short of its name's length");
+  const uint64_t name_length = le(m, p, length_bytes);
+  p += static_cast<size_t>(length_bytes);
+  if (name_length == 0) return std::optional<Link>();  // refused by libhdf5
+  if (!has(m, p, name_length)) return refuse(fmt::format("holds a name of {} bytes past its end", name_length));
+  link.name.assign(reinterpret_cast<const char*>(m.data() + p), static_cast<size_t>(name_length));
+  p += static_cast<size_t>(name_length);
+  if (link.type == kHardLink) {
+    if (!has(m, p, static_cast<uint64_t>(sb.offset_size)))
+      return refuse(fmt::format("to '{}' is cut short of its address", link.name));
+    link.address = le(m, p, sb.offset_size);
+    return std::optional<Link>(std::move(link));
+  }
+  if (!has(m, p, 2)) return refuse(fmt::format("to '{}' is cut short of its value's length", link.name));
+  const uint64_t value_length = le(m, p, 2);
+  if (!has(m, p + 2, value_length))
+    return refuse(fmt::format("to '{}' holds a value of {} bytes past its end", link.name, value_length));
+  return std::optional<Link>(std::move(link));
 }
 
 Status check_datatype_message(std::span<const std::byte> m, const std::string& where) {

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -76,6 +77,25 @@ Result<int64_t> fill_value_size(std::span<const std::byte> message, bool old, co
 // A filter pipeline message (versions 1-2): at most 32 filters, each one's name (with its NUL) and
 // values inside it.
 Status check_filter_pipeline_message(std::span<const std::byte> message, const std::string& where);
+
+// A link as a group's object header holds it (compact storage).
+inline constexpr unsigned kHardLink = 0, kSoftLink = 1, kExternalLink = 64;  // 65-255: user-defined
+struct Link {
+  std::string name;
+  unsigned type = kHardLink;
+  uint64_t address = 0;  // a hard link's object header
+};
+// The messages libhdf5 1.10.8 decodes when it looks a name up in the group whose object header is at
+// `header`, each checked to lie inside itself: every link message (libhdf5 decodes them all, copying
+// names and values by the lengths they state), the link info, group info and symbol table messages.
+// The links held in the header, in order; none where the group keeps them elsewhere (a symbol table's
+// B-tree and local heap, or dense storage: a fractal heap), which libhdf5 reads as it does.
+Result<std::vector<Link>> check_group_header(const ReadAt& read, const Superblock& sb, uint64_t header,
+                                             const std::string& where);
+// A link message (version 1): its name and value inside it. nullopt: one libhdf5 refuses itself (a
+// version, flags or type it does not know, an empty name).
+Result<std::optional<Link>> parse_link_message(std::span<const std::byte> message, const Superblock& sb,
+                                               const std::string& where);
 
 // A collection's size from its first 16 bytes ("GCOL", version 1, the size as a length), checked
 // against kMinCollectionBytes and kMaxCollectionBytes.

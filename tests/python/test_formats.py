@@ -2404,3 +2404,31 @@ def test_group_extras_survive_torch_save_dcp_conversions_and_tell_flattened_grou
     group = torch.load(tmp_path / "ao_dcp.pt", weights_only=False)["optim"]["param_groups"][0]
     assert isinstance(group["lr"], torch.Tensor) and isinstance(group["initial_lr"], torch.Tensor)
     assert group["initial_lr"].dtype == torch.float32 and group["initial_lr"].item() == float(torch.tensor(1e-3))
+
+
+def test_hdf5_links_to_other_files_are_refused_soft_links_followed(tmp_path, optstate_cli):
+    """A param's group or a dataset reached through an external link (h5py.ExternalLink: the bytes
+    of another file) is refused naming the link, before libhdf5 opens that file; a soft link (a
+    path inside the file) reads the same state."""
+    h5py = pytest.importorskip("h5py")
+    ao = make_dcp(tmp_path, "ao")
+    optstate_cli("convert", ao, tmp_path / "s.h5")
+    want = hashes(optstate_cli, tmp_path / "s.h5", values=True)
+    soft = tmp_path / "soft.h5"
+    shutil.copy(tmp_path / "s.h5", soft)
+    with h5py.File(soft, "r+") as f:
+        f.move("0.bias", "moved_bias")
+        f["0.bias"] = h5py.SoftLink("/moved_bias")
+        f.move("0.weight/exp_avg/codes", "moved_codes")
+        f["0.weight/exp_avg/codes"] = h5py.SoftLink("/moved_codes")
+    assert hashes(optstate_cli, soft, values=True) == want
+    for target in ("0.bias", "0.weight/exp_avg", "0.weight/exp_avg/codes", "0.bias/exp_avg"):
+        ext = tmp_path / "external.h5"
+        shutil.copy(tmp_path / "s.h5", ext)
+        with h5py.File(ext, "r+") as f:
+            del f[target]
+            f[target] = h5py.ExternalLink(str(tmp_path / "s.h5"), "/" + target)
+        with h5py.File(ext, "r") as f:  # h5py follows it to the other file
+            assert f[target] is not None
+        err = run_err(optstate_cli, "inspect", ext)
+        assert f"'/{target}' is an external link (to another file)" in err and str(ext) in err, err

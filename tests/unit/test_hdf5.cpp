@@ -1,5 +1,6 @@
 // HDF5 driver: damaged files give errors naming the file and dataset; never a crash.
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 
 #include <chrono>
 #include <cstdio>
@@ -624,13 +625,13 @@ std::vector<std::byte> v1_header(const std::vector<std::pair<int, std::vector<st
     area.insert(area.end(), body.begin(), body.end());
     area.resize(area.size() + size - body.size());
   }
-  std::vector<std::byte> h(16);
+  std::vector<std::byte> h(16 + area.size());  // version 1, messages, refcount 1, chunk size
   h[0] = std::byte{1};
   h[2] = static_cast<std::byte>(messages.size());
   h[4] = std::byte{1};
   h[8] = static_cast<std::byte>(area.size() & 0xff);
   h[9] = static_cast<std::byte>(area.size() >> 8);
-  h.insert(h.end(), area.begin(), area.end());
+  std::copy(area.begin(), area.end(), h.begin() + 16);
   return h;
 }
 }  // namespace
@@ -680,4 +681,75 @@ TEST_CASE("hdf5: a filter pipeline message naming more filters than it holds is 
   REQUIRE_FALSE(r.ok());
   CHECK(r.status().message() == bad.string() + ": dataset '/weight/exp_avg/absmax': the object header at 18320: a "
                                                "filter pipeline message of 32 bytes has filter 1 past its end");
+}
+
+TEST_CASE("hdf5 layout: group headers: the links they hold, as written; link messages libhdf5 would read past") {
+  // Roots as optstate (1.8 format), h5py and h5py's earliest format (a symbol table: no links in the
+  // header) store them.
+  for (const auto& [file, want] : std::vector<std::pair<std::string, std::string>>{
+           {"adamw8bit_v18.h5", "bias weight "}, {"h5py_edited.h5", "bias weight "}, {"h5py_earliest.h5", ""}}) {
+    CAPTURE(file);
+    const auto b = file_bytes(file);
+    auto sb = hdf5::parse_superblock(b, file);
+    REQUIRE(sb.ok());
+    auto links = hdf5::check_group_header(read_from(b), *sb, sb->root_header, file);
+    REQUIRE_MESSAGE(links.ok(), links.status().message());
+    std::string names;
+    for (const auto& l : *links) {
+      CHECK(l.type == hdf5::kHardLink);
+      CHECK(l.address > 0);
+      CHECK(l.address < b.size());
+      names += l.name + " ";
+    }
+    CHECK(names == want);
+  }
+  hdf5::Superblock sb;
+  const auto msg = [](std::initializer_list<int> v, std::string_view tail = "") {
+    std::vector<std::byte> m;
+    for (int x : v) m.push_back(static_cast<std::byte>(x));
+    for (char c : tail) m.push_back(static_cast<std::byte>(c));
+    return m;
+  };
+  const auto link = [&](const std::vector<std::byte>& m) {
+    auto r = hdf5::parse_link_message(m, sb, "m");
+    if (!r.ok()) return r.status().message();
+    return *r ? fmt::format("{} {} {}", (*r)->name, (*r)->type, (*r)->address) : std::string("refused by libhdf5");
+  };
+  // A hard link "bias" (a 1-byte name length) to 964, as h5py_edited.h5 holds it.
+  CHECK(link(msg({1, 0, 4, 'b', 'i', 'a', 's', 0xc4, 3, 0, 0, 0, 0, 0, 0})) == "bias 0 964");
+  CHECK(link(msg({1, 0, 0x40, 'b', 'i', 'a', 's', 0xc4, 3, 0, 0, 0, 0, 0, 0})) ==
+        "m: a link message of 15 bytes holds a name of 64 bytes past its end");
+  CHECK(link(msg({1, 0, 4, 'b', 'i', 'a', 's', 0xc4, 3})) ==
+        "m: a link message of 9 bytes to 'bias' is cut short of its address");
+  // flags 0x1c: a type, a creation order (8 bytes) and a character set before the name.
+  CHECK(link(msg({1, 0x1c, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 'x', 0xc4, 3, 0, 0, 0, 0, 0, 0})) == "x 0 964");
+  // A soft link's value, an external link's (a file name and an object path), by the length stated.
+  CHECK(link(msg({1, 0x08, 1, 1, 'x', 2, 0}, "/y")) == "x 1 0");
+  CHECK(link(msg({1, 0x08, 1, 1, 'x', 3, 0}, "/y")) == "m: a link message of 9 bytes to 'x' holds a value of 3 "
+                                                          "bytes past its end");
+  CHECK(link(msg({1, 0x08, 64, 1, 'x', 5, 0, 0, 'f', 0, '/', 'y'})) == "x 64 0");  // flags, "f", "/y"
+  CHECK(link(msg({1, 0x08, 64, 1, 'x'})) == "m: a link message of 5 bytes to 'x' is cut short of its value's length");
+  CHECK(link(msg({1, 0x03, 0xff, 0xff})) == "m: a link message of 4 bytes is cut short of its name's length");
+  CHECK(link(msg({1, 0x08, 7, 1, 'x'})) == "refused by libhdf5");  // a link type libhdf5 does not know
+  CHECK(link(msg({2, 0})) == "refused by libhdf5");
+  CHECK(link(msg({1, 0, 0})) == "refused by libhdf5");  // an empty name
+  // A group header holding a link message cut short is refused as a whole.
+  const auto h = v1_header({{6, msg({1, 0, 0x40, 'b', 'i', 'a', 's'})}});
+  CHECK(error_of(hdf5::check_group_header(read_from(h), sb, 0, "g").status()) ==
+        "g: the object header at 0: a link message of 8 bytes holds a name of 64 bytes past its end");
+  CHECK(error_of(hdf5::check_group_header(read_from(v1_header({{0x11, msg({1, 2, 3})}})), sb, 0, "g").status()) ==
+        "g: the object header at 0: a symbol table message of 8 bytes is cut short");
+}
+
+TEST_CASE("hdf5: a root link message naming more bytes than it holds is refused before libhdf5 looks a name up") {
+  // h5py_edited.h5 with the link to /bias's name length (at 186) 4 -> 64: libhdf5 1.10.8 copies
+  // names by the length stated.
+  const FormatDriver* d = find_format("hdf5");
+  if (!d) return;
+  testing::TempDir dir;
+  const auto bad = write_changed(dir, "h5py_edited.h5", {{186, '\x04', '\x40'}});
+  auto r = d->open(bad);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.status().message() ==
+        bad.string() + ": the object header at 48: a link message of 15 bytes holds a name of 64 bytes past its end");
 }

@@ -62,12 +62,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::memcpy(out.data(), data + address, out.size());
     return Status::Ok();
   };
-  // Every version 2 object header the bytes hold, as the dataset header check before H5Dopen2
-  // walks them (the version 1 root too).
+  // Every version 2 object header the bytes hold, as the dataset and group header checks before
+  // H5Dopen2 and a lookup walk them (the version 1 root too, and the headers its links lead to).
   int headers = 0;
   for (size_t at = 0; at + 4 <= size && headers < 64; ++at)
-    if (std::memcmp(data + at, "OHDR", 4) == 0 && ++headers) (void)check_dataset_header(read, *sb, at, "/fuzz");
+    if (std::memcmp(data + at, "OHDR", 4) == 0 && ++headers) {
+      (void)check_dataset_header(read, *sb, at, "/fuzz");
+      (void)check_group_header(read, *sb, at, "/fuzz");
+    }
   (void)check_dataset_header(read, *sb, sb->root_header, "/fuzz");
+  if (auto links = check_group_header(read, *sb, sb->root_header, "/fuzz"); links.ok())
+    for (const Link& link : *links) {
+      if (link.name.empty()) std::abort();  // libhdf5 refuses an empty name: so does the parse
+      if (link.type == kHardLink) (void)check_group_header(read, *sb, link.address, "/fuzz");
+    }
   auto attributes = find_vlen_string_attributes(read, *sb, sb->root_header, "/fuzz");
   if (!attributes.ok()) return 0;
   for (const auto& [name, ref] : *attributes) {

@@ -564,6 +564,12 @@ Status check_filter_pipeline_message(std::span<const std::byte> m, const std::st
       p += 2;
     }
     if (!has(m, p, 4)) return refuse(fmt::format("has filter {} past its end", f));
+    // N-bit and scale-offset: libhdf5 decompresses their chunks trusting the parameters stored
+    // there and in the message (a heap overflow in 1.10 on a crafted file: CVE-2025-2308, fixed
+    // in 2.0); optstate and h5py's defaults use neither.
+    if (id == 5 || id == 6)
+      return refuse(fmt::format("has filter {} ({}), whose decompression libhdf5 1.10 does not bound: not read", f,
+                                id == 5 ? "N-bit" : "scale-offset"));
     const uint64_t values = le(m, p + 2, 2);
     p += 4;
     if (version == 1 && name_length % 8 != 0)

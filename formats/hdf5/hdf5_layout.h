@@ -75,7 +75,7 @@ Status check_datatype_message(std::span<const std::byte> message, const std::str
 // Its size; -1 when it gives no value.
 Result<int64_t> fill_value_size(std::span<const std::byte> message, bool old, const std::string& where);
 // A filter pipeline message (versions 1-2): at most 32 filters, each one's name (with its NUL) and
-// values inside it.
+// values inside it; no N-bit or scale-offset filter (libhdf5 1.10 decompresses those unbounded).
 Status check_filter_pipeline_message(std::span<const std::byte> message, const std::string& where);
 
 // A link as a group's object header holds it (compact storage).

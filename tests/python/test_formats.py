@@ -1813,6 +1813,16 @@ def test_hdf5_rebuilt_by_h5py_in_its_file_formats(tmp_path, optstate_cli):
             assert f["0.weight/exp_avg/codes"].compression == "gzip" and f["0.weight/exp_avg/codes"].shuffle
         assert hashes(optstate_cli, path, values=True) == want
         optstate_cli("validate", path)
+    # Scale-offset (h5py's scaleoffset=), which libhdf5 1.10 decompresses unbounded: refused naming
+    # the dataset, before libhdf5 opens it.
+    scaled = tmp_path / "scaleoffset.h5"
+    shutil.copy(tmp_path / "s.h5", scaled)
+    with h5py.File(scaled, "r+") as f:
+        values = f["0.bias/exp_avg"][...]
+        del f["0.bias/exp_avg"]
+        f.create_dataset("0.bias/exp_avg", data=values, scaleoffset=6)
+    err = run_err(optstate_cli, "inspect", scaled)
+    assert "dataset '/0.bias/exp_avg'" in err and "(scale-offset), whose decompression libhdf5" in err, err
     # Datasets h5py rewrites compact (their bytes in their headers) read the same.
     compact = tmp_path / "compact.h5"
     shutil.copy(tmp_path / "s.h5", compact)

@@ -588,6 +588,11 @@ TEST_CASE("hdf5 layout: filter pipeline, fill value and datatype messages libhdf
   CHECK(pline(msg({2, 1, 1, 0, 0, 0, 2, 0, 4, 0, 0, 0})) ==
         "m: a filter pipeline message of 12 bytes has filter 0's 2 values past its end");
   CHECK(pline(msg({3, 1})) == "ok");  // a version libhdf5 refuses itself
+  // Shuffle, then scale-offset (id 6, as h5py writes scaleoffset=): refused, as is N-bit (id 5).
+  CHECK(pline(msg({2, 2, 2, 0, 0, 0, 1, 0, 4, 0, 0, 0, 6, 0, 0, 0, 0, 0})) ==
+        "m: a filter pipeline message of 18 bytes has filter 1 (scale-offset), whose decompression libhdf5 1.10 does "
+        "not bound: not read");
+  CHECK(pline(msg({2, 1, 5, 0, 0, 0, 0, 0})).find("has filter 0 (N-bit)") != std::string::npos);
 
   const auto fill = [](const std::vector<std::byte>& m, bool old = false) {
     auto r = hdf5::fill_value_size(m, old, "m");

@@ -255,6 +255,8 @@ Result<Superblock> parse_superblock(std::span<const std::byte> b, const std::str
     if (!has(b, 0, 24)) return corrupt(fmt::format("{}: the HDF5 superblock is cut short", where));
     sb.offset_size = static_cast<int>(le(b, 13, 1));
     sb.length_size = static_cast<int>(le(b, 14, 1));
+    sb.group_leaf_k = static_cast<unsigned>(le(b, 16, 2));
+    sb.group_internal_k = static_cast<unsigned>(le(b, 18, 2));
     // 16: leaf/internal node K (2 + 2), consistency flags (4), version 1's indexed storage K (2 + 2);
     // then base, free-space, end-of-file and driver addresses; then the root's symbol table entry
     // (link name offset, object header address, ...).
@@ -450,13 +452,124 @@ Result<std::vector<Link>> check_group_header(const ReadAt& read, const Superbloc
         return Status::Ok();
       }
       case kSymbolTableMessage:  // the v1 B-tree's address, the local heap's
-        return has(m.data, 0, 2 * O) ? Status::Ok() : cut_short("symbol table");
+        if (!has(m.data, 0, 2 * O)) return cut_short("symbol table");
+        return check_symbol_table(read, sb, le(m.data, 0, sb.offset_size), le(m.data, O, sb.offset_size), at)
+            .status();
       default:
         return Status::Ok();
     }
   };
   OPTSTATE_RETURN_IF_ERROR(walk_object_header(read, sb, header, visit, at));
   return links;
+}
+
+Result<uint64_t> check_symbol_table(const ReadAt& read, const Superblock& sb, uint64_t btree, uint64_t heap,
+                                    const std::string& where) {
+  const size_t O = static_cast<size_t>(sb.offset_size), L = static_cast<size_t>(sb.length_size);
+  const std::string at = fmt::format("{}: the symbol table's", where);
+  // The local heap: "HEAP" version(1)=0 reserved(3) data size(L) free list head(L) data address(O).
+  std::byte head_bytes[32] = {};
+  const std::span<std::byte> head(head_bytes, 8 + 2 * L + O);
+  OPTSTATE_RETURN_IF_ERROR(read(heap, head).with_context(fmt::format("{} local heap at {}", at, heap)));
+  if (!starts_with(head, 0, "HEAP") || le(head, 4, 1) != 0)
+    return corrupt(fmt::format("{} local heap at {} is not one (no \"HEAP\", version 0)", at, heap));
+  const uint64_t data_size = le(head, 8, sb.length_size), free_head = le(head, 8 + L, sb.length_size);
+  if (data_size > kMaxLocalHeapBytes)
+    return corrupt(fmt::format("{} local heap at {} holds {} bytes, over the {} MiB this reader takes", at, heap,
+                               data_size, kMaxLocalHeapBytes >> 20));
+  std::vector<std::byte> names(static_cast<size_t>(data_size));
+  OPTSTATE_RETURN_IF_ERROR(read(le(head, 8 + 2 * L, sb.offset_size), names)
+                               .with_context(fmt::format("{} local heap at {}", at, heap)));
+  // The free list: blocks of next offset(L) size(L), ended by offset 1 (libhdf5's H5HL_FREE_NULL)
+  // or the undefined length.
+  const uint64_t undefined_length = L == 8 ? UINT64_MAX : (uint64_t{1} << (8 * L)) - 1;
+  std::set<uint64_t> free_blocks;
+  for (uint64_t block = free_head; block != 1 && block != undefined_length;) {
+    if (!has(names, static_cast<size_t>(std::min<uint64_t>(block, SIZE_MAX)), 2 * L) ||
+        !free_blocks.insert(block).second)
+      return corrupt(fmt::format("{} local heap at {} has a free block at {} {}", at, heap, block,
+                                 free_blocks.count(block) ? "twice (a loop)" : "past its data"));
+    const uint64_t next = le(names, static_cast<size_t>(block), sb.length_size),
+                   size = le(names, static_cast<size_t>(block) + L, sb.length_size);
+    if (size > data_size - block)
+      return corrupt(fmt::format("{} local heap at {} has a free block of {} bytes at {}, past its data", at, heap,
+                                 size, block));
+    block = next;
+  }
+  // `place`'s `what` names a string at heap offset `offset`, which must end inside the heap.
+  const auto name_at = [&](uint64_t offset, const std::string& place, std::string_view what) -> Status {
+    if (offset >= names.size() || !std::memchr(names.data() + offset, 0, names.size() - static_cast<size_t>(offset)))
+      return corrupt(fmt::format("{}: {} at heap offset {} does not end inside the local heap's {} bytes", place,
+                                 what, offset, names.size()));
+    return Status::Ok();
+  };
+  // The B-tree: "TREE" type(1)=0 level(1) entries(2) left(O) right(O), then key(L) child(O) ...
+  // key(L); a key is a name's heap offset; level 0's children are symbol nodes.
+  struct Node {
+    uint64_t address;
+    int level;  // -1: the root, whose level is its own
+  };
+  std::deque<Node> pending{{btree, -1}};
+  std::set<uint64_t> seen;
+  std::vector<std::byte> bytes;
+  uint64_t entries = 0;
+  const uint64_t max_children = sb.group_internal_k ? 2 * uint64_t{sb.group_internal_k} : 0xffff;
+  const uint64_t max_symbols = sb.group_leaf_k ? 2 * uint64_t{sb.group_leaf_k} : 0xffff;
+  while (!pending.empty()) {
+    const Node n = pending.front();
+    pending.pop_front();
+    if (!seen.insert(n.address).second)
+      return corrupt(fmt::format("{} B-tree reaches the node at {} twice", at, n.address));
+    if (seen.size() > static_cast<size_t>(kMaxSymbolTableNodes))
+      return corrupt(fmt::format("{} B-tree has over {} nodes", at, kMaxSymbolTableNodes));
+    const std::string node_at = fmt::format("{} B-tree node at {}", at, n.address);
+    bytes.resize(8 + 2 * O);
+    OPTSTATE_RETURN_IF_ERROR(read(n.address, bytes).with_context(node_at));
+    if (!starts_with(bytes, 0, "TREE") || le(bytes, 4, 1) != 0)
+      return corrupt(fmt::format("{} is not a group node (\"TREE\", type 0)", node_at));
+    const int level = static_cast<int>(le(bytes, 5, 1));
+    const uint64_t children = le(bytes, 6, 2);
+    if (n.level >= 0 && level != n.level)
+      return corrupt(fmt::format("{} is at level {}, not {} (one below its parent)", node_at, level, n.level));
+    if (children > max_children)
+      return corrupt(fmt::format("{} has {} children, over the {} its K allows", node_at, children, max_children));
+    bytes.resize(8 + 2 * O + static_cast<size_t>(children) * (L + O) + L);
+    OPTSTATE_RETURN_IF_ERROR(read(n.address, bytes).with_context(node_at));
+    for (uint64_t c = 0; c <= children; ++c) {
+      const size_t key_at = 8 + 2 * O + static_cast<size_t>(c) * (L + O);
+      OPTSTATE_RETURN_IF_ERROR(name_at(le(bytes, key_at, sb.length_size), node_at, fmt::format("key {}", c)));
+      if (c == children) break;
+      const uint64_t child = le(bytes, key_at + L, sb.offset_size);
+      if (level > 0) {
+        pending.push_back({child, level - 1});
+        continue;
+      }
+      // A symbol node: "SNOD" version(1)=1 reserved(1) symbols(2), then entries of name offset(O)
+      // object header address(O) cache type(4) reserved(4) scratch(16); a soft link (cache type
+      // 2) keeps its value's heap offset (u32) in the scratch.
+      if (!seen.insert(child).second) return corrupt(fmt::format("{} B-tree reaches the node at {} twice", at, child));
+      const std::string snod_at = fmt::format("{} symbol node at {}", at, child);
+      std::byte snod_head[8];
+      OPTSTATE_RETURN_IF_ERROR(read(child, snod_head).with_context(snod_at));
+      if (!starts_with(snod_head, 0, "SNOD") || le(snod_head, 4, 1) != 1)
+        return corrupt(fmt::format("{} is not one (\"SNOD\", version 1)", snod_at));
+      const uint64_t symbols = le(snod_head, 6, 2);
+      if (symbols > max_symbols)
+        return corrupt(fmt::format("{} has {} entries, over the {} its K allows", snod_at, symbols, max_symbols));
+      const size_t entry_size = 2 * O + 24;
+      std::vector<std::byte> table(static_cast<size_t>(symbols) * entry_size);
+      OPTSTATE_RETURN_IF_ERROR(read(child + 8, table).with_context(snod_at));
+      for (uint64_t e = 0; e < symbols; ++e) {
+        const size_t p = static_cast<size_t>(e) * entry_size;
+        OPTSTATE_RETURN_IF_ERROR(name_at(le(table, p, sb.offset_size), snod_at, fmt::format("entry {}'s name", e)));
+        if (le(table, p + 2 * O, 4) == 2)
+          OPTSTATE_RETURN_IF_ERROR(
+              name_at(le(table, p + 2 * O + 8, 4), snod_at, fmt::format("entry {}'s soft link value", e)));
+      }
+      entries += symbols;
+    }
+  }
+  return entries;
 }
 
 Result<std::optional<Link>> parse_link_message(std::span<const std::byte> m, const Superblock& sb,

@@ -20,6 +20,8 @@
 namespace optstate::hdf5 {
 
 // Caps on what a hostile file can make this parser read.
+inline constexpr uint64_t kMaxLocalHeapBytes = uint64_t{64} << 20;  // a symbol table's names
+inline constexpr int kMaxSymbolTableNodes = 1 << 20;                 // B-tree and symbol nodes of one group
 inline constexpr uint64_t kMaxHeaderChunkBytes = uint64_t{16} << 20;  // one object header chunk
 inline constexpr int kMaxHeaderChunks = 4096;                          // chunks of one object header
 inline constexpr uint64_t kMaxCollectionBytes = uint64_t{512} << 20;   // one global heap collection
@@ -30,6 +32,9 @@ struct Superblock {
   int offset_size = 8;       // bytes of a file address
   int length_size = 8;       // bytes of a length
   uint64_t root_header = 0;  // the root group's object header, relative to the base address
+  // Half the entries of a symbol table's B-tree nodes and symbol nodes (versions 0-1; 0: not in the
+  // superblock, which versions 2-3 keep in an extension this reader does not read).
+  unsigned group_internal_k = 0, group_leaf_k = 0;
 };
 // The superblock from its signature on (`bytes`: at least up to its end; 256 bytes hold every
 // version's). Versions 0-3; addresses and lengths of 2, 4 or 8 bytes.
@@ -87,11 +92,21 @@ struct Link {
 };
 // The messages libhdf5 1.10.8 decodes when it looks a name up in the group whose object header is at
 // `header`, each checked to lie inside itself: every link message (libhdf5 decodes them all, copying
-// names and values by the lengths they state), the link info, group info and symbol table messages.
+// names and values by the lengths they state), the link info, group info and symbol table messages,
+// and a symbol table's B-tree, nodes and heap (check_symbol_table).
 // The links held in the header, in order; none where the group keeps them elsewhere (a symbol table's
 // B-tree and local heap, or dense storage: a fractal heap), which libhdf5 reads as it does.
 Result<std::vector<Link>> check_group_header(const ReadAt& read, const Superblock& sb, uint64_t header,
                                              const std::string& where);
+// A group's symbol table (the earliest file format; h5py's default): the local heap of its names
+// (its free list inside it, no block twice), the v1 B-tree from `btree` (each node a group node of
+// at most 2K entries, its children one level down, none twice) and the symbol nodes at its leaves
+// (at most 2 x leaf K entries: libhdf5 1.10.8 decodes the stated count into an array of that many).
+// Every name a key or entry points at, and every soft link's value, ends in a NUL inside the heap
+// (libhdf5 compares and copies them as C strings). How many entries.
+Result<uint64_t> check_symbol_table(const ReadAt& read, const Superblock& sb, uint64_t btree, uint64_t heap,
+                                    const std::string& where);
+
 // A link message (version 1): its name and value inside it. nullopt: one libhdf5 refuses itself (a
 // version, flags or type it does not know, an empty name).
 Result<std::optional<Link>> parse_link_message(std::span<const std::byte> message, const Superblock& sb,

@@ -2442,3 +2442,22 @@ def test_hdf5_links_to_other_files_are_refused_soft_links_followed(tmp_path, opt
             assert f[target] is not None
         err = run_err(optstate_cli, "inspect", ext)
         assert f"'/{target}' is an external link (to another file)" in err and str(ext) in err, err
+
+
+def test_hdf5_h5py_earliest_root_of_many_params_reads_the_same(tmp_path, optstate_cli):
+    """600 params rebuilt by h5py in its default format: the root's symbol table is a B-tree of two
+    levels (past 2 x 16 symbol nodes of 8 entries each), every node, entry and name of which the
+    check walks before libhdf5 looks a name up; it reads as the same state."""
+    h5py = pytest.importorskip("h5py")
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(600)]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.randn(3)
+    opt.step()
+    torch.save(opt.state_dict(), tmp_path / "many.pt")
+    optstate_cli("convert", tmp_path / "many.pt", tmp_path / "s.h5")
+    want = hashes(optstate_cli, tmp_path / "s.h5", values=True)
+    rebuild_with_h5py(h5py, tmp_path / "s.h5", tmp_path / "earliest.h5", "earliest")
+    assert b"TREE\x00\x01" in (tmp_path / "earliest.h5").read_bytes()  # a group node of level 1
+    assert hashes(optstate_cli, tmp_path / "earliest.h5", values=True) == want

@@ -758,3 +758,55 @@ TEST_CASE("hdf5: a root link message naming more bytes than it holds is refused 
   CHECK(r.status().message() ==
         bad.string() + ": the object header at 48: a link message of 15 bytes holds a name of 64 bytes past its end");
 }
+
+TEST_CASE("hdf5: a symbol table's B-tree, symbol nodes and local heap are checked before libhdf5 looks a name up") {
+  // h5py_earliest.h5 (h5py's default format: every group a symbol table; K = 4 and 16), the root's
+  // table with one byte changed. libhdf5 1.10.8 decodes a symbol node's stated count of entries into
+  // an array of 2 x leaf K, follows a local heap's free list block by block, and compares names in
+  // the heap as C strings.
+  const FormatDriver* d = find_format("hdf5");
+  if (!d) return;
+  testing::TempDir dir;
+  const auto refused = [&](std::initializer_list<std::tuple<size_t, char, char>> change) {
+    const auto bad = write_changed(dir, "h5py_earliest.h5", change);
+    auto r = d->open(bad);
+    REQUIRE_FALSE(r.ok());
+    const std::string m = r.status().message();
+    REQUIRE(m.rfind(bad.string() + ": the object header at 96: the symbol table's ", 0) == 0);
+    return m.substr(bad.string().size() + 46);
+  };
+  // The root's symbol node (at 6144) holding 2 entries says 64.
+  CHECK(refused({{6150, '\x02', '\x40'}}) == "symbol node at 6144 has 64 entries, over the 8 its K allows");
+  // The heap's one free block (at 24) names itself as the next one.
+  CHECK(refused({{736, '\x01', '\x18'}}) == "local heap at 680 has a free block at 24 twice (a loop)");
+  // The B-tree root's last key ("weight" at 16) points past the heap's 88 bytes.
+  CHECK(refused({{176, '\x10', '\x60'}}) ==
+        "B-tree node at 136: key 1 at heap offset 96 does not end inside the local heap's 88 bytes");
+  // Its child is not a symbol node (the child address's low byte 6144 -> 6145).
+  CHECK(refused({{168, '\x00', '\x01'}}) == "symbol node at 6145 is not one (\"SNOD\", version 1)");
+  // Every group of the file as it is: 2 links at the root, 3 under each param, 2 per 8-bit entry.
+  const auto b = file_bytes("h5py_earliest.h5");
+  auto sb = hdf5::parse_superblock(b, "f");
+  REQUIRE(sb.ok());
+  CHECK(sb->group_leaf_k == 4);
+  CHECK(sb->group_internal_k == 16);
+  for (const auto& [btree, heap, entries] : std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>{
+           {136, 680, 2}, {1160, 1704, 3}, {16088, 16632, 3}, {17088, 17632, 2}, {23944, 24488, 2}}) {
+    auto n = hdf5::check_symbol_table(read_from(b), *sb, btree, heap, "f");
+    REQUIRE_MESSAGE(n.ok(), n.status().message());
+    CHECK(*n == entries);
+  }
+  // A soft link entry (cache type 2) keeps its value's heap offset in the scratch pad: past the heap.
+  auto soft = b;
+  soft[6144 + 8 + 16] = std::byte{2};   // entry 0's cache type
+  soft[6144 + 8 + 24] = std::byte{90};  // its value's offset (u32; a group's B-tree address was there)
+  soft[6144 + 8 + 25] = std::byte{0};
+  CHECK(error_of(hdf5::check_symbol_table(read_from(soft), *sb, 136, 680, "f").status()) ==
+        "f: the symbol table's symbol node at 6144: entry 0's soft link value at heap offset 90 does not end inside "
+        "the local heap's 88 bytes");
+  // A B-tree level of 1 whose child (the symbol node) is not a level 0 node.
+  auto level = b;
+  level[136 + 5] = std::byte{1};
+  CHECK(error_of(hdf5::check_symbol_table(read_from(level), *sb, 136, 680, "f").status()) ==
+        "f: the symbol table's B-tree node at 6144 is not a group node (\"TREE\", type 0)");
+}

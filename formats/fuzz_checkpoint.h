@@ -317,20 +317,37 @@ class CheckpointFixture {
     return 0;
   }
 
-  // A run that never finishes is a hang the loop cannot report itself: a thread watches the input
-  // number and, when one input has run longer than OPTSTATE_FUZZ_HANG_SECONDS (default 120; ASan
-  // builds are slow), names it, keeps its bytes (the fixture's `work`, left in place) and ends the
-  // process with status 3.
+  // A hang or an unbounded allocation is what the loop cannot report itself: a thread watches the
+  // input number and the process's resident memory. When one input has run longer than
+  // OPTSTATE_FUZZ_HANG_SECONDS (default 120; ASan builds are slow), or the process holds more than
+  // OPTSTATE_FUZZ_RSS_MB (default 4096; a run of these targets stays under 1 GiB), it names the
+  // input, keeps its bytes (the fixture's `work`, left in place) and ends the process with status
+  // 3 (a hang) or 4 (memory).
   void watch_for_hangs(const char* test, std::shared_ptr<std::atomic<long>> current) const {
-    const char* env = std::getenv("OPTSTATE_FUZZ_HANG_SECONDS");
-    const long limit = env && std::atol(env) > 0 ? std::atol(env) : 120;
+    const auto env_or = [](const char* name, long fallback) {
+      const char* env = std::getenv(name);
+      return env && std::atol(env) > 0 ? std::atol(env) : fallback;
+    };
+    const long limit = env_or("OPTSTATE_FUZZ_HANG_SECONDS", 120), rss_limit_mb = env_or("OPTSTATE_FUZZ_RSS_MB", 4096);
     const std::string work = (base_ / "work").string();
-    std::thread([test, current, limit, work] {
+    std::thread([test, current, limit, rss_limit_mb, work] {
       long seen = 0, since = 0;
+      const long page = sysconf(_SC_PAGESIZE);
       for (;;) {
         std::this_thread::sleep_for(std::chrono::seconds(1));
         const long now = current->load();
         if (now < 0) return;
+        long pages = 0, resident = 0;
+        if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+          if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+          std::fclose(f);
+        }
+        if (now > 0 && resident / (1024 * 1024 / page) > rss_limit_mb) {
+          std::fprintf(stderr, "%s: input %ld holds %ld MiB, over %ld: an unbounded allocation; its bytes are in %s\n",
+                       test, now - 1, resident / (1024 * 1024 / page), rss_limit_mb, work.c_str());
+          std::fflush(stderr);
+          std::_Exit(4);
+        }
         if (now != seen) {
           seen = now;
           since = 0;

@@ -135,6 +135,11 @@ TEST_CASE("hdf5: a file h5py edited (vlen UTF-8 attributes, a dataset without fl
   CHECK_FALSE((*edited)->checksummed());
   CHECK((*edited)->unchecked() == "1 of 8 datasets has no fletcher32 checksum, the first '/bias/exp_avg'");
   check_same_state_as_safetensors_fixture(**edited);
+  // The same rebuilt by h5py in v110: gzip, shuffle, resizable chunks, attributes and links past 8
+  // (dense storage), ten unrelated groups (testdata/make_h5py_v110_dense.py).
+  auto dense = d->open(root / "formats/hdf5/testdata/h5py_v110_dense.h5");
+  REQUIRE_MESSAGE(dense.ok(), dense.status().message());
+  check_same_state_as_safetensors_fixture(**dense);
 }
 
 TEST_CASE("hdf5: a file in the 1.8 file format, as optstate wrote it before, reads as the same state") {

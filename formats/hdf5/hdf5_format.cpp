@@ -560,9 +560,10 @@ Status check_root_attributes(const RawFile& raw, const std::string& where) {
 }
 
 // Where the link `name` under `loc` leads, looked at before libhdf5 follows it (the link's own
-// message, not its target's header): nullopt where there is no such link; a hard link's object
-// header address; HADDR_UNDEF for a soft link (a path libhdf5 resolves inside the file). A link to
-// another file (external, or user-defined) is refused: a checkpoint reads only its own bytes.
+// message, not its target's header): nullopt where there is no such link; the object header
+// address of a hard link's target, or of a soft link's (a path inside the file, which libhdf5
+// resolves: HADDR_UNDEF where it does not). A link to another file (external, or user-defined) is
+// refused: a checkpoint reads only its own bytes.
 Result<std::optional<haddr_t>> link_target(hid_t loc, const std::string& name, const std::string& what) {
   haddr_t address = HADDR_UNDEF;
 #if H5_VERSION_GE(1, 12, 0)
@@ -578,6 +579,18 @@ Result<std::optional<haddr_t>> link_target(hid_t loc, const std::string& name, c
   if (info.type != H5L_TYPE_HARD && info.type != H5L_TYPE_SOFT)
     return corrupt(fmt::format("{} is {} link (to another file): this reader reads only what the file holds itself",
                                what, info.type == H5L_TYPE_EXTERNAL ? "an external" : "a user-defined"));
+  if (info.type == H5L_TYPE_SOFT) {  // the target's header, which loading decodes nothing of
+#if H5_VERSION_GE(1, 12, 0)
+    H5O_info2_t target{};
+    if (H5Oget_info_by_name3(loc, name.c_str(), &target, H5O_INFO_BASIC, H5P_DEFAULT) < 0 ||
+        H5VLnative_token_to_addr(loc, target.token, &address) < 0)
+      address = HADDR_UNDEF;
+#else
+    H5O_info_t target{};
+    address = H5Oget_info_by_name2(loc, name.c_str(), &target, H5O_INFO_BASIC, H5P_DEFAULT) < 0 ? HADDR_UNDEF
+                                                                                                  : target.addr;
+#endif
+  }
   return std::optional<haddr_t>(address);
 }
 

@@ -360,6 +360,12 @@ Result<std::vector<NamedVlenRef>> find_vlen_string_attributes(const ReadAt& read
     if (!a->datatype.empty() &&
         (a->datatype.size() < 2 || (le(a->datatype, 0, 1) & 0x0f) != 9 || (le(a->datatype, 1, 1) & 0x0f) != 1))
       return Status::Ok();
+    // Its characters are its base type's elements (the datatype walk found that type inside the
+    // message): libhdf5 reads length x their size from the heap object, where the collection check
+    // expects length bytes (a size of 2^30 + 1 made it allocate and fill 13 GiB for 13 characters).
+    if (!a->datatype.empty() && le(a->datatype, 12, 4) != 1)
+      return corrupt(fmt::format("{}: attribute '{}' is a variable-length string of {}-byte characters (1)", at,
+                                 a->name, le(a->datatype, 12, 4)));
     const size_t need = 8 + static_cast<size_t>(sb.offset_size);
     if (!has(a->data, 0, need))
       return corrupt(fmt::format("{}: attribute '{}' holds {} bytes, not a variable-length value", at, a->name,

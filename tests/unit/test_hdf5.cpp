@@ -815,3 +815,17 @@ TEST_CASE("hdf5: a symbol table's B-tree, symbol nodes and local heap are checke
   CHECK(error_of(hdf5::check_symbol_table(read_from(level), *sb, 136, 680, "f").status()) ==
         "f: the symbol table's B-tree node at 6144 is not a group node (\"TREE\", type 0)");
 }
+
+TEST_CASE("hdf5: a variable-length string attribute of characters wider than a byte is refused before libhdf5 reads it") {
+  // h5py_earliest.h5 with the `format` attribute's character size (the base type's, top byte at 863)
+  // 1 -> 2^30 + 1, as fuzz_hdf5_file found it: libhdf5 1.10.8 read the 13-character string as 13
+  // elements of that size, holding 13 GiB for a while (its memory watchdog named the input).
+  const FormatDriver* d = find_format("hdf5");
+  if (!d) return;
+  testing::TempDir dir;
+  const auto bad = write_changed(dir, "h5py_earliest.h5", {{863, '\0', '\x40'}});
+  auto r = d->open(bad);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.status().message() == bad.string() + ": the object header at 96: attribute 'format' is a variable-length "
+                                               "string of 1073741825-byte characters (1)");
+}

@@ -43,6 +43,7 @@ constexpr unsigned kLinkMessage = 0x0006;
 constexpr unsigned kSymbolTableMessage = 0x0011;
 constexpr unsigned kAttributeMessage = 0x000C;
 constexpr unsigned kContinuationMessage = 0x0010;
+constexpr unsigned kAttributeInfoMessage = 0x0015;
 constexpr unsigned kSharedMessageFlag = 0x02;  // the message is stored elsewhere (a shared message)
 
 struct Chunk {
@@ -348,13 +349,241 @@ Status walk_object_header(const ReadAt& read, const Superblock& sb, uint64_t hea
 
 }  // namespace
 
+namespace {
+
+// Bytes that hold `n` (libhdf5's H5VM_limit_enc_size: log2(n) / 8 + 1).
+int bytes_for(uint64_t n) {
+  int bits = 0;
+  while (n >> bits > 1) ++bits;
+  return bits / 8 + 1;
+}
+int log2_of(uint64_t n) {  // n a power of 2
+  int bits = 0;
+  while (n >> bits > 1) ++bits;
+  return bits;
+}
+
+// A fractal heap (where dense storage keeps a group's attribute or link messages): its header and
+// the objects its heap IDs name, read through its doubling table of direct and indirect blocks.
+class FractalHeap {
+ public:
+  static Result<FractalHeap> open(const ReadAt& read, const Superblock& sb, uint64_t address, const std::string& at) {
+    FractalHeap h(read, sb, at);
+    const size_t O = static_cast<size_t>(sb.offset_size), L = static_cast<size_t>(sb.length_size);
+    // "FRHP" version(1)=0 heap ID length(2) filters length(2) flags(1) max managed size(4), then
+    // 12 lengths and addresses, table width(2) starting block size(L) max direct block size(L)
+    // max heap size in bits(2) starting root rows(2) root block address(O) root rows(2)
+    // [filters: root direct block's filtered size(L) mask(4) the filters] checksum(4).
+    std::vector<std::byte> b(22 + 12 * L + 3 * O);
+    OPTSTATE_RETURN_IF_ERROR(read(address, b).with_context(at));
+    if (!starts_with(b, 0, "FRHP") || le(b, 4, 1) != 0)
+      return corrupt(fmt::format("{}: the fractal heap at {} is not one (\"FRHP\", version 0)", at, address));
+    h.filters_ = le(b, 7, 2) != 0;
+    h.checksummed_direct_ = le(b, 9, 1) & 0x02;
+    h.max_managed_ = le(b, 10, 4);
+    const size_t p = 14 + 10 * L + 2 * O;  // the table width
+    h.width_ = le(b, p, 2);
+    h.start_ = le(b, p + 2, sb.length_size);
+    h.max_direct_ = le(b, p + 2 + L, sb.length_size);
+    h.heap_bits_ = le(b, p + 2 + 2 * L, 2);
+    h.root_ = le(b, p + 2 + 2 * L + 4, sb.offset_size);
+    h.root_rows_ = le(b, p + 2 + 2 * L + 4 + O, 2);
+    const auto power_of_2 = [](uint64_t n) { return n != 0 && (n & (n - 1)) == 0; };
+    if (h.width_ == 0 || h.width_ > 65536 || !power_of_2(h.width_) || !power_of_2(h.start_) ||
+        !power_of_2(h.max_direct_) || h.max_direct_ < h.start_ || h.max_direct_ > kMaxHeaderChunkBytes ||
+        h.heap_bits_ == 0 || h.heap_bits_ > 64 || h.root_rows_ > 64)
+      return corrupt(fmt::format("{}: the fractal heap at {} has a table of width {}, blocks of {} to {} bytes, "
+                                 "{}-bit offsets and {} root rows, which libhdf5 does not write",
+                                 at, address, h.width_, h.start_, h.max_direct_, h.heap_bits_, h.root_rows_));
+    h.offset_bytes_ = static_cast<int>((h.heap_bits_ + 7) / 8);
+    h.length_bytes_ = std::min(static_cast<int>((log2_of(h.max_direct_) + 7) / 8), bytes_for(h.max_managed_));
+    h.max_direct_rows_ = static_cast<uint64_t>(log2_of(h.max_direct_) - log2_of(h.start_) + 2);
+    return h;
+  }
+
+  // The object a heap ID names: a managed object's bytes (from its direct block) or a tiny one's
+  // (inside the ID); nullopt for a huge one (kept through another B-tree, not read here).
+  Result<std::optional<std::vector<std::byte>>> object(std::span<const std::byte> id) const {
+    if (id.empty()) return corrupt(fmt::format("{}: an empty fractal heap ID", at_));
+    const unsigned type = (std::to_integer<unsigned>(id[0]) >> 4) & 0x3;
+    if (type == 1) return std::optional<std::vector<std::byte>>();
+    if (type == 2) {  // tiny: the length - 1 in the low 4 bits, the bytes after
+      const size_t n = (std::to_integer<size_t>(id[0]) & 0x0f) + 1;
+      if (!has(id, 1, n)) return corrupt(fmt::format("{}: a tiny fractal heap object of {} bytes past its ID", at_, n));
+      return std::optional<std::vector<std::byte>>(std::vector<std::byte>(id.begin() + 1, id.begin() + 1 + n));
+    }
+    if (type != 0 || !has(id, 1, static_cast<uint64_t>(offset_bytes_ + length_bytes_)))
+      return corrupt(fmt::format("{}: a fractal heap ID of type {} in {} bytes", at_, type, id.size()));
+    const uint64_t offset = le(id, 1, offset_bytes_), length = le(id, 1 + static_cast<size_t>(offset_bytes_), length_bytes_);
+    if (length == 0 || length > max_managed_)
+      return corrupt(fmt::format("{}: a fractal heap object of {} bytes (1 to {})", at_, length, max_managed_));
+    // Down the doubling table: rows 0 and 1 of blocks of the starting size, each further row's
+    // twice the last; rows below max_direct_rows_ are direct blocks, those past, indirect ones.
+    uint64_t block = root_, block_offset = 0, rows = root_rows_;
+    for (int depth = 0; depth < 64; ++depth) {
+      if (rows == 0) return read_direct(block, block_offset, start_, offset, length);
+      const std::string iblock_at = fmt::format("{}: the fractal heap's indirect block at {}", at_, block);
+      uint64_t row_start = block_offset, row = 0, column = 0, size = 0;
+      for (; row < rows; ++row) {
+        size = row_size(row);
+        if (size > UINT64_MAX / width_ || row_start > UINT64_MAX - size * width_)
+          return corrupt(fmt::format("{} has rows past 2^64 bytes", iblock_at));
+        if (offset >= row_start && offset - row_start < size * width_) break;
+        row_start += size * width_;
+      }
+      if (row == rows) return corrupt(fmt::format("{}: heap offset {} lies past its {} rows", iblock_at, offset, rows));
+      column = (offset - row_start) / size;
+      const uint64_t entry = row * width_ + column;
+      // "FHIB" version(1) heap header(O) block offset, then each entry: a direct block's address
+      // (with filters, its filtered size(L) and mask(4)) or an indirect block's address.
+      const uint64_t O = static_cast<uint64_t>(sb_.offset_size), L = static_cast<uint64_t>(sb_.length_size);
+      const uint64_t direct_entry = O + (filters_ ? L + 4 : 0);
+      const uint64_t direct_entries = std::min(row, max_direct_rows_) * width_ + (row < max_direct_rows_ ? column : 0);
+      const uint64_t at = 5 + O + static_cast<uint64_t>(offset_bytes_) + direct_entries * direct_entry +
+                          (entry - direct_entries) * O;
+      std::byte head[5];
+      OPTSTATE_RETURN_IF_ERROR(read_(block, head).with_context(iblock_at));
+      if (!starts_with(head, 0, "FHIB")) return corrupt(fmt::format("{} is not one (\"FHIB\")", iblock_at));
+      std::vector<std::byte> address(static_cast<size_t>(O));
+      OPTSTATE_RETURN_IF_ERROR(read_(block + at, address).with_context(iblock_at));
+      block = le(address, 0, sb_.offset_size);
+      block_offset = row_start + column * size;
+      if (row < max_direct_rows_) return read_direct(block, block_offset, size, offset, length);
+      rows = static_cast<uint64_t>(log2_of(size) - log2_of(start_ * width_) + 1);
+    }
+    return corrupt(fmt::format("{}: the fractal heap's indirect blocks nest past 64", at_));
+  }
+
+ private:
+  FractalHeap(const ReadAt& read, const Superblock& sb, std::string at) : read_(read), sb_(sb), at_(std::move(at)) {}
+
+  uint64_t row_size(uint64_t row) const { return row < 2 ? start_ : start_ << std::min<uint64_t>(row - 1, 63); }
+
+  // The object at heap `offset` in the direct block at `address` (of `size` bytes, starting at
+  // heap offset `block_offset`): "FHDB" version(1) heap header(O) block offset [checksum(4)], then
+  // objects, each at its heap offset less the block's.
+  Result<std::optional<std::vector<std::byte>>> read_direct(uint64_t address, uint64_t block_offset, uint64_t size,
+                                                            uint64_t offset, uint64_t length) const {
+    const std::string dblock_at = fmt::format("{}: the fractal heap's direct block at {}", at_, address);
+    const uint64_t header = 5 + static_cast<uint64_t>(sb_.offset_size + offset_bytes_) + (checksummed_direct_ ? 4 : 0);
+    const uint64_t in_block = offset - block_offset;
+    if (offset < block_offset || in_block < header || in_block > size || length > size - in_block)
+      return corrupt(fmt::format("{}: an object of {} bytes at heap offset {} runs outside its {} bytes", dblock_at,
+                                 length, offset, size));
+    std::byte head[5];
+    OPTSTATE_RETURN_IF_ERROR(read_(address, head).with_context(dblock_at));
+    if (!starts_with(head, 0, "FHDB")) return corrupt(fmt::format("{} is not one (\"FHDB\")", dblock_at));
+    std::vector<std::byte> bytes(static_cast<size_t>(length));
+    OPTSTATE_RETURN_IF_ERROR(read_(address + in_block, bytes).with_context(dblock_at));
+    return std::optional<std::vector<std::byte>>(std::move(bytes));
+  }
+
+  ReadAt read_;
+  Superblock sb_;
+  std::string at_;
+  bool filters_ = false, checksummed_direct_ = false;
+  uint64_t max_managed_ = 0, width_ = 0, start_ = 0, max_direct_ = 0, heap_bits_ = 0, root_ = 0, root_rows_ = 0;
+  uint64_t max_direct_rows_ = 0;
+  int offset_bytes_ = 0, length_bytes_ = 0;
+};
+
+// Every record of the version 2 B-tree at `address` (its header: "BTHD" version(1)=0 type(1) node
+// size(4) record size(2) depth(2) split(1) merge(1) root(O) root records(2) total records(L)
+// checksum(4)), leaves ("BTLF" version type records checksum) and internal nodes ("BTIN" version
+// type records, then each child: address(O) records (as many bytes as a leaf's most need) [below
+// depth 1: total records below] checksum), in key order, to `visit`.
+Status walk_v2_btree(const ReadAt& read, const Superblock& sb, uint64_t address, const std::string& at,
+                     const std::function<Status(std::span<const std::byte>)>& visit) {
+  const size_t O = static_cast<size_t>(sb.offset_size), L = static_cast<size_t>(sb.length_size);
+  std::vector<std::byte> h(16 + O + 2 + L);
+  OPTSTATE_RETURN_IF_ERROR(read(address, h).with_context(at));
+  if (!starts_with(h, 0, "BTHD") || le(h, 4, 1) != 0)
+    return corrupt(fmt::format("{}: the v2 B-tree at {} is not one (\"BTHD\", version 0)", at, address));
+  const uint64_t node_size = le(h, 6, 4), record_size = le(h, 10, 2), depth = le(h, 12, 2);
+  constexpr uint64_t kPrefix = 10;  // signature, version, type, checksum
+  if (record_size == 0 || node_size <= kPrefix || node_size > kMaxHeaderChunkBytes || depth > 32)
+    return corrupt(fmt::format("{}: the v2 B-tree at {} has nodes of {} bytes, records of {} and depth {}", at,
+                               address, node_size, record_size, depth));
+  // How many records a node at each depth holds, and the bytes that encode a child's counts
+  // (libhdf5's H5B2__hdr_init).
+  std::vector<uint64_t> max_records(depth + 1), cumulative(depth + 1);
+  std::vector<int> cumulative_bytes(depth + 1);
+  max_records[0] = (node_size - kPrefix) / record_size;
+  cumulative[0] = max_records[0];
+  cumulative_bytes[0] = bytes_for(cumulative[0]);
+  const int leaf_count_bytes = bytes_for(max_records[0]);
+  for (uint64_t d = 1; d <= depth; ++d) {
+    const uint64_t pointer = O + static_cast<uint64_t>(leaf_count_bytes) + (d > 1 ? cumulative_bytes[d - 1] : 0);
+    if (node_size < kPrefix + pointer) return corrupt(fmt::format("{}: the v2 B-tree at {}: nodes too small", at, address));
+    max_records[d] = (node_size - (kPrefix + pointer)) / (record_size + pointer);
+    const unsigned __int128 c = (static_cast<unsigned __int128>(max_records[d]) + 1) * cumulative[d - 1] + max_records[d];
+    cumulative[d] = c > UINT64_MAX ? UINT64_MAX : static_cast<uint64_t>(c);
+    cumulative_bytes[d] = bytes_for(cumulative[d]);
+  }
+  struct Node {
+    uint64_t address, records, depth;
+  };
+  std::deque<Node> pending{{le(h, 16, sb.offset_size), le(h, 16 + O, 2), depth}};
+  std::set<uint64_t> seen;
+  std::vector<std::byte> node;
+  while (!pending.empty()) {
+    const Node n = pending.front();
+    pending.pop_front();
+    if (n.records == 0) continue;
+    const std::string node_at = fmt::format("{}: the v2 B-tree node at {}", at, n.address);
+    if (!seen.insert(n.address).second || seen.size() > static_cast<size_t>(kMaxSymbolTableNodes))
+      return corrupt(fmt::format("{} is reached twice", node_at));
+    if (n.records > max_records[n.depth])
+      return corrupt(fmt::format("{} holds {} records, over the {} its size allows", node_at, n.records,
+                                 max_records[n.depth]));
+    node.resize(static_cast<size_t>(node_size));
+    OPTSTATE_RETURN_IF_ERROR(read(n.address, node).with_context(node_at));
+    if (!starts_with(node, 0, n.depth == 0 ? "BTLF" : "BTIN"))
+      return corrupt(fmt::format("{} is not a {} node", node_at, n.depth == 0 ? "leaf" : "internal"));
+    for (uint64_t r = 0; r < n.records; ++r)
+      OPTSTATE_RETURN_IF_ERROR(visit(std::span(node).subspan(6 + static_cast<size_t>(r * record_size),
+                                                             static_cast<size_t>(record_size))));
+    if (n.depth == 0) continue;
+    size_t p = 6 + static_cast<size_t>(n.records * record_size);
+    const size_t total_bytes = n.depth > 1 ? static_cast<size_t>(cumulative_bytes[n.depth - 1]) : 0;
+    for (uint64_t c = 0; c <= n.records; ++c) {
+      if (!has(node, p, O + static_cast<size_t>(leaf_count_bytes) + total_bytes + 4))
+        return corrupt(fmt::format("{}: child {} lies past the node's {} bytes", node_at, c, node_size));
+      pending.push_back({le(node, p, sb.offset_size), le(node, p + O, leaf_count_bytes), n.depth - 1});
+      p += O + static_cast<size_t>(leaf_count_bytes) + total_bytes;
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::vector<std::vector<std::byte>>> dense_attribute_messages(const ReadAt& read, const Superblock& sb,
+                                                                     uint64_t heap, uint64_t name_index,
+                                                                     const std::string& where) {
+  const std::string at = fmt::format("{}: dense attribute storage", where);
+  OPTSTATE_ASSIGN_OR_RETURN(const FractalHeap h, FractalHeap::open(read, sb, heap, at));
+  std::vector<std::vector<std::byte>> messages;
+  // Name index records (type 8): heap ID(8) message flags(1) creation order(4) name hash(4).
+  OPTSTATE_RETURN_IF_ERROR(walk_v2_btree(read, sb, name_index, at, [&](std::span<const std::byte> record) -> Status {
+    if (record.size() < 8) return corrupt(fmt::format("{}: a name index record of {} bytes", at, record.size()));
+    if (has(record, 8, 1) && (le(record, 8, 1) & kSharedMessageFlag)) return Status::Ok();  // stored elsewhere
+    OPTSTATE_ASSIGN_OR_RETURN(auto object, h.object(record.first(8)));
+    if (object) messages.push_back(std::move(*object));
+    if (messages.size() > static_cast<size_t>(kMaxSymbolTableNodes))
+      return corrupt(fmt::format("{}: over {} attributes", at, kMaxSymbolTableNodes));
+    return Status::Ok();
+  }));
+  return messages;
+}
+
 Result<std::vector<NamedVlenRef>> find_vlen_string_attributes(const ReadAt& read, const Superblock& sb,
                                                               uint64_t header, const std::string& where) {
   const std::string at = fmt::format("{}: the object header at {}", where, header);
   std::vector<NamedVlenRef> found;
-  const auto visit = [&](const Message& m) -> Status {
-    if (m.type != kAttributeMessage || (m.flags & kSharedMessageFlag)) return Status::Ok();
-    OPTSTATE_ASSIGN_OR_RETURN(const auto a, parse_attribute(m.data, sb.length_size, at));
+  std::optional<std::pair<uint64_t, uint64_t>> dense;  // the fractal heap, the name index
+  const auto attribute = [&](std::span<const std::byte> message) -> Status {
+    OPTSTATE_ASSIGN_OR_RETURN(const auto a, parse_attribute(message, sb.length_size, at));
     if (!a) return Status::Ok();
     // A variable-length (class 9) string (type 1 in the low bits of the class bit field).
     if (!a->datatype.empty() &&
@@ -375,7 +604,27 @@ Result<std::vector<NamedVlenRef>> find_vlen_string_attributes(const ReadAt& read
                       static_cast<uint32_t>(le(a->data, 4 + static_cast<size_t>(sb.offset_size), 4))}});
     return Status::Ok();
   };
+  const size_t O = static_cast<size_t>(sb.offset_size);
+  const auto visit = [&](const Message& m) -> Status {
+    if (m.flags & kSharedMessageFlag) return Status::Ok();
+    if (m.type == kAttributeMessage) return attribute(m.data);
+    if (m.type != kAttributeInfoMessage) return Status::Ok();
+    // version(1)=0 flags(1) [flags&1: max creation index(2)] fractal heap(O) name index(O)
+    // [flags&2: creation order index(O)]; an undefined heap: no dense storage.
+    if (!has(m.data, 0, 2)) return corrupt(fmt::format("{}: an attribute info message is cut short", at));
+    const size_t heap_at = 2 + ((le(m.data, 1, 1) & 1) ? 2 : 0);
+    if (!has(m.data, heap_at, 2 * O + ((le(m.data, 1, 1) & 2) ? O : 0)))
+      return corrupt(fmt::format("{}: an attribute info message of {} bytes is cut short", at, m.data.size()));
+    const uint64_t heap = le(m.data, heap_at, sb.offset_size);
+    if (heap != (O == 8 ? UINT64_MAX : (uint64_t{1} << (8 * O)) - 1))
+      dense = {heap, le(m.data, heap_at + O, sb.offset_size)};
+    return Status::Ok();
+  };
   OPTSTATE_RETURN_IF_ERROR(walk_object_header(read, sb, header, visit, at));
+  if (dense) {  // past 8 attributes: their messages in a fractal heap, found through a name index
+    OPTSTATE_ASSIGN_OR_RETURN(const auto messages, dense_attribute_messages(read, sb, dense->first, dense->second, at));
+    for (const auto& message : messages) OPTSTATE_RETURN_IF_ERROR(attribute(message));
+  }
   return found;
 }
 

@@ -54,14 +54,22 @@ struct VlenRef {
 // Every attribute held as an attribute message in the object header at `header` (version 1, or 2
 // with "OHDR") and its continuation chunks is checked to lie inside its message (parse sizes libhdf5
 // 1.10 trusts); those whose type is a variable-length string come back with their stored values, in
-// the order found. An attribute kept in dense storage (a fractal heap, past 8 attributes) or as a
-// shared message is not in the header: not found.
+// the order found, then those of dense storage (past 8 attributes: dense_attribute_messages). A
+// shared attribute message is kept elsewhere: not found.
 struct NamedVlenRef {
   std::string name;
   VlenRef ref;
 };
 Result<std::vector<NamedVlenRef>> find_vlen_string_attributes(const ReadAt& read, const Superblock& sb,
                                                               uint64_t header, const std::string& where);
+
+// The attribute messages of dense storage (a group's attributes past 8): every record of the name
+// index (a version 2 B-tree) names a message in the fractal heap, read through the heap's doubling
+// table (direct and indirect blocks), each part checked to lie where the file says. The messages of
+// huge objects (kept through another B-tree) are not read.
+Result<std::vector<std::vector<std::byte>>> dense_attribute_messages(const ReadAt& read, const Superblock& sb,
+                                                                     uint64_t heap, uint64_t name_index,
+                                                                     const std::string& where);
 
 // The messages libhdf5 1.10.8 decodes when it opens the dataset whose object header is at `header`
 // (and its continuation chunks), each checked to lie inside itself: the dataspace, the datatype,

@@ -2461,3 +2461,32 @@ def test_hdf5_h5py_earliest_root_of_many_params_reads_the_same(tmp_path, optstat
     rebuild_with_h5py(h5py, tmp_path / "s.h5", tmp_path / "earliest.h5", "earliest")
     assert b"TREE\x00\x01" in (tmp_path / "earliest.h5").read_bytes()  # a group node of level 1
     assert hashes(optstate_cli, tmp_path / "earliest.h5", values=True) == want
+
+
+def test_hdf5_root_attributes_in_dense_storage_are_walked(tmp_path, optstate_cli):
+    """400 root attributes (h5py, v110): kept in a fractal heap of indirect and direct blocks with
+    a v2 B-tree name index of internal nodes, through which the check finds `format` and
+    `optstate` before libhdf5 reads them: it reads the same. With the size of the first object
+    of their global heap collection made huge (libhdf5 1.10.8 copied that many bytes: a heap
+    overflow found by fuzz_hdf5_file) it is refused naming the attribute and collection."""
+    h5py = pytest.importorskip("h5py")
+    ao = make_dcp(tmp_path, "ao")
+    optstate_cli("convert", ao, tmp_path / "s.h5")
+    want = hashes(optstate_cli, tmp_path / "s.h5", values=True)
+    path = tmp_path / "attrs.h5"
+    rebuild_with_h5py(h5py, tmp_path / "s.h5", path, "v110", extra_root_attrs=400)
+    data = path.read_bytes()
+    assert b"FHIB" in data and b"BTIN" in data  # an indirect block; an internal node
+    assert hashes(optstate_cli, path, values=True) == want
+    # The collection `optstate` lies in: the first; its object 1's size (after index, refcount,
+    # reserved: 8 bytes in) set to 2^52.
+    at = data.index(b"GCOL")
+    objects = global_heap_objects(data, at)
+    p, index, size = objects[0]
+    assert index == 1
+    damaged = bytearray(data)
+    damaged[p + 8:p + 16] = (1 << 52).to_bytes(8, "little")
+    bad = tmp_path / "bad.h5"
+    bad.write_bytes(bytes(damaged))
+    err = run_err(optstate_cli, "inspect", bad)
+    assert f"its global heap collection at {at}" in err and "runs past the collection" in err, err

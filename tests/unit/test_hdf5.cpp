@@ -9,6 +9,7 @@
 #include <fstream>
 #include <future>
 #include <memory>
+#include <set>
 #include <thread>
 #include <tuple>
 
@@ -828,4 +829,50 @@ TEST_CASE("hdf5: a variable-length string attribute of characters wider than a b
   REQUIRE_FALSE(r.ok());
   CHECK(r.status().message() == bad.string() + ": the object header at 96: attribute 'format' is a variable-length "
                                                "string of 1073741825-byte characters (1)");
+}
+
+TEST_CASE("hdf5 layout: root attributes in dense storage are found through the name index and the fractal heap") {
+  // h5py_v110_dense.h5: 13 root attributes, so kept in a fractal heap with a version 2 B-tree
+  // name index; `format` and `optstate` are among them.
+  const auto b = file_bytes("h5py_v110_dense.h5");
+  auto sb = hdf5::parse_superblock(b, "f");
+  REQUIRE(sb.ok());
+  auto found = hdf5::find_vlen_string_attributes(read_from(b), *sb, sb->root_header, "f");
+  REQUIRE_MESSAGE(found.ok(), found.status().message());
+  std::set<std::string> names;
+  for (const auto& [name, ref] : *found) {
+    names.insert(name);
+    CHECK(ref.collection > 0);
+    CHECK(ref.collection < b.size());
+  }
+  CHECK(names.count("format") == 1);
+  CHECK(names.count("optstate") == 1);
+  CHECK(names.count("note9") == 1);
+  CHECK(names.size() == 13);  // `optimizer` and the 10 notes too (`ints`, `layout_version`: not strings)
+  // A record of the name index naming an object past its direct block: its heap ID (a type byte, 5
+  // bytes of offset, 2 of length) given a length of 4095 (the heap's objects are at most 4096).
+  const size_t btree = 19697, leaf = 19817;  // the attributes' name index (type 8) and its one leaf
+  REQUIRE(std::memcmp(b.data() + btree, "BTHD\0\x08", 6) == 0);
+  REQUIRE(std::memcmp(b.data() + leaf, "BTLF\0\x08", 6) == 0);
+  auto bad = b;
+  bad[leaf + 6 + 6] = std::byte{0xff};
+  bad[leaf + 6 + 7] = std::byte{0x0f};
+  const std::string err = error_of(hdf5::find_vlen_string_attributes(read_from(bad), *sb, sb->root_header, "f").status());
+  CHECK_MESSAGE(err.find("f: the object header at") == 0, err);
+  CHECK_MESSAGE(err.find("dense attribute storage: the fractal heap's direct block at") != std::string::npos, err);
+}
+
+TEST_CASE("hdf5: a damaged collection of a root attribute kept in dense storage is refused before libhdf5 reads it") {
+  // h5py_v110_dense.h5 with the size of object 1 of the collection at 2048 (its top byte at 2078)
+  // made 0x52000000000d, as fuzz_hdf5_file found it: `optstate` is kept in dense storage, where the
+  // check did not look, and libhdf5 1.10.8's H5HG_read copied that many bytes (under ASan).
+  const FormatDriver* d = find_format("hdf5");
+  if (!d) return;
+  testing::TempDir dir;
+  const auto bad = write_changed(dir, "h5py_v110_dense.h5", {{2078, '\0', '\x52'}});
+  auto r = d->open(bad);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.status().message() ==
+        bad.string() + ": attribute 'optstate': its global heap collection at 2048: the global heap collection's "
+                       "object 1 at offset 16 of 23080948090273805 bytes runs past the collection's 4096 bytes");
 }

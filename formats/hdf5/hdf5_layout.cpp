@@ -492,13 +492,13 @@ class FractalHeap {
 // checksum(4)), leaves ("BTLF" version type records checksum) and internal nodes ("BTIN" version
 // type records, then each child: address(O) records (as many bytes as a leaf's most need) [below
 // depth 1: total records below] checksum), in key order, to `visit`.
-Status walk_v2_btree(const ReadAt& read, const Superblock& sb, uint64_t address, const std::string& at,
+Status walk_v2_btree(const ReadAt& read, const Superblock& sb, uint64_t address, unsigned type, const std::string& at,
                      const std::function<Status(std::span<const std::byte>)>& visit) {
   const size_t O = static_cast<size_t>(sb.offset_size), L = static_cast<size_t>(sb.length_size);
   std::vector<std::byte> h(16 + O + 2 + L);
   OPTSTATE_RETURN_IF_ERROR(read(address, h).with_context(at));
-  if (!starts_with(h, 0, "BTHD") || le(h, 4, 1) != 0)
-    return corrupt(fmt::format("{}: the v2 B-tree at {} is not one (\"BTHD\", version 0)", at, address));
+  if (!starts_with(h, 0, "BTHD") || le(h, 4, 1) != 0 || le(h, 5, 1) != type)
+    return corrupt(fmt::format("{}: the v2 B-tree at {} is not one of type {} (\"BTHD\", version 0)", at, address, type));
   const uint64_t node_size = le(h, 6, 4), record_size = le(h, 10, 2), depth = le(h, 12, 2);
   constexpr uint64_t kPrefix = 10;  // signature, version, type, checksum
   if (record_size == 0 || node_size <= kPrefix || node_size > kMaxHeaderChunkBytes || depth > 32)
@@ -538,7 +538,7 @@ Status walk_v2_btree(const ReadAt& read, const Superblock& sb, uint64_t address,
                                  max_records[n.depth]));
     node.resize(static_cast<size_t>(node_size));
     OPTSTATE_RETURN_IF_ERROR(read(n.address, node).with_context(node_at));
-    if (!starts_with(node, 0, n.depth == 0 ? "BTLF" : "BTIN"))
+    if (!starts_with(node, 0, n.depth == 0 ? "BTLF" : "BTIN") || le(node, 5, 1) != type)
       return corrupt(fmt::format("{} is not a {} node", node_at, n.depth == 0 ? "leaf" : "internal"));
     for (uint64_t r = 0; r < n.records; ++r)
       OPTSTATE_RETURN_IF_ERROR(visit(std::span(node).subspan(6 + static_cast<size_t>(r * record_size),
@@ -558,22 +558,25 @@ Status walk_v2_btree(const ReadAt& read, const Superblock& sb, uint64_t address,
 
 }  // namespace
 
-Result<std::vector<std::vector<std::byte>>> dense_attribute_messages(const ReadAt& read, const Superblock& sb,
-                                                                     uint64_t heap, uint64_t name_index,
-                                                                     const std::string& where) {
-  const std::string at = fmt::format("{}: dense attribute storage", where);
+Result<std::vector<std::vector<std::byte>>> dense_messages(const ReadAt& read, const Superblock& sb, DenseKind kind,
+                                                           uint64_t heap, uint64_t name_index,
+                                                           const std::string& where) {
+  const bool links = kind == DenseKind::kLinks;
+  const std::string at = fmt::format("{}: dense {} storage", where, links ? "link" : "attribute");
   OPTSTATE_ASSIGN_OR_RETURN(const FractalHeap h, FractalHeap::open(read, sb, heap, at));
   std::vector<std::vector<std::byte>> messages;
-  // Name index records (type 8): heap ID(8) message flags(1) creation order(4) name hash(4).
-  OPTSTATE_RETURN_IF_ERROR(walk_v2_btree(read, sb, name_index, at, [&](std::span<const std::byte> record) -> Status {
-    if (record.size() < 8) return corrupt(fmt::format("{}: a name index record of {} bytes", at, record.size()));
-    if (has(record, 8, 1) && (le(record, 8, 1) & kSharedMessageFlag)) return Status::Ok();  // stored elsewhere
-    OPTSTATE_ASSIGN_OR_RETURN(auto object, h.object(record.first(8)));
-    if (object) messages.push_back(std::move(*object));
-    if (messages.size() > static_cast<size_t>(kMaxSymbolTableNodes))
-      return corrupt(fmt::format("{}: over {} attributes", at, kMaxSymbolTableNodes));
-    return Status::Ok();
-  }));
+  // Name index records: links (type 5) name hash(4) heap ID(7); attributes (type 8) heap ID(8)
+  // message flags(1) creation order(4) name hash(4).
+  const size_t id_at = links ? 4 : 0, id_size = links ? 7 : 8, record_size = links ? 11 : 17;
+  OPTSTATE_RETURN_IF_ERROR(walk_v2_btree(
+      read, sb, name_index, links ? 5 : 8, at, [&](std::span<const std::byte> record) -> Status {
+        if (record.size() != record_size)
+          return corrupt(fmt::format("{}: name index records of {} bytes ({})", at, record.size(), record_size));
+        if (!links && (le(record, 8, 1) & kSharedMessageFlag)) return Status::Ok();  // stored elsewhere
+        OPTSTATE_ASSIGN_OR_RETURN(auto object, h.object(record.subspan(id_at, id_size)));
+        if (object) messages.push_back(std::move(*object));
+        return Status::Ok();
+      }));
   return messages;
 }
 
@@ -622,7 +625,8 @@ Result<std::vector<NamedVlenRef>> find_vlen_string_attributes(const ReadAt& read
   };
   OPTSTATE_RETURN_IF_ERROR(walk_object_header(read, sb, header, visit, at));
   if (dense) {  // past 8 attributes: their messages in a fractal heap, found through a name index
-    OPTSTATE_ASSIGN_OR_RETURN(const auto messages, dense_attribute_messages(read, sb, dense->first, dense->second, at));
+    OPTSTATE_ASSIGN_OR_RETURN(const auto messages,
+                              dense_messages(read, sb, DenseKind::kAttributes, dense->first, dense->second, at));
     for (const auto& message : messages) OPTSTATE_RETURN_IF_ERROR(attribute(message));
   }
   return found;
@@ -680,6 +684,7 @@ Result<std::vector<Link>> check_group_header(const ReadAt& read, const Superbloc
   const std::string at = fmt::format("{}: the object header at {}", where, header);
   const size_t O = static_cast<size_t>(sb.offset_size);
   std::vector<Link> links;
+  std::optional<std::pair<uint64_t, uint64_t>> dense;  // the fractal heap, the name index
   const auto visit = [&](const Message& m) -> Status {
     if (m.flags & kSharedMessageFlag) return Status::Ok();
     const auto cut_short = [&](std::string_view what) {
@@ -697,6 +702,9 @@ Result<std::vector<Link>> check_group_header(const ReadAt& read, const Superbloc
         if (!has(m.data, 0, 2)) return cut_short("link info");
         const uint64_t flags = le(m.data, 1, 1);
         if (!has(m.data, 0, 2 + ((flags & 1) ? 8 : 0) + O * ((flags & 2) ? 3 : 2))) return cut_short("link info");
+        const size_t heap_at = 2 + ((flags & 1) ? 8 : 0);
+        const uint64_t heap = le(m.data, heap_at, sb.offset_size);
+        if (heap != (O == 8 ? UINT64_MAX : (uint64_t{1} << (8 * O)) - 1)) dense = {heap, le(m.data, heap_at + O, sb.offset_size)};
         return Status::Ok();
       }
       case kGroupInfoMessage: {
@@ -715,6 +723,15 @@ Result<std::vector<Link>> check_group_header(const ReadAt& read, const Superbloc
     }
   };
   OPTSTATE_RETURN_IF_ERROR(walk_object_header(read, sb, header, visit, at));
+  if (dense) {  // past 8 links: their messages in a fractal heap, found through a name index
+    OPTSTATE_ASSIGN_OR_RETURN(const auto messages,
+                              dense_messages(read, sb, DenseKind::kLinks, dense->first, dense->second, at));
+    const std::string in_heap = at + ": dense link storage";
+    for (const auto& message : messages) {
+      OPTSTATE_ASSIGN_OR_RETURN(auto link, parse_link_message(message, sb, in_heap));
+      if (link) links.push_back(std::move(*link));
+    }
+  }
   return links;
 }
 

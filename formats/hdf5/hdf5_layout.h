@@ -54,7 +54,7 @@ struct VlenRef {
 // Every attribute held as an attribute message in the object header at `header` (version 1, or 2
 // with "OHDR") and its continuation chunks is checked to lie inside its message (parse sizes libhdf5
 // 1.10 trusts); those whose type is a variable-length string come back with their stored values, in
-// the order found, then those of dense storage (past 8 attributes: dense_attribute_messages). A
+// the order found, then those of dense storage (past 8 attributes: dense_messages). A
 // shared attribute message is kept elsewhere: not found.
 struct NamedVlenRef {
   std::string name;
@@ -63,13 +63,14 @@ struct NamedVlenRef {
 Result<std::vector<NamedVlenRef>> find_vlen_string_attributes(const ReadAt& read, const Superblock& sb,
                                                               uint64_t header, const std::string& where);
 
-// The attribute messages of dense storage (a group's attributes past 8): every record of the name
+// The messages of dense storage (a group's attributes or links past 8): every record of the name
 // index (a version 2 B-tree) names a message in the fractal heap, read through the heap's doubling
 // table (direct and indirect blocks), each part checked to lie where the file says. The messages of
 // huge objects (kept through another B-tree) are not read.
-Result<std::vector<std::vector<std::byte>>> dense_attribute_messages(const ReadAt& read, const Superblock& sb,
-                                                                     uint64_t heap, uint64_t name_index,
-                                                                     const std::string& where);
+enum class DenseKind { kAttributes, kLinks };
+Result<std::vector<std::vector<std::byte>>> dense_messages(const ReadAt& read, const Superblock& sb, DenseKind kind,
+                                                           uint64_t heap, uint64_t name_index,
+                                                           const std::string& where);
 
 // The messages libhdf5 1.10.8 decodes when it opens the dataset whose object header is at `header`
 // (and its continuation chunks), each checked to lie inside itself: the dataspace, the datatype,
@@ -102,8 +103,8 @@ struct Link {
 // `header`, each checked to lie inside itself: every link message (libhdf5 decodes them all, copying
 // names and values by the lengths they state), the link info, group info and symbol table messages,
 // and a symbol table's B-tree, nodes and heap (check_symbol_table).
-// The links held in the header, in order; none where the group keeps them elsewhere (a symbol table's
-// B-tree and local heap, or dense storage: a fractal heap), which libhdf5 reads as it does.
+// The links held in the header, in order, then those of dense storage (past 8 links:
+// dense_messages); none for a symbol table (its B-tree and local heap are walked, not listed).
 Result<std::vector<Link>> check_group_header(const ReadAt& read, const Superblock& sb, uint64_t header,
                                              const std::string& where);
 // A group's symbol table (the earliest file format; h5py's default): the local heap of its names

@@ -714,6 +714,17 @@ TEST_CASE("hdf5 layout: group headers: the links they hold, as written; link mes
     }
     CHECK(names == want);
   }
+  {  // h5py_v110_dense.h5: 12 root links, past 8, kept in a fractal heap through a name index
+    const auto b = file_bytes("h5py_v110_dense.h5");
+    auto sb = hdf5::parse_superblock(b, "f");
+    REQUIRE(sb.ok());
+    auto links = hdf5::check_group_header(read_from(b), *sb, sb->root_header, "f");
+    REQUIRE_MESSAGE(links.ok(), links.status().message());
+    std::set<std::string> names;
+    for (const auto& l : *links) names.insert(l.name);
+    CHECK(names == std::set<std::string>{"bias", "extra0", "extra1", "extra2", "extra3", "extra4", "extra5", "extra6",
+                                         "extra7", "extra8", "extra9", "weight"});
+  }
   hdf5::Superblock sb;
   const auto msg = [](std::initializer_list<int> v, std::string_view tail = "") {
     std::vector<std::byte> m;
@@ -875,4 +886,18 @@ TEST_CASE("hdf5: a damaged collection of a root attribute kept in dense storage 
   CHECK(r.status().message() ==
         bad.string() + ": attribute 'optstate': its global heap collection at 2048: the global heap collection's "
                        "object 1 at offset 16 of 23080948090273805 bytes runs past the collection's 4096 bytes");
+}
+
+TEST_CASE("hdf5: a link message in dense storage naming more bytes than it holds is refused before a lookup") {
+  // h5py_v110_dense.h5 keeps its 12 root links in a fractal heap; the link to /bias (in the direct
+  // block at 21773) with its name length (at 21813) 4 -> 127.
+  const FormatDriver* d = find_format("hdf5");
+  if (!d) return;
+  testing::TempDir dir;
+  const auto bad = write_changed(dir, "h5py_v110_dense.h5", {{21813, '\x04', '\x7f'}});
+  auto r = d->open(bad);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.status().message() ==
+        bad.string() + ": the object header at 48: dense link storage: a link message of 15 bytes holds a name of 127 "
+                       "bytes past its end");
 }

@@ -565,6 +565,7 @@ Result<std::vector<std::vector<std::byte>>> dense_messages(const ReadAt& read, c
   const std::string at = fmt::format("{}: dense {} storage", where, links ? "link" : "attribute");
   OPTSTATE_ASSIGN_OR_RETURN(const FractalHeap h, FractalHeap::open(read, sb, heap, at));
   std::vector<std::vector<std::byte>> messages;
+  uint64_t total = 0;
   // Name index records: links (type 5) name hash(4) heap ID(7); attributes (type 8) heap ID(8)
   // message flags(1) creation order(4) name hash(4).
   const size_t id_at = links ? 4 : 0, id_size = links ? 7 : 8, record_size = links ? 11 : 17;
@@ -574,7 +575,11 @@ Result<std::vector<std::vector<std::byte>>> dense_messages(const ReadAt& read, c
           return corrupt(fmt::format("{}: name index records of {} bytes ({})", at, record.size(), record_size));
         if (!links && (le(record, 8, 1) & kSharedMessageFlag)) return Status::Ok();  // stored elsewhere
         OPTSTATE_ASSIGN_OR_RETURN(auto object, h.object(record.subspan(id_at, id_size)));
-        if (object) messages.push_back(std::move(*object));
+        if (!object) return Status::Ok();
+        total += object->size();  // records may all name one large object
+        if (total > kMaxDenseBytes)
+          return corrupt(fmt::format("{}: messages of over {} MiB", at, kMaxDenseBytes >> 20));
+        messages.push_back(std::move(*object));
         return Status::Ok();
       }));
   return messages;

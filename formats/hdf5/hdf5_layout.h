@@ -22,6 +22,7 @@ namespace optstate::hdf5 {
 // Caps on what a hostile file can make this parser read.
 inline constexpr uint64_t kMaxLocalHeapBytes = uint64_t{64} << 20;  // a symbol table's names
 inline constexpr int kMaxSymbolTableNodes = 1 << 20;                 // B-tree and symbol nodes of one group
+inline constexpr uint64_t kMaxDenseBytes = uint64_t{256} << 20;      // the messages of one dense storage
 inline constexpr uint64_t kMaxHeaderChunkBytes = uint64_t{16} << 20;  // one object header chunk
 inline constexpr int kMaxHeaderChunks = 4096;                          // chunks of one object header
 inline constexpr uint64_t kMaxCollectionBytes = uint64_t{512} << 20;   // one global heap collection

@@ -441,7 +441,8 @@ TEST_CASE("hdf5 layout: data layout messages of every version as written; a chun
     files.emplace_back("v110.h5", std::vector<std::byte>(p, p + s.size()));
   }
   for (const auto& [name, b] : files) {
-    CAPTURE(name);
+    const std::string& file_name = name;  // CAPTURE's lambda cannot name a structured binding (clang)
+    CAPTURE(file_name);
     auto sb = hdf5::parse_superblock(b, name);
     REQUIRE(sb.ok());
     int layouts = 0;
@@ -699,7 +700,8 @@ TEST_CASE("hdf5 layout: group headers: the links they hold, as written; link mes
   // header) store them.
   for (const auto& [file, want] : std::vector<std::pair<std::string, std::string>>{
            {"adamw8bit_v18.h5", "bias weight "}, {"h5py_edited.h5", "bias weight "}, {"h5py_earliest.h5", ""}}) {
-    CAPTURE(file);
+    const std::string& fixture = file;  // CAPTURE's lambda cannot name a structured binding (clang)
+    CAPTURE(fixture);
     const auto b = file_bytes(file);
     auto sb = hdf5::parse_superblock(b, file);
     REQUIRE(sb.ok());

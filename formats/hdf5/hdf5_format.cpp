@@ -512,8 +512,10 @@ class RawFile {
     if (!base) return corrupt(fmt::format("{}: not an HDF5 file (no signature)", where));
     std::vector<std::byte> head(static_cast<size_t>(std::min<uint64_t>(256, f.size() - *base)));
     OPTSTATE_RETURN_IF_ERROR(f.read_at(*base, head));
-    OPTSTATE_ASSIGN_OR_RETURN(const Superblock sb, parse_superblock(head, where));
-    return std::unique_ptr<RawFile>(new RawFile(std::move(f), *base, sb));
+    OPTSTATE_ASSIGN_OR_RETURN(Superblock sb, parse_superblock(head, where));
+    auto raw = std::unique_ptr<RawFile>(new RawFile(std::move(f), *base, sb));
+    OPTSTATE_RETURN_IF_ERROR(read_superblock_extension(raw->reader(), raw->sb_, where));
+    return raw;
   }
   const Superblock& superblock() const { return sb_; }
   uint64_t size() const { return file_.size() - base_; }  // bytes from the base on

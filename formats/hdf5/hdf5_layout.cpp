@@ -268,6 +268,11 @@ Result<Superblock> parse_superblock(std::span<const std::byte> b, const std::str
     sb.length_size = static_cast<int>(le(b, 10, 1));
     // 12: flags (1); base, superblock extension, end-of-file addresses; root object header address.
     p = 12 + 3 * static_cast<size_t>(sb.offset_size);
+    if (valid_size(static_cast<uint64_t>(sb.offset_size)) && has(b, 12, 2 * static_cast<uint64_t>(sb.offset_size))) {
+      const uint64_t ext = le(b, 12 + static_cast<size_t>(sb.offset_size), sb.offset_size);
+      const uint64_t undefined = sb.offset_size == 8 ? UINT64_MAX : (uint64_t{1} << (8 * sb.offset_size)) - 1;
+      sb.extension = ext == undefined ? UINT64_MAX : ext;
+    }
   } else {
     return corrupt(fmt::format("{}: HDF5 superblock version {} is not one this reader knows (0-3)", where, sb.version));
   }
@@ -635,6 +640,26 @@ Result<std::vector<NamedVlenRef>> find_vlen_string_attributes(const ReadAt& read
     for (const auto& message : messages) OPTSTATE_RETURN_IF_ERROR(attribute(message));
   }
   return found;
+}
+
+Status read_superblock_extension(const ReadAt& read, Superblock& sb, const std::string& where) {
+  if (sb.version < 2) return Status::Ok();
+  sb.group_internal_k = 16;
+  sb.group_leaf_k = 4;
+  if (sb.extension == UINT64_MAX) return Status::Ok();
+  const std::string at = fmt::format("{}: the superblock extension at {}", where, sb.extension);
+  return walk_object_header(
+      read, sb, sb.extension,
+      [&](const Message& m) -> Status {
+        if (m.type != 0x0013 || (m.flags & kSharedMessageFlag)) return Status::Ok();
+        if (!has(m.data, 0, 7) || le(m.data, 0, 1) != 0)
+          return corrupt(fmt::format("{}: a B-tree 'K' values message of {} bytes is not one (version 0, 7 bytes)",
+                                     at, m.data.size()));
+        sb.group_internal_k = static_cast<unsigned>(le(m.data, 3, 2));
+        sb.group_leaf_k = static_cast<unsigned>(le(m.data, 5, 2));
+        return Status::Ok();
+      },
+      at);
 }
 
 Result<int> check_dataset_header(const ReadAt& read, const Superblock& sb, uint64_t header,

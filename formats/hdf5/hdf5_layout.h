@@ -33,9 +33,11 @@ struct Superblock {
   int offset_size = 8;       // bytes of a file address
   int length_size = 8;       // bytes of a length
   uint64_t root_header = 0;  // the root group's object header, relative to the base address
-  // Half the entries of a symbol table's B-tree nodes and symbol nodes (versions 0-1; 0: not in the
-  // superblock, which versions 2-3 keep in an extension this reader does not read).
+  // Half the entries of a symbol table's B-tree nodes and symbol nodes: versions 0-1 hold them;
+  // versions 2-3 keep them in the superblock extension where they differ from libhdf5's defaults
+  // (read_superblock_extension). 0: unknown.
   unsigned group_internal_k = 0, group_leaf_k = 0;
+  uint64_t extension = UINT64_MAX;  // versions 2-3: the extension's object header (UINT64_MAX: none)
 };
 // The superblock from its signature on (`bytes`: at least up to its end; 256 bytes hold every
 // version's). Versions 0-3; addresses and lengths of 2, 4 or 8 bytes.
@@ -43,6 +45,11 @@ Result<Superblock> parse_superblock(std::span<const std::byte> bytes, const std:
 
 // Reads exactly out.size() bytes at `address` (relative to the base address), or an error.
 using ReadAt = std::function<Status(uint64_t address, std::span<std::byte> out)>;
+
+// Versions 2-3: the group K values, from the extension's B-tree 'K' values message (0x13:
+// version(1)=0, indexed storage internal K(2), group internal K(2), group leaf K(2)) where there
+// is one, else libhdf5's defaults (16 and 4), which it writes no message for.
+Status read_superblock_extension(const ReadAt& read, Superblock& sb, const std::string& where);
 
 // A variable-length value as stored: `length` elements (a string's bytes) in object `index` of the
 // global heap collection at `collection` (0: nothing stored, libhdf5 reads nothing).

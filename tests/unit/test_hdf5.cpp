@@ -903,3 +903,32 @@ TEST_CASE("hdf5: a link message in dense storage naming more bytes than it holds
         bad.string() + ": the object header at 48: dense link storage: a link message of 15 bytes holds a name of 127 "
                        "bytes past its end");
 }
+
+TEST_CASE("hdf5 layout: superblocks 2-3 take the group K values from their extension, else libhdf5's defaults") {
+  for (const char* file : {"adamw8bit_v18.h5", "h5py_edited.h5", "h5py_v110_dense.h5"}) {
+    CAPTURE(file);
+    const auto b = file_bytes(file);
+    auto sb = hdf5::parse_superblock(b, file);
+    REQUIRE(sb.ok());
+    CHECK(sb->version >= 2);
+    CHECK(sb->group_leaf_k == 0);  // not in the superblock itself
+    REQUIRE(hdf5::read_superblock_extension(read_from(b), *sb, file).ok());
+    CHECK(sb->group_internal_k == 16);
+    CHECK(sb->group_leaf_k == 4);
+  }
+  // An extension (a version 1 object header) with a B-tree 'K' values message of leaf K 8,
+  // internal K 32; and one cut short.
+  hdf5::Superblock sb;
+  sb.version = 2;
+  sb.extension = 0;
+  const auto k = [](std::initializer_list<int> v) {
+    std::vector<std::byte> m;
+    for (int x : v) m.push_back(static_cast<std::byte>(x));
+    return m;
+  };
+  REQUIRE(hdf5::read_superblock_extension(read_from(v1_header({{0x13, k({0, 32, 0, 32, 0, 8, 0})}})), sb, "f").ok());
+  CHECK(sb.group_internal_k == 32);
+  CHECK(sb.group_leaf_k == 8);
+  CHECK(error_of(hdf5::read_superblock_extension(read_from(v1_header({{0x13, k({1, 32, 0, 32, 0, 8, 0})}})), sb, "f")) ==
+        "f: the superblock extension at 0: a B-tree 'K' values message of 8 bytes is not one (version 0, 7 bytes)");
+}

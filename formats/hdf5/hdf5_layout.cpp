@@ -29,6 +29,9 @@ uint64_t align8(uint64_t x) { return (x + 7) / 8 * 8; }
 
 bool valid_size(uint64_t n) { return n == 2 || n == 4 || n == 8; }
 
+// An address or length of `n` bytes (1-8) with every bit set: HDF5's "undefined".
+uint64_t undefined(size_t n) { return n >= 8 ? UINT64_MAX : (uint64_t{1} << (8 * n)) - 1; }
+
 // Message types (the specification's IV.A.2).
 constexpr unsigned kDataspaceMessage = 0x0001;
 constexpr unsigned kLinkInfoMessage = 0x0002;
@@ -270,8 +273,7 @@ Result<Superblock> parse_superblock(std::span<const std::byte> b, const std::str
     p = 12 + 3 * static_cast<size_t>(sb.offset_size);
     if (valid_size(static_cast<uint64_t>(sb.offset_size)) && has(b, 12, 2 * static_cast<uint64_t>(sb.offset_size))) {
       const uint64_t ext = le(b, 12 + static_cast<size_t>(sb.offset_size), sb.offset_size);
-      const uint64_t undefined = sb.offset_size == 8 ? UINT64_MAX : (uint64_t{1} << (8 * sb.offset_size)) - 1;
-      sb.extension = ext == undefined ? UINT64_MAX : ext;
+      sb.extension = ext == undefined(static_cast<size_t>(sb.offset_size)) ? UINT64_MAX : ext;
     }
   } else {
     return corrupt(fmt::format("{}: HDF5 superblock version {} is not one this reader knows (0-3)", where, sb.version));
@@ -629,8 +631,7 @@ Result<std::vector<NamedVlenRef>> find_vlen_string_attributes(const ReadAt& read
     if (!has(m.data, heap_at, 2 * O + ((le(m.data, 1, 1) & 2) ? O : 0)))
       return corrupt(fmt::format("{}: an attribute info message of {} bytes is cut short", at, m.data.size()));
     const uint64_t heap = le(m.data, heap_at, sb.offset_size);
-    if (heap != (O == 8 ? UINT64_MAX : (uint64_t{1} << (8 * O)) - 1))
-      dense = {heap, le(m.data, heap_at + O, sb.offset_size)};
+    if (heap != undefined(O)) dense = {heap, le(m.data, heap_at + O, sb.offset_size)};
     return Status::Ok();
   };
   OPTSTATE_RETURN_IF_ERROR(walk_object_header(read, sb, header, visit, at));
@@ -734,7 +735,7 @@ Result<std::vector<Link>> check_group_header(const ReadAt& read, const Superbloc
         if (!has(m.data, 0, 2 + ((flags & 1) ? 8 : 0) + O * ((flags & 2) ? 3 : 2))) return cut_short("link info");
         const size_t heap_at = 2 + ((flags & 1) ? 8 : 0);
         const uint64_t heap = le(m.data, heap_at, sb.offset_size);
-        if (heap != (O == 8 ? UINT64_MAX : (uint64_t{1} << (8 * O)) - 1)) dense = {heap, le(m.data, heap_at + O, sb.offset_size)};
+        if (heap != undefined(O)) dense = {heap, le(m.data, heap_at + O, sb.offset_size)};
         return Status::Ok();
       }
       case kGroupInfoMessage: {
@@ -784,7 +785,7 @@ Result<uint64_t> check_symbol_table(const ReadAt& read, const Superblock& sb, ui
                                .with_context(fmt::format("{} local heap at {}", at, heap)));
   // The free list: blocks of next offset(L) size(L), ended by offset 1 (libhdf5's H5HL_FREE_NULL)
   // or the undefined length.
-  const uint64_t undefined_length = L == 8 ? UINT64_MAX : (uint64_t{1} << (8 * L)) - 1;
+  const uint64_t undefined_length = undefined(L);
   std::set<uint64_t> free_blocks;
   for (uint64_t block = free_head; block != 1 && block != undefined_length;) {
     if (!has(names, static_cast<size_t>(std::min<uint64_t>(block, SIZE_MAX)), 2 * L) ||

@@ -63,6 +63,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return Status::Ok();
   };
   if (!read_superblock_extension(read, *sb, "/fuzz").ok()) return 0;  // as the driver: refused
+  if (!check_driver_info_block(read, *sb, "/fuzz").ok()) return 0;
   // Every version 2 object header the bytes hold, as the dataset and group header checks before
   // H5Dopen2 and a lookup walk them (the version 1 root too, and the headers its links lead to).
   int headers = 0;

@@ -37,7 +37,8 @@ struct Superblock {
   // versions 2-3 keep them in the superblock extension where they differ from libhdf5's defaults
   // (read_superblock_extension). 0: unknown.
   unsigned group_internal_k = 0, group_leaf_k = 0;
-  uint64_t extension = UINT64_MAX;  // versions 2-3: the extension's object header (UINT64_MAX: none)
+  uint64_t extension = UINT64_MAX;    // versions 2-3: the extension's object header (UINT64_MAX: none)
+  uint64_t driver_info = UINT64_MAX;  // versions 0-1: the driver information block (UINT64_MAX: none)
 };
 // The superblock from its signature on (`bytes`: at least up to its end; 256 bytes hold every
 // version's). Versions 0-3; addresses and lengths of 2, 4 or 8 bytes.
@@ -48,8 +49,17 @@ using ReadAt = std::function<Status(uint64_t address, std::span<std::byte> out)>
 
 // Versions 2-3: the group K values, from the extension's B-tree 'K' values message (0x13:
 // version(1)=0, indexed storage internal K(2), group internal K(2), group leaf K(2)) where there
-// is one, else libhdf5's defaults (16 and 4), which it writes no message for.
+// is one, else libhdf5's defaults (16 and 4), which it writes no message for. Every message
+// libhdf5 1.10.8 decodes from the extension when it opens the file (before anything else can be
+// checked, and trusting their sizes) is checked first: the K values (none 0), the driver info
+// (its data inside it) and the file space info (its addresses inside it, a page size of 512 B to
+// 1 GiB). A table of shared object header messages with indexes, and a metadata cache image, are
+// refused: libhdf5 would read messages, or the metadata cache, from them and not from the headers
+// these checks read.
 Status read_superblock_extension(const ReadAt& read, Superblock& sb, const std::string& where);
+// Versions 0-1: the driver information block, which libhdf5 reads when it opens the file: version
+// 0, and the size it states (which libhdf5 allocates and reads) inside the file.
+Status check_driver_info_block(const ReadAt& read, const Superblock& sb, const std::string& where);
 
 // A variable-length value as stored: `length` elements (a string's bytes) in object `index` of the
 // global heap collection at `collection` (0: nothing stored, libhdf5 reads nothing).

@@ -1728,12 +1728,13 @@ def test_hdf5_dataset_rewritten_without_fletcher32_is_read_and_validate_says_so(
     assert report["ok"] and report["checksums_verified"] is False and "'/0.bias/exp_avg'" in report["unchecked"]
 
 
-def rebuild_with_h5py(h5py, src, dst, libver, extra_root_attrs=0, unit_chunks=False, filters=False):
+def rebuild_with_h5py(h5py, src, dst, libver, extra_root_attrs=0, unit_chunks=False, filters=False, **file_options):
     """What a user's h5py script makes of an optstate HDF5 file: every group, dataset (chunks and
     fletcher32 kept, or chunks of one element, or with `filters` resizable, shuffled and
-    gzip-compressed with a fill value) and attribute copied into a new file of `libver`, str
-    attributes stored as h5py stores them (variable-length UTF-8 in the file's global heap)."""
-    with h5py.File(src, "r") as s, h5py.File(dst, "w", libver=libver) as d:
+    gzip-compressed with a fill value) and attribute copied into a new file of `libver` (and
+    h5py.File's `file_options`), str attributes stored as h5py stores them (variable-length UTF-8
+    in the file's global heap)."""
+    with h5py.File(src, "r") as s, h5py.File(dst, "w", libver=libver, **file_options) as d:
         def copy_attrs(a, b):
             for k, v in a.attrs.items():
                 b.attrs[k] = v.decode() if isinstance(v, bytes) else v
@@ -1841,6 +1842,89 @@ def test_hdf5_rebuilt_by_h5py_in_its_file_formats(tmp_path, optstate_cli):
         assert "a newer HDF5's file format" in err and str(tmp_path / "latest.h5") in err
     else:
         assert hashes(optstate_cli, tmp_path / "latest.h5", values=True) == want
+
+
+def superblock_extension_messages(data):
+    """(type, offset, size) of each message in the first chunk of the superblock extension of a
+    file with superblock 2-3 at offset 0 and 8-byte addresses (its object header: version 2)."""
+    assert data[8] in (2, 3) and data[9] == 8
+    at = int.from_bytes(data[20:28], "little")
+    assert data[at:at + 5] == b"OHDR\x02"
+    flags = data[at + 5]
+    p = at + 6 + (16 if flags & 0x20 else 0) + (4 if flags & 0x10 else 0)
+    width = 1 << (flags & 3)
+    end = p + width + int.from_bytes(data[p:p + width], "little")
+    p += width
+    messages = []
+    while p + 4 <= end:
+        kind, size = data[p], int.from_bytes(data[p + 1:p + 3], "little")
+        p += 4 + (2 if flags & 0x04 else 0)
+        messages.append((kind, p, size))
+        p += size
+    return messages
+
+
+def test_hdf5_file_space_options_of_h5py(tmp_path, optstate_cli):
+    """h5py's file space options (paged aggregation, free space kept in the file) put a file space
+    info message into the superblock extension, which libhdf5 1.10.8 decodes inside H5Fopen without
+    bounds: optstate checks it before H5Fopen runs. The file reads as the same state; a page size of
+    0 there (libhdf5 divides by it) is refused naming the file and the extension."""
+    h5py = pytest.importorskip("h5py")
+    ao = make_dcp(tmp_path, "ao")
+    optstate_cli("convert", ao, tmp_path / "s.h5")
+    want = hashes(optstate_cli, tmp_path / "s.h5", values=True)
+    paged = tmp_path / "paged.h5"
+    rebuild_with_h5py(h5py, tmp_path / "s.h5", paged, "v110", fs_strategy="page", fs_persist=True,
+                      fs_page_size=8192)
+    data = paged.read_bytes()
+    fsinfo = [m for m in superblock_extension_messages(data) if m[0] == 0x17]
+    assert len(fsinfo) == 1, superblock_extension_messages(data)
+    _, at, size = fsinfo[0]
+    assert data[at] == 1 and data[at + 1] == 1 and data[at + 2] == 1  # version 1, paged, persisted
+    assert int.from_bytes(data[at + 11:at + 19], "little") == 8192
+    assert hashes(optstate_cli, paged, values=True) == want
+    optstate_cli("validate", paged)
+    bad = bytearray(data)
+    bad[at + 11:at + 19] = bytes(8)
+    (tmp_path / "page0.h5").write_bytes(bad)
+    err = run_err(optstate_cli, "inspect", tmp_path / "page0.h5")
+    assert f"{tmp_path / 'page0.h5'}: the superblock extension at " in err, err
+    assert "a file space page size of 0 bytes (512 B to 1 GiB)" in err, err
+
+
+def test_hdf5_committed_datatypes_of_h5py(tmp_path, optstate_cli):
+    """A datatype h5py commits (`f["t"] = np.dtype(...)`) is kept in its own object header, and the
+    datasets and attributes of that type hold a shared message naming it: libhdf5 decodes the
+    committed one in their place, and so optstate checks it there. A param's moment and a root
+    attribute of committed types read as the same state; the committed type's class byte changed
+    is refused naming the dataset and the committed datatype's header."""
+    h5py = pytest.importorskip("h5py")
+    import numpy as np
+    ao = make_dcp(tmp_path, "ao")
+    optstate_cli("convert", ao, tmp_path / "s.h5")
+    want = hashes(optstate_cli, tmp_path / "s.h5", values=True)
+    committed = tmp_path / "committed.h5"
+    rebuild_with_h5py(h5py, tmp_path / "s.h5", committed, "earliest")
+    with h5py.File(committed, "r+") as f:
+        f["f32"] = np.dtype("<f4")
+        f["i32"] = np.dtype("<i4")
+        values = f["0.bias/exp_avg"][...]
+        del f["0.bias/exp_avg"]
+        f.create_dataset("0.bias/exp_avg", data=values, dtype=f["f32"])
+        f.attrs.create("epoch", 7, dtype=f["i32"])
+        assert f["0.bias/exp_avg"].id.get_type().committed() and f.attrs.get_id("epoch").get_type().committed()
+    assert hashes(optstate_cli, committed, values=True) == want
+    optstate_cli("validate", committed)
+    with h5py.File(committed, "r") as f:
+        type_header = h5py.h5o.get_info(f["f32"].id).addr
+    data = bytearray(committed.read_bytes())
+    # Version 1 object header: 16 bytes, then the first message's type(2) size(2) flags(1) reserved(3).
+    assert data[type_header] == 1 and int.from_bytes(data[type_header + 16:type_header + 18], "little") == 3
+    data[type_header + 24] = 0x1f  # the float's class (1) turned 15, which no datatype has
+    (tmp_path / "bad_type.h5").write_bytes(data)
+    err = run_err(optstate_cli, "inspect", tmp_path / "bad_type.h5")
+    assert f"its committed datatype's object header at {type_header}: a datatype message" in err, err
+    assert "dataset '/0.bias/exp_avg'" in err and str(tmp_path / "bad_type.h5") in err, err
 
 
 def global_heap_objects(data, at):

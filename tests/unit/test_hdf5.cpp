@@ -628,11 +628,16 @@ TEST_CASE("hdf5 layout: filter pipeline, fill value and datatype messages libhdf
 
 namespace {
 // A version 1 object header holding `messages` (type, bytes), at address 0 of its own bytes.
-std::vector<std::byte> v1_header(const std::vector<std::pair<int, std::vector<std::byte>>>& messages) {
+struct HeaderMessage {
+  int type = 0;
+  std::vector<std::byte> body;
+  int flags = 0;  // 2: shared
+};
+std::vector<std::byte> v1_header(const std::vector<HeaderMessage>& messages) {
   std::vector<std::byte> area;
-  for (const auto& [type, body] : messages) {
+  for (const auto& [type, body, flags] : messages) {
     const size_t size = (body.size() + 7) / 8 * 8;
-    for (int x : {type & 0xff, type >> 8, static_cast<int>(size & 0xff), static_cast<int>(size >> 8), 0, 0, 0, 0})
+    for (int x : {type & 0xff, type >> 8, static_cast<int>(size & 0xff), static_cast<int>(size >> 8), flags, 0, 0, 0})
       area.push_back(static_cast<std::byte>(x));
     area.insert(area.end(), body.begin(), body.end());
     area.resize(area.size() + size - body.size());
@@ -658,7 +663,7 @@ TEST_CASE("hdf5 layout: a dataset header: its messages are checked; data kept in
   const auto space = msg({1, 1, 0, 0, 0, 0, 0, 0, 6, 0, 0, 0, 0, 0, 0, 0});  // [6]
   const auto f32 = msg({0x11, 0x20, 0x1f, 0, 4, 0, 0, 0, 0, 0, 0x20, 0, 0x17, 8, 0, 0x17, 0x7f, 0, 0, 0});
   const auto contiguous = msg({3, 1, 0, 8, 0, 0, 0, 0, 0, 0, 24, 0, 0, 0, 0, 0, 0, 0});
-  const auto check = [&](const std::vector<std::pair<int, std::vector<std::byte>>>& messages) {
+  const auto check = [&](const std::vector<HeaderMessage>& messages) {
     const auto h = v1_header(messages);
     auto r = hdf5::check_dataset_header(read_from(h), sb, 0, "d");
     return r.ok() ? std::to_string(*r) : r.status().message();
@@ -679,6 +684,119 @@ TEST_CASE("hdf5 layout: a dataset header: its messages are checked; data kept in
         std::string::npos);
   CHECK(check({{3, std::vector<std::byte>(f32.begin(), f32.begin() + 8)}}) ==
         "d: the object header at 0: a datatype message of 8 bytes (class 1) has parts that run past its end");
+}
+
+TEST_CASE("hdf5 layout: shared messages: a committed datatype is checked where it is; others are refused") {
+  const auto msg = [](std::initializer_list<int> v) {
+    std::vector<std::byte> m;
+    for (int x : v) m.push_back(static_cast<std::byte>(x));
+    return m;
+  };
+  hdf5::Superblock sb;
+  const auto space = msg({1, 1, 0, 0, 0, 0, 0, 0, 6, 0, 0, 0, 0, 0, 0, 0});  // [6]
+  const auto f32 = msg({0x11, 0x20, 0x1f, 0, 4, 0, 0, 0, 0, 0, 0x20, 0, 0x17, 8, 0, 0x17, 0x7f, 0, 0, 0});
+  const auto contiguous = msg({3, 1, 0, 8, 0, 0, 0, 0, 0, 0, 24, 0, 0, 0, 0, 0, 0, 0});
+  const auto shared_at = [&](int version, uint64_t address) {  // a shared message: versions 2 and 3 alike
+    auto m = msg({version, 2, 0, 0, 0, 0, 0, 0, 0, 0});
+    for (int i = 0; i < 8; ++i) m[2 + static_cast<size_t>(i)] = static_cast<std::byte>((address >> (8 * i)) & 0xff);
+    return m;
+  };
+  // The dataset's header at 0 (96 bytes), a committed datatype's header after it.
+  const auto file = [&](const std::vector<HeaderMessage>& dataset, const std::vector<HeaderMessage>& committed) {
+    auto b = v1_header(dataset);
+    const auto c = v1_header(committed);
+    b.insert(b.end(), c.begin(), c.end());
+    return b;
+  };
+  const auto check = [&](const std::vector<std::byte>& b) {
+    auto r = hdf5::check_dataset_header(read_from(b), sb, 0, "d");
+    return r.ok() ? std::to_string(*r) : r.status().message();
+  };
+  const std::vector<HeaderMessage> dataset = {{1, space}, {3, shared_at(3, 96), 2}, {8, contiguous}};
+  REQUIRE(v1_header(dataset).size() == 96);
+  CHECK(check(file(dataset, {{3, f32}})) == "1");
+  CHECK(check(file({{1, space}, {3, shared_at(2, 96), 2}, {8, contiguous}}, {{3, f32}})) == "1");
+  // The committed datatype's element size is the one a fill value must have.
+  CHECK(check(file({{1, space}, {3, shared_at(3, 120), 2}, {5, msg({2, 2, 2, 1, 2, 0, 0, 0, 0, 0})}, {8, contiguous}},
+                   {{3, f32}})) == "d: the object header at 0: a fill value of 2 bytes for elements of 4 bytes");
+  // What the committed datatype's header holds is checked as a dataset's own datatype is.
+  CHECK(check(file(dataset, {{3, std::vector<std::byte>(f32.begin(), f32.begin() + 8)}})) ==
+        "d: the object header at 0: its committed datatype's object header at 96: a datatype message of 8 bytes "
+        "(class 1) has parts that run past its end");
+  CHECK(check(file(dataset, {{1, space}})) ==
+        "d: the object header at 0: its committed datatype's object header at 96: no datatype message");
+  CHECK(check(file(dataset, {{3, shared_at(3, 96), 2}})) ==
+        "d: the object header at 0: its committed datatype's object header at 96: a datatype shared again");
+  CHECK(check(file({{1, space}, {3, shared_at(3, 4096), 2}, {8, contiguous}}, {{3, f32}})) ==
+        "d: the object header at 0: its committed datatype's object header at 4096: past the end");
+  // In a shared message heap (version 3, type 1), or a shared message cut short.
+  auto in_heap = shared_at(3, 0);
+  in_heap[1] = std::byte{1};
+  CHECK(check(file({{1, space}, {3, in_heap, 2}, {8, contiguous}}, {{3, f32}})) ==
+        "d: the object header at 0: its datatype is kept in a shared message heap, which this reader does not read");
+  CHECK(check(file({{1, space}, {3, msg({2, 2, 0, 0}), 2}, {8, contiguous}}, {{3, f32}})) ==
+        "d: the object header at 0: its datatype: a shared message of 8 bytes (version 2) that is not one");
+  // Dataspaces, fill values and filter pipelines are shared only in a shared message heap.
+  CHECK(check(file({{1, shared_at(3, 96), 2}, {3, f32}, {8, contiguous}}, {{1, space}})) ==
+        "d: the object header at 0: a shared message of type 0x0001, kept where this reader does not read");
+  // Classes libhdf5 does not share are decoded whatever the flag says: checked the same.
+  CHECK(check(file({{1, space}, {3, f32}, {8, std::vector<std::byte>(contiguous.begin(), contiguous.begin() + 4), 2}},
+                   {})).find("layout") != std::string::npos);
+}
+
+TEST_CASE("hdf5 layout: an attribute of a committed datatype: the datatype is read where it is, its data by its size") {
+  const auto msg = [](std::initializer_list<int> v) {
+    std::vector<std::byte> m;
+    for (int x : v) m.push_back(static_cast<std::byte>(x));
+    return m;
+  };
+  hdf5::Superblock sb;
+  // Version 2 attribute "x" (flags: 1 shared datatype, 2 shared dataspace), a scalar dataspace,
+  // then `data`; its datatype a shared message (version 3, committed) naming the header at 72.
+  const auto attribute = [&](int flags, std::vector<std::byte> data) {
+    auto m = msg({2, flags, 2, 0, 10, 0, 8, 0, 'x', 0, 3, 2, 72, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0});
+    m.insert(m.end(), data.begin(), data.end());
+    return m;
+  };
+  const auto vlen_string = msg({0x19, 1, 0, 0, 16, 0, 0, 0, 0x10, 0, 0, 0, 1, 0, 0, 0, 0, 0, 8, 0});
+  const auto i32 = msg({0x10, 8, 0, 0, 4, 0, 0, 0, 0, 0, 32, 0});
+  // length 13, collection 4096, object 1
+  const auto vlen_value = msg({13, 0, 0, 0, 0, 0x10, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0});
+  const auto find = [&](const std::vector<HeaderMessage>& root, const std::vector<HeaderMessage>& committed) {
+    auto b = v1_header(root);
+    REQUIRE(b.size() == 72);
+    const auto c = v1_header(committed);
+    b.insert(b.end(), c.begin(), c.end());
+    return hdf5::find_vlen_string_attributes(read_from(b), sb, 0, "f");
+  };
+  auto found = find({{12, attribute(1, vlen_value)}}, {{3, vlen_string}});
+  REQUIRE_MESSAGE(found.ok(), found.status().message());
+  REQUIRE(found->size() == 1);
+  CHECK((*found)[0].name == "x");
+  CHECK((*found)[0].ref.length == 13);
+  CHECK((*found)[0].ref.collection == 4096);
+  // A committed integer with its 4 bytes: not a string, and not refused for holding too few bytes
+  // for one.
+  auto attribute_i32 = attribute(1, msg({7, 0, 0, 0}));
+  attribute_i32.resize(attribute_i32.size() + 12);  // 28 + 4 bytes, like the vlen one: the header keeps 72 bytes
+  found = find({{12, attribute_i32}}, {{3, i32}});
+  REQUIRE_MESSAGE(found.ok(), found.status().message());
+  CHECK(found->empty());
+  // libhdf5 copies the committed type's size x the elements from the message.
+  found = find({{12, attribute(1, msg({1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 0, 0, 0, 0, 0, 0}))}},
+               {{3, msg({0x10, 8, 0, 0, 64, 0, 0, 0, 0, 0, 0, 2})}});
+  CHECK(error_of(found.status()) == "f: the object header at 0: attribute 'x': holds 1 elements of 64 bytes in 20 bytes");
+  // The committed type is checked as any datatype is.
+  found = find({{12, attribute(1, vlen_value)}}, {{3, std::vector<std::byte>(vlen_string.begin(), vlen_string.begin() + 12)}});
+  CHECK(error_of(found.status()) == "f: the object header at 0: attribute 'x': its committed datatype's object header "
+                                    "at 72: a datatype message of 16 bytes (class 9) has parts that run past its end");
+  // A shared dataspace, and a shared attribute message, are kept in a shared message heap.
+  found = find({{12, attribute(3, vlen_value)}}, {{3, vlen_string}});
+  CHECK(error_of(found.status()) == "f: the object header at 0: an attribute message of 48 bytes has a shared "
+                                    "dataspace, kept where this reader does not read");
+  found = find({{12, attribute(1, vlen_value), 2}}, {{3, vlen_string}});
+  CHECK(error_of(found.status()) == "f: the object header at 0: a shared attribute, kept in a shared message heap, "
+                                    "which this reader does not read");
 }
 
 TEST_CASE("hdf5: a filter pipeline message naming more filters than it holds is refused before libhdf5 decodes it") {
@@ -931,4 +1049,80 @@ TEST_CASE("hdf5 layout: superblocks 2-3 take the group K values from their exten
   CHECK(sb.group_leaf_k == 8);
   CHECK(error_of(hdf5::read_superblock_extension(read_from(v1_header({{0x13, k({1, 32, 0, 32, 0, 8, 0})}})), sb, "f")) ==
         "f: the superblock extension at 0: a B-tree 'K' values message of 8 bytes is not one (version 0, 7 bytes)");
+}
+
+TEST_CASE("hdf5 layout: the superblock extension's messages libhdf5 decodes in H5Fopen are checked before it runs") {
+  hdf5::Superblock sb;  // addresses and lengths of 8 bytes
+  sb.version = 2;
+  sb.extension = 0;
+  const auto bytes = [](std::initializer_list<int> v, size_t zeros = 0) {
+    std::vector<std::byte> m;
+    for (int x : v) m.push_back(static_cast<std::byte>(x));
+    m.resize(m.size() + zeros);
+    return m;
+  };
+  const auto extension = [&](int type, const std::vector<std::byte>& body) {
+    return error_of(hdf5::read_superblock_extension(read_from(v1_header({{type, body}})), sb, "f"));
+  };
+  const std::string at = "f: the superblock extension at 0: ";
+  // B-tree 'K' values: none of them 0.
+  CHECK(extension(0x13, bytes({0, 32, 0, 0, 0, 8, 0})) ==
+        at + "a B-tree 'K' values message with a K of 0 (B-tree nodes of no entries)");
+  // Driver info: version 0, a name of 8 bytes, then the size of what follows (16, where 8 are:
+  // the message is padded to 24 bytes, 11 + 16 > 24).
+  CHECK(extension(0x14, bytes({0, 'N', 'C', 'S', 'A', 'm', 'u', 'l', 't', 16, 0}, 8)) ==
+        at + "a driver info message of 24 bytes is cut short or not one libhdf5 reads");
+  CHECK(extension(0x14, bytes({0, 'N', 'C', 'S', 'A', 'm', 'u', 'l', 't', 13, 0}, 13)) == "ok");
+  // File space info version 1: strategy, persist, threshold (8), page size (8), page end
+  // threshold (2), EOA before the free-space managers (8), then with persist 12 addresses.
+  const auto fsinfo = [&](int strategy, int persist, int page_size_high, size_t addresses) {
+    auto m = bytes({1, strategy, persist, 1, 0, 0, 0, 0, 0, 0, 0, 0, page_size_high, 0, 0, 0, 0, 0, 0, 0, 0},
+                   8 + 8 * addresses);
+    return extension(0x17, m);
+  };
+  CHECK(fsinfo(1, 0, 0x10, 0) == "ok");  // paged, 4096-byte pages, not persisted
+  CHECK(fsinfo(1, 1, 0x10, 12) == "ok");
+  CHECK(fsinfo(1, 1, 0x10, 11) == at + "a file space info message of 120 bytes is cut short or not one libhdf5 reads");
+  CHECK(fsinfo(4, 0, 0x10, 0) == at + "a file space info message of 32 bytes is cut short or not one libhdf5 reads");
+  CHECK(fsinfo(1, 0, 0x00, 0) == at + "a file space page size of 0 bytes (512 B to 1 GiB)");
+  // Version 0: strategy 1 ("all persist") is followed by 6 addresses; 0 is no strategy.
+  CHECK(extension(0x17, bytes({0, 2}, 8)) == "ok");
+  CHECK(extension(0x17, bytes({0, 1}, 8 + 40)) ==
+        at + "a file space info message of 56 bytes is cut short or not one libhdf5 reads");
+  CHECK(extension(0x17, bytes({0, 0}, 8)) ==
+        at + "a file space info message of 16 bytes is cut short or not one libhdf5 reads");
+  // A shared message table with indexes, and a metadata cache image, are refused.
+  CHECK(extension(0x0F, bytes({0}, 9)) == "ok");
+  CHECK(extension(0x0F, bytes({0, 0x40, 0, 0, 0, 0, 0, 0, 0, 3})) ==
+        at + "the file keeps shared object header messages (a table of 3 indexes): this reader does not read them");
+  CHECK(extension(0x18, bytes({0}, 16)) ==
+        at + "the file holds a metadata cache image, which libhdf5 would load in place of the metadata it describes: "
+             "this reader does not read one");
+}
+
+TEST_CASE("hdf5 layout: superblocks 0-1: the driver information block's stated size lies inside the file") {
+  for (const char* file : {"h5py_earliest.h5", "h5py_typed_attrs.h5"}) {
+    CAPTURE(file);
+    const auto b = file_bytes(file);
+    auto sb = hdf5::parse_superblock(b, file);
+    REQUIRE(sb.ok());
+    CHECK(sb->version < 2);
+    CHECK(sb->driver_info == UINT64_MAX);  // h5py writes none
+  }
+  // version(1)=0, reserved(3), size(4), name(8), then the size's bytes.
+  hdf5::Superblock sb;
+  sb.version = 0;
+  sb.driver_info = 8;
+  std::vector<std::byte> b(8 + 16 + 32);
+  const auto block = [&](int version, int size) {
+    b[8] = static_cast<std::byte>(version);
+    b[12] = static_cast<std::byte>(size);
+    return error_of(hdf5::check_driver_info_block(read_from(b), sb, "f"));
+  };
+  CHECK(block(0, 32) == "ok");
+  CHECK(block(0, 33) == "f: the driver information block at 8: 33 bytes of driver information run past the file's end");
+  CHECK(block(1, 32) == "f: the driver information block at 8: version 1 (0)");
+  sb.driver_info = 50;
+  CHECK(error_of(hdf5::check_driver_info_block(read_from(b), sb, "f")) ==
+        "f: the driver information block at 50: past the end");
 }

@@ -71,9 +71,11 @@ Result<StateHash> hash_checkpoint(CheckpointReader& reader, const HashOptions& o
     const std::string* fqn;
     const std::string* entry;
   };
+  const auto selected = [&](const std::string& fqn) { return !options.params || options.params(fqn); };
   std::vector<Item> items;
   for (const auto& [fqn, ps] : meta.params)
-    for (const auto& [name, e] : ps.entries) items.push_back({entry_key(fqn, name), &fqn, &name});
+    if (selected(fqn))
+      for (const auto& [name, e] : ps.entries) items.push_back({entry_key(fqn, name), &fqn, &name});
   std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.key < b.key; });
 
   StateHash out;
@@ -102,8 +104,9 @@ Result<StateHash> hash_checkpoint(CheckpointReader& reader, const HashOptions& o
   root.update(fmt::format("optstate-root-v1\nmode={}\n", options.values ? "values" : "raw"));
   if (!options.values) root.update(fmt::format("kind={}\n", meta.kind));
   for (const auto& [fqn, ps] : meta.params)
-    root.update(fmt::format("param {} shape={} dtype={} step={} hyper={}\n", fqn, fmt::join(ps.shape, ","),
-                            dtype_name(ps.param_dtype), ps.step, hyper_string(meta.groups[ps.group].hyper)));
+    if (selected(fqn))
+      root.update(fmt::format("param {} shape={} dtype={} step={} hyper={}\n", fqn, fmt::join(ps.shape, ","),
+                              dtype_name(ps.param_dtype), ps.step, hyper_string(meta.groups[ps.group].hyper)));
   for (const Item& it : items) root.update(fmt::format("{}  {}\n", out.entries[it.key], it.key));
   out.root = root.hex();
   return out;

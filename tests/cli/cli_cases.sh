@@ -79,6 +79,33 @@ case "$case_name" in
     # Deterministic across runs and equal with --values for fp32 dense state.
     [ "$("$OPTSTATE" hash "$work/c")" = "$out" ] || fail "hash not deterministic"
     "$OPTSTATE" hash --values "$work/c" >/dev/null || fail "--values failed"
+    # --params: the matching params' entries, hashed as in the whole, and a root of their own; the
+    # other params are not read (a damaged chunk of one fails the whole hash, not this one).
+    sel=$("$OPTSTATE" hash "$work/c" --params 'layers.0.*') || fail "hash --params failed"
+    [ "$(printf '%s\n' "$sel" | head -n -1)" = "$(printf '%s\n' "$out" | grep ' layers\.0\.')" ] \
+      || fail "hash --params entries: $sel"
+    [ "$(printf '%s\n' "$sel" | tail -1)" != "$last" ] || fail "hash --params root is the whole checkpoint's"
+    "$PY" - "$work/c" <<'PY' || fail "could not damage a chunk"
+import json, pathlib, sys
+root = pathlib.Path(sys.argv[1])
+j = json.load(open(root / "manifest.json"))
+chunk = j["params"]["layers.1.weight"]["entries"]["exp_avg"]["components"]["values"][0]
+data = root / j["files"][chunk["file"]]["path"]
+b = bytearray(data.read_bytes())
+b[chunk["offset"]] ^= 0xFF
+data.write_bytes(bytes(b))
+PY
+    expect_error 2 "checksum mismatch .* 'layers.1.weight.exp_avg'" -- "$OPTSTATE" hash "$work/c"
+    [ "$("$OPTSTATE" hash "$work/c" --params 'layers.0.*')" = "$sel" ] || fail "hash --params read another param"
+    "$OPTSTATE" hash --json "$work/c" --params '*.bias' | "$PY" -c '
+import json, sys
+j = json.load(sys.stdin)
+assert sorted(j["entries"]) == sorted(f"{p}.bias.{e}" for p in ("head", "layers.0", "layers.1")
+                                      for e in ("exp_avg", "exp_avg_sq", "param")), sorted(j["entries"])
+assert j["selected"] == {"pattern": "*.bias", "params": 3}, j["selected"]
+' || fail "hash --json --params"
+    expect_error 2 "no param matches 'layers.9.\*' \(of 6 params\)" -- "$OPTSTATE" hash "$work/c" --params 'layers.9.*'
+    expect_error 2 "--params needs a pattern" -- "$OPTSTATE" hash "$work/c" --params=
     ;;
   inspect-output)
     make_ckpt "$work/c"

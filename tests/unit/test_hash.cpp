@@ -64,6 +64,41 @@ TEST_CASE("hash follows the byte-level definition in docs/hash.md") {
   CHECK(h->root == "d973e5b32f0965e7d9578d5d3a5e2d2b");
 }
 
+TEST_CASE("hash of selected params: their entries, and the root a state of only them has") {
+  const OptimizerState base = testing::sample_state();
+  HashOptions weights;
+  weights.params = [](const std::string& fqn) { return fqn == "layers.0.weight"; };
+  auto selected = hash_state(base, weights);
+  auto all = hash_state(base);
+  REQUIRE(selected.ok());
+  REQUIRE(all.ok());
+  CHECK(selected->entries.size() == 3);
+  for (const auto& [key, hex] : selected->entries) {
+    CAPTURE(key);
+    CHECK(key.rfind("layers.0.weight.", 0) == 0);
+    CHECK(all->entries.at(key) == hex);
+  }
+  CHECK(selected->root != all->root);
+  OptimizerState only = base;
+  only.params.erase("layers.0.bias");
+  only.groups.resize(1);
+  auto alone = hash_state(only);
+  REQUIRE(alone.ok());
+  CHECK(selected->root == alone->root);
+  weights.values = true;
+  auto selected_values = hash_state(base, weights);
+  auto alone_values = hash_state(only, {.values = true});
+  REQUIRE(selected_values.ok());
+  REQUIRE(alone_values.ok());
+  CHECK(selected_values->root == alone_values->root);
+  // Nothing selected: no entries, and the root of no params.
+  HashOptions none;
+  none.params = [](const std::string&) { return false; };
+  auto empty = hash_state(base, none);
+  REQUIRE(empty.ok());
+  CHECK(empty->entries.empty());
+}
+
 TEST_CASE("every change of value, shape, name, step or hyperparameter changes the hash it touches") {
   const OptimizerState base = testing::sample_state();
   auto h0 = hash_state(base);

@@ -3,6 +3,7 @@
 // state was sharded, chunked or stored.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -15,6 +16,9 @@ struct HashOptions {
   // Hash entries by their (dequantized) fp32 values instead of their stored encoding, so an 8-bit
   // checkpoint and its fp32 conversion agree (DESIGN §3.3).
   bool values = false;
+  // Hash only the params this accepts (by fully qualified name; unset: every param). The root is
+  // then the root of those params alone: what a checkpoint holding only them hashes to.
+  std::function<bool(const std::string& fqn)> params;
 };
 
 struct StateHash {

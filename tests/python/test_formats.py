@@ -1056,9 +1056,11 @@ MAKE_COMPOSER_DCP = textwrap.dedent("""
     # Composer's DecoupledAdamW: torch's AdamW with initial_lr in every group and the decay scaled by
     # lr / initial_lr. Saves what it holds as <out>.ref.pt, and torchtitan's nesting of the same
     # state ({"model", "optim"}), with torch.optim.AdamW's equivalent weight decay, as <out>.plain.
+    # With "int-lr", lr and so initial_lr are the int 1 (a scheduler copies what it is given).
     import os, random, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     out = sys.argv[1]
+    lr = 1 if sys.argv[2:] == ["int-lr"] else 6e-4
     dist_run = "RANK" in os.environ  # Composer's FSDP: each rank saves its shards
     if dist_run:
         dist.init_process_group("gloo")
@@ -1088,7 +1090,7 @@ MAKE_COMPOSER_DCP = textwrap.dedent("""
     if dist_run:
         from torch.distributed.fsdp import fully_shard
         fully_shard(model)
-    opt = DecoupledAdamW(model.parameters(), lr=6e-4, weight_decay=1e-5)
+    opt = DecoupledAdamW(model.parameters(), lr=lr, weight_decay=1e-5)
     for step in range(3):
         model(torch.randn(8, 16)).square().sum().backward()
         opt.step()
@@ -1925,6 +1927,24 @@ def test_hdf5_committed_datatypes_of_h5py(tmp_path, optstate_cli):
     err = run_err(optstate_cli, "inspect", tmp_path / "bad_type.h5")
     assert f"its committed datatype's object header at {type_header}: a datatype message" in err, err
     assert "dataset '/0.bias/exp_avg'" in err and str(tmp_path / "bad_type.h5") in err, err
+
+
+def test_composer_dcp_with_an_int_initial_lr(tmp_path, optstate_cli):
+    """DecoupledAdamW's initial_lr as an int (lr=1: a scheduler copies the lr it is given): the decay
+    divided by it reads as the plain nesting's, and DCP -> DCP writes Composer's layout back item for
+    item, the int included."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    src = tmp_path / "composer"
+    run_script(tmp_path, MAKE_COMPOSER_DCP, "make_composer.py", src, "int-lr")
+    dcp_to_torch_save(src, tmp_path / "src.pt")
+    a = torch.load(tmp_path / "src.pt", weights_only=False)
+    group = a["state"]["optimizers"]["DecoupledAdamW"]["param_groups"][0]
+    assert group["initial_lr"] == 1 and type(group["initial_lr"]) is int, group
+    assert hashes(optstate_cli, src) == hashes(optstate_cli, str(src) + ".plain")
+    assert_converts_to_ref(optstate_cli, src, tmp_path / "state.safetensors")
+    optstate_cli("convert", src, tmp_path / "copy", "--format", "dcp")
+    dcp_to_torch_save(tmp_path / "copy", tmp_path / "copy.pt")
+    assert deep_equal(a, torch.load(tmp_path / "copy.pt", weights_only=False))
 
 
 def global_heap_objects(data, at):

@@ -8,6 +8,7 @@
 #include <hdf5.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -523,7 +524,25 @@ class RawFile {
   Status read(uint64_t address, std::span<std::byte> out) const {
     if (address > size() || out.size() > size() - address)
       return corrupt(fmt::format("{} bytes at address {} lie past the file's end", out.size(), address));
-    return file_.read_at(base_ + address, out);
+    if (out.size() > kBlockBytes) return file_.read_at(base_ + address, out);
+    // Most reads are an object header's few hundred bytes, near the last ones: served from blocks
+    // (a read each was half the preads of validate at 50,000 params, 800,000 of them).
+    size_t done = 0;
+    while (done < out.size()) {
+      const uint64_t at = address + done, block = at / kBlockBytes;
+      Block& b = blocks_[block % blocks_.size()];
+      if (b.index != block) {
+        b.index = UINT64_MAX;
+        b.bytes.resize(static_cast<size_t>(std::min<uint64_t>(kBlockBytes, size() - block * kBlockBytes)));
+        OPTSTATE_RETURN_IF_ERROR(file_.read_at(base_ + block * kBlockBytes, b.bytes));
+        b.index = block;
+      }
+      const size_t offset = static_cast<size_t>(at - block * kBlockBytes);
+      const size_t take = std::min(out.size() - done, b.bytes.size() - offset);
+      std::memcpy(out.data() + done, b.bytes.data() + offset, take);
+      done += take;
+    }
+    return Status::Ok();
   }
   ReadAt reader() const {
     return [this](uint64_t address, std::span<std::byte> out) { return read(address, out); };
@@ -531,9 +550,15 @@ class RawFile {
 
  private:
   RawFile(InputFile f, uint64_t base, Superblock sb) : file_(std::move(f)), base_(base), sb_(sb) {}
+  static constexpr uint64_t kBlockBytes = 16 << 10;
+  struct Block {
+    uint64_t index = UINT64_MAX;
+    std::vector<std::byte> bytes;
+  };
   InputFile file_;
   uint64_t base_;
   Superblock sb_;
+  mutable std::array<Block, 64> blocks_;  // 1 MiB, by block index; used under the HDF5 lock (open)
 };
 
 // Before libhdf5 reads the root group's attributes: every attribute message in the root's object

@@ -382,13 +382,13 @@ bool shareable(unsigned type) {
 }
 
 // Where a shared message (versions 1-3) says the message is: another object's header, the only place
-// this reader follows (a committed datatype's). One in a shared message heap (version 3, type 1) is
-// refused. Version 1: version, type, 6 reserved, a length libhdf5 skips, the address; version 2:
-// version, type, the address; version 3: version, type, the address or an 8-byte heap ID.
+// this reader follows (a committed datatype's). One in a shared message heap (type 1, which libhdf5
+// takes as such from version 2 on) is refused. Version 1: version, type (ignored), 6 reserved, a
+// length libhdf5 skips, the address; versions 2-3: version, type, the address or an 8-byte heap ID.
 Result<uint64_t> shared_message_address(std::span<const std::byte> m, const Superblock& sb, const std::string& what) {
   const size_t O = static_cast<size_t>(sb.offset_size);
   const uint64_t version = has(m, 0, 2) ? le(m, 0, 1) : 0;
-  if (version == 3 && le(m, 1, 1) == 1)
+  if (version >= 2 && version <= 3 && le(m, 1, 1) == 1)
     return corrupt(fmt::format("{} is kept in a shared message heap, which this reader does not read", what));
   const size_t address_at = version == 1 ? 8 + static_cast<size_t>(sb.length_size) : 2;
   if (version < 1 || version > 3 || !has(m, address_at, O))

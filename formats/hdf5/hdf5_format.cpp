@@ -591,8 +591,51 @@ Status check_root_attributes(const RawFile& raw, const std::string& where) {
 // message, not its target's header): nullopt where there is no such link; the object header
 // address of a hard link's target, or of a soft link's (a path inside the file, which libhdf5
 // resolves: HADDR_UNDEF where it does not). A link to another file (external, or user-defined) is
-// refused: a checkpoint reads only its own bytes.
-Result<std::optional<haddr_t>> link_target(hid_t loc, const std::string& name, const std::string& what) {
+// refused: a checkpoint reads only its own bytes. libhdf5 looks each name of a soft link's path up
+// in the group before it, decoding that group's links: each group the path passes through is given
+// to `check_group` first (the first one, the root or the link's own group, was checked already),
+// and a path through another soft link is refused.
+using GroupCheck = std::function<Status(haddr_t, const std::string& path)>;
+Status check_soft_link_path(hid_t loc, const std::string& name, size_t value_size, const std::string& what,
+                            const GroupCheck& check_group) {
+  std::string value(value_size, '\0');
+  if (H5Lget_val(loc, name.c_str(), value.data(), value.size(), H5P_DEFAULT) < 0) return Status::Ok();  // libhdf5 fails too
+  value.resize(strnlen(value.c_str(), value.size()));
+  // Paths as libhdf5 resolves them from `loc`: absolute from the root; relative from the group the
+  // link is in (`name` may pass through groups). Empty and "." names are skipped, as libhdf5 does.
+  std::string prefix = !value.empty() && value[0] == '/' ? "/"
+                       : name.find('/') != std::string::npos ? name.substr(0, name.rfind('/') + 1)
+                                                               : "";
+  std::vector<std::string> names;
+  for (size_t at = 0; at <= value.size();) {
+    const size_t end = std::min(value.find('/', at), value.size());
+    if (end > at && value.compare(at, end - at, ".") != 0) names.push_back(value.substr(at, end - at));
+    at = end + 1;
+  }
+  for (size_t i = 0; i + 1 < names.size(); ++i) {
+    prefix += names[i];
+#if H5_VERSION_GE(1, 12, 0)
+    H5L_info2_t info{};
+    if (H5Lget_info2(loc, prefix.c_str(), &info, H5P_DEFAULT) < 0) return Status::Ok();  // libhdf5 fails too
+    haddr_t address = HADDR_UNDEF;
+    if (info.type == H5L_TYPE_HARD && H5VLnative_token_to_addr(loc, info.u.token, &address) < 0) return Status::Ok();
+#else
+    H5L_info_t info{};
+    if (H5Lget_info(loc, prefix.c_str(), &info, H5P_DEFAULT) < 0) return Status::Ok();  // libhdf5 fails too
+    const haddr_t address = info.type == H5L_TYPE_HARD ? info.u.address : HADDR_UNDEF;
+#endif
+    if (info.type != H5L_TYPE_HARD)
+      return corrupt(fmt::format("{} is a soft link to '{}', a path through another link ('{}'): this reader follows "
+                                 "soft links one at a time",
+                                 what, value, names[i]));
+    OPTSTATE_RETURN_IF_ERROR(check_group(address, prefix));
+    prefix += "/";
+  }
+  return Status::Ok();
+}
+
+Result<std::optional<haddr_t>> link_target(hid_t loc, const std::string& name, const std::string& what,
+                                           const GroupCheck& check_group) {
   haddr_t address = HADDR_UNDEF;
 #if H5_VERSION_GE(1, 12, 0)
   H5L_info2_t info{};
@@ -608,6 +651,7 @@ Result<std::optional<haddr_t>> link_target(hid_t loc, const std::string& name, c
     return corrupt(fmt::format("{} is {} link (to another file): this reader reads only what the file holds itself",
                                what, info.type == H5L_TYPE_EXTERNAL ? "an external" : "a user-defined"));
   if (info.type == H5L_TYPE_SOFT) {  // the target's header, which loading decodes nothing of
+    OPTSTATE_RETURN_IF_ERROR(check_soft_link_path(loc, name, info.u.val_size, what, check_group));
 #if H5_VERSION_GE(1, 12, 0)
     H5O_info2_t target{};
     if (H5Oget_info_by_name3(loc, name.c_str(), &target, H5O_INFO_BASIC, H5P_DEFAULT) < 0 ||
@@ -671,10 +715,16 @@ class Hdf5Driver final : public FormatDriver {
         return check_group_header(raw->reader(), raw->superblock(), *at, fmt::format("{}: group '{}'", where, gpath))
             .status();
       };
+      const GroupCheck soft_path_group = [&](haddr_t at, const std::string& path) -> Status {
+        if (at == HADDR_UNDEF) return Status::Ok();
+        return check_group_header(raw->reader(), raw->superblock(), at,
+                                  fmt::format("{}: group '{}', on a soft link's path", where, path))
+            .status();
+      };
       Id group;
       if (fqn.find('/') == std::string::npos) {
         OPTSTATE_ASSIGN_OR_RETURN(const auto target,
-                                  link_target(file.get(), fqn, fmt::format("{}: '/{}'", where, fqn)));
+                                  link_target(file.get(), fqn, fmt::format("{}: '/{}'", where, fqn), soft_path_group));
         OPTSTATE_RETURN_IF_ERROR(check_group(target, "/" + fqn));
         if (target) group = Id(H5Gopen2(file.get(), fqn.c_str(), H5P_DEFAULT), H5Gclose);
       }
@@ -683,7 +733,7 @@ class Hdf5Driver final : public FormatDriver {
         if (looked_up && e.encoding != Encoding::kDense) {  // the entry's group of components
           const std::string gpath = fmt::format("/{}/{}", fqn, name);
           OPTSTATE_ASSIGN_OR_RETURN(const auto target,
-                                    link_target(group.get(), name, fmt::format("{}: '{}'", where, gpath)));
+                                    link_target(group.get(), name, fmt::format("{}: '{}'", where, gpath), soft_path_group));
           OPTSTATE_RETURN_IF_ERROR(check_group(target, gpath));
           looked_up = target.has_value();  // else its first dataset is missing
         }
@@ -695,7 +745,8 @@ class Hdf5Driver final : public FormatDriver {
           // the dataset (a chunk dimension of 0: SIGFPE): checked first.
           std::optional<haddr_t> object;
           if (looked_up) {
-            OPTSTATE_ASSIGN_OR_RETURN(object, link_target(group.get(), rel, fmt::format("{}: '{}'", where, dpath)));
+            OPTSTATE_ASSIGN_OR_RETURN(
+                object, link_target(group.get(), rel, fmt::format("{}: '{}'", where, dpath), soft_path_group));
           }
           if (!object) return corrupt(fmt::format("{}: dataset '{}' is missing", where, dpath));
           if (*object != HADDR_UNDEF)

@@ -2548,6 +2548,51 @@ def test_hdf5_links_to_other_files_are_refused_soft_links_followed(tmp_path, opt
         assert f"'/{target}' is an external link (to another file)" in err and str(ext) in err, err
 
 
+def test_hdf5_soft_link_paths_through_groups_are_checked(tmp_path, optstate_cli):
+    """libhdf5 resolves a soft link's path name by name, decoding the links of each group on the
+    way: those groups' headers are checked first, as every group the reader looks a name up in is.
+    Soft links into a group two levels down (absolute, and relative to a param's group) read the
+    same state; a link message of that group claiming a longer name than it holds is refused naming
+    the group; a path through another soft link is refused."""
+    h5py = pytest.importorskip("h5py")
+    ao = make_dcp(tmp_path, "ao")
+    optstate_cli("convert", ao, tmp_path / "s.h5")
+    want = hashes(optstate_cli, tmp_path / "s.h5", values=True)
+    soft = tmp_path / "soft.h5"
+    rebuild_with_h5py(h5py, tmp_path / "s.h5", soft, "v110")
+    with h5py.File(soft, "r+", libver="v110") as f:  # groups with link messages
+        f.create_group("store/inner")
+        f.move("0.bias", "store/inner/moved_bias")
+        f["0.bias"] = h5py.SoftLink("/store/inner/moved_bias")
+        f.create_group("0.weight/stash/deeper")
+        f.move("0.weight/exp_avg_sq", "0.weight/stash/deeper/moved")
+        f["0.weight/exp_avg_sq"] = h5py.SoftLink("stash/./deeper/moved")
+        inner = h5py.h5o.get_info(f["store/inner"].id).addr
+        store = h5py.h5o.get_info(f["store"].id).addr
+    assert hashes(optstate_cli, soft, values=True) == want
+    optstate_cli("validate", soft)
+    # /store/inner's link to moved_bias (a version 2 header: "OHDR"), its name length 10 -> 127.
+    data = bytearray(soft.read_bytes())
+    assert data[inner:inner + 4] == b"OHDR"
+    at = data.index(b"moved_bias", inner)
+    assert data[at - 1] == 10
+    data[at - 1] = 127
+    (tmp_path / "bad_inner.h5").write_bytes(data)
+    err = run_err(optstate_cli, "inspect", tmp_path / "bad_inner.h5")
+    assert "group '/store/inner', on a soft link's path" in err and "holds a name of 127 bytes" in err, err
+    assert str(tmp_path / "bad_inner.h5") in err and store != inner
+    # A path through another soft link: /alias -> /store, /0.bias -> /alias/inner/moved_bias.
+    through = tmp_path / "through.h5"
+    shutil.copy(soft, through)
+    with h5py.File(through, "r+") as f:
+        f["alias"] = h5py.SoftLink("/store")
+        del f["0.bias"]
+        f["0.bias"] = h5py.SoftLink("/alias/inner/moved_bias")
+        assert f["0.bias/exp_avg"] is not None  # h5py follows it
+    err = run_err(optstate_cli, "inspect", through)
+    assert "'/0.bias' is a soft link to '/alias/inner/moved_bias', a path through another link ('alias')" in err, err
+
+
 def test_hdf5_h5py_earliest_root_of_many_params_reads_the_same(tmp_path, optstate_cli):
     """600 params rebuilt by h5py in its default format: the root's symbol table is a B-tree of two
     levels (past 2 x 16 symbol nodes of 8 entries each), every node, entry and name of which the

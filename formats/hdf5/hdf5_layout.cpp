@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <optional>
 #include <set>
+#include <tuple>
 
 namespace optstate::hdf5 {
 
@@ -428,8 +430,12 @@ int log2_of(uint64_t n) {  // n a power of 2
   return bits;
 }
 
+Status walk_v2_btree(const ReadAt& read, const Superblock& sb, uint64_t address, unsigned type, const std::string& at,
+                     const std::function<Status(std::span<const std::byte>)>& visit);
+
 // A fractal heap (where dense storage keeps a group's attribute or link messages): its header and
-// the objects its heap IDs name, read through its doubling table of direct and indirect blocks.
+// the objects its heap IDs name, read through its doubling table of direct and indirect blocks, or
+// (huge objects, past the heap's largest managed size) where its huge object B-tree says.
 class FractalHeap {
  public:
   static Result<FractalHeap> open(const ReadAt& read, const Superblock& sb, uint64_t address, const std::string& at) {
@@ -446,6 +452,13 @@ class FractalHeap {
     h.filters_ = le(b, 7, 2) != 0;
     h.checksummed_direct_ = le(b, 9, 1) & 0x02;
     h.max_managed_ = le(b, 10, 4);
+    // 14: next huge object ID(L), huge object B-tree address(O). A huge object's ID holds its
+    // address and length where the heap ID has room for them (libhdf5's H5HF__huge_init), else a
+    // key of up to 8 bytes into that B-tree.
+    const uint64_t id_length = le(b, 5, 2);
+    h.huge_btree_ = le(b, 14 + L, sb.offset_size);
+    h.huge_direct_ = id_length >= 1 + O + L;
+    h.huge_key_bytes_ = static_cast<int>(std::clamp<uint64_t>(id_length, 1, 9) - 1);
     const size_t p = 14 + 10 * L + 2 * O;  // the table width
     h.width_ = le(b, p, 2);
     h.start_ = le(b, p + 2, sb.length_size);
@@ -466,12 +479,12 @@ class FractalHeap {
     return h;
   }
 
-  // The object a heap ID names: a managed object's bytes (from its direct block) or a tiny one's
-  // (inside the ID); nullopt for a huge one (kept through another B-tree, not read here).
+  // The object a heap ID names: a managed object's bytes (from its direct block), a tiny one's
+  // (inside the ID) or a huge one's (where the ID, or the huge object B-tree, says).
   Result<std::optional<std::vector<std::byte>>> object(std::span<const std::byte> id) const {
     if (id.empty()) return corrupt(fmt::format("{}: an empty fractal heap ID", at_));
     const unsigned type = (std::to_integer<unsigned>(id[0]) >> 4) & 0x3;
-    if (type == 1) return std::optional<std::vector<std::byte>>();
+    if (type == 1) return huge_object(id);
     if (type == 2) {  // tiny: the length - 1 in the low 4 bits, the bytes after
       const size_t n = (std::to_integer<size_t>(id[0]) & 0x0f) + 1;
       if (!has(id, 1, n)) return corrupt(fmt::format("{}: a tiny fractal heap object of {} bytes past its ID", at_, n));
@@ -543,9 +556,57 @@ class FractalHeap {
     return std::optional<std::vector<std::byte>>(std::move(bytes));
   }
 
+  // A huge object: libhdf5 reads the length its ID or B-tree record gives, from the address there.
+  Result<std::optional<std::vector<std::byte>>> huge_object(std::span<const std::byte> id) const {
+    // libhdf5 decompresses a filtered heap's huge objects; it writes no filtered attribute or link heap.
+    if (filters_)
+      return corrupt(fmt::format("{}: a huge object of a filtered fractal heap (libhdf5 writes none for attributes or "
+                                 "links)",
+                                 at_));
+    const size_t O = static_cast<size_t>(sb_.offset_size), L = static_cast<size_t>(sb_.length_size);
+    uint64_t address = 0, length = 0;
+    if (huge_direct_) {
+      if (!has(id, 1, O + L)) return corrupt(fmt::format("{}: a huge object ID of {} bytes", at_, id.size()));
+      address = le(id, 1, sb_.offset_size);
+      length = le(id, 1 + O, sb_.length_size);
+    } else {
+      if (!has(id, 1, static_cast<uint64_t>(huge_key_bytes_)))
+        return corrupt(fmt::format("{}: a huge object ID of {} bytes", at_, id.size()));
+      const uint64_t key = le(id, 1, huge_key_bytes_);
+      if (!huge_) {  // the B-tree's records (type 1: address(O) length(L) key(L)), read once
+        if (huge_btree_ == undefined(O))
+          return corrupt(fmt::format("{}: huge object {} of a heap with no huge object B-tree", at_, key));
+        std::map<uint64_t, std::pair<uint64_t, uint64_t>> records;
+        OPTSTATE_RETURN_IF_ERROR(walk_v2_btree(
+            read_, sb_, huge_btree_, 1, at_ + ": huge objects", [&](std::span<const std::byte> r) -> Status {
+              if (r.size() != O + 2 * L)
+                return corrupt(fmt::format("{}: huge object records of {} bytes ({})", at_, r.size(), O + 2 * L));
+              if (!records.emplace(le(r, O + L, sb_.length_size), std::pair(le(r, 0, sb_.offset_size), le(r, O, sb_.length_size)))
+                       .second)
+                return corrupt(fmt::format("{}: huge object {} is recorded twice", at_, le(r, O + L, sb_.length_size)));
+              return Status::Ok();
+            }));
+        huge_ = std::move(records);
+      }
+      const auto it = huge_->find(key);
+      if (it == huge_->end())
+        return corrupt(fmt::format("{}: huge object {} is not in the heap's huge object B-tree", at_, key));
+      std::tie(address, length) = it->second;
+    }
+    if (length == 0 || length > kMaxDenseBytes)
+      return corrupt(fmt::format("{}: a huge object of {} bytes (1 to {} MiB)", at_, length, kMaxDenseBytes >> 20));
+    std::vector<std::byte> bytes(static_cast<size_t>(length));
+    OPTSTATE_RETURN_IF_ERROR(read_(address, bytes).with_context(fmt::format("{}: the huge object at {}", at_, address)));
+    return std::optional<std::vector<std::byte>>(std::move(bytes));
+  }
+
   ReadAt read_;
   Superblock sb_;
   std::string at_;
+  uint64_t huge_btree_ = 0;
+  bool huge_direct_ = false;
+  int huge_key_bytes_ = 0;
+  mutable std::optional<std::map<uint64_t, std::pair<uint64_t, uint64_t>>> huge_;  // key -> address, length
   bool filters_ = false, checksummed_direct_ = false;
   uint64_t max_managed_ = 0, width_ = 0, start_ = 0, max_direct_ = 0, heap_bits_ = 0, root_ = 0, root_rows_ = 0;
   uint64_t max_direct_rows_ = 0;

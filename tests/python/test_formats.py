@@ -2639,3 +2639,36 @@ def test_hdf5_root_attributes_in_dense_storage_are_walked(tmp_path, optstate_cli
     bad.write_bytes(bytes(damaged))
     err = run_err(optstate_cli, "inspect", bad)
     assert f"its global heap collection at {at}" in err and "runs past the collection" in err, err
+
+
+def test_hdf5_huge_root_attributes_in_dense_storage_are_read(tmp_path, optstate_cli):
+    """An attribute message larger than its fractal heap's largest managed object (h5py, v110: a
+    root of more than 8 attributes, one an array of 3,000 floats) is a huge object, kept where the
+    heap's huge object B-tree says: the check reads it there as libhdf5 does (it decoded it
+    unchecked before). The file reads the same; that message's dataspace rank made 33 is refused
+    naming the dense storage."""
+    h5py = pytest.importorskip("h5py")
+    import numpy as np
+    ao = make_dcp(tmp_path, "ao")
+    optstate_cli("convert", ao, tmp_path / "s.h5")
+    want = hashes(optstate_cli, tmp_path / "s.h5", values=True)
+    path = tmp_path / "huge.h5"
+    rebuild_with_h5py(h5py, tmp_path / "s.h5", path, "v110", extra_root_attrs=10)
+    with h5py.File(path, "r+", libver="v110") as f:
+        f.attrs["bigarray"] = np.arange(3000, dtype=np.float32)
+    data = path.read_bytes()
+    assert b"FRHP" in data and b"BTHD\x00\x01" in data  # the heap; a B-tree of huge objects (type 1)
+    assert hashes(optstate_cli, path, values=True) == want
+    # The message (version 3): version, flags, name size(2), datatype size(2), dataspace size(2),
+    # charset, the name with its NUL, the datatype, then the dataspace (version 2: version, rank).
+    at = data.index(b"bigarray\x00") - 9
+    assert data[at] == 3, data[at:at + 24]
+    type_size = int.from_bytes(data[at + 4:at + 6], "little")
+    space = at + 9 + 9 + type_size
+    assert data[space] == 2 and data[space + 1] == 1, data[space:space + 4]
+    damaged = bytearray(data)
+    damaged[space + 1] = 33
+    bad = tmp_path / "bad.h5"
+    bad.write_bytes(bytes(damaged))
+    err = run_err(optstate_cli, "inspect", bad)
+    assert "a dataspace of rank 33" in err and str(bad) in err, err

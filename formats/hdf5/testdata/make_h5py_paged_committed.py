@@ -2,8 +2,9 @@
 group and dataset copied into libver='v110' with paged file space aggregation and persistent free
 space (a file space info message in the superblock extension, which H5Fopen decodes), the float32
 datasets of a committed datatype (each one's datatype a shared message naming its object header)
-and a root attribute of another, so that fuzz_hdf5_file mutates what the driver checks before
-H5Fopen and where shared messages lead."""
+and a root attribute of another, and more root attributes than compact storage holds, one of them
+a huge object of its fractal heap (past 4 KiB), so that fuzz_hdf5_file mutates what the driver
+checks before H5Fopen, where shared messages lead, and huge objects."""
 import h5py
 import numpy as np
 
@@ -28,3 +29,6 @@ with h5py.File("h5py_edited.h5", "r") as src, \
     copy_attrs(src, dst)
     src.visititems(visit)
     dst.attrs.create("epoch", 7, dtype=dst["i32"])
+    for i in range(8):
+        dst.attrs[f"note{i}"] = f"a note {i}"
+    dst.attrs["curve"] = np.linspace(0, 1, 1500, dtype=np.float32)

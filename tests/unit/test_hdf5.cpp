@@ -143,8 +143,7 @@ TEST_CASE("hdf5: a file h5py edited (vlen UTF-8 attributes, a dataset without fl
   check_same_state_as_safetensors_fixture(**dense);
   // In v110 with paged file space (a file space info message in the superblock extension) and the
   // float32 datasets and a root attribute of committed datatypes (shared messages naming them), root
-  // attributes in dense storage, one a huge heap object (
-  // testdata/make_h5py_paged_committed.py).
+  // attributes in dense storage, one a huge heap object (testdata/make_h5py_paged_committed.py).
   auto committed = d->open(root / "formats/hdf5/testdata/h5py_paged_committed.h5");
   REQUIRE_MESSAGE(committed.ok(), committed.status().message());
   check_same_state_as_safetensors_fixture(**committed);

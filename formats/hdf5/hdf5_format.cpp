@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <hdf5.h>
+#include <zlib.h>
 
 #include <algorithm>
 #include <array>
@@ -14,6 +15,7 @@
 #include <mutex>
 #include <optional>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "optstate/checkpoint.h"
 #include "optstate/io.h"
@@ -212,19 +214,23 @@ class Hdf5Reader final : public CheckpointReader {
     int64_t count = 0, of = 0;
     std::string first;
   };
-  // A chunked dataset with fletcher32: where the filter is in its pipeline (a chunk's filter mask
-  // bit says it was skipped) and its chunk's shape.
-  struct Fletcher32 {
-    unsigned filter_index = 0;
-    std::vector<hsize_t> chunk;
+  // A chunked dataset with fletcher32 or deflate: what each chunk a read covers is checked for
+  // before H5Dread (check_chunks). Filter indices are places in the pipeline (a chunk's filter mask
+  // bit says that filter was skipped for it).
+  struct ChunkChecks {
+    std::vector<hsize_t> chunk;          // the chunk's shape
+    std::optional<unsigned> fletcher32;  // a stored chunk holds at least its 4 bytes
+    std::optional<unsigned> deflate;     // the chunk inflates to at most inflate_limit bytes
+    std::vector<unsigned> fletcher32_after_deflate;  // their 4 bytes come off before inflating
+    uint64_t inflate_limit = 0;
   };
-  using Fletcher32Datasets = std::unordered_map<std::string, Fletcher32>;
-  Hdf5Reader(fs::path path, Id file, OptimizerState meta, Unchecked unchecked, Fletcher32Datasets fletcher32)
+  using ChunkedDatasets = std::unordered_map<std::string, ChunkChecks>;
+  Hdf5Reader(fs::path path, Id file, OptimizerState meta, Unchecked unchecked, ChunkedDatasets chunked)
       : path_(std::move(path)),
         file_(std::move(file)),
         meta_(std::move(meta)),
         unchecked_(std::move(unchecked)),
-        fletcher32_(std::move(fletcher32)) {}
+        chunked_(std::move(chunked)) {}
 
   std::string_view format() const override { return "hdf5"; }
   bool checksummed() const override { return unchecked_.count == 0; }
@@ -294,8 +300,8 @@ class Hdf5Reader final : public CheckpointReader {
     } else {
       mspace = Id(H5Screate(H5S_SCALAR), H5Sclose);
     }
-    if (auto f = fletcher32_.find(dpath); f != fletcher32_.end())
-      OPTSTATE_RETURN_IF_ERROR(check_chunk_sizes(ds.get(), dims, f->second, r0, r1, dpath));
+    if (auto f = chunked_.find(dpath); f != chunked_.end())
+      OPTSTATE_RETURN_IF_ERROR(check_chunks(ds.get(), dims, f->second, r0, r1, dpath));
     const DType d = dtype_of_component(fqn, entry, c);
     if (H5Dread(ds.get(), native_type(d), mspace.get(), fspace.get(), H5P_DEFAULT, dst.data()) < 0)
       return corrupt(fmt::format("{}: cannot read dataset '{}' rows [{}, {}) (a chunk failed its fletcher32 "
@@ -306,11 +312,17 @@ class Hdf5Reader final : public CheckpointReader {
     return Status::Ok();
   }
 
-  // libhdf5 1.10.8's fletcher32 filter takes its 4 bytes off a chunk's stored size without checking
-  // there are 4: a chunk stored in fewer (a damaged chunk index) made H5Dread read far past its
-  // buffer (SIGSEGV; fuzz_hdf5_file). Each chunk rows [r0, r1) lie in is looked up first.
-  Status check_chunk_sizes(hid_t ds, const std::vector<hsize_t>& dims, const Fletcher32& f, int64_t r0, int64_t r1,
-                           const std::string& dpath) const {
+  // Each chunk rows [r0, r1) lie in is looked up first (an error there is the chunk index's:
+  // H5Dread meets it too and says so):
+  // - libhdf5 1.10.8's fletcher32 filter takes its 4 bytes off a chunk's stored size without
+  //   checking there are 4: a chunk stored in fewer (a damaged chunk index) made H5Dread read far
+  //   past its buffer (SIGSEGV; fuzz_hdf5_file);
+  // - its deflate filter inflates a chunk whatever size that comes to, doubling its buffer, and
+  //   then uses the chunk's bytes of it: 1 MB of deflated zeros made validate hold 1 GiB and say
+  //   "ok". A deflated chunk is inflated here first, counting (64 KiB at a time, once per chunk),
+  //   and refused past its limit.
+  Status check_chunks(hid_t ds, const std::vector<hsize_t>& dims, const ChunkChecks& f, int64_t r0, int64_t r1,
+                      const std::string& dpath) {
     if (dims.empty() || f.chunk.size() != dims.size()) return Status::Ok();
     std::vector<hsize_t> at(dims.size(), 0);
     at[0] = static_cast<hsize_t>(r0) / f.chunk[0] * f.chunk[0];
@@ -318,12 +330,15 @@ class Hdf5Reader final : public CheckpointReader {
       unsigned mask = 0;
       haddr_t address = HADDR_UNDEF;
       hsize_t stored = 0;
-      // An error here is the chunk index's: H5Dread meets it too and says so.
-      if (H5Dget_chunk_info_by_coord(ds, at.data(), &mask, &address, &stored) >= 0 && address != HADDR_UNDEF &&
-          !((mask >> f.filter_index) & 1) && stored < 4)
+      const bool found = H5Dget_chunk_info_by_coord(ds, at.data(), &mask, &address, &stored) >= 0 &&
+                         address != HADDR_UNDEF;
+      const auto skipped = [&](unsigned index) { return ((mask >> index) & 1) != 0; };
+      if (found && f.fletcher32 && !skipped(*f.fletcher32) && stored < 4)
         return corrupt(fmt::format("{}: dataset '{}': the chunk at [{}] is stored in {} bytes, fewer than its "
                                    "fletcher32 checksum's 4",
                                    path_.string(), dpath, fmt::join(at, ", "), stored));
+      if (found && f.deflate && !skipped(*f.deflate) && inflated_.insert(address).second)
+        OPTSTATE_RETURN_IF_ERROR(check_inflated_size(ds, at, f, mask, stored, dpath));
       size_t i = dims.size();  // the next chunk: the last dimension first; rows up to r1
       while (i-- > 0) {
         at[i] += f.chunk[i];
@@ -379,11 +394,53 @@ class Hdf5Reader final : public CheckpointReader {
     return std::tuple{count, int64_t{dtype_size(component_dtype(e->second, c))}, std::max<int64_t>(row, 1)};
   }
 
+  Status check_inflated_size(hid_t ds, const std::vector<hsize_t>& at, const ChunkChecks& f, unsigned mask,
+                             hsize_t stored, const std::string& dpath) {
+    const auto chunk_at = [&] {
+      return fmt::format("{}: dataset '{}': the chunk at [{}]", path_.string(), dpath, fmt::join(at, ", "));
+    };
+    // Deflate inflates at most 1032-fold: a chunk that inflates to at most 64 MiB that way is left
+    // to libhdf5 (most chunks of many small params; they cost nothing here).
+    constexpr uint64_t kMaxInflateRatio = 1040, kUncheckedInflateBytes = uint64_t{64} << 20;
+    if (stored <= kUncheckedInflateBytes / kMaxInflateRatio) return Status::Ok();
+    // Deflate writes a chunk only where that makes it smaller (else the chunk is kept as it is,
+    // its mask bit set): more than the limit stored is not deflate's.
+    if (stored > f.inflate_limit)
+      return corrupt(fmt::format("{} is stored deflated in {} bytes, more than its {} bytes inflated can be",
+                                 chunk_at(), stored, f.inflate_limit));
+    std::vector<std::byte> raw(static_cast<size_t>(stored));
+    uint32_t filters = mask;
+    if (H5Dread_chunk(ds, H5P_DEFAULT, at.data(), &filters, raw.data()) < 0) return Status::Ok();  // H5Dread fails too
+    size_t n = raw.size();
+    for (unsigned i : f.fletcher32_after_deflate)
+      if (!((mask >> i) & 1)) n = n >= 4 ? n - 4 : 0;
+    z_stream z{};
+    if (inflateInit(&z) != Z_OK) return internal_error(fmt::format("{}: zlib's inflateInit failed", chunk_at()));
+    z.next_in = reinterpret_cast<Bytef*>(raw.data());
+    z.avail_in = static_cast<uInt>(n);
+    std::array<Bytef, 64 << 10> scratch;
+    int status = Z_OK;
+    while (status == Z_OK && z.total_out <= f.inflate_limit) {
+      z.next_out = scratch.data();
+      z.avail_out = static_cast<uInt>(scratch.size());
+      status = inflate(&z, Z_NO_FLUSH);
+      if (status == Z_BUF_ERROR && z.avail_in == 0) break;  // cut short: libhdf5 says so itself
+    }
+    const uint64_t total = z.total_out;
+    inflateEnd(&z);
+    if (total > f.inflate_limit)
+      return corrupt(fmt::format("{} inflates to more than {} bytes, its chunks hold {} (a deflate bomb: libhdf5 "
+                                 "would hold it all before using its chunk's bytes)",
+                                 chunk_at(), f.inflate_limit, (f.inflate_limit - 1024) / 2));
+    return Status::Ok();
+  }
+
   fs::path path_;
   Id file_;
   OptimizerState meta_;
   Unchecked unchecked_;
-  Fletcher32Datasets fletcher32_;
+  ChunkedDatasets chunked_;
+  std::unordered_set<haddr_t> inflated_;  // chunks whose inflated size was checked (read_range, under hdf5_mutex)
   std::string group_fqn_;  // the param whose group group_ is (read_range, under hdf5_mutex)
   Id group_;               // closed before file_
 };
@@ -703,7 +760,7 @@ class Hdf5Driver final : public FormatDriver {
     OPTSTATE_ASSIGN_OR_RETURN(OptimizerState meta, decode_state_meta(text, where));
     // Every component the metadata names is a dataset of the right type and shape.
     Hdf5Reader::Unchecked unchecked;
-    Hdf5Reader::Fletcher32Datasets fletcher32;
+    Hdf5Reader::ChunkedDatasets chunked;
     for (const auto& [fqn, ps] : meta.params) {
       // The param's group is looked up once, its datasets by names relative to it: each lookup
       // from the root searches a group of every param (at 50,000 params, a third of validate).
@@ -770,18 +827,25 @@ class Hdf5Driver final : public FormatDriver {
           Id type(H5Dget_type(ds.get()), H5Tclose);
           Id space(H5Dget_space(ds.get()), H5Sclose);
           Id dcpl(H5Dget_create_plist(ds.get()), H5Pclose);
-          // Where fletcher32 is in the pipeline, if it is.
-          std::optional<unsigned> fletcher32_index;
+          // Where fletcher32 and deflate are in the pipeline, if they are; what comes after deflate
+          // (its output is what the filters after it are undone to) must be fletcher32.
+          Hdf5Reader::ChunkChecks checks;
           const int filters = dcpl.ok() ? H5Pget_nfilters(dcpl.get()) : 0;
-          for (int i = 0; i < filters && !fletcher32_index; ++i) {
+          for (int i = 0; i < filters; ++i) {
             unsigned flags = 0, filter_config = 0;
             size_t nvalues = 0;
-            if (H5Pget_filter2(dcpl.get(), static_cast<unsigned>(i), &flags, &nvalues, nullptr, 0, nullptr,
-                               &filter_config) == H5Z_FILTER_FLETCHER32)
-              fletcher32_index = static_cast<unsigned>(i);
+            const H5Z_filter_t id = H5Pget_filter2(dcpl.get(), static_cast<unsigned>(i), &flags, &nvalues, nullptr, 0,
+                                                   nullptr, &filter_config);
+            if (id == H5Z_FILTER_FLETCHER32 && !checks.fletcher32) checks.fletcher32 = static_cast<unsigned>(i);
+            if (id == H5Z_FILTER_FLETCHER32 && checks.deflate) checks.fletcher32_after_deflate.push_back(static_cast<unsigned>(i));
+            if (id != H5Z_FILTER_FLETCHER32 && checks.deflate)
+              return corrupt(fmt::format("{}: dataset '{}' applies filter {} after deflate, which this reader does not "
+                                         "read (h5py and optstate end a pipeline with deflate or fletcher32)",
+                                         where, dpath, id));
+            if (id == H5Z_FILTER_DEFLATE) checks.deflate = static_cast<unsigned>(i);
           }
           ++unchecked.of;
-          if (!fletcher32_index && unchecked.count++ == 0) unchecked.first = dpath;
+          if (!checks.fletcher32 && unchecked.count++ == 0) unchecked.first = dpath;
           const DType d = component_dtype(e, c);
           const auto want = component_dims(ps, e, c);
           const int rank = H5Sget_simple_extent_ndims(space.get());
@@ -802,7 +866,15 @@ class Hdf5Driver final : public FormatDriver {
               return corrupt(fmt::format("{}: dataset '{}' of shape [{}] has chunks of [{}], larger than the dataset can "
                                          "be",
                                          where, dpath, fmt::join(dims, ", "), fmt::join(chunk, ", ")));
-            if (fletcher32_index) fletcher32.emplace(dpath, Hdf5Reader::Fletcher32{*fletcher32_index, std::move(chunk)});
+            if (checks.fletcher32 || checks.deflate) {
+              // A chunk inflates to its elements' bytes (with a fletcher32 before deflate, 4 more):
+              // twice that and 1 KiB bounds it with room to spare.
+              uint64_t chunk_bytes = H5Tget_size(type.get());
+              for (hsize_t n : chunk) chunk_bytes = n != 0 && chunk_bytes > (uint64_t{1} << 40) / n ? (uint64_t{1} << 40) : chunk_bytes * n;
+              checks.inflate_limit = 2 * chunk_bytes + 1024;
+              checks.chunk = std::move(chunk);
+              chunked.emplace(dpath, std::move(checks));
+            }
           }
           // A compact dataset's bytes (in its header) or a contiguous one's (allocated, or not yet:
           // fill values) are its elements' exactly: libhdf5 1.10.8 read 8 bytes of a compact
@@ -820,7 +892,7 @@ class Hdf5Driver final : public FormatDriver {
       }
     }
     return std::unique_ptr<CheckpointReader>(
-        new Hdf5Reader(path, std::move(file), std::move(meta), std::move(unchecked), std::move(fletcher32)));
+        new Hdf5Reader(path, std::move(file), std::move(meta), std::move(unchecked), std::move(chunked)));
   }
 
   Status write(StateSource& source, const fs::path& path, const WriteOptions& options) const override {

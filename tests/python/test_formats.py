@@ -1947,6 +1947,44 @@ def test_composer_dcp_with_an_int_initial_lr(tmp_path, optstate_cli):
     assert deep_equal(a, torch.load(tmp_path / "copy.pt", weights_only=False))
 
 
+def test_hdf5_deflate_bombs_are_refused_before_libhdf5_inflates_them(tmp_path, optstate_cli):
+    """libhdf5's deflate filter inflates a chunk to whatever size that comes to, holding all of it,
+    then uses its chunk's bytes: a few hundred KB of deflated zeros in place of a chunk made a read
+    hold 256 MiB and succeed. optstate inflates each large deflated chunk first, counting, and
+    refuses one past twice its chunk's bytes (or stored in more than that) naming the dataset and
+    the chunk, before libhdf5 reads it. The file as optstate wrote it (`--compress`) reads the
+    same."""
+    h5py = pytest.importorskip("h5py")
+    import zlib
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64, 1024))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    optstate_cli("convert", tmp_path / "opt.pt", tmp_path / "s.h5", "--compress", "4")
+    assert hashes(optstate_cli, tmp_path / "s.h5", values=True) == hashes(optstate_cli, tmp_path / "opt.pt", values=True)
+    optstate_cli("validate", tmp_path / "s.h5")
+
+    def zeros_deflated(mib):
+        c = zlib.compressobj(9)
+        return b"".join(c.compress(bytes(1 << 20)) for _ in range(mib)) + c.flush()
+
+    # The chunk of /0/exp_avg (64 x 1024 floats: 256 KiB) as 256 MiB of zeros in ~250 KB, with
+    # 4 bytes where fletcher32's checksum goes (applied after deflate: never reached); that of
+    # /0/exp_avg_sq as 600 MiB in ~580 KB, more than a chunk of 256 KiB inflated can be stored in.
+    for name, mib, want in (("exp_avg", 256, "inflates to more than 525312 bytes, its chunks hold 262144"),
+                            ("exp_avg_sq", 600, "more than its 525312 bytes inflated can be")):
+        bomb = tmp_path / f"bomb_{name}.h5"
+        shutil.copy(tmp_path / "s.h5", bomb)
+        blob = zeros_deflated(mib)
+        with h5py.File(bomb, "r+") as f:
+            assert f[f"0/{name}"].chunks == (64, 1024) and f[f"0/{name}"].compression == "gzip"
+            f[f"0/{name}"].id.write_direct_chunk((0, 0), blob + bytes(4), 0)
+        err = run_err(optstate_cli, "inspect", bomb)
+        assert f"dataset '/0/{name}': the chunk at [0, 0]" in err and want in err and str(bomb) in err, err
+
+
 def global_heap_objects(data, at):
     """(offset, index, size) of each object of the global heap collection at `at` (lengths of 8
     bytes), as libhdf5 walks it."""

@@ -214,14 +214,15 @@ class Hdf5Reader final : public CheckpointReader {
     int64_t count = 0, of = 0;
     std::string first;
   };
-  // A chunked dataset with fletcher32 or deflate: what each chunk a read covers is checked for
-  // before H5Dread (check_chunks). Filter indices are places in the pipeline (a chunk's filter mask
-  // bit says that filter was skipped for it).
+  // A chunked dataset with fletcher32 or a compressor (deflate or szip): what each chunk a read
+  // covers is checked for before H5Dread (check_chunks). Filter indices are places in the pipeline
+  // (a chunk's filter mask bit says that filter was skipped for it).
   struct ChunkChecks {
     std::vector<hsize_t> chunk;          // the chunk's shape
     std::optional<unsigned> fletcher32;  // a stored chunk holds at least its 4 bytes
-    std::optional<unsigned> deflate;     // the chunk inflates to at most inflate_limit bytes
-    std::vector<unsigned> fletcher32_after_deflate;  // their 4 bytes come off before inflating
+    std::optional<unsigned> compressor;  // the chunk decompresses to at most inflate_limit bytes
+    H5Z_filter_t compressor_id = H5Z_FILTER_DEFLATE;
+    std::vector<unsigned> fletcher32_after;  // after the compressor: their 4 bytes come off first
     uint64_t inflate_limit = 0;
   };
   using ChunkedDatasets = std::unordered_map<std::string, ChunkChecks>;
@@ -320,7 +321,9 @@ class Hdf5Reader final : public CheckpointReader {
   // - its deflate filter inflates a chunk whatever size that comes to, doubling its buffer, and
   //   then uses the chunk's bytes of it: 1 MB of deflated zeros made validate hold 1 GiB and say
   //   "ok". A deflated chunk is inflated here first, counting (64 KiB at a time, once per chunk),
-  //   and refused past its limit.
+  //   and refused past its limit;
+  // - its szip filter allocates and fills the size a chunk's first 4 bytes state (up to 4 GiB):
+  //   that must be within the same limit.
   Status check_chunks(hid_t ds, const std::vector<hsize_t>& dims, const ChunkChecks& f, int64_t r0, int64_t r1,
                       const std::string& dpath) {
     if (dims.empty() || f.chunk.size() != dims.size()) return Status::Ok();
@@ -337,7 +340,7 @@ class Hdf5Reader final : public CheckpointReader {
         return corrupt(fmt::format("{}: dataset '{}': the chunk at [{}] is stored in {} bytes, fewer than its "
                                    "fletcher32 checksum's 4",
                                    path_.string(), dpath, fmt::join(at, ", "), stored));
-      if (found && f.deflate && !skipped(*f.deflate) && inflated_.insert(address).second)
+      if (found && f.compressor && !skipped(*f.compressor) && inflated_.insert(address).second)
         OPTSTATE_RETURN_IF_ERROR(check_inflated_size(ds, at, f, mask, stored, dpath));
       size_t i = dims.size();  // the next chunk: the last dimension first; rows up to r1
       while (i-- > 0) {
@@ -399,21 +402,32 @@ class Hdf5Reader final : public CheckpointReader {
     const auto chunk_at = [&] {
       return fmt::format("{}: dataset '{}': the chunk at [{}]", path_.string(), dpath, fmt::join(at, ", "));
     };
+    const bool szip = f.compressor_id == H5Z_FILTER_SZIP;
     // Deflate inflates at most 1032-fold: a chunk that inflates to at most 64 MiB that way is left
     // to libhdf5 (most chunks of many small params; they cost nothing here).
     constexpr uint64_t kMaxInflateRatio = 1040, kUncheckedInflateBytes = uint64_t{64} << 20;
-    if (stored <= kUncheckedInflateBytes / kMaxInflateRatio) return Status::Ok();
-    // Deflate writes a chunk only where that makes it smaller (else the chunk is kept as it is,
-    // its mask bit set): more than the limit stored is not deflate's.
+    if (!szip && stored <= kUncheckedInflateBytes / kMaxInflateRatio) return Status::Ok();
+    // A compressor writes a chunk only where that makes it smaller (else the chunk is kept as it
+    // is, its mask bit set): more than the limit stored is not its.
     if (stored > f.inflate_limit)
-      return corrupt(fmt::format("{} is stored deflated in {} bytes, more than its {} bytes inflated can be",
-                                 chunk_at(), stored, f.inflate_limit));
+      return corrupt(fmt::format("{} is stored {} in {} bytes, more than its {} bytes decompressed can be",
+                                 chunk_at(), szip ? "szip-compressed" : "deflated", stored, f.inflate_limit));
     std::vector<std::byte> raw(static_cast<size_t>(stored));
     uint32_t filters = mask;
     if (H5Dread_chunk(ds, H5P_DEFAULT, at.data(), &filters, raw.data()) < 0) return Status::Ok();  // H5Dread fails too
     size_t n = raw.size();
-    for (unsigned i : f.fletcher32_after_deflate)
+    for (unsigned i : f.fletcher32_after)
       if (!((mask >> i) & 1)) n = n >= 4 ? n - 4 : 0;
+    if (szip) {  // the decompressed size (u32, little-endian), then the szip stream
+      if (n < 4) return Status::Ok();  // libhdf5 refuses it itself
+      uint64_t declared = 0;
+      for (int i = 3; i >= 0; --i) declared = (declared << 8) | std::to_integer<uint64_t>(raw[static_cast<size_t>(i)]);
+      if (declared > f.inflate_limit)
+        return corrupt(fmt::format("{} says it decompresses to {} bytes, more than the {} its chunks hold can be "
+                                   "(libhdf5 would allocate and fill them)",
+                                   chunk_at(), declared, f.inflate_limit));
+      return Status::Ok();
+    }
     z_stream z{};
     if (inflateInit(&z) != Z_OK) return internal_error(fmt::format("{}: zlib's inflateInit failed", chunk_at()));
     z.next_in = reinterpret_cast<Bytef*>(raw.data());
@@ -827,8 +841,9 @@ class Hdf5Driver final : public FormatDriver {
           Id type(H5Dget_type(ds.get()), H5Tclose);
           Id space(H5Dget_space(ds.get()), H5Sclose);
           Id dcpl(H5Dget_create_plist(ds.get()), H5Pclose);
-          // Where fletcher32 and deflate are in the pipeline, if they are; what comes after deflate
-          // (its output is what the filters after it are undone to) must be fletcher32.
+          // Where fletcher32 and a compressor (deflate or szip, at most one) are in the pipeline, if
+          // they are; what comes after the compressor (its output is what the filters after it are
+          // undone to) must be fletcher32.
           Hdf5Reader::ChunkChecks checks;
           const int filters = dcpl.ok() ? H5Pget_nfilters(dcpl.get()) : 0;
           for (int i = 0; i < filters; ++i) {
@@ -837,12 +852,15 @@ class Hdf5Driver final : public FormatDriver {
             const H5Z_filter_t id = H5Pget_filter2(dcpl.get(), static_cast<unsigned>(i), &flags, &nvalues, nullptr, 0,
                                                    nullptr, &filter_config);
             if (id == H5Z_FILTER_FLETCHER32 && !checks.fletcher32) checks.fletcher32 = static_cast<unsigned>(i);
-            if (id == H5Z_FILTER_FLETCHER32 && checks.deflate) checks.fletcher32_after_deflate.push_back(static_cast<unsigned>(i));
-            if (id != H5Z_FILTER_FLETCHER32 && checks.deflate)
-              return corrupt(fmt::format("{}: dataset '{}' applies filter {} after deflate, which this reader does not "
-                                         "read (h5py and optstate end a pipeline with deflate or fletcher32)",
-                                         where, dpath, id));
-            if (id == H5Z_FILTER_DEFLATE) checks.deflate = static_cast<unsigned>(i);
+            if (id == H5Z_FILTER_FLETCHER32 && checks.compressor) checks.fletcher32_after.push_back(static_cast<unsigned>(i));
+            if (id != H5Z_FILTER_FLETCHER32 && checks.compressor)
+              return corrupt(fmt::format("{}: dataset '{}' applies filter {} after {}, which this reader does not read "
+                                         "(h5py and optstate end a pipeline with its compressor or fletcher32)",
+                                         where, dpath, id, checks.compressor_id == H5Z_FILTER_SZIP ? "szip" : "deflate"));
+            if (id == H5Z_FILTER_DEFLATE || id == H5Z_FILTER_SZIP) {
+              checks.compressor = static_cast<unsigned>(i);
+              checks.compressor_id = id;
+            }
           }
           ++unchecked.of;
           if (!checks.fletcher32 && unchecked.count++ == 0) unchecked.first = dpath;
@@ -866,7 +884,7 @@ class Hdf5Driver final : public FormatDriver {
               return corrupt(fmt::format("{}: dataset '{}' of shape [{}] has chunks of [{}], larger than the dataset can "
                                          "be",
                                          where, dpath, fmt::join(dims, ", "), fmt::join(chunk, ", ")));
-            if (checks.fletcher32 || checks.deflate) {
+            if (checks.fletcher32 || checks.compressor) {
               // A chunk inflates to its elements' bytes (with a fletcher32 before deflate, 4 more):
               // twice that and 1 KiB bounds it with room to spare.
               uint64_t chunk_bytes = H5Tget_size(type.get());

@@ -1974,7 +1974,7 @@ def test_hdf5_deflate_bombs_are_refused_before_libhdf5_inflates_them(tmp_path, o
     # 4 bytes where fletcher32's checksum goes (applied after deflate: never reached); that of
     # /0/exp_avg_sq as 600 MiB in ~580 KB, more than a chunk of 256 KiB inflated can be stored in.
     for name, mib, want in (("exp_avg", 256, "inflates to more than 525312 bytes, its chunks hold 262144"),
-                            ("exp_avg_sq", 600, "more than its 525312 bytes inflated can be")):
+                            ("exp_avg_sq", 600, "more than its 525312 bytes decompressed can be")):
         bomb = tmp_path / f"bomb_{name}.h5"
         shutil.copy(tmp_path / "s.h5", bomb)
         blob = zeros_deflated(mib)
@@ -1983,6 +1983,39 @@ def test_hdf5_deflate_bombs_are_refused_before_libhdf5_inflates_them(tmp_path, o
             f[f"0/{name}"].id.write_direct_chunk((0, 0), blob + bytes(4), 0)
         err = run_err(optstate_cli, "inspect", bomb)
         assert f"dataset '/0/{name}': the chunk at [0, 0]" in err and want in err and str(bomb) in err, err
+
+
+def test_hdf5_szip_chunks_reading_and_a_lying_size(tmp_path, optstate_cli):
+    """h5py's szip compression (libaec in both HDF5s) reads the same. An szip chunk starts with the
+    size it decompresses to, which libhdf5 allocates and fills (up to 4 GiB): one saying more than
+    twice its chunk's bytes is refused naming the dataset and the chunk, before libhdf5 reads it."""
+    h5py = pytest.importorskip("h5py")
+    if not h5py.h5z.filter_avail(h5py.h5z.FILTER_SZIP):
+        pytest.skip("h5py's HDF5 has no szip")
+    p = torch.nn.Parameter(torch.zeros(64, 1024))  # constant moments: szip makes them smaller
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    optstate_cli("convert", tmp_path / "opt.pt", tmp_path / "s.h5")
+    szip = tmp_path / "szip.h5"
+    with h5py.File(tmp_path / "s.h5", "r") as s, h5py.File(szip, "w") as d:
+        for k, v in s.attrs.items():
+            d.attrs[k] = v.decode() if isinstance(v, bytes) else v
+        def copy(name, obj):  # returns None: visititems stops at anything else
+            if isinstance(obj, h5py.Group):
+                d.require_group(name)
+            else:
+                d.create_dataset(name, data=obj[...], chunks=obj.chunks, compression="szip", fletcher32=True)
+        s.visititems(copy)
+    assert hashes(optstate_cli, szip, values=True) == hashes(optstate_cli, tmp_path / "opt.pt", values=True)
+    optstate_cli("validate", szip)
+    with h5py.File(szip, "r+") as f:
+        mask, raw = f["0/exp_avg"].id.read_direct_chunk((0, 0))
+        assert mask == 0 and int.from_bytes(raw[:4], "little") == 64 * 1024 * 4, (mask, len(raw))
+        f["0/exp_avg"].id.write_direct_chunk((0, 0), (0xFFFFFFF0).to_bytes(4, "little") + raw[4:], 0)
+    err = run_err(optstate_cli, "inspect", szip)
+    assert "dataset '/0/exp_avg': the chunk at [0, 0] says it decompresses to 4294967280 bytes" in err, err
 
 
 def global_heap_objects(data, at):

@@ -12,6 +12,7 @@
 #include <array>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
@@ -428,6 +429,7 @@ class Hdf5Reader final : public CheckpointReader {
                                    chunk_at(), declared, f.inflate_limit));
       return Status::Ok();
     }
+    if (n > std::numeric_limits<uInt>::max()) return Status::Ok();  // a chunk of 4 GiB stored: zlib's counts are 32-bit
     z_stream z{};
     if (inflateInit(&z) != Z_OK) return internal_error(fmt::format("{}: zlib's inflateInit failed", chunk_at()));
     z.next_in = reinterpret_cast<Bytef*>(raw.data());

@@ -418,17 +418,13 @@ Result<std::vector<std::byte>> committed_datatype(const ReadAt& read, const Supe
   return std::move(*found);
 }
 
-// Bytes that hold `n` (libhdf5's H5VM_limit_enc_size: log2(n) / 8 + 1).
-int bytes_for(uint64_t n) {
-  int bits = 0;
-  while (n >> bits > 1) ++bits;
-  return bits / 8 + 1;
-}
-int log2_of(uint64_t n) {  // n a power of 2
+int log2_of(uint64_t n) {  // floor(log2(n)); 0 for 0
   int bits = 0;
   while (n >> bits > 1) ++bits;
   return bits;
 }
+// Bytes that hold `n` (libhdf5's H5VM_limit_enc_size: log2(n) / 8 + 1).
+int bytes_for(uint64_t n) { return log2_of(n) / 8 + 1; }
 
 Status walk_v2_btree(const ReadAt& read, const Superblock& sb, uint64_t address, unsigned type, const std::string& at,
                      const std::function<Status(std::span<const std::byte>)>& visit);
@@ -745,6 +741,13 @@ Result<std::vector<NamedVlenRef>> find_vlen_string_attributes(const ReadAt& read
       return corrupt(fmt::format("{}: attribute '{}' is a variable-length string of {}-byte characters (1)", at,
                                  a->name, le(a->datatype, 12, 4)));
     const size_t need = 8 + static_cast<size_t>(sb.offset_size);
+    // Each element as stored is a length, a collection address and an object index: libhdf5 keeps
+    // the data by the stated element size and reads it by that one (a size of 5 made H5Aread copy
+    // 16 bytes from 13, fuzz_hdf5_file).
+    if (le(a->datatype, 4, 4) != need)
+      return corrupt(fmt::format("{}: attribute '{}' is a variable-length string of {}-byte elements ({}: length, "
+                                 "collection address, object index)",
+                                 at, a->name, le(a->datatype, 4, 4), need));
     if (!has(a->data, 0, need))
       return corrupt(fmt::format("{}: attribute '{}' holds {} bytes, not a variable-length value", at, a->name,
                                  a->data.size()));

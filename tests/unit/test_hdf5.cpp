@@ -970,6 +970,21 @@ TEST_CASE("hdf5: a variable-length string attribute of characters wider than a b
                                                "string of 1073741825-byte characters (1)");
 }
 
+TEST_CASE("hdf5: a variable-length string attribute of elements other than 4 + O + 4 bytes is refused") {
+  // h5py_typed_attrs.h5 with the `optstate` attribute's element size (at 1076) 16 -> 5, as
+  // fuzz_hdf5_file found it: libhdf5 1.10.8 kept the attribute's data by the stated size (13 bytes
+  // where 16 were) and H5Aread copied 16 from it (a heap over-read, under ASan).
+  const FormatDriver* d = find_format("hdf5");
+  if (!d) return;
+  testing::TempDir dir;
+  const auto bad = write_changed(dir, "h5py_typed_attrs.h5", {{1076, '\x10', '\x05'}});
+  auto r = d->open(bad);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.status().message() == bad.string() + ": the object header at 96: attribute 'optstate' is a variable-length "
+                                               "string of 5-byte elements (16: length, collection address, object "
+                                               "index)");
+}
+
 TEST_CASE("hdf5 layout: root attributes in dense storage are found through the name index and the fractal heap") {
   // h5py_v110_dense.h5: 13 root attributes, so kept in a fractal heap with a version 2 B-tree
   // name index; `format` and `optstate` are among them.

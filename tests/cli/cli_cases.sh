@@ -43,6 +43,21 @@ json.dump(j, open(path, "w"), indent=1)
 PY
 }
 
+# Flips the first byte of the first chunk of one entry's values in the native checkpoint $1 (the
+# manifest, and so its checksum, unchanged: the chunk's own checksum is what catches it).
+damage_first_chunk() {
+  "$PY" - "$1" "$2" "$3" <<'PY' || fail "could not damage a chunk of $2.$3"
+import json, pathlib, sys
+root, param, entry = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+j = json.load(open(root / "manifest.json"))
+chunk = j["params"][param]["entries"][entry]["components"]["values"][0]
+data = root / j["files"][chunk["file"]]["path"]
+b = bytearray(data.read_bytes())
+b[chunk["offset"]] ^= 0xFF
+data.write_bytes(bytes(b))
+PY
+}
+
 case "$case_name" in
   help)
     "$OPTSTATE" --help | matches "inspect" || fail "no command list"
@@ -85,16 +100,7 @@ case "$case_name" in
     [ "$(printf '%s\n' "$sel" | head -n -1)" = "$(printf '%s\n' "$out" | grep ' layers\.0\.')" ] \
       || fail "hash --params entries: $sel"
     [ "$(printf '%s\n' "$sel" | tail -1)" != "$last" ] || fail "hash --params root is the whole checkpoint's"
-    "$PY" - "$work/c" <<'PY' || fail "could not damage a chunk"
-import json, pathlib, sys
-root = pathlib.Path(sys.argv[1])
-j = json.load(open(root / "manifest.json"))
-chunk = j["params"]["layers.1.weight"]["entries"]["exp_avg"]["components"]["values"][0]
-data = root / j["files"][chunk["file"]]["path"]
-b = bytearray(data.read_bytes())
-b[chunk["offset"]] ^= 0xFF
-data.write_bytes(bytes(b))
-PY
+    damage_first_chunk "$work/c" layers.1.weight exp_avg
     expect_error 2 "checksum mismatch .* 'layers.1.weight.exp_avg'" -- "$OPTSTATE" hash "$work/c"
     [ "$("$OPTSTATE" hash "$work/c" --params 'layers.0.*')" = "$sel" ] || fail "hash --params read another param"
     "$OPTSTATE" hash --json "$work/c" --params '*.bias' | "$PY" -c '
@@ -128,16 +134,7 @@ assert j["param_groups"][0]["weight_decay"] == 0.1
     printf '%s\n' "$out" | matches -x "shown       2 of 6 params, those matching 'layers.0.\*'" || fail "shown line: $out"
     printf '%s\n' "$out" | matches "^layers.0.weight " || fail "layers.0.weight not shown: $out"
     printf '%s\n' "$out" | matches "^layers.1" && fail "layers.1 shown: $out"
-    "$PY" - "$work/c" <<'PY' || fail "could not damage a chunk"
-import json, pathlib, sys
-root = pathlib.Path(sys.argv[1])
-j = json.load(open(root / "manifest.json"))
-chunk = j["params"]["layers.1.weight"]["entries"]["exp_avg"]["components"]["values"][0]
-data = root / j["files"][chunk["file"]]["path"]
-b = bytearray(data.read_bytes())
-b[chunk["offset"]] ^= 0xFF
-data.write_bytes(bytes(b))
-PY
+    damage_first_chunk "$work/c" layers.1.weight exp_avg
     expect_error 2 "checksum mismatch .* 'layers.1.weight.exp_avg'" -- "$OPTSTATE" inspect "$work/c"
     "$OPTSTATE" inspect "$work/c" --params 'layers.0.*' >/dev/null || fail "inspect --params read a param it does not show"
     "$OPTSTATE" inspect --json --no-stats "$work/c" --params '*.bias' | "$PY" -c '

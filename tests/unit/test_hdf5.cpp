@@ -657,18 +657,22 @@ std::vector<std::byte> v1_header(const std::vector<HeaderMessage>& messages) {
   std::copy(area.begin(), area.end(), h.begin() + 16);
   return h;
 }
+std::vector<std::byte> msg(std::initializer_list<int> v) {
+  std::vector<std::byte> m;
+  for (int x : v) m.push_back(static_cast<std::byte>(x));
+  return m;
+}
+// A dataset's messages: a dataspace of [6], a little-endian float32, a contiguous layout of 24 bytes.
+const std::vector<std::byte> kSpace6 = msg({1, 1, 0, 0, 0, 0, 0, 0, 6, 0, 0, 0, 0, 0, 0, 0});
+const std::vector<std::byte> kF32 = msg({0x11, 0x20, 0x1f, 0, 4, 0, 0, 0, 0, 0, 0x20, 0, 0x17, 8, 0, 0x17, 0x7f, 0, 0, 0});
+const std::vector<std::byte> kContiguous24 = msg({3, 1, 0, 8, 0, 0, 0, 0, 0, 0, 24, 0, 0, 0, 0, 0, 0, 0});
 }  // namespace
 
 TEST_CASE("hdf5 layout: a dataset header: its messages are checked; data kept in other files is refused") {
-  const auto msg = [](std::initializer_list<int> v) {
-    std::vector<std::byte> m;
-    for (int x : v) m.push_back(static_cast<std::byte>(x));
-    return m;
-  };
   hdf5::Superblock sb;
-  const auto space = msg({1, 1, 0, 0, 0, 0, 0, 0, 6, 0, 0, 0, 0, 0, 0, 0});  // [6]
-  const auto f32 = msg({0x11, 0x20, 0x1f, 0, 4, 0, 0, 0, 0, 0, 0x20, 0, 0x17, 8, 0, 0x17, 0x7f, 0, 0, 0});
-  const auto contiguous = msg({3, 1, 0, 8, 0, 0, 0, 0, 0, 0, 24, 0, 0, 0, 0, 0, 0, 0});
+  const auto& space = kSpace6;
+  const auto& f32 = kF32;
+  const auto& contiguous = kContiguous24;
   const auto check = [&](const std::vector<HeaderMessage>& messages) {
     const auto h = v1_header(messages);
     auto r = hdf5::check_dataset_header(read_from(h), sb, 0, "d");
@@ -693,15 +697,10 @@ TEST_CASE("hdf5 layout: a dataset header: its messages are checked; data kept in
 }
 
 TEST_CASE("hdf5 layout: shared messages: a committed datatype is checked where it is; others are refused") {
-  const auto msg = [](std::initializer_list<int> v) {
-    std::vector<std::byte> m;
-    for (int x : v) m.push_back(static_cast<std::byte>(x));
-    return m;
-  };
   hdf5::Superblock sb;
-  const auto space = msg({1, 1, 0, 0, 0, 0, 0, 0, 6, 0, 0, 0, 0, 0, 0, 0});  // [6]
-  const auto f32 = msg({0x11, 0x20, 0x1f, 0, 4, 0, 0, 0, 0, 0, 0x20, 0, 0x17, 8, 0, 0x17, 0x7f, 0, 0, 0});
-  const auto contiguous = msg({3, 1, 0, 8, 0, 0, 0, 0, 0, 0, 24, 0, 0, 0, 0, 0, 0, 0});
+  const auto& space = kSpace6;
+  const auto& f32 = kF32;
+  const auto& contiguous = kContiguous24;
   const auto shared_at = [&](int version, uint64_t address) {  // a shared message: versions 2 and 3 alike
     auto m = msg({version, 2, 0, 0, 0, 0, 0, 0, 0, 0});
     for (int i = 0; i < 8; ++i) m[2 + static_cast<size_t>(i)] = static_cast<std::byte>((address >> (8 * i)) & 0xff);
@@ -753,11 +752,6 @@ TEST_CASE("hdf5 layout: shared messages: a committed datatype is checked where i
 }
 
 TEST_CASE("hdf5 layout: an attribute of a committed datatype: the datatype is read where it is, its data by its size") {
-  const auto msg = [](std::initializer_list<int> v) {
-    std::vector<std::byte> m;
-    for (int x : v) m.push_back(static_cast<std::byte>(x));
-    return m;
-  };
   hdf5::Superblock sb;
   // Version 2 attribute "x" (flags: 1 shared datatype, 2 shared dataspace), a scalar dataspace,
   // then `data`; its datatype a shared message (version 3, committed) naming the header at 72.

@@ -73,10 +73,11 @@ TEST_CASE("hash of selected params: their entries, and the root a state of only 
   REQUIRE(selected.ok());
   REQUIRE(all.ok());
   CHECK(selected->entries.size() == 3);
-  for (const auto& [key, hex] : selected->entries) {
+  for (const auto& entry : selected->entries) {
+    const std::string key = entry.first;  // CAPTURE names a copy, not a structured binding (clang 14)
     CAPTURE(key);
     CHECK(key.rfind("layers.0.weight.", 0) == 0);
-    CHECK(all->entries.at(key) == hex);
+    CHECK(all->entries.at(key) == entry.second);
   }
   CHECK(selected->root != all->root);
   OptimizerState only = base;

@@ -1025,6 +1025,31 @@ TEST_CASE("hdf5: a damaged collection of a root attribute kept in dense storage 
                        "object 1 at offset 16 of 23080948090273805 bytes runs past the collection's 4096 bytes");
 }
 
+TEST_CASE("hdf5: a huge heap object is read where the huge object B-tree says, each part checked") {
+  // h5py_paged_committed.h5 keeps its root attribute `curve` (6,055 bytes of message) as a huge
+  // object of the attributes' fractal heap: its B-tree (type 1, at 4946) has one record at 16902,
+  // address(8) 10752, length(8) 6055, key(8) 1.
+  const FormatDriver* d = find_format("hdf5");
+  if (!d) return;
+  testing::TempDir dir;
+  const auto refused = [&](std::initializer_list<std::tuple<size_t, char, char>> changes) {
+    const auto bad = write_changed(dir, "h5py_paged_committed.h5", changes);
+    auto r = d->open(bad);
+    REQUIRE_FALSE(r.ok());
+    const std::string prefix = bad.string() + ": the object header at ";
+    REQUIRE(r.status().message().rfind(prefix, 0) == 0);
+    return r.status().message().substr(r.status().message().find("dense attribute storage"));
+  };
+  // Its length 6055 -> 2^56 + 6055, and -> 4,200,359 (past the file's 18,432 bytes).
+  CHECK(refused({{16917, '\0', '\x01'}}) ==
+        "dense attribute storage: a huge object of 72057594037933991 bytes (1 to 256 MiB)");
+  CHECK(refused({{16912, '\0', '\x40'}}) ==
+        "dense attribute storage: the huge object at 10752: 4200359 bytes at address 10752 lie past the file's end");
+  // Its key 1 -> 2: the heap ID's key 1 is in no record.
+  CHECK(refused({{16918, '\x01', '\x02'}}) ==
+        "dense attribute storage: huge object 1 is not in the heap's huge object B-tree");
+}
+
 TEST_CASE("hdf5: a link message in dense storage naming more bytes than it holds is refused before a lookup") {
   // h5py_v110_dense.h5 keeps its 12 root links in a fractal heap; the link to /bias (in the direct
   // block at 21773) with its name length (at 21813) 4 -> 127.

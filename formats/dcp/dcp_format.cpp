@@ -19,6 +19,7 @@
 #include "bnb_state.h"
 #include "chunks.h"
 #include "dcp_layout.h"
+#include "hf_storage.h"
 #include "optstate/io.h"
 #include "optstate/quant8.h"
 #include "optstate/torch_names.h"
@@ -59,6 +60,8 @@ struct ParsedItem {
     // A part of a record whose CRC-32 covers more than the part (dp_zero_gather_scatter's buffers):
     // checked by verify_shared_records, whole, rather than as it is read.
     bool shared = false;
+    // Elements stored alone (zarr's chunks, DCP's Hugging Face storage): no record, no CRC-32.
+    bool raw = false;
     // Read so far in order from the record's start, and its CRC-32 (a chunk whose rows lie apart in
     // the tensor, such as a tensor-parallel column shard, is read in pieces); kUnchecked once a read
     // left that order.
@@ -105,7 +108,7 @@ Result<std::vector<uint32_t>> main_params_as(DType d, std::span<const int64_t> a
   return out;
 }
 
-bool is_accelerate_folder(const fs::path& path);
+bool is_two_dcp_folder(const fs::path& path);
 
 // The rank R of torch's FileSystemWriter's data file name __R_I.distcp (I: the rank's file number,
 // one per writer thread); nullopt for any other name.
@@ -140,7 +143,9 @@ class DcpReader final : public CheckpointReader {
     std::set<int64_t> seen;
     std::string_view last;
     for (const auto& [key, loc] : md_.storage) {
-      if (loc.relative_path == last || loc.relative_path == kMegatronCommon) continue;
+      // Megatron's common.pt; a model's weights in DCP's Hugging Face storage (hf_storage.h), not
+      // files named by rank
+      if (loc.relative_path == last || loc.relative_path == kMegatronCommon || loc.raw_shape) continue;
       last = loc.relative_path;
       const std::optional<int64_t> r = distcp_rank(loc.relative_path);
       if (!r) return std::nullopt;
@@ -164,7 +169,15 @@ class DcpReader final : public CheckpointReader {
   // least one was): true after a full read of a checkpoint torch saved with CRCs (its default).
   // A rank's share of a larger chunk is part of a record and cannot be checked.
   bool checksummed() const override {
-    return verified_ > 0 && unverified_ == 0 && pending_ == 0 && (shared_reads_ == 0 || shared_verified_);
+    return verified_ > 0 && unverified_ == 0 && raw_reads_ == 0 && pending_ == 0 &&
+           (shared_reads_ == 0 || shared_verified_);
+  }
+  // Where only elements stored alone went unchecked: which (every torch.save record read was).
+  std::string unchecked() const override {
+    if (raw_reads_ == 0 || unverified_ > 0 || pending_ > 0 || (shared_reads_ > 0 && !shared_verified_))
+      return CheckpointReader::unchecked();
+    return fmt::format("{} carry no checksums; every torch.save record's CRC-32 verified",
+                       zarr_ ? "the zarr arrays' chunks" : "the model's weights in safetensors files (DCP's Hugging Face storage)");
   }
   // dp_zero_gather_scatter's gathered buffers are read as parts of their storages' records: each
   // such record read whole here, once, against the CRC-32 torch.save stored for it.
@@ -367,6 +380,10 @@ class DcpReader final : public CheckpointReader {
     }
     if (rec.shared) {  // its whole record is verify_shared_records'
       ++shared_reads_;
+      return false;
+    }
+    if (rec.raw) {
+      ++raw_reads_;
       return false;
     }
     if (rec.crc == 0 || rec.fed == ParsedItem::Record::kUnchecked || at != rec.at + rec.fed ||
@@ -814,7 +831,9 @@ class DcpReader final : public CheckpointReader {
         ps.group = static_cast<int>(g);
         if (mo != weight_items.end()) {
           const ItemMeta& w = md_.items.at(mo->second);
-          if (!w.is_tensor || tensor_shape(w) != ps.shape) return corrupt(pw + ": model weight's shape differs from its state's");
+          if (!w.is_tensor || tensor_shape(w) != ps.shape)
+            return corrupt(fmt::format("{}: model weight's shape {} differs from its state's {}", pw,
+                                       w.is_tensor ? format_shape(tensor_shape(w)) : "(not a tensor)", format_shape(ps.shape)));
           ps.param_dtype = w.dtype;
           OPTSTATE_RETURN_IF_ERROR(add_entry(fqn, kParam, mo->second, ps, any8));
           carried_weights.insert(mo->second);
@@ -1159,7 +1178,9 @@ class DcpReader final : public CheckpointReader {
           weight_key = m->second;
         }
       if (const auto w = md_.items.find(key); w != md_.items.end() && w->second.is_tensor) {
-        if (tensor_shape(w->second) != ps.shape) return corrupt(pw + ": model weight's shape differs from its state's");
+        if (tensor_shape(w->second) != ps.shape)
+          return corrupt(fmt::format("{}: model weight's shape {} differs from its state's {}", pw,
+                                     format_shape(tensor_shape(w->second)), format_shape(ps.shape)));
         if (weight_key.empty()) {
           weight_key = key;
         } else {
@@ -1170,7 +1191,9 @@ class DcpReader final : public CheckpointReader {
       }
       if (!weight_key.empty()) {
         const ItemMeta& w = md_.items.at(weight_key);
-        if (!w.is_tensor || tensor_shape(w) != ps.shape) return corrupt(pw + ": its weights' shape differs from its state's");
+        if (!w.is_tensor || tensor_shape(w) != ps.shape)
+          return corrupt(fmt::format("{}: its weights' shape {} differs from its state's {}", pw,
+                                     w.is_tensor ? format_shape(tensor_shape(w)) : "(not a tensor)", format_shape(ps.shape)));
         ps.param_dtype = w.dtype;
         OPTSTATE_RETURN_IF_ERROR(add_entry(key, kParam, weight_key, ps, any8));
       }
@@ -1607,9 +1630,9 @@ class DcpReader final : public CheckpointReader {
   }
 
   // What the folder holds beside the DCP (layout_.beside), named among what is not read. Not for
-  // Accelerate's folder, whose run state a DCP written from it is not.
+  // a folder of two DCPs (Accelerate's, NeMo Automodel's), whose run state a DCP written from it is not.
   Status find_beside() {
-    if (is_accelerate_folder(dir_)) return Status::Ok();
+    if (is_two_dcp_folder(dir_)) return Status::Ok();
     std::set<std::string> own{".metadata"};
     for (const auto& [k, loc] : md_.storage)  // a data file, or the folder it lies in
       own.insert(loc.relative_path.substr(0, loc.relative_path.find('/')));
@@ -2008,6 +2031,7 @@ class DcpReader final : public CheckpointReader {
     t.shape = *loc.raw_shape;
     pi.storages[t.storage_key] = {loc.offset, bytes, 0, false};
     pi.storages[t.storage_key].shared = shared_items_.count(key) > 0;
+    pi.storages[t.storage_key].raw = true;
     return &items_.emplace(std::pair{key, offsets}, std::move(pi)).first->second;
   }
 
@@ -2381,6 +2405,7 @@ class DcpReader final : public CheckpointReader {
   SourceLayout layout_;
   bool zarr_ = false;
   int64_t verified_ = 0, unverified_ = 0;  // records checked against their CRC-32; reads not checked
+  int64_t raw_reads_ = 0;                  // reads of elements stored alone (no CRC-32 exists)
   // Reads of parts of shared records (ParsedItem::Record::shared), and whether verify_shared_records
   // checked every such record.
   int64_t shared_reads_ = 0;
@@ -2404,19 +2429,35 @@ class DcpReader final : public CheckpointReader {
   } permuted_;                     // the last tensor stored permuted that was read
 };
 
-// Hugging Face Accelerate's checkpoint folder under FSDP with sharded state dicts (the Trainer's
-// checkpoint-N/): optimizer_0/, a DCP of {"optimizer": FSDP.optim_state_dict(...)}, beside
-// pytorch_model_fsdp_0/, a DCP of {"model": model.state_dict()}. Read as one DCP: the optimizer's
-// state with its params' weights.
-constexpr const char* kAccelerateParts[] = {"optimizer_0", "pytorch_model_fsdp_0"};
+// Training runs that save the optimizer and the model as two DCPs side by side, read as one DCP:
+// the optimizer's state with its params' weights.
+// - Hugging Face Accelerate under FSDP with sharded state dicts (the Trainer's checkpoint-N/):
+//   optimizer_0/, a DCP of {"optimizer": FSDP.optim_state_dict(...)}, beside pytorch_model_fsdp_0/,
+//   a DCP of {"model": model.state_dict()};
+// - NeMo Automodel (its Checkpointer's epoch_E_step_S/): optim/, a DCP of {"optim":
+//   get_optimizer_state_dict(...) flattened, "sched": ...}, beside model/, get_model_state_dict(model)
+//   at the top level, as torchtitan keeps its weights beside the optimizer: a DCP
+//   (model_save_format: torch_save) or DCP's Hugging Face storage (safetensors, its default:
+//   hf_storage.h).
+struct TwoDcps {
+  const char* optimizer;
+  const char* model;
+  bool model_in_hf_storage;  // the model's part may be DCP's Hugging Face storage
+};
+constexpr TwoDcps kTwoDcpLayouts[] = {{"optimizer_0", "pytorch_model_fsdp_0", false}, {"optim", "model", true}};
 
-bool is_accelerate_folder(const fs::path& path) {
+const TwoDcps* two_dcp_layout(const fs::path& path) {
   std::error_code ec;
-  if (fs::exists(path / ".metadata", ec)) return false;
-  for (const char* part : kAccelerateParts)
-    if (!fs::is_regular_file(path / part / ".metadata", ec)) return false;
-  return true;
+  if (fs::exists(path / ".metadata", ec)) return nullptr;
+  for (const TwoDcps& l : kTwoDcpLayouts)
+    if (fs::is_regular_file(path / l.optimizer / ".metadata", ec) &&
+        (fs::is_regular_file(path / l.model / ".metadata", ec) ||
+         (l.model_in_hf_storage && hf_storage::is_hf_storage_folder(path / l.model))))
+      return &l;
+  return nullptr;
 }
+
+bool is_two_dcp_folder(const fs::path& path) { return two_dcp_layout(path) != nullptr; }
 
 // Megatron's zarr backend (zarr.h): a folder without .metadata whose metadata.json names it.
 bool is_megatron_zarr(const fs::path& path) {
@@ -2436,17 +2477,20 @@ Result<Metadata> read_metadata(const fs::path& dir) {
   return interpret_metadata(p, where);
 }
 
-// The two DCPs of an Accelerate folder as one: every item under its own key (the two hold
-// "optimizer.*" and "model.*"; a key in both is an error naming it), each storage's file relative to
-// the folder.
-Result<Metadata> accelerate_metadata(const fs::path& folder) {
+// The two DCPs of such a folder as one: every item under its own key (Accelerate's two hold
+// "optimizer.*" and "model.*", NeMo Automodel's "optim.*" and "sched.*" beside the model's own FQNs;
+// a key in both is an error naming it), each storage's file relative to the folder.
+Result<Metadata> two_dcp_metadata(const fs::path& folder, const TwoDcps& layout) {
   Metadata all;
-  for (const char* part : kAccelerateParts) {
-    OPTSTATE_ASSIGN_OR_RETURN(Metadata md, read_metadata(folder / part));
+  for (const char* part : {layout.optimizer, layout.model}) {
+    std::error_code ec;
+    const bool hf = part == layout.model && !fs::exists(folder / part / ".metadata", ec);
+    OPTSTATE_ASSIGN_OR_RETURN(Metadata md, hf ? hf_storage::read_hf_storage_folder(folder / part)
+                                              : read_metadata(folder / part));
     for (auto& [key, im] : md.items)
       if (!all.items.emplace(key, std::move(im)).second)
-        return corrupt(fmt::format("{}: item '{}' is in both {}/ and {}/", folder.string(), key, kAccelerateParts[0],
-                                   kAccelerateParts[1]));
+        return corrupt(fmt::format("{}: item '{}' is in both {}/ and {}/", folder.string(), key, layout.optimizer,
+                                   layout.model));
     for (auto& [k, loc] : md.storage) {
       loc.relative_path = std::string(part) + "/" + loc.relative_path;
       all.storage.emplace(k, std::move(loc));
@@ -2464,24 +2508,26 @@ class DcpDriver final : public FormatDriver {
   bool sniff(const fs::path& path) const override {
     std::error_code ec;
     return fs::is_directory(path, ec) &&
-           (fs::is_regular_file(path / ".metadata", ec) || is_accelerate_folder(path) || is_megatron_zarr(path));
+           (fs::is_regular_file(path / ".metadata", ec) || is_two_dcp_folder(path) || is_megatron_zarr(path));
   }
 
   Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {
     std::error_code ec;
     if (!fs::is_directory(path, ec)) return not_found(fmt::format("{}: not a directory", path.string()));
     const bool zarr = !fs::exists(path / ".metadata", ec) && is_megatron_zarr(path);
-    OPTSTATE_ASSIGN_OR_RETURN(Metadata md, zarr                        ? zarr::read_zarr_folder(path)
-                                           : is_accelerate_folder(path) ? accelerate_metadata(path)
-                                                                        : read_metadata(path));
+    const TwoDcps* two = zarr ? nullptr : two_dcp_layout(path);
+    OPTSTATE_ASSIGN_OR_RETURN(Metadata md, zarr  ? zarr::read_zarr_folder(path)
+                                           : two ? two_dcp_metadata(path, *two)
+                                                 : read_metadata(path));
     auto reader = std::make_unique<DcpReader>(path, std::move(md), zarr);
     OPTSTATE_RETURN_IF_ERROR(reader->init());
     return std::unique_ptr<CheckpointReader>(std::move(reader));
   }
 
-  // An Accelerate folder is a training run's (trainer_state.json, RNG states, the scheduler beside
-  // the two DCPs): a write never replaces it.
-  bool replaceable(const fs::path& path) const override { return !is_accelerate_folder(path); }
+  // A folder of two DCPs is a training run's (Accelerate's trainer_state.json, RNG states and
+  // scheduler, NeMo Automodel's config.yaml, dataloader and RNG states beside them): a write never
+  // replaces it.
+  bool replaceable(const fs::path& path) const override { return !is_two_dcp_folder(path); }
   bool keeps_blockwise8() const override { return false; }
   bool writes_blockwise8(const WriteOptions& options) const override {
     return writes_torchao_items(options, options.source ? source_layout(*options.source) : nullptr);

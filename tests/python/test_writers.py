@@ -6,6 +6,10 @@ OLMo-core (OLMo 2 / OLMo 3's trainer) saves `stepN/model_and_optim/` as a flatte
 own storage writer, whose `.metadata` pickles OLMo-core's `_StorageInfo` class: without olmo_core
 installed, torch's own reader cannot even open it.
 
+NeMo Automodel saves `epoch_E_step_S/` as two parts: `optim/`, a DCP of the flattened optimizer state
+(and the LR scheduler's), and `model/`, the model's weights as a DCP or, by default, in DCP's Hugging
+Face storage (each rank's pieces in safetensors files of its own, no `.metadata`).
+
 Megatron-LM saves `iter_N/` through Megatron-Core's dist_checkpointing (torch_dist): a DCP keyed by
 its model's sharded keys (layers stacked), the optimizer's moments as `optimizer.state.<entry>.<key>`,
 its param groups (without members) and step in `common.pt`: torch alone sees no optimizer in it.
@@ -17,6 +21,7 @@ each data-parallel rank's) NamedOptimizer state_dict: params numbered per file a
 """
 import json
 import os
+import re
 import shutil
 import textwrap
 from pathlib import Path
@@ -24,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_formats import run_err, run_script
+from test_formats import hashes, run_err, run_script
 from test_torch_versions import reads_as_held
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "writers"
@@ -34,6 +39,8 @@ MEGATRON_013 = CORPUS / "megatron-core-0.13.1_torch-2.13.0"
 MEGATRON_015 = CORPUS / "megatron-core-0.15.3_torch-2.13.0"
 MEGATRON_09 = CORPUS / "megatron-core-0.9.0_torch-2.13.0"
 NANOTRON = CORPUS / "nanotron-2411b02_torch-2.13.0"
+NEMO = CORPUS / "nemo-automodel-0.7.0_torch-2.13.0"
+NEMO_HF_NOTE = "the model's weights in safetensors files (DCP's Hugging Face storage) carry no checksums"
 
 
 def ref_of(ck):
@@ -53,6 +60,88 @@ def test_an_olmo_core_checkpoint_reads_as_olmo_core_held_it(tmp_path, optstate_c
     info = reads_as_held(tmp_path, optstate_cli, OLMO, ref, meta)
     assert info["format"] == "dcp" and len(info["param_groups"]) == 2, info["param_groups"]
     assert sorted(g["weight_decay"] for g in info["param_groups"]) == [0.0, 0.1]
+
+
+@pytest.mark.parametrize("model_format", ["torch_save", "safetensors"])
+def test_a_nemo_automodel_checkpoint_reads_as_nemo_automodel_held_it(tmp_path, optstate_cli, model_format):
+    """The step folder NeMo Automodel's Checkpointer saved (FSDP2, two ranks, a 33-row layer sharded
+    17 + 16) reads as one: the fp32 conversion is, bit for bit, what the run held, weights included,
+    whether model/ is a DCP (model_save_format torch_save) or DCP's Hugging Face storage (safetensors,
+    NeMo's default: no .metadata, each rank's pieces placed by DCP_SHARDING_INFO); validate checks
+    every CRC-32 the DCPs stored and says the safetensors weights have none; the LR scheduler's items
+    are named as not read. Both hash alike, and optim/ alone is the same optimizer state without
+    the weights."""
+    ck = NEMO / f"{model_format}_epoch_0_step_2"
+    assert (ck / "optim" / ".metadata").exists()
+    assert (ck / "model" / ".metadata").exists() == (model_format == "torch_save")
+    ref, meta = ref_of(ck)
+    info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta,
+                         checksums=True if model_format == "torch_save" else NEMO_HF_NOTE)
+    assert info["format"] == "dcp" and info["ranks"] == 2, info
+    assert sorted(g["weight_decay"] for g in info["param_groups"]) == [0.0, 0.1]
+    assert info["not_read"] == ["sched (7 items)"], info["not_read"]
+    both = {f: hashes(optstate_cli, NEMO / f"{f}_epoch_0_step_2") for f in ("torch_save", "safetensors")}
+    assert both["torch_save"] == both["safetensors"]
+    alone = hashes(optstate_cli, ck / "optim")
+    assert alone["entries"] == {k: v for k, v in both["torch_save"]["entries"].items() if not k.endswith(".param")}
+
+
+def nemo_hf_copy(tmp_path):
+    ck = tmp_path / "epoch_0_step_2"
+    shutil.copytree(NEMO / "safetensors_epoch_0_step_2", ck)
+    return ck, sorted((ck / "model").glob("shard-*.safetensors"))
+
+
+def rewrite_safetensors(path, edit):
+    """Rewrites a safetensors file with `edit(header dict)` applied to its JSON header (data kept)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+
+def test_a_nemo_automodel_checkpoint_whose_safetensors_weights_are_damaged_is_refused_naming_them(tmp_path,
+                                                                                                optstate_cli):
+    """What the Hugging Face storage's files may say wrongly is caught, naming the file and tensor:
+    a rank's file missing (the weight's pieces end at 17 of its 33 rows: not its state's shape),
+    a piece placed where another already is, offsets of another rank count, sharding info that is
+    not JSON, a tensor it does not place, a file cut short. Nothing is written by a convert."""
+    cases = {
+        "missing": lambda files: files[1].unlink(),
+        "twice": lambda files: rewrite_safetensors(files[1], lambda h: h["__metadata__"].update(
+            DCP_SHARDING_INFO=h["__metadata__"]["DCP_SHARDING_INFO"].replace("[17, 0]", "[0, 0]"))),
+        "axes": lambda files: rewrite_safetensors(files[0], lambda h: h["__metadata__"].update(
+            DCP_SHARDING_INFO=h["__metadata__"]["DCP_SHARDING_INFO"].replace('"0.bias": {"saved_offsets": [0]}',
+                                                                             '"0.bias": {"saved_offsets": [0, 0]}'))),
+        "not_json": lambda files: rewrite_safetensors(files[0], lambda h: h["__metadata__"].update(
+            DCP_SHARDING_INFO="{not json")),
+        "unplaced": lambda files: rewrite_safetensors(files[0], lambda h: h["__metadata__"].update(
+            DCP_SHARDING_INFO=json.dumps({k: v for k, v in json.loads(h["__metadata__"]["DCP_SHARDING_INFO"]).items()
+                                          if k != "2.weight"}))),
+        "truncated": lambda files: files[0].write_bytes(files[0].read_bytes()[:-8]),
+    }
+    want = {
+        "missing": "model weight's shape [17] differs from its state's [33]",
+        "twice": "a second piece at offsets [0, 0]",
+        "axes": "1 axes",
+        "not_json": "DCP_SHARDING_INFO",
+        "unplaced": "tensor '2.weight': not placed by DCP_SHARDING_INFO",
+        "truncated": "shard-00001-model-00001-of-00001.safetensors",
+    }
+    for name, damage in cases.items():
+        case = tmp_path / name
+        case.mkdir()
+        ck, files = nemo_hf_copy(case)
+        damage(files)
+        proc = optstate_cli("validate", ck, check=False)  # 1: a finding (a shape), 2: unreadable
+        err = proc.stdout + proc.stderr
+        assert proc.returncode in (1, 2) and want[name] in err, (name, proc.returncode, err)
+        assert re.search(r"shard-0000[12]-model|'[02]\.(weight|bias)'", err), (name, err)  # the file or tensor
+        run_err(optstate_cli, "convert", ck, case / "out.safetensors")
+        assert not (case / "out.safetensors").exists(), name
 
 
 TORCH_ALONE = textwrap.dedent("""
@@ -374,7 +463,8 @@ def test_megatrons_zarr_backend_checkpoint_reads_as_megatron_held_it(tmp_path, o
     assert (qkv["dtype"] == "bfloat16") == bf16
     assert any(p.name.endswith(".sync") for p in ck.iterdir()) == ("distopt" in run or "moe" in run)
     ref, meta = ref_of(ck)
-    info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta, checksums=False)
+    info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta,
+                         checksums="the zarr arrays' chunks carry no checksums; every torch.save record's CRC-32 verified")
     assert info["format"] == "dcp"
     assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0] + ([0.1] if "moe" in run else [])
     assert any(n.startswith("the model's bf16 weights, the optimizer's fp32 main params") for n in info["not_read"]) == bf16

@@ -16,6 +16,10 @@
 // saved through its ZStandard extension (testdata/zstd/, make_zstd.py), the input replacing the data
 // file, so the zstd streams themselves (libzstd's decoder behind the output cap, then the archives
 // they decode to); written back DCP -> DCP, carrying the run's values still compressed.
+// Built a fifth time with OPTSTATE_DCP_HF_STORAGE_SEED (fuzz.dcp_hf_storage_checkpoint): over NeMo
+// Automodel's step folder of the writers corpus (optim/ a DCP, model/ DCP's Hugging Face storage:
+// hf_storage.h), the input replacing rank 0's safetensors file of weights (its header, its
+// DCP_SHARDING_INFO, its pieces); written back as one DCP.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -28,7 +32,10 @@ using namespace optstate;
 namespace {
 
 const fuzz::CheckpointFixture& fixture() {
-#if defined(OPTSTATE_DCP_ZSTD_SEED)
+#if defined(OPTSTATE_DCP_HF_STORAGE_SEED)
+  static const fuzz::CheckpointFixture f("dcp", OPTSTATE_DCP_HF_STORAGE_SEED,
+                                         "model/shard-00001-model-00001-of-00001.safetensors");
+#elif defined(OPTSTATE_DCP_ZSTD_SEED)
   static const fuzz::CheckpointFixture f("dcp", OPTSTATE_DCP_ZSTD_SEED, "__0_0.distcp");
 #elif defined(OPTSTATE_DCP_NUMBERED_SEED)
   static const fuzz::CheckpointFixture f("dcp", OPTSTATE_DCP_NUMBERED_SEED, ".metadata");
@@ -49,7 +56,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
 #ifndef OPTSTATE_LIBFUZZER
 int main(int argc, char** argv) {
-#if defined(OPTSTATE_DCP_ZSTD_SEED)
+#if defined(OPTSTATE_DCP_HF_STORAGE_SEED)
+  const char* test = "fuzz.dcp_hf_storage_checkpoint";
+#elif defined(OPTSTATE_DCP_ZSTD_SEED)
   const char* test = "fuzz.dcp_zstd_checkpoint";
 #elif defined(OPTSTATE_DCP_NUMBERED_SEED)
   const char* test = "fuzz.dcp_numbered_checkpoint";

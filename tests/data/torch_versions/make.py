@@ -208,11 +208,28 @@ def one_process(out):
                 write_ref(os.path.join(out, "torchao_dcp"), model, opt, weights=False)
 
 
-def rank_main(rank, world, port, out):
+def join_gloo(rank, world, port):
+    """Joins the writer's local process group (gloo over `port`, spawn_ranks')."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def fsdp2_sharded(make):
+    """make()'s model under FSDP2: each Linear a unit of its own, the model the root (Shard(0) rows)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make()
+    for m in list(model)[::2] + [model]:
+        fully_shard(m)
+    return model
+
+
+def rank_main(rank, world, port, out):
+    import torch.distributed as dist
+
+    join_gloo(rank, world, port)
     fsdp1_files(rank, world, out)
     if fsdp2_on_cpu():
         fsdp2_files(rank, world, out)
@@ -221,17 +238,8 @@ def rank_main(rank, world, port, out):
 
 
 def fsdp2_files(rank, world, out):
-    from torch.distributed.fsdp import fully_shard
-
     AdamW8bit = torchao_adamw8bit()
-
-    def sharded(make):
-        model = make()
-        for m in list(model)[::2] + [model]:
-            fully_shard(m)
-        return model
-
-    model = sharded(small_model)
+    model = fsdp2_sharded(small_model)
     opt = adamw(model)
     train(model, opt, rank)
     save_dcp(os.path.join(out, "dcp"), model, opt)
@@ -242,7 +250,7 @@ def fsdp2_files(rank, world, out):
     torch.save(opt.state_dict(), f"{verl}/optim_world_size_{world}_rank_{rank}.pt")
     write_ref(verl, model, opt, gather=rank)
     if AdamW8bit is not None:
-        model = sharded(wide_model)
+        model = fsdp2_sharded(wide_model)
         opt = AdamW8bit(model.parameters(), lr=1e-3)
         train(model, opt, rank, width=32)
         save_dcp(os.path.join(out, "torchao_dcp"), model, opt)

@@ -28,21 +28,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "torch_versions"))
-from make import adamw, small_model, spawn_main, train, write_ref  # noqa: E402
+from make import adamw, fsdp2_sharded, join_gloo, small_model, spawn_main, train, write_ref  # noqa: E402
 
 
 def rank_main(rank, world, port, out):
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     from nemo_automodel.components.checkpoint.checkpointing import Checkpointer
     from nemo_automodel.components.checkpoint.config import CheckpointingConfig
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    model = small_model()
-    for m in list(model)[::2] + [model]:
-        fully_shard(m)
+    join_gloo(rank, world, port)
+    model = fsdp2_sharded(small_model)
     opt = adamw(model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 10))
     for step in range(2):

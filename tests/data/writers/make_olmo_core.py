@@ -25,21 +25,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "torch_versions"))
-from make import small_model, spawn_main, train, write_ref  # noqa: E402
+from make import fsdp2_sharded, join_gloo, small_model, spawn_main, train, write_ref  # noqa: E402
 
 
 def rank_main(rank, world, port, out):
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     import olmo_core.distributed.checkpoint as olmo_checkpoint
     from olmo_core.optim import SkipStepAdamW
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    model = small_model()
-    for m in list(model)[::2] + [model]:
-        fully_shard(m)
+    join_gloo(rank, world, port)
+    model = fsdp2_sharded(small_model)
     mats = [p for p in model.parameters() if p.dim() >= 2]
     vecs = [p for p in model.parameters() if p.dim() < 2]
     opt = SkipStepAdamW([{"params": mats, "weight_decay": 0.1}, {"params": vecs, "weight_decay": 0.0}],

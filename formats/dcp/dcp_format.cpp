@@ -177,7 +177,8 @@ class DcpReader final : public CheckpointReader {
     if (raw_reads_ == 0 || unverified_ > 0 || pending_ > 0 || (shared_reads_ > 0 && !shared_verified_))
       return CheckpointReader::unchecked();
     return fmt::format("{} carry no checksums; every torch.save record's CRC-32 verified",
-                       zarr_ ? "the zarr arrays' chunks" : "the model's weights in safetensors files (DCP's Hugging Face storage)");
+                       zarr_ ? "the zarr arrays' chunks"
+                             : "the model's weights in safetensors files (DCP's Hugging Face storage)");
   }
   // dp_zero_gather_scatter's gathered buffers are read as parts of their storages' records: each
   // such record read whole here, once, against the CRC-32 torch.save stored for it.
@@ -833,7 +834,8 @@ class DcpReader final : public CheckpointReader {
           const ItemMeta& w = md_.items.at(mo->second);
           if (!w.is_tensor || tensor_shape(w) != ps.shape)
             return corrupt(fmt::format("{}: model weight's shape {} differs from its state's {}", pw,
-                                       w.is_tensor ? format_shape(tensor_shape(w)) : "(not a tensor)", format_shape(ps.shape)));
+                                       w.is_tensor ? format_shape(tensor_shape(w)) : "(not a tensor)",
+                                       format_shape(ps.shape)));
           ps.param_dtype = w.dtype;
           OPTSTATE_RETURN_IF_ERROR(add_entry(fqn, kParam, mo->second, ps, any8));
           carried_weights.insert(mo->second);
@@ -1193,7 +1195,8 @@ class DcpReader final : public CheckpointReader {
         const ItemMeta& w = md_.items.at(weight_key);
         if (!w.is_tensor || tensor_shape(w) != ps.shape)
           return corrupt(fmt::format("{}: its weights' shape {} differs from its state's {}", pw,
-                                     w.is_tensor ? format_shape(tensor_shape(w)) : "(not a tensor)", format_shape(ps.shape)));
+                                     w.is_tensor ? format_shape(tensor_shape(w)) : "(not a tensor)",
+                                     format_shape(ps.shape)));
         ps.param_dtype = w.dtype;
         OPTSTATE_RETURN_IF_ERROR(add_entry(key, kParam, weight_key, ps, any8));
       }

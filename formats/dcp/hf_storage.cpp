@@ -26,7 +26,8 @@ Result<std::map<std::string, std::vector<int64_t>>> parse_sharding_info(const st
   std::string refused;
   const json doc = parse_json_strict(text.data(), text.data() + text.size(), twice, refused);
   if (!refused.empty()) return corrupt(fmt::format("{}: {}: JSON {}", where, kShardingInfoKey, refused));
-  if (doc.is_discarded() || !doc.is_object()) return corrupt(fmt::format("{}: {} is not a JSON object", where, kShardingInfoKey));
+  if (doc.is_discarded() || !doc.is_object())
+    return corrupt(fmt::format("{}: {} is not a JSON object", where, kShardingInfoKey));
   if (twice) return corrupt(fmt::format("{}: {} names '{}' twice", where, kShardingInfoKey, *twice));
   std::map<std::string, std::vector<int64_t>> out;
   for (const auto& [name, v] : doc.items()) {

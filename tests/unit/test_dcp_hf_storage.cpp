@@ -2,6 +2,7 @@
 // storage writer leaves them (each rank's pieces placed by DCP_SHARDING_INFO), as items and raw
 // chunks, and what is refused.
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 
 #include <string>
 #include <vector>
@@ -38,12 +39,10 @@ std::string message_of(const Status& s) { return s.ok() ? "" : std::string(s.mes
 
 TEST_CASE("hf_storage: two ranks' pieces of a row-sharded weight and a bias make whole items") {
   dcp::Metadata md;
-  REQUIRE(hf::add_file(shard({{"w", {17, 16}}, {"b", {17}}}, R"({"w": {"saved_offsets": [0, 0]}, "b": {"saved_offsets": [0]}})"),
-                       "shard-00001.safetensors", md, "f1")
-              .ok());
-  REQUIRE(hf::add_file(shard({{"w", {16, 16}}, {"b", {16}}}, R"({"w": {"saved_offsets": [17, 0]}, "b": {"saved_offsets": [17]}})"),
-                       "shard-00002.safetensors", md, "f2")
-              .ok());
+  const std::string rank0 = R"({"w": {"saved_offsets": [0, 0]}, "b": {"saved_offsets": [0]}})";
+  const std::string rank1 = R"({"w": {"saved_offsets": [17, 0]}, "b": {"saved_offsets": [17]}})";
+  REQUIRE(hf::add_file(shard({{"w", {17, 16}}, {"b", {17}}}, rank0), "shard-00001.safetensors", md, "f1").ok());
+  REQUIRE(hf::add_file(shard({{"w", {16, 16}}, {"b", {16}}}, rank1), "shard-00002.safetensors", md, "f2").ok());
   hf::finish(md);
   REQUIRE(md.items.size() == 2);
   const dcp::ItemMeta& w = md.items.at("w");
@@ -77,7 +76,7 @@ TEST_CASE("hf_storage: what the sharding info may say wrongly is refused, naming
   auto refused = [](const std::vector<Header>& files) {
     dcp::Metadata md;
     for (size_t i = 0; i < files.size(); ++i) {
-      const Status s = hf::add_file(files[i], "f" + std::to_string(i), md, "file" + std::to_string(i));
+      const Status s = hf::add_file(files[i], fmt::format("f{}", i), md, fmt::format("file{}", i));
       if (!s.ok()) return message_of(s);
     }
     return std::string();

@@ -109,6 +109,9 @@ Result<std::vector<uint32_t>> main_params_as(DType d, std::span<const int64_t> a
 }
 
 bool is_two_dcp_folder(const fs::path& path);
+// What inspect says of a folder of two DCPs (which run saved it, what was read from where); empty
+// for any other folder.
+std::string two_dcp_note(const fs::path& path);
 
 // The rank R of torch's FileSystemWriter's data file name __R_I.distcp (I: the rank's file number,
 // one per writer thread); nullopt for any other name.
@@ -559,6 +562,8 @@ class DcpReader final : public CheckpointReader {
 
   Status init() {
     const std::string where = dir_.string();
+    if (std::string note = zarr_ ? std::string() : two_dcp_note(dir_); !note.empty())
+      value_notes_.push_back(std::move(note));
     // Storage locations: inside the directory and inside their files, before anything is read.
     for (const auto& [k, loc] : md_.storage) {
       const std::string iw = fmt::format("{}: item '{}'", where, k.first);
@@ -2446,8 +2451,10 @@ struct TwoDcps {
   const char* optimizer;
   const char* model;
   bool model_in_hf_storage;  // the model's part may be DCP's Hugging Face storage
+  const char* run;           // whose folder it is
 };
-constexpr TwoDcps kTwoDcpLayouts[] = {{"optimizer_0", "pytorch_model_fsdp_0", false}, {"optim", "model", true}};
+constexpr TwoDcps kTwoDcpLayouts[] = {{"optimizer_0", "pytorch_model_fsdp_0", false, "Hugging Face Accelerate's"},
+                                      {"optim", "model", true, "NeMo Automodel's"}};
 
 const TwoDcps* two_dcp_layout(const fs::path& path) {
   std::error_code ec;
@@ -2461,6 +2468,16 @@ const TwoDcps* two_dcp_layout(const fs::path& path) {
 }
 
 bool is_two_dcp_folder(const fs::path& path) { return two_dcp_layout(path) != nullptr; }
+
+std::string two_dcp_note(const fs::path& path) {
+  const TwoDcps* l = two_dcp_layout(path);
+  if (!l) return {};
+  std::error_code ec;
+  const bool hf = !fs::exists(path / l->model / ".metadata", ec);
+  return fmt::format("{} folder: the optimizer's DCP {}/ read with the model's weights in {}/ ({})", l->run,
+                     l->optimizer, l->model,
+                     hf ? "DCP's Hugging Face storage: safetensors files, no checksums" : "a DCP");
+}
 
 // Megatron's zarr backend (zarr.h): a folder without .metadata whose metadata.json names it.
 bool is_megatron_zarr(const fs::path& path) {

@@ -2332,6 +2332,8 @@ def test_accelerate_fsdp1_sharded_dcp_reads_as_the_state_torch_gathers(tmp_path,
     (out / "trainer_state.json").write_text("{}")  # what else the Trainer keeps there
     folder = json.loads(optstate_cli("inspect", out, "--json").stdout)
     assert folder["format"] == "dcp" and sorted(folder["params"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert folder["read_notes"] == ["Hugging Face Accelerate's folder: the optimizer's DCP optimizer_0/ read with the "
+                                    "model's weights in pytorch_model_fsdp_0/ (a DCP)"], folder["read_notes"]
     optstate_cli("validate", out)
     optstate_cli("convert", out, tmp_path / "full.safetensors")
     full = st_load(tmp_path / "full.safetensors")

@@ -68,8 +68,8 @@ def test_a_nemo_automodel_checkpoint_reads_as_nemo_automodel_held_it(tmp_path, o
     17 + 16) reads as one: the fp32 conversion is, bit for bit, what the run held, weights included,
     whether model/ is a DCP (model_save_format torch_save) or DCP's Hugging Face storage (safetensors,
     NeMo's default: no .metadata, each rank's pieces placed by DCP_SHARDING_INFO); validate checks
-    every CRC-32 the DCPs stored and says the safetensors weights have none; the LR scheduler's items
-    are named as not read. Both hash alike, and optim/ alone is the same optimizer state without
+    every CRC-32 the DCPs stored and says the safetensors weights have none; inspect says what it read
+    from where; the LR scheduler's items are named as not read. Both hash alike, and optim/ alone is the same optimizer state without
     the weights."""
     ck = NEMO / f"{model_format}_epoch_0_step_2"
     assert (ck / "optim" / ".metadata").exists()
@@ -80,10 +80,19 @@ def test_a_nemo_automodel_checkpoint_reads_as_nemo_automodel_held_it(tmp_path, o
     assert info["format"] == "dcp" and info["ranks"] == 2, info
     assert sorted(g["weight_decay"] for g in info["param_groups"]) == [0.0, 0.1]
     assert info["not_read"] == ["sched (7 items)"], info["not_read"]
+    part = "a DCP" if model_format == "torch_save" else "DCP's Hugging Face storage: safetensors files, no checksums"
+    assert info["read_notes"] == [f"NeMo Automodel's folder: the optimizer's DCP optim/ read with the model's weights "
+                                  f"in model/ ({part})"], info["read_notes"]
     both = {f: hashes(optstate_cli, NEMO / f"{f}_epoch_0_step_2") for f in ("torch_save", "safetensors")}
     assert both["torch_save"] == both["safetensors"]
     alone = hashes(optstate_cli, ck / "optim")
     assert alone["entries"] == {k: v for k, v in both["torch_save"]["entries"].items() if not k.endswith(".param")}
+    # a training run's folder: a write never replaces it
+    copy = tmp_path / "run"
+    shutil.copytree(ck, copy)
+    r = optstate_cli("convert", tmp_path / "fp32.safetensors", copy, "--format", "dcp", "--overwrite", check=False)
+    assert r.returncode == 2 and "never replaces" in r.stderr, r.stderr
+    assert hashes(optstate_cli, copy) == both["torch_save"]
 
 
 def nemo_hf_copy(tmp_path):

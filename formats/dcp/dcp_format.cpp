@@ -146,11 +146,10 @@ class DcpReader final : public CheckpointReader {
     std::set<int64_t> seen;
     std::string_view last;
     for (const auto& [key, loc] : md_.storage) {
-      // Megatron's common.pt; a model's weights in DCP's Hugging Face storage (hf_storage.h), not
-      // files named by rank
-      if (loc.relative_path == last || loc.relative_path == kMegatronCommon || loc.raw_shape) continue;
+      if (loc.relative_path == last || loc.relative_path == kMegatronCommon) continue;  // Megatron's common.pt
       last = loc.relative_path;
       const std::optional<int64_t> r = distcp_rank(loc.relative_path);
+      if (!r && loc.raw_shape) continue;  // a model's weights in DCP's Hugging Face storage (hf_storage.h)
       if (!r) return std::nullopt;
       seen.insert(*r);
     }
@@ -180,8 +179,7 @@ class DcpReader final : public CheckpointReader {
     if (raw_reads_ == 0 || unverified_ > 0 || pending_ > 0 || (shared_reads_ > 0 && !shared_verified_))
       return CheckpointReader::unchecked();
     return fmt::format("{} carry no checksums; every torch.save record's CRC-32 verified",
-                       zarr_ ? "the zarr arrays' chunks"
-                             : "the model's weights in safetensors files (DCP's Hugging Face storage)");
+                       zarr_ ? "the zarr arrays' chunks" : "the tensors stored in safetensors files");
   }
   // dp_zero_gather_scatter's gathered buffers are read as parts of their storages' records: each
   // such record read whole here, once, against the CRC-32 torch.save stored for it.
@@ -1946,11 +1944,12 @@ class DcpReader final : public CheckpointReader {
     if (!read_index.ok()) {
       // FileSystemWriter(serialization_format=SAFETENSORS) stores a rank's tensors as one
       // safetensors blob (an 8-byte header length, then its JSON) where each item's torch.save
-      // archive would be: said as what it is.
+      // archive would be; read_metadata points the chunks into it (hf_storage.h) where its
+      // DCP_SHARDING_INFO places them. One without: said as what it is.
       std::byte head[9];
       if (loc.length >= 9 && f->read_at(loc.offset, head).ok() && head[8] == std::byte{'{'})
-        return unsupported(fmt::format("{} is stored as safetensors (FileSystemWriter's serialization_format="
-                                       "SAFETENSORS), which optstate does not read (nor does torch's FileSystemReader)",
+        return unsupported(fmt::format("{} is stored as safetensors without DCP_SHARDING_INFO, which would say "
+                                       "where each tensor's piece lies",
                                        iw));
       return read_index.status();
     }
@@ -2494,7 +2493,10 @@ Result<Metadata> read_metadata(const fs::path& dir) {
   pickle::Limits limits;
   limits.share_immutables = true;  // read, never emitted again
   OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(bytes, where, limits));
-  return interpret_metadata(p, where);
+  OPTSTATE_ASSIGN_OR_RETURN(Metadata md, interpret_metadata(p, where));
+  // FileSystemWriter(serialization_format=SAFETENSORS): the tensors in a safetensors blob per file
+  OPTSTATE_RETURN_IF_ERROR(hf_storage::resolve_safetensors_blobs(dir, md).status());
+  return md;
 }
 
 // The two DCPs of such a folder as one: every item under its own key (Accelerate's two hold

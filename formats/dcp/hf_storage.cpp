@@ -46,16 +46,20 @@ Result<std::map<std::string, std::vector<int64_t>>> parse_sharding_info(const st
   return out;
 }
 
-Result<safetensors::Header> read_header(const fs::path& path) {
-  const std::string where = path.string();
-  OPTSTATE_ASSIGN_OR_RETURN(InputFile f, InputFile::open(path));
-  if (f.size() < 8) return corrupt(fmt::format("{}: too short for a safetensors file", where));
+// The header of the safetensors blob at `at` in `f`, which runs to the file's end.
+Result<safetensors::Header> read_header(const InputFile& f, uint64_t at, const std::string& where) {
+  if (f.size() < at || f.size() - at < 8) return corrupt(fmt::format("{}: too short for a safetensors file", where));
   std::byte head[8];
-  OPTSTATE_RETURN_IF_ERROR(f.read_at(0, head));
-  OPTSTATE_ASSIGN_OR_RETURN(const uint64_t n, safetensors::parse_header_length(head, f.size(), where));
+  OPTSTATE_RETURN_IF_ERROR(f.read_at(at, head));
+  OPTSTATE_ASSIGN_OR_RETURN(const uint64_t n, safetensors::parse_header_length(head, f.size() - at, where));
   std::vector<std::byte> json_bytes(n);
-  OPTSTATE_RETURN_IF_ERROR(f.read_at(8, json_bytes));
-  return safetensors::parse_header(json_bytes, f.size() - 8 - n, where);
+  OPTSTATE_RETURN_IF_ERROR(f.read_at(at + 8, json_bytes));
+  return safetensors::parse_header(json_bytes, f.size() - at - 8 - n, where);
+}
+
+Result<safetensors::Header> read_header(const fs::path& path) {
+  OPTSTATE_ASSIGN_OR_RETURN(InputFile f, InputFile::open(path));
+  return read_header(f, 0, path.string());
 }
 
 // The folder's safetensors files, sorted by name.
@@ -142,6 +146,56 @@ Result<Metadata> read_hf_storage_folder(const fs::path& dir) {
   }
   finish(md);
   return md;
+}
+
+Result<bool> resolve_safetensors_blobs(const fs::path& dir, Metadata& md) {
+  // The tensor chunks by file. A blob's chunks all have its start as their offset: only a file whose
+  // tensor chunks share one offset is looked at (one read of 9 bytes), not DCP's usual files.
+  std::map<std::string, std::vector<std::pair<const ChunkKey*, StorageLoc*>>> files;
+  for (auto& [key, loc] : md.storage) {
+    const auto im = md.items.find(key.first);
+    if (im == md.items.end() || !im->second.is_tensor || !loc.transforms.empty() || loc.raw_shape) continue;
+    files[loc.relative_path].emplace_back(&key, &loc);
+  }
+  bool any = false;
+  for (const auto& [relative, chunks] : files) {
+    const uint64_t offset = chunks.front().second->offset;
+    if (std::any_of(chunks.begin(), chunks.end(), [&](const auto& c) { return c.second->offset != offset; }))
+      continue;
+    OPTSTATE_ASSIGN_OR_RETURN(const fs::path path, contained_path(dir, relative));
+    auto f = InputFile::open(path);
+    std::byte head[9];
+    if (!f.ok() || f->size() < offset || f->size() - offset < 9 || !f->read_at(offset, head).ok() ||
+        head[8] != std::byte{'{'})
+      continue;  // a torch.save archive (a zip's local header), or nothing: the reader says which
+    const std::string where = fmt::format("{} (the safetensors blob at byte {})", path.string(), offset);
+    OPTSTATE_ASSIGN_OR_RETURN(const safetensors::Header h, read_header(*f, offset, where));
+    if (!h.metadata.count(kShardingInfoKey)) continue;  // not DCP's: the reader says what it found
+    Metadata pieces;
+    OPTSTATE_RETURN_IF_ERROR(add_file(h, relative, pieces, where));
+    for (const auto& [key, loc] : chunks) {
+      const ItemMeta& im = md.items.at(key->first);
+      const std::string iw = fmt::format("{}: item '{}' chunk at {}", where, key->first, format_shape(key->second));
+      const auto piece = pieces.storage.find(*key);
+      if (piece == pieces.storage.end()) return corrupt(iw + ": not in the blob at these offsets");
+      const auto chunk = std::find_if(im.chunks.begin(), im.chunks.end(),
+                                      [&](const ChunkMeta& c) { return c.offsets == key->second; });
+      const ItemMeta& stored = pieces.items.at(key->first);
+      if (chunk == im.chunks.end() || *piece->second.raw_shape != chunk->sizes || stored.dtype != im.dtype ||
+          piece->second.length != loc->length)
+        return corrupt(fmt::format("{}: the blob holds {} {} ({} bytes), the metadata says {} {} ({} bytes)", iw,
+                                   dtype_name(stored.dtype), format_shape(*piece->second.raw_shape),
+                                   piece->second.length, dtype_name(im.dtype),
+                                   chunk == im.chunks.end() ? "(no such chunk)" : format_shape(chunk->sizes),
+                                   loc->length));
+    }
+    for (const auto& [key, loc] : chunks) {
+      *loc = pieces.storage.at(*key);
+      loc->offset += offset;
+    }
+    any = true;
+  }
+  return any;
 }
 
 }  // namespace optstate::dcp::hf_storage

@@ -44,4 +44,14 @@ bool is_hf_storage_folder(const std::filesystem::path& dir);
 // holds the same tensors whole) as one Metadata.
 Result<Metadata> read_hf_storage_folder(const std::filesystem::path& dir);
 
+// torch's FileSystemWriter(serialization_format=SAFETENSORS): a DCP with a `.metadata` whose data
+// files hold a rank's bytes items (torch.save'd, where the metadata says) followed by one
+// safetensors blob of its tensors, keyed by FQN and placed by DCP_SHARDING_INFO as above; the
+// metadata gives every tensor chunk the blob's start as its offset (torch's own FileSystemReader
+// cannot read such a DCP back). Each tensor chunk's storage is pointed at its elements in the blob
+// (stored raw); `md` is left as it is where no data file holds such a blob. Refuses, naming the
+// file and item: a chunk the blob does not hold at its offsets, or holds with another shape, dtype
+// or byte length than the metadata's.
+Result<bool> resolve_safetensors_blobs(const std::filesystem::path& dir, Metadata& md);
+
 }  // namespace optstate::dcp::hf_storage

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_formats import hashes, run_err, run_script
+from test_formats import hashes, run_err, run_script, st_load
 from test_torch_versions import reads_as_held
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "writers"
@@ -40,7 +40,7 @@ MEGATRON_015 = CORPUS / "megatron-core-0.15.3_torch-2.13.0"
 MEGATRON_09 = CORPUS / "megatron-core-0.9.0_torch-2.13.0"
 NANOTRON = CORPUS / "nanotron-2411b02_torch-2.13.0"
 NEMO = CORPUS / "nemo-automodel-0.7.0_torch-2.13.0"
-NEMO_HF_NOTE = "the model's weights in safetensors files (DCP's Hugging Face storage) carry no checksums"
+NEMO_HF_NOTE = "the tensors stored in safetensors files carry no checksums"
 
 
 def ref_of(ck):
@@ -363,25 +363,117 @@ def test_composers_decoupled_adamw_without_initial_lr_is_refused_and_in_a_dcp_re
 
 
 
-def test_a_dcp_saved_as_safetensors_is_named_as_such(tmp_path, optstate_cli):
-    """FileSystemWriter(serialization_format=SAFETENSORS) stores each rank's tensors as one
-    safetensors blob where torch.save archives would be (which torch's own FileSystemReader does
-    not read back either): refused saying so, not as a truncated zip."""
+MAKE_SAFETENSORS_DCP = textwrap.dedent("""
+    # dcp.save through FileSystemWriter(serialization_format=SAFETENSORS) of get_state_dict under
+    # FSDP2 on the ranks (a 33-row layer split 17 + 16), and what the run held (gathered by torch,
+    # full_state_dict) in <out>.ref.pt.
+    import sys, torch, torch.distributed as dist, torch.nn as nn
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import SerializationFormat
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.fsdp import fully_shard
+    dist.init_process_group("gloo")
+    rank, out = dist.get_rank(), sys.argv[1]
     torch.manual_seed(0)
-    model = torch.nn.Linear(8, 4)
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 8)).sum().backward()
+    model = nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 5))
+    for m in [model[0], model[2], model]:
+        fully_shard(m)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(2):
+        model(torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(out, serialization_format=SerializationFormat.SAFETENSORS))
+    fmsd, fosd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    if rank == 0:
+        torch.save({"model": fmsd, "optim": fosd}, out + ".ref.pt")
+""")
+
+RESUME_FROM_DCP = textwrap.dedent("""
+    # torch alone: dcp.load + set_state_dict of a DCP into MAKE_SAFETENSORS_DCP's model and AdamW on
+    # one process; prints whether every weight and moment equals the reference's (or the load's error).
+    import json, sys, torch, torch.nn as nn
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    path, ref = sys.argv[1], torch.load(sys.argv[2], weights_only=False)
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 5))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    model(torch.randn(2, 16)).sum().backward()
     opt.step()
     msd, osd = get_state_dict(model, opt)
-    path = tmp_path / "st"
-    dcp.save({"model": msd, "optim": osd},
-             storage_writer=FileSystemWriter(path, serialization_format=SerializationFormat.SAFETENSORS))
-    err = run_err(optstate_cli, "inspect", path)
-    assert "is stored as safetensors (FileSystemWriter's serialization_format=SAFETENSORS)" in err, err
+    try:
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    except BaseException as e:  # DCP's CheckpointException (a BaseException) carries the reader's error
+        print(json.dumps({"error": type(e).__name__}))
+        sys.exit(0)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    equal = all(torch.equal(p.detach(), ref["model"][n]) for n, p in model.named_parameters())
+    for n, p in model.named_parameters():
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            equal &= bool(torch.equal(opt.state[p][k], ref["optim"]["state"][n][k]))
+    print(json.dumps({"equal": equal, "lr": opt.param_groups[0]["lr"]}))
+""")
+
+
+def test_a_dcp_saved_as_safetensors_reads_and_converts_to_one_torch_loads(tmp_path, optstate_cli):
+    """FileSystemWriter(serialization_format=SAFETENSORS) stores each rank's tensors as one
+    safetensors blob after its bytes items, every tensor chunk's offset in the .metadata the blob's
+    start: torch's own reader cannot take it back (checked here). optstate reads the tensors from the
+    blobs (placed by DCP_SHARDING_INFO): under FSDP2 on two ranks, every weight and moment as the run
+    held them; validate says those carry no checksums; the conversion to a DCP is one torch's
+    dcp.load + set_state_dict resume from, bit for bit. A blob that no longer holds a chunk, or holds
+    it with another shape, is refused naming the file and item."""
+    ck = tmp_path / "st"
+    run_script(tmp_path, MAKE_SAFETENSORS_DCP, "make_st.py", ck, ranks=2)
+    ref = torch.load(str(ck) + ".ref.pt", weights_only=False)
+    unread = json.loads(run_script(tmp_path, RESUME_FROM_DCP, "resume.py", ck, str(ck) + ".ref.pt").stdout)
+    assert "error" in unread, unread  # torch's own reader
+    validated = optstate_cli("validate", ck).stdout
+    assert "the tensors stored in safetensors files carry no checksums; every torch.save record's CRC-32 verified" \
+        in validated, validated
+    info = json.loads(optstate_cli("inspect", ck, "--json", "--no-stats").stdout)
+    assert info["ranks"] == 2 and sorted(info["params"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    optstate_cli("convert", ck, tmp_path / "fp32.safetensors")
+    got = st_load(tmp_path / "fp32.safetensors")
+    for n, w in ref["model"].items():
+        assert torch.equal(got[f"{n}.param"], w), n
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[f"{n}.{k}"], ref["optim"]["state"][n][k]), (n, k)
+    fixed = tmp_path / "fixed"
+    optstate_cli("convert", ck, fixed, "--format", "dcp")
+    resumed = json.loads(run_script(tmp_path, RESUME_FROM_DCP, "resume.py", fixed, str(ck) + ".ref.pt").stdout)
+    assert resumed == {"equal": True, "lr": 1e-2}, resumed
+    # damaged: rank 1's blob places the weight's piece at other offsets, or gives it another shape
+    def moved(h):
+        info = json.loads(h["__metadata__"]["DCP_SHARDING_INFO"])
+        info["model.0.weight"]["saved_offsets"] = [16, 0]
+        h["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(info)
+
+    def reshaped(h):
+        h["model.0.weight"]["shape"] = [8, 32]
+
+    for name, edit in {"moved": moved, "reshaped": reshaped}.items():
+        bad = tmp_path / name
+        shutil.copytree(ck, bad)
+        data = (bad / "__1_0.distcp").read_bytes()
+        at = next(p for p in range(len(data) - 9) if data[p + 8:p + 10] == b'{"' and
+                  p + 8 + int.from_bytes(data[p:p + 8], "little") < len(data) and
+                  data[p + 8 + int.from_bytes(data[p:p + 8], "little") - 1:][:1] in (b"}", b" "))
+        n = int.from_bytes(data[at:at + 8], "little")
+        header = json.loads(data[at + 8:at + 8 + n])
+        edit(header)
+        text = json.dumps(header, separators=(",", ":")).encode()
+        assert len(text) <= n, name
+        (bad / "__1_0.distcp").write_bytes(data[:at + 8] + text + b" " * (n - len(text)) + data[at + 8 + n:])
+        proc = optstate_cli("validate", bad, check=False)
+        err = proc.stdout + proc.stderr
+        assert proc.returncode == 1 and "__1_0.distcp (the safetensors blob at byte" in err and \
+            "'model.0.weight'" in err, (name, err)
+        run_err(optstate_cli, "convert", bad, tmp_path / f"{name}.safetensors")
+        assert not (tmp_path / f"{name}.safetensors").exists()
 
 
 @pytest.mark.parametrize("run", ["tp2", "dp2_distopt", "moe_ep2", "moe_ep2_plain"])

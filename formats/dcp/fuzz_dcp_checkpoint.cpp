@@ -20,6 +20,10 @@
 // Automodel's step folder of the writers corpus (optim/ a DCP, model/ DCP's Hugging Face storage:
 // hf_storage.h), the input replacing rank 0's safetensors file of weights (its header, its
 // DCP_SHARDING_INFO, its pieces); written back as one DCP.
+// Built a sixth time with OPTSTATE_DCP_SAFETENSORS_SEED (fuzz.dcp_safetensors_checkpoint): over
+// torch's DCP saved with serialization_format=SAFETENSORS (testdata/safetensors/,
+// make_safetensors.py), the input replacing the data file: its bytes items, then the safetensors
+// blob its tensor chunks are read from (hf_storage::resolve_safetensors_blobs).
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -35,6 +39,8 @@ const fuzz::CheckpointFixture& fixture() {
 #if defined(OPTSTATE_DCP_HF_STORAGE_SEED)
   static const fuzz::CheckpointFixture f("dcp", OPTSTATE_DCP_HF_STORAGE_SEED,
                                          "model/shard-00001-model-00001-of-00001.safetensors");
+#elif defined(OPTSTATE_DCP_SAFETENSORS_SEED)
+  static const fuzz::CheckpointFixture f("dcp", OPTSTATE_DCP_SAFETENSORS_SEED, "__0_0.distcp");
 #elif defined(OPTSTATE_DCP_ZSTD_SEED)
   static const fuzz::CheckpointFixture f("dcp", OPTSTATE_DCP_ZSTD_SEED, "__0_0.distcp");
 #elif defined(OPTSTATE_DCP_NUMBERED_SEED)
@@ -58,6 +64,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 int main(int argc, char** argv) {
 #if defined(OPTSTATE_DCP_HF_STORAGE_SEED)
   const char* test = "fuzz.dcp_hf_storage_checkpoint";
+#elif defined(OPTSTATE_DCP_SAFETENSORS_SEED)
+  const char* test = "fuzz.dcp_safetensors_checkpoint";
 #elif defined(OPTSTATE_DCP_ZSTD_SEED)
   const char* test = "fuzz.dcp_zstd_checkpoint";
 #elif defined(OPTSTATE_DCP_NUMBERED_SEED)

@@ -173,7 +173,9 @@ Result<bool> resolve_safetensors_blobs(const fs::path& dir, Metadata& md) {
     if (!h.metadata.count(kShardingInfoKey)) continue;  // not DCP's: the reader says what it found
     Metadata pieces;
     OPTSTATE_RETURN_IF_ERROR(add_file(h, relative, pieces, where));
-    for (const auto& [key, loc] : chunks) {
+    for (const auto& chunk_loc : chunks) {
+      const ChunkKey* key = chunk_loc.first;  // not a structured binding: the lambda below captures it
+      const StorageLoc* loc = chunk_loc.second;
       const ItemMeta& im = md.items.at(key->first);
       const std::string iw = fmt::format("{}: item '{}' chunk at {}", where, key->first, format_shape(key->second));
       const auto piece = pieces.storage.find(*key);

@@ -5,7 +5,7 @@
 each rank's bytes items as usual, then its tensors in one safetensors blob placed by
 `__metadata__["DCP_SHARDING_INFO"]`, every tensor chunk's offset in the .metadata the blob's start
 (torch's own reader cannot load it back; optstate reads the blob: hf_storage.h):
-get_state_dict's model and AdamW state (two Linears, one step). fuzz_dcp_safetensors_checkpoint
+get_state_dict's model and AdamW state (two Linears, one step: make_zstd.py's). fuzz_dcp_safetensors_checkpoint
 takes it as its seed (the input replaces __0_0.distcp: the bytes items and the blob).
 
     .venv/bin/python formats/dcp/testdata/make_safetensors.py
@@ -13,21 +13,14 @@ takes it as its seed (the input replaces __0_0.distcp: the bytes items and the b
 import os
 import shutil
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import SerializationFormat
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from make_zstd import HERE, stepped_state
 
 
 def main():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 3))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.randn(4, 6)).square().mean().backward()
-    opt.step()
-    msd, osd = get_state_dict(model, opt)
+    msd, osd = stepped_state()
     out = os.path.join(HERE, "safetensors")
     shutil.rmtree(out, ignore_errors=True)
     writer = dcp.FileSystemWriter(out, serialization_format=SerializationFormat.SAFETENSORS)

@@ -21,13 +21,18 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def main():
+def stepped_state():
+    """get_state_dict's model and AdamW state of two Linears after one step (make_safetensors.py too)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(4, 6)).square().mean().backward()
     opt.step()
-    msd, osd = get_state_dict(model, opt)
+    return get_state_dict(model, opt)
+
+
+def main():
+    msd, osd = stepped_state()
     out = os.path.join(HERE, "zstd")
     shutil.rmtree(out, ignore_errors=True)
     sd = {"model": msd, "optim": osd, "extra": {"history": [0.5, 0.25, 0.125], "step": 1}}

@@ -2445,21 +2445,35 @@ class DcpReader final : public CheckpointReader {
 //   get_optimizer_state_dict(...) flattened, "sched": ...}, beside model/, get_model_state_dict(model)
 //   at the top level, as torchtitan keeps its weights beside the optimizer: a DCP
 //   (model_save_format: torch_save) or DCP's Hugging Face storage (safetensors, its default:
-//   hf_storage.h).
+//   hf_storage.h);
+// - NeMo RL (its CheckpointManager's step_N/, the policy worker's save_checkpoint into
+//   policy/optimizer/ and policy/weights/): with the default DTensor worker (v2), NeMo Automodel's
+//   Checkpointer's optim/ and model/ one level down (policy/optimizer/optim/, policy/weights/model/);
+//   with the first one (v1), policy/optimizer/, a DCP of {"optim": {"optim":
+//   get_optimizer_state_dict(...), "sched": ...}}, beside policy/weights/, a DCP of {"model":
+//   get_model_state_dict(model)}. Read from step_N/ or from its policy/; a step_N/ that also holds
+//   value/ (a critic's, with an optimizer of its own) is not read as the policy's: pass one of them.
 struct TwoDcps {
-  const char* optimizer;
+  const char* optimizer;     // folders, relative to the one read
   const char* model;
   bool model_in_hf_storage;  // the model's part may be DCP's Hugging Face storage
   const char* run;           // whose folder it is
+  const char* unless_beside = nullptr;  // a sibling folder that makes the folder another layout
 };
-constexpr TwoDcps kTwoDcpLayouts[] = {{"optimizer_0", "pytorch_model_fsdp_0", false, "Hugging Face Accelerate's"},
-                                      {"optim", "model", true, "NeMo Automodel's"}};
+constexpr TwoDcps kTwoDcpLayouts[] = {
+    {"optimizer_0", "pytorch_model_fsdp_0", false, "Hugging Face Accelerate's"},
+    {"optim", "model", true, "NeMo Automodel's"},
+    {"optimizer/optim", "weights/model", true, "NeMo RL's policy/ (or value/)"},
+    {"optimizer", "weights", false, "NeMo RL's policy/ (or value/)"},
+    {"policy/optimizer/optim", "policy/weights/model", true, "NeMo RL's", "value"},
+    {"policy/optimizer", "policy/weights", false, "NeMo RL's", "value"}};
 
 const TwoDcps* two_dcp_layout(const fs::path& path) {
   std::error_code ec;
   if (fs::exists(path / ".metadata", ec)) return nullptr;
   for (const TwoDcps& l : kTwoDcpLayouts)
-    if (fs::is_regular_file(path / l.optimizer / ".metadata", ec) &&
+    if ((!l.unless_beside || !fs::exists(path / l.unless_beside, ec)) &&
+        fs::is_regular_file(path / l.optimizer / ".metadata", ec) &&
         (fs::is_regular_file(path / l.model / ".metadata", ec) ||
          (l.model_in_hf_storage && hf_storage::is_hf_storage_folder(path / l.model))))
       return &l;

@@ -190,12 +190,13 @@ def test_a_damaged_checkpoint_raises_naming_the_file(tmp_path):
 
 # Every checkpoint of tests/data/ that a framework or another torch release wrote, with what it held
 # beside it (<ck>.ref.safetensors: "<fqn>.<entry>" tensors, fp32; its "ref" metadata each param's
-# step and group settings): Megatron-LM (torch_dist, zarr, legacy), NeMo 1, nanotron, OLMo-core,
-# Composer, Lightning, and torch 2.4-2.15 / torchao 0.5-0.18 (optimizer.pt, DCP, FSDP1 and FSDP2
-# per-rank files, torchao's AdamW8bit).
+# step and group settings): Megatron-LM (torch_dist, zarr, legacy), NeMo 1, NeMo Automodel, NeMo RL
+# (a folder per worker: its step_N/ one level down), nanotron, OLMo-core, Composer, Lightning, and
+# torch 2.4-2.15 / torchao 0.5-0.18 (optimizer.pt, DCP, FSDP1 and FSDP2 per-rank files, torchao's
+# AdamW8bit).
 CORPORA = [ROOT / "tests" / "data" / "writers", ROOT / "tests" / "data" / "torch_versions"]
 HELD = sorted(str(ref.relative_to(ROOT))[:-len(".ref.safetensors")]
-              for corpus in CORPORA for ref in corpus.glob("*/*.ref.safetensors"))
+              for corpus in CORPORA for ref in corpus.rglob("*.ref.safetensors"))
 
 
 @pytest.mark.parametrize("ck", HELD)

@@ -10,6 +10,11 @@ NeMo Automodel saves `epoch_E_step_S/` as two parts: `optim/`, a DCP of the flat
 (and the LR scheduler's), and `model/`, the model's weights as a DCP or, by default, in DCP's Hugging
 Face storage (each rank's pieces in safetensors files of its own, no `.metadata`).
 
+NeMo RL saves `step_N/` with its policy's two parts under `policy/`: with its default DTensor worker
+(v2), NeMo Automodel's `optim/` and `model/` one level down (`policy/optimizer/optim/`,
+`policy/weights/model/`); with the first worker (v1), `policy/optimizer/`, a DCP of the optimizer's
+and the scheduler's state under "optim", beside `policy/weights/`, a DCP of the weights under "model".
+
 Megatron-LM saves `iter_N/` through Megatron-Core's dist_checkpointing (torch_dist): a DCP keyed by
 its model's sharded keys (layers stacked), the optimizer's moments as `optimizer.state.<entry>.<key>`,
 its param groups (without members) and step in `common.pt`: torch alone sees no optimizer in it.
@@ -41,6 +46,7 @@ MEGATRON_09 = CORPUS / "megatron-core-0.9.0_torch-2.13.0"
 NANOTRON = CORPUS / "nanotron-2411b02_torch-2.13.0"
 NEMO = CORPUS / "nemo-automodel-0.7.0_torch-2.13.0"
 NEMO_HF_NOTE = "the tensors stored in safetensors files carry no checksums"
+NEMO_RL = CORPUS / "nemo-rl-0.6.0_torch-2.13.0"
 
 
 def ref_of(ck):
@@ -93,6 +99,52 @@ def test_a_nemo_automodel_checkpoint_reads_as_nemo_automodel_held_it(tmp_path, o
     r = optstate_cli("convert", tmp_path / "fp32.safetensors", copy, "--format", "dcp", "--overwrite", check=False)
     assert r.returncode == 2 and "never replaces" in r.stderr, r.stderr
     assert hashes(optstate_cli, copy) == both["torch_save"]
+
+
+@pytest.mark.parametrize("worker", ["dtensor_v2", "dtensor_v1"])
+def test_a_nemo_rl_checkpoint_reads_as_nemo_rl_held_it(tmp_path, optstate_cli, worker):
+    """The step folder NeMo RL's CheckpointManager and DTensor policy worker saved (FSDP2 over a
+    dp x tp mesh of 2 x 1, a 33-row layer sharded 17 + 16, a warm-up SequentialLR) reads as one,
+    from step_N/ or from its policy/: the fp32 conversion is, bit for bit, what the run held, weights
+    included, with the v2 worker's safetensors weights (named as carrying no checksums) and the v1
+    worker's DCP of weights; the scheduler's items are named as not read; inspect says what it read
+    from where. Both workers' folders hash alike, the optimizer's part alone is the same state
+    without the weights, a step_N/ that also holds a critic's value/ is not taken for the policy's
+    (the error names both), and a write never replaces the folder."""
+    step = NEMO_RL / worker / "step_2"
+    v2 = worker == "dtensor_v2"
+    optimizer, weights = ("optimizer/optim", "weights/model") if v2 else ("optimizer", "weights")
+    assert (step / "policy" / optimizer / ".metadata").exists()
+    assert (step / "policy" / weights / ".metadata").exists() != v2
+    ref, meta = ref_of(step)
+    part = "DCP's Hugging Face storage: safetensors files, no checksums" if v2 else "a DCP"
+    for ck, whose, prefix in ((step, "NeMo RL's", "policy/"), (step / "policy", "NeMo RL's policy/ (or value/)", "")):
+        case = tmp_path / f"read_{ck.name}"
+        case.mkdir()
+        info = reads_as_held(case, optstate_cli, ck, ref, meta, checksums=NEMO_HF_NOTE if v2 else True)
+        assert info["format"] == "dcp" and info["ranks"] == 2, info
+        assert sorted(g["weight_decay"] for g in info["param_groups"]) == [0.0, 0.1]
+        assert info["not_read"] == [f"{'' if v2 else 'optim.'}sched (20 items)"], info["not_read"]
+        assert info["read_notes"] == [f"{whose} folder: the optimizer's DCP {prefix}{optimizer}/ read with the "
+                                      f"model's weights in {prefix}{weights}/ ({part})"], info["read_notes"]
+    both = {w: hashes(optstate_cli, NEMO_RL / w / "step_2") for w in ("dtensor_v2", "dtensor_v1")}
+    assert both["dtensor_v2"] == both["dtensor_v1"]
+    assert hashes(optstate_cli, step / "policy") == both["dtensor_v2"]
+    alone = hashes(optstate_cli, step / "policy" / optimizer)
+    assert alone["entries"] == {k: v for k, v in both["dtensor_v2"]["entries"].items() if not k.endswith(".param")}
+    # with a critic's value/ beside policy/, step_N/ is two models' folder: pass one of them
+    run = tmp_path / "step_2"
+    shutil.copytree(step, run)
+    shutil.copytree(step / "policy", run / "value")
+    err = run_err(optstate_cli, "inspect", run)
+    assert "it holds policy/ (dcp), value/ (dcp): pass one of them" in err, err
+    assert hashes(optstate_cli, run / "value") == both["dtensor_v2"]
+    # a training run's folder: a write never replaces it
+    shutil.rmtree(run / "value")
+    r = optstate_cli("convert", tmp_path / "read_policy" / "fp32.safetensors", run, "--format", "dcp", "--overwrite",
+                     check=False)
+    assert r.returncode == 2 and "never replaces" in r.stderr, r.stderr
+    assert hashes(optstate_cli, run) == both["dtensor_v2"]
 
 
 def nemo_hf_copy(tmp_path):

@@ -137,6 +137,45 @@ TEST_CASE("dcp: an Accelerate folder (optimizer_0/ beside pytorch_model_fsdp_0/)
   CHECK_FALSE(d->sniff(folder));
 }
 
+TEST_CASE("dcp: NeMo RL's step folder reads its policy's two DCPs, from step_N/ or policy/, unless value/ is beside") {
+  const FormatDriver* d = find_format("dcp");
+  REQUIRE(d != nullptr);
+  testing::TempDir dir;
+  const auto step = dir.path / "step_4";
+  // The first DTensor worker's parts, both written whole: every key is in both.
+  for (const char* part : {"policy/optimizer", "policy/weights"}) {
+    std::filesystem::create_directories((step / part).parent_path());
+    REQUIRE(d->write(testing::sample_state(), step / part, {}).ok());
+  }
+  for (const auto& [folder, parts] : {std::pair{step, "policy/optimizer/ and policy/weights/"},
+                                      std::pair{step / "policy", "optimizer/ and weights/"}}) {
+    CHECK(d->sniff(folder));
+    auto r = d->open(folder);
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.status().message().find(fmt::format("is in both {}", parts)) != std::string::npos);
+    CHECK_FALSE(d->replaceable(folder));
+  }
+  CHECK(d->open(step / "policy" / "optimizer").ok());
+  // A critic's value/ beside policy/: step_N/ is two models' folder, each read on its own.
+  std::filesystem::create_directories(step / "value");
+  CHECK_FALSE(d->sniff(step));
+  CHECK(d->sniff(step / "policy"));
+  // The default worker's parts one level down (NeMo Automodel's optim/ and model/).
+  std::filesystem::remove_all(step);
+  for (const char* part : {"policy/optimizer/optim", "policy/weights/model"}) {
+    std::filesystem::create_directories((step / part).parent_path());
+    REQUIRE(d->write(testing::sample_state(), step / part, {}).ok());
+  }
+  auto r = d->open(step);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.status().message().find("is in both policy/optimizer/optim/ and policy/weights/model/") != std::string::npos);
+  CHECK(d->sniff(step / "policy"));
+  // Without the weights the folder is no checkpoint.
+  std::filesystem::remove_all(step / "policy" / "weights");
+  CHECK_FALSE(d->sniff(step));
+  CHECK_FALSE(d->sniff(step / "policy"));
+}
+
 TEST_CASE("torchao: 8-bit moments are the package's subclasses that was asked for, else the source's") {
   // torchao before 0.11 defined OptimState8bit in torchao.prototype.low_bit_optim, and a pickle
   // names the defining module: a reshard or conversion of such state keeps that package, so the

@@ -1010,9 +1010,12 @@ class DcpReader final : public CheckpointReader {
 
  private:
   static constexpr const char* kMegatronCommon = "common.pt";
+  static constexpr const char* kMegatronCommonItem = "common_state/shard_0_1";
+  std::string common_name_ = "common.pt";  // where the common state was read from, for messages
 
-  // Megatron's common.pt, where the folder's metadata.json names its torch_dist backend
-  // (megatron.h); nullopt for any other DCP. `common`: the parsed common.pt (its step's storage).
+  // Megatron's common state (common.pt, or from Megatron-Core 0.19 the common_state item), where the
+  // folder's metadata.json names its torch_dist backend (megatron.h); nullopt for any other DCP.
+  // `common`: the parsed common state (its step's storage).
   Result<std::optional<megatron::Common>> read_megatron_common(const ParsedItem*& common) {
     const std::string where = dir_.string();
     std::error_code ec;
@@ -1028,16 +1031,38 @@ class DcpReader final : public CheckpointReader {
       return corrupt(fmt::format("{}: metadata.json names Megatron's '{}' backend, but the folder holds {}", where,
                                  printable(backend), zarr_ ? "zarr arrays" : "a DCP (.metadata)"));
     }
-    if (!fs::is_regular_file(dir_ / kMegatronCommon, ec))
-      return corrupt(fmt::format("{}: a Megatron checkpoint (metadata.json: {}) without its common.pt", where, backend));
-    if (md_.items.count(kMegatronCommon))
-      return corrupt(fmt::format("{}: an item named '{}' beside Megatron's common.pt", where, kMegatronCommon));
-    OPTSTATE_ASSIGN_OR_RETURN(const InputFile* cf, file(kMegatronCommon, where + ": common.pt"));
-    // read as a bytes item spanning the whole file (a torch.save archive, as DCP's bytes items are)
-    md_.storage[{kMegatronCommon, {}}] = StorageLoc{kMegatronCommon, 0, cf->size(), {}, std::nullopt};
-    OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(kMegatronCommon, {}, 64));
-    if (pi->payload.kind != Payload::Kind::kValue) return corrupt(where + "/common.pt: not a dict");
-    if (pi->pickle.dict_get(pi->pickle.root(), "optimizer") == pickle::kNoRef) {
+    ParsedItem* pi = nullptr;
+    pickle::Ref root = pickle::kNoRef;
+    if (fs::is_regular_file(dir_ / kMegatronCommon, ec)) {
+      if (md_.items.count(kMegatronCommon))
+        return corrupt(fmt::format("{}: an item named '{}' beside Megatron's common.pt", where, kMegatronCommon));
+      OPTSTATE_ASSIGN_OR_RETURN(const InputFile* cf, file(kMegatronCommon, where + ": common.pt"));
+      // read as a bytes item spanning the whole file (a torch.save archive, as DCP's bytes items are)
+      md_.storage[{kMegatronCommon, {}}] = StorageLoc{kMegatronCommon, 0, cf->size(), {}, std::nullopt};
+      OPTSTATE_ASSIGN_OR_RETURN(pi, item(kMegatronCommon, {}, 64));
+      if (pi->payload.kind != Payload::Kind::kValue) return corrupt(where + "/common.pt: not a dict");
+      root = pi->pickle.root();
+      common_name_ = "common.pt";
+    } else {
+      // Megatron-Core 0.19 on: the same dict in the DCP, ShardedObject("common_state") saved as
+      // torch.save([dict]) (a bytes item)
+      if (zarr_)
+        return corrupt(fmt::format("{}: a Megatron checkpoint (metadata.json: {}) without its common.pt", where, backend));
+      const auto it = md_.items.find(kMegatronCommonItem);
+      if (it == md_.items.end() || it->second.is_tensor)
+        return corrupt(fmt::format("{}: a Megatron checkpoint (metadata.json: {}) without its common state (no "
+                                   "common.pt, nor Megatron-Core 0.19's '{}' item)",
+                                   where, backend, kMegatronCommonItem));
+      common_name_ = fmt::format("item '{}'", kMegatronCommonItem);
+      OPTSTATE_ASSIGN_OR_RETURN(pi, item(kMegatronCommonItem, {}, 64));
+      const pickle::Ref r = pi->payload.kind == Payload::Kind::kValue ? pi->pickle.root() : pickle::kNoRef;
+      const pickle::Value* one = r == pickle::kNoRef ? nullptr : &pi->pickle.at(r);
+      if (!one || one->kind != pickle::Kind::kList || one->items.size() != 1)
+        return corrupt(fmt::format("{}: {}: not [the common state dict] (Megatron-Core saves it as a list of one)",
+                                   where, common_name_));
+      root = one->items[0];
+    }
+    if (pi->pickle.dict_get(root, "optimizer") == pickle::kNoRef) {
       // verl's Megatron checkpoints keep the model, the optimizer and the RNG state in three of
       // these: global_step_N/actor/{model,optimizer,extra}/dist_ckpt/
       const fs::path verl_optimizer = dir_.parent_path().parent_path() / "optimizer" / "dist_ckpt";
@@ -1046,7 +1071,9 @@ class DcpReader final : public CheckpointReader {
                                    "optimizer state is in {}: pass that directory",
                                    where, verl_optimizer.string()));
     }
-    OPTSTATE_ASSIGN_OR_RETURN(megatron::Common c, megatron::interpret_common(pi->pickle, where + "/common.pt"));
+    OPTSTATE_ASSIGN_OR_RETURN(megatron::Common c, megatron::interpret_common(pi->pickle, fmt::format("{}: {}", where,
+                                                                                                   common_name_),
+                                                                               root, common_name_));
     common = pi;
     return std::optional<megatron::Common>(std::move(c));
   }
@@ -1122,7 +1149,8 @@ class DcpReader final : public CheckpointReader {
     for (const auto& kv : states) with_state.insert(kv.first);
     std::vector<MegatronPlace> places;
     for (size_t i = 0; i < c.optimizers.size(); ++i) {
-      const std::string ow = c.chained ? fmt::format("{}/common.pt (optimizer {})", where, i) : where + "/common.pt";
+      const std::string ow = fmt::format("{}: {}{}", where, common_name_,
+                                         c.chained ? fmt::format(" (optimizer {})", i) : std::string());
       OPTSTATE_ASSIGN_OR_RETURN(MegatronPlace place, place_megatron_optimizer(c.optimizers[i], common, ow));
       places.push_back(place);
     }
@@ -1131,10 +1159,10 @@ class DcpReader final : public CheckpointReader {
     for (const auto& [key, im] : md_.items)
       if (auto si = megatron::state_item(key)) with_state.insert(si->key);
     for (const auto& [key, im] : md_.items) {
-      if (dp_items.count(key)) continue;
+      if (dp_items.count(key) || (key == kMegatronCommonItem && common_name_ != kMegatronCommon)) continue;
       if (auto si = megatron::state_item(key)) {
         const std::string iw = fmt::format("{}: item '{}'", where, key);
-        if (!c.chained && si->chain >= 0) return corrupt(iw + ": prefixed chained_<i>. but common.pt holds one optimizer");
+        if (!c.chained && si->chain >= 0) return corrupt(fmt::format("{}: prefixed chained_<i>. but {} holds one optimizer", iw, common_name_));
         std::optional<size_t> unprefixed;
         if (c.chained && si->chain < 0) {
           if (c.avoid_prefix) unprefixed = megatron::unprefixed_chain(c, si->key);
@@ -1222,7 +1250,8 @@ class DcpReader final : public CheckpointReader {
     for (const auto& [key, wkey] : beside_main) OPTSTATE_RETURN_IF_ERROR(check_main_params(key, wkey));
     meta_.kind = "adamw";
     if (!c.other_keys.empty())
-      notes_.push_back(fmt::format("common.pt: {} ({})", fmt::join(c.other_keys, ", "),
+      notes_.push_back(fmt::format("{}: {} ({})", common_name_ == kMegatronCommon ? "common.pt" : "common state",
+                                   fmt::join(c.other_keys, ", "),
                                    c.lightning ? "NeMo's Lightning checkpoint" : "Megatron's trainer state"));
     if (any_unprefixed)
       value_notes_.push_back(
@@ -1269,7 +1298,7 @@ class DcpReader final : public CheckpointReader {
       if (auto bk = megatron::bucket_key(key)) {
         const auto o = opt_of(bk->chain);
         if (!o || c.optimizers[*o].sharding != "dp_reshardable")
-          return corrupt(iw + ": a dp_reshardable bucket of no optimizer saved so in common.pt");
+          return corrupt(fmt::format("{}: a dp_reshardable bucket of no optimizer saved so in {}", iw, common_name_));
         if (!im.is_tensor || im.size.size() != 1 || im.dtype != DType::kF32)
           return corrupt(iw + ": a bucket's entry that is not a flat float32 tensor");
         if (!bucket_items[{*o, bk->group, bk->gbuf, bk->bucket}].emplace(bk->entry, key).second)
@@ -1278,7 +1307,7 @@ class DcpReader final : public CheckpointReader {
       } else if (auto ps = megatron::param_state_key(key)) {
         const auto o = opt_of(ps->first);
         if (!o || c.optimizers[*o].sharding != "dp_zero_gather_scatter")
-          return corrupt(iw + ": a dp_zero_gather_scatter state of no optimizer saved so in common.pt");
+          return corrupt(fmt::format("{}: a dp_zero_gather_scatter state of no optimizer saved so in {}", iw, common_name_));
         if (im.is_tensor) return corrupt(iw + ": a tensor where the gathered state is saved");
         if (!param_states.emplace(std::pair{*o, ps->second}, key).second)
           return corrupt(iw + ": a data-parallel group's gathered state twice");
@@ -1286,7 +1315,7 @@ class DcpReader final : public CheckpointReader {
       } else if (auto go = megatron::group_optimizer_key(base)) {
         const auto o = opt_of(go->first);
         if (!o || !flat(c.optimizers[*o]))
-          return corrupt(iw + ": a data-parallel group's optimizer of no optimizer saved so in common.pt");
+          return corrupt(fmt::format("{}: a data-parallel group's optimizer of no optimizer saved so in {}", iw, common_name_));
         if (im.is_tensor) return corrupt(iw + ": a tensor where the optimizer's state dict is saved");
         OPTSTATE_ASSIGN_OR_RETURN(ParsedItem * pi, item(key, {}, 64));
         if (pi->payload.kind != Payload::Kind::kValue) return corrupt(iw + ": not the optimizer's state dict");

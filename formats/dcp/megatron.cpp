@@ -217,9 +217,9 @@ Result<Optimizer> interpret_group_optimizer(const Pickle& p, const std::string& 
   return out;
 }
 
-Result<Common> interpret_common(const Pickle& p, const std::string& where) {
-  const Ref root = p.root();
-  if (root == kNoRef || p.at(root).kind != Kind::kDict) return corrupt(where + ": common.pt does not hold a dict");
+Result<Common> interpret_common(const Pickle& p, const std::string& where, Ref root, std::string_view file) {
+  if (root == kNoRef) root = p.root();
+  if (root == kNoRef || p.at(root).kind != Kind::kDict) return corrupt(where + ": the common state is not a dict");
   Common out;
   const auto& items = p.at(root).items;
   Ref opt = p.dict_get(root, "optimizer");
@@ -229,29 +229,30 @@ Result<Common> interpret_common(const Pickle& p, const std::string& where) {
   if (opt == kNoRef && (opt = p.dict_get(root, "optimizer_states")) != kNoRef) {
     opt_key = "optimizer_states";
     out.lightning = true;
-    if (!list_of(p, opt)) return corrupt(where + ": common.pt's 'optimizer_states' (NeMo's) is not a list");
+    if (!list_of(p, opt)) return corrupt(fmt::format("{}: {}'s 'optimizer_states' (NeMo's) is not a list", where, file));
   }
   for (size_t i = 0; i + 1 < items.size(); i += 2)
     if (const auto key = as_string(p, items[i]); key && *key != opt_key) out.other_keys.push_back(*key);
   if (const Ref cm = p.dict_get(root, "content_metadata"); cm != kNoRef)
     out.avoid_prefix = as_bool(p, p.dict_get(cm, "chained_optim_avoid_prefix")).value_or(false);
   if (opt == kNoRef)
-    return corrupt(where + ": a Megatron checkpoint without optimizer state (common.pt has no 'optimizer', nor NeMo's "
-                           "'optimizer_states': saved with --no-save-optim, or weights only)");
+    return corrupt(fmt::format("{}: a Megatron checkpoint without optimizer state ({} has no 'optimizer', nor NeMo's "
+                               "'optimizer_states': saved with --no-save-optim, or weights only)",
+                               where, file));
   // NeMo (1.x's NLPDDPStrategy, 2's MegatronStrategy) saves Lightning's optimizers as a list:
   // [sharded_state_dict].
   if (const auto* listed = list_of(p, opt)) {
     if (listed->size() != 1)
-      return unsupported(fmt::format("{}: a list of {} optimizers in common.pt (NeMo's Lightning optimizers); "
+      return unsupported(fmt::format("{}: a list of {} optimizers in {} (NeMo's Lightning optimizers); "
                                      "optstate reads one",
-                                     where, listed->size()));
+                                     where, listed->size(), file));
     opt = (*listed)[0];
   }
   const auto& ov = p.at(opt);
   // A chain (ChainedOptimizer of several): {0: sd, 1: sd, ...}, the keys the optimizers' places.
   const bool chain = ov.kind == Kind::kDict && !ov.items.empty() && p.at(ov.items[0]).kind == Kind::kInt;
   if (!chain) {
-    OPTSTATE_ASSIGN_OR_RETURN(Optimizer one, interpret_optimizer(p, opt, where));
+    OPTSTATE_ASSIGN_OR_RETURN(Optimizer one, interpret_optimizer(p, opt, where, file));
     out.optimizers.push_back(std::move(one));
     return out;
   }
@@ -263,7 +264,7 @@ Result<Common> interpret_common(const Pickle& p, const std::string& where) {
     if (k.kind != Kind::kInt || k.i != static_cast<int64_t>(i))
       return corrupt(fmt::format("{}: the chain of optimizers' key {} is not {}", where, 2 * i, i));
     OPTSTATE_ASSIGN_OR_RETURN(Optimizer one,
-                              interpret_optimizer(p, ov.items[2 * i + 1], fmt::format("{} (optimizer {})", where, i)));
+                              interpret_optimizer(p, ov.items[2 * i + 1], fmt::format("{} (optimizer {})", where, i), file));
     out.optimizers.push_back(std::move(one));
   }
   return out;

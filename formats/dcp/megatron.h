@@ -66,7 +66,10 @@ struct Common {
 // param groups that are not AdamW's (another optimizer, Adam's L2 decay), groups that differ in
 // their steps. A dp_reshardable optimizer comes without groups: they are in each data-parallel
 // group's own item (interpret_group_optimizer).
-Result<Common> interpret_common(const pickle::Pickle& p, const std::string& where);
+// `root`: the dict's node (Megatron-Core 0.19's common_state item holds [dict]), the pickle's root
+// where kNoRef; `file`: what errors call it.
+Result<Common> interpret_common(const pickle::Pickle& p, const std::string& where, pickle::Ref root = pickle::kNoRef,
+                                std::string_view file = "common.pt");
 
 // The distributed optimizer's state dict that dp_reshardable saves per data-parallel group
 // ("[chained_<i>.]optimizer.distributed.dp_group_idx_<G>.optimizer": its param groups, members

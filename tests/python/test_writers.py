@@ -43,6 +43,7 @@ MEGATRON = CORPUS / "megatron-core-0.16.1_torch-2.13.0"
 MEGATRON_013 = CORPUS / "megatron-core-0.13.1_torch-2.13.0"
 MEGATRON_015 = CORPUS / "megatron-core-0.15.3_torch-2.13.0"
 MEGATRON_09 = CORPUS / "megatron-core-0.9.0_torch-2.13.0"
+MEGATRON_019 = CORPUS / "megatron-core-0.19.0_torch-2.13.0"
 NANOTRON = CORPUS / "nanotron-2411b02_torch-2.13.0"
 NEMO = CORPUS / "nemo-automodel-0.7.0_torch-2.13.0"
 NEMO_HF_NOTE = "the tensors stored in safetensors files carry no checksums"
@@ -685,6 +686,81 @@ def test_megatron_core_0_15s_checkpoints_read_though_their_metadata_is_megatrons
     ref, meta = ref_of(ck)
     info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta)
     assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0]
+
+
+@pytest.mark.parametrize("run", ["tp2", "dp2_distopt", "dp2_distopt_dp_reshardable", "moe_ep2", "dp2_distopt_dp_zero"])
+def test_megatron_core_0_19s_checkpoints_keep_their_common_state_inside_the_dcp(tmp_path, optstate_cli, run):
+    """From Megatron-Core 0.19 (`deprecate common strategy`) torch_dist writes no common.pt: the
+    same dict (the optimizer's param groups and step, the trainer's args) is a ShardedObject item of
+    the DCP, `common_state/shard_0_1`, torch.save([dict]). Read from there, each form of
+    Megatron's optimizers (mixed precision under tensor parallel 2, the distributed optimizer saved
+    fully_reshardable, dp_reshardable and dp_zero_gather_scatter, the mixture of experts' chain
+    with its items unprefixed as content_metadata says) is bit for bit what Megatron held, the
+    item not named as unread, the trainer's keys named as the common state's."""
+    ck = MEGATRON_019 / run
+    assert not (ck / "common.pt").exists()
+    ref, meta = ref_of(ck)
+    info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta)
+    assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0] + ([0.1] if run.startswith("moe") else [])
+    assert any(n.startswith("common state: args, checkpoint_version, iteration, opt_param_scheduler")
+               for n in info["not_read"]), info["not_read"]
+    assert not any("common_state" in n for n in info["not_read"]), info["not_read"]
+    assert any("saved its items unprefixed" in n for n in info["read_notes"]) == (run == "moe_ep2")
+    out = tmp_path / "plain_dcp"
+    optstate_cli("convert", ck, out, "--format", "dcp")
+    assert optstate_cli("diff", ck, out).returncode == 0
+
+
+REWRITE_MEGATRON_COMMON = textwrap.dedent("""
+    # Writes Megatron checkpoint SRC again as one process's DCP at DST (metadata.json copied), its
+    # tensors as they were, its common_state item per CASE (its value torch.save'd, as Megatron does).
+    import shutil, sys, torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    src, dst, case = sys.argv[1:4]
+    dcp_to_torch_save(src, dst + ".pt")
+    sd = torch.load(dst + ".pt", weights_only=False)
+    key = "common_state/shard_0_1"
+    common = sd[key][0]
+    if case == "missing":
+        del sd[key]
+    elif case == "two":
+        sd[key] = [common, common]
+    elif case == "no_optimizer":
+        sd[key] = [{k: v for k, v in common.items() if k != "optimizer"}]
+    # not flattened: each object item stored whole as its torch.save bytes, as Megatron stores them
+    planner = dcp.DefaultSavePlanner(flatten_state_dict=False)
+    dcp.save(sd, checkpoint_id=dst, no_dist=True, planner=planner)
+    shutil.copy(src + "/metadata.json", dst)
+""")
+
+
+def test_a_megatron_core_0_19_checkpoint_whose_common_state_is_missing_or_wrong_is_refused_naming_it(tmp_path,
+                                                                                                   optstate_cli):
+    """The same checkpoint written again by torch's DCP reads the same values (the harness changes
+    nothing else of them); without its common_state item, with a list of two dicts in it, or with a dict
+    that has no optimizer, it is refused by name (the item, what is wrong), and nothing is written."""
+    src = MEGATRON_019 / "tp2"
+    want = {
+        "same": None,
+        "missing": "without its common state (no common.pt, nor Megatron-Core 0.19's 'common_state/shard_0_1' item)",
+        "two": "item 'common_state/shard_0_1': not [the common state dict]",
+        "no_optimizer": "item 'common_state/shard_0_1': a Megatron checkpoint without optimizer state "
+                        "(item 'common_state/shard_0_1' has no 'optimizer'",
+    }
+    for case, message in want.items():
+        dst = tmp_path / case
+        run_script(tmp_path, REWRITE_MEGATRON_COMMON, "rewrite.py", src, dst, case)
+        if message is None:  # every tensor the same (the groups not: each item is now one whole chunk, and
+            # Megatron's stacked layer axes, which its standard groups leave out, are told from per-layer chunks)
+            for ck in (src, dst):
+                optstate_cli("convert", ck, tmp_path / f"{ck.name}.safetensors", "--to", "fp32")
+            a, b = st_load(tmp_path / "tp2.safetensors"), st_load(tmp_path / "same.safetensors")
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+            continue
+        err = run_err(optstate_cli, "convert", dst, tmp_path / f"{case}.safetensors")
+        assert message in err and str(dst) in err, (case, err)
+        assert not (tmp_path / f"{case}.safetensors").exists()
 
 
 @pytest.mark.parametrize("run", ["dp2_distopt_dp_reshardable", "tp2_dp2_distopt_dp_reshardable",

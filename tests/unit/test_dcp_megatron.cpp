@@ -138,6 +138,42 @@ TEST_CASE("megatron: common.pt's plain optimizer: groups and the common step") {
   CHECK(has_wd_mult);
 }
 
+TEST_CASE("megatron: Megatron-Core 0.19's common_state item: the dict inside a list of one, named in errors") {
+  // torch.save([common]): the dict is the list's element, not the pickle's root
+  auto embedded = [](bool with_optimizer) -> Result<mg::Common> {
+    pickle::Writer w;
+    w.empty_list(), w.mark();
+    w.empty_dict(), w.mark();
+    w.str("iteration"), w.integer(3);
+    if (with_optimizer) w.str("optimizer"), plain(w, [](pickle::Writer& w) { group(w, 0.1, 1.0); });
+    w.setitems_from_mark();
+    w.appends_from_mark();
+    const std::string bytes = w.finish();
+    OPTSTATE_ASSIGN_OR_RETURN(pickle::Pickle p, pickle::unpickle(std::as_bytes(std::span(bytes)), "item"));
+    const pickle::Value& list = p.at(p.root());
+    REQUIRE(list.kind == pickle::Kind::kList);
+    REQUIRE(list.items.size() == 1);
+    return mg::interpret_common(p, "ck", list.items[0], "item 'common_state/shard_0_1'");
+  };
+  auto c = embedded(true);
+  REQUIRE(c.ok());
+  REQUIRE(c->optimizers.size() == 1);
+  CHECK(c->optimizers[0].groups.size() == 1);
+  CHECK(c->other_keys == std::vector<std::string>{"iteration"});
+  auto none = embedded(false);
+  REQUIRE_FALSE(none.ok());
+  CHECK(none.status().message().find("item 'common_state/shard_0_1' has no 'optimizer'") != std::string::npos);
+  // the list itself as the common state: not a dict
+  pickle::Writer w;
+  w.empty_list(), w.mark(), w.integer(1), w.appends_from_mark();
+  const std::string bytes = w.finish();
+  auto p = pickle::unpickle(std::as_bytes(std::span(bytes)), "item");
+  REQUIRE(p.ok());
+  auto bad = mg::interpret_common(*p, "ck: item 'common_state/shard_0_1'");
+  REQUIRE_FALSE(bad.ok());
+  CHECK(bad.status().message().find("the common state is not a dict") != std::string::npos);
+}
+
 TEST_CASE("megatron: the mixed-precision optimizer's state dict one level down") {
   auto c = common([](pickle::Writer& w) {
     w.empty_dict(), w.mark();

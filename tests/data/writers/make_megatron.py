@@ -77,6 +77,13 @@ OptimizerParamScheduler, as the trainer steps it). Written into OUT:
   parallelism requires, with the torch norms marked as apex's: torch_norm_under_sequence_parallel);
   their references
   named as the state_dict names the params (a layer each, numbered over the whole model);
+Under Megatron-Core 0.19 (not on this machine's PyPI: its release tag's source, `git -C Megatron-LM
+archive core_v0.19.0 megatron/core | tar -x -C /tmp/mcore19`, with triton installed beside it,
+`pip install --target /tmp/mc19deps --no-deps triton`, which it imports; PYTHONPATH=/tmp/mcore19:
+/tmp/mc19deps, MEGATRON_RUNS=tp2,dp2_distopt,dp2_distopt_dp_reshardable,moe_ep2,dp2_distopt_dp_zero,
+OUT `tests/data/writers/megatron-core-0.19.0_torch-2.13.0`) the same runs save no common.pt: the
+common state is the DCP's own `common_state/shard_0_1` item (torch.save([dict])).
+
 Under Megatron-Core 0.13.1 (`pip install --target /tmp/mc013 --no-deps megatron-core==0.13.1`,
 OUT `tests/data/writers/megatron-core-0.13.1_torch-2.13.0`) the runs are its distributed optimizer
 saved `fully_sharded_model_space`, its default (N-D flattened items, `mcore_data` in `.metadata`):
@@ -280,6 +287,11 @@ def cpu_shim():
     device='cuda', and checks params' type() for torch.cuda.*Tensor: all of it on the CPU here."""
     torch.cuda.is_available = lambda: False
     enter_cpu_mode(cuda_types=True)
+
+    class CpuStream:  # 0.19's grad sync waits on the current stream for CUDA-graph replays' events
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+    torch.cuda.current_stream = lambda *a, **k: CpuStream()
     from megatron.core.tensor_parallel import random as mrandom
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     import megatron.core.transformer.moe.moe_utils as moe_utils

@@ -12,7 +12,9 @@
 // chunk files (fuzz.dcp_megatron_zarr_chunk), or the common.pt of NeMo 1.x's checkpoint dict
 // (optimizer_states, re-signed: fuzz.dcp_megatron_nemo1_common), or the distributed optimizer's
 // gathered state saved dp_zero_gather_scatter (its buffers' dict and flat tensors, re-signed, walked
-// by value against the weights beside: fuzz.dcp_megatron_dp_zero_state).
+// by value against the weights beside: fuzz.dcp_megatron_dp_zero_state), or the first data file of
+// 0.19's under tensor parallelism 2, whose common_state item holds the common state
+// (fuzz.dcp_megatron_mcore019_data).
 // Every input must validate, open, hash, read whole and write back (a plain DCP), or give an error.
 #include <cstdint>
 #include <optional>

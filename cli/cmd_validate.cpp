@@ -42,13 +42,16 @@ int run_validate(int argc, char** argv) {
                         {"checksums_verified", report->checksums_verified},
                         {"unchecked", report->checksums_verified ? nlohmann::json()  // null
                                                                  : nlohmann::json(report->unchecked)},
+                        {"file_digests", report->file_digests.empty() ? nlohmann::json()  // null
+                                                                      : nlohmann::json(report->file_digests)},
                         {"findings", findings}};
     print_json(j);
   } else if (report->ok()) {
-    std::printf("ok: %s: %lld entries, %lld values, %s\n", path.c_str(),
+    std::printf("ok: %s: %lld entries, %lld values, %s%s%s\n", path.c_str(),
                 static_cast<long long>(report->entries_checked), static_cast<long long>(report->values_checked),
                 report->checksums_verified ? "every chunk checksum verified"
-                                           : (report->unchecked + " (sizes, coverage and values checked)").c_str());
+                                           : (report->unchecked + " (sizes, coverage and values checked)").c_str(),
+                report->file_digests.empty() ? "" : "; ", report->file_digests.c_str());
   } else {
     for (const auto& f : report->findings) std::printf("FINDING  %s\n", f.message.c_str());
     std::printf("%s: %zu finding(s)\n", path.c_str(), report->findings.size());

@@ -61,6 +61,7 @@ class ProgressReader final : public CheckpointReader {
   std::optional<int64_t> ranks() const override { return inner_->ranks(); }
   std::string unchecked() const override { return inner_->unchecked(); }
   Status verify_shared_records() override { return inner_->verify_shared_records(); }
+  Result<std::string> verify_file_digests() override { return inner_->verify_file_digests(); }
   Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) override;
   Status read_range(const std::string& fqn, const std::string& entry, Component c, int64_t begin, int64_t end,
                     std::span<std::byte> out) override;

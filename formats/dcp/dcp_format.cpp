@@ -22,6 +22,7 @@
 #include "hf_storage.h"
 #include "optstate/io.h"
 #include "optstate/quant8.h"
+#include "optstate/sha256.h"
 #include "optstate/torch_names.h"
 #include "optstate/transform.h"
 #include "optstate/zstd.h"
@@ -205,6 +206,47 @@ class DcpReader final : public CheckpointReader {
     }
     shared_verified_ = all;
     return Status::Ok();
+  }
+  // Megatron-Core 0.19's integrity.json (megatron.h): each listed file read whole against its SHA-256,
+  // and every file the checkpoint is read from must be listed.
+  Result<std::string> verify_file_digests() override {
+    std::error_code ec;
+    if (!layout_.megatron || zarr_ || !fs::is_regular_file(dir_ / megatron::kIntegrityManifest, ec))
+      return std::string();
+    const std::string where = (dir_ / megatron::kIntegrityManifest).string();
+    OPTSTATE_ASSIGN_OR_RETURN(auto text, read_small_file(dir_ / megatron::kIntegrityManifest, uint64_t{256} << 20));
+    OPTSTATE_ASSIGN_OR_RETURN(
+        std::vector<megatron::FileDigest> digests,
+        megatron::parse_integrity_manifest(std::string_view(reinterpret_cast<const char*>(text.data()), text.size()),
+                                           where));
+    std::set<std::string> listed;
+    for (const auto& d : digests) listed.insert(d.name);
+    std::set<std::string> read{".metadata", "metadata.json"};
+    if (common_name_ == kMegatronCommon) read.insert(kMegatronCommon);
+    for (const auto& [k, loc] : md_.storage) read.insert(loc.relative_path);
+    for (const std::string& name : read)
+      if (!listed.count(name))
+        return corrupt(fmt::format("{}: {} is read but not listed in {}: the manifest is not this checkpoint's",
+                                   dir_.string(), name, megatron::kIntegrityManifest));
+    std::vector<std::byte> buf;
+    for (const auto& d : digests) {
+      const std::string fw = (dir_ / d.name).string();
+      if (!fs::is_regular_file(dir_ / d.name, ec))
+        return corrupt(fmt::format("{}: listed in {} but missing", fw, megatron::kIntegrityManifest));
+      OPTSTATE_ASSIGN_OR_RETURN(const InputFile* f, file(d.name, fw));
+      Sha256 h;
+      for (uint64_t at = 0; at < f->size();) {
+        buf.resize(static_cast<size_t>(std::min<uint64_t>(f->size() - at, uint64_t{8} << 20)));
+        OPTSTATE_RETURN_IF_ERROR(f->read_at(at, buf).with_context(fw));
+        h.update(buf);
+        at += buf.size();
+      }
+      if (const std::string got = h.finish_hex(); got != d.sha256)
+        return corrupt(fmt::format("{}: its SHA-256 differs from the one in {} (stored {}, read {}): changed or "
+                                   "damaged after Megatron saved it",
+                                   fw, megatron::kIntegrityManifest, d.sha256.substr(0, 16), got.substr(0, 16)));
+    }
+    return fmt::format("{}: the SHA-256 of all {} files verified", megatron::kIntegrityManifest, digests.size());
   }
   std::vector<std::string> read_notes() const override { return value_notes_; }
   std::vector<std::string> not_read() const override {
@@ -1136,6 +1178,11 @@ class DcpReader final : public CheckpointReader {
     const std::string where = dir_.string();
     layout_.dir = dir_;
     layout_.megatron = true;
+    std::error_code ec;
+    if (!zarr_ && fs::is_regular_file(dir_ / megatron::kIntegrityManifest, ec))
+      value_notes_.push_back(fmt::format("{} (Megatron-LM's --verify-integrity): each file's SHA-256, which validate "
+                                         "checks",
+                                         megatron::kIntegrityManifest));
     if (zarr_)
       value_notes_.push_back("Megatron-Core's zarr backend (metadata.json: sharded_backend zarr): each sharded key a "
                              "zarr array of its whole tensor, its chunks read raw (zarr keeps no checksums)");
@@ -1675,7 +1722,8 @@ class DcpReader final : public CheckpointReader {
     for (fs::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
       const std::string name = it->path().filename().string();
       if (name.empty() || name[0] == '.' || own.count(name) || it->path().extension() == ".distcp") continue;
-      if (layout_.megatron && (name == kMegatronCommon || name == "metadata.json")) continue;  // its own
+      if (layout_.megatron && (name == kMegatronCommon || name == "metadata.json" || name == megatron::kIntegrityManifest))
+        continue;  // its own (integrity.json: digests of these files, not carried into another)
       // zarr's lock folders (zarr.h): nothing in them
       if (zarr_ && name.ends_with(".sync") && md_.items.count(name.substr(0, name.size() - 5)) && it->is_directory(ec))
         continue;

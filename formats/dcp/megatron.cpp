@@ -26,6 +26,33 @@ std::string sharded_backend(std::string_view metadata_json) {
   return backend != j.end() && backend->is_string() ? backend->get<std::string>() : "";
 }
 
+Result<std::vector<FileDigest>> parse_integrity_manifest(std::string_view text, const std::string& where) {
+  std::optional<std::string> twice;
+  std::string refused;
+  const auto j = parse_json_strict(text.data(), text.data() + text.size(), twice, refused);
+  if (j.is_discarded() || !j.is_object())
+    return corrupt(fmt::format("{}: not a JSON object{}", where, refused.empty() ? "" : " (" + refused + ")"));
+  if (twice) return corrupt(fmt::format("{}: key '{}' twice", where, *twice));
+  if (const auto a = j.find("algorithm"); a != j.end() && !(a->is_string() && a->get<std::string>() == "sha256"))
+    return unsupported(fmt::format("{}: digests by '{}', not sha256 (Megatron-Core's)", where,
+                                   a->is_string() ? a->get<std::string>() : a->dump()));
+  const auto files = j.find("files");
+  if (files == j.end() || !files->is_object()) return corrupt(where + ": no 'files' object");
+  if (files->size() > kMaxIntegrityFiles)
+    return corrupt(fmt::format("{}: {} files listed (at most {})", where, files->size(), kMaxIntegrityFiles));
+  std::vector<FileDigest> out;
+  for (const auto& [name, digest] : files->items()) {
+    if (name.empty() || name == "." || name == ".." || name == kIntegrityManifest || name.size() > 255 ||
+        name.find_first_of(std::string_view("/\\\0", 3)) != std::string::npos)
+      return corrupt(fmt::format("{}: '{}' is not a file name of the checkpoint folder", where, printable(name)));
+    const std::string* hex = digest.get_ptr<const std::string*>();
+    if (!hex || hex->size() != 64 || hex->find_first_not_of("0123456789abcdef") != std::string::npos)
+      return corrupt(fmt::format("{}: file '{}': its digest is not 64 lowercase hex digits", where, name));
+    out.push_back({name, *hex});
+  }
+  return out;
+}
+
 namespace {
 
 const Refs* list_of(const Pickle& p, Ref r) {

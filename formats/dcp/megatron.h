@@ -25,6 +25,19 @@ namespace optstate::dcp::megatron {
 // object or names no backend (the folder is then read as a plain DCP, or refused as one).
 std::string sharded_backend(std::string_view metadata_json);
 
+// Megatron-Core 0.19's integrity.json (save(..., verify_integrity=True), Megatron-LM's
+// --verify-integrity): {"algorithm": "sha256", "files": {"<name>": "<64 hex digits>", ...}}, each
+// file of the checkpoint folder (the manifest itself left out) with its SHA-256. Refused, naming
+// why: not that object, another algorithm, a name that is not a plain file name of the folder (a
+// path, "." or "..", the manifest's own), a digest that is not 64 lowercase hex digits, a name
+// twice, more than kMaxIntegrityFiles files.
+inline constexpr const char* kIntegrityManifest = "integrity.json";
+inline constexpr size_t kMaxIntegrityFiles = 1'000'000;
+struct FileDigest {
+  std::string name, sha256;
+};
+Result<std::vector<FileDigest>> parse_integrity_manifest(std::string_view text, const std::string& where);
+
 // A param group of Megatron's optimizer: AdamW's settings, torch.optim.AdamW's switches, the other
 // plain keys (Megatron's wd_mult, lr_mult, max_lr, ...), and its wd_mult (1 where absent).
 struct Group {

@@ -130,6 +130,10 @@ Result<ValidationReport> validate_checkpoint(const std::filesystem::path& path, 
     }
   }
   if (Status shared = reader.verify_shared_records(); !shared.ok()) r.findings.push_back({"", shared.message()});
+  if (auto digests = reader.verify_file_digests(); digests.ok())
+    r.file_digests = std::move(*digests);
+  else
+    r.findings.push_back({"", digests.status().message()});
   // Asked after every chunk was read: DCP knows only then whether each had a CRC-32 to check.
   r.checksums_verified = reader.checksummed();
   if (!r.checksums_verified) r.unchecked = reader.unchecked();

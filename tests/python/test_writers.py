@@ -711,6 +711,58 @@ def test_megatron_core_0_19s_checkpoints_keep_their_common_state_inside_the_dcp(
     assert optstate_cli("diff", ck, out).returncode == 0
 
 
+def test_megatron_core_0_19s_integrity_manifest_is_checked_by_validate(tmp_path, optstate_cli):
+    """Megatron-LM's --verify-integrity (Megatron-Core 0.19) saves integrity.json beside the DCP:
+    each file's SHA-256, as hashlib computes it. validate checks every listed file against it and
+    says so; the checkpoint reads as Megatron held it, inspect says the manifest is there, and a
+    conversion does not carry it (its digests are of these files). What the CRC-32s leave out is
+    caught (metadata.json changed), as are a file the checkpoint reads but the manifest leaves out,
+    a listed file that is gone, a listed name that is a path, a digest that is not one, and another
+    algorithm: findings naming the file, exit 1."""
+    import hashlib
+    ck = MEGATRON_019 / "dp2_distopt_integrity"
+    manifest = json.loads((ck / "integrity.json").read_text())
+    assert manifest["algorithm"] == "sha256"
+    for name, digest in manifest["files"].items():  # the corpus is what Megatron wrote
+        assert hashlib.sha256((ck / name).read_bytes()).hexdigest() == digest, name
+    ref, meta = ref_of(ck)
+    info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta)
+    assert any(n.startswith("integrity.json (Megatron-LM's --verify-integrity)") for n in info["read_notes"])
+    report = json.loads(optstate_cli("validate", ck, "--json").stdout)
+    assert report["ok"] and report["file_digests"] == "integrity.json: the SHA-256 of all 4 files verified", report
+    assert "; integrity.json: the SHA-256 of all 4 files verified" in optstate_cli("validate", ck).stdout
+    assert json.loads(optstate_cli("validate", MEGATRON_019 / "tp2", "--json").stdout)["file_digests"] is None
+    out = tmp_path / "plain_dcp"
+    optstate_cli("convert", ck, out, "--format", "dcp")
+    assert not (out / "integrity.json").exists()
+
+    def edit_manifest(edit):
+        return lambda case: (case / "integrity.json").write_text(json.dumps(edit(json.loads(
+            (case / "integrity.json").read_text()))))
+    cases = {
+        "changed": (lambda case: (case / "metadata.json").write_text(
+                        (case / "metadata.json").read_text().replace(", ", ",  ")),
+                    "metadata.json: its SHA-256 differs from the one in integrity.json (stored 56b32e2dfbc0255d"),
+        "unlisted": (edit_manifest(lambda m: {**m, "files": {k: v for k, v in m["files"].items()
+                                                             if k != "__1_0.distcp"}}),
+                     "__1_0.distcp is read but not listed in integrity.json"),
+        "gone": (edit_manifest(lambda m: {**m, "files": {**m["files"], "extra.pt": "0" * 64}}),
+                 "extra.pt: listed in integrity.json but missing"),
+        "path": (edit_manifest(lambda m: {**m, "files": {**m["files"], "../x": "0" * 64}}),
+                 "'../x' is not a file name of the checkpoint folder"),
+        "digest": (edit_manifest(lambda m: {**m, "files": {**m["files"], ".metadata": "not hex"}}),
+                   "file '.metadata': its digest is not 64 lowercase hex digits"),
+        "md5": (edit_manifest(lambda m: {**m, "algorithm": "md5"}), "digests by 'md5', not sha256"),
+    }
+    for name, (damage, want) in cases.items():
+        case = tmp_path / name
+        shutil.copytree(ck, case)
+        damage(case)
+        proc = optstate_cli("validate", case, check=False)
+        assert proc.returncode == 1 and want in proc.stdout and str(case) in proc.stdout, (name, proc.stdout,
+                                                                                          proc.stderr)
+
+
 REWRITE_MEGATRON_COMMON = textwrap.dedent("""
     # Writes Megatron checkpoint SRC again as one process's DCP at DST (metadata.json copied), its
     # tensors as they were, its common_state item per CASE (its value torch.save'd, as Megatron does).

@@ -463,3 +463,32 @@ TEST_CASE("megatron: stacked axes of an N-D flattened item are those its chunk b
                                     nd_item({3, 64, 16}, {3, 2, 1}, {{{0, 0, 0, 0}, 512}})));
   CHECK_FALSE(mg::standard_no_decay("embedding.word_embeddings.weight", nd_item({16, 16}, {2, 1}, {{{0, 0, 0}, 128}})));
 }
+
+TEST_CASE("megatron: integrity.json lists plain file names with 64-hex-digit SHA-256 digests, once each") {
+  const std::string d(64, 'a');
+  auto parse = [](const std::string& text) { return mg::parse_integrity_manifest(text, "ck/integrity.json"); };
+  auto ok = parse(R"({"algorithm": "sha256", "files": {".metadata": ")" + d + R"(", "__0_0.distcp": ")" + d + R"("}})");
+  REQUIRE(ok.ok());
+  CHECK(ok->size() == 2);
+  CHECK(parse(R"({"files": {}})").ok());  // Megatron's default algorithm
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"[]", "not a JSON object"},
+      {R"({"files": {"a": ")" + d + R"("}, "files": {}})", "key 'files' twice"},
+      {R"({"files": {"a": ")" + d + R"(", "a": ")" + d + R"("}})", "key 'a' twice"},
+      {R"({"algorithm": "md5", "files": {}})", "digests by 'md5'"},
+      {R"({"algorithm": 1, "files": {}})", "digests by '1'"},
+      {R"({"files": []})", "no 'files' object"},
+      {R"({"files": {"sub/a": ")" + d + R"("}})", "'sub/a' is not a file name"},
+      {R"({"files": {"..": ")" + d + R"("}})", "'..' is not a file name"},
+      {R"({"files": {"integrity.json": ")" + d + R"("}})", "'integrity.json' is not a file name"},
+      {R"({"files": {"a": ")" + std::string(64, 'A') + R"("}})", "not 64 lowercase hex digits"},
+      {R"({"files": {"a": ")" + std::string(63, 'a') + R"("}})", "not 64 lowercase hex digits"},
+      {R"({"files": {"a": 7}})", "not 64 lowercase hex digits"},
+  };
+  for (const auto& [text, why] : refused) {
+    auto r = parse(text);
+    REQUIRE_FALSE(r.ok());
+    CHECK_MESSAGE(r.status().message().find(why) != std::string::npos, r.status().message());
+    CHECK(r.status().message().starts_with("ck/integrity.json"));
+  }
+}

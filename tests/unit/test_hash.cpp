@@ -7,6 +7,7 @@
 
 #include "optstate/diff.h"
 #include "optstate/hash.h"
+#include "optstate/sha256.h"
 #include "registry.h"
 #include "test_helpers.h"
 
@@ -265,4 +266,22 @@ TEST_CASE("diff: hyperparameters within rtol (an lr torchao keeps as float32), n
   OptimizerState other = s;
   other.groups[0].hyper.amsgrad = !other.groups[0].hyper.amsgrad;
   CHECK(!diff_checkpoints(*a, *memory_reader(other), {.rtol = 1.0})->ok());  // flags exactly
+}
+
+TEST_CASE("sha256: FIPS 180-4's test vectors, whole or in pieces of any size") {
+  auto hex = [](std::string_view s) { return optstate::sha256_hex(std::as_bytes(std::span(s.data(), s.size()))); };
+  CHECK(hex("") == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  CHECK(hex("abc") == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  const std::string two_blocks = "abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq";  // 448 bits: padding spills
+  CHECK(hex(two_blocks) == "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  const std::string million(1000000, 'a');
+  CHECK(hex(million) == "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+  for (const size_t piece : {1, 7, 63, 64, 65, 4096}) {
+    optstate::Sha256 h;
+    for (size_t at = 0; at < million.size(); at += piece) {
+      const size_t n = std::min(piece, million.size() - at);
+      h.update(std::as_bytes(std::span(million.data() + at, n)));
+    }
+    CHECK(h.finish_hex() == hex(million));
+  }
 }

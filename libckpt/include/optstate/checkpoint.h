@@ -139,6 +139,11 @@ class CheckpointReader {
   // many params), read whole once each. An error names the file and record; afterwards
   // checksummed() says whether every byte read was covered.
   virtual Status verify_shared_records() { return Status::Ok(); }
+  // validate's check of whole-file digests a writer kept beside its data (Megatron-Core's
+  // integrity.json: each file's SHA-256). An error names the file whose bytes differ, that is gone,
+  // or that the checkpoint reads but the manifest leaves out; otherwise what was verified, for
+  // validate to say ("" where the checkpoint keeps no such digests).
+  virtual Result<std::string> verify_file_digests() { return std::string(); }
   // Streams one component of one entry in flattened order. Formats with checksums verify every
   // chunk and fail (naming the file, the entry and the range) when one does not match.
   virtual Status stream(const std::string& fqn, const std::string& entry, Component c, const ByteSink& sink) = 0;

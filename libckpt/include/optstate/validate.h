@@ -25,6 +25,7 @@ struct ValidationReport {
   int64_t values_checked = 0;
   bool checksums_verified = false;  // the format stores checksums and every chunk matched (CheckpointReader::checksummed)
   std::string unchecked;            // otherwise what they leave unchecked (CheckpointReader::unchecked)
+  std::string file_digests;         // whole-file digests verified, "" if none (CheckpointReader::verify_file_digests)
   bool ok() const { return findings.empty(); }
 };
 

@@ -81,8 +81,11 @@ Under Megatron-Core 0.19 (not on this machine's PyPI: its release tag's source, 
 archive core_v0.19.0 megatron/core | tar -x -C /tmp/mcore19`, with triton installed beside it,
 `pip install --target /tmp/mc19deps --no-deps triton`, which it imports; PYTHONPATH=/tmp/mcore19:
 /tmp/mc19deps, MEGATRON_RUNS=tp2,dp2_distopt,dp2_distopt_dp_reshardable,moe_ep2,dp2_distopt_dp_zero,
+dp2_distopt_integrity,
 OUT `tests/data/writers/megatron-core-0.19.0_torch-2.13.0`) the same runs save no common.pt: the
-common state is the DCP's own `common_state/shard_0_1` item (torch.save([dict])).
+common state is the DCP's own `common_state/shard_0_1` item (torch.save([dict])); and
+`dp2_distopt_integrity/` is `dp2_distopt` saved as Megatron-LM's --verify-integrity saves it, with
+`integrity.json` beside (each file's SHA-256).
 
 Under Megatron-Core 0.13.1 (`pip install --target /tmp/mc013 --no-deps megatron-core==0.13.1`,
 OUT `tests/data/writers/megatron-core-0.13.1_torch-2.13.0`) the runs are its distributed optimizer
@@ -255,9 +258,13 @@ def mcore_version():
     return tuple(int(x) for x in package_info.__version__.split(".")[:2])
 
 
+# Megatron-Core 0.19 on: Megatron-LM's --verify-integrity, the save's integrity.json (each file's SHA-256)
+RUNS_019 = dict(RUNS_016, dp2_distopt_integrity=dict(RUNS_016["dp2_distopt"], integrity=True))
+
+
 def runs():
     v = mcore_version()
-    return RUNS_09 if v < (0, 10) else RUNS_013 if v < (0, 14) else RUNS_016
+    return RUNS_09 if v < (0, 10) else RUNS_013 if v < (0, 14) else RUNS_016 if v < (0, 19) else RUNS_019
 
 
 def torch_norm_under_sequence_parallel():
@@ -593,7 +600,8 @@ def rank_main(rank, world, port, out):
         if mcore_version() < (0, 10):
             dist_checkpointing.save(state, path, strategy)
         else:
-            dist_checkpointing.save(state, path, strategy, content_metadata=metadata)
+            extra = dict(verify_integrity=True) if run.get("integrity") else {}
+            dist_checkpointing.save(state, path, strategy, content_metadata=metadata, **extra)
         if rank == 0 and refd:
             write_ref(path, whole, settings)
         dist.barrier()

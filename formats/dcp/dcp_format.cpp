@@ -233,7 +233,16 @@ class DcpReader final : public CheckpointReader {
       const std::string fw = (dir_ / d.name).string();
       if (!fs::is_regular_file(dir_ / d.name, ec))
         return corrupt(fmt::format("{}: listed in {} but missing", fw, megatron::kIntegrityManifest));
-      OPTSTATE_ASSIGN_OR_RETURN(const InputFile* f, file(d.name, fw));
+      // the reader's own files as it holds them; any other listed file opened for this check alone
+      std::optional<InputFile> own;
+      const InputFile* f = nullptr;
+      if (const auto it = files_.find(d.name); it != files_.end()) {
+        f = &it->second;
+      } else {
+        OPTSTATE_ASSIGN_OR_RETURN(fs::path full, contained_path(dir_, d.name));
+        OPTSTATE_ASSIGN_OR_RETURN(InputFile opened, InputFile::open(full));
+        f = &own.emplace(std::move(opened));
+      }
       Sha256 h;
       for (uint64_t at = 0; at < f->size();) {
         buf.resize(static_cast<size_t>(std::min<uint64_t>(f->size() - at, uint64_t{8} << 20)));

@@ -17,7 +17,9 @@ and the scheduler's state under "optim", beside `policy/weights/`, a DCP of the 
 
 Megatron-LM saves `iter_N/` through Megatron-Core's dist_checkpointing (torch_dist): a DCP keyed by
 its model's sharded keys (layers stacked), the optimizer's moments as `optimizer.state.<entry>.<key>`,
-its param groups (without members) and step in `common.pt`: torch alone sees no optimizer in it.
+its param groups (without members) and step in `common.pt` (from Megatron-Core 0.19 in the DCP's own
+`common_state` item, and with --verify-integrity each file's SHA-256 in `integrity.json`): torch alone
+sees no optimizer in it.
 
 nanotron saves `checkpoints/<step>/optimizer/` as torch.save of each pipeline stage's (under ZeRO-1,
 each data-parallel rank's) NamedOptimizer state_dict: params numbered per file and named by an added

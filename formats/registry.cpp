@@ -25,25 +25,47 @@ const FormatDriver* find_format(std::string_view name) {
 namespace {
 
 // For a directory that is no checkpoint itself but holds checkpoints (Hugging Face's checkpoint-500/
-// holds optimizer.pt beside model.safetensors and trainer_state.json; under FSDP with sharded state
-// dicts, Accelerate's optimizer_0/ DCP beside pytorch_model_fsdp_0/, a DCP of weights only):
-// "; it holds <name> (<format>)", naming what opens, of the first entries; else nothing.
+// holds optimizer.pt beside model.safetensors and trainer_state.json; verl's Megatron backend keeps
+// global_step_N/actor/optimizer/dist_ckpt/, NeMo RL's Megatron one step_N/policy/weights/iter_0000000/):
+// "; it holds <relative path> (<format>)", naming what opens, found breadth first down to
+// kHintDepth levels (the shallowest level holding any: nothing below a checkpoint is looked at),
+// each folder's first kHintEntries entries, kHintFolders folders in all; else nothing.
+constexpr int kHintDepth = 3;
+constexpr int kHintEntries = 64;
+constexpr int kHintFolders = 64;
+
 std::string checkpoints_inside(const std::filesystem::path& dir) {
   namespace fs = std::filesystem;
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return "";
   std::vector<std::string> found;
   bool any_directory = false;
-  int looked = 0;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end && looked < 64; it.increment(ec), ++looked) {
-    const bool is_directory = it->is_directory(ec);
-    if (!is_directory && !it->is_regular_file(ec)) continue;
-    for (const FormatDriver* d : format_drivers())
-      if (d->sniff(it->path()) && d->open(it->path()).ok()) {
-        found.push_back(fmt::format("{}{} ({})", it->path().filename().string(), is_directory ? "/" : "", d->name()));
-        any_directory = any_directory || is_directory;
-        break;
+  std::vector<fs::path> level{fs::path()};  // relative to dir
+  int folders = 0;
+  for (int depth = 1; depth <= kHintDepth && found.empty() && !level.empty(); ++depth) {
+    std::vector<fs::path> next;
+    for (const fs::path& rel : level) {
+      if (++folders > kHintFolders) break;
+      int looked = 0;
+      for (fs::directory_iterator it(dir / rel, ec), end; !ec && it != end && looked < kHintEntries;
+           it.increment(ec), ++looked) {
+        const bool is_directory = it->is_directory(ec);
+        if (!is_directory && !it->is_regular_file(ec)) continue;
+        const fs::path child = rel / it->path().filename();
+        bool opens = false;
+        for (const FormatDriver* d : format_drivers())
+          if (d->sniff(it->path()) && d->open(it->path()).ok()) {
+            found.push_back(fmt::format("{}{} ({})", child.generic_string(), is_directory ? "/" : "", d->name()));
+            any_directory = any_directory || is_directory;
+            opens = true;
+            break;
+          }
+        if (!opens && is_directory && !it->is_symlink(ec)) next.push_back(child);  // no walking in circles
       }
+      ec.clear();
+    }
+    std::sort(next.begin(), next.end());
+    level = std::move(next);
   }
   if (found.empty()) return "";
   std::sort(found.begin(), found.end());

@@ -765,6 +765,27 @@ def test_megatron_core_0_19s_integrity_manifest_is_checked_by_validate(tmp_path,
                                                                                           proc.stderr)
 
 
+def test_a_folder_that_holds_a_checkpoint_a_few_levels_down_names_it(tmp_path, optstate_cli):
+    """A folder that is no checkpoint but holds one up to three levels down is refused with the
+    path to pass, the shallowest found, e.g. NeMo RL's step_N/ of its Megatron backend (Megatron's
+    save folder policy/weights/ with iter_0000000/ in it), or a run folder of NeMo RL step folders;
+    deeper than that, or where nothing opens, no path is named; a symlink back up is not followed
+    round."""
+    step = tmp_path / "results" / "step_5"
+    shutil.copytree(MEGATRON_019 / "tp2", step / "policy" / "weights" / "iter_0000000")
+    (step / "training_info.json").write_text("{}")
+    (step / "policy" / "weights" / "up").symlink_to(tmp_path, target_is_directory=True)
+    err = run_err(optstate_cli, "inspect", step)
+    assert err.rstrip().endswith("; it holds policy/weights/iter_0000000/ (dcp): pass that directory"), err
+    runs = tmp_path / "runs"
+    for n in (2, 4):
+        shutil.copytree(NEMO_RL / "dtensor_v2" / "step_2", runs / f"step_{n}")
+    err = run_err(optstate_cli, "inspect", runs)
+    assert "it holds step_2/ (dcp), step_4/ (dcp): pass one of them" in err, err
+    err = run_err(optstate_cli, "inspect", tmp_path / "results")  # four levels down
+    assert "it holds" not in err and "not a checkpoint in any known format" in err, err
+
+
 REWRITE_MEGATRON_COMMON = textwrap.dedent("""
     # Writes Megatron checkpoint SRC again as one process's DCP at DST (metadata.json copied), its
     # tensors as they were, its common_state item per CASE (its value torch.save'd, as Megatron does).

@@ -268,20 +268,40 @@ TEST_CASE("diff: hyperparameters within rtol (an lr torchao keeps as float32), n
   CHECK(!diff_checkpoints(*a, *memory_reader(other), {.rtol = 1.0})->ok());  // flags exactly
 }
 
-TEST_CASE("sha256: FIPS 180-4's test vectors, whole or in pieces of any size") {
-  auto hex = [](std::string_view s) { return optstate::sha256_hex(std::as_bytes(std::span(s.data(), s.size()))); };
-  CHECK(hex("") == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
-  CHECK(hex("abc") == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
-  const std::string two_blocks = "abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq";  // 448 bits: padding spills
-  CHECK(hex(two_blocks) == "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
-  const std::string million(1000000, 'a');
-  CHECK(hex(million) == "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
-  for (const size_t piece : {1, 7, 63, 64, 65, 4096}) {
-    optstate::Sha256 h;
-    for (size_t at = 0; at < million.size(); at += piece) {
-      const size_t n = std::min(piece, million.size() - at);
-      h.update(std::as_bytes(std::span(million.data() + at, n)));
+TEST_CASE("sha256: FIPS 180-4's test vectors, whole or in pieces of any size, by SHA-NI and the portable rounds") {
+  using Impl = optstate::Sha256::Impl;
+  std::vector<Impl> impls{Impl::kPortable};
+  if (optstate::Sha256::sha_ni_available()) impls.push_back(Impl::kBest);
+  MESSAGE(std::string(optstate::Sha256::sha_ni_available() ? "SHA-NI available: both paths checked"
+                                                            : "no SHA-NI on this CPU: the portable rounds only"));
+  for (const Impl impl : impls) {
+    auto hex = [&](std::string_view s) {
+      optstate::Sha256 h(impl);
+      h.update(std::as_bytes(std::span(s.data(), s.size())));
+      return h.finish_hex();
+    };
+    CHECK(hex("") == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+    CHECK(hex("abc") == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    const std::string two_blocks = "abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq";  // padding spills
+    CHECK(hex(two_blocks) == "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+    const std::string million(1000000, 'a');
+    CHECK(hex(million) == "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+    for (const size_t piece : {1, 7, 63, 64, 65, 4096}) {
+      optstate::Sha256 h(impl);
+      for (size_t at = 0; at < million.size(); at += piece) {
+        const size_t n = std::min(piece, million.size() - at);
+        h.update(std::as_bytes(std::span(million.data() + at, n)));
+      }
+      CHECK(h.finish_hex() == hex(million));
     }
-    CHECK(h.finish_hex() == hex(million));
+  }
+  // both paths agree on every length around the block and padding boundaries
+  std::string bytes;
+  for (int i = 0; i < 300; ++i) bytes += static_cast<char>(i * 131 + 7);
+  for (size_t n = 0; n <= bytes.size(); ++n) {
+    const auto span = std::as_bytes(std::span(bytes.data(), n));
+    optstate::Sha256 portable(Impl::kPortable), best;
+    portable.update(span), best.update(span);
+    CHECK(portable.finish_hex() == best.finish_hex());
   }
 }

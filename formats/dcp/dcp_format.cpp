@@ -244,8 +244,8 @@ class DcpReader final : public CheckpointReader {
         f = &own.emplace(std::move(opened));
       }
       Sha256 h;
-      for (uint64_t at = 0; at < f->size();) {
-        buf.resize(static_cast<size_t>(std::min<uint64_t>(f->size() - at, uint64_t{8} << 20)));
+      for (uint64_t at = 0; at < f->size();) {  // 1 MiB at a time: hashed while still in cache
+        buf.resize(static_cast<size_t>(std::min<uint64_t>(f->size() - at, uint64_t{1} << 20)));
         OPTSTATE_RETURN_IF_ERROR(f->read_at(at, buf).with_context(fw));
         h.update(buf);
         at += buf.size();

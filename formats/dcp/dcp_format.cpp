@@ -223,7 +223,7 @@ class DcpReader final : public CheckpointReader {
     std::set<std::string> listed;
     for (const auto& d : digests) listed.insert(d.name);
     std::set<std::string> read{".metadata", "metadata.json"};
-    if (common_name_ == kMegatronCommon) read.insert(kMegatronCommon);
+    if (layout_.megatron && !common_in_item_) read.insert(kMegatronCommon);
     for (const auto& [k, loc] : md_.storage) read.insert(loc.relative_path);
     for (const std::string& name : read)
       if (!listed.count(name))
@@ -1106,6 +1106,7 @@ class DcpReader final : public CheckpointReader {
   static constexpr const char* kMegatronCommon = "common.pt";
   static constexpr const char* kMegatronCommonItem = "common_state/shard_0_1";
   std::string common_name_ = "common.pt";  // where the common state was read from, for messages
+  bool common_in_item_ = false;            // read from the common_state item (0.19 on), not common.pt
 
   // Megatron's common state (common.pt, or from Megatron-Core 0.19 the common_state item), where the
   // folder's metadata.json names its torch_dist backend (megatron.h); nullopt for any other DCP.
@@ -1148,6 +1149,7 @@ class DcpReader final : public CheckpointReader {
                                    "common.pt, nor Megatron-Core 0.19's '{}' item)",
                                    where, backend, kMegatronCommonItem));
       common_name_ = fmt::format("item '{}'", kMegatronCommonItem);
+      common_in_item_ = true;
       OPTSTATE_ASSIGN_OR_RETURN(pi, item(kMegatronCommonItem, {}, 64));
       const pickle::Ref r = pi->payload.kind == Payload::Kind::kValue ? pi->pickle.root() : pickle::kNoRef;
       const pickle::Value* one = r == pickle::kNoRef ? nullptr : &pi->pickle.at(r);
@@ -1258,7 +1260,7 @@ class DcpReader final : public CheckpointReader {
     for (const auto& [key, im] : md_.items)
       if (auto si = megatron::state_item(key)) with_state.insert(si->key);
     for (const auto& [key, im] : md_.items) {
-      if (dp_items.count(key) || (key == kMegatronCommonItem && common_name_ != kMegatronCommon)) continue;
+      if (dp_items.count(key) || (key == kMegatronCommonItem && common_in_item_)) continue;
       if (auto si = megatron::state_item(key)) {
         const std::string iw = fmt::format("{}: item '{}'", where, key);
         if (!c.chained && si->chain >= 0) return corrupt(fmt::format("{}: prefixed chained_<i>. but {} holds one optimizer", iw, common_name_));
@@ -1349,7 +1351,7 @@ class DcpReader final : public CheckpointReader {
     for (const auto& [key, wkey] : beside_main) OPTSTATE_RETURN_IF_ERROR(check_main_params(key, wkey));
     meta_.kind = "adamw";
     if (!c.other_keys.empty())
-      notes_.push_back(fmt::format("{}: {} ({})", common_name_ == kMegatronCommon ? "common.pt" : "common state",
+      notes_.push_back(fmt::format("{}: {} ({})", common_in_item_ ? "common state" : "common.pt",
                                    fmt::join(c.other_keys, ", "),
                                    c.lightning ? "NeMo's Lightning checkpoint" : "Megatron's trainer state"));
     if (any_unprefixed)

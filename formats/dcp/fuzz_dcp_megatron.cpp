@@ -2,7 +2,8 @@
 // (tests/data/writers/, make_megatron.py). Built five times: the input is the common.pt of 0.16's
 // under tensor parallelism 2 (the param groups without members, the step, the trainer's other state;
 // each input also tried with data.pkl's CRC-32 re-signed, so changes reach the interpretation:
-// fuzz.dcp_megatron_common), or its .metadata (the sharded keys, stacked chunks and storage records
+// fuzz.dcp_megatron_common; a data file is run as it is and with every entry of every record
+// re-signed), or its .metadata (the sharded keys, stacked chunks and storage records
 // against the real data files: fuzz.dcp_megatron_metadata), or the .metadata of 0.13's distributed
 // optimizer (N-D flattened items: mcore_data's shapes, chunk boxes and element ranges split between
 // ranks: fuzz.dcp_megatron_nd_metadata), or the .metadata or first data file of 0.16's distributed
@@ -35,8 +36,10 @@ const fuzz::CheckpointFixture& fixture() {
 }
 
 std::optional<std::string> signed_input(const std::string& raw) {
-  if (!std::string_view(OPTSTATE_MEGATRON_MEMBER).ends_with(".pt")) return std::nullopt;  // a torch.save file
-  return torchsave::with_pickle_crc(raw);
+  const std::string_view member = OPTSTATE_MEGATRON_MEMBER;
+  if (member.ends_with(".pt")) return torchsave::with_pickle_crc(raw);        // a torch.save file
+  if (member.ends_with(".distcp")) return torchsave::with_record_crcs(raw);   // a data file of records
+  return std::nullopt;
 }
 
 }  // namespace
@@ -44,7 +47,11 @@ std::optional<std::string> signed_input(const std::string& raw) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string raw(reinterpret_cast<const char*>(data), size);
   const auto re_signed = signed_input(raw);
-  fixture().run(re_signed ? *re_signed : raw, fixture().data());
+  // A data file as it is too: its CRC-32 checks are code to reach as well (a torch.save member's
+  // re-signed form alone, as before).
+  if (!re_signed || *re_signed == raw || std::string_view(OPTSTATE_MEGATRON_MEMBER).ends_with(".distcp"))
+    fixture().run(raw, fixture().data());
+  if (re_signed && *re_signed != raw) fixture().run(*re_signed, fixture().data());
   return 0;
 }
 

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <array>
+#include <filesystem>
 #include <functional>
 #include <span>
 #include <string>
@@ -14,6 +15,10 @@
 #include "dcp/chunks.h"
 #include "dcp/megatron.h"
 #include "dcp/pickle.h"
+#include "optstate/validate.h"
+#include "registry.h"
+#include "test_helpers.h"
+#include "torchsave/torchsave_fuzz_sign.h"
 
 using namespace optstate;
 namespace mg = optstate::dcp::megatron;
@@ -491,4 +496,36 @@ TEST_CASE("megatron: integrity.json lists plain file names with 64-hex-digit SHA
     CHECK_MESSAGE(r.status().message().find(why) != std::string::npos, r.status().message());
     CHECK(r.status().message().starts_with("ck/integrity.json"));
   }
+}
+
+// The fuzz targets' signer for a DCP data file (torchsave_fuzz_sign.h): each torch.save record
+// re-signed, so a change inside one (here the common_state item's pickle, 20 KB in, after other
+// records) reaches the reader instead of failing its CRC-32.
+TEST_CASE("fuzz signer: every record of a DCP data file is re-signed, so a changed pickle reaches the reader") {
+  const std::filesystem::path src =
+      std::filesystem::path(OPTSTATE_SOURCE_DIR) / "tests/data/writers/megatron-core-0.19.0_torch-2.13.0/tp2";
+  const std::string data = testing::read_file(src / "__0_0.distcp");
+  REQUIRE(data.size() > 100000);
+  size_t eocds = 0;
+  for (size_t at = data.find("PK\x05\x06"); at != std::string::npos; at = data.find("PK\x05\x06", at + 4)) ++eocds;
+  std::string same = data;
+  CHECK(torchsave::resign_records(same) == eocds);  // every record parsed (each ends in ZIP64's records)
+  CHECK(same == data);                               // and was signed right already
+
+  testing::TempDir dir;
+  std::filesystem::copy(src, dir.path / "ck");
+  const size_t at = data.find("num_layers");
+  REQUIRE(at != std::string::npos);
+  std::string changed = data;
+  changed[at + 9] = 'z';  // a trainer argument's name in the common state: num_layerz
+  const auto validate = [&](const std::string& bytes) -> std::string {
+    testing::write_file(dir.path / "ck" / "__0_0.distcp", bytes);
+    auto v = validate_checkpoint(dir.path / "ck", [](const std::filesystem::path& p) { return open_checkpoint(p); });
+    return v.ok() ? (v->ok() ? "" : v->findings.front().message) : v.status().message();
+  };
+  CHECK(validate(changed).find("CRC-32") != std::string::npos);
+  const auto signed_ = torchsave::with_record_crcs(changed);
+  REQUIRE(signed_);
+  CHECK(validate(*signed_) == "");
+  CHECK(validate(data) == "");
 }

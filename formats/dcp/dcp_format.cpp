@@ -695,6 +695,7 @@ class DcpReader final : public CheckpointReader {
     std::map<Path, std::map<std::string, std::string>> model_items;  // P -> fqn -> key
     std::map<std::string, std::string> top_items;                    // fqn -> key
     std::map<std::string, Path> item_path;                           // item -> its path
+    std::set<Path> megatron_fsdp;  // K whose groups are Megatron-FSDP's param_to_group_meta
     auto split_last = [](const std::string& s) -> std::optional<std::pair<std::string, std::string>> {
       const auto dot = s.rfind('.');
       if (dot == std::string::npos || dot == 0 || dot + 1 == s.size()) return std::nullopt;
@@ -724,6 +725,11 @@ class DcpReader final : public CheckpointReader {
           states[Path(path.begin(), path.end() - 4)][path[n - 3] + "." + std::string(kBnbQuantState)][last] = key;
         } else if (n >= 3 + k_min && path[n - 3] == "state") {
           states[head3][path[n - 2]][last] = key;
+        } else if (n >= 3 + k_min && path[n - 3] == "param_to_group_meta") {
+          // Megatron-FSDP's optimizer (Megatron-LM --ckpt-format fsdp_dtensor: DistributedOptimizer's
+          // sharded_param_state_fsdp_dtensor): each param its group's fields, as flattened ones
+          flat_groups[head3][path[n - 2]][last] = key;
+          megatron_fsdp.insert(head3);
         } else if (n >= 3 + k_min && path[n - 3] == "param_groups") {
           int g = -1;
           try {
@@ -813,6 +819,43 @@ class DcpReader final : public CheckpointReader {
     std::vector<std::optional<std::vector<std::string>>> param_names;  // numbered groups' param_names
     if (opt_key.size() == 1)
       for (const auto& [fqn, key] : top_items) weight_items.emplace(fqn, key);  // model.<fqn> first
+
+    if (megatron_fsdp.count(opt_key)) {
+      // Megatron-FSDP names the state as its model chunk's named_parameters() does, under every
+      // wrapper (module.module.decoder...: the DDP adapter's, Megatron-FSDP's; Float16Module's one
+      // more), the weights one or two wrappers less (their state_dict leaves some out): both read
+      // without the leading 'module.' their names all share, as Megatron-Core 0.19's own
+      // SwiGLU split matches keys without them (_strip_wrappers); never down to an empty name. Its
+      // layout is not written back (a plain DCP is).
+      const auto strip = [](auto& by_name) {
+        size_t levels = 0;
+        for (;; ++levels) {
+          std::vector<std::string> names;
+          for (const auto& kv : by_name) names.push_back(kv.first);
+          if (!is_ddp_state_dict(names) || std::count(names.begin(), names.end(), "module.")) return levels;
+          std::remove_reference_t<decltype(by_name)> out;
+          for (auto& [name, v] : by_name) out.emplace(name.substr(7), std::move(v));
+          by_name = std::move(out);
+        }
+      };
+      const size_t state_levels = strip(flat_groups.at(opt_key));
+      for (size_t i = 0; i < state_levels; ++i) {  // the state's names as the groups' (no group: refused)
+        std::map<std::string, std::map<std::string, std::string>> out;
+        for (auto& [name, v] : state_items) {
+          if (name.rfind("module.", 0) != 0 || name.size() == 7)
+            return corrupt(fmt::format("{}: param '{}' has state but no param_to_group_meta items", where, name));
+          out.emplace(name.substr(7), std::move(v));
+        }
+        state_items = std::move(out);
+      }
+      const size_t weight_levels = strip(weight_items);
+      layout_.megatron = true;
+      value_notes_.push_back(fmt::format(
+          "Megatron-FSDP's checkpoint (Megatron-LM --ckpt-format fsdp_dtensor): each param's group from "
+          "'{}.param_to_group_meta'; params named without the wrappers' 'module.' ({} of the optimizer's, {} of the "
+          "model's)",
+          dotted(opt_key), state_levels, weight_levels));
+    }
 
     // Param groups: hyperparameters and members.
     if (auto ng = nested_groups.find(opt_key); ng != nested_groups.end()) {

@@ -713,6 +713,64 @@ def test_megatron_core_0_19s_checkpoints_keep_their_common_state_inside_the_dcp(
     assert optstate_cli("diff", ck, out).returncode == 0
 
 
+@pytest.mark.parametrize("run", ["fsdp_dtensor_dp2", "fsdp_dtensor_dp2_bf16"])
+def test_a_megatron_fsdp_fsdp_dtensor_checkpoint_reads_as_megatron_held_it(tmp_path, optstate_cli, run):
+    """Megatron-LM's --use-megatron-fsdp --ckpt-format fsdp_dtensor saves with torch's DCP alone
+    (no metadata.json, no common.pt): the weights and moments are Megatron-FSDP's DTensors, each
+    rank's uneven share of each param (a bucket split mid-param: 16 + 8 rows), and the optimizer's
+    groups are per param, `optimizer.param_to_group_meta.<name>.<field>`, not param_groups. Made by
+    Megatron-Core 0.19's own Megatron-FSDP and distributed optimizer (make_megatron_fsdp.py): the
+    fp32 conversion is bit for bit what was handed to DCP, weights included, steps and groups its
+    own; the params are named without the wrappers' `module.` (the optimizer's names carry two, or
+    three under bf16's Float16Module, the weights' one), which the read note says; the trainer's
+    items are named as not read; a DCP write is a plain one that diffs equal."""
+    ck = MEGATRON_019 / run / "iter_0000003"
+    assert (ck / ".metadata").exists() and not (ck / "metadata.json").exists()
+    ref, meta = ref_of(ck)
+    info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta)
+    assert sorted(g["weight_decay"] for g in info["param_groups"]) == [0.0, 0.1]
+    assert all(not name.startswith("module.") for name in info["params"]), list(info["params"])[:3]
+    assert "decoder.layers.0.self_attention.linear_qkv.weight" in info["params"]
+    levels = 3 if run.endswith("bf16") else 2
+    assert info["read_notes"] == [
+        "Megatron-FSDP's checkpoint (Megatron-LM --ckpt-format fsdp_dtensor): each param's group from "
+        f"'optimizer.param_to_group_meta'; params named without the wrappers' 'module.' ({levels} of the "
+        "optimizer's, 1 of the model's)"], info["read_notes"]
+    assert info["not_read"] == ["args (1 item)", "checkpoint_version (1 item)", "iteration (1 item)",
+                                "opt_param_scheduler (10 items)", "rng_state (3 items)"], info["not_read"]
+    assert info["ranks"] == 2
+    out = tmp_path / "plain_dcp"
+    optstate_cli("convert", ck, out, "--format", "dcp")
+    assert optstate_cli("diff", ck, out).returncode == 0
+    # a step folder's parent (the save dir, latest_checkpointed_iteration.txt beside) names it
+    r = optstate_cli("inspect", MEGATRON_019 / run, check=False)
+    assert r.returncode == 2 and "iter_0000003/ (dcp): pass that directory" in r.stderr, r.stderr
+
+
+def test_per_param_groups_whose_names_disagree_with_the_state_are_refused_by_name(tmp_path, optstate_cli):
+    """param_to_group_meta (Megatron-FSDP's groups) read as torch's flattened groups: a param whose
+    state is outside the 'module.' every group name shares has no group and is named; names with
+    no wrapper read as they are."""
+    import torch.distributed.checkpoint as dcp
+
+    group = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
+             "maximize": False, "wd_mult": 1.0}
+    moments = {"exp_avg": torch.ones(4), "exp_avg_sq": torch.ones(4), "step": torch.tensor(2.0)}
+    plain = tmp_path / "plain"
+    dcp.save({"model": {"w": torch.zeros(4)}, "optimizer": {"state": {"w": dict(moments)},
+                                                            "param_to_group_meta": {"w": dict(group)}}},
+             checkpoint_id=str(plain), no_dist=True)
+    info = json.loads(optstate_cli("inspect", plain, "--json", "--no-stats").stdout)
+    assert list(info["params"]) == ["w"] and info["params"]["w"]["step"] == 2, info["params"]
+    assert "(0 of the optimizer's, 0 of the model's)" in info["read_notes"][0], info["read_notes"]
+    odd = tmp_path / "odd"
+    dcp.save({"optimizer": {"state": {"module.w": dict(moments), "x": dict(moments)},
+                            "param_to_group_meta": {"module.w": dict(group), "module.x": dict(group)}}},
+             checkpoint_id=str(odd), no_dist=True)
+    r = optstate_cli("inspect", odd, check=False)
+    assert r.returncode == 2 and "param 'x' has state but no param_to_group_meta items" in r.stderr, r.stderr
+
+
 def test_megatron_core_0_19s_integrity_manifest_is_checked_by_validate(tmp_path, optstate_cli):
     """Megatron-LM's --verify-integrity (Megatron-Core 0.19) saves integrity.json beside the DCP:
     each file's SHA-256, as hashlib computes it. validate checks every listed file against it and

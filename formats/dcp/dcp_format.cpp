@@ -792,6 +792,16 @@ class DcpReader final : public CheckpointReader {
       return corrupt(fmt::format("{}: '{}' mixes numbered and flattened (per-param) param_groups items", where,
                                  dotted(opt_key)));
     auto state_items = states[opt_key];  // a copy: numbered params are renamed below
+    group_step_ = std::none_of(state_items.begin(), state_items.end(),
+                               [](const auto& kv) { return kv.second.count("step") > 0; });
+    if (group_step_) {
+      bool any = false;
+      for (const auto& [k, gs] : nested_groups)
+        for (const auto& [g, fields] : gs) any = any || (k == opt_key && fields.count("step"));
+      if (const auto fg = flat_groups.find(opt_key); fg != flat_groups.end())
+        for (const auto& [fqn, fields] : fg->second) any = any || fields.count("step");
+      group_step_ = any;
+    }
     std::set<std::string> carried_weights;  // weight items of the params read
     // Items the canonical state holds (a DCP writer rewrites them); the rest is carried through by
     // convert DCP -> DCP (layout_.carried).
@@ -1041,6 +1051,17 @@ class DcpReader final : public CheckpointReader {
                                          ps.entries.count(kExpAvg) ? kExpAvgSq : kExpAvg));
           }
         }
+        if (group_step_) {
+          const auto& fields = layout_.flattened ? flat_groups.at(opt_key).at(fqn)
+                                                 : nested_groups.at(opt_key).at(static_cast<int>(g));
+          if (const auto gs = fields.find("step"); gs != fields.end()) {
+            OPTSTATE_ASSIGN_OR_RETURN(double step, value_of(gs->second, pw + " its group's step"));
+            if (!(step >= 0 && step < 9.2e18 && step == std::floor(step)))
+              return corrupt(pw + ": its group's step is not a count");
+            ps.step = static_cast<int64_t>(step);
+            consumed.insert(gs->second);
+          }
+        }
         meta_.params.emplace(fqn, std::move(ps));
         kept.push_back(fqn);
         if (layout_.flattened) consume_fields(flat_groups.at(opt_key).at(fqn));
@@ -1150,6 +1171,10 @@ class DcpReader final : public CheckpointReader {
   static constexpr const char* kMegatronCommonItem = "common_state/shard_0_1";
   std::string common_name_ = "common.pt";  // where the common state was read from, for messages
   bool common_in_item_ = false;            // read from the common_state item (0.19 on), not common.pt
+  // The optimizer keeps its step in each param group, not per param (TransformerEngine's and apex's
+  // FusedAdam: Megatron-FSDP's fsdp_dtensor groups, a get_state_dict of theirs): no param's state
+  // holds a 'step' and some group does. Each param's step is then its group's, not an extra key.
+  bool group_step_ = false;
 
   // Megatron's common state (common.pt, or from Megatron-Core 0.19 the common_state item), where the
   // folder's metadata.json names its torch_dist backend (megatron.h); nullopt for any other DCP.
@@ -1877,6 +1902,10 @@ class DcpReader final : public CheckpointReader {
       if (c != 0 && pg.hyper.weight_decay != 0)
         return corrupt(gw + ": corrected_weight_decay=True (timm's AdamW decays by lr^2 / max_lr, not lr): not AdamW's update");
     }
+    if (fields.count("bias_correction")) {  // apex's / TransformerEngine's FusedAdam
+      OPTSTATE_ASSIGN_OR_RETURN(const double bc, number(fields, "bias_correction", gw, 1.0));
+      if (bc == 0) return corrupt(gw + ": bias_correction=False: not AdamW's update");
+    }
     if (fields.count("correct_bias")) {
       OPTSTATE_ASSIGN_OR_RETURN(const double cb, number(fields, "correct_bias", gw, 1.0));
       if (cb == 0) return corrupt(gw + ": correct_bias=False (transformers' AdamW without bias correction): not AdamW's update");
@@ -1944,7 +1973,7 @@ class DcpReader final : public CheckpointReader {
                               std::set<std::string>* named = nullptr) {
     GroupExtras out;
     for (const auto& [field, key] : fields) {
-      if (known_group_key(field)) continue;
+      if (known_group_key(field) || (group_step_ && field == "step")) continue;
       const ItemMeta& im = md_.items.at(key);
       std::optional<GroupValue> v;
       if (im.is_tensor) {

@@ -16,7 +16,9 @@
 // by value against the weights beside: fuzz.dcp_megatron_dp_zero_state), or the first data file of
 // 0.19's under tensor parallelism 2, whose common_state item holds the common state
 // (fuzz.dcp_megatron_mcore019_data), or the integrity.json of 0.19's saved with verify_integrity
-// (names and SHA-256 digests of the folder's files: fuzz.dcp_megatron_mcore019_integrity).
+// (names and SHA-256 digests of the folder's files: fuzz.dcp_megatron_mcore019_integrity), or the
+// .metadata of Megatron-FSDP's fsdp_dtensor checkpoint (per-param groups, each rank's uneven chunks,
+// names under the wrappers' module.: fuzz.dcp_megatron_fsdp_dtensor_metadata).
 // Every input must validate, open, hash, read whole and write back (a plain DCP), or give an error.
 #include <cstdint>
 #include <optional>

@@ -750,7 +750,8 @@ def test_a_megatron_fsdp_fsdp_dtensor_checkpoint_reads_as_megatron_held_it(tmp_p
 def test_per_param_groups_whose_names_disagree_with_the_state_are_refused_by_name(tmp_path, optstate_cli):
     """param_to_group_meta (Megatron-FSDP's groups) read as torch's flattened groups: a param whose
     state is outside the 'module.' every group name shares has no group and is named; names with
-    no wrapper read as they are."""
+    no wrapper read as they are; a step kept in the group (TransformerEngine's FusedAdam) is each
+    param's, and bias_correction=False is refused."""
     import torch.distributed.checkpoint as dcp
 
     group = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
@@ -769,6 +770,20 @@ def test_per_param_groups_whose_names_disagree_with_the_state_are_refused_by_nam
              checkpoint_id=str(odd), no_dist=True)
     r = optstate_cli("inspect", odd, check=False)
     assert r.returncode == 2 and "param 'x' has state but no param_to_group_meta items" in r.stderr, r.stderr
+    # TransformerEngine's FusedAdam (Megatron's on GPUs) keeps the step in the group: each param's
+    # step is its group's, not an extra group key; bias_correction=False is not AdamW's update
+    for name, extra, want in (("te", {}, None), ("no_bias_correction", {"bias_correction": False},
+                                                 "bias_correction=False: not AdamW's update")):
+        ck = tmp_path / name
+        te_group = {**group, "bias_correction": True, "step": 3, **extra}
+        dcp.save({"optimizer": {"state": {"module.w": {"exp_avg": torch.ones(4), "exp_avg_sq": torch.ones(4)}},
+                                "param_to_group_meta": {"module.w": te_group}}}, checkpoint_id=str(ck), no_dist=True)
+        r = optstate_cli("inspect", ck, "--json", "--no-stats", check=False)
+        if want:
+            assert r.returncode == 2 and want in r.stderr, r.stderr
+            continue
+        info = json.loads(r.stdout)
+        assert info["params"]["w"]["step"] == 3 and "step" not in info["param_groups"][0], info
 
 
 def test_megatron_core_0_19s_integrity_manifest_is_checked_by_validate(tmp_path, optstate_cli):

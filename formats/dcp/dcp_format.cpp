@@ -1051,7 +1051,7 @@ class DcpReader final : public CheckpointReader {
                                          ps.entries.count(kExpAvg) ? kExpAvgSq : kExpAvg));
           }
         }
-        if (group_step_) {
+        if (group_step_ && st != state_items.end()) {  // one without state never stepped: 0
           const auto& fields = layout_.flattened ? flat_groups.at(opt_key).at(fqn)
                                                  : nested_groups.at(opt_key).at(static_cast<int>(g));
           if (const auto gs = fields.find("step"); gs != fields.end()) {

@@ -776,14 +776,17 @@ def test_per_param_groups_whose_names_disagree_with_the_state_are_refused_by_nam
                                                  "bias_correction=False: not AdamW's update")):
         ck = tmp_path / name
         te_group = {**group, "bias_correction": True, "step": 3, **extra}
-        dcp.save({"optimizer": {"state": {"module.w": {"exp_avg": torch.ones(4), "exp_avg_sq": torch.ones(4)}},
-                                "param_to_group_meta": {"module.w": te_group}}}, checkpoint_id=str(ck), no_dist=True)
+        dcp.save({"model": {"w": torch.zeros(4), "v": torch.zeros(2)},  # v: never stepped, no state
+                  "optimizer": {"state": {"w": {"exp_avg": torch.ones(4), "exp_avg_sq": torch.ones(4)}},
+                                "param_to_group_meta": {"w": te_group, "v": te_group}}},
+                 checkpoint_id=str(ck), no_dist=True)
         r = optstate_cli("inspect", ck, "--json", "--no-stats", check=False)
         if want:
             assert r.returncode == 2 and want in r.stderr, r.stderr
             continue
         info = json.loads(r.stdout)
         assert info["params"]["w"]["step"] == 3 and "step" not in info["param_groups"][0], info
+        assert info["params"]["v"]["step"] == 0, info["params"]
 
 
 def test_megatron_core_0_19s_integrity_manifest_is_checked_by_validate(tmp_path, optstate_cli):

@@ -792,15 +792,13 @@ class DcpReader final : public CheckpointReader {
       return corrupt(fmt::format("{}: '{}' mixes numbered and flattened (per-param) param_groups items", where,
                                  dotted(opt_key)));
     auto state_items = states[opt_key];  // a copy: numbered params are renamed below
-    group_step_ = std::none_of(state_items.begin(), state_items.end(),
-                               [](const auto& kv) { return kv.second.count("step") > 0; });
-    if (group_step_) {
-      bool any = false;
-      for (const auto& [k, gs] : nested_groups)
-        for (const auto& [g, fields] : gs) any = any || (k == opt_key && fields.count("step"));
-      if (const auto fg = flat_groups.find(opt_key); fg != flat_groups.end())
-        for (const auto& [fqn, fields] : fg->second) any = any || fields.count("step");
-      group_step_ = any;
+    {
+      const auto has_step = [](const auto& kv) { return kv.second.count("step") > 0; };
+      const auto ng = nested_groups.find(opt_key);
+      const auto fg = flat_groups.find(opt_key);
+      group_step_ = std::none_of(state_items.begin(), state_items.end(), has_step) &&
+                    ((ng != nested_groups.end() && std::any_of(ng->second.begin(), ng->second.end(), has_step)) ||
+                     (fg != flat_groups.end() && std::any_of(fg->second.begin(), fg->second.end(), has_step)));
     }
     std::set<std::string> carried_weights;  // weight items of the params read
     // Items the canonical state holds (a DCP writer rewrites them); the rest is carried through by

@@ -21,9 +21,11 @@ inline uint32_t get_u16(const std::string& s, uint64_t at) {
   return static_cast<uint8_t>(s[at]) | static_cast<uint32_t>(static_cast<uint8_t>(s[at + 1])) << 8;
 }
 
+inline uint32_t get_u32(const std::string& s, uint64_t at) { return get_u16(s, at) | get_u16(s, at + 2) << 16; }
+
 // Sets, in `out`, the CRC-32 of the entries of the archive at out[begin, end) that `pick` names to
-// that of their bytes, in their local headers (or data descriptors) and directory entries. false where the zip does not
-// parse that far (nothing changed then).
+// that of their bytes, in their local headers (or data descriptors) and directory entries. false
+// where the zip does not parse that far (nothing changed then).
 inline bool resign_archive(std::string& out, uint64_t begin, uint64_t end, bool (*pick)(std::string_view)) {
   const std::string in = out.substr(begin, end - begin);  // offsets in a record count from its start
   const auto bytes = std::as_bytes(std::span(in));
@@ -57,16 +59,14 @@ inline bool resign_archive(std::string& out, uint64_t begin, uint64_t end, bool 
   return any;
 }
 
-// The input with data.pkl's CRC-32 set to that of its bytes, in its local header and its directory
-// entry; nothing where the zip does not parse that far.
+// The input with data.pkl's CRC-32 set to that of its bytes, where the zip keeps it (resign_archive);
+// nothing where the zip does not parse that far.
 inline std::optional<std::string> with_pickle_crc(const std::string& in) {
   std::string out = in;
   if (!resign_archive(out, 0, in.size(), [](std::string_view name) { return name.ends_with("/data.pkl"); }))
     return std::nullopt;
   return out;
 }
-
-inline uint32_t get_u32(const std::string& s, uint64_t at) { return get_u16(s, at) | get_u16(s, at + 2) << 16; }
 
 // A DCP data file (torch.save records one after another: each tensor's, each bytes item's that
 // holds one) with every entry of every record re-signed, data.pkl and the storages, so changes to

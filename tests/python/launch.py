@@ -98,5 +98,5 @@ def run_ranks_past_gloo_aborts(cmd, world, **kwargs):
 def rendezvous_failure(proc):
     """A rank that could not reach the run's TCPStore (c10d's DistNetworkError, "Connection reset by
     peer"): free_port's port can be taken by another test's run between its probe and rank 0's bind
-    when the suite runs on several workers. Nothing of the script ran; it is tried once more."""
+    when the suite runs on several workers. Nothing of the script ran; it is tried again."""
     return proc.returncode != 0 and "DistNetworkError" in proc.stderr and "TCPStore" in proc.stderr

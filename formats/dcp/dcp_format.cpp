@@ -30,6 +30,7 @@
 #include "pickle.h"
 #include "megatron.h"
 #include "megatron_buckets.h"
+#include "megatron/megatron_layout.h"
 #include "torchao/torchao_layout.h"
 #include "zarr.h"
 #include "zip.h"
@@ -301,6 +302,8 @@ class DcpReader final : public CheckpointReader {
     return fmt::format("{}: the SHA-256 of all {} files verified", megatron::kIntegrityManifest, digests.size());
   }
   std::vector<std::string> read_notes() const override { return value_notes_; }
+  // A note on where the checkpoint was found (a save folder's tracker), read before the others.
+  void add_read_note(std::string note) { value_notes_.insert(value_notes_.begin(), std::move(note)); }
   std::vector<std::string> not_read() const override {
     std::vector<std::string> out;
     for (const auto& [top, n] : not_read_) out.push_back(fmt::format("{} ({} item{})", top, n, n == 1 ? "" : "s"));
@@ -2702,6 +2705,28 @@ bool is_megatron_zarr(const fs::path& path) {
          megatron::sharded_backend(std::string_view(reinterpret_cast<const char*>(bytes->data()), bytes->size())) == "zarr";
 }
 
+// A DCP's own folder: torch's (.metadata), a training run's two DCPs, Megatron's zarr backend.
+bool is_dcp_folder(const fs::path& path) {
+  std::error_code ec;
+  return fs::is_directory(path, ec) &&
+         (fs::is_regular_file(path / ".metadata", ec) || is_two_dcp_folder(path) || is_megatron_zarr(path));
+}
+
+// A Megatron-LM save folder (--save): its tracker names the iteration folder Megatron's
+// load_checkpoint reads (iter_<N>/ or release/, never a path). That folder where it is a DCP
+// (--ckpt-format torch_dist, zarr, fsdp_dtensor); nullopt otherwise (the legacy format's rank
+// folders are the megatron driver's).
+std::optional<fs::path> megatron_tracked_dcp(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::is_regular_file(path / ::optstate::megatron::kTrackerFile, ec)) return std::nullopt;
+  const auto bytes = read_small_file(path / ::optstate::megatron::kTrackerFile, 64);
+  if (!bytes.ok()) return std::nullopt;
+  const auto name = ::optstate::megatron::iteration_dir_of_tracker(
+      std::string_view(reinterpret_cast<const char*>(bytes->data()), bytes->size()));
+  if (!name || !is_dcp_folder(path / *name)) return std::nullopt;
+  return path / *name;
+}
+
 Result<Metadata> read_metadata(const fs::path& dir) {
   const std::string where = (dir / ".metadata").string();
   OPTSTATE_ASSIGN_OR_RETURN(auto bytes, read_small_file(dir / ".metadata", kMaxMetadataBytes));
@@ -2742,15 +2767,17 @@ class DcpDriver final : public FormatDriver {
  public:
   std::string_view name() const override { return "dcp"; }
 
+  // A DCP's folder, or a Megatron-LM save folder whose tracker names one.
   bool sniff(const fs::path& path) const override {
     std::error_code ec;
-    return fs::is_directory(path, ec) &&
-           (fs::is_regular_file(path / ".metadata", ec) || is_two_dcp_folder(path) || is_megatron_zarr(path));
+    return is_dcp_folder(path) || (fs::is_directory(path, ec) && megatron_tracked_dcp(path).has_value());
   }
 
-  Result<std::unique_ptr<CheckpointReader>> open(const fs::path& path) const override {
+  Result<std::unique_ptr<CheckpointReader>> open(const fs::path& given) const override {
     std::error_code ec;
-    if (!fs::is_directory(path, ec)) return not_found(fmt::format("{}: not a directory", path.string()));
+    if (!fs::is_directory(given, ec)) return not_found(fmt::format("{}: not a directory", given.string()));
+    const std::optional<fs::path> tracked = is_dcp_folder(given) ? std::nullopt : megatron_tracked_dcp(given);
+    const fs::path& path = tracked ? *tracked : given;
     const bool zarr = !fs::exists(path / ".metadata", ec) && is_megatron_zarr(path);
     const TwoDcps* two = zarr ? nullptr : two_dcp_layout(path);
     OPTSTATE_ASSIGN_OR_RETURN(Metadata md, zarr  ? zarr::read_zarr_folder(path)
@@ -2758,13 +2785,18 @@ class DcpDriver final : public FormatDriver {
                                                  : read_metadata(path));
     auto reader = std::make_unique<DcpReader>(path, std::move(md), zarr);
     OPTSTATE_RETURN_IF_ERROR(reader->init());
+    if (tracked)
+      reader->add_read_note(fmt::format("Megatron-LM's save folder: {} names {}/, the iteration read",
+                                        ::optstate::megatron::kTrackerFile, tracked->filename().string()));
     return std::unique_ptr<CheckpointReader>(std::move(reader));
   }
 
   // A folder of two DCPs is a training run's (Accelerate's trainer_state.json, RNG states and
-  // scheduler, NeMo Automodel's config.yaml, dataloader and RNG states beside them): a write never
-  // replaces it.
-  bool replaceable(const fs::path& path) const override { return !is_two_dcp_folder(path); }
+  // scheduler, NeMo Automodel's config.yaml, dataloader and RNG states beside them), as is a
+  // Megatron-LM save folder: a write never replaces either.
+  bool replaceable(const fs::path& path) const override {
+    return !is_two_dcp_folder(path) && (is_dcp_folder(path) || !megatron_tracked_dcp(path));
+  }
   bool keeps_blockwise8() const override { return false; }
   bool writes_blockwise8(const WriteOptions& options) const override {
     return writes_torchao_items(options, options.source ? source_layout(*options.source) : nullptr);

@@ -27,7 +27,7 @@ namespace {
 
 constexpr const char* kRankFile = "model_optim_rng.pt";
 constexpr const char* kDistribFile = "distrib_optim.pt";
-constexpr const char* kTracker = "latest_checkpointed_iteration.txt";
+constexpr const char* kTracker = kTrackerFile;
 constexpr size_t kMaxRanks = 4096;
 
 bool is_file(const fs::path& p) {

@@ -29,6 +29,10 @@ std::optional<RankDir> parse_rank_dir(std::string_view name);
 // An iteration's folder name: iter_<N:07d> or release.
 bool is_iteration_dir(std::string_view name);
 
+// The tracker Megatron-LM's save writes beside the iteration folders (world rank 0, once every rank's
+// files are saved), whatever the --ckpt-format.
+inline constexpr const char* kTrackerFile = "latest_checkpointed_iteration.txt";
+
 // latest_checkpointed_iteration.txt: an iteration number, or "release" -> the folder's name
 // (iter_0000100, release); nullopt for anything else.
 std::optional<std::string> iteration_dir_of_tracker(std::string_view text);

@@ -742,9 +742,47 @@ def test_a_megatron_fsdp_fsdp_dtensor_checkpoint_reads_as_megatron_held_it(tmp_p
     out = tmp_path / "plain_dcp"
     optstate_cli("convert", ck, out, "--format", "dcp")
     assert optstate_cli("diff", ck, out).returncode == 0
-    # a step folder's parent (the save dir, latest_checkpointed_iteration.txt beside) names it
-    r = optstate_cli("inspect", MEGATRON_019 / run, check=False)
-    assert r.returncode == 2 and "iter_0000003/ (dcp): pass that directory" in r.stderr, r.stderr
+    # the save folder reads as the iteration its tracker names, as Megatron's load_checkpoint does
+    save = json.loads(optstate_cli("inspect", MEGATRON_019 / run, "--json").stdout)
+    assert save["read_notes"] == ["Megatron-LM's save folder: latest_checkpointed_iteration.txt names "
+                                  "iter_0000003/, the iteration read"] + info["read_notes"], save["read_notes"]
+    assert hashes_root(optstate_cli, MEGATRON_019 / run) == hashes_root(optstate_cli, ck)
+
+
+def test_a_megatron_save_folder_opens_the_iteration_its_tracker_names(tmp_path, optstate_cli):
+    """A Megatron-LM save folder (--save) holds iter_<N>/ per save and latest_checkpointed_iteration.txt,
+    which names the newest complete one (rank 0 writes it once every rank has saved): optstate reads
+    that folder (N zero-padded to 7 digits, or 'release'), says so, and never writes over the save
+    folder. A tracker that names no DCP folder there, or is no iteration, is not followed: the error
+    names the iteration folders the save folder holds."""
+    src = MEGATRON_019 / "fsdp_dtensor_dp2"
+    save = tmp_path / "checkpoints"
+    shutil.copytree(src, save)
+    shutil.copytree(src / "iter_0000003", save / "iter_0000001")
+    (save / "iter_0000001" / ".metadata").unlink()  # an earlier save that is no DCP: never looked at
+    root = hashes_root(optstate_cli, src / "iter_0000003")
+    for tracker in ["3", "3\n", " 0000003 \n"]:
+        (save / "latest_checkpointed_iteration.txt").write_text(tracker)
+        assert hashes_root(optstate_cli, save) == root, tracker
+    # validate follows it too (integrity checks and all)
+    assert optstate_cli("validate", save).returncode == 0
+    # release/ (Megatron's --ckpt-format conversions save there)
+    (save / "iter_0000003").rename(save / "release")
+    (save / "latest_checkpointed_iteration.txt").write_text("release")
+    info = json.loads(optstate_cli("inspect", save, "--json").stdout)
+    assert info["read_notes"][0] == ("Megatron-LM's save folder: latest_checkpointed_iteration.txt names release/, "
+                                     "the iteration read"), info["read_notes"]
+    assert hashes_root(optstate_cli, save) == root
+    # never replaced: a convert onto it is refused and leaves it whole
+    err = run_err(optstate_cli, "convert", src / "iter_0000003", save, "--format", "dcp", "--overwrite")
+    assert "a write never replaces" in err, err
+    assert (save / "release" / ".metadata").exists() and hashes_root(optstate_cli, save) == root
+    # a tracker naming a folder that is gone, one that is no DCP, or text that is no iteration
+    for tracker in ["7", "1", "iter_0000003", "../release", "-3", ""]:
+        (save / "latest_checkpointed_iteration.txt").write_text(tracker)
+        err = run_err(optstate_cli, "inspect", save)
+        assert "not a checkpoint in any known format" in err and "it holds release/ (dcp): pass that directory" in err, (
+            tracker, err)
 
 
 def test_per_param_groups_whose_names_disagree_with_the_state_are_refused_by_name(tmp_path, optstate_cli):

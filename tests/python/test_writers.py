@@ -1222,6 +1222,64 @@ def test_verls_megatron_model_folder_points_at_its_optimizer_folder(tmp_path, op
     assert optstate_cli("diff", actor / "optimizer" / "dist_ckpt", MEGATRON / "tp2").returncode == 0
 
 
+def test_verls_save_folder_reads_the_actor_of_the_step_its_tracker_names(tmp_path, optstate_cli):
+    """verl's trainer saves global_step_<N>/ per save (actor/, critic/ under PPO, data.pt) into
+    trainer.default_local_dir and then writes N to latest_checkpointed_iteration.txt there: that
+    folder reads as the tracked step's actor/ (FSDP's per-rank files, or the Megatron backend's
+    dist_ckpt/ below it: actor/dist_ckpt/ before verl's v2 layout, actor/optimizer/dist_ckpt/ in it),
+    or its critic/ where it has no actor/. A step holding both, a step not there and an actor/
+    holding no optimizer are refused by name; what reads is never looked for in other steps."""
+    fsdp = CORPUS.parent / "torch_versions" / "torch-2.11.0_torchao-0.16.0" / "fsdp2_world2"
+    root = tmp_path / "checkpoints"
+    for step in (2, 4):
+        shutil.copytree(fsdp, root / f"global_step_{step}" / "actor")
+        (root / f"global_step_{step}" / "data.pt").write_bytes(b"")
+    torch.save({"n": 1}, root / "global_step_2" / "actor" / "optim_world_size_2_rank_1.pt")  # step 2 is broken
+    (root / "latest_checkpointed_iteration.txt").write_text("4")
+    want = hashes_root(optstate_cli, fsdp)
+    assert hashes_root(optstate_cli, root) == want
+    info = json.loads(optstate_cli("inspect", root, "--json").stdout)
+    assert info["format"] == "torchsave" and info["ranks"] == 2, info
+    assert optstate_cli("validate", root).returncode == 0
+    # PPO: the critic beside the actor
+    shutil.copytree(fsdp, root / "global_step_4" / "critic")
+    err = run_err(optstate_cli, "inspect", root)
+    assert ("verl's save folder: the step its latest_checkpointed_iteration.txt names, global_step_4/, holds actor/ "
+            "and critic/, each with an optimizer of its own: pass one of them") in err, err
+    shutil.rmtree(root / "global_step_4" / "actor")
+    assert hashes_root(optstate_cli, root) == want
+    # a tracker ahead of the steps there (a step deleted): the error lists what there is
+    (root / "latest_checkpointed_iteration.txt").write_text("9\n")
+    err = run_err(optstate_cli, "inspect", root)
+    assert "latest_checkpointed_iteration.txt names global_step_9/, which is not there" in err, err
+    assert "it holds global_step_4/critic/ (torchsave): pass that directory" in err, err
+    # the Megatron backend: actor/dist_ckpt/ (a torch_dist checkpoint of the model and optimizer)
+    (root / "latest_checkpointed_iteration.txt").write_text("3")
+    actor = root / "global_step_3" / "actor"
+    shutil.copytree(MEGATRON / "tp2", actor / "dist_ckpt")
+    want = hashes_root(optstate_cli, MEGATRON / "tp2")
+    assert hashes_root(optstate_cli, root) == want
+    # ... its v2 layout: {model,optimizer}/dist_ckpt/, the model's without optimizer state
+    (actor / "dist_ckpt").rename(actor / "optimizer_dist_ckpt")
+    (actor / "optimizer").mkdir()
+    (actor / "optimizer_dist_ckpt").rename(actor / "optimizer" / "dist_ckpt")
+    shutil.copytree(MEGATRON / "tp2", actor / "model" / "dist_ckpt")
+    common = actor / "model" / "dist_ckpt" / "common.pt"
+    c = torch.load(common, weights_only=False)
+    del c["optimizer"]
+    torch.save(c, common)
+    assert hashes_root(optstate_cli, root) == want
+    info = json.loads(optstate_cli("inspect", root, "--json").stdout)
+    assert info["format"] == "dcp" and info["path"].endswith("global_step_3/actor/optimizer/dist_ckpt"), info["path"]
+    # an actor/ that holds no optimizer (checkpoint.save_contents without it)
+    shutil.rmtree(actor / "optimizer")
+    err = run_err(optstate_cli, "inspect", root)
+    assert "global_step_3/actor/ holds no checkpoint optstate reads" in err, err
+    # never written over
+    err = run_err(optstate_cli, "convert", MEGATRON / "tp2", root, "--format", "dcp", "--overwrite")
+    assert "is not a checkpoint" in err and (root / "latest_checkpointed_iteration.txt").exists(), err
+
+
 def test_nemo2s_list_of_one_optimizer_in_common_pt_reads_as_megatrons(tmp_path, optstate_cli):
     """NeMo 2's MegatronStrategy saves the same torch_dist checkpoint with common.pt's optimizer a
     list of Lightning's optimizers (`checkpoint["optimizer"] = [sharded_state_dict]`) beside

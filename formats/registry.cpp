@@ -38,8 +38,7 @@ constexpr int kHintFolders = 64;
 struct Inside {
   std::vector<std::string> found;  // "<relative path>[/] (<format>)"
   bool any_directory = false;
-  std::filesystem::path first;                   // the first found (in sorted order), relative
-  std::unique_ptr<CheckpointReader> first_reader;
+  std::unique_ptr<CheckpointReader> first_reader;  // the first found, in sorted order
 };
 
 Inside checkpoints_inside(const std::filesystem::path& dir) {
@@ -47,10 +46,10 @@ Inside checkpoints_inside(const std::filesystem::path& dir) {
   Inside out;
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return out;
-  std::vector<std::pair<std::string, std::pair<fs::path, std::unique_ptr<CheckpointReader>>>> found;
+  std::string first_text;
   std::vector<fs::path> level{fs::path()};  // relative to dir
   int folders = 0;
-  for (int depth = 1; depth <= kHintDepth && found.empty() && !level.empty(); ++depth) {
+  for (int depth = 1; depth <= kHintDepth && out.found.empty() && !level.empty(); ++depth) {
     std::vector<fs::path> next;
     for (const fs::path& rel : level) {
       if (++folders > kHintFolders) break;
@@ -65,8 +64,12 @@ Inside checkpoints_inside(const std::filesystem::path& dir) {
           if (!d->sniff(it->path())) continue;
           auto reader = d->open(it->path());
           if (!reader.ok()) continue;
-          found.emplace_back(fmt::format("{}{} ({})", child.generic_string(), is_directory ? "/" : "", d->name()),
-                             std::pair{child, std::move(*reader)});
+          std::string text = fmt::format("{}{} ({})", child.generic_string(), is_directory ? "/" : "", d->name());
+          if (out.found.empty() || text < first_text) {  // one reader held at a time: the first in order
+            first_text = text;
+            out.first_reader = std::move(*reader);
+          }
+          out.found.push_back(std::move(text));
           out.any_directory = out.any_directory || is_directory;
           opens = true;
           break;
@@ -78,14 +81,7 @@ Inside checkpoints_inside(const std::filesystem::path& dir) {
     std::sort(next.begin(), next.end());
     level = std::move(next);
   }
-  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-  for (auto& [text, at] : found) {
-    if (out.found.empty()) {
-      out.first = at.first;
-      out.first_reader = std::move(at.second);
-    }
-    out.found.push_back(text);
-  }
+  std::sort(out.found.begin(), out.found.end());
   return out;
 }
 

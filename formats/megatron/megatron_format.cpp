@@ -68,6 +68,7 @@ std::optional<fs::path> tracked_iteration(const fs::path& root) {
 struct Located {
   fs::path iteration;
   std::optional<fs::path> one_rank;
+  bool tracked = false;  // found through the save folder's tracker
 };
 std::optional<Located> locate(const fs::path& path) {
   if (is_file(path)) {
@@ -79,7 +80,7 @@ std::optional<Located> locate(const fs::path& path) {
   if (!is_dir(path)) return std::nullopt;
   if (parse_rank_dir(path.filename().string()) && is_file(path / kRankFile)) return Located{path.parent_path(), path};
   if (!rank_dirs(path).empty()) return Located{path, std::nullopt};
-  if (const auto it = tracked_iteration(path); it && !rank_dirs(*it).empty()) return Located{*it, std::nullopt};
+  if (const auto it = tracked_iteration(path); it && !rank_dirs(*it).empty()) return Located{*it, std::nullopt, true};
   return std::nullopt;
 }
 
@@ -382,7 +383,10 @@ class MegatronDriver final : public FormatDriver {
                                      : files.back().ep > 0 ? "one expert rank's experts (and the dense params)"
                                                            : "one pipeline stage's params",
                                      at->iteration.string()));
-    OPTSTATE_ASSIGN_OR_RETURN(const torchsave::RankFileSet parts, find_parts(at->iteration, files));
+    OPTSTATE_ASSIGN_OR_RETURN(torchsave::RankFileSet parts, find_parts(at->iteration, files));
+    if (at->tracked)
+      parts.located_notes.push_back(fmt::format("Megatron-LM's save folder: {} names {}/, the iteration read", kTracker,
+                                                at->iteration.filename().string()));
     return torchsave::open_rank_files(parts);
   }
 

@@ -1450,6 +1450,8 @@ def test_a_megatron_legacy_checkpoint_reads_as_megatron_held_it(tmp_path, optsta
     ref, meta = ref_of(ck)
     info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta)
     assert info["format"] == "megatron"
+    assert info["read_notes"][0] == ("Megatron-LM's save folder: latest_checkpointed_iteration.txt names "
+                                     "iter_0000003/, the iteration read"), info["read_notes"]
     assert [g["weight_decay"] for g in info["param_groups"]] == [0.1, 0.0]
     mixed = run not in ("legacy_fp32_dp2",)
     assert any("fp32 main params" in n for n in info["read_notes"]) == mixed, info["read_notes"]
@@ -1531,6 +1533,8 @@ def test_a_megatron_legacy_mixture_of_experts_reads_as_megatron_held_it(tmp_path
     ref, meta = ref_of(ck)
     info = reads_as_held(tmp_path, optstate_cli, ck, ref, meta)
     assert info["format"] == "megatron"
+    assert info["read_notes"][0] == ("Megatron-LM's save folder: latest_checkpointed_iteration.txt names "
+                                     "iter_0000003/, the iteration read"), info["read_notes"]
     chain = "ep2" in run
     groups = info["param_groups"]
     assert [g["weight_decay"] for g in groups] == ([0.1, 0.0, 0.1] if chain else [0.1, 0.0])

@@ -3,6 +3,7 @@
 reassembly of the same checkpoint (its ds_to_universal: per-param fp32 weights, moments and step)
 bit for bit, and the converted state, loaded into plain torch.optim.AdamW in one process, ends
 where DeepSpeed's own run continues to, bit for bit."""
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -260,6 +261,9 @@ def test_the_checkpoints_folder_names_its_universal_checkpoint_by_latest_univers
     assert want == hashes(optstate_cli, ck)
     assert hashes(optstate_cli, tmp_path) == want
     assert "(deepspeed)" in optstate_cli("inspect", tmp_path).stdout
+    notes = json.loads(optstate_cli("inspect", tmp_path, "--json").stdout)["read_notes"]
+    assert notes[:1] == [f"DeepSpeed's save folder: latest_universal names {ref.name}/, the tag read"], notes
+    assert not any("save folder" in n for n in json.loads(optstate_cli("inspect", ref, "--json").stdout)["read_notes"])
     # in the checkpoints folder beside `latest`: read through either name, `latest` first
     shutil.move(ref, ck / "global_step3_universal")
     (ck / "latest_universal").write_text("global_step3_universal")
@@ -267,6 +271,8 @@ def test_the_checkpoints_folder_names_its_universal_checkpoint_by_latest_univers
     (ck / "latest").rename(ck / "latest.aside")
     assert hashes(optstate_cli, ck) == want
     (ck / "latest.aside").rename(ck / "latest")
+    notes = json.loads(optstate_cli("inspect", ck, "--json").stdout)["read_notes"]
+    assert notes[:1] == ["DeepSpeed's save folder: latest names global_step3/, the tag read"], notes
     moment = ck / "global_step3_universal" / "zero" / "0.weight" / "exp_avg.pt"
     moment.unlink()  # the universal checkpoint damaged: the ZeRO one is what reads
     assert hashes(optstate_cli, ck) == want

@@ -292,7 +292,7 @@ int convert_or_reshard(const char* command, const CommandSpec& spec, int argc, c
   if (!model_tensors.empty()) (tensors_kept ? kept_rest : dropped).push_back(model_tensors_text(model_tensors));
   if (!extras_kept) dropped_text.insert(dropped_text.end(), extras_brief.begin(), extras_brief.end());
   if (!model_tensors.empty() && !tensors_kept) dropped_text.push_back(model_tensors_text(model_tensors));
-  for (const std::string& note : reader->read_notes()) std::fprintf(stderr, "note: %s: %s\n", src.c_str(), note.c_str());
+  for (const std::string& note : reader->all_read_notes()) std::fprintf(stderr, "note: %s: %s\n", src.c_str(), note.c_str());
   if (!dropped_text.empty())
     std::fprintf(stderr, "note: %s also holds %s: outside the state read, not in %s\n", src.c_str(),
                  fmt::format("{}", fmt::join(dropped_text, ", ")).c_str(), dst.c_str());

@@ -173,7 +173,7 @@ int run_inspect(int argc, char** argv) {
   progress.finish();
   j["params"] = std::move(params);
   j["not_read"] = reader.not_read();
-  j["read_notes"] = reader.read_notes();
+  j["read_notes"] = reader.all_read_notes();
   nlohmann::json model_tensors = nlohmann::json::array();
   for (const ModelTensorInfo& t : reader.model_tensors())
     model_tensors.push_back({{"name", t.name}, {"dtype", std::string(dtype_name(t.dtype))}, {"shape", t.shape}});
@@ -231,7 +231,7 @@ int run_inspect(int argc, char** argv) {
   if (const auto rest = reader.not_read(); !rest.empty())
     // Not optimizer state (train_state, a model's buffers), or an encoding read as fp32 values.
     out += fmt::format("other       {}: outside the state read\n", fmt::join(rest, ", "));
-  for (const std::string& note : reader.read_notes()) out += fmt::format("note        {}\n", note);
+  for (const std::string& note : reader.all_read_notes()) out += fmt::format("note        {}\n", note);
   if (!pattern.empty())
     out += fmt::format("shown       {} of {} params, those matching '{}'\n", shown_params, meta.params.size(), pattern);
   out += fmt::format("state       {} ({:.2f} bytes/param){}\n\n", human_bytes(static_cast<double>(total_state_bytes)),

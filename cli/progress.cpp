@@ -73,6 +73,7 @@ void Progress::draw(bool force) {
 
 ProgressReader::ProgressReader(std::unique_ptr<CheckpointReader> inner, Progress& progress)
     : inner_(std::move(inner)), progress_(progress) {
+  for (const std::string& note : inner_->located_notes()) add_located_note(note);
   uint64_t total = 0;
   for (const auto& [fqn, ps] : inner_->meta().params) {
     const auto numel = checked_numel(ps.shape);

@@ -109,8 +109,8 @@ std::optional<Result<std::unique_ptr<CheckpointReader>>> open_verl_save_folder(c
   std::string_view text(reinterpret_cast<const char*>(bytes->data()), bytes->size());
   while (!text.empty() && (text.back() == '\n' || text.back() == '\r' || text.back() == ' ')) text.remove_suffix(1);
   while (!text.empty() && text.front() == ' ') text.remove_prefix(1);
-  if (text.empty() || text.size() > 18 || !std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; }))
-    return std::nullopt;
+  const auto digit = [](char c) { return c >= '0' && c <= '9'; };
+  if (text.empty() || text.size() > 18 || !std::all_of(text.begin(), text.end(), digit)) return std::nullopt;
   bool any_step = false;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end && !any_step; it.increment(ec))
     any_step = it->path().filename().string().starts_with("global_step_") && it->is_directory(ec);
@@ -135,10 +135,21 @@ std::optional<Result<std::unique_ptr<CheckpointReader>>> open_verl_save_folder(c
         "{}: the step its latest_checkpointed_iteration.txt names, {}/, holds no actor/ (nor critic/)", where,
         step_name)));
   const fs::path role = step / (actor ? "actor" : "critic");
+  auto located = [&](std::unique_ptr<CheckpointReader> reader) {
+    const std::string below =
+        reader->path() == role ? "" : fmt::format(" ({})", reader->path().lexically_relative(role).generic_string());
+    reader->add_located_note(fmt::format("verl's save folder: latest_checkpointed_iteration.txt names {}/, whose {}/ "
+                                         "is read{}", step_name, actor ? "actor" : "critic", below));
+    return Result<std::unique_ptr<CheckpointReader>>(std::move(reader));
+  };
   for (const FormatDriver* d : format_drivers())
-    if (d->sniff(role)) return d->open(role);  // FSDP's per-rank files: the role's folder itself
+    if (d->sniff(role)) {  // FSDP's per-rank files: the role's folder itself
+      auto reader = d->open(role);
+      if (!reader.ok()) return Result<std::unique_ptr<CheckpointReader>>(reader.status());
+      return located(std::move(*reader));
+    }
   Inside in = checkpoints_inside(role);
-  if (in.found.size() == 1) return Result<std::unique_ptr<CheckpointReader>>(std::move(in.first_reader));
+  if (in.found.size() == 1) return located(std::move(in.first_reader));
   if (in.found.empty())
     return Result<std::unique_ptr<CheckpointReader>>(invalid_argument(fmt::format(
         "{}: {}/ holds no checkpoint optstate reads (verl saves the optimizer there unless "

@@ -302,8 +302,6 @@ class DcpReader final : public CheckpointReader {
     return fmt::format("{}: the SHA-256 of all {} files verified", megatron::kIntegrityManifest, digests.size());
   }
   std::vector<std::string> read_notes() const override { return value_notes_; }
-  // A note on where the checkpoint was found (a save folder's tracker), read before the others.
-  void add_read_note(std::string note) { value_notes_.insert(value_notes_.begin(), std::move(note)); }
   std::vector<std::string> not_read() const override {
     std::vector<std::string> out;
     for (const auto& [top, n] : not_read_) out.push_back(fmt::format("{} ({} item{})", top, n, n == 1 ? "" : "s"));
@@ -2786,7 +2784,7 @@ class DcpDriver final : public FormatDriver {
     auto reader = std::make_unique<DcpReader>(path, std::move(md), zarr);
     OPTSTATE_RETURN_IF_ERROR(reader->init());
     if (tracked)
-      reader->add_read_note(fmt::format("Megatron-LM's save folder: {} names {}/, the iteration read",
+      reader->add_located_note(fmt::format("Megatron-LM's save folder: {} names {}/, the iteration read",
                                         ::optstate::megatron::kTrackerFile, tracked->filename().string()));
     return std::unique_ptr<CheckpointReader>(std::move(reader));
   }

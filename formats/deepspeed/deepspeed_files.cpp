@@ -410,7 +410,7 @@ Result<std::unique_ptr<CheckpointReader>> open_deepspeed(const fs::path& path) {
     return notes;
   };
   auto done = [](std::unique_ptr<TorchSaveReader> reader, const std::vector<std::string>& notes) {
-    reader->add_located_notes(notes);
+    for (const std::string& note : notes) reader->add_located_note(note);
     return std::unique_ptr<CheckpointReader>(std::move(reader));
   };
   if (const auto u = universal_dir(path)) {

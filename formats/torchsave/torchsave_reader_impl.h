@@ -142,10 +142,6 @@ class TorchSaveReader final : public CheckpointReader {
   // Per-rank files (FSDP's, DeepSpeed ZeRO's, Megatron's and nanotron's ranks): how many ranks' files.
   std::optional<int64_t> ranks() const override { return ranks_; }
   void set_ranks(size_t n) { ranks_ = static_cast<int64_t>(n); }
-  // Notes on where the files were found (a save folder's tracker), read before the others.
-  void add_located_notes(const std::vector<std::string>& notes) {
-    value_notes_.insert(value_notes_.begin(), notes.begin(), notes.end());
-  }
 
   // Read with buffers of its own (const: a writer holds its source as const), the record's CRC-32
   // checked as the state's runs are.

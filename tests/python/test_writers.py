@@ -1240,6 +1240,8 @@ def test_verls_save_folder_reads_the_actor_of_the_step_its_tracker_names(tmp_pat
     assert hashes_root(optstate_cli, root) == want
     info = json.loads(optstate_cli("inspect", root, "--json").stdout)
     assert info["format"] == "torchsave" and info["ranks"] == 2, info
+    assert info["read_notes"][:1] == ["verl's save folder: latest_checkpointed_iteration.txt names global_step_4/, "
+                                      "whose actor/ is read"], info["read_notes"]
     assert optstate_cli("validate", root).returncode == 0
     # PPO: the critic beside the actor
     shutil.copytree(fsdp, root / "global_step_4" / "critic")
@@ -1271,6 +1273,8 @@ def test_verls_save_folder_reads_the_actor_of_the_step_its_tracker_names(tmp_pat
     assert hashes_root(optstate_cli, root) == want
     info = json.loads(optstate_cli("inspect", root, "--json").stdout)
     assert info["format"] == "dcp" and info["path"].endswith("global_step_3/actor/optimizer/dist_ckpt"), info["path"]
+    assert info["read_notes"][:1] == ["verl's save folder: latest_checkpointed_iteration.txt names global_step_3/, "
+                                      "whose actor/ is read (optimizer/dist_ckpt)"], info["read_notes"]
     # an actor/ that holds no optimizer (checkpoint.save_contents without it)
     shutil.rmtree(actor / "optimizer")
     err = run_err(optstate_cli, "inspect", root)

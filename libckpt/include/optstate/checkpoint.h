@@ -157,6 +157,20 @@ class CheckpointReader {
   virtual std::string locate(const std::string& fqn, const std::string& entry, Component c, int64_t index) const {
     return path().string();
   }
+
+  // Where the checkpoint was found when a folder holding it was given (a training run's save
+  // folder, through the tracker naming its latest save): one line each, said before read_notes().
+  void add_located_note(std::string note) { located_notes_.push_back(std::move(note)); }
+  const std::vector<std::string>& located_notes() const { return located_notes_; }
+  // located_notes() then read_notes(): what inspect and convert say.
+  std::vector<std::string> all_read_notes() const {
+    std::vector<std::string> out = located_notes_;
+    for (std::string& n : read_notes()) out.push_back(std::move(n));
+    return out;
+  }
+
+ private:
+  std::vector<std::string> located_notes_;
 };
 
 // What a writer writes: the whole state's metadata, and each entry's bytes when the writer comes to

@@ -30,66 +30,115 @@ namespace {
 // global_step_N/actor/optimizer/dist_ckpt/, NeMo RL's Megatron one step_N/policy/weights/iter_0000000/):
 // what opens, found breadth first down to kHintDepth levels (the shallowest level holding any:
 // nothing below a checkpoint is looked at), each folder's first kHintEntries entries, kHintFolders
-// folders in all, sorted by path. The first one's reader is kept (verl's save folder opens it).
+// folders in all. At each level what a driver sniffs is opened last first in path order (numbers
+// as numbers: step-10 after step-9), kHintOpens at most (a run's folder of 100 step folders:
+// opening each would take long for an error message); those before are counted. The first found's
+// reader is kept (verl's save folder opens it).
 constexpr int kHintDepth = 3;
 constexpr int kHintEntries = 64;
 constexpr int kHintFolders = 64;
+constexpr size_t kHintOpens = 8;
 
 struct Inside {
-  std::vector<std::string> found;  // "<relative path>[/] (<format>)"
+  std::vector<std::string> found;  // "<relative path>[/] (<format>)", in path order
+  size_t more = 0;                 // sniffed as checkpoints but not opened (before the kHintOpens found)
   bool any_directory = false;
-  std::unique_ptr<CheckpointReader> first_reader;  // the first found, in sorted order
+  std::unique_ptr<CheckpointReader> first_reader;  // found.front()'s
 };
+
+// Paths in the order a person numbers them: runs of digits compared as numbers (step-2 before
+// step-10), the rest as bytes.
+bool natural_less(const std::string& a, const std::string& b) {
+  const auto digit = [](char c) { return c >= '0' && c <= '9'; };
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    if (digit(a[i]) && digit(b[j])) {
+      size_t ie = i, je = j;
+      while (ie < a.size() && digit(a[ie])) ++ie;
+      while (je < b.size() && digit(b[je])) ++je;
+      size_t is = i, js = j;  // leading zeros do not count
+      while (is + 1 < ie && a[is] == '0') ++is;
+      while (js + 1 < je && b[js] == '0') ++js;
+      if (ie - is != je - js) return ie - is < je - js;
+      if (const int c = a.compare(is, ie - is, b, js, je - js); c != 0) return c < 0;
+      i = ie;
+      j = je;
+    } else {
+      if (a[i] != b[j]) return static_cast<unsigned char>(a[i]) < static_cast<unsigned char>(b[j]);
+      ++i;
+      ++j;
+    }
+  }
+  if (a.size() - i != b.size() - j) return a.size() - i < b.size() - j;
+  return a < b;  // equal but for leading zeros: a total order still
+}
 
 Inside checkpoints_inside(const std::filesystem::path& dir) {
   namespace fs = std::filesystem;
   Inside out;
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return out;
-  std::string first_text;
   std::vector<fs::path> level{fs::path()};  // relative to dir
   int folders = 0;
-  for (int depth = 1; depth <= kHintDepth && out.found.empty() && !level.empty(); ++depth) {
-    std::vector<fs::path> next;
+  for (int depth = 1; depth <= kHintDepth && out.found.empty() && out.more == 0 && !level.empty(); ++depth) {
+    struct Candidate {
+      fs::path rel;
+      std::string key;  // rel.generic_string()
+      bool is_directory = false, is_symlink = false;
+    };
+    std::vector<Candidate> candidates;
     for (const fs::path& rel : level) {
       if (++folders > kHintFolders) break;
       int looked = 0;
       for (fs::directory_iterator it(dir / rel, ec), end; !ec && it != end && looked < kHintEntries;
            it.increment(ec), ++looked) {
         const bool is_directory = it->is_directory(ec);
-        if (!is_directory && !it->is_regular_file(ec)) continue;
-        const fs::path child = rel / it->path().filename();
-        bool opens = false;
-        for (const FormatDriver* d : format_drivers()) {
-          if (!d->sniff(it->path())) continue;
-          auto reader = d->open(it->path());
-          if (!reader.ok()) continue;
-          std::string text = fmt::format("{}{} ({})", child.generic_string(), is_directory ? "/" : "", d->name());
-          if (out.found.empty() || text < first_text) {  // one reader held at a time: the first in order
-            first_text = text;
-            out.first_reader = std::move(*reader);
-          }
-          out.found.push_back(std::move(text));
-          out.any_directory = out.any_directory || is_directory;
-          opens = true;
-          break;
-        }
-        if (!opens && is_directory && !it->is_symlink(ec)) next.push_back(child);  // no walking in circles
+        if (is_directory || it->is_regular_file(ec))
+          candidates.push_back({rel / it->path().filename(), (rel / it->path().filename()).generic_string(),
+                                is_directory, it->is_symlink(ec)});
       }
       ec.clear();
     }
+    std::sort(candidates.begin(), candidates.end(),
+              [](const Candidate& a, const Candidate& b) { return natural_less(a.key, b.key); });
+    std::vector<fs::path> next;
+    // the last in order first: a run's newest saves are the ones a person most likely wants named
+    for (auto ci = candidates.rbegin(); ci != candidates.rend(); ++ci) {
+      const Candidate& c = *ci;
+      const fs::path at = dir / c.rel;
+      bool sniffed = false, opens = false;
+      for (const FormatDriver* d : format_drivers()) {
+        if (!d->sniff(at)) continue;
+        sniffed = true;
+        if (out.found.size() >= kHintOpens) break;
+        auto reader = d->open(at);
+        if (!reader.ok()) continue;
+        out.found.push_back(fmt::format("{}{} ({})", c.rel.generic_string(), c.is_directory ? "/" : "", d->name()));
+        out.first_reader = std::move(*reader);  // ends as found.front()'s (the loop runs backwards)
+        out.any_directory = out.any_directory || c.is_directory;
+        opens = true;
+        break;
+      }
+      if (sniffed && !opens && out.found.size() >= kHintOpens) {
+        ++out.more;
+      } else if (!opens && c.is_directory && !c.is_symlink) {
+        next.push_back(c.rel);  // no walking in circles
+      }
+    }
+    std::reverse(out.found.begin(), out.found.end());
     std::sort(next.begin(), next.end());
     level = std::move(next);
   }
-  std::sort(out.found.begin(), out.found.end());
   return out;
 }
 
 // "; it holds <relative path> (<format>): pass that directory", naming what opens inside `dir`; else nothing.
 std::string checkpoints_inside_hint(const Inside& in) {
   if (in.found.empty()) return "";
-  return fmt::format("; it holds {}: pass {}", fmt::join(in.found, ", "),
-                     in.found.size() > 1 ? "one of them" : in.any_directory ? "that directory" : "that file");
+  const std::string more =
+      in.more ? fmt::format(" (and {} more before them that look like checkpoints)", in.more) : "";
+  return fmt::format("; it holds {}{}: pass {}", fmt::join(in.found, ", "), more,
+                     in.found.size() + in.more > 1 ? "one of them" : in.any_directory ? "that directory" : "that file");
 }
 
 // verl's save folder (trainer.default_local_dir): global_step_<N>/ per save, holding actor/ (and
@@ -149,14 +198,14 @@ std::optional<Result<std::unique_ptr<CheckpointReader>>> open_verl_save_folder(c
       return located(std::move(*reader));
     }
   Inside in = checkpoints_inside(role);
-  if (in.found.size() == 1) return located(std::move(in.first_reader));
+  if (in.found.size() == 1 && in.more == 0) return located(std::move(in.first_reader));
   if (in.found.empty())
     return Result<std::unique_ptr<CheckpointReader>>(invalid_argument(fmt::format(
         "{}: {}/ holds no checkpoint optstate reads (verl saves the optimizer there unless "
         "checkpoint.save_contents leaves it out)", where, role.lexically_relative(dir).generic_string())));
   return Result<std::unique_ptr<CheckpointReader>>(invalid_argument(fmt::format(
-      "{}: {}/ holds {}: pass one of them", where, role.lexically_relative(dir).generic_string(),
-      fmt::join(in.found, ", "))));
+      "{}: {}/ is no checkpoint itself{}", where, role.lexically_relative(dir).generic_string(),
+      checkpoints_inside_hint(in))));
 }
 
 }  // namespace

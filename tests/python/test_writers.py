@@ -900,6 +900,21 @@ def test_a_folder_that_holds_a_checkpoint_a_few_levels_down_names_it(tmp_path, o
     assert "it holds" not in err and "not a checkpoint in any known format" in err, err
 
 
+def test_a_folder_of_many_step_folders_names_the_newest_without_opening_them_all(tmp_path, optstate_cli):
+    """torchtitan's checkpoint/ holds step-<N>/ per save and no tracker: pointed at it, a command
+    names the last eight in numeric order (step-10 after step-9) that open, and counts those before
+    them that look like checkpoints, unopened (opening a hundred large DCPs for an error message
+    would take long). A newest save that does not open is left out of the list."""
+    runs = tmp_path / "checkpoint"
+    for n in range(1, 13):
+        shutil.copytree(MEGATRON_019 / "dp2_distopt", runs / f"step-{n}")
+    (runs / "step-12" / ".metadata").write_bytes(b"\x80\x04")  # cut short: sniffs, does not open
+    err = run_err(optstate_cli, "inspect", runs)
+    listed = ", ".join(f"step-{n}/ (dcp)" for n in range(4, 12))
+    assert err.rstrip().endswith(f"; it holds {listed} (and 3 more before them that look like checkpoints): "
+                                 "pass one of them"), err
+
+
 REWRITE_MEGATRON_COMMON = textwrap.dedent("""
     # Writes Megatron checkpoint SRC again as one process's DCP at DST (metadata.json copied), its
     # tensors as they were, its common_state item per CASE (its value torch.save'd, as Megatron does).

@@ -399,39 +399,23 @@ Result<std::optional<MoeStage0Files>> moe_stage0_files(const fs::path& path) {
   return std::optional<MoeStage0Files>(std::move(out));
 }
 
-Result<std::unique_ptr<CheckpointReader>> open_deepspeed(const fs::path& path) {
-  // Read from the folder holding the tags: the note says which tag its `latest` (or
-  // `latest_universal`) named, as DeepSpeed's load_checkpoint follows it.
-  auto located = [&](const fs::path& dir, const char* tracker) {
-    std::vector<std::string> notes;
-    if (dir != path)
-      notes.push_back(fmt::format("DeepSpeed's save folder: {} names {}/, the tag read", tracker,
-                                  dir.filename().string()));
-    return notes;
-  };
-  auto done = [](std::unique_ptr<TorchSaveReader> reader, const std::vector<std::string>& notes) {
-    for (const std::string& note : notes) reader->add_located_note(note);
-    return std::unique_ptr<CheckpointReader>(std::move(reader));
-  };
+namespace {
+
+Result<std::unique_ptr<CheckpointReader>> open_deepspeed_files(const fs::path& path) {
   if (const auto u = universal_dir(path)) {
     auto reader = std::make_unique<TorchSaveReader>(path);
     OPTSTATE_RETURN_IF_ERROR(reader->init_universal(u->first, u->second));
-    return done(std::move(reader), located(u->first, "latest_universal"));
+    return std::unique_ptr<CheckpointReader>(std::move(reader));
   }
-  const std::vector<std::string> notes = located(zero_tag_dir(path), "latest");
   // Without ZeRO (stage 0): the optimizer in the model states file, which every data-parallel rank
   // holds whole (rank 0 saves it): read as that torch.save file.
   OPTSTATE_ASSIGN_OR_RETURN(const auto stage0, zero_stage0_file(path));
-  if (stage0) {
-    auto reader = std::make_unique<TorchSaveReader>(*stage0);
-    OPTSTATE_RETURN_IF_ERROR(reader->init({*stage0}, {}, {}));
-    return done(std::move(reader), notes);
-  }
+  if (stage0) return open_file(*stage0);
   OPTSTATE_ASSIGN_OR_RETURN(const auto moe0, moe_stage0_files(path));
   if (moe0) {
     auto reader = std::make_unique<TorchSaveReader>(path);
     OPTSTATE_RETURN_IF_ERROR(reader->init_moe_stage0(*moe0));
-    return done(std::move(reader), notes);
+    return std::unique_ptr<CheckpointReader>(std::move(reader));
   }
   OPTSTATE_ASSIGN_OR_RETURN(const auto z, zero_files(path));
   if (!z) return invalid_argument(path.string() + ": no DeepSpeed ZeRO optimizer files (zero_pp_rank_*_optim_states.pt)");
@@ -440,7 +424,21 @@ Result<std::unique_ptr<CheckpointReader>> open_deepspeed(const fs::path& path) {
   size_t rank_files = 0;  // each data-parallel rank's file of each model-parallel rank (stage)
   for (const ZeroStage& st : z->stages) rank_files += st.optim.size();
   reader->set_ranks(rank_files);
-  return done(std::move(reader), notes);
+  return std::unique_ptr<CheckpointReader>(std::move(reader));
+}
+
+}  // namespace
+
+Result<std::unique_ptr<CheckpointReader>> open_deepspeed(const fs::path& path) {
+  OPTSTATE_ASSIGN_OR_RETURN(auto reader, open_deepspeed_files(path));
+  // Read from the folder holding the tags: the note says which tag its `latest` (or
+  // `latest_universal`) named, as DeepSpeed's load_checkpoint follows it.
+  const auto universal = universal_dir(path);
+  const fs::path tag = universal ? universal->first : zero_tag_dir(path);
+  if (tag != path)
+    reader->add_located_note(fmt::format("DeepSpeed's save folder: {} names {}/, the tag read",
+                                         universal ? "latest_universal" : "latest", tag.filename().string()));
+  return reader;
 }
 
 }  // namespace optstate::torchsave

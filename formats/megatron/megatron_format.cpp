@@ -27,7 +27,6 @@ namespace {
 
 constexpr const char* kRankFile = "model_optim_rng.pt";
 constexpr const char* kDistribFile = "distrib_optim.pt";
-constexpr const char* kTracker = kTrackerFile;
 constexpr size_t kMaxRanks = 4096;
 
 bool is_file(const fs::path& p) {
@@ -53,8 +52,8 @@ std::map<std::string, RankDir> rank_dirs(const fs::path& iteration) {
 
 // The tracker's iteration folder, if the file names one that exists.
 std::optional<fs::path> tracked_iteration(const fs::path& root) {
-  if (!is_file(root / kTracker)) return std::nullopt;
-  auto f = InputFile::open(root / kTracker);
+  if (!is_file(root / kTrackerFile)) return std::nullopt;
+  auto f = InputFile::open(root / kTrackerFile);
   if (!f.ok() || f->size() > 64) return std::nullopt;
   std::string text(static_cast<size_t>(f->size()), '\0');
   if (!f->read_at(0, std::as_writable_bytes(std::span(text.data(), text.size()))).ok()) return std::nullopt;
@@ -383,11 +382,12 @@ class MegatronDriver final : public FormatDriver {
                                      : files.back().ep > 0 ? "one expert rank's experts (and the dense params)"
                                                            : "one pipeline stage's params",
                                      at->iteration.string()));
-    OPTSTATE_ASSIGN_OR_RETURN(torchsave::RankFileSet parts, find_parts(at->iteration, files));
+    OPTSTATE_ASSIGN_OR_RETURN(const torchsave::RankFileSet parts, find_parts(at->iteration, files));
+    OPTSTATE_ASSIGN_OR_RETURN(auto reader, torchsave::open_rank_files(parts));
     if (at->tracked)
-      parts.located_notes.push_back(fmt::format("Megatron-LM's save folder: {} names {}/, the iteration read", kTracker,
-                                                at->iteration.filename().string()));
-    return torchsave::open_rank_files(parts);
+      reader->add_located_note(fmt::format("Megatron-LM's save folder: {} names {}/, the iteration read", kTrackerFile,
+                                           at->iteration.filename().string()));
+    return reader;
   }
 
   // A training run's folder: never replaced, never written.

@@ -1619,7 +1619,6 @@ Result<std::unique_ptr<CheckpointReader>> open_rank_files(const RankFileSet& par
   auto reader = std::make_unique<TorchSaveReader>(parts.path);
   OPTSTATE_RETURN_IF_ERROR(reader->init_rank_files(parts));
   reader->set_ranks(parts.files.size());
-  for (const std::string& note : parts.located_notes) reader->add_located_note(note);
   return std::unique_ptr<CheckpointReader>(std::move(reader));
 }
 

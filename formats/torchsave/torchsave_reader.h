@@ -102,7 +102,6 @@ struct RankFileSet {
   std::map<std::string, std::vector<int64_t>> shapes;  // model/'s (tensor-parallel rank 0's) shapes
   std::function<std::map<int64_t, std::pair<int64_t, int64_t>>(int64_t numel)> zero_rule;
   std::vector<std::string> not_read;
-  std::vector<std::string> located_notes;  // read notes on where the files were found (a save folder's tracker)
   // Megatron-LM's legacy checkpoint (formats/megatron/) read alike: a model_optim_rng.pt per
   // tensor-parallel rank (pp 0, dp 0), each the trainer's dict with the optimizer's state_dict and
   // the model's beside it, params named by their place among the model's tensors; `sharded` and

@@ -2715,14 +2715,8 @@ bool is_dcp_folder(const fs::path& path) {
 // (--ckpt-format torch_dist, zarr, fsdp_dtensor); nullopt otherwise (the legacy format's rank
 // folders are the megatron driver's).
 std::optional<fs::path> megatron_tracked_dcp(const fs::path& path) {
-  std::error_code ec;
-  if (!fs::is_regular_file(path / ::optstate::megatron::kTrackerFile, ec)) return std::nullopt;
-  const auto bytes = read_small_file(path / ::optstate::megatron::kTrackerFile, 64);
-  if (!bytes.ok()) return std::nullopt;
-  const auto name = ::optstate::megatron::iteration_dir_of_tracker(
-      std::string_view(reinterpret_cast<const char*>(bytes->data()), bytes->size()));
-  if (!name || !is_dcp_folder(path / *name)) return std::nullopt;
-  return path / *name;
+  auto it = ::optstate::megatron::tracked_iteration(path);
+  return it && is_dcp_folder(*it) ? it : std::nullopt;
 }
 
 Result<Metadata> read_metadata(const fs::path& dir) {

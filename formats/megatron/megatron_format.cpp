@@ -50,18 +50,6 @@ std::map<std::string, RankDir> rank_dirs(const fs::path& iteration) {
   return out;
 }
 
-// The tracker's iteration folder, if the file names one that exists.
-std::optional<fs::path> tracked_iteration(const fs::path& root) {
-  if (!is_file(root / kTrackerFile)) return std::nullopt;
-  auto f = InputFile::open(root / kTrackerFile);
-  if (!f.ok() || f->size() > 64) return std::nullopt;
-  std::string text(static_cast<size_t>(f->size()), '\0');
-  if (!f->read_at(0, std::as_writable_bytes(std::span(text.data(), text.size()))).ok()) return std::nullopt;
-  const auto dir = iteration_dir_of_tracker(text);
-  if (!dir || !is_dir(root / *dir)) return std::nullopt;
-  return root / *dir;
-}
-
 // What `path` is of a legacy checkpoint: its iteration folder, and the one rank's file or folder
 // given, if that is what was given.
 struct Located {
@@ -400,6 +388,18 @@ class MegatronDriver final : public FormatDriver {
 };
 
 }  // namespace
+
+std::optional<fs::path> tracked_iteration(const fs::path& root) {
+  std::error_code ec;
+  if (!fs::is_regular_file(root / kTrackerFile, ec)) return std::nullopt;
+  auto f = InputFile::open(root / kTrackerFile);
+  if (!f.ok() || f->size() > 64) return std::nullopt;
+  std::string text(static_cast<size_t>(f->size()), '\0');
+  if (!f->read_at(0, std::as_writable_bytes(std::span(text.data(), text.size()))).ok()) return std::nullopt;
+  const auto dir = iteration_dir_of_tracker(text);
+  if (!dir || !fs::is_directory(root / *dir, ec)) return std::nullopt;
+  return root / *dir;
+}
 
 const FormatDriver& driver() {
   static const MegatronDriver d;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <optional>
@@ -36,6 +37,9 @@ inline constexpr const char* kTrackerFile = "latest_checkpointed_iteration.txt";
 // latest_checkpointed_iteration.txt: an iteration number, or "release" -> the folder's name
 // (iter_0000100, release); nullopt for anything else.
 std::optional<std::string> iteration_dir_of_tracker(std::string_view text);
+// A save folder's iteration folder that its tracker names, where the folder is there (reads the
+// tracker, 64 bytes at most; megatron_format.cpp): the legacy driver's and the DCP driver's.
+std::optional<std::filesystem::path> tracked_iteration(const std::filesystem::path& save_folder);
 
 // How tensor parallelism splits a param of Megatron's layers, from its name: the dim its ranks'
 // shards are concatenated along (column-parallel and vocab-parallel weights and their biases: 0;

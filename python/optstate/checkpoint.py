@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ._gc import gc_paused
 from ._ops import open_checkpoint, ops
+from .notes import warn_read_notes
 from .optim import AdamW8bit, DTensor, FusedAdamW, _check_fsdp2_blocks, _fsdp2_absmax, _rows_layout
 from .names import canonical_name, named_parameters
 from .sharded import ShardedParams, world_and_rank
@@ -420,6 +421,9 @@ def load(path, model, optimizer, transactional=True, by_position=False):
     optimizer built without names, as Hugging Face's Trainer saves it) is matched with
     ``by_position=True``: param i of the checkpoint is the optimizer's i-th param in group order, as
     torch's ``optimizer.load_state_dict`` matches them (same groups; the weights are not in it).
+
+    What ``optstate inspect`` notes of the read (a save folder read at the save its tracker names,
+    values read as the file does not say them) comes as ``optstate.ReadNote`` warnings, once loaded.
     """
     sharded = isinstance(model, ShardedParams)
     to, block, min_size = _target(optimizer)
@@ -542,6 +546,7 @@ def load(path, model, optimizer, transactional=True, by_position=False):
         if "maximize" in group:
             group["maximize"] = gm["maximize"]
         group["betas"] = tuple(gm["betas"])
+    warn_read_notes(ck, path)
 
 
 def _verify_model_tensors(path, ck, model, optimizer):

@@ -12,6 +12,7 @@ import torch
 
 from ._gc import gc_paused
 from ._ops import open_checkpoint
+from .notes import warn_read_notes
 
 # Dense fp32 moments whatever the checkpoint holds; the two numbers are the 8-bit layout's, unused here.
 _TO, _BLOCK, _MIN_8BIT = "fp32", 256, 4096
@@ -48,7 +49,9 @@ def read_state_dict(path):
     What the canonical state does not carry is not returned: a group's other keys (an LR
     scheduler's ``initial_lr``), and the source's own ``fused``/``foreach``/``capturable`` switches,
     which come back at torch's defaults. A checkpoint optstate cannot read raises ``RuntimeError``
-    naming the file and what is wrong, as ``optstate inspect`` reports it.
+    naming the file and what is wrong, as ``optstate inspect`` reports it. What ``optstate inspect``
+    notes of the read (a save folder read at the save its tracker names, values read as the file does
+    not say them) comes as ``optstate.ReadNote`` warnings.
     """
     ck = open_checkpoint(path)  # once for both reads below: opening parses all the metadata
     meta_json, pnames, enames, cnames, tensors = ck.load_native_shard(_TO, _BLOCK, _MIN_8BIT, 1, 0, False,
@@ -82,4 +85,5 @@ def read_state_dict(path):
     names, others = ck.load_model_tensors("load", [], [])
     for name, t in zip(names, others):
         weights.setdefault(name, t)
+    warn_read_notes(ck, path)
     return weights, {"state": state, "param_groups": groups}

@@ -1,7 +1,9 @@
 """optstate.read_state_dict: any checkpoint optstate reads, returned as the state dicts PyTorch's own
 APIs take (get_state_dict's form; torch's optimizer.state_dict() form for numbered params), checked
 against what torch, torchao and DeepSpeed held, and by resuming from them with plain torch."""
+import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,14 @@ def _adamw(model):
     return torch.optim.AdamW([{"params": [model[0].weight, model[2].weight]},
                               {"params": [model[0].bias, model[2].bias, model[1].weight, model[1].bias],
                                "weight_decay": 0.0, "lr": 3e-3}], lr=1e-3, amsgrad=True)
+
+
+def _noted(fn, *args, **kwargs):
+    """fn's result and the optstate.ReadNote warnings it gave (each once, whatever the filters)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn(*args, **kwargs)
+    return out, [w for w in caught if issubclass(w.category, optstate.ReadNote)]
 
 
 def _steps(model, opt, seeds):
@@ -69,6 +79,55 @@ def test_a_dcp_reads_as_get_state_dict_gave_it_and_plain_torch_resumes_bitwise(t
     _steps(fresh, fresh_opt, range(3, 5))
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_where_a_save_folder_led_comes_as_a_read_note_from_read_state_dict_and_load(tmp_path):
+    """A training run's save folder (Megatron-LM's layout: iter_<N>/ per save, the tracker naming
+    the newest) reads at the save its tracker names, as `optstate inspect` does; read_state_dict
+    and load say so with one optstate.ReadNote warning, pointing at the caller's line, after a read
+    that succeeded. The iteration folder itself reads with no note; a failed read warns nothing."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model = _model()
+    opt = _adamw(model)
+    _steps(model, opt, range(3))
+    msd, osd = get_state_dict(model, opt)
+    run = tmp_path / "checkpoints"
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(run / "iter_0000003"))
+    (run / "latest_checkpointed_iteration.txt").write_text("3")
+
+    (want_weights, want_optim), noted = _noted(optstate.read_state_dict, run / "iter_0000003")
+    assert noted == []
+    (weights, optim), noted = _noted(optstate.read_state_dict, run)
+    assert [str(w.message) for w in noted] == [
+        f"optstate: {run}: Megatron-LM's save folder: latest_checkpointed_iteration.txt names iter_0000003/, "
+        f"the iteration read"]
+    assert noted[0].filename == __file__  # the caller's line, past gc_paused's wrapper
+    assert weights.keys() == want_weights.keys() and all(torch.equal(weights[k], v) for k, v in want_weights.items())
+    assert optim["state"].keys() == want_optim["state"].keys()
+
+    fresh = _model()
+    fresh_opt = optstate.FusedAdamW([{"params": [fresh[0].weight, fresh[2].weight]},
+                                     {"params": [fresh[0].bias, fresh[2].bias, fresh[1].weight, fresh[1].bias],
+                                      "weight_decay": 0.0, "lr": 3e-3}], lr=1e-3, amsgrad=True)
+    _, noted = _noted(optstate.load, run, fresh, fresh_opt)
+    assert [str(w.message) for w in noted] == [
+        f"optstate: {run}: Megatron-LM's save folder: latest_checkpointed_iteration.txt names iter_0000003/, "
+        f"the iteration read"]
+    assert noted[0].filename == __file__
+    for fqn, st in osd["state"].items():
+        p = dict(fresh.named_parameters())[fqn]
+        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            assert torch.equal(fresh_opt.state[p][k], st[k]), (fqn, k)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+
+    # a tracker that names no save: the read fails, no note
+    (run / "latest_checkpointed_iteration.txt").write_text("9")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError):
+            optstate.read_state_dict(run)
+    assert not [w for w in caught if issubclass(w.category, optstate.ReadNote)]
 
 
 def test_torchaos_8bit_moments_come_back_as_torchaos_own_dequantize(tmp_path):
@@ -200,18 +259,20 @@ HELD = sorted(str(ref.relative_to(ROOT))[:-len(".ref.safetensors")]
 
 
 @pytest.mark.parametrize("ck", HELD)
-def test_every_corpus_checkpoint_reads_as_its_writer_held_it(ck):
+def test_every_corpus_checkpoint_reads_as_its_writer_held_it(ck, optstate_cli):
     """read_state_dict of each gives what its writer held, bit for bit: every moment (torchao's as
     its dequantize() gives them) and every weight the reference keeps (the fp32 main params where
     the optimizer kept them, widened as the reference is), each param's step, its group's lr,
-    betas, eps and weight decay."""
-    import json
+    betas, eps and weight decay; and what `optstate inspect` notes of the read (Megatron's groups,
+    Composer's decay, ...) as optstate.ReadNote warnings, the same notes in the same order."""
     from safetensors import safe_open
     ref_path = ROOT / (ck + ".ref.safetensors")
     with safe_open(str(ref_path), "pt") as f:
         meta = json.loads(f.metadata()["ref"])
     ref = st_load(ref_path)
-    weights, optim = optstate.read_state_dict(ROOT / ck)
+    (weights, optim), noted = _noted(optstate.read_state_dict, ROOT / ck)
+    cli_notes = json.loads(optstate_cli("inspect", ROOT / ck, "--json").stdout)["read_notes"]
+    assert [str(w.message) for w in noted] == [f"optstate: {ROOT / ck}: {n}" for n in cli_notes]
     state = {str(k): v for k, v in optim["state"].items()}
     moments = {f"{fqn}.{e}" for fqn, st in state.items() for e in st if e != "step"}
     assert moments == {k for k in ref if not k.endswith(".param")}

@@ -1866,6 +1866,40 @@ def superblock_extension_messages(data):
     return messages
 
 
+def test_hdf5_chunks_never_written_read_as_the_fill_value(tmp_path, optstate_cli):
+    """A dataset h5py made and then wrote in part holds no chunk where nothing was written, and
+    libhdf5 reads its fill value there. The checks before each read (every chunk's stored size,
+    looked up by the chunk's key) pass over those: the state reads as the one written whole with
+    zeros there, 1-D and 2-D, in h5py's default file format (a B-tree of chunks) and in 1.10's."""
+    h5py = pytest.importorskip("h5py")
+    import numpy as np
+    ao = make_dcp(tmp_path, "ao")
+    optstate_cli("convert", ao, tmp_path / "s.h5")
+    with h5py.File(tmp_path / "s.h5", "r") as f:
+        names = []
+        f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) and o.dtype == np.float32
+                     and o.shape and o.shape[0] >= 4 else None)
+        picked = [next(n for n in names if f[n].ndim == 2), next(n for n in names if f[n].ndim == 1)]
+    with h5py.File(tmp_path / "s.h5", "r+") as f:  # the state with zeros where no chunk will be
+        for name in picked:
+            f[name][1::2] = 0
+    want = hashes(optstate_cli, tmp_path / "s.h5", values=True)
+    for libver in ("earliest", "v110"):
+        sparse = tmp_path / f"sparse_{libver}.h5"
+        rebuild_with_h5py(h5py, tmp_path / "s.h5", sparse, libver)
+        with h5py.File(sparse, "r+") as f:
+            for name in picked:
+                values, attrs = f[name][...], dict(f[name].attrs)
+                del f[name]
+                d = f.create_dataset(name, shape=values.shape, dtype=values.dtype, chunks=(1,) + values.shape[1:],
+                                     fletcher32=True, fillvalue=np.float32(0))
+                d[0::2] = values[0::2]
+                d.attrs.update(attrs)
+                assert d.id.get_num_chunks() == (values.shape[0] + 1) // 2, name
+        assert hashes(optstate_cli, sparse, values=True) == want, libver
+        optstate_cli("validate", sparse)
+
+
 def test_hdf5_file_space_options_of_h5py(tmp_path, optstate_cli):
     """h5py's file space options (paged aggregation, free space kept in the file) put a file space
     info message into the superblock extension, which libhdf5 1.10.8 decodes inside H5Fopen without

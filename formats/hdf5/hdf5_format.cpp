@@ -332,7 +332,7 @@ class Hdf5Reader final : public CheckpointReader {
   // A chunk is found by H5Dget_chunk_storage_size, a search of the chunk index by its key (an
   // error where the chunk is not allocated). libhdf5 1.10.8's H5Dget_chunk_info_by_coord, which
   // gives the filter mask too, walks the whole index for each chunk: reading a dataset was
-  // quadratic in its chunks (16.7 M floats in 65,536 chunks of 1 KiB: 3 minutes a dataset). It is
+  // quadratic in its chunks (three of 16.7 M floats in 65,536 chunks of 1 KiB each: 128 s). It is
   // asked only for a chunk stored in under 4 bytes; a chunk inflated here gives its mask as it
   // is read.
   Status check_chunks(hid_t ds, const std::vector<hsize_t>& dims, ChunkChecks& f, int64_t r0, int64_t r1,

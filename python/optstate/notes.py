@@ -3,10 +3,14 @@ import os
 import sys
 import warnings
 
-import torch.utils._contextlib as _torch_contextlib
-
-# Frames a warning skips to reach the caller's line: this package's and torch.no_grad()'s wrapper.
-_SKIPPED = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.abspath(_torch_contextlib.__file__))
+# Frames a warning skips to reach the caller's line: this package's and torch.no_grad()'s wrapper
+# (a private module of torch: where a release has none, its frame is the one the warning names).
+_SKIPPED = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+try:
+    import torch.utils._contextlib as _torch_contextlib
+    _SKIPPED += (os.path.abspath(_torch_contextlib.__file__),)
+except ImportError:
+    pass
 
 
 class ReadNote(UserWarning):

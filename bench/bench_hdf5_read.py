@@ -68,7 +68,7 @@ def run_cli(*args):
     """Seconds and peak RSS (KiB, or None) of one optstate run. The RSS comes from GNU time, which
     runs it: a child forked from this process (torch and the state in it) would count this
     process's pages in its own peak."""
-    gnu_time = shutil.which("time") if Path("/usr/bin/time").exists() else None
+    gnu_time = shutil.which("time")  # the program (Debian's `time`), not the shell's keyword
     with tempfile.NamedTemporaryFile("r") as rss:
         cmd = ([gnu_time, "-f", "%M", "-o", rss.name] if gnu_time else []) + [str(CLI), *map(str, args)]
         t = time.perf_counter()

@@ -543,9 +543,8 @@ TORCH_LIBRARY(optstate, m) {
       .def("path", [](const Self& self) { return self->reader->path().string(); })
       .def("format", [](const Self& self) { return std::string(self->reader->format()); })
       // What `optstate inspect` prints as notes: where the path led (a save folder's tracker), then
-      // values read as the file does not say them (the Python face warns with both).
-      .def("located_notes", [](const Self& self) { return self->reader->located_notes(); })
-      .def("read_notes", [](const Self& self) { return self->reader->read_notes(); })
+      // values read as the file does not say them (the Python face warns with them).
+      .def("read_notes", [](const Self& self) { return self->reader->all_read_notes(); })
       .def("load_native_shard",
            [](const Self& self, const std::string& to, int64_t block_size, int64_t min_8bit_size, int64_t world,
               int64_t rank, bool whole_params, const std::vector<std::string>& dest_params,

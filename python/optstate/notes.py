@@ -33,7 +33,7 @@ def _caller_stacklevel():
 def warn_read_notes(ck, path):
     """Warns once per note of ``ck`` (torch.classes.optstate.Checkpoint), where the path led first,
     at the line that called into optstate."""
-    notes = [*ck.located_notes(), *ck.read_notes()]
+    notes = ck.read_notes()
     if not notes:
         return
     level = _caller_stacklevel()
